@@ -1,0 +1,1 @@
+//! Conformance scenarios for FACTS.md section 1.

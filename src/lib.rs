@@ -1,0 +1,21 @@
+//! kvoffload: moves LLM KV-cache blocks between GPU memory and a pinned host
+//! region, with the concurrency around pinning, CUDA graph capture, transfers
+//! and shutdown checked by the loom model checker.
+//!
+//! Layers, bottom up (see `docs/ARCHITECTURE.md` and `../shared/DESIGN.md`):
+//! - [`sync`]: std or loom primitives, the only source of locks and threads.
+//! - [`runtime`]: the abstract GPU runtime ([`runtime::GpuRuntime`]) with a
+//!   real backend on cudarc and a simulated GPU that follows the driver rules
+//!   measured on an H200.
+//! - [`region`]: the host region (anonymous or /dev/shm shared).
+//! - [`manager`]: block states, reference counts and eviction.
+//! - [`conform`]: the conformance scenarios that re-measure the driver rules.
+
+pub mod sync;
+pub mod runtime;
+#[cfg(not(loom))]
+pub mod conform;
+#[cfg(not(loom))]
+pub mod manager;
+#[cfg(not(loom))]
+pub mod region;

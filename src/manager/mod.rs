@@ -1,0 +1,1 @@
+//! Block manager: block states, reference counts and eviction (issue 6).

@@ -1,0 +1,1 @@
+//! The host region: anonymous or /dev/shm shared mapping (issue 3).

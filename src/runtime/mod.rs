@@ -1,0 +1,1 @@
+//! The abstract GPU runtime.

@@ -1,0 +1,51 @@
+//! The one place production code takes its concurrency primitives from.
+//!
+//! Normal builds re-export `std`; builds with `RUSTFLAGS="--cfg loom"` re-export
+//! [loom](https://docs.rs/loom), so the model checker sees every lock, atomic,
+//! condition variable and thread the library uses (tokio's `src/loom/`
+//! convention). Code outside this module must not name `std::sync` or
+//! `std::thread` for anything that synchronises; `ci/test` greps for it.
+
+#[cfg(not(loom))]
+mod imp {
+    pub use std::sync::atomic;
+    pub use std::sync::{Arc, Condvar, Mutex, MutexGuard, WaitTimeoutResult};
+    pub mod thread {
+        pub use std::thread::{current, spawn, yield_now, JoinHandle, Builder};
+    }
+    /// True when the loom model checker drives this build.
+    pub const LOOM: bool = false;
+}
+
+#[cfg(loom)]
+mod imp {
+    pub use loom::sync::atomic;
+    pub use loom::sync::{Arc, Condvar, Mutex, MutexGuard, WaitTimeoutResult};
+    pub mod thread {
+        pub use loom::thread::{current, spawn, yield_now, JoinHandle, Builder};
+    }
+    /// True when the loom model checker drives this build.
+    pub const LOOM: bool = true;
+}
+
+pub use imp::*;
+
+/// Locks a mutex, recovering the data if a thread panicked while holding it.
+///
+/// Library state stays consistent across a panic because every critical
+/// section either completes its update or leaves the state untouched; a
+/// poisoned lock therefore carries no extra information we could act on.
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// Waits on `cv`, recovering from poisoning like [`lock`].
+pub fn wait<'a, T>(cv: &Condvar, g: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+    match cv.wait(g) {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
