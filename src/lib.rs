@@ -15,7 +15,5 @@ pub mod sync;
 pub mod runtime;
 #[cfg(not(loom))]
 pub mod conform;
-#[cfg(not(loom))]
 pub mod manager;
-#[cfg(not(loom))]
 pub mod region;
