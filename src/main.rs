@@ -1,1 +1,7 @@
-fn main() {}
+//! The `kvoffload` command line. See `kvoffload --help`.
+
+mod cli;
+
+fn main() {
+    std::process::exit(cli::main());
+}

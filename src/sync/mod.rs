@@ -11,7 +11,7 @@ mod imp {
     pub use std::sync::atomic;
     pub use std::sync::{Arc, Condvar, Mutex, MutexGuard, WaitTimeoutResult};
     pub mod thread {
-        pub use std::thread::{current, spawn, yield_now, JoinHandle, Builder};
+        pub use std::thread::{current, spawn, yield_now, Builder, JoinHandle, ThreadId};
     }
     /// True when the loom model checker drives this build.
     pub const LOOM: bool = false;
@@ -22,7 +22,7 @@ mod imp {
     pub use loom::sync::atomic;
     pub use loom::sync::{Arc, Condvar, Mutex, MutexGuard, WaitTimeoutResult};
     pub mod thread {
-        pub use loom::thread::{current, spawn, yield_now, JoinHandle, Builder};
+        pub use loom::thread::{current, spawn, yield_now, Builder, JoinHandle, ThreadId};
     }
     /// True when the loom model checker drives this build.
     pub const LOOM: bool = true;

@@ -1,0 +1,79 @@
+//! Command-line front end: argument parsing, logging set-up, and one module
+//! per subcommand. Every failure ends as one line on stderr and a non-zero
+//! exit status, never a panic.
+
+mod conform;
+
+use clap::{Parser, Subcommand};
+
+/// Offload LLM KV-cache blocks between GPU memory and a pinned host region.
+#[derive(Parser, Debug)]
+#[command(name = "kvoffload", version, about)]
+struct Cli {
+    /// More log output on stderr (-v info, -vv debug: every driver call).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Re-measure the driver rules of FACTS.md section 1 on a backend and
+    /// print expected against observed, one row a scenario.
+    Conform(conform::Args),
+}
+
+/// Exit status: 0 success, 1 a check failed (mismatch), 2 usage or
+/// environment error.
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => return usage_error(e),
+    };
+    init_logging(cli.verbose);
+    let result = match cli.command {
+        Command::Conform(a) => conform::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(msg) => {
+            eprintln!("kvoffload: {msg}");
+            2
+        }
+    }
+}
+
+/// Help and version print as clap formats them; every other parse error is
+/// folded into one line.
+fn usage_error(e: clap::Error) -> i32 {
+    use clap::error::ErrorKind;
+    if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+        let _ = e.print();
+        return 0;
+    }
+    let text = e.to_string();
+    let line: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("For more information") && !l.starts_with("Usage:"))
+        .collect();
+    eprintln!("kvoffload: {}", line.join(" ").trim_start_matches("error: "));
+    2
+}
+
+fn init_logging(verbose: u8) {
+    use tracing_subscriber::EnvFilter;
+    let default = match verbose {
+        0 => "warn",
+        1 => "kvoffload=info",
+        _ => "kvoffload=debug",
+    };
+    let filter = EnvFilter::try_from_env("KVOFFLOAD_LOG").unwrap_or_else(|_| EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// Opens the real GPU, or says in one line why it cannot.
+pub(crate) fn open_cuda() -> Result<kvoffload::runtime::cuda::CudaRuntime, String> {
+    kvoffload::runtime::cuda::CudaRuntime::open(0).map_err(|e| e.to_string())
+}

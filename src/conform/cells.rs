@@ -1,0 +1,202 @@
+//! The 20 cells of FACTS.md section 1's table: thread A captures in GLOBAL
+//! mode on its own stream, thread B makes one call (in default mode, or
+//! after switching itself to RELAXED), then A enqueues one more operation
+//! and ends the capture.
+//!
+//! Observed format: `B=<result> A-enqueue=<result> end=<result>` where a
+//! result is `ok` or the driver code.
+
+use crate::runtime::{CaptureMode, DevicePtr, GpuRuntime, Stream};
+use crate::sync::{thread, Arc};
+
+use super::probe::{HostBuf, Target};
+use super::{code, Observed, Scenario};
+
+/// Bytes each copy in a cell moves.
+const COPY: usize = 1 << 20;
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Call {
+    Register,
+    Unregister,
+    CopyPinned,
+    CopyPageable,
+    EventQuery,
+    StreamSync,
+    CtxSync,
+    MemAlloc,
+    MemAllocHost,
+    CopySyncPinned,
+}
+
+/// (call, id, FACTS row, refused in default mode, refused in relaxed mode)
+const TABLE: &[(Call, &str, &str, bool, bool)] = &[
+    (Call::Register, "register", "cuMemHostRegister", true, false),
+    (Call::Unregister, "unregister", "cuMemHostUnregister", true, false),
+    (Call::CopyPinned, "copy_async_pinned", "cuMemcpyHtoDAsync on another stream, pinned src", false, false),
+    (Call::CopyPageable, "copy_async_pageable", "cuMemcpyHtoDAsync on another stream, pageable src", false, false),
+    (Call::EventQuery, "event_record_query", "cuEventRecord + cuEventQuery on another stream", true, false),
+    (Call::StreamSync, "stream_sync_other", "cuStreamSynchronize(other stream)", true, false),
+    (Call::CtxSync, "ctx_sync", "cuCtxSynchronize", true, true),
+    (Call::MemAlloc, "mem_alloc", "cuMemAlloc", true, false),
+    (Call::MemAllocHost, "mem_alloc_host", "cuMemAllocHost", true, false),
+    (Call::CopySyncPinned, "copy_sync_pinned", "synchronous cuMemcpyHtoD, pinned src", false, false),
+];
+
+fn expected(refused: bool) -> String {
+    if refused {
+        // FACTS 1: "900 STREAM_CAPTURE_UNSUPPORTED, A's capture INVALIDATED
+        // (end_capture -> 901, no graph)"; A's next enqueue meets the
+        // invalidated capture (901).
+        "B=900 A-enqueue=901 end=901".into()
+    } else {
+        "B=ok A-enqueue=ok end=ok".into()
+    }
+}
+
+pub(super) fn scenarios() -> Vec<Scenario> {
+    let mut v = Vec::new();
+    for &(call, id, row, refused_default, refused_relaxed) in TABLE {
+        for (relaxed, refused) in [(false, refused_default), (true, refused_relaxed)] {
+            v.push(Scenario {
+                id: format!("cell/{id}/{}", if relaxed { "relaxed" } else { "default" }),
+                facts: row,
+                expected: expected(refused),
+                run: Box::new(move |t| run_cell(t, call, relaxed)),
+                poisons: false,
+            });
+        }
+    }
+    v
+}
+
+/// Resources of one cell, released in `cleanup` whatever happened.
+struct Fixture {
+    rt: Arc<dyn GpuRuntime>,
+    s1: Stream,
+    s2: Stream,
+    d1: DevicePtr,
+    d2: DevicePtr,
+    pinned: HostBuf,
+    pageable: HostBuf,
+}
+
+impl Fixture {
+    fn new(rt: Arc<dyn GpuRuntime>) -> Result<Self, String> {
+        let e = |e: crate::runtime::DriverError| format!("setup: {e}");
+        let pinned = HostBuf::new(4 * COPY, 1)?;
+        let pageable = HostBuf::new(4 * COPY, 2)?;
+        let s1 = rt.stream_create().map_err(e)?;
+        let s2 = rt.stream_create().map_err(e)?;
+        let d1 = rt.mem_alloc(COPY).map_err(e)?;
+        let d2 = rt.mem_alloc(COPY).map_err(e)?;
+        // SAFETY: `pinned` lives in the fixture, which unregisters it in
+        // cleanup before dropping it.
+        unsafe { rt.host_register(pinned.addr(), pinned.len()) }.map_err(e)?;
+        Ok(Fixture { rt, s1, s2, d1, d2, pinned, pageable })
+    }
+
+    /// Releases everything. A registration may already be gone (the
+    /// unregister cell) or added (the register cell): 713 is expected there.
+    fn cleanup(self, extra_device: Option<DevicePtr>, extra_host: Option<usize>) -> Result<(), String> {
+        let rt = &self.rt;
+        let mut errs = Vec::new();
+        let mut note = |r: crate::runtime::DriverResult<()>, allow_713: bool| {
+            if let Err(e) = r {
+                if !(allow_713 && e.code == crate::runtime::Code::HOST_MEMORY_NOT_REGISTERED) {
+                    errs.push(e.to_string());
+                }
+            }
+        };
+        note(rt.ctx_synchronize(), false);
+        note(rt.host_unregister(self.pinned.addr()), true);
+        note(rt.host_unregister(self.pageable.addr()), true);
+        if let Some(p) = extra_device {
+            note(rt.mem_free(p), false);
+        }
+        if let Some(h) = extra_host {
+            note(rt.mem_free_host(h), false);
+        }
+        note(rt.mem_free(self.d1), false);
+        note(rt.mem_free(self.d2), false);
+        note(rt.stream_destroy(self.s1), false);
+        note(rt.stream_destroy(self.s2), false);
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("cleanup: {}", errs.join("; ")))
+        }
+    }
+}
+
+/// What B's call produced that needs releasing afterwards.
+#[derive(Default)]
+struct Leftover {
+    device: Option<DevicePtr>,
+    host: Option<usize>,
+    event: Option<crate::runtime::Event>,
+}
+
+fn run_cell(t: &Target, call: Call, relaxed: bool) -> Result<Observed, String> {
+    let rt = t.rt();
+    let f = Fixture::new(rt.clone())?;
+    rt.begin_capture(f.s1, CaptureMode::Global).map_err(|e| format!("begin_capture: {e}"))?;
+
+    let (b_rt, s2, d2, pinned, pageable) = (rt.clone(), f.s2, f.d2, f.pinned.addr(), f.pageable.addr());
+    let pageable_len = f.pageable.len();
+    let b = thread::spawn(move || {
+        let rt = b_rt;
+        let prev = if relaxed { Some(rt.exchange_capture_mode(CaptureMode::Relaxed)) } else { None };
+        let mut left = Leftover::default();
+        let r: crate::runtime::DriverResult<()> = match call {
+            // SAFETY: the fixture's pageable buffer outlives the cell and is
+            // unregistered in cleanup.
+            Call::Register => unsafe { rt.host_register(pageable, pageable_len) },
+            Call::Unregister => rt.host_unregister(pinned),
+            // SAFETY: source buffers live in the fixture until cleanup, which
+            // synchronizes the context first.
+            Call::CopyPinned => unsafe { rt.copy_htod_async(d2, pinned, COPY, s2) },
+            // SAFETY: as above.
+            Call::CopyPageable => unsafe { rt.copy_htod_async(d2, pageable, COPY, s2) },
+            Call::EventQuery => rt.event_create().and_then(|e| {
+                left.event = Some(e);
+                rt.event_record(e, s2)?;
+                rt.event_query(e).map(|_| ())
+            }),
+            Call::StreamSync => rt.stream_synchronize(s2),
+            Call::CtxSync => rt.ctx_synchronize(),
+            Call::MemAlloc => rt.mem_alloc(COPY).map(|p| left.device = Some(p)),
+            Call::MemAllocHost => rt.mem_alloc_host(COPY).map(|h| left.host = Some(h)),
+            // SAFETY: the pinned buffer is readable for the fixture's life.
+            Call::CopySyncPinned => unsafe { rt.copy_htod(d2, pinned, COPY) },
+        };
+        let restore = match prev {
+            Some(Ok(m)) => rt.exchange_capture_mode(m).map(|_| ()),
+            Some(Err(e)) => Err(e),
+            None => Ok(()),
+        };
+        (r, restore, left)
+    });
+    let (b_result, restore, left) = b.join().map_err(|_| "thread B panicked".to_string())?;
+    restore.map_err(|e| format!("B's capture mode exchange: {e}"))?;
+
+    let a_enqueue = rt.memset_d8_async(f.d1, 1, COPY, f.s1);
+    let end = rt.end_capture(f.s1);
+    let mut cleanup_errs = Vec::new();
+    if let Ok(g) = &end {
+        if let Err(e) = rt.graph_destroy(*g) {
+            cleanup_errs.push(e.to_string());
+        }
+    }
+    if let Some(e) = left.event {
+        if let Err(e) = rt.event_destroy(e) {
+            cleanup_errs.push(e.to_string());
+        }
+    }
+    let outcome = format!("B={} A-enqueue={} end={}", code(&b_result), code(&a_enqueue), code(&end));
+    f.cleanup(left.device, left.host)?;
+    if !cleanup_errs.is_empty() {
+        return Err(cleanup_errs.join("; "));
+    }
+    Ok(Observed::new(outcome))
+}

@@ -1,0 +1,318 @@
+//! The ordering effects and other driver facts of FACTS.md section 1,
+//! beyond the table: blocking between registration and capture, unregister
+//! waiting for the device, graph replay semantics, the batched copy lost
+//! inside a capture, and the sticky poison after replaying a graph whose
+//! host memory was unregistered.
+
+use std::time::Instant;
+
+use crate::runtime::sim::{Blocked, HoldPoint};
+use crate::runtime::{CaptureMode, Direction, DriverError, Fragment, GpuRuntime, Kernel};
+use crate::sync::Arc;
+
+use super::probe::{release_hold_when, tick, HostBuf, LongRegister, Target};
+use super::{code, Observed, Scenario};
+
+fn de(what: &'static str) -> impl Fn(DriverError) -> String {
+    move |e| format!("{what}: {e}")
+}
+
+/// `sim` bytes on the simulated GPU, `real` on a real one.
+fn size(t: &Target, sim: usize, real: usize) -> usize {
+    match t {
+        Target::Sim(_) => sim,
+        Target::Real(_) => real,
+    }
+}
+
+fn after(a: u64, b: u64) -> &'static str {
+    if a > b {
+        "after-register"
+    } else {
+        "before-register"
+    }
+}
+
+pub(super) fn scenarios() -> Vec<Scenario> {
+    let mk = |id: &str, facts: &'static str, expected: &str, poisons: bool, run: fn(&Target) -> Result<Observed, String>| {
+        Scenario { id: id.to_string(), facts, expected: expected.to_string(), run: Box::new(run), poisons }
+    };
+    vec![
+        mk(
+            "order/begin_capture_waits_for_register",
+            "ordering: register running, then begin_capture (any mode) blocks until it returns",
+            "register=ok begin=ok begin-returned=after-register end=ok",
+            false,
+            begin_waits_for_register,
+        ),
+        mk(
+            "order/thread_local_enqueue_waits_for_register",
+            "ordering: THREAD_LOCAL capture open, B registers: B ok, A's next enqueue blocks",
+            "register=ok enqueue=ok enqueue-returned=after-register end=ok",
+            false,
+            |t| enqueue_waits_for_register(t, CaptureMode::ThreadLocal),
+        ),
+        mk(
+            "order/relaxed_enqueue_waits_for_register",
+            "ordering: RELAXED capture open, B registers: B ok, A's next enqueue blocks",
+            "register=ok enqueue=ok enqueue-returned=after-register end=ok",
+            false,
+            |t| enqueue_waits_for_register(t, CaptureMode::Relaxed),
+        ),
+        mk(
+            "order/unregister_waits_for_kernel",
+            "cuMemHostUnregister waits for the device to go idle (running kernel)",
+            "before=not-ready unregister=ok after=complete",
+            false,
+            |t| unregister_waits(t, true),
+        ),
+        mk(
+            "order/unregister_waits_for_copy",
+            "cuMemHostUnregister waits for the device to go idle (running copy)",
+            "before=not-ready unregister=ok after=complete",
+            false,
+            |t| unregister_waits(t, false),
+        ),
+        mk(
+            "order/pageable_capture_reads_at_replay",
+            "async copies from pageable memory can be captured; replay reads the memory at replay time",
+            "capture=ok replay=ok device-holds=new",
+            false,
+            pageable_replay,
+        ),
+        mk(
+            "order/batch_copy_in_capture_dropped",
+            "cuMemcpyBatchAsync inside a capture: 900, end_capture succeeds, replay copies nothing",
+            "batch=900 end=ok replay=ok device-holds=old",
+            false,
+            batch_in_capture,
+        ),
+        mk(
+            "order/replay_after_unregister_poisons",
+            "graph replayed after its registered host memory was unregistered: launch OK, sync 719, sticky",
+            "unregister=ok launch=ok sync=719 next-call=719",
+            true,
+            replay_after_unregister,
+        ),
+    ]
+}
+
+fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
+    let rt = t.rt();
+    let s = rt.stream_create().map_err(de("stream"))?;
+    let d = rt.mem_alloc(4096).map_err(de("alloc"))?;
+    let mut reg = LongRegister::start(t)?;
+    reg.wait_running()?;
+    reg.release_when(Blocked::BeginCapture);
+    let t0 = Instant::now();
+    let begin = rt.begin_capture(s, CaptureMode::Global);
+    let (begin_tick, begin_wait) = (tick(), t0.elapsed());
+    let (reg_result, reg_tick, reg_dur) = reg.join()?;
+    let end = if begin.is_ok() {
+        let _ = rt.memset_d8_async(d, 0, 4096, s);
+        rt.end_capture(s)
+    } else {
+        Err(DriverError::new("cuStreamEndCapture", crate::runtime::Code::ILLEGAL_STATE))
+    };
+    if let Ok(g) = &end {
+        rt.graph_destroy(*g).map_err(de("graph_destroy"))?;
+    }
+    reg.unregister()?;
+    rt.mem_free(d).map_err(de("free"))?;
+    rt.stream_destroy(s).map_err(de("stream_destroy"))?;
+    Ok(Observed::new(format!(
+        "register={} begin={} begin-returned={} end={}",
+        code(&reg_result),
+        code(&begin),
+        after(begin_tick, reg_tick),
+        code(&end)
+    ))
+    .with_detail(format!("register {:.2}s, begin_capture waited {:.2}s", reg_dur.as_secs_f64(), begin_wait.as_secs_f64())))
+}
+
+fn enqueue_waits_for_register(t: &Target, mode: CaptureMode) -> Result<Observed, String> {
+    let rt = t.rt();
+    let s = rt.stream_create().map_err(de("stream"))?;
+    let d = rt.mem_alloc(4096).map_err(de("alloc"))?;
+    rt.begin_capture(s, mode).map_err(de("begin_capture"))?;
+    let mut reg = LongRegister::start(t)?;
+    let running = reg.wait_running();
+    reg.release_when(Blocked::CaptureEnqueue);
+    let t0 = Instant::now();
+    let enq = rt.memset_d8_async(d, 0, 4096, s);
+    let (enq_tick, enq_wait) = (tick(), t0.elapsed());
+    let (reg_result, reg_tick, reg_dur) = reg.join()?;
+    let end = rt.end_capture(s);
+    if let Ok(g) = &end {
+        rt.graph_destroy(*g).map_err(de("graph_destroy"))?;
+    }
+    reg.unregister()?;
+    rt.mem_free(d).map_err(de("free"))?;
+    rt.stream_destroy(s).map_err(de("stream_destroy"))?;
+    running?;
+    Ok(Observed::new(format!(
+        "register={} enqueue={} enqueue-returned={} end={}",
+        code(&reg_result),
+        code(&enq),
+        after(enq_tick, reg_tick),
+        code(&end)
+    ))
+    .with_detail(format!("register {:.2}s, enqueue waited {:.2}s", reg_dur.as_secs_f64(), enq_wait.as_secs_f64())))
+}
+
+fn unregister_waits(t: &Target, kernel: bool) -> Result<Observed, String> {
+    let rt = t.rt();
+    let s = rt.stream_create().map_err(de("stream"))?;
+    let e = rt.event_create().map_err(de("event"))?;
+    let small = HostBuf::new(2 << 20, 3)?;
+    // SAFETY: `small` outlives its registration (unregistered below).
+    unsafe { rt.host_register(small.addr(), small.len()) }.map_err(de("register"))?;
+    let hold = match t {
+        Target::Sim(sim) => Some(sim.hold(HoldPoint::DeviceOp)),
+        Target::Real(_) => None,
+    };
+    // The device work: a 1 s kernel, or a 2 GiB copy from pinned memory.
+    let copy_bytes = size(t, 1 << 20, 2 << 30);
+    let mut copy_src = None;
+    let mut dev = None;
+    if kernel {
+        rt.launch(Kernel::Spin { nanos: 1_000_000_000 }, s).map_err(de("launch"))?;
+    } else {
+        let src = HostBuf::new(copy_bytes, 9)?;
+        // SAFETY: `src` lives until after the stream is synchronized below.
+        unsafe { rt.host_register(src.addr(), src.len()) }.map_err(de("register src"))?;
+        let d = rt.mem_alloc(copy_bytes).map_err(de("alloc"))?;
+        // SAFETY: as above.
+        unsafe { rt.copy_htod_async(d, src.addr(), copy_bytes, s) }.map_err(de("copy"))?;
+        copy_src = Some(src);
+        dev = Some(d);
+    }
+    rt.event_record(e, s).map_err(de("event_record"))?;
+    if let Some(h) = &hold {
+        h.wait_entered();
+    }
+    let before = rt.event_query(e).map_err(de("query before"))?;
+    release_hold_when(t, hold, Blocked::Idle);
+    let t0 = Instant::now();
+    let un = rt.host_unregister(small.addr());
+    let took = t0.elapsed();
+    let after_done = rt.event_query(e).map_err(de("query after"))?;
+    rt.stream_synchronize(s).map_err(de("sync"))?;
+    if let Some(src) = &copy_src {
+        rt.host_unregister(src.addr()).map_err(de("unregister src"))?;
+    }
+    if let Some(d) = dev {
+        rt.mem_free(d).map_err(de("free"))?;
+    }
+    rt.event_destroy(e).map_err(de("event_destroy"))?;
+    rt.stream_destroy(s).map_err(de("stream_destroy"))?;
+    Ok(Observed::new(format!(
+        "before={} unregister={} after={}",
+        if before { "complete" } else { "not-ready" },
+        code(&un),
+        if after_done { "complete" } else { "not-ready" }
+    ))
+    .with_detail(format!("unregister took {:.3}s", took.as_secs_f64())))
+}
+
+/// Reads `bytes` of device memory back: `"new"` when every byte is `new`,
+/// `"old"` when every byte is `old`, `"mixed"` otherwise.
+fn read_device(rt: &Arc<dyn GpuRuntime>, d: u64, bytes: usize, new: u8, old: u8) -> Result<&'static str, String> {
+    let out = HostBuf::new(bytes, 0xEE)?;
+    // SAFETY: `out` is a live, writable buffer of `bytes` bytes.
+    unsafe { rt.copy_dtoh(out.addr(), d, bytes) }.map_err(de("read back"))?;
+    Ok(if out.bytes().iter().all(|&b| b == new) {
+        "new"
+    } else if out.bytes().iter().all(|&b| b == old) {
+        "old"
+    } else {
+        "mixed"
+    })
+}
+
+fn pageable_replay(t: &Target) -> Result<Observed, String> {
+    let rt = t.rt();
+    let bytes = 1 << 20;
+    let s = rt.stream_create().map_err(de("stream"))?;
+    let d = rt.mem_alloc(bytes).map_err(de("alloc"))?;
+    let mut src = HostBuf::new(bytes, 1)?;
+    rt.begin_capture(s, CaptureMode::Global).map_err(de("begin_capture"))?;
+    // SAFETY: `src` outlives every replay of the graph (destroyed below).
+    let cap = unsafe { rt.copy_htod_async(d, src.addr(), bytes, s) };
+    let end = rt.end_capture(s);
+    let mut replay = Err(DriverError::new("cuGraphLaunch", crate::runtime::Code::ILLEGAL_STATE));
+    let mut holds = "none";
+    if let Ok(g) = end {
+        src.fill(2);
+        replay = rt.graph_launch(g, s).and_then(|_| rt.stream_synchronize(s));
+        holds = read_device(&rt, d, bytes, 2, 1)?;
+        rt.graph_destroy(g).map_err(de("graph_destroy"))?;
+    }
+    rt.mem_free(d).map_err(de("free"))?;
+    rt.stream_destroy(s).map_err(de("stream_destroy"))?;
+    let capture = if cap.is_ok() && end.is_ok() { "ok".to_string() } else { format!("{}/{}", code(&cap), code(&end)) };
+    Ok(Observed::new(format!("capture={capture} replay={} device-holds={holds}", code(&replay))))
+}
+
+fn batch_in_capture(t: &Target) -> Result<Observed, String> {
+    let rt = t.rt();
+    let frag = 64 << 10;
+    let bytes = 2 * frag;
+    let s = rt.stream_create().map_err(de("stream"))?;
+    let d = rt.mem_alloc(bytes).map_err(de("alloc"))?;
+    rt.memset_d8_async(d, 0, bytes, s).map_err(de("memset"))?;
+    rt.stream_synchronize(s).map_err(de("sync"))?;
+    let src = HostBuf::new(bytes, 7)?;
+    // SAFETY: `src` outlives its registration (unregistered below).
+    unsafe { rt.host_register(src.addr(), src.len()) }.map_err(de("register"))?;
+    let frags: Vec<Fragment> =
+        (0..2).map(|i| Fragment { host: src.addr() + i * frag, device: d + (i * frag) as u64, bytes: frag }).collect();
+    rt.begin_capture(s, CaptureMode::Global).map_err(de("begin_capture"))?;
+    // SAFETY: `src` stays registered and alive until after the replay.
+    let batch = unsafe { rt.copy_batch_async(Direction::HostToDevice, &frags, s) };
+    let end = rt.end_capture(s);
+    let mut replay = Err(DriverError::new("cuGraphLaunch", crate::runtime::Code::ILLEGAL_STATE));
+    let mut holds = "none";
+    if let Ok(g) = &end {
+        replay = rt.graph_launch(*g, s).and_then(|_| rt.stream_synchronize(s));
+        holds = read_device(&rt, d, bytes, 7, 0)?;
+        rt.graph_destroy(*g).map_err(de("graph_destroy"))?;
+    }
+    rt.host_unregister(src.addr()).map_err(de("unregister"))?;
+    rt.mem_free(d).map_err(de("free"))?;
+    rt.stream_destroy(s).map_err(de("stream_destroy"))?;
+    Ok(Observed::new(format!(
+        "batch={} end={} replay={} device-holds={holds}",
+        code(&batch),
+        code(&end),
+        code(&replay)
+    )))
+}
+
+fn replay_after_unregister(t: &Target) -> Result<Observed, String> {
+    let rt = t.rt();
+    let bytes = 1 << 20;
+    let s = rt.stream_create().map_err(de("stream"))?;
+    let d = rt.mem_alloc(bytes).map_err(de("alloc"))?;
+    let src = HostBuf::new(bytes, 5)?;
+    // SAFETY: `src` lives until the end of the function, past every use.
+    unsafe { rt.host_register(src.addr(), src.len()) }.map_err(de("register"))?;
+    rt.begin_capture(s, CaptureMode::Global).map_err(de("begin_capture"))?;
+    // SAFETY: as above.
+    unsafe { rt.copy_htod_async(d, src.addr(), bytes, s) }.map_err(de("captured copy"))?;
+    let g = rt.end_capture(s).map_err(de("end_capture"))?;
+    let un = rt.host_unregister(src.addr());
+    let launch = rt.graph_launch(g, s);
+    let sync = rt.stream_synchronize(s);
+    let next = rt.mem_alloc(4096);
+    // The context is poisoned now (if the driver behaves as FACTS says):
+    // nothing more can be released; the process (or the simulated GPU) ends.
+    Ok(Observed::new(format!(
+        "unregister={} launch={} sync={} next-call={}",
+        code(&un),
+        code(&launch),
+        code(&sync),
+        code(&next)
+    ))
+    .with_detail("context left poisoned".to_string()))
+}

@@ -1,0 +1,202 @@
+//! Observation helpers for the conformance scenarios: host buffers, a
+//! logical clock that orders call returns across threads, and a
+//! registration kept "running" long enough for another thread to act.
+//!
+//! On the simulated GPU a registration is held at a hold point and released
+//! once the other thread is seen blocked, so every scenario is
+//! deterministic. On a real GPU the registration is of 8 GiB of untouched
+//! memory (seconds of page pinning, FACTS 1); the harness learns that it is
+//! running from the registering thread's kernel CPU time in
+//! /proc/self/task/TID/stat, never from a sleep.
+
+use std::sync::Arc as StdArc;
+use std::time::{Duration, Instant};
+
+use crate::runtime::sim::{Blocked, Hold, HoldPoint, SimRuntime};
+use crate::runtime::{DriverResult, GpuRuntime};
+use crate::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::{thread, Arc};
+
+/// The runtime a scenario runs on, with what the harness needs to steer it.
+#[derive(Clone)]
+pub enum Target {
+    Sim(Arc<SimRuntime>),
+    Real(Arc<dyn GpuRuntime>),
+}
+
+impl Target {
+    pub fn rt(&self) -> Arc<dyn GpuRuntime> {
+        match self {
+            Target::Sim(s) => s.clone(),
+            Target::Real(r) => r.clone(),
+        }
+    }
+}
+
+static CLOCK: AtomicU64 = AtomicU64::new(1);
+
+/// A tick of the logical clock: a later tick means "returned later".
+pub fn tick() -> u64 {
+    CLOCK.fetch_add(1, Ordering::SeqCst)
+}
+
+/// Page-aligned anonymous host memory, touched so it is resident.
+pub struct HostBuf {
+    map: memmap2::MmapMut,
+}
+
+impl HostBuf {
+    pub fn new(bytes: usize, fill: u8) -> Result<Self, String> {
+        let mut map = memmap2::MmapMut::map_anon(bytes).map_err(|e| format!("mmap of {bytes} bytes: {e}"))?;
+        map.fill(fill);
+        Ok(HostBuf { map })
+    }
+
+    /// Untouched anonymous memory (registration has to fault every page).
+    pub fn untouched(bytes: usize) -> Result<Self, String> {
+        let map = memmap2::MmapMut::map_anon(bytes).map_err(|e| format!("mmap of {bytes} bytes: {e}"))?;
+        Ok(HostBuf { map })
+    }
+
+    pub fn addr(&self) -> usize {
+        self.map.as_ptr() as usize
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    pub fn fill(&mut self, v: u8) {
+        self.map.fill(v);
+    }
+}
+
+/// A registration running on its own thread.
+pub struct LongRegister {
+    target: Target,
+    hold: Option<Hold>,
+    tid: StdArc<std::sync::atomic::AtomicI64>,
+    handle: Option<thread::JoinHandle<(DriverResult<()>, u64, Duration)>>,
+    buf: StdArc<HostBuf>,
+    registered: bool,
+}
+
+/// Bytes the real-GPU long registration pins: several seconds on an H200.
+const REAL_LONG_BYTES: usize = 8 << 30;
+
+impl LongRegister {
+    /// Starts registering a fresh buffer on a new thread.
+    pub fn start(target: &Target) -> Result<Self, String> {
+        let (bytes, hold) = match target {
+            Target::Sim(s) => (1 << 20, Some(s.hold(HoldPoint::Register))),
+            Target::Real(_) => (REAL_LONG_BYTES, None),
+        };
+        let buf = StdArc::new(HostBuf::untouched(bytes)?);
+        let tid = StdArc::new(std::sync::atomic::AtomicI64::new(0));
+        let (rt, b, t) = (target.rt(), buf.clone(), tid.clone());
+        let handle = thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            t.store(i64::from(unsafe { libc::gettid() }), std::sync::atomic::Ordering::SeqCst);
+            let start = Instant::now();
+            // SAFETY: `b` keeps the mapping alive for the whole scenario, and
+            // the scenario unregisters it before dropping the LongRegister.
+            let r = unsafe { rt.host_register(b.addr(), b.len()) };
+            (r, tick(), start.elapsed())
+        });
+        Ok(LongRegister { target: target.clone(), hold, tid, handle: Some(handle), buf, registered: false })
+    }
+
+    /// Returns once the registration is under way inside the driver.
+    pub fn wait_running(&self) -> Result<(), String> {
+        if let Some(h) = &self.hold {
+            h.wait_entered();
+            return Ok(());
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let tid = loop {
+            let t = self.tid.load(std::sync::atomic::Ordering::SeqCst);
+            if t != 0 {
+                break t;
+            }
+            if Instant::now() > deadline {
+                return Err("registering thread did not start".into());
+            }
+            thread::yield_now();
+        };
+        let base = kernel_ticks(tid).unwrap_or(0);
+        // Two clock ticks (20 ms at 100 Hz) of kernel time spent pinning.
+        loop {
+            match kernel_ticks(tid) {
+                Some(t) if t >= base + 2 => return Ok(()),
+                Some(_) => {}
+                None => return Err("registering thread ended before it was seen running".into()),
+            }
+            if Instant::now() > deadline {
+                return Err("registration never showed kernel time".into());
+            }
+            thread::yield_now();
+        }
+    }
+
+    /// On the simulated GPU: releases the held registration once `n` threads
+    /// are blocked in `kind` (from a helper thread, since the caller is about
+    /// to block). On a real GPU the registration ends by itself.
+    pub fn release_when(&mut self, kind: Blocked) {
+        release_hold_when(&self.target, self.hold.take(), kind);
+    }
+
+    /// Releases a held registration at once (simulated GPU).
+    pub fn release(&mut self) {
+        if let Some(h) = self.hold.take() {
+            h.release();
+        }
+    }
+
+    /// Waits for the registration: its result, its return tick, its duration.
+    pub fn join(&mut self) -> Result<(DriverResult<()>, u64, Duration), String> {
+        // A hold still armed here is no longer needed by the scenario.
+        self.release();
+        let h = self.handle.take().ok_or("joined twice")?;
+        let r = h.join().map_err(|_| "registering thread panicked".to_string())?;
+        self.registered = r.0.is_ok();
+        Ok(r)
+    }
+
+    /// Unregisters the buffer if the registration succeeded. Call it once
+    /// no capture is open any more (unregister is capture-unsafe).
+    pub fn unregister(self) -> Result<(), String> {
+        if self.registered {
+            self.target.rt().host_unregister(self.buf.addr()).map_err(|e| format!("cleanup: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+/// Kernel CPU time (stime) of thread `tid`, in clock ticks.
+fn kernel_ticks(tid: i64) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?;
+    let tail = &s[s.rfind(')')? + 1..];
+    // Fields after the command name start at field 3 (state); stime is 15.
+    tail.split_whitespace().nth(12)?.parse().ok()
+}
+
+/// On the simulated GPU, releases `hold` from a helper thread once a thread
+/// is blocked in `kind` (or after 10 s, when the scenario will report the
+/// mismatch); on a real GPU there is no hold and nothing to do.
+pub fn release_hold_when(target: &Target, hold: Option<Hold>, kind: Blocked) {
+    if let (Target::Sim(s), Some(h)) = (target, hold) {
+        let s = s.clone();
+        thread::spawn(move || {
+            s.wait_blocked_timeout(kind, 1, Duration::from_secs(10));
+            h.release();
+        });
+    }
+}

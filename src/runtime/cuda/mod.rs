@@ -1,0 +1,500 @@
+//! The real GPU: the CUDA driver API through cudarc's raw `sys` layer,
+//! loaded at run time (`dynamic-loading`), so the crate builds and its tests
+//! run on machines with no CUDA. Every return code is checked and traced at
+//! debug level with its result.
+
+mod ptx;
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+
+use crate::runtime::{
+    CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, Graph,
+    GpuRuntime, Kernel, OpenError, Stream,
+};
+use crate::sync::{self, Mutex};
+
+fn check(call: &'static str, r: sys::CUresult) -> DriverResult<()> {
+    let code = Code(r as u32);
+    if code == Code::SUCCESS {
+        tracing::debug!(call, "cuda driver call ok");
+        Ok(())
+    } else {
+        tracing::debug!(call, %code, "cuda driver call failed");
+        Err(DriverError::new(call, code))
+    }
+}
+
+fn mode_to_sys(m: CaptureMode) -> sys::CUstreamCaptureMode {
+    match m {
+        CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        CaptureMode::ThreadLocal => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+    }
+}
+
+fn mode_from_sys(m: sys::CUstreamCaptureMode) -> CaptureMode {
+    match m {
+        sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL => CaptureMode::Global,
+        sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL => CaptureMode::ThreadLocal,
+        sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED => CaptureMode::Relaxed,
+    }
+}
+
+thread_local! {
+    /// The context current on this thread, as far as this crate set it.
+    static CURRENT: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Driver handles by the crate's opaque ids; an unknown id is a typed
+/// INVALID_HANDLE error instead of a wild pointer handed to the driver.
+#[derive(Default)]
+struct Handles {
+    next: u64,
+    streams: BTreeMap<u64, usize>,
+    events: BTreeMap<u64, usize>,
+    graphs: BTreeMap<u64, usize>,
+}
+
+impl Handles {
+    fn insert(&mut self, pick: fn(&mut Handles) -> &mut BTreeMap<u64, usize>, raw: usize) -> u64 {
+        self.next += 1;
+        let id = self.next;
+        pick(self).insert(id, raw);
+        id
+    }
+}
+
+/// The CUDA driver on one device (its primary context).
+pub struct CudaRuntime {
+    ordinal: usize,
+    device: sys::CUdevice,
+    ctx: usize,
+    spin_fn: usize,
+    handles: Mutex<Handles>,
+    name: String,
+    driver_version: i32,
+}
+
+// SAFETY: the raw context and function handles are plain driver handles that
+// the driver allows any thread to use once the context is current there
+// (`bind` makes it current on every calling thread); all mutable state is
+// behind a Mutex.
+unsafe impl Send for CudaRuntime {}
+// SAFETY: as above.
+unsafe impl Sync for CudaRuntime {}
+
+fn invalid(call: &'static str) -> DriverError {
+    DriverError::new(call, Code::INVALID_HANDLE)
+}
+
+impl CudaRuntime {
+    /// True when libcuda can be loaded on this machine.
+    pub fn driver_present() -> bool {
+        // SAFETY: only tries to dlopen the driver library; no driver call.
+        unsafe { sys::is_culib_present() }
+    }
+
+    /// Opens device `ordinal`: loads the driver, initialises it, retains
+    /// the primary context and loads the crate's kernels.
+    pub fn open(ordinal: usize) -> Result<Self, OpenError> {
+        if !Self::driver_present() {
+            return Err(OpenError::NoDriver);
+        }
+        let dev_err = |source| OpenError::Device { ordinal, source };
+        // SAFETY: cuInit takes no pointers; the driver library is present.
+        check("cuInit", unsafe { sys::cuInit(0) }).map_err(dev_err)?;
+        let mut device: sys::CUdevice = 0;
+        let ord = i32::try_from(ordinal).map_err(|_| dev_err(DriverError::new("cuDeviceGet", Code::INVALID_VALUE)))?;
+        // SAFETY: `device` is a valid out-pointer for the call's duration.
+        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut device, ord) }).map_err(dev_err)?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; `device` came from cuDeviceGet.
+        check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device) })
+            .map_err(dev_err)?;
+        let mut name_buf = [0 as std::ffi::c_char; 128];
+        // SAFETY: the buffer holds 128 bytes, the length we pass.
+        check("cuDeviceGetName", unsafe { sys::cuDeviceGetName(name_buf.as_mut_ptr(), 128, device) })
+            .map_err(dev_err)?;
+        // SAFETY: the driver wrote a NUL-terminated string into the buffer.
+        let name = unsafe { std::ffi::CStr::from_ptr(name_buf.as_ptr()) }.to_string_lossy().into_owned();
+        let mut driver_version = 0;
+        // SAFETY: valid out-pointer.
+        check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut driver_version) }).map_err(dev_err)?;
+        let mut rt = CudaRuntime {
+            ordinal,
+            device,
+            ctx: ctx as usize,
+            spin_fn: 0,
+            handles: Mutex::new(Handles::default()),
+            name,
+            driver_version,
+        };
+        rt.bind().map_err(dev_err)?;
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: PTX is a NUL-terminated string that lives for 'static.
+        check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, ptx::SPIN.as_ptr() as *const c_void) })
+            .map_err(dev_err)?;
+        let mut f: sys::CUfunction = std::ptr::null_mut();
+        // SAFETY: `module` was just loaded; the name is NUL-terminated.
+        check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut f, module, c"kvo_spin".as_ptr()) })
+            .map_err(dev_err)?;
+        rt.spin_fn = f as usize;
+        tracing::info!(device = %rt.name, ordinal, driver = driver_version, "cuda runtime opened");
+        Ok(rt)
+    }
+
+    /// The driver version as the driver reports it (e.g. 13000).
+    pub fn driver_version(&self) -> i32 {
+        self.driver_version
+    }
+
+    /// Makes the primary context current on the calling thread (once per
+    /// thread). Capture-safe: it touches no stream.
+    fn bind(&self) -> DriverResult<()> {
+        if CURRENT.with(|c| c.get()) == self.ctx {
+            return Ok(());
+        }
+        // SAFETY: `ctx` is the primary context retained in `open` and
+        // released only in Drop.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx as sys::CUcontext) })?;
+        CURRENT.with(|c| c.set(self.ctx));
+        Ok(())
+    }
+
+    fn stream_raw(&self, s: Stream, call: &'static str) -> DriverResult<sys::CUstream> {
+        self.bind()?;
+        let h = sync::lock(&self.handles);
+        h.streams.get(&s.0).map(|&p| p as sys::CUstream).ok_or_else(|| invalid(call))
+    }
+
+    fn event_raw(&self, e: Event, call: &'static str) -> DriverResult<sys::CUevent> {
+        self.bind()?;
+        let h = sync::lock(&self.handles);
+        h.events.get(&e.0).map(|&p| p as sys::CUevent).ok_or_else(|| invalid(call))
+    }
+
+    fn graph_raw(&self, g: Graph, call: &'static str) -> DriverResult<sys::CUgraphExec> {
+        self.bind()?;
+        let h = sync::lock(&self.handles);
+        h.graphs.get(&g.0).map(|&p| p as sys::CUgraphExec).ok_or_else(|| invalid(call))
+    }
+}
+
+impl Drop for CudaRuntime {
+    fn drop(&mut self) {
+        // SAFETY: releases the retain taken in `open`; handles created
+        // through this runtime are not used after it is dropped.
+        let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+        if let Err(e) = check("cuDevicePrimaryCtxRelease", r) {
+            tracing::warn!(error = %e, "releasing the primary context failed");
+        }
+    }
+}
+
+impl GpuRuntime for CudaRuntime {
+    fn backend(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} (device {}), CUDA driver API {}.{}",
+            self.name,
+            self.ordinal,
+            self.driver_version / 1000,
+            (self.driver_version % 1000) / 10
+        )
+    }
+
+    unsafe fn host_register(&self, addr: usize, len: usize) -> DriverResult<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees `[addr, addr+len)` is a live mapping
+        // that stays mapped while registered.
+        check("cuMemHostRegister", unsafe { sys::cuMemHostRegister_v2(addr as *mut c_void, len, 0) })
+    }
+
+    fn host_unregister(&self, addr: usize) -> DriverResult<()> {
+        self.bind()?;
+        // SAFETY: the driver checks `addr` against its registrations and
+        // answers 713 for anything else; no memory is dereferenced here.
+        check("cuMemHostUnregister", unsafe { sys::cuMemHostUnregister(addr as *mut c_void) })
+    }
+
+    fn host_device_ptr(&self, addr: usize) -> DriverResult<DevicePtr> {
+        self.bind()?;
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer; the driver validates `addr`.
+        check("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut p, addr as *mut c_void, 0) })?;
+        Ok(p)
+    }
+
+    fn mem_alloc(&self, bytes: usize) -> DriverResult<DevicePtr> {
+        self.bind()?;
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut p, bytes) })?;
+        Ok(p)
+    }
+
+    fn mem_free(&self, ptr: DevicePtr) -> DriverResult<()> {
+        self.bind()?;
+        // SAFETY: the driver validates `ptr` against its allocations.
+        check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
+    }
+
+    fn mem_alloc_host(&self, bytes: usize) -> DriverResult<usize> {
+        self.bind()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("cuMemAllocHost", unsafe { sys::cuMemAllocHost_v2(&mut p, bytes) })?;
+        Ok(p as usize)
+    }
+
+    fn mem_free_host(&self, addr: usize) -> DriverResult<()> {
+        self.bind()?;
+        // SAFETY: the driver validates `addr` against its host allocations.
+        check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(addr as *mut c_void) })
+    }
+
+    fn stream_create(&self) -> DriverResult<Stream> {
+        self.bind()?;
+        let mut s: sys::CUstream = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: valid out-pointer.
+        check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut s, flags) })?;
+        let id = sync::lock(&self.handles).insert(|h| &mut h.streams, s as usize);
+        Ok(Stream(id))
+    }
+
+    fn stream_destroy(&self, stream: Stream) -> DriverResult<()> {
+        let s = self.stream_raw(stream, "cuStreamDestroy")?;
+        // SAFETY: `s` is a live stream created by this runtime.
+        check("cuStreamDestroy", unsafe { sys::cuStreamDestroy_v2(s) })?;
+        sync::lock(&self.handles).streams.remove(&stream.0);
+        Ok(())
+    }
+
+    fn stream_synchronize(&self, stream: Stream) -> DriverResult<()> {
+        let s = self.stream_raw(stream, "cuStreamSynchronize")?;
+        // SAFETY: live stream.
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(s) })
+    }
+
+    fn ctx_synchronize(&self) -> DriverResult<()> {
+        self.bind()?;
+        // SAFETY: no arguments; the context is current.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    fn stream_wait_event(&self, stream: Stream, event: Event) -> DriverResult<()> {
+        let s = self.stream_raw(stream, "cuStreamWaitEvent")?;
+        let e = self.event_raw(event, "cuStreamWaitEvent")?;
+        // SAFETY: live stream and event.
+        check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(s, e, 0) })
+    }
+
+    unsafe fn copy_htod_async(&self, dst: DevicePtr, src: usize, bytes: usize, stream: Stream) -> DriverResult<()> {
+        let s = self.stream_raw(stream, "cuMemcpyHtoDAsync")?;
+        // SAFETY: the caller keeps `src..src+bytes` readable until the copy
+        // completes; the driver validates `dst`.
+        check("cuMemcpyHtoDAsync", unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, s) })
+    }
+
+    unsafe fn copy_dtoh_async(&self, dst: usize, src: DevicePtr, bytes: usize, stream: Stream) -> DriverResult<()> {
+        let s = self.stream_raw(stream, "cuMemcpyDtoHAsync")?;
+        // SAFETY: the caller keeps `dst..dst+bytes` writable and untouched
+        // until the copy completes.
+        check("cuMemcpyDtoHAsync", unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, s) })
+    }
+
+    unsafe fn copy_htod(&self, dst: DevicePtr, src: usize, bytes: usize) -> DriverResult<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees `src..src+bytes` is readable.
+        check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(dst, src as *const c_void, bytes) })
+    }
+
+    unsafe fn copy_dtoh(&self, dst: usize, src: DevicePtr, bytes: usize) -> DriverResult<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees `dst..dst+bytes` is writable.
+        check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(dst as *mut c_void, src, bytes) })
+    }
+
+    unsafe fn copy_batch_async(&self, dir: Direction, fragments: &[Fragment], stream: Stream) -> DriverResult<()> {
+        let s = self.stream_raw(stream, "cuMemcpyBatchAsync")?;
+        if fragments.is_empty() {
+            return Err(DriverError::new("cuMemcpyBatchAsync", Code::INVALID_VALUE));
+        }
+        let host = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, id: 0 };
+        let dev = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: self.ordinal as i32,
+        };
+        let (mut dsts, mut srcs): (Vec<sys::CUdeviceptr>, Vec<sys::CUdeviceptr>) = match dir {
+            Direction::HostToDevice => fragments.iter().map(|f| (f.device, f.host as u64)).unzip(),
+            Direction::DeviceToHost => fragments.iter().map(|f| (f.host as u64, f.device)).unzip(),
+        };
+        let mut sizes: Vec<usize> = fragments.iter().map(|f| f.bytes).collect();
+        let (src_loc, dst_loc) = match dir {
+            Direction::HostToDevice => (host, dev),
+            Direction::DeviceToHost => (dev, host),
+        };
+        let mut attrs = [sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: src_loc,
+            dstLocHint: dst_loc,
+            flags: 0,
+        }];
+        let mut idx = [0usize];
+        // SAFETY: the arrays have `fragments.len()` entries each and outlive
+        // the call; one attribute applies from index 0; the caller keeps
+        // every host range valid until the copies complete.
+        check("cuMemcpyBatchAsync", unsafe {
+            sys::cuMemcpyBatchAsync_v2(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                fragments.len(),
+                attrs.as_mut_ptr(),
+                idx.as_mut_ptr(),
+                1,
+                s,
+            )
+        })
+    }
+
+    fn memset_d8_async(&self, dst: DevicePtr, value: u8, bytes: usize, stream: Stream) -> DriverResult<()> {
+        let s = self.stream_raw(stream, "cuMemsetD8Async")?;
+        // SAFETY: the driver validates `dst`; live stream.
+        check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(dst, value, bytes, s) })
+    }
+
+    fn launch(&self, kernel: Kernel, stream: Stream) -> DriverResult<()> {
+        let s = self.stream_raw(stream, "cuLaunchKernel")?;
+        match kernel {
+            Kernel::Spin { nanos } => {
+                let mut ns = nanos;
+                let mut args = [&mut ns as *mut u64 as *mut c_void];
+                // SAFETY: `spin_fn` takes one u64 parameter, which `args`
+                // points to for the duration of the call (the driver copies
+                // parameters at launch).
+                check("cuLaunchKernel", unsafe {
+                    sys::cuLaunchKernel(
+                        self.spin_fn as sys::CUfunction,
+                        1,
+                        1,
+                        1,
+                        1,
+                        1,
+                        1,
+                        0,
+                        s,
+                        args.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                })
+            }
+        }
+    }
+
+    fn event_create(&self) -> DriverResult<Event> {
+        self.bind()?;
+        let mut e: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: valid out-pointer.
+        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, flags) })?;
+        let id = sync::lock(&self.handles).insert(|h| &mut h.events, e as usize);
+        Ok(Event(id))
+    }
+
+    fn event_destroy(&self, event: Event) -> DriverResult<()> {
+        let e = self.event_raw(event, "cuEventDestroy")?;
+        // SAFETY: live event created by this runtime.
+        check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(e) })?;
+        sync::lock(&self.handles).events.remove(&event.0);
+        Ok(())
+    }
+
+    fn event_record(&self, event: Event, stream: Stream) -> DriverResult<()> {
+        let e = self.event_raw(event, "cuEventRecord")?;
+        let s = self.stream_raw(stream, "cuEventRecord")?;
+        // SAFETY: live event and stream.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(e, s) })
+    }
+
+    fn event_query(&self, event: Event) -> DriverResult<bool> {
+        let e = self.event_raw(event, "cuEventQuery")?;
+        // SAFETY: live event.
+        match check("cuEventQuery", unsafe { sys::cuEventQuery(e) }) {
+            Ok(()) => Ok(true),
+            Err(err) if err.code == Code::NOT_READY => Ok(false),
+            Err(err) => Err(err),
+        }
+    }
+
+    fn event_synchronize(&self, event: Event) -> DriverResult<()> {
+        let e = self.event_raw(event, "cuEventSynchronize")?;
+        // SAFETY: live event.
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(e) })
+    }
+
+    fn begin_capture(&self, stream: Stream, mode: CaptureMode) -> DriverResult<()> {
+        let s = self.stream_raw(stream, "cuStreamBeginCapture")?;
+        // SAFETY: live stream.
+        check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(s, mode_to_sys(mode)) })
+    }
+
+    fn end_capture(&self, stream: Stream) -> DriverResult<Graph> {
+        let s = self.stream_raw(stream, "cuStreamEndCapture")?;
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: live stream, valid out-pointer.
+        check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(s, &mut graph) })?;
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: `graph` was just produced by the driver.
+        let inst = check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) });
+        // SAFETY: the instantiated graph does not need the template graph.
+        let destroy = check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(graph) });
+        inst?;
+        destroy?;
+        let id = sync::lock(&self.handles).insert(|h| &mut h.graphs, exec as usize);
+        Ok(Graph(id))
+    }
+
+    fn capture_status(&self, stream: Stream) -> DriverResult<CaptureStatus> {
+        let s = self.stream_raw(stream, "cuStreamIsCapturing")?;
+        let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: live stream, valid out-pointer.
+        check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(s, &mut st) })?;
+        Ok(match st {
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active,
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED => CaptureStatus::Invalidated,
+        })
+    }
+
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> DriverResult<CaptureMode> {
+        self.bind()?;
+        let mut m = mode_to_sys(mode);
+        // SAFETY: valid in/out pointer.
+        check("cuThreadExchangeStreamCaptureMode", unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut m) })?;
+        Ok(mode_from_sys(m))
+    }
+
+    fn graph_launch(&self, graph: Graph, stream: Stream) -> DriverResult<()> {
+        let g = self.graph_raw(graph, "cuGraphLaunch")?;
+        let s = self.stream_raw(stream, "cuGraphLaunch")?;
+        // SAFETY: live graph exec and stream.
+        check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(g, s) })
+    }
+
+    fn graph_destroy(&self, graph: Graph) -> DriverResult<()> {
+        let g = self.graph_raw(graph, "cuGraphExecDestroy")?;
+        // SAFETY: live graph exec created by this runtime.
+        check("cuGraphExecDestroy", unsafe { sys::cuGraphExecDestroy(g) })?;
+        sync::lock(&self.handles).graphs.remove(&graph.0);
+        Ok(())
+    }
+}

@@ -1,0 +1,187 @@
+//! The simulated GPU's state: streams, events, graphs, memory, captures.
+//! Everything lives behind one mutex in [`super::SimRuntime`]; this module
+//! only holds data and pure lookups. Ordered maps only: loom replays an
+//! execution and needs every iteration order to repeat.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use crate::runtime::{CaptureMode, Code, DevicePtr};
+use crate::sync::thread::ThreadId;
+use crate::sync::Arc;
+
+use super::fault::Faults;
+
+/// Device aliases of registered host memory live above this bit, so a
+/// pointer says by itself whether it names device or host memory.
+pub(crate) const HOST_ALIAS_BIT: u64 = 1 << 62;
+/// First address handed out by the simulated `cuMemAlloc`.
+const DEVICE_BASE: u64 = 0x7f00_0000_0000 & !HOST_ALIAS_BIT;
+
+/// One unit of stream work.
+#[derive(Clone, Debug)]
+pub(crate) enum Op {
+    HtoD { dst: DevicePtr, src: usize, bytes: usize },
+    DtoH { dst: usize, src: DevicePtr, bytes: usize },
+    Memset { dst: DevicePtr, value: u8, bytes: usize },
+    /// A kernel with no memory effect (the conformance suite's spin kernel).
+    Spin,
+    /// Wait until `stream` has completed `seq` operations.
+    WaitEvent { stream: u64, seq: u64 },
+    /// Replay of a captured graph.
+    Graph(Arc<GraphBody>),
+}
+
+/// What a capture recorded.
+#[derive(Debug, Default)]
+pub(crate) struct GraphBody {
+    pub ops: Vec<Op>,
+    /// Host ranges that were registered when the capture recorded a copy
+    /// touching them: the graph's device work uses their device mapping.
+    pub registered_refs: Vec<(usize, usize)>,
+}
+
+pub(crate) struct Capture {
+    pub mode: CaptureMode,
+    pub owner: ThreadId,
+    pub invalidated: bool,
+    pub body: GraphBody,
+}
+
+#[derive(Default)]
+pub(crate) struct StreamState {
+    pub queue: VecDeque<(u64, Op)>,
+    pub enqueued: u64,
+    pub completed: u64,
+    pub capture: Option<Capture>,
+}
+
+pub(crate) struct EventState {
+    /// (stream, sequence number) of the last record, if any.
+    pub recorded: Option<(u64, u64)>,
+}
+
+/// Which blocking waits threads are in right now (observable by tests).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Blocked {
+    /// `begin_capture` waiting for a running registration.
+    BeginCapture,
+    /// An enqueue onto a capturing stream waiting for a running registration.
+    CaptureEnqueue,
+    /// `host_unregister` (or `mem_free`) waiting for the device to go idle.
+    Idle,
+}
+
+#[derive(Default)]
+pub(crate) struct State {
+    next_id: u64,
+    next_device: u64,
+    pub streams: BTreeMap<u64, StreamState>,
+    pub events: BTreeMap<u64, EventState>,
+    pub graphs: BTreeMap<u64, Arc<GraphBody>>,
+    pub device_mem: BTreeMap<u64, Vec<u8>>,
+    pub device_limit: usize,
+    pub device_used: usize,
+    pub host_allocs: BTreeMap<usize, Vec<u8>>,
+    /// Registered host ranges: start -> length.
+    pub registered: BTreeMap<usize, usize>,
+    pub registers_running: usize,
+    pub thread_modes: Vec<(ThreadId, CaptureMode)>,
+    /// Sticky context error (FACTS 1: replay after unregister -> 719).
+    pub poisoned: Option<Code>,
+    /// An operation is executing on the device right now.
+    pub device_busy: bool,
+    pub stop: bool,
+    pub blocked: Vec<Blocked>,
+    pub faults: Faults,
+}
+
+impl State {
+    pub fn new(device_limit: usize) -> Self {
+        State { next_id: 1, next_device: DEVICE_BASE, device_limit, ..Default::default() }
+    }
+
+    pub fn fresh_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    /// Reserves `bytes` of simulated device address space, 256-byte aligned
+    /// with a guard gap so adjacent allocations never touch.
+    pub fn fresh_device_addr(&mut self, bytes: usize) -> u64 {
+        let base = self.next_device;
+        let span = (bytes as u64).div_ceil(256) * 256 + 4096;
+        self.next_device += span;
+        base
+    }
+
+    /// The host range registered around `[addr, addr+bytes)`, if the whole
+    /// range lies inside one registration.
+    pub fn registered_range(&self, addr: usize, bytes: usize) -> Option<(usize, usize)> {
+        let (&start, &len) = self.registered.range(..=addr).next_back()?;
+        let end = addr.checked_add(bytes)?;
+        (end <= start + len).then_some((start, len))
+    }
+
+    /// True when any registered range overlaps `[addr, addr+bytes)`.
+    pub fn overlaps_registration(&self, addr: usize, bytes: usize) -> bool {
+        let end = addr.saturating_add(bytes);
+        if let Some((&s, &l)) = self.registered.range(..=addr).next_back() {
+            if s + l > addr {
+                return true;
+            }
+        }
+        self.registered.range(addr..end).next().is_some()
+    }
+
+    /// Raw pointer to `[ptr, ptr+bytes)` of device memory, or of registered
+    /// host memory through its device alias; `None` if out of bounds or not
+    /// (any longer) registered.
+    pub fn device_slice(&mut self, ptr: DevicePtr, bytes: usize) -> Option<*mut u8> {
+        if ptr & HOST_ALIAS_BIT != 0 {
+            let addr = (ptr & !HOST_ALIAS_BIT) as usize;
+            return self.registered_range(addr, bytes).map(|_| addr as *mut u8);
+        }
+        let (&base, mem) = self.device_mem.range_mut(..=ptr).next_back()?;
+        let off = usize::try_from(ptr - base).ok()?;
+        let end = off.checked_add(bytes)?;
+        if end > mem.len() {
+            return None;
+        }
+        // Pointer arithmetic inside the allocation: `off + bytes <= len`.
+        Some(mem[off..].as_mut_ptr())
+    }
+
+    /// True when no stream has work left and nothing runs.
+    pub fn idle(&self) -> bool {
+        !self.device_busy && self.streams.values().all(|s| s.queue.is_empty())
+    }
+
+    pub fn stream_mut(&mut self, id: u64) -> Option<&mut StreamState> {
+        self.streams.get_mut(&id)
+    }
+
+    pub fn thread_mode(&self, t: ThreadId) -> CaptureMode {
+        // A thread that never exchanged its mode is in GLOBAL mode (driver default).
+        self.thread_modes.iter().find(|(id, _)| *id == t).map_or(CaptureMode::Global, |(_, m)| *m)
+    }
+
+    pub fn set_thread_mode(&mut self, t: ThreadId, mode: CaptureMode) -> CaptureMode {
+        let old = self.thread_mode(t);
+        match self.thread_modes.iter_mut().find(|(id, _)| *id == t) {
+            Some(slot) => slot.1 = mode,
+            None => self.thread_modes.push((t, mode)),
+        }
+        old
+    }
+
+    pub fn blocked_count(&self, kind: Blocked) -> usize {
+        self.blocked.iter().filter(|b| **b == kind).count()
+    }
+
+    pub fn unblock(&mut self, kind: Blocked) {
+        if let Some(i) = self.blocked.iter().position(|b| *b == kind) {
+            self.blocked.swap_remove(i);
+        }
+    }
+}
