@@ -1,1 +1,72 @@
+//! Sim rule S1 (FACTS.md section 1, rows "cuMemHostRegister", default and
+//! relaxed columns; ordering effect "register running, then begin_capture
+//! blocks"): in every interleaving of a register on thread B with a GLOBAL
+//! capture on thread A, the simulated GPU either
+//! - lets the register finish before the capture begins (begin_capture
+//!   waits for a running register), or after it ended: both succeed; or
+//! - refuses the register inside the capture window with 900 and
+//!   invalidates the capture, which then ends with 901 and no graph.
+//!
+//! Never both "register succeeded inside the window" and "capture ok".
+//! With B in RELAXED mode, both always succeed.
+//!
+//! Threads: A (the model's main thread), B, and the sim's device thread: 3.
+//! Preemption bound 3. It holds because the sim applies the capture rules
+//! and the registration count under one lock (`rules::check` and
+//! `registers_running` in src/runtime/sim), so the window is a single
+//! critical-section boundary that every interleaving falls on one side of.
+
 #![cfg(loom)]
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{check, Bounds};
+use kvoffload::runtime::sim::SimRuntime;
+use kvoffload::runtime::{CaptureMode, Code, GpuRuntime};
+use kvoffload::sync::Arc;
+
+static HOST: [u8; 64] = [0; 64];
+
+fn scenario(relaxed: bool) {
+    let sim = Arc::new(SimRuntime::new());
+    let s = sim.stream_create().unwrap();
+    let d = sim.mem_alloc(64).unwrap();
+    let addr = HOST.as_ptr() as usize;
+    let b_sim = sim.clone();
+    let b = loom::thread::spawn(move || {
+        if relaxed {
+            b_sim.exchange_capture_mode(CaptureMode::Relaxed).unwrap();
+        }
+        // SAFETY: HOST is a static, mapped for the whole program; the sim
+        // never writes registered memory on registration.
+        unsafe { b_sim.host_register(addr, HOST.len()) }
+    });
+    sim.begin_capture(s, CaptureMode::Global).unwrap();
+    let enq = sim.memset_d8_async(d, 1, 64, s);
+    let end = sim.end_capture(s);
+    let reg = b.join().unwrap();
+
+    let refused = matches!(&reg, Err(e) if e.code == Code::STREAM_CAPTURE_UNSUPPORTED);
+    let invalidated = matches!(&end, Err(e) if e.code == Code::STREAM_CAPTURE_INVALIDATED);
+    assert!(reg.is_ok() || refused, "register failed otherwise: {reg:?}");
+    assert_eq!(refused, invalidated, "register {reg:?} but capture end {end:?}");
+    if relaxed {
+        assert!(reg.is_ok() && end.is_ok(), "relaxed B must never disturb A: {reg:?} {end:?}");
+    }
+    if refused {
+        assert!(enq.is_ok() || matches!(&enq, Err(e) if e.code == Code::STREAM_CAPTURE_INVALIDATED));
+    } else {
+        sim.host_unregister(addr).unwrap();
+    }
+}
+
+#[test]
+fn register_during_global_capture_invalidates_it() {
+    check("capture_invalidation/default", Bounds { property: "S1", threads: 3, preemptions: 3 }, || scenario(false));
+}
+
+#[test]
+fn relaxed_register_never_disturbs_capture() {
+    check("capture_invalidation/relaxed", Bounds { property: "S1", threads: 3, preemptions: 3 }, || scenario(true));
+}

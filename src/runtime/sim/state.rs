@@ -65,8 +65,6 @@ pub(crate) struct EventState {
 pub enum Blocked {
     /// `begin_capture` waiting for a running registration.
     BeginCapture,
-    /// An enqueue onto a capturing stream waiting for a running registration.
-    CaptureEnqueue,
     /// `host_unregister` (or `mem_free`) waiting for the device to go idle.
     Idle,
 }
