@@ -10,18 +10,27 @@
 //! [`ManagerError`], never a panic or a silent change.
 //!
 //! Events ([`ManagerEvent`]) go to `tracing` at debug level and to
-//! [`ManagerCounters`]; [`bench`] compares the policies' hit rates.
+//! [`ManagerCounters`].
 
+mod batch;
+mod block_manager;
 mod config;
 mod error;
 mod events;
+mod invariants;
 mod key;
+mod load;
 pub mod policy;
+mod slots;
 mod state;
+mod store;
+mod threshold;
 
+pub use block_manager::BlockManager;
 pub use config::{ManagerConfig, PolicyKind};
 pub use error::ManagerError;
 pub use events::{ManagerCounters, ManagerEvent, RemoveReason};
 pub use key::{BlockKey, Placement, SlotId};
 pub use policy::EvictionPolicy;
 pub use state::{BlockState, Lookup};
+pub use store::{PrepareStoreOutput, SkipReason, Skipped};
