@@ -30,9 +30,9 @@ impl SlotTable {
         owners.resize(capacity, None);
         let mut free = Vec::new();
         free.try_reserve_exact(capacity).map_err(oom)?;
-        // capacity <= u32::MAX was checked above, so every id fits.
-        free.extend((0..capacity as u32).rev().map(SlotId));
-        Ok(Self { owners, free })
+        let mut table = Self { owners, free };
+        table.clear();
+        Ok(table)
     }
 
     pub(crate) fn capacity(&self) -> usize {
@@ -63,10 +63,11 @@ impl SlotTable {
 
     /// Frees every slot.
     pub(crate) fn clear(&mut self) {
-        let capacity = self.owners.len();
-        self.owners.iter_mut().for_each(|o| *o = None);
+        self.owners.fill(None);
         self.free.clear();
-        self.free.extend((0..capacity as u32).rev().map(SlotId));
+        // new() checked capacity <= u32::MAX, so every id fits.
+        let capacity = self.owners.len() as u32;
+        self.free.extend((0..capacity).rev().map(SlotId));
     }
 
     /// The owner of `slot`, if any.
