@@ -10,7 +10,7 @@
 //! [`ManagerError`], never a panic or a silent change.
 //!
 //! Events ([`ManagerEvent`]) go to `tracing` at debug level and to
-//! [`ManagerCounters`]; [`bench`] compares the policies' hit rates.
+//! [`ManagerCounters`]; [`bench`](mod@bench) compares the policies' hit rates.
 
 mod batch;
 pub mod bench;
