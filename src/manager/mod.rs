@@ -1,1 +1,37 @@
 //! Block manager: block states, reference counts and eviction (issue 6).
+//!
+//! [`BlockManager`] decides which KV-cache blocks the host region holds and
+//! in which slot. Keys are block hashes plus a KV-cache group index
+//! ([`BlockKey`]); each stored block is write-pending (its GPU -> host copy
+//! is in flight) or ready, with a count of loads in flight. Only ready blocks
+//! with no readers can be evicted, by the configured [`EvictionPolicy`]
+//! ([`PolicyKind::Lru`] or [`PolicyKind::Arc`]). Misuse (completing what was
+//! not prepared, loading a pending block, repeating a key in a batch) is a
+//! [`ManagerError`], never a panic or a silent change.
+//!
+//! Events ([`ManagerEvent`]) go to `tracing` at debug level and to
+//! [`ManagerCounters`]; [`bench`](mod@bench) compares the policies' hit rates.
+
+mod batch;
+pub mod bench;
+mod block_manager;
+mod config;
+mod error;
+mod events;
+mod invariants;
+mod key;
+mod load;
+pub mod policy;
+mod slots;
+mod state;
+mod store;
+mod threshold;
+
+pub use block_manager::BlockManager;
+pub use config::{ManagerConfig, PolicyKind};
+pub use error::ManagerError;
+pub use events::{ManagerCounters, ManagerEvent, RemoveReason};
+pub use key::{BlockKey, Placement, SlotId};
+pub use policy::EvictionPolicy;
+pub use state::{BlockState, Lookup};
+pub use store::{PrepareStoreOutput, SkipReason, Skipped};

@@ -1,0 +1,183 @@
+//! A trace-driven comparison of the eviction policies: hit rate and
+//! operations per second of LRU and ARC on a Zipf workload and a scan-heavy
+//! workload (`kvoffload bench manager`).
+//!
+//! Each access plays what an engine does for one block: lookup, touch, then
+//! prepare_load + complete_load on a hit, or prepare_store + complete_store
+//! on a miss. Stores complete at once, so no block is pending or pinned when
+//! the next access comes: the comparison is of the policies alone.
+
+mod report;
+mod workload;
+
+use std::time::Instant;
+
+pub use report::{BenchReport, BenchRow};
+pub use workload::{SplitMix64, Workload, Zipf};
+
+use super::{BlockKey, BlockManager, Lookup, ManagerConfig, PolicyKind};
+use workload::{trace, TraceShape};
+
+/// Most slots, keys or accesses a bench run accepts.
+pub const BENCH_LIMIT: usize = 1 << 24;
+/// Largest Zipf exponent a bench run accepts.
+pub const MAX_ZIPF_EXPONENT: f64 = 8.0;
+
+/// What to run. The defaults finish in a few seconds in a debug build.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchConfig {
+    /// Host slots.
+    pub capacity: usize,
+    /// Distinct keys the Zipf part draws from.
+    pub universe: usize,
+    /// Accesses per (workload, policy) run.
+    pub accesses: usize,
+    /// Zipf exponent `s` (0 is uniform; 1 is classic Zipf).
+    pub zipf_exponent: f64,
+    /// PRNG seed; the same seed gives the same traces.
+    pub seed: u64,
+    /// Scan-heavy workload: Zipf accesses between two scans.
+    pub hot_run: usize,
+    /// Scan-heavy workload: keys in each scan.
+    pub scan_length: usize,
+}
+
+impl Default for BenchConfig {
+    fn default() -> Self {
+        Self {
+            capacity: 1024,
+            universe: 8192,
+            accesses: 50_000,
+            zipf_exponent: 0.9,
+            seed: 0x6b76_6f66_666c_6f61,
+            hot_run: 2048,
+            scan_length: 1024,
+        }
+    }
+}
+
+/// Why a [`BenchConfig`] was refused.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum BenchError {
+    /// A count is zero or above [`BENCH_LIMIT`].
+    #[error("{field} must be in 1..={limit}, got {value}")]
+    OutOfRange {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: usize,
+        /// The largest value accepted.
+        limit: usize,
+    },
+    /// The exponent is not a number in `0.0..=MAX_ZIPF_EXPONENT`.
+    #[error("zipf exponent must be in 0..={limit}, got {value}")]
+    Exponent {
+        /// The exponent.
+        value: f64,
+        /// The largest accepted.
+        limit: f64,
+    },
+}
+
+impl BenchConfig {
+    /// Checks every field; [`run_bench`] clamps what this refuses.
+    pub fn validate(&self) -> Result<(), BenchError> {
+        let counts = [
+            ("capacity", self.capacity),
+            ("universe", self.universe),
+            ("accesses", self.accesses),
+            ("hot_run", self.hot_run),
+            ("scan_length", self.scan_length),
+        ];
+        for (field, value) in counts {
+            if value == 0 || value > BENCH_LIMIT {
+                return Err(BenchError::OutOfRange {
+                    field,
+                    value,
+                    limit: BENCH_LIMIT,
+                });
+            }
+        }
+        if !(0.0..=MAX_ZIPF_EXPONENT).contains(&self.zipf_exponent) {
+            let (value, limit) = (self.zipf_exponent, MAX_ZIPF_EXPONENT);
+            return Err(BenchError::Exponent { value, limit });
+        }
+        Ok(())
+    }
+
+    /// The nearest configuration that passes [`validate`](Self::validate).
+    pub fn clamped(&self) -> Self {
+        let c = |v: usize| v.clamp(1, BENCH_LIMIT);
+        let s = self.zipf_exponent;
+        Self {
+            capacity: c(self.capacity),
+            universe: c(self.universe),
+            accesses: c(self.accesses),
+            zipf_exponent: if s.is_nan() {
+                1.0
+            } else {
+                s.clamp(0.0, MAX_ZIPF_EXPONENT)
+            },
+            seed: self.seed,
+            hot_run: c(self.hot_run),
+            scan_length: c(self.scan_length),
+        }
+    }
+}
+
+/// Runs both workloads under both policies. Callers should
+/// [`validate`](BenchConfig::validate) first; out-of-range fields are
+/// clamped (see [`BenchConfig::clamped`]) and the report shows the values
+/// used. Never panics.
+pub fn run_bench(cfg: &BenchConfig) -> BenchReport {
+    let cfg = cfg.clamped();
+    let shape = TraceShape {
+        universe: cfg.universe,
+        accesses: cfg.accesses,
+        exponent: cfg.zipf_exponent,
+        seed: cfg.seed,
+        hot_run: cfg.hot_run,
+        scan_length: cfg.scan_length,
+    };
+    let mut rows = Vec::new();
+    for workload in Workload::ALL {
+        let keys = trace(workload, &shape);
+        for policy in PolicyKind::ALL {
+            rows.push(run_one(workload, policy, cfg.capacity, &keys));
+        }
+    }
+    BenchReport { config: cfg, rows }
+}
+
+fn run_one(workload: Workload, policy: PolicyKind, capacity: usize, keys: &[u64]) -> BenchRow {
+    let mut row = BenchRow::new(workload, policy, capacity);
+    // capacity was clamped to 1..=BENCH_LIMIT, which the manager accepts.
+    let Ok(mut mgr) = BlockManager::new(ManagerConfig::new(capacity, policy)) else {
+        return row;
+    };
+    let start = Instant::now();
+    for &hash in keys {
+        let key = [BlockKey::new(hash, 0)];
+        let answer = mgr.lookup(&key);
+        mgr.touch(&key);
+        row.ops += 2;
+        if answer.first() == Some(&Lookup::Hit) {
+            row.hits += 1;
+            let loaded = mgr.prepare_load(&key).is_ok() && mgr.complete_load(&key).is_ok();
+            row.failures += u64::from(!loaded);
+            row.ops += 2;
+        } else {
+            let stored = match mgr.prepare_store(&key) {
+                Ok(out) if out.to_store.is_empty() => true,
+                Ok(_) => mgr.complete_store(&key, true).is_ok(),
+                Err(_) => false,
+            };
+            row.failures += u64::from(!stored);
+            row.ops += 2;
+        }
+        row.accesses += 1;
+    }
+    row.elapsed = start.elapsed();
+    row.counters = mgr.counters();
+    row
+}

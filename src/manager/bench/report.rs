@@ -1,0 +1,125 @@
+//! Results of the policy comparison and their table.
+
+use std::fmt;
+use std::time::Duration;
+
+use super::{BenchConfig, Workload};
+use crate::manager::{ManagerCounters, PolicyKind};
+
+/// One (workload, policy) run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchRow {
+    /// The access pattern.
+    pub workload: Workload,
+    /// The eviction policy.
+    pub policy: PolicyKind,
+    /// Host slots.
+    pub capacity: usize,
+    /// Accesses played.
+    pub accesses: u64,
+    /// Accesses whose lookup hit.
+    pub hits: u64,
+    /// Manager calls made (lookup, touch, prepare/complete store or load).
+    pub ops: u64,
+    /// Manager calls refused (expected 0).
+    pub failures: u64,
+    /// Time spent in the access loop.
+    pub elapsed: Duration,
+    /// The manager's counters at the end.
+    pub counters: ManagerCounters,
+}
+
+impl BenchRow {
+    pub(crate) fn new(workload: Workload, policy: PolicyKind, capacity: usize) -> Self {
+        Self {
+            workload,
+            policy,
+            capacity,
+            accesses: 0,
+            hits: 0,
+            ops: 0,
+            failures: 0,
+            elapsed: Duration::ZERO,
+            counters: ManagerCounters::default(),
+        }
+    }
+
+    /// Fraction of accesses that hit, in `0.0..=1.0`.
+    pub fn hit_rate(&self) -> f64 {
+        if self.accesses == 0 {
+            0.0
+        } else {
+            self.hits as f64 / self.accesses as f64
+        }
+    }
+
+    /// Manager calls per second.
+    pub fn ops_per_sec(&self) -> f64 {
+        let secs = self.elapsed.as_secs_f64();
+        if secs > 0.0 {
+            self.ops as f64 / secs
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Every run of [`run_bench`](super::run_bench), with the configuration used.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchReport {
+    /// The configuration after clamping.
+    pub config: BenchConfig,
+    /// One row per (workload, policy).
+    pub rows: Vec<BenchRow>,
+}
+
+impl BenchReport {
+    /// The row for `workload` under `policy`.
+    pub fn row(&self, workload: Workload, policy: PolicyKind) -> Option<&BenchRow> {
+        self.rows
+            .iter()
+            .find(|r| r.workload == workload && r.policy == policy)
+    }
+}
+
+impl fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.config;
+        writeln!(
+            f,
+            "block manager: {} slots, zipf over {} keys (s = {}), seed {:#x}",
+            c.capacity, c.universe, c.zipf_exponent, c.seed
+        )?;
+        writeln!(
+            f,
+            "scan-heavy: {} zipf accesses, then {} keys read once, repeated",
+            c.hot_run, c.scan_length
+        )?;
+        writeln!(
+            f,
+            "{:<11} {:<6} {:>9} {:>9} {:>9} {:>12}",
+            "workload", "policy", "capacity", "accesses", "hit rate", "ops/s"
+        )?;
+        for r in &self.rows {
+            writeln!(
+                f,
+                "{:<11} {:<6} {:>9} {:>9} {:>8.2}% {:>12.0}",
+                r.workload.name(),
+                r.policy.name(),
+                r.capacity,
+                r.accesses,
+                100.0 * r.hit_rate(),
+                r.ops_per_sec()
+            )?;
+        }
+        write!(
+            f,
+            "ops/s: manager calls per second (4 per access, one key per call)"
+        )?;
+        let failures: u64 = self.rows.iter().map(|r| r.failures).sum();
+        if failures > 0 {
+            write!(f, "\nwarning: {failures} manager calls were refused")?;
+        }
+        Ok(())
+    }
+}
