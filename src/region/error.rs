@@ -145,8 +145,9 @@ pub enum RegionError {
         path: PathBuf,
     },
 
-    /// A rank's timeout expired while it waited; the file is unlinked.
-    #[error("timed out after {timeout:?} waiting for {phase} of {path} (ranks mapped: {mapped:?}, missing: {missing:?}); file unlinked")]
+    /// A rank's timeout expired while it waited; the region was abandoned
+    /// and its file unlinked (if there was one).
+    #[error("timed out after {timeout:?} waiting for {phase} of {path} (ranks mapped: {mapped:?}, missing: {missing:?}); no file left behind")]
     JoinTimeout {
         /// The region file.
         path: PathBuf,

@@ -20,14 +20,16 @@
 //! | 60     | padding        | u32             | |
 //! | 64     | `join`         | atomic u64      | every rank, CAS |
 //! | 72     | reserved       | 7 x u64         | zero |
-//! | 128    | `rank_pids`    | 32 x atomic u32 | rank r, before it sets its bit |
+//! | 128    | `rank_pids`    | 32 x atomic u32 | rank r, CAS 0 -> pid before it sets its bit |
 //! | 256    | `rank_slots`   | 32 x atomic u32 | reserved for the P7 agreement |
 //!
 //! `join` packs the whole join protocol into one word so that every
 //! transition is a single compare-and-swap: the low 32 bits are the mask of
-//! ranks that have mapped the file, the high 32 bits the [`JoinState`].
-//! A file fresh from `ftruncate` reads as all zeros, which is `Init` with
-//! an empty mask.
+//! ranks that have mapped the file, the high 32 bits the join state:
+//! 0 `Init` (header being written), 1 `Ready` (ranks may join), 2 `Complete`
+//! (every rank mapped; unlink), 3 `Abandoned` (a rank gave up; unlink, no
+//! more joins). A file fresh from `ftruncate` reads as all zeros, which is
+//! `Init` with an empty mask.
 //!
 //! The atomics here are `core::sync::atomic` on memory shared between
 //! processes, not `crate::sync`: this is a cross-process protocol, which

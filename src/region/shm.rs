@@ -249,7 +249,18 @@ impl Region {
         }
 
         let file = open_exclusive(&path, opts)?;
-        let mut shared = Shared::new(path, file, opts)?;
+        let mut shared = match Shared::new(path.clone(), file, opts) {
+            Ok(s) => s,
+            Err(e) => {
+                // fstat failed on the file we just created: remove it by
+                // name (no inode to compare; nobody else can have it yet
+                // under O_EXCL unless it was force-removed meanwhile).
+                if let Err(u) = std::fs::remove_file(&path) {
+                    warn!(error = %u, path = %path.display(), "could not unlink region file after failed create");
+                }
+                return Err(e);
+            }
+        };
         let map = match size_and_map(&shared, total) {
             Ok(m) => m,
             Err(e) => {
@@ -272,8 +283,11 @@ impl Region {
             region.huge_pages_advised = region.try_advise_huge_pages();
         }
         info!(
-            path = %region.path().map(|p| p.display().to_string()).unwrap_or_default(),
-            bytes = total, ranks = layout.num_ranks(), rank, "created shared region"
+            path = %region.path_lossy(),
+            bytes = total,
+            ranks = layout.num_ranks(),
+            rank,
+            "created shared region"
         );
         region.publish_ready(started)?;
         Ok(region)
@@ -374,12 +388,17 @@ impl Region {
                 JoinState::Init => {
                     if !backoff.wait() {
                         warn!(path = %region.path_lossy(), "join timed out: creator never initialised the header");
-                        let _ = region.hdr().update(|w| {
+                        let abandon = region.hdr().update(|w| {
                             (w.state == JoinState::Init).then_some(JoinWord {
                                 state: JoinState::Abandoned,
                                 ..w
                             })
                         });
+                        if let Err(w) = abandon {
+                            // The creator published just now: go on with
+                            // that word rather than abandon a live region.
+                            break w;
+                        }
                         let e = timeout_error(
                             region.shared_path(),
                             JoinPhase::CreatorToInitialise,
@@ -401,7 +420,25 @@ impl Region {
         }
         region.check_header(opts)?;
 
-        // Phase 4: set our bit.
+        // Phase 4: claim our rank's pid word (0 -> pid), then set our bit.
+        // Claiming first makes a second process with the same rank fail
+        // before it can touch the mask, and lets peers see our pid as soon
+        // as our bit is visible.
+        let pid = std::process::id();
+        // A cross-process header word: core atomics, see `header`.
+        if let Err(other) = region.hdr().rank_pids()[rank].compare_exchange(
+            0,
+            pid,
+            core::sync::atomic::Ordering::AcqRel,
+            core::sync::atomic::Ordering::Acquire,
+        ) {
+            debug!(rank, other, "rank already claimed by another process");
+            region.forget_link();
+            return Err(RegionError::RankAlreadyMapped {
+                path: region.shared_path().to_path_buf(),
+                rank,
+            });
+        }
         let bit = 1u32 << rank;
         let full = full_mask(n);
         let (_, new) = match region.hdr().update(|w| {
@@ -438,8 +475,6 @@ impl Region {
                 });
             }
         };
-        region.hdr().rank_pids()[rank]
-            .store(std::process::id(), core::sync::atomic::Ordering::Release);
         if opts.huge_pages {
             region.huge_pages_advised = region.try_advise_huge_pages();
         }
@@ -511,6 +546,8 @@ impl Region {
         };
         let hdr = self.hdr();
         hdr.write_fields(&fields);
+        // Cross-process header word (core atomics, see `header`); published
+        // by the release CAS below.
         hdr.rank_pids()[self.rank].store(std::process::id(), core::sync::atomic::Ordering::Relaxed);
         let full = full_mask(n);
         let published = hdr.update(|w| {
@@ -581,7 +618,23 @@ impl Region {
                             .unlink_if_ours("timed out waiting for ranks")?;
                         return Err(e);
                     }
-                    Err(_) => continue, // Complete or Abandoned: handled above
+                    // Complete or Abandoned meanwhile: handled at the top.
+                    Err(w) if matches!(w.state, JoinState::Complete | JoinState::Abandoned) => {}
+                    Err(w) => {
+                        // Init or a foreign value after this rank joined:
+                        // the header was overwritten. Leave the file alone.
+                        self.forget_link();
+                        return Err(RegionError::BadHeader {
+                            path: self.shared_path().to_path_buf(),
+                            field: "join state",
+                            expected: JoinWord {
+                                state: JoinState::Ready,
+                                mask: w.mask,
+                            }
+                            .encode(),
+                            found: w.encode(),
+                        });
+                    }
                 }
             }
         }

