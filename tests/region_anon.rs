@@ -86,3 +86,11 @@ fn region_bigger_than_memory_is_typed() {
         other => panic!("expected MemoryTooSmall, got {other:?}"),
     }
 }
+
+#[test]
+fn region_types_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Region>();
+    send_sync::<kvoffload::region::RawRange>();
+    send_sync::<RegionError>();
+}

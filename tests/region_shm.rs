@@ -178,7 +178,7 @@ fn region_creator_times_out_and_unlinks_when_a_rank_never_maps() {
             };
             assert_eq!(phase, JoinPhase::RanksToMap);
             assert_eq!((mapped.clone(), missing.clone()), (vec![0], vec![1, 2]));
-            assert!(e.to_string().contains("unlinked"));
+            assert!(e.to_string().contains("no file left behind"));
         }
         other => panic!("expected JoinTimeout, got {other:?}"),
     }
@@ -386,4 +386,24 @@ fn region_bad_names_and_ranks_are_typed() {
     }
     assert!(shm_path(std::path::Path::new("/dev/shm"), "ok-name").is_ok());
     g.assert_gone();
+}
+
+#[test]
+fn region_joiner_seeing_abandoned_unlinks_what_the_abandoner_left() {
+    // The abandoning rank may die between its CAS and its unlink. Model the
+    // file it leaves with a second hard link to an abandoned region.
+    let g = ShmGuard::new("abandoned");
+    let left = ShmGuard::new("abandoned-left");
+    let p = opts(3000).wait_for_all(false);
+    let mut creator = Region::create(&g.name, small(2, 1), 0, &p).unwrap();
+    std::fs::hard_link(&g.path, &left.path).unwrap();
+    assert!(creator.unlink_now().unwrap());
+    g.assert_gone();
+    assert!(left.listed());
+    match Region::join(&left.name, small(2, 1), 1, &opts(1000)) {
+        Err(RegionError::Abandoned { mapped, .. }) => assert_eq!(mapped, vec![0]),
+        other => panic!("expected Abandoned, got {other:?}"),
+    }
+    left.assert_gone();
+    drop(creator);
 }
