@@ -1,0 +1,217 @@
+//! Typed errors of the region layer.
+//!
+//! Every error names the offending value and the limit it broke, so that a
+//! log line alone says what to change (DESIGN.md, "Bad input and faults").
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// What a joining or creating rank was waiting for when its timeout expired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JoinPhase {
+    /// The region file did not appear in the directory.
+    FileToAppear,
+    /// The file appeared but the creator never gave it its full size.
+    FileToBeSized,
+    /// The file had its size but the creator never marked it initialised.
+    CreatorToInitialise,
+    /// This rank had mapped the region but some other ranks never did.
+    RanksToMap,
+}
+
+impl std::fmt::Display for JoinPhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            JoinPhase::FileToAppear => "the region file to appear",
+            JoinPhase::FileToBeSized => "the creator to size the region file",
+            JoinPhase::CreatorToInitialise => "the creator to initialise the header",
+            JoinPhase::RanksToMap => "every rank to map the region",
+        })
+    }
+}
+
+/// Errors of the host region: bad sizes, capacity, the shared-file protocol
+/// and the system calls behind it.
+#[derive(Debug, thiserror::Error)]
+pub enum RegionError {
+    /// A size that must be positive was zero.
+    #[error("{what} is zero; it must be at least 1")]
+    ZeroSize {
+        /// Which size (e.g. `chunk_bytes`).
+        what: &'static str,
+    },
+
+    /// A size or offset was not a multiple of the alignment it needs.
+    #[error("{what} = {value} is not a multiple of {align} (the required alignment)")]
+    Misaligned {
+        /// Which size (e.g. `chunk_bytes`).
+        what: &'static str,
+        /// The value given.
+        value: u64,
+        /// The alignment it must be a multiple of.
+        align: u64,
+    },
+
+    /// A size computation overflowed `usize`.
+    #[error("{what} overflows: {detail}")]
+    SizeOverflow {
+        /// Which size.
+        what: &'static str,
+        /// The operands, for the log.
+        detail: String,
+    },
+
+    /// More ranks than the shared header has room for.
+    #[error("num_ranks = {num_ranks} exceeds the maximum of {max} ranks per region")]
+    TooManyRanks {
+        /// The number of ranks asked for.
+        num_ranks: usize,
+        /// The largest number supported ([`super::MAX_RANKS`]).
+        max: usize,
+    },
+
+    /// A rank index at or beyond the number of ranks.
+    #[error("rank {rank} is out of range: the region has {num_ranks} ranks (0..{num_ranks})")]
+    RankOutOfRange {
+        /// The rank given.
+        rank: usize,
+        /// The number of ranks of the layout.
+        num_ranks: usize,
+    },
+
+    /// A chunk (row) index at or beyond the number of chunks per rank.
+    #[error("chunk/row {index} is out of range: the region has {num_rows} rows (0..{num_rows})")]
+    RowOutOfRange {
+        /// The chunk or row index given.
+        index: usize,
+        /// The number of rows (= chunks per rank).
+        num_rows: usize,
+    },
+
+    /// A byte range that does not fit inside the region or chunk.
+    #[error("byte range {start}..{end} is out of range: the limit is {limit} bytes")]
+    RangeOutOfBounds {
+        /// Start of the range asked for.
+        start: usize,
+        /// End (exclusive) of the range asked for.
+        end: usize,
+        /// The size it must fit in.
+        limit: usize,
+    },
+
+    /// A registration chunk bound smaller than one row (rows cannot be split).
+    #[error("maximum registration chunk of {max_bytes} bytes is smaller than one row of {row_bytes} bytes")]
+    ChunkBoundBelowRow {
+        /// The bound asked for.
+        max_bytes: usize,
+        /// The size of one row.
+        row_bytes: usize,
+    },
+
+    /// A region name that cannot be a single file name.
+    #[error("bad region name {name:?}: {reason}")]
+    BadName {
+        /// The name given.
+        name: String,
+        /// Why it was refused.
+        reason: &'static str,
+    },
+
+    /// The shared-memory file system has less free space than the region needs.
+    #[error("region of {needed} bytes does not fit in {dir}: only {available} bytes free")]
+    ShmTooSmall {
+        /// The directory checked (normally `/dev/shm`).
+        dir: PathBuf,
+        /// Bytes the region needs (header included).
+        needed: u64,
+        /// Bytes free for an unprivileged user (`f_bavail * f_frsize`).
+        available: u64,
+    },
+
+    /// The machine has less available memory than the region needs.
+    #[error("region of {needed} bytes exceeds MemAvailable of {available} bytes (/proc/meminfo)")]
+    MemoryTooSmall {
+        /// Bytes the region needs.
+        needed: u64,
+        /// `MemAvailable` in bytes.
+        available: u64,
+    },
+
+    /// The region file already exists: a stale file from a crashed run, or
+    /// another run using the same name.
+    #[error("{path} already exists (stale file from a crashed run, or a name in use); remove it or create with force")]
+    AlreadyExists {
+        /// The file's path.
+        path: PathBuf,
+    },
+
+    /// A rank's timeout expired while it waited; the region was abandoned
+    /// and its file unlinked (if there was one).
+    #[error("timed out after {timeout:?} waiting for {phase} of {path} (ranks mapped: {mapped:?}, missing: {missing:?}); no file left behind")]
+    JoinTimeout {
+        /// The region file.
+        path: PathBuf,
+        /// What the rank was waiting for.
+        phase: JoinPhase,
+        /// The timeout that expired.
+        timeout: Duration,
+        /// Ranks that had mapped the region (empty when the header was not readable).
+        mapped: Vec<usize>,
+        /// Ranks that had not.
+        missing: Vec<usize>,
+    },
+
+    /// Another rank gave the region up (timeout or drop) before every rank mapped it.
+    #[error("{path} was abandoned by another rank before every rank mapped it (ranks mapped: {mapped:?})")]
+    Abandoned {
+        /// The region file.
+        path: PathBuf,
+        /// Ranks that had mapped the region.
+        mapped: Vec<usize>,
+    },
+
+    /// The file's header does not match what this rank expects.
+    #[error("bad header in {path}: {field} is {found}, expected {expected}")]
+    BadHeader {
+        /// The region file.
+        path: PathBuf,
+        /// The mismatching field (`magic`, `version`, `file size`, ...).
+        field: &'static str,
+        /// The value this rank expected.
+        expected: u64,
+        /// The value found in the file.
+        found: u64,
+    },
+
+    /// This rank's bit was already set in the header: two processes claim
+    /// the same rank, or the file is stale.
+    #[error("rank {rank} has already mapped {path} (duplicate rank or stale file)")]
+    RankAlreadyMapped {
+        /// The region file.
+        path: PathBuf,
+        /// The rank.
+        rank: usize,
+    },
+
+    /// A system call failed.
+    #[error("{op} failed on {path}: {source}")]
+    Io {
+        /// The operation (`open`, `ftruncate`, `mmap`, `statvfs`, ...).
+        op: &'static str,
+        /// The path it was applied to (the region file, or `/proc/meminfo`, or `<anonymous>`).
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl RegionError {
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        RegionError::Io {
+            op,
+            path: path.into(),
+            source,
+        }
+    }
+}

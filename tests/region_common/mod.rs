@@ -1,0 +1,148 @@
+//! Helpers shared by the region tests: unique names, cleanup guards, child
+//! processes re-executing the test binary.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use kvoffload::region::{shm_path, DEFAULT_SHM_DIR};
+
+/// Env var that makes a re-executed test binary play a child role.
+pub const ROLE_ENV: &str = "KVOFFLOAD_REGION_TEST_ROLE";
+/// Env var carrying the region name to a child.
+pub const NAME_ENV: &str = "KVOFFLOAD_REGION_TEST_NAME";
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// A region name unique to this process and call: `t<pid>-<n>-<tag>`.
+pub fn unique_name(tag: &str) -> String {
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("t{}-{}-{}", std::process::id(), n, tag)
+}
+
+/// Removes a region file on drop, whatever the test did.
+pub struct ShmGuard {
+    pub name: String,
+    pub path: PathBuf,
+}
+
+impl ShmGuard {
+    pub fn new(tag: &str) -> Self {
+        let name = unique_name(tag);
+        let path = shm_path(Path::new(DEFAULT_SHM_DIR), &name).unwrap();
+        ShmGuard { name, path }
+    }
+
+    /// Whether a file of this name is listed in /dev/shm.
+    pub fn listed(&self) -> bool {
+        let file_name = self.path.file_name().unwrap().to_owned();
+        std::fs::read_dir(DEFAULT_SHM_DIR)
+            .unwrap()
+            .any(|e| e.unwrap().file_name() == file_name)
+    }
+
+    /// Asserts no /dev/shm entry has this region's name.
+    #[track_caller]
+    pub fn assert_gone(&self) {
+        assert!(
+            !self.listed(),
+            "{} left behind in /dev/shm",
+            self.path.display()
+        );
+    }
+}
+
+impl Drop for ShmGuard {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// A child process that is killed and reaped on drop.
+pub struct ChildGuard {
+    pub child: Option<Child>,
+}
+
+impl ChildGuard {
+    /// Re-executes this test binary running only `test` (exact name) with
+    /// the child role `role`, region `name`, and stdin piped (a child may
+    /// block reading it until killed).
+    pub fn spawn(test: &str, role: &str, name: &str) -> Self {
+        let exe = std::env::current_exe().unwrap();
+        let child = Command::new(exe)
+            .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
+            .env(ROLE_ENV, role)
+            .env(NAME_ENV, name)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("spawn child");
+        ChildGuard { child: Some(child) }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    /// SIGKILL, then reap; returns the exit status.
+    pub fn kill9(&mut self) -> ExitStatus {
+        let mut c = self.child.take().unwrap();
+        // SAFETY: kill(2) on the pid of our own unreaped child (it cannot
+        // have been recycled: we have not waited for it yet).
+        let rc = unsafe { libc::kill(c.id() as i32, libc::SIGKILL) };
+        assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
+        c.wait().unwrap()
+    }
+
+    /// Waits for the child's exit status.
+    pub fn wait(&mut self) -> ExitStatus {
+        let mut c = self.child.take().unwrap();
+        drop(c.stdin.take());
+        c.wait().unwrap()
+    }
+
+    /// Polls whether the child has exited, without blocking.
+    pub fn try_exit(&mut self) -> Option<ExitStatus> {
+        self.child.as_mut().unwrap().try_wait().unwrap()
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The child role this process plays, if it was spawned as a child.
+pub fn child_role() -> Option<(String, String)> {
+    let role = std::env::var(ROLE_ENV).ok()?;
+    let name = std::env::var(NAME_ENV).expect("child without a region name");
+    Some((role, name))
+}
+
+/// Blocks until stdin closes (the parent kills us or drops the pipe).
+pub fn block_on_stdin() {
+    use std::io::Read;
+    let mut buf = [0u8; 1];
+    let _ = std::io::stdin().read(&mut buf);
+}
+
+/// Polls `cond` until it holds or `timeout` passes; returns whether it held.
+pub fn poll_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::yield_now();
+        std::thread::sleep(Duration::from_micros(200)); // poll interval, not synchronisation
+    }
+}

@@ -1,0 +1,409 @@
+//! The /dev/shm region within one process: ranks as threads (each with its
+//! own mapping), capacity and name errors, stale files, timeouts, header
+//! checks. Every test uses a unique name and a guard that removes the file
+//! whatever happens; each asserts no file is left.
+
+mod region_common;
+
+use std::time::Duration;
+
+use kvoffload::region::{
+    fs_available, page_size, shm_path, JoinPhase, Layout, Region, RegionError, RegionKind,
+    ShmOptions, DEFAULT_SHM_DIR, SHM_PREFIX,
+};
+use region_common::ShmGuard;
+
+fn small(n: usize, rows: usize) -> Layout {
+    Layout::new(n, page_size(), rows).unwrap()
+}
+
+fn opts(ms: u64) -> ShmOptions {
+    ShmOptions::new().timeout(Duration::from_millis(ms))
+}
+
+#[test]
+fn single_rank_region_is_unlinked_at_create() {
+    let g = ShmGuard::new("single");
+    assert!(g
+        .path
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .starts_with(SHM_PREFIX));
+    let mut r = Region::create(&g.name, small(1, 2), 0, &opts(1000)).unwrap();
+    g.assert_gone();
+    assert_eq!(r.kind(), RegionKind::Shared);
+    assert!(!r.is_linked());
+    assert_eq!(r.path(), Some(g.path.as_path()));
+    assert_eq!(r.mapped_ranks(), vec![0]);
+    assert_eq!(r.rank_pids().unwrap(), vec![std::process::id()]);
+    assert_eq!(r.rank_slots().unwrap().len(), 1);
+    assert!(r.as_slice().is_none());
+    // The header page precedes the data.
+    assert_eq!(r.mapping_range().len(), r.len() + 4096.max(page_size()));
+    assert_eq!(r.as_ptr() as usize % page_size(), 0);
+    r.own_chunk_mut(1).unwrap().fill(0xab);
+    assert!(r.own_chunk(1).unwrap().iter().all(|b| *b == 0xab));
+}
+
+#[test]
+fn region_ranks_as_threads_see_each_others_writes_and_file_goes() {
+    let g = ShmGuard::new("threads");
+    let n = 3;
+    let l = small(n, 4);
+    let regions: Vec<Region> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let name = g.name.clone();
+                s.spawn(move || {
+                    if rank == 0 {
+                        Region::create(&name, l, 0, &opts(10_000))
+                    } else {
+                        Region::join(&name, l, rank, &opts(10_000))
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    g.assert_gone();
+    let mut regions = regions;
+    for (rank, r) in regions.iter_mut().enumerate() {
+        assert_eq!(r.rank(), rank);
+        assert_eq!(r.mapped_ranks(), vec![0, 1, 2]);
+        for c in 0..4 {
+            r.own_chunk_mut(c).unwrap().fill((rank * 16 + c) as u8);
+        }
+    }
+    let pids = regions[0].rank_pids().unwrap();
+    assert_eq!(pids, vec![std::process::id(); 3]);
+    // Every mapping sees every rank's chunks.
+    for r in &regions {
+        for rank in 0..n {
+            for c in 0..4 {
+                let mut buf = vec![0u8; page_size()];
+                r.read_chunk(rank, c, 0, &mut buf).unwrap();
+                assert!(buf.iter().all(|b| *b == (rank * 16 + c) as u8));
+            }
+        }
+    }
+    // The reserved per-rank words are shared too.
+    regions[1].rank_slots().unwrap()[1].store(5, std::sync::atomic::Ordering::Release);
+    assert_eq!(
+        regions[2].rank_slots().unwrap()[1].load(std::sync::atomic::Ordering::Acquire),
+        5
+    );
+    drop(regions);
+    g.assert_gone();
+}
+
+#[test]
+fn region_bigger_than_shm_is_typed_and_leaves_no_file() {
+    let g = ShmGuard::new("toobig");
+    let free = fs_available(std::path::Path::new(DEFAULT_SHM_DIR)).unwrap();
+    let rows = (free / page_size() as u64 + 16) as usize;
+    let l = Layout::new(1, page_size(), rows).unwrap();
+    match Region::create(&g.name, l, 0, &opts(100)) {
+        Err(e @ RegionError::ShmTooSmall { .. }) => {
+            let RegionError::ShmTooSmall {
+                needed,
+                available,
+                ref dir,
+            } = e
+            else {
+                unreachable!()
+            };
+            assert!(needed > available && needed >= l.data_bytes() as u64);
+            assert_eq!(dir, std::path::Path::new(DEFAULT_SHM_DIR));
+            let msg = e.to_string();
+            assert!(
+                msg.contains(&needed.to_string()) && msg.contains(&available.to_string()),
+                "{msg}"
+            );
+        }
+        other => panic!("expected ShmTooSmall, got {other:?}"),
+    }
+    g.assert_gone();
+}
+
+#[test]
+fn region_stale_file_is_reported_and_force_replaces_it() {
+    let g = ShmGuard::new("stale");
+    std::fs::write(&g.path, b"left by a crashed run").unwrap();
+    match Region::create(&g.name, small(1, 1), 0, &opts(100)) {
+        Err(e @ RegionError::AlreadyExists { .. }) => {
+            assert!(e.to_string().contains(g.path.to_str().unwrap()));
+        }
+        other => panic!("expected AlreadyExists, got {other:?}"),
+    }
+    assert!(
+        g.listed(),
+        "a refused create must not remove the existing file"
+    );
+    let r = Region::create(&g.name, small(1, 1), 0, &opts(100).force(true)).unwrap();
+    g.assert_gone();
+    drop(r);
+}
+
+#[test]
+fn region_join_times_out_when_the_file_never_appears() {
+    let g = ShmGuard::new("noappear");
+    match Region::join(&g.name, small(2, 1), 1, &opts(100)) {
+        Err(RegionError::JoinTimeout {
+            phase: JoinPhase::FileToAppear,
+            missing,
+            ..
+        }) => {
+            assert_eq!(missing, vec![0, 1]);
+        }
+        other => panic!("expected JoinTimeout, got {other:?}"),
+    }
+    g.assert_gone();
+}
+
+#[test]
+fn region_creator_times_out_and_unlinks_when_a_rank_never_maps() {
+    let g = ShmGuard::new("nojoiner");
+    match Region::create(&g.name, small(3, 1), 0, &opts(150)) {
+        Err(e @ RegionError::JoinTimeout { .. }) => {
+            let RegionError::JoinTimeout {
+                phase,
+                ref mapped,
+                ref missing,
+                ..
+            } = e
+            else {
+                unreachable!()
+            };
+            assert_eq!(phase, JoinPhase::RanksToMap);
+            assert_eq!((mapped.clone(), missing.clone()), (vec![0], vec![1, 2]));
+            assert!(e.to_string().contains("no file left behind"));
+        }
+        other => panic!("expected JoinTimeout, got {other:?}"),
+    }
+    g.assert_gone();
+}
+
+#[test]
+fn region_joiner_unlinks_a_file_the_creator_never_sized() {
+    // What a creator killed between open(O_EXCL) and ftruncate leaves.
+    let g = ShmGuard::new("unsized");
+    std::fs::File::create(&g.path).unwrap();
+    match Region::join(&g.name, small(2, 1), 1, &opts(150)) {
+        Err(RegionError::JoinTimeout {
+            phase: JoinPhase::FileToBeSized,
+            ..
+        }) => {}
+        other => panic!("expected JoinTimeout, got {other:?}"),
+    }
+    g.assert_gone();
+}
+
+#[test]
+fn region_joiner_unlinks_a_file_the_creator_never_initialised() {
+    // What a creator killed between ftruncate and publishing READY leaves.
+    let g = ShmGuard::new("uninit");
+    let l = small(2, 1);
+    let f = std::fs::File::create(&g.path).unwrap();
+    f.set_len((l.data_bytes() + 4096.max(page_size())) as u64)
+        .unwrap();
+    match Region::join(&g.name, l, 1, &opts(150)) {
+        Err(RegionError::JoinTimeout {
+            phase: JoinPhase::CreatorToInitialise,
+            ..
+        }) => {}
+        other => panic!("expected JoinTimeout, got {other:?}"),
+    }
+    g.assert_gone();
+}
+
+#[test]
+fn region_header_mismatches_are_typed() {
+    let g = ShmGuard::new("mismatch");
+    let p = page_size();
+    // 2 ranks x 1 page x 2 rows; the creator does not wait for the others.
+    let creator = Region::create(
+        &g.name,
+        small(2, 2),
+        0,
+        &opts(5000).wait_for_all(false).session(7),
+    )
+    .unwrap();
+    assert!(g.listed());
+    // Different total size.
+    match Region::join(&g.name, small(2, 3), 1, &opts(200).session(7)) {
+        Err(RegionError::BadHeader {
+            field: "file size",
+            expected,
+            found,
+            ..
+        }) => {
+            assert_eq!(found as usize, 4 * p + 4096.max(p));
+            assert_eq!(expected as usize, 6 * p + 4096.max(p));
+        }
+        other => panic!("expected BadHeader(file size), got {other:?}"),
+    }
+    // Same total, other shape.
+    match Region::join(&g.name, small(4, 1), 1, &opts(200).session(7)) {
+        Err(RegionError::BadHeader {
+            field: "num_ranks",
+            expected: 4,
+            found: 2,
+            ..
+        }) => {}
+        other => panic!("expected BadHeader(num_ranks), got {other:?}"),
+    }
+    // Another launch's session.
+    match Region::join(&g.name, small(2, 2), 1, &opts(200).session(8)) {
+        Err(RegionError::BadHeader {
+            field: "session",
+            expected: 8,
+            found: 7,
+            ..
+        }) => {}
+        other => panic!("expected BadHeader(session), got {other:?}"),
+    }
+    // Rank 0 is the creator's.
+    match Region::join(&g.name, small(2, 2), 0, &opts(200).session(7)) {
+        Err(RegionError::RankAlreadyMapped { rank: 0, .. }) => {}
+        other => panic!("expected RankAlreadyMapped, got {other:?}"),
+    }
+    // None of the refused joiners removed the file or broke the region.
+    assert!(g.listed());
+    assert_eq!(creator.mapped_ranks(), vec![0]);
+    let joiner = Region::join(&g.name, small(2, 2), 1, &opts(2000).session(7)).unwrap();
+    g.assert_gone();
+    drop((creator, joiner));
+}
+
+#[test]
+fn region_foreign_file_with_bad_magic_is_refused_and_left_alone() {
+    let g = ShmGuard::new("magic");
+    let l = small(1, 1);
+    let total = l.data_bytes() + 4096.max(page_size());
+    let mut bytes = vec![0u8; total];
+    bytes[..8].copy_from_slice(b"NOTOURS!");
+    bytes[64 + 4..64 + 8].copy_from_slice(&1u32.to_ne_bytes()); // join state READY
+    std::fs::write(&g.path, &bytes).unwrap();
+    match Region::join(&g.name, l, 0, &opts(200)) {
+        Err(RegionError::BadHeader { field: "magic", .. }) => {}
+        other => panic!("expected BadHeader(magic), got {other:?}"),
+    }
+    assert!(
+        g.listed(),
+        "a joiner must not remove a file that is not a region"
+    );
+}
+
+#[test]
+fn region_dropping_or_unlinking_before_all_mapped_abandons() {
+    let p = opts(3000).wait_for_all(false);
+    // unlink_now: the file goes, the memory stays usable, late joiners fail.
+    let g = ShmGuard::new("unlinknow");
+    let mut creator = Region::create(&g.name, small(3, 1), 0, &p).unwrap();
+    let mut joiner = Region::join(&g.name, small(3, 1), 1, &p).unwrap();
+    assert_eq!(creator.mapped_ranks(), vec![0, 1]);
+    assert!(creator.unlink_now().unwrap());
+    g.assert_gone();
+    assert!(!creator.is_linked());
+    creator.own_chunk_mut(0).unwrap().fill(3);
+    let mut b = [0u8];
+    joiner.read_chunk(0, 0, 0, &mut b).unwrap();
+    assert_eq!(b[0], 3);
+    match joiner.wait_all_mapped(Duration::from_secs(2)) {
+        Err(RegionError::Abandoned { mapped, .. }) => assert_eq!(mapped, vec![0, 1]),
+        other => panic!("expected Abandoned, got {other:?}"),
+    }
+    match Region::join(&g.name, small(3, 1), 2, &opts(100)) {
+        Err(RegionError::JoinTimeout {
+            phase: JoinPhase::FileToAppear,
+            ..
+        }) => {}
+        other => panic!("expected JoinTimeout, got {other:?}"),
+    }
+    drop((creator, joiner));
+
+    // Drop of the creator before the others joined.
+    let g = ShmGuard::new("dropearly");
+    let creator = Region::create(&g.name, small(2, 1), 0, &p).unwrap();
+    assert!(g.listed());
+    drop(creator);
+    g.assert_gone();
+}
+
+#[test]
+fn region_wait_all_mapped_later() {
+    let g = ShmGuard::new("waitlater");
+    let p = opts(3000).wait_for_all(false);
+    let mut creator = Region::create(&g.name, small(2, 1), 0, &p).unwrap();
+    assert!(creator.is_linked());
+    let joiner = std::thread::scope(|s| {
+        s.spawn(|| Region::join(&g.name, small(2, 1), 1, &p).unwrap())
+            .join()
+            .unwrap()
+    });
+    // The joiner completed the mask and unlinked the file itself.
+    g.assert_gone();
+    creator.wait_all_mapped(Duration::from_secs(1)).unwrap();
+    assert!(!creator.is_linked());
+    drop((creator, joiner));
+}
+
+#[test]
+fn region_huge_page_option_aligns_the_data_to_2mib() {
+    let g = ShmGuard::new("huge");
+    let l = Layout::new(1, 2 << 20, 1).unwrap();
+    let r = Region::create(&g.name, l, 0, &opts(1000).huge_pages(true)).unwrap();
+    g.assert_gone();
+    let base = r.mapping_range().as_ptr() as usize;
+    assert_eq!(r.as_ptr() as usize - base, 2 << 20);
+    assert_eq!(r.mapping_range().len(), 4 << 20);
+}
+
+#[test]
+fn region_bad_names_and_ranks_are_typed() {
+    let g = ShmGuard::new("badrank");
+    assert!(matches!(
+        Region::create(&g.name, small(2, 1), 2, &opts(100)),
+        Err(RegionError::RankOutOfRange {
+            rank: 2,
+            num_ranks: 2
+        })
+    ));
+    assert!(matches!(
+        Region::join(&g.name, small(2, 1), 5, &opts(100)),
+        Err(RegionError::RankOutOfRange {
+            rank: 5,
+            num_ranks: 2
+        })
+    ));
+    for bad in ["", "a/b", "nul\0", &"x".repeat(201)] {
+        assert!(matches!(
+            Region::create(bad, small(1, 1), 0, &opts(100)),
+            Err(RegionError::BadName { .. })
+        ));
+    }
+    assert!(shm_path(std::path::Path::new("/dev/shm"), "ok-name").is_ok());
+    g.assert_gone();
+}
+
+#[test]
+fn region_joiner_seeing_abandoned_unlinks_what_the_abandoner_left() {
+    // The abandoning rank may die between its CAS and its unlink. Model the
+    // file it leaves with a second hard link to an abandoned region.
+    let g = ShmGuard::new("abandoned");
+    let left = ShmGuard::new("abandoned-left");
+    let p = opts(3000).wait_for_all(false);
+    let mut creator = Region::create(&g.name, small(2, 1), 0, &p).unwrap();
+    std::fs::hard_link(&g.path, &left.path).unwrap();
+    assert!(creator.unlink_now().unwrap());
+    g.assert_gone();
+    assert!(left.listed());
+    match Region::join(&left.name, small(2, 1), 1, &opts(1000)) {
+        Err(RegionError::Abandoned { mapped, .. }) => assert_eq!(mapped, vec![0]),
+        other => panic!("expected Abandoned, got {other:?}"),
+    }
+    left.assert_gone();
+    drop(creator);
+}
