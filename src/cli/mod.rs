@@ -2,6 +2,7 @@
 //! per subcommand. Every failure ends as one line on stderr and a non-zero
 //! exit status, never a panic.
 
+mod bench;
 mod conform;
 
 use clap::{Parser, Subcommand};
@@ -22,6 +23,9 @@ enum Command {
     /// Re-measure the driver rules of FACTS.md section 1 on a backend and
     /// print expected against observed, one row a scenario.
     Conform(conform::Args),
+    /// Benchmarks, each against its baseline in the same run.
+    #[command(subcommand)]
+    Bench(bench::Bench),
 }
 
 /// Exit status: 0 success, 1 a check failed (mismatch), 2 usage or
@@ -34,6 +38,7 @@ pub fn main() -> i32 {
     init_logging(cli.verbose);
     let result = match cli.command {
         Command::Conform(a) => conform::run(a),
+        Command::Bench(b) => bench::run(b),
     };
     match result {
         Ok(code) => code,
