@@ -16,4 +16,6 @@ pub mod runtime;
 #[cfg(not(loom))]
 pub mod conform;
 pub mod manager;
+pub mod pin;
+pub mod protocol;
 pub mod region;

@@ -1,0 +1,151 @@
+//! The registration loop: chunk by chunk through the coordinator, with
+//! cancellation between chunks and all-or-nothing rollback (P8).
+
+use crate::protocol::{Coordinator, PageableReason, PinState, ProtocolError, Variant};
+use crate::runtime::GpuRuntime;
+use crate::sync::{thread, Arc};
+
+/// Makes a chunk's pages resident before it is registered (registration of
+/// touched pages is several times faster than of untouched ones, FACTS 3).
+pub trait Prefault: Send + Sync {
+    /// Returns once chunk `i` (`len` bytes at `addr`) is resident.
+    fn ensure(&self, i: usize, addr: usize, len: usize) -> Result<(), String>;
+    /// Chunk `i` comes next after the one being registered: an
+    /// implementation may start faulting it in the background.
+    fn hint(&self, _i: usize, _addr: usize, _len: usize) {}
+}
+
+/// No pre-faulting: the driver faults pages itself during registration.
+pub struct NoPrefault;
+
+impl Prefault for NoPrefault {
+    fn ensure(&self, _i: usize, _addr: usize, _len: usize) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// Pins every chunk of `coord` on the calling thread and returns the final
+/// state (also published through the coordinator).
+///
+/// - Between chunks it stops if pinning was cancelled (shutdown or
+///   [`Coordinator::cancel_pinning`]).
+/// - Each registration is a capture-unsafe call made through the
+///   coordinator, so it never overlaps a capture window.
+/// - On any failure at chunk k, chunks k-1 .. 0 are unregistered, last
+///   first, and the region continues on pageable memory with the reason.
+pub fn pin_all(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault) -> PinState {
+    if !coord.pin_begin() {
+        // Cancelled before it started, or already pinned by someone else.
+        let s = coord.pin_state();
+        if s.is_final() {
+            return s;
+        }
+        let s = PinState::Pageable(PageableReason::Cancelled);
+        coord.pin_finish(s.clone());
+        return s;
+    }
+    let n = coord.chunk_count();
+    let span = tracing::info_span!("pin", chunks = n);
+    let _e = span.enter();
+    for i in 0..n {
+        if coord.pin_cancelled() {
+            return fail(rt, coord, i, PageableReason::Cancelled);
+        }
+        let (addr, len) = coord.chunk_range(i);
+        if let Err(e) = prefault.ensure(i, addr, len) {
+            return fail(rt, coord, i, PageableReason::HostMemory(e));
+        }
+        if i + 1 < n {
+            let (a, l) = coord.chunk_range(i + 1);
+            prefault.hint(i + 1, a, l);
+        }
+        match coord.register_chunk(rt, i) {
+            Ok(Ok(())) => tracing::debug!(chunk = i, of = n, bytes = len, "chunk registered"),
+            Ok(Err(e)) => {
+                tracing::warn!(chunk = i, error = %e, "registration failed; rolling back to pageable memory");
+                return fail(rt, coord, i, PageableReason::from_driver(e));
+            }
+            Err(ProtocolError::WouldDeadlock { .. }) | Err(_) => {
+                return fail(rt, coord, i, PageableReason::Cancelled);
+            }
+        }
+    }
+    coord.pin_finish(PinState::Pinned);
+    PinState::Pinned
+}
+
+/// Rolls back chunks `0..failed` (last first) and publishes Pageable.
+fn fail(rt: &dyn GpuRuntime, coord: &Coordinator, failed: usize, reason: PageableReason) -> PinState {
+    let order: Vec<usize> = if coord.is(Variant::ForgetfulRollback) {
+        // N7: only the chunk registered last is undone.
+        failed.checked_sub(1).into_iter().collect()
+    } else {
+        (0..failed).rev().collect()
+    };
+    for j in order {
+        match coord.unregister_chunk(rt, j) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(chunk = j, error = %e, "rollback: unregister failed"),
+            Err(e) => tracing::error!(chunk = j, error = %e, "rollback: unregister refused"),
+        }
+    }
+    let s = PinState::Pageable(reason);
+    coord.pin_finish(s.clone());
+    s
+}
+
+/// Pinning running on its own thread while the caller goes on. Its state
+/// is observable and waitable through the coordinator
+/// ([`Coordinator::pin_state`], [`Coordinator::wait_pin_final`]).
+pub struct PinHandle {
+    coord: Arc<Coordinator>,
+    thread: Option<thread::JoinHandle<PinState>>,
+}
+
+impl PinHandle {
+    /// Starts [`pin_all`] on a new thread.
+    pub fn spawn(rt: Arc<dyn GpuRuntime>, coord: Arc<Coordinator>, prefault: Arc<dyn Prefault>) -> PinHandle {
+        let c = coord.clone();
+        let thread = thread::spawn(move || pin_all(rt.as_ref(), &c, prefault.as_ref()));
+        PinHandle { coord, thread: Some(thread) }
+    }
+
+    /// The current state.
+    pub fn state(&self) -> PinState {
+        self.coord.pin_state()
+    }
+
+    /// Asks the pinner to stop at the next chunk boundary and roll back.
+    pub fn cancel(&self) {
+        self.coord.cancel_pinning();
+    }
+
+    /// Waits for the pinning thread and returns its final state.
+    pub fn join(mut self) -> PinState {
+        self.join_inner()
+    }
+
+    fn join_inner(&mut self) -> PinState {
+        match self.thread.take() {
+            Some(t) => t.join().unwrap_or_else(|_| {
+                let s = PinState::Pageable(PageableReason::HostMemory("pinning thread panicked".into()));
+                self.coord.pin_finish(s.clone());
+                s
+            }),
+            None => self.coord.pin_state(),
+        }
+    }
+}
+
+impl Drop for PinHandle {
+    /// A handle dropped early cancels pinning and waits for the rollback,
+    /// so no registration outlives its owner unnoticed.
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            if !self.coord.pin_state().is_final() {
+                self.coord.cancel_pinning();
+            }
+            self.join_inner();
+        }
+    }
+}

@@ -1,0 +1,7 @@
+//! Pinning the host region: chunked registration through the capture-safety
+//! coordinator, in the background or on the caller's thread, with rollback
+//! to pageable memory on any failure.
+
+mod engine;
+
+pub use engine::{pin_all, NoPrefault, PinHandle, Prefault};

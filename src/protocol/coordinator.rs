@@ -1,0 +1,584 @@
+//! The coordinator: one lock and one condition variable that every party
+//! of the capture-safety protocol goes through.
+//!
+//! Parties: the engine (opens capture windows, registers graphs, submits
+//! jobs, shuts down), the pinner (registers and unregisters chunks), the
+//! transfer engine (admits jobs, polls events, launches the gather kernel
+//! on registered chunks). The rules, each the argument of a property in
+//! docs/PROOFS.md:
+//!
+//! - A capture-unsafe driver call by the library ([`Coordinator::unsafe_call`])
+//!   starts only while no window is open, and a window opens only while no
+//!   such call is in flight (P1). Windows that could open take precedence
+//!   over new calls, so a window waits for at most the calls in flight: one
+//!   chunk's registration (P2, Interleave).
+//! - With [`CapturePolicy::AfterPinning`] a window opens only once pinning
+//!   is final (P2).
+//! - The gather kernel gets a chunk's device alias only while the chunk is
+//!   registered, and unregistering a chunk waits for those users (P3).
+//! - Shutdown refuses while a window is open or registered graphs live,
+//!   then refuses new work, drains jobs and stops pinning before anything
+//!   is unregistered (P4).
+//! - Waiting for pinning inside one's own window under Interleave is a
+//!   typed error, not a deadlock (P6).
+
+use crate::runtime::{DevicePtr, DriverError, GpuRuntime};
+use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
+
+use super::error::{PinState, ProtocolError};
+
+/// When capture windows may open.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum CapturePolicy {
+    /// Only once pinning reached a final state (Pinned or Pageable).
+    #[default]
+    AfterPinning,
+    /// While pinning runs too: the pinner stops at the next chunk boundary
+    /// and resumes when the window closes.
+    Interleave,
+}
+
+/// The production protocol, or one of the known-bad variants that the
+/// negative models (N1-N7 in DESIGN.md) run. Only loom builds can select a
+/// variant; every other build is always `Production`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum Variant {
+    #[default]
+    Production,
+    /// N1: upstream's design: no capture window (windows open at once,
+    /// library calls are not held back).
+    NoCaptureWindow,
+    /// N2: shutdown unregisters without draining transfers.
+    NoDrainBeforeUnregister,
+    /// N3: the completion poller queries events even while a window is open.
+    UngatedPoller,
+    /// N4: the gather kernel gets an alias without checking registration.
+    UncheckedGather,
+    /// N5: shutdown ignores graphs that still reference the region.
+    IgnoreLiveGraphs,
+    /// N6: waiting for pinning inside a window is allowed (and hangs).
+    WaitInsideWindow,
+    /// N7: rollback unregisters only the chunk that failed last.
+    ForgetfulRollback,
+}
+
+/// Registration state of one chunk of the region.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ChunkReg {
+    Unregistered,
+    Registered { alias: DevicePtr },
+    /// Being unregistered: no new users.
+    Unregistering,
+}
+
+#[derive(Debug)]
+struct Chunk {
+    addr: usize,
+    len: usize,
+    reg: ChunkReg,
+    /// Gather launches between their registration check and their enqueue.
+    users: usize,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Phase {
+    Running,
+    ShuttingDown,
+    Down,
+}
+
+struct State {
+    policy: CapturePolicy,
+    variant: Variant,
+    pin: PinState,
+    cancel_pin: bool,
+    windows_open: usize,
+    window_owners: Vec<thread::ThreadId>,
+    windows_waiting: usize,
+    unsafe_in_flight: usize,
+    jobs_in_flight: usize,
+    graphs_live: usize,
+    phase: Phase,
+    chunks: Vec<Chunk>,
+}
+
+impl State {
+    fn window_could_open(&self) -> bool {
+        self.policy == CapturePolicy::Interleave || self.pin.is_final()
+    }
+
+    fn window_may_open(&self) -> bool {
+        if self.variant == Variant::NoCaptureWindow {
+            return true;
+        }
+        self.unsafe_in_flight == 0 && self.window_could_open()
+    }
+
+    fn unsafe_may_start(&self) -> bool {
+        if self.variant == Variant::NoCaptureWindow {
+            return true;
+        }
+        self.windows_open == 0 && !(self.windows_waiting > 0 && self.window_could_open())
+    }
+
+    fn owns_window(&self, me: thread::ThreadId) -> bool {
+        self.window_owners.contains(&me)
+    }
+}
+
+/// Shared by every thread of one offloader (`Arc<Coordinator>`).
+pub struct Coordinator {
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+/// An open capture window. The engine captures its graphs while holding
+/// one; dropping it closes the window.
+#[must_use = "the window closes when this guard is dropped"]
+pub struct CaptureWindow {
+    coord: Arc<Coordinator>,
+    owner: thread::ThreadId,
+}
+
+impl Drop for CaptureWindow {
+    fn drop(&mut self) {
+        let mut g = self.coord.lock();
+        g.windows_open -= 1;
+        if let Some(i) = g.window_owners.iter().position(|t| *t == self.owner) {
+            g.window_owners.swap_remove(i);
+        }
+        tracing::debug!(open = g.windows_open, "capture window closed");
+        self.coord.cv.notify_all();
+    }
+}
+
+/// A job admitted before shutdown; shutdown waits until every ticket is
+/// dropped (the job completed or failed).
+#[must_use]
+pub struct JobTicket {
+    coord: Arc<Coordinator>,
+}
+
+impl Drop for JobTicket {
+    fn drop(&mut self) {
+        let mut g = self.coord.lock();
+        g.jobs_in_flight -= 1;
+        self.coord.cv.notify_all();
+    }
+}
+
+/// A graph the engine captured that references the region. Shutdown is
+/// refused while one exists; drop it after destroying the graph.
+#[must_use]
+pub struct GraphToken {
+    coord: Arc<Coordinator>,
+}
+
+impl Drop for GraphToken {
+    fn drop(&mut self) {
+        let mut g = self.coord.lock();
+        g.graphs_live -= 1;
+        self.coord.cv.notify_all();
+    }
+}
+
+/// The device alias of registered host memory, valid while held: the chunk
+/// cannot start unregistering until the guard is dropped (after the kernel
+/// that uses it was enqueued; the driver's unregister then waits for it).
+pub struct AliasGuard {
+    coord: Arc<Coordinator>,
+    chunk: usize,
+    /// Device address of the requested host address.
+    pub device: DevicePtr,
+}
+
+impl Drop for AliasGuard {
+    fn drop(&mut self) {
+        let mut g = self.coord.lock();
+        if let Some(c) = g.chunks.get_mut(self.chunk) {
+            c.users -= 1;
+        }
+        self.coord.cv.notify_all();
+    }
+}
+
+fn me() -> thread::ThreadId {
+    thread::current().id()
+}
+
+impl Coordinator {
+    /// A coordinator for a region cut into `chunks` (address, length) pieces,
+    /// the units of registration.
+    pub fn new(policy: CapturePolicy, chunks: &[(usize, usize)]) -> Arc<Self> {
+        Arc::new(Coordinator {
+            state: Mutex::new(State {
+                policy,
+                variant: Variant::Production,
+                pin: PinState::Pending,
+                cancel_pin: false,
+                windows_open: 0,
+                window_owners: Vec::new(),
+                windows_waiting: 0,
+                unsafe_in_flight: 0,
+                jobs_in_flight: 0,
+                graphs_live: 0,
+                phase: Phase::Running,
+                chunks: chunks
+                    .iter()
+                    .map(|&(addr, len)| Chunk { addr, len, reg: ChunkReg::Unregistered, users: 0 })
+                    .collect(),
+            }),
+            cv: Condvar::new(),
+        })
+    }
+
+    /// Selects a known-bad variant (negative models only).
+    #[cfg(loom)]
+    pub fn set_variant(&self, v: Variant) {
+        self.lock().variant = v;
+    }
+
+    /// True when this coordinator runs variant `v` (always false outside
+    /// loom builds for every variant but `Production`).
+    pub fn is(&self, v: Variant) -> bool {
+        self.lock().variant == v
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        sync::lock(&self.state)
+    }
+
+    fn wait<'a>(&self, g: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        sync::wait(&self.cv, g)
+    }
+
+    pub fn policy(&self) -> CapturePolicy {
+        self.lock().policy
+    }
+
+    // ---- capture windows (engine) ----
+
+    /// Opens a capture window, waiting until the policy allows it and no
+    /// capture-unsafe library call is in flight.
+    pub fn open_window(self: &Arc<Self>) -> Result<CaptureWindow, ProtocolError> {
+        let me = me();
+        let mut g = self.lock();
+        if g.phase != Phase::Running {
+            return Err(ProtocolError::ShutDown);
+        }
+        if g.owns_window(me) {
+            return Err(ProtocolError::NestedWindow);
+        }
+        g.windows_waiting += 1;
+        self.cv.notify_all();
+        while !g.window_may_open() && g.phase == Phase::Running {
+            g = self.wait(g);
+        }
+        g.windows_waiting -= 1;
+        if g.phase != Phase::Running {
+            self.cv.notify_all();
+            return Err(ProtocolError::ShutDown);
+        }
+        g.windows_open += 1;
+        g.window_owners.push(me);
+        tracing::debug!(open = g.windows_open, pin = ?g.pin, "capture window opened");
+        Ok(CaptureWindow { coord: self.clone(), owner: me })
+    }
+
+    /// Windows open right now.
+    pub fn windows_open(&self) -> usize {
+        self.lock().windows_open
+    }
+
+    // ---- capture-unsafe library calls ----
+
+    /// Runs `f`, a capture-unsafe driver call of a library thread, at a
+    /// moment no capture window is open; windows wait for it to return.
+    pub fn unsafe_call<T>(&self, what: &'static str, f: impl FnOnce() -> T) -> Result<T, ProtocolError> {
+        let mut g = self.lock();
+        if g.owns_window(me()) && g.variant != Variant::NoCaptureWindow {
+            return Err(ProtocolError::WouldDeadlock { what });
+        }
+        while !g.unsafe_may_start() {
+            g = self.wait(g);
+        }
+        g.unsafe_in_flight += 1;
+        drop(g);
+        let out = f();
+        let mut g = self.lock();
+        g.unsafe_in_flight -= 1;
+        self.cv.notify_all();
+        Ok(out)
+    }
+
+    /// Like [`Coordinator::unsafe_call`] but never waits: `WindowBusy` when
+    /// a window is open or about to open (the poller tries again later).
+    pub fn try_unsafe_call<T>(&self, f: impl FnOnce() -> T) -> Result<T, ProtocolError> {
+        let mut g = self.lock();
+        let bypass = g.variant == Variant::UngatedPoller;
+        if !bypass && (g.owns_window(me()) || !g.unsafe_may_start()) {
+            return Err(ProtocolError::WindowBusy);
+        }
+        g.unsafe_in_flight += 1;
+        drop(g);
+        let out = f();
+        let mut g = self.lock();
+        g.unsafe_in_flight -= 1;
+        self.cv.notify_all();
+        Ok(out)
+    }
+
+    /// Blocks until no window is open or waiting to open (for a poller that
+    /// got `WindowBusy` and has nothing else to do).
+    pub fn wait_no_window(&self) -> Result<(), ProtocolError> {
+        let mut g = self.lock();
+        if g.owns_window(me()) {
+            return Err(ProtocolError::WouldDeadlock { what: "waiting for a transfer" });
+        }
+        while !g.unsafe_may_start() {
+            g = self.wait(g);
+        }
+        Ok(())
+    }
+
+    // ---- pinning (pinner) ----
+
+    /// Pin state right now.
+    pub fn pin_state(&self) -> PinState {
+        self.lock().pin.clone()
+    }
+
+    /// Number of chunks.
+    pub fn chunk_count(&self) -> usize {
+        self.lock().chunks.len()
+    }
+
+    /// Address and length of chunk `i`.
+    pub fn chunk_range(&self, i: usize) -> (usize, usize) {
+        let g = self.lock();
+        (g.chunks[i].addr, g.chunks[i].len)
+    }
+
+    /// Registration state of chunk `i`.
+    pub fn chunk_reg(&self, i: usize) -> Option<ChunkReg> {
+        self.lock().chunks.get(i).map(|c| c.reg)
+    }
+
+    /// Chunks registered right now.
+    pub fn registered_chunks(&self) -> usize {
+        self.lock().chunks.iter().filter(|c| matches!(c.reg, ChunkReg::Registered { .. })).count()
+    }
+
+    /// Pinning starts; returns false if it was cancelled before starting.
+    pub fn pin_begin(&self) -> bool {
+        let mut g = self.lock();
+        if g.cancel_pin || g.pin != PinState::Pending {
+            return false;
+        }
+        g.pin = PinState::Pinning { done: 0, total: g.chunks.len() };
+        self.cv.notify_all();
+        true
+    }
+
+    /// True once a cancel (or shutdown) asked pinning to stop.
+    pub fn pin_cancelled(&self) -> bool {
+        self.lock().cancel_pin
+    }
+
+    /// Asks pinning to stop at the next chunk boundary and roll back.
+    pub fn cancel_pinning(&self) {
+        let mut g = self.lock();
+        g.cancel_pin = true;
+        self.cv.notify_all();
+    }
+
+    /// Registers chunk `i` (and looks up its device alias) as a
+    /// capture-unsafe call.
+    pub fn register_chunk(&self, rt: &dyn GpuRuntime, i: usize) -> Result<Result<(), DriverError>, ProtocolError> {
+        let (addr, len) = self.chunk_range(i);
+        let r = self.unsafe_call("registering a chunk", || {
+            // SAFETY: chunks describe the region's mapping, which outlives
+            // the coordinator's registrations: the offloader unregisters
+            // every chunk before it unmaps.
+            unsafe { rt.host_register(addr, len) }?;
+            match rt.host_device_ptr(addr) {
+                Ok(alias) => Ok(alias),
+                Err(e) => {
+                    // Keep all-or-nothing per chunk: undo this registration.
+                    if let Err(u) = rt.host_unregister(addr) {
+                        tracing::warn!(error = %u, "unregister after a failed alias lookup failed too");
+                    }
+                    Err(e)
+                }
+            }
+        })?;
+        let mut g = self.lock();
+        match r {
+            Ok(alias) => {
+                g.chunks[i].reg = ChunkReg::Registered { alias };
+                if let PinState::Pinning { done, .. } = &mut g.pin {
+                    *done += 1;
+                }
+                self.cv.notify_all();
+                Ok(Ok(()))
+            }
+            Err(e) => Ok(Err(e)),
+        }
+    }
+
+    /// Unregisters chunk `i`: no new gather users from now on, waits for
+    /// the current ones, then unregisters as a capture-unsafe call.
+    pub fn unregister_chunk(&self, rt: &dyn GpuRuntime, i: usize) -> Result<Result<(), DriverError>, ProtocolError> {
+        let addr = {
+            let mut g = self.lock();
+            if g.chunks[i].reg == ChunkReg::Unregistered {
+                return Ok(Ok(()));
+            }
+            g.chunks[i].reg = ChunkReg::Unregistering;
+            while g.chunks[i].users > 0 {
+                g = self.wait(g);
+            }
+            g.chunks[i].addr
+        };
+        let r = self.unsafe_call("unregistering a chunk", || rt.host_unregister(addr))?;
+        let mut g = self.lock();
+        if r.is_ok() {
+            g.chunks[i].reg = ChunkReg::Unregistered;
+        }
+        // On failure the chunk stays Unregistering: still registered in the
+        // driver, refused to gather users, and a retry unregisters it.
+        self.cv.notify_all();
+        Ok(r)
+    }
+
+    /// Pinning reached its final state.
+    pub fn pin_finish(&self, state: PinState) {
+        debug_assert!(state.is_final());
+        let mut g = self.lock();
+        tracing::info!(?state, "pinning finished");
+        g.pin = state;
+        self.cv.notify_all();
+    }
+
+    /// Blocks until pinning is final. Inside one's own window with the
+    /// Interleave policy that would never return: typed error instead.
+    pub fn wait_pin_final(&self) -> Result<PinState, ProtocolError> {
+        let mut g = self.lock();
+        if g.owns_window(me()) && !g.pin.is_final() && g.variant != Variant::WaitInsideWindow {
+            return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" });
+        }
+        while !g.pin.is_final() {
+            g = self.wait(g);
+        }
+        Ok(g.pin.clone())
+    }
+
+    // ---- gather kernel (transfer engine) ----
+
+    /// The device alias of `[addr, addr+len)` if it lies in one registered
+    /// chunk; the chunk stays registered while the guard lives.
+    pub fn acquire_alias(self: &Arc<Self>, addr: usize, len: usize) -> Option<AliasGuard> {
+        let mut g = self.lock();
+        let unchecked = g.variant == Variant::UncheckedGather;
+        let i = g.chunks.iter().position(|c| addr >= c.addr && addr + len <= c.addr + c.len)?;
+        let c = &mut g.chunks[i];
+        let base = match c.reg {
+            ChunkReg::Registered { alias } => alias,
+            // N4: hand out the host address as if it were registered.
+            _ if unchecked => c.addr as DevicePtr | (1 << 62),
+            _ => return None,
+        };
+        c.users += 1;
+        let device = base + (addr - c.addr) as DevicePtr;
+        Some(AliasGuard { coord: self.clone(), chunk: i, device })
+    }
+
+    // ---- jobs, graphs, shutdown (engine) ----
+
+    /// Admits a transfer job, unless shutdown has begun.
+    pub fn admit_job(self: &Arc<Self>) -> Result<JobTicket, ProtocolError> {
+        let mut g = self.lock();
+        if g.phase != Phase::Running {
+            return Err(ProtocolError::ShutDown);
+        }
+        g.jobs_in_flight += 1;
+        Ok(JobTicket { coord: self.clone() })
+    }
+
+    /// Records that a graph referencing the region exists.
+    pub fn register_graph(self: &Arc<Self>) -> Result<GraphToken, ProtocolError> {
+        let mut g = self.lock();
+        if g.phase != Phase::Running {
+            return Err(ProtocolError::ShutDown);
+        }
+        g.graphs_live += 1;
+        Ok(GraphToken { coord: self.clone() })
+    }
+
+    /// First half of shutdown: refuses (typed) while a window is open or
+    /// registered graphs live; otherwise refuses all new work, asks pinning
+    /// to stop, and waits for in-flight jobs and for pinning to settle.
+    /// Afterwards the caller unregisters every chunk
+    /// ([`Coordinator::unregister_all`]), unmaps and unlinks.
+    pub fn begin_shutdown(&self) -> Result<(), ProtocolError> {
+        let mut g = self.lock();
+        match g.phase {
+            Phase::Running => {}
+            _ => return Err(ProtocolError::AlreadyShutDown),
+        }
+        if g.windows_open > 0 {
+            return Err(ProtocolError::WindowOpen { open: g.windows_open });
+        }
+        if g.graphs_live > 0 && g.variant != Variant::IgnoreLiveGraphs {
+            return Err(ProtocolError::GraphsAlive { live: g.graphs_live });
+        }
+        g.phase = Phase::ShuttingDown;
+        g.cancel_pin = true;
+        if g.pin == PinState::Pending {
+            g.pin = PinState::Pageable(super::PageableReason::Cancelled);
+        }
+        self.cv.notify_all();
+        tracing::info!(jobs = g.jobs_in_flight, pin = ?g.pin, "shutdown: draining");
+        if g.variant != Variant::NoDrainBeforeUnregister {
+            while g.jobs_in_flight > 0 {
+                g = self.wait(g);
+            }
+        }
+        while !g.pin.is_final() {
+            g = self.wait(g);
+        }
+        Ok(())
+    }
+
+    /// Unregisters every registered chunk, last first (rollback and
+    /// shutdown). Returns the first driver error, after trying them all.
+    pub fn unregister_all(&self, rt: &dyn GpuRuntime) -> Result<(), DriverError> {
+        let n = self.chunk_count();
+        let mut first = None;
+        for i in (0..n).rev() {
+            match self.unregister_chunk(rt, i) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    first.get_or_insert(e);
+                }
+                Err(p) => {
+                    // Only reachable when called from inside a window.
+                    tracing::error!(error = %p, "unregister_all refused");
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Marks shutdown complete.
+    pub fn finish_shutdown(&self) {
+        let mut g = self.lock();
+        g.phase = Phase::Down;
+        self.cv.notify_all();
+    }
+
+    /// True once shutdown began.
+    pub fn shutting_down(&self) -> bool {
+        self.lock().phase != Phase::Running
+    }
+}

@@ -1,0 +1,101 @@
+//! Typed errors and states of the capture-safety protocol.
+
+use crate::runtime::{Code, DriverError};
+
+/// Why a region ended up on pageable memory instead of pinned.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PageableReason {
+    /// The driver refused registration as unsupported (801), e.g. under
+    /// Confidential Computing (vLLM #55428).
+    #[error("host registration not supported by the driver (801)")]
+    NotSupported,
+    /// Registration was refused because a capture was open (900). The
+    /// protocol prevents this for its own calls; it can still come from an
+    /// engine that captures outside a capture window.
+    #[error("host registration refused during a stream capture (900)")]
+    CaptureUnsupported,
+    /// The driver ran out of memory for the registration (2).
+    #[error("host registration ran out of memory (2)")]
+    OutOfMemory,
+    /// The process's locked-memory limit (RLIMIT_MEMLOCK) is too low.
+    #[error("locked-memory limit too low: {limit} bytes allowed, {needed} needed")]
+    MemlockLimit { limit: u64, needed: u64 },
+    /// Pinning was cancelled (shutdown or an explicit cancel) between chunks.
+    #[error("pinning cancelled")]
+    Cancelled,
+    /// Pinning was not asked for.
+    #[error("pinning disabled")]
+    Disabled,
+    /// Another rank fell back to pageable memory, so this one did too (P7).
+    #[error("another rank fell back to pageable memory")]
+    PeerPageable,
+    /// The host pages could not be made resident before registration.
+    #[error("host memory could not be pre-faulted: {0}")]
+    HostMemory(String),
+    /// Any other driver failure, with its code.
+    #[error("host registration failed: {0}")]
+    Driver(DriverError),
+}
+
+impl PageableReason {
+    /// The reason a failed registration gives.
+    pub fn from_driver(e: DriverError) -> Self {
+        match e.code {
+            Code::NOT_SUPPORTED => PageableReason::NotSupported,
+            Code::STREAM_CAPTURE_UNSUPPORTED => PageableReason::CaptureUnsupported,
+            Code::OUT_OF_MEMORY => PageableReason::OutOfMemory,
+            _ => PageableReason::Driver(e),
+        }
+    }
+}
+
+/// Where pinning stands. Observable and waitable through the coordinator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PinState {
+    /// Not started yet.
+    Pending,
+    /// Registering chunks: `done` of `total` registered.
+    Pinning { done: usize, total: usize },
+    /// Every chunk registered.
+    Pinned,
+    /// Running on pageable memory; every chunk is unregistered.
+    Pageable(PageableReason),
+}
+
+impl PinState {
+    /// Pinned or Pageable: pinning will not change the state any more.
+    pub fn is_final(&self) -> bool {
+        matches!(self, PinState::Pinned | PinState::Pageable(_))
+    }
+}
+
+/// Misuse or refusal at the protocol level.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    /// Shutdown has begun: no new windows, jobs or graphs.
+    #[error("the offloader is shutting down or shut down")]
+    ShutDown,
+    /// `shutdown` was called again after it completed or while it runs.
+    #[error("shutdown was already requested")]
+    AlreadyShutDown,
+    /// Shutdown refused: a capture window is open.
+    #[error("shutdown refused: {open} capture window(s) open")]
+    WindowOpen { open: usize },
+    /// Shutdown refused: graphs registered as referencing the region exist.
+    #[error("shutdown refused: {live} graph(s) registered as referencing the region still exist")]
+    GraphsAlive { live: usize },
+    /// This thread already holds a capture window.
+    #[error("this thread already holds a capture window")]
+    NestedWindow,
+    /// The call would wait for something the caller's own capture window
+    /// holds back (e.g. waiting for pinning inside a window with the
+    /// Interleave policy, or a blocking driver call inside a window).
+    #[error("{what} inside an open capture window would deadlock")]
+    WouldDeadlock { what: &'static str },
+    /// A capture-unsafe call was skipped because a window is open.
+    #[error("skipped: a capture window is open")]
+    WindowBusy,
+    /// A bounded wait ran out.
+    #[error("timed out after {millis} ms waiting for {what}")]
+    Timeout { what: &'static str, millis: u64 },
+}

@@ -1,0 +1,14 @@
+//! The capture-safety protocol (the verified core): capture windows around
+//! graph capture, the discipline of library threads around capture-unsafe
+//! driver calls, registration of chunks with gather-kernel users, and the
+//! shutdown order. Depends only on [`crate::sync`] and the runtime trait;
+//! the loom models under model/ drive it on the simulated GPU.
+
+mod coordinator;
+mod error;
+
+pub use coordinator::{
+    AliasGuard, CapturePolicy, CaptureWindow, ChunkReg, Coordinator, GraphToken,
+    JobTicket, Variant,
+};
+pub use error::{PageableReason, PinState, ProtocolError};
