@@ -11,11 +11,11 @@
 //! - [`manager`]: block states, reference counts and eviction.
 //! - [`conform`]: the conformance scenarios that re-measure the driver rules.
 
-pub mod sync;
-pub mod runtime;
 #[cfg(not(loom))]
 pub mod conform;
 pub mod manager;
 pub mod pin;
 pub mod protocol;
 pub mod region;
+pub mod runtime;
+pub mod sync;

@@ -2,8 +2,8 @@
 //! misuse error, the store threshold, events, and the two policies.
 
 use kvoffload::manager::{
-    BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, ManagerEvent,
-    PolicyKind, RemoveReason, SkipReason, Skipped, SlotId,
+    BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, ManagerEvent, PolicyKind, RemoveReason,
+    SkipReason, Skipped, SlotId,
 };
 
 fn k(h: u64) -> BlockKey {
@@ -32,14 +32,8 @@ fn manager_block_life_store_lookup_load() {
     let out = m.prepare_store(&[k(1), k(2)]).unwrap();
     assert_eq!(out.to_store.len(), 2);
     assert_ne!(out.to_store[0].slot, out.to_store[1].slot);
-    assert_eq!(
-        m.lookup(&[k(1), k(3)]),
-        vec![Lookup::HitPending, Lookup::Miss]
-    );
-    assert_eq!(
-        m.prepare_load(&[k(1)]),
-        Err(ManagerError::NotReadable { key: k(1) })
-    );
+    assert_eq!(m.lookup(&[k(1), k(3)]), vec![Lookup::HitPending, Lookup::Miss]);
+    assert_eq!(m.prepare_load(&[k(1)]), Err(ManagerError::NotReadable { key: k(1) }));
     m.complete_store(&[k(1), k(2)], true).unwrap();
     assert_eq!(m.lookup(&[k(1), k(2)]), vec![Lookup::Hit, Lookup::Hit]);
     assert_eq!(Lookup::leading_hits(&m.lookup(&[k(1), k(3), k(2)])), 1);
@@ -54,48 +48,17 @@ fn manager_block_life_store_lookup_load() {
 #[test]
 fn manager_misuse_is_a_typed_error_and_changes_nothing() {
     let mut m = manager(2, PolicyKind::Arc);
-    assert_eq!(
-        m.complete_store(&[k(1)], true),
-        Err(ManagerError::NotFound { key: k(1) })
-    );
+    assert_eq!(m.complete_store(&[k(1)], true), Err(ManagerError::NotFound { key: k(1) }));
     m.prepare_store(&[k(1)]).unwrap();
     m.complete_store(&[k(1)], true).unwrap();
     let ready = BlockState::Ready { readers: 0 };
-    assert_eq!(
-        m.complete_store(&[k(1)], true),
-        Err(ManagerError::NotPending {
-            key: k(1),
-            state: ready
-        })
-    );
-    assert_eq!(
-        m.complete_load(&[k(1)]),
-        Err(ManagerError::NoLoadInFlight {
-            key: k(1),
-            state: ready
-        })
-    );
-    assert_eq!(
-        m.prepare_load(&[k(9)]),
-        Err(ManagerError::NotFound { key: k(9) })
-    );
-    assert_eq!(
-        m.prepare_load(&[k(1), k(1)]),
-        Err(ManagerError::DuplicateKey {
-            key: k(1),
-            first: 0,
-            second: 1
-        })
-    );
+    assert_eq!(m.complete_store(&[k(1)], true), Err(ManagerError::NotPending { key: k(1), state: ready }));
+    assert_eq!(m.complete_load(&[k(1)]), Err(ManagerError::NoLoadInFlight { key: k(1), state: ready }));
+    assert_eq!(m.prepare_load(&[k(9)]), Err(ManagerError::NotFound { key: k(9) }));
+    assert_eq!(m.prepare_load(&[k(1), k(1)]), Err(ManagerError::DuplicateKey { key: k(1), first: 0, second: 1 }));
     // A batch with one bad key changes nothing, even for its good keys.
     m.prepare_store(&[k(2)]).unwrap();
-    assert_eq!(
-        m.complete_store(&[k(2), k(1)], true),
-        Err(ManagerError::NotPending {
-            key: k(1),
-            state: ready
-        })
-    );
+    assert_eq!(m.complete_store(&[k(2), k(1)], true), Err(ManagerError::NotPending { key: k(1), state: ready }));
     assert_eq!(m.state(&k(2)), Some(BlockState::WritePending));
     assert_eq!(m.counters().errors, 6);
     m.check_invariants().unwrap();
@@ -108,22 +71,11 @@ fn manager_never_evicts_pending_or_read_blocks() {
     m.prepare_load(&[k(1)]).unwrap();
     m.prepare_store(&[k(2)]).unwrap(); // pending
     let err = m.prepare_store(&[k(3)]).unwrap_err();
-    assert_eq!(
-        err,
-        ManagerError::InsufficientCapacity {
-            requested: 1,
-            free: 0,
-            evictable: 0,
-            capacity: 2
-        }
-    );
+    assert_eq!(err, ManagerError::InsufficientCapacity { requested: 1, free: 0, evictable: 0, capacity: 2 });
     assert!(err.to_string().contains("cannot store 1 blocks"));
     m.complete_load(&[k(1)]).unwrap();
     let out = m.prepare_store(&[k(3)]).unwrap();
-    assert_eq!(
-        out.evicted.iter().map(|p| p.key).collect::<Vec<_>>(),
-        vec![k(1)]
-    );
+    assert_eq!(out.evicted.iter().map(|p| p.key).collect::<Vec<_>>(), vec![k(1)]);
     assert_eq!(out.to_store[0].slot, out.evicted[0].slot);
     m.check_invariants().unwrap();
 }
@@ -134,21 +86,12 @@ fn manager_skips_present_keys_and_frees_failed_stores() {
     store(&mut m, &[k(1)]);
     m.prepare_store(&[k(2)]).unwrap();
     let out = m.prepare_store(&[k(1), k(2), k(3)]).unwrap();
-    assert_eq!(
-        out.to_store.iter().map(|p| p.key).collect::<Vec<_>>(),
-        vec![k(3)]
-    );
+    assert_eq!(out.to_store.iter().map(|p| p.key).collect::<Vec<_>>(), vec![k(3)]);
     assert_eq!(
         out.skipped,
         vec![
-            Skipped {
-                key: k(1),
-                reason: SkipReason::AlreadyStored
-            },
-            Skipped {
-                key: k(2),
-                reason: SkipReason::StorePending
-            },
+            Skipped { key: k(1), reason: SkipReason::AlreadyStored },
+            Skipped { key: k(2), reason: SkipReason::StorePending },
         ]
     );
     let slot2 = m.slot(&k(2)).unwrap();
@@ -158,11 +101,7 @@ fn manager_skips_present_keys_and_frees_failed_stores() {
     let events = m.take_events();
     assert_eq!(
         events.last(),
-        Some(&ManagerEvent::Removed {
-            key: k(2),
-            slot: slot2,
-            reason: RemoveReason::StoreFailed
-        })
+        Some(&ManagerEvent::Removed { key: k(2), slot: slot2, reason: RemoveReason::StoreFailed })
     );
     m.check_invariants().unwrap();
 }
@@ -174,13 +113,7 @@ fn manager_store_threshold_counts_misses() {
     let mut m = BlockManager::new(cfg).unwrap();
     m.lookup(&[k(1)]);
     let out = m.prepare_store(&[k(1)]).unwrap();
-    assert_eq!(
-        out.skipped[0].reason,
-        SkipReason::BelowThreshold {
-            misses: 1,
-            threshold: 2
-        }
-    );
+    assert_eq!(out.skipped[0].reason, SkipReason::BelowThreshold { misses: 1, threshold: 2 });
     m.lookup(&[k(1)]);
     assert_eq!(m.prepare_store(&[k(1)]).unwrap().to_store.len(), 1);
     assert_eq!(m.counters().stores_skipped_threshold, 1);
@@ -193,13 +126,7 @@ fn manager_reset_waits_for_transfers_then_clears() {
     store(&mut m, &[k(1), k(2)]);
     m.prepare_load(&[k(1)]).unwrap();
     m.prepare_store(&[k(3)]).unwrap();
-    assert_eq!(
-        m.reset(),
-        Err(ManagerError::Busy {
-            pending: 1,
-            reading: 1
-        })
-    );
+    assert_eq!(m.reset(), Err(ManagerError::Busy { pending: 1, reading: 1 }));
     m.complete_load(&[k(1)]).unwrap();
     m.complete_store(&[k(3)], true).unwrap();
     m.take_events();
@@ -208,13 +135,7 @@ fn manager_reset_waits_for_transfers_then_clears() {
     assert_eq!(m.free_slots(), 3);
     let removed = m.take_events();
     assert_eq!(removed.len(), 3);
-    assert!(removed.iter().all(|e| matches!(
-        e,
-        ManagerEvent::Removed {
-            reason: RemoveReason::Reset,
-            ..
-        }
-    )));
+    assert!(removed.iter().all(|e| matches!(e, ManagerEvent::Removed { reason: RemoveReason::Reset, .. })));
     assert_eq!(m.counters().resets, 1);
     m.check_invariants().unwrap();
 }
@@ -254,10 +175,7 @@ fn manager_bad_config_is_a_typed_error() {
     let mut cfg = ManagerConfig::new(4, PolicyKind::Arc);
     cfg.store_threshold = 1;
     cfg.lookup_tracking_limit = 0;
-    assert_eq!(
-        BlockManager::new(cfg).unwrap_err(),
-        ManagerError::ZeroTrackingLimit { threshold: 1 }
-    );
+    assert_eq!(BlockManager::new(cfg).unwrap_err(), ManagerError::ZeroTrackingLimit { threshold: 1 });
     let m = manager(1, PolicyKind::Arc);
     assert_eq!(m.slot(&k(1)), None::<SlotId>);
     assert_eq!(m.policy_kind(), PolicyKind::Arc);

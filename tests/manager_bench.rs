@@ -36,48 +36,26 @@ fn manager_bench_report_has_every_row_and_no_refused_call() {
 #[test]
 fn manager_bench_arc_resists_scans_better_than_lru() {
     let report = run_bench(&small());
-    let hit = |p| {
-        report
-            .row(Workload::ScanHeavy, p)
-            .map(|r| r.hit_rate())
-            .unwrap_or(0.0)
-    };
+    let hit = |p| report.row(Workload::ScanHeavy, p).map(|r| r.hit_rate()).unwrap_or(0.0);
     assert!(hit(PolicyKind::Arc) > hit(PolicyKind::Lru), "{report}");
 }
 
 #[test]
 fn manager_bench_same_seed_same_hit_rates() {
     let (a, b) = (run_bench(&small()), run_bench(&small()));
-    let hits = |r: &kvoffload::manager::bench::BenchReport| -> Vec<u64> {
-        r.rows.iter().map(|row| row.hits).collect()
-    };
+    let hits = |r: &kvoffload::manager::bench::BenchReport| -> Vec<u64> { r.rows.iter().map(|row| row.hits).collect() };
     assert_eq!(hits(&a), hits(&b));
 }
 
 #[test]
 fn manager_bench_bad_config_is_typed_error_and_clamped() {
-    let bad = BenchConfig {
-        capacity: 0,
-        zipf_exponent: f64::NAN,
-        accesses: 10,
-        ..small()
-    };
-    assert!(matches!(
-        bad.validate(),
-        Err(BenchError::OutOfRange {
-            field: "capacity",
-            value: 0,
-            ..
-        })
-    ));
+    let bad = BenchConfig { capacity: 0, zipf_exponent: f64::NAN, accesses: 10, ..small() };
+    assert!(matches!(bad.validate(), Err(BenchError::OutOfRange { field: "capacity", value: 0, .. })));
     let report = run_bench(&bad);
     assert_eq!(report.config.capacity, 1);
     assert!(report.config.validate().is_ok());
     assert_eq!(report.rows.len(), 4);
-    let neg = BenchConfig {
-        zipf_exponent: -1.0,
-        ..small()
-    };
+    let neg = BenchConfig { zipf_exponent: -1.0, ..small() };
     assert!(matches!(neg.validate(), Err(BenchError::Exponent { .. })));
     assert!(BenchConfig::default().validate().is_ok());
 }

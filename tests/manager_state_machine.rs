@@ -17,8 +17,8 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 
 use kvoffload::manager::{
-    BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, ManagerEvent,
-    PolicyKind, PrepareStoreOutput, SkipReason, Skipped, SlotId,
+    BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, ManagerEvent, PolicyKind,
+    PrepareStoreOutput, SkipReason, Skipped, SlotId,
 };
 use proptest::prelude::*;
 use proptest::sample::subsequence;
@@ -40,9 +40,7 @@ impl MBlock {
         if self.pending {
             BlockState::WritePending
         } else {
-            BlockState::Ready {
-                readers: self.readers,
-            }
+            BlockState::Ready { readers: self.readers }
         }
     }
 
@@ -112,11 +110,7 @@ fn remove_key(list: &mut Vec<BlockKey>, key: BlockKey) -> bool {
 fn first_duplicate(keys: &[BlockKey]) -> Result<(), ManagerError> {
     for (second, key) in keys.iter().enumerate() {
         if let Some(first) = keys[..second].iter().position(|k| k == key) {
-            return Err(ManagerError::DuplicateKey {
-                key: *key,
-                first,
-                second,
-            });
+            return Err(ManagerError::DuplicateKey { key: *key, first, second });
         }
     }
     Ok(())
@@ -170,10 +164,7 @@ impl Model {
     }
 
     fn misses_of(&self, key: BlockKey) -> u32 {
-        self.misses
-            .iter()
-            .find(|(k, _)| *k == key)
-            .map_or(0, |(_, n)| *n)
+        self.misses.iter().find(|(k, _)| *k == key).map_or(0, |(_, n)| *n)
     }
 
     fn fail<T>(&mut self, e: ManagerError) -> Result<T, ManagerError> {
@@ -232,8 +223,7 @@ impl Model {
     }
 
     fn policy_evict(&mut self) -> Option<BlockKey> {
-        let first_evictable =
-            |m: &Model, list: &[BlockKey]| list.iter().copied().find(|k| m.evictable(*k));
+        let first_evictable = |m: &Model, list: &[BlockKey]| list.iter().copied().find(|k| m.evictable(*k));
         match self.policy {
             PolicyKind::Lru => {
                 let key = first_evictable(self, &self.lru)?;
@@ -315,19 +305,14 @@ impl Model {
         if let Err(e) = first_duplicate(keys) {
             return self.fail(e);
         }
-        let mut out = StoreOutcome {
-            to_store: vec![],
-            evicted: vec![],
-            skipped: vec![],
-        };
+        let mut out = StoreOutcome { to_store: vec![], evicted: vec![], skipped: vec![] };
         for &key in keys {
             let reason = match self.block(key) {
                 Some(b) if b.pending => SkipReason::StorePending,
                 Some(_) => SkipReason::AlreadyStored,
-                None if self.misses_of(key) < self.threshold => SkipReason::BelowThreshold {
-                    misses: self.misses_of(key),
-                    threshold: self.threshold,
-                },
+                None if self.misses_of(key) < self.threshold => {
+                    SkipReason::BelowThreshold { misses: self.misses_of(key), threshold: self.threshold }
+                }
                 None => {
                     out.to_store.push(key);
                     continue;
@@ -341,12 +326,7 @@ impl Model {
         if need > evictable {
             let requested = out.to_store.len();
             let capacity = self.capacity;
-            return self.fail(ManagerError::InsufficientCapacity {
-                requested,
-                free,
-                evictable,
-                capacity,
-            });
+            return self.fail(ManagerError::InsufficientCapacity { requested, free, evictable, capacity });
         }
         for _ in 0..need {
             let victim = self.policy_evict().expect("model: a candidate exists");
@@ -355,11 +335,7 @@ impl Model {
             self.last_events.push((Ev::Evicted, victim));
         }
         for &key in out.to_store.iter().rev() {
-            self.blocks.push(MBlock {
-                key,
-                pending: true,
-                readers: 0,
-            });
+            self.blocks.push(MBlock { key, pending: true, readers: 0 });
             self.policy_insert(key);
             self.misses.retain(|(k, _)| *k != key);
         }
@@ -371,12 +347,7 @@ impl Model {
             for &key in keys {
                 match self.block(key) {
                     None => return Err(ManagerError::NotFound { key }),
-                    Some(b) if !b.pending => {
-                        return Err(ManagerError::NotPending {
-                            key,
-                            state: b.state(),
-                        })
-                    }
+                    Some(b) if !b.pending => return Err(ManagerError::NotPending { key, state: b.state() }),
                     Some(_) => {}
                 }
             }
@@ -428,10 +399,7 @@ impl Model {
                 match self.block(key) {
                     None => return Err(ManagerError::NotFound { key }),
                     Some(b) if b.pending || b.readers == 0 => {
-                        return Err(ManagerError::NoLoadInFlight {
-                            key,
-                            state: b.state(),
-                        })
+                        return Err(ManagerError::NoLoadInFlight { key, state: b.state() })
                     }
                     Some(_) => {}
                 }
@@ -456,19 +424,9 @@ impl Model {
             return self.fail(ManagerError::Busy { pending, reading });
         }
         let keys: Vec<BlockKey> = self.blocks.iter().map(|b| b.key).collect();
-        self.last_events
-            .extend(keys.into_iter().map(|k| (Ev::Removed, k)));
-        let fresh = Model::new(
-            self.capacity,
-            self.policy,
-            self.threshold,
-            self.tracking_limit,
-        );
-        *self = Model {
-            last_events: std::mem::take(&mut self.last_events),
-            errors: self.errors,
-            ..fresh
-        };
+        self.last_events.extend(keys.into_iter().map(|k| (Ev::Removed, k)));
+        let fresh = Model::new(self.capacity, self.policy, self.threshold, self.tracking_limit);
+        *self = Model { last_events: std::mem::take(&mut self.last_events), errors: self.errors, ..fresh };
         Ok(())
     }
 }
@@ -488,9 +446,7 @@ enum Op {
 
 /// The 16 keys the test uses: 8 hashes in 2 groups.
 fn all_keys() -> Vec<BlockKey> {
-    (0..8u64)
-        .flat_map(|h| (0..2u32).map(move |g| BlockKey::new(h, g)))
-        .collect()
+    (0..8u64).flat_map(|h| (0..2u32).map(move |g| BlockKey::new(h, g))).collect()
 }
 
 /// Up to 4 keys: distinct in most batches, with repeats in some (misuse).
@@ -532,9 +488,7 @@ impl<P: Policy> ReferenceStateMachine for ManagerMachine<P> {
 
     fn init_state() -> BoxedStrategy<Model> {
         let threshold = prop_oneof![3 => Just(0u32), 1 => 1u32..=2];
-        (1usize..=8, threshold, 1usize..=6)
-            .prop_map(|(c, t, limit)| Model::new(c, P::KIND, t, limit))
-            .boxed()
+        (1usize..=8, threshold, 1usize..=6).prop_map(|(c, t, limit)| Model::new(c, P::KIND, t, limit)).boxed()
     }
 
     fn transitions(m: &Model) -> BoxedStrategy<Op> {
@@ -546,12 +500,7 @@ impl<P: Policy> ReferenceStateMachine for ManagerMachine<P> {
             (4, any_keys().prop_map(Op::Touch).boxed()),
             (5, any_keys().prop_map(Op::PrepareStore).boxed()),
             // Misuse: completing or loading whatever keys.
-            (
-                1,
-                (any_keys(), any::<bool>())
-                    .prop_map(|(k, s)| Op::CompleteStore(k, s))
-                    .boxed(),
-            ),
+            (1, (any_keys(), any::<bool>()).prop_map(|(k, s)| Op::CompleteStore(k, s)).boxed()),
             (1, any_keys().prop_map(Op::PrepareLoad).boxed()),
             (1, any_keys().prop_map(Op::CompleteLoad).boxed()),
             (1, Just(Op::Reset).boxed()),
@@ -599,38 +548,17 @@ struct Sut {
 
 impl Sut {
     fn store(&mut self, keys: &[BlockKey]) -> Result<StoreOutcome, ManagerError> {
-        let before: HashMap<BlockKey, BlockState> = self
-            .slots
-            .keys()
-            .filter_map(|k| Some((*k, self.mgr.state(k)?)))
-            .collect();
+        let before: HashMap<BlockKey, BlockState> =
+            self.slots.keys().filter_map(|k| Some((*k, self.mgr.state(k)?))).collect();
         let out: PrepareStoreOutput = self.mgr.prepare_store(keys)?;
         for e in &out.evicted {
             let state = before.get(&e.key);
-            assert_eq!(
-                state,
-                Some(&BlockState::Ready { readers: 0 }),
-                "evicted {} while it was {state:?}",
-                e.key
-            );
-            assert_eq!(
-                self.slots.remove(&e.key),
-                Some(e.slot),
-                "evicted {} from the wrong slot",
-                e.key
-            );
+            assert_eq!(state, Some(&BlockState::Ready { readers: 0 }), "evicted {} while it was {state:?}", e.key);
+            assert_eq!(self.slots.remove(&e.key), Some(e.slot), "evicted {} from the wrong slot", e.key);
         }
         for p in &out.to_store {
-            assert!(
-                p.slot.index() < self.mgr.capacity(),
-                "{} out of range",
-                p.slot
-            );
-            assert!(
-                !self.slots.values().any(|s| *s == p.slot),
-                "{} given out twice",
-                p.slot
-            );
+            assert!(p.slot.index() < self.mgr.capacity(), "{} out of range", p.slot);
+            assert!(!self.slots.values().any(|s| *s == p.slot), "{} given out twice", p.slot);
             self.slots.insert(p.key, p.slot);
         }
         Ok(StoreOutcome {
@@ -643,12 +571,7 @@ impl Sut {
     fn load(&mut self, keys: &[BlockKey]) -> Result<Vec<BlockKey>, ManagerError> {
         let placements = self.mgr.prepare_load(keys)?;
         for p in &placements {
-            assert_eq!(
-                self.slots.get(&p.key),
-                Some(&p.slot),
-                "{} loads from the wrong slot",
-                p.key
-            );
+            assert_eq!(self.slots.get(&p.key), Some(&p.slot), "{} loads from the wrong slot", p.key);
         }
         Ok(placements.iter().map(|p| p.key).collect())
     }
@@ -683,11 +606,7 @@ impl<P: Policy> StateMachineTest for ManagerTest<P> {
 
     fn init_test(m: &Model) -> Sut {
         let mgr = BlockManager::new(m.config()).expect("valid config");
-        Sut {
-            mgr,
-            slots: HashMap::new(),
-            events: [0; 3],
-        }
+        Sut { mgr, slots: HashMap::new(), events: [0; 3] }
     }
 
     fn apply(mut sut: Sut, m: &Model, op: Op) -> Sut {
@@ -721,11 +640,7 @@ impl<P: Policy> StateMachineTest for ManagerTest<P> {
         assert_eq!(got, m.last, "answer to {op:?} differs from the model");
         let mut want = m.last_events.clone();
         want.sort();
-        assert_eq!(
-            sut.events(&removed),
-            want,
-            "events of {op:?} differ from the model"
-        );
+        assert_eq!(sut.events(&removed), want, "events of {op:?} differ from the model");
         sut
     }
 
@@ -737,41 +652,21 @@ impl<P: Policy> StateMachineTest for ManagerTest<P> {
         assert!(mgr.len() <= mgr.capacity(), "capacity exceeded");
         assert_eq!(mgr.len(), m.blocks.len(), "stored block count");
         assert_eq!(mgr.free_slots(), m.capacity - m.blocks.len(), "free slots");
-        assert_eq!(
-            mgr.evictable(),
-            m.blocks.iter().filter(|b| b.evictable()).count(),
-            "evictable"
-        );
+        assert_eq!(mgr.evictable(), m.blocks.iter().filter(|b| b.evictable()).count(), "evictable");
         assert_eq!(sut.slots.len(), m.blocks.len(), "slots the test knows of");
         for b in &m.blocks {
             assert_eq!(mgr.state(&b.key), Some(b.state()), "state of {}", b.key);
-            assert_eq!(
-                mgr.slot(&b.key),
-                sut.slots.get(&b.key).copied(),
-                "slot of {}",
-                b.key
-            );
+            assert_eq!(mgr.slot(&b.key), sut.slots.get(&b.key).copied(), "slot of {}", b.key);
         }
         let c = mgr.counters();
-        assert_eq!(
-            [c.stored, c.evicted, c.removed],
-            sut.events,
-            "event counters"
-        );
+        assert_eq!([c.stored, c.evicted, c.removed], sut.events, "event counters");
         assert_eq!(c.errors, m.errors, "error counter");
     }
 }
 
 fn config() -> Config {
-    let cases = std::env::var("MANAGER_SM_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1500);
-    Config {
-        cases,
-        max_shrink_iters: 20_000,
-        ..Config::default()
-    }
+    let cases = std::env::var("MANAGER_SM_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1500);
+    Config { cases, max_shrink_iters: 20_000, ..Config::default() }
 }
 
 prop_state_machine! {

@@ -1,8 +1,6 @@
 //! The anonymous region: mapping, slices, huge-page advice, memory check.
 
-use kvoffload::region::{
-    mem_available, page_size, AnonOptions, Layout, Region, RegionError, RegionKind,
-};
+use kvoffload::region::{mem_available, page_size, AnonOptions, Layout, Region, RegionError, RegionKind};
 
 #[test]
 fn anonymous_region_is_zeroed_aligned_and_writable() {
@@ -23,13 +21,7 @@ fn anonymous_region_is_zeroed_aligned_and_writable() {
     let all = r.as_slice().unwrap();
     assert!(all[off..off + p].iter().all(|b| *b == 7));
     assert_eq!(all.iter().filter(|b| **b == 7).count(), p);
-    assert!(matches!(
-        r.own_chunk(3),
-        Err(RegionError::RowOutOfRange {
-            index: 3,
-            num_rows: 3
-        })
-    ));
+    assert!(matches!(r.own_chunk(3), Err(RegionError::RowOutOfRange { index: 3, num_rows: 3 })));
     // unlink_now and wait_all_mapped are no-ops here.
     assert!(!r.unlink_now().unwrap());
     r.wait_all_mapped(std::time::Duration::ZERO).unwrap();
@@ -46,10 +38,7 @@ fn region_anonymous_as_other_rank() {
     assert_eq!(b[0], 9);
     assert!(matches!(
         Region::anonymous_as(l, 4, &AnonOptions::new()),
-        Err(RegionError::RankOutOfRange {
-            rank: 4,
-            num_ranks: 4
-        })
+        Err(RegionError::RankOutOfRange { rank: 4, num_ranks: 4 })
     ));
 }
 
@@ -59,8 +48,7 @@ fn region_huge_page_advice_is_applied_or_reported() {
     // which case the advice is refused and reported, not fatal.
     let l = Layout::new(1, 2 << 20, 2).unwrap();
     let r = Region::anonymous(l, &AnonOptions::new().huge_pages(true)).unwrap();
-    let thp =
-        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
     if thp.contains("[madvise]") || thp.contains("[always]") {
         assert!(r.huge_pages_advised());
         r.advise_huge_pages().unwrap();
@@ -78,10 +66,7 @@ fn region_bigger_than_memory_is_typed() {
             assert_eq!(needed, l.data_bytes() as u64);
             assert!(needed > available);
             let msg = e.to_string();
-            assert!(
-                msg.contains(&needed.to_string()) && msg.contains(&available.to_string()),
-                "{msg}"
-            );
+            assert!(msg.contains(&needed.to_string()) && msg.contains(&available.to_string()), "{msg}");
         }
         other => panic!("expected MemoryTooSmall, got {other:?}"),
     }

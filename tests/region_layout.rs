@@ -4,9 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use kvoffload::region::{
-    page_size, AnonOptions, Layout, Location, Region, RegionError, RowSpan, MAX_RANKS,
-};
+use kvoffload::region::{page_size, AnonOptions, Layout, Location, Region, RegionError, RowSpan, MAX_RANKS};
 use proptest::prelude::*;
 
 /// The reference: walk rows, then slots, handing out `chunk` bytes each.
@@ -29,21 +27,13 @@ fn reference(ranks: usize, chunk: usize, rows: usize) -> Reference {
         }
         row_ranges.push(row_start..off);
     }
-    Reference {
-        start,
-        rows: row_ranges,
-        total: off,
-    }
+    Reference { start, rows: row_ranges, total: off }
 }
 
 /// The owner of byte `off` by linear search in the reference.
 fn ref_locate(r: &Reference, chunk: usize, off: usize) -> Option<Location> {
     r.start.iter().find_map(|(&(rank, row), &s)| {
-        (off >= s && off < s + chunk).then(|| Location {
-            row,
-            rank,
-            offset_in_chunk: off - s,
-        })
+        (off >= s && off < s + chunk).then(|| Location { row, rank, offset_in_chunk: off - s })
     })
 }
 
@@ -210,69 +200,32 @@ proptest! {
 #[test]
 fn region_zero_sizes_are_typed_errors() {
     let p = page_size();
-    assert!(matches!(
-        Layout::new(0, p, 1),
-        Err(RegionError::ZeroSize { what: "num_ranks" })
-    ));
-    assert!(matches!(
-        Layout::new(1, 0, 1),
-        Err(RegionError::ZeroSize {
-            what: "chunk_bytes"
-        })
-    ));
-    assert!(matches!(
-        Layout::new(1, p, 0),
-        Err(RegionError::ZeroSize { what: "num_rows" })
-    ));
-    assert!(matches!(
-        Layout::from_bytes_per_rank(1, 0, p),
-        Err(RegionError::ZeroSize {
-            what: "bytes_per_rank"
-        })
-    ));
-    assert!(matches!(
-        Layout::from_bytes_per_rank(1, p, 0),
-        Err(RegionError::ZeroSize {
-            what: "chunk_bytes"
-        })
-    ));
+    assert!(matches!(Layout::new(0, p, 1), Err(RegionError::ZeroSize { what: "num_ranks" })));
+    assert!(matches!(Layout::new(1, 0, 1), Err(RegionError::ZeroSize { what: "chunk_bytes" })));
+    assert!(matches!(Layout::new(1, p, 0), Err(RegionError::ZeroSize { what: "num_rows" })));
+    assert!(matches!(Layout::from_bytes_per_rank(1, 0, p), Err(RegionError::ZeroSize { what: "bytes_per_rank" })));
+    assert!(matches!(Layout::from_bytes_per_rank(1, p, 0), Err(RegionError::ZeroSize { what: "chunk_bytes" })));
 }
 
 #[test]
 fn region_misaligned_sizes_name_value_and_alignment() {
     let p = page_size();
     match Layout::new(2, p + 512, 4) {
-        Err(
-            e @ RegionError::Misaligned {
-                what: "chunk_bytes",
-                value,
-                align,
-            },
-        ) => {
+        Err(e @ RegionError::Misaligned { what: "chunk_bytes", value, align }) => {
             assert_eq!((value, align), ((p + 512) as u64, p as u64));
             let msg = e.to_string();
-            assert!(
-                msg.contains(&(p + 512).to_string()) && msg.contains(&p.to_string()),
-                "{msg}"
-            );
+            assert!(msg.contains(&(p + 512).to_string()) && msg.contains(&p.to_string()), "{msg}");
         }
         other => panic!("expected Misaligned, got {other:?}"),
     }
     match Layout::from_bytes_per_rank(2, 3 * p, 2 * p) {
-        Err(RegionError::Misaligned {
-            what: "bytes_per_rank",
-            value,
-            align,
-        }) => {
+        Err(RegionError::Misaligned { what: "bytes_per_rank", value, align }) => {
             assert_eq!((value, align), ((3 * p) as u64, (2 * p) as u64));
         }
         other => panic!("expected Misaligned, got {other:?}"),
     }
     let l = Layout::from_bytes_per_rank(2, 6 * p, 2 * p).unwrap();
-    assert_eq!(
-        (l.num_rows(), l.chunk_bytes(), l.row_bytes()),
-        (3, 2 * p, 4 * p)
-    );
+    assert_eq!((l.num_rows(), l.chunk_bytes(), l.row_bytes()), (3, 2 * p, 4 * p));
 }
 
 #[test]

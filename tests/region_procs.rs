@@ -89,11 +89,7 @@ macro_rules! child_dispatch {
 
 #[track_caller]
 fn assert_killed(status: std::process::ExitStatus) {
-    assert_eq!(
-        status.signal(),
-        Some(libc::SIGKILL),
-        "child status {status:?}"
-    );
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "child status {status:?}");
 }
 
 #[test]
@@ -109,10 +105,7 @@ fn two_processes_share_one_region() {
     assert_eq!(pids, vec![std::process::id(), child.pid() as u32]);
     fill_pattern(r.own_chunk_mut(0).unwrap(), 0xa0);
     flag(&r, 0).store(1, Ordering::Release);
-    assert!(
-        poll_until(PATIENCE, || flag(&r, 1).load(Ordering::Acquire) == 1),
-        "child never answered"
-    );
+    assert!(poll_until(PATIENCE, || flag(&r, 1).load(Ordering::Acquire) == 1), "child never answered");
     check_pattern(&r, 1, 0xb0);
     let status = child.wait();
     assert!(status.success(), "child failed: {status:?}");
@@ -126,21 +119,12 @@ fn two_processes_share_one_region() {
 fn region_joiner_killed_before_mapping_leaves_no_file() {
     child_dispatch!();
     let g = ShmGuard::new("killbefore");
-    let mut creator =
-        Region::create(&g.name, layout(3), 0, &opts(PATIENCE).wait_for_all(false)).unwrap();
-    let mut child = ChildGuard::spawn(
-        "region_joiner_killed_before_mapping_leaves_no_file",
-        "block-then-join",
-        &g.name,
-    );
+    let mut creator = Region::create(&g.name, layout(3), 0, &opts(PATIENCE).wait_for_all(false)).unwrap();
+    let mut child = ChildGuard::spawn("region_joiner_killed_before_mapping_leaves_no_file", "block-then-join", &g.name);
     assert_killed(child.kill9());
     assert_eq!(creator.mapped_ranks(), vec![0]);
     match creator.wait_all_mapped(Duration::from_millis(300)) {
-        Err(RegionError::JoinTimeout {
-            phase: JoinPhase::RanksToMap,
-            missing,
-            ..
-        }) => {
+        Err(RegionError::JoinTimeout { phase: JoinPhase::RanksToMap, missing, .. }) => {
             assert_eq!(missing, vec![1, 2]);
         }
         other => panic!("expected JoinTimeout, got {other:?}"),
@@ -150,13 +134,9 @@ fn region_joiner_killed_before_mapping_leaves_no_file() {
 
 /// Rank 1 (a child) maps and is killed while waiting for rank 2.
 fn kill_rank1_after_it_mapped(g: &ShmGuard, test: &str) -> Region {
-    let creator =
-        Region::create(&g.name, layout(3), 0, &opts(PATIENCE).wait_for_all(false)).unwrap();
+    let creator = Region::create(&g.name, layout(3), 0, &opts(PATIENCE).wait_for_all(false)).unwrap();
     let mut child = ChildGuard::spawn(test, "join-then-wait", &g.name);
-    assert!(
-        poll_until(PATIENCE, || creator.mapped_ranks() == vec![0, 1]),
-        "child never mapped"
-    );
+    assert!(poll_until(PATIENCE, || creator.mapped_ranks() == vec![0, 1]), "child never mapped");
     assert_killed(child.kill9());
     creator
 }
@@ -165,18 +145,11 @@ fn kill_rank1_after_it_mapped(g: &ShmGuard, test: &str) -> Region {
 fn region_joiner_killed_after_mapping_survivor_times_out_leaves_no_file() {
     child_dispatch!();
     let g = ShmGuard::new("killafter");
-    let mut creator = kill_rank1_after_it_mapped(
-        &g,
-        "region_joiner_killed_after_mapping_survivor_times_out_leaves_no_file",
-    );
+    let mut creator =
+        kill_rank1_after_it_mapped(&g, "region_joiner_killed_after_mapping_survivor_times_out_leaves_no_file");
     assert!(g.listed());
     match creator.wait_all_mapped(Duration::from_millis(300)) {
-        Err(RegionError::JoinTimeout {
-            phase: JoinPhase::RanksToMap,
-            mapped,
-            missing,
-            ..
-        }) => {
+        Err(RegionError::JoinTimeout { phase: JoinPhase::RanksToMap, mapped, missing, .. }) => {
             assert_eq!((mapped, missing), (vec![0, 1], vec![2]));
         }
         other => panic!("expected JoinTimeout, got {other:?}"),
@@ -188,10 +161,8 @@ fn region_joiner_killed_after_mapping_survivor_times_out_leaves_no_file() {
 fn region_joiner_killed_after_mapping_last_rank_completes_and_unlinks() {
     child_dispatch!();
     let g = ShmGuard::new("killafter2");
-    let mut creator = kill_rank1_after_it_mapped(
-        &g,
-        "region_joiner_killed_after_mapping_last_rank_completes_and_unlinks",
-    );
+    let mut creator =
+        kill_rank1_after_it_mapped(&g, "region_joiner_killed_after_mapping_last_rank_completes_and_unlinks");
     // The dead rank's bit stays set; the last live rank completes the mask.
     let last = Region::join(&g.name, layout(3), 2, &opts(PATIENCE)).unwrap();
     g.assert_gone();
@@ -205,21 +176,13 @@ fn region_joiner_killed_after_mapping_last_rank_completes_and_unlinks() {
 fn region_creator_killed_after_ready_survivor_times_out_leaves_no_file() {
     child_dispatch!();
     let g = ShmGuard::new("killcreator");
-    let mut child = ChildGuard::spawn(
-        "region_creator_killed_after_ready_survivor_times_out_leaves_no_file",
-        "create-3",
-        &g.name,
-    );
-    let mut joiner =
-        Region::join(&g.name, layout(3), 1, &opts(PATIENCE).wait_for_all(false)).unwrap();
+    let mut child =
+        ChildGuard::spawn("region_creator_killed_after_ready_survivor_times_out_leaves_no_file", "create-3", &g.name);
+    let mut joiner = Region::join(&g.name, layout(3), 1, &opts(PATIENCE).wait_for_all(false)).unwrap();
     assert_eq!(joiner.mapped_ranks(), vec![0, 1]);
     assert_killed(child.kill9());
     match joiner.wait_all_mapped(Duration::from_millis(300)) {
-        Err(RegionError::JoinTimeout {
-            phase: JoinPhase::RanksToMap,
-            missing,
-            ..
-        }) => assert_eq!(missing, vec![2]),
+        Err(RegionError::JoinTimeout { phase: JoinPhase::RanksToMap, missing, .. }) => assert_eq!(missing, vec![2]),
         other => panic!("expected JoinTimeout, got {other:?}"),
     }
     g.assert_gone();
@@ -242,21 +205,12 @@ fn region_creator_killed_at_any_observed_point_leaves_no_file() {
     // once the file exists (sized or not), once the header is READY.
     for point in ["spawned", "exists", "ready"] {
         let g = ShmGuard::new(point);
-        let mut child = ChildGuard::spawn(
-            "region_creator_killed_at_any_observed_point_leaves_no_file",
-            "create-2",
-            &g.name,
-        );
+        let mut child =
+            ChildGuard::spawn("region_creator_killed_at_any_observed_point_leaves_no_file", "create-2", &g.name);
         match point {
             "spawned" => {}
-            "exists" => assert!(
-                poll_until(PATIENCE, || g.path.exists()),
-                "file never appeared"
-            ),
-            _ => assert!(
-                poll_until(PATIENCE, || file_join_state(&g.path) == Some(1)),
-                "never ready"
-            ),
+            "exists" => assert!(poll_until(PATIENCE, || g.path.exists()), "file never appeared"),
+            _ => assert!(poll_until(PATIENCE, || file_join_state(&g.path) == Some(1)), "never ready"),
         }
         let status = child.kill9();
         // The child cannot have finished on its own: it waits for rank 1.

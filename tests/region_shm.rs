@@ -8,8 +8,8 @@ mod region_common;
 use std::time::Duration;
 
 use kvoffload::region::{
-    fs_available, page_size, shm_path, JoinPhase, Layout, Region, RegionError, RegionKind,
-    ShmOptions, DEFAULT_SHM_DIR, SHM_PREFIX,
+    fs_available, page_size, shm_path, JoinPhase, Layout, Region, RegionError, RegionKind, ShmOptions, DEFAULT_SHM_DIR,
+    SHM_PREFIX,
 };
 use region_common::ShmGuard;
 
@@ -24,13 +24,7 @@ fn opts(ms: u64) -> ShmOptions {
 #[test]
 fn single_rank_region_is_unlinked_at_create() {
     let g = ShmGuard::new("single");
-    assert!(g
-        .path
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .starts_with(SHM_PREFIX));
+    assert!(g.path.file_name().unwrap().to_str().unwrap().starts_with(SHM_PREFIX));
     let mut r = Region::create(&g.name, small(1, 2), 0, &opts(1000)).unwrap();
     g.assert_gone();
     assert_eq!(r.kind(), RegionKind::Shared);
@@ -90,10 +84,7 @@ fn region_ranks_as_threads_see_each_others_writes_and_file_goes() {
     }
     // The reserved per-rank words are shared too.
     regions[1].rank_slots().unwrap()[1].store(5, std::sync::atomic::Ordering::Release);
-    assert_eq!(
-        regions[2].rank_slots().unwrap()[1].load(std::sync::atomic::Ordering::Acquire),
-        5
-    );
+    assert_eq!(regions[2].rank_slots().unwrap()[1].load(std::sync::atomic::Ordering::Acquire), 5);
     drop(regions);
     g.assert_gone();
 }
@@ -106,21 +97,11 @@ fn region_bigger_than_shm_is_typed_and_leaves_no_file() {
     let l = Layout::new(1, page_size(), rows).unwrap();
     match Region::create(&g.name, l, 0, &opts(100)) {
         Err(e @ RegionError::ShmTooSmall { .. }) => {
-            let RegionError::ShmTooSmall {
-                needed,
-                available,
-                ref dir,
-            } = e
-            else {
-                unreachable!()
-            };
+            let RegionError::ShmTooSmall { needed, available, ref dir } = e else { unreachable!() };
             assert!(needed > available && needed >= l.data_bytes() as u64);
             assert_eq!(dir, std::path::Path::new(DEFAULT_SHM_DIR));
             let msg = e.to_string();
-            assert!(
-                msg.contains(&needed.to_string()) && msg.contains(&available.to_string()),
-                "{msg}"
-            );
+            assert!(msg.contains(&needed.to_string()) && msg.contains(&available.to_string()), "{msg}");
         }
         other => panic!("expected ShmTooSmall, got {other:?}"),
     }
@@ -137,10 +118,7 @@ fn region_stale_file_is_reported_and_force_replaces_it() {
         }
         other => panic!("expected AlreadyExists, got {other:?}"),
     }
-    assert!(
-        g.listed(),
-        "a refused create must not remove the existing file"
-    );
+    assert!(g.listed(), "a refused create must not remove the existing file");
     let r = Region::create(&g.name, small(1, 1), 0, &opts(100).force(true)).unwrap();
     g.assert_gone();
     drop(r);
@@ -150,11 +128,7 @@ fn region_stale_file_is_reported_and_force_replaces_it() {
 fn region_join_times_out_when_the_file_never_appears() {
     let g = ShmGuard::new("noappear");
     match Region::join(&g.name, small(2, 1), 1, &opts(100)) {
-        Err(RegionError::JoinTimeout {
-            phase: JoinPhase::FileToAppear,
-            missing,
-            ..
-        }) => {
+        Err(RegionError::JoinTimeout { phase: JoinPhase::FileToAppear, missing, .. }) => {
             assert_eq!(missing, vec![0, 1]);
         }
         other => panic!("expected JoinTimeout, got {other:?}"),
@@ -167,15 +141,7 @@ fn region_creator_times_out_and_unlinks_when_a_rank_never_maps() {
     let g = ShmGuard::new("nojoiner");
     match Region::create(&g.name, small(3, 1), 0, &opts(150)) {
         Err(e @ RegionError::JoinTimeout { .. }) => {
-            let RegionError::JoinTimeout {
-                phase,
-                ref mapped,
-                ref missing,
-                ..
-            } = e
-            else {
-                unreachable!()
-            };
+            let RegionError::JoinTimeout { phase, ref mapped, ref missing, .. } = e else { unreachable!() };
             assert_eq!(phase, JoinPhase::RanksToMap);
             assert_eq!((mapped.clone(), missing.clone()), (vec![0], vec![1, 2]));
             assert!(e.to_string().contains("no file left behind"));
@@ -191,10 +157,7 @@ fn region_joiner_unlinks_a_file_the_creator_never_sized() {
     let g = ShmGuard::new("unsized");
     std::fs::File::create(&g.path).unwrap();
     match Region::join(&g.name, small(2, 1), 1, &opts(150)) {
-        Err(RegionError::JoinTimeout {
-            phase: JoinPhase::FileToBeSized,
-            ..
-        }) => {}
+        Err(RegionError::JoinTimeout { phase: JoinPhase::FileToBeSized, .. }) => {}
         other => panic!("expected JoinTimeout, got {other:?}"),
     }
     g.assert_gone();
@@ -206,13 +169,9 @@ fn region_joiner_unlinks_a_file_the_creator_never_initialised() {
     let g = ShmGuard::new("uninit");
     let l = small(2, 1);
     let f = std::fs::File::create(&g.path).unwrap();
-    f.set_len((l.data_bytes() + 4096.max(page_size())) as u64)
-        .unwrap();
+    f.set_len((l.data_bytes() + 4096.max(page_size())) as u64).unwrap();
     match Region::join(&g.name, l, 1, &opts(150)) {
-        Err(RegionError::JoinTimeout {
-            phase: JoinPhase::CreatorToInitialise,
-            ..
-        }) => {}
+        Err(RegionError::JoinTimeout { phase: JoinPhase::CreatorToInitialise, .. }) => {}
         other => panic!("expected JoinTimeout, got {other:?}"),
     }
     g.assert_gone();
@@ -223,22 +182,11 @@ fn region_header_mismatches_are_typed() {
     let g = ShmGuard::new("mismatch");
     let p = page_size();
     // 2 ranks x 1 page x 2 rows; the creator does not wait for the others.
-    let creator = Region::create(
-        &g.name,
-        small(2, 2),
-        0,
-        &opts(5000).wait_for_all(false).session(7),
-    )
-    .unwrap();
+    let creator = Region::create(&g.name, small(2, 2), 0, &opts(5000).wait_for_all(false).session(7)).unwrap();
     assert!(g.listed());
     // Different total size.
     match Region::join(&g.name, small(2, 3), 1, &opts(200).session(7)) {
-        Err(RegionError::BadHeader {
-            field: "file size",
-            expected,
-            found,
-            ..
-        }) => {
+        Err(RegionError::BadHeader { field: "file size", expected, found, .. }) => {
             assert_eq!(found as usize, 4 * p + 4096.max(p));
             assert_eq!(expected as usize, 6 * p + 4096.max(p));
         }
@@ -246,22 +194,12 @@ fn region_header_mismatches_are_typed() {
     }
     // Same total, other shape.
     match Region::join(&g.name, small(4, 1), 1, &opts(200).session(7)) {
-        Err(RegionError::BadHeader {
-            field: "num_ranks",
-            expected: 4,
-            found: 2,
-            ..
-        }) => {}
+        Err(RegionError::BadHeader { field: "num_ranks", expected: 4, found: 2, .. }) => {}
         other => panic!("expected BadHeader(num_ranks), got {other:?}"),
     }
     // Another launch's session.
     match Region::join(&g.name, small(2, 2), 1, &opts(200).session(8)) {
-        Err(RegionError::BadHeader {
-            field: "session",
-            expected: 8,
-            found: 7,
-            ..
-        }) => {}
+        Err(RegionError::BadHeader { field: "session", expected: 8, found: 7, .. }) => {}
         other => panic!("expected BadHeader(session), got {other:?}"),
     }
     // Rank 0 is the creator's.
@@ -290,10 +228,7 @@ fn region_foreign_file_with_bad_magic_is_refused_and_left_alone() {
         Err(RegionError::BadHeader { field: "magic", .. }) => {}
         other => panic!("expected BadHeader(magic), got {other:?}"),
     }
-    assert!(
-        g.listed(),
-        "a joiner must not remove a file that is not a region"
-    );
+    assert!(g.listed(), "a joiner must not remove a file that is not a region");
 }
 
 #[test]
@@ -316,10 +251,7 @@ fn region_dropping_or_unlinking_before_all_mapped_abandons() {
         other => panic!("expected Abandoned, got {other:?}"),
     }
     match Region::join(&g.name, small(3, 1), 2, &opts(100)) {
-        Err(RegionError::JoinTimeout {
-            phase: JoinPhase::FileToAppear,
-            ..
-        }) => {}
+        Err(RegionError::JoinTimeout { phase: JoinPhase::FileToAppear, .. }) => {}
         other => panic!("expected JoinTimeout, got {other:?}"),
     }
     drop((creator, joiner));
@@ -338,11 +270,7 @@ fn region_wait_all_mapped_later() {
     let p = opts(3000).wait_for_all(false);
     let mut creator = Region::create(&g.name, small(2, 1), 0, &p).unwrap();
     assert!(creator.is_linked());
-    let joiner = std::thread::scope(|s| {
-        s.spawn(|| Region::join(&g.name, small(2, 1), 1, &p).unwrap())
-            .join()
-            .unwrap()
-    });
+    let joiner = std::thread::scope(|s| s.spawn(|| Region::join(&g.name, small(2, 1), 1, &p).unwrap()).join().unwrap());
     // The joiner completed the mask and unlinked the file itself.
     g.assert_gone();
     creator.wait_all_mapped(Duration::from_secs(1)).unwrap();
@@ -366,23 +294,14 @@ fn region_bad_names_and_ranks_are_typed() {
     let g = ShmGuard::new("badrank");
     assert!(matches!(
         Region::create(&g.name, small(2, 1), 2, &opts(100)),
-        Err(RegionError::RankOutOfRange {
-            rank: 2,
-            num_ranks: 2
-        })
+        Err(RegionError::RankOutOfRange { rank: 2, num_ranks: 2 })
     ));
     assert!(matches!(
         Region::join(&g.name, small(2, 1), 5, &opts(100)),
-        Err(RegionError::RankOutOfRange {
-            rank: 5,
-            num_ranks: 2
-        })
+        Err(RegionError::RankOutOfRange { rank: 5, num_ranks: 2 })
     ));
     for bad in ["", "a/b", "nul\0", &"x".repeat(201)] {
-        assert!(matches!(
-            Region::create(bad, small(1, 1), 0, &opts(100)),
-            Err(RegionError::BadName { .. })
-        ));
+        assert!(matches!(Region::create(bad, small(1, 1), 0, &opts(100)), Err(RegionError::BadName { .. })));
     }
     assert!(shm_path(std::path::Path::new("/dev/shm"), "ok-name").is_ok());
     g.assert_gone();

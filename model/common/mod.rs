@@ -1,15 +1,21 @@
 //! Shared by every loom model: runs a model with an explicit preemption
 //! bound and reports what was explored in one machine-readable line that
-//! `ci/prove` turns into the proof table.
+//! `ci/prove` turns into the proof table; builds the usual fixture (a
+//! simulated GPU and a coordinator over a small host region).
 
 #![allow(dead_code)]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
+use kvoffload::protocol::{CapturePolicy, Coordinator, Variant};
+use kvoffload::runtime::sim::SimRuntime;
+use kvoffload::runtime::{shared, GpuRuntime};
+use kvoffload::sync::Arc;
+
 /// What a model explores, stated next to the model and printed in the table.
 pub struct Bounds {
-    /// Property name as in DESIGN.md ("P1", "N3", or a sim rule).
+    /// Property name as in DESIGN.md ("P1", "N3", or a sim rule "S1").
     pub property: &'static str,
     /// Threads in the model, the simulated GPU's device thread included.
     pub threads: usize,
@@ -17,13 +23,14 @@ pub struct Bounds {
     pub preemptions: usize,
 }
 
+static ITER: AtomicUsize = AtomicUsize::new(0);
+
 /// Runs `f` in every interleaving loom explores under `b`, then prints
-/// `LOOM-REPORT property=.. threads=.. preemptions=.. iterations=.. seconds=..`.
+/// `LOOM-REPORT model=.. property=.. threads=.. preemptions=.. iterations=.. seconds=..`.
 pub fn check<F>(name: &str, b: Bounds, f: F)
 where
     F: Fn() + Sync + Send + 'static,
 {
-    static ITER: AtomicUsize = AtomicUsize::new(0);
     ITER.store(0, Ordering::SeqCst);
     let mut builder = loom::model::Builder::new();
     builder.preemption_bound = Some(b.preemptions);
@@ -41,4 +48,54 @@ where
         ITER.load(Ordering::SeqCst),
         t.elapsed().as_secs_f64()
     );
+}
+
+/// A negative model: the production code with one known-bad `variant`.
+/// Declares the failure it must end in (`reason`, a substring of loom's or
+/// the assertion's message) for ci/prove, and on a panic prints how many
+/// interleavings it took to catch it. ci/prove runs it in a child process
+/// (a loom deadlock aborts) and requires the failure.
+pub fn negative<F>(name: &str, b: Bounds, reason: &str, f: F)
+where
+    F: Fn() + Sync + Send + 'static,
+{
+    println!(
+        "LOOM-EXPECT model={name} property={} threads={} preemptions={} reason={}",
+        b.property,
+        b.threads,
+        b.preemptions,
+        reason.replace(' ', "_")
+    );
+    let prev = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        println!("LOOM-CAUGHT iterations={}", ITER.load(Ordering::SeqCst));
+        prev(info);
+    }));
+    check(name, b, f);
+}
+
+/// A simulated GPU and a coordinator over `chunks` chunks of `chunk` bytes
+/// of leaked (so `'static`) host memory.
+pub struct Fixture {
+    pub rt: Arc<dyn GpuRuntime>,
+    pub coord: Arc<Coordinator>,
+    pub base: usize,
+    pub chunk: usize,
+}
+
+impl Fixture {
+    /// The simulated GPU behind `rt`.
+    pub fn sim(&self) -> &SimRuntime {
+        self.rt.as_sim().expect("fixture runs on the simulated GPU")
+    }
+}
+
+pub fn fixture(policy: CapturePolicy, variant: Variant, chunks: usize, chunk: usize) -> Fixture {
+    let mem: &'static mut [u8] = Box::leak(vec![0u8; chunks * chunk].into_boxed_slice());
+    let base = mem.as_mut_ptr() as usize;
+    let ranges: Vec<(usize, usize)> = (0..chunks).map(|i| (base + i * chunk, chunk)).collect();
+    let rt = shared(SimRuntime::new());
+    let coord = Coordinator::new(policy, &ranges);
+    coord.set_variant(variant);
+    Fixture { rt, coord, base, chunk }
 }

@@ -1,6 +1,6 @@
 //! `kvoffload conform`: the conformance table.
 
-use std::sync::Arc;
+use kvoffload::sync::Arc;
 
 use clap::ValueEnum;
 use kvoffload::conform::{self, Backend};

@@ -34,9 +34,10 @@ fn after(a: u64, b: u64) -> &'static str {
 }
 
 pub(super) fn scenarios() -> Vec<Scenario> {
-    let mk = |id: &str, facts: &'static str, expected: &str, poisons: bool, run: fn(&Target) -> Result<Observed, String>| {
-        Scenario { id: id.to_string(), facts, expected: expected.to_string(), run: Box::new(run), poisons }
-    };
+    let mk =
+        |id: &str, facts: &'static str, expected: &str, poisons: bool, run: fn(&Target) -> Result<Observed, String>| {
+            Scenario { id: id.to_string(), facts, expected: expected.to_string(), run: Box::new(run), poisons }
+        };
     vec![
         mk(
             "order/begin_capture_waits_for_register",
@@ -130,7 +131,11 @@ fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
         after(begin_tick, reg_tick),
         code(&end)
     ))
-    .with_detail(format!("register {:.2}s, begin_capture waited {:.2}s", reg_dur.as_secs_f64(), begin_wait.as_secs_f64())))
+    .with_detail(format!(
+        "register {:.2}s, begin_capture waited {:.2}s",
+        reg_dur.as_secs_f64(),
+        begin_wait.as_secs_f64()
+    )))
 }
 
 fn enqueue_beside_register(t: &Target, mode: CaptureMode) -> Result<Observed, String> {

@@ -9,12 +9,11 @@
 //! running from the registering thread's kernel CPU time in
 //! /proc/self/task/TID/stat, never from a sleep.
 
-use std::sync::Arc as StdArc;
 use std::time::{Duration, Instant};
 
 use crate::runtime::sim::{Blocked, Hold, HoldPoint, SimRuntime};
 use crate::runtime::{DriverResult, GpuRuntime};
-use crate::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use crate::sync::{thread, Arc};
 
 /// The runtime a scenario runs on, with what the harness needs to steer it.
@@ -83,9 +82,9 @@ impl HostBuf {
 pub struct LongRegister {
     target: Target,
     hold: Option<Hold>,
-    tid: StdArc<std::sync::atomic::AtomicI64>,
+    tid: Arc<AtomicI64>,
     handle: Option<thread::JoinHandle<(DriverResult<()>, u64, Duration)>>,
-    buf: StdArc<HostBuf>,
+    buf: Arc<HostBuf>,
     registered: bool,
 }
 
@@ -99,12 +98,12 @@ impl LongRegister {
             Target::Sim(s) => (1 << 20, Some(s.hold(HoldPoint::Register))),
             Target::Real(_) => (REAL_LONG_BYTES, None),
         };
-        let buf = StdArc::new(HostBuf::untouched(bytes)?);
-        let tid = StdArc::new(std::sync::atomic::AtomicI64::new(0));
+        let buf = Arc::new(HostBuf::untouched(bytes)?);
+        let tid = Arc::new(AtomicI64::new(0));
         let (rt, b, t) = (target.rt(), buf.clone(), tid.clone());
         let handle = thread::spawn(move || {
             // SAFETY: gettid has no preconditions.
-            t.store(i64::from(unsafe { libc::gettid() }), std::sync::atomic::Ordering::SeqCst);
+            t.store(i64::from(unsafe { libc::gettid() }), Ordering::SeqCst);
             let start = Instant::now();
             // SAFETY: `b` keeps the mapping alive for the whole scenario, and
             // the scenario unregisters it before dropping the LongRegister.
@@ -122,7 +121,7 @@ impl LongRegister {
         }
         let deadline = Instant::now() + Duration::from_secs(20);
         let tid = loop {
-            let t = self.tid.load(std::sync::atomic::Ordering::SeqCst);
+            let t = self.tid.load(Ordering::SeqCst);
             if t != 0 {
                 break t;
             }

@@ -13,11 +13,7 @@ pub(crate) fn check_unique(keys: &[BlockKey]) -> Result<(), ManagerError> {
     let mut first_at: HashMap<BlockKey, usize> = HashMap::with_capacity(keys.len());
     for (second, key) in keys.iter().enumerate() {
         if let Some(&first) = first_at.get(key) {
-            return Err(ManagerError::DuplicateKey {
-                key: *key,
-                first,
-                second,
-            });
+            return Err(ManagerError::DuplicateKey { key: *key, first, second });
         }
         first_at.insert(*key, second);
     }

@@ -40,9 +40,7 @@ impl BlockManager {
     /// Builds a manager with every slot free.
     pub fn new(config: ManagerConfig) -> Result<Self, ManagerError> {
         if config.store_threshold > 0 && config.lookup_tracking_limit == 0 {
-            return Err(ManagerError::ZeroTrackingLimit {
-                threshold: config.store_threshold,
-            });
+            return Err(ManagerError::ZeroTrackingLimit { threshold: config.store_threshold });
         }
         let slots = SlotTable::new(config.capacity)?;
         Ok(Self {
@@ -155,28 +153,16 @@ impl BlockManager {
     /// Refused with [`ManagerError::Busy`] while any store or load is in
     /// flight, since a transfer still uses those slots.
     pub fn reset(&mut self) -> Result<(), ManagerError> {
-        let pending = self
-            .blocks
-            .values()
-            .filter(|b| b.state == BlockState::WritePending)
-            .count();
-        let reading = self
-            .blocks
-            .values()
-            .filter(|b| matches!(b.state, BlockState::Ready { readers } if readers > 0))
-            .count();
+        let pending = self.blocks.values().filter(|b| b.state == BlockState::WritePending).count();
+        let reading =
+            self.blocks.values().filter(|b| matches!(b.state, BlockState::Ready { readers } if readers > 0)).count();
         if pending > 0 || reading > 0 {
             return self.refuse(ManagerError::Busy { pending, reading });
         }
-        let mut dropped: Vec<(BlockKey, SlotId)> =
-            self.blocks.drain().map(|(k, b)| (k, b.slot)).collect();
+        let mut dropped: Vec<(BlockKey, SlotId)> = self.blocks.drain().map(|(k, b)| (k, b.slot)).collect();
         dropped.sort_unstable_by_key(|(_, slot)| *slot);
         for (key, slot) in dropped {
-            self.events.emit(ManagerEvent::Removed {
-                key,
-                slot,
-                reason: RemoveReason::Reset,
-            });
+            self.events.emit(ManagerEvent::Removed { key, slot, reason: RemoveReason::Reset });
         }
         self.slots.clear();
         self.policy.clear();

@@ -87,10 +87,7 @@ pub(crate) struct EventSink {
 
 impl EventSink {
     pub(crate) fn new(record: bool) -> Self {
-        Self {
-            counters: ManagerCounters::default(),
-            log: record.then(Vec::new),
-        }
+        Self { counters: ManagerCounters::default(), log: record.then(Vec::new) }
     }
 
     /// Traces, counts and (when recording) logs `event`.

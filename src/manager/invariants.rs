@@ -19,10 +19,7 @@ impl BlockManager {
         self.slots.check()?;
         let capacity = self.slots.capacity();
         if self.blocks.len() > capacity {
-            return Err(format!(
-                "{} blocks stored, capacity {capacity}",
-                self.blocks.len()
-            ));
+            return Err(format!("{} blocks stored, capacity {capacity}", self.blocks.len()));
         }
         if self.blocks.len() + self.slots.free_count() != capacity {
             return Err(format!(

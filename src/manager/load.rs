@@ -27,10 +27,7 @@ impl BlockManager {
                     self.policy.set_candidate(key, false);
                 }
             }
-            placements.push(Placement {
-                key,
-                slot: block.slot,
-            });
+            placements.push(Placement { key, slot: block.slot });
         }
         self.events.counters.loads_prepared += keys.len() as u64;
         Ok(placements)
@@ -66,10 +63,7 @@ impl BlockManager {
                 None => return Err(ManagerError::NotFound { key }),
                 Some(BlockState::WritePending) => return Err(ManagerError::NotReadable { key }),
                 Some(BlockState::Ready { readers: u32::MAX }) => {
-                    return Err(ManagerError::TooManyReaders {
-                        key,
-                        limit: u32::MAX,
-                    })
+                    return Err(ManagerError::TooManyReaders { key, limit: u32::MAX })
                 }
                 Some(BlockState::Ready { .. }) => {}
             }

@@ -19,10 +19,7 @@ impl SlotTable {
             return Err(ManagerError::ZeroCapacity);
         }
         if capacity > limit {
-            return Err(ManagerError::CapacityTooLarge {
-                requested: capacity,
-                limit,
-            });
+            return Err(ManagerError::CapacityTooLarge { requested: capacity, limit });
         }
         let oom = |_| ManagerError::OutOfMemory { capacity };
         let mut owners = Vec::new();
@@ -80,12 +77,7 @@ impl SlotTable {
         let mut seen = vec![false; self.owners.len()];
         for slot in &self.free {
             match seen.get_mut(slot.index()) {
-                None => {
-                    return Err(format!(
-                        "free {slot} is out of range 0..{}",
-                        self.owners.len()
-                    ))
-                }
+                None => return Err(format!("free {slot} is out of range 0..{}", self.owners.len())),
                 Some(true) => return Err(format!("{slot} is on the free list twice")),
                 Some(s) => *s = true,
             }
@@ -95,11 +87,7 @@ impl SlotTable {
         }
         let owned = self.owners.iter().filter(|o| o.is_some()).count();
         if owned + self.free.len() != self.owners.len() {
-            return Err(format!(
-                "{owned} owned + {} free slots != capacity {}",
-                self.free.len(),
-                self.owners.len()
-            ));
+            return Err(format!("{owned} owned + {} free slots != capacity {}", self.free.len(), self.owners.len()));
         }
         Ok(())
     }

@@ -61,10 +61,9 @@ impl BlockManager {
             let reason = match self.blocks.get(&key).map(|b| b.state) {
                 Some(BlockState::WritePending) => SkipReason::StorePending,
                 Some(BlockState::Ready { .. }) => SkipReason::AlreadyStored,
-                None if !self.misses.admits(&key) => SkipReason::BelowThreshold {
-                    misses: self.misses.misses(&key),
-                    threshold: self.misses.threshold(),
-                },
+                None if !self.misses.admits(&key) => {
+                    SkipReason::BelowThreshold { misses: self.misses.misses(&key), threshold: self.misses.threshold() }
+                }
                 None => {
                     admit.push(key);
                     continue;
@@ -89,16 +88,11 @@ impl BlockManager {
             out.evicted.push(victim);
         }
         for &key in admit.iter().rev() {
-            let slot = self.slots.allocate(key).ok_or_else(|| {
-                ManagerError::Internal(format!("no free slot for {key} after eviction"))
-            })?;
-            self.blocks.insert(
-                key,
-                Block {
-                    slot,
-                    state: BlockState::WritePending,
-                },
-            );
+            let slot = self
+                .slots
+                .allocate(key)
+                .ok_or_else(|| ManagerError::Internal(format!("no free slot for {key} after eviction")))?;
+            self.blocks.insert(key, Block { slot, state: BlockState::WritePending });
             self.policy.insert(key);
             self.misses.forget(&key);
             out.to_store.push(Placement { key, slot });
@@ -118,30 +112,19 @@ impl BlockManager {
     /// Asks the policy for a victim, checks it is evictable, frees its slot.
     fn evict_one(&mut self) -> Result<Placement, ManagerError> {
         let Some(key) = self.policy.evict() else {
-            return Err(ManagerError::Internal(
-                "policy had no candidate to evict".into(),
-            ));
+            return Err(ManagerError::Internal("policy had no candidate to evict".into()));
         };
         match self.blocks.get(&key).copied() {
             Some(block) if block.state.is_evictable() => {
                 self.blocks.remove(&key);
                 self.slots.release(block.slot);
-                self.events.emit(ManagerEvent::Evicted {
-                    key,
-                    slot: block.slot,
-                });
-                Ok(Placement {
-                    key,
-                    slot: block.slot,
-                })
+                self.events.emit(ManagerEvent::Evicted { key, slot: block.slot });
+                Ok(Placement { key, slot: block.slot })
             }
-            Some(block) => Err(ManagerError::Internal(format!(
-                "policy chose {key} to evict, but it is {}",
-                block.state
-            ))),
-            None => Err(ManagerError::Internal(format!(
-                "policy chose {key}, which is not stored"
-            ))),
+            Some(block) => {
+                Err(ManagerError::Internal(format!("policy chose {key} to evict, but it is {}", block.state)))
+            }
+            None => Err(ManagerError::Internal(format!("policy chose {key}, which is not stored"))),
         }
     }
 
@@ -166,11 +149,7 @@ impl BlockManager {
                 self.slots.release(block.slot);
                 self.policy.remove(key);
                 let reason = RemoveReason::StoreFailed;
-                self.events.emit(ManagerEvent::Removed {
-                    key,
-                    slot: block.slot,
-                    reason,
-                });
+                self.events.emit(ManagerEvent::Removed { key, slot: block.slot, reason });
             }
         }
         Ok(())

@@ -17,12 +17,7 @@ pub(crate) struct MissCounter {
 
 impl MissCounter {
     pub(crate) fn new(threshold: u32, limit: usize) -> Self {
-        Self {
-            threshold,
-            limit,
-            counts: HashMap::new(),
-            order: Recency::default(),
-        }
+        Self { threshold, limit, counts: HashMap::new(), order: Recency::default() }
     }
 
     pub(crate) fn threshold(&self) -> u32 {

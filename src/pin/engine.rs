@@ -18,6 +18,13 @@ pub trait Prefault: Send + Sync {
 /// No pre-faulting: the driver faults pages itself during registration.
 pub struct NoPrefault;
 
+impl NoPrefault {
+    /// As a shared trait object, ready for [`PinHandle::spawn`].
+    pub fn shared() -> Arc<dyn Prefault> {
+        crate::sync::arc_dyn(NoPrefault, |a: crate::sync::StdArc<NoPrefault>| -> crate::sync::StdArc<dyn Prefault> { a })
+    }
+}
+
 impl Prefault for NoPrefault {
     fn ensure(&self, _i: usize, _addr: usize, _len: usize) -> Result<(), String> {
         Ok(())

@@ -66,7 +66,9 @@ pub enum Variant {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum ChunkReg {
     Unregistered,
-    Registered { alias: DevicePtr },
+    Registered {
+        alias: DevicePtr,
+    },
     /// Being unregistered: no new users.
     Unregistering,
 }
@@ -96,6 +98,9 @@ struct State {
     window_owners: Vec<thread::ThreadId>,
     windows_waiting: usize,
     unsafe_in_flight: usize,
+    /// Chunk registrations completed since start (windows report how many
+    /// they waited for).
+    chunks_completed: usize,
     jobs_in_flight: usize,
     graphs_live: usize,
     phase: Phase,
@@ -128,16 +133,36 @@ impl State {
 
 /// Shared by every thread of one offloader (`Arc<Coordinator>`).
 pub struct Coordinator {
+    shared: Arc<Shared>,
+}
+
+/// The lock and condition variable; guards keep their own reference.
+struct Shared {
     state: Mutex<State>,
     cv: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        sync::lock(&self.state)
+    }
 }
 
 /// An open capture window. The engine captures its graphs while holding
 /// one; dropping it closes the window.
 #[must_use = "the window closes when this guard is dropped"]
 pub struct CaptureWindow {
-    coord: Arc<Coordinator>,
+    coord: Arc<Shared>,
     owner: thread::ThreadId,
+    chunks_waited: usize,
+}
+
+impl CaptureWindow {
+    /// Chunk registrations that completed while this window waited to open
+    /// (P2: at most one with the Interleave policy).
+    pub fn chunks_waited(&self) -> usize {
+        self.chunks_waited
+    }
 }
 
 impl Drop for CaptureWindow {
@@ -156,7 +181,7 @@ impl Drop for CaptureWindow {
 /// dropped (the job completed or failed).
 #[must_use]
 pub struct JobTicket {
-    coord: Arc<Coordinator>,
+    coord: Arc<Shared>,
 }
 
 impl Drop for JobTicket {
@@ -171,7 +196,7 @@ impl Drop for JobTicket {
 /// refused while one exists; drop it after destroying the graph.
 #[must_use]
 pub struct GraphToken {
-    coord: Arc<Coordinator>,
+    coord: Arc<Shared>,
 }
 
 impl Drop for GraphToken {
@@ -186,7 +211,7 @@ impl Drop for GraphToken {
 /// cannot start unregistering until the guard is dropped (after the kernel
 /// that uses it was enqueued; the driver's unregister then waits for it).
 pub struct AliasGuard {
-    coord: Arc<Coordinator>,
+    coord: Arc<Shared>,
     chunk: usize,
     /// Device address of the requested host address.
     pub device: DevicePtr,
@@ -211,24 +236,27 @@ impl Coordinator {
     /// the units of registration.
     pub fn new(policy: CapturePolicy, chunks: &[(usize, usize)]) -> Arc<Self> {
         Arc::new(Coordinator {
-            state: Mutex::new(State {
-                policy,
-                variant: Variant::Production,
-                pin: PinState::Pending,
-                cancel_pin: false,
-                windows_open: 0,
-                window_owners: Vec::new(),
-                windows_waiting: 0,
-                unsafe_in_flight: 0,
-                jobs_in_flight: 0,
-                graphs_live: 0,
-                phase: Phase::Running,
-                chunks: chunks
-                    .iter()
-                    .map(|&(addr, len)| Chunk { addr, len, reg: ChunkReg::Unregistered, users: 0 })
-                    .collect(),
+            shared: Arc::new(Shared {
+                state: Mutex::new(State {
+                    policy,
+                    variant: Variant::Production,
+                    pin: PinState::Pending,
+                    cancel_pin: false,
+                    windows_open: 0,
+                    window_owners: Vec::new(),
+                    windows_waiting: 0,
+                    unsafe_in_flight: 0,
+                    chunks_completed: 0,
+                    jobs_in_flight: 0,
+                    graphs_live: 0,
+                    phase: Phase::Running,
+                    chunks: chunks
+                        .iter()
+                        .map(|&(addr, len)| Chunk { addr, len, reg: ChunkReg::Unregistered, users: 0 })
+                        .collect(),
+                }),
+                cv: Condvar::new(),
             }),
-            cv: Condvar::new(),
         })
     }
 
@@ -245,11 +273,11 @@ impl Coordinator {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        sync::lock(&self.state)
+        self.shared.lock()
     }
 
     fn wait<'a>(&self, g: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
-        sync::wait(&self.cv, g)
+        sync::wait(&self.shared.cv, g)
     }
 
     pub fn policy(&self) -> CapturePolicy {
@@ -260,7 +288,7 @@ impl Coordinator {
 
     /// Opens a capture window, waiting until the policy allows it and no
     /// capture-unsafe library call is in flight.
-    pub fn open_window(self: &Arc<Self>) -> Result<CaptureWindow, ProtocolError> {
+    pub fn open_window(&self) -> Result<CaptureWindow, ProtocolError> {
         let me = me();
         let mut g = self.lock();
         if g.phase != Phase::Running {
@@ -270,19 +298,21 @@ impl Coordinator {
             return Err(ProtocolError::NestedWindow);
         }
         g.windows_waiting += 1;
-        self.cv.notify_all();
+        let completed_at_request = g.chunks_completed;
+        self.shared.cv.notify_all();
         while !g.window_may_open() && g.phase == Phase::Running {
             g = self.wait(g);
         }
         g.windows_waiting -= 1;
         if g.phase != Phase::Running {
-            self.cv.notify_all();
+            self.shared.cv.notify_all();
             return Err(ProtocolError::ShutDown);
         }
         g.windows_open += 1;
         g.window_owners.push(me);
         tracing::debug!(open = g.windows_open, pin = ?g.pin, "capture window opened");
-        Ok(CaptureWindow { coord: self.clone(), owner: me })
+        let chunks_waited = g.chunks_completed - completed_at_request;
+        Ok(CaptureWindow { coord: self.shared.clone(), owner: me, chunks_waited })
     }
 
     /// Windows open right now.
@@ -307,7 +337,7 @@ impl Coordinator {
         let out = f();
         let mut g = self.lock();
         g.unsafe_in_flight -= 1;
-        self.cv.notify_all();
+        self.shared.cv.notify_all();
         Ok(out)
     }
 
@@ -324,7 +354,7 @@ impl Coordinator {
         let out = f();
         let mut g = self.lock();
         g.unsafe_in_flight -= 1;
-        self.cv.notify_all();
+        self.shared.cv.notify_all();
         Ok(out)
     }
 
@@ -376,7 +406,7 @@ impl Coordinator {
             return false;
         }
         g.pin = PinState::Pinning { done: 0, total: g.chunks.len() };
-        self.cv.notify_all();
+        self.shared.cv.notify_all();
         true
     }
 
@@ -389,7 +419,7 @@ impl Coordinator {
     pub fn cancel_pinning(&self) {
         let mut g = self.lock();
         g.cancel_pin = true;
-        self.cv.notify_all();
+        self.shared.cv.notify_all();
     }
 
     /// Registers chunk `i` (and looks up its device alias) as a
@@ -416,10 +446,11 @@ impl Coordinator {
         match r {
             Ok(alias) => {
                 g.chunks[i].reg = ChunkReg::Registered { alias };
+                g.chunks_completed += 1;
                 if let PinState::Pinning { done, .. } = &mut g.pin {
                     *done += 1;
                 }
-                self.cv.notify_all();
+                self.shared.cv.notify_all();
                 Ok(Ok(()))
             }
             Err(e) => Ok(Err(e)),
@@ -447,7 +478,7 @@ impl Coordinator {
         }
         // On failure the chunk stays Unregistering: still registered in the
         // driver, refused to gather users, and a retry unregisters it.
-        self.cv.notify_all();
+        self.shared.cv.notify_all();
         Ok(r)
     }
 
@@ -457,7 +488,7 @@ impl Coordinator {
         let mut g = self.lock();
         tracing::info!(?state, "pinning finished");
         g.pin = state;
-        self.cv.notify_all();
+        self.shared.cv.notify_all();
     }
 
     /// Blocks until pinning is final. Inside one's own window with the
@@ -477,7 +508,7 @@ impl Coordinator {
 
     /// The device alias of `[addr, addr+len)` if it lies in one registered
     /// chunk; the chunk stays registered while the guard lives.
-    pub fn acquire_alias(self: &Arc<Self>, addr: usize, len: usize) -> Option<AliasGuard> {
+    pub fn acquire_alias(&self, addr: usize, len: usize) -> Option<AliasGuard> {
         let mut g = self.lock();
         let unchecked = g.variant == Variant::UncheckedGather;
         let i = g.chunks.iter().position(|c| addr >= c.addr && addr + len <= c.addr + c.len)?;
@@ -490,29 +521,29 @@ impl Coordinator {
         };
         c.users += 1;
         let device = base + (addr - c.addr) as DevicePtr;
-        Some(AliasGuard { coord: self.clone(), chunk: i, device })
+        Some(AliasGuard { coord: self.shared.clone(), chunk: i, device })
     }
 
     // ---- jobs, graphs, shutdown (engine) ----
 
     /// Admits a transfer job, unless shutdown has begun.
-    pub fn admit_job(self: &Arc<Self>) -> Result<JobTicket, ProtocolError> {
+    pub fn admit_job(&self) -> Result<JobTicket, ProtocolError> {
         let mut g = self.lock();
         if g.phase != Phase::Running {
             return Err(ProtocolError::ShutDown);
         }
         g.jobs_in_flight += 1;
-        Ok(JobTicket { coord: self.clone() })
+        Ok(JobTicket { coord: self.shared.clone() })
     }
 
     /// Records that a graph referencing the region exists.
-    pub fn register_graph(self: &Arc<Self>) -> Result<GraphToken, ProtocolError> {
+    pub fn register_graph(&self) -> Result<GraphToken, ProtocolError> {
         let mut g = self.lock();
         if g.phase != Phase::Running {
             return Err(ProtocolError::ShutDown);
         }
         g.graphs_live += 1;
-        Ok(GraphToken { coord: self.clone() })
+        Ok(GraphToken { coord: self.shared.clone() })
     }
 
     /// First half of shutdown: refuses (typed) while a window is open or
@@ -537,7 +568,7 @@ impl Coordinator {
         if g.pin == PinState::Pending {
             g.pin = PinState::Pageable(super::PageableReason::Cancelled);
         }
-        self.cv.notify_all();
+        self.shared.cv.notify_all();
         tracing::info!(jobs = g.jobs_in_flight, pin = ?g.pin, "shutdown: draining");
         if g.variant != Variant::NoDrainBeforeUnregister {
             while g.jobs_in_flight > 0 {
@@ -574,7 +605,7 @@ impl Coordinator {
     pub fn finish_shutdown(&self) {
         let mut g = self.lock();
         g.phase = Phase::Down;
-        self.cv.notify_all();
+        self.shared.cv.notify_all();
     }
 
     /// True once shutdown began.

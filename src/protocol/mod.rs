@@ -6,9 +6,10 @@
 
 mod coordinator;
 mod error;
+mod shutdown;
 
 pub use coordinator::{
-    AliasGuard, CapturePolicy, CaptureWindow, ChunkReg, Coordinator, GraphToken,
-    JobTicket, Variant,
+    AliasGuard, CapturePolicy, CaptureWindow, ChunkReg, Coordinator, GraphToken, JobTicket, Variant,
 };
 pub use error::{PageableReason, PinState, ProtocolError};
+pub use shutdown::{shutdown, ShutdownError};

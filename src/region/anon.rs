@@ -22,27 +22,16 @@ impl Region {
 
     /// Like [`Region::anonymous`] with this process acting as rank `rank`
     /// of the layout (a single process driving several ranks' slots).
-    pub fn anonymous_as(
-        layout: Layout,
-        rank: usize,
-        opts: &AnonOptions,
-    ) -> Result<Region, RegionError> {
+    pub fn anonymous_as(layout: Layout, rank: usize, opts: &AnonOptions) -> Result<Region, RegionError> {
         layout.check_rank(rank)?;
         let len = layout.data_bytes();
         if opts.check_memory {
-            let avail =
-                sys::mem_available().map_err(|e| RegionError::io("read", "/proc/meminfo", e))?;
+            let avail = sys::mem_available().map_err(|e| RegionError::io("read", "/proc/meminfo", e))?;
             if len as u64 > avail {
-                return Err(RegionError::MemoryTooSmall {
-                    needed: len as u64,
-                    available: avail,
-                });
+                return Err(RegionError::MemoryTooSmall { needed: len as u64, available: avail });
             }
         }
-        let map = MmapOptions::new()
-            .len(len)
-            .map_anon()
-            .map_err(|e| RegionError::io("mmap", "<anonymous>", e))?;
+        let map = MmapOptions::new().len(len).map_anon().map_err(|e| RegionError::io("mmap", "<anonymous>", e))?;
         let mut region = Region {
             map: MmapRaw::from(map),
             data_offset: 0,
@@ -54,11 +43,7 @@ impl Region {
         if opts.huge_pages {
             region.huge_pages_advised = region.try_advise_huge_pages();
         }
-        info!(
-            bytes = len,
-            huge_pages = region.huge_pages_advised,
-            "mapped anonymous region"
-        );
+        info!(bytes = len, huge_pages = region.huge_pages_advised, "mapped anonymous region");
         Ok(region)
     }
 }

@@ -208,10 +208,6 @@ pub enum RegionError {
 
 impl RegionError {
     pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        RegionError::Io {
-            op,
-            path: path.into(),
-            source,
-        }
+        RegionError::Io { op, path: path.into(), source }
     }
 }

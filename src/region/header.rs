@@ -159,25 +159,18 @@ pub(crate) struct JoinWord {
 
 impl JoinWord {
     pub fn decode(w: u64) -> Self {
-        JoinWord {
-            state: JoinState::from_code((w >> 32) as u32),
-            mask: w as u32,
-        }
+        JoinWord { state: JoinState::from_code((w >> 32) as u32), mask: w as u32 }
     }
     pub fn encode(self) -> u64 {
         ((self.state.code() as u64) << 32) | self.mask as u64
     }
     /// Ranks whose bit is set, ascending.
     pub fn mapped(self) -> Vec<usize> {
-        (0..MAX_RANKS)
-            .filter(|r| self.mask & (1 << r) != 0)
-            .collect()
+        (0..MAX_RANKS).filter(|r| self.mask & (1 << r) != 0).collect()
     }
     /// Ranks below `num_ranks` whose bit is clear, ascending.
     pub fn missing(self, num_ranks: usize) -> Vec<usize> {
-        (0..num_ranks.min(MAX_RANKS))
-            .filter(|r| self.mask & (1 << r) == 0)
-            .collect()
+        (0..num_ranks.min(MAX_RANKS)).filter(|r| self.mask & (1 << r) == 0).collect()
     }
 }
 
@@ -204,10 +197,7 @@ impl<'a> Hdr<'a> {
     /// `size_of::<Header>()` bytes that stays mapped for `'a`; it is page
     /// aligned, hence aligned for `Header`.
     pub unsafe fn from_base(base: NonNull<u8>) -> Self {
-        Hdr {
-            ptr: base.cast(),
-            _map: PhantomData,
-        }
+        Hdr { ptr: base.cast(), _map: PhantomData }
     }
 
     /// Writes the immutable fields. Only the creator calls this, before it
@@ -284,10 +274,7 @@ impl<'a> Hdr<'a> {
     /// Applies `f` to the join word in a CAS loop until it succeeds or `f`
     /// declines (returns `None`). Returns the word before and after on
     /// success, or the word `f` declined on failure.
-    pub fn update(
-        &self,
-        mut f: impl FnMut(JoinWord) -> Option<JoinWord>,
-    ) -> Result<(JoinWord, JoinWord), JoinWord> {
+    pub fn update(&self, mut f: impl FnMut(JoinWord) -> Option<JoinWord>) -> Result<(JoinWord, JoinWord), JoinWord> {
         let j = self.join();
         let mut cur = j.load(Ordering::Acquire);
         loop {
@@ -309,13 +296,9 @@ mod tests {
 
     #[test]
     fn join_word_round_trips() {
-        for state in [
-            JoinState::Init,
-            JoinState::Ready,
-            JoinState::Complete,
-            JoinState::Abandoned,
-            JoinState::Unknown(77),
-        ] {
+        for state in
+            [JoinState::Init, JoinState::Ready, JoinState::Complete, JoinState::Abandoned, JoinState::Unknown(77)]
+        {
             for mask in [0u32, 1, 0x8000_0001, u32::MAX] {
                 let w = JoinWord { state, mask };
                 assert_eq!(JoinWord::decode(w.encode()), w);
@@ -329,10 +312,7 @@ mod tests {
         assert_eq!(full_mask(1), 1);
         assert_eq!(full_mask(3), 0b111);
         assert_eq!(full_mask(32), u32::MAX);
-        let w = JoinWord {
-            state: JoinState::Ready,
-            mask: 0b101,
-        };
+        let w = JoinWord { state: JoinState::Ready, mask: 0b101 };
         assert_eq!(w.mapped(), vec![0, 2]);
         assert_eq!(w.missing(4), vec![1, 3]);
     }

@@ -67,20 +67,12 @@ impl Layout {
 
     /// Like [`Layout::new`] with `bytes_per_rank` given instead of a row
     /// count; it must be a multiple of `chunk_bytes`.
-    pub fn from_bytes_per_rank(
-        num_ranks: usize,
-        bytes_per_rank: usize,
-        chunk_bytes: usize,
-    ) -> Result<Self> {
+    pub fn from_bytes_per_rank(num_ranks: usize, bytes_per_rank: usize, chunk_bytes: usize) -> Result<Self> {
         if bytes_per_rank == 0 {
-            return Err(RegionError::ZeroSize {
-                what: "bytes_per_rank",
-            });
+            return Err(RegionError::ZeroSize { what: "bytes_per_rank" });
         }
         if chunk_bytes == 0 {
-            return Err(RegionError::ZeroSize {
-                what: "chunk_bytes",
-            });
+            return Err(RegionError::ZeroSize { what: "chunk_bytes" });
         }
         if bytes_per_rank % chunk_bytes != 0 {
             return Err(RegionError::Misaligned {
@@ -95,35 +87,21 @@ impl Layout {
     /// Like [`Layout::new`] with an explicit chunk alignment instead of the
     /// page size (a power of two). Regions are always built from page-aligned
     /// layouts; this exists for arithmetic that is not tied to the machine.
-    pub fn with_alignment(
-        num_ranks: usize,
-        chunk_bytes: usize,
-        num_rows: usize,
-        align: usize,
-    ) -> Result<Self> {
+    pub fn with_alignment(num_ranks: usize, chunk_bytes: usize, num_rows: usize, align: usize) -> Result<Self> {
         if num_ranks == 0 {
             return Err(RegionError::ZeroSize { what: "num_ranks" });
         }
         if num_ranks > MAX_RANKS {
-            return Err(RegionError::TooManyRanks {
-                num_ranks,
-                max: MAX_RANKS,
-            });
+            return Err(RegionError::TooManyRanks { num_ranks, max: MAX_RANKS });
         }
         if chunk_bytes == 0 {
-            return Err(RegionError::ZeroSize {
-                what: "chunk_bytes",
-            });
+            return Err(RegionError::ZeroSize { what: "chunk_bytes" });
         }
         if num_rows == 0 {
             return Err(RegionError::ZeroSize { what: "num_rows" });
         }
         if align == 0 || !align.is_power_of_two() {
-            return Err(RegionError::Misaligned {
-                what: "alignment",
-                value: align as u64,
-                align: 2,
-            });
+            return Err(RegionError::Misaligned { what: "alignment", value: align as u64, align: 2 });
         }
         if chunk_bytes % align != 0 {
             return Err(RegionError::Misaligned {
@@ -132,20 +110,14 @@ impl Layout {
                 align: align as u64,
             });
         }
-        let row_bytes =
-            num_ranks
-                .checked_mul(chunk_bytes)
-                .ok_or_else(|| RegionError::SizeOverflow {
-                    what: "row_bytes",
-                    detail: format!("{num_ranks} ranks * {chunk_bytes} bytes"),
-                })?;
-        let data_bytes =
-            row_bytes
-                .checked_mul(num_rows)
-                .ok_or_else(|| RegionError::SizeOverflow {
-                    what: "data_bytes",
-                    detail: format!("{num_rows} rows * {row_bytes} bytes"),
-                })?;
+        let row_bytes = num_ranks.checked_mul(chunk_bytes).ok_or_else(|| RegionError::SizeOverflow {
+            what: "row_bytes",
+            detail: format!("{num_ranks} ranks * {chunk_bytes} bytes"),
+        })?;
+        let data_bytes = row_bytes.checked_mul(num_rows).ok_or_else(|| RegionError::SizeOverflow {
+            what: "data_bytes",
+            detail: format!("{num_rows} rows * {row_bytes} bytes"),
+        })?;
         // Offsets are handed to mmap, pointer arithmetic and u64 headers:
         // keep them within isize so `ptr.add` is always defined.
         if data_bytes > isize::MAX as usize {
@@ -154,13 +126,7 @@ impl Layout {
                 detail: format!("{data_bytes} bytes exceeds isize::MAX"),
             });
         }
-        Ok(Layout {
-            num_ranks,
-            chunk_bytes,
-            num_rows,
-            row_bytes,
-            data_bytes,
-        })
+        Ok(Layout { num_ranks, chunk_bytes, num_rows, row_bytes, data_bytes })
     }
 
     /// Number of ranks (slots per row).
@@ -204,10 +170,7 @@ impl Layout {
         if rank < self.num_ranks {
             Ok(())
         } else {
-            Err(RegionError::RankOutOfRange {
-                rank,
-                num_ranks: self.num_ranks,
-            })
+            Err(RegionError::RankOutOfRange { rank, num_ranks: self.num_ranks })
         }
     }
 
@@ -216,10 +179,7 @@ impl Layout {
         if row < self.num_rows {
             Ok(())
         } else {
-            Err(RegionError::RowOutOfRange {
-                index: row,
-                num_rows: self.num_rows,
-            })
+            Err(RegionError::RowOutOfRange { index: row, num_rows: self.num_rows })
         }
     }
 
@@ -247,11 +207,7 @@ impl Layout {
     /// Byte range of the rows `rows` (may be empty; must lie within the layout).
     pub fn rows_range(&self, rows: Range<usize>) -> Result<Range<usize>> {
         if rows.start > rows.end || rows.end > self.num_rows {
-            return Err(RegionError::RangeOutOfBounds {
-                start: rows.start,
-                end: rows.end,
-                limit: self.num_rows,
-            });
+            return Err(RegionError::RangeOutOfBounds { start: rows.start, end: rows.end, limit: self.num_rows });
         }
         Ok(rows.start * self.row_bytes..rows.end * self.row_bytes)
     }
@@ -267,20 +223,13 @@ impl Layout {
         }
         let row = offset / self.row_bytes;
         let in_row = offset % self.row_bytes;
-        Ok(Location {
-            row,
-            rank: in_row / self.chunk_bytes,
-            offset_in_chunk: in_row % self.chunk_bytes,
-        })
+        Ok(Location { row, rank: in_row / self.chunk_bytes, offset_in_chunk: in_row % self.chunk_bytes })
     }
 
     /// The view of one rank's chunks.
     pub fn rank_view(&self, rank: usize) -> Result<RankView> {
         self.check_rank(rank)?;
-        Ok(RankView {
-            layout: *self,
-            rank,
-        })
+        Ok(RankView { layout: *self, rank })
     }
 
     /// Splits the data area into runs of whole rows of at most `max_bytes`
@@ -288,10 +237,7 @@ impl Layout {
     /// registers one at a time. Fails if `max_bytes` is below one row.
     pub fn row_aligned_chunks(&self, max_bytes: usize) -> Result<RowChunks> {
         if max_bytes < self.row_bytes {
-            return Err(RegionError::ChunkBoundBelowRow {
-                max_bytes,
-                row_bytes: self.row_bytes,
-            });
+            return Err(RegionError::ChunkBoundBelowRow { max_bytes, row_bytes: self.row_bytes });
         }
         Ok(RowChunks {
             row_bytes: self.row_bytes,
@@ -364,10 +310,7 @@ impl Iterator for RowChunks {
         let start = self.next_row;
         let end = start + self.rows_per_span.min(self.num_rows - start);
         self.next_row = end;
-        Some(RowSpan {
-            rows: start..end,
-            bytes: start * self.row_bytes..end * self.row_bytes,
-        })
+        Some(RowSpan { rows: start..end, bytes: start * self.row_bytes..end * self.row_bytes })
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {

@@ -202,37 +202,24 @@ impl Region {
 
     /// The data area as a raw range (what pinning registers).
     pub fn raw_range(&self) -> RawRange {
-        RawRange {
-            ptr: self.data_ptr(),
-            len: self.len(),
-        }
+        RawRange { ptr: self.data_ptr(), len: self.len() }
     }
 
     /// The whole mapping, header page included (what pre-faulting may
     /// touch; equal to [`Region::raw_range`] for anonymous regions).
     pub fn mapping_range(&self) -> RawRange {
-        RawRange {
-            ptr: NonNull::new(self.map.as_mut_ptr()).expect("mmap never returns null"),
-            len: self.map.len(),
-        }
+        RawRange { ptr: NonNull::new(self.map.as_mut_ptr()).expect("mmap never returns null"), len: self.map.len() }
     }
 
     /// A sub-range of the data area, `bytes` relative to [`Region::as_ptr`].
     pub fn raw_subrange(&self, bytes: Range<usize>) -> Result<RawRange> {
         if bytes.start > bytes.end || bytes.end > self.len() {
-            return Err(RegionError::RangeOutOfBounds {
-                start: bytes.start,
-                end: bytes.end,
-                limit: self.len(),
-            });
+            return Err(RegionError::RangeOutOfBounds { start: bytes.start, end: bytes.end, limit: self.len() });
         }
         // SAFETY: bytes.start <= len, so the pointer stays within (or one
         // past the end of) the data area of the live mapping.
         let ptr = unsafe { self.data_ptr().add(bytes.start) };
-        Ok(RawRange {
-            ptr,
-            len: bytes.end - bytes.start,
-        })
+        Ok(RawRange { ptr, len: bytes.end - bytes.start })
     }
 
     /// The raw range of rows `rows` (a registration unit).
@@ -249,9 +236,7 @@ impl Region {
 
     /// This rank's view of the layout.
     pub fn own_view(&self) -> RankView {
-        self.layout
-            .rank_view(self.rank)
-            .expect("the rank was checked when the region was made")
+        self.layout.rank_view(self.rank).expect("the rank was checked when the region was made")
     }
 
     /// This rank's chunk `chunk`, read-only.
@@ -273,21 +258,13 @@ impl Region {
         let r = self.layout.rank_chunk_range(self.rank, chunk)?;
         // SAFETY: as for `own_chunk`; `&mut self` excludes every other safe
         // borrow of the region in this process.
-        Ok(unsafe {
-            std::slice::from_raw_parts_mut(self.data_ptr().as_ptr().add(r.start), r.len())
-        })
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.data_ptr().as_ptr().add(r.start), r.len()) })
     }
 
     /// Copies `dst.len()` bytes at `offset` of rank `rank`'s chunk `chunk`
     /// into `dst` (any rank, e.g. to read what a peer wrote). Bytes that a
     /// peer writes during the copy may be seen old or new.
-    pub fn read_chunk(
-        &self,
-        rank: usize,
-        chunk: usize,
-        offset: usize,
-        dst: &mut [u8],
-    ) -> Result<()> {
+    pub fn read_chunk(&self, rank: usize, chunk: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
         let r = self.layout.rank_chunk_range(rank, chunk)?;
         let end = offset.checked_add(dst.len()).filter(|e| *e <= r.len());
         if end.is_none() {
@@ -302,11 +279,7 @@ impl Region {
         // overlap. Concurrent writes by another process can only make bytes
         // old or new (u8 has no invalid values).
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.data_ptr().as_ptr().add(r.start + offset),
-                dst.as_mut_ptr(),
-                dst.len(),
-            );
+            std::ptr::copy_nonoverlapping(self.data_ptr().as_ptr().add(r.start + offset), dst.as_mut_ptr(), dst.len());
         }
         Ok(())
     }
@@ -318,9 +291,7 @@ impl Region {
             // SAFETY: the data area is inside the live mapping, zero-filled
             // at creation, private to this process; see `as_mut_ptr` for the
             // caller's contract on raw writes.
-            Kind::Anonymous => {
-                Some(unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) })
-            }
+            Kind::Anonymous => Some(unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }),
             Kind::Shared(_) => None,
         }
     }
@@ -330,9 +301,7 @@ impl Region {
     pub fn as_mut_slice(&mut self) -> Option<&mut [u8]> {
         match self.kind {
             // SAFETY: as for `as_slice`; `&mut self` excludes other borrows.
-            Kind::Anonymous => {
-                Some(unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), self.len()) })
-            }
+            Kind::Anonymous => Some(unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), self.len()) }),
             Kind::Shared(_) => None,
         }
     }
@@ -374,8 +343,7 @@ impl Region {
     /// the tmpfs mount's `huge=` option (and a 2 MiB-aligned data area, see
     /// [`ShmOptions::huge_pages`]).
     pub fn advise_huge_pages(&self) -> Result<()> {
-        self.advise_data(Advice::HugePage)
-            .map_err(|e| self.io_err("madvise(MADV_HUGEPAGE)", e))
+        self.advise_data(Advice::HugePage).map_err(|e| self.io_err("madvise(MADV_HUGEPAGE)", e))
     }
 
     fn data_ptr(&self) -> NonNull<u8> {
@@ -383,13 +351,7 @@ impl Region {
     }
 
     fn io_err(&self, op: &'static str, e: io::Error) -> RegionError {
-        RegionError::io(
-            op,
-            self.path()
-                .map(Path::to_path_buf)
-                .unwrap_or_else(|| "<anonymous>".into()),
-            e,
-        )
+        RegionError::io(op, self.path().map(Path::to_path_buf).unwrap_or_else(|| "<anonymous>".into()), e)
     }
 }
 

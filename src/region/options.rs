@@ -12,10 +12,7 @@ pub struct AnonOptions {
 
 impl Default for AnonOptions {
     fn default() -> Self {
-        AnonOptions {
-            huge_pages: false,
-            check_memory: true,
-        }
+        AnonOptions { huge_pages: false, check_memory: true }
     }
 }
 

@@ -62,10 +62,7 @@ use memmap2::{Advice, MmapOptions, MmapRaw};
 use tracing::{debug, info, warn};
 
 use super::error::{JoinPhase, RegionError};
-use super::header::{
-    full_mask, Fields, Hdr, JoinState, JoinWord, HUGE_HEADER_BYTES, MAGIC, MIN_HEADER_BYTES,
-    VERSION,
-};
+use super::header::{full_mask, Fields, Hdr, JoinState, JoinWord, HUGE_HEADER_BYTES, MAGIC, MIN_HEADER_BYTES, VERSION};
 use super::layout::Layout;
 use super::options::ShmOptions;
 use super::sys::{self, Backoff};
@@ -81,12 +78,7 @@ pub const MAX_NAME_LEN: usize = 200;
 /// `name` must be non-empty, at most [`MAX_NAME_LEN`] bytes, and contain no
 /// `/` or NUL.
 pub fn shm_path(dir: &Path, name: &str) -> Result<PathBuf> {
-    let bad = |reason| {
-        Err(RegionError::BadName {
-            name: name.to_string(),
-            reason,
-        })
-    };
+    let bad = |reason| Err(RegionError::BadName { name: name.to_string(), reason });
     if name.is_empty() {
         return bad("empty");
     }
@@ -112,14 +104,10 @@ pub(crate) fn header_bytes(huge_pages: bool) -> usize {
 /// Total file size for a layout: header plus data.
 pub(crate) fn total_bytes(layout: &Layout, huge_pages: bool) -> Result<usize> {
     let h = header_bytes(huge_pages);
-    layout
-        .data_bytes()
-        .checked_add(h)
-        .filter(|t| *t <= isize::MAX as usize)
-        .ok_or_else(|| RegionError::SizeOverflow {
-            what: "region file size",
-            detail: format!("{} data bytes + {h} header bytes", layout.data_bytes()),
-        })
+    layout.data_bytes().checked_add(h).filter(|t| *t <= isize::MAX as usize).ok_or_else(|| RegionError::SizeOverflow {
+        what: "region file size",
+        detail: format!("{} data bytes + {h} header bytes", layout.data_bytes()),
+    })
 }
 
 /// The shared-file side of a [`Region`].
@@ -140,9 +128,7 @@ pub(crate) struct Shared {
 
 impl Shared {
     fn new(path: PathBuf, file: File, opts: &ShmOptions) -> Result<Self> {
-        let md = file
-            .metadata()
-            .map_err(|e| RegionError::io("fstat", &path, e))?;
+        let md = file.metadata().map_err(|e| RegionError::io("fstat", &path, e))?;
         Ok(Shared {
             path,
             dev: md.dev(),
@@ -189,24 +175,12 @@ impl Shared {
     }
 }
 
-fn timeout_error(
-    path: &Path,
-    phase: JoinPhase,
-    timeout: Duration,
-    w: Option<JoinWord>,
-    n: usize,
-) -> RegionError {
+fn timeout_error(path: &Path, phase: JoinPhase, timeout: Duration, w: Option<JoinWord>, n: usize) -> RegionError {
     let (mapped, missing) = match w {
         Some(w) => (w.mapped(), w.missing(n)),
         None => (Vec::new(), (0..n).collect()),
     };
-    RegionError::JoinTimeout {
-        path: path.to_path_buf(),
-        phase,
-        timeout,
-        mapped,
-        missing,
-    }
+    RegionError::JoinTimeout { path: path.to_path_buf(), phase, timeout, mapped, missing }
 }
 
 impl Region {
@@ -228,23 +202,14 @@ impl Region {
         let total = total_bytes(&layout, opts.huge_pages)?;
 
         // Capacity, before anything is written.
-        let free =
-            sys::fs_available(&opts.dir).map_err(|e| RegionError::io("statvfs", &opts.dir, e))?;
+        let free = sys::fs_available(&opts.dir).map_err(|e| RegionError::io("statvfs", &opts.dir, e))?;
         if total as u64 > free {
-            return Err(RegionError::ShmTooSmall {
-                dir: opts.dir.clone(),
-                needed: total as u64,
-                available: free,
-            });
+            return Err(RegionError::ShmTooSmall { dir: opts.dir.clone(), needed: total as u64, available: free });
         }
         if opts.check_memory {
-            let avail =
-                sys::mem_available().map_err(|e| RegionError::io("read", "/proc/meminfo", e))?;
+            let avail = sys::mem_available().map_err(|e| RegionError::io("read", "/proc/meminfo", e))?;
             if total as u64 > avail {
-                return Err(RegionError::MemoryTooSmall {
-                    needed: total as u64,
-                    available: avail,
-                });
+                return Err(RegionError::MemoryTooSmall { needed: total as u64, available: avail });
             }
         }
 
@@ -271,14 +236,8 @@ impl Region {
                 return Err(e);
             }
         };
-        let mut region = Region {
-            map,
-            data_offset: hbytes,
-            layout,
-            rank,
-            huge_pages_advised: false,
-            kind: Kind::Shared(shared),
-        };
+        let mut region =
+            Region { map, data_offset: hbytes, layout, rank, huge_pages_advised: false, kind: Kind::Shared(shared) };
         if opts.huge_pages {
             region.huge_pages_advised = region.try_advise_huge_pages();
         }
@@ -316,13 +275,7 @@ impl Region {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     if !backoff.wait() {
                         warn!(path = %path.display(), "join timed out: region file never appeared");
-                        return Err(timeout_error(
-                            &path,
-                            JoinPhase::FileToAppear,
-                            opts.timeout,
-                            None,
-                            n,
-                        ));
+                        return Err(timeout_error(&path, JoinPhase::FileToAppear, opts.timeout, None, n));
                     }
                 }
                 Err(e) => return Err(RegionError::io("open", &path, e)),
@@ -333,11 +286,7 @@ impl Region {
 
         // Phase 2: the creator sizes it.
         loop {
-            let len = shared
-                .file
-                .metadata()
-                .map_err(|e| RegionError::io("fstat", &shared.path, e))?
-                .len();
+            let len = shared.file.metadata().map_err(|e| RegionError::io("fstat", &shared.path, e))?.len();
             if len == total as u64 {
                 break;
             }
@@ -353,13 +302,7 @@ impl Region {
                 // The creator died between open and ftruncate (or is stuck):
                 // nobody else can clean this file up reliably, so we do.
                 warn!(path = %shared.path.display(), "join timed out: region file never sized");
-                let e = timeout_error(
-                    &shared.path,
-                    JoinPhase::FileToBeSized,
-                    opts.timeout,
-                    None,
-                    n,
-                );
+                let e = timeout_error(&shared.path, JoinPhase::FileToBeSized, opts.timeout, None, n);
                 shared.unlink_if_ours("join timed out before the file was sized")?;
                 return Err(e);
             }
@@ -369,14 +312,8 @@ impl Region {
             .len(total)
             .map_raw(&shared.file)
             .map_err(|e| RegionError::io("mmap", &shared.path, e))?;
-        let mut region = Region {
-            map,
-            data_offset: hbytes,
-            layout,
-            rank,
-            huge_pages_advised: false,
-            kind: Kind::Shared(shared),
-        };
+        let mut region =
+            Region { map, data_offset: hbytes, layout, rank, huge_pages_advised: false, kind: Kind::Shared(shared) };
         // From here on, dropping `region` on an error path abandons the
         // region and unlinks the file; for errors that say the file is not
         // ours to remove (bad header, duplicate rank) `forget_link` first.
@@ -389,26 +326,16 @@ impl Region {
                     if !backoff.wait() {
                         warn!(path = %region.path_lossy(), "join timed out: creator never initialised the header");
                         let abandon = region.hdr().update(|w| {
-                            (w.state == JoinState::Init).then_some(JoinWord {
-                                state: JoinState::Abandoned,
-                                ..w
-                            })
+                            (w.state == JoinState::Init).then_some(JoinWord { state: JoinState::Abandoned, ..w })
                         });
                         if let Err(w) = abandon {
                             // The creator published just now: go on with
                             // that word rather than abandon a live region.
                             break w;
                         }
-                        let e = timeout_error(
-                            region.shared_path(),
-                            JoinPhase::CreatorToInitialise,
-                            opts.timeout,
-                            None,
-                            n,
-                        );
-                        region
-                            .shared_mut()
-                            .unlink_if_ours("join timed out before the header was ready")?;
+                        let e =
+                            timeout_error(region.shared_path(), JoinPhase::CreatorToInitialise, opts.timeout, None, n);
+                        region.shared_mut().unlink_if_ours("join timed out before the header was ready")?;
                         return Err(e);
                     }
                 }
@@ -434,21 +361,14 @@ impl Region {
         ) {
             debug!(rank, other, "rank already claimed by another process");
             region.forget_link();
-            return Err(RegionError::RankAlreadyMapped {
-                path: region.shared_path().to_path_buf(),
-                rank,
-            });
+            return Err(RegionError::RankAlreadyMapped { path: region.shared_path().to_path_buf(), rank });
         }
         let bit = 1u32 << rank;
         let full = full_mask(n);
         let (_, new) = match region.hdr().update(|w| {
             (w.state == JoinState::Ready && w.mask & bit == 0).then(|| {
                 let mask = w.mask | bit;
-                let state = if mask == full {
-                    JoinState::Complete
-                } else {
-                    JoinState::Ready
-                };
+                let state = if mask == full { JoinState::Complete } else { JoinState::Ready };
                 JoinWord { state, mask }
             })
         }) {
@@ -456,21 +376,14 @@ impl Region {
             Err(w) if w.state == JoinState::Abandoned => return Err(region.abandoned_error()),
             Err(w) if w.mask & bit != 0 => {
                 region.forget_link();
-                return Err(RegionError::RankAlreadyMapped {
-                    path: region.shared_path().to_path_buf(),
-                    rank,
-                });
+                return Err(RegionError::RankAlreadyMapped { path: region.shared_path().to_path_buf(), rank });
             }
             Err(w) => {
                 region.forget_link();
                 return Err(RegionError::BadHeader {
                     path: region.shared_path().to_path_buf(),
                     field: "join state",
-                    expected: JoinWord {
-                        state: JoinState::Ready,
-                        mask: w.mask,
-                    }
-                    .encode(),
+                    expected: JoinWord { state: JoinState::Ready, mask: w.mask }.encode(),
                     found: w.encode(),
                 });
             }
@@ -505,10 +418,8 @@ impl Region {
         let abandoned = self
             .hdr()
             .update(|w| {
-                matches!(w.state, JoinState::Init | JoinState::Ready).then_some(JoinWord {
-                    state: JoinState::Abandoned,
-                    ..w
-                })
+                matches!(w.state, JoinState::Init | JoinState::Ready)
+                    .then_some(JoinWord { state: JoinState::Abandoned, ..w })
             })
             .is_ok();
         if abandoned {
@@ -552,20 +463,12 @@ impl Region {
         let full = full_mask(n);
         let published = hdr.update(|w| {
             (w.state == JoinState::Init).then_some(JoinWord {
-                state: if bit == full {
-                    JoinState::Complete
-                } else {
-                    JoinState::Ready
-                },
+                state: if bit == full { JoinState::Complete } else { JoinState::Ready },
                 mask: bit,
             })
         });
         match published {
-            Ok((_, new)) => self.after_mapped(
-                new,
-                Backoff::new(timeout.saturating_sub(started.elapsed())),
-                started,
-            ),
+            Ok((_, new)) => self.after_mapped(new, Backoff::new(timeout.saturating_sub(started.elapsed())), started),
             // A joiner timed out waiting for us and abandoned the file.
             Err(_) => Err(self.abandoned_error()),
         }
@@ -598,24 +501,15 @@ impl Region {
             }
             if !backoff.wait() {
                 // Abandon unless the last rank arrived meanwhile.
-                match self.hdr().update(|w| {
-                    (w.state == JoinState::Ready).then_some(JoinWord {
-                        state: JoinState::Abandoned,
-                        ..w
-                    })
-                }) {
+                match self
+                    .hdr()
+                    .update(|w| (w.state == JoinState::Ready).then_some(JoinWord { state: JoinState::Abandoned, ..w }))
+                {
                     Ok((old, _)) => {
                         let n = self.layout.num_ranks();
                         warn!(path = %self.path_lossy(), missing = ?old.missing(n), "timed out waiting for every rank to map the region");
-                        let e = timeout_error(
-                            self.shared_path(),
-                            JoinPhase::RanksToMap,
-                            timeout,
-                            Some(old),
-                            n,
-                        );
-                        self.shared_mut()
-                            .unlink_if_ours("timed out waiting for ranks")?;
+                        let e = timeout_error(self.shared_path(), JoinPhase::RanksToMap, timeout, Some(old), n);
+                        self.shared_mut().unlink_if_ours("timed out waiting for ranks")?;
                         return Err(e);
                     }
                     // Complete or Abandoned meanwhile: handled at the top.
@@ -627,11 +521,7 @@ impl Region {
                         return Err(RegionError::BadHeader {
                             path: self.shared_path().to_path_buf(),
                             field: "join state",
-                            expected: JoinWord {
-                                state: JoinState::Ready,
-                                mask: w.mask,
-                            }
-                            .encode(),
+                            expected: JoinWord { state: JoinState::Ready, mask: w.mask }.encode(),
                             found: w.encode(),
                         });
                     }
@@ -647,10 +537,7 @@ impl Region {
         if let Err(e) = self.shared_mut().unlink_if_ours("region abandoned") {
             warn!(error = %e, "could not unlink abandoned region file");
         }
-        RegionError::Abandoned {
-            path: self.shared_path().to_path_buf(),
-            mapped,
-        }
+        RegionError::Abandoned { path: self.shared_path().to_path_buf(), mapped }
     }
 
     /// Compares the header with what this rank expects.
@@ -659,34 +546,17 @@ impl Region {
         let expect: [(&'static str, u64, u64); 8] = [
             ("magic", MAGIC, f.magic),
             ("version", VERSION as u64, f.version as u64),
-            (
-                "header_bytes",
-                self.data_offset as u64,
-                f.header_bytes as u64,
-            ),
+            ("header_bytes", self.data_offset as u64, f.header_bytes as u64),
             ("total_bytes", self.map.len() as u64, f.total_bytes),
-            (
-                "num_ranks",
-                self.layout.num_ranks() as u64,
-                f.num_ranks as u64,
-            ),
-            (
-                "chunk_bytes",
-                self.layout.chunk_bytes() as u64,
-                f.chunk_bytes,
-            ),
+            ("num_ranks", self.layout.num_ranks() as u64, f.num_ranks as u64),
+            ("chunk_bytes", self.layout.chunk_bytes() as u64, f.chunk_bytes),
             ("num_rows", self.layout.num_rows() as u64, f.num_rows),
             ("session", opts.session, f.session),
         ];
         for (field, expected, found) in expect {
             if expected != found {
                 self.forget_link();
-                return Err(RegionError::BadHeader {
-                    path: self.shared_path().to_path_buf(),
-                    field,
-                    expected,
-                    found,
-                });
+                return Err(RegionError::BadHeader { path: self.shared_path().to_path_buf(), field, expected, found });
             }
         }
         Ok(())
@@ -745,22 +615,13 @@ impl Region {
 /// `open(O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode)`, removing a stale
 /// file first if `force`.
 fn open_exclusive(path: &Path, opts: &ShmOptions) -> Result<File> {
-    let open = || {
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(opts.mode)
-            .open(path)
-    };
+    let open = || OpenOptions::new().read(true).write(true).create_new(true).mode(opts.mode).open(path);
     match open() {
         Ok(f) => Ok(f),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
             if !opts.force {
                 warn!(path = %path.display(), "region file already exists (stale file from a crashed run?)");
-                return Err(RegionError::AlreadyExists {
-                    path: path.to_path_buf(),
-                });
+                return Err(RegionError::AlreadyExists { path: path.to_path_buf() });
             }
             warn!(path = %path.display(), "force: removing existing region file");
             match std::fs::remove_file(path) {
@@ -770,9 +631,7 @@ fn open_exclusive(path: &Path, opts: &ShmOptions) -> Result<File> {
             }
             open().map_err(|e| {
                 if e.kind() == io::ErrorKind::AlreadyExists {
-                    RegionError::AlreadyExists {
-                        path: path.to_path_buf(),
-                    }
+                    RegionError::AlreadyExists { path: path.to_path_buf() }
                 } else {
                     RegionError::io("open", path, e)
                 }
@@ -784,14 +643,8 @@ fn open_exclusive(path: &Path, opts: &ShmOptions) -> Result<File> {
 
 /// Sizes and maps a freshly created file.
 fn size_and_map(shared: &Shared, total: usize) -> Result<MmapRaw> {
-    shared
-        .file
-        .set_len(total as u64)
-        .map_err(|e| RegionError::io("ftruncate", &shared.path, e))?;
-    MmapOptions::new()
-        .len(total)
-        .map_raw(&shared.file)
-        .map_err(|e| RegionError::io("mmap", &shared.path, e))
+    shared.file.set_len(total as u64).map_err(|e| RegionError::io("ftruncate", &shared.path, e))?;
+    MmapOptions::new().len(total).map_raw(&shared.file).map_err(|e| RegionError::io("mmap", &shared.path, e))
 }
 
 impl Region {
@@ -809,7 +662,6 @@ impl Region {
 
     /// Applies `advice` to the data area.
     pub(crate) fn advise_data(&self, advice: Advice) -> io::Result<()> {
-        self.map
-            .advise_range(advice, self.data_offset, self.layout.data_bytes())
+        self.map.advise_range(advice, self.data_offset, self.layout.data_bytes())
     }
 }

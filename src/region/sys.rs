@@ -44,12 +44,8 @@ pub fn fs_available(dir: &Path) -> io::Result<u64> {
 /// `MemAvailable` of `/proc/meminfo`, in bytes.
 pub fn mem_available() -> io::Result<u64> {
     let text = std::fs::read_to_string("/proc/meminfo")?;
-    parse_mem_available(&text).ok_or_else(|| {
-        io::Error::new(
-            io::ErrorKind::InvalidData,
-            "no parsable MemAvailable line in /proc/meminfo",
-        )
-    })
+    parse_mem_available(&text)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no parsable MemAvailable line in /proc/meminfo"))
 }
 
 /// Parses the `MemAvailable:  N kB` line of a meminfo text.
@@ -92,9 +88,7 @@ pub(crate) struct Backoff {
 impl Backoff {
     pub(crate) fn new(timeout: Duration) -> Self {
         Backoff {
-            deadline: Instant::now()
-                .checked_add(timeout)
-                .unwrap_or_else(far_future),
+            deadline: Instant::now().checked_add(timeout).unwrap_or_else(far_future),
             next: Duration::from_micros(50),
         }
     }

@@ -14,14 +14,24 @@
 //! not make them while an engine may be capturing, unless they switched
 //! themselves to [`CaptureMode::Relaxed`] and the row says relaxed is safe.
 
-mod error;
-mod types;
-pub mod sim;
 #[cfg(not(loom))]
 pub mod cuda;
+mod error;
+pub mod sim;
+mod types;
 
 pub use error::{Code, DriverError, DriverResult, OpenError};
 pub use types::{CaptureMode, CaptureStatus, DevicePtr, Direction, Event, Fragment, Graph, Kernel, Stream};
+
+/// A runtime as `Arc<dyn GpuRuntime>` (works under loom too, whose `Arc`
+/// cannot coerce to a trait object). [`GpuRuntime::as_sim`] gets the
+/// simulated GPU back.
+pub fn shared<T: GpuRuntime + 'static>(rt: T) -> crate::sync::Arc<dyn GpuRuntime> {
+    fn coerce<T: GpuRuntime + 'static>(a: crate::sync::StdArc<T>) -> crate::sync::StdArc<dyn GpuRuntime> {
+        a
+    }
+    crate::sync::arc_dyn(rt, coerce::<T>)
+}
 
 /// The driver operations the offload code needs.
 ///
@@ -34,6 +44,11 @@ pub trait GpuRuntime: Send + Sync {
     fn backend(&self) -> &'static str;
     /// Device and driver, for reports (e.g. "NVIDIA H200, driver 13.0").
     fn describe(&self) -> String;
+    /// The simulated GPU behind this runtime, if it is one (tests and
+    /// models use its fault injection and observers).
+    fn as_sim(&self) -> Option<&sim::SimRuntime> {
+        None
+    }
 
     /// `cuMemHostRegister`. Capture-unsafe (FACTS 1, row "cuMemHostRegister").
     ///

@@ -49,3 +49,22 @@ pub fn wait<'a, T>(cv: &Condvar, g: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
         Err(p) => p.into_inner(),
     }
 }
+
+/// The standard library's `Arc`, whatever the build: the one type that can
+/// be coerced to a trait object (loom's `Arc` cannot; see [`arc_dyn`]).
+pub type StdArc<T> = std::sync::Arc<T>;
+
+/// `Arc<D>` (a trait object) of `value`, under std and loom alike: `coerce`
+/// turns the std `Arc` into the trait object; under loom it is then wrapped
+/// with `Arc::from_std`.
+pub fn arc_dyn<T, D: ?Sized>(value: T, coerce: fn(StdArc<T>) -> StdArc<D>) -> Arc<D> {
+    let d = coerce(StdArc::new(value));
+    #[cfg(not(loom))]
+    {
+        d
+    }
+    #[cfg(loom)]
+    {
+        Arc::from_std(d)
+    }
+}

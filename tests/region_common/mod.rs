@@ -38,19 +38,13 @@ impl ShmGuard {
     /// Whether a file of this name is listed in /dev/shm.
     pub fn listed(&self) -> bool {
         let file_name = self.path.file_name().unwrap().to_owned();
-        std::fs::read_dir(DEFAULT_SHM_DIR)
-            .unwrap()
-            .any(|e| e.unwrap().file_name() == file_name)
+        std::fs::read_dir(DEFAULT_SHM_DIR).unwrap().any(|e| e.unwrap().file_name() == file_name)
     }
 
     /// Asserts no /dev/shm entry has this region's name.
     #[track_caller]
     pub fn assert_gone(&self) {
-        assert!(
-            !self.listed(),
-            "{} left behind in /dev/shm",
-            self.path.display()
-        );
+        assert!(!self.listed(), "{} left behind in /dev/shm", self.path.display());
     }
 }
 

@@ -91,11 +91,7 @@ impl BenchConfig {
         ];
         for (field, value) in counts {
             if value == 0 || value > BENCH_LIMIT {
-                return Err(BenchError::OutOfRange {
-                    field,
-                    value,
-                    limit: BENCH_LIMIT,
-                });
+                return Err(BenchError::OutOfRange { field, value, limit: BENCH_LIMIT });
             }
         }
         if !(0.0..=MAX_ZIPF_EXPONENT).contains(&self.zipf_exponent) {
@@ -113,11 +109,7 @@ impl BenchConfig {
             capacity: c(self.capacity),
             universe: c(self.universe),
             accesses: c(self.accesses),
-            zipf_exponent: if s.is_nan() {
-                1.0
-            } else {
-                s.clamp(0.0, MAX_ZIPF_EXPONENT)
-            },
+            zipf_exponent: if s.is_nan() { 1.0 } else { s.clamp(0.0, MAX_ZIPF_EXPONENT) },
             seed: self.seed,
             hot_run: c(self.hot_run),
             scan_length: c(self.scan_length),

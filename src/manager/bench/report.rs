@@ -76,9 +76,7 @@ pub struct BenchReport {
 impl BenchReport {
     /// The row for `workload` under `policy`.
     pub fn row(&self, workload: Workload, policy: PolicyKind) -> Option<&BenchRow> {
-        self.rows
-            .iter()
-            .find(|r| r.workload == workload && r.policy == policy)
+        self.rows.iter().find(|r| r.workload == workload && r.policy == policy)
     }
 }
 
@@ -90,11 +88,7 @@ impl fmt::Display for BenchReport {
             "block manager: {} slots, zipf over {} keys (s = {}), seed {:#x}",
             c.capacity, c.universe, c.zipf_exponent, c.seed
         )?;
-        writeln!(
-            f,
-            "scan-heavy: {} zipf accesses, then {} keys read once, repeated",
-            c.hot_run, c.scan_length
-        )?;
+        writeln!(f, "scan-heavy: {} zipf accesses, then {} keys read once, repeated", c.hot_run, c.scan_length)?;
         writeln!(
             f,
             "{:<11} {:<6} {:>9} {:>9} {:>9} {:>12}",
@@ -112,10 +106,7 @@ impl fmt::Display for BenchReport {
                 r.ops_per_sec()
             )?;
         }
-        write!(
-            f,
-            "ops/s: manager calls per second (4 per access, one key per call)"
-        )?;
+        write!(f, "ops/s: manager calls per second (4 per access, one key per call)")?;
         let failures: u64 = self.rows.iter().map(|r| r.failures).sum();
         if failures > 0 {
             write!(f, "\nwarning: {failures} manager calls were refused")?;

@@ -49,9 +49,7 @@ impl Zipf {
     /// One rank, most popular first.
     pub fn sample(&self, rng: &mut SplitMix64) -> usize {
         let u = rng.next_f64();
-        self.cdf
-            .partition_point(|c| *c <= u)
-            .min(self.cdf.len() - 1)
+        self.cdf.partition_point(|c| *c <= u).min(self.cdf.len() - 1)
     }
 }
 
@@ -132,14 +130,7 @@ mod tests {
 
     #[test]
     fn scan_keys_never_repeat_and_trace_has_exact_length() {
-        let shape = TraceShape {
-            universe: 50,
-            accesses: 1_000,
-            exponent: 0.8,
-            seed: 1,
-            hot_run: 30,
-            scan_length: 20,
-        };
+        let shape = TraceShape { universe: 50, accesses: 1_000, exponent: 0.8, seed: 1, hot_run: 30, scan_length: 20 };
         let t = trace(Workload::ScanHeavy, &shape);
         assert_eq!(t.len(), 1_000);
         let scans: Vec<u64> = t.iter().copied().filter(|k| *k >= 50).collect();

@@ -65,9 +65,7 @@ impl ArcPolicy {
                 break;
             }
         }
-        while self.t1.len() + self.t2.len() + self.b1.len() + self.b2.len()
-            > self.capacity.saturating_mul(2)
-        {
+        while self.t1.len() + self.t2.len() + self.b1.len() + self.b2.len() > self.capacity.saturating_mul(2) {
             if self.b2.pop_lru_candidate().is_none() && self.b1.pop_lru_candidate().is_none() {
                 break;
             }
@@ -127,8 +125,7 @@ impl EvictionPolicy for ArcPolicy {
     }
 
     fn evict(&mut self) -> Option<BlockKey> {
-        let from_t1 =
-            self.t1.candidates() > 0 && (self.t1.len() > self.target || self.t2.candidates() == 0);
+        let from_t1 = self.t1.candidates() > 0 && (self.t1.len() > self.target || self.t2.candidates() == 0);
         let victim = if from_t1 {
             let key = self.t1.pop_lru_candidate()?;
             self.b1.push_mru(key, true);
@@ -177,39 +174,21 @@ impl EvictionPolicy for ArcPolicy {
             return Err(format!("arc target {} exceeds capacity {c}", self.target));
         }
         if t1 + t2 > c {
-            return Err(format!(
-                "arc holds {} resident blocks, capacity {c}",
-                t1 + t2
-            ));
+            return Err(format!("arc holds {} resident blocks, capacity {c}", t1 + t2));
         }
         if t1 + b1 > c {
-            return Err(format!(
-                "arc |T1| + |B1| = {} exceeds capacity {c}",
-                t1 + b1
-            ));
+            return Err(format!("arc |T1| + |B1| = {} exceeds capacity {c}", t1 + b1));
         }
         if t1 + t2 + b1 + b2 > c.saturating_mul(2) {
-            return Err(format!(
-                "arc tracks {} keys, more than twice capacity {c}",
-                t1 + t2 + b1 + b2
-            ));
+            return Err(format!("arc tracks {} keys, more than twice capacity {c}", t1 + t2 + b1 + b2));
         }
         if self.b1.candidates() != b1 || self.b2.candidates() != b2 {
             return Err("arc ghost entries must all be candidates".into());
         }
-        let lists = [
-            ("t1", &self.t1),
-            ("t2", &self.t2),
-            ("b1", &self.b1),
-            ("b2", &self.b2),
-        ];
+        let lists = [("t1", &self.t1), ("t2", &self.t2), ("b1", &self.b1), ("b2", &self.b2)];
         for (i, (name, list)) in lists.iter().enumerate() {
             for (other, olist) in lists.iter().skip(i + 1) {
-                if let Some(k) = list
-                    .keys_lru_first()
-                    .into_iter()
-                    .find(|k| olist.contains(k))
-                {
+                if let Some(k) = list.keys_lru_first().into_iter().find(|k| olist.contains(k)) {
                     return Err(format!("arc key {k} is in both {name} and {other}"));
                 }
             }

@@ -31,11 +31,7 @@ pub(crate) struct Recency<K> {
 
 impl<K: Copy + Eq + Hash> Default for Recency<K> {
     fn default() -> Self {
-        Self {
-            entries: HashMap::new(),
-            candidates: BTreeMap::new(),
-            next_stamp: 0,
-        }
+        Self { entries: HashMap::new(), candidates: BTreeMap::new(), next_stamp: 0 }
     }
 }
 
@@ -129,10 +125,7 @@ impl<K: Copy + Eq + Hash> Recency<K> {
     pub(crate) fn check(&self, name: &str) -> Result<(), String> {
         let flagged = self.entries.values().filter(|e| e.candidate).count();
         if flagged != self.candidates.len() {
-            return Err(format!(
-                "{name}: {flagged} entries flagged candidate but {} indexed",
-                self.candidates.len()
-            ));
+            return Err(format!("{name}: {flagged} entries flagged candidate but {} indexed", self.candidates.len()));
         }
         for (stamp, key) in &self.candidates {
             match self.entries.get(key) {

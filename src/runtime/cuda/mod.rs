@@ -12,8 +12,8 @@ use std::ffi::c_void;
 use cudarc::driver::sys;
 
 use crate::runtime::{
-    CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, Graph,
-    GpuRuntime, Kernel, OpenError, Stream,
+    CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, GpuRuntime,
+    Graph, Kernel, OpenError, Stream,
 };
 use crate::sync::{self, Mutex};
 
@@ -228,7 +228,9 @@ impl GpuRuntime for CudaRuntime {
         self.bind()?;
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer; the driver validates `addr`.
-        check("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut p, addr as *mut c_void, 0) })?;
+        check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut p, addr as *mut c_void, 0)
+        })?;
         Ok(p)
     }
 
@@ -329,10 +331,8 @@ impl GpuRuntime for CudaRuntime {
             return Err(DriverError::new("cuMemcpyBatchAsync", Code::INVALID_VALUE));
         }
         let host = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, id: 0 };
-        let dev = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: self.ordinal as i32,
-        };
+        let dev =
+            sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: self.ordinal as i32 };
         let (mut dsts, mut srcs): (Vec<sys::CUdeviceptr>, Vec<sys::CUdeviceptr>) = match dir {
             Direction::HostToDevice => fragments.iter().map(|f| (f.device, f.host as u64)).unzip(),
             Direction::DeviceToHost => fragments.iter().map(|f| (f.host as u64, f.device)).unzip(),

@@ -26,8 +26,8 @@ pub use fault::{HoldPoint, SimFault};
 pub use state::Blocked;
 
 use crate::runtime::{
-    CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, Graph,
-    GpuRuntime, Kernel, Stream,
+    CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, GpuRuntime,
+    Graph, Kernel, Stream,
 };
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 
@@ -222,6 +222,11 @@ impl SimRuntime {
         sync::lock(&self.inner.state).registered.len()
     }
 
+    /// Registrations running in the driver right now.
+    pub fn registers_running(&self) -> usize {
+        sync::lock(&self.inner.state).registers_running
+    }
+
     /// The sticky context error, if the context is poisoned.
     pub fn poisoned(&self) -> Option<Code> {
         sync::lock(&self.inner.state).poisoned
@@ -329,6 +334,10 @@ impl GpuRuntime for SimRuntime {
 
     fn describe(&self) -> String {
         DESCRIPTION.to_string()
+    }
+
+    fn as_sim(&self) -> Option<&SimRuntime> {
+        Some(self)
     }
 
     unsafe fn host_register(&self, addr: usize, len: usize) -> DriverResult<()> {

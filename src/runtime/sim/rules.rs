@@ -41,7 +41,9 @@ pub(crate) fn check(st: &mut State, me: ThreadId, call: UnsafeCall) -> Result<()
     let my_mode = st.thread_mode(me);
     let mut refused = false;
     for s in st.streams.values_mut() {
-        let Some(c) = s.capture.as_mut() else { continue };
+        let Some(c) = s.capture.as_mut() else {
+            continue;
+        };
         if c.invalidated {
             continue;
         }

@@ -20,13 +20,28 @@ const DEVICE_BASE: u64 = 0x7f00_0000_0000 & !HOST_ALIAS_BIT;
 /// One unit of stream work.
 #[derive(Clone, Debug)]
 pub(crate) enum Op {
-    HtoD { dst: DevicePtr, src: usize, bytes: usize },
-    DtoH { dst: usize, src: DevicePtr, bytes: usize },
-    Memset { dst: DevicePtr, value: u8, bytes: usize },
+    HtoD {
+        dst: DevicePtr,
+        src: usize,
+        bytes: usize,
+    },
+    DtoH {
+        dst: usize,
+        src: DevicePtr,
+        bytes: usize,
+    },
+    Memset {
+        dst: DevicePtr,
+        value: u8,
+        bytes: usize,
+    },
     /// A kernel with no memory effect (the conformance suite's spin kernel).
     Spin,
     /// Wait until `stream` has completed `seq` operations.
-    WaitEvent { stream: u64, seq: u64 },
+    WaitEvent {
+        stream: u64,
+        seq: u64,
+    },
     /// Replay of a captured graph.
     Graph(Arc<GraphBody>),
 }

@@ -1,0 +1,84 @@
+//! P1 capture isolation: no library thread makes a capture-unsafe driver
+//! call (register, event query, ...) in a non-relaxed mode while a GLOBAL
+//! capture is open. Observable: the simulated GPU never invalidates the
+//! engine's capture because of the library.
+//!
+//! Threads (4): the engine (main) opens a capture window and captures in
+//! GLOBAL mode; the pinner (`PinHandle`, 2 chunks, Interleave policy, so
+//! pinning really overlaps the window); a completion poller making one
+//! gated event query (`Coordinator::try_unsafe_call`); the sim's device
+//! thread. Preemption bound 2.
+//!
+//! Why it holds: every capture-unsafe library call runs inside
+//! `Coordinator::unsafe_call`/`try_unsafe_call`, which start only while no
+//! window is open, and a window opens only when no such call is in flight;
+//! both checks and the counters they read sit under one mutex, so a call
+//! and a window never overlap. The engine begins its capture only inside
+//! the window.
+//!
+//! Negatives: N1 (upstream's design: no capture window) and N3 (the poller
+//! queries without the gate) are this scenario with one knob changed; loom
+//! finds an interleaving where the sim invalidates the capture.
+
+#![cfg(loom)]
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{check, fixture, negative, Bounds};
+use kvoffload::pin::{NoPrefault, PinHandle};
+use kvoffload::protocol::{CapturePolicy, PinState, Variant};
+use kvoffload::runtime::CaptureMode;
+use kvoffload::sync::thread;
+
+fn scenario(variant: Variant) {
+    let f = fixture(CapturePolicy::Interleave, variant, 2, 64);
+    let rt = f.rt.clone();
+    let s = rt.stream_create().unwrap();
+    let d = rt.mem_alloc(64).unwrap();
+    let poll_stream = rt.stream_create().unwrap();
+    let e = rt.event_create().unwrap();
+    rt.event_record(e, poll_stream).unwrap();
+
+    let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
+    let (prt, pcoord) = (rt.clone(), f.coord.clone());
+    let poller = thread::spawn(move || pcoord.try_unsafe_call(|| prt.event_query(e)).map(|r| r.is_ok()));
+
+    let w = f.coord.open_window().unwrap();
+    rt.begin_capture(s, CaptureMode::Global).unwrap();
+    let enq = rt.memset_d8_async(d, 0, 64, s);
+    let end = rt.end_capture(s);
+    drop(w);
+
+    let polled = poller.join().unwrap();
+    let pinned = pin.join();
+    assert!(end.is_ok() && enq.is_ok(), "capture invalidated by a library call: enqueue {enq:?}, end {end:?}");
+    assert_eq!(pinned, PinState::Pinned, "pinning failed: {pinned:?}");
+    if let Ok(ok) = polled {
+        assert!(ok, "gated event query failed");
+    }
+    f.coord.unregister_all(rt.as_ref()).unwrap();
+}
+
+const B: Bounds = Bounds { property: "P1", threads: 4, preemptions: 2 };
+
+#[test]
+fn p1_library_calls_never_invalidate_capture() {
+    check("p1_capture_isolation", B, || scenario(Variant::Production));
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n1_upstream_background_pin_without_window() {
+    negative("n1_no_capture_window", Bounds { property: "N1", ..B }, "capture invalidated", || {
+        scenario(Variant::NoCaptureWindow)
+    });
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n3_poller_queries_during_capture() {
+    negative("n3_ungated_poller", Bounds { property: "N3", ..B }, "capture invalidated", || {
+        scenario(Variant::UngatedPoller)
+    });
+}

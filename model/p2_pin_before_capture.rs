@@ -1,0 +1,67 @@
+//! P2 pin before capture.
+//!
+//! - AfterPinning (default policy): every capture window opens only after
+//!   pinning reached a final state, and no registration is running in the
+//!   driver during the window.
+//! - Interleave: a window may open during pinning; while it is open no
+//!   registration runs, the pinner resumes after it closes (pinning still
+//!   ends Pinned), and the window waited for at most one chunk.
+//!
+//! Threads (3): the engine (main) opening one window and capturing in
+//! GLOBAL mode, the pinner (`PinHandle`, 3 chunks), the sim's device thread.
+//! Preemption bound 3.
+//!
+//! Why it holds: `Coordinator::open_window` waits, under the coordinator's
+//! lock, for `unsafe_in_flight == 0` and (AfterPinning) for a final pin
+//! state; the pinner's registrations go through `unsafe_call`, which does
+//! not start while a window is open or while a window that could open is
+//! waiting. So at most the one registration already in flight when the
+//! window asked completes before it opens.
+
+#![cfg(loom)]
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{check, fixture, Bounds};
+use kvoffload::pin::{NoPrefault, PinHandle};
+use kvoffload::protocol::{CapturePolicy, PinState, Variant};
+use kvoffload::runtime::CaptureMode;
+
+fn scenario(policy: CapturePolicy) {
+    let f = fixture(policy, Variant::Production, 3, 64);
+    let rt = f.rt.clone();
+    let s = rt.stream_create().unwrap();
+    let d = rt.mem_alloc(64).unwrap();
+    let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
+
+    let w = f.coord.open_window().unwrap();
+    let state = f.coord.pin_state();
+    match policy {
+        CapturePolicy::AfterPinning => assert!(state.is_final(), "window opened while pinning: {state:?}"),
+        CapturePolicy::Interleave => assert!(w.chunks_waited() <= 1, "window waited for {} chunks", w.chunks_waited()),
+    }
+    assert_eq!(f.sim().registers_running(), 0, "registration running inside the window");
+    rt.begin_capture(s, CaptureMode::Global).unwrap();
+    rt.memset_d8_async(d, 0, 64, s).unwrap();
+    assert_eq!(f.sim().registers_running(), 0, "registration running inside the window");
+    assert!(rt.end_capture(s).is_ok(), "capture invalidated");
+    drop(w);
+
+    assert_eq!(pin.join(), PinState::Pinned);
+    f.coord.unregister_all(rt.as_ref()).unwrap();
+}
+
+#[test]
+fn p2_after_pinning_windows_wait_for_final_state() {
+    check("p2_after_pinning", Bounds { property: "P2", threads: 3, preemptions: 3 }, || {
+        scenario(CapturePolicy::AfterPinning)
+    });
+}
+
+#[test]
+fn p2_interleave_window_waits_at_most_one_chunk() {
+    check("p2_interleave", Bounds { property: "P2", threads: 3, preemptions: 3 }, || {
+        scenario(CapturePolicy::Interleave)
+    });
+}

@@ -1,0 +1,31 @@
+//! The shutdown order (P4): refuse while a capture window is open or
+//! registered graphs live; refuse new work; drain in-flight transfers; stop
+//! pinning at a chunk boundary (it rolls back); unregister every chunk, last
+//! first. The caller then unmaps and unlinks the region (dropping it).
+
+use crate::runtime::{DriverError, GpuRuntime};
+
+use super::{Coordinator, ProtocolError};
+
+/// Why shutdown did not complete.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShutdownError {
+    /// Refused before anything changed (window open, graphs alive, twice).
+    #[error(transparent)]
+    Refused(#[from] ProtocolError),
+    /// A chunk could not be unregistered; the region must stay mapped.
+    #[error("unregistering the region failed: {0}")]
+    Unregister(DriverError),
+}
+
+/// Runs the shutdown order. `join_pinner` is called once pinning has
+/// settled (to join its thread). On success nothing of the region is
+/// registered any more and it may be unmapped and unlinked.
+pub fn shutdown(rt: &dyn GpuRuntime, coord: &Coordinator, join_pinner: impl FnOnce()) -> Result<(), ShutdownError> {
+    coord.begin_shutdown()?;
+    join_pinner();
+    let r = coord.unregister_all(rt).map_err(ShutdownError::Unregister);
+    coord.finish_shutdown();
+    tracing::info!(ok = r.is_ok(), "shutdown complete");
+    r
+}
