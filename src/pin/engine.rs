@@ -1,7 +1,10 @@
 //! The registration loop: chunk by chunk through the coordinator, with
 //! cancellation between chunks and all-or-nothing rollback (P8).
 
-use crate::protocol::{Coordinator, PageableReason, PinState, ProtocolError, Variant};
+use std::time::Duration;
+
+use crate::protocol::agreement::{agree, AgreementError, OffloadMode, RankSlots};
+use crate::protocol::{Coordinator, PageableReason, PinState, Variant};
 use crate::runtime::GpuRuntime;
 use crate::sync::{thread, Arc};
 
@@ -31,6 +34,14 @@ impl Prefault for NoPrefault {
     }
 }
 
+/// Ranks that must agree on the outcome before it is published (P7).
+#[derive(Clone)]
+pub struct Agreement {
+    pub slots: Arc<dyn RankSlots>,
+    pub rank: usize,
+    pub timeout: Option<Duration>,
+}
+
 /// Pins every chunk of `coord` on the calling thread and returns the final
 /// state (also published through the coordinator).
 ///
@@ -41,26 +52,79 @@ impl Prefault for NoPrefault {
 /// - On any failure at chunk k, chunks k-1 .. 0 are unregistered, last
 ///   first, and the region continues on pageable memory with the reason.
 pub fn pin_all(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault) -> PinState {
-    if !coord.pin_begin() {
-        // Cancelled before it started, or already pinned by someone else.
-        let s = coord.pin_state();
-        if s.is_final() {
-            return s;
-        }
-        let s = PinState::Pageable(PageableReason::Cancelled);
-        coord.pin_finish(s.clone());
-        return s;
+    if let Err(settled) = begin(coord) {
+        return settled;
     }
+    let state = match pin_chunks(rt, coord, prefault) {
+        Ok(()) => PinState::Pinned,
+        Err(reason) => PinState::Pageable(reason),
+    };
+    publish(coord, state)
+}
+
+/// Like [`pin_all`], but the outcome is published only once every rank of
+/// `agreement` has settled; if any rank ended pageable, this one unregisters
+/// its chunks and ends `Pageable(PeerPageable)` too. An agreement that
+/// cannot be reached (a rank died, timeout) leaves this rank pageable and
+/// is returned as the error.
+pub fn pin_all_agreed(
+    rt: &dyn GpuRuntime,
+    coord: &Coordinator,
+    prefault: &dyn Prefault,
+    agreement: &Agreement,
+) -> Result<PinState, AgreementError> {
+    let local = match begin(coord) {
+        Ok(()) => pin_chunks(rt, coord, prefault),
+        Err(PinState::Pageable(reason)) => Err(reason),
+        Err(_) => Ok(()),
+    };
+    let mode = agree(agreement.slots.as_ref(), agreement.rank, local.is_ok(), agreement.timeout);
+    let state = match (&local, &mode) {
+        (Ok(()), Ok(OffloadMode::Pinned)) => PinState::Pinned,
+        (Err(reason), _) => PinState::Pageable(reason.clone()),
+        (Ok(()), _) => {
+            if let Err(e) = coord.unregister_all(rt) {
+                tracing::error!(error = %e, "falling back to pageable: unregister failed");
+            }
+            PinState::Pageable(PageableReason::PeerPageable)
+        }
+    };
+    let state = publish(coord, state);
+    mode.map(|_| state)
+}
+
+/// Moves Pending to Pinning; otherwise the state pinning already has
+/// (cancelled before it started, or pinned before).
+fn begin(coord: &Coordinator) -> Result<(), PinState> {
+    if coord.pin_begin() {
+        return Ok(());
+    }
+    let s = coord.pin_state();
+    if s.is_final() {
+        Err(s)
+    } else {
+        Err(publish(coord, PinState::Pageable(PageableReason::Cancelled)))
+    }
+}
+
+fn publish(coord: &Coordinator, state: PinState) -> PinState {
+    coord.pin_finish(state.clone());
+    state
+}
+
+/// The registration loop (after [`begin`]) without publishing: Ok when
+/// every chunk is registered, otherwise the reason after a full rollback.
+fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault) -> Result<(), PageableReason> {
     let n = coord.chunk_count();
     let span = tracing::info_span!("pin", chunks = n);
     let _e = span.enter();
     for i in 0..n {
         if coord.pin_cancelled() {
-            return fail(rt, coord, i, PageableReason::Cancelled);
+            return Err(rollback(rt, coord, i, PageableReason::Cancelled));
         }
         let (addr, len) = coord.chunk_range(i);
         if let Err(e) = prefault.ensure(i, addr, len) {
-            return fail(rt, coord, i, PageableReason::HostMemory(e));
+            return Err(rollback(rt, coord, i, PageableReason::HostMemory(e)));
         }
         if i + 1 < n {
             let (a, l) = coord.chunk_range(i + 1);
@@ -70,19 +134,19 @@ pub fn pin_all(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault
             Ok(Ok(())) => tracing::debug!(chunk = i, of = n, bytes = len, "chunk registered"),
             Ok(Err(e)) => {
                 tracing::warn!(chunk = i, error = %e, "registration failed; rolling back to pageable memory");
-                return fail(rt, coord, i, PageableReason::from_driver(e));
+                return Err(rollback(rt, coord, i, PageableReason::from_driver(e)));
             }
-            Err(ProtocolError::WouldDeadlock { .. }) | Err(_) => {
-                return fail(rt, coord, i, PageableReason::Cancelled);
+            Err(e) => {
+                tracing::warn!(chunk = i, error = %e, "registration refused; rolling back");
+                return Err(rollback(rt, coord, i, PageableReason::Cancelled));
             }
         }
     }
-    coord.pin_finish(PinState::Pinned);
-    PinState::Pinned
+    Ok(())
 }
 
-/// Rolls back chunks `0..failed` (last first) and publishes Pageable.
-fn fail(rt: &dyn GpuRuntime, coord: &Coordinator, failed: usize, reason: PageableReason) -> PinState {
+/// Unregisters chunks `0..failed` (last first); returns `reason`.
+fn rollback(rt: &dyn GpuRuntime, coord: &Coordinator, failed: usize, reason: PageableReason) -> PageableReason {
     let order: Vec<usize> = if coord.is(Variant::ForgetfulRollback) {
         // N7: only the chunk registered last is undone.
         failed.checked_sub(1).into_iter().collect()
@@ -96,9 +160,7 @@ fn fail(rt: &dyn GpuRuntime, coord: &Coordinator, failed: usize, reason: Pageabl
             Err(e) => tracing::error!(chunk = j, error = %e, "rollback: unregister refused"),
         }
     }
-    let s = PinState::Pageable(reason);
-    coord.pin_finish(s.clone());
-    s
+    reason
 }
 
 /// Pinning running on its own thread while the caller goes on. Its state
@@ -112,8 +174,25 @@ pub struct PinHandle {
 impl PinHandle {
     /// Starts [`pin_all`] on a new thread.
     pub fn spawn(rt: Arc<dyn GpuRuntime>, coord: Arc<Coordinator>, prefault: Arc<dyn Prefault>) -> PinHandle {
+        Self::spawn_with(rt, coord, prefault, None)
+    }
+
+    /// Starts [`pin_all`], or [`pin_all_agreed`] when ranks must agree, on
+    /// a new thread. An agreement error is logged; the state ends Pageable.
+    pub fn spawn_with(
+        rt: Arc<dyn GpuRuntime>,
+        coord: Arc<Coordinator>,
+        prefault: Arc<dyn Prefault>,
+        agreement: Option<Agreement>,
+    ) -> PinHandle {
         let c = coord.clone();
-        let thread = thread::spawn(move || pin_all(rt.as_ref(), &c, prefault.as_ref()));
+        let thread = thread::spawn(move || match &agreement {
+            None => pin_all(rt.as_ref(), &c, prefault.as_ref()),
+            Some(a) => pin_all_agreed(rt.as_ref(), &c, prefault.as_ref(), a).unwrap_or_else(|e| {
+                tracing::error!(error = %e, "ranks did not agree; running pageable");
+                c.pin_state()
+            }),
+        });
         PinHandle { coord, thread: Some(thread) }
     }
 

@@ -4,4 +4,4 @@
 
 mod engine;
 
-pub use engine::{pin_all, NoPrefault, PinHandle, Prefault};
+pub use engine::{pin_all, pin_all_agreed, Agreement, NoPrefault, PinHandle, Prefault};

@@ -4,6 +4,7 @@
 //! shutdown order. Depends only on [`crate::sync`] and the runtime trait;
 //! the loom models under model/ drive it on the simulated GPU.
 
+pub mod agreement;
 mod coordinator;
 mod error;
 mod shutdown;

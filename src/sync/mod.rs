@@ -68,3 +68,24 @@ pub fn arc_dyn<T, D: ?Sized>(value: T, coerce: fn(StdArc<T>) -> StdArc<D>) -> Ar
         Arc::from_std(d)
     }
 }
+
+/// Pause between two polls of a condition that no condition variable can
+/// signal (words in memory shared between processes). Under loom it yields,
+/// which is what loom needs to explore a spin loop; otherwise it yields a
+/// few times, then sleeps from 50 us up to 2 ms.
+pub fn backoff(attempt: u32) {
+    #[cfg(loom)]
+    {
+        let _ = attempt;
+        thread::yield_now();
+    }
+    #[cfg(not(loom))]
+    {
+        if attempt < 16 {
+            thread::yield_now();
+        } else {
+            let us = 50u64 << (attempt - 16).min(6);
+            std::thread::sleep(std::time::Duration::from_micros(us.min(2000)));
+        }
+    }
+}
