@@ -2,12 +2,15 @@
 //! region, with the concurrency around pinning, CUDA graph capture, transfers
 //! and shutdown checked by the loom model checker.
 //!
-//! Layers, bottom up (see `docs/ARCHITECTURE.md` and `../shared/DESIGN.md`):
+//! Layers, bottom up (see README.md and `../shared/DESIGN.md`):
 //! - [`sync`]: std or loom primitives, the only source of locks and threads.
 //! - [`runtime`]: the abstract GPU runtime ([`runtime::GpuRuntime`]) with a
 //!   real backend on cudarc and a simulated GPU that follows the driver rules
 //!   measured on an H200.
 //! - [`region`]: the host region (anonymous or /dev/shm shared).
+//! - [`protocol`]: the verified core: capture windows, gated capture-unsafe
+//!   calls, chunk registration, shutdown order, rank agreement.
+//! - [`pin`]: chunked registration with rollback, in the background.
 //! - [`manager`]: block states, reference counts and eviction.
 //! - [`conform`]: the conformance scenarios that re-measure the driver rules.
 

@@ -1,0 +1,74 @@
+//! The cuda backend on a real GPU (skipped, with a message, without one):
+//! copies, capture and replay, and chunked pinning through the coordinator.
+
+use kvoffload::pin::{pin_all, NoPrefault};
+use kvoffload::protocol::{CapturePolicy, Coordinator, PinState};
+use kvoffload::runtime::cuda::CudaRuntime;
+use kvoffload::runtime::{CaptureMode, GpuRuntime};
+
+/// Says on the real stderr (not captured by the test harness) that a test
+/// was skipped.
+fn skipped(test: &str, why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
+fn gpu(test: &str) -> Option<CudaRuntime> {
+    if !CudaRuntime::driver_present() {
+        skipped(test, "no CUDA driver on this machine");
+        return None;
+    }
+    match CudaRuntime::open(0) {
+        Ok(rt) => Some(rt),
+        Err(e) => {
+            skipped(test, &e.to_string());
+            None
+        }
+    }
+}
+
+#[test]
+fn gpu_copy_round_trip_and_graph_replay() {
+    let Some(rt) = gpu("gpu_copy_round_trip_and_graph_replay") else { return };
+    let n = 1 << 20;
+    let s = rt.stream_create().unwrap();
+    let d = rt.mem_alloc(n).unwrap();
+    let src: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
+    let mut out = vec![0u8; n];
+    // SAFETY: both buffers outlive the synchronize below.
+    unsafe {
+        rt.copy_htod_async(d, src.as_ptr() as usize, n, s).unwrap();
+        rt.copy_dtoh_async(out.as_mut_ptr() as usize, d, n, s).unwrap();
+    }
+    rt.stream_synchronize(s).unwrap();
+    assert_eq!(src, out);
+
+    rt.begin_capture(s, CaptureMode::Global).unwrap();
+    rt.memset_d8_async(d, 0x5a, n, s).unwrap();
+    let g = rt.end_capture(s).unwrap();
+    rt.graph_launch(g, s).unwrap();
+    rt.stream_synchronize(s).unwrap();
+    // SAFETY: `out` is writable.
+    unsafe { rt.copy_dtoh(out.as_mut_ptr() as usize, d, n).unwrap() };
+    assert!(out.iter().all(|&b| b == 0x5a));
+    rt.graph_destroy(g).unwrap();
+    rt.mem_free(d).unwrap();
+    rt.stream_destroy(s).unwrap();
+}
+
+#[test]
+fn gpu_chunked_pinning_and_rollback_free_shutdown() {
+    let Some(rt) = gpu("gpu_chunked_pinning_and_rollback_free_shutdown") else { return };
+    let chunk = 64 << 20;
+    let mut mem = memmap2::MmapMut::map_anon(4 * chunk).unwrap();
+    mem.fill(1);
+    let base = mem.as_ptr() as usize;
+    let ranges: Vec<_> = (0..4).map(|i| (base + i * chunk, chunk)).collect();
+    let coord = Coordinator::new(CapturePolicy::AfterPinning, &ranges);
+    assert_eq!(pin_all(&rt, &coord, &NoPrefault), PinState::Pinned);
+    let alias = coord.acquire_alias(base + chunk, 4096).expect("alias of a registered chunk");
+    assert_ne!(alias.device, 0);
+    drop(alias);
+    kvoffload::protocol::shutdown(&rt, &coord, || {}).unwrap();
+    assert_eq!(coord.registered_chunks(), 0);
+}

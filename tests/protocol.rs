@@ -1,0 +1,88 @@
+//! The coordinator's refusals: typed errors, never a hang or a panic.
+
+use std::sync::Arc;
+
+use kvoffload::pin::{pin_all, NoPrefault};
+use kvoffload::protocol::{shutdown, CapturePolicy, Coordinator, PinState, ProtocolError, ShutdownError};
+use kvoffload::runtime::sim::SimRuntime;
+
+fn region(chunks: usize) -> (Vec<u8>, Vec<(usize, usize)>) {
+    let mem = vec![0u8; chunks * 4096];
+    let ranges = (0..chunks).map(|i| (mem.as_ptr() as usize + i * 4096, 4096)).collect();
+    (mem, ranges)
+}
+
+#[test]
+fn shutdown_refuses_while_a_window_is_open_then_succeeds() {
+    let rt = SimRuntime::new();
+    let (_mem, ranges) = region(2);
+    let coord = Coordinator::new(CapturePolicy::AfterPinning, &ranges);
+    assert_eq!(pin_all(&rt, &coord, &NoPrefault), PinState::Pinned);
+    let w = coord.open_window().unwrap();
+    assert_eq!(shutdown(&rt, &coord, || {}), Err(ShutdownError::Refused(ProtocolError::WindowOpen { open: 1 })));
+    drop(w);
+    shutdown(&rt, &coord, || {}).unwrap();
+    assert_eq!(rt.registered_ranges(), 0);
+    assert_eq!(shutdown(&rt, &coord, || {}), Err(ShutdownError::Refused(ProtocolError::AlreadyShutDown)));
+}
+
+#[test]
+fn shutdown_refuses_while_graphs_live() {
+    let rt = SimRuntime::new();
+    let (_mem, ranges) = region(1);
+    let coord = Coordinator::new(CapturePolicy::AfterPinning, &ranges);
+    pin_all(&rt, &coord, &NoPrefault);
+    let g = coord.register_graph().unwrap();
+    assert_eq!(shutdown(&rt, &coord, || {}), Err(ShutdownError::Refused(ProtocolError::GraphsAlive { live: 1 })));
+    assert_eq!(rt.registered_ranges(), 1, "a refused shutdown changes nothing");
+    drop(g);
+    shutdown(&rt, &coord, || {}).unwrap();
+}
+
+#[test]
+fn work_after_shutdown_is_refused() {
+    let rt = SimRuntime::new();
+    let (_mem, ranges) = region(1);
+    let coord = Coordinator::new(CapturePolicy::AfterPinning, &ranges);
+    shutdown(&rt, &coord, || {}).unwrap();
+    assert!(matches!(coord.admit_job(), Err(ProtocolError::ShutDown)));
+    assert!(matches!(coord.open_window(), Err(ProtocolError::ShutDown)));
+    assert!(matches!(coord.register_graph(), Err(ProtocolError::ShutDown)));
+    assert!(coord.pin_state().is_final(), "shutdown before pinning settles the state");
+}
+
+#[test]
+fn waiting_inside_ones_own_window_is_refused() {
+    let rt = Arc::new(SimRuntime::new());
+    let (_mem, ranges) = region(2);
+    let coord = Coordinator::new(CapturePolicy::Interleave, &ranges);
+    let w = coord.open_window().unwrap();
+    assert!(matches!(coord.wait_pin_final(), Err(ProtocolError::WouldDeadlock { .. })));
+    assert!(matches!(coord.unsafe_call("x", || ()), Err(ProtocolError::WouldDeadlock { .. })));
+    assert!(matches!(coord.try_unsafe_call(|| ()), Err(ProtocolError::WindowBusy)));
+    assert!(matches!(coord.open_window(), Err(ProtocolError::NestedWindow)));
+    drop(w);
+    assert_eq!(pin_all(rt.as_ref(), &coord, &NoPrefault), PinState::Pinned);
+    assert_eq!(coord.wait_pin_final().unwrap(), PinState::Pinned);
+    coord.unregister_all(rt.as_ref()).unwrap();
+}
+
+#[test]
+fn alias_only_for_registered_chunks() {
+    let rt = SimRuntime::new();
+    let (_mem, ranges) = region(2);
+    let coord = Coordinator::new(CapturePolicy::AfterPinning, &ranges);
+    assert!(coord.acquire_alias(ranges[0].0, 64).is_none(), "alias before registration");
+    pin_all(&rt, &coord, &NoPrefault);
+    let a = coord.acquire_alias(ranges[1].0 + 128, 64).expect("alias of a registered chunk");
+    assert_eq!(a.device, rt_alias(&rt, ranges[1].0) + 128);
+    assert!(coord.acquire_alias(ranges[0].0 + 4000, 200).is_none(), "a range across two chunks");
+    drop(a);
+    coord.unregister_all(&rt).unwrap();
+    assert!(coord.acquire_alias(ranges[1].0, 64).is_none(), "alias after unregistration");
+}
+
+fn rt_alias(rt: &SimRuntime, addr: usize) -> u64 {
+    use kvoffload::runtime::GpuRuntime;
+    rt.host_device_ptr(addr).unwrap()
+}

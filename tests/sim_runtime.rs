@@ -1,0 +1,151 @@
+//! The simulated GPU on its own: asynchronous in-order streams, events,
+//! capture and replay, fault injection, holds, poisoning.
+
+use kvoffload::runtime::sim::{Blocked, HoldPoint, SimFault, SimRuntime};
+use kvoffload::runtime::{CaptureMode, CaptureStatus, Code, Direction, Fragment, GpuRuntime};
+
+fn host(bytes: usize, fill: u8) -> Vec<u8> {
+    vec![fill; bytes]
+}
+
+#[test]
+fn copies_run_in_order_and_events_complete_after_them() {
+    let rt = SimRuntime::new();
+    let s = rt.stream_create().unwrap();
+    let d = rt.mem_alloc(4096).unwrap();
+    let src1 = host(4096, 1);
+    let src2 = host(4096, 2);
+    let mut out = host(4096, 0);
+    let hold = rt.hold(HoldPoint::DeviceOp);
+    let e = rt.event_create().unwrap();
+    // SAFETY: the buffers outlive the stream synchronize below.
+    unsafe {
+        rt.copy_htod_async(d, src1.as_ptr() as usize, 4096, s).unwrap();
+        rt.copy_htod_async(d, src2.as_ptr() as usize, 4096, s).unwrap();
+        rt.copy_dtoh_async(out.as_mut_ptr() as usize, d, 4096, s).unwrap();
+    }
+    rt.event_record(e, s).unwrap();
+    hold.wait_entered();
+    assert!(!rt.event_query(e).unwrap(), "event complete while the first copy is held");
+    hold.release();
+    rt.event_synchronize(e).unwrap();
+    assert!(rt.event_query(e).unwrap());
+    assert!(out.iter().all(|&b| b == 2), "later copy must win: in-order execution");
+}
+
+#[test]
+fn stream_wait_event_orders_across_streams() {
+    let rt = SimRuntime::new();
+    let (a, b) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
+    let d = rt.mem_alloc(64).unwrap();
+    let mut out = host(64, 0);
+    let hold = rt.hold(HoldPoint::DeviceOp);
+    rt.memset_d8_async(d, 9, 64, a).unwrap();
+    let e = rt.event_create().unwrap();
+    rt.event_record(e, a).unwrap();
+    rt.stream_wait_event(b, e).unwrap();
+    // SAFETY: `out` outlives the synchronize below.
+    unsafe { rt.copy_dtoh_async(out.as_mut_ptr() as usize, d, 64, b).unwrap() };
+    hold.wait_entered();
+    hold.release();
+    rt.stream_synchronize(b).unwrap();
+    assert!(out.iter().all(|&x| x == 9), "copy on b ran before the memset on a");
+}
+
+#[test]
+fn captured_graph_replays_and_registered_replay_after_unregister_poisons() {
+    let rt = SimRuntime::new();
+    let s = rt.stream_create().unwrap();
+    let d = rt.mem_alloc(64).unwrap();
+    let src = host(64, 5);
+    // SAFETY: `src` outlives the registration and every replay.
+    unsafe { rt.host_register(src.as_ptr() as usize, 64).unwrap() };
+    rt.begin_capture(s, CaptureMode::Global).unwrap();
+    assert_eq!(rt.capture_status(s).unwrap(), CaptureStatus::Active);
+    // SAFETY: as above.
+    unsafe { rt.copy_htod_async(d, src.as_ptr() as usize, 64, s).unwrap() };
+    let g = rt.end_capture(s).unwrap();
+    rt.graph_launch(g, s).unwrap();
+    rt.stream_synchronize(s).unwrap();
+    let mut out = host(64, 0);
+    // SAFETY: `out` is writable.
+    unsafe { rt.copy_dtoh(out.as_mut_ptr() as usize, d, 64).unwrap() };
+    assert!(out.iter().all(|&x| x == 5));
+    rt.host_unregister(src.as_ptr() as usize).unwrap();
+    rt.graph_launch(g, s).unwrap();
+    assert_eq!(rt.stream_synchronize(s).unwrap_err().code, Code::LAUNCH_FAILED);
+    assert_eq!(rt.mem_alloc(64).unwrap_err().code, Code::LAUNCH_FAILED, "poison is sticky");
+    assert_eq!(rt.poisoned(), Some(Code::LAUNCH_FAILED));
+}
+
+#[test]
+fn register_fault_at_kth_call() {
+    let rt = SimRuntime::new();
+    let bufs: Vec<Vec<u8>> = (0..3).map(|_| host(4096, 0)).collect();
+    rt.inject(SimFault::Register { nth: 2, code: Code::NOT_SUPPORTED });
+    let r: Vec<_> = bufs
+        .iter()
+        // SAFETY: each buffer outlives its registration (unregistered below).
+        .map(|b| unsafe { rt.host_register(b.as_ptr() as usize, 4096) }.map_err(|e| e.code))
+        .collect();
+    assert_eq!(r, vec![Ok(()), Err(Code::NOT_SUPPORTED), Ok(())]);
+    assert_eq!(rt.registered_ranges(), 2);
+    rt.host_unregister(bufs[0].as_ptr() as usize).unwrap();
+    rt.host_unregister(bufs[2].as_ptr() as usize).unwrap();
+    assert_eq!(rt.host_unregister(bufs[1].as_ptr() as usize).unwrap_err().code, Code::HOST_MEMORY_NOT_REGISTERED);
+}
+
+#[test]
+fn copy_fault_and_batched_copies() {
+    let rt = SimRuntime::new();
+    let s = rt.stream_create().unwrap();
+    let d = rt.mem_alloc(256).unwrap();
+    let src = host(256, 3);
+    rt.inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
+    let frags: Vec<Fragment> =
+        (0..4).map(|i| Fragment { host: src.as_ptr() as usize + i * 64, device: d + (i * 64) as u64, bytes: 64 }).collect();
+    // SAFETY: `src` outlives the synchronize below.
+    let first = unsafe { rt.copy_batch_async(Direction::HostToDevice, &frags, s) };
+    assert_eq!(first.unwrap_err().code, Code::INVALID_VALUE);
+    // SAFETY: as above.
+    unsafe { rt.copy_batch_async(Direction::HostToDevice, &frags, s).unwrap() };
+    rt.stream_synchronize(s).unwrap();
+    let mut out = host(256, 0);
+    // SAFETY: `out` is writable.
+    unsafe { rt.copy_dtoh(out.as_mut_ptr() as usize, d, 256).unwrap() };
+    assert!(out.iter().all(|&x| x == 3));
+}
+
+#[test]
+fn unregister_waits_for_device_idle() {
+    let rt = std::sync::Arc::new(SimRuntime::new());
+    let s = rt.stream_create().unwrap();
+    let buf = host(64, 0);
+    // SAFETY: `buf` outlives its registration.
+    unsafe { rt.host_register(buf.as_ptr() as usize, 64).unwrap() };
+    let hold = rt.hold(HoldPoint::DeviceOp);
+    rt.launch(kvoffload::runtime::Kernel::Spin { nanos: 1 }, s).unwrap();
+    hold.wait_entered();
+    let (rt2, addr) = (rt.clone(), buf.as_ptr() as usize);
+    let t = std::thread::spawn(move || rt2.host_unregister(addr));
+    rt.wait_blocked(Blocked::Idle, 1);
+    assert_eq!(rt.registered_ranges(), 1, "unregistered while the kernel runs");
+    hold.release();
+    t.join().unwrap().unwrap();
+    assert_eq!(rt.registered_ranges(), 0);
+}
+
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let rt = SimRuntime::new();
+    // SAFETY: zero-length and null ranges are refused before any access.
+    assert_eq!(unsafe { rt.host_register(0, 64) }.unwrap_err().code, Code::INVALID_VALUE);
+    assert_eq!(rt.mem_alloc(0).unwrap_err().code, Code::INVALID_VALUE);
+    let s = rt.stream_create().unwrap();
+    assert_eq!(rt.end_capture(s).unwrap_err().code, Code::ILLEGAL_STATE);
+    rt.stream_destroy(s).unwrap();
+    assert_eq!(rt.stream_synchronize(s).unwrap_err().code, Code::INVALID_HANDLE);
+    let d = rt.mem_alloc(64).unwrap();
+    let s = rt.stream_create().unwrap();
+    assert_eq!(rt.memset_d8_async(d, 0, 65, s).unwrap_err().code, Code::INVALID_VALUE, "out of bounds");
+}
