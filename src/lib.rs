@@ -16,6 +16,8 @@
 
 #[cfg(not(loom))]
 pub mod conform;
+#[cfg(not(loom))]
+pub mod incident;
 pub mod manager;
 pub mod pin;
 pub mod protocol;

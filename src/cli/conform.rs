@@ -1,6 +1,5 @@
 //! `kvoffload conform`: the conformance table.
 
-use kvoffload::sync::Arc;
 
 use clap::ValueEnum;
 use kvoffload::conform::{self, Backend};
@@ -29,7 +28,7 @@ pub struct Args {
 pub fn run(a: Args) -> Result<i32, String> {
     let backend = match a.backend {
         BackendArg::Sim => Backend::Sim,
-        BackendArg::Cuda => Backend::Real(Arc::new(super::open_cuda()?)),
+        BackendArg::Cuda => Backend::Real(super::backend::open(super::backend::BackendArg::Cuda)?),
     };
     let bar = indicatif::ProgressBar::new(conform::scenarios().len() as u64);
     bar.set_style(

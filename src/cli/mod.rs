@@ -2,8 +2,10 @@
 //! per subcommand. Every failure ends as one line on stderr and a non-zero
 //! exit status, never a panic.
 
+mod backend;
 mod bench;
 mod conform;
+mod incident;
 
 use clap::{Parser, Subcommand};
 
@@ -26,6 +28,9 @@ enum Command {
     /// Benchmarks, each against its baseline in the same run.
     #[command(subcommand)]
     Bench(bench::Bench),
+    /// Reproduce the seed incident: background pinning racing GLOBAL graph
+    /// capture, with upstream's design and with the capture window.
+    Incident(incident::Args),
 }
 
 /// Exit status: 0 success, 1 a check failed (mismatch), 2 usage or
@@ -39,6 +44,7 @@ pub fn main() -> i32 {
     let result = match cli.command {
         Command::Conform(a) => conform::run(a),
         Command::Bench(b) => bench::run(b),
+        Command::Incident(a) => incident::run(a),
     };
     match result {
         Ok(code) => code,
@@ -76,9 +82,4 @@ fn init_logging(verbose: u8) {
     };
     let filter = EnvFilter::try_from_env("KVOFFLOAD_LOG").unwrap_or_else(|_| EnvFilter::new(default));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
-}
-
-/// Opens the real GPU, or says in one line why it cannot.
-pub(crate) fn open_cuda() -> Result<kvoffload::runtime::cuda::CudaRuntime, String> {
-    kvoffload::runtime::cuda::CudaRuntime::open(0).map_err(|e| e.to_string())
 }

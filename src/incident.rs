@@ -1,0 +1,281 @@
+//! The seed incident, reproduced (`kvoffload incident`): a large host region
+//! is pinned on a background thread while the engine captures CUDA graphs in
+//! GLOBAL mode, back to back, as an engine does at start-up.
+//!
+//! - `Upstream` is vLLM #45850's design (negative model N1): a thread
+//!   registers the region chunk by chunk, with no capture window; any
+//!   registration that lands inside a capture fails with 900 and
+//!   invalidates that capture (end_capture -> 901).
+//! - `Windowed` is ours: the pinner goes through the coordinator and every
+//!   capture happens inside a capture window (policy AfterPinning: the
+//!   engine's captures wait until pinning settled).
+//! - `Interleaved` is ours with policy Interleave: captures happen during
+//!   pinning; the pinner pauses at chunk boundaries for them.
+//!
+//! After capturing, the last graph (which copies offloaded data from the
+//! region into device memory) is replayed and the device bytes are checked.
+
+use std::time::{Duration, Instant};
+
+use crate::pin::{NoPrefault, PinHandle, Prefault};
+use crate::protocol::{CapturePolicy, Coordinator};
+use crate::runtime::{CaptureMode, Code, DevicePtr, GpuRuntime, Graph, Stream};
+use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::sync::{thread, Arc};
+
+/// Which design pins the region.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Design {
+    Upstream,
+    Windowed,
+    Interleaved,
+}
+
+impl Design {
+    pub fn name(self) -> &'static str {
+        match self {
+            Design::Upstream => "upstream (background register, no window)",
+            Design::Windowed => "kvoffload, AfterPinning windows",
+            Design::Interleaved => "kvoffload, Interleave windows",
+        }
+    }
+}
+
+/// Settings of one run.
+#[derive(Clone, Debug)]
+pub struct IncidentConfig {
+    pub region_bytes: usize,
+    /// Registration unit (upstream registered tensor by tensor).
+    pub chunk_bytes: usize,
+    /// Graphs to capture at least (the engine keeps capturing while
+    /// pinning runs, up to `max_captures`).
+    pub min_captures: usize,
+    pub max_captures: usize,
+    /// Memsets per captured graph (capture work).
+    pub nodes_per_graph: usize,
+}
+
+impl Default for IncidentConfig {
+    fn default() -> Self {
+        IncidentConfig { region_bytes: 16 << 30, chunk_bytes: 256 << 20, min_captures: 20, max_captures: 100_000, nodes_per_graph: 64 }
+    }
+}
+
+/// What one run saw.
+#[derive(Clone, Debug, Default)]
+pub struct IncidentReport {
+    pub design: String,
+    pub captures: usize,
+    pub captures_ok: usize,
+    /// end_capture / enqueue failure codes, with how often each was seen.
+    pub capture_errors: Vec<(Code, usize)>,
+    pub registrations_failed: Vec<(Code, usize)>,
+    pub pin_state: String,
+    pub pin_seconds: f64,
+    pub capture_wait_seconds: f64,
+    pub replay: String,
+}
+
+impl IncidentReport {
+    /// True when every capture succeeded and the replay read the right data.
+    pub fn clean(&self) -> bool {
+        self.captures_ok == self.captures && self.capture_errors.is_empty() && self.replay == "verified"
+    }
+}
+
+impl std::fmt::Display for IncidentReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let codes = |v: &[(Code, usize)]| {
+            if v.is_empty() {
+                "none".to_string()
+            } else {
+                v.iter().map(|(c, n)| format!("{}x {}", n, c)).collect::<Vec<_>>().join(", ")
+            }
+        };
+        writeln!(f, "design: {}", self.design)?;
+        writeln!(f, "  captures: {} attempted, {} ok; capture errors: {}", self.captures, self.captures_ok, codes(&self.capture_errors))?;
+        writeln!(f, "  registrations failed: {}", codes(&self.registrations_failed))?;
+        writeln!(f, "  pinning: {}; run took {:.2} s; engine waited {:.2} s for capture windows", self.pin_state, self.pin_seconds, self.capture_wait_seconds)?;
+        write!(f, "  replay of the last graph: {}", self.replay)
+    }
+}
+
+fn count(v: &mut Vec<(Code, usize)>, c: Code) {
+    match v.iter_mut().find(|(k, _)| *k == c) {
+        Some((_, n)) => *n += 1,
+        None => v.push((c, 1)),
+    }
+}
+
+/// Runs one design on `rt` over a fresh, untouched anonymous region.
+pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Result<IncidentReport, String> {
+    let mut map = memmap2::MmapMut::map_anon(cfg.region_bytes).map_err(|e| format!("mmap {} bytes: {e}", cfg.region_bytes))?;
+    let base = map.as_mut_ptr() as usize;
+    let chunk = cfg.chunk_bytes.min(cfg.region_bytes).max(1);
+    let chunks: Vec<(usize, usize)> =
+        (0..cfg.region_bytes.div_ceil(chunk)).map(|i| (base + i * chunk, chunk.min(cfg.region_bytes - i * chunk))).collect();
+    // The offloaded data the graphs copy: the first 1 MiB (touching it
+    // before pinning is what an engine's earlier stores would do).
+    let probe = (1usize << 20).min(cfg.region_bytes);
+    for (i, b) in map[..probe].iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let e = |what: &'static str| move |err: crate::runtime::DriverError| format!("{what}: {err}");
+    let s = rt.stream_create().map_err(e("stream"))?;
+    let d = rt.mem_alloc(probe).map_err(e("alloc"))?;
+    let scratch = rt.mem_alloc(1 << 20).map_err(e("alloc"))?;
+    let mut report = IncidentReport { design: design.name().to_string(), ..Default::default() };
+
+    let t0 = Instant::now();
+    let done = Arc::new(AtomicBool::new(false));
+    let (coord, pinner, upstream) = match design {
+        Design::Upstream => {
+            let (rt2, done2, list) = (rt.clone(), done.clone(), chunks.clone());
+            let h = thread::spawn(move || {
+                let mut failed = Vec::new();
+                for (addr, len) in list {
+                    // SAFETY: the region stays mapped until this thread is
+                    // joined and every registration undone below.
+                    if let Err(err) = unsafe { rt2.host_register(addr, len) } {
+                        failed.push((addr, err.code));
+                    }
+                }
+                done2.store(true, Ordering::SeqCst);
+                failed
+            });
+            (None, None, Some(h))
+        }
+        Design::Windowed | Design::Interleaved => {
+            let policy = if design == Design::Windowed { CapturePolicy::AfterPinning } else { CapturePolicy::Interleave };
+            let coord = Coordinator::new(policy, &chunks);
+            let pf: Arc<dyn Prefault> = NoPrefault::shared();
+            (Some(coord.clone()), Some(PinHandle::spawn(rt.clone(), coord, pf)), None)
+        }
+    };
+
+    // The engine: capture graphs back to back while pinning runs.
+    let mut last: Option<Graph> = None;
+    let mut wait = Duration::ZERO;
+    while report.captures < cfg.min_captures
+        || (report.captures < cfg.max_captures && !pin_done(&coord, &done))
+    {
+        let tw = Instant::now();
+        let window = match &coord {
+            Some(c) => Some(c.open_window().map_err(|err| format!("capture window: {err}"))?),
+            None => None,
+        };
+        wait += tw.elapsed();
+        report.captures += 1;
+        match capture_one(rt.as_ref(), s, d, scratch, base, probe, cfg.nodes_per_graph) {
+            Ok(g) => {
+                report.captures_ok += 1;
+                if let Some(old) = last.replace(g) {
+                    rt.graph_destroy(old).map_err(e("graph destroy"))?;
+                }
+            }
+            Err(code) => count(&mut report.capture_errors, code),
+        }
+        drop(window);
+    }
+    report.capture_wait_seconds = wait.as_secs_f64();
+
+    // Pinning result.
+    let registered: Vec<(usize, usize)> = match (pinner, upstream) {
+        (Some(p), _) => {
+            let st = p.join();
+            report.pin_state = format!("{st:?}");
+            Vec::new()
+        }
+        (None, Some(h)) => {
+            let failed = h.join().map_err(|_| "pin thread panicked".to_string())?;
+            for (_, c) in &failed {
+                count(&mut report.registrations_failed, *c);
+            }
+            report.pin_state =
+                if failed.is_empty() { "Pinned".into() } else { format!("{} of {} chunks failed", failed.len(), chunks.len()) };
+            chunks.iter().copied().filter(|(a, _)| !failed.iter().any(|(f, _)| f == a)).collect()
+        }
+        _ => Vec::new(),
+    };
+    report.pin_seconds = t0.elapsed().as_secs_f64();
+
+    // Replay the last good graph and check the offloaded data arrived.
+    report.replay = match last {
+        None => "no graph to replay".into(),
+        Some(g) => {
+            rt.memset_d8_async(d, 0, probe, s).map_err(e("memset"))?;
+            let r = rt.graph_launch(g, s).and_then(|_| rt.stream_synchronize(s));
+            let verdict = match r {
+                Err(err) => format!("replay failed: {err}"),
+                Ok(()) => {
+                    let mut out = vec![0u8; probe];
+                    // SAFETY: `out` is a writable buffer of `probe` bytes.
+                    unsafe { rt.copy_dtoh(out.as_mut_ptr() as usize, d, probe) }.map_err(e("read back"))?;
+                    if out[..] == map[..probe] { "verified".into() } else { "WRONG DATA".into() }
+                }
+            };
+            rt.graph_destroy(g).map_err(e("graph destroy"))?;
+            verdict
+        }
+    };
+
+    // Undo every registration before the region is unmapped.
+    match &coord {
+        Some(c) => crate::protocol::shutdown(rt.as_ref(), c, || {}).map_err(|err| format!("shutdown: {err}"))?,
+        None => {
+            rt.ctx_synchronize().map_err(e("sync"))?;
+            for (a, _) in registered.iter().rev() {
+                rt.host_unregister(*a).map_err(e("unregister"))?;
+            }
+        }
+    }
+    rt.mem_free(d).map_err(e("free"))?;
+    rt.mem_free(scratch).map_err(e("free"))?;
+    rt.stream_destroy(s).map_err(e("stream destroy"))?;
+    drop(map);
+    Ok(report)
+}
+
+fn pin_done(coord: &Option<Arc<Coordinator>>, done: &AtomicBool) -> bool {
+    match coord {
+        Some(c) => c.pin_state().is_final(),
+        None => done.load(Ordering::SeqCst),
+    }
+}
+
+/// One capture in GLOBAL mode: `nodes` memsets and a copy of the offloaded
+/// data from the region. Returns the graph or the first failure code.
+fn capture_one(
+    rt: &dyn GpuRuntime,
+    s: Stream,
+    d: DevicePtr,
+    scratch: DevicePtr,
+    src: usize,
+    bytes: usize,
+    nodes: usize,
+) -> Result<Graph, Code> {
+    rt.begin_capture(s, CaptureMode::Global).map_err(|e| e.code)?;
+    let mut first_err = None;
+    for i in 0..nodes {
+        if let Err(e) = rt.memset_d8_async(scratch, i as u8, 1 << 20, s) {
+            first_err.get_or_insert(e.code);
+            break;
+        }
+    }
+    if first_err.is_none() {
+        // SAFETY: the region outlives every replay of this graph (run()
+        // destroys the graphs before unmapping).
+        if let Err(e) = unsafe { rt.copy_htod_async(d, src, bytes, s) } {
+            first_err.get_or_insert(e.code);
+        }
+    }
+    let end = rt.end_capture(s);
+    match (end, first_err) {
+        (Ok(g), None) => Ok(g),
+        (Ok(g), Some(c)) => {
+            let _ = rt.graph_destroy(g);
+            Err(c)
+        }
+        (Err(e), _) => Err(e.code),
+    }
+}
