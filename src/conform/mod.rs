@@ -18,6 +18,9 @@ use crate::runtime::sim::SimRuntime;
 use crate::runtime::{Code, DriverError, DriverResult};
 use crate::sync::Arc;
 
+/// The code of a scenario.
+pub type RunFn = dyn Fn(&Target) -> Result<Observed, String> + Send + Sync;
+
 /// One scenario: what FACTS.md says, and the code that observes it.
 pub struct Scenario {
     /// Stable name (`--only` takes it).
@@ -27,7 +30,7 @@ pub struct Scenario {
     /// The observation FACTS.md predicts, in the format `run` produces.
     pub expected: String,
     /// Runs the scenario and describes what happened.
-    pub run: Box<dyn Fn(&Target) -> Result<Observed, String> + Send + Sync>,
+    pub run: Box<RunFn>,
     /// Leaves the runtime unusable (context poisoned): run it last, and on
     /// the simulated GPU on a runtime of its own.
     pub poisons: bool,
@@ -125,7 +128,7 @@ impl std::fmt::Display for Report {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "conformance of backend {} on {}", self.backend, self.device)?;
         let w = self.rows.iter().map(|r| r.id.len()).max().unwrap_or(8).max(8);
-        writeln!(f, "{:<w$}  {:<44}  {:<44}  {}", "scenario", "expected", "observed", "match")?;
+        writeln!(f, "{:<w$}  {:<44}  {:<44}  match", "scenario", "expected", "observed")?;
         for r in &self.rows {
             writeln!(
                 f,

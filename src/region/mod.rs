@@ -31,6 +31,7 @@ pub mod header;
 pub mod layout;
 pub mod options;
 pub mod shm;
+pub mod slots;
 mod sys;
 
 use std::io;

@@ -52,10 +52,7 @@ pub(crate) fn run(inner: Arc<Inner>) {
 fn next_ready(st: &mut State) -> Option<(u64, u64, Op)> {
     let ids: Vec<u64> = st.streams.keys().copied().collect();
     for sid in ids {
-        loop {
-            let Some((seq, Op::WaitEvent { stream, seq: want })) = st.streams[&sid].queue.front().cloned() else {
-                break;
-            };
+        while let Some((seq, Op::WaitEvent { stream, seq: want })) = st.streams[&sid].queue.front().cloned() {
             let done = st.streams.get(&stream).is_none_or(|o| o.completed >= want);
             if !done {
                 break;
