@@ -146,6 +146,14 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         sync::lock(&self.state)
     }
+
+    /// Changes the state and wakes every waiter.
+    fn update<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        let mut g = self.lock();
+        let r = f(&mut g);
+        self.cv.notify_all();
+        r
+    }
 }
 
 /// An open capture window. The engine captures its graphs while holding
@@ -167,13 +175,13 @@ impl CaptureWindow {
 
 impl Drop for CaptureWindow {
     fn drop(&mut self) {
-        let mut g = self.coord.lock();
-        g.windows_open -= 1;
-        if let Some(i) = g.window_owners.iter().position(|t| *t == self.owner) {
-            g.window_owners.swap_remove(i);
-        }
-        tracing::debug!(open = g.windows_open, "capture window closed");
-        self.coord.cv.notify_all();
+        self.coord.update(|g| {
+            g.windows_open -= 1;
+            if let Some(i) = g.window_owners.iter().position(|t| *t == self.owner) {
+                g.window_owners.swap_remove(i);
+            }
+            tracing::debug!(open = g.windows_open, "capture window closed");
+        });
     }
 }
 
@@ -186,9 +194,7 @@ pub struct JobTicket {
 
 impl Drop for JobTicket {
     fn drop(&mut self) {
-        let mut g = self.coord.lock();
-        g.jobs_in_flight -= 1;
-        self.coord.cv.notify_all();
+        self.coord.update(|g| g.jobs_in_flight -= 1);
     }
 }
 
@@ -201,9 +207,7 @@ pub struct GraphToken {
 
 impl Drop for GraphToken {
     fn drop(&mut self) {
-        let mut g = self.coord.lock();
-        g.graphs_live -= 1;
-        self.coord.cv.notify_all();
+        self.coord.update(|g| g.graphs_live -= 1);
     }
 }
 
@@ -219,11 +223,11 @@ pub struct AliasGuard {
 
 impl Drop for AliasGuard {
     fn drop(&mut self) {
-        let mut g = self.coord.lock();
-        if let Some(c) = g.chunks.get_mut(self.chunk) {
-            c.users -= 1;
-        }
-        self.coord.cv.notify_all();
+        self.coord.update(|g| {
+            if let Some(c) = g.chunks.get_mut(self.chunk) {
+                c.users -= 1;
+            }
+        });
     }
 }
 
@@ -332,30 +336,27 @@ impl Coordinator {
         while !g.unsafe_may_start() {
             g = self.wait(g);
         }
+        Ok(self.counted(g, f))
+    }
+
+    /// Runs `f` outside the lock, counted as a capture-unsafe call in flight.
+    fn counted<T>(&self, mut g: MutexGuard<'_, State>, f: impl FnOnce() -> T) -> T {
         g.unsafe_in_flight += 1;
         drop(g);
         let out = f();
-        let mut g = self.lock();
-        g.unsafe_in_flight -= 1;
-        self.shared.cv.notify_all();
-        Ok(out)
+        self.shared.update(|g| g.unsafe_in_flight -= 1);
+        out
     }
 
     /// Like [`Coordinator::unsafe_call`] but never waits: `WindowBusy` when
     /// a window is open or about to open (the poller tries again later).
     pub fn try_unsafe_call<T>(&self, f: impl FnOnce() -> T) -> Result<T, ProtocolError> {
-        let mut g = self.lock();
+        let g = self.lock();
         let bypass = g.variant == Variant::UngatedPoller;
         if !bypass && (g.owns_window(me()) || !g.unsafe_may_start()) {
             return Err(ProtocolError::WindowBusy);
         }
-        g.unsafe_in_flight += 1;
-        drop(g);
-        let out = f();
-        let mut g = self.lock();
-        g.unsafe_in_flight -= 1;
-        self.shared.cv.notify_all();
-        Ok(out)
+        Ok(self.counted(g, f))
     }
 
     /// Blocks until no window is open or waiting to open (for a poller that
@@ -417,9 +418,7 @@ impl Coordinator {
 
     /// Asks pinning to stop at the next chunk boundary and roll back.
     pub fn cancel_pinning(&self) {
-        let mut g = self.lock();
-        g.cancel_pin = true;
-        self.shared.cv.notify_all();
+        self.shared.update(|g| g.cancel_pin = true);
     }
 
     /// Registers chunk `i` (and looks up its device alias) as a
@@ -485,10 +484,8 @@ impl Coordinator {
     /// Pinning reached its final state.
     pub fn pin_finish(&self, state: PinState) {
         debug_assert!(state.is_final());
-        let mut g = self.lock();
         tracing::info!(?state, "pinning finished");
-        g.pin = state;
-        self.shared.cv.notify_all();
+        self.shared.update(|g| g.pin = state);
     }
 
     /// Blocks until pinning is final. Inside one's own window with the
@@ -603,9 +600,7 @@ impl Coordinator {
 
     /// Marks shutdown complete.
     pub fn finish_shutdown(&self) {
-        let mut g = self.lock();
-        g.phase = Phase::Down;
-        self.shared.cv.notify_all();
+        self.shared.update(|g| g.phase = Phase::Down);
     }
 
     /// True once shutdown began.

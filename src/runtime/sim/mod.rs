@@ -236,6 +236,17 @@ impl SimRuntime {
         sync::lock(&self.inner.state)
     }
 
+    /// Starts a driver call: takes the lock, fails with the sticky error of
+    /// a poisoned context, and applies the capture rules to `call`.
+    fn enter(&self, call: Option<UnsafeCall>) -> Result<MutexGuard<'_, State>, Code> {
+        let mut g = self.state();
+        live(&g)?;
+        if let Some(c) = call {
+            rules::check(&mut g, me(), c)?;
+        }
+        Ok(g)
+    }
+
     /// Adds `op` to `stream`: executed later by the device, or recorded into
     /// the stream's capture.
     fn enqueue<'a>(&'a self, mut g: MutexGuard<'a, State>, stream: Stream, op: Op) -> Result<(), Code> {
@@ -270,8 +281,7 @@ impl SimRuntime {
     }
 
     fn copy_async(&self, op: Op, stream: Stream) -> Result<(), Code> {
-        let mut g = self.state();
-        live(&g)?;
+        let mut g = self.enter(None)?;
         if let Some(code) = g.faults.on_copy() {
             return Err(code);
         }
@@ -342,8 +352,7 @@ impl GpuRuntime for SimRuntime {
 
     unsafe fn host_register(&self, addr: usize, len: usize) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
+            let mut g = self.enter(None)?;
             if addr == 0 || len == 0 {
                 return Err(Code::INVALID_VALUE);
             }
@@ -370,9 +379,7 @@ impl GpuRuntime for SimRuntime {
 
     fn host_unregister(&self, addr: usize) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
-            rules::check(&mut g, me(), UnsafeCall::Unregister)?;
+            let g = self.enter(Some(UnsafeCall::Unregister))?;
             if !g.registered.contains_key(&addr) || g.host_allocs.contains_key(&addr) {
                 return Err(Code::HOST_MEMORY_NOT_REGISTERED);
             }
@@ -388,8 +395,7 @@ impl GpuRuntime for SimRuntime {
 
     fn host_device_ptr(&self, addr: usize) -> DriverResult<DevicePtr> {
         let r = (|| {
-            let g = self.state();
-            live(&g)?;
+            let g = self.enter(None)?;
             g.registered_range(addr, 1).ok_or(Code::INVALID_VALUE)?;
             Ok(HOST_ALIAS_BIT | addr as u64)
         })();
@@ -398,9 +404,7 @@ impl GpuRuntime for SimRuntime {
 
     fn mem_alloc(&self, bytes: usize) -> DriverResult<DevicePtr> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
-            rules::check(&mut g, me(), UnsafeCall::Alloc)?;
+            let mut g = self.enter(Some(UnsafeCall::Alloc))?;
             if bytes == 0 {
                 return Err(Code::INVALID_VALUE);
             }
@@ -417,9 +421,7 @@ impl GpuRuntime for SimRuntime {
 
     fn mem_free(&self, ptr: DevicePtr) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
-            rules::check(&mut g, me(), UnsafeCall::Alloc)?;
+            let g = self.enter(Some(UnsafeCall::Alloc))?;
             if !g.device_mem.contains_key(&ptr) {
                 return Err(Code::INVALID_VALUE);
             }
@@ -433,9 +435,7 @@ impl GpuRuntime for SimRuntime {
 
     fn mem_alloc_host(&self, bytes: usize) -> DriverResult<usize> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
-            rules::check(&mut g, me(), UnsafeCall::Alloc)?;
+            let mut g = self.enter(Some(UnsafeCall::Alloc))?;
             if bytes == 0 {
                 return Err(Code::INVALID_VALUE);
             }
@@ -450,8 +450,7 @@ impl GpuRuntime for SimRuntime {
 
     fn mem_free_host(&self, addr: usize) -> DriverResult<()> {
         let r = (|| {
-            let g = self.state();
-            live(&g)?;
+            let g = self.enter(None)?;
             if !g.host_allocs.contains_key(&addr) {
                 return Err(Code::INVALID_VALUE);
             }
@@ -465,8 +464,7 @@ impl GpuRuntime for SimRuntime {
 
     fn stream_create(&self) -> DriverResult<Stream> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
+            let mut g = self.enter(None)?;
             let id = g.fresh_id();
             g.streams.insert(id, StreamState::default());
             Ok(Stream(id))
@@ -476,8 +474,7 @@ impl GpuRuntime for SimRuntime {
 
     fn stream_destroy(&self, stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let g = self.state();
-            live(&g)?;
+            let g = self.enter(None)?;
             let s = g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?;
             if s.capture.is_some() {
                 return Err(Code::ILLEGAL_STATE);
@@ -492,9 +489,7 @@ impl GpuRuntime for SimRuntime {
 
     fn stream_synchronize(&self, stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
-            rules::check(&mut g, me(), UnsafeCall::StreamSync)?;
+            let g = self.enter(Some(UnsafeCall::StreamSync))?;
             if !g.streams.contains_key(&stream.0) {
                 return Err(Code::INVALID_HANDLE);
             }
@@ -506,9 +501,7 @@ impl GpuRuntime for SimRuntime {
 
     fn ctx_synchronize(&self) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
-            rules::check(&mut g, me(), UnsafeCall::CtxSync)?;
+            let g = self.enter(Some(UnsafeCall::CtxSync))?;
             let g = self.inner.wait_until(g, Blocked::Idle, State::idle);
             live(&g)
         })();
@@ -517,8 +510,7 @@ impl GpuRuntime for SimRuntime {
 
     fn stream_wait_event(&self, stream: Stream, event: Event) -> DriverResult<()> {
         let r = (|| {
-            let g = self.state();
-            live(&g)?;
+            let g = self.enter(None)?;
             let recorded = g.events.get(&event.0).ok_or(Code::INVALID_HANDLE)?.recorded;
             match recorded {
                 // An event never recorded is complete: nothing to wait for.
@@ -539,8 +531,7 @@ impl GpuRuntime for SimRuntime {
 
     unsafe fn copy_htod(&self, dst: DevicePtr, src: usize, bytes: usize) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
+            let mut g = self.enter(None)?;
             let d = g.device_slice(dst, bytes).ok_or(Code::INVALID_VALUE)?;
             // SAFETY: `d` is a bounds-checked live device range (the lock is
             // held, so it cannot be freed meanwhile); the caller promised
@@ -553,8 +544,7 @@ impl GpuRuntime for SimRuntime {
 
     unsafe fn copy_dtoh(&self, dst: usize, src: DevicePtr, bytes: usize) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
+            let mut g = self.enter(None)?;
             let s = g.device_slice(src, bytes).ok_or(Code::INVALID_VALUE)?;
             // SAFETY: as in copy_htod, with the roles of host and device swapped.
             unsafe { std::ptr::copy(s as *const u8, dst as *mut u8, bytes) };
@@ -565,8 +555,7 @@ impl GpuRuntime for SimRuntime {
 
     unsafe fn copy_batch_async(&self, dir: Direction, fragments: &[Fragment], stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
+            let mut g = self.enter(None)?;
             if fragments.is_empty() {
                 return Err(Code::INVALID_VALUE);
             }
@@ -600,8 +589,7 @@ impl GpuRuntime for SimRuntime {
 
     fn memset_d8_async(&self, dst: DevicePtr, value: u8, bytes: usize, stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
+            let mut g = self.enter(None)?;
             Self::check_device(&mut g, dst, bytes)?;
             self.enqueue(g, stream, Op::Memset { dst, value, bytes })
         })();
@@ -610,8 +598,7 @@ impl GpuRuntime for SimRuntime {
 
     fn launch(&self, kernel: Kernel, stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let g = self.state();
-            live(&g)?;
+            let g = self.enter(None)?;
             match kernel {
                 Kernel::Spin { .. } => self.enqueue(g, stream, Op::Spin),
             }
@@ -621,8 +608,7 @@ impl GpuRuntime for SimRuntime {
 
     fn event_create(&self) -> DriverResult<Event> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
+            let mut g = self.enter(None)?;
             let id = g.fresh_id();
             g.events.insert(id, EventState { recorded: None });
             Ok(Event(id))
@@ -632,8 +618,7 @@ impl GpuRuntime for SimRuntime {
 
     fn event_destroy(&self, event: Event) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
+            let mut g = self.enter(None)?;
             g.events.remove(&event.0).map(|_| ()).ok_or(Code::INVALID_HANDLE)
         })();
         traced("cuEventDestroy", r)
@@ -641,8 +626,7 @@ impl GpuRuntime for SimRuntime {
 
     fn event_record(&self, event: Event, stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
+            let mut g = self.enter(None)?;
             if !g.events.contains_key(&event.0) {
                 return Err(Code::INVALID_HANDLE);
             }
@@ -660,9 +644,7 @@ impl GpuRuntime for SimRuntime {
 
     fn event_query(&self, event: Event) -> DriverResult<bool> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
-            rules::check(&mut g, me(), UnsafeCall::EventWait)?;
+            let g = self.enter(Some(UnsafeCall::EventWait))?;
             event_done(&g, event)
         })();
         traced("cuEventQuery", r)
@@ -670,9 +652,7 @@ impl GpuRuntime for SimRuntime {
 
     fn event_synchronize(&self, event: Event) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
-            rules::check(&mut g, me(), UnsafeCall::EventWait)?;
+            let mut g = self.enter(Some(UnsafeCall::EventWait))?;
             while !event_done(&g, event)? {
                 g = sync::wait(&self.inner.cv, g);
             }
@@ -683,8 +663,7 @@ impl GpuRuntime for SimRuntime {
 
     fn begin_capture(&self, stream: Stream, mode: CaptureMode) -> DriverResult<()> {
         let r = (|| {
-            let g = self.state();
-            live(&g)?;
+            let g = self.enter(None)?;
             // FACTS 1, ordering: begin_capture blocks while another thread's
             // register runs, then succeeds.
             let mut g = self.inner.wait_until(g, Blocked::BeginCapture, |st| st.registers_running == 0);
@@ -700,8 +679,7 @@ impl GpuRuntime for SimRuntime {
 
     fn end_capture(&self, stream: Stream) -> DriverResult<Graph> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
+            let mut g = self.enter(None)?;
             let s = g.stream_mut(stream.0).ok_or(Code::INVALID_HANDLE)?;
             let c = s.capture.as_ref().ok_or(Code::ILLEGAL_STATE)?;
             if c.mode != CaptureMode::Relaxed && c.owner != me() {
@@ -722,8 +700,7 @@ impl GpuRuntime for SimRuntime {
 
     fn capture_status(&self, stream: Stream) -> DriverResult<CaptureStatus> {
         let r = (|| {
-            let g = self.state();
-            live(&g)?;
+            let g = self.enter(None)?;
             let s = g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?;
             Ok(match &s.capture {
                 None => CaptureStatus::None,
@@ -736,8 +713,7 @@ impl GpuRuntime for SimRuntime {
 
     fn exchange_capture_mode(&self, mode: CaptureMode) -> DriverResult<CaptureMode> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
+            let mut g = self.enter(None)?;
             Ok(g.set_thread_mode(me(), mode))
         })();
         traced("cuThreadExchangeStreamCaptureMode", r)
@@ -745,8 +721,7 @@ impl GpuRuntime for SimRuntime {
 
     fn graph_launch(&self, graph: Graph, stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let g = self.state();
-            live(&g)?;
+            let g = self.enter(None)?;
             let body = g.graphs.get(&graph.0).ok_or(Code::INVALID_HANDLE)?.clone();
             // The launch itself succeeds even if the graph's host memory was
             // unregistered; the fault shows at the next synchronize (FACTS 1).
@@ -757,8 +732,7 @@ impl GpuRuntime for SimRuntime {
 
     fn graph_destroy(&self, graph: Graph) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.state();
-            live(&g)?;
+            let mut g = self.enter(None)?;
             g.graphs.remove(&graph.0).map(|_| ()).ok_or(Code::INVALID_HANDLE)
         })();
         traced("cuGraphExecDestroy", r)
