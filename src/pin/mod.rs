@@ -3,5 +3,11 @@
 //! to pageable memory on any failure.
 
 mod engine;
+pub mod memlock;
+pub mod options;
 
 pub use engine::{pin_all, NoPrefault, PinHandle, Prefault};
+pub use options::{
+    available_cores, HugePages, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT,
+    MAX_THREADS, RECOMMENDED_MAX_CHUNK_BYTES,
+};
