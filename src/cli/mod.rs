@@ -3,6 +3,7 @@
 //! exit status, never a panic.
 
 mod bench;
+mod bench_pin;
 mod conform;
 
 use clap::{Parser, Subcommand};

@@ -9,6 +9,7 @@
 //!   after chunk while the pre-faulter makes the next one resident; any
 //!   failure unregisters what was registered, last first, and leaves the
 //!   region pageable with a typed [`PageableReason`](crate::protocol::PageableReason).
+//! - `bench` (not under loom): `kvoffload bench pin`.
 
 mod engine;
 pub mod memlock;
@@ -16,6 +17,8 @@ pub mod options;
 pub mod prefault;
 #[cfg(not(loom))]
 mod setup;
+#[cfg(not(loom))]
+pub mod bench;
 
 pub use engine::{pin_all, NoPrefault, PinHandle, Prefault};
 pub use options::{
