@@ -47,6 +47,9 @@ pub struct PinArgs {
     /// Runs of (a) and (b) each; the ratio uses their medians.
     #[arg(long, default_value_t = 1)]
     repeat: usize,
+    /// Do not map, pre-fault and unmap the size once before measuring.
+    #[arg(long)]
+    no_warmup: bool,
 }
 
 fn open(backend: BackendArg) -> Result<Arc<dyn GpuRuntime>, String> {
@@ -85,6 +88,7 @@ pub fn run(a: PinArgs) -> Result<i32, String> {
     cfg.chunk_sweep = a.chunk_sweep;
     cfg.quick = a.quick;
     cfg.repeat = a.repeat;
+    cfg.warmup = !a.no_warmup;
     cfg.validate()?;
     let rt = open(a.backend)?;
 

@@ -50,6 +50,11 @@ pub struct BenchConfig {
     pub quick: bool,
     /// Runs of (a) and (b) each (the ratio uses their medians).
     pub repeat: usize,
+    /// Before measuring, map, pre-fault and unmap `size` bytes once, so
+    /// that no measured run pays for memory the machine uses for the first
+    /// time (in a virtual machine the host backs guest memory on first
+    /// touch, which would penalise whichever run comes first).
+    pub warmup: bool,
 }
 
 impl BenchConfig {
@@ -67,6 +72,7 @@ impl BenchConfig {
             chunk_sweep: vec![256 << 20, 1 << 30, 4 << 30],
             quick: false,
             repeat: 1,
+            warmup: true,
         }
     }
 
@@ -229,6 +235,8 @@ pub struct PinBenchReport {
     pub rows: Vec<Row>,
     /// Sweep configurations left out because they equal (b).
     pub skipped: Vec<String>,
+    /// Seconds the warm-up took (None: no warm-up).
+    pub warmup_s: Option<f64>,
     /// Seconds the whole bench took.
     pub wall_s: f64,
 }
@@ -554,6 +562,7 @@ pub fn run(rt: &dyn GpuRuntime, cfg: &BenchConfig, progress: &(dyn Fn(Progress) 
     cfg.validate()?;
     let wall = Instant::now();
     let (defaults, sweep, skipped) = plan(cfg);
+    let warmup_s = if cfg.warmup { Some(warm_up(cfg, progress)?) } else { None };
     let mut rows = Vec::new();
     for _ in 0..cfg.repeat {
         rows.push(one_call(rt, cfg.size, progress));
@@ -572,8 +581,26 @@ pub fn run(rt: &dyn GpuRuntime, cfg: &BenchConfig, progress: &(dyn Fn(Progress) 
         defaults,
         rows,
         skipped,
+        warmup_s,
         wall_s: wall.elapsed().as_secs_f64(),
     })
+}
+
+/// Maps `size` bytes, pre-faults them with huge-page advice and unmaps them
+/// (no GPU involved). Returns the seconds it took.
+fn warm_up(cfg: &BenchConfig, progress: &(dyn Fn(Progress) + Sync)) -> Result<f64, String> {
+    let t = Instant::now();
+    let region = fresh_region(cfg.size)?;
+    progress(Progress::Start { label: "warm-up (not measured)".into(), bytes: cfg.size as u64 });
+    let opts = PinOptions::default().threads(cfg.threads).huge_pages(HugePages::On);
+    let prepared = Prepared::new(&region, &opts).map_err(|e| e.to_string())?;
+    if let Some(pf) = prepared.prefaulter() {
+        pf.ensure_typed(0, region.as_ptr() as usize, region.len()).map_err(|e| format!("warm-up: {e}"))?;
+    }
+    progress(Progress::Finish);
+    drop(prepared);
+    drop(region);
+    Ok(t.elapsed().as_secs_f64())
 }
 
 /// The target of DESIGN.md / the issue: >= 20 GB/s end to end.
@@ -607,6 +634,10 @@ impl fmt::Display for PinBenchReport {
             }
         )?;
         writeln!(f, "defaults (b): {}, pipelined", describe(&self.defaults).trim_end_matches(", NOT pipelined"))?;
+        match self.warmup_s {
+            Some(w) => writeln!(f, "warm-up: {} mapped, pre-faulted and unmapped once before measuring ({w:.2} s)", fmt_bytes(self.size))?,
+            None => writeln!(f, "warm-up: none (the first run may pay for memory used for the first time)")?,
+        }
         if self.backend == "sim" {
             writeln!(
                 f,
