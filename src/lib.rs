@@ -24,3 +24,4 @@ pub mod protocol;
 pub mod region;
 pub mod runtime;
 pub mod sync;
+pub mod units;

@@ -8,6 +8,8 @@ pub enum Bench {
     /// Hit rate and operations per second of the LRU and ARC block managers
     /// on a Zipf and a scan-heavy trace.
     Manager(ManagerArgs),
+    /// Pinning speed: one register call on untouched memory (upstream) against the pre-fault + chunked pipeline, and a sweep.
+    Pin(super::bench_pin::PinArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -44,5 +46,6 @@ pub fn run(b: Bench) -> Result<i32, String> {
             println!("{}", run_bench(&cfg));
             Ok(0)
         }
+        Bench::Pin(a) => super::bench_pin::run(a),
     }
 }

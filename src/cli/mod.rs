@@ -4,6 +4,7 @@
 
 mod backend;
 mod bench;
+mod bench_pin;
 mod conform;
 mod incident;
 

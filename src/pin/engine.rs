@@ -16,6 +16,11 @@ pub trait Prefault: Send + Sync {
     /// Chunk `i` comes next after the one being registered: an
     /// implementation may start faulting it in the background.
     fn hint(&self, _i: usize, _addr: usize, _len: usize) {}
+    /// Pinning is over (pinned, failed or cancelled): stop background work
+    /// (drop what did not start, wait for what runs) and release threads.
+    /// The registration loop calls it before the outcome is published, so
+    /// no pre-faulting touches the region once the state is final.
+    fn settle(&self) {}
 }
 
 /// No pre-faulting: the driver faults pages itself during registration.
@@ -50,7 +55,13 @@ pub struct Agreement {
 /// - Each registration is a capture-unsafe call made through the
 ///   coordinator, so it never overlaps a capture window.
 /// - On any failure at chunk k, chunks k-1 .. 0 are unregistered, last
-///   first, and the region continues on pageable memory with the reason.
+///   first, and the region continues on pageable memory with the reason
+///   (out-of-memory is reported as the memlock limit when RLIMIT_MEMLOCK
+///   is finite and below the region size, see [`super::memlock`]).
+/// - Before the outcome is published [`Prefault::settle`] stops
+///   pre-faulting, so none outlives pinning.
+/// - Each registered chunk is a tracing event (info): chunks done of
+///   total, bytes so far, GB/s so far.
 pub fn pin_all(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault) -> PinState {
     if let Err(settled) = begin(coord) {
         return settled;
@@ -118,35 +129,56 @@ fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault)
     let n = coord.chunk_count();
     let span = tracing::info_span!("pin", chunks = n);
     let _e = span.enter();
+    let started = std::time::Instant::now();
+    let mut done_bytes = 0u64;
     for i in 0..n {
         if coord.pin_cancelled() {
-            return Err(rollback(rt, coord, i, PageableReason::Cancelled));
+            return Err(rollback(rt, coord, prefault, i, PageableReason::Cancelled));
         }
         let (addr, len) = coord.chunk_range(i);
         if let Err(e) = prefault.ensure(i, addr, len) {
-            return Err(rollback(rt, coord, i, PageableReason::HostMemory(e)));
+            return Err(rollback(rt, coord, prefault, i, PageableReason::HostMemory(e)));
         }
         if i + 1 < n {
             let (a, l) = coord.chunk_range(i + 1);
             prefault.hint(i + 1, a, l);
         }
         match coord.register_chunk(rt, i) {
-            Ok(Ok(())) => tracing::debug!(chunk = i, of = n, bytes = len, "chunk registered"),
+            Ok(Ok(())) => {
+                done_bytes += len as u64;
+                let secs = started.elapsed().as_secs_f64();
+                let gbps = if secs > 0.0 { done_bytes as f64 / secs / 1e9 } else { 0.0 };
+                tracing::info!(done = i + 1, of = n, bytes = done_bytes, gbps = format_args!("{gbps:.2}"), "chunk registered");
+            }
             Ok(Err(e)) => {
                 tracing::warn!(chunk = i, error = %e, "registration failed; rolling back to pageable memory");
-                return Err(rollback(rt, coord, i, PageableReason::from_driver(e)));
+                let mut reason = PageableReason::from_driver(e);
+                if reason == PageableReason::OutOfMemory {
+                    let total: u64 = (0..n).map(|j| coord.chunk_range(j).1 as u64).sum();
+                    reason = super::memlock::refine(reason, total);
+                }
+                return Err(rollback(rt, coord, prefault, i, reason));
             }
             Err(e) => {
                 tracing::warn!(chunk = i, error = %e, "registration refused; rolling back");
-                return Err(rollback(rt, coord, i, PageableReason::Cancelled));
+                return Err(rollback(rt, coord, prefault, i, PageableReason::Cancelled));
             }
         }
     }
+    prefault.settle();
     Ok(())
 }
 
-/// Unregisters chunks `0..failed` (last first); returns `reason`.
-fn rollback(rt: &dyn GpuRuntime, coord: &Coordinator, failed: usize, reason: PageableReason) -> PageableReason {
+/// Stops pre-faulting, unregisters chunks `0..failed` (last first);
+/// returns `reason`.
+fn rollback(
+    rt: &dyn GpuRuntime,
+    coord: &Coordinator,
+    prefault: &dyn Prefault,
+    failed: usize,
+    reason: PageableReason,
+) -> PageableReason {
+    prefault.settle();
     let order: Vec<usize> = if coord.is(Variant::ForgetfulRollback) {
         // N7: only the chunk registered last is undone.
         failed.checked_sub(1).into_iter().collect()

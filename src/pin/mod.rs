@@ -1,7 +1,30 @@
-//! Pinning the host region: chunked registration through the capture-safety
-//! coordinator, in the background or on the caller's thread, with rollback
-//! to pageable memory on any failure.
+//! Pinning the host region: parallel pre-faulting, chunked registration
+//! through the capture-safety coordinator, in the background or on the
+//! caller's thread, with rollback to pageable memory on any failure.
+//!
+//! - [`Prepared::new`] / [`prepare`]: from a [`Region`](crate::region::Region)
+//!   and [`PinOptions`] to the coordinator (the region's row-aligned chunks,
+//!   at most [`PinOptions::max_chunk_bytes`] each) and a [`Prefaulter`].
+//! - [`pin_all`] (blocking) or [`PinHandle`] (background): registers chunk
+//!   after chunk while the pre-faulter makes the next one resident; any
+//!   failure unregisters what was registered, last first, and leaves the
+//!   region pageable with a typed [`PageableReason`](crate::protocol::PageableReason).
+//! - `bench` (not under loom): `kvoffload bench pin`.
 
 mod engine;
+pub mod memlock;
+pub mod options;
+pub mod prefault;
+#[cfg(not(loom))]
+mod setup;
+#[cfg(not(loom))]
+pub mod bench;
 
 pub use engine::{pin_all, pin_all_agreed, Agreement, NoPrefault, PinHandle, Prefault};
+pub use options::{
+    available_cores, HugePages, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT,
+    MAX_THREADS, RECOMMENDED_MAX_CHUNK_BYTES,
+};
+pub use prefault::{thp_setting, PrefaultConfig, PrefaultError, PrefaultStats, Prefaulter, HUGE_PAGE_BYTES};
+#[cfg(not(loom))]
+pub use setup::{prepare, Prepared};

@@ -11,7 +11,7 @@ mod imp {
     pub use std::sync::atomic;
     pub use std::sync::{Arc, Condvar, Mutex, MutexGuard, WaitTimeoutResult};
     pub mod thread {
-        pub use std::thread::{current, spawn, yield_now, Builder, JoinHandle, ThreadId};
+        pub use std::thread::{available_parallelism, current, spawn, yield_now, Builder, JoinHandle, ThreadId};
     }
     /// True when the loom model checker drives this build.
     pub const LOOM: bool = false;
@@ -23,6 +23,8 @@ mod imp {
     pub use loom::sync::{Arc, Condvar, Mutex, MutexGuard, WaitTimeoutResult};
     pub mod thread {
         pub use loom::thread::{current, spawn, yield_now, Builder, JoinHandle, ThreadId};
+        /// Not a scheduling primitive: the machine's core count, as in std.
+        pub use std::thread::available_parallelism;
     }
     /// True when the loom model checker drives this build.
     pub const LOOM: bool = true;

@@ -1,0 +1,80 @@
+//! The locked-memory limit (RLIMIT_MEMLOCK) and what it explains.
+//!
+//! The CUDA driver pins host memory without `mlock`, so a low limit does not
+//! stop registration by itself; it is reported up front for information,
+//! and when a registration then fails with out-of-memory (2) the limit is
+//! the likelier cause and the typed reason says so
+//! ([`PageableReason::MemlockLimit`]).
+
+use crate::protocol::PageableReason;
+
+/// The soft RLIMIT_MEMLOCK in bytes; `None` when unlimited or unreadable.
+pub fn memlock_limit() -> Option<u64> {
+    // SAFETY: rlimit is plain old data; all-zero is a valid value.
+    let mut r: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: `r` is a valid, writable rlimit for the call's duration.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) };
+    if rc != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "getrlimit(RLIMIT_MEMLOCK) failed");
+        return None;
+    }
+    if r.rlim_cur == libc::RLIM_INFINITY {
+        None
+    } else {
+        Some(r.rlim_cur as u64)
+    }
+}
+
+/// Notes in tracing when the limit is finite and below `needed` bytes.
+/// Returns the limit when it is.
+pub fn note_limit(needed: u64) -> Option<u64> {
+    let limit = memlock_limit()?;
+    if limit < needed {
+        tracing::info!(
+            limit,
+            needed,
+            "RLIMIT_MEMLOCK is below the region size; the CUDA driver pins without mlock, \
+             so this matters only if registration fails with out-of-memory"
+        );
+        Some(limit)
+    } else {
+        None
+    }
+}
+
+/// Refines the reason a registration failed with, given the region size:
+/// `OutOfMemory` becomes `MemlockLimit` when the current limit is finite
+/// and below `needed`. Other reasons pass through.
+pub fn refine(reason: PageableReason, needed: u64) -> PageableReason {
+    match reason {
+        PageableReason::OutOfMemory => refine_with(PageableReason::OutOfMemory, needed, memlock_limit()),
+        other => other,
+    }
+}
+
+/// [`refine`] with the limit given (`None` = unlimited).
+pub fn refine_with(reason: PageableReason, needed: u64, limit: Option<u64>) -> PageableReason {
+    match (reason, limit) {
+        (PageableReason::OutOfMemory, Some(limit)) if limit < needed => PageableReason::MemlockLimit { limit, needed },
+        (r, _) => r,
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oom_below_the_limit_becomes_memlock() {
+        let r = refine_with(PageableReason::OutOfMemory, 100, Some(10));
+        assert_eq!(r, PageableReason::MemlockLimit { limit: 10, needed: 100 });
+        assert!(r.to_string().contains("10 bytes allowed, 100 needed"), "{r}");
+    }
+
+    #[test]
+    fn other_cases_pass_through() {
+        assert_eq!(refine_with(PageableReason::OutOfMemory, 100, None), PageableReason::OutOfMemory);
+        assert_eq!(refine_with(PageableReason::OutOfMemory, 100, Some(100)), PageableReason::OutOfMemory);
+        assert_eq!(refine_with(PageableReason::NotSupported, 100, Some(1)), PageableReason::NotSupported);
+    }
+}

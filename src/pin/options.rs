@@ -1,0 +1,181 @@
+//! Options of the pinning pipeline and their typed errors.
+
+use crate::protocol::CapturePolicy;
+use crate::region::RegionError;
+
+/// Default bound of one registration call: 1 GiB.
+///
+/// Smaller than the 4 GiB the issue allows because pre-faulting of chunk
+/// i+1 overlaps the registration of chunk i: the parts that do not overlap
+/// (faulting the first chunk, registering the last) shrink with the chunk,
+/// and a capture window under [`CapturePolicy::Interleave`] waits for at most
+/// one chunk. FACTS 3: chunked registration is not slower than one call
+/// (24.6 GB/s with 256 MiB chunks vs 22.8 GB/s for one call). `kvoffload
+/// bench pin` compares 256 MiB, 1 GiB and 4 GiB so this can be re-chosen
+/// from measurements.
+pub const DEFAULT_MAX_CHUNK_BYTES: usize = 1 << 30;
+
+/// The largest registration chunk the documentation recommends (4 GiB).
+pub const RECOMMENDED_MAX_CHUNK_BYTES: usize = 4 << 30;
+
+/// Hard cap of one registration call: 64 GiB, the bound vLLM adopted after
+/// a single registration of 512 GiB or more failed with out-of-memory
+/// (FACTS 2, vLLM #51080/#51081). [`PinOptions::validate`] refuses more.
+pub const MAX_CHUNK_LIMIT: usize = 64 << 30;
+
+/// Most pre-fault threads accepted (a typo guard, not a tuning limit).
+pub const MAX_THREADS: usize = 1024;
+
+/// Transparent huge pages for the region before it is pre-faulted.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum HugePages {
+    /// On for anonymous regions (FACTS 3: 16 pre-fault threads reach 26.7 -
+    /// 28.1 GB/s end to end with huge pages against 11 - 12 without); off
+    /// for shared /dev/shm regions, whose huge pages depend on the tmpfs
+    /// mount (`huge=`), usually `never` on /dev/shm.
+    #[default]
+    Auto,
+    /// `madvise(MADV_HUGEPAGE)` on the region whatever its kind.
+    On,
+    /// No advice: the kernel's default (`/sys/kernel/mm/transparent_hugepage/enabled`).
+    Off,
+}
+
+/// How pages are made resident before registration.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum PrefaultMode {
+    /// `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+); where the kernel does
+    /// not know it (EINVAL, detected once per pre-faulter), one write access
+    /// per page instead.
+    #[default]
+    Populate,
+    /// One write access per page (per 2 MiB with huge pages, then every
+    /// page that is still not resident), never madvise. The access is an
+    /// atomic compare-exchange of a byte with itself: it faults the page in
+    /// for writing without changing memory that DMA or other ranks may be
+    /// writing meanwhile.
+    Touch,
+    /// No pre-faulting: the driver faults the pages during registration
+    /// (upstream's behaviour; 2.2 - 3.2 GB/s on the H200).
+    Off,
+}
+
+/// Options of [`prepare`](super::prepare) and [`Prepared`](super::Prepared).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PinOptions {
+    /// Pre-fault threads (default: `available_parallelism`, the cores this
+    /// process may run on). At least 1, at most [`MAX_THREADS`].
+    pub threads: usize,
+    /// Huge pages (default [`HugePages::Auto`]).
+    pub huge_pages: HugePages,
+    /// Bound of one registration call in bytes: chunks are whole rows of the
+    /// layout, at most this long (default [`DEFAULT_MAX_CHUNK_BYTES`], at
+    /// most [`MAX_CHUNK_LIMIT`], at least one row).
+    pub max_chunk_bytes: usize,
+    /// How pages are made resident (default [`PrefaultMode::Populate`]).
+    pub prefault: PrefaultMode,
+    /// When capture windows may open while pinning runs.
+    pub policy: CapturePolicy,
+}
+
+/// The number of cores this process may run on (1 if unknown).
+pub fn available_cores() -> usize {
+    crate::sync::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+impl Default for PinOptions {
+    fn default() -> Self {
+        PinOptions {
+            threads: available_cores(),
+            huge_pages: HugePages::Auto,
+            max_chunk_bytes: DEFAULT_MAX_CHUNK_BYTES,
+            prefault: PrefaultMode::Populate,
+            policy: CapturePolicy::AfterPinning,
+        }
+    }
+}
+
+impl PinOptions {
+    /// The defaults (see the fields).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets [`PinOptions::threads`].
+    pub fn threads(mut self, n: usize) -> Self {
+        self.threads = n;
+        self
+    }
+
+    /// Sets [`PinOptions::huge_pages`].
+    pub fn huge_pages(mut self, h: HugePages) -> Self {
+        self.huge_pages = h;
+        self
+    }
+
+    /// Sets [`PinOptions::max_chunk_bytes`].
+    pub fn max_chunk_bytes(mut self, bytes: usize) -> Self {
+        self.max_chunk_bytes = bytes;
+        self
+    }
+
+    /// Sets [`PinOptions::prefault`].
+    pub fn prefault(mut self, m: PrefaultMode) -> Self {
+        self.prefault = m;
+        self
+    }
+
+    /// Sets [`PinOptions::policy`].
+    pub fn policy(mut self, p: CapturePolicy) -> Self {
+        self.policy = p;
+        self
+    }
+
+    /// Checks every value against its limit (the row bound is checked
+    /// against the region's layout later, in [`prepare`](super::prepare)).
+    pub fn validate(&self) -> Result<(), PinError> {
+        if self.threads == 0 {
+            return Err(PinError::ZeroSize { what: "threads" });
+        }
+        if self.threads > MAX_THREADS {
+            return Err(PinError::TooLarge { what: "threads", value: self.threads as u64, limit: MAX_THREADS as u64 });
+        }
+        if self.max_chunk_bytes == 0 {
+            return Err(PinError::ZeroSize { what: "max_chunk_bytes" });
+        }
+        if self.max_chunk_bytes > MAX_CHUNK_LIMIT {
+            return Err(PinError::TooLarge {
+                what: "max_chunk_bytes",
+                value: self.max_chunk_bytes as u64,
+                limit: MAX_CHUNK_LIMIT as u64,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Errors of setting pinning up (before any registration; failures of the
+/// registration itself end in [`PinState::Pageable`](crate::protocol::PinState)
+/// with a typed reason instead).
+#[derive(Debug, thiserror::Error)]
+pub enum PinError {
+    /// A count or size that must be positive was zero.
+    #[error("{what} is zero; it must be at least 1")]
+    ZeroSize {
+        /// Which option.
+        what: &'static str,
+    },
+    /// A value above its limit.
+    #[error("{what} = {value} exceeds the limit of {limit}")]
+    TooLarge {
+        /// Which option.
+        what: &'static str,
+        /// The value given.
+        value: u64,
+        /// The largest value accepted.
+        limit: u64,
+    },
+    /// The region refused (layout, capacity, chunk bound below one row ...).
+    #[error(transparent)]
+    Region(#[from] RegionError),
+}

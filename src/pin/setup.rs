@@ -1,0 +1,169 @@
+//! From a region and options to a coordinator and a pre-faulter.
+
+use crate::protocol::{Coordinator, PinState};
+use crate::region::{Region, RegionKind};
+use crate::runtime::GpuRuntime;
+use crate::sync::Arc;
+
+use super::engine::{pin_all, NoPrefault, PinHandle, Prefault};
+use super::memlock;
+use super::options::{HugePages, PinError, PinOptions, PrefaultMode};
+use super::prefault::{PrefaultConfig, Prefaulter};
+
+/// Everything pinning a region needs, made by [`Prepared::new`]: the
+/// coordinator with the region's row-aligned chunks, and the pre-faulter.
+///
+/// The region must outlive pinning, as for every use of the coordinator:
+/// keep it mapped until pinning is final ([`PinState::is_final`]; the
+/// pre-faulter has stopped by then) and every chunk is unregistered again
+/// ([`Coordinator::unregister_all`]).
+pub struct Prepared {
+    coord: Arc<Coordinator>,
+    prefaulter: Option<Arc<Prefaulter>>,
+    huge_pages: bool,
+    bytes: usize,
+    memlock_limit: Option<u64>,
+    options: PinOptions,
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("chunks", &self.chunks())
+            .field("bytes", &self.bytes)
+            .field("huge_pages", &self.huge_pages)
+            .field("memlock_limit", &self.memlock_limit)
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+impl Prepared {
+    /// Validates `opts`, cuts the region's data area into runs of whole rows
+    /// of at most `opts.max_chunk_bytes` (the registration units), notes a
+    /// low RLIMIT_MEMLOCK in tracing, applies huge-page advice
+    /// ([`HugePages::Auto`]: anonymous regions only; a refusal is logged and
+    /// pinning goes on with base pages) and makes the pre-faulter.
+    ///
+    /// Typed errors: [`PinError::ZeroSize`], [`PinError::TooLarge`] for the
+    /// options, [`PinError::Region`] with
+    /// [`RegionError::ChunkBoundBelowRow`](crate::region::RegionError::ChunkBoundBelowRow)
+    /// when the bound is below one row.
+    pub fn new(region: &Region, opts: &PinOptions) -> Result<Prepared, PinError> {
+        opts.validate()?;
+        let spans = region.layout().row_aligned_chunks(opts.max_chunk_bytes)?;
+        let mut chunks = Vec::with_capacity(spans.len());
+        for span in spans {
+            let r = region.rows_raw(span.rows)?;
+            chunks.push((r.as_ptr() as usize, r.len()));
+        }
+        let bytes = region.len();
+        let memlock_limit = memlock::note_limit(bytes as u64);
+        let want_huge = match opts.huge_pages {
+            HugePages::Auto => region.kind() == RegionKind::Anonymous,
+            HugePages::On => true,
+            HugePages::Off => false,
+        };
+        let advised = want_huge
+            && match region.advise_huge_pages() {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "MADV_HUGEPAGE refused; pre-faulting base pages");
+                    false
+                }
+            };
+        let huge_pages = advised || region.huge_pages_advised();
+        let prefaulter = match opts.prefault {
+            PrefaultMode::Off => None,
+            mode => {
+                let cfg = PrefaultConfig { threads: opts.threads, mode, huge_pages };
+                // SAFETY: the pre-faulter only ever gets this region's chunks
+                // (the coordinator's ranges, from `pin_all`); the region
+                // outlives pinning (this type's contract, the coordinator's
+                // own rule), and `pin_all` settles the pre-faulter before it
+                // publishes a final state, so no slice runs once the region
+                // may be unmapped. The region's memory is read-write.
+                Some(Arc::new(unsafe { Prefaulter::new(cfg) }))
+            }
+        };
+        let coord = Coordinator::new(opts.policy, &chunks);
+        tracing::info!(
+            chunks = chunks.len(),
+            bytes,
+            max_chunk_bytes = opts.max_chunk_bytes,
+            threads = opts.threads,
+            huge_pages,
+            prefault = ?opts.prefault,
+            populate_write = ?prefaulter.as_ref().and_then(|p| p.stats().populate_write),
+            "pinning prepared"
+        );
+        Ok(Prepared { coord, prefaulter, huge_pages, bytes, memlock_limit, options: opts.clone() })
+    }
+
+    /// The coordinator (capture windows, pin state, chunk registrations).
+    pub fn coordinator(&self) -> &Arc<Coordinator> {
+        &self.coord
+    }
+
+    /// The pre-faulter, unless pre-faulting is off.
+    pub fn prefaulter(&self) -> Option<&Arc<Prefaulter>> {
+        self.prefaulter.as_ref()
+    }
+
+    /// The pre-faulter as the engine takes it ([`NoPrefault`] when off).
+    pub fn prefault(&self) -> Arc<dyn Prefault> {
+        match &self.prefaulter {
+            Some(p) => p.clone(),
+            None => Arc::new(NoPrefault),
+        }
+    }
+
+    /// Whether huge pages were advised on the region (by these options or
+    /// when it was made).
+    pub fn huge_pages(&self) -> bool {
+        self.huge_pages
+    }
+
+    /// Number of registration chunks.
+    pub fn chunks(&self) -> usize {
+        self.coord.chunk_count()
+    }
+
+    /// Bytes to pin (the region's data area).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// RLIMIT_MEMLOCK when it is finite and below the region size.
+    pub fn memlock_limit(&self) -> Option<u64> {
+        self.memlock_limit
+    }
+
+    /// The options it was made with.
+    pub fn options(&self) -> &PinOptions {
+        &self.options
+    }
+
+    /// Pins on the calling thread ([`pin_all`]) and returns the final state.
+    pub fn pin(&self, rt: &dyn GpuRuntime) -> PinState {
+        pin_all(rt, &self.coord, self.prefault().as_ref())
+    }
+
+    /// Pins on a background thread ([`PinHandle`]): the state is observable
+    /// and waitable through the handle or the coordinator.
+    pub fn spawn(&self, rt: Arc<dyn GpuRuntime>) -> PinHandle {
+        PinHandle::spawn(rt, self.coord.clone(), self.prefault())
+    }
+
+    /// The coordinator and the pre-faulter, for [`pin_all`] or [`PinHandle::spawn`].
+    pub fn into_parts(self) -> (Arc<Coordinator>, Arc<dyn Prefault>) {
+        let p = self.prefault();
+        (self.coord, p)
+    }
+}
+
+/// [`Prepared::new`], returning the coordinator and the pre-faulter. The
+/// region must outlive pinning (see [`Prepared`]).
+pub fn prepare(region: &Region, opts: &PinOptions) -> Result<(Arc<Coordinator>, Arc<dyn Prefault>), PinError> {
+    Ok(Prepared::new(region, opts)?.into_parts())
+}

@@ -1,0 +1,80 @@
+//! Helpers shared by the pinning tests: small anonymous regions, a data
+//! pattern to prove memory is usable, and residency checks.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use kvoffload::pin::PinOptions;
+use kvoffload::region::{page_size, AnonOptions, Layout, Region};
+use kvoffload::runtime::sim::SimRuntime;
+use kvoffload::runtime::GpuRuntime;
+
+/// An anonymous region of `chunks` registration chunks of `chunk_bytes`
+/// each (one rank, rows of one page), and options that cut it there.
+pub fn region(chunks: usize, chunk_bytes: usize) -> (Region, PinOptions) {
+    let p = page_size();
+    assert_eq!(chunk_bytes % p, 0);
+    let l = Layout::new(1, p, chunks * chunk_bytes / p).unwrap();
+    let r = Region::anonymous(l, &AnonOptions::new()).unwrap();
+    (r, PinOptions::default().max_chunk_bytes(chunk_bytes))
+}
+
+/// A simulated GPU as the engine takes it.
+pub fn sim() -> (Arc<SimRuntime>, Arc<dyn GpuRuntime>) {
+    let s = Arc::new(SimRuntime::new());
+    let d: Arc<dyn GpuRuntime> = s.clone();
+    (s, d)
+}
+
+/// Writes a pattern over the whole anonymous region and reads it back: the
+/// memory is usable (pinned or pageable).
+#[track_caller]
+pub fn assert_usable(r: &mut Region, seed: u8) {
+    let s = r.as_mut_slice().expect("anonymous region");
+    for (i, b) in s.iter_mut().enumerate() {
+        *b = (i as u8).wrapping_mul(31).wrapping_add(seed);
+    }
+    let s = r.as_slice().unwrap();
+    assert!(s.iter().enumerate().all(|(i, b)| *b == (i as u8).wrapping_mul(31).wrapping_add(seed)));
+}
+
+/// Pages of `[addr, addr+len)` that mincore(2) reports not resident.
+pub fn not_resident(addr: usize, len: usize) -> usize {
+    let p = page_size();
+    let mut v = vec![0u8; len.div_ceil(p)];
+    // SAFETY: addr is page aligned (callers pass region chunks) and `v` has
+    // one byte per page of the range.
+    let rc = unsafe { libc::mincore(addr as *mut libc::c_void, len, v.as_mut_ptr()) };
+    assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+    v.iter().filter(|b| **b & 1 == 0).count()
+}
+
+/// Pages of an anonymous private range that are not present-and-exclusive
+/// in /proc/self/pagemap: a page that was only read maps the shared zero
+/// page (present, not exclusive); a page faulted for writing is present
+/// and exclusively ours. Stricter than mincore, which counts the zero page.
+pub fn not_written(addr: usize, len: usize) -> usize {
+    use std::io::{Read, Seek, SeekFrom};
+    let p = page_size();
+    let n = len.div_ceil(p);
+    let mut f = std::fs::File::open("/proc/self/pagemap").unwrap();
+    f.seek(SeekFrom::Start((addr / p * 8) as u64)).unwrap();
+    let mut buf = vec![0u8; n * 8];
+    f.read_exact(&mut buf).unwrap();
+    buf.chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .filter(|e| e & (1 << 63) == 0 || e & (1 << 56) == 0)
+        .count()
+}
+
+/// Files in /dev/shm whose name contains "kvoffload" and `tag`.
+pub fn shm_files(tag: &str) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains("kvoffload") && n.contains(tag))
+                .collect()
+        })
+        .unwrap_or_default()
+}

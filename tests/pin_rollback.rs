@@ -1,0 +1,137 @@
+//! All-or-nothing (P8) on the simulated GPU: a registration failing at the
+//! first, a middle or the last chunk, with 801, 900 or 2, leaves no chunk
+//! registered, the region pageable with the typed reason, and its memory
+//! usable. A pre-fault failure ends the same way with HostMemory.
+
+mod pin_common;
+
+use kvoffload::pin::{memlock, pin_all, PrefaultConfig, PrefaultMode, Prefaulter, Prepared};
+use kvoffload::protocol::{CapturePolicy, Coordinator, PageableReason, PinState};
+use kvoffload::region::page_size;
+use kvoffload::runtime::sim::SimFault;
+use kvoffload::runtime::Code;
+use pin_common::{assert_usable, region, sim};
+
+const CHUNKS: usize = 5;
+const CHUNK: usize = 1 << 20;
+
+fn expected(code: Code, bytes: usize) -> PageableReason {
+    match code {
+        Code::NOT_SUPPORTED => PageableReason::NotSupported,
+        Code::STREAM_CAPTURE_UNSUPPORTED => PageableReason::CaptureUnsupported,
+        // 2 names the memlock limit instead where a finite limit is below
+        // the region size (this machine's, whatever it is).
+        Code::OUT_OF_MEMORY => memlock::refine_with(PageableReason::OutOfMemory, bytes as u64, memlock::memlock_limit()),
+        _ => unreachable!(),
+    }
+}
+
+fn fail_at(k: usize, code: Code, background: bool) {
+    let (mut r, opts) = region(CHUNKS, CHUNK);
+    let (s, rt) = sim();
+    let p = Prepared::new(&r, &opts).unwrap();
+    assert_eq!(p.chunks(), CHUNKS);
+    s.inject(SimFault::Register { nth: k as u64 + 1, code });
+    let state = if background {
+        let h = p.spawn(rt.clone());
+        let w = p.coordinator().wait_pin_final().unwrap();
+        assert_eq!(h.join(), w);
+        w
+    } else {
+        p.pin(rt.as_ref())
+    };
+    let what = format!("failure {code:?} at chunk {k} of {CHUNKS} (background {background})");
+    assert_eq!(state, PinState::Pageable(expected(code, r.len())), "{what}");
+    assert_eq!(p.coordinator().pin_state(), state, "{what}");
+    assert_eq!(s.registered_ranges(), 0, "{what}: the driver still holds a registration");
+    assert_eq!(p.coordinator().registered_chunks(), 0, "{what}");
+    assert_eq!(p.prefaulter().unwrap().workers_running(), 0, "{what}: pre-fault workers outlived pinning");
+    assert!(s.poisoned().is_none());
+    drop(p);
+    assert_usable(&mut r, k as u8);
+}
+
+#[test]
+fn failure_at_first_middle_last_chunk_rolls_back() {
+    for code in [Code::NOT_SUPPORTED, Code::STREAM_CAPTURE_UNSUPPORTED, Code::OUT_OF_MEMORY] {
+        for k in [0, CHUNKS / 2, CHUNKS - 1] {
+            fail_at(k, code, false);
+        }
+    }
+}
+
+#[test]
+fn failure_in_background_mode_rolls_back() {
+    for code in [Code::NOT_SUPPORTED, Code::OUT_OF_MEMORY] {
+        fail_at(CHUNKS / 2, code, true);
+    }
+}
+
+#[test]
+fn other_driver_codes_are_carried() {
+    let (mut r, opts) = region(3, CHUNK);
+    let (s, rt) = sim();
+    let p = Prepared::new(&r, &opts).unwrap();
+    s.inject(SimFault::Register { nth: 2, code: Code(999) });
+    match p.pin(rt.as_ref()) {
+        PinState::Pageable(PageableReason::Driver(e)) => assert_eq!(e.code, Code(999)),
+        other => panic!("expected Driver(999), got {other:?}"),
+    }
+    assert_eq!(s.registered_ranges(), 0);
+    drop(p);
+    assert_usable(&mut r, 9);
+}
+
+#[test]
+fn success_registers_every_chunk_and_unregisters_cleanly() {
+    let (mut r, opts) = region(CHUNKS, CHUNK);
+    let (s, rt) = sim();
+    let p = Prepared::new(&r, &opts).unwrap();
+    assert_eq!(p.pin(rt.as_ref()), PinState::Pinned);
+    assert_eq!(s.registered_ranges(), CHUNKS);
+    for i in 0..CHUNKS {
+        let (a, l) = p.coordinator().chunk_range(i);
+        assert!(s.is_registered(a, l));
+    }
+    assert_eq!(p.prefaulter().unwrap().workers_running(), 0, "settled after pinning");
+    assert_eq!(p.prefaulter().unwrap().stats().bytes, r.len() as u64);
+    p.coordinator().unregister_all(rt.as_ref()).unwrap();
+    assert_eq!(s.registered_ranges(), 0);
+    drop(p);
+    assert_usable(&mut r, 1);
+}
+
+#[test]
+fn prefault_failure_ends_pageable_host_memory() {
+    // A chunk the pre-faulter refuses (not page aligned) fails before any
+    // registration of it; the chunks before it are rolled back.
+    let (mut r, _) = region(3, CHUNK);
+    let base = r.as_ptr() as usize;
+    let chunks = [(base, CHUNK), (base + CHUNK + 8, CHUNK - page_size())];
+    let coord = Coordinator::new(CapturePolicy::AfterPinning, &chunks);
+    // SAFETY: the ranges lie in `r`, alive until after pinning settled.
+    let pf = unsafe { Prefaulter::new(PrefaultConfig { threads: 2, mode: PrefaultMode::Populate, huge_pages: false }) };
+    let (s, rt) = sim();
+    match pin_all(rt.as_ref(), &coord, &pf) {
+        PinState::Pageable(PageableReason::HostMemory(msg)) => {
+            assert!(msg.contains("chunk 1") && msg.contains("page size"), "{msg}")
+        }
+        other => panic!("expected HostMemory, got {other:?}"),
+    }
+    assert_eq!(s.registered_ranges(), 0);
+    assert_eq!(pf.workers_running(), 0);
+    drop(pf);
+    assert_usable(&mut r, 3);
+}
+
+#[test]
+fn without_prefault_pinning_still_works() {
+    let (r, opts) = region(2, CHUNK);
+    let (s, rt) = sim();
+    let p = Prepared::new(&r, &opts.prefault(PrefaultMode::Off)).unwrap();
+    assert!(p.prefaulter().is_none());
+    assert_eq!(p.pin(rt.as_ref()), PinState::Pinned);
+    assert_eq!(s.registered_ranges(), 2);
+    p.coordinator().unregister_all(rt.as_ref()).unwrap();
+    assert_eq!(s.registered_ranges(), 0);
+}

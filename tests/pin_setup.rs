@@ -1,0 +1,198 @@
+//! Setting pinning up: typed errors for zero, misaligned and too large
+//! values, row-aligned chunks, huge-page defaults, a region larger than
+//! /dev/shm, and one /dev/shm region pinned by two ranks.
+
+mod pin_common;
+mod region_common;
+
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use kvoffload::pin::{
+    prepare, HugePages, PinError, PinOptions, Prepared, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT,
+};
+use kvoffload::protocol::PinState;
+use kvoffload::region::{fs_available, page_size, AnonOptions, Layout, Region, RegionError, ShmOptions, DEFAULT_SHM_DIR};
+use kvoffload::runtime::sim::SimRuntime;
+use kvoffload::runtime::GpuRuntime;
+use pin_common::region;
+use region_common::ShmGuard;
+
+#[test]
+fn defaults_are_documented_values() {
+    let o = PinOptions::default();
+    assert_eq!(o.max_chunk_bytes, DEFAULT_MAX_CHUNK_BYTES);
+    const { assert!(DEFAULT_MAX_CHUNK_BYTES <= 4 << 30 && MAX_CHUNK_LIMIT < 512 << 30) };
+    assert_eq!(o.threads, std::thread::available_parallelism().unwrap().get());
+    assert_eq!(o.huge_pages, HugePages::Auto);
+    o.validate().unwrap();
+}
+
+#[test]
+fn zero_and_too_large_options_are_typed() {
+    let (r, _) = region(2, 1 << 20);
+    let cases = [
+        (PinOptions::default().threads(0), "threads"),
+        (PinOptions::default().max_chunk_bytes(0), "max_chunk_bytes"),
+    ];
+    for (o, what) in cases {
+        match Prepared::new(&r, &o) {
+            Err(PinError::ZeroSize { what: w }) => assert_eq!(w, what),
+            other => panic!("expected ZeroSize {what}, got {other:?}"),
+        }
+    }
+    // Never one call of 512 GiB or more.
+    for bad in [512usize << 30, MAX_CHUNK_LIMIT + 1] {
+        match prepare(&r, &PinOptions::default().max_chunk_bytes(bad)) {
+            Err(e @ PinError::TooLarge { .. }) => {
+                let PinError::TooLarge { what, value, limit } = e else { unreachable!() };
+                assert_eq!((what, value, limit), ("max_chunk_bytes", bad as u64, MAX_CHUNK_LIMIT as u64));
+            }
+            Err(e) => panic!("expected TooLarge, got {e:?}"),
+            Ok(_) => panic!("expected TooLarge, got a coordinator"),
+        }
+    }
+    match Prepared::new(&r, &PinOptions::default().threads(100_000)) {
+        Err(PinError::TooLarge { what: "threads", .. }) => {}
+        other => panic!("expected TooLarge threads, got {other:?}"),
+    }
+}
+
+#[test]
+fn chunk_bound_below_one_row_is_typed() {
+    let p = page_size();
+    let l = Layout::new(3, 2 * p, 4).unwrap(); // rows of 6 pages
+    let r = Region::anonymous(l, &AnonOptions::new()).unwrap();
+    match Prepared::new(&r, &PinOptions::default().max_chunk_bytes(5 * p)) {
+        Err(PinError::Region(RegionError::ChunkBoundBelowRow { max_bytes, row_bytes })) => {
+            assert_eq!((max_bytes, row_bytes), (5 * p, 6 * p))
+        }
+        other => panic!("expected ChunkBoundBelowRow, got {other:?}"),
+    }
+}
+
+#[test]
+fn zero_and_misaligned_region_sizes_are_typed_before_pinning() {
+    // A region cannot be zero-sized or misaligned: the layout refuses, and
+    // the error converts into the pinning error unchanged.
+    let zero: Result<Layout, PinError> = Layout::new(1, page_size(), 0).map_err(PinError::from);
+    assert!(matches!(zero, Err(PinError::Region(RegionError::ZeroSize { what: "num_rows" }))));
+    let mis: Result<Layout, PinError> = Layout::new(1, page_size() + 1, 4).map_err(PinError::from);
+    match mis {
+        Err(PinError::Region(RegionError::Misaligned { what, value, align })) => {
+            assert_eq!((what, value, align), ("chunk_bytes", page_size() as u64 + 1, page_size() as u64))
+        }
+        other => panic!("expected Misaligned, got {other:?}"),
+    }
+    let e = Layout::from_bytes_per_rank(1, 0, page_size()).map_err(PinError::from).unwrap_err();
+    assert!(e.to_string().contains("bytes_per_rank is zero"), "{e}");
+}
+
+#[test]
+fn chunks_are_whole_rows_within_the_bound_and_cover_the_region() {
+    let p = page_size();
+    let l = Layout::new(3, 2 * p, 50).unwrap(); // rows of 6 pages
+    let r = Region::anonymous(l, &AnonOptions::new()).unwrap();
+    let max = 25 * p; // 4 rows per chunk (24 pages)
+    let (coord, _pf) = prepare(&r, &PinOptions::default().max_chunk_bytes(max)).unwrap();
+    let n = coord.chunk_count();
+    assert_eq!(n, 50usize.div_ceil(4));
+    let mut next = r.as_ptr() as usize;
+    for i in 0..n {
+        let (a, len) = coord.chunk_range(i);
+        assert_eq!(a, next);
+        assert!(len <= max && len % l.row_bytes() == 0, "chunk {i}: {len} bytes");
+        next = a + len;
+    }
+    assert_eq!(next, r.as_ptr() as usize + r.len());
+    assert_eq!(coord.pin_state(), PinState::Pending);
+}
+
+#[test]
+fn huge_pages_auto_is_on_for_anonymous_off_for_shared() {
+    let (r, o) = region(2, 2 << 20);
+    let p = Prepared::new(&r, &o).unwrap();
+    // The advice is accepted wherever THP is compiled in.
+    assert_eq!(p.huge_pages(), kvoffload::pin::thp_setting("enabled").is_some());
+    let p = Prepared::new(&r, &o.clone().huge_pages(HugePages::Off)).unwrap();
+    assert!(!p.huge_pages());
+
+    let g = ShmGuard::new("pin-auto-huge");
+    let s = Region::create(&g.name, Layout::new(1, page_size(), 16).unwrap(), 0, &ShmOptions::new()).unwrap();
+    let p = Prepared::new(&s, &PinOptions::default()).unwrap();
+    assert!(!p.huge_pages(), "shared regions get no advice by default");
+    drop(p);
+    drop(s);
+    g.assert_gone();
+}
+
+/// What an engine does: create or join, then prepare.
+fn shm_setup(name: &str, layout: Layout) -> Result<(Region, Prepared), PinError> {
+    let r = Region::create(name, layout, 0, &ShmOptions::new().timeout(Duration::from_millis(200)))?;
+    let p = Prepared::new(&r, &PinOptions::default())?;
+    Ok((r, p))
+}
+
+#[test]
+fn region_larger_than_dev_shm_is_a_typed_error_and_leaves_no_file() {
+    let g = ShmGuard::new("pin-toobig");
+    let free = fs_available(std::path::Path::new(DEFAULT_SHM_DIR)).unwrap();
+    let rows = (free / page_size() as u64 + 16) as usize;
+    let l = Layout::new(1, page_size(), rows).unwrap();
+    match shm_setup(&g.name, l) {
+        Err(PinError::Region(RegionError::ShmTooSmall { needed, available, .. })) => {
+            assert!(needed > available, "{needed} > {available}")
+        }
+        Err(e) => panic!("expected ShmTooSmall, got {e:?}"),
+        Ok(_) => panic!("a region larger than /dev/shm was created"),
+    }
+    g.assert_gone();
+}
+
+#[test]
+fn shared_region_pinned_by_two_ranks_sees_both_ranks_writes() {
+    let g = ShmGuard::new("pin-two-ranks");
+    let p = page_size();
+    let layout = Layout::new(2, 4 * p, 8).unwrap(); // 8 rows of 2 x 4 pages
+    let barrier = Arc::new(Barrier::new(2));
+    let rank = |rank: usize| {
+        let name = g.name.clone();
+        let barrier = barrier.clone();
+        std::thread::spawn(move || {
+            let opts = ShmOptions::new().timeout(Duration::from_secs(10));
+            let mut r = if rank == 0 {
+                Region::create(&name, layout, 0, &opts).unwrap()
+            } else {
+                Region::join(&name, layout, 1, &opts).unwrap()
+            };
+            // Each rank has its own GPU.
+            let sim = Arc::new(SimRuntime::new());
+            let rt: Arc<dyn GpuRuntime> = sim.clone();
+            let prep = Prepared::new(&r, &PinOptions::default().max_chunk_bytes(3 * layout.row_bytes())).unwrap();
+            assert_eq!(prep.chunks(), 3);
+            let st = prep.spawn(rt.clone()).join();
+            assert_eq!(st, PinState::Pinned, "rank {rank}");
+            assert_eq!(sim.registered_ranges(), 3);
+            for c in 0..layout.num_rows() {
+                r.own_chunk_mut(c).unwrap().fill((rank * 16 + c) as u8 + 1);
+            }
+            barrier.wait();
+            let other = 1 - rank;
+            let mut buf = vec![0u8; 4 * p];
+            for c in 0..layout.num_rows() {
+                r.read_chunk(other, c, 0, &mut buf).unwrap();
+                assert!(buf.iter().all(|b| *b == (other * 16 + c) as u8 + 1), "rank {rank} reads rank {other}'s chunk {c}");
+            }
+            barrier.wait();
+            prep.coordinator().unregister_all(rt.as_ref()).unwrap();
+            assert_eq!(sim.registered_ranges(), 0);
+            drop(prep);
+            drop(r);
+        })
+    };
+    let a = rank(0);
+    let b = rank(1);
+    a.join().unwrap();
+    b.join().unwrap();
+    g.assert_gone();
+}
