@@ -21,7 +21,10 @@ pub mod sim;
 pub mod cuda;
 
 pub use error::{Code, DriverError, DriverResult, OpenError};
-pub use types::{CaptureMode, CaptureStatus, DevicePtr, Direction, Event, Fragment, Graph, Kernel, Stream};
+pub use types::{
+    CaptureMode, CaptureStatus, DevicePtr, Direction, Event, Fragment, Graph, Kernel, Stream, GATHER_ENTRY_BYTES,
+    GATHER_ENTRY_WORDS,
+};
 
 /// The driver operations the offload code needs.
 ///

@@ -605,6 +605,7 @@ impl GpuRuntime for SimRuntime {
             live(&g)?;
             match kernel {
                 Kernel::Spin { .. } => self.enqueue(g, stream, Op::Spin),
+                Kernel::Gather { table, count } => self.enqueue(g, stream, Op::Gather { table, count }),
             }
         })();
         traced("cuLaunchKernel", r)
