@@ -19,3 +19,4 @@ pub mod manager;
 pub mod pin;
 pub mod protocol;
 pub mod region;
+pub mod transfer;
