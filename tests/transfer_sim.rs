@@ -102,6 +102,21 @@ fn gather_table_in_several_launches() {
 }
 
 #[test]
+fn gather_across_registration_chunks() {
+    // 48 KiB pages over 64 KiB chunks: many pages straddle two chunks and
+    // are cut into one table entry per chunk.
+    let (s, rt) = sim();
+    let o = opts(BackendChoice::Force(Backend::Gather));
+    let mut rig = Rig::chunked(rt, simple(2, 48 << 10, 12), o, Pin::Registered, 64 << 10);
+    let mut rng = Rng(8);
+    for dir in DIRS {
+        let res = rig.run_checked(dir, &JobBlocks::single(rng.distinct(12, 9), rng.distinct(12, 9)), 6);
+        assert_eq!(res.backend, Backend::Gather);
+    }
+    assert_eq!(s.poisoned(), None);
+}
+
+#[test]
 fn auto_choice_by_size_and_pin_state() {
     let (_s, rt) = sim();
     // Small scattered fragments on registered memory: gather.
@@ -211,6 +226,34 @@ fn gather_never_runs_on_memory_outside_the_coordinator() {
     rt.host_unregister(addr).unwrap();
     assert_eq!(s.poisoned(), None);
     let _ = rig.run_checked(Direction::DeviceToHost, &JobBlocks::single(vec![1], vec![2]), 1);
+}
+
+#[test]
+fn the_sim_faults_a_gather_kernel_on_unregistered_host_memory() {
+    // The negative that P3 guards against: a gather kernel given a stale
+    // alias of host memory that is no longer registered poisons the context.
+    let (s, rt) = sim();
+    let mut host = memmap2::MmapMut::map_anon(4096).unwrap();
+    let addr = host.as_mut_ptr() as usize;
+    // SAFETY: `host` stays mapped until after it is unregistered.
+    unsafe { rt.host_register(addr, 4096) }.unwrap();
+    let alias = rt.host_device_ptr(addr).unwrap();
+    rt.host_unregister(addr).unwrap();
+    let dev = rt.mem_alloc(4096 + 24).unwrap();
+    let table: [u64; 3] = [alias, dev, 4096];
+    // SAFETY: `table` is readable for 24 bytes.
+    unsafe { rt.copy_htod(dev + 4096, table.as_ptr() as usize, 24) }.unwrap();
+    let st = rt.stream_create().unwrap();
+    rt.launch(
+        kvoffload::runtime::Kernel::Gather {
+            table: dev + 4096,
+            count: 1,
+        },
+        st,
+    )
+    .unwrap();
+    assert_eq!(rt.stream_synchronize(st).unwrap_err().code, Code::ILLEGAL_ADDRESS);
+    assert_eq!(s.poisoned(), Some(Code::ILLEGAL_ADDRESS));
 }
 
 #[test]

@@ -133,13 +133,11 @@ pub(crate) struct GatherTable {
     pub entries: usize,
 }
 
-/// Encodes the gather descriptor table of `frags` into `out`:
-/// `[src, dst, bytes]` per fragment, with `alias(i)` the device alias of
-/// fragment `i`'s host address.
-pub(crate) fn encode_table(dir: Direction, frags: &[Fragment], alias: impl Fn(usize) -> DevicePtr) -> Vec<u64> {
+/// Encodes a gather descriptor table: `[src, dst, bytes]` per fragment,
+/// each given with the device alias of its host address.
+pub(crate) fn encode_table(dir: Direction, frags: impl ExactSizeIterator<Item = (Fragment, DevicePtr)>) -> Vec<u64> {
     let mut out = Vec::with_capacity(frags.len() * GATHER_ENTRY_WORDS);
-    for (i, f) in frags.iter().enumerate() {
-        let host = alias(i);
+    for (f, host) in frags {
         let (src, dst) = match dir {
             Direction::HostToDevice => (host, f.device),
             Direction::DeviceToHost => (f.device, host),

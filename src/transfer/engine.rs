@@ -22,7 +22,8 @@ use std::time::Instant;
 
 use crate::protocol::{AliasGuard, ChunkReg, Coordinator, JobTicket};
 use crate::runtime::{
-    CaptureStatus, DevicePtr, Direction, DriverError, DriverResult, Event, GpuRuntime, Stream, GATHER_ENTRY_BYTES,
+    CaptureStatus, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, GpuRuntime, Stream,
+    GATHER_ENTRY_BYTES,
 };
 use crate::sync::{self, Arc, Mutex};
 
@@ -368,8 +369,8 @@ impl TransferEngine {
             Err(e) => return (Backend::PerFragment, Vec::new(), Err(e)),
         };
         let frags = &exp.fragments;
-        let chunk_of = self.chunk_of(exp);
-        let pinned = chunk_of.as_ref().is_some_and(|c| self.all_registered(c));
+        let pieces = self.chunk_pieces(exp);
+        let pinned = pieces.as_ref().is_some_and(|p| self.all_registered(p));
         let mean_bytes = exp.bytes / frags.len().max(1) as u64;
         let sit = Situation {
             mean_bytes,
@@ -379,7 +380,7 @@ impl TransferEngine {
         for b in candidates(self.opts.backend, &self.opts.thresholds, sit) {
             match b {
                 Backend::Gather => {
-                    if let Some((staging, r)) = self.try_gather(h, exp, chunk_of.as_deref()) {
+                    if let Some((staging, r)) = self.try_gather(h, pieces.as_deref()) {
                         return (Backend::Gather, staging, r);
                     }
                 }
@@ -402,42 +403,58 @@ impl TransferEngine {
         unreachable!("candidates always end with PerFragment")
     }
 
-    /// For each fragment, the position in `self.chunks` of the coordinator
-    /// chunk holding its whole host range; `None` if one lies outside.
-    fn chunk_of(&self, exp: &Expansion) -> Option<Vec<usize>> {
+    /// The job's fragments cut at coordinator chunk boundaries, each piece
+    /// with the position in `self.chunks` of the chunk holding it; `None`
+    /// if a byte lies outside every chunk. A fragment that straddles two
+    /// chunks becomes two pieces (each gets its own chunk's alias).
+    fn chunk_pieces(&self, exp: &Expansion) -> Option<Vec<(usize, Fragment)>> {
         let mut out = Vec::with_capacity(exp.fragments.len());
         let mut last: Option<usize> = None;
         for f in &exp.fragments {
-            let inside = |c: &ChunkSpan| f.host >= c.addr && f.host + f.bytes <= c.addr + c.len;
-            let pos = match last {
-                Some(i) if inside(&self.chunks[i]) => i,
-                _ => {
-                    let i = self.chunks.partition_point(|c| c.addr <= f.host).checked_sub(1)?;
-                    if !inside(&self.chunks[i]) {
-                        return None;
+            let mut rest = *f;
+            while rest.bytes > 0 {
+                let holds = |c: &ChunkSpan| rest.host >= c.addr && rest.host < c.addr + c.len;
+                let pos = match last {
+                    Some(i) if holds(&self.chunks[i]) => i,
+                    _ => {
+                        let i = self.chunks.partition_point(|c| c.addr <= rest.host).checked_sub(1)?;
+                        if !holds(&self.chunks[i]) {
+                            return None;
+                        }
+                        i
                     }
-                    i
-                }
-            };
-            last = Some(pos);
-            out.push(pos);
+                };
+                last = Some(pos);
+                let c = self.chunks[pos];
+                let take = rest.bytes.min(c.addr + c.len - rest.host);
+                out.push((pos, Fragment { bytes: take, ..rest }));
+                rest = Fragment {
+                    host: rest.host + take,
+                    device: rest.device + take as DevicePtr,
+                    bytes: rest.bytes - take,
+                };
+            }
         }
         Some(out)
     }
 
-    /// True when every chunk named in `chunk_of` has completed registration
+    /// True when every chunk named in `pieces` has completed registration
     /// (a snapshot: it only steers the choice between copy backends, which
     /// are safe on any memory; the gather kernel checks again under guard).
-    fn all_registered(&self, chunk_of: &[usize]) -> bool {
-        let mut seen: Vec<usize> = chunk_of.to_vec();
-        seen.sort_unstable();
-        seen.dedup();
-        seen.iter().all(|&i| {
-            matches!(
-                self.coord.chunk_reg(self.chunks[i].index),
-                Some(ChunkReg::Registered { .. })
-            )
-        })
+    fn all_registered(&self, pieces: &[(usize, Fragment)]) -> bool {
+        let mut seen = vec![false; self.chunks.len()];
+        for &(i, _) in pieces {
+            if !seen[i] {
+                seen[i] = true;
+                if !matches!(
+                    self.coord.chunk_reg(self.chunks[i].index),
+                    Some(ChunkReg::Registered { .. })
+                ) {
+                    return false;
+                }
+            }
+        }
+        true
     }
 
     /// The gather path: an alias guard for every chunk the job touches
@@ -445,36 +462,36 @@ impl TransferEngine {
     /// encoded from those aliases, uploaded and launched; the guards are
     /// dropped once the launches are enqueued (an unregister then waits for
     /// the device, FACTS 1).
-    fn try_gather(
-        &self,
-        h: &Handler,
-        exp: &Expansion,
-        chunk_of: Option<&[usize]>,
-    ) -> Option<(Vec<u64>, DriverResult<()>)> {
+    fn try_gather(&self, h: &Handler, pieces: Option<&[(usize, Fragment)]>) -> Option<(Vec<u64>, DriverResult<()>)> {
         let table = h.table?;
-        let chunk_of = chunk_of?;
-        let mut guards: Vec<(usize, AliasGuard)> = Vec::new();
-        for &i in chunk_of {
-            if guards.iter().any(|(j, _)| *j == i) {
+        let pieces = pieces?;
+        // One guard per chunk the job touches; `alias[i]` is the device
+        // address of chunk i's first byte while its guard is held.
+        let mut guards: Vec<AliasGuard> = Vec::new();
+        let mut alias: Vec<Option<DevicePtr>> = vec![None; self.chunks.len()];
+        for &(i, _) in pieces {
+            if alias[i].is_some() {
                 continue;
             }
             let c = self.chunks[i];
             match self.coord.acquire_alias(c.addr, c.len) {
-                Some(g) => guards.push((i, g)),
+                Some(g) => {
+                    alias[i] = Some(g.device);
+                    guards.push(g);
+                }
                 None => {
                     tracing::debug!(chunk = c.index, "gather refused: chunk not registered; falling back");
                     return None;
                 }
             }
         }
-        let base = |i: usize| -> DevicePtr {
-            let g = guards.iter().find(|(j, _)| *j == i).map(|(_, g)| g.device);
-            g.unwrap_or_else(|| unreachable!("a guard was taken for every chunk"))
-        };
-        let staging = backend::encode_table(h.dir, &exp.fragments, |k| {
-            let c = self.chunks[chunk_of[k]];
-            base(chunk_of[k]) + (exp.fragments[k].host - c.addr) as DevicePtr
-        });
+        let staging = backend::encode_table(
+            h.dir,
+            pieces.iter().map(|&(i, f)| {
+                let base = alias[i].unwrap_or_else(|| unreachable!("a guard was taken for every chunk"));
+                (f, base + (f.host - self.chunks[i].addr) as DevicePtr)
+            }),
+        );
         // SAFETY: `staging` moves into the job and lives until it is
         // reported, after its completion event; every host address in the
         // table is the alias of a chunk whose guard is held until the

@@ -359,18 +359,34 @@ impl KvLayout {
                 num_blocks: gl.num_host_blocks,
             });
         }
-        if let Some(block) = first_repeat(&gb.gpu) {
+        if let Some(block) = first_repeat(&gb.gpu, gl.num_gpu_blocks) {
             return Err(TransferError::RepeatedGpuBlock { group: gi, block });
         }
-        if let Some(block) = first_repeat(&gb.host) {
+        if let Some(block) = first_repeat(&gb.host, gl.num_host_blocks) {
             return Err(TransferError::RepeatedHostBlock { group: gi, block });
         }
         Ok(max - n)
     }
 }
 
-/// Smallest id that appears more than once, if any.
-fn first_repeat(ids: &[usize]) -> Option<usize> {
+/// An id that appears more than once in `ids` (all below `universe`), if
+/// any: a bitmap when the job is dense enough for one to be cheap (the
+/// bench's 65536-block jobs), a sort otherwise.
+fn first_repeat(ids: &[usize], universe: usize) -> Option<usize> {
+    if ids.len() < 2 {
+        return None;
+    }
+    if universe / 64 <= ids.len().saturating_mul(4) {
+        let mut seen = vec![0u64; universe.div_ceil(64)];
+        for &b in ids {
+            let (w, bit) = (b / 64, 1u64 << (b % 64));
+            if seen[w] & bit != 0 {
+                return Some(b);
+            }
+            seen[w] |= bit;
+        }
+        return None;
+    }
     let mut v = ids.to_vec();
     v.sort_unstable();
     v.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])

@@ -181,10 +181,15 @@ pub const CHUNK: usize = 1 << 20;
 
 impl Rig {
     pub fn new(rt: Arc<dyn GpuRuntime>, shape: Shape, opts: TransferOptions, pin: Pin) -> Rig {
-        let bytes = shape.host_bytes().div_ceil(CHUNK).max(1) * CHUNK;
+        Self::chunked(rt, shape, opts, pin, CHUNK)
+    }
+
+    /// Like [`Rig::new`] with registration chunks of `chunk` bytes.
+    pub fn chunked(rt: Arc<dyn GpuRuntime>, shape: Shape, opts: TransferOptions, pin: Pin, chunk: usize) -> Rig {
+        let bytes = shape.host_bytes().div_ceil(chunk).max(1) * chunk;
         let host = memmap2::MmapMut::map_anon(bytes).expect("mmap");
         let base = host.as_ptr() as usize;
-        let chunks: Vec<(usize, usize)> = (0..bytes / CHUNK).map(|i| (base + i * CHUNK, CHUNK)).collect();
+        let chunks: Vec<(usize, usize)> = (0..bytes / chunk).map(|i| (base + i * chunk, chunk)).collect();
         let coord = Coordinator::new(CapturePolicy::AfterPinning, &chunks);
         match pin {
             Pin::Registered => assert_eq!(pin_all(&*rt, &coord, &NoPrefault), PinState::Pinned),
