@@ -8,6 +8,9 @@ pub enum Bench {
     /// Hit rate and operations per second of the LRU and ARC block managers
     /// on a Zipf and a scan-heavy trace.
     Manager(ManagerArgs),
+    /// GB/s of scattered store and load fragments for every copy backend
+    /// and the automatic choice, data checked after every run.
+    Transfer(super::bench_transfer::TransferArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -44,5 +47,6 @@ pub fn run(b: Bench) -> Result<i32, String> {
             println!("{}", run_bench(&cfg));
             Ok(0)
         }
+        Bench::Transfer(a) => super::bench_transfer::run(a),
     }
 }

@@ -3,6 +3,7 @@
 //! exit status, never a panic.
 
 mod bench;
+mod bench_transfer;
 mod conform;
 
 use clap::{Parser, Subcommand};

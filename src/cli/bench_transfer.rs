@@ -1,0 +1,107 @@
+//! `kvoffload bench transfer`: store and load GB/s of scattered fragments
+//! for every copy backend and the automatic choice, data checked after
+//! every run (library side: [`kvoffload::transfer::bench`]).
+
+use std::sync::Arc;
+
+use clap::ValueEnum;
+use kvoffload::runtime::cuda::CudaRuntime;
+use kvoffload::runtime::sim::SimRuntime;
+use kvoffload::runtime::GpuRuntime;
+use kvoffload::transfer::bench::{parse_size, run_bench, BenchConfig};
+use kvoffload::transfer::{Backend, BackendChoice};
+
+/// Which runtime the bench runs on.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RuntimeArg {
+    /// The real GPU when a driver and a device are there, else the simulated one.
+    Auto,
+    /// The simulated GPU (small default size; its GB/s mean nothing).
+    Sim,
+    /// The real GPU through the CUDA driver.
+    Cuda,
+}
+
+/// Arguments of `kvoffload bench transfer`.
+#[derive(clap::Args, Debug)]
+pub struct TransferArgs {
+    /// Runtime: auto (cuda if a GPU can be opened, else sim), sim or cuda.
+    #[arg(long, value_enum, default_value_t = RuntimeArg::Auto)]
+    backend: RuntimeArg,
+    /// Fragment sizes, comma-separated (B, KiB, MiB, GiB).
+    #[arg(long, value_delimiter = ',', default_value = "16KiB,32KiB,64KiB,256KiB,2MiB")]
+    sizes: Vec<String>,
+    /// Bytes per run (default 1GiB on a GPU, 8MiB on the simulated GPU).
+    #[arg(long)]
+    total: Option<String>,
+    /// Run only this backend (next to the per-fragment baseline):
+    /// per-fragment, batched, gather or auto.
+    #[arg(long)]
+    force: Option<String>,
+    /// Timed repetitions per run; the fastest counts.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Registration chunk size of the host buffer.
+    #[arg(long)]
+    chunk: Option<String>,
+    /// Seed of the block permutations.
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+/// Runs the bench; exit status 1 when any run's data was wrong.
+pub fn run(a: TransferArgs) -> Result<i32, String> {
+    let rt: Arc<dyn GpuRuntime> = match a.backend {
+        RuntimeArg::Sim => Arc::new(SimRuntime::new()),
+        RuntimeArg::Cuda => Arc::new(super::open_cuda()?),
+        RuntimeArg::Auto => match CudaRuntime::open(0) {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                eprintln!("kvoffload: no GPU ({e}); running on the simulated GPU");
+                Arc::new(SimRuntime::new())
+            }
+        },
+    };
+    let mut cfg = if rt.backend() == "sim" {
+        BenchConfig::sim_default()
+    } else {
+        BenchConfig::gpu_default()
+    };
+    cfg.sizes = a.sizes.iter().map(|s| parse_size(s)).collect::<Result<_, _>>()?;
+    if let Some(t) = &a.total {
+        cfg.total = parse_size(t)?;
+    }
+    if let Some(c) = &a.chunk {
+        cfg.chunk_bytes = parse_size(c)?;
+    }
+    if let Some(s) = a.seed {
+        cfg.seed = s;
+    }
+    cfg.repeats = a.repeats;
+    if let Some(f) = &a.force {
+        let choice: BackendChoice = f.parse()?;
+        cfg.choices = vec![choice];
+        if choice != BackendChoice::Force(Backend::PerFragment) {
+            cfg.choices.insert(0, BackendChoice::Force(Backend::PerFragment));
+        }
+    }
+    cfg.validate()?;
+    let runs = cfg.sizes.len() * 2 * cfg.choices.len().max(1);
+    let bar = indicatif::ProgressBar::new(runs as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut started = false;
+    let report = run_bench(rt, &cfg, |label| {
+        if started {
+            bar.inc(1);
+        }
+        started = true;
+        bar.set_message(label.to_string());
+    });
+    bar.finish_and_clear();
+    let report = report?;
+    println!("{report}");
+    Ok(if report.failures() == 0 { 0 } else { 1 })
+}
