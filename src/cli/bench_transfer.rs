@@ -47,6 +47,16 @@ pub struct TransferArgs {
     /// Seed of the block permutations.
     #[arg(long)]
     seed: Option<u64>,
+    /// Auto: largest mean fragment size for the gather kernel.
+    #[arg(long)]
+    gather_max: Option<String>,
+    /// Auto: smallest mean fragment size for per-fragment copies.
+    #[arg(long)]
+    per_fragment_min: Option<String>,
+    /// Entries of the gather kernel's device descriptor table (fragments
+    /// per launch).
+    #[arg(long)]
+    table_entries: Option<usize>,
 }
 
 /// Runs the bench; exit status 1 when any run's data was wrong.
@@ -78,6 +88,15 @@ pub fn run(a: TransferArgs) -> Result<i32, String> {
         cfg.seed = s;
     }
     cfg.repeats = a.repeats;
+    if let Some(g) = &a.gather_max {
+        cfg.options.thresholds.gather_max_bytes = parse_size(g)?;
+    }
+    if let Some(p) = &a.per_fragment_min {
+        cfg.options.thresholds.per_fragment_min_bytes = parse_size(p)?;
+    }
+    if let Some(t) = a.table_entries {
+        cfg.options.gather_table_entries = t;
+    }
     if let Some(f) = &a.force {
         let choice: BackendChoice = f.parse()?;
         cfg.choices = vec![choice];

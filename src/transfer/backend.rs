@@ -133,18 +133,14 @@ pub(crate) struct GatherTable {
     pub entries: usize,
 }
 
-/// Encodes a gather descriptor table: `[src, dst, bytes]` per fragment,
-/// each given with the device alias of its host address.
-pub(crate) fn encode_table(dir: Direction, frags: impl ExactSizeIterator<Item = (Fragment, DevicePtr)>) -> Vec<u64> {
-    let mut out = Vec::with_capacity(frags.len() * GATHER_ENTRY_WORDS);
-    for (f, host) in frags {
-        let (src, dst) = match dir {
-            Direction::HostToDevice => (host, f.device),
-            Direction::DeviceToHost => (f.device, host),
-        };
-        out.extend_from_slice(&[src, dst, f.bytes as u64]);
-    }
-    out
+/// Appends the gather descriptor entry `[src, dst, bytes]` of `f`, whose
+/// host address has the device alias `host`.
+pub(crate) fn push_entry(table: &mut Vec<u64>, dir: Direction, f: Fragment, host: DevicePtr) {
+    let (src, dst) = match dir {
+        Direction::HostToDevice => (host, f.device),
+        Direction::DeviceToHost => (f.device, host),
+    };
+    table.extend_from_slice(&[src, dst, f.bytes as u64]);
 }
 
 /// Uploads `staging` (an encoded table) piece by piece into `table` and

@@ -22,12 +22,13 @@ use std::time::Instant;
 
 use crate::protocol::{AliasGuard, ChunkReg, Coordinator, JobTicket};
 use crate::runtime::{
-    CaptureStatus, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, GpuRuntime, Stream,
-    GATHER_ENTRY_BYTES,
+    CaptureStatus, DevicePtr, Direction, DriverError, DriverResult, Event, GpuRuntime, Stream, GATHER_ENTRY_BYTES,
+    GATHER_ENTRY_WORDS,
 };
 use crate::sync::{self, Arc, Mutex};
 
 use super::backend::{self, Backend, BackendChoice, GatherTable};
+use super::chunks::Chunks;
 use super::error::TransferError;
 use super::ids::{IdSet, JobId};
 use super::layout::{Expansion, JobBlocks, KvLayout};
@@ -129,14 +130,6 @@ struct Handler {
     q: Mutex<Queue>,
 }
 
-/// A host range of a coordinator chunk, by address.
-#[derive(Copy, Clone, Debug)]
-struct ChunkSpan {
-    addr: usize,
-    len: usize,
-    index: usize,
-}
-
 /// The store and load handlers of one offloader (see the module docs).
 pub struct TransferEngine {
     rt: Arc<dyn GpuRuntime>,
@@ -144,7 +137,7 @@ pub struct TransferEngine {
     layout: KvLayout,
     opts: TransferOptions,
     compute: Stream,
-    chunks: Vec<ChunkSpan>,
+    chunks: Chunks,
     ids: Mutex<IdSet>,
     handlers: [Handler; 2],
 }
@@ -182,13 +175,7 @@ impl TransferEngine {
             opts.backend,
             BackendChoice::Auto | BackendChoice::Force(Backend::Gather)
         );
-        let mut chunks: Vec<ChunkSpan> = (0..coord.chunk_count())
-            .map(|i| {
-                let (addr, len) = coord.chunk_range(i);
-                ChunkSpan { addr, len, index: i }
-            })
-            .collect();
-        chunks.sort_by_key(|c| c.addr);
+        let chunks = Chunks::of(&coord);
         let mut made: Vec<Handler> = Vec::with_capacity(2);
         for dir in [Direction::DeviceToHost, Direction::HostToDevice] {
             match Self::make_handler(&*rt, &coord, dir, wants_gather, opts.gather_table_entries) {
@@ -369,8 +356,8 @@ impl TransferEngine {
             Err(e) => return (Backend::PerFragment, Vec::new(), Err(e)),
         };
         let frags = &exp.fragments;
-        let pieces = self.chunk_pieces(exp);
-        let pinned = pieces.as_ref().is_some_and(|p| self.all_registered(p));
+        let touched = self.touched_chunks(exp);
+        let pinned = touched.as_ref().is_some_and(|t| self.all_registered(t));
         let mean_bytes = exp.bytes / frags.len().max(1) as u64;
         let sit = Situation {
             mean_bytes,
@@ -380,7 +367,7 @@ impl TransferEngine {
         for b in candidates(self.opts.backend, &self.opts.thresholds, sit) {
             match b {
                 Backend::Gather => {
-                    if let Some((staging, r)) = self.try_gather(h, pieces.as_deref()) {
+                    if let Some((staging, r)) = self.try_gather(h, exp, touched.as_deref()) {
                         return (Backend::Gather, staging, r);
                     }
                 }
@@ -403,58 +390,35 @@ impl TransferEngine {
         unreachable!("candidates always end with PerFragment")
     }
 
-    /// The job's fragments cut at coordinator chunk boundaries, each piece
-    /// with the position in `self.chunks` of the chunk holding it; `None`
-    /// if a byte lies outside every chunk. A fragment that straddles two
-    /// chunks becomes two pieces (each gets its own chunk's alias).
-    fn chunk_pieces(&self, exp: &Expansion) -> Option<Vec<(usize, Fragment)>> {
-        let mut out = Vec::with_capacity(exp.fragments.len());
-        let mut last: Option<usize> = None;
+    /// Positions (in `self.chunks`) of the chunks the job's host ranges
+    /// touch, each once; `None` if a byte lies outside every chunk.
+    fn touched_chunks(&self, exp: &Expansion) -> Option<Vec<usize>> {
+        let mut seen = vec![false; self.chunks.len()];
+        let mut out = Vec::new();
         for f in &exp.fragments {
-            let mut rest = *f;
-            while rest.bytes > 0 {
-                let holds = |c: &ChunkSpan| rest.host >= c.addr && rest.host < c.addr + c.len;
-                let pos = match last {
-                    Some(i) if holds(&self.chunks[i]) => i,
-                    _ => {
-                        let i = self.chunks.partition_point(|c| c.addr <= rest.host).checked_sub(1)?;
-                        if !holds(&self.chunks[i]) {
-                            return None;
-                        }
-                        i
-                    }
-                };
-                last = Some(pos);
-                let c = self.chunks[pos];
-                let take = rest.bytes.min(c.addr + c.len - rest.host);
-                out.push((pos, Fragment { bytes: take, ..rest }));
-                rest = Fragment {
-                    host: rest.host + take,
-                    device: rest.device + take as DevicePtr,
-                    bytes: rest.bytes - take,
-                };
+            let inside = self.chunks.split(*f, |pos, _| {
+                if !seen[pos] {
+                    seen[pos] = true;
+                    out.push(pos);
+                }
+            });
+            if !inside {
+                return None;
             }
         }
         Some(out)
     }
 
-    /// True when every chunk named in `pieces` has completed registration
-    /// (a snapshot: it only steers the choice between copy backends, which
-    /// are safe on any memory; the gather kernel checks again under guard).
-    fn all_registered(&self, pieces: &[(usize, Fragment)]) -> bool {
-        let mut seen = vec![false; self.chunks.len()];
-        for &(i, _) in pieces {
-            if !seen[i] {
-                seen[i] = true;
-                if !matches!(
-                    self.coord.chunk_reg(self.chunks[i].index),
-                    Some(ChunkReg::Registered { .. })
-                ) {
-                    return false;
-                }
-            }
-        }
-        true
+    /// True when every chunk in `touched` has completed registration (a
+    /// snapshot: it only steers the choice between copy backends, which are
+    /// safe on any memory; the gather kernel checks again under guard).
+    fn all_registered(&self, touched: &[usize]) -> bool {
+        touched.iter().all(|&pos| {
+            matches!(
+                self.coord.chunk_reg(self.chunks.get(pos).index),
+                Some(ChunkReg::Registered { .. })
+            )
+        })
     }
 
     /// The gather path: an alias guard for every chunk the job touches
@@ -462,21 +426,23 @@ impl TransferEngine {
     /// encoded from those aliases, uploaded and launched; the guards are
     /// dropped once the launches are enqueued (an unregister then waits for
     /// the device, FACTS 1).
-    fn try_gather(&self, h: &Handler, pieces: Option<&[(usize, Fragment)]>) -> Option<(Vec<u64>, DriverResult<()>)> {
+    fn try_gather(
+        &self,
+        h: &Handler,
+        exp: &Expansion,
+        touched: Option<&[usize]>,
+    ) -> Option<(Vec<u64>, DriverResult<()>)> {
         let table = h.table?;
-        let pieces = pieces?;
-        // One guard per chunk the job touches; `alias[i]` is the device
-        // address of chunk i's first byte while its guard is held.
-        let mut guards: Vec<AliasGuard> = Vec::new();
-        let mut alias: Vec<Option<DevicePtr>> = vec![None; self.chunks.len()];
-        for &(i, _) in pieces {
-            if alias[i].is_some() {
-                continue;
-            }
-            let c = self.chunks[i];
+        let touched = touched?;
+        // One guard per chunk the job touches; `alias[pos]` is the device
+        // address of that chunk's first byte while its guard is held.
+        let mut guards: Vec<AliasGuard> = Vec::with_capacity(touched.len());
+        let mut alias: Vec<DevicePtr> = vec![0; self.chunks.len()];
+        for &pos in touched {
+            let c = self.chunks.get(pos);
             match self.coord.acquire_alias(c.addr, c.len) {
                 Some(g) => {
-                    alias[i] = Some(g.device);
+                    alias[pos] = g.device;
                     guards.push(g);
                 }
                 None => {
@@ -485,13 +451,14 @@ impl TransferEngine {
                 }
             }
         }
-        let staging = backend::encode_table(
-            h.dir,
-            pieces.iter().map(|&(i, f)| {
-                let base = alias[i].unwrap_or_else(|| unreachable!("a guard was taken for every chunk"));
-                (f, base + (f.host - self.chunks[i].addr) as DevicePtr)
-            }),
-        );
+        // Every piece lies in a touched chunk (same split as touched_chunks).
+        let mut staging = Vec::with_capacity(exp.fragments.len() * GATHER_ENTRY_WORDS);
+        for f in &exp.fragments {
+            self.chunks.split(*f, |pos, piece| {
+                let host = alias[pos] + (piece.host - self.chunks.get(pos).addr) as DevicePtr;
+                backend::push_entry(&mut staging, h.dir, piece, host);
+            });
+        }
         // SAFETY: `staging` moves into the job and lives until it is
         // reported, after its completion event; every host address in the
         // table is the alias of a chunk whose guard is held until the

@@ -300,7 +300,16 @@ impl KvLayout {
         for (gi, (gb, gl)) in job.groups.iter().zip(&self.groups).enumerate() {
             skips.push(self.check_group(gi, gb, gl)?);
         }
-        let mut out = Expansion::default();
+        let pages: usize = job
+            .groups
+            .iter()
+            .zip(&self.groups)
+            .map(|(gb, gl)| gb.gpu.len() * gl.tensors.len())
+            .sum();
+        let mut out = Expansion {
+            fragments: Vec::with_capacity(pages),
+            bytes: 0,
+        };
         for (gi, (gb, gl)) in job.groups.iter().zip(&self.groups).enumerate() {
             let skip = skips[gi];
             for (ti, t) in gl.tensors.iter().enumerate() {

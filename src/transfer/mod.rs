@@ -19,6 +19,7 @@
 pub mod backend;
 #[cfg(not(loom))]
 pub mod bench;
+mod chunks;
 pub mod engine;
 pub mod error;
 mod ids;
