@@ -460,8 +460,18 @@ fn prepare(b: &mut Buffers, dir: Direction, size: usize, n: usize) -> Result<(),
         }
         Direction::DeviceToHost => {
             fill_blocks(&mut b.scratch, size, n);
-            // SAFETY: `scratch` is `total` bytes, readable.
-            unsafe { rt.copy_htod(b.device, b.scratch.as_ptr() as usize, total) }.map_err(|e| e.to_string())?;
+            // On the compute stream, then synchronized: a synchronous
+            // cuMemcpyHtoD from pageable memory may return before its DMA
+            // lands, and the engine's streams do not wait for the legacy
+            // default stream.
+            // SAFETY: `scratch` is `total` bytes, readable, and untouched
+            // until the stream is synchronized below.
+            unsafe { rt.copy_htod_async(b.device, b.scratch.as_ptr() as usize, total, b.compute) }
+                .map_err(|e| e.to_string())?;
+            b.coord
+                .unsafe_call("bench: filling device memory", || rt.stream_synchronize(b.compute))
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
             b.words().fill(0);
             Ok(())
         }

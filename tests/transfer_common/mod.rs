@@ -256,6 +256,9 @@ impl Rig {
                 unsafe { self.rt.copy_htod(d, data.as_ptr() as usize, data.len()) }.unwrap();
             }
         }
+        // A synchronous copy from pageable memory may return before its DMA
+        // lands, and the engine's non-blocking streams do not wait for it.
+        self.rt.ctx_synchronize().unwrap();
     }
 
     /// Copies of every device tensor.
