@@ -9,6 +9,8 @@
 //!   measured on an H200.
 //! - [`region`]: the host region (anonymous or /dev/shm shared).
 //! - [`manager`]: block states, reference counts and eviction.
+//! - [`transfer`]: store and load jobs between GPU blocks and host blocks,
+//!   with per-fragment, batched and gather-kernel copy backends.
 //! - [`conform`]: the conformance scenarios that re-measure the driver rules.
 
 pub mod sync;

@@ -83,6 +83,12 @@ fn every_byte_auto() {
 }
 
 #[test]
+fn engine_is_send_and_sync() {
+    fn is<T: Send + Sync>() {}
+    is::<kvoffload::transfer::TransferEngine>();
+}
+
+#[test]
 fn gather_table_in_several_launches() {
     // 3-entry table, 40 scattered fragments: 14 upload+launch rounds.
     let (_s, rt) = sim();
@@ -434,6 +440,21 @@ fn typed_errors_for_bad_jobs() {
     );
     assert_eq!(e.wait(1), Err(TransferError::UnknownJob { id: 1 }));
     assert_eq!(e.wait(77), Err(TransferError::UnknownJob { id: 77 }));
+}
+
+#[test]
+fn submit_while_the_compute_stream_captures_is_refused() {
+    let (s, rt) = sim();
+    let rig = Rig::new(rt.clone(), simple(1, 64, 8), opts(BackendChoice::Auto), Pin::Registered);
+    rt.begin_capture(rig.compute, CaptureMode::Relaxed).unwrap();
+    let job = JobBlocks::single(vec![0], vec![0]);
+    assert_eq!(rig.engine().store(1, &job), Err(TransferError::ComputeCapturing { id: 1 }));
+    let g = rt.end_capture(rig.compute).unwrap();
+    rt.graph_destroy(g).unwrap();
+    // The id was not used up.
+    rig.engine().store(1, &job).unwrap();
+    assert!(rig.poll_until(1)[0].succeeded());
+    assert_eq!(s.poisoned(), None);
 }
 
 #[test]

@@ -228,7 +228,8 @@ impl TransferEngine {
             q: Mutex::new(Queue::default()),
         };
         if gather {
-            let entries = entries.clamp(1, u32::MAX as usize);
+            // The kernel counts fragments in u32 and strides by the grid size.
+            let entries = entries.clamp(1, 1 << 31);
             let bytes = entries * GATHER_ENTRY_BYTES;
             match coord.unsafe_call("allocating the gather descriptor table", || rt.mem_alloc(bytes)) {
                 Ok(Ok(ptr)) => h.table = Some(GatherTable { ptr, entries }),
@@ -278,11 +279,17 @@ impl TransferEngine {
     /// Submits job `id` in direction `dir`.
     ///
     /// `Err` means the job was not accepted (bad ids or counts, a reused
-    /// id, shutdown) and will not be reported. `Ok` means it will be
+    /// id, shutdown, a capturing compute stream) and will not be reported. `Ok` means it will be
     /// reported exactly once by [`TransferEngine::poll_finished`], failed
     /// if a driver call failed while enqueueing it or on the device.
     pub fn submit(&self, id: JobId, dir: Direction, job: &JobBlocks) -> Result<(), TransferError> {
         let exp = self.layout.expand(id, job)?;
+        // cuStreamIsCapturing is capture-safe. A capturing compute stream
+        // would make the event wait join its capture (driver semantics of
+        // cross-stream capture), taking the job's copies into the graph.
+        if self.rt.capture_status(self.compute)? != CaptureStatus::None {
+            return Err(TransferError::ComputeCapturing { id });
+        }
         let ticket = self.coord.admit_job().map_err(|_| TransferError::ShutDown { id })?;
         if !sync::lock(&self.ids).insert(id) {
             return Err(TransferError::JobIdReused { id });

@@ -76,6 +76,11 @@ pub enum TransferError {
     /// The offloader is shutting down: no new jobs.
     #[error("job {id} refused: the offloader is shutting down")]
     ShutDown { id: JobId },
+    /// The compute stream is being captured: the job's event wait would
+    /// pull the handler's stream into the capture, so its copies would run
+    /// only when the graph is launched. Submit outside captures.
+    #[error("job {id} refused: the compute stream is capturing a graph")]
+    ComputeCapturing { id: JobId },
     /// No job with this id is in flight (never submitted, or already reported).
     #[error("no job {id} is in flight")]
     UnknownJob { id: JobId },
