@@ -280,7 +280,9 @@ impl Buffers {
         let compute = match rt.stream_create() {
             Ok(s) => s,
             Err(e) => {
-                let _ = rt.mem_free(device);
+                if let Err(f) = rt.mem_free(device) {
+                    tracing::warn!(error = %f, "bench: freeing device memory after a failed set-up failed");
+                }
                 return Err(e.to_string());
             }
         };

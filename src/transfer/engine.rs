@@ -216,7 +216,9 @@ impl TransferEngine {
         let after_compute = match rt.event_create() {
             Ok(e) => e,
             Err(e) => {
-                let _ = rt.stream_destroy(stream);
+                if let Err(d) = rt.stream_destroy(stream) {
+                    tracing::warn!(error = %d, "destroying a transfer stream after a failed set-up failed");
+                }
                 return Err(e.into());
             }
         };
