@@ -12,6 +12,8 @@
 //!   calls, chunk registration, shutdown order, rank agreement.
 //! - [`pin`]: chunked registration with rollback, in the background.
 //! - [`manager`]: block states, reference counts and eviction.
+//! - [`transfer`]: store and load jobs between GPU blocks and host blocks,
+//!   with per-fragment, batched and gather-kernel copy backends.
 //! - [`conform`]: the conformance scenarios that re-measure the driver rules.
 
 #[cfg(not(loom))]
@@ -25,3 +27,4 @@ pub mod region;
 pub mod runtime;
 pub mod sync;
 pub mod units;
+pub mod transfer;

@@ -36,6 +36,17 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
     usize::try_from(bytes).map_err(|_| format!("bad size {s:?}: too large for this machine"))
 }
 
+/// `16 GiB`, `1.50 GiB`, `256 MiB`, `12 KiB`, `100 B`.
+pub fn fmt_bytes(n: usize) -> String {
+    const UNITS: [(usize, &str); 4] = [(1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+    for (u, name) in UNITS {
+        if n >= u {
+            return if n % u == 0 { format!("{} {name}", n / u) } else { format!("{:.2} {name}", n as f64 / u as f64) };
+        }
+    }
+    format!("{n} B")
+}
+
 #[cfg(test)]
 mod tests {
     use super::parse_size;

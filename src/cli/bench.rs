@@ -10,6 +10,9 @@ pub enum Bench {
     Manager(ManagerArgs),
     /// Pinning speed: one register call on untouched memory (upstream) against the pre-fault + chunked pipeline, and a sweep.
     Pin(super::bench_pin::PinArgs),
+    /// GB/s of scattered store and load fragments for every copy backend
+    /// and the automatic choice, data checked after every run.
+    Transfer(super::bench_transfer::TransferArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -47,5 +50,6 @@ pub fn run(b: Bench) -> Result<i32, String> {
             Ok(0)
         }
         Bench::Pin(a) => super::bench_pin::run(a),
+        Bench::Transfer(a) => super::bench_transfer::run(a),
     }
 }

@@ -5,6 +5,7 @@
 mod backend;
 mod bench;
 mod bench_pin;
+mod bench_transfer;
 mod conform;
 mod incident;
 

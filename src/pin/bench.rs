@@ -282,16 +282,7 @@ impl PinBenchReport {
     }
 }
 
-/// `16 GiB`, `1.50 GiB`, `256 MiB`, `12 KiB`, `100 B`.
-pub fn fmt_bytes(n: usize) -> String {
-    const UNITS: [(usize, &str); 4] = [(1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
-    for (u, name) in UNITS {
-        if n >= u {
-            return if n % u == 0 { format!("{} {name}", n / u) } else { format!("{:.2} {name}", n as f64 / u as f64) };
-        }
-    }
-    format!("{n} B")
-}
+pub use crate::units::fmt_bytes;
 
 /// `AnonHugePages` of /proc/self/smaps_rollup in bytes.
 fn anon_huge_bytes() -> Option<u64> {

@@ -21,7 +21,10 @@ pub mod sim;
 mod types;
 
 pub use error::{Code, DriverError, DriverResult, OpenError};
-pub use types::{CaptureMode, CaptureStatus, DevicePtr, Direction, Event, Fragment, Graph, Kernel, Stream};
+pub use types::{
+    CaptureMode, CaptureStatus, DevicePtr, Direction, Event, Fragment, Graph, Kernel, Stream, GATHER_ENTRY_BYTES,
+    GATHER_ENTRY_WORDS,
+};
 
 /// A runtime as `Arc<dyn GpuRuntime>` (works under loom too, whose `Arc`
 /// cannot coerce to a trait object). [`GpuRuntime::as_sim`] gets the

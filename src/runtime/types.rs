@@ -87,4 +87,20 @@ pub enum Kernel {
     /// Busy-waits on the GPU for `nanos` nanoseconds. Used by the conformance
     /// suite to have work "running" on the device while another call is made.
     Spin { nanos: u64 },
+    /// Copies every fragment of a descriptor table that lives in device
+    /// memory at `table`: `count` entries of [`GATHER_ENTRY_WORDS`] native
+    /// `u64` words each, `[src, dst, bytes]`, where `src` and `dst` are device
+    /// addresses (device memory, or the device alias of registered host
+    /// memory from [`super::GpuRuntime::host_device_ptr`]). The table must be
+    /// in place when the kernel runs (upload it on the same stream first).
+    /// 16-byte vectors when `src`, `dst` and `bytes` are all multiples of 16,
+    /// a byte loop otherwise. Reading host memory that is not registered is
+    /// a device fault (ILLEGAL_ADDRESS, sticky).
+    Gather { table: DevicePtr, count: u32 },
 }
+
+/// `u64` words per entry of a [`Kernel::Gather`] descriptor table:
+/// source address, destination address, byte count.
+pub const GATHER_ENTRY_WORDS: usize = 3;
+/// Bytes per entry of a [`Kernel::Gather`] descriptor table.
+pub const GATHER_ENTRY_BYTES: usize = GATHER_ENTRY_WORDS * 8;

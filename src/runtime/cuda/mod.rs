@@ -74,6 +74,9 @@ pub struct CudaRuntime {
     device: sys::CUdevice,
     ctx: usize,
     spin_fn: usize,
+    /// The gather kernel, or why it could not be loaded (a launch then
+    /// reports that error; the rest of the runtime works without it).
+    gather_fn: Result<usize, DriverError>,
     handles: Mutex<Handles>,
     name: String,
     driver_version: i32,
@@ -129,6 +132,7 @@ impl CudaRuntime {
             device,
             ctx: ctx as usize,
             spin_fn: 0,
+            gather_fn: Err(DriverError::new("cuModuleLoadDataEx", Code::INVALID_HANDLE)),
             handles: Mutex::new(Handles::default()),
             name,
             driver_version,
@@ -143,6 +147,10 @@ impl CudaRuntime {
         check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut f, module, c"kvo_spin".as_ptr()) })
             .map_err(dev_err)?;
         rt.spin_fn = f as usize;
+        rt.gather_fn = load_function(ptx::GATHER, c"kvo_gather");
+        if let Err(e) = &rt.gather_fn {
+            tracing::warn!(error = %e, "the gather kernel could not be loaded; gather copies will fail");
+        }
         tracing::info!(device = %rt.name, ordinal, driver = driver_version, "cuda runtime opened");
         Ok(rt)
     }
@@ -182,6 +190,36 @@ impl CudaRuntime {
         let h = sync::lock(&self.handles);
         h.graphs.get(&g.0).map(|&p| p as sys::CUgraphExec).ok_or_else(|| invalid(call))
     }
+}
+
+/// Loads one PTX module and looks up `name` in it. A JIT failure is traced
+/// at warn level with the driver's error log (what a hand-written PTX
+/// mistake needs to be found on the GPU machine).
+fn load_function(ptx_text: &'static str, name: &std::ffi::CStr) -> DriverResult<usize> {
+    const LOG: usize = 4096;
+    let mut log = vec![0u8; LOG];
+    let mut opts = [
+        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
+        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+    ];
+    let mut vals = [log.as_mut_ptr() as *mut c_void, LOG as *mut c_void];
+    let mut module: sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: the PTX text is NUL-terminated and 'static; the options array
+    // and the values array have 2 entries each, as passed; the log buffer
+    // holds LOG bytes, the size given, and outlives the call (the size
+    // option's value is an integer carried in a pointer, as the API says).
+    let r = check("cuModuleLoadDataEx", unsafe {
+        sys::cuModuleLoadDataEx(&mut module, ptx_text.as_ptr() as *const c_void, 2, opts.as_mut_ptr(), vals.as_mut_ptr())
+    });
+    if let Err(e) = r {
+        let end = log.iter().position(|&b| b == 0).unwrap_or(LOG);
+        tracing::warn!(kernel = ?name, error = %e, log = %String::from_utf8_lossy(&log[..end]), "PTX JIT failed");
+        return Err(e);
+    }
+    let mut f: sys::CUfunction = std::ptr::null_mut();
+    // SAFETY: `module` was just loaded; the name is NUL-terminated.
+    check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) })?;
+    Ok(f as usize)
 }
 
 impl Drop for CudaRuntime {
@@ -388,6 +426,36 @@ impl GpuRuntime for CudaRuntime {
                         1,
                         1,
                         1,
+                        1,
+                        1,
+                        0,
+                        s,
+                        args.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                })
+            }
+            Kernel::Gather { table, count } => {
+                let f = self.gather_fn.clone()?;
+                if count == 0 {
+                    return Ok(());
+                }
+                let mut t = table;
+                let mut n = count;
+                let mut args = [&mut t as *mut u64 as *mut c_void, &mut n as *mut u32 as *mut c_void];
+                let blocks = count.min(ptx::GATHER_MAX_BLOCKS);
+                // SAFETY: `kvo_gather` takes (u64, u32), which `args` points
+                // to for the duration of the call (the driver copies the
+                // parameters at launch). The kernel dereferences the table
+                // and its entries on the device only; a bad address there is
+                // a device fault the next synchronize reports, not host UB.
+                check("cuLaunchKernel", unsafe {
+                    sys::cuLaunchKernel(
+                        f as sys::CUfunction,
+                        blocks,
+                        1,
+                        1,
+                        ptx::GATHER_THREADS,
                         1,
                         1,
                         0,

@@ -1,7 +1,7 @@
 //! The simulated device: one thread that executes stream work
 //! asynchronously, in order per stream, the way the GPU does.
 
-use crate::runtime::Code;
+use crate::runtime::{Code, GATHER_ENTRY_WORDS};
 use crate::sync::{self, Arc};
 
 use super::fault::HoldPoint;
@@ -92,6 +92,24 @@ fn resolve_into(st: &mut State, op: &Op, out: &mut Vec<Action>) -> Result<(), Co
             out.push(Action::Fill { dst: d, value: *value, bytes: *bytes });
         }
         Op::Spin | Op::WaitEvent { .. } => {}
+        Op::Gather { table, count } => {
+            // The kernel reads its descriptor table from device memory, then
+            // every source and destination through the device's view: device
+            // memory, or host memory through its alias, valid only while that
+            // host range is registered. Anything else is a device fault, as on
+            // the real GPU (ILLEGAL_ADDRESS, sticky).
+            let words = (*count as usize).checked_mul(GATHER_ENTRY_WORDS).ok_or(Code::ILLEGAL_ADDRESS)?;
+            let table = st.read_device_words(*table, words).ok_or(Code::ILLEGAL_ADDRESS)?;
+            for e in table.chunks_exact(GATHER_ENTRY_WORDS) {
+                let bytes = usize::try_from(e[2]).map_err(|_| Code::ILLEGAL_ADDRESS)?;
+                if bytes == 0 {
+                    continue;
+                }
+                let src = st.device_slice(e[0], bytes).ok_or(Code::ILLEGAL_ADDRESS)?;
+                let dst = st.device_slice(e[1], bytes).ok_or(Code::ILLEGAL_ADDRESS)?;
+                out.push(Action::Copy { dst, src, bytes });
+            }
+        }
         Op::Graph(body) => {
             // FACTS 1: a graph whose copies used registered host memory,
             // replayed after that memory was unregistered, faults on the

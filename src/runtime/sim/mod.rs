@@ -601,6 +601,7 @@ impl GpuRuntime for SimRuntime {
             let g = self.enter(None)?;
             match kernel {
                 Kernel::Spin { .. } => self.enqueue(g, stream, Op::Spin),
+                Kernel::Gather { table, count } => self.enqueue(g, stream, Op::Gather { table, count }),
             }
         })();
         traced("cuLaunchKernel", r)

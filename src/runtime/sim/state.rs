@@ -37,6 +37,9 @@ pub(crate) enum Op {
     },
     /// A kernel with no memory effect (the conformance suite's spin kernel).
     Spin,
+    /// The gather kernel: copies the fragments of the descriptor table at
+    /// `table` (device memory), read when the kernel runs.
+    Gather { table: DevicePtr, count: u32 },
     /// Wait until `stream` has completed `seq` operations.
     WaitEvent {
         stream: u64,
@@ -163,6 +166,23 @@ impl State {
         }
         // Pointer arithmetic inside the allocation: `off + bytes <= len`.
         Some(mem[off..].as_mut_ptr())
+    }
+
+    /// Copies `words` native `u64`s out of device memory (or registered host
+    /// memory through its alias) at `ptr`; `None` when out of bounds.
+    pub fn read_device_words(&mut self, ptr: DevicePtr, words: usize) -> Option<Vec<u64>> {
+        let bytes = words.checked_mul(8)?;
+        if bytes == 0 {
+            return Some(Vec::new());
+        }
+        let p = self.device_slice(ptr, bytes)?;
+        let mut out = vec![0u64; words];
+        // SAFETY: `p..p+bytes` was bounds-checked by `device_slice` against a
+        // live allocation (or a registered host range) and the state lock is
+        // held, so it is not freed meanwhile; `out` holds exactly `bytes`
+        // bytes; byte-wise copy, so `p` needs no alignment.
+        unsafe { std::ptr::copy_nonoverlapping(p as *const u8, out.as_mut_ptr() as *mut u8, bytes) };
+        Some(out)
     }
 
     /// True when no stream has work left and nothing runs.

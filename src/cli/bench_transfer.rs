@@ -1,0 +1,101 @@
+//! `kvoffload bench transfer`: store and load GB/s of scattered fragments
+//! for every copy backend and the automatic choice, data checked after
+//! every run (library side: [`kvoffload::transfer::bench`]).
+
+
+use super::backend::{open, BackendArg};
+use kvoffload::transfer::bench::{parse_size, run_bench, BenchConfig};
+use kvoffload::transfer::{Backend, BackendChoice};
+
+/// Arguments of `kvoffload bench transfer`.
+#[derive(clap::Args, Debug)]
+pub struct TransferArgs {
+    /// Runtime: auto (cuda if a GPU can be opened, else sim), sim or cuda.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
+    /// Fragment sizes, comma-separated (B, KiB, MiB, GiB).
+    #[arg(long, value_delimiter = ',', default_value = "16KiB,32KiB,64KiB,256KiB,2MiB")]
+    sizes: Vec<String>,
+    /// Bytes per run (default 1GiB on a GPU, 8MiB on the simulated GPU).
+    #[arg(long)]
+    total: Option<String>,
+    /// Run only this backend (next to the per-fragment baseline):
+    /// per-fragment, batched, gather or auto.
+    #[arg(long)]
+    force: Option<String>,
+    /// Timed repetitions per run; the fastest counts.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Registration chunk size of the host buffer.
+    #[arg(long)]
+    chunk: Option<String>,
+    /// Seed of the block permutations.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Auto: largest mean fragment size for the gather kernel.
+    #[arg(long)]
+    gather_max: Option<String>,
+    /// Auto: smallest mean fragment size for per-fragment copies.
+    #[arg(long)]
+    per_fragment_min: Option<String>,
+    /// Entries of the gather kernel's device descriptor table (fragments
+    /// per launch).
+    #[arg(long)]
+    table_entries: Option<usize>,
+}
+
+/// Runs the bench; exit status 1 when any run's data was wrong.
+pub fn run(a: TransferArgs) -> Result<i32, String> {
+    let rt = open(a.backend)?;
+    let mut cfg = if rt.backend() == "sim" {
+        BenchConfig::sim_default()
+    } else {
+        BenchConfig::gpu_default()
+    };
+    cfg.sizes = a.sizes.iter().map(|s| parse_size(s)).collect::<Result<_, _>>()?;
+    if let Some(t) = &a.total {
+        cfg.total = parse_size(t)?;
+    }
+    if let Some(c) = &a.chunk {
+        cfg.chunk_bytes = parse_size(c)?;
+    }
+    if let Some(s) = a.seed {
+        cfg.seed = s;
+    }
+    cfg.repeats = a.repeats;
+    if let Some(g) = &a.gather_max {
+        cfg.options.thresholds.gather_max_bytes = parse_size(g)?;
+    }
+    if let Some(p) = &a.per_fragment_min {
+        cfg.options.thresholds.per_fragment_min_bytes = parse_size(p)?;
+    }
+    if let Some(t) = a.table_entries {
+        cfg.options.gather_table_entries = t;
+    }
+    if let Some(f) = &a.force {
+        let choice: BackendChoice = f.parse()?;
+        cfg.choices = vec![choice];
+        if choice != BackendChoice::Force(Backend::PerFragment) {
+            cfg.choices.insert(0, BackendChoice::Force(Backend::PerFragment));
+        }
+    }
+    cfg.validate()?;
+    let runs = cfg.sizes.len() * 2 * cfg.choices.len().max(1);
+    let bar = indicatif::ProgressBar::new(runs as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut started = false;
+    let report = run_bench(rt, &cfg, |label| {
+        if started {
+            bar.inc(1);
+        }
+        started = true;
+        bar.set_message(label.to_string());
+    });
+    bar.finish_and_clear();
+    let report = report?;
+    println!("{report}");
+    Ok(if report.failures() == 0 { 0 } else { 1 })
+}

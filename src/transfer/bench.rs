@@ -1,0 +1,591 @@
+//! `kvoffload bench transfer`: GB/s of scattered store and load jobs for
+//! every backend and the automatic choice, at several fragment sizes, with
+//! every destination byte checked after every run.
+//!
+//! Set-up: `total` bytes of device memory and an anonymous host mapping of
+//! the same size, registered chunk by chunk through a [`Coordinator`]
+//! (the gather kernel gets its aliases from it, as in production). For a
+//! fragment size `s` the buffers are `total / s` blocks; one job moves every
+//! block, GPU block ids and host block ids each in a random permutation
+//! (fixed seed), so almost no two fragments merge. Each (size, direction,
+//! backend) run is timed `repeats` times from `submit` to the return of
+//! `wait` (host clock; the best counts), with the destination cleared
+//! before and checked word by word after every repetition.
+
+use std::fmt;
+use std::time::Instant;
+
+use crate::pin::{pin_all, NoPrefault};
+use crate::protocol::{CapturePolicy, Coordinator, PinState};
+use crate::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
+use crate::sync::Arc;
+
+use super::{
+    Backend, BackendChoice, GroupSpec, HostPlacement, JobBlocks, KvLayout, TensorSpec, TransferEngine, TransferOptions,
+};
+
+/// What to run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchConfig {
+    /// Fragment sizes in bytes (multiples of 8).
+    pub sizes: Vec<usize>,
+    /// Bytes moved per run (and the size of each buffer).
+    pub total: usize,
+    /// Backends to compare; per-fragment is always run too, as the baseline.
+    pub choices: Vec<BackendChoice>,
+    /// Timed repetitions per run; the fastest counts.
+    pub repeats: usize,
+    /// Seed of the block permutations.
+    pub seed: u64,
+    /// Registration chunk size of the host buffer.
+    pub chunk_bytes: usize,
+    /// Engine options (thresholds of the automatic choice, gather table
+    /// size); the backend choice in it is replaced by each of `choices`.
+    pub options: TransferOptions,
+}
+
+impl BenchConfig {
+    /// Sizes from the issue: 16, 32, 64, 256 KiB and 2 MiB.
+    pub fn default_sizes() -> Vec<usize> {
+        vec![16 << 10, 32 << 10, 64 << 10, 256 << 10, 2 << 20]
+    }
+
+    /// Every backend and the automatic choice.
+    pub fn all_choices() -> Vec<BackendChoice> {
+        let mut v: Vec<BackendChoice> = Backend::ALL.into_iter().map(BackendChoice::Force).collect();
+        v.push(BackendChoice::Auto);
+        v
+    }
+
+    /// Defaults for a real GPU: 1 GiB per run.
+    pub fn gpu_default() -> Self {
+        BenchConfig {
+            sizes: Self::default_sizes(),
+            total: 1 << 30,
+            choices: Self::all_choices(),
+            repeats: 3,
+            seed: 0x6b76_6f66_6c6f_6164,
+            chunk_bytes: 256 << 20,
+            options: TransferOptions::default(),
+        }
+    }
+
+    /// Defaults for the simulated GPU: 8 MiB per run, so it ends in seconds.
+    pub fn sim_default() -> Self {
+        BenchConfig {
+            total: 8 << 20,
+            chunk_bytes: 2 << 20,
+            ..Self::gpu_default()
+        }
+    }
+
+    /// Checks sizes and counts; the error names the value and the limit.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.sizes.is_empty() {
+            return Err("no fragment size given".into());
+        }
+        for &s in &self.sizes {
+            if s == 0 || s % 8 != 0 {
+                return Err(format!("fragment size {s} is not a positive multiple of 8 bytes"));
+            }
+            if s > self.total {
+                return Err(format!(
+                    "fragment size {} is larger than --total {}",
+                    human(s),
+                    human(self.total)
+                ));
+            }
+        }
+        if self.total == 0 || self.total % 8 != 0 {
+            return Err(format!("--total {} is not a positive multiple of 8 bytes", self.total));
+        }
+        if self.repeats == 0 {
+            return Err("repeats must be at least 1".into());
+        }
+        if self.chunk_bytes == 0 || self.chunk_bytes % 4096 != 0 {
+            return Err(format!(
+                "chunk size {} is not a positive multiple of 4096",
+                self.chunk_bytes
+            ));
+        }
+        if self.options.gather_table_entries == 0 {
+            return Err("the gather table needs at least 1 entry".into());
+        }
+        if self.choices.is_empty() {
+            return Err("no backend to run".into());
+        }
+        Ok(())
+    }
+}
+
+/// One (size, direction, backend) run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchRow {
+    /// Fragment size in bytes.
+    pub size: usize,
+    /// Store (`DeviceToHost`) or load (`HostToDevice`).
+    pub direction: Direction,
+    /// The backend asked for.
+    pub choice: BackendChoice,
+    /// The backend the engine used (a forced backend can fall back).
+    pub used: Option<Backend>,
+    /// Fragments of the job after merging.
+    pub fragments: usize,
+    /// Bytes per job.
+    pub bytes: u64,
+    /// Fastest repetition, seconds.
+    pub best_seconds: f64,
+    /// Seconds the `submit` call itself took in the fastest repetition (the
+    /// host-side cost: expansion, checks, table encoding, enqueueing).
+    pub submit_seconds: f64,
+    /// Bytes / best seconds, in GB/s (10^9).
+    pub gbps: f64,
+    /// `gbps` over the per-fragment row of the same size and direction.
+    pub ratio: Option<f64>,
+    /// Every destination word was right after every repetition.
+    pub verified: bool,
+    /// Why a repetition failed, if one did.
+    pub error: Option<String>,
+}
+
+/// Everything a bench run measured.
+#[derive(Clone, Debug)]
+pub struct BenchReport {
+    /// The runtime's own description of the device.
+    pub device: String,
+    /// `"sim"` or `"cuda"`.
+    pub backend: &'static str,
+    /// The configuration that ran.
+    pub config: BenchConfig,
+    /// Final pin state of the host buffer.
+    pub pin: PinState,
+    /// One row per (size, direction, backend).
+    pub rows: Vec<BenchRow>,
+}
+
+impl BenchReport {
+    /// Rows whose data was wrong or whose job failed.
+    pub fn failures(&self) -> usize {
+        self.rows.iter().filter(|r| !r.verified).count()
+    }
+
+    /// The slowest automatic-choice row among fragment sizes in `lo..=hi`,
+    /// in GB/s (for the targets of DESIGN.md).
+    pub fn auto_min_gbps(&self, lo: usize, hi: usize) -> Option<f64> {
+        self.rows
+            .iter()
+            .filter(|r| r.choice == BackendChoice::Auto && (lo..=hi).contains(&r.size))
+            .map(|r| r.gbps)
+            .reduce(f64::min)
+    }
+}
+
+pub use crate::units::{fmt_bytes as human, parse_size};
+
+/// The pattern word `k` of block `b` holds: distinct per block and position.
+fn pattern(b: usize, k: usize) -> u64 {
+    (b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (k as u64) ^ 0x5a5a_0000_0000_0000
+}
+
+fn fill_blocks(words: &mut [u64], size: usize, blocks: usize) {
+    let per = size / 8;
+    for b in 0..blocks {
+        for (k, w) in words[b * per..(b + 1) * per].iter_mut().enumerate() {
+            *w = pattern(b, k);
+        }
+    }
+}
+
+/// Checks that block `dst[i]` of `words` holds the pattern of block `src[i]`.
+fn check_blocks(words: &[u64], size: usize, src: &[usize], dst: &[usize]) -> Result<(), String> {
+    let per = size / 8;
+    for (&s, &d) in src.iter().zip(dst) {
+        let got = &words[d * per..(d + 1) * per];
+        if let Some(k) = (0..per).find(|&k| got[k] != pattern(s, k)) {
+            return Err(format!("block {d} (from {s}) wrong at byte {}", k * 8));
+        }
+    }
+    Ok(())
+}
+
+fn permutation(n: usize, seed: &mut u64) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        *seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = *seed;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        v.swap(i, (z % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+/// Host and device buffers of the bench, released on drop.
+struct Buffers {
+    rt: Arc<dyn GpuRuntime>,
+    coord: Arc<Coordinator>,
+    host: memmap2::MmapMut,
+    scratch: Vec<u64>,
+    device: DevicePtr,
+    compute: Stream,
+}
+
+impl Buffers {
+    fn new(rt: Arc<dyn GpuRuntime>, cfg: &BenchConfig) -> Result<Self, String> {
+        let mut host = memmap2::MmapMut::map_anon(cfg.total)
+            .map_err(|e| format!("mapping {} of host memory: {e}", human(cfg.total)))?;
+        // Touch every page (registration of touched pages is fast, FACTS 3).
+        host.fill(0);
+        let base = host.as_ptr() as usize;
+        let chunks: Vec<(usize, usize)> = (0..cfg.total.div_ceil(cfg.chunk_bytes))
+            .map(|i| {
+                (
+                    base + i * cfg.chunk_bytes,
+                    cfg.chunk_bytes.min(cfg.total - i * cfg.chunk_bytes),
+                )
+            })
+            .collect();
+        let coord = Coordinator::new(CapturePolicy::AfterPinning, &chunks);
+        let device = rt
+            .mem_alloc(cfg.total)
+            .map_err(|e| format!("allocating {} of device memory: {e}", human(cfg.total)))?;
+        let compute = match rt.stream_create() {
+            Ok(s) => s,
+            Err(e) => {
+                if let Err(f) = rt.mem_free(device) {
+                    tracing::warn!(error = %f, "bench: freeing device memory after a failed set-up failed");
+                }
+                return Err(e.to_string());
+            }
+        };
+        let b = Buffers {
+            rt,
+            coord,
+            host,
+            scratch: vec![0u64; cfg.total / 8],
+            device,
+            compute,
+        };
+        let pin = pin_all(&*b.rt, &b.coord, &NoPrefault);
+        if pin != PinState::Pinned {
+            tracing::warn!(?pin, "bench: host buffer not pinned; gather and batched rows fall back");
+        }
+        Ok(b)
+    }
+
+    fn words(&mut self) -> &mut [u64] {
+        let len = self.host.len() / 8;
+        // SAFETY: the mapping is page-aligned, `len * 8` bytes long, and no
+        // job is in flight while the bench touches it (every job is waited
+        // for first); u64 has no invalid bit patterns.
+        unsafe { std::slice::from_raw_parts_mut(self.host.as_mut_ptr() as *mut u64, len) }
+    }
+}
+
+impl Drop for Buffers {
+    fn drop(&mut self) {
+        if let Err(e) = self.coord.begin_shutdown() {
+            tracing::warn!(error = %e, "bench: shutdown refused");
+        }
+        if let Err(e) = self.coord.unregister_all(&*self.rt) {
+            tracing::warn!(error = %e, "bench: unregistering the host buffer failed");
+        }
+        self.coord.finish_shutdown();
+        if let Err(e) = self.rt.stream_destroy(self.compute) {
+            tracing::warn!(error = %e, "bench: destroying the compute stream failed");
+        }
+        if let Err(e) = self.rt.mem_free(self.device) {
+            tracing::warn!(error = %e, "bench: freeing device memory failed");
+        }
+    }
+}
+
+/// Runs the bench on `rt`; `progress` hears each run's label before it starts.
+pub fn run_bench(
+    rt: Arc<dyn GpuRuntime>,
+    cfg: &BenchConfig,
+    mut progress: impl FnMut(&str),
+) -> Result<BenchReport, String> {
+    cfg.validate()?;
+    let mut b = Buffers::new(rt.clone(), cfg)?;
+    let pin = b.coord.pin_state();
+    let mut choices = vec![BackendChoice::Force(Backend::PerFragment)];
+    choices.extend(
+        cfg.choices
+            .iter()
+            .copied()
+            .filter(|c| *c != BackendChoice::Force(Backend::PerFragment)),
+    );
+    let mut rows = Vec::new();
+    let mut seed = cfg.seed;
+    let mut next_id = 1u64;
+    for &size in &cfg.sizes {
+        let n = cfg.total / size;
+        let gpu_ids = permutation(n, &mut seed);
+        let host_ids = permutation(n, &mut seed);
+        let job = JobBlocks::single(gpu_ids.clone(), host_ids.clone());
+        let spec = GroupSpec {
+            tensors: vec![TensorSpec {
+                device_base: b.device,
+                page_bytes: size,
+            }],
+            num_gpu_blocks: n,
+            num_host_blocks: n,
+        };
+        let layout = KvLayout::new(&[spec], 1, b.host.as_ptr() as usize, HostPlacement::TensorMajor)
+            .map_err(|e| e.to_string())?;
+        for dir in [Direction::HostToDevice, Direction::DeviceToHost] {
+            let mut base_gbps = None;
+            for &choice in &choices {
+                progress(&format!("{} {} {}", human(size), dir_name(dir), choice));
+                let opts = TransferOptions {
+                    backend: choice,
+                    ..TransferOptions::default()
+                };
+                // SAFETY: the buffers outlive the engine (dropped at the end
+                // of this iteration) and the bench touches them only between
+                // jobs, after waiting for them.
+                let engine =
+                    unsafe { TransferEngine::new(rt.clone(), b.coord.clone(), layout.clone(), b.compute, opts) }
+                        .map_err(|e| e.to_string())?;
+                let mut row = BenchRow {
+                    size,
+                    direction: dir,
+                    choice,
+                    used: None,
+                    fragments: 0,
+                    bytes: 0,
+                    best_seconds: f64::INFINITY,
+                    submit_seconds: 0.0,
+                    gbps: 0.0,
+                    ratio: None,
+                    verified: true,
+                    error: None,
+                };
+                for _ in 0..cfg.repeats {
+                    if let Err(e) = prepare(&mut b, dir, size, n) {
+                        row.verified = false;
+                        row.error = Some(e);
+                        break;
+                    }
+                    let id = next_id;
+                    next_id += 1;
+                    let t0 = Instant::now();
+                    let submitted = engine.submit(id, dir, &job);
+                    let ds = t0.elapsed().as_secs_f64();
+                    let r = submitted.and_then(|()| engine.wait(id));
+                    let dt = t0.elapsed().as_secs_f64();
+                    let results = engine.poll_finished();
+                    let res = results.iter().find(|r| r.id == id);
+                    if let Some(res) = res {
+                        row.used = Some(res.backend);
+                        row.fragments = res.fragments;
+                        row.bytes = res.bytes;
+                    }
+                    let checked = r.map_err(|e| e.to_string()).and_then(|()| match res {
+                        Some(res) if res.succeeded() => verify(&mut b, dir, size, &gpu_ids, &host_ids),
+                        Some(res) => Err(format!("job failed: {:?}", res.error)),
+                        None => Err("job not reported after wait".into()),
+                    });
+                    if let Err(e) = checked {
+                        row.verified = false;
+                        row.error = Some(e);
+                        break;
+                    }
+                    if dt < row.best_seconds {
+                        row.best_seconds = dt;
+                        row.submit_seconds = ds;
+                    }
+                }
+                drop(engine);
+                if row.verified && row.best_seconds > 0.0 {
+                    row.gbps = row.bytes as f64 / row.best_seconds / 1e9;
+                }
+                if choice == BackendChoice::Force(Backend::PerFragment) && row.verified {
+                    base_gbps = Some(row.gbps);
+                }
+                row.ratio = base_gbps.filter(|g| *g > 0.0 && row.verified).map(|g| row.gbps / g);
+                rows.push(row);
+            }
+        }
+    }
+    Ok(BenchReport {
+        device: rt.describe(),
+        backend: rt.backend(),
+        config: cfg.clone(),
+        pin,
+        rows,
+    })
+}
+
+/// Puts the source pattern in place and clears the destination.
+fn prepare(b: &mut Buffers, dir: Direction, size: usize, n: usize) -> Result<(), String> {
+    let rt = b.rt.clone();
+    let total = b.host.len();
+    match dir {
+        Direction::HostToDevice => {
+            fill_blocks(b.words(), size, n);
+            rt.memset_d8_async(b.device, 0, total, b.compute)
+                .map_err(|e| e.to_string())?;
+            b.coord
+                .unsafe_call("bench: clearing device memory", || rt.stream_synchronize(b.compute))
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())
+        }
+        Direction::DeviceToHost => {
+            fill_blocks(&mut b.scratch, size, n);
+            // On the compute stream, then synchronized: a synchronous
+            // cuMemcpyHtoD from pageable memory may return before its DMA
+            // lands, and the engine's streams do not wait for the legacy
+            // default stream.
+            // SAFETY: `scratch` is `total` bytes, readable, and untouched
+            // until the stream is synchronized below.
+            unsafe { rt.copy_htod_async(b.device, b.scratch.as_ptr() as usize, total, b.compute) }
+                .map_err(|e| e.to_string())?;
+            b.coord
+                .unsafe_call("bench: filling device memory", || rt.stream_synchronize(b.compute))
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
+            b.words().fill(0);
+            Ok(())
+        }
+    }
+}
+
+/// Checks every destination block of a run.
+fn verify(b: &mut Buffers, dir: Direction, size: usize, gpu: &[usize], host: &[usize]) -> Result<(), String> {
+    match dir {
+        Direction::DeviceToHost => check_blocks(b.words(), size, gpu, host),
+        Direction::HostToDevice => {
+            let total = b.host.len();
+            let dst = b.scratch.as_mut_ptr() as usize;
+            // SAFETY: `scratch` is `total` bytes, writable, not otherwise used.
+            unsafe { b.rt.copy_dtoh(dst, b.device, total) }.map_err(|e| e.to_string())?;
+            check_blocks(&b.scratch, size, host, gpu)
+        }
+    }
+}
+
+fn dir_name(d: Direction) -> &'static str {
+    match d {
+        Direction::HostToDevice => "load H2D",
+        Direction::DeviceToHost => "store D2H",
+    }
+}
+
+impl fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "kvoffload bench transfer")?;
+        writeln!(f, "device: {} (runtime: {})", self.device, self.backend)?;
+        writeln!(
+            f,
+            "per run: {} moved in one job of scattered fragments (random permutations of block ids on both sides), best of {}, host clock from submit to wait; host buffer {:?} in {} chunks",
+            human(self.config.total),
+            self.config.repeats,
+            self.pin,
+            human(self.config.chunk_bytes)
+        )?;
+        let th = self.config.options.thresholds;
+        writeln!(
+            f,
+            "auto: gather up to {} mean fragment size, per-fragment from {}, batched between (and when gather is refused); gather table {} entries per launch",
+            human(th.gather_max_bytes),
+            human(th.per_fragment_min_bytes),
+            self.config.options.gather_table_entries
+        )?;
+        if self.backend == "sim" {
+            writeln!(
+                f,
+                "NOTE: simulated GPU: the GB/s below are meaningless; only the verification column means something."
+            )?;
+        }
+        writeln!(f)?;
+        writeln!(
+            f,
+            "| fragment | direction | backend | used | fragments | GB/s | x per-fragment | submit ms | verified |"
+        )?;
+        writeln!(f, "|---:|---|---|---|---:|---:|---:|---:|---|")?;
+        for r in &self.rows {
+            let used = r.used.map_or("-".to_string(), |b| b.to_string());
+            let ratio = r.ratio.map_or("-".to_string(), |x| format!("{x:.2}"));
+            let verified = if r.verified {
+                "yes".to_string()
+            } else {
+                format!("NO: {}", r.error.as_deref().unwrap_or("?"))
+            };
+            writeln!(
+                f,
+                "| {} | {} | {} | {} | {} | {:.1} | {} | {:.2} | {} |",
+                human(r.size),
+                dir_name(r.direction),
+                r.choice,
+                used,
+                r.fragments,
+                r.gbps,
+                ratio,
+                r.submit_seconds * 1e3,
+                verified
+            )?;
+        }
+        writeln!(f)?;
+        let small = self.auto_min_gbps(16 << 10, 64 << 10);
+        let large = self.auto_min_gbps(2 << 20, usize::MAX);
+        if let Some(g) = small {
+            writeln!(
+                f,
+                "auto, 16-64 KiB fragments, slowest direction: {g:.1} GB/s (target >= 45)"
+            )?;
+        }
+        if let Some(g) = large {
+            writeln!(
+                f,
+                "auto, >= 2 MiB fragments, slowest direction: {g:.1} GB/s (target >= 52)"
+            )?;
+        }
+        write!(
+            f,
+            "rows verified: {} of {}",
+            self.rows.len() - self.failures(),
+            self.rows.len()
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("16KiB"), Ok(16 << 10));
+        assert_eq!(parse_size("2MiB"), Ok(2 << 20));
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(human(256 << 10), "256 KiB");
+        assert_eq!(human(100), "100 B");
+    }
+
+    #[test]
+    fn check_finds_a_wrong_word() {
+        let mut w = vec![0u64; 4 * 4];
+        fill_blocks(&mut w, 32, 4);
+        assert_eq!(check_blocks(&w, 32, &[0, 1, 2, 3], &[0, 1, 2, 3]), Ok(()));
+        assert!(check_blocks(&w, 32, &[1, 0], &[0, 1]).is_err());
+        // Word 9 is the second word of block 2.
+        w[9] ^= 1;
+        assert!(check_blocks(&w, 32, &[3, 1], &[3, 1]).is_ok());
+        assert_eq!(
+            check_blocks(&w, 32, &[1, 2], &[1, 2]),
+            Err("block 2 (from 2) wrong at byte 8".into())
+        );
+    }
+
+    #[test]
+    fn permutations_are_permutations() {
+        let mut s = 1;
+        let mut p = permutation(1000, &mut s);
+        p.sort_unstable();
+        assert_eq!(p, (0..1000).collect::<Vec<_>>());
+    }
+}

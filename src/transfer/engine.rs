@@ -1,0 +1,652 @@
+//! The transfer engine: a store handler (GPU to host) and a load handler
+//! (host to GPU), each with its own stream and FIFO of jobs.
+//!
+//! A job, at [`TransferEngine::submit`]:
+//! 1. is checked and expanded ([`super::KvLayout::expand`]), admitted by the
+//!    coordinator (refused once shutdown began; the ticket rides with the
+//!    job until it is reported) and its id recorded (never reused);
+//! 2. is ordered after the compute stream's pending work: an event recorded
+//!    on the compute stream, waited for by the handler's stream;
+//! 3. is enqueued by one backend ([`super::select`]) and closed by a
+//!    completion event recorded on the handler's stream.
+//!
+//! [`TransferEngine::poll_finished`] queries completion events only through
+//! [`Coordinator::try_unsafe_call`] (a query while the engine captures in
+//! GLOBAL mode would invalidate its capture, FACTS 1) and reports jobs in
+//! submission order per direction, each exactly once, failed ones included.
+//! Descriptor tables (host staging buffers) and admission tickets live in
+//! the job until it is reported.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use crate::protocol::{AliasGuard, ChunkReg, Coordinator, JobTicket};
+use crate::runtime::{
+    CaptureStatus, DevicePtr, Direction, DriverError, DriverResult, Event, GpuRuntime, Stream, GATHER_ENTRY_BYTES,
+    GATHER_ENTRY_WORDS,
+};
+use crate::sync::{self, Arc, Mutex};
+
+use super::backend::{self, Backend, BackendChoice, GatherTable};
+use super::chunks::Chunks;
+use super::error::TransferError;
+use super::ids::{IdSet, JobId};
+use super::layout::{Expansion, JobBlocks, KvLayout};
+use super::select::{candidates, AutoThresholds, Situation};
+
+/// Settings of a [`TransferEngine`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct TransferOptions {
+    /// Backend for every job: automatic, or forced.
+    pub backend: BackendChoice,
+    /// Sizes at which the automatic choice switches backend.
+    pub thresholds: AutoThresholds,
+    /// Entries of each handler's device descriptor table for the gather
+    /// kernel; a job with more fragments launches the kernel once per
+    /// table-full (uploads and launches alternate on the handler's stream).
+    pub gather_table_entries: usize,
+}
+
+impl Default for TransferOptions {
+    fn default() -> Self {
+        TransferOptions {
+            backend: BackendChoice::Auto,
+            thresholds: AutoThresholds::default(),
+            gather_table_entries: 1 << 16,
+        }
+    }
+}
+
+/// What became of one job, reported once by [`TransferEngine::poll_finished`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobResult {
+    /// The job's id.
+    pub id: JobId,
+    /// Store (`DeviceToHost`) or load (`HostToDevice`).
+    pub direction: Direction,
+    /// Bytes the job moves.
+    pub bytes: u64,
+    /// Fragments after merging.
+    pub fragments: usize,
+    /// Seconds from submission until completion was observed (an upper
+    /// bound on the transfer time: it includes the wait for compute and
+    /// the polling delay).
+    pub seconds: f64,
+    /// The backend that enqueued the job.
+    pub backend: Backend,
+    /// `None` when every byte arrived; otherwise the driver error that
+    /// failed the job (at enqueue or on the device).
+    pub error: Option<DriverError>,
+}
+
+impl JobResult {
+    /// True when the job completed without error.
+    pub fn succeeded(&self) -> bool {
+        self.error.is_none()
+    }
+}
+
+/// How a job's completion is observed.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Completion {
+    /// Nothing was enqueued (it failed before its first copy).
+    Immediate,
+    /// Its completion event, recorded after its copies.
+    Event(Event),
+    /// Recording the completion event failed after copies were enqueued:
+    /// the whole stream is synchronized before the job is reported.
+    Stream,
+}
+
+struct Pending {
+    id: JobId,
+    done: Completion,
+    error: Option<DriverError>,
+    bytes: u64,
+    fragments: usize,
+    backend: Backend,
+    submitted: Instant,
+    /// The gather descriptor table's host staging copy: the stream reads it
+    /// when it executes the upload, so it lives until the job completes.
+    staging: Vec<u64>,
+    _ticket: JobTicket,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Pending>,
+    /// Completion events of reported jobs, for reuse.
+    spare: Vec<Event>,
+}
+
+struct Handler {
+    dir: Direction,
+    stream: Stream,
+    /// Recorded on the compute stream at each submission, waited for by
+    /// `stream` (re-recording is safe: a wait binds to the work recorded
+    /// when it is issued).
+    after_compute: Event,
+    table: Option<GatherTable>,
+    q: Mutex<Queue>,
+}
+
+/// The store and load handlers of one offloader (see the module docs).
+pub struct TransferEngine {
+    rt: Arc<dyn GpuRuntime>,
+    coord: Arc<Coordinator>,
+    layout: KvLayout,
+    opts: TransferOptions,
+    compute: Stream,
+    chunks: Chunks,
+    ids: Mutex<IdSet>,
+    handlers: [Handler; 2],
+}
+
+const STORE: usize = 0;
+const LOAD: usize = 1;
+
+fn slot(dir: Direction) -> usize {
+    match dir {
+        Direction::DeviceToHost => STORE,
+        Direction::HostToDevice => LOAD,
+    }
+}
+
+impl TransferEngine {
+    /// Creates both handlers: two streams, their events and, when the
+    /// gather kernel may be used, a device descriptor table per handler
+    /// (allocated as a capture-unsafe call through the coordinator).
+    ///
+    /// # Safety
+    /// For as long as the engine has jobs in flight: the layout's host area
+    /// (`host_base .. host_base + host_bytes`) stays mapped, and no Rust
+    /// reference reads (during a store) or writes (during a load or store)
+    /// the blocks a job touches; every tensor's device range is a live
+    /// allocation of `rt`. The coordinator's chunks describe host memory
+    /// that stays mapped while registered.
+    pub unsafe fn new(
+        rt: Arc<dyn GpuRuntime>,
+        coord: Arc<Coordinator>,
+        layout: KvLayout,
+        compute: Stream,
+        opts: TransferOptions,
+    ) -> Result<Self, TransferError> {
+        let wants_gather = matches!(
+            opts.backend,
+            BackendChoice::Auto | BackendChoice::Force(Backend::Gather)
+        );
+        let chunks = Chunks::of(&coord);
+        let mut made: Vec<Handler> = Vec::with_capacity(2);
+        for dir in [Direction::DeviceToHost, Direction::HostToDevice] {
+            match Self::make_handler(&*rt, &coord, dir, wants_gather, opts.gather_table_entries) {
+                Ok(h) => made.push(h),
+                Err(e) => {
+                    for h in made {
+                        release_handler(&*rt, &coord, h);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let load = made.pop();
+        let store = made.pop();
+        let (Some(store), Some(load)) = (store, load) else {
+            unreachable!("two handlers were made");
+        };
+        Ok(TransferEngine {
+            rt,
+            coord,
+            layout,
+            opts,
+            compute,
+            chunks,
+            ids: Mutex::new(IdSet::default()),
+            handlers: [store, load],
+        })
+    }
+
+    fn make_handler(
+        rt: &dyn GpuRuntime,
+        coord: &Coordinator,
+        dir: Direction,
+        gather: bool,
+        entries: usize,
+    ) -> Result<Handler, TransferError> {
+        let stream = rt.stream_create()?;
+        let after_compute = match rt.event_create() {
+            Ok(e) => e,
+            Err(e) => {
+                if let Err(d) = rt.stream_destroy(stream) {
+                    tracing::warn!(error = %d, "destroying a transfer stream after a failed set-up failed");
+                }
+                return Err(e.into());
+            }
+        };
+        let mut h = Handler {
+            dir,
+            stream,
+            after_compute,
+            table: None,
+            q: Mutex::new(Queue::default()),
+        };
+        if gather {
+            // The kernel counts fragments in u32 and strides by the grid size.
+            let entries = entries.clamp(1, 1 << 31);
+            let bytes = entries * GATHER_ENTRY_BYTES;
+            match coord.unsafe_call("allocating the gather descriptor table", || rt.mem_alloc(bytes)) {
+                Ok(Ok(ptr)) => h.table = Some(GatherTable { ptr, entries }),
+                Ok(Err(e)) => {
+                    release_handler(rt, coord, h);
+                    return Err(e.into());
+                }
+                Err(e) => {
+                    release_handler(rt, coord, h);
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(h)
+    }
+
+    /// The layout the engine moves blocks of.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// The engine's options.
+    pub fn options(&self) -> &TransferOptions {
+        &self.opts
+    }
+
+    /// The stream of the handler for `dir` (diagnostics and tests).
+    pub fn stream(&self, dir: Direction) -> Stream {
+        self.handlers[slot(dir)].stream
+    }
+
+    /// Jobs of `dir` submitted and not yet reported.
+    pub fn in_flight(&self, dir: Direction) -> usize {
+        sync::lock(&self.handlers[slot(dir)].q).jobs.len()
+    }
+
+    /// Submits a store (GPU to host) of `job`. See [`TransferEngine::submit`].
+    pub fn store(&self, id: JobId, job: &JobBlocks) -> Result<(), TransferError> {
+        self.submit(id, Direction::DeviceToHost, job)
+    }
+
+    /// Submits a load (host to GPU) of `job`. See [`TransferEngine::submit`].
+    pub fn load(&self, id: JobId, job: &JobBlocks) -> Result<(), TransferError> {
+        self.submit(id, Direction::HostToDevice, job)
+    }
+
+    /// Submits job `id` in direction `dir`.
+    ///
+    /// `Err` means the job was not accepted (bad ids or counts, a reused
+    /// id, shutdown, a capturing compute stream) and will not be reported. `Ok` means it will be
+    /// reported exactly once by [`TransferEngine::poll_finished`], failed
+    /// if a driver call failed while enqueueing it or on the device.
+    pub fn submit(&self, id: JobId, dir: Direction, job: &JobBlocks) -> Result<(), TransferError> {
+        let exp = self.layout.expand(id, job)?;
+        // cuStreamIsCapturing is capture-safe. A capturing compute stream
+        // would make the event wait join its capture (driver semantics of
+        // cross-stream capture), taking the job's copies into the graph.
+        if self.rt.capture_status(self.compute)? != CaptureStatus::None {
+            return Err(TransferError::ComputeCapturing { id });
+        }
+        let ticket = self.coord.admit_job().map_err(|_| TransferError::ShutDown { id })?;
+        if !sync::lock(&self.ids).insert(id) {
+            return Err(TransferError::JobIdReused { id });
+        }
+        let h = &self.handlers[slot(dir)];
+        // The queue lock is held while enqueueing, so queue order is stream
+        // order.
+        let mut q = sync::lock(&h.q);
+        let mut p = Pending {
+            id,
+            done: Completion::Immediate,
+            error: None,
+            bytes: exp.bytes,
+            fragments: exp.fragments.len(),
+            backend: Backend::PerFragment,
+            submitted: Instant::now(),
+            staging: Vec::new(),
+            _ticket: ticket,
+        };
+        let done = match q.spare.pop() {
+            Some(e) => Ok(e),
+            None => self.rt.event_create(),
+        };
+        match done {
+            Err(e) => p.error = Some(e),
+            Ok(done) => {
+                let mut enqueued_any = false;
+                let r = self
+                    .rt
+                    .event_record(h.after_compute, self.compute)
+                    .and_then(|()| self.rt.stream_wait_event(h.stream, h.after_compute));
+                match r {
+                    Err(e) => p.error = Some(e),
+                    Ok(()) => {
+                        enqueued_any = true;
+                        let (backend, staging, r) = self.enqueue(h, &exp);
+                        p.backend = backend;
+                        p.staging = staging;
+                        p.error = r.err();
+                    }
+                }
+                if !enqueued_any {
+                    q.spare.push(done);
+                } else {
+                    match self.rt.event_record(done, h.stream) {
+                        Ok(()) => p.done = Completion::Event(done),
+                        Err(e) => {
+                            tracing::warn!(job = id, error = %e, "recording a completion event failed; the job completes with its stream");
+                            p.error.get_or_insert(e);
+                            p.done = Completion::Stream;
+                            q.spare.push(done);
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(e) = &p.error {
+            tracing::warn!(job = id, ?dir, error = %e, "transfer job failed at enqueue");
+        } else {
+            tracing::debug!(job = id, ?dir, bytes = p.bytes, fragments = p.fragments, backend = %p.backend, "transfer job enqueued");
+        }
+        q.jobs.push_back(p);
+        Ok(())
+    }
+
+    /// Enqueues the fragments with the first allowed backend.
+    fn enqueue(&self, h: &Handler, exp: &Expansion) -> (Backend, Vec<u64>, DriverResult<()>) {
+        let capturing = match self.rt.capture_status(h.stream) {
+            Ok(CaptureStatus::None) => false,
+            Ok(_) => true,
+            Err(e) => return (Backend::PerFragment, Vec::new(), Err(e)),
+        };
+        let frags = &exp.fragments;
+        let touched = self.touched_chunks(exp);
+        let pinned = touched.as_ref().is_some_and(|t| self.all_registered(t));
+        let mean_bytes = exp.bytes / frags.len().max(1) as u64;
+        let sit = Situation {
+            mean_bytes,
+            capturing,
+            pinned,
+        };
+        for b in candidates(self.opts.backend, &self.opts.thresholds, sit) {
+            match b {
+                Backend::Gather => {
+                    if let Some((staging, r)) = self.try_gather(h, exp, touched.as_deref()) {
+                        return (Backend::Gather, staging, r);
+                    }
+                }
+                Backend::Batched => {
+                    debug_assert!(!capturing);
+                    // SAFETY: the engine's contract (TransferEngine::new)
+                    // keeps every host and device range valid while jobs are
+                    // in flight; the job is reported only after its
+                    // completion event, recorded after these copies.
+                    let r = unsafe { backend::batched(&*self.rt, h.dir, frags, h.stream) };
+                    return (Backend::Batched, Vec::new(), r);
+                }
+                Backend::PerFragment => {
+                    // SAFETY: as for the batched copy.
+                    let r = unsafe { backend::per_fragment(&*self.rt, h.dir, frags, h.stream) };
+                    return (Backend::PerFragment, Vec::new(), r);
+                }
+            }
+        }
+        unreachable!("candidates always end with PerFragment")
+    }
+
+    /// Positions (in `self.chunks`) of the chunks the job's host ranges
+    /// touch, each once; `None` if a byte lies outside every chunk.
+    fn touched_chunks(&self, exp: &Expansion) -> Option<Vec<usize>> {
+        let mut seen = vec![false; self.chunks.len()];
+        let mut out = Vec::new();
+        for f in &exp.fragments {
+            let inside = self.chunks.split(*f, |pos, _| {
+                if !seen[pos] {
+                    seen[pos] = true;
+                    out.push(pos);
+                }
+            });
+            if !inside {
+                return None;
+            }
+        }
+        Some(out)
+    }
+
+    /// True when every chunk in `touched` has completed registration (a
+    /// snapshot: it only steers the choice between copy backends, which are
+    /// safe on any memory; the gather kernel checks again under guard).
+    fn all_registered(&self, touched: &[usize]) -> bool {
+        touched.iter().all(|&pos| {
+            matches!(
+                self.coord.chunk_reg(self.chunks.get(pos).index),
+                Some(ChunkReg::Registered { .. })
+            )
+        })
+    }
+
+    /// The gather path: an alias guard for every chunk the job touches
+    /// (none -> `None`, the caller falls back), the descriptor table
+    /// encoded from those aliases, uploaded and launched; the guards are
+    /// dropped once the launches are enqueued (an unregister then waits for
+    /// the device, FACTS 1).
+    fn try_gather(
+        &self,
+        h: &Handler,
+        exp: &Expansion,
+        touched: Option<&[usize]>,
+    ) -> Option<(Vec<u64>, DriverResult<()>)> {
+        let table = h.table?;
+        let touched = touched?;
+        // One guard per chunk the job touches; `alias[pos]` is the device
+        // address of that chunk's first byte while its guard is held.
+        let mut guards: Vec<AliasGuard> = Vec::with_capacity(touched.len());
+        let mut alias: Vec<DevicePtr> = vec![0; self.chunks.len()];
+        for &pos in touched {
+            let c = self.chunks.get(pos);
+            match self.coord.acquire_alias(c.addr, c.len) {
+                Some(g) => {
+                    alias[pos] = g.device;
+                    guards.push(g);
+                }
+                None => {
+                    tracing::debug!(chunk = c.index, "gather refused: chunk not registered; falling back");
+                    return None;
+                }
+            }
+        }
+        // Every piece lies in a touched chunk (same split as touched_chunks).
+        let mut staging = Vec::with_capacity(exp.fragments.len() * GATHER_ENTRY_WORDS);
+        for f in &exp.fragments {
+            self.chunks.split(*f, |pos, piece| {
+                let host = alias[pos] + (piece.host - self.chunks.get(pos).addr) as DevicePtr;
+                backend::push_entry(&mut staging, h.dir, piece, host);
+            });
+        }
+        // SAFETY: `staging` moves into the job and lives until it is
+        // reported, after its completion event; every host address in the
+        // table is the alias of a chunk whose guard is held until the
+        // launches are enqueued (unregistering then waits for the device);
+        // host and device ranges are valid by the engine's contract.
+        let r = unsafe { backend::gather(&*self.rt, table, &staging, h.stream) };
+        drop(guards);
+        Some((staging, r))
+    }
+
+    /// Jobs that finished since the last call, in submission order per
+    /// direction (stores first, then loads), each reported exactly once.
+    ///
+    /// Never blocks on the GPU and never makes a capture-unsafe call while a
+    /// capture window is open: every event query goes through
+    /// [`Coordinator::try_unsafe_call`], and when that says a window is busy
+    /// the call returns what it already found.
+    pub fn poll_finished(&self) -> Vec<JobResult> {
+        let mut out = Vec::new();
+        for h in &self.handlers {
+            if !self.poll_handler(h, &mut out) {
+                break;
+            }
+        }
+        out
+    }
+
+    /// Reports the finished head of `h`'s queue; false when a window is
+    /// open (stop polling).
+    fn poll_handler(&self, h: &Handler, out: &mut Vec<JobResult>) -> bool {
+        let mut q = sync::lock(&h.q);
+        loop {
+            let Some(head) = q.jobs.front() else { return true };
+            let outcome = match head.done {
+                Completion::Immediate => Ok(()),
+                Completion::Event(ev) => match self.coord.try_unsafe_call(|| self.rt.event_query(ev)) {
+                    Err(_) => return false,
+                    Ok(Ok(true)) => Ok(()),
+                    Ok(Ok(false)) => return true,
+                    Ok(Err(e)) => Err(e),
+                },
+                Completion::Stream => match self.coord.try_unsafe_call(|| self.rt.stream_synchronize(h.stream)) {
+                    Err(_) => return false,
+                    Ok(r) => r,
+                },
+            };
+            let Some(p) = q.jobs.pop_front() else { return true };
+            if let Completion::Event(ev) = p.done {
+                q.spare.push(ev);
+            }
+            let error = p.error.clone().or(outcome.err());
+            if let Some(e) = &error {
+                tracing::warn!(job = p.id, error = %e, "transfer job failed");
+            }
+            out.push(JobResult {
+                id: p.id,
+                direction: h.dir,
+                bytes: p.bytes,
+                fragments: p.fragments,
+                seconds: p.submitted.elapsed().as_secs_f64(),
+                backend: p.backend,
+                error,
+            });
+            // `p` drops here: its staging buffer and its ticket go now.
+        }
+    }
+
+    /// Blocks until job `id` completed on the GPU. Its result is still
+    /// reported (once) by [`TransferEngine::poll_finished`].
+    ///
+    /// Errors: [`TransferError::UnknownJob`] when it is not in flight (never
+    /// submitted, or already reported); [`TransferError::JobFailed`] when it
+    /// failed; [`TransferError::Protocol`] when called inside the caller's
+    /// own capture window (a blocking, capture-unsafe wait there would
+    /// deadlock).
+    pub fn wait(&self, id: JobId) -> Result<(), TransferError> {
+        let found = self.handlers.iter().find_map(|h| {
+            let q = sync::lock(&h.q);
+            q.jobs
+                .iter()
+                .find(|p| p.id == id)
+                .map(|p| (h.stream, p.done, p.error.clone()))
+        });
+        let Some((stream, done, error)) = found else {
+            return Err(TransferError::UnknownJob { id });
+        };
+        // A completed job's event may be reused by a later job meanwhile;
+        // then this waits for that later job too, never less.
+        let r = match done {
+            Completion::Immediate => Ok(()),
+            Completion::Event(ev) => self
+                .coord
+                .unsafe_call("waiting for a transfer", || self.rt.event_synchronize(ev))?,
+            Completion::Stream => self
+                .coord
+                .unsafe_call("waiting for a transfer", || self.rt.stream_synchronize(stream))?,
+        };
+        match error.or(r.err()) {
+            Some(error) => Err(TransferError::JobFailed { id, error }),
+            None => Ok(()),
+        }
+    }
+
+    /// Blocks until every job submitted so far has completed on the GPU
+    /// (results still come from [`TransferEngine::poll_finished`]). Failed
+    /// jobs are not errors here; a refused wait (inside the caller's own
+    /// capture window) is.
+    pub fn wait_all(&self) -> Result<(), TransferError> {
+        for h in &self.handlers {
+            let last = sync::lock(&h.q).jobs.back().map(|p| p.id);
+            if let Some(id) = last {
+                match self.wait(id) {
+                    Ok(()) | Err(TransferError::JobFailed { .. }) | Err(TransferError::UnknownJob { .. }) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Destroys what a handler owns; waits for its stream first when jobs are
+/// still in flight (their staging buffers and host memory are in use).
+fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handler) {
+    let q = match h.q.into_inner() {
+        Ok(q) => q,
+        Err(p) => p.into_inner(),
+    };
+    let mut jobs = q.jobs;
+    if !jobs.is_empty() {
+        match coord.unsafe_call("dropping the transfer engine", || rt.stream_synchronize(h.stream)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "synchronizing a transfer stream at drop failed"),
+            Err(e) => {
+                // Inside the caller's own window: the copies may still run,
+                // so their staging buffers must outlive them: leak them.
+                tracing::error!(error = %e, jobs = jobs.len(), "transfer engine dropped with jobs in flight inside a capture window; leaking their descriptor buffers");
+                for p in jobs.iter_mut() {
+                    std::mem::forget(std::mem::take(&mut p.staging));
+                }
+            }
+        }
+    }
+    let mut events: Vec<Event> = q.spare;
+    events.extend(jobs.iter().filter_map(|p| match p.done {
+        Completion::Event(e) => Some(e),
+        _ => None,
+    }));
+    events.push(h.after_compute);
+    drop(jobs);
+    for e in events {
+        if let Err(err) = rt.event_destroy(e) {
+            tracing::warn!(error = %err, "destroying a transfer event failed");
+        }
+    }
+    if let Some(t) = h.table {
+        match coord.unsafe_call("freeing the gather descriptor table", || rt.mem_free(t.ptr)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "freeing the gather descriptor table failed"),
+            Err(e) => tracing::warn!(error = %e, "gather descriptor table leaked (dropped inside a capture window)"),
+        }
+    }
+    if let Err(e) = rt.stream_destroy(h.stream) {
+        tracing::warn!(error = %e, "destroying a transfer stream failed");
+    }
+}
+
+impl Drop for TransferEngine {
+    fn drop(&mut self) {
+        let placeholder = || Handler {
+            dir: Direction::DeviceToHost,
+            stream: Stream(0),
+            after_compute: Event(0),
+            table: None,
+            q: Mutex::new(Queue::default()),
+        };
+        for i in [STORE, LOAD] {
+            let h = std::mem::replace(&mut self.handlers[i], placeholder());
+            release_handler(&*self.rt, &self.coord, h);
+        }
+    }
+}

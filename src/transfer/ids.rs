@@ -1,0 +1,93 @@
+//! Job ids and the set of ids an engine has seen.
+
+use std::collections::BTreeMap;
+
+/// Identifies one transfer job; unique over an engine's lifetime.
+pub type JobId = u64;
+
+/// The ids used so far, as disjoint closed intervals (start -> end): ids
+/// that grow by one per job stay one interval, so the set stays small
+/// however long the engine runs.
+#[derive(Debug, Default)]
+pub(crate) struct IdSet {
+    runs: BTreeMap<JobId, JobId>,
+    len: u64,
+}
+
+impl IdSet {
+    /// True when `id` was inserted before.
+    pub fn contains(&self, id: JobId) -> bool {
+        self.runs.range(..=id).next_back().is_some_and(|(_, &end)| id <= end)
+    }
+
+    /// Inserts `id`; false (and no change) when it was already there.
+    pub fn insert(&mut self, id: JobId) -> bool {
+        if self.contains(id) {
+            return false;
+        }
+        let mut start = id;
+        let mut end = id;
+        if let Some((&s, &e)) = self.runs.range(..id).next_back() {
+            if e.checked_add(1) == Some(id) {
+                start = s;
+                self.runs.remove(&s);
+            }
+        }
+        if let Some(next) = id.checked_add(1) {
+            if let Some(e) = self.runs.remove(&next) {
+                end = e;
+            }
+        }
+        self.runs.insert(start, end);
+        self.len += 1;
+        true
+    }
+
+    /// Number of ids inserted.
+    #[allow(dead_code)]
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Number of disjoint runs stored.
+    #[allow(dead_code)]
+    pub fn runs(&self) -> usize {
+        self.runs.len()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sequential_ids_stay_one_run() {
+        let mut s = IdSet::default();
+        for id in 0..1000 {
+            assert!(s.insert(id));
+        }
+        assert_eq!(s.runs(), 1);
+        assert_eq!(s.len(), 1000);
+        assert!(!s.insert(17));
+        assert!(!s.contains(1000));
+    }
+
+    #[test]
+    fn gaps_merge_when_filled() {
+        let mut s = IdSet::default();
+        for id in [5, 7, 9, u64::MAX, 0] {
+            assert!(s.insert(id));
+        }
+        assert_eq!(s.runs(), 5);
+        assert!(s.insert(6));
+        assert_eq!(s.runs(), 4);
+        assert!(s.insert(8));
+        assert_eq!(s.runs(), 3);
+        for id in [0, 5, 6, 7, 8, 9, u64::MAX] {
+            assert!(s.contains(id), "{id}");
+        }
+        for id in [1, 4, 10, u64::MAX - 1] {
+            assert!(!s.contains(id), "{id}");
+        }
+    }
+}

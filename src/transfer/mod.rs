@@ -1,0 +1,34 @@
+//! Store (GPU to host) and load (host to GPU) of KV-cache blocks.
+//!
+//! - [`layout`]: where blocks live ([`KvLayout`]) and the expansion of a
+//!   job into merged `(host, device, bytes)` fragments.
+//! - [`engine`]: the [`TransferEngine`] with its store and load handlers:
+//!   job ids, ordering after the compute stream, completion by events,
+//!   in-order reporting per direction.
+//! - [`backend`]: per-fragment async copies, batched copies and the gather
+//!   kernel; [`select`]: the automatic choice between them.
+//! - [`bench`] (normal builds): `kvoffload bench transfer`.
+//!
+//! Properties served (DESIGN.md): P3 (the gather kernel reads only host
+//! memory whose registration completed: aliases come only from
+//! [`crate::protocol::Coordinator::acquire_alias`], held until the launch
+//! is enqueued) and P5 (every submitted job reported exactly once, in
+//! order per direction), with P1 for the poller (event queries only
+//! through `try_unsafe_call`).
+
+pub mod backend;
+#[cfg(not(loom))]
+pub mod bench;
+mod chunks;
+pub mod engine;
+pub mod error;
+mod ids;
+pub mod layout;
+pub mod select;
+
+pub use backend::{Backend, BackendChoice};
+pub use engine::{JobResult, TransferEngine, TransferOptions};
+pub use error::{LayoutError, TransferError};
+pub use ids::JobId;
+pub use layout::{merge_adjacent, Expansion, GroupBlocks, GroupSpec, HostPlacement, JobBlocks, KvLayout, TensorSpec};
+pub use select::{AutoThresholds, Situation};

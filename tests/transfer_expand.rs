@@ -1,0 +1,161 @@
+//! Expansion of jobs into fragments, with merging, against a plain
+//! reference (one fragment per page, host offsets computed from the
+//! placement's definition), over random layouts and jobs.
+
+#[path = "transfer_common/mod.rs"]
+mod common;
+
+use common::{Rng, Shape};
+use kvoffload::runtime::Fragment;
+use kvoffload::transfer::{merge_adjacent, GroupSpec, JobBlocks, KvLayout, TensorSpec, TransferError};
+use proptest::prelude::*;
+
+/// The layout of `shape` with host base `host_base` and tensors placed in
+/// device memory back to back from `dev_base` (so merges across tensors
+/// and blocks happen too), or with gaps.
+fn layout(shape: &Shape, host_base: usize, dev_base: u64, gaps: bool) -> (KvLayout, Vec<Vec<u64>>) {
+    let mut next = dev_base;
+    let mut bases = Vec::new();
+    let specs: Vec<GroupSpec> = shape
+        .groups
+        .iter()
+        .map(|(pages, ng, nh)| {
+            let mut b = Vec::new();
+            let tensors = pages
+                .iter()
+                .map(|&p| {
+                    let t = TensorSpec {
+                        device_base: next,
+                        page_bytes: p,
+                    };
+                    b.push(next);
+                    next += (p * ng) as u64 + if gaps { 4096 } else { 0 };
+                    t
+                })
+                .collect();
+            bases.push(b);
+            GroupSpec {
+                tensors,
+                num_gpu_blocks: *ng,
+                num_host_blocks: *nh,
+            }
+        })
+        .collect();
+    (
+        KvLayout::new(&specs, shape.factor, host_base, shape.placement).unwrap(),
+        bases,
+    )
+}
+
+fn reference(shape: &Shape, job: &JobBlocks, host_base: usize, bases: &[Vec<u64>]) -> Vec<Fragment> {
+    shape
+        .pages(job)
+        .into_iter()
+        .map(|(g, t, gpu, off, p)| Fragment {
+            host: host_base + off,
+            device: bases[g][t] + (gpu * p) as u64,
+            bytes: p,
+        })
+        .collect()
+}
+
+/// Applies fragments to a byte map: host offset -> device address.
+fn byte_map(frags: &[Fragment], host_base: usize) -> std::collections::BTreeMap<usize, u64> {
+    let mut m = std::collections::BTreeMap::new();
+    for f in frags {
+        for k in 0..f.bytes {
+            assert!(
+                m.insert(f.host - host_base + k, f.device + k as u64).is_none(),
+                "host byte written twice"
+            );
+        }
+    }
+    m
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn expansion_matches_reference(seed in any::<u64>(), host_base in 0usize..1 << 40, gaps in any::<bool>()) {
+        let mut rng = Rng(seed);
+        let shape = Shape::random(&mut rng);
+        let (l, bases) = layout(&shape, host_base, 1 << 44, gaps);
+        prop_assert_eq!(l.host_bytes(), shape.host_bytes());
+        for _ in 0..4 {
+            let job = shape.random_job(&mut rng);
+            let got = l.expand(1, &job).unwrap();
+            let plain = reference(&shape, &job, host_base, &bases);
+            // Same bytes, each host byte from the same device byte.
+            prop_assert_eq!(got.bytes, plain.iter().map(|f| f.bytes as u64).sum::<u64>());
+            prop_assert_eq!(byte_map(&got.fragments, host_base), byte_map(&plain, host_base));
+            // Exactly the greedy merge of the plain list: nothing merged that
+            // is not adjacent on both sides, nothing adjacent left unmerged.
+            prop_assert_eq!(&got.fragments, &merge_adjacent(&plain));
+            for w in got.fragments.windows(2) {
+                prop_assert!(!(w[0].host + w[0].bytes == w[1].host && w[0].device + w[0].bytes as u64 == w[1].device));
+            }
+            prop_assert!(got.fragments.len() <= plain.len());
+        }
+    }
+
+    #[test]
+    fn bad_ids_are_typed_errors(seed in any::<u64>()) {
+        let mut rng = Rng(seed);
+        let shape = Shape::random(&mut rng);
+        let (l, _) = layout(&shape, 1 << 30, 1 << 44, false);
+        let job = shape.random_job(&mut rng);
+        let g = job.groups.iter().position(|g| !g.gpu.is_empty()).unwrap();
+        let (_, ng, nh) = shape.groups[g];
+
+        let mut bad = job.clone();
+        bad.groups[g].gpu[0] = ng + rng.range(0, 5);
+        let gpu_block = bad.groups[g].gpu[0];
+        prop_assert_eq!(l.expand(1, &bad).unwrap_err(),
+            TransferError::GpuBlockOutOfRange { group: g, block: gpu_block, num_blocks: ng });
+
+        let mut bad = job.clone();
+        bad.groups[g].host[0] = nh + rng.range(0, 5);
+        let host_block = bad.groups[g].host[0];
+        prop_assert_eq!(l.expand(1, &bad).unwrap_err(),
+            TransferError::HostBlockOutOfRange { group: g, block: host_block, num_blocks: nh });
+
+        if job.groups[g].gpu.len() >= 2 {
+            let mut bad = job.clone();
+            bad.groups[g].gpu[1] = bad.groups[g].gpu[0];
+            let block = bad.groups[g].gpu[0];
+            prop_assert_eq!(l.expand(1, &bad).unwrap_err(), TransferError::RepeatedGpuBlock { group: g, block });
+        }
+        if job.groups[g].host.len() >= 2 {
+            let mut bad = job.clone();
+            bad.groups[g].host[1] = bad.groups[g].host[0];
+            let block = bad.groups[g].host[0];
+            prop_assert_eq!(l.expand(1, &bad).unwrap_err(), TransferError::RepeatedHostBlock { group: g, block });
+        }
+        let mut bad = job.clone();
+        bad.groups[g].host.push(usize::MAX);
+        let is_mismatch = matches!(l.expand(1, &bad).unwrap_err(), TransferError::BlockCountMismatch { .. });
+        prop_assert!(is_mismatch);
+    }
+}
+
+#[test]
+fn large_runs_merge_across_blocks() {
+    // One tensor, tensor-major: blocks 0..8 into host blocks 0..2 of 4 are
+    // one contiguous run on both sides.
+    let shape = Shape {
+        groups: vec![(vec![4096], 8, 2)],
+        factor: 4,
+        placement: kvoffload::transfer::HostPlacement::TensorMajor,
+    };
+    let (l, bases) = layout(&shape, 1 << 30, 1 << 44, false);
+    let e = l.expand(1, &JobBlocks::single((0..8).collect(), vec![0, 1])).unwrap();
+    assert_eq!(
+        e.fragments,
+        vec![Fragment {
+            host: 1 << 30,
+            device: bases[0][0],
+            bytes: 8 * 4096
+        }]
+    );
+}

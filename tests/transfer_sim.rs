@@ -1,0 +1,586 @@
+//! The transfer engine on the simulated GPU: every byte of random layouts
+//! and jobs in both directions for every backend, ordering after compute,
+//! in-order reporting, failed jobs, typed errors, shutdown, the gather
+//! kernel kept off unregistered memory, and polling during a capture window.
+
+#[path = "transfer_common/mod.rs"]
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{Pin, Rig, Rng, Shape};
+use kvoffload::protocol::ProtocolError;
+use kvoffload::runtime::sim::{HoldPoint, SimFault, SimRuntime};
+use kvoffload::runtime::{CaptureMode, Code, Direction, GpuRuntime};
+use kvoffload::transfer::{Backend, BackendChoice, HostPlacement, JobBlocks, TransferError, TransferOptions};
+
+const DIRS: [Direction; 2] = [Direction::DeviceToHost, Direction::HostToDevice];
+
+fn opts(backend: BackendChoice) -> TransferOptions {
+    TransferOptions {
+        backend,
+        ..TransferOptions::default()
+    }
+}
+
+fn sim() -> (Arc<SimRuntime>, Arc<dyn GpuRuntime>) {
+    let s = Arc::new(SimRuntime::new());
+    let rt: Arc<dyn GpuRuntime> = s.clone();
+    (s, rt)
+}
+
+/// A one-group layout: `pages` of `page` bytes per tensor, factor 1.
+fn simple(tensors: usize, page: usize, blocks: usize) -> Shape {
+    Shape {
+        groups: vec![(vec![page; tensors], blocks, blocks)],
+        factor: 1,
+        placement: HostPlacement::TensorMajor,
+    }
+}
+
+fn random_layouts(choice: BackendChoice, expect: Option<Backend>, seed: u64) {
+    let mut rng = Rng(seed);
+    for case in 0..24 {
+        let (s, rt) = sim();
+        let shape = Shape::random(&mut rng);
+        let mut rig = Rig::new(rt, shape.clone(), opts(choice), Pin::Registered);
+        for k in 0..3 {
+            for dir in DIRS {
+                let job = shape.random_job(&mut rng);
+                let res = rig.run_checked(dir, &job, seed ^ (case * 16 + k) as u64);
+                if let Some(b) = expect {
+                    assert_eq!(res.backend, b, "case {case}: {shape:?}");
+                }
+            }
+        }
+        assert_eq!(s.poisoned(), None);
+    }
+}
+
+#[test]
+fn every_byte_per_fragment() {
+    random_layouts(
+        BackendChoice::Force(Backend::PerFragment),
+        Some(Backend::PerFragment),
+        1,
+    );
+}
+
+#[test]
+fn every_byte_batched() {
+    random_layouts(BackendChoice::Force(Backend::Batched), Some(Backend::Batched), 2);
+}
+
+#[test]
+fn every_byte_gather() {
+    random_layouts(BackendChoice::Force(Backend::Gather), Some(Backend::Gather), 3);
+}
+
+#[test]
+fn every_byte_auto() {
+    random_layouts(BackendChoice::Auto, None, 4);
+}
+
+#[test]
+fn engine_is_send_and_sync() {
+    fn is<T: Send + Sync>() {}
+    is::<kvoffload::transfer::TransferEngine>();
+}
+
+#[test]
+fn gather_table_in_several_launches() {
+    // 3-entry table, 40 scattered fragments: 14 upload+launch rounds.
+    let (_s, rt) = sim();
+    let shape = simple(2, 64, 40);
+    let o = TransferOptions {
+        gather_table_entries: 3,
+        ..opts(BackendChoice::Force(Backend::Gather))
+    };
+    let mut rig = Rig::new(rt, shape, o, Pin::Registered);
+    let mut rng = Rng(9);
+    for dir in DIRS {
+        let gpu = rng.distinct(40, 20);
+        let host = rng.distinct(40, 20);
+        let res = rig.run_checked(dir, &JobBlocks::single(gpu, host), 5);
+        assert_eq!(res.backend, Backend::Gather);
+    }
+}
+
+#[test]
+fn gather_across_registration_chunks() {
+    // 48 KiB pages over 64 KiB chunks: many pages straddle two chunks and
+    // are cut into one table entry per chunk.
+    let (s, rt) = sim();
+    let o = opts(BackendChoice::Force(Backend::Gather));
+    let mut rig = Rig::chunked(rt, simple(2, 48 << 10, 12), o, Pin::Registered, 64 << 10);
+    let mut rng = Rng(8);
+    for dir in DIRS {
+        let res = rig.run_checked(dir, &JobBlocks::single(rng.distinct(12, 9), rng.distinct(12, 9)), 6);
+        assert_eq!(res.backend, Backend::Gather);
+    }
+    assert_eq!(s.poisoned(), None);
+}
+
+#[test]
+fn auto_choice_by_size_and_pin_state() {
+    let (_s, rt) = sim();
+    // Small scattered fragments on registered memory: gather.
+    let mut rig = Rig::new(
+        rt.clone(),
+        simple(1, 16 << 10, 8),
+        opts(BackendChoice::Auto),
+        Pin::Registered,
+    );
+    let r = rig.run_checked(
+        Direction::DeviceToHost,
+        &JobBlocks::single(vec![5, 1, 3], vec![0, 4, 2]),
+        1,
+    );
+    assert_eq!(r.backend, Backend::Gather);
+    drop(rig);
+    // Mid-size: batched.
+    let mut rig = Rig::new(
+        rt.clone(),
+        simple(1, 512 << 10, 3),
+        opts(BackendChoice::Auto),
+        Pin::Registered,
+    );
+    let r = rig.run_checked(Direction::HostToDevice, &JobBlocks::single(vec![2, 0], vec![0, 1]), 1);
+    assert_eq!(r.backend, Backend::Batched);
+    drop(rig);
+    // A 2 MiB run after merging (contiguous on both sides): per-fragment.
+    let mut rig = Rig::new(
+        rt.clone(),
+        simple(1, 512 << 10, 4),
+        opts(BackendChoice::Auto),
+        Pin::Registered,
+    );
+    let r = rig.run_checked(
+        Direction::HostToDevice,
+        &JobBlocks::single(vec![0, 1, 2, 3], vec![0, 1, 2, 3]),
+        1,
+    );
+    assert_eq!((r.backend, r.fragments), (Backend::PerFragment, 1));
+    drop(rig);
+    // Pageable memory: per-fragment whatever the size.
+    let mut rig = Rig::new(rt, simple(1, 16 << 10, 8), opts(BackendChoice::Auto), Pin::Unregistered);
+    let r = rig.run_checked(
+        Direction::DeviceToHost,
+        &JobBlocks::single(vec![5, 1, 3], vec![0, 4, 2]),
+        1,
+    );
+    assert_eq!(r.backend, Backend::PerFragment);
+}
+
+#[test]
+fn gather_never_runs_on_unregistered_memory() {
+    for choice in [BackendChoice::Force(Backend::Gather), BackendChoice::Auto] {
+        let (s, rt) = sim();
+        let mut rig = Rig::new(rt, simple(2, 4096, 16), opts(choice), Pin::Unregistered);
+        for dir in DIRS {
+            let res = rig.run_checked(dir, &JobBlocks::single(vec![3, 9, 1], vec![7, 2, 0]), 3);
+            assert_eq!(res.backend, Backend::PerFragment, "{choice:?} fell back");
+        }
+        assert_eq!(s.poisoned(), None);
+        assert_eq!(s.registered_ranges(), 0);
+    }
+}
+
+#[test]
+fn gather_never_runs_on_memory_outside_the_coordinator() {
+    // Host memory registered with the driver directly, but not a chunk of
+    // the coordinator: no alias can be had, so no gather.
+    let (s, rt) = sim();
+    let mut rig = Rig::new(
+        rt.clone(),
+        simple(1, 4096, 8),
+        opts(BackendChoice::Force(Backend::Gather)),
+        Pin::Registered,
+    );
+    // A second host buffer, registered behind the coordinator's back.
+    let mut other = memmap2::MmapMut::map_anon(8 * 4096).unwrap();
+    let addr = other.as_mut_ptr() as usize;
+    // SAFETY: `other` stays mapped until it is unregistered below.
+    unsafe { rt.host_register(addr, other.len()) }.unwrap();
+    let spec = kvoffload::transfer::GroupSpec {
+        tensors: vec![kvoffload::transfer::TensorSpec {
+            device_base: rig.tensors[0][0],
+            page_bytes: 4096,
+        }],
+        num_gpu_blocks: 8,
+        num_host_blocks: 8,
+    };
+    let layout = kvoffload::transfer::KvLayout::new(&[spec], 1, addr, HostPlacement::TensorMajor).unwrap();
+    // SAFETY: `other` and the tensor outlive the engine (dropped below first).
+    let eng = unsafe {
+        kvoffload::transfer::TransferEngine::new(
+            rt.clone(),
+            rig.coord.clone(),
+            layout,
+            rig.compute,
+            opts(BackendChoice::Force(Backend::Gather)),
+        )
+    }
+    .unwrap();
+    eng.store(1, &JobBlocks::single(vec![1, 2], vec![5, 6])).unwrap();
+    eng.wait(1).unwrap();
+    let r = eng.poll_finished();
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].backend, Backend::PerFragment);
+    drop(eng);
+    rt.host_unregister(addr).unwrap();
+    assert_eq!(s.poisoned(), None);
+    let _ = rig.run_checked(Direction::DeviceToHost, &JobBlocks::single(vec![1], vec![2]), 1);
+}
+
+#[test]
+fn the_sim_faults_a_gather_kernel_on_unregistered_host_memory() {
+    // The negative that P3 guards against: a gather kernel given a stale
+    // alias of host memory that is no longer registered poisons the context.
+    let (s, rt) = sim();
+    let mut host = memmap2::MmapMut::map_anon(4096).unwrap();
+    let addr = host.as_mut_ptr() as usize;
+    // SAFETY: `host` stays mapped until after it is unregistered.
+    unsafe { rt.host_register(addr, 4096) }.unwrap();
+    let alias = rt.host_device_ptr(addr).unwrap();
+    rt.host_unregister(addr).unwrap();
+    let dev = rt.mem_alloc(4096 + 24).unwrap();
+    let table: [u64; 3] = [alias, dev, 4096];
+    // SAFETY: `table` is readable for 24 bytes.
+    unsafe { rt.copy_htod(dev + 4096, table.as_ptr() as usize, 24) }.unwrap();
+    let st = rt.stream_create().unwrap();
+    rt.launch(
+        kvoffload::runtime::Kernel::Gather {
+            table: dev + 4096,
+            count: 1,
+        },
+        st,
+    )
+    .unwrap();
+    assert_eq!(rt.stream_synchronize(st).unwrap_err().code, Code::ILLEGAL_ADDRESS);
+    assert_eq!(s.poisoned(), Some(Code::ILLEGAL_ADDRESS));
+}
+
+#[test]
+fn store_is_ordered_after_compute() {
+    let (s, rt) = sim();
+    let mut rig = Rig::new(
+        rt.clone(),
+        simple(1, 256, 4),
+        opts(BackendChoice::Auto),
+        Pin::Registered,
+    );
+    rig.fill(1);
+    let tensor = rig.tensors[0][0];
+    // A gate stream created after the engine's streams: the device visits
+    // streams by creation order, so without the engine's event wait its copy
+    // would run before the compute stream's memset.
+    let gate = rt.stream_create().unwrap();
+    let gate_ev = rt.event_create().unwrap();
+    let scratch = rt.mem_alloc(64).unwrap();
+    let hold = s.hold(HoldPoint::DeviceOp);
+    rt.memset_d8_async(scratch, 1, 64, gate).unwrap();
+    hold.wait_entered();
+    rt.memset_d8_async(scratch, 2, 64, gate).unwrap();
+    rt.event_record(gate_ev, gate).unwrap();
+    rt.stream_wait_event(rig.compute, gate_ev).unwrap();
+    rt.memset_d8_async(tensor, 0xab, 4 * 256, rig.compute).unwrap();
+    // Control: a raw copy on the store stream with no event wait sees the old data.
+    let mut control = vec![0u8; 256];
+    let store_stream = rig.engine().stream(Direction::DeviceToHost);
+    // SAFETY: `control` lives until the stream is synchronized below.
+    unsafe { rt.copy_dtoh_async(control.as_mut_ptr() as usize, tensor, 256, store_stream) }.unwrap();
+    rig.engine()
+        .store(100, &JobBlocks::single(vec![0, 1, 2, 3], vec![3, 2, 1, 0]))
+        .unwrap();
+    hold.release();
+    rig.engine().wait(100).unwrap();
+    assert!(rig.poll_until(100).iter().all(|r| r.succeeded()));
+    assert!(
+        control.iter().any(|&b| b != 0xab),
+        "the control copy ran after the memset: the test would prove nothing"
+    );
+    assert!(
+        rig.host[..4 * 256].iter().all(|&b| b == 0xab),
+        "the store did not see the compute stream's memset"
+    );
+    rt.stream_synchronize(gate).unwrap();
+    rt.stream_destroy(gate).unwrap();
+    rt.event_destroy(gate_ev).unwrap();
+    rt.mem_free(scratch).unwrap();
+}
+
+#[test]
+fn results_in_submission_order_per_direction() {
+    let (s, rt) = sim();
+    let mut rig = Rig::new(
+        rt.clone(),
+        simple(1, 128, 64),
+        opts(BackendChoice::Auto),
+        Pin::Registered,
+    );
+    rig.fill(2);
+    let hold = s.hold(HoldPoint::DeviceOp);
+    let mut want = [Vec::new(), Vec::new()];
+    let mut rng = Rng(3);
+    // Ids deliberately not increasing.
+    for (k, id) in [50u64, 7, 31, 2, 99, 13, 64, 40].into_iter().enumerate() {
+        let dir = DIRS[k % 2];
+        let job = JobBlocks::single(rng.distinct(64, 4), rng.distinct(64, 4));
+        rig.engine().submit(id, dir, &job).unwrap();
+        want[k % 2].push(id);
+        if k == 0 {
+            hold.wait_entered();
+        }
+    }
+    // The device is held inside the first job: nothing is reported.
+    assert!(rig.engine().poll_finished().is_empty());
+    hold.release();
+    let mut got = [Vec::new(), Vec::new()];
+    let mut seen = 0;
+    while seen < 8 {
+        for r in rig.engine().poll_finished() {
+            assert!(r.succeeded());
+            let i = if r.direction == Direction::DeviceToHost { 0 } else { 1 };
+            got[i].push(r.id);
+            seen += 1;
+        }
+    }
+    assert_eq!(got, want);
+    assert!(rig.engine().poll_finished().is_empty(), "a job was reported twice");
+}
+
+#[test]
+fn failed_enqueue_is_reported_failed_and_later_jobs_complete() {
+    let (s, rt) = sim();
+    let mut rig = Rig::new(
+        rt.clone(),
+        simple(1, 128, 16),
+        opts(BackendChoice::Force(Backend::PerFragment)),
+        Pin::Registered,
+    );
+    rig.fill(3);
+    let hold = s.hold(HoldPoint::DeviceOp);
+    // Job 1 runs (held on the device); job 2 fails at its second copy.
+    rig.engine()
+        .store(1, &JobBlocks::single(vec![0, 2], vec![0, 2]))
+        .unwrap();
+    hold.wait_entered();
+    s.inject(SimFault::Copy {
+        nth: 2,
+        code: Code::OUT_OF_MEMORY,
+    });
+    rig.engine()
+        .store(2, &JobBlocks::single(vec![4, 6, 8], vec![4, 6, 8]))
+        .unwrap();
+    rig.engine().load(3, &JobBlocks::single(vec![10], vec![11])).unwrap();
+    // Job 2 already failed but must not overtake job 1.
+    assert!(rig.engine().poll_finished().is_empty());
+    hold.release();
+    assert!(matches!(
+        rig.engine().wait(2),
+        Err(TransferError::JobFailed { id: 2, .. })
+    ));
+    rig.engine().wait_all().unwrap();
+    let mut all = Vec::new();
+    while all.len() < 3 {
+        all.extend(rig.engine().poll_finished());
+    }
+    let ids: Vec<_> = all.iter().map(|r| (r.id, r.succeeded())).collect();
+    assert_eq!(ids, vec![(1, true), (2, false), (3, true)]);
+    assert_eq!(all[1].error.as_ref().map(|e| e.code), Some(Code::OUT_OF_MEMORY));
+    assert_eq!(s.poisoned(), None);
+    // And the engine goes on working.
+    let r = rig.run_checked(Direction::DeviceToHost, &JobBlocks::single(vec![5, 6], vec![1, 0]), 4);
+    assert!(r.succeeded());
+}
+
+#[test]
+fn typed_errors_for_bad_jobs() {
+    let (_s, rt) = sim();
+    let rig = Rig::new(rt, simple(1, 64, 8), opts(BackendChoice::Auto), Pin::Registered);
+    let e = rig.engine();
+    assert!(matches!(
+        e.store(1, &JobBlocks::single(vec![8], vec![0])),
+        Err(TransferError::GpuBlockOutOfRange {
+            block: 8,
+            num_blocks: 8,
+            ..
+        })
+    ));
+    assert!(matches!(
+        e.store(1, &JobBlocks::single(vec![0], vec![9])),
+        Err(TransferError::HostBlockOutOfRange { block: 9, .. })
+    ));
+    assert!(matches!(
+        e.store(1, &JobBlocks::single(vec![2, 2], vec![0, 1])),
+        Err(TransferError::RepeatedGpuBlock { block: 2, .. })
+    ));
+    assert!(matches!(
+        e.load(1, &JobBlocks::single(vec![2, 3], vec![1, 1])),
+        Err(TransferError::RepeatedHostBlock { block: 1, .. })
+    ));
+    assert!(matches!(
+        e.load(1, &JobBlocks::single(vec![], vec![])),
+        Err(TransferError::EmptyJob { id: 1 })
+    ));
+    // Refused jobs do not use up their id.
+    e.store(1, &JobBlocks::single(vec![0], vec![0])).unwrap();
+    assert_eq!(
+        e.load(1, &JobBlocks::single(vec![1], vec![1])),
+        Err(TransferError::JobIdReused { id: 1 })
+    );
+    e.wait(1).unwrap();
+    while e.poll_finished().is_empty() {}
+    // Still refused after the first job with that id was reported.
+    assert_eq!(
+        e.store(1, &JobBlocks::single(vec![1], vec![1])),
+        Err(TransferError::JobIdReused { id: 1 })
+    );
+    assert_eq!(e.wait(1), Err(TransferError::UnknownJob { id: 1 }));
+    assert_eq!(e.wait(77), Err(TransferError::UnknownJob { id: 77 }));
+}
+
+#[test]
+fn submit_while_the_compute_stream_captures_is_refused() {
+    let (s, rt) = sim();
+    let rig = Rig::new(rt.clone(), simple(1, 64, 8), opts(BackendChoice::Auto), Pin::Registered);
+    rt.begin_capture(rig.compute, CaptureMode::Relaxed).unwrap();
+    let job = JobBlocks::single(vec![0], vec![0]);
+    assert_eq!(rig.engine().store(1, &job), Err(TransferError::ComputeCapturing { id: 1 }));
+    let g = rt.end_capture(rig.compute).unwrap();
+    rt.graph_destroy(g).unwrap();
+    // The id was not used up.
+    rig.engine().store(1, &job).unwrap();
+    assert!(rig.poll_until(1)[0].succeeded());
+    assert_eq!(s.poisoned(), None);
+}
+
+#[test]
+fn shutdown_waits_for_jobs_then_refuses_new_ones() {
+    let (s, rt) = sim();
+    let rig = Rig::new(rt, simple(1, 64, 8), opts(BackendChoice::Auto), Pin::Registered);
+    let hold = s.hold(HoldPoint::DeviceOp);
+    rig.engine()
+        .store(1, &JobBlocks::single(vec![0, 1], vec![2, 3]))
+        .unwrap();
+    hold.wait_entered();
+    let coord = rig.coord.clone();
+    let t = std::thread::spawn(move || coord.begin_shutdown());
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!t.is_finished(), "shutdown must wait for the job in flight");
+    hold.release();
+    let r = rig.poll_until(1);
+    assert!(r[0].succeeded());
+    t.join().unwrap().unwrap();
+    assert_eq!(
+        rig.engine().store(2, &JobBlocks::single(vec![0], vec![0])),
+        Err(TransferError::ShutDown { id: 2 })
+    );
+    rig.coord.unregister_all(&*rig.rt).unwrap();
+}
+
+#[test]
+fn batched_copy_is_never_issued_on_a_capturing_stream() {
+    let (s, rt) = sim();
+    let mut rig = Rig::new(
+        rt.clone(),
+        simple(1, 4096, 8),
+        opts(BackendChoice::Force(Backend::Batched)),
+        Pin::Registered,
+    );
+    rig.fill(5);
+    let host_copy = rig.host.to_vec();
+    let stream = rig.engine().stream(Direction::HostToDevice);
+    // The load stream joins a capture (as it would by waiting on an event
+    // of a capturing compute stream on the real driver).
+    rt.begin_capture(stream, CaptureMode::Relaxed).unwrap();
+    rig.engine()
+        .load(1, &JobBlocks::single(vec![1, 5, 3], vec![4, 0, 6]))
+        .unwrap();
+    let graph = rt.end_capture(stream).expect("capture stays valid");
+    rt.graph_launch(graph, stream).unwrap();
+    rt.stream_synchronize(stream).unwrap();
+    let r = rig.poll_until(1);
+    assert_eq!(r[0].backend, Backend::PerFragment);
+    let dev = rig.device_snapshot();
+    for (gpu, host) in [(1usize, 4usize), (5, 0), (3, 6)] {
+        assert_eq!(
+            dev[0][0][gpu * 4096..(gpu + 1) * 4096],
+            host_copy[host * 4096..(host + 1) * 4096]
+        );
+    }
+    rt.graph_destroy(graph).unwrap();
+    assert_eq!(s.poisoned(), None);
+}
+
+#[test]
+fn poll_during_an_open_capture_window_queries_no_event() {
+    let (s, rt) = sim();
+    let mut rig = Rig::new(
+        rt.clone(),
+        simple(1, 256, 16),
+        opts(BackendChoice::Auto),
+        Pin::Registered,
+    );
+    rig.fill(6);
+    let (opened_tx, opened_rx) = std::sync::mpsc::channel();
+    let (close_tx, close_rx) = std::sync::mpsc::channel::<()>();
+    let coord = rig.coord.clone();
+    let rt2 = rt.clone();
+    let engine_thread = std::thread::spawn(move || {
+        let cap = rt2.stream_create().unwrap();
+        let scratch = rt2.mem_alloc(256).unwrap();
+        let window = coord.open_window().unwrap();
+        rt2.begin_capture(cap, CaptureMode::Global).unwrap();
+        rt2.memset_d8_async(scratch, 3, 256, cap).unwrap();
+        opened_tx.send(()).unwrap();
+        close_rx.recv().unwrap();
+        let graph = rt2.end_capture(cap);
+        drop(window);
+        let ok = graph.is_ok();
+        if let Ok(g) = graph {
+            rt2.graph_destroy(g).unwrap();
+        }
+        rt2.stream_destroy(cap).unwrap();
+        rt2.mem_free(scratch).unwrap();
+        ok
+    });
+    opened_rx.recv().unwrap();
+    // Submitting is capture-safe; polling must not query events now.
+    rig.engine()
+        .store(1, &JobBlocks::single(vec![1, 2], vec![3, 4]))
+        .unwrap();
+    rig.engine().load(2, &JobBlocks::single(vec![5], vec![6])).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    for _ in 0..10 {
+        assert!(rig.engine().poll_finished().is_empty());
+    }
+    close_tx.send(()).unwrap();
+    assert!(
+        engine_thread.join().unwrap(),
+        "the engine's GLOBAL capture was invalidated"
+    );
+    let r = rig.poll_until(2);
+    assert!(r.iter().all(|r| r.succeeded()));
+    assert_eq!(s.poisoned(), None);
+}
+
+#[test]
+fn wait_inside_own_window_is_a_typed_error() {
+    let (_s, rt) = sim();
+    let rig = Rig::new(rt, simple(1, 64, 8), opts(BackendChoice::Auto), Pin::Registered);
+    rig.engine().store(1, &JobBlocks::single(vec![0], vec![0])).unwrap();
+    let w = rig.coord.open_window().unwrap();
+    assert_eq!(
+        rig.engine().wait(1),
+        Err(TransferError::Protocol(ProtocolError::WouldDeadlock {
+            what: "waiting for a transfer"
+        }))
+    );
+    assert!(rig.engine().poll_finished().is_empty());
+    drop(w);
+    assert_eq!(rig.engine().wait(1), Ok(()));
+    assert_eq!(rig.poll_until(1).len(), 1);
+}
