@@ -29,7 +29,7 @@ fn sim_bench_verifies_every_row() {
         }
         assert!(row.ratio.is_some());
     }
-    // Auto: gather for small fragments, per-fragment at 2 MiB.
+    // Auto: gather for small fragments, batched at 2 MiB (pinned, not capturing).
     let auto = |size| {
         r.rows
             .iter()
@@ -38,7 +38,7 @@ fn sim_bench_verifies_every_row() {
             .used
     };
     assert_eq!(auto(16 << 10), Some(Backend::Gather));
-    assert_eq!(auto(2 << 20), Some(Backend::PerFragment));
+    assert_eq!(auto(2 << 20), Some(Backend::Batched));
     let text = r.to_string();
     assert!(
         text.contains("meaningless") && text.contains("target >= 45") && text.contains("rows verified: 24 of 24"),

@@ -149,7 +149,7 @@ fn auto_choice_by_size_and_pin_state() {
     let r = rig.run_checked(Direction::HostToDevice, &JobBlocks::single(vec![2, 0], vec![0, 1]), 1);
     assert_eq!(r.backend, Backend::Batched);
     drop(rig);
-    // A 2 MiB run after merging (contiguous on both sides): per-fragment.
+    // A 2 MiB run after merging (contiguous on both sides): one batched copy.
     let mut rig = Rig::new(
         rt.clone(),
         simple(1, 512 << 10, 4),
@@ -161,7 +161,7 @@ fn auto_choice_by_size_and_pin_state() {
         &JobBlocks::single(vec![0, 1, 2, 3], vec![0, 1, 2, 3]),
         1,
     );
-    assert_eq!((r.backend, r.fragments), (Backend::PerFragment, 1));
+    assert_eq!((r.backend, r.fragments), (Backend::Batched, 1));
     drop(rig);
     // Pageable memory: per-fragment whatever the size.
     let mut rig = Rig::new(rt, simple(1, 16 << 10, 8), opts(BackendChoice::Auto), Pin::Unregistered);

@@ -489,9 +489,9 @@ impl fmt::Display for BenchReport {
         let th = self.config.options.thresholds;
         writeln!(
             f,
-            "auto: gather up to {} mean fragment size, per-fragment from {}, batched between (and when gather is refused); gather table {} entries per launch",
+            "auto: gather up to {} mean fragment size, batched above (per-fragment from {}), per-fragment on pageable memory or while capturing; gather table {} entries per launch",
             human(th.gather_max_bytes),
-            human(th.per_fragment_min_bytes),
+            if th.per_fragment_min_bytes == usize::MAX { "never".to_string() } else { human(th.per_fragment_min_bytes) },
             self.config.options.gather_table_entries
         )?;
         if self.backend == "sim" {

@@ -52,7 +52,7 @@ impl Default for TransferOptions {
         TransferOptions {
             backend: BackendChoice::Auto,
             thresholds: AutoThresholds::default(),
-            gather_table_entries: 1 << 16,
+            gather_table_entries: 1 << 13,
         }
     }
 }
@@ -461,19 +461,36 @@ impl TransferEngine {
             }
         }
         // Every piece lies in a touched chunk (same split as touched_chunks).
-        let mut staging = Vec::with_capacity(exp.fragments.len() * GATHER_ENTRY_WORDS);
+        // The table is built and launched a table-full at a time, so the
+        // GPU copies the first fragments while the host encodes the next
+        // ones. The capacity covers every entry (a fragment gains one entry
+        // per chunk boundary it crosses), so the buffer never moves while
+        // the stream may still read an earlier piece.
+        let per = table.entries.max(1) * GATHER_ENTRY_WORDS;
+        let mut staging = Vec::with_capacity((exp.fragments.len() + self.chunks.len()) * GATHER_ENTRY_WORDS);
+        let capacity = staging.capacity();
+        let mut launched = 0;
+        let mut r = Ok(());
         for f in &exp.fragments {
             self.chunks.split(*f, |pos, piece| {
                 let host = alias[pos] + (piece.host - self.chunks.get(pos).addr) as DevicePtr;
                 backend::push_entry(&mut staging, h.dir, piece, host);
             });
+            if r.is_ok() && staging.len() - launched >= per {
+                // SAFETY: as below, for the piece `launched..launched+per`.
+                r = unsafe { backend::gather(&*self.rt, table, &staging[launched..launched + per], h.stream) };
+                launched += per;
+            }
         }
+        debug_assert_eq!(staging.capacity(), capacity, "staging moved while the stream may read it");
         // SAFETY: `staging` moves into the job and lives until it is
         // reported, after its completion event; every host address in the
         // table is the alias of a chunk whose guard is held until the
         // launches are enqueued (unregistering then waits for the device);
         // host and device ranges are valid by the engine's contract.
-        let r = unsafe { backend::gather(&*self.rt, table, &staging, h.stream) };
+        if r.is_ok() && staging.len() > launched {
+            r = unsafe { backend::gather(&*self.rt, table, &staging[launched..], h.stream) };
+        }
         drop(guards);
         Some((staging, r))
     }

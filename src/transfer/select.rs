@@ -11,8 +11,10 @@ pub struct AutoThresholds {
     /// kernel reached 50 GB/s at 16 and 128 KiB, where per-copy calls reach
     /// 5 - 24 and a batched copy 3.5 - 41).
     pub gather_max_bytes: usize,
-    /// From this mean size on, one async copy per fragment (FACTS 3: 2 MiB
-    /// copies reach 51.8 - 52.4 GB/s of the 55.4 link on their own).
+    /// From this mean size on, one async copy per fragment even where a
+    /// batched copy is allowed. Off by default (`usize::MAX`): on the H200
+    /// (docs/bench-transfer-h200.md) one batched copy of 2 MiB fragments
+    /// reached 54.4 / 53.9 GB/s against 50.6 / 51.8 for per-fragment copies.
     pub per_fragment_min_bytes: usize,
 }
 
@@ -20,7 +22,7 @@ impl Default for AutoThresholds {
     fn default() -> Self {
         AutoThresholds {
             gather_max_bytes: 256 << 10,
-            per_fragment_min_bytes: 2 << 20,
+            per_fragment_min_bytes: usize::MAX,
         }
     }
 }
@@ -84,7 +86,10 @@ mod tests {
         assert_eq!(a(sit(16 << 10, false, true)), vec![Gather, Batched, PerFragment]);
         assert_eq!(a(sit(256 << 10, false, true)), vec![Gather, Batched, PerFragment]);
         assert_eq!(a(sit(1 << 20, false, true)), vec![Batched, PerFragment]);
-        assert_eq!(a(sit(2 << 20, false, true)), vec![PerFragment]);
+        assert_eq!(a(sit(2 << 20, false, true)), vec![Batched, PerFragment]);
+        assert_eq!(a(sit(2 << 20, true, true)), vec![PerFragment], "never batched while capturing");
+        let old = AutoThresholds { per_fragment_min_bytes: 2 << 20, ..th };
+        assert_eq!(candidates(BackendChoice::Auto, &old, sit(2 << 20, false, true)), vec![PerFragment]);
         assert_eq!(a(sit(16 << 10, true, true)), vec![Gather, PerFragment]);
         assert_eq!(a(sit(1 << 20, true, true)), vec![PerFragment]);
         assert_eq!(a(sit(16 << 10, false, false)), vec![PerFragment]);
