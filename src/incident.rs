@@ -51,13 +51,24 @@ pub struct IncidentConfig {
     /// pinning runs, up to `max_captures`).
     pub min_captures: usize,
     pub max_captures: usize,
-    /// Memsets per captured graph (capture work).
+    /// Memsets per captured graph (capture work) at least.
     pub nodes_per_graph: usize,
+    /// How long each capture stays open, enqueuing work (a model's forward
+    /// pass takes tens to hundreds of milliseconds to capture; a short
+    /// capture rarely meets a registration).
+    pub capture: Duration,
 }
 
 impl Default for IncidentConfig {
     fn default() -> Self {
-        IncidentConfig { region_bytes: 16 << 30, chunk_bytes: 256 << 20, min_captures: 20, max_captures: 100_000, nodes_per_graph: 64 }
+        IncidentConfig {
+            region_bytes: 16 << 30,
+            chunk_bytes: 256 << 20,
+            min_captures: 20,
+            max_captures: 100_000,
+            nodes_per_graph: 64,
+            capture: Duration::from_millis(100),
+        }
     }
 }
 
@@ -166,7 +177,7 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
         };
         wait += tw.elapsed();
         report.captures += 1;
-        match capture_one(rt.as_ref(), s, d, scratch, base, probe, cfg.nodes_per_graph) {
+        match capture_one(rt.as_ref(), s, d, scratch, base, probe, cfg.nodes_per_graph, cfg.capture) {
             Ok(g) => {
                 report.captures_ok += 1;
                 if let Some(old) = last.replace(g) {
@@ -243,8 +254,10 @@ fn pin_done(coord: &Option<Arc<Coordinator>>, done: &AtomicBool) -> bool {
     }
 }
 
-/// One capture in GLOBAL mode: `nodes` memsets and a copy of the offloaded
-/// data from the region. Returns the graph or the first failure code.
+/// One capture in GLOBAL mode, open for at least `open_for`: memsets (at
+/// least `nodes`) and a copy of the offloaded data from the region.
+/// Returns the graph or the first failure code.
+#[allow(clippy::too_many_arguments)]
 fn capture_one(
     rt: &dyn GpuRuntime,
     s: Stream,
@@ -253,14 +266,18 @@ fn capture_one(
     src: usize,
     bytes: usize,
     nodes: usize,
+    open_for: Duration,
 ) -> Result<Graph, Code> {
     rt.begin_capture(s, CaptureMode::Global).map_err(|e| e.code)?;
     let mut first_err = None;
-    for i in 0..nodes {
-        if let Err(e) = rt.memset_d8_async(scratch, i as u8, 1 << 20, s) {
+    let t = Instant::now();
+    let mut i = 0usize;
+    while i < nodes || t.elapsed() < open_for {
+        if let Err(e) = rt.memset_d8_async(scratch, i as u8, 4096, s) {
             first_err.get_or_insert(e.code);
             break;
         }
+        i += 1;
     }
     if first_err.is_none() {
         // SAFETY: the region outlives every replay of this graph (run()

@@ -24,6 +24,9 @@ pub struct Args {
     /// Registration unit of the background pinner.
     #[arg(long, default_value = "256MiB", value_parser = backend::parse_size)]
     chunk: usize,
+    /// How long each capture stays open, in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    capture_ms: u64,
     /// Which design(s) to run.
     #[arg(long, value_enum, default_value_t = DesignArg::All)]
     design: DesignArg,
@@ -41,7 +44,12 @@ pub fn run(a: Args) -> Result<i32, String> {
         DesignArg::Windowed => &[Design::Windowed],
         DesignArg::Interleaved => &[Design::Interleaved],
     };
-    let cfg = IncidentConfig { region_bytes: a.size, chunk_bytes: a.chunk, ..IncidentConfig::default() };
+    let cfg = IncidentConfig {
+        region_bytes: a.size,
+        chunk_bytes: a.chunk,
+        capture: std::time::Duration::from_millis(a.capture_ms),
+        ..IncidentConfig::default()
+    };
     let mut ours_clean = true;
     for &d in designs {
         let r = run_design(rt.clone(), d, &cfg)?;

@@ -9,9 +9,10 @@
 //!
 //! - A capture-unsafe driver call by the library ([`Coordinator::unsafe_call`])
 //!   starts only while no window is open, and a window opens only while no
-//!   such call is in flight (P1). Windows that could open take precedence
-//!   over new calls, so a window waits for at most the calls in flight: one
-//!   chunk's registration (P2, Interleave).
+//!   such call is in flight (P1). Windows
+//!   and library calls take turns when both wait, so a window waits for at
+//!   most one chunk's registration (P2, Interleave) and back-to-back
+//!   windows cannot starve pinning.
 //! - With [`CapturePolicy::AfterPinning`] a window opens only once pinning
 //!   is final (P2).
 //! - The gather kernel gets a chunk's device alias only while the chunk is
@@ -98,6 +99,12 @@ struct State {
     window_owners: Vec<thread::ThreadId>,
     windows_waiting: usize,
     unsafe_in_flight: usize,
+    /// Capture-unsafe library calls waiting to start.
+    unsafe_waiting: usize,
+    /// Who goes first when a window and a library call both wait: windows
+    /// and library calls take turns, so neither starves the other (an
+    /// engine capturing back to back cannot stall pinning for good).
+    turn: Turn,
     /// Chunk registrations completed since start (windows report how many
     /// they waited for).
     chunks_completed: usize,
@@ -105,6 +112,12 @@ struct State {
     graphs_live: usize,
     phase: Phase,
     chunks: Vec<Chunk>,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Turn {
+    Window,
+    Library,
 }
 
 impl State {
@@ -116,14 +129,15 @@ impl State {
         if self.variant == Variant::NoCaptureWindow {
             return true;
         }
-        self.unsafe_in_flight == 0 && self.window_could_open()
+        self.unsafe_in_flight == 0 && self.window_could_open() && (self.unsafe_waiting == 0 || self.turn == Turn::Window)
     }
 
     fn unsafe_may_start(&self) -> bool {
         if self.variant == Variant::NoCaptureWindow {
             return true;
         }
-        self.windows_open == 0 && !(self.windows_waiting > 0 && self.window_could_open())
+        self.windows_open == 0
+            && (self.windows_waiting == 0 || !self.window_could_open() || self.turn == Turn::Library)
     }
 
     fn owns_window(&self, me: thread::ThreadId) -> bool {
@@ -177,6 +191,7 @@ impl Drop for CaptureWindow {
     fn drop(&mut self) {
         self.coord.update(|g| {
             g.windows_open -= 1;
+            g.turn = Turn::Library;
             if let Some(i) = g.window_owners.iter().position(|t| *t == self.owner) {
                 g.window_owners.swap_remove(i);
             }
@@ -250,6 +265,8 @@ impl Coordinator {
                     window_owners: Vec::new(),
                     windows_waiting: 0,
                     unsafe_in_flight: 0,
+                    unsafe_waiting: 0,
+                    turn: Turn::Window,
                     chunks_completed: 0,
                     jobs_in_flight: 0,
                     graphs_live: 0,
@@ -333,9 +350,11 @@ impl Coordinator {
         if g.owns_window(me()) && g.variant != Variant::NoCaptureWindow {
             return Err(ProtocolError::WouldDeadlock { what });
         }
+        g.unsafe_waiting += 1;
         while !g.unsafe_may_start() {
             g = self.wait(g);
         }
+        g.unsafe_waiting -= 1;
         Ok(self.counted(g, f))
     }
 
@@ -344,7 +363,10 @@ impl Coordinator {
         g.unsafe_in_flight += 1;
         drop(g);
         let out = f();
-        self.shared.update(|g| g.unsafe_in_flight -= 1);
+        self.shared.update(|g| {
+            g.unsafe_in_flight -= 1;
+            g.turn = Turn::Window;
+        });
         out
     }
 
