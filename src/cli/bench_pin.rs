@@ -21,7 +21,7 @@ pub struct PinArgs {
     /// Pre-fault threads of the default pipeline (b) [default: available cores].
     #[arg(long)]
     threads: Option<usize>,
-    /// Bound of one registration call for (b) and the thread sweep [default: the library default, 1GiB].
+    /// Bound of one registration call for (b) and the thread sweep [default: the library default, 256MiB].
     #[arg(long, value_parser = parse_size)]
     chunk: Option<usize>,
     /// Chunk bounds of the sweep, comma separated.

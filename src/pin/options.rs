@@ -3,17 +3,17 @@
 use crate::protocol::CapturePolicy;
 use crate::region::RegionError;
 
-/// Default bound of one registration call: 1 GiB.
+/// Default bound of one registration call: 256 MiB.
 ///
 /// Smaller than the 4 GiB the issue allows because pre-faulting of chunk
 /// i+1 overlaps the registration of chunk i: the parts that do not overlap
 /// (faulting the first chunk, registering the last) shrink with the chunk,
 /// and a capture window under [`CapturePolicy::Interleave`] waits for at most
-/// one chunk. FACTS 3: chunked registration is not slower than one call
-/// (24.6 GB/s with 256 MiB chunks vs 22.8 GB/s for one call). `kvoffload
-/// bench pin` compares 256 MiB, 1 GiB and 4 GiB so this can be re-chosen
-/// from measurements.
-pub const DEFAULT_MAX_CHUNK_BYTES: usize = 1 << 30;
+/// one chunk. Measured on the H200 (docs/gpu-runs/2026-11-29-run3-*), 16
+/// GiB of untouched memory, 16 threads, huge pages, median of 3:
+/// 256 MiB chunks 28.3 GB/s, 1 GiB 21.9 GB/s (17.9 - 24.9), 4 GiB 26.6
+/// GB/s, against 2.1 - 2.7 GB/s for one register call.
+pub const DEFAULT_MAX_CHUNK_BYTES: usize = 256 << 20;
 
 /// The largest registration chunk the documentation recommends (4 GiB).
 pub const RECOMMENDED_MAX_CHUNK_BYTES: usize = 4 << 30;
