@@ -99,3 +99,37 @@ pub fn fixture(policy: CapturePolicy, variant: Variant, chunks: usize, chunk: us
     coord.set_variant(variant);
     Fixture { rt, coord, base, chunk }
 }
+
+/// A transfer engine over the fixture: one KV group with one tensor of
+/// `gpu_blocks` GPU blocks of `page` bytes, host blocks filling the
+/// fixture's region (one page each), on a compute stream of its own.
+pub fn engine(
+    f: &Fixture,
+    chunks: usize,
+    page: usize,
+    gpu_blocks: usize,
+    backend: kvoffload::transfer::BackendChoice,
+) -> (kvoffload::transfer::TransferEngine, u64) {
+    use kvoffload::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec, TransferEngine, TransferOptions};
+    let dev = f.rt.mem_alloc(gpu_blocks * page).unwrap();
+    let compute = f.rt.stream_create().unwrap();
+    let group = GroupSpec {
+        tensors: vec![TensorSpec { device_base: dev, page_bytes: page }],
+        num_gpu_blocks: gpu_blocks,
+        num_host_blocks: chunks * f.chunk / page,
+    };
+    let layout = KvLayout::new(&[group], 1, f.base, HostPlacement::TensorMajor).unwrap();
+    let opts = TransferOptions { backend, ..TransferOptions::default() };
+    // SAFETY: the fixture's host memory is leaked (lives forever) and is
+    // touched below only by the engine's jobs or after they completed; the
+    // device tensor is a live allocation of the fixture's runtime.
+    let e = unsafe { TransferEngine::new(f.rt.clone(), f.coord.clone(), layout, compute, opts) }.unwrap();
+    (e, dev)
+}
+
+/// The fixture's host memory as bytes.
+pub fn host(f: &Fixture, len: usize) -> &'static mut [u8] {
+    // SAFETY: leaked memory of at least `len` bytes owned by the model;
+    // callers access it only while no job touching it is in flight.
+    unsafe { std::slice::from_raw_parts_mut(f.base as *mut u8, len) }
+}

@@ -1,0 +1,74 @@
+//! P3 no kernel on pageable memory: the gather-kernel copy path reads only
+//! host memory whose registration completed before the launch.
+//!
+//! Threads (3): the pinner (`PinHandle`, 2 chunks; the registration of the
+//! second chunk fails, so the first is rolled back and unregistered while
+//! the engine may be using it), the engine (main) submitting one load job
+//! with the gather backend forced (`TransferEngine`, blocks of chunk 0) and
+//! waiting for it, the sim's device thread. Preemption bound 3.
+//!
+//! Checked: the job completes without error, the device holds the host
+//! bytes, and the simulated GPU was never poisoned (a gather through the
+//! device alias of unregistered memory is a device fault there, as an
+//! access to unmapped memory is on a real GPU).
+//!
+//! Why it holds: the gather kernel gets host addresses only from
+//! `Coordinator::acquire_alias`, which hands them out only for chunks in
+//! state Registered and counts the user until the launch is enqueued;
+//! `unregister_chunk` first marks the chunk Unregistering (no new users),
+//! waits for the users, and the driver's unregister then waits for the
+//! enqueued kernel (FACTS 1: unregister waits for the device to go idle).
+//! When no alias is available the engine falls back to per-fragment copies,
+//! which are valid on pageable memory.
+//!
+//! Negative N4: `acquire_alias` without the registration check; loom finds
+//! the launch on unregistered memory.
+
+#![cfg(loom)]
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{check, engine, fixture, host, negative, Bounds};
+use kvoffload::pin::{NoPrefault, PinHandle};
+use kvoffload::protocol::{CapturePolicy, Variant};
+use kvoffload::runtime::sim::SimFault;
+use kvoffload::runtime::{Code, Direction};
+use kvoffload::transfer::{Backend, BackendChoice, JobBlocks};
+
+fn scenario(variant: Variant) {
+    let f = fixture(CapturePolicy::Interleave, variant, 2, 64);
+    let page = 16;
+    host(&f, 128).iter_mut().enumerate().for_each(|(i, b)| *b = i as u8 + 1);
+    let (eng, dev) = engine(&f, 2, page, 2, BackendChoice::Force(Backend::Gather));
+    f.sim().inject(SimFault::Register { nth: 2, code: Code::OUT_OF_MEMORY });
+    let pin = PinHandle::spawn(f.rt.clone(), f.coord.clone(), NoPrefault::shared());
+
+    eng.submit(1, Direction::HostToDevice, &JobBlocks::single(vec![0, 1], vec![0, 1])).unwrap();
+    let waited = eng.wait(1);
+    let results = eng.poll_finished();
+    pin.join();
+
+    assert!(f.sim().poisoned().is_none(), "context poisoned: the gather kernel read unregistered memory");
+    waited.unwrap();
+    assert!(results.iter().all(|r| r.error.is_none()), "job failed: {results:?}");
+    let mut out = [0u8; 32];
+    // SAFETY: `out` is a writable local buffer of 32 bytes.
+    unsafe { f.rt.copy_dtoh(out.as_mut_ptr() as usize, dev, 32) }.unwrap();
+    assert_eq!(&out[..], &host(&f, 32)[..], "device holds the wrong bytes");
+}
+
+const B: Bounds = Bounds { property: "P3", threads: 3, preemptions: 3 };
+
+#[test]
+fn p3_gather_reads_only_registered_memory() {
+    check("p3_gather_registered", B, || scenario(Variant::Production));
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n4_gather_before_registration_completed() {
+    negative("n4_unchecked_gather", Bounds { property: "N4", ..B }, "context poisoned", || {
+        scenario(Variant::UncheckedGather)
+    });
+}
