@@ -391,7 +391,7 @@ fn fmt_us(s: f64) -> String {
 
 fn print_rank(r: &RankReport, lat: &Latencies) {
     println!(
-        "rank {}: pinned {} in {:.3} s ({:.2} GB/s), state {}, agreement {} after {:.3} s",
+        "rank {}: pinning {} took {:.3} s ({:.2} GB/s); state {}; agreement {} after {:.3} s",
         r.rank,
         fmt_bytes(r.region_bytes as usize),
         r.pin_seconds,

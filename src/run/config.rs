@@ -157,6 +157,13 @@ impl RunConfig {
         zero(self.blocks_per_job, "blocks-per-job")?;
         zero(self.keys, "keys")?;
         zero(self.inflight, "inflight")?;
+        if self.blocks_per_job > self.keys {
+            return Err(ConfigError::TooLarge {
+                what: "blocks-per-job",
+                value: self.blocks_per_job as u64,
+                limit: self.keys as u64,
+            });
+        }
         if self.ranks > MAX_RANKS {
             return Err(ConfigError::TooLarge { what: "ranks", value: self.ranks as u64, limit: MAX_RANKS as u64 });
         }
