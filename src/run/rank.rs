@@ -389,8 +389,10 @@ pub fn run_rank(
     }
     rt.mem_free(scratch).map_err(drv("freeing the capture scratch buffer"))?;
     rt.stream_destroy(cstream).map_err(drv("destroying the capture stream"))?;
+    // Unregister even when the workload failed: the region is unmapped next.
+    let down = shutdown(rt.as_ref(), &coord, || {});
     result?;
-    shutdown(rt.as_ref(), &coord, || {})?;
+    down?;
     drop(coord);
     drop(region);
     Ok(rep)

@@ -94,7 +94,7 @@ macro_rules! fields {
 impl RankReport {
     /// The `KVO-RESULT` line (without latencies, which go on `KVO-LAT` lines).
     pub fn to_line(&self) -> String {
-        let mut s = format!("{RESULT}");
+        let mut s = RESULT.to_string();
         macro_rules! put {
             ($f:ident, $t:ty) => {
                 let _ = write!(s, " {}={}", stringify!($f), self.$f);
