@@ -15,6 +15,7 @@
 //! - [`transfer`]: store and load jobs between GPU blocks and host blocks,
 //!   with per-fragment, batched and gather-kernel copy backends.
 //! - [`conform`]: the conformance scenarios that re-measure the driver rules.
+//! - [`run`]: `kvoffload run`, the main job end to end over every layer.
 
 #[cfg(not(loom))]
 pub mod conform;
@@ -24,6 +25,8 @@ pub mod manager;
 pub mod pin;
 pub mod protocol;
 pub mod region;
+#[cfg(not(loom))]
+pub mod run;
 pub mod runtime;
 pub mod sync;
 pub mod units;

@@ -149,3 +149,27 @@ fn bad_inputs_are_typed_errors() {
     let s = rt.stream_create().unwrap();
     assert_eq!(rt.memset_d8_async(d, 0, 65, s).unwrap_err().code, Code::INVALID_VALUE, "out of bounds");
 }
+
+/// Regression (found by `kvoffload run` with copy faults): a job that failed
+/// at enqueue leaves an event wait as the last op of its stream and records
+/// its completion event right after it. Retiring that wait must wake the
+/// thread synchronizing on the event, or it sleeps forever (the device
+/// thread retires the wait after the enqueue woke it, usually after the
+/// synchronizing thread went to sleep: repeated to hit that order).
+#[test]
+fn event_after_a_trailing_wait_completes_and_wakes_its_waiter() {
+    let rt = SimRuntime::new();
+    let (compute, side) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
+    let d = rt.mem_alloc(4096).unwrap();
+    let src = host(4096, 7);
+    let (after, done) = (rt.event_create().unwrap(), rt.event_create().unwrap());
+    for _ in 0..2000 {
+        // SAFETY: `src` outlives the synchronize below.
+        unsafe { rt.copy_htod_async(d, src.as_ptr() as usize, 4096, compute).unwrap() };
+        rt.event_record(after, compute).unwrap();
+        rt.stream_wait_event(side, after).unwrap();
+        rt.event_record(done, side).unwrap();
+        rt.event_synchronize(done).unwrap();
+    }
+    assert!(rt.event_query(done).unwrap());
+}

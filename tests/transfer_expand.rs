@@ -159,3 +159,29 @@ fn large_runs_merge_across_blocks() {
         }]
     );
 }
+
+#[test]
+fn strided_blocks_sit_one_per_stride_and_refuse_a_short_stride() {
+    use kvoffload::transfer::{HostPlacement, LayoutError};
+    // Two tensors of 4 KiB pages, factor 1: a host block is 8 KiB; with a
+    // 16 KiB stride (two ranks' slots in a row) block b is at b * 16 KiB.
+    let shape = Shape {
+        groups: vec![(vec![4096, 4096], 8, 4)],
+        factor: 1,
+        placement: HostPlacement::BlockStrided { stride: 16384 },
+    };
+    let (l, bases) = layout(&shape, 1 << 30, 1 << 44, false);
+    assert_eq!(l.host_bytes(), 3 * 16384 + 8192);
+    assert_eq!(l.host_addr(0, 1, 2, 0), (1 << 30) + 2 * 16384 + 4096);
+    let e = l.expand(1, &JobBlocks::single(vec![0, 1], vec![2, 3])).unwrap();
+    // Consecutive GPU blocks of one tensor go to blocks one stride apart: no merge.
+    assert_eq!(e.fragments.len(), 4);
+    assert_eq!(e.fragments[0], Fragment { host: (1 << 30) + 2 * 16384, device: bases[0][0], bytes: 4096 });
+    let short = kvoffload::transfer::KvLayout::new(
+        &[GroupSpec { tensors: vec![TensorSpec { device_base: 0, page_bytes: 4096 }; 2], num_gpu_blocks: 1, num_host_blocks: 1 }],
+        1,
+        0,
+        HostPlacement::BlockStrided { stride: 4096 },
+    );
+    assert_eq!(short.unwrap_err(), LayoutError::StrideTooSmall { stride: 4096, needed: 8192 });
+}

@@ -8,6 +8,7 @@ mod bench_pin;
 mod bench_transfer;
 mod conform;
 mod incident;
+mod run;
 
 use clap::{Parser, Subcommand};
 
@@ -24,6 +25,11 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// The main job: N rank processes share one region, pin it in the
+    /// background, capture graphs through capture windows, agree on the pin
+    /// state, then store and load KV blocks through the block manager and
+    /// the transfer engine, checking every loaded block byte for byte.
+    Run(run::Args),
     /// Re-measure the driver rules of FACTS.md section 1 on a backend and
     /// print expected against observed, one row a scenario.
     Conform(conform::Args),
@@ -44,6 +50,7 @@ pub fn main() -> i32 {
     };
     init_logging(cli.verbose);
     let result = match cli.command {
+        Command::Run(a) => run::run(a, cli.verbose),
         Command::Conform(a) => conform::run(a),
         Command::Bench(b) => bench::run(b),
         Command::Incident(a) => incident::run(a),

@@ -13,16 +13,16 @@ fn mix(mut z: u64) -> u64 {
 /// `mix(key, word index)`; a tail shorter than a word gets its prefix).
 pub fn fill(key: u64, buf: &mut [u8]) {
     let seed = mix(key);
+    let len = buf.len();
     let mut chunks = buf.chunks_exact_mut(8);
     for (i, c) in (&mut chunks).enumerate() {
         c.copy_from_slice(&mix(seed ^ i as u64).to_le_bytes());
     }
     let rem = chunks.into_remainder();
     if !rem.is_empty() {
-        let i = buf.len() / 8;
-        let w = mix(seed ^ i as u64).to_le_bytes();
-        let n = buf.len() % 8;
-        buf[buf.len() - n..].copy_from_slice(&w[..n]);
+        let w = mix(seed ^ (len / 8) as u64).to_le_bytes();
+        let n = rem.len();
+        rem.copy_from_slice(&w[..n]);
     }
 }
 

@@ -21,6 +21,10 @@ pub enum LayoutError {
     /// An address or size computation overflows.
     #[error("{what} overflows ({detail})")]
     Overflow { what: &'static str, detail: String },
+    /// [`HostPlacement::BlockStrided`](super::HostPlacement::BlockStrided):
+    /// the stride cannot hold one host block of every group side by side.
+    #[error("host block stride {stride} is smaller than the {needed} bytes of one host block of every group")]
+    StrideTooSmall { stride: usize, needed: usize },
 }
 
 /// Why a job was refused, failed, or could not be waited for.

@@ -59,6 +59,17 @@ pub enum HostPlacement {
     /// tensor of the group, tensor after tensor (one manager slot per host
     /// block).
     BlockMajor,
+    /// Like [`HostPlacement::BlockMajor`] (each host block one contiguous
+    /// span of `factor` pages of every tensor, tensor after tensor), but
+    /// host block `b` of every group starts `b * stride` bytes after the
+    /// group's first block: the blocks of one rank in a shared region,
+    /// one per row (stride = the row's bytes). Groups sit side by side at
+    /// the start of each stride, in order, so `stride` must hold one host
+    /// block of every group ([`LayoutError::StrideTooSmall`] otherwise).
+    BlockStrided {
+        /// Bytes from one host block to the next.
+        stride: usize,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -145,6 +156,8 @@ impl KvLayout {
         }
         let f = block_size_factor;
         let mut cursor = host_base;
+        // BlockStrided: the end of the furthest host block of any group.
+        let mut strided_end = host_base;
         let mut out = Vec::with_capacity(groups.len());
         for (gi, g) in groups.iter().enumerate() {
             if g.tensors.is_empty() {
@@ -220,12 +233,46 @@ impl KvLayout {
                     }
                     cursor = end;
                 }
+                HostPlacement::BlockStrided { stride } => {
+                    let block = sum_pages
+                        .checked_mul(f)
+                        .ok_or_else(|| overflow("host block", format!("group {gi}")))?;
+                    // Group `gi`'s blocks start at `cursor` (after the blocks
+                    // of the groups before it) and repeat every `stride`.
+                    let used = cursor - host_base;
+                    let needed = used
+                        .checked_add(block)
+                        .ok_or_else(|| overflow("host block", format!("group {gi}")))?;
+                    if needed > stride {
+                        return Err(LayoutError::StrideTooSmall { stride, needed });
+                    }
+                    let last = (g.num_host_blocks - 1)
+                        .checked_mul(stride)
+                        .and_then(|o| o.checked_add(cursor))
+                        .and_then(|o| o.checked_add(block))
+                        .ok_or_else(|| overflow("host end", format!("group {gi}")))?;
+                    strided_end = strided_end.max(last);
+                    let mut off = 0usize;
+                    for t in &g.tensors {
+                        tensors.push(TensorLayout {
+                            device_base: t.device_base,
+                            page_bytes: t.page_bytes,
+                            host_base: cursor + off,
+                            host_stride: stride,
+                        });
+                        off += t.page_bytes * f;
+                    }
+                    cursor += block;
+                }
             }
             out.push(GroupLayout {
                 tensors,
                 num_gpu_blocks: g.num_gpu_blocks,
                 num_host_blocks: g.num_host_blocks,
             });
+        }
+        if let HostPlacement::BlockStrided { .. } = placement {
+            cursor = strided_end;
         }
         if cursor > isize::MAX as usize {
             return Err(overflow("host end", format!("{cursor:#x} beyond isize::MAX")));

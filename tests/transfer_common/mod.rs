@@ -55,7 +55,7 @@ impl Shape {
     /// kernel's vector path) and odd sizes (its byte path).
     pub fn random(rng: &mut Rng) -> Shape {
         let pages = [16, 32, 48, 64, 96, 256, 24, 100, 7];
-        let groups = (0..rng.range(1, 3))
+        let groups: Vec<(Vec<usize>, usize, usize)> = (0..rng.range(1, 3))
             .map(|_| {
                 let t = (0..rng.range(1, 3))
                     .map(|_| pages[rng.range(0, pages.len() - 1)])
@@ -63,14 +63,20 @@ impl Shape {
                 (t, rng.range(1, 24), rng.range(1, 8))
             })
             .collect();
-        let placement = if rng.next() % 2 == 0 {
-            HostPlacement::TensorMajor
-        } else {
-            HostPlacement::BlockMajor
+        let factor = rng.range(1, 4);
+        let placement = match rng.next() % 3 {
+            0 => HostPlacement::TensorMajor,
+            1 => HostPlacement::BlockMajor,
+            _ => {
+                // At least one block of every group side by side, plus slack
+                // (0 slack makes strided blocks of one group contiguous).
+                let blocks: usize = groups.iter().map(|(p, _, _)| p.iter().sum::<usize>() * factor).sum();
+                HostPlacement::BlockStrided { stride: blocks + [0, 1, 16, 4096][rng.range(0, 3)] }
+            }
         };
         Shape {
             groups,
-            factor: rng.range(1, 4),
+            factor,
             placement,
         }
     }
@@ -79,11 +85,17 @@ impl Shape {
     /// tensor `t`, group `g`, computed from the placement's definition.
     pub fn host_offset(&self, g: usize, t: usize, b: usize, j: usize) -> usize {
         let f = self.factor;
+        let (pages, _, nh) = &self.groups[g];
+        if let HostPlacement::BlockStrided { stride } = self.placement {
+            // Group g's block sits after one block of each earlier group.
+            let before_groups: usize = self.groups[..g].iter().map(|(p, _, _)| p.iter().sum::<usize>() * f).sum();
+            let before: usize = pages[..t].iter().map(|p| p * f).sum();
+            return b * stride + before_groups + before + j * pages[t];
+        }
         let mut base = 0;
         for (pages, _, nh) in &self.groups[..g] {
             base += pages.iter().sum::<usize>() * f * nh;
         }
-        let (pages, _, nh) = &self.groups[g];
         match self.placement {
             HostPlacement::TensorMajor => {
                 let before: usize = pages[..t].iter().map(|p| p * f * nh).sum();
@@ -94,10 +106,22 @@ impl Shape {
                 let before: usize = pages[..t].iter().map(|p| p * f).sum();
                 base + b * block + before + j * pages[t]
             }
+            HostPlacement::BlockStrided { .. } => unreachable!("handled above"),
         }
     }
 
     pub fn host_bytes(&self) -> usize {
+        if let HostPlacement::BlockStrided { stride } = self.placement {
+            // The end of the furthest block of any group.
+            let mut before = 0;
+            let mut end = 0;
+            for (p, _, nh) in &self.groups {
+                let block = p.iter().sum::<usize>() * self.factor;
+                end = end.max((nh - 1) * stride + before + block);
+                before += block;
+            }
+            return end;
+        }
         self.groups
             .iter()
             .map(|(p, _, nh)| p.iter().sum::<usize>() * self.factor * nh)

@@ -19,7 +19,15 @@ enum Action {
 pub(crate) fn run(inner: Arc<Inner>) {
     let mut g = sync::lock(&inner.state);
     loop {
-        if let Some((sid, seq, op)) = next_ready(&mut g) {
+        let mut retired = false;
+        let next = next_ready(&mut g, &mut retired);
+        if retired {
+            // A retired event wait completes its stream up to that point:
+            // an event recorded right after it (nothing else enqueued since)
+            // is complete now, and its waiters must hear of it.
+            inner.cv.notify_all();
+        }
+        if let Some((sid, seq, op)) = next {
             g.device_busy = true;
             g = inner.hold_at(g, HoldPoint::DeviceOp);
             let plan = if g.poisoned.is_some() { Ok(Vec::new()) } else { resolve(&mut g, &op) };
@@ -49,7 +57,7 @@ pub(crate) fn run(inner: Arc<Inner>) {
 /// Pops the next executable operation. Event waits that are satisfied are
 /// retired on the spot; a stream whose head waits on unfinished work is
 /// skipped, so streams progress independently.
-fn next_ready(st: &mut State) -> Option<(u64, u64, Op)> {
+fn next_ready(st: &mut State, retired: &mut bool) -> Option<(u64, u64, Op)> {
     let ids: Vec<u64> = st.streams.keys().copied().collect();
     for sid in ids {
         while let Some((seq, Op::WaitEvent { stream, seq: want })) = st.streams[&sid].queue.front().cloned() {
@@ -60,6 +68,7 @@ fn next_ready(st: &mut State) -> Option<(u64, u64, Op)> {
             let s = st.streams.get_mut(&sid)?;
             s.queue.pop_front();
             s.completed = seq;
+            *retired = true;
         }
         let s = st.streams.get_mut(&sid)?;
         if matches!(s.queue.front(), Some((_, op)) if !matches!(op, Op::WaitEvent { .. })) {

@@ -1,0 +1,533 @@
+//! `kvoffload run`: the main job. The parent process spawns one process per
+//! rank (this binary again, with hidden `--as-rank`), reads their marker
+//! lines (progress bars on stderr), kills a rank where a fault test asks,
+//! and prints the summary. Library part: [`kvoffload::run`].
+//!
+//! Exit status: 0 when every rank that was not killed on request finished
+//! with every loaded block verified, none corrupted, none lost, and no
+//! region file left; 1 when a block was corrupted or lost, a rank failed or
+//! died unexpectedly, or the region file remained; 2 for bad options or an
+//! unusable environment.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::ValueEnum;
+use kvoffload::region::{shm_path, DEFAULT_SHM_DIR};
+use kvoffload::run::metrics::{Latencies, Throughput};
+use kvoffload::run::report::{self, field, RankReport};
+use kvoffload::run::{run_rank, KillAt, RunConfig};
+use kvoffload::runtime::cuda::CudaRuntime;
+use kvoffload::sync::{self, thread, Arc, Condvar, Mutex};
+use kvoffload::units::{fmt_bytes, parse_size};
+
+use super::backend::{self, BackendArg};
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum KillAtArg {
+    /// In the middle of pinning (the rank stops before its middle chunk).
+    Pinning,
+    /// In the middle of the workload, with jobs in flight.
+    Transfers,
+}
+
+impl From<KillAtArg> for KillAt {
+    fn from(k: KillAtArg) -> Self {
+        match k {
+            KillAtArg::Pinning => KillAt::Pinning,
+            KillAtArg::Transfers => KillAt::Transfers,
+        }
+    }
+}
+
+/// Options of `kvoffload run`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// GPU runtime: the real GPU when a driver is present, the simulated GPU otherwise.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
+    /// Rank processes sharing the region.
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Shared host region (all ranks together), rounded down to whole rows.
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    region: usize,
+    /// KV tensors (layers) per rank.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// Bytes of one GPU block of one layer.
+    #[arg(long, default_value = "16KiB", value_parser = parse_size)]
+    page_bytes: usize,
+    /// GPU blocks per host block.
+    #[arg(long, default_value_t = 1)]
+    block_factor: usize,
+    /// GPU blocks per KV tensor.
+    #[arg(long, default_value_t = 256)]
+    gpu_blocks: usize,
+    /// Requests per rank (each loads its leading hits and stores its misses).
+    #[arg(long, default_value_t = 2000)]
+    jobs: usize,
+    /// Consecutive keys (host blocks) per request.
+    #[arg(long, default_value_t = 4)]
+    blocks_per_job: usize,
+    /// Distinct keys per rank.
+    #[arg(long, default_value_t = 2048)]
+    keys: usize,
+    /// Zipf exponent of the key choice (0 = uniform).
+    #[arg(long, default_value_t = 1.0)]
+    zipf: f64,
+    /// Transfer jobs (and loads being verified) in flight per rank, at most.
+    #[arg(long, default_value_t = 8)]
+    inflight: usize,
+    /// Graphs each rank captures through capture windows.
+    #[arg(long, default_value_t = 8)]
+    graphs: usize,
+    /// Each rank's own start-up work (a compute loop) while pinning runs, in ms.
+    #[arg(long, default_value_t = 300)]
+    startup_ms: u64,
+    /// Pre-fault threads per rank [default: every core].
+    #[arg(long)]
+    pin_threads: Option<usize>,
+    /// Bound of one registration call [default: an eighth of the region, at most 1GiB].
+    #[arg(long, value_parser = parse_size)]
+    pin_chunk: Option<usize>,
+    /// Seed of the key choice (rank r uses seed + r).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// How long ranks wait for each other (joining, agreeing), in seconds.
+    #[arg(long, default_value_t = 120)]
+    rank_timeout_s: u64,
+    /// Fault test: SIGKILL this rank ...
+    #[arg(long)]
+    kill_rank: Option<usize>,
+    /// ... at this point (the rank stops there and announces it; the parent kills it).
+    #[arg(long, value_enum, default_value_t = KillAtArg::Transfers)]
+    kill_at: KillAtArg,
+    /// Simulated GPU: about every K-th async copy fails (the failed jobs are reported).
+    #[arg(long)]
+    fault_copy_every: Option<u64>,
+    /// Simulated GPU: the K-th registration call fails with 801 (the rank falls back to pageable; P7 makes all do).
+    #[arg(long)]
+    fault_register_at: Option<u64>,
+    /// Only this rank gets the injected faults [default: every rank].
+    #[arg(long)]
+    fault_rank: Option<usize>,
+    #[arg(long, hide = true)]
+    as_rank: Option<usize>,
+    #[arg(long, hide = true)]
+    region_name: Option<String>,
+    #[arg(long, hide = true, value_enum)]
+    rank_backend: Option<BackendArg>,
+    #[arg(long, hide = true, value_enum)]
+    pause_at: Option<KillAtArg>,
+}
+
+impl Args {
+    fn config(&self) -> RunConfig {
+        RunConfig {
+            ranks: self.ranks,
+            region_bytes: self.region,
+            layers: self.layers,
+            page_bytes: self.page_bytes,
+            block_factor: self.block_factor,
+            gpu_blocks: self.gpu_blocks,
+            jobs: self.jobs,
+            blocks_per_job: self.blocks_per_job,
+            keys: self.keys,
+            zipf: self.zipf,
+            inflight: self.inflight,
+            graphs: self.graphs,
+            graph_nodes: 16,
+            startup: Duration::from_millis(self.startup_ms),
+            pin_threads: self.pin_threads,
+            pin_chunk: self.pin_chunk,
+            seed: self.seed,
+            rank_timeout: Duration::from_secs(self.rank_timeout_s),
+            kill_rank: self.kill_rank,
+            kill_at: self.kill_at.into(),
+            fault_copy_every: self.fault_copy_every,
+            fault_register_at: self.fault_register_at,
+            fault_rank: self.fault_rank,
+        }
+    }
+}
+
+pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
+    let cfg = a.config();
+    if let Some(rank) = a.as_rank {
+        return run_as_rank(&a, &cfg, rank);
+    }
+    let d = cfg.validate().map_err(|e| e.to_string())?;
+    let (backend, why) = match a.backend {
+        BackendArg::Sim => (BackendArg::Sim, "asked for"),
+        BackendArg::Cuda => (BackendArg::Cuda, "asked for"),
+        BackendArg::Auto if CudaRuntime::driver_present() => (BackendArg::Cuda, "auto: a CUDA driver is present"),
+        BackendArg::Auto => (BackendArg::Sim, "auto: no CUDA driver found"),
+    };
+    if backend == BackendArg::Cuda && (cfg.fault_copy_every.is_some() || cfg.fault_register_at.is_some()) {
+        return Err("--fault-copy-every and --fault-register-at need the simulated GPU (--backend sim)".into());
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this executable to start ranks: {e}"))?;
+    let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let name = format!("run-{}-{nonce}", std::process::id());
+    let path = shm_path(Path::new(DEFAULT_SHM_DIR), &name).map_err(|e| e.to_string())?;
+    let bname = if backend == BackendArg::Cuda { "cuda" } else { "sim" };
+    println!(
+        "kvoffload run: {} ranks on {bname} ({why}); region {} ({} host blocks of {} per rank, {} pages of {} x {} layers); \
+         {} requests per rank of {} blocks over {} keys (zipf {}), {} in flight",
+        cfg.ranks,
+        fmt_bytes(d.layout.data_bytes()),
+        d.host_blocks,
+        fmt_bytes(d.block_bytes),
+        cfg.block_factor,
+        fmt_bytes(cfg.page_bytes),
+        cfg.layers,
+        cfg.jobs,
+        cfg.blocks_per_job,
+        cfg.keys,
+        cfg.zipf,
+        cfg.inflight,
+    );
+    if let Some(r) = cfg.kill_rank {
+        println!("fault test: rank {r} is SIGKILLed at {}", cfg.kill_at.name());
+    }
+    if cfg.fault_copy_every.is_some() || cfg.fault_register_at.is_some() {
+        let who = cfg.fault_rank.map_or("every rank".to_string(), |r| format!("rank {r}"));
+        println!(
+            "fault injection on {who}: copy fault every {} copies, registration fault at call {}",
+            cfg.fault_copy_every.map_or("-".into(), |k| k.to_string()),
+            cfg.fault_register_at.map_or("-".into(), |k| k.to_string())
+        );
+    }
+
+    // Spawn the ranks.
+    let passthrough: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let mut children: Vec<Child> = Vec::with_capacity(cfg.ranks);
+    let mut stdins: Vec<Option<ChildStdin>> = Vec::with_capacity(cfg.ranks);
+    let events = Arc::new(Events { q: Mutex::new(VecDeque::new()), cv: Condvar::new() });
+    let mut readers = Vec::new();
+    let t0 = Instant::now();
+    for r in 0..cfg.ranks {
+        let mut cmd = Command::new(&exe);
+        cmd.args(&passthrough)
+            .args(["--as-rank", &r.to_string(), "--region-name", &name, "--rank-backend", bname])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if cfg.kill_rank == Some(r) {
+            cmd.args(["--pause-at", cfg.kill_at.name()]);
+        }
+        if std::env::var_os("KVOFFLOAD_LOG").is_none() && verbose == 0 {
+            // Injected faults make every failed job a warning; the summary counts them.
+            cmd.env("KVOFFLOAD_LOG", "error");
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                for mut c in children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(format!("starting rank {r}: {e}"));
+            }
+        };
+        let out = child.stdout.take();
+        stdins.push(child.stdin.take());
+        children.push(child);
+        let ev = events.clone();
+        if let Some(out) = out {
+            readers.push(thread::spawn(move || {
+                for line in BufReader::new(out).lines() {
+                    match line {
+                        Ok(l) => ev.push(r, Some(l)),
+                        Err(_) => break,
+                    }
+                }
+                ev.push(r, None);
+            }));
+        }
+    }
+
+    // Follow them.
+    let bars = Bars::new(cfg.ranks);
+    let mut reports: Vec<Option<RankReport>> = vec![None; cfg.ranks];
+    let mut errors: Vec<Option<String>> = vec![None; cfg.ranks];
+    let mut statuses: Vec<Option<ExitStatus>> = vec![None; cfg.ranks];
+    let mut killed: Vec<bool> = vec![false; cfg.ranks];
+    let mut lat = Latencies::default();
+    let mut per_rank_lat: Vec<Latencies> = vec![Latencies::default(); cfg.ranks];
+    let mut notes: Vec<String> = Vec::new();
+    let mut open = readers.len();
+    while open > 0 {
+        let (r, line) = events.pop();
+        let Some(line) = line else {
+            open -= 1;
+            statuses[r] = children[r].wait().ok();
+            bars.done(r);
+            continue;
+        };
+        if line.starts_with(report::PHASE) {
+            bars.phase(r, field(&line, "phase").unwrap_or("?"));
+        } else if line.starts_with(report::PROGRESS) {
+            let n = |k| field(&line, k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            bars.progress(r, field(&line, "phase").unwrap_or("?"), n("done"), n("total"));
+        } else if line.starts_with(report::PAUSE) {
+            if cfg.kill_rank == Some(r) && !killed[r] {
+                // SIGKILL (std's Child::kill), then reap at once so the
+                // peers' liveness check (kill(pid, 0)) sees it gone.
+                let _ = children[r].kill();
+                statuses[r] = children[r].wait().ok();
+                killed[r] = true;
+                bars.println(&format!("rank {r}: SIGKILL at {} (as asked), {:.2} s into the run", field(&line, "at").unwrap_or("?"), t0.elapsed().as_secs_f64()));
+            } else if let Some(Some(s)) = stdins.get_mut(r) {
+                let _ = writeln!(s);
+            }
+        } else if line.starts_with(report::LATENCY) {
+            let mut l = Latencies::default();
+            if report::parse_latency_line(&line, &mut l).is_ok() {
+                lat.extend(&l);
+                per_rank_lat[r].extend(&l);
+            }
+        } else if line.starts_with(report::RESULT) {
+            match RankReport::parse(&line) {
+                Ok(rep) => reports[r] = Some(rep),
+                Err(e) => errors[r] = Some(format!("unreadable result: {e}")),
+            }
+        } else if line.starts_with(report::ERROR) {
+            errors[r] = Some(line.split_once(' ').and_then(|(_, m)| m.split_once(' ')).map_or(line.clone(), |(_, m)| m.to_string()));
+        } else if line.starts_with(report::NOTE) {
+            let msg = line.split_once(' ').map_or(line.as_str(), |(_, m)| m).to_string();
+            bars.println(&format!("note: {msg}"));
+            notes.push(msg);
+        } else {
+            bars.println(&line);
+        }
+    }
+    drop(stdins);
+    for h in readers {
+        let _ = h.join();
+    }
+    bars.clear();
+    let wall = t0.elapsed().as_secs_f64();
+
+    // The region file must be gone whatever happened.
+    let left = path.exists();
+    if left {
+        let _ = std::fs::remove_file(&path);
+    }
+
+    // Summary.
+    let mut ok = true;
+    let mut tot = RankReport::default();
+    let (mut store, mut load) = (Throughput::default(), Throughput::default());
+    for r in 0..cfg.ranks {
+        match (&reports[r], killed[r]) {
+            (_, true) => println!("rank {r}: killed (SIGKILL at {}), as asked", cfg.kill_at.name()),
+            (Some(rep), false) => {
+                print_rank(rep, &per_rank_lat[r]);
+                ok &= rep.clean();
+                tot.requests += rep.requests;
+                tot.stores += rep.stores;
+                tot.loads += rep.loads;
+                tot.lookups += rep.lookups;
+                tot.hits += rep.hits;
+                tot.blocks_verified += rep.blocks_verified;
+                tot.blocks_corrupted += rep.blocks_corrupted;
+                tot.blocks_lost += rep.blocks_lost;
+                tot.sweep_blocks += rep.sweep_blocks;
+                tot.jobs_failed += rep.jobs_failed;
+                tot.graphs_failed += rep.graphs_failed;
+                store.add(rep.store.bytes, rep.store.seconds);
+                load.add(rep.load.bytes, rep.load.seconds);
+            }
+            (None, false) => {
+                ok = false;
+                let why = errors[r].clone().unwrap_or_else(|| match statuses[r] {
+                    Some(s) => format!("exited without a result ({s})"),
+                    None => "exited without a result".into(),
+                });
+                println!("rank {r}: FAILED: {why}");
+            }
+        }
+    }
+    let finished = reports.iter().filter(|r| r.is_some()).count();
+    println!(
+        "total: {} requests, {} stores, {} loads over {finished} rank(s) in {wall:.2} s; hit rate {:.1}%; \
+         store {:.2} GB/s, load {:.2} GB/s (bytes / summed busy time per rank); job latency p50 {} p99 {}",
+        tot.requests,
+        tot.stores,
+        tot.loads,
+        100.0 * tot.hit_rate(),
+        store.gbps(),
+        load.gbps(),
+        fmt_us(lat.percentile(50.0)),
+        fmt_us(lat.percentile(99.0)),
+    );
+    println!(
+        "blocks: {} verified ({} in the final sweep), {} corrupted, {} lost; jobs failed (injected faults): {}",
+        tot.blocks_verified, tot.sweep_blocks, tot.blocks_corrupted, tot.blocks_lost, tot.jobs_failed
+    );
+    println!("region file left: {}", if left { "YES (removed now)" } else { "no" });
+    ok &= !left && finished > 0;
+    if ok {
+        println!("result: ok, every loaded block verified ({} blocks), 0 corrupted, 0 lost", tot.blocks_verified);
+        Ok(0)
+    } else {
+        println!("result: FAILED");
+        Ok(1)
+    }
+}
+
+fn fmt_us(s: f64) -> String {
+    if s >= 1e-3 {
+        format!("{:.2} ms", s * 1e3)
+    } else {
+        format!("{:.0} us", s * 1e6)
+    }
+}
+
+fn print_rank(r: &RankReport, lat: &Latencies) {
+    println!(
+        "rank {}: pinning {} took {:.3} s ({:.2} GB/s); state {}; agreement {} after {:.3} s",
+        r.rank,
+        fmt_bytes(r.region_bytes as usize),
+        r.pin_seconds,
+        r.pin_gbps(),
+        r.pin_state,
+        r.agreement,
+        r.agreed_seconds
+    );
+    println!(
+        "  capture: {} windows, waited {:.3} s in total, {:.3} s at most ({} chunk registrations meanwhile); graphs {} ok, {} failed",
+        r.windows, r.window_wait_total, r.window_wait_max, r.chunks_waited, r.graphs_ok, r.graphs_failed
+    );
+    println!(
+        "  workload: {} requests in {:.2} s; {} stores {} at {:.2} GB/s, {} loads {} at {:.2} GB/s; hit rate {:.1}%; {} evictions; latency p50 {} p99 {}",
+        r.requests,
+        r.workload_seconds,
+        r.stores,
+        fmt_bytes(r.store.bytes as usize),
+        r.store.gbps(),
+        r.loads,
+        fmt_bytes(r.load.bytes as usize),
+        r.load.gbps(),
+        100.0 * r.hit_rate(),
+        r.evictions,
+        fmt_us(lat.percentile(50.0)),
+        fmt_us(lat.percentile(99.0)),
+    );
+    println!(
+        "  blocks: {} verified ({} in the final sweep), {} corrupted, {} lost; jobs failed: {} ({} stores, {} loads)",
+        r.blocks_verified, r.sweep_blocks, r.blocks_corrupted, r.blocks_lost, r.jobs_failed, r.stores_failed, r.loads_failed
+    );
+}
+
+/// A rank process: open the runtime it was told, run, print the result.
+fn run_as_rank(a: &Args, cfg: &RunConfig, rank: usize) -> Result<i32, String> {
+    let name = a.region_name.as_deref().ok_or("--as-rank needs --region-name")?;
+    let b = match a.rank_backend {
+        Some(BackendArg::Cuda) => BackendArg::Cuda,
+        _ => BackendArg::Sim,
+    };
+    let rt = match backend::open(b) {
+        Ok(rt) => rt,
+        Err(e) => {
+            kvoffload::run::rank::emit(&format!("{} rank={rank} {e}", report::ERROR));
+            return Ok(1);
+        }
+    };
+    match run_rank(cfg, rank, name, rt, a.pause_at.map(Into::into)) {
+        Ok(rep) => {
+            kvoffload::run::rank::emit(&rep.to_line());
+            Ok(0)
+        }
+        Err(e) => {
+            kvoffload::run::rank::emit(&format!("{} rank={rank} {e}", report::ERROR));
+            Ok(1)
+        }
+    }
+}
+
+/// Lines from the ranks' stdout readers.
+struct Events {
+    q: Mutex<VecDeque<(usize, Option<String>)>>,
+    cv: Condvar,
+}
+
+impl Events {
+    fn push(&self, rank: usize, line: Option<String>) {
+        sync::lock(&self.q).push_back((rank, line));
+        self.cv.notify_all();
+    }
+
+    fn pop(&self) -> (usize, Option<String>) {
+        let mut g = sync::lock(&self.q);
+        loop {
+            if let Some(e) = g.pop_front() {
+                return e;
+            }
+            g = sync::wait(&self.cv, g);
+        }
+    }
+}
+
+/// One progress bar per rank on stderr (hidden when stderr is not a terminal).
+struct Bars {
+    multi: indicatif::MultiProgress,
+    bars: Vec<indicatif::ProgressBar>,
+}
+
+impl Bars {
+    fn new(ranks: usize) -> Self {
+        let multi = indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::stderr());
+        let style = indicatif::ProgressStyle::with_template("rank {prefix:<3} {msg:<10} [{bar:30}] {pos:>7}/{len:<7} {elapsed_precise}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> ");
+        let bars = (0..ranks)
+            .map(|r| {
+                let b = multi.add(indicatif::ProgressBar::new(0));
+                b.set_style(style.clone());
+                b.set_prefix(r.to_string());
+                b.set_message("starting");
+                b
+            })
+            .collect();
+        Bars { multi, bars }
+    }
+
+    fn phase(&self, r: usize, phase: &str) {
+        if let Some(b) = self.bars.get(r) {
+            b.set_message(phase.to_string());
+        }
+    }
+
+    fn progress(&self, r: usize, phase: &str, done: u64, total: u64) {
+        if let Some(b) = self.bars.get(r) {
+            b.set_message(phase.to_string());
+            b.set_length(total);
+            b.set_position(done);
+        }
+    }
+
+    fn done(&self, r: usize) {
+        if let Some(b) = self.bars.get(r) {
+            b.set_message("exited");
+            b.abandon();
+        }
+    }
+
+    fn println(&self, line: &str) {
+        if self.multi.is_hidden() {
+            println!("{line}");
+        } else {
+            let _ = self.multi.println(line);
+        }
+    }
+
+    fn clear(&self) {
+        let _ = self.multi.clear();
+    }
+}

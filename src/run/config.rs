@@ -1,0 +1,263 @@
+//! Settings of `kvoffload run` and the sizes derived from them, with every
+//! bad value refused as a typed error naming the value and its limit.
+
+use std::time::Duration;
+
+use crate::region::{page_size, Layout, MAX_RANKS};
+
+/// Where the parent SIGKILLs a rank (fault tests).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum KillAt {
+    /// In the middle of pinning (the rank pauses before registering its
+    /// middle chunk, announces it, and the parent kills it there).
+    Pinning,
+    /// In the middle of the workload, with jobs in flight.
+    Transfers,
+}
+
+impl KillAt {
+    pub fn name(self) -> &'static str {
+        match self {
+            KillAt::Pinning => "pinning",
+            KillAt::Transfers => "transfers",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "pinning" => Some(KillAt::Pinning),
+            "transfers" => Some(KillAt::Transfers),
+            _ => None,
+        }
+    }
+}
+
+/// Everything a run is made of (the CLI's options; see `kvoffload run --help`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunConfig {
+    /// Rank processes sharing the region.
+    pub ranks: usize,
+    /// Bytes of the shared region's data area (all ranks together); rounded
+    /// down to whole rows.
+    pub region_bytes: usize,
+    /// KV tensors (layers) per rank on the GPU.
+    pub layers: usize,
+    /// Bytes of one GPU block of one layer.
+    pub page_bytes: usize,
+    /// GPU blocks per host block (upstream's block_size_factor).
+    pub block_factor: usize,
+    /// GPU blocks per tensor.
+    pub gpu_blocks: usize,
+    /// Requests per rank.
+    pub jobs: usize,
+    /// Host blocks (keys) per request.
+    pub blocks_per_job: usize,
+    /// Distinct keys per rank.
+    pub keys: usize,
+    /// Zipf exponent of the key choice (0 = uniform).
+    pub zipf: f64,
+    /// Requests in flight at most.
+    pub inflight: usize,
+    /// Graphs captured through capture windows at start-up.
+    pub graphs: usize,
+    /// Memsets per captured graph.
+    pub graph_nodes: usize,
+    /// Simulated start-up work (a compute loop) while pinning runs.
+    pub startup: Duration,
+    /// Pre-fault threads per rank (None: the library default, every core).
+    pub pin_threads: Option<usize>,
+    /// Bound of one registration call (None: about an eighth of the region,
+    /// at least one row, at most 1 GiB).
+    pub pin_chunk: Option<usize>,
+    /// Seed of the key choice (rank r uses seed + r).
+    pub seed: u64,
+    /// How long ranks wait for each other (joining the region, agreeing).
+    pub rank_timeout: Duration,
+    /// Kill this rank (fault test) ...
+    pub kill_rank: Option<usize>,
+    /// ... at this point.
+    pub kill_at: KillAt,
+    /// Simulated GPU only: every K-th async copy enqueue fails.
+    pub fault_copy_every: Option<u64>,
+    /// Simulated GPU only: the K-th registration call fails (801).
+    pub fault_register_at: Option<u64>,
+    /// Ranks the faults apply to (None: every rank).
+    pub fault_rank: Option<usize>,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            ranks: 2,
+            region_bytes: 64 << 20,
+            layers: 4,
+            page_bytes: 16 << 10,
+            block_factor: 1,
+            gpu_blocks: 256,
+            jobs: 2000,
+            blocks_per_job: 4,
+            keys: 2048,
+            zipf: 1.0,
+            inflight: 8,
+            graphs: 8,
+            graph_nodes: 16,
+            startup: Duration::from_millis(300),
+            pin_threads: None,
+            pin_chunk: None,
+            seed: 1,
+            rank_timeout: Duration::from_secs(120),
+            kill_rank: None,
+            kill_at: KillAt::Transfers,
+            fault_copy_every: None,
+            fault_register_at: None,
+            fault_rank: None,
+        }
+    }
+}
+
+/// A setting refused before anything starts.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{what} is zero; it must be at least 1")]
+    Zero { what: &'static str },
+    #[error("{what} = {value} exceeds the limit of {limit}")]
+    TooLarge { what: &'static str, value: u64, limit: u64 },
+    #[error("{what} = {value} is below the minimum of {min} ({why})")]
+    TooSmall { what: &'static str, value: u64, min: u64, why: &'static str },
+    #[error("{what} = {value} is not a finite number >= 0")]
+    BadNumber { what: &'static str, value: f64 },
+    #[error("{0}")]
+    Other(String),
+}
+
+/// The sizes a valid configuration gives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Derived {
+    /// The region's layout: `rows` rows of `ranks` slots of `slot_bytes`.
+    pub layout: Layout,
+    /// Bytes of one host block as the transfer layout fills it.
+    pub block_bytes: usize,
+    /// Host blocks per rank (= rows = manager capacity).
+    pub host_blocks: usize,
+    /// Bound of one registration call.
+    pub pin_chunk: usize,
+}
+
+impl RunConfig {
+    /// Checks every value and derives the region's shape.
+    pub fn validate(&self) -> Result<Derived, ConfigError> {
+        let zero = |v: usize, what| if v == 0 { Err(ConfigError::Zero { what }) } else { Ok(()) };
+        zero(self.ranks, "ranks")?;
+        zero(self.region_bytes, "region")?;
+        zero(self.layers, "layers")?;
+        zero(self.page_bytes, "page-bytes")?;
+        zero(self.block_factor, "block-factor")?;
+        zero(self.gpu_blocks, "gpu-blocks")?;
+        zero(self.jobs, "jobs")?;
+        zero(self.blocks_per_job, "blocks-per-job")?;
+        zero(self.keys, "keys")?;
+        zero(self.inflight, "inflight")?;
+        if self.blocks_per_job > self.keys {
+            return Err(ConfigError::TooLarge {
+                what: "blocks-per-job",
+                value: self.blocks_per_job as u64,
+                limit: self.keys as u64,
+            });
+        }
+        if self.ranks > MAX_RANKS {
+            return Err(ConfigError::TooLarge { what: "ranks", value: self.ranks as u64, limit: MAX_RANKS as u64 });
+        }
+        if !self.zipf.is_finite() || self.zipf < 0.0 {
+            return Err(ConfigError::BadNumber { what: "zipf", value: self.zipf });
+        }
+        const MAX_KEYS: usize = 1 << 26;
+        if self.keys > MAX_KEYS {
+            return Err(ConfigError::TooLarge { what: "keys", value: self.keys as u64, limit: MAX_KEYS as u64 });
+        }
+        if self.layers > 4096 {
+            return Err(ConfigError::TooLarge { what: "layers", value: self.layers as u64, limit: 4096 });
+        }
+        if let Some(r) = self.kill_rank {
+            if r >= self.ranks {
+                return Err(ConfigError::TooLarge { what: "kill-rank", value: r as u64, limit: self.ranks as u64 - 1 });
+            }
+        }
+        if let Some(r) = self.fault_rank {
+            if r >= self.ranks {
+                return Err(ConfigError::TooLarge { what: "fault-rank", value: r as u64, limit: self.ranks as u64 - 1 });
+            }
+        }
+        if self.fault_copy_every == Some(0) {
+            return Err(ConfigError::Zero { what: "fault-copy-every" });
+        }
+        if self.fault_register_at == Some(0) {
+            return Err(ConfigError::Zero { what: "fault-register-at" });
+        }
+        if self.pin_threads == Some(0) {
+            return Err(ConfigError::Zero { what: "pin-threads" });
+        }
+        let overflow = || ConfigError::Other("the block size overflows (layers x page-bytes x block-factor)".into());
+        let block_bytes =
+            self.layers.checked_mul(self.page_bytes).and_then(|b| b.checked_mul(self.block_factor)).ok_or_else(overflow)?;
+        let page = page_size();
+        let slot_bytes = block_bytes.checked_next_multiple_of(page).ok_or_else(overflow)?;
+        let row = slot_bytes.checked_mul(self.ranks).ok_or_else(overflow)?;
+        let rows = self.region_bytes / row;
+        // A request's blocks must fit next to the others in flight, and the
+        // manager must always be able to evict for a new request.
+        let min_rows = self.blocks_per_job.saturating_mul(2) as u64;
+        if (rows as u64) < min_rows {
+            return Err(ConfigError::TooSmall {
+                what: "region",
+                value: self.region_bytes as u64,
+                min: min_rows.saturating_mul(row as u64),
+                why: "two requests' host blocks per rank",
+            });
+        }
+        let gpu_needed = self.blocks_per_job.checked_mul(self.block_factor).ok_or_else(overflow)?;
+        if self.gpu_blocks < gpu_needed {
+            return Err(ConfigError::TooSmall {
+                what: "gpu-blocks",
+                value: self.gpu_blocks as u64,
+                min: gpu_needed as u64,
+                why: "one request's GPU blocks (blocks-per-job x block-factor)",
+            });
+        }
+        self.gpu_blocks.checked_mul(self.page_bytes).ok_or_else(overflow)?;
+        let layout = Layout::new(self.ranks, slot_bytes, rows).map_err(|e| ConfigError::Other(e.to_string()))?;
+        let pin_chunk = match self.pin_chunk {
+            Some(0) => return Err(ConfigError::Zero { what: "pin-chunk" }),
+            Some(c) if c < row => {
+                return Err(ConfigError::TooSmall {
+                    what: "pin-chunk",
+                    value: c as u64,
+                    min: row as u64,
+                    why: "one row of the region",
+                })
+            }
+            Some(c) => c,
+            None => (layout.data_bytes() / 8).clamp(row, 1 << 30),
+        };
+        Ok(Derived { layout, block_bytes, host_blocks: rows, pin_chunk })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_bad_values_are_typed() {
+        let d = RunConfig::default().validate().unwrap();
+        assert_eq!(d.block_bytes, 64 << 10);
+        assert_eq!(d.host_blocks, 512);
+        let bad = RunConfig { ranks: 0, ..RunConfig::default() };
+        assert_eq!(bad.validate().unwrap_err(), ConfigError::Zero { what: "ranks" });
+        let bad = RunConfig { region_bytes: 4096, ..RunConfig::default() };
+        assert!(matches!(bad.validate().unwrap_err(), ConfigError::TooSmall { what: "region", .. }));
+        let bad = RunConfig { zipf: f64::NAN, ..RunConfig::default() };
+        assert!(matches!(bad.validate().unwrap_err(), ConfigError::BadNumber { .. }));
+        let bad = RunConfig { kill_rank: Some(2), ..RunConfig::default() };
+        assert!(matches!(bad.validate().unwrap_err(), ConfigError::TooLarge { what: "kill-rank", .. }));
+    }
+}

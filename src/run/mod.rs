@@ -1,0 +1,24 @@
+//! `kvoffload run`, the main job end to end: N rank processes share one
+//! region; each pins it in the background while it does its own start-up
+//! work, captures graphs through capture windows, agrees with its peers on
+//! the pin state (P7), then runs store and load jobs through the block
+//! manager and the transfer engine, checking every loaded block byte for
+//! byte against a pattern derived from its key.
+//!
+//! - [`config`]: the settings and the sizes derived from them.
+//! - [`rank`]: the body of one rank process.
+//! - [`report`]: the lines a rank prints for its parent, and its figures.
+//! - [`pattern`], [`metrics`]: block contents, latencies and throughput.
+//!
+//! The parent (spawning ranks, killing them in fault tests, the summary)
+//! is the CLI's `run` command (`src/cli/run.rs`).
+
+pub mod config;
+pub mod metrics;
+pub mod pattern;
+pub mod rank;
+pub mod report;
+
+pub use config::{ConfigError, Derived, KillAt, RunConfig};
+pub use rank::{run_rank, RankError};
+pub use report::RankReport;
