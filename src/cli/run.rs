@@ -91,7 +91,7 @@ pub struct Args {
     /// Pre-fault threads per rank [default: every core].
     #[arg(long)]
     pin_threads: Option<usize>,
-    /// Bound of one registration call [default: an eighth of the region, at most 1GiB].
+    /// Bound of one registration call [default: an eighth of the region, at most the library default, 256MiB].
     #[arg(long, value_parser = parse_size)]
     pin_chunk: Option<usize>,
     /// Seed of the key choice (rank r uses seed + r).

@@ -236,7 +236,7 @@ impl RunConfig {
                 })
             }
             Some(c) => c,
-            None => (layout.data_bytes() / 8).clamp(row, 1 << 30),
+            None => (layout.data_bytes() / 8).clamp(row, crate::pin::DEFAULT_MAX_CHUNK_BYTES.max(row)),
         };
         Ok(Derived { layout, block_bytes, host_blocks: rows, pin_chunk })
     }
