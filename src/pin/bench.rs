@@ -177,6 +177,23 @@ pub struct Row {
 }
 
 impl Row {
+    /// A row before its measurement: nothing timed yet, outcome Ok.
+    fn empty(group: Group, label: String, config: Option<RunConfig>, chunks: usize) -> Row {
+        Row {
+            group,
+            label,
+            config,
+            chunks,
+            total_s: 0.0,
+            fault_wait_s: None,
+            unregister_s: None,
+            huge_pages: false,
+            thp_bytes: None,
+            populate_write: None,
+            outcome: Ok(()),
+        }
+    }
+
     /// GB/s (1e9 bytes per second) of `size` bytes in `total_s`.
     pub fn gbps(&self, size: usize) -> f64 {
         if self.total_s > 0.0 {
@@ -333,19 +350,7 @@ impl Prefault for Observed<'_> {
 
 fn one_call(rt: &dyn GpuRuntime, size: usize, progress: &(dyn Fn(Progress) + Sync)) -> Row {
     let label = "one register call, untouched pages (upstream)".to_string();
-    let mut row = Row {
-        group: Group::OneCall,
-        label: label.clone(),
-        config: None,
-        chunks: 1,
-        total_s: 0.0,
-        fault_wait_s: None,
-        unregister_s: None,
-        huge_pages: false,
-        thp_bytes: None,
-        populate_write: None,
-        outcome: Ok(()),
-    };
+    let mut row = Row::empty(Group::OneCall, label.clone(), None, 1);
     let region = match fresh_region(size) {
         Ok(r) => r,
         Err(e) => {
@@ -398,19 +403,7 @@ fn describe(c: &RunConfig) -> String {
 /// Runs one pipeline configuration on fresh memory.
 pub fn pipeline(rt: &dyn GpuRuntime, size: usize, group: Group, c: &RunConfig, progress: &(dyn Fn(Progress) + Sync)) -> Row {
     let label = describe(c);
-    let mut row = Row {
-        group,
-        label: label.clone(),
-        config: Some(c.clone()),
-        chunks: 0,
-        total_s: 0.0,
-        fault_wait_s: None,
-        unregister_s: None,
-        huge_pages: false,
-        thp_bytes: None,
-        populate_write: None,
-        outcome: Ok(()),
-    };
+    let mut row = Row::empty(group, label.clone(), Some(c.clone()), 0);
     let region = match fresh_region(size) {
         Ok(r) => r,
         Err(e) => {

@@ -557,11 +557,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sizes_parse() {
-        assert_eq!(parse_size("16KiB"), Ok(16 << 10));
-        assert_eq!(parse_size("2MiB"), Ok(2 << 20));
-        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
-        assert_eq!(parse_size("4096"), Ok(4096));
+    fn sizes_format() {
         assert_eq!(human(256 << 10), "256 KiB");
         assert_eq!(human(100), "100 B");
     }
