@@ -94,6 +94,11 @@ pub struct Args {
     /// Bound of one registration call [default: an eighth of the region, at most the library default, 256MiB].
     #[arg(long, value_parser = parse_size)]
     pin_chunk: Option<usize>,
+    /// Huge-page advice for the shared region: auto (library default: none
+    /// for /dev/shm), on (madvise MADV_HUGEPAGE; effective where
+    /// /sys/kernel/mm/transparent_hugepage/shmem_enabled allows), off.
+    #[arg(long, value_enum, default_value_t = HugeArg::Auto)]
+    pin_huge_pages: HugeArg,
     /// Seed of the key choice (rank r uses seed + r).
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -144,6 +149,11 @@ impl Args {
             startup: Duration::from_millis(self.startup_ms),
             pin_threads: self.pin_threads,
             pin_chunk: self.pin_chunk,
+            pin_huge_pages: match self.pin_huge_pages {
+                HugeArg::Auto => kvoffload::pin::HugePages::Auto,
+                HugeArg::On => kvoffload::pin::HugePages::On,
+                HugeArg::Off => kvoffload::pin::HugePages::Off,
+            },
             seed: self.seed,
             rank_timeout: Duration::from_secs(self.rank_timeout_s),
             kill_rank: self.kill_rank,
@@ -530,4 +540,12 @@ impl Bars {
     fn clear(&self) {
         let _ = self.multi.clear();
     }
+}
+
+/// `--pin-huge-pages`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum HugeArg {
+    Auto,
+    On,
+    Off,
 }

@@ -67,8 +67,12 @@ pub struct RunConfig {
     /// Pre-fault threads per rank (None: the library default, every core).
     pub pin_threads: Option<usize>,
     /// Bound of one registration call (None: about an eighth of the region,
-    /// at least one row, at most 1 GiB).
+    /// at least one row, at most the library default).
     pub pin_chunk: Option<usize>,
+    /// Huge-page advice for the region (the library default, Auto, leaves
+    /// /dev/shm regions alone: their huge pages depend on the machine's
+    /// shmem THP setting).
+    pub pin_huge_pages: crate::pin::HugePages,
     /// Seed of the key choice (rank r uses seed + r).
     pub seed: u64,
     /// How long ranks wait for each other (joining the region, agreeing).
@@ -104,6 +108,7 @@ impl Default for RunConfig {
             startup: Duration::from_millis(300),
             pin_threads: None,
             pin_chunk: None,
+            pin_huge_pages: crate::pin::HugePages::Auto,
             seed: 1,
             rank_timeout: Duration::from_secs(120),
             kill_rank: None,

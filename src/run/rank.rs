@@ -278,7 +278,7 @@ pub fn run_rank(
 
     // 2. Background pinning with the agreement.
     phase(rank, "pinning");
-    let mut popts = PinOptions::default().max_chunk_bytes(d.pin_chunk);
+    let mut popts = PinOptions::default().max_chunk_bytes(d.pin_chunk).huge_pages(cfg.pin_huge_pages);
     if let Some(t) = cfg.pin_threads {
         popts = popts.threads(t);
     }
