@@ -7,7 +7,7 @@
 //!   in-order reporting per direction.
 //! - [`backend`]: per-fragment async copies, batched copies and the gather
 //!   kernel; [`select`]: the automatic choice between them.
-//! - [`bench`] (normal builds): `kvoffload bench transfer`.
+//! - [`mod@bench`] (normal builds): `kvoffload bench transfer`.
 //!
 //! Properties served (DESIGN.md): P3 (the gather kernel reads only host
 //! memory whose registration completed: aliases come only from

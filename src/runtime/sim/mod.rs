@@ -2,9 +2,9 @@
 //! an H200 (FACTS.md section 1).
 //!
 //! - Streams execute asynchronously and in order on a device thread
-//!   ([`device`]); events complete when the work recorded before them does.
+//!   (`device.rs`); events complete when the work recorded before them does.
 //! - Capture records stream work into a graph that can be replayed; the
-//!   capture rules of [`rules`] decide which calls fail with 900 and
+//!   capture rules of `rules.rs` decide which calls fail with 900 and
 //!   invalidate a capture.
 //! - `begin_capture` blocks while a registration runs (enqueues onto a
 //!   capturing stream do not: measured, docs/facts-deltas.md); `host_unregister` waits for the device to go idle;
