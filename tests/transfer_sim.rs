@@ -7,7 +7,6 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::{Pin, Rig, Rng, Shape};
 use kvoffload::protocol::ProtocolError;
@@ -467,8 +466,13 @@ fn shutdown_waits_for_jobs_then_refuses_new_ones() {
         .unwrap();
     hold.wait_entered();
     let coord = rig.coord.clone();
-    let t = std::thread::spawn(move || coord.begin_shutdown());
-    std::thread::sleep(Duration::from_millis(50));
+    let c2 = coord.clone();
+    let t = std::thread::spawn(move || c2.begin_shutdown());
+    // Shutdown has begun (new work refused) while the job is held on the
+    // device: it cannot have returned, since it waits for the job's ticket.
+    while !coord.shutting_down() {
+        std::thread::yield_now();
+    }
     assert!(!t.is_finished(), "shutdown must wait for the job in flight");
     hold.release();
     let r = rig.poll_until(1);
@@ -553,7 +557,9 @@ fn poll_during_an_open_capture_window_queries_no_event() {
         .store(1, &JobBlocks::single(vec![1, 2], vec![3, 4]))
         .unwrap();
     rig.engine().load(2, &JobBlocks::single(vec![5], vec![6])).unwrap();
-    std::thread::sleep(Duration::from_millis(20));
+    // Both jobs have completed on the device: a poll that queried events
+    // would report them now.
+    s.wait_device_idle();
     for _ in 0..10 {
         assert!(rig.engine().poll_finished().is_empty());
     }

@@ -207,6 +207,15 @@ impl SimRuntime {
         true
     }
 
+    /// Blocks until every enqueued operation of every stream has executed
+    /// (an observer for tests; it makes no driver call and is never refused).
+    pub fn wait_device_idle(&self) {
+        let mut g = sync::lock(&self.inner.state);
+        while !g.idle() {
+            g = sync::wait(&self.inner.cv, g);
+        }
+    }
+
     /// Number of threads blocked in `kind` right now.
     pub fn blocked(&self, kind: Blocked) -> usize {
         sync::lock(&self.inner.state).blocked_count(kind)
