@@ -13,56 +13,36 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{Pin, Rig, Rng, Shape};
+use common::{opts, random_case, simple, Pin, Rig, Rng, DIRS};
 use kvoffload::runtime::cuda::CudaRuntime;
-use kvoffload::runtime::{Direction, GpuRuntime, Kernel};
-use kvoffload::transfer::{Backend, BackendChoice, HostPlacement, JobBlocks, TransferOptions};
+use kvoffload::runtime::{GpuRuntime, Kernel};
+use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, TransferOptions};
 
-const DIRS: [Direction; 2] = [Direction::DeviceToHost, Direction::HostToDevice];
+/// Says on the real stderr (the test harness captures println) that the
+/// GPU tests were skipped.
+fn skipped(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED transfer_gpu: no GPU ({why})");
+}
 
 fn gpu() -> Option<Arc<dyn GpuRuntime>> {
     if !CudaRuntime::driver_present() {
-        println!("skipped: no GPU (no CUDA driver)");
+        skipped("no CUDA driver");
         return None;
     }
     match CudaRuntime::open(0) {
         Ok(rt) => Some(Arc::new(rt)),
         Err(e) => {
-            println!("skipped: no GPU ({e})");
+            skipped(&e.to_string());
             None
         }
-    }
-}
-
-fn opts(backend: BackendChoice) -> TransferOptions {
-    TransferOptions {
-        backend,
-        ..TransferOptions::default()
-    }
-}
-
-fn simple(tensors: usize, page: usize, blocks: usize) -> Shape {
-    Shape {
-        groups: vec![(vec![page; tensors], blocks, blocks)],
-        factor: 1,
-        placement: HostPlacement::TensorMajor,
     }
 }
 
 fn random_layouts(rt: &Arc<dyn GpuRuntime>, choice: BackendChoice, expect: Option<Backend>, seed: u64) {
     let mut rng = Rng(seed);
     for case in 0..12 {
-        let shape = Shape::random(&mut rng);
-        let mut rig = Rig::new(rt.clone(), shape.clone(), opts(choice), Pin::Registered);
-        for k in 0..3 {
-            for dir in DIRS {
-                let job = shape.random_job(&mut rng);
-                let res = rig.run_checked(dir, &job, seed ^ (case * 16 + k) as u64);
-                if let Some(b) = expect {
-                    assert_eq!(res.backend, b, "case {case}: {shape:?}");
-                }
-            }
-        }
+        random_case(rt.clone(), &mut rng, case, choice, expect, seed);
     }
     rt.ctx_synchronize().expect("context healthy");
 }

@@ -8,20 +8,11 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{Pin, Rig, Rng, Shape};
+use common::{opts, random_case, simple, Pin, Rig, Rng, DIRS};
 use kvoffload::protocol::ProtocolError;
 use kvoffload::runtime::sim::{HoldPoint, SimFault, SimRuntime};
 use kvoffload::runtime::{CaptureMode, Code, Direction, GpuRuntime};
 use kvoffload::transfer::{Backend, BackendChoice, HostPlacement, JobBlocks, TransferError, TransferOptions};
-
-const DIRS: [Direction; 2] = [Direction::DeviceToHost, Direction::HostToDevice];
-
-fn opts(backend: BackendChoice) -> TransferOptions {
-    TransferOptions {
-        backend,
-        ..TransferOptions::default()
-    }
-}
 
 fn sim() -> (Arc<SimRuntime>, Arc<dyn GpuRuntime>) {
     let s = Arc::new(SimRuntime::new());
@@ -29,30 +20,11 @@ fn sim() -> (Arc<SimRuntime>, Arc<dyn GpuRuntime>) {
     (s, rt)
 }
 
-/// A one-group layout: `pages` of `page` bytes per tensor, factor 1.
-fn simple(tensors: usize, page: usize, blocks: usize) -> Shape {
-    Shape {
-        groups: vec![(vec![page; tensors], blocks, blocks)],
-        factor: 1,
-        placement: HostPlacement::TensorMajor,
-    }
-}
-
 fn random_layouts(choice: BackendChoice, expect: Option<Backend>, seed: u64) {
     let mut rng = Rng(seed);
     for case in 0..24 {
         let (s, rt) = sim();
-        let shape = Shape::random(&mut rng);
-        let mut rig = Rig::new(rt, shape.clone(), opts(choice), Pin::Registered);
-        for k in 0..3 {
-            for dir in DIRS {
-                let job = shape.random_job(&mut rng);
-                let res = rig.run_checked(dir, &job, seed ^ (case * 16 + k) as u64);
-                if let Some(b) = expect {
-                    assert_eq!(res.backend, b, "case {case}: {shape:?}");
-                }
-            }
-        }
+        random_case(rt, &mut rng, case, choice, expect, seed);
         assert_eq!(s.poisoned(), None);
     }
 }

@@ -14,6 +14,44 @@ use kvoffload::transfer::{
     TransferOptions,
 };
 
+/// Both directions, stores first.
+pub const DIRS: [Direction; 2] = [Direction::DeviceToHost, Direction::HostToDevice];
+
+/// Engine options with `backend` and the defaults otherwise.
+pub fn opts(backend: kvoffload::transfer::BackendChoice) -> TransferOptions {
+    TransferOptions { backend, ..TransferOptions::default() }
+}
+
+/// A one-group layout: `tensors` tensors of `page`-byte pages, `blocks`
+/// GPU and host blocks, factor 1, tensor-major.
+pub fn simple(tensors: usize, page: usize, blocks: usize) -> Shape {
+    Shape { groups: vec![(vec![page; tensors], blocks, blocks)], factor: 1, placement: HostPlacement::TensorMajor }
+}
+
+/// Case `case` of the random-layout check: a random shape, three random
+/// jobs each way on registered memory, every byte checked; the backend used
+/// must be `expect` when given.
+pub fn random_case(
+    rt: Arc<dyn GpuRuntime>,
+    rng: &mut Rng,
+    case: usize,
+    choice: kvoffload::transfer::BackendChoice,
+    expect: Option<kvoffload::transfer::Backend>,
+    seed: u64,
+) {
+    let shape = Shape::random(rng);
+    let mut rig = Rig::new(rt, shape.clone(), opts(choice), Pin::Registered);
+    for k in 0..3 {
+        for dir in DIRS {
+            let job = shape.random_job(rng);
+            let res = rig.run_checked(dir, &job, seed ^ (case * 16 + k) as u64);
+            if let Some(b) = expect {
+                assert_eq!(res.backend, b, "case {case}: {shape:?}");
+            }
+        }
+    }
+}
+
 /// SplitMix64: a tiny deterministic generator (no extra dependency).
 pub struct Rng(pub u64);
 
