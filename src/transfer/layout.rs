@@ -132,6 +132,22 @@ pub struct KvLayout {
     placement: HostPlacement,
 }
 
+/// Tensors of a block-placed group: each host block is one span holding
+/// `factor` pages of every tensor, tensor after tensor, from `start`;
+/// blocks repeat every `stride` bytes. The caller checked that the span
+/// (`factor` x the tensors' page bytes) fits, so no offset here overflows.
+fn block_interleaved(tensors: &[TensorSpec], start: usize, factor: usize, stride: usize) -> Vec<TensorLayout> {
+    let mut off = 0usize;
+    tensors
+        .iter()
+        .map(|t| {
+            let l = TensorLayout { device_base: t.device_base, page_bytes: t.page_bytes, host_base: start + off, host_stride: stride };
+            off += t.page_bytes * factor;
+            l
+        })
+        .collect()
+}
+
 fn overflow(what: &'static str, detail: String) -> LayoutError {
     LayoutError::Overflow { what, detail }
 }
@@ -188,9 +204,9 @@ impl KvLayout {
                 .num_host_blocks
                 .checked_mul(f)
                 .ok_or_else(|| overflow("host sub-blocks", format!("{} x {f}", g.num_host_blocks)))?;
-            let mut tensors = Vec::with_capacity(g.tensors.len());
-            match placement {
+            let tensors = match placement {
                 HostPlacement::TensorMajor => {
+                    let mut tensors = Vec::with_capacity(g.tensors.len());
                     for t in &g.tensors {
                         let stride = t
                             .page_bytes
@@ -209,6 +225,7 @@ impl KvLayout {
                             .checked_add(area)
                             .ok_or_else(|| overflow("host end", format!("group {gi}")))?;
                     }
+                    tensors
                 }
                 HostPlacement::BlockMajor => {
                     let block = sum_pages
@@ -220,18 +237,9 @@ impl KvLayout {
                     let end = cursor
                         .checked_add(area)
                         .ok_or_else(|| overflow("host end", format!("group {gi}")))?;
-                    // Every offset below stays under `block`, so no sum overflows.
-                    let mut off = 0usize;
-                    for t in &g.tensors {
-                        tensors.push(TensorLayout {
-                            device_base: t.device_base,
-                            page_bytes: t.page_bytes,
-                            host_base: cursor + off,
-                            host_stride: block,
-                        });
-                        off += t.page_bytes * f;
-                    }
+                    let tensors = block_interleaved(&g.tensors, cursor, f, block);
                     cursor = end;
+                    tensors
                 }
                 HostPlacement::BlockStrided { stride } => {
                     let block = sum_pages
@@ -252,19 +260,11 @@ impl KvLayout {
                         .and_then(|o| o.checked_add(block))
                         .ok_or_else(|| overflow("host end", format!("group {gi}")))?;
                     strided_end = strided_end.max(last);
-                    let mut off = 0usize;
-                    for t in &g.tensors {
-                        tensors.push(TensorLayout {
-                            device_base: t.device_base,
-                            page_bytes: t.page_bytes,
-                            host_base: cursor + off,
-                            host_stride: stride,
-                        });
-                        off += t.page_bytes * f;
-                    }
+                    let tensors = block_interleaved(&g.tensors, cursor, f, stride);
                     cursor += block;
+                    tensors
                 }
-            }
+            };
             out.push(GroupLayout {
                 tensors,
                 num_gpu_blocks: g.num_gpu_blocks,
