@@ -48,10 +48,7 @@ fn scenario(variant: Variant) {
         Ok(_) | Err(ProtocolError::WouldDeadlock { .. }) => {}
         Err(e) => panic!("unexpected {e}"),
     }
-    assert!(matches!(
-        f.coord.unsafe_call("inside window", || ()),
-        Err(ProtocolError::WouldDeadlock { .. })
-    ));
+    assert!(matches!(f.coord.unsafe_call("inside window", || ()), Err(ProtocolError::WouldDeadlock { .. })));
     rt.begin_capture(s, CaptureMode::Global).unwrap();
     rt.memset_d8_async(d, 0, 64, s).unwrap();
     rt.end_capture(s).unwrap();
@@ -75,5 +72,7 @@ fn p6_pin_capture_jobs_shutdown_terminate() {
 #[test]
 #[ignore = "negative model: run by ci/prove, must fail"]
 fn negative_n6_wait_for_pinning_inside_window() {
-    negative("n6_wait_inside_window", Bounds { property: "N6", ..B }, "deadlock", || scenario(Variant::WaitInsideWindow));
+    negative("n6_wait_inside_window", Bounds { property: "N6", ..B }, "deadlock", || {
+        scenario(Variant::WaitInsideWindow)
+    });
 }

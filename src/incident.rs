@@ -104,9 +104,19 @@ impl std::fmt::Display for IncidentReport {
             }
         };
         writeln!(f, "design: {}", self.design)?;
-        writeln!(f, "  captures: {} attempted, {} ok; capture errors: {}", self.captures, self.captures_ok, codes(&self.capture_errors))?;
+        writeln!(
+            f,
+            "  captures: {} attempted, {} ok; capture errors: {}",
+            self.captures,
+            self.captures_ok,
+            codes(&self.capture_errors)
+        )?;
         writeln!(f, "  registrations failed: {}", codes(&self.registrations_failed))?;
-        writeln!(f, "  pinning: {}; run took {:.2} s; engine waited {:.2} s for capture windows", self.pin_state, self.pin_seconds, self.capture_wait_seconds)?;
+        writeln!(
+            f,
+            "  pinning: {}; run took {:.2} s; engine waited {:.2} s for capture windows",
+            self.pin_state, self.pin_seconds, self.capture_wait_seconds
+        )?;
         write!(f, "  replay of the last graph: {}", self.replay)
     }
 }
@@ -120,11 +130,13 @@ fn count(v: &mut Vec<(Code, usize)>, c: Code) {
 
 /// Runs one design on `rt` over a fresh, untouched anonymous region.
 pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Result<IncidentReport, String> {
-    let mut map = memmap2::MmapMut::map_anon(cfg.region_bytes).map_err(|e| format!("mmap {} bytes: {e}", cfg.region_bytes))?;
+    let mut map =
+        memmap2::MmapMut::map_anon(cfg.region_bytes).map_err(|e| format!("mmap {} bytes: {e}", cfg.region_bytes))?;
     let base = map.as_mut_ptr() as usize;
     let chunk = cfg.chunk_bytes.min(cfg.region_bytes).max(1);
-    let chunks: Vec<(usize, usize)> =
-        (0..cfg.region_bytes.div_ceil(chunk)).map(|i| (base + i * chunk, chunk.min(cfg.region_bytes - i * chunk))).collect();
+    let chunks: Vec<(usize, usize)> = (0..cfg.region_bytes.div_ceil(chunk))
+        .map(|i| (base + i * chunk, chunk.min(cfg.region_bytes - i * chunk)))
+        .collect();
     // The offloaded data the graphs copy: the first 1 MiB (touching it
     // before pinning is what an engine's earlier stores would do).
     let probe = (1usize << 20).min(cfg.region_bytes);
@@ -157,7 +169,8 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
             (None, None, Some(h))
         }
         Design::Windowed | Design::Interleaved => {
-            let policy = if design == Design::Windowed { CapturePolicy::AfterPinning } else { CapturePolicy::Interleave };
+            let policy =
+                if design == Design::Windowed { CapturePolicy::AfterPinning } else { CapturePolicy::Interleave };
             let coord = Coordinator::new(policy, &chunks);
             let pf: Arc<dyn Prefault> = NoPrefault::shared();
             (Some(coord.clone()), Some(PinHandle::spawn(rt.clone(), coord, pf)), None)
@@ -167,9 +180,7 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
     // The engine: capture graphs back to back while pinning runs.
     let mut last: Option<Graph> = None;
     let mut wait = Duration::ZERO;
-    while report.captures < cfg.min_captures
-        || (report.captures < cfg.max_captures && !pin_done(&coord, &done))
-    {
+    while report.captures < cfg.min_captures || (report.captures < cfg.max_captures && !pin_done(&coord, &done)) {
         let tw = Instant::now();
         let window = match &coord {
             Some(c) => Some(c.open_window().map_err(|err| format!("capture window: {err}"))?),
@@ -202,8 +213,11 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
             for (_, c) in &failed {
                 count(&mut report.registrations_failed, *c);
             }
-            report.pin_state =
-                if failed.is_empty() { "Pinned".into() } else { format!("{} of {} chunks failed", failed.len(), chunks.len()) };
+            report.pin_state = if failed.is_empty() {
+                "Pinned".into()
+            } else {
+                format!("{} of {} chunks failed", failed.len(), chunks.len())
+            };
             chunks.iter().copied().filter(|(a, _)| !failed.iter().any(|(f, _)| f == a)).collect()
         }
         _ => Vec::new(),
@@ -222,7 +236,11 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
                     let mut out = vec![0u8; probe];
                     // SAFETY: `out` is a writable buffer of `probe` bytes.
                     unsafe { rt.copy_dtoh(out.as_mut_ptr() as usize, d, probe) }.map_err(e("read back"))?;
-                    if out[..] == map[..probe] { "verified".into() } else { "WRONG DATA".into() }
+                    if out[..] == map[..probe] {
+                        "verified".into()
+                    } else {
+                        "WRONG DATA".into()
+                    }
                 }
             };
             rt.graph_destroy(g).map_err(e("graph destroy"))?;

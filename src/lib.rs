@@ -29,5 +29,5 @@ pub mod region;
 pub mod run;
 pub mod runtime;
 pub mod sync;
-pub mod units;
 pub mod transfer;
+pub mod units;

@@ -21,7 +21,11 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         "mb" => 1_000_000,
         "gb" => 1_000_000_000,
         "tb" => 1_000_000_000_000,
-        other => return Err(format!("bad size {s:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB)")),
+        other => {
+            return Err(format!(
+                "bad size {s:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB)"
+            ))
+        }
     };
     let bytes = if let Ok(n) = num.parse::<u64>() {
         n.checked_mul(mult).ok_or_else(|| format!("bad size {s:?}: too large"))?

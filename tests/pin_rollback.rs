@@ -21,7 +21,9 @@ fn expected(code: Code, bytes: usize) -> PageableReason {
         Code::STREAM_CAPTURE_UNSUPPORTED => PageableReason::CaptureUnsupported,
         // 2 names the memlock limit instead where a finite limit is below
         // the region size (this machine's, whatever it is).
-        Code::OUT_OF_MEMORY => memlock::refine_with(PageableReason::OutOfMemory, bytes as u64, memlock::memlock_limit()),
+        Code::OUT_OF_MEMORY => {
+            memlock::refine_with(PageableReason::OutOfMemory, bytes as u64, memlock::memlock_limit())
+        }
         _ => unreachable!(),
     }
 }

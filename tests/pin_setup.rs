@@ -8,11 +8,11 @@ mod region_common;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use kvoffload::pin::{
-    prepare, HugePages, PinError, PinOptions, Prepared, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT,
-};
+use kvoffload::pin::{prepare, HugePages, PinError, PinOptions, Prepared, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT};
 use kvoffload::protocol::PinState;
-use kvoffload::region::{fs_available, page_size, AnonOptions, Layout, Region, RegionError, ShmOptions, DEFAULT_SHM_DIR};
+use kvoffload::region::{
+    fs_available, page_size, AnonOptions, Layout, Region, RegionError, ShmOptions, DEFAULT_SHM_DIR,
+};
 use kvoffload::runtime::sim::SimRuntime;
 use kvoffload::runtime::GpuRuntime;
 use pin_common::region;
@@ -31,10 +31,8 @@ fn defaults_are_documented_values() {
 #[test]
 fn zero_and_too_large_options_are_typed() {
     let (r, _) = region(2, 1 << 20);
-    let cases = [
-        (PinOptions::default().threads(0), "threads"),
-        (PinOptions::default().max_chunk_bytes(0), "max_chunk_bytes"),
-    ];
+    let cases =
+        [(PinOptions::default().threads(0), "threads"), (PinOptions::default().max_chunk_bytes(0), "max_chunk_bytes")];
     for (o, what) in cases {
         match Prepared::new(&r, &o) {
             Err(PinError::ZeroSize { what: w }) => assert_eq!(w, what),
@@ -181,7 +179,10 @@ fn shared_region_pinned_by_two_ranks_sees_both_ranks_writes() {
             let mut buf = vec![0u8; 4 * p];
             for c in 0..layout.num_rows() {
                 r.read_chunk(other, c, 0, &mut buf).unwrap();
-                assert!(buf.iter().all(|b| *b == (other * 16 + c) as u8 + 1), "rank {rank} reads rank {other}'s chunk {c}");
+                assert!(
+                    buf.iter().all(|b| *b == (other * 16 + c) as u8 + 1),
+                    "rank {rank} reads rank {other}'s chunk {c}"
+                );
             }
             barrier.wait();
             prep.coordinator().unregister_all(rt.as_ref()).unwrap();

@@ -30,13 +30,7 @@ fn sim_bench_verifies_every_row() {
         assert!(row.ratio.is_some());
     }
     // Auto: gather for small fragments, batched at 2 MiB (pinned, not capturing).
-    let auto = |size| {
-        r.rows
-            .iter()
-            .find(|x| x.choice == BackendChoice::Auto && x.size == size)
-            .unwrap()
-            .used
-    };
+    let auto = |size| r.rows.iter().find(|x| x.choice == BackendChoice::Auto && x.size == size).unwrap().used;
     assert_eq!(auto(16 << 10), Some(Backend::Gather));
     assert_eq!(auto(2 << 20), Some(Backend::Batched));
     let text = r.to_string();
@@ -49,17 +43,8 @@ fn sim_bench_verifies_every_row() {
 #[test]
 fn bad_config_is_refused() {
     let rt: Arc<dyn GpuRuntime> = Arc::new(SimRuntime::new());
-    let cfg = BenchConfig {
-        sizes: vec![12],
-        ..BenchConfig::sim_default()
-    };
-    assert!(run_bench(rt.clone(), &cfg, |_| {})
-        .unwrap_err()
-        .contains("multiple of 8"));
-    let cfg = BenchConfig {
-        sizes: vec![4 << 20],
-        total: 1 << 20,
-        ..BenchConfig::sim_default()
-    };
+    let cfg = BenchConfig { sizes: vec![12], ..BenchConfig::sim_default() };
+    assert!(run_bench(rt.clone(), &cfg, |_| {}).unwrap_err().contains("multiple of 8"));
+    let cfg = BenchConfig { sizes: vec![4 << 20], total: 1 << 20, ..BenchConfig::sim_default() };
     assert!(run_bench(rt, &cfg, |_| {}).unwrap_err().contains("larger than --total"));
 }

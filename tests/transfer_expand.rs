@@ -24,38 +24,24 @@ fn layout(shape: &Shape, host_base: usize, dev_base: u64, gaps: bool) -> (KvLayo
             let tensors = pages
                 .iter()
                 .map(|&p| {
-                    let t = TensorSpec {
-                        device_base: next,
-                        page_bytes: p,
-                    };
+                    let t = TensorSpec { device_base: next, page_bytes: p };
                     b.push(next);
                     next += (p * ng) as u64 + if gaps { 4096 } else { 0 };
                     t
                 })
                 .collect();
             bases.push(b);
-            GroupSpec {
-                tensors,
-                num_gpu_blocks: *ng,
-                num_host_blocks: *nh,
-            }
+            GroupSpec { tensors, num_gpu_blocks: *ng, num_host_blocks: *nh }
         })
         .collect();
-    (
-        KvLayout::new(&specs, shape.factor, host_base, shape.placement).unwrap(),
-        bases,
-    )
+    (KvLayout::new(&specs, shape.factor, host_base, shape.placement).unwrap(), bases)
 }
 
 fn reference(shape: &Shape, job: &JobBlocks, host_base: usize, bases: &[Vec<u64>]) -> Vec<Fragment> {
     shape
         .pages(job)
         .into_iter()
-        .map(|(g, t, gpu, off, p)| Fragment {
-            host: host_base + off,
-            device: bases[g][t] + (gpu * p) as u64,
-            bytes: p,
-        })
+        .map(|(g, t, gpu, off, p)| Fragment { host: host_base + off, device: bases[g][t] + (gpu * p) as u64, bytes: p })
         .collect()
 }
 
@@ -64,10 +50,7 @@ fn byte_map(frags: &[Fragment], host_base: usize) -> std::collections::BTreeMap<
     let mut m = std::collections::BTreeMap::new();
     for f in frags {
         for k in 0..f.bytes {
-            assert!(
-                m.insert(f.host - host_base + k, f.device + k as u64).is_none(),
-                "host byte written twice"
-            );
+            assert!(m.insert(f.host - host_base + k, f.device + k as u64).is_none(), "host byte written twice");
         }
     }
     m
@@ -150,14 +133,7 @@ fn large_runs_merge_across_blocks() {
     };
     let (l, bases) = layout(&shape, 1 << 30, 1 << 44, false);
     let e = l.expand(1, &JobBlocks::single((0..8).collect(), vec![0, 1])).unwrap();
-    assert_eq!(
-        e.fragments,
-        vec![Fragment {
-            host: 1 << 30,
-            device: bases[0][0],
-            bytes: 8 * 4096
-        }]
-    );
+    assert_eq!(e.fragments, vec![Fragment { host: 1 << 30, device: bases[0][0], bytes: 8 * 4096 }]);
 }
 
 #[test]
@@ -178,7 +154,11 @@ fn strided_blocks_sit_one_per_stride_and_refuse_a_short_stride() {
     assert_eq!(e.fragments.len(), 4);
     assert_eq!(e.fragments[0], Fragment { host: (1 << 30) + 2 * 16384, device: bases[0][0], bytes: 4096 });
     let short = kvoffload::transfer::KvLayout::new(
-        &[GroupSpec { tensors: vec![TensorSpec { device_base: 0, page_bytes: 4096 }; 2], num_gpu_blocks: 1, num_host_blocks: 1 }],
+        &[GroupSpec {
+            tensors: vec![TensorSpec { device_base: 0, page_bytes: 4096 }; 2],
+            num_gpu_blocks: 1,
+            num_host_blocks: 1,
+        }],
         1,
         0,
         HostPlacement::BlockStrided { stride: 4096 },

@@ -51,12 +51,7 @@ fn random_layouts(rt: &Arc<dyn GpuRuntime>, choice: BackendChoice, expect: Optio
 fn gpu_every_byte_every_backend() {
     let Some(rt) = gpu() else { return };
     println!("device: {}", rt.describe());
-    random_layouts(
-        &rt,
-        BackendChoice::Force(Backend::PerFragment),
-        Some(Backend::PerFragment),
-        11,
-    );
+    random_layouts(&rt, BackendChoice::Force(Backend::PerFragment), Some(Backend::PerFragment), 11);
     random_layouts(&rt, BackendChoice::Force(Backend::Batched), Some(Backend::Batched), 12);
     random_layouts(&rt, BackendChoice::Force(Backend::Gather), Some(Backend::Gather), 13);
     random_layouts(&rt, BackendChoice::Auto, None, 14);
@@ -68,10 +63,7 @@ fn gpu_gather_vector_and_byte_paths_at_kv_sizes() {
     // 32 KiB pages (vector path), and a 32 KiB + 8 page (byte path), many
     // fragments per block of the grid; plus a 3-entry table (many launches).
     for (page, entries) in [(32 << 10, 1 << 16), ((32 << 10) + 8, 1 << 16), (4096, 3)] {
-        let o = TransferOptions {
-            gather_table_entries: entries,
-            ..opts(BackendChoice::Force(Backend::Gather))
-        };
+        let o = TransferOptions { gather_table_entries: entries, ..opts(BackendChoice::Force(Backend::Gather)) };
         let mut rig = Rig::new(rt.clone(), simple(2, page, 24), o, Pin::Registered);
         let mut rng = Rng(page as u64);
         for dir in DIRS {
@@ -100,25 +92,15 @@ fn gpu_gather_never_runs_on_unregistered_memory() {
 fn gpu_store_is_ordered_after_compute() {
     let Some(rt) = gpu() else { return };
     let page = 1 << 20;
-    let mut rig = Rig::new(
-        rt.clone(),
-        simple(1, page, 8),
-        opts(BackendChoice::Auto),
-        Pin::Registered,
-    );
+    let mut rig = Rig::new(rt.clone(), simple(1, page, 8), opts(BackendChoice::Auto), Pin::Registered);
     rig.fill(1);
     let tensor = rig.tensors[0][0];
     // 50 ms of spinning, then the memset, on the compute stream; the store
     // must wait for both.
     rt.launch(Kernel::Spin { nanos: 50_000_000 }, rig.compute).unwrap();
     rt.memset_d8_async(tensor, 0xab, 8 * page, rig.compute).unwrap();
-    rig.engine()
-        .store(100, &JobBlocks::single((0..8).collect(), vec![7, 6, 5, 4, 3, 2, 1, 0]))
-        .unwrap();
+    rig.engine().store(100, &JobBlocks::single((0..8).collect(), vec![7, 6, 5, 4, 3, 2, 1, 0])).unwrap();
     rig.engine().wait(100).unwrap();
     assert!(rig.poll_until(100).iter().all(|r| r.succeeded()));
-    assert!(
-        rig.host[..8 * page].iter().all(|&b| b == 0xab),
-        "the store did not see the compute stream's memset"
-    );
+    assert!(rig.host[..8 * page].iter().all(|&b| b == 0xab), "the store did not see the compute stream's memset");
 }

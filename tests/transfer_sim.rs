@@ -31,11 +31,7 @@ fn random_layouts(choice: BackendChoice, expect: Option<Backend>, seed: u64) {
 
 #[test]
 fn every_byte_per_fragment() {
-    random_layouts(
-        BackendChoice::Force(Backend::PerFragment),
-        Some(Backend::PerFragment),
-        1,
-    );
+    random_layouts(BackendChoice::Force(Backend::PerFragment), Some(Backend::PerFragment), 1);
 }
 
 #[test]
@@ -64,10 +60,7 @@ fn gather_table_in_several_launches() {
     // 3-entry table, 40 scattered fragments: 14 upload+launch rounds.
     let (_s, rt) = sim();
     let shape = simple(2, 64, 40);
-    let o = TransferOptions {
-        gather_table_entries: 3,
-        ..opts(BackendChoice::Force(Backend::Gather))
-    };
+    let o = TransferOptions { gather_table_entries: 3, ..opts(BackendChoice::Force(Backend::Gather)) };
     let mut rig = Rig::new(rt, shape, o, Pin::Registered);
     let mut rng = Rng(9);
     for dir in DIRS {
@@ -97,50 +90,23 @@ fn gather_across_registration_chunks() {
 fn auto_choice_by_size_and_pin_state() {
     let (_s, rt) = sim();
     // Small scattered fragments on registered memory: gather.
-    let mut rig = Rig::new(
-        rt.clone(),
-        simple(1, 16 << 10, 8),
-        opts(BackendChoice::Auto),
-        Pin::Registered,
-    );
-    let r = rig.run_checked(
-        Direction::DeviceToHost,
-        &JobBlocks::single(vec![5, 1, 3], vec![0, 4, 2]),
-        1,
-    );
+    let mut rig = Rig::new(rt.clone(), simple(1, 16 << 10, 8), opts(BackendChoice::Auto), Pin::Registered);
+    let r = rig.run_checked(Direction::DeviceToHost, &JobBlocks::single(vec![5, 1, 3], vec![0, 4, 2]), 1);
     assert_eq!(r.backend, Backend::Gather);
     drop(rig);
     // Mid-size: batched.
-    let mut rig = Rig::new(
-        rt.clone(),
-        simple(1, 512 << 10, 3),
-        opts(BackendChoice::Auto),
-        Pin::Registered,
-    );
+    let mut rig = Rig::new(rt.clone(), simple(1, 512 << 10, 3), opts(BackendChoice::Auto), Pin::Registered);
     let r = rig.run_checked(Direction::HostToDevice, &JobBlocks::single(vec![2, 0], vec![0, 1]), 1);
     assert_eq!(r.backend, Backend::Batched);
     drop(rig);
     // A 2 MiB run after merging (contiguous on both sides): one batched copy.
-    let mut rig = Rig::new(
-        rt.clone(),
-        simple(1, 512 << 10, 4),
-        opts(BackendChoice::Auto),
-        Pin::Registered,
-    );
-    let r = rig.run_checked(
-        Direction::HostToDevice,
-        &JobBlocks::single(vec![0, 1, 2, 3], vec![0, 1, 2, 3]),
-        1,
-    );
+    let mut rig = Rig::new(rt.clone(), simple(1, 512 << 10, 4), opts(BackendChoice::Auto), Pin::Registered);
+    let r = rig.run_checked(Direction::HostToDevice, &JobBlocks::single(vec![0, 1, 2, 3], vec![0, 1, 2, 3]), 1);
     assert_eq!((r.backend, r.fragments), (Backend::Batched, 1));
     drop(rig);
     // Pageable memory: per-fragment whatever the size.
     let mut rig = Rig::new(rt, simple(1, 16 << 10, 8), opts(BackendChoice::Auto), Pin::Unregistered);
-    let r = rig.run_checked(
-        Direction::DeviceToHost,
-        &JobBlocks::single(vec![5, 1, 3], vec![0, 4, 2]),
-        1,
-    );
+    let r = rig.run_checked(Direction::DeviceToHost, &JobBlocks::single(vec![5, 1, 3], vec![0, 4, 2]), 1);
     assert_eq!(r.backend, Backend::PerFragment);
 }
 
@@ -163,22 +129,15 @@ fn gather_never_runs_on_memory_outside_the_coordinator() {
     // Host memory registered with the driver directly, but not a chunk of
     // the coordinator: no alias can be had, so no gather.
     let (s, rt) = sim();
-    let mut rig = Rig::new(
-        rt.clone(),
-        simple(1, 4096, 8),
-        opts(BackendChoice::Force(Backend::Gather)),
-        Pin::Registered,
-    );
+    let mut rig =
+        Rig::new(rt.clone(), simple(1, 4096, 8), opts(BackendChoice::Force(Backend::Gather)), Pin::Registered);
     // A second host buffer, registered behind the coordinator's back.
     let mut other = memmap2::MmapMut::map_anon(8 * 4096).unwrap();
     let addr = other.as_mut_ptr() as usize;
     // SAFETY: `other` stays mapped until it is unregistered below.
     unsafe { rt.host_register(addr, other.len()) }.unwrap();
     let spec = kvoffload::transfer::GroupSpec {
-        tensors: vec![kvoffload::transfer::TensorSpec {
-            device_base: rig.tensors[0][0],
-            page_bytes: 4096,
-        }],
+        tensors: vec![kvoffload::transfer::TensorSpec { device_base: rig.tensors[0][0], page_bytes: 4096 }],
         num_gpu_blocks: 8,
         num_host_blocks: 8,
     };
@@ -221,14 +180,7 @@ fn the_sim_faults_a_gather_kernel_on_unregistered_host_memory() {
     // SAFETY: `table` is readable for 24 bytes.
     unsafe { rt.copy_htod(dev + 4096, table.as_ptr() as usize, 24) }.unwrap();
     let st = rt.stream_create().unwrap();
-    rt.launch(
-        kvoffload::runtime::Kernel::Gather {
-            table: dev + 4096,
-            count: 1,
-        },
-        st,
-    )
-    .unwrap();
+    rt.launch(kvoffload::runtime::Kernel::Gather { table: dev + 4096, count: 1 }, st).unwrap();
     assert_eq!(rt.stream_synchronize(st).unwrap_err().code, Code::ILLEGAL_ADDRESS);
     assert_eq!(s.poisoned(), Some(Code::ILLEGAL_ADDRESS));
 }
@@ -236,12 +188,7 @@ fn the_sim_faults_a_gather_kernel_on_unregistered_host_memory() {
 #[test]
 fn store_is_ordered_after_compute() {
     let (s, rt) = sim();
-    let mut rig = Rig::new(
-        rt.clone(),
-        simple(1, 256, 4),
-        opts(BackendChoice::Auto),
-        Pin::Registered,
-    );
+    let mut rig = Rig::new(rt.clone(), simple(1, 256, 4), opts(BackendChoice::Auto), Pin::Registered);
     rig.fill(1);
     let tensor = rig.tensors[0][0];
     // A gate stream created after the engine's streams: the device visits
@@ -262,20 +209,12 @@ fn store_is_ordered_after_compute() {
     let store_stream = rig.engine().stream(Direction::DeviceToHost);
     // SAFETY: `control` lives until the stream is synchronized below.
     unsafe { rt.copy_dtoh_async(control.as_mut_ptr() as usize, tensor, 256, store_stream) }.unwrap();
-    rig.engine()
-        .store(100, &JobBlocks::single(vec![0, 1, 2, 3], vec![3, 2, 1, 0]))
-        .unwrap();
+    rig.engine().store(100, &JobBlocks::single(vec![0, 1, 2, 3], vec![3, 2, 1, 0])).unwrap();
     hold.release();
     rig.engine().wait(100).unwrap();
     assert!(rig.poll_until(100).iter().all(|r| r.succeeded()));
-    assert!(
-        control.iter().any(|&b| b != 0xab),
-        "the control copy ran after the memset: the test would prove nothing"
-    );
-    assert!(
-        rig.host[..4 * 256].iter().all(|&b| b == 0xab),
-        "the store did not see the compute stream's memset"
-    );
+    assert!(control.iter().any(|&b| b != 0xab), "the control copy ran after the memset: the test would prove nothing");
+    assert!(rig.host[..4 * 256].iter().all(|&b| b == 0xab), "the store did not see the compute stream's memset");
     rt.stream_synchronize(gate).unwrap();
     rt.stream_destroy(gate).unwrap();
     rt.event_destroy(gate_ev).unwrap();
@@ -285,12 +224,7 @@ fn store_is_ordered_after_compute() {
 #[test]
 fn results_in_submission_order_per_direction() {
     let (s, rt) = sim();
-    let mut rig = Rig::new(
-        rt.clone(),
-        simple(1, 128, 64),
-        opts(BackendChoice::Auto),
-        Pin::Registered,
-    );
+    let mut rig = Rig::new(rt.clone(), simple(1, 128, 64), opts(BackendChoice::Auto), Pin::Registered);
     rig.fill(2);
     let hold = s.hold(HoldPoint::DeviceOp);
     let mut want = [Vec::new(), Vec::new()];
@@ -325,34 +259,20 @@ fn results_in_submission_order_per_direction() {
 #[test]
 fn failed_enqueue_is_reported_failed_and_later_jobs_complete() {
     let (s, rt) = sim();
-    let mut rig = Rig::new(
-        rt.clone(),
-        simple(1, 128, 16),
-        opts(BackendChoice::Force(Backend::PerFragment)),
-        Pin::Registered,
-    );
+    let mut rig =
+        Rig::new(rt.clone(), simple(1, 128, 16), opts(BackendChoice::Force(Backend::PerFragment)), Pin::Registered);
     rig.fill(3);
     let hold = s.hold(HoldPoint::DeviceOp);
     // Job 1 runs (held on the device); job 2 fails at its second copy.
-    rig.engine()
-        .store(1, &JobBlocks::single(vec![0, 2], vec![0, 2]))
-        .unwrap();
+    rig.engine().store(1, &JobBlocks::single(vec![0, 2], vec![0, 2])).unwrap();
     hold.wait_entered();
-    s.inject(SimFault::Copy {
-        nth: 2,
-        code: Code::OUT_OF_MEMORY,
-    });
-    rig.engine()
-        .store(2, &JobBlocks::single(vec![4, 6, 8], vec![4, 6, 8]))
-        .unwrap();
+    s.inject(SimFault::Copy { nth: 2, code: Code::OUT_OF_MEMORY });
+    rig.engine().store(2, &JobBlocks::single(vec![4, 6, 8], vec![4, 6, 8])).unwrap();
     rig.engine().load(3, &JobBlocks::single(vec![10], vec![11])).unwrap();
     // Job 2 already failed but must not overtake job 1.
     assert!(rig.engine().poll_finished().is_empty());
     hold.release();
-    assert!(matches!(
-        rig.engine().wait(2),
-        Err(TransferError::JobFailed { id: 2, .. })
-    ));
+    assert!(matches!(rig.engine().wait(2), Err(TransferError::JobFailed { id: 2, .. })));
     rig.engine().wait_all().unwrap();
     let mut all = Vec::new();
     while all.len() < 3 {
@@ -374,11 +294,7 @@ fn typed_errors_for_bad_jobs() {
     let e = rig.engine();
     assert!(matches!(
         e.store(1, &JobBlocks::single(vec![8], vec![0])),
-        Err(TransferError::GpuBlockOutOfRange {
-            block: 8,
-            num_blocks: 8,
-            ..
-        })
+        Err(TransferError::GpuBlockOutOfRange { block: 8, num_blocks: 8, .. })
     ));
     assert!(matches!(
         e.store(1, &JobBlocks::single(vec![0], vec![9])),
@@ -392,23 +308,14 @@ fn typed_errors_for_bad_jobs() {
         e.load(1, &JobBlocks::single(vec![2, 3], vec![1, 1])),
         Err(TransferError::RepeatedHostBlock { block: 1, .. })
     ));
-    assert!(matches!(
-        e.load(1, &JobBlocks::single(vec![], vec![])),
-        Err(TransferError::EmptyJob { id: 1 })
-    ));
+    assert!(matches!(e.load(1, &JobBlocks::single(vec![], vec![])), Err(TransferError::EmptyJob { id: 1 })));
     // Refused jobs do not use up their id.
     e.store(1, &JobBlocks::single(vec![0], vec![0])).unwrap();
-    assert_eq!(
-        e.load(1, &JobBlocks::single(vec![1], vec![1])),
-        Err(TransferError::JobIdReused { id: 1 })
-    );
+    assert_eq!(e.load(1, &JobBlocks::single(vec![1], vec![1])), Err(TransferError::JobIdReused { id: 1 }));
     e.wait(1).unwrap();
     while e.poll_finished().is_empty() {}
     // Still refused after the first job with that id was reported.
-    assert_eq!(
-        e.store(1, &JobBlocks::single(vec![1], vec![1])),
-        Err(TransferError::JobIdReused { id: 1 })
-    );
+    assert_eq!(e.store(1, &JobBlocks::single(vec![1], vec![1])), Err(TransferError::JobIdReused { id: 1 }));
     assert_eq!(e.wait(1), Err(TransferError::UnknownJob { id: 1 }));
     assert_eq!(e.wait(77), Err(TransferError::UnknownJob { id: 77 }));
 }
@@ -433,9 +340,7 @@ fn shutdown_waits_for_jobs_then_refuses_new_ones() {
     let (s, rt) = sim();
     let rig = Rig::new(rt, simple(1, 64, 8), opts(BackendChoice::Auto), Pin::Registered);
     let hold = s.hold(HoldPoint::DeviceOp);
-    rig.engine()
-        .store(1, &JobBlocks::single(vec![0, 1], vec![2, 3]))
-        .unwrap();
+    rig.engine().store(1, &JobBlocks::single(vec![0, 1], vec![2, 3])).unwrap();
     hold.wait_entered();
     let coord = rig.coord.clone();
     let c2 = coord.clone();
@@ -450,31 +355,22 @@ fn shutdown_waits_for_jobs_then_refuses_new_ones() {
     let r = rig.poll_until(1);
     assert!(r[0].succeeded());
     t.join().unwrap().unwrap();
-    assert_eq!(
-        rig.engine().store(2, &JobBlocks::single(vec![0], vec![0])),
-        Err(TransferError::ShutDown { id: 2 })
-    );
+    assert_eq!(rig.engine().store(2, &JobBlocks::single(vec![0], vec![0])), Err(TransferError::ShutDown { id: 2 }));
     rig.coord.unregister_all(&*rig.rt).unwrap();
 }
 
 #[test]
 fn batched_copy_is_never_issued_on_a_capturing_stream() {
     let (s, rt) = sim();
-    let mut rig = Rig::new(
-        rt.clone(),
-        simple(1, 4096, 8),
-        opts(BackendChoice::Force(Backend::Batched)),
-        Pin::Registered,
-    );
+    let mut rig =
+        Rig::new(rt.clone(), simple(1, 4096, 8), opts(BackendChoice::Force(Backend::Batched)), Pin::Registered);
     rig.fill(5);
     let host_copy = rig.host.to_vec();
     let stream = rig.engine().stream(Direction::HostToDevice);
     // The load stream joins a capture (as it would by waiting on an event
     // of a capturing compute stream on the real driver).
     rt.begin_capture(stream, CaptureMode::Relaxed).unwrap();
-    rig.engine()
-        .load(1, &JobBlocks::single(vec![1, 5, 3], vec![4, 0, 6]))
-        .unwrap();
+    rig.engine().load(1, &JobBlocks::single(vec![1, 5, 3], vec![4, 0, 6])).unwrap();
     let graph = rt.end_capture(stream).expect("capture stays valid");
     rt.graph_launch(graph, stream).unwrap();
     rt.stream_synchronize(stream).unwrap();
@@ -482,10 +378,7 @@ fn batched_copy_is_never_issued_on_a_capturing_stream() {
     assert_eq!(r[0].backend, Backend::PerFragment);
     let dev = rig.device_snapshot();
     for (gpu, host) in [(1usize, 4usize), (5, 0), (3, 6)] {
-        assert_eq!(
-            dev[0][0][gpu * 4096..(gpu + 1) * 4096],
-            host_copy[host * 4096..(host + 1) * 4096]
-        );
+        assert_eq!(dev[0][0][gpu * 4096..(gpu + 1) * 4096], host_copy[host * 4096..(host + 1) * 4096]);
     }
     rt.graph_destroy(graph).unwrap();
     assert_eq!(s.poisoned(), None);
@@ -494,12 +387,7 @@ fn batched_copy_is_never_issued_on_a_capturing_stream() {
 #[test]
 fn poll_during_an_open_capture_window_queries_no_event() {
     let (s, rt) = sim();
-    let mut rig = Rig::new(
-        rt.clone(),
-        simple(1, 256, 16),
-        opts(BackendChoice::Auto),
-        Pin::Registered,
-    );
+    let mut rig = Rig::new(rt.clone(), simple(1, 256, 16), opts(BackendChoice::Auto), Pin::Registered);
     rig.fill(6);
     let (opened_tx, opened_rx) = std::sync::mpsc::channel();
     let (close_tx, close_rx) = std::sync::mpsc::channel::<()>();
@@ -525,9 +413,7 @@ fn poll_during_an_open_capture_window_queries_no_event() {
     });
     opened_rx.recv().unwrap();
     // Submitting is capture-safe; polling must not query events now.
-    rig.engine()
-        .store(1, &JobBlocks::single(vec![1, 2], vec![3, 4]))
-        .unwrap();
+    rig.engine().store(1, &JobBlocks::single(vec![1, 2], vec![3, 4])).unwrap();
     rig.engine().load(2, &JobBlocks::single(vec![5], vec![6])).unwrap();
     // Both jobs have completed on the device: a poll that queried events
     // would report them now.
@@ -536,10 +422,7 @@ fn poll_during_an_open_capture_window_queries_no_event() {
         assert!(rig.engine().poll_finished().is_empty());
     }
     close_tx.send(()).unwrap();
-    assert!(
-        engine_thread.join().unwrap(),
-        "the engine's GLOBAL capture was invalidated"
-    );
+    assert!(engine_thread.join().unwrap(), "the engine's GLOBAL capture was invalidated");
     let r = rig.poll_until(2);
     assert!(r.iter().all(|r| r.succeeded()));
     assert_eq!(s.poisoned(), None);
@@ -553,9 +436,7 @@ fn wait_inside_own_window_is_a_typed_error() {
     let w = rig.coord.open_window().unwrap();
     assert_eq!(
         rig.engine().wait(1),
-        Err(TransferError::Protocol(ProtocolError::WouldDeadlock {
-            what: "waiting for a transfer"
-        }))
+        Err(TransferError::Protocol(ProtocolError::WouldDeadlock { what: "waiting for a transfer" }))
     );
     assert!(rig.engine().poll_finished().is_empty());
     drop(w);

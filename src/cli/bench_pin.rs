@@ -60,15 +60,18 @@ pub fn run(a: PinArgs) -> Result<i32, String> {
     cfg.validate()?;
     let rt = open(a.backend)?;
 
-    let style = indicatif::ProgressStyle::with_template("{prefix:<62} [{bar:30}] {bytes:>10}/{total_bytes:<10} {elapsed_precise}")
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-        .progress_chars("=> ");
+    let style = indicatif::ProgressStyle::with_template(
+        "{prefix:<62} [{bar:30}] {bytes:>10}/{total_bytes:<10} {elapsed_precise}",
+    )
+    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+    .progress_chars("=> ");
     let current: kvoffload::sync::Mutex<Option<indicatif::ProgressBar>> = kvoffload::sync::Mutex::new(None);
     let progress = |p: Progress| {
         let mut cur = current.lock().unwrap_or_else(|e| e.into_inner());
         match p {
             Progress::Start { label, bytes } => {
-                let bar = indicatif::ProgressBar::with_draw_target(Some(bytes), indicatif::ProgressDrawTarget::stderr());
+                let bar =
+                    indicatif::ProgressBar::with_draw_target(Some(bytes), indicatif::ProgressDrawTarget::stderr());
                 bar.set_style(style.clone());
                 bar.set_prefix(label);
                 bar.enable_steady_tick(std::time::Duration::from_millis(200));

@@ -2,7 +2,6 @@
 //! for every copy backend and the automatic choice, data checked after
 //! every run (library side: [`kvoffload::transfer::bench`]).
 
-
 use super::backend::{open, BackendArg};
 use kvoffload::transfer::bench::{parse_size, run_bench, BenchConfig};
 use kvoffload::transfer::{Backend, BackendChoice};
@@ -47,11 +46,7 @@ pub struct TransferArgs {
 /// Runs the bench; exit status 1 when any run's data was wrong.
 pub fn run(a: TransferArgs) -> Result<i32, String> {
     let rt = open(a.backend)?;
-    let mut cfg = if rt.backend() == "sim" {
-        BenchConfig::sim_default()
-    } else {
-        BenchConfig::gpu_default()
-    };
+    let mut cfg = if rt.backend() == "sim" { BenchConfig::sim_default() } else { BenchConfig::gpu_default() };
     cfg.sizes = a.sizes.iter().map(|s| parse_size(s)).collect::<Result<_, _>>()?;
     if let Some(t) = &a.total {
         cfg.total = parse_size(t)?;

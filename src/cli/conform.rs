@@ -1,6 +1,5 @@
 //! `kvoffload conform`: the conformance table.
 
-
 use clap::ValueEnum;
 use kvoffload::conform::{self, Backend};
 

@@ -58,7 +58,9 @@ pub fn run(a: Args) -> Result<i32, String> {
             Design::Upstream if r.clean() => {
                 println!("  note: no registration landed inside a capture this time (the race is timing-dependent)")
             }
-            Design::Upstream => println!("  => the seed's failure: captures invalidated by the background registration"),
+            Design::Upstream => {
+                println!("  => the seed's failure: captures invalidated by the background registration")
+            }
             _ => ours_clean &= r.clean(),
         }
     }

@@ -291,7 +291,11 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
                 let _ = children[r].kill();
                 statuses[r] = children[r].wait().ok();
                 killed[r] = true;
-                bars.println(&format!("rank {r}: SIGKILL at {} (as asked), {:.2} s into the run", field(&line, "at").unwrap_or("?"), t0.elapsed().as_secs_f64()));
+                bars.println(&format!(
+                    "rank {r}: SIGKILL at {} (as asked), {:.2} s into the run",
+                    field(&line, "at").unwrap_or("?"),
+                    t0.elapsed().as_secs_f64()
+                ));
             } else if let Some(Some(s)) = stdins.get_mut(r) {
                 let _ = writeln!(s);
             }
@@ -307,7 +311,9 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
                 Err(e) => errors[r] = Some(format!("unreadable result: {e}")),
             }
         } else if line.starts_with(report::ERROR) {
-            errors[r] = Some(line.split_once(' ').and_then(|(_, m)| m.split_once(' ')).map_or(line.clone(), |(_, m)| m.to_string()));
+            errors[r] = Some(
+                line.split_once(' ').and_then(|(_, m)| m.split_once(' ')).map_or(line.clone(), |(_, m)| m.to_string()),
+            );
         } else if line.starts_with(report::NOTE) {
             let msg = line.split_once(' ').map_or(line.as_str(), |(_, m)| m).to_string();
             bars.println(&format!("note: {msg}"));
@@ -431,7 +437,13 @@ fn print_rank(r: &RankReport, lat: &Latencies) {
     );
     println!(
         "  blocks: {} verified ({} in the final sweep), {} corrupted, {} lost; jobs failed: {} ({} stores, {} loads)",
-        r.blocks_verified, r.sweep_blocks, r.blocks_corrupted, r.blocks_lost, r.jobs_failed, r.stores_failed, r.loads_failed
+        r.blocks_verified,
+        r.sweep_blocks,
+        r.blocks_corrupted,
+        r.blocks_lost,
+        r.jobs_failed,
+        r.stores_failed,
+        r.loads_failed
     );
 }
 
@@ -493,9 +505,11 @@ struct Bars {
 impl Bars {
     fn new(ranks: usize) -> Self {
         let multi = indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::stderr());
-        let style = indicatif::ProgressStyle::with_template("rank {prefix:<3} {msg:<10} [{bar:30}] {pos:>7}/{len:<7} {elapsed_precise}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-            .progress_chars("=> ");
+        let style = indicatif::ProgressStyle::with_template(
+            "rank {prefix:<3} {msg:<10} [{bar:30}] {pos:>7}/{len:<7} {elapsed_precise}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> ");
         let bars = (0..ranks)
             .map(|r| {
                 let b = multi.add(indicatif::ProgressBar::new(0));

@@ -401,7 +401,13 @@ fn describe(c: &RunConfig) -> String {
 }
 
 /// Runs one pipeline configuration on fresh memory.
-pub fn pipeline(rt: &dyn GpuRuntime, size: usize, group: Group, c: &RunConfig, progress: &(dyn Fn(Progress) + Sync)) -> Row {
+pub fn pipeline(
+    rt: &dyn GpuRuntime,
+    size: usize,
+    group: Group,
+    c: &RunConfig,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Row {
     let label = describe(c);
     let mut row = Row::empty(group, label.clone(), Some(c.clone()), 0);
     let region = match fresh_region(size) {
@@ -411,11 +417,8 @@ pub fn pipeline(rt: &dyn GpuRuntime, size: usize, group: Group, c: &RunConfig, p
             return row;
         }
     };
-    let opts = PinOptions::default()
-        .threads(c.threads)
-        .huge_pages(c.huge_pages)
-        .max_chunk_bytes(c.chunk)
-        .prefault(c.prefault);
+    let opts =
+        PinOptions::default().threads(c.threads).huge_pages(c.huge_pages).max_chunk_bytes(c.chunk).prefault(c.prefault);
     progress(Progress::Start { label, bytes: size as u64 });
     let t = Instant::now();
     let prepared = match Prepared::new(&region, &opts) {
@@ -506,7 +509,11 @@ pub fn plan(cfg: &BenchConfig) -> (RunConfig, Vec<RunConfig>, Vec<String>) {
 }
 
 /// Runs the whole bench on `rt`.
-pub fn run(rt: &dyn GpuRuntime, cfg: &BenchConfig, progress: &(dyn Fn(Progress) + Sync)) -> Result<PinBenchReport, String> {
+pub fn run(
+    rt: &dyn GpuRuntime,
+    cfg: &BenchConfig,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<PinBenchReport, String> {
     cfg.validate()?;
     let wall = Instant::now();
     let (defaults, sweep, skipped) = plan(cfg);
@@ -583,7 +590,11 @@ impl fmt::Display for PinBenchReport {
         )?;
         writeln!(f, "defaults (b): {}, pipelined", describe(&self.defaults).trim_end_matches(", NOT pipelined"))?;
         match self.warmup_s {
-            Some(w) => writeln!(f, "warm-up: {} mapped, pre-faulted and unmapped once before measuring ({w:.2} s)", fmt_bytes(self.size))?,
+            Some(w) => writeln!(
+                f,
+                "warm-up: {} mapped, pre-faulted and unmapped once before measuring ({w:.2} s)",
+                fmt_bytes(self.size)
+            )?,
             None => writeln!(f, "warm-up: none (the first run may pay for memory used for the first time)")?,
         }
         if self.backend == "sim" {
@@ -615,7 +626,9 @@ impl fmt::Display for PinBenchReport {
                 Some(c) if c.huge_pages != HugePages::Off && !r.huge_pages => " (huge-page advice refused)",
                 _ => "",
             };
-            let thp = r.thp_bytes.map_or("-".to_string(), |b| format!("{:.0}", (b as f64 * 100.0 / self.size as f64).min(100.0)));
+            let thp = r
+                .thp_bytes
+                .map_or("-".to_string(), |b| format!("{:.0}", (b as f64 * 100.0 / self.size as f64).min(100.0)));
             writeln!(
                 f,
                 "{:<4} {:<62} {:>6} {:>9.3} {:>8.2} {:>12} {:>10} {:>13} {:>5}  {}{}",
@@ -660,7 +673,10 @@ impl fmt::Display for PinBenchReport {
                 )?;
             }
             (Some(a), Some(b), Some(ratio)) => {
-                writeln!(f, "(a) {a:.2} GB/s, (b) {b:.2} GB/s: b/a = {ratio:.2}x (not meaningful on the simulated GPU)")?;
+                writeln!(
+                    f,
+                    "(a) {a:.2} GB/s, (b) {b:.2} GB/s: b/a = {ratio:.2}x (not meaningful on the simulated GPU)"
+                )?;
             }
             _ => writeln!(f, "b/a: not available (a run failed)")?,
         }
@@ -688,7 +704,11 @@ mod tests {
         let (d, sweep, skipped) = plan(&cfg);
         assert_eq!(d.threads, 16);
         assert!(sweep.len() >= 8 && sweep.len() <= 11, "{} runs", sweep.len());
-        assert!(!sweep.iter().any(|c| c.threads == 16 && c.huge_pages == HugePages::On && c.chunk == d.chunk && c.pipelined && c.prefault == PrefaultMode::Populate));
+        assert!(!sweep.iter().any(|c| c.threads == 16
+            && c.huge_pages == HugePages::On
+            && c.chunk == d.chunk
+            && c.pipelined
+            && c.prefault == PrefaultMode::Populate));
         assert!(!skipped.is_empty());
         cfg.quick = true;
         assert!(plan(&cfg).1.is_empty());

@@ -29,7 +29,9 @@ pub struct NoPrefault;
 impl NoPrefault {
     /// As a shared trait object, ready for [`PinHandle::spawn`].
     pub fn shared() -> Arc<dyn Prefault> {
-        crate::sync::arc_dyn(NoPrefault, |a: crate::sync::StdArc<NoPrefault>| -> crate::sync::StdArc<dyn Prefault> { a })
+        crate::sync::arc_dyn(NoPrefault, |a: crate::sync::StdArc<NoPrefault>| -> crate::sync::StdArc<dyn Prefault> {
+            a
+        })
     }
 }
 
@@ -148,7 +150,13 @@ fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault)
                 done_bytes += len as u64;
                 let secs = started.elapsed().as_secs_f64();
                 let gbps = if secs > 0.0 { done_bytes as f64 / secs / 1e9 } else { 0.0 };
-                tracing::info!(done = i + 1, of = n, bytes = done_bytes, gbps = format_args!("{gbps:.2}"), "chunk registered");
+                tracing::info!(
+                    done = i + 1,
+                    of = n,
+                    bytes = done_bytes,
+                    gbps = format_args!("{gbps:.2}"),
+                    "chunk registered"
+                );
             }
             Ok(Err(e)) => {
                 tracing::warn!(chunk = i, error = %e, "registration failed; rolling back to pageable memory");

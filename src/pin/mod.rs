@@ -11,14 +11,14 @@
 //!   region pageable with a typed [`PageableReason`](crate::protocol::PageableReason).
 //! - `bench` (not under loom): `kvoffload bench pin`.
 
+#[cfg(not(loom))]
+pub mod bench;
 mod engine;
 pub mod memlock;
 pub mod options;
 pub mod prefault;
 #[cfg(not(loom))]
 mod setup;
-#[cfg(not(loom))]
-pub mod bench;
 
 pub use engine::{pin_all, pin_all_agreed, Agreement, NoPrefault, PinHandle, Prefault};
 pub use options::{

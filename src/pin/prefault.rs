@@ -346,7 +346,11 @@ unsafe fn touch(chunk: usize, addr: usize, len: usize, step: usize, fill_holes: 
 /// # Safety
 /// The slice is a live, readable and writable mapping; its start is page
 /// aligned.
-unsafe fn run_slice(cfg: &PrefaultConfig, populate: Populate, s: &Slice) -> (Result<(), PrefaultError>, Option<Populate>) {
+unsafe fn run_slice(
+    cfg: &PrefaultConfig,
+    populate: Populate,
+    s: &Slice,
+) -> (Result<(), PrefaultError>, Option<Populate>) {
     let step = if cfg.huge_pages { HUGE_PAGE_BYTES.max(page_size()) } else { page_size() };
     let fill = step > page_size();
     // SAFETY (both touch calls): the caller's contract for the slice.
@@ -377,7 +381,11 @@ unsafe fn run_slice(cfg: &PrefaultConfig, populate: Populate, s: &Slice) -> (Res
 ///
 /// # Safety
 /// As for [`run_slice`].
-unsafe fn run_slice_caught(cfg: &PrefaultConfig, populate: Populate, s: &Slice) -> (Result<(), PrefaultError>, Option<Populate>) {
+unsafe fn run_slice_caught(
+    cfg: &PrefaultConfig,
+    populate: Populate,
+    s: &Slice,
+) -> (Result<(), PrefaultError>, Option<Populate>) {
     // SAFETY: forwarded contract.
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { run_slice(cfg, populate, s) })) {
         Ok(r) => r,
@@ -413,7 +421,14 @@ fn probe_populate() -> Populate {
     let page = page_size();
     // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
     let p = unsafe {
-        libc::mmap(std::ptr::null_mut(), page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        libc::mmap(
+            std::ptr::null_mut(),
+            page,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
     };
     if p == libc::MAP_FAILED {
         tracing::debug!(error = %io::Error::last_os_error(), "MADV_POPULATE_WRITE probe: mmap failed");
@@ -695,7 +710,8 @@ mod tests {
     #[test]
     fn misaligned_address_is_typed() {
         // SAFETY: the address is rejected before any access.
-        let pf = unsafe { Prefaulter::new(PrefaultConfig { threads: 2, mode: PrefaultMode::Populate, huge_pages: false }) };
+        let pf =
+            unsafe { Prefaulter::new(PrefaultConfig { threads: 2, mode: PrefaultMode::Populate, huge_pages: false }) };
         let e = pf.ensure_typed(3, 0x1001, 4096).unwrap_err();
         assert_eq!(e, PrefaultError::Misaligned { chunk: 3, addr: 0x1001, page: page_size() });
         assert!(e.to_string().contains("0x1001"), "{e}");
@@ -714,12 +730,15 @@ mod tests {
         // SAFETY: fd is the memfd just created.
         assert_eq!(unsafe { libc::ftruncate(fd, page as libc::off_t) }, 0);
         // SAFETY: a new shared mapping of the memfd; nothing else is affected.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), 4 * page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), 4 * page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        };
         assert_ne!(p, libc::MAP_FAILED);
         // SAFETY: Populate mode on a kernel with MADV_POPULATE_WRITE never
         // dereferences (checked just below; otherwise the test stops before
         // any ensure, as touching past the end of the file would SIGBUS).
-        let pf = unsafe { Prefaulter::new(PrefaultConfig { threads: 2, mode: PrefaultMode::Populate, huge_pages: false }) };
+        let pf =
+            unsafe { Prefaulter::new(PrefaultConfig { threads: 2, mode: PrefaultMode::Populate, huge_pages: false }) };
         if pf.stats().populate_write == Some(true) {
             pf.ensure_typed(0, p as usize, page).unwrap();
             match pf.ensure_typed(1, p as usize, 4 * page) {

@@ -70,7 +70,12 @@ pub enum AgreementError {
 
 /// Publishes this rank's outcome (`pinned`), waits until every rank has
 /// settled (or one died, or `timeout` passed), and returns the common mode.
-pub fn agree(slots: &dyn RankSlots, rank: usize, pinned: bool, timeout: Option<Duration>) -> Result<OffloadMode, AgreementError> {
+pub fn agree(
+    slots: &dyn RankSlots,
+    rank: usize,
+    pinned: bool,
+    timeout: Option<Duration>,
+) -> Result<OffloadMode, AgreementError> {
     let ranks = slots.ranks();
     if rank >= ranks {
         return Err(AgreementError::RankOutOfRange { rank, ranks });
@@ -82,7 +87,8 @@ pub fn agree(slots: &dyn RankSlots, rank: usize, pinned: bool, timeout: Option<D
         let words: Vec<u32> = (0..ranks).map(|r| slots.load(r)).collect();
         let waiting: Vec<usize> = (0..ranks).filter(|&r| words[r] == UNSETTLED).collect();
         if waiting.is_empty() {
-            let mode = if words.iter().all(|&w| w == SETTLED_PINNED) { OffloadMode::Pinned } else { OffloadMode::Pageable };
+            let mode =
+                if words.iter().all(|&w| w == SETTLED_PINNED) { OffloadMode::Pinned } else { OffloadMode::Pageable };
             tracing::info!(rank, ?mode, "ranks agreed");
             return Ok(mode);
         }

@@ -129,15 +129,16 @@ impl State {
         if self.variant == Variant::NoCaptureWindow {
             return true;
         }
-        self.unsafe_in_flight == 0 && self.window_could_open() && (self.unsafe_waiting == 0 || self.turn == Turn::Window)
+        self.unsafe_in_flight == 0
+            && self.window_could_open()
+            && (self.unsafe_waiting == 0 || self.turn == Turn::Window)
     }
 
     fn unsafe_may_start(&self) -> bool {
         if self.variant == Variant::NoCaptureWindow {
             return true;
         }
-        self.windows_open == 0
-            && (self.windows_waiting == 0 || !self.window_could_open() || self.turn == Turn::Library)
+        self.windows_open == 0 && (self.windows_waiting == 0 || !self.window_could_open() || self.turn == Turn::Library)
     }
 
     fn owns_window(&self, me: thread::ThreadId) -> bool {

@@ -189,7 +189,11 @@ impl RunConfig {
         }
         if let Some(r) = self.fault_rank {
             if r >= self.ranks {
-                return Err(ConfigError::TooLarge { what: "fault-rank", value: r as u64, limit: self.ranks as u64 - 1 });
+                return Err(ConfigError::TooLarge {
+                    what: "fault-rank",
+                    value: r as u64,
+                    limit: self.ranks as u64 - 1,
+                });
             }
         }
         if self.fault_copy_every == Some(0) {
@@ -202,8 +206,11 @@ impl RunConfig {
             return Err(ConfigError::Zero { what: "pin-threads" });
         }
         let overflow = || ConfigError::Other("the block size overflows (layers x page-bytes x block-factor)".into());
-        let block_bytes =
-            self.layers.checked_mul(self.page_bytes).and_then(|b| b.checked_mul(self.block_factor)).ok_or_else(overflow)?;
+        let block_bytes = self
+            .layers
+            .checked_mul(self.page_bytes)
+            .and_then(|b| b.checked_mul(self.block_factor))
+            .ok_or_else(overflow)?;
         let page = page_size();
         let slot_bytes = block_bytes.checked_next_multiple_of(page).ok_or_else(overflow)?;
         let row = slot_bytes.checked_mul(self.ranks).ok_or_else(overflow)?;

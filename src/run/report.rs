@@ -105,7 +105,13 @@ impl RankReport {
         let _ = write!(s, " load_bytes={} load_secs={}", self.load.bytes, self.load.seconds);
         // Free-text fields last, spaces replaced.
         let esc = |v: &str| v.replace(' ', "_");
-        let _ = write!(s, " backend={} pin_state={} agreement={}", esc(&self.backend), esc(&self.pin_state), esc(&self.agreement));
+        let _ = write!(
+            s,
+            " backend={} pin_state={} agreement={}",
+            esc(&self.backend),
+            esc(&self.pin_state),
+            esc(&self.agreement)
+        );
         s
     }
 
@@ -183,7 +189,8 @@ impl RankReport {
 pub fn parse_latency_line(line: &str, into: &mut Latencies) -> Result<usize, String> {
     let rest = line.strip_prefix(LATENCY).ok_or_else(|| format!("not a latency line: {line:?}"))?.trim();
     let (rank, samples) = rest.split_once(' ').unwrap_or((rest, ""));
-    let rank = rank.strip_prefix("rank=").and_then(|r| r.parse().ok()).ok_or_else(|| format!("bad rank in {line:?}"))?;
+    let rank =
+        rank.strip_prefix("rank=").and_then(|r| r.parse().ok()).ok_or_else(|| format!("bad rank in {line:?}"))?;
     for v in samples.split(',').filter(|v| !v.is_empty()) {
         let us: f64 = v.parse().map_err(|_| format!("bad latency {v:?}"))?;
         into.push_secs(us / 1e6);

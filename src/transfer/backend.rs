@@ -158,13 +158,7 @@ pub(crate) unsafe fn gather(rt: &dyn GpuRuntime, table: GatherTable, staging: &[
         // SAFETY: `piece` lives until the job completes (caller's contract),
         // and `table` holds `table.entries` entries, at least this piece.
         unsafe { rt.copy_htod_async(table.ptr, piece.as_ptr() as usize, piece.len() * 8, s) }?;
-        rt.launch(
-            Kernel::Gather {
-                table: table.ptr,
-                count,
-            },
-            s,
-        )?;
+        rt.launch(Kernel::Gather { table: table.ptr, count }, s)?;
     }
     Ok(())
 }

@@ -72,11 +72,7 @@ impl BenchConfig {
 
     /// Defaults for the simulated GPU: 8 MiB per run, so it ends in seconds.
     pub fn sim_default() -> Self {
-        BenchConfig {
-            total: 8 << 20,
-            chunk_bytes: 2 << 20,
-            ..Self::gpu_default()
-        }
+        BenchConfig { total: 8 << 20, chunk_bytes: 2 << 20, ..Self::gpu_default() }
     }
 
     /// Checks sizes and counts; the error names the value and the limit.
@@ -89,11 +85,7 @@ impl BenchConfig {
                 return Err(format!("fragment size {s} is not a positive multiple of 8 bytes"));
             }
             if s > self.total {
-                return Err(format!(
-                    "fragment size {} is larger than --total {}",
-                    human(s),
-                    human(self.total)
-                ));
+                return Err(format!("fragment size {} is larger than --total {}", human(s), human(self.total)));
             }
         }
         if self.total == 0 || self.total % 8 != 0 {
@@ -103,10 +95,7 @@ impl BenchConfig {
             return Err("repeats must be at least 1".into());
         }
         if self.chunk_bytes == 0 || self.chunk_bytes % 4096 != 0 {
-            return Err(format!(
-                "chunk size {} is not a positive multiple of 4096",
-                self.chunk_bytes
-            ));
+            return Err(format!("chunk size {} is not a positive multiple of 4096", self.chunk_bytes));
         }
         if self.options.gather_table_entries == 0 {
             return Err("the gather table needs at least 1 entry".into());
@@ -239,17 +228,11 @@ impl Buffers {
         host.fill(0);
         let base = host.as_ptr() as usize;
         let chunks: Vec<(usize, usize)> = (0..cfg.total.div_ceil(cfg.chunk_bytes))
-            .map(|i| {
-                (
-                    base + i * cfg.chunk_bytes,
-                    cfg.chunk_bytes.min(cfg.total - i * cfg.chunk_bytes),
-                )
-            })
+            .map(|i| (base + i * cfg.chunk_bytes, cfg.chunk_bytes.min(cfg.total - i * cfg.chunk_bytes)))
             .collect();
         let coord = Coordinator::new(CapturePolicy::AfterPinning, &chunks);
-        let device = rt
-            .mem_alloc(cfg.total)
-            .map_err(|e| format!("allocating {} of device memory: {e}", human(cfg.total)))?;
+        let device =
+            rt.mem_alloc(cfg.total).map_err(|e| format!("allocating {} of device memory: {e}", human(cfg.total)))?;
         let compute = match rt.stream_create() {
             Ok(s) => s,
             Err(e) => {
@@ -259,14 +242,7 @@ impl Buffers {
                 return Err(e.to_string());
             }
         };
-        let b = Buffers {
-            rt,
-            coord,
-            host,
-            scratch: vec![0u64; cfg.total / 8],
-            device,
-            compute,
-        };
+        let b = Buffers { rt, coord, host, scratch: vec![0u64; cfg.total / 8], device, compute };
         let pin = pin_all(&*b.rt, &b.coord, &NoPrefault);
         if pin != PinState::Pinned {
             tracing::warn!(?pin, "bench: host buffer not pinned; gather and batched rows fall back");
@@ -311,12 +287,7 @@ pub fn run_bench(
     let mut b = Buffers::new(rt.clone(), cfg)?;
     let pin = b.coord.pin_state();
     let mut choices = vec![BackendChoice::Force(Backend::PerFragment)];
-    choices.extend(
-        cfg.choices
-            .iter()
-            .copied()
-            .filter(|c| *c != BackendChoice::Force(Backend::PerFragment)),
-    );
+    choices.extend(cfg.choices.iter().copied().filter(|c| *c != BackendChoice::Force(Backend::PerFragment)));
     let mut rows = Vec::new();
     let mut seed = cfg.seed;
     let mut next_id = 1u64;
@@ -326,10 +297,7 @@ pub fn run_bench(
         let host_ids = permutation(n, &mut seed);
         let job = JobBlocks::single(gpu_ids.clone(), host_ids.clone());
         let spec = GroupSpec {
-            tensors: vec![TensorSpec {
-                device_base: b.device,
-                page_bytes: size,
-            }],
+            tensors: vec![TensorSpec { device_base: b.device, page_bytes: size }],
             num_gpu_blocks: n,
             num_host_blocks: n,
         };
@@ -339,10 +307,7 @@ pub fn run_bench(
             let mut base_gbps = None;
             for &choice in &choices {
                 progress(&format!("{} {} {}", human(size), dir_name(dir), choice));
-                let opts = TransferOptions {
-                    backend: choice,
-                    ..TransferOptions::default()
-                };
+                let opts = TransferOptions { backend: choice, ..TransferOptions::default() };
                 // SAFETY: the buffers outlive the engine (dropped at the end
                 // of this iteration) and the bench touches them only between
                 // jobs, after waiting for them.
@@ -410,13 +375,7 @@ pub fn run_bench(
             }
         }
     }
-    Ok(BenchReport {
-        device: rt.describe(),
-        backend: rt.backend(),
-        config: cfg.clone(),
-        pin,
-        rows,
-    })
+    Ok(BenchReport { device: rt.describe(), backend: rt.backend(), config: cfg.clone(), pin, rows })
 }
 
 /// Puts the source pattern in place and clears the destination.
@@ -426,8 +385,7 @@ fn prepare(b: &mut Buffers, dir: Direction, size: usize, n: usize) -> Result<(),
     match dir {
         Direction::HostToDevice => {
             fill_blocks(b.words(), size, n);
-            rt.memset_d8_async(b.device, 0, total, b.compute)
-                .map_err(|e| e.to_string())?;
+            rt.memset_d8_async(b.device, 0, total, b.compute).map_err(|e| e.to_string())?;
             b.coord
                 .unsafe_call("bench: clearing device memory", || rt.stream_synchronize(b.compute))
                 .map_err(|e| e.to_string())?
@@ -509,11 +467,8 @@ impl fmt::Display for BenchReport {
         for r in &self.rows {
             let used = r.used.map_or("-".to_string(), |b| b.to_string());
             let ratio = r.ratio.map_or("-".to_string(), |x| format!("{x:.2}"));
-            let verified = if r.verified {
-                "yes".to_string()
-            } else {
-                format!("NO: {}", r.error.as_deref().unwrap_or("?"))
-            };
+            let verified =
+                if r.verified { "yes".to_string() } else { format!("NO: {}", r.error.as_deref().unwrap_or("?")) };
             writeln!(
                 f,
                 "| {} | {} | {} | {} | {} | {:.1} | {} | {:.2} | {} |",
@@ -532,23 +487,12 @@ impl fmt::Display for BenchReport {
         let small = self.auto_min_gbps(16 << 10, 64 << 10);
         let large = self.auto_min_gbps(2 << 20, usize::MAX);
         if let Some(g) = small {
-            writeln!(
-                f,
-                "auto, 16-64 KiB fragments, slowest direction: {g:.1} GB/s (target >= 45)"
-            )?;
+            writeln!(f, "auto, 16-64 KiB fragments, slowest direction: {g:.1} GB/s (target >= 45)")?;
         }
         if let Some(g) = large {
-            writeln!(
-                f,
-                "auto, >= 2 MiB fragments, slowest direction: {g:.1} GB/s (target >= 52)"
-            )?;
+            writeln!(f, "auto, >= 2 MiB fragments, slowest direction: {g:.1} GB/s (target >= 52)")?;
         }
-        write!(
-            f,
-            "rows verified: {} of {}",
-            self.rows.len() - self.failures(),
-            self.rows.len()
-        )
+        write!(f, "rows verified: {} of {}", self.rows.len() - self.failures(), self.rows.len())
     }
 }
 
@@ -571,10 +515,7 @@ mod tests {
         // Word 9 is the second word of block 2.
         w[9] ^= 1;
         assert!(check_blocks(&w, 32, &[3, 1], &[3, 1]).is_ok());
-        assert_eq!(
-            check_blocks(&w, 32, &[1, 2], &[1, 2]),
-            Err("block 2 (from 2) wrong at byte 8".into())
-        );
+        assert_eq!(check_blocks(&w, 32, &[1, 2], &[1, 2]), Err("block 2 (from 2) wrong at byte 8".into()));
     }
 
     #[test]

@@ -39,10 +39,7 @@ impl Chunks {
         spans.retain(|c| c.len > 0);
         spans.sort_by_key(|c| c.addr);
         let uniform = spans.first().map(|f| (f.addr, f.len)).filter(|&(base, len)| {
-            spans
-                .iter()
-                .enumerate()
-                .all(|(i, c)| c.addr == base + i * len && (c.len == len || i + 1 == spans.len()))
+            spans.iter().enumerate().all(|(i, c)| c.addr == base + i * len && (c.len == len || i + 1 == spans.len()))
         });
         Chunks { spans, uniform }
     }
@@ -78,11 +75,7 @@ impl Chunks {
             let c = self.spans[pos];
             let take = rest.bytes.min(c.addr + c.len - rest.host);
             f(pos, Fragment { bytes: take, ..rest });
-            rest = Fragment {
-                host: rest.host + take,
-                device: rest.device + take as u64,
-                bytes: rest.bytes - take,
-            };
+            rest = Fragment { host: rest.host + take, device: rest.device + take as u64, bytes: rest.bytes - take };
         }
         true
     }
@@ -104,11 +97,7 @@ mod tests {
         assert!(gappy.uniform.is_none());
         for a in 900..1300 {
             let u = uniform.locate(a);
-            let want = if (1000..1250).contains(&a) {
-                Some((a - 1000) / 100)
-            } else {
-                None
-            };
+            let want = if (1000..1250).contains(&a) { Some((a - 1000) / 100) } else { None };
             assert_eq!(u, want, "{a}");
             let g = gappy.locate(a);
             let want = match a {
@@ -125,42 +114,14 @@ mod tests {
     fn split_cuts_at_boundaries_and_refuses_gaps() {
         let c = Chunks::new(vec![span(0, 100, 0), span(100, 100, 1), span(300, 100, 2)]);
         let mut got = Vec::new();
-        assert!(c.split(
-            Fragment {
-                host: 50,
-                device: 5000,
-                bytes: 120
-            },
-            |p, f| got.push((p, f))
-        ));
+        assert!(c.split(Fragment { host: 50, device: 5000, bytes: 120 }, |p, f| got.push((p, f))));
         assert_eq!(
             got,
             vec![
-                (
-                    0,
-                    Fragment {
-                        host: 50,
-                        device: 5000,
-                        bytes: 50
-                    }
-                ),
-                (
-                    1,
-                    Fragment {
-                        host: 100,
-                        device: 5050,
-                        bytes: 70
-                    }
-                )
+                (0, Fragment { host: 50, device: 5000, bytes: 50 }),
+                (1, Fragment { host: 100, device: 5050, bytes: 70 })
             ]
         );
-        assert!(!c.split(
-            Fragment {
-                host: 150,
-                device: 0,
-                bytes: 100
-            },
-            |_, _| {}
-        ));
+        assert!(!c.split(Fragment { host: 150, device: 0, bytes: 100 }, |_, _| {}));
     }
 }

@@ -171,10 +171,7 @@ impl TransferEngine {
         compute: Stream,
         opts: TransferOptions,
     ) -> Result<Self, TransferError> {
-        let wants_gather = matches!(
-            opts.backend,
-            BackendChoice::Auto | BackendChoice::Force(Backend::Gather)
-        );
+        let wants_gather = matches!(opts.backend, BackendChoice::Auto | BackendChoice::Force(Backend::Gather));
         let chunks = Chunks::of(&coord);
         let mut made: Vec<Handler> = Vec::with_capacity(2);
         for dir in [Direction::DeviceToHost, Direction::HostToDevice] {
@@ -222,13 +219,7 @@ impl TransferEngine {
                 return Err(e.into());
             }
         };
-        let mut h = Handler {
-            dir,
-            stream,
-            after_compute,
-            table: None,
-            q: Mutex::new(Queue::default()),
-        };
+        let mut h = Handler { dir, stream, after_compute, table: None, q: Mutex::new(Queue::default()) };
         if gather {
             // The kernel counts fragments in u32 and strides by the grid size.
             let entries = entries.clamp(1, 1 << 31);
@@ -368,11 +359,7 @@ impl TransferEngine {
         let touched = self.touched_chunks(exp);
         let pinned = touched.as_ref().is_some_and(|t| self.all_registered(t));
         let mean_bytes = exp.bytes / frags.len().max(1) as u64;
-        let sit = Situation {
-            mean_bytes,
-            capturing,
-            pinned,
-        };
+        let sit = Situation { mean_bytes, capturing, pinned };
         for b in candidates(self.opts.backend, &self.opts.thresholds, sit) {
             match b {
                 Backend::Gather => {
@@ -422,12 +409,9 @@ impl TransferEngine {
     /// snapshot: it only steers the choice between copy backends, which are
     /// safe on any memory; the gather kernel checks again under guard).
     fn all_registered(&self, touched: &[usize]) -> bool {
-        touched.iter().all(|&pos| {
-            matches!(
-                self.coord.chunk_reg(self.chunks.get(pos).index),
-                Some(ChunkReg::Registered { .. })
-            )
-        })
+        touched
+            .iter()
+            .all(|&pos| matches!(self.coord.chunk_reg(self.chunks.get(pos).index), Some(ChunkReg::Registered { .. })))
     }
 
     /// The gather path: an alias guard for every chunk the job touches
@@ -563,10 +547,7 @@ impl TransferEngine {
     pub fn wait(&self, id: JobId) -> Result<(), TransferError> {
         let found = self.handlers.iter().find_map(|h| {
             let q = sync::lock(&h.q);
-            q.jobs
-                .iter()
-                .find(|p| p.id == id)
-                .map(|p| (h.stream, p.done, p.error.clone()))
+            q.jobs.iter().find(|p| p.id == id).map(|p| (h.stream, p.done, p.error.clone()))
         });
         let Some((stream, done, error)) = found else {
             return Err(TransferError::UnknownJob { id });
@@ -575,12 +556,12 @@ impl TransferEngine {
         // then this waits for that later job too, never less.
         let r = match done {
             Completion::Immediate => Ok(()),
-            Completion::Event(ev) => self
-                .coord
-                .unsafe_call("waiting for a transfer", || self.rt.event_synchronize(ev))?,
-            Completion::Stream => self
-                .coord
-                .unsafe_call("waiting for a transfer", || self.rt.stream_synchronize(stream))?,
+            Completion::Event(ev) => {
+                self.coord.unsafe_call("waiting for a transfer", || self.rt.event_synchronize(ev))?
+            }
+            Completion::Stream => {
+                self.coord.unsafe_call("waiting for a transfer", || self.rt.stream_synchronize(stream))?
+            }
         };
         match error.or(r.err()) {
             Some(error) => Err(TransferError::JobFailed { id, error }),

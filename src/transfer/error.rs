@@ -38,18 +38,10 @@ pub enum TransferError {
     GroupCount { given: usize, expected: usize },
     /// A GPU block id is not below the group's number of GPU blocks.
     #[error("GPU block id {block} of group {group} is out of range (the group has {num_blocks} GPU blocks)")]
-    GpuBlockOutOfRange {
-        group: usize,
-        block: usize,
-        num_blocks: usize,
-    },
+    GpuBlockOutOfRange { group: usize, block: usize, num_blocks: usize },
     /// A host block id is not below the group's number of host blocks.
     #[error("host block id {block} of group {group} is out of range (the group has {num_blocks} host blocks)")]
-    HostBlockOutOfRange {
-        group: usize,
-        block: usize,
-        num_blocks: usize,
-    },
+    HostBlockOutOfRange { group: usize, block: usize, num_blocks: usize },
     /// The same GPU block id appears twice in one group of one job.
     #[error("GPU block id {block} appears more than once in group {group} of one job")]
     RepeatedGpuBlock { group: usize, block: usize },
@@ -63,14 +55,7 @@ pub enum TransferError {
         "group {group}: {gpu} GPU block(s) do not fit {host} host block(s) of {factor} GPU blocks \
          (expected between {min} and {max})"
     )]
-    BlockCountMismatch {
-        group: usize,
-        gpu: usize,
-        host: usize,
-        factor: usize,
-        min: usize,
-        max: usize,
-    },
+    BlockCountMismatch { group: usize, gpu: usize, host: usize, factor: usize, min: usize, max: usize },
     /// The job moves no block at all.
     #[error("job {id} moves no block")]
     EmptyJob { id: JobId },

@@ -107,9 +107,7 @@ pub struct JobBlocks {
 impl JobBlocks {
     /// A job for a layout with a single KV cache group.
     pub fn single(gpu: Vec<usize>, host: Vec<usize>) -> Self {
-        JobBlocks {
-            groups: vec![GroupBlocks { gpu, host }],
-        }
+        JobBlocks { groups: vec![GroupBlocks { gpu, host }] }
     }
 }
 
@@ -141,7 +139,12 @@ fn block_interleaved(tensors: &[TensorSpec], start: usize, factor: usize, stride
     tensors
         .iter()
         .map(|t| {
-            let l = TensorLayout { device_base: t.device_base, page_bytes: t.page_bytes, host_base: start + off, host_stride: stride };
+            let l = TensorLayout {
+                device_base: t.device_base,
+                page_bytes: t.page_bytes,
+                host_base: start + off,
+                host_stride: stride,
+            };
             off += t.page_bytes * factor;
             l
         })
@@ -166,9 +169,7 @@ impl KvLayout {
             return Err(LayoutError::NoGroups);
         }
         if block_size_factor == 0 {
-            return Err(LayoutError::Zero {
-                what: "block_size_factor",
-            });
+            return Err(LayoutError::Zero { what: "block_size_factor" });
         }
         let f = block_size_factor;
         let mut cursor = host_base;
@@ -183,9 +184,7 @@ impl KvLayout {
                 return Err(LayoutError::Zero { what: "num_gpu_blocks" });
             }
             if g.num_host_blocks == 0 {
-                return Err(LayoutError::Zero {
-                    what: "num_host_blocks",
-                });
+                return Err(LayoutError::Zero { what: "num_host_blocks" });
             }
             let mut sum_pages = 0usize;
             for t in &g.tensors {
@@ -208,10 +207,8 @@ impl KvLayout {
                 HostPlacement::TensorMajor => {
                     let mut tensors = Vec::with_capacity(g.tensors.len());
                     for t in &g.tensors {
-                        let stride = t
-                            .page_bytes
-                            .checked_mul(f)
-                            .ok_or_else(|| overflow("host stride", format!("{t:?}")))?;
+                        let stride =
+                            t.page_bytes.checked_mul(f).ok_or_else(|| overflow("host stride", format!("{t:?}")))?;
                         let area = pages_per_tensor
                             .checked_mul(t.page_bytes)
                             .ok_or_else(|| overflow("host area", format!("{t:?}")))?;
@@ -221,36 +218,29 @@ impl KvLayout {
                             host_base: cursor,
                             host_stride: stride,
                         });
-                        cursor = cursor
-                            .checked_add(area)
-                            .ok_or_else(|| overflow("host end", format!("group {gi}")))?;
+                        cursor = cursor.checked_add(area).ok_or_else(|| overflow("host end", format!("group {gi}")))?;
                     }
                     tensors
                 }
                 HostPlacement::BlockMajor => {
-                    let block = sum_pages
-                        .checked_mul(f)
-                        .ok_or_else(|| overflow("host block", format!("group {gi}")))?;
+                    let block =
+                        sum_pages.checked_mul(f).ok_or_else(|| overflow("host block", format!("group {gi}")))?;
                     let area = block
                         .checked_mul(g.num_host_blocks)
                         .ok_or_else(|| overflow("host area", format!("group {gi}")))?;
-                    let end = cursor
-                        .checked_add(area)
-                        .ok_or_else(|| overflow("host end", format!("group {gi}")))?;
+                    let end = cursor.checked_add(area).ok_or_else(|| overflow("host end", format!("group {gi}")))?;
                     let tensors = block_interleaved(&g.tensors, cursor, f, block);
                     cursor = end;
                     tensors
                 }
                 HostPlacement::BlockStrided { stride } => {
-                    let block = sum_pages
-                        .checked_mul(f)
-                        .ok_or_else(|| overflow("host block", format!("group {gi}")))?;
+                    let block =
+                        sum_pages.checked_mul(f).ok_or_else(|| overflow("host block", format!("group {gi}")))?;
                     // Group `gi`'s blocks start at `cursor` (after the blocks
                     // of the groups before it) and repeat every `stride`.
                     let used = cursor - host_base;
-                    let needed = used
-                        .checked_add(block)
-                        .ok_or_else(|| overflow("host block", format!("group {gi}")))?;
+                    let needed =
+                        used.checked_add(block).ok_or_else(|| overflow("host block", format!("group {gi}")))?;
                     if needed > stride {
                         return Err(LayoutError::StrideTooSmall { stride, needed });
                     }
@@ -265,11 +255,7 @@ impl KvLayout {
                     tensors
                 }
             };
-            out.push(GroupLayout {
-                tensors,
-                num_gpu_blocks: g.num_gpu_blocks,
-                num_host_blocks: g.num_host_blocks,
-            });
+            out.push(GroupLayout { tensors, num_gpu_blocks: g.num_gpu_blocks, num_host_blocks: g.num_host_blocks });
         }
         if let HostPlacement::BlockStrided { .. } = placement {
             cursor = strided_end;
@@ -277,13 +263,7 @@ impl KvLayout {
         if cursor > isize::MAX as usize {
             return Err(overflow("host end", format!("{cursor:#x} beyond isize::MAX")));
         }
-        Ok(KvLayout {
-            groups: out,
-            factor: f,
-            host_base,
-            host_bytes: cursor - host_base,
-            placement,
-        })
+        Ok(KvLayout { groups: out, factor: f, host_base, host_bytes: cursor - host_base, placement })
     }
 
     /// GPU blocks per host block.
@@ -338,25 +318,14 @@ impl KvLayout {
     /// count) and expands it into merged fragments.
     pub fn expand(&self, id: JobId, job: &JobBlocks) -> Result<Expansion, TransferError> {
         if job.groups.len() != self.groups.len() {
-            return Err(TransferError::GroupCount {
-                given: job.groups.len(),
-                expected: self.groups.len(),
-            });
+            return Err(TransferError::GroupCount { given: job.groups.len(), expected: self.groups.len() });
         }
         let mut skips = Vec::with_capacity(job.groups.len());
         for (gi, (gb, gl)) in job.groups.iter().zip(&self.groups).enumerate() {
             skips.push(self.check_group(gi, gb, gl)?);
         }
-        let pages: usize = job
-            .groups
-            .iter()
-            .zip(&self.groups)
-            .map(|(gb, gl)| gb.gpu.len() * gl.tensors.len())
-            .sum();
-        let mut out = Expansion {
-            fragments: Vec::with_capacity(pages),
-            bytes: 0,
-        };
+        let pages: usize = job.groups.iter().zip(&self.groups).map(|(gb, gl)| gb.gpu.len() * gl.tensors.len()).sum();
+        let mut out = Expansion { fragments: Vec::with_capacity(pages), bytes: 0 };
         for (gi, (gb, gl)) in job.groups.iter().zip(&self.groups).enumerate() {
             let skip = skips[gi];
             for (ti, t) in gl.tensors.iter().enumerate() {
@@ -364,14 +333,7 @@ impl KvLayout {
                     let s = i + skip;
                     let host = self.host_addr(gi, ti, gb.host[s / self.factor], s % self.factor);
                     let device = t.device_base + (gpu as u64) * (t.page_bytes as u64);
-                    push_merged(
-                        &mut out.fragments,
-                        Fragment {
-                            host,
-                            device,
-                            bytes: t.page_bytes,
-                        },
-                    );
+                    push_merged(&mut out.fragments, Fragment { host, device, bytes: t.page_bytes });
                     out.bytes += t.page_bytes as u64;
                 }
             }
@@ -392,28 +354,13 @@ impl KvLayout {
         let max = h.saturating_mul(f);
         let min = if h == 0 { 1 } else { (h - 1).saturating_mul(f) + 1 };
         if n < min || n > max {
-            return Err(TransferError::BlockCountMismatch {
-                group: gi,
-                gpu: n,
-                host: h,
-                factor: f,
-                min,
-                max,
-            });
+            return Err(TransferError::BlockCountMismatch { group: gi, gpu: n, host: h, factor: f, min, max });
         }
         if let Some(&block) = gb.gpu.iter().find(|&&b| b >= gl.num_gpu_blocks) {
-            return Err(TransferError::GpuBlockOutOfRange {
-                group: gi,
-                block,
-                num_blocks: gl.num_gpu_blocks,
-            });
+            return Err(TransferError::GpuBlockOutOfRange { group: gi, block, num_blocks: gl.num_gpu_blocks });
         }
         if let Some(&block) = gb.host.iter().find(|&&b| b >= gl.num_host_blocks) {
-            return Err(TransferError::HostBlockOutOfRange {
-                group: gi,
-                block,
-                num_blocks: gl.num_host_blocks,
-            });
+            return Err(TransferError::HostBlockOutOfRange { group: gi, block, num_blocks: gl.num_host_blocks });
         }
         if let Some(block) = first_repeat(&gb.gpu, gl.num_gpu_blocks) {
             return Err(TransferError::RepeatedGpuBlock { group: gi, block });
@@ -478,45 +425,22 @@ mod tests {
         let tensors = pages
             .iter()
             .enumerate()
-            .map(|(i, &p)| TensorSpec {
-                device_base: (i as u64 + 1) << 32,
-                page_bytes: p,
-            })
+            .map(|(i, &p)| TensorSpec { device_base: (i as u64 + 1) << 32, page_bytes: p })
             .collect();
-        KvLayout::new(
-            &[GroupSpec {
-                tensors,
-                num_gpu_blocks: 8,
-                num_host_blocks: 4,
-            }],
-            f,
-            0x1000,
-            placement,
-        )
-        .unwrap()
+        KvLayout::new(&[GroupSpec { tensors, num_gpu_blocks: 8, num_host_blocks: 4 }], f, 0x1000, placement).unwrap()
     }
 
     #[test]
     fn partial_first_host_block_skips_leading_sub_blocks() {
         let l = one(&[16], 4, HostPlacement::TensorMajor);
         // 6 GPU blocks into 2 host blocks of 4: skip 2 of host block 3.
-        let e = l
-            .expand(1, &JobBlocks::single(vec![0, 1, 2, 3, 4, 5], vec![3, 0]))
-            .unwrap();
+        let e = l.expand(1, &JobBlocks::single(vec![0, 1, 2, 3, 4, 5], vec![3, 0])).unwrap();
         assert_eq!(e.bytes, 96);
         assert_eq!(
             e.fragments,
             vec![
-                Fragment {
-                    host: 0x1000 + 3 * 64 + 2 * 16,
-                    device: 1 << 32,
-                    bytes: 32
-                },
-                Fragment {
-                    host: 0x1000,
-                    device: (1 << 32) + 32,
-                    bytes: 64
-                },
+                Fragment { host: 0x1000 + 3 * 64 + 2 * 16, device: 1 << 32, bytes: 32 },
+                Fragment { host: 0x1000, device: (1 << 32) + 32, bytes: 64 },
             ]
         );
     }
@@ -532,30 +456,12 @@ mod tests {
     fn typed_errors() {
         let l = one(&[16], 2, HostPlacement::TensorMajor);
         let e = |g: Vec<usize>, h: Vec<usize>| l.expand(7, &JobBlocks::single(g, h)).unwrap_err();
-        assert!(matches!(
-            e(vec![8], vec![0]),
-            TransferError::GpuBlockOutOfRange { block: 8, .. }
-        ));
-        assert!(matches!(
-            e(vec![0], vec![4]),
-            TransferError::HostBlockOutOfRange { block: 4, .. }
-        ));
-        assert!(matches!(
-            e(vec![1, 1], vec![0]),
-            TransferError::RepeatedGpuBlock { block: 1, .. }
-        ));
-        assert!(matches!(
-            e(vec![1, 2, 3], vec![0, 0]),
-            TransferError::RepeatedHostBlock { block: 0, .. }
-        ));
-        assert!(matches!(
-            e(vec![1, 2, 3], vec![0]),
-            TransferError::BlockCountMismatch { min: 1, max: 2, .. }
-        ));
-        assert!(matches!(
-            e(vec![1], vec![0, 1]),
-            TransferError::BlockCountMismatch { min: 3, max: 4, .. }
-        ));
+        assert!(matches!(e(vec![8], vec![0]), TransferError::GpuBlockOutOfRange { block: 8, .. }));
+        assert!(matches!(e(vec![0], vec![4]), TransferError::HostBlockOutOfRange { block: 4, .. }));
+        assert!(matches!(e(vec![1, 1], vec![0]), TransferError::RepeatedGpuBlock { block: 1, .. }));
+        assert!(matches!(e(vec![1, 2, 3], vec![0, 0]), TransferError::RepeatedHostBlock { block: 0, .. }));
+        assert!(matches!(e(vec![1, 2, 3], vec![0]), TransferError::BlockCountMismatch { min: 1, max: 2, .. }));
+        assert!(matches!(e(vec![1], vec![0, 1]), TransferError::BlockCountMismatch { min: 3, max: 4, .. }));
         assert!(matches!(e(vec![], vec![]), TransferError::EmptyJob { id: 7 }));
         assert!(matches!(
             l.expand(1, &JobBlocks::default()).unwrap_err(),
@@ -565,24 +471,12 @@ mod tests {
 
     #[test]
     fn layout_errors() {
-        let t = TensorSpec {
-            device_base: 0,
-            page_bytes: 16,
-        };
-        let g = GroupSpec {
-            tensors: vec![t],
-            num_gpu_blocks: 1,
-            num_host_blocks: 1,
-        };
-        assert_eq!(
-            KvLayout::new(&[], 1, 0, HostPlacement::TensorMajor),
-            Err(LayoutError::NoGroups)
-        );
+        let t = TensorSpec { device_base: 0, page_bytes: 16 };
+        let g = GroupSpec { tensors: vec![t], num_gpu_blocks: 1, num_host_blocks: 1 };
+        assert_eq!(KvLayout::new(&[], 1, 0, HostPlacement::TensorMajor), Err(LayoutError::NoGroups));
         assert_eq!(
             KvLayout::new(std::slice::from_ref(&g), 0, 0, HostPlacement::TensorMajor),
-            Err(LayoutError::Zero {
-                what: "block_size_factor"
-            })
+            Err(LayoutError::Zero { what: "block_size_factor" })
         );
         let mut z = g.clone();
         z.tensors[0].page_bytes = 0;
@@ -592,9 +486,6 @@ mod tests {
         );
         let mut big = g;
         big.num_host_blocks = usize::MAX / 2;
-        assert!(matches!(
-            KvLayout::new(&[big], 4, 0, HostPlacement::BlockMajor),
-            Err(LayoutError::Overflow { .. })
-        ));
+        assert!(matches!(KvLayout::new(&[big], 4, 0, HostPlacement::BlockMajor), Err(LayoutError::Overflow { .. })));
     }
 }

@@ -20,10 +20,7 @@ pub struct AutoThresholds {
 
 impl Default for AutoThresholds {
     fn default() -> Self {
-        AutoThresholds {
-            gather_max_bytes: 256 << 10,
-            per_fragment_min_bytes: usize::MAX,
-        }
+        AutoThresholds { gather_max_bytes: 256 << 10, per_fragment_min_bytes: usize::MAX }
     }
 }
 
@@ -72,11 +69,7 @@ mod tests {
     use Backend::*;
 
     fn sit(mean_bytes: u64, capturing: bool, pinned: bool) -> Situation {
-        Situation {
-            mean_bytes,
-            capturing,
-            pinned,
-        }
+        Situation { mean_bytes, capturing, pinned }
     }
 
     #[test]

@@ -95,9 +95,7 @@ impl Shape {
         let pages = [16, 32, 48, 64, 96, 256, 24, 100, 7];
         let groups: Vec<(Vec<usize>, usize, usize)> = (0..rng.range(1, 3))
             .map(|_| {
-                let t = (0..rng.range(1, 3))
-                    .map(|_| pages[rng.range(0, pages.len() - 1)])
-                    .collect();
+                let t = (0..rng.range(1, 3)).map(|_| pages[rng.range(0, pages.len() - 1)]).collect();
                 (t, rng.range(1, 24), rng.range(1, 8))
             })
             .collect();
@@ -112,11 +110,7 @@ impl Shape {
                 HostPlacement::BlockStrided { stride: blocks + [0, 1, 16, 4096][rng.range(0, 3)] }
             }
         };
-        Shape {
-            groups,
-            factor,
-            placement,
-        }
+        Shape { groups, factor, placement }
     }
 
     /// Offset from the host base of sub-block `j` of host block `b`,
@@ -160,10 +154,7 @@ impl Shape {
             }
             return end;
         }
-        self.groups
-            .iter()
-            .map(|(p, _, nh)| p.iter().sum::<usize>() * self.factor * nh)
-            .sum()
+        self.groups.iter().map(|(p, _, nh)| p.iter().sum::<usize>() * self.factor * nh).sum()
     }
 
     /// A random valid job: per group some host blocks, the first possibly
@@ -183,10 +174,7 @@ impl Shape {
                     let lo = (h - 1) * f + 1;
                     let hi = (h * f).min(ng);
                     let n = rng.range(lo, hi);
-                    GroupBlocks {
-                        gpu: rng.distinct(ng, n),
-                        host: rng.distinct(nh, h),
-                    }
+                    GroupBlocks { gpu: rng.distinct(ng, n), host: rng.distinct(nh, h) }
                 })
                 .collect();
             if groups.iter().any(|g| !g.gpu.is_empty()) {
@@ -200,11 +188,8 @@ impl Shape {
     pub fn pages(&self, job: &JobBlocks) -> Vec<(usize, usize, usize, usize, usize)> {
         let mut out = Vec::new();
         for (g, gb) in job.groups.iter().enumerate() {
-            let subs: Vec<(usize, usize)> = gb
-                .host
-                .iter()
-                .flat_map(|&h| (0..self.factor).map(move |j| (h, j)))
-                .collect();
+            let subs: Vec<(usize, usize)> =
+                gb.host.iter().flat_map(|&h| (0..self.factor).map(move |j| (h, j))).collect();
             let skip = subs.len() - gb.gpu.len();
             for (t, &p) in self.groups[g].0.iter().enumerate() {
                 for (i, &gpu) in gb.gpu.iter().enumerate() {
@@ -266,33 +251,17 @@ impl Rig {
             for &p in pages {
                 let d = rt.mem_alloc(p * ng).unwrap();
                 ts.push(d);
-                tspecs.push(TensorSpec {
-                    device_base: d,
-                    page_bytes: p,
-                });
+                tspecs.push(TensorSpec { device_base: d, page_bytes: p });
             }
             tensors.push(ts);
-            specs.push(GroupSpec {
-                tensors: tspecs,
-                num_gpu_blocks: *ng,
-                num_host_blocks: *nh,
-            });
+            specs.push(GroupSpec { tensors: tspecs, num_gpu_blocks: *ng, num_host_blocks: *nh });
         }
         let layout = KvLayout::new(&specs, shape.factor, base, shape.placement).unwrap();
         assert_eq!(layout.host_bytes(), shape.host_bytes());
         // SAFETY: `host` and the tensors outlive the engine (Drop below
         // drops the engine first); tests touch host memory only between jobs.
         let engine = unsafe { TransferEngine::new(rt.clone(), coord.clone(), layout, compute, opts) }.unwrap();
-        Rig {
-            rt,
-            coord,
-            engine: Some(engine),
-            compute,
-            shape,
-            host,
-            tensors,
-            next_id: 1 << 32,
-        }
+        Rig { rt, coord, engine: Some(engine), compute, shape, host, tensors, next_id: 1 << 32 }
     }
 
     pub fn engine(&self) -> &TransferEngine {
@@ -387,10 +356,7 @@ impl Rig {
         for (g, ts) in dev_want.iter().enumerate() {
             for (t, want) in ts.iter().enumerate() {
                 if let Some(i) = (0..want.len()).find(|&i| want[i] != dev_after[g][t][i]) {
-                    panic!(
-                        "{dir:?} {:?}: device group {g} tensor {t} byte {i} differs",
-                        res.backend
-                    );
+                    panic!("{dir:?} {:?}: device group {g} tensor {t} byte {i} differs", res.backend);
                 }
             }
         }

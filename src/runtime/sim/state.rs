@@ -39,7 +39,10 @@ pub(crate) enum Op {
     Spin,
     /// The gather kernel: copies the fragments of the descriptor table at
     /// `table` (device memory), read when the kernel runs.
-    Gather { table: DevicePtr, count: u32 },
+    Gather {
+        table: DevicePtr,
+        count: u32,
+    },
     /// Wait until `stream` has completed `seq` operations.
     WaitEvent {
         stream: u64,
