@@ -119,6 +119,19 @@ fn register_fault_on_one_rank_makes_every_rank_pageable() {
 }
 
 #[test]
+fn region_dir_puts_the_region_elsewhere_and_leaves_nothing_there() {
+    let dir = std::env::temp_dir().join(format!("kvoffload-region-dir-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (rc, out, _) = run(&["--region-dir", dir.to_str().unwrap()]);
+    assert_eq!(rc, 0, "{out}");
+    assert_clean(&out);
+    assert!(out.contains(&format!("region dir: {}", dir.display())), "{out}");
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+    assert!(left.is_empty(), "left in {}: {left:?}\n{out}", dir.display());
+    std::fs::remove_dir(&dir).unwrap();
+}
+
+#[test]
 fn bad_options_are_one_line_and_exit_2() {
     for args in [
         &["--ranks", "0"][..],
@@ -130,6 +143,7 @@ fn bad_options_are_one_line_and_exit_2() {
         &["--region", "64KiB"],
         &["--zipf", "-1"],
         &["--ranks", "100000"],
+        &["--region-dir", "/nonexistent-kvoffload-dir"],
     ] {
         let (rc, out, _) = run(args);
         assert_eq!(rc, 2, "{args:?}: {out}");

@@ -30,6 +30,7 @@ pub mod error;
 pub mod header;
 pub mod layout;
 pub mod options;
+pub mod pages;
 pub mod shm;
 pub mod slots;
 mod sys;

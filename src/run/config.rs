@@ -73,6 +73,10 @@ pub struct RunConfig {
     /// /dev/shm regions alone: their huge pages depend on the machine's
     /// shmem THP setting).
     pub pin_huge_pages: crate::pin::HugePages,
+    /// Directory of the region file (default /dev/shm). A tmpfs mounted
+    /// with `huge=always` gives the region 2 MiB pages, which pin several
+    /// times faster than /dev/shm's usual 4 KiB pages ([`crate::region::pages`]).
+    pub region_dir: std::path::PathBuf,
     /// Seed of the key choice (rank r uses seed + r).
     pub seed: u64,
     /// How long ranks wait for each other (joining the region, agreeing).
@@ -109,6 +113,7 @@ impl Default for RunConfig {
             pin_threads: None,
             pin_chunk: None,
             pin_huge_pages: crate::pin::HugePages::Auto,
+            region_dir: std::path::PathBuf::from(crate::region::DEFAULT_SHM_DIR),
             seed: 1,
             rank_timeout: Duration::from_secs(120),
             kill_rank: None,

@@ -26,6 +26,7 @@ use crate::manager::{BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, 
 use crate::pin::{pin_all_agreed, Agreement, PinError, PinOptions, Prefault, Prepared};
 use crate::protocol::agreement::{AgreementError, RankSlots};
 use crate::protocol::{shutdown, GraphToken, PinState, ProtocolError, ShutdownError};
+use crate::region::pages;
 use crate::region::slots::RegionSlots;
 use crate::region::{Region, RegionError, ShmOptions};
 use crate::runtime::sim::SimFault;
@@ -250,7 +251,7 @@ pub fn run_rank(
 
     // 1. The region.
     phase(rank, "region");
-    let opts = ShmOptions::new().timeout(cfg.rank_timeout);
+    let opts = ShmOptions::new().timeout(cfg.rank_timeout).dir(&cfg.region_dir);
     let region = if rank == 0 {
         Region::create(region_name, d.layout, 0, &opts)?
     } else {
@@ -353,6 +354,7 @@ pub fn run_rank(
     let state = coord.wait_pin_final()?;
     let agreed = pinner.join().map_err(|_| RankError::Other("the pinning thread panicked".into()))?;
     rep.agreed_seconds = started.elapsed().as_secs_f64();
+    rep.huge_bytes = pages::huge_mapped_bytes(region.mapping_range().addr_range()).unwrap_or(0);
     rep.pin_seconds = sync::lock(&probe.local_done).map_or(rep.agreed_seconds, |d| d.as_secs_f64());
     rep.pin_state = format!("{state:?}").replace(' ', "");
     rep.agreement = match &agreed {

@@ -30,6 +30,9 @@ pub struct RankReport {
     /// `pinned`, `pageable`, or `failed: <why>` (agreement not reached).
     pub agreement: String,
     pub region_bytes: u64,
+    /// Bytes of the region's mapping in 2 MiB pages once pinning settled
+    /// (`ShmemPmdMapped`, see [`crate::region::pages`]).
+    pub huge_bytes: u64,
     /// Seconds from the start of pinning until this rank's chunks were all
     /// registered (or rolled back).
     pub pin_seconds: f64,
@@ -66,6 +69,7 @@ macro_rules! fields {
     ($m:ident) => {
         $m!(rank, usize);
         $m!(region_bytes, u64);
+        $m!(huge_bytes, u64);
         $m!(pin_seconds, f64);
         $m!(agreed_seconds, f64);
         $m!(windows, u64);
