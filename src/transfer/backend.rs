@@ -133,18 +133,20 @@ pub(crate) struct GatherTable {
     pub entries: usize,
 }
 
-/// Appends the gather descriptor entry `[src, dst, bytes]` of `f`, whose
-/// host address has the device alias `host`.
-pub(crate) fn push_entry(table: &mut Vec<u64>, dir: Direction, f: Fragment, host: DevicePtr) {
+/// The gather descriptor entry `[src, dst, bytes]` of `f`, whose host
+/// address has the device alias `host`.
+pub(crate) fn entry(dir: Direction, f: Fragment, host: DevicePtr) -> [u64; 3] {
     let (src, dst) = match dir {
         Direction::HostToDevice => (host, f.device),
         Direction::DeviceToHost => (f.device, host),
     };
-    table.extend_from_slice(&[src, dst, f.bytes as u64]);
+    [src, dst, f.bytes as u64]
 }
 
 /// Uploads `staging` (an encoded table) piece by piece into `table` and
-/// launches the gather kernel on each piece, all on stream `s`.
+/// launches the gather kernel on each piece, all on stream `s`. From
+/// page-locked `staging` the uploads are asynchronous; from pageable memory
+/// each first synchronizes the stream (CUDA's pageable-copy semantics).
 ///
 /// # Safety
 /// `staging` stays alive and unchanged until the stream has executed the

@@ -14,8 +14,9 @@
 //! [`Coordinator::try_unsafe_call`] (a query while the engine captures in
 //! GLOBAL mode would invalidate its capture, FACTS 1) and reports jobs in
 //! submission order per direction, each exactly once, failed ones included.
-//! Descriptor tables (host staging buffers) and admission tickets live in
-//! the job until it is reported.
+//! Descriptor tables (in the handler's page-locked staging ring, or on the
+//! heap when the ring is full: see [`super::ring`]) and admission tickets
+//! live in the job until it is reported.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -32,6 +33,7 @@ use super::chunks::Chunks;
 use super::error::TransferError;
 use super::ids::{IdSet, JobId};
 use super::layout::{Expansion, JobBlocks, KvLayout};
+use super::ring::{Ring, Table};
 use super::select::{candidates, AutoThresholds, Situation};
 
 /// Settings of a [`TransferEngine`].
@@ -45,6 +47,11 @@ pub struct TransferOptions {
     /// kernel; a job with more fragments launches the kernel once per
     /// table-full (uploads and launches alternate on the handler's stream).
     pub gather_table_entries: usize,
+    /// Entries of each handler's page-locked staging ring, where jobs write
+    /// their descriptor tables so that uploads do not synchronize the
+    /// stream (0: tables in pageable memory; a job that finds the ring full
+    /// uses pageable memory too).
+    pub staging_ring_entries: usize,
 }
 
 impl Default for TransferOptions {
@@ -53,6 +60,7 @@ impl Default for TransferOptions {
             backend: BackendChoice::Auto,
             thresholds: AutoThresholds::default(),
             gather_table_entries: 1 << 13,
+            staging_ring_entries: 1 << 15,
         }
     }
 }
@@ -108,7 +116,7 @@ struct Pending {
     submitted: Instant,
     /// The gather descriptor table's host staging copy: the stream reads it
     /// when it executes the upload, so it lives until the job completes.
-    staging: Vec<u64>,
+    staging: Table,
     _ticket: JobTicket,
 }
 
@@ -117,6 +125,8 @@ struct Queue {
     jobs: VecDeque<Pending>,
     /// Completion events of reported jobs, for reuse.
     spare: Vec<Event>,
+    /// Ranges of the handler's staging ring held by jobs in `jobs`.
+    ring: Ring,
 }
 
 struct Handler {
@@ -127,6 +137,8 @@ struct Handler {
     /// when it is issued).
     after_compute: Event,
     table: Option<GatherTable>,
+    /// The page-locked staging ring: address and capacity in words.
+    ring: Option<(usize, usize)>,
     q: Mutex<Queue>,
 }
 
@@ -175,7 +187,14 @@ impl TransferEngine {
         let chunks = Chunks::of(&coord);
         let mut made: Vec<Handler> = Vec::with_capacity(2);
         for dir in [Direction::DeviceToHost, Direction::HostToDevice] {
-            match Self::make_handler(&*rt, &coord, dir, wants_gather, opts.gather_table_entries) {
+            match Self::make_handler(
+                &*rt,
+                &coord,
+                dir,
+                wants_gather,
+                opts.gather_table_entries,
+                opts.staging_ring_entries,
+            ) {
                 Ok(h) => made.push(h),
                 Err(e) => {
                     for h in made {
@@ -208,6 +227,7 @@ impl TransferEngine {
         dir: Direction,
         gather: bool,
         entries: usize,
+        ring_entries: usize,
     ) -> Result<Handler, TransferError> {
         let stream = rt.stream_create()?;
         let after_compute = match rt.event_create() {
@@ -219,7 +239,7 @@ impl TransferEngine {
                 return Err(e.into());
             }
         };
-        let mut h = Handler { dir, stream, after_compute, table: None, q: Mutex::new(Queue::default()) };
+        let mut h = Handler { dir, stream, after_compute, table: None, ring: None, q: Mutex::new(Queue::default()) };
         if gather {
             // The kernel counts fragments in u32 and strides by the grid size.
             let entries = entries.clamp(1, 1 << 31);
@@ -233,6 +253,23 @@ impl TransferEngine {
                 Err(e) => {
                     release_handler(rt, coord, h);
                     return Err(e.into());
+                }
+            }
+            let words = ring_entries.saturating_mul(GATHER_ENTRY_WORDS);
+            if words > 0 {
+                match coord.unsafe_call("allocating the pinned staging ring", || rt.mem_alloc_host(words * 8)) {
+                    Ok(Ok(addr)) => {
+                        h.ring = Some((addr, words));
+                        h.q = Mutex::new(Queue { ring: Ring::new(words), ..Queue::default() });
+                    }
+                    // Not fatal: tables then live in pageable memory.
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "no pinned staging ring; gather uploads will synchronize their stream")
+                    }
+                    Err(e) => {
+                        release_handler(rt, coord, h);
+                        return Err(e.into());
+                    }
                 }
             }
         }
@@ -299,7 +336,7 @@ impl TransferEngine {
             fragments: exp.fragments.len(),
             backend: Backend::PerFragment,
             submitted: Instant::now(),
-            staging: Vec::new(),
+            staging: Table::None,
             _ticket: ticket,
         };
         let done = match q.spare.pop() {
@@ -318,7 +355,7 @@ impl TransferEngine {
                     Err(e) => p.error = Some(e),
                     Ok(()) => {
                         enqueued_any = true;
-                        let (backend, staging, r) = self.enqueue(h, &exp);
+                        let (backend, staging, r) = self.enqueue(h, &mut q.ring, &exp);
                         p.backend = backend;
                         p.staging = staging;
                         p.error = r.err();
@@ -342,18 +379,18 @@ impl TransferEngine {
         if let Some(e) = &p.error {
             tracing::warn!(job = id, ?dir, error = %e, "transfer job failed at enqueue");
         } else {
-            tracing::debug!(job = id, ?dir, bytes = p.bytes, fragments = p.fragments, backend = %p.backend, "transfer job enqueued");
+            tracing::debug!(job = id, ?dir, bytes = p.bytes, fragments = p.fragments, backend = %p.backend, pinned_table = p.staging.pinned(), "transfer job enqueued");
         }
         q.jobs.push_back(p);
         Ok(())
     }
 
     /// Enqueues the fragments with the first allowed backend.
-    fn enqueue(&self, h: &Handler, exp: &Expansion) -> (Backend, Vec<u64>, DriverResult<()>) {
+    fn enqueue(&self, h: &Handler, ring: &mut Ring, exp: &Expansion) -> (Backend, Table, DriverResult<()>) {
         let capturing = match self.rt.capture_status(h.stream) {
             Ok(CaptureStatus::None) => false,
             Ok(_) => true,
-            Err(e) => return (Backend::PerFragment, Vec::new(), Err(e)),
+            Err(e) => return (Backend::PerFragment, Table::None, Err(e)),
         };
         let frags = &exp.fragments;
         let touched = self.touched_chunks(exp);
@@ -363,7 +400,7 @@ impl TransferEngine {
         for b in candidates(self.opts.backend, &self.opts.thresholds, sit) {
             match b {
                 Backend::Gather => {
-                    if let Some((staging, r)) = self.try_gather(h, exp, touched.as_deref()) {
+                    if let Some((staging, r)) = self.try_gather(h, ring, exp, touched.as_deref()) {
                         return (Backend::Gather, staging, r);
                     }
                 }
@@ -374,12 +411,12 @@ impl TransferEngine {
                     // in flight; the job is reported only after its
                     // completion event, recorded after these copies.
                     let r = unsafe { backend::batched(&*self.rt, h.dir, frags, h.stream) };
-                    return (Backend::Batched, Vec::new(), r);
+                    return (Backend::Batched, Table::None, r);
                 }
                 Backend::PerFragment => {
                     // SAFETY: as for the batched copy.
                     let r = unsafe { backend::per_fragment(&*self.rt, h.dir, frags, h.stream) };
-                    return (Backend::PerFragment, Vec::new(), r);
+                    return (Backend::PerFragment, Table::None, r);
                 }
             }
         }
@@ -422,9 +459,10 @@ impl TransferEngine {
     fn try_gather(
         &self,
         h: &Handler,
+        ring: &mut Ring,
         exp: &Expansion,
         touched: Option<&[usize]>,
-    ) -> Option<(Vec<u64>, DriverResult<()>)> {
+    ) -> Option<(Table, DriverResult<()>)> {
         let table = h.table?;
         let touched = touched?;
         // One guard per chunk the job touches; `alias[pos]` is the device
@@ -451,29 +489,39 @@ impl TransferEngine {
         // per chunk boundary it crosses), so the buffer never moves while
         // the stream may still read an earlier piece.
         let per = table.entries.max(1) * GATHER_ENTRY_WORDS;
-        let mut staging = Vec::with_capacity((exp.fragments.len() + self.chunks.len()) * GATHER_ENTRY_WORDS);
-        let capacity = staging.capacity();
+        let cap = (exp.fragments.len() + self.chunks.len()) * GATHER_ENTRY_WORDS;
+        // In the pinned ring when it has room (a handler without a ring has
+        // a zero-capacity one, which never does), else on the heap.
+        let mut staging = match (h.ring, ring.alloc(cap)) {
+            (Some((addr, _)), Some(start)) => {
+                // SAFETY: `start + cap` is within the ring's words, so the
+                // offset stays inside the one allocation at `addr`.
+                Table::Pinned { ptr: unsafe { (addr as *mut u64).add(start) }, start, cap, len: 0 }
+            }
+            _ => Table::Heap(Vec::with_capacity(cap)),
+        };
         let mut launched = 0;
         let mut r = Ok(());
         for f in &exp.fragments {
             self.chunks.split(*f, |pos, piece| {
                 let host = alias[pos] + (piece.host - self.chunks.get(pos).addr) as DevicePtr;
-                backend::push_entry(&mut staging, h.dir, piece, host);
+                staging.push(backend::entry(h.dir, piece, host));
             });
             if r.is_ok() && staging.len() - launched >= per {
                 // SAFETY: as below, for the piece `launched..launched+per`.
-                r = unsafe { backend::gather(&*self.rt, table, &staging[launched..launched + per], h.stream) };
+                r = unsafe { backend::gather(&*self.rt, table, staging.words(launched, launched + per), h.stream) };
                 launched += per;
             }
         }
-        debug_assert_eq!(staging.capacity(), capacity, "staging moved while the stream may read it");
-        // SAFETY: `staging` moves into the job and lives until it is
-        // reported, after its completion event; every host address in the
-        // table is the alias of a chunk whose guard is held until the
-        // launches are enqueued (unregistering then waits for the device);
-        // host and device ranges are valid by the engine's contract.
+        // SAFETY: `staging` (a heap vector that never grows past its
+        // capacity, or this job's range of the pinned ring) moves into the
+        // job and lives, unchanged, until it is reported, after its
+        // completion event; every host address in the table is the alias of
+        // a chunk whose guard is held until the launches are enqueued
+        // (unregistering then waits for the device); host and device ranges
+        // are valid by the engine's contract.
         if r.is_ok() && staging.len() > launched {
-            r = unsafe { backend::gather(&*self.rt, table, &staging[launched..], h.stream) };
+            r = unsafe { backend::gather(&*self.rt, table, staging.words(launched, staging.len()), h.stream) };
         }
         drop(guards);
         Some((staging, r))
@@ -518,6 +566,9 @@ impl TransferEngine {
             let Some(p) = q.jobs.pop_front() else { return true };
             if let Completion::Event(ev) = p.done {
                 q.spare.push(ev);
+            }
+            if let Some(start) = p.staging.ring_start() {
+                q.ring.release(start);
             }
             let error = p.error.clone().or(outcome.err());
             if let Some(e) = &error {
@@ -595,6 +646,7 @@ fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handler) {
         Err(p) => p.into_inner(),
     };
     let mut jobs = q.jobs;
+    let mut ring_in_use = false;
     if !jobs.is_empty() {
         match coord.unsafe_call("dropping the transfer engine", || rt.stream_synchronize(h.stream)) {
             Ok(Ok(())) => {}
@@ -606,6 +658,7 @@ fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handler) {
                 for p in jobs.iter_mut() {
                     std::mem::forget(std::mem::take(&mut p.staging));
                 }
+                ring_in_use = true;
             }
         }
     }
@@ -619,6 +672,17 @@ fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handler) {
     for e in events {
         if let Err(err) = rt.event_destroy(e) {
             tracing::warn!(error = %err, "destroying a transfer event failed");
+        }
+    }
+    if let Some((addr, _)) = h.ring {
+        if ring_in_use {
+            tracing::error!("pinned staging ring leaked (engine dropped with jobs in flight inside a capture window)");
+        } else {
+            match coord.unsafe_call("freeing the pinned staging ring", || rt.mem_free_host(addr)) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "freeing the pinned staging ring failed"),
+                Err(e) => tracing::warn!(error = %e, "pinned staging ring leaked (dropped inside a capture window)"),
+            }
         }
     }
     if let Some(t) = h.table {
@@ -640,6 +704,7 @@ impl Drop for TransferEngine {
             stream: Stream(0),
             after_compute: Event(0),
             table: None,
+            ring: None,
             q: Mutex::new(Queue::default()),
         };
         for i in [STORE, LOAD] {

@@ -6,7 +6,8 @@
 //!   job ids, ordering after the compute stream, completion by events,
 //!   in-order reporting per direction.
 //! - [`backend`]: per-fragment async copies, batched copies and the gather
-//!   kernel; [`select`]: the automatic choice between them.
+//!   kernel; [`select`]: the automatic choice between them; `ring`: the
+//!   page-locked staging ring the gather tables are uploaded from.
 //! - [`mod@bench`] (normal builds): `kvoffload bench transfer`.
 //!
 //! Properties served (DESIGN.md): P3 (the gather kernel reads only host
@@ -24,6 +25,7 @@ pub mod engine;
 pub mod error;
 mod ids;
 pub mod layout;
+mod ring;
 pub mod select;
 
 pub use backend::{Backend, BackendChoice};
