@@ -15,7 +15,7 @@
 //! GLOBAL mode would invalidate its capture, FACTS 1) and reports jobs in
 //! submission order per direction, each exactly once, failed ones included.
 //! Descriptor tables (in the handler's page-locked staging ring, or on the
-//! heap when the ring is full: see [`super::ring`]) and admission tickets
+//! heap when the ring is full: see the `ring` module) and admission tickets
 //! live in the job until it is reported.
 
 use std::collections::VecDeque;
