@@ -8,14 +8,14 @@
 //! - [`config`]: the settings and the sizes derived from them.
 //! - [`rank`]: the body of one rank process.
 //! - [`report`]: the lines a rank prints for its parent, and its figures.
-//! - [`pattern`], [`metrics`]: block contents, latencies and throughput.
+//! - [`metrics`]: latencies and throughput; block contents come from
+//!   [`crate::pattern`].
 //!
 //! The parent (spawning ranks, killing them in fault tests, the summary)
 //! is the CLI's `run` command (`src/cli/run.rs`).
 
 pub mod config;
 pub mod metrics;
-pub mod pattern;
 pub mod rank;
 pub mod report;
 

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use crate::manager::bench::{SplitMix64, Zipf};
 use crate::manager::{BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, PolicyKind};
+use crate::pattern;
 use crate::pin::{pin_all_agreed, Agreement, PinError, PinOptions, Prefault, Prepared};
 use crate::protocol::agreement::{AgreementError, RankSlots};
 use crate::protocol::{shutdown, GraphToken, PinState, ProtocolError, ShutdownError};
@@ -31,10 +32,11 @@ use crate::region::{Region, RegionError, ShmOptions};
 use crate::runtime::sim::SimFault;
 use crate::runtime::{CaptureMode, Code, DevicePtr, Direction, DriverError, GpuRuntime, Graph, Stream};
 use crate::sync::{self, thread, Arc, Condvar, Mutex};
-use crate::transfer::{HostPlacement, JobBlocks, JobId, KvLayout, GroupSpec, TensorSpec, TransferEngine, TransferError, TransferOptions};
+use crate::transfer::{
+    GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine, TransferError, TransferOptions,
+};
 
 use super::config::{ConfigError, Derived, KillAt, RunConfig};
-use super::pattern;
 use super::report::{RankReport, NOTE, PAUSE, PHASE, PROGRESS};
 
 /// Why a rank stopped before its report.
@@ -372,9 +374,9 @@ pub fn run_rank(
         }
         Ok(())
     })();
-    let result = alloc.map_err(drv("allocating the GPU KV tensors")).and_then(|()| {
-        workload(cfg, &d, rank, &rt, &coord, &region, &tensors, &rearm, &mut rep, pause_at)
-    });
+    let result = alloc
+        .map_err(drv("allocating the GPU KV tensors"))
+        .and_then(|()| workload(cfg, &d, rank, &rt, &coord, &region, &tensors, &rearm, &mut rep, pause_at));
     for p in tensors {
         if let Err(e) = rt.mem_free(p) {
             tracing::warn!(error = %e, "freeing a KV tensor failed");
@@ -497,7 +499,8 @@ fn workload(
     // only DMA touches those slots while jobs are in flight (the verifier
     // reads GPU memory, never the region); the tensors are live
     // allocations of `rt`, freed by the caller after the engine is dropped.
-    let engine = unsafe { TransferEngine::new(rt.clone(), coord.clone(), layout.clone(), compute, TransferOptions::default()) };
+    let engine =
+        unsafe { TransferEngine::new(rt.clone(), coord.clone(), layout.clone(), compute, TransferOptions::default()) };
     let engine = match engine {
         Ok(e) => e,
         Err(e) => {
@@ -605,7 +608,10 @@ impl Work<'_> {
                 self.verified(v, rep)?;
             }
             let idle = self.jobs.is_empty() && self.verifying == 0;
-            if idle && self.retry.is_empty() && ((self.sweep && sweep.is_empty()) || (!self.sweep && issued >= cfg.jobs)) {
+            if idle
+                && self.retry.is_empty()
+                && ((self.sweep && sweep.is_empty()) || (!self.sweep && issued >= cfg.jobs))
+            {
                 if self.sweep {
                     break;
                 }
@@ -664,7 +670,12 @@ impl Work<'_> {
             }
         }
         if self.mgr.len() != ok.len() {
-            tracing::error!(rank = self.rank, held = self.mgr.len(), known = ok.len(), "the manager holds blocks this rank did not store");
+            tracing::error!(
+                rank = self.rank,
+                held = self.mgr.len(),
+                known = ok.len(),
+                "the manager holds blocks this rank did not store"
+            );
             rep.blocks_lost += self.mgr.len().abs_diff(ok.len()) as u64;
         }
         ok.chunks(self.cfg.blocks_per_job).map(|c| c.to_vec()).collect()
@@ -682,7 +693,12 @@ impl Work<'_> {
     }
 
     /// One request: load the leading hits, store the misses.
-    fn request(&mut self, keys: &[BlockKey], rep: &mut RankReport, rearm: &dyn Fn(&dyn GpuRuntime)) -> Result<(), RankError> {
+    fn request(
+        &mut self,
+        keys: &[BlockKey],
+        rep: &mut RankReport,
+        rearm: &dyn Fn(&dyn GpuRuntime),
+    ) -> Result<(), RankError> {
         let answers = self.mgr.lookup(keys);
         let h = Lookup::leading_hits(&answers);
         if h > 0 {
@@ -779,7 +795,10 @@ impl Work<'_> {
             return Err(RankError::Other(format!("job {} reported but not submitted", r.id)));
         };
         self.busy[dir_slot(job.kind)].end();
-        debug_assert_eq!(r.direction, if job.kind == Kind::Store { Direction::DeviceToHost } else { Direction::HostToDevice });
+        debug_assert_eq!(
+            r.direction,
+            if job.kind == Kind::Store { Direction::DeviceToHost } else { Direction::HostToDevice }
+        );
         if r.succeeded() {
             self.latencies.push(r.seconds);
         } else {
