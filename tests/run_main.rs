@@ -40,9 +40,14 @@ fn assert_no_file(pid: u32, out: &str) {
 
 /// The number before `word` in the line starting with `line_start`.
 fn count(out: &str, line_start: &str, word: &str) -> u64 {
-    let line = out.lines().find(|l| l.starts_with(line_start)).unwrap_or_else(|| panic!("no {line_start:?} line in\n{out}"));
+    let line =
+        out.lines().find(|l| l.starts_with(line_start)).unwrap_or_else(|| panic!("no {line_start:?} line in\n{out}"));
     let i = line.find(word).unwrap_or_else(|| panic!("no {word:?} in {line:?}"));
-    line[..i].split_whitespace().last().and_then(|n| n.trim_start_matches('(').parse().ok()).unwrap_or_else(|| panic!("no count before {word:?} in {line:?}"))
+    line[..i]
+        .split_whitespace()
+        .last()
+        .and_then(|n| n.trim_start_matches('(').parse().ok())
+        .unwrap_or_else(|| panic!("no count before {word:?} in {line:?}"))
 }
 
 fn assert_clean(out: &str) {
@@ -101,9 +106,13 @@ fn copy_faults_fail_jobs_but_never_corrupt_or_lose_a_block() {
 
 #[test]
 fn register_fault_on_one_rank_makes_every_rank_pageable() {
-    let (rc, out, pid) = run(&["--fault-register-at", "2", "--fault-rank", "1", "--pin-chunk", "4MiB", "--jobs", "600"]);
+    let (rc, out, pid) =
+        run(&["--fault-register-at", "2", "--fault-rank", "1", "--pin-chunk", "4MiB", "--jobs", "600"]);
     assert_eq!(rc, 0, "{out}");
-    assert!(out.contains("rank 0: pinning") && out.contains("state Pageable(PeerPageable); agreement pageable"), "{out}");
+    assert!(
+        out.contains("rank 0: pinning") && out.contains("state Pageable(PeerPageable); agreement pageable"),
+        "{out}"
+    );
     assert!(out.contains("state Pageable(NotSupported); agreement pageable"), "{out}");
     assert_clean(&out);
     assert_no_file(pid, &out);
@@ -115,6 +124,7 @@ fn bad_options_are_one_line_and_exit_2() {
         &["--ranks", "0"][..],
         &["--region", "0"],
         &["--page-bytes", "0"],
+        &["--page-bytes", "1001"],
         &["--jobs", "0"],
         &["--blocks-per-job", "9", "--keys", "8"],
         &["--kill-rank", "2"],

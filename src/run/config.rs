@@ -129,6 +129,8 @@ pub enum ConfigError {
     TooLarge { what: &'static str, value: u64, limit: u64 },
     #[error("{what} = {value} is below the minimum of {min} ({why})")]
     TooSmall { what: &'static str, value: u64, min: u64, why: &'static str },
+    #[error("{what} = {value} is not a multiple of {of} ({why})")]
+    NotMultiple { what: &'static str, value: u64, of: u64, why: &'static str },
     #[error("{what} = {value} is not a finite number >= 0")]
     BadNumber { what: &'static str, value: f64 },
     #[error("{0}")]
@@ -162,6 +164,14 @@ impl RunConfig {
         zero(self.blocks_per_job, "blocks-per-job")?;
         zero(self.keys, "keys")?;
         zero(self.inflight, "inflight")?;
+        if self.page_bytes % 8 != 0 {
+            return Err(ConfigError::NotMultiple {
+                what: "page-bytes",
+                value: self.page_bytes as u64,
+                of: 8,
+                why: "the pattern kernels write and check a block's pages in 8-byte words",
+            });
+        }
         if self.blocks_per_job > self.keys {
             return Err(ConfigError::TooLarge {
                 what: "blocks-per-job",
@@ -189,7 +199,11 @@ impl RunConfig {
         }
         if let Some(r) = self.fault_rank {
             if r >= self.ranks {
-                return Err(ConfigError::TooLarge { what: "fault-rank", value: r as u64, limit: self.ranks as u64 - 1 });
+                return Err(ConfigError::TooLarge {
+                    what: "fault-rank",
+                    value: r as u64,
+                    limit: self.ranks as u64 - 1,
+                });
             }
         }
         if self.fault_copy_every == Some(0) {
@@ -202,8 +216,11 @@ impl RunConfig {
             return Err(ConfigError::Zero { what: "pin-threads" });
         }
         let overflow = || ConfigError::Other("the block size overflows (layers x page-bytes x block-factor)".into());
-        let block_bytes =
-            self.layers.checked_mul(self.page_bytes).and_then(|b| b.checked_mul(self.block_factor)).ok_or_else(overflow)?;
+        let block_bytes = self
+            .layers
+            .checked_mul(self.page_bytes)
+            .and_then(|b| b.checked_mul(self.block_factor))
+            .ok_or_else(overflow)?;
         let page = page_size();
         let slot_bytes = block_bytes.checked_next_multiple_of(page).ok_or_else(overflow)?;
         let row = slot_bytes.checked_mul(self.ranks).ok_or_else(overflow)?;
@@ -262,6 +279,8 @@ mod tests {
         assert!(matches!(bad.validate().unwrap_err(), ConfigError::TooSmall { what: "region", .. }));
         let bad = RunConfig { zipf: f64::NAN, ..RunConfig::default() };
         assert!(matches!(bad.validate().unwrap_err(), ConfigError::BadNumber { .. }));
+        let bad = RunConfig { page_bytes: 1001, ..RunConfig::default() };
+        assert!(matches!(bad.validate().unwrap_err(), ConfigError::NotMultiple { what: "page-bytes", of: 8, .. }));
         let bad = RunConfig { kill_rank: Some(2), ..RunConfig::default() };
         assert!(matches!(bad.validate().unwrap_err(), ConfigError::TooLarge { what: "kill-rank", .. }));
     }

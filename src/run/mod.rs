@@ -8,6 +8,8 @@
 //! - [`config`]: the settings and the sizes derived from them.
 //! - [`rank`]: the body of one rank process.
 //! - [`report`]: the lines a rank prints for its parent, and its figures.
+//! - `pages`, `verify`: a job's GPU pages as pattern-kernel tables, and the
+//!   verifier thread that checks loaded pages on the GPU.
 //! - [`metrics`]: latencies and throughput; block contents come from
 //!   [`crate::pattern`].
 //!
@@ -16,8 +18,10 @@
 
 pub mod config;
 pub mod metrics;
+mod pages;
 pub mod rank;
 pub mod report;
+mod verify;
 
 pub use config::{ConfigError, Derived, KillAt, RunConfig};
 pub use rank::{run_rank, RankError};

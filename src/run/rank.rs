@@ -9,9 +9,11 @@
 //! 4. captures graphs in GLOBAL mode through capture windows;
 //! 5. waits for the agreed pin state, then runs requests: each picks
 //!    `blocks_per_job` consecutive keys (Zipf), loads the leading hits and
-//!    stores the misses (pattern written into GPU blocks on the compute
-//!    stream first, so stores must be ordered after compute); every loaded
-//!    block is copied back and checked byte for byte on a verifier thread;
+//!    stores the misses (each block's pattern written into its GPU blocks
+//!    by the pattern-fill kernel on the compute stream first, so stores
+//!    must be ordered after compute); every page of every loaded block is
+//!    checked on the GPU by the pattern-check kernel, driven by a verifier
+//!    thread (`verify.rs`);
 //! 6. loads and checks every block the manager still holds (the sweep);
 //! 7. shuts down in the protocol's order and unmaps the region.
 //!
@@ -30,14 +32,18 @@ use crate::protocol::{shutdown, GraphToken, PinState, ProtocolError, ShutdownErr
 use crate::region::slots::RegionSlots;
 use crate::region::{Region, RegionError, ShmOptions};
 use crate::runtime::sim::SimFault;
-use crate::runtime::{CaptureMode, Code, DevicePtr, Direction, DriverError, GpuRuntime, Graph, Stream};
-use crate::sync::{self, thread, Arc, Condvar, Mutex};
+use crate::runtime::{
+    CaptureMode, Code, DevicePtr, Direction, DriverError, GpuRuntime, Graph, Kernel, Stream, PATTERN_ENTRY_WORDS,
+};
+use crate::sync::{self, thread, Arc, Mutex};
 use crate::transfer::{
     GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine, TransferError, TransferOptions,
 };
 
 use super::config::{ConfigError, Derived, KillAt, RunConfig};
+use super::pages::{Shape, TablePool};
 use super::report::{RankReport, NOTE, PAUSE, PHASE, PROGRESS};
+use super::verify::{Checker, Loaded, Outcome, Verdict};
 
 /// Why a rank stopped before its report.
 #[derive(Debug, thiserror::Error)]
@@ -90,12 +96,6 @@ fn pause(rank: usize, at: KillAt) {
     let _ = std::io::stdin().lock().read_line(&mut s);
 }
 
-/// The pattern seed of `key` on `rank`: ranks never share contents, so a
-/// block written into another rank's slot would be caught.
-fn seed(rank: usize, key: BlockKey) -> u64 {
-    key.hash ^ ((rank as u64 + 1) << 56)
-}
-
 /// Wraps the pre-faulter: reports progress per chunk, pauses where the
 /// fault test asks, and notes when this rank's own pinning ended.
 struct PinProbe {
@@ -137,103 +137,14 @@ struct Job {
     kind: Kind,
     keys: Vec<BlockKey>,
     gpu: Vec<usize>,
-    /// Pattern bytes the compute stream copies into the GPU blocks (stores):
-    /// read by DMA until the store job (ordered after compute) completes.
-    #[allow(dead_code)] // held, never read here: the DMA engine reads it
-    staging: Vec<u8>,
+    /// Stores: the pattern-fill table the compute stream uploads (read by
+    /// the copy engine until the store job, ordered after compute,
+    /// completes), and the slot of the device buffer it goes to.
+    #[allow(dead_code)] // held, never read here: the copy engine reads it
+    staging: Vec<u64>,
+    table: Option<usize>,
     /// Sweep loads: attempts so far.
     attempt: u32,
-}
-
-/// A load to check, and what the check found.
-struct Verdict {
-    job: Job,
-    verified: u64,
-    corrupted: u64,
-}
-
-#[derive(Default)]
-struct VerifyState {
-    todo: VecDeque<Job>,
-    done: VecDeque<Verdict>,
-    stop: bool,
-}
-
-struct Verifier {
-    state: Mutex<VerifyState>,
-    cv: Condvar,
-}
-
-/// What the verifier needs to read GPU blocks back.
-#[derive(Clone)]
-struct Shape {
-    rank: usize,
-    layers: usize,
-    factor: usize,
-    page: usize,
-    block_bytes: usize,
-    layout: KvLayout,
-}
-
-impl Shape {
-    /// Copies every GPU block of a load back and compares it with its key's
-    /// pattern; returns (blocks verified, blocks corrupted).
-    fn check(&self, rt: &dyn GpuRuntime, job: &Job) -> Result<(u64, u64), DriverError> {
-        let mut want = vec![0u8; self.block_bytes];
-        let mut got = vec![0u8; self.page];
-        let (mut ok, mut bad) = (0, 0);
-        for (k, key) in job.keys.iter().enumerate() {
-            pattern::fill(seed(self.rank, *key), &mut want);
-            let mut same = true;
-            for t in 0..self.layers {
-                for j in 0..self.factor {
-                    let dev = self.layout.device_addr(0, t, job.gpu[k * self.factor + j]);
-                    // SAFETY: `got` is a writable buffer of `page` bytes.
-                    unsafe { rt.copy_dtoh(got.as_mut_ptr() as usize, dev, self.page)? };
-                    let off = (t * self.factor + j) * self.page;
-                    if got[..] != want[off..off + self.page] {
-                        same = false;
-                        let at = off + got.iter().zip(&want[off..]).position(|(a, b)| a != b).unwrap_or(0);
-                        tracing::error!(rank = self.rank, key = %key, byte = at, "loaded block differs from its pattern");
-                    }
-                }
-            }
-            if same {
-                ok += 1;
-            } else {
-                bad += 1;
-            }
-        }
-        Ok((ok, bad))
-    }
-}
-
-fn verifier_loop(v: &Verifier, rt: &dyn GpuRuntime, shape: &Shape) -> Result<(), DriverError> {
-    loop {
-        let job = {
-            let mut g = sync::lock(&v.state);
-            loop {
-                if let Some(j) = g.todo.pop_front() {
-                    break j;
-                }
-                if g.stop {
-                    return Ok(());
-                }
-                g = sync::wait(&v.cv, g);
-            }
-        };
-        let r = shape.check(rt, &job);
-        let mut g = sync::lock(&v.state);
-        match r {
-            Ok((verified, corrupted)) => g.done.push_back(Verdict { job, verified, corrupted }),
-            Err(e) => {
-                g.stop = true;
-                v.cv.notify_all();
-                return Err(e);
-            }
-        }
-        v.cv.notify_all();
-    }
 }
 
 /// Runs rank `rank` of `cfg` on `rt` with the region `region_name`;
@@ -453,6 +364,8 @@ struct Work<'a> {
     mgr: BlockManager,
     shape: Shape,
     compute: Stream,
+    /// Device buffers of the stores' pattern-fill tables.
+    tables: TablePool,
     free_gpu: Vec<usize>,
     jobs: BTreeMap<JobId, Job>,
     next_id: JobId,
@@ -463,6 +376,9 @@ struct Work<'a> {
     sweep: bool,
     retry: Vec<Job>,
 }
+
+/// The verifier's queue; each loaded job carries its sweep attempt.
+type Verifier = super::verify::Verifier<u32>;
 
 fn dir_slot(k: Kind) -> usize {
     match k {
@@ -508,11 +424,33 @@ fn workload(
             return Err(e.into());
         }
     };
-    let shape = Shape { rank, layers: cfg.layers, factor: f, page: cfg.page_bytes, block_bytes: d.block_bytes, layout };
-    let verifier = Arc::new(Verifier { state: Mutex::new(VerifyState::default()), cv: Condvar::new() });
+    let shape = Shape { rank, layers: cfg.layers, factor: f, page: cfg.page_bytes, layout };
+    // A job has at most `blocks_per_job` blocks: one table entry per page.
+    let entries = cfg.blocks_per_job * shape.pages_per_block();
+    let made = TablePool::new(rt.as_ref(), cfg.inflight, entries)
+        .map_err(drv("allocating the pattern-fill tables"))
+        .and_then(|t| match Checker::new(rt.as_ref(), entries) {
+            Ok(c) => Ok((t, c)),
+            Err(e) => {
+                t.release(rt.as_ref());
+                Err(drv("setting up the verifier")(e))
+            }
+        });
+    let (tables, checker) = match made {
+        Ok(m) => m,
+        Err(e) => {
+            drop(engine);
+            let _ = rt.stream_destroy(compute);
+            return Err(e);
+        }
+    };
+    let verifier = Arc::new(Verifier::new());
     let vthread = {
         let (v, rt, shape) = (verifier.clone(), rt.clone(), shape.clone());
-        thread::spawn(move || verifier_loop(&v, rt.as_ref(), &shape))
+        thread::spawn(move || {
+            let r = v.run(rt.as_ref(), &checker, &shape);
+            (checker, r)
+        })
     };
     let mut w = Work {
         rank,
@@ -522,6 +460,7 @@ fn workload(
         mgr: BlockManager::new(ManagerConfig::new(d.host_blocks, PolicyKind::Lru))?,
         shape,
         compute,
+        tables,
         free_gpu: (0..cfg.gpu_blocks).rev().collect(),
         jobs: BTreeMap::new(),
         next_id: 1,
@@ -533,18 +472,21 @@ fn workload(
         retry: Vec::new(),
     };
     let r = w.run(rep, &verifier, rearm, pause_at);
-    {
-        let mut g = sync::lock(&verifier.state);
-        g.stop = true;
-        verifier.cv.notify_all();
-    }
-    let vr = vthread.join().map_err(|_| RankError::Other("the verifier thread panicked".into()))?;
+    verifier.stop();
+    let vr = match vthread.join() {
+        Ok((checker, vr)) => {
+            checker.release(rt.as_ref());
+            vr
+        }
+        Err(_) => return Err(RankError::Other("the verifier thread panicked".into())),
+    };
     let lat = std::mem::take(&mut w.latencies);
-    drop(w);
+    let tables = w.tables;
     drop(engine);
     if let Err(e) = rt.stream_destroy(compute) {
         tracing::warn!(error = %e, "destroying the compute stream failed");
     }
+    tables.release(rt.as_ref());
     r?;
     vr.map_err(drv("reading GPU blocks back"))?;
     for line in rep.latency_lines(&lat, 4096) {
@@ -602,10 +544,9 @@ impl Work<'_> {
                 progressed = true;
                 self.finished(r, rep, verifier, rearm)?;
             }
-            let done: Vec<Verdict> = sync::lock(&verifier.state).done.drain(..).collect();
-            for v in done {
+            for v in verifier.drain() {
                 progressed = true;
-                self.verified(v, rep)?;
+                self.verified(v, rep, rearm)?;
             }
             let idle = self.jobs.is_empty() && self.verifying == 0;
             if idle
@@ -630,11 +571,7 @@ impl Work<'_> {
                         Err(e) => return Err(e.into()),
                     }
                 } else if self.verifying > 0 {
-                    let mut g = sync::lock(&verifier.state);
-                    while g.done.is_empty() && !g.stop {
-                        g = sync::wait(&verifier.cv, g);
-                    }
-                    if g.stop && g.done.is_empty() {
+                    if !verifier.wait_done() {
                         return Err(RankError::Other("the verifier stopped".into()));
                     }
                 } else {
@@ -723,35 +660,27 @@ impl Work<'_> {
             return Ok(());
         }
         let f = self.cfg.block_factor;
-        let (bb, page, layers) = (self.shape.block_bytes, self.shape.page, self.shape.layers);
         let stored: Vec<BlockKey> = out.to_store.iter().map(|p| p.key).collect();
         let slots: Vec<usize> = out.to_store.iter().map(|p| p.slot.index()).collect();
         let gpu = self.take_gpu(stored.len() * f);
-        let mut staging = vec![0u8; stored.len() * bb];
-        for (k, key) in stored.iter().enumerate() {
-            pattern::fill(seed(self.rank, *key), &mut staging[k * bb..(k + 1) * bb]);
-        }
-        // The engine's "compute": write each block's pattern into its GPU
-        // blocks on the compute stream; the store is ordered after it.
-        let mut failed = None;
-        'copy: for k in 0..stored.len() {
-            for t in 0..layers {
-                for j in 0..f {
-                    let dev = self.shape.layout.device_addr(0, t, gpu[k * f + j]);
-                    let src = staging.as_ptr() as usize + k * bb + (t * f + j) * page;
-                    // SAFETY: `staging` lives in the job until the store job
-                    // (ordered after this stream's work) is reported, or until
-                    // the stream is synchronized below.
-                    if let Err(e) = unsafe { self.rt.copy_htod_async(dev, src, page, self.compute) } {
-                        failed = Some(e);
-                        break 'copy;
-                    }
-                }
-            }
-        }
-        if let Some(e) = failed {
-            tracing::warn!(rank = self.rank, error = %e, "writing a block on the compute stream failed; its store is dropped");
+        let Some((table, dtable)) = self.tables.take() else {
+            return Err(RankError::Other(format!("no free pattern table ({} stores in flight)", self.jobs.len())));
+        };
+        // The engine's "compute": the pattern-fill kernel writes each block's
+        // pattern into its GPU blocks on the compute stream (one table entry
+        // per page); the store is ordered after it.
+        let staging = self.shape.table(&stored, &gpu);
+        let count = staging.len() / PATTERN_ENTRY_WORDS;
+        debug_assert!(count <= self.tables.entries(), "{count} pages, tables of {}", self.tables.entries());
+        // SAFETY: `staging` moves into the job (its heap buffer stays put)
+        // and lives until the store job (ordered after this stream's work)
+        // is reported, or until the stream is synchronized below.
+        let r = unsafe { self.rt.copy_htod_async(dtable, staging.as_ptr() as usize, staging.len() * 8, self.compute) }
+            .and_then(|()| self.rt.launch(Kernel::PatternFill { table: dtable, count: count as u32 }, self.compute));
+        if let Err(e) = r {
+            tracing::warn!(rank = self.rank, error = %e, "writing blocks on the compute stream failed; their store is dropped");
             self.rt.stream_synchronize(self.compute).map_err(drv("synchronizing the compute stream"))?;
+            self.tables.give(table);
             self.mgr.complete_store(&stored, false)?;
             self.free_gpu.extend(gpu);
             rep.jobs_failed += 1;
@@ -764,7 +693,7 @@ impl Work<'_> {
         self.engine.store(id, &blocks)?;
         rep.stores += 1;
         self.busy[0].start();
-        self.jobs.insert(id, Job { kind: Kind::Store, keys: stored, gpu, staging, attempt: 0 });
+        self.jobs.insert(id, Job { kind: Kind::Store, keys: stored, gpu, staging, table: Some(table), attempt: 0 });
         Ok(())
     }
 
@@ -780,7 +709,7 @@ impl Work<'_> {
         }
         rep.loads += 1;
         self.busy[1].start();
-        self.jobs.insert(id, Job { kind: Kind::Load, keys, gpu, staging: Vec::new(), attempt });
+        self.jobs.insert(id, Job { kind: Kind::Load, keys, gpu, staging: Vec::new(), table: None, attempt });
         Ok(())
     }
 
@@ -816,9 +745,14 @@ impl Work<'_> {
                 } else {
                     rep.stores_failed += 1;
                     // A job that failed before its completion event may leave
-                    // the compute stream still reading the staging buffer.
+                    // the compute stream still reading the fill table.
                     self.rt.stream_synchronize(self.compute).map_err(drv("synchronizing the compute stream"))?;
                     self.mgr.complete_store(&job.keys, false)?;
+                }
+                // The fill kernel has run: the store completed after it, or
+                // the compute stream was synchronized.
+                if let Some(t) = job.table {
+                    self.tables.give(t);
                 }
                 self.free_gpu.extend(job.gpu);
             }
@@ -826,35 +760,73 @@ impl Work<'_> {
                 if r.succeeded() {
                     rep.load.bytes += r.bytes;
                     self.verifying += 1;
-                    sync::lock(&verifier.state).todo.push_back(job);
-                    verifier.cv.notify_all();
+                    verifier.push(Loaded { keys: job.keys, gpu: job.gpu, job: job.attempt });
                 } else {
-                    rep.loads_failed += 1;
-                    self.mgr.complete_load(&job.keys)?;
-                    self.free_gpu.extend(job.gpu);
-                    if self.sweep {
-                        if job.attempt + 1 >= 3 {
-                            tracing::error!(rank = self.rank, keys = job.keys.len(), "sweep load failed three times");
-                            rep.blocks_lost += job.keys.len() as u64;
-                        } else {
-                            self.retry.push(Job { attempt: job.attempt + 1, gpu: Vec::new(), ..job });
-                        }
-                    }
+                    self.load_failed(job.keys, job.gpu, job.attempt, rep)?;
                 }
             }
         }
         Ok(())
     }
 
-    fn verified(&mut self, v: Verdict, rep: &mut RankReport) -> Result<(), RankError> {
-        self.verifying -= 1;
-        rep.blocks_verified += v.verified;
-        rep.blocks_corrupted += v.corrupted;
+    /// A load that delivered nothing checked: its blocks are released (not
+    /// lost: they stay in the manager); the sweep tries a batch three times.
+    fn load_failed(
+        &mut self,
+        keys: Vec<BlockKey>,
+        gpu: Vec<usize>,
+        attempt: u32,
+        rep: &mut RankReport,
+    ) -> Result<(), RankError> {
+        rep.loads_failed += 1;
+        self.mgr.complete_load(&keys)?;
+        self.free_gpu.extend(gpu);
         if self.sweep {
-            rep.sweep_blocks += v.verified + v.corrupted;
+            if attempt + 1 >= 3 {
+                tracing::error!(rank = self.rank, keys = keys.len(), "sweep load failed three times");
+                rep.blocks_lost += keys.len() as u64;
+            } else {
+                let job = Job {
+                    kind: Kind::Load,
+                    keys,
+                    gpu: Vec::new(),
+                    staging: Vec::new(),
+                    table: None,
+                    attempt: attempt + 1,
+                };
+                self.retry.push(job);
+            }
         }
-        self.mgr.complete_load(&v.job.keys)?;
-        self.free_gpu.extend(v.job.gpu);
         Ok(())
+    }
+
+    fn verified(
+        &mut self,
+        v: Verdict<u32>,
+        rep: &mut RankReport,
+        rearm: &dyn Fn(&dyn GpuRuntime),
+    ) -> Result<(), RankError> {
+        self.verifying -= 1;
+        let Loaded { keys, gpu, job: attempt } = v.loaded;
+        match v.outcome {
+            Outcome::Checked { verified, corrupted } => {
+                rep.blocks_verified += verified;
+                rep.blocks_corrupted += corrupted;
+                if self.sweep {
+                    rep.sweep_blocks += verified + corrupted;
+                }
+                self.mgr.complete_load(&keys)?;
+                self.free_gpu.extend(gpu);
+                Ok(())
+            }
+            Outcome::NotChecked(e) => {
+                tracing::warn!(rank = self.rank, error = %e, "a loaded job could not be checked; it counts as a failed load");
+                rep.jobs_failed += 1;
+                if !self.sweep {
+                    rearm(self.rt.as_ref());
+                }
+                self.load_failed(keys, gpu, attempt, rep)
+            }
+        }
     }
 }
