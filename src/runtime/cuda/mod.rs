@@ -210,10 +210,7 @@ impl CudaRuntime {
 fn load_function(ptx_text: &'static str, name: &std::ffi::CStr) -> DriverResult<usize> {
     const LOG: usize = 4096;
     let mut log = vec![0u8; LOG];
-    let mut opts = [
-        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
-        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
-    ];
+    let mut opts = [sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER, sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES];
     let mut vals = [log.as_mut_ptr() as *mut c_void, LOG as *mut c_void];
     let mut module: sys::CUmodule = std::ptr::null_mut();
     // SAFETY: the PTX text is NUL-terminated and 'static; the options array
@@ -221,7 +218,13 @@ fn load_function(ptx_text: &'static str, name: &std::ffi::CStr) -> DriverResult<
     // holds LOG bytes, the size given, and outlives the call (the size
     // option's value is an integer carried in a pointer, as the API says).
     let r = check("cuModuleLoadDataEx", unsafe {
-        sys::cuModuleLoadDataEx(&mut module, ptx_text.as_ptr() as *const c_void, 2, opts.as_mut_ptr(), vals.as_mut_ptr())
+        sys::cuModuleLoadDataEx(
+            &mut module,
+            ptx_text.as_ptr() as *const c_void,
+            2,
+            opts.as_mut_ptr(),
+            vals.as_mut_ptr(),
+        )
     });
     if let Err(e) = r {
         let end = log.iter().position(|&b| b == 0).unwrap_or(LOG);

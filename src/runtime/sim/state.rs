@@ -39,13 +39,23 @@ pub(crate) enum Op {
     Spin,
     /// The gather kernel: copies the fragments of the descriptor table at
     /// `table` (device memory), read when the kernel runs.
-    Gather { table: DevicePtr, count: u32 },
+    Gather {
+        table: DevicePtr,
+        count: u32,
+    },
     /// The pattern-fill kernel: writes the ranges of the table at `table`,
     /// read when the kernel runs.
-    PatternFill { table: DevicePtr, count: u32 },
+    PatternFill {
+        table: DevicePtr,
+        count: u32,
+    },
     /// The pattern-check kernel: counts mismatching words per table entry
     /// into the `u32`s at `out`.
-    PatternCheck { table: DevicePtr, count: u32, out: DevicePtr },
+    PatternCheck {
+        table: DevicePtr,
+        count: u32,
+        out: DevicePtr,
+    },
     /// Wait until `stream` has completed `seq` operations.
     WaitEvent {
         stream: u64,
