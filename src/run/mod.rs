@@ -8,8 +8,9 @@
 //! - [`config`]: the settings and the sizes derived from them.
 //! - [`rank`]: the body of one rank process.
 //! - [`report`]: the lines a rank prints for its parent, and its figures.
-//! - `pages`, `verify`: a job's GPU pages as pattern-kernel tables, and the
-//!   verifier thread that checks loaded pages on the GPU.
+//! - `workload`: a rank's requests and the final sweep; `pages`, `verify`:
+//!   a job's GPU pages as pattern-kernel tables, and the verifier thread
+//!   that checks loaded pages on the GPU.
 //! - [`metrics`]: latencies and throughput; block contents come from
 //!   [`crate::pattern`].
 //!
@@ -22,6 +23,7 @@ mod pages;
 pub mod rank;
 pub mod report;
 mod verify;
+mod workload;
 
 pub use config::{ConfigError, Derived, KillAt, RunConfig};
 pub use rank::{run_rank, RankError};
