@@ -124,6 +124,7 @@ pub(super) fn workload(
     let host_base = region.chunk_ptr(rank, 0)?.as_ptr() as usize;
     let placement = HostPlacement::BlockStrided { stride: d.layout.row_bytes() };
     let layout = KvLayout::new(&[spec], f, host_base, placement).map_err(TransferError::from)?;
+    let mgr = BlockManager::new(ManagerConfig::new(d.host_blocks, PolicyKind::Lru))?;
     let compute = rt.stream_create().map_err(drv("creating the compute stream"))?;
     // SAFETY: the host area is this rank's slots of `region`, which outlives
     // the engine (dropped at the end of this function, the region later);
@@ -172,7 +173,7 @@ pub(super) fn workload(
         cfg,
         rt,
         engine: &engine,
-        mgr: BlockManager::new(ManagerConfig::new(d.host_blocks, PolicyKind::Lru))?,
+        mgr,
         shape,
         compute,
         tables,
