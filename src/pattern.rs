@@ -31,11 +31,15 @@ pub fn fill(key: u64, buf: &mut [u8]) {
 /// there.
 pub fn fill_from(key: u64, first_word: u64, buf: &mut [u8]) {
     let seed = mix(key);
-    for (i, c) in buf.chunks_mut(8).enumerate() {
-        let w = mix(seed ^ first_word.wrapping_add(i as u64)).to_le_bytes();
-        let n = c.len();
-        c.copy_from_slice(&w[..n]);
+    let mut words = buf.chunks_exact_mut(8);
+    let mut i = first_word;
+    for c in &mut words {
+        c.copy_from_slice(&mix(seed ^ i).to_le_bytes());
+        i = i.wrapping_add(1);
     }
+    let tail = words.into_remainder();
+    let n = tail.len();
+    tail.copy_from_slice(&mix(seed ^ i).to_le_bytes()[..n]);
 }
 
 /// Offset of the first byte of `buf` that differs from block `key`'s
@@ -61,12 +65,17 @@ pub fn first_mismatch_from(key: u64, first_word: u64, buf: &[u8]) -> Option<usiz
 /// word) that differ from words `first_word, ...` of the contents of `key`.
 pub fn mismatched_words(key: u64, first_word: u64, buf: &[u8]) -> u64 {
     let seed = mix(key);
+    let mut words = buf.chunks_exact(8);
+    let mut i = first_word;
     let mut bad = 0;
-    for (i, c) in buf.chunks(8).enumerate() {
-        let w = mix(seed ^ first_word.wrapping_add(i as u64)).to_le_bytes();
-        if c != &w[..c.len()] {
-            bad += 1;
-        }
+    for c in &mut words {
+        let got = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+        bad += u64::from(got != mix(seed ^ i));
+        i = i.wrapping_add(1);
+    }
+    let tail = words.remainder();
+    if tail != &mix(seed ^ i).to_le_bytes()[..tail.len()] {
+        bad += 1;
     }
     bad
 }
