@@ -14,6 +14,7 @@
 //! - [`manager`]: block states, reference counts and eviction.
 //! - [`transfer`]: store and load jobs between GPU blocks and host blocks,
 //!   with per-fragment, batched and gather-kernel copy backends.
+//! - [`pattern`]: checkable block contents, a function of a key.
 //! - [`conform`]: the conformance scenarios that re-measure the driver rules.
 //! - [`run`]: `kvoffload run`, the main job end to end over every layer.
 
@@ -22,6 +23,7 @@ pub mod conform;
 #[cfg(not(loom))]
 pub mod incident;
 pub mod manager;
+pub mod pattern;
 pub mod pin;
 pub mod protocol;
 pub mod region;

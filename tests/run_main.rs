@@ -137,6 +137,7 @@ fn bad_options_are_one_line_and_exit_2() {
         &["--ranks", "0"][..],
         &["--region", "0"],
         &["--page-bytes", "0"],
+        &["--page-bytes", "1001"],
         &["--jobs", "0"],
         &["--blocks-per-job", "9", "--keys", "8"],
         &["--kill-rank", "2"],

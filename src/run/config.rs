@@ -134,6 +134,8 @@ pub enum ConfigError {
     TooLarge { what: &'static str, value: u64, limit: u64 },
     #[error("{what} = {value} is below the minimum of {min} ({why})")]
     TooSmall { what: &'static str, value: u64, min: u64, why: &'static str },
+    #[error("{what} = {value} is not a multiple of {of} ({why})")]
+    NotMultiple { what: &'static str, value: u64, of: u64, why: &'static str },
     #[error("{what} = {value} is not a finite number >= 0")]
     BadNumber { what: &'static str, value: f64 },
     #[error("{0}")]
@@ -167,6 +169,14 @@ impl RunConfig {
         zero(self.blocks_per_job, "blocks-per-job")?;
         zero(self.keys, "keys")?;
         zero(self.inflight, "inflight")?;
+        if self.page_bytes % 8 != 0 {
+            return Err(ConfigError::NotMultiple {
+                what: "page-bytes",
+                value: self.page_bytes as u64,
+                of: 8,
+                why: "the pattern kernels write and check a block's pages in 8-byte words",
+            });
+        }
         if self.blocks_per_job > self.keys {
             return Err(ConfigError::TooLarge {
                 what: "blocks-per-job",
@@ -274,6 +284,8 @@ mod tests {
         assert!(matches!(bad.validate().unwrap_err(), ConfigError::TooSmall { what: "region", .. }));
         let bad = RunConfig { zipf: f64::NAN, ..RunConfig::default() };
         assert!(matches!(bad.validate().unwrap_err(), ConfigError::BadNumber { .. }));
+        let bad = RunConfig { page_bytes: 1001, ..RunConfig::default() };
+        assert!(matches!(bad.validate().unwrap_err(), ConfigError::NotMultiple { what: "page-bytes", of: 8, .. }));
         let bad = RunConfig { kill_rank: Some(2), ..RunConfig::default() };
         assert!(matches!(bad.validate().unwrap_err(), ConfigError::TooLarge { what: "kill-rank", .. }));
     }

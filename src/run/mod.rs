@@ -8,16 +8,22 @@
 //! - [`config`]: the settings and the sizes derived from them.
 //! - [`rank`]: the body of one rank process.
 //! - [`report`]: the lines a rank prints for its parent, and its figures.
-//! - [`pattern`], [`metrics`]: block contents, latencies and throughput.
+//! - `workload`: a rank's requests and the final sweep; `pages`, `verify`:
+//!   a job's GPU pages as pattern-kernel tables, and the verifier thread
+//!   that checks loaded pages on the GPU.
+//! - [`metrics`]: latencies and throughput; block contents come from
+//!   [`crate::pattern`].
 //!
 //! The parent (spawning ranks, killing them in fault tests, the summary)
 //! is the CLI's `run` command (`src/cli/run.rs`).
 
 pub mod config;
 pub mod metrics;
-pub mod pattern;
+mod pages;
 pub mod rank;
 pub mod report;
+mod verify;
+mod workload;
 
 pub use config::{ConfigError, Derived, KillAt, RunConfig};
 pub use rank::{run_rank, RankError};

@@ -9,20 +9,21 @@
 //! 4. captures graphs in GLOBAL mode through capture windows;
 //! 5. waits for the agreed pin state, then runs requests: each picks
 //!    `blocks_per_job` consecutive keys (Zipf), loads the leading hits and
-//!    stores the misses (pattern written into GPU blocks on the compute
-//!    stream first, so stores must be ordered after compute); every loaded
-//!    block is copied back and checked byte for byte on a verifier thread;
+//!    stores the misses (each block's pattern written into its GPU blocks
+//!    by the pattern-fill kernel on the compute stream first, so stores
+//!    must be ordered after compute); every page of every loaded block is
+//!    checked on the GPU by the pattern-check kernel, driven by a verifier
+//!    thread (`workload.rs`, `verify.rs`);
 //! 6. loads and checks every block the manager still holds (the sweep);
 //! 7. shuts down in the protocol's order and unmaps the region.
 //!
 //! It speaks to the parent through stdout lines (`report::PHASE`, ...).
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
-use crate::manager::bench::{SplitMix64, Zipf};
-use crate::manager::{BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, PolicyKind};
+use crate::manager::ManagerError;
+use crate::pattern;
 use crate::pin::{pin_all_agreed, Agreement, PinError, PinOptions, Prefault, Prepared};
 use crate::protocol::agreement::{AgreementError, RankSlots};
 use crate::protocol::{shutdown, GraphToken, PinState, ProtocolError, ShutdownError};
@@ -30,15 +31,13 @@ use crate::region::pages;
 use crate::region::slots::RegionSlots;
 use crate::region::{Region, RegionError, ShmOptions};
 use crate::runtime::sim::SimFault;
-use crate::runtime::{CaptureMode, Code, DevicePtr, Direction, DriverError, GpuRuntime, Graph, Stream};
-use crate::sync::{self, thread, Arc, Condvar, Mutex};
-use crate::transfer::{
-    GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine, TransferError, TransferOptions,
-};
+use crate::runtime::{CaptureMode, Code, DevicePtr, DriverError, GpuRuntime, Graph, Stream};
+use crate::sync::{self, thread, Arc, Mutex};
+use crate::transfer::TransferError;
 
-use super::config::{ConfigError, Derived, KillAt, RunConfig};
-use super::pattern;
+use super::config::{ConfigError, KillAt, RunConfig};
 use super::report::{RankReport, NOTE, PAUSE, PHASE, PROGRESS};
+use super::workload::workload;
 
 /// Why a rank stopped before its report.
 #[derive(Debug, thiserror::Error)]
@@ -63,7 +62,7 @@ pub enum RankError {
     Other(String),
 }
 
-fn drv(what: &'static str) -> impl FnOnce(DriverError) -> RankError {
+pub(super) fn drv(what: &'static str) -> impl FnOnce(DriverError) -> RankError {
     move |error| RankError::Driver { what, error }
 }
 
@@ -74,27 +73,21 @@ pub fn emit(line: &str) {
     let _ = o.flush();
 }
 
-fn phase(rank: usize, p: &str) {
+pub(super) fn phase(rank: usize, p: &str) {
     emit(&format!("{PHASE} rank={rank} phase={p}"));
 }
 
-fn progress(rank: usize, p: &str, done: usize, total: usize) {
+pub(super) fn progress(rank: usize, p: &str, done: usize, total: usize) {
     emit(&format!("{PROGRESS} rank={rank} phase={p} done={done} total={total}"));
 }
 
 /// Announces a pause point and blocks until the parent writes a line or
 /// closes stdin (the parent SIGKILLs the rank here in the fault tests; if
 /// the parent is gone, stdin reaches EOF and the rank goes on).
-fn pause(rank: usize, at: KillAt) {
+pub(super) fn pause(rank: usize, at: KillAt) {
     emit(&format!("{PAUSE} rank={rank} at={}", at.name()));
     let mut s = String::new();
     let _ = std::io::stdin().lock().read_line(&mut s);
-}
-
-/// The pattern seed of `key` on `rank`: ranks never share contents, so a
-/// block written into another rank's slot would be caught.
-fn seed(rank: usize, key: BlockKey) -> u64 {
-    key.hash ^ ((rank as u64 + 1) << 56)
 }
 
 /// Wraps the pre-faulter: reports progress per chunk, pauses where the
@@ -124,116 +117,6 @@ impl Prefault for PinProbe {
     fn settle(&self) {
         self.inner.settle();
         sync::lock(&self.local_done).get_or_insert(self.started.elapsed());
-    }
-}
-
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum Kind {
-    Store,
-    Load,
-}
-
-/// One transfer job in flight.
-struct Job {
-    kind: Kind,
-    keys: Vec<BlockKey>,
-    gpu: Vec<usize>,
-    /// Pattern bytes the compute stream copies into the GPU blocks (stores):
-    /// read by DMA until the store job (ordered after compute) completes.
-    #[allow(dead_code)] // held, never read here: the DMA engine reads it
-    staging: Vec<u8>,
-    /// Sweep loads: attempts so far.
-    attempt: u32,
-}
-
-/// A load to check, and what the check found.
-struct Verdict {
-    job: Job,
-    verified: u64,
-    corrupted: u64,
-}
-
-#[derive(Default)]
-struct VerifyState {
-    todo: VecDeque<Job>,
-    done: VecDeque<Verdict>,
-    stop: bool,
-}
-
-struct Verifier {
-    state: Mutex<VerifyState>,
-    cv: Condvar,
-}
-
-/// What the verifier needs to read GPU blocks back.
-#[derive(Clone)]
-struct Shape {
-    rank: usize,
-    layers: usize,
-    factor: usize,
-    page: usize,
-    block_bytes: usize,
-    layout: KvLayout,
-}
-
-impl Shape {
-    /// Copies every GPU block of a load back and compares it with its key's
-    /// pattern; returns (blocks verified, blocks corrupted).
-    fn check(&self, rt: &dyn GpuRuntime, job: &Job) -> Result<(u64, u64), DriverError> {
-        let mut want = vec![0u8; self.block_bytes];
-        let mut got = vec![0u8; self.page];
-        let (mut ok, mut bad) = (0, 0);
-        for (k, key) in job.keys.iter().enumerate() {
-            pattern::fill(seed(self.rank, *key), &mut want);
-            let mut same = true;
-            for t in 0..self.layers {
-                for j in 0..self.factor {
-                    let dev = self.layout.device_addr(0, t, job.gpu[k * self.factor + j]);
-                    // SAFETY: `got` is a writable buffer of `page` bytes.
-                    unsafe { rt.copy_dtoh(got.as_mut_ptr() as usize, dev, self.page)? };
-                    let off = (t * self.factor + j) * self.page;
-                    if got[..] != want[off..off + self.page] {
-                        same = false;
-                        let at = off + got.iter().zip(&want[off..]).position(|(a, b)| a != b).unwrap_or(0);
-                        tracing::error!(rank = self.rank, key = %key, byte = at, "loaded block differs from its pattern");
-                    }
-                }
-            }
-            if same {
-                ok += 1;
-            } else {
-                bad += 1;
-            }
-        }
-        Ok((ok, bad))
-    }
-}
-
-fn verifier_loop(v: &Verifier, rt: &dyn GpuRuntime, shape: &Shape) -> Result<(), DriverError> {
-    loop {
-        let job = {
-            let mut g = sync::lock(&v.state);
-            loop {
-                if let Some(j) = g.todo.pop_front() {
-                    break j;
-                }
-                if g.stop {
-                    return Ok(());
-                }
-                g = sync::wait(&v.cv, g);
-            }
-        };
-        let r = shape.check(rt, &job);
-        let mut g = sync::lock(&v.state);
-        match r {
-            Ok((verified, corrupted)) => g.done.push_back(Verdict { job, verified, corrupted }),
-            Err(e) => {
-                g.stop = true;
-                v.cv.notify_all();
-                return Err(e);
-            }
-        }
-        v.cv.notify_all();
     }
 }
 
@@ -419,444 +302,5 @@ fn capture_one(rt: &dyn GpuRuntime, s: Stream, scratch: DevicePtr, nodes: usize)
             let _ = rt.graph_destroy(g);
             Err(e)
         }
-    }
-}
-
-/// Per-direction time with at least one job in flight.
-#[derive(Default)]
-struct Busy {
-    in_flight: usize,
-    since: Option<Instant>,
-    seconds: f64,
-}
-
-impl Busy {
-    fn start(&mut self) {
-        if self.in_flight == 0 {
-            self.since = Some(Instant::now());
-        }
-        self.in_flight += 1;
-    }
-    fn end(&mut self) {
-        self.in_flight -= 1;
-        if self.in_flight == 0 {
-            if let Some(s) = self.since.take() {
-                self.seconds += s.elapsed().as_secs_f64();
-            }
-        }
-    }
-}
-
-struct Work<'a> {
-    rank: usize,
-    cfg: &'a RunConfig,
-    rt: &'a Arc<dyn GpuRuntime>,
-    engine: &'a TransferEngine,
-    mgr: BlockManager,
-    shape: Shape,
-    compute: Stream,
-    free_gpu: Vec<usize>,
-    jobs: BTreeMap<JobId, Job>,
-    next_id: JobId,
-    verifying: usize,
-    resident: HashSet<BlockKey>,
-    busy: [Busy; 2],
-    latencies: Vec<f64>,
-    sweep: bool,
-    retry: Vec<Job>,
-}
-
-fn dir_slot(k: Kind) -> usize {
-    match k {
-        Kind::Store => 0,
-        Kind::Load => 1,
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn workload(
-    cfg: &RunConfig,
-    d: &Derived,
-    rank: usize,
-    rt: &Arc<dyn GpuRuntime>,
-    coord: &Arc<crate::protocol::Coordinator>,
-    region: &Region,
-    tensors: &[DevicePtr],
-    rearm: &dyn Fn(&dyn GpuRuntime),
-    rep: &mut RankReport,
-    pause_at: Option<KillAt>,
-) -> Result<(), RankError> {
-    let f = cfg.block_factor;
-    let spec = GroupSpec {
-        tensors: tensors.iter().map(|&p| TensorSpec { device_base: p, page_bytes: cfg.page_bytes }).collect(),
-        num_gpu_blocks: cfg.gpu_blocks,
-        num_host_blocks: d.host_blocks,
-    };
-    let host_base = region.chunk_ptr(rank, 0)?.as_ptr() as usize;
-    let placement = HostPlacement::BlockStrided { stride: d.layout.row_bytes() };
-    let layout = KvLayout::new(&[spec], f, host_base, placement).map_err(TransferError::from)?;
-    let compute = rt.stream_create().map_err(drv("creating the compute stream"))?;
-    // SAFETY: the host area is this rank's slots of `region`, which outlives
-    // the engine (dropped at the end of this function, the region later);
-    // only DMA touches those slots while jobs are in flight (the verifier
-    // reads GPU memory, never the region); the tensors are live
-    // allocations of `rt`, freed by the caller after the engine is dropped.
-    let engine =
-        unsafe { TransferEngine::new(rt.clone(), coord.clone(), layout.clone(), compute, TransferOptions::default()) };
-    let engine = match engine {
-        Ok(e) => e,
-        Err(e) => {
-            let _ = rt.stream_destroy(compute);
-            return Err(e.into());
-        }
-    };
-    let shape = Shape { rank, layers: cfg.layers, factor: f, page: cfg.page_bytes, block_bytes: d.block_bytes, layout };
-    let verifier = Arc::new(Verifier { state: Mutex::new(VerifyState::default()), cv: Condvar::new() });
-    let vthread = {
-        let (v, rt, shape) = (verifier.clone(), rt.clone(), shape.clone());
-        thread::spawn(move || verifier_loop(&v, rt.as_ref(), &shape))
-    };
-    let mut w = Work {
-        rank,
-        cfg,
-        rt,
-        engine: &engine,
-        mgr: BlockManager::new(ManagerConfig::new(d.host_blocks, PolicyKind::Lru))?,
-        shape,
-        compute,
-        free_gpu: (0..cfg.gpu_blocks).rev().collect(),
-        jobs: BTreeMap::new(),
-        next_id: 1,
-        verifying: 0,
-        resident: HashSet::new(),
-        busy: Default::default(),
-        latencies: Vec::new(),
-        sweep: false,
-        retry: Vec::new(),
-    };
-    let r = w.run(rep, &verifier, rearm, pause_at);
-    {
-        let mut g = sync::lock(&verifier.state);
-        g.stop = true;
-        verifier.cv.notify_all();
-    }
-    let vr = vthread.join().map_err(|_| RankError::Other("the verifier thread panicked".into()))?;
-    let lat = std::mem::take(&mut w.latencies);
-    drop(w);
-    drop(engine);
-    if let Err(e) = rt.stream_destroy(compute) {
-        tracing::warn!(error = %e, "destroying the compute stream failed");
-    }
-    r?;
-    vr.map_err(drv("reading GPU blocks back"))?;
-    for line in rep.latency_lines(&lat, 4096) {
-        emit(&line);
-    }
-    Ok(())
-}
-
-impl Work<'_> {
-    fn run(
-        &mut self,
-        rep: &mut RankReport,
-        verifier: &Verifier,
-        rearm: &dyn Fn(&dyn GpuRuntime),
-        pause_at: Option<KillAt>,
-    ) -> Result<(), RankError> {
-        phase(self.rank, "workload");
-        let cfg = self.cfg;
-        let mut rng = SplitMix64::new(cfg.seed.wrapping_add(self.rank as u64));
-        let zipf = Zipf::new(cfg.keys, cfg.zipf);
-        let need = cfg.blocks_per_job * cfg.block_factor;
-        let step = (cfg.jobs / 100).max(1);
-        let t0 = Instant::now();
-        let mut issued = 0usize;
-        let mut paused = false;
-        let mut sweep: VecDeque<Vec<BlockKey>> = VecDeque::new();
-        loop {
-            if pause_at == Some(KillAt::Transfers) && !paused && issued >= cfg.jobs / 2 && !self.jobs.is_empty() {
-                paused = true;
-                pause(self.rank, KillAt::Transfers);
-            }
-            let mut progressed = false;
-            // Issue requests (or sweep loads) while there is room.
-            while self.jobs.len() + self.verifying < cfg.inflight && self.free_gpu.len() >= need {
-                if !self.sweep && issued < cfg.jobs {
-                    let start = zipf.sample(&mut rng);
-                    let keys: Vec<BlockKey> =
-                        (0..cfg.blocks_per_job).map(|i| BlockKey::new(((start + i) % cfg.keys) as u64, 0)).collect();
-                    self.request(&keys, rep, rearm)?;
-                    issued += 1;
-                    rep.requests += 1;
-                    if issued % step == 0 {
-                        progress(self.rank, "workload", issued, cfg.jobs);
-                    }
-                } else if let Some(job) = self.retry.pop() {
-                    self.submit_load(job.keys, job.attempt, rep)?;
-                } else if let Some(keys) = sweep.pop_front() {
-                    self.submit_load(keys, 0, rep)?;
-                } else {
-                    break;
-                }
-                progressed = true;
-            }
-            for r in self.engine.poll_finished() {
-                progressed = true;
-                self.finished(r, rep, verifier, rearm)?;
-            }
-            let done: Vec<Verdict> = sync::lock(&verifier.state).done.drain(..).collect();
-            for v in done {
-                progressed = true;
-                self.verified(v, rep)?;
-            }
-            let idle = self.jobs.is_empty() && self.verifying == 0;
-            if idle
-                && self.retry.is_empty()
-                && ((self.sweep && sweep.is_empty()) || (!self.sweep && issued >= cfg.jobs))
-            {
-                if self.sweep {
-                    break;
-                }
-                // 6. The sweep: every block still held must load with its pattern.
-                rep.workload_seconds = t0.elapsed().as_secs_f64();
-                progress(self.rank, "workload", issued, cfg.jobs);
-                phase(self.rank, "verify");
-                self.sweep = true;
-                sweep = self.sweep_batches(rep);
-                continue;
-            }
-            if !progressed {
-                if let Some(&id) = self.jobs.keys().next() {
-                    match self.engine.wait(id) {
-                        Ok(()) | Err(TransferError::JobFailed { .. }) | Err(TransferError::UnknownJob { .. }) => {}
-                        Err(e) => return Err(e.into()),
-                    }
-                } else if self.verifying > 0 {
-                    let mut g = sync::lock(&verifier.state);
-                    while g.done.is_empty() && !g.stop {
-                        g = sync::wait(&verifier.cv, g);
-                    }
-                    if g.stop && g.done.is_empty() {
-                        return Err(RankError::Other("the verifier stopped".into()));
-                    }
-                } else {
-                    return Err(RankError::Other(format!(
-                        "a request of {} blocks cannot be placed: {} GPU blocks free, {} host slots",
-                        cfg.blocks_per_job,
-                        self.free_gpu.len(),
-                        self.mgr.capacity()
-                    )));
-                }
-            }
-        }
-        rep.lookups = self.mgr.counters().lookups;
-        rep.hits = self.mgr.counters().hits;
-        rep.store.seconds = self.busy[0].seconds;
-        rep.load.seconds = self.busy[1].seconds;
-        Ok(())
-    }
-
-    /// Checks the manager against the blocks this rank stored and returns
-    /// the resident keys in load batches.
-    fn sweep_batches(&mut self, rep: &mut RankReport) -> VecDeque<Vec<BlockKey>> {
-        let mut keys: Vec<BlockKey> = self.resident.iter().copied().collect();
-        keys.sort_unstable();
-        let mut ok = Vec::with_capacity(keys.len());
-        for k in keys {
-            match self.mgr.state(&k) {
-                Some(BlockState::Ready { .. }) => ok.push(k),
-                other => {
-                    tracing::error!(rank = self.rank, key = %k, state = ?other, "a stored block is no longer readable");
-                    rep.blocks_lost += 1;
-                }
-            }
-        }
-        if self.mgr.len() != ok.len() {
-            tracing::error!(
-                rank = self.rank,
-                held = self.mgr.len(),
-                known = ok.len(),
-                "the manager holds blocks this rank did not store"
-            );
-            rep.blocks_lost += self.mgr.len().abs_diff(ok.len()) as u64;
-        }
-        ok.chunks(self.cfg.blocks_per_job).map(|c| c.to_vec()).collect()
-    }
-
-    fn id(&mut self) -> JobId {
-        let id = self.next_id;
-        self.next_id += 1;
-        id
-    }
-
-    fn take_gpu(&mut self, n: usize) -> Vec<usize> {
-        let at = self.free_gpu.len() - n;
-        self.free_gpu.split_off(at)
-    }
-
-    /// One request: load the leading hits, store the misses.
-    fn request(
-        &mut self,
-        keys: &[BlockKey],
-        rep: &mut RankReport,
-        rearm: &dyn Fn(&dyn GpuRuntime),
-    ) -> Result<(), RankError> {
-        let answers = self.mgr.lookup(keys);
-        let h = Lookup::leading_hits(&answers);
-        if h > 0 {
-            self.submit_load(keys[..h].to_vec(), 0, rep)?;
-        }
-        let misses: Vec<BlockKey> =
-            keys[h..].iter().zip(&answers[h..]).filter(|(_, a)| **a == Lookup::Miss).map(|(k, _)| *k).collect();
-        if misses.is_empty() {
-            return Ok(());
-        }
-        let out = match self.mgr.prepare_store(&misses) {
-            Ok(o) => o,
-            // Every slot is pending or being read: skip storing this time.
-            Err(ManagerError::InsufficientCapacity { .. }) => return Ok(()),
-            Err(e) => return Err(e.into()),
-        };
-        for e in &out.evicted {
-            self.resident.remove(&e.key);
-            rep.evictions += 1;
-        }
-        if out.to_store.is_empty() {
-            return Ok(());
-        }
-        let f = self.cfg.block_factor;
-        let (bb, page, layers) = (self.shape.block_bytes, self.shape.page, self.shape.layers);
-        let stored: Vec<BlockKey> = out.to_store.iter().map(|p| p.key).collect();
-        let slots: Vec<usize> = out.to_store.iter().map(|p| p.slot.index()).collect();
-        let gpu = self.take_gpu(stored.len() * f);
-        let mut staging = vec![0u8; stored.len() * bb];
-        for (k, key) in stored.iter().enumerate() {
-            pattern::fill(seed(self.rank, *key), &mut staging[k * bb..(k + 1) * bb]);
-        }
-        // The engine's "compute": write each block's pattern into its GPU
-        // blocks on the compute stream; the store is ordered after it.
-        let mut failed = None;
-        'copy: for k in 0..stored.len() {
-            for t in 0..layers {
-                for j in 0..f {
-                    let dev = self.shape.layout.device_addr(0, t, gpu[k * f + j]);
-                    let src = staging.as_ptr() as usize + k * bb + (t * f + j) * page;
-                    // SAFETY: `staging` lives in the job until the store job
-                    // (ordered after this stream's work) is reported, or until
-                    // the stream is synchronized below.
-                    if let Err(e) = unsafe { self.rt.copy_htod_async(dev, src, page, self.compute) } {
-                        failed = Some(e);
-                        break 'copy;
-                    }
-                }
-            }
-        }
-        if let Some(e) = failed {
-            tracing::warn!(rank = self.rank, error = %e, "writing a block on the compute stream failed; its store is dropped");
-            self.rt.stream_synchronize(self.compute).map_err(drv("synchronizing the compute stream"))?;
-            self.mgr.complete_store(&stored, false)?;
-            self.free_gpu.extend(gpu);
-            rep.jobs_failed += 1;
-            rep.stores_failed += 1;
-            rearm(self.rt.as_ref());
-            return Ok(());
-        }
-        let id = self.id();
-        let blocks = JobBlocks::single(gpu.clone(), slots);
-        self.engine.store(id, &blocks)?;
-        rep.stores += 1;
-        self.busy[0].start();
-        self.jobs.insert(id, Job { kind: Kind::Store, keys: stored, gpu, staging, attempt: 0 });
-        Ok(())
-    }
-
-    fn submit_load(&mut self, keys: Vec<BlockKey>, attempt: u32, rep: &mut RankReport) -> Result<(), RankError> {
-        let placements = self.mgr.prepare_load(&keys)?;
-        let slots: Vec<usize> = placements.iter().map(|p| p.slot.index()).collect();
-        let gpu = self.take_gpu(keys.len() * self.cfg.block_factor);
-        let id = self.id();
-        if let Err(e) = self.engine.load(id, &JobBlocks::single(gpu.clone(), slots)) {
-            self.mgr.complete_load(&keys)?;
-            self.free_gpu.extend(gpu);
-            return Err(e.into());
-        }
-        rep.loads += 1;
-        self.busy[1].start();
-        self.jobs.insert(id, Job { kind: Kind::Load, keys, gpu, staging: Vec::new(), attempt });
-        Ok(())
-    }
-
-    fn finished(
-        &mut self,
-        r: crate::transfer::JobResult,
-        rep: &mut RankReport,
-        verifier: &Verifier,
-        rearm: &dyn Fn(&dyn GpuRuntime),
-    ) -> Result<(), RankError> {
-        let Some(job) = self.jobs.remove(&r.id) else {
-            return Err(RankError::Other(format!("job {} reported but not submitted", r.id)));
-        };
-        self.busy[dir_slot(job.kind)].end();
-        debug_assert_eq!(
-            r.direction,
-            if job.kind == Kind::Store { Direction::DeviceToHost } else { Direction::HostToDevice }
-        );
-        if r.succeeded() {
-            self.latencies.push(r.seconds);
-        } else {
-            rep.jobs_failed += 1;
-            if !self.sweep {
-                rearm(self.rt.as_ref());
-            }
-        }
-        match job.kind {
-            Kind::Store => {
-                if r.succeeded() {
-                    rep.store.bytes += r.bytes;
-                    self.mgr.complete_store(&job.keys, true)?;
-                    self.resident.extend(job.keys.iter().copied());
-                } else {
-                    rep.stores_failed += 1;
-                    // A job that failed before its completion event may leave
-                    // the compute stream still reading the staging buffer.
-                    self.rt.stream_synchronize(self.compute).map_err(drv("synchronizing the compute stream"))?;
-                    self.mgr.complete_store(&job.keys, false)?;
-                }
-                self.free_gpu.extend(job.gpu);
-            }
-            Kind::Load => {
-                if r.succeeded() {
-                    rep.load.bytes += r.bytes;
-                    self.verifying += 1;
-                    sync::lock(&verifier.state).todo.push_back(job);
-                    verifier.cv.notify_all();
-                } else {
-                    rep.loads_failed += 1;
-                    self.mgr.complete_load(&job.keys)?;
-                    self.free_gpu.extend(job.gpu);
-                    if self.sweep {
-                        if job.attempt + 1 >= 3 {
-                            tracing::error!(rank = self.rank, keys = job.keys.len(), "sweep load failed three times");
-                            rep.blocks_lost += job.keys.len() as u64;
-                        } else {
-                            self.retry.push(Job { attempt: job.attempt + 1, gpu: Vec::new(), ..job });
-                        }
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn verified(&mut self, v: Verdict, rep: &mut RankReport) -> Result<(), RankError> {
-        self.verifying -= 1;
-        rep.blocks_verified += v.verified;
-        rep.blocks_corrupted += v.corrupted;
-        if self.sweep {
-            rep.sweep_blocks += v.verified + v.corrupted;
-        }
-        self.mgr.complete_load(&v.job.keys)?;
-        self.free_gpu.extend(v.job.gpu);
-        Ok(())
     }
 }

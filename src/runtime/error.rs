@@ -18,6 +18,7 @@ impl Code {
     pub const ILLEGAL_ADDRESS: Code = Code(700);
     pub const HOST_MEMORY_ALREADY_REGISTERED: Code = Code(712);
     pub const HOST_MEMORY_NOT_REGISTERED: Code = Code(713);
+    pub const MISALIGNED_ADDRESS: Code = Code(716);
     pub const LAUNCH_FAILED: Code = Code(719);
     pub const NOT_SUPPORTED: Code = Code(801);
     pub const STREAM_CAPTURE_UNSUPPORTED: Code = Code(900);
@@ -38,6 +39,7 @@ impl Code {
             700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
             712 => "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
             713 => "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+            716 => "CUDA_ERROR_MISALIGNED_ADDRESS",
             719 => "CUDA_ERROR_LAUNCH_FAILED",
             801 => "CUDA_ERROR_NOT_SUPPORTED",
             900 => "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",

@@ -23,7 +23,7 @@ mod types;
 pub use error::{Code, DriverError, DriverResult, OpenError};
 pub use types::{
     CaptureMode, CaptureStatus, DevicePtr, Direction, Event, Fragment, Graph, Kernel, Stream, GATHER_ENTRY_BYTES,
-    GATHER_ENTRY_WORDS,
+    GATHER_ENTRY_WORDS, PATTERN_ENTRY_BYTES, PATTERN_ENTRY_WORDS,
 };
 
 /// A runtime as `Arc<dyn GpuRuntime>` (works under loom too, whose `Arc`

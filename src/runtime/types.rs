@@ -97,6 +97,30 @@ pub enum Kernel {
     /// a byte loop otherwise. Reading host memory that is not registered is
     /// a device fault (ILLEGAL_ADDRESS, sticky).
     Gather { table: DevicePtr, count: u32 },
+    /// Writes checkable data ([`crate::pattern`]) for workloads and tests.
+    /// The table at `table` (device memory, 8-byte aligned, in place when
+    /// the kernel runs: upload it on the same stream first) holds `count` entries of [`PATTERN_ENTRY_WORDS`]
+    /// native `u64` words, `[dst, key, first_word, bytes]`: entry `i` writes
+    /// words `first_word, first_word + 1, ...` of the contents of `key`
+    /// (`crate::pattern::fill_from`) to `bytes` bytes at `dst` (device memory
+    /// or the alias of registered host memory).
+    ///
+    /// Any `dst` and any `bytes` are allowed: a last piece shorter than 8
+    /// bytes gets the prefix of its word, exactly as `fill_from` does; an
+    /// 8-byte aligned `dst` is written with 8-byte stores, any other byte by
+    /// byte (slower). An entry of 0 bytes touches nothing. A bad address is a
+    /// device fault (ILLEGAL_ADDRESS, sticky), as for [`Kernel::Gather`].
+    PatternFill { table: DevicePtr, count: u32 },
+    /// Checks data written as by [`Kernel::PatternFill`]: the table has the
+    /// same layout with `src` in place of `dst`. For entry `i` the kernel
+    /// adds to the `u32` at `out + 4 i` the number of 8-byte words of the
+    /// range that differ from the pattern (a last shorter piece counts as
+    /// one word); an entry that matches adds nothing and need not touch
+    /// `out`. `out` (device memory, 4-byte aligned, `4 count` bytes) must be
+    /// zeroed by the caller first, on the same stream (`memset_d8_async`).
+    /// The count is exact for entries under 2^32 words (32 GiB) and wraps
+    /// modulo 2^32 beyond. Any `src` alignment and length, as for the fill.
+    PatternCheck { table: DevicePtr, count: u32, out: DevicePtr },
 }
 
 /// `u64` words per entry of a [`Kernel::Gather`] descriptor table:
@@ -104,3 +128,9 @@ pub enum Kernel {
 pub const GATHER_ENTRY_WORDS: usize = 3;
 /// Bytes per entry of a [`Kernel::Gather`] descriptor table.
 pub const GATHER_ENTRY_BYTES: usize = GATHER_ENTRY_WORDS * 8;
+
+/// `u64` words per entry of a [`Kernel::PatternFill`] or
+/// [`Kernel::PatternCheck`] table: address, key, first word, byte count.
+pub const PATTERN_ENTRY_WORDS: usize = 4;
+/// Bytes per entry of a pattern table.
+pub const PATTERN_ENTRY_BYTES: usize = PATTERN_ENTRY_WORDS * 8;

@@ -77,6 +77,9 @@ pub struct CudaRuntime {
     /// The gather kernel, or why it could not be loaded (a launch then
     /// reports that error; the rest of the runtime works without it).
     gather_fn: Result<usize, DriverError>,
+    /// The pattern kernels, each loaded the same way as the gather kernel.
+    pattern_fill_fn: Result<usize, DriverError>,
+    pattern_check_fn: Result<usize, DriverError>,
     handles: Mutex<Handles>,
     name: String,
     driver_version: i32,
@@ -133,6 +136,8 @@ impl CudaRuntime {
             ctx: ctx as usize,
             spin_fn: 0,
             gather_fn: Err(DriverError::new("cuModuleLoadDataEx", Code::INVALID_HANDLE)),
+            pattern_fill_fn: Err(DriverError::new("cuModuleLoadDataEx", Code::INVALID_HANDLE)),
+            pattern_check_fn: Err(DriverError::new("cuModuleLoadDataEx", Code::INVALID_HANDLE)),
             handles: Mutex::new(Handles::default()),
             name,
             driver_version,
@@ -150,6 +155,13 @@ impl CudaRuntime {
         rt.gather_fn = load_function(ptx::GATHER, c"kvo_gather");
         if let Err(e) = &rt.gather_fn {
             tracing::warn!(error = %e, "the gather kernel could not be loaded; gather copies will fail");
+        }
+        rt.pattern_fill_fn = load_function(ptx::PATTERN_FILL, c"kvo_pattern_fill");
+        rt.pattern_check_fn = load_function(ptx::PATTERN_CHECK, c"kvo_pattern_check");
+        for (f, name) in [(&rt.pattern_fill_fn, "fill"), (&rt.pattern_check_fn, "check")] {
+            if let Err(e) = f {
+                tracing::warn!(error = %e, kernel = name, "a pattern kernel could not be loaded; its launches will fail");
+            }
         }
         tracing::info!(device = %rt.name, ordinal, driver = driver_version, "cuda runtime opened");
         Ok(rt)
@@ -223,6 +235,33 @@ fn load_function(ptx_text: &'static str, name: &std::ffi::CStr) -> DriverResult<
     // SAFETY: `module` was just loaded; the name is NUL-terminated.
     check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) })?;
     Ok(f as usize)
+}
+
+/// Launches a pattern kernel over `count` table entries: one block per
+/// entry up to [`ptx::PATTERN_MAX_BLOCKS`], [`ptx::PATTERN_THREADS`] each.
+///
+/// # Safety
+/// `f` is a loaded pattern kernel whose parameters `args` points to, in
+/// order and with the kernel's types, for the duration of the call.
+unsafe fn launch_pattern(f: usize, count: u32, s: sys::CUstream, args: &mut [*mut c_void]) -> DriverResult<()> {
+    let blocks = count.min(ptx::PATTERN_MAX_BLOCKS);
+    // SAFETY: the caller's contract: `f` and `args` match; the driver copies
+    // the parameters at launch, so they need not outlive the call.
+    check("cuLaunchKernel", unsafe {
+        sys::cuLaunchKernel(
+            f as sys::CUfunction,
+            blocks,
+            1,
+            1,
+            ptx::PATTERN_THREADS,
+            1,
+            1,
+            0,
+            s,
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    })
 }
 
 impl Drop for CudaRuntime {
@@ -437,6 +476,37 @@ impl GpuRuntime for CudaRuntime {
                         std::ptr::null_mut(),
                     )
                 })
+            }
+            Kernel::PatternFill { table, count } => {
+                let f = self.pattern_fill_fn.clone()?;
+                if count == 0 {
+                    return Ok(());
+                }
+                let (mut t, mut n) = (table, count);
+                let mut args = [&mut t as *mut u64 as *mut c_void, &mut n as *mut u32 as *mut c_void];
+                // SAFETY: `kvo_pattern_fill` takes (u64, u32), which `args`
+                // points to for the duration of the call (the driver copies
+                // the parameters at launch). The kernel dereferences the
+                // table and its entries on the device only; a bad address
+                // there is a device fault the next synchronize reports, not
+                // host UB.
+                unsafe { launch_pattern(f, count, s, &mut args) }
+            }
+            Kernel::PatternCheck { table, count, out } => {
+                let f = self.pattern_check_fn.clone()?;
+                if count == 0 {
+                    return Ok(());
+                }
+                let (mut t, mut n, mut o) = (table, count, out);
+                let mut args = [
+                    &mut t as *mut u64 as *mut c_void,
+                    &mut n as *mut u32 as *mut c_void,
+                    &mut o as *mut u64 as *mut c_void,
+                ];
+                // SAFETY: `kvo_pattern_check` takes (u64, u32, u64), which
+                // `args` points to for the duration of the call; device-side
+                // addresses as for the fill.
+                unsafe { launch_pattern(f, count, s, &mut args) }
             }
             Kernel::Gather { table, count } => {
                 let f = self.gather_fn.clone()?;

@@ -1,7 +1,8 @@
 //! The simulated device: one thread that executes stream work
 //! asynchronously, in order per stream, the way the GPU does.
 
-use crate::runtime::{Code, GATHER_ENTRY_WORDS};
+use crate::pattern;
+use crate::runtime::{Code, DevicePtr, GATHER_ENTRY_WORDS, PATTERN_ENTRY_WORDS};
 use crate::sync::{self, Arc};
 
 use super::fault::HoldPoint;
@@ -10,9 +11,37 @@ use super::Inner;
 
 /// A memory effect resolved to raw pointers while the state lock was held.
 enum Action {
-    Copy { dst: *mut u8, src: *const u8, bytes: usize },
-    Fill { dst: *mut u8, value: u8, bytes: usize },
+    Copy {
+        dst: *mut u8,
+        src: *const u8,
+        bytes: usize,
+    },
+    Fill {
+        dst: *mut u8,
+        value: u8,
+        bytes: usize,
+    },
+    /// Words `first_word..` of the contents of `key` into `bytes` at `dst`.
+    Pattern {
+        dst: *mut u8,
+        key: u64,
+        first_word: u64,
+        bytes: usize,
+    },
+    /// Adds the number of words of `bytes` at `src` that differ from words
+    /// `first_word..` of `key` to the (unaligned-safe) `u32` at `count`.
+    Check {
+        src: *const u8,
+        key: u64,
+        first_word: u64,
+        bytes: usize,
+        count: *mut u8,
+    },
 }
+
+/// Bytes the pattern actions generate or compare at a time (a multiple of 8,
+/// so every piece but the last starts on a word).
+const PATTERN_PIECE: usize = 64 << 10;
 
 /// Runs until the runtime stops: takes the first ready operation of any
 /// stream, executes it outside the lock, marks it complete, wakes waiters.
@@ -119,6 +148,39 @@ fn resolve_into(st: &mut State, op: &Op, out: &mut Vec<Action>) -> Result<(), Co
                 out.push(Action::Copy { dst, src, bytes });
             }
         }
+        Op::PatternFill { table, count } => {
+            // Like Gather: the table, then every range through the device's
+            // view (host memory only through the alias of a registered range).
+            for e in pattern_table(st, *table, *count)? {
+                let (dst, key, first_word, bytes) = e;
+                if bytes == 0 {
+                    continue;
+                }
+                let dst = st.device_slice(dst, bytes).ok_or(Code::ILLEGAL_ADDRESS)?;
+                out.push(Action::Pattern { dst, key, first_word, bytes });
+            }
+        }
+        Op::PatternCheck { table, count, out: counts } => {
+            let entries = pattern_table(st, *table, *count)?;
+            if entries.is_empty() {
+                return Ok(());
+            }
+            // The kernel adds with 4-byte atomics: a misaligned `out` faults
+            // on the GPU. The sim wants all `4 count` bytes valid up front
+            // (the GPU faults only when an entry has mismatches to add).
+            if counts % 4 != 0 {
+                return Err(Code::MISALIGNED_ADDRESS);
+            }
+            let cbytes = entries.len().checked_mul(4).ok_or(Code::ILLEGAL_ADDRESS)?;
+            let base = st.device_slice(*counts, cbytes).ok_or(Code::ILLEGAL_ADDRESS)?;
+            for (i, (src, key, first_word, bytes)) in entries.into_iter().enumerate() {
+                if bytes == 0 {
+                    continue;
+                }
+                let src = st.device_slice(src, bytes).ok_or(Code::ILLEGAL_ADDRESS)?;
+                out.push(Action::Check { src, key, first_word, bytes, count: base.wrapping_add(4 * i) });
+            }
+        }
         Op::Graph(body) => {
             // FACTS 1: a graph whose copies used registered host memory,
             // replayed after that memory was unregistered, faults on the
@@ -134,6 +196,66 @@ fn resolve_into(st: &mut State, op: &Op, out: &mut Vec<Action>) -> Result<(), Co
     Ok(())
 }
 
+/// The entries `(address, key, first_word, bytes)` of a pattern table, read
+/// from device memory when the kernel runs. The kernel loads the table with
+/// 8-byte loads: a misaligned table is a device fault.
+fn pattern_table(st: &mut State, table: DevicePtr, count: u32) -> Result<Vec<(u64, u64, u64, usize)>, Code> {
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    if table % 8 != 0 {
+        return Err(Code::MISALIGNED_ADDRESS);
+    }
+    let words = (count as usize).checked_mul(PATTERN_ENTRY_WORDS).ok_or(Code::ILLEGAL_ADDRESS)?;
+    let words = st.read_device_words(table, words).ok_or(Code::ILLEGAL_ADDRESS)?;
+    words
+        .chunks_exact(PATTERN_ENTRY_WORDS)
+        .map(|e| Ok((e[0], e[1], e[2], usize::try_from(e[3]).map_err(|_| Code::ILLEGAL_ADDRESS)?)))
+        .collect()
+}
+
+/// Writes the pattern words of an [`Action::Pattern`], a piece at a time.
+///
+/// # Safety
+/// `dst..dst+bytes` is a live range nothing else accesses meanwhile.
+unsafe fn write_pattern(dst: *mut u8, key: u64, first_word: u64, bytes: usize) {
+    let mut piece = vec![0u8; bytes.min(PATTERN_PIECE)];
+    let mut off = 0;
+    while off < bytes {
+        let n = (bytes - off).min(PATTERN_PIECE);
+        pattern::fill_from(key, first_word.wrapping_add((off / 8) as u64), &mut piece[..n]);
+        // SAFETY: `off + n <= bytes`, inside the caller's range; `piece` is
+        // a separate allocation of at least `n` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(piece.as_ptr(), dst.add(off), n) };
+        off += n;
+    }
+}
+
+/// Counts the mismatching words of an [`Action::Check`] and adds them to
+/// its counter (wrapping, like the kernel's 32-bit atomic add).
+///
+/// # Safety
+/// `src..src+bytes` is a live readable range, `count..count+4` a live
+/// writable one, and nothing writes them meanwhile.
+unsafe fn check_pattern(src: *const u8, key: u64, first_word: u64, bytes: usize, count: *mut u8) {
+    let mut piece = vec![0u8; bytes.min(PATTERN_PIECE)];
+    let (mut off, mut bad) = (0, 0u64);
+    while off < bytes {
+        let n = (bytes - off).min(PATTERN_PIECE);
+        // SAFETY: `off + n <= bytes`, inside the caller's range; `piece` is
+        // a separate allocation of at least `n` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(off), piece.as_mut_ptr(), n) };
+        bad += pattern::mismatched_words(key, first_word.wrapping_add((off / 8) as u64), &piece[..n]);
+        off += n;
+    }
+    if bad != 0 {
+        let c = count as *mut u32;
+        // SAFETY: `count..count+4` is live and writable (caller); unaligned
+        // accesses need no alignment.
+        unsafe { c.write_unaligned(c.read_unaligned().wrapping_add(bad as u32)) };
+    }
+}
+
 fn execute(actions: &[Action]) {
     for a in actions {
         match *a {
@@ -146,6 +268,14 @@ fn execute(actions: &[Action]) {
             Action::Copy { dst, src, bytes } => unsafe { std::ptr::copy(src, dst, bytes) },
             // SAFETY: as above, `dst..dst+bytes` is a checked live range.
             Action::Fill { dst, value, bytes } => unsafe { std::ptr::write_bytes(dst, value, bytes) },
+            // SAFETY: as for Copy: a checked live range, valid until this
+            // operation completes.
+            Action::Pattern { dst, key, first_word, bytes } => unsafe { write_pattern(dst, key, first_word, bytes) },
+            // SAFETY: as for Copy: `src` and the 4-byte counter were checked
+            // against live ranges under the lock.
+            Action::Check { src, key, first_word, bytes, count } => unsafe {
+                check_pattern(src, key, first_word, bytes, count)
+            },
         }
     }
 }

@@ -611,6 +611,10 @@ impl GpuRuntime for SimRuntime {
             match kernel {
                 Kernel::Spin { .. } => self.enqueue(g, stream, Op::Spin),
                 Kernel::Gather { table, count } => self.enqueue(g, stream, Op::Gather { table, count }),
+                Kernel::PatternFill { table, count } => self.enqueue(g, stream, Op::PatternFill { table, count }),
+                Kernel::PatternCheck { table, count, out } => {
+                    self.enqueue(g, stream, Op::PatternCheck { table, count, out })
+                }
             }
         })();
         traced("cuLaunchKernel", r)

@@ -43,6 +43,19 @@ pub(crate) enum Op {
         table: DevicePtr,
         count: u32,
     },
+    /// The pattern-fill kernel: writes the ranges of the table at `table`,
+    /// read when the kernel runs.
+    PatternFill {
+        table: DevicePtr,
+        count: u32,
+    },
+    /// The pattern-check kernel: counts mismatching words per table entry
+    /// into the `u32`s at `out`.
+    PatternCheck {
+        table: DevicePtr,
+        count: u32,
+        out: DevicePtr,
+    },
     /// Wait until `stream` has completed `seq` operations.
     WaitEvent {
         stream: u64,

@@ -1,0 +1,548 @@
+//! The workload of one rank (step 5 and 6 of [`super::rank`]): requests
+//! that load their leading hits and store their misses through the block
+//! manager and the transfer engine, each stored block written by the
+//! pattern-fill kernel on the compute stream first, each loaded block
+//! checked on the GPU by the verifier thread ([`super::verify`]); then the
+//! sweep, which loads and checks every block the manager still holds.
+
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::time::Instant;
+
+use crate::manager::bench::{SplitMix64, Zipf};
+use crate::manager::{BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, PolicyKind};
+use crate::protocol::Coordinator;
+use crate::region::Region;
+use crate::runtime::{DevicePtr, Direction, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
+use crate::sync::{thread, Arc};
+use crate::transfer::{
+    GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine, TransferError, TransferOptions,
+};
+
+use super::config::{Derived, KillAt, RunConfig};
+use super::pages::{Shape, TablePool};
+use super::rank::{drv, emit, pause, phase, progress, RankError};
+use super::report::RankReport;
+use super::verify::{Checker, Loaded, Outcome, Verdict};
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Kind {
+    Store,
+    Load,
+}
+
+/// One transfer job in flight.
+struct Job {
+    kind: Kind,
+    keys: Vec<BlockKey>,
+    gpu: Vec<usize>,
+    /// Stores: the pattern-fill table the compute stream uploads (read by
+    /// the copy engine until the store job, ordered after compute,
+    /// completes), and the slot of the device buffer it goes to.
+    #[allow(dead_code)] // held, never read here: the copy engine reads it
+    staging: Vec<u64>,
+    table: Option<usize>,
+    /// Sweep loads: attempts so far.
+    attempt: u32,
+}
+
+/// Per-direction time with at least one job in flight.
+#[derive(Default)]
+struct Busy {
+    in_flight: usize,
+    since: Option<Instant>,
+    seconds: f64,
+}
+
+impl Busy {
+    fn start(&mut self) {
+        if self.in_flight == 0 {
+            self.since = Some(Instant::now());
+        }
+        self.in_flight += 1;
+    }
+    fn end(&mut self) {
+        self.in_flight -= 1;
+        if self.in_flight == 0 {
+            if let Some(s) = self.since.take() {
+                self.seconds += s.elapsed().as_secs_f64();
+            }
+        }
+    }
+}
+
+struct Work<'a> {
+    rank: usize,
+    cfg: &'a RunConfig,
+    rt: &'a Arc<dyn GpuRuntime>,
+    engine: &'a TransferEngine,
+    mgr: BlockManager,
+    shape: Shape,
+    compute: Stream,
+    /// Device buffers of the stores' pattern-fill tables.
+    tables: TablePool,
+    free_gpu: Vec<usize>,
+    jobs: BTreeMap<JobId, Job>,
+    next_id: JobId,
+    verifying: usize,
+    resident: HashSet<BlockKey>,
+    busy: [Busy; 2],
+    latencies: Vec<f64>,
+    sweep: bool,
+    retry: Vec<Job>,
+}
+
+/// The verifier's queue; each loaded job carries its sweep attempt.
+type Verifier = super::verify::Verifier<u32>;
+
+fn dir_slot(k: Kind) -> usize {
+    match k {
+        Kind::Store => 0,
+        Kind::Load => 1,
+    }
+}
+
+/// Runs the workload of rank `rank` over the KV tensors `tensors`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn workload(
+    cfg: &RunConfig,
+    d: &Derived,
+    rank: usize,
+    rt: &Arc<dyn GpuRuntime>,
+    coord: &Arc<Coordinator>,
+    region: &Region,
+    tensors: &[DevicePtr],
+    rearm: &dyn Fn(&dyn GpuRuntime),
+    rep: &mut RankReport,
+    pause_at: Option<KillAt>,
+) -> Result<(), RankError> {
+    let f = cfg.block_factor;
+    let spec = GroupSpec {
+        tensors: tensors.iter().map(|&p| TensorSpec { device_base: p, page_bytes: cfg.page_bytes }).collect(),
+        num_gpu_blocks: cfg.gpu_blocks,
+        num_host_blocks: d.host_blocks,
+    };
+    let host_base = region.chunk_ptr(rank, 0)?.as_ptr() as usize;
+    let placement = HostPlacement::BlockStrided { stride: d.layout.row_bytes() };
+    let layout = KvLayout::new(&[spec], f, host_base, placement).map_err(TransferError::from)?;
+    let mgr = BlockManager::new(ManagerConfig::new(d.host_blocks, PolicyKind::Lru))?;
+    let compute = rt.stream_create().map_err(drv("creating the compute stream"))?;
+    // SAFETY: the host area is this rank's slots of `region`, which outlives
+    // the engine (dropped at the end of this function, the region later);
+    // only DMA touches those slots while jobs are in flight (the verifier
+    // reads GPU memory, never the region); the tensors are live
+    // allocations of `rt`, freed by the caller after the engine is dropped.
+    let engine =
+        unsafe { TransferEngine::new(rt.clone(), coord.clone(), layout.clone(), compute, TransferOptions::default()) };
+    let engine = match engine {
+        Ok(e) => e,
+        Err(e) => {
+            let _ = rt.stream_destroy(compute);
+            return Err(e.into());
+        }
+    };
+    let shape = Shape { rank, layers: cfg.layers, factor: f, page: cfg.page_bytes, layout };
+    // A job has at most `blocks_per_job` blocks: one table entry per page.
+    let entries = cfg.blocks_per_job * shape.pages_per_block();
+    let made = TablePool::new(rt.as_ref(), cfg.inflight, entries)
+        .map_err(drv("allocating the pattern-fill tables"))
+        .and_then(|t| match Checker::new(rt.as_ref(), entries) {
+            Ok(c) => Ok((t, c)),
+            Err(e) => {
+                t.release(rt.as_ref());
+                Err(drv("setting up the verifier")(e))
+            }
+        });
+    let (tables, checker) = match made {
+        Ok(m) => m,
+        Err(e) => {
+            drop(engine);
+            let _ = rt.stream_destroy(compute);
+            return Err(e);
+        }
+    };
+    let verifier = Arc::new(Verifier::new());
+    let vthread = {
+        let (v, rt, shape) = (verifier.clone(), rt.clone(), shape.clone());
+        thread::spawn(move || {
+            let r = v.run(rt.as_ref(), &checker, &shape);
+            (checker, r)
+        })
+    };
+    let mut w = Work {
+        rank,
+        cfg,
+        rt,
+        engine: &engine,
+        mgr,
+        shape,
+        compute,
+        tables,
+        free_gpu: (0..cfg.gpu_blocks).rev().collect(),
+        jobs: BTreeMap::new(),
+        next_id: 1,
+        verifying: 0,
+        resident: HashSet::new(),
+        busy: Default::default(),
+        latencies: Vec::new(),
+        sweep: false,
+        retry: Vec::new(),
+    };
+    let r = w.run(rep, &verifier, rearm, pause_at);
+    verifier.stop();
+    let vr = match vthread.join() {
+        Ok((checker, vr)) => {
+            checker.release(rt.as_ref());
+            vr
+        }
+        Err(_) => return Err(RankError::Other("the verifier thread panicked".into())),
+    };
+    let lat = std::mem::take(&mut w.latencies);
+    let tables = w.tables;
+    drop(engine);
+    if let Err(e) = rt.stream_destroy(compute) {
+        tracing::warn!(error = %e, "destroying the compute stream failed");
+    }
+    tables.release(rt.as_ref());
+    r?;
+    vr.map_err(drv("reading GPU blocks back"))?;
+    for line in rep.latency_lines(&lat, 4096) {
+        emit(&line);
+    }
+    Ok(())
+}
+
+impl Work<'_> {
+    fn run(
+        &mut self,
+        rep: &mut RankReport,
+        verifier: &Verifier,
+        rearm: &dyn Fn(&dyn GpuRuntime),
+        pause_at: Option<KillAt>,
+    ) -> Result<(), RankError> {
+        phase(self.rank, "workload");
+        let cfg = self.cfg;
+        let mut rng = SplitMix64::new(cfg.seed.wrapping_add(self.rank as u64));
+        let zipf = Zipf::new(cfg.keys, cfg.zipf);
+        let need = cfg.blocks_per_job * cfg.block_factor;
+        let step = (cfg.jobs / 100).max(1);
+        let t0 = Instant::now();
+        let mut issued = 0usize;
+        let mut paused = false;
+        let mut sweep: VecDeque<Vec<BlockKey>> = VecDeque::new();
+        loop {
+            if pause_at == Some(KillAt::Transfers) && !paused && issued >= cfg.jobs / 2 && !self.jobs.is_empty() {
+                paused = true;
+                pause(self.rank, KillAt::Transfers);
+            }
+            let mut progressed = false;
+            // Issue requests (or sweep loads) while there is room.
+            while self.jobs.len() + self.verifying < cfg.inflight && self.free_gpu.len() >= need {
+                if !self.sweep && issued < cfg.jobs {
+                    let start = zipf.sample(&mut rng);
+                    let keys: Vec<BlockKey> =
+                        (0..cfg.blocks_per_job).map(|i| BlockKey::new(((start + i) % cfg.keys) as u64, 0)).collect();
+                    self.request(&keys, rep, rearm)?;
+                    issued += 1;
+                    rep.requests += 1;
+                    if issued % step == 0 {
+                        progress(self.rank, "workload", issued, cfg.jobs);
+                    }
+                } else if let Some(job) = self.retry.pop() {
+                    self.submit_load(job.keys, job.attempt, rep)?;
+                } else if let Some(keys) = sweep.pop_front() {
+                    self.submit_load(keys, 0, rep)?;
+                } else {
+                    break;
+                }
+                progressed = true;
+            }
+            for r in self.engine.poll_finished() {
+                progressed = true;
+                self.finished(r, rep, verifier, rearm)?;
+            }
+            for v in verifier.drain() {
+                progressed = true;
+                self.verified(v, rep, rearm)?;
+            }
+            let idle = self.jobs.is_empty() && self.verifying == 0;
+            if idle
+                && self.retry.is_empty()
+                && ((self.sweep && sweep.is_empty()) || (!self.sweep && issued >= cfg.jobs))
+            {
+                if self.sweep {
+                    break;
+                }
+                // 6. The sweep: every block still held must load with its pattern.
+                rep.workload_seconds = t0.elapsed().as_secs_f64();
+                progress(self.rank, "workload", issued, cfg.jobs);
+                phase(self.rank, "verify");
+                self.sweep = true;
+                sweep = self.sweep_batches(rep);
+                continue;
+            }
+            if !progressed {
+                if let Some(&id) = self.jobs.keys().next() {
+                    match self.engine.wait(id) {
+                        Ok(()) | Err(TransferError::JobFailed { .. }) | Err(TransferError::UnknownJob { .. }) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                } else if self.verifying > 0 {
+                    if !verifier.wait_done() {
+                        return Err(RankError::Other("the verifier stopped".into()));
+                    }
+                } else {
+                    return Err(RankError::Other(format!(
+                        "a request of {} blocks cannot be placed: {} GPU blocks free, {} host slots",
+                        cfg.blocks_per_job,
+                        self.free_gpu.len(),
+                        self.mgr.capacity()
+                    )));
+                }
+            }
+        }
+        rep.lookups = self.mgr.counters().lookups;
+        rep.hits = self.mgr.counters().hits;
+        rep.store.seconds = self.busy[0].seconds;
+        rep.load.seconds = self.busy[1].seconds;
+        Ok(())
+    }
+
+    /// Checks the manager against the blocks this rank stored and returns
+    /// the resident keys in load batches.
+    fn sweep_batches(&mut self, rep: &mut RankReport) -> VecDeque<Vec<BlockKey>> {
+        let mut keys: Vec<BlockKey> = self.resident.iter().copied().collect();
+        keys.sort_unstable();
+        let mut ok = Vec::with_capacity(keys.len());
+        for k in keys {
+            match self.mgr.state(&k) {
+                Some(BlockState::Ready { .. }) => ok.push(k),
+                other => {
+                    tracing::error!(rank = self.rank, key = %k, state = ?other, "a stored block is no longer readable");
+                    rep.blocks_lost += 1;
+                }
+            }
+        }
+        if self.mgr.len() != ok.len() {
+            tracing::error!(
+                rank = self.rank,
+                held = self.mgr.len(),
+                known = ok.len(),
+                "the manager holds blocks this rank did not store"
+            );
+            rep.blocks_lost += self.mgr.len().abs_diff(ok.len()) as u64;
+        }
+        ok.chunks(self.cfg.blocks_per_job).map(|c| c.to_vec()).collect()
+    }
+
+    fn id(&mut self) -> JobId {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    fn take_gpu(&mut self, n: usize) -> Vec<usize> {
+        let at = self.free_gpu.len() - n;
+        self.free_gpu.split_off(at)
+    }
+
+    /// One request: load the leading hits, store the misses.
+    fn request(
+        &mut self,
+        keys: &[BlockKey],
+        rep: &mut RankReport,
+        rearm: &dyn Fn(&dyn GpuRuntime),
+    ) -> Result<(), RankError> {
+        let answers = self.mgr.lookup(keys);
+        let h = Lookup::leading_hits(&answers);
+        if h > 0 {
+            self.submit_load(keys[..h].to_vec(), 0, rep)?;
+        }
+        let misses: Vec<BlockKey> =
+            keys[h..].iter().zip(&answers[h..]).filter(|(_, a)| **a == Lookup::Miss).map(|(k, _)| *k).collect();
+        if misses.is_empty() {
+            return Ok(());
+        }
+        let out = match self.mgr.prepare_store(&misses) {
+            Ok(o) => o,
+            // Every slot is pending or being read: skip storing this time.
+            Err(ManagerError::InsufficientCapacity { .. }) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        for e in &out.evicted {
+            self.resident.remove(&e.key);
+            rep.evictions += 1;
+        }
+        if out.to_store.is_empty() {
+            return Ok(());
+        }
+        let f = self.cfg.block_factor;
+        let stored: Vec<BlockKey> = out.to_store.iter().map(|p| p.key).collect();
+        let slots: Vec<usize> = out.to_store.iter().map(|p| p.slot.index()).collect();
+        let gpu = self.take_gpu(stored.len() * f);
+        let Some((table, dtable)) = self.tables.take() else {
+            return Err(RankError::Other(format!("no free pattern table ({} stores in flight)", self.jobs.len())));
+        };
+        // The engine's "compute": the pattern-fill kernel writes each block's
+        // pattern into its GPU blocks on the compute stream (one table entry
+        // per page); the store is ordered after it.
+        let staging = self.shape.table(&stored, &gpu);
+        let count = staging.len() / PATTERN_ENTRY_WORDS;
+        debug_assert!(count <= self.tables.entries(), "{count} pages, tables of {}", self.tables.entries());
+        // SAFETY: `staging` moves into the job (its heap buffer stays put)
+        // and lives until the store job (ordered after this stream's work)
+        // is reported, or until the stream is synchronized below.
+        let r = unsafe { self.rt.copy_htod_async(dtable, staging.as_ptr() as usize, staging.len() * 8, self.compute) }
+            .and_then(|()| self.rt.launch(Kernel::PatternFill { table: dtable, count: count as u32 }, self.compute));
+        if let Err(e) = r {
+            tracing::warn!(rank = self.rank, error = %e, "writing blocks on the compute stream failed; their store is dropped");
+            self.rt.stream_synchronize(self.compute).map_err(drv("synchronizing the compute stream"))?;
+            self.tables.give(table);
+            self.mgr.complete_store(&stored, false)?;
+            self.free_gpu.extend(gpu);
+            rep.jobs_failed += 1;
+            rep.stores_failed += 1;
+            rearm(self.rt.as_ref());
+            return Ok(());
+        }
+        let id = self.id();
+        let blocks = JobBlocks::single(gpu.clone(), slots);
+        self.engine.store(id, &blocks)?;
+        rep.stores += 1;
+        self.busy[0].start();
+        self.jobs.insert(id, Job { kind: Kind::Store, keys: stored, gpu, staging, table: Some(table), attempt: 0 });
+        Ok(())
+    }
+
+    fn submit_load(&mut self, keys: Vec<BlockKey>, attempt: u32, rep: &mut RankReport) -> Result<(), RankError> {
+        let placements = self.mgr.prepare_load(&keys)?;
+        let slots: Vec<usize> = placements.iter().map(|p| p.slot.index()).collect();
+        let gpu = self.take_gpu(keys.len() * self.cfg.block_factor);
+        let id = self.id();
+        if let Err(e) = self.engine.load(id, &JobBlocks::single(gpu.clone(), slots)) {
+            self.mgr.complete_load(&keys)?;
+            self.free_gpu.extend(gpu);
+            return Err(e.into());
+        }
+        rep.loads += 1;
+        self.busy[1].start();
+        self.jobs.insert(id, Job { kind: Kind::Load, keys, gpu, staging: Vec::new(), table: None, attempt });
+        Ok(())
+    }
+
+    fn finished(
+        &mut self,
+        r: crate::transfer::JobResult,
+        rep: &mut RankReport,
+        verifier: &Verifier,
+        rearm: &dyn Fn(&dyn GpuRuntime),
+    ) -> Result<(), RankError> {
+        let Some(job) = self.jobs.remove(&r.id) else {
+            return Err(RankError::Other(format!("job {} reported but not submitted", r.id)));
+        };
+        self.busy[dir_slot(job.kind)].end();
+        debug_assert_eq!(
+            r.direction,
+            if job.kind == Kind::Store { Direction::DeviceToHost } else { Direction::HostToDevice }
+        );
+        if r.succeeded() {
+            self.latencies.push(r.seconds);
+        } else {
+            rep.jobs_failed += 1;
+            if !self.sweep {
+                rearm(self.rt.as_ref());
+            }
+        }
+        match job.kind {
+            Kind::Store => {
+                if r.succeeded() {
+                    rep.store.bytes += r.bytes;
+                    self.mgr.complete_store(&job.keys, true)?;
+                    self.resident.extend(job.keys.iter().copied());
+                } else {
+                    rep.stores_failed += 1;
+                    // A job that failed before its completion event may leave
+                    // the compute stream still reading the fill table.
+                    self.rt.stream_synchronize(self.compute).map_err(drv("synchronizing the compute stream"))?;
+                    self.mgr.complete_store(&job.keys, false)?;
+                }
+                // The fill kernel has run: the store completed after it, or
+                // the compute stream was synchronized.
+                if let Some(t) = job.table {
+                    self.tables.give(t);
+                }
+                self.free_gpu.extend(job.gpu);
+            }
+            Kind::Load => {
+                if r.succeeded() {
+                    rep.load.bytes += r.bytes;
+                    self.verifying += 1;
+                    verifier.push(Loaded { keys: job.keys, gpu: job.gpu, job: job.attempt });
+                } else {
+                    self.load_failed(job.keys, job.gpu, job.attempt, rep)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A load that delivered nothing checked: its blocks are released (not
+    /// lost: they stay in the manager); the sweep tries a batch three times.
+    fn load_failed(
+        &mut self,
+        keys: Vec<BlockKey>,
+        gpu: Vec<usize>,
+        attempt: u32,
+        rep: &mut RankReport,
+    ) -> Result<(), RankError> {
+        rep.loads_failed += 1;
+        self.mgr.complete_load(&keys)?;
+        self.free_gpu.extend(gpu);
+        if self.sweep {
+            if attempt + 1 >= 3 {
+                tracing::error!(rank = self.rank, keys = keys.len(), "sweep load failed three times");
+                rep.blocks_lost += keys.len() as u64;
+            } else {
+                let job = Job {
+                    kind: Kind::Load,
+                    keys,
+                    gpu: Vec::new(),
+                    staging: Vec::new(),
+                    table: None,
+                    attempt: attempt + 1,
+                };
+                self.retry.push(job);
+            }
+        }
+        Ok(())
+    }
+
+    fn verified(
+        &mut self,
+        v: Verdict<u32>,
+        rep: &mut RankReport,
+        rearm: &dyn Fn(&dyn GpuRuntime),
+    ) -> Result<(), RankError> {
+        self.verifying -= 1;
+        let Loaded { keys, gpu, job: attempt } = v.loaded;
+        match v.outcome {
+            Outcome::Checked { verified, corrupted } => {
+                rep.blocks_verified += verified;
+                rep.blocks_corrupted += corrupted;
+                if self.sweep {
+                    rep.sweep_blocks += verified + corrupted;
+                }
+                self.mgr.complete_load(&keys)?;
+                self.free_gpu.extend(gpu);
+                Ok(())
+            }
+            Outcome::NotChecked(e) => {
+                tracing::warn!(rank = self.rank, error = %e, "a loaded job could not be checked; it counts as a failed load");
+                rep.jobs_failed += 1;
+                if !self.sweep {
+                    rearm(self.rt.as_ref());
+                }
+                self.load_failed(keys, gpu, attempt, rep)
+            }
+        }
+    }
+}
