@@ -65,6 +65,15 @@ fn default_run_verifies_every_block() {
     assert_eq!(out.matches("state Pinned; agreement pinned").count(), 2, "{out}");
     assert!(count(&out, "blocks:", "in the final sweep") > 0, "{out}");
     assert!(out.contains("graphs 8 ok, 0 failed"), "{out}");
+    // The ranks' busy intervals reached the parent: a positive rate over
+    // the union of both ranks' busy time, each way.
+    let line = out.lines().find(|l| l.starts_with("all ranks together:")).unwrap_or_else(|| panic!("{out}"));
+    let rate = |dir: &str| -> f64 {
+        let at = line.find(dir).unwrap() + dir.len();
+        line[at..].split_whitespace().next().unwrap().parse().unwrap()
+    };
+    assert!(rate("store ") > 0.0 && rate("load ") > 0.0, "{line}");
+    assert!(out.contains("ranks on the simulated GPU"), "{out}");
     assert_no_file(pid, &out);
 }
 

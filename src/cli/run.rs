@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use clap::ValueEnum;
 use kvoffload::region::{pages, shm_path};
-use kvoffload::run::metrics::{Latencies, Throughput};
+use kvoffload::run::metrics::{Intervals, Latencies, Throughput};
 use kvoffload::run::report::{self, field, RankReport};
 use kvoffload::run::{run_rank, KillAt, RunConfig};
 use kvoffload::runtime::cuda::CudaRuntime;
@@ -40,6 +40,12 @@ impl From<KillAtArg> for KillAt {
             KillAtArg::Transfers => KillAt::Transfers,
         }
     }
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RankGpus {
+    Spread,
+    Same,
 }
 
 /// Options of `kvoffload run`.
@@ -131,6 +137,13 @@ pub struct Args {
     region_name: Option<String>,
     #[arg(long, hide = true, value_enum)]
     rank_backend: Option<BackendArg>,
+    #[arg(long, hide = true)]
+    rank_device: Option<usize>,
+    /// Which GPU each rank uses: spread (rank r on GPU r mod the number of
+    /// visible GPUs, as a tensor-parallel engine places its ranks) or same
+    /// (every rank on GPU 0, sharing its PCIe link and time-slicing it).
+    #[arg(long, value_enum, default_value_t = RankGpus::Spread)]
+    rank_gpus: RankGpus,
     #[arg(long, hide = true, value_enum)]
     pause_at: Option<KillAtArg>,
 }
@@ -194,6 +207,20 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
     }
     let path = shm_path(&cfg.region_dir, &name).map_err(|e| e.to_string())?;
     let bname = if backend == BackendArg::Cuda { "cuda" } else { "sim" };
+    let devices: Vec<usize> = match (backend, a.rank_gpus) {
+        (BackendArg::Cuda, RankGpus::Spread) => {
+            let n = CudaRuntime::device_count().map_err(|e| e.to_string())?.max(1);
+            (0..cfg.ranks).map(|r| r % n).collect()
+        }
+        _ => vec![0; cfg.ranks],
+    };
+    let gpus_line = if backend != BackendArg::Cuda {
+        "the simulated GPU".to_string()
+    } else if devices.iter().all(|&d| d == 0) {
+        "GPU 0 (shared: the ranks time-slice it and its PCIe link)".to_string()
+    } else {
+        format!("GPUs {}", devices.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","))
+    };
     println!(
         "kvoffload run: {} ranks on {bname} ({why}); region {} ({} host blocks of {} per rank, {} pages of {} x {} layers); \
          {} requests per rank of {} blocks over {} keys (zipf {}), {} in flight",
@@ -210,6 +237,7 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
         cfg.zipf,
         cfg.inflight,
     );
+    println!("ranks on {gpus_line}");
     match pages::mount_of(&cfg.region_dir) {
         Some(m) => {
             println!("region dir: {} ({})", cfg.region_dir.display(), m.pages());
@@ -241,10 +269,11 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
     let events = Arc::new(Events { q: Mutex::new(VecDeque::new()), cv: Condvar::new() });
     let mut readers = Vec::new();
     let t0 = Instant::now();
-    for r in 0..cfg.ranks {
+    for (r, dev) in devices.iter().enumerate() {
         let mut cmd = Command::new(&exe);
         cmd.args(&passthrough)
             .args(["--as-rank", &r.to_string(), "--region-name", &name, "--rank-backend", bname])
+            .args(["--rank-device", &dev.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -291,6 +320,7 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
     let mut lat = Latencies::default();
     let mut per_rank_lat: Vec<Latencies> = vec![Latencies::default(); cfg.ranks];
     let mut notes: Vec<String> = Vec::new();
+    let (mut busy_store, mut busy_load) = (Intervals::default(), Intervals::default());
     let mut open = readers.len();
     while open > 0 {
         let (r, line) = events.pop();
@@ -319,6 +349,12 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
                 ));
             } else if let Some(Some(s)) = stdins.get_mut(r) {
                 let _ = writeln!(s);
+            }
+        } else if line.starts_with(report::BUSY) {
+            match report::parse_busy_line(&line) {
+                Ok((dir, iv)) if dir == "store" => busy_store.extend(&iv),
+                Ok((_, iv)) => busy_load.extend(&iv),
+                Err(e) => bars.println(&format!("rank {r}: unreadable busy line: {e}")),
             }
         } else if line.starts_with(report::LATENCY) {
             let mut l = Latencies::default();
@@ -403,6 +439,17 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
         fmt_us(lat.percentile(50.0)),
         fmt_us(lat.percentile(99.0)),
     );
+    if finished > 1 {
+        let gbps = |bytes: u64, secs: f64| if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 };
+        println!(
+            "all ranks together: store {:.2} GB/s, load {:.2} GB/s (every rank's bytes / time with a job of that \
+             direction in flight on any rank: {:.3} s, {:.3} s)",
+            gbps(store.bytes, busy_store.union()),
+            gbps(load.bytes, busy_load.union()),
+            busy_store.union(),
+            busy_load.union(),
+        );
+    }
     println!(
         "blocks: {} verified ({} in the final sweep), {} corrupted, {} lost; jobs failed (injected faults): {}",
         tot.blocks_verified, tot.sweep_blocks, tot.blocks_corrupted, tot.blocks_lost, tot.jobs_failed
@@ -476,7 +523,11 @@ fn run_as_rank(a: &Args, cfg: &RunConfig, rank: usize) -> Result<i32, String> {
         Some(BackendArg::Cuda) => BackendArg::Cuda,
         _ => BackendArg::Sim,
     };
-    let rt = match backend::open(b) {
+    let opened = match (b, a.rank_device) {
+        (BackendArg::Cuda, Some(d)) => CudaRuntime::open(d).map(kvoffload::runtime::shared).map_err(|e| e.to_string()),
+        _ => backend::open(b),
+    };
+    let rt = match opened {
         Ok(rt) => rt,
         Err(e) => {
             kvoffload::run::rank::emit(&format!("{} rank={rank} {e}", report::ERROR));

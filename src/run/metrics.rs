@@ -65,9 +65,75 @@ impl Throughput {
     }
 }
 
+/// Seconds on CLOCK_MONOTONIC: one clock for every process of the machine,
+/// so the ranks' busy intervals can be merged by the parent.
+pub fn monotonic_secs() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    debug_assert_eq!(rc, 0);
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// Time intervals `[start, end)` in [`monotonic_secs`] seconds: when a
+/// direction had at least one job in flight.
+#[derive(Default, Clone, Debug, PartialEq)]
+pub struct Intervals(pub Vec<(f64, f64)>);
+
+impl Intervals {
+    pub fn push(&mut self, start: f64, end: f64) {
+        if end > start {
+            self.0.push((start, end));
+        }
+    }
+
+    pub fn extend(&mut self, other: &Intervals) {
+        self.0.extend_from_slice(&other.0);
+    }
+
+    /// Summed length of the intervals.
+    pub fn total(&self) -> f64 {
+        self.0.iter().map(|(a, b)| b - a).sum()
+    }
+
+    /// Length of their union (overlaps counted once).
+    pub fn union(&self) -> f64 {
+        let mut v = self.0.clone();
+        v.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut total = 0.0;
+        let mut cur: Option<(f64, f64)> = None;
+        for (a, b) in v {
+            cur = match cur {
+                Some((s, e)) if a <= e => Some((s, e.max(b))),
+                Some((s, e)) => {
+                    total += e - s;
+                    Some((a, b))
+                }
+                None => Some((a, b)),
+            };
+        }
+        total + cur.map_or(0.0, |(s, e)| e - s)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn union_counts_overlaps_once() {
+        let mut i = Intervals::default();
+        assert_eq!(i.union(), 0.0);
+        i.push(5.0, 7.0);
+        i.push(1.0, 2.0);
+        i.push(1.5, 3.0);
+        i.push(6.0, 6.5);
+        i.push(4.0, 4.0); // empty: dropped
+        assert_eq!(i.0.len(), 4);
+        assert_eq!(i.total(), 2.0 + 1.0 + 1.5 + 0.5);
+        assert_eq!(i.union(), 2.0 + 2.0);
+        assert!(monotonic_secs() > 0.0);
+    }
 
     #[test]
     fn percentiles_by_nearest_rank() {

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use super::metrics::{Latencies, Throughput};
+use super::metrics::{Intervals, Latencies, Throughput};
 
 /// Prefix of a rank's phase markers: `KVO-PHASE rank=R phase=P`.
 pub const PHASE: &str = "KVO-PHASE";
@@ -13,6 +13,9 @@ pub const PROGRESS: &str = "KVO-PROGRESS";
 pub const PAUSE: &str = "KVO-PAUSE";
 /// Prefix of latency samples (microseconds, comma separated).
 pub const LATENCY: &str = "KVO-LAT";
+/// Prefix of busy intervals: `KVO-BUSY rank=R dir=store|load a-b,a-b,...`
+/// (monotonic seconds).
+pub const BUSY: &str = "KVO-BUSY";
 /// Prefix of the final result line.
 pub const RESULT: &str = "KVO-RESULT";
 /// Prefix of a notice the parent prints as is: `KVO-NOTE rank=R <message>`.
@@ -202,6 +205,37 @@ pub fn parse_latency_line(line: &str, into: &mut Latencies) -> Result<usize, Str
     Ok(rank)
 }
 
+/// `KVO-BUSY` lines carrying `intervals` of direction `dir`, at most
+/// `per_line` a line.
+pub fn busy_lines(rank: usize, dir: &str, intervals: &Intervals, per_line: usize) -> Vec<String> {
+    intervals
+        .0
+        .chunks(per_line.max(1))
+        .map(|c| {
+            let mut s = format!("{BUSY} rank={rank} dir={dir}");
+            let mut sep = ' ';
+            for (a, b) in c {
+                let _ = write!(s, "{sep}{a:.6}-{b:.6}");
+                sep = ',';
+            }
+            s
+        })
+        .collect()
+}
+
+/// Parses a `KVO-BUSY` line: its direction and intervals.
+pub fn parse_busy_line(line: &str) -> Result<(String, Intervals), String> {
+    let dir = field(line, "dir").ok_or_else(|| format!("no dir in {line:?}"))?.to_string();
+    let mut out = Intervals::default();
+    let list = line.split_whitespace().nth(3).unwrap_or("");
+    for iv in list.split(',').filter(|v| !v.is_empty()) {
+        let (a, b) = iv.split_once('-').ok_or_else(|| format!("bad interval {iv:?}"))?;
+        let p = |v: &str| v.parse::<f64>().map_err(|_| format!("bad interval {iv:?}"));
+        out.push(p(a)?, p(b)?);
+    }
+    Ok((dir, out))
+}
+
 /// The value of `key=` in a marker line (`KVO-PHASE rank=1 phase=pinning`).
 pub fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     line.split_whitespace().find_map(|kv| kv.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
@@ -233,5 +267,15 @@ mod tests {
         }
         assert_eq!(l.len(), 3);
         assert_eq!(field("KVO-PHASE rank=1 phase=pinning", "phase"), Some("pinning"));
+        let iv = Intervals(vec![(1.5, 2.25), (3.0, 4.0), (10.0, 10.5)]);
+        let lines = busy_lines(1, "load", &iv, 2);
+        assert_eq!(lines.len(), 2);
+        let mut back = Intervals::default();
+        for l in &lines {
+            let (dir, i) = parse_busy_line(l).unwrap();
+            assert_eq!(dir, "load");
+            back.extend(&i);
+        }
+        assert_eq!(back, iv);
     }
 }

@@ -19,9 +19,10 @@ use crate::transfer::{
 };
 
 use super::config::{Derived, KillAt, RunConfig};
+use super::metrics::{monotonic_secs, Intervals};
 use super::pages::{Shape, TablePool};
 use super::rank::{drv, emit, pause, phase, progress, RankError};
-use super::report::RankReport;
+use super::report::{busy_lines, RankReport};
 use super::verify::{Checker, Loaded, Outcome, Verdict};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -45,18 +46,19 @@ struct Job {
     attempt: u32,
 }
 
-/// Per-direction time with at least one job in flight.
+/// Per-direction time with at least one job in flight, as intervals on the
+/// machine-wide monotonic clock (the parent merges every rank's).
 #[derive(Default)]
 struct Busy {
     in_flight: usize,
-    since: Option<Instant>,
-    seconds: f64,
+    since: Option<f64>,
+    intervals: Intervals,
 }
 
 impl Busy {
     fn start(&mut self) {
         if self.in_flight == 0 {
-            self.since = Some(Instant::now());
+            self.since = Some(monotonic_secs());
         }
         self.in_flight += 1;
     }
@@ -64,7 +66,7 @@ impl Busy {
         self.in_flight -= 1;
         if self.in_flight == 0 {
             if let Some(s) = self.since.take() {
-                self.seconds += s.elapsed().as_secs_f64();
+                self.intervals.push(s, monotonic_secs());
             }
         }
     }
@@ -197,6 +199,7 @@ pub(super) fn workload(
         Err(_) => return Err(RankError::Other("the verifier thread panicked".into())),
     };
     let lat = std::mem::take(&mut w.latencies);
+    let busy = std::mem::take(&mut w.busy);
     let tables = w.tables;
     drop(engine);
     if let Err(e) = rt.stream_destroy(compute) {
@@ -207,6 +210,11 @@ pub(super) fn workload(
     vr.map_err(drv("reading GPU blocks back"))?;
     for line in rep.latency_lines(&lat, 4096) {
         emit(&line);
+    }
+    for (dir, b) in ["store", "load"].into_iter().zip(&busy) {
+        for line in busy_lines(rep.rank, dir, &b.intervals, 1024) {
+            emit(&line);
+        }
     }
     Ok(())
 }
@@ -302,8 +310,8 @@ impl Work<'_> {
         }
         rep.lookups = self.mgr.counters().lookups;
         rep.hits = self.mgr.counters().hits;
-        rep.store.seconds = self.busy[0].seconds;
-        rep.load.seconds = self.busy[1].seconds;
+        rep.store.seconds = self.busy[0].intervals.total();
+        rep.load.seconds = self.busy[1].intervals.total();
         Ok(())
     }
 

@@ -104,6 +104,20 @@ impl CudaRuntime {
         unsafe { sys::is_culib_present() }
     }
 
+    /// How many CUDA devices this process sees (cuDeviceGetCount).
+    pub fn device_count() -> Result<usize, OpenError> {
+        if !Self::driver_present() {
+            return Err(OpenError::NoDriver);
+        }
+        let dev_err = |source| OpenError::Device { ordinal: 0, source };
+        // SAFETY: cuInit takes no pointers; the driver library is present.
+        check("cuInit", unsafe { sys::cuInit(0) }).map_err(dev_err)?;
+        let mut n = 0;
+        // SAFETY: `n` is a valid out-pointer for the call's duration.
+        check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) }).map_err(dev_err)?;
+        Ok(usize::try_from(n).unwrap_or(0))
+    }
+
     /// Opens device `ordinal`: loads the driver, initialises it, retains
     /// the primary context and loads the crate's kernels.
     pub fn open(ordinal: usize) -> Result<Self, OpenError> {
