@@ -84,7 +84,7 @@ pub struct Args {
     /// Zipf exponent of the key choice (0 = uniform).
     #[arg(long, default_value_t = 1.0)]
     zipf: f64,
-    /// Transfer jobs (and loads being verified) in flight per rank, at most.
+    /// Transfer jobs in flight per rank, at most (loads being verified do not count; the GPU blocks they hold bound them).
     #[arg(long, default_value_t = 8)]
     inflight: usize,
     /// Graphs each rank captures through capture windows.

@@ -56,7 +56,8 @@ pub struct RunConfig {
     pub keys: usize,
     /// Zipf exponent of the key choice (0 = uniform).
     pub zipf: f64,
-    /// Requests in flight at most.
+    /// Transfer jobs in flight per rank, at most (loads being verified do
+    /// not count: the GPU blocks they hold bound them).
     pub inflight: usize,
     /// Graphs captured through capture windows at start-up.
     pub graphs: usize,

@@ -46,6 +46,9 @@ struct Job {
     attempt: u32,
 }
 
+/// Polls without progress before the loop blocks on its oldest job.
+const IDLE_POLLS: u32 = 2000;
+
 /// Per-direction time with at least one job in flight, as intervals on the
 /// machine-wide monotonic clock (the parent merges every rank's).
 #[derive(Default)]
@@ -237,6 +240,7 @@ impl Work<'_> {
         let mut issued = 0usize;
         let mut paused = false;
         let mut sweep: VecDeque<Vec<BlockKey>> = VecDeque::new();
+        let mut idle_polls = 0u32;
         loop {
             if pause_at == Some(KillAt::Transfers) && !paused && issued >= cfg.jobs / 2 && !self.jobs.is_empty() {
                 paused = true;
@@ -244,7 +248,7 @@ impl Work<'_> {
             }
             let mut progressed = false;
             // Issue requests (or sweep loads) while there is room.
-            while self.jobs.len() + self.verifying < cfg.inflight && self.free_gpu.len() >= need {
+            while self.jobs.len() < cfg.inflight && self.free_gpu.len() >= need {
                 if !self.sweep && issued < cfg.jobs {
                     let start = zipf.sample(&mut rng);
                     let keys: Vec<BlockKey> =
@@ -288,7 +292,17 @@ impl Work<'_> {
                 sweep = self.sweep_batches(rep);
                 continue;
             }
-            if !progressed {
+            if progressed {
+                idle_polls = 0;
+            } else if !self.jobs.is_empty() && idle_polls < IDLE_POLLS {
+                // Poll again rather than block on one job: the oldest job
+                // need not finish first (loads and stores run on their own
+                // streams), and a blocked loop neither sees the others
+                // finish nor refills the links.
+                idle_polls += 1;
+                thread::yield_now();
+            } else {
+                idle_polls = 0;
                 if let Some(&id) = self.jobs.keys().next() {
                     match self.engine.wait(id) {
                         Ok(()) | Err(TransferError::JobFailed { .. }) | Err(TransferError::UnknownJob { .. }) => {}
