@@ -119,7 +119,12 @@ pub fn engine(
         num_host_blocks: chunks * f.chunk / page,
     };
     let layout = KvLayout::new(&[group], 1, f.base, HostPlacement::TensorMajor).unwrap();
-    let opts = TransferOptions { backend, ..TransferOptions::default() };
+    // Gather tables staged on the heap, not in the page-locked ring: the
+    // ring's allocation and free (two more driver calls, the free waiting
+    // for the device) multiplied P5's interleavings about thirteenfold. Both
+    // go through `Coordinator::unsafe_call` like the device table's, and
+    // the ring itself is tested on the simulated GPU (tests/transfer_sim.rs).
+    let opts = TransferOptions { backend, staging_ring_entries: 0, ..TransferOptions::default() };
     // SAFETY: the fixture's host memory is leaked (lives forever) and is
     // touched below only by the engine's jobs or after they completed; the
     // device tensor is a live allocation of the fixture's runtime.
