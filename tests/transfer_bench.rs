@@ -20,22 +20,30 @@ fn sim_bench_verifies_every_row() {
     };
     let mut labels = 0;
     let r = run_bench(rt, &cfg, |_| labels += 1).unwrap();
-    assert_eq!(r.rows.len(), 3 * 2 * 4);
-    assert_eq!(labels, r.rows.len());
+    // Per size: 2 directions x 4 choices alone, then a load and a store at
+    // once where the size gives at least two blocks (not 2 MiB of 2 MiB).
+    assert_eq!(r.rows.len(), 3 * 2 * 4 + 2 * 2);
+    assert_eq!(labels, 3 * 2 * 4 + 2);
     assert_eq!(r.failures(), 0, "{r}");
     for row in &r.rows {
         if let BackendChoice::Force(b) = row.choice {
             assert_eq!(row.used, Some(b), "{row:?}");
         }
-        assert!(row.ratio.is_some());
+        assert_eq!(row.ratio.is_some(), !row.concurrent, "{row:?}");
+        assert!(row.bytes > 0, "{row:?}");
     }
+    assert_eq!(r.rows.iter().filter(|x| x.concurrent).count(), 4);
     // Auto: gather for small fragments, batched at 2 MiB (pinned, not capturing).
-    let auto = |size| r.rows.iter().find(|x| x.choice == BackendChoice::Auto && x.size == size).unwrap().used;
+    let auto =
+        |size| r.rows.iter().find(|x| x.choice == BackendChoice::Auto && !x.concurrent && x.size == size).unwrap().used;
     assert_eq!(auto(16 << 10), Some(Backend::Gather));
     assert_eq!(auto(2 << 20), Some(Backend::Batched));
     let text = r.to_string();
     assert!(
-        text.contains("meaningless") && text.contains("target >= 45") && text.contains("rows verified: 24 of 24"),
+        text.contains("meaningless")
+            && text.contains("target >= 45")
+            && text.contains("both directions at once")
+            && text.contains("rows verified: 28 of 28"),
         "{text}"
     );
 }

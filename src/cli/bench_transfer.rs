@@ -41,6 +41,9 @@ pub struct TransferArgs {
     /// per launch).
     #[arg(long)]
     table_entries: Option<usize>,
+    /// Skip the rows that run a load and a store at the same time.
+    #[arg(long)]
+    no_both: bool,
 }
 
 /// Runs the bench; exit status 1 when any run's data was wrong.
@@ -58,6 +61,7 @@ pub fn run(a: TransferArgs) -> Result<i32, String> {
         cfg.seed = s;
     }
     cfg.repeats = a.repeats;
+    cfg.both = !a.no_both;
     if let Some(g) = &a.gather_max {
         cfg.options.thresholds.gather_max_bytes = parse_size(g)?;
     }
