@@ -41,9 +41,10 @@ pub struct TransferArgs {
     /// per launch).
     #[arg(long)]
     table_entries: Option<usize>,
-    /// Skip the rows that run a load and a store at the same time.
-    #[arg(long)]
-    no_both: bool,
+    /// Load and store backends to run at the same time, as LOAD/STORE pairs,
+    /// comma-separated (auto, gather, batched, per-fragment), or none.
+    #[arg(long, value_delimiter = ',', default_value = "auto/auto")]
+    both: Vec<String>,
 }
 
 /// Runs the bench; exit status 1 when any run's data was wrong.
@@ -61,7 +62,12 @@ pub fn run(a: TransferArgs) -> Result<i32, String> {
         cfg.seed = s;
     }
     cfg.repeats = a.repeats;
-    cfg.both = !a.no_both;
+    cfg.both = Vec::new();
+    for p in a.both.iter().filter(|p| p.as_str() != "none") {
+        let (l, s) =
+            p.split_once('/').ok_or_else(|| format!("--both {p}: expected LOAD/STORE, e.g. gather/batched"))?;
+        cfg.both.push((l.parse()?, s.parse()?));
+    }
     if let Some(g) = &a.gather_max {
         cfg.options.thresholds.gather_max_bytes = parse_size(g)?;
     }

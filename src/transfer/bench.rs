@@ -42,10 +42,12 @@ pub struct BenchConfig {
     /// Engine options (thresholds of the automatic choice, gather table
     /// size); the backend choice in it is replaced by each of `choices`.
     pub options: TransferOptions,
-    /// Also run, per size, a load and a store at the same time (automatic
-    /// choice, half the blocks each): what each direction gets while the
-    /// other one is busy, as in an engine that offloads and reloads at once.
-    pub both: bool,
+    /// Also run, per size and per `(load, store)` pair of backends, a load
+    /// and a store at the same time (half the blocks each, each direction on
+    /// an engine of its own): what each direction gets while the other one
+    /// is busy, as in an engine that offloads and reloads at once. Empty:
+    /// none.
+    pub both: Vec<(BackendChoice, BackendChoice)>,
 }
 
 impl BenchConfig {
@@ -71,7 +73,7 @@ impl BenchConfig {
             seed: 0x6b76_6f66_6c6f_6164,
             chunk_bytes: 256 << 20,
             options: TransferOptions::default(),
-            both: true,
+            both: vec![(BackendChoice::Auto, BackendChoice::Auto)],
         }
     }
 
@@ -142,6 +144,8 @@ pub struct BenchRow {
     pub error: Option<String>,
     /// Ran at the same time as a job of the other direction ([`BenchConfig::both`]).
     pub concurrent: bool,
+    /// The backend choice of that other job.
+    pub other: Option<BackendChoice>,
 }
 
 /// Everything a bench run measured.
@@ -172,6 +176,7 @@ impl BenchReport {
         self.rows
             .iter()
             .filter(|r| r.choice == BackendChoice::Auto && r.concurrent == concurrent && (lo..=hi).contains(&r.size))
+            .filter(|r| !concurrent || r.other == Some(BackendChoice::Auto))
             .map(|r| r.gbps)
             .reduce(f64::min)
     }
@@ -336,6 +341,7 @@ pub fn run_bench(
                     verified: true,
                     error: None,
                     concurrent: false,
+                    other: None,
                 };
                 for _ in 0..cfg.repeats {
                     if let Err(e) = prepare(&mut b, dir, size, n) {
@@ -383,22 +389,25 @@ pub fn run_bench(
                 rows.push(row);
             }
         }
-        if cfg.both && n >= 2 {
-            progress(&format!("{} both directions at once, auto", human(size)));
-            rows.extend(both_ways(&mut b, cfg, &layout, size, &gpu_ids, &host_ids, &mut next_id)?);
+        for &pair in cfg.both.iter().filter(|_| n >= 2) {
+            progress(&format!("{} both directions at once, load {} + store {}", human(size), pair.0, pair.1));
+            rows.extend(both_ways(&mut b, cfg, &layout, size, pair, &gpu_ids, &host_ids, &mut next_id)?);
         }
     }
     Ok(BenchReport { device: rt.describe(), backend: rt.backend(), config: cfg.clone(), pin, rows })
 }
 
 /// A load of the first half of the blocks and a store of the second half,
-/// submitted together on one engine (automatic choice); each row's time runs
-/// from the common start to its own job's completion, seen by polling.
+/// submitted together, each on an engine of its own with its backend choice
+/// of `pair` (load, store); each row's time runs from the common start to
+/// its own job's completion, seen by polling.
+#[allow(clippy::too_many_arguments)]
 fn both_ways(
     b: &mut Buffers,
     cfg: &BenchConfig,
     layout: &KvLayout,
     size: usize,
+    pair: (BackendChoice, BackendChoice),
     gpu_ids: &[usize],
     host_ids: &[usize],
     next_id: &mut u64,
@@ -406,15 +415,19 @@ fn both_ways(
     let half = gpu_ids.len() / 2;
     let load = JobBlocks::single(gpu_ids[..half].to_vec(), host_ids[..half].to_vec());
     let store = JobBlocks::single(gpu_ids[half..].to_vec(), host_ids[half..].to_vec());
-    let opts = TransferOptions { backend: BackendChoice::Auto, ..cfg.options };
-    // SAFETY: the buffers outlive the engine (dropped at the end of this
-    // function) and are touched only between jobs, after they completed.
-    let engine = unsafe { TransferEngine::new(b.rt.clone(), b.coord.clone(), layout.clone(), b.compute, opts) }
-        .map_err(|e| e.to_string())?;
-    let row = |direction| BenchRow {
+    let make = |backend| {
+        let opts = TransferOptions { backend, ..cfg.options };
+        // SAFETY: the buffers outlive the engines (dropped at the end of
+        // this function) and are touched only between jobs, after they
+        // completed.
+        unsafe { TransferEngine::new(b.rt.clone(), b.coord.clone(), layout.clone(), b.compute, opts) }
+            .map_err(|e| e.to_string())
+    };
+    let engines = [make(pair.0)?, make(pair.1)?];
+    let row = |direction, choice, other| BenchRow {
         size,
         direction,
-        choice: BackendChoice::Auto,
+        choice,
         used: None,
         fragments: 0,
         bytes: 0,
@@ -425,8 +438,9 @@ fn both_ways(
         verified: true,
         error: None,
         concurrent: true,
+        other: Some(other),
     };
-    let mut rows = [row(Direction::HostToDevice), row(Direction::DeviceToHost)];
+    let mut rows = [row(Direction::HostToDevice, pair.0, pair.1), row(Direction::DeviceToHost, pair.1, pair.0)];
     let fail = |rows: &mut [BenchRow; 2], e: String| {
         for r in rows.iter_mut() {
             r.verified = false;
@@ -445,7 +459,7 @@ fn both_ways(
         let ids = [*next_id, *next_id + 1];
         *next_id += 2;
         let t0 = Instant::now();
-        let submitted = engine.load(ids[0], &load).and_then(|()| engine.store(ids[1], &store));
+        let submitted = engines[0].load(ids[0], &load).and_then(|()| engines[1].store(ids[1], &store));
         let ds = t0.elapsed().as_secs_f64();
         if let Err(e) = submitted {
             fail(&mut rows, e.to_string());
@@ -453,7 +467,7 @@ fn both_ways(
         }
         let mut got: [Option<super::JobResult>; 2] = [None, None];
         while got.iter().any(Option::is_none) {
-            for r in engine.poll_finished() {
+            for r in engines.iter().flat_map(|e| e.poll_finished()) {
                 if let Some(i) = ids.iter().position(|&id| id == r.id) {
                     got[i] = Some(r);
                 }
@@ -552,10 +566,11 @@ fn verify(b: &mut Buffers, dir: Direction, size: usize, gpu: &[usize], host: &[u
     }
 }
 
-fn both_name(d: Direction) -> &'static str {
+/// The other direction's job, in words.
+fn other_name(d: Direction) -> &'static str {
     match d {
-        Direction::HostToDevice => "load H2D, store running",
-        Direction::DeviceToHost => "store D2H, load running",
+        Direction::HostToDevice => "store",
+        Direction::DeviceToHost => "load",
     }
 }
 
@@ -607,7 +622,10 @@ impl fmt::Display for BenchReport {
                 f,
                 "| {} | {} | {} | {} | {} | {:.1} | {} | {:.2} | {} |",
                 human(r.size),
-                if r.concurrent { both_name(r.direction) } else { dir_name(r.direction) },
+                match r.other {
+                    Some(o) => format!("{}, {} {o} running", dir_name(r.direction), other_name(r.direction)),
+                    None => dir_name(r.direction).to_string(),
+                },
                 r.choice,
                 used,
                 r.fragments,
