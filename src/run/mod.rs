@@ -8,7 +8,7 @@
 //! - [`config`]: the settings and the sizes derived from them.
 //! - [`rank`]: the body of one rank process.
 //! - [`report`]: the lines a rank prints for its parent, and its figures.
-//! - `workload`: a rank's requests and the final sweep; `pages`, `verify`:
+//! - `workload`: a rank's requests and the final sweep; `tables`, `verify`:
 //!   a job's GPU pages as pattern-kernel tables, and the verifier thread
 //!   that checks loaded pages on the GPU.
 //! - [`metrics`]: latencies and throughput; block contents come from
@@ -19,9 +19,9 @@
 
 pub mod config;
 pub mod metrics;
-mod pages;
 pub mod rank;
 pub mod report;
+mod tables;
 mod verify;
 mod workload;
 

@@ -9,7 +9,7 @@ use crate::pattern;
 use crate::runtime::{DevicePtr, DriverError, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
 use crate::sync::{self, Condvar, Mutex};
 
-use super::pages::Shape;
+use super::tables::Shape;
 
 /// A loaded job to check: its keys and the GPU blocks holding them.
 pub(crate) struct Loaded<J> {

@@ -20,9 +20,9 @@ use crate::transfer::{
 
 use super::config::{Derived, KillAt, RunConfig};
 use super::metrics::{monotonic_secs, Intervals};
-use super::pages::{Shape, TablePool};
 use super::rank::{drv, emit, pause, phase, progress, RankError};
 use super::report::{busy_lines, RankReport};
+use super::tables::{Shape, TablePool};
 use super::verify::{Checker, Loaded, Outcome, Verdict};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
