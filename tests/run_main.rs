@@ -67,12 +67,9 @@ fn default_run_verifies_every_block() {
     assert!(out.contains("graphs 8 ok, 0 failed"), "{out}");
     // The ranks' busy intervals reached the parent: a positive rate over
     // the union of both ranks' busy time, each way.
-    let line = out.lines().find(|l| l.starts_with("all ranks together:")).unwrap_or_else(|| panic!("{out}"));
-    let rate = |dir: &str| -> f64 {
-        let at = line.find(dir).unwrap() + dir.len();
-        line[at..].split_whitespace().next().unwrap().parse().unwrap()
-    };
-    assert!(rate("store ") > 0.0 && rate("load ") > 0.0, "{line}");
+    let line = out.lines().find(|l| l.starts_with("all ranks together")).unwrap_or_else(|| panic!("{out}"));
+    assert!(rate(line, "store ") > 0.0 && rate(line, "load ") > 0.0, "{line}");
+    assert!(line.contains("stores alone -, loads alone "), "no prefill by default: {line}");
     assert!(out.contains("ranks on the simulated GPU"), "{out}");
     assert_no_file(pid, &out);
 }
@@ -125,6 +122,26 @@ fn register_fault_on_one_rank_makes_every_rank_pageable() {
     assert!(out.contains("state Pageable(NotSupported); agreement pageable"), "{out}");
     assert_clean(&out);
     assert_no_file(pid, &out);
+}
+
+/// The number after `what` in `line` (a rate such as "store 1.25 GB/s").
+fn rate(line: &str, what: &str) -> f64 {
+    let at = line.find(what).unwrap_or_else(|| panic!("no {what:?} in {line}")) + what.len();
+    line[at..].split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{line}"))
+}
+
+#[test]
+fn prefill_stores_alone_then_the_sweep_loads_alone_and_each_is_measured() {
+    let (rc, out, pid) = run(&["--prefill-blocks", "256"]);
+    assert_eq!(rc, 0, "{out}");
+    assert_clean(&out);
+    assert_eq!(out.matches("  prefill: 16 MiB stored").count(), 2, "{out}");
+    let line = out.lines().find(|l| l.starts_with("one direction at a time")).unwrap_or_else(|| panic!("{out}"));
+    assert!(rate(line, "(prefill) ") > 0.0 && rate(line, "(final sweep) ") > 0.0, "{line}");
+    assert_no_file(pid, &out);
+    let (rc, out, _) = run(&["--prefill-blocks", "4096", "--keys", "2048"]);
+    assert_eq!(rc, 2, "{out}");
+    assert!(out.contains("prefill-blocks = 4096 exceeds the limit of 2048"), "{out}");
 }
 
 #[test]

@@ -84,6 +84,9 @@ pub struct Args {
     /// Zipf exponent of the key choice (0 = uniform).
     #[arg(long, default_value_t = 1.0)]
     zipf: f64,
+    /// Blocks stored first, keys 0.. in order (stores alone), before the Zipf requests; at most --keys.
+    #[arg(long, default_value_t = 0)]
+    prefill_blocks: usize,
     /// Transfer jobs in flight per rank, at most (loads being verified do not count; the GPU blocks they hold bound them).
     #[arg(long, default_value_t = 8)]
     inflight: usize,
@@ -162,6 +165,7 @@ impl Args {
             keys: self.keys,
             zipf: self.zipf,
             inflight: self.inflight,
+            prefill_blocks: self.prefill_blocks,
             graphs: self.graphs,
             graph_nodes: 16,
             startup: Duration::from_millis(self.startup_ms),
@@ -320,7 +324,8 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
     let mut lat = Latencies::default();
     let mut per_rank_lat: Vec<Latencies> = vec![Latencies::default(); cfg.ranks];
     let mut notes: Vec<String> = Vec::new();
-    let (mut busy_store, mut busy_load) = (Intervals::default(), Intervals::default());
+    // Busy intervals of every rank by "<direction>-<stage>" (store-mixed, load-sweep, ...).
+    let mut busy: std::collections::BTreeMap<String, Intervals> = std::collections::BTreeMap::new();
     let mut open = readers.len();
     while open > 0 {
         let (r, line) = events.pop();
@@ -352,8 +357,7 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
             }
         } else if line.starts_with(report::BUSY) {
             match report::parse_busy_line(&line) {
-                Ok((dir, iv)) if dir == "store" => busy_store.extend(&iv),
-                Ok((_, iv)) => busy_load.extend(&iv),
+                Ok((dir, iv)) => busy.entry(dir).or_default().extend(&iv),
                 Err(e) => bars.println(&format!("rank {r}: unreadable busy line: {e}")),
             }
         } else if line.starts_with(report::LATENCY) {
@@ -396,6 +400,7 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
     let mut ok = true;
     let mut tot = RankReport::default();
     let (mut store, mut load) = (Throughput::default(), Throughput::default());
+    let (mut prefill, mut sweep) = (Throughput::default(), Throughput::default());
     for r in 0..cfg.ranks {
         match (&reports[r], killed[r]) {
             (_, true) => println!("rank {r}: killed (SIGKILL at {}), as asked", cfg.kill_at.name()),
@@ -415,6 +420,8 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
                 tot.graphs_failed += rep.graphs_failed;
                 store.add(rep.store.bytes, rep.store.seconds);
                 load.add(rep.load.bytes, rep.load.seconds);
+                prefill.add(rep.prefill_store.bytes, rep.prefill_store.seconds);
+                sweep.add(rep.sweep_load.bytes, rep.sweep_load.seconds);
             }
             (None, false) => {
                 ok = false;
@@ -439,15 +446,25 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
         fmt_us(lat.percentile(50.0)),
         fmt_us(lat.percentile(99.0)),
     );
+    // "-" where a stage moved nothing (no --prefill-blocks, say).
+    let rate = |bytes: u64, gbps: f64| if bytes > 0 { format!("{gbps:.2} GB/s") } else { "-".to_string() };
+    println!(
+        "one direction at a time: stores alone (prefill) {}, loads alone (final sweep) {} (bytes / summed busy time per rank)",
+        rate(prefill.bytes, prefill.gbps()),
+        rate(sweep.bytes, sweep.gbps()),
+    );
     if finished > 1 {
-        let gbps = |bytes: u64, secs: f64| if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 };
+        let union = |k: &str| busy.get(k).map_or(0.0, Intervals::union);
+        let gbps = |bytes: u64, k: &str| rate(bytes, if union(k) > 0.0 { bytes as f64 / union(k) / 1e9 } else { 0.0 });
         println!(
-            "all ranks together: store {:.2} GB/s, load {:.2} GB/s (every rank's bytes / time with a job of that \
-             direction in flight on any rank: {:.3} s, {:.3} s)",
-            gbps(store.bytes, busy_store.union()),
-            gbps(load.bytes, busy_load.union()),
-            busy_store.union(),
-            busy_load.union(),
+            "all ranks together (every rank's bytes / time with a job of that kind in flight on any rank): \
+             requests: store {}, load {} ({:.3} s, {:.3} s); stores alone {}, loads alone {}",
+            gbps(store.bytes, "store-mixed"),
+            gbps(load.bytes, "load-mixed"),
+            union("store-mixed"),
+            union("load-mixed"),
+            gbps(prefill.bytes, "store-prefill"),
+            gbps(sweep.bytes, "load-sweep"),
         );
     }
     println!(
@@ -489,6 +506,14 @@ fn print_rank(r: &RankReport, lat: &Latencies) {
         "  capture: {} windows, waited {:.3} s in total, {:.3} s at most ({} chunk registrations meanwhile); graphs {} ok, {} failed",
         r.windows, r.window_wait_total, r.window_wait_max, r.chunks_waited, r.graphs_ok, r.graphs_failed
     );
+    if r.prefill_store.bytes > 0 {
+        println!(
+            "  prefill: {} stored in {:.2} s at {:.2} GB/s (stores alone)",
+            fmt_bytes(r.prefill_store.bytes as usize),
+            r.prefill_seconds,
+            r.prefill_store.gbps()
+        );
+    }
     println!(
         "  workload: {} requests in {:.2} s; {} stores {} at {:.2} GB/s, {} loads {} at {:.2} GB/s; hit rate {:.1}%; {} evictions; latency p50 {} p99 {}",
         r.requests,
@@ -505,9 +530,10 @@ fn print_rank(r: &RankReport, lat: &Latencies) {
         fmt_us(lat.percentile(99.0)),
     );
     println!(
-        "  blocks: {} verified ({} in the final sweep), {} corrupted, {} lost; jobs failed: {} ({} stores, {} loads)",
+        "  blocks: {} verified ({} in the final sweep, loaded at {:.2} GB/s alone), {} corrupted, {} lost; jobs failed: {} ({} stores, {} loads)",
         r.blocks_verified,
         r.sweep_blocks,
+        r.sweep_load.gbps(),
         r.blocks_corrupted,
         r.blocks_lost,
         r.jobs_failed,

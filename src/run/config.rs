@@ -56,6 +56,10 @@ pub struct RunConfig {
     pub keys: usize,
     /// Zipf exponent of the key choice (0 = uniform).
     pub zipf: f64,
+    /// Blocks stored before the Zipf requests, keys 0.. in order (stores
+    /// alone: each direction's rate alone is then measured too, with the
+    /// final sweep's loads); at most `keys`.
+    pub prefill_blocks: usize,
     /// Transfer jobs in flight per rank, at most (loads being verified do
     /// not count: the GPU blocks they hold bound them).
     pub inflight: usize,
@@ -107,6 +111,7 @@ impl Default for RunConfig {
             blocks_per_job: 4,
             keys: 2048,
             zipf: 1.0,
+            prefill_blocks: 0,
             inflight: 8,
             graphs: 8,
             graph_nodes: 16,
@@ -176,6 +181,13 @@ impl RunConfig {
                 value: self.page_bytes as u64,
                 of: 8,
                 why: "the pattern kernels write and check a block's pages in 8-byte words",
+            });
+        }
+        if self.prefill_blocks > self.keys {
+            return Err(ConfigError::TooLarge {
+                what: "prefill-blocks",
+                value: self.prefill_blocks as u64,
+                limit: self.keys as u64,
             });
         }
         if self.blocks_per_job > self.keys {

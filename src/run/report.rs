@@ -53,8 +53,14 @@ pub struct RankReport {
     pub hits: u64,
     pub stores: u64,
     pub loads: u64,
+    /// Stores and loads of the Zipf requests (both directions at once).
     pub store: Throughput,
     pub load: Throughput,
+    /// Stores of the prefill (stores alone) and loads of the final sweep
+    /// (loads alone).
+    pub prefill_store: Throughput,
+    pub sweep_load: Throughput,
+    pub prefill_seconds: f64,
     pub jobs_failed: u64,
     pub stores_failed: u64,
     pub loads_failed: u64,
@@ -95,6 +101,7 @@ macro_rules! fields {
         $m!(sweep_blocks, u64);
         $m!(evictions, u64);
         $m!(workload_seconds, f64);
+        $m!(prefill_seconds, f64);
     };
 }
 
@@ -110,6 +117,8 @@ impl RankReport {
         fields!(put);
         let _ = write!(s, " store_bytes={} store_secs={}", self.store.bytes, self.store.seconds);
         let _ = write!(s, " load_bytes={} load_secs={}", self.load.bytes, self.load.seconds);
+        let _ = write!(s, " prefill_bytes={} prefill_secs={}", self.prefill_store.bytes, self.prefill_store.seconds);
+        let _ = write!(s, " sweep_bytes={} sweep_secs={}", self.sweep_load.bytes, self.sweep_load.seconds);
         // Free-text fields last, spaces replaced.
         let esc = |v: &str| v.replace(' ', "_");
         let _ = write!(
@@ -143,6 +152,10 @@ impl RankReport {
                 "store_secs" => r.store.seconds = v.parse().map_err(|_| bad())?,
                 "load_bytes" => r.load.bytes = v.parse().map_err(|_| bad())?,
                 "load_secs" => r.load.seconds = v.parse().map_err(|_| bad())?,
+                "prefill_bytes" => r.prefill_store.bytes = v.parse().map_err(|_| bad())?,
+                "prefill_secs" => r.prefill_store.seconds = v.parse().map_err(|_| bad())?,
+                "sweep_bytes" => r.sweep_load.bytes = v.parse().map_err(|_| bad())?,
+                "sweep_secs" => r.sweep_load.seconds = v.parse().map_err(|_| bad())?,
                 "backend" => r.backend = v.replace('_', " "),
                 "pin_state" => r.pin_state = v.to_string(),
                 "agreement" => r.agreement = v.replace('_', " "),
@@ -255,12 +268,14 @@ mod tests {
             blocks_verified: 42,
             pin_seconds: 0.25,
             store: Throughput { bytes: 10, seconds: 0.5 },
+            sweep_load: Throughput { bytes: 7, seconds: 0.25 },
             ..Default::default()
         };
         let p = RankReport::parse(&r.to_line()).unwrap();
         assert_eq!((p.rank, p.blocks_verified, p.pin_seconds), (1, 42, 0.25));
         assert_eq!(p.agreement, "failed: rank 0 died");
         assert_eq!(p.store.bytes, 10);
+        assert_eq!((p.sweep_load.bytes, p.sweep_load.seconds), (7, 0.25));
         let mut l = Latencies::default();
         for line in r.latency_lines(&[1e-6, 2e-6, 3e-6], 2) {
             assert_eq!(parse_latency_line(&line, &mut l).unwrap(), 1);

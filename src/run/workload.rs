@@ -90,11 +90,22 @@ struct Work<'a> {
     next_id: JobId,
     verifying: usize,
     resident: HashSet<BlockKey>,
-    busy: [Busy; 2],
+    /// Busy time per stage ([`PREFILL`], [`MIXED`], [`SWEEP`]) and direction.
+    busy: [[Busy; 2]; 3],
+    /// The stage jobs are issued in now (stages change only when idle).
+    stage: usize,
     latencies: Vec<f64>,
     sweep: bool,
     retry: Vec<Job>,
 }
+
+/// Stages of a rank's workload: stores of the first `--prefill-blocks` keys
+/// (stores alone), the Zipf requests (loads and stores at once), the final
+/// sweep (loads alone).
+const PREFILL: usize = 0;
+const MIXED: usize = 1;
+const SWEEP: usize = 2;
+const STAGE_NAMES: [&str; 3] = ["prefill", "mixed", "sweep"];
 
 /// The verifier's queue; each loaded job carries its sweep attempt.
 type Verifier = super::verify::Verifier<u32>;
@@ -189,6 +200,7 @@ pub(super) fn workload(
         resident: HashSet::new(),
         busy: Default::default(),
         latencies: Vec::new(),
+        stage: PREFILL,
         sweep: false,
         retry: Vec::new(),
     };
@@ -214,9 +226,11 @@ pub(super) fn workload(
     for line in rep.latency_lines(&lat, 4096) {
         emit(&line);
     }
-    for (dir, b) in ["store", "load"].into_iter().zip(&busy) {
-        for line in busy_lines(rep.rank, dir, &b.intervals, 1024) {
-            emit(&line);
+    for (stage, pair) in STAGE_NAMES.iter().zip(&busy) {
+        for (dir, b) in ["store", "load"].into_iter().zip(pair) {
+            for line in busy_lines(rep.rank, &format!("{dir}-{stage}"), &b.intervals, 1024) {
+                emit(&line);
+            }
         }
     }
     Ok(())
@@ -236,8 +250,15 @@ impl Work<'_> {
         let zipf = Zipf::new(cfg.keys, cfg.zipf);
         let need = cfg.blocks_per_job * cfg.block_factor;
         let step = (cfg.jobs / 100).max(1);
-        let t0 = Instant::now();
+        let mut t0 = Instant::now();
         let mut issued = 0usize;
+        let mut prefilled = 0usize;
+        let mut counted_from = self.mgr.counters();
+        if cfg.prefill_blocks == 0 {
+            self.stage = MIXED;
+        } else {
+            phase(self.rank, "prefill");
+        }
         let mut paused = false;
         let mut sweep: VecDeque<Vec<BlockKey>> = VecDeque::new();
         let mut idle_polls = 0u32;
@@ -249,7 +270,16 @@ impl Work<'_> {
             let mut progressed = false;
             // Issue requests (or sweep loads) while there is room.
             while self.jobs.len() < cfg.inflight && self.free_gpu.len() >= need {
-                if !self.sweep && issued < cfg.jobs {
+                if self.stage == PREFILL {
+                    // Consecutive keys from 0: every one a miss, so stores only.
+                    if prefilled >= cfg.prefill_blocks {
+                        break;
+                    }
+                    let n = cfg.blocks_per_job.min(cfg.prefill_blocks - prefilled);
+                    let keys: Vec<BlockKey> = (prefilled..prefilled + n).map(|k| BlockKey::new(k as u64, 0)).collect();
+                    self.request(&keys, rep, rearm)?;
+                    prefilled += n;
+                } else if !self.sweep && issued < cfg.jobs {
                     let start = zipf.sample(&mut rng);
                     let keys: Vec<BlockKey> =
                         (0..cfg.blocks_per_job).map(|i| BlockKey::new(((start + i) % cfg.keys) as u64, 0)).collect();
@@ -277,6 +307,14 @@ impl Work<'_> {
                 self.verified(v, rep, rearm)?;
             }
             let idle = self.jobs.is_empty() && self.verifying == 0;
+            if idle && self.stage == PREFILL && prefilled >= cfg.prefill_blocks {
+                rep.prefill_seconds = t0.elapsed().as_secs_f64();
+                phase(self.rank, "workload");
+                self.stage = MIXED;
+                counted_from = self.mgr.counters();
+                t0 = Instant::now();
+                continue;
+            }
             if idle
                 && self.retry.is_empty()
                 && ((self.sweep && sweep.is_empty()) || (!self.sweep && issued >= cfg.jobs))
@@ -289,6 +327,7 @@ impl Work<'_> {
                 progress(self.rank, "workload", issued, cfg.jobs);
                 phase(self.rank, "verify");
                 self.sweep = true;
+                self.stage = SWEEP;
                 sweep = self.sweep_batches(rep);
                 continue;
             }
@@ -322,10 +361,13 @@ impl Work<'_> {
                 }
             }
         }
-        rep.lookups = self.mgr.counters().lookups;
-        rep.hits = self.mgr.counters().hits;
-        rep.store.seconds = self.busy[0].intervals.total();
-        rep.load.seconds = self.busy[1].intervals.total();
+        // Lookups and hits of the Zipf requests (the sweep looks nothing up).
+        rep.lookups = self.mgr.counters().lookups - counted_from.lookups;
+        rep.hits = self.mgr.counters().hits - counted_from.hits;
+        rep.store.seconds = self.busy[MIXED][0].intervals.total();
+        rep.load.seconds = self.busy[MIXED][1].intervals.total();
+        rep.prefill_store.seconds = self.busy[PREFILL][0].intervals.total();
+        rep.sweep_load.seconds = self.busy[SWEEP][1].intervals.total();
         Ok(())
     }
 
@@ -430,7 +472,7 @@ impl Work<'_> {
         let blocks = JobBlocks::single(gpu.clone(), slots);
         self.engine.store(id, &blocks)?;
         rep.stores += 1;
-        self.busy[0].start();
+        self.busy[self.stage][0].start();
         self.jobs.insert(id, Job { kind: Kind::Store, keys: stored, gpu, staging, table: Some(table), attempt: 0 });
         Ok(())
     }
@@ -446,7 +488,7 @@ impl Work<'_> {
             return Err(e.into());
         }
         rep.loads += 1;
-        self.busy[1].start();
+        self.busy[self.stage][1].start();
         self.jobs.insert(id, Job { kind: Kind::Load, keys, gpu, staging: Vec::new(), table: None, attempt });
         Ok(())
     }
@@ -461,7 +503,7 @@ impl Work<'_> {
         let Some(job) = self.jobs.remove(&r.id) else {
             return Err(RankError::Other(format!("job {} reported but not submitted", r.id)));
         };
-        self.busy[dir_slot(job.kind)].end();
+        self.busy[self.stage][dir_slot(job.kind)].end();
         debug_assert_eq!(
             r.direction,
             if job.kind == Kind::Store { Direction::DeviceToHost } else { Direction::HostToDevice }
@@ -477,7 +519,10 @@ impl Work<'_> {
         match job.kind {
             Kind::Store => {
                 if r.succeeded() {
-                    rep.store.bytes += r.bytes;
+                    match self.stage {
+                        PREFILL => rep.prefill_store.bytes += r.bytes,
+                        _ => rep.store.bytes += r.bytes,
+                    }
                     self.mgr.complete_store(&job.keys, true)?;
                     self.resident.extend(job.keys.iter().copied());
                 } else {
@@ -496,7 +541,10 @@ impl Work<'_> {
             }
             Kind::Load => {
                 if r.succeeded() {
-                    rep.load.bytes += r.bytes;
+                    match self.stage {
+                        SWEEP => rep.sweep_load.bytes += r.bytes,
+                        _ => rep.load.bytes += r.bytes,
+                    }
                     self.verifying += 1;
                     verifier.push(Loaded { keys: job.keys, gpu: job.gpu, job: job.attempt });
                 } else {
