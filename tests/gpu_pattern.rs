@@ -17,30 +17,12 @@
 //! ci/build-gpu-bin).
 
 use kvoffload::pattern;
-use kvoffload::runtime::cuda::CudaRuntime;
 use kvoffload::runtime::sim::SimRuntime;
 use kvoffload::runtime::{Code, DevicePtr, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_BYTES};
 
-/// Says on the real stderr (not captured by the test harness) that a test
-/// was skipped.
-fn skipped(test: &str, why: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
-}
-
-fn gpu(test: &str) -> Option<CudaRuntime> {
-    if !CudaRuntime::driver_present() {
-        skipped(test, "no CUDA driver on this machine");
-        return None;
-    }
-    match CudaRuntime::open(0) {
-        Ok(rt) => Some(rt),
-        Err(e) => {
-            skipped(test, &e.to_string());
-            None
-        }
-    }
-}
+#[path = "gpu_common/mod.rs"]
+mod gpu_common;
+use gpu_common::gpu;
 
 /// One table entry: `[address, key, first_word, bytes]`.
 type Entry = [u64; 4];

@@ -3,29 +3,11 @@
 
 use kvoffload::pin::{pin_all, NoPrefault};
 use kvoffload::protocol::{CapturePolicy, Coordinator, PinState};
-use kvoffload::runtime::cuda::CudaRuntime;
 use kvoffload::runtime::{CaptureMode, GpuRuntime};
 
-/// Says on the real stderr (not captured by the test harness) that a test
-/// was skipped.
-fn skipped(test: &str, why: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
-}
-
-fn gpu(test: &str) -> Option<CudaRuntime> {
-    if !CudaRuntime::driver_present() {
-        skipped(test, "no CUDA driver on this machine");
-        return None;
-    }
-    match CudaRuntime::open(0) {
-        Ok(rt) => Some(rt),
-        Err(e) => {
-            skipped(test, &e.to_string());
-            None
-        }
-    }
-}
+#[path = "gpu_common/mod.rs"]
+mod gpu_common;
+use gpu_common::gpu;
 
 #[test]
 fn gpu_copy_round_trip_and_graph_replay() {

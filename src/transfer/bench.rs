@@ -148,6 +148,29 @@ pub struct BenchRow {
     pub other: Option<BackendChoice>,
 }
 
+impl BenchRow {
+    /// A row not yet run: `other` is the backend choice of the job of the
+    /// other direction running at the same time, if any.
+    fn new(size: usize, direction: Direction, choice: BackendChoice, other: Option<BackendChoice>) -> Self {
+        BenchRow {
+            size,
+            direction,
+            choice,
+            used: None,
+            fragments: 0,
+            bytes: 0,
+            best_seconds: f64::INFINITY,
+            submit_seconds: 0.0,
+            gbps: 0.0,
+            ratio: None,
+            verified: true,
+            error: None,
+            concurrent: other.is_some(),
+            other,
+        }
+    }
+}
+
 /// Everything a bench run measured.
 #[derive(Clone, Debug)]
 pub struct BenchReport {
@@ -327,22 +350,7 @@ pub fn run_bench(
                 let engine =
                     unsafe { TransferEngine::new(rt.clone(), b.coord.clone(), layout.clone(), b.compute, opts) }
                         .map_err(|e| e.to_string())?;
-                let mut row = BenchRow {
-                    size,
-                    direction: dir,
-                    choice,
-                    used: None,
-                    fragments: 0,
-                    bytes: 0,
-                    best_seconds: f64::INFINITY,
-                    submit_seconds: 0.0,
-                    gbps: 0.0,
-                    ratio: None,
-                    verified: true,
-                    error: None,
-                    concurrent: false,
-                    other: None,
-                };
+                let mut row = BenchRow::new(size, dir, choice, None);
                 for _ in 0..cfg.repeats {
                     if let Err(e) = prepare(&mut b, dir, size, n) {
                         row.verified = false;
@@ -424,23 +432,10 @@ fn both_ways(
             .map_err(|e| e.to_string())
     };
     let engines = [make(pair.0)?, make(pair.1)?];
-    let row = |direction, choice, other| BenchRow {
-        size,
-        direction,
-        choice,
-        used: None,
-        fragments: 0,
-        bytes: 0,
-        best_seconds: f64::INFINITY,
-        submit_seconds: 0.0,
-        gbps: 0.0,
-        ratio: None,
-        verified: true,
-        error: None,
-        concurrent: true,
-        other: Some(other),
-    };
-    let mut rows = [row(Direction::HostToDevice, pair.0, pair.1), row(Direction::DeviceToHost, pair.1, pair.0)];
+    let mut rows = [
+        BenchRow::new(size, Direction::HostToDevice, pair.0, Some(pair.1)),
+        BenchRow::new(size, Direction::DeviceToHost, pair.1, Some(pair.0)),
+    ];
     let fail = |rows: &mut [BenchRow; 2], e: String| {
         for r in rows.iter_mut() {
             r.verified = false;
