@@ -1,9 +1,12 @@
-//! The workload of one rank (step 5 and 6 of [`super::rank`]): requests
-//! that load their leading hits and store their misses through the block
-//! manager and the transfer engine, each stored block written by the
-//! pattern-fill kernel on the compute stream first, each loaded block
-//! checked on the GPU by the verifier thread ([`super::verify`]); then the
-//! sweep, which loads and checks every block the manager still holds.
+//! The workload of one rank (step 5 and 6 of [`super::rank`]): an optional
+//! prefill (stores of keys 0.. in order: stores alone), then requests that
+//! load their leading hits and store their misses through the block manager
+//! and the transfer engine (both directions at once), each stored block
+//! written by the pattern-fill kernel on the compute stream first, each
+//! loaded block checked on the GPU by the verifier thread
+//! ([`super::verify`]); then the sweep, which loads and checks every block
+//! the manager still holds (loads alone). Each stage's busy time is kept
+//! apart, so each direction's rate alone and both ways at once are reported.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::Instant;
