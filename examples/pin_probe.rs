@@ -6,7 +6,8 @@
 //!
 //! For each kind of memory (anonymous with 4 KiB pages or transparent huge
 //! pages; one /dev/shm file; several files side by side or interleaved in
-//! segments, to spread the page-cache work over inodes; files pre-allocated
+//! segments, to spread the page-cache work over inodes; a memfd, with and
+//! without MFD_HUGETLB (which needs reserved hugetlb pages); files pre-allocated
 //! with fallocate; MADV_POPULATE_READ instead of WRITE; other registration
 //! call sizes; and a few runs on memory the VM has had time to hand back to
 //! its host, "COLD") it maps the size and times apart:
@@ -243,6 +244,8 @@ fn main() {
         c("shm T files, 2 MiB segments", Box::new(move || map_files(len, t, 2 * mib, None))),
         c("shm T files, 16 MiB segments", Box::new(move || map_files(len, t, 16 * mib, None))),
         c("shm 4T files, 16 MiB segments", Box::new(move || map_files(len, 4 * t, 16 * mib, None))),
+        c("memfd", Box::new(move || map_files(len, 1, len, Some(0)))),
+        c("memfd MFD_HUGETLB", Box::new(move || map_files(len, 1, len, Some(libc::MFD_HUGETLB)))),
         Case {
             fallocate: true,
             ..c("shm T files side by side, fallocate", Box::new(move || map_files(len, t, len / t, None)))
