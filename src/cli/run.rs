@@ -458,7 +458,7 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
     );
     if finished > 1 {
         let union = |k: &str| busy.get(k).map_or(0.0, Intervals::union);
-        let gbps = |bytes: u64, k: &str| rate(bytes, if union(k) > 0.0 { bytes as f64 / union(k) / 1e9 } else { 0.0 });
+        let gbps = |bytes: u64, k: &str| rate(bytes, Throughput { bytes, seconds: union(k) }.gbps());
         println!(
             "all ranks together (every rank's bytes / time with a job of that kind in flight on any rank): \
              requests: store {}, load {} ({:.3} s, {:.3} s); stores alone {}, loads alone {}",

@@ -98,7 +98,6 @@ struct Work<'a> {
     /// The stage jobs are issued in now (stages change only when idle).
     stage: usize,
     latencies: Vec<f64>,
-    sweep: bool,
     retry: Vec<Job>,
 }
 
@@ -204,7 +203,6 @@ pub(super) fn workload(
         busy: Default::default(),
         latencies: Vec::new(),
         stage: PREFILL,
-        sweep: false,
         retry: Vec::new(),
     };
     let r = w.run(rep, &verifier, rearm, pause_at);
@@ -282,7 +280,7 @@ impl Work<'_> {
                     let keys: Vec<BlockKey> = (prefilled..prefilled + n).map(|k| BlockKey::new(k as u64, 0)).collect();
                     self.request(&keys, rep, rearm)?;
                     prefilled += n;
-                } else if !self.sweep && issued < cfg.jobs {
+                } else if !self.sweeping() && issued < cfg.jobs {
                     let start = zipf.sample(&mut rng);
                     let keys: Vec<BlockKey> =
                         (0..cfg.blocks_per_job).map(|i| BlockKey::new(((start + i) % cfg.keys) as u64, 0)).collect();
@@ -320,16 +318,15 @@ impl Work<'_> {
             }
             if idle
                 && self.retry.is_empty()
-                && ((self.sweep && sweep.is_empty()) || (!self.sweep && issued >= cfg.jobs))
+                && ((self.sweeping() && sweep.is_empty()) || (!self.sweeping() && issued >= cfg.jobs))
             {
-                if self.sweep {
+                if self.sweeping() {
                     break;
                 }
                 // 6. The sweep: every block still held must load with its pattern.
                 rep.workload_seconds = t0.elapsed().as_secs_f64();
                 progress(self.rank, "workload", issued, cfg.jobs);
                 phase(self.rank, "verify");
-                self.sweep = true;
                 self.stage = SWEEP;
                 sweep = self.sweep_batches(rep);
                 continue;
@@ -399,6 +396,11 @@ impl Work<'_> {
             rep.blocks_lost += self.mgr.len().abs_diff(ok.len()) as u64;
         }
         ok.chunks(self.cfg.blocks_per_job).map(|c| c.to_vec()).collect()
+    }
+
+    /// True in the final sweep (loads alone).
+    fn sweeping(&self) -> bool {
+        self.stage == SWEEP
     }
 
     fn id(&mut self) -> JobId {
@@ -515,7 +517,7 @@ impl Work<'_> {
             self.latencies.push(r.seconds);
         } else {
             rep.jobs_failed += 1;
-            if !self.sweep {
+            if !self.sweeping() {
                 rearm(self.rt.as_ref());
             }
         }
@@ -570,7 +572,7 @@ impl Work<'_> {
         rep.loads_failed += 1;
         self.mgr.complete_load(&keys)?;
         self.free_gpu.extend(gpu);
-        if self.sweep {
+        if self.sweeping() {
             if attempt + 1 >= 3 {
                 tracing::error!(rank = self.rank, keys = keys.len(), "sweep load failed three times");
                 rep.blocks_lost += keys.len() as u64;
@@ -601,7 +603,7 @@ impl Work<'_> {
             Outcome::Checked { verified, corrupted } => {
                 rep.blocks_verified += verified;
                 rep.blocks_corrupted += corrupted;
-                if self.sweep {
+                if self.sweeping() {
                     rep.sweep_blocks += verified + corrupted;
                 }
                 self.mgr.complete_load(&keys)?;
@@ -611,7 +613,7 @@ impl Work<'_> {
             Outcome::NotChecked(e) => {
                 tracing::warn!(rank = self.rank, error = %e, "a loaded job could not be checked; it counts as a failed load");
                 rep.jobs_failed += 1;
-                if !self.sweep {
+                if !self.sweeping() {
                     rearm(self.rt.as_ref());
                 }
                 self.load_failed(keys, gpu, attempt, rep)
