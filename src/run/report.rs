@@ -167,18 +167,9 @@ impl RankReport {
 
     /// `KVO-LAT` lines carrying the latency samples, at most `per_line` a line.
     pub fn latency_lines(&self, samples: &[f64], per_line: usize) -> Vec<String> {
-        samples
-            .chunks(per_line.max(1))
-            .map(|c| {
-                let mut s = format!("{LATENCY} rank={}", self.rank);
-                let mut sep = ' ';
-                for v in c {
-                    let _ = write!(s, "{sep}{:.1}", v * 1e6);
-                    sep = ',';
-                }
-                s
-            })
-            .collect()
+        list_lines(&format!("{LATENCY} rank={}", self.rank), samples, per_line, |s, v| {
+            let _ = write!(s, "{:.1}", v * 1e6);
+        })
     }
 
     /// Hit rate of lookups (0 when there were none).
@@ -221,15 +212,21 @@ pub fn parse_latency_line(line: &str, into: &mut Latencies) -> Result<usize, Str
 /// `KVO-BUSY` lines carrying `intervals` of direction `dir`, at most
 /// `per_line` a line.
 pub fn busy_lines(rank: usize, dir: &str, intervals: &Intervals, per_line: usize) -> Vec<String> {
-    intervals
-        .0
+    list_lines(&format!("{BUSY} rank={rank} dir={dir}"), &intervals.0, per_line, |s, (a, b)| {
+        let _ = write!(s, "{a:.6}-{b:.6}");
+    })
+}
+
+/// Lines of `head` followed by a space and at most `per_line` items, comma
+/// separated, each written by `put`.
+fn list_lines<T>(head: &str, items: &[T], per_line: usize, put: impl Fn(&mut String, &T)) -> Vec<String> {
+    items
         .chunks(per_line.max(1))
         .map(|c| {
-            let mut s = format!("{BUSY} rank={rank} dir={dir}");
-            let mut sep = ' ';
-            for (a, b) in c {
-                let _ = write!(s, "{sep}{a:.6}-{b:.6}");
-                sep = ',';
+            let mut s = head.to_string();
+            for (i, v) in c.iter().enumerate() {
+                s.push(if i == 0 { ' ' } else { ',' });
+                put(&mut s, v);
             }
             s
         })
