@@ -14,21 +14,15 @@
 //! - [`manager`]: block states, reference counts and eviction.
 //! - [`transfer`]: store and load jobs between GPU blocks and host blocks,
 //!   with per-fragment, batched and gather-kernel copy backends.
-//! - [`pattern`]: checkable block contents, a function of a key.
-//! - [`conform`]: the conformance scenarios that re-measure the driver rules.
-//! - [`run`]: `kvoffload run`, the main job end to end over every layer.
+//!
+//! The tools (the `run` job, conformance, the incident, the benchmarks and
+//! the CLI) live in the binary crate, `src/bin/kvoffload/`, and use this
+//! crate's public API like any engine.
 
-#[cfg(not(loom))]
-pub mod conform;
-#[cfg(not(loom))]
-pub mod incident;
 pub mod manager;
-pub mod pattern;
 pub mod pin;
 pub mod protocol;
 pub mod region;
-#[cfg(not(loom))]
-pub mod run;
 pub mod runtime;
 pub mod sync;
 pub mod transfer;

@@ -10,10 +10,9 @@
 //! [`ManagerError`], never a panic or a silent change.
 //!
 //! Events ([`ManagerEvent`]) go to `tracing` at debug level and to
-//! [`ManagerCounters`]; [`bench`](mod@bench) compares the policies' hit rates.
+//! [`ManagerCounters`]; `kvoffload bench manager` compares the policies' hit rates.
 
 mod batch;
-pub mod bench;
 mod block_manager;
 mod config;
 mod error;

@@ -9,10 +9,8 @@
 //!   after chunk while the pre-faulter makes the next one resident; any
 //!   failure unregisters what was registered, last first, and leaves the
 //!   region pageable with a typed [`PageableReason`](crate::protocol::PageableReason).
-//! - `bench` (not under loom): `kvoffload bench pin`.
+//! - `kvoffload bench pin` (the binary crate) measures it.
 
-#[cfg(not(loom))]
-pub mod bench;
 mod engine;
 pub mod memlock;
 pub mod options;

@@ -13,10 +13,10 @@ use super::prefault::{PrefaultConfig, Prefaulter};
 /// Everything pinning a region needs, made by [`Prepared::new`]: the
 /// coordinator with the region's row-aligned chunks, and the pre-faulter.
 ///
-/// The region must outlive pinning, as for every use of the coordinator:
-/// keep it mapped until pinning is final ([`PinState::is_final`]; the
-/// pre-faulter has stopped by then) and every chunk is unregistered again
-/// ([`Coordinator::unregister_all`]).
+/// The coordinator holds the region (an `Arc`) for as long as it or any of
+/// its guards live, and never lets it go while a chunk is still registered
+/// (it leaks it then), so nothing can unmap the region under a registration,
+/// a pre-faulting thread or a transfer.
 pub struct Prepared {
     coord: Arc<Coordinator>,
     prefaulter: Option<Arc<Prefaulter>>,
@@ -49,7 +49,7 @@ impl Prepared {
     /// options, [`PinError::Region`] with
     /// [`RegionError::ChunkBoundBelowRow`](crate::region::RegionError::ChunkBoundBelowRow)
     /// when the bound is below one row.
-    pub fn new(region: &Region, opts: &PinOptions) -> Result<Prepared, PinError> {
+    pub fn new(region: &Arc<Region>, opts: &PinOptions) -> Result<Prepared, PinError> {
         opts.validate()?;
         let spans = region.layout().row_aligned_chunks(opts.max_chunk_bytes)?;
         let mut chunks = Vec::with_capacity(spans.len());
@@ -78,15 +78,18 @@ impl Prepared {
             mode => {
                 let cfg = PrefaultConfig { threads: opts.threads, mode, huge_pages };
                 // SAFETY: the pre-faulter only ever gets this region's chunks
-                // (the coordinator's ranges, from `pin_all`); the region
-                // outlives pinning (this type's contract, the coordinator's
-                // own rule), and `pin_all` settles the pre-faulter before it
-                // publishes a final state, so no slice runs once the region
-                // may be unmapped. The region's memory is read-write.
+                // (the coordinator's ranges, from `pin_all`, which holds the
+                // coordinator, which holds the region); `pin_all` settles the
+                // pre-faulter before it publishes a final state, so no slice
+                // runs once pinning is over. The region's memory is
+                // read-write.
                 Some(Arc::new(unsafe { Prefaulter::new(cfg) }))
             }
         };
-        let coord = Coordinator::new(opts.policy, &chunks);
+        let keep: crate::protocol::KeepAlive = Box::new(region.clone());
+        // SAFETY: the chunks are rows of `region`'s mapping (read-write),
+        // which stays mapped while the coordinator holds `keep`.
+        let coord = unsafe { Coordinator::new(opts.policy, &chunks, Some(keep)) };
         tracing::info!(
             chunks = chunks.len(),
             bytes,
@@ -162,8 +165,8 @@ impl Prepared {
     }
 }
 
-/// [`Prepared::new`], returning the coordinator and the pre-faulter. The
-/// region must outlive pinning (see [`Prepared`]).
-pub fn prepare(region: &Region, opts: &PinOptions) -> Result<(Arc<Coordinator>, Arc<dyn Prefault>), PinError> {
+/// [`Prepared::new`], returning the coordinator (which holds the region)
+/// and the pre-faulter.
+pub fn prepare(region: &Arc<Region>, opts: &PinOptions) -> Result<(Arc<Coordinator>, Arc<dyn Prefault>), PinError> {
     Ok(Prepared::new(region, opts)?.into_parts())
 }

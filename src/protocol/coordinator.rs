@@ -23,7 +23,7 @@
 //! - Waiting for pinning inside one's own window under Interleave is a
 //!   typed error, not a deadlock (P6).
 
-use crate::runtime::{DevicePtr, DriverError, GpuRuntime};
+use crate::runtime::{DevicePtr, DriverError, Gate, GpuRuntime};
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 
 use super::error::{PinState, ProtocolError};
@@ -151,10 +151,31 @@ pub struct Coordinator {
     shared: Arc<Shared>,
 }
 
+/// What keeps the chunks' memory mapped (for a region, the region itself).
+pub type KeepAlive = Box<dyn std::any::Any + Send + Sync>;
+
 /// The lock and condition variable; guards keep their own reference.
 struct Shared {
     state: Mutex<State>,
     cv: Condvar,
+    /// Dropped with the last reference to the coordinator or its guards,
+    /// unless a chunk is still registered then (see `Drop`).
+    keep_alive: Option<KeepAlive>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let registered = self.lock().chunks.iter().filter(|c| c.reg != ChunkReg::Unregistered).count();
+        if registered > 0 {
+            if let Some(k) = self.keep_alive.take() {
+                // The driver still holds registrations of this memory:
+                // unmapping it under them is what the coordinator's contract
+                // forbids, so the memory stays mapped (leaked) instead.
+                tracing::error!(registered, "coordinator dropped with chunks still registered (no shutdown?); leaking the memory so it stays mapped");
+                std::mem::forget(k);
+            }
+        }
+    }
 }
 
 impl Shared {
@@ -252,9 +273,31 @@ fn me() -> thread::ThreadId {
 }
 
 impl Coordinator {
+    /// A coordinator with no host memory to register: capture windows, the
+    /// gate for capture-unsafe calls, jobs and shutdown, nothing to pin (its
+    /// pin state starts `Pending`; [`Coordinator::pin_begin`] on no chunks
+    /// pins nothing). For tools and tests that need the gate alone.
+    pub fn without_region(policy: CapturePolicy) -> Arc<Self> {
+        // SAFETY: no chunks, so nothing is ever registered.
+        unsafe { Self::new(policy, &[], None) }
+    }
+
     /// A coordinator for a region cut into `chunks` (address, length) pieces,
     /// the units of registration.
-    pub fn new(policy: CapturePolicy, chunks: &[(usize, usize)]) -> Arc<Self> {
+    ///
+    /// `keep_alive` (for example an `Arc` of the region the chunks lie in)
+    /// is held until the coordinator and every guard it handed out are
+    /// gone, and is leaked (never dropped) if a chunk is still registered
+    /// then.
+    ///
+    /// # Safety
+    /// Every chunk is a live mapping of readable and writable host memory
+    /// that stays mapped while the coordinator may register it: for as long
+    /// as `keep_alive` lives, or, with `None`, until every chunk is
+    /// unregistered again (after [`Coordinator::unregister_all`], or a
+    /// shutdown, returned `Ok`). [`crate::pin::Prepared`] makes its
+    /// coordinator with the region as `keep_alive`; use it rather than this.
+    pub unsafe fn new(policy: CapturePolicy, chunks: &[(usize, usize)], keep_alive: Option<KeepAlive>) -> Arc<Self> {
         Arc::new(Coordinator {
             shared: Arc::new(Shared {
                 state: Mutex::new(State {
@@ -278,6 +321,7 @@ impl Coordinator {
                         .collect(),
                 }),
                 cv: Condvar::new(),
+                keep_alive,
             }),
         })
     }
@@ -344,9 +388,14 @@ impl Coordinator {
 
     // ---- capture-unsafe library calls ----
 
-    /// Runs `f`, a capture-unsafe driver call of a library thread, at a
-    /// moment no capture window is open; windows wait for it to return.
-    pub fn unsafe_call<T>(&self, what: &'static str, f: impl FnOnce() -> T) -> Result<T, ProtocolError> {
+    /// Runs `f`, a capture-unsafe driver call, at a moment no capture window
+    /// is open; windows wait for it to return. `f` gets the [`Gate`] that
+    /// capture-unsafe operations of the runtime require: this (and
+    /// [`Coordinator::try_unsafe_call`]) is the only place one is made.
+    ///
+    /// Refused with [`ProtocolError::WouldDeadlock`] inside the caller's own
+    /// window (it would wait for itself).
+    pub fn unsafe_call<T>(&self, what: &'static str, f: impl FnOnce(&Gate) -> T) -> Result<T, ProtocolError> {
         let mut g = self.lock();
         if g.owns_window(me()) && g.variant != Variant::NoCaptureWindow {
             return Err(ProtocolError::WouldDeadlock { what });
@@ -360,10 +409,14 @@ impl Coordinator {
     }
 
     /// Runs `f` outside the lock, counted as a capture-unsafe call in flight.
-    fn counted<T>(&self, mut g: MutexGuard<'_, State>, f: impl FnOnce() -> T) -> T {
+    fn counted<T>(&self, mut g: MutexGuard<'_, State>, f: impl FnOnce(&Gate) -> T) -> T {
         g.unsafe_in_flight += 1;
         drop(g);
-        let out = f();
+        // The one place a gate is made: `unsafe_in_flight` counts this call,
+        // so no window opens until it returns (P1).
+        #[allow(clippy::disallowed_methods)]
+        let gate = Gate::new_inside_gate();
+        let out = f(&gate);
         self.shared.update(|g| {
             g.unsafe_in_flight -= 1;
             g.turn = Turn::Window;
@@ -373,7 +426,7 @@ impl Coordinator {
 
     /// Like [`Coordinator::unsafe_call`] but never waits: `WindowBusy` when
     /// a window is open or about to open (the poller tries again later).
-    pub fn try_unsafe_call<T>(&self, f: impl FnOnce() -> T) -> Result<T, ProtocolError> {
+    pub fn try_unsafe_call<T>(&self, f: impl FnOnce(&Gate) -> T) -> Result<T, ProtocolError> {
         let g = self.lock();
         let bypass = g.variant == Variant::UngatedPoller;
         if !bypass && (g.owns_window(me()) || !g.unsafe_may_start()) {
@@ -448,16 +501,15 @@ impl Coordinator {
     /// capture-unsafe call.
     pub fn register_chunk(&self, rt: &dyn GpuRuntime, i: usize) -> Result<Result<(), DriverError>, ProtocolError> {
         let (addr, len) = self.chunk_range(i);
-        let r = self.unsafe_call("registering a chunk", || {
-            // SAFETY: chunks describe the region's mapping, which outlives
-            // the coordinator's registrations: the offloader unregisters
-            // every chunk before it unmaps.
-            unsafe { rt.host_register(addr, len) }?;
+        let r = self.unsafe_call("registering a chunk", |gate| {
+            // SAFETY: chunks are live mappings that stay mapped while they
+            // may be registered (the contract of `Coordinator::new`).
+            unsafe { rt.host_register(gate, addr, len) }?;
             match rt.host_device_ptr(addr) {
                 Ok(alias) => Ok(alias),
                 Err(e) => {
                     // Keep all-or-nothing per chunk: undo this registration.
-                    if let Err(u) = rt.host_unregister(addr) {
+                    if let Err(u) = rt.host_unregister(gate, addr) {
                         tracing::warn!(error = %u, "unregister after a failed alias lookup failed too");
                     }
                     Err(e)
@@ -493,7 +545,7 @@ impl Coordinator {
             }
             g.chunks[i].addr
         };
-        let r = self.unsafe_call("unregistering a chunk", || rt.host_unregister(addr))?;
+        let r = self.unsafe_call("unregistering a chunk", |gate| rt.host_unregister(gate, addr))?;
         let mut g = self.lock();
         if r.is_ok() {
             g.chunks[i].reg = ChunkReg::Unregistered;

@@ -8,19 +8,77 @@
 //!   loom explores and the default where no GPU exists.
 //!
 //! Every operation returns a [`DriverResult`]: the crate never ignores a
-//! driver return code. Operations a FACTS.md row calls *capture-unsafe*
-//! (they fail with 900 and invalidate a GLOBAL capture when made from a
-//! thread in default mode) are marked so in their docs; library threads must
-//! not make them while an engine may be capturing, unless they switched
-//! themselves to [`CaptureMode::Relaxed`] and the row says relaxed is safe.
+//! driver return code.
+//!
+//! # The capture rule, as a type
+//!
+//! A driver call is *capture-unsafe* when, made by one thread while another
+//! thread has a GLOBAL stream capture open, it fails with 900 and
+//! invalidates that capture. Every such operation of [`GpuRuntime`] takes a
+//! [`Gate`]: proof that the call runs inside the coordinator's gate
+//! ([`crate::protocol::Coordinator::unsafe_call`]), which never lets it
+//! overlap a capture window. Nothing outside the coordinator can make a
+//! `Gate`, so a capture-unsafe call made anywhere else does not compile:
+//!
+//! ```compile_fail
+//! use kvoffload::runtime::{sim::SimRuntime, GpuRuntime};
+//! let rt = SimRuntime::new();
+//! // error: no `Gate` to pass, and none can be made here.
+//! let p = rt.mem_alloc(1 << 20);
+//! ```
+//!
+//! ```compile_fail
+//! // error: `Gate`'s constructor is private to the crate.
+//! let g = kvoffload::runtime::Gate::new_inside_gate();
+//! ```
+//!
+//! The gated operations, each with the measurement that makes it unsafe
+//! (FACTS.md section 1 rows; "cell" names a conformance scenario of
+//! `kvoffload conform`, measured on an H200 and committed in
+//! docs/conformance-h200.md): `host_register` and `host_unregister` (rows
+//! "cuMemHostRegister", "cuMemHostUnregister"), `mem_alloc` and
+//! `mem_alloc_host` (rows "cuMemAlloc", "cuMemAllocHost"), `mem_free` and
+//! `mem_free_host` (cells `mem_free`, `mem_free_host`), `stream_synchronize`
+//! (row "cuStreamSynchronize(other stream)"), `ctx_synchronize` (row
+//! "cuCtxSynchronize", unsafe even relaxed), `event_query` and
+//! `event_synchronize` (cells `event_query`, `event_sync`).
+//!
+//! # Operations made without the gate
+//!
+//! Every other operation takes no gate. Each one a library thread makes was
+//! measured safe during another thread's GLOBAL capture, in default and in
+//! relaxed mode (the call returned success and the capture ended with a
+//! working graph):
+//!
+//! | operation | measured by |
+//! |---|---|
+//! | `copy_htod_async` | FACTS 1 rows "cuMemcpyHtoDAsync on another stream, pinned src" and "pageable src" |
+//! | `copy_htod` | FACTS 1 row "synchronous cuMemcpyHtoD, pinned src" |
+//! | `copy_dtoh_async` | cell `copy_dtoh_async_pinned` |
+//! | `copy_dtoh` | cell `copy_sync_dtoh_pinned` |
+//! | `copy_batch_async` (on a stream that does not capture) | cell `copy_batch_pinned` |
+//! | `memset_d8_async` | cell `memset_async` |
+//! | `launch` | cell `launch` |
+//! | `event_create`, `event_destroy`, `event_record` | cells `event_create`, `event_destroy`, `event_record` |
+//! | `stream_create`, `stream_destroy` | cells `stream_create`, `stream_destroy` |
+//! | `stream_wait_event` (neither stream capturing) | cell `stream_wait_event` |
+//! | `host_device_ptr` | cell `host_device_ptr` |
+//! | `capture_status` | cell `capture_status_other` |
+//!
+//! The capture operations themselves (`begin_capture`, `end_capture`,
+//! `exchange_capture_mode`) and graphs (`graph_launch`, `graph_destroy`)
+//! belong to the thread that captures; no library thread makes them.
 
 #[cfg(not(loom))]
 pub mod cuda;
 mod error;
+mod gate;
+pub mod pattern;
 pub mod sim;
 mod types;
 
 pub use error::{Code, DriverError, DriverResult, OpenError};
+pub use gate::Gate;
 pub use types::{
     CaptureMode, CaptureStatus, DevicePtr, Direction, Event, Fragment, Graph, Kernel, Stream, GATHER_ENTRY_BYTES,
     GATHER_ENTRY_WORDS, PATTERN_ENTRY_BYTES, PATTERN_ENTRY_WORDS,
@@ -39,9 +97,10 @@ pub fn shared<T: GpuRuntime + 'static>(rt: T) -> crate::sync::Arc<dyn GpuRuntime
 /// The driver operations the offload code needs.
 ///
 /// Host memory is passed as plain addresses. Operations that read or write
-/// host memory asynchronously are `unsafe`: the caller promises the memory
-/// stays mapped (and, for registration, is not unmapped while registered)
-/// until the operation has completed on the device.
+/// memory asynchronously are `unsafe`: the caller promises the memory stays
+/// mapped or allocated (and, for registration, is not unmapped while
+/// registered) until the operation has completed on the device.
+/// Capture-unsafe operations take a [`Gate`] (see the module docs).
 pub trait GpuRuntime: Send + Sync {
     /// `"sim"` or `"cuda"`.
     fn backend(&self) -> &'static str;
@@ -58,33 +117,33 @@ pub trait GpuRuntime: Send + Sync {
     /// # Safety
     /// `[addr, addr+len)` is a live mapping that stays mapped until it is
     /// unregistered.
-    unsafe fn host_register(&self, addr: usize, len: usize) -> DriverResult<()>;
+    unsafe fn host_register(&self, gate: &Gate, addr: usize, len: usize) -> DriverResult<()>;
     /// `cuMemHostUnregister` of a range registered at `addr`. Waits for the
     /// device to go idle. Capture-unsafe (FACTS 1, row "cuMemHostUnregister").
-    fn host_unregister(&self, addr: usize) -> DriverResult<()>;
+    fn host_unregister(&self, gate: &Gate, addr: usize) -> DriverResult<()>;
     /// `cuMemHostGetDevicePointer`: the device's alias of registered host
     /// memory (fails with INVALID_VALUE for memory that is not registered).
     fn host_device_ptr(&self, addr: usize) -> DriverResult<DevicePtr>;
 
     /// `cuMemAlloc`. Capture-unsafe (FACTS 1, row "cuMemAlloc").
-    fn mem_alloc(&self, bytes: usize) -> DriverResult<DevicePtr>;
-    /// `cuMemFree`.
-    fn mem_free(&self, ptr: DevicePtr) -> DriverResult<()>;
+    fn mem_alloc(&self, gate: &Gate, bytes: usize) -> DriverResult<DevicePtr>;
+    /// `cuMemFree`. Capture-unsafe (cell `mem_free`).
+    fn mem_free(&self, gate: &Gate, ptr: DevicePtr) -> DriverResult<()>;
     /// `cuMemAllocHost` (page-locked host allocation). Capture-unsafe
     /// (FACTS 1, row "cuMemAllocHost").
-    fn mem_alloc_host(&self, bytes: usize) -> DriverResult<usize>;
-    /// `cuMemFreeHost`.
-    fn mem_free_host(&self, addr: usize) -> DriverResult<()>;
+    fn mem_alloc_host(&self, gate: &Gate, bytes: usize) -> DriverResult<usize>;
+    /// `cuMemFreeHost`. Capture-unsafe (cell `mem_free_host`).
+    fn mem_free_host(&self, gate: &Gate, addr: usize) -> DriverResult<()>;
 
     /// `cuStreamCreate` (non-blocking).
     fn stream_create(&self) -> DriverResult<Stream>;
     /// `cuStreamDestroy`.
     fn stream_destroy(&self, stream: Stream) -> DriverResult<()>;
     /// `cuStreamSynchronize`. Capture-unsafe (FACTS 1, row "cuStreamSynchronize").
-    fn stream_synchronize(&self, stream: Stream) -> DriverResult<()>;
+    fn stream_synchronize(&self, gate: &Gate, stream: Stream) -> DriverResult<()>;
     /// `cuCtxSynchronize`. Capture-unsafe even in relaxed mode (FACTS 1, row
     /// "cuCtxSynchronize").
-    fn ctx_synchronize(&self) -> DriverResult<()>;
+    fn ctx_synchronize(&self, gate: &Gate) -> DriverResult<()>;
     /// `cuStreamWaitEvent`: later work on `stream` waits for `event`.
     fn stream_wait_event(&self, stream: Stream, event: Event) -> DriverResult<()>;
 
@@ -117,9 +176,20 @@ pub trait GpuRuntime: Send + Sync {
     /// As for the single async copies, for every fragment.
     unsafe fn copy_batch_async(&self, dir: Direction, fragments: &[Fragment], stream: Stream) -> DriverResult<()>;
     /// `cuMemsetD8Async`.
-    fn memset_d8_async(&self, dst: DevicePtr, value: u8, bytes: usize, stream: Stream) -> DriverResult<()>;
+    ///
+    /// # Safety
+    /// `[dst, dst+bytes)` is device memory of this runtime (or the alias of
+    /// registered host memory) that stays allocated, and is not otherwise
+    /// accessed, until the memset completes on the stream.
+    unsafe fn memset_d8_async(&self, dst: DevicePtr, value: u8, bytes: usize, stream: Stream) -> DriverResult<()>;
     /// `cuLaunchKernel` of one of the crate's kernels.
-    fn launch(&self, kernel: Kernel, stream: Stream) -> DriverResult<()>;
+    ///
+    /// # Safety
+    /// Every address the kernel reads or writes (its table and what the
+    /// table's entries name, see [`Kernel`]) stays valid, and what it writes
+    /// is not otherwise accessed, until the kernel completes on the stream;
+    /// host memory it reaches is registered for as long.
+    unsafe fn launch(&self, kernel: Kernel, stream: Stream) -> DriverResult<()>;
 
     /// `cuEventCreate` (timing disabled).
     fn event_create(&self) -> DriverResult<Event>;
@@ -129,10 +199,11 @@ pub trait GpuRuntime: Send + Sync {
     /// `stream` before it does.
     fn event_record(&self, event: Event, stream: Stream) -> DriverResult<()>;
     /// `cuEventQuery`: `Ok(true)` when complete, `Ok(false)` for NOT_READY.
-    /// Capture-unsafe (FACTS 1, row "cuEventRecord + cuEventQuery").
-    fn event_query(&self, event: Event) -> DriverResult<bool>;
-    /// `cuEventSynchronize`. Capture-unsafe (same row as the query).
-    fn event_synchronize(&self, event: Event) -> DriverResult<()>;
+    /// Capture-unsafe (cell `event_query`; FACTS 1, row "cuEventRecord +
+    /// cuEventQuery").
+    fn event_query(&self, gate: &Gate, event: Event) -> DriverResult<bool>;
+    /// `cuEventSynchronize`. Capture-unsafe (cell `event_sync`).
+    fn event_synchronize(&self, gate: &Gate, event: Event) -> DriverResult<()>;
 
     /// `cuStreamBeginCapture`. Blocks while another thread's registration is
     /// running (FACTS 1, ordering effects).

@@ -97,12 +97,12 @@ pub enum Kernel {
     /// a byte loop otherwise. Reading host memory that is not registered is
     /// a device fault (ILLEGAL_ADDRESS, sticky).
     Gather { table: DevicePtr, count: u32 },
-    /// Writes checkable data ([`crate::pattern`]) for workloads and tests.
+    /// Writes checkable data ([`crate::runtime::pattern`]) for workloads and tests.
     /// The table at `table` (device memory, 8-byte aligned, in place when
     /// the kernel runs: upload it on the same stream first) holds `count` entries of [`PATTERN_ENTRY_WORDS`]
     /// native `u64` words, `[dst, key, first_word, bytes]`: entry `i` writes
     /// words `first_word, first_word + 1, ...` of the contents of `key`
-    /// (`crate::pattern::fill_from`) to `bytes` bytes at `dst` (device memory
+    /// (`crate::runtime::pattern::fill_from`) to `bytes` bytes at `dst` (device memory
     /// or the alias of registered host memory).
     ///
     /// Any `dst` and any `bytes` are allowed: a last piece shorter than 8

@@ -160,7 +160,11 @@ pub(crate) unsafe fn gather(rt: &dyn GpuRuntime, table: GatherTable, staging: &[
         // SAFETY: `piece` lives until the job completes (caller's contract),
         // and `table` holds `table.entries` entries, at least this piece.
         unsafe { rt.copy_htod_async(table.ptr, piece.as_ptr() as usize, piece.len() * 8, s) }?;
-        rt.launch(Kernel::Gather { table: table.ptr, count }, s)?;
+        // SAFETY: the table was just uploaded on `s` and stays in place
+        // until the next upload, which `s` orders after this kernel; every
+        // entry names valid device memory or registered host memory (the
+        // caller's contract).
+        unsafe { rt.launch(Kernel::Gather { table: table.ptr, count }, s) }?;
     }
     Ok(())
 }

@@ -244,7 +244,7 @@ impl TransferEngine {
             // The kernel counts fragments in u32 and strides by the grid size.
             let entries = entries.clamp(1, 1 << 31);
             let bytes = entries * GATHER_ENTRY_BYTES;
-            match coord.unsafe_call("allocating the gather descriptor table", || rt.mem_alloc(bytes)) {
+            match coord.unsafe_call("allocating the gather descriptor table", |gate| rt.mem_alloc(gate, bytes)) {
                 Ok(Ok(ptr)) => h.table = Some(GatherTable { ptr, entries }),
                 Ok(Err(e)) => {
                     release_handler(rt, coord, h);
@@ -257,7 +257,7 @@ impl TransferEngine {
             }
             let words = ring_entries.saturating_mul(GATHER_ENTRY_WORDS);
             if words > 0 {
-                match coord.unsafe_call("allocating the pinned staging ring", || rt.mem_alloc_host(words * 8)) {
+                match coord.unsafe_call("allocating the pinned staging ring", |gate| rt.mem_alloc_host(gate, words * 8)) {
                     Ok(Ok(addr)) => {
                         h.ring = Some((addr, words));
                         h.q = Mutex::new(Queue { ring: Ring::new(words), ..Queue::default() });
@@ -552,13 +552,13 @@ impl TransferEngine {
             let Some(head) = q.jobs.front() else { return true };
             let outcome = match head.done {
                 Completion::Immediate => Ok(()),
-                Completion::Event(ev) => match self.coord.try_unsafe_call(|| self.rt.event_query(ev)) {
+                Completion::Event(ev) => match self.coord.try_unsafe_call(|gate| self.rt.event_query(gate, ev)) {
                     Err(_) => return false,
                     Ok(Ok(true)) => Ok(()),
                     Ok(Ok(false)) => return true,
                     Ok(Err(e)) => Err(e),
                 },
-                Completion::Stream => match self.coord.try_unsafe_call(|| self.rt.stream_synchronize(h.stream)) {
+                Completion::Stream => match self.coord.try_unsafe_call(|gate| self.rt.stream_synchronize(gate, h.stream)) {
                     Err(_) => return false,
                     Ok(r) => r,
                 },
@@ -608,10 +608,10 @@ impl TransferEngine {
         let r = match done {
             Completion::Immediate => Ok(()),
             Completion::Event(ev) => {
-                self.coord.unsafe_call("waiting for a transfer", || self.rt.event_synchronize(ev))?
+                self.coord.unsafe_call("waiting for a transfer", |gate| self.rt.event_synchronize(gate, ev))?
             }
             Completion::Stream => {
-                self.coord.unsafe_call("waiting for a transfer", || self.rt.stream_synchronize(stream))?
+                self.coord.unsafe_call("waiting for a transfer", |gate| self.rt.stream_synchronize(gate, stream))?
             }
         };
         match error.or(r.err()) {
@@ -648,7 +648,7 @@ fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handler) {
     let mut jobs = q.jobs;
     let mut ring_in_use = false;
     if !jobs.is_empty() {
-        match coord.unsafe_call("dropping the transfer engine", || rt.stream_synchronize(h.stream)) {
+        match coord.unsafe_call("dropping the transfer engine", |gate| rt.stream_synchronize(gate, h.stream)) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "synchronizing a transfer stream at drop failed"),
             Err(e) => {
@@ -678,7 +678,7 @@ fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handler) {
         if ring_in_use {
             tracing::error!("pinned staging ring leaked (engine dropped with jobs in flight inside a capture window)");
         } else {
-            match coord.unsafe_call("freeing the pinned staging ring", || rt.mem_free_host(addr)) {
+            match coord.unsafe_call("freeing the pinned staging ring", |gate| rt.mem_free_host(gate, addr)) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::warn!(error = %e, "freeing the pinned staging ring failed"),
                 Err(e) => tracing::warn!(error = %e, "pinned staging ring leaked (dropped inside a capture window)"),
@@ -686,7 +686,7 @@ fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handler) {
         }
     }
     if let Some(t) = h.table {
-        match coord.unsafe_call("freeing the gather descriptor table", || rt.mem_free(t.ptr)) {
+        match coord.unsafe_call("freeing the gather descriptor table", |gate| rt.mem_free(gate, t.ptr)) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "freeing the gather descriptor table failed"),
             Err(e) => tracing::warn!(error = %e, "gather descriptor table leaked (dropped inside a capture window)"),

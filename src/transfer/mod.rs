@@ -8,7 +8,7 @@
 //! - [`backend`]: per-fragment async copies, batched copies and the gather
 //!   kernel; [`select`]: the automatic choice between them; `ring`: the
 //!   page-locked staging ring the gather tables are uploaded from.
-//! - [`mod@bench`] (normal builds): `kvoffload bench transfer`.
+//! - `kvoffload bench transfer` (the binary crate) measures it.
 //!
 //! Properties served (DESIGN.md): P3 (the gather kernel reads only host
 //! memory whose registration completed: aliases come only from
@@ -18,8 +18,6 @@
 //! through `try_unsafe_call`).
 
 pub mod backend;
-#[cfg(not(loom))]
-pub mod bench;
 mod chunks;
 pub mod engine;
 pub mod error;

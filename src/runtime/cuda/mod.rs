@@ -12,8 +12,8 @@ use std::ffi::c_void;
 use cudarc::driver::sys;
 
 use crate::runtime::{
-    CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, GpuRuntime,
-    Graph, Kernel, OpenError, Stream,
+    CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, Gate,
+    GpuRuntime, Graph, Kernel, OpenError, Stream,
 };
 use crate::sync::{self, Mutex};
 
@@ -304,14 +304,14 @@ impl GpuRuntime for CudaRuntime {
         )
     }
 
-    unsafe fn host_register(&self, addr: usize, len: usize) -> DriverResult<()> {
+    unsafe fn host_register(&self, _gate: &Gate, addr: usize, len: usize) -> DriverResult<()> {
         self.bind()?;
         // SAFETY: the caller guarantees `[addr, addr+len)` is a live mapping
         // that stays mapped while registered.
         check("cuMemHostRegister", unsafe { sys::cuMemHostRegister_v2(addr as *mut c_void, len, 0) })
     }
 
-    fn host_unregister(&self, addr: usize) -> DriverResult<()> {
+    fn host_unregister(&self, _gate: &Gate, addr: usize) -> DriverResult<()> {
         self.bind()?;
         // SAFETY: the driver checks `addr` against its registrations and
         // answers 713 for anything else; no memory is dereferenced here.
@@ -328,7 +328,7 @@ impl GpuRuntime for CudaRuntime {
         Ok(p)
     }
 
-    fn mem_alloc(&self, bytes: usize) -> DriverResult<DevicePtr> {
+    fn mem_alloc(&self, _gate: &Gate, bytes: usize) -> DriverResult<DevicePtr> {
         self.bind()?;
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer.
@@ -336,13 +336,13 @@ impl GpuRuntime for CudaRuntime {
         Ok(p)
     }
 
-    fn mem_free(&self, ptr: DevicePtr) -> DriverResult<()> {
+    fn mem_free(&self, _gate: &Gate, ptr: DevicePtr) -> DriverResult<()> {
         self.bind()?;
         // SAFETY: the driver validates `ptr` against its allocations.
         check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
     }
 
-    fn mem_alloc_host(&self, bytes: usize) -> DriverResult<usize> {
+    fn mem_alloc_host(&self, _gate: &Gate, bytes: usize) -> DriverResult<usize> {
         self.bind()?;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
@@ -350,7 +350,7 @@ impl GpuRuntime for CudaRuntime {
         Ok(p as usize)
     }
 
-    fn mem_free_host(&self, addr: usize) -> DriverResult<()> {
+    fn mem_free_host(&self, _gate: &Gate, addr: usize) -> DriverResult<()> {
         self.bind()?;
         // SAFETY: the driver validates `addr` against its host allocations.
         check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(addr as *mut c_void) })
@@ -374,13 +374,13 @@ impl GpuRuntime for CudaRuntime {
         Ok(())
     }
 
-    fn stream_synchronize(&self, stream: Stream) -> DriverResult<()> {
+    fn stream_synchronize(&self, _gate: &Gate, stream: Stream) -> DriverResult<()> {
         let s = self.stream_raw(stream, "cuStreamSynchronize")?;
         // SAFETY: live stream.
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(s) })
     }
 
-    fn ctx_synchronize(&self) -> DriverResult<()> {
+    fn ctx_synchronize(&self, _gate: &Gate) -> DriverResult<()> {
         self.bind()?;
         // SAFETY: no arguments; the context is current.
         check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
@@ -460,13 +460,13 @@ impl GpuRuntime for CudaRuntime {
         })
     }
 
-    fn memset_d8_async(&self, dst: DevicePtr, value: u8, bytes: usize, stream: Stream) -> DriverResult<()> {
+    unsafe fn memset_d8_async(&self, dst: DevicePtr, value: u8, bytes: usize, stream: Stream) -> DriverResult<()> {
         let s = self.stream_raw(stream, "cuMemsetD8Async")?;
         // SAFETY: the driver validates `dst`; live stream.
         check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(dst, value, bytes, s) })
     }
 
-    fn launch(&self, kernel: Kernel, stream: Stream) -> DriverResult<()> {
+    unsafe fn launch(&self, kernel: Kernel, stream: Stream) -> DriverResult<()> {
         let s = self.stream_raw(stream, "cuLaunchKernel")?;
         match kernel {
             Kernel::Spin { nanos } => {
@@ -580,7 +580,7 @@ impl GpuRuntime for CudaRuntime {
         check("cuEventRecord", unsafe { sys::cuEventRecord(e, s) })
     }
 
-    fn event_query(&self, event: Event) -> DriverResult<bool> {
+    fn event_query(&self, _gate: &Gate, event: Event) -> DriverResult<bool> {
         let e = self.event_raw(event, "cuEventQuery")?;
         // SAFETY: live event.
         match check("cuEventQuery", unsafe { sys::cuEventQuery(e) }) {
@@ -590,7 +590,7 @@ impl GpuRuntime for CudaRuntime {
         }
     }
 
-    fn event_synchronize(&self, event: Event) -> DriverResult<()> {
+    fn event_synchronize(&self, _gate: &Gate, event: Event) -> DriverResult<()> {
         let e = self.event_raw(event, "cuEventSynchronize")?;
         // SAFETY: live event.
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(e) })

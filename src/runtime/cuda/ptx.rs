@@ -119,7 +119,7 @@ pub(crate) const PATTERN_THREADS: u32 = 256;
 /// Most blocks one pattern launch uses; blocks stride over entries.
 pub(crate) const PATTERN_MAX_BLOCKS: u32 = 2048;
 
-/// splitmix64's finaliser on `%rd30` in place (`crate::pattern::mix`), with
+/// splitmix64's finaliser on `%rd30` in place (`crate::runtime::pattern::mix`), with
 /// `%rd31` as scratch and the constants in `%rd40`, `%rd41`, `%rd42`.
 macro_rules! ptx_mix {
     () => {
@@ -194,7 +194,7 @@ $L_word:
 /// `kvo_pattern_fill(u64 table, u32 count)`: entry `i` of the table at
 /// `table` (device memory; four u64 words at `table + 32 i`: destination,
 /// key, first word, byte count) gets words `first, first + 1, ...` of the
-/// contents of `key` (`crate::pattern::fill_from`): word `w` is
+/// contents of `key` (`crate::runtime::pattern::fill_from`): word `w` is
 /// `mix(mix(key) ^ (first + w))`, stored little-endian at `dst + 8 w`; a
 /// last piece shorter than 8 bytes gets the word's low bytes.
 ///

@@ -1,7 +1,7 @@
 //! The simulated device: one thread that executes stream work
 //! asynchronously, in order per stream, the way the GPU does.
 
-use crate::pattern;
+use crate::runtime::pattern;
 use crate::runtime::{Code, DevicePtr, GATHER_ENTRY_WORDS, PATTERN_ENTRY_WORDS};
 use crate::sync::{self, Arc};
 

@@ -26,8 +26,8 @@ pub use fault::{HoldPoint, SimFault};
 pub use state::Blocked;
 
 use crate::runtime::{
-    CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, GpuRuntime,
-    Graph, Kernel, Stream,
+    CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, Gate,
+    GpuRuntime, Graph, Kernel, Stream,
 };
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 
@@ -359,7 +359,7 @@ impl GpuRuntime for SimRuntime {
         Some(self)
     }
 
-    unsafe fn host_register(&self, addr: usize, len: usize) -> DriverResult<()> {
+    unsafe fn host_register(&self, _gate: &Gate, addr: usize, len: usize) -> DriverResult<()> {
         let r = (|| {
             let mut g = self.enter(None)?;
             if addr == 0 || len == 0 {
@@ -386,7 +386,7 @@ impl GpuRuntime for SimRuntime {
         traced("cuMemHostRegister", r)
     }
 
-    fn host_unregister(&self, addr: usize) -> DriverResult<()> {
+    fn host_unregister(&self, _gate: &Gate, addr: usize) -> DriverResult<()> {
         let r = (|| {
             let g = self.enter(Some(UnsafeCall::Unregister))?;
             if !g.registered.contains_key(&addr) || g.host_allocs.contains_key(&addr) {
@@ -411,7 +411,7 @@ impl GpuRuntime for SimRuntime {
         traced("cuMemHostGetDevicePointer", r)
     }
 
-    fn mem_alloc(&self, bytes: usize) -> DriverResult<DevicePtr> {
+    fn mem_alloc(&self, _gate: &Gate, bytes: usize) -> DriverResult<DevicePtr> {
         let r = (|| {
             let mut g = self.enter(Some(UnsafeCall::Alloc))?;
             if bytes == 0 {
@@ -428,7 +428,7 @@ impl GpuRuntime for SimRuntime {
         traced("cuMemAlloc", r)
     }
 
-    fn mem_free(&self, ptr: DevicePtr) -> DriverResult<()> {
+    fn mem_free(&self, _gate: &Gate, ptr: DevicePtr) -> DriverResult<()> {
         let r = (|| {
             let g = self.enter(Some(UnsafeCall::Alloc))?;
             if !g.device_mem.contains_key(&ptr) {
@@ -442,7 +442,7 @@ impl GpuRuntime for SimRuntime {
         traced("cuMemFree", r)
     }
 
-    fn mem_alloc_host(&self, bytes: usize) -> DriverResult<usize> {
+    fn mem_alloc_host(&self, _gate: &Gate, bytes: usize) -> DriverResult<usize> {
         let r = (|| {
             let mut g = self.enter(Some(UnsafeCall::Alloc))?;
             if bytes == 0 {
@@ -457,9 +457,9 @@ impl GpuRuntime for SimRuntime {
         traced("cuMemAllocHost", r)
     }
 
-    fn mem_free_host(&self, addr: usize) -> DriverResult<()> {
+    fn mem_free_host(&self, _gate: &Gate, addr: usize) -> DriverResult<()> {
         let r = (|| {
-            let g = self.enter(None)?;
+            let g = self.enter(Some(UnsafeCall::Alloc))?;
             if !g.host_allocs.contains_key(&addr) {
                 return Err(Code::INVALID_VALUE);
             }
@@ -496,7 +496,7 @@ impl GpuRuntime for SimRuntime {
         traced("cuStreamDestroy", r)
     }
 
-    fn stream_synchronize(&self, stream: Stream) -> DriverResult<()> {
+    fn stream_synchronize(&self, _gate: &Gate, stream: Stream) -> DriverResult<()> {
         let r = (|| {
             let g = self.enter(Some(UnsafeCall::StreamSync))?;
             if !g.streams.contains_key(&stream.0) {
@@ -508,7 +508,7 @@ impl GpuRuntime for SimRuntime {
         traced("cuStreamSynchronize", r)
     }
 
-    fn ctx_synchronize(&self) -> DriverResult<()> {
+    fn ctx_synchronize(&self, _gate: &Gate) -> DriverResult<()> {
         let r = (|| {
             let g = self.enter(Some(UnsafeCall::CtxSync))?;
             let g = self.inner.wait_until(g, Blocked::Idle, State::idle);
@@ -596,7 +596,7 @@ impl GpuRuntime for SimRuntime {
         traced("cuMemcpyBatchAsync", r)
     }
 
-    fn memset_d8_async(&self, dst: DevicePtr, value: u8, bytes: usize, stream: Stream) -> DriverResult<()> {
+    unsafe fn memset_d8_async(&self, dst: DevicePtr, value: u8, bytes: usize, stream: Stream) -> DriverResult<()> {
         let r = (|| {
             let mut g = self.enter(None)?;
             Self::check_device(&mut g, dst, bytes)?;
@@ -605,7 +605,7 @@ impl GpuRuntime for SimRuntime {
         traced("cuMemsetD8Async", r)
     }
 
-    fn launch(&self, kernel: Kernel, stream: Stream) -> DriverResult<()> {
+    unsafe fn launch(&self, kernel: Kernel, stream: Stream) -> DriverResult<()> {
         let r = (|| {
             let g = self.enter(None)?;
             match kernel {
@@ -656,7 +656,7 @@ impl GpuRuntime for SimRuntime {
         traced("cuEventRecord", r)
     }
 
-    fn event_query(&self, event: Event) -> DriverResult<bool> {
+    fn event_query(&self, _gate: &Gate, event: Event) -> DriverResult<bool> {
         let r = (|| {
             let g = self.enter(Some(UnsafeCall::EventWait))?;
             event_done(&g, event)
@@ -664,7 +664,7 @@ impl GpuRuntime for SimRuntime {
         traced("cuEventQuery", r)
     }
 
-    fn event_synchronize(&self, event: Event) -> DriverResult<()> {
+    fn event_synchronize(&self, _gate: &Gate, event: Event) -> DriverResult<()> {
         let r = (|| {
             let mut g = self.enter(Some(UnsafeCall::EventWait))?;
             while !event_done(&g, event)? {

@@ -20,8 +20,10 @@ pub(crate) enum UnsafeCall {
     EventWait,
     /// FACTS 1, row "cuStreamSynchronize(other stream)".
     StreamSync,
-    /// FACTS 1, rows "cuMemAlloc" and "cuMemAllocHost". cuMemFree is treated
-    /// the same (not measured; the CUDA programming guide lists it as unsafe).
+    /// FACTS 1, rows "cuMemAlloc" and "cuMemAllocHost"; cuMemFree and
+    /// cuMemFreeHost the same (conformance cells `mem_free` and
+    /// `mem_free_host`, H200 2026-11-30: 900 and invalidation in default
+    /// mode, allowed relaxed).
     Alloc,
     /// FACTS 1, row "cuCtxSynchronize": refused even in relaxed mode.
     CtxSync,

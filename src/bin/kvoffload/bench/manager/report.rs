@@ -4,7 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use super::{BenchConfig, Workload};
-use crate::manager::{ManagerCounters, PolicyKind};
+use kvoffload::manager::{ManagerCounters, PolicyKind};
 
 /// One (workload, policy) run.
 #[derive(Clone, Debug, PartialEq)]

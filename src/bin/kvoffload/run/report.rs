@@ -34,7 +34,7 @@ pub struct RankReport {
     pub agreement: String,
     pub region_bytes: u64,
     /// Bytes of the region's mapping in 2 MiB pages once pinning settled
-    /// (`ShmemPmdMapped`, see [`crate::region::pages`]).
+    /// (`ShmemPmdMapped`, see [`kvoffload::region::pages`]).
     pub huge_bytes: u64,
     /// Seconds from the start of pinning until this rank's chunks were all
     /// registered (or rolled back).

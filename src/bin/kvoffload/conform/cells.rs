@@ -1,13 +1,19 @@
-//! The 20 cells of FACTS.md section 1's table: thread A captures in GLOBAL
-//! mode on its own stream, thread B makes one call (in default mode, or
-//! after switching itself to RELAXED), then A enqueues one more operation
-//! and ends the capture.
+//! The cells of FACTS.md section 1's table, and one cell per further driver
+//! call that a library thread makes: thread A captures in GLOBAL mode on its
+//! own stream, thread B makes one call (in default mode, or after switching
+//! itself to RELAXED), then A enqueues one more operation and ends the
+//! capture.
+//!
+//! The first ten calls are FACTS.md's rows. The rest (`UNGATED`) are every
+//! other call the library makes, each alone (an event record without the
+//! query, a free without an allocation): their rows are this suite's own
+//! measurements, committed in docs/conformance-h200.md.
 //!
 //! Observed format: `B=<result> A-enqueue=<result> end=<result>` where a
 //! result is `ok` or the driver code.
 
-use crate::runtime::{CaptureMode, DevicePtr, GpuRuntime, Stream};
-use crate::sync::{thread, Arc};
+use kvoffload::runtime::{CaptureMode, DevicePtr, Direction, Event, Fragment, GpuRuntime, Kernel, Stream};
+use kvoffload::sync::{thread, Arc};
 
 use super::probe::{HostBuf, Target};
 use super::{code, Observed, Scenario};
@@ -27,6 +33,23 @@ enum Call {
     MemAlloc,
     MemAllocHost,
     CopySyncPinned,
+    EventRecord,
+    EventQuery1,
+    EventSync,
+    EventCreate,
+    EventDestroy,
+    StreamCreate,
+    StreamDestroy,
+    StreamWaitEvent,
+    Launch,
+    Memset,
+    CopyBatch,
+    CopyDtohPinned,
+    CopySyncDtoh,
+    MemFree,
+    MemFreeHost,
+    HostDevicePtr,
+    CaptureStatusOther,
 }
 
 /// (call, id, FACTS row, refused in default mode, refused in relaxed mode)
@@ -41,6 +64,24 @@ const TABLE: &[(Call, &str, &str, bool, bool)] = &[
     (Call::MemAlloc, "mem_alloc", "cuMemAlloc", true, false),
     (Call::MemAllocHost, "mem_alloc_host", "cuMemAllocHost", true, false),
     (Call::CopySyncPinned, "copy_sync_pinned", "synchronous cuMemcpyHtoD, pinned src", false, false),
+    // Measured by this suite (docs/conformance-h200.md), each call alone.
+    (Call::EventRecord, "event_record", "cuEventRecord alone, another stream", false, false),
+    (Call::EventQuery1, "event_query", "cuEventQuery alone, event recorded before the capture", true, false),
+    (Call::EventSync, "event_sync", "cuEventSynchronize alone, event recorded before the capture", true, false),
+    (Call::EventCreate, "event_create", "cuEventCreate", false, false),
+    (Call::EventDestroy, "event_destroy", "cuEventDestroy", false, false),
+    (Call::StreamCreate, "stream_create", "cuStreamCreate", false, false),
+    (Call::StreamDestroy, "stream_destroy", "cuStreamDestroy of an idle stream", false, false),
+    (Call::StreamWaitEvent, "stream_wait_event", "cuStreamWaitEvent, both streams outside the capture", false, false),
+    (Call::Launch, "launch", "cuLaunchKernel on another stream", false, false),
+    (Call::Memset, "memset_async", "cuMemsetD8Async on another stream", false, false),
+    (Call::CopyBatch, "copy_batch_pinned", "cuMemcpyBatchAsync on another stream, pinned src", false, false),
+    (Call::CopyDtohPinned, "copy_dtoh_async_pinned", "cuMemcpyDtoHAsync on another stream, pinned dst", false, false),
+    (Call::CopySyncDtoh, "copy_sync_dtoh_pinned", "synchronous cuMemcpyDtoH, pinned dst", false, false),
+    (Call::MemFree, "mem_free", "cuMemFree", true, false),
+    (Call::MemFreeHost, "mem_free_host", "cuMemFreeHost", true, false),
+    (Call::HostDevicePtr, "host_device_ptr", "cuMemHostGetDevicePointer", false, false),
+    (Call::CaptureStatusOther, "capture_status_other", "cuStreamIsCapturing of another stream", false, false),
 ];
 
 fn expected(refused: bool) -> String {
@@ -79,11 +120,18 @@ struct Fixture {
     d2: DevicePtr,
     pinned: HostBuf,
     pageable: HostBuf,
+    /// Made before the capture for the cells whose call consumes or waits
+    /// on something: a third stream, an event recorded on `s2` (complete
+    /// before the capture begins), a device and a page-locked allocation.
+    s3: Stream,
+    ev: Event,
+    d3: DevicePtr,
+    h3: usize,
 }
 
 impl Fixture {
     fn new(rt: Arc<dyn GpuRuntime>) -> Result<Self, String> {
-        let e = |e: crate::runtime::DriverError| format!("setup: {e}");
+        let e = |e: kvoffload::runtime::DriverError| format!("setup: {e}");
         let pinned = HostBuf::new(4 * COPY, 1)?;
         let pageable = HostBuf::new(4 * COPY, 2)?;
         let s1 = rt.stream_create().map_err(e)?;
@@ -93,17 +141,23 @@ impl Fixture {
         // SAFETY: `pinned` lives in the fixture, which unregisters it in
         // cleanup before dropping it.
         unsafe { rt.host_register(pinned.addr(), pinned.len()) }.map_err(e)?;
-        Ok(Fixture { rt, s1, s2, d1, d2, pinned, pageable })
+        let s3 = rt.stream_create().map_err(e)?;
+        let ev = rt.event_create().map_err(e)?;
+        rt.event_record(ev, s2).map_err(e)?;
+        let d3 = rt.mem_alloc(COPY).map_err(e)?;
+        let h3 = rt.mem_alloc_host(COPY).map_err(e)?;
+        rt.ctx_synchronize().map_err(e)?;
+        Ok(Fixture { rt, s1, s2, d1, d2, pinned, pageable, s3, ev, d3, h3 })
     }
 
     /// Releases everything. A registration may already be gone (the
     /// unregister cell) or added (the register cell): 713 is expected there.
-    fn cleanup(self, extra_device: Option<DevicePtr>, extra_host: Option<usize>) -> Result<(), String> {
+    fn cleanup(self, left: &Leftover) -> Result<(), String> {
         let rt = &self.rt;
         let mut errs = Vec::new();
-        let mut note = |r: crate::runtime::DriverResult<()>, allow_713: bool| {
+        let mut note = |r: kvoffload::runtime::DriverResult<()>, allow_713: bool| {
             if let Err(e) = r {
-                if !(allow_713 && e.code == crate::runtime::Code::HOST_MEMORY_NOT_REGISTERED) {
+                if !(allow_713 && e.code == kvoffload::runtime::Code::HOST_MEMORY_NOT_REGISTERED) {
                     errs.push(e.to_string());
                 }
             }
@@ -111,11 +165,30 @@ impl Fixture {
         note(rt.ctx_synchronize(), false);
         note(rt.host_unregister(self.pinned.addr()), true);
         note(rt.host_unregister(self.pageable.addr()), true);
-        if let Some(p) = extra_device {
+        if let Some(p) = left.device {
             note(rt.mem_free(p), false);
         }
-        if let Some(h) = extra_host {
+        if let Some(h) = left.host {
             note(rt.mem_free_host(h), false);
+        }
+        if let Some(e) = left.event {
+            note(rt.event_destroy(e), false);
+        }
+        if let Some(s) = left.stream {
+            note(rt.stream_destroy(s), false);
+        }
+        // What B consumed is gone when its call succeeded.
+        if !left.consumed_event {
+            note(rt.event_destroy(self.ev), false);
+        }
+        if !left.consumed_stream {
+            note(rt.stream_destroy(self.s3), false);
+        }
+        if !left.consumed_device {
+            note(rt.mem_free(self.d3), false);
+        }
+        if !left.consumed_host {
+            note(rt.mem_free_host(self.h3), false);
         }
         note(rt.mem_free(self.d1), false);
         note(rt.mem_free(self.d2), false);
@@ -134,7 +207,12 @@ impl Fixture {
 struct Leftover {
     device: Option<DevicePtr>,
     host: Option<usize>,
-    event: Option<crate::runtime::Event>,
+    event: Option<Event>,
+    stream: Option<Stream>,
+    consumed_event: bool,
+    consumed_stream: bool,
+    consumed_device: bool,
+    consumed_host: bool,
 }
 
 fn run_cell(t: &Target, call: Call, relaxed: bool) -> Result<Observed, String> {
@@ -143,12 +221,13 @@ fn run_cell(t: &Target, call: Call, relaxed: bool) -> Result<Observed, String> {
     rt.begin_capture(f.s1, CaptureMode::Global).map_err(|e| format!("begin_capture: {e}"))?;
 
     let (b_rt, s2, d2, pinned, pageable) = (rt.clone(), f.s2, f.d2, f.pinned.addr(), f.pageable.addr());
+    let (s3, ev, d3, h3) = (f.s3, f.ev, f.d3, f.h3);
     let pageable_len = f.pageable.len();
     let b = thread::spawn(move || {
         let rt = b_rt;
         let prev = if relaxed { Some(rt.exchange_capture_mode(CaptureMode::Relaxed)) } else { None };
         let mut left = Leftover::default();
-        let r: crate::runtime::DriverResult<()> = match call {
+        let r: kvoffload::runtime::DriverResult<()> = match call {
             // SAFETY: the fixture's pageable buffer outlives the cell and is
             // unregistered in cleanup.
             Call::Register => unsafe { rt.host_register(pageable, pageable_len) },
@@ -169,6 +248,29 @@ fn run_cell(t: &Target, call: Call, relaxed: bool) -> Result<Observed, String> {
             Call::MemAllocHost => rt.mem_alloc_host(COPY).map(|h| left.host = Some(h)),
             // SAFETY: the pinned buffer is readable for the fixture's life.
             Call::CopySyncPinned => unsafe { rt.copy_htod(d2, pinned, COPY) },
+            Call::EventRecord => rt.event_record(ev, s2),
+            Call::EventQuery1 => rt.event_query(ev).map(|_| ()),
+            Call::EventSync => rt.event_synchronize(ev),
+            Call::EventCreate => rt.event_create().map(|e| left.event = Some(e)),
+            Call::EventDestroy => rt.event_destroy(ev).map(|()| left.consumed_event = true),
+            Call::StreamCreate => rt.stream_create().map(|s| left.stream = Some(s)),
+            Call::StreamDestroy => rt.stream_destroy(s3).map(|()| left.consumed_stream = true),
+            Call::StreamWaitEvent => rt.stream_wait_event(s3, ev),
+            Call::Launch => rt.launch(Kernel::Spin { nanos: 1_000 }, s2),
+            Call::Memset => rt.memset_d8_async(d2, 7, COPY, s2),
+            // SAFETY: as for the single async copies.
+            Call::CopyBatch => unsafe {
+                rt.copy_batch_async(Direction::HostToDevice, &[Fragment { host: pinned, device: d2, bytes: COPY }], s2)
+            },
+            // SAFETY: the pinned buffer is writable and read by nobody until
+            // cleanup, which synchronizes the context first.
+            Call::CopyDtohPinned => unsafe { rt.copy_dtoh_async(pinned, d2, COPY, s2) },
+            // SAFETY: as above, synchronously.
+            Call::CopySyncDtoh => unsafe { rt.copy_dtoh(pinned, d2, COPY) },
+            Call::MemFree => rt.mem_free(d3).map(|()| left.consumed_device = true),
+            Call::MemFreeHost => rt.mem_free_host(h3).map(|()| left.consumed_host = true),
+            Call::HostDevicePtr => rt.host_device_ptr(pinned).map(|_| ()),
+            Call::CaptureStatusOther => rt.capture_status(s2).map(|_| ()),
         };
         let restore = match prev {
             Some(Ok(m)) => rt.exchange_capture_mode(m).map(|_| ()),
@@ -188,13 +290,8 @@ fn run_cell(t: &Target, call: Call, relaxed: bool) -> Result<Observed, String> {
             cleanup_errs.push(e.to_string());
         }
     }
-    if let Some(e) = left.event {
-        if let Err(e) = rt.event_destroy(e) {
-            cleanup_errs.push(e.to_string());
-        }
-    }
     let outcome = format!("B={} A-enqueue={} end={}", code(&b_result), code(&a_enqueue), code(&end));
-    f.cleanup(left.device, left.host)?;
+    f.cleanup(&left)?;
     if !cleanup_errs.is_empty() {
         return Err(cleanup_errs.join("; "));
     }

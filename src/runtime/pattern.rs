@@ -2,6 +2,11 @@
 //! checkable data: a pure function of a key, so any range of a block can be
 //! written or checked without keeping copies.
 //!
+//! Part of the runtime's contract: the runtime's pattern kernels
+//! ([`super::Kernel::PatternFill`], [`super::Kernel::PatternCheck`]) write
+//! and check exactly these contents, on the real GPU (PTX) and on the
+//! simulated one, which calls these functions.
+//!
 //! Word `i` (little-endian `u64`) of the contents of `key` is
 //! `mix(mix(key) ^ i)`, with `mix` splitmix64's finaliser. A range that ends
 //! inside a word holds that word's prefix.

@@ -15,12 +15,12 @@
 use std::fmt;
 use std::time::Instant;
 
-use crate::pin::{pin_all, NoPrefault};
-use crate::protocol::{CapturePolicy, Coordinator, PinState};
-use crate::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
-use crate::sync::Arc;
+use kvoffload::pin::{pin_all, NoPrefault};
+use kvoffload::protocol::{CapturePolicy, Coordinator, PinState};
+use kvoffload::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
+use kvoffload::sync::Arc;
 
-use super::{
+use kvoffload::transfer::{
     Backend, BackendChoice, GroupSpec, HostPlacement, JobBlocks, KvLayout, TensorSpec, TransferEngine, TransferOptions,
 };
 
@@ -205,7 +205,7 @@ impl BenchReport {
     }
 }
 
-pub use crate::units::{fmt_bytes as human, parse_size};
+pub use kvoffload::units::{fmt_bytes as human, parse_size};
 
 /// The pattern word `k` of block `b` holds: distinct per block and position.
 fn pattern(b: usize, k: usize) -> u64 {
@@ -460,7 +460,7 @@ fn both_ways(
             fail(&mut rows, e.to_string());
             break;
         }
-        let mut got: [Option<super::JobResult>; 2] = [None, None];
+        let mut got: [Option<kvoffload::transfer::JobResult>; 2] = [None, None];
         while got.iter().any(Option::is_none) {
             for r in engines.iter().flat_map(|e| e.poll_finished()) {
                 if let Some(i) = ids.iter().position(|&id| id == r.id) {
@@ -470,7 +470,7 @@ fn both_ways(
             if t0.elapsed().as_secs() > 120 {
                 break;
             }
-            crate::sync::thread::yield_now();
+            kvoffload::sync::thread::yield_now();
         }
         let mut ok = true;
         for (i, (row, res)) in rows.iter_mut().zip(&got).enumerate() {

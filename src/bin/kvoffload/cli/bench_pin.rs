@@ -1,7 +1,7 @@
 //! `kvoffload bench pin`: the pinning benchmark (library part in
-//! [`kvoffload::pin::bench`]).
+//! [`crate::bench::pin`]).
 
-use kvoffload::pin::bench::{self, BenchConfig, Progress};
+use crate::bench::pin::{self, BenchConfig, Progress};
 use kvoffload::units::parse_size;
 
 use super::backend::{open, BackendArg};

@@ -11,13 +11,13 @@
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::Instant;
 
-use crate::manager::bench::{SplitMix64, Zipf};
-use crate::manager::{BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, PolicyKind};
-use crate::protocol::Coordinator;
-use crate::region::Region;
-use crate::runtime::{DevicePtr, Direction, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
-use crate::sync::{thread, Arc};
-use crate::transfer::{
+use crate::bench::manager::{SplitMix64, Zipf};
+use kvoffload::manager::{BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, PolicyKind};
+use kvoffload::protocol::Coordinator;
+use kvoffload::region::Region;
+use kvoffload::runtime::{DevicePtr, Direction, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
+use kvoffload::sync::{thread, Arc};
+use kvoffload::transfer::{
     GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine, TransferError, TransferOptions,
 };
 
@@ -500,7 +500,7 @@ impl Work<'_> {
 
     fn finished(
         &mut self,
-        r: crate::transfer::JobResult,
+        r: kvoffload::transfer::JobResult,
         rep: &mut RankReport,
         verifier: &Verifier,
         rearm: &dyn Fn(&dyn GpuRuntime),

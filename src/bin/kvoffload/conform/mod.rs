@@ -14,9 +14,9 @@ use std::time::Instant;
 
 pub use probe::Target;
 
-use crate::runtime::sim::SimRuntime;
-use crate::runtime::{Code, DriverError, DriverResult};
-use crate::sync::Arc;
+use kvoffload::runtime::sim::SimRuntime;
+use kvoffload::runtime::{Code, DriverError, DriverResult};
+use kvoffload::sync::Arc;
 
 /// The code of a scenario.
 pub type RunFn = dyn Fn(&Target) -> Result<Observed, String> + Send + Sync;
@@ -149,14 +149,14 @@ pub enum Backend {
     /// A fresh simulated GPU for every scenario.
     Sim,
     /// One real runtime for all of them.
-    Real(Arc<dyn crate::runtime::GpuRuntime>),
+    Real(Arc<dyn kvoffload::runtime::GpuRuntime>),
 }
 
 /// Runs the scenarios whose id contains `only` (all when `None`).
 /// `progress` is called before each scenario with its id.
 pub fn run(backend: &Backend, only: Option<&str>, mut progress: impl FnMut(&str)) -> Report {
     let (name, device) = match backend {
-        Backend::Sim => ("sim".to_string(), crate::runtime::sim::DESCRIPTION.to_string()),
+        Backend::Sim => ("sim".to_string(), kvoffload::runtime::sim::DESCRIPTION.to_string()),
         Backend::Real(rt) => (rt.backend().to_string(), rt.describe()),
     };
     let mut rows = Vec::new();

@@ -1,7 +1,7 @@
 //! `kvoffload run`: the main job. The parent process spawns one process per
 //! rank (this binary again, with hidden `--as-rank`), reads their marker
 //! lines (progress bars on stderr), kills a rank where a fault test asks,
-//! and prints the summary. Library part: [`kvoffload::run`].
+//! and prints the summary. Library part: `crate::run`.
 //!
 //! Exit status: 0 when every rank that was not killed on request finished
 //! with every loaded block verified, none corrupted, none lost, and no
@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 
 use clap::ValueEnum;
 use kvoffload::region::{pages, shm_path};
-use kvoffload::run::metrics::{Intervals, Latencies, Throughput};
-use kvoffload::run::report::{self, field, RankReport};
-use kvoffload::run::{run_rank, KillAt, RunConfig};
+use crate::run::metrics::{Intervals, Latencies, Throughput};
+use crate::run::report::{self, field, RankReport};
+use crate::run::{run_rank, KillAt, RunConfig};
 use kvoffload::runtime::cuda::CudaRuntime;
 use kvoffload::sync::{self, thread, Arc, Condvar, Mutex};
 use kvoffload::units::{fmt_bytes, parse_size};
@@ -559,17 +559,17 @@ fn run_as_rank(a: &Args, cfg: &RunConfig, rank: usize) -> Result<i32, String> {
     let rt = match opened {
         Ok(rt) => rt,
         Err(e) => {
-            kvoffload::run::rank::emit(&format!("{} rank={rank} {e}", report::ERROR));
+            crate::run::rank::emit(&format!("{} rank={rank} {e}", report::ERROR));
             return Ok(1);
         }
     };
     match run_rank(cfg, rank, name, rt, a.pause_at.map(Into::into)) {
         Ok(rep) => {
-            kvoffload::run::rank::emit(&rep.to_line());
+            crate::run::rank::emit(&rep.to_line());
             Ok(0)
         }
         Err(e) => {
-            kvoffload::run::rank::emit(&format!("{} rank={rank} {e}", report::ERROR));
+            crate::run::rank::emit(&format!("{} rank={rank} {e}", report::ERROR));
             Ok(1)
         }
     }

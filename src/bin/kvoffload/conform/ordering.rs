@@ -6,9 +6,9 @@
 
 use std::time::Instant;
 
-use crate::runtime::sim::{Blocked, HoldPoint};
-use crate::runtime::{CaptureMode, Direction, DriverError, Fragment, GpuRuntime, Kernel};
-use crate::sync::Arc;
+use kvoffload::runtime::sim::{Blocked, HoldPoint};
+use kvoffload::runtime::{CaptureMode, Direction, DriverError, Fragment, GpuRuntime, Kernel};
+use kvoffload::sync::Arc;
 
 use super::probe::{release_hold_when, tick, HostBuf, LongRegister, Target};
 use super::{code, Observed, Scenario};
@@ -129,7 +129,7 @@ fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
         let _ = rt.memset_d8_async(d, 0, 4096, s);
         rt.end_capture(s)
     } else {
-        Err(DriverError::new("cuStreamEndCapture", crate::runtime::Code::ILLEGAL_STATE))
+        Err(DriverError::new("cuStreamEndCapture", kvoffload::runtime::Code::ILLEGAL_STATE))
     };
     if let Ok(g) = &end {
         rt.graph_destroy(*g).map_err(de("graph_destroy"))?;
@@ -263,7 +263,7 @@ fn pageable_replay(t: &Target) -> Result<Observed, String> {
     // SAFETY: `src` outlives every replay of the graph (destroyed below).
     let cap = unsafe { rt.copy_htod_async(d, src.addr(), bytes, s) };
     let end = rt.end_capture(s);
-    let mut replay = Err(DriverError::new("cuGraphLaunch", crate::runtime::Code::ILLEGAL_STATE));
+    let mut replay = Err(DriverError::new("cuGraphLaunch", kvoffload::runtime::Code::ILLEGAL_STATE));
     let mut holds = "none";
     if let Ok(g) = end {
         src.fill(2);
@@ -294,7 +294,7 @@ fn batch_in_capture(t: &Target) -> Result<Observed, String> {
     // SAFETY: `src` stays registered and alive until after the replay.
     let batch = unsafe { rt.copy_batch_async(Direction::HostToDevice, &frags, s) };
     let end = rt.end_capture(s);
-    let mut replay = Err(DriverError::new("cuGraphLaunch", crate::runtime::Code::ILLEGAL_STATE));
+    let mut replay = Err(DriverError::new("cuGraphLaunch", kvoffload::runtime::Code::ILLEGAL_STATE));
     let mut holds = "none";
     if let Ok(g) = &end {
         replay = rt.graph_launch(*g, s).and_then(|_| rt.stream_synchronize(s));

@@ -2,7 +2,7 @@
 //! capture), with upstream's design and with ours, on the same machine.
 
 use clap::ValueEnum;
-use kvoffload::incident::{run as run_design, Design, IncidentConfig};
+use crate::incident::{run as run_design, Design, IncidentConfig};
 
 use super::backend::{self, BackendArg};
 

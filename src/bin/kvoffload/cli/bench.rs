@@ -1,7 +1,7 @@
 //! `kvoffload bench ...`: benchmarks that compare against a named baseline
 //! in the same run.
 
-use kvoffload::manager::bench::{run_bench, BenchConfig};
+use crate::bench::manager::{run_bench, BenchConfig};
 
 #[derive(clap::Subcommand, Debug)]
 pub enum Bench {

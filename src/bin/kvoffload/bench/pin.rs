@@ -20,16 +20,16 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use crate::protocol::{Coordinator, PinState};
-use crate::region::{page_size, AnonOptions, Layout, Region};
-use crate::runtime::GpuRuntime;
-use crate::sync::{self, Mutex};
+use kvoffload::protocol::{Coordinator, PinState};
+use kvoffload::region::{page_size, AnonOptions, Layout, Region};
+use kvoffload::runtime::GpuRuntime;
+use kvoffload::sync::{self, Mutex};
 
-use super::engine::{pin_all, Prefault};
-use super::memlock;
-use super::options::{available_cores, HugePages, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
-use super::prefault::{thp_setting, HUGE_PAGE_BYTES};
-use super::setup::Prepared;
+use kvoffload::pin::{pin_all, Prefault};
+use kvoffload::pin::memlock;
+use kvoffload::pin::{available_cores, HugePages, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
+use kvoffload::pin::{thp_setting, HUGE_PAGE_BYTES};
+use kvoffload::pin::Prepared;
 
 /// What to measure.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -299,7 +299,7 @@ impl PinBenchReport {
     }
 }
 
-pub use crate::units::fmt_bytes;
+pub use kvoffload::units::fmt_bytes;
 
 /// `AnonHugePages` of /proc/self/smaps_rollup in bytes.
 fn anon_huge_bytes() -> Option<u64> {

@@ -11,10 +11,10 @@
 
 use std::time::{Duration, Instant};
 
-use crate::runtime::sim::{Blocked, Hold, HoldPoint, SimRuntime};
-use crate::runtime::{DriverResult, GpuRuntime};
-use crate::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use crate::sync::{thread, Arc};
+use kvoffload::runtime::sim::{Blocked, Hold, HoldPoint, SimRuntime};
+use kvoffload::runtime::{DriverResult, GpuRuntime};
+use kvoffload::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use kvoffload::sync::{thread, Arc};
 
 /// The runtime a scenario runs on, with what the harness needs to steer it.
 #[derive(Clone)]

@@ -22,18 +22,18 @@
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
-use crate::manager::ManagerError;
-use crate::pattern;
-use crate::pin::{pin_all_agreed, Agreement, PinError, PinOptions, Prefault, Prepared};
-use crate::protocol::agreement::{AgreementError, RankSlots};
-use crate::protocol::{shutdown, GraphToken, PinState, ProtocolError, ShutdownError};
-use crate::region::pages;
-use crate::region::slots::RegionSlots;
-use crate::region::{Region, RegionError, ShmOptions};
-use crate::runtime::sim::SimFault;
-use crate::runtime::{CaptureMode, Code, DevicePtr, DriverError, GpuRuntime, Graph, Stream};
-use crate::sync::{self, thread, Arc, Mutex};
-use crate::transfer::TransferError;
+use kvoffload::manager::ManagerError;
+use kvoffload::runtime::pattern;
+use kvoffload::pin::{pin_all_agreed, Agreement, PinError, PinOptions, Prefault, Prepared};
+use kvoffload::protocol::agreement::{AgreementError, RankSlots};
+use kvoffload::protocol::{shutdown, GraphToken, PinState, ProtocolError, ShutdownError};
+use kvoffload::region::pages;
+use kvoffload::region::slots::RegionSlots;
+use kvoffload::region::{Region, RegionError, ShmOptions};
+use kvoffload::runtime::sim::SimFault;
+use kvoffload::runtime::{CaptureMode, Code, DevicePtr, DriverError, GpuRuntime, Graph, Stream};
+use kvoffload::sync::{self, thread, Arc, Mutex};
+use kvoffload::transfer::TransferError;
 
 use super::config::{ConfigError, KillAt, RunConfig};
 use super::report::{RankReport, NOTE, PAUSE, PHASE, PROGRESS};

@@ -1,9 +1,9 @@
 //! `kvoffload bench transfer`: store and load GB/s of scattered fragments
 //! for every copy backend and the automatic choice, data checked after
-//! every run (library side: [`kvoffload::transfer::bench`]).
+//! every run (library side: [`crate::bench::transfer`]).
 
 use super::backend::{open, BackendArg};
-use kvoffload::transfer::bench::{parse_size, run_bench, BenchConfig};
+use crate::bench::transfer::{parse_size, run_bench, BenchConfig};
 use kvoffload::transfer::{Backend, BackendChoice};
 
 /// Arguments of `kvoffload bench transfer`.

@@ -4,10 +4,10 @@
 
 use std::collections::VecDeque;
 
-use crate::manager::BlockKey;
-use crate::pattern;
-use crate::runtime::{DevicePtr, DriverError, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
-use crate::sync::{self, Condvar, Mutex};
+use kvoffload::manager::BlockKey;
+use kvoffload::runtime::pattern;
+use kvoffload::runtime::{DevicePtr, DriverError, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
+use kvoffload::sync::{self, Condvar, Mutex};
 
 use super::tables::Shape;
 
@@ -216,9 +216,9 @@ fn first_bad_byte(rt: &dyn GpuRuntime, e: &[u64]) -> Result<u64, DriverError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::sim::{SimFault, SimRuntime};
-    use crate::runtime::Code;
-    use crate::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec};
+    use kvoffload::runtime::sim::{SimFault, SimRuntime};
+    use kvoffload::runtime::Code;
+    use kvoffload::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec};
 
     /// Two layers of 8 GPU blocks of 256-byte pages on `rt`, factor 2.
     fn shape(rt: &dyn GpuRuntime, host: &[u8]) -> Shape {

@@ -1,7 +1,7 @@
 //! `kvoffload conform`: the conformance table.
 
 use clap::ValueEnum;
-use kvoffload::conform::{self, Backend};
+use crate::conform::{self, Backend};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendArg {

@@ -12,7 +12,7 @@
 //!   a job's GPU pages as pattern-kernel tables, and the verifier thread
 //!   that checks loaded pages on the GPU.
 //! - [`metrics`]: latencies and throughput; block contents come from
-//!   [`crate::pattern`].
+//!   [`kvoffload::runtime::pattern`].
 //!
 //! The parent (spawning ranks, killing them in fault tests, the summary)
 //! is the CLI's `run` command (`src/cli/run.rs`).

@@ -1,7 +1,18 @@
-//! The `kvoffload` command line. See `kvoffload --help`.
+//! The `kvoffload` command line, a user of the library's public API like
+//! any engine: the main job (`run`), the conformance suite (`conform`), the
+//! seed incident (`incident`) and the benchmarks (`bench`). See
+//! `kvoffload --help`.
 
 #[cfg(not(loom))]
+mod bench;
+#[cfg(not(loom))]
 mod cli;
+#[cfg(not(loom))]
+mod conform;
+#[cfg(not(loom))]
+mod incident;
+#[cfg(not(loom))]
+mod run;
 
 #[cfg(not(loom))]
 fn main() {

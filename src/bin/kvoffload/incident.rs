@@ -17,11 +17,11 @@
 
 use std::time::{Duration, Instant};
 
-use crate::pin::{NoPrefault, PinHandle, Prefault};
-use crate::protocol::{CapturePolicy, Coordinator};
-use crate::runtime::{CaptureMode, Code, DevicePtr, GpuRuntime, Graph, Stream};
-use crate::sync::atomic::{AtomicBool, Ordering};
-use crate::sync::{thread, Arc};
+use kvoffload::pin::{NoPrefault, PinHandle, Prefault};
+use kvoffload::protocol::{CapturePolicy, Coordinator};
+use kvoffload::runtime::{CaptureMode, Code, DevicePtr, GpuRuntime, Graph, Stream};
+use kvoffload::sync::atomic::{AtomicBool, Ordering};
+use kvoffload::sync::{thread, Arc};
 
 /// Which design pins the region.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -143,7 +143,7 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
     for (i, b) in map[..probe].iter_mut().enumerate() {
         *b = (i % 251) as u8;
     }
-    let e = |what: &'static str| move |err: crate::runtime::DriverError| format!("{what}: {err}");
+    let e = |what: &'static str| move |err: kvoffload::runtime::DriverError| format!("{what}: {err}");
     let s = rt.stream_create().map_err(e("stream"))?;
     let d = rt.mem_alloc(probe).map_err(e("alloc"))?;
     let scratch = rt.mem_alloc(1 << 20).map_err(e("alloc"))?;
@@ -250,7 +250,7 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
 
     // Undo every registration before the region is unmapped.
     match &coord {
-        Some(c) => crate::protocol::shutdown(rt.as_ref(), c, || {}).map_err(|err| format!("shutdown: {err}"))?,
+        Some(c) => kvoffload::protocol::shutdown(rt.as_ref(), c, || {}).map_err(|err| format!("shutdown: {err}"))?,
         None => {
             rt.ctx_synchronize().map_err(e("sync"))?;
             for (a, _) in registered.iter().rev() {

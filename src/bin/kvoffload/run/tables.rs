@@ -3,17 +3,17 @@
 //! loaded one), and the device buffers the tables live in.
 //!
 //! Block `key` of rank `r` holds the contents of [`seed`]`(r, key)`
-//! ([`crate::pattern`]); its page `j` of layer `t` is bytes
+//! ([`kvoffload::runtime::pattern`]); its page `j` of layer `t` is bytes
 //! `(t * factor + j) * page ..` of the block, so its table entry is
 //! `[device address, seed, (t * factor + j) * page / 8, page]` (pages are a
 //! multiple of 8 bytes: `RunConfig::validate`).
 //!
-//! [`Kernel::PatternFill`]: crate::runtime::Kernel::PatternFill
-//! [`Kernel::PatternCheck`]: crate::runtime::Kernel::PatternCheck
+//! [`Kernel::PatternFill`]: kvoffload::runtime::Kernel::PatternFill
+//! [`Kernel::PatternCheck`]: kvoffload::runtime::Kernel::PatternCheck
 
-use crate::manager::BlockKey;
-use crate::runtime::{DevicePtr, DriverResult, GpuRuntime, PATTERN_ENTRY_BYTES, PATTERN_ENTRY_WORDS};
-use crate::transfer::KvLayout;
+use kvoffload::manager::BlockKey;
+use kvoffload::runtime::{DevicePtr, DriverResult, GpuRuntime, PATTERN_ENTRY_BYTES, PATTERN_ENTRY_WORDS};
+use kvoffload::transfer::KvLayout;
 
 /// The pattern key of `key` on `rank`: ranks never share contents, so a
 /// block written into another rank's slot would be caught.
@@ -130,7 +130,7 @@ impl TablePool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transfer::{GroupSpec, HostPlacement, TensorSpec};
+    use kvoffload::transfer::{GroupSpec, HostPlacement, TensorSpec};
 
     #[test]
     fn table_entries_are_the_pages_of_each_block_in_order() {
