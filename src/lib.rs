@@ -20,6 +20,8 @@
 //! crate's public API like any engine.
 
 pub mod manager;
+#[cfg(not(loom))]
+pub mod offloader;
 pub mod pin;
 pub mod protocol;
 pub mod region;

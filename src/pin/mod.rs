@@ -15,6 +15,7 @@ mod engine;
 pub mod memlock;
 pub mod options;
 pub mod prefault;
+mod region_slots;
 #[cfg(not(loom))]
 mod setup;
 
@@ -23,6 +24,7 @@ pub use options::{
     available_cores, HugePages, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT,
     MAX_THREADS, RECOMMENDED_MAX_CHUNK_BYTES,
 };
+pub use region_slots::RegionSlots;
 pub use prefault::{thp_setting, PrefaultConfig, PrefaultError, PrefaultStats, Prefaulter, HUGE_PAGE_BYTES};
 #[cfg(not(loom))]
 pub use setup::{prepare, Prepared};

@@ -32,7 +32,6 @@ pub mod layout;
 pub mod options;
 pub mod pages;
 pub mod shm;
-pub mod slots;
 mod sys;
 
 use std::io;

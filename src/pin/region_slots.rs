@@ -7,7 +7,7 @@ use core::sync::atomic::Ordering;
 use crate::protocol::agreement::RankSlots;
 use crate::sync::Arc;
 
-use super::Region;
+use crate::region::Region;
 
 /// The agreement words of a shared (/dev/shm) region.
 pub struct RegionSlots {

@@ -1,0 +1,85 @@
+//! [`OffloaderError`]: every way an offloader operation can fail, typed by
+//! the layer that refused it.
+
+use crate::manager::{BlockKey, ManagerError};
+use crate::pin::PinError;
+use crate::protocol::{ProtocolError, ShutdownError};
+use crate::region::RegionError;
+use crate::runtime::DriverError;
+use crate::transfer::{JobId, LayoutError, TransferError};
+
+/// Why an [`super::Offloader`] operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OffloaderError {
+    /// The options or the KV description are inconsistent.
+    #[error("invalid offloader options: {0}")]
+    Options(String),
+    /// The KV layout could not be built.
+    #[error("KV layout: {0}")]
+    Layout(#[from] LayoutError),
+    /// Creating, joining or mapping the host region failed.
+    #[error("host region: {0}")]
+    Region(#[from] RegionError),
+    /// Pinning could not be set up.
+    #[error("pinning set-up: {0}")]
+    Pin(#[from] PinError),
+    /// The capture-safety protocol refused (a window open, shut down, a
+    /// call that would wait for the caller's own window).
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// A driver call failed.
+    #[error("{what}: {error}")]
+    Driver {
+        /// What the offloader was doing.
+        what: &'static str,
+        /// The driver's error.
+        error: DriverError,
+    },
+    /// The transfer engine refused a job or failed.
+    #[error("transfer: {0}")]
+    Transfer(#[from] TransferError),
+    /// The block manager refused (a key loaded while its store is pending,
+    /// no slot free, a key twice in one batch).
+    #[error("block manager: {0}")]
+    Manager(#[from] ManagerError),
+    /// `gpu_blocks` does not give `block_factor` GPU blocks per key.
+    #[error("{keys} keys need {need} GPU blocks ({factor} per key), {got} given")]
+    GpuBlockCount {
+        /// Keys in the call.
+        keys: usize,
+        /// GPU blocks per key.
+        factor: usize,
+        /// GPU blocks needed.
+        need: usize,
+        /// GPU blocks given.
+        got: usize,
+    },
+    /// A load named a key the offloader does not hold ready.
+    #[error("key {key} is not stored (or its store has not completed)")]
+    NotStored {
+        /// The key.
+        key: BlockKey,
+    },
+    /// `wait` named a job that is not in flight.
+    #[error("job {id} is not in flight")]
+    UnknownJob {
+        /// The job.
+        id: JobId,
+    },
+    /// The operation came after `shutdown`.
+    #[error("the offloader is shut down")]
+    ShutDown,
+    /// Shutdown did not complete; the region stays mapped (leaked) if
+    /// anything of it is still registered.
+    #[error("shutdown: {0}")]
+    Shutdown(#[from] ShutdownError),
+    /// The pinning thread panicked.
+    #[error("the pinning thread panicked")]
+    PinnerPanicked,
+}
+
+impl OffloaderError {
+    pub(crate) fn driver(what: &'static str) -> impl FnOnce(DriverError) -> OffloaderError {
+        move |error| OffloaderError::Driver { what, error }
+    }
+}

@@ -1,0 +1,770 @@
+//! [`Offloader`]: the one type an engine holds.
+//!
+//! Built from one [`OffloaderOptions`] and the engine's [`KvSpec`], it owns
+//! the host region (anonymous, or shared by the ranks of a node), the
+//! coordinator of the capture-safety protocol, the background pinner, the
+//! transfer engine and the block manager, and speaks the engine's words:
+//!
+//! - [`Offloader::start`]: background pinning begins (pre-fault, chunked
+//!   registration, rollback to pageable memory on any failure; with a shared
+//!   region, agreement of every rank before offloading turns on, P7);
+//! - [`Offloader::capture_window`]: hold the returned guard around each CUDA
+//!   graph capture: no library thread makes a capture-unsafe driver call
+//!   while it is open (P1), and with the default policy it opens only once
+//!   pinning is final (P2);
+//! - [`Offloader::lookup`], [`Offloader::store`], [`Offloader::load`] by
+//!   block keys and the engine's GPU block ids;
+//! - [`Offloader::poll`]: finished jobs, already applied to the block
+//!   manager (a stored key becomes readable only once its store completed;
+//!   a loaded key's slot is released once its load completed, P5);
+//! - [`Offloader::pin_state`] and [`Offloader::pin_progress`];
+//! - [`Offloader::shutdown`] (also run by `Drop`, whose errors are logged):
+//!   refused while a window is open or registered graphs live; drains the
+//!   jobs, stops pinning, unregisters, frees what the offloader allocated
+//!   (P4).
+//!
+//! The engine's own capture-unsafe driver calls (allocations, synchronizes)
+//! go through [`Offloader::gated`], never around it.
+//!
+//! ```
+//! use kvoffload::offloader::{KvAlloc, Offloader, OffloaderOptions};
+//! use kvoffload::manager::BlockKey;
+//! use kvoffload::runtime::{shared, sim::SimRuntime};
+//!
+//! # fn main() -> Result<(), kvoffload::offloader::OffloaderError> {
+//! let rt = shared(SimRuntime::new()); // or CudaRuntime::open(0)?
+//! let kv = KvAlloc { tensors: 2, page_bytes: 4096, gpu_blocks: 64, block_factor: 1 };
+//! let off = Offloader::with_allocated_tensors(rt, kv, OffloaderOptions::with_host_blocks(128))?;
+//! off.start()?; // pinning runs in the background from here
+//! {
+//!     let _window = off.capture_window()?; // capture the engine's graphs here
+//! }
+//! let keys = [BlockKey::new(7, 0), BlockKey::new(8, 0)];
+//! let stored = off.store(&keys, &[3, 4])?;
+//! off.wait_all()?;
+//! let done = off.poll();
+//! assert!(done.iter().all(|c| c.error.is_none()));
+//! assert_eq!(stored.stored.len(), 2);
+//! let job = off.load(&keys, &[10, 11])?;
+//! off.wait(job)?;
+//! off.poll();
+//! off.shutdown()?;
+//! # Ok(()) }
+//! ```
+
+mod error;
+mod options;
+
+use std::collections::HashMap;
+
+pub use error::OffloaderError;
+pub use options::{KvAlloc, KvSpec, OffloaderOptions, RegionSpec};
+
+use crate::manager::{BlockKey, BlockManager, Lookup, ManagerConfig, Placement, Skipped};
+use crate::pin::{pin_all, pin_all_agreed, Agreement, Prefault, Prepared, RegionSlots};
+use crate::protocol::agreement::{AgreementError, RankSlots};
+use crate::protocol::{shutdown, CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
+use crate::region::{page_size, AnonOptions, Layout, Region};
+use crate::runtime::{Direction, DriverError, Gate, GpuRuntime, Stream};
+use crate::sync::{self, thread, Arc, Mutex};
+use crate::transfer::{Backend, GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine};
+
+/// What a store submission did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreSubmitted {
+    /// The job that writes the stored keys, `None` when nothing needed
+    /// storing (every key already stored or pending).
+    pub job: Option<JobId>,
+    /// Keys the job stores (readable once [`Offloader::poll`] reports it).
+    pub stored: Vec<BlockKey>,
+    /// Keys not stored, and why.
+    pub skipped: Vec<Skipped>,
+    /// Keys evicted to make room.
+    pub evicted: Vec<BlockKey>,
+}
+
+/// A finished job, as [`Offloader::poll`] reports it (already applied to
+/// the block manager).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Completion {
+    /// The job.
+    pub job: JobId,
+    /// Store (`DeviceToHost`) or load (`HostToDevice`).
+    pub direction: Direction,
+    /// Its keys.
+    pub keys: Vec<BlockKey>,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Seconds from submission until completion was seen.
+    pub seconds: f64,
+    /// The copy backend used.
+    pub backend: Backend,
+    /// `None` when every byte arrived. A failed store's keys are dropped
+    /// (not readable); a failed load's keys stay stored.
+    pub error: Option<DriverError>,
+}
+
+/// Pinning progress.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PinProgress {
+    /// The state.
+    pub state: PinState,
+    /// Chunks registered.
+    pub chunks_done: usize,
+    /// Chunks in all.
+    pub chunks_total: usize,
+    /// Bytes to pin.
+    pub bytes_total: usize,
+}
+
+/// How the pinner ended, once it did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PinOutcome {
+    /// The final state.
+    pub state: PinState,
+    /// With a shared region: the agreement, or why it was not reached
+    /// (this rank then runs on pageable memory).
+    pub agreement: Option<Result<(), AgreementError>>,
+}
+
+enum Pinner {
+    NotStarted,
+    Running(thread::JoinHandle<PinOutcome>),
+    Done(PinOutcome),
+}
+
+struct JobKeys {
+    direction: Direction,
+    keys: Vec<BlockKey>,
+}
+
+struct Inner {
+    manager: BlockManager,
+    engine: Option<Arc<TransferEngine>>,
+    jobs: HashMap<JobId, JobKeys>,
+    next_id: JobId,
+    closed: bool,
+}
+
+#[derive(Copy, Clone, PartialEq, Eq)]
+enum Down {
+    Running,
+    Down,
+}
+
+/// The one type an engine uses; see the module docs.
+pub struct Offloader {
+    rt: Arc<dyn GpuRuntime>,
+    coord: Arc<Coordinator>,
+    region: Arc<Region>,
+    kv: KvSpec,
+    layout: KvLayout,
+    prefault: Arc<dyn Prefault>,
+    agreement: Option<Agreement>,
+    bytes_total: usize,
+    inner: Mutex<Inner>,
+    pinner: Mutex<Pinner>,
+    /// Tensors and the compute stream the offloader made, freed at shutdown.
+    owned_tensors: Vec<u64>,
+    owned_compute: Option<Stream>,
+    down: Mutex<Down>,
+}
+
+impl std::fmt::Debug for Offloader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Offloader")
+            .field("backend", &self.rt.backend())
+            .field("region_bytes", &self.region.len())
+            .field("rank", &self.region.rank())
+            .field("pin", &self.coord.pin_state())
+            .finish()
+    }
+}
+
+impl Offloader {
+    /// Builds an offloader over the engine's own KV tensors (`kv`).
+    ///
+    /// Creates or joins the region, cuts it into registration chunks, makes
+    /// the transfer engine (its streams and tables) and the block manager.
+    /// Pinning starts with [`Offloader::start`].
+    ///
+    /// # Safety
+    /// Every tensor of `kv` is a device allocation of `rt` of at least
+    /// `gpu_blocks * page_bytes` bytes that stays allocated until this
+    /// offloader is shut down (or dropped); `kv.compute_stream` is a stream
+    /// of `rt` that lives as long. GPU blocks named in a store are not
+    /// written, and GPU blocks named in a load neither read nor written, by
+    /// the engine until [`Offloader::poll`] reports the job (or
+    /// [`Offloader::wait`] returns for it): the copies are asynchronous.
+    pub unsafe fn new(
+        rt: Arc<dyn GpuRuntime>,
+        kv: KvSpec,
+        opts: OffloaderOptions,
+    ) -> Result<Offloader, OffloaderError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { Self::build(rt, kv, opts, Vec::new(), None) }
+    }
+
+    /// Builds an offloader that allocates its KV tensors itself (`alloc`)
+    /// and a compute stream, and frees them at shutdown. The tensors'
+    /// device addresses are [`Offloader::tensors`]; the stream is
+    /// [`Offloader::compute_stream`].
+    pub fn with_allocated_tensors(
+        rt: Arc<dyn GpuRuntime>,
+        alloc: KvAlloc,
+        opts: OffloaderOptions,
+    ) -> Result<Offloader, OffloaderError> {
+        if alloc.tensors == 0 || alloc.page_bytes == 0 || alloc.gpu_blocks == 0 {
+            return Err(OffloaderError::Options(format!("zero-sized KV allocation: {alloc:?}")));
+        }
+        let bytes = alloc.gpu_blocks.checked_mul(alloc.page_bytes).ok_or_else(|| {
+            OffloaderError::Options(format!("{} blocks of {} bytes overflow", alloc.gpu_blocks, alloc.page_bytes))
+        })?;
+        // Allocations before any window can exist: a coordinator of its own
+        // gates them (none of them overlaps a capture the engine makes
+        // through this offloader, which does not exist yet).
+        let gate = Coordinator::without_region(Default::default());
+        let mut tensors = Vec::with_capacity(alloc.tensors);
+        let free_all = |rt: &dyn GpuRuntime, tensors: &[u64]| {
+            for &p in tensors {
+                match gate.unsafe_call("freeing a KV tensor", |g| rt.mem_free(g, p)) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::warn!(error = %e, "freeing a KV tensor failed"),
+                    Err(e) => tracing::warn!(error = %e, "freeing a KV tensor refused"),
+                }
+            }
+        };
+        for _ in 0..alloc.tensors {
+            match gate.unsafe_call("allocating a KV tensor", |g| rt.mem_alloc(g, bytes))? {
+                Ok(p) => tensors.push(p),
+                Err(e) => {
+                    free_all(rt.as_ref(), &tensors);
+                    return Err(OffloaderError::driver("allocating a KV tensor")(e));
+                }
+            }
+        }
+        let compute = match rt.stream_create() {
+            Ok(s) => s,
+            Err(e) => {
+                free_all(rt.as_ref(), &tensors);
+                return Err(OffloaderError::driver("creating the compute stream")(e));
+            }
+        };
+        let kv = KvSpec {
+            tensors: tensors.iter().map(|&p| TensorSpec { device_base: p, page_bytes: alloc.page_bytes }).collect(),
+            gpu_blocks: alloc.gpu_blocks,
+            block_factor: alloc.block_factor,
+            compute_stream: compute,
+        };
+        // SAFETY: the tensors and the stream were made above for this
+        // offloader, which frees them at shutdown, after its jobs.
+        let r = unsafe { Self::build(rt.clone(), kv, opts, tensors.clone(), Some(compute)) };
+        if r.is_err() {
+            if let Err(e) = rt.stream_destroy(compute) {
+                tracing::warn!(error = %e, "destroying the compute stream failed");
+            }
+            free_all(rt.as_ref(), &tensors);
+        }
+        r
+    }
+
+    /// # Safety
+    /// As for [`Offloader::new`].
+    unsafe fn build(
+        rt: Arc<dyn GpuRuntime>,
+        kv: KvSpec,
+        opts: OffloaderOptions,
+        owned_tensors: Vec<u64>,
+        owned_compute: Option<Stream>,
+    ) -> Result<Offloader, OffloaderError> {
+        if kv.tensors.is_empty() || kv.gpu_blocks == 0 || kv.block_factor == 0 {
+            return Err(OffloaderError::Options(format!(
+                "the KV description needs tensors, GPU blocks and a block factor (got {} tensors, {} GPU blocks, factor {})",
+                kv.tensors.len(),
+                kv.gpu_blocks,
+                kv.block_factor
+            )));
+        }
+        if opts.host_blocks == 0 {
+            return Err(OffloaderError::Options("host_blocks is 0".into()));
+        }
+        let block_bytes = kv.host_block_bytes();
+        let page = page_size();
+        let slot_bytes = block_bytes.div_ceil(page) * page;
+        let ranks = opts.region.ranks();
+        let rank = opts.region.rank();
+        let layout = Layout::new(ranks, slot_bytes, opts.host_blocks)?;
+        let region = match &opts.region {
+            // Huge-page advice comes from the pin options (Prepared::new).
+            RegionSpec::Anonymous => Region::anonymous(layout, &AnonOptions::new())?,
+            RegionSpec::Shared { name, rank, options, .. } => {
+                if *rank == 0 {
+                    Region::create(name, layout, 0, options)?
+                } else {
+                    Region::join(name, layout, *rank, options)?
+                }
+            }
+        };
+        let region = Arc::new(region);
+        let prepared = Prepared::new(&region, &opts.pin)?;
+        let bytes_total = prepared.bytes();
+        let agreement = match (&opts.region, RegionSlots::new(region.clone())) {
+            (RegionSpec::Shared { ranks, .. }, Some(slots)) if *ranks > 1 => {
+                let slots: Arc<dyn RankSlots> = sync::arc_dyn(slots, |a| a);
+                Some(Agreement { slots, rank, timeout: opts.agreement_timeout })
+            }
+            _ => None,
+        };
+        let prefault = prepared.prefault();
+        let coord = prepared.coordinator().clone();
+        // This rank's host blocks: block `i` in row `i`, slot `rank`.
+        let host_base = region.chunk_ptr(rank, 0)?.as_ptr() as usize;
+        let group = GroupSpec {
+            tensors: kv.tensors.clone(),
+            num_gpu_blocks: kv.gpu_blocks,
+            num_host_blocks: opts.host_blocks,
+        };
+        let placement = HostPlacement::BlockStrided { stride: layout.row_bytes() };
+        let kv_layout = KvLayout::new(&[group], kv.block_factor, host_base, placement)?;
+        let manager = BlockManager::new(ManagerConfig::new(opts.host_blocks, opts.eviction))?;
+        // SAFETY: the host area is this rank's slots of `region`, which the
+        // offloader (and the coordinator) hold until the engine is gone;
+        // only the engine's DMA touches them (the offloader hands out no
+        // reference into the region). The tensors and the compute stream
+        // are the caller's contract.
+        let engine = unsafe {
+            TransferEngine::new(rt.clone(), coord.clone(), kv_layout.clone(), kv.compute_stream, opts.transfer)
+        }?;
+        tracing::info!(
+            backend = rt.backend(),
+            rank,
+            ranks,
+            host_blocks = opts.host_blocks,
+            block_bytes,
+            region_bytes = region.len(),
+            "offloader built"
+        );
+        Ok(Offloader {
+            rt,
+            coord,
+            region,
+            kv,
+            layout: kv_layout,
+            prefault,
+            agreement,
+            bytes_total,
+            inner: Mutex::new(Inner {
+                manager,
+                engine: Some(Arc::new(engine)),
+                jobs: HashMap::new(),
+                next_id: 1,
+                closed: false,
+            }),
+            pinner: Mutex::new(Pinner::NotStarted),
+            owned_tensors,
+            owned_compute,
+            down: Mutex::new(Down::Running),
+        })
+    }
+
+    // ---- what the engine reads ----
+
+    /// The runtime (for capture and graph calls of the engine's own thread;
+    /// its capture-unsafe operations need [`Offloader::gated`]).
+    pub fn runtime(&self) -> &Arc<dyn GpuRuntime> {
+        &self.rt
+    }
+
+    /// The KV description the offloader moves blocks of.
+    pub fn kv(&self) -> &KvSpec {
+        &self.kv
+    }
+
+    /// Device addresses of the KV tensors (the engine's, or those the
+    /// offloader allocated).
+    pub fn tensors(&self) -> Vec<u64> {
+        self.kv.tensors.iter().map(|t| t.device_base).collect()
+    }
+
+    /// The compute stream jobs are ordered after.
+    pub fn compute_stream(&self) -> Stream {
+        self.kv.compute_stream
+    }
+
+    /// The transfer layout (host and device address of every block).
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// The host region.
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+
+    /// The coordinator (diagnostics: windows open, chunks registered).
+    pub fn coordinator(&self) -> &Arc<Coordinator> {
+        &self.coord
+    }
+
+    // ---- pinning ----
+
+    /// Starts background pinning (idempotent). With a shared region the
+    /// outcome is published once every rank settled (P7).
+    pub fn start(&self) -> Result<(), OffloaderError> {
+        let mut p = sync::lock(&self.pinner);
+        if !matches!(*p, Pinner::NotStarted) {
+            return Ok(());
+        }
+        if self.coord.shutting_down() {
+            return Err(OffloaderError::ShutDown);
+        }
+        let (rt, coord, prefault, agreement) =
+            (self.rt.clone(), self.coord.clone(), self.prefault.clone(), self.agreement.clone());
+        let handle = thread::spawn(move || match agreement {
+            None => PinOutcome { state: pin_all(rt.as_ref(), &coord, prefault.as_ref()), agreement: None },
+            Some(a) => match pin_all_agreed(rt.as_ref(), &coord, prefault.as_ref(), &a) {
+                Ok(state) => PinOutcome { state, agreement: Some(Ok(())) },
+                Err(e) => {
+                    tracing::error!(error = %e, "ranks did not agree; this rank runs on pageable memory");
+                    PinOutcome { state: coord.pin_state(), agreement: Some(Err(e)) }
+                }
+            },
+        });
+        *p = Pinner::Running(handle);
+        tracing::info!(bytes = self.bytes_total, "background pinning started");
+        Ok(())
+    }
+
+    /// The pin state now.
+    pub fn pin_state(&self) -> PinState {
+        self.coord.pin_state()
+    }
+
+    /// Pinning progress now.
+    pub fn pin_progress(&self) -> PinProgress {
+        let state = self.coord.pin_state();
+        let total = self.coord.chunk_count();
+        let done = match &state {
+            PinState::Pinning { done, .. } => *done,
+            PinState::Pinned => total,
+            _ => self.coord.registered_chunks(),
+        };
+        PinProgress { state, chunks_done: done, chunks_total: total, bytes_total: self.bytes_total }
+    }
+
+    /// Waits until pinning is final (and, with a shared region, agreed),
+    /// starting it if needed, and returns how it ended. Refused inside the
+    /// caller's own capture window with the Interleave policy (it would
+    /// never return).
+    pub fn wait_pinned(&self) -> Result<PinOutcome, OffloaderError> {
+        self.start()?;
+        self.coord.wait_pin_final()?;
+        self.join_pinner()
+    }
+
+    /// Joins the pinner (which has published a final state or is about to).
+    fn join_pinner(&self) -> Result<PinOutcome, OffloaderError> {
+        let mut p = sync::lock(&self.pinner);
+        let out = match std::mem::replace(&mut *p, Pinner::NotStarted) {
+            Pinner::Running(h) => match h.join() {
+                Ok(o) => o,
+                Err(_) => {
+                    *p = Pinner::Done(PinOutcome { state: self.coord.pin_state(), agreement: None });
+                    return Err(OffloaderError::PinnerPanicked);
+                }
+            },
+            Pinner::Done(o) => o,
+            Pinner::NotStarted => PinOutcome { state: self.coord.pin_state(), agreement: None },
+        };
+        *p = Pinner::Done(out.clone());
+        Ok(out)
+    }
+
+    // ---- capture ----
+
+    /// Opens a capture window: capture the engine's graphs while holding the
+    /// guard. No library thread makes a capture-unsafe call while it is
+    /// open; with the default policy it opens only once pinning is final.
+    pub fn capture_window(&self) -> Result<CaptureWindow, OffloaderError> {
+        Ok(self.coord.open_window()?)
+    }
+
+    /// Records that a graph which references the region exists: shutdown
+    /// is refused until the token is dropped (drop it after destroying the
+    /// graph).
+    pub fn register_graph(&self) -> Result<GraphToken, OffloaderError> {
+        Ok(self.coord.register_graph()?)
+    }
+
+    /// Runs the engine's own capture-unsafe driver calls (allocations,
+    /// synchronizes, event queries) at a moment no capture window is open.
+    pub fn gated<T>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(&Gate, &dyn GpuRuntime) -> T,
+    ) -> Result<T, OffloaderError> {
+        let rt = self.rt.clone();
+        Ok(self.coord.unsafe_call(what, |g| f(g, rt.as_ref()))?)
+    }
+
+    // ---- blocks ----
+
+    /// What the offloader holds of each key (counts as a lookup for the
+    /// eviction policy).
+    pub fn lookup(&self, keys: &[BlockKey]) -> Vec<Lookup> {
+        sync::lock(&self.inner).manager.lookup(keys)
+    }
+
+    /// Keys stored and readable now.
+    pub fn stored_blocks(&self) -> usize {
+        sync::lock(&self.inner).manager.len()
+    }
+
+    fn check_gpu_blocks(&self, keys: &[BlockKey], gpu_blocks: &[usize]) -> Result<(), OffloaderError> {
+        let factor = self.kv.block_factor;
+        let need = keys.len().checked_mul(factor).unwrap_or(usize::MAX);
+        if gpu_blocks.len() != need {
+            return Err(OffloaderError::GpuBlockCount { keys: keys.len(), factor, need, got: gpu_blocks.len() });
+        }
+        Ok(())
+    }
+
+    /// Stores `keys` from GPU blocks `gpu_blocks` (`block_factor` per key,
+    /// in key order). Keys already stored or pending are skipped; slots are
+    /// freed by eviction when needed (all or nothing). The stored keys
+    /// become readable once [`Offloader::poll`] reports the job.
+    ///
+    /// The store is ordered after the work on the compute stream at this
+    /// moment; the engine must not write those GPU blocks until the job is
+    /// reported.
+    pub fn store(&self, keys: &[BlockKey], gpu_blocks: &[usize]) -> Result<StoreSubmitted, OffloaderError> {
+        self.check_gpu_blocks(keys, gpu_blocks)?;
+        let mut inner = sync::lock(&self.inner);
+        if inner.closed {
+            return Err(OffloaderError::ShutDown);
+        }
+        let out = inner.manager.prepare_store(keys)?;
+        let evicted: Vec<BlockKey> = out.evicted.iter().map(|p| p.key).collect();
+        if out.to_store.is_empty() {
+            return Ok(StoreSubmitted { job: None, stored: Vec::new(), skipped: out.skipped, evicted });
+        }
+        let (gpu, slots, stored) = self.job_blocks(keys, gpu_blocks, &out.to_store);
+        let id = inner.next_id;
+        inner.next_id += 1;
+        let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
+        if let Err(e) = engine.store(id, &JobBlocks::single(gpu, slots)) {
+            if let Err(m) = inner.manager.complete_store(&stored, false) {
+                tracing::error!(error = %m, "undoing a refused store failed");
+            }
+            return Err(e.into());
+        }
+        inner.jobs.insert(id, JobKeys { direction: Direction::DeviceToHost, keys: stored.clone() });
+        Ok(StoreSubmitted { job: Some(id), stored, skipped: out.skipped, evicted })
+    }
+
+    /// Loads `keys` (each stored and readable) into GPU blocks `gpu_blocks`
+    /// (`block_factor` per key, in key order). Their slots cannot be evicted
+    /// until [`Offloader::poll`] reports the job.
+    ///
+    /// The load is ordered after the work on the compute stream at this
+    /// moment; the engine must not touch those GPU blocks until the job is
+    /// reported.
+    pub fn load(&self, keys: &[BlockKey], gpu_blocks: &[usize]) -> Result<JobId, OffloaderError> {
+        self.check_gpu_blocks(keys, gpu_blocks)?;
+        let mut inner = sync::lock(&self.inner);
+        if inner.closed {
+            return Err(OffloaderError::ShutDown);
+        }
+        let placements = inner.manager.prepare_load(keys)?;
+        let (gpu, slots, _) = self.job_blocks(keys, gpu_blocks, &placements);
+        let id = inner.next_id;
+        inner.next_id += 1;
+        let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
+        if let Err(e) = engine.load(id, &JobBlocks::single(gpu, slots)) {
+            if let Err(m) = inner.manager.complete_load(keys) {
+                tracing::error!(error = %m, "undoing a refused load failed");
+            }
+            return Err(e.into());
+        }
+        inner.jobs.insert(id, JobKeys { direction: Direction::HostToDevice, keys: keys.to_vec() });
+        Ok(id)
+    }
+
+    /// The GPU blocks and host slots of `placements` (a subset of `keys`,
+    /// in key order), and their keys.
+    fn job_blocks(
+        &self,
+        keys: &[BlockKey],
+        gpu_blocks: &[usize],
+        placements: &[Placement],
+    ) -> (Vec<usize>, Vec<usize>, Vec<BlockKey>) {
+        let f = self.kv.block_factor;
+        let at: HashMap<BlockKey, usize> = keys.iter().enumerate().map(|(i, k)| (*k, i)).collect();
+        let mut gpu = Vec::with_capacity(placements.len() * f);
+        let mut slots = Vec::with_capacity(placements.len());
+        let mut ks = Vec::with_capacity(placements.len());
+        for p in placements {
+            // The manager places only keys of the batch, each once.
+            let i = at[&p.key];
+            gpu.extend_from_slice(&gpu_blocks[i * f..(i + 1) * f]);
+            slots.push(p.slot.index());
+            ks.push(p.key);
+        }
+        (gpu, slots, ks)
+    }
+
+    /// Jobs that finished since the last call, in submission order per
+    /// direction, each reported once, already applied to the block manager.
+    /// Never blocks on the GPU and never makes a capture-unsafe call while a
+    /// window is open (it then returns what it found so far).
+    pub fn poll(&self) -> Vec<Completion> {
+        let mut inner = sync::lock(&self.inner);
+        let Some(engine) = inner.engine.clone() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for r in engine.poll_finished() {
+            let Some(job) = inner.jobs.remove(&r.id) else {
+                tracing::error!(job = r.id, "a job was reported that the offloader did not submit");
+                continue;
+            };
+            let applied = match job.direction {
+                Direction::DeviceToHost => inner.manager.complete_store(&job.keys, r.succeeded()),
+                Direction::HostToDevice => inner.manager.complete_load(&job.keys),
+            };
+            if let Err(e) = applied {
+                tracing::error!(job = r.id, error = %e, "applying a finished job to the block manager failed");
+            }
+            out.push(Completion {
+                job: r.id,
+                direction: r.direction,
+                keys: job.keys,
+                bytes: r.bytes,
+                seconds: r.seconds,
+                backend: r.backend,
+                error: r.error,
+            });
+        }
+        out
+    }
+
+    /// Jobs submitted and not yet reported by [`Offloader::poll`].
+    pub fn in_flight(&self) -> usize {
+        sync::lock(&self.inner).jobs.len()
+    }
+
+    /// Blocks until job `id` completed on the GPU (it is still reported by
+    /// [`Offloader::poll`]). Refused inside the caller's own window.
+    pub fn wait(&self, id: JobId) -> Result<(), OffloaderError> {
+        let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
+        engine.wait(id).map_err(|e| match e {
+            crate::transfer::TransferError::UnknownJob { id } => OffloaderError::UnknownJob { id },
+            e => e.into(),
+        })
+    }
+
+    /// Blocks until every job submitted so far completed on the GPU (failed
+    /// jobs are reported by [`Offloader::poll`], not here).
+    pub fn wait_all(&self) -> Result<(), OffloaderError> {
+        let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
+        Ok(engine.wait_all()?)
+    }
+
+    // ---- shutdown ----
+
+    /// Shuts down in the protocol's order: refused (typed, nothing changed)
+    /// while a capture window is open or registered graphs live; otherwise
+    /// refuses new jobs, waits for the jobs in flight and applies them to
+    /// the manager, stops pinning at a chunk boundary, unregisters the
+    /// region, and frees what the offloader allocated. A second call is
+    /// refused with [`ProtocolError::AlreadyShutDown`]. The region is
+    /// unmapped (and a shared file's name is long gone) when the offloader
+    /// is dropped.
+    pub fn shutdown(&self) -> Result<(), OffloaderError> {
+        let mut down = sync::lock(&self.down);
+        if *down == Down::Down {
+            return Err(ProtocolError::AlreadyShutDown.into());
+        }
+        let open = self.coord.windows_open();
+        if open > 0 {
+            return Err(ProtocolError::WindowOpen { open }.into());
+        }
+        // Drain: no new jobs, every job in flight completes and is applied.
+        let engine = {
+            let mut inner = sync::lock(&self.inner);
+            inner.closed = true;
+            inner.engine.clone()
+        };
+        if let Some(engine) = &engine {
+            engine.wait_all()?;
+            while engine.in_flight(Direction::DeviceToHost) + engine.in_flight(Direction::HostToDevice) > 0 {
+                if self.poll().is_empty() {
+                    // A window opened meanwhile (polls are refused while one
+                    // is open): wait for it to close, then poll again.
+                    self.coord.wait_no_window()?;
+                }
+            }
+        }
+        drop(engine);
+        // The engine goes before the region is unregistered (its streams,
+        // tables and staging ring are freed through the gate).
+        let engine = sync::lock(&self.inner).engine.take();
+        drop(engine);
+        let pinner = &self.pinner;
+        let mut joined = Ok(());
+        let r = shutdown(self.rt.as_ref(), &self.coord, || {
+            let mut p = sync::lock(pinner);
+            if let Pinner::Running(h) = std::mem::replace(&mut *p, Pinner::NotStarted) {
+                match h.join() {
+                    Ok(o) => *p = Pinner::Done(o),
+                    Err(_) => joined = Err(OffloaderError::PinnerPanicked),
+                }
+            }
+        });
+        *down = Down::Down;
+        let freed = self.free_owned();
+        r?;
+        joined?;
+        freed?;
+        tracing::info!("offloader shut down");
+        Ok(())
+    }
+
+    /// Frees the tensors and the compute stream the offloader allocated.
+    fn free_owned(&self) -> Result<(), OffloaderError> {
+        let mut first = None;
+        if let Some(s) = self.owned_compute {
+            if let Err(e) = self.rt.stream_destroy(s) {
+                first.get_or_insert(OffloaderError::driver("destroying the compute stream")(e));
+            }
+        }
+        for &p in &self.owned_tensors {
+            match self.coord.unsafe_call("freeing a KV tensor", |g| self.rt.mem_free(g, p)) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    first.get_or_insert(OffloaderError::driver("freeing a KV tensor")(e));
+                }
+                Err(e) => {
+                    first.get_or_insert(e.into());
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// True once [`Offloader::shutdown`] completed.
+    pub fn is_shut_down(&self) -> bool {
+        *sync::lock(&self.down) == Down::Down
+    }
+}
+
+impl Drop for Offloader {
+    fn drop(&mut self) {
+        if self.is_shut_down() {
+            return;
+        }
+        if let Err(e) = self.shutdown() {
+            tracing::error!(error = %e, "offloader dropped: shutdown failed; registered memory stays mapped (leaked)");
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! What an [`super::Offloader`] is built from: one options struct with
+//! defaults, and the engine's KV layout described once.
+
+use std::time::Duration;
+
+use crate::manager::PolicyKind;
+use crate::pin::PinOptions;
+use crate::region::ShmOptions;
+use crate::runtime::Stream;
+use crate::transfer::{TensorSpec, TransferOptions};
+
+/// Where the host blocks live.
+#[derive(Clone, Debug, Default)]
+pub enum RegionSpec {
+    /// Private memory of this process (one rank).
+    #[default]
+    Anonymous,
+    /// A region shared by the `ranks` processes of one node: a file in
+    /// `options`' directory (/dev/shm by default) that rank 0 creates and the
+    /// others join, unlinked as soon as every rank has mapped it. The ranks
+    /// agree on the pin state through the region's header before offloading
+    /// turns on (P7).
+    Shared {
+        /// Region name, the same in every rank (the file is
+        /// `<dir>/kvoffload-<name>`).
+        name: String,
+        /// This process's rank, `0..ranks`.
+        rank: usize,
+        /// Number of ranks sharing the region.
+        ranks: usize,
+        /// Directory, join deadline and the like.
+        options: ShmOptions,
+    },
+}
+
+impl RegionSpec {
+    /// Number of ranks sharing the region (1 for an anonymous one).
+    pub fn ranks(&self) -> usize {
+        match self {
+            RegionSpec::Anonymous => 1,
+            RegionSpec::Shared { ranks, .. } => *ranks,
+        }
+    }
+
+    /// This process's rank (0 for an anonymous region).
+    pub fn rank(&self) -> usize {
+        match self {
+            RegionSpec::Anonymous => 0,
+            RegionSpec::Shared { rank, .. } => *rank,
+        }
+    }
+}
+
+/// The engine's KV cache on the GPU, described once at construction.
+///
+/// One KV cache group: `tensors` (typically one per layer, or one for K and
+/// one for V per layer) each hold `gpu_blocks` blocks of their
+/// `page_bytes`; a host block holds `block_factor` consecutive GPU blocks of
+/// every tensor.
+#[derive(Clone, Debug)]
+pub struct KvSpec {
+    /// The tensors, each with the device address of its GPU block 0.
+    pub tensors: Vec<TensorSpec>,
+    /// GPU blocks in every tensor.
+    pub gpu_blocks: usize,
+    /// GPU blocks per host block (1 unless host blocks are coarser).
+    pub block_factor: usize,
+    /// The engine's compute stream: stores are ordered after the work it
+    /// holds when they are submitted, loads too (a load must not overwrite
+    /// GPU blocks that compute still reads).
+    pub compute_stream: Stream,
+}
+
+impl KvSpec {
+    /// Bytes one host block holds: `block_factor` pages of every tensor.
+    pub fn host_block_bytes(&self) -> usize {
+        self.tensors.iter().map(|t| t.page_bytes).sum::<usize>() * self.block_factor
+    }
+}
+
+/// The KV tensors the offloader allocates itself (and frees at shutdown),
+/// for engines and tests that do not bring their own.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct KvAlloc {
+    /// Tensors (layers).
+    pub tensors: usize,
+    /// Bytes of one GPU block of each tensor.
+    pub page_bytes: usize,
+    /// GPU blocks in each tensor.
+    pub gpu_blocks: usize,
+    /// GPU blocks per host block.
+    pub block_factor: usize,
+}
+
+/// Everything an [`super::Offloader`] is built from. `Default` gives one
+/// anonymous region, background pinning with the default [`PinOptions`],
+/// automatic copy backends and LRU eviction; only `host_blocks` must be set.
+#[derive(Clone, Debug)]
+pub struct OffloaderOptions {
+    /// Host blocks this rank owns in the region (the block manager's slots).
+    pub host_blocks: usize,
+    /// Anonymous or shared region.
+    pub region: RegionSpec,
+    /// Pinning: threads, chunk size, pre-fault, capture policy.
+    pub pin: PinOptions,
+    /// Copy backends and their tables.
+    pub transfer: TransferOptions,
+    /// Which block the manager evicts when it needs a slot.
+    pub eviction: PolicyKind,
+    /// How long a rank waits for its peers to settle their pin state (shared
+    /// regions); `None` waits for as long as it takes.
+    pub agreement_timeout: Option<Duration>,
+}
+
+impl Default for OffloaderOptions {
+    fn default() -> Self {
+        OffloaderOptions {
+            host_blocks: 0,
+            region: RegionSpec::Anonymous,
+            pin: PinOptions::default(),
+            transfer: TransferOptions::default(),
+            eviction: PolicyKind::Lru,
+            agreement_timeout: Some(Duration::from_secs(120)),
+        }
+    }
+}
+
+impl OffloaderOptions {
+    /// Defaults with `host_blocks` host blocks.
+    pub fn with_host_blocks(host_blocks: usize) -> Self {
+        OffloaderOptions { host_blocks, ..Self::default() }
+    }
+}
