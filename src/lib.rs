@@ -20,7 +20,6 @@
 //! crate's public API like any engine.
 
 pub mod manager;
-#[cfg(not(loom))]
 pub mod offloader;
 pub mod pin;
 pub mod protocol;

@@ -319,11 +319,8 @@ impl Offloader {
         let coord = prepared.coordinator().clone();
         // This rank's host blocks: block `i` in row `i`, slot `rank`.
         let host_base = region.chunk_ptr(rank, 0)?.as_ptr() as usize;
-        let group = GroupSpec {
-            tensors: kv.tensors.clone(),
-            num_gpu_blocks: kv.gpu_blocks,
-            num_host_blocks: opts.host_blocks,
-        };
+        let group =
+            GroupSpec { tensors: kv.tensors.clone(), num_gpu_blocks: kv.gpu_blocks, num_host_blocks: opts.host_blocks };
         let placement = HostPlacement::BlockStrided { stride: layout.row_bytes() };
         let kv_layout = KvLayout::new(&[group], kv.block_factor, host_base, placement)?;
         let manager = BlockManager::new(ManagerConfig::new(opts.host_blocks, opts.eviction))?;
@@ -522,7 +519,7 @@ impl Offloader {
 
     fn check_gpu_blocks(&self, keys: &[BlockKey], gpu_blocks: &[usize]) -> Result<(), OffloaderError> {
         let factor = self.kv.block_factor;
-        let need = keys.len().checked_mul(factor).unwrap_or(usize::MAX);
+        let need = keys.len().saturating_mul(factor);
         if gpu_blocks.len() != need {
             return Err(OffloaderError::GpuBlockCount { keys: keys.len(), factor, need, got: gpu_blocks.len() });
         }

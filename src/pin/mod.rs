@@ -16,7 +16,6 @@ pub mod memlock;
 pub mod options;
 pub mod prefault;
 mod region_slots;
-#[cfg(not(loom))]
 mod setup;
 
 pub use engine::{pin_all, pin_all_agreed, Agreement, NoPrefault, PinHandle, Prefault};
@@ -24,7 +23,6 @@ pub use options::{
     available_cores, HugePages, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT,
     MAX_THREADS, RECOMMENDED_MAX_CHUNK_BYTES,
 };
-pub use region_slots::RegionSlots;
 pub use prefault::{thp_setting, PrefaultConfig, PrefaultError, PrefaultStats, Prefaulter, HUGE_PAGE_BYTES};
-#[cfg(not(loom))]
+pub use region_slots::RegionSlots;
 pub use setup::{prepare, Prepared};

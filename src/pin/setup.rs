@@ -116,8 +116,8 @@ impl Prepared {
     /// The pre-faulter as the engine takes it ([`NoPrefault`] when off).
     pub fn prefault(&self) -> Arc<dyn Prefault> {
         match &self.prefaulter {
-            Some(p) => p.clone(),
-            None => Arc::new(NoPrefault),
+            Some(p) => crate::sync::arc_dyn(Shared(p.clone()), |a| a),
+            None => NoPrefault::shared(),
         }
     }
 
@@ -169,4 +169,19 @@ impl Prepared {
 /// and the pre-faulter.
 pub fn prepare(region: &Arc<Region>, opts: &PinOptions) -> Result<(Arc<Coordinator>, Arc<dyn Prefault>), PinError> {
     Ok(Prepared::new(region, opts)?.into_parts())
+}
+
+/// The shared pre-faulter as a trait object (loom's `Arc` cannot coerce).
+struct Shared(Arc<Prefaulter>);
+
+impl Prefault for Shared {
+    fn ensure(&self, i: usize, addr: usize, len: usize) -> Result<(), String> {
+        self.0.ensure(i, addr, len)
+    }
+    fn hint(&self, i: usize, addr: usize, len: usize) {
+        self.0.hint(i, addr, len)
+    }
+    fn settle(&self) {
+        self.0.settle()
+    }
 }

@@ -36,6 +36,10 @@
 //! loom cannot model (it sees one process), and loom atomics cannot live in
 //! an mmap'd file.
 
+// Cross-process words on shared memory: `core::sync::atomic`, never the
+// sync facade (loom cannot model another process).
+#![allow(clippy::disallowed_types)]
+
 use core::marker::PhantomData;
 use core::mem::{offset_of, size_of};
 use core::ptr::{addr_of, addr_of_mut, NonNull};

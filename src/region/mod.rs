@@ -312,6 +312,7 @@ impl Region {
     /// publishes its pin state in its word); no other layer may use them.
     /// These are `core::sync::atomic` words on shared memory (cross-process,
     /// outside loom). None for anonymous regions.
+    #[allow(clippy::disallowed_types)] // cross-process words, see above
     pub fn rank_slots(&self) -> Option<&[core::sync::atomic::AtomicU32]> {
         match self.kind {
             Kind::Shared(_) => Some(&self.hdr().rank_slots()[..self.layout.num_ranks()]),

@@ -231,6 +231,16 @@ impl SimRuntime {
         sync::lock(&self.inner.state).registered.len()
     }
 
+    /// Bytes of device memory allocated and not freed (leak checks).
+    pub fn device_bytes_in_use(&self) -> usize {
+        sync::lock(&self.inner.state).device_used
+    }
+
+    /// Page-locked host allocations (`mem_alloc_host`) not freed.
+    pub fn host_allocs_in_use(&self) -> usize {
+        sync::lock(&self.inner.state).host_allocs.len()
+    }
+
     /// Registrations running in the driver right now.
     pub fn registers_running(&self) -> usize {
         sync::lock(&self.inner.state).registers_running

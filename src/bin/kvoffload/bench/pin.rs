@@ -25,11 +25,11 @@ use kvoffload::region::{page_size, AnonOptions, Layout, Region};
 use kvoffload::runtime::GpuRuntime;
 use kvoffload::sync::{self, Mutex};
 
-use kvoffload::pin::{pin_all, Prefault};
 use kvoffload::pin::memlock;
-use kvoffload::pin::{available_cores, HugePages, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
-use kvoffload::pin::{thp_setting, HUGE_PAGE_BYTES};
 use kvoffload::pin::Prepared;
+use kvoffload::pin::{available_cores, HugePages, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
+use kvoffload::pin::{pin_all, Prefault};
+use kvoffload::pin::{thp_setting, HUGE_PAGE_BYTES};
 
 /// What to measure.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -23,13 +23,13 @@ use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
 use kvoffload::manager::ManagerError;
-use kvoffload::runtime::pattern;
 use kvoffload::pin::{pin_all_agreed, Agreement, PinError, PinOptions, Prefault, Prepared};
 use kvoffload::protocol::agreement::{AgreementError, RankSlots};
 use kvoffload::protocol::{shutdown, GraphToken, PinState, ProtocolError, ShutdownError};
 use kvoffload::region::pages;
 use kvoffload::region::slots::RegionSlots;
 use kvoffload::region::{Region, RegionError, ShmOptions};
+use kvoffload::runtime::pattern;
 use kvoffload::runtime::sim::SimFault;
 use kvoffload::runtime::{CaptureMode, Code, DevicePtr, DriverError, GpuRuntime, Graph, Stream};
 use kvoffload::sync::{self, thread, Arc, Mutex};

@@ -1,0 +1,228 @@
+//! An engine written against `Offloader` alone, on the simulated GPU: blocks
+//! written into GPU blocks, stored, overwritten, loaded back and compared
+//! byte for byte, with GLOBAL graph captures inside capture windows while
+//! jobs are in flight; bad inputs; shutdown; two ranks sharing a region.
+
+use std::time::Duration;
+
+use kvoffload::manager::{BlockKey, Lookup};
+use kvoffload::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, RegionSpec};
+use kvoffload::protocol::{PinState, ProtocolError};
+use kvoffload::region::ShmOptions;
+use kvoffload::runtime::pattern;
+use kvoffload::runtime::sim::SimRuntime;
+use kvoffload::runtime::{shared, CaptureMode, Direction};
+use kvoffload::sync::thread;
+
+const PAGE: usize = 4096;
+
+fn kv() -> KvAlloc {
+    KvAlloc { tensors: 3, page_bytes: PAGE, gpu_blocks: 32, block_factor: 2 }
+}
+
+fn offloader(host_blocks: usize) -> Offloader {
+    let rt = shared(SimRuntime::new());
+    let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
+    // Small chunks, so pinning takes several registrations.
+    opts.pin = opts.pin.max_chunk_bytes(4 * 3 * 2 * PAGE);
+    Offloader::with_allocated_tensors(rt, kv(), opts).expect("offloader on the simulated GPU")
+}
+
+/// Writes the contents of `key` (page by page) into GPU blocks `gpu` of
+/// every tensor, through the runtime the offloader hands out.
+fn write_blocks(off: &Offloader, key: u64, gpu: &[usize]) {
+    let rt = off.runtime();
+    for (t, base) in off.tensors().into_iter().enumerate() {
+        for (j, &b) in gpu.iter().enumerate() {
+            let mut buf = vec![0u8; PAGE];
+            pattern::fill(key * 1000 + (t * 16 + j) as u64, &mut buf);
+            // SAFETY: `buf` is readable for the synchronous copy; the
+            // destination is GPU block `b` of a tensor of the offloader.
+            unsafe { rt.copy_htod(base + (b * PAGE) as u64, buf.as_ptr() as usize, PAGE) }.unwrap();
+        }
+    }
+}
+
+/// Checks GPU blocks `gpu` against `key`'s contents; returns the pages
+/// that differ.
+fn check_blocks(off: &Offloader, key: u64, gpu: &[usize]) -> usize {
+    let rt = off.runtime();
+    let mut bad = 0;
+    for (t, base) in off.tensors().into_iter().enumerate() {
+        for (j, &b) in gpu.iter().enumerate() {
+            let mut got = vec![0u8; PAGE];
+            // SAFETY: `got` is writable for the synchronous copy.
+            unsafe { rt.copy_dtoh(got.as_mut_ptr() as usize, base + (b * PAGE) as u64, PAGE) }.unwrap();
+            let mut want = vec![0u8; PAGE];
+            pattern::fill(key * 1000 + (t * 16 + j) as u64, &mut want);
+            bad += usize::from(got != want);
+        }
+    }
+    bad
+}
+
+/// One GLOBAL capture of a memset inside a capture window; returns whether
+/// the graph came out (the library never invalidates it, P1).
+fn capture_in_window(off: &Offloader) -> bool {
+    let rt = off.runtime();
+    let s = rt.stream_create().unwrap();
+    let scratch = off.gated("scratch", |g, rt| rt.mem_alloc(g, 4096)).unwrap().unwrap();
+    let ok = {
+        let _w = off.capture_window().unwrap();
+        rt.begin_capture(s, CaptureMode::Global).unwrap();
+        // SAFETY: `scratch` lives until freed below, after the graph is gone.
+        let enq = unsafe { rt.memset_d8_async(scratch, 1, 4096, s) };
+        let end = rt.end_capture(s);
+        match end {
+            Ok(g) => {
+                rt.graph_destroy(g).unwrap();
+                enq.is_ok()
+            }
+            Err(_) => false,
+        }
+    };
+    off.gated("scratch", |g, rt| rt.mem_free(g, scratch)).unwrap().unwrap();
+    rt.stream_destroy(s).unwrap();
+    ok
+}
+
+#[test]
+fn store_load_round_trip_through_capture_windows() {
+    let off = offloader(16);
+    off.start().unwrap();
+    let keys: Vec<BlockKey> = (0..4).map(|k| BlockKey::new(k, 0)).collect();
+    // GPU blocks 2k, 2k+1 hold key k (block factor 2).
+    let gpu: Vec<usize> = (0..8).collect();
+    for k in 0..4u64 {
+        write_blocks(&off, k, &gpu[2 * k as usize..2 * k as usize + 2]);
+    }
+    let st = off.store(&keys, &gpu).unwrap();
+    assert_eq!(st.stored, keys);
+    // Readable only once the store is reported.
+    assert!(off.lookup(&keys).iter().all(|l| *l == Lookup::HitPending));
+    assert!(capture_in_window(&off), "a capture inside a window was invalidated");
+    off.wait_all().unwrap();
+    let done = off.poll();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].direction, Direction::DeviceToHost);
+    assert!(done[0].error.is_none(), "{:?}", done[0].error);
+    assert!(off.lookup(&keys).iter().all(|l| *l == Lookup::Hit));
+    assert_eq!(off.pin_state(), off.wait_pinned().unwrap().state);
+    // Load into other GPU blocks, with a capture in between.
+    let dst: Vec<usize> = (16..24).collect();
+    let job = off.load(&keys, &dst).unwrap();
+    assert!(capture_in_window(&off), "a capture inside a window was invalidated");
+    off.wait(job).unwrap();
+    let done = off.poll();
+    assert_eq!(done.len(), 1);
+    assert!(done[0].error.is_none());
+    for k in 0..4u64 {
+        assert_eq!(check_blocks(&off, k, &dst[2 * k as usize..2 * k as usize + 2]), 0, "key {k} corrupted");
+    }
+    assert_eq!(off.in_flight(), 0);
+    off.shutdown().unwrap();
+    assert!(off.is_shut_down());
+}
+
+#[test]
+fn pinning_reaches_pinned_and_reports_progress() {
+    let off = offloader(16);
+    assert_eq!(off.pin_state(), PinState::Pending);
+    let p = off.pin_progress();
+    assert!(p.chunks_total >= 2, "{p:?}");
+    let out = off.wait_pinned().unwrap();
+    assert_eq!(out.state, PinState::Pinned);
+    assert_eq!(out.agreement, None);
+    let p = off.pin_progress();
+    assert_eq!(p.chunks_done, p.chunks_total);
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let off = offloader(4);
+    let k = [BlockKey::new(1, 0)];
+    match off.store(&k, &[1]) {
+        Err(OffloaderError::GpuBlockCount { keys: 1, factor: 2, need: 2, got: 1 }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(off.load(&k, &[1, 2]), Err(OffloaderError::Manager(_))), "load of a missing key");
+    // Two keys on the same key twice in one batch.
+    assert!(matches!(off.store(&[k[0], k[0]], &[1, 2, 3, 4]), Err(OffloaderError::Manager(_))));
+    // Shutdown is refused (nothing changed) while a window is open.
+    off.wait_pinned().unwrap();
+    let w = off.capture_window().unwrap();
+    assert!(matches!(off.shutdown(), Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))));
+    drop(w);
+    assert!(off.store(&k, &[1, 2]).is_ok());
+    off.shutdown().unwrap();
+    assert!(matches!(off.shutdown(), Err(OffloaderError::Protocol(ProtocolError::AlreadyShutDown))));
+    assert!(matches!(off.store(&k, &[3, 4]), Err(OffloaderError::ShutDown)));
+    assert!(matches!(off.capture_window(), Err(OffloaderError::Protocol(ProtocolError::ShutDown))));
+    assert!(off.poll().is_empty());
+}
+
+#[test]
+fn zero_sizes_are_refused() {
+    let rt = shared(SimRuntime::new());
+    let e = Offloader::with_allocated_tensors(rt.clone(), kv(), OffloaderOptions::with_host_blocks(0)).unwrap_err();
+    assert!(matches!(e, OffloaderError::Options(_)), "{e:?}");
+    let e = Offloader::with_allocated_tensors(rt.clone(), KvAlloc { gpu_blocks: 0, ..kv() }, Default::default())
+        .unwrap_err();
+    assert!(matches!(e, OffloaderError::Options(_)), "{e:?}");
+    // Nothing leaked on the simulated GPU: every failed build freed its tensors.
+    assert_eq!(rt.as_sim().unwrap().device_bytes_in_use(), 0);
+}
+
+#[test]
+fn drop_without_shutdown_shuts_down() {
+    let rt = shared(SimRuntime::new());
+    {
+        let off = Offloader::with_allocated_tensors(rt.clone(), kv(), OffloaderOptions::with_host_blocks(8)).unwrap();
+        off.wait_pinned().unwrap();
+        off.store(&[BlockKey::new(5, 0)], &[0, 1]).unwrap();
+    }
+    let sim = rt.as_sim().unwrap();
+    assert_eq!(sim.device_bytes_in_use(), 0, "tensors, tables freed");
+    assert_eq!(sim.registered_ranges(), 0, "region unregistered");
+    assert_eq!(sim.host_allocs_in_use(), 0, "staging rings freed");
+}
+
+#[test]
+fn two_ranks_share_a_region_and_agree() {
+    let name = format!("offloader-test-{}", std::process::id());
+    let run = move |rank: usize| {
+        let name = name.clone();
+        thread::spawn(move || {
+            let rt = shared(SimRuntime::new());
+            let mut opts = OffloaderOptions::with_host_blocks(8);
+            opts.region = RegionSpec::Shared {
+                name,
+                rank,
+                ranks: 2,
+                options: ShmOptions::new().timeout(Duration::from_secs(30)),
+            };
+            let off = Offloader::with_allocated_tensors(rt, kv(), opts).unwrap();
+            let out = off.wait_pinned().unwrap();
+            let k = BlockKey::new(rank as u64, 0);
+            write_blocks(&off, 100 + rank as u64, &[0, 1]);
+            off.store(&[k], &[0, 1]).unwrap();
+            off.wait_all().unwrap();
+            off.poll();
+            let j = off.load(&[k], &[4, 5]).unwrap();
+            off.wait(j).unwrap();
+            off.poll();
+            let bad = check_blocks(&off, 100 + rank as u64, &[4, 5]);
+            let linked = off.region().is_linked();
+            off.shutdown().unwrap();
+            (out, bad, linked)
+        })
+    };
+    let (a, b) = (run(0), run(1));
+    for (out, bad, linked) in [a.join().unwrap(), b.join().unwrap()] {
+        assert_eq!(out.state, PinState::Pinned);
+        assert_eq!(out.agreement, Some(Ok(())));
+        assert_eq!(bad, 0, "a rank's blocks were corrupted by the other's");
+        assert!(!linked, "the region file is unlinked once both ranks mapped it");
+    }
+}
