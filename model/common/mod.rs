@@ -5,7 +5,7 @@
 
 #![allow(dead_code)]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use kvoffload::protocol::{CapturePolicy, Coordinator, Variant};
@@ -50,11 +50,53 @@ where
     );
 }
 
+/// Set by the first panic of a negative model; later panics (while
+/// unwinding, or loom's own after the model's) are not the reason.
+static FAILED: AtomicBool = AtomicBool::new(false);
+
+/// `s` on one line: backslash, newline, carriage return and tab escaped as
+/// `\\`, `\n`, `\r`, `\t` (ci/prove undoes this).
+pub fn one_line(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The message a panic was raised with: `panic!("literal")` carries a
+/// `&str`, a formatted panic (assertions, loom's "deadlock; threads = ..")
+/// a `String`.
+fn payload_text(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "<panic payload is not a string>".to_string()
+    }
+}
+
 /// A negative model: the production code with one known-bad `variant`.
 /// Declares the failure it must end in (`reason`, a substring of loom's or
-/// the assertion's message) for ci/prove, and on a panic prints how many
-/// interleavings it took to catch it. ci/prove runs it in a child process
-/// (a loom deadlock aborts) and requires the failure.
+/// the assertion's message) on a
+/// `LOOM-EXPECT model=.. property=.. threads=.. preemptions=.. reason=..`
+/// line. The first panic, whichever thread raises it (an assertion in the
+/// model, in a model thread, or loom's own: "deadlock; threads = ..",
+/// "Model exceeded maximum number of branches", a leak), is recorded from
+/// the panic hook as
+/// `LOOM-CAUGHT iterations=..` and
+/// `LOOM-FAILED at=<file:line:col> reason=<the panic message>`,
+/// printed before anything else can abort the process (a loom deadlock
+/// may). Both reasons are printed last on their line, escaped onto it
+/// with [`one_line`]. ci/prove runs each negative in a child process and
+/// requires the declared reason in the recorded one, the LOOM-FAILED line.
 pub fn negative<F>(name: &str, b: Bounds, reason: &str, f: F)
 where
     F: Fn() + Sync + Send + 'static,
@@ -64,11 +106,18 @@ where
         b.property,
         b.threads,
         b.preemptions,
-        reason.replace(' ', "_")
+        one_line(reason)
     );
+    FAILED.store(false, Ordering::SeqCst);
     let prev = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        println!("LOOM-CAUGHT iterations={}", ITER.load(Ordering::SeqCst));
+        if !FAILED.swap(true, Ordering::SeqCst) {
+            let at = info
+                .location()
+                .map_or_else(|| "?".to_string(), |l| format!("{}:{}:{}", l.file(), l.line(), l.column()));
+            println!("LOOM-CAUGHT iterations={}", ITER.load(Ordering::SeqCst));
+            println!("LOOM-FAILED at={} reason={}", at.replace(' ', "%20"), one_line(&payload_text(info.payload())));
+        }
         prev(info);
     }));
     check(name, b, f);
