@@ -19,6 +19,8 @@
 //! the CLI) live in the binary crate, `src/bin/kvoffload/`, and use this
 //! crate's public API like any engine.
 
+#![warn(missing_docs)]
+
 pub mod manager;
 pub mod offloader;
 pub mod pin;
