@@ -30,3 +30,8 @@ pub mod runtime;
 pub mod sync;
 pub mod transfer;
 pub mod units;
+
+/// The README's library example, compiled and run as a doc test.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
