@@ -1,7 +1,11 @@
-//! An engine written against `Offloader` alone, on the simulated GPU: blocks
-//! written into GPU blocks, stored, overwritten, loaded back and compared
-//! byte for byte, with GLOBAL graph captures inside capture windows while
-//! jobs are in flight; bad inputs; shutdown; two ranks sharing a region.
+//! An engine written against `Offloader` alone, on the simulated GPU (and
+//! the same round trip on a real GPU where one exists): blocks written into
+//! GPU blocks, stored, loaded back into other GPU blocks and compared byte
+//! for byte, with GLOBAL graph captures inside capture windows while jobs
+//! are in flight; bad inputs; shutdown; two ranks sharing a region.
+
+#[path = "gpu_common/mod.rs"]
+mod gpu_common;
 
 use std::time::Duration;
 
@@ -11,7 +15,8 @@ use kvoffload::protocol::{PinState, ProtocolError};
 use kvoffload::region::ShmOptions;
 use kvoffload::runtime::pattern;
 use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::{shared, CaptureMode, Direction};
+use kvoffload::runtime::{shared, CaptureMode, Direction, GpuRuntime};
+use kvoffload::sync::Arc;
 use kvoffload::sync::thread;
 
 const PAGE: usize = 4096;
@@ -21,7 +26,10 @@ fn kv() -> KvAlloc {
 }
 
 fn offloader(host_blocks: usize) -> Offloader {
-    let rt = shared(SimRuntime::new());
+    offloader_on(shared(SimRuntime::new()), host_blocks)
+}
+
+fn offloader_on(rt: Arc<dyn GpuRuntime>, host_blocks: usize) -> Offloader {
     let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
     // Small chunks, so pinning takes several registrations.
     opts.pin = opts.pin.max_chunk_bytes(4 * 3 * 2 * PAGE);
@@ -88,7 +96,18 @@ fn capture_in_window(off: &Offloader) -> bool {
 
 #[test]
 fn store_load_round_trip_through_capture_windows() {
-    let off = offloader(16);
+    round_trip(offloader(16));
+}
+
+#[test]
+fn gpu_store_load_round_trip_through_capture_windows() {
+    let Some(rt) = gpu_common::gpu("gpu_store_load_round_trip_through_capture_windows") else {
+        return;
+    };
+    round_trip(offloader_on(shared(rt), 16));
+}
+
+fn round_trip(off: Offloader) {
     off.start().unwrap();
     let keys: Vec<BlockKey> = (0..4).map(|k| BlockKey::new(k, 0)).collect();
     // GPU blocks 2k, 2k+1 hold key k (block factor 2).
