@@ -324,6 +324,8 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
     let mut errors: Vec<Option<String>> = vec![None; cfg.ranks];
     let mut statuses: Vec<Option<ExitStatus>> = vec![None; cfg.ranks];
     let mut killed: Vec<bool> = vec![false; cfg.ranks];
+    // Ranks stopped because another rank failed.
+    let mut aborted: Vec<bool> = vec![false; cfg.ranks];
     let mut lat = Latencies::default();
     let mut per_rank_lat: Vec<Latencies> = vec![Latencies::default(); cfg.ranks];
     let mut notes: Vec<String> = Vec::new();
@@ -378,6 +380,21 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
             errors[r] = Some(
                 line.split_once(' ').and_then(|(_, m)| m.split_once(' ')).map_or(line.clone(), |(_, m)| m.to_string()),
             );
+            // One rank failed: the others would only wait for it (to join,
+            // to agree) until their rank timeout. End the run now: SIGKILL
+            // the others and reap them; the region file (if any) is removed
+            // below whatever happened.
+            for (o, c) in children.iter_mut().enumerate() {
+                if o != r && statuses[o].is_none() && !killed[o] {
+                    let _ = c.kill();
+                    statuses[o] = c.wait().ok();
+                    aborted[o] = true;
+                }
+            }
+            bars.println(&format!(
+                "rank {r} failed {:.2} s into the run; the other ranks were stopped",
+                t0.elapsed().as_secs_f64()
+            ));
         } else if line.starts_with(report::NOTE) {
             let msg = line.split_once(' ').map_or(line.as_str(), |(_, m)| m).to_string();
             bars.println(&format!("note: {msg}"));
@@ -426,6 +443,10 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
                 prefill.add(rep.prefill_store.bytes, rep.prefill_store.seconds);
                 sweep.add(rep.sweep_load.bytes, rep.sweep_load.seconds);
             }
+            (None, false) if aborted[r] && errors[r].is_none() => {
+                ok = false;
+                println!("rank {r}: stopped (another rank failed)");
+            }
             (None, false) => {
                 ok = false;
                 let why = errors[r].clone().unwrap_or_else(|| match statuses[r] {
@@ -437,6 +458,13 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
         }
     }
     let finished = reports.iter().filter(|r| r.is_some()).count();
+    let failed = (0..cfg.ranks).any(|r| reports[r].is_none() && !killed[r]);
+    if failed {
+        // No figures from a failed run: the errors above are what it says.
+        println!("region file left: {}", if left { "YES (removed now)" } else { "no" });
+        println!("result: FAILED");
+        return Ok(1);
+    }
     println!(
         "total: {} requests, {} stores, {} loads over {finished} rank(s) in {wall:.2} s; hit rate {:.1}%; \
          store {:.2} GB/s, load {:.2} GB/s (bytes / summed busy time per rank); job latency p50 {} p99 {}",
