@@ -44,8 +44,17 @@ impl Prefault for NoPrefault {
 /// Ranks that must agree on the outcome before it is published (P7).
 #[derive(Clone)]
 pub struct Agreement {
+    /// The ranks' agreement words: the shared region's header for ranks in
+    /// separate processes ([`RegionSlots`](crate::pin::RegionSlots)), or
+    /// [`LocalSlots`](crate::protocol::agreement::LocalSlots) for ranks that
+    /// are threads of one process.
     pub slots: Arc<dyn RankSlots>,
+    /// This rank's index among the slots (`0..slots.ranks()`).
     pub rank: usize,
+    /// How long to wait for the other ranks to settle once this one has;
+    /// `None` waits until every rank settles or one is found dead. When it
+    /// passes, this rank ends pageable and
+    /// [`AgreementError::Timeout`] is returned.
     pub timeout: Option<Duration>,
 }
 

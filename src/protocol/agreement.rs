@@ -16,9 +16,20 @@ pub const SETTLED_PINNED: u32 = 1;
 pub const SETTLED_PAGEABLE: u32 = 2;
 
 /// One word per rank, visible to every rank.
+///
+/// Every word holds [`UNSETTLED`], [`SETTLED_PINNED`] or
+/// [`SETTLED_PAGEABLE`]. [`agree`] needs loads and stores that are
+/// sequentially consistent across ranks (a rank writes its own word before
+/// it reads the others'): that is what makes both ranks see the same final
+/// words and so choose the same mode (P7).
 pub trait RankSlots: Send + Sync {
+    /// Number of ranks that must agree; valid ranks are `0..ranks()`.
     fn ranks(&self) -> usize;
+    /// The current word of rank `rank` (`rank < ranks()`), read with
+    /// sequentially consistent ordering.
     fn load(&self, rank: usize) -> u32;
+    /// Sets the word of rank `rank` (`rank < ranks()`) to `value`, with
+    /// sequentially consistent ordering. Each rank stores only its own word.
     fn store(&self, rank: usize, value: u32);
     /// False when rank `rank` is known to be dead (its process is gone).
     fn alive(&self, _rank: usize) -> bool {
@@ -33,6 +44,7 @@ pub struct LocalSlots {
 }
 
 impl LocalSlots {
+    /// Words for `ranks` ranks, all [`UNSETTLED`].
     pub fn new(ranks: usize) -> Self {
         LocalSlots { words: (0..ranks).map(|_| AtomicU32::new(UNSETTLED)).collect() }
     }
@@ -53,19 +65,44 @@ impl RankSlots for LocalSlots {
 /// The mode every rank ends in.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum OffloadMode {
+    /// Every rank settled with its region pinned: offload may use pinned
+    /// copies and the gather kernel.
     Pinned,
+    /// At least one rank settled on pageable memory, so every rank runs
+    /// pageable (a pinned rank unregisters its chunks and reports
+    /// [`PageableReason::PeerPageable`](super::PageableReason::PeerPageable)).
     Pageable,
 }
 
 /// The agreement could not be reached.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AgreementError {
+    /// The calling rank's index is not below the number of slots; nothing
+    /// was published.
     #[error("rank {rank} out of range for {ranks} ranks")]
-    RankOutOfRange { rank: usize, ranks: usize },
+    RankOutOfRange {
+        /// The rank index given.
+        rank: usize,
+        /// Ranks the slots hold ([`RankSlots::ranks`]).
+        ranks: usize,
+    },
+    /// A rank that had not settled is known to be dead
+    /// ([`RankSlots::alive`] is false: its process is gone), so it never
+    /// will; waiting would hang as upstream's TP peer did (FACTS.md
+    /// section 2, vLLM #46933).
     #[error("rank {rank} died before it settled its pin state")]
-    RankDied { rank: usize },
+    RankDied {
+        /// The dead rank's index (the first dead one among those waited for).
+        rank: usize,
+    },
+    /// The timeout given to [`agree`] passed before every rank settled.
     #[error("timed out after {millis} ms waiting for ranks {waiting:?} to settle their pin state")]
-    Timeout { millis: u64, waiting: Vec<usize> },
+    Timeout {
+        /// The timeout, in milliseconds.
+        millis: u64,
+        /// The ranks still unsettled at the last look, in ascending order.
+        waiting: Vec<usize>,
+    },
 }
 
 /// Publishes this rank's outcome (`pinned`), waits until every rank has

@@ -44,6 +44,9 @@ pub enum CapturePolicy {
 /// variant; every other build is always `Production`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub enum Variant {
+    /// The protocol as shipped: every rule of the module docs enforced.
+    /// The only variant outside loom builds, and the one the positive
+    /// models P1-P8 check.
     #[default]
     Production,
     /// N1: upstream's design: no capture window (windows open at once,
@@ -66,11 +69,23 @@ pub enum Variant {
 /// Registration state of one chunk of the region.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum ChunkReg {
+    /// Not registered with the driver (before pinning registers it, or
+    /// after a rollback or shutdown unregistered it): its memory is pageable
+    /// and the gather kernel gets no alias for it (P3).
     Unregistered,
+    /// Registered with the driver; the gather kernel may get its alias
+    /// through [`Coordinator::acquire_alias`].
     Registered {
+        /// The device's alias of the chunk's first byte
+        /// (`cuMemHostGetDevicePointer`, see
+        /// [`GpuRuntime::host_device_ptr`]); byte `k` of the chunk is at
+        /// `alias + k` on the device.
         alias: DevicePtr,
     },
-    /// Being unregistered: no new users.
+    /// Being unregistered: no new users; unregistering waits for the
+    /// current ones to drop their [`AliasGuard`]s (P3). A chunk whose
+    /// unregister call failed stays here (still registered in the driver,
+    /// refused to new users) until a retry succeeds.
     Unregistering,
 }
 
@@ -346,6 +361,7 @@ impl Coordinator {
         sync::wait(&self.shared.cv, g)
     }
 
+    /// When capture windows may open, as fixed at construction.
     pub fn policy(&self) -> CapturePolicy {
         self.lock().policy
     }

@@ -19,7 +19,13 @@ pub enum PageableReason {
     OutOfMemory,
     /// The process's locked-memory limit (RLIMIT_MEMLOCK) is too low.
     #[error("locked-memory limit too low: {limit} bytes allowed, {needed} needed")]
-    MemlockLimit { limit: u64, needed: u64 },
+    MemlockLimit {
+        /// The soft RLIMIT_MEMLOCK, in bytes.
+        limit: u64,
+        /// Bytes pinning had to lock: the total size of the region's
+        /// chunks.
+        needed: u64,
+    },
     /// Pinning was cancelled (shutdown or an explicit cancel) between chunks.
     #[error("pinning cancelled")]
     Cancelled,
@@ -55,7 +61,12 @@ pub enum PinState {
     /// Not started yet.
     Pending,
     /// Registering chunks: `done` of `total` registered.
-    Pinning { done: usize, total: usize },
+    Pinning {
+        /// Chunks registered so far.
+        done: usize,
+        /// Chunks in the region.
+        total: usize,
+    },
     /// Every chunk registered.
     Pinned,
     /// Running on pageable memory; every chunk is unregistered.
@@ -80,10 +91,17 @@ pub enum ProtocolError {
     AlreadyShutDown,
     /// Shutdown refused: a capture window is open.
     #[error("shutdown refused: {open} capture window(s) open")]
-    WindowOpen { open: usize },
+    WindowOpen {
+        /// Capture windows open when shutdown was asked for (at least 1).
+        open: usize,
+    },
     /// Shutdown refused: graphs registered as referencing the region exist.
     #[error("shutdown refused: {live} graph(s) registered as referencing the region still exist")]
-    GraphsAlive { live: usize },
+    GraphsAlive {
+        /// Graphs recorded by [`Coordinator::register_graph`](super::Coordinator::register_graph)
+        /// whose [`GraphToken`](super::GraphToken) is still alive.
+        live: usize,
+    },
     /// This thread already holds a capture window.
     #[error("this thread already holds a capture window")]
     NestedWindow,
@@ -91,11 +109,23 @@ pub enum ProtocolError {
     /// holds back (e.g. waiting for pinning inside a window with the
     /// Interleave policy, or a blocking driver call inside a window).
     #[error("{what} inside an open capture window would deadlock")]
-    WouldDeadlock { what: &'static str },
+    WouldDeadlock {
+        /// What the caller asked for, e.g. `"waiting for pinning"`,
+        /// `"waiting for a transfer"` or the name of the capture-unsafe
+        /// call (such as `"registering a chunk"`).
+        what: &'static str,
+    },
     /// A capture-unsafe call was skipped because a window is open.
     #[error("skipped: a capture window is open")]
     WindowBusy,
-    /// A bounded wait ran out.
+    /// A bounded wait ran out. Reserved for waits given a time limit; no
+    /// wait of the library returns it today (the rank agreement reports its
+    /// timeout as [`AgreementError::Timeout`](super::agreement::AgreementError::Timeout)).
     #[error("timed out after {millis} ms waiting for {what}")]
-    Timeout { what: &'static str, millis: u64 },
+    Timeout {
+        /// What was waited for.
+        what: &'static str,
+        /// The limit that passed, in milliseconds.
+        millis: u64,
+    },
 }

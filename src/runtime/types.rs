@@ -45,6 +45,8 @@ pub enum CaptureMode {
 }
 
 impl CaptureMode {
+    /// The mode's name without the driver's prefix (`CU_STREAM_CAPTURE_MODE_`),
+    /// e.g. `"GLOBAL"`, for logs and reports.
     pub fn name(self) -> &'static str {
         match self {
             CaptureMode::Global => "GLOBAL",
@@ -57,8 +59,14 @@ impl CaptureMode {
 /// `CUstreamCaptureStatus` of one stream.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum CaptureStatus {
+    /// The stream is not capturing: work enqueued on it runs.
     None,
+    /// The stream is capturing: work enqueued on it is recorded into the
+    /// graph, not run.
     Active,
+    /// The stream is capturing, but the capture was invalidated (by a
+    /// capture-unsafe call refused with 900, FACTS.md section 1): ending it
+    /// returns STREAM_CAPTURE_INVALIDATED (901) and no graph.
     Invalidated,
 }
 
@@ -77,7 +85,10 @@ pub enum Direction {
 pub struct Fragment {
     /// Host address (a plain pointer value, registered or pageable).
     pub host: usize,
+    /// Device address of the piece (`CUdeviceptr` into device memory, e.g.
+    /// a page of a GPU KV block).
     pub device: DevicePtr,
+    /// Length of the piece in bytes (the same on both sides).
     pub bytes: usize,
 }
 
@@ -86,7 +97,10 @@ pub struct Fragment {
 pub enum Kernel {
     /// Busy-waits on the GPU for `nanos` nanoseconds. Used by the conformance
     /// suite to have work "running" on the device while another call is made.
-    Spin { nanos: u64 },
+    Spin {
+        /// How long the kernel busy-waits, in nanoseconds.
+        nanos: u64,
+    },
     /// Copies every fragment of a descriptor table that lives in device
     /// memory at `table`: `count` entries of [`GATHER_ENTRY_WORDS`] native
     /// `u64` words each, `[src, dst, bytes]`, where `src` and `dst` are device
@@ -96,7 +110,12 @@ pub enum Kernel {
     /// 16-byte vectors when `src`, `dst` and `bytes` are all multiples of 16,
     /// a byte loop otherwise. Reading host memory that is not registered is
     /// a device fault (ILLEGAL_ADDRESS, sticky).
-    Gather { table: DevicePtr, count: u32 },
+    Gather {
+        /// Device address of the descriptor table (device memory).
+        table: DevicePtr,
+        /// Entries in the table (fragments to copy).
+        count: u32,
+    },
     /// Writes checkable data ([`crate::runtime::pattern`]) for workloads and tests.
     /// The table at `table` (device memory, 8-byte aligned, in place when
     /// the kernel runs: upload it on the same stream first) holds `count` entries of [`PATTERN_ENTRY_WORDS`]
@@ -110,7 +129,13 @@ pub enum Kernel {
     /// 8-byte aligned `dst` is written with 8-byte stores, any other byte by
     /// byte (slower). An entry of 0 bytes touches nothing. A bad address is a
     /// device fault (ILLEGAL_ADDRESS, sticky), as for [`Kernel::Gather`].
-    PatternFill { table: DevicePtr, count: u32 },
+    PatternFill {
+        /// Device address of the `[dst, key, first_word, bytes]` table
+        /// (device memory, 8-byte aligned).
+        table: DevicePtr,
+        /// Entries in the table.
+        count: u32,
+    },
     /// Checks data written as by [`Kernel::PatternFill`]: the table has the
     /// same layout with `src` in place of `dst`. For entry `i` the kernel
     /// adds to the `u32` at `out + 4 i` the number of 8-byte words of the
@@ -120,7 +145,16 @@ pub enum Kernel {
     /// zeroed by the caller first, on the same stream (`memset_d8_async`).
     /// The count is exact for entries under 2^32 words (32 GiB) and wraps
     /// modulo 2^32 beyond. Any `src` alignment and length, as for the fill.
-    PatternCheck { table: DevicePtr, count: u32, out: DevicePtr },
+    PatternCheck {
+        /// Device address of the `[src, key, first_word, bytes]` table
+        /// (device memory, 8-byte aligned).
+        table: DevicePtr,
+        /// Entries in the table.
+        count: u32,
+        /// Device address of `count` `u32` mismatch counters, one per entry
+        /// (device memory, 4-byte aligned, zeroed by the caller first).
+        out: DevicePtr,
+    },
 }
 
 /// `u64` words per entry of a [`Kernel::Gather`] descriptor table:

@@ -13,6 +13,9 @@
 mod imp {
     pub use std::sync::atomic;
     pub use std::sync::{Arc, Condvar, Mutex, MutexGuard, WaitTimeoutResult};
+    /// Threads: `std::thread` here, `loom::thread` under `--cfg loom`, so
+    /// loom schedules every thread the library spawns (the pinner, the
+    /// pre-fault workers, the simulated device).
     pub mod thread {
         pub use std::thread::{available_parallelism, current, spawn, yield_now, Builder, JoinHandle, ThreadId};
     }
@@ -24,6 +27,8 @@ mod imp {
 mod imp {
     pub use loom::sync::atomic;
     pub use loom::sync::{Arc, Condvar, Mutex, MutexGuard, WaitTimeoutResult};
+    /// Threads: `loom::thread`, so loom schedules every thread the library
+    /// spawns (the pinner, the pre-fault workers, the simulated device).
     pub mod thread {
         pub use loom::thread::{current, spawn, yield_now, Builder, JoinHandle, ThreadId};
         /// Not a scheduling primitive: the machine's core count, as in std.

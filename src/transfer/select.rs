@@ -13,8 +13,9 @@ pub struct AutoThresholds {
     pub gather_max_bytes: usize,
     /// From this mean size on, one async copy per fragment even where a
     /// batched copy is allowed. Off by default (`usize::MAX`): on the H200
-    /// (docs/bench-transfer-h200.md) one batched copy of 2 MiB fragments
-    /// reached 54.4 / 53.9 GB/s against 50.6 / 51.8 for per-fragment copies.
+    /// (docs/gpu-runs/2026-11-29-run2-bench-transfer.txt) one batched copy
+    /// of 2 MiB fragments reached 54.4 / 53.9 GB/s against 50.6 / 51.8 for
+    /// per-fragment copies.
     pub per_fragment_min_bytes: usize,
 }
 

@@ -7,10 +7,24 @@ use crate::runtime::Code;
 pub enum SimFault {
     /// The `nth` call (1-based, counted from now) of `host_register` fails
     /// with `code` and registers nothing.
-    Register { nth: u64, code: Code },
+    Register {
+        /// Which call fails: 1 is the next `host_register` after injection.
+        nth: u64,
+        /// The result code the call fails with, e.g.
+        /// [`Code::OUT_OF_MEMORY`] or [`Code::NOT_SUPPORTED`] to drive
+        /// pinning's rollback (P8).
+        code: Code,
+    },
     /// The `nth` async copy enqueue (single or batched; 1-based, counted
     /// from now) fails with `code` and enqueues nothing.
-    Copy { nth: u64, code: Code },
+    Copy {
+        /// Which enqueue fails: 1 is the next async copy enqueue after
+        /// injection.
+        nth: u64,
+        /// The result code the enqueue fails with (the transfer engine then
+        /// reports the job failed, P5).
+        code: Code,
+    },
 }
 
 /// Where a [`super::Hold`] stops a call until released.

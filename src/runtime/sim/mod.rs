@@ -160,6 +160,9 @@ impl SimRuntime {
         Self::with_config(SimConfig::default())
     }
 
+    /// A simulated GPU with the settings of `cfg`. Starts the simulated
+    /// device's worker thread (from the sync facade, so loom schedules it);
+    /// it runs until the runtime is dropped.
     pub fn with_config(cfg: SimConfig) -> Self {
         let inner = Arc::new(Inner { state: Mutex::new(State::new(cfg.device_bytes)), cv: Condvar::new() });
         let worker = inner.clone();
