@@ -1,7 +1,7 @@
 //! `kvoffload conform`: the conformance table.
 
-use clap::ValueEnum;
 use crate::conform::{self, Backend};
+use clap::ValueEnum;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendArg {

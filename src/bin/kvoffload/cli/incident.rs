@@ -1,8 +1,8 @@
 //! `kvoffload incident`: the seed incident (background pinning racing graph
 //! capture), with upstream's design and with ours, on the same machine.
 
-use clap::ValueEnum;
 use crate::incident::{run as run_design, Design, IncidentConfig};
+use clap::ValueEnum;
 
 use super::backend::{self, BackendArg};
 

@@ -14,11 +14,11 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use clap::ValueEnum;
-use kvoffload::region::{pages, shm_path};
 use crate::run::metrics::{Intervals, Latencies, Throughput};
 use crate::run::report::{self, field, RankReport};
 use crate::run::{run_rank, KillAt, RunConfig};
+use clap::ValueEnum;
+use kvoffload::region::{pages, shm_path};
 use kvoffload::runtime::cuda::CudaRuntime;
 use kvoffload::sync::{self, thread, Arc, Condvar, Mutex};
 use kvoffload::units::{fmt_bytes, parse_size};
