@@ -257,7 +257,8 @@ impl TransferEngine {
             }
             let words = ring_entries.saturating_mul(GATHER_ENTRY_WORDS);
             if words > 0 {
-                match coord.unsafe_call("allocating the pinned staging ring", |gate| rt.mem_alloc_host(gate, words * 8)) {
+                match coord.unsafe_call("allocating the pinned staging ring", |gate| rt.mem_alloc_host(gate, words * 8))
+                {
                     Ok(Ok(addr)) => {
                         h.ring = Some((addr, words));
                         h.q = Mutex::new(Queue { ring: Ring::new(words), ..Queue::default() });
@@ -558,10 +559,12 @@ impl TransferEngine {
                     Ok(Ok(false)) => return true,
                     Ok(Err(e)) => Err(e),
                 },
-                Completion::Stream => match self.coord.try_unsafe_call(|gate| self.rt.stream_synchronize(gate, h.stream)) {
-                    Err(_) => return false,
-                    Ok(r) => r,
-                },
+                Completion::Stream => {
+                    match self.coord.try_unsafe_call(|gate| self.rt.stream_synchronize(gate, h.stream)) {
+                        Err(_) => return false,
+                        Ok(r) => r,
+                    }
+                }
             };
             let Some(p) = q.jobs.pop_front() else { return true };
             if let Completion::Event(ev) = p.done {
