@@ -18,8 +18,8 @@
 use std::time::{Duration, Instant};
 
 use kvoffload::pin::{NoPrefault, PinHandle, Prefault};
-use kvoffload::protocol::{CapturePolicy, Coordinator};
-use kvoffload::runtime::{CaptureMode, Code, DevicePtr, GpuRuntime, Graph, Stream};
+use kvoffload::protocol::{CapturePolicy, Coordinator, KeepAlive};
+use kvoffload::runtime::{CaptureMode, Code, DevicePtr, DriverResult, Gate, GpuRuntime, Graph, Stream};
 use kvoffload::sync::atomic::{AtomicBool, Ordering};
 use kvoffload::sync::{thread, Arc};
 
@@ -143,49 +143,75 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
     for (i, b) in map[..probe].iter_mut().enumerate() {
         *b = (i % 251) as u8;
     }
+    let map = Arc::new(map);
     let e = |what: &'static str| move |err: kvoffload::runtime::DriverError| format!("{what}: {err}");
+    let windowed = design != Design::Upstream;
+
+    // The design's coordinator. Ours registers the region's chunks through
+    // it and captures only inside its windows. Upstream's has no region and
+    // no window is ever opened through it: its registering thread goes
+    // through this coordinator's gate, which therefore never holds a
+    // registration back, and registers in the middle of the engine's
+    // captures exactly as upstream did (the failure this reproduces).
+    let coord = if windowed {
+        let policy = if design == Design::Windowed { CapturePolicy::AfterPinning } else { CapturePolicy::Interleave };
+        let keep: KeepAlive = Box::new(map.clone());
+        // SAFETY: the chunks are pieces of `map`, a read-write anonymous
+        // mapping that the coordinator keeps mapped (`keep`) while it lives.
+        unsafe { Coordinator::new(policy, &chunks, Some(keep)) }
+    } else {
+        Coordinator::without_region(CapturePolicy::AfterPinning)
+    };
+    // Upstream's registrations are made behind the coordinator's back, so
+    // nothing else keeps the region mapped while they last: this does, and
+    // leaks it unless every one of them was undone (at the end of the run).
+    let mut keep_mapped = KeepMapped(if windowed { None } else { Some(map.clone()) });
     let s = rt.stream_create().map_err(e("stream"))?;
-    let d = rt.mem_alloc(probe).map_err(e("alloc"))?;
-    let scratch = rt.mem_alloc(1 << 20).map_err(e("alloc"))?;
+    let d = gated(&coord, "alloc", |g| rt.mem_alloc(g, probe))?;
+    let scratch = gated(&coord, "alloc", |g| rt.mem_alloc(g, 1 << 20))?;
     let mut report = IncidentReport { design: design.name().to_string(), ..Default::default() };
 
     let t0 = Instant::now();
     let done = Arc::new(AtomicBool::new(false));
-    let (coord, pinner, upstream) = match design {
-        Design::Upstream => {
-            let (rt2, done2, list) = (rt.clone(), done.clone(), chunks.clone());
-            let h = thread::spawn(move || {
-                let mut failed = Vec::new();
-                for (addr, len) in list {
-                    // SAFETY: the region stays mapped until this thread is
-                    // joined and every registration undone below.
-                    if let Err(err) = unsafe { rt2.host_register(addr, len) } {
-                        failed.push((addr, err.code));
-                    }
+    let (pinner, upstream) = if windowed {
+        let pf: Arc<dyn Prefault> = NoPrefault::shared();
+        (Some(PinHandle::spawn(rt.clone(), coord.clone(), pf)), None)
+    } else {
+        let (rt2, coord2, map2, done2, list) = (rt.clone(), coord.clone(), map.clone(), done.clone(), chunks.clone());
+        let h = thread::spawn(move || {
+            let mut failed = Vec::new();
+            for (addr, len) in list {
+                // No capture window: the gate of a coordinator that knows
+                // nothing of the engine's captures (see above).
+                let r = coord2.unsafe_call("registering a chunk (upstream)", |g| {
+                    // SAFETY: the chunk is a piece of `map2`'s mapping, which
+                    // stays mapped while this thread runs (`map2`) and, after
+                    // it, until every registration is undone (`keep_mapped`).
+                    unsafe { rt2.host_register(g, addr, len) }
+                });
+                match r {
+                    Ok(Ok(())) => {}
+                    Ok(Err(err)) => failed.push((addr, err.code)),
+                    // Never: no window is opened through this coordinator.
+                    Err(_) => failed.push((addr, Code::ILLEGAL_STATE)),
                 }
-                done2.store(true, Ordering::SeqCst);
-                failed
-            });
-            (None, None, Some(h))
-        }
-        Design::Windowed | Design::Interleaved => {
-            let policy =
-                if design == Design::Windowed { CapturePolicy::AfterPinning } else { CapturePolicy::Interleave };
-            let coord = Coordinator::new(policy, &chunks);
-            let pf: Arc<dyn Prefault> = NoPrefault::shared();
-            (Some(coord.clone()), Some(PinHandle::spawn(rt.clone(), coord, pf)), None)
-        }
+            }
+            drop(map2);
+            done2.store(true, Ordering::SeqCst);
+            failed
+        });
+        (None, Some(h))
     };
 
     // The engine: capture graphs back to back while pinning runs.
     let mut last: Option<Graph> = None;
     let mut wait = Duration::ZERO;
-    while report.captures < cfg.min_captures || (report.captures < cfg.max_captures && !pin_done(&coord, &done)) {
+    while report.captures < cfg.min_captures
+        || (report.captures < cfg.max_captures && !pin_done(&coord, windowed, &done))
+    {
         let tw = Instant::now();
-        let window = match &coord {
-            Some(c) => Some(c.open_window().map_err(|err| format!("capture window: {err}"))?),
-            None => None,
-        };
+        let window =
+            if windowed { Some(coord.open_window().map_err(|err| format!("capture window: {err}"))?) } else { None };
         wait += tw.elapsed();
         report.captures += 1;
         match capture_one(rt.as_ref(), s, d, scratch, base, probe, cfg.nodes_per_graph, cfg.capture) {
@@ -228,9 +254,14 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
     report.replay = match last {
         None => "no graph to replay".into(),
         Some(g) => {
-            rt.memset_d8_async(d, 0, probe, s).map_err(e("memset"))?;
-            let r = rt.graph_launch(g, s).and_then(|_| rt.stream_synchronize(s));
-            let verdict = match r {
+            // SAFETY: `d` is a device allocation of `probe` bytes that only
+            // this stream writes; the stream is synchronized just below,
+            // before `d` is read back or freed.
+            unsafe { rt.memset_d8_async(d, 0, probe, s) }.map_err(e("memset"))?;
+            let launched = rt.graph_launch(g, s);
+            let synced =
+                coord.unsafe_call("sync", |gt| rt.stream_synchronize(gt, s)).map_err(|err| format!("{err}"))?;
+            let verdict = match launched.and(synced) {
                 Err(err) => format!("replay failed: {err}"),
                 Ok(()) => {
                     let mut out = vec![0u8; probe];
@@ -249,26 +280,53 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
     };
 
     // Undo every registration before the region is unmapped.
-    match &coord {
-        Some(c) => kvoffload::protocol::shutdown(rt.as_ref(), c, || {}).map_err(|err| format!("shutdown: {err}"))?,
-        None => {
-            rt.ctx_synchronize().map_err(e("sync"))?;
-            for (a, _) in registered.iter().rev() {
-                rt.host_unregister(*a).map_err(e("unregister"))?;
-            }
+    if windowed {
+        kvoffload::protocol::shutdown(rt.as_ref(), &coord, || {}).map_err(|err| format!("shutdown: {err}"))?;
+    } else {
+        gated(&coord, "sync", |g| rt.ctx_synchronize(g))?;
+        for (a, _) in registered.iter().rev() {
+            gated(&coord, "unregister", |g| rt.host_unregister(g, *a))?;
         }
+        keep_mapped.release();
     }
-    rt.mem_free(d).map_err(e("free"))?;
-    rt.mem_free(scratch).map_err(e("free"))?;
+    gated(&coord, "free", |g| rt.mem_free(g, d))?;
+    gated(&coord, "free", |g| rt.mem_free(g, scratch))?;
     rt.stream_destroy(s).map_err(e("stream destroy"))?;
+    drop(coord);
     drop(map);
     Ok(report)
 }
 
-fn pin_done(coord: &Option<Arc<Coordinator>>, done: &AtomicBool) -> bool {
-    match coord {
-        Some(c) => c.pin_state().is_final(),
-        None => done.load(Ordering::SeqCst),
+/// `f` through `coord`'s gate; the coordinator's refusal and the driver's
+/// error both as the run's error, naming `what`.
+fn gated<T>(coord: &Coordinator, what: &'static str, f: impl FnOnce(&Gate) -> DriverResult<T>) -> Result<T, String> {
+    coord.unsafe_call(what, f).map_err(|err| format!("{what}: {err}"))?.map_err(|err| format!("{what}: {err}"))
+}
+
+/// Keeps upstream's region mapped (leaks it) when a run ends before its
+/// registrations were undone; [`KeepMapped::release`] once they were.
+struct KeepMapped(Option<Arc<memmap2::MmapMut>>);
+
+impl KeepMapped {
+    fn release(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for KeepMapped {
+    fn drop(&mut self) {
+        if let Some(m) = self.0.take() {
+            tracing::warn!("upstream's registrations were not all undone; leaving the region mapped");
+            std::mem::forget(m);
+        }
+    }
+}
+
+fn pin_done(coord: &Coordinator, windowed: bool, done: &AtomicBool) -> bool {
+    if windowed {
+        coord.pin_state().is_final()
+    } else {
+        done.load(Ordering::SeqCst)
     }
 }
 
@@ -291,7 +349,10 @@ fn capture_one(
     let t = Instant::now();
     let mut i = 0usize;
     while i < nodes || t.elapsed() < open_for {
-        if let Err(e) = rt.memset_d8_async(scratch, i as u8, 4096, s) {
+        // SAFETY: `scratch` is a device allocation of 1 MiB that nothing
+        // else writes; `run` frees it only after the last graph was replayed
+        // (stream synchronized) and every graph destroyed.
+        if let Err(e) = unsafe { rt.memset_d8_async(scratch, i as u8, 4096, s) } {
             first_err.get_or_insert(e.code);
             break;
         }

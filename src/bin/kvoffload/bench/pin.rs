@@ -20,10 +20,10 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use kvoffload::protocol::{Coordinator, PinState};
+use kvoffload::protocol::{CapturePolicy, Coordinator, PinState};
 use kvoffload::region::{page_size, AnonOptions, Layout, Region};
 use kvoffload::runtime::GpuRuntime;
-use kvoffload::sync::{self, Mutex};
+use kvoffload::sync::{self, Arc, Mutex};
 
 use kvoffload::pin::memlock;
 use kvoffload::pin::Prepared;
@@ -310,10 +310,10 @@ fn anon_huge_bytes() -> Option<u64> {
 }
 
 /// Maps fresh anonymous memory of `size` bytes (untouched; no advice).
-fn fresh_region(size: usize) -> Result<Region, String> {
+fn fresh_region(size: usize) -> Result<Arc<Region>, String> {
     let row = if size % HUGE_PAGE_BYTES == 0 { HUGE_PAGE_BYTES } else { page_size() };
     let layout = Layout::new(1, row, size / row).map_err(|e| e.to_string())?;
-    Region::anonymous(layout, &AnonOptions::new()).map_err(|e| e.to_string())
+    Region::anonymous(layout, &AnonOptions::new()).map(Arc::new).map_err(|e| e.to_string())
 }
 
 /// A pre-faulter wrapper that times the pinning thread's waits, reports
@@ -359,21 +359,35 @@ fn one_call(rt: &dyn GpuRuntime, size: usize, progress: &(dyn Fn(Progress) + Syn
         }
     };
     let addr = region.as_ptr() as usize;
+    // No capture runs during the bench: the gate of a coordinator of its own,
+    // with no region (upstream's one call knows no coordinator).
+    let coord = Coordinator::without_region(CapturePolicy::AfterPinning);
     progress(Progress::Start { label, bytes: size as u64 });
     let t = Instant::now();
-    // SAFETY: the region stays mapped until after the unregister below.
-    let r = unsafe { rt.host_register(addr, size) };
+    let r = coord.unsafe_call("the upstream register call", |g| {
+        // SAFETY: the region stays mapped until after the unregister below
+        // (and, should that fail, the whole region is leaked instead).
+        unsafe { rt.host_register(g, addr, size) }
+    });
     row.total_s = t.elapsed().as_secs_f64();
     row.thp_bytes = anon_huge_bytes();
     match r {
-        Ok(()) => {
+        Ok(Ok(())) => {
             progress(Progress::Advance { bytes: size as u64 });
             let t = Instant::now();
-            match rt.host_unregister(addr) {
+            let un = coord.unsafe_call("unregistering", |g| rt.host_unregister(g, addr));
+            match un.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
                 Ok(()) => row.unregister_s = Some(t.elapsed().as_secs_f64()),
-                Err(e) => row.outcome = Err(format!("unregister: {e}")),
+                Err(e) => {
+                    row.outcome = Err(format!("unregister: {e}"));
+                    // Still registered: never unmap it.
+                    std::mem::forget(region);
+                    progress(Progress::Finish);
+                    return row;
+                }
             }
         }
+        Ok(Err(e)) => row.outcome = Err(e.to_string()),
         Err(e) => row.outcome = Err(e.to_string()),
     }
     progress(Progress::Finish);

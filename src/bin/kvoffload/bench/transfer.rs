@@ -13,6 +13,7 @@
 //! before and checked word by word after every repetition.
 
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::time::Instant;
 
 use kvoffload::pin::{pin_all, NoPrefault};
@@ -250,7 +251,9 @@ fn permutation(n: usize, seed: &mut u64) -> Vec<usize> {
 struct Buffers {
     rt: Arc<dyn GpuRuntime>,
     coord: Arc<Coordinator>,
-    host: memmap2::MmapMut,
+    /// Registered through `coord`; unmapped on drop only once every chunk
+    /// is unregistered again (leaked otherwise).
+    host: ManuallyDrop<memmap2::MmapMut>,
     scratch: Vec<u64>,
     device: DevicePtr,
     compute: Stream,
@@ -266,18 +269,29 @@ impl Buffers {
         let chunks: Vec<(usize, usize)> = (0..cfg.total.div_ceil(cfg.chunk_bytes))
             .map(|i| (base + i * cfg.chunk_bytes, cfg.chunk_bytes.min(cfg.total - i * cfg.chunk_bytes)))
             .collect();
-        let coord = Coordinator::new(CapturePolicy::AfterPinning, &chunks);
-        let device =
-            rt.mem_alloc(cfg.total).map_err(|e| format!("allocating {} of device memory: {e}", human(cfg.total)))?;
+        // SAFETY: the chunks are pieces of `host`, a read-write anonymous
+        // mapping; nothing registers them before `host` moves into the
+        // `Buffers` below, which unmaps it only after every chunk was
+        // unregistered again (see its `Drop`).
+        let coord = unsafe { Coordinator::new(CapturePolicy::AfterPinning, &chunks, None) };
+        let alloc = coord.unsafe_call("bench: allocating device memory", |g| rt.mem_alloc(g, cfg.total));
+        let device = alloc
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("allocating {} of device memory: {e}", human(cfg.total)))?;
         let compute = match rt.stream_create() {
             Ok(s) => s,
             Err(e) => {
-                if let Err(f) = rt.mem_free(device) {
-                    tracing::warn!(error = %f, "bench: freeing device memory after a failed set-up failed");
+                match coord.unsafe_call("bench: freeing device memory", |g| rt.mem_free(g, device)) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(f)) => {
+                        tracing::warn!(error = %f, "bench: freeing device memory after a failed set-up failed")
+                    }
+                    Err(f) => tracing::warn!(error = %f, "bench: freeing device memory after a failed set-up failed"),
                 }
                 return Err(e.to_string());
             }
         };
+        let host = ManuallyDrop::new(host);
         let b = Buffers { rt, coord, host, scratch: vec![0u64; cfg.total / 8], device, compute };
         let pin = pin_all(&*b.rt, &b.coord, &NoPrefault);
         if pin != PinState::Pinned {
@@ -300,15 +314,27 @@ impl Drop for Buffers {
         if let Err(e) = self.coord.begin_shutdown() {
             tracing::warn!(error = %e, "bench: shutdown refused");
         }
-        if let Err(e) = self.coord.unregister_all(&*self.rt) {
-            tracing::warn!(error = %e, "bench: unregistering the host buffer failed");
-        }
+        let unregistered = match self.coord.unregister_all(&*self.rt) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "bench: unregistering the host buffer failed; it stays mapped");
+                false
+            }
+        };
         self.coord.finish_shutdown();
         if let Err(e) = self.rt.stream_destroy(self.compute) {
             tracing::warn!(error = %e, "bench: destroying the compute stream failed");
         }
-        if let Err(e) = self.rt.mem_free(self.device) {
-            tracing::warn!(error = %e, "bench: freeing device memory failed");
+        match self.coord.unsafe_call("bench: freeing device memory", |g| self.rt.mem_free(g, self.device)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "bench: freeing device memory failed"),
+            Err(e) => tracing::warn!(error = %e, "bench: freeing device memory failed"),
+        }
+        if unregistered {
+            // SAFETY: no chunk of `host` is registered any more (the
+            // coordinator is shut down: it registers nothing again), and
+            // `host` is not used after this.
+            unsafe { ManuallyDrop::drop(&mut self.host) };
         }
     }
 }
@@ -521,9 +547,12 @@ fn prepare(b: &mut Buffers, dir: Direction, size: usize, n: usize) -> Result<(),
     match dir {
         Direction::HostToDevice => {
             fill_blocks(b.words(), size, n);
-            rt.memset_d8_async(b.device, 0, total, b.compute).map_err(|e| e.to_string())?;
+            // SAFETY: `device` is the bench's allocation of `total` bytes, no
+            // job is in flight (each is waited for), and the stream is
+            // synchronized just below, before anything reads it.
+            unsafe { rt.memset_d8_async(b.device, 0, total, b.compute) }.map_err(|e| e.to_string())?;
             b.coord
-                .unsafe_call("bench: clearing device memory", || rt.stream_synchronize(b.compute))
+                .unsafe_call("bench: clearing device memory", |g| rt.stream_synchronize(g, b.compute))
                 .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())
         }
@@ -538,7 +567,7 @@ fn prepare(b: &mut Buffers, dir: Direction, size: usize, n: usize) -> Result<(),
             unsafe { rt.copy_htod_async(b.device, b.scratch.as_ptr() as usize, total, b.compute) }
                 .map_err(|e| e.to_string())?;
             b.coord
-                .unsafe_call("bench: filling device memory", || rt.stream_synchronize(b.compute))
+                .unsafe_call("bench: filling device memory", |g| rt.stream_synchronize(g, b.compute))
                 .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())?;
             b.words().fill(0);

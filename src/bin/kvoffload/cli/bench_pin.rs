@@ -89,7 +89,7 @@ pub fn run(a: PinArgs) -> Result<i32, String> {
             }
         }
     };
-    let report = bench::run(rt.as_ref(), &cfg, &progress)?;
+    let report = pin::run(rt.as_ref(), &cfg, &progress)?;
     println!("{report}");
     Ok(0)
 }

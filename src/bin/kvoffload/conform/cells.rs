@@ -11,11 +11,16 @@
 //!
 //! Observed format: `B=<result> A-enqueue=<result> end=<result>` where a
 //! result is `ok` or the driver code.
+//!
+//! B's capture-unsafe calls go through the gate of the cell's own
+//! coordinator, which knows nothing of A's capture and so lets them run
+//! during it: making them there is the point (see [`super::probe`]).
 
+use kvoffload::protocol::Coordinator;
 use kvoffload::runtime::{CaptureMode, DevicePtr, Direction, Event, Fragment, GpuRuntime, Kernel, Stream};
 use kvoffload::sync::{thread, Arc};
 
-use super::probe::{HostBuf, Target};
+use super::probe::{gate, scenario_coordinator, HostBuf, Target};
 use super::{code, Observed, Scenario};
 
 /// Bytes each copy in a cell moves.
@@ -114,6 +119,8 @@ pub(super) fn scenarios() -> Vec<Scenario> {
 /// Resources of one cell, released in `cleanup` whatever happened.
 struct Fixture {
     rt: Arc<dyn GpuRuntime>,
+    /// The cell's own coordinator: the gate of its capture-unsafe calls.
+    coord: Arc<Coordinator>,
     s1: Stream,
     s2: Stream,
     d1: DevicePtr,
@@ -132,28 +139,34 @@ struct Fixture {
 impl Fixture {
     fn new(rt: Arc<dyn GpuRuntime>) -> Result<Self, String> {
         let e = |e: kvoffload::runtime::DriverError| format!("setup: {e}");
+        let coord = scenario_coordinator();
+        let c = &coord;
         let pinned = HostBuf::new(4 * COPY, 1)?;
         let pageable = HostBuf::new(4 * COPY, 2)?;
         let s1 = rt.stream_create().map_err(e)?;
         let s2 = rt.stream_create().map_err(e)?;
-        let d1 = rt.mem_alloc(COPY).map_err(e)?;
-        let d2 = rt.mem_alloc(COPY).map_err(e)?;
-        // SAFETY: `pinned` lives in the fixture, which unregisters it in
-        // cleanup before dropping it.
-        unsafe { rt.host_register(pinned.addr(), pinned.len()) }.map_err(e)?;
+        let d1 = gate(c, "setup", |g| rt.mem_alloc(g, COPY))?.map_err(e)?;
+        let d2 = gate(c, "setup", |g| rt.mem_alloc(g, COPY))?.map_err(e)?;
+        gate(c, "setup", |g| {
+            // SAFETY: `pinned` lives in the fixture, which unregisters it in
+            // cleanup before dropping it.
+            unsafe { rt.host_register(g, pinned.addr(), pinned.len()) }
+        })?
+        .map_err(e)?;
         let s3 = rt.stream_create().map_err(e)?;
         let ev = rt.event_create().map_err(e)?;
         rt.event_record(ev, s2).map_err(e)?;
-        let d3 = rt.mem_alloc(COPY).map_err(e)?;
-        let h3 = rt.mem_alloc_host(COPY).map_err(e)?;
-        rt.ctx_synchronize().map_err(e)?;
-        Ok(Fixture { rt, s1, s2, d1, d2, pinned, pageable, s3, ev, d3, h3 })
+        let d3 = gate(c, "setup", |g| rt.mem_alloc(g, COPY))?.map_err(e)?;
+        let h3 = gate(c, "setup", |g| rt.mem_alloc_host(g, COPY))?.map_err(e)?;
+        gate(c, "setup", |g| rt.ctx_synchronize(g))?.map_err(e)?;
+        Ok(Fixture { rt, coord, s1, s2, d1, d2, pinned, pageable, s3, ev, d3, h3 })
     }
 
     /// Releases everything. A registration may already be gone (the
     /// unregister cell) or added (the register cell): 713 is expected there.
     fn cleanup(self, left: &Leftover) -> Result<(), String> {
         let rt = &self.rt;
+        let c = &self.coord;
         let mut errs = Vec::new();
         let mut note = |r: kvoffload::runtime::DriverResult<()>, allow_713: bool| {
             if let Err(e) = r {
@@ -162,14 +175,14 @@ impl Fixture {
                 }
             }
         };
-        note(rt.ctx_synchronize(), false);
-        note(rt.host_unregister(self.pinned.addr()), true);
-        note(rt.host_unregister(self.pageable.addr()), true);
+        note(gate(c, "cleanup", |g| rt.ctx_synchronize(g))?, false);
+        note(gate(c, "cleanup", |g| rt.host_unregister(g, self.pinned.addr()))?, true);
+        note(gate(c, "cleanup", |g| rt.host_unregister(g, self.pageable.addr()))?, true);
         if let Some(p) = left.device {
-            note(rt.mem_free(p), false);
+            note(gate(c, "cleanup", |g| rt.mem_free(g, p))?, false);
         }
         if let Some(h) = left.host {
-            note(rt.mem_free_host(h), false);
+            note(gate(c, "cleanup", |g| rt.mem_free_host(g, h))?, false);
         }
         if let Some(e) = left.event {
             note(rt.event_destroy(e), false);
@@ -185,13 +198,13 @@ impl Fixture {
             note(rt.stream_destroy(self.s3), false);
         }
         if !left.consumed_device {
-            note(rt.mem_free(self.d3), false);
+            note(gate(c, "cleanup", |g| rt.mem_free(g, self.d3))?, false);
         }
         if !left.consumed_host {
-            note(rt.mem_free_host(self.h3), false);
+            note(gate(c, "cleanup", |g| rt.mem_free_host(g, self.h3))?, false);
         }
-        note(rt.mem_free(self.d1), false);
-        note(rt.mem_free(self.d2), false);
+        note(gate(c, "cleanup", |g| rt.mem_free(g, self.d1))?, false);
+        note(gate(c, "cleanup", |g| rt.mem_free(g, self.d2))?, false);
         note(rt.stream_destroy(self.s1), false);
         note(rt.stream_destroy(self.s2), false);
         if errs.is_empty() {
@@ -220,58 +233,71 @@ fn run_cell(t: &Target, call: Call, relaxed: bool) -> Result<Observed, String> {
     let f = Fixture::new(rt.clone())?;
     rt.begin_capture(f.s1, CaptureMode::Global).map_err(|e| format!("begin_capture: {e}"))?;
 
-    let (b_rt, s2, d2, pinned, pageable) = (rt.clone(), f.s2, f.d2, f.pinned.addr(), f.pageable.addr());
+    let (b_rt, b_coord, s2, d2, pinned, pageable) =
+        (rt.clone(), f.coord.clone(), f.s2, f.d2, f.pinned.addr(), f.pageable.addr());
     let (s3, ev, d3, h3) = (f.s3, f.ev, f.d3, f.h3);
     let pageable_len = f.pageable.len();
     let b = thread::spawn(move || {
         let rt = b_rt;
         let prev = if relaxed { Some(rt.exchange_capture_mode(CaptureMode::Relaxed)) } else { None };
         let mut left = Leftover::default();
-        let r: kvoffload::runtime::DriverResult<()> = match call {
-            // SAFETY: the fixture's pageable buffer outlives the cell and is
-            // unregistered in cleanup.
-            Call::Register => unsafe { rt.host_register(pageable, pageable_len) },
-            Call::Unregister => rt.host_unregister(pinned),
-            // SAFETY: source buffers live in the fixture until cleanup, which
-            // synchronizes the context first.
-            Call::CopyPinned => unsafe { rt.copy_htod_async(d2, pinned, COPY, s2) },
-            // SAFETY: as above.
-            Call::CopyPageable => unsafe { rt.copy_htod_async(d2, pageable, COPY, s2) },
-            Call::EventQuery => rt.event_create().and_then(|e| {
-                left.event = Some(e);
-                rt.event_record(e, s2)?;
-                rt.event_query(e).map(|_| ())
-            }),
-            Call::StreamSync => rt.stream_synchronize(s2),
-            Call::CtxSync => rt.ctx_synchronize(),
-            Call::MemAlloc => rt.mem_alloc(COPY).map(|p| left.device = Some(p)),
-            Call::MemAllocHost => rt.mem_alloc_host(COPY).map(|h| left.host = Some(h)),
-            // SAFETY: the pinned buffer is readable for the fixture's life.
-            Call::CopySyncPinned => unsafe { rt.copy_htod(d2, pinned, COPY) },
-            Call::EventRecord => rt.event_record(ev, s2),
-            Call::EventQuery1 => rt.event_query(ev).map(|_| ()),
-            Call::EventSync => rt.event_synchronize(ev),
-            Call::EventCreate => rt.event_create().map(|e| left.event = Some(e)),
-            Call::EventDestroy => rt.event_destroy(ev).map(|()| left.consumed_event = true),
-            Call::StreamCreate => rt.stream_create().map(|s| left.stream = Some(s)),
-            Call::StreamDestroy => rt.stream_destroy(s3).map(|()| left.consumed_stream = true),
-            Call::StreamWaitEvent => rt.stream_wait_event(s3, ev),
-            Call::Launch => rt.launch(Kernel::Spin { nanos: 1_000 }, s2),
-            Call::Memset => rt.memset_d8_async(d2, 7, COPY, s2),
-            // SAFETY: as for the single async copies.
-            Call::CopyBatch => unsafe {
-                rt.copy_batch_async(Direction::HostToDevice, &[Fragment { host: pinned, device: d2, bytes: COPY }], s2)
-            },
-            // SAFETY: the pinned buffer is writable and read by nobody until
-            // cleanup, which synchronizes the context first.
-            Call::CopyDtohPinned => unsafe { rt.copy_dtoh_async(pinned, d2, COPY, s2) },
-            // SAFETY: as above, synchronously.
-            Call::CopySyncDtoh => unsafe { rt.copy_dtoh(pinned, d2, COPY) },
-            Call::MemFree => rt.mem_free(d3).map(|()| left.consumed_device = true),
-            Call::MemFreeHost => rt.mem_free_host(h3).map(|()| left.consumed_host = true),
-            Call::HostDevicePtr => rt.host_device_ptr(pinned).map(|_| ()),
-            Call::CaptureStatusOther => rt.capture_status(s2).map(|_| ()),
-        };
+        // B's one call, inside the gate of the cell's coordinator, which lets
+        // it run during A's capture (see the module docs); the ungated calls
+        // are made in the same place, so every cell's B is alike.
+        let r = gate(&b_coord, "B's call", |gate| -> kvoffload::runtime::DriverResult<()> {
+            match call {
+                // SAFETY: the fixture's pageable buffer outlives the cell and is
+                // unregistered in cleanup.
+                Call::Register => unsafe { rt.host_register(gate, pageable, pageable_len) },
+                Call::Unregister => rt.host_unregister(gate, pinned),
+                // SAFETY: source buffers live in the fixture until cleanup, which
+                // synchronizes the context first.
+                Call::CopyPinned => unsafe { rt.copy_htod_async(d2, pinned, COPY, s2) },
+                // SAFETY: as above.
+                Call::CopyPageable => unsafe { rt.copy_htod_async(d2, pageable, COPY, s2) },
+                Call::EventQuery => rt.event_create().and_then(|e| {
+                    left.event = Some(e);
+                    rt.event_record(e, s2)?;
+                    rt.event_query(gate, e).map(|_| ())
+                }),
+                Call::StreamSync => rt.stream_synchronize(gate, s2),
+                Call::CtxSync => rt.ctx_synchronize(gate),
+                Call::MemAlloc => rt.mem_alloc(gate, COPY).map(|p| left.device = Some(p)),
+                Call::MemAllocHost => rt.mem_alloc_host(gate, COPY).map(|h| left.host = Some(h)),
+                // SAFETY: the pinned buffer is readable for the fixture's life.
+                Call::CopySyncPinned => unsafe { rt.copy_htod(d2, pinned, COPY) },
+                Call::EventRecord => rt.event_record(ev, s2),
+                Call::EventQuery1 => rt.event_query(gate, ev).map(|_| ()),
+                Call::EventSync => rt.event_synchronize(gate, ev),
+                Call::EventCreate => rt.event_create().map(|e| left.event = Some(e)),
+                Call::EventDestroy => rt.event_destroy(ev).map(|()| left.consumed_event = true),
+                Call::StreamCreate => rt.stream_create().map(|s| left.stream = Some(s)),
+                Call::StreamDestroy => rt.stream_destroy(s3).map(|()| left.consumed_stream = true),
+                Call::StreamWaitEvent => rt.stream_wait_event(s3, ev),
+                // SAFETY: the spin kernel reads and writes no memory.
+                Call::Launch => unsafe { rt.launch(Kernel::Spin { nanos: 1_000 }, s2) },
+                // SAFETY: `d2` is the fixture's device buffer of COPY bytes, freed
+                // in cleanup after the context is synchronized.
+                Call::Memset => unsafe { rt.memset_d8_async(d2, 7, COPY, s2) },
+                // SAFETY: as for the single async copies.
+                Call::CopyBatch => unsafe {
+                    rt.copy_batch_async(
+                        Direction::HostToDevice,
+                        &[Fragment { host: pinned, device: d2, bytes: COPY }],
+                        s2,
+                    )
+                },
+                // SAFETY: the pinned buffer is writable and read by nobody until
+                // cleanup, which synchronizes the context first.
+                Call::CopyDtohPinned => unsafe { rt.copy_dtoh_async(pinned, d2, COPY, s2) },
+                // SAFETY: as above, synchronously.
+                Call::CopySyncDtoh => unsafe { rt.copy_dtoh(pinned, d2, COPY) },
+                Call::MemFree => rt.mem_free(gate, d3).map(|()| left.consumed_device = true),
+                Call::MemFreeHost => rt.mem_free_host(gate, h3).map(|()| left.consumed_host = true),
+                Call::HostDevicePtr => rt.host_device_ptr(pinned).map(|_| ()),
+                Call::CaptureStatusOther => rt.capture_status(s2).map(|_| ()),
+            }
+        });
         let restore = match prev {
             Some(Ok(m)) => rt.exchange_capture_mode(m).map(|_| ()),
             Some(Err(e)) => Err(e),
@@ -282,7 +308,9 @@ fn run_cell(t: &Target, call: Call, relaxed: bool) -> Result<Observed, String> {
     let (b_result, restore, left) = b.join().map_err(|_| "thread B panicked".to_string())?;
     restore.map_err(|e| format!("B's capture mode exchange: {e}"))?;
 
-    let a_enqueue = rt.memset_d8_async(f.d1, 1, COPY, f.s1);
+    // SAFETY: `d1` is the fixture's device buffer of COPY bytes; the memset
+    // is captured, not run, and its graph is destroyed below, unlaunched.
+    let a_enqueue = unsafe { rt.memset_d8_async(f.d1, 1, COPY, f.s1) };
     let end = rt.end_capture(f.s1);
     let mut cleanup_errs = Vec::new();
     if let Ok(g) = &end {
@@ -290,8 +318,9 @@ fn run_cell(t: &Target, call: Call, relaxed: bool) -> Result<Observed, String> {
             cleanup_errs.push(e.to_string());
         }
     }
-    let outcome = format!("B={} A-enqueue={} end={}", code(&b_result), code(&a_enqueue), code(&end));
     f.cleanup(&left)?;
+    let b_result = b_result?;
+    let outcome = format!("B={} A-enqueue={} end={}", code(&b_result), code(&a_enqueue), code(&end));
     if !cleanup_errs.is_empty() {
         return Err(cleanup_errs.join("; "));
     }

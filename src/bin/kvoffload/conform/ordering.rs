@@ -3,6 +3,10 @@
 //! waiting for the device, graph replay semantics, the batched copy lost
 //! inside a capture, and the sticky poison after replaying a graph whose
 //! host memory was unregistered.
+//!
+//! Each scenario's capture-unsafe calls go through the gate of a coordinator
+//! of its own, which knows nothing of the scenario's captures and so never
+//! holds a call back (see [`super::probe`]).
 
 use std::time::Instant;
 
@@ -10,7 +14,7 @@ use kvoffload::runtime::sim::{Blocked, HoldPoint};
 use kvoffload::runtime::{CaptureMode, Direction, DriverError, Fragment, GpuRuntime, Kernel};
 use kvoffload::sync::Arc;
 
-use super::probe::{release_hold_when, tick, HostBuf, LongRegister, Target};
+use super::probe::{gate, gated, release_hold_when, scenario_coordinator, tick, HostBuf, LongRegister, Target};
 use super::{code, Observed, Scenario};
 
 fn de(what: &'static str) -> impl Fn(DriverError) -> String {
@@ -103,9 +107,10 @@ pub(super) fn scenarios() -> Vec<Scenario> {
 
 fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
     let rt = t.rt();
+    let c = &scenario_coordinator();
     let s = rt.stream_create().map_err(de("stream"))?;
-    let d = rt.mem_alloc(4096).map_err(de("alloc"))?;
-    let mut reg = LongRegister::start(t)?;
+    let d = gated(c, "alloc", |g| rt.mem_alloc(g, 4096))?;
+    let mut reg = LongRegister::start(t, c)?;
     reg.wait_running()?;
     reg.release_when(Blocked::BeginCapture);
     let t0 = Instant::now();
@@ -126,7 +131,9 @@ fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
         None => after(begin_tick, reg_tick),
     };
     let end = if begin.is_ok() {
-        let _ = rt.memset_d8_async(d, 0, 4096, s);
+        // SAFETY: `d` is a 4096-byte device allocation, freed below after
+        // the graph is destroyed unlaunched (the memset is only captured).
+        let _ = unsafe { rt.memset_d8_async(d, 0, 4096, s) };
         rt.end_capture(s)
     } else {
         Err(DriverError::new("cuStreamEndCapture", kvoffload::runtime::Code::ILLEGAL_STATE))
@@ -135,7 +142,7 @@ fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
         rt.graph_destroy(*g).map_err(de("graph_destroy"))?;
     }
     reg.unregister()?;
-    rt.mem_free(d).map_err(de("free"))?;
+    gated(c, "free", |g| rt.mem_free(g, d))?;
     rt.stream_destroy(s).map_err(de("stream_destroy"))?;
     Ok(Observed::new(format!(
         "register={} begin={} begin-returned={} end={}",
@@ -153,13 +160,16 @@ fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
 
 fn enqueue_beside_register(t: &Target, mode: CaptureMode) -> Result<Observed, String> {
     let rt = t.rt();
+    let c = &scenario_coordinator();
     let s = rt.stream_create().map_err(de("stream"))?;
-    let d = rt.mem_alloc(4096).map_err(de("alloc"))?;
+    let d = gated(c, "alloc", |g| rt.mem_alloc(g, 4096))?;
     rt.begin_capture(s, mode).map_err(de("begin_capture"))?;
-    let mut reg = LongRegister::start(t)?;
+    let mut reg = LongRegister::start(t, c)?;
     let running = reg.wait_running();
     let t0 = Instant::now();
-    let enq = rt.memset_d8_async(d, 0, 4096, s);
+    // SAFETY: `d` is a 4096-byte device allocation, freed below after the
+    // graph is destroyed unlaunched (the memset is only captured).
+    let enq = unsafe { rt.memset_d8_async(d, 0, 4096, s) };
     let (enq_tick, enq_wait) = (tick(), t0.elapsed());
     // On the simulated GPU the register is held until now; a real one
     // finishes by itself.
@@ -170,7 +180,7 @@ fn enqueue_beside_register(t: &Target, mode: CaptureMode) -> Result<Observed, St
         rt.graph_destroy(*g).map_err(de("graph_destroy"))?;
     }
     reg.unregister()?;
-    rt.mem_free(d).map_err(de("free"))?;
+    gated(c, "free", |g| rt.mem_free(g, d))?;
     rt.stream_destroy(s).map_err(de("stream_destroy"))?;
     running?;
     Ok(Observed::new(format!(
@@ -185,11 +195,14 @@ fn enqueue_beside_register(t: &Target, mode: CaptureMode) -> Result<Observed, St
 
 fn unregister_waits(t: &Target, kernel: bool) -> Result<Observed, String> {
     let rt = t.rt();
+    let c = &scenario_coordinator();
     let s = rt.stream_create().map_err(de("stream"))?;
     let e = rt.event_create().map_err(de("event"))?;
     let small = HostBuf::new(2 << 20, 3)?;
-    // SAFETY: `small` outlives its registration (unregistered below).
-    unsafe { rt.host_register(small.addr(), small.len()) }.map_err(de("register"))?;
+    gated(c, "register", |g| {
+        // SAFETY: `small` outlives its registration (unregistered below).
+        unsafe { rt.host_register(g, small.addr(), small.len()) }
+    })?;
     let hold = match t {
         Target::Sim(sim) => Some(sim.hold(HoldPoint::DeviceOp)),
         Target::Real(_) => None,
@@ -199,12 +212,15 @@ fn unregister_waits(t: &Target, kernel: bool) -> Result<Observed, String> {
     let mut copy_src = None;
     let mut dev = None;
     if kernel {
-        rt.launch(Kernel::Spin { nanos: 1_000_000_000 }, s).map_err(de("launch"))?;
+        // SAFETY: the spin kernel reads and writes no memory.
+        unsafe { rt.launch(Kernel::Spin { nanos: 1_000_000_000 }, s) }.map_err(de("launch"))?;
     } else {
         let src = HostBuf::new(copy_bytes, 9)?;
-        // SAFETY: `src` lives until after the stream is synchronized below.
-        unsafe { rt.host_register(src.addr(), src.len()) }.map_err(de("register src"))?;
-        let d = rt.mem_alloc(copy_bytes).map_err(de("alloc"))?;
+        gated(c, "register src", |g| {
+            // SAFETY: `src` lives until after the stream is synchronized below.
+            unsafe { rt.host_register(g, src.addr(), src.len()) }
+        })?;
+        let d = gated(c, "alloc", |g| rt.mem_alloc(g, copy_bytes))?;
         // SAFETY: as above.
         unsafe { rt.copy_htod_async(d, src.addr(), copy_bytes, s) }.map_err(de("copy"))?;
         copy_src = Some(src);
@@ -214,18 +230,18 @@ fn unregister_waits(t: &Target, kernel: bool) -> Result<Observed, String> {
     if let Some(h) = &hold {
         h.wait_entered();
     }
-    let before = rt.event_query(e).map_err(de("query before"))?;
+    let before = gated(c, "query before", |g| rt.event_query(g, e))?;
     release_hold_when(t, hold, Blocked::Idle);
     let t0 = Instant::now();
-    let un = rt.host_unregister(small.addr());
+    let un = gate(c, "unregister", |g| rt.host_unregister(g, small.addr()))?;
     let took = t0.elapsed();
-    let after_done = rt.event_query(e).map_err(de("query after"))?;
-    rt.stream_synchronize(s).map_err(de("sync"))?;
+    let after_done = gated(c, "query after", |g| rt.event_query(g, e))?;
+    gated(c, "sync", |g| rt.stream_synchronize(g, s))?;
     if let Some(src) = &copy_src {
-        rt.host_unregister(src.addr()).map_err(de("unregister src"))?;
+        gated(c, "unregister src", |g| rt.host_unregister(g, src.addr()))?;
     }
     if let Some(d) = dev {
-        rt.mem_free(d).map_err(de("free"))?;
+        gated(c, "free", |g| rt.mem_free(g, d))?;
     }
     rt.event_destroy(e).map_err(de("event_destroy"))?;
     rt.stream_destroy(s).map_err(de("stream_destroy"))?;
@@ -255,9 +271,10 @@ fn read_device(rt: &Arc<dyn GpuRuntime>, d: u64, bytes: usize, new: u8, old: u8)
 
 fn pageable_replay(t: &Target) -> Result<Observed, String> {
     let rt = t.rt();
+    let c = &scenario_coordinator();
     let bytes = 1 << 20;
     let s = rt.stream_create().map_err(de("stream"))?;
-    let d = rt.mem_alloc(bytes).map_err(de("alloc"))?;
+    let d = gated(c, "alloc", |g| rt.mem_alloc(g, bytes))?;
     let mut src = HostBuf::new(bytes, 1)?;
     rt.begin_capture(s, CaptureMode::Global).map_err(de("begin_capture"))?;
     // SAFETY: `src` outlives every replay of the graph (destroyed below).
@@ -267,11 +284,14 @@ fn pageable_replay(t: &Target) -> Result<Observed, String> {
     let mut holds = "none";
     if let Ok(g) = end {
         src.fill(2);
-        replay = rt.graph_launch(g, s).and_then(|_| rt.stream_synchronize(s));
+        replay = match rt.graph_launch(g, s) {
+            Ok(()) => gate(c, "sync", |gt| rt.stream_synchronize(gt, s))?,
+            Err(e) => Err(e),
+        };
         holds = read_device(&rt, d, bytes, 2, 1)?;
         rt.graph_destroy(g).map_err(de("graph_destroy"))?;
     }
-    rt.mem_free(d).map_err(de("free"))?;
+    gated(c, "free", |g| rt.mem_free(g, d))?;
     rt.stream_destroy(s).map_err(de("stream_destroy"))?;
     let capture = if cap.is_ok() && end.is_ok() { "ok".to_string() } else { format!("{}/{}", code(&cap), code(&end)) };
     Ok(Observed::new(format!("capture={capture} replay={} device-holds={holds}", code(&replay))))
@@ -279,15 +299,19 @@ fn pageable_replay(t: &Target) -> Result<Observed, String> {
 
 fn batch_in_capture(t: &Target) -> Result<Observed, String> {
     let rt = t.rt();
+    let c = &scenario_coordinator();
     let frag = 64 << 10;
     let bytes = 2 * frag;
     let s = rt.stream_create().map_err(de("stream"))?;
-    let d = rt.mem_alloc(bytes).map_err(de("alloc"))?;
-    rt.memset_d8_async(d, 0, bytes, s).map_err(de("memset"))?;
-    rt.stream_synchronize(s).map_err(de("sync"))?;
+    let d = gated(c, "alloc", |g| rt.mem_alloc(g, bytes))?;
+    // SAFETY: `d` is a device allocation of `bytes`, synchronized just below.
+    unsafe { rt.memset_d8_async(d, 0, bytes, s) }.map_err(de("memset"))?;
+    gated(c, "sync", |g| rt.stream_synchronize(g, s))?;
     let src = HostBuf::new(bytes, 7)?;
-    // SAFETY: `src` outlives its registration (unregistered below).
-    unsafe { rt.host_register(src.addr(), src.len()) }.map_err(de("register"))?;
+    gated(c, "register", |g| {
+        // SAFETY: `src` outlives its registration (unregistered below).
+        unsafe { rt.host_register(g, src.addr(), src.len()) }
+    })?;
     let frags: Vec<Fragment> =
         (0..2).map(|i| Fragment { host: src.addr() + i * frag, device: d + (i * frag) as u64, bytes: frag }).collect();
     rt.begin_capture(s, CaptureMode::Global).map_err(de("begin_capture"))?;
@@ -297,12 +321,15 @@ fn batch_in_capture(t: &Target) -> Result<Observed, String> {
     let mut replay = Err(DriverError::new("cuGraphLaunch", kvoffload::runtime::Code::ILLEGAL_STATE));
     let mut holds = "none";
     if let Ok(g) = &end {
-        replay = rt.graph_launch(*g, s).and_then(|_| rt.stream_synchronize(s));
+        replay = match rt.graph_launch(*g, s) {
+            Ok(()) => gate(c, "sync", |gt| rt.stream_synchronize(gt, s))?,
+            Err(e) => Err(e),
+        };
         holds = read_device(&rt, d, bytes, 7, 0)?;
         rt.graph_destroy(*g).map_err(de("graph_destroy"))?;
     }
-    rt.host_unregister(src.addr()).map_err(de("unregister"))?;
-    rt.mem_free(d).map_err(de("free"))?;
+    gated(c, "unregister", |g| rt.host_unregister(g, src.addr()))?;
+    gated(c, "free", |g| rt.mem_free(g, d))?;
     rt.stream_destroy(s).map_err(de("stream_destroy"))?;
     Ok(Observed::new(format!(
         "batch={} end={} replay={} device-holds={holds}",
@@ -314,20 +341,23 @@ fn batch_in_capture(t: &Target) -> Result<Observed, String> {
 
 fn replay_after_unregister(t: &Target) -> Result<Observed, String> {
     let rt = t.rt();
+    let c = &scenario_coordinator();
     let bytes = 1 << 20;
     let s = rt.stream_create().map_err(de("stream"))?;
-    let d = rt.mem_alloc(bytes).map_err(de("alloc"))?;
+    let d = gated(c, "alloc", |g| rt.mem_alloc(g, bytes))?;
     let src = HostBuf::new(bytes, 5)?;
-    // SAFETY: `src` lives until the end of the function, past every use.
-    unsafe { rt.host_register(src.addr(), src.len()) }.map_err(de("register"))?;
+    gated(c, "register", |g| {
+        // SAFETY: `src` lives until the end of the function, past every use.
+        unsafe { rt.host_register(g, src.addr(), src.len()) }
+    })?;
     rt.begin_capture(s, CaptureMode::Global).map_err(de("begin_capture"))?;
     // SAFETY: as above.
     unsafe { rt.copy_htod_async(d, src.addr(), bytes, s) }.map_err(de("captured copy"))?;
     let g = rt.end_capture(s).map_err(de("end_capture"))?;
-    let un = rt.host_unregister(src.addr());
+    let un = gate(c, "unregister", |gt| rt.host_unregister(gt, src.addr()))?;
     let launch = rt.graph_launch(g, s);
-    let sync = rt.stream_synchronize(s);
-    let next = rt.mem_alloc(4096);
+    let sync = gate(c, "sync", |gt| rt.stream_synchronize(gt, s))?;
+    let next = gate(c, "next call", |gt| rt.mem_alloc(gt, 4096))?;
     // The context is poisoned now (if the driver behaves as FACTS says):
     // nothing more can be released; the process (or the simulated GPU) ends.
     Ok(Observed::new(format!(

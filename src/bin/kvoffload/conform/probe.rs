@@ -8,11 +8,21 @@
 //! memory (seconds of page pinning, FACTS 1); the harness learns that it is
 //! running from the registering thread's kernel CPU time in
 //! /proc/self/task/TID/stat, never from a sleep.
+//!
+//! Scenarios make capture-unsafe calls while another thread captures, on
+//! purpose: what the driver does then is what they measure. The runtime
+//! asks every such call for a [`Gate`], which only a coordinator hands out;
+//! each scenario makes a coordinator of its own with no region
+//! ([`scenario_coordinator`]). It knows nothing of the scenarios' captures
+//! (they are opened on the runtime directly, not through its windows), so
+//! it never holds a call back: the calls reach the driver exactly when the
+//! scenario makes them.
 
 use std::time::{Duration, Instant};
 
+use kvoffload::protocol::{CapturePolicy, Coordinator};
 use kvoffload::runtime::sim::{Blocked, Hold, HoldPoint, SimRuntime};
-use kvoffload::runtime::{DriverResult, GpuRuntime};
+use kvoffload::runtime::{DriverError, DriverResult, Gate, GpuRuntime};
 use kvoffload::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use kvoffload::sync::{thread, Arc};
 
@@ -30,6 +40,28 @@ impl Target {
             Target::Real(r) => r.clone(),
         }
     }
+}
+
+/// A scenario's own coordinator, for the gate of its capture-unsafe calls
+/// (see the module docs): no region, and no capture window ever opened
+/// through it, so its gate never waits and never refuses.
+pub fn scenario_coordinator() -> Arc<Coordinator> {
+    Coordinator::without_region(CapturePolicy::AfterPinning)
+}
+
+/// `f` through `coord`'s gate; the coordinator's refusal (none is expected:
+/// see [`scenario_coordinator`]) as the scenario's error.
+pub fn gate<T>(coord: &Coordinator, what: &'static str, f: impl FnOnce(&Gate) -> T) -> Result<T, String> {
+    coord.unsafe_call(what, f).map_err(|e| format!("{what}: {e}"))
+}
+
+/// [`gate`] of a driver call whose failure is the scenario's error too.
+pub fn gated<T>(
+    coord: &Coordinator,
+    what: &'static str,
+    f: impl FnOnce(&Gate) -> DriverResult<T>,
+) -> Result<T, String> {
+    gate(coord, what, f)?.map_err(|e: DriverError| format!("{what}: {e}"))
 }
 
 static CLOCK: AtomicU64 = AtomicU64::new(1);
@@ -81,9 +113,10 @@ impl HostBuf {
 /// A registration running on its own thread.
 pub struct LongRegister {
     target: Target,
+    coord: Arc<Coordinator>,
     hold: Option<Hold>,
     tid: Arc<AtomicI64>,
-    handle: Option<thread::JoinHandle<(DriverResult<()>, u64, Duration)>>,
+    handle: Option<thread::JoinHandle<(Result<DriverResult<()>, String>, u64, Duration)>>,
     buf: Arc<HostBuf>,
     registered: bool,
 }
@@ -92,25 +125,31 @@ pub struct LongRegister {
 const REAL_LONG_BYTES: usize = 8 << 30;
 
 impl LongRegister {
-    /// Starts registering a fresh buffer on a new thread.
-    pub fn start(target: &Target) -> Result<Self, String> {
+    /// Starts registering a fresh buffer on a new thread, through the gate
+    /// of `coord` (the scenario's own, see the module docs: the registration
+    /// is meant to overlap the scenario's capture).
+    pub fn start(target: &Target, coord: &Arc<Coordinator>) -> Result<Self, String> {
         let (bytes, hold) = match target {
             Target::Sim(s) => (1 << 20, Some(s.hold(HoldPoint::Register))),
             Target::Real(_) => (REAL_LONG_BYTES, None),
         };
         let buf = Arc::new(HostBuf::untouched(bytes)?);
         let tid = Arc::new(AtomicI64::new(0));
-        let (rt, b, t) = (target.rt(), buf.clone(), tid.clone());
+        let (rt, c, b, t) = (target.rt(), coord.clone(), buf.clone(), tid.clone());
         let handle = thread::spawn(move || {
             // SAFETY: gettid has no preconditions.
             t.store(i64::from(unsafe { libc::gettid() }), Ordering::SeqCst);
             let start = Instant::now();
-            // SAFETY: `b` keeps the mapping alive for the whole scenario, and
-            // the scenario unregisters it before dropping the LongRegister.
-            let r = unsafe { rt.host_register(b.addr(), b.len()) };
+            let r = gate(&c, "the long registration", |g| {
+                // SAFETY: `b` keeps the mapping alive for the whole scenario,
+                // and the scenario unregisters it before dropping the
+                // LongRegister.
+                unsafe { rt.host_register(g, b.addr(), b.len()) }
+            });
             (r, tick(), start.elapsed())
         });
-        Ok(LongRegister { target: target.clone(), hold, tid, handle: Some(handle), buf, registered: false })
+        let coord = coord.clone();
+        Ok(LongRegister { target: target.clone(), coord, hold, tid, handle: Some(handle), buf, registered: false })
     }
 
     /// Returns once the registration is under way inside the driver.
@@ -164,16 +203,18 @@ impl LongRegister {
         // A hold still armed here is no longer needed by the scenario.
         self.release();
         let h = self.handle.take().ok_or("joined twice")?;
-        let r = h.join().map_err(|_| "registering thread panicked".to_string())?;
-        self.registered = r.0.is_ok();
-        Ok(r)
+        let (r, t, d) = h.join().map_err(|_| "registering thread panicked".to_string())?;
+        let r = r?;
+        self.registered = r.is_ok();
+        Ok((r, t, d))
     }
 
     /// Unregisters the buffer if the registration succeeded. Call it once
     /// no capture is open any more (unregister is capture-unsafe).
     pub fn unregister(self) -> Result<(), String> {
         if self.registered {
-            self.target.rt().host_unregister(self.buf.addr()).map_err(|e| format!("cleanup: {e}"))?;
+            let rt = self.target.rt();
+            gated(&self.coord, "cleanup", |g| rt.host_unregister(g, self.buf.addr()))?;
         }
         Ok(())
     }

@@ -25,13 +25,13 @@ use std::time::{Duration, Instant};
 use kvoffload::manager::ManagerError;
 use kvoffload::pin::{pin_all_agreed, Agreement, PinError, PinOptions, Prefault, Prepared};
 use kvoffload::protocol::agreement::{AgreementError, RankSlots};
-use kvoffload::protocol::{shutdown, GraphToken, PinState, ProtocolError, ShutdownError};
+use kvoffload::protocol::{shutdown, Coordinator, GraphToken, PinState, ProtocolError, ShutdownError};
 use kvoffload::region::pages;
 use kvoffload::region::slots::RegionSlots;
 use kvoffload::region::{Region, RegionError, ShmOptions};
 use kvoffload::runtime::pattern;
 use kvoffload::runtime::sim::SimFault;
-use kvoffload::runtime::{CaptureMode, Code, DevicePtr, DriverError, GpuRuntime, Graph, Stream};
+use kvoffload::runtime::{CaptureMode, Code, DevicePtr, DriverError, DriverResult, Gate, GpuRuntime, Graph, Stream};
 use kvoffload::sync::{self, thread, Arc, Mutex};
 use kvoffload::transfer::TransferError;
 
@@ -64,6 +64,17 @@ pub enum RankError {
 
 pub(super) fn drv(what: &'static str) -> impl FnOnce(DriverError) -> RankError {
     move |error| RankError::Driver { what, error }
+}
+
+/// `f`, a capture-unsafe driver call, through the gate of the rank's
+/// coordinator (it waits while a capture window is open); the coordinator's
+/// refusal and the driver's error both become a [`RankError`] naming `what`.
+pub(super) fn gated<T>(
+    coord: &Coordinator,
+    what: &'static str,
+    f: impl FnOnce(&Gate) -> DriverResult<T>,
+) -> Result<T, RankError> {
+    coord.unsafe_call(what, f)?.map_err(drv(what))
 }
 
 /// Writes one line on stdout for the parent, flushed at once.
@@ -204,7 +215,7 @@ pub fn run_rank(
     // 4. Graph capture through capture windows (GLOBAL mode).
     phase(rank, "capture");
     let cstream = rt.stream_create().map_err(drv("creating the capture stream"))?;
-    let scratch = rt.mem_alloc(1 << 20).map_err(drv("allocating the capture scratch buffer"))?;
+    let scratch = gated(&coord, "allocating the capture scratch buffer", |g| rt.mem_alloc(g, 1 << 20))?;
     let mut graphs: Vec<(Graph, GraphToken)> = Vec::new();
     for _ in 0..cfg.graphs {
         let t = Instant::now();
@@ -230,7 +241,7 @@ pub fn run_rank(
     for (g, _) in &graphs {
         rt.graph_launch(*g, cstream).map_err(drv("replaying a graph"))?;
     }
-    rt.stream_synchronize(cstream).map_err(drv("replaying the graphs"))?;
+    gated(&coord, "replaying the graphs", |g| rt.stream_synchronize(g, cstream))?;
 
     // 5a. The agreed pin state.
     phase(rank, "agree");
@@ -255,15 +266,16 @@ pub fn run_rank(
     let mut tensors: Vec<DevicePtr> = Vec::with_capacity(cfg.layers);
     let alloc = (|| {
         for _ in 0..cfg.layers {
-            tensors.push(rt.mem_alloc(cfg.gpu_blocks * cfg.page_bytes)?);
+            tensors.push(gated(&coord, "allocating the GPU KV tensors", |g| {
+                rt.mem_alloc(g, cfg.gpu_blocks * cfg.page_bytes)
+            })?);
         }
         Ok(())
     })();
-    let result = alloc
-        .map_err(drv("allocating the GPU KV tensors"))
-        .and_then(|()| workload(cfg, &d, rank, &rt, &coord, &region, &tensors, &rearm, &mut rep, pause_at));
+    let result =
+        alloc.and_then(|()| workload(cfg, &d, rank, &rt, &coord, &region, &tensors, &rearm, &mut rep, pause_at));
     for p in tensors {
-        if let Err(e) = rt.mem_free(p) {
+        if let Err(e) = gated(&coord, "freeing a KV tensor", |g| rt.mem_free(g, p)) {
             tracing::warn!(error = %e, "freeing a KV tensor failed");
         }
     }
@@ -274,7 +286,7 @@ pub fn run_rank(
         rt.graph_destroy(g).map_err(drv("destroying a graph"))?;
         drop(token);
     }
-    rt.mem_free(scratch).map_err(drv("freeing the capture scratch buffer"))?;
+    gated(&coord, "freeing the capture scratch buffer", |g| rt.mem_free(g, scratch))?;
     rt.stream_destroy(cstream).map_err(drv("destroying the capture stream"))?;
     // Unregister even when the workload failed: the region is unmapped next.
     let down = shutdown(rt.as_ref(), &coord, || {});
@@ -290,7 +302,11 @@ fn capture_one(rt: &dyn GpuRuntime, s: Stream, scratch: DevicePtr, nodes: usize)
     rt.begin_capture(s, CaptureMode::Global)?;
     let mut first = None;
     for i in 0..nodes {
-        if let Err(e) = rt.memset_d8_async(scratch, i as u8, 1 << 20, s) {
+        // SAFETY: `scratch` is a 1 MiB device allocation of `rt`; nothing
+        // else writes it, and it is freed only after every graph captured
+        // into it was replayed, synchronized and destroyed (`run_rank`), or,
+        // for a failed capture, destroyed here.
+        if let Err(e) = unsafe { rt.memset_d8_async(scratch, i as u8, 1 << 20, s) } {
             first = Some(e);
             break;
         }

@@ -12,8 +12,11 @@
 //! [`Kernel::PatternCheck`]: kvoffload::runtime::Kernel::PatternCheck
 
 use kvoffload::manager::BlockKey;
-use kvoffload::runtime::{DevicePtr, DriverResult, GpuRuntime, PATTERN_ENTRY_BYTES, PATTERN_ENTRY_WORDS};
+use kvoffload::protocol::Coordinator;
+use kvoffload::runtime::{DevicePtr, GpuRuntime, PATTERN_ENTRY_BYTES, PATTERN_ENTRY_WORDS};
 use kvoffload::transfer::KvLayout;
+
+use super::rank::{gated, RankError};
 
 /// The pattern key of `key` on `rank`: ranks never share contents, so a
 /// block written into another rank's slot would be caught.
@@ -85,14 +88,16 @@ pub(crate) struct TablePool {
 
 impl TablePool {
     /// Allocates `n` buffers of `entries` entries (none if any allocation
-    /// fails).
-    pub fn new(rt: &dyn GpuRuntime, n: usize, entries: usize) -> DriverResult<Self> {
+    /// fails), through `coord`'s gate.
+    pub fn new(rt: &dyn GpuRuntime, coord: &Coordinator, n: usize, entries: usize) -> Result<Self, RankError> {
         let mut pool = TablePool { bufs: Vec::with_capacity(n), free: (0..n).rev().collect(), entries };
         for _ in 0..n {
-            match rt.mem_alloc(entries.max(1) * PATTERN_ENTRY_BYTES) {
+            match gated(coord, "allocating the pattern-fill tables", |g| {
+                rt.mem_alloc(g, entries.max(1) * PATTERN_ENTRY_BYTES)
+            }) {
                 Ok(p) => pool.bufs.push(p),
                 Err(e) => {
-                    pool.release(rt);
+                    pool.release(rt, coord);
                     return Err(e);
                 }
             }
@@ -117,10 +122,11 @@ impl TablePool {
         self.free.push(slot);
     }
 
-    /// Frees every buffer (waits for the device to go idle).
-    pub fn release(self, rt: &dyn GpuRuntime) {
+    /// Frees every buffer (waits for the device to go idle), through
+    /// `coord`'s gate.
+    pub fn release(self, rt: &dyn GpuRuntime, coord: &Coordinator) {
         for p in self.bufs {
-            if let Err(e) = rt.mem_free(p) {
+            if let Err(e) = gated(coord, "freeing a pattern table", |g| rt.mem_free(g, p)) {
                 tracing::warn!(error = %e, "freeing a pattern table failed");
             }
         }

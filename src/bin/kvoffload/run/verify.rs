@@ -5,11 +5,18 @@
 use std::collections::VecDeque;
 
 use kvoffload::manager::BlockKey;
+use kvoffload::protocol::Coordinator;
 use kvoffload::runtime::pattern;
 use kvoffload::runtime::{DevicePtr, DriverError, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
 use kvoffload::sync::{self, Condvar, Mutex};
 
+use super::rank::{drv, gated, RankError};
 use super::tables::Shape;
+
+/// What a failed check names.
+const READING: &str = "reading GPU blocks back";
+/// What a failed set-up names.
+const SETTING_UP: &str = "setting up the verifier";
 
 /// A loaded job to check: its keys and the GPU blocks holding them.
 pub(crate) struct Loaded<J> {
@@ -81,9 +88,16 @@ impl<J> Verifier<J> {
         self.cv.notify_all();
     }
 
-    /// The thread's body: checks queued jobs until stopped. A driver error
-    /// other than a failed table upload stops it and is returned.
-    pub fn run(&self, rt: &dyn GpuRuntime, checker: &Checker, shape: &Shape) -> Result<(), DriverError> {
+    /// The thread's body: checks queued jobs until stopped, its
+    /// capture-unsafe calls through `coord`'s gate. An error other than a
+    /// failed table upload stops it and is returned.
+    pub fn run(
+        &self,
+        rt: &dyn GpuRuntime,
+        coord: &Coordinator,
+        checker: &Checker,
+        shape: &Shape,
+    ) -> Result<(), RankError> {
         loop {
             let loaded = {
                 let mut g = sync::lock(&self.state);
@@ -97,7 +111,7 @@ impl<J> Verifier<J> {
                     g = sync::wait(&self.cv, g);
                 }
             };
-            let r = checker.check(rt, shape, &loaded.keys, &loaded.gpu);
+            let r = checker.check(rt, coord, shape, &loaded.keys, &loaded.gpu);
             let mut g = sync::lock(&self.state);
             let outcome = match r {
                 Ok(o) => o,
@@ -123,14 +137,14 @@ pub(crate) struct Checker {
 
 impl Checker {
     /// A stream, a table of `entries` entries and as many counters (larger
-    /// jobs are checked a table at a time).
-    pub fn new(rt: &dyn GpuRuntime, entries: usize) -> Result<Self, DriverError> {
+    /// jobs are checked a table at a time), allocated through `coord`'s gate.
+    pub fn new(rt: &dyn GpuRuntime, coord: &Coordinator, entries: usize) -> Result<Self, RankError> {
         let entries = entries.max(1);
-        let stream = rt.stream_create()?;
+        let stream = rt.stream_create().map_err(drv(SETTING_UP))?;
         let mut c = Checker { stream, table: 0, out: 0, entries };
-        let r = rt.mem_alloc(entries * PATTERN_ENTRY_WORDS * 8).and_then(|t| {
+        let r = gated(coord, SETTING_UP, |g| rt.mem_alloc(g, entries * PATTERN_ENTRY_WORDS * 8)).and_then(|t| {
             c.table = t;
-            rt.mem_alloc(entries * 4)
+            gated(coord, SETTING_UP, |g| rt.mem_alloc(g, entries * 4))
         });
         match r {
             Ok(o) => {
@@ -138,22 +152,25 @@ impl Checker {
                 Ok(c)
             }
             Err(e) => {
-                c.release(rt);
+                c.release(rt, coord);
                 Err(e)
             }
         }
     }
 
     /// Checks every page of `keys` (in GPU blocks `gpu`) against its
-    /// pattern. `Ok(NotChecked)` when a table upload was refused; `Err`
-    /// for any other driver error (the device or the stream is broken).
+    /// pattern, waiting for the device through `coord`'s gate.
+    /// `Ok(NotChecked)` when a table upload was refused; `Err` for any
+    /// other driver error (the device or the stream is broken) or a refusal
+    /// of the coordinator.
     pub fn check(
         &self,
         rt: &dyn GpuRuntime,
+        coord: &Coordinator,
         shape: &Shape,
         keys: &[BlockKey],
         gpu: &[usize],
-    ) -> Result<Outcome, DriverError> {
+    ) -> Result<Outcome, RankError> {
         let table = shape.table(keys, gpu);
         let mut bad_blocks = vec![false; keys.len()];
         let mut counts = vec![0u32; self.entries];
@@ -166,18 +183,31 @@ impl Checker {
             {
                 return Ok(Outcome::NotChecked(e));
             }
-            rt.memset_d8_async(self.out, 0, n * 4, self.stream)?;
-            rt.launch(Kernel::PatternCheck { table: self.table, count: n as u32, out: self.out }, self.stream)?;
-            rt.stream_synchronize(self.stream)?;
+            // SAFETY: `self.out` is this checker's device allocation of
+            // `entries >= n` counters, used by its stream alone and freed
+            // only by `release`, after the thread stopped; the synchronize
+            // below waits for this memset.
+            unsafe { rt.memset_d8_async(self.out, 0, n * 4, self.stream) }.map_err(drv(READING))?;
+            // SAFETY: the kernel reads the table uploaded just before on the
+            // same stream (`piece` outlives the synchronize below) and the
+            // pages its entries name: the job's GPU blocks, in the live KV
+            // tensors, which the workload neither writes nor frees until
+            // this job's verdict; it writes `n` of `self.out`'s counters
+            // (as for the memset). The synchronize below waits for it.
+            unsafe {
+                rt.launch(Kernel::PatternCheck { table: self.table, count: n as u32, out: self.out }, self.stream)
+            }
+            .map_err(drv(READING))?;
+            gated(coord, READING, |g| rt.stream_synchronize(g, self.stream))?;
             // SAFETY: `counts` holds at least `n` u32s, 4 n bytes.
-            unsafe { rt.copy_dtoh(counts.as_mut_ptr() as usize, self.out, n * 4)? };
+            unsafe { rt.copy_dtoh(counts.as_mut_ptr() as usize, self.out, n * 4) }.map_err(drv(READING))?;
             for (i, &c) in counts[..n].iter().enumerate() {
                 if c != 0 {
                     let idx = p * self.entries + i;
                     let e = &table[idx * PATTERN_ENTRY_WORDS..][..PATTERN_ENTRY_WORDS];
                     let at = shape.locate(idx);
                     bad_blocks[at.block] = true;
-                    let byte = first_bad_byte(rt, e)?;
+                    let byte = first_bad_byte(rt, e).map_err(drv(READING))?;
                     tracing::error!(
                         rank = shape.rank, key = %keys[at.block], layer = at.layer, page = at.page,
                         words = c, byte, "loaded block differs from its pattern"
@@ -189,11 +219,12 @@ impl Checker {
         Ok(Outcome::Checked { verified: keys.len() as u64 - corrupted, corrupted })
     }
 
-    /// Frees the table, the counters and the stream.
-    pub fn release(self, rt: &dyn GpuRuntime) {
+    /// Frees the table, the counters (through `coord`'s gate) and the
+    /// stream.
+    pub fn release(self, rt: &dyn GpuRuntime, coord: &Coordinator) {
         for p in [self.table, self.out] {
             if p != 0 {
-                if let Err(e) = rt.mem_free(p) {
+                if let Err(e) = gated(coord, "freeing a verifier buffer", |g| rt.mem_free(g, p)) {
                     tracing::warn!(error = %e, "freeing a verifier buffer failed");
                 }
             }
@@ -216,17 +247,24 @@ fn first_bad_byte(rt: &dyn GpuRuntime, e: &[u64]) -> Result<u64, DriverError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvoffload::runtime::sim::{SimFault, SimRuntime};
+    use kvoffload::protocol::CapturePolicy;
+    use kvoffload::runtime::sim::SimFault;
+    use kvoffload::runtime::sim::SimRuntime;
     use kvoffload::runtime::Code;
+    use kvoffload::sync::Arc;
     use kvoffload::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec};
 
+    /// A coordinator for the tests' capture-unsafe calls (no capture runs).
+    fn gate_only() -> Arc<Coordinator> {
+        Coordinator::without_region(CapturePolicy::AfterPinning)
+    }
+
     /// Two layers of 8 GPU blocks of 256-byte pages on `rt`, factor 2.
-    fn shape(rt: &dyn GpuRuntime, host: &[u8]) -> Shape {
+    fn shape(rt: &dyn GpuRuntime, coord: &Coordinator, host: &[u8]) -> Shape {
         let (page, factor, layers) = (256, 2, 2);
+        let alloc = || coord.unsafe_call("test", |g| rt.mem_alloc(g, 8 * page)).unwrap().unwrap();
         let spec = GroupSpec {
-            tensors: (0..layers)
-                .map(|_| TensorSpec { device_base: rt.mem_alloc(8 * page).unwrap(), page_bytes: page })
-                .collect(),
+            tensors: (0..layers).map(|_| TensorSpec { device_base: alloc(), page_bytes: page }).collect(),
             num_gpu_blocks: 8,
             num_host_blocks: 2,
         };
@@ -236,28 +274,31 @@ mod tests {
     }
 
     /// Writes the blocks' patterns with the fill kernel, as a store does.
-    fn fill(rt: &dyn GpuRuntime, shape: &Shape, keys: &[BlockKey], gpu: &[usize]) {
+    fn fill(rt: &dyn GpuRuntime, coord: &Coordinator, shape: &Shape, keys: &[BlockKey], gpu: &[usize]) {
         let s = rt.stream_create().unwrap();
         let table = shape.table(keys, gpu);
-        let t = rt.mem_alloc(table.len() * 8).unwrap();
+        let t = coord.unsafe_call("test", |g| rt.mem_alloc(g, table.len() * 8)).unwrap().unwrap();
         // SAFETY: `table` outlives the synchronize below.
         unsafe { rt.copy_htod_async(t, table.as_ptr() as usize, table.len() * 8, s).unwrap() };
         let count = (table.len() / PATTERN_ENTRY_WORDS) as u32;
-        rt.launch(Kernel::PatternFill { table: t, count }, s).unwrap();
-        rt.stream_synchronize(s).unwrap();
+        // SAFETY: the table was uploaded on `s` just before; its entries name
+        // pages of the shape's live tensors; the synchronize below waits.
+        unsafe { rt.launch(Kernel::PatternFill { table: t, count }, s).unwrap() };
+        coord.unsafe_call("test", |g| rt.stream_synchronize(g, s)).unwrap().unwrap();
     }
 
     #[test]
     fn the_check_finds_a_flipped_byte_in_the_block_that_holds_it() {
         let rt = SimRuntime::new();
         let host = vec![0u8; 4096];
-        let shape = shape(&rt, &host);
+        let coord = gate_only();
+        let shape = shape(&rt, &coord, &host);
         let keys = [BlockKey::new(3, 0), BlockKey::new(4, 0)];
         let gpu = [5, 2, 7, 0];
-        fill(&rt, &shape, &keys, &gpu);
+        fill(&rt, &coord, &shape, &keys, &gpu);
         // Tables of 3 entries: the 8 pages are checked in three pieces.
-        let checker = Checker::new(&rt, 3).unwrap();
-        let clean = checker.check(&rt, &shape, &keys, &gpu).unwrap();
+        let checker = Checker::new(&rt, &coord, 3).unwrap();
+        let clean = checker.check(&rt, &coord, &shape, &keys, &gpu).unwrap();
         assert!(matches!(clean, Outcome::Checked { verified: 2, corrupted: 0 }), "{clean:?}");
         // Flip one byte of block 1 (key 4), layer 1, its second GPU block.
         let at = shape.layout.device_addr(0, 1, gpu[3]) + 100;
@@ -268,34 +309,35 @@ mod tests {
             b[0] ^= 1;
             rt.copy_htod(at, b.as_ptr() as usize, 1).unwrap();
         }
-        let bad = checker.check(&rt, &shape, &keys, &gpu).unwrap();
+        let bad = checker.check(&rt, &coord, &shape, &keys, &gpu).unwrap();
         assert!(matches!(bad, Outcome::Checked { verified: 1, corrupted: 1 }), "{bad:?}");
         // The other block alone is still clean.
-        let one = checker.check(&rt, &shape, &keys[..1], &gpu[..2]).unwrap();
+        let one = checker.check(&rt, &coord, &shape, &keys[..1], &gpu[..2]).unwrap();
         assert!(matches!(one, Outcome::Checked { verified: 1, corrupted: 0 }), "{one:?}");
         // A block checked against another rank's pattern is caught.
         let other = Shape { rank: 1, ..shape.clone() };
-        let wrong = checker.check(&rt, &other, &keys[..1], &gpu[..2]).unwrap();
+        let wrong = checker.check(&rt, &coord, &other, &keys[..1], &gpu[..2]).unwrap();
         assert!(matches!(wrong, Outcome::Checked { verified: 0, corrupted: 1 }), "{wrong:?}");
         // The byte within the block the log names: page 3 of 4, byte 100.
         let table = shape.table(&keys[1..], &gpu[2..]);
         assert_eq!(first_bad_byte(&rt, &table[3 * PATTERN_ENTRY_WORDS..]).unwrap(), 3 * 256 + 100);
-        checker.release(&rt);
+        checker.release(&rt, &coord);
     }
 
     #[test]
     fn a_refused_table_upload_checks_nothing() {
         let rt = SimRuntime::new();
         let host = vec![0u8; 4096];
-        let shape = shape(&rt, &host);
+        let coord = gate_only();
+        let shape = shape(&rt, &coord, &host);
         let keys = [BlockKey::new(3, 0)];
-        fill(&rt, &shape, &keys, &[1, 6]);
-        let checker = Checker::new(&rt, 16).unwrap();
+        fill(&rt, &coord, &shape, &keys, &[1, 6]);
+        let checker = Checker::new(&rt, &coord, 16).unwrap();
         rt.inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
-        let r = checker.check(&rt, &shape, &keys, &[1, 6]).unwrap();
+        let r = checker.check(&rt, &coord, &shape, &keys, &[1, 6]).unwrap();
         assert!(matches!(r, Outcome::NotChecked(ref e) if e.code == Code::INVALID_VALUE), "{r:?}");
-        let r = checker.check(&rt, &shape, &keys, &[1, 6]).unwrap();
+        let r = checker.check(&rt, &coord, &shape, &keys, &[1, 6]).unwrap();
         assert!(matches!(r, Outcome::Checked { verified: 1, corrupted: 0 }), "{r:?}");
-        checker.release(&rt);
+        checker.release(&rt, &coord);
     }
 }

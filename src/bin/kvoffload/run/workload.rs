@@ -23,7 +23,7 @@ use kvoffload::transfer::{
 
 use super::config::{Derived, KillAt, RunConfig};
 use super::metrics::{monotonic_secs, Intervals};
-use super::rank::{drv, emit, pause, phase, progress, RankError};
+use super::rank::{drv, emit, gated, pause, phase, progress, RankError};
 use super::report::{busy_lines, RankReport};
 use super::tables::{Shape, TablePool};
 use super::verify::{Checker, Loaded, Outcome, Verdict};
@@ -82,6 +82,8 @@ struct Work<'a> {
     rank: usize,
     cfg: &'a RunConfig,
     rt: &'a Arc<dyn GpuRuntime>,
+    /// The rank's coordinator: its gate for capture-unsafe calls.
+    coord: &'a Coordinator,
     engine: &'a TransferEngine,
     mgr: BlockManager,
     shape: Shape,
@@ -161,15 +163,15 @@ pub(super) fn workload(
     let shape = Shape { rank, layers: cfg.layers, factor: f, page: cfg.page_bytes, layout };
     // A job has at most `blocks_per_job` blocks: one table entry per page.
     let entries = cfg.blocks_per_job * shape.pages_per_block();
-    let made = TablePool::new(rt.as_ref(), cfg.inflight, entries)
-        .map_err(drv("allocating the pattern-fill tables"))
-        .and_then(|t| match Checker::new(rt.as_ref(), entries) {
+    let made = TablePool::new(rt.as_ref(), coord, cfg.inflight, entries).and_then(|t| {
+        match Checker::new(rt.as_ref(), coord, entries) {
             Ok(c) => Ok((t, c)),
             Err(e) => {
-                t.release(rt.as_ref());
-                Err(drv("setting up the verifier")(e))
+                t.release(rt.as_ref(), coord);
+                Err(e)
             }
-        });
+        }
+    });
     let (tables, checker) = match made {
         Ok(m) => m,
         Err(e) => {
@@ -180,9 +182,9 @@ pub(super) fn workload(
     };
     let verifier = Arc::new(Verifier::new());
     let vthread = {
-        let (v, rt, shape) = (verifier.clone(), rt.clone(), shape.clone());
+        let (v, rt, coord, shape) = (verifier.clone(), rt.clone(), coord.clone(), shape.clone());
         thread::spawn(move || {
-            let r = v.run(rt.as_ref(), &checker, &shape);
+            let r = v.run(rt.as_ref(), &coord, &checker, &shape);
             (checker, r)
         })
     };
@@ -190,6 +192,7 @@ pub(super) fn workload(
         rank,
         cfg,
         rt,
+        coord,
         engine: &engine,
         mgr,
         shape,
@@ -209,7 +212,7 @@ pub(super) fn workload(
     verifier.stop();
     let vr = match vthread.join() {
         Ok((checker, vr)) => {
-            checker.release(rt.as_ref());
+            checker.release(rt.as_ref(), coord);
             vr
         }
         Err(_) => return Err(RankError::Other("the verifier thread panicked".into())),
@@ -221,9 +224,9 @@ pub(super) fn workload(
     if let Err(e) = rt.stream_destroy(compute) {
         tracing::warn!(error = %e, "destroying the compute stream failed");
     }
-    tables.release(rt.as_ref());
+    tables.release(rt.as_ref(), coord);
     r?;
-    vr.map_err(drv("reading GPU blocks back"))?;
+    vr?;
     for line in rep.latency_lines(&lat, 4096) {
         emit(&line);
     }
@@ -461,10 +464,19 @@ impl Work<'_> {
         // and lives until the store job (ordered after this stream's work)
         // is reported, or until the stream is synchronized below.
         let r = unsafe { self.rt.copy_htod_async(dtable, staging.as_ptr() as usize, staging.len() * 8, self.compute) }
-            .and_then(|()| self.rt.launch(Kernel::PatternFill { table: dtable, count: count as u32 }, self.compute));
+            .and_then(|()| {
+                // SAFETY: the table `dtable` was uploaded just before on the
+                // same stream, and its buffer stays with this job (not given
+                // back to the pool) until the store, ordered after this
+                // kernel, is reported or the stream is synchronized; the
+                // kernel writes the job's GPU blocks, `gpu`, taken from the
+                // free list and not read until the store job runs after it,
+                // in the live KV tensors (freed after the engine is gone).
+                unsafe { self.rt.launch(Kernel::PatternFill { table: dtable, count: count as u32 }, self.compute) }
+            });
         if let Err(e) = r {
             tracing::warn!(rank = self.rank, error = %e, "writing blocks on the compute stream failed; their store is dropped");
-            self.rt.stream_synchronize(self.compute).map_err(drv("synchronizing the compute stream"))?;
+            gated(self.coord, "synchronizing the compute stream", |g| self.rt.stream_synchronize(g, self.compute))?;
             self.tables.give(table);
             self.mgr.complete_store(&stored, false)?;
             self.free_gpu.extend(gpu);
@@ -534,7 +546,9 @@ impl Work<'_> {
                     rep.stores_failed += 1;
                     // A job that failed before its completion event may leave
                     // the compute stream still reading the fill table.
-                    self.rt.stream_synchronize(self.compute).map_err(drv("synchronizing the compute stream"))?;
+                    gated(self.coord, "synchronizing the compute stream", |g| {
+                        self.rt.stream_synchronize(g, self.compute)
+                    })?;
                     self.mgr.complete_store(&job.keys, false)?;
                 }
                 // The fill kernel has run: the store completed after it, or
