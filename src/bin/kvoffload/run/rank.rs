@@ -27,7 +27,7 @@ use kvoffload::pin::{pin_all_agreed, Agreement, PinError, PinOptions, Prefault, 
 use kvoffload::protocol::agreement::{AgreementError, RankSlots};
 use kvoffload::protocol::{shutdown, Coordinator, GraphToken, PinState, ProtocolError, ShutdownError};
 use kvoffload::region::pages;
-use kvoffload::region::slots::RegionSlots;
+use kvoffload::pin::RegionSlots;
 use kvoffload::region::{Region, RegionError, ShmOptions};
 use kvoffload::runtime::pattern;
 use kvoffload::runtime::sim::SimFault;
