@@ -25,6 +25,5 @@ mod tables;
 mod verify;
 mod workload;
 
-pub use config::{ConfigError, Derived, KillAt, RunConfig};
-pub use rank::{run_rank, RankError};
-pub use report::RankReport;
+pub use config::{KillAt, RunConfig};
+pub use rank::run_rank;
