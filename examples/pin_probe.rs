@@ -22,6 +22,7 @@
 use std::ffi::CString;
 use std::time::Instant;
 
+use kvoffload::protocol::{CapturePolicy, Coordinator};
 use kvoffload::runtime::cuda::CudaRuntime;
 use kvoffload::runtime::GpuRuntime;
 
@@ -180,18 +181,40 @@ fn fallocate(m: &Mapping) -> Result<f64, String> {
 }
 
 /// Registers `m` in `chunk`-byte calls from one thread, then unregisters.
+///
+/// The calls go through the gate of a coordinator of the probe's own (the
+/// runtime asks for one); it has no region and the probe captures nothing,
+/// so it never holds a call back.
 fn register(rt: &CudaRuntime, m: &Mapping, chunk: usize) -> Result<(f64, f64), String> {
+    let coord = Coordinator::without_region(CapturePolicy::AfterPinning);
+    let gated = |f: &dyn Fn(&kvoffload::runtime::Gate) -> kvoffload::runtime::DriverResult<()>| {
+        coord.unsafe_call("pin probe", f).map_err(|e| e.to_string())?.map_err(|e| e.to_string())
+    };
     let n = m.len.div_ceil(chunk);
     let t = Instant::now();
     for c in 0..n {
         let len = chunk.min(m.len - c * chunk);
-        // SAFETY: a mapped range that stays mapped until unregistered below.
-        unsafe { rt.host_register(m.addr + c * chunk, len) }.map_err(|e| e.to_string())?;
+        // SAFETY: a mapped range that stays mapped until unregistered: below,
+        // or, should a registration fail, right here.
+        let r = gated(&|g| unsafe { rt.host_register(g, m.addr + c * chunk, len) });
+        if let Err(e) = r {
+            for done in (0..c).rev() {
+                if let Err(u) = gated(&|g| rt.host_unregister(g, m.addr + done * chunk)) {
+                    // Unmapping registered memory is what the driver forbids.
+                    eprintln!("pin_probe: undoing a registration failed ({u}) after {e}; aborting");
+                    std::process::abort();
+                }
+            }
+            return Err(e);
+        }
     }
     let reg = t.elapsed().as_secs_f64();
     let t = Instant::now();
     for c in 0..n {
-        rt.host_unregister(m.addr + c * chunk).map_err(|e| e.to_string())?;
+        if let Err(e) = gated(&|g| rt.host_unregister(g, m.addr + c * chunk)) {
+            eprintln!("pin_probe: unregistering failed ({e}); aborting rather than unmapping registered memory");
+            std::process::abort();
+        }
     }
     Ok((reg, t.elapsed().as_secs_f64()))
 }

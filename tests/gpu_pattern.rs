@@ -16,13 +16,13 @@
 //! On a GPU machine: `gpu-bin/tests/gpu_pattern --test-threads=1` (built by
 //! ci/build-gpu-bin).
 
-use kvoffload::pattern;
+use kvoffload::runtime::pattern;
 use kvoffload::runtime::sim::SimRuntime;
 use kvoffload::runtime::{Code, DevicePtr, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_BYTES};
 
 #[path = "gpu_common/mod.rs"]
 mod gpu_common;
-use gpu_common::gpu;
+use gpu_common::{gated, gpu};
 
 /// One table entry: `[address, key, first_word, bytes]`.
 type Entry = [u64; 4];
@@ -40,8 +40,8 @@ struct Rig<'a> {
 impl<'a> Rig<'a> {
     fn new(rt: &'a dyn GpuRuntime, cap: usize) -> Self {
         let s = rt.stream_create().unwrap();
-        let table = rt.mem_alloc(cap * PATTERN_ENTRY_BYTES).unwrap();
-        let out = rt.mem_alloc(cap * 4).unwrap();
+        let table = gated(|gt| rt.mem_alloc(gt, cap * PATTERN_ENTRY_BYTES)).unwrap();
+        let out = gated(|gt| rt.mem_alloc(gt, cap * 4)).unwrap();
         Rig { rt, s, table, out, cap }
     }
 
@@ -51,7 +51,7 @@ impl<'a> Rig<'a> {
     fn write(&self, dst: DevicePtr, bytes: &[u8]) {
         // SAFETY: `bytes` outlives the synchronize below.
         unsafe { self.rt.copy_htod_async(dst, bytes.as_ptr() as usize, bytes.len(), self.s).unwrap() };
-        self.rt.stream_synchronize(self.s).unwrap();
+        gated(|gt| self.rt.stream_synchronize(gt, self.s)).unwrap();
     }
 
     fn read(&self, src: DevicePtr, n: usize) -> Vec<u8> {
@@ -72,17 +72,27 @@ impl<'a> Rig<'a> {
 
     fn fill(&self, entries: &[Entry]) {
         let _keep = self.upload(entries);
-        self.rt.launch(Kernel::PatternFill { table: self.table, count: entries.len() as u32 }, self.s).unwrap();
-        self.rt.stream_synchronize(self.s).unwrap();
+        let k = Kernel::PatternFill { table: self.table, count: entries.len() as u32 };
+        // SAFETY: the table was uploaded on the same stream just before
+        // (`_keep` outlives the synchronize below); its entries name memory
+        // the test allocated (device memory, or registered or page-locked
+        // host memory through its alias), or, in the sim-only fault tests,
+        // memory the simulated GPU refuses with a fault instead of writing.
+        unsafe { self.rt.launch(k, self.s).unwrap() };
+        gated(|gt| self.rt.stream_synchronize(gt, self.s)).unwrap();
     }
 
     /// Mismatching words per entry.
     fn check(&self, entries: &[Entry]) -> Vec<u32> {
         let _keep = self.upload(entries);
-        self.rt.memset_d8_async(self.out, 0, entries.len() * 4, self.s).unwrap();
+        // SAFETY: `out` holds `cap >= entries.len()` counters of 4 bytes and
+        // is read only after the synchronize below.
+        unsafe { self.rt.memset_d8_async(self.out, 0, entries.len() * 4, self.s).unwrap() };
         let k = Kernel::PatternCheck { table: self.table, count: entries.len() as u32, out: self.out };
-        self.rt.launch(k, self.s).unwrap();
-        self.rt.stream_synchronize(self.s).unwrap();
+        // SAFETY: as for `fill`; the kernel writes `entries.len()` counters
+        // of `out`.
+        unsafe { self.rt.launch(k, self.s).unwrap() };
+        gated(|gt| self.rt.stream_synchronize(gt, self.s)).unwrap();
         self.read(self.out, entries.len() * 4).chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect()
     }
 
@@ -95,8 +105,8 @@ impl<'a> Rig<'a> {
 
 impl Drop for Rig<'_> {
     fn drop(&mut self) {
-        let _ = self.rt.mem_free(self.table);
-        let _ = self.rt.mem_free(self.out);
+        let _ = gated(|gt| self.rt.mem_free(gt, self.table));
+        let _ = gated(|gt| self.rt.mem_free(gt, self.out));
         let _ = self.rt.stream_destroy(self.s);
     }
 }
@@ -113,7 +123,7 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
     // Two blocks of four 16 KiB pages, one entry per page: page p of block
     // b is words p * 2048.. of key 1000 + b.
     let page = 16 << 10;
-    let mem = rt.mem_alloc(8 * page).unwrap();
+    let mem = gated(|gt| rt.mem_alloc(gt, 8 * page)).unwrap();
     // One entry over all of it (more words than a block has threads, more
     // bytes than the simulated GPU generates at a time).
     let whole = [[mem, 999, 0, 8 * page as u64]];
@@ -147,7 +157,7 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
     // Misaligned and odd-length: 1001 bytes at +3 from word 5 of key 77, an
     // aligned 13 bytes (one word and a 5-byte tail), an empty entry; the
     // bytes around them keep their 0xAA.
-    let odd = rt.mem_alloc(2048).unwrap();
+    let odd = gated(|gt| rt.mem_alloc(gt, 2048)).unwrap();
     rig.write(odd, &[0xAA; 2048]);
     let ranges: Vec<Entry> = vec![[odd + 3, 77, 5, 1001], [odd + 1024, 78, 0, 13], [odd + 1100, 79, 0, 0]];
     rig.fill(&ranges);
@@ -170,7 +180,7 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
     // More entries than one launch has blocks (the grid strides): 5000
     // ranges of 40 bytes.
     let n = 5000u64;
-    let many = rt.mem_alloc(n as usize * 48).unwrap();
+    let many = gated(|gt| rt.mem_alloc(gt, n as usize * 48)).unwrap();
     let small: Vec<Entry> = (0..n).map(|i| [many + 48 * i, i, i, 40]).collect();
     rig.fill(&small);
     let got = rig.read(many, n as usize * 48);
@@ -184,7 +194,7 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
     assert_eq!(nonzero(&rig.check(&small)), vec![(4321, 1)]);
 
     // Host memory through its device alias.
-    let host = rt.mem_alloc_host(4096).unwrap();
+    let host = gated(|gt| rt.mem_alloc_host(gt, 4096)).unwrap();
     let alias = rt.host_device_ptr(host).unwrap();
     rig.fill(&[[alias + 8, 5, 0, 4000]]);
     // SAFETY: the allocation holds 4096 bytes and the kernel has finished.
@@ -194,12 +204,12 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
     assert!(seen[8..4008] == want, "host memory written through its alias");
     assert_eq!(rig.check(&[[alias + 8, 5, 0, 4000]]), vec![0]);
 
-    rt.mem_free_host(host).unwrap();
+    gated(|gt| rt.mem_free_host(gt, host)).unwrap();
     for p in [mem, odd, many] {
-        rt.mem_free(p).unwrap();
+        gated(|gt| rt.mem_free(gt, p)).unwrap();
     }
     drop(rig);
-    rt.ctx_synchronize().expect("context healthy after the pattern kernels");
+    gated(|gt| rt.ctx_synchronize(gt)).expect("context healthy after the pattern kernels");
 }
 
 #[test]
@@ -222,14 +232,17 @@ fn sim_pattern_fill_on_unregistered_host_memory_faults() {
     let rig = Rig::new(&rt, 1);
     let buf = vec![0u8; 4096];
     // SAFETY: `buf` outlives its registration (unregistered below).
-    unsafe { rt.host_register(buf.as_ptr() as usize, 4096).unwrap() };
+    unsafe { gated(|gt| rt.host_register(gt, buf.as_ptr() as usize, 4096)).unwrap() };
     let alias = rt.host_device_ptr(buf.as_ptr() as usize).unwrap();
     rig.fill(&[[alias, 1, 0, 64]]);
     assert!(pattern::first_mismatch(1, &buf[..64]).is_none(), "registered host memory written");
-    rt.host_unregister(buf.as_ptr() as usize).unwrap();
+    gated(|gt| rt.host_unregister(gt, buf.as_ptr() as usize)).unwrap();
     let _keep = rig.upload(&[[alias, 1, 0, 64]]);
-    rt.launch(Kernel::PatternFill { table: rig.table, count: 1 }, rig.s).unwrap();
-    assert_eq!(rt.stream_synchronize(rig.s).unwrap_err().code, Code::ILLEGAL_ADDRESS);
+    // SAFETY: the simulated GPU faults on the unregistered alias (what this
+    // test checks) instead of writing through it; the table was uploaded on
+    // the same stream.
+    unsafe { rt.launch(Kernel::PatternFill { table: rig.table, count: 1 }, rig.s).unwrap() };
+    assert_eq!(gated(|gt| rt.stream_synchronize(gt, rig.s)).unwrap_err().code, Code::ILLEGAL_ADDRESS);
     assert_eq!(rt.poisoned(), Some(Code::ILLEGAL_ADDRESS));
 }
 
@@ -238,8 +251,10 @@ fn sim_pattern_fill_on_unregistered_host_memory_faults() {
 fn sim_pattern_check_with_misaligned_counters_faults() {
     let rt = SimRuntime::new();
     let rig = Rig::new(&rt, 1);
-    let mem = rt.mem_alloc(64).unwrap();
+    let mem = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
     let _keep = rig.upload(&[[mem, 1, 0, 64]]);
-    rt.launch(Kernel::PatternCheck { table: rig.table, count: 1, out: rig.out + 2 }, rig.s).unwrap();
-    assert_eq!(rt.stream_synchronize(rig.s).unwrap_err().code, Code::MISALIGNED_ADDRESS);
+    // SAFETY: the simulated GPU faults on the misaligned counters (what this
+    // test checks) instead of writing them; `mem` is a live allocation.
+    unsafe { rt.launch(Kernel::PatternCheck { table: rig.table, count: 1, out: rig.out + 2 }, rig.s).unwrap() };
+    assert_eq!(gated(|gt| rt.stream_synchronize(gt, rig.s)).unwrap_err().code, Code::MISALIGNED_ADDRESS);
 }

@@ -58,6 +58,7 @@ fn state_goes_pending_pinning_pinned_and_is_waitable() {
     coord.unregister_all(rt.as_ref()).unwrap();
     assert_eq!(s.registered_ranges(), 0);
     drop(p);
+    drop(coord);
     assert_usable(&mut r, 2);
 }
 

@@ -110,7 +110,8 @@ fn prefault_failure_ends_pageable_host_memory() {
     let (mut r, _) = region(3, CHUNK);
     let base = r.as_ptr() as usize;
     let chunks = [(base, CHUNK), (base + CHUNK + 8, CHUNK - page_size())];
-    let coord = Coordinator::new(CapturePolicy::AfterPinning, &chunks);
+    // SAFETY: the ranges lie in `r` (read-write), which the coordinator holds.
+    let coord = unsafe { Coordinator::new(CapturePolicy::AfterPinning, &chunks, Some(Box::new(r.clone()))) };
     // SAFETY: the ranges lie in `r`, alive until after pinning settled.
     let pf = unsafe { Prefaulter::new(PrefaultConfig { threads: 2, mode: PrefaultMode::Populate, huge_pages: false }) };
     let (s, rt) = sim();
@@ -123,6 +124,7 @@ fn prefault_failure_ends_pageable_host_memory() {
     assert_eq!(s.registered_ranges(), 0);
     assert_eq!(pf.workers_running(), 0);
     drop(pf);
+    drop(coord);
     assert_usable(&mut r, 3);
 }
 

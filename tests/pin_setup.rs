@@ -60,7 +60,7 @@ fn zero_and_too_large_options_are_typed() {
 fn chunk_bound_below_one_row_is_typed() {
     let p = page_size();
     let l = Layout::new(3, 2 * p, 4).unwrap(); // rows of 6 pages
-    let r = Region::anonymous(l, &AnonOptions::new()).unwrap();
+    let r = Arc::new(Region::anonymous(l, &AnonOptions::new()).unwrap());
     match Prepared::new(&r, &PinOptions::default().max_chunk_bytes(5 * p)) {
         Err(PinError::Region(RegionError::ChunkBoundBelowRow { max_bytes, row_bytes })) => {
             assert_eq!((max_bytes, row_bytes), (5 * p, 6 * p))
@@ -90,7 +90,7 @@ fn zero_and_misaligned_region_sizes_are_typed_before_pinning() {
 fn chunks_are_whole_rows_within_the_bound_and_cover_the_region() {
     let p = page_size();
     let l = Layout::new(3, 2 * p, 50).unwrap(); // rows of 6 pages
-    let r = Region::anonymous(l, &AnonOptions::new()).unwrap();
+    let r = Arc::new(Region::anonymous(l, &AnonOptions::new()).unwrap());
     let max = 25 * p; // 4 rows per chunk (24 pages)
     let (coord, _pf) = prepare(&r, &PinOptions::default().max_chunk_bytes(max)).unwrap();
     let n = coord.chunk_count();
@@ -116,7 +116,7 @@ fn huge_pages_auto_is_on_for_anonymous_off_for_shared() {
     assert!(!p.huge_pages());
 
     let g = ShmGuard::new("pin-auto-huge");
-    let s = Region::create(&g.name, Layout::new(1, page_size(), 16).unwrap(), 0, &ShmOptions::new()).unwrap();
+    let s = Arc::new(Region::create(&g.name, Layout::new(1, page_size(), 16).unwrap(), 0, &ShmOptions::new()).unwrap());
     let p = Prepared::new(&s, &PinOptions::default()).unwrap();
     assert!(!p.huge_pages(), "shared regions get no advice by default");
     drop(p);
@@ -125,8 +125,8 @@ fn huge_pages_auto_is_on_for_anonymous_off_for_shared() {
 }
 
 /// What an engine does: create or join, then prepare.
-fn shm_setup(name: &str, layout: Layout) -> Result<(Region, Prepared), PinError> {
-    let r = Region::create(name, layout, 0, &ShmOptions::new().timeout(Duration::from_millis(200)))?;
+fn shm_setup(name: &str, layout: Layout) -> Result<(Arc<Region>, Prepared), PinError> {
+    let r = Arc::new(Region::create(name, layout, 0, &ShmOptions::new().timeout(Duration::from_millis(200)))?);
     let p = Prepared::new(&r, &PinOptions::default())?;
     Ok((r, p))
 }
@@ -158,11 +158,11 @@ fn shared_region_pinned_by_two_ranks_sees_both_ranks_writes() {
         let barrier = barrier.clone();
         std::thread::spawn(move || {
             let opts = ShmOptions::new().timeout(Duration::from_secs(10));
-            let mut r = if rank == 0 {
+            let r = Arc::new(if rank == 0 {
                 Region::create(&name, layout, 0, &opts).unwrap()
             } else {
                 Region::join(&name, layout, 1, &opts).unwrap()
-            };
+            });
             // Each rank has its own GPU.
             let sim = Arc::new(SimRuntime::new());
             let rt: Arc<dyn GpuRuntime> = sim.clone();
@@ -171,8 +171,15 @@ fn shared_region_pinned_by_two_ranks_sees_both_ranks_writes() {
             let st = prep.spawn(rt.clone()).join();
             assert_eq!(st, PinState::Pinned, "rank {rank}");
             assert_eq!(sim.registered_ranges(), 3);
+            // The coordinator holds the region now: this rank writes its own
+            // chunks through their pointers (`own_chunk_mut` needs the only
+            // reference).
             for c in 0..layout.num_rows() {
-                r.own_chunk_mut(c).unwrap().fill((rank * 16 + c) as u8 + 1);
+                let at = r.chunk_ptr(rank, c).unwrap();
+                // SAFETY: rank `rank`'s chunk `c`: `layout.chunk_bytes()`
+                // bytes of the live mapping (`r`), written by this rank
+                // alone and borrowed by nothing meanwhile.
+                unsafe { std::ptr::write_bytes(at.as_ptr(), (rank * 16 + c) as u8 + 1, layout.chunk_bytes()) };
             }
             barrier.wait();
             let other = 1 - rank;

@@ -6,17 +6,21 @@ use kvoffload::pin::{pin_all, NoPrefault};
 use kvoffload::protocol::{shutdown, CapturePolicy, Coordinator, PinState, ProtocolError, ShutdownError};
 use kvoffload::runtime::sim::SimRuntime;
 
-fn region(chunks: usize) -> (Vec<u8>, Vec<(usize, usize)>) {
+/// A coordinator over `chunks` chunks of 4096 bytes of heap memory, which
+/// it holds, and the chunks' ranges.
+fn coordinator(policy: CapturePolicy, chunks: usize) -> (Arc<Coordinator>, Vec<(usize, usize)>) {
     let mem = vec![0u8; chunks * 4096];
-    let ranges = (0..chunks).map(|i| (mem.as_ptr() as usize + i * 4096, 4096)).collect();
-    (mem, ranges)
+    let ranges: Vec<(usize, usize)> = (0..chunks).map(|i| (mem.as_ptr() as usize + i * 4096, 4096)).collect();
+    // SAFETY: the chunks are pieces of `mem`'s heap buffer (read-write),
+    // which the coordinator holds (moving the Vec does not move the buffer).
+    let coord = unsafe { Coordinator::new(policy, &ranges, Some(Box::new(mem))) };
+    (coord, ranges)
 }
 
 #[test]
 fn shutdown_refuses_while_a_window_is_open_then_succeeds() {
     let rt = SimRuntime::new();
-    let (_mem, ranges) = region(2);
-    let coord = Coordinator::new(CapturePolicy::AfterPinning, &ranges);
+    let (coord, _) = coordinator(CapturePolicy::AfterPinning, 2);
     assert_eq!(pin_all(&rt, &coord, &NoPrefault), PinState::Pinned);
     let w = coord.open_window().unwrap();
     assert_eq!(shutdown(&rt, &coord, || {}), Err(ShutdownError::Refused(ProtocolError::WindowOpen { open: 1 })));
@@ -29,8 +33,7 @@ fn shutdown_refuses_while_a_window_is_open_then_succeeds() {
 #[test]
 fn shutdown_refuses_while_graphs_live() {
     let rt = SimRuntime::new();
-    let (_mem, ranges) = region(1);
-    let coord = Coordinator::new(CapturePolicy::AfterPinning, &ranges);
+    let (coord, _) = coordinator(CapturePolicy::AfterPinning, 1);
     pin_all(&rt, &coord, &NoPrefault);
     let g = coord.register_graph().unwrap();
     assert_eq!(shutdown(&rt, &coord, || {}), Err(ShutdownError::Refused(ProtocolError::GraphsAlive { live: 1 })));
@@ -42,8 +45,7 @@ fn shutdown_refuses_while_graphs_live() {
 #[test]
 fn work_after_shutdown_is_refused() {
     let rt = SimRuntime::new();
-    let (_mem, ranges) = region(1);
-    let coord = Coordinator::new(CapturePolicy::AfterPinning, &ranges);
+    let (coord, _) = coordinator(CapturePolicy::AfterPinning, 1);
     shutdown(&rt, &coord, || {}).unwrap();
     assert!(matches!(coord.admit_job(), Err(ProtocolError::ShutDown)));
     assert!(matches!(coord.open_window(), Err(ProtocolError::ShutDown)));
@@ -54,12 +56,11 @@ fn work_after_shutdown_is_refused() {
 #[test]
 fn waiting_inside_ones_own_window_is_refused() {
     let rt = Arc::new(SimRuntime::new());
-    let (_mem, ranges) = region(2);
-    let coord = Coordinator::new(CapturePolicy::Interleave, &ranges);
+    let (coord, _) = coordinator(CapturePolicy::Interleave, 2);
     let w = coord.open_window().unwrap();
     assert!(matches!(coord.wait_pin_final(), Err(ProtocolError::WouldDeadlock { .. })));
-    assert!(matches!(coord.unsafe_call("x", || ()), Err(ProtocolError::WouldDeadlock { .. })));
-    assert!(matches!(coord.try_unsafe_call(|| ()), Err(ProtocolError::WindowBusy)));
+    assert!(matches!(coord.unsafe_call("x", |_| ()), Err(ProtocolError::WouldDeadlock { .. })));
+    assert!(matches!(coord.try_unsafe_call(|_| ()), Err(ProtocolError::WindowBusy)));
     assert!(matches!(coord.open_window(), Err(ProtocolError::NestedWindow)));
     drop(w);
     assert_eq!(pin_all(rt.as_ref(), &coord, &NoPrefault), PinState::Pinned);
@@ -70,8 +71,7 @@ fn waiting_inside_ones_own_window_is_refused() {
 #[test]
 fn alias_only_for_registered_chunks() {
     let rt = SimRuntime::new();
-    let (_mem, ranges) = region(2);
-    let coord = Coordinator::new(CapturePolicy::AfterPinning, &ranges);
+    let (coord, ranges) = coordinator(CapturePolicy::AfterPinning, 2);
     assert!(coord.acquire_alias(ranges[0].0, 64).is_none(), "alias before registration");
     pin_all(&rt, &coord, &NoPrefault);
     let a = coord.acquire_alias(ranges[1].0 + 128, 64).expect("alias of a registered chunk");

@@ -1,18 +1,27 @@
 //! The simulated GPU on its own: asynchronous in-order streams, events,
 //! capture and replay, fault injection, holds, poisoning.
 
+use kvoffload::protocol::{CapturePolicy, Coordinator};
 use kvoffload::runtime::sim::{Blocked, HoldPoint, SimFault, SimRuntime};
-use kvoffload::runtime::{CaptureMode, CaptureStatus, Code, Direction, Fragment, GpuRuntime};
+use kvoffload::runtime::{CaptureMode, CaptureStatus, Code, Direction, Fragment, Gate, GpuRuntime};
 
 fn host(bytes: usize, fill: u8) -> Vec<u8> {
     vec![fill; bytes]
+}
+
+/// `f` through the gate of a coordinator with no region. These tests drive
+/// the simulated GPU directly: no window is opened through the coordinator,
+/// so it never holds a call back, and a call made during a capture reaches
+/// the runtime as it did before calls needed a gate.
+fn gated<T>(f: impl FnOnce(&Gate) -> T) -> T {
+    Coordinator::without_region(CapturePolicy::AfterPinning).unsafe_call("test", f).expect("no window, no refusal")
 }
 
 #[test]
 fn copies_run_in_order_and_events_complete_after_them() {
     let rt = SimRuntime::new();
     let s = rt.stream_create().unwrap();
-    let d = rt.mem_alloc(4096).unwrap();
+    let d = gated(|gt| rt.mem_alloc(gt, 4096)).unwrap();
     let src1 = host(4096, 1);
     let src2 = host(4096, 2);
     let mut out = host(4096, 0);
@@ -26,10 +35,10 @@ fn copies_run_in_order_and_events_complete_after_them() {
     }
     rt.event_record(e, s).unwrap();
     hold.wait_entered();
-    assert!(!rt.event_query(e).unwrap(), "event complete while the first copy is held");
+    assert!(!gated(|gt| rt.event_query(gt, e)).unwrap(), "event complete while the first copy is held");
     hold.release();
-    rt.event_synchronize(e).unwrap();
-    assert!(rt.event_query(e).unwrap());
+    gated(|gt| rt.event_synchronize(gt, e)).unwrap();
+    assert!(gated(|gt| rt.event_query(gt, e)).unwrap());
     assert!(out.iter().all(|&b| b == 2), "later copy must win: in-order execution");
 }
 
@@ -37,10 +46,12 @@ fn copies_run_in_order_and_events_complete_after_them() {
 fn stream_wait_event_orders_across_streams() {
     let rt = SimRuntime::new();
     let (a, b) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
-    let d = rt.mem_alloc(64).unwrap();
+    let d = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
     let mut out = host(64, 0);
     let hold = rt.hold(HoldPoint::DeviceOp);
-    rt.memset_d8_async(d, 9, 64, a).unwrap();
+    // SAFETY: `d` is a 64-byte allocation of `rt`, read only by the copy
+    // on `b` ordered after this memset.
+    unsafe { rt.memset_d8_async(d, 9, 64, a).unwrap() };
     let e = rt.event_create().unwrap();
     rt.event_record(e, a).unwrap();
     rt.stream_wait_event(b, e).unwrap();
@@ -48,7 +59,7 @@ fn stream_wait_event_orders_across_streams() {
     unsafe { rt.copy_dtoh_async(out.as_mut_ptr() as usize, d, 64, b).unwrap() };
     hold.wait_entered();
     hold.release();
-    rt.stream_synchronize(b).unwrap();
+    gated(|gt| rt.stream_synchronize(gt, b)).unwrap();
     assert!(out.iter().all(|&x| x == 9), "copy on b ran before the memset on a");
 }
 
@@ -56,25 +67,25 @@ fn stream_wait_event_orders_across_streams() {
 fn captured_graph_replays_and_registered_replay_after_unregister_poisons() {
     let rt = SimRuntime::new();
     let s = rt.stream_create().unwrap();
-    let d = rt.mem_alloc(64).unwrap();
+    let d = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
     let src = host(64, 5);
     // SAFETY: `src` outlives the registration and every replay.
-    unsafe { rt.host_register(src.as_ptr() as usize, 64).unwrap() };
+    unsafe { gated(|gt| rt.host_register(gt, src.as_ptr() as usize, 64)).unwrap() };
     rt.begin_capture(s, CaptureMode::Global).unwrap();
     assert_eq!(rt.capture_status(s).unwrap(), CaptureStatus::Active);
     // SAFETY: as above.
     unsafe { rt.copy_htod_async(d, src.as_ptr() as usize, 64, s).unwrap() };
     let g = rt.end_capture(s).unwrap();
     rt.graph_launch(g, s).unwrap();
-    rt.stream_synchronize(s).unwrap();
+    gated(|gt| rt.stream_synchronize(gt, s)).unwrap();
     let mut out = host(64, 0);
     // SAFETY: `out` is writable.
     unsafe { rt.copy_dtoh(out.as_mut_ptr() as usize, d, 64).unwrap() };
     assert!(out.iter().all(|&x| x == 5));
-    rt.host_unregister(src.as_ptr() as usize).unwrap();
+    gated(|gt| rt.host_unregister(gt, src.as_ptr() as usize)).unwrap();
     rt.graph_launch(g, s).unwrap();
-    assert_eq!(rt.stream_synchronize(s).unwrap_err().code, Code::LAUNCH_FAILED);
-    assert_eq!(rt.mem_alloc(64).unwrap_err().code, Code::LAUNCH_FAILED, "poison is sticky");
+    assert_eq!(gated(|gt| rt.stream_synchronize(gt, s)).unwrap_err().code, Code::LAUNCH_FAILED);
+    assert_eq!(gated(|gt| rt.mem_alloc(gt, 64)).unwrap_err().code, Code::LAUNCH_FAILED, "poison is sticky");
     assert_eq!(rt.poisoned(), Some(Code::LAUNCH_FAILED));
 }
 
@@ -86,20 +97,23 @@ fn register_fault_at_kth_call() {
     let r: Vec<_> = bufs
         .iter()
         // SAFETY: each buffer outlives its registration (unregistered below).
-        .map(|b| unsafe { rt.host_register(b.as_ptr() as usize, 4096) }.map_err(|e| e.code))
+        .map(|b| unsafe { gated(|gt| rt.host_register(gt, b.as_ptr() as usize, 4096)) }.map_err(|e| e.code))
         .collect();
     assert_eq!(r, vec![Ok(()), Err(Code::NOT_SUPPORTED), Ok(())]);
     assert_eq!(rt.registered_ranges(), 2);
-    rt.host_unregister(bufs[0].as_ptr() as usize).unwrap();
-    rt.host_unregister(bufs[2].as_ptr() as usize).unwrap();
-    assert_eq!(rt.host_unregister(bufs[1].as_ptr() as usize).unwrap_err().code, Code::HOST_MEMORY_NOT_REGISTERED);
+    gated(|gt| rt.host_unregister(gt, bufs[0].as_ptr() as usize)).unwrap();
+    gated(|gt| rt.host_unregister(gt, bufs[2].as_ptr() as usize)).unwrap();
+    assert_eq!(
+        gated(|gt| rt.host_unregister(gt, bufs[1].as_ptr() as usize)).unwrap_err().code,
+        Code::HOST_MEMORY_NOT_REGISTERED
+    );
 }
 
 #[test]
 fn copy_fault_and_batched_copies() {
     let rt = SimRuntime::new();
     let s = rt.stream_create().unwrap();
-    let d = rt.mem_alloc(256).unwrap();
+    let d = gated(|gt| rt.mem_alloc(gt, 256)).unwrap();
     let src = host(256, 3);
     rt.inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
     let frags: Vec<Fragment> = (0..4)
@@ -110,7 +124,7 @@ fn copy_fault_and_batched_copies() {
     assert_eq!(first.unwrap_err().code, Code::INVALID_VALUE);
     // SAFETY: as above.
     unsafe { rt.copy_batch_async(Direction::HostToDevice, &frags, s).unwrap() };
-    rt.stream_synchronize(s).unwrap();
+    gated(|gt| rt.stream_synchronize(gt, s)).unwrap();
     let mut out = host(256, 0);
     // SAFETY: `out` is writable.
     unsafe { rt.copy_dtoh(out.as_mut_ptr() as usize, d, 256).unwrap() };
@@ -123,12 +137,13 @@ fn unregister_waits_for_device_idle() {
     let s = rt.stream_create().unwrap();
     let buf = host(64, 0);
     // SAFETY: `buf` outlives its registration.
-    unsafe { rt.host_register(buf.as_ptr() as usize, 64).unwrap() };
+    unsafe { gated(|gt| rt.host_register(gt, buf.as_ptr() as usize, 64)).unwrap() };
     let hold = rt.hold(HoldPoint::DeviceOp);
-    rt.launch(kvoffload::runtime::Kernel::Spin { nanos: 1 }, s).unwrap();
+    // SAFETY: the spin kernel reads and writes no memory.
+    unsafe { rt.launch(kvoffload::runtime::Kernel::Spin { nanos: 1 }, s).unwrap() };
     hold.wait_entered();
     let (rt2, addr) = (rt.clone(), buf.as_ptr() as usize);
-    let t = std::thread::spawn(move || rt2.host_unregister(addr));
+    let t = std::thread::spawn(move || gated(|gt| rt2.host_unregister(gt, addr)));
     rt.wait_blocked(Blocked::Idle, 1);
     assert_eq!(rt.registered_ranges(), 1, "unregistered while the kernel runs");
     hold.release();
@@ -140,15 +155,17 @@ fn unregister_waits_for_device_idle() {
 fn bad_inputs_are_typed_errors() {
     let rt = SimRuntime::new();
     // SAFETY: zero-length and null ranges are refused before any access.
-    assert_eq!(unsafe { rt.host_register(0, 64) }.unwrap_err().code, Code::INVALID_VALUE);
-    assert_eq!(rt.mem_alloc(0).unwrap_err().code, Code::INVALID_VALUE);
+    assert_eq!(unsafe { gated(|gt| rt.host_register(gt, 0, 64)) }.unwrap_err().code, Code::INVALID_VALUE);
+    assert_eq!(gated(|gt| rt.mem_alloc(gt, 0)).unwrap_err().code, Code::INVALID_VALUE);
     let s = rt.stream_create().unwrap();
     assert_eq!(rt.end_capture(s).unwrap_err().code, Code::ILLEGAL_STATE);
     rt.stream_destroy(s).unwrap();
-    assert_eq!(rt.stream_synchronize(s).unwrap_err().code, Code::INVALID_HANDLE);
-    let d = rt.mem_alloc(64).unwrap();
+    assert_eq!(gated(|gt| rt.stream_synchronize(gt, s)).unwrap_err().code, Code::INVALID_HANDLE);
+    let d = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
     let s = rt.stream_create().unwrap();
-    assert_eq!(rt.memset_d8_async(d, 0, 65, s).unwrap_err().code, Code::INVALID_VALUE, "out of bounds");
+    // SAFETY: the runtime refuses the out-of-bounds memset before any write.
+    let over = unsafe { rt.memset_d8_async(d, 0, 65, s) };
+    assert_eq!(over.unwrap_err().code, Code::INVALID_VALUE, "out of bounds");
 }
 
 /// Regression (found by `kvoffload run` with copy faults): a job that failed
@@ -161,7 +178,7 @@ fn bad_inputs_are_typed_errors() {
 fn event_after_a_trailing_wait_completes_and_wakes_its_waiter() {
     let rt = SimRuntime::new();
     let (compute, side) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
-    let d = rt.mem_alloc(4096).unwrap();
+    let d = gated(|gt| rt.mem_alloc(gt, 4096)).unwrap();
     let src = host(4096, 7);
     let (after, done) = (rt.event_create().unwrap(), rt.event_create().unwrap());
     for _ in 0..2000 {
@@ -170,7 +187,7 @@ fn event_after_a_trailing_wait_completes_and_wakes_its_waiter() {
         rt.event_record(after, compute).unwrap();
         rt.stream_wait_event(side, after).unwrap();
         rt.event_record(done, side).unwrap();
-        rt.event_synchronize(done).unwrap();
+        gated(|gt| rt.event_synchronize(gt, done)).unwrap();
     }
-    assert!(rt.event_query(done).unwrap());
+    assert!(gated(|gt| rt.event_query(gt, done)).unwrap());
 }

@@ -13,7 +13,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{opts, random_case, simple, Pin, Rig, Rng, DIRS};
+use common::{gated, opts, random_case, simple, Pin, Rig, Rng, DIRS};
 use kvoffload::runtime::cuda::CudaRuntime;
 use kvoffload::runtime::{GpuRuntime, Kernel};
 use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, TransferOptions};
@@ -44,7 +44,7 @@ fn random_layouts(rt: &Arc<dyn GpuRuntime>, choice: BackendChoice, expect: Optio
     for case in 0..12 {
         random_case(rt.clone(), &mut rng, case, choice, expect, seed);
     }
-    rt.ctx_synchronize().expect("context healthy");
+    gated(|gt| rt.ctx_synchronize(gt)).expect("context healthy");
 }
 
 #[test]
@@ -71,7 +71,7 @@ fn gpu_gather_vector_and_byte_paths_at_kv_sizes() {
             assert_eq!(res.backend, Backend::Gather);
         }
     }
-    rt.ctx_synchronize().expect("context healthy");
+    gated(|gt| rt.ctx_synchronize(gt)).expect("context healthy");
 }
 
 #[test]
@@ -85,7 +85,7 @@ fn gpu_gather_never_runs_on_unregistered_memory() {
         }
     }
     // A gather kernel on pageable memory would have faulted the context.
-    rt.ctx_synchronize().expect("context healthy");
+    gated(|gt| rt.ctx_synchronize(gt)).expect("context healthy");
 }
 
 #[test]
@@ -97,8 +97,12 @@ fn gpu_store_is_ordered_after_compute() {
     let tensor = rig.tensors[0][0];
     // 50 ms of spinning, then the memset, on the compute stream; the store
     // must wait for both.
-    rt.launch(Kernel::Spin { nanos: 50_000_000 }, rig.compute).unwrap();
-    rt.memset_d8_async(tensor, 0xab, 8 * page, rig.compute).unwrap();
+    // SAFETY: the spin kernel touches no memory; the memset writes the rig's
+    // tensor of 8 pages, which outlives the store waited for below.
+    unsafe {
+        rt.launch(Kernel::Spin { nanos: 50_000_000 }, rig.compute).unwrap();
+        rt.memset_d8_async(tensor, 0xab, 8 * page, rig.compute).unwrap();
+    }
     rig.engine().store(100, &JobBlocks::single((0..8).collect(), vec![7, 6, 5, 4, 3, 2, 1, 0])).unwrap();
     rig.engine().wait(100).unwrap();
     assert!(rig.poll_until(100).iter().all(|r| r.succeeded()));

@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{opts, random_case, simple, Pin, Rig, Rng, DIRS};
+use common::{gated, opts, random_case, simple, Pin, Rig, Rng, DIRS};
 use kvoffload::protocol::ProtocolError;
 use kvoffload::runtime::sim::{HoldPoint, SimFault, SimRuntime};
 use kvoffload::runtime::{CaptureMode, Code, Direction, GpuRuntime};
@@ -185,7 +185,7 @@ fn gather_never_runs_on_memory_outside_the_coordinator() {
     let mut other = memmap2::MmapMut::map_anon(8 * 4096).unwrap();
     let addr = other.as_mut_ptr() as usize;
     // SAFETY: `other` stays mapped until it is unregistered below.
-    unsafe { rt.host_register(addr, other.len()) }.unwrap();
+    unsafe { gated(|gt| rt.host_register(gt, addr, other.len())) }.unwrap();
     let spec = kvoffload::transfer::GroupSpec {
         tensors: vec![kvoffload::transfer::TensorSpec { device_base: rig.tensors[0][0], page_bytes: 4096 }],
         num_gpu_blocks: 8,
@@ -209,7 +209,7 @@ fn gather_never_runs_on_memory_outside_the_coordinator() {
     assert_eq!(r.len(), 1);
     assert_eq!(r[0].backend, Backend::PerFragment);
     drop(eng);
-    rt.host_unregister(addr).unwrap();
+    gated(|gt| rt.host_unregister(gt, addr)).unwrap();
     assert_eq!(s.poisoned(), None);
     let _ = rig.run_checked(Direction::DeviceToHost, &JobBlocks::single(vec![1], vec![2]), 1);
 }
@@ -222,16 +222,18 @@ fn the_sim_faults_a_gather_kernel_on_unregistered_host_memory() {
     let mut host = memmap2::MmapMut::map_anon(4096).unwrap();
     let addr = host.as_mut_ptr() as usize;
     // SAFETY: `host` stays mapped until after it is unregistered.
-    unsafe { rt.host_register(addr, 4096) }.unwrap();
+    unsafe { gated(|gt| rt.host_register(gt, addr, 4096)) }.unwrap();
     let alias = rt.host_device_ptr(addr).unwrap();
-    rt.host_unregister(addr).unwrap();
-    let dev = rt.mem_alloc(4096 + 24).unwrap();
+    gated(|gt| rt.host_unregister(gt, addr)).unwrap();
+    let dev = gated(|gt| rt.mem_alloc(gt, 4096 + 24)).unwrap();
     let table: [u64; 3] = [alias, dev, 4096];
     // SAFETY: `table` is readable for 24 bytes.
     unsafe { rt.copy_htod(dev + 4096, table.as_ptr() as usize, 24) }.unwrap();
     let st = rt.stream_create().unwrap();
-    rt.launch(kvoffload::runtime::Kernel::Gather { table: dev + 4096, count: 1 }, st).unwrap();
-    assert_eq!(rt.stream_synchronize(st).unwrap_err().code, Code::ILLEGAL_ADDRESS);
+    // SAFETY: the simulated GPU faults on the stale alias (what this test
+    // checks) instead of reading through it; the table is in place.
+    unsafe { rt.launch(kvoffload::runtime::Kernel::Gather { table: dev + 4096, count: 1 }, st) }.unwrap();
+    assert_eq!(gated(|gt| rt.stream_synchronize(gt, st)).unwrap_err().code, Code::ILLEGAL_ADDRESS);
     assert_eq!(s.poisoned(), Some(Code::ILLEGAL_ADDRESS));
 }
 
@@ -246,14 +248,17 @@ fn store_is_ordered_after_compute() {
     // would run before the compute stream's memset.
     let gate = rt.stream_create().unwrap();
     let gate_ev = rt.event_create().unwrap();
-    let scratch = rt.mem_alloc(64).unwrap();
+    let scratch = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
     let hold = s.hold(HoldPoint::DeviceOp);
-    rt.memset_d8_async(scratch, 1, 64, gate).unwrap();
+    // SAFETY (the three memsets): `scratch` is a 64-byte allocation freed
+    // at the end, after `gate` is synchronized; `tensor` is the rig's
+    // tensor of 4 pages of 256 bytes, read by the store ordered after it.
+    unsafe { rt.memset_d8_async(scratch, 1, 64, gate) }.unwrap();
     hold.wait_entered();
-    rt.memset_d8_async(scratch, 2, 64, gate).unwrap();
+    unsafe { rt.memset_d8_async(scratch, 2, 64, gate) }.unwrap();
     rt.event_record(gate_ev, gate).unwrap();
     rt.stream_wait_event(rig.compute, gate_ev).unwrap();
-    rt.memset_d8_async(tensor, 0xab, 4 * 256, rig.compute).unwrap();
+    unsafe { rt.memset_d8_async(tensor, 0xab, 4 * 256, rig.compute) }.unwrap();
     // Control: a raw copy on the store stream with no event wait sees the old data.
     let mut control = vec![0u8; 256];
     let store_stream = rig.engine().stream(Direction::DeviceToHost);
@@ -265,10 +270,10 @@ fn store_is_ordered_after_compute() {
     assert!(rig.poll_until(100).iter().all(|r| r.succeeded()));
     assert!(control.iter().any(|&b| b != 0xab), "the control copy ran after the memset: the test would prove nothing");
     assert!(rig.host[..4 * 256].iter().all(|&b| b == 0xab), "the store did not see the compute stream's memset");
-    rt.stream_synchronize(gate).unwrap();
+    gated(|gt| rt.stream_synchronize(gt, gate)).unwrap();
     rt.stream_destroy(gate).unwrap();
     rt.event_destroy(gate_ev).unwrap();
-    rt.mem_free(scratch).unwrap();
+    gated(|gt| rt.mem_free(gt, scratch)).unwrap();
 }
 
 #[test]
@@ -423,7 +428,7 @@ fn batched_copy_is_never_issued_on_a_capturing_stream() {
     rig.engine().load(1, &JobBlocks::single(vec![1, 5, 3], vec![4, 0, 6])).unwrap();
     let graph = rt.end_capture(stream).expect("capture stays valid");
     rt.graph_launch(graph, stream).unwrap();
-    rt.stream_synchronize(stream).unwrap();
+    gated(|gt| rt.stream_synchronize(gt, stream)).unwrap();
     let r = rig.poll_until(1);
     assert_eq!(r[0].backend, Backend::PerFragment);
     let dev = rig.device_snapshot();
@@ -445,10 +450,12 @@ fn poll_during_an_open_capture_window_queries_no_event() {
     let rt2 = rt.clone();
     let engine_thread = std::thread::spawn(move || {
         let cap = rt2.stream_create().unwrap();
-        let scratch = rt2.mem_alloc(256).unwrap();
+        let scratch = gated(|gt| rt2.mem_alloc(gt, 256)).unwrap();
         let window = coord.open_window().unwrap();
         rt2.begin_capture(cap, CaptureMode::Global).unwrap();
-        rt2.memset_d8_async(scratch, 3, 256, cap).unwrap();
+        // SAFETY: `scratch` is a 256-byte allocation, freed below after the
+        // graph is destroyed unlaunched (the memset is only captured).
+        unsafe { rt2.memset_d8_async(scratch, 3, 256, cap) }.unwrap();
         opened_tx.send(()).unwrap();
         close_rx.recv().unwrap();
         let graph = rt2.end_capture(cap);
@@ -458,7 +465,7 @@ fn poll_during_an_open_capture_window_queries_no_event() {
             rt2.graph_destroy(g).unwrap();
         }
         rt2.stream_destroy(cap).unwrap();
-        rt2.mem_free(scratch).unwrap();
+        gated(|gt| rt2.mem_free(gt, scratch)).unwrap();
         ok
     });
     opened_rx.recv().unwrap();

@@ -1,7 +1,17 @@
 //! Shared by the GPU tests: open device 0, or say on the real stderr (not
 //! captured by the test harness) that the test was skipped and why.
 
+use kvoffload::protocol::{CapturePolicy, Coordinator};
 use kvoffload::runtime::cuda::CudaRuntime;
+use kvoffload::runtime::Gate;
+
+/// `f` through the gate of a coordinator with no region: the tests drive
+/// the runtime directly and open no window through it, so it never holds a
+/// call back (a call made during a capture reaches the driver as before).
+#[allow(dead_code)]
+pub fn gated<T>(f: impl FnOnce(&Gate) -> T) -> T {
+    Coordinator::without_region(CapturePolicy::AfterPinning).unsafe_call("test", f).expect("no window, no refusal")
+}
 
 /// Says on the real stderr that `test` was skipped.
 pub fn skipped(test: &str, why: &str) {

@@ -11,12 +11,12 @@ use kvoffload::runtime::GpuRuntime;
 
 /// An anonymous region of `chunks` registration chunks of `chunk_bytes`
 /// each (one rank, rows of one page), and options that cut it there.
-pub fn region(chunks: usize, chunk_bytes: usize) -> (Region, PinOptions) {
+pub fn region(chunks: usize, chunk_bytes: usize) -> (Arc<Region>, PinOptions) {
     let p = page_size();
     assert_eq!(chunk_bytes % p, 0);
     let l = Layout::new(1, p, chunks * chunk_bytes / p).unwrap();
     let r = Region::anonymous(l, &AnonOptions::new()).unwrap();
-    (r, PinOptions::default().max_chunk_bytes(chunk_bytes))
+    (Arc::new(r), PinOptions::default().max_chunk_bytes(chunk_bytes))
 }
 
 /// A simulated GPU as the engine takes it.
@@ -27,9 +27,11 @@ pub fn sim() -> (Arc<SimRuntime>, Arc<dyn GpuRuntime>) {
 }
 
 /// Writes a pattern over the whole anonymous region and reads it back: the
-/// memory is usable (pinned or pageable).
+/// memory is usable (pinned or pageable). The caller holds the only
+/// reference left: every coordinator that held the region is gone.
 #[track_caller]
-pub fn assert_usable(r: &mut Region, seed: u8) {
+pub fn assert_usable(r: &mut Arc<Region>, seed: u8) {
+    let r = Arc::get_mut(r).expect("the region is still held (by a coordinator?)");
     let s = r.as_mut_slice().expect("anonymous region");
     for (i, b) in s.iter_mut().enumerate() {
         *b = (i as u8).wrapping_mul(31).wrapping_add(seed);

@@ -3,16 +3,26 @@
 //! and an engine, and a byte-exact reference of what a job must do.
 #![allow(dead_code)]
 
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvoffload::pin::{pin_all, NoPrefault};
 use kvoffload::protocol::{CapturePolicy, Coordinator, PageableReason, PinState};
-use kvoffload::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
+use kvoffload::runtime::{DevicePtr, Direction, Gate, GpuRuntime, Stream};
 use kvoffload::transfer::{
     GroupBlocks, GroupSpec, HostPlacement, JobBlocks, JobId, JobResult, KvLayout, TensorSpec, TransferEngine,
     TransferOptions,
 };
+
+/// `f` through the gate of a coordinator with no region: the tests' own
+/// capture-unsafe calls (set-up, clean-up, calls made deliberately during a
+/// capture the rig's coordinator knows nothing of) reach the runtime as
+/// they did before calls needed a gate; no window is ever opened through
+/// this coordinator, so it never holds a call back.
+pub fn gated<T>(f: impl FnOnce(&Gate) -> T) -> T {
+    Coordinator::without_region(CapturePolicy::AfterPinning).unsafe_call("test", f).expect("no window, no refusal")
+}
 
 /// Both directions, stores first.
 pub const DIRS: [Direction; 2] = [Direction::DeviceToHost, Direction::HostToDevice];
@@ -218,7 +228,9 @@ pub struct Rig {
     pub engine: Option<TransferEngine>,
     pub compute: Stream,
     pub shape: Shape,
-    pub host: memmap2::MmapMut,
+    /// Registered through `coord`: unmapped by `Drop` only once every chunk
+    /// is unregistered again (leaked when a test panicked).
+    pub host: ManuallyDrop<memmap2::MmapMut>,
     /// Per group, per tensor: device base.
     pub tensors: Vec<Vec<DevicePtr>>,
     next_id: JobId,
@@ -237,7 +249,10 @@ impl Rig {
         let host = memmap2::MmapMut::map_anon(bytes).expect("mmap");
         let base = host.as_ptr() as usize;
         let chunks: Vec<(usize, usize)> = (0..bytes / chunk).map(|i| (base + i * chunk, chunk)).collect();
-        let coord = Coordinator::new(CapturePolicy::AfterPinning, &chunks);
+        // SAFETY: the chunks are pieces of `host` (read-write), which the
+        // rig keeps mapped until every chunk is unregistered (see `Drop`).
+        let coord = unsafe { Coordinator::new(CapturePolicy::AfterPinning, &chunks, None) };
+        let host = ManuallyDrop::new(host);
         match pin {
             Pin::Registered => assert_eq!(pin_all(&*rt, &coord, &NoPrefault), PinState::Pinned),
             Pin::Unregistered => coord.pin_finish(PinState::Pageable(PageableReason::Disabled)),
@@ -249,7 +264,7 @@ impl Rig {
             let mut ts = Vec::new();
             let mut tspecs = Vec::new();
             for &p in pages {
-                let d = rt.mem_alloc(p * ng).unwrap();
+                let d = gated(|gt| rt.mem_alloc(gt, p * ng)).unwrap();
                 ts.push(d);
                 tspecs.push(TensorSpec { device_base: d, page_bytes: p });
             }
@@ -289,7 +304,7 @@ impl Rig {
         }
         // A synchronous copy from pageable memory may return before its DMA
         // lands, and the engine's non-blocking streams do not wait for it.
-        self.rt.ctx_synchronize().unwrap();
+        gated(|gt| self.rt.ctx_synchronize(gt)).unwrap();
     }
 
     /// Copies of every device tensor.
@@ -376,10 +391,14 @@ impl Drop for Rig {
             self.coord.finish_shutdown();
             for ts in &self.tensors {
                 for &d in ts {
-                    self.rt.mem_free(d).unwrap();
+                    gated(|gt| self.rt.mem_free(gt, d)).unwrap();
                 }
             }
             self.rt.stream_destroy(self.compute).unwrap();
+            // SAFETY: every chunk of `host` is unregistered (above), the
+            // coordinator is shut down (it registers nothing again), and
+            // `host` is not used after this.
+            unsafe { ManuallyDrop::drop(&mut self.host) };
         }
     }
 }

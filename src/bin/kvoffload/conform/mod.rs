@@ -10,12 +10,11 @@ mod ordering;
 pub mod probe;
 
 use std::fmt::Write as _;
-use std::time::Instant;
 
 pub use probe::Target;
 
 use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::{Code, DriverError, DriverResult};
+use kvoffload::runtime::{DriverError, DriverResult};
 use kvoffload::sync::Arc;
 
 /// The code of a scenario.
@@ -61,15 +60,6 @@ pub fn code<T>(r: &DriverResult<T>) -> String {
     }
 }
 
-/// Renders a code the way [`code`] does.
-pub fn code_str(c: Code) -> String {
-    if c == Code::SUCCESS {
-        "ok".into()
-    } else {
-        c.0.to_string()
-    }
-}
-
 /// Every scenario, in the order they run (poisoning ones last).
 pub fn scenarios() -> Vec<Scenario> {
     let mut v = cells::scenarios();
@@ -86,7 +76,6 @@ pub struct Row {
     pub observed: String,
     pub detail: String,
     pub matches: bool,
-    pub seconds: f64,
 }
 
 /// The whole run.
@@ -166,22 +155,31 @@ pub fn run(backend: &Backend, only: Option<&str>, mut progress: impl FnMut(&str)
             Backend::Sim => Target::Sim(Arc::new(SimRuntime::new())),
             Backend::Real(rt) => Target::Real(rt.clone()),
         };
-        let t = Instant::now();
         let (observed, detail) = match (s.run)(&target) {
             Ok(o) => (o.outcome, o.detail),
             Err(e) => (format!("error: {e}"), String::new()),
         };
         let matches = observed == s.expected;
         tracing::info!(scenario = %s.id, expected = %s.expected, %observed, matches, "conformance scenario");
-        rows.push(Row {
-            id: s.id,
-            facts: s.facts,
-            expected: s.expected,
-            observed,
-            detail,
-            matches,
-            seconds: t.elapsed().as_secs_f64(),
-        });
+        rows.push(Row { id: s.id, facts: s.facts, expected: s.expected, observed, detail, matches });
     }
     Report { backend: name, device, rows }
+}
+
+/// The conformance suite on the simulated GPU: every scenario matches what
+/// FACTS.md section 1 (as corrected by the H200 run) says (was
+/// tests/conform_sim.rs).
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_scenario_matches_on_the_simulated_gpu() {
+        let report = run(&Backend::Sim, None, |_| {});
+        assert_eq!(report.rows.len(), scenarios().len());
+        assert!(report.rows.len() >= 28, "20 table cells and the ordering effects");
+        for r in &report.rows {
+            assert!(r.matches, "{}: expected {:?}, observed {:?}", r.id, r.expected, r.observed);
+        }
+    }
 }

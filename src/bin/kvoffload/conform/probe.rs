@@ -97,10 +97,6 @@ impl HostBuf {
         self.map.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-
     pub fn bytes(&self) -> &[u8] {
         &self.map
     }

@@ -22,14 +22,6 @@ impl KillAt {
             KillAt::Transfers => "transfers",
         }
     }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "pinning" => Some(KillAt::Pinning),
-            "transfers" => Some(KillAt::Transfers),
-            _ => None,
-        }
-    }
 }
 
 /// Everything a run is made of (the CLI's options; see `kvoffload run --help`).

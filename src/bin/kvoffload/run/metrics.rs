@@ -1,7 +1,5 @@
 //! Latency and throughput figures of a run.
 
-use std::time::Duration;
-
 /// Collected job latencies (seconds), with percentiles.
 #[derive(Default, Clone, Debug)]
 pub struct Latencies {
@@ -9,20 +7,14 @@ pub struct Latencies {
 }
 
 impl Latencies {
-    pub fn push(&mut self, d: Duration) {
-        self.samples.push(d.as_secs_f64());
-    }
-
     pub fn push_secs(&mut self, s: f64) {
         self.samples.push(s);
     }
 
+    /// Samples held (the tests count them).
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.samples.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.samples.is_empty()
     }
 
     /// The `p`-th percentile (0..=100) by nearest rank; 0 when empty.

@@ -71,7 +71,6 @@ pub struct RankReport {
     pub sweep_blocks: u64,
     pub evictions: u64,
     pub workload_seconds: f64,
-    pub latencies: Latencies,
 }
 
 macro_rules! fields {

@@ -74,7 +74,8 @@ pub struct BenchReport {
 }
 
 impl BenchReport {
-    /// The row for `workload` under `policy`.
+    /// The row for `workload` under `policy` (the tests look rows up).
+    #[cfg(test)]
     pub fn row(&self, workload: Workload, policy: PolicyKind) -> Option<&BenchRow> {
         self.rows.iter().find(|r| r.workload == workload && r.policy == policy)
     }
