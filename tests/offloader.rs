@@ -16,8 +16,8 @@ use kvoffload::region::ShmOptions;
 use kvoffload::runtime::pattern;
 use kvoffload::runtime::sim::SimRuntime;
 use kvoffload::runtime::{shared, CaptureMode, Direction, GpuRuntime};
-use kvoffload::sync::Arc;
 use kvoffload::sync::thread;
+use kvoffload::sync::Arc;
 
 const PAGE: usize = 4096;
 

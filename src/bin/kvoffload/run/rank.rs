@@ -23,11 +23,11 @@ use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
 use kvoffload::manager::ManagerError;
+use kvoffload::pin::RegionSlots;
 use kvoffload::pin::{pin_all_agreed, Agreement, PinError, PinOptions, Prefault, Prepared};
 use kvoffload::protocol::agreement::{AgreementError, RankSlots};
 use kvoffload::protocol::{shutdown, Coordinator, GraphToken, PinState, ProtocolError, ShutdownError};
 use kvoffload::region::pages;
-use kvoffload::pin::RegionSlots;
 use kvoffload::region::{Region, RegionError, ShmOptions};
 use kvoffload::runtime::pattern;
 use kvoffload::runtime::sim::SimFault;
