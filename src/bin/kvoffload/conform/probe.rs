@@ -106,13 +106,17 @@ impl HostBuf {
     }
 }
 
+/// What the registering thread returns: the registration's result (or the
+/// gate's refusal), its return tick, its duration.
+type Registered = (Result<DriverResult<()>, String>, u64, Duration);
+
 /// A registration running on its own thread.
 pub struct LongRegister {
     target: Target,
     coord: Arc<Coordinator>,
     hold: Option<Hold>,
     tid: Arc<AtomicI64>,
-    handle: Option<thread::JoinHandle<(Result<DriverResult<()>, String>, u64, Duration)>>,
+    handle: Option<thread::JoinHandle<Registered>>,
     buf: Arc<HostBuf>,
     registered: bool,
 }
