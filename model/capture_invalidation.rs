@@ -22,6 +22,7 @@
 mod common;
 
 use common::{check, Bounds};
+use kvoffload::protocol::{CapturePolicy, Coordinator};
 use kvoffload::runtime::sim::SimRuntime;
 use kvoffload::runtime::{CaptureMode, Code, GpuRuntime};
 use kvoffload::sync::Arc;
@@ -30,20 +31,31 @@ static HOST: [u8; 64] = [0; 64];
 
 fn scenario(relaxed: bool) {
     let sim = Arc::new(SimRuntime::new());
+    // The runtime's capture-unsafe calls take a gate: here from a
+    // coordinator with no region that A's capture does not go through (no
+    // window), so B's register reaches the sim during the capture, which is
+    // the rule this model checks.
+    let coord = Coordinator::without_region(CapturePolicy::AfterPinning);
     let s = sim.stream_create().unwrap();
-    let d = sim.mem_alloc(64).unwrap();
+    let d = coord.unsafe_call("alloc", |g| sim.mem_alloc(g, 64)).unwrap().unwrap();
     let addr = HOST.as_ptr() as usize;
-    let b_sim = sim.clone();
+    let (b_sim, b_coord) = (sim.clone(), coord.clone());
     let b = loom::thread::spawn(move || {
         if relaxed {
             b_sim.exchange_capture_mode(CaptureMode::Relaxed).unwrap();
         }
-        // SAFETY: HOST is a static, mapped for the whole program; the sim
-        // never writes registered memory on registration.
-        unsafe { b_sim.host_register(addr, HOST.len()) }
+        b_coord
+            .unsafe_call("B's register", |g| {
+                // SAFETY: HOST is a static, mapped for the whole program; the
+                // sim never writes registered memory on registration.
+                unsafe { b_sim.host_register(g, addr, HOST.len()) }
+            })
+            .unwrap()
     });
     sim.begin_capture(s, CaptureMode::Global).unwrap();
-    let enq = sim.memset_d8_async(d, 1, 64, s);
+    // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
+    // memset is only captured.
+    let enq = unsafe { sim.memset_d8_async(d, 1, 64, s) };
     let end = sim.end_capture(s);
     let reg = b.join().unwrap();
 
@@ -57,7 +69,7 @@ fn scenario(relaxed: bool) {
     if refused {
         assert!(enq.is_ok() || matches!(&enq, Err(e) if e.code == Code::STREAM_CAPTURE_INVALIDATED));
     } else {
-        sim.host_unregister(addr).unwrap();
+        coord.unsafe_call("unregister", |g| sim.host_unregister(g, addr)).unwrap().unwrap();
     }
 }
 

@@ -35,18 +35,20 @@ fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::Interleave, variant, 2, 64);
     let rt = f.rt.clone();
     let s = rt.stream_create().unwrap();
-    let d = rt.mem_alloc(64).unwrap();
+    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
     let poll_stream = rt.stream_create().unwrap();
     let e = rt.event_create().unwrap();
     rt.event_record(e, poll_stream).unwrap();
 
     let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
     let (prt, pcoord) = (rt.clone(), f.coord.clone());
-    let poller = thread::spawn(move || pcoord.try_unsafe_call(|| prt.event_query(e)).map(|r| r.is_ok()));
+    let poller = thread::spawn(move || pcoord.try_unsafe_call(|g| prt.event_query(g, e)).map(|r| r.is_ok()));
 
     let w = f.coord.open_window().unwrap();
     rt.begin_capture(s, CaptureMode::Global).unwrap();
-    let enq = rt.memset_d8_async(d, 0, 64, s);
+    // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
+    // memset is only captured.
+    let enq = unsafe { rt.memset_d8_async(d, 0, 64, s) };
     let end = rt.end_capture(s);
     drop(w);
 

@@ -32,7 +32,7 @@ fn scenario(policy: CapturePolicy) {
     let f = fixture(policy, Variant::Production, 3, 64);
     let rt = f.rt.clone();
     let s = rt.stream_create().unwrap();
-    let d = rt.mem_alloc(64).unwrap();
+    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
     let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
 
     let w = f.coord.open_window().unwrap();
@@ -43,7 +43,9 @@ fn scenario(policy: CapturePolicy) {
     }
     assert_eq!(f.sim().registers_running(), 0, "registration running inside the window");
     rt.begin_capture(s, CaptureMode::Global).unwrap();
-    rt.memset_d8_async(d, 0, 64, s).unwrap();
+    // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
+    // memset is only captured.
+    unsafe { rt.memset_d8_async(d, 0, 64, s) }.unwrap();
     assert_eq!(f.sim().registers_running(), 0, "registration running inside the window");
     assert!(rt.end_capture(s).is_ok(), "capture invalidated");
     drop(w);

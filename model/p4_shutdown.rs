@@ -55,7 +55,7 @@ fn with_job(variant: Variant) {
     let rt = f.rt.clone();
     assert_eq!(pin_all(rt.as_ref(), &f.coord, &NoPrefault), PinState::Pinned);
     let s = rt.stream_create().unwrap();
-    let d = rt.mem_alloc(64).unwrap();
+    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
     let unmapped = Arc::new(AtomicBool::new(false));
     let (jc, jrt, ju, base) = (f.coord.clone(), rt.clone(), unmapped.clone(), f.base);
     let job = thread::spawn(move || {
@@ -63,7 +63,7 @@ fn with_job(variant: Variant) {
             // SAFETY: the region is leaked memory; "unmapped" is the model's
             // stand-in for munmap, checked below.
             unsafe { jrt.copy_htod_async(d, base, 64, s) }.unwrap();
-            jc.unsafe_call("job sync", || jrt.stream_synchronize(s)).unwrap().unwrap();
+            jc.unsafe_call("job sync", |g| jrt.stream_synchronize(g, s)).unwrap().unwrap();
             assert!(!ju.load(Ordering::SeqCst), "transfer in flight after the region was unmapped");
             drop(ticket);
         }
@@ -79,7 +79,7 @@ fn with_graph(variant: Variant) {
     let rt = f.rt.clone();
     assert_eq!(pin_all(rt.as_ref(), &f.coord, &NoPrefault), PinState::Pinned);
     let s = rt.stream_create().unwrap();
-    let d = rt.mem_alloc(64).unwrap();
+    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
     let w = f.coord.open_window().unwrap();
     rt.begin_capture(s, CaptureMode::Global).unwrap();
     // SAFETY: leaked region memory, alive for the whole model.
@@ -90,7 +90,10 @@ fn with_graph(variant: Variant) {
 
     let (sc, srt) = (f.coord.clone(), rt.clone());
     let sh = thread::spawn(move || shutdown(srt.as_ref(), &sc, || {}));
-    let replay = rt.graph_launch(graph, s).and_then(|_| rt.stream_synchronize(s));
+    // The engine waits for its replay through the gate, as production does.
+    let replay = rt
+        .graph_launch(graph, s)
+        .and_then(|_| f.coord.unsafe_call("replay sync", |g| rt.stream_synchronize(g, s)).unwrap());
     assert!(replay.is_ok(), "context poisoned: replay of a live graph gave {replay:?}");
     rt.graph_destroy(graph).unwrap();
     drop(token);

@@ -35,12 +35,12 @@ fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::Interleave, variant, 2, 64);
     let rt = f.rt.clone();
     let s = rt.stream_create().unwrap();
-    let d = rt.mem_alloc(64).unwrap();
+    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
     let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
     let (jc, jrt) = (f.coord.clone(), rt.clone());
     let job = thread::spawn(move || {
         if let Ok(ticket) = jc.admit_job() {
-            let _ = jc.unsafe_call("job sync", || jrt.ctx_synchronize());
+            let _ = jc.unsafe_call("job sync", |g| jrt.ctx_synchronize(g));
             drop(ticket);
         }
     });
@@ -50,9 +50,11 @@ fn scenario(variant: Variant) {
         Ok(_) | Err(ProtocolError::WouldDeadlock { .. }) => {}
         Err(e) => panic!("unexpected {e}"),
     }
-    assert!(matches!(f.coord.unsafe_call("inside window", || ()), Err(ProtocolError::WouldDeadlock { .. })));
+    assert!(matches!(f.coord.unsafe_call("inside window", |_| ()), Err(ProtocolError::WouldDeadlock { .. })));
     rt.begin_capture(s, CaptureMode::Global).unwrap();
-    rt.memset_d8_async(d, 0, 64, s).unwrap();
+    // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
+    // memset is only captured.
+    unsafe { rt.memset_d8_async(d, 0, 64, s) }.unwrap();
     rt.end_capture(s).unwrap();
     drop(w);
 

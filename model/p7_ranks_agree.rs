@@ -43,7 +43,9 @@ fn scenario(rank1_fails_at: Option<u64>) {
         .map(|rank| {
             let mem: &'static mut [u8] = Box::leak(vec![0u8; 128].into_boxed_slice());
             let base = mem.as_mut_ptr() as usize;
-            let coord = Coordinator::new(CapturePolicy::AfterPinning, &[(base, 64), (base + 64, 64)]);
+            // SAFETY: both chunks are pieces of `mem`, leaked read-write
+            // memory that lives (mapped) forever.
+            let coord = unsafe { Coordinator::new(CapturePolicy::AfterPinning, &[(base, 64), (base + 64, 64)], None) };
             let (rt, slots, c) = (rt.clone(), slots.clone(), coord.clone());
             let h = thread::spawn(move || {
                 let a = Agreement { slots: slots.clone(), rank, timeout: None };

@@ -144,7 +144,9 @@ pub fn fixture(policy: CapturePolicy, variant: Variant, chunks: usize, chunk: us
     let base = mem.as_mut_ptr() as usize;
     let ranges: Vec<(usize, usize)> = (0..chunks).map(|i| (base + i * chunk, chunk)).collect();
     let rt = shared(SimRuntime::new());
-    let coord = Coordinator::new(policy, &ranges);
+    // SAFETY: the chunks are pieces of `mem`, leaked read-write memory that
+    // lives (mapped) forever: no keep-alive needed.
+    let coord = unsafe { Coordinator::new(policy, &ranges, None) };
     coord.set_variant(variant);
     Fixture { rt, coord, base, chunk }
 }
@@ -160,7 +162,9 @@ pub fn engine(
     backend: kvoffload::transfer::BackendChoice,
 ) -> (kvoffload::transfer::TransferEngine, u64) {
     use kvoffload::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec, TransferEngine, TransferOptions};
-    let dev = f.rt.mem_alloc(gpu_blocks * page).unwrap();
+    // On the main thread, before the model's threads start.
+    let dev = f.coord.unsafe_call("allocating the model's KV tensor", |g| f.rt.mem_alloc(g, gpu_blocks * page));
+    let dev = dev.unwrap().unwrap();
     let compute = f.rt.stream_create().unwrap();
     let group = GroupSpec {
         tensors: vec![TensorSpec { device_base: dev, page_bytes: page }],

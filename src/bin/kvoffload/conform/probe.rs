@@ -106,9 +106,9 @@ impl HostBuf {
     }
 }
 
-/// What the registering thread returns: the gated call's result, the tick
-/// it returned at, and how long it took.
-type RegisterOutcome = (Result<DriverResult<()>, String>, u64, Duration);
+/// What the registering thread returns: the registration's result (or the
+/// gate's refusal), its return tick, its duration.
+type Registered = (Result<DriverResult<()>, String>, u64, Duration);
 
 /// A registration running on its own thread.
 pub struct LongRegister {
@@ -116,7 +116,7 @@ pub struct LongRegister {
     coord: Arc<Coordinator>,
     hold: Option<Hold>,
     tid: Arc<AtomicI64>,
-    handle: Option<thread::JoinHandle<RegisterOutcome>>,
+    handle: Option<thread::JoinHandle<Registered>>,
     buf: Arc<HostBuf>,
     registered: bool,
 }
