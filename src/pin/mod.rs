@@ -25,6 +25,8 @@ pub use options::{
     available_cores, HugePages, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT,
     MAX_THREADS, RECOMMENDED_MAX_CHUNK_BYTES,
 };
-pub use prefault::{thp_setting, PrefaultConfig, PrefaultError, PrefaultStats, Prefaulter, HUGE_PAGE_BYTES};
+pub use prefault::{
+    thp_setting, PlannedChunk, PrefaultConfig, PrefaultError, PrefaultStats, Prefaulter, HUGE_PAGE_BYTES,
+};
 #[cfg(not(loom))]
 pub use setup::{prepare, Prepared};

@@ -8,7 +8,7 @@ use crate::sync::Arc;
 use super::engine::{pin_all, NoPrefault, PinHandle, Prefault};
 use super::memlock;
 use super::options::{HugePages, PinError, PinOptions, PrefaultMode};
-use super::prefault::{PrefaultConfig, Prefaulter};
+use super::prefault::{PlannedChunk, PrefaultConfig, Prefaulter};
 
 /// Everything pinning a region needs, made by [`Prepared::new`]: the
 /// coordinator with the region's row-aligned chunks, and the pre-faulter.
@@ -39,25 +39,31 @@ impl std::fmt::Debug for Prepared {
 }
 
 impl Prepared {
-    /// Validates `opts`, cuts the region's data area into runs of whole rows
-    /// of at most `opts.max_chunk_bytes` (the registration units), notes a
-    /// low RLIMIT_MEMLOCK in tracing, applies huge-page advice
-    /// ([`HugePages::Auto`]: anonymous regions only; a refusal is logged and
-    /// pinning goes on with base pages) and makes the pre-faulter.
+    /// Validates `opts`, cuts what this rank pins into registration units of
+    /// at most `opts.max_chunk_bytes` ([`Region::pin_ranges`]: the whole data
+    /// area in runs of whole rows, or with a multi-file rank-major shared
+    /// region only this rank's share), notes a low RLIMIT_MEMLOCK in
+    /// tracing, applies huge-page advice ([`HugePages::Auto`]: anonymous
+    /// regions only; a refusal is logged and pinning goes on with base
+    /// pages) and makes the pre-faulter (with the chunks' data files as its
+    /// plan for a multi-file region, [`Prefaulter::with_plan`]).
     ///
     /// Typed errors: [`PinError::ZeroSize`], [`PinError::TooLarge`] for the
     /// options, [`PinError::Region`] with
     /// [`RegionError::ChunkBoundBelowRow`](crate::region::RegionError::ChunkBoundBelowRow)
-    /// when the bound is below one row.
+    /// when the bound is below one row (one chunk when rank-major).
     pub fn new(region: &Region, opts: &PinOptions) -> Result<Prepared, PinError> {
         opts.validate()?;
-        let spans = region.layout().row_aligned_chunks(opts.max_chunk_bytes)?;
-        let mut chunks = Vec::with_capacity(spans.len());
-        for span in spans {
-            let r = region.rows_raw(span.rows)?;
-            chunks.push((r.as_ptr() as usize, r.len()));
-        }
-        let bytes = region.len();
+        let ranges = region.pin_ranges(opts.max_chunk_bytes)?;
+        let chunks: Vec<(usize, usize)> = ranges.iter().map(|r| (r.range.as_ptr() as usize, r.range.len())).collect();
+        let plan: Vec<PlannedChunk> = ranges
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| {
+                r.file.map(|lane| PlannedChunk { chunk: i, addr: r.range.as_ptr() as usize, len: r.range.len(), lane })
+            })
+            .collect();
+        let bytes: usize = chunks.iter().map(|c| c.1).sum();
         let memlock_limit = memlock::note_limit(bytes as u64);
         let want_huge = match opts.huge_pages {
             HugePages::Auto => region.kind() == RegionKind::Anonymous,
@@ -78,12 +84,13 @@ impl Prepared {
             mode => {
                 let cfg = PrefaultConfig { threads: opts.threads, mode, huge_pages };
                 // SAFETY: the pre-faulter only ever gets this region's chunks
-                // (the coordinator's ranges, from `pin_all`); the region
-                // outlives pinning (this type's contract, the coordinator's
-                // own rule), and `pin_all` settles the pre-faulter before it
-                // publishes a final state, so no slice runs once the region
-                // may be unmapped. The region's memory is read-write.
-                Some(Arc::new(unsafe { Prefaulter::new(cfg) }))
+                // (the plan and the coordinator's ranges, from `pin_all`,
+                // are both `pin_ranges` of this region); the region outlives
+                // pinning (this type's contract, the coordinator's own rule),
+                // and `pin_all` settles the pre-faulter before it publishes a
+                // final state, so no slice runs once the region may be
+                // unmapped. The region's memory is read-write.
+                Some(Arc::new(unsafe { Prefaulter::with_plan(cfg, plan) }))
             }
         };
         let coord = Coordinator::new(opts.policy, &chunks);
@@ -129,7 +136,8 @@ impl Prepared {
         self.coord.chunk_count()
     }
 
-    /// Bytes to pin (the region's data area).
+    /// Bytes to pin: the region's data area, or this rank's share of it
+    /// ([`Region::pin_ranges`]).
     pub fn bytes(&self) -> usize {
         self.bytes
     }
