@@ -9,7 +9,8 @@
 //!   after chunk while the pre-faulter makes the next one resident; any
 //!   failure unregisters what was registered, last first, and leaves the
 //!   region pageable with a typed [`PageableReason`](crate::protocol::PageableReason).
-//! - `bench` (not under loom): `kvoffload bench pin`.
+//! - `bench` (not under loom): `kvoffload bench pin`; `shared_bench`:
+//!   `kvoffload bench pin --shared` (a shared region pinned by N rank processes).
 
 #[cfg(not(loom))]
 pub mod bench;
@@ -19,6 +20,8 @@ pub mod options;
 pub mod prefault;
 #[cfg(not(loom))]
 mod setup;
+#[cfg(not(loom))]
+pub mod shared_bench;
 
 pub use engine::{pin_all, pin_all_agreed, Agreement, NoPrefault, PinHandle, Prefault};
 pub use options::{
