@@ -504,3 +504,70 @@ fn region_joiner_refuses_a_data_file_that_is_not_the_creators_and_leaves_it() {
     assert_eq!(left.len(), 1, "{left:?}");
     assert!(left[0].ends_with(".2"));
 }
+
+#[test]
+fn region_joiner_refuses_a_data_file_of_the_wrong_size_or_a_missing_one() {
+    let p = page_size();
+    let l = Layout::rank_major(2, p, 2).unwrap();
+    let o = opts(3000).files(FileSplit::Multi { max_file_bytes: p }).wait_for_all(false);
+    // Resized after the creator recorded it: the inode matches, the size not.
+    let g = ShmGuard::new("resized");
+    let creator = Region::create(&g.name, l, 0, &o).unwrap();
+    std::fs::OpenOptions::new().write(true).open(g.data_path(3)).unwrap().set_len(3 * p as u64).unwrap();
+    match Region::join(&g.name, l, 1, &o) {
+        Err(RegionError::BadHeader { field: "data file size", expected, found, .. }) => {
+            assert_eq!((expected, found), (p as u64, 3 * p as u64))
+        }
+        other => panic!("expected BadHeader(data file size), got {other:?}"),
+    }
+    assert_eq!(g.files().len(), 5, "the refused joiner removed nothing");
+    drop(creator);
+    g.assert_gone();
+    // Removed after the creator made it: the joiner says which, abandons
+    // the region and removes what it opened; the creator the rest.
+    let g = ShmGuard::new("missing");
+    let mut creator = Region::create(&g.name, l, 0, &o).unwrap();
+    std::fs::remove_file(g.data_path(1)).unwrap();
+    match Region::join(&g.name, l, 1, &o) {
+        Err(RegionError::FileMissing { path }) => assert_eq!(path, g.data_path(1)),
+        other => panic!("expected FileMissing, got {other:?}"),
+    }
+    match creator.wait_all_mapped(Duration::from_secs(2)) {
+        Err(RegionError::Abandoned { mapped, .. }) => assert_eq!(mapped, vec![0]),
+        other => panic!("expected Abandoned, got {other:?}"),
+    }
+    g.assert_gone();
+    drop(creator);
+}
+
+#[test]
+fn region_joiner_with_another_file_split_is_refused() {
+    let p = page_size();
+    let l = Layout::rank_major(2, p, 4).unwrap();
+    let g = ShmGuard::new("split");
+    let o = |bytes| opts(3000).files(FileSplit::Multi { max_file_bytes: bytes }).wait_for_all(false);
+    let creator = Region::create(&g.name, l, 0, &o(2 * p)).unwrap(); // 4 files of 2 pages
+    match Region::join(&g.name, l, 1, &o(p)) {
+        Err(RegionError::BadHeader { field: "num_files", expected: 8, found: 4, .. }) => {}
+        other => panic!("expected BadHeader(num_files), got {other:?}"),
+    }
+    // One file against data files: the header file's size differs.
+    match Region::join(&g.name, l, 1, &opts(300).files(FileSplit::Single)) {
+        Err(RegionError::BadHeader { field: "file size", .. }) => {}
+        other => panic!("expected BadHeader(file size), got {other:?}"),
+    }
+    assert_eq!(g.files().len(), 5);
+    drop(creator);
+    g.assert_gone();
+    // As many files, cut elsewhere: 3 + 1 pages against 2 + 2.
+    let g = ShmGuard::new("split-bytes");
+    let creator = Region::create(&g.name, l, 0, &o(3 * p)).unwrap();
+    match Region::join(&g.name, l, 1, &o(2 * p)) {
+        Err(RegionError::BadHeader { field: "file_bytes", expected, found, .. }) => {
+            assert_eq!((expected, found), (2 * p as u64, 3 * p as u64))
+        }
+        other => panic!("expected BadHeader(file_bytes), got {other:?}"),
+    }
+    drop(creator);
+    g.assert_gone();
+}

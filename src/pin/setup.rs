@@ -7,7 +7,7 @@ use crate::sync::Arc;
 
 use super::engine::{pin_all, NoPrefault, PinHandle, Prefault};
 use super::memlock;
-use super::options::{HugePages, PinError, PinOptions, PrefaultMode};
+use super::options::{available_cores, HugePages, PinError, PinOptions, PrefaultMode};
 use super::prefault::{PlannedChunk, PrefaultConfig, Prefaulter};
 
 /// Everything pinning a region needs, made by [`Prepared::new`]: the
@@ -46,7 +46,9 @@ impl Prepared {
     /// tracing, applies huge-page advice ([`HugePages::Auto`]: anonymous
     /// regions only; a refusal is logged and pinning goes on with base
     /// pages) and makes the pre-faulter (with the chunks' data files as its
-    /// plan for a multi-file region, [`Prefaulter::with_plan`]).
+    /// plan for a multi-file region, [`Prefaulter::with_plan`]). For a shared
+    /// region the pre-fault threads are at most the cores divided by its
+    /// ranks (they all pin at once).
     ///
     /// Typed errors: [`PinError::ZeroSize`], [`PinError::TooLarge`] for the
     /// options, [`PinError::Region`] with
@@ -79,10 +81,17 @@ impl Prepared {
                 }
             };
         let huge_pages = advised || region.huge_pages_advised();
+        // The ranks of a shared region pin at the same time on one node:
+        // each takes its share of the cores (measured that way on the H200,
+        // docs/gpu-runs/2026-11-30-shm-pin.md).
+        let threads = match region.kind() {
+            RegionKind::Shared => opts.threads.min((available_cores() / region.layout().num_ranks()).max(1)),
+            RegionKind::Anonymous => opts.threads,
+        };
         let prefaulter = match opts.prefault {
             PrefaultMode::Off => None,
             mode => {
-                let cfg = PrefaultConfig { threads: opts.threads, mode, huge_pages };
+                let cfg = PrefaultConfig { threads, mode, huge_pages };
                 // SAFETY: the pre-faulter only ever gets this region's chunks
                 // (the plan and the coordinator's ranges, from `pin_all`,
                 // are both `pin_ranges` of this region); the region outlives
@@ -98,7 +107,7 @@ impl Prepared {
             chunks = chunks.len(),
             bytes,
             max_chunk_bytes = opts.max_chunk_bytes,
-            threads = opts.threads,
+            threads,
             huge_pages,
             prefault = ?opts.prefault,
             populate_write = ?prefaulter.as_ref().and_then(|p| p.stats().populate_write),

@@ -77,8 +77,7 @@ impl ShmGuard {
 
 impl Drop for ShmGuard {
     fn drop(&mut self) {
-        if let Ok(rd) = std::fs::read_dir(&self.dir) {
-            let _ = rd;
+        if self.dir.is_dir() {
             for f in self.files() {
                 let _ = std::fs::remove_file(self.dir.join(f));
             }
@@ -120,6 +119,38 @@ impl ChildGuard {
         let rc = unsafe { libc::kill(c.id() as i32, libc::SIGKILL) };
         assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
         c.wait().unwrap()
+    }
+
+    /// Like [`ChildGuard::spawn`] with the child's stdout piped, for
+    /// [`ChildGuard::read_line`].
+    pub fn spawn_piped(test: &str, role: &str, name: &str) -> Self {
+        let exe = std::env::current_exe().unwrap();
+        let child = Command::new(exe)
+            .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
+            .env(ROLE_ENV, role)
+            .env(NAME_ENV, name)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn child");
+        ChildGuard { child: Some(child) }
+    }
+
+    /// Reads the child's stdout until a line starting with `prefix`
+    /// (blocking: the child prints it and then blocks). Panics if the
+    /// child's stdout ends first.
+    pub fn read_line(&mut self, prefix: &str) -> String {
+        use std::io::BufRead;
+        let out = self.child.as_mut().unwrap().stdout.as_mut().expect("spawn_piped");
+        let mut r = std::io::BufReader::new(out);
+        loop {
+            let mut line = String::new();
+            let n = r.read_line(&mut line).unwrap();
+            assert!(n > 0, "the child's stdout ended before a line starting with {prefix:?}");
+            if line.starts_with(prefix) {
+                return line.trim_end().to_string();
+            }
+        }
     }
 
     /// Waits for the child's exit status.
