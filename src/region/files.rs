@@ -47,7 +47,9 @@ pub(crate) fn plan(layout: &Layout, split: FileSplit) -> Result<Option<FilePlan>
         return Err(RegionError::ZeroSize { what: "max_file_bytes" });
     }
     let n = layout.num_ranks();
-    let (unit, spans): (usize, Vec<(Range<usize>, Option<usize>)>) = match layout.order() {
+    // (bytes to cut into files, the owner of every file of them: None = round-robin)
+    type Spans = Vec<(Range<usize>, Option<usize>)>;
+    let (unit, spans): (usize, Spans) = match layout.order() {
         Order::RankMajor => (
             layout.chunk_bytes(),
             (0..n).map(|r| (layout.rank_share(r).expect("rank-major shares are contiguous"), Some(r))).collect(),

@@ -80,7 +80,7 @@ pub enum RegionKind {
 #[derive(Debug)]
 enum Kind {
     Anonymous,
-    Shared(shm::Shared),
+    Shared(Box<shm::Shared>),
 }
 
 /// A raw address range inside a region's mapping: what a pinning engine

@@ -408,7 +408,7 @@ impl Region {
             layout,
             rank,
             huge_pages_advised: false,
-            kind: Kind::Shared(shared),
+            kind: Kind::Shared(Box::new(shared)),
         };
         // From here on, dropping `region` on an error path abandons the
         // region and unlinks every file it has created.
@@ -545,7 +545,7 @@ impl Region {
             layout,
             rank,
             huge_pages_advised: false,
-            kind: Kind::Shared(shared),
+            kind: Kind::Shared(Box::new(shared)),
         };
         // From here on, dropping `region` on an error path abandons the
         // region and unlinks the files; for errors that say the files are
