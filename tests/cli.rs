@@ -54,3 +54,44 @@ fn bench_manager_rejects_bad_capacity() {
     assert_eq!(code, 2);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
+
+#[test]
+fn bench_pin_shared_runs_on_the_simulated_gpu_and_leaves_no_file() {
+    let (code, out, err) = kvoffload(&[
+        "bench",
+        "pin",
+        "--shared",
+        "--backend",
+        "sim",
+        "--ranks",
+        "1,2",
+        "--size",
+        "64MiB",
+        "--variants",
+        "old,new,new-noreserve,rows",
+        "--no-warmup",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    for v in ["old ", "new ", "new-noreserve ", "rows "] {
+        assert_eq!(out.lines().filter(|l| l.starts_with(v) && l.contains("ok (")).count(), 2, "{v}: {out}");
+    }
+    assert!(out.contains("64 MiB x 2 rank(s): old"), "{out}");
+    assert!(out.contains("simulated GPU"), "{out}");
+    assert!(!out.contains("FAILED"), "{out}");
+}
+
+#[test]
+fn bench_pin_shared_rejects_bad_shapes_in_one_line() {
+    // 3 ranks x 2 MiB slots do not divide 64 MiB.
+    let (code, _, err) =
+        kvoffload(&["bench", "pin", "--shared", "--backend", "sim", "--ranks", "3", "--size", "64MiB", "--no-warmup"]);
+    assert_eq!(code, 2);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("not a positive multiple"), "{err}");
+    let (code, _, err) = kvoffload(&["bench", "pin", "--shared", "--backend", "sim", "--variants", "nope"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("unknown variant"), "{err}");
+    let (code, _, err) = kvoffload(&["bench", "pin", "--size", "1GiB,2GiB", "--backend", "sim"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("one size"), "{err}");
+}

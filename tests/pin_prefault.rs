@@ -127,3 +127,53 @@ fn populate_write_is_reported() {
     assert!(pf.stats().populate_write.is_some());
     assert_eq!(prefaulter(1, PrefaultMode::Touch, false).stats().populate_write, None);
 }
+
+#[test]
+fn a_plan_is_queued_whole_and_each_chunk_faulted_once() {
+    use kvoffload::pin::PlannedChunk;
+    // 8 chunks of 2 MiB over 4 lanes (data files), in registration order.
+    let r = fresh(16 << 20, false);
+    let base = r.as_ptr() as usize;
+    let c = 2 << 20;
+    let plan: Vec<PlannedChunk> =
+        (0..8).map(|i| PlannedChunk { chunk: i, addr: base + i * c, len: c, lane: i % 4 }).collect();
+    // SAFETY: the region outlives the pre-faulter (dropped first).
+    let pf = unsafe {
+        Prefaulter::with_plan(PrefaultConfig { threads: 3, mode: PrefaultMode::Populate, huge_pages: false }, plan)
+    };
+    assert_eq!(pf.workers_running(), 0, "nothing starts before the first ensure");
+    // The first ensure queues every chunk; the later ones find them done or
+    // running, and no chunk is faulted twice.
+    for i in 0..8 {
+        pf.ensure(i, base + i * c, c).unwrap();
+        assert_eq!(not_resident(base + i * c, c), 0, "chunk {i}");
+    }
+    assert_eq!(pf.stats().bytes, r.len() as u64, "every byte faulted once");
+    // A chunk that is not in the plan is faulted as without one.
+    let r2 = fresh(4 << 20, false);
+    pf.ensure(9, r2.as_ptr() as usize, r2.len()).unwrap();
+    assert_eq!(not_resident(r2.as_ptr() as usize, r2.len()), 0);
+    pf.settle();
+    assert_eq!(pf.workers_running(), 0);
+    drop(pf);
+}
+
+#[test]
+fn settle_drops_the_rest_of_a_plan() {
+    use kvoffload::pin::PlannedChunk;
+    let r = fresh(64 << 20, false);
+    let base = r.as_ptr() as usize;
+    let c = 4 << 20;
+    let plan: Vec<PlannedChunk> =
+        (0..16).map(|i| PlannedChunk { chunk: i, addr: base + i * c, len: c, lane: i }).collect();
+    // SAFETY: the region outlives the pre-faulter (settled and dropped first).
+    let pf = unsafe {
+        Prefaulter::with_plan(PrefaultConfig { threads: 1, mode: PrefaultMode::Touch, huge_pages: false }, plan)
+    };
+    pf.ensure(0, base, c).unwrap();
+    pf.settle();
+    assert_eq!(pf.workers_running(), 0);
+    assert!(pf.stats().bytes <= r.len() as u64);
+    drop(pf);
+    drop(r);
+}

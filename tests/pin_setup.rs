@@ -167,10 +167,12 @@ fn shared_region_pinned_by_two_ranks_sees_both_ranks_writes() {
             let sim = Arc::new(SimRuntime::new());
             let rt: Arc<dyn GpuRuntime> = sim.clone();
             let prep = Prepared::new(&r, &PinOptions::default().max_chunk_bytes(3 * layout.row_bytes())).unwrap();
-            assert_eq!(prep.chunks(), 3);
+            // The 8 rows are one data file: units of at most a quarter of
+            // it (2 rows), below the bound of 3 rows.
+            assert_eq!(prep.chunks(), 4);
             let st = prep.spawn(rt.clone()).join();
             assert_eq!(st, PinState::Pinned, "rank {rank}");
-            assert_eq!(sim.registered_ranges(), 3);
+            assert_eq!(sim.registered_ranges(), 4);
             // The coordinator holds the region now: this rank writes its own
             // chunks through their pointers (`own_chunk_mut` needs the only
             // reference).
@@ -194,6 +196,53 @@ fn shared_region_pinned_by_two_ranks_sees_both_ranks_writes() {
             barrier.wait();
             prep.coordinator().unregister_all(rt.as_ref()).unwrap();
             assert_eq!(sim.registered_ranges(), 0);
+            drop(prep);
+            drop(r);
+        })
+    };
+    let a = rank(0);
+    let b = rank(1);
+    a.join().unwrap();
+    b.join().unwrap();
+    g.assert_gone();
+}
+
+#[test]
+fn shared_rank_major_region_pins_only_its_own_share() {
+    use kvoffload::region::FileSplit;
+    let g = ShmGuard::new("pin-share");
+    let p = page_size();
+    // Shares of 8 chunks of 2 pages, data files of 4 chunks: 2 files a rank.
+    let layout = Layout::rank_major(2, 2 * p, 8).unwrap();
+    let opts = ShmOptions::new().timeout(Duration::from_secs(10)).files(FileSplit::Multi { max_file_bytes: 8 * p });
+    let rank = |rank: usize| {
+        let (name, opts) = (g.name.clone(), opts.clone());
+        std::thread::spawn(move || {
+            let r = Arc::new(if rank == 0 {
+                Region::create(&name, layout, 0, &opts).unwrap()
+            } else {
+                Region::join(&name, layout, 1, &opts).unwrap()
+            });
+            let sim = Arc::new(SimRuntime::new());
+            let rt: Arc<dyn GpuRuntime> = sim.clone();
+            let prep = Prepared::new(&r, &PinOptions::default().max_chunk_bytes(4 * p)).unwrap();
+            assert_eq!(prep.bytes(), layout.bytes_per_rank(), "rank {rank}");
+            // Units of at most a quarter file (2 pages here) and of the bound.
+            assert_eq!(prep.chunks(), 8, "rank {rank}");
+            let cores = std::thread::available_parallelism().unwrap().get();
+            let threads = prep.prefaulter().unwrap().config().threads;
+            assert_eq!(threads, (cores / 2).max(1), "ranks share the cores");
+            assert_eq!(prep.spawn(rt.clone()).join(), PinState::Pinned);
+            let base = r.as_ptr() as usize;
+            let share = layout.rank_share(rank).unwrap();
+            let other = layout.rank_share(1 - rank).unwrap();
+            for c in (share.start..share.end).step_by(2 * p) {
+                assert!(sim.is_registered(base + c, 2 * p), "rank {rank}: own chunk at {c}");
+            }
+            for c in (other.start..other.end).step_by(2 * p) {
+                assert!(!sim.is_registered(base + c, 1), "rank {rank}: the other rank's chunk at {c}");
+            }
+            prep.coordinator().unregister_all(rt.as_ref()).unwrap();
             drop(prep);
             drop(r);
         })

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use kvoffload::region::{page_size, AnonOptions, Layout, Location, Region, RegionError, RowSpan, MAX_RANKS};
+use kvoffload::region::{page_size, AnonOptions, Layout, Location, Order, Region, RegionError, RowSpan, MAX_RANKS};
 use proptest::prelude::*;
 
 /// The reference: walk rows, then slots, handing out `chunk` bytes each.
@@ -45,8 +45,61 @@ fn shapes() -> impl Strategy<Value = (usize, usize, usize, usize)> {
     })
 }
 
+/// The rank-major reference: walk ranks, then their chunks.
+fn reference_rank_major(ranks: usize, chunk: usize, rows: usize) -> BTreeMap<(usize, usize), usize> {
+    let mut start = BTreeMap::new();
+    let mut off = 0;
+    for rank in 0..ranks {
+        for c in 0..rows {
+            start.insert((rank, c), off);
+            off += chunk;
+        }
+    }
+    start
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn region_rank_major_offsets_match_reference((n, chunk, rows, align) in shapes(), pick in any::<prop::sample::Index>()) {
+        let l = Layout::with_alignment(n, chunk, rows, align).unwrap().with_order(Order::RankMajor);
+        let r = reference_rank_major(n, chunk, rows);
+        prop_assert_eq!(l.order(), Order::RankMajor);
+        prop_assert_eq!(l.data_bytes(), n * rows * chunk);
+        prop_assert_eq!(l.chunk_stride(), chunk);
+        for (&(rank, c), &s) in &r {
+            prop_assert_eq!(l.rank_chunk_offset(rank, c).unwrap(), s);
+            prop_assert_eq!(l.rank_view(rank).unwrap().chunk_range(c).unwrap(), s..s + chunk);
+        }
+        for rank in 0..n {
+            let share = l.rank_share(rank).unwrap();
+            prop_assert_eq!(share.clone(), rank * rows * chunk..(rank + 1) * rows * chunk);
+            let got: Vec<_> = l.rank_view(rank).unwrap().chunks().collect();
+            let want: Vec<_> = (0..rows).map(|c| r[&(rank, c)]..r[&(rank, c)] + chunk).collect();
+            prop_assert_eq!(got, want);
+        }
+        let off = pick.index(l.data_bytes());
+        let loc = l.locate(off).unwrap();
+        prop_assert_eq!(l.rank_chunk_offset(loc.rank, loc.row).unwrap() + loc.offset_in_chunk, off);
+        // Rows are not contiguous with several ranks; a rank's share is not
+        // contiguous in the row-interleaved order.
+        let row_interleaved = Layout::with_alignment(n, chunk, rows, align).unwrap();
+        prop_assert_eq!(row_interleaved.chunk_stride(), n * chunk);
+        if n > 1 {
+            prop_assert!(matches!(l.row_range(0), Err(RegionError::NotContiguous { what: "a row", .. })), "row_range");
+            prop_assert!(matches!(l.rows_range(0..1), Err(RegionError::NotContiguous { .. })), "rows_range");
+            prop_assert!(matches!(l.row_aligned_chunks(usize::MAX), Err(RegionError::NotContiguous { .. })), "row_aligned_chunks");
+            prop_assert!(matches!(
+                row_interleaved.rank_share(0),
+                Err(RegionError::NotContiguous { what: "a rank's share", .. })
+            ), "rank_share");
+        } else {
+            prop_assert_eq!(l.row_range(0).unwrap(), 0..chunk);
+            prop_assert_eq!(row_interleaved.rank_share(0).unwrap(), 0..l.data_bytes());
+        }
+        prop_assert!(matches!(l.rank_share(n), Err(RegionError::RankOutOfRange { .. })), "rank_share out of range");
+    }
 
     #[test]
     fn region_offsets_match_reference((n, chunk, rows, align) in shapes()) {

@@ -10,7 +10,12 @@ use std::os::unix::process::ExitStatusExt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use kvoffload::region::{page_size, JoinPhase, Layout, Region, RegionError, ShmOptions};
+use kvoffload::pin::RegionSlots;
+use kvoffload::pin::{pin_all_agreed, Agreement, PinOptions, Prefault, Prepared};
+use kvoffload::protocol::agreement::{AgreementError, RankSlots};
+use kvoffload::protocol::PinState;
+use kvoffload::region::{page_size, FileSplit, JoinPhase, Layout, Region, RegionError, ShmOptions, ShmStep};
+use kvoffload::runtime::sim::SimRuntime;
 use region_common::{block_on_stdin, child_role, poll_until, ChildGuard, ShmGuard};
 
 /// Long enough for anything that should happen on a loaded machine.
@@ -22,6 +27,86 @@ fn layout(n: usize) -> Layout {
 
 fn opts(timeout: Duration) -> ShmOptions {
     ShmOptions::new().timeout(timeout)
+}
+
+/// The one-file layout these tests were written for (their kill points
+/// assume the creator sets its bit when it publishes READY).
+fn single(timeout: Duration) -> ShmOptions {
+    opts(timeout).files(FileSplit::Single)
+}
+
+/// A multi-file region of 2 ranks: rank-major shares of 4 pages in data
+/// files of 2 pages (4 files, 2 a rank).
+fn mlayout() -> Layout {
+    Layout::rank_major(2, page_size(), 4).unwrap()
+}
+
+fn mopts(timeout: Duration) -> ShmOptions {
+    opts(timeout).files(FileSplit::Multi { max_file_bytes: 2 * page_size() })
+}
+
+/// A step's name as the child roles spell it (`DataFileCreated1`, `Ready`).
+fn step_name(s: ShmStep) -> String {
+    match s {
+        ShmStep::DataFileCreated { file } => format!("DataFileCreated{file}"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Options that stop this process at `step` (it prints `at <step>` and
+/// blocks until killed).
+fn pause_at(o: ShmOptions, step: &str) -> ShmOptions {
+    let step = step.to_string();
+    o.observe(move |s| {
+        if step_name(s) == step {
+            use std::io::Write;
+            println!("at {step}");
+            let _ = std::io::stdout().flush();
+            block_on_stdin();
+        }
+    })
+}
+
+/// A pre-faulter that stops this process at chunk `at` (prints `at chunk`).
+struct PauseAt {
+    inner: kvoffload::sync::Arc<dyn Prefault>,
+    at: Option<usize>,
+}
+
+impl Prefault for PauseAt {
+    fn ensure(&self, i: usize, addr: usize, len: usize) -> Result<(), String> {
+        if self.at == Some(i) {
+            use std::io::Write;
+            println!("at chunk {i}");
+            let _ = std::io::stdout().flush();
+            block_on_stdin();
+        }
+        self.inner.ensure(i, addr, len)
+    }
+    fn hint(&self, i: usize, addr: usize, len: usize) {
+        self.inner.hint(i, addr, len)
+    }
+    fn settle(&self) {
+        self.inner.settle()
+    }
+}
+
+/// Pins `region` on a simulated GPU with the agreement of its ranks,
+/// stopping at chunk `pause` if given.
+fn pin_agreed(region: &kvoffload::sync::Arc<Region>, pause: Option<usize>) -> Result<PinState, AgreementError> {
+    let rt = SimRuntime::new();
+    let prepared = Prepared::new(region, &PinOptions::default().threads(1).max_chunk_bytes(page_size())).unwrap();
+    assert_eq!(prepared.chunks(), 4, "a rank's share is 4 chunks of one page");
+    let (coord, prefault) = prepared.into_parts();
+    let pf = PauseAt { inner: prefault, at: pause };
+    let slots: kvoffload::sync::Arc<dyn RankSlots> =
+        kvoffload::sync::Arc::new(RegionSlots::new(region.clone()).unwrap());
+    let agreement = Agreement { slots, rank: region.rank(), timeout: Some(PATIENCE) };
+    let r = pin_all_agreed(&rt, &coord, &pf, &agreement);
+    if coord.registered_chunks() > 0 {
+        coord.unregister_all(&rt).unwrap();
+    }
+    r
 }
 
 /// The flag word at the start of `rank`'s chunk 1.
@@ -72,7 +157,37 @@ fn run_child(role: &str, name: &str) {
         // Rank 0 of 2 or 3: creates and waits for the others (killed there).
         "create-2" | "create-3" => {
             let n = if role == "create-2" { 2 } else { 3 };
-            let _ = Region::create(name, layout(n), 0, &opts(PATIENCE));
+            let _ = Region::create(name, layout(n), 0, &single(PATIENCE));
+            block_on_stdin();
+        }
+        // Multi-file creator (rank 0 of 2) stopping at a step.
+        r if r.starts_with("mcreate:") => {
+            let o = pause_at(mopts(PATIENCE), &r["mcreate:".len()..]);
+            let _ = Region::create(name, mlayout(), 0, &o);
+            block_on_stdin();
+        }
+        // Multi-file joiner (rank 1 of 2) stopping at a step.
+        r if r.starts_with("mjoin:") => {
+            let o = pause_at(mopts(PATIENCE), &r["mjoin:".len()..]);
+            let _ = Region::join(name, mlayout(), 1, &o);
+            block_on_stdin();
+        }
+        // Multi-file joiner (rank 1 of 2) that pins its share and stops
+        // pre-faulting chunk 0 (`prefault`), after registering chunks 0 and
+        // 1 (`registering`), or once pinned and agreed (`pinned`: the
+        // transfer phase).
+        r if r.starts_with("mpin:") => {
+            let region = kvoffload::sync::Arc::new(Region::join(name, mlayout(), 1, &mopts(PATIENCE)).unwrap());
+            let pause = match &r["mpin:".len()..] {
+                "prefault" => Some(0),
+                "registering" => Some(2),
+                _ => None,
+            };
+            let state = pin_agreed(&region, pause).unwrap();
+            assert_eq!(state, PinState::Pinned);
+            use std::io::Write;
+            println!("at pinned");
+            let _ = std::io::stdout().flush();
             block_on_stdin();
         }
         other => panic!("unknown child role {other}"),
@@ -178,7 +293,7 @@ fn region_creator_killed_after_ready_survivor_times_out_leaves_no_file() {
     let g = ShmGuard::new("killcreator");
     let mut child =
         ChildGuard::spawn("region_creator_killed_after_ready_survivor_times_out_leaves_no_file", "create-3", &g.name);
-    let mut joiner = Region::join(&g.name, layout(3), 1, &opts(PATIENCE).wait_for_all(false)).unwrap();
+    let mut joiner = Region::join(&g.name, layout(3), 1, &single(PATIENCE).wait_for_all(false)).unwrap();
     assert_eq!(joiner.mapped_ranks(), vec![0, 1]);
     assert_killed(child.kill9());
     match joiner.wait_all_mapped(Duration::from_millis(300)) {
@@ -217,7 +332,7 @@ fn region_creator_killed_at_any_observed_point_leaves_no_file() {
         assert_killed(status);
         // The survivor joins; whatever point the creator died at, it
         // returns (joined and completed, or timed out) and no file remains.
-        let res = Region::join(&g.name, layout(2), 1, &opts(Duration::from_millis(300)));
+        let res = Region::join(&g.name, layout(2), 1, &single(Duration::from_millis(300)));
         match (&res, point) {
             (Ok(r), _) => assert_eq!(r.mapped_ranks(), vec![0, 1]),
             (Err(RegionError::JoinTimeout { .. }), "spawned" | "exists") => {}
@@ -229,4 +344,168 @@ fn region_creator_killed_at_any_observed_point_leaves_no_file() {
         drop(res);
         g.assert_gone();
     }
+}
+
+// ---- multi-file regions: a kill at every step of every rank ----
+
+#[test]
+fn region_multi_creator_killed_at_each_step_leaves_no_file() {
+    child_dispatch!();
+    let test = "region_multi_creator_killed_at_each_step_leaves_no_file";
+    // Before READY the survivor waits for the creator to initialise; after
+    // it, for the creator's bit (set only once it reserved its files).
+    for (step, phase, files) in [
+        ("HeaderCreated", JoinPhase::CreatorToInitialise, 1),
+        ("DataFileCreated0", JoinPhase::CreatorToInitialise, 2),
+        ("DataFileCreated2", JoinPhase::CreatorToInitialise, 4),
+        ("Ready", JoinPhase::RanksToMap, 5),
+        ("Reserving", JoinPhase::RanksToMap, 5),
+        ("Reserved", JoinPhase::RanksToMap, 5),
+    ] {
+        let g = ShmGuard::new(&step.to_lowercase());
+        let mut child = ChildGuard::spawn_piped(test, &format!("mcreate:{step}"), &g.name);
+        assert_eq!(child.read_line("at "), format!("at {step}"));
+        assert_eq!(g.files().len(), files, "{step}: {:?}", g.files());
+        assert_killed(child.kill9());
+        match Region::join(&g.name, mlayout(), 1, &mopts(Duration::from_millis(300))) {
+            Err(RegionError::JoinTimeout { phase: p, missing, .. }) if p == phase => {
+                if phase == JoinPhase::RanksToMap {
+                    assert_eq!(missing, vec![0], "{step}");
+                }
+            }
+            other => panic!("{step}: expected JoinTimeout({phase:?}), got {other:?}"),
+        }
+        g.assert_gone();
+    }
+}
+
+#[test]
+fn region_multi_joiner_killed_at_each_step_leaves_no_file() {
+    child_dispatch!();
+    let test = "region_multi_joiner_killed_at_each_step_leaves_no_file";
+    for step in ["FilesMapped", "Reserving", "Reserved", "Mapped"] {
+        let g = ShmGuard::new(&step.to_lowercase());
+        let mut creator = Region::create(&g.name, mlayout(), 0, &mopts(PATIENCE).wait_for_all(false)).unwrap();
+        assert_eq!(creator.mapped_ranks(), vec![0]);
+        let mut child = ChildGuard::spawn_piped(test, &format!("mjoin:{step}"), &g.name);
+        assert_eq!(child.read_line("at "), format!("at {step}"));
+        assert_killed(child.kill9());
+        match (step, creator.wait_all_mapped(Duration::from_millis(300))) {
+            // The joiner set the last bit and died before unlinking: the
+            // creator sees COMPLETE and unlinks.
+            ("Mapped", Ok(())) => assert_eq!(creator.mapped_ranks(), vec![0, 1]),
+            (_, Err(RegionError::JoinTimeout { phase: JoinPhase::RanksToMap, missing, .. })) if step != "Mapped" => {
+                assert_eq!(missing, vec![1], "{step}")
+            }
+            (_, other) => panic!("{step}: unexpected {other:?}"),
+        }
+        g.assert_gone();
+        drop(creator);
+        g.assert_gone();
+    }
+}
+
+#[test]
+fn region_multi_rank_killed_while_pinning_or_transferring_leaves_no_file() {
+    child_dispatch!();
+    let test = "region_multi_rank_killed_while_pinning_or_transferring_leaves_no_file";
+    for point in ["prefault", "registering", "pinned"] {
+        let g = ShmGuard::new(point);
+        let mut child = ChildGuard::spawn_piped(test, &format!("mpin:{point}"), &g.name);
+        let region = kvoffload::sync::Arc::new(Region::create(&g.name, mlayout(), 0, &mopts(PATIENCE)).unwrap());
+        // Every rank mapped: the files went before any pinning started.
+        g.assert_gone();
+        if point == "pinned" {
+            // Both ranks pin and agree; the child is killed afterwards, while
+            // it would be transferring.
+            let state = std::thread::scope(|s| {
+                let h = s.spawn(|| pin_agreed(&region, None));
+                assert_eq!(child.read_line("at "), "at pinned");
+                h.join().unwrap()
+            });
+            assert_eq!(state.unwrap(), PinState::Pinned);
+            assert_killed(child.kill9());
+        } else {
+            assert!(child.read_line("at ").starts_with("at chunk"));
+            assert_killed(child.kill9());
+            // The survivor's agreement sees the dead rank; it ends pageable.
+            match pin_agreed(&region, None) {
+                Err(AgreementError::RankDied { rank: 1 }) => {}
+                other => panic!("{point}: expected RankDied, got {other:?}"),
+            }
+        }
+        g.assert_gone();
+        drop(region);
+        g.assert_gone();
+    }
+}
+
+// ---- a file system that fills up while the ranks reserve ----
+
+/// In a private mount namespace: a 4 MiB tmpfs, a region of 2 ranks x 1 MiB
+/// that fits when it is created; a filler then takes most of what is left,
+/// so rank 1's reservation fails.
+fn full_tmpfs_child() {
+    let dir = std::env::temp_dir().join(format!("kvo-full-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let st = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "kvoffload-test"])
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(st.success(), "mount tmpfs: {st}");
+    let g = ShmGuard::in_dir("full", &dir);
+    let mib = 1 << 20;
+    let l = Layout::rank_major(2, page_size(), mib / page_size()).unwrap();
+    let o = mopts(Duration::from_secs(5)).dir(&dir).check_memory(false);
+    let mut creator = Region::create(&g.name, l, 0, &o.clone().wait_for_all(false)).unwrap();
+    assert_eq!(g.files().len(), 1 + 2 * (mib / (2 * page_size())));
+    // Rank 0's megabyte is reserved; about 3 MiB are left: take 2.5.
+    std::fs::write(dir.join("filler"), vec![1u8; 5 * mib / 2]).unwrap();
+    match Region::join(&g.name, l, 1, &o) {
+        Err(e @ RegionError::ShmFull { .. }) => {
+            let RegionError::ShmFull { ref path, needed, available } = e else { unreachable!() };
+            assert!(path.starts_with(&dir), "{}", path.display());
+            assert!(needed > available && needed <= mib as u64, "needed {needed}, available {available}");
+            let msg = e.to_string();
+            assert!(msg.contains(&needed.to_string()) && msg.contains(&available.to_string()), "{msg}");
+        }
+        other => panic!("expected ShmFull, got {other:?}"),
+    }
+    // The failing rank abandoned the region and removed every file.
+    g.assert_gone();
+    match creator.wait_all_mapped(Duration::from_secs(5)) {
+        Err(RegionError::Abandoned { mapped, .. }) => assert_eq!(mapped, vec![0]),
+        other => panic!("expected Abandoned, got {other:?}"),
+    }
+    drop(creator);
+    g.assert_gone();
+    std::fs::remove_file(dir.join("filler")).unwrap();
+    let _ = std::process::Command::new("umount").arg(&dir).status();
+    let _ = std::fs::remove_dir(&dir);
+    println!("full-tmpfs: ok");
+}
+
+#[test]
+fn region_multi_reserve_on_a_full_file_system_is_typed_and_leaves_no_file() {
+    if std::env::var_os("KVOFFLOAD_FULL_TMPFS_CHILD").is_some() {
+        return full_tmpfs_child();
+    }
+    // A tmpfs whose size the test sets needs a mount namespace of our own
+    // (root, or user namespaces): re-run this test inside one.
+    let ok = std::process::Command::new("unshare").args(["-m", "true"]).status().is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("SKIPPED: cannot make a private mount namespace here (unshare -m); the full-tmpfs case did not run");
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new("unshare")
+        .args(["-m", "--propagation", "private"])
+        .arg(exe)
+        .args(["region_multi_reserve_on_a_full_file_system_is_typed_and_leaves_no_file", "--exact", "--nocapture"])
+        .env("KVOFFLOAD_FULL_TMPFS_CHILD", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && text.contains("full-tmpfs: ok"), "child failed:\n{text}");
 }

@@ -8,8 +8,8 @@ mod region_common;
 use std::time::Duration;
 
 use kvoffload::region::{
-    fs_available, page_size, shm_path, JoinPhase, Layout, Region, RegionError, RegionKind, ShmOptions, DEFAULT_SHM_DIR,
-    SHM_PREFIX,
+    fs_available, page_size, shm_path, FileSplit, JoinPhase, Layout, Region, RegionError, RegionKind, ShmOptions,
+    DEFAULT_SHM_DIR, SHM_PREFIX,
 };
 use region_common::ShmGuard;
 
@@ -19,6 +19,14 @@ fn small(n: usize, rows: usize) -> Layout {
 
 fn opts(ms: u64) -> ShmOptions {
     ShmOptions::new().timeout(Duration::from_millis(ms))
+}
+
+/// Both ways of splitting a region into files: one file, and data files.
+const SPLITS: [FileSplit; 2] = [FileSplit::Single, FileSplit::Multi { max_file_bytes: 256 << 20 }];
+
+/// Header bytes of a multi-file region with few files: one page.
+fn multi_header() -> usize {
+    4096.max(page_size())
 }
 
 #[test]
@@ -170,7 +178,7 @@ fn region_joiner_unlinks_a_file_the_creator_never_initialised() {
     let l = small(2, 1);
     let f = std::fs::File::create(&g.path).unwrap();
     f.set_len((l.data_bytes() + 4096.max(page_size())) as u64).unwrap();
-    match Region::join(&g.name, l, 1, &opts(150)) {
+    match Region::join(&g.name, l, 1, &opts(150).files(FileSplit::Single)) {
         Err(RegionError::JoinTimeout { phase: JoinPhase::CreatorToInitialise, .. }) => {}
         other => panic!("expected JoinTimeout, got {other:?}"),
     }
@@ -178,57 +186,109 @@ fn region_joiner_unlinks_a_file_the_creator_never_initialised() {
 }
 
 #[test]
-fn region_header_mismatches_are_typed() {
-    let g = ShmGuard::new("mismatch");
+fn region_joiner_removes_the_data_files_of_a_creator_that_died_creating_them() {
+    // What a creator killed while creating data files leaves: the header
+    // (state Init) with data file 0 recorded in the table, data file 1
+    // created but not recorded yet (empty), and no file 2 yet. A file 3 of
+    // someone else (not empty, not recorded) must stay.
+    use std::os::unix::fs::MetadataExt;
+    let g = ShmGuard::new("diedcreating");
     let p = page_size();
-    // 2 ranks x 1 page x 2 rows; the creator does not wait for the others.
-    let creator = Region::create(&g.name, small(2, 2), 0, &opts(5000).wait_for_all(false).session(7)).unwrap();
-    assert!(g.listed());
-    // Different total size.
-    match Region::join(&g.name, small(2, 3), 1, &opts(200).session(7)) {
-        Err(RegionError::BadHeader { field: "file size", expected, found, .. }) => {
-            assert_eq!(found as usize, 4 * p + 4096.max(p));
-            assert_eq!(expected as usize, 6 * p + 4096.max(p));
+    let l = Layout::rank_major(2, p, 2).unwrap();
+    let split = FileSplit::Multi { max_file_bytes: p }; // 4 files of one page
+    std::fs::write(g.data_path(0), vec![0u8; p]).unwrap();
+    std::fs::File::create(g.data_path(1)).unwrap();
+    std::fs::write(g.data_path(3), b"someone else's").unwrap();
+    let ino0 = std::fs::metadata(g.data_path(0)).unwrap().ino();
+    let mut header = vec![0u8; multi_header()];
+    header[384..392].copy_from_slice(&ino0.to_ne_bytes()); // file table, entry 0
+    std::fs::write(&g.path, &header).unwrap();
+    match Region::join(&g.name, l, 1, &opts(150).files(split)) {
+        Err(RegionError::JoinTimeout { phase: JoinPhase::CreatorToInitialise, .. }) => {}
+        other => panic!("expected JoinTimeout, got {other:?}"),
+    }
+    let left = g.files();
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0].ends_with(".3"), "{left:?}");
+}
+
+#[test]
+fn region_header_mismatches_are_typed() {
+    for split in SPLITS {
+        let g = ShmGuard::new("mismatch");
+        let p = page_size();
+        let o = |ms| opts(ms).files(split);
+        // 2 ranks x 1 page x 2 rows; the creator does not wait for the others.
+        let creator = Region::create(&g.name, small(2, 2), 0, &o(5000).wait_for_all(false).session(7)).unwrap();
+        assert!(g.listed());
+        // Different total size: the one file's size, or the header's record
+        // (the header file alone has the same size).
+        match (Region::join(&g.name, small(2, 3), 1, &o(200).session(7)), split) {
+            (Err(RegionError::BadHeader { field: "file size", expected, found, .. }), FileSplit::Single) => {
+                assert_eq!(found as usize, 4 * p + 4096.max(p));
+                assert_eq!(expected as usize, 6 * p + 4096.max(p));
+            }
+            (Err(RegionError::BadHeader { field: "total_bytes", expected, found, .. }), FileSplit::Multi { .. }) => {
+                assert_eq!(found as usize, 4 * p + multi_header());
+                assert_eq!(expected as usize, 6 * p + multi_header());
+            }
+            (other, _) => panic!("{split:?}: expected BadHeader(file size / total_bytes), got {other:?}"),
         }
-        other => panic!("expected BadHeader(file size), got {other:?}"),
+        // Same total, other shape.
+        match Region::join(&g.name, small(4, 1), 1, &o(200).session(7)) {
+            Err(RegionError::BadHeader { field: "num_ranks", expected: 4, found: 2, .. }) => {}
+            other => panic!("{split:?}: expected BadHeader(num_ranks), got {other:?}"),
+        }
+        // Same sizes, other order.
+        if let FileSplit::Multi { .. } = split {
+            match Region::join(
+                &g.name,
+                small(2, 2).with_order(kvoffload::region::Order::RankMajor),
+                1,
+                &o(200).session(7),
+            ) {
+                Err(RegionError::BadHeader { field: "order", expected: 1, found: 0, .. }) => {}
+                other => panic!("expected BadHeader(order), got {other:?}"),
+            }
+        }
+        // Another launch's session.
+        match Region::join(&g.name, small(2, 2), 1, &o(200).session(8)) {
+            Err(RegionError::BadHeader { field: "session", expected: 8, found: 7, .. }) => {}
+            other => panic!("{split:?}: expected BadHeader(session), got {other:?}"),
+        }
+        // Rank 0 is the creator's.
+        match Region::join(&g.name, small(2, 2), 0, &o(200).session(7)) {
+            Err(RegionError::RankAlreadyMapped { rank: 0, .. }) => {}
+            other => panic!("{split:?}: expected RankAlreadyMapped, got {other:?}"),
+        }
+        // None of the refused joiners removed a file or broke the region.
+        assert!(g.listed());
+        assert_eq!(g.files().len(), if split == FileSplit::Single { 1 } else { 2 });
+        let joiner = Region::join(&g.name, small(2, 2), 1, &o(2000).session(7)).unwrap();
+        g.assert_gone();
+        drop((creator, joiner));
     }
-    // Same total, other shape.
-    match Region::join(&g.name, small(4, 1), 1, &opts(200).session(7)) {
-        Err(RegionError::BadHeader { field: "num_ranks", expected: 4, found: 2, .. }) => {}
-        other => panic!("expected BadHeader(num_ranks), got {other:?}"),
-    }
-    // Another launch's session.
-    match Region::join(&g.name, small(2, 2), 1, &opts(200).session(8)) {
-        Err(RegionError::BadHeader { field: "session", expected: 8, found: 7, .. }) => {}
-        other => panic!("expected BadHeader(session), got {other:?}"),
-    }
-    // Rank 0 is the creator's.
-    match Region::join(&g.name, small(2, 2), 0, &opts(200).session(7)) {
-        Err(RegionError::RankAlreadyMapped { rank: 0, .. }) => {}
-        other => panic!("expected RankAlreadyMapped, got {other:?}"),
-    }
-    // None of the refused joiners removed the file or broke the region.
-    assert!(g.listed());
-    assert_eq!(creator.mapped_ranks(), vec![0]);
-    let joiner = Region::join(&g.name, small(2, 2), 1, &opts(2000).session(7)).unwrap();
-    g.assert_gone();
-    drop((creator, joiner));
 }
 
 #[test]
 fn region_foreign_file_with_bad_magic_is_refused_and_left_alone() {
-    let g = ShmGuard::new("magic");
-    let l = small(1, 1);
-    let total = l.data_bytes() + 4096.max(page_size());
-    let mut bytes = vec![0u8; total];
-    bytes[..8].copy_from_slice(b"NOTOURS!");
-    bytes[64 + 4..64 + 8].copy_from_slice(&1u32.to_ne_bytes()); // join state READY
-    std::fs::write(&g.path, &bytes).unwrap();
-    match Region::join(&g.name, l, 0, &opts(200)) {
-        Err(RegionError::BadHeader { field: "magic", .. }) => {}
-        other => panic!("expected BadHeader(magic), got {other:?}"),
+    for split in SPLITS {
+        let g = ShmGuard::new("magic");
+        let l = small(1, 1);
+        let total = match split {
+            FileSplit::Single => l.data_bytes() + 4096.max(page_size()),
+            FileSplit::Multi { .. } => multi_header(),
+        };
+        let mut bytes = vec![0u8; total];
+        bytes[..8].copy_from_slice(b"NOTOURS!");
+        bytes[64 + 4..64 + 8].copy_from_slice(&1u32.to_ne_bytes()); // join state READY
+        std::fs::write(&g.path, &bytes).unwrap();
+        match Region::join(&g.name, l, 0, &opts(200).files(split)) {
+            Err(RegionError::BadHeader { field: "magic", .. }) => {}
+            other => panic!("{split:?}: expected BadHeader(magic), got {other:?}"),
+        }
+        assert!(g.listed(), "a joiner must not remove a file that is not a region");
     }
-    assert!(g.listed(), "a joiner must not remove a file that is not a region");
 }
 
 #[test]
@@ -282,11 +342,21 @@ fn region_wait_all_mapped_later() {
 fn region_huge_page_option_aligns_the_data_to_2mib() {
     let g = ShmGuard::new("huge");
     let l = Layout::new(1, 2 << 20, 1).unwrap();
-    let r = Region::create(&g.name, l, 0, &opts(1000).huge_pages(true)).unwrap();
+    let r = Region::create(&g.name, l, 0, &opts(1000).huge_pages(true).files(FileSplit::Single)).unwrap();
     g.assert_gone();
     let base = r.mapping_range().as_ptr() as usize;
     assert_eq!(r.as_ptr() as usize - base, 2 << 20);
     assert_eq!(r.mapping_range().len(), 4 << 20);
+    // Data files start at their offset 0: the header stays one page and the
+    // data area's address is 2 MiB aligned, with or without the option.
+    for huge in [true, false] {
+        let g = ShmGuard::new("huge-multi");
+        let r = Region::create(&g.name, l, 0, &opts(1000).huge_pages(huge)).unwrap();
+        g.assert_gone();
+        assert_eq!(r.as_ptr() as usize % (2 << 20), 0);
+        assert_eq!(r.as_ptr() as usize - r.mapping_range().as_ptr() as usize, multi_header());
+        assert_eq!(r.mapping_range().len(), (2 << 20) + multi_header());
+    }
 }
 
 #[test]
@@ -325,4 +395,179 @@ fn region_joiner_seeing_abandoned_unlinks_what_the_abandoner_left() {
     }
     left.assert_gone();
     drop(creator);
+}
+
+#[test]
+fn region_multi_file_rank_major_maps_contiguously_and_every_file_goes() {
+    let g = ShmGuard::new("multi");
+    let p = page_size();
+    let n = 2;
+    // Shares of 5 chunks of 2 pages, files of at most 2 chunks: 3 files a rank.
+    let l = Layout::rank_major(n, 2 * p, 5).unwrap();
+    let o = opts(10_000).files(FileSplit::Multi { max_file_bytes: 4 * p }).wait_for_all(true);
+    let mut regions: Vec<Region> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let (name, o) = (g.name.clone(), o.clone());
+                s.spawn(
+                    move || {
+                        if rank == 0 {
+                            Region::create(&name, l, 0, &o)
+                        } else {
+                            Region::join(&name, l, rank, &o)
+                        }
+                    },
+                )
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    });
+    g.assert_gone();
+    assert_eq!(regions[0].file_paths().len(), 1 + 6);
+    assert!(regions.iter().all(|r| !r.is_linked()));
+    for (rank, r) in regions.iter_mut().enumerate() {
+        assert_eq!(r.chunk_ptr(rank, 1).unwrap().as_ptr() as usize - r.as_ptr() as usize, rank * 10 * p + 2 * p);
+        for c in 0..5 {
+            r.own_chunk_mut(c).unwrap().fill((rank * 16 + c) as u8);
+        }
+    }
+    for r in &regions {
+        for rank in 0..n {
+            for c in 0..5 {
+                let mut buf = vec![0u8; 2 * p];
+                r.read_chunk(rank, c, 0, &mut buf).unwrap();
+                assert!(buf.iter().all(|b| *b == (rank * 16 + c) as u8), "rank {rank} chunk {c}");
+            }
+        }
+    }
+    // Each rank pins its own share: its files' first chunks first.
+    for (rank, r) in regions.iter().enumerate() {
+        let ranges = r.pin_ranges(2 * p).unwrap();
+        let base = r.as_ptr() as usize;
+        let got: Vec<(usize, usize, Option<usize>)> =
+            ranges.iter().map(|x| ((x.range.as_ptr() as usize - base) / p, x.range.len() / p, x.file)).collect();
+        let s = rank * 10;
+        let f = rank * 3;
+        let want = vec![
+            (s, 2, Some(f)),
+            (s + 4, 2, Some(f + 1)),
+            (s + 8, 2, Some(f + 2)),
+            (s + 2, 2, Some(f)),
+            (s + 6, 2, Some(f + 1)),
+        ];
+        assert_eq!(got, want, "rank {rank}");
+        let total: usize = ranges.iter().map(|x| x.range.len()).sum();
+        assert_eq!(total, l.bytes_per_rank());
+        assert!(matches!(r.pin_ranges(p), Err(RegionError::ChunkBoundBelowRow { .. })));
+    }
+    drop(regions);
+    g.assert_gone();
+}
+
+#[test]
+fn region_multi_file_stale_data_file_is_reported_and_force_replaces_it() {
+    let g = ShmGuard::new("stale-data");
+    let p = page_size();
+    let l = Layout::rank_major(1, p, 4).unwrap();
+    let o = opts(1000).files(FileSplit::Multi { max_file_bytes: 2 * p });
+    std::fs::write(g.data_path(1), b"left by a crashed run").unwrap();
+    match Region::create(&g.name, l, 0, &o) {
+        Err(RegionError::AlreadyExists { path }) => assert_eq!(path, g.data_path(1)),
+        other => panic!("expected AlreadyExists, got {other:?}"),
+    }
+    // The refused create removed what it had made, and only that.
+    assert_eq!(g.files(), vec![format!("{}.1", g.path.file_name().unwrap().to_str().unwrap())]);
+    let r = Region::create(&g.name, l, 0, &o.force(true)).unwrap();
+    g.assert_gone();
+    drop(r);
+}
+
+#[test]
+fn region_joiner_refuses_a_data_file_that_is_not_the_creators_and_leaves_it() {
+    let g = ShmGuard::new("swapped");
+    let p = page_size();
+    let l = Layout::rank_major(2, p, 2).unwrap();
+    let o = opts(3000).files(FileSplit::Multi { max_file_bytes: p }).wait_for_all(false);
+    let creator = Region::create(&g.name, l, 0, &o).unwrap();
+    // Someone replaces data file 2 (rank 1's first) with a file of the same size.
+    let other = g.dir.join(format!("{}-other", g.name));
+    std::fs::write(&other, vec![0u8; p]).unwrap();
+    std::fs::rename(&other, g.data_path(2)).unwrap();
+    match Region::join(&g.name, l, 1, &o) {
+        Err(RegionError::BadHeader { field: "data file inode", .. }) => {}
+        other => panic!("expected BadHeader(data file inode), got {other:?}"),
+    }
+    assert_eq!(g.files().len(), 5, "the refused joiner removed nothing");
+    drop(creator);
+    // The creator removes its own files; the replaced one is not its own.
+    let left = g.files();
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0].ends_with(".2"));
+}
+
+#[test]
+fn region_joiner_refuses_a_data_file_of_the_wrong_size_or_a_missing_one() {
+    let p = page_size();
+    let l = Layout::rank_major(2, p, 2).unwrap();
+    let o = opts(3000).files(FileSplit::Multi { max_file_bytes: p }).wait_for_all(false);
+    // Resized after the creator recorded it: the inode matches, the size not.
+    let g = ShmGuard::new("resized");
+    let creator = Region::create(&g.name, l, 0, &o).unwrap();
+    std::fs::OpenOptions::new().write(true).open(g.data_path(3)).unwrap().set_len(3 * p as u64).unwrap();
+    match Region::join(&g.name, l, 1, &o) {
+        Err(RegionError::BadHeader { field: "data file size", expected, found, .. }) => {
+            assert_eq!((expected, found), (p as u64, 3 * p as u64))
+        }
+        other => panic!("expected BadHeader(data file size), got {other:?}"),
+    }
+    assert_eq!(g.files().len(), 5, "the refused joiner removed nothing");
+    drop(creator);
+    g.assert_gone();
+    // Removed after the creator made it: the joiner says which, abandons
+    // the region and removes what it opened; the creator the rest.
+    let g = ShmGuard::new("missing");
+    let mut creator = Region::create(&g.name, l, 0, &o).unwrap();
+    std::fs::remove_file(g.data_path(1)).unwrap();
+    match Region::join(&g.name, l, 1, &o) {
+        Err(RegionError::FileMissing { path }) => assert_eq!(path, g.data_path(1)),
+        other => panic!("expected FileMissing, got {other:?}"),
+    }
+    match creator.wait_all_mapped(Duration::from_secs(2)) {
+        Err(RegionError::Abandoned { mapped, .. }) => assert_eq!(mapped, vec![0]),
+        other => panic!("expected Abandoned, got {other:?}"),
+    }
+    g.assert_gone();
+    drop(creator);
+}
+
+#[test]
+fn region_joiner_with_another_file_split_is_refused() {
+    let p = page_size();
+    let l = Layout::rank_major(2, p, 4).unwrap();
+    let g = ShmGuard::new("split");
+    let o = |bytes| opts(3000).files(FileSplit::Multi { max_file_bytes: bytes }).wait_for_all(false);
+    let creator = Region::create(&g.name, l, 0, &o(2 * p)).unwrap(); // 4 files of 2 pages
+    match Region::join(&g.name, l, 1, &o(p)) {
+        Err(RegionError::BadHeader { field: "num_files", expected: 8, found: 4, .. }) => {}
+        other => panic!("expected BadHeader(num_files), got {other:?}"),
+    }
+    // One file against data files: the header file's size differs.
+    match Region::join(&g.name, l, 1, &opts(300).files(FileSplit::Single)) {
+        Err(RegionError::BadHeader { field: "file size", .. }) => {}
+        other => panic!("expected BadHeader(file size), got {other:?}"),
+    }
+    assert_eq!(g.files().len(), 5);
+    drop(creator);
+    g.assert_gone();
+    // As many files, cut elsewhere: 3 + 1 pages against 2 + 2.
+    let g = ShmGuard::new("split-bytes");
+    let creator = Region::create(&g.name, l, 0, &o(3 * p)).unwrap();
+    match Region::join(&g.name, l, 1, &o(2 * p)) {
+        Err(RegionError::BadHeader { field: "file_bytes", expected, found, .. }) => {
+            assert_eq!((expected, found), (2 * p as u64, 3 * p as u64))
+        }
+        other => panic!("expected BadHeader(file_bytes), got {other:?}"),
+    }
+    drop(creator);
+    g.assert_gone();
 }

@@ -293,7 +293,13 @@ impl Offloader {
         let slot_bytes = block_bytes.div_ceil(page) * page;
         let ranks = opts.region.ranks();
         let rank = opts.region.rank();
-        let layout = Layout::new(ranks, slot_bytes, opts.host_blocks)?;
+        // Shared regions are rank-major: each rank's host blocks are
+        // contiguous (its own data files), so each rank reserves, pre-faults
+        // and registers only its share (`Region::pin_ranges`).
+        let layout = match &opts.region {
+            RegionSpec::Anonymous => Layout::new(1, slot_bytes, opts.host_blocks)?,
+            RegionSpec::Shared { .. } => Layout::rank_major(ranks, slot_bytes, opts.host_blocks)?,
+        };
         let region = match &opts.region {
             // Huge-page advice comes from the pin options (Prepared::new).
             RegionSpec::Anonymous => Region::anonymous(layout, &AnonOptions::new())?,
@@ -317,11 +323,11 @@ impl Offloader {
         };
         let prefault = prepared.prefault();
         let coord = prepared.coordinator().clone();
-        // This rank's host blocks: block `i` in row `i`, slot `rank`.
+        // This rank's host blocks: block `i` is the rank's chunk `i`.
         let host_base = region.chunk_ptr(rank, 0)?.as_ptr() as usize;
         let group =
             GroupSpec { tensors: kv.tensors.clone(), num_gpu_blocks: kv.gpu_blocks, num_host_blocks: opts.host_blocks };
-        let placement = HostPlacement::BlockStrided { stride: layout.row_bytes() };
+        let placement = HostPlacement::BlockStrided { stride: layout.chunk_stride() };
         let kv_layout = KvLayout::new(&[group], kv.block_factor, host_base, placement)?;
         let manager = BlockManager::new(ManagerConfig::new(opts.host_blocks, opts.eviction))?;
         // SAFETY: the host area is this rank's slots of `region`, which the

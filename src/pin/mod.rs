@@ -9,7 +9,8 @@
 //!   after chunk while the pre-faulter makes the next one resident; any
 //!   failure unregisters what was registered, last first, and leaves the
 //!   region pageable with a typed [`PageableReason`](crate::protocol::PageableReason).
-//! - `kvoffload bench pin` (the binary crate) measures it.
+//! - `kvoffload bench pin` (the binary crate) measures it; with `--shared`,
+//!   a shared region pinned by N rank processes.
 
 mod engine;
 pub mod memlock;
@@ -23,6 +24,8 @@ pub use options::{
     available_cores, HugePages, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT,
     MAX_THREADS, RECOMMENDED_MAX_CHUNK_BYTES,
 };
-pub use prefault::{thp_setting, PrefaultConfig, PrefaultError, PrefaultStats, Prefaulter, HUGE_PAGE_BYTES};
+pub use prefault::{
+    thp_setting, PlannedChunk, PrefaultConfig, PrefaultError, PrefaultStats, Prefaulter, HUGE_PAGE_BYTES,
+};
 pub use region_slots::RegionSlots;
 pub use setup::{prepare, Prepared};

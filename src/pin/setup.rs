@@ -7,8 +7,8 @@ use crate::sync::Arc;
 
 use super::engine::{pin_all, NoPrefault, PinHandle, Prefault};
 use super::memlock;
-use super::options::{HugePages, PinError, PinOptions, PrefaultMode};
-use super::prefault::{PrefaultConfig, Prefaulter};
+use super::options::{available_cores, HugePages, PinError, PinOptions, PrefaultMode};
+use super::prefault::{PlannedChunk, PrefaultConfig, Prefaulter};
 
 /// Everything pinning a region needs, made by [`Prepared::new`]: the
 /// coordinator with the region's row-aligned chunks, and the pre-faulter.
@@ -39,25 +39,33 @@ impl std::fmt::Debug for Prepared {
 }
 
 impl Prepared {
-    /// Validates `opts`, cuts the region's data area into runs of whole rows
-    /// of at most `opts.max_chunk_bytes` (the registration units), notes a
-    /// low RLIMIT_MEMLOCK in tracing, applies huge-page advice
-    /// ([`HugePages::Auto`]: anonymous regions only; a refusal is logged and
-    /// pinning goes on with base pages) and makes the pre-faulter.
+    /// Validates `opts`, cuts what this rank pins into registration units of
+    /// at most `opts.max_chunk_bytes` ([`Region::pin_ranges`]: the whole data
+    /// area in runs of whole rows, or with a multi-file rank-major shared
+    /// region only this rank's share), notes a low RLIMIT_MEMLOCK in
+    /// tracing, applies huge-page advice ([`HugePages::Auto`]: anonymous
+    /// regions only; a refusal is logged and pinning goes on with base
+    /// pages) and makes the pre-faulter (with the chunks' data files as its
+    /// plan for a multi-file region, [`Prefaulter::with_plan`]). For a shared
+    /// region the pre-fault threads are at most the cores divided by its
+    /// ranks (they all pin at once).
     ///
     /// Typed errors: [`PinError::ZeroSize`], [`PinError::TooLarge`] for the
     /// options, [`PinError::Region`] with
     /// [`RegionError::ChunkBoundBelowRow`](crate::region::RegionError::ChunkBoundBelowRow)
-    /// when the bound is below one row.
+    /// when the bound is below one row (one chunk when rank-major).
     pub fn new(region: &Arc<Region>, opts: &PinOptions) -> Result<Prepared, PinError> {
         opts.validate()?;
-        let spans = region.layout().row_aligned_chunks(opts.max_chunk_bytes)?;
-        let mut chunks = Vec::with_capacity(spans.len());
-        for span in spans {
-            let r = region.rows_raw(span.rows)?;
-            chunks.push((r.as_ptr() as usize, r.len()));
-        }
-        let bytes = region.len();
+        let ranges = region.pin_ranges(opts.max_chunk_bytes)?;
+        let chunks: Vec<(usize, usize)> = ranges.iter().map(|r| (r.range.as_ptr() as usize, r.range.len())).collect();
+        let plan: Vec<PlannedChunk> = ranges
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| {
+                r.file.map(|lane| PlannedChunk { chunk: i, addr: r.range.as_ptr() as usize, len: r.range.len(), lane })
+            })
+            .collect();
+        let bytes: usize = chunks.iter().map(|c| c.1).sum();
         let memlock_limit = memlock::note_limit(bytes as u64);
         let want_huge = match opts.huge_pages {
             HugePages::Auto => region.kind() == RegionKind::Anonymous,
@@ -73,28 +81,36 @@ impl Prepared {
                 }
             };
         let huge_pages = advised || region.huge_pages_advised();
+        // The ranks of a shared region pin at the same time on one node:
+        // each takes its share of the cores (measured that way on the H200,
+        // docs/gpu-runs/2026-11-30-shm-pin.md).
+        let threads = match region.kind() {
+            RegionKind::Shared => opts.threads.min((available_cores() / region.layout().num_ranks()).max(1)),
+            RegionKind::Anonymous => opts.threads,
+        };
         let prefaulter = match opts.prefault {
             PrefaultMode::Off => None,
             mode => {
-                let cfg = PrefaultConfig { threads: opts.threads, mode, huge_pages };
+                let cfg = PrefaultConfig { threads, mode, huge_pages };
                 // SAFETY: the pre-faulter only ever gets this region's chunks
-                // (the coordinator's ranges, from `pin_all`, which holds the
+                // (the plan and the coordinator's ranges, from `pin_all`,
+                // are both `pin_ranges` of this region; `pin_all` holds the
                 // coordinator, which holds the region); `pin_all` settles the
                 // pre-faulter before it publishes a final state, so no slice
                 // runs once pinning is over. The region's memory is
                 // read-write.
-                Some(Arc::new(unsafe { Prefaulter::new(cfg) }))
+                Some(Arc::new(unsafe { Prefaulter::with_plan(cfg, plan) }))
             }
         };
         let keep: crate::protocol::KeepAlive = Box::new(region.clone());
-        // SAFETY: the chunks are rows of `region`'s mapping (read-write),
+        // SAFETY: the chunks are `pin_ranges` of `region`'s mapping (read-write),
         // which stays mapped while the coordinator holds `keep`.
         let coord = unsafe { Coordinator::new(opts.policy, &chunks, Some(keep)) };
         tracing::info!(
             chunks = chunks.len(),
             bytes,
             max_chunk_bytes = opts.max_chunk_bytes,
-            threads = opts.threads,
+            threads,
             huge_pages,
             prefault = ?opts.prefault,
             populate_write = ?prefaulter.as_ref().and_then(|p| p.stats().populate_write),
@@ -132,7 +148,8 @@ impl Prepared {
         self.coord.chunk_count()
     }
 
-    /// Bytes to pin (the region's data area).
+    /// Bytes to pin: the region's data area, or this rank's share of it
+    /// ([`Region::pin_ranges`]).
     pub fn bytes(&self) -> usize {
         self.bytes
     }

@@ -1,6 +1,8 @@
 //! The anonymous region: private memory of one process.
 
 use memmap2::{MmapOptions, MmapRaw};
+
+use super::mapping::Mapping;
 use tracing::info;
 
 use super::error::RegionError;
@@ -33,7 +35,7 @@ impl Region {
         }
         let map = MmapOptions::new().len(len).map_anon().map_err(|e| RegionError::io("mmap", "<anonymous>", e))?;
         let mut region = Region {
-            map: MmapRaw::from(map),
+            map: Mapping::Raw(MmapRaw::from(map)),
             data_offset: 0,
             layout,
             rank,

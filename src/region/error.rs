@@ -108,6 +108,51 @@ pub enum RegionError {
         row_bytes: usize,
     },
 
+    /// A contiguous range asked of a layout whose order does not have one
+    /// (a row of a rank-major layout, a rank's share of a row-interleaved one).
+    #[error("{what} is not contiguous in a {order} layout of {num_ranks} ranks")]
+    NotContiguous {
+        /// What was asked for.
+        what: &'static str,
+        /// The layout's order.
+        order: &'static str,
+        /// Its number of ranks.
+        num_ranks: usize,
+    },
+
+    /// A shared region split into more data files than allowed.
+    #[error("the region would need {files} data files of at most {file_bytes} bytes; the limit is {limit} files (raise the file size)")]
+    TooManyFiles {
+        /// Data files the split needs.
+        files: usize,
+        /// Bytes per file asked for.
+        file_bytes: usize,
+        /// The most files a region may have ([`super::MAX_FILES`]).
+        limit: usize,
+    },
+
+    /// Reserving a data file's pages (`fallocate`) ran out of space: the
+    /// file system filled up after the capacity check (another process
+    /// wrote to it meanwhile). The region was abandoned and every file
+    /// removed.
+    #[error("{path}: no space to reserve {needed} bytes ({available} bytes free in its file system now); the region was abandoned and its files removed")]
+    ShmFull {
+        /// The data file being reserved.
+        path: PathBuf,
+        /// Bytes this rank still had to reserve when it failed.
+        needed: u64,
+        /// Bytes free for an unprivileged user right after the failure.
+        available: u64,
+    },
+
+    /// A data file that the header says exists could not be opened: another
+    /// rank abandoned the region and removed it, or something else did.
+    #[error("data file {path} of the region is missing (removed by another rank or process)")]
+    FileMissing {
+        /// The data file.
+        path: PathBuf,
+    },
+
     /// A region name that cannot be a single file name.
     #[error("bad region name {name:?}: {reason}")]
     BadName {

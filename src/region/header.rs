@@ -1,9 +1,13 @@
 //! The header at the start of a shared region file.
 //!
-//! The header occupies the first `header_bytes` of the file (one page, at
-//! least 4 KiB, or 2 MiB when huge pages were asked for so the data area
-//! starts on a huge-page boundary); the data area follows. Layout (native
-//! endianness; every rank runs on the same node):
+//! With [`FileSplit::Single`](super::FileSplit::Single) the header occupies
+//! the first `header_bytes` of the one file (one page, at least 4 KiB, or
+//! 2 MiB when huge pages were asked for so the data area starts on a
+//! huge-page boundary); the data area follows. With
+//! [`FileSplit::Multi`](super::FileSplit::Multi) the header file holds the
+//! header alone (whole pages: the fixed part and the file table) and the
+//! data lives in the data files. Layout (native endianness; every rank runs
+//! on the same node):
 //!
 //! | offset | field          | type            | written by / when |
 //! |-------:|----------------|-----------------|-------------------|
@@ -19,9 +23,13 @@
 //! | 56     | `creator_pid`  | u32             | creator, before READY |
 //! | 60     | padding        | u32             | |
 //! | 64     | `join`         | atomic u64      | every rank, CAS |
-//! | 72     | reserved       | 7 x u64         | zero |
+//! | 72     | `order`        | u64             | creator, before READY (0 row-interleaved, 1 rank-major) |
+//! | 80     | `num_files`    | u64             | creator, before READY (0: one file) |
+//! | 88     | `file_bytes`   | u64             | creator, before READY (bytes per data file) |
+//! | 96     | reserved       | 4 x u64         | zero |
 //! | 128    | `rank_pids`    | 32 x atomic u32 | rank r, CAS 0 -> pid before it sets its bit |
 //! | 256    | `rank_slots`   | 32 x atomic u32 | reserved for the P7 agreement |
+//! | 384    | file table     | num_files x atomic u64 | creator: data file k's inode, stored right after it created the file and before it sizes it |
 //!
 //! `join` packs the whole join protocol into one word so that every
 //! transition is a single compare-and-swap: the low 32 bits are the mask of
@@ -52,8 +60,12 @@ pub const MAX_RANKS: usize = 32;
 /// `b"KVOFLREG"` read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KVOFLREG");
 
-/// Version of the header layout; bumped on any incompatible change.
-pub const VERSION: u32 = 1;
+/// Version of the header layout; bumped on any incompatible change
+/// (2: order, data files and the file table).
+pub const VERSION: u32 = 2;
+
+/// Offset of the file table (data files' inode numbers).
+pub(crate) const FILE_TABLE_OFFSET: usize = 384;
 
 /// Smallest header: one 4 KiB page (more on machines with larger pages).
 pub const MIN_HEADER_BYTES: usize = 4096;
@@ -79,7 +91,10 @@ pub(crate) struct Header {
     creator_pid: u32,
     _pad: u32,
     join: AtomicU64,
-    _reserved: [u64; 7],
+    order: u64,
+    num_files: u64,
+    file_bytes: u64,
+    _reserved: [u64; 4],
     rank_pids: [AtomicU32; MAX_RANKS],
     rank_slots: [AtomicU32; MAX_RANKS],
 }
@@ -96,9 +111,13 @@ const _: () = {
     assert!(offset_of!(Header, session) == 48);
     assert!(offset_of!(Header, creator_pid) == 56);
     assert!(offset_of!(Header, join) == 64);
+    assert!(offset_of!(Header, order) == 72);
+    assert!(offset_of!(Header, num_files) == 80);
+    assert!(offset_of!(Header, file_bytes) == 88);
     assert!(offset_of!(Header, rank_pids) == 128);
     assert!(offset_of!(Header, rank_slots) == 256);
     assert!(size_of::<Header>() == 384);
+    assert!(size_of::<Header>() == FILE_TABLE_OFFSET);
     assert!(size_of::<Header>() <= MIN_HEADER_BYTES);
     assert!(MAX_RANKS <= 32); // the mask is the low half of `join`
 };
@@ -116,6 +135,9 @@ pub(crate) struct Fields {
     pub creator_rank: u32,
     pub session: u64,
     pub creator_pid: u32,
+    pub order: u64,
+    pub num_files: u64,
+    pub file_bytes: u64,
 }
 
 /// Where the file is in its life.
@@ -192,16 +214,34 @@ pub(crate) fn full_mask(num_ranks: usize) -> u32 {
 #[derive(Clone, Copy)]
 pub(crate) struct Hdr<'a> {
     ptr: NonNull<Header>,
+    /// Entries of the file table that fit in the mapped header.
+    table: usize,
     _map: PhantomData<&'a ()>,
 }
 
 impl<'a> Hdr<'a> {
     /// # Safety
-    /// `base` must be the start of a mapping of at least
-    /// `size_of::<Header>()` bytes that stays mapped for `'a`; it is page
-    /// aligned, hence aligned for `Header`.
-    pub unsafe fn from_base(base: NonNull<u8>) -> Self {
-        Hdr { ptr: base.cast(), _map: PhantomData }
+    /// `base` must be the start of a mapping of at least `header_bytes`
+    /// (>= `size_of::<Header>()`) bytes that stays mapped for `'a`; it is
+    /// page aligned, hence aligned for `Header` and the file table.
+    pub unsafe fn from_base(base: NonNull<u8>, header_bytes: usize) -> Self {
+        debug_assert!(header_bytes >= size_of::<Header>());
+        Hdr { ptr: base.cast(), table: header_bytes.saturating_sub(FILE_TABLE_OFFSET) / 8, _map: PhantomData }
+    }
+
+    /// The file table: data file k's inode number (0: not created yet),
+    /// as many entries as the mapped header holds.
+    pub fn file_inodes(&self) -> &'a [AtomicU64] {
+        // SAFETY: the table starts at FILE_TABLE_OFFSET (8-byte aligned on a
+        // page-aligned base) and `table` entries fit inside the mapped
+        // header (constructor contract); the entries are only ever accessed
+        // atomically by every process; the mapping lives for 'a.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.ptr.as_ptr().cast::<u8>().add(FILE_TABLE_OFFSET).cast::<AtomicU64>(),
+                self.table,
+            )
+        }
     }
 
     /// Writes the immutable fields. Only the creator calls this, before it
@@ -223,6 +263,9 @@ impl<'a> Hdr<'a> {
             addr_of_mut!((*h).creator_rank).write_volatile(f.creator_rank);
             addr_of_mut!((*h).session).write_volatile(f.session);
             addr_of_mut!((*h).creator_pid).write_volatile(f.creator_pid);
+            addr_of_mut!((*h).order).write_volatile(f.order);
+            addr_of_mut!((*h).num_files).write_volatile(f.num_files);
+            addr_of_mut!((*h).file_bytes).write_volatile(f.file_bytes);
         }
     }
 
@@ -246,6 +289,9 @@ impl<'a> Hdr<'a> {
                 creator_rank: addr_of!((*h).creator_rank).read_volatile(),
                 session: addr_of!((*h).session).read_volatile(),
                 creator_pid: addr_of!((*h).creator_pid).read_volatile(),
+                order: addr_of!((*h).order).read_volatile(),
+                num_files: addr_of!((*h).num_files).read_volatile(),
+                file_bytes: addr_of!((*h).file_bytes).read_volatile(),
             }
         }
     }

@@ -1,10 +1,13 @@
 //! Per-rank layout of the region's data area and its offset arithmetic.
 //!
-//! The data area is a sequence of *rows*. Each row holds one slot per rank,
-//! each slot `chunk_bytes` long, so a row is `num_ranks * chunk_bytes`
-//! bytes. Rank `r`'s chunk `i` lives in row `i`, slot `r` (upstream's layout).
-//! A row is the natural registration unit ("row-aligned chunks"): every
-//! rank's pages stay whole when the region is registered row by row.
+//! Every rank owns `chunks_per_rank` chunks ("slots") of `chunk_bytes`.
+//! Two orders place them ([`Order`]):
+//!
+//! - **row-interleaved** ([`Layout::new`], upstream's layout): the data area
+//!   is a sequence of *rows*; each row holds one slot per rank, so a row is
+//!   `num_ranks * chunk_bytes` bytes and rank `r`'s chunk `i` lives in row
+//!   `i`, slot `r`. A row is the natural registration unit ("row-aligned
+//!   chunks") when every rank registers the whole region.
 //!
 //! ```text
 //!            slot 0      slot 1           slot R-1
@@ -12,6 +15,20 @@
 //! row 1   | r0 c1     | r1 c1     | ... | rR-1 c1     |
 //! ...
 //! ```
+//!
+//! - **rank-major** ([`Layout::rank_major`]): rank `r`'s chunks are
+//!   contiguous, its share [`Layout::rank_share`] is
+//!   `r * bytes_per_rank .. (r + 1) * bytes_per_rank`, and chunk `i` of
+//!   rank `r` starts at `r * bytes_per_rank + i * chunk_bytes`. A rank then
+//!   pre-faults and registers only its own share (the bytes its GPU reads
+//!   and writes), which is what makes pinning a shared region scale with
+//!   the ranks. A "row" (chunk `i` of every rank) is not contiguous here, so
+//!   the row-range methods refuse rank-major layouts with more than one rank
+//!   ([`RegionError::NotContiguous`]).
+//!
+//! Code that walks one rank's chunks by address uses
+//! [`Layout::chunk_stride`] (the distance between a rank's consecutive
+//! chunks: `row_bytes` row-interleaved, `chunk_bytes` rank-major).
 //!
 //! All offsets here are relative to the start of the data area (the
 //! region's [`as_ptr`](super::Region::as_ptr)), never to the file.
@@ -24,7 +41,29 @@ use super::MAX_RANKS;
 
 type Result<T> = std::result::Result<T, RegionError>;
 
-/// The shape of the data area: how many ranks, rows and bytes per chunk.
+/// How the ranks' chunks are placed in the data area (see the module
+/// documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Order {
+    /// Rank `r`'s chunk `i` in row `i`, slot `r` (upstream's layout).
+    #[default]
+    RowInterleaved,
+    /// Rank `r`'s chunks contiguous: its share first, then rank `r + 1`'s.
+    RankMajor,
+}
+
+impl Order {
+    /// The code recorded in a shared region's header.
+    pub(crate) fn code(self) -> u64 {
+        match self {
+            Order::RowInterleaved => 0,
+            Order::RankMajor => 1,
+        }
+    }
+}
+
+/// The shape of the data area: how many ranks, rows and bytes per chunk,
+/// and their [`Order`].
 ///
 /// Every constructor validates the sizes: nothing zero, `chunk_bytes` a
 /// multiple of the page size (so every chunk, every rank's slot and every
@@ -36,6 +75,7 @@ pub struct Layout {
     num_rows: usize,
     row_bytes: usize,
     data_bytes: usize,
+    order: Order,
 }
 
 /// Where a byte offset of the data area falls.
@@ -84,6 +124,20 @@ impl Layout {
         Self::new(num_ranks, chunk_bytes, bytes_per_rank / chunk_bytes)
     }
 
+    /// A rank-major layout ([`Order::RankMajor`]): `num_ranks` shares of
+    /// `chunks_per_rank` chunks of `chunk_bytes` (a multiple of the page
+    /// size), rank `r`'s share contiguous. Same sizes and checks as
+    /// [`Layout::new`]; only the placement differs.
+    pub fn rank_major(num_ranks: usize, chunk_bytes: usize, chunks_per_rank: usize) -> Result<Self> {
+        Ok(Self::new(num_ranks, chunk_bytes, chunks_per_rank)?.with_order(Order::RankMajor))
+    }
+
+    /// The same sizes placed in `order`.
+    pub fn with_order(mut self, order: Order) -> Self {
+        self.order = order;
+        self
+    }
+
     /// Like [`Layout::new`] with an explicit chunk alignment instead of the
     /// page size (a power of two). Regions are always built from page-aligned
     /// layouts; this exists for arithmetic that is not tied to the machine.
@@ -126,7 +180,49 @@ impl Layout {
                 detail: format!("{data_bytes} bytes exceeds isize::MAX"),
             });
         }
-        Ok(Layout { num_ranks, chunk_bytes, num_rows, row_bytes, data_bytes })
+        Ok(Layout { num_ranks, chunk_bytes, num_rows, row_bytes, data_bytes, order: Order::RowInterleaved })
+    }
+
+    /// How the chunks are placed.
+    pub fn order(&self) -> Order {
+        self.order
+    }
+
+    /// Distance in bytes between a rank's chunk `i` and chunk `i + 1`:
+    /// `row_bytes` row-interleaved, `chunk_bytes` rank-major.
+    pub fn chunk_stride(&self) -> usize {
+        match self.order {
+            Order::RowInterleaved => self.row_bytes,
+            Order::RankMajor => self.chunk_bytes,
+        }
+    }
+
+    /// Rank `rank`'s share as one contiguous byte range, when it is one:
+    /// always in a rank-major layout, and in a row-interleaved layout of one
+    /// rank (the whole area). Fails with [`RegionError::NotContiguous`]
+    /// otherwise.
+    pub fn rank_share(&self, rank: usize) -> Result<Range<usize>> {
+        self.check_rank(rank)?;
+        match self.order {
+            Order::RankMajor => {
+                let b = self.bytes_per_rank();
+                Ok(rank * b..(rank + 1) * b)
+            }
+            Order::RowInterleaved if self.num_ranks == 1 => Ok(0..self.data_bytes),
+            Order::RowInterleaved => Err(RegionError::NotContiguous {
+                what: "a rank's share",
+                order: "row-interleaved",
+                num_ranks: self.num_ranks,
+            }),
+        }
+    }
+
+    /// Whether rows are contiguous (row-interleaved, or a single rank).
+    fn rows_contiguous(&self) -> Result<()> {
+        if self.order == Order::RankMajor && self.num_ranks > 1 {
+            return Err(RegionError::NotContiguous { what: "a row", order: "rank-major", num_ranks: self.num_ranks });
+        }
+        Ok(())
     }
 
     /// Number of ranks (slots per row).
@@ -183,12 +279,21 @@ impl Layout {
         }
     }
 
-    /// Offset of rank `rank`'s chunk `chunk`: `chunk * row_bytes + rank * chunk_bytes`.
+    /// Offset of rank `rank`'s chunk `chunk`: `chunk * row_bytes + rank *
+    /// chunk_bytes` row-interleaved, `rank * bytes_per_rank + chunk *
+    /// chunk_bytes` rank-major.
     pub fn rank_chunk_offset(&self, rank: usize, chunk: usize) -> Result<usize> {
         self.check_rank(rank)?;
         self.check_row(chunk)?;
         // Both indices are in range, so the result is below data_bytes.
-        Ok(chunk * self.row_bytes + rank * self.chunk_bytes)
+        Ok(self.offset_unchecked(rank, chunk))
+    }
+
+    fn offset_unchecked(&self, rank: usize, chunk: usize) -> usize {
+        match self.order {
+            Order::RowInterleaved => chunk * self.row_bytes + rank * self.chunk_bytes,
+            Order::RankMajor => rank * self.bytes_per_rank() + chunk * self.chunk_bytes,
+        }
     }
 
     /// Byte range of rank `rank`'s chunk `chunk`.
@@ -197,18 +302,23 @@ impl Layout {
         Ok(start..start + self.chunk_bytes)
     }
 
-    /// Byte range of row `row` (all ranks' chunk `row`).
+    /// Byte range of row `row` (all ranks' chunk `row`). Rank-major layouts
+    /// of several ranks have no contiguous rows ([`RegionError::NotContiguous`]).
     pub fn row_range(&self, row: usize) -> Result<Range<usize>> {
         self.check_row(row)?;
+        self.rows_contiguous()?;
         let start = row * self.row_bytes;
         Ok(start..start + self.row_bytes)
     }
 
-    /// Byte range of the rows `rows` (may be empty; must lie within the layout).
+    /// Byte range of the rows `rows` (may be empty; must lie within the
+    /// layout). Rank-major layouts of several ranks have no contiguous rows
+    /// ([`RegionError::NotContiguous`]).
     pub fn rows_range(&self, rows: Range<usize>) -> Result<Range<usize>> {
         if rows.start > rows.end || rows.end > self.num_rows {
             return Err(RegionError::RangeOutOfBounds { start: rows.start, end: rows.end, limit: self.num_rows });
         }
+        self.rows_contiguous()?;
         Ok(rows.start * self.row_bytes..rows.end * self.row_bytes)
     }
 
@@ -221,9 +331,22 @@ impl Layout {
                 limit: self.data_bytes,
             });
         }
-        let row = offset / self.row_bytes;
-        let in_row = offset % self.row_bytes;
-        Ok(Location { row, rank: in_row / self.chunk_bytes, offset_in_chunk: in_row % self.chunk_bytes })
+        match self.order {
+            Order::RowInterleaved => {
+                let row = offset / self.row_bytes;
+                let in_row = offset % self.row_bytes;
+                Ok(Location { row, rank: in_row / self.chunk_bytes, offset_in_chunk: in_row % self.chunk_bytes })
+            }
+            Order::RankMajor => {
+                let per_rank = self.bytes_per_rank();
+                let in_share = offset % per_rank;
+                Ok(Location {
+                    row: in_share / self.chunk_bytes,
+                    rank: offset / per_rank,
+                    offset_in_chunk: in_share % self.chunk_bytes,
+                })
+            }
+        }
     }
 
     /// The view of one rank's chunks.
@@ -234,8 +357,11 @@ impl Layout {
 
     /// Splits the data area into runs of whole rows of at most `max_bytes`
     /// each (the last run may be shorter): the units a pinning engine
-    /// registers one at a time. Fails if `max_bytes` is below one row.
+    /// registers one at a time. Fails if `max_bytes` is below one row, or
+    /// for a rank-major layout of several ranks (no contiguous rows; use
+    /// [`Region::pin_ranges`](super::Region::pin_ranges)).
     pub fn row_aligned_chunks(&self, max_bytes: usize) -> Result<RowChunks> {
+        self.rows_contiguous()?;
         if max_bytes < self.row_bytes {
             return Err(RegionError::ChunkBoundBelowRow { max_bytes, row_bytes: self.row_bytes });
         }
@@ -283,9 +409,9 @@ impl RankView {
 
     /// Byte ranges of all of this rank's chunks, in chunk order.
     pub fn chunks(&self) -> impl ExactSizeIterator<Item = Range<usize>> + '_ {
-        let (rb, cb, r) = (self.layout.row_bytes, self.layout.chunk_bytes, self.rank);
+        let (l, cb, r) = (self.layout, self.layout.chunk_bytes, self.rank);
         (0..self.layout.num_rows).map(move |i| {
-            let s = i * rb + r * cb;
+            let s = l.offset_unchecked(r, i);
             s..s + cb
         })
     }

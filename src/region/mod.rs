@@ -2,18 +2,25 @@
 //!
 //! Two kinds, one type ([`Region`]):
 //! - **anonymous** ([`Region::anonymous`]): private memory of one process;
-//! - **shared** ([`Region::create`] / [`Region::join`]): a file
-//!   `/dev/shm/kvoffload-<name>` that the ranks of one node map together.
-//!   The creator makes it with `O_EXCL` after checking /dev/shm's free space
-//!   and `MemAvailable`; joiners wait (with a deadline) until it is sized
-//!   and initialised; the file is unlinked as soon as every rank has mapped
-//!   it, and no rank killed at any point leaves it behind once the survivors
-//!   return (see [`shm`] for the protocol and the argument).
+//! - **shared** ([`Region::create`] / [`Region::join`]): files under
+//!   /dev/shm that the ranks of one node map together: the header file
+//!   `kvoffload-<name>` and, by default ([`FileSplit::Multi`]), data files
+//!   `kvoffload-<name>.<k>` mapped back to back behind it in one reserved
+//!   address range (or one file holding both, [`FileSplit::Single`]). The
+//!   creator makes them with `O_EXCL` after checking /dev/shm's free space
+//!   and `MemAvailable`; joiners wait (with a deadline) until they are
+//!   sized and initialised; each rank reserves its own data files; the files
+//!   are unlinked as soon as every rank has mapped them, and no rank killed
+//!   at any point leaves one behind once the survivors return (see [`shm`]
+//!   for the protocol and the argument).
 //!
 //! Both kinds share the per-rank [`Layout`]: rows of `num_ranks` slots of
-//! `chunk_bytes`, rank `r`'s chunk `i` at row `i`, slot `r`. Offsets are
-//! relative to the data area, which starts at [`Region::as_ptr`]; a shared
-//! file also carries a header page before it ([`header`]).
+//! `chunk_bytes` (rank `r`'s chunk `i` at row `i`, slot `r`), or rank-major
+//! (rank `r`'s chunks contiguous, [`Layout::rank_major`]). Offsets are
+//! relative to the data area, which starts at [`Region::as_ptr`] and is
+//! contiguous whatever the files; a shared region also carries a header
+//! before it ([`header`]). [`Region::pin_ranges`] says what this rank
+//! registers: with a multi-file rank-major region only its own share.
 //!
 //! Memory of a region is written by DMA and by other processes, outside
 //! Rust's view, so the main interface is raw: [`Region::as_ptr`],
@@ -23,12 +30,16 @@
 //!
 //! This layer uses no in-process synchronisation; the only atomics are the
 //! cross-process words of the shared header (`core::sync::atomic`, see
-//! [`header`]). It builds unchanged under `--cfg loom`.
+//! [`header`]), and the only threads reserve a rank's data files and are
+//! joined before `create`/`join` returns. It builds unchanged under
+//! `--cfg loom`.
 
 mod anon;
 pub mod error;
+mod files;
 pub mod header;
 pub mod layout;
+mod mapping;
 pub mod options;
 pub mod pages;
 pub mod shm;
@@ -39,12 +50,12 @@ use std::ops::Range;
 use std::path::Path;
 use std::ptr::NonNull;
 
-use memmap2::{Advice, MmapRaw};
+use mapping::Mapping;
 
 pub use error::{JoinPhase, RegionError};
 pub use header::MAX_RANKS;
-pub use layout::{Layout, Location, RankView, RowChunks, RowSpan};
-pub use options::{AnonOptions, ShmOptions};
+pub use layout::{Layout, Location, Order, RankView, RowChunks, RowSpan};
+pub use options::{AnonOptions, FileSplit, ShmObserver, ShmOptions, ShmStep, DEFAULT_FILE_BYTES, MAX_FILES};
 pub use shm::shm_path;
 pub use sys::{fs_available, mem_available, page_size};
 
@@ -68,7 +79,7 @@ pub enum RegionKind {
 #[derive(Debug)]
 enum Kind {
     Anonymous,
-    Shared(shm::Shared),
+    Shared(Box<shm::Shared>),
 }
 
 /// A raw address range inside a region's mapping: what a pinning engine
@@ -119,6 +130,19 @@ impl RawRange {
     }
 }
 
+/// Registration units per data file, at least ([`Region::pin_ranges`]).
+pub const UNITS_PER_FILE: usize = 4;
+
+/// One registration unit of what this rank pins ([`Region::pin_ranges`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PinRange {
+    /// The bytes to register (page aligned, whole chunks or whole rows).
+    pub range: RawRange,
+    /// The data file the bytes lie in, for a multi-file shared region
+    /// (pre-faulting spreads its workers over files); `None` otherwise.
+    pub file: Option<usize>,
+}
+
 /// A mapped host region: anonymous or a shared /dev/shm file. See the
 /// module documentation.
 ///
@@ -126,7 +150,7 @@ impl RawRange {
 /// first abandoned (ranks that have not joined yet fail) and unlinked.
 #[derive(Debug)]
 pub struct Region {
-    map: MmapRaw,
+    map: Mapping,
     /// Offset of the data area in the mapping (the header size; 0 when anonymous).
     data_offset: usize,
     layout: Layout,
@@ -162,11 +186,12 @@ impl Region {
         }
     }
 
-    /// Whether this rank still believes the shared file is linked (false
-    /// for anonymous regions and once the file was seen removed).
+    /// Whether this rank still believes some file of the shared region is
+    /// linked (false for anonymous regions and once the files were seen
+    /// removed).
     pub fn is_linked(&self) -> bool {
         match &self.kind {
-            Kind::Shared(s) => s.linked,
+            Kind::Shared(s) => s.linked(),
             Kind::Anonymous => false,
         }
     }
@@ -226,6 +251,78 @@ impl Region {
     /// The raw range of rows `rows` (a registration unit).
     pub fn rows_raw(&self, rows: Range<usize>) -> Result<RawRange> {
         self.raw_subrange(self.layout.rows_range(rows)?)
+    }
+
+    /// What this rank registers, cut into units of at most `max_bytes`, in
+    /// the order to register them:
+    ///
+    /// With data files a unit is also at most a quarter of a file
+    /// ([`UNITS_PER_FILE`]): the first registration waits for the first unit
+    /// of a file to be faulted by one worker, so smaller units start the
+    /// registrations sooner (H200, 16 GiB, one rank: 22.4 GB/s with 64 MiB
+    /// units against 18.0 with 256 MiB, docs/gpu-runs/2026-11-30-shm-pin.md).
+    ///
+    /// - a multi-file shared region, rank-major layout: this rank's share
+    ///   alone (the slots its GPU reads and writes), its own data files cut
+    ///   into whole chunks, the files' first units first (unit 0 of every
+    ///   file, then unit 1, ...), so pre-fault workers that each take a
+    ///   file of their own finish units in the order they are registered;
+    /// - a multi-file shared region, row-interleaved layout: the whole data
+    ///   area (every rank's slots interleave), cut into whole rows per file
+    ///   and ordered the same way, starting at file `rank * files / ranks`,
+    ///   so that the ranks fault different files first;
+    /// - a one-file shared region: this rank's share in a rank-major layout,
+    ///   the whole area in runs of whole rows otherwise (as
+    ///   [`Layout::row_aligned_chunks`]);
+    /// - an anonymous region: the whole area (one process drives every
+    ///   rank's slots), in runs of whole rows, or of whole chunks when rank-major.
+    ///
+    /// Fails with [`RegionError::ChunkBoundBelowRow`] when `max_bytes` is
+    /// below one unit (a row, or a chunk in a rank-major layout).
+    pub fn pin_ranges(&self, max_bytes: usize) -> Result<Vec<PinRange>> {
+        let l = &self.layout;
+        let unit = match l.order() {
+            Order::RowInterleaved => l.row_bytes(),
+            Order::RankMajor => l.chunk_bytes(),
+        };
+        if max_bytes < unit {
+            return Err(RegionError::ChunkBoundBelowRow { max_bytes, row_bytes: unit });
+        }
+        let files = self.data_files();
+        let mut per = max_bytes / unit * unit;
+        if let Some(longest) = files.iter().map(|f| f.0.len()).max() {
+            // A quarter of a file at most (whole units, at least one).
+            per = per.min((longest / UNITS_PER_FILE / unit).max(1) * unit);
+        }
+        let cut = |r: Range<usize>| -> Vec<Range<usize>> {
+            (r.start..r.end).step_by(per).map(|s| s..(s + per).min(r.end)).collect()
+        };
+        let mut out: Vec<(Range<usize>, Option<usize>)> = Vec::new();
+        if files.is_empty() {
+            let whole = match (self.kind(), l.order()) {
+                (RegionKind::Shared, Order::RankMajor) => l.rank_share(self.rank)?,
+                _ => 0..l.data_bytes(),
+            };
+            out.extend(cut(whole).into_iter().map(|r| (r, None)));
+        } else {
+            let mut mine: Vec<usize> = match l.order() {
+                Order::RankMajor => (0..files.len()).filter(|&k| files[k].1 == self.rank).collect(),
+                Order::RowInterleaved => (0..files.len()).collect(),
+            };
+            if l.order() == Order::RowInterleaved {
+                mine.rotate_left(self.rank * files.len() / l.num_ranks());
+            }
+            let pieces: Vec<Vec<Range<usize>>> = mine.iter().map(|&k| cut(files[k].0.clone())).collect();
+            let rounds = pieces.iter().map(Vec::len).max().unwrap_or(0);
+            for j in 0..rounds {
+                for (i, p) in pieces.iter().enumerate() {
+                    if let Some(r) = p.get(j) {
+                        out.push((r.clone(), Some(mine[i])));
+                    }
+                }
+            }
+        }
+        out.into_iter().map(|(r, file)| Ok(PinRange { range: self.raw_subrange(r)?, file })).collect()
     }
 
     /// Pointer to rank `rank`'s chunk `chunk`.
@@ -345,7 +442,7 @@ impl Region {
     /// the tmpfs mount's `huge=` option (and a 2 MiB-aligned data area, see
     /// [`ShmOptions::huge_pages`]).
     pub fn advise_huge_pages(&self) -> Result<()> {
-        self.advise_data(Advice::HugePage).map_err(|e| self.io_err("madvise(MADV_HUGEPAGE)", e))
+        self.advise_data_huge().map_err(|e| self.io_err("madvise(MADV_HUGEPAGE)", e))
     }
 
     fn data_ptr(&self) -> NonNull<u8> {

@@ -3,6 +3,77 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::sync::StdArc;
+
+/// Default upper bound of one data file of a [`FileSplit::Multi`] region:
+/// 256 MiB. Small enough that a rank's share spans many files (pre-fault
+/// workers each fault their own file: one tmpfs file's page cache is what
+/// bounds faulting, docs/gpu-runs/2026-11-29-run7-pin-probe.md), large
+/// enough that a 1 TiB region stays within [`MAX_FILES`].
+pub const DEFAULT_FILE_BYTES: usize = 256 << 20;
+
+/// Most data files one region may have (each rank maps every file: one
+/// mapping each, and one open descriptor while joining).
+pub const MAX_FILES: usize = 4096;
+
+/// How a shared region's memory is split into files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileSplit {
+    /// One file, `kvoffload-<name>`: the header page, then the data area
+    /// (the original layout). Every page of the region goes through this one
+    /// file's page cache, which bounds pre-faulting at about 4-5 GB/s on the
+    /// H200 machine whatever the number of threads.
+    Single,
+    /// A header file `kvoffload-<name>` (the header alone) and data files
+    /// `kvoffload-<name>.<k>` of at most `max_file_bytes` each, mapped back to
+    /// back behind the header in one reserved address range, so the data
+    /// area is as contiguous as with [`FileSplit::Single`]. In a rank-major
+    /// layout each file holds whole chunks of one rank (each rank owns its
+    /// files: it reserves and pre-faults only those); in a row-interleaved
+    /// layout whole rows.
+    Multi {
+        /// Upper bound of one data file (rounded down to whole chunks or
+        /// rows; at least one).
+        max_file_bytes: usize,
+    },
+}
+
+impl Default for FileSplit {
+    fn default() -> Self {
+        FileSplit::Multi { max_file_bytes: DEFAULT_FILE_BYTES }
+    }
+}
+
+/// A step of creating or joining a shared region, reported to
+/// [`ShmOptions::observe`] as this rank passes it (for progress, tracing,
+/// and the tests that kill a rank at each step).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShmStep {
+    /// Creator: the header file exists, is sized and mapped; state `Init`.
+    HeaderCreated,
+    /// Creator: data file `file` exists under its name, its inode is in the
+    /// header, it is sized and mapped.
+    DataFileCreated {
+        /// Index of the data file.
+        file: usize,
+    },
+    /// Creator: the header is written and `Ready` published.
+    Ready,
+    /// Joiner: every data file is open, checked against the header and
+    /// mapped; the rank's pid is not claimed yet.
+    FilesMapped,
+    /// This rank is about to reserve (`fallocate`) the pages of its own
+    /// data files.
+    Reserving,
+    /// This rank's data files are reserved; its bit is not set yet.
+    Reserved,
+    /// This rank's bit is set (it has mapped the whole region).
+    Mapped,
+}
+
+/// A callback for [`ShmStep`]s.
+pub type ShmObserver = StdArc<dyn Fn(ShmStep) + Send + Sync>;
+
 /// Options of [`Region::anonymous`](super::Region::anonymous).
 #[derive(Debug, Clone)]
 pub struct AnonOptions {
@@ -42,7 +113,7 @@ impl AnonOptions {
 /// Options of [`Region::create`](super::Region::create) and
 /// [`Region::join`](super::Region::join). Creator and joiners must agree on
 /// `dir`, `huge_pages` (it sets the header size) and `session`.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ShmOptions {
     pub(crate) dir: PathBuf,
     pub(crate) timeout: Duration,
@@ -52,6 +123,29 @@ pub struct ShmOptions {
     pub(crate) huge_pages: bool,
     pub(crate) session: u64,
     pub(crate) mode: u32,
+    pub(crate) files: FileSplit,
+    pub(crate) reserve: bool,
+    pub(crate) threads: Option<usize>,
+    pub(crate) observer: Option<ShmObserver>,
+}
+
+impl std::fmt::Debug for ShmOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmOptions")
+            .field("dir", &self.dir)
+            .field("timeout", &self.timeout)
+            .field("wait_for_all", &self.wait_for_all)
+            .field("force", &self.force)
+            .field("check_memory", &self.check_memory)
+            .field("huge_pages", &self.huge_pages)
+            .field("session", &self.session)
+            .field("mode", &format_args!("{:o}", self.mode))
+            .field("files", &self.files)
+            .field("reserve", &self.reserve)
+            .field("threads", &self.threads)
+            .field("observer", &self.observer.is_some())
+            .finish()
+    }
 }
 
 impl Default for ShmOptions {
@@ -65,13 +159,19 @@ impl Default for ShmOptions {
             huge_pages: false,
             session: 0,
             mode: 0o600,
+            files: FileSplit::default(),
+            reserve: true,
+            threads: None,
+            observer: None,
         }
     }
 }
 
 impl ShmOptions {
     /// Defaults: `/dev/shm`, 60 s timeout, wait for every rank, no force,
-    /// MemAvailable checked, no huge pages, session 0, mode 0600.
+    /// MemAvailable checked, no huge pages, session 0, mode 0600, data files
+    /// of at most [`DEFAULT_FILE_BYTES`] ([`FileSplit::Multi`]), pages
+    /// reserved, reserve threads from the cores.
     pub fn new() -> Self {
         Self::default()
     }
@@ -138,5 +238,51 @@ impl ShmOptions {
     pub fn mode(mut self, mode: u32) -> Self {
         self.mode = mode;
         self
+    }
+
+    /// How the region is split into files (default [`FileSplit::Multi`] with
+    /// [`DEFAULT_FILE_BYTES`]; [`FileSplit::Single`] is the one-file layout).
+    /// Creator and joiners must agree ([`RegionError::BadHeader`](super::RegionError::BadHeader) otherwise).
+    pub fn files(mut self, split: FileSplit) -> Self {
+        self.files = split;
+        self
+    }
+
+    /// [`FileSplit::Multi`] only: reserve each rank's own data files with
+    /// `fallocate(2)` before the rank sets its bit (default on). The pages
+    /// are then allocated in the file system, so a file system that fills
+    /// up later cannot make a fault of the region fail (SIGBUS, or EFAULT
+    /// from pre-faulting), and one that fills up while reserving is
+    /// [`RegionError::ShmFull`](super::RegionError::ShmFull), the region
+    /// abandoned and every file removed. Reserving allocates the pages
+    /// without zeroing them (tmpfs zeroes on first access), so it moves part
+    /// of the faulting cost into creating or joining.
+    pub fn reserve(mut self, on: bool) -> Self {
+        self.reserve = on;
+        self
+    }
+
+    /// Threads that reserve a rank's data files (default: the cores this
+    /// process may use divided by the number of ranks, at least 1; never
+    /// more than the rank's files).
+    pub fn threads(mut self, n: usize) -> Self {
+        self.threads = Some(n.max(1));
+        self
+    }
+
+    /// Calls `f` at each [`ShmStep`] this rank passes, on the thread that
+    /// creates or joins. It runs inside the protocol: it must return, and
+    /// a rank that dies inside it is one more kill point the protocol
+    /// covers.
+    pub fn observe(mut self, f: impl Fn(ShmStep) + Send + Sync + 'static) -> Self {
+        self.observer = Some(StdArc::new(f));
+        self
+    }
+
+    pub(crate) fn step(&self, s: ShmStep) {
+        tracing::debug!(step = ?s, "shared region step");
+        if let Some(f) = &self.observer {
+            f(s);
+        }
     }
 }

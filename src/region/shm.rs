@@ -1,55 +1,108 @@
-//! The node-shared region: a file under /dev/shm mapped by every rank.
+//! The node-shared region: files under /dev/shm mapped by every rank.
+//!
+//! # Files
+//!
+//! [`FileSplit::Single`]: one file `kvoffload-<name>`, the header page and
+//! then the data area. [`FileSplit::Multi`] (the default): the header file
+//! `kvoffload-<name>` holds the header alone (with a table of the data
+//! files' inode numbers), and the data lives in data files
+//! `kvoffload-<name>.<k>`, each holding whole chunks of one rank
+//! (rank-major layout) or whole rows (row-interleaved), mapped back to back
+//! right behind the header in one reserved address range, so the data area
+//! is contiguous either way. Why several files: pre-faulting a tmpfs file
+//! is bound by that file's page cache (one file: 4-5 GB/s with 16 threads
+//! on the H200 machine; 16 files: 14 GB/s), and a rank that owns its files
+//! reserves and faults only those.
 //!
 //! # Protocol
 //!
-//! One rank creates the file with `O_CREAT | O_EXCL` (a stale file is
-//! reported, never reused), after checking that the file system and the
-//! machine's memory can hold it. It sizes the file, maps it, writes the
-//! header and publishes `Ready` with its own bit set. The other ranks open
-//! the file (waiting for it to appear), wait until it has its full size and
-//! the header is `Ready`, check the header against what they expect, and set
-//! their bit. The compare-and-swap that sets the last bit also moves the
-//! state to `Complete`. See [`super::header`] for the layout.
+//! One rank creates the header file with `O_CREAT | O_EXCL` (a stale file
+//! is reported, never reused), after checking that the file system and the
+//! machine's memory can hold the whole region. It sizes and maps it, then
+//! (multi-file) creates each data file with `O_EXCL`, records its inode in
+//! the header's file table, sizes and maps it. It writes the header and
+//! publishes `Ready`. The other ranks open the header file (waiting for it
+//! to appear), wait until it has its full size and the header is `Ready`,
+//! check the header against what they expect, open each data file and check
+//! its inode against the table and its size against the plan, and map it.
+//! Each rank then claims its pid word, reserves its own data files
+//! (`fallocate`, [`ShmOptions::reserve`], multi-file only) and sets its bit.
+//! With one file, or reserving off, the creator publishes `Ready` with its
+//! bit already set (nothing to reserve); otherwise it publishes `Ready`
+//! first, so every rank reserves its files at the same time, and sets its
+//! bit like the joiners. The compare-and-swap that sets the last bit also
+//! moves the state to `Complete`. See [`super::header`] for the layout.
 //!
 //! # Unlink once every rank has mapped
 //!
-//! Whoever observes `Complete` unlinks the file (all of them try; the first
-//! `unlink` wins and the rest see it gone), so the file disappears as soon
-//! as the last rank has mapped it even if the rank that completed the mask
-//! dies before it calls `unlink`. After that the memory lives on only in the
-//! ranks' mappings, and the kernel frees it when the last one unmaps or dies.
+//! Whoever observes `Complete` unlinks every file (all of them try; the
+//! first `unlink` wins and the rest see it gone; data files first, the
+//! header file last), so the files disappear as soon as the last rank has
+//! mapped them even if the rank that completed the mask dies before it
+//! calls `unlink`. After that the memory lives on only in the ranks'
+//! mappings, and the kernel frees it when the last one unmaps or dies.
+//! Pre-faulting, registering and transferring all happen after `Complete`
+//! (the region is returned only then, or, without
+//! [`ShmOptions::wait_for_all`], before it but still linked: see below),
+//! so a rank killed during them leaves no file: there is none left.
 //!
 //! # Kill safety
 //!
 //! A rank may be killed (SIGKILL) at any point. The survivors never wait
 //! without a deadline, and a survivor whose deadline passes moves the state
-//! to `Abandoned` (so no late rank can still join) and unlinks the file. A
-//! rank that sees `Abandoned` unlinks too (the abandoning rank may have died
-//! between its CAS and its unlink). Dropping a region that is still linked
-//! abandons and unlinks it. Hence, once every survivor has returned from
-//! `create`/`join` (or dropped its region), no file remains, whatever rank
-//! died when:
+//! to `Abandoned` (so no late rank can still join) and unlinks every file
+//! it knows. A rank that sees `Abandoned` unlinks too (the abandoning rank
+//! may have died between its CAS and its unlinks). Dropping a region that
+//! is still linked abandons and unlinks it. Hence, once every survivor has
+//! returned from `create`/`join` (or dropped its region), no file remains,
+//! whatever rank died when ([`ShmStep`] names the steps the tests kill at):
 //!
-//! - creator dies before creating the file: joiners time out on
+//! - creator dies before creating the header file: joiners time out on
 //!   [`JoinPhase::FileToAppear`]; there is no file.
-//! - creator dies after `open`, before `ftruncate`: joiners time out on
-//!   [`JoinPhase::FileToBeSized`] and unlink the empty file.
-//! - creator dies before publishing `Ready`: joiners time out on
-//!   [`JoinPhase::CreatorToInitialise`], abandon and unlink.
-//! - any rank dies before setting its bit: the others time out on
-//!   [`JoinPhase::RanksToMap`], abandon and unlink.
+//! - creator dies after `open`, before `ftruncate` of the header file:
+//!   joiners time out on [`JoinPhase::FileToBeSized`] and unlink the empty
+//!   file. No data file exists yet (they are created after the header file
+//!   is sized).
+//! - creator dies while creating data files (after
+//!   [`ShmStep::HeaderCreated`], between [`ShmStep::DataFileCreated`]s):
+//!   joiners time out on [`JoinPhase::CreatorToInitialise`], abandon, and
+//!   remove the header file and every data file the table names (path
+//!   still naming that inode), plus a data file whose inode is not in the
+//!   table yet if it is empty: the creator records the inode right after
+//!   `open(O_EXCL)` and before sizing the file, so an unrecorded file is
+//!   one it died between those two calls.
+//! - creator dies after writing the table, before publishing `Ready`: as
+//!   the previous case.
+//! - any rank dies after `Ready`, before setting its bit (while opening and
+//!   mapping the data files, or reserving its own, [`ShmStep::FilesMapped`],
+//!   [`ShmStep::Reserving`], [`ShmStep::Reserved`]; the creator included
+//!   when it reserves): the others time out on [`JoinPhase::RanksToMap`],
+//!   abandon and unlink every file (each of them has mapped all of them).
 //! - any rank dies after setting its bit: the mask still completes when the
 //!   others arrive, or they time out; either way they unlink.
+//! - any rank dies during pre-faulting, registering or transferring: the
+//!   files were unlinked at `Complete`, before any of those.
+//!
+//! A file system that fills up while a rank reserves its files (after the
+//! capacity check, when another process writes to it meanwhile) fails that
+//! rank with [`RegionError::ShmFull`]; it abandons the region and removes
+//! every file, and the others see [`RegionError::Abandoned`]. Once every
+//! rank has reserved its files, no fault of the region can fail for lack
+//! of space.
 //!
 //! Only if every rank dies does a file outlive them; the next creator then
 //! gets [`RegionError::AlreadyExists`] and may remove it with
-//! [`ShmOptions::force`].
+//! [`ShmOptions::force`] (which also removes stale data files as it meets
+//! them).
 //!
 //! Unlinking checks that the path still names the inode this rank mapped
 //! (device and inode numbers), so a rank never removes a newer file of the
 //! same name. A window remains between that check and `unlink(2)`, which
 //! matters only if a new run reuses the name while the old one is exiting;
-//! use unique names (or [`ShmOptions::session`]) per launch.
+//! use unique names (or [`ShmOptions::session`]) per launch. One more
+//! window: a creator slower than a joiner's whole timeout that creates a
+//! data file after that joiner gave up and cleaned up, and is killed before
+//! it checks the state again (it checks after every file), leaves that file.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -58,13 +111,15 @@ use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
-use memmap2::{Advice, MmapOptions, MmapRaw};
+use memmap2::{MmapOptions, MmapRaw};
 use tracing::{debug, info, warn};
 
 use super::error::{JoinPhase, RegionError};
+use super::files::{self, FilePlan};
 use super::header::{full_mask, Fields, Hdr, JoinState, JoinWord, HUGE_HEADER_BYTES, MAGIC, MIN_HEADER_BYTES, VERSION};
 use super::layout::Layout;
-use super::options::ShmOptions;
+use super::mapping::{Mapping, Pieces};
+use super::options::{FileSplit, ShmOptions, ShmStep};
 use super::sys::{self, Backoff};
 use super::{Kind, Region, SHM_PREFIX};
 
@@ -73,7 +128,8 @@ type Result<T> = std::result::Result<T, RegionError>;
 /// Longest accepted region name (the file name adds the prefix).
 pub const MAX_NAME_LEN: usize = 200;
 
-/// The path of region `name` in `dir`: `dir/kvoffload-<name>`.
+/// The path of region `name` in `dir`: `dir/kvoffload-<name>` (the header
+/// file; data files add `.<k>`).
 ///
 /// `name` must be non-empty, at most [`MAX_NAME_LEN`] bytes, and contain no
 /// `/` or NUL.
@@ -91,7 +147,7 @@ pub fn shm_path(dir: &Path, name: &str) -> Result<PathBuf> {
     Ok(dir.join(format!("{SHM_PREFIX}{name}")))
 }
 
-/// Bytes of the header for these options: one page (at least 4 KiB), or
+/// Bytes of the header of a one-file region: one page (at least 4 KiB), or
 /// 2 MiB with huge pages.
 pub(crate) fn header_bytes(huge_pages: bool) -> usize {
     if huge_pages {
@@ -101,49 +157,67 @@ pub(crate) fn header_bytes(huge_pages: bool) -> usize {
     }
 }
 
-/// Total file size for a layout: header plus data.
-pub(crate) fn total_bytes(layout: &Layout, huge_pages: bool) -> Result<usize> {
-    let h = header_bytes(huge_pages);
+/// What `opts` and `layout` make of a region: its data files (None: one
+/// file) and its header size.
+struct Shape {
+    plan: Option<FilePlan>,
+    header_bytes: usize,
+    /// Header plus data.
+    total: usize,
+}
+
+impl Shape {
+    fn of(layout: &Layout, opts: &ShmOptions) -> Result<Shape> {
+        let plan = files::plan(layout, opts.files)?;
+        let header_bytes = match &plan {
+            None => header_bytes(opts.huge_pages),
+            Some(p) => files::header_bytes(p.files.len()),
+        };
+        let total = total_bytes(layout, header_bytes)?;
+        Ok(Shape { plan, header_bytes, total })
+    }
+
+    /// Length of the header file: the whole region with one file, the
+    /// header alone with data files.
+    fn header_file_len(&self) -> usize {
+        if self.plan.is_some() {
+            self.header_bytes
+        } else {
+            self.total
+        }
+    }
+}
+
+/// Total size for a layout: header plus data.
+pub(crate) fn total_bytes(layout: &Layout, header_bytes: usize) -> Result<usize> {
+    let h = header_bytes;
     layout.data_bytes().checked_add(h).filter(|t| *t <= isize::MAX as usize).ok_or_else(|| RegionError::SizeOverflow {
         what: "region file size",
         detail: format!("{} data bytes + {h} header bytes", layout.data_bytes()),
     })
 }
 
-/// The shared-file side of a [`Region`].
+/// A file of the region this rank has open or mapped: its name and the
+/// inode it named, so that unlinking removes only that inode.
 #[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) path: PathBuf,
-    /// Kept open for the life of the region (fstat, mmap).
-    file: File,
+struct Linked {
+    path: PathBuf,
     dev: u64,
     ino: u64,
     /// False once this rank has seen the path gone or renamed to another
     /// inode, or unlinked it itself.
-    pub(crate) linked: bool,
-    pub(crate) timeout: Duration,
-    session: u64,
-    wait_for_all: bool,
+    linked: bool,
 }
 
-impl Shared {
-    fn new(path: PathBuf, file: File, opts: &ShmOptions) -> Result<Self> {
+impl Linked {
+    fn of(path: PathBuf, file: &File) -> Result<Linked> {
         let md = file.metadata().map_err(|e| RegionError::io("fstat", &path, e))?;
-        Ok(Shared {
-            path,
-            dev: md.dev(),
-            ino: md.ino(),
-            file,
-            linked: true,
-            timeout: opts.timeout,
-            session: opts.session,
-            wait_for_all: opts.wait_for_all,
-        })
+        Ok(Linked { path, dev: md.dev(), ino: md.ino(), linked: true })
     }
 
-    /// Unlinks the path if it still names this rank's inode. Returns
-    /// whether this call removed it.
-    pub(crate) fn unlink_if_ours(&mut self, why: &str) -> Result<bool> {
+    /// Unlinks the path if it still names this inode. Returns whether this
+    /// call removed it.
+    fn unlink_if_ours(&mut self, why: &str) -> Result<bool> {
         if !self.linked {
             return Ok(false);
         }
@@ -163,7 +237,7 @@ impl Shared {
         match std::fs::remove_file(&self.path) {
             Ok(()) => {
                 self.linked = false;
-                info!(path = %self.path.display(), why, "unlinked region file");
+                debug!(path = %self.path.display(), why, "unlinked region file");
                 Ok(true)
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -171,6 +245,96 @@ impl Shared {
                 Ok(false)
             }
             Err(e) => Err(RegionError::io("unlink", &self.path, e)),
+        }
+    }
+}
+
+/// A data file as this rank mapped it.
+#[derive(Debug)]
+struct DataFile {
+    link: Linked,
+    /// Its bytes of the data area.
+    bytes: std::ops::Range<usize>,
+    owner: usize,
+    /// Kept open until this rank has reserved it (own files only).
+    file: Option<File>,
+}
+
+/// The shared-file side of a [`Region`].
+#[derive(Debug)]
+pub(crate) struct Shared {
+    /// The header file's path (the region's name).
+    pub(crate) path: PathBuf,
+    /// The header file, kept open for the life of the region (fstat, mmap).
+    file: File,
+    header: Linked,
+    /// Data files in data-area order (empty with one file).
+    data: Vec<DataFile>,
+    /// Whether the plan has data files.
+    multi: bool,
+    pub(crate) timeout: Duration,
+    session: u64,
+    wait_for_all: bool,
+    opts: ShmOptions,
+}
+
+impl Shared {
+    fn new(path: PathBuf, file: File, opts: &ShmOptions, multi: bool) -> Result<Self> {
+        let header = Linked::of(path.clone(), &file)?;
+        Ok(Shared {
+            path,
+            file,
+            header,
+            data: Vec::new(),
+            multi,
+            timeout: opts.timeout,
+            session: opts.session,
+            wait_for_all: opts.wait_for_all,
+            opts: opts.clone(),
+        })
+    }
+
+    /// Whether this rank still believes some file of the region is linked.
+    pub(crate) fn linked(&self) -> bool {
+        self.header.linked || self.data.iter().any(|d| d.link.linked)
+    }
+
+    /// Unlinks every file of the region whose path still names the inode
+    /// this rank knows: data files first, the header file last (so a file
+    /// left by a rank dying midway always has its header beside it).
+    /// Returns whether this call removed any. Tries every file even after
+    /// an error, and returns the first error.
+    pub(crate) fn unlink_if_ours(&mut self, why: &str) -> Result<bool> {
+        let mut removed = false;
+        let mut first_err = None;
+        for d in &mut self.data {
+            match d.link.unlink_if_ours(why) {
+                Ok(r) => removed |= r,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match self.header.unlink_if_ours(why) {
+            Ok(r) => removed |= r,
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+        if removed {
+            info!(path = %self.path.display(), files = 1 + self.data.len(), why, "unlinked region files");
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(removed),
+        }
+    }
+
+    /// Marks every file as not ours to remove.
+    fn forget(&mut self) {
+        self.header.linked = false;
+        for d in &mut self.data {
+            d.link.linked = false;
         }
     }
 }
@@ -184,22 +348,24 @@ fn timeout_error(path: &Path, phase: JoinPhase, timeout: Duration, w: Option<Joi
 }
 
 impl Region {
-    /// Creates the node-shared region `name` (file `dir/kvoffload-<name>`)
-    /// as rank `rank` of `layout.num_ranks()`.
+    /// Creates the node-shared region `name` (header file
+    /// `dir/kvoffload-<name>`, data files `dir/kvoffload-<name>.<k>` unless
+    /// [`FileSplit::Single`]) as rank `rank` of `layout.num_ranks()`.
     ///
     /// Checks capacity first ([`RegionError::ShmTooSmall`],
-    /// [`RegionError::MemoryTooSmall`]), then creates the file with
+    /// [`RegionError::MemoryTooSmall`]), then creates every file with
     /// `O_EXCL` ([`RegionError::AlreadyExists`] unless
-    /// [`ShmOptions::force`]). With [`ShmOptions::wait_for_all`] (the
-    /// default) it returns once every rank has joined, the file already
-    /// unlinked; on timeout it abandons and unlinks the file and returns
-    /// [`RegionError::JoinTimeout`]. On any error no file is left.
+    /// [`ShmOptions::force`]) and reserves this rank's data files
+    /// ([`RegionError::ShmFull`]). With [`ShmOptions::wait_for_all`] (the
+    /// default) it returns once every rank has joined, the files already
+    /// unlinked; on timeout it abandons the region, unlinks the files and
+    /// returns [`RegionError::JoinTimeout`]. On any error no file is left.
     pub fn create(name: &str, layout: Layout, rank: usize, opts: &ShmOptions) -> Result<Region> {
         layout.check_rank(rank)?;
         let path = shm_path(&opts.dir, name)?;
         let started = Instant::now();
-        let hbytes = header_bytes(opts.huge_pages);
-        let total = total_bytes(&layout, opts.huge_pages)?;
+        let shape = Shape::of(&layout, opts)?;
+        let total = shape.total;
 
         // Capacity, before anything is written.
         let free = sys::fs_available(&opts.dir).map_err(|e| RegionError::io("statvfs", &opts.dir, e))?;
@@ -214,7 +380,7 @@ impl Region {
         }
 
         let file = open_exclusive(&path, opts)?;
-        let mut shared = match Shared::new(path.clone(), file, opts) {
+        let mut shared = match Shared::new(path.clone(), file, opts, shape.plan.is_some()) {
             Ok(s) => s,
             Err(e) => {
                 // fstat failed on the file we just created: remove it by
@@ -226,7 +392,7 @@ impl Region {
                 return Err(e);
             }
         };
-        let map = match size_and_map(&shared, total) {
+        let map = match size_and_map(&shared, &shape) {
             Ok(m) => m,
             Err(e) => {
                 // Nobody can have joined (no READY yet): remove the file.
@@ -236,14 +402,27 @@ impl Region {
                 return Err(e);
             }
         };
-        let mut region =
-            Region { map, data_offset: hbytes, layout, rank, huge_pages_advised: false, kind: Kind::Shared(shared) };
+        let mut region = Region {
+            map,
+            data_offset: shape.header_bytes,
+            layout,
+            rank,
+            huge_pages_advised: false,
+            kind: Kind::Shared(Box::new(shared)),
+        };
+        // From here on, dropping `region` on an error path abandons the
+        // region and unlinks every file it has created.
+        opts.step(ShmStep::HeaderCreated);
+        if let Some(plan) = &shape.plan {
+            region.create_data_files(plan, opts)?;
+        }
         if opts.huge_pages {
             region.huge_pages_advised = region.try_advise_huge_pages();
         }
         info!(
             path = %region.path_lossy(),
             bytes = total,
+            files = 1 + region.shared().data.len(),
             ranks = layout.num_ranks(),
             rank,
             "created shared region"
@@ -252,20 +431,70 @@ impl Region {
         Ok(region)
     }
 
+    /// Creator: creates, records, sizes and maps every data file.
+    fn create_data_files(&mut self, plan: &FilePlan, opts: &ShmOptions) -> Result<()> {
+        let Mapping::Pieces(pieces) = &self.map else { unreachable!("a multi-file region maps pieces") };
+        let hb = self.data_offset;
+        let mut made = Vec::with_capacity(plan.files.len());
+        for (k, spec) in plan.files.iter().enumerate() {
+            let path = files::data_path(&self.shared().path, k);
+            let file = match open_exclusive(&path, opts) {
+                Ok(f) => f,
+                Err(e) => {
+                    self.shared_mut().data.append(&mut made);
+                    return Err(e);
+                }
+            };
+            let link = match Linked::of(path.clone(), &file) {
+                Ok(l) => l,
+                Err(e) => {
+                    // As for the header: no inode to compare, remove by name.
+                    let _ = std::fs::remove_file(&path);
+                    self.shared_mut().data.append(&mut made);
+                    return Err(e);
+                }
+            };
+            // Record the inode before sizing (the kill argument relies on
+            // it: an unrecorded data file is always empty).
+            self.hdr().file_inodes()[k].store(link.ino, core::sync::atomic::Ordering::Release);
+            let len = spec.bytes.len();
+            let mapped = file.set_len(len as u64).map_err(|e| RegionError::io("ftruncate", &path, e)).and_then(|()| {
+                pieces.map_file(hb + spec.bytes.start, len, &file).map_err(|e| RegionError::io("mmap", &path, e))
+            });
+            let keep = (spec.owner == self.rank && opts.reserve).then_some(file);
+            made.push(DataFile { link, bytes: spec.bytes.clone(), owner: spec.owner, file: keep });
+            if let Err(e) = mapped {
+                self.shared_mut().data.append(&mut made);
+                return Err(e);
+            }
+            opts.step(ShmStep::DataFileCreated { file: k });
+            // A joiner that timed out meanwhile abandoned the region; stop
+            // creating files (each is one more to clean up).
+            if self.hdr().load().state == JoinState::Abandoned {
+                self.shared_mut().data.append(&mut made);
+                return Err(self.abandoned_error());
+            }
+        }
+        self.shared_mut().data = made;
+        Ok(())
+    }
+
     /// Joins the node-shared region `name` as rank `rank`.
     ///
-    /// Waits (up to [`ShmOptions::timeout`]) for the file to appear, to get
-    /// its full size and to be marked initialised; checks the header against
-    /// `layout` and `opts` ([`RegionError::BadHeader`]); sets this rank's
-    /// bit. With [`ShmOptions::wait_for_all`] it then waits for the other
-    /// ranks like [`Region::create`]. A timeout abandons and unlinks the file.
+    /// Waits (up to [`ShmOptions::timeout`]) for the header file to appear,
+    /// to get its full size and to be marked initialised; checks the header
+    /// against `layout` and `opts` ([`RegionError::BadHeader`]); opens,
+    /// checks and maps the data files; reserves this rank's own
+    /// ([`RegionError::ShmFull`]); sets this rank's bit. With
+    /// [`ShmOptions::wait_for_all`] it then waits for the other ranks like
+    /// [`Region::create`]. A timeout abandons the region and unlinks the files.
     pub fn join(name: &str, layout: Layout, rank: usize, opts: &ShmOptions) -> Result<Region> {
         layout.check_rank(rank)?;
         let path = shm_path(&opts.dir, name)?;
         let started = Instant::now();
         let n = layout.num_ranks();
-        let hbytes = header_bytes(opts.huge_pages);
-        let total = total_bytes(&layout, opts.huge_pages)?;
+        let shape = Shape::of(&layout, opts)?;
+        let file_len = shape.header_file_len();
         let mut backoff = Backoff::new(opts.timeout);
 
         // Phase 1: the file appears.
@@ -281,26 +510,27 @@ impl Region {
                 Err(e) => return Err(RegionError::io("open", &path, e)),
             }
         };
-        let mut shared = Shared::new(path, file, opts)?;
+        let mut shared = Shared::new(path, file, opts, shape.plan.is_some())?;
         debug!(path = %shared.path.display(), rank, "opened region file");
 
         // Phase 2: the creator sizes it.
         loop {
             let len = shared.file.metadata().map_err(|e| RegionError::io("fstat", &shared.path, e))?.len();
-            if len == total as u64 {
+            if len == file_len as u64 {
                 break;
             }
             if len != 0 {
                 return Err(RegionError::BadHeader {
                     path: shared.path.clone(),
                     field: "file size",
-                    expected: total as u64,
+                    expected: file_len as u64,
                     found: len,
                 });
             }
             if !backoff.wait() {
                 // The creator died between open and ftruncate (or is stuck):
-                // nobody else can clean this file up reliably, so we do.
+                // nobody else can clean this file up reliably, so we do. No
+                // data file exists yet: they are made after this size is set.
                 warn!(path = %shared.path.display(), "join timed out: region file never sized");
                 let e = timeout_error(&shared.path, JoinPhase::FileToBeSized, opts.timeout, None, n);
                 shared.unlink_if_ours("join timed out before the file was sized")?;
@@ -308,15 +538,18 @@ impl Region {
             }
         }
 
-        let map = MmapOptions::new()
-            .len(total)
-            .map_raw(&shared.file)
-            .map_err(|e| RegionError::io("mmap", &shared.path, e))?;
-        let mut region =
-            Region { map, data_offset: hbytes, layout, rank, huge_pages_advised: false, kind: Kind::Shared(shared) };
+        let map = map_existing(&shared, &shape)?;
+        let mut region = Region {
+            map,
+            data_offset: shape.header_bytes,
+            layout,
+            rank,
+            huge_pages_advised: false,
+            kind: Kind::Shared(Box::new(shared)),
+        };
         // From here on, dropping `region` on an error path abandons the
-        // region and unlinks the file; for errors that say the file is not
-        // ours to remove (bad header, duplicate rank) `forget_link` first.
+        // region and unlinks the files; for errors that say the files are
+        // not ours to remove (bad header, duplicate rank) `forget_link` first.
 
         // Phase 3: the creator publishes READY.
         let word = loop {
@@ -335,6 +568,9 @@ impl Region {
                         }
                         let e =
                             timeout_error(region.shared_path(), JoinPhase::CreatorToInitialise, opts.timeout, None, n);
+                        if let Some(plan) = &shape.plan {
+                            region.remove_unmapped_data_files(plan.files.len());
+                        }
                         region.shared_mut().unlink_if_ours("join timed out before the header was ready")?;
                         return Err(e);
                     }
@@ -343,14 +579,23 @@ impl Region {
             }
         };
         if word.state == JoinState::Abandoned {
+            if let Some(plan) = &shape.plan {
+                // The abandoning rank may have died before removing the
+                // data files; this rank has not opened them.
+                region.remove_unmapped_data_files(plan.files.len());
+            }
             return Err(region.abandoned_error());
         }
         region.check_header(opts)?;
+        if let Some(plan) = &shape.plan {
+            region.open_data_files(plan, opts)?;
+            opts.step(ShmStep::FilesMapped);
+        }
 
-        // Phase 4: claim our rank's pid word (0 -> pid), then set our bit.
-        // Claiming first makes a second process with the same rank fail
-        // before it can touch the mask, and lets peers see our pid as soon
-        // as our bit is visible.
+        // Phase 4: claim our rank's pid word (0 -> pid), reserve our files,
+        // then set our bit. Claiming first makes a second process with the
+        // same rank fail before it can touch the mask or the files, and
+        // lets peers see our pid as soon as our bit is visible.
         let pid = std::process::id();
         // A cross-process header word: core atomics, see `header`.
         if let Err(other) = region.hdr().rank_pids()[rank].compare_exchange(
@@ -363,31 +608,8 @@ impl Region {
             region.forget_link();
             return Err(RegionError::RankAlreadyMapped { path: region.shared_path().to_path_buf(), rank });
         }
-        let bit = 1u32 << rank;
-        let full = full_mask(n);
-        let (_, new) = match region.hdr().update(|w| {
-            (w.state == JoinState::Ready && w.mask & bit == 0).then(|| {
-                let mask = w.mask | bit;
-                let state = if mask == full { JoinState::Complete } else { JoinState::Ready };
-                JoinWord { state, mask }
-            })
-        }) {
-            Ok(x) => x,
-            Err(w) if w.state == JoinState::Abandoned => return Err(region.abandoned_error()),
-            Err(w) if w.mask & bit != 0 => {
-                region.forget_link();
-                return Err(RegionError::RankAlreadyMapped { path: region.shared_path().to_path_buf(), rank });
-            }
-            Err(w) => {
-                region.forget_link();
-                return Err(RegionError::BadHeader {
-                    path: region.shared_path().to_path_buf(),
-                    field: "join state",
-                    expected: JoinWord { state: JoinState::Ready, mask: w.mask }.encode(),
-                    found: w.encode(),
-                });
-            }
-        };
+        region.reserve_own()?;
+        let new = region.set_bit()?;
         if opts.huge_pages {
             region.huge_pages_advised = region.try_advise_huge_pages();
         }
@@ -396,9 +618,181 @@ impl Region {
         Ok(region)
     }
 
-    /// Waits until every rank has mapped the region, then unlinks the file
+    /// Joiner: opens every data file, checks it against the header's table
+    /// and the plan, maps it.
+    fn open_data_files(&mut self, plan: &FilePlan, opts: &ShmOptions) -> Result<()> {
+        let Mapping::Pieces(pieces) = &self.map else { unreachable!("a multi-file region maps pieces") };
+        let hb = self.data_offset;
+        let header_dev = self.shared().header.dev;
+        let mut opened = Vec::with_capacity(plan.files.len());
+        let res = (|| {
+            for (k, spec) in plan.files.iter().enumerate() {
+                let path = files::data_path(&self.shared().path, k);
+                let file = match OpenOptions::new().read(true).write(true).open(&path) {
+                    Ok(f) => f,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        if self.hdr().load().state == JoinState::Abandoned {
+                            return Err(None);
+                        }
+                        return Err(Some(RegionError::FileMissing { path }));
+                    }
+                    Err(e) => return Err(Some(RegionError::io("open", &path, e))),
+                };
+                let md = file.metadata().map_err(|e| Some(RegionError::io("fstat", &path, e)))?;
+                let want = self.hdr().file_inodes()[k].load(core::sync::atomic::Ordering::Acquire);
+                let bad = if md.dev() != header_dev || md.ino() != want {
+                    Some(("data file inode", want, md.ino()))
+                } else if md.len() != spec.bytes.len() as u64 {
+                    Some(("data file size", spec.bytes.len() as u64, md.len()))
+                } else {
+                    None
+                };
+                if let Some((field, expected, found)) = bad {
+                    // Not the file the creator made: not ours to remove.
+                    return Err(Some(RegionError::BadHeader { path, field, expected, found }));
+                }
+                let link = Linked { path: path.clone(), dev: md.dev(), ino: md.ino(), linked: true };
+                pieces
+                    .map_file(hb + spec.bytes.start, spec.bytes.len(), &file)
+                    .map_err(|e| Some(RegionError::io("mmap", &path, e)))?;
+                let keep = (spec.owner == self.rank && opts.reserve).then_some(file);
+                opened.push(DataFile { link, bytes: spec.bytes.clone(), owner: spec.owner, file: keep });
+            }
+            Ok(())
+        })();
+        self.shared_mut().data = opened;
+        match res {
+            Ok(()) => Ok(()),
+            Err(None) => Err(self.abandoned_error()),
+            Err(Some(e @ RegionError::BadHeader { .. })) => {
+                self.forget_link();
+                Err(e)
+            }
+            Err(Some(e)) => Err(e),
+        }
+    }
+
+    /// Joiner whose creator died before READY: removes the data files the
+    /// header's table names (if the path still names that inode) and any
+    /// data file not in the table yet that is empty (the creator died
+    /// between creating it and recording it). Errors are logged: this is
+    /// best-effort cleanup on a path that already fails.
+    fn remove_unmapped_data_files(&mut self, count: usize) {
+        let header_dev = self.shared().header.dev;
+        for k in 0..count {
+            let path = files::data_path(&self.shared().path, k);
+            let ino = self.hdr().file_inodes().get(k).map_or(0, |i| i.load(core::sync::atomic::Ordering::Acquire));
+            let md = match std::fs::symlink_metadata(&path) {
+                Ok(md) => md,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => {
+                    warn!(path = %path.display(), error = %e, "cannot stat a data file of an abandoned region");
+                    continue;
+                }
+            };
+            let ours = md.dev() == header_dev && (if ino != 0 { md.ino() == ino } else { md.len() == 0 });
+            if !ours {
+                continue;
+            }
+            match std::fs::remove_file(&path) {
+                Ok(()) => debug!(path = %path.display(), "removed a data file of an abandoned region"),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => warn!(path = %path.display(), error = %e, "cannot remove a data file of an abandoned region"),
+            }
+        }
+    }
+
+    /// Reserves (`fallocate`) this rank's own data files, if it kept them
+    /// open for that ([`ShmOptions::reserve`]).
+    fn reserve_own(&mut self) -> Result<()> {
+        let own: Vec<(usize, File, u64)> = self
+            .shared_mut()
+            .data
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(k, d)| d.file.take().map(|f| (k, f, d.bytes.len() as u64)))
+            .collect();
+        if own.is_empty() {
+            return Ok(());
+        }
+        let opts = self.shared().opts.clone();
+        opts.step(ShmStep::Reserving);
+        let threads = opts.threads.unwrap_or_else(|| {
+            let cores = crate::sync::thread::available_parallelism().map_or(1, |c| c.get());
+            (cores / self.layout.num_ranks()).max(1)
+        });
+        let t = Instant::now();
+        let bytes: u64 = own.iter().map(|o| o.2).sum();
+        let index: Vec<usize> = own.iter().map(|o| o.0).collect();
+        let res = files::reserve(own.into_iter().map(|(_, f, l)| (f, l)).collect(), threads);
+        if let Err(fail) = res {
+            let path = index
+                .get(fail.index)
+                .map(|&k| self.shared().data[k].link.path.clone())
+                .unwrap_or_else(|| self.shared().path.clone());
+            let e = if fail.error.raw_os_error() == Some(libc::ENOSPC) {
+                let available = sys::fs_available(&opts.dir).unwrap_or(0);
+                warn!(path = %path.display(), needed = fail.unreserved, available, "file system full while reserving the region");
+                RegionError::ShmFull { path, needed: fail.unreserved, available }
+            } else {
+                RegionError::io("fallocate", path, fail.error)
+            };
+            // Dropping the region (the caller returns this error) abandons
+            // it and unlinks every file.
+            return Err(e);
+        }
+        let secs = t.elapsed().as_secs_f64();
+        info!(
+            rank = self.rank,
+            files = index.len(),
+            bytes,
+            threads,
+            seconds = format_args!("{secs:.3}"),
+            gbps = format_args!("{:.2}", bytes as f64 / secs.max(1e-9) / 1e9),
+            "reserved this rank's data files"
+        );
+        opts.step(ShmStep::Reserved);
+        Ok(())
+    }
+
+    /// Sets this rank's bit (after READY); the CAS that sets the last bit
+    /// moves the state to COMPLETE.
+    fn set_bit(&mut self) -> Result<JoinWord> {
+        let rank = self.rank;
+        let bit = 1u32 << rank;
+        let full = full_mask(self.layout.num_ranks());
+        let res = self.hdr().update(|w| {
+            (w.state == JoinState::Ready && w.mask & bit == 0).then(|| {
+                let mask = w.mask | bit;
+                let state = if mask == full { JoinState::Complete } else { JoinState::Ready };
+                JoinWord { state, mask }
+            })
+        });
+        match res {
+            Ok((_, new)) => {
+                self.shared().opts.step(ShmStep::Mapped);
+                Ok(new)
+            }
+            Err(w) if w.state == JoinState::Abandoned => Err(self.abandoned_error()),
+            Err(w) if w.mask & bit != 0 => {
+                self.forget_link();
+                Err(RegionError::RankAlreadyMapped { path: self.shared_path().to_path_buf(), rank })
+            }
+            Err(w) => {
+                self.forget_link();
+                Err(RegionError::BadHeader {
+                    path: self.shared_path().to_path_buf(),
+                    field: "join state",
+                    expected: JoinWord { state: JoinState::Ready, mask: w.mask }.encode(),
+                    found: w.encode(),
+                })
+            }
+        }
+    }
+
+    /// Waits until every rank has mapped the region, then unlinks the files
     /// (a no-op for anonymous regions and once done). On timeout the region
-    /// is abandoned, the file unlinked and [`RegionError::JoinTimeout`]
+    /// is abandoned, the files unlinked and [`RegionError::JoinTimeout`]
     /// returned; if another rank abandoned it, [`RegionError::Abandoned`].
     pub fn wait_all_mapped(&mut self, timeout: Duration) -> Result<()> {
         if !matches!(self.kind, Kind::Shared(_)) {
@@ -408,9 +802,9 @@ impl Region {
     }
 
     /// Abandons the region if some rank has not mapped it yet (so none can
-    /// join any more) and unlinks the file if it still names this region.
-    /// Returns whether this call removed the file. Ranks that have mapped
-    /// the region keep using the memory. A no-op for anonymous regions.
+    /// join any more) and unlinks every file that still names this region.
+    /// Returns whether this call removed a file. Ranks that have mapped the
+    /// region keep using the memory. A no-op for anonymous regions.
     pub fn unlink_now(&mut self) -> Result<bool> {
         if !matches!(self.kind, Kind::Shared(_)) {
             return Ok(false);
@@ -436,13 +830,35 @@ impl Region {
         }
     }
 
+    /// The paths of the region's files: the header file, then the data
+    /// files (empty for an anonymous region). They may already be unlinked.
+    pub fn file_paths(&self) -> Vec<PathBuf> {
+        match &self.kind {
+            Kind::Shared(s) => {
+                std::iter::once(s.path.clone()).chain(s.data.iter().map(|d| d.link.path.clone())).collect()
+            }
+            Kind::Anonymous => Vec::new(),
+        }
+    }
+
+    /// Data-area byte ranges of the region's data files and the rank that
+    /// owns each, in data-area order (empty with one file or anonymous).
+    pub(crate) fn data_files(&self) -> Vec<(std::ops::Range<usize>, usize)> {
+        match &self.kind {
+            Kind::Shared(s) => s.data.iter().map(|d| (d.bytes.clone(), d.owner)).collect(),
+            Kind::Anonymous => Vec::new(),
+        }
+    }
+
     // ---- internals ----
 
-    /// The creator's last steps: publish READY with its bit, then wait.
+    /// The creator's last steps: publish READY (with its bit when it has
+    /// nothing to reserve), reserve its files and set its bit, then wait.
     fn publish_ready(&mut self, started: Instant) -> Result<()> {
         let n = self.layout.num_ranks();
         let bit = 1u32 << self.rank;
         let timeout = self.shared().timeout;
+        let reserve_first = self.shared().data.iter().any(|d| d.file.is_some());
         let fields = Fields {
             magic: MAGIC,
             version: VERSION,
@@ -454,6 +870,9 @@ impl Region {
             creator_rank: self.rank as u32,
             session: self.shared().session,
             creator_pid: std::process::id(),
+            order: self.layout.order().code(),
+            num_files: self.shared().data.len() as u64,
+            file_bytes: self.file_bytes() as u64,
         };
         let hdr = self.hdr();
         hdr.write_fields(&fields);
@@ -461,16 +880,34 @@ impl Region {
         // by the release CAS below.
         hdr.rank_pids()[self.rank].store(std::process::id(), core::sync::atomic::Ordering::Relaxed);
         let full = full_mask(n);
+        let mask = if reserve_first { 0 } else { bit };
         let published = hdr.update(|w| {
-            (w.state == JoinState::Init).then_some(JoinWord {
-                state: if bit == full { JoinState::Complete } else { JoinState::Ready },
-                mask: bit,
-            })
+            (w.state == JoinState::Init)
+                .then_some(JoinWord { state: if mask == full { JoinState::Complete } else { JoinState::Ready }, mask })
         });
-        match published {
-            Ok((_, new)) => self.after_mapped(new, Backoff::new(timeout.saturating_sub(started.elapsed())), started),
-            // A joiner timed out waiting for us and abandoned the file.
-            Err(_) => Err(self.abandoned_error()),
+        let new = match published {
+            Ok((_, new)) => new,
+            // A joiner timed out waiting for us and abandoned the region.
+            Err(_) => return Err(self.abandoned_error()),
+        };
+        self.shared().opts.step(ShmStep::Ready);
+        let new = if reserve_first {
+            self.reserve_own()?;
+            self.set_bit()?
+        } else {
+            self.shared().opts.step(ShmStep::Mapped);
+            new
+        };
+        self.after_mapped(new, Backoff::new(timeout.saturating_sub(started.elapsed())), started)
+    }
+
+    /// Bytes of a full data file (0 with one file).
+    fn file_bytes(&self) -> usize {
+        match &self.kind {
+            Kind::Shared(s) if s.multi => {
+                files::plan(&self.layout, s.opts.files).ok().flatten().map_or(0, |p| p.file_bytes)
+            }
+            _ => 0,
         }
     }
 
@@ -516,7 +953,7 @@ impl Region {
                     Err(w) if matches!(w.state, JoinState::Complete | JoinState::Abandoned) => {}
                     Err(w) => {
                         // Init or a foreign value after this rank joined:
-                        // the header was overwritten. Leave the file alone.
+                        // the header was overwritten. Leave the files alone.
                         self.forget_link();
                         return Err(RegionError::BadHeader {
                             path: self.shared_path().to_path_buf(),
@@ -543,7 +980,11 @@ impl Region {
     /// Compares the header with what this rank expects.
     fn check_header(&mut self, opts: &ShmOptions) -> Result<()> {
         let f = self.hdr().read_fields();
-        let expect: [(&'static str, u64, u64); 8] = [
+        let (num_files, file_bytes) = match files::plan(&self.layout, opts.files)? {
+            Some(p) => (p.files.len() as u64, p.file_bytes as u64),
+            None => (0, 0),
+        };
+        let expect: [(&'static str, u64, u64); 11] = [
             ("magic", MAGIC, f.magic),
             ("version", VERSION as u64, f.version as u64),
             ("header_bytes", self.data_offset as u64, f.header_bytes as u64),
@@ -551,6 +992,9 @@ impl Region {
             ("num_ranks", self.layout.num_ranks() as u64, f.num_ranks as u64),
             ("chunk_bytes", self.layout.chunk_bytes() as u64, f.chunk_bytes),
             ("num_rows", self.layout.num_rows() as u64, f.num_rows),
+            ("order", self.layout.order().code(), f.order),
+            ("num_files", num_files, f.num_files),
+            ("file_bytes", file_bytes, f.file_bytes),
             ("session", opts.session, f.session),
         ];
         for (field, expected, found) in expect {
@@ -565,10 +1009,11 @@ impl Region {
     pub(crate) fn hdr(&self) -> Hdr<'_> {
         debug_assert!(matches!(self.kind, Kind::Shared(_)));
         let base = NonNull::new(self.map.as_mut_ptr()).expect("mmap never returns null");
-        // SAFETY: shared regions map header_bytes (>= size_of::<Header>())
-        // plus data from a page-aligned base, and the mapping lives as long
-        // as `self`, which the returned handle borrows.
-        unsafe { Hdr::from_base(base) }
+        // SAFETY: shared regions map header_bytes (= data_offset, >=
+        // size_of::<Header>(), whole pages) from a page-aligned base, and
+        // the mapping lives as long as `self`, which the returned handle
+        // borrows.
+        unsafe { Hdr::from_base(base, self.data_offset) }
     }
 
     fn shared(&self) -> &Shared {
@@ -593,21 +1038,21 @@ impl Region {
         self.shared().path.display().to_string()
     }
 
-    /// Marks the file as not ours to remove (it does not match what we
-    /// expect), so dropping the region leaves it alone.
+    /// Marks the files as not ours to remove (they do not match what we
+    /// expect), so dropping the region leaves them alone.
     fn forget_link(&mut self) {
         if let Kind::Shared(s) = &mut self.kind {
-            s.linked = false;
+            s.forget();
         }
     }
 
     /// Drop path for shared regions: abandon if incomplete, then unlink.
     pub(crate) fn drop_shared(&mut self) {
-        if !self.shared().linked {
+        if !self.shared().linked() {
             return;
         }
         if let Err(e) = self.unlink_now() {
-            warn!(error = %e, "could not unlink region file on drop");
+            warn!(error = %e, "could not unlink region files on drop");
         }
     }
 }
@@ -641,10 +1086,27 @@ fn open_exclusive(path: &Path, opts: &ShmOptions) -> Result<File> {
     }
 }
 
-/// Sizes and maps a freshly created file.
-fn size_and_map(shared: &Shared, total: usize) -> Result<MmapRaw> {
-    shared.file.set_len(total as u64).map_err(|e| RegionError::io("ftruncate", &shared.path, e))?;
-    MmapOptions::new().len(total).map_raw(&shared.file).map_err(|e| RegionError::io("mmap", &shared.path, e))
+/// Sizes and maps a freshly created header file: the whole region with one
+/// file, the header into a reservation for the data files otherwise.
+fn size_and_map(shared: &Shared, shape: &Shape) -> Result<Mapping> {
+    shared.file.set_len(shape.header_file_len() as u64).map_err(|e| RegionError::io("ftruncate", &shared.path, e))?;
+    map_existing(shared, shape)
+}
+
+/// Maps a sized header file (and reserves the data area behind it).
+fn map_existing(shared: &Shared, shape: &Shape) -> Result<Mapping> {
+    if shape.plan.is_none() {
+        let map: MmapRaw = MmapOptions::new()
+            .len(shape.total)
+            .map_raw(&shared.file)
+            .map_err(|e| RegionError::io("mmap", &shared.path, e))?;
+        return Ok(Mapping::Raw(map));
+    }
+    let data = shape.total - shape.header_bytes;
+    let pieces =
+        Pieces::reserve(shape.header_bytes, data).map_err(|e| RegionError::io("mmap (reserve)", &shared.path, e))?;
+    pieces.map_file(0, shape.header_bytes, &shared.file).map_err(|e| RegionError::io("mmap", &shared.path, e))?;
+    Ok(Mapping::Pieces(pieces))
 }
 
 impl Region {
@@ -660,8 +1122,20 @@ impl Region {
         }
     }
 
-    /// Applies `advice` to the data area.
-    pub(crate) fn advise_data(&self, advice: Advice) -> io::Result<()> {
-        self.map.advise_range(advice, self.data_offset, self.layout.data_bytes())
+    /// `madvise(MADV_HUGEPAGE)` on the data area.
+    pub(crate) fn advise_data_huge(&self) -> io::Result<()> {
+        self.map.advise_huge(self.data_offset, self.layout.data_bytes())
+    }
+}
+
+impl FileSplit {
+    /// In words, for reports: `one file` or `data files of at most 256 MiB`.
+    pub fn describe(&self) -> String {
+        match self {
+            FileSplit::Single => "one file".into(),
+            FileSplit::Multi { max_file_bytes } => {
+                format!("data files of at most {}", crate::units::fmt_bytes(*max_file_bytes))
+            }
+        }
     }
 }

@@ -22,35 +22,66 @@ pub fn unique_name(tag: &str) -> String {
     format!("t{}-{}-{}", std::process::id(), n, tag)
 }
 
-/// Removes a region file on drop, whatever the test did.
+/// Removes a region's files (the header file and its data files
+/// `<header>.<k>`) on drop, whatever the test did.
 pub struct ShmGuard {
     pub name: String,
     pub path: PathBuf,
+    pub dir: PathBuf,
 }
 
 impl ShmGuard {
     pub fn new(tag: &str) -> Self {
-        let name = unique_name(tag);
-        let path = shm_path(Path::new(DEFAULT_SHM_DIR), &name).unwrap();
-        ShmGuard { name, path }
+        Self::in_dir(tag, Path::new(DEFAULT_SHM_DIR))
     }
 
-    /// Whether a file of this name is listed in /dev/shm.
+    /// A guard for a region in `dir`.
+    pub fn in_dir(tag: &str, dir: &Path) -> Self {
+        let name = unique_name(tag);
+        let path = shm_path(dir, &name).unwrap();
+        ShmGuard { name, path, dir: dir.to_path_buf() }
+    }
+
+    /// Data file `k`'s path.
+    pub fn data_path(&self, k: usize) -> PathBuf {
+        PathBuf::from(format!("{}.{k}", self.path.display()))
+    }
+
+    /// Names of the region's files listed in its directory: the header
+    /// file and every `<header>.<k>`.
+    pub fn files(&self) -> Vec<String> {
+        let base = self.path.file_name().unwrap().to_str().unwrap().to_owned();
+        let dotted = format!("{base}.");
+        let mut v: Vec<String> = std::fs::read_dir(&self.dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| *n == base || n.strip_prefix(&dotted).is_some_and(|k| k.parse::<usize>().is_ok()))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Whether the header file of this name is listed.
     pub fn listed(&self) -> bool {
         let file_name = self.path.file_name().unwrap().to_owned();
-        std::fs::read_dir(DEFAULT_SHM_DIR).unwrap().any(|e| e.unwrap().file_name() == file_name)
+        std::fs::read_dir(&self.dir).unwrap().any(|e| e.unwrap().file_name() == file_name)
     }
 
-    /// Asserts no /dev/shm entry has this region's name.
+    /// Asserts no entry of the directory is a file of this region.
     #[track_caller]
     pub fn assert_gone(&self) {
-        assert!(!self.listed(), "{} left behind in /dev/shm", self.path.display());
+        let left = self.files();
+        assert!(left.is_empty(), "left behind in {}: {left:?}", self.dir.display());
     }
 }
 
 impl Drop for ShmGuard {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if self.dir.is_dir() {
+            for f in self.files() {
+                let _ = std::fs::remove_file(self.dir.join(f));
+            }
+        }
     }
 }
 
@@ -88,6 +119,38 @@ impl ChildGuard {
         let rc = unsafe { libc::kill(c.id() as i32, libc::SIGKILL) };
         assert_eq!(rc, 0, "kill: {}", std::io::Error::last_os_error());
         c.wait().unwrap()
+    }
+
+    /// Like [`ChildGuard::spawn`] with the child's stdout piped, for
+    /// [`ChildGuard::read_line`].
+    pub fn spawn_piped(test: &str, role: &str, name: &str) -> Self {
+        let exe = std::env::current_exe().unwrap();
+        let child = Command::new(exe)
+            .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
+            .env(ROLE_ENV, role)
+            .env(NAME_ENV, name)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn child");
+        ChildGuard { child: Some(child) }
+    }
+
+    /// Reads the child's stdout until a line starting with `prefix`
+    /// (blocking: the child prints it and then blocks). Panics if the
+    /// child's stdout ends first.
+    pub fn read_line(&mut self, prefix: &str) -> String {
+        use std::io::BufRead;
+        let out = self.child.as_mut().unwrap().stdout.as_mut().expect("spawn_piped");
+        let mut r = std::io::BufReader::new(out);
+        loop {
+            let mut line = String::new();
+            let n = r.read_line(&mut line).unwrap();
+            assert!(n > 0, "the child's stdout ended before a line starting with {prefix:?}");
+            if line.starts_with(prefix) {
+                return line.trim_end().to_string();
+            }
+        }
     }
 
     /// Waits for the child's exit status.

@@ -1,7 +1,8 @@
 //! The benchmarks behind `kvoffload bench`, each against the baseline its
-//! issue names, in the same run: pinning ([`pin`]), copies ([`transfer`])
+//! issue names, in the same run: pinning ([`pin`], and a shared region pinned by N ranks: [`pin_shared`]), copies ([`transfer`])
 //! and eviction policies ([`manager`]).
 
 pub mod manager;
 pub mod pin;
+pub mod pin_shared;
 pub mod transfer;
