@@ -8,21 +8,9 @@
 
 use crate::protocol::PageableReason;
 
-/// The soft RLIMIT_MEMLOCK in bytes; `None` when unlimited or unreadable.
+/// The soft RLIMIT_MEMLOCK in bytes; `None` when unlimited.
 pub fn memlock_limit() -> Option<u64> {
-    // SAFETY: rlimit is plain old data; all-zero is a valid value.
-    let mut r: libc::rlimit = unsafe { std::mem::zeroed() };
-    // SAFETY: `r` is a valid, writable rlimit for the call's duration.
-    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) };
-    if rc != 0 {
-        tracing::debug!(error = %std::io::Error::last_os_error(), "getrlimit(RLIMIT_MEMLOCK) failed");
-        return None;
-    }
-    if r.rlim_cur == libc::RLIM_INFINITY {
-        None
-    } else {
-        Some(r.rlim_cur as u64)
-    }
+    rustix::process::getrlimit(rustix::process::Resource::Memlock).current
 }
 
 /// Notes in tracing when the limit is finite and below `needed` bytes.

@@ -325,9 +325,8 @@ fn split(addr: usize, len: usize, threads: usize, align: usize) -> Vec<(usize, u
     out
 }
 
-fn errno() -> i32 {
-    io::Error::last_os_error().raw_os_error().unwrap_or(0)
-}
+/// EINVAL's number (the errors here are kept as raw numbers for reports).
+const EINVAL: i32 = rustix::io::Errno::INVAL.raw_os_error();
 
 fn errno_text(e: i32) -> String {
     io::Error::from_raw_os_error(e).to_string()
@@ -341,16 +340,14 @@ fn populate_write(addr: usize, len: usize) -> Result<(), i32> {
         // range; MADV_POPULATE_WRITE allocates pages as a write fault would
         // and never changes memory contents. An address range that is not
         // mapped is answered with ENOMEM, not undefined behaviour.
-        let rc = unsafe { libc::madvise(addr as *mut c_void, len, libc::MADV_POPULATE_WRITE) };
-        if rc == 0 {
-            return Ok(());
+        let r = unsafe { rustix::mm::madvise(addr as *mut c_void, len, rustix::mm::Advice::LinuxPopulateWrite) };
+        match r {
+            Ok(()) => return Ok(()),
+            Err(e) if (e == rustix::io::Errno::INTR || e == rustix::io::Errno::AGAIN) && tries < MADVISE_RETRIES => {
+                tries += 1;
+            }
+            Err(e) => return Err(e.raw_os_error()),
         }
-        let e = errno();
-        if (e == libc::EINTR || e == libc::EAGAIN) && tries < MADVISE_RETRIES {
-            tries += 1;
-            continue;
-        }
-        return Err(e);
     }
 }
 
@@ -390,10 +387,9 @@ unsafe fn touch(chunk: usize, addr: usize, len: usize, step: usize, fill_holes: 
     let page = page_size();
     let mut resident = vec![0u8; len.div_ceil(page)];
     // SAFETY: `addr` is page aligned and `resident` has one byte for every
-    // page of `[addr, addr+len)`, as mincore(2) requires.
-    let rc = unsafe { libc::mincore(addr as *mut c_void, len, resident.as_mut_ptr()) };
-    if rc != 0 {
-        return Err(PrefaultError::Mincore { chunk, addr, len, msg: errno_text(errno()) });
+    // page of `[addr, addr+len)`.
+    if let Err(e) = unsafe { crate::region::mincore(addr, len, &mut resident) } {
+        return Err(PrefaultError::Mincore { chunk, addr, len, msg: e.to_string() });
     }
     for (k, r) in resident.iter().enumerate() {
         if r & 1 == 0 {
@@ -429,7 +425,7 @@ unsafe fn run_slice(
             // mean the kernel lacks the advice. Where the probe showed the
             // kernel has it, EINVAL says something about this mapping (not
             // writable, VM_IO/VM_PFNMAP) and touching would fault: an error.
-            Err(libc::EINVAL) if populate == Populate::Unknown => {
+            Err(e) if e == EINVAL && populate == Populate::Unknown => {
                 tracing::info!("madvise(MADV_POPULATE_WRITE) refused with EINVAL (kernel older than 5.14?); touching pages instead");
                 (touch_all(), Some(Populate::Unsupported))
             }
@@ -483,29 +479,26 @@ fn parse_thp(text: &str) -> Option<String> {
 /// of our own (so that EINVAL later means a bad mapping, not an old kernel).
 fn probe_populate() -> Populate {
     let page = page_size();
-    // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            page,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
+    use rustix::mm::{MapFlags, ProtFlags};
+    // SAFETY: a fresh private anonymous mapping at an address of the
+    // kernel's choosing; no existing memory is affected.
+    let p = match unsafe {
+        rustix::mm::mmap_anonymous(std::ptr::null_mut(), page, ProtFlags::READ | ProtFlags::WRITE, MapFlags::PRIVATE)
+    } {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::debug!(error = %e, "MADV_POPULATE_WRITE probe: mmap failed");
+            return Populate::Unknown;
+        }
     };
-    if p == libc::MAP_FAILED {
-        tracing::debug!(error = %io::Error::last_os_error(), "MADV_POPULATE_WRITE probe: mmap failed");
-        return Populate::Unknown;
-    }
     let r = populate_write(p as usize, page);
     // SAFETY: unmaps exactly the page mapped above, which nothing else uses.
-    if unsafe { libc::munmap(p, page) } != 0 {
-        tracing::warn!(error = %io::Error::last_os_error(), "MADV_POPULATE_WRITE probe: munmap failed");
+    if let Err(e) = unsafe { rustix::mm::munmap(p, page) } {
+        tracing::warn!(error = %e, "MADV_POPULATE_WRITE probe: munmap failed");
     }
     match r {
         Ok(()) => Populate::Works,
-        Err(libc::EINVAL) => {
+        Err(e) if e == EINVAL => {
             tracing::info!("madvise(MADV_POPULATE_WRITE) is not supported by this kernel (EINVAL); pre-faulting touches pages instead");
             Populate::Unsupported
         }

@@ -44,8 +44,11 @@ impl RankSlots for RegionSlots {
         if pid == 0 {
             return true;
         }
-        // SAFETY: kill with signal 0 only checks that the process exists.
-        let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
-        rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+        // kill(pid, 0): only ESRCH says the process is gone (EPERM means
+        // it exists under another user).
+        match rustix::process::Pid::from_raw(pid as i32) {
+            Some(p) => !matches!(rustix::process::test_kill_process(p), Err(rustix::io::Errno::SRCH)),
+            None => true,
+        }
     }
 }

@@ -57,6 +57,7 @@ pub use header::MAX_RANKS;
 pub use layout::{Layout, Location, Order, RankView, RowChunks, RowSpan};
 pub use options::{AnonOptions, FileSplit, ShmObserver, ShmOptions, ShmStep, DEFAULT_FILE_BYTES, MAX_FILES};
 pub use shm::shm_path;
+pub(crate) use sys::mincore;
 pub use sys::{fs_available, mem_available, page_size};
 
 /// Where shared regions live unless [`ShmOptions::dir`] says otherwise.

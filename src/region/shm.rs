@@ -730,7 +730,7 @@ impl Region {
                 .get(fail.index)
                 .map(|&k| self.shared().data[k].link.path.clone())
                 .unwrap_or_else(|| self.shared().path.clone());
-            let e = if fail.error.raw_os_error() == Some(libc::ENOSPC) {
+            let e = if fail.error.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {
                 let available = sys::fs_available(&opts.dir).unwrap_or(0);
                 warn!(path = %path.display(), needed = fail.unreserved, available, "file system full while reserving the region");
                 RegionError::ShmFull { path, needed: fail.unreserved, available }

@@ -1,44 +1,23 @@
-//! The few system calls the region needs that std does not wrap: page size,
-//! statvfs, MemAvailable and a sleep between polls.
-//!
-//! The sleep is libc's `nanosleep` because production code must not name
-//! std's thread module (the sync facade rule); the region's polling is a
-//! cross-process wait that loom does not model anyway.
+//! The few system calls the region needs that std does not wrap: page size
+//! and statvfs (through rustix), MemAvailable, a sleep between polls of
+//! words shared with other processes, and `mincore(2)`, the crate's one raw
+//! system call (no maintained wrapper covers it; its safety argument is on
+//! [`mincore`]).
 
-use std::ffi::CString;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-/// The system page size in bytes (`sysconf(_SC_PAGESIZE)`).
+/// The system page size in bytes.
 pub fn page_size() -> usize {
-    // SAFETY: sysconf has no memory-safety preconditions; it only reads a
-    // configuration value.
-    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    // sysconf returns -1 only for unknown names; _SC_PAGESIZE always exists
-    // on Linux. Fall back to 4 KiB rather than panic should that ever change.
-    if n <= 0 {
-        4096
-    } else {
-        n as usize
-    }
+    rustix::param::page_size()
 }
 
 /// Free bytes an unprivileged user may allocate in the file system holding
 /// `dir`: `f_bavail * f_frsize` from statvfs(2).
 pub fn fs_available(dir: &Path) -> io::Result<u64> {
-    let c = CString::new(dir.as_os_str().as_bytes())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))?;
-    // SAFETY: statvfs is plain old data; all-zero is a valid value.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a NUL-terminated string alive for the call and `st` is
-    // a valid, writable statvfs the kernel fills in.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+    let st = rustix::fs::statvfs(dir)?;
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// `MemAvailable` of `/proc/meminfo`, in bytes.
@@ -60,22 +39,11 @@ pub(crate) fn parse_mem_available(text: &str) -> Option<u64> {
     }
 }
 
-/// Sleeps for `d` (nanosleep; an interrupted sleep simply returns early,
-/// which callers that poll a condition tolerate).
+/// Sleeps for `d` between two polls of a condition that only another
+/// process can change (no condition variable can signal it; loom does not
+/// model other processes).
 pub fn pause(d: Duration) {
-    let ts = libc::timespec {
-        tv_sec: d.as_secs().min(libc::time_t::MAX as u64) as libc::time_t,
-        tv_nsec: d.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: `ts` is a valid timespec; the remainder pointer may be null.
-    let rc = unsafe { libc::nanosleep(&ts, std::ptr::null_mut()) };
-    if rc != 0 {
-        // EINTR: a signal cut the sleep short; the caller re-checks its
-        // condition and deadline, so a short sleep is harmless. EFAULT and
-        // EINVAL cannot arise from a valid timespec.
-        let e = io::Error::last_os_error();
-        debug_assert_eq!(e.raw_os_error(), Some(libc::EINTR), "nanosleep: {e}");
-    }
+    std::thread::sleep(d);
 }
 
 /// Polls a condition with a growing pause (50 us doubling to 5 ms) until a
@@ -132,4 +100,22 @@ mod tests {
         assert!(fs_available(Path::new("/tmp")).is_ok());
         assert!(fs_available(Path::new("/nonexistent-kvoffload-dir")).is_err());
     }
+}
+
+/// `mincore(2)`: one byte a page of `[addr, addr+len)` into `resident`, bit
+/// 0 set where the page is resident.
+///
+/// # Safety
+/// `addr` is page aligned and `resident` holds at least one byte for every
+/// page of the range (`len.div_ceil(page_size())`), which the kernel writes;
+/// the range itself is only inspected (an unmapped one is ENOMEM, not
+/// undefined behaviour).
+pub(crate) unsafe fn mincore(addr: usize, len: usize, resident: &mut [u8]) -> io::Result<()> {
+    assert!(resident.len() >= len.div_ceil(page_size()), "mincore: vector too short");
+    // SAFETY: the caller's contract; the vector's length is checked above.
+    let rc = unsafe { libc::mincore(addr as *mut libc::c_void, len, resident.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
