@@ -78,6 +78,24 @@ fn far_future() -> Instant {
     Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600)
 }
 
+/// `mincore(2)`: one byte a page of `[addr, addr+len)` into `resident`, bit
+/// 0 set where the page is resident.
+///
+/// # Safety
+/// `addr` is page aligned and `resident` holds at least one byte for every
+/// page of the range (`len.div_ceil(page_size())`), which the kernel writes;
+/// the range itself is only inspected (an unmapped one is ENOMEM, not
+/// undefined behaviour).
+pub(crate) unsafe fn mincore(addr: usize, len: usize, resident: &mut [u8]) -> io::Result<()> {
+    assert!(resident.len() >= len.div_ceil(page_size()), "mincore: vector too short");
+    // SAFETY: the caller's contract; the vector's length is checked above.
+    let rc = unsafe { libc::mincore(addr as *mut libc::c_void, len, resident.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -100,22 +118,4 @@ mod tests {
         assert!(fs_available(Path::new("/tmp")).is_ok());
         assert!(fs_available(Path::new("/nonexistent-kvoffload-dir")).is_err());
     }
-}
-
-/// `mincore(2)`: one byte a page of `[addr, addr+len)` into `resident`, bit
-/// 0 set where the page is resident.
-///
-/// # Safety
-/// `addr` is page aligned and `resident` holds at least one byte for every
-/// page of the range (`len.div_ceil(page_size())`), which the kernel writes;
-/// the range itself is only inspected (an unmapped one is ENOMEM, not
-/// undefined behaviour).
-pub(crate) unsafe fn mincore(addr: usize, len: usize, resident: &mut [u8]) -> io::Result<()> {
-    assert!(resident.len() >= len.div_ceil(page_size()), "mincore: vector too short");
-    // SAFETY: the caller's contract; the vector's length is checked above.
-    let rc = unsafe { libc::mincore(addr as *mut libc::c_void, len, resident.as_mut_ptr()) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
