@@ -1,9 +1,10 @@
 //! `kvoffload run`, the main job end to end: N rank processes share one
-//! region; each pins it in the background while it does its own start-up
-//! work, captures graphs through capture windows, agrees with its peers on
-//! the pin state (P7), then runs store and load jobs through the block
-//! manager and the transfer engine, checking every loaded block byte for
-//! byte against a pattern derived from its key.
+//! region; each holds one [`kvoffload::offloader::Offloader`], as an engine
+//! would, which pins the region in the background while the rank does its
+//! own start-up work; the rank captures graphs inside capture windows, waits
+//! for the pin state every rank agreed on (P7), then stores and loads by
+//! keys and GPU block ids, checking every loaded block byte for byte against
+//! a pattern derived from its key.
 //!
 //! - [`config`]: the settings and the sizes derived from them.
 //! - [`rank`]: the body of one rank process.
