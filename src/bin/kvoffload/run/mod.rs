@@ -8,6 +8,8 @@
 //!
 //! - [`config`]: the settings and the sizes derived from them.
 //! - [`rank`]: the body of one rank process.
+//! - [`lifecycle`]: a rank dies with its parent; SIGINT/SIGTERM stop it in
+//!   order.
 //! - [`report`]: the lines a rank prints for its parent, and its figures.
 //! - `workload`: a rank's requests and the final sweep; `tables`, `verify`:
 //!   a job's GPU pages as pattern-kernel tables, and the verifier thread
@@ -15,10 +17,12 @@
 //! - [`metrics`]: latencies and throughput; block contents come from
 //!   [`kvoffload::runtime::pattern`].
 //!
-//! The parent (spawning ranks, killing them in fault tests, the summary)
-//! is the CLI's `run` command (`src/cli/run.rs`).
+//! The parent (spawning ranks, killing them in fault tests, forwarding
+//! SIGINT/SIGTERM, the summary) is the CLI's `run` command
+//! (`src/cli/run.rs`).
 
 pub mod config;
+pub mod lifecycle;
 pub mod metrics;
 pub mod rank;
 pub mod report;

@@ -22,6 +22,10 @@
 //! 7. destroys its graphs and shuts the offloader down (jobs drained,
 //!    pinning stopped, the region unregistered), then unmaps the region.
 //!
+//! SIGINT or SIGTERM (also sent by the kernel when the parent dies) stops
+//! it between steps, or stops issuing work in step 5 and drains what is in
+//! flight; it skips to step 7 and still reports what it measured.
+//!
 //! It speaks to the parent through stdout lines (`report::PHASE`, ...).
 
 use std::io::{BufRead, Write};
@@ -38,6 +42,7 @@ use kvoffload::runtime::{CaptureMode, Code, DevicePtr, DriverError, DriverResult
 use kvoffload::sync::{self, Arc, Mutex};
 
 use super::config::{ConfigError, KillAt, RunConfig};
+use super::lifecycle::Stop;
 use super::report::{RankReport, NOTE, PAUSE, PHASE, PROGRESS};
 use super::workload::workload;
 
@@ -149,13 +154,15 @@ impl Captures {
 }
 
 /// Runs rank `rank` of `cfg` on `rt` with the region `region_name`;
-/// `pause_at` makes it stop where a fault test kills it.
+/// `pause_at` makes it stop where a fault test kills it; `stop` ends it
+/// early (SIGINT, SIGTERM).
 pub fn run_rank(
     cfg: &RunConfig,
     rank: usize,
     region_name: &str,
     rt: Arc<dyn GpuRuntime>,
     pause_at: Option<KillAt>,
+    stop: Stop,
 ) -> Result<RankReport, RankError> {
     let d = cfg.validate()?;
     let mut rep = RankReport { rank, backend: rt.backend().to_string(), ..Default::default() };
@@ -219,11 +226,14 @@ pub fn run_rank(
     *sync::lock(&probe.started) = Some(started);
     let mut captures = None;
     let result = off.start().map_err(RankError::from).and_then(|()| {
-        startup(cfg, rank);
-        captures = Some(capture(cfg, rank, &off, &mut rep)?);
-        agree(rank, &off, &probe, started, &mut rep)?;
-        workload(cfg, rank, &off, &rearm, &mut rep, pause_at)
+        startup(cfg, rank, stop);
+        captures = Some(capture(cfg, rank, &off, &mut rep, stop)?);
+        if agree(rank, &off, &probe, started, &mut rep, stop)? {
+            workload(cfg, rank, &off, &rearm, &mut rep, pause_at, stop)?;
+        }
+        Ok(())
     });
+    rep.interrupted = stop.requested();
 
     // 7. Shutdown: graphs first, then the offloader's (jobs drained,
     // pinning stopped, the region unregistered), even when a step failed.
@@ -239,12 +249,12 @@ pub fn run_rank(
 }
 
 /// Step 3: the engine's own start-up work, overlapping pinning.
-fn startup(cfg: &RunConfig, rank: usize) {
+fn startup(cfg: &RunConfig, rank: usize, stop: Stop) {
     phase(rank, "startup");
     let t = Instant::now();
     let mut buf = vec![0u8; 64 << 10];
     let mut n = 0u64;
-    while t.elapsed() < cfg.startup {
+    while t.elapsed() < cfg.startup && !stop.requested() {
         pattern::fill(n, &mut buf);
         n += 1;
     }
@@ -253,7 +263,13 @@ fn startup(cfg: &RunConfig, rank: usize) {
 
 /// Step 4: graph capture inside capture windows (GLOBAL mode), each graph
 /// registered with the offloader, then replayed once.
-fn capture(cfg: &RunConfig, rank: usize, off: &Offloader, rep: &mut RankReport) -> Result<Captures, RankError> {
+fn capture(
+    cfg: &RunConfig,
+    rank: usize,
+    off: &Offloader,
+    rep: &mut RankReport,
+    stop: Stop,
+) -> Result<Captures, RankError> {
     phase(rank, "capture");
     let rt = off.runtime();
     let stream = rt.stream_create().map_err(drv("creating the capture stream"))?;
@@ -267,6 +283,9 @@ fn capture(cfg: &RunConfig, rank: usize, off: &Offloader, rep: &mut RankReport) 
     let mut c = Captures { stream, scratch, graphs: Vec::new() };
     let r = (|| {
         for _ in 0..cfg.graphs {
+            if stop.requested() {
+                break;
+            }
             let t = Instant::now();
             let window = off.capture_window()?;
             let waited = t.elapsed().as_secs_f64();
@@ -311,15 +330,23 @@ fn capture(cfg: &RunConfig, rank: usize, off: &Offloader, rep: &mut RankReport) 
     }
 }
 
-/// Step 5a: waits for the agreed pin state and records it.
+/// Step 5a: waits for the agreed pin state and records it; false when the rank
+/// was asked to stop meanwhile (shutdown then cancels pinning).
 fn agree(
     rank: usize,
     off: &Offloader,
     probe: &PinProbe,
     started: Instant,
     rep: &mut RankReport,
-) -> Result<(), RankError> {
+    stop: Stop,
+) -> Result<bool, RankError> {
     phase(rank, "agree");
+    while !off.pin_state().is_final() {
+        if stop.requested() {
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
     let outcome = off.wait_pinned()?;
     rep.agreed_seconds = started.elapsed().as_secs_f64();
     rep.huge_bytes = pages::huge_mapped_bytes(off.region().mapping_range().addr_range()).unwrap_or(0);
@@ -334,7 +361,7 @@ fn agree(
         }
         Some(Err(e)) => format!("failed: {e}"),
     };
-    Ok(())
+    Ok(!stop.requested())
 }
 
 /// One GLOBAL-mode capture of `nodes` memsets into `scratch`.

@@ -24,6 +24,7 @@ use kvoffload::sync::{thread, Arc};
 use kvoffload::transfer::{JobId, TransferError};
 
 use super::config::{KillAt, RunConfig};
+use super::lifecycle::Stop;
 use super::metrics::{monotonic_secs, Intervals};
 use super::rank::{emit, gated, pause, phase, progress, RankError};
 use super::report::{busy_lines, RankReport};
@@ -102,6 +103,7 @@ struct Work<'a> {
     stage: usize,
     latencies: Vec<f64>,
     retry: Vec<Job>,
+    stop: Stop,
 }
 
 /// Stages of a rank's workload: stores of the first `--prefill-blocks` keys
@@ -123,7 +125,7 @@ fn dir_slot(k: Kind) -> usize {
 }
 
 /// Runs the workload of rank `rank` on `off` (its KV tensors and compute
-/// stream).
+/// stream); `stop` ends it early: no new work, what is in flight drains.
 pub(super) fn workload(
     cfg: &RunConfig,
     rank: usize,
@@ -131,6 +133,7 @@ pub(super) fn workload(
     rearm: &dyn Fn(&dyn GpuRuntime),
     rep: &mut RankReport,
     pause_at: Option<KillAt>,
+    stop: Stop,
 ) -> Result<(), RankError> {
     let shape = Shape {
         rank,
@@ -172,6 +175,7 @@ pub(super) fn workload(
         latencies: Vec::new(),
         stage: PREFILL,
         retry: Vec::new(),
+        stop,
     };
     let r = w.run(rep, &verifier, rearm, pause_at);
     verifier.stop();
@@ -233,13 +237,19 @@ impl Work<'_> {
         let mut sweep: VecDeque<Vec<BlockKey>> = VecDeque::new();
         let mut idle_polls = 0u32;
         loop {
-            if pause_at == Some(KillAt::Transfers) && !paused && issued >= cfg.jobs / 2 && !self.jobs.is_empty() {
+            let stopping = self.stop.requested();
+            if pause_at == Some(KillAt::Transfers)
+                && !paused
+                && !stopping
+                && issued >= cfg.jobs / 2
+                && !self.jobs.is_empty()
+            {
                 paused = true;
                 pause(self.rank, KillAt::Transfers);
             }
             let mut progressed = false;
             // Issue requests (or sweep loads) while there is room.
-            while self.jobs.len() < cfg.inflight && self.free_gpu.len() >= need {
+            while !stopping && self.jobs.len() < cfg.inflight && self.free_gpu.len() >= need {
                 if self.stage == PREFILL {
                     // Consecutive keys from 0: every one a miss, so stores only.
                     if prefilled >= cfg.prefill_blocks {
@@ -277,6 +287,16 @@ impl Work<'_> {
                 self.verified(v, rep, rearm)?;
             }
             let idle = self.jobs.is_empty() && self.verifying == 0;
+            if idle && stopping {
+                // Asked to stop: what was in flight has drained; no sweep.
+                match self.stage {
+                    PREFILL => rep.prefill_seconds = t0.elapsed().as_secs_f64(),
+                    MIXED => rep.workload_seconds = t0.elapsed().as_secs_f64(),
+                    _ => {}
+                }
+                tracing::info!(rank = self.rank, "stopped on request; the jobs in flight drained");
+                break;
+            }
             if idle && self.stage == PREFILL && prefilled >= cfg.prefill_blocks {
                 rep.prefill_seconds = t0.elapsed().as_secs_f64();
                 phase(self.rank, "workload");
