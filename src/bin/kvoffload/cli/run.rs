@@ -562,10 +562,15 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
     }
     let finished = reports.iter().filter(|r| r.is_some()).count();
     let failed = (0..cfg.ranks).any(|r| reports[r].is_none() && !killed[r]);
-    if let (Some(sig), 0) = (interrupted, finished) {
-        // Stopped before any rank could report: nothing measured to print.
+    if let (Some(sig), 0) = (interrupted, tot.stores + tot.loads) {
+        // Stopped before any transfer: the rank lines above (if any) are
+        // all it measured, no table of zeros.
         println!("region file left: {}", if left { "YES (removed now)" } else { "no" });
-        println!("result: INTERRUPTED by {} after {wall:.2} s, before any rank reported", signal_name(sig));
+        println!(
+            "result: INTERRUPTED by {} after {wall:.2} s, before any transfer ({finished} of {} ranks reported)",
+            signal_name(sig),
+            cfg.ranks
+        );
         return Ok(128 + sig);
     }
     if failed && interrupted.is_none() {
@@ -645,6 +650,11 @@ fn fmt_us(s: f64) -> String {
 fn print_rank(r: &RankReport, lat: &Latencies) {
     if r.interrupted {
         println!("rank {}: stopped early on request (SIGINT/SIGTERM); its figures cover the work until then", r.rank);
+        if r.pin_state.is_empty() {
+            // Stopped before pinning settled: shutdown cancelled it.
+            println!("rank {}: stopped before its pin state settled (pinning cancelled)", r.rank);
+            return;
+        }
     }
     println!(
         "rank {}: pinning {} took {:.3} s ({:.2} GB/s, {:.0}% in 2 MiB pages); state {}; agreement {} after {:.3} s",
@@ -661,6 +671,10 @@ fn print_rank(r: &RankReport, lat: &Latencies) {
         "  capture: {} windows, waited {:.3} s in total, {:.3} s at most ({} chunk registrations meanwhile); graphs {} ok, {} failed",
         r.windows, r.window_wait_total, r.window_wait_max, r.chunks_waited, r.graphs_ok, r.graphs_failed
     );
+    if r.interrupted && r.stores + r.loads == 0 {
+        println!("  stopped before its first transfer");
+        return;
+    }
     if r.prefill_store.bytes > 0 {
         println!(
             "  prefill: {} stored in {:.2} s at {:.2} GB/s (stores alone)",
