@@ -10,14 +10,15 @@ mod gpu_common;
 use std::time::Duration;
 
 use kvoffload::manager::{BlockKey, Lookup};
-use kvoffload::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, RegionSpec};
+use kvoffload::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, PinObserver, RegionSpec};
 use kvoffload::protocol::{PinState, ProtocolError};
 use kvoffload::region::ShmOptions;
 use kvoffload::runtime::pattern;
 use kvoffload::runtime::sim::SimRuntime;
 use kvoffload::runtime::{shared, CaptureMode, Direction, GpuRuntime};
+use kvoffload::sync::atomic::{AtomicUsize, Ordering};
 use kvoffload::sync::thread;
-use kvoffload::sync::Arc;
+use kvoffload::sync::{self, Arc, Condvar, Mutex};
 
 const PAGE: usize = 4096;
 
@@ -154,6 +155,60 @@ fn pinning_reaches_pinned_and_reports_progress() {
     assert_eq!(out.agreement, None);
     let p = off.pin_progress();
     assert_eq!(p.chunks_done, p.chunks_total);
+    off.shutdown().unwrap();
+}
+
+/// Records what the pinner reports, and holds it at one chunk until told.
+#[derive(Default)]
+struct Recorder {
+    chunks: Mutex<Vec<(usize, usize)>>,
+    settled: AtomicUsize,
+    hold_at: Option<usize>,
+    release: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl PinObserver for Recorder {
+    fn before_chunk(&self, index: usize, total: usize) {
+        sync::lock(&self.chunks).push((index, total));
+        if self.hold_at == Some(index) {
+            let mut go = sync::lock(&self.release);
+            while !*go {
+                go = sync::wait(&self.cv, go);
+            }
+        }
+    }
+
+    fn settled(&self) {
+        self.settled.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_pin_observer_sees_every_chunk_and_the_end_and_can_hold_pinning() {
+    let rec = Arc::new(Recorder { hold_at: Some(1), ..Default::default() });
+    let mut opts = OffloaderOptions::with_host_blocks(16);
+    opts.pin = opts.pin.max_chunk_bytes(4 * 3 * 2 * PAGE);
+    opts.pin_observer = Some(rec.clone());
+    let off = Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap();
+    let total = off.pin_progress().chunks_total;
+    assert!(total >= 3, "{total} chunks");
+    off.start().unwrap();
+    // Held before chunk 1: chunk 0 registered, pinning not final.
+    let t = std::time::Instant::now();
+    while sync::lock(&rec.chunks).len() < 2 {
+        assert!(t.elapsed() < Duration::from_secs(20), "the observer saw {:?}", sync::lock(&rec.chunks));
+        thread::yield_now();
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(matches!(off.pin_state(), PinState::Pinning { .. }), "{:?}", off.pin_state());
+    assert_eq!(rec.settled.load(Ordering::SeqCst), 0);
+    *sync::lock(&rec.release) = true;
+    rec.cv.notify_all();
+    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    let seen = sync::lock(&rec.chunks).clone();
+    assert_eq!(seen, (0..total).map(|i| (i, total)).collect::<Vec<_>>());
+    assert_eq!(rec.settled.load(Ordering::SeqCst), 1);
     off.shutdown().unwrap();
 }
 

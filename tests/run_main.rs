@@ -1,15 +1,19 @@
 //! `kvoffload run` end to end on the simulated GPU: the default run, ranks
 //! killed during pinning and during transfers, injected copy and
-//! registration faults, bad options. Each run starts rank processes of the
+//! registration faults, bad options, a rank that cannot create the region,
+//! SIGTERM and SIGKILL to the parent. Each run starts rank processes of the
 //! real binary and checks the summary, the exit status, and that no region
 //! file is left in /dev/shm.
 //!
 //! Exit statuses (src/cli/run.rs): 0 when every rank not killed on request
 //! finished clean (a requested kill is an expected outcome); 1 when a block
 //! was corrupted or lost, a rank failed unexpectedly or the file remained;
-//! 2 for bad options.
+//! 2 for bad options; 128 + the signal for a run stopped by SIGINT/SIGTERM.
 
-use std::process::{Command, Output};
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvoffload");
 
@@ -180,4 +184,194 @@ fn bad_options_are_one_line_and_exit_2() {
     let out = Command::new(BIN).args(["run", "--backend", "cuda", "--fault-copy-every", "3"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("need the simulated GPU"));
+}
+
+#[test]
+fn a_rank_that_cannot_create_its_region_ends_the_run_at_once_with_its_error() {
+    // Larger than /dev/shm anywhere; and a directory with no free space.
+    for (args, why) in [
+        (&["--region", "1TiB"][..], "does not fit in /dev/shm"),
+        (&["--region-dir", "/proc"][..], "does not fit in /proc: only 0 bytes free"),
+    ] {
+        let t = Instant::now();
+        let (rc, out, pid) = run(args);
+        let secs = t.elapsed().as_secs_f64();
+        println!("{args:?}: the run failed after {secs:.2} s");
+        assert_eq!(rc, 1, "{args:?}: {out}");
+        assert!(out.contains("rank 0: FAILED: host region: region of") && out.contains(why), "{args:?}: {out}");
+        assert!(out.contains("rank 1: stopped (another rank failed)"), "{args:?}: {out}");
+        // The error, not a table of zeros.
+        assert!(!out.contains("total:") && !out.lines().any(|l| l.starts_with("blocks:")), "{args:?}: {out}");
+        assert!(out.contains("result: FAILED"), "{args:?}: {out}");
+        // Rank 1 would wait for the region for its 120 s rank timeout: the
+        // parent ended it instead (a generous bound for a loaded machine).
+        assert!(secs < 20.0, "{args:?}: {secs:.2} s\n{out}");
+        if args[0] == "--region" {
+            assert_no_file(pid, &out);
+        }
+    }
+}
+
+/// A run in the background; its stdout and stderr lines are collected as
+/// they come.
+struct Background {
+    child: Child,
+    out: Arc<Mutex<String>>,
+}
+
+impl Background {
+    fn start(args: &[&str]) -> Background {
+        let mut child = Command::new(BIN)
+            .arg("run")
+            .args(["--backend", "sim"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start kvoffload");
+        let out = Arc::new(Mutex::new(String::new()));
+        let stdout = child.stdout.take().unwrap();
+        let o = out.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let mut g = o.lock().unwrap();
+                g.push_str(&line);
+                g.push('\n');
+            }
+        });
+        // Ranks inherit stderr: it stays open until the last rank is gone,
+        // so it is read apart and never waited for.
+        let mut stderr = child.stderr.take().unwrap();
+        let o = out.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stderr.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                o.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        Background { child, out }
+    }
+
+    fn output(&self) -> String {
+        self.out.lock().unwrap().clone()
+    }
+
+    /// Waits until `f` holds for the output so far.
+    fn wait_for(&self, what: &str, f: impl Fn(&str) -> bool) {
+        let t = Instant::now();
+        while !f(&self.output()) {
+            assert!(t.elapsed() < Duration::from_secs(120), "no {what} after 120 s:\n{}", self.output());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The rank pids the parent printed (`rank pids: rank 0 pid N, ...`).
+    fn rank_pids(&self) -> Vec<u32> {
+        let out = self.output();
+        let line = out.lines().find(|l| l.starts_with("rank pids:")).unwrap_or_else(|| panic!("no pids:\n{out}"));
+        line.split(", ").map(|p| p.rsplit(' ').next().unwrap().parse().unwrap()).collect()
+    }
+
+    /// Waits for the parent to exit (at most `limit`).
+    fn wait(&mut self, limit: Duration) -> ExitStatus {
+        let t = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                // Let the reader take the last lines.
+                std::thread::sleep(Duration::from_millis(100));
+                return s;
+            }
+            assert!(t.elapsed() < limit, "the parent did not exit within {limit:?}:\n{}", self.output());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// True while `pid` is a running (not zombie) rank process of this binary.
+fn rank_alive(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat.rsplit(')').next().and_then(|r| r.split_whitespace().next()).unwrap_or("?");
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    state != "Z" && String::from_utf8_lossy(&cmdline).contains("--as-rank")
+}
+
+/// Waits until every rank of `pids` is gone; returns how long it took.
+fn wait_ranks_gone(pids: &[u32], limit: Duration, out: &dyn Fn() -> String) -> f64 {
+    let t = Instant::now();
+    while pids.iter().any(|&p| rank_alive(p)) {
+        assert!(t.elapsed() < limit, "ranks {pids:?} still alive after {limit:?}:\n{}", out());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    t.elapsed().as_secs_f64()
+}
+
+/// Sends `sig` to `pid`.
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) with a pid this test spawned; no memory is involved.
+    let r = unsafe { libc::kill(pid as libc::pid_t, sig) };
+    assert_eq!(r, 0, "kill({pid}, {sig}) failed");
+}
+
+/// Both ranks in their workload (a run of a million requests per rank: it
+/// is still running long after), then a moment for jobs to be in flight.
+fn mid_workload(bg: &Background) {
+    bg.wait_for("workload of both ranks", |o| o.contains("rank 0 -> workload") && o.contains("rank 1 -> workload"));
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+#[test]
+fn sigterm_to_the_parent_stops_every_rank_in_order_and_prints_the_summary() {
+    let mut bg = Background::start(&["--jobs", "1000000"]);
+    mid_workload(&bg);
+    let pids = bg.rank_pids();
+    assert_eq!(pids.len(), 2);
+    let t = Instant::now();
+    signal(bg.child.id(), libc::SIGTERM);
+    let status = bg.wait(Duration::from_secs(60));
+    let secs = t.elapsed().as_secs_f64();
+    let out = bg.output();
+    println!("SIGTERM: the parent exited {secs:.2} s after it");
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{out}");
+    // Every rank reaped by the parent (no rank SIGKILLed at the deadline).
+    for p in &pids {
+        assert!(!rank_alive(*p), "rank {p} alive\n{out}");
+    }
+    assert!(out.contains("SIGTERM") && out.contains("stopping the ranks (SIGTERM)"), "{out}");
+    assert!(!out.contains("SIGKILL"), "{out}");
+    // Each rank stopped issuing work, drained it, shut down and reported.
+    assert_eq!(out.matches("stopped early on request").count(), 2, "{out}");
+    assert_eq!(out.matches("-> shutdown").count(), 2, "{out}");
+    assert!(out.contains("result: INTERRUPTED by SIGTERM") && out.contains("2 of 2 ranks reported"), "{out}");
+    assert_eq!(count(&out, "blocks:", "corrupted"), 0, "{out}");
+    assert_eq!(count(&out, "blocks:", "lost"), 0, "{out}");
+    assert!(count(&out, "blocks:", "verified") > 0, "{out}");
+    assert!(out.contains("workload: ") && out.contains("total: "), "{out}");
+    assert_no_file(bg.child.id(), &out);
+}
+
+#[test]
+fn sigkill_to_the_parent_ends_every_rank_and_leaves_no_region_file() {
+    let mut bg = Background::start(&["--jobs", "1000000"]);
+    mid_workload(&bg);
+    let pids = bg.rank_pids();
+    assert_eq!(pids.len(), 2);
+    let parent = bg.child.id();
+    bg.child.kill().unwrap();
+    bg.child.wait().unwrap();
+    // PR_SET_PDEATHSIG: each rank gets SIGTERM, drains, shuts down, exits.
+    let secs = wait_ranks_gone(&pids, Duration::from_secs(60), &|| bg.output());
+    println!("SIGKILL to the parent: every rank gone {secs:.2} s later");
+    let prefix = format!("kvoffload-run-{parent}-");
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with(&prefix))
+        .collect();
+    assert!(left.is_empty(), "region file left: {left:?}\n{}", bg.output());
 }

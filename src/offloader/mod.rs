@@ -17,7 +17,8 @@
 //! - [`Offloader::poll`]: finished jobs, already applied to the block
 //!   manager (a stored key becomes readable only once its store completed;
 //!   a loaded key's slot is released once its load completed, P5);
-//! - [`Offloader::pin_state`] and [`Offloader::pin_progress`];
+//! - [`Offloader::pin_state`] and [`Offloader::pin_progress`] (or a
+//!   [`PinObserver`] in the options, called from the pinning thread);
 //! - [`Offloader::shutdown`] (also run by `Drop`, whose errors are logged):
 //!   refused while a window is open or registered graphs live; drains the
 //!   jobs, stops pinning, unregisters, frees what the offloader allocated
@@ -53,11 +54,13 @@
 //! ```
 
 mod error;
+mod observe;
 mod options;
 
 use std::collections::HashMap;
 
 pub use error::OffloaderError;
+pub use observe::PinObserver;
 pub use options::{KvAlloc, KvSpec, OffloaderOptions, RegionSpec};
 
 use crate::manager::{BlockKey, BlockManager, Lookup, ManagerConfig, Placement, Skipped};
@@ -321,7 +324,10 @@ impl Offloader {
             }
             _ => None,
         };
-        let prefault = prepared.prefault();
+        let prefault = match &opts.pin_observer {
+            Some(o) => observe::observed(prepared.prefault(), o.clone(), prepared.chunks()),
+            None => prepared.prefault(),
+        };
         let coord = prepared.coordinator().clone();
         // This rank's host blocks: block `i` is the rank's chunk `i`.
         let host_base = region.chunk_ptr(rank, 0)?.as_ptr() as usize;

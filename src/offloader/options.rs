@@ -7,7 +7,10 @@ use crate::manager::PolicyKind;
 use crate::pin::PinOptions;
 use crate::region::ShmOptions;
 use crate::runtime::Stream;
+use crate::sync::Arc;
 use crate::transfer::{TensorSpec, TransferOptions};
+
+use super::PinObserver;
 
 /// Where the host blocks live.
 #[derive(Clone, Debug, Default)]
@@ -110,6 +113,9 @@ pub struct OffloaderOptions {
     /// How long a rank waits for its peers to settle their pin state (shared
     /// regions); `None` waits for as long as it takes.
     pub agreement_timeout: Option<Duration>,
+    /// Called on the pinning thread before each chunk and once this rank's
+    /// own pinning ended (progress, timing); `None` by default.
+    pub pin_observer: Option<Arc<dyn PinObserver>>,
 }
 
 impl Default for OffloaderOptions {
@@ -121,6 +127,7 @@ impl Default for OffloaderOptions {
             transfer: TransferOptions::default(),
             eviction: PolicyKind::Lru,
             agreement_timeout: Some(Duration::from_secs(120)),
+            pin_observer: None,
         }
     }
 }

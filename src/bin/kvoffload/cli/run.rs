@@ -1,22 +1,35 @@
 //! `kvoffload run`: the main job. The parent process spawns one process per
 //! rank (this binary again, with hidden `--as-rank`), reads their marker
-//! lines (progress bars on stderr), kills a rank where a fault test asks,
-//! and prints the summary. Library part: `crate::run`.
+//! lines (progress bars on stderr; phase lines on stdout when stderr is not
+//! a terminal), kills a rank where a fault test asks, and prints the
+//! summary. Library part: `crate::run`.
+//!
+//! Lifecycle: the ranks die with the parent (`PR_SET_PDEATHSIG`, see
+//! `crate::run::lifecycle`). When a rank fails (a `KVO-ERROR` line) the
+//! others are killed at once: they would only wait for it. On SIGINT or
+//! SIGTERM the parent forwards SIGTERM to the ranks, which stop issuing
+//! work, drain it, shut their offloaders down and report; it waits for them
+//! up to [`STOP_GRACE`] (then SIGKILL; a second signal kills at once),
+//! prints the summary it has and removes the region file if one is left.
 //!
 //! Exit status: 0 when every rank that was not killed on request finished
 //! with every loaded block verified, none corrupted, none lost, and no
 //! region file left; 1 when a block was corrupted or lost, a rank failed or
 //! died unexpectedly, or the region file remained; 2 for bad options or an
-//! unusable environment.
+//! unusable environment; 128 + the signal's number when SIGINT or SIGTERM
+//! stopped the run.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use rustix::process::{kill_process, Pid, Signal};
+use signal_hook::consts::{SIGINT, SIGTERM};
+
 use crate::run::metrics::{Intervals, Latencies, Throughput};
 use crate::run::report::{self, field, RankReport};
-use crate::run::{run_rank, KillAt, RunConfig};
+use crate::run::{lifecycle, run_rank, KillAt, RunConfig};
 use clap::ValueEnum;
 use kvoffload::region::{pages, shm_path};
 use kvoffload::runtime::cuda::CudaRuntime;
@@ -152,6 +165,21 @@ pub struct Args {
     rank_gpus: RankGpus,
     #[arg(long, hide = true, value_enum)]
     pause_at: Option<KillAtArg>,
+    /// The parent's pid, for a rank to check it was not orphaned at birth.
+    #[arg(long, hide = true)]
+    parent_pid: Option<u32>,
+}
+
+/// How long the parent waits for its ranks after forwarding SIGTERM to
+/// them, before it SIGKILLs those left.
+pub const STOP_GRACE: Duration = Duration::from_secs(10);
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        SIGINT => "SIGINT",
+        SIGTERM => "SIGTERM",
+        _ => "a signal",
+    }
 }
 
 impl Args {
@@ -269,18 +297,34 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
         );
     }
 
-    // Spawn the ranks.
+    // SIGINT and SIGTERM become events of the loop below (signal-hook's
+    // thread reads them from its self-pipe), from before the first rank.
+    let events = Arc::new(Events { q: Mutex::new(VecDeque::new()), cv: Condvar::new() });
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+        .map_err(|e| format!("installing the SIGINT/SIGTERM handlers: {e}"))?;
+    let signals_handle = signals.handle();
+    let signal_thread = {
+        let ev = events.clone();
+        thread::spawn(move || {
+            for sig in signals.forever() {
+                ev.push(Event::Signal(sig));
+            }
+        })
+    };
+
+    // Spawn the ranks (from this thread, which lives until the run ends:
+    // a rank's PR_SET_PDEATHSIG fires when the thread that spawned it ends).
     let passthrough: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
     let mut children: Vec<Child> = Vec::with_capacity(cfg.ranks);
     let mut stdins: Vec<Option<ChildStdin>> = Vec::with_capacity(cfg.ranks);
-    let events = Arc::new(Events { q: Mutex::new(VecDeque::new()), cv: Condvar::new() });
     let mut readers = Vec::new();
     let t0 = Instant::now();
+    let me = std::process::id().to_string();
     for (r, dev) in devices.iter().enumerate() {
         let mut cmd = Command::new(&exe);
         cmd.args(&passthrough)
             .args(["--as-rank", &r.to_string(), "--region-name", &name, "--rank-backend", bname])
-            .args(["--rank-device", &dev.to_string()])
+            .args(["--rank-device", &dev.to_string(), "--parent-pid", &me])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -298,6 +342,7 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
                     let _ = c.kill();
                     let _ = c.wait();
                 }
+                signals_handle.close();
                 return Err(format!("starting rank {r}: {e}"));
             }
         };
@@ -309,14 +354,18 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
             readers.push(thread::spawn(move || {
                 for line in BufReader::new(out).lines() {
                     match line {
-                        Ok(l) => ev.push(r, Some(l)),
+                        Ok(l) => ev.push(Event::Line(r, l)),
                         Err(_) => break,
                     }
                 }
-                ev.push(r, None);
+                ev.push(Event::Closed(r));
             }));
         }
     }
+    println!(
+        "rank pids: {}",
+        children.iter().enumerate().map(|(r, c)| format!("rank {r} pid {}", c.id())).collect::<Vec<_>>().join(", ")
+    );
 
     // Follow them.
     let bars = Bars::new(cfg.ranks);
@@ -331,17 +380,64 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
     let mut notes: Vec<String> = Vec::new();
     // Busy intervals of every rank by "<direction>-<stage>" (store-mixed, load-sweep, ...).
     let mut busy: std::collections::BTreeMap<String, Intervals> = std::collections::BTreeMap::new();
+    // SIGINT/SIGTERM received (the first one's number), and ranks SIGKILLed
+    // because they outlived STOP_GRACE (or a second signal).
+    let mut interrupted: Option<i32> = None;
+    let mut overdue: Vec<bool> = vec![false; cfg.ranks];
     let mut open = readers.len();
     while open > 0 {
-        let (r, line) = events.pop();
-        let Some(line) = line else {
-            open -= 1;
-            statuses[r] = children[r].wait().ok();
-            bars.done(r);
-            continue;
+        let (r, line) = match events.pop() {
+            Event::Line(r, line) => (r, line),
+            Event::Closed(r) => {
+                open -= 1;
+                statuses[r] = children[r].wait().ok();
+                bars.done(r);
+                continue;
+            }
+            Event::Signal(sig) => {
+                let live: Vec<usize> =
+                    (0..cfg.ranks).filter(|&o| statuses[o].is_none() && !killed[o] && !overdue[o]).collect();
+                if interrupted.is_none() {
+                    interrupted = Some(sig);
+                    bars.println(&format!(
+                        "{} {:.2} s into the run: stopping the ranks (SIGTERM); waiting up to {} s",
+                        signal_name(sig),
+                        t0.elapsed().as_secs_f64(),
+                        STOP_GRACE.as_secs()
+                    ));
+                    for &o in &live {
+                        // Not reaped yet, so the pid is still this child's.
+                        if let Err(e) = kill_process(Pid::from_child(&children[o]), Signal::TERM) {
+                            bars.println(&format!("rank {o}: SIGTERM failed: {e}"));
+                        }
+                    }
+                    let ev = events.clone();
+                    thread::spawn(move || {
+                        std::thread::sleep(STOP_GRACE);
+                        ev.push(Event::Deadline);
+                    });
+                } else {
+                    bars.println(&format!("{} again: killing the ranks left (SIGKILL)", signal_name(sig)));
+                    for o in live {
+                        let _ = children[o].kill();
+                        overdue[o] = true;
+                    }
+                }
+                continue;
+            }
+            Event::Deadline => {
+                for o in 0..cfg.ranks {
+                    if statuses[o].is_none() && !killed[o] && !overdue[o] {
+                        bars.println(&format!("rank {o}: still running after {} s: SIGKILL", STOP_GRACE.as_secs()));
+                        let _ = children[o].kill();
+                        overdue[o] = true;
+                    }
+                }
+                continue;
+            }
         };
         if line.starts_with(report::PHASE) {
-            bars.phase(r, field(&line, "phase").unwrap_or("?"));
+            bars.phase(r, field(&line, "phase").unwrap_or("?"), t0.elapsed().as_secs_f64());
         } else if line.starts_with(report::PROGRESS) {
             let n = |k| field(&line, k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
             bars.progress(r, field(&line, "phase").unwrap_or("?"), n("done"), n("total"));
@@ -383,9 +479,10 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
             // One rank failed: the others would only wait for it (to join,
             // to agree) until their rank timeout. End the run now: SIGKILL
             // the others and reap them; the region file (if any) is removed
-            // below whatever happened.
+            // below whatever happened. (Not when the run was interrupted:
+            // the others are stopping in order.)
             for (o, c) in children.iter_mut().enumerate() {
-                if o != r && statuses[o].is_none() && !killed[o] {
+                if o != r && statuses[o].is_none() && !killed[o] && interrupted.is_none() {
                     let _ = c.kill();
                     statuses[o] = c.wait().ok();
                     aborted[o] = true;
@@ -407,6 +504,8 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
     for h in readers {
         let _ = h.join();
     }
+    signals_handle.close();
+    let _ = signal_thread.join();
     bars.clear();
     let wall = t0.elapsed().as_secs_f64();
 
@@ -447,6 +546,10 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
                 ok = false;
                 println!("rank {r}: stopped (another rank failed)");
             }
+            (None, false) if overdue[r] => {
+                ok = false;
+                println!("rank {r}: no result (SIGKILLed: still running {} s after SIGTERM)", STOP_GRACE.as_secs());
+            }
             (None, false) => {
                 ok = false;
                 let why = errors[r].clone().unwrap_or_else(|| match statuses[r] {
@@ -459,7 +562,18 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
     }
     let finished = reports.iter().filter(|r| r.is_some()).count();
     let failed = (0..cfg.ranks).any(|r| reports[r].is_none() && !killed[r]);
-    if failed {
+    if let (Some(sig), 0) = (interrupted, tot.stores + tot.loads) {
+        // Stopped before any transfer: the rank lines above (if any) are
+        // all it measured, no table of zeros.
+        println!("region file left: {}", if left { "YES (removed now)" } else { "no" });
+        println!(
+            "result: INTERRUPTED by {} after {wall:.2} s, before any transfer ({finished} of {} ranks reported)",
+            signal_name(sig),
+            cfg.ranks
+        );
+        return Ok(128 + sig);
+    }
+    if failed && interrupted.is_none() {
         // No figures from a failed run: the errors above are what it says.
         println!("region file left: {}", if left { "YES (removed now)" } else { "no" });
         println!("result: FAILED");
@@ -503,6 +617,18 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
         tot.blocks_verified, tot.sweep_blocks, tot.blocks_corrupted, tot.blocks_lost, tot.jobs_failed
     );
     println!("region file left: {}", if left { "YES (removed now)" } else { "no" });
+    if let Some(sig) = interrupted {
+        println!(
+            "result: INTERRUPTED by {} after {wall:.2} s: {} of {} ranks reported; {} blocks verified, {} corrupted, {} lost",
+            signal_name(sig),
+            finished,
+            cfg.ranks,
+            tot.blocks_verified,
+            tot.blocks_corrupted,
+            tot.blocks_lost
+        );
+        return Ok(128 + sig);
+    }
     ok &= !left && finished > 0;
     if ok {
         println!("result: ok, every loaded block verified ({} blocks), 0 corrupted, 0 lost", tot.blocks_verified);
@@ -522,6 +648,14 @@ fn fmt_us(s: f64) -> String {
 }
 
 fn print_rank(r: &RankReport, lat: &Latencies) {
+    if r.interrupted {
+        println!("rank {}: stopped early on request (SIGINT/SIGTERM); its figures cover the work until then", r.rank);
+        if r.pin_state.is_empty() {
+            // Stopped before pinning settled: shutdown cancelled it.
+            println!("rank {}: stopped before its pin state settled (pinning cancelled)", r.rank);
+            return;
+        }
+    }
     println!(
         "rank {}: pinning {} took {:.3} s ({:.2} GB/s, {:.0}% in 2 MiB pages); state {}; agreement {} after {:.3} s",
         r.rank,
@@ -537,6 +671,10 @@ fn print_rank(r: &RankReport, lat: &Latencies) {
         "  capture: {} windows, waited {:.3} s in total, {:.3} s at most ({} chunk registrations meanwhile); graphs {} ok, {} failed",
         r.windows, r.window_wait_total, r.window_wait_max, r.chunks_waited, r.graphs_ok, r.graphs_failed
     );
+    if r.interrupted && r.stores + r.loads == 0 {
+        println!("  stopped before its first transfer");
+        return;
+    }
     if r.prefill_store.bytes > 0 {
         println!(
             "  prefill: {} stored in {:.2} s at {:.2} GB/s (stores alone)",
@@ -573,8 +711,22 @@ fn print_rank(r: &RankReport, lat: &Latencies) {
     );
 }
 
-/// A rank process: open the runtime it was told, run, print the result.
+/// A rank process: die with the parent, stop on SIGINT/SIGTERM, open the
+/// runtime it was told, run, print the result.
 fn run_as_rank(a: &Args, cfg: &RunConfig, rank: usize) -> Result<i32, String> {
+    let fail = |e: &dyn std::fmt::Display| {
+        crate::run::rank::emit(&format!("{} rank={rank} {e}", report::ERROR));
+        Ok(1)
+    };
+    if let Some(parent) = a.parent_pid {
+        if let Err(e) = lifecycle::die_with_parent(parent) {
+            return fail(&e);
+        }
+    }
+    let stop = match lifecycle::Stop::install() {
+        Ok(s) => s,
+        Err(e) => return fail(&format!("installing the SIGINT/SIGTERM handlers: {e}")),
+    };
     let name = a.region_name.as_deref().ok_or("--as-rank needs --region-name")?;
     let b = match a.rank_backend {
         Some(BackendArg::Cuda) => BackendArg::Cuda,
@@ -591,7 +743,7 @@ fn run_as_rank(a: &Args, cfg: &RunConfig, rank: usize) -> Result<i32, String> {
             return Ok(1);
         }
     };
-    match run_rank(cfg, rank, name, rt, a.pause_at.map(Into::into)) {
+    match run_rank(cfg, rank, name, rt, a.pause_at.map(Into::into), stop) {
         Ok(rep) => {
             crate::run::rank::emit(&rep.to_line());
             Ok(0)
@@ -603,19 +755,31 @@ fn run_as_rank(a: &Args, cfg: &RunConfig, rank: usize) -> Result<i32, String> {
     }
 }
 
-/// Lines from the ranks' stdout readers.
+/// What the parent's loop reacts to.
+enum Event {
+    /// A line of rank r's stdout.
+    Line(usize, String),
+    /// Rank r's stdout closed (it exited).
+    Closed(usize),
+    /// SIGINT or SIGTERM reached the parent.
+    Signal(i32),
+    /// STOP_GRACE passed since the first signal.
+    Deadline,
+}
+
+/// Lines from the ranks' stdout readers, signals, the deadline.
 struct Events {
-    q: Mutex<VecDeque<(usize, Option<String>)>>,
+    q: Mutex<VecDeque<Event>>,
     cv: Condvar,
 }
 
 impl Events {
-    fn push(&self, rank: usize, line: Option<String>) {
-        sync::lock(&self.q).push_back((rank, line));
+    fn push(&self, e: Event) {
+        sync::lock(&self.q).push_back(e);
         self.cv.notify_all();
     }
 
-    fn pop(&self) -> (usize, Option<String>) {
+    fn pop(&self) -> Event {
         let mut g = sync::lock(&self.q);
         loop {
             if let Some(e) = g.pop_front() {
@@ -652,9 +816,14 @@ impl Bars {
         Bars { multi, bars }
     }
 
-    fn phase(&self, r: usize, phase: &str) {
+    /// Rank r entered `phase`, `at` seconds into the run (a line of its
+    /// own when the bars are hidden: logs keep the phases' times).
+    fn phase(&self, r: usize, phase: &str, at: f64) {
         if let Some(b) = self.bars.get(r) {
             b.set_message(phase.to_string());
+        }
+        if self.multi.is_hidden() {
+            println!("rank {r} -> {phase} ({at:.2} s)");
         }
     }
 

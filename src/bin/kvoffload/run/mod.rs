@@ -1,12 +1,15 @@
 //! `kvoffload run`, the main job end to end: N rank processes share one
-//! region; each pins it in the background while it does its own start-up
-//! work, captures graphs through capture windows, agrees with its peers on
-//! the pin state (P7), then runs store and load jobs through the block
-//! manager and the transfer engine, checking every loaded block byte for
-//! byte against a pattern derived from its key.
+//! region; each holds one [`kvoffload::offloader::Offloader`], as an engine
+//! would, which pins the region in the background while the rank does its
+//! own start-up work; the rank captures graphs inside capture windows, waits
+//! for the pin state every rank agreed on (P7), then stores and loads by
+//! keys and GPU block ids, checking every loaded block byte for byte against
+//! a pattern derived from its key.
 //!
 //! - [`config`]: the settings and the sizes derived from them.
 //! - [`rank`]: the body of one rank process.
+//! - [`lifecycle`]: a rank dies with its parent; SIGINT/SIGTERM stop it in
+//!   order.
 //! - [`report`]: the lines a rank prints for its parent, and its figures.
 //! - `workload`: a rank's requests and the final sweep; `tables`, `verify`:
 //!   a job's GPU pages as pattern-kernel tables, and the verifier thread
@@ -14,10 +17,12 @@
 //! - [`metrics`]: latencies and throughput; block contents come from
 //!   [`kvoffload::runtime::pattern`].
 //!
-//! The parent (spawning ranks, killing them in fault tests, the summary)
-//! is the CLI's `run` command (`src/cli/run.rs`).
+//! The parent (spawning ranks, killing them in fault tests, forwarding
+//! SIGINT/SIGTERM, the summary) is the CLI's `run` command
+//! (`src/cli/run.rs`).
 
 pub mod config;
+pub mod lifecycle;
 pub mod metrics;
 pub mod rank;
 pub mod report;

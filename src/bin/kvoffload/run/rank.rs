@@ -1,41 +1,48 @@
-//! One rank of `kvoffload run`: an engine-like process that shares the
-//! region with its peers.
+//! One rank of `kvoffload run`: an engine-like process that holds one
+//! [`Offloader`] over a region shared with its peers, as a real engine would.
 //!
-//! 1. creates (rank 0) or joins the shared region; the file is unlinked as
-//!    soon as every rank has mapped it;
-//! 2. starts background pinning of the whole region through its own
-//!    coordinator, with the P7 agreement over the region header's words;
+//! 1. builds the offloader: its KV tensors and compute stream, the shared
+//!    region (rank 0 creates it, the others join; the file is unlinked as
+//!    soon as every rank has mapped it), the transfer engine and the block
+//!    manager;
+//! 2. starts background pinning (`Offloader::start`; with the P7 agreement
+//!    of every rank), watched by a [`PinObserver`] (progress lines, this
+//!    rank's own pin time, the fault tests' pause);
 //! 3. runs its own start-up work (a compute loop) meanwhile;
-//! 4. captures graphs in GLOBAL mode through capture windows;
-//! 5. waits for the agreed pin state, then runs requests: each picks
-//!    `blocks_per_job` consecutive keys (Zipf), loads the leading hits and
-//!    stores the misses (each block's pattern written into its GPU blocks
-//!    by the pattern-fill kernel on the compute stream first, so stores
-//!    must be ordered after compute); every page of every loaded block is
-//!    checked on the GPU by the pattern-check kernel, driven by a verifier
-//!    thread (`workload.rs`, `verify.rs`);
-//! 6. loads and checks every block the manager still holds (the sweep);
-//! 7. shuts down in the protocol's order and unmaps the region.
+//! 4. captures graphs in GLOBAL mode inside `Offloader::capture_window`s;
+//! 5. waits for the agreed pin state (`Offloader::wait_pinned`), then runs
+//!    requests by keys and GPU block ids (`lookup`, `store`, `load`, `poll`,
+//!    `wait`): each picks `blocks_per_job` consecutive keys (Zipf), loads
+//!    the leading hits and stores the misses, each stored block's pattern
+//!    written into its GPU blocks by the pattern-fill kernel on the compute
+//!    stream first; every page of every loaded block is checked on the GPU
+//!    by the pattern-check kernel, driven by a verifier thread
+//!    (`workload.rs`, `verify.rs`);
+//! 6. loads and checks every block the offloader still holds (the sweep);
+//! 7. destroys its graphs and shuts the offloader down (jobs drained,
+//!    pinning stopped, the region unregistered), then unmaps the region.
+//!
+//! SIGINT or SIGTERM (also sent by the kernel when the parent dies) stops
+//! it between steps, or stops issuing work in step 5 and drains what is in
+//! flight; it skips to step 7 and still reports what it measured.
 //!
 //! It speaks to the parent through stdout lines (`report::PHASE`, ...).
 
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
-use kvoffload::manager::ManagerError;
-use kvoffload::pin::RegionSlots;
-use kvoffload::pin::{pin_all_agreed, Agreement, PinError, PinOptions, Prefault, Prepared};
-use kvoffload::protocol::agreement::{AgreementError, RankSlots};
-use kvoffload::protocol::{shutdown, Coordinator, GraphToken, PinState, ProtocolError, ShutdownError};
-use kvoffload::region::pages;
-use kvoffload::region::{Region, RegionError, ShmOptions};
+use kvoffload::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, PinObserver, RegionSpec};
+use kvoffload::pin::PinOptions;
+use kvoffload::protocol::agreement::AgreementError;
+use kvoffload::protocol::{GraphToken, PinState};
+use kvoffload::region::{pages, ShmOptions};
 use kvoffload::runtime::pattern;
 use kvoffload::runtime::sim::SimFault;
 use kvoffload::runtime::{CaptureMode, Code, DevicePtr, DriverError, DriverResult, Gate, GpuRuntime, Graph, Stream};
-use kvoffload::sync::{self, thread, Arc, Mutex};
-use kvoffload::transfer::TransferError;
+use kvoffload::sync::{self, Arc, Mutex};
 
 use super::config::{ConfigError, KillAt, RunConfig};
+use super::lifecycle::Stop;
 use super::report::{RankReport, NOTE, PAUSE, PHASE, PROGRESS};
 use super::workload::workload;
 
@@ -44,20 +51,10 @@ use super::workload::workload;
 pub enum RankError {
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error("region: {0}")]
-    Region(#[from] RegionError),
-    #[error("pinning set-up: {0}")]
-    Pin(#[from] PinError),
-    #[error("protocol: {0}")]
-    Protocol(#[from] ProtocolError),
+    #[error(transparent)]
+    Offloader(#[from] OffloaderError),
     #[error("{what}: {error}")]
     Driver { what: &'static str, error: DriverError },
-    #[error("transfer: {0}")]
-    Transfer(#[from] TransferError),
-    #[error("block manager: {0}")]
-    Manager(#[from] ManagerError),
-    #[error("shutdown: {0}")]
-    Shutdown(#[from] ShutdownError),
     #[error("{0}")]
     Other(String),
 }
@@ -66,18 +63,19 @@ pub(super) fn drv(what: &'static str) -> impl FnOnce(DriverError) -> RankError {
     move |error| RankError::Driver { what, error }
 }
 
-/// `f`, a capture-unsafe driver call, through the gate of the rank's
-/// coordinator (it waits while a capture window is open); the coordinator's
-/// refusal and the driver's error both become a [`RankError`] naming `what`.
+/// `f`, a capture-unsafe driver call, through the offloader's gate (it
+/// waits while a capture window is open); the offloader's refusal and the
+/// driver's error both become a [`RankError`] naming `what`.
 pub(super) fn gated<T>(
-    coord: &Coordinator,
+    off: &Offloader,
     what: &'static str,
-    f: impl FnOnce(&Gate) -> DriverResult<T>,
+    f: impl FnOnce(&Gate, &dyn GpuRuntime) -> DriverResult<T>,
 ) -> Result<T, RankError> {
-    coord.unsafe_call(what, f)?.map_err(drv(what))
+    off.gated(what, f)?.map_err(drv(what))
 }
 
-/// Writes one line on stdout for the parent, flushed at once.
+/// Writes one line on stdout for the parent, flushed at once (a parent
+/// that is gone makes it fail, which is ignored).
 pub fn emit(line: &str) {
     let mut o = std::io::stdout().lock();
     let _ = writeln!(o, "{line}");
@@ -101,58 +99,107 @@ pub(super) fn pause(rank: usize, at: KillAt) {
     let _ = std::io::stdin().lock().read_line(&mut s);
 }
 
-/// Wraps the pre-faulter: reports progress per chunk, pauses where the
-/// fault test asks, and notes when this rank's own pinning ended.
+/// Watches the offloader's pinner: reports progress per chunk, pauses where
+/// the fault test asks, and notes when this rank's own pinning ended.
 struct PinProbe {
-    inner: Arc<dyn Prefault>,
     rank: usize,
-    total: usize,
-    pause_at: Option<usize>,
-    started: Instant,
+    pause: bool,
+    started: Mutex<Option<Instant>>,
     local_done: Mutex<Option<Duration>>,
 }
 
-impl Prefault for PinProbe {
-    fn ensure(&self, i: usize, addr: usize, len: usize) -> Result<(), String> {
-        progress(self.rank, "pinning", i, self.total);
-        if self.pause_at == Some(i) {
+impl PinObserver for PinProbe {
+    fn before_chunk(&self, index: usize, total: usize) {
+        progress(self.rank, "pinning", index, total);
+        if self.pause && index == total / 2 {
             pause(self.rank, KillAt::Pinning);
         }
-        self.inner.ensure(i, addr, len)
     }
 
-    fn hint(&self, i: usize, addr: usize, len: usize) {
-        self.inner.hint(i, addr, len)
+    fn settled(&self) {
+        let started = *sync::lock(&self.started);
+        if let Some(t) = started {
+            sync::lock(&self.local_done).get_or_insert(t.elapsed());
+        }
     }
+}
 
-    fn settle(&self) {
-        self.inner.settle();
-        sync::lock(&self.local_done).get_or_insert(self.started.elapsed());
+/// The graphs a rank captured, and what they were captured with.
+struct Captures {
+    stream: Stream,
+    scratch: DevicePtr,
+    graphs: Vec<(Graph, GraphToken)>,
+}
+
+impl Captures {
+    /// Destroys the graphs (then their tokens: shutdown is refused while
+    /// any lives), frees the scratch buffer and the stream.
+    fn release(self, off: &Offloader) -> Result<(), RankError> {
+        let rt = off.runtime();
+        let mut first = None;
+        for (g, token) in self.graphs {
+            if let Err(e) = rt.graph_destroy(g) {
+                first.get_or_insert(drv("destroying a graph")(e));
+            }
+            drop(token);
+        }
+        if let Err(e) = gated(off, "freeing the capture scratch buffer", |g, rt| rt.mem_free(g, self.scratch)) {
+            first.get_or_insert(e);
+        }
+        if let Err(e) = rt.stream_destroy(self.stream) {
+            first.get_or_insert(drv("destroying the capture stream")(e));
+        }
+        first.map_or(Ok(()), Err)
     }
 }
 
 /// Runs rank `rank` of `cfg` on `rt` with the region `region_name`;
-/// `pause_at` makes it stop where a fault test kills it.
+/// `pause_at` makes it stop where a fault test kills it; `stop` ends it
+/// early (SIGINT, SIGTERM).
 pub fn run_rank(
     cfg: &RunConfig,
     rank: usize,
     region_name: &str,
     rt: Arc<dyn GpuRuntime>,
     pause_at: Option<KillAt>,
+    stop: Stop,
 ) -> Result<RankReport, RankError> {
     let d = cfg.validate()?;
     let mut rep = RankReport { rank, backend: rt.backend().to_string(), ..Default::default() };
 
-    // 1. The region.
+    // 1. The offloader: KV tensors, shared region, engine, manager.
     phase(rank, "region");
-    let opts = ShmOptions::new().timeout(cfg.rank_timeout).dir(&cfg.region_dir);
-    let region = if rank == 0 {
-        Region::create(region_name, d.layout, 0, &opts)?
-    } else {
-        Region::join(region_name, d.layout, rank, &opts)?
+    let probe = Arc::new(PinProbe {
+        rank,
+        pause: pause_at == Some(KillAt::Pinning),
+        started: Mutex::new(None),
+        local_done: Mutex::new(None),
+    });
+    let mut pin = PinOptions::default().max_chunk_bytes(d.pin_chunk).huge_pages(cfg.pin_huge_pages);
+    if let Some(t) = cfg.pin_threads {
+        pin = pin.threads(t);
+    }
+    let observer: Arc<dyn PinObserver> = probe.clone();
+    let opts = OffloaderOptions {
+        region: RegionSpec::Shared {
+            name: region_name.to_string(),
+            rank,
+            ranks: cfg.ranks,
+            options: ShmOptions::new().timeout(cfg.rank_timeout).dir(&cfg.region_dir),
+        },
+        pin,
+        agreement_timeout: Some(cfg.rank_timeout),
+        pin_observer: Some(observer),
+        ..OffloaderOptions::with_host_blocks(d.host_blocks)
     };
-    let region = Arc::new(region);
-    rep.region_bytes = region.len() as u64;
+    let kv = KvAlloc {
+        tensors: cfg.layers,
+        page_bytes: cfg.page_bytes,
+        gpu_blocks: cfg.gpu_blocks,
+        block_factor: cfg.block_factor,
+    };
+    let off = Arc::new(Offloader::with_allocated_tensors(rt.clone(), kv, opts)?);
+    rep.region_bytes = off.region().len() as u64;
 
     // Faults (simulated GPU only; the parent refuses them elsewhere).
     let faulty = cfg.fault_rank.is_none_or(|r| r == rank);
@@ -173,128 +220,148 @@ pub fn run_rank(
         }
     };
 
-    // 2. Background pinning with the agreement.
+    // 2. Background pinning, with the agreement of every rank.
     phase(rank, "pinning");
-    let mut popts = PinOptions::default().max_chunk_bytes(d.pin_chunk).huge_pages(cfg.pin_huge_pages);
-    if let Some(t) = cfg.pin_threads {
-        popts = popts.threads(t);
-    }
-    let prepared = Prepared::new(&region, &popts)?;
-    let chunks = prepared.chunks();
-    let (coord, prefault) = prepared.into_parts();
     let started = Instant::now();
-    let probe = Arc::new(PinProbe {
-        inner: prefault,
-        rank,
-        total: chunks,
-        pause_at: (pause_at == Some(KillAt::Pinning)).then_some(chunks / 2),
-        started,
-        local_done: Mutex::new(None),
+    *sync::lock(&probe.started) = Some(started);
+    let mut captures = None;
+    let result = off.start().map_err(RankError::from).and_then(|()| {
+        startup(cfg, rank, stop);
+        captures = Some(capture(cfg, rank, &off, &mut rep, stop)?);
+        if agree(rank, &off, &probe, started, &mut rep, stop)? {
+            workload(cfg, rank, &off, &rearm, &mut rep, pause_at, stop)?;
+        }
+        Ok(())
     });
-    let slots: Arc<dyn RankSlots> = match RegionSlots::new(region.clone()) {
-        Some(s) => Arc::new(s),
-        None => return Err(RankError::Other("the run's region is not shared".into())),
-    };
-    let agreement = Agreement { slots, rank, timeout: Some(cfg.rank_timeout) };
-    let pinner = {
-        let (rt, coord, probe) = (rt.clone(), coord.clone(), probe.clone());
-        thread::spawn(move || pin_all_agreed(rt.as_ref(), &coord, probe.as_ref(), &agreement))
-    };
+    rep.interrupted = stop.requested();
 
-    // 3. The engine's own start-up work, overlapping pinning.
+    // 7. Shutdown: graphs first, then the offloader's (jobs drained,
+    // pinning stopped, the region unregistered), even when a step failed.
+    phase(rank, "shutdown");
+    let released = captures.map_or(Ok(()), |c| c.release(&off));
+    let down = off.shutdown();
+    result?;
+    released?;
+    down?;
+    // The last holder: the region is unmapped here.
+    drop(off);
+    Ok(rep)
+}
+
+/// Step 3: the engine's own start-up work, overlapping pinning.
+fn startup(cfg: &RunConfig, rank: usize, stop: Stop) {
     phase(rank, "startup");
     let t = Instant::now();
     let mut buf = vec![0u8; 64 << 10];
     let mut n = 0u64;
-    while t.elapsed() < cfg.startup {
+    while t.elapsed() < cfg.startup && !stop.requested() {
         pattern::fill(n, &mut buf);
         n += 1;
     }
     std::hint::black_box(&buf);
+}
 
-    // 4. Graph capture through capture windows (GLOBAL mode).
+/// Step 4: graph capture inside capture windows (GLOBAL mode), each graph
+/// registered with the offloader, then replayed once.
+fn capture(
+    cfg: &RunConfig,
+    rank: usize,
+    off: &Offloader,
+    rep: &mut RankReport,
+    stop: Stop,
+) -> Result<Captures, RankError> {
     phase(rank, "capture");
-    let cstream = rt.stream_create().map_err(drv("creating the capture stream"))?;
-    let scratch = gated(&coord, "allocating the capture scratch buffer", |g| rt.mem_alloc(g, 1 << 20))?;
-    let mut graphs: Vec<(Graph, GraphToken)> = Vec::new();
-    for _ in 0..cfg.graphs {
-        let t = Instant::now();
-        let window = coord.open_window()?;
-        let waited = t.elapsed().as_secs_f64();
-        rep.windows += 1;
-        rep.window_wait_total += waited;
-        rep.window_wait_max = rep.window_wait_max.max(waited);
-        rep.chunks_waited += window.chunks_waited() as u64;
-        match capture_one(rt.as_ref(), cstream, scratch, cfg.graph_nodes) {
-            Ok(g) => {
-                drop(window);
-                graphs.push((g, coord.register_graph()?));
-                rep.graphs_ok += 1;
+    let rt = off.runtime();
+    let stream = rt.stream_create().map_err(drv("creating the capture stream"))?;
+    let scratch = match gated(off, "allocating the capture scratch buffer", |g, rt| rt.mem_alloc(g, 1 << 20)) {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = rt.stream_destroy(stream);
+            return Err(e);
+        }
+    };
+    let mut c = Captures { stream, scratch, graphs: Vec::new() };
+    let r = (|| {
+        for _ in 0..cfg.graphs {
+            if stop.requested() {
+                break;
             }
-            Err(e) => {
-                drop(window);
-                tracing::error!(rank, error = %e, "graph capture failed");
-                rep.graphs_failed += 1;
+            let t = Instant::now();
+            let window = off.capture_window()?;
+            let waited = t.elapsed().as_secs_f64();
+            rep.windows += 1;
+            rep.window_wait_total += waited;
+            rep.window_wait_max = rep.window_wait_max.max(waited);
+            rep.chunks_waited += window.chunks_waited() as u64;
+            let captured = capture_one(rt.as_ref(), stream, scratch, cfg.graph_nodes);
+            drop(window);
+            match captured {
+                Ok(g) => {
+                    // The token first: a graph without one would not hold
+                    // shutdown back.
+                    match off.register_graph() {
+                        Ok(token) => c.graphs.push((g, token)),
+                        Err(e) => {
+                            let _ = rt.graph_destroy(g);
+                            return Err(e.into());
+                        }
+                    }
+                    rep.graphs_ok += 1;
+                }
+                Err(e) => {
+                    tracing::error!(rank, error = %e, "graph capture failed");
+                    rep.graphs_failed += 1;
+                }
             }
         }
+        for (g, _) in &c.graphs {
+            rt.graph_launch(*g, stream).map_err(drv("replaying a graph"))?;
+        }
+        gated(off, "replaying the graphs", |g, rt| rt.stream_synchronize(g, stream))
+    })();
+    match r {
+        Ok(()) => Ok(c),
+        Err(e) => {
+            if let Err(r) = c.release(off) {
+                tracing::warn!(rank, error = %r, "releasing the captures failed");
+            }
+            Err(e)
+        }
     }
-    for (g, _) in &graphs {
-        rt.graph_launch(*g, cstream).map_err(drv("replaying a graph"))?;
-    }
-    gated(&coord, "replaying the graphs", |g| rt.stream_synchronize(g, cstream))?;
+}
 
-    // 5a. The agreed pin state.
+/// Step 5a: waits for the agreed pin state and records it; false when the rank
+/// was asked to stop meanwhile (shutdown then cancels pinning).
+fn agree(
+    rank: usize,
+    off: &Offloader,
+    probe: &PinProbe,
+    started: Instant,
+    rep: &mut RankReport,
+    stop: Stop,
+) -> Result<bool, RankError> {
     phase(rank, "agree");
-    let state = coord.wait_pin_final()?;
-    let agreed = pinner.join().map_err(|_| RankError::Other("the pinning thread panicked".into()))?;
+    while !off.pin_state().is_final() {
+        if stop.requested() {
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let outcome = off.wait_pinned()?;
     rep.agreed_seconds = started.elapsed().as_secs_f64();
-    rep.huge_bytes = pages::huge_mapped_bytes(region.mapping_range().addr_range()).unwrap_or(0);
+    rep.huge_bytes = pages::huge_mapped_bytes(off.region().mapping_range().addr_range()).unwrap_or(0);
     rep.pin_seconds = sync::lock(&probe.local_done).map_or(rep.agreed_seconds, |d| d.as_secs_f64());
-    rep.pin_state = format!("{state:?}").replace(' ', "");
-    rep.agreement = match &agreed {
-        Ok(PinState::Pinned) => "pinned".into(),
-        Ok(_) => "pageable".into(),
-        Err(e @ AgreementError::RankDied { .. }) | Err(e @ AgreementError::Timeout { .. }) => {
+    rep.pin_state = format!("{:?}", outcome.state).replace(' ', "");
+    rep.agreement = match &outcome.agreement {
+        None | Some(Ok(())) if outcome.state == PinState::Pinned => "pinned".into(),
+        None | Some(Ok(())) => "pageable".into(),
+        Some(Err(e @ AgreementError::RankDied { .. })) | Some(Err(e @ AgreementError::Timeout { .. })) => {
             emit(&format!("{NOTE} rank={rank} agreement not reached ({e}); this rank runs on pageable memory"));
             format!("failed: {e}")
         }
-        Err(e) => format!("failed: {e}"),
+        Some(Err(e)) => format!("failed: {e}"),
     };
-    drop(probe);
-
-    // 5b. GPU tensors, the transfer engine, the manager, the verifier.
-    let mut tensors: Vec<DevicePtr> = Vec::with_capacity(cfg.layers);
-    let alloc = (|| {
-        for _ in 0..cfg.layers {
-            tensors.push(gated(&coord, "allocating the GPU KV tensors", |g| {
-                rt.mem_alloc(g, cfg.gpu_blocks * cfg.page_bytes)
-            })?);
-        }
-        Ok(())
-    })();
-    let result =
-        alloc.and_then(|()| workload(cfg, &d, rank, &rt, &coord, &region, &tensors, &rearm, &mut rep, pause_at));
-    for p in tensors {
-        if let Err(e) = gated(&coord, "freeing a KV tensor", |g| rt.mem_free(g, p)) {
-            tracing::warn!(error = %e, "freeing a KV tensor failed");
-        }
-    }
-
-    // 7. Shutdown: graphs first, then the protocol's order, then unmap.
-    phase(rank, "shutdown");
-    for (g, token) in graphs {
-        rt.graph_destroy(g).map_err(drv("destroying a graph"))?;
-        drop(token);
-    }
-    gated(&coord, "freeing the capture scratch buffer", |g| rt.mem_free(g, scratch))?;
-    rt.stream_destroy(cstream).map_err(drv("destroying the capture stream"))?;
-    // Unregister even when the workload failed: the region is unmapped next.
-    let down = shutdown(rt.as_ref(), &coord, || {});
-    result?;
-    down?;
-    drop(coord);
-    drop(region);
-    Ok(rep)
+    Ok(!stop.requested())
 }
 
 /// One GLOBAL-mode capture of `nodes` memsets into `scratch`.
@@ -304,8 +371,8 @@ fn capture_one(rt: &dyn GpuRuntime, s: Stream, scratch: DevicePtr, nodes: usize)
     for i in 0..nodes {
         // SAFETY: `scratch` is a 1 MiB device allocation of `rt`; nothing
         // else writes it, and it is freed only after every graph captured
-        // into it was replayed, synchronized and destroyed (`run_rank`), or,
-        // for a failed capture, destroyed here.
+        // into it was replayed, synchronized and destroyed
+        // (`Captures::release`), or, for a failed capture, destroyed here.
         if let Err(e) = unsafe { rt.memset_d8_async(scratch, i as u8, 1 << 20, s) } {
             first = Some(e);
             break;

@@ -71,6 +71,9 @@ pub struct RankReport {
     pub sweep_blocks: u64,
     pub evictions: u64,
     pub workload_seconds: f64,
+    /// The rank was asked to stop (SIGINT, SIGTERM) and ended early: its
+    /// figures cover what it did until then.
+    pub interrupted: bool,
 }
 
 macro_rules! fields {
@@ -101,6 +104,7 @@ macro_rules! fields {
         $m!(evictions, u64);
         $m!(workload_seconds, f64);
         $m!(prefill_seconds, f64);
+        $m!(interrupted, bool);
     };
 }
 
@@ -265,10 +269,12 @@ mod tests {
             pin_seconds: 0.25,
             store: Throughput { bytes: 10, seconds: 0.5 },
             sweep_load: Throughput { bytes: 7, seconds: 0.25 },
+            interrupted: true,
             ..Default::default()
         };
         let p = RankReport::parse(&r.to_line()).unwrap();
         assert_eq!((p.rank, p.blocks_verified, p.pin_seconds), (1, 42, 0.25));
+        assert!(p.interrupted);
         assert_eq!(p.agreement, "failed: rank 0 died");
         assert_eq!(p.store.bytes, 10);
         assert_eq!((p.sweep_load.bytes, p.sweep_load.seconds), (7, 0.25));

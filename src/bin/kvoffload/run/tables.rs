@@ -12,8 +12,8 @@
 //! [`Kernel::PatternCheck`]: kvoffload::runtime::Kernel::PatternCheck
 
 use kvoffload::manager::BlockKey;
-use kvoffload::protocol::Coordinator;
-use kvoffload::runtime::{DevicePtr, GpuRuntime, PATTERN_ENTRY_BYTES, PATTERN_ENTRY_WORDS};
+use kvoffload::offloader::Offloader;
+use kvoffload::runtime::{DevicePtr, PATTERN_ENTRY_BYTES, PATTERN_ENTRY_WORDS};
 use kvoffload::transfer::KvLayout;
 
 use super::rank::{gated, RankError};
@@ -88,16 +88,16 @@ pub(crate) struct TablePool {
 
 impl TablePool {
     /// Allocates `n` buffers of `entries` entries (none if any allocation
-    /// fails), through `coord`'s gate.
-    pub fn new(rt: &dyn GpuRuntime, coord: &Coordinator, n: usize, entries: usize) -> Result<Self, RankError> {
+    /// fails), through the offloader's gate.
+    pub fn new(off: &Offloader, n: usize, entries: usize) -> Result<Self, RankError> {
         let mut pool = TablePool { bufs: Vec::with_capacity(n), free: (0..n).rev().collect(), entries };
         for _ in 0..n {
-            match gated(coord, "allocating the pattern-fill tables", |g| {
+            match gated(off, "allocating the pattern-fill tables", |g, rt| {
                 rt.mem_alloc(g, entries.max(1) * PATTERN_ENTRY_BYTES)
             }) {
                 Ok(p) => pool.bufs.push(p),
                 Err(e) => {
-                    pool.release(rt, coord);
+                    pool.release(off);
                     return Err(e);
                 }
             }
@@ -122,11 +122,11 @@ impl TablePool {
         self.free.push(slot);
     }
 
-    /// Frees every buffer (waits for the device to go idle), through
-    /// `coord`'s gate.
-    pub fn release(self, rt: &dyn GpuRuntime, coord: &Coordinator) {
+    /// Frees every buffer (waits for the device to go idle), through the
+    /// offloader's gate.
+    pub fn release(self, off: &Offloader) {
         for p in self.bufs {
-            if let Err(e) = gated(coord, "freeing a pattern table", |g| rt.mem_free(g, p)) {
+            if let Err(e) = gated(off, "freeing a pattern table", |g, rt| rt.mem_free(g, p)) {
                 tracing::warn!(error = %e, "freeing a pattern table failed");
             }
         }

@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 
 use kvoffload::manager::BlockKey;
-use kvoffload::protocol::Coordinator;
+use kvoffload::offloader::Offloader;
 use kvoffload::runtime::pattern;
 use kvoffload::runtime::{DevicePtr, DriverError, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
 use kvoffload::sync::{self, Condvar, Mutex};
@@ -89,15 +89,9 @@ impl<J> Verifier<J> {
     }
 
     /// The thread's body: checks queued jobs until stopped, its
-    /// capture-unsafe calls through `coord`'s gate. An error other than a
-    /// failed table upload stops it and is returned.
-    pub fn run(
-        &self,
-        rt: &dyn GpuRuntime,
-        coord: &Coordinator,
-        checker: &Checker,
-        shape: &Shape,
-    ) -> Result<(), RankError> {
+    /// capture-unsafe calls through the offloader's gate. An error other
+    /// than a failed table upload stops it and is returned.
+    pub fn run(&self, off: &Offloader, checker: &Checker, shape: &Shape) -> Result<(), RankError> {
         loop {
             let loaded = {
                 let mut g = sync::lock(&self.state);
@@ -111,7 +105,7 @@ impl<J> Verifier<J> {
                     g = sync::wait(&self.cv, g);
                 }
             };
-            let r = checker.check(rt, coord, shape, &loaded.keys, &loaded.gpu);
+            let r = checker.check(off, shape, &loaded.keys, &loaded.gpu);
             let mut g = sync::lock(&self.state);
             let outcome = match r {
                 Ok(o) => o,
@@ -137,14 +131,15 @@ pub(crate) struct Checker {
 
 impl Checker {
     /// A stream, a table of `entries` entries and as many counters (larger
-    /// jobs are checked a table at a time), allocated through `coord`'s gate.
-    pub fn new(rt: &dyn GpuRuntime, coord: &Coordinator, entries: usize) -> Result<Self, RankError> {
+    /// jobs are checked a table at a time), allocated through the
+    /// offloader's gate.
+    pub fn new(off: &Offloader, entries: usize) -> Result<Self, RankError> {
         let entries = entries.max(1);
-        let stream = rt.stream_create().map_err(drv(SETTING_UP))?;
+        let stream = off.runtime().stream_create().map_err(drv(SETTING_UP))?;
         let mut c = Checker { stream, table: 0, out: 0, entries };
-        let r = gated(coord, SETTING_UP, |g| rt.mem_alloc(g, entries * PATTERN_ENTRY_WORDS * 8)).and_then(|t| {
+        let r = gated(off, SETTING_UP, |g, rt| rt.mem_alloc(g, entries * PATTERN_ENTRY_WORDS * 8)).and_then(|t| {
             c.table = t;
-            gated(coord, SETTING_UP, |g| rt.mem_alloc(g, entries * 4))
+            gated(off, SETTING_UP, |g, rt| rt.mem_alloc(g, entries * 4))
         });
         match r {
             Ok(o) => {
@@ -152,25 +147,25 @@ impl Checker {
                 Ok(c)
             }
             Err(e) => {
-                c.release(rt, coord);
+                c.release(off);
                 Err(e)
             }
         }
     }
 
     /// Checks every page of `keys` (in GPU blocks `gpu`) against its
-    /// pattern, waiting for the device through `coord`'s gate.
+    /// pattern, waiting for the device through the offloader's gate.
     /// `Ok(NotChecked)` when a table upload was refused; `Err` for any
     /// other driver error (the device or the stream is broken) or a refusal
-    /// of the coordinator.
+    /// of the offloader.
     pub fn check(
         &self,
-        rt: &dyn GpuRuntime,
-        coord: &Coordinator,
+        off: &Offloader,
         shape: &Shape,
         keys: &[BlockKey],
         gpu: &[usize],
     ) -> Result<Outcome, RankError> {
+        let rt = off.runtime().as_ref();
         let table = shape.table(keys, gpu);
         let mut bad_blocks = vec![false; keys.len()];
         let mut counts = vec![0u32; self.entries];
@@ -198,7 +193,8 @@ impl Checker {
                 rt.launch(Kernel::PatternCheck { table: self.table, count: n as u32, out: self.out }, self.stream)
             }
             .map_err(drv(READING))?;
-            gated(coord, READING, |g| rt.stream_synchronize(g, self.stream))?;
+            let stream = self.stream;
+            gated(off, READING, |g, rt| rt.stream_synchronize(g, stream))?;
             // SAFETY: `counts` holds at least `n` u32s, 4 n bytes.
             unsafe { rt.copy_dtoh(counts.as_mut_ptr() as usize, self.out, n * 4) }.map_err(drv(READING))?;
             for (i, &c) in counts[..n].iter().enumerate() {
@@ -219,17 +215,17 @@ impl Checker {
         Ok(Outcome::Checked { verified: keys.len() as u64 - corrupted, corrupted })
     }
 
-    /// Frees the table, the counters (through `coord`'s gate) and the
-    /// stream.
-    pub fn release(self, rt: &dyn GpuRuntime, coord: &Coordinator) {
+    /// Frees the table, the counters (through the offloader's gate) and
+    /// the stream.
+    pub fn release(self, off: &Offloader) {
         for p in [self.table, self.out] {
             if p != 0 {
-                if let Err(e) = gated(coord, "freeing a verifier buffer", |g| rt.mem_free(g, p)) {
+                if let Err(e) = gated(off, "freeing a verifier buffer", |g, rt| rt.mem_free(g, p)) {
                     tracing::warn!(error = %e, "freeing a verifier buffer failed");
                 }
             }
         }
-        if let Err(e) = rt.stream_destroy(self.stream) {
+        if let Err(e) = off.runtime().stream_destroy(self.stream) {
             tracing::warn!(error = %e, "destroying the verifier stream failed");
         }
     }
@@ -247,58 +243,49 @@ fn first_bad_byte(rt: &dyn GpuRuntime, e: &[u64]) -> Result<u64, DriverError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvoffload::protocol::CapturePolicy;
-    use kvoffload::runtime::sim::SimFault;
-    use kvoffload::runtime::sim::SimRuntime;
+    use kvoffload::offloader::{KvAlloc, OffloaderOptions};
+    use kvoffload::runtime::shared;
+    use kvoffload::runtime::sim::{SimFault, SimRuntime};
     use kvoffload::runtime::Code;
-    use kvoffload::sync::Arc;
-    use kvoffload::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec};
 
-    /// A coordinator for the tests' capture-unsafe calls (no capture runs).
-    fn gate_only() -> Arc<Coordinator> {
-        Coordinator::without_region(CapturePolicy::AfterPinning)
-    }
-
-    /// Two layers of 8 GPU blocks of 256-byte pages on `rt`, factor 2.
-    fn shape(rt: &dyn GpuRuntime, coord: &Coordinator, host: &[u8]) -> Shape {
+    /// An offloader on the simulated GPU with two layers of 8 GPU blocks of
+    /// 256-byte pages, factor 2 (its gate serves the tests' capture-unsafe
+    /// calls), and the shape of its blocks.
+    fn setup() -> (Offloader, Shape) {
         let (page, factor, layers) = (256, 2, 2);
-        let alloc = || coord.unsafe_call("test", |g| rt.mem_alloc(g, 8 * page)).unwrap().unwrap();
-        let spec = GroupSpec {
-            tensors: (0..layers).map(|_| TensorSpec { device_base: alloc(), page_bytes: page }).collect(),
-            num_gpu_blocks: 8,
-            num_host_blocks: 2,
-        };
-        let placement = HostPlacement::BlockStrided { stride: layers * factor * page };
-        let layout = KvLayout::new(&[spec], factor, host.as_ptr() as usize, placement).unwrap();
-        Shape { rank: 0, layers, factor, page, layout }
+        let kv = KvAlloc { tensors: layers, page_bytes: page, gpu_blocks: 8, block_factor: factor };
+        let off =
+            Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv, OffloaderOptions::with_host_blocks(2))
+                .unwrap();
+        let shape = Shape { rank: 0, layers, factor, page, layout: off.layout().clone() };
+        (off, shape)
     }
 
     /// Writes the blocks' patterns with the fill kernel, as a store does.
-    fn fill(rt: &dyn GpuRuntime, coord: &Coordinator, shape: &Shape, keys: &[BlockKey], gpu: &[usize]) {
+    fn fill(off: &Offloader, shape: &Shape, keys: &[BlockKey], gpu: &[usize]) {
+        let rt = off.runtime();
         let s = rt.stream_create().unwrap();
         let table = shape.table(keys, gpu);
-        let t = coord.unsafe_call("test", |g| rt.mem_alloc(g, table.len() * 8)).unwrap().unwrap();
+        let t = gated(off, "test", |g, rt| rt.mem_alloc(g, table.len() * 8)).unwrap();
         // SAFETY: `table` outlives the synchronize below.
         unsafe { rt.copy_htod_async(t, table.as_ptr() as usize, table.len() * 8, s).unwrap() };
         let count = (table.len() / PATTERN_ENTRY_WORDS) as u32;
         // SAFETY: the table was uploaded on `s` just before; its entries name
-        // pages of the shape's live tensors; the synchronize below waits.
+        // pages of the offloader's live tensors; the synchronize below waits.
         unsafe { rt.launch(Kernel::PatternFill { table: t, count }, s).unwrap() };
-        coord.unsafe_call("test", |g| rt.stream_synchronize(g, s)).unwrap().unwrap();
+        gated(off, "test", |g, rt| rt.stream_synchronize(g, s)).unwrap();
     }
 
     #[test]
     fn the_check_finds_a_flipped_byte_in_the_block_that_holds_it() {
-        let rt = SimRuntime::new();
-        let host = vec![0u8; 4096];
-        let coord = gate_only();
-        let shape = shape(&rt, &coord, &host);
+        let (off, shape) = setup();
+        let rt = off.runtime().as_ref();
         let keys = [BlockKey::new(3, 0), BlockKey::new(4, 0)];
         let gpu = [5, 2, 7, 0];
-        fill(&rt, &coord, &shape, &keys, &gpu);
+        fill(&off, &shape, &keys, &gpu);
         // Tables of 3 entries: the 8 pages are checked in three pieces.
-        let checker = Checker::new(&rt, &coord, 3).unwrap();
-        let clean = checker.check(&rt, &coord, &shape, &keys, &gpu).unwrap();
+        let checker = Checker::new(&off, 3).unwrap();
+        let clean = checker.check(&off, &shape, &keys, &gpu).unwrap();
         assert!(matches!(clean, Outcome::Checked { verified: 2, corrupted: 0 }), "{clean:?}");
         // Flip one byte of block 1 (key 4), layer 1, its second GPU block.
         let at = shape.layout.device_addr(0, 1, gpu[3]) + 100;
@@ -309,35 +296,34 @@ mod tests {
             b[0] ^= 1;
             rt.copy_htod(at, b.as_ptr() as usize, 1).unwrap();
         }
-        let bad = checker.check(&rt, &coord, &shape, &keys, &gpu).unwrap();
+        let bad = checker.check(&off, &shape, &keys, &gpu).unwrap();
         assert!(matches!(bad, Outcome::Checked { verified: 1, corrupted: 1 }), "{bad:?}");
         // The other block alone is still clean.
-        let one = checker.check(&rt, &coord, &shape, &keys[..1], &gpu[..2]).unwrap();
+        let one = checker.check(&off, &shape, &keys[..1], &gpu[..2]).unwrap();
         assert!(matches!(one, Outcome::Checked { verified: 1, corrupted: 0 }), "{one:?}");
         // A block checked against another rank's pattern is caught.
         let other = Shape { rank: 1, ..shape.clone() };
-        let wrong = checker.check(&rt, &coord, &other, &keys[..1], &gpu[..2]).unwrap();
+        let wrong = checker.check(&off, &other, &keys[..1], &gpu[..2]).unwrap();
         assert!(matches!(wrong, Outcome::Checked { verified: 0, corrupted: 1 }), "{wrong:?}");
         // The byte within the block the log names: page 3 of 4, byte 100.
         let table = shape.table(&keys[1..], &gpu[2..]);
-        assert_eq!(first_bad_byte(&rt, &table[3 * PATTERN_ENTRY_WORDS..]).unwrap(), 3 * 256 + 100);
-        checker.release(&rt, &coord);
+        assert_eq!(first_bad_byte(rt, &table[3 * PATTERN_ENTRY_WORDS..]).unwrap(), 3 * 256 + 100);
+        checker.release(&off);
+        off.shutdown().unwrap();
     }
 
     #[test]
     fn a_refused_table_upload_checks_nothing() {
-        let rt = SimRuntime::new();
-        let host = vec![0u8; 4096];
-        let coord = gate_only();
-        let shape = shape(&rt, &coord, &host);
+        let (off, shape) = setup();
         let keys = [BlockKey::new(3, 0)];
-        fill(&rt, &coord, &shape, &keys, &[1, 6]);
-        let checker = Checker::new(&rt, &coord, 16).unwrap();
-        rt.inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
-        let r = checker.check(&rt, &coord, &shape, &keys, &[1, 6]).unwrap();
+        fill(&off, &shape, &keys, &[1, 6]);
+        let checker = Checker::new(&off, 16).unwrap();
+        off.runtime().as_sim().unwrap().inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
+        let r = checker.check(&off, &shape, &keys, &[1, 6]).unwrap();
         assert!(matches!(r, Outcome::NotChecked(ref e) if e.code == Code::INVALID_VALUE), "{r:?}");
-        let r = checker.check(&rt, &coord, &shape, &keys, &[1, 6]).unwrap();
+        let r = checker.check(&off, &shape, &keys, &[1, 6]).unwrap();
         assert!(matches!(r, Outcome::Checked { verified: 1, corrupted: 0 }), "{r:?}");
-        checker.release(&rt, &coord);
+        checker.release(&off);
+        off.shutdown().unwrap();
     }
 }

@@ -1,29 +1,32 @@
-//! The workload of one rank (step 5 and 6 of [`super::rank`]): an optional
-//! prefill (stores of keys 0.. in order: stores alone), then requests that
-//! load their leading hits and store their misses through the block manager
-//! and the transfer engine (both directions at once), each stored block
-//! written by the pattern-fill kernel on the compute stream first, each
-//! loaded block checked on the GPU by the verifier thread
-//! ([`super::verify`]); then the sweep, which loads and checks every block
-//! the manager still holds (loads alone). Each stage's busy time is kept
-//! apart, so each direction's rate alone and both ways at once are reported.
+//! The workload of one rank (step 5 and 6 of [`super::rank`]), an engine's
+//! use of its [`Offloader`]: a request generator and a verifier.
+//!
+//! An optional prefill (stores of keys 0.. in order: stores alone), then
+//! requests that load their leading hits and store their misses (both
+//! directions at once), each stored block written by the pattern-fill
+//! kernel on the compute stream first, each loaded block checked on the GPU
+//! by the verifier thread ([`super::verify`]); then the sweep, which loads
+//! and checks every block the offloader still holds (loads alone). Each
+//! stage's busy time is kept apart, so each direction's rate alone and both
+//! ways at once are reported.
+//!
+//! The offloader places the blocks (its block manager) and moves them (its
+//! transfer engine); the workload only chooses keys and GPU blocks.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use crate::bench::manager::{SplitMix64, Zipf};
-use kvoffload::manager::{BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, PolicyKind};
-use kvoffload::protocol::Coordinator;
-use kvoffload::region::Region;
-use kvoffload::runtime::{DevicePtr, Direction, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
+use kvoffload::manager::{BlockKey, Lookup, ManagerError};
+use kvoffload::offloader::{Completion, Offloader, OffloaderError};
+use kvoffload::runtime::{Direction, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
 use kvoffload::sync::{thread, Arc};
-use kvoffload::transfer::{
-    GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine, TransferError, TransferOptions,
-};
+use kvoffload::transfer::{JobId, TransferError};
 
-use super::config::{Derived, KillAt, RunConfig};
+use super::config::{KillAt, RunConfig};
+use super::lifecycle::Stop;
 use super::metrics::{monotonic_secs, Intervals};
-use super::rank::{drv, emit, gated, pause, phase, progress, RankError};
+use super::rank::{emit, gated, pause, phase, progress, RankError};
 use super::report::{busy_lines, RankReport};
 use super::tables::{Shape, TablePool};
 use super::verify::{Checker, Loaded, Outcome, Verdict};
@@ -37,7 +40,10 @@ enum Kind {
 /// One transfer job in flight.
 struct Job {
     kind: Kind,
+    /// The keys the job moves.
     keys: Vec<BlockKey>,
+    /// The GPU blocks it holds (a store: those of every key it was asked
+    /// to store, written by the fill kernel).
     gpu: Vec<usize>,
     /// Stores: the pattern-fill table the compute stream uploads (read by
     /// the copy engine until the store job, ordered after compute,
@@ -81,19 +87,15 @@ impl Busy {
 struct Work<'a> {
     rank: usize,
     cfg: &'a RunConfig,
-    rt: &'a Arc<dyn GpuRuntime>,
-    /// The rank's coordinator: its gate for capture-unsafe calls.
-    coord: &'a Coordinator,
-    engine: &'a TransferEngine,
-    mgr: BlockManager,
+    off: &'a Offloader,
     shape: Shape,
     compute: Stream,
     /// Device buffers of the stores' pattern-fill tables.
     tables: TablePool,
     free_gpu: Vec<usize>,
     jobs: BTreeMap<JobId, Job>,
-    next_id: JobId,
     verifying: usize,
+    /// Keys this rank stored and did not see evicted.
     resident: HashSet<BlockKey>,
     /// Busy time per stage ([`PREFILL`], [`MIXED`], [`SWEEP`]) and direction.
     busy: [[Busy; 2]; 3],
@@ -101,6 +103,7 @@ struct Work<'a> {
     stage: usize,
     latencies: Vec<f64>,
     retry: Vec<Job>,
+    stop: Stop,
 }
 
 /// Stages of a rank's workload: stores of the first `--prefill-blocks` keys
@@ -121,110 +124,78 @@ fn dir_slot(k: Kind) -> usize {
     }
 }
 
-/// Runs the workload of rank `rank` over the KV tensors `tensors`.
-#[allow(clippy::too_many_arguments)]
+/// Runs the workload of rank `rank` on `off` (its KV tensors and compute
+/// stream); `stop` ends it early: no new work, what is in flight drains.
 pub(super) fn workload(
     cfg: &RunConfig,
-    d: &Derived,
     rank: usize,
-    rt: &Arc<dyn GpuRuntime>,
-    coord: &Arc<Coordinator>,
-    region: &Region,
-    tensors: &[DevicePtr],
+    off: &Arc<Offloader>,
     rearm: &dyn Fn(&dyn GpuRuntime),
     rep: &mut RankReport,
     pause_at: Option<KillAt>,
+    stop: Stop,
 ) -> Result<(), RankError> {
-    let f = cfg.block_factor;
-    let spec = GroupSpec {
-        tensors: tensors.iter().map(|&p| TensorSpec { device_base: p, page_bytes: cfg.page_bytes }).collect(),
-        num_gpu_blocks: cfg.gpu_blocks,
-        num_host_blocks: d.host_blocks,
+    let shape = Shape {
+        rank,
+        layers: cfg.layers,
+        factor: cfg.block_factor,
+        page: cfg.page_bytes,
+        layout: off.layout().clone(),
     };
-    let host_base = region.chunk_ptr(rank, 0)?.as_ptr() as usize;
-    let placement = HostPlacement::BlockStrided { stride: d.layout.row_bytes() };
-    let layout = KvLayout::new(&[spec], f, host_base, placement).map_err(TransferError::from)?;
-    let mgr = BlockManager::new(ManagerConfig::new(d.host_blocks, PolicyKind::Lru))?;
-    let compute = rt.stream_create().map_err(drv("creating the compute stream"))?;
-    // SAFETY: the host area is this rank's slots of `region`, which outlives
-    // the engine (dropped at the end of this function, the region later);
-    // only DMA touches those slots while jobs are in flight (the verifier
-    // reads GPU memory, never the region); the tensors are live
-    // allocations of `rt`, freed by the caller after the engine is dropped.
-    let engine =
-        unsafe { TransferEngine::new(rt.clone(), coord.clone(), layout.clone(), compute, TransferOptions::default()) };
-    let engine = match engine {
-        Ok(e) => e,
-        Err(e) => {
-            let _ = rt.stream_destroy(compute);
-            return Err(e.into());
-        }
-    };
-    let shape = Shape { rank, layers: cfg.layers, factor: f, page: cfg.page_bytes, layout };
     // A job has at most `blocks_per_job` blocks: one table entry per page.
     let entries = cfg.blocks_per_job * shape.pages_per_block();
-    let made = TablePool::new(rt.as_ref(), coord, cfg.inflight, entries).and_then(|t| {
-        match Checker::new(rt.as_ref(), coord, entries) {
-            Ok(c) => Ok((t, c)),
-            Err(e) => {
-                t.release(rt.as_ref(), coord);
-                Err(e)
-            }
-        }
-    });
-    let (tables, checker) = match made {
-        Ok(m) => m,
+    let tables = TablePool::new(off, cfg.inflight, entries)?;
+    let checker = match Checker::new(off, entries) {
+        Ok(c) => c,
         Err(e) => {
-            drop(engine);
-            let _ = rt.stream_destroy(compute);
+            tables.release(off);
             return Err(e);
         }
     };
     let verifier = Arc::new(Verifier::new());
     let vthread = {
-        let (v, rt, coord, shape) = (verifier.clone(), rt.clone(), coord.clone(), shape.clone());
+        let (v, off, shape) = (verifier.clone(), off.clone(), shape.clone());
         thread::spawn(move || {
-            let r = v.run(rt.as_ref(), &coord, &checker, &shape);
+            let r = v.run(&off, &checker, &shape);
             (checker, r)
         })
     };
     let mut w = Work {
         rank,
         cfg,
-        rt,
-        coord,
-        engine: &engine,
-        mgr,
+        off: off.as_ref(),
         shape,
-        compute,
+        compute: off.compute_stream(),
         tables,
         free_gpu: (0..cfg.gpu_blocks).rev().collect(),
         jobs: BTreeMap::new(),
-        next_id: 1,
         verifying: 0,
         resident: HashSet::new(),
         busy: Default::default(),
         latencies: Vec::new(),
         stage: PREFILL,
         retry: Vec::new(),
+        stop,
     };
     let r = w.run(rep, &verifier, rearm, pause_at);
     verifier.stop();
     let vr = match vthread.join() {
         Ok((checker, vr)) => {
-            checker.release(rt.as_ref(), coord);
+            checker.release(off);
             vr
         }
-        Err(_) => return Err(RankError::Other("the verifier thread panicked".into())),
+        Err(_) => Err(RankError::Other("the verifier thread panicked".into())),
     };
+    // After a failure jobs may still run: the fill tables are freed only
+    // once nothing on the device reads them.
+    if !w.jobs.is_empty() {
+        if let Err(e) = off.wait_all() {
+            tracing::warn!(rank, error = %e, "waiting for the jobs in flight failed");
+        }
+    }
     let lat = std::mem::take(&mut w.latencies);
     let busy = std::mem::take(&mut w.busy);
-    let tables = w.tables;
-    drop(engine);
-    if let Err(e) = rt.stream_destroy(compute) {
-        tracing::warn!(error = %e, "destroying the compute stream failed");
-    }
-    tables.release(rt.as_ref(), coord);
+    w.tables.release(off);
     r?;
     vr?;
     for line in rep.latency_lines(&lat, 4096) {
@@ -257,7 +228,6 @@ impl Work<'_> {
         let mut t0 = Instant::now();
         let mut issued = 0usize;
         let mut prefilled = 0usize;
-        let mut counted_from = self.mgr.counters();
         if cfg.prefill_blocks == 0 {
             self.stage = MIXED;
         } else {
@@ -267,13 +237,19 @@ impl Work<'_> {
         let mut sweep: VecDeque<Vec<BlockKey>> = VecDeque::new();
         let mut idle_polls = 0u32;
         loop {
-            if pause_at == Some(KillAt::Transfers) && !paused && issued >= cfg.jobs / 2 && !self.jobs.is_empty() {
+            let stopping = self.stop.requested();
+            if pause_at == Some(KillAt::Transfers)
+                && !paused
+                && !stopping
+                && issued >= cfg.jobs / 2
+                && !self.jobs.is_empty()
+            {
                 paused = true;
                 pause(self.rank, KillAt::Transfers);
             }
             let mut progressed = false;
             // Issue requests (or sweep loads) while there is room.
-            while self.jobs.len() < cfg.inflight && self.free_gpu.len() >= need {
+            while !stopping && self.jobs.len() < cfg.inflight && self.free_gpu.len() >= need {
                 if self.stage == PREFILL {
                     // Consecutive keys from 0: every one a miss, so stores only.
                     if prefilled >= cfg.prefill_blocks {
@@ -302,20 +278,29 @@ impl Work<'_> {
                 }
                 progressed = true;
             }
-            for r in self.engine.poll_finished() {
+            for c in self.off.poll() {
                 progressed = true;
-                self.finished(r, rep, verifier, rearm)?;
+                self.finished(c, rep, verifier, rearm)?;
             }
             for v in verifier.drain() {
                 progressed = true;
                 self.verified(v, rep, rearm)?;
             }
             let idle = self.jobs.is_empty() && self.verifying == 0;
+            if idle && stopping {
+                // Asked to stop: what was in flight has drained; no sweep.
+                match self.stage {
+                    PREFILL => rep.prefill_seconds = t0.elapsed().as_secs_f64(),
+                    MIXED => rep.workload_seconds = t0.elapsed().as_secs_f64(),
+                    _ => {}
+                }
+                tracing::info!(rank = self.rank, "stopped on request; the jobs in flight drained");
+                break;
+            }
             if idle && self.stage == PREFILL && prefilled >= cfg.prefill_blocks {
                 rep.prefill_seconds = t0.elapsed().as_secs_f64();
                 phase(self.rank, "workload");
                 self.stage = MIXED;
-                counted_from = self.mgr.counters();
                 t0 = Instant::now();
                 continue;
             }
@@ -346,8 +331,10 @@ impl Work<'_> {
             } else {
                 idle_polls = 0;
                 if let Some(&id) = self.jobs.keys().next() {
-                    match self.engine.wait(id) {
-                        Ok(()) | Err(TransferError::JobFailed { .. }) | Err(TransferError::UnknownJob { .. }) => {}
+                    match self.off.wait(id) {
+                        Ok(())
+                        | Err(OffloaderError::UnknownJob { .. })
+                        | Err(OffloaderError::Transfer(TransferError::JobFailed { .. })) => {}
                         Err(e) => return Err(e.into()),
                     }
                 } else if self.verifying > 0 {
@@ -356,17 +343,14 @@ impl Work<'_> {
                     }
                 } else {
                     return Err(RankError::Other(format!(
-                        "a request of {} blocks cannot be placed: {} GPU blocks free, {} host slots",
+                        "a request of {} blocks cannot be placed: {} GPU blocks free, {} host blocks held",
                         cfg.blocks_per_job,
                         self.free_gpu.len(),
-                        self.mgr.capacity()
+                        self.off.stored_blocks()
                     )));
                 }
             }
         }
-        // Lookups and hits of the Zipf requests (the sweep looks nothing up).
-        rep.lookups = self.mgr.counters().lookups - counted_from.lookups;
-        rep.hits = self.mgr.counters().hits - counted_from.hits;
         rep.store.seconds = self.busy[MIXED][0].intervals.total();
         rep.load.seconds = self.busy[MIXED][1].intervals.total();
         rep.prefill_store.seconds = self.busy[PREFILL][0].intervals.total();
@@ -374,29 +358,29 @@ impl Work<'_> {
         Ok(())
     }
 
-    /// Checks the manager against the blocks this rank stored and returns
+    /// Checks the offloader against the blocks this rank stored and returns
     /// the resident keys in load batches.
     fn sweep_batches(&mut self, rep: &mut RankReport) -> VecDeque<Vec<BlockKey>> {
         let mut keys: Vec<BlockKey> = self.resident.iter().copied().collect();
         keys.sort_unstable();
         let mut ok = Vec::with_capacity(keys.len());
-        for k in keys {
-            match self.mgr.state(&k) {
-                Some(BlockState::Ready { .. }) => ok.push(k),
-                other => {
-                    tracing::error!(rank = self.rank, key = %k, state = ?other, "a stored block is no longer readable");
-                    rep.blocks_lost += 1;
-                }
+        for (k, answer) in keys.iter().zip(self.off.lookup(&keys)) {
+            if answer == Lookup::Hit {
+                ok.push(*k);
+            } else {
+                tracing::error!(rank = self.rank, key = %k, answer = ?answer, "a stored block is no longer readable");
+                rep.blocks_lost += 1;
             }
         }
-        if self.mgr.len() != ok.len() {
+        let held = self.off.stored_blocks();
+        if held != ok.len() {
             tracing::error!(
                 rank = self.rank,
-                held = self.mgr.len(),
+                held,
                 known = ok.len(),
-                "the manager holds blocks this rank did not store"
+                "the offloader holds blocks this rank did not store"
             );
-            rep.blocks_lost += self.mgr.len().abs_diff(ok.len()) as u64;
+            rep.blocks_lost += held.abs_diff(ok.len()) as u64;
         }
         ok.chunks(self.cfg.blocks_per_job).map(|c| c.to_vec()).collect()
     }
@@ -406,15 +390,16 @@ impl Work<'_> {
         self.stage == SWEEP
     }
 
-    fn id(&mut self) -> JobId {
-        let id = self.next_id;
-        self.next_id += 1;
-        id
-    }
-
     fn take_gpu(&mut self, n: usize) -> Vec<usize> {
         let at = self.free_gpu.len() - n;
         self.free_gpu.split_off(at)
+    }
+
+    /// Waits for the compute stream (a fill kernel may still read a table
+    /// or write GPU blocks that are about to be reused).
+    fn sync_compute(&self) -> Result<(), RankError> {
+        let compute = self.compute;
+        gated(self.off, "synchronizing the compute stream", |g, rt| rt.stream_synchronize(g, compute))
     }
 
     /// One request: load the leading hits, store the misses.
@@ -424,7 +409,13 @@ impl Work<'_> {
         rep: &mut RankReport,
         rearm: &dyn Fn(&dyn GpuRuntime),
     ) -> Result<(), RankError> {
-        let answers = self.mgr.lookup(keys);
+        let answers = self.off.lookup(keys);
+        if self.stage == MIXED {
+            // Lookups and hits of the Zipf requests (the prefill's keys are
+            // all new; the sweep looks nothing up).
+            rep.lookups += keys.len() as u64;
+            rep.hits += answers.iter().filter(|a| **a == Lookup::Hit).count() as u64;
+        }
         let h = Lookup::leading_hits(&answers);
         if h > 0 {
             self.submit_load(keys[..h].to_vec(), 0, rep)?;
@@ -434,36 +425,22 @@ impl Work<'_> {
         if misses.is_empty() {
             return Ok(());
         }
-        let out = match self.mgr.prepare_store(&misses) {
-            Ok(o) => o,
-            // Every slot is pending or being read: skip storing this time.
-            Err(ManagerError::InsufficientCapacity { .. }) => return Ok(()),
-            Err(e) => return Err(e.into()),
-        };
-        for e in &out.evicted {
-            self.resident.remove(&e.key);
-            rep.evictions += 1;
-        }
-        if out.to_store.is_empty() {
-            return Ok(());
-        }
         let f = self.cfg.block_factor;
-        let stored: Vec<BlockKey> = out.to_store.iter().map(|p| p.key).collect();
-        let slots: Vec<usize> = out.to_store.iter().map(|p| p.slot.index()).collect();
-        let gpu = self.take_gpu(stored.len() * f);
+        let gpu = self.take_gpu(misses.len() * f);
         let Some((table, dtable)) = self.tables.take() else {
-            return Err(RankError::Other(format!("no free pattern table ({} stores in flight)", self.jobs.len())));
+            return Err(RankError::Other(format!("no free pattern table ({} jobs in flight)", self.jobs.len())));
         };
         // The engine's "compute": the pattern-fill kernel writes each block's
         // pattern into its GPU blocks on the compute stream (one table entry
         // per page); the store is ordered after it.
-        let staging = self.shape.table(&stored, &gpu);
+        let staging = self.shape.table(&misses, &gpu);
         let count = staging.len() / PATTERN_ENTRY_WORDS;
         debug_assert!(count <= self.tables.entries(), "{count} pages, tables of {}", self.tables.entries());
+        let rt = self.off.runtime().as_ref();
         // SAFETY: `staging` moves into the job (its heap buffer stays put)
         // and lives until the store job (ordered after this stream's work)
         // is reported, or until the stream is synchronized below.
-        let r = unsafe { self.rt.copy_htod_async(dtable, staging.as_ptr() as usize, staging.len() * 8, self.compute) }
+        let r = unsafe { rt.copy_htod_async(dtable, staging.as_ptr() as usize, staging.len() * 8, self.compute) }
             .and_then(|()| {
                 // SAFETY: the table `dtable` was uploaded just before on the
                 // same stream, and its buffer stays with this job (not given
@@ -471,85 +448,107 @@ impl Work<'_> {
                 // kernel, is reported or the stream is synchronized; the
                 // kernel writes the job's GPU blocks, `gpu`, taken from the
                 // free list and not read until the store job runs after it,
-                // in the live KV tensors (freed after the engine is gone).
-                unsafe { self.rt.launch(Kernel::PatternFill { table: dtable, count: count as u32 }, self.compute) }
+                // in the offloader's live KV tensors (freed at its shutdown,
+                // after every job).
+                unsafe { rt.launch(Kernel::PatternFill { table: dtable, count: count as u32 }, self.compute) }
             });
         if let Err(e) = r {
             tracing::warn!(rank = self.rank, error = %e, "writing blocks on the compute stream failed; their store is dropped");
-            gated(self.coord, "synchronizing the compute stream", |g| self.rt.stream_synchronize(g, self.compute))?;
+            self.sync_compute()?;
             self.tables.give(table);
-            self.mgr.complete_store(&stored, false)?;
             self.free_gpu.extend(gpu);
             rep.jobs_failed += 1;
             rep.stores_failed += 1;
-            rearm(self.rt.as_ref());
+            rearm(rt);
             return Ok(());
         }
-        let id = self.id();
-        let blocks = JobBlocks::single(gpu.clone(), slots);
-        self.engine.store(id, &blocks)?;
+        let submitted = match self.off.store(&misses, &gpu) {
+            Ok(s) => s,
+            Err(e) => {
+                // Nothing was submitted: the fill kernel is the last reader
+                // of the table and writer of the blocks.
+                self.sync_compute()?;
+                self.tables.give(table);
+                self.free_gpu.extend(gpu);
+                return match e {
+                    // Every slot is pending or being read: skip storing this time.
+                    OffloaderError::Manager(ManagerError::InsufficientCapacity { .. }) => Ok(()),
+                    e => Err(e.into()),
+                };
+            }
+        };
+        for k in &submitted.evicted {
+            self.resident.remove(k);
+            rep.evictions += 1;
+        }
+        let Some(id) = submitted.job else {
+            self.sync_compute()?;
+            self.tables.give(table);
+            self.free_gpu.extend(gpu);
+            return Ok(());
+        };
         rep.stores += 1;
         self.busy[self.stage][0].start();
-        self.jobs.insert(id, Job { kind: Kind::Store, keys: stored, gpu, staging, table: Some(table), attempt: 0 });
+        let job = Job { kind: Kind::Store, keys: submitted.stored, gpu, staging, table: Some(table), attempt: 0 };
+        self.jobs.insert(id, job);
         Ok(())
     }
 
     fn submit_load(&mut self, keys: Vec<BlockKey>, attempt: u32, rep: &mut RankReport) -> Result<(), RankError> {
-        let placements = self.mgr.prepare_load(&keys)?;
-        let slots: Vec<usize> = placements.iter().map(|p| p.slot.index()).collect();
         let gpu = self.take_gpu(keys.len() * self.cfg.block_factor);
-        let id = self.id();
-        if let Err(e) = self.engine.load(id, &JobBlocks::single(gpu.clone(), slots)) {
-            self.mgr.complete_load(&keys)?;
-            self.free_gpu.extend(gpu);
-            return Err(e.into());
-        }
+        let id = match self.off.load(&keys, &gpu) {
+            Ok(id) => id,
+            Err(e) => {
+                self.free_gpu.extend(gpu);
+                return Err(e.into());
+            }
+        };
         rep.loads += 1;
         self.busy[self.stage][1].start();
         self.jobs.insert(id, Job { kind: Kind::Load, keys, gpu, staging: Vec::new(), table: None, attempt });
         Ok(())
     }
 
+    /// A job the offloader reported (and already applied to its block
+    /// manager: a stored key is readable, a failed store's keys are
+    /// dropped, a loaded key's slot is released).
     fn finished(
         &mut self,
-        r: kvoffload::transfer::JobResult,
+        c: Completion,
         rep: &mut RankReport,
         verifier: &Verifier,
         rearm: &dyn Fn(&dyn GpuRuntime),
     ) -> Result<(), RankError> {
-        let Some(job) = self.jobs.remove(&r.id) else {
-            return Err(RankError::Other(format!("job {} reported but not submitted", r.id)));
+        let Some(job) = self.jobs.remove(&c.job) else {
+            return Err(RankError::Other(format!("job {} reported but not submitted", c.job)));
         };
         self.busy[self.stage][dir_slot(job.kind)].end();
         debug_assert_eq!(
-            r.direction,
+            c.direction,
             if job.kind == Kind::Store { Direction::DeviceToHost } else { Direction::HostToDevice }
         );
-        if r.succeeded() {
-            self.latencies.push(r.seconds);
+        let ok = c.error.is_none();
+        if ok {
+            self.latencies.push(c.seconds);
         } else {
             rep.jobs_failed += 1;
             if !self.sweeping() {
-                rearm(self.rt.as_ref());
+                rearm(self.off.runtime().as_ref());
             }
         }
         match job.kind {
             Kind::Store => {
-                if r.succeeded() {
+                if ok {
                     match self.stage {
-                        PREFILL => rep.prefill_store.bytes += r.bytes,
-                        _ => rep.store.bytes += r.bytes,
+                        PREFILL => rep.prefill_store.bytes += c.bytes,
+                        _ => rep.store.bytes += c.bytes,
                     }
-                    self.mgr.complete_store(&job.keys, true)?;
                     self.resident.extend(job.keys.iter().copied());
                 } else {
                     rep.stores_failed += 1;
                     // A job that failed before its completion event may leave
                     // the compute stream still reading the fill table.
-                    gated(self.coord, "synchronizing the compute stream", |g| {
-                        self.rt.stream_synchronize(g, self.compute)
-                    })?;
-                    self.mgr.complete_store(&job.keys, false)?;
+                    self.sync_compute()?;
                 }
                 // The fill kernel has run: the store completed after it, or
                 // the compute stream was synchronized.
@@ -559,32 +558,26 @@ impl Work<'_> {
                 self.free_gpu.extend(job.gpu);
             }
             Kind::Load => {
-                if r.succeeded() {
+                if ok {
                     match self.stage {
-                        SWEEP => rep.sweep_load.bytes += r.bytes,
-                        _ => rep.load.bytes += r.bytes,
+                        SWEEP => rep.sweep_load.bytes += c.bytes,
+                        _ => rep.load.bytes += c.bytes,
                     }
                     self.verifying += 1;
                     verifier.push(Loaded { keys: job.keys, gpu: job.gpu, job: job.attempt });
                 } else {
-                    self.load_failed(job.keys, job.gpu, job.attempt, rep)?;
+                    self.load_failed(job.keys, job.gpu, job.attempt, rep);
                 }
             }
         }
         Ok(())
     }
 
-    /// A load that delivered nothing checked: its blocks are released (not
-    /// lost: they stay in the manager); the sweep tries a batch three times.
-    fn load_failed(
-        &mut self,
-        keys: Vec<BlockKey>,
-        gpu: Vec<usize>,
-        attempt: u32,
-        rep: &mut RankReport,
-    ) -> Result<(), RankError> {
+    /// A load that delivered nothing checked: its GPU blocks are released
+    /// (its keys are not lost: they stay stored); the sweep tries a batch
+    /// three times.
+    fn load_failed(&mut self, keys: Vec<BlockKey>, gpu: Vec<usize>, attempt: u32, rep: &mut RankReport) {
         rep.loads_failed += 1;
-        self.mgr.complete_load(&keys)?;
         self.free_gpu.extend(gpu);
         if self.sweeping() {
             if attempt + 1 >= 3 {
@@ -602,7 +595,6 @@ impl Work<'_> {
                 self.retry.push(job);
             }
         }
-        Ok(())
     }
 
     fn verified(
@@ -620,18 +612,17 @@ impl Work<'_> {
                 if self.sweeping() {
                     rep.sweep_blocks += verified + corrupted;
                 }
-                self.mgr.complete_load(&keys)?;
                 self.free_gpu.extend(gpu);
-                Ok(())
             }
             Outcome::NotChecked(e) => {
                 tracing::warn!(rank = self.rank, error = %e, "a loaded job could not be checked; it counts as a failed load");
                 rep.jobs_failed += 1;
                 if !self.sweeping() {
-                    rearm(self.rt.as_ref());
+                    rearm(self.off.runtime().as_ref());
                 }
-                self.load_failed(keys, gpu, attempt, rep)
+                self.load_failed(keys, gpu, attempt, rep);
             }
         }
+        Ok(())
     }
 }
