@@ -630,9 +630,12 @@ impl PyOffloader {
         self.off.region().len()
     }
 
-    /// Starts background pinning (idempotent).
+    /// Starts background pinning (idempotent; ShutDownError after shutdown).
     fn start(&self, py: Python<'_>) -> PyResult<()> {
         let off = &self.off;
+        if off.is_shut_down() {
+            return Err(errors::offloader(py, kvoffload::offloader::OffloaderError::ShutDown));
+        }
         py.detach(|| off.start()).map_err(|e| errors::offloader(py, e))
     }
 
