@@ -112,9 +112,9 @@ def test_transport_error_makes_both_pageable():
     assert r0["state"] == r1["state"] == "pageable"
     assert r0["agreed"] is r1["agreed"] is False
     assert r1["error"][0] == "transport" and "process group broke" in r1["error"][1]
-    # Rank 0's send or recv failed once rank 1 closed its end.
-    assert r0["error"][0] == "transport"
-    assert "EOFError" in r0["error"][1] or "BrokenPipeError" in r0["error"][1]
+    # Rank 0's send or recv failed once rank 1 closed its end (EOFError,
+    # BrokenPipeError or ConnectionResetError, as the timing falls).
+    assert r0["error"][0] == "transport" and "agreement callable raised" in r0["error"][1]
     assert r0["chunks"] == r1["chunks"] == 0
 
 
