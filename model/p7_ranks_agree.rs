@@ -169,7 +169,8 @@ fn transport_scenario(fault: Fault, variant: Variant) {
     if let Fault::Register(nth) = fault {
         rt.as_sim().unwrap().inject(SimFault::Register { nth, code: Code::NOT_SUPPORTED });
     }
-    let ex = Arc::new(Exchange { state: Mutex::new(ExState { words: vec![None; 2], broken: false }), cv: Condvar::new() });
+    let ex =
+        Arc::new(Exchange { state: Mutex::new(ExState { words: vec![None; 2], broken: false }), cv: Condvar::new() });
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
             let mem: &'static mut [u8] = Box::leak(vec![0u8; 128].into_boxed_slice());
@@ -181,7 +182,8 @@ fn transport_scenario(fault: Fault, variant: Variant) {
             let end = RankEnd { ex: ex.clone(), rank, breaks: fault == Fault::Transport && rank == 1 };
             let t: Arc<dyn Transport> = arc_dyn(end, |a: StdArc<RankEnd>| -> StdArc<dyn Transport> { a });
             let (rt, c) = (rt.clone(), coord.clone());
-            let h = thread::spawn(move || pin_all_agreed_by(rt.as_ref(), &c, &NoPrefault, &RankAgreement::Transport(t)));
+            let h =
+                thread::spawn(move || pin_all_agreed_by(rt.as_ref(), &c, &NoPrefault, &RankAgreement::Transport(t)));
             (coord, h)
         })
         .collect();

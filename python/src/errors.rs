@@ -35,7 +35,12 @@ pyo3::create_exception!(
     KvoffloadError,
     "Bad arguments: options, the KV description, GPU block ids, the layout."
 );
-pyo3::create_exception!(kvoffload, RegionError, KvoffloadError, "The host region could not be created, joined or mapped.");
+pyo3::create_exception!(
+    kvoffload,
+    RegionError,
+    KvoffloadError,
+    "The host region could not be created, joined or mapped."
+);
 pyo3::create_exception!(
     kvoffload,
     ProtocolError,
@@ -44,7 +49,12 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(kvoffload, ShutDownError, ProtocolError, "The offloader is shut down (or shutting down).");
 pyo3::create_exception!(kvoffload, DriverError, KvoffloadError, "A CUDA driver call failed; `code` is the CUresult.");
-pyo3::create_exception!(kvoffload, ManagerError, KvoffloadError, "The block manager refused (a key not stored, no slot free).");
+pyo3::create_exception!(
+    kvoffload,
+    ManagerError,
+    KvoffloadError,
+    "The block manager refused (a key not stored, no slot free)."
+);
 pyo3::create_exception!(kvoffload, TransferError, KvoffloadError, "The transfer engine refused a job.");
 pyo3::create_exception!(kvoffload, AgreementError, KvoffloadError, "The ranks did not agree on the pin state (P7).");
 
@@ -98,7 +108,13 @@ fn make<T: PyTypeInfo>(
 }
 
 fn driver_err(py: Python<'_>, message: String, kind: &str, e: &RustDriverError) -> PyErr {
-    make::<DriverError>(py, message, kind, Some(snake(e.code.name())), Some((e.call, Some(e.code.0), Some(e.code.name()))))
+    make::<DriverError>(
+        py,
+        message,
+        kind,
+        Some(snake(e.code.name())),
+        Some((e.call, Some(e.code.0), Some(e.code.name()))),
+    )
 }
 
 /// An offloader error as its Python exception.
@@ -159,7 +175,9 @@ fn protocol(py: Python<'_>, msg: String, kind: &str, p: &RustProtocolError) -> P
 pub fn open(py: Python<'_>, e: OpenError) -> PyErr {
     let msg = e.to_string();
     match &e {
-        OpenError::NoDriver => make::<DriverError>(py, msg, "no_driver", None, Some(("dlopen(libcuda.so.1)", None, None))),
+        OpenError::NoDriver => {
+            make::<DriverError>(py, msg, "no_driver", None, Some(("dlopen(libcuda.so.1)", None, None)))
+        }
         OpenError::Device { source, .. } => driver_err(py, msg, "device", source),
     }
 }

@@ -243,10 +243,9 @@ impl PyPinOutcome {
         let st = self.state.get().__repr__();
         match &self.agreement_error {
             Some(e) => format!("PinOutcome({st}, agreement_error={})", e.bind(py)),
-            None => format!(
-                "PinOutcome({st}, agreed={})",
-                self.agreed.map_or("None", |a| if a { "True" } else { "False" })
-            ),
+            None => {
+                format!("PinOutcome({st}, agreed={})", self.agreed.map_or("None", |a| if a { "True" } else { "False" }))
+            }
         }
     }
 }
@@ -335,17 +334,18 @@ fn parse_keys(py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>
                 return Ok(v);
             }
             // Negative hashes (Python's hash()) fold to their 64-bit pattern.
-            h.extract::<i64>().map(|v| v as u64).map_err(|_| {
-                errors::options(py, format!("a block hash must be an int in [-2**63, 2**64), not {k}"))
-            })
+            h.extract::<i64>()
+                .map(|v| v as u64)
+                .map_err(|_| errors::options(py, format!("a block hash must be an int in [-2**63, 2**64), not {k}")))
         };
         if let Ok(t) = k.cast::<PyTuple>() {
             if t.len() != 2 {
                 return Err(errors::options(py, format!("a key is an int or a (hash, group) pair, not {k}")));
             }
-            let group = t.get_item(1)?.extract::<u32>().map_err(|_| {
-                errors::options(py, format!("a key's group must be an int in [0, 2**32), not {k}"))
-            })?;
+            let group = t
+                .get_item(1)?
+                .extract::<u32>()
+                .map_err(|_| errors::options(py, format!("a key's group must be an int in [0, 2**32), not {k}")))?;
             out.push(BlockKey::new(hash_of(&t.get_item(0)?)?, group));
         } else {
             out.push(BlockKey::new(hash_of(&k)?, 0));
@@ -358,9 +358,10 @@ fn parse_blocks(py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<Vec<usize
     let mut out = Vec::new();
     for b in blocks.try_iter()? {
         let b = b?;
-        out.push(b.extract::<usize>().map_err(|_| {
-            errors::options(py, format!("a GPU block id must be a non-negative int, not {b}"))
-        })?);
+        out.push(
+            b.extract::<usize>()
+                .map_err(|_| errors::options(py, format!("a GPU block id must be a non-negative int, not {b}")))?,
+        );
     }
     Ok(out)
 }
@@ -376,7 +377,9 @@ fn seconds(py: Python<'_>, what: &str, s: Option<f64>) -> PyResult<Option<Durati
     match s {
         None => Ok(None),
         Some(v) if v.is_finite() && v >= 0.0 => Ok(Some(Duration::from_secs_f64(v))),
-        Some(v) => Err(errors::options(py, format!("{what} must be a non-negative number of seconds or None, not {v}"))),
+        Some(v) => {
+            Err(errors::options(py, format!("{what} must be a non-negative number of seconds or None, not {v}")))
+        }
     }
 }
 
@@ -508,8 +511,12 @@ impl PyOffloader {
             prefault,
             &[("populate", PrefaultMode::Populate), ("touch", PrefaultMode::Touch), ("off", PrefaultMode::Off)],
         )?;
-        opts.pin.huge_pages =
-            choice(py, "huge_pages", huge_pages, &[("auto", HugePages::Auto), ("on", HugePages::On), ("off", HugePages::Off)])?;
+        opts.pin.huge_pages = choice(
+            py,
+            "huge_pages",
+            huge_pages,
+            &[("auto", HugePages::Auto), ("on", HugePages::On), ("off", HugePages::Off)],
+        )?;
         opts.pin.policy = choice(
             py,
             "capture_policy",
@@ -841,7 +848,12 @@ impl PyOffloader {
 
     /// Testing only: the bytes of GPU block `gpu_block` of tensor `tensor`
     /// (a synchronous copy).
-    fn read_block_for_test<'py>(&self, py: Python<'py>, tensor: usize, gpu_block: usize) -> PyResult<Bound<'py, PyBytes>> {
+    fn read_block_for_test<'py>(
+        &self,
+        py: Python<'py>,
+        tensor: usize,
+        gpu_block: usize,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let (src, page) = self.check_block(py, tensor, gpu_block)?;
         let mut buf = vec![0u8; page];
         let rt = self.off.runtime();
@@ -906,7 +918,8 @@ impl PyCaptureWindow {
 #[pyfunction]
 #[pyo3(signature = (filter = "info"))]
 fn enable_logging(filter: &str) -> bool {
-    let f = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let f =
+        tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt().with_env_filter(f).with_writer(std::io::stderr).try_init().is_ok()
 }
 

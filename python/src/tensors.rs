@@ -75,7 +75,8 @@ fn one(py: Python<'_>, i: usize, t: &Bound<'_, PyAny>, device: usize) -> PyResul
         }
         let shape: Vec<usize> = cai.get_item("shape")?.ok_or_else(|| bad("no 'shape'".into()))?.extract()?;
         let typestr: String = cai.get_item("typestr")?.ok_or_else(|| bad("no 'typestr'".into()))?.extract()?;
-        let item: usize = typestr.get(2..).and_then(|s| s.parse().ok()).ok_or_else(|| bad(format!("typestr {typestr:?}")))?;
+        let item: usize =
+            typestr.get(2..).and_then(|s| s.parse().ok()).ok_or_else(|| bad(format!("typestr {typestr:?}")))?;
         if let Some(strides) = cai.get_item("strides")? {
             if !strides.is_none() {
                 let strides: Vec<usize> = strides.extract()?;
@@ -145,7 +146,9 @@ pub fn parse(
                     format!("tensors[{i}]: its {n} bytes are not {blocks} equal blocks; give page_bytes"),
                 ));
             }
-            (None, None) => return Err(errors::options(py, format!("tensors[{i}] is a bare address: give page_bytes"))),
+            (None, None) => {
+                return Err(errors::options(py, format!("tensors[{i}] is a bare address: give page_bytes")))
+            }
         };
         out.push((s.ptr, page));
     }

@@ -109,7 +109,9 @@ pub enum AgreementError {
     /// The engine's [`Transport`] returned words that break its contract
     /// (empty, a word that is not a settled outcome, or all pinned while
     /// this rank is pageable): this rank runs on pageable memory.
-    #[error("the agreement transport returned {words:?}, which is not every rank's settled outcome (this rank: {mine})")]
+    #[error(
+        "the agreement transport returned {words:?}, which is not every rank's settled outcome (this rank: {mine})"
+    )]
     BadExchange {
         /// What the transport returned.
         words: Vec<u32>,
