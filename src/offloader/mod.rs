@@ -64,7 +64,7 @@ pub use observe::PinObserver;
 pub use options::{KvAlloc, KvSpec, OffloaderOptions, RegionSpec};
 
 use crate::manager::{BlockKey, BlockManager, Lookup, ManagerConfig, Placement, Skipped};
-use crate::pin::{pin_all, pin_all_agreed, Agreement, Prefault, Prepared, RegionSlots};
+use crate::pin::{pin_all, pin_all_agreed_by, Agreement, Prefault, Prepared, RankAgreement, RegionSlots};
 use crate::protocol::agreement::{AgreementError, RankSlots};
 use crate::protocol::{shutdown, CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
 use crate::region::{page_size, AnonOptions, Layout, Region};
@@ -163,7 +163,7 @@ pub struct Offloader {
     kv: KvSpec,
     layout: KvLayout,
     prefault: Arc<dyn Prefault>,
-    agreement: Option<Agreement>,
+    agreement: Option<RankAgreement>,
     bytes_total: usize,
     inner: Mutex<Inner>,
     pinner: Mutex<Pinner>,
@@ -318,9 +318,10 @@ impl Offloader {
         let prepared = Prepared::new(&region, &opts.pin)?;
         let bytes_total = prepared.bytes();
         let agreement = match (&opts.region, RegionSlots::new(region.clone())) {
+            _ if opts.agreement.is_some() => opts.agreement.clone().map(RankAgreement::Transport),
             (RegionSpec::Shared { ranks, .. }, Some(slots)) if *ranks > 1 => {
                 let slots: Arc<dyn RankSlots> = sync::arc_dyn(slots, |a| a);
-                Some(Agreement { slots, rank, timeout: opts.agreement_timeout })
+                Some(Agreement { slots, rank, timeout: opts.agreement_timeout }.into())
             }
             _ => None,
         };
@@ -431,7 +432,7 @@ impl Offloader {
             (self.rt.clone(), self.coord.clone(), self.prefault.clone(), self.agreement.clone());
         let handle = thread::spawn(move || match agreement {
             None => PinOutcome { state: pin_all(rt.as_ref(), &coord, prefault.as_ref()), agreement: None },
-            Some(a) => match pin_all_agreed(rt.as_ref(), &coord, prefault.as_ref(), &a) {
+            Some(a) => match pin_all_agreed_by(rt.as_ref(), &coord, prefault.as_ref(), &a) {
                 Ok(state) => PinOutcome { state, agreement: Some(Ok(())) },
                 Err(e) => {
                     tracing::error!(error = %e, "ranks did not agree; this rank runs on pageable memory");

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::manager::PolicyKind;
 use crate::pin::PinOptions;
+use crate::protocol::agreement::Transport;
 use crate::region::ShmOptions;
 use crate::runtime::Stream;
 use crate::sync::Arc;
@@ -98,7 +99,7 @@ pub struct KvAlloc {
 /// Everything an [`super::Offloader`] is built from. `Default` gives one
 /// anonymous region, background pinning with the default [`PinOptions`],
 /// automatic copy backends and LRU eviction; only `host_blocks` must be set.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct OffloaderOptions {
     /// Host blocks this rank owns in the region (the block manager's slots).
     pub host_blocks: usize,
@@ -116,6 +117,26 @@ pub struct OffloaderOptions {
     /// Called on the pinning thread before each chunk and once this rank's
     /// own pinning ended (progress, timing); `None` by default.
     pub pin_observer: Option<Arc<dyn PinObserver>>,
+    /// The engine's agreement transport, for ranks that share no region
+    /// (several nodes): when set, the ranks agree through it (P7) instead
+    /// of the shared region's header, whatever the region; its own timeout
+    /// bounds the wait. See [`Transport`] for its contract.
+    pub agreement: Option<Arc<dyn Transport>>,
+}
+
+impl std::fmt::Debug for OffloaderOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OffloaderOptions")
+            .field("host_blocks", &self.host_blocks)
+            .field("region", &self.region)
+            .field("pin", &self.pin)
+            .field("transfer", &self.transfer)
+            .field("eviction", &self.eviction)
+            .field("agreement_timeout", &self.agreement_timeout)
+            .field("agreement", &self.agreement.as_ref().map(|_| "transport"))
+            .field("pin_observer", &self.pin_observer.as_ref().map(|_| "observer"))
+            .finish()
+    }
 }
 
 impl Default for OffloaderOptions {
@@ -128,6 +149,7 @@ impl Default for OffloaderOptions {
             eviction: PolicyKind::Lru,
             agreement_timeout: Some(Duration::from_secs(120)),
             pin_observer: None,
+            agreement: None,
         }
     }
 }

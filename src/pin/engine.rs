@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::protocol::agreement::{agree, AgreementError, OffloadMode, RankSlots};
+use crate::protocol::agreement::{agree, agree_via, AgreementError, OffloadMode, RankSlots, Transport};
 use crate::protocol::{Coordinator, PageableReason, PinState, Variant};
 use crate::runtime::GpuRuntime;
 use crate::sync::{thread, Arc};
@@ -58,6 +58,24 @@ pub struct Agreement {
     pub timeout: Option<Duration>,
 }
 
+/// How the ranks agree on the outcome (P7): through words in the shared
+/// region's header (one node), or through a transport the engine provides
+/// (ranks on several nodes).
+#[derive(Clone)]
+pub enum RankAgreement {
+    /// The ranks' words ([`Agreement`]).
+    Slots(Agreement),
+    /// One collective exchange over the engine's process group; see the
+    /// contract of [`Transport`].
+    Transport(Arc<dyn Transport>),
+}
+
+impl From<Agreement> for RankAgreement {
+    fn from(a: Agreement) -> Self {
+        RankAgreement::Slots(a)
+    }
+}
+
 /// Pins every chunk of `coord` on the calling thread and returns the final
 /// state (also published through the coordinator).
 ///
@@ -95,12 +113,44 @@ pub fn pin_all_agreed(
     prefault: &dyn Prefault,
     agreement: &Agreement,
 ) -> Result<PinState, AgreementError> {
+    pin_then_agree(rt, coord, prefault, |pinned| {
+        agree(agreement.slots.as_ref(), agreement.rank, pinned, agreement.timeout)
+    })
+}
+
+/// [`pin_all_agreed`] with either way of agreeing: the region's words, or
+/// the engine's [`Transport`] (a transport error leaves this rank pageable
+/// and is returned, as a timeout is).
+pub fn pin_all_agreed_by(
+    rt: &dyn GpuRuntime,
+    coord: &Coordinator,
+    prefault: &dyn Prefault,
+    agreement: &RankAgreement,
+) -> Result<PinState, AgreementError> {
+    match agreement {
+        RankAgreement::Slots(a) => pin_all_agreed(rt, coord, prefault, a),
+        RankAgreement::Transport(t) => pin_then_agree(rt, coord, prefault, |pinned| agree_via(t.as_ref(), pinned)),
+    }
+}
+
+/// Pins locally, then lets `agree` (this rank's outcome in, the common mode
+/// out) decide before anything is published.
+fn pin_then_agree(
+    rt: &dyn GpuRuntime,
+    coord: &Coordinator,
+    prefault: &dyn Prefault,
+    agree: impl FnOnce(bool) -> Result<OffloadMode, AgreementError>,
+) -> Result<PinState, AgreementError> {
     let local = match begin(coord) {
         Ok(()) => pin_chunks(rt, coord, prefault),
         Err(PinState::Pageable(reason)) => Err(reason),
         Err(_) => Ok(()),
     };
-    let mode = agree(agreement.slots.as_ref(), agreement.rank, local.is_ok(), agreement.timeout);
+    if local.is_ok() && coord.is(Variant::PublishBeforeAgreement) {
+        // N8: offload turns on for this rank before the ranks agreed.
+        coord.pin_finish(PinState::Pinned);
+    }
+    let mode = agree(local.is_ok());
     let state = match (&local, &mode) {
         (Ok(()), Ok(OffloadMode::Pinned)) => PinState::Pinned,
         (Err(reason), _) => PinState::Pageable(reason.clone()),

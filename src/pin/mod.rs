@@ -19,7 +19,9 @@ pub mod prefault;
 mod region_slots;
 mod setup;
 
-pub use engine::{pin_all, pin_all_agreed, Agreement, NoPrefault, PinHandle, Prefault};
+pub use engine::{
+    pin_all, pin_all_agreed, pin_all_agreed_by, Agreement, NoPrefault, PinHandle, Prefault, RankAgreement,
+};
 pub use options::{
     available_cores, HugePages, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT,
     MAX_THREADS, RECOMMENDED_MAX_CHUNK_BYTES,

@@ -3,6 +3,10 @@
 //! ranks in separate processes, so the agreement outlives a rank that
 //! dies); a rank turns offload on only once every rank has settled, and if
 //! any rank fell back to pageable memory, every rank does.
+//!
+//! Ranks on several nodes share no region: they agree through a
+//! [`Transport`] the engine provides (one collective exchange over its own
+//! process group, e.g. torch.distributed with gloo), with [`agree_via`].
 
 use std::time::{Duration, Instant};
 
@@ -95,6 +99,25 @@ pub enum AgreementError {
         /// The dead rank's index (the first dead one among those waited for).
         rank: usize,
     },
+    /// The engine's [`Transport`] failed: this rank did not learn every
+    /// rank's outcome, so it runs on pageable memory.
+    #[error("the agreement transport failed: {message}")]
+    Transport {
+        /// What the transport reported.
+        message: String,
+    },
+    /// The engine's [`Transport`] returned words that break its contract
+    /// (empty, a word that is not a settled outcome, or all pinned while
+    /// this rank is pageable): this rank runs on pageable memory.
+    #[error(
+        "the agreement transport returned {words:?}, which is not every rank's settled outcome (this rank: {mine})"
+    )]
+    BadExchange {
+        /// What the transport returned.
+        words: Vec<u32>,
+        /// This rank's word.
+        mine: u32,
+    },
     /// The timeout given to [`agree`] passed before every rank settled.
     #[error("timed out after {millis} ms waiting for ranks {waiting:?} to settle their pin state")]
     Timeout {
@@ -139,5 +162,95 @@ pub fn agree(
         }
         crate::sync::backoff(attempt);
         attempt = attempt.saturating_add(1);
+    }
+}
+
+/// An agreement transport the engine provides, for ranks that share no
+/// region (ranks on several nodes): one collective exchange of every rank's
+/// settled outcome over the engine's own process group (e.g.
+/// `torch.distributed` with a gloo group, or any all-gather it has).
+///
+/// # Contract
+///
+/// [`Transport::exchange`] is a collective: every rank of the group calls
+/// it exactly once, with its own settled word ([`SETTLED_PINNED`] or
+/// [`SETTLED_PAGEABLE`]), and it returns only once every rank has
+/// contributed its word. It then returns every rank's word (an all-gather,
+/// in rank order), or any non-empty list with the same verdict, such as the
+/// one-element result of an all-reduce with MAX ([`SETTLED_PAGEABLE`] is the
+/// larger word, so one pageable rank makes the maximum pageable). It never
+/// returns a list that lacks a rank's contribution. When the exchange
+/// cannot complete (a peer died, a connection closed, the transport's own
+/// timeout passed) it returns an error.
+///
+/// Given that contract, every rank that gets `Ok` decides the same mode
+/// from the same verdict. A rank whose exchange fails runs on pageable
+/// memory and reports [`AgreementError::Transport`]; whether its peers
+/// learn of it is the transport's business: a collective that breaks on
+/// one rank breaks on all of them (each ends pageable with the error), but
+/// no protocol can make ranks agree over a transport that succeeds on some
+/// ranks and fails on others. The exchange blocks for as long as the
+/// slowest rank's pinning takes; bound it with the transport's own timeout.
+pub trait Transport: Send + Sync {
+    /// Exchanges this rank's settled word `mine`; see the trait's contract.
+    fn exchange(&self, mine: u32) -> Result<Vec<u32>, String>;
+}
+
+/// The mode a transport's exchange gives, checked against the contract.
+pub fn decide(words: &[u32], mine: u32) -> Result<OffloadMode, AgreementError> {
+    let settled = |w: &u32| *w == SETTLED_PINNED || *w == SETTLED_PAGEABLE;
+    let all_pinned = words.iter().all(|&w| w == SETTLED_PINNED);
+    if words.is_empty() || !words.iter().all(settled) || (mine == SETTLED_PAGEABLE && all_pinned) {
+        return Err(AgreementError::BadExchange { words: words.to_vec(), mine });
+    }
+    Ok(if all_pinned { OffloadMode::Pinned } else { OffloadMode::Pageable })
+}
+
+/// Like [`agree`], through the engine's [`Transport`]: exchanges this
+/// rank's outcome (`pinned`) with every rank's and returns the common mode.
+pub fn agree_via(transport: &dyn Transport, pinned: bool) -> Result<OffloadMode, AgreementError> {
+    let mine = if pinned { SETTLED_PINNED } else { SETTLED_PAGEABLE };
+    let words = transport.exchange(mine).map_err(|message| AgreementError::Transport { message })?;
+    let mode = decide(&words, mine)?;
+    tracing::info!(?mode, ranks_reported = words.len(), "ranks agreed through the transport");
+    Ok(mode)
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    struct Fixed(Result<Vec<u32>, String>);
+    impl Transport for Fixed {
+        fn exchange(&self, _mine: u32) -> Result<Vec<u32>, String> {
+            self.0.clone()
+        }
+    }
+
+    #[test]
+    fn transport_verdicts() {
+        let (p, g) = (SETTLED_PINNED, SETTLED_PAGEABLE);
+        assert_eq!(agree_via(&Fixed(Ok(vec![p, p])), true), Ok(OffloadMode::Pinned));
+        assert_eq!(agree_via(&Fixed(Ok(vec![p, g])), true), Ok(OffloadMode::Pageable));
+        // The one-word result of an all-reduce with MAX.
+        assert_eq!(agree_via(&Fixed(Ok(vec![g])), true), Ok(OffloadMode::Pageable));
+        assert_eq!(agree_via(&Fixed(Ok(vec![g, p])), false), Ok(OffloadMode::Pageable));
+    }
+
+    #[test]
+    fn transport_errors_and_broken_contracts() {
+        let (p, g) = (SETTLED_PINNED, SETTLED_PAGEABLE);
+        assert_eq!(
+            agree_via(&Fixed(Err("peer gone".into())), true),
+            Err(AgreementError::Transport { message: "peer gone".into() })
+        );
+        assert!(matches!(agree_via(&Fixed(Ok(vec![])), true), Err(AgreementError::BadExchange { .. })));
+        assert!(matches!(agree_via(&Fixed(Ok(vec![p, UNSETTLED])), true), Err(AgreementError::BadExchange { .. })));
+        assert!(matches!(agree_via(&Fixed(Ok(vec![p, 7])), true), Err(AgreementError::BadExchange { .. })));
+        // This rank is pageable, yet every word says pinned: its word is missing.
+        assert_eq!(
+            agree_via(&Fixed(Ok(vec![p, p])), false),
+            Err(AgreementError::BadExchange { words: vec![p, p], mine: g })
+        );
     }
 }

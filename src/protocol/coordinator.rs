@@ -64,6 +64,9 @@ pub enum Variant {
     WaitInsideWindow,
     /// N7: rollback unregisters only the chunk that failed last.
     ForgetfulRollback,
+    /// N8: a rank publishes its own pin outcome (offload on) before the
+    /// ranks exchanged theirs (P7).
+    PublishBeforeAgreement,
 }
 
 /// Registration state of one chunk of the region.

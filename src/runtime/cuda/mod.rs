@@ -2,11 +2,23 @@
 //! loaded at run time (`dynamic-loading`), so the crate builds and its tests
 //! run on machines with no CUDA. Every return code is checked and traced at
 //! debug level with its result.
+//!
+//! # Sharing the device with an engine (PyTorch)
+//!
+//! [`CudaRuntime::open`] retains the device's *primary* context
+//! (`cuDevicePrimaryCtxRetain`), the one the CUDA runtime API and so
+//! PyTorch use: device pointers of the engine's tensors (`data_ptr()`) and
+//! its streams (`torch.cuda.current_stream().cuda_stream`) are valid here
+//! as they are. Every call first makes that context current on the calling
+//! thread if another one is (`cuCtxGetCurrent`; the runtime API of a
+//! process using one device has the same one current, so nothing changes
+//! for it). An engine's raw stream becomes a [`Stream`] of this runtime
+//! with [`CudaRuntime::adopt_stream`] (unsafe: the stream stays the
+//! engine's, see its contract).
 
 mod ptx;
 
-use std::cell::Cell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::c_void;
 
 use cudarc::driver::sys;
@@ -44,11 +56,6 @@ fn mode_from_sys(m: sys::CUstreamCaptureMode) -> CaptureMode {
     }
 }
 
-thread_local! {
-    /// The context current on this thread, as far as this crate set it.
-    static CURRENT: Cell<usize> = const { Cell::new(0) };
-}
-
 /// Driver handles by the crate's opaque ids; an unknown id is a typed
 /// INVALID_HANDLE error instead of a wild pointer handed to the driver.
 #[derive(Default)]
@@ -57,6 +64,9 @@ struct Handles {
     streams: BTreeMap<u64, usize>,
     events: BTreeMap<u64, usize>,
     graphs: BTreeMap<u64, usize>,
+    /// Streams adopted from the engine ([`CudaRuntime::adopt_stream`]):
+    /// never destroyed by this runtime.
+    adopted: BTreeSet<u64>,
 }
 
 impl Handles {
@@ -186,17 +196,38 @@ impl CudaRuntime {
         self.driver_version
     }
 
-    /// Makes the primary context current on the calling thread (once per
-    /// thread). Capture-safe: it touches no stream.
+    /// Makes the primary context current on the calling thread unless it
+    /// is already (the engine, e.g. PyTorch's runtime API, may have made
+    /// another device's current on a thread it shares with us, so the
+    /// driver is asked, not a cache). Capture-safe: it touches no stream.
     fn bind(&self) -> DriverResult<()> {
-        if CURRENT.with(|c| c.get()) == self.ctx {
+        let mut cur: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; reads the calling thread's context.
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut cur) })?;
+        if cur as usize == self.ctx {
             return Ok(());
         }
         // SAFETY: `ctx` is the primary context retained in `open` and
         // released only in Drop.
-        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx as sys::CUcontext) })?;
-        CURRENT.with(|c| c.set(self.ctx));
-        Ok(())
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx as sys::CUcontext) })
+    }
+
+    /// Makes an engine's stream usable as a [`Stream`] of this runtime (for
+    /// example PyTorch's `torch.cuda.current_stream().cuda_stream`, the
+    /// compute stream an offloader orders its jobs after). `raw` 0 is the
+    /// legacy default stream. [`GpuRuntime::stream_destroy`] of the handle
+    /// only forgets it: the stream stays the engine's.
+    ///
+    /// # Safety
+    /// `raw` is a `CUstream` (`cudaStream_t`) of this device's primary
+    /// context, or 0, and stays alive until the handle is given back with
+    /// `stream_destroy` and no work this runtime enqueued on it or ordered
+    /// after it is pending (for an offloader: until it is shut down).
+    pub unsafe fn adopt_stream(&self, raw: usize) -> Stream {
+        let mut h = sync::lock(&self.handles);
+        let id = h.insert(|h| &mut h.streams, raw);
+        h.adopted.insert(id);
+        Stream(id)
     }
 
     fn stream_raw(&self, s: Stream, call: &'static str) -> DriverResult<sys::CUstream> {
@@ -368,6 +399,14 @@ impl GpuRuntime for CudaRuntime {
 
     fn stream_destroy(&self, stream: Stream) -> DriverResult<()> {
         let s = self.stream_raw(stream, "cuStreamDestroy")?;
+        {
+            let mut h = sync::lock(&self.handles);
+            if h.adopted.remove(&stream.0) {
+                // The engine's stream: forgotten, not destroyed.
+                h.streams.remove(&stream.0);
+                return Ok(());
+            }
+        }
         // SAFETY: `s` is a live stream created by this runtime.
         check("cuStreamDestroy", unsafe { sys::cuStreamDestroy_v2(s) })?;
         sync::lock(&self.handles).streams.remove(&stream.0);

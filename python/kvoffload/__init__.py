@@ -1,0 +1,97 @@
+"""kvoffload: offload LLM KV-cache blocks between GPU memory and a pinned
+host region, with capture safety proved by the loom model checker.
+
+The one object an engine holds is :class:`Offloader`::
+
+    import kvoffload
+    off = kvoffload.Offloader(host_blocks=4096, tensors=kv_tensors,
+                              stream=torch.cuda.current_stream().cuda_stream)
+    off.start()                        # pin in the background
+    with off.capture_window(), torch.cuda.graph(g):
+        ...                            # capture: no library thread disturbs it
+    res = off.store(keys, gpu_blocks)  # keys: ints or (hash, group) pairs
+    off.wait_all(); off.poll()
+    job = off.load(keys, other_blocks); off.wait(job); off.poll()
+    off.shutdown()
+
+Tensors are given as objects with ``data_ptr()`` (PyTorch) or
+``__cuda_array_interface__`` (CuPy, Numba), so the package never imports
+PyTorch. See ``kvoffload/__init__.pyi`` for every signature.
+"""
+
+from ._native import (
+    SETTLED_PAGEABLE,
+    SETTLED_PINNED,
+    AgreementError,
+    CaptureWindow,
+    Completion,
+    DriverError,
+    KvoffloadError,
+    ManagerError,
+    Offloader,
+    OptionsError,
+    PinOutcome,
+    PinProgress,
+    PinState,
+    ProtocolError,
+    RegionError,
+    Runtime,
+    ShutDownError,
+    StoreResult,
+    TransferError,
+    cuda_driver_present,
+    enable_logging,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SETTLED_PAGEABLE",
+    "SETTLED_PINNED",
+    "AgreementError",
+    "CaptureWindow",
+    "Completion",
+    "DriverError",
+    "KvoffloadError",
+    "ManagerError",
+    "Offloader",
+    "OptionsError",
+    "PinOutcome",
+    "PinProgress",
+    "PinState",
+    "ProtocolError",
+    "RegionError",
+    "Runtime",
+    "ShutDownError",
+    "StoreResult",
+    "TransferError",
+    "cuda_driver_present",
+    "enable_logging",
+    "torch_agreement",
+]
+
+
+def torch_agreement(group=None):
+    """An agreement transport over ``torch.distributed`` (P7 across nodes).
+
+    Returns ``f(mine) -> int``: an all-reduce with MAX of this rank's settled
+    word over ``group`` (a pageable rank makes every rank pageable). The
+    tensor is a CPU tensor, so the group must be a gloo group: pass one made
+    with ``torch.distributed.new_group(backend="gloo")`` on every rank (with
+    ``group=None`` the default group is used when it is gloo, and otherwise
+    a gloo group is made here, which is itself a collective call: make it on
+    every rank in the same order). The callable runs once, on the pinning
+    thread; the process group's timeout bounds it.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if group is None and dist.get_backend() != "gloo":
+        group = dist.new_group(backend="gloo")
+
+    def exchange(mine: int) -> int:
+        t = torch.tensor([int(mine)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t.item())
+
+    return exchange

@@ -1,0 +1,233 @@
+"""Type stubs of kvoffload (the extension module kvoffload._native)."""
+
+from os import PathLike
+from types import TracebackType
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Type, Union
+
+__version__: str
+
+#: An agreement word: this rank's region is pinned.
+SETTLED_PINNED: int
+#: An agreement word: this rank runs on pageable memory (the larger word:
+#: an all-reduce with MAX of the ranks' words says "pageable" if any is).
+SETTLED_PAGEABLE: int
+
+#: A block key: an int hash (group 0; negative hashes fold to their 64-bit
+#: pattern) or a ``(hash, group)`` pair. Keys are reported as pairs.
+Key = Union[int, Tuple[int, int]]
+#: A tensor: an object with ``data_ptr()`` (PyTorch) or
+#: ``__cuda_array_interface__`` (CuPy, Numba), or a bare device address.
+TensorLike = Any
+#: ``f(mine) -> every rank's word (list) or their maximum (int)``.
+AgreementTransport = Callable[[int], Union[int, Sequence[int]]]
+
+class KvoffloadError(Exception):
+    """Base of every kvoffload error. ``kind``: the Rust variant in snake
+    case (e.g. ``"gpu_block_count"``); ``reason``: the inner error's variant
+    (e.g. ``"already_exists"``, ``"nested_window"``) or None."""
+
+    kind: str
+    reason: Optional[str]
+
+class OptionsError(KvoffloadError):
+    """Bad arguments: options, the KV description, GPU block ids, the layout."""
+
+class RegionError(KvoffloadError):
+    """The host region could not be created, joined or mapped."""
+
+class ProtocolError(KvoffloadError):
+    """The capture-safety protocol refused (a window open, a nested window,
+    a wait that would deadlock)."""
+
+class ShutDownError(ProtocolError):
+    """The offloader is shut down (or shutting down)."""
+
+class DriverError(KvoffloadError):
+    """A CUDA driver call failed."""
+
+    call: str
+    #: The CUresult (e.g. 900), or None when no driver could be loaded.
+    code: Optional[int]
+    code_name: Optional[str]
+
+class ManagerError(KvoffloadError):
+    """The block manager refused (a key not stored, no slot free)."""
+
+class TransferError(KvoffloadError):
+    """The transfer engine refused a job (e.g. an unknown job id)."""
+
+class AgreementError(KvoffloadError):
+    """The ranks did not agree on the pin state (P7); ``kind`` is e.g.
+    ``"transport"``, ``"bad_exchange"``, ``"timeout"``, ``"rank_died"``."""
+
+class Runtime:
+    """The GPU an offloader runs on: ``"cuda"`` (the device's primary
+    context, shared with PyTorch), ``"sim"`` (the simulated GPU), or
+    ``"auto"`` (CUDA where a device is visible). One runtime can serve
+    several offloaders."""
+
+    def __init__(self, backend: str = "auto", device: int = 0) -> None: ...
+    @property
+    def backend(self) -> str: ...
+    def describe(self) -> str: ...
+    def sim_device_bytes_in_use_for_test(self) -> int: ...
+    def sim_registered_ranges_for_test(self) -> int: ...
+    def sim_fail_registration_for_test(self, nth: int = 1, code: int = 801) -> None: ...
+
+class PinState:
+    """``name``: ``"pending"``, ``"pinning"``, ``"pinned"`` or
+    ``"pageable"`` (compares equal to that string)."""
+
+    name: str
+    done: Optional[int]
+    total: Optional[int]
+    #: Why a region is pageable: e.g. ``"not_supported"``,
+    #: ``"peer_pageable"``, ``"cancelled"``, ``"out_of_memory"``.
+    reason: Optional[str]
+    message: Optional[str]
+    @property
+    def is_final(self) -> bool: ...
+
+class PinProgress:
+    state: PinState
+    chunks_done: int
+    chunks_total: int
+    bytes_total: int
+
+class PinOutcome:
+    state: PinState
+    #: None when no agreement was needed; False when it failed.
+    agreed: Optional[bool]
+    #: Why the agreement failed (not raised); this rank runs pageable.
+    agreement_error: Optional[AgreementError]
+
+class StoreResult:
+    job: Optional[int]
+    stored: List[Tuple[int, int]]
+    #: ``(key, reason)``; reason ``"already_stored"``, ``"store_pending"``
+    #: or ``"below_threshold"``.
+    skipped: List[Tuple[Tuple[int, int], str]]
+    evicted: List[Tuple[int, int]]
+
+class Completion:
+    job: int
+    direction: str  # "store" or "load"
+    keys: List[Tuple[int, int]]
+    bytes: int
+    seconds: float
+    backend: str  # "per-fragment", "batched" or "gather"
+    error: Optional[DriverError]
+    @property
+    def ok(self) -> bool: ...
+
+class CaptureWindow:
+    """``with off.capture_window(): ...``: no library thread makes a
+    capture-unsafe driver call while it is open; with the default policy it
+    opens once pinning is final (entering waits, the GIL released)."""
+
+    def __enter__(self) -> "CaptureWindow": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+    @property
+    def is_open(self) -> bool: ...
+    @property
+    def chunks_waited(self) -> int: ...
+
+class Offloader:
+    """KV-cache offload between GPU memory and a pinned host region.
+
+    ``tensors`` is either a list of the engine's KV tensors (each contiguous,
+    block ``b`` at ``address + b * page_bytes``; ``gpu_blocks`` defaults to
+    the first dimension, ``page_bytes`` to ``nbytes / gpu_blocks``), kept
+    alive until shutdown, with ``stream`` the engine's compute stream (an
+    int handle such as ``torch.cuda.current_stream().cuda_stream``, or an
+    object with ``.cuda_stream``; None: the legacy default stream); or an
+    int: the offloader allocates that many tensors of ``gpu_blocks`` blocks
+    of ``page_bytes`` (the only way on the simulated GPU).
+
+    GPU blocks named in a store must not be written, and those named in a
+    load neither read nor written, by the engine until ``poll`` reports the
+    job or ``wait`` returns for it.
+    """
+
+    def __init__(
+        self,
+        host_blocks: int,
+        *,
+        tensors: Union[int, Sequence[TensorLike]],
+        gpu_blocks: Optional[int] = None,
+        page_bytes: Optional[int] = None,
+        block_factor: int = 1,
+        stream: Any = None,
+        backend: str = "auto",
+        device: int = 0,
+        runtime: Optional[Runtime] = None,
+        region: str = "anonymous",
+        name: Optional[str] = None,
+        rank: int = 0,
+        ranks: int = 1,
+        region_dir: Optional[Union[str, PathLike]] = None,
+        join_timeout: float = 60.0,
+        pin_threads: Optional[int] = None,
+        chunk_bytes: Optional[int] = None,
+        prefault: str = "populate",
+        huge_pages: str = "auto",
+        capture_policy: str = "after_pinning",
+        copy_backend: str = "auto",
+        eviction: str = "lru",
+        agreement: Optional[AgreementTransport] = None,
+        agreement_timeout: Optional[float] = 120.0,
+        start: bool = False,
+    ) -> None: ...
+    @property
+    def runtime(self) -> Runtime: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def tensor_addresses(self) -> List[int]: ...
+    @property
+    def page_bytes(self) -> List[int]: ...
+    @property
+    def gpu_blocks(self) -> int: ...
+    @property
+    def block_factor(self) -> int: ...
+    @property
+    def region_bytes(self) -> int: ...
+    def start(self) -> None: ...
+    @property
+    def pin_state(self) -> PinState: ...
+    @property
+    def pin_progress(self) -> PinProgress: ...
+    def wait_pinned(self) -> PinOutcome: ...
+    def capture_window(self) -> CaptureWindow: ...
+    def gated(self, f: Callable[[], Any]) -> Any: ...
+    def lookup(self, keys: Iterable[Key]) -> List[str]: ...
+    def store(self, keys: Iterable[Key], gpu_blocks: Iterable[int]) -> StoreResult: ...
+    def load(self, keys: Iterable[Key], gpu_blocks: Iterable[int]) -> int: ...
+    def poll(self) -> List[Completion]: ...
+    def wait(self, job: int) -> None: ...
+    def wait_all(self) -> None: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def stored_blocks(self) -> int: ...
+    def shutdown(self) -> None: ...
+    @property
+    def is_shut_down(self) -> bool: ...
+    def __enter__(self) -> "Offloader": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+    def write_block_for_test(self, tensor: int, gpu_block: int, data: bytes) -> None: ...
+    def read_block_for_test(self, tensor: int, gpu_block: int) -> bytes: ...
+
+def enable_logging(filter: str = "info") -> bool: ...
+def cuda_driver_present() -> bool: ...
+def torch_agreement(group: Any = None) -> AgreementTransport: ...

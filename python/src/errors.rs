@@ -1,0 +1,213 @@
+//! Rust errors as a small hierarchy of Python exceptions.
+//!
+//! ```text
+//! KvoffloadError                 every error of the package
+//! ├── OptionsError               bad arguments, options, KV description, layout
+//! ├── RegionError                creating, joining or mapping the host region
+//! ├── ProtocolError              the capture-safety protocol refused
+//! │   └── ShutDownError          used after shutdown (or shut down twice)
+//! ├── DriverError                a CUDA driver call failed (.code, .call)
+//! ├── ManagerError               the block manager refused (key not stored, no slot)
+//! ├── TransferError              the transfer engine refused a job
+//! └── AgreementError             the ranks did not agree (P7)
+//! ```
+//!
+//! Every instance carries the typed reason as attributes: `kind` (the Rust
+//! variant in snake case, e.g. `"gpu_block_count"`), `reason` (the inner
+//! error's variant, e.g. `"already_exists"`, or None) and, for driver
+//! errors, `code` (the CUresult as an int, or None when no driver exists),
+//! `code_name` and `call` (the driver entry point).
+
+use kvoffload::offloader::OffloaderError;
+use kvoffload::pin::PinError;
+use kvoffload::protocol::agreement::AgreementError as RustAgreementError;
+use kvoffload::protocol::{ProtocolError as RustProtocolError, ShutdownError};
+use kvoffload::runtime::{DriverError as RustDriverError, OpenError};
+use kvoffload::transfer::TransferError as RustTransferError;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::PyTypeInfo;
+
+pyo3::create_exception!(kvoffload, KvoffloadError, PyException, "Base class of every kvoffload error.");
+pyo3::create_exception!(
+    kvoffload,
+    OptionsError,
+    KvoffloadError,
+    "Bad arguments: options, the KV description, GPU block ids, the layout."
+);
+pyo3::create_exception!(
+    kvoffload,
+    RegionError,
+    KvoffloadError,
+    "The host region could not be created, joined or mapped."
+);
+pyo3::create_exception!(
+    kvoffload,
+    ProtocolError,
+    KvoffloadError,
+    "The capture-safety protocol refused (a window open, a nested window, a wait that would deadlock)."
+);
+pyo3::create_exception!(kvoffload, ShutDownError, ProtocolError, "The offloader is shut down (or shutting down).");
+pyo3::create_exception!(kvoffload, DriverError, KvoffloadError, "A CUDA driver call failed; `code` is the CUresult.");
+pyo3::create_exception!(
+    kvoffload,
+    ManagerError,
+    KvoffloadError,
+    "The block manager refused (a key not stored, no slot free)."
+);
+pyo3::create_exception!(kvoffload, TransferError, KvoffloadError, "The transfer engine refused a job.");
+pyo3::create_exception!(kvoffload, AgreementError, KvoffloadError, "The ranks did not agree on the pin state (P7).");
+
+/// `CamelCase` -> `camel_case`.
+pub fn snake(name: &str) -> String {
+    let mut out = String::with_capacity(name.len() + 4);
+    for (i, c) in name.chars().enumerate() {
+        if c.is_ascii_uppercase() {
+            if i > 0 {
+                out.push('_');
+            }
+            out.push(c.to_ascii_lowercase());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The variant name at the start of a `Debug` rendering, in snake case.
+pub fn variant(debug: &str) -> String {
+    let end = debug.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(debug.len());
+    snake(&debug[..end])
+}
+
+/// The inner error's variant: `Outer(Inner { .. })` -> `inner`.
+fn inner_variant(debug: &str) -> Option<String> {
+    let open = debug.find('(')?;
+    let v = variant(debug[open + 1..].trim_start());
+    (!v.is_empty()).then_some(v)
+}
+
+/// An exception of class `T` with `message` and the typed attributes.
+fn make<T: PyTypeInfo>(
+    py: Python<'_>,
+    message: String,
+    kind: &str,
+    reason: Option<String>,
+    driver: Option<(&str, Option<u32>, Option<&str>)>,
+) -> PyErr {
+    let err = PyErr::from_type(T::type_object(py), message);
+    let v = err.value(py);
+    let _ = v.setattr("kind", kind);
+    let _ = v.setattr("reason", reason);
+    if let Some((call, code, name)) = driver {
+        let _ = v.setattr("call", call);
+        let _ = v.setattr("code", code);
+        let _ = v.setattr("code_name", name);
+    }
+    err
+}
+
+fn driver_err(py: Python<'_>, message: String, kind: &str, e: &RustDriverError) -> PyErr {
+    make::<DriverError>(
+        py,
+        message,
+        kind,
+        Some(snake(e.code.name())),
+        Some((e.call, Some(e.code.0), Some(e.code.name()))),
+    )
+}
+
+/// An offloader error as its Python exception.
+pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
+    let msg = e.to_string();
+    let dbg = format!("{e:?}");
+    let kind = variant(&dbg);
+    let reason = inner_variant(&dbg);
+    match &e {
+        OffloaderError::Options(_) | OffloaderError::Layout(_) | OffloaderError::GpuBlockCount { .. } => {
+            make::<OptionsError>(py, msg, &kind, reason, None)
+        }
+        OffloaderError::Pin(PinError::Region(_)) | OffloaderError::Region(_) => {
+            make::<RegionError>(py, msg, &kind, reason, None)
+        }
+        OffloaderError::Pin(_) => make::<OptionsError>(py, msg, &kind, reason, None),
+        OffloaderError::Protocol(p) => protocol(py, msg, &kind, p),
+        OffloaderError::Shutdown(ShutdownError::Refused(p)) => protocol(py, msg, &kind, p),
+        OffloaderError::Shutdown(ShutdownError::Unregister(d)) | OffloaderError::Driver { error: d, .. } => {
+            driver_err(py, msg, &kind, d)
+        }
+        OffloaderError::Transfer(t) => match t {
+            RustTransferError::Driver(d) | RustTransferError::JobFailed { error: d, .. } => {
+                driver_err(py, msg, &kind, d)
+            }
+            RustTransferError::Protocol(p) => protocol(py, msg, &kind, p),
+            RustTransferError::ShutDown { .. } => make::<ShutDownError>(py, msg, &kind, reason, None),
+            RustTransferError::Layout(_)
+            | RustTransferError::GroupCount { .. }
+            | RustTransferError::GpuBlockOutOfRange { .. }
+            | RustTransferError::HostBlockOutOfRange { .. }
+            | RustTransferError::RepeatedGpuBlock { .. }
+            | RustTransferError::RepeatedHostBlock { .. }
+            | RustTransferError::BlockCountMismatch { .. }
+            | RustTransferError::EmptyJob { .. } => make::<OptionsError>(py, msg, &kind, reason, None),
+            _ => make::<TransferError>(py, msg, &kind, reason, None),
+        },
+        OffloaderError::UnknownJob { .. } => make::<TransferError>(py, msg, &kind, None, None),
+        OffloaderError::Manager(_) | OffloaderError::NotStored { .. } => {
+            make::<ManagerError>(py, msg, &kind, reason, None)
+        }
+        OffloaderError::ShutDown => make::<ShutDownError>(py, msg, &kind, None, None),
+        _ => make::<KvoffloadError>(py, msg, &kind, reason, None),
+    }
+}
+
+fn protocol(py: Python<'_>, msg: String, kind: &str, p: &RustProtocolError) -> PyErr {
+    let reason = Some(variant(&format!("{p:?}")));
+    match p {
+        RustProtocolError::ShutDown | RustProtocolError::AlreadyShutDown => {
+            make::<ShutDownError>(py, msg, kind, reason, None)
+        }
+        _ => make::<ProtocolError>(py, msg, kind, reason, None),
+    }
+}
+
+/// Opening the CUDA runtime failed.
+pub fn open(py: Python<'_>, e: OpenError) -> PyErr {
+    let msg = e.to_string();
+    match &e {
+        OpenError::NoDriver => {
+            make::<DriverError>(py, msg, "no_driver", None, Some(("dlopen(libcuda.so.1)", None, None)))
+        }
+        OpenError::Device { source, .. } => driver_err(py, msg, "device", source),
+    }
+}
+
+/// A bare driver error (test helpers).
+pub fn driver(py: Python<'_>, what: &str, e: RustDriverError) -> PyErr {
+    driver_err(py, format!("{what}: {e}"), "driver", &e)
+}
+
+/// A bad argument found on the Python side.
+pub fn options(py: Python<'_>, message: impl Into<String>) -> PyErr {
+    make::<OptionsError>(py, message.into(), "options", None, None)
+}
+
+/// An agreement error as an (unraised) exception instance.
+pub fn agreement(py: Python<'_>, e: &RustAgreementError) -> PyErr {
+    make::<AgreementError>(py, e.to_string(), &variant(&format!("{e:?}")), None, None)
+}
+
+/// Adds the exception classes to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("KvoffloadError", py.get_type::<KvoffloadError>())?;
+    m.add("OptionsError", py.get_type::<OptionsError>())?;
+    m.add("RegionError", py.get_type::<RegionError>())?;
+    m.add("ProtocolError", py.get_type::<ProtocolError>())?;
+    m.add("ShutDownError", py.get_type::<ShutDownError>())?;
+    m.add("DriverError", py.get_type::<DriverError>())?;
+    m.add("ManagerError", py.get_type::<ManagerError>())?;
+    m.add("TransferError", py.get_type::<TransferError>())?;
+    m.add("AgreementError", py.get_type::<AgreementError>())?;
+    Ok(())
+}

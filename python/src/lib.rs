@@ -1,0 +1,947 @@
+//! `kvoffload._native`: the Python front of kvoffload (PyO3, abi3).
+//!
+//! One class an engine holds, [`PyOffloader`] (`kvoffload.Offloader`),
+//! over the library's `Offloader`; a [`PyRuntime`] (`kvoffload.Runtime`)
+//! for the GPU it runs on (the CUDA driver on the device's primary context,
+//! shared with PyTorch, or the simulated GPU); small result classes; the
+//! exceptions of [`errors`]; and an agreement transport backed by a Python
+//! callable ([`PyTransport`]).
+//!
+//! Every call that can block (construction, pinning waits, capture windows,
+//! job waits, shutdown, the submissions) releases the GIL.
+
+mod errors;
+mod tensors;
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use kvoffload::manager::{BlockKey, Lookup, PolicyKind, SkipReason};
+use kvoffload::offloader::{Completion, KvAlloc, KvSpec, Offloader, OffloaderOptions, PinOutcome, RegionSpec};
+use kvoffload::pin::options::{HugePages, PrefaultMode};
+use kvoffload::protocol::agreement::Transport;
+use kvoffload::protocol::{CapturePolicy, CaptureWindow, PinState};
+use kvoffload::region::ShmOptions;
+use kvoffload::runtime::cuda::CudaRuntime;
+use kvoffload::runtime::sim::{SimFault, SimRuntime};
+use kvoffload::runtime::{Code, Direction, GpuRuntime, Stream};
+use kvoffload::transfer::{Backend, BackendChoice, TensorSpec};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
+use std::sync::Arc;
+
+// ---------------------------------------------------------------- runtime
+
+/// The GPU an offloader runs on.
+///
+/// `Runtime("cuda", device=0)` opens the CUDA driver on `device` (its
+/// primary context, the one PyTorch uses); `Runtime("sim")` is the
+/// simulated GPU (tests, machines without a GPU); `Runtime("auto")` is the
+/// CUDA driver where a device is visible, the simulated GPU otherwise. One
+/// runtime can serve several offloaders.
+#[pyclass(name = "Runtime", module = "kvoffload", frozen)]
+struct PyRuntime {
+    rt: Arc<dyn GpuRuntime>,
+    cuda: Option<Arc<CudaRuntime>>,
+}
+
+impl PyRuntime {
+    fn open(py: Python<'_>, backend: &str, device: usize) -> PyResult<PyRuntime> {
+        let cuda = |py: Python<'_>| -> PyResult<PyRuntime> {
+            let c = Arc::new(py.detach(|| CudaRuntime::open(device)).map_err(|e| errors::open(py, e))?);
+            let rt: Arc<dyn GpuRuntime> = c.clone();
+            Ok(PyRuntime { rt, cuda: Some(c) })
+        };
+        let sim = || PyRuntime { rt: Arc::new(SimRuntime::new()), cuda: None };
+        match backend {
+            "sim" => Ok(sim()),
+            "cuda" => cuda(py),
+            "auto" => match CudaRuntime::device_count() {
+                Ok(n) if n > 0 => cuda(py),
+                _ => Ok(sim()),
+            },
+            other => Err(errors::options(py, format!("backend must be 'auto', 'sim' or 'cuda', not {other:?}"))),
+        }
+    }
+
+    fn sim(&self, py: Python<'_>) -> PyResult<&SimRuntime> {
+        self.rt.as_sim().ok_or_else(|| errors::options(py, "this helper needs the simulated GPU (backend='sim')"))
+    }
+}
+
+#[pymethods]
+impl PyRuntime {
+    #[new]
+    #[pyo3(signature = (backend = "auto", device = 0))]
+    fn new(py: Python<'_>, backend: &str, device: usize) -> PyResult<Self> {
+        PyRuntime::open(py, backend, device)
+    }
+
+    /// `"cuda"` or `"sim"`.
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.rt.backend()
+    }
+
+    /// The device and driver, for reports.
+    fn describe(&self) -> String {
+        self.rt.describe()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("kvoffload.Runtime({:?}: {})", self.rt.backend(), self.rt.describe())
+    }
+
+    /// Simulated GPU only (tests): device bytes allocated and not freed.
+    fn sim_device_bytes_in_use_for_test(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.sim(py)?.device_bytes_in_use())
+    }
+
+    /// Simulated GPU only (tests): host ranges registered now.
+    fn sim_registered_ranges_for_test(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.sim(py)?.registered_ranges())
+    }
+
+    /// Simulated GPU only (tests): the `nth` host registration from now
+    /// (1 = the next) fails with CUresult `code` (801: not supported).
+    #[pyo3(signature = (nth = 1, code = 801))]
+    fn sim_fail_registration_for_test(&self, py: Python<'_>, nth: u64, code: u32) -> PyResult<()> {
+        self.sim(py)?.inject(SimFault::Register { nth, code: Code(code) });
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------- agreement
+
+/// The agreement transport backed by a Python callable: `f(mine) ->
+/// list[int] | int` (an all-gather of every rank's word, or the result of
+/// an all-reduce with MAX). Called once, on the pinning thread, with the
+/// GIL taken for the call.
+struct PyTransport {
+    f: Py<PyAny>,
+}
+
+impl Transport for PyTransport {
+    fn exchange(&self, mine: u32) -> Result<Vec<u32>, String> {
+        Python::attach(|py| {
+            let r = self.f.call1(py, (mine,)).map_err(|e| format!("the agreement callable raised {e}"))?;
+            let r = r.bind(py);
+            if let Ok(w) = r.extract::<u32>() {
+                return Ok(vec![w]);
+            }
+            r.extract::<Vec<u32>>().map_err(|_| {
+                let shown = r.repr().map(|s| s.to_string()).unwrap_or_else(|_| "?".into());
+                format!("the agreement callable returned {shown}, not an int or a list of ints")
+            })
+        })
+    }
+}
+
+// ---------------------------------------------------------------- results
+
+fn key_out(py: Python<'_>, k: BlockKey) -> PyResult<Bound<'_, PyTuple>> {
+    PyTuple::new(py, [k.hash.into_pyobject(py)?.into_any(), k.group.into_pyobject(py)?.into_any()])
+}
+
+fn keys_out<'py>(py: Python<'py>, keys: &[BlockKey]) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+    keys.iter().map(|k| key_out(py, *k)).collect()
+}
+
+/// A pin state: `name` is `"pending"`, `"pinning"`, `"pinned"` or
+/// `"pageable"`; `reason` says why a pageable region is (e.g.
+/// `"not_supported"`, `"peer_pageable"`), `message` in words.
+#[pyclass(name = "PinState", module = "kvoffload", frozen, get_all)]
+struct PyPinState {
+    name: &'static str,
+    done: Option<usize>,
+    total: Option<usize>,
+    reason: Option<String>,
+    message: Option<String>,
+}
+
+impl PyPinState {
+    fn from(s: &PinState) -> Self {
+        let (name, done, total, reason, message) = match s {
+            PinState::Pending => ("pending", None, None, None, None),
+            PinState::Pinning { done, total } => ("pinning", Some(*done), Some(*total), None, None),
+            PinState::Pinned => ("pinned", None, None, None, None),
+            PinState::Pageable(r) => {
+                ("pageable", None, None, Some(errors::variant(&format!("{r:?}"))), Some(r.to_string()))
+            }
+        };
+        PyPinState { name, done, total, reason, message }
+    }
+}
+
+#[pymethods]
+impl PyPinState {
+    /// Pinned or pageable: pinning will not change the state any more.
+    #[getter]
+    fn is_final(&self) -> bool {
+        matches!(self.name, "pinned" | "pageable")
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        if let Ok(s) = other.extract::<String>() {
+            return s == self.name;
+        }
+        match other.cast::<PyPinState>() {
+            Ok(o) => {
+                let o = o.get();
+                o.name == self.name && o.reason == self.reason && o.done == self.done && o.total == self.total
+            }
+            Err(_) => false,
+        }
+    }
+
+    fn __hash__(&self) -> u64 {
+        self.name.len() as u64
+    }
+
+    fn __str__(&self) -> String {
+        self.name.to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        match (self.name, &self.reason, self.done) {
+            ("pageable", Some(r), _) => format!("PinState('pageable', reason={r:?})"),
+            ("pinning", _, Some(d)) => format!("PinState('pinning', {d}/{})", self.total.unwrap_or(0)),
+            (n, _, _) => format!("PinState({n:?})"),
+        }
+    }
+}
+
+/// Pinning progress.
+#[pyclass(name = "PinProgress", module = "kvoffload", frozen, get_all)]
+struct PyPinProgress {
+    state: Py<PyPinState>,
+    chunks_done: usize,
+    chunks_total: usize,
+    bytes_total: usize,
+}
+
+#[pymethods]
+impl PyPinProgress {
+    fn __repr__(&self) -> String {
+        format!("PinProgress({}/{} chunks, {} bytes)", self.chunks_done, self.chunks_total, self.bytes_total)
+    }
+}
+
+/// How pinning ended: the final `state`, and `agreement_error` (an
+/// `AgreementError`, not raised) when ranks had to agree and could not
+/// (this rank then runs on pageable memory).
+#[pyclass(name = "PinOutcome", module = "kvoffload", frozen, get_all)]
+struct PyPinOutcome {
+    state: Py<PyPinState>,
+    agreed: Option<bool>,
+    agreement_error: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl PyPinOutcome {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let st = self.state.get().__repr__();
+        match &self.agreement_error {
+            Some(e) => format!("PinOutcome({st}, agreement_error={})", e.bind(py)),
+            None => {
+                format!("PinOutcome({st}, agreed={})", self.agreed.map_or("None", |a| if a { "True" } else { "False" }))
+            }
+        }
+    }
+}
+
+/// What a store submission did: `job` (None when nothing needed storing),
+/// the keys it `stored` (readable once `poll` reports the job), the keys
+/// `skipped` as `(key, reason)`, the keys `evicted` to make room.
+#[pyclass(name = "StoreResult", module = "kvoffload", frozen, get_all)]
+struct PyStoreResult {
+    job: Option<u64>,
+    stored: Py<PyAny>,
+    skipped: Py<PyAny>,
+    evicted: Py<PyAny>,
+}
+
+#[pymethods]
+impl PyStoreResult {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "StoreResult(job={}, stored={}, skipped={}, evicted={})",
+            self.job.map_or("None".to_string(), |j| j.to_string()),
+            self.stored.bind(py),
+            self.skipped.bind(py),
+            self.evicted.bind(py)
+        )
+    }
+}
+
+/// A finished job, as `poll` reports it (already applied to the block
+/// manager): `direction` is `"store"` or `"load"`; `error` is None when
+/// every byte arrived, else a `DriverError` (not raised).
+#[pyclass(name = "Completion", module = "kvoffload", frozen, get_all)]
+struct PyCompletion {
+    job: u64,
+    direction: &'static str,
+    keys: Py<PyAny>,
+    bytes: u64,
+    seconds: f64,
+    backend: &'static str,
+    error: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl PyCompletion {
+    /// True when the job moved every byte.
+    #[getter]
+    fn ok(&self) -> bool {
+        self.error.is_none()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Completion(job={}, {}, {} bytes, {}{})",
+            self.job,
+            self.direction,
+            self.bytes,
+            self.backend,
+            if self.error.is_some() { ", failed" } else { "" }
+        )
+    }
+}
+
+fn completion(py: Python<'_>, c: Completion) -> PyResult<PyCompletion> {
+    Ok(PyCompletion {
+        job: c.job,
+        direction: match c.direction {
+            Direction::DeviceToHost => "store",
+            Direction::HostToDevice => "load",
+        },
+        keys: keys_out(py, &c.keys)?.into_pyobject(py)?.into_any().unbind(),
+        bytes: c.bytes,
+        seconds: c.seconds,
+        backend: c.backend.name(),
+        error: c.error.map(|e| errors::driver(py, "the job failed", e).into_value(py).into_any()),
+    })
+}
+
+// ---------------------------------------------------------------- offloader
+
+fn parse_keys(py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>> {
+    let mut out = Vec::new();
+    for k in keys.try_iter()? {
+        let k = k?;
+        let hash_of = |h: &Bound<'_, PyAny>| -> PyResult<u64> {
+            if let Ok(v) = h.extract::<u64>() {
+                return Ok(v);
+            }
+            // Negative hashes (Python's hash()) fold to their 64-bit pattern.
+            h.extract::<i64>()
+                .map(|v| v as u64)
+                .map_err(|_| errors::options(py, format!("a block hash must be an int in [-2**63, 2**64), not {k}")))
+        };
+        if let Ok(t) = k.cast::<PyTuple>() {
+            if t.len() != 2 {
+                return Err(errors::options(py, format!("a key is an int or a (hash, group) pair, not {k}")));
+            }
+            let group = t
+                .get_item(1)?
+                .extract::<u32>()
+                .map_err(|_| errors::options(py, format!("a key's group must be an int in [0, 2**32), not {k}")))?;
+            out.push(BlockKey::new(hash_of(&t.get_item(0)?)?, group));
+        } else {
+            out.push(BlockKey::new(hash_of(&k)?, 0));
+        }
+    }
+    Ok(out)
+}
+
+fn parse_blocks(py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let mut out = Vec::new();
+    for b in blocks.try_iter()? {
+        let b = b?;
+        out.push(
+            b.extract::<usize>()
+                .map_err(|_| errors::options(py, format!("a GPU block id must be a non-negative int, not {b}")))?,
+        );
+    }
+    Ok(out)
+}
+
+fn choice<T: Copy>(py: Python<'_>, what: &str, given: &str, table: &[(&str, T)]) -> PyResult<T> {
+    table.iter().find(|(n, _)| *n == given).map(|(_, v)| *v).ok_or_else(|| {
+        let names: Vec<&str> = table.iter().map(|(n, _)| *n).collect();
+        errors::options(py, format!("{what} must be one of {names:?}, not {given:?}"))
+    })
+}
+
+fn seconds(py: Python<'_>, what: &str, s: Option<f64>) -> PyResult<Option<Duration>> {
+    match s {
+        None => Ok(None),
+        Some(v) if v.is_finite() && v >= 0.0 => Ok(Some(Duration::from_secs_f64(v))),
+        Some(v) => {
+            Err(errors::options(py, format!("{what} must be a non-negative number of seconds or None, not {v}")))
+        }
+    }
+}
+
+/// KV-cache offload between GPU memory and a pinned host region; the one
+/// object an engine holds. See the package docs and `kvoffload/__init__.pyi`.
+#[pyclass(name = "Offloader", module = "kvoffload", frozen)]
+struct PyOffloader {
+    off: Arc<Offloader>,
+    runtime: Py<PyRuntime>,
+    /// The engine's tensors, kept alive until shutdown.
+    tensors: Mutex<Vec<Py<PyAny>>>,
+    /// The engine's compute stream, adopted (forgotten after shutdown).
+    adopted: Mutex<Option<Stream>>,
+}
+
+impl Drop for PyOffloader {
+    fn drop(&mut self) {
+        // The offloader's own Drop shuts it down, joining the pinner, which
+        // may be inside the Python agreement callable waiting for the GIL:
+        // shut down with the GIL released.
+        let off = self.off.clone();
+        Python::attach(|py| {
+            py.detach(move || {
+                if !off.is_shut_down() {
+                    if let Err(e) = off.shutdown() {
+                        eprintln!("kvoffload: offloader dropped, shutdown failed: {e}");
+                    }
+                }
+            })
+        });
+        self.forget_stream();
+    }
+}
+
+impl PyOffloader {
+    fn forget_stream(&self) {
+        if let Some(s) = self.adopted.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = self.off.runtime().stream_destroy(s);
+        }
+    }
+
+    fn check_block(&self, py: Python<'_>, tensor: usize, block: usize) -> PyResult<(u64, usize)> {
+        let kv = self.off.kv();
+        let t = kv.tensors.get(tensor).ok_or_else(|| {
+            errors::options(py, format!("tensor {tensor} out of range ({} tensors)", kv.tensors.len()))
+        })?;
+        if block >= kv.gpu_blocks {
+            return Err(errors::options(py, format!("GPU block {block} out of range ({} blocks)", kv.gpu_blocks)));
+        }
+        Ok((t.device_base + (block * t.page_bytes) as u64, t.page_bytes))
+    }
+}
+
+#[pymethods]
+impl PyOffloader {
+    #[new]
+    #[pyo3(signature = (
+        host_blocks, *, tensors, gpu_blocks = None, page_bytes = None, block_factor = 1, stream = None,
+        backend = "auto", device = 0, runtime = None,
+        region = "anonymous", name = None, rank = 0, ranks = 1, region_dir = None, join_timeout = 60.0,
+        pin_threads = None, chunk_bytes = None, prefault = "populate", huge_pages = "auto",
+        capture_policy = "after_pinning", copy_backend = "auto", eviction = "lru",
+        agreement = None, agreement_timeout = Some(120.0), start = false,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        host_blocks: usize,
+        tensors: &Bound<'_, PyAny>,
+        gpu_blocks: Option<usize>,
+        page_bytes: Option<usize>,
+        block_factor: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+        backend: &str,
+        device: usize,
+        runtime: Option<Py<PyRuntime>>,
+        region: &str,
+        name: Option<String>,
+        rank: usize,
+        ranks: usize,
+        region_dir: Option<std::path::PathBuf>,
+        join_timeout: f64,
+        pin_threads: Option<usize>,
+        chunk_bytes: Option<usize>,
+        prefault: &str,
+        huge_pages: &str,
+        capture_policy: &str,
+        copy_backend: &str,
+        eviction: &str,
+        agreement: Option<Py<PyAny>>,
+        agreement_timeout: Option<f64>,
+        start: bool,
+    ) -> PyResult<Self> {
+        let runtime = match runtime {
+            Some(r) => r,
+            None => Py::new(py, PyRuntime::open(py, backend, device)?)?,
+        };
+        let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
+        opts.region = match region {
+            "anonymous" => {
+                if ranks != 1 || rank != 0 || name.is_some() {
+                    return Err(errors::options(
+                        py,
+                        "name, rank and ranks describe a shared region: give region='shared' too",
+                    ));
+                }
+                RegionSpec::Anonymous
+            }
+            "shared" => {
+                let name = name.ok_or_else(|| errors::options(py, "region='shared' needs a name"))?;
+                let timeout = seconds(py, "join_timeout", Some(join_timeout))?.unwrap_or_default();
+                let mut o = ShmOptions::new().timeout(timeout);
+                if let Some(d) = &region_dir {
+                    o = o.dir(d);
+                }
+                RegionSpec::Shared { name, rank, ranks, options: o }
+            }
+            other => return Err(errors::options(py, format!("region must be 'anonymous' or 'shared', not {other:?}"))),
+        };
+        if let Some(t) = pin_threads {
+            opts.pin.threads = t;
+        }
+        if let Some(c) = chunk_bytes {
+            opts.pin.max_chunk_bytes = c;
+        }
+        opts.pin.prefault = choice(
+            py,
+            "prefault",
+            prefault,
+            &[("populate", PrefaultMode::Populate), ("touch", PrefaultMode::Touch), ("off", PrefaultMode::Off)],
+        )?;
+        opts.pin.huge_pages = choice(
+            py,
+            "huge_pages",
+            huge_pages,
+            &[("auto", HugePages::Auto), ("on", HugePages::On), ("off", HugePages::Off)],
+        )?;
+        opts.pin.policy = choice(
+            py,
+            "capture_policy",
+            capture_policy,
+            &[("after_pinning", CapturePolicy::AfterPinning), ("interleave", CapturePolicy::Interleave)],
+        )?;
+        opts.transfer.backend = choice(
+            py,
+            "copy_backend",
+            copy_backend,
+            &[
+                ("auto", BackendChoice::Auto),
+                ("per-fragment", BackendChoice::Force(Backend::PerFragment)),
+                ("batched", BackendChoice::Force(Backend::Batched)),
+                ("gather", BackendChoice::Force(Backend::Gather)),
+            ],
+        )?;
+        opts.eviction = choice(py, "eviction", eviction, &[("lru", PolicyKind::Lru), ("arc", PolicyKind::Arc)])?;
+        opts.agreement_timeout = seconds(py, "agreement_timeout", agreement_timeout)?;
+        if let Some(f) = agreement {
+            if !f.bind(py).is_callable() {
+                return Err(errors::options(py, "agreement must be a callable: f(mine: int) -> list[int] | int"));
+            }
+            opts.agreement = Some(Arc::new(PyTransport { f }));
+        }
+
+        let rt_ref = runtime.get();
+        let rt = rt_ref.rt.clone();
+        let parsed = tensors::parse(py, tensors, gpu_blocks, page_bytes, device)?;
+        let (off, keep, adopted) = match parsed {
+            tensors::Tensors::Allocate { count, gpu_blocks, page_bytes } => {
+                let alloc = KvAlloc { tensors: count, page_bytes, gpu_blocks, block_factor };
+                let off = py.detach(|| Offloader::with_allocated_tensors(rt, alloc, opts));
+                (off, Vec::new(), None)
+            }
+            tensors::Tensors::External { tensors: ts, gpu_blocks, keep } => {
+                let Some(cuda) = rt_ref.cuda.clone() else {
+                    return Err(errors::options(
+                        py,
+                        "an engine's tensors need the CUDA backend (the simulated GPU cannot reach them); \
+                         give tensors=<count> to let the offloader allocate its own",
+                    ));
+                };
+                let raw = tensors::stream_handle(py, stream)?;
+                // SAFETY: `raw` is the engine's stream of this device's
+                // primary context (the caller's word, as for the tensors);
+                // it is forgotten again after the offloader shut down.
+                let s = unsafe { cuda.adopt_stream(raw) };
+                let kv = KvSpec {
+                    tensors: ts.iter().map(|&(p, b)| TensorSpec { device_base: p, page_bytes: b }).collect(),
+                    gpu_blocks,
+                    block_factor,
+                    compute_stream: s,
+                };
+                // SAFETY: the tensors are device allocations of this
+                // device's primary context (checked to be CUDA tensors of
+                // `device` where the object says), each at least
+                // gpu_blocks * page_bytes long; the Python objects are kept
+                // alive by this offloader until it shut down, so their
+                // memory stays allocated; the stream is the engine's, alive
+                // as long (the documented contract of `Offloader`). Blocks
+                // named in jobs are the engine's to leave alone until the
+                // job is reported (documented in the Python API).
+                let off = py.detach(|| unsafe { Offloader::new(rt, kv, opts) });
+                if off.is_err() {
+                    let _ = cuda.stream_destroy(s);
+                }
+                (off, keep, Some(s))
+            }
+        };
+        let off = Arc::new(off.map_err(|e| errors::offloader(py, e))?);
+        let me = PyOffloader { off, runtime, tensors: Mutex::new(keep), adopted: Mutex::new(adopted) };
+        if start {
+            me.off.start().map_err(|e| errors::offloader(py, e))?;
+        }
+        Ok(me)
+    }
+
+    /// The runtime (GPU) this offloader runs on.
+    #[getter]
+    fn runtime(&self, py: Python<'_>) -> Py<PyRuntime> {
+        self.runtime.clone_ref(py)
+    }
+
+    /// `"cuda"` or `"sim"`.
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.off.runtime().backend()
+    }
+
+    /// Device addresses of the KV tensors.
+    #[getter]
+    fn tensor_addresses(&self) -> Vec<u64> {
+        self.off.tensors()
+    }
+
+    /// Bytes of one GPU block of each tensor.
+    #[getter]
+    fn page_bytes(&self) -> Vec<usize> {
+        self.off.kv().tensors.iter().map(|t| t.page_bytes).collect()
+    }
+
+    /// GPU blocks in each tensor.
+    #[getter]
+    fn gpu_blocks(&self) -> usize {
+        self.off.kv().gpu_blocks
+    }
+
+    /// GPU blocks per key.
+    #[getter]
+    fn block_factor(&self) -> usize {
+        self.off.kv().block_factor
+    }
+
+    /// Bytes of the host region (every rank's part).
+    #[getter]
+    fn region_bytes(&self) -> usize {
+        self.off.region().len()
+    }
+
+    /// Starts background pinning (idempotent; ShutDownError after shutdown).
+    fn start(&self, py: Python<'_>) -> PyResult<()> {
+        let off = &self.off;
+        if off.is_shut_down() {
+            return Err(errors::offloader(py, kvoffload::offloader::OffloaderError::ShutDown));
+        }
+        py.detach(|| off.start()).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// The pin state now.
+    #[getter]
+    fn pin_state(&self) -> PyPinState {
+        PyPinState::from(&self.off.pin_state())
+    }
+
+    /// Pinning progress now.
+    #[getter]
+    fn pin_progress(&self, py: Python<'_>) -> PyResult<PyPinProgress> {
+        let p = self.off.pin_progress();
+        Ok(PyPinProgress {
+            state: Py::new(py, PyPinState::from(&p.state))?,
+            chunks_done: p.chunks_done,
+            chunks_total: p.chunks_total,
+            bytes_total: p.bytes_total,
+        })
+    }
+
+    /// Waits until pinning is final (and agreed, where ranks agree),
+    /// starting it if needed; returns how it ended.
+    fn wait_pinned(&self, py: Python<'_>) -> PyResult<PyPinOutcome> {
+        let off = &self.off;
+        let out: PinOutcome = py.detach(|| off.wait_pinned()).map_err(|e| errors::offloader(py, e))?;
+        let (agreed, agreement_error) = match &out.agreement {
+            None => (None, None),
+            Some(Ok(())) => (Some(true), None),
+            Some(Err(e)) => (Some(false), Some(errors::agreement(py, e).into_value(py).into_any())),
+        };
+        Ok(PyPinOutcome { state: Py::new(py, PyPinState::from(&out.state))?, agreed, agreement_error })
+    }
+
+    /// A capture window, as a context manager: `with off.capture_window():
+    /// capture graphs here`. No library thread makes a capture-unsafe
+    /// driver call while it is open; with the default policy it opens only
+    /// once pinning is final (entering waits, GIL released).
+    fn capture_window(&self) -> PyCaptureWindow {
+        PyCaptureWindow { off: self.off.clone(), guard: Mutex::new(None), waited: Mutex::new(0) }
+    }
+
+    /// Runs `f()` (the engine's own capture-unsafe calls, e.g.
+    /// `torch.cuda.synchronize`) at a moment no capture window is open;
+    /// windows wait for it. Returns what `f` returns.
+    fn gated(&self, py: Python<'_>, f: Py<PyAny>) -> PyResult<Py<PyAny>> {
+        let off = &self.off;
+        let r = py.detach(|| off.gated("the engine's own call", |_, _| Python::attach(|py| f.call0(py))));
+        r.map_err(|e| errors::offloader(py, e))?
+    }
+
+    /// What the offloader holds of each key: `"hit"`, `"miss"` or
+    /// `"pending"` (stored, store not yet complete).
+    fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
+        let keys = parse_keys(py, keys)?;
+        let off = &self.off;
+        Ok(py
+            .detach(|| off.lookup(&keys))
+            .into_iter()
+            .map(|l| match l {
+                Lookup::Hit => "hit",
+                Lookup::Miss => "miss",
+                Lookup::HitPending => "pending",
+            })
+            .collect())
+    }
+
+    /// Stores `keys` from GPU blocks `gpu_blocks` (`block_factor` per key,
+    /// in key order). The engine must not write those blocks until `poll`
+    /// reports the job (or `wait` returns for it).
+    fn store(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, gpu_blocks: &Bound<'_, PyAny>) -> PyResult<PyStoreResult> {
+        let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
+        let off = &self.off;
+        let r = py.detach(|| off.store(&keys, &blocks)).map_err(|e| errors::offloader(py, e))?;
+        let skipped: PyResult<Vec<(Bound<'_, PyTuple>, String)>> = r
+            .skipped
+            .iter()
+            .map(|s| {
+                let why = match s.reason {
+                    SkipReason::AlreadyStored => "already_stored".to_string(),
+                    SkipReason::StorePending => "store_pending".to_string(),
+                    SkipReason::BelowThreshold { .. } => "below_threshold".to_string(),
+                };
+                Ok((key_out(py, s.key)?, why))
+            })
+            .collect();
+        Ok(PyStoreResult {
+            job: r.job,
+            stored: keys_out(py, &r.stored)?.into_pyobject(py)?.into_any().unbind(),
+            skipped: skipped?.into_pyobject(py)?.into_any().unbind(),
+            evicted: keys_out(py, &r.evicted)?.into_pyobject(py)?.into_any().unbind(),
+        })
+    }
+
+    /// Loads `keys` (each stored and readable) into GPU blocks
+    /// `gpu_blocks`; returns the job id. The engine must not touch those
+    /// blocks until the job is reported.
+    fn load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, gpu_blocks: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
+        let off = &self.off;
+        py.detach(|| off.load(&keys, &blocks)).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// Jobs finished since the last call, each reported once, in
+    /// submission order per direction, already applied to the block
+    /// manager. Never blocks on the GPU.
+    fn poll(&self, py: Python<'_>) -> PyResult<Vec<PyCompletion>> {
+        let off = &self.off;
+        py.detach(|| off.poll()).into_iter().map(|c| completion(py, c)).collect()
+    }
+
+    /// Blocks until job `job` completed on the GPU (it is still reported by
+    /// `poll`).
+    fn wait(&self, py: Python<'_>, job: u64) -> PyResult<()> {
+        let off = &self.off;
+        py.detach(|| off.wait(job)).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// Blocks until every job submitted so far completed on the GPU.
+    fn wait_all(&self, py: Python<'_>) -> PyResult<()> {
+        let off = &self.off;
+        py.detach(|| off.wait_all()).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// Jobs submitted and not yet reported by `poll`.
+    #[getter]
+    fn in_flight(&self) -> usize {
+        self.off.in_flight()
+    }
+
+    /// Keys stored and readable now.
+    #[getter]
+    fn stored_blocks(&self) -> usize {
+        self.off.stored_blocks()
+    }
+
+    /// Shuts down: refused (ProtocolError) while a capture window is open;
+    /// drains the jobs, stops pinning, unregisters, frees what the
+    /// offloader allocated, and lets go of the engine's tensors and stream.
+    /// A second call raises ShutDownError.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        let off = &self.off;
+        let r = py.detach(|| off.shutdown());
+        if self.off.is_shut_down() {
+            self.forget_stream();
+            let keep = std::mem::take(&mut *self.tensors.lock().unwrap_or_else(|p| p.into_inner()));
+            drop(keep);
+        }
+        r.map_err(|e| errors::offloader(py, e))
+    }
+
+    /// True once `shutdown` completed.
+    #[getter]
+    fn is_shut_down(&self) -> bool {
+        self.off.is_shut_down()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Shuts down (unless already); a shutdown error is raised only when
+    /// the block raised nothing.
+    #[pyo3(signature = (exc_type = None, _exc = None, _tb = None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        if self.off.is_shut_down() {
+            return Ok(false);
+        }
+        match self.shutdown(py) {
+            Err(e) if exc_type.is_none_or(|t| t.is_none()) => Err(e),
+            _ => Ok(false),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "kvoffload.Offloader(backend={:?}, region_bytes={}, rank={}, pin={})",
+            self.off.runtime().backend(),
+            self.off.region().len(),
+            self.off.region().rank(),
+            PyPinState::from(&self.off.pin_state()).__repr__()
+        )
+    }
+
+    /// Testing only: writes `data` (exactly one page of tensor `tensor`)
+    /// into GPU block `gpu_block` with a synchronous copy.
+    fn write_block_for_test(&self, py: Python<'_>, tensor: usize, gpu_block: usize, data: &[u8]) -> PyResult<()> {
+        let (dst, page) = self.check_block(py, tensor, gpu_block)?;
+        if data.len() != page {
+            return Err(errors::options(py, format!("a page of tensor {tensor} is {page} bytes, not {}", data.len())));
+        }
+        let rt = self.off.runtime();
+        // SAFETY: `data` is a readable buffer of `page` bytes for the call;
+        // `dst` is a block of a live tensor of this offloader.
+        unsafe { rt.copy_htod(dst, data.as_ptr() as usize, page) }.map_err(|e| errors::driver(py, "writing a block", e))
+    }
+
+    /// Testing only: the bytes of GPU block `gpu_block` of tensor `tensor`
+    /// (a synchronous copy).
+    fn read_block_for_test<'py>(
+        &self,
+        py: Python<'py>,
+        tensor: usize,
+        gpu_block: usize,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let (src, page) = self.check_block(py, tensor, gpu_block)?;
+        let mut buf = vec![0u8; page];
+        let rt = self.off.runtime();
+        // SAFETY: `buf` is writable for `page` bytes; `src` is a block of a
+        // live tensor of this offloader.
+        unsafe { rt.copy_dtoh(buf.as_mut_ptr() as usize, src, page) }
+            .map_err(|e| errors::driver(py, "reading a block", e))?;
+        Ok(PyBytes::new(py, &buf))
+    }
+}
+
+/// The context manager `Offloader.capture_window()` returns.
+#[pyclass(name = "CaptureWindow", module = "kvoffload", frozen)]
+struct PyCaptureWindow {
+    off: Arc<Offloader>,
+    guard: Mutex<Option<CaptureWindow>>,
+    waited: Mutex<usize>,
+}
+
+#[pymethods]
+impl PyCaptureWindow {
+    fn __enter__(slf: Py<Self>, py: Python<'_>) -> PyResult<Py<Self>> {
+        {
+            let me = slf.get();
+            let off = &me.off;
+            let w = py.detach(|| off.capture_window()).map_err(|e| errors::offloader(py, e))?;
+            *me.waited.lock().unwrap_or_else(|p| p.into_inner()) = w.chunks_waited();
+            let old = me.guard.lock().unwrap_or_else(|p| p.into_inner()).replace(w);
+            drop(old);
+        }
+        Ok(slf)
+    }
+
+    #[pyo3(signature = (_exc_type = None, _exc = None, _tb = None))]
+    fn __exit__(
+        &self,
+        _exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        let w = self.guard.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(w);
+        false
+    }
+
+    /// True while the window is open.
+    #[getter]
+    fn is_open(&self) -> bool {
+        self.guard.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// Chunk registrations that completed while the window waited to open.
+    #[getter]
+    fn chunks_waited(&self) -> usize {
+        *self.waited.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Sends the library's tracing events (pinning progress, agreement,
+/// shutdown) to stderr, filtered like RUST_LOG (e.g. `"info"`,
+/// `"kvoffload=debug"`). Returns False when a subscriber was already set.
+#[pyfunction]
+#[pyo3(signature = (filter = "info"))]
+fn enable_logging(filter: &str) -> bool {
+    let f =
+        tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(f).with_writer(std::io::stderr).try_init().is_ok()
+}
+
+/// True when the CUDA driver library can be loaded here.
+#[pyfunction]
+fn cuda_driver_present() -> bool {
+    CudaRuntime::driver_present()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyRuntime>()?;
+    m.add_class::<PyOffloader>()?;
+    m.add_class::<PyCaptureWindow>()?;
+    m.add_class::<PyPinState>()?;
+    m.add_class::<PyPinProgress>()?;
+    m.add_class::<PyPinOutcome>()?;
+    m.add_class::<PyStoreResult>()?;
+    m.add_class::<PyCompletion>()?;
+    m.add_function(wrap_pyfunction!(enable_logging, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
+    m.add("SETTLED_PINNED", kvoffload::protocol::agreement::SETTLED_PINNED)?;
+    m.add("SETTLED_PAGEABLE", kvoffload::protocol::agreement::SETTLED_PAGEABLE)?;
+    errors::register(m)
+}

@@ -1,0 +1,169 @@
+//! The engine's KV tensors and compute stream, as Python gives them.
+//!
+//! A tensor is any object with `data_ptr()` (PyTorch: its size from
+//! `nbytes`, or `numel() * element_size()`), or with
+//! `__cuda_array_interface__` (CuPy, Numba: its size from `shape` and
+//! `typestr`), or a bare device address (an int; then `page_bytes` and
+//! `gpu_blocks` must be given). Tensors must be contiguous; block `b` of a
+//! tensor is `page_bytes` bytes at `address + b * page_bytes`. The package
+//! never imports PyTorch.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::errors;
+
+/// What `tensors=` asked for.
+pub enum Tensors {
+    /// An int: the offloader allocates `count` tensors itself.
+    Allocate { count: usize, gpu_blocks: usize, page_bytes: usize },
+    /// The engine's tensors: `(device address, page bytes)` each, and the
+    /// Python objects to keep alive.
+    External { tensors: Vec<(u64, usize)>, gpu_blocks: usize, keep: Vec<Py<PyAny>> },
+}
+
+/// One tensor: address, bytes (when known), blocks (its first dimension,
+/// when known).
+struct Seen {
+    ptr: u64,
+    nbytes: Option<usize>,
+    rows: Option<usize>,
+}
+
+fn attr_int(o: &Bound<'_, PyAny>, name: &str) -> Option<usize> {
+    o.getattr(name).ok().and_then(|v| v.extract::<usize>().ok())
+}
+
+fn one(py: Python<'_>, i: usize, t: &Bound<'_, PyAny>, device: usize) -> PyResult<Seen> {
+    let bad = |why: String| errors::options(py, format!("tensors[{i}]: {why}"));
+    if let Ok(ptr) = t.extract::<u64>() {
+        return Ok(Seen { ptr, nbytes: None, rows: None });
+    }
+    if t.hasattr("data_ptr")? {
+        // PyTorch (and look-alikes).
+        if let Ok(dev) = t.getattr("device") {
+            if let Ok(kind) = dev.getattr("type").and_then(|k| k.extract::<String>()) {
+                if kind != "cuda" {
+                    return Err(bad(format!("a {kind} tensor; the KV cache must be in GPU memory")));
+                }
+            }
+            if let Ok(Some(index)) = dev.getattr("index").and_then(|k| k.extract::<Option<usize>>()) {
+                if index != device {
+                    return Err(bad(format!("on cuda:{index}, but the offloader runs on device {device}")));
+                }
+            }
+        }
+        if t.hasattr("is_contiguous")? && !t.call_method0("is_contiguous")?.is_truthy()? {
+            return Err(bad("not contiguous (pass a contiguous tensor or view)".into()));
+        }
+        let ptr = t.call_method0("data_ptr")?.extract::<u64>()?;
+        let nbytes = attr_int(t, "nbytes").or_else(|| {
+            let n = t.call_method0("numel").ok()?.extract::<usize>().ok()?;
+            let e = t.call_method0("element_size").ok()?.extract::<usize>().ok()?;
+            Some(n * e)
+        });
+        let rows = t.getattr("shape").ok().and_then(|s| s.get_item(0).ok()).and_then(|d| d.extract::<usize>().ok());
+        return Ok(Seen { ptr, nbytes, rows });
+    }
+    if let Ok(cai) = t.getattr("__cuda_array_interface__") {
+        let cai = cai.cast::<PyDict>().map_err(|_| bad("__cuda_array_interface__ is not a dict".into()))?;
+        let data = cai.get_item("data")?.ok_or_else(|| bad("__cuda_array_interface__ has no 'data'".into()))?;
+        let data = data.cast::<PyTuple>().map_err(|_| bad("__cuda_array_interface__['data'] is not a tuple".into()))?;
+        let ptr = data.get_item(0)?.extract::<u64>()?;
+        if data.get_item(1)?.is_truthy()? {
+            return Err(bad("read-only (loads write into the KV tensors)".into()));
+        }
+        let shape: Vec<usize> = cai.get_item("shape")?.ok_or_else(|| bad("no 'shape'".into()))?.extract()?;
+        let typestr: String = cai.get_item("typestr")?.ok_or_else(|| bad("no 'typestr'".into()))?.extract()?;
+        let item: usize =
+            typestr.get(2..).and_then(|s| s.parse().ok()).ok_or_else(|| bad(format!("typestr {typestr:?}")))?;
+        if let Some(strides) = cai.get_item("strides")? {
+            if !strides.is_none() {
+                let strides: Vec<usize> = strides.extract()?;
+                let mut want = item;
+                for (d, s) in shape.iter().zip(&strides).rev() {
+                    if *d > 1 && *s != want {
+                        return Err(bad("not C-contiguous".into()));
+                    }
+                    want *= d;
+                }
+            }
+        }
+        let nbytes = shape.iter().product::<usize>() * item;
+        return Ok(Seen { ptr, nbytes: Some(nbytes), rows: shape.first().copied() });
+    }
+    Err(bad(format!(
+        "{} has neither data_ptr() nor __cuda_array_interface__, and is not a device address",
+        t.get_type().name()?
+    )))
+}
+
+/// Parses `tensors=` with the optional `gpu_blocks=` and `page_bytes=`.
+pub fn parse(
+    py: Python<'_>,
+    tensors: &Bound<'_, PyAny>,
+    gpu_blocks: Option<usize>,
+    page_bytes: Option<usize>,
+    device: usize,
+) -> PyResult<Tensors> {
+    if let Ok(count) = tensors.extract::<usize>() {
+        let (Some(gpu_blocks), Some(page_bytes)) = (gpu_blocks, page_bytes) else {
+            return Err(errors::options(py, "tensors=<count> allocates them: give gpu_blocks and page_bytes too"));
+        };
+        return Ok(Tensors::Allocate { count, gpu_blocks, page_bytes });
+    }
+    if tensors.hasattr("data_ptr")? || tensors.hasattr("__cuda_array_interface__")? {
+        return Err(errors::options(py, "tensors must be a list of tensors (one per layer, or K and V each)"));
+    }
+    let mut seen = Vec::new();
+    let mut keep = Vec::new();
+    for (i, t) in tensors.try_iter()?.enumerate() {
+        let t = t?;
+        seen.push(one(py, i, &t, device)?);
+        keep.push(t.unbind());
+    }
+    if seen.is_empty() {
+        return Err(errors::options(py, "tensors is empty"));
+    }
+    let blocks = match gpu_blocks.or_else(|| seen.iter().find_map(|s| s.rows)) {
+        Some(b) if b > 0 => b,
+        _ => return Err(errors::options(py, "give gpu_blocks (no tensor has a shape to take it from)")),
+    };
+    let mut out = Vec::with_capacity(seen.len());
+    for (i, s) in seen.iter().enumerate() {
+        let page = match (page_bytes, s.nbytes) {
+            (Some(p), Some(n)) if p.checked_mul(blocks).is_none_or(|need| need > n) => {
+                return Err(errors::options(
+                    py,
+                    format!("tensors[{i}]: {blocks} blocks of {p} bytes do not fit in its {n} bytes"),
+                ));
+            }
+            (Some(p), _) => p,
+            (None, Some(n)) if n % blocks == 0 && n > 0 => n / blocks,
+            (None, Some(n)) => {
+                return Err(errors::options(
+                    py,
+                    format!("tensors[{i}]: its {n} bytes are not {blocks} equal blocks; give page_bytes"),
+                ));
+            }
+            (None, None) => {
+                return Err(errors::options(py, format!("tensors[{i}] is a bare address: give page_bytes")))
+            }
+        };
+        out.push((s.ptr, page));
+    }
+    Ok(Tensors::External { tensors: out, gpu_blocks: blocks, keep })
+}
+
+/// The compute stream's raw handle: None (the legacy default stream, 0),
+/// an int, or an object with `cuda_stream` (a `torch.cuda.Stream`).
+pub fn stream_handle(py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+    let Some(s) = stream else { return Ok(0) };
+    if let Ok(v) = s.extract::<usize>() {
+        return Ok(v);
+    }
+    if let Ok(v) = s.getattr("cuda_stream").and_then(|v| v.extract::<usize>()) {
+        return Ok(v);
+    }
+    Err(errors::options(py, "stream must be a CUDA stream handle (an int) or an object with .cuda_stream"))
+}

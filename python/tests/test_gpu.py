@@ -1,0 +1,147 @@
+"""The Python front on a real GPU with PyTorch: skipped without torch or a
+CUDA device (run on the H200 machine: pytest -m gpu python/tests)."""
+
+import threading
+
+import pytest
+
+import kvoffload as kv
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch"),
+]
+
+PAGE = 32 << 10
+BLOCKS = 256
+
+
+@pytest.fixture
+def kv_tensors():
+    torch.cuda.set_device(0)
+    return [torch.zeros((BLOCKS, PAGE), dtype=torch.uint8, device="cuda:0") for _ in range(2)]
+
+
+def make(tensors, **kw):
+    kw.setdefault("stream", torch.cuda.current_stream().cuda_stream)
+    return kv.Offloader(256, tensors=tensors, backend="cuda", device=0, **kw)
+
+
+def test_torch_tensors_and_stream(kv_tensors):
+    off = make(kv_tensors, start=True)
+    assert off.backend == "cuda"
+    assert off.gpu_blocks == BLOCKS and off.page_bytes == [PAGE, PAGE]
+    assert off.tensor_addresses == [t.data_ptr() for t in kv_tensors]
+    assert off.wait_pinned().state == "pinned"
+    off.shutdown()
+
+
+def test_round_trip_through_torch(kv_tensors):
+    off = make(kv_tensors, start=True)
+    off.wait_pinned()
+    n = 32
+    src = [torch.randint(0, 256, (n, PAGE), dtype=torch.uint8, device="cuda") for _ in kv_tensors]
+    for t, s in zip(kv_tensors, src):
+        t[:n].copy_(s)  # on the compute stream: the store is ordered after it
+    res = off.store(list(range(n)), list(range(n)))
+    assert len(res.stored) == n
+    off.wait_all()
+    assert all(c.ok for c in off.poll())
+    for t in kv_tensors:
+        t[:n].zero_()
+    job = off.load(list(range(n)), list(range(100, 100 + n)))
+    off.wait(job)
+    assert all(c.ok for c in off.poll())
+    for t, s in zip(kv_tensors, src):
+        assert torch.equal(t[100 : 100 + n], s)
+    # The offloader's test helpers see the same bytes.
+    assert off.read_block_for_test(0, 100) == bytes(src[0][0].cpu().numpy().tobytes())
+    off.shutdown()
+
+
+def test_capture_window_around_torch_graphs_while_pinning(kv_tensors):
+    """Captures in GLOBAL mode while pinning runs (Interleave policy): none
+    is invalidated, every replay is right."""
+    off = kv.Offloader(
+        8192,  # 512 MiB of host blocks: pinning takes a while
+        tensors=kv_tensors,
+        stream=torch.cuda.current_stream().cuda_stream,
+        backend="cuda",
+        capture_policy="interleave",
+        chunk_bytes=32 << 20,
+    )
+    off.start()
+    x = torch.arange(1024, dtype=torch.float32, device="cuda")
+    graphs = []
+    for _ in range(10):
+        g, y = torch.cuda.CUDAGraph(), torch.empty_like(x)
+        with off.capture_window(), torch.cuda.graph(g):
+            y.copy_(x)
+            for _ in range(16):
+                y.add_(1.0)
+        graphs.append((g, y))
+    assert off.wait_pinned().state == "pinned"
+    for g, y in graphs:
+        y.zero_()
+        g.replay()
+    torch.cuda.synchronize()
+    for _, y in graphs:
+        assert torch.equal(y, x + 16)
+    off.shutdown()
+
+
+def test_agreement_over_a_callable_on_gpu(kv_tensors):
+    calls = []
+    off = make(kv_tensors, agreement=lambda mine: calls.append(mine) or [mine], start=True)
+    out = off.wait_pinned()
+    assert out.state == "pinned" and out.agreed and calls == [kv.SETTLED_PINNED]
+    off.shutdown()
+
+
+def test_bad_tensors_on_gpu():
+    cpu = torch.zeros((BLOCKS, PAGE), dtype=torch.uint8)
+    with pytest.raises(kv.OptionsError, match="cpu tensor"):
+        kv.Offloader(16, tensors=[cpu], backend="cuda")
+    strided = torch.zeros((BLOCKS, 2 * PAGE), dtype=torch.uint8, device="cuda")[:, :PAGE]
+    with pytest.raises(kv.OptionsError, match="contiguous"):
+        kv.Offloader(16, tensors=[strided], backend="cuda")
+    t = torch.zeros((BLOCKS, PAGE), dtype=torch.uint8, device="cuda")
+    with pytest.raises(kv.OptionsError, match="do not fit"):
+        kv.Offloader(16, tensors=[t], page_bytes=2 * PAGE, backend="cuda")
+    with pytest.raises(kv.OptionsError, match="stream"):
+        kv.Offloader(16, tensors=[t], stream="default", backend="cuda")
+
+
+def test_a_side_stream_as_compute_stream(kv_tensors):
+    s = torch.cuda.Stream()
+    off = make(kv_tensors, stream=s, start=True)  # an object with .cuda_stream
+    off.wait_pinned()
+    with torch.cuda.stream(s):
+        kv_tensors[0][0].fill_(7)
+        kv_tensors[1][0].fill_(9)
+        off.store([1], [0])
+    off.wait_all()
+    off.poll()
+    job = off.load([1], [5])
+    off.wait(job)
+    off.poll()
+    assert int(kv_tensors[0][5].min()) == 7 and int(kv_tensors[1][5].max()) == 9
+    off.shutdown()
+
+
+def test_gil_is_released_while_a_window_waits(kv_tensors):
+    off = make(kv_tensors)  # not started: an after_pinning window waits
+    opened = threading.Event()
+
+    def capture():
+        with off.capture_window():
+            opened.set()
+
+    t = threading.Thread(target=capture)
+    t.start()
+    assert not opened.wait(0.2)
+    off.start()
+    t.join(30)
+    assert opened.is_set()
+    off.shutdown()

@@ -1,0 +1,447 @@
+"""The Python front on the simulated GPU: no GPU, no PyTorch needed."""
+
+import os
+import threading
+import time
+
+import pytest
+
+import kvoffload as kv
+
+PAGE = 4096
+BLOCKS = 64
+
+
+@pytest.fixture
+def rt():
+    """One simulated GPU per test, so its counters show leaks."""
+    return kv.Runtime("sim")
+
+
+def make(rt, host_blocks=128, **kw):
+    kw.setdefault("tensors", 2)
+    kw.setdefault("page_bytes", PAGE)
+    kw.setdefault("gpu_blocks", BLOCKS)
+    return kv.Offloader(host_blocks, runtime=rt, **kw)
+
+
+def assert_nothing_leaked(rt):
+    assert rt.sim_device_bytes_in_use_for_test() == 0
+    assert rt.sim_registered_ranges_for_test() == 0
+
+
+def fill(off, blocks):
+    """Random pages into `blocks` of every tensor; returns them by (tensor, block)."""
+    data = {}
+    for t in range(len(off.tensor_addresses)):
+        for b in blocks:
+            data[t, b] = os.urandom(off.page_bytes[t])
+            off.write_block_for_test(t, b, data[t, b])
+    return data
+
+
+# ---- construction ----
+
+
+def test_construction_with_defaults(rt):
+    off = make(rt)
+    assert off.backend == "sim"
+    assert off.gpu_blocks == BLOCKS
+    assert off.page_bytes == [PAGE, PAGE]
+    assert off.block_factor == 1
+    assert len(off.tensor_addresses) == 2
+    assert off.region_bytes >= 128 * 2 * PAGE
+    assert off.pin_state == "pending"
+    assert off.pin_state.name == "pending" and not off.pin_state.is_final
+    p = off.pin_progress
+    assert p.chunks_done == 0 and p.chunks_total >= 1 and p.bytes_total >= 128 * 2 * PAGE
+    # The KV tensors and the engine's gather tables.
+    assert rt.sim_device_bytes_in_use_for_test() >= 2 * BLOCKS * PAGE
+    assert "Offloader" in repr(off) and "sim" in repr(off)
+    off.shutdown()
+    assert off.is_shut_down
+    assert_nothing_leaked(rt)
+
+
+def test_backend_by_name():
+    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, backend="sim", pin_threads=1)
+    assert off.runtime.backend == "sim"
+    off.shutdown()
+
+
+def test_start_pins_in_the_background(rt):
+    off = make(rt, start=True)
+    out = off.wait_pinned()
+    assert out.state == "pinned" and out.agreed is None and out.agreement_error is None
+    assert off.pin_progress.chunks_done == off.pin_progress.chunks_total
+    assert rt.sim_registered_ranges_for_test() >= 1
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+def test_context_manager_shuts_down(rt):
+    with make(rt) as off:
+        off.start()
+        off.wait_pinned()
+    assert off.is_shut_down
+    assert_nothing_leaked(rt)
+
+
+def test_dropping_the_offloader_shuts_it_down(rt):
+    off = make(rt, start=True)
+    off.wait_pinned()
+    del off
+    assert_nothing_leaked(rt)
+
+
+# ---- bad arguments: clear exceptions, nothing leaked ----
+
+
+@pytest.mark.parametrize(
+    "kw, kind, words",
+    [
+        (dict(host_blocks=0), "options", "host_blocks"),
+        (dict(tensors=0), "options", "zero-sized"),
+        (dict(page_bytes=0), "options", "zero-sized"),
+        (dict(prefault="sometimes"), "options", "prefault"),
+        (dict(huge_pages="maybe"), "options", "huge_pages"),
+        (dict(capture_policy="never"), "options", "capture_policy"),
+        (dict(copy_backend="carrier-pigeon"), "options", "copy_backend"),
+        (dict(eviction="random"), "options", "eviction"),
+        (dict(region="cloud"), "options", "region"),
+        (dict(region="shared"), "options", "needs a name"),
+        (dict(ranks=2), "options", "shared"),
+        (dict(pin_threads=0), "pin", "threads"),
+        (dict(chunk_bytes=0), "pin", "max_chunk_bytes"),
+        (dict(agreement=42), "options", "callable"),
+        (dict(agreement_timeout=-1.0), "options", "agreement_timeout"),
+    ],
+)
+def test_bad_arguments_raise_options_error(rt, kw, kind, words):
+    host_blocks = kw.pop("host_blocks", 128)
+    with pytest.raises(kv.OptionsError) as e:
+        make(rt, host_blocks, **kw)
+    assert isinstance(e.value, kv.KvoffloadError)
+    assert e.value.kind == kind
+    assert words in str(e.value)
+    assert_nothing_leaked(rt)
+
+
+def test_tensor_arguments(rt):
+    with pytest.raises(kv.OptionsError, match="gpu_blocks and page_bytes"):
+        kv.Offloader(16, tensors=2, runtime=rt)
+    with pytest.raises(kv.OptionsError, match="neither data_ptr"):
+        kv.Offloader(16, tensors=[object()], runtime=rt)
+    with pytest.raises(kv.OptionsError, match="empty"):
+        kv.Offloader(16, tensors=[], runtime=rt)
+
+    class Cai:  # a CUDA array interface object, as CuPy gives
+        __cuda_array_interface__ = {"data": (1 << 40, False), "shape": (BLOCKS, 256), "typestr": "<f2", "version": 3}
+
+    # The simulated GPU cannot reach an engine's memory.
+    with pytest.raises(kv.OptionsError, match="CUDA backend"):
+        kv.Offloader(16, tensors=[Cai()], runtime=rt)
+
+    class ReadOnly:
+        __cuda_array_interface__ = {"data": (1 << 40, True), "shape": (8,), "typestr": "<f4", "version": 3}
+
+    with pytest.raises(kv.OptionsError, match="read-only"):
+        kv.Offloader(16, tensors=[ReadOnly()], runtime=rt)
+
+    class Strided:
+        __cuda_array_interface__ = {
+            "data": (1 << 40, False),
+            "shape": (8, 4),
+            "typestr": "<f4",
+            "strides": (32, 4),
+            "version": 3,
+        }
+
+    with pytest.raises(kv.OptionsError, match="contiguous"):
+        kv.Offloader(16, tensors=[Strided()], runtime=rt)
+
+    class Cpu:  # looks like a CPU torch tensor
+        class device:
+            type = "cpu"
+            index = None
+
+        def data_ptr(self):
+            return 4096
+
+    with pytest.raises(kv.OptionsError, match="cpu tensor"):
+        kv.Offloader(16, tensors=[Cpu()], runtime=rt)
+    assert_nothing_leaked(rt)
+
+
+def test_shared_region_file_is_gone(rt, tmp_path):
+    off = make(rt, region="shared", name=f"t{os.getpid()}", region_dir=tmp_path, start=True)
+    # One rank: the file is unlinked as soon as it is mapped.
+    assert os.listdir(tmp_path) == []
+    assert off.wait_pinned().state == "pinned"
+    off.shutdown()
+    assert os.listdir(tmp_path) == []
+    assert_nothing_leaked(rt)
+
+
+def test_region_that_exists_raises_region_error(rt, tmp_path):
+    name = f"busy{os.getpid()}"
+    (tmp_path / f"kvoffload-{name}").write_bytes(b"someone else's")
+    with pytest.raises(kv.RegionError) as e:
+        make(rt, region="shared", name=name, region_dir=tmp_path)
+    assert e.value.kind == "region" and e.value.reason == "already_exists"
+    # Not ours: left alone; nothing else made.
+    assert os.listdir(tmp_path) == [f"kvoffload-{name}"]
+    assert_nothing_leaked(rt)
+
+
+def test_region_directory_missing(rt, tmp_path):
+    with pytest.raises(kv.RegionError):
+        make(rt, region="shared", name="x", region_dir=tmp_path / "no-such-dir")
+    assert_nothing_leaked(rt)
+
+
+# ---- capture windows ----
+
+
+def test_capture_window_is_a_context_manager(rt):
+    off = make(rt, start=True)
+    off.wait_pinned()
+    w = off.capture_window()
+    assert not w.is_open
+    with w as entered:
+        assert entered is w and w.is_open
+        with pytest.raises(kv.ProtocolError) as e:
+            with off.capture_window():
+                pass
+        assert e.value.reason == "nested_window"
+        # Shutdown is refused while a window is open, and changes nothing.
+        with pytest.raises(kv.ProtocolError) as e:
+            off.shutdown()
+        assert e.value.reason == "window_open"
+        assert not off.is_shut_down
+    assert not w.is_open
+    # After pinning is final (default policy): it waited for no chunk.
+    assert w.chunks_waited == 0
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+def test_window_waits_for_pinning_with_the_gil_released(rt):
+    """With the default policy a window opens only once pinning is final;
+    entering it waits without holding the GIL (this thread keeps running)."""
+    off = make(rt)
+    opened = threading.Event()
+
+    def capture():
+        with off.capture_window():
+            assert off.pin_state.is_final
+            opened.set()
+
+    t = threading.Thread(target=capture)
+    t.start()
+    time.sleep(0.2)
+    assert not opened.is_set(), "a window opened before pinning started"
+    off.start()
+    t.join(10)
+    assert opened.is_set()
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+def test_window_closes_on_an_exception(rt):
+    off = make(rt, start=True)
+    with pytest.raises(RuntimeError):
+        with off.capture_window():
+            raise RuntimeError("capture failed")
+    off.shutdown()  # not refused: the window closed
+
+
+def test_gated_runs_the_engines_call(rt):
+    off = make(rt, start=True)
+    assert off.gated(lambda: 42) == 42
+    with pytest.raises(ZeroDivisionError):
+        off.gated(lambda: 1 / 0)
+    off.shutdown()
+
+
+# ---- store and load ----
+
+
+def test_round_trip_byte_for_byte(rt):
+    off = make(rt, start=True)
+    off.wait_pinned()
+    data = fill(off, range(4))
+    keys = [11, (12, 0), (13, 5), -14]
+    res = off.store(keys, [0, 1, 2, 3])
+    assert res.job is not None
+    assert res.stored == [(11, 0), (12, 0), (13, 5), ((-14) % 2**64, 0)]
+    assert res.skipped == [] and res.evicted == []
+    assert off.in_flight == 1
+    off.wait_all()
+    done = off.poll()
+    assert [(c.job, c.direction, c.ok) for c in done] == [(res.job, "store", True)]
+    assert done[0].bytes == 4 * 2 * PAGE and done[0].keys == res.stored
+    assert off.lookup(keys + [99]) == ["hit"] * 4 + ["miss"]
+    assert off.stored_blocks == 4
+    # Storing again skips them.
+    again = off.store(keys[:1], [0])
+    assert again.job is None and again.skipped == [((11, 0), "already_stored")]
+    # Clobber the source blocks, load into other blocks, compare.
+    for t in range(2):
+        for b in range(4):
+            off.write_block_for_test(t, b, bytes(PAGE))
+    job = off.load(list(reversed(keys)), [40, 41, 42, 43])
+    off.wait(job)
+    done = off.poll()
+    assert [(c.job, c.direction, c.ok) for c in done] == [(job, "load", True)]
+    for t in range(2):
+        for i, b in enumerate([43, 42, 41, 40]):
+            assert off.read_block_for_test(t, b) == data[t, i], f"tensor {t}, block {b}"
+    assert off.in_flight == 0
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+def test_round_trip_on_pageable_memory(rt):
+    rt.sim_fail_registration_for_test(nth=1, code=801)
+    off = make(rt, start=True)
+    out = off.wait_pinned()
+    assert out.state == "pageable" and out.state.reason == "not_supported"
+    assert "801" in out.state.message
+    data = fill(off, [5])
+    off.store([7], [5])
+    off.wait_all()
+    assert all(c.ok for c in off.poll())
+    job = off.load([7], [6])
+    off.wait(job)
+    off.poll()
+    assert off.read_block_for_test(0, 6) == data[0, 5]
+    assert off.read_block_for_test(1, 6) == data[1, 5]
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+def test_eviction_when_full(rt):
+    off = make(rt, host_blocks=2, start=True)
+    off.store([1, 2], [0, 1])
+    off.wait_all()
+    off.poll()
+    res = off.store([3], [2])
+    assert len(res.evicted) == 1 and res.evicted[0] in [(1, 0), (2, 0)]
+    off.wait_all()
+    off.poll()
+    gone = res.evicted[0][0]
+    assert off.lookup([gone, 3 - gone, 3]) == ["miss", "hit", "hit"]
+    off.shutdown()
+
+
+def test_bad_jobs(rt):
+    off = make(rt, start=True, block_factor=2, gpu_blocks=BLOCKS)
+    with pytest.raises(kv.OptionsError) as e:
+        off.store([1], [0])
+    assert e.value.kind == "gpu_block_count"
+    with pytest.raises(kv.ManagerError):
+        off.load([1], [0, 1])  # never stored
+    with pytest.raises(kv.OptionsError):
+        off.store([1], [0, BLOCKS])  # out of range
+    # The refused store left nothing pending.
+    assert off.lookup([1]) == ["miss"] and off.in_flight == 0
+    with pytest.raises(kv.OptionsError, match="GPU block id"):
+        off.store([1], [0, -1])
+    with pytest.raises(kv.OptionsError, match="group"):
+        off.store([(1, -1)], [0, 1])
+    with pytest.raises(kv.OptionsError, match="pair"):
+        off.store([(1, 2, 3)], [0, 1])
+    with pytest.raises(kv.TransferError) as e:
+        off.wait(12345)
+    assert e.value.kind == "unknown_job"
+    with pytest.raises(kv.OptionsError):
+        off.read_block_for_test(2, 0)
+    with pytest.raises(kv.OptionsError):
+        off.write_block_for_test(0, 0, b"short")
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+# ---- shutdown ----
+
+
+def test_use_after_shutdown(rt):
+    off = make(rt, start=True)
+    off.store([1], [0])
+    off.shutdown()  # drains the store first
+    assert off.is_shut_down
+    for call in (
+        lambda: off.store([2], [1]),
+        lambda: off.load([1], [1]),
+        lambda: off.wait_all(),
+        lambda: off.shutdown(),
+        lambda: off.capture_window().__enter__(),
+        lambda: off.start(),
+    ):
+        with pytest.raises(kv.ShutDownError) as e:
+            call()
+        assert isinstance(e.value, kv.ProtocolError)
+    assert off.poll() == []
+    assert_nothing_leaked(rt)
+
+
+def test_shutdown_during_pinning(rt):
+    off = make(rt, host_blocks=256, chunk_bytes=2 * PAGE, start=True)
+    off.shutdown()
+    assert off.pin_state.is_final
+    assert_nothing_leaked(rt)
+
+
+# ---- agreement in one process (the transport's contract) ----
+
+
+def test_agreement_transport_all_pinned(rt):
+    seen = []
+
+    def transport(mine):
+        seen.append(mine)
+        return [mine, kv.SETTLED_PINNED]
+
+    off = make(rt, agreement=transport, start=True)
+    out = off.wait_pinned()
+    assert out.state == "pinned" and out.agreed is True and out.agreement_error is None
+    assert seen == [kv.SETTLED_PINNED]
+    off.shutdown()
+
+
+def test_agreement_peer_pageable(rt):
+    off = make(rt, agreement=lambda mine: kv.SETTLED_PAGEABLE, start=True)  # an all-reduce's MAX
+    out = off.wait_pinned()
+    assert out.state == "pageable" and out.state.reason == "peer_pageable" and out.agreed is True
+    assert off.pin_progress.chunks_done == 0  # every chunk unregistered again
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+def test_agreement_transport_error_leaves_this_rank_pageable(rt):
+    def broken(mine):
+        raise ConnectionError("peer gone")
+
+    off = make(rt, agreement=broken, start=True)
+    out = off.wait_pinned()
+    assert out.state == "pageable" and out.agreed is False
+    err = out.agreement_error
+    assert isinstance(err, kv.AgreementError) and err.kind == "transport"
+    assert "ConnectionError" in str(err) and "peer gone" in str(err)
+    assert off.pin_progress.chunks_done == 0
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+@pytest.mark.parametrize("answer", [[], [0, 1], [1, 9], "pinned", None])
+def test_agreement_transport_breaking_its_contract(rt, answer):
+    off = make(rt, agreement=lambda mine: answer, start=True)
+    out = off.wait_pinned()
+    assert out.state == "pageable" and out.agreed is False
+    assert out.agreement_error.kind in ("bad_exchange", "transport")
+    off.shutdown()
+
+
+def test_logging_can_be_enabled():
+    assert kv.enable_logging("warn") in (True, False)
