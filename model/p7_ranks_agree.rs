@@ -7,7 +7,7 @@
 //! (`LocalSlots`, the in-process twin of the region header's words); rank
 //! 1's registration fails at its first or second chunk, or never; the
 //! model's main thread; the sim's device thread (one simulated GPU serves
-//! both ranks). Preemption bound 3.
+//! both ranks). Preemption bound 2.
 //!
 //! Checked: both ranks end in the same mode (Pinned only if neither
 //! failed); when a rank's agreement returns, the other rank's word is
