@@ -3,12 +3,17 @@
 use std::cell::RefCell;
 use std::marker::PhantomData;
 
+// Per thread: the last gate serial handed out, and the serials of the gates
+// alive on this thread (made by the coordinator's gate, not yet dropped).
+// The simulated GPU checks every capture-unsafe call against it
+// (`Gate::in_flight_here`). Loom's macro takes no `const` initializer.
+#[cfg(not(loom))]
 crate::sync::thread_local! {
-    /// Per thread: the last gate serial handed out, and the serials of the
-    /// gates alive on this thread (made by the coordinator's gate, not yet
-    /// dropped). The simulated GPU checks every capture-unsafe call against
-    /// it (`Gate::in_flight_here`).
     static IN_FLIGHT: RefCell<(u64, Vec<u64>)> = const { RefCell::new((0, Vec::new())) };
+}
+#[cfg(loom)]
+crate::sync::thread_local! {
+    static IN_FLIGHT: RefCell<(u64, Vec<u64>)> = RefCell::new((0, Vec::new()));
 }
 
 /// Proof that the calling code runs inside the coordinator's gate: no
