@@ -86,8 +86,8 @@ fn scenario_with(variant: Variant, forged: bool) {
 const B: Bounds = Bounds { property: "P1", threads: 4, preemptions: 3 };
 
 /// The negatives run at bound 2: every interleaving of bound 2 is also one
-/// of bound 3, so a failure found there is found at 3, for a third of the
-/// time.
+/// of bound 3, so a failure found there is found at 3 (N1 at bound 3 took
+/// 436k interleavings and 39 s before its failure; at 2 it takes about 1 s).
 const NEG: Bounds = Bounds { preemptions: 2, ..B };
 
 #[test]

@@ -40,7 +40,8 @@ pub enum CapturePolicy {
 }
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models (N1-N7 in DESIGN.md) run. Only loom builds can select a
+/// negative models run (N1-N7 in DESIGN.md; N9 and N10 in
+/// docs/PROOFS.md). Only loom builds can select a
 /// variant; every other build is always `Production`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub enum Variant {

@@ -32,7 +32,7 @@ crate::sync::thread_local! {
 /// GPU refuses to run a capture-unsafe call whose gate is not in flight on
 /// the calling thread (it panics: "capture-unsafe call outside the gate").
 /// Library code cannot get there (the type forbids it); loom builds have
-/// [`Gate::forged`] for the one negative model that shows the check works.
+/// `Gate::forged` for the one negative model that shows the check works.
 pub struct Gate {
     /// Unique per thread while in flight; 0 for a forged gate.
     serial: u64,

@@ -5,7 +5,16 @@
 //!   (`device.rs`); events complete when the work recorded before them does.
 //! - Capture records stream work into a graph that can be replayed; the
 //!   capture rules of `rules.rs` decide which calls fail with 900 and
-//!   invalidate a capture.
+//!   invalidate a capture. They deny by default: during another thread's
+//!   GLOBAL capture, a call without a measured row in `rules::MEASURED`
+//!   is refused, as is any call on a stream taking part in another
+//!   thread's capture; every refusal names its rule
+//!   ([`SimRuntime::refusals`]).
+//! - A stream waiting on an event recorded in a capture joins it; ending
+//!   the capture while a joined stream has not rejoined fails with 904.
+//! - A capture-unsafe call whose `Gate` is not in flight on the calling
+//!   thread (not made by the coordinator's gate) stops the program with
+//!   "capture-unsafe call outside the gate: `<call>`".
 //! - `begin_capture` blocks while a registration runs (enqueues onto a
 //!   capturing stream do not: measured, docs/facts-deltas.md); `host_unregister` waits for the device to go idle;
 //!   replaying a graph whose registered host memory was unregistered
