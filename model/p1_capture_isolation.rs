@@ -7,7 +7,8 @@
 //! GLOBAL mode; the pinner (`PinHandle`, 2 chunks, Interleave policy, so
 //! pinning really overlaps the window); a completion poller making one
 //! gated event query (`Coordinator::try_unsafe_call`); the sim's device
-//! thread. Preemption bound 2.
+//! thread. Preemption bound 3 (the negatives below run at 2, which loom
+//! explores as a subset of 3: each is caught there already).
 //!
 //! Why it holds: every capture-unsafe library call runs inside
 //! `Coordinator::unsafe_call`/`try_unsafe_call`, which start only while no
@@ -16,9 +17,19 @@
 //! and a window never overlap. The engine begins its capture only inside
 //! the window.
 //!
+//! The simulated GPU default-denies: any call without a measured row made
+//! during the engine's GLOBAL capture would be refused and invalidate it
+//! (src/runtime/sim/rules.rs), so the model also shows the library makes no
+//! unmeasured call during a capture.
+//!
 //! Negatives: N1 (upstream's design: no capture window) and N3 (the poller
 //! queries without the gate) are this scenario with one knob changed; loom
-//! finds an interleaving where the sim invalidates the capture.
+//! finds an interleaving where the sim invalidates the capture. N8: the
+//! poller makes its query with a forged gate (`Gate::forged`, loom builds
+//! only: the type system forbids this in library code); the sim knows the
+//! gate is not in flight and stops the model with "capture-unsafe call
+//! outside the gate: cuEventQuery", in the first interleaving, whether or
+//! not a capture is open then.
 
 #![cfg(loom)]
 
@@ -28,10 +39,15 @@ mod common;
 use common::{check, fixture, negative, Bounds};
 use kvoffload::pin::{NoPrefault, PinHandle};
 use kvoffload::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::runtime::CaptureMode;
+use kvoffload::runtime::{CaptureMode, Gate};
 use kvoffload::sync::thread;
 
 fn scenario(variant: Variant) {
+    scenario_with(variant, false)
+}
+
+/// `forged`: the poller bypasses the coordinator with a forged gate (N8).
+fn scenario_with(variant: Variant, forged: bool) {
     let f = fixture(CapturePolicy::Interleave, variant, 2, 64);
     let rt = f.rt.clone();
     let s = rt.stream_create().unwrap();
@@ -42,7 +58,12 @@ fn scenario(variant: Variant) {
 
     let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
     let (prt, pcoord) = (rt.clone(), f.coord.clone());
-    let poller = thread::spawn(move || pcoord.try_unsafe_call(|g| prt.event_query(g, e)).map(|r| r.is_ok()));
+    let poller = thread::spawn(move || {
+        if forged {
+            return Ok(prt.event_query(&Gate::forged(), e).is_ok());
+        }
+        pcoord.try_unsafe_call(|g| prt.event_query(g, e)).map(|r| r.is_ok())
+    });
 
     let w = f.coord.open_window().unwrap();
     rt.begin_capture(s, CaptureMode::Global).unwrap();
@@ -62,7 +83,12 @@ fn scenario(variant: Variant) {
     f.coord.unregister_all(rt.as_ref()).unwrap();
 }
 
-const B: Bounds = Bounds { property: "P1", threads: 4, preemptions: 2 };
+const B: Bounds = Bounds { property: "P1", threads: 4, preemptions: 3 };
+
+/// The negatives run at bound 2: every interleaving of bound 2 is also one
+/// of bound 3, so a failure found there is found at 3 (N1 at bound 3 took
+/// 436k interleavings and 39 s before its failure; at 2 it takes about 1 s).
+const NEG: Bounds = Bounds { preemptions: 2, ..B };
 
 #[test]
 fn p1_library_calls_never_invalidate_capture() {
@@ -72,7 +98,7 @@ fn p1_library_calls_never_invalidate_capture() {
 #[test]
 #[ignore = "negative model: run by ci/prove, must fail"]
 fn negative_n1_upstream_background_pin_without_window() {
-    negative("n1_no_capture_window", Bounds { property: "N1", ..B }, "capture invalidated", || {
+    negative("n1_no_capture_window", Bounds { property: "N1", ..NEG }, "capture invalidated", || {
         scenario(Variant::NoCaptureWindow)
     });
 }
@@ -80,7 +106,18 @@ fn negative_n1_upstream_background_pin_without_window() {
 #[test]
 #[ignore = "negative model: run by ci/prove, must fail"]
 fn negative_n3_poller_queries_during_capture() {
-    negative("n3_ungated_poller", Bounds { property: "N3", ..B }, "capture invalidated", || {
+    negative("n3_ungated_poller", Bounds { property: "N3", ..NEG }, "capture invalidated", || {
         scenario(Variant::UngatedPoller)
     });
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n8_capture_unsafe_call_with_a_forged_gate() {
+    negative(
+        "n8_forged_gate",
+        Bounds { property: "N8", ..NEG },
+        "capture-unsafe call outside the gate: cuEventQuery",
+        || scenario_with(Variant::Production, true),
+    );
 }

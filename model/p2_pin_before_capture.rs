@@ -7,6 +7,15 @@
 //!   registration runs, the pinner resumes after it closes (pinning still
 //!   ends Pinned), and the window waited for at most one chunk.
 //!
+//! Registrations are counted by the simulated GPU (successful
+//! `cuMemHostRegister` calls, `SimRuntime::registrations_completed`), not
+//! by the coordinator: the count when the window asks to open (read under
+//! the coordinator's lock at that moment, `Coordinator::open_window_noting`,
+//! loom builds only) and when it has opened differ by at most one; the
+//! count does not change while the window is open; the driver registered
+//! exactly 3 times for the 3 chunks. With AfterPinning the driver has
+//! completed all 3 when the window opens.
+//!
 //! Threads (3): the engine (main) opening one window and capturing in
 //! GLOBAL mode, the pinner (`PinHandle`, 3 chunks), the sim's device thread.
 //! Preemption bound 3.
@@ -35,11 +44,21 @@ fn scenario(policy: CapturePolicy) {
     let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
     let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
 
-    let w = f.coord.open_window().unwrap();
+    let mut at_request = None;
+    let w = f.coord.open_window_noting(|| at_request = Some(f.sim().registrations_completed())).unwrap();
+    let at_request = at_request.expect("the window asked to open");
+    let at_open = f.sim().registrations_completed();
     let state = f.coord.pin_state();
     match policy {
-        CapturePolicy::AfterPinning => assert!(state.is_final(), "window opened while pinning: {state:?}"),
-        CapturePolicy::Interleave => assert!(w.chunks_waited() <= 1, "window waited for {} chunks", w.chunks_waited()),
+        CapturePolicy::AfterPinning => {
+            assert!(state.is_final(), "window opened while pinning: {state:?}");
+            assert_eq!(at_open, 3, "window opened before the driver completed every registration");
+        }
+        CapturePolicy::Interleave => assert!(
+            at_open - at_request <= 1,
+            "window waited for {} registrations (counted by the simulated GPU)",
+            at_open - at_request
+        ),
     }
     assert_eq!(f.sim().registers_running(), 0, "registration running inside the window");
     rt.begin_capture(s, CaptureMode::Global).unwrap();
@@ -48,9 +67,11 @@ fn scenario(policy: CapturePolicy) {
     unsafe { rt.memset_d8_async(d, 0, 64, s) }.unwrap();
     assert_eq!(f.sim().registers_running(), 0, "registration running inside the window");
     assert!(rt.end_capture(s).is_ok(), "capture invalidated");
+    assert_eq!(f.sim().registrations_completed(), at_open, "a registration completed inside the window");
     drop(w);
 
     assert_eq!(pin.join(), PinState::Pinned);
+    assert_eq!(f.sim().registrations_completed(), 3, "the driver registered other than once per chunk");
     f.coord.unregister_all(rt.as_ref()).unwrap();
 }
 

@@ -3,20 +3,35 @@
 //! while a capture is open; shutdown during pinning stops at a chunk
 //! boundary and rolls back; shutdown terminates.
 //!
-//! Three scenarios, each with the sim's device thread:
+//! Four scenarios, each with the sim's device thread:
 //! - during pinning (3 threads: shutdown on main, the pinner with 3
-//!   chunks): afterwards nothing is registered, pinning is final.
-//! - with a job in flight (3 threads: shutdown on main, a job that copies
-//!   from the registered region and checks, before its ticket is dropped,
-//!   that the region was not unmapped; "unmapped" is set by main once
-//!   shutdown returned). Negative N2 drops the drain: caught.
+//!   chunks). `shutdown`'s `join_pinner` does not join the pinner, so
+//!   what keeps a registration from outliving shutdown is the
+//!   coordinator's own wait for pinning to settle: when shutdown returns,
+//!   the simulated GPU holds no registration, and none appears after (the
+//!   pinner is joined only then). Negative N10 (`ShutdownSkipsPinWait`)
+//!   drops that wait: caught ("left registered after shutdown").
+//! - with a job in flight (3 threads: shutdown on main; a library thread
+//!   that submits one store through the real `TransferEngine` (one 16-byte
+//!   block, per-fragment copies), waits for it (`TransferEngine::wait`),
+//!   checks that the region was not unmapped, and polls until it is
+//!   reported, which releases its admission ticket; "unmapped" is set by
+//!   main once shutdown returned). Negative N2 drops the drain: caught.
+//! - racing a window and a capture (3 threads: the engine on main opens a
+//!   window, captures in GLOBAL mode and ends the capture, or is refused
+//!   because shutdown began; shutdown on another thread, retried by main
+//!   if it was refused because the window was open): the capture always
+//!   ends with a graph and the region ends unregistered. Negative N12 is a
+//!   model-local bad engine that captures without taking a window: loom
+//!   finds shutdown's unregister invalidating the capture.
 //! - with a live graph (3 threads: the engine on main captured a graph that
 //!   copies from the region and registered it; shutdown on another thread;
 //!   the engine replays the graph, destroys it, releases the token, and
 //!   retries shutdown if it was refused). Negative N5 ignores the graph:
 //!   the replay after unregister poisons the context (FACTS 1, 719).
 //!
-//! Preemption bound 3. Why it holds: `begin_shutdown` decides, under the
+//! Preemption bound 4 (the negatives run at 3, a subset of the
+//! interleavings of 4: each is caught there already). Why it holds: `begin_shutdown` decides, under the
 //! coordinator's lock, to refuse (window open, graphs alive) or to flip to
 //! ShuttingDown, after which `admit_job`, `open_window` and
 //! `register_graph` refuse; it then waits until every job ticket is dropped
@@ -27,51 +42,101 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, fixture, negative, Bounds};
+use common::{check, engine, fixture, negative, Bounds};
 use kvoffload::pin::{pin_all, NoPrefault, PinHandle};
 use kvoffload::protocol::{shutdown, CapturePolicy, ChunkReg, PinState, ProtocolError, ShutdownError, Variant};
 use kvoffload::runtime::CaptureMode;
 use kvoffload::sync::atomic::{AtomicBool, Ordering};
 use kvoffload::sync::{thread, Arc};
+use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, TransferError};
 
-const B: Bounds = Bounds { property: "P4", threads: 3, preemptions: 3 };
+const B: Bounds = Bounds { property: "P4", threads: 3, preemptions: 4 };
 
-fn during_pinning() {
-    let f = fixture(CapturePolicy::AfterPinning, Variant::Production, 3, 64);
+/// The negatives run at bound 3: every interleaving of bound 3 is also one
+/// of bound 4, so a failure found there is found at 4.
+const NEG: Bounds = Bounds { preemptions: 3, ..B };
+
+fn during_pinning(variant: Variant) {
+    let f = fixture(CapturePolicy::AfterPinning, variant, 3, 64);
     let pin = PinHandle::spawn(f.rt.clone(), f.coord.clone(), NoPrefault::shared());
-    shutdown(f.rt.as_ref(), &f.coord, move || {
-        pin.join();
-    })
-    .unwrap();
+    // `join_pinner` does not join: the coordinator's own waits must keep
+    // every registration from outliving shutdown.
+    shutdown(f.rt.as_ref(), &f.coord, || {}).unwrap();
+    assert_eq!(f.sim().registered_ranges(), 0, "chunk left registered after shutdown returned");
+    pin.join();
+    assert_eq!(f.sim().registered_ranges(), 0, "chunk left registered after shutdown (pinner joined since)");
     assert!(f.coord.pin_state().is_final());
     for i in 0..3 {
         assert_eq!(f.coord.chunk_reg(i), Some(ChunkReg::Unregistered), "chunk {i} left registered");
     }
-    assert_eq!(f.sim().registered_ranges(), 0);
 }
 
 fn with_job(variant: Variant) {
     let f = fixture(CapturePolicy::AfterPinning, variant, 1, 64);
     let rt = f.rt.clone();
     assert_eq!(pin_all(rt.as_ref(), &f.coord, &NoPrefault), PinState::Pinned);
-    let s = rt.stream_create().unwrap();
-    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+    let (eng, _dev) = engine(&f, 1, 16, 4, BackendChoice::Force(Backend::PerFragment));
     let unmapped = Arc::new(AtomicBool::new(false));
-    let (jc, jrt, ju, base) = (f.coord.clone(), rt.clone(), unmapped.clone(), f.base);
+    let ju = unmapped.clone();
     let job = thread::spawn(move || {
-        if let Ok(ticket) = jc.admit_job() {
-            // SAFETY: the region is leaked memory; "unmapped" is the model's
-            // stand-in for munmap, checked below.
-            unsafe { jrt.copy_htod_async(d, base, 64, s) }.unwrap();
-            jc.unsafe_call("job sync", |g| jrt.stream_synchronize(g, s)).unwrap().unwrap();
-            assert!(!ju.load(Ordering::SeqCst), "transfer in flight after the region was unmapped");
-            drop(ticket);
+        match eng.store(1, &JobBlocks::single(vec![0], vec![0])) {
+            Ok(()) => {
+                eng.wait(1).unwrap();
+                // "unmapped" is the model's stand-in for munmap, set once
+                // shutdown returned: the store's copy into the region has
+                // completed, and its ticket is still held.
+                assert!(!ju.load(Ordering::SeqCst), "transfer in flight after the region was unmapped");
+                let mut seen = Vec::new();
+                while seen.is_empty() {
+                    seen.extend(eng.poll_finished());
+                    thread::yield_now();
+                }
+                assert!(seen[0].error.is_none(), "job failed: {seen:?}");
+            }
+            Err(TransferError::ShutDown { .. }) => {}
+            Err(e) => panic!("submit failed: {e}"),
         }
     });
     shutdown(rt.as_ref(), &f.coord, || {}).unwrap();
     unmapped.store(true, Ordering::SeqCst);
     job.join().unwrap();
     assert_eq!(f.sim().registered_ranges(), 0);
+}
+
+/// `windowed`: the engine captures inside a capture window, as it must;
+/// false is N12's bad engine.
+fn racing_a_capture(windowed: bool) {
+    let f = fixture(CapturePolicy::AfterPinning, Variant::Production, 1, 64);
+    let rt = f.rt.clone();
+    assert_eq!(pin_all(rt.as_ref(), &f.coord, &NoPrefault), PinState::Pinned);
+    let s = rt.stream_create().unwrap();
+    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+    let (sc, srt) = (f.coord.clone(), rt.clone());
+    let sh = thread::spawn(move || shutdown(srt.as_ref(), &sc, || {}));
+    let w = if windowed { f.coord.open_window().map(Some) } else { Ok(None) };
+    match w {
+        Ok(w) => {
+            rt.begin_capture(s, CaptureMode::Global).unwrap();
+            // SAFETY: `d` is a 64-byte allocation of the sim, never freed;
+            // the memset is only captured.
+            let enq = unsafe { rt.memset_d8_async(d, 0, 64, s) };
+            let end = rt.end_capture(s);
+            drop(w);
+            assert!(enq.is_ok() && end.is_ok(), "capture invalidated during shutdown: enqueue {enq:?}, end {end:?}");
+            rt.graph_destroy(end.unwrap()).unwrap();
+        }
+        Err(ProtocolError::ShutDown) => {}
+        Err(e) => panic!("open_window failed: {e}"),
+    }
+    match sh.join().unwrap() {
+        Ok(()) => {}
+        Err(ShutdownError::Refused(ProtocolError::WindowOpen { .. })) => {
+            shutdown(rt.as_ref(), &f.coord, || {}).unwrap();
+        }
+        Err(e) => panic!("shutdown failed: {e}"),
+    }
+    assert_eq!(f.sim().registered_ranges(), 0);
+    assert!(matches!(f.coord.open_window(), Err(ProtocolError::ShutDown)));
 }
 
 fn with_graph(variant: Variant) {
@@ -110,7 +175,12 @@ fn with_graph(variant: Variant) {
 
 #[test]
 fn p4_shutdown_during_pinning_rolls_back() {
-    check("p4_during_pinning", B, during_pinning);
+    check("p4_during_pinning", B, || during_pinning(Variant::Production));
+}
+
+#[test]
+fn p4_shutdown_races_a_window_and_a_capture() {
+    check("p4_racing_a_capture", B, || racing_a_capture(true));
 }
 
 #[test]
@@ -126,7 +196,7 @@ fn p4_shutdown_waits_for_graphs() {
 #[test]
 #[ignore = "negative model: run by ci/prove, must fail"]
 fn negative_n2_unregister_before_draining_transfers() {
-    negative("n2_no_drain", Bounds { property: "N2", ..B }, "after the region was unmapped", || {
+    negative("n2_no_drain", Bounds { property: "N2", ..NEG }, "after the region was unmapped", || {
         with_job(Variant::NoDrainBeforeUnregister)
     });
 }
@@ -134,7 +204,23 @@ fn negative_n2_unregister_before_draining_transfers() {
 #[test]
 #[ignore = "negative model: run by ci/prove, must fail"]
 fn negative_n5_unregister_while_graph_references_region() {
-    negative("n5_ignore_graphs", Bounds { property: "N5", ..B }, "context poisoned", || {
+    negative("n5_ignore_graphs", Bounds { property: "N5", ..NEG }, "context poisoned", || {
         with_graph(Variant::IgnoreLiveGraphs)
+    });
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n10_shutdown_does_not_wait_for_pinning() {
+    negative("n10_no_pin_wait", Bounds { property: "N10", ..NEG }, "left registered after shutdown", || {
+        during_pinning(Variant::ShutdownSkipsPinWait)
+    });
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n12_engine_captures_without_a_window() {
+    negative("n12_capture_without_window", Bounds { property: "N12", ..NEG }, "capture invalidated", || {
+        racing_a_capture(false)
     });
 }

@@ -1,11 +1,15 @@
 //! P6 no deadlock: pinning (Interleave policy, so it really overlaps), a
 //! capture window inside which the engine asks for the pin state and for a
-//! capture-unsafe call, a transfer-like job, and shutdown all terminate in
+//! capture-unsafe call, a transfer job, and shutdown all terminate in
 //! every explored interleaving (loom reports a deadlock otherwise).
 //!
 //! Threads (4): the engine (main: window, capture, then shutdown), the
-//! pinner (2 chunks), a job thread (admit, one gated call, done), the sim's
-//! device thread. Preemption bound 2.
+//! pinner (2 chunks), a library thread owning a real `TransferEngine`
+//! (one store of one 16-byte block, per-fragment copies: refused because
+//! the window is open or shutdown began, or submitted, waited for with
+//! `TransferEngine::wait` and reported by `poll_finished`, which releases
+//! its admission ticket; then the engine is dropped), the sim's device
+//! thread. Preemption bound 2.
 //!
 //! Why it holds: every wait in the coordinator is for a condition that the
 //! other parties establish without needing anything the waiter holds,
@@ -25,23 +29,38 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, fixture, negative, Bounds};
+use common::{check, engine, fixture, negative, Bounds};
 use kvoffload::pin::{NoPrefault, PinHandle};
 use kvoffload::protocol::{shutdown, CapturePolicy, ProtocolError, Variant};
 use kvoffload::runtime::CaptureMode;
 use kvoffload::sync::thread;
+use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, TransferError};
 
 fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::Interleave, variant, 2, 64);
     let rt = f.rt.clone();
     let s = rt.stream_create().unwrap();
     let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+    let (eng, _dev) = engine(&f, 2, 16, 4, BackendChoice::Force(Backend::PerFragment));
     let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
-    let (jc, jrt) = (f.coord.clone(), rt.clone());
+    let jc = f.coord.clone();
     let job = thread::spawn(move || {
-        if let Ok(ticket) = jc.admit_job() {
-            let _ = jc.unsafe_call("job sync", |g| jrt.ctx_synchronize(g));
-            drop(ticket);
+        match eng.store(1, &JobBlocks::single(vec![0], vec![0])) {
+            Ok(()) => {
+                // Blocking waits, no spinning: `wait` (gated) until the job
+                // completed, then `poll_finished`, which reports it unless
+                // a window is open, in which case wait for the window.
+                let mut seen = Vec::new();
+                while seen.is_empty() {
+                    eng.wait(1).unwrap();
+                    seen.extend(eng.poll_finished());
+                    if seen.is_empty() {
+                        jc.wait_no_window().unwrap();
+                    }
+                }
+            }
+            Err(TransferError::ShutDown { .. }) | Err(TransferError::CaptureWindowOpen { .. }) => {}
+            Err(e) => panic!("submit failed: {e}"),
         }
     });
 

@@ -7,7 +7,7 @@
 //! (`LocalSlots`, the in-process twin of the region header's words); rank
 //! 1's registration fails at its first or second chunk, or never; the
 //! model's main thread; the sim's device thread (one simulated GPU serves
-//! both ranks). Preemption bound 3.
+//! both ranks). Preemption bound 2.
 //!
 //! Checked: both ranks end in the same mode (Pinned only if neither
 //! failed); when a rank's agreement returns, the other rank's word is
@@ -32,7 +32,7 @@
 //! (offload turns on only after the exchange); with a transport error both
 //! ranks end pageable, report `AgreementError::Transport` and hold no chunk.
 //!
-//! Negative N8: a rank that publishes its own outcome before the exchange
+//! Negative N13: a rank that publishes its own outcome before the exchange
 //! (`Variant::PublishBeforeAgreement`); caught as "turned offload on before
 //! every rank".
 
@@ -236,10 +236,10 @@ fn p7_transport_error_makes_all_pageable() {
 
 #[test]
 #[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n8_p7_rank_publishes_before_exchange() {
+fn negative_n13_p7_rank_publishes_before_exchange() {
     negative(
-        "n8_publish_before_exchange",
-        Bounds { property: "N8", ..B },
+        "n13_publish_before_exchange",
+        Bounds { property: "N13", ..B },
         "turned offload on before every rank",
         || transport_scenario(Fault::None, Variant::PublishBeforeAgreement),
     );

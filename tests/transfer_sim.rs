@@ -444,44 +444,54 @@ fn poll_during_an_open_capture_window_queries_no_event() {
     let (s, rt) = sim();
     let mut rig = Rig::new(rt.clone(), simple(1, 256, 16), opts(BackendChoice::Auto), Pin::Registered);
     rig.fill(6);
+    // Two jobs in flight before the window opens; both complete on the
+    // device, so a poll that queried events would report them.
+    rig.engine().store(1, &JobBlocks::single(vec![1, 2], vec![3, 4])).unwrap();
+    rig.engine().load(2, &JobBlocks::single(vec![5], vec![6])).unwrap();
+    s.wait_device_idle();
     let (opened_tx, opened_rx) = std::sync::mpsc::channel();
     let (close_tx, close_rx) = std::sync::mpsc::channel::<()>();
     let coord = rig.coord.clone();
     let rt2 = rt.clone();
+    let compute = rig.compute;
     let engine_thread = std::thread::spawn(move || {
-        let cap = rt2.stream_create().unwrap();
         let scratch = gated(|gt| rt2.mem_alloc(gt, 256)).unwrap();
         let window = coord.open_window().unwrap();
-        rt2.begin_capture(cap, CaptureMode::Global).unwrap();
+        // The engine captures its compute stream, the one jobs are ordered
+        // after.
+        rt2.begin_capture(compute, CaptureMode::Global).unwrap();
         // SAFETY: `scratch` is a 256-byte allocation, freed below after the
         // graph is destroyed unlaunched (the memset is only captured).
-        unsafe { rt2.memset_d8_async(scratch, 3, 256, cap) }.unwrap();
+        unsafe { rt2.memset_d8_async(scratch, 3, 256, compute) }.unwrap();
         opened_tx.send(()).unwrap();
         close_rx.recv().unwrap();
-        let graph = rt2.end_capture(cap);
+        let graph = rt2.end_capture(compute);
         drop(window);
         let ok = graph.is_ok();
         if let Ok(g) = graph {
             rt2.graph_destroy(g).unwrap();
         }
-        rt2.stream_destroy(cap).unwrap();
         gated(|gt| rt2.mem_free(gt, scratch)).unwrap();
         ok
     });
     opened_rx.recv().unwrap();
-    // Submitting is capture-safe; polling must not query events now.
-    rig.engine().store(1, &JobBlocks::single(vec![1, 2], vec![3, 4])).unwrap();
-    rig.engine().load(2, &JobBlocks::single(vec![5], vec![6])).unwrap();
-    // Both jobs have completed on the device: a poll that queried events
-    // would report them now.
-    s.wait_device_idle();
     for _ in 0..10 {
         assert!(rig.engine().poll_finished().is_empty());
     }
+    // Submitting while the window is open is refused (the compute stream
+    // may be capturing: its ordering event would join the capture), with
+    // the id left unused.
+    assert_eq!(
+        rig.engine().store(3, &JobBlocks::single(vec![7], vec![8])),
+        Err(TransferError::CaptureWindowOpen { id: 3 })
+    );
     close_tx.send(()).unwrap();
     assert!(engine_thread.join().unwrap(), "the engine's GLOBAL capture was invalidated");
+    assert!(s.refusals().is_empty(), "a call was refused: {:?}", s.refusals());
     let r = rig.poll_until(2);
     assert!(r.iter().all(|r| r.succeeded()));
+    rig.engine().store(3, &JobBlocks::single(vec![7], vec![8])).unwrap();
+    assert!(rig.poll_until(3).iter().all(|r| r.succeeded()));
     assert_eq!(s.poisoned(), None);
 }
 

@@ -161,6 +161,19 @@ pub fn engine(
     gpu_blocks: usize,
     backend: kvoffload::transfer::BackendChoice,
 ) -> (kvoffload::transfer::TransferEngine, u64) {
+    let (e, dev, _) = engine_with_compute(f, chunks, page, gpu_blocks, backend);
+    (e, dev)
+}
+
+/// [`engine`], also returning the compute stream its jobs are ordered
+/// after (the stream the engine thread of a model captures).
+pub fn engine_with_compute(
+    f: &Fixture,
+    chunks: usize,
+    page: usize,
+    gpu_blocks: usize,
+    backend: kvoffload::transfer::BackendChoice,
+) -> (kvoffload::transfer::TransferEngine, u64, kvoffload::runtime::Stream) {
     use kvoffload::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec, TransferEngine, TransferOptions};
     // On the main thread, before the model's threads start.
     let dev = f.coord.unsafe_call("allocating the model's KV tensor", |g| f.rt.mem_alloc(g, gpu_blocks * page));
@@ -182,7 +195,7 @@ pub fn engine(
     // touched below only by the engine's jobs or after they completed; the
     // device tensor is a live allocation of the fixture's runtime.
     let e = unsafe { TransferEngine::new(f.rt.clone(), f.coord.clone(), layout, compute, opts) }.unwrap();
-    (e, dev)
+    (e, dev, compute)
 }
 
 /// The fixture's host memory as bytes.

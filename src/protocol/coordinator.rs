@@ -40,7 +40,8 @@ pub enum CapturePolicy {
 }
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models (N1-N7 in DESIGN.md) run. Only loom builds can select a
+/// negative models run (N1-N7 in DESIGN.md; N9 and N10 in
+/// docs/PROOFS.md). Only loom builds can select a
 /// variant; every other build is always `Production`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub enum Variant {
@@ -64,9 +65,17 @@ pub enum Variant {
     WaitInsideWindow,
     /// N7: rollback unregisters only the chunk that failed last.
     ForgetfulRollback,
-    /// N8: a rank publishes its own pin outcome (offload on) before the
+    /// N13: a rank publishes its own pin outcome (offload on) before the
     /// ranks exchanged theirs (P7).
     PublishBeforeAgreement,
+    /// N9: `TransferEngine::submit` as it was before issue 12: it checks
+    /// the compute stream's capture status, then records the ordering
+    /// event on it and waits for it on the handler's stream, all outside
+    /// the gate (check-then-act: a capture may begin in between).
+    RacySubmit,
+    /// N10: shutdown does not wait for pinning to settle before it
+    /// unregisters (a registration in flight completes afterwards).
+    ShutdownSkipsPinWait,
 }
 
 /// Registration state of one chunk of the region.
@@ -374,6 +383,20 @@ impl Coordinator {
     /// Opens a capture window, waiting until the policy allows it and no
     /// capture-unsafe library call is in flight.
     pub fn open_window(&self) -> Result<CaptureWindow, ProtocolError> {
+        self.open_window_inner(|| {})
+    }
+
+    /// [`Coordinator::open_window`], calling `at_request` under the
+    /// coordinator's lock at the moment the window asks to open (loom
+    /// builds only: P2's model reads the simulated GPU's registration count
+    /// there, so the chunks a window waited for are counted by the driver,
+    /// not by the coordinator).
+    #[cfg(loom)]
+    pub fn open_window_noting(&self, at_request: impl FnOnce()) -> Result<CaptureWindow, ProtocolError> {
+        self.open_window_inner(at_request)
+    }
+
+    fn open_window_inner(&self, at_request: impl FnOnce()) -> Result<CaptureWindow, ProtocolError> {
         let me = me();
         let mut g = self.lock();
         if g.phase != Phase::Running {
@@ -383,6 +406,7 @@ impl Coordinator {
             return Err(ProtocolError::NestedWindow);
         }
         g.windows_waiting += 1;
+        at_request();
         let completed_at_request = g.chunks_completed;
         self.shared.cv.notify_all();
         while !g.window_may_open() && g.phase == Phase::Running {
@@ -627,6 +651,28 @@ impl Coordinator {
         Ok(JobTicket { coord: self.shared.clone() })
     }
 
+    /// Admits a transfer job and runs `f` with its ticket inside the gate:
+    /// at a moment no capture window is open, with none opening until `f`
+    /// returns (counted like a capture-unsafe call in flight). Never waits:
+    /// [`ProtocolError::ShutDown`] once shutdown has begun,
+    /// [`ProtocolError::WindowBusy`] while a window is open or about to open
+    /// (or the caller holds one). The transfer engine submits its jobs
+    /// through it, so that a capture of the compute stream, which begins
+    /// only inside a window, cannot begin between its check of that stream
+    /// and the event it records there (`TransferEngine::submit`).
+    pub fn admit_job_outside_windows<T>(&self, f: impl FnOnce(&Gate, JobTicket) -> T) -> Result<T, ProtocolError> {
+        let mut g = self.lock();
+        if g.phase != Phase::Running {
+            return Err(ProtocolError::ShutDown);
+        }
+        if g.variant != Variant::NoCaptureWindow && (g.owns_window(me()) || !g.unsafe_may_start()) {
+            return Err(ProtocolError::WindowBusy);
+        }
+        g.jobs_in_flight += 1;
+        let ticket = JobTicket { coord: self.shared.clone() };
+        Ok(self.counted(g, |gate| f(gate, ticket)))
+    }
+
     /// Records that a graph referencing the region exists.
     pub fn register_graph(&self) -> Result<GraphToken, ProtocolError> {
         let mut g = self.lock();
@@ -666,8 +712,10 @@ impl Coordinator {
                 g = self.wait(g);
             }
         }
-        while !g.pin.is_final() {
-            g = self.wait(g);
+        if g.variant != Variant::ShutdownSkipsPinWait {
+            while !g.pin.is_final() {
+                g = self.wait(g);
+            }
         }
         Ok(())
     }

@@ -71,6 +71,18 @@ impl Code {
     /// by an earlier 900; `end_capture` returns it and no graph (FACTS.md
     /// section 1).
     pub const STREAM_CAPTURE_INVALIDATED: Code = Code(901);
+    /// `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`: the capture sequence contains a
+    /// fork that was not joined to the primary stream: `end_capture` on the
+    /// origin stream while a stream that joined the capture (by waiting on
+    /// an event recorded in it) has work the origin does not wait for
+    /// (CUDA driver API docs, `cuStreamEndCapture`; conformance scenario
+    /// `order/cross_stream_capture_unjoined`).
+    pub const STREAM_CAPTURE_UNJOINED: Code = Code(904);
+    /// `CUDA_ERROR_CAPTURED_EVENT`: the operation is not permitted on an
+    /// event last recorded in a capturing stream (CUDA driver API docs);
+    /// the simulated GPU answers it for queries and synchronizes of such an
+    /// event, and for waits on one whose capture has ended.
+    pub const CAPTURED_EVENT: Code = Code(907);
     /// `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`: a GLOBAL or THREAD_LOCAL
     /// capture ended by a thread other than the one that began it.
     pub const STREAM_CAPTURE_WRONG_THREAD: Code = Code(908);
@@ -100,6 +112,8 @@ impl Code {
             801 => "CUDA_ERROR_NOT_SUPPORTED",
             900 => "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
             901 => "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+            904 => "CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
+            907 => "CUDA_ERROR_CAPTURED_EVENT",
             908 => "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
             _ => "CUDA_ERROR_OTHER",
         }

@@ -48,7 +48,7 @@
 //! Every other operation takes no gate. Each one a library thread makes was
 //! measured safe during another thread's GLOBAL capture, in default and in
 //! relaxed mode (the call returned success and the capture ended with a
-//! working graph):
+//! working graph), on a stream that takes no part in that capture:
 //!
 //! | operation | measured by |
 //! |---|---|
@@ -63,11 +63,23 @@
 //! | `stream_create`, `stream_destroy` | cells `stream_create`, `stream_destroy` |
 //! | `stream_wait_event` (neither stream capturing) | cell `stream_wait_event` |
 //! | `host_device_ptr` | cell `host_device_ptr` |
-//! | `capture_status` | cell `capture_status_other` |
+//! | `capture_status` (of a stream no other thread captures) | cell `capture_status_other` |
+//! | `exchange_capture_mode` | every `cell/*/relaxed`: B switches itself to RELAXED and back during A's capture |
 //!
-//! The capture operations themselves (`begin_capture`, `end_capture`,
-//! `exchange_capture_mode`) and graphs (`graph_launch`, `graph_destroy`)
-//! belong to the thread that captures; no library thread makes them.
+//! The capture operations themselves (`begin_capture`, `end_capture`) and
+//! graphs (`graph_launch`, `graph_destroy`) belong to the thread that
+//! captures; no library thread makes them, and nothing measured them made
+//! by another thread during a GLOBAL capture.
+//!
+//! The simulated GPU holds these measurements as one table
+//! (`src/runtime/sim/rules.rs`, `MEASURED`, each row citing its
+//! measurement) and denies by default: during another thread's GLOBAL
+//! capture it refuses every call the table does not list (900, the capture
+//! invalidated), and any call touching a stream that takes part in another
+//! thread's capture; it also refuses to run a capture-unsafe call whose
+//! [`Gate`] is not in flight on the calling thread. So the loom models,
+//! which run on it, rely on no call being harmless during a capture
+//! without a measurement saying so.
 
 #[cfg(not(loom))]
 pub mod cuda;
@@ -144,7 +156,13 @@ pub trait GpuRuntime: Send + Sync {
     /// `cuCtxSynchronize`. Capture-unsafe even in relaxed mode (FACTS 1, row
     /// "cuCtxSynchronize").
     fn ctx_synchronize(&self, gate: &Gate) -> DriverResult<()>;
-    /// `cuStreamWaitEvent`: later work on `stream` waits for `event`.
+    /// `cuStreamWaitEvent`: later work on `stream` waits for `event`. On an
+    /// event recorded in a capturing stream, `stream` joins that capture
+    /// (its later work is captured, not run) until the origin stream waits
+    /// on an event recorded on it after that work; ending the capture
+    /// before fails with STREAM_CAPTURE_UNJOINED (904) (CUDA programming
+    /// guide, cross-stream dependencies; conformance scenarios
+    /// `order/cross_stream_capture_*`).
     fn stream_wait_event(&self, stream: Stream, event: Event) -> DriverResult<()>;
 
     /// `cuMemcpyHtoDAsync`.

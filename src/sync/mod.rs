@@ -19,6 +19,9 @@ mod imp {
     pub mod thread {
         pub use std::thread::{available_parallelism, current, spawn, yield_now, Builder, JoinHandle, ThreadId};
     }
+    /// Thread-local storage (loom's under `--cfg loom`, one value per loom
+    /// thread and execution).
+    pub use std::thread_local;
     /// True when the loom model checker drives this build.
     pub const LOOM: bool = false;
 }
@@ -34,6 +37,9 @@ mod imp {
         /// Not a scheduling primitive: the machine's core count, as in std.
         pub use std::thread::available_parallelism;
     }
+    /// Thread-local storage: loom's, one value per loom thread and
+    /// execution (std's would be shared by every loom thread).
+    pub use loom::thread_local;
     /// True when the loom model checker drives this build.
     pub const LOOM: bool = true;
 }

@@ -21,7 +21,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use crate::protocol::{AliasGuard, ChunkReg, Coordinator, JobTicket};
+use crate::protocol::{AliasGuard, ChunkReg, Coordinator, JobTicket, ProtocolError, Variant};
 use crate::runtime::{
     CaptureStatus, DevicePtr, Direction, DriverError, DriverResult, Event, GpuRuntime, Stream, GATHER_ENTRY_BYTES,
     GATHER_ENTRY_WORDS,
@@ -152,6 +152,9 @@ pub struct TransferEngine {
     chunks: Chunks,
     ids: Mutex<IdSet>,
     handlers: [Handler; 2],
+    /// The coordinator runs [`Variant::RacySubmit`] (negative N9; always
+    /// false outside loom builds).
+    racy_submit: bool,
 }
 
 const STORE: usize = 0;
@@ -209,6 +212,7 @@ impl TransferEngine {
         let (Some(store), Some(load)) = (store, load) else {
             unreachable!("two handlers were made");
         };
+        let racy_submit = coord.is(Variant::RacySubmit);
         Ok(TransferEngine {
             rt,
             coord,
@@ -218,6 +222,7 @@ impl TransferEngine {
             chunks,
             ids: Mutex::new(IdSet::default()),
             handlers: [store, load],
+            racy_submit,
         })
     }
 
@@ -310,18 +315,57 @@ impl TransferEngine {
     /// Submits job `id` in direction `dir`.
     ///
     /// `Err` means the job was not accepted (bad ids or counts, a reused
-    /// id, shutdown, a capturing compute stream) and will not be reported. `Ok` means it will be
+    /// id, shutdown, a capture window open or about to open, a capturing
+    /// compute stream) and will not be reported. `Ok` means it will be
     /// reported exactly once by [`TransferEngine::poll_finished`], failed
     /// if a driver call failed while enqueueing it or on the device.
+    ///
+    /// # Why submitting cannot race a capture of the compute stream
+    ///
+    /// The job is ordered after the compute stream's pending work by an
+    /// event recorded on the compute stream and waited for by the handler's
+    /// stream. Were the compute stream capturing at that record, the event
+    /// would be a captured event and the wait would pull the handler's
+    /// stream into the capture (cross-stream capture): the job's copies
+    /// would be recorded into the engine's graph instead of running, and
+    /// the engine's `end_capture` would fail with STREAM_CAPTURE_UNJOINED
+    /// (904). Checking the status first and recording afterwards (what
+    /// this function did before issue 12) is check-then-act: a capture can
+    /// begin in between. Recording first and reading the outcome from the
+    /// returned error does not work either: a record inside a capture
+    /// succeeds. So the check, the record and the wait run inside the
+    /// coordinator's gate ([`Coordinator::admit_job_outside_windows`]): no
+    /// capture window is open and none opens until they are done, and the
+    /// engine captures only inside its windows (the contract of
+    /// [`Coordinator::open_window`] and `Offloader::capture_window`, the
+    /// premise of P1). The status check stays, for a capture begun outside
+    /// any window, which it still refuses when it is already running.
+    /// The gate is tried, never waited for: a submit while a window is open
+    /// is refused ([`TransferError::CaptureWindowOpen`]) rather than blocked,
+    /// as the caller may hold locks the window's owner needs.
     pub fn submit(&self, id: JobId, dir: Direction, job: &JobBlocks) -> Result<(), TransferError> {
         let exp = self.layout.expand(id, job)?;
-        // cuStreamIsCapturing is capture-safe. A capturing compute stream
-        // would make the event wait join its capture (driver semantics of
-        // cross-stream capture), taking the job's copies into the graph.
+        if self.racy_submit {
+            // N9 (loom builds only): the submit of before issue 12, outside
+            // the gate.
+            let ticket = self.coord.admit_job().map_err(|_| TransferError::ShutDown { id })?;
+            return self.accept(id, dir, &exp, ticket);
+        }
+        match self.coord.admit_job_outside_windows(|_inside, ticket| self.accept(id, dir, &exp, ticket)) {
+            Ok(r) => r,
+            Err(ProtocolError::ShutDown) => Err(TransferError::ShutDown { id }),
+            Err(_) => Err(TransferError::CaptureWindowOpen { id }),
+        }
+    }
+
+    /// The body of [`TransferEngine::submit`] once the job is admitted:
+    /// the compute stream's check, the job's id, and its enqueue.
+    fn accept(&self, id: JobId, dir: Direction, exp: &Expansion, ticket: JobTicket) -> Result<(), TransferError> {
+        // cuStreamIsCapturing of a stream no other thread captures is
+        // measured capture-safe (cell capture_status_other).
         if self.rt.capture_status(self.compute)? != CaptureStatus::None {
             return Err(TransferError::ComputeCapturing { id });
         }
-        let ticket = self.coord.admit_job().map_err(|_| TransferError::ShutDown { id })?;
         if !sync::lock(&self.ids).insert(id) {
             return Err(TransferError::JobIdReused { id });
         }
@@ -356,7 +400,7 @@ impl TransferEngine {
                     Err(e) => p.error = Some(e),
                     Ok(()) => {
                         enqueued_any = true;
-                        let (backend, staging, r) = self.enqueue(h, &mut q.ring, &exp);
+                        let (backend, staging, r) = self.enqueue(h, &mut q.ring, exp);
                         p.backend = backend;
                         p.staging = staging;
                         p.error = r.err();

@@ -159,6 +159,15 @@ pub enum TransferError {
         /// The refused job's id (not marked as used).
         id: JobId,
     },
+    /// A capture window is open (or about to open, or held by the caller):
+    /// the compute stream may begin capturing at any moment, so the job's
+    /// ordering event could land in the capture. Submit once the window has
+    /// closed ([`crate::protocol::Coordinator::wait_no_window`]).
+    #[error("job {id} refused: a capture window is open")]
+    CaptureWindowOpen {
+        /// The refused job's id (not marked as used).
+        id: JobId,
+    },
     /// No job with this id is in flight (never submitted, or already reported).
     #[error("no job {id} is in flight")]
     UnknownJob {

@@ -5,7 +5,16 @@
 //!   (`device.rs`); events complete when the work recorded before them does.
 //! - Capture records stream work into a graph that can be replayed; the
 //!   capture rules of `rules.rs` decide which calls fail with 900 and
-//!   invalidate a capture.
+//!   invalidate a capture. They deny by default: during another thread's
+//!   GLOBAL capture, a call without a measured row in `rules::MEASURED`
+//!   is refused, as is any call on a stream taking part in another
+//!   thread's capture; every refusal names its rule
+//!   ([`SimRuntime::refusals`]).
+//! - A stream waiting on an event recorded in a capture joins it; ending
+//!   the capture while a joined stream has not rejoined fails with 904.
+//! - A capture-unsafe call whose `Gate` is not in flight on the calling
+//!   thread (not made by the coordinator's gate) stops the program with
+//!   "capture-unsafe call outside the gate: `<call>`".
 //! - `begin_capture` blocks while a registration runs (enqueues onto a
 //!   capturing stream do not: measured, docs/facts-deltas.md); `host_unregister` waits for the device to go idle;
 //!   replaying a graph whose registered host memory was unregistered
@@ -23,6 +32,7 @@ mod rules;
 mod state;
 
 pub use fault::{HoldPoint, SimFault};
+pub use rules::Refusal;
 pub use state::Blocked;
 
 use crate::runtime::{
@@ -32,8 +42,8 @@ use crate::runtime::{
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 
 use fault::HoldSlot;
-use rules::UnsafeCall;
-use state::{Capture, EventState, GraphBody, Op, State, StreamState, HOST_ALIAS_BIT};
+use rules::Call;
+use state::{Capture, CapturedRecord, EventState, GraphBody, Join, Op, State, StreamState, HOST_ALIAS_BIT};
 
 /// What [`GpuRuntime::describe`] says of every simulated GPU.
 pub const DESCRIPTION: &str = "simulated GPU (driver rules of FACTS.md section 1)";
@@ -249,6 +259,26 @@ impl SimRuntime {
         sync::lock(&self.inner.state).registers_running
     }
 
+    /// Successful `host_register` calls so far: the driver's own count
+    /// (models compare it with what the coordinator claims).
+    pub fn registrations_completed(&self) -> u64 {
+        sync::lock(&self.inner.state).registrations_completed
+    }
+
+    /// Every call refused by the capture rules so far, oldest first, with
+    /// the rule (the measured row, or the missing one) that refused it.
+    pub fn refusals(&self) -> Vec<Refusal> {
+        sync::lock(&self.inner.state).refusals.clone()
+    }
+
+    /// The driver entry points of the measured table
+    /// (`src/runtime/sim/rules.rs`): the calls the simulated GPU lets
+    /// through during another thread's GLOBAL capture when their row says
+    /// so; every other call is refused there.
+    pub fn measured_calls() -> Vec<&'static str> {
+        rules::MEASURED.iter().map(|r| r.call.driver_name()).collect()
+    }
+
     /// The sticky context error, if the context is poisoned.
     pub fn poisoned(&self) -> Option<Code> {
         sync::lock(&self.inner.state).poisoned
@@ -259,32 +289,47 @@ impl SimRuntime {
     }
 
     /// Starts a driver call: takes the lock, fails with the sticky error of
-    /// a poisoned context, and applies the capture rules to `call`.
-    fn enter(&self, call: Option<UnsafeCall>) -> Result<MutexGuard<'_, State>, Code> {
+    /// a poisoned context, and applies the capture rules to `call`, which
+    /// touches the streams `touched` (`rules::check`).
+    fn enter(&self, call: Call, touched: &[Stream]) -> Result<MutexGuard<'_, State>, Code> {
         let mut g = self.state();
         live(&g)?;
-        if let Some(c) = call {
-            rules::check(&mut g, me(), c)?;
-        }
+        let ids: Vec<u64> = touched.iter().map(|s| s.0).collect();
+        apply_rules(&mut g, call, &ids)?;
         Ok(g)
+    }
+
+    /// A capture-unsafe call must come with a gate in flight on the calling
+    /// thread (`Gate::in_flight_here`): the coordinator's gate, not a forged
+    /// one. Failing this is a bug in the model or the library, not a driver
+    /// behaviour, so the simulated GPU stops the run.
+    fn gated(gate: &Gate, call: Call) {
+        if !gate.in_flight_here() {
+            panic!("capture-unsafe call outside the gate: {}", call.driver_name());
+        }
     }
 
     /// Adds `op` to `stream`: executed later by the device, or recorded into
     /// the stream's capture.
     fn enqueue<'a>(&'a self, mut g: MutexGuard<'a, State>, stream: Stream, op: Op) -> Result<(), Code> {
-        let capturing = g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?.capture.is_some();
-        if capturing {
+        g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?;
+        if let Some(origin) = g.capture_origin(stream.0) {
             // FACTS 1 said an enqueue onto a THREAD_LOCAL or RELAXED capture
             // blocks while another thread registers; the H200 conformance
             // run showed it does not (docs/facts-deltas.md), so it does not
-            // block here either.
+            // block here either. Work on a stream that joined a capture is
+            // recorded into the origin's capture (cross-stream capture).
             let refs = host_ref(&g, &op);
-            let c = g.stream_mut(stream.0).and_then(|s| s.capture.as_mut()).ok_or(Code::INVALID_HANDLE)?;
+            let c = g.stream_mut(origin).and_then(|s| s.capture.as_mut()).ok_or(Code::INVALID_HANDLE)?;
             if c.invalidated {
                 return Err(Code::STREAM_CAPTURE_INVALIDATED);
             }
             c.body.registered_refs.extend(refs);
             c.body.ops.push(op);
+            if let Some(j) = g.stream_mut(stream.0).and_then(|s| s.joined.as_mut()) {
+                j.ops += 1;
+                j.rejoined = false;
+            }
             return Ok(());
         }
         let s = g.stream_mut(stream.0).ok_or(Code::INVALID_HANDLE)?;
@@ -302,8 +347,8 @@ impl SimRuntime {
         Ok(())
     }
 
-    fn copy_async(&self, op: Op, stream: Stream) -> Result<(), Code> {
-        let mut g = self.enter(None)?;
+    fn copy_async(&self, call: Call, op: Op, stream: Stream) -> Result<(), Code> {
+        let mut g = self.enter(call, &[stream])?;
         if let Some(code) = g.faults.on_copy() {
             return Err(code);
         }
@@ -359,6 +404,18 @@ fn host_ref(st: &State, op: &Op) -> Option<(usize, usize)> {
     }
 }
 
+/// [`rules::check`], with the refusal recorded for [`SimRuntime::refusals`]
+/// and turned into the driver's code (900).
+fn apply_rules(g: &mut State, call: Call, touched: &[u64]) -> Result<(), Code> {
+    match rules::check(g, me(), call, touched) {
+        Ok(()) => Ok(()),
+        Err(r) => {
+            g.refusals.push(r);
+            Err(rules::REFUSED)
+        }
+    }
+}
+
 impl GpuRuntime for SimRuntime {
     fn backend(&self) -> &'static str {
         "sim"
@@ -372,16 +429,18 @@ impl GpuRuntime for SimRuntime {
         Some(self)
     }
 
-    unsafe fn host_register(&self, _gate: &Gate, addr: usize, len: usize) -> DriverResult<()> {
+    unsafe fn host_register(&self, gate: &Gate, addr: usize, len: usize) -> DriverResult<()> {
+        Self::gated(gate, Call::HostRegister);
         let r = (|| {
-            let mut g = self.enter(None)?;
+            let mut g = self.state();
+            live(&g)?;
             if addr == 0 || len == 0 {
                 return Err(Code::INVALID_VALUE);
             }
             if let Some(code) = g.faults.on_register() {
                 return Err(code);
             }
-            rules::check(&mut g, me(), UnsafeCall::Register)?;
+            apply_rules(&mut g, Call::HostRegister, &[])?;
             if g.overlaps_registration(addr, len) {
                 return Err(Code::HOST_MEMORY_ALREADY_REGISTERED);
             }
@@ -393,15 +452,17 @@ impl GpuRuntime for SimRuntime {
             let mut g = self.state();
             g.registers_running -= 1;
             g.registered.insert(addr, len);
+            g.registrations_completed += 1;
             self.inner.cv.notify_all();
             Ok(())
         })();
         traced("cuMemHostRegister", r)
     }
 
-    fn host_unregister(&self, _gate: &Gate, addr: usize) -> DriverResult<()> {
+    fn host_unregister(&self, gate: &Gate, addr: usize) -> DriverResult<()> {
+        Self::gated(gate, Call::HostUnregister);
         let r = (|| {
-            let g = self.enter(Some(UnsafeCall::Unregister))?;
+            let g = self.enter(Call::HostUnregister, &[])?;
             if !g.registered.contains_key(&addr) || g.host_allocs.contains_key(&addr) {
                 return Err(Code::HOST_MEMORY_NOT_REGISTERED);
             }
@@ -417,16 +478,17 @@ impl GpuRuntime for SimRuntime {
 
     fn host_device_ptr(&self, addr: usize) -> DriverResult<DevicePtr> {
         let r = (|| {
-            let g = self.enter(None)?;
+            let g = self.enter(Call::HostDevicePtr, &[])?;
             g.registered_range(addr, 1).ok_or(Code::INVALID_VALUE)?;
             Ok(HOST_ALIAS_BIT | addr as u64)
         })();
         traced("cuMemHostGetDevicePointer", r)
     }
 
-    fn mem_alloc(&self, _gate: &Gate, bytes: usize) -> DriverResult<DevicePtr> {
+    fn mem_alloc(&self, gate: &Gate, bytes: usize) -> DriverResult<DevicePtr> {
+        Self::gated(gate, Call::MemAlloc);
         let r = (|| {
-            let mut g = self.enter(Some(UnsafeCall::Alloc))?;
+            let mut g = self.enter(Call::MemAlloc, &[])?;
             if bytes == 0 {
                 return Err(Code::INVALID_VALUE);
             }
@@ -441,9 +503,10 @@ impl GpuRuntime for SimRuntime {
         traced("cuMemAlloc", r)
     }
 
-    fn mem_free(&self, _gate: &Gate, ptr: DevicePtr) -> DriverResult<()> {
+    fn mem_free(&self, gate: &Gate, ptr: DevicePtr) -> DriverResult<()> {
+        Self::gated(gate, Call::MemFree);
         let r = (|| {
-            let g = self.enter(Some(UnsafeCall::Alloc))?;
+            let g = self.enter(Call::MemFree, &[])?;
             if !g.device_mem.contains_key(&ptr) {
                 return Err(Code::INVALID_VALUE);
             }
@@ -455,9 +518,10 @@ impl GpuRuntime for SimRuntime {
         traced("cuMemFree", r)
     }
 
-    fn mem_alloc_host(&self, _gate: &Gate, bytes: usize) -> DriverResult<usize> {
+    fn mem_alloc_host(&self, gate: &Gate, bytes: usize) -> DriverResult<usize> {
+        Self::gated(gate, Call::MemAllocHost);
         let r = (|| {
-            let mut g = self.enter(Some(UnsafeCall::Alloc))?;
+            let mut g = self.enter(Call::MemAllocHost, &[])?;
             if bytes == 0 {
                 return Err(Code::INVALID_VALUE);
             }
@@ -470,9 +534,10 @@ impl GpuRuntime for SimRuntime {
         traced("cuMemAllocHost", r)
     }
 
-    fn mem_free_host(&self, _gate: &Gate, addr: usize) -> DriverResult<()> {
+    fn mem_free_host(&self, gate: &Gate, addr: usize) -> DriverResult<()> {
+        Self::gated(gate, Call::MemFreeHost);
         let r = (|| {
-            let g = self.enter(Some(UnsafeCall::Alloc))?;
+            let g = self.enter(Call::MemFreeHost, &[])?;
             if !g.host_allocs.contains_key(&addr) {
                 return Err(Code::INVALID_VALUE);
             }
@@ -486,7 +551,7 @@ impl GpuRuntime for SimRuntime {
 
     fn stream_create(&self) -> DriverResult<Stream> {
         let r = (|| {
-            let mut g = self.enter(None)?;
+            let mut g = self.enter(Call::StreamCreate, &[])?;
             let id = g.fresh_id();
             g.streams.insert(id, StreamState::default());
             Ok(Stream(id))
@@ -496,9 +561,9 @@ impl GpuRuntime for SimRuntime {
 
     fn stream_destroy(&self, stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let g = self.enter(None)?;
+            let g = self.enter(Call::StreamDestroy, &[stream])?;
             let s = g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?;
-            if s.capture.is_some() {
+            if s.capture.is_some() || s.joined.is_some() {
                 return Err(Code::ILLEGAL_STATE);
             }
             // The driver lets queued work finish before releasing the stream.
@@ -509,9 +574,10 @@ impl GpuRuntime for SimRuntime {
         traced("cuStreamDestroy", r)
     }
 
-    fn stream_synchronize(&self, _gate: &Gate, stream: Stream) -> DriverResult<()> {
+    fn stream_synchronize(&self, gate: &Gate, stream: Stream) -> DriverResult<()> {
+        Self::gated(gate, Call::StreamSynchronize);
         let r = (|| {
-            let g = self.enter(Some(UnsafeCall::StreamSync))?;
+            let g = self.enter(Call::StreamSynchronize, &[stream])?;
             if !g.streams.contains_key(&stream.0) {
                 return Err(Code::INVALID_HANDLE);
             }
@@ -521,9 +587,10 @@ impl GpuRuntime for SimRuntime {
         traced("cuStreamSynchronize", r)
     }
 
-    fn ctx_synchronize(&self, _gate: &Gate) -> DriverResult<()> {
+    fn ctx_synchronize(&self, gate: &Gate) -> DriverResult<()> {
+        Self::gated(gate, Call::CtxSynchronize);
         let r = (|| {
-            let g = self.enter(Some(UnsafeCall::CtxSync))?;
+            let g = self.enter(Call::CtxSynchronize, &[])?;
             let g = self.inner.wait_until(g, Blocked::Idle, State::idle);
             live(&g)
         })();
@@ -532,8 +599,20 @@ impl GpuRuntime for SimRuntime {
 
     fn stream_wait_event(&self, stream: Stream, event: Event) -> DriverResult<()> {
         let r = (|| {
-            let g = self.enter(None)?;
-            let recorded = g.events.get(&event.0).ok_or(Code::INVALID_HANDLE)?.recorded;
+            let mut g = self.state();
+            live(&g)?;
+            let e = g.events.get(&event.0).ok_or(Code::INVALID_HANDLE)?;
+            let (recorded, captured) = (e.recorded, e.captured);
+            // The streams this wait touches: the waiting one, and for a
+            // captured event the stream it was recorded on (an event
+            // recorded outside a capture is a plain marker of work, whatever
+            // its stream does since).
+            let touched: Vec<u64> = std::iter::once(stream.0).chain(captured.map(|c| c.stream)).collect();
+            apply_rules(&mut g, Call::StreamWaitEvent, &touched)?;
+            g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?;
+            if let Some(c) = captured {
+                return join_capture(&mut g, stream.0, c);
+            }
             match recorded {
                 // An event never recorded is complete: nothing to wait for.
                 None => Ok(()),
@@ -544,16 +623,16 @@ impl GpuRuntime for SimRuntime {
     }
 
     unsafe fn copy_htod_async(&self, dst: DevicePtr, src: usize, bytes: usize, stream: Stream) -> DriverResult<()> {
-        traced("cuMemcpyHtoDAsync", self.copy_async(Op::HtoD { dst, src, bytes }, stream))
+        traced("cuMemcpyHtoDAsync", self.copy_async(Call::CopyHtodAsync, Op::HtoD { dst, src, bytes }, stream))
     }
 
     unsafe fn copy_dtoh_async(&self, dst: usize, src: DevicePtr, bytes: usize, stream: Stream) -> DriverResult<()> {
-        traced("cuMemcpyDtoHAsync", self.copy_async(Op::DtoH { dst, src, bytes }, stream))
+        traced("cuMemcpyDtoHAsync", self.copy_async(Call::CopyDtohAsync, Op::DtoH { dst, src, bytes }, stream))
     }
 
     unsafe fn copy_htod(&self, dst: DevicePtr, src: usize, bytes: usize) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.enter(None)?;
+            let mut g = self.enter(Call::CopyHtod, &[])?;
             let d = g.device_slice(dst, bytes).ok_or(Code::INVALID_VALUE)?;
             // SAFETY: `d` is a bounds-checked live device range (the lock is
             // held, so it cannot be freed meanwhile); the caller promised
@@ -566,7 +645,7 @@ impl GpuRuntime for SimRuntime {
 
     unsafe fn copy_dtoh(&self, dst: usize, src: DevicePtr, bytes: usize) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.enter(None)?;
+            let mut g = self.enter(Call::CopyDtoh, &[])?;
             let s = g.device_slice(src, bytes).ok_or(Code::INVALID_VALUE)?;
             // SAFETY: as in copy_htod, with the roles of host and device swapped.
             unsafe { std::ptr::copy(s as *const u8, dst as *mut u8, bytes) };
@@ -577,15 +656,15 @@ impl GpuRuntime for SimRuntime {
 
     unsafe fn copy_batch_async(&self, dir: Direction, fragments: &[Fragment], stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.enter(None)?;
+            let mut g = self.enter(Call::CopyBatchAsync, &[stream])?;
             if fragments.is_empty() {
                 return Err(Code::INVALID_VALUE);
             }
             if let Some(code) = g.faults.on_copy() {
                 return Err(code);
             }
-            let capturing = g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?.capture.is_some();
-            if capturing {
+            g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?;
+            if g.capture_origin(stream.0).is_some() {
                 // FACTS 3: cuMemcpyBatchAsync inside a capture returns 900,
                 // the capture stays valid and the graph copies nothing.
                 return Err(Code::STREAM_CAPTURE_UNSUPPORTED);
@@ -611,7 +690,7 @@ impl GpuRuntime for SimRuntime {
 
     unsafe fn memset_d8_async(&self, dst: DevicePtr, value: u8, bytes: usize, stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.enter(None)?;
+            let mut g = self.enter(Call::MemsetAsync, &[stream])?;
             Self::check_device(&mut g, dst, bytes)?;
             self.enqueue(g, stream, Op::Memset { dst, value, bytes })
         })();
@@ -620,7 +699,7 @@ impl GpuRuntime for SimRuntime {
 
     unsafe fn launch(&self, kernel: Kernel, stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let g = self.enter(None)?;
+            let g = self.enter(Call::Launch, &[stream])?;
             match kernel {
                 Kernel::Spin { .. } => self.enqueue(g, stream, Op::Spin),
                 Kernel::Gather { table, count } => self.enqueue(g, stream, Op::Gather { table, count }),
@@ -635,9 +714,9 @@ impl GpuRuntime for SimRuntime {
 
     fn event_create(&self) -> DriverResult<Event> {
         let r = (|| {
-            let mut g = self.enter(None)?;
+            let mut g = self.enter(Call::EventCreate, &[])?;
             let id = g.fresh_id();
-            g.events.insert(id, EventState { recorded: None });
+            g.events.insert(id, EventState { recorded: None, captured: None });
             Ok(Event(id))
         })();
         traced("cuEventCreate", r)
@@ -645,7 +724,7 @@ impl GpuRuntime for SimRuntime {
 
     fn event_destroy(&self, event: Event) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.enter(None)?;
+            let mut g = self.enter(Call::EventDestroy, &[])?;
             g.events.remove(&event.0).map(|_| ()).ok_or(Code::INVALID_HANDLE)
         })();
         traced("cuEventDestroy", r)
@@ -653,33 +732,45 @@ impl GpuRuntime for SimRuntime {
 
     fn event_record(&self, event: Event, stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.enter(None)?;
+            let mut g = self.enter(Call::EventRecord, &[stream])?;
             if !g.events.contains_key(&event.0) {
                 return Err(Code::INVALID_HANDLE);
             }
             let s = g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?;
-            // Inside a capture a record becomes a graph node; the sim keeps
-            // the event unrecorded (the offload code never records there).
-            let at = if s.capture.is_some() { None } else { Some((stream.0, s.enqueued)) };
+            let enqueued = s.enqueued;
+            let at_ops = s.joined.as_ref().map_or(0, |j| j.ops);
+            // Inside a capture a record becomes a captured event: it marks
+            // the capture's work so far on this stream, and waiting on it
+            // joins the capture (cross-stream capture); it says nothing of
+            // work that runs.
+            let captured = g.capture_origin(stream.0).map(|origin| CapturedRecord { origin, stream: stream.0, at_ops });
             if let Some(e) = g.events.get_mut(&event.0) {
-                e.recorded = at;
+                match captured {
+                    Some(c) => e.captured = Some(c),
+                    None => {
+                        e.recorded = Some((stream.0, enqueued));
+                        e.captured = None;
+                    }
+                }
             }
             Ok(())
         })();
         traced("cuEventRecord", r)
     }
 
-    fn event_query(&self, _gate: &Gate, event: Event) -> DriverResult<bool> {
+    fn event_query(&self, gate: &Gate, event: Event) -> DriverResult<bool> {
+        Self::gated(gate, Call::EventQuery);
         let r = (|| {
-            let g = self.enter(Some(UnsafeCall::EventWait))?;
+            let g = self.enter(Call::EventQuery, &[])?;
             event_done(&g, event)
         })();
         traced("cuEventQuery", r)
     }
 
-    fn event_synchronize(&self, _gate: &Gate, event: Event) -> DriverResult<()> {
+    fn event_synchronize(&self, gate: &Gate, event: Event) -> DriverResult<()> {
+        Self::gated(gate, Call::EventSynchronize);
         let r = (|| {
-            let mut g = self.enter(Some(UnsafeCall::EventWait))?;
+            let mut g = self.enter(Call::EventSynchronize, &[])?;
             while !event_done(&g, event)? {
                 g = sync::wait(&self.inner.cv, g);
             }
@@ -690,12 +781,12 @@ impl GpuRuntime for SimRuntime {
 
     fn begin_capture(&self, stream: Stream, mode: CaptureMode) -> DriverResult<()> {
         let r = (|| {
-            let g = self.enter(None)?;
+            let g = self.enter(Call::BeginCapture, &[stream])?;
             // FACTS 1, ordering: begin_capture blocks while another thread's
             // register runs, then succeeds.
             let mut g = self.inner.wait_until(g, Blocked::BeginCapture, |st| st.registers_running == 0);
             let s = g.stream_mut(stream.0).ok_or(Code::INVALID_HANDLE)?;
-            if s.capture.is_some() {
+            if s.capture.is_some() || s.joined.is_some() {
                 return Err(Code::ILLEGAL_STATE);
             }
             s.capture = Some(Capture { mode, owner: me(), invalidated: false, body: GraphBody::default() });
@@ -706,16 +797,28 @@ impl GpuRuntime for SimRuntime {
 
     fn end_capture(&self, stream: Stream) -> DriverResult<Graph> {
         let r = (|| {
-            let mut g = self.enter(None)?;
+            // A thread other than the capturing one is refused by the rules
+            // (no measured row: 900, the capture invalidated); the driver's
+            // documented answer there, STREAM_CAPTURE_WRONG_THREAD (908), is
+            // never measured, so the sim does not rely on it.
+            let mut g = self.enter(Call::EndCapture, &[stream])?;
             let s = g.stream_mut(stream.0).ok_or(Code::INVALID_HANDLE)?;
-            let c = s.capture.as_ref().ok_or(Code::ILLEGAL_STATE)?;
-            if c.mode != CaptureMode::Relaxed && c.owner != me() {
-                return Err(Code::STREAM_CAPTURE_WRONG_THREAD);
-            }
             let c = s.capture.take().ok_or(Code::ILLEGAL_STATE)?;
+            // Every stream that joined this capture leaves it now; one that
+            // has work the origin does not wait for fails the whole capture
+            // (CUDA driver docs: CUDA_ERROR_STREAM_CAPTURE_UNJOINED, 904).
+            let mut unjoined = false;
+            for st in g.streams.values_mut() {
+                if let Some(j) = st.joined.take_if(|j| j.origin == stream.0) {
+                    unjoined |= !j.rejoined;
+                }
+            }
             if c.invalidated {
                 // FACTS 1: an invalidated capture ends with 901 and no graph.
                 return Err(Code::STREAM_CAPTURE_INVALIDATED);
+            }
+            if unjoined {
+                return Err(Code::STREAM_CAPTURE_UNJOINED);
             }
             let id = g.fresh_id();
             g.graphs.insert(id, Arc::new(c.body));
@@ -727,9 +830,10 @@ impl GpuRuntime for SimRuntime {
 
     fn capture_status(&self, stream: Stream) -> DriverResult<CaptureStatus> {
         let r = (|| {
-            let g = self.enter(None)?;
-            let s = g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?;
-            Ok(match &s.capture {
+            let g = self.enter(Call::CaptureStatus, &[stream])?;
+            g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?;
+            let capture = g.capture_origin(stream.0).and_then(|o| g.streams.get(&o)).and_then(|o| o.capture.as_ref());
+            Ok(match capture {
                 None => CaptureStatus::None,
                 Some(c) if c.invalidated => CaptureStatus::Invalidated,
                 Some(_) => CaptureStatus::Active,
@@ -740,7 +844,7 @@ impl GpuRuntime for SimRuntime {
 
     fn exchange_capture_mode(&self, mode: CaptureMode) -> DriverResult<CaptureMode> {
         let r = (|| {
-            let mut g = self.enter(None)?;
+            let mut g = self.enter(Call::ExchangeCaptureMode, &[])?;
             Ok(g.set_thread_mode(me(), mode))
         })();
         traced("cuThreadExchangeStreamCaptureMode", r)
@@ -748,7 +852,7 @@ impl GpuRuntime for SimRuntime {
 
     fn graph_launch(&self, graph: Graph, stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let g = self.enter(None)?;
+            let g = self.enter(Call::GraphLaunch, &[stream])?;
             let body = g.graphs.get(&graph.0).ok_or(Code::INVALID_HANDLE)?.clone();
             // The launch itself succeeds even if the graph's host memory was
             // unregistered; the fault shows at the next synchronize (FACTS 1).
@@ -759,17 +863,139 @@ impl GpuRuntime for SimRuntime {
 
     fn graph_destroy(&self, graph: Graph) -> DriverResult<()> {
         let r = (|| {
-            let mut g = self.enter(None)?;
+            let mut g = self.enter(Call::GraphDestroy, &[])?;
             g.graphs.remove(&graph.0).map(|_| ()).ok_or(Code::INVALID_HANDLE)
         })();
         traced("cuGraphExecDestroy", r)
     }
 }
 
+/// `stream` waits on an event recorded inside a capture (CUDA programming
+/// guide, "Cross-stream dependencies and events"): a stream outside any
+/// capture joins it (its later work is recorded into the capture, not run);
+/// the origin waiting on a record made on a joined stream after all of that
+/// stream's work rejoins it. A wait on a captured event whose capture has
+/// ended is refused (CAPTURED_EVENT, 907), as is merging two captures.
+fn join_capture(g: &mut State, stream: u64, c: CapturedRecord) -> Result<(), Code> {
+    let live = g.streams.get(&c.origin).is_some_and(|o| o.capture.is_some());
+    if !live {
+        return Err(Code::CAPTURED_EVENT);
+    }
+    match g.capture_origin(stream) {
+        None => {
+            let s = g.stream_mut(stream).ok_or(Code::INVALID_HANDLE)?;
+            s.joined = Some(Join { origin: c.origin, ops: 0, rejoined: false });
+            Ok(())
+        }
+        Some(o) if o == c.origin => {
+            if stream == c.origin && c.stream != c.origin {
+                if let Some(j) = g.stream_mut(c.stream).and_then(|s| s.joined.as_mut()) {
+                    if j.ops == c.at_ops {
+                        j.rejoined = true;
+                    }
+                }
+            }
+            Ok(())
+        }
+        // Two captures would merge (CUDA_ERROR_STREAM_CAPTURE_MERGE, 902).
+        Some(_) => Err(Code::ILLEGAL_STATE),
+    }
+}
+
 fn event_done(st: &State, event: Event) -> Result<bool, Code> {
     let e = st.events.get(&event.0).ok_or(Code::INVALID_HANDLE)?;
+    if e.captured.is_some() {
+        return Err(Code::CAPTURED_EVENT);
+    }
     Ok(match e.recorded {
         None => true,
         Some((s, seq)) => st.streams.get(&s).is_none_or(|s| s.completed >= seq),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rules::{self, Call};
+    use super::*;
+    use crate::protocol::{CapturePolicy, Coordinator};
+
+    /// Default deny: `cuGraphLaunch` has no measured row, so made by thread
+    /// B while thread A holds a GLOBAL capture it is refused with 900, A's
+    /// capture is invalidated (A's end: 901), and the refusal names the
+    /// missing row. Were `cuGraphLaunch` listed in `rules::MEASURED`, the
+    /// launch would go through and this test would fail.
+    #[test]
+    fn an_unmeasured_call_during_another_threads_global_capture_is_refused() {
+        assert!(rules::row(Call::GraphLaunch).is_none(), "cuGraphLaunch has no measured row");
+        let rt = Arc::new(SimRuntime::new());
+        let coord = Coordinator::without_region(CapturePolicy::AfterPinning);
+        let (a, b) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
+        let d = coord.unsafe_call("test", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+        // B's graph, captured while no other capture is open.
+        rt.begin_capture(b, CaptureMode::Global).unwrap();
+        // SAFETY: `d` is a 64-byte allocation of `rt`, never freed.
+        unsafe { rt.memset_d8_async(d, 1, 64, b) }.unwrap();
+        let graph = rt.end_capture(b).unwrap();
+
+        rt.begin_capture(a, CaptureMode::Global).unwrap();
+        let rt2 = rt.clone();
+        let launched = thread::spawn(move || rt2.graph_launch(graph, b)).join().unwrap();
+        assert_eq!(launched.map_err(|e| e.code), Err(Code::STREAM_CAPTURE_UNSUPPORTED));
+        assert_eq!(rt.end_capture(a).map_err(|e| e.code), Err(Code::STREAM_CAPTURE_INVALIDATED));
+        let refusals = rt.refusals();
+        assert_eq!(refusals.len(), 1, "{refusals:?}");
+        assert_eq!(refusals[0].call, "cuGraphLaunch");
+        assert!(refusals[0].reason.contains("no measured row"), "{refusals:?}");
+
+        // A measured call (cuEventCreate, cells event_create/*) goes through
+        // during the same kind of capture.
+        rt.begin_capture(a, CaptureMode::Global).unwrap();
+        let rt2 = rt.clone();
+        thread::spawn(move || rt2.event_create()).join().unwrap().unwrap();
+        rt.graph_destroy(rt.end_capture(a).unwrap()).unwrap();
+    }
+
+    /// The calls taking a `Gate` are exactly the rows measured unsafe.
+    #[test]
+    fn the_gated_calls_are_the_unsafe_rows() {
+        let unsafe_rows: Vec<&str> =
+            rules::MEASURED.iter().filter(|r| r.effect != rules::Effect::Safe).map(|r| r.call.driver_name()).collect();
+        let mut got = unsafe_rows.clone();
+        got.sort_unstable();
+        let mut want = vec![
+            "cuMemHostRegister",
+            "cuMemHostUnregister",
+            "cuEventQuery",
+            "cuEventSynchronize",
+            "cuStreamSynchronize",
+            "cuCtxSynchronize",
+            "cuMemAlloc",
+            "cuMemAllocHost",
+            "cuMemFree",
+            "cuMemFreeHost",
+        ];
+        want.sort_unstable();
+        assert_eq!(got, want);
+    }
+
+    /// Cross-stream capture: a stream waiting on an event recorded in a
+    /// capture joins it (its work is captured, not run); ending the origin
+    /// capture while it has not rejoined fails with 904.
+    #[test]
+    fn a_joined_stream_that_did_not_rejoin_fails_the_capture() {
+        let rt = SimRuntime::new();
+        let coord = Coordinator::without_region(CapturePolicy::AfterPinning);
+        let (o, x) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
+        let d = coord.unsafe_call("test", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+        let e = rt.event_create().unwrap();
+        rt.begin_capture(o, CaptureMode::Global).unwrap();
+        rt.event_record(e, o).unwrap();
+        rt.stream_wait_event(x, e).unwrap();
+        assert_eq!(rt.capture_status(x).unwrap(), CaptureStatus::Active);
+        // SAFETY: `d` is a 64-byte allocation of `rt`, never freed.
+        unsafe { rt.memset_d8_async(d, 1, 64, x) }.unwrap();
+        assert_eq!(rt.end_capture(o).map_err(|e| e.code), Err(Code::STREAM_CAPTURE_UNJOINED));
+        assert_eq!(rt.capture_status(x).unwrap(), CaptureStatus::None);
+        rt.stream_destroy(x).unwrap();
+    }
 }

@@ -1,47 +1,269 @@
-//! The capture rules of the real driver, as the simulated GPU applies them.
-//! Each rule names the FACTS.md row it reproduces; the conformance suite
-//! (`kvoffload conform`) re-measures every one on a real GPU.
+//! The capture rules of the real driver, as the simulated GPU applies them,
+//! and the one table of driver calls whose behaviour during another
+//! thread's capture was measured.
+//!
+//! **Default deny.** A call is let through during another thread's GLOBAL
+//! capture only when [`MEASURED`] lists it with a measurement that says it
+//! is safe there (FACTS.md section 1 rows, or the conformance cells of
+//! `kvoffload conform` measured on an H200 and committed in
+//! docs/conformance-h200.md). A call the table does not list is refused
+//! with 900 and invalidates that capture, whatever the calling thread's
+//! mode, and the refusal names the missing row (trace event and
+//! [`super::SimRuntime::refusals`]). So is any call that touches a stream
+//! taking part in another thread's capture (the capturing stream itself, or
+//! a stream joined to it): every cell measured its call on a stream outside
+//! the capture, and nothing measured a thread working on another thread's
+//! capture. A model that passes on the sim therefore never relied on a call
+//! being harmless during a capture without a measurement saying so.
+//!
+//! The capturing thread's own calls are not restricted by this table: its
+//! enqueues onto its capturing streams are the capture itself, and its
+//! capture-unsafe calls follow the driver's mode rules ([`check`]).
 
 use crate::runtime::{CaptureMode, Code};
 use crate::sync::thread::ThreadId;
 
 use super::state::State;
 
-/// The driver calls that stream capture restricts.
+/// Every driver call of the runtime trait, by its driver entry point.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(crate) enum UnsafeCall {
-    /// FACTS 1, row "cuMemHostRegister": 900 and invalidation in default
-    /// mode, allowed in relaxed mode.
-    Register,
-    /// FACTS 1, row "cuMemHostUnregister": same as register.
-    Unregister,
-    /// FACTS 1, row "cuEventRecord + cuEventQuery": the query is refused
-    /// (event_record itself is not). Event synchronize is treated the same.
-    EventWait,
-    /// FACTS 1, row "cuStreamSynchronize(other stream)".
-    StreamSync,
-    /// FACTS 1, rows "cuMemAlloc" and "cuMemAllocHost"; cuMemFree and
-    /// cuMemFreeHost the same (conformance cells `mem_free` and
-    /// `mem_free_host`, H200 2026-11-30: 900 and invalidation in default
-    /// mode, allowed relaxed).
-    Alloc,
-    /// FACTS 1, row "cuCtxSynchronize": refused even in relaxed mode.
-    CtxSync,
+pub(crate) enum Call {
+    HostRegister,
+    HostUnregister,
+    HostDevicePtr,
+    MemAlloc,
+    MemFree,
+    MemAllocHost,
+    MemFreeHost,
+    StreamCreate,
+    StreamDestroy,
+    StreamSynchronize,
+    CtxSynchronize,
+    StreamWaitEvent,
+    CopyHtodAsync,
+    CopyDtohAsync,
+    CopyHtod,
+    CopyDtoh,
+    CopyBatchAsync,
+    MemsetAsync,
+    Launch,
+    EventCreate,
+    EventDestroy,
+    EventRecord,
+    EventQuery,
+    EventSynchronize,
+    BeginCapture,
+    EndCapture,
+    CaptureStatus,
+    ExchangeCaptureMode,
+    GraphLaunch,
+    GraphDestroy,
 }
 
-/// Applies the capture rules to a call made by thread `me`.
+impl Call {
+    /// The driver entry point (what traces and errors name).
+    pub(crate) fn driver_name(self) -> &'static str {
+        match self {
+            Call::HostRegister => "cuMemHostRegister",
+            Call::HostUnregister => "cuMemHostUnregister",
+            Call::HostDevicePtr => "cuMemHostGetDevicePointer",
+            Call::MemAlloc => "cuMemAlloc",
+            Call::MemFree => "cuMemFree",
+            Call::MemAllocHost => "cuMemAllocHost",
+            Call::MemFreeHost => "cuMemFreeHost",
+            Call::StreamCreate => "cuStreamCreate",
+            Call::StreamDestroy => "cuStreamDestroy",
+            Call::StreamSynchronize => "cuStreamSynchronize",
+            Call::CtxSynchronize => "cuCtxSynchronize",
+            Call::StreamWaitEvent => "cuStreamWaitEvent",
+            Call::CopyHtodAsync => "cuMemcpyHtoDAsync",
+            Call::CopyDtohAsync => "cuMemcpyDtoHAsync",
+            Call::CopyHtod => "cuMemcpyHtoD",
+            Call::CopyDtoh => "cuMemcpyDtoH",
+            Call::CopyBatchAsync => "cuMemcpyBatchAsync",
+            Call::MemsetAsync => "cuMemsetD8Async",
+            Call::Launch => "cuLaunchKernel",
+            Call::EventCreate => "cuEventCreate",
+            Call::EventDestroy => "cuEventDestroy",
+            Call::EventRecord => "cuEventRecord",
+            Call::EventQuery => "cuEventQuery",
+            Call::EventSynchronize => "cuEventSynchronize",
+            Call::BeginCapture => "cuStreamBeginCapture",
+            Call::EndCapture => "cuStreamEndCapture",
+            Call::CaptureStatus => "cuStreamIsCapturing",
+            Call::ExchangeCaptureMode => "cuThreadExchangeStreamCaptureMode",
+            Call::GraphLaunch => "cuGraphLaunch",
+            Call::GraphDestroy => "cuGraphExecDestroy",
+        }
+    }
+}
+
+/// What a measurement says a call does when made by one thread while
+/// another thread has a GLOBAL capture open.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Effect {
+    /// Succeeds and leaves the capture working, in default and in relaxed
+    /// mode.
+    Safe,
+    /// Fails with 900 and invalidates the capture in default (GLOBAL) mode;
+    /// allowed in relaxed mode. Capture-unsafe: the runtime trait asks for a
+    /// `Gate`.
+    Unsafe,
+    /// Fails with 900 and invalidates the capture even in relaxed mode.
+    UnsafeEvenRelaxed,
+}
+
+/// One measured row.
+pub(crate) struct Row {
+    pub call: Call,
+    pub effect: Effect,
+    /// Where it was measured: FACTS.md section 1 row and/or conformance
+    /// cells (docs/conformance-h200.md, H200, 2026-11-29 and 2026-11-30).
+    pub measured: &'static str,
+}
+
+/// The driver calls measured during another thread's GLOBAL capture, with
+/// the measurement. Every call not listed here is denied during another
+/// thread's GLOBAL capture (module docs). The calls taking a `Gate` in the
+/// runtime trait are exactly the `Unsafe` and `UnsafeEvenRelaxed` rows.
 ///
-/// The driver's rule (CUDA programming guide, "cudaStreamCaptureMode", and
-/// FACTS 1): a thread in GLOBAL mode (the default) may not make an unsafe
-/// call while any other thread has a GLOBAL capture open, or while it has a
-/// non-relaxed capture of its own; a thread in THREAD_LOCAL mode only while
-/// it has a non-relaxed capture of its own; a RELAXED thread always may.
+/// Not listed, for want of a measurement: `cuStreamBeginCapture`,
+/// `cuStreamEndCapture`, `cuGraphLaunch`, `cuGraphExecDestroy` (made by a
+/// thread other than the capturing one).
+pub(crate) const MEASURED: &[Row] = &[
+    Row {
+        call: Call::HostRegister,
+        effect: Effect::Unsafe,
+        measured: "FACTS 1 row \"cuMemHostRegister\"; cells register/default, register/relaxed",
+    },
+    Row {
+        call: Call::HostUnregister,
+        effect: Effect::Unsafe,
+        measured: "FACTS 1 row \"cuMemHostUnregister\"; cells unregister/default, unregister/relaxed",
+    },
+    Row {
+        call: Call::EventQuery,
+        effect: Effect::Unsafe,
+        measured: "FACTS 1 row \"cuEventRecord + cuEventQuery\"; cells event_record_query/*, event_query/*",
+    },
+    Row {
+        call: Call::EventSynchronize,
+        effect: Effect::Unsafe,
+        measured: "cells event_sync/default, event_sync/relaxed",
+    },
+    Row {
+        call: Call::StreamSynchronize,
+        effect: Effect::Unsafe,
+        measured: "FACTS 1 row \"cuStreamSynchronize(other stream)\"; cells stream_sync_other/*",
+    },
+    Row {
+        call: Call::CtxSynchronize,
+        effect: Effect::UnsafeEvenRelaxed,
+        measured: "FACTS 1 row \"cuCtxSynchronize\" (relaxed column too); cells ctx_sync/*",
+    },
+    Row { call: Call::MemAlloc, effect: Effect::Unsafe, measured: "FACTS 1 row \"cuMemAlloc\"; cells mem_alloc/*" },
+    Row {
+        call: Call::MemAllocHost,
+        effect: Effect::Unsafe,
+        measured: "FACTS 1 row \"cuMemAllocHost\"; cells mem_alloc_host/*",
+    },
+    Row { call: Call::MemFree, effect: Effect::Unsafe, measured: "cells mem_free/default, mem_free/relaxed" },
+    Row {
+        call: Call::MemFreeHost,
+        effect: Effect::Unsafe,
+        measured: "cells mem_free_host/default, mem_free_host/relaxed",
+    },
+    Row {
+        call: Call::CopyHtodAsync,
+        effect: Effect::Safe,
+        measured: "FACTS 1 rows \"cuMemcpyHtoDAsync on another stream\", pinned and pageable src; cells copy_async_*",
+    },
+    Row {
+        call: Call::CopyHtod,
+        effect: Effect::Safe,
+        measured: "FACTS 1 row \"synchronous cuMemcpyHtoD, pinned src\"; cells copy_sync_pinned/*",
+    },
+    Row { call: Call::CopyDtohAsync, effect: Effect::Safe, measured: "cells copy_dtoh_async_pinned/*" },
+    Row { call: Call::CopyDtoh, effect: Effect::Safe, measured: "cells copy_sync_dtoh_pinned/*" },
+    Row { call: Call::CopyBatchAsync, effect: Effect::Safe, measured: "cells copy_batch_pinned/*" },
+    Row { call: Call::MemsetAsync, effect: Effect::Safe, measured: "cells memset_async/*" },
+    Row { call: Call::Launch, effect: Effect::Safe, measured: "cells launch/*" },
+    Row { call: Call::EventCreate, effect: Effect::Safe, measured: "cells event_create/*" },
+    Row { call: Call::EventDestroy, effect: Effect::Safe, measured: "cells event_destroy/*" },
+    Row { call: Call::EventRecord, effect: Effect::Safe, measured: "cells event_record/*" },
+    Row { call: Call::StreamCreate, effect: Effect::Safe, measured: "cells stream_create/*" },
+    Row { call: Call::StreamDestroy, effect: Effect::Safe, measured: "cells stream_destroy/* (an idle stream)" },
+    Row {
+        call: Call::StreamWaitEvent,
+        effect: Effect::Safe,
+        measured: "cells stream_wait_event/* (both streams outside the capture)",
+    },
+    Row { call: Call::HostDevicePtr, effect: Effect::Safe, measured: "cells host_device_ptr/*" },
+    Row { call: Call::CaptureStatus, effect: Effect::Safe, measured: "cells capture_status_other/* (another stream)" },
+    // Not a cell of its own: in every `cell/*/relaxed` scenario thread B
+    // switches itself to RELAXED (from GLOBAL mode) and back while A's
+    // GLOBAL capture is open, and A's capture ended with a graph in every
+    // relaxed cell whose own call is safe relaxed (H200, 2026-11-30).
+    Row {
+        call: Call::ExchangeCaptureMode,
+        effect: Effect::Safe,
+        measured: "cells */relaxed (B switches to RELAXED and back during A's capture)",
+    },
+];
+
+/// The measured row of `call`, if any.
+pub(crate) fn row(call: Call) -> Option<&'static Row> {
+    MEASURED.iter().find(|r| r.call == call)
+}
+
+/// Why a call was refused, as the simulated GPU reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// The driver entry point refused.
+    pub call: &'static str,
+    /// The rule that refused it: a measured row ("capture-unsafe: ...") or
+    /// the missing one ("no measured row ...").
+    pub reason: String,
+}
+
+/// Applies the capture rules to `call` made by thread `me` that touches
+/// the streams `touched` (stream ids; the target stream, and for an event
+/// wait the stream the event was recorded on).
+///
+/// 1. A touched stream taking part in another thread's capture (its
+///    origin stream or a stream joined to it): no row measures that; 900,
+///    and that capture is invalidated.
+/// 2. A call with no row in [`MEASURED`]: 900 and invalidation of every
+///    other thread's GLOBAL capture open now, whatever `me`'s mode.
+/// 3. A capture-unsafe row (the driver's rule, CUDA programming guide,
+///    "cudaStreamCaptureMode", and FACTS 1): a thread in GLOBAL mode (the
+///    default) may not make it while any other thread has a GLOBAL capture
+///    open, or while it has a non-relaxed capture of its own; a thread in
+///    THREAD_LOCAL mode only while it has a non-relaxed capture of its own;
+///    a RELAXED thread always may, except for `cuCtxSynchronize`, refused
+///    during any capture whatever the mode (FACTS 1, relaxed column).
+///
 /// A refused call fails with 900 and invalidates the captures that refused
-/// it. `cuCtxSynchronize` is refused during any capture, whatever the mode
-/// (FACTS 1, row "cuCtxSynchronize", relaxed column).
-pub(crate) fn check(st: &mut State, me: ThreadId, call: UnsafeCall) -> Result<(), Code> {
+/// it; the refusal is returned for the trace.
+pub(crate) fn check(st: &mut State, me: ThreadId, call: Call, touched: &[u64]) -> Result<(), Refusal> {
+    let measured = row(call);
     let my_mode = st.thread_mode(me);
-    let mut refused = false;
+    let mut reason: Option<String> = None;
+    // 1. Work on another thread's capture.
+    for &sid in touched {
+        let Some(origin) = st.capture_origin(sid) else { continue };
+        let Some(c) = st.streams.get_mut(&origin).and_then(|s| s.capture.as_mut()) else { continue };
+        if c.owner != me && !c.invalidated {
+            c.invalidated = true;
+            reason.get_or_insert_with(|| {
+                format!(
+                    "no measured row for {} on a stream taking part in another thread's {} capture (every cell measured its call on a stream outside the capture)",
+                    call.driver_name(),
+                    c.mode.name()
+                )
+            });
+        }
+    }
     for s in st.streams.values_mut() {
         let Some(c) = s.capture.as_mut() else {
             continue;
@@ -50,9 +272,13 @@ pub(crate) fn check(st: &mut State, me: ThreadId, call: UnsafeCall) -> Result<()
             continue;
         }
         let own = c.owner == me;
-        let hit = match call {
-            UnsafeCall::CtxSync => true,
-            _ => match my_mode {
+        let hit = match measured.map(|r| r.effect) {
+            // 2. Default deny.
+            None => !own && c.mode == CaptureMode::Global,
+            Some(Effect::Safe) => false,
+            // 3. The driver's mode rules.
+            Some(Effect::UnsafeEvenRelaxed) => true,
+            Some(Effect::Unsafe) => match my_mode {
                 CaptureMode::Relaxed => false,
                 CaptureMode::ThreadLocal => own && c.mode != CaptureMode::Relaxed,
                 CaptureMode::Global => {
@@ -62,13 +288,24 @@ pub(crate) fn check(st: &mut State, me: ThreadId, call: UnsafeCall) -> Result<()
         };
         if hit {
             c.invalidated = true;
-            refused = true;
+            reason.get_or_insert_with(|| match measured {
+                None => format!(
+                    "no measured row for {} during another thread's GLOBAL capture (default deny, src/runtime/sim/rules.rs MEASURED)",
+                    call.driver_name()
+                ),
+                Some(r) => format!("capture-unsafe in {} mode ({})", my_mode.name(), r.measured),
+            });
         }
     }
-    if refused {
-        tracing::debug!(?call, ?me, "sim: capture-unsafe call refused (900), capture invalidated");
-        Err(Code::STREAM_CAPTURE_UNSUPPORTED)
-    } else {
-        Ok(())
+    match reason {
+        None => Ok(()),
+        Some(reason) => {
+            let refusal = Refusal { call: call.driver_name(), reason };
+            tracing::debug!(call = refusal.call, reason = %refusal.reason, ?me, "sim: call refused (900), capture invalidated");
+            Err(refusal)
+        }
     }
 }
+
+/// The code a refused call fails with (FACTS 1).
+pub(crate) const REFUSED: Code = Code::STREAM_CAPTURE_UNSUPPORTED;

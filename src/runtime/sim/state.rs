@@ -81,17 +81,49 @@ pub(crate) struct Capture {
     pub body: GraphBody,
 }
 
+/// A stream that joined another stream's capture by waiting on an event
+/// recorded in it (cross-stream capture): its work is recorded into the
+/// origin's capture until the origin waits on an event recorded on it
+/// after its last work (it rejoined).
+#[derive(Clone, Debug)]
+pub(crate) struct Join {
+    /// The stream whose `capture` this stream takes part in.
+    pub origin: u64,
+    /// Operations recorded on this stream since it joined.
+    pub ops: u64,
+    /// True when the origin waits on everything this stream recorded.
+    pub rejoined: bool,
+}
+
 #[derive(Default)]
 pub(crate) struct StreamState {
     pub queue: VecDeque<(u64, Op)>,
     pub enqueued: u64,
     pub completed: u64,
+    /// The capture this stream began (it is the capture's origin).
     pub capture: Option<Capture>,
+    /// The capture of another stream this one joined.
+    pub joined: Option<Join>,
+}
+
+/// Where a record inside a capture was made: a captured event.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct CapturedRecord {
+    /// The origin stream of the capture.
+    pub origin: u64,
+    /// The stream it was recorded on (the origin or a joined stream).
+    pub stream: u64,
+    /// That stream's recorded operations at the record (a joined stream's
+    /// `Join::ops`; 0 on the origin).
+    pub at_ops: u64,
 }
 
 pub(crate) struct EventState {
     /// (stream, sequence number) of the last record, if any.
     pub recorded: Option<(u64, u64)>,
+    /// Set when the last record was made inside a capture (a captured
+    /// event: waiting on it joins the capture).
+    pub captured: Option<CapturedRecord>,
 }
 
 /// Which blocking waits threads are in right now (observable by tests).
@@ -125,6 +157,11 @@ pub(crate) struct State {
     pub stop: bool,
     pub blocked: Vec<Blocked>,
     pub faults: Faults,
+    /// Successful `host_register` calls since start (observers for models:
+    /// the driver's count, not the coordinator's).
+    pub registrations_completed: u64,
+    /// Calls refused by the capture rules, oldest first (observers).
+    pub refusals: Vec<super::rules::Refusal>,
 }
 
 impl State {
@@ -208,6 +245,17 @@ impl State {
 
     pub fn stream_mut(&mut self, id: u64) -> Option<&mut StreamState> {
         self.streams.get_mut(&id)
+    }
+
+    /// The origin stream of the capture stream `id` takes part in: itself
+    /// when it began one, the origin when it joined one.
+    pub fn capture_origin(&self, id: u64) -> Option<u64> {
+        let s = self.streams.get(&id)?;
+        if s.capture.is_some() {
+            return Some(id);
+        }
+        let origin = s.joined.as_ref()?.origin;
+        self.streams.get(&origin).and_then(|o| o.capture.as_ref()).map(|_| origin)
     }
 
     pub fn thread_mode(&self, t: ThreadId) -> CaptureMode {

@@ -2,7 +2,9 @@
 //! beyond the table: blocking between registration and capture, unregister
 //! waiting for the device, graph replay semantics, the batched copy lost
 //! inside a capture, and the sticky poison after replaying a graph whose
-//! host memory was unregistered.
+//! host memory was unregistered; and cross-stream capture (a stream joining
+//! a capture by waiting on an event recorded in it), whose expected values
+//! come from the CUDA documentation until the H200 run measures them.
 //!
 //! Each scenario's capture-unsafe calls go through the gate of a coordinator
 //! of its own, which knows nothing of the scenario's captures and so never
@@ -11,7 +13,7 @@
 use std::time::Instant;
 
 use kvoffload::runtime::sim::{Blocked, HoldPoint};
-use kvoffload::runtime::{CaptureMode, Direction, DriverError, Fragment, GpuRuntime, Kernel};
+use kvoffload::runtime::{CaptureMode, CaptureStatus, Direction, DriverError, Fragment, GpuRuntime, Kernel};
 use kvoffload::sync::Arc;
 
 use super::probe::{gate, gated, release_hold_when, scenario_coordinator, tick, HostBuf, LongRegister, Target};
@@ -94,6 +96,25 @@ pub(super) fn scenarios() -> Vec<Scenario> {
             "batch=900 end=ok replay=ok device-holds=old",
             false,
             batch_in_capture,
+        ),
+        // Expected values from the CUDA documentation (programming guide,
+        // "Cross-stream dependencies and events"; driver API,
+        // cuStreamEndCapture and CUDA_ERROR_STREAM_CAPTURE_UNJOINED), not
+        // yet measured on the H200: the transfer engine's submit relies on
+        // this to explain why it records its ordering event inside the gate.
+        mk(
+            "order/cross_stream_capture_unjoined",
+            "cross-stream capture: waiting on an event recorded in a capture joins it; end without rejoin -> 904",
+            "join=ok x-status=active x-enqueue=ok end=904 x-work=not-run",
+            false,
+            |t| cross_stream(t, false),
+        ),
+        mk(
+            "order/cross_stream_capture_rejoined",
+            "cross-stream capture: a joined stream's work is captured, not run; after rejoin end ok, replay runs it",
+            "join=ok x-status=active x-enqueue=ok end=ok x-after=none before-replay=not-run replay=ok x-work=replayed",
+            false,
+            |t| cross_stream(t, true),
         ),
         mk(
             "order/replay_after_unregister_poisons",
@@ -368,4 +389,94 @@ fn replay_after_unregister(t: &Target) -> Result<Observed, String> {
         code(&next)
     ))
     .with_detail("context left poisoned".to_string()))
+}
+
+/// Cross-stream capture, all on one thread: the origin stream captures in
+/// GLOBAL mode, records an event; a second stream X waits on it (joins the
+/// capture) and enqueues a memset. With `rejoin`, X records an event that
+/// the origin waits on before the capture ends, and the graph is replayed.
+/// Whether X's memset ran is read back from device memory.
+fn cross_stream(t: &Target, rejoin: bool) -> Result<Observed, String> {
+    let rt = t.rt();
+    let c = &scenario_coordinator();
+    let bytes = 4096;
+    let (o, x) = (rt.stream_create().map_err(de("stream"))?, rt.stream_create().map_err(de("stream"))?);
+    let (e, e2) = (rt.event_create().map_err(de("event"))?, rt.event_create().map_err(de("event"))?);
+    let d_o = gated(c, "alloc", |g| rt.mem_alloc(g, bytes))?;
+    let d_x = gated(c, "alloc", |g| rt.mem_alloc(g, bytes))?;
+    // SAFETY: both are device allocations of `bytes`, synchronized below and
+    // freed at the end, after every graph is destroyed.
+    unsafe { rt.memset_d8_async(d_x, 0, bytes, o) }.map_err(de("memset"))?;
+    gated(c, "sync", |g| rt.stream_synchronize(g, o))?;
+
+    rt.begin_capture(o, CaptureMode::Global).map_err(de("begin_capture"))?;
+    // SAFETY: as above; the memsets are captured, run only by a replay.
+    let _ = unsafe { rt.memset_d8_async(d_o, 1, bytes, o) };
+    rt.event_record(e, o).map_err(de("event_record"))?;
+    let join = rt.stream_wait_event(x, e);
+    let x_status = rt.capture_status(x);
+    // SAFETY: as above.
+    let x_enqueue = unsafe { rt.memset_d8_async(d_x, 2, bytes, x) };
+    if rejoin {
+        rt.event_record(e2, x).map_err(de("event_record on X"))?;
+        rt.stream_wait_event(o, e2).map_err(de("origin waits for X"))?;
+    }
+    let end = rt.end_capture(o);
+    let x_after = rt.capture_status(x);
+    // On a driver that left X capturing after a failed end, end X's part so
+    // the scenario can clean up (reported in the detail).
+    let mut detail = format!("X after end: {}", status_name(&x_after));
+    if matches!(x_after, Ok(CaptureStatus::Active) | Ok(CaptureStatus::Invalidated)) {
+        let r = rt.end_capture(x);
+        detail.push_str(&format!(", end_capture(X): {}", code(&r)));
+        if let Ok(g) = r {
+            let _ = rt.graph_destroy(g);
+        }
+    }
+    gated(c, "sync", |g| rt.stream_synchronize(g, x))?;
+    let before = read_device(&rt, d_x, bytes, 2, 0)?;
+    let mut replay = String::new();
+    if let Ok(g) = &end {
+        let r = match rt.graph_launch(*g, o) {
+            Ok(()) => gate(c, "sync", |gt| rt.stream_synchronize(gt, o))?,
+            Err(err) => Err(err),
+        };
+        let after = read_device(&rt, d_x, bytes, 2, 0)?;
+        replay = format!(" replay={} x-work={}", code(&r), if after == "new" { "replayed" } else { after });
+        rt.graph_destroy(*g).map_err(de("graph_destroy"))?;
+    }
+    gated(c, "free", |g| rt.mem_free(g, d_o))?;
+    gated(c, "free", |g| rt.mem_free(g, d_x))?;
+    rt.event_destroy(e).map_err(de("event_destroy"))?;
+    rt.event_destroy(e2).map_err(de("event_destroy"))?;
+    rt.stream_destroy(o).map_err(de("stream_destroy"))?;
+    rt.stream_destroy(x).map_err(de("stream_destroy"))?;
+    let work = if before == "old" { "not-run" } else { before };
+    let outcome = if end.is_ok() {
+        format!(
+            "join={} x-status={} x-enqueue={} end=ok x-after={} before-replay={work}{replay}",
+            code(&join),
+            status_name(&x_status),
+            code(&x_enqueue),
+            status_name(&x_after)
+        )
+    } else {
+        format!(
+            "join={} x-status={} x-enqueue={} end={} x-work={work}",
+            code(&join),
+            status_name(&x_status),
+            code(&x_enqueue),
+            code(&end)
+        )
+    };
+    Ok(Observed::new(outcome).with_detail(detail))
+}
+
+fn status_name(s: &kvoffload::runtime::DriverResult<CaptureStatus>) -> String {
+    match s {
+        Ok(CaptureStatus::None) => "none".into(),
+        Ok(CaptureStatus::Active) => "active".into(),
+        Ok(CaptureStatus::Invalidated) => "invalidated".into(),
+        Err(e) => e.code.0.to_string(),
+    }
 }
