@@ -34,7 +34,8 @@ use super::error::TransferError;
 use super::ids::{IdSet, JobId};
 use super::layout::{Expansion, JobBlocks, KvLayout};
 use super::ring::{Ring, Table};
-use super::select::{candidates, AutoThresholds, Situation};
+use super::select::{candidates, may_stage, AutoThresholds, Situation};
+use super::staged::{Plan, Staging};
 
 /// Settings of a [`TransferEngine`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -52,6 +53,11 @@ pub struct TransferOptions {
     /// stream (0: tables in pageable memory; a job that finds the ring full
     /// uses pageable memory too).
     pub staging_ring_entries: usize,
+    /// Bytes of each handler's device staging memory for the staged
+    /// backend ([`Backend::Staged`]): two buffers of half each, so one
+    /// chunk's kernel overlaps the previous chunk's copies (0: no staged
+    /// backend). Allocated at creation when the backend choice may use it.
+    pub staging_bytes: usize,
 }
 
 impl Default for TransferOptions {
@@ -61,6 +67,7 @@ impl Default for TransferOptions {
             thresholds: AutoThresholds::default(),
             gather_table_entries: 1 << 13,
             staging_ring_entries: 1 << 15,
+            staging_bytes: 16 << 20,
         }
     }
 }
@@ -139,6 +146,8 @@ struct Handler {
     table: Option<GatherTable>,
     /// The page-locked staging ring: address and capacity in words.
     ring: Option<(usize, usize)>,
+    /// Device staging buffers of the staged backend.
+    staged: Option<Staging>,
     q: Mutex<Queue>,
 }
 
@@ -184,17 +193,12 @@ impl TransferEngine {
         opts: TransferOptions,
     ) -> Result<Self, TransferError> {
         let wants_gather = matches!(opts.backend, BackendChoice::Auto | BackendChoice::Force(Backend::Gather));
+        let wants_staged = matches!(opts.backend, BackendChoice::Auto | BackendChoice::Force(Backend::Staged))
+            && opts.staging_bytes > 0;
         let chunks = Chunks::of(&coord);
         let mut made: Vec<Handler> = Vec::with_capacity(2);
         for dir in [Direction::DeviceToHost, Direction::HostToDevice] {
-            match Self::make_handler(
-                &*rt,
-                &coord,
-                dir,
-                wants_gather,
-                opts.gather_table_entries,
-                opts.staging_ring_entries,
-            ) {
+            match Self::make_handler(&*rt, &coord, dir, wants_gather, wants_staged, &opts) {
                 Ok(h) => made.push(h),
                 Err(e) => {
                     for h in made {
@@ -226,9 +230,10 @@ impl TransferEngine {
         coord: &Coordinator,
         dir: Direction,
         gather: bool,
-        entries: usize,
-        ring_entries: usize,
+        staged: bool,
+        opts: &TransferOptions,
     ) -> Result<Handler, TransferError> {
+        let (entries, ring_entries) = (opts.gather_table_entries, opts.staging_ring_entries);
         let stream = rt.stream_create()?;
         let after_compute = match rt.event_create() {
             Ok(e) => e,
@@ -239,7 +244,24 @@ impl TransferEngine {
                 return Err(e.into());
             }
         };
-        let mut h = Handler { dir, stream, after_compute, table: None, ring: None, q: Mutex::new(Queue::default()) };
+        let mut h = Handler {
+            dir,
+            stream,
+            after_compute,
+            table: None,
+            ring: None,
+            staged: None,
+            q: Mutex::new(Queue::default()),
+        };
+        if staged {
+            match Staging::create(rt, coord, opts.staging_bytes, entries) {
+                Ok(st) => h.staged = st,
+                Err(e) => {
+                    release_handler(rt, coord, h);
+                    return Err(e);
+                }
+            }
+        }
         if gather {
             // The kernel counts fragments in u32 and strides by the grid size.
             let entries = entries.clamp(1, 1 << 31);
@@ -255,6 +277,8 @@ impl TransferEngine {
                     return Err(e.into());
                 }
             }
+        }
+        if gather || h.staged.is_some() {
             let words = ring_entries.saturating_mul(GATHER_ENTRY_WORDS);
             if words > 0 {
                 match coord.unsafe_call("allocating the pinned staging ring", |gate| rt.mem_alloc_host(gate, words * 8))
@@ -326,6 +350,7 @@ impl TransferEngine {
             return Err(TransferError::JobIdReused { id });
         }
         let h = &self.handlers[slot(dir)];
+        let other_busy = self.other_busy(h);
         // The queue lock is held while enqueueing, so queue order is stream
         // order.
         let mut q = sync::lock(&h.q);
@@ -356,7 +381,7 @@ impl TransferEngine {
                     Err(e) => p.error = Some(e),
                     Ok(()) => {
                         enqueued_any = true;
-                        let (backend, staging, r) = self.enqueue(h, &mut q.ring, &exp);
+                        let (backend, staging, r) = self.enqueue(h, &mut q.ring, &exp, other_busy);
                         p.backend = backend;
                         p.staging = staging;
                         p.error = r.err();
@@ -386,8 +411,26 @@ impl TransferEngine {
         Ok(())
     }
 
+    /// True when the other direction's handler has jobs in flight (only
+    /// asked, and its queue only locked, when `h` can stage: the automatic
+    /// choice stages then; see [`super::select`]). Called without `h`'s
+    /// queue lock, so no two queue locks are ever held together.
+    fn other_busy(&self, h: &Handler) -> bool {
+        if h.staged.is_none() || self.opts.backend != BackendChoice::Auto {
+            return false;
+        }
+        let other = &self.handlers[1 - slot(h.dir)];
+        !sync::lock(&other.q).jobs.is_empty()
+    }
+
     /// Enqueues the fragments with the first allowed backend.
-    fn enqueue(&self, h: &Handler, ring: &mut Ring, exp: &Expansion) -> (Backend, Table, DriverResult<()>) {
+    fn enqueue(
+        &self,
+        h: &Handler,
+        ring: &mut Ring,
+        exp: &Expansion,
+        other_busy: bool,
+    ) -> (Backend, Table, DriverResult<()>) {
         let capturing = match self.rt.capture_status(h.stream) {
             Ok(CaptureStatus::None) => false,
             Ok(_) => true,
@@ -397,9 +440,27 @@ impl TransferEngine {
         let touched = self.touched_chunks(exp);
         let pinned = touched.as_ref().is_some_and(|t| self.all_registered(t));
         let mean_bytes = exp.bytes / frags.len().max(1) as u64;
-        let sit = Situation { mean_bytes, capturing, pinned };
+        // The staged plan (host runs) only where staging could be chosen.
+        let plan = match &h.staged {
+            Some(st)
+                if !capturing
+                    && may_stage(self.opts.backend, &self.opts.thresholds, mean_bytes, pinned, other_busy) =>
+            {
+                Some(Plan::new(frags, st.half, st.entries))
+            }
+            _ => None,
+        };
+        let staged_run_bytes = plan.as_ref().map(Plan::mean_run_bytes);
+        let sit = Situation { mean_bytes, capturing, pinned, other_busy, staged_run_bytes };
         for b in candidates(self.opts.backend, &self.opts.thresholds, sit) {
             match b {
+                Backend::Staged => {
+                    if let (Some(st), Some(plan)) = (&h.staged, &plan) {
+                        debug_assert!(!capturing);
+                        let (staging, r) = self.staged(h, st, ring, plan);
+                        return (Backend::Staged, staging, r);
+                    }
+                }
                 Backend::Gather => {
                     if let Some((staging, r)) = self.try_gather(h, ring, exp, touched.as_deref()) {
                         return (Backend::Gather, staging, r);
@@ -526,6 +587,31 @@ impl TransferEngine {
         }
         drop(guards);
         Some((staging, r))
+    }
+
+    /// The staged path: the plan's entries encoded into the pinned ring (or
+    /// the heap), then chunk after chunk on the handler's two streams
+    /// ([`super::staged`]).
+    fn staged(&self, h: &Handler, st: &Staging, ring: &mut Ring, plan: &Plan) -> (Table, DriverResult<()>) {
+        let cap = plan.pieces.len() * GATHER_ENTRY_WORDS;
+        let mut table = match (h.ring, ring.alloc(cap)) {
+            (Some((addr, _)), Some(start)) => {
+                // SAFETY: `start + cap` is within the ring's words, so the
+                // offset stays inside the one allocation at `addr`.
+                Table::Pinned { ptr: unsafe { (addr as *mut u64).add(start) }, start, cap, len: 0 }
+            }
+            _ => Table::Heap(Vec::with_capacity(cap)),
+        };
+        for e in st.entries(h.dir, plan) {
+            table.push(e);
+        }
+        // SAFETY: `table` moves into the job and lives, unchanged, until
+        // the job is reported, after its completion event (recorded on the
+        // handler's stream after it joined the second stream); the kernels
+        // touch device memory only (the job's pages, the handler's staging
+        // buffers); host ranges are valid by the engine's contract.
+        let r = unsafe { st.enqueue(&*self.rt, &self.coord, h.dir, plan, table.words(0, table.len()), h.stream) };
+        (table, r)
     }
 
     /// Jobs that finished since the last call, in submission order per
@@ -665,6 +751,11 @@ fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handler) {
             }
         }
     }
+    if let Some(st) = h.staged {
+        // Jobs in flight and the handler's stream not waited for: the second
+        // stream may still run too.
+        st.release(rt, coord, ring_in_use);
+    }
     let mut events: Vec<Event> = q.spare;
     events.extend(jobs.iter().filter_map(|p| match p.done {
         Completion::Event(e) => Some(e),
@@ -708,6 +799,7 @@ impl Drop for TransferEngine {
             after_compute: Event(0),
             table: None,
             ring: None,
+            staged: None,
             q: Mutex::new(Queue::default()),
         };
         for i in [STORE, LOAD] {
