@@ -101,6 +101,37 @@ fn poll_n(rig: &Rig, n: usize) -> Vec<kvoffload::transfer::JobResult> {
 }
 
 #[test]
+fn staged_runs_end_at_registration_chunks() {
+    // Host blocks of 4 KiB in 8 KiB registration chunks, jobs of nearly
+    // every block: host-adjacent blocks make runs that would cross chunk
+    // boundaries (one copy may not span two registrations); and a merged
+    // batched fragment across chunks likewise.
+    let (s, rt) = sim();
+    let mut rig = Rig::chunked(
+        rt.clone(),
+        block_major(4, 1024, 16),
+        opts(BackendChoice::Force(Backend::Staged)),
+        Pin::Registered,
+        8 << 10,
+    );
+    let mut rng = Rng(21);
+    for dir in DIRS {
+        let res = rig.run_checked(dir, &JobBlocks::single(rng.distinct(16, 15), rng.distinct(16, 15)), 2);
+        assert_eq!(res.backend, Backend::Staged);
+        let res = rig.run_checked(dir, &JobBlocks::single((0..16).collect(), (0..16).collect()), 3);
+        assert_eq!(res.backend, Backend::Staged);
+    }
+    drop(rig);
+    let o = opts(BackendChoice::Force(Backend::Batched));
+    let mut rig = Rig::chunked(rt, simple(1, 4096, 8), o, Pin::Registered, 8 << 10);
+    for dir in DIRS {
+        let res = rig.run_checked(dir, &JobBlocks::single((0..8).collect(), (0..8).collect()), 4);
+        assert_eq!((res.backend, res.fragments), (Backend::Batched, 1));
+    }
+    assert_eq!(s.poisoned(), None);
+}
+
+#[test]
 fn auto_stages_only_while_the_other_direction_is_busy() {
     // 4 layers of 64 KiB: host runs of 256 KiB, the default threshold.
     let (s, rt) = sim();
@@ -170,9 +201,10 @@ fn staged_job_failing_on_the_second_stream_is_reported_in_order() {
     let hold = s.hold(HoldPoint::DeviceOp);
     rig.engine().store(1, &JobBlocks::single(vec![0, 2, 4], vec![0, 2, 4])).unwrap();
     hold.wait_entered();
-    // Copies of job 2: chunk 0's table upload (1), its batched copy (2),
-    // chunk 1's table upload (3), its batched copy (4).
-    s.inject(SimFault::Copy { nth: 4, code: Code::OUT_OF_MEMORY });
+    // Copies of job 2 (its tables are read from the pinned ring, not
+    // uploaded): chunk 0's batched copy (1), chunk 1's (2), on the second
+    // staging stream.
+    s.inject(SimFault::Copy { nth: 2, code: Code::OUT_OF_MEMORY });
     rig.engine().store(2, &JobBlocks::single(vec![6, 8, 10], vec![6, 8, 10])).unwrap();
     rig.engine().store(3, &JobBlocks::single(vec![12, 14], vec![12, 14])).unwrap();
     assert!(rig.engine().poll_finished().is_empty());

@@ -285,6 +285,9 @@ impl TransferEngine {
                 {
                     Ok(Ok(addr)) => {
                         h.ring = Some((addr, words));
+                        if let Some(st) = h.staged.as_mut() {
+                            st.use_ring(rt, addr);
+                        }
                         h.q = Mutex::new(Queue { ring: Ring::new(words), ..Queue::default() });
                     }
                     // Not fatal: tables then live in pageable memory.
@@ -446,7 +449,15 @@ impl TransferEngine {
                 if !capturing
                     && may_stage(self.opts.backend, &self.opts.thresholds, mean_bytes, pinned, other_busy) =>
             {
-                Some(Plan::new(frags, st.half, st.entries))
+                // Runs end where a registration chunk ends: one copy may not
+                // span two registrations.
+                let chunk_end = |a: usize| {
+                    self.chunks.locate(a).map_or(usize::MAX, |pos| {
+                        let c = self.chunks.get(pos);
+                        c.addr + c.len
+                    })
+                };
+                Some(Plan::new(frags, st.half, st.entries, chunk_end))
             }
             _ => None,
         };
@@ -472,7 +483,19 @@ impl TransferEngine {
                     // keeps every host and device range valid while jobs are
                     // in flight; the job is reported only after its
                     // completion event, recorded after these copies.
-                    let r = unsafe { backend::batched(&*self.rt, h.dir, frags, h.stream) };
+                    let r = match touched.as_ref().filter(|t| t.len() > 1) {
+                        // A merged fragment may cross from one registration
+                        // chunk into the next; one batched copy may not span
+                        // two registrations (see `super::staged::Plan::new`).
+                        Some(_) => {
+                            let mut cut = Vec::with_capacity(frags.len() + self.chunks.len());
+                            for f in frags {
+                                self.chunks.split(*f, |_, piece| cut.push(piece));
+                            }
+                            unsafe { backend::batched(&*self.rt, h.dir, &cut, h.stream) }
+                        }
+                        None => unsafe { backend::batched(&*self.rt, h.dir, frags, h.stream) },
+                    };
                     return (Backend::Batched, Table::None, r);
                 }
                 Backend::PerFragment => {
@@ -602,15 +625,29 @@ impl TransferEngine {
             }
             _ => Table::Heap(Vec::with_capacity(cap)),
         };
-        for e in st.entries(h.dir, plan) {
+        let first = st.first_stream();
+        for e in st.entries(h.dir, plan, first) {
             table.push(e);
         }
         // SAFETY: `table` moves into the job and lives, unchanged, until
         // the job is reported, after its completion event (recorded on the
-        // handler's stream after it joined the second stream); the kernels
-        // touch device memory only (the job's pages, the handler's staging
-        // buffers); host ranges are valid by the engine's contract.
-        let r = unsafe { st.enqueue(&*self.rt, &self.coord, h.dir, plan, table.words(0, table.len()), h.stream) };
+        // handler's stream after it joined both staging streams); the
+        // kernels touch device memory only (the job's pages, the handler's
+        // staging buffers) and the table (in the ring, which lives until
+        // the engine is dropped); host ranges are valid by the engine's
+        // contract.
+        let r = unsafe {
+            st.enqueue(
+                &*self.rt,
+                &self.coord,
+                h.dir,
+                plan,
+                table.words(0, table.len()),
+                first,
+                h.stream,
+                h.after_compute,
+            )
+        };
         (table, r)
     }
 

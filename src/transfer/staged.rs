@@ -18,17 +18,20 @@
 //!
 //! A handler's staging memory is one device allocation made at engine
 //! creation through the gate ([`Staging::create`]): two buffers of `half`
-//! bytes and two descriptor tables. A job is cut into chunks of at most
-//! `half` bytes (and at most a table of entries); chunk `c` uses buffer and
-//! table `c % 2` and runs on the handler's stream when `c` is even, on the
-//! handler's second stream when odd, so one chunk's kernel overlaps the
-//! previous chunk's copies. The second stream starts after the handler's
-//! stream reached the job (event `fork`) and the handler's stream waits for
-//! the second stream's last chunk (event `join`) before the job's
-//! completion event is recorded: completion stays in order per direction
-//! (P5). Buffer `b` and table `b` are only ever used by stream `b`, so a
-//! stream's own order keeps a chunk from overwriting what an earlier chunk
-//! still reads.
+//! bytes and two descriptor tables, each buffer and table used by one of the
+//! handler's two staging streams. A job is cut into chunks of at most `half`
+//! bytes (and at most a table of entries), which alternate between the two
+//! streams (across jobs too), so one chunk's kernel overlaps the previous
+//! chunk's copies. Both streams first wait for the job's compute-stream
+//! event, and the handler's stream waits for each stream's last chunk of
+//! the job (events `joins`) before the job's completion event is recorded
+//! on it: completion stays in order per direction (P5), and no staging
+//! stream ever waits for the other, so consecutive jobs run back to back.
+//! A stream's own order keeps a chunk from overwriting a buffer or table an
+//! earlier chunk still uses. Tables in the handler's page-locked ring are
+//! read by the kernel through the ring's device alias (no upload: a
+//! store's upload would be a host-to-device copy queued behind the load's
+//! copies on the copy engine); tables on the heap are uploaded.
 //!
 //! The kernel here reads and writes device memory only (KV pages and the
 //! staging buffer): no host alias is involved, so P3 (kernels only on
@@ -38,7 +41,10 @@
 use std::ops::Range;
 
 use crate::protocol::Coordinator;
-use crate::runtime::{DevicePtr, Direction, DriverResult, Event, Fragment, GpuRuntime, Stream, GATHER_ENTRY_BYTES};
+use crate::runtime::{
+    DevicePtr, Direction, DriverResult, Event, Fragment, GpuRuntime, Kernel, Stream, GATHER_ENTRY_BYTES,
+};
+use crate::sync::atomic::{AtomicUsize, Ordering};
 
 use super::backend::{self, GatherTable};
 use super::error::TransferError;
@@ -90,8 +96,13 @@ impl Plan {
     /// lists far apart (one page a layer) becomes one run; a fragment is cut
     /// where a chunk fills. Inside a chunk, a piece that continues the
     /// previous piece's host range continues its staging range too (one
-    /// run); a new run starts at the next 16-byte offset.
-    pub fn new(frags: &[Fragment], half: usize, max_entries: usize) -> Plan {
+    /// run); a new run starts at the next 16-byte offset. `chunk_end(a)` is
+    /// the end of the host registration holding address `a`
+    /// (`usize::MAX` outside every registration): pieces and runs are cut
+    /// there, since one copy may not span two registrations
+    /// (cuMemcpyBatchAsync answered INVALID_VALUE for runs across 1 MiB
+    /// registration chunks on the H200, docs/gpu-runs/2026-11-30-duplex-*).
+    pub fn new(frags: &[Fragment], half: usize, max_entries: usize, chunk_end: impl Fn(usize) -> usize) -> Plan {
         assert!(half >= RUN_ALIGN && max_entries >= 1, "staging too small: {half} bytes, {max_entries} entries");
         let mut order: Vec<&Fragment> = frags.iter().filter(|f| f.bytes > 0).collect();
         if !order.windows(2).all(|w| w[0].host <= w[1].host) {
@@ -105,15 +116,18 @@ impl Plan {
             let mut rest = *f;
             while rest.bytes > 0 {
                 let open = p.pieces.len() > first_piece;
-                let continues =
-                    open && p.runs.last().is_some_and(|r| p.runs.len() > first_run && r.host + r.bytes == rest.host);
+                let end = chunk_end(rest.host);
+                let continues = open
+                    && p.runs.last().is_some_and(|r| {
+                        p.runs.len() > first_run && r.host + r.bytes == rest.host && chunk_end(r.host) == end
+                    });
                 let start = if continues { used } else { used.next_multiple_of(RUN_ALIGN) };
                 if open && (start >= half || p.pieces.len() - first_piece >= max_entries) {
                     p.chunks.push(Chunk { pieces: first_piece..p.pieces.len(), runs: first_run..p.runs.len() });
                     (first_piece, first_run, used) = (p.pieces.len(), p.runs.len(), 0);
                     continue;
                 }
-                let take = rest.bytes.min(half - start);
+                let take = rest.bytes.min(half - start).min(end.saturating_sub(rest.host).max(1));
                 p.pieces.push(Piece { frag: Fragment { bytes: take, ..rest }, off: start });
                 match p.runs.last_mut() {
                     Some(r) if continues => r.bytes += take,
@@ -135,7 +149,7 @@ impl Plan {
     }
 }
 
-/// A handler's staging memory, second stream and events (module docs).
+/// A handler's staging memory, its two streams and events (module docs).
 #[derive(Debug)]
 pub(crate) struct Staging {
     /// One allocation: buffer 0, buffer 1, table 0, table 1.
@@ -144,16 +158,25 @@ pub(crate) struct Staging {
     pub half: usize,
     /// Entries of each table.
     pub entries: usize,
-    /// The second stream (odd chunks).
-    pub aux: Stream,
-    fork: Event,
-    join: Event,
+    /// The two streams chunks alternate between: buffer and table `b`
+    /// belong to stream `b`.
+    streams: [Stream; 2],
+    /// Recorded on stream `b` after a job's last chunk there; the handler's
+    /// stream waits for it before the job's completion event.
+    joins: [Event; 2],
+    /// The stream of the next chunk (alternating across jobs too).
+    next: AtomicUsize,
+    /// The handler's page-locked ring (address) and its device alias, when
+    /// the kernel can read descriptor tables there (no upload: a store's
+    /// table upload is a host-to-device copy that would wait behind a load's
+    /// copies on the copy engine).
+    ring: Option<(usize, DevicePtr)>,
 }
 
 impl Staging {
     /// Allocates `bytes` of staging (two buffers of half each, rounded down
     /// to 256 bytes, at least [`MIN_HALF`]) and two tables of `entries`
-    /// through the coordinator's gate, a second stream and two events.
+    /// through the coordinator's gate, two streams and two events.
     /// `Ok(None)` when the device memory cannot be had (the handler then
     /// runs without the staged backend); `Err` when the gate refuses (a
     /// capture window of the calling thread) or a stream or event cannot
@@ -167,38 +190,62 @@ impl Staging {
         let half = (bytes / 2 / 256 * 256).max(MIN_HALF);
         let entries = entries.clamp(1, 1 << 31);
         let total = 2 * half + 2 * entries * GATHER_ENTRY_BYTES;
-        let aux = rt.stream_create()?;
+        let mut streams: Vec<Stream> = Vec::with_capacity(2);
         let mut events: Vec<Event> = Vec::with_capacity(2);
-        let undo = |events: &[Event]| {
+        let undo = |streams: &[Stream], events: &[Event]| {
             for &e in events {
                 if let Err(d) = rt.event_destroy(e) {
                     tracing::warn!(error = %d, "destroying a staging event after a failed set-up failed");
                 }
             }
-            if let Err(d) = rt.stream_destroy(aux) {
-                tracing::warn!(error = %d, "destroying the staging stream after a failed set-up failed");
+            for &s in streams {
+                if let Err(d) = rt.stream_destroy(s) {
+                    tracing::warn!(error = %d, "destroying a staging stream after a failed set-up failed");
+                }
             }
         };
         for _ in 0..2 {
-            match rt.event_create() {
+            let made = rt.stream_create().and_then(|s| {
+                streams.push(s);
+                rt.event_create()
+            });
+            match made {
                 Ok(e) => events.push(e),
                 Err(e) => {
-                    undo(&events);
+                    undo(&streams, &events);
                     return Err(e.into());
                 }
             }
         }
         match coord.unsafe_call("allocating the staging buffers", |gate| rt.mem_alloc(gate, total)) {
-            Ok(Ok(base)) => Ok(Some(Staging { base, half, entries, aux, fork: events[0], join: events[1] })),
+            Ok(Ok(base)) => Ok(Some(Staging {
+                base,
+                half,
+                entries,
+                streams: [streams[0], streams[1]],
+                joins: [events[0], events[1]],
+                next: AtomicUsize::new(0),
+                ring: None,
+            })),
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, bytes = total, "no device staging buffers; the staged backend is off");
-                undo(&events);
+                undo(&streams, &events);
                 Ok(None)
             }
             Err(e) => {
-                undo(&events);
+                undo(&streams, &events);
                 Err(e.into())
             }
+        }
+    }
+
+    /// Lets the kernel read descriptor tables straight from the handler's
+    /// page-locked ring at `addr` (through its device alias; kept off when
+    /// the driver gives none: tables are then uploaded).
+    pub fn use_ring(&mut self, rt: &dyn GpuRuntime, addr: usize) {
+        match rt.host_device_ptr(addr) {
+            Ok(alias) => self.ring = Some((addr, alias)),
+            Err(e) => tracing::warn!(error = %e, "no device alias of the pinned ring; staged tables will be uploaded"),
         }
     }
 
@@ -213,24 +260,36 @@ impl Staging {
         GatherTable { ptr: self.base + at as DevicePtr, entries: self.entries }
     }
 
-    /// The gather entries of `plan`, chunk after chunk, for `dir`: each
-    /// piece between its GPU range and its range of the chunk's buffer.
-    pub fn entries<'a>(&'a self, dir: Direction, plan: &'a Plan) -> impl Iterator<Item = [u64; 3]> + 'a {
+    /// The stream chunk 0 of the next job goes to (chunk `c` goes to
+    /// `(first + c) % 2`, and so do its buffer and table).
+    pub fn first_stream(&self) -> usize {
+        self.next.load(Ordering::Relaxed) % 2
+    }
+
+    /// The gather entries of `plan` for `dir`, chunk after chunk, chunk 0 on
+    /// stream `first`: each piece between its GPU range and its range of
+    /// the chunk's buffer.
+    pub fn entries<'a>(&'a self, dir: Direction, plan: &'a Plan, first: usize) -> impl Iterator<Item = [u64; 3]> + 'a {
         plan.chunks.iter().enumerate().flat_map(move |(c, ch)| {
-            let buf = self.buffer(c % 2);
+            let buf = self.buffer((first + c) % 2);
             plan.pieces[ch.pieces.clone()].iter().map(move |p| backend::entry(dir, p.frag, buf + p.off as DevicePtr))
         })
     }
 
-    /// Enqueues `plan` (whose encoded entries, chunk after chunk, are
-    /// `table`) on `main` and the second stream; returns the first error.
-    /// When the second stream was used and cannot be joined back into
-    /// `main`, waits for it through the gate before returning the error.
+    /// Enqueues `plan` (encoded by [`Staging::entries`] with `first` into
+    /// `table`) on the two streams, each first waiting for `after_compute`
+    /// (the event the handler's stream waits for at submission), and makes
+    /// the handler's stream `main` wait for the last chunk of each: no
+    /// stream waits for an earlier job's other stream, so chunks of
+    /// consecutive jobs follow each other without a gap. Returns the first
+    /// error; when a stream cannot be joined back into `main`, waits for it
+    /// through the gate before returning the error.
     ///
     /// # Safety
     /// `table` stays alive and unchanged until `main` has executed the
     /// job; every GPU range of the plan is device memory of `rt` and every
     /// host range stays mapped (and untouched, for a store) until then.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn enqueue(
         &self,
         rt: &dyn GpuRuntime,
@@ -238,53 +297,77 @@ impl Staging {
         dir: Direction,
         plan: &Plan,
         table: &[u64],
+        first: usize,
         main: Stream,
+        after_compute: Event,
     ) -> DriverResult<()> {
-        let forked = plan.chunks.len() > 1;
-        if forked {
-            rt.event_record(self.fork, main)?;
-            rt.stream_wait_event(self.aux, self.fork)?;
-        }
+        let used: Vec<usize> = (0..plan.chunks.len().min(2)).map(|c| (first + c) % 2).collect();
+        // The alias of `table` when it lies in the ring: the kernel reads it
+        // there, without an upload.
+        let alias = self.ring.and_then(|(addr, alias)| {
+            let at = (table.as_ptr() as usize).checked_sub(addr)?;
+            Some(alias + at as DevicePtr)
+        });
         let mut r = Ok(());
-        for (c, ch) in plan.chunks.iter().enumerate() {
-            let b = c % 2;
-            let s = if b == 0 { main } else { self.aux };
-            let words = &table[ch.pieces.start * 3..ch.pieces.end * 3];
-            let buf = self.buffer(b);
-            let runs: Vec<Fragment> = plan.runs[ch.runs.clone()]
-                .iter()
-                .map(|r| Fragment { host: r.host, device: buf + r.off as DevicePtr, bytes: r.bytes })
-                .collect();
-            // SAFETY: the kernel reads `words` (alive until the job is
-            // done, this function's contract) and device memory only: the
-            // job's GPU pages and buffer `b`, which only stream `s` uses, in
-            // order; the copies move buffer `b` and the host runs, valid by
-            // this function's contract.
-            r =
-                unsafe {
-                    match dir {
-                        Direction::DeviceToHost => backend::gather(rt, self.table(b), words, s)
-                            .and_then(|()| backend::batched(rt, dir, &runs, s)),
-                        Direction::HostToDevice => backend::batched(rt, dir, &runs, s)
-                            .and_then(|()| backend::gather(rt, self.table(b), words, s)),
+        for &b in &used {
+            r = r.and_then(|()| rt.stream_wait_event(self.streams[b], after_compute));
+        }
+        if r.is_ok() {
+            for (c, ch) in plan.chunks.iter().enumerate() {
+                let b = (first + c) % 2;
+                let s = self.streams[b];
+                let words = &table[ch.pieces.start * 3..ch.pieces.end * 3];
+                let buf = self.buffer(b);
+                let runs: Vec<Fragment> = plan.runs[ch.runs.clone()]
+                    .iter()
+                    .map(|r| Fragment { host: r.host, device: buf + r.off as DevicePtr, bytes: r.bytes })
+                    .collect();
+                // SAFETY: the kernel reads `words` (alive until the job is
+                // done, this function's contract) and device memory only:
+                // the job's GPU pages and buffer `b`, which only stream `s`
+                // uses, in order; from the ring, through its alias, when the
+                // table lies there (page-locked memory the driver allocated,
+                // freed only after the handler's jobs are done); otherwise
+                // uploaded into table `b`, which only stream `s` uses. The
+                // copies move buffer `b` and the host runs, valid by this
+                // function's contract.
+                let kernel = |rt: &dyn GpuRuntime| unsafe {
+                    match alias {
+                        Some(a) => rt.launch(
+                            Kernel::Gather {
+                                table: a + (ch.pieces.start * GATHER_ENTRY_BYTES) as DevicePtr,
+                                count: ch.pieces.len() as u32,
+                            },
+                            s,
+                        ),
+                        None => backend::gather(rt, self.table(b), words, s),
                     }
                 };
-            if r.is_err() {
-                break;
+                // SAFETY: as above.
+                r = match dir {
+                    Direction::DeviceToHost => kernel(rt).and_then(|()| unsafe { backend::batched(rt, dir, &runs, s) }),
+                    Direction::HostToDevice => unsafe { backend::batched(rt, dir, &runs, s) }.and_then(|()| kernel(rt)),
+                };
+                if r.is_err() {
+                    break;
+                }
             }
         }
-        if forked {
-            let joined = rt.event_record(self.join, self.aux).and_then(|()| rt.stream_wait_event(main, self.join));
+        self.next.store((first + plan.chunks.len()) % 2, Ordering::Relaxed);
+        for &b in &used {
+            let joined = rt
+                .event_record(self.joins[b], self.streams[b])
+                .and_then(|()| rt.stream_wait_event(main, self.joins[b]));
             if let Err(e) = joined {
-                // The job's completion event would not cover the second
-                // stream: wait for it here, so that nothing of this job runs
-                // once it is reported.
-                tracing::error!(error = %e, "joining the staging stream failed; waiting for it");
-                match coord.unsafe_call("waiting for the staging stream", |gate| rt.stream_synchronize(gate, self.aux))
-                {
+                // The job's completion event would not cover this stream:
+                // wait for it here, so that nothing of this job runs once it
+                // is reported.
+                tracing::error!(error = %e, "joining a staging stream failed; waiting for it");
+                let s = self.streams[b];
+                match coord.unsafe_call("waiting for a staging stream", |gate| rt.stream_synchronize(gate, s)) {
                     Ok(Ok(())) => {}
-                    Ok(Err(s)) => tracing::error!(error = %s, "synchronizing the staging stream failed"),
-                    Err(s) => tracing::error!(error = %s, "staging stream not waited for (inside a capture window)"),
+                    Ok(Err(x)) => tracing::error!(error = %x, "synchronizing a staging stream failed"),
+                    Err(x) => tracing::error!(error = %x, "staging stream not waited for (inside a capture window)"),
                 }
                 r = r.and(Err(e));
             }
@@ -292,22 +375,25 @@ impl Staging {
         r
     }
 
-    /// Frees everything; `busy` when the handler had jobs in flight (the
-    /// second stream is synchronized first, through the gate). Leaks the
-    /// buffers when that wait is refused (inside a capture window).
+    /// Frees everything; `busy` when the handler's stream was not waited
+    /// for with jobs in flight (both streams are then synchronized first,
+    /// through the gate). Leaks the buffers when that wait is refused
+    /// (inside a capture window).
     pub fn release(self, rt: &dyn GpuRuntime, coord: &Coordinator, busy: bool) {
         let mut idle = true;
         if busy {
-            match coord.unsafe_call("dropping the staging stream", |gate| rt.stream_synchronize(gate, self.aux)) {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!(error = %e, "synchronizing the staging stream at drop failed"),
-                Err(e) => {
-                    tracing::error!(error = %e, "staging buffers leaked (engine dropped with jobs in flight inside a capture window)");
-                    idle = false;
+            for s in self.streams {
+                match coord.unsafe_call("dropping a staging stream", |gate| rt.stream_synchronize(gate, s)) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::warn!(error = %e, "synchronizing a staging stream at drop failed"),
+                    Err(e) => {
+                        tracing::error!(error = %e, "staging buffers leaked (engine dropped with jobs in flight inside a capture window)");
+                        idle = false;
+                    }
                 }
             }
         }
-        for e in [self.fork, self.join] {
+        for e in self.joins {
             if let Err(err) = rt.event_destroy(e) {
                 tracing::warn!(error = %err, "destroying a staging event failed");
             }
@@ -319,8 +405,10 @@ impl Staging {
                 Err(e) => tracing::warn!(error = %e, "staging buffers leaked (dropped inside a capture window)"),
             }
         }
-        if let Err(e) = rt.stream_destroy(self.aux) {
-            tracing::warn!(error = %e, "destroying the staging stream failed");
+        for s in self.streams {
+            if let Err(e) = rt.stream_destroy(s) {
+                tracing::warn!(error = %e, "destroying a staging stream failed");
+            }
         }
     }
 }
@@ -340,7 +428,7 @@ mod tests {
         // the expansion does): pages of one block are far apart in the list.
         let frags =
             [frag(1000, 1 << 20, 64), frag(5000, 2 << 20, 64), frag(1064, 3 << 20, 64), frag(5064, 4 << 20, 64)];
-        let p = Plan::new(&frags, 4096, 100);
+        let p = Plan::new(&frags, 4096, 100, |_| usize::MAX);
         assert_eq!(p.runs, vec![Run { host: 1000, off: 0, bytes: 128 }, Run { host: 5000, off: 128, bytes: 128 }]);
         assert_eq!(p.chunks, vec![Chunk { pieces: 0..4, runs: 0..2 }]);
         assert_eq!(p.mean_run_bytes(), 128);
@@ -351,7 +439,7 @@ mod tests {
     fn chunks_fill_then_cut_fragments() {
         // 100 + 100 bytes into 128-byte chunks: the second fragment is cut;
         // the 16-byte alignment of a new run moves it to offset 112.
-        let p = Plan::new(&[frag(0, 0, 100), frag(10_000, 500, 100)], 128, 100);
+        let p = Plan::new(&[frag(0, 0, 100), frag(10_000, 500, 100)], 128, 100, |_| usize::MAX);
         assert_eq!(
             p.pieces,
             vec![
@@ -362,8 +450,12 @@ mod tests {
         );
         assert_eq!(p.chunks.len(), 2);
         // At most 2 entries a chunk.
-        let p = Plan::new(&[frag(0, 0, 16), frag(16, 100, 16), frag(32, 200, 16)], 4096, 2);
+        let p = Plan::new(&[frag(0, 0, 16), frag(16, 100, 16), frag(32, 200, 16)], 4096, 2, |_| usize::MAX);
         assert_eq!(p.chunks, vec![Chunk { pieces: 0..2, runs: 0..1 }, Chunk { pieces: 2..3, runs: 1..2 }]);
+        // Registrations of 40 bytes: runs and pieces cut at 40 and 80.
+        let p = Plan::new(&[frag(0, 0, 16), frag(16, 100, 48), frag(64, 200, 16)], 4096, 100, |a| (a / 40 + 1) * 40);
+        assert_eq!(p.runs, vec![Run { host: 0, off: 0, bytes: 40 }, Run { host: 40, off: 48, bytes: 40 }]);
+        assert_eq!(p.pieces.len(), 4, "{:?}", p.pieces);
     }
 
     proptest! {
@@ -378,7 +470,11 @@ mod tests {
             half in 16usize..700,
             entries in 1usize..9,
             seed in any::<u64>(),
+            reg in 0usize..3,
         ) {
+            // Registrations: none, or back to back every 96 or 1000 bytes.
+            let reg_len = [usize::MAX, 96, 1000][reg];
+            let chunk_end = move |a: usize| if reg_len == usize::MAX { usize::MAX } else { (a / reg_len + 1) * reg_len };
             // Disjoint host and device ranges in shuffled orders, some
             // host-adjacent.
             let mut host = 4096usize;
@@ -394,7 +490,7 @@ mod tests {
                 s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 frags.swap(i, (s >> 33) as usize % (i + 1));
             }
-            let p = Plan::new(&frags, half, entries);
+            let p = Plan::new(&frags, half, entries, chunk_end);
             prop_assert_eq!(p.bytes, sizes.iter().sum::<usize>() as u64);
             // Every byte once: pieces sorted by host tile the fragments.
             let mut covered: Vec<(usize, u64, usize)> = p.pieces.iter().map(|x| (x.frag.host, x.frag.device, x.frag.bytes)).collect();
@@ -427,6 +523,7 @@ mod tests {
                 let mut run_bytes = 0;
                 for r in runs {
                     prop_assert_eq!(r.off % RUN_ALIGN, 0);
+                    prop_assert!(r.host + r.bytes <= chunk_end(r.host), "run {:?} spans two registrations", r);
                     run_bytes += r.bytes;
                 }
                 for x in &p.pieces[ch.pieces.clone()] {
