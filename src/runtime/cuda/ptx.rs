@@ -30,8 +30,12 @@ pub(crate) const GATHER_THREADS: u32 = 1024;
 /// Most blocks one [`GATHER`] launch uses, per multiprocessor of the device
 /// (blocks stride over fragments): one block of half a multiprocessor's
 /// threads on each, so that a load's and a store's kernels fit side by side
-/// on every multiprocessor, where 2048 blocks of 256 threads let the kernel
-/// launched first take them all (docs/gpu-runs/2026-11-30-duplex-*.txt).
+/// on every multiprocessor. Measured on the H200
+/// (docs/gpu-runs/2026-11-30-duplex-*): alone as fast as the former 2048
+/// blocks of 256 threads (51 - 53 GB/s); both ways at once the two kernels
+/// split the link evenly (39 - 40 GB/s each started together, 31 - 33.5 in
+/// `bench transfer`'s interleaved jobs) where 2048 x 256 split it unevenly
+/// (27.7 - 44; 28.0 - 39.4).
 pub(crate) const GATHER_BLOCKS_PER_SM: u32 = 1;
 
 /// `kvo_gather(u64 table, u32 count)`: copies `count` fragments described by
