@@ -66,11 +66,21 @@ fn staged_in_many_chunks_on_both_streams() {
     // blocks of 3 pages (1 KiB, or 1 KiB + 8: the kernel's byte path) cut
     // into many chunks, alternating between the handler's two streams;
     // plus pages larger than a staging buffer, cut inside the page.
-    for (page, entries, blocks) in [(1024, 3, 16), (1032, 3, 16), (1024, 1 << 10, 16), (12 << 10, 8, 4)] {
+    // The last case's ring holds 40 entries: some jobs' tables land in the
+    // ring (read by the kernel through its alias), the rest on the heap
+    // (uploaded).
+    for (page, entries, blocks, ring) in [
+        (1024, 3, 16, 1 << 15),
+        (1032, 3, 16, 1 << 15),
+        (1024, 1 << 10, 16, 1 << 15),
+        (12 << 10, 8, 4, 1 << 15),
+        (1024, 3, 16, 40),
+    ] {
         let (s, rt) = sim();
         let o = TransferOptions {
             staging_bytes: 8 << 10,
             gather_table_entries: entries,
+            staging_ring_entries: ring,
             ..opts(BackendChoice::Force(Backend::Staged))
         };
         let mut rig = Rig::new(rt, block_major(3, page, blocks), o, Pin::Registered);

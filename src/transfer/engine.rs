@@ -286,7 +286,7 @@ impl TransferEngine {
                     Ok(Ok(addr)) => {
                         h.ring = Some((addr, words));
                         if let Some(st) = h.staged.as_mut() {
-                            st.use_ring(rt, addr);
+                            st.use_ring(rt, addr, words * 8);
                         }
                         h.q = Mutex::new(Queue { ring: Ring::new(words), ..Queue::default() });
                     }

@@ -166,11 +166,11 @@ pub(crate) struct Staging {
     joins: [Event; 2],
     /// The stream of the next chunk (alternating across jobs too).
     next: AtomicUsize,
-    /// The handler's page-locked ring (address) and its device alias, when
+    /// The handler's page-locked ring (address, bytes) and its device alias, when
     /// the kernel can read descriptor tables there (no upload: a store's
     /// table upload is a host-to-device copy that would wait behind a load's
     /// copies on the copy engine).
-    ring: Option<(usize, DevicePtr)>,
+    ring: Option<(usize, usize, DevicePtr)>,
 }
 
 impl Staging {
@@ -240,11 +240,11 @@ impl Staging {
     }
 
     /// Lets the kernel read descriptor tables straight from the handler's
-    /// page-locked ring at `addr` (through its device alias; kept off when
-    /// the driver gives none: tables are then uploaded).
-    pub fn use_ring(&mut self, rt: &dyn GpuRuntime, addr: usize) {
+    /// page-locked ring of `bytes` at `addr` (through its device alias; kept
+    /// off when the driver gives none: tables are then uploaded).
+    pub fn use_ring(&mut self, rt: &dyn GpuRuntime, addr: usize, bytes: usize) {
         match rt.host_device_ptr(addr) {
-            Ok(alias) => self.ring = Some((addr, alias)),
+            Ok(alias) => self.ring = Some((addr, bytes, alias)),
             Err(e) => tracing::warn!(error = %e, "no device alias of the pinned ring; staged tables will be uploaded"),
         }
     }
@@ -303,10 +303,10 @@ impl Staging {
     ) -> DriverResult<()> {
         let used: Vec<usize> = (0..plan.chunks.len().min(2)).map(|c| (first + c) % 2).collect();
         // The alias of `table` when it lies in the ring: the kernel reads it
-        // there, without an upload.
-        let alias = self.ring.and_then(|(addr, alias)| {
+        // there, without an upload (a heap table is uploaded).
+        let alias = self.ring.and_then(|(addr, bytes, alias)| {
             let at = (table.as_ptr() as usize).checked_sub(addr)?;
-            Some(alias + at as DevicePtr)
+            (at.checked_add(std::mem::size_of_val(table))? <= bytes).then_some(alias + at as DevicePtr)
         });
         let mut r = Ok(());
         for &b in &used {
