@@ -191,3 +191,32 @@ fn event_after_a_trailing_wait_completes_and_wakes_its_waiter() {
     }
     assert!(gated(|gt| rt.event_query(gt, done)).unwrap());
 }
+
+#[test]
+fn batched_copy_spanning_two_registrations_is_refused() {
+    // One copy's host range lies in one registration or in none (the H200
+    // answered INVALID_VALUE for staged runs crossing 1 MiB registration
+    // chunks, docs/gpu-runs/2026-11-30-duplex-summary.md).
+    let rt = SimRuntime::new();
+    let d = gated(|gt| rt.mem_alloc(gt, 3 * 4096)).unwrap();
+    let mut buf = memmap2::MmapMut::map_anon(3 * 4096).unwrap();
+    let base = buf.as_mut_ptr() as usize;
+    // SAFETY: `buf` stays mapped until both ranges are unregistered below.
+    unsafe {
+        gated(|gt| rt.host_register(gt, base, 4096)).unwrap();
+        gated(|gt| rt.host_register(gt, base + 4096, 4096)).unwrap();
+    }
+    let s = rt.stream_create().unwrap();
+    let copy = |host: usize, bytes: usize| {
+        let f = [Fragment { host, device: d, bytes }];
+        // SAFETY: `buf` and `d` outlive the copies (synchronized below).
+        unsafe { rt.copy_batch_async(Direction::DeviceToHost, &f, s) }.map_err(|e| e.code)
+    };
+    assert_eq!(copy(base + 100, 4096), Err(Code::INVALID_VALUE), "across two registrations");
+    assert_eq!(copy(base + 4096 + 100, 4096), Err(Code::INVALID_VALUE), "registered, then not");
+    assert_eq!(copy(base + 100, 3000), Ok(()), "inside one registration");
+    assert_eq!(copy(base + 2 * 4096, 4096), Ok(()), "in none (pageable)");
+    gated(|gt| rt.stream_synchronize(gt, s)).unwrap();
+    gated(|gt| rt.host_unregister(gt, base)).unwrap();
+    gated(|gt| rt.host_unregister(gt, base + 4096)).unwrap();
+}

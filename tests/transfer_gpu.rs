@@ -1,7 +1,9 @@
 //! The transfer engine on a real GPU: the simulated-GPU correctness tests
 //! again (every byte, both directions, every backend), the gather kernel's
-//! vector and byte paths and its multi-launch tables, the fallback on
-//! unregistered memory, and ordering after compute.
+//! vector and byte paths and its multi-launch tables, the staged backend in
+//! many chunks on two streams and the automatic choice of it while the
+//! other direction is busy, the fallback on unregistered memory, and
+//! ordering after compute.
 //!
 //! Every test prints "skipped: no GPU" and passes when no CUDA driver is
 //! present or device 0 cannot be opened. Run on a GPU machine (and under
@@ -13,10 +15,10 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{gated, opts, random_case, simple, Pin, Rig, Rng, DIRS};
+use common::{gated, opts, random_case, simple, Pin, Rig, Rng, Shape, DIRS};
 use kvoffload::runtime::cuda::CudaRuntime;
-use kvoffload::runtime::{GpuRuntime, Kernel};
-use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, TransferOptions};
+use kvoffload::runtime::{Direction, GpuRuntime, Kernel};
+use kvoffload::transfer::{Backend, BackendChoice, HostPlacement, JobBlocks, TransferOptions};
 
 /// Says on the real stderr (the test harness captures println) that the
 /// GPU tests were skipped.
@@ -54,7 +56,65 @@ fn gpu_every_byte_every_backend() {
     random_layouts(&rt, BackendChoice::Force(Backend::PerFragment), Some(Backend::PerFragment), 11);
     random_layouts(&rt, BackendChoice::Force(Backend::Batched), Some(Backend::Batched), 12);
     random_layouts(&rt, BackendChoice::Force(Backend::Gather), Some(Backend::Gather), 13);
+    random_layouts(&rt, BackendChoice::Force(Backend::Staged), Some(Backend::Staged), 15);
     random_layouts(&rt, BackendChoice::Auto, None, 14);
+}
+
+/// `layers` tensors of `page`-byte pages, `blocks` blocks, block major.
+fn block_major(layers: usize, page: usize, blocks: usize) -> Shape {
+    Shape { groups: vec![(vec![page; layers], blocks, blocks)], factor: 1, placement: HostPlacement::BlockMajor }
+}
+
+#[test]
+fn gpu_staged_in_many_chunks_at_kv_sizes() {
+    let Some(rt) = gpu() else { return };
+    // 8 layers of 32 KiB pages (host blocks of 256 KiB), 20 of 24 blocks a
+    // job: in one chunk (default staging), in chunks of 4 pages alternating
+    // between the two streams, and with 32 KiB + 8 pages (the kernel's byte
+    // path, runs cut inside pages).
+    for (page, staging) in [(32 << 10, 16 << 20), (32 << 10, 256 << 10), ((32 << 10) + 8, 256 << 10)] {
+        let o = TransferOptions { staging_bytes: staging, ..opts(BackendChoice::Force(Backend::Staged)) };
+        let mut rig = Rig::new(rt.clone(), block_major(8, page, 24), o, Pin::Registered);
+        let mut rng = Rng(page as u64 ^ staging as u64);
+        for dir in DIRS {
+            let res = rig.run_checked(dir, &JobBlocks::single(rng.distinct(24, 20), rng.distinct(24, 20)), 7);
+            assert_eq!(res.backend, Backend::Staged);
+        }
+    }
+    gated(|gt| rt.ctx_synchronize(gt)).expect("context healthy");
+}
+
+#[test]
+fn gpu_auto_stages_while_the_other_direction_is_busy() {
+    let Some(rt) = gpu() else { return };
+    // Host runs of 8 x 32 KiB: a load alone takes the gather kernel; a store
+    // submitted while it is in flight (unreported) is staged.
+    let mut rig = Rig::new(rt.clone(), block_major(8, 32 << 10, 16), opts(BackendChoice::Auto), Pin::Registered);
+    rig.fill(3);
+    let (host_before, dev_before) = (rig.host.to_vec(), rig.device_snapshot());
+    let load = JobBlocks::single(vec![0, 5, 9], vec![4, 1, 12]);
+    let store = JobBlocks::single(vec![2, 7, 11, 3], vec![0, 8, 3, 15]);
+    rig.engine().load(1, &load).unwrap();
+    rig.engine().store(2, &store).unwrap();
+    rig.engine().wait_all().unwrap();
+    let mut res = Vec::new();
+    while res.len() < 2 {
+        res.extend(rig.engine().poll_finished());
+    }
+    res.sort_by_key(|r| r.id);
+    assert!(res.iter().all(|r| r.succeeded()), "{res:?}");
+    assert_eq!((res[0].backend, res[1].backend), (Backend::Gather, Backend::Staged));
+    let dev_after = rig.device_snapshot();
+    for (dir, job) in [(Direction::HostToDevice, &load), (Direction::DeviceToHost, &store)] {
+        for (g, t, b, off, p) in rig.shape.pages(job) {
+            let (want, got) = match dir {
+                Direction::HostToDevice => (&host_before[off..off + p], &dev_after[g][t][b * p..(b + 1) * p]),
+                Direction::DeviceToHost => (&dev_before[g][t][b * p..(b + 1) * p], &rig.host[off..off + p]),
+            };
+            assert!(want == got, "{dir:?}: block {b} tensor {t} differs");
+        }
+    }
+    gated(|gt| rt.ctx_synchronize(gt)).expect("context healthy");
 }
 
 #[test]

@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{gated, opts, random_case, simple, Pin, Rig, Rng, DIRS};
+use common::{gated, opts, random_case, simple, Pin, Rig, Rng, Shape, DIRS};
 use kvoffload::protocol::ProtocolError;
 use kvoffload::runtime::sim::{HoldPoint, SimFault, SimRuntime};
 use kvoffload::runtime::{CaptureMode, Code, Direction, GpuRuntime};
@@ -47,6 +47,215 @@ fn every_byte_gather() {
 #[test]
 fn every_byte_auto() {
     random_layouts(BackendChoice::Auto, None, 4);
+}
+
+#[test]
+fn every_byte_staged() {
+    random_layouts(BackendChoice::Force(Backend::Staged), Some(Backend::Staged), 15);
+}
+
+/// `layers` tensors of `page`-byte pages, `blocks` GPU and host blocks,
+/// block major: each host block one contiguous run of `layers` pages.
+fn block_major(layers: usize, page: usize, blocks: usize) -> Shape {
+    Shape { groups: vec![(vec![page; layers], blocks, blocks)], factor: 1, placement: HostPlacement::BlockMajor }
+}
+
+#[test]
+fn staged_in_many_chunks_on_both_streams() {
+    // 2 x 4 KiB of staging (the smallest), 3-entry tables: jobs of 12 host
+    // blocks of 3 pages (1 KiB, or 1 KiB + 8: the kernel's byte path) cut
+    // into many chunks, alternating between the handler's two streams;
+    // plus pages larger than a staging buffer, cut inside the page.
+    // The last case's ring holds 40 entries: some jobs' tables land in the
+    // ring (read by the kernel through its alias), the rest on the heap
+    // (uploaded).
+    for (page, entries, blocks, ring) in [
+        (1024, 3, 16, 1 << 15),
+        (1032, 3, 16, 1 << 15),
+        (1024, 1 << 10, 16, 1 << 15),
+        (12 << 10, 8, 4, 1 << 15),
+        (1024, 3, 16, 40),
+    ] {
+        let (s, rt) = sim();
+        let o = TransferOptions {
+            staging_bytes: 8 << 10,
+            gather_table_entries: entries,
+            staging_ring_entries: ring,
+            ..opts(BackendChoice::Force(Backend::Staged))
+        };
+        let mut rig = Rig::new(rt, block_major(3, page, blocks), o, Pin::Registered);
+        let mut rng = Rng(page as u64);
+        for k in 0..3 {
+            for dir in DIRS {
+                let n = blocks - k;
+                let res = rig.run_checked(
+                    dir,
+                    &JobBlocks::single(rng.distinct(blocks, n), rng.distinct(blocks, n)),
+                    k as u64,
+                );
+                assert_eq!(res.backend, Backend::Staged);
+            }
+        }
+        assert_eq!(s.poisoned(), None);
+    }
+}
+
+/// Polls until `n` results were reported.
+fn poll_n(rig: &Rig, n: usize) -> Vec<kvoffload::transfer::JobResult> {
+    let mut out = Vec::new();
+    while out.len() < n {
+        out.extend(rig.engine().poll_finished());
+        std::thread::yield_now();
+    }
+    out
+}
+
+#[test]
+fn staged_runs_end_at_registration_chunks() {
+    // Host blocks of 4 KiB in 8 KiB registration chunks, jobs of nearly
+    // every block: host-adjacent blocks make runs that would cross chunk
+    // boundaries (one copy may not span two registrations); and a merged
+    // batched fragment across chunks likewise.
+    let (s, rt) = sim();
+    let mut rig = Rig::chunked(
+        rt.clone(),
+        block_major(4, 1024, 16),
+        opts(BackendChoice::Force(Backend::Staged)),
+        Pin::Registered,
+        8 << 10,
+    );
+    let mut rng = Rng(21);
+    for dir in DIRS {
+        let res = rig.run_checked(dir, &JobBlocks::single(rng.distinct(16, 15), rng.distinct(16, 15)), 2);
+        assert_eq!(res.backend, Backend::Staged);
+        let res = rig.run_checked(dir, &JobBlocks::single((0..16).collect(), (0..16).collect()), 3);
+        assert_eq!(res.backend, Backend::Staged);
+    }
+    drop(rig);
+    let o = opts(BackendChoice::Force(Backend::Batched));
+    let mut rig = Rig::chunked(rt, simple(1, 4096, 8), o, Pin::Registered, 8 << 10);
+    for dir in DIRS {
+        let res = rig.run_checked(dir, &JobBlocks::single((0..8).collect(), (0..8).collect()), 4);
+        assert_eq!((res.backend, res.fragments), (Backend::Batched, 1));
+    }
+    assert_eq!(s.poisoned(), None);
+}
+
+#[test]
+fn auto_stages_only_while_the_other_direction_is_busy() {
+    // 4 layers of 64 KiB: host runs of 256 KiB, the default threshold.
+    let (s, rt) = sim();
+    let mut rig = Rig::new(rt, block_major(4, 64 << 10, 8), opts(BackendChoice::Auto), Pin::Registered);
+    rig.fill(4);
+    let (host_before, dev_before) = (rig.host.to_vec(), rig.device_snapshot());
+    // Nothing in flight: the gather kernel. The load stays unreported (in
+    // flight) until polled, so the store after it sees it busy: staged; so
+    // does a second load.
+    let jobs = [
+        (Direction::HostToDevice, JobBlocks::single(vec![0, 1], vec![5, 3])),
+        (Direction::DeviceToHost, JobBlocks::single(vec![2, 6], vec![0, 7])),
+        (Direction::HostToDevice, JobBlocks::single(vec![4], vec![2])),
+    ];
+    for (i, (dir, job)) in jobs.iter().enumerate() {
+        rig.engine().submit(i as u64 + 1, *dir, job).unwrap();
+    }
+    rig.engine().wait_all().unwrap();
+    let mut res = poll_n(&rig, 3);
+    res.sort_by_key(|r| r.id);
+    let used: Vec<Backend> = res.iter().map(|r| r.backend).collect();
+    assert_eq!(used, vec![Backend::Gather, Backend::Staged, Backend::Staged], "{res:?}");
+    assert!(res.iter().all(|r| r.succeeded()));
+    let dev_after = rig.device_snapshot();
+    for (dir, job) in &jobs {
+        for (g, t, b, off, p) in rig.shape.pages(job) {
+            let (want, got) = match dir {
+                Direction::HostToDevice => (&host_before[off..off + p], &dev_after[g][t][b * p..(b + 1) * p]),
+                Direction::DeviceToHost => (&dev_before[g][t][b * p..(b + 1) * p], &rig.host[off..off + p]),
+            };
+            assert!(want == got, "{dir:?}: block {b} tensor {t} differs");
+        }
+    }
+    // Alone again: the gather kernel.
+    let r = rig.run_checked(Direction::DeviceToHost, &JobBlocks::single(vec![3], vec![1]), 9);
+    assert_eq!(r.backend, Backend::Gather);
+    // Scattered host pages (one tensor): never staged, busy or not.
+    drop(rig);
+    let (_s2, rt2) = sim();
+    let rig = Rig::new(rt2, simple(1, 64 << 10, 8), opts(BackendChoice::Auto), Pin::Registered);
+    rig.engine().load(1, &JobBlocks::single(vec![0, 1], vec![5, 3])).unwrap();
+    rig.engine().store(2, &JobBlocks::single(vec![2, 6], vec![0, 7])).unwrap();
+    rig.engine().wait_all().unwrap();
+    let res = poll_n(&rig, 2);
+    assert!(res.iter().all(|r| r.backend == Backend::Gather), "{res:?}");
+    assert_eq!(s.poisoned(), None);
+}
+
+#[test]
+fn staged_without_staging_buffers_falls_back() {
+    let (_s, rt) = sim();
+    let o = TransferOptions { staging_bytes: 0, ..opts(BackendChoice::Force(Backend::Staged)) };
+    let mut rig = Rig::new(rt, block_major(2, 4096, 8), o, Pin::Registered);
+    let r = rig.run_checked(Direction::DeviceToHost, &JobBlocks::single(vec![1, 2], vec![3, 4]), 1);
+    assert_eq!(r.backend, Backend::PerFragment);
+}
+
+#[test]
+fn staged_job_failing_on_the_second_stream_is_reported_in_order() {
+    // Chunks of one 4 KiB page: chunk 1 runs on the second stream; its
+    // batched copy fails at enqueue. The job is reported failed, after the
+    // job before it, and the next job completes.
+    let (s, rt) = sim();
+    let o = TransferOptions { staging_bytes: 8 << 10, ..opts(BackendChoice::Force(Backend::Staged)) };
+    let mut rig = Rig::new(rt.clone(), block_major(1, 4096, 16), o, Pin::Registered);
+    rig.fill(3);
+    let hold = s.hold(HoldPoint::DeviceOp);
+    rig.engine().store(1, &JobBlocks::single(vec![0, 2, 4], vec![0, 2, 4])).unwrap();
+    hold.wait_entered();
+    // Copies of job 2 (its tables are read from the pinned ring, not
+    // uploaded): chunk 0's batched copy (1), chunk 1's (2), on the second
+    // staging stream.
+    s.inject(SimFault::Copy { nth: 2, code: Code::OUT_OF_MEMORY });
+    rig.engine().store(2, &JobBlocks::single(vec![6, 8, 10], vec![6, 8, 10])).unwrap();
+    rig.engine().store(3, &JobBlocks::single(vec![12, 14], vec![12, 14])).unwrap();
+    assert!(rig.engine().poll_finished().is_empty());
+    hold.release();
+    assert!(matches!(rig.engine().wait(2), Err(TransferError::JobFailed { id: 2, .. })));
+    rig.engine().wait(3).unwrap();
+    let res = rig.poll_until(3);
+    let ids: Vec<(u64, bool)> = res.iter().map(|r| (r.id, r.succeeded())).collect();
+    assert_eq!(ids, vec![(1, true), (2, false), (3, true)]);
+    assert!(res.iter().all(|r| r.backend == Backend::Staged));
+    assert_eq!(rig.host[12 * 4096..13 * 4096], rig.device_snapshot()[0][0][12 * 4096..13 * 4096]);
+    assert_eq!(s.poisoned(), None);
+}
+
+#[test]
+fn engine_dropped_with_staged_jobs_in_flight() {
+    // Dropping the engine waits for both streams before freeing the staging
+    // buffers: the sim would fault a copy out of freed device memory.
+    let (s, rt) = sim();
+    let o = TransferOptions { staging_bytes: 8 << 10, ..opts(BackendChoice::Force(Backend::Staged)) };
+    let mut rig = Rig::new(rt, block_major(2, 4096, 16), o, Pin::Registered);
+    rig.fill(6);
+    let dev = rig.device_snapshot();
+    let hold = s.hold(HoldPoint::DeviceOp);
+    rig.engine().store(1, &JobBlocks::single((0..8).collect(), (0..8).collect())).unwrap();
+    hold.wait_entered();
+    let dropper = {
+        let engine = rig.engine.take().unwrap();
+        std::thread::spawn(move || drop(engine))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    hold.release();
+    dropper.join().unwrap();
+    assert_eq!(s.poisoned(), None);
+    // Block-major: host block b holds block b's page of tensor 0, then of tensor 1.
+    for b in 0..8 {
+        for (t, tensor) in dev[0].iter().enumerate() {
+            let host = &rig.host[(b * 2 + t) * 4096..(b * 2 + t + 1) * 4096];
+            assert!(host == &tensor[b * 4096..(b + 1) * 4096], "block {b} tensor {t}");
+        }
+    }
 }
 
 #[test]

@@ -190,7 +190,11 @@ pub fn engine_with_compute(
     // for the device) made P5's model take 435 s instead of about 32 s. Both
     // go through `Coordinator::unsafe_call` like the device table's, and
     // the ring itself is tested on the simulated GPU (tests/transfer_sim.rs).
-    let opts = TransferOptions { backend, staging_ring_entries: 0, ..TransferOptions::default() };
+    // Likewise no device staging buffers (the staged backend's allocation,
+    // second stream, two events and free, the free waiting for the device):
+    // the staged path's kernel touches device memory only (nothing for P3
+    // to check) and its ordering is tested on the simulated GPU.
+    let opts = TransferOptions { backend, staging_ring_entries: 0, staging_bytes: 0, ..TransferOptions::default() };
     // SAFETY: the fixture's host memory is leaked (lives forever) and is
     // touched below only by the engine's jobs or after they completed; the
     // device tensor is a live allocation of the fixture's runtime.

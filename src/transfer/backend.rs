@@ -1,6 +1,7 @@
-//! The three copy backends and how each enqueues a job's fragments on a
-//! stream: one async copy per fragment, one batched copy
-//! (`cuMemcpyBatchAsync`), or the gather kernel reading a descriptor table.
+//! The copy backends and how each enqueues a job's fragments on a stream:
+//! one async copy per fragment, one batched copy (`cuMemcpyBatchAsync`), the
+//! gather kernel reading a descriptor table, or the gather kernel into a
+//! device staging buffer and batched copies of it (`super::staged`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -19,18 +20,26 @@ pub enum Backend {
     /// The gather kernel reading registered host memory through its device
     /// alias; only for host ranges whose registration completed (P3).
     Gather,
+    /// The gather kernel packs the job's GPU pages into a device staging
+    /// buffer (a load: scatters from it), and batched copies move the
+    /// staging buffer to or from the job's contiguous host runs on the copy
+    /// engine (`super::staged`). Never on a capturing stream (batched
+    /// copies); needs the handler's staging buffers
+    /// ([`super::TransferOptions::staging_bytes`]).
+    Staged,
 }
 
 impl Backend {
     /// Every backend, in a fixed order.
-    pub const ALL: [Backend; 3] = [Backend::PerFragment, Backend::Batched, Backend::Gather];
+    pub const ALL: [Backend; 4] = [Backend::PerFragment, Backend::Batched, Backend::Gather, Backend::Staged];
 
-    /// The command-line name (`per-fragment`, `batched`, `gather`).
+    /// The command-line name (`per-fragment`, `batched`, `gather`, `staged`).
     pub fn name(self) -> &'static str {
         match self {
             Backend::PerFragment => "per-fragment",
             Backend::Batched => "batched",
             Backend::Gather => "gather",
+            Backend::Staged => "staged",
         }
     }
 }
@@ -47,7 +56,7 @@ impl FromStr for Backend {
         Backend::ALL
             .into_iter()
             .find(|b| b.name() == s)
-            .ok_or_else(|| format!("unknown backend {s:?} (expected per-fragment, batched or gather)"))
+            .ok_or_else(|| format!("unknown backend {s:?} (expected per-fragment, batched, gather or staged)"))
     }
 }
 
@@ -58,8 +67,9 @@ pub enum BackendChoice {
     /// ([`super::select`]).
     #[default]
     Auto,
-    /// This backend whenever it is allowed; when it is not (batched on a
-    /// capturing stream, gather on memory that is not registered) the job
+    /// This backend whenever it is allowed; when it is not (batched or
+    /// staged on a capturing stream, gather on memory that is not
+    /// registered, staged without staging buffers) the job
     /// falls back to per-fragment copies, and its result says so.
     Force(Backend),
 }
@@ -79,9 +89,9 @@ impl FromStr for BackendChoice {
         if s == "auto" {
             return Ok(BackendChoice::Auto);
         }
-        s.parse()
-            .map(BackendChoice::Force)
-            .map_err(|_: String| format!("unknown backend {s:?} (expected auto, per-fragment, batched or gather)"))
+        s.parse().map(BackendChoice::Force).map_err(|_: String| {
+            format!("unknown backend {s:?} (expected auto, per-fragment, batched, gather or staged)")
+        })
     }
 }
 

@@ -34,7 +34,8 @@ use super::error::TransferError;
 use super::ids::{IdSet, JobId};
 use super::layout::{Expansion, JobBlocks, KvLayout};
 use super::ring::{Ring, Table};
-use super::select::{candidates, AutoThresholds, Situation};
+use super::select::{candidates, may_stage, AutoThresholds, Situation};
+use super::staged::{Plan, Staging};
 
 /// Settings of a [`TransferEngine`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -52,6 +53,11 @@ pub struct TransferOptions {
     /// stream (0: tables in pageable memory; a job that finds the ring full
     /// uses pageable memory too).
     pub staging_ring_entries: usize,
+    /// Bytes of each handler's device staging memory for the staged
+    /// backend ([`Backend::Staged`]): two buffers of half each, so one
+    /// chunk's kernel overlaps the previous chunk's copies (0: no staged
+    /// backend). Allocated at creation when the backend choice may use it.
+    pub staging_bytes: usize,
 }
 
 impl Default for TransferOptions {
@@ -61,6 +67,7 @@ impl Default for TransferOptions {
             thresholds: AutoThresholds::default(),
             gather_table_entries: 1 << 13,
             staging_ring_entries: 1 << 15,
+            staging_bytes: 16 << 20,
         }
     }
 }
@@ -139,6 +146,8 @@ struct Handler {
     table: Option<GatherTable>,
     /// The page-locked staging ring: address and capacity in words.
     ring: Option<(usize, usize)>,
+    /// Device staging buffers of the staged backend.
+    staged: Option<Staging>,
     q: Mutex<Queue>,
 }
 
@@ -187,17 +196,12 @@ impl TransferEngine {
         opts: TransferOptions,
     ) -> Result<Self, TransferError> {
         let wants_gather = matches!(opts.backend, BackendChoice::Auto | BackendChoice::Force(Backend::Gather));
+        let wants_staged = matches!(opts.backend, BackendChoice::Auto | BackendChoice::Force(Backend::Staged))
+            && opts.staging_bytes > 0;
         let chunks = Chunks::of(&coord);
         let mut made: Vec<Handler> = Vec::with_capacity(2);
         for dir in [Direction::DeviceToHost, Direction::HostToDevice] {
-            match Self::make_handler(
-                &*rt,
-                &coord,
-                dir,
-                wants_gather,
-                opts.gather_table_entries,
-                opts.staging_ring_entries,
-            ) {
+            match Self::make_handler(&*rt, &coord, dir, wants_gather, wants_staged, &opts) {
                 Ok(h) => made.push(h),
                 Err(e) => {
                     for h in made {
@@ -231,9 +235,10 @@ impl TransferEngine {
         coord: &Coordinator,
         dir: Direction,
         gather: bool,
-        entries: usize,
-        ring_entries: usize,
+        staged: bool,
+        opts: &TransferOptions,
     ) -> Result<Handler, TransferError> {
+        let (entries, ring_entries) = (opts.gather_table_entries, opts.staging_ring_entries);
         let stream = rt.stream_create()?;
         let after_compute = match rt.event_create() {
             Ok(e) => e,
@@ -244,7 +249,24 @@ impl TransferEngine {
                 return Err(e.into());
             }
         };
-        let mut h = Handler { dir, stream, after_compute, table: None, ring: None, q: Mutex::new(Queue::default()) };
+        let mut h = Handler {
+            dir,
+            stream,
+            after_compute,
+            table: None,
+            ring: None,
+            staged: None,
+            q: Mutex::new(Queue::default()),
+        };
+        if staged {
+            match Staging::create(rt, coord, opts.staging_bytes, entries) {
+                Ok(st) => h.staged = st,
+                Err(e) => {
+                    release_handler(rt, coord, h);
+                    return Err(e);
+                }
+            }
+        }
         if gather {
             // The kernel counts fragments in u32 and strides by the grid size.
             let entries = entries.clamp(1, 1 << 31);
@@ -260,12 +282,17 @@ impl TransferEngine {
                     return Err(e.into());
                 }
             }
+        }
+        if gather || h.staged.is_some() {
             let words = ring_entries.saturating_mul(GATHER_ENTRY_WORDS);
             if words > 0 {
                 match coord.unsafe_call("allocating the pinned staging ring", |gate| rt.mem_alloc_host(gate, words * 8))
                 {
                     Ok(Ok(addr)) => {
                         h.ring = Some((addr, words));
+                        if let Some(st) = h.staged.as_mut() {
+                            st.use_ring(rt, addr, words * 8);
+                        }
                         h.q = Mutex::new(Queue { ring: Ring::new(words), ..Queue::default() });
                     }
                     // Not fatal: tables then live in pageable memory.
@@ -370,6 +397,7 @@ impl TransferEngine {
             return Err(TransferError::JobIdReused { id });
         }
         let h = &self.handlers[slot(dir)];
+        let other_busy = self.other_busy(h);
         // The queue lock is held while enqueueing, so queue order is stream
         // order.
         let mut q = sync::lock(&h.q);
@@ -400,7 +428,7 @@ impl TransferEngine {
                     Err(e) => p.error = Some(e),
                     Ok(()) => {
                         enqueued_any = true;
-                        let (backend, staging, r) = self.enqueue(h, &mut q.ring, exp);
+                        let (backend, staging, r) = self.enqueue(h, &mut q.ring, exp, other_busy);
                         p.backend = backend;
                         p.staging = staging;
                         p.error = r.err();
@@ -430,8 +458,26 @@ impl TransferEngine {
         Ok(())
     }
 
+    /// True when the other direction's handler has jobs in flight (only
+    /// asked, and its queue only locked, when `h` can stage: the automatic
+    /// choice stages then; see [`super::select`]). Called without `h`'s
+    /// queue lock, so no two queue locks are ever held together.
+    fn other_busy(&self, h: &Handler) -> bool {
+        if h.staged.is_none() || self.opts.backend != BackendChoice::Auto {
+            return false;
+        }
+        let other = &self.handlers[1 - slot(h.dir)];
+        !sync::lock(&other.q).jobs.is_empty()
+    }
+
     /// Enqueues the fragments with the first allowed backend.
-    fn enqueue(&self, h: &Handler, ring: &mut Ring, exp: &Expansion) -> (Backend, Table, DriverResult<()>) {
+    fn enqueue(
+        &self,
+        h: &Handler,
+        ring: &mut Ring,
+        exp: &Expansion,
+        other_busy: bool,
+    ) -> (Backend, Table, DriverResult<()>) {
         let capturing = match self.rt.capture_status(h.stream) {
             Ok(CaptureStatus::None) => false,
             Ok(_) => true,
@@ -441,9 +487,35 @@ impl TransferEngine {
         let touched = self.touched_chunks(exp);
         let pinned = touched.as_ref().is_some_and(|t| self.all_registered(t));
         let mean_bytes = exp.bytes / frags.len().max(1) as u64;
-        let sit = Situation { mean_bytes, capturing, pinned };
+        // The staged plan (host runs) only where staging could be chosen.
+        let plan = match &h.staged {
+            Some(st)
+                if !capturing
+                    && may_stage(self.opts.backend, &self.opts.thresholds, mean_bytes, pinned, other_busy) =>
+            {
+                // Runs end where a registration chunk ends: one copy may not
+                // span two registrations.
+                let chunk_end = |a: usize| {
+                    self.chunks.locate(a).map_or(usize::MAX, |pos| {
+                        let c = self.chunks.get(pos);
+                        c.addr + c.len
+                    })
+                };
+                Some(Plan::new(frags, st.half, st.entries, chunk_end))
+            }
+            _ => None,
+        };
+        let staged_run_bytes = plan.as_ref().map(Plan::mean_run_bytes);
+        let sit = Situation { mean_bytes, capturing, pinned, other_busy, staged_run_bytes };
         for b in candidates(self.opts.backend, &self.opts.thresholds, sit) {
             match b {
+                Backend::Staged => {
+                    if let (Some(st), Some(plan)) = (&h.staged, &plan) {
+                        debug_assert!(!capturing);
+                        let (staging, r) = self.staged(h, st, ring, plan);
+                        return (Backend::Staged, staging, r);
+                    }
+                }
                 Backend::Gather => {
                     if let Some((staging, r)) = self.try_gather(h, ring, exp, touched.as_deref()) {
                         return (Backend::Gather, staging, r);
@@ -455,7 +527,19 @@ impl TransferEngine {
                     // keeps every host and device range valid while jobs are
                     // in flight; the job is reported only after its
                     // completion event, recorded after these copies.
-                    let r = unsafe { backend::batched(&*self.rt, h.dir, frags, h.stream) };
+                    let r = match touched.as_ref().filter(|t| t.len() > 1) {
+                        // A merged fragment may cross from one registration
+                        // chunk into the next; one batched copy may not span
+                        // two registrations (see `super::staged::Plan::new`).
+                        Some(_) => {
+                            let mut cut = Vec::with_capacity(frags.len() + self.chunks.len());
+                            for f in frags {
+                                self.chunks.split(*f, |_, piece| cut.push(piece));
+                            }
+                            unsafe { backend::batched(&*self.rt, h.dir, &cut, h.stream) }
+                        }
+                        None => unsafe { backend::batched(&*self.rt, h.dir, frags, h.stream) },
+                    };
                     return (Backend::Batched, Table::None, r);
                 }
                 Backend::PerFragment => {
@@ -570,6 +654,45 @@ impl TransferEngine {
         }
         drop(guards);
         Some((staging, r))
+    }
+
+    /// The staged path: the plan's entries encoded into the pinned ring (or
+    /// the heap), then chunk after chunk on the handler's two streams
+    /// ([`super::staged`]).
+    fn staged(&self, h: &Handler, st: &Staging, ring: &mut Ring, plan: &Plan) -> (Table, DriverResult<()>) {
+        let cap = plan.pieces.len() * GATHER_ENTRY_WORDS;
+        let mut table = match (h.ring, ring.alloc(cap)) {
+            (Some((addr, _)), Some(start)) => {
+                // SAFETY: `start + cap` is within the ring's words, so the
+                // offset stays inside the one allocation at `addr`.
+                Table::Pinned { ptr: unsafe { (addr as *mut u64).add(start) }, start, cap, len: 0 }
+            }
+            _ => Table::Heap(Vec::with_capacity(cap)),
+        };
+        let first = st.first_stream();
+        for e in st.entries(h.dir, plan, first) {
+            table.push(e);
+        }
+        // SAFETY: `table` moves into the job and lives, unchanged, until
+        // the job is reported, after its completion event (recorded on the
+        // handler's stream after it joined both staging streams); the
+        // kernels touch device memory only (the job's pages, the handler's
+        // staging buffers) and the table (in the ring, which lives until
+        // the engine is dropped); host ranges are valid by the engine's
+        // contract.
+        let r = unsafe {
+            st.enqueue(
+                &*self.rt,
+                &self.coord,
+                h.dir,
+                plan,
+                table.words(0, table.len()),
+                first,
+                h.stream,
+                h.after_compute,
+            )
+        };
+        (table, r)
     }
 
     /// Jobs that finished since the last call, in submission order per
@@ -709,6 +832,11 @@ fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handler) {
             }
         }
     }
+    if let Some(st) = h.staged {
+        // Jobs in flight and the handler's stream not waited for: the second
+        // stream may still run too.
+        st.release(rt, coord, ring_in_use);
+    }
     let mut events: Vec<Event> = q.spare;
     events.extend(jobs.iter().filter_map(|p| match p.done {
         Completion::Event(e) => Some(e),
@@ -752,6 +880,7 @@ impl Drop for TransferEngine {
             after_compute: Event(0),
             table: None,
             ring: None,
+            staged: None,
             q: Mutex::new(Queue::default()),
         };
         for i in [STORE, LOAD] {

@@ -6,14 +6,17 @@
 //!   job ids, ordering after the compute stream, completion by events,
 //!   in-order reporting per direction.
 //! - [`backend`]: per-fragment async copies, batched copies and the gather
-//!   kernel; [`select`]: the automatic choice between them; `ring`: the
-//!   page-locked staging ring the gather tables are uploaded from.
+//!   kernel; `staged`: the gather kernel into device staging buffers and
+//!   batched copies of them (copy engines both ways when a load and a
+//!   store run at once); [`select`]: the automatic choice between them;
+//!   `ring`: the page-locked staging ring the gather tables are uploaded
+//!   from.
 //! - `kvoffload bench transfer` (the binary crate) measures it.
 //!
 //! Properties served (DESIGN.md): P3 (the gather kernel reads only host
 //! memory whose registration completed: aliases come only from
 //! [`crate::protocol::Coordinator::acquire_alias`], held until the launch
-//! is enqueued) and P5 (every submitted job reported exactly once, in
+//! is enqueued; the staged backend's kernel touches device memory only) and P5 (every submitted job reported exactly once, in
 //! order per direction), with P1 for the poller (event queries only
 //! through `try_unsafe_call`).
 
@@ -25,6 +28,7 @@ mod ids;
 pub mod layout;
 mod ring;
 pub mod select;
+mod staged;
 
 pub use backend::{Backend, BackendChoice};
 pub use engine::{JobResult, TransferEngine, TransferOptions};

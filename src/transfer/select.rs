@@ -1,5 +1,7 @@
-//! The automatic backend choice: by fragment size, pin state and capture
-//! state (FACTS 3 for the speeds behind the thresholds).
+//! The automatic backend choice: by fragment size, host run length, pin
+//! state, capture state and whether the other direction is busy (FACTS 3
+//! and docs/gpu-runs/2026-11-30-duplex-* for the speeds behind the
+//! thresholds).
 
 use super::backend::{Backend, BackendChoice};
 
@@ -17,11 +19,29 @@ pub struct AutoThresholds {
     /// of 2 MiB fragments reached 54.4 / 53.9 GB/s against 50.6 / 51.8 for
     /// per-fragment copies.
     pub per_fragment_min_bytes: usize,
+    /// Where the gather kernel would be chosen (mean fragment up to
+    /// `gather_max_bytes`), the staged backend is chosen instead, whether or
+    /// not the other direction is busy, when the job's contiguous host runs
+    /// are at least this long on average. Off by default (`usize::MAX`):
+    /// one way alone the gather kernel is as fast.
+    pub staged_min_run_bytes: usize,
+    /// Likewise, while the other direction has jobs in flight: at this mean
+    /// host run length and above. With a load and a store at once, two
+    /// gather kernels share about 80 GB/s of the link, and a copy engine
+    /// against a gather kernel in the other direction gets about 25 GB/s
+    /// (docs/gpu-runs/2026-11-30-duplex-probe.txt); copy engines both ways
+    /// reach the link's duplex limit when their copies are long.
+    pub staged_duplex_min_run_bytes: usize,
 }
 
 impl Default for AutoThresholds {
     fn default() -> Self {
-        AutoThresholds { gather_max_bytes: 256 << 10, per_fragment_min_bytes: usize::MAX }
+        AutoThresholds {
+            gather_max_bytes: 256 << 10,
+            per_fragment_min_bytes: usize::MAX,
+            staged_min_run_bytes: usize::MAX,
+            staged_duplex_min_run_bytes: 256 << 10,
+        }
     }
 }
 
@@ -34,6 +54,33 @@ pub struct Situation {
     pub capturing: bool,
     /// Every host range lies in a chunk whose registration completed.
     pub pinned: bool,
+    /// The other direction's handler has jobs in flight.
+    pub other_busy: bool,
+    /// Mean bytes of the job's contiguous host runs, when the handler has
+    /// staging buffers and the job was planned for them (see [`may_stage`]);
+    /// `None`: the staged backend is not available for this job.
+    pub staged_run_bytes: Option<u64>,
+}
+
+/// Whether [`candidates`] could list [`Backend::Staged`] for a job with
+/// this mean fragment size, before its host runs are known (the engine
+/// plans host runs only then).
+pub fn may_stage(choice: BackendChoice, th: &AutoThresholds, mean_bytes: u64, pinned: bool, other_busy: bool) -> bool {
+    match choice {
+        BackendChoice::Force(Backend::Staged) => true,
+        BackendChoice::Auto => {
+            let min = if other_busy {
+                th.staged_min_run_bytes.min(th.staged_duplex_min_run_bytes)
+            } else {
+                th.staged_min_run_bytes
+            };
+            pinned
+                && mean_bytes <= th.gather_max_bytes as u64
+                && min != usize::MAX
+                && mean_bytes < th.per_fragment_min_bytes as u64
+        }
+        BackendChoice::Force(_) => false,
+    }
 }
 
 /// The backends to try for one job, best first; the last is always
@@ -41,16 +88,29 @@ pub struct Situation {
 /// still be refused later, when an alias cannot be had for every fragment.
 pub fn candidates(choice: BackendChoice, th: &AutoThresholds, sit: Situation) -> Vec<Backend> {
     let batched_ok = !sit.capturing;
-    let mut out = Vec::with_capacity(3);
+    let mut out = Vec::with_capacity(4);
     match choice {
         BackendChoice::Force(Backend::Batched) if batched_ok => out.push(Backend::Batched),
         BackendChoice::Force(Backend::Gather) => out.push(Backend::Gather),
+        BackendChoice::Force(Backend::Staged) if batched_ok && sit.staged_run_bytes.is_some() => {
+            out.push(Backend::Staged)
+        }
         BackendChoice::Force(_) => {}
         BackendChoice::Auto => {
             let mean = sit.mean_bytes;
             if mean >= th.per_fragment_min_bytes as u64 {
                 // Large runs reach the link with one copy each.
             } else {
+                if let Some(run) = sit.staged_run_bytes.filter(|_| batched_ok && sit.pinned) {
+                    let min = if sit.other_busy {
+                        th.staged_min_run_bytes.min(th.staged_duplex_min_run_bytes)
+                    } else {
+                        th.staged_min_run_bytes
+                    };
+                    if mean <= th.gather_max_bytes as u64 && run >= min as u64 {
+                        out.push(Backend::Staged);
+                    }
+                }
                 if mean <= th.gather_max_bytes as u64 && sit.pinned {
                     out.push(Backend::Gather);
                 }
@@ -70,7 +130,41 @@ mod tests {
     use Backend::*;
 
     fn sit(mean_bytes: u64, capturing: bool, pinned: bool) -> Situation {
-        Situation { mean_bytes, capturing, pinned }
+        Situation { mean_bytes, capturing, pinned, other_busy: false, staged_run_bytes: None }
+    }
+
+    #[test]
+    fn auto_stages_long_host_runs_while_the_other_direction_is_busy() {
+        let th = AutoThresholds::default();
+        let a = |s| candidates(BackendChoice::Auto, &th, s);
+        let run =
+            |mean, busy, run| Situation { other_busy: busy, staged_run_bytes: Some(run), ..sit(mean, false, true) };
+        // Alone: the gather kernel, as before.
+        assert_eq!(a(run(32 << 10, false, 1 << 20)), vec![Gather, Batched, PerFragment]);
+        // Busy, host runs long enough: staged first.
+        assert_eq!(a(run(32 << 10, true, 1 << 20)), vec![Staged, Gather, Batched, PerFragment]);
+        assert_eq!(a(run(32 << 10, true, 256 << 10)), vec![Staged, Gather, Batched, PerFragment]);
+        // Busy, host pages scattered: one DMA a page would be slow.
+        assert_eq!(a(run(32 << 10, true, 32 << 10)), vec![Gather, Batched, PerFragment]);
+        // Large fragments: batched copies already reach the link.
+        assert_eq!(a(run(1 << 20, true, 1 << 20)), vec![Batched, PerFragment]);
+        // Never while capturing, never on pageable memory.
+        let capturing = Situation { capturing: true, ..run(32 << 10, true, 1 << 20) };
+        assert_eq!(a(capturing), vec![Gather, PerFragment]);
+        let pageable = Situation { pinned: false, ..run(32 << 10, true, 1 << 20) };
+        assert_eq!(a(pageable), vec![PerFragment]);
+        // Always staged from a run length on, when asked.
+        let always = AutoThresholds { staged_min_run_bytes: 512 << 10, ..th };
+        assert_eq!(candidates(BackendChoice::Auto, &always, run(32 << 10, false, 1 << 20))[0], Staged);
+        assert_eq!(candidates(BackendChoice::Auto, &always, run(32 << 10, false, 256 << 10))[0], Gather);
+        // may_stage agrees: planning is skipped where staged cannot win.
+        assert!(may_stage(BackendChoice::Auto, &th, 32 << 10, true, true));
+        assert!(!may_stage(BackendChoice::Auto, &th, 32 << 10, true, false));
+        assert!(!may_stage(BackendChoice::Auto, &th, 32 << 10, false, true));
+        assert!(!may_stage(BackendChoice::Auto, &th, 1 << 20, true, true));
+        assert!(may_stage(BackendChoice::Auto, &always, 32 << 10, true, false));
+        assert!(may_stage(BackendChoice::Force(Staged), &th, 1 << 30, false, false));
+        assert!(!may_stage(BackendChoice::Force(Gather), &th, 16, true, true));
     }
 
     #[test]
@@ -97,6 +191,10 @@ mod tests {
         assert_eq!(f(Batched, sit(16 << 10, true, true)), vec![PerFragment]);
         assert_eq!(f(Gather, sit(2 << 20, true, false)), vec![Gather, PerFragment]);
         assert_eq!(f(PerFragment, sit(16 << 10, false, true)), vec![PerFragment]);
+        let planned = |capturing| Situation { staged_run_bytes: Some(64), ..sit(16 << 10, capturing, false) };
+        assert_eq!(f(Staged, planned(false)), vec![Staged, PerFragment]);
+        assert_eq!(f(Staged, planned(true)), vec![PerFragment], "never staged while capturing");
+        assert_eq!(f(Staged, sit(16 << 10, false, true)), vec![PerFragment], "no staging buffers");
     }
 
     #[test]

@@ -91,6 +91,8 @@ pub struct CudaRuntime {
     pattern_fill_fn: Result<usize, DriverError>,
     pattern_check_fn: Result<usize, DriverError>,
     handles: Mutex<Handles>,
+    /// Multiprocessors of the device (the gather kernel's grid).
+    sm_count: u32,
     name: String,
     driver_version: i32,
 }
@@ -151,6 +153,16 @@ impl CudaRuntime {
             .map_err(dev_err)?;
         // SAFETY: the driver wrote a NUL-terminated string into the buffer.
         let name = unsafe { std::ffi::CStr::from_ptr(name_buf.as_ptr()) }.to_string_lossy().into_owned();
+        let mut sms = 0;
+        // SAFETY: valid out-pointer; `device` came from cuDeviceGet.
+        check("cuDeviceGetAttribute", unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut sms,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                device,
+            )
+        })
+        .map_err(dev_err)?;
         let mut driver_version = 0;
         // SAFETY: valid out-pointer.
         check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut driver_version) }).map_err(dev_err)?;
@@ -163,6 +175,7 @@ impl CudaRuntime {
             pattern_fill_fn: Err(DriverError::new("cuModuleLoadDataEx", Code::INVALID_HANDLE)),
             pattern_check_fn: Err(DriverError::new("cuModuleLoadDataEx", Code::INVALID_HANDLE)),
             handles: Mutex::new(Handles::default()),
+            sm_count: u32::try_from(sms).unwrap_or(1).max(1),
             name,
             driver_version,
         };
@@ -569,7 +582,7 @@ impl GpuRuntime for CudaRuntime {
                 let mut t = table;
                 let mut n = count;
                 let mut args = [&mut t as *mut u64 as *mut c_void, &mut n as *mut u32 as *mut c_void];
-                let blocks = count.min(ptx::GATHER_MAX_BLOCKS);
+                let blocks = count.min(self.sm_count * ptx::GATHER_BLOCKS_PER_SM);
                 // SAFETY: `kvo_gather` takes (u64, u32), which `args` points
                 // to for the duration of the call (the driver copies the
                 // parameters at launch). The kernel dereferences the table

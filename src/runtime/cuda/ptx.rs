@@ -23,10 +23,20 @@ $L_spin:
 }
 \0";
 
-/// Threads per block of [`GATHER`] (the launch uses this block size).
-pub(crate) const GATHER_THREADS: u32 = 256;
-/// Most blocks one [`GATHER`] launch uses; blocks stride over fragments.
-pub(crate) const GATHER_MAX_BLOCKS: u32 = 2048;
+/// Threads per block of [`GATHER`] (the launch uses this block size, and
+/// the kernel declares it as its maximum, so that ptxas keeps it within 64
+/// registers a thread).
+pub(crate) const GATHER_THREADS: u32 = 1024;
+/// Most blocks one [`GATHER`] launch uses, per multiprocessor of the device
+/// (blocks stride over fragments): one block of half a multiprocessor's
+/// threads on each, so that a load's and a store's kernels fit side by side
+/// on every multiprocessor. Measured on the H200
+/// (docs/gpu-runs/2026-11-30-duplex-*): alone as fast as the former 2048
+/// blocks of 256 threads (51 - 53 GB/s); both ways at once the two kernels
+/// split the link evenly (39 - 40 GB/s each started together, 31 - 33.5 in
+/// `bench transfer`'s interleaved jobs) where 2048 x 256 split it unevenly
+/// (27.7 - 44; 28.0 - 39.4).
+pub(crate) const GATHER_BLOCKS_PER_SM: u32 = 1;
 
 /// `kvo_gather(u64 table, u32 count)`: copies `count` fragments described by
 /// the table at `table` (device memory; entry `i` is three u64 words at
@@ -53,6 +63,7 @@ pub(crate) const GATHER: &str = "\
     .param .u64 kvo_gather_param_0,
     .param .u32 kvo_gather_param_1
 )
+.maxntid 1024, 1, 1
 {
     .reg .pred %p<8>;
     .reg .b16 %rs<4>;

@@ -671,6 +671,16 @@ impl GpuRuntime for SimRuntime {
             }
             for f in fragments {
                 Self::check_device(&mut g, f.device, f.bytes)?;
+                // A copy's host range lies in one registration or in none:
+                // on the H200 (driver 580, CUDA 13.0) cuMemcpyBatchAsync
+                // answered INVALID_VALUE for a staged job whose host runs
+                // crossed from one 1 MiB registration into the next
+                // (docs/gpu-runs/2026-11-30-duplex-summary.md), and the CUDA
+                // documentation refuses copies spanning registered and
+                // unregistered memory with the same code.
+                if g.overlaps_registration(f.host, f.bytes) && g.registered_range(f.host, f.bytes).is_none() {
+                    return Err(Code::INVALID_VALUE);
+                }
             }
             for f in fragments {
                 let op = match dir {

@@ -5,12 +5,17 @@
 //! Set-up: `total` bytes of device memory and an anonymous host mapping of
 //! the same size, registered chunk by chunk through a [`Coordinator`]
 //! (the gather kernel gets its aliases from it, as in production). For a
-//! fragment size `s` the buffers are `total / s` blocks; one job moves every
-//! block, GPU block ids and host block ids each in a random permutation
-//! (fixed seed), so almost no two fragments merge. Each (size, direction,
-//! backend) run is timed `repeats` times from `submit` to the return of
-//! `wait` (host clock; the best counts), with the destination cleared
-//! before and checked word by word after every repetition.
+//! fragment size `s` and `L` layers ([`BenchConfig::layers`]) the device
+//! buffer holds `L` tensors of `total / (s L)` pages of `s` bytes, and the
+//! host buffer as many host blocks of `L` pages (one of each tensor, block
+//! major: with `L = 1` every host page is scattered; with `L > 1` a host
+//! block is one contiguous run, as the main job's host blocks hold every
+//! layer's page). One job moves every block, GPU block ids and host block
+//! ids each in a random permutation (fixed seed), so almost no two
+//! fragments merge. Each (layers, size, direction, backend) run is timed
+//! `repeats` times from `submit` to the return of `wait` (host clock; the
+//! best counts), with the destination cleared before and checked word by
+//! word after every repetition.
 
 use std::fmt;
 use std::mem::ManuallyDrop;
@@ -49,6 +54,18 @@ pub struct BenchConfig {
     /// is busy, as in an engine that offloads and reloads at once. Empty:
     /// none.
     pub both: Vec<(BackendChoice, BackendChoice)>,
+    /// Pages of one host block (layers of a KV block), one run of the
+    /// bench per entry: 1 scatters every host page; more make each host
+    /// block one contiguous run of that many pages.
+    pub layers: Vec<usize>,
+    /// Bytes of each job when a load and a store run at once: each
+    /// direction's half is submitted as jobs of about this size, loads and
+    /// stores alternating, on one engine when both use the same backend
+    /// choice (as an offloader does), so that the automatic choice sees the
+    /// other direction busy.
+    pub both_job_bytes: usize,
+    /// Also run the per-fragment baseline (the `x per-fragment` column).
+    pub baseline: bool,
 }
 
 impl BenchConfig {
@@ -75,12 +92,15 @@ impl BenchConfig {
             chunk_bytes: 256 << 20,
             options: TransferOptions::default(),
             both: vec![(BackendChoice::Auto, BackendChoice::Auto)],
+            layers: vec![1],
+            both_job_bytes: 16 << 20,
+            baseline: true,
         }
     }
 
     /// Defaults for the simulated GPU: 8 MiB per run, so it ends in seconds.
     pub fn sim_default() -> Self {
-        BenchConfig { total: 8 << 20, chunk_bytes: 2 << 20, ..Self::gpu_default() }
+        BenchConfig { total: 8 << 20, chunk_bytes: 2 << 20, both_job_bytes: 1 << 20, ..Self::gpu_default() }
     }
 
     /// Checks sizes and counts; the error names the value and the limit.
@@ -108,8 +128,14 @@ impl BenchConfig {
         if self.options.gather_table_entries == 0 {
             return Err("the gather table needs at least 1 entry".into());
         }
-        if self.choices.is_empty() {
+        if self.choices.is_empty() && !self.baseline {
             return Err("no backend to run".into());
+        }
+        if self.layers.is_empty() || self.layers.contains(&0) {
+            return Err("layers must be at least 1".into());
+        }
+        if self.both_job_bytes == 0 {
+            return Err("the job size of the both-ways runs must be positive".into());
         }
         Ok(())
     }
@@ -120,12 +146,18 @@ impl BenchConfig {
 pub struct BenchRow {
     /// Fragment size in bytes.
     pub size: usize,
+    /// Pages of one host block (1: host pages scattered).
+    pub layers: usize,
     /// Store (`DeviceToHost`) or load (`HostToDevice`).
     pub direction: Direction,
     /// The backend asked for.
     pub choice: BackendChoice,
-    /// The backend the engine used (a forced backend can fall back).
+    /// The backend the engine used (a forced backend can fall back); with
+    /// several jobs, the one that moved the most of them.
     pub used: Option<Backend>,
+    /// Jobs per backend used, when a run had several jobs that did not all
+    /// use the same backend.
+    pub mixed: Vec<(Backend, usize)>,
     /// Fragments of the job after merging.
     pub fragments: usize,
     /// Bytes per job.
@@ -152,12 +184,20 @@ pub struct BenchRow {
 impl BenchRow {
     /// A row not yet run: `other` is the backend choice of the job of the
     /// other direction running at the same time, if any.
-    fn new(size: usize, direction: Direction, choice: BackendChoice, other: Option<BackendChoice>) -> Self {
+    fn new(
+        size: usize,
+        layers: usize,
+        direction: Direction,
+        choice: BackendChoice,
+        other: Option<BackendChoice>,
+    ) -> Self {
         BenchRow {
             size,
+            layers,
             direction,
             choice,
             used: None,
+            mixed: Vec::new(),
             fragments: 0,
             bytes: 0,
             best_seconds: f64::INFINITY,
@@ -195,10 +235,12 @@ impl BenchReport {
 
     /// The slowest automatic-choice row among fragment sizes in `lo..=hi`,
     /// in GB/s (for the targets of DESIGN.md), of the rows that ran alone
-    /// (`concurrent` false) or of those that ran both ways at once.
-    pub fn auto_min_gbps(&self, lo: usize, hi: usize, concurrent: bool) -> Option<f64> {
+    /// (`concurrent` false) or of those that ran both ways at once, with
+    /// host blocks of `layers` pages.
+    pub fn auto_min_gbps(&self, layers: usize, lo: usize, hi: usize, concurrent: bool) -> Option<f64> {
         self.rows
             .iter()
+            .filter(|r| r.layers == layers)
             .filter(|r| r.choice == BackendChoice::Auto && r.concurrent == concurrent && (lo..=hi).contains(&r.size))
             .filter(|r| !concurrent || r.other == Some(BackendChoice::Auto))
             .map(|r| r.gbps)
@@ -213,25 +255,70 @@ fn pattern(b: usize, k: usize) -> u64 {
     (b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (k as u64) ^ 0x5a5a_0000_0000_0000
 }
 
+/// Threads for filling and checking (a GiB at a time).
+fn cpu_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).min(16)
+}
+
 fn fill_blocks(words: &mut [u64], size: usize, blocks: usize) {
     let per = size / 8;
-    for b in 0..blocks {
-        for (k, w) in words[b * per..(b + 1) * per].iter_mut().enumerate() {
-            *w = pattern(b, k);
+    let words = &mut words[..blocks * per];
+    let per_thread = blocks.div_ceil(cpu_threads()).max(1) * per;
+    std::thread::scope(|sc| {
+        for (i, part) in words.chunks_mut(per_thread).enumerate() {
+            sc.spawn(move || {
+                let first = i * per_thread / per;
+                for (j, blk) in part.chunks_mut(per).enumerate() {
+                    for (k, w) in blk.iter_mut().enumerate() {
+                        *w = pattern(first + j, k);
+                    }
+                }
+            });
         }
-    }
+    });
 }
 
 /// Checks that block `dst[i]` of `words` holds the pattern of block `src[i]`.
 fn check_blocks(words: &[u64], size: usize, src: &[usize], dst: &[usize]) -> Result<(), String> {
     let per = size / 8;
-    for (&s, &d) in src.iter().zip(dst) {
-        let got = &words[d * per..(d + 1) * per];
-        if let Some(k) = (0..per).find(|&k| got[k] != pattern(s, k)) {
-            return Err(format!("block {d} (from {s}) wrong at byte {}", k * 8));
+    let pairs: Vec<(usize, usize)> = src.iter().copied().zip(dst.iter().copied()).collect();
+    let per_thread = pairs.len().div_ceil(cpu_threads()).max(1);
+    let errors: Vec<String> = std::thread::scope(|sc| {
+        let handles: Vec<_> = pairs
+            .chunks(per_thread)
+            .map(|part| {
+                sc.spawn(move || {
+                    for &(s, d) in part {
+                        let got = &words[d * per..(d + 1) * per];
+                        if let Some(k) = (0..per).find(|&k| got[k] != pattern(s, k)) {
+                            return Some(format!("block {d} (from {s}) wrong at byte {}", k * 8));
+                        }
+                    }
+                    None
+                })
+            })
+            .collect();
+        handles.into_iter().filter_map(|h| h.join().unwrap_or_else(|_| Some("checker panicked".into()))).collect()
+    });
+    match errors.into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Block ids of one run in units of `size` bytes: GPU block `gpu[i]` of
+/// tensor `t` is unit `t n + gpu[i]` of the device buffer; its host page is
+/// unit `host[i] layers + t` of the host buffer (block major).
+fn units(gpu: &[usize], host: &[usize], layers: usize, n: usize) -> (Vec<usize>, Vec<usize>) {
+    let mut d = Vec::with_capacity(gpu.len() * layers);
+    let mut h = Vec::with_capacity(gpu.len() * layers);
+    for t in 0..layers {
+        for (&g, &hb) in gpu.iter().zip(host) {
+            d.push(t * n + g);
+            h.push(hb * layers + t);
         }
     }
-    Ok(())
+    (d, h)
 }
 
 fn permutation(n: usize, seed: &mut u64) -> Vec<usize> {
@@ -348,107 +435,147 @@ pub fn run_bench(
     cfg.validate()?;
     let mut b = Buffers::new(rt.clone(), cfg)?;
     let pin = b.coord.pin_state();
-    let mut choices = vec![BackendChoice::Force(Backend::PerFragment)];
+    let mut choices = Vec::new();
+    if cfg.baseline {
+        choices.push(BackendChoice::Force(Backend::PerFragment));
+    }
     choices.extend(cfg.choices.iter().copied().filter(|c| *c != BackendChoice::Force(Backend::PerFragment)));
     let mut rows = Vec::new();
     let mut seed = cfg.seed;
     let mut next_id = 1u64;
-    for &size in &cfg.sizes {
-        let n = cfg.total / size;
-        let gpu_ids = permutation(n, &mut seed);
-        let host_ids = permutation(n, &mut seed);
-        let job = JobBlocks::single(gpu_ids.clone(), host_ids.clone());
-        let spec = GroupSpec {
-            tensors: vec![TensorSpec { device_base: b.device, page_bytes: size }],
-            num_gpu_blocks: n,
-            num_host_blocks: n,
-        };
-        let layout = KvLayout::new(&[spec], 1, b.host.as_ptr() as usize, HostPlacement::TensorMajor)
-            .map_err(|e| e.to_string())?;
-        for dir in [Direction::HostToDevice, Direction::DeviceToHost] {
-            let mut base_gbps = None;
-            for &choice in &choices {
-                progress(&format!("{} {} {}", human(size), dir_name(dir), choice));
-                let opts = TransferOptions { backend: choice, ..cfg.options };
-                // SAFETY: the buffers outlive the engine (dropped at the end
-                // of this iteration) and the bench touches them only between
-                // jobs, after waiting for them.
-                let engine =
-                    unsafe { TransferEngine::new(rt.clone(), b.coord.clone(), layout.clone(), b.compute, opts) }
-                        .map_err(|e| e.to_string())?;
-                let mut row = BenchRow::new(size, dir, choice, None);
-                for _ in 0..cfg.repeats {
-                    if let Err(e) = prepare(&mut b, dir, size, n) {
-                        row.verified = false;
-                        row.error = Some(e);
-                        break;
-                    }
-                    let id = next_id;
-                    next_id += 1;
-                    let t0 = Instant::now();
-                    let submitted = engine.submit(id, dir, &job);
-                    let ds = t0.elapsed().as_secs_f64();
-                    let r = submitted.and_then(|()| engine.wait(id));
-                    let dt = t0.elapsed().as_secs_f64();
-                    let results = engine.poll_finished();
-                    let res = results.iter().find(|r| r.id == id);
-                    if let Some(res) = res {
-                        row.used = Some(res.backend);
-                        row.fragments = res.fragments;
-                        row.bytes = res.bytes;
-                    }
-                    let checked = r.map_err(|e| e.to_string()).and_then(|()| match res {
-                        Some(res) if res.succeeded() => verify(&mut b, dir, size, &gpu_ids, &host_ids),
-                        Some(res) => Err(format!("job failed: {:?}", res.error)),
-                        None => Err("job not reported after wait".into()),
-                    });
-                    if let Err(e) = checked {
-                        row.verified = false;
-                        row.error = Some(e);
-                        break;
-                    }
-                    if dt < row.best_seconds {
-                        row.best_seconds = dt;
-                        row.submit_seconds = ds;
-                    }
-                }
-                drop(engine);
-                if row.verified && row.best_seconds > 0.0 {
-                    row.gbps = row.bytes as f64 / row.best_seconds / 1e9;
-                }
-                if choice == BackendChoice::Force(Backend::PerFragment) && row.verified {
-                    base_gbps = Some(row.gbps);
-                }
-                row.ratio = base_gbps.filter(|g| *g > 0.0 && row.verified).map(|g| row.gbps / g);
-                rows.push(row);
+    for &layers in &cfg.layers {
+        for &size in &cfg.sizes {
+            let n = cfg.total / (size * layers);
+            if n == 0 {
+                continue;
             }
-        }
-        for &pair in cfg.both.iter().filter(|_| n >= 2) {
-            progress(&format!("{} both directions at once, load {} + store {}", human(size), pair.0, pair.1));
-            rows.extend(both_ways(&mut b, cfg, &layout, size, pair, &gpu_ids, &host_ids, &mut next_id)?);
+            let gpu_ids = permutation(n, &mut seed);
+            let host_ids = permutation(n, &mut seed);
+            let job = JobBlocks::single(gpu_ids.clone(), host_ids.clone());
+            let (dev_units, host_units) = units(&gpu_ids, &host_ids, layers, n);
+            let spec = GroupSpec {
+                tensors: (0..layers)
+                    .map(|t| TensorSpec { device_base: b.device + (t * n * size) as DevicePtr, page_bytes: size })
+                    .collect(),
+                num_gpu_blocks: n,
+                num_host_blocks: n,
+            };
+            let placement = if layers == 1 { HostPlacement::TensorMajor } else { HostPlacement::BlockMajor };
+            let layout = KvLayout::new(&[spec], 1, b.host.as_ptr() as usize, placement).map_err(|e| e.to_string())?;
+            let units_total = cfg.total / size;
+            for dir in [Direction::HostToDevice, Direction::DeviceToHost] {
+                let mut base_gbps = None;
+                for &choice in &choices {
+                    progress(&format!("{} x {layers} {} {}", human(size), dir_name(dir), choice));
+                    let opts = TransferOptions { backend: choice, ..cfg.options };
+                    // SAFETY: the buffers outlive the engine (dropped at the
+                    // end of this iteration) and the bench touches them only
+                    // between jobs, after waiting for them.
+                    let engine =
+                        unsafe { TransferEngine::new(rt.clone(), b.coord.clone(), layout.clone(), b.compute, opts) }
+                            .map_err(|e| e.to_string())?;
+                    let mut row = BenchRow::new(size, layers, dir, choice, None);
+                    for _ in 0..cfg.repeats {
+                        if let Err(e) = prepare(&mut b, dir, size, units_total) {
+                            row.verified = false;
+                            row.error = Some(e);
+                            break;
+                        }
+                        let id = next_id;
+                        next_id += 1;
+                        let t0 = Instant::now();
+                        let submitted = engine.submit(id, dir, &job);
+                        let ds = t0.elapsed().as_secs_f64();
+                        let r = submitted.and_then(|()| engine.wait(id));
+                        let dt = t0.elapsed().as_secs_f64();
+                        let results = engine.poll_finished();
+                        let res = results.iter().find(|r| r.id == id);
+                        if let Some(res) = res {
+                            row.used = Some(res.backend);
+                            row.fragments = res.fragments;
+                            row.bytes = res.bytes;
+                        }
+                        let checked = r.map_err(|e| e.to_string()).and_then(|()| match res {
+                            Some(res) if res.succeeded() => verify(&mut b, dir, size, &dev_units, &host_units),
+                            Some(res) => Err(format!("job failed: {:?}", res.error)),
+                            None => Err("job not reported after wait".into()),
+                        });
+                        if let Err(e) = checked {
+                            row.verified = false;
+                            row.error = Some(e);
+                            break;
+                        }
+                        if dt < row.best_seconds {
+                            row.best_seconds = dt;
+                            row.submit_seconds = ds;
+                        }
+                    }
+                    drop(engine);
+                    if row.verified && row.best_seconds > 0.0 {
+                        row.gbps = row.bytes as f64 / row.best_seconds / 1e9;
+                    }
+                    if choice == BackendChoice::Force(Backend::PerFragment) && row.verified {
+                        base_gbps = Some(row.gbps);
+                    }
+                    row.ratio = base_gbps.filter(|g| *g > 0.0 && row.verified).map(|g| row.gbps / g);
+                    rows.push(row);
+                }
+            }
+            for &pair in cfg.both.iter().filter(|_| n >= 2) {
+                progress(&format!(
+                    "{} x {layers} both directions at once, load {} + store {}",
+                    human(size),
+                    pair.0,
+                    pair.1
+                ));
+                let run = Run { size, layers, n, gpu_ids: &gpu_ids, host_ids: &host_ids, units_total };
+                rows.extend(both_ways(&mut b, cfg, &layout, &run, pair, &mut next_id)?);
+            }
         }
     }
     Ok(BenchReport { device: rt.describe(), backend: rt.backend(), config: cfg.clone(), pin, rows })
 }
 
+/// What one (layers, size) run moves.
+struct Run<'a> {
+    size: usize,
+    layers: usize,
+    /// Blocks (GPU and host) of the run.
+    n: usize,
+    gpu_ids: &'a [usize],
+    host_ids: &'a [usize],
+    /// Units of `size` bytes in each buffer.
+    units_total: usize,
+}
+
 /// A load of the first half of the blocks and a store of the second half,
-/// submitted together, each on an engine of its own with its backend choice
-/// of `pair` (load, store); each row's time runs from the common start to
-/// its own job's completion, seen by polling.
-#[allow(clippy::too_many_arguments)]
+/// submitted together as jobs of about [`BenchConfig::both_job_bytes`] each,
+/// loads and stores alternating, with the backend choices of `pair` (load,
+/// store): on one engine when the two are the same (as in an offloader: the
+/// automatic choice then sees the other direction busy), else each
+/// direction on an engine of its own. Each row's time runs from the common
+/// start to the moment its direction's last job was seen complete by
+/// polling.
 fn both_ways(
     b: &mut Buffers,
     cfg: &BenchConfig,
     layout: &KvLayout,
-    size: usize,
+    run: &Run<'_>,
     pair: (BackendChoice, BackendChoice),
-    gpu_ids: &[usize],
-    host_ids: &[usize],
     next_id: &mut u64,
 ) -> Result<[BenchRow; 2], String> {
-    let half = gpu_ids.len() / 2;
-    let load = JobBlocks::single(gpu_ids[..half].to_vec(), host_ids[..half].to_vec());
-    let store = JobBlocks::single(gpu_ids[half..].to_vec(), host_ids[half..].to_vec());
+    let (size, layers) = (run.size, run.layers);
+    let half = run.n / 2;
+    let per_job = (cfg.both_job_bytes / (size * layers)).max(1);
+    // Per direction (0 load, 1 store): its jobs' block ranges.
+    let ranges: [Vec<std::ops::Range<usize>>; 2] = [
+        (0..half).step_by(per_job).map(|s| s..(s + per_job).min(half)).collect(),
+        (half..run.n).step_by(per_job).map(|s| s..(s + per_job).min(run.n)).collect(),
+    ];
+    let job = |r: &std::ops::Range<usize>| {
+        JobBlocks::single(run.gpu_ids[r.clone()].to_vec(), run.host_ids[r.clone()].to_vec())
+    };
+    let jobs: [Vec<JobBlocks>; 2] = [ranges[0].iter().map(job).collect(), ranges[1].iter().map(job).collect()];
     let make = |backend| {
         let opts = TransferOptions { backend, ..cfg.options };
         // SAFETY: the buffers outlive the engines (dropped at the end of
@@ -457,10 +584,12 @@ fn both_ways(
         unsafe { TransferEngine::new(b.rt.clone(), b.coord.clone(), layout.clone(), b.compute, opts) }
             .map_err(|e| e.to_string())
     };
-    let engines = [make(pair.0)?, make(pair.1)?];
+    let engines: Vec<TransferEngine> =
+        if pair.0 == pair.1 { vec![make(pair.0)?] } else { vec![make(pair.0)?, make(pair.1)?] };
+    let engine_of = |d: usize| &engines[d.min(engines.len() - 1)];
     let mut rows = [
-        BenchRow::new(size, Direction::HostToDevice, pair.0, Some(pair.1)),
-        BenchRow::new(size, Direction::DeviceToHost, pair.1, Some(pair.0)),
+        BenchRow::new(size, layers, Direction::HostToDevice, pair.0, Some(pair.1)),
+        BenchRow::new(size, layers, Direction::DeviceToHost, pair.1, Some(pair.0)),
     ];
     let fail = |rows: &mut [BenchRow; 2], e: String| {
         for r in rows.iter_mut() {
@@ -468,59 +597,93 @@ fn both_ways(
             r.error = Some(e.clone());
         }
     };
+    let (load_dev, load_host) = units(&run.gpu_ids[..half], &run.host_ids[..half], layers, run.n);
+    let (store_dev, store_host) = units(&run.gpu_ids[half..], &run.host_ids[half..], layers, run.n);
     for _ in 0..cfg.repeats {
-        // Both sides hold every block's pattern: a load then puts host
-        // block h's pattern into GPU block g, a store GPU block g's into
-        // host block h, and the two halves never overlap.
-        if let Err(e) = prepare(b, Direction::DeviceToHost, size, gpu_ids.len()) {
+        // Both sides hold every unit's pattern: a load then puts host unit
+        // h's pattern into device unit d, a store device unit d's into host
+        // unit h, and the two halves never overlap.
+        if let Err(e) = prepare(b, Direction::DeviceToHost, size, run.units_total) {
             fail(&mut rows, e);
             break;
         }
-        fill_blocks(b.words(), size, gpu_ids.len());
-        let ids = [*next_id, *next_id + 1];
-        *next_id += 2;
+        fill_blocks(b.words(), size, run.units_total);
+        // (direction, job index) of each id, in submission order.
+        let mut ids: Vec<(u64, usize)> = Vec::new();
         let t0 = Instant::now();
-        let submitted = engines[0].load(ids[0], &load).and_then(|()| engines[1].store(ids[1], &store));
+        let mut submitted = Ok(());
+        for k in 0..jobs[0].len().max(jobs[1].len()) {
+            for (d, list) in jobs.iter().enumerate() {
+                if let Some(j) = list.get(k) {
+                    let id = *next_id;
+                    *next_id += 1;
+                    let dir = if d == 0 { Direction::HostToDevice } else { Direction::DeviceToHost };
+                    submitted = submitted.and_then(|()| engine_of(d).submit(id, dir, j));
+                    ids.push((id, d));
+                }
+            }
+        }
         let ds = t0.elapsed().as_secs_f64();
         if let Err(e) = submitted {
+            // Whatever was accepted must finish before the buffers are reused.
+            for e in &engines {
+                let _ = e.wait_all();
+                let _ = e.poll_finished();
+            }
             fail(&mut rows, e.to_string());
             break;
         }
-        let mut got: [Option<kvoffload::transfer::JobResult>; 2] = [None, None];
-        while got.iter().any(Option::is_none) {
+        let mut left = [jobs[0].len(), jobs[1].len()];
+        let mut done_at = [0.0f64; 2];
+        let mut frags = [0usize; 2];
+        let mut bytes = [0u64; 2];
+        let mut used: [Vec<(Backend, usize)>; 2] = [Vec::new(), Vec::new()];
+        let mut error: Option<String> = None;
+        while left.iter().any(|&l| l > 0) {
             for r in engines.iter().flat_map(|e| e.poll_finished()) {
-                if let Some(i) = ids.iter().position(|&id| id == r.id) {
-                    got[i] = Some(r);
+                let Some(&(_, d)) = ids.iter().find(|(id, _)| *id == r.id) else { continue };
+                left[d] -= 1;
+                if left[d] == 0 {
+                    done_at[d] = t0.elapsed().as_secs_f64();
+                }
+                frags[d] += r.fragments;
+                bytes[d] += r.bytes;
+                match used[d].iter_mut().find(|(b, _)| *b == r.backend) {
+                    Some(u) => u.1 += 1,
+                    None => used[d].push((r.backend, 1)),
+                }
+                if !r.succeeded() {
+                    error.get_or_insert(format!("job {} failed: {:?}", r.id, r.error));
                 }
             }
             if t0.elapsed().as_secs() > 120 {
+                error.get_or_insert("jobs not reported within 120 s".into());
                 break;
             }
             kvoffload::sync::thread::yield_now();
         }
+        if let Some(e) = error {
+            fail(&mut rows, e);
+            break;
+        }
         let mut ok = true;
-        for (i, (row, res)) in rows.iter_mut().zip(&got).enumerate() {
-            let checked = match res {
-                Some(res) if res.succeeded() => {
-                    row.used = Some(res.backend);
-                    row.fragments = res.fragments;
-                    row.bytes = res.bytes;
-                    let (g, h) = if i == 0 {
-                        (&gpu_ids[..half], &host_ids[..half])
-                    } else {
-                        (&gpu_ids[half..], &host_ids[half..])
-                    };
-                    verify(b, row.direction, size, g, h).map(|()| res.seconds)
-                }
-                Some(res) => Err(format!("job failed: {:?}", res.error)),
-                None => Err("job not reported within 120 s".into()),
+        for (d, row) in rows.iter_mut().enumerate() {
+            used[d].sort_by_key(|u| std::cmp::Reverse(u.1));
+            row.used = used[d].first().map(|u| u.0);
+            row.mixed = if used[d].len() > 1 { used[d].clone() } else { Vec::new() };
+            row.fragments = frags[d];
+            row.bytes = bytes[d];
+            let checked = if d == 0 {
+                verify(b, row.direction, size, &load_dev, &load_host)
+            } else {
+                verify(b, row.direction, size, &store_dev, &store_host)
             };
             match checked {
-                Ok(s) if s < row.best_seconds => {
-                    row.best_seconds = s;
+                Ok(()) if done_at[d] < row.best_seconds => {
+                    row.best_seconds = done_at[d];
                     row.submit_seconds = ds;
                 }
-                Ok(_) => {}
+                Ok(()) => {}
                 Err(e) => {
                     row.verified = false;
                     row.error = Some(e);
@@ -618,12 +781,25 @@ impl fmt::Display for BenchReport {
             human(self.config.chunk_bytes)
         )?;
         let th = self.config.options.thresholds;
+        let never = |b: usize| if b == usize::MAX { "never".to_string() } else { human(b) };
         writeln!(
             f,
             "auto: gather up to {} mean fragment size, batched above (per-fragment from {}), per-fragment on pageable memory or while capturing; gather table {} entries per launch",
             human(th.gather_max_bytes),
-            if th.per_fragment_min_bytes == usize::MAX { "never".to_string() } else { human(th.per_fragment_min_bytes) },
+            never(th.per_fragment_min_bytes),
             self.config.options.gather_table_entries
+        )?;
+        writeln!(
+            f,
+            "auto, staged (gather kernel into {} of device staging, batched copies of the host runs): where gather would be chosen, for mean host runs from {} while the other direction has jobs in flight, from {} otherwise",
+            human(self.config.options.staging_bytes),
+            never(th.staged_duplex_min_run_bytes),
+            never(th.staged_min_run_bytes)
+        )?;
+        writeln!(
+            f,
+            "both ways at once: jobs of about {} a direction, loads and stores alternating, on one engine when both directions have the same backend choice; a direction's time runs from the common start to its last job seen complete",
+            human(self.config.both_job_bytes)
         )?;
         if self.backend == "sim" {
             writeln!(
@@ -634,18 +810,25 @@ impl fmt::Display for BenchReport {
         writeln!(f)?;
         writeln!(
             f,
-            "| fragment | direction | backend | used | fragments | GB/s | x per-fragment | submit ms | verified |"
+            "| fragment | host run | direction | backend | used | fragments | GB/s | x per-fragment | submit ms | verified |"
         )?;
-        writeln!(f, "|---:|---|---|---|---:|---:|---:|---:|---|")?;
+        writeln!(f, "|---:|---:|---|---|---|---:|---:|---:|---:|---|")?;
         for r in &self.rows {
-            let used = r.used.map_or("-".to_string(), |b| b.to_string());
+            let used = if r.mixed.is_empty() {
+                r.used.map_or("-".to_string(), |b| b.to_string())
+            } else {
+                let jobs: Vec<String> = r.mixed.iter().map(|(b, n)| format!("{b} {n}")).collect();
+                format!("{} jobs", jobs.join(", "))
+            };
+            let run = if r.layers == 1 { "page".to_string() } else { human(r.size * r.layers) };
             let ratio = r.ratio.map_or("-".to_string(), |x| format!("{x:.2}"));
             let verified =
                 if r.verified { "yes".to_string() } else { format!("NO: {}", r.error.as_deref().unwrap_or("?")) };
             writeln!(
                 f,
-                "| {} | {} | {} | {} | {} | {:.1} | {} | {:.2} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {:.2} | {} |",
                 human(r.size),
+                run,
                 match r.other {
                     Some(o) => format!("{}, {} {o} running", dir_name(r.direction), other_name(r.direction)),
                     None => dir_name(r.direction).to_string(),
@@ -660,16 +843,28 @@ impl fmt::Display for BenchReport {
             )?;
         }
         writeln!(f)?;
-        let small = self.auto_min_gbps(16 << 10, 64 << 10, false);
-        let large = self.auto_min_gbps(2 << 20, usize::MAX, false);
-        if let Some(g) = small {
-            writeln!(f, "auto, 16-64 KiB fragments, slowest direction: {g:.1} GB/s (target >= 45)")?;
-        }
-        if let Some(g) = large {
-            writeln!(f, "auto, >= 2 MiB fragments, slowest direction: {g:.1} GB/s (target >= 52)")?;
-        }
-        if let Some(g) = self.auto_min_gbps(16 << 10, 64 << 10, true) {
-            writeln!(f, "auto, 16-64 KiB fragments, both directions at once, slowest: {g:.1} GB/s each way")?;
+        let mut layers: Vec<usize> = self.rows.iter().map(|r| r.layers).collect();
+        layers.dedup();
+        for l in layers {
+            let what = if l == 1 { "host pages scattered".to_string() } else { format!("host blocks of {l} pages") };
+            if let Some(g) = self.auto_min_gbps(l, 16 << 10, 64 << 10, false) {
+                writeln!(
+                    f,
+                    "{what}: auto, 16-64 KiB fragments, one direction alone, slowest: {g:.1} GB/s (target >= 48)"
+                )?;
+            }
+            if let Some(g) = self.auto_min_gbps(l, 16 << 10, 64 << 10, true) {
+                writeln!(f, "{what}: auto, 16-64 KiB fragments, a load and a store at once, slowest direction: {g:.1} GB/s (target >= 45)")?;
+            }
+            if let Some(g) = self.auto_min_gbps(l, 2 << 20, usize::MAX, false) {
+                writeln!(
+                    f,
+                    "{what}: auto, >= 2 MiB fragments, one direction alone, slowest: {g:.1} GB/s (target >= 52)"
+                )?;
+            }
+            if let Some(g) = self.auto_min_gbps(l, 2 << 20, usize::MAX, true) {
+                writeln!(f, "{what}: auto, >= 2 MiB fragments, both at once (the link's duplex limit), slowest direction: {g:.1} GB/s")?;
+            }
         }
         write!(f, "rows verified: {} of {}", self.rows.len() - self.failures(), self.rows.len())
     }
@@ -721,10 +916,10 @@ mod tests {
         };
         let mut labels = 0;
         let r = run_bench(rt, &cfg, |_| labels += 1).unwrap();
-        // Per size: 2 directions x 4 choices alone, then a load and a store at
+        // Per size: 2 directions x 5 choices alone, then a load and a store at
         // once where the size gives at least two blocks (not 2 MiB of 2 MiB).
-        assert_eq!(r.rows.len(), 3 * 2 * 4 + 2 * 2);
-        assert_eq!(labels, 3 * 2 * 4 + 2);
+        assert_eq!(r.rows.len(), 3 * 2 * 5 + 2 * 2);
+        assert_eq!(labels, 3 * 2 * 5 + 2);
         assert_eq!(r.failures(), 0, "{r}");
         for row in &r.rows {
             if let BackendChoice::Force(b) = row.choice {
@@ -744,10 +939,51 @@ mod tests {
         assert!(
             text.contains("meaningless")
                 && text.contains("target >= 45")
-                && text.contains("both directions at once")
-                && text.contains("rows verified: 28 of 28"),
+                && text.contains("a load and a store at once")
+                && text.contains("rows verified: 34 of 34"),
             "{text}"
         );
+    }
+
+    /// Host blocks of several layers: the both-ways runs go in several jobs
+    /// on one engine, and auto stages every job that sees the other
+    /// direction busy (all but the first load); every byte verified.
+    #[test]
+    fn sim_bench_layers_both_ways_stage_when_busy() {
+        let rt: Arc<dyn GpuRuntime> = Arc::new(SimRuntime::new());
+        let cfg = BenchConfig {
+            total: 4 << 20,
+            sizes: vec![64 << 10],
+            layers: vec![1, 8],
+            repeats: 1,
+            chunk_bytes: 1 << 20,
+            choices: vec![BackendChoice::Auto, BackendChoice::Force(Backend::Staged)],
+            both: vec![
+                (BackendChoice::Auto, BackendChoice::Auto),
+                (BackendChoice::Force(Backend::Staged), BackendChoice::Force(Backend::Staged)),
+            ],
+            baseline: false,
+            both_job_bytes: 512 << 10,
+            ..BenchConfig::sim_default()
+        };
+        let r = run_bench(rt, &cfg, |_| {}).unwrap();
+        assert_eq!(r.failures(), 0, "{r}");
+        assert_eq!(r.rows.len(), 2 * (2 * 2 + 2 * 2));
+        let both_auto = |layers, dir| {
+            r.rows
+                .iter()
+                .find(|x| x.layers == layers && x.concurrent && x.choice == BackendChoice::Auto && x.direction == dir)
+                .unwrap()
+        };
+        // Scattered host pages: the gather kernel both ways.
+        assert_eq!(both_auto(1, Direction::DeviceToHost).used, Some(Backend::Gather));
+        // 512 KiB host runs: stores all staged (a load is always in flight
+        // first), loads staged but the first.
+        let store = both_auto(8, Direction::DeviceToHost);
+        assert_eq!((store.used, store.mixed.is_empty()), (Some(Backend::Staged), true), "{store:?}");
+        let load = both_auto(8, Direction::HostToDevice);
+        assert_eq!(load.mixed, vec![(Backend::Staged, 3), (Backend::Gather, 1)], "{load:?}");
+        assert!(r.to_string().contains("| 64 KiB | 512 KiB | store D2H, load auto running | auto | staged |"), "{r}");
     }
 
     #[test]

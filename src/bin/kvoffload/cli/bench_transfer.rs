@@ -18,10 +18,34 @@ pub struct TransferArgs {
     /// Bytes per run (default 1GiB on a GPU, 8MiB on the simulated GPU).
     #[arg(long)]
     total: Option<String>,
-    /// Run only this backend (next to the per-fragment baseline):
-    /// per-fragment, batched, gather or auto.
+    /// Run only these backends (next to the per-fragment baseline),
+    /// comma-separated: per-fragment, batched, gather, staged or auto.
+    #[arg(long, value_delimiter = ',')]
+    force: Vec<String>,
+    /// Leave out the per-fragment baseline (slow at small fragments).
     #[arg(long)]
-    force: Option<String>,
+    no_baseline: bool,
+    /// Pages of one host block, comma-separated, one run each: 1 scatters
+    /// every host page; more make each host block one contiguous run (one
+    /// page of each of that many layers, block major).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    layers: Vec<usize>,
+    /// Job size of the both-ways runs (each direction's half in jobs of
+    /// about this size, loads and stores alternating).
+    #[arg(long)]
+    both_job: Option<String>,
+    /// Bytes of each handler's device staging memory (staged backend; 0:
+    /// none).
+    #[arg(long)]
+    staging: Option<String>,
+    /// Auto: mean host run from which the staged backend is used while the
+    /// other direction is busy ("never" to turn it off).
+    #[arg(long)]
+    staged_duplex_min_run: Option<String>,
+    /// Auto: mean host run from which the staged backend is used even when
+    /// the other direction is idle ("never": only while it is busy).
+    #[arg(long)]
+    staged_min_run: Option<String>,
     /// Timed repetitions per run; the fastest counts.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
@@ -42,7 +66,7 @@ pub struct TransferArgs {
     #[arg(long)]
     table_entries: Option<usize>,
     /// Load and store backends to run at the same time, as LOAD/STORE pairs,
-    /// comma-separated (auto, gather, batched, per-fragment), or none.
+    /// comma-separated (auto, gather, staged, batched, per-fragment), or none.
     #[arg(long, value_delimiter = ',', default_value = "auto/auto")]
     both: Vec<String>,
 }
@@ -77,15 +101,30 @@ pub fn run(a: TransferArgs) -> Result<i32, String> {
     if let Some(t) = a.table_entries {
         cfg.options.gather_table_entries = t;
     }
-    if let Some(f) = &a.force {
-        let choice: BackendChoice = f.parse()?;
-        cfg.choices = vec![choice];
-        if choice != BackendChoice::Force(Backend::PerFragment) {
+    let size_or_never = |s: &str| if s == "never" { Ok(usize::MAX) } else { parse_size(s) };
+    if let Some(s) = &a.staging {
+        cfg.options.staging_bytes = parse_size(s)?;
+    }
+    if let Some(s) = &a.staged_duplex_min_run {
+        cfg.options.thresholds.staged_duplex_min_run_bytes = size_or_never(s)?;
+    }
+    if let Some(s) = &a.staged_min_run {
+        cfg.options.thresholds.staged_min_run_bytes = size_or_never(s)?;
+    }
+    if let Some(j) = &a.both_job {
+        cfg.both_job_bytes = parse_size(j)?;
+    }
+    cfg.layers = a.layers.clone();
+    cfg.baseline = !a.no_baseline;
+    if !a.force.is_empty() {
+        cfg.choices = a.force.iter().map(|f| f.parse()).collect::<Result<_, String>>()?;
+        cfg.choices.retain(|c| *c != BackendChoice::Force(Backend::PerFragment));
+        if !cfg.baseline && a.force.iter().any(|f| f == "per-fragment") {
             cfg.choices.insert(0, BackendChoice::Force(Backend::PerFragment));
         }
     }
     cfg.validate()?;
-    let runs = cfg.sizes.len() * 2 * cfg.choices.len().max(1);
+    let runs = cfg.layers.len() * cfg.sizes.len() * (2 * (cfg.choices.len() + cfg.baseline as usize) + cfg.both.len());
     let bar = indicatif::ProgressBar::new(runs as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
