@@ -95,13 +95,17 @@ impl ChildGuard {
     /// the child role `role`, region `name`, and stdin piped (a child may
     /// block reading it until killed).
     pub fn spawn(test: &str, role: &str, name: &str) -> Self {
+        Self::spawn_with(test, role, name, Stdio::null())
+    }
+
+    fn spawn_with(test: &str, role: &str, name: &str, stdout: Stdio) -> Self {
         let exe = std::env::current_exe().unwrap();
         let child = Command::new(exe)
             .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
             .env(ROLE_ENV, role)
             .env(NAME_ENV, name)
             .stdin(Stdio::piped())
-            .stdout(Stdio::null())
+            .stdout(stdout)
             .spawn()
             .expect("spawn child");
         ChildGuard { child: Some(child) }
@@ -124,16 +128,7 @@ impl ChildGuard {
     /// Like [`ChildGuard::spawn`] with the child's stdout piped, for
     /// [`ChildGuard::read_line`].
     pub fn spawn_piped(test: &str, role: &str, name: &str) -> Self {
-        let exe = std::env::current_exe().unwrap();
-        let child = Command::new(exe)
-            .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
-            .env(ROLE_ENV, role)
-            .env(NAME_ENV, name)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn child");
-        ChildGuard { child: Some(child) }
+        Self::spawn_with(test, role, name, Stdio::piped())
     }
 
     /// Reads the child's stdout until a line starting with `prefix`
