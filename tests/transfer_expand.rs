@@ -7,7 +7,7 @@ mod common;
 
 use common::{Rng, Shape};
 use kvoffload::runtime::Fragment;
-use kvoffload::transfer::{merge_adjacent, GroupSpec, JobBlocks, KvLayout, TensorSpec, TransferError};
+use kvoffload::transfer::{merge_adjacent, GroupSpec, JobBlocks, JobId, KvLayout, TensorSpec, TransferError};
 use proptest::prelude::*;
 
 /// The layout of `shape` with host base `host_base` and tensors placed in
@@ -67,7 +67,7 @@ proptest! {
         prop_assert_eq!(l.host_bytes(), shape.host_bytes());
         for _ in 0..4 {
             let job = shape.random_job(&mut rng);
-            let got = l.expand(1, &job).unwrap();
+            let got = l.expand(JobId(1), &job).unwrap();
             let plain = reference(&shape, &job, host_base, &bases);
             // Same bytes, each host byte from the same device byte.
             prop_assert_eq!(got.bytes, plain.iter().map(|f| f.bytes as u64).sum::<u64>());
@@ -94,30 +94,30 @@ proptest! {
         let mut bad = job.clone();
         bad.groups[g].gpu[0] = ng + rng.range(0, 5);
         let gpu_block = bad.groups[g].gpu[0];
-        prop_assert_eq!(l.expand(1, &bad).unwrap_err(),
+        prop_assert_eq!(l.expand(JobId(1), &bad).unwrap_err(),
             TransferError::GpuBlockOutOfRange { group: g, block: gpu_block, num_blocks: ng });
 
         let mut bad = job.clone();
         bad.groups[g].host[0] = nh + rng.range(0, 5);
         let host_block = bad.groups[g].host[0];
-        prop_assert_eq!(l.expand(1, &bad).unwrap_err(),
+        prop_assert_eq!(l.expand(JobId(1), &bad).unwrap_err(),
             TransferError::HostBlockOutOfRange { group: g, block: host_block, num_blocks: nh });
 
         if job.groups[g].gpu.len() >= 2 {
             let mut bad = job.clone();
             bad.groups[g].gpu[1] = bad.groups[g].gpu[0];
             let block = bad.groups[g].gpu[0];
-            prop_assert_eq!(l.expand(1, &bad).unwrap_err(), TransferError::RepeatedGpuBlock { group: g, block });
+            prop_assert_eq!(l.expand(JobId(1), &bad).unwrap_err(), TransferError::RepeatedGpuBlock { group: g, block });
         }
         if job.groups[g].host.len() >= 2 {
             let mut bad = job.clone();
             bad.groups[g].host[1] = bad.groups[g].host[0];
             let block = bad.groups[g].host[0];
-            prop_assert_eq!(l.expand(1, &bad).unwrap_err(), TransferError::RepeatedHostBlock { group: g, block });
+            prop_assert_eq!(l.expand(JobId(1), &bad).unwrap_err(), TransferError::RepeatedHostBlock { group: g, block });
         }
         let mut bad = job.clone();
         bad.groups[g].host.push(usize::MAX);
-        let is_mismatch = matches!(l.expand(1, &bad).unwrap_err(), TransferError::BlockCountMismatch { .. });
+        let is_mismatch = matches!(l.expand(JobId(1), &bad).unwrap_err(), TransferError::BlockCountMismatch { .. });
         prop_assert!(is_mismatch);
     }
 }
@@ -132,7 +132,7 @@ fn large_runs_merge_across_blocks() {
         placement: kvoffload::transfer::HostPlacement::TensorMajor,
     };
     let (l, bases) = layout(&shape, 1 << 30, 1 << 44, false);
-    let e = l.expand(1, &JobBlocks::single((0..8).collect(), vec![0, 1])).unwrap();
+    let e = l.expand(JobId(1), &JobBlocks::single((0..8).collect(), vec![0, 1])).unwrap();
     assert_eq!(e.fragments, vec![Fragment { host: 1 << 30, device: bases[0][0], bytes: 8 * 4096 }]);
 }
 
@@ -149,7 +149,7 @@ fn strided_blocks_sit_one_per_stride_and_refuse_a_short_stride() {
     let (l, bases) = layout(&shape, 1 << 30, 1 << 44, false);
     assert_eq!(l.host_bytes(), 3 * 16384 + 8192);
     assert_eq!(l.host_addr(0, 1, 2, 0), (1 << 30) + 2 * 16384 + 4096);
-    let e = l.expand(1, &JobBlocks::single(vec![0, 1], vec![2, 3])).unwrap();
+    let e = l.expand(JobId(1), &JobBlocks::single(vec![0, 1], vec![2, 3])).unwrap();
     // Consecutive GPU blocks of one tensor go to blocks one stride apart: no merge.
     assert_eq!(e.fragments.len(), 4);
     assert_eq!(e.fragments[0], Fragment { host: (1 << 30) + 2 * 16384, device: bases[0][0], bytes: 4096 });

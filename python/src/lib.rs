@@ -25,7 +25,7 @@ use kvoffload::region::ShmOptions;
 use kvoffload::runtime::cuda::CudaRuntime;
 use kvoffload::runtime::sim::{SimFault, SimRuntime};
 use kvoffload::runtime::{Code, Direction, GpuRuntime, Stream};
-use kvoffload::transfer::{Backend, BackendChoice, TensorSpec};
+use kvoffload::transfer::{Backend, BackendChoice, JobId, TensorSpec};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 use std::sync::Arc;
@@ -310,7 +310,7 @@ impl PyCompletion {
 
 fn completion(py: Python<'_>, c: Completion) -> PyResult<PyCompletion> {
     Ok(PyCompletion {
-        job: c.job,
+        job: c.job.0,
         direction: match c.direction {
             Direction::DeviceToHost => "store",
             Direction::HostToDevice => "load",
@@ -730,7 +730,7 @@ impl PyOffloader {
             })
             .collect();
         Ok(PyStoreResult {
-            job: r.job,
+            job: r.job.map(|j| j.0),
             stored: keys_out(py, &r.stored)?.into_pyobject(py)?.into_any().unbind(),
             skipped: skipped?.into_pyobject(py)?.into_any().unbind(),
             evicted: keys_out(py, &r.evicted)?.into_pyobject(py)?.into_any().unbind(),
@@ -743,7 +743,7 @@ impl PyOffloader {
     fn load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, gpu_blocks: &Bound<'_, PyAny>) -> PyResult<u64> {
         let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
         let off = &self.off;
-        py.detach(|| off.load(&keys, &blocks)).map_err(|e| errors::offloader(py, e))
+        py.detach(|| off.load(&keys, &blocks)).map(|j| j.0).map_err(|e| errors::offloader(py, e))
     }
 
     /// Jobs finished since the last call, each reported once, in
@@ -758,7 +758,7 @@ impl PyOffloader {
     /// `poll`).
     fn wait(&self, py: Python<'_>, job: u64) -> PyResult<()> {
         let off = &self.off;
-        py.detach(|| off.wait(job)).map_err(|e| errors::offloader(py, e))
+        py.detach(|| off.wait(JobId(job))).map_err(|e| errors::offloader(py, e))
     }
 
     /// Blocks until every job submitted so far completed on the GPU.

@@ -367,7 +367,7 @@ impl Offloader {
                 manager,
                 engine: Some(Arc::new(engine)),
                 jobs: HashMap::new(),
-                next_id: 1,
+                next_id: JobId(1),
                 closed: false,
             }),
             pinner: Mutex::new(Pinner::NotStarted),
@@ -560,7 +560,7 @@ impl Offloader {
         }
         let (gpu, slots, stored) = self.job_blocks(keys, gpu_blocks, &out.to_store);
         let id = inner.next_id;
-        inner.next_id += 1;
+        inner.next_id = JobId(inner.next_id.0 + 1);
         let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
         if let Err(e) = engine.store(id, &JobBlocks::single(gpu, slots)) {
             if let Err(m) = inner.manager.complete_store(&stored, false) {
@@ -588,7 +588,7 @@ impl Offloader {
         let placements = inner.manager.prepare_load(keys)?;
         let (gpu, slots, _) = self.job_blocks(keys, gpu_blocks, &placements);
         let id = inner.next_id;
-        inner.next_id += 1;
+        inner.next_id = JobId(inner.next_id.0 + 1);
         let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
         if let Err(e) = engine.load(id, &JobBlocks::single(gpu, slots)) {
             if let Err(m) = inner.manager.complete_load(keys) {
@@ -635,7 +635,7 @@ impl Offloader {
         let mut out = Vec::new();
         for r in engine.poll_finished() {
             let Some(job) = inner.jobs.remove(&r.id) else {
-                tracing::error!(job = r.id, "a job was reported that the offloader did not submit");
+                tracing::error!(job = r.id.0, "a job was reported that the offloader did not submit");
                 continue;
             };
             let applied = match job.direction {
@@ -643,7 +643,7 @@ impl Offloader {
                 Direction::HostToDevice => inner.manager.complete_load(&job.keys),
             };
             if let Err(e) = applied {
-                tracing::error!(job = r.id, error = %e, "applying a finished job to the block manager failed");
+                tracing::error!(job = r.id.0, error = %e, "applying a finished job to the block manager failed");
             }
             out.push(Completion {
                 job: r.id,

@@ -434,7 +434,7 @@ mod tests {
     fn partial_first_host_block_skips_leading_sub_blocks() {
         let l = one(&[16], 4, HostPlacement::TensorMajor);
         // 6 GPU blocks into 2 host blocks of 4: skip 2 of host block 3.
-        let e = l.expand(1, &JobBlocks::single(vec![0, 1, 2, 3, 4, 5], vec![3, 0])).unwrap();
+        let e = l.expand(JobId(1), &JobBlocks::single(vec![0, 1, 2, 3, 4, 5], vec![3, 0])).unwrap();
         assert_eq!(e.bytes, 96);
         assert_eq!(
             e.fragments,
@@ -455,16 +455,16 @@ mod tests {
     #[test]
     fn typed_errors() {
         let l = one(&[16], 2, HostPlacement::TensorMajor);
-        let e = |g: Vec<usize>, h: Vec<usize>| l.expand(7, &JobBlocks::single(g, h)).unwrap_err();
+        let e = |g: Vec<usize>, h: Vec<usize>| l.expand(JobId(7), &JobBlocks::single(g, h)).unwrap_err();
         assert!(matches!(e(vec![8], vec![0]), TransferError::GpuBlockOutOfRange { block: 8, .. }));
         assert!(matches!(e(vec![0], vec![4]), TransferError::HostBlockOutOfRange { block: 4, .. }));
         assert!(matches!(e(vec![1, 1], vec![0]), TransferError::RepeatedGpuBlock { block: 1, .. }));
         assert!(matches!(e(vec![1, 2, 3], vec![0, 0]), TransferError::RepeatedHostBlock { block: 0, .. }));
         assert!(matches!(e(vec![1, 2, 3], vec![0]), TransferError::BlockCountMismatch { min: 1, max: 2, .. }));
         assert!(matches!(e(vec![1], vec![0, 1]), TransferError::BlockCountMismatch { min: 3, max: 4, .. }));
-        assert!(matches!(e(vec![], vec![]), TransferError::EmptyJob { id: 7 }));
+        assert!(matches!(e(vec![], vec![]), TransferError::EmptyJob { id: JobId(7) }));
         assert!(matches!(
-            l.expand(1, &JobBlocks::default()).unwrap_err(),
+            l.expand(JobId(1), &JobBlocks::default()).unwrap_err(),
             TransferError::GroupCount { given: 0, expected: 1 }
         ));
     }
