@@ -85,7 +85,7 @@ fn scenario(variant: Variant) {
     rt.begin_capture(compute, CaptureMode::Global).unwrap();
     // SAFETY: block 3 of the device tensor, never touched by the job (block
     // 0); the memset is only captured.
-    let enq = unsafe { rt.memset_d8_async(dev + 48, 0xAB, 16, compute) };
+    let enq = unsafe { rt.memset_d8_async(dev.offset(48), 0xAB, 16, compute) };
     let end = rt.end_capture(compute);
     drop(w);
     let seen = library.join().unwrap();

@@ -435,13 +435,13 @@ fn the_sim_faults_a_gather_kernel_on_unregistered_host_memory() {
     let alias = rt.host_device_ptr(addr).unwrap();
     gated(|gt| rt.host_unregister(gt, addr)).unwrap();
     let dev = gated(|gt| rt.mem_alloc(gt, 4096 + 24)).unwrap();
-    let table: [u64; 3] = [alias, dev, 4096];
+    let table: [u64; 3] = [alias.raw(), dev.raw(), 4096];
     // SAFETY: `table` is readable for 24 bytes.
-    unsafe { rt.copy_htod(dev + 4096, table.as_ptr() as usize, 24) }.unwrap();
+    unsafe { rt.copy_htod(dev.offset(4096), table.as_ptr() as usize, 24) }.unwrap();
     let st = rt.stream_create().unwrap();
     // SAFETY: the simulated GPU faults on the stale alias (what this test
     // checks) instead of reading through it; the table is in place.
-    unsafe { rt.launch(kvoffload::runtime::Kernel::Gather { table: dev + 4096, count: 1 }, st) }.unwrap();
+    unsafe { rt.launch(kvoffload::runtime::Kernel::Gather { table: dev.offset(4096), count: 1 }, st) }.unwrap();
     assert_eq!(gated(|gt| rt.stream_synchronize(gt, st)).unwrap_err().code, Code::ILLEGAL_ADDRESS);
     assert_eq!(s.poisoned(), Some(Code::ILLEGAL_ADDRESS));
 }

@@ -24,7 +24,7 @@ use kvoffload::protocol::{CapturePolicy, CaptureWindow, PinState};
 use kvoffload::region::ShmOptions;
 use kvoffload::runtime::cuda::CudaRuntime;
 use kvoffload::runtime::sim::{SimFault, SimRuntime};
-use kvoffload::runtime::{Code, Direction, GpuRuntime, Stream};
+use kvoffload::runtime::{Code, DevicePtr, Direction, GpuRuntime, Stream};
 use kvoffload::transfer::{Backend, BackendChoice, JobId, TensorSpec};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
@@ -421,7 +421,7 @@ impl PyOffloader {
         }
     }
 
-    fn check_block(&self, py: Python<'_>, tensor: usize, block: usize) -> PyResult<(u64, usize)> {
+    fn check_block(&self, py: Python<'_>, tensor: usize, block: usize) -> PyResult<(DevicePtr, usize)> {
         let kv = self.off.kv();
         let t = kv.tensors.get(tensor).ok_or_else(|| {
             errors::options(py, format!("tensor {tensor} out of range ({} tensors)", kv.tensors.len()))
@@ -429,7 +429,7 @@ impl PyOffloader {
         if block >= kv.gpu_blocks {
             return Err(errors::options(py, format!("GPU block {block} out of range ({} blocks)", kv.gpu_blocks)));
         }
-        Ok((t.device_base + (block * t.page_bytes) as u64, t.page_bytes))
+        Ok((DevicePtr(t.device_base.raw() + (block * t.page_bytes) as u64), t.page_bytes))
     }
 }
 
@@ -566,7 +566,7 @@ impl PyOffloader {
                 // it is forgotten again after the offloader shut down.
                 let s = unsafe { cuda.adopt_stream(raw) };
                 let kv = KvSpec {
-                    tensors: ts.iter().map(|&(p, b)| TensorSpec { device_base: p, page_bytes: b }).collect(),
+                    tensors: ts.iter().map(|&(p, b)| TensorSpec { device_base: DevicePtr(p), page_bytes: b }).collect(),
                     gpu_blocks,
                     block_factor,
                     compute_stream: s,
@@ -610,7 +610,7 @@ impl PyOffloader {
     /// Device addresses of the KV tensors.
     #[getter]
     fn tensor_addresses(&self) -> Vec<u64> {
-        self.off.tensors()
+        self.off.tensors().into_iter().map(DevicePtr::raw).collect()
     }
 
     /// Bytes of one GPU block of each tensor.

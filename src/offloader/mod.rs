@@ -68,7 +68,7 @@ use crate::pin::{pin_all, pin_all_agreed_by, Agreement, Prefault, Prepared, Rank
 use crate::protocol::agreement::{AgreementError, RankSlots};
 use crate::protocol::{shutdown, CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
 use crate::region::{page_size, AnonOptions, Layout, Region};
-use crate::runtime::{Direction, DriverError, Gate, GpuRuntime, Stream};
+use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::{self, thread, Arc, Mutex};
 use crate::transfer::{Backend, GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine};
 
@@ -168,7 +168,7 @@ pub struct Offloader {
     inner: Mutex<Inner>,
     pinner: Mutex<Pinner>,
     /// Tensors and the compute stream the offloader made, freed at shutdown.
-    owned_tensors: Vec<u64>,
+    owned_tensors: Vec<DevicePtr>,
     owned_compute: Option<Stream>,
     down: Mutex<Down>,
 }
@@ -228,7 +228,7 @@ impl Offloader {
         // through this offloader, which does not exist yet).
         let gate = Coordinator::without_region(Default::default());
         let mut tensors = Vec::with_capacity(alloc.tensors);
-        let free_all = |rt: &dyn GpuRuntime, tensors: &[u64]| {
+        let free_all = |rt: &dyn GpuRuntime, tensors: &[DevicePtr]| {
             for &p in tensors {
                 match gate.unsafe_call("freeing a KV tensor", |g| rt.mem_free(g, p)) {
                     Ok(Ok(())) => {}
@@ -277,7 +277,7 @@ impl Offloader {
         rt: Arc<dyn GpuRuntime>,
         kv: KvSpec,
         opts: OffloaderOptions,
-        owned_tensors: Vec<u64>,
+        owned_tensors: Vec<DevicePtr>,
         owned_compute: Option<Stream>,
     ) -> Result<Offloader, OffloaderError> {
         if kv.tensors.is_empty() || kv.gpu_blocks == 0 || kv.block_factor == 0 {
@@ -392,7 +392,7 @@ impl Offloader {
 
     /// Device addresses of the KV tensors (the engine's, or those the
     /// offloader allocated).
-    pub fn tensors(&self) -> Vec<u64> {
+    pub fn tensors(&self) -> Vec<DevicePtr> {
         self.kv.tensors.iter().map(|t| t.device_base).collect()
     }
 

@@ -597,7 +597,7 @@ impl TransferEngine {
         // One guard per chunk the job touches; `alias[pos]` is the device
         // address of that chunk's first byte while its guard is held.
         let mut guards: Vec<AliasGuard> = Vec::with_capacity(touched.len());
-        let mut alias: Vec<DevicePtr> = vec![0; self.chunks.len()];
+        let mut alias: Vec<DevicePtr> = vec![DevicePtr::NULL; self.chunks.len()];
         for &pos in touched {
             let c = self.chunks.get(pos);
             match self.coord.acquire_alias(c.addr, c.len) {
@@ -633,7 +633,7 @@ impl TransferEngine {
         let mut r = Ok(());
         for f in &exp.fragments {
             self.chunks.split(*f, |pos, piece| {
-                let host = alias[pos] + (piece.host - self.chunks.get(pos).addr) as DevicePtr;
+                let host = alias[pos].offset(piece.host - self.chunks.get(pos).addr);
                 staging.push(backend::entry(h.dir, piece, host));
             });
             if r.is_ok() && staging.len() - launched >= per {

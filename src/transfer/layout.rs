@@ -193,7 +193,7 @@ impl KvLayout {
                 }
                 (t.page_bytes as u64)
                     .checked_mul(g.num_gpu_blocks as u64)
-                    .and_then(|n| n.checked_add(t.device_base))
+                    .and_then(|n| n.checked_add(t.device_base.raw()))
                     .ok_or_else(|| overflow("device tensor end", format!("{t:?} x {} blocks", g.num_gpu_blocks)))?;
                 sum_pages = sum_pages
                     .checked_add(t.page_bytes)
@@ -311,7 +311,7 @@ impl KvLayout {
     /// Device address of GPU block `block` of tensor `t` of group `g`.
     pub fn device_addr(&self, g: usize, t: usize, block: usize) -> DevicePtr {
         let t = &self.groups[g].tensors[t];
-        t.device_base + (block as u64) * (t.page_bytes as u64)
+        DevicePtr(t.device_base.raw() + (block as u64) * (t.page_bytes as u64))
     }
 
     /// Checks `job` against the layout (typed errors for every bad id or
@@ -332,7 +332,7 @@ impl KvLayout {
                 for (i, &gpu) in gb.gpu.iter().enumerate() {
                     let s = i + skip;
                     let host = self.host_addr(gi, ti, gb.host[s / self.factor], s % self.factor);
-                    let device = t.device_base + (gpu as u64) * (t.page_bytes as u64);
+                    let device = DevicePtr(t.device_base.raw() + (gpu as u64) * (t.page_bytes as u64));
                     push_merged(&mut out.fragments, Fragment { host, device, bytes: t.page_bytes });
                     out.bytes += t.page_bytes as u64;
                 }
@@ -399,7 +399,7 @@ fn first_repeat(ids: &[usize], universe: usize) -> Option<usize> {
 /// the host and the device side.
 fn push_merged(out: &mut Vec<Fragment>, f: Fragment) {
     if let Some(last) = out.last_mut() {
-        if last.host + last.bytes == f.host && last.device + last.bytes as u64 == f.device {
+        if last.host + last.bytes == f.host && last.device.offset(last.bytes) == f.device {
             last.bytes += f.bytes;
             return;
         }
@@ -425,7 +425,7 @@ mod tests {
         let tensors = pages
             .iter()
             .enumerate()
-            .map(|(i, &p)| TensorSpec { device_base: (i as u64 + 1) << 32, page_bytes: p })
+            .map(|(i, &p)| TensorSpec { device_base: DevicePtr((i as u64 + 1) << 32), page_bytes: p })
             .collect();
         KvLayout::new(&[GroupSpec { tensors, num_gpu_blocks: 8, num_host_blocks: 4 }], f, 0x1000, placement).unwrap()
     }
@@ -439,8 +439,8 @@ mod tests {
         assert_eq!(
             e.fragments,
             vec![
-                Fragment { host: 0x1000 + 3 * 64 + 2 * 16, device: 1 << 32, bytes: 32 },
-                Fragment { host: 0x1000, device: (1 << 32) + 32, bytes: 64 },
+                Fragment { host: 0x1000 + 3 * 64 + 2 * 16, device: DevicePtr(1 << 32), bytes: 32 },
+                Fragment { host: 0x1000, device: DevicePtr((1 << 32) + 32), bytes: 64 },
             ]
         );
     }
@@ -471,7 +471,7 @@ mod tests {
 
     #[test]
     fn layout_errors() {
-        let t = TensorSpec { device_base: 0, page_bytes: 16 };
+        let t = TensorSpec { device_base: DevicePtr(0), page_bytes: 16 };
         let g = GroupSpec { tensors: vec![t], num_gpu_blocks: 1, num_host_blocks: 1 };
         assert_eq!(KvLayout::new(&[], 1, 0, HostPlacement::TensorMajor), Err(LayoutError::NoGroups));
         assert_eq!(

@@ -456,7 +456,7 @@ pub fn run_bench(
             let (dev_units, host_units) = units(&gpu_ids, &host_ids, layers, n);
             let spec = GroupSpec {
                 tensors: (0..layers)
-                    .map(|t| TensorSpec { device_base: b.device + (t * n * size) as DevicePtr, page_bytes: size })
+                    .map(|t| TensorSpec { device_base: b.device.offset(t * n * size), page_bytes: size })
                     .collect(),
                 num_gpu_blocks: n,
                 num_host_blocks: n,
