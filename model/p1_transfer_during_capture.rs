@@ -41,7 +41,7 @@ use kvoffload::pin::{pin_all, NoPrefault};
 use kvoffload::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::runtime::CaptureMode;
 use kvoffload::sync::thread;
-use kvoffload::transfer::{BackendChoice, JobBlocks, JobResult, TransferError};
+use kvoffload::transfer::{BackendChoice, JobBlocks, JobId, JobResult, TransferError};
 
 fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::AfterPinning, variant, 1, 64);
@@ -57,10 +57,10 @@ fn scenario(variant: Variant) {
     let lcoord = f.coord.clone();
     let library = thread::spawn(move || -> Result<Vec<JobResult>, TransferError> {
         let job = JobBlocks::single(vec![0], vec![0]);
-        match eng.store(1, &job) {
+        match eng.store(JobId(1), &job) {
             Err(TransferError::CaptureWindowOpen { .. }) => {
                 lcoord.wait_no_window().unwrap();
-                eng.store(1, &job)?;
+                eng.store(JobId(1), &job)?;
             }
             r => r?,
         }
@@ -69,7 +69,7 @@ fn scenario(variant: Variant) {
         // unless a window is open, in which case wait for the window.
         let mut seen = Vec::new();
         while seen.is_empty() {
-            eng.wait(1)?;
+            eng.wait(JobId(1))?;
             seen.extend(eng.poll_finished());
             if seen.is_empty() {
                 lcoord.wait_no_window().unwrap();
@@ -85,7 +85,7 @@ fn scenario(variant: Variant) {
     rt.begin_capture(compute, CaptureMode::Global).unwrap();
     // SAFETY: block 3 of the device tensor, never touched by the job (block
     // 0); the memset is only captured.
-    let enq = unsafe { rt.memset_d8_async(dev + 48, 0xAB, 16, compute) };
+    let enq = unsafe { rt.memset_d8_async(dev.offset(48), 0xAB, 16, compute) };
     let end = rt.end_capture(compute);
     drop(w);
     let seen = library.join().unwrap();
@@ -94,7 +94,7 @@ fn scenario(variant: Variant) {
     assert!(f.sim().refusals().is_empty(), "the simulated GPU refused a call: {:?}", f.sim().refusals());
     let seen = seen.unwrap();
     assert_eq!(seen.len(), 1, "job reported {seen:?}");
-    assert!(seen[0].id == 1 && seen[0].error.is_none(), "job failed: {seen:?}");
+    assert!(seen[0].id == JobId(1) && seen[0].error.is_none(), "job failed: {seen:?}");
     assert_eq!(&host(&f, 16)[..], &pattern[..], "stored bytes wrong");
     rt.graph_destroy(end.unwrap()).unwrap();
 }

@@ -34,7 +34,7 @@ use kvoffload::pin::{NoPrefault, PinHandle};
 use kvoffload::protocol::{CapturePolicy, Variant};
 use kvoffload::runtime::sim::SimFault;
 use kvoffload::runtime::{Code, Direction};
-use kvoffload::transfer::{Backend, BackendChoice, JobBlocks};
+use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, JobId};
 
 fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::Interleave, variant, 2, 64);
@@ -44,8 +44,8 @@ fn scenario(variant: Variant) {
     f.sim().inject(SimFault::Register { nth: 2, code: Code::OUT_OF_MEMORY });
     let pin = PinHandle::spawn(f.rt.clone(), f.coord.clone(), NoPrefault::shared());
 
-    eng.submit(1, Direction::HostToDevice, &JobBlocks::single(vec![0, 1], vec![0, 1])).unwrap();
-    let waited = eng.wait(1);
+    eng.submit(JobId(1), Direction::HostToDevice, &JobBlocks::single(vec![0, 1], vec![0, 1])).unwrap();
+    let waited = eng.wait(JobId(1));
     let results = eng.poll_finished();
     pin.join();
 

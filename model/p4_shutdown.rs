@@ -48,7 +48,7 @@ use kvoffload::protocol::{shutdown, CapturePolicy, ChunkReg, PinState, ProtocolE
 use kvoffload::runtime::CaptureMode;
 use kvoffload::sync::atomic::{AtomicBool, Ordering};
 use kvoffload::sync::{thread, Arc};
-use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, TransferError};
+use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, JobId, TransferError};
 
 const B: Bounds = Bounds { property: "P4", threads: 3, preemptions: 4 };
 
@@ -79,9 +79,9 @@ fn with_job(variant: Variant) {
     let unmapped = Arc::new(AtomicBool::new(false));
     let ju = unmapped.clone();
     let job = thread::spawn(move || {
-        match eng.store(1, &JobBlocks::single(vec![0], vec![0])) {
+        match eng.store(JobId(1), &JobBlocks::single(vec![0], vec![0])) {
             Ok(()) => {
-                eng.wait(1).unwrap();
+                eng.wait(JobId(1)).unwrap();
                 // "unmapped" is the model's stand-in for munmap, set once
                 // shutdown returned: the store's copy into the region has
                 // completed, and its ticket is still held.

@@ -27,7 +27,7 @@ use kvoffload::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::runtime::sim::SimFault;
 use kvoffload::runtime::{Code, Direction};
 use kvoffload::sync::{thread, Arc};
-use kvoffload::transfer::{BackendChoice, JobBlocks};
+use kvoffload::transfer::{BackendChoice, JobBlocks, JobId};
 
 fn scenario(failing: bool) {
     let f = fixture(CapturePolicy::AfterPinning, Variant::Production, 1, 64);
@@ -49,20 +49,20 @@ fn scenario(failing: bool) {
         }
         seen
     });
-    eng.store(1, &JobBlocks::single(vec![0], vec![0])).unwrap();
-    eng.store(2, &JobBlocks::single(vec![1], vec![1])).unwrap();
+    eng.store(JobId(1), &JobBlocks::single(vec![0], vec![0])).unwrap();
+    eng.store(JobId(2), &JobBlocks::single(vec![1], vec![1])).unwrap();
     if failing {
         f.sim().inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
     }
-    eng.load(3, &JobBlocks::single(vec![3], vec![0])).unwrap();
+    eng.load(JobId(3), &JobBlocks::single(vec![3], vec![0])).unwrap();
     let seen = poller.join().unwrap();
 
-    let ids: Vec<u64> = seen.iter().map(|r| r.id).collect();
-    let stores: Vec<u64> = seen.iter().filter(|r| r.direction == Direction::DeviceToHost).map(|r| r.id).collect();
+    let ids: Vec<u64> = seen.iter().map(|r| r.id.0).collect();
+    let stores: Vec<u64> = seen.iter().filter(|r| r.direction == Direction::DeviceToHost).map(|r| r.id.0).collect();
     assert_eq!(stores, vec![1, 2], "stores out of order or lost: {ids:?}");
     assert_eq!(ids.iter().filter(|&&i| i == 3).count(), 1, "load reported {ids:?}");
     assert!(eng.poll_finished().is_empty(), "a job was reported twice");
-    let load = seen.iter().find(|r| r.id == 3).unwrap();
+    let load = seen.iter().find(|r| r.id == JobId(3)).unwrap();
     assert_eq!(load.error.is_some(), failing, "failed job not reported as failed: {load:?}");
     assert_eq!(&host(&f, 32)[..], &pattern[..32], "stored bytes wrong");
 }

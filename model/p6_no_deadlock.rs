@@ -34,7 +34,7 @@ use kvoffload::pin::{NoPrefault, PinHandle};
 use kvoffload::protocol::{shutdown, CapturePolicy, ProtocolError, Variant};
 use kvoffload::runtime::CaptureMode;
 use kvoffload::sync::thread;
-use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, TransferError};
+use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, JobId, TransferError};
 
 fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::Interleave, variant, 2, 64);
@@ -45,14 +45,14 @@ fn scenario(variant: Variant) {
     let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
     let jc = f.coord.clone();
     let job = thread::spawn(move || {
-        match eng.store(1, &JobBlocks::single(vec![0], vec![0])) {
+        match eng.store(JobId(1), &JobBlocks::single(vec![0], vec![0])) {
             Ok(()) => {
                 // Blocking waits, no spinning: `wait` (gated) until the job
                 // completed, then `poll_finished`, which reports it unless
                 // a window is open, in which case wait for the window.
                 let mut seen = Vec::new();
                 while seen.is_empty() {
-                    eng.wait(1).unwrap();
+                    eng.wait(JobId(1)).unwrap();
                     seen.extend(eng.poll_finished());
                     if seen.is_empty() {
                         jc.wait_no_window().unwrap();

@@ -126,32 +126,33 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
     let mem = gated(|gt| rt.mem_alloc(gt, 8 * page)).unwrap();
     // One entry over all of it (more words than a block has threads, more
     // bytes than the simulated GPU generates at a time).
-    let whole = [[mem, 999, 0, 8 * page as u64]];
+    let whole = [[mem.raw(), 999, 0, 8 * page as u64]];
     rig.fill(&whole);
     let mut want = vec![0u8; 8 * page];
     pattern::fill(999, &mut want);
     assert!(rig.read(mem, 8 * page) == want, "one 128 KiB entry differs from pattern::fill");
     assert_eq!(rig.check(&whole), vec![0]);
-    rig.flip(mem + (7 * page + 5) as u64);
+    rig.flip(mem.offset(7 * page + 5));
     assert_eq!(rig.check(&whole), vec![1]);
-    let pages: Vec<Entry> =
-        (0..8u64).map(|p| [mem + p * page as u64, 1000 + p / 4, (p % 4) * (page as u64 / 8), page as u64]).collect();
+    let pages: Vec<Entry> = (0..8u64)
+        .map(|p| [mem.raw() + p * page as u64, 1000 + p / 4, (p % 4) * (page as u64 / 8), page as u64])
+        .collect();
     rig.fill(&pages);
     for b in 0..2 {
         let mut want = vec![0u8; 4 * page];
         pattern::fill(1000 + b as u64, &mut want);
-        assert!(rig.read(mem + (b * 4 * page) as u64, 4 * page) == want, "block {b} differs from pattern::fill");
+        assert!(rig.read(mem.offset(b * 4 * page), 4 * page) == want, "block {b} differs from pattern::fill");
     }
     assert_eq!(nonzero(&rig.check(&pages)), vec![]);
-    rig.flip(mem + (6 * page + 12345) as u64);
+    rig.flip(mem.offset(6 * page + 12345));
     assert_eq!(nonzero(&rig.check(&pages)), vec![(6, 1)], "one flipped byte, one word");
-    rig.flip(mem + (6 * page + 12346) as u64);
+    rig.flip(mem.offset(6 * page + 12346));
     assert_eq!(nonzero(&rig.check(&pages)), vec![(6, 1)], "a second byte of the same word");
-    rig.flip(mem + (6 * page + 800) as u64);
-    rig.flip(mem + page as u64);
+    rig.flip(mem.offset(6 * page + 800));
+    rig.flip(mem.offset(page));
     assert_eq!(nonzero(&rig.check(&pages)), vec![(1, 1), (6, 2)]);
     // A check against the wrong key finds every word.
-    let wrong = [[mem, 7, 0, page as u64]];
+    let wrong = [[mem.raw(), 7, 0, page as u64]];
     assert_eq!(rig.check(&wrong), vec![(page / 8) as u32]);
 
     // Misaligned and odd-length: 1001 bytes at +3 from word 5 of key 77, an
@@ -159,7 +160,8 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
     // bytes around them keep their 0xAA.
     let odd = gated(|gt| rt.mem_alloc(gt, 2048)).unwrap();
     rig.write(odd, &[0xAA; 2048]);
-    let ranges: Vec<Entry> = vec![[odd + 3, 77, 5, 1001], [odd + 1024, 78, 0, 13], [odd + 1100, 79, 0, 0]];
+    let ranges: Vec<Entry> =
+        vec![[odd.raw() + 3, 77, 5, 1001], [odd.raw() + 1024, 78, 0, 13], [odd.raw() + 1100, 79, 0, 0]];
     rig.fill(&ranges);
     let got = rig.read(odd, 2048);
     let (mut a, mut b) = (vec![0u8; 1001], vec![0u8; 13]);
@@ -171,17 +173,17 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
     assert_eq!(got[1024..1037], b);
     assert!(got[1037..].iter().all(|&x| x == 0xAA), "bytes after the short range, or the empty entry wrote");
     assert_eq!(nonzero(&rig.check(&ranges)), vec![]);
-    rig.flip(odd + 3 + 1000);
+    rig.flip(odd.offset(3 + 1000));
     assert_eq!(nonzero(&rig.check(&ranges)), vec![(0, 1)], "the last byte of the short last piece");
-    rig.flip(odd + 1024 + 12);
-    rig.flip(odd + 3);
+    rig.flip(odd.offset(1024 + 12));
+    rig.flip(odd.offset(3));
     assert_eq!(nonzero(&rig.check(&ranges)), vec![(0, 2), (1, 1)]);
 
     // More entries than one launch has blocks (the grid strides): 5000
     // ranges of 40 bytes.
     let n = 5000u64;
     let many = gated(|gt| rt.mem_alloc(gt, n as usize * 48)).unwrap();
-    let small: Vec<Entry> = (0..n).map(|i| [many + 48 * i, i, i, 40]).collect();
+    let small: Vec<Entry> = (0..n).map(|i| [many.raw() + 48 * i, i, i, 40]).collect();
     rig.fill(&small);
     let got = rig.read(many, n as usize * 48);
     for (i, e) in small.iter().enumerate() {
@@ -190,19 +192,19 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
         assert_eq!(got[48 * i..48 * i + 40], w, "entry {i}");
     }
     assert_eq!(nonzero(&rig.check(&small)), vec![]);
-    rig.flip(many + 48 * 4321 + 39);
+    rig.flip(many.offset(48 * 4321 + 39));
     assert_eq!(nonzero(&rig.check(&small)), vec![(4321, 1)]);
 
     // Host memory through its device alias.
     let host = gated(|gt| rt.mem_alloc_host(gt, 4096)).unwrap();
     let alias = rt.host_device_ptr(host).unwrap();
-    rig.fill(&[[alias + 8, 5, 0, 4000]]);
+    rig.fill(&[[alias.raw() + 8, 5, 0, 4000]]);
     // SAFETY: the allocation holds 4096 bytes and the kernel has finished.
     let seen = unsafe { std::slice::from_raw_parts(host as *const u8, 4096) }.to_vec();
     let mut want = vec![0u8; 4000];
     pattern::fill(5, &mut want);
     assert!(seen[8..4008] == want, "host memory written through its alias");
-    assert_eq!(rig.check(&[[alias + 8, 5, 0, 4000]]), vec![0]);
+    assert_eq!(rig.check(&[[alias.raw() + 8, 5, 0, 4000]]), vec![0]);
 
     gated(|gt| rt.mem_free_host(gt, host)).unwrap();
     for p in [mem, odd, many] {
@@ -234,10 +236,10 @@ fn sim_pattern_fill_on_unregistered_host_memory_faults() {
     // SAFETY: `buf` outlives its registration (unregistered below).
     unsafe { gated(|gt| rt.host_register(gt, buf.as_ptr() as usize, 4096)).unwrap() };
     let alias = rt.host_device_ptr(buf.as_ptr() as usize).unwrap();
-    rig.fill(&[[alias, 1, 0, 64]]);
+    rig.fill(&[[alias.raw(), 1, 0, 64]]);
     assert!(pattern::first_mismatch(1, &buf[..64]).is_none(), "registered host memory written");
     gated(|gt| rt.host_unregister(gt, buf.as_ptr() as usize)).unwrap();
-    let _keep = rig.upload(&[[alias, 1, 0, 64]]);
+    let _keep = rig.upload(&[[alias.raw(), 1, 0, 64]]);
     // SAFETY: the simulated GPU faults on the unregistered alias (what this
     // test checks) instead of writing through it; the table was uploaded on
     // the same stream.
@@ -252,9 +254,9 @@ fn sim_pattern_check_with_misaligned_counters_faults() {
     let rt = SimRuntime::new();
     let rig = Rig::new(&rt, 1);
     let mem = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
-    let _keep = rig.upload(&[[mem, 1, 0, 64]]);
+    let _keep = rig.upload(&[[mem.raw(), 1, 0, 64]]);
     // SAFETY: the simulated GPU faults on the misaligned counters (what this
     // test checks) instead of writing them; `mem` is a live allocation.
-    unsafe { rt.launch(Kernel::PatternCheck { table: rig.table, count: 1, out: rig.out + 2 }, rig.s).unwrap() };
+    unsafe { rt.launch(Kernel::PatternCheck { table: rig.table, count: 1, out: rig.out.offset(2) }, rig.s).unwrap() };
     assert_eq!(gated(|gt| rt.stream_synchronize(gt, rig.s)).unwrap_err().code, Code::MISALIGNED_ADDRESS);
 }

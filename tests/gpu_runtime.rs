@@ -3,7 +3,7 @@
 
 use kvoffload::pin::{pin_all, NoPrefault};
 use kvoffload::protocol::{CapturePolicy, Coordinator, PinState};
-use kvoffload::runtime::{CaptureMode, GpuRuntime};
+use kvoffload::runtime::{CaptureMode, DevicePtr, GpuRuntime};
 
 #[path = "gpu_common/mod.rs"]
 mod gpu_common;
@@ -53,7 +53,7 @@ fn gpu_chunked_pinning_and_rollback_free_shutdown() {
     let coord = unsafe { Coordinator::new(CapturePolicy::AfterPinning, &ranges, Some(Box::new(mem))) };
     assert_eq!(pin_all(&rt, &coord, &NoPrefault), PinState::Pinned);
     let alias = coord.acquire_alias(base + chunk, 4096).expect("alias of a registered chunk");
-    assert_ne!(alias.device, 0);
+    assert_ne!(alias.device, DevicePtr::NULL);
     drop(alias);
     kvoffload::protocol::shutdown(&rt, &coord, || {}).unwrap();
     assert_eq!(coord.registered_chunks(), 0);

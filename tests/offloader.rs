@@ -47,7 +47,7 @@ fn write_blocks(off: &Offloader, key: u64, gpu: &[usize]) {
             pattern::fill(key * 1000 + (t * 16 + j) as u64, &mut buf);
             // SAFETY: `buf` is readable for the synchronous copy; the
             // destination is GPU block `b` of a tensor of the offloader.
-            unsafe { rt.copy_htod(base + (b * PAGE) as u64, buf.as_ptr() as usize, PAGE) }.unwrap();
+            unsafe { rt.copy_htod(base.offset(b * PAGE), buf.as_ptr() as usize, PAGE) }.unwrap();
         }
     }
 }
@@ -61,7 +61,7 @@ fn check_blocks(off: &Offloader, key: u64, gpu: &[usize]) -> usize {
         for (j, &b) in gpu.iter().enumerate() {
             let mut got = vec![0u8; PAGE];
             // SAFETY: `got` is writable for the synchronous copy.
-            unsafe { rt.copy_dtoh(got.as_mut_ptr() as usize, base + (b * PAGE) as u64, PAGE) }.unwrap();
+            unsafe { rt.copy_dtoh(got.as_mut_ptr() as usize, base.offset(b * PAGE), PAGE) }.unwrap();
             let mut want = vec![0u8; PAGE];
             pattern::fill(key * 1000 + (t * 16 + j) as u64, &mut want);
             bad += usize::from(got != want);

@@ -75,14 +75,14 @@ fn alias_only_for_registered_chunks() {
     assert!(coord.acquire_alias(ranges[0].0, 64).is_none(), "alias before registration");
     pin_all(&rt, &coord, &NoPrefault);
     let a = coord.acquire_alias(ranges[1].0 + 128, 64).expect("alias of a registered chunk");
-    assert_eq!(a.device, rt_alias(&rt, ranges[1].0) + 128);
+    assert_eq!(a.device, rt_alias(&rt, ranges[1].0).offset(128));
     assert!(coord.acquire_alias(ranges[0].0 + 4000, 200).is_none(), "a range across two chunks");
     drop(a);
     coord.unregister_all(&rt).unwrap();
     assert!(coord.acquire_alias(ranges[1].0, 64).is_none(), "alias after unregistration");
 }
 
-fn rt_alias(rt: &SimRuntime, addr: usize) -> u64 {
+fn rt_alias(rt: &SimRuntime, addr: usize) -> kvoffload::runtime::DevicePtr {
     use kvoffload::runtime::GpuRuntime;
     rt.host_device_ptr(addr).unwrap()
 }

@@ -117,7 +117,7 @@ fn copy_fault_and_batched_copies() {
     let src = host(256, 3);
     rt.inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
     let frags: Vec<Fragment> = (0..4)
-        .map(|i| Fragment { host: src.as_ptr() as usize + i * 64, device: d + (i * 64) as u64, bytes: 64 })
+        .map(|i| Fragment { host: src.as_ptr() as usize + i * 64, device: d.offset(i * 64), bytes: 64 })
         .collect();
     // SAFETY: `src` outlives the synchronize below.
     let first = unsafe { rt.copy_batch_async(Direction::HostToDevice, &frags, s) };

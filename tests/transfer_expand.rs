@@ -6,8 +6,8 @@
 mod common;
 
 use common::{Rng, Shape};
-use kvoffload::runtime::Fragment;
-use kvoffload::transfer::{merge_adjacent, GroupSpec, JobBlocks, KvLayout, TensorSpec, TransferError};
+use kvoffload::runtime::{DevicePtr, Fragment};
+use kvoffload::transfer::{merge_adjacent, GroupSpec, JobBlocks, JobId, KvLayout, TensorSpec, TransferError};
 use proptest::prelude::*;
 
 /// The layout of `shape` with host base `host_base` and tensors placed in
@@ -24,7 +24,7 @@ fn layout(shape: &Shape, host_base: usize, dev_base: u64, gaps: bool) -> (KvLayo
             let tensors = pages
                 .iter()
                 .map(|&p| {
-                    let t = TensorSpec { device_base: next, page_bytes: p };
+                    let t = TensorSpec { device_base: DevicePtr(next), page_bytes: p };
                     b.push(next);
                     next += (p * ng) as u64 + if gaps { 4096 } else { 0 };
                     t
@@ -41,16 +41,20 @@ fn reference(shape: &Shape, job: &JobBlocks, host_base: usize, bases: &[Vec<u64>
     shape
         .pages(job)
         .into_iter()
-        .map(|(g, t, gpu, off, p)| Fragment { host: host_base + off, device: bases[g][t] + (gpu * p) as u64, bytes: p })
+        .map(|(g, t, gpu, off, p)| Fragment {
+            host: host_base + off,
+            device: DevicePtr(bases[g][t] + (gpu * p) as u64),
+            bytes: p,
+        })
         .collect()
 }
 
 /// Applies fragments to a byte map: host offset -> device address.
-fn byte_map(frags: &[Fragment], host_base: usize) -> std::collections::BTreeMap<usize, u64> {
+fn byte_map(frags: &[Fragment], host_base: usize) -> std::collections::BTreeMap<usize, DevicePtr> {
     let mut m = std::collections::BTreeMap::new();
     for f in frags {
         for k in 0..f.bytes {
-            assert!(m.insert(f.host - host_base + k, f.device + k as u64).is_none(), "host byte written twice");
+            assert!(m.insert(f.host - host_base + k, f.device.offset(k)).is_none(), "host byte written twice");
         }
     }
     m
@@ -67,7 +71,7 @@ proptest! {
         prop_assert_eq!(l.host_bytes(), shape.host_bytes());
         for _ in 0..4 {
             let job = shape.random_job(&mut rng);
-            let got = l.expand(1, &job).unwrap();
+            let got = l.expand(JobId(1), &job).unwrap();
             let plain = reference(&shape, &job, host_base, &bases);
             // Same bytes, each host byte from the same device byte.
             prop_assert_eq!(got.bytes, plain.iter().map(|f| f.bytes as u64).sum::<u64>());
@@ -76,7 +80,7 @@ proptest! {
             // is not adjacent on both sides, nothing adjacent left unmerged.
             prop_assert_eq!(&got.fragments, &merge_adjacent(&plain));
             for w in got.fragments.windows(2) {
-                prop_assert!(!(w[0].host + w[0].bytes == w[1].host && w[0].device + w[0].bytes as u64 == w[1].device));
+                prop_assert!(!(w[0].host + w[0].bytes == w[1].host && w[0].device.offset(w[0].bytes) == w[1].device));
             }
             prop_assert!(got.fragments.len() <= plain.len());
         }
@@ -94,30 +98,30 @@ proptest! {
         let mut bad = job.clone();
         bad.groups[g].gpu[0] = ng + rng.range(0, 5);
         let gpu_block = bad.groups[g].gpu[0];
-        prop_assert_eq!(l.expand(1, &bad).unwrap_err(),
+        prop_assert_eq!(l.expand(JobId(1), &bad).unwrap_err(),
             TransferError::GpuBlockOutOfRange { group: g, block: gpu_block, num_blocks: ng });
 
         let mut bad = job.clone();
         bad.groups[g].host[0] = nh + rng.range(0, 5);
         let host_block = bad.groups[g].host[0];
-        prop_assert_eq!(l.expand(1, &bad).unwrap_err(),
+        prop_assert_eq!(l.expand(JobId(1), &bad).unwrap_err(),
             TransferError::HostBlockOutOfRange { group: g, block: host_block, num_blocks: nh });
 
         if job.groups[g].gpu.len() >= 2 {
             let mut bad = job.clone();
             bad.groups[g].gpu[1] = bad.groups[g].gpu[0];
             let block = bad.groups[g].gpu[0];
-            prop_assert_eq!(l.expand(1, &bad).unwrap_err(), TransferError::RepeatedGpuBlock { group: g, block });
+            prop_assert_eq!(l.expand(JobId(1), &bad).unwrap_err(), TransferError::RepeatedGpuBlock { group: g, block });
         }
         if job.groups[g].host.len() >= 2 {
             let mut bad = job.clone();
             bad.groups[g].host[1] = bad.groups[g].host[0];
             let block = bad.groups[g].host[0];
-            prop_assert_eq!(l.expand(1, &bad).unwrap_err(), TransferError::RepeatedHostBlock { group: g, block });
+            prop_assert_eq!(l.expand(JobId(1), &bad).unwrap_err(), TransferError::RepeatedHostBlock { group: g, block });
         }
         let mut bad = job.clone();
         bad.groups[g].host.push(usize::MAX);
-        let is_mismatch = matches!(l.expand(1, &bad).unwrap_err(), TransferError::BlockCountMismatch { .. });
+        let is_mismatch = matches!(l.expand(JobId(1), &bad).unwrap_err(), TransferError::BlockCountMismatch { .. });
         prop_assert!(is_mismatch);
     }
 }
@@ -132,8 +136,8 @@ fn large_runs_merge_across_blocks() {
         placement: kvoffload::transfer::HostPlacement::TensorMajor,
     };
     let (l, bases) = layout(&shape, 1 << 30, 1 << 44, false);
-    let e = l.expand(1, &JobBlocks::single((0..8).collect(), vec![0, 1])).unwrap();
-    assert_eq!(e.fragments, vec![Fragment { host: 1 << 30, device: bases[0][0], bytes: 8 * 4096 }]);
+    let e = l.expand(JobId(1), &JobBlocks::single((0..8).collect(), vec![0, 1])).unwrap();
+    assert_eq!(e.fragments, vec![Fragment { host: 1 << 30, device: DevicePtr(bases[0][0]), bytes: 8 * 4096 }]);
 }
 
 #[test]
@@ -149,13 +153,13 @@ fn strided_blocks_sit_one_per_stride_and_refuse_a_short_stride() {
     let (l, bases) = layout(&shape, 1 << 30, 1 << 44, false);
     assert_eq!(l.host_bytes(), 3 * 16384 + 8192);
     assert_eq!(l.host_addr(0, 1, 2, 0), (1 << 30) + 2 * 16384 + 4096);
-    let e = l.expand(1, &JobBlocks::single(vec![0, 1], vec![2, 3])).unwrap();
+    let e = l.expand(JobId(1), &JobBlocks::single(vec![0, 1], vec![2, 3])).unwrap();
     // Consecutive GPU blocks of one tensor go to blocks one stride apart: no merge.
     assert_eq!(e.fragments.len(), 4);
-    assert_eq!(e.fragments[0], Fragment { host: (1 << 30) + 2 * 16384, device: bases[0][0], bytes: 4096 });
+    assert_eq!(e.fragments[0], Fragment { host: (1 << 30) + 2 * 16384, device: DevicePtr(bases[0][0]), bytes: 4096 });
     let short = kvoffload::transfer::KvLayout::new(
         &[GroupSpec {
-            tensors: vec![TensorSpec { device_base: 0, page_bytes: 4096 }; 2],
+            tensors: vec![TensorSpec { device_base: DevicePtr(0), page_bytes: 4096 }; 2],
             num_gpu_blocks: 1,
             num_host_blocks: 1,
         }],

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use common::{gated, opts, random_case, simple, Pin, Rig, Rng, Shape, DIRS};
 use kvoffload::runtime::cuda::CudaRuntime;
 use kvoffload::runtime::{Direction, GpuRuntime, Kernel};
-use kvoffload::transfer::{Backend, BackendChoice, HostPlacement, JobBlocks, TransferOptions};
+use kvoffload::transfer::{Backend, BackendChoice, HostPlacement, JobBlocks, JobId, TransferOptions};
 
 /// Says on the real stderr (the test harness captures println) that the
 /// GPU tests were skipped.
@@ -94,8 +94,8 @@ fn gpu_auto_stages_while_the_other_direction_is_busy() {
     let (host_before, dev_before) = (rig.host.to_vec(), rig.device_snapshot());
     let load = JobBlocks::single(vec![0, 5, 9], vec![4, 1, 12]);
     let store = JobBlocks::single(vec![2, 7, 11, 3], vec![0, 8, 3, 15]);
-    rig.engine().load(1, &load).unwrap();
-    rig.engine().store(2, &store).unwrap();
+    rig.engine().load(JobId(1), &load).unwrap();
+    rig.engine().store(JobId(2), &store).unwrap();
     rig.engine().wait_all().unwrap();
     let mut res = Vec::new();
     while res.len() < 2 {
@@ -163,8 +163,8 @@ fn gpu_store_is_ordered_after_compute() {
         rt.launch(Kernel::Spin { nanos: 50_000_000 }, rig.compute).unwrap();
         rt.memset_d8_async(tensor, 0xab, 8 * page, rig.compute).unwrap();
     }
-    rig.engine().store(100, &JobBlocks::single((0..8).collect(), vec![7, 6, 5, 4, 3, 2, 1, 0])).unwrap();
-    rig.engine().wait(100).unwrap();
-    assert!(rig.poll_until(100).iter().all(|r| r.succeeded()));
+    rig.engine().store(JobId(100), &JobBlocks::single((0..8).collect(), vec![7, 6, 5, 4, 3, 2, 1, 0])).unwrap();
+    rig.engine().wait(JobId(100)).unwrap();
+    assert!(rig.poll_until(JobId(100)).iter().all(|r| r.succeeded()));
     assert!(rig.host[..8 * page].iter().all(|&b| b == 0xab), "the store did not see the compute stream's memset");
 }

@@ -12,7 +12,7 @@ use common::{gated, opts, random_case, simple, Pin, Rig, Rng, Shape, DIRS};
 use kvoffload::protocol::ProtocolError;
 use kvoffload::runtime::sim::{HoldPoint, SimFault, SimRuntime};
 use kvoffload::runtime::{CaptureMode, Code, Direction, GpuRuntime};
-use kvoffload::transfer::{Backend, BackendChoice, HostPlacement, JobBlocks, TransferError, TransferOptions};
+use kvoffload::transfer::{Backend, BackendChoice, HostPlacement, JobBlocks, JobId, TransferError, TransferOptions};
 
 fn sim() -> (Arc<SimRuntime>, Arc<dyn GpuRuntime>) {
     let s = Arc::new(SimRuntime::new());
@@ -157,7 +157,7 @@ fn auto_stages_only_while_the_other_direction_is_busy() {
         (Direction::HostToDevice, JobBlocks::single(vec![4], vec![2])),
     ];
     for (i, (dir, job)) in jobs.iter().enumerate() {
-        rig.engine().submit(i as u64 + 1, *dir, job).unwrap();
+        rig.engine().submit(JobId(i as u64 + 1), *dir, job).unwrap();
     }
     rig.engine().wait_all().unwrap();
     let mut res = poll_n(&rig, 3);
@@ -182,8 +182,8 @@ fn auto_stages_only_while_the_other_direction_is_busy() {
     drop(rig);
     let (_s2, rt2) = sim();
     let rig = Rig::new(rt2, simple(1, 64 << 10, 8), opts(BackendChoice::Auto), Pin::Registered);
-    rig.engine().load(1, &JobBlocks::single(vec![0, 1], vec![5, 3])).unwrap();
-    rig.engine().store(2, &JobBlocks::single(vec![2, 6], vec![0, 7])).unwrap();
+    rig.engine().load(JobId(1), &JobBlocks::single(vec![0, 1], vec![5, 3])).unwrap();
+    rig.engine().store(JobId(2), &JobBlocks::single(vec![2, 6], vec![0, 7])).unwrap();
     rig.engine().wait_all().unwrap();
     let res = poll_n(&rig, 2);
     assert!(res.iter().all(|r| r.backend == Backend::Gather), "{res:?}");
@@ -209,20 +209,20 @@ fn staged_job_failing_on_the_second_stream_is_reported_in_order() {
     let mut rig = Rig::new(rt.clone(), block_major(1, 4096, 16), o, Pin::Registered);
     rig.fill(3);
     let hold = s.hold(HoldPoint::DeviceOp);
-    rig.engine().store(1, &JobBlocks::single(vec![0, 2, 4], vec![0, 2, 4])).unwrap();
+    rig.engine().store(JobId(1), &JobBlocks::single(vec![0, 2, 4], vec![0, 2, 4])).unwrap();
     hold.wait_entered();
     // Copies of job 2 (its tables are read from the pinned ring, not
     // uploaded): chunk 0's batched copy (1), chunk 1's (2), on the second
     // staging stream.
     s.inject(SimFault::Copy { nth: 2, code: Code::OUT_OF_MEMORY });
-    rig.engine().store(2, &JobBlocks::single(vec![6, 8, 10], vec![6, 8, 10])).unwrap();
-    rig.engine().store(3, &JobBlocks::single(vec![12, 14], vec![12, 14])).unwrap();
+    rig.engine().store(JobId(2), &JobBlocks::single(vec![6, 8, 10], vec![6, 8, 10])).unwrap();
+    rig.engine().store(JobId(3), &JobBlocks::single(vec![12, 14], vec![12, 14])).unwrap();
     assert!(rig.engine().poll_finished().is_empty());
     hold.release();
-    assert!(matches!(rig.engine().wait(2), Err(TransferError::JobFailed { id: 2, .. })));
-    rig.engine().wait(3).unwrap();
-    let res = rig.poll_until(3);
-    let ids: Vec<(u64, bool)> = res.iter().map(|r| (r.id, r.succeeded())).collect();
+    assert!(matches!(rig.engine().wait(JobId(2)), Err(TransferError::JobFailed { id: JobId(2), .. })));
+    rig.engine().wait(JobId(3)).unwrap();
+    let res = rig.poll_until(JobId(3));
+    let ids: Vec<(u64, bool)> = res.iter().map(|r| (r.id.0, r.succeeded())).collect();
     assert_eq!(ids, vec![(1, true), (2, false), (3, true)]);
     assert!(res.iter().all(|r| r.backend == Backend::Staged));
     assert_eq!(rig.host[12 * 4096..13 * 4096], rig.device_snapshot()[0][0][12 * 4096..13 * 4096]);
@@ -239,7 +239,7 @@ fn engine_dropped_with_staged_jobs_in_flight() {
     rig.fill(6);
     let dev = rig.device_snapshot();
     let hold = s.hold(HoldPoint::DeviceOp);
-    rig.engine().store(1, &JobBlocks::single((0..8).collect(), (0..8).collect())).unwrap();
+    rig.engine().store(JobId(1), &JobBlocks::single((0..8).collect(), (0..8).collect())).unwrap();
     hold.wait_entered();
     let dropper = {
         let engine = rig.engine.take().unwrap();
@@ -412,8 +412,8 @@ fn gather_never_runs_on_memory_outside_the_coordinator() {
         )
     }
     .unwrap();
-    eng.store(1, &JobBlocks::single(vec![1, 2], vec![5, 6])).unwrap();
-    eng.wait(1).unwrap();
+    eng.store(JobId(1), &JobBlocks::single(vec![1, 2], vec![5, 6])).unwrap();
+    eng.wait(JobId(1)).unwrap();
     let r = eng.poll_finished();
     assert_eq!(r.len(), 1);
     assert_eq!(r[0].backend, Backend::PerFragment);
@@ -435,13 +435,13 @@ fn the_sim_faults_a_gather_kernel_on_unregistered_host_memory() {
     let alias = rt.host_device_ptr(addr).unwrap();
     gated(|gt| rt.host_unregister(gt, addr)).unwrap();
     let dev = gated(|gt| rt.mem_alloc(gt, 4096 + 24)).unwrap();
-    let table: [u64; 3] = [alias, dev, 4096];
+    let table: [u64; 3] = [alias.raw(), dev.raw(), 4096];
     // SAFETY: `table` is readable for 24 bytes.
-    unsafe { rt.copy_htod(dev + 4096, table.as_ptr() as usize, 24) }.unwrap();
+    unsafe { rt.copy_htod(dev.offset(4096), table.as_ptr() as usize, 24) }.unwrap();
     let st = rt.stream_create().unwrap();
     // SAFETY: the simulated GPU faults on the stale alias (what this test
     // checks) instead of reading through it; the table is in place.
-    unsafe { rt.launch(kvoffload::runtime::Kernel::Gather { table: dev + 4096, count: 1 }, st) }.unwrap();
+    unsafe { rt.launch(kvoffload::runtime::Kernel::Gather { table: dev.offset(4096), count: 1 }, st) }.unwrap();
     assert_eq!(gated(|gt| rt.stream_synchronize(gt, st)).unwrap_err().code, Code::ILLEGAL_ADDRESS);
     assert_eq!(s.poisoned(), Some(Code::ILLEGAL_ADDRESS));
 }
@@ -473,10 +473,10 @@ fn store_is_ordered_after_compute() {
     let store_stream = rig.engine().stream(Direction::DeviceToHost);
     // SAFETY: `control` lives until the stream is synchronized below.
     unsafe { rt.copy_dtoh_async(control.as_mut_ptr() as usize, tensor, 256, store_stream) }.unwrap();
-    rig.engine().store(100, &JobBlocks::single(vec![0, 1, 2, 3], vec![3, 2, 1, 0])).unwrap();
+    rig.engine().store(JobId(100), &JobBlocks::single(vec![0, 1, 2, 3], vec![3, 2, 1, 0])).unwrap();
     hold.release();
-    rig.engine().wait(100).unwrap();
-    assert!(rig.poll_until(100).iter().all(|r| r.succeeded()));
+    rig.engine().wait(JobId(100)).unwrap();
+    assert!(rig.poll_until(JobId(100)).iter().all(|r| r.succeeded()));
     assert!(control.iter().any(|&b| b != 0xab), "the control copy ran after the memset: the test would prove nothing");
     assert!(rig.host[..4 * 256].iter().all(|&b| b == 0xab), "the store did not see the compute stream's memset");
     gated(|gt| rt.stream_synchronize(gt, gate)).unwrap();
@@ -497,8 +497,8 @@ fn results_in_submission_order_per_direction() {
     for (k, id) in [50u64, 7, 31, 2, 99, 13, 64, 40].into_iter().enumerate() {
         let dir = DIRS[k % 2];
         let job = JobBlocks::single(rng.distinct(64, 4), rng.distinct(64, 4));
-        rig.engine().submit(id, dir, &job).unwrap();
-        want[k % 2].push(id);
+        rig.engine().submit(JobId(id), dir, &job).unwrap();
+        want[k % 2].push(JobId(id));
         if k == 0 {
             hold.wait_entered();
         }
@@ -528,21 +528,21 @@ fn failed_enqueue_is_reported_failed_and_later_jobs_complete() {
     rig.fill(3);
     let hold = s.hold(HoldPoint::DeviceOp);
     // Job 1 runs (held on the device); job 2 fails at its second copy.
-    rig.engine().store(1, &JobBlocks::single(vec![0, 2], vec![0, 2])).unwrap();
+    rig.engine().store(JobId(1), &JobBlocks::single(vec![0, 2], vec![0, 2])).unwrap();
     hold.wait_entered();
     s.inject(SimFault::Copy { nth: 2, code: Code::OUT_OF_MEMORY });
-    rig.engine().store(2, &JobBlocks::single(vec![4, 6, 8], vec![4, 6, 8])).unwrap();
-    rig.engine().load(3, &JobBlocks::single(vec![10], vec![11])).unwrap();
+    rig.engine().store(JobId(2), &JobBlocks::single(vec![4, 6, 8], vec![4, 6, 8])).unwrap();
+    rig.engine().load(JobId(3), &JobBlocks::single(vec![10], vec![11])).unwrap();
     // Job 2 already failed but must not overtake job 1.
     assert!(rig.engine().poll_finished().is_empty());
     hold.release();
-    assert!(matches!(rig.engine().wait(2), Err(TransferError::JobFailed { id: 2, .. })));
+    assert!(matches!(rig.engine().wait(JobId(2)), Err(TransferError::JobFailed { id: JobId(2), .. })));
     rig.engine().wait_all().unwrap();
     let mut all = Vec::new();
     while all.len() < 3 {
         all.extend(rig.engine().poll_finished());
     }
-    let ids: Vec<_> = all.iter().map(|r| (r.id, r.succeeded())).collect();
+    let ids: Vec<_> = all.iter().map(|r| (r.id.0, r.succeeded())).collect();
     assert_eq!(ids, vec![(1, true), (2, false), (3, true)]);
     assert_eq!(all[1].error.as_ref().map(|e| e.code), Some(Code::OUT_OF_MEMORY));
     assert_eq!(s.poisoned(), None);
@@ -557,31 +557,40 @@ fn typed_errors_for_bad_jobs() {
     let rig = Rig::new(rt, simple(1, 64, 8), opts(BackendChoice::Auto), Pin::Registered);
     let e = rig.engine();
     assert!(matches!(
-        e.store(1, &JobBlocks::single(vec![8], vec![0])),
+        e.store(JobId(1), &JobBlocks::single(vec![8], vec![0])),
         Err(TransferError::GpuBlockOutOfRange { block: 8, num_blocks: 8, .. })
     ));
     assert!(matches!(
-        e.store(1, &JobBlocks::single(vec![0], vec![9])),
+        e.store(JobId(1), &JobBlocks::single(vec![0], vec![9])),
         Err(TransferError::HostBlockOutOfRange { block: 9, .. })
     ));
     assert!(matches!(
-        e.store(1, &JobBlocks::single(vec![2, 2], vec![0, 1])),
+        e.store(JobId(1), &JobBlocks::single(vec![2, 2], vec![0, 1])),
         Err(TransferError::RepeatedGpuBlock { block: 2, .. })
     ));
     assert!(matches!(
-        e.load(1, &JobBlocks::single(vec![2, 3], vec![1, 1])),
+        e.load(JobId(1), &JobBlocks::single(vec![2, 3], vec![1, 1])),
         Err(TransferError::RepeatedHostBlock { block: 1, .. })
     ));
-    assert!(matches!(e.load(1, &JobBlocks::single(vec![], vec![])), Err(TransferError::EmptyJob { id: 1 })));
+    assert!(matches!(
+        e.load(JobId(1), &JobBlocks::single(vec![], vec![])),
+        Err(TransferError::EmptyJob { id: JobId(1) })
+    ));
     // Refused jobs do not use up their id.
-    e.store(1, &JobBlocks::single(vec![0], vec![0])).unwrap();
-    assert_eq!(e.load(1, &JobBlocks::single(vec![1], vec![1])), Err(TransferError::JobIdReused { id: 1 }));
-    e.wait(1).unwrap();
+    e.store(JobId(1), &JobBlocks::single(vec![0], vec![0])).unwrap();
+    assert_eq!(
+        e.load(JobId(1), &JobBlocks::single(vec![1], vec![1])),
+        Err(TransferError::JobIdReused { id: JobId(1) })
+    );
+    e.wait(JobId(1)).unwrap();
     while e.poll_finished().is_empty() {}
     // Still refused after the first job with that id was reported.
-    assert_eq!(e.store(1, &JobBlocks::single(vec![1], vec![1])), Err(TransferError::JobIdReused { id: 1 }));
-    assert_eq!(e.wait(1), Err(TransferError::UnknownJob { id: 1 }));
-    assert_eq!(e.wait(77), Err(TransferError::UnknownJob { id: 77 }));
+    assert_eq!(
+        e.store(JobId(1), &JobBlocks::single(vec![1], vec![1])),
+        Err(TransferError::JobIdReused { id: JobId(1) })
+    );
+    assert_eq!(e.wait(JobId(1)), Err(TransferError::UnknownJob { id: JobId(1) }));
+    assert_eq!(e.wait(JobId(77)), Err(TransferError::UnknownJob { id: JobId(77) }));
 }
 
 #[test]
@@ -590,12 +599,12 @@ fn submit_while_the_compute_stream_captures_is_refused() {
     let rig = Rig::new(rt.clone(), simple(1, 64, 8), opts(BackendChoice::Auto), Pin::Registered);
     rt.begin_capture(rig.compute, CaptureMode::Relaxed).unwrap();
     let job = JobBlocks::single(vec![0], vec![0]);
-    assert_eq!(rig.engine().store(1, &job), Err(TransferError::ComputeCapturing { id: 1 }));
+    assert_eq!(rig.engine().store(JobId(1), &job), Err(TransferError::ComputeCapturing { id: JobId(1) }));
     let g = rt.end_capture(rig.compute).unwrap();
     rt.graph_destroy(g).unwrap();
     // The id was not used up.
-    rig.engine().store(1, &job).unwrap();
-    assert!(rig.poll_until(1)[0].succeeded());
+    rig.engine().store(JobId(1), &job).unwrap();
+    assert!(rig.poll_until(JobId(1))[0].succeeded());
     assert_eq!(s.poisoned(), None);
 }
 
@@ -604,7 +613,7 @@ fn shutdown_waits_for_jobs_then_refuses_new_ones() {
     let (s, rt) = sim();
     let rig = Rig::new(rt, simple(1, 64, 8), opts(BackendChoice::Auto), Pin::Registered);
     let hold = s.hold(HoldPoint::DeviceOp);
-    rig.engine().store(1, &JobBlocks::single(vec![0, 1], vec![2, 3])).unwrap();
+    rig.engine().store(JobId(1), &JobBlocks::single(vec![0, 1], vec![2, 3])).unwrap();
     hold.wait_entered();
     let coord = rig.coord.clone();
     let c2 = coord.clone();
@@ -616,10 +625,13 @@ fn shutdown_waits_for_jobs_then_refuses_new_ones() {
     }
     assert!(!t.is_finished(), "shutdown must wait for the job in flight");
     hold.release();
-    let r = rig.poll_until(1);
+    let r = rig.poll_until(JobId(1));
     assert!(r[0].succeeded());
     t.join().unwrap().unwrap();
-    assert_eq!(rig.engine().store(2, &JobBlocks::single(vec![0], vec![0])), Err(TransferError::ShutDown { id: 2 }));
+    assert_eq!(
+        rig.engine().store(JobId(2), &JobBlocks::single(vec![0], vec![0])),
+        Err(TransferError::ShutDown { id: JobId(2) })
+    );
     rig.coord.unregister_all(&*rig.rt).unwrap();
 }
 
@@ -634,11 +646,11 @@ fn batched_copy_is_never_issued_on_a_capturing_stream() {
     // The load stream joins a capture (as it would by waiting on an event
     // of a capturing compute stream on the real driver).
     rt.begin_capture(stream, CaptureMode::Relaxed).unwrap();
-    rig.engine().load(1, &JobBlocks::single(vec![1, 5, 3], vec![4, 0, 6])).unwrap();
+    rig.engine().load(JobId(1), &JobBlocks::single(vec![1, 5, 3], vec![4, 0, 6])).unwrap();
     let graph = rt.end_capture(stream).expect("capture stays valid");
     rt.graph_launch(graph, stream).unwrap();
     gated(|gt| rt.stream_synchronize(gt, stream)).unwrap();
-    let r = rig.poll_until(1);
+    let r = rig.poll_until(JobId(1));
     assert_eq!(r[0].backend, Backend::PerFragment);
     let dev = rig.device_snapshot();
     for (gpu, host) in [(1usize, 4usize), (5, 0), (3, 6)] {
@@ -655,8 +667,8 @@ fn poll_during_an_open_capture_window_queries_no_event() {
     rig.fill(6);
     // Two jobs in flight before the window opens; both complete on the
     // device, so a poll that queried events would report them.
-    rig.engine().store(1, &JobBlocks::single(vec![1, 2], vec![3, 4])).unwrap();
-    rig.engine().load(2, &JobBlocks::single(vec![5], vec![6])).unwrap();
+    rig.engine().store(JobId(1), &JobBlocks::single(vec![1, 2], vec![3, 4])).unwrap();
+    rig.engine().load(JobId(2), &JobBlocks::single(vec![5], vec![6])).unwrap();
     s.wait_device_idle();
     let (opened_tx, opened_rx) = std::sync::mpsc::channel();
     let (close_tx, close_rx) = std::sync::mpsc::channel::<()>();
@@ -691,16 +703,16 @@ fn poll_during_an_open_capture_window_queries_no_event() {
     // may be capturing: its ordering event would join the capture), with
     // the id left unused.
     assert_eq!(
-        rig.engine().store(3, &JobBlocks::single(vec![7], vec![8])),
-        Err(TransferError::CaptureWindowOpen { id: 3 })
+        rig.engine().store(JobId(3), &JobBlocks::single(vec![7], vec![8])),
+        Err(TransferError::CaptureWindowOpen { id: JobId(3) })
     );
     close_tx.send(()).unwrap();
     assert!(engine_thread.join().unwrap(), "the engine's GLOBAL capture was invalidated");
     assert!(s.refusals().is_empty(), "a call was refused: {:?}", s.refusals());
-    let r = rig.poll_until(2);
+    let r = rig.poll_until(JobId(2));
     assert!(r.iter().all(|r| r.succeeded()));
-    rig.engine().store(3, &JobBlocks::single(vec![7], vec![8])).unwrap();
-    assert!(rig.poll_until(3).iter().all(|r| r.succeeded()));
+    rig.engine().store(JobId(3), &JobBlocks::single(vec![7], vec![8])).unwrap();
+    assert!(rig.poll_until(JobId(3)).iter().all(|r| r.succeeded()));
     assert_eq!(s.poisoned(), None);
 }
 
@@ -708,14 +720,14 @@ fn poll_during_an_open_capture_window_queries_no_event() {
 fn wait_inside_own_window_is_a_typed_error() {
     let (_s, rt) = sim();
     let rig = Rig::new(rt, simple(1, 64, 8), opts(BackendChoice::Auto), Pin::Registered);
-    rig.engine().store(1, &JobBlocks::single(vec![0], vec![0])).unwrap();
+    rig.engine().store(JobId(1), &JobBlocks::single(vec![0], vec![0])).unwrap();
     let w = rig.coord.open_window().unwrap();
     assert_eq!(
-        rig.engine().wait(1),
+        rig.engine().wait(JobId(1)),
         Err(TransferError::Protocol(ProtocolError::WouldDeadlock { what: "waiting for a transfer" }))
     );
     assert!(rig.engine().poll_finished().is_empty());
     drop(w);
-    assert_eq!(rig.engine().wait(1), Ok(()));
-    assert_eq!(rig.poll_until(1).len(), 1);
+    assert_eq!(rig.engine().wait(JobId(1)), Ok(()));
+    assert_eq!(rig.poll_until(JobId(1)).len(), 1);
 }

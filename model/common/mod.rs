@@ -160,7 +160,7 @@ pub fn engine(
     page: usize,
     gpu_blocks: usize,
     backend: kvoffload::transfer::BackendChoice,
-) -> (kvoffload::transfer::TransferEngine, u64) {
+) -> (kvoffload::transfer::TransferEngine, kvoffload::runtime::DevicePtr) {
     let (e, dev, _) = engine_with_compute(f, chunks, page, gpu_blocks, backend);
     (e, dev)
 }
@@ -173,7 +173,7 @@ pub fn engine_with_compute(
     page: usize,
     gpu_blocks: usize,
     backend: kvoffload::transfer::BackendChoice,
-) -> (kvoffload::transfer::TransferEngine, u64, kvoffload::runtime::Stream) {
+) -> (kvoffload::transfer::TransferEngine, kvoffload::runtime::DevicePtr, kvoffload::runtime::Stream) {
     use kvoffload::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec, TransferEngine, TransferOptions};
     // On the main thread, before the model's threads start.
     let dev = f.coord.unsafe_call("allocating the model's KV tensor", |g| f.rt.mem_alloc(g, gpu_blocks * page));

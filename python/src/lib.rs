@@ -24,8 +24,8 @@ use kvoffload::protocol::{CapturePolicy, CaptureWindow, PinState};
 use kvoffload::region::ShmOptions;
 use kvoffload::runtime::cuda::CudaRuntime;
 use kvoffload::runtime::sim::{SimFault, SimRuntime};
-use kvoffload::runtime::{Code, Direction, GpuRuntime, Stream};
-use kvoffload::transfer::{Backend, BackendChoice, TensorSpec};
+use kvoffload::runtime::{Code, DevicePtr, Direction, GpuRuntime, Stream};
+use kvoffload::transfer::{Backend, BackendChoice, JobId, TensorSpec};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 use std::sync::Arc;
@@ -310,7 +310,7 @@ impl PyCompletion {
 
 fn completion(py: Python<'_>, c: Completion) -> PyResult<PyCompletion> {
     Ok(PyCompletion {
-        job: c.job,
+        job: c.job.0,
         direction: match c.direction {
             Direction::DeviceToHost => "store",
             Direction::HostToDevice => "load",
@@ -421,7 +421,7 @@ impl PyOffloader {
         }
     }
 
-    fn check_block(&self, py: Python<'_>, tensor: usize, block: usize) -> PyResult<(u64, usize)> {
+    fn check_block(&self, py: Python<'_>, tensor: usize, block: usize) -> PyResult<(DevicePtr, usize)> {
         let kv = self.off.kv();
         let t = kv.tensors.get(tensor).ok_or_else(|| {
             errors::options(py, format!("tensor {tensor} out of range ({} tensors)", kv.tensors.len()))
@@ -429,7 +429,7 @@ impl PyOffloader {
         if block >= kv.gpu_blocks {
             return Err(errors::options(py, format!("GPU block {block} out of range ({} blocks)", kv.gpu_blocks)));
         }
-        Ok((t.device_base + (block * t.page_bytes) as u64, t.page_bytes))
+        Ok((DevicePtr(t.device_base.raw() + (block * t.page_bytes) as u64), t.page_bytes))
     }
 }
 
@@ -566,7 +566,7 @@ impl PyOffloader {
                 // it is forgotten again after the offloader shut down.
                 let s = unsafe { cuda.adopt_stream(raw) };
                 let kv = KvSpec {
-                    tensors: ts.iter().map(|&(p, b)| TensorSpec { device_base: p, page_bytes: b }).collect(),
+                    tensors: ts.iter().map(|&(p, b)| TensorSpec { device_base: DevicePtr(p), page_bytes: b }).collect(),
                     gpu_blocks,
                     block_factor,
                     compute_stream: s,
@@ -610,7 +610,7 @@ impl PyOffloader {
     /// Device addresses of the KV tensors.
     #[getter]
     fn tensor_addresses(&self) -> Vec<u64> {
-        self.off.tensors()
+        self.off.tensors().into_iter().map(DevicePtr::raw).collect()
     }
 
     /// Bytes of one GPU block of each tensor.
@@ -730,7 +730,7 @@ impl PyOffloader {
             })
             .collect();
         Ok(PyStoreResult {
-            job: r.job,
+            job: r.job.map(|j| j.0),
             stored: keys_out(py, &r.stored)?.into_pyobject(py)?.into_any().unbind(),
             skipped: skipped?.into_pyobject(py)?.into_any().unbind(),
             evicted: keys_out(py, &r.evicted)?.into_pyobject(py)?.into_any().unbind(),
@@ -743,7 +743,7 @@ impl PyOffloader {
     fn load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, gpu_blocks: &Bound<'_, PyAny>) -> PyResult<u64> {
         let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
         let off = &self.off;
-        py.detach(|| off.load(&keys, &blocks)).map_err(|e| errors::offloader(py, e))
+        py.detach(|| off.load(&keys, &blocks)).map(|j| j.0).map_err(|e| errors::offloader(py, e))
     }
 
     /// Jobs finished since the last call, each reported once, in
@@ -758,7 +758,7 @@ impl PyOffloader {
     /// `poll`).
     fn wait(&self, py: Python<'_>, job: u64) -> PyResult<()> {
         let off = &self.off;
-        py.detach(|| off.wait(job)).map_err(|e| errors::offloader(py, e))
+        py.detach(|| off.wait(JobId(job))).map_err(|e| errors::offloader(py, e))
     }
 
     /// Blocks until every job submitted so far completed on the GPU.

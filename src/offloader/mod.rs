@@ -68,7 +68,7 @@ use crate::pin::{pin_all, pin_all_agreed_by, Agreement, Prefault, Prepared, Rank
 use crate::protocol::agreement::{AgreementError, RankSlots};
 use crate::protocol::{shutdown, CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
 use crate::region::{page_size, AnonOptions, Layout, Region};
-use crate::runtime::{Direction, DriverError, Gate, GpuRuntime, Stream};
+use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::{self, thread, Arc, Mutex};
 use crate::transfer::{Backend, GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine};
 
@@ -168,7 +168,7 @@ pub struct Offloader {
     inner: Mutex<Inner>,
     pinner: Mutex<Pinner>,
     /// Tensors and the compute stream the offloader made, freed at shutdown.
-    owned_tensors: Vec<u64>,
+    owned_tensors: Vec<DevicePtr>,
     owned_compute: Option<Stream>,
     down: Mutex<Down>,
 }
@@ -228,7 +228,7 @@ impl Offloader {
         // through this offloader, which does not exist yet).
         let gate = Coordinator::without_region(Default::default());
         let mut tensors = Vec::with_capacity(alloc.tensors);
-        let free_all = |rt: &dyn GpuRuntime, tensors: &[u64]| {
+        let free_all = |rt: &dyn GpuRuntime, tensors: &[DevicePtr]| {
             for &p in tensors {
                 match gate.unsafe_call("freeing a KV tensor", |g| rt.mem_free(g, p)) {
                     Ok(Ok(())) => {}
@@ -277,7 +277,7 @@ impl Offloader {
         rt: Arc<dyn GpuRuntime>,
         kv: KvSpec,
         opts: OffloaderOptions,
-        owned_tensors: Vec<u64>,
+        owned_tensors: Vec<DevicePtr>,
         owned_compute: Option<Stream>,
     ) -> Result<Offloader, OffloaderError> {
         if kv.tensors.is_empty() || kv.gpu_blocks == 0 || kv.block_factor == 0 {
@@ -367,7 +367,7 @@ impl Offloader {
                 manager,
                 engine: Some(Arc::new(engine)),
                 jobs: HashMap::new(),
-                next_id: 1,
+                next_id: JobId(1),
                 closed: false,
             }),
             pinner: Mutex::new(Pinner::NotStarted),
@@ -392,7 +392,7 @@ impl Offloader {
 
     /// Device addresses of the KV tensors (the engine's, or those the
     /// offloader allocated).
-    pub fn tensors(&self) -> Vec<u64> {
+    pub fn tensors(&self) -> Vec<DevicePtr> {
         self.kv.tensors.iter().map(|t| t.device_base).collect()
     }
 
@@ -560,7 +560,7 @@ impl Offloader {
         }
         let (gpu, slots, stored) = self.job_blocks(keys, gpu_blocks, &out.to_store);
         let id = inner.next_id;
-        inner.next_id += 1;
+        inner.next_id = JobId(inner.next_id.0 + 1);
         let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
         if let Err(e) = engine.store(id, &JobBlocks::single(gpu, slots)) {
             if let Err(m) = inner.manager.complete_store(&stored, false) {
@@ -588,7 +588,7 @@ impl Offloader {
         let placements = inner.manager.prepare_load(keys)?;
         let (gpu, slots, _) = self.job_blocks(keys, gpu_blocks, &placements);
         let id = inner.next_id;
-        inner.next_id += 1;
+        inner.next_id = JobId(inner.next_id.0 + 1);
         let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
         if let Err(e) = engine.load(id, &JobBlocks::single(gpu, slots)) {
             if let Err(m) = inner.manager.complete_load(keys) {
@@ -635,7 +635,7 @@ impl Offloader {
         let mut out = Vec::new();
         for r in engine.poll_finished() {
             let Some(job) = inner.jobs.remove(&r.id) else {
-                tracing::error!(job = r.id, "a job was reported that the offloader did not submit");
+                tracing::error!(job = r.id.0, "a job was reported that the offloader did not submit");
                 continue;
             };
             let applied = match job.direction {
@@ -643,7 +643,7 @@ impl Offloader {
                 Direction::HostToDevice => inner.manager.complete_load(&job.keys),
             };
             if let Err(e) = applied {
-                tracing::error!(job = r.id, error = %e, "applying a finished job to the block manager failed");
+                tracing::error!(job = r.id.0, error = %e, "applying a finished job to the block manager failed");
             }
             out.push(Completion {
                 job: r.id,

@@ -631,11 +631,11 @@ impl Coordinator {
         let base = match c.reg {
             ChunkReg::Registered { alias } => alias,
             // N4: hand out the host address as if it were registered.
-            _ if unchecked => c.addr as DevicePtr | (1 << 62),
+            _ if unchecked => DevicePtr(c.addr as u64 | (1 << 62)),
             _ => return None,
         };
         c.users += 1;
-        let device = base + (addr - c.addr) as DevicePtr;
+        let device = base.offset(addr - c.addr);
         Some(AliasGuard { coord: self.shared.clone(), chunk: i, device })
     }
 

@@ -3,7 +3,51 @@
 
 /// Address in device memory (`CUdeviceptr`), or a host allocation's device
 /// alias obtained through [`super::GpuRuntime::host_device_ptr`].
-pub type DevicePtr = u64;
+///
+/// A newtype so that a device address cannot be passed where a host address
+/// (`usize`) or a byte count is expected, or the other way round; the
+/// arithmetic the crate needs is explicit ([`DevicePtr::offset`],
+/// [`DevicePtr::checked_offset`]). Displayed as hex (`0x...`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// The null device pointer (0).
+    pub const NULL: DevicePtr = DevicePtr(0);
+
+    /// The pointer for the raw `CUdeviceptr` value `raw`.
+    pub const fn from_raw(raw: u64) -> DevicePtr {
+        DevicePtr(raw)
+    }
+
+    /// The raw `CUdeviceptr` value.
+    pub const fn raw(self) -> u64 {
+        self.0
+    }
+
+    /// The address `bytes` past this one (wrapping like the `u64` addition
+    /// it replaces: panics on overflow in debug builds).
+    pub fn offset(self, bytes: usize) -> DevicePtr {
+        DevicePtr(self.0 + bytes as u64)
+    }
+
+    /// The address `bytes` past this one; `None` on overflow.
+    pub fn checked_offset(self, bytes: usize) -> Option<DevicePtr> {
+        u64::try_from(bytes).ok().and_then(|b| self.0.checked_add(b)).map(DevicePtr)
+    }
+}
+
+impl std::fmt::Display for DevicePtr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+impl std::fmt::LowerHex for DevicePtr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::LowerHex::fmt(&self.0, f)
+    }
+}
 
 macro_rules! handle {
     ($(#[$m:meta])* $name:ident) => {

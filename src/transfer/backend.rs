@@ -150,7 +150,7 @@ pub(crate) fn entry(dir: Direction, f: Fragment, host: DevicePtr) -> [u64; 3] {
         Direction::HostToDevice => (host, f.device),
         Direction::DeviceToHost => (f.device, host),
     };
-    [src, dst, f.bytes as u64]
+    [src.raw(), dst.raw(), f.bytes as u64]
 }
 
 /// Uploads `staging` (an encoded table) piece by piece into `table` and

@@ -75,7 +75,7 @@ impl Chunks {
             let c = self.spans[pos];
             let take = rest.bytes.min(c.addr + c.len - rest.host);
             f(pos, Fragment { bytes: take, ..rest });
-            rest = Fragment { host: rest.host + take, device: rest.device + take as u64, bytes: rest.bytes - take };
+            rest = Fragment { host: rest.host + take, device: rest.device.offset(take), bytes: rest.bytes - take };
         }
         true
     }
@@ -84,6 +84,7 @@ impl Chunks {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::runtime::DevicePtr;
 
     fn span(addr: usize, len: usize, index: usize) -> ChunkSpan {
         ChunkSpan { addr, len, index }
@@ -114,14 +115,14 @@ mod tests {
     fn split_cuts_at_boundaries_and_refuses_gaps() {
         let c = Chunks::new(vec![span(0, 100, 0), span(100, 100, 1), span(300, 100, 2)]);
         let mut got = Vec::new();
-        assert!(c.split(Fragment { host: 50, device: 5000, bytes: 120 }, |p, f| got.push((p, f))));
+        assert!(c.split(Fragment { host: 50, device: DevicePtr(5000), bytes: 120 }, |p, f| got.push((p, f))));
         assert_eq!(
             got,
             vec![
-                (0, Fragment { host: 50, device: 5000, bytes: 50 }),
-                (1, Fragment { host: 100, device: 5050, bytes: 70 })
+                (0, Fragment { host: 50, device: DevicePtr(5000), bytes: 50 }),
+                (1, Fragment { host: 100, device: DevicePtr(5050), bytes: 70 })
             ]
         );
-        assert!(!c.split(Fragment { host: 150, device: 0, bytes: 100 }, |_, _| {}));
+        assert!(!c.split(Fragment { host: 150, device: DevicePtr(0), bytes: 100 }, |_, _| {}));
     }
 }

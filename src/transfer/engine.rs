@@ -440,7 +440,7 @@ impl TransferEngine {
                     match self.rt.event_record(done, h.stream) {
                         Ok(()) => p.done = Completion::Event(done),
                         Err(e) => {
-                            tracing::warn!(job = id, error = %e, "recording a completion event failed; the job completes with its stream");
+                            tracing::warn!(job = id.0, error = %e, "recording a completion event failed; the job completes with its stream");
                             p.error.get_or_insert(e);
                             p.done = Completion::Stream;
                             q.spare.push(done);
@@ -450,9 +450,9 @@ impl TransferEngine {
             }
         }
         if let Some(e) = &p.error {
-            tracing::warn!(job = id, ?dir, error = %e, "transfer job failed at enqueue");
+            tracing::warn!(job = id.0, ?dir, error = %e, "transfer job failed at enqueue");
         } else {
-            tracing::debug!(job = id, ?dir, bytes = p.bytes, fragments = p.fragments, backend = %p.backend, pinned_table = p.staging.pinned(), "transfer job enqueued");
+            tracing::debug!(job = id.0, ?dir, bytes = p.bytes, fragments = p.fragments, backend = %p.backend, pinned_table = p.staging.pinned(), "transfer job enqueued");
         }
         q.jobs.push_back(p);
         Ok(())
@@ -597,7 +597,7 @@ impl TransferEngine {
         // One guard per chunk the job touches; `alias[pos]` is the device
         // address of that chunk's first byte while its guard is held.
         let mut guards: Vec<AliasGuard> = Vec::with_capacity(touched.len());
-        let mut alias: Vec<DevicePtr> = vec![0; self.chunks.len()];
+        let mut alias: Vec<DevicePtr> = vec![DevicePtr::NULL; self.chunks.len()];
         for &pos in touched {
             let c = self.chunks.get(pos);
             match self.coord.acquire_alias(c.addr, c.len) {
@@ -633,7 +633,7 @@ impl TransferEngine {
         let mut r = Ok(());
         for f in &exp.fragments {
             self.chunks.split(*f, |pos, piece| {
-                let host = alias[pos] + (piece.host - self.chunks.get(pos).addr) as DevicePtr;
+                let host = alias[pos].offset(piece.host - self.chunks.get(pos).addr);
                 staging.push(backend::entry(h.dir, piece, host));
             });
             if r.is_ok() && staging.len() - launched >= per {
@@ -742,7 +742,7 @@ impl TransferEngine {
             }
             let error = p.error.clone().or(outcome.err());
             if let Some(e) = &error {
-                tracing::warn!(job = p.id, error = %e, "transfer job failed");
+                tracing::warn!(job = p.id.0, error = %e, "transfer job failed");
             }
             out.push(JobResult {
                 id: p.id,

@@ -3,7 +3,21 @@
 use std::collections::BTreeMap;
 
 /// Identifies one transfer job; unique over an engine's lifetime.
-pub type JobId = u64;
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JobId(pub u64);
+
+impl JobId {
+    /// The next id (`None` past `u64::MAX`).
+    pub fn checked_next(self) -> Option<JobId> {
+        self.0.checked_add(1).map(JobId)
+    }
+}
+
+impl std::fmt::Display for JobId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
 
 /// The ids used so far, as disjoint closed intervals (start -> end): ids
 /// that grow by one per job stay one interval, so the set stays small
@@ -28,12 +42,12 @@ impl IdSet {
         let mut start = id;
         let mut end = id;
         if let Some((&s, &e)) = self.runs.range(..id).next_back() {
-            if e.checked_add(1) == Some(id) {
+            if e.checked_next() == Some(id) {
                 start = s;
                 self.runs.remove(&s);
             }
         }
-        if let Some(next) = id.checked_add(1) {
+        if let Some(next) = id.checked_next() {
             if let Some(e) = self.runs.remove(&next) {
                 end = e;
             }
@@ -64,30 +78,30 @@ mod tests {
     fn sequential_ids_stay_one_run() {
         let mut s = IdSet::default();
         for id in 0..1000 {
-            assert!(s.insert(id));
+            assert!(s.insert(JobId(id)));
         }
         assert_eq!(s.runs(), 1);
         assert_eq!(s.len(), 1000);
-        assert!(!s.insert(17));
-        assert!(!s.contains(1000));
+        assert!(!s.insert(JobId(17)));
+        assert!(!s.contains(JobId(1000)));
     }
 
     #[test]
     fn gaps_merge_when_filled() {
         let mut s = IdSet::default();
         for id in [5, 7, 9, u64::MAX, 0] {
-            assert!(s.insert(id));
+            assert!(s.insert(JobId(id)));
         }
         assert_eq!(s.runs(), 5);
-        assert!(s.insert(6));
+        assert!(s.insert(JobId(6)));
         assert_eq!(s.runs(), 4);
-        assert!(s.insert(8));
+        assert!(s.insert(JobId(8)));
         assert_eq!(s.runs(), 3);
         for id in [0, 5, 6, 7, 8, 9, u64::MAX] {
-            assert!(s.contains(id), "{id}");
+            assert!(s.contains(JobId(id)), "{id}");
         }
         for id in [1, 4, 10, u64::MAX - 1] {
-            assert!(!s.contains(id), "{id}");
+            assert!(!s.contains(JobId(id)), "{id}");
         }
     }
 }

@@ -193,7 +193,7 @@ impl KvLayout {
                 }
                 (t.page_bytes as u64)
                     .checked_mul(g.num_gpu_blocks as u64)
-                    .and_then(|n| n.checked_add(t.device_base))
+                    .and_then(|n| n.checked_add(t.device_base.raw()))
                     .ok_or_else(|| overflow("device tensor end", format!("{t:?} x {} blocks", g.num_gpu_blocks)))?;
                 sum_pages = sum_pages
                     .checked_add(t.page_bytes)
@@ -311,7 +311,7 @@ impl KvLayout {
     /// Device address of GPU block `block` of tensor `t` of group `g`.
     pub fn device_addr(&self, g: usize, t: usize, block: usize) -> DevicePtr {
         let t = &self.groups[g].tensors[t];
-        t.device_base + (block as u64) * (t.page_bytes as u64)
+        DevicePtr(t.device_base.raw() + (block as u64) * (t.page_bytes as u64))
     }
 
     /// Checks `job` against the layout (typed errors for every bad id or
@@ -332,7 +332,7 @@ impl KvLayout {
                 for (i, &gpu) in gb.gpu.iter().enumerate() {
                     let s = i + skip;
                     let host = self.host_addr(gi, ti, gb.host[s / self.factor], s % self.factor);
-                    let device = t.device_base + (gpu as u64) * (t.page_bytes as u64);
+                    let device = DevicePtr(t.device_base.raw() + (gpu as u64) * (t.page_bytes as u64));
                     push_merged(&mut out.fragments, Fragment { host, device, bytes: t.page_bytes });
                     out.bytes += t.page_bytes as u64;
                 }
@@ -399,7 +399,7 @@ fn first_repeat(ids: &[usize], universe: usize) -> Option<usize> {
 /// the host and the device side.
 fn push_merged(out: &mut Vec<Fragment>, f: Fragment) {
     if let Some(last) = out.last_mut() {
-        if last.host + last.bytes == f.host && last.device + last.bytes as u64 == f.device {
+        if last.host + last.bytes == f.host && last.device.offset(last.bytes) == f.device {
             last.bytes += f.bytes;
             return;
         }
@@ -425,7 +425,7 @@ mod tests {
         let tensors = pages
             .iter()
             .enumerate()
-            .map(|(i, &p)| TensorSpec { device_base: (i as u64 + 1) << 32, page_bytes: p })
+            .map(|(i, &p)| TensorSpec { device_base: DevicePtr((i as u64 + 1) << 32), page_bytes: p })
             .collect();
         KvLayout::new(&[GroupSpec { tensors, num_gpu_blocks: 8, num_host_blocks: 4 }], f, 0x1000, placement).unwrap()
     }
@@ -434,13 +434,13 @@ mod tests {
     fn partial_first_host_block_skips_leading_sub_blocks() {
         let l = one(&[16], 4, HostPlacement::TensorMajor);
         // 6 GPU blocks into 2 host blocks of 4: skip 2 of host block 3.
-        let e = l.expand(1, &JobBlocks::single(vec![0, 1, 2, 3, 4, 5], vec![3, 0])).unwrap();
+        let e = l.expand(JobId(1), &JobBlocks::single(vec![0, 1, 2, 3, 4, 5], vec![3, 0])).unwrap();
         assert_eq!(e.bytes, 96);
         assert_eq!(
             e.fragments,
             vec![
-                Fragment { host: 0x1000 + 3 * 64 + 2 * 16, device: 1 << 32, bytes: 32 },
-                Fragment { host: 0x1000, device: (1 << 32) + 32, bytes: 64 },
+                Fragment { host: 0x1000 + 3 * 64 + 2 * 16, device: DevicePtr(1 << 32), bytes: 32 },
+                Fragment { host: 0x1000, device: DevicePtr((1 << 32) + 32), bytes: 64 },
             ]
         );
     }
@@ -455,23 +455,23 @@ mod tests {
     #[test]
     fn typed_errors() {
         let l = one(&[16], 2, HostPlacement::TensorMajor);
-        let e = |g: Vec<usize>, h: Vec<usize>| l.expand(7, &JobBlocks::single(g, h)).unwrap_err();
+        let e = |g: Vec<usize>, h: Vec<usize>| l.expand(JobId(7), &JobBlocks::single(g, h)).unwrap_err();
         assert!(matches!(e(vec![8], vec![0]), TransferError::GpuBlockOutOfRange { block: 8, .. }));
         assert!(matches!(e(vec![0], vec![4]), TransferError::HostBlockOutOfRange { block: 4, .. }));
         assert!(matches!(e(vec![1, 1], vec![0]), TransferError::RepeatedGpuBlock { block: 1, .. }));
         assert!(matches!(e(vec![1, 2, 3], vec![0, 0]), TransferError::RepeatedHostBlock { block: 0, .. }));
         assert!(matches!(e(vec![1, 2, 3], vec![0]), TransferError::BlockCountMismatch { min: 1, max: 2, .. }));
         assert!(matches!(e(vec![1], vec![0, 1]), TransferError::BlockCountMismatch { min: 3, max: 4, .. }));
-        assert!(matches!(e(vec![], vec![]), TransferError::EmptyJob { id: 7 }));
+        assert!(matches!(e(vec![], vec![]), TransferError::EmptyJob { id: JobId(7) }));
         assert!(matches!(
-            l.expand(1, &JobBlocks::default()).unwrap_err(),
+            l.expand(JobId(1), &JobBlocks::default()).unwrap_err(),
             TransferError::GroupCount { given: 0, expected: 1 }
         ));
     }
 
     #[test]
     fn layout_errors() {
-        let t = TensorSpec { device_base: 0, page_bytes: 16 };
+        let t = TensorSpec { device_base: DevicePtr(0), page_bytes: 16 };
         let g = GroupSpec { tensors: vec![t], num_gpu_blocks: 1, num_host_blocks: 1 };
         assert_eq!(KvLayout::new(&[], 1, 0, HostPlacement::TensorMajor), Err(LayoutError::NoGroups));
         assert_eq!(

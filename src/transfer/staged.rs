@@ -134,7 +134,7 @@ impl Plan {
                     _ => p.runs.push(Run { host: rest.host, off: start, bytes: take }),
                 }
                 used = start + take;
-                rest = Fragment { host: rest.host + take, device: rest.device + take as u64, bytes: rest.bytes - take };
+                rest = Fragment { host: rest.host + take, device: rest.device.offset(take), bytes: rest.bytes - take };
             }
         }
         if p.pieces.len() > first_piece {
@@ -251,13 +251,13 @@ impl Staging {
 
     /// Device address of buffer `b` (0 or 1).
     pub fn buffer(&self, b: usize) -> DevicePtr {
-        self.base + (b * self.half) as DevicePtr
+        self.base.offset(b * self.half)
     }
 
     /// Descriptor table `b` (0 or 1).
     pub fn table(&self, b: usize) -> GatherTable {
         let at = 2 * self.half + b * self.entries * GATHER_ENTRY_BYTES;
-        GatherTable { ptr: self.base + at as DevicePtr, entries: self.entries }
+        GatherTable { ptr: self.base.offset(at), entries: self.entries }
     }
 
     /// The stream chunk 0 of the next job goes to (chunk `c` goes to
@@ -272,7 +272,7 @@ impl Staging {
     pub fn entries<'a>(&'a self, dir: Direction, plan: &'a Plan, first: usize) -> impl Iterator<Item = [u64; 3]> + 'a {
         plan.chunks.iter().enumerate().flat_map(move |(c, ch)| {
             let buf = self.buffer((first + c) % 2);
-            plan.pieces[ch.pieces.clone()].iter().map(move |p| backend::entry(dir, p.frag, buf + p.off as DevicePtr))
+            plan.pieces[ch.pieces.clone()].iter().map(move |p| backend::entry(dir, p.frag, buf.offset(p.off)))
         })
     }
 
@@ -306,7 +306,7 @@ impl Staging {
         // there, without an upload (a heap table is uploaded).
         let alias = self.ring.and_then(|(addr, bytes, alias)| {
             let at = (table.as_ptr() as usize).checked_sub(addr)?;
-            (at.checked_add(std::mem::size_of_val(table))? <= bytes).then_some(alias + at as DevicePtr)
+            (at.checked_add(std::mem::size_of_val(table))? <= bytes).then_some(alias.offset(at))
         });
         let mut r = Ok(());
         for &b in &used {
@@ -320,7 +320,7 @@ impl Staging {
                 let buf = self.buffer(b);
                 let runs: Vec<Fragment> = plan.runs[ch.runs.clone()]
                     .iter()
-                    .map(|r| Fragment { host: r.host, device: buf + r.off as DevicePtr, bytes: r.bytes })
+                    .map(|r| Fragment { host: r.host, device: buf.offset(r.off), bytes: r.bytes })
                     .collect();
                 // SAFETY: the kernel reads `words` (alive until the job is
                 // done, this function's contract) and device memory only:
@@ -335,7 +335,7 @@ impl Staging {
                     match alias {
                         Some(a) => rt.launch(
                             Kernel::Gather {
-                                table: a + (ch.pieces.start * GATHER_ENTRY_BYTES) as DevicePtr,
+                                table: a.offset(ch.pieces.start * GATHER_ENTRY_BYTES),
                                 count: ch.pieces.len() as u32,
                             },
                             s,
@@ -419,7 +419,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn frag(host: usize, device: u64, bytes: usize) -> Fragment {
-        Fragment { host, device, bytes }
+        Fragment { host, device: DevicePtr(device), bytes }
     }
 
     #[test]
@@ -493,9 +493,9 @@ mod tests {
             let p = Plan::new(&frags, half, entries, chunk_end);
             prop_assert_eq!(p.bytes, sizes.iter().sum::<usize>() as u64);
             // Every byte once: pieces sorted by host tile the fragments.
-            let mut covered: Vec<(usize, u64, usize)> = p.pieces.iter().map(|x| (x.frag.host, x.frag.device, x.frag.bytes)).collect();
+            let mut covered: Vec<(usize, u64, usize)> = p.pieces.iter().map(|x| (x.frag.host, x.frag.device.raw(), x.frag.bytes)).collect();
             covered.sort_unstable();
-            let mut want: Vec<(usize, u64, usize)> = frags.iter().map(|f| (f.host, f.device, f.bytes)).collect();
+            let mut want: Vec<(usize, u64, usize)> = frags.iter().map(|f| (f.host, f.device.raw(), f.bytes)).collect();
             want.sort_unstable();
             let mut wi = want.into_iter();
             let mut cur = wi.next();

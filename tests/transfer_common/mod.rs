@@ -276,7 +276,7 @@ impl Rig {
         // SAFETY: `host` and the tensors outlive the engine (Drop below
         // drops the engine first); tests touch host memory only between jobs.
         let engine = unsafe { TransferEngine::new(rt.clone(), coord.clone(), layout, compute, opts) }.unwrap();
-        Rig { rt, coord, engine: Some(engine), compute, shape, host, tensors, next_id: 1 << 32 }
+        Rig { rt, coord, engine: Some(engine), compute, shape, host, tensors, next_id: JobId(1 << 32) }
     }
 
     pub fn engine(&self) -> &TransferEngine {
@@ -284,7 +284,7 @@ impl Rig {
     }
 
     pub fn fresh_id(&mut self) -> JobId {
-        self.next_id += 1;
+        self.next_id = JobId(self.next_id.0 + 1);
         self.next_id
     }
 

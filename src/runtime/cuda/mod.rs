@@ -369,7 +369,7 @@ impl GpuRuntime for CudaRuntime {
         check("cuMemHostGetDevicePointer", unsafe {
             sys::cuMemHostGetDevicePointer_v2(&mut p, addr as *mut c_void, 0)
         })?;
-        Ok(p)
+        Ok(DevicePtr(p))
     }
 
     fn mem_alloc(&self, _gate: &Gate, bytes: usize) -> DriverResult<DevicePtr> {
@@ -377,13 +377,13 @@ impl GpuRuntime for CudaRuntime {
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer.
         check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut p, bytes) })?;
-        Ok(p)
+        Ok(DevicePtr(p))
     }
 
     fn mem_free(&self, _gate: &Gate, ptr: DevicePtr) -> DriverResult<()> {
         self.bind()?;
         // SAFETY: the driver validates `ptr` against its allocations.
-        check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
+        check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr.raw()) })
     }
 
     fn mem_alloc_host(&self, _gate: &Gate, bytes: usize) -> DriverResult<usize> {
@@ -449,26 +449,26 @@ impl GpuRuntime for CudaRuntime {
         let s = self.stream_raw(stream, "cuMemcpyHtoDAsync")?;
         // SAFETY: the caller keeps `src..src+bytes` readable until the copy
         // completes; the driver validates `dst`.
-        check("cuMemcpyHtoDAsync", unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, s) })
+        check("cuMemcpyHtoDAsync", unsafe { sys::cuMemcpyHtoDAsync_v2(dst.raw(), src as *const c_void, bytes, s) })
     }
 
     unsafe fn copy_dtoh_async(&self, dst: usize, src: DevicePtr, bytes: usize, stream: Stream) -> DriverResult<()> {
         let s = self.stream_raw(stream, "cuMemcpyDtoHAsync")?;
         // SAFETY: the caller keeps `dst..dst+bytes` writable and untouched
         // until the copy completes.
-        check("cuMemcpyDtoHAsync", unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, s) })
+        check("cuMemcpyDtoHAsync", unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src.raw(), bytes, s) })
     }
 
     unsafe fn copy_htod(&self, dst: DevicePtr, src: usize, bytes: usize) -> DriverResult<()> {
         self.bind()?;
         // SAFETY: the caller guarantees `src..src+bytes` is readable.
-        check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(dst, src as *const c_void, bytes) })
+        check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(dst.raw(), src as *const c_void, bytes) })
     }
 
     unsafe fn copy_dtoh(&self, dst: usize, src: DevicePtr, bytes: usize) -> DriverResult<()> {
         self.bind()?;
         // SAFETY: the caller guarantees `dst..dst+bytes` is writable.
-        check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(dst as *mut c_void, src, bytes) })
+        check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(dst as *mut c_void, src.raw(), bytes) })
     }
 
     unsafe fn copy_batch_async(&self, dir: Direction, fragments: &[Fragment], stream: Stream) -> DriverResult<()> {
@@ -480,8 +480,8 @@ impl GpuRuntime for CudaRuntime {
         let dev =
             sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: self.ordinal as i32 };
         let (mut dsts, mut srcs): (Vec<sys::CUdeviceptr>, Vec<sys::CUdeviceptr>) = match dir {
-            Direction::HostToDevice => fragments.iter().map(|f| (f.device, f.host as u64)).unzip(),
-            Direction::DeviceToHost => fragments.iter().map(|f| (f.host as u64, f.device)).unzip(),
+            Direction::HostToDevice => fragments.iter().map(|f| (f.device.raw(), f.host as u64)).unzip(),
+            Direction::DeviceToHost => fragments.iter().map(|f| (f.host as u64, f.device.raw())).unzip(),
         };
         let mut sizes: Vec<usize> = fragments.iter().map(|f| f.bytes).collect();
         let (src_loc, dst_loc) = match dir {
@@ -515,7 +515,7 @@ impl GpuRuntime for CudaRuntime {
     unsafe fn memset_d8_async(&self, dst: DevicePtr, value: u8, bytes: usize, stream: Stream) -> DriverResult<()> {
         let s = self.stream_raw(stream, "cuMemsetD8Async")?;
         // SAFETY: the driver validates `dst`; live stream.
-        check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(dst, value, bytes, s) })
+        check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(dst.raw(), value, bytes, s) })
     }
 
     unsafe fn launch(&self, kernel: Kernel, stream: Stream) -> DriverResult<()> {
@@ -548,7 +548,7 @@ impl GpuRuntime for CudaRuntime {
                 if count == 0 {
                     return Ok(());
                 }
-                let (mut t, mut n) = (table, count);
+                let (mut t, mut n) = (table.raw(), count);
                 let mut args = [&mut t as *mut u64 as *mut c_void, &mut n as *mut u32 as *mut c_void];
                 // SAFETY: `kvo_pattern_fill` takes (u64, u32), which `args`
                 // points to for the duration of the call (the driver copies
@@ -563,7 +563,7 @@ impl GpuRuntime for CudaRuntime {
                 if count == 0 {
                     return Ok(());
                 }
-                let (mut t, mut n, mut o) = (table, count, out);
+                let (mut t, mut n, mut o) = (table.raw(), count, out.raw());
                 let mut args = [
                     &mut t as *mut u64 as *mut c_void,
                     &mut n as *mut u32 as *mut c_void,
@@ -579,7 +579,7 @@ impl GpuRuntime for CudaRuntime {
                 if count == 0 {
                     return Ok(());
                 }
-                let mut t = table;
+                let mut t = table.raw();
                 let mut n = count;
                 let mut args = [&mut t as *mut u64 as *mut c_void, &mut n as *mut u32 as *mut c_void];
                 let blocks = count.min(self.sm_count * ptx::GATHER_BLOCKS_PER_SM);

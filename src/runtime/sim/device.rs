@@ -143,8 +143,8 @@ fn resolve_into(st: &mut State, op: &Op, out: &mut Vec<Action>) -> Result<(), Co
                 if bytes == 0 {
                     continue;
                 }
-                let src = st.device_slice(e[0], bytes).ok_or(Code::ILLEGAL_ADDRESS)?;
-                let dst = st.device_slice(e[1], bytes).ok_or(Code::ILLEGAL_ADDRESS)?;
+                let src = st.device_slice(DevicePtr(e[0]), bytes).ok_or(Code::ILLEGAL_ADDRESS)?;
+                let dst = st.device_slice(DevicePtr(e[1]), bytes).ok_or(Code::ILLEGAL_ADDRESS)?;
                 out.push(Action::Copy { dst, src, bytes });
             }
         }
@@ -156,7 +156,7 @@ fn resolve_into(st: &mut State, op: &Op, out: &mut Vec<Action>) -> Result<(), Co
                 if bytes == 0 {
                     continue;
                 }
-                let dst = st.device_slice(dst, bytes).ok_or(Code::ILLEGAL_ADDRESS)?;
+                let dst = st.device_slice(DevicePtr(dst), bytes).ok_or(Code::ILLEGAL_ADDRESS)?;
                 out.push(Action::Pattern { dst, key, first_word, bytes });
             }
         }
@@ -168,7 +168,7 @@ fn resolve_into(st: &mut State, op: &Op, out: &mut Vec<Action>) -> Result<(), Co
             // The kernel adds with 4-byte atomics: a misaligned `out` faults
             // on the GPU. The sim wants all `4 count` bytes valid up front
             // (the GPU faults only when an entry has mismatches to add).
-            if counts % 4 != 0 {
+            if counts.raw() % 4 != 0 {
                 return Err(Code::MISALIGNED_ADDRESS);
             }
             let cbytes = entries.len().checked_mul(4).ok_or(Code::ILLEGAL_ADDRESS)?;
@@ -177,7 +177,7 @@ fn resolve_into(st: &mut State, op: &Op, out: &mut Vec<Action>) -> Result<(), Co
                 if bytes == 0 {
                     continue;
                 }
-                let src = st.device_slice(src, bytes).ok_or(Code::ILLEGAL_ADDRESS)?;
+                let src = st.device_slice(DevicePtr(src), bytes).ok_or(Code::ILLEGAL_ADDRESS)?;
                 out.push(Action::Check { src, key, first_word, bytes, count: base.wrapping_add(4 * i) });
             }
         }
@@ -203,7 +203,7 @@ fn pattern_table(st: &mut State, table: DevicePtr, count: u32) -> Result<Vec<(u6
     if count == 0 {
         return Ok(Vec::new());
     }
-    if table % 8 != 0 {
+    if table.raw() % 8 != 0 {
         return Err(Code::MISALIGNED_ADDRESS);
     }
     let words = (count as usize).checked_mul(PATTERN_ENTRY_WORDS).ok_or(Code::ILLEGAL_ADDRESS)?;

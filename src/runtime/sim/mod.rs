@@ -480,7 +480,7 @@ impl GpuRuntime for SimRuntime {
         let r = (|| {
             let g = self.enter(Call::HostDevicePtr, &[])?;
             g.registered_range(addr, 1).ok_or(Code::INVALID_VALUE)?;
-            Ok(HOST_ALIAS_BIT | addr as u64)
+            Ok(DevicePtr(HOST_ALIAS_BIT | addr as u64))
         })();
         traced("cuMemHostGetDevicePointer", r)
     }

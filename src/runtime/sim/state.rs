@@ -15,7 +15,7 @@ use super::fault::Faults;
 /// pointer says by itself whether it names device or host memory.
 pub(crate) const HOST_ALIAS_BIT: u64 = 1 << 62;
 /// First address handed out by the simulated `cuMemAlloc`.
-const DEVICE_BASE: u64 = 0x7f00_0000_0000 & !HOST_ALIAS_BIT;
+const DEVICE_BASE: DevicePtr = DevicePtr(0x7f00_0000_0000 & !HOST_ALIAS_BIT);
 
 /// One unit of stream work.
 #[derive(Clone, Debug)]
@@ -138,11 +138,11 @@ pub enum Blocked {
 #[derive(Default)]
 pub(crate) struct State {
     next_id: u64,
-    next_device: u64,
+    next_device: DevicePtr,
     pub streams: BTreeMap<u64, StreamState>,
     pub events: BTreeMap<u64, EventState>,
     pub graphs: BTreeMap<u64, Arc<GraphBody>>,
-    pub device_mem: BTreeMap<u64, Vec<u8>>,
+    pub device_mem: BTreeMap<DevicePtr, Vec<u8>>,
     pub device_limit: usize,
     pub device_used: usize,
     pub host_allocs: BTreeMap<usize, Vec<u8>>,
@@ -177,10 +177,10 @@ impl State {
 
     /// Reserves `bytes` of simulated device address space, 256-byte aligned
     /// with a guard gap so adjacent allocations never touch.
-    pub fn fresh_device_addr(&mut self, bytes: usize) -> u64 {
+    pub fn fresh_device_addr(&mut self, bytes: usize) -> DevicePtr {
         let base = self.next_device;
         let span = (bytes as u64).div_ceil(256) * 256 + 4096;
-        self.next_device += span;
+        self.next_device = DevicePtr(self.next_device.raw() + span);
         base
     }
 
@@ -207,12 +207,12 @@ impl State {
     /// host memory through its device alias; `None` if out of bounds or not
     /// (any longer) registered.
     pub fn device_slice(&mut self, ptr: DevicePtr, bytes: usize) -> Option<*mut u8> {
-        if ptr & HOST_ALIAS_BIT != 0 {
-            let addr = (ptr & !HOST_ALIAS_BIT) as usize;
+        if ptr.raw() & HOST_ALIAS_BIT != 0 {
+            let addr = (ptr.raw() & !HOST_ALIAS_BIT) as usize;
             return self.registered_range(addr, bytes).map(|_| addr as *mut u8);
         }
         let (&base, mem) = self.device_mem.range_mut(..=ptr).next_back()?;
-        let off = usize::try_from(ptr - base).ok()?;
+        let off = usize::try_from(ptr.raw() - base.raw()).ok()?;
         let end = off.checked_add(bytes)?;
         if end > mem.len() {
             return None;

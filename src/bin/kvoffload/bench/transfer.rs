@@ -27,7 +27,8 @@ use kvoffload::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
 use kvoffload::sync::Arc;
 
 use kvoffload::transfer::{
-    Backend, BackendChoice, GroupSpec, HostPlacement, JobBlocks, KvLayout, TensorSpec, TransferEngine, TransferOptions,
+    Backend, BackendChoice, GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine,
+    TransferOptions,
 };
 
 /// What to run.
@@ -442,7 +443,7 @@ pub fn run_bench(
     choices.extend(cfg.choices.iter().copied().filter(|c| *c != BackendChoice::Force(Backend::PerFragment)));
     let mut rows = Vec::new();
     let mut seed = cfg.seed;
-    let mut next_id = 1u64;
+    let mut next_id = JobId(1);
     for &layers in &cfg.layers {
         for &size in &cfg.sizes {
             let n = cfg.total / (size * layers);
@@ -455,7 +456,7 @@ pub fn run_bench(
             let (dev_units, host_units) = units(&gpu_ids, &host_ids, layers, n);
             let spec = GroupSpec {
                 tensors: (0..layers)
-                    .map(|t| TensorSpec { device_base: b.device + (t * n * size) as DevicePtr, page_bytes: size })
+                    .map(|t| TensorSpec { device_base: b.device.offset(t * n * size), page_bytes: size })
                     .collect(),
                 num_gpu_blocks: n,
                 num_host_blocks: n,
@@ -482,7 +483,7 @@ pub fn run_bench(
                             break;
                         }
                         let id = next_id;
-                        next_id += 1;
+                        next_id = JobId(next_id.0 + 1);
                         let t0 = Instant::now();
                         let submitted = engine.submit(id, dir, &job);
                         let ds = t0.elapsed().as_secs_f64();
@@ -562,7 +563,7 @@ fn both_ways(
     layout: &KvLayout,
     run: &Run<'_>,
     pair: (BackendChoice, BackendChoice),
-    next_id: &mut u64,
+    next_id: &mut JobId,
 ) -> Result<[BenchRow; 2], String> {
     let (size, layers) = (run.size, run.layers);
     let half = run.n / 2;
@@ -609,14 +610,14 @@ fn both_ways(
         }
         fill_blocks(b.words(), size, run.units_total);
         // (direction, job index) of each id, in submission order.
-        let mut ids: Vec<(u64, usize)> = Vec::new();
+        let mut ids: Vec<(JobId, usize)> = Vec::new();
         let t0 = Instant::now();
         let mut submitted = Ok(());
         for k in 0..jobs[0].len().max(jobs[1].len()) {
             for (d, list) in jobs.iter().enumerate() {
                 if let Some(j) = list.get(k) {
                     let id = *next_id;
-                    *next_id += 1;
+                    *next_id = JobId(next_id.0 + 1);
                     let dir = if d == 0 { Direction::HostToDevice } else { Direction::DeviceToHost };
                     submitted = submitted.and_then(|()| engine_of(d).submit(id, dir, j));
                     ids.push((id, d));

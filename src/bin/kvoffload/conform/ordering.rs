@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use kvoffload::runtime::sim::{Blocked, HoldPoint};
-use kvoffload::runtime::{CaptureMode, CaptureStatus, Direction, DriverError, Fragment, GpuRuntime, Kernel};
+use kvoffload::runtime::{CaptureMode, CaptureStatus, DevicePtr, Direction, DriverError, Fragment, GpuRuntime, Kernel};
 use kvoffload::sync::Arc;
 
 use super::probe::{gate, gated, release_hold_when, scenario_coordinator, tick, HostBuf, LongRegister, Target};
@@ -277,7 +277,7 @@ fn unregister_waits(t: &Target, kernel: bool) -> Result<Observed, String> {
 
 /// Reads `bytes` of device memory back: `"new"` when every byte is `new`,
 /// `"old"` when every byte is `old`, `"mixed"` otherwise.
-fn read_device(rt: &Arc<dyn GpuRuntime>, d: u64, bytes: usize, new: u8, old: u8) -> Result<&'static str, String> {
+fn read_device(rt: &Arc<dyn GpuRuntime>, d: DevicePtr, bytes: usize, new: u8, old: u8) -> Result<&'static str, String> {
     let out = HostBuf::new(bytes, 0xEE)?;
     // SAFETY: `out` is a live, writable buffer of `bytes` bytes.
     unsafe { rt.copy_dtoh(out.addr(), d, bytes) }.map_err(de("read back"))?;
@@ -334,7 +334,7 @@ fn batch_in_capture(t: &Target) -> Result<Observed, String> {
         unsafe { rt.host_register(g, src.addr(), src.len()) }
     })?;
     let frags: Vec<Fragment> =
-        (0..2).map(|i| Fragment { host: src.addr() + i * frag, device: d + (i * frag) as u64, bytes: frag }).collect();
+        (0..2).map(|i| Fragment { host: src.addr() + i * frag, device: d.offset(i * frag), bytes: frag }).collect();
     rt.begin_capture(s, CaptureMode::Global).map_err(de("begin_capture"))?;
     // SAFETY: `src` stays registered and alive until after the replay.
     let batch = unsafe { rt.copy_batch_async(Direction::HostToDevice, &frags, s) };

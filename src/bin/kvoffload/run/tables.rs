@@ -63,7 +63,7 @@ impl Shape {
                 for j in 0..f {
                     let first_word = ((layer * f + j) * self.page / 8) as u64;
                     let dev = self.layout.device_addr(0, layer, gpu[k * f + j]);
-                    t.extend_from_slice(&[dev, s, first_word, self.page as u64]);
+                    t.extend_from_slice(&[dev.raw(), s, first_word, self.page as u64]);
                 }
             }
         }
@@ -142,7 +142,9 @@ mod tests {
     fn table_entries_are_the_pages_of_each_block_in_order() {
         let (page, factor, layers) = (64, 2, 3);
         let spec = GroupSpec {
-            tensors: (0..layers).map(|t| TensorSpec { device_base: 1 << (20 + t), page_bytes: page }).collect(),
+            tensors: (0..layers)
+                .map(|t| TensorSpec { device_base: DevicePtr(1 << (20 + t)), page_bytes: page })
+                .collect(),
             num_gpu_blocks: 8,
             num_host_blocks: 4,
         };

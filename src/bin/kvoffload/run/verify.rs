@@ -136,7 +136,7 @@ impl Checker {
     pub fn new(off: &Offloader, entries: usize) -> Result<Self, RankError> {
         let entries = entries.max(1);
         let stream = off.runtime().stream_create().map_err(drv(SETTING_UP))?;
-        let mut c = Checker { stream, table: 0, out: 0, entries };
+        let mut c = Checker { stream, table: DevicePtr::NULL, out: DevicePtr::NULL, entries };
         let r = gated(off, SETTING_UP, |g, rt| rt.mem_alloc(g, entries * PATTERN_ENTRY_WORDS * 8)).and_then(|t| {
             c.table = t;
             gated(off, SETTING_UP, |g, rt| rt.mem_alloc(g, entries * 4))
@@ -219,7 +219,7 @@ impl Checker {
     /// the stream.
     pub fn release(self, off: &Offloader) {
         for p in [self.table, self.out] {
-            if p != 0 {
+            if p != DevicePtr::NULL {
                 if let Err(e) = gated(off, "freeing a verifier buffer", |g, rt| rt.mem_free(g, p)) {
                     tracing::warn!(error = %e, "freeing a verifier buffer failed");
                 }
@@ -236,7 +236,7 @@ impl Checker {
 fn first_bad_byte(rt: &dyn GpuRuntime, e: &[u64]) -> Result<u64, DriverError> {
     let mut got = vec![0u8; e[3] as usize];
     // SAFETY: `got` is a writable buffer of the page's size.
-    unsafe { rt.copy_dtoh(got.as_mut_ptr() as usize, e[0], got.len())? };
+    unsafe { rt.copy_dtoh(got.as_mut_ptr() as usize, DevicePtr(e[0]), got.len())? };
     Ok(e[2] * 8 + pattern::first_mismatch_from(e[1], e[2], &got).unwrap_or(0) as u64)
 }
 
@@ -288,7 +288,7 @@ mod tests {
         let clean = checker.check(&off, &shape, &keys, &gpu).unwrap();
         assert!(matches!(clean, Outcome::Checked { verified: 2, corrupted: 0 }), "{clean:?}");
         // Flip one byte of block 1 (key 4), layer 1, its second GPU block.
-        let at = shape.layout.device_addr(0, 1, gpu[3]) + 100;
+        let at = shape.layout.device_addr(0, 1, gpu[3]).offset(100);
         let mut b = [0u8];
         // SAFETY: `b` is one writable, then readable, byte.
         unsafe {
