@@ -86,3 +86,37 @@ fn rt_alias(rt: &SimRuntime, addr: usize) -> kvoffload::runtime::DevicePtr {
     use kvoffload::runtime::GpuRuntime;
     rt.host_device_ptr(addr).unwrap()
 }
+
+/// Holds a chunk's memory; sets its flag when dropped (unmapped).
+struct Unmapped(Arc<std::sync::atomic::AtomicBool>, #[allow(dead_code)] Vec<u8>);
+
+impl Drop for Unmapped {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_coordinator_dropped_with_a_chunk_registered_keeps_its_memory() {
+    for unregister_first in [false, true] {
+        let rt = SimRuntime::new();
+        let unmapped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mem = vec![0u8; 4096];
+        let ranges = [(mem.as_ptr() as usize, 4096)];
+        // SAFETY: the chunk is `mem`'s heap buffer, held by `keep_alive`.
+        let coord = unsafe {
+            Coordinator::new(CapturePolicy::AfterPinning, &ranges, Some(Box::new(Unmapped(unmapped.clone(), mem))))
+        };
+        assert_eq!(pin_all(&rt, &coord, &NoPrefault), PinState::Pinned);
+        if unregister_first {
+            coord.unregister_all(&rt).unwrap();
+        }
+        drop(coord);
+        // Registered memory is leaked (stays mapped); unregistered memory is released.
+        assert_eq!(
+            unmapped.load(std::sync::atomic::Ordering::SeqCst),
+            unregister_first,
+            "unregistered first: {unregister_first}"
+        );
+    }
+}

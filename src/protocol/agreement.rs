@@ -227,6 +227,71 @@ mod tests {
         }
     }
 
+    /// Rank words with a liveness flag per rank (the region header's pid
+    /// check, in process).
+    struct Words {
+        slots: LocalSlots,
+        dead: Vec<usize>,
+    }
+    impl RankSlots for Words {
+        fn ranks(&self) -> usize {
+            self.slots.ranks()
+        }
+        fn load(&self, rank: usize) -> u32 {
+            self.slots.load(rank)
+        }
+        fn store(&self, rank: usize, value: u32) {
+            self.slots.store(rank, value)
+        }
+        fn alive(&self, rank: usize) -> bool {
+            !self.dead.contains(&rank)
+        }
+    }
+
+    #[test]
+    fn out_of_range_rank_publishes_nothing() {
+        let slots = LocalSlots::new(2);
+        assert_eq!(agree(&slots, 2, true, None), Err(AgreementError::RankOutOfRange { rank: 2, ranks: 2 }));
+        assert_eq!((slots.load(0), slots.load(1)), (UNSETTLED, UNSETTLED));
+        // The last valid rank is in range.
+        slots.store(0, SETTLED_PINNED);
+        assert_eq!(agree(&slots, 1, true, None), Ok(OffloadMode::Pinned));
+    }
+
+    #[test]
+    fn a_dead_unsettled_rank_is_reported_not_waited_for() {
+        let w = Words { slots: LocalSlots::new(3), dead: vec![2] };
+        w.store(1, SETTLED_PINNED);
+        assert_eq!(agree(&w, 0, true, None), Err(AgreementError::RankDied { rank: 2 }));
+        // A dead rank that settled before it died does not matter.
+        w.store(2, SETTLED_PAGEABLE);
+        assert_eq!(agree(&w, 0, true, None), Ok(OffloadMode::Pageable));
+    }
+
+    #[test]
+    fn the_timeout_ends_the_wait_and_names_the_unsettled_ranks() {
+        let slots = LocalSlots::new(3);
+        slots.store(1, SETTLED_PINNED);
+        let t0 = std::time::Instant::now();
+        let r = agree(&slots, 0, true, Some(Duration::from_millis(50)));
+        assert_eq!(r, Err(AgreementError::Timeout { millis: 50, waiting: vec![2] }));
+        assert!(t0.elapsed() >= Duration::from_millis(50), "gave up before the timeout");
+    }
+
+    #[test]
+    fn a_rank_settling_before_the_timeout_is_waited_for() {
+        let slots = std::sync::Arc::new(LocalSlots::new(2));
+        let peer = {
+            let slots = slots.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                slots.store(1, SETTLED_PAGEABLE);
+            })
+        };
+        assert_eq!(agree(slots.as_ref(), 0, true, Some(Duration::from_secs(60))), Ok(OffloadMode::Pageable));
+        peer.join().unwrap();
+    }
+
     #[test]
     fn transport_verdicts() {
         let (p, g) = (SETTLED_PINNED, SETTLED_PAGEABLE);
