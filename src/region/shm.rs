@@ -402,14 +402,7 @@ impl Region {
                 return Err(e);
             }
         };
-        let mut region = Region {
-            map,
-            data_offset: shape.header_bytes,
-            layout,
-            rank,
-            huge_pages_advised: false,
-            kind: Kind::Shared(Box::new(shared)),
-        };
+        let mut region = Region::over_shared(map, &shape, layout, rank, shared);
         // From here on, dropping `region` on an error path abandons the
         // region and unlinks every file it has created.
         opts.step(ShmStep::HeaderCreated);
@@ -539,14 +532,7 @@ impl Region {
         }
 
         let map = map_existing(&shared, &shape)?;
-        let mut region = Region {
-            map,
-            data_offset: shape.header_bytes,
-            layout,
-            rank,
-            huge_pages_advised: false,
-            kind: Kind::Shared(Box::new(shared)),
-        };
+        let mut region = Region::over_shared(map, &shape, layout, rank, shared);
         // From here on, dropping `region` on an error path abandons the
         // region and unlinks the files; for errors that say the files are
         // not ours to remove (bad header, duplicate rank) `forget_link` first.
@@ -1110,6 +1096,19 @@ fn map_existing(shared: &Shared, shape: &Shape) -> Result<Mapping> {
 }
 
 impl Region {
+    /// A shared region over `map` (header first, data after it), before
+    /// any rank bit is set: what `create` and `join` build alike.
+    fn over_shared(map: Mapping, shape: &Shape, layout: Layout, rank: usize, shared: Shared) -> Region {
+        Region {
+            map,
+            data_offset: shape.header_bytes,
+            layout,
+            rank,
+            huge_pages_advised: false,
+            kind: Kind::Shared(Box::new(shared)),
+        }
+    }
+
     /// `madvise(MADV_HUGEPAGE)` on the data area; logs and returns false on
     /// refusal.
     pub(crate) fn try_advise_huge_pages(&self) -> bool {
