@@ -601,7 +601,8 @@ pub fn run(a: Args, verbose: u8) -> Result<i32, String> {
     );
     if finished > 1 {
         let union = |k: &str| busy.get(k).map_or(0.0, Intervals::union);
-        let gbps = |bytes: u64, k: &str| rate(bytes, Throughput { bytes, seconds: union(k) }.gbps());
+        let gbps =
+            |bytes: u64, k: &str| rate(bytes, Throughput { bytes, seconds: union(k), ..Default::default() }.gbps());
         println!(
             "all ranks together (every rank's bytes / time with a job of that kind in flight on any rank): \
              requests: store {}, load {} ({:.3} s, {:.3} s); stores alone {}, loads alone {}",
@@ -685,15 +686,19 @@ fn print_rank(r: &RankReport, lat: &Latencies) {
         );
     }
     println!(
-        "  workload: {} requests in {:.2} s; {} stores {} at {:.2} GB/s, {} loads {} at {:.2} GB/s; hit rate {:.1}%; {} evictions; latency p50 {} p99 {}",
+        "  workload: {} requests in {:.2} s; {} stores {} at {:.2} GB/s ({:.1} in flight on average while any; {}), {} loads {} at {:.2} GB/s ({:.1} in flight; {}); hit rate {:.1}%; {} evictions; latency p50 {} p99 {}",
         r.requests,
         r.workload_seconds,
         r.stores,
         fmt_bytes(r.store.bytes as usize),
         r.store.gbps(),
+        r.store.mean_in_flight(),
+        report::backend_mix(&r.store_backends),
         r.loads,
         fmt_bytes(r.load.bytes as usize),
         r.load.gbps(),
+        r.load.mean_in_flight(),
+        report::backend_mix(&r.load_backends),
         100.0 * r.hit_rate(),
         r.evictions,
         fmt_us(lat.percentile(50.0)),

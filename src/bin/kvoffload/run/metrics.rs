@@ -38,13 +38,26 @@ impl Latencies {
 #[derive(Default, Clone, Copy, Debug)]
 pub struct Throughput {
     pub bytes: u64,
+    /// Time with at least one job of this kind in flight.
     pub seconds: f64,
+    /// The jobs' latencies summed (submit to report): over `seconds`, the
+    /// mean number of jobs in flight while any was (Little's law).
+    pub job_seconds: f64,
 }
 
 impl Throughput {
     pub fn add(&mut self, bytes: u64, seconds: f64) {
         self.bytes += bytes;
         self.seconds += seconds;
+    }
+
+    /// Mean jobs in flight while at least one was; 0 when nothing was timed.
+    pub fn mean_in_flight(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.job_seconds / self.seconds
+        } else {
+            0.0
+        }
     }
 
     /// GB/s (1e9 bytes per second); 0 when nothing was timed.

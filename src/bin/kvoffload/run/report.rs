@@ -4,6 +4,7 @@
 use std::fmt::Write as _;
 
 use super::metrics::{Intervals, Latencies, Throughput};
+use kvoffload::transfer::Backend;
 
 /// Prefix of a rank's phase markers: `KVO-PHASE rank=R phase=P`.
 pub const PHASE: &str = "KVO-PHASE";
@@ -53,6 +54,10 @@ pub struct RankReport {
     pub hits: u64,
     pub stores: u64,
     pub loads: u64,
+    /// Stores and loads of the Zipf requests by the backend that moved
+    /// them, in [`Backend::ALL`]'s order.
+    pub store_backends: [u64; 4],
+    pub load_backends: [u64; 4],
     /// Stores and loads of the Zipf requests (both directions at once).
     pub store: Throughput,
     pub load: Throughput,
@@ -120,6 +125,10 @@ impl RankReport {
         fields!(put);
         let _ = write!(s, " store_bytes={} store_secs={}", self.store.bytes, self.store.seconds);
         let _ = write!(s, " load_bytes={} load_secs={}", self.load.bytes, self.load.seconds);
+        let _ = write!(s, " store_job_secs={} load_job_secs={}", self.store.job_seconds, self.load.job_seconds);
+        let counts = |c: &[u64; 4]| c.map(|n| n.to_string()).join("/");
+        let _ =
+            write!(s, " store_backends={} load_backends={}", counts(&self.store_backends), counts(&self.load_backends));
         let _ = write!(s, " prefill_bytes={} prefill_secs={}", self.prefill_store.bytes, self.prefill_store.seconds);
         let _ = write!(s, " sweep_bytes={} sweep_secs={}", self.sweep_load.bytes, self.sweep_load.seconds);
         // Free-text fields last, spaces replaced.
@@ -155,6 +164,10 @@ impl RankReport {
                 "store_secs" => r.store.seconds = v.parse().map_err(|_| bad())?,
                 "load_bytes" => r.load.bytes = v.parse().map_err(|_| bad())?,
                 "load_secs" => r.load.seconds = v.parse().map_err(|_| bad())?,
+                "store_backends" => r.store_backends = backend_counts(v).ok_or_else(bad)?,
+                "load_backends" => r.load_backends = backend_counts(v).ok_or_else(bad)?,
+                "store_job_secs" => r.store.job_seconds = v.parse().map_err(|_| bad())?,
+                "load_job_secs" => r.load.job_seconds = v.parse().map_err(|_| bad())?,
                 "prefill_bytes" => r.prefill_store.bytes = v.parse().map_err(|_| bad())?,
                 "prefill_secs" => r.prefill_store.seconds = v.parse().map_err(|_| bad())?,
                 "sweep_bytes" => r.sweep_load.bytes = v.parse().map_err(|_| bad())?,
@@ -196,6 +209,27 @@ impl RankReport {
     /// True when nothing is corrupted or lost and the rank verified blocks.
     pub fn clean(&self) -> bool {
         self.blocks_corrupted == 0 && self.blocks_lost == 0 && self.graphs_failed == 0
+    }
+}
+
+/// `a/b/c/d`: one count per backend of [`Backend::ALL`].
+fn backend_counts(v: &str) -> Option<[u64; 4]> {
+    let mut out = [0u64; 4];
+    let mut it = v.split('/');
+    for n in &mut out {
+        *n = it.next()?.parse().ok()?;
+    }
+    it.next().is_none().then_some(out)
+}
+
+/// Jobs by backend, as `934 staged, 512 gather` (backends with none left out).
+pub fn backend_mix(counts: &[u64; 4]) -> String {
+    let parts: Vec<String> =
+        Backend::ALL.iter().zip(counts).filter(|(_, n)| **n > 0).map(|(b, n)| format!("{n} {}", b.name())).collect();
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join(", ")
     }
 }
 
@@ -267,8 +301,9 @@ mod tests {
             agreement: "failed: rank 0 died".into(),
             blocks_verified: 42,
             pin_seconds: 0.25,
-            store: Throughput { bytes: 10, seconds: 0.5 },
-            sweep_load: Throughput { bytes: 7, seconds: 0.25 },
+            store: Throughput { bytes: 10, seconds: 0.5, job_seconds: 0.75 },
+            load_backends: [0, 1, 0, 7],
+            sweep_load: Throughput { bytes: 7, seconds: 0.25, ..Default::default() },
             interrupted: true,
             ..Default::default()
         };
@@ -276,7 +311,11 @@ mod tests {
         assert_eq!((p.rank, p.blocks_verified, p.pin_seconds), (1, 42, 0.25));
         assert!(p.interrupted);
         assert_eq!(p.agreement, "failed: rank 0 died");
-        assert_eq!(p.store.bytes, 10);
+        assert_eq!((p.store.bytes, p.store.job_seconds), (10, 0.75));
+        assert_eq!(p.store.mean_in_flight(), 1.5);
+        assert_eq!((p.load_backends, p.store_backends), ([0, 1, 0, 7], [0; 4]));
+        assert_eq!(backend_mix(&p.load_backends), "1 batched, 7 staged");
+        assert_eq!(backend_counts("1/2/3"), None);
         assert_eq!((p.sweep_load.bytes, p.sweep_load.seconds), (7, 0.25));
         let mut l = Latencies::default();
         for line in r.latency_lines(&[1e-6, 2e-6, 3e-6], 2) {

@@ -13,10 +13,10 @@
 
 use kvoffload::manager::BlockKey;
 use kvoffload::offloader::Offloader;
-use kvoffload::runtime::{DevicePtr, PATTERN_ENTRY_BYTES, PATTERN_ENTRY_WORDS};
+use kvoffload::runtime::{DevicePtr, PATTERN_ENTRY_WORDS};
 use kvoffload::transfer::KvLayout;
 
-use super::rank::{gated, RankError};
+use super::rank::{drv, gated, RankError};
 
 /// The pattern key of `key` on `rank`: ranks never share contents, so a
 /// block written into another rank's slot would be caught.
@@ -77,11 +77,75 @@ impl Shape {
     }
 }
 
-/// Device buffers for pattern tables, each of `entries` entries: one per
-/// job that may be in flight. A table must stay untouched until the kernel
-/// that reads it has run, so a job holds its buffer until it is reported.
+/// A page-locked host buffer of `u64` words that kernels read (or write)
+/// in place through its device alias: a table written here reaches the
+/// kernel without a copy. A table uploaded with `copy_htod_async` goes
+/// through the host-to-device copy engine, where it queues behind the loads'
+/// copies: with loads in flight a store's fill kernel, and so the store
+/// ordered after it, waited for them (docs/gpu-runs/2026-12-01-pinned-tables/).
+pub(crate) struct PinnedWords {
+    host: usize,
+    words: usize,
+    /// The buffer's device alias (`cuMemHostGetDevicePointer`).
+    pub device: DevicePtr,
+}
+
+impl PinnedWords {
+    /// Allocates `words` words (at least one) of page-locked host memory
+    /// through the offloader's gate, and looks up their device alias.
+    pub fn new(off: &Offloader, words: usize, what: &'static str) -> Result<Self, RankError> {
+        let words = words.max(1);
+        let host = gated(off, what, |g, rt| rt.mem_alloc_host(g, words * 8))?;
+        match off.runtime().host_device_ptr(host) {
+            Ok(device) => Ok(PinnedWords { host, words, device }),
+            Err(e) => {
+                PinnedWords { host, words, device: DevicePtr::NULL }.release(off);
+                Err(drv(what)(e))
+            }
+        }
+    }
+
+    /// Copies `src` to the start of the buffer.
+    ///
+    /// # Safety
+    /// No kernel that may read or write the buffer is enqueued and not yet
+    /// finished (the device would race with this write).
+    pub unsafe fn write(&mut self, src: &[u64]) {
+        assert!(src.len() <= self.words, "{} words into a buffer of {}", src.len(), self.words);
+        // SAFETY: `host` is this buffer's live allocation of `words` u64s
+        // (page-aligned, so aligned for u64), freed only by `release`, which
+        // takes `self`; `src` fits (asserted); the caller guarantees that the
+        // device does not access it meanwhile.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.host as *mut u64, src.len()) };
+    }
+
+    /// Copies the first `dst.len()` 32-bit halves of the buffer out.
+    ///
+    /// # Safety
+    /// As for [`PinnedWords::write`]: every kernel that wrote the buffer has
+    /// finished (its stream was synchronized).
+    pub unsafe fn read_u32(&self, dst: &mut [u32]) {
+        assert!(dst.len() <= self.words * 2, "{} u32s out of a buffer of {} words", dst.len(), self.words);
+        // SAFETY: as in `write`, with `dst.len()` u32s within the buffer.
+        unsafe { std::ptr::copy_nonoverlapping(self.host as *const u32, dst.as_mut_ptr(), dst.len()) };
+    }
+
+    /// Frees the buffer through the offloader's gate (`cuMemFreeHost` waits
+    /// for the device to go idle).
+    pub fn release(self, off: &Offloader) {
+        let host = self.host;
+        if let Err(e) = gated(off, "freeing a pinned table", |g, rt| rt.mem_free_host(g, host)) {
+            tracing::warn!(error = %e, "freeing a pinned table failed");
+        }
+    }
+}
+
+/// Pinned buffers for the stores' pattern-fill tables, each of `entries`
+/// entries: one per job that may be in flight. A table must stay untouched
+/// until the kernel that reads it has run, so a job holds its buffer until
+/// it is reported.
 pub(crate) struct TablePool {
-    bufs: Vec<DevicePtr>,
+    bufs: Vec<PinnedWords>,
     free: Vec<usize>,
     entries: usize,
 }
@@ -92,9 +156,7 @@ impl TablePool {
     pub fn new(off: &Offloader, n: usize, entries: usize) -> Result<Self, RankError> {
         let mut pool = TablePool { bufs: Vec::with_capacity(n), free: (0..n).rev().collect(), entries };
         for _ in 0..n {
-            match gated(off, "allocating the pattern-fill tables", |g, rt| {
-                rt.mem_alloc(g, entries.max(1) * PATTERN_ENTRY_BYTES)
-            }) {
+            match PinnedWords::new(off, entries * PATTERN_ENTRY_WORDS, "allocating the pattern-fill tables") {
                 Ok(p) => pool.bufs.push(p),
                 Err(e) => {
                     pool.release(off);
@@ -110,10 +172,10 @@ impl TablePool {
         self.entries
     }
 
-    /// A free buffer: its slot (for [`TablePool::give`]) and address.
-    pub fn take(&mut self) -> Option<(usize, DevicePtr)> {
+    /// A free buffer: its slot (for [`TablePool::give`]) and the buffer.
+    pub fn take(&mut self) -> Option<(usize, &mut PinnedWords)> {
         let i = self.free.pop()?;
-        Some((i, self.bufs[i]))
+        Some((i, &mut self.bufs[i]))
     }
 
     /// Returns buffer `slot` once nothing on the device reads it any more.
@@ -126,9 +188,7 @@ impl TablePool {
     /// offloader's gate.
     pub fn release(self, off: &Offloader) {
         for p in self.bufs {
-            if let Err(e) = gated(off, "freeing a pattern table", |g, rt| rt.mem_free(g, p)) {
-                tracing::warn!(error = %e, "freeing a pattern table failed");
-            }
+            p.release(off);
         }
     }
 }

@@ -7,11 +7,11 @@ use std::collections::VecDeque;
 use kvoffload::manager::BlockKey;
 use kvoffload::offloader::Offloader;
 use kvoffload::runtime::pattern;
-use kvoffload::runtime::{DevicePtr, DriverError, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
+use kvoffload::runtime::{DevicePtr, DriverError, GpuRuntime, Kernel, Stream, GATHER_ENTRY_WORDS, PATTERN_ENTRY_WORDS};
 use kvoffload::sync::{self, Condvar, Mutex};
 
 use super::rank::{drv, gated, RankError};
-use super::tables::Shape;
+use super::tables::{PinnedWords, Shape};
 
 /// What a failed check names.
 const READING: &str = "reading GPU blocks back";
@@ -19,42 +19,38 @@ const READING: &str = "reading GPU blocks back";
 const SETTING_UP: &str = "setting up the verifier";
 
 /// A loaded job to check: its keys and the GPU blocks holding them.
-pub(crate) struct Loaded<J> {
+pub(crate) struct Loaded {
     pub keys: Vec<BlockKey>,
     pub gpu: Vec<usize>,
-    /// Whatever the submitter wants back with the verdict.
-    pub job: J,
 }
 
-/// What a check found.
-#[derive(Debug)]
-pub(crate) enum Outcome {
-    /// Blocks whose every page matched, and blocks with a differing page.
-    Checked { verified: u64, corrupted: u64 },
-    /// The check could not be enqueued (its table upload failed): nothing
-    /// was checked; the load counts as failed.
-    NotChecked(DriverError),
+/// What a check found: blocks whose every page matched, and blocks with a
+/// differing page.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Outcome {
+    pub verified: u64,
+    pub corrupted: u64,
 }
 
 /// A checked job, handed back.
-pub(crate) struct Verdict<J> {
-    pub loaded: Loaded<J>,
+pub(crate) struct Verdict {
+    pub loaded: Loaded,
     pub outcome: Outcome,
 }
 
-struct State<J> {
-    todo: VecDeque<Loaded<J>>,
-    done: VecDeque<Verdict<J>>,
+struct State {
+    todo: VecDeque<Loaded>,
+    done: VecDeque<Verdict>,
     stop: bool,
 }
 
 /// The queue between the workload and the verifier thread.
-pub(crate) struct Verifier<J> {
-    state: Mutex<State<J>>,
+pub(crate) struct Verifier {
+    state: Mutex<State>,
     cv: Condvar,
 }
 
-impl<J> Verifier<J> {
+impl Verifier {
     pub fn new() -> Self {
         Verifier {
             state: Mutex::new(State { todo: VecDeque::new(), done: VecDeque::new(), stop: false }),
@@ -63,13 +59,13 @@ impl<J> Verifier<J> {
     }
 
     /// Queues a loaded job for checking.
-    pub fn push(&self, l: Loaded<J>) {
+    pub fn push(&self, l: Loaded) {
         sync::lock(&self.state).todo.push_back(l);
         self.cv.notify_all();
     }
 
     /// Verdicts so far, without waiting.
-    pub fn drain(&self) -> Vec<Verdict<J>> {
+    pub fn drain(&self) -> Vec<Verdict> {
         sync::lock(&self.state).done.drain(..).collect()
     }
 
@@ -89,9 +85,9 @@ impl<J> Verifier<J> {
     }
 
     /// The thread's body: checks queued jobs until stopped, its
-    /// capture-unsafe calls through the offloader's gate. An error other
-    /// than a failed table upload stops it and is returned.
-    pub fn run(&self, off: &Offloader, checker: &Checker, shape: &Shape) -> Result<(), RankError> {
+    /// capture-unsafe calls through the offloader's gate. An error stops it
+    /// and is returned.
+    pub fn run(&self, off: &Offloader, checker: &mut Checker, shape: &Shape) -> Result<(), RankError> {
         loop {
             let loaded = {
                 let mut g = sync::lock(&self.state);
@@ -121,11 +117,21 @@ impl<J> Verifier<J> {
     }
 }
 
-/// The verifier's stream, device table and counters, made once.
+/// The verifier's stream, tables and counters, made once. Nothing it does
+/// per check goes through a copy engine (where it would queue behind the
+/// transfers' copies): the check kernel reads its table from pinned host
+/// memory in place, and a gather kernel copies the counters out into pinned
+/// host memory.
 pub(crate) struct Checker {
     stream: Stream,
-    table: DevicePtr,
+    /// The check kernel's table (pinned).
+    table: PinnedWords,
+    /// The counters, in device memory (the kernel adds to them atomically).
     out: DevicePtr,
+    /// The counters' copy (pinned), and the one-entry gather table that
+    /// makes it.
+    counts: PinnedWords,
+    copy_out: PinnedWords,
     entries: usize,
 }
 
@@ -136,30 +142,36 @@ impl Checker {
     pub fn new(off: &Offloader, entries: usize) -> Result<Self, RankError> {
         let entries = entries.max(1);
         let stream = off.runtime().stream_create().map_err(drv(SETTING_UP))?;
-        let mut c = Checker { stream, table: DevicePtr::NULL, out: DevicePtr::NULL, entries };
-        let r = gated(off, SETTING_UP, |g, rt| rt.mem_alloc(g, entries * PATTERN_ENTRY_WORDS * 8)).and_then(|t| {
-            c.table = t;
-            gated(off, SETTING_UP, |g, rt| rt.mem_alloc(g, entries * 4))
-        });
-        match r {
-            Ok(o) => {
-                c.out = o;
-                Ok(c)
-            }
-            Err(e) => {
-                c.release(off);
-                Err(e)
+        let mut made = Vec::new();
+        for words in [entries * PATTERN_ENTRY_WORDS, entries.div_ceil(2), GATHER_ENTRY_WORDS] {
+            match PinnedWords::new(off, words, SETTING_UP) {
+                Ok(p) => made.push(p),
+                Err(e) => {
+                    Self::release_parts(off, stream, made, DevicePtr::NULL);
+                    return Err(e);
+                }
             }
         }
+        let out = match gated(off, SETTING_UP, |g, rt| rt.mem_alloc(g, entries * 4)) {
+            Ok(o) => o,
+            Err(e) => {
+                Self::release_parts(off, stream, made, DevicePtr::NULL);
+                return Err(e);
+            }
+        };
+        let copy_out = made.pop().expect("three buffers");
+        let counts = made.pop().expect("three buffers");
+        let table = made.pop().expect("three buffers");
+        Ok(Checker { stream, table, out, counts, copy_out, entries })
     }
 
     /// Checks every page of `keys` (in GPU blocks `gpu`) against its
-    /// pattern, waiting for the device through the offloader's gate.
-    /// `Ok(NotChecked)` when a table upload was refused; `Err` for any
-    /// other driver error (the device or the stream is broken) or a refusal
-    /// of the offloader.
+    /// pattern, waiting for the device through the offloader's gate. `Err`
+    /// for a driver error (the device or the stream is broken) or a refusal
+    /// of the offloader. The check makes no copies, so the copy faults a
+    /// fault-injected run arms land in the transfers, not here.
     pub fn check(
-        &self,
+        &mut self,
         off: &Offloader,
         shape: &Shape,
         keys: &[BlockKey],
@@ -171,32 +183,40 @@ impl Checker {
         let mut counts = vec![0u32; self.entries];
         for (p, piece) in table.chunks(self.entries * PATTERN_ENTRY_WORDS).enumerate() {
             let n = piece.len() / PATTERN_ENTRY_WORDS;
-            // SAFETY: `table` outlives the synchronize below, after which
-            // the stream has read it.
-            if let Err(e) =
-                unsafe { rt.copy_htod_async(self.table, piece.as_ptr() as usize, piece.len() * 8, self.stream) }
-            {
-                return Ok(Outcome::NotChecked(e));
+            // SAFETY: every kernel of this stream finished (the stream was
+            // synchronized after the last piece, or none ran yet), and no
+            // other stream is given these buffers.
+            unsafe {
+                self.table.write(piece);
+                self.copy_out.write(&[self.out.raw(), self.counts.device.raw(), (n * 4) as u64]);
             }
             // SAFETY: `self.out` is this checker's device allocation of
             // `entries >= n` counters, used by its stream alone and freed
             // only by `release`, after the thread stopped; the synchronize
             // below waits for this memset.
             unsafe { rt.memset_d8_async(self.out, 0, n * 4, self.stream) }.map_err(drv(READING))?;
-            // SAFETY: the kernel reads the table uploaded just before on the
-            // same stream (`piece` outlives the synchronize below) and the
-            // pages its entries name: the job's GPU blocks, in the live KV
-            // tensors, which the workload neither writes nor frees until
-            // this job's verdict; it writes `n` of `self.out`'s counters
-            // (as for the memset). The synchronize below waits for it.
+            // SAFETY: the check kernel reads the table written just before
+            // (pinned, through its alias; untouched until the synchronize
+            // below) and the pages its entries name: the job's GPU blocks,
+            // in the live KV tensors, which the workload neither writes nor
+            // frees until this job's verdict; it adds to `n` of `self.out`'s
+            // counters (as for the memset). The gather kernel after it, on
+            // the same stream, copies those `4 n` bytes into `self.counts`
+            // (pinned, `entries` u32s) as its one-entry table, written above,
+            // says. The synchronize below waits for both.
             unsafe {
-                rt.launch(Kernel::PatternCheck { table: self.table, count: n as u32, out: self.out }, self.stream)
+                rt.launch(
+                    Kernel::PatternCheck { table: self.table.device, count: n as u32, out: self.out },
+                    self.stream,
+                )
+                .and_then(|()| rt.launch(Kernel::Gather { table: self.copy_out.device, count: 1 }, self.stream))
             }
             .map_err(drv(READING))?;
             let stream = self.stream;
             gated(off, READING, |g, rt| rt.stream_synchronize(g, stream))?;
-            // SAFETY: `counts` holds at least `n` u32s, 4 n bytes.
-            unsafe { rt.copy_dtoh(counts.as_mut_ptr() as usize, self.out, n * 4) }.map_err(drv(READING))?;
+            // SAFETY: the stream was synchronized: the gather kernel that
+            // wrote the counters has finished.
+            unsafe { self.counts.read_u32(&mut counts[..n]) };
             for (i, &c) in counts[..n].iter().enumerate() {
                 if c != 0 {
                     let idx = p * self.entries + i;
@@ -212,20 +232,25 @@ impl Checker {
             }
         }
         let corrupted = bad_blocks.iter().filter(|b| **b).count() as u64;
-        Ok(Outcome::Checked { verified: keys.len() as u64 - corrupted, corrupted })
+        Ok(Outcome { verified: keys.len() as u64 - corrupted, corrupted })
     }
 
-    /// Frees the table, the counters (through the offloader's gate) and
+    /// Frees the tables, the counters (through the offloader's gate) and
     /// the stream.
     pub fn release(self, off: &Offloader) {
-        for p in [self.table, self.out] {
-            if p != DevicePtr::NULL {
-                if let Err(e) = gated(off, "freeing a verifier buffer", |g, rt| rt.mem_free(g, p)) {
-                    tracing::warn!(error = %e, "freeing a verifier buffer failed");
-                }
+        Self::release_parts(off, self.stream, vec![self.table, self.counts, self.copy_out], self.out);
+    }
+
+    fn release_parts(off: &Offloader, stream: Stream, pinned: Vec<PinnedWords>, out: DevicePtr) {
+        for p in pinned {
+            p.release(off);
+        }
+        if out != DevicePtr::NULL {
+            if let Err(e) = gated(off, "freeing a verifier buffer", |g, rt| rt.mem_free(g, out)) {
+                tracing::warn!(error = %e, "freeing a verifier buffer failed");
             }
         }
-        if let Err(e) = off.runtime().stream_destroy(self.stream) {
+        if let Err(e) = off.runtime().stream_destroy(stream) {
             tracing::warn!(error = %e, "destroying the verifier stream failed");
         }
     }
@@ -245,8 +270,7 @@ mod tests {
     use super::*;
     use kvoffload::offloader::{KvAlloc, OffloaderOptions};
     use kvoffload::runtime::shared;
-    use kvoffload::runtime::sim::{SimFault, SimRuntime};
-    use kvoffload::runtime::Code;
+    use kvoffload::runtime::sim::SimRuntime;
 
     /// An offloader on the simulated GPU with two layers of 8 GPU blocks of
     /// 256-byte pages, factor 2 (its gate serves the tests' capture-unsafe
@@ -284,9 +308,9 @@ mod tests {
         let gpu = [5, 2, 7, 0];
         fill(&off, &shape, &keys, &gpu);
         // Tables of 3 entries: the 8 pages are checked in three pieces.
-        let checker = Checker::new(&off, 3).unwrap();
+        let mut checker = Checker::new(&off, 3).unwrap();
         let clean = checker.check(&off, &shape, &keys, &gpu).unwrap();
-        assert!(matches!(clean, Outcome::Checked { verified: 2, corrupted: 0 }), "{clean:?}");
+        assert_eq!(clean, Outcome { verified: 2, corrupted: 0 });
         // Flip one byte of block 1 (key 4), layer 1, its second GPU block.
         let at = shape.layout.device_addr(0, 1, gpu[3]).offset(100);
         let mut b = [0u8];
@@ -297,32 +321,17 @@ mod tests {
             rt.copy_htod(at, b.as_ptr() as usize, 1).unwrap();
         }
         let bad = checker.check(&off, &shape, &keys, &gpu).unwrap();
-        assert!(matches!(bad, Outcome::Checked { verified: 1, corrupted: 1 }), "{bad:?}");
+        assert_eq!(bad, Outcome { verified: 1, corrupted: 1 });
         // The other block alone is still clean.
         let one = checker.check(&off, &shape, &keys[..1], &gpu[..2]).unwrap();
-        assert!(matches!(one, Outcome::Checked { verified: 1, corrupted: 0 }), "{one:?}");
+        assert_eq!(one, Outcome { verified: 1, corrupted: 0 });
         // A block checked against another rank's pattern is caught.
         let other = Shape { rank: 1, ..shape.clone() };
         let wrong = checker.check(&off, &other, &keys[..1], &gpu[..2]).unwrap();
-        assert!(matches!(wrong, Outcome::Checked { verified: 0, corrupted: 1 }), "{wrong:?}");
+        assert_eq!(wrong, Outcome { verified: 0, corrupted: 1 });
         // The byte within the block the log names: page 3 of 4, byte 100.
         let table = shape.table(&keys[1..], &gpu[2..]);
         assert_eq!(first_bad_byte(rt, &table[3 * PATTERN_ENTRY_WORDS..]).unwrap(), 3 * 256 + 100);
-        checker.release(&off);
-        off.shutdown().unwrap();
-    }
-
-    #[test]
-    fn a_refused_table_upload_checks_nothing() {
-        let (off, shape) = setup();
-        let keys = [BlockKey::new(3, 0)];
-        fill(&off, &shape, &keys, &[1, 6]);
-        let checker = Checker::new(&off, 16).unwrap();
-        off.runtime().as_sim().unwrap().inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
-        let r = checker.check(&off, &shape, &keys, &[1, 6]).unwrap();
-        assert!(matches!(r, Outcome::NotChecked(ref e) if e.code == Code::INVALID_VALUE), "{r:?}");
-        let r = checker.check(&off, &shape, &keys, &[1, 6]).unwrap();
-        assert!(matches!(r, Outcome::Checked { verified: 1, corrupted: 0 }), "{r:?}");
         checker.release(&off);
         off.shutdown().unwrap();
     }

@@ -21,7 +21,7 @@ use kvoffload::manager::{BlockKey, Lookup, ManagerError};
 use kvoffload::offloader::{Completion, Offloader, OffloaderError};
 use kvoffload::runtime::{Direction, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
 use kvoffload::sync::{thread, Arc};
-use kvoffload::transfer::{JobId, TransferError};
+use kvoffload::transfer::{Backend, JobId, TransferError};
 
 use super::config::{KillAt, RunConfig};
 use super::lifecycle::Stop;
@@ -45,11 +45,9 @@ struct Job {
     /// The GPU blocks it holds (a store: those of every key it was asked
     /// to store, written by the fill kernel).
     gpu: Vec<usize>,
-    /// Stores: the pattern-fill table the compute stream uploads (read by
-    /// the copy engine until the store job, ordered after compute,
-    /// completes), and the slot of the device buffer it goes to.
-    #[allow(dead_code)] // held, never read here: the copy engine reads it
-    staging: Vec<u64>,
+    /// Stores: the slot of the pinned pattern-fill table that the fill
+    /// kernel on the compute stream reads (held until the store job,
+    /// ordered after that kernel, is reported).
     table: Option<usize>,
     /// Sweep loads: attempts so far.
     attempt: u32,
@@ -114,8 +112,12 @@ const MIXED: usize = 1;
 const SWEEP: usize = 2;
 const STAGE_NAMES: [&str; 3] = ["prefill", "mixed", "sweep"];
 
-/// The verifier's queue; each loaded job carries its sweep attempt.
-type Verifier = super::verify::Verifier<u32>;
+use super::verify::Verifier;
+
+/// Index of `b` in [`Backend::ALL`].
+fn backend_slot(b: Backend) -> usize {
+    Backend::ALL.iter().position(|x| *x == b).unwrap_or(0)
+}
 
 fn dir_slot(k: Kind) -> usize {
     match k {
@@ -156,7 +158,8 @@ pub(super) fn workload(
     let vthread = {
         let (v, off, shape) = (verifier.clone(), off.clone(), shape.clone());
         thread::spawn(move || {
-            let r = v.run(&off, &checker, &shape);
+            let mut checker = checker;
+            let r = v.run(&off, &mut checker, &shape);
             (checker, r)
         })
     };
@@ -284,7 +287,7 @@ impl Work<'_> {
             }
             for v in verifier.drain() {
                 progressed = true;
-                self.verified(v, rep, rearm)?;
+                self.verified(v, rep)?;
             }
             let idle = self.jobs.is_empty() && self.verifying == 0;
             if idle && stopping {
@@ -427,31 +430,31 @@ impl Work<'_> {
         }
         let f = self.cfg.block_factor;
         let gpu = self.take_gpu(misses.len() * f);
-        let Some((table, dtable)) = self.tables.take() else {
+        let entries = self.tables.entries();
+        let Some((table, buf)) = self.tables.take() else {
             return Err(RankError::Other(format!("no free pattern table ({} jobs in flight)", self.jobs.len())));
         };
         // The engine's "compute": the pattern-fill kernel writes each block's
         // pattern into its GPU blocks on the compute stream (one table entry
-        // per page); the store is ordered after it.
-        let staging = self.shape.table(&misses, &gpu);
-        let count = staging.len() / PATTERN_ENTRY_WORDS;
-        debug_assert!(count <= self.tables.entries(), "{count} pages, tables of {}", self.tables.entries());
+        // per page); the store is ordered after it. The kernel reads its
+        // table in place, in pinned host memory: no copy engine, so nothing
+        // queues behind the loads' copies.
+        let words = self.shape.table(&misses, &gpu);
+        let count = words.len() / PATTERN_ENTRY_WORDS;
+        debug_assert!(count <= entries, "{count} pages, tables of {entries}");
+        // SAFETY: the buffer was free: the kernel that read it last has run
+        // (its store was reported, or the compute stream was synchronized).
+        unsafe { buf.write(&words) };
+        let dtable = buf.device;
         let rt = self.off.runtime().as_ref();
-        // SAFETY: `staging` moves into the job (its heap buffer stays put)
-        // and lives until the store job (ordered after this stream's work)
-        // is reported, or until the stream is synchronized below.
-        let r = unsafe { rt.copy_htod_async(dtable, staging.as_ptr() as usize, staging.len() * 8, self.compute) }
-            .and_then(|()| {
-                // SAFETY: the table `dtable` was uploaded just before on the
-                // same stream, and its buffer stays with this job (not given
-                // back to the pool) until the store, ordered after this
-                // kernel, is reported or the stream is synchronized; the
-                // kernel writes the job's GPU blocks, `gpu`, taken from the
-                // free list and not read until the store job runs after it,
-                // in the offloader's live KV tensors (freed at its shutdown,
-                // after every job).
-                unsafe { rt.launch(Kernel::PatternFill { table: dtable, count: count as u32 }, self.compute) }
-            });
+        // SAFETY: the kernel reads the table written just before through
+        // its device alias; the buffer stays with this job (not given back
+        // to the pool) until the store, ordered after this kernel, is
+        // reported or the stream is synchronized; the kernel writes the
+        // job's GPU blocks, `gpu`, taken from the free list and not read
+        // until the store job runs after it, in the offloader's live KV
+        // tensors (freed at its shutdown, after every job).
+        let r = unsafe { rt.launch(Kernel::PatternFill { table: dtable, count: count as u32 }, self.compute) };
         if let Err(e) = r {
             tracing::warn!(rank = self.rank, error = %e, "writing blocks on the compute stream failed; their store is dropped");
             self.sync_compute()?;
@@ -489,7 +492,7 @@ impl Work<'_> {
         };
         rep.stores += 1;
         self.busy[self.stage][0].start();
-        let job = Job { kind: Kind::Store, keys: submitted.stored, gpu, staging, table: Some(table), attempt: 0 };
+        let job = Job { kind: Kind::Store, keys: submitted.stored, gpu, table: Some(table), attempt: 0 };
         self.jobs.insert(id, job);
         Ok(())
     }
@@ -505,7 +508,7 @@ impl Work<'_> {
         };
         rep.loads += 1;
         self.busy[self.stage][1].start();
-        self.jobs.insert(id, Job { kind: Kind::Load, keys, gpu, staging: Vec::new(), table: None, attempt });
+        self.jobs.insert(id, Job { kind: Kind::Load, keys, gpu, table: None, attempt });
         Ok(())
     }
 
@@ -539,9 +542,14 @@ impl Work<'_> {
         match job.kind {
             Kind::Store => {
                 if ok {
-                    match self.stage {
-                        PREFILL => rep.prefill_store.bytes += c.bytes,
-                        _ => rep.store.bytes += c.bytes,
+                    let t = match self.stage {
+                        PREFILL => &mut rep.prefill_store,
+                        _ => &mut rep.store,
+                    };
+                    t.bytes += c.bytes;
+                    t.job_seconds += c.seconds;
+                    if self.stage == MIXED {
+                        rep.store_backends[backend_slot(c.backend)] += 1;
                     }
                     self.resident.extend(job.keys.iter().copied());
                 } else {
@@ -559,12 +567,17 @@ impl Work<'_> {
             }
             Kind::Load => {
                 if ok {
-                    match self.stage {
-                        SWEEP => rep.sweep_load.bytes += c.bytes,
-                        _ => rep.load.bytes += c.bytes,
+                    let t = match self.stage {
+                        SWEEP => &mut rep.sweep_load,
+                        _ => &mut rep.load,
+                    };
+                    t.bytes += c.bytes;
+                    t.job_seconds += c.seconds;
+                    if self.stage == MIXED {
+                        rep.load_backends[backend_slot(c.backend)] += 1;
                     }
                     self.verifying += 1;
-                    verifier.push(Loaded { keys: job.keys, gpu: job.gpu, job: job.attempt });
+                    verifier.push(Loaded { keys: job.keys, gpu: job.gpu });
                 } else {
                     self.load_failed(job.keys, job.gpu, job.attempt, rep);
                 }
@@ -584,45 +597,21 @@ impl Work<'_> {
                 tracing::error!(rank = self.rank, keys = keys.len(), "sweep load failed three times");
                 rep.blocks_lost += keys.len() as u64;
             } else {
-                let job = Job {
-                    kind: Kind::Load,
-                    keys,
-                    gpu: Vec::new(),
-                    staging: Vec::new(),
-                    table: None,
-                    attempt: attempt + 1,
-                };
+                let job = Job { kind: Kind::Load, keys, gpu: Vec::new(), table: None, attempt: attempt + 1 };
                 self.retry.push(job);
             }
         }
     }
 
-    fn verified(
-        &mut self,
-        v: Verdict<u32>,
-        rep: &mut RankReport,
-        rearm: &dyn Fn(&dyn GpuRuntime),
-    ) -> Result<(), RankError> {
+    fn verified(&mut self, v: Verdict, rep: &mut RankReport) -> Result<(), RankError> {
         self.verifying -= 1;
-        let Loaded { keys, gpu, job: attempt } = v.loaded;
-        match v.outcome {
-            Outcome::Checked { verified, corrupted } => {
-                rep.blocks_verified += verified;
-                rep.blocks_corrupted += corrupted;
-                if self.sweeping() {
-                    rep.sweep_blocks += verified + corrupted;
-                }
-                self.free_gpu.extend(gpu);
-            }
-            Outcome::NotChecked(e) => {
-                tracing::warn!(rank = self.rank, error = %e, "a loaded job could not be checked; it counts as a failed load");
-                rep.jobs_failed += 1;
-                if !self.sweeping() {
-                    rearm(self.off.runtime().as_ref());
-                }
-                self.load_failed(keys, gpu, attempt, rep);
-            }
+        let Outcome { verified, corrupted } = v.outcome;
+        rep.blocks_verified += verified;
+        rep.blocks_corrupted += corrupted;
+        if self.sweeping() {
+            rep.sweep_blocks += verified + corrupted;
         }
+        self.free_gpu.extend(v.loaded.gpu);
         Ok(())
     }
 }
