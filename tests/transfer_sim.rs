@@ -7,6 +7,7 @@
 mod common;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::{gated, opts, random_case, simple, Pin, Rig, Rng, Shape, DIRS};
 use kvoffload::protocol::ProtocolError;
@@ -100,6 +101,34 @@ fn staged_in_many_chunks_on_both_streams() {
     }
 }
 
+#[test]
+fn auto_stages_while_the_other_direction_was_busy_within_the_linger() {
+    // Host runs of 4 KiB (4 pages of 1 KiB a block), staged from 1 KiB runs
+    // while the other direction is busy: a job in flight, or one reported
+    // less than `duplex_linger` ago. An engine serving requests sends
+    // stores in bursts; a load in a gap must not take the gather kernel
+    // against the next store's copy engine (issue #15).
+    for (linger, after_other) in [(Duration::from_secs(3600), Backend::Staged), (Duration::ZERO, Backend::Gather)] {
+        let (s, rt) = sim();
+        let mut o = opts(BackendChoice::Auto);
+        o.thresholds.staged_duplex_min_run_bytes = 1 << 10;
+        o.thresholds.duplex_linger = linger;
+        let mut rig = Rig::new(rt, block_major(4, 1024, 16), o, Pin::Registered);
+        let mut rng = Rng(31);
+        // Nothing ran the other way yet: the gather kernel.
+        let job = JobBlocks::single(rng.distinct(16, 8), rng.distinct(16, 8));
+        assert_eq!(rig.run_checked(Direction::DeviceToHost, &job, 1).backend, Backend::Gather);
+        // The store was reported (nothing in flight now): the load is
+        // staged only within the linger; and so is the next store.
+        let job = JobBlocks::single(rng.distinct(16, 8), rng.distinct(16, 8));
+        assert_eq!(rig.run_checked(Direction::HostToDevice, &job, 2).backend, after_other, "{linger:?}");
+        let job = JobBlocks::single(rng.distinct(16, 8), rng.distinct(16, 8));
+        assert_eq!(rig.run_checked(Direction::DeviceToHost, &job, 3).backend, after_other, "{linger:?}");
+        drop(rig);
+        assert_eq!(s.poisoned(), None);
+    }
+}
+
 /// Polls until `n` results were reported.
 fn poll_n(rig: &Rig, n: usize) -> Vec<kvoffload::transfer::JobResult> {
     let mut out = Vec::new();
@@ -143,9 +172,12 @@ fn staged_runs_end_at_registration_chunks() {
 
 #[test]
 fn auto_stages_only_while_the_other_direction_is_busy() {
-    // 4 layers of 64 KiB: host runs of 256 KiB, the default threshold.
+    // 4 layers of 64 KiB: host runs of 256 KiB, the default threshold. No
+    // linger: busy means jobs in flight here (the linger has its own test).
     let (s, rt) = sim();
-    let mut rig = Rig::new(rt, block_major(4, 64 << 10, 8), opts(BackendChoice::Auto), Pin::Registered);
+    let mut o = opts(BackendChoice::Auto);
+    o.thresholds.duplex_linger = Duration::ZERO;
+    let mut rig = Rig::new(rt, block_major(4, 64 << 10, 8), o, Pin::Registered);
     rig.fill(4);
     let (host_before, dev_before) = (rig.host.to_vec(), rig.device_snapshot());
     // Nothing in flight: the gather kernel. The load stays unreported (in

@@ -3,7 +3,12 @@
 //! and docs/gpu-runs/2026-11-30-duplex-* for the speeds behind the
 //! thresholds).
 
+use std::time::Duration;
+
 use super::backend::{Backend, BackendChoice};
+
+/// [`AutoThresholds::duplex_linger`]'s default, in milliseconds.
+const DUPLEX_LINGER_MS: u64 = 20;
 
 /// Fragment sizes at which [`BackendChoice::Auto`] changes backend. The
 /// mean fragment size of the merged job is compared.
@@ -32,6 +37,14 @@ pub struct AutoThresholds {
     /// (docs/gpu-runs/2026-11-30-duplex-probe.txt); copy engines both ways
     /// reach the link's duplex limit when their copies are long.
     pub staged_duplex_min_run_bytes: usize,
+    /// How long after its last job was reported the other direction still
+    /// counts as busy for [`Situation::other_busy`]. An engine serving
+    /// requests sends stores in bursts with gaps between them: without
+    /// this, a load submitted in a gap takes the gather kernel, and the
+    /// next store, staged on a copy engine, runs against that kernel, the
+    /// worst mix (about 25 GB/s for the copy engine). Zero: busy only while
+    /// jobs are in flight.
+    pub duplex_linger: Duration,
 }
 
 impl Default for AutoThresholds {
@@ -41,6 +54,7 @@ impl Default for AutoThresholds {
             per_fragment_min_bytes: usize::MAX,
             staged_min_run_bytes: usize::MAX,
             staged_duplex_min_run_bytes: 256 << 10,
+            duplex_linger: Duration::from_millis(DUPLEX_LINGER_MS),
         }
     }
 }
@@ -54,7 +68,8 @@ pub struct Situation {
     pub capturing: bool,
     /// Every host range lies in a chunk whose registration completed.
     pub pinned: bool,
-    /// The other direction's handler has jobs in flight.
+    /// The other direction's handler has jobs in flight, or had within
+    /// [`AutoThresholds::duplex_linger`].
     pub other_busy: bool,
     /// Mean bytes of the job's contiguous host runs, when the handler has
     /// staging buffers and the job was planned for them (see [`may_stage`]);

@@ -792,9 +792,10 @@ impl fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "auto, staged (gather kernel into {} of device staging, batched copies of the host runs): where gather would be chosen, for mean host runs from {} while the other direction has jobs in flight, from {} otherwise",
+            "auto, staged (gather kernel into {} of device staging, batched copies of the host runs): where gather would be chosen, for mean host runs from {} while the other direction has jobs in flight or had within {:?}, from {} otherwise",
             human(self.config.options.staging_bytes),
             never(th.staged_duplex_min_run_bytes),
+            th.duplex_linger,
             never(th.staged_min_run_bytes)
         )?;
         writeln!(
