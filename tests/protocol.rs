@@ -3,8 +3,10 @@
 use std::sync::Arc;
 
 use kvoffload::pin::{pin_all, NoPrefault};
-use kvoffload::protocol::{shutdown, CapturePolicy, Coordinator, PinState, ProtocolError, ShutdownError};
-use kvoffload::runtime::sim::SimRuntime;
+use kvoffload::protocol::{
+    shutdown, CapturePolicy, ChunkReg, Coordinator, PageableReason, PinState, ProtocolError, ShutdownError,
+};
+use kvoffload::runtime::sim::{HoldPoint, SimRuntime};
 
 /// A coordinator over `chunks` chunks of 4096 bytes of heap memory, which
 /// it holds, and the chunks' ranges.
@@ -119,4 +121,71 @@ fn a_coordinator_dropped_with_a_chunk_registered_keeps_its_memory() {
             "unregistered first: {unregister_first}"
         );
     }
+}
+
+#[test]
+fn the_coordinators_accessors_report_its_state() {
+    let rt = SimRuntime::new();
+    let (coord, _) = coordinator(CapturePolicy::Interleave, 2);
+    assert_eq!(coord.policy(), CapturePolicy::Interleave);
+    assert_eq!((coord.windows_open(), coord.registered_chunks()), (0, 0));
+    assert_eq!(coord.chunk_reg(0), Some(ChunkReg::Unregistered));
+    assert_eq!(coord.chunk_reg(2), None, "no chunk 2");
+    assert!(!coord.shutting_down());
+    // Windows are counted while open, and again after one closed.
+    let w = coord.open_window().unwrap();
+    assert_eq!(coord.windows_open(), 1);
+    drop(w);
+    assert_eq!(coord.windows_open(), 0);
+    let w = coord.open_window().unwrap();
+    assert_eq!(coord.windows_open(), 1);
+    drop(w);
+    assert_eq!(coord.windows_open(), 0);
+    // One chunk registered.
+    assert!(coord.pin_begin());
+    assert!(!coord.pin_begin(), "pinning began already");
+    coord.register_chunk(&rt, 1).unwrap().unwrap();
+    assert_eq!(coord.registered_chunks(), 1);
+    assert!(matches!(coord.chunk_reg(1), Some(ChunkReg::Registered { .. })));
+    assert!(!coord.pin_cancelled());
+    coord.cancel_pinning();
+    assert!(coord.pin_cancelled());
+    coord.unregister_all(&rt).unwrap();
+    assert_eq!((coord.registered_chunks(), coord.chunk_reg(1)), (0, Some(ChunkReg::Unregistered)));
+    coord.pin_finish(PinState::Pageable(PageableReason::Cancelled));
+    shutdown(&rt, &coord, || {}).unwrap();
+    assert!(coord.shutting_down());
+    // A cancel before pinning begins stops it from beginning.
+    let (coord, _) = coordinator(CapturePolicy::AfterPinning, 1);
+    assert_eq!(coord.policy(), CapturePolicy::AfterPinning);
+    coord.cancel_pinning();
+    assert!(!coord.pin_begin(), "pinning began after a cancel");
+}
+
+#[test]
+fn a_window_counts_the_registrations_it_waited_for() {
+    let rt = Arc::new(SimRuntime::new());
+    let (coord, _) = coordinator(CapturePolicy::Interleave, 2);
+    // Nothing in flight: the window waits for nothing.
+    assert_eq!(coord.open_window().unwrap().chunks_waited(), 0);
+    // A registration held inside the driver: a window asking now waits for it.
+    let hold = rt.hold(HoldPoint::Register);
+    let pinner = {
+        let (rt, coord) = (rt.clone(), coord.clone());
+        std::thread::spawn(move || coord.register_chunk(rt.as_ref(), 0).unwrap().unwrap())
+    };
+    hold.wait_entered();
+    let engine = {
+        let coord = coord.clone();
+        std::thread::spawn(move || coord.open_window().unwrap().chunks_waited())
+    };
+    // The window is waiting once a library call may no longer start (its
+    // turn comes first).
+    while coord.try_unsafe_call(|_| ()).is_ok() {
+        std::thread::yield_now();
+    }
+    hold.release();
+    pinner.join().unwrap();
+    assert_eq!(engine.join().unwrap(), 1, "the window waited for the registration in flight");
+    coord.unregister_all(rt.as_ref()).unwrap();
 }

@@ -13,6 +13,10 @@
 //!   and library calls take turns when both wait, so a window waits for at
 //!   most one chunk's registration (P2, Interleave) and back-to-back
 //!   windows cannot starve pinning.
+//! - A chunk's registration or unregistration is recorded in the critical
+//!   section that ends its call, so no window opens between the driver call
+//!   and its record: a window counts exactly the registrations it waited
+//!   for ([`CaptureWindow::chunks_waited`], P2).
 //! - With [`CapturePolicy::AfterPinning`] a window opens only once pinning
 //!   is final (P2).
 //! - The gather kernel gets a chunk's device alias only while the chunk is
@@ -439,6 +443,19 @@ impl Coordinator {
     /// Refused with [`ProtocolError::WouldDeadlock`] inside the caller's own
     /// window (it would wait for itself).
     pub fn unsafe_call<T>(&self, what: &'static str, f: impl FnOnce(&Gate) -> T) -> Result<T, ProtocolError> {
+        self.unsafe_call_then(what, f, |_, _| {})
+    }
+
+    /// [`Coordinator::unsafe_call`], then `record` of its outcome under the
+    /// lock, in the same critical section that ends the call: no window
+    /// opens between the driver call and its record (a window that waited
+    /// for a registration sees it counted).
+    fn unsafe_call_then<T>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(&Gate) -> T,
+        record: impl FnOnce(&mut State, &T),
+    ) -> Result<T, ProtocolError> {
         let mut g = self.lock();
         if g.owns_window(me()) && g.variant != Variant::NoCaptureWindow {
             return Err(ProtocolError::WouldDeadlock { what });
@@ -448,11 +465,17 @@ impl Coordinator {
             g = self.wait(g);
         }
         g.unsafe_waiting -= 1;
-        Ok(self.counted(g, f))
+        Ok(self.counted(g, f, record))
     }
 
-    /// Runs `f` outside the lock, counted as a capture-unsafe call in flight.
-    fn counted<T>(&self, mut g: MutexGuard<'_, State>, f: impl FnOnce(&Gate) -> T) -> T {
+    /// Runs `f` outside the lock, counted as a capture-unsafe call in
+    /// flight; `record` gets its outcome under the lock as the call ends.
+    fn counted<T>(
+        &self,
+        mut g: MutexGuard<'_, State>,
+        f: impl FnOnce(&Gate) -> T,
+        record: impl FnOnce(&mut State, &T),
+    ) -> T {
         g.unsafe_in_flight += 1;
         drop(g);
         // The one place a gate is made: `unsafe_in_flight` counts this call,
@@ -461,6 +484,7 @@ impl Coordinator {
         let gate = Gate::new_inside_gate();
         let out = f(&gate);
         self.shared.update(|g| {
+            record(g, &out);
             g.unsafe_in_flight -= 1;
             g.turn = Turn::Window;
         });
@@ -475,7 +499,7 @@ impl Coordinator {
         if !bypass && (g.owns_window(me()) || !g.unsafe_may_start()) {
             return Err(ProtocolError::WindowBusy);
         }
-        Ok(self.counted(g, f))
+        Ok(self.counted(g, f, |_, _| {}))
     }
 
     /// Blocks until no window is open or waiting to open (for a poller that
@@ -544,7 +568,7 @@ impl Coordinator {
     /// capture-unsafe call.
     pub fn register_chunk(&self, rt: &dyn GpuRuntime, i: usize) -> Result<Result<(), DriverError>, ProtocolError> {
         let (addr, len) = self.chunk_range(i);
-        let r = self.unsafe_call("registering a chunk", |gate| {
+        let register = |gate: &Gate| {
             // SAFETY: chunks are live mappings that stay mapped while they
             // may be registered (the contract of `Coordinator::new`).
             unsafe { rt.host_register(gate, addr, len) }?;
@@ -558,20 +582,17 @@ impl Coordinator {
                     Err(e)
                 }
             }
-        })?;
-        let mut g = self.lock();
-        match r {
-            Ok(alias) => {
-                g.chunks[i].reg = ChunkReg::Registered { alias };
+        };
+        let record = |g: &mut State, r: &Result<DevicePtr, DriverError>| {
+            if let Ok(alias) = r {
+                g.chunks[i].reg = ChunkReg::Registered { alias: *alias };
                 g.chunks_completed += 1;
                 if let PinState::Pinning { done, .. } = &mut g.pin {
                     *done += 1;
                 }
-                self.shared.cv.notify_all();
-                Ok(Ok(()))
             }
-            Err(e) => Ok(Err(e)),
-        }
+        };
+        Ok(self.unsafe_call_then("registering a chunk", register, record)?.map(|_| ()))
     }
 
     /// Unregisters chunk `i`: no new gather users from now on, waits for
@@ -588,15 +609,14 @@ impl Coordinator {
             }
             g.chunks[i].addr
         };
-        let r = self.unsafe_call("unregistering a chunk", |gate| rt.host_unregister(gate, addr))?;
-        let mut g = self.lock();
-        if r.is_ok() {
-            g.chunks[i].reg = ChunkReg::Unregistered;
-        }
         // On failure the chunk stays Unregistering: still registered in the
         // driver, refused to gather users, and a retry unregisters it.
-        self.shared.cv.notify_all();
-        Ok(r)
+        let record = |g: &mut State, r: &Result<(), DriverError>| {
+            if r.is_ok() {
+                g.chunks[i].reg = ChunkReg::Unregistered;
+            }
+        };
+        self.unsafe_call_then("unregistering a chunk", |gate| rt.host_unregister(gate, addr), record)
     }
 
     /// Pinning reached its final state.
@@ -670,7 +690,7 @@ impl Coordinator {
         }
         g.jobs_in_flight += 1;
         let ticket = JobTicket { coord: self.shared.clone() };
-        Ok(self.counted(g, |gate| f(gate, ticket)))
+        Ok(self.counted(g, |gate| f(gate, ticket), |_, _| {}))
     }
 
     /// Records that a graph referencing the region exists.
