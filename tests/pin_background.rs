@@ -113,3 +113,32 @@ fn dropping_the_handle_after_pinning_keeps_the_state() {
     p.coordinator().unregister_all(rt.as_ref()).unwrap();
     assert_eq!(s.registered_ranges(), 0);
 }
+
+#[test]
+fn dropping_the_handle_midway_cancels_and_waits_for_the_rollback() {
+    let (mut r, opts) = region(CHUNKS, CHUNK);
+    let (s, rt) = sim();
+    let p = Prepared::new(&r, &opts).unwrap();
+    let coord = p.coordinator().clone();
+    let first = s.hold(HoldPoint::Register);
+    let h = p.spawn(rt.clone());
+    let hold = stop_inside(&s, first, 1);
+    // The registration in flight is let go once the drop below cancelled
+    // pinning (the drop then waits for the pinner, which waits for it).
+    let releaser = {
+        let coord = coord.clone();
+        std::thread::spawn(move || {
+            while !coord.pin_cancelled() {
+                std::thread::yield_now();
+            }
+            hold.release();
+        })
+    };
+    drop(h);
+    assert_eq!(coord.pin_state(), PinState::Pageable(PageableReason::Cancelled), "drop returned before the rollback");
+    assert_eq!(s.registered_ranges(), 0);
+    releaser.join().unwrap();
+    drop(p);
+    drop(coord);
+    assert_usable(&mut r, 4);
+}

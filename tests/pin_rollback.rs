@@ -139,3 +139,36 @@ fn without_prefault_pinning_still_works() {
     p.coordinator().unregister_all(rt.as_ref()).unwrap();
     assert_eq!(s.registered_ranges(), 0);
 }
+
+/// Records the registration loop's calls to its pre-faulter.
+#[derive(Default)]
+struct Recorder(std::sync::Mutex<Vec<String>>);
+
+impl kvoffload::pin::Prefault for Recorder {
+    fn ensure(&self, i: usize, _addr: usize, _len: usize) -> Result<(), String> {
+        self.0.lock().unwrap().push(format!("ensure {i}"));
+        Ok(())
+    }
+    fn hint(&self, i: usize, _addr: usize, _len: usize) {
+        self.0.lock().unwrap().push(format!("hint {i}"));
+    }
+    fn settle(&self) {
+        self.0.lock().unwrap().push("settle".into());
+    }
+}
+
+#[test]
+fn each_chunk_is_made_resident_before_registration_and_the_next_hinted() {
+    let (r, _) = region(3, CHUNK);
+    let base = r.as_ptr() as usize;
+    let chunks: Vec<(usize, usize)> = (0..3).map(|i| (base + i * CHUNK, CHUNK)).collect();
+    // SAFETY: the ranges lie in `r` (read-write), which the coordinator holds.
+    let coord = unsafe { Coordinator::new(CapturePolicy::AfterPinning, &chunks, Some(Box::new(r.clone()))) };
+    let (s, rt) = sim();
+    let rec = Recorder::default();
+    assert_eq!(pin_all(rt.as_ref(), &coord, &rec), PinState::Pinned);
+    let calls = rec.0.lock().unwrap().clone();
+    assert_eq!(calls, ["ensure 0", "hint 1", "ensure 1", "hint 2", "ensure 2", "settle"]);
+    coord.unregister_all(rt.as_ref()).unwrap();
+    assert_eq!(s.registered_ranges(), 0);
+}
