@@ -141,10 +141,15 @@ fn the_coordinators_accessors_report_its_state() {
     assert_eq!(coord.windows_open(), 1);
     drop(w);
     assert_eq!(coord.windows_open(), 0);
-    // One chunk registered.
+    // One chunk registered; a thread waiting for pinning meanwhile.
     assert!(coord.pin_begin());
     assert!(!coord.pin_begin(), "pinning began already");
+    let waiter = {
+        let coord = coord.clone();
+        std::thread::spawn(move || coord.wait_pin_final())
+    };
     coord.register_chunk(&rt, 1).unwrap().unwrap();
+    assert_eq!(coord.pin_state(), PinState::Pinning { done: 1, total: 2 });
     assert_eq!(coord.registered_chunks(), 1);
     assert!(matches!(coord.chunk_reg(1), Some(ChunkReg::Registered { .. })));
     assert!(!coord.pin_cancelled());
@@ -153,6 +158,7 @@ fn the_coordinators_accessors_report_its_state() {
     coord.unregister_all(&rt).unwrap();
     assert_eq!((coord.registered_chunks(), coord.chunk_reg(1)), (0, Some(ChunkReg::Unregistered)));
     coord.pin_finish(PinState::Pageable(PageableReason::Cancelled));
+    assert_eq!(waiter.join().unwrap(), Ok(PinState::Pageable(PageableReason::Cancelled)));
     shutdown(&rt, &coord, || {}).unwrap();
     assert!(coord.shutting_down());
     // A cancel before pinning begins stops it from beginning.
@@ -166,7 +172,10 @@ fn the_coordinators_accessors_report_its_state() {
 fn a_window_counts_the_registrations_it_waited_for() {
     let rt = Arc::new(SimRuntime::new());
     let (coord, _) = coordinator(CapturePolicy::Interleave, 2);
-    // Nothing in flight: the window waits for nothing.
+    // Nothing in flight: the window waits for nothing (after one
+    // registration, counted before it asked).
+    assert_eq!(coord.open_window().unwrap().chunks_waited(), 0);
+    coord.register_chunk(rt.as_ref(), 1).unwrap().unwrap();
     assert_eq!(coord.open_window().unwrap().chunks_waited(), 0);
     // A registration held inside the driver: a window asking now waits for it.
     let hold = rt.hold(HoldPoint::Register);

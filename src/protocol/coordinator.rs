@@ -117,8 +117,9 @@ struct Chunk {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum Phase {
     Running,
+    /// Shutdown began: new work is refused (it stays so once shutdown
+    /// completed: nothing tells the two apart).
     ShuttingDown,
-    Down,
 }
 
 struct State {
@@ -758,11 +759,6 @@ impl Coordinator {
             }
         }
         first.map_or(Ok(()), Err)
-    }
-
-    /// Marks shutdown complete.
-    pub fn finish_shutdown(&self) {
-        self.shared.update(|g| g.phase = Phase::Down);
     }
 
     /// True once shutdown began.

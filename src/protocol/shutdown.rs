@@ -25,7 +25,6 @@ pub fn shutdown(rt: &dyn GpuRuntime, coord: &Coordinator, join_pinner: impl FnOn
     coord.begin_shutdown()?;
     join_pinner();
     let r = coord.unregister_all(rt).map_err(ShutdownError::Unregister);
-    coord.finish_shutdown();
     tracing::info!(ok = r.is_ok(), "shutdown complete");
     r
 }

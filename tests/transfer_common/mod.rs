@@ -388,7 +388,6 @@ impl Drop for Rig {
         if !std::thread::panicking() {
             let _ = self.coord.begin_shutdown();
             self.coord.unregister_all(&*self.rt).unwrap();
-            self.coord.finish_shutdown();
             for ts in &self.tensors {
                 for &d in ts {
                     gated(|gt| self.rt.mem_free(gt, d)).unwrap();

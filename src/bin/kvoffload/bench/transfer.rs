@@ -409,7 +409,6 @@ impl Drop for Buffers {
                 false
             }
         };
-        self.coord.finish_shutdown();
         if let Err(e) = self.rt.stream_destroy(self.compute) {
             tracing::warn!(error = %e, "bench: destroying the compute stream failed");
         }
