@@ -129,6 +129,52 @@ fn auto_stages_while_the_other_direction_was_busy_within_the_linger() {
     }
 }
 
+#[test]
+fn staged_tables_are_read_from_the_pinned_ring_in_place() {
+    // The same staged store with and without the pinned ring: with it, the
+    // kernel reads each chunk's table through the ring's alias (no upload),
+    // so the job makes fewer copies than without it (one upload a chunk).
+    let copies = |ring: usize| {
+        let (s, rt) = sim();
+        let o = TransferOptions {
+            staging_bytes: 8 << 10,
+            staging_ring_entries: ring,
+            ..opts(BackendChoice::Force(Backend::Staged))
+        };
+        let mut rig = Rig::new(rt, block_major(3, 1024, 16), o, Pin::Registered);
+        assert_eq!(rig.engine().options(), &o);
+        rig.fill(1);
+        let job = JobBlocks::single((0..12).collect(), (2..14).collect());
+        let before = s.copy_enqueues();
+        let id = rig.fresh_id();
+        rig.engine().store(id, &job).unwrap();
+        assert_eq!(rig.engine().in_flight(Direction::DeviceToHost), 1);
+        rig.engine().wait(id).unwrap();
+        let res = rig.poll_until(id);
+        assert!(res.iter().all(|r| r.succeeded() && r.backend == Backend::Staged), "{res:?}");
+        assert_eq!(rig.engine().in_flight(Direction::DeviceToHost), 0);
+        s.copy_enqueues() - before
+    };
+    let (with_ring, without) = (copies(1 << 15), copies(0));
+    assert!(with_ring > 0 && with_ring < without, "copies with the ring {with_ring}, without {without}");
+}
+
+#[test]
+fn in_flight_counts_each_directions_unreported_jobs() {
+    let (_s, rt) = sim();
+    let mut rig = Rig::new(rt, simple(2, 256, 8), opts(BackendChoice::Auto), Pin::Registered);
+    let ids: Vec<JobId> = (0..3).map(|_| rig.fresh_id()).collect();
+    rig.engine().store(ids[0], &JobBlocks::single(vec![0], vec![1])).unwrap();
+    rig.engine().store(ids[1], &JobBlocks::single(vec![2], vec![3])).unwrap();
+    rig.engine().load(ids[2], &JobBlocks::single(vec![4], vec![5])).unwrap();
+    assert_eq!(rig.engine().in_flight(Direction::DeviceToHost), 2);
+    assert_eq!(rig.engine().in_flight(Direction::HostToDevice), 1);
+    rig.engine().wait_all().unwrap();
+    let res = poll_n(&rig, 3);
+    assert!(res.iter().all(|r| r.succeeded()));
+    assert_eq!(rig.engine().in_flight(Direction::DeviceToHost) + rig.engine().in_flight(Direction::HostToDevice), 0);
+}
+
 /// Polls until `n` results were reported.
 fn poll_n(rig: &Rig, n: usize) -> Vec<kvoffload::transfer::JobResult> {
     let mut out = Vec::new();

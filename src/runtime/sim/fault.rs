@@ -72,6 +72,11 @@ impl Faults {
         })
     }
 
+    /// Async copy enqueues so far (single or batched, failed ones too).
+    pub fn copy_calls(&self) -> u64 {
+        self.copy_calls
+    }
+
     /// Counts one copy enqueue; the code to fail it with, if a fault is due.
     pub fn on_copy(&mut self) -> Option<Code> {
         self.copy_calls += 1;

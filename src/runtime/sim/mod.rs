@@ -259,6 +259,12 @@ impl SimRuntime {
         sync::lock(&self.inner.state).registers_running
     }
 
+    /// Async copy enqueues so far, single or batched (tests check that a
+    /// backend makes no copy it should not, such as a table upload).
+    pub fn copy_enqueues(&self) -> u64 {
+        sync::lock(&self.inner.state).faults.copy_calls()
+    }
+
     /// Successful `host_register` calls so far: the driver's own count
     /// (models compare it with what the coordinator claims).
     pub fn registrations_completed(&self) -> u64 {
