@@ -131,10 +131,13 @@ fn auto_stages_while_the_other_direction_was_busy_within_the_linger() {
 
 #[test]
 fn staged_tables_are_read_from_the_pinned_ring_in_place() {
-    // The same staged store with and without the pinned ring: with it, the
-    // kernel reads each chunk's table through the ring's alias (no upload),
-    // so the job makes fewer copies than without it (one upload a chunk).
-    let copies = |ring: usize| {
+    // The same staged stores with and without the pinned ring: with it, the
+    // kernel reads each chunk's table through the ring's alias (no upload)
+    // wherever in the ring the table lies: 40 jobs in flight at once hold
+    // tables across most of the ring's 96 KiB and make 40 times the copies
+    // of one job alone; without a ring each job makes more (one upload a
+    // chunk).
+    let copies = |ring: usize, jobs: usize| {
         let (s, rt) = sim();
         let o = TransferOptions {
             staging_bytes: 8 << 10,
@@ -146,17 +149,20 @@ fn staged_tables_are_read_from_the_pinned_ring_in_place() {
         rig.fill(1);
         let job = JobBlocks::single((0..12).collect(), (2..14).collect());
         let before = s.copy_enqueues();
-        let id = rig.fresh_id();
-        rig.engine().store(id, &job).unwrap();
-        assert_eq!(rig.engine().in_flight(Direction::DeviceToHost), 1);
-        rig.engine().wait(id).unwrap();
-        let res = rig.poll_until(id);
+        for _ in 0..jobs {
+            let id = rig.fresh_id();
+            rig.engine().store(id, &job).unwrap();
+        }
+        assert_eq!(rig.engine().in_flight(Direction::DeviceToHost), jobs);
+        rig.engine().wait_all().unwrap();
+        let res = poll_n(&rig, jobs);
         assert!(res.iter().all(|r| r.succeeded() && r.backend == Backend::Staged), "{res:?}");
         assert_eq!(rig.engine().in_flight(Direction::DeviceToHost), 0);
         s.copy_enqueues() - before
     };
-    let (with_ring, without) = (copies(1 << 15), copies(0));
-    assert!(with_ring > 0 && with_ring < without, "copies with the ring {with_ring}, without {without}");
+    let one = copies(1 << 12, 1);
+    assert_eq!(copies(1 << 12, 40), 40 * one, "a table in the ring was uploaded");
+    assert!(one < copies(0, 1), "copies of a job with the ring {one}, without one more");
 }
 
 #[test]

@@ -30,7 +30,8 @@ pub struct AutoThresholds {
     /// are at least this long on average. Off by default (`usize::MAX`):
     /// one way alone the gather kernel is as fast.
     pub staged_min_run_bytes: usize,
-    /// Likewise, while the other direction has jobs in flight: at this mean
+    /// Likewise, while the other direction is busy (jobs in flight, or within
+    /// [`AutoThresholds::duplex_linger`] of its last one): at this mean
     /// host run length and above. With a load and a store at once, two
     /// gather kernels share about 80 GB/s of the link, and a copy engine
     /// against a gather kernel in the other direction gets about 25 GB/s
