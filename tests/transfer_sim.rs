@@ -213,6 +213,20 @@ fn staged_runs_end_at_registration_chunks() {
         assert_eq!(res.backend, Backend::Staged);
     }
     drop(rig);
+    // Pages of 3 KiB in 8 KiB chunks: single pages straddle two chunks and
+    // are cut there.
+    let mut rig = Rig::chunked(
+        rt.clone(),
+        block_major(1, 3 << 10, 16),
+        opts(BackendChoice::Force(Backend::Staged)),
+        Pin::Registered,
+        8 << 10,
+    );
+    for dir in DIRS {
+        let res = rig.run_checked(dir, &JobBlocks::single((0..16).collect(), (0..16).collect()), 4);
+        assert_eq!(res.backend, Backend::Staged);
+    }
+    drop(rig);
     let o = opts(BackendChoice::Force(Backend::Batched));
     let mut rig = Rig::chunked(rt, simple(1, 4096, 8), o, Pin::Registered, 8 << 10);
     for dir in DIRS {
@@ -350,17 +364,20 @@ fn engine_is_send_and_sync() {
 
 #[test]
 fn gather_table_in_several_launches() {
-    // 3-entry table, 40 scattered fragments: 14 upload+launch rounds.
-    let (_s, rt) = sim();
-    let shape = simple(2, 64, 40);
-    let o = TransferOptions { gather_table_entries: 3, ..opts(BackendChoice::Force(Backend::Gather)) };
-    let mut rig = Rig::new(rt, shape, o, Pin::Registered);
-    let mut rng = Rng(9);
-    for dir in DIRS {
-        let gpu = rng.distinct(40, 20);
-        let host = rng.distinct(40, 20);
-        let res = rig.run_checked(dir, &JobBlocks::single(gpu, host), 5);
-        assert_eq!(res.backend, Backend::Gather);
+    // Tables of 3, 4 and 5 entries, 40 scattered fragments: 8 to 14
+    // upload+launch rounds, each a whole number of entries.
+    for entries in [3, 4, 5] {
+        let (_s, rt) = sim();
+        let shape = simple(2, 64, 40);
+        let o = TransferOptions { gather_table_entries: entries, ..opts(BackendChoice::Force(Backend::Gather)) };
+        let mut rig = Rig::new(rt, shape, o, Pin::Registered);
+        let mut rng = Rng(9);
+        for dir in DIRS {
+            let gpu = rng.distinct(40, 20);
+            let host = rng.distinct(40, 20);
+            let res = rig.run_checked(dir, &JobBlocks::single(gpu, host), 5);
+            assert_eq!(res.backend, Backend::Gather, "{entries} entries");
+        }
     }
 }
 
