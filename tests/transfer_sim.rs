@@ -364,10 +364,12 @@ fn engine_is_send_and_sync() {
 
 #[test]
 fn gather_table_in_several_launches() {
-    // Tables of 3, 4 and 5 entries, 40 scattered fragments: 8 to 14
-    // upload+launch rounds, each a whole number of entries.
+    // Tables of 3, 4 and 5 entries, 40 scattered fragments (20 blocks of 2
+    // tensors): 8 to 14 upload+launch rounds, each a whole number of
+    // entries, each uploaded once from the pinned ring (none from pageable
+    // memory).
     for entries in [3, 4, 5] {
-        let (_s, rt) = sim();
+        let (s, rt) = sim();
         let shape = simple(2, 64, 40);
         let o = TransferOptions { gather_table_entries: entries, ..opts(BackendChoice::Force(Backend::Gather)) };
         let mut rig = Rig::new(rt, shape, o, Pin::Registered);
@@ -375,10 +377,34 @@ fn gather_table_in_several_launches() {
         for dir in DIRS {
             let gpu = rng.distinct(40, 20);
             let host = rng.distinct(40, 20);
+            let (copies, pageable) = (s.copy_enqueues(), s.pageable_async_copies());
             let res = rig.run_checked(dir, &JobBlocks::single(gpu, host), 5);
             assert_eq!(res.backend, Backend::Gather, "{entries} entries");
+            assert_eq!(s.copy_enqueues() - copies, 40u64.div_ceil(entries as u64), "uploads of {entries}-entry tables");
+            assert_eq!(s.pageable_async_copies(), pageable, "a table uploaded from pageable memory");
         }
     }
+}
+
+#[test]
+fn a_gather_job_whose_first_upload_fails_is_reported_failed() {
+    // Three launches (3-entry tables, 9 fragments that do not merge); the
+    // first upload fails: the launches after it are not enqueued and the
+    // job reports the error.
+    let (s, rt) = sim();
+    let o = TransferOptions { gather_table_entries: 3, ..opts(BackendChoice::Force(Backend::Gather)) };
+    let mut rig = Rig::new(rt, simple(1, 64, 32), o, Pin::Registered);
+    s.inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
+    let id = rig.fresh_id();
+    let before = s.copy_enqueues();
+    let job = JobBlocks::single((0..9).map(|i| 2 * i).collect(), (0..9).rev().map(|i| 2 * i + 1).collect());
+    rig.engine().store(id, &job).unwrap();
+    rig.engine().wait_all().unwrap();
+    let res = rig.poll_until(id);
+    let r = res.iter().find(|r| r.id == id).unwrap();
+    assert_eq!((r.backend, r.error.as_ref().map(|e| e.code)), (Backend::Gather, Some(Code::INVALID_VALUE)), "{r:?}");
+    assert_eq!(s.copy_enqueues() - before, 1, "uploads enqueued after the failed one");
+    assert_eq!(s.poisoned(), None);
 }
 
 #[test]

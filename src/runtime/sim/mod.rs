@@ -265,6 +265,13 @@ impl SimRuntime {
         sync::lock(&self.inner.state).faults.copy_calls()
     }
 
+    /// Single async copies (`copy_htod_async`, `copy_dtoh_async`) so far
+    /// whose host side is not page-locked (neither registered nor from
+    /// `mem_alloc_host`, which the sim records as registered).
+    pub fn pageable_async_copies(&self) -> u64 {
+        sync::lock(&self.inner.state).pageable_async_copies
+    }
+
     /// Successful `host_register` calls so far: the driver's own count
     /// (models compare it with what the coordinator claims).
     pub fn registrations_completed(&self) -> u64 {
@@ -358,10 +365,21 @@ impl SimRuntime {
         if let Some(code) = g.faults.on_copy() {
             return Err(code);
         }
-        match op {
-            Op::HtoD { dst, bytes, .. } => Self::check_device(&mut g, dst, bytes)?,
-            Op::DtoH { src, bytes, .. } => Self::check_device(&mut g, src, bytes)?,
-            _ => {}
+        let host = match op {
+            Op::HtoD { dst, src, bytes } => {
+                Self::check_device(&mut g, dst, bytes)?;
+                Some((src, bytes))
+            }
+            Op::DtoH { dst, src, bytes } => {
+                Self::check_device(&mut g, src, bytes)?;
+                Some((dst, bytes))
+            }
+            _ => None,
+        };
+        if let Some((addr, bytes)) = host {
+            if bytes > 0 && g.registered_range(addr, bytes).is_none() {
+                g.pageable_async_copies += 1;
+            }
         }
         self.enqueue(g, stream, op)
     }

@@ -160,6 +160,11 @@ pub(crate) struct State {
     /// Successful `host_register` calls since start (observers for models:
     /// the driver's count, not the coordinator's).
     pub registrations_completed: u64,
+    /// Async copies enqueued from or to host memory that is not page-locked
+    /// (neither registered nor from `mem_alloc_host`): on the real driver
+    /// they are staged through the driver's own buffer and do not overlap
+    /// the caller (observers: tests check a backend avoids them).
+    pub pageable_async_copies: u64,
     /// Calls refused by the capture rules, oldest first (observers).
     pub refusals: Vec<super::rules::Refusal>,
 }
