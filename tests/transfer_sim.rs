@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{gated, opts, random_case, simple, Pin, Rig, Rng, Shape, DIRS};
 use kvoffload::protocol::ProtocolError;
-use kvoffload::runtime::sim::{HoldPoint, SimFault, SimRuntime};
+use kvoffload::runtime::sim::{Blocked, HoldPoint, SimFault, SimRuntime};
 use kvoffload::runtime::{CaptureMode, Code, Direction, GpuRuntime};
 use kvoffload::transfer::{Backend, BackendChoice, HostPlacement, JobBlocks, JobId, TransferError, TransferOptions};
 
@@ -343,7 +343,12 @@ fn engine_dropped_with_staged_jobs_in_flight() {
         let engine = rig.engine.take().unwrap();
         std::thread::spawn(move || drop(engine))
     };
-    std::thread::sleep(std::time::Duration::from_millis(20));
+    // The drop waits for the job's stream (it cannot finish: the device is
+    // held), and only then frees anything.
+    while s.blocked(Blocked::Stream) + s.blocked(Blocked::Idle) == 0 && !dropper.is_finished() {
+        std::thread::yield_now();
+    }
+    assert!(!dropper.is_finished(), "the engine was dropped without waiting for its job");
     hold.release();
     dropper.join().unwrap();
     assert_eq!(s.poisoned(), None);
@@ -844,15 +849,49 @@ fn poll_during_an_open_capture_window_queries_no_event() {
 }
 
 #[test]
+fn dropping_the_engine_waits_for_the_jobs_in_flight() {
+    // Every backend: a store held on the device when the engine is dropped;
+    // the drop returns only after the job completed, so the host memory it
+    // writes may be unmapped after it.
+    for b in [Backend::PerFragment, Backend::Batched, Backend::Gather] {
+        let (s, rt) = sim();
+        let mut rig = Rig::new(rt, simple(1, 256, 8), opts(BackendChoice::Force(b)), Pin::Registered);
+        rig.fill(3);
+        let dev = rig.device_snapshot();
+        let hold = s.hold(HoldPoint::DeviceOp);
+        rig.engine().store(JobId(1), &JobBlocks::single(vec![2, 5], vec![6, 1])).unwrap();
+        hold.wait_entered();
+        let dropper = {
+            let engine = rig.engine.take().unwrap();
+            std::thread::spawn(move || drop(engine))
+        };
+        // It blocks, waiting for the stream (or for the device to go idle
+        // before freeing a table), or returns without waiting. Waiting only
+        // in `cuStreamDestroy` does not count: the real driver does not wait
+        // there (the sim does, `Blocked::StreamDestroy`).
+        let waits = || s.blocked(Blocked::Stream) + s.blocked(Blocked::Idle);
+        while waits() + s.blocked(Blocked::StreamDestroy) == 0 && !dropper.is_finished() {
+            std::thread::yield_now();
+        }
+        assert!(waits() > 0, "{b:?}: the engine was dropped without waiting for its job");
+        hold.release();
+        dropper.join().unwrap();
+        for (gpu, host) in [(2, 6), (5, 1)] {
+            assert!(rig.host[host * 256..(host + 1) * 256] == dev[0][0][gpu * 256..(gpu + 1) * 256], "{b:?}");
+        }
+        assert_eq!(s.poisoned(), None);
+    }
+}
+
+#[test]
 fn wait_inside_own_window_is_a_typed_error() {
     let (_s, rt) = sim();
     let rig = Rig::new(rt, simple(1, 64, 8), opts(BackendChoice::Auto), Pin::Registered);
     rig.engine().store(JobId(1), &JobBlocks::single(vec![0], vec![0])).unwrap();
     let w = rig.coord.open_window().unwrap();
-    assert_eq!(
-        rig.engine().wait(JobId(1)),
-        Err(TransferError::Protocol(ProtocolError::WouldDeadlock { what: "waiting for a transfer" }))
-    );
+    let would_deadlock = Err(TransferError::Protocol(ProtocolError::WouldDeadlock { what: "waiting for a transfer" }));
+    assert_eq!(rig.engine().wait(JobId(1)), would_deadlock);
+    assert_eq!(rig.engine().wait_all(), would_deadlock);
     assert!(rig.engine().poll_finished().is_empty());
     drop(w);
     assert_eq!(rig.engine().wait(JobId(1)), Ok(()));

@@ -384,14 +384,15 @@ impl SimRuntime {
         self.enqueue(g, stream, op)
     }
 
-    /// Waits until `stream` has finished everything enqueued so far.
+    /// Waits until `stream` has finished everything enqueued so far,
+    /// counted as blocked in [`Blocked::Stream`] meanwhile.
     fn drain<'a>(&'a self, g: MutexGuard<'a, State>, stream: u64) -> MutexGuard<'a, State> {
-        let inner = &self.inner;
-        let mut g = g;
-        while g.streams.get(&stream).is_some_and(|s| s.completed < s.enqueued) {
-            g = sync::wait(&inner.cv, g);
-        }
-        g
+        self.drain_as(g, stream, Blocked::Stream)
+    }
+
+    /// [`SimRuntime::drain`], counted as blocked in `kind`.
+    fn drain_as<'a>(&'a self, g: MutexGuard<'a, State>, stream: u64, kind: Blocked) -> MutexGuard<'a, State> {
+        self.inner.wait_until(g, kind, |st| st.streams.get(&stream).is_none_or(|s| s.completed >= s.enqueued))
     }
 }
 
@@ -590,8 +591,9 @@ impl GpuRuntime for SimRuntime {
             if s.capture.is_some() || s.joined.is_some() {
                 return Err(Code::ILLEGAL_STATE);
             }
-            // The driver lets queued work finish before releasing the stream.
-            let mut g = self.drain(g, stream.0);
+            // The driver lets queued work finish before releasing the stream
+            // (without waiting for it; the sim waits: `Blocked::StreamDestroy`).
+            let mut g = self.drain_as(g, stream.0, Blocked::StreamDestroy);
             g.streams.remove(&stream.0);
             Ok(())
         })();

@@ -133,6 +133,15 @@ pub enum Blocked {
     BeginCapture,
     /// `host_unregister` (or `mem_free`) waiting for the device to go idle.
     Idle,
+    /// `stream_synchronize` (or a synchronous copy) waiting for a stream's
+    /// work to finish.
+    Stream,
+    /// `stream_destroy` waiting for the stream's queued work. The real
+    /// driver returns at once and releases the stream once its work is done
+    /// (`cuStreamDestroy`); the sim waits, which is stricter: a test that
+    /// must see a caller wait for its work checks that it waited in another
+    /// kind.
+    StreamDestroy,
 }
 
 #[derive(Default)]
