@@ -126,7 +126,7 @@ fn a_coordinator_dropped_with_a_chunk_registered_keeps_its_memory() {
 #[test]
 fn the_coordinators_accessors_report_its_state() {
     let rt = SimRuntime::new();
-    let (coord, _) = coordinator(CapturePolicy::Interleave, 2);
+    let (coord, ranges) = coordinator(CapturePolicy::Interleave, 2);
     assert_eq!(coord.policy(), CapturePolicy::Interleave);
     assert_eq!((coord.windows_open(), coord.registered_chunks()), (0, 0));
     assert_eq!(coord.chunk_reg(0), Some(ChunkReg::Unregistered));
@@ -141,16 +141,37 @@ fn the_coordinators_accessors_report_its_state() {
     assert_eq!(coord.windows_open(), 1);
     drop(w);
     assert_eq!(coord.windows_open(), 0);
-    // One chunk registered; a thread waiting for pinning meanwhile.
+    // One chunk registered; a thread waiting for pinning meanwhile (outside
+    // any window: it waits, it is not refused).
     assert!(coord.pin_begin());
     assert!(!coord.pin_begin(), "pinning began already");
     let waiter = {
         let coord = coord.clone();
         std::thread::spawn(move || coord.wait_pin_final())
     };
+    while coord.activity().pin_waiters == 0 && !waiter.is_finished() {
+        std::thread::yield_now();
+    }
+    assert!(!waiter.is_finished(), "the wait for pinning returned before pinning was final");
     coord.register_chunk(&rt, 1).unwrap().unwrap();
     assert_eq!(coord.pin_state(), PinState::Pinning { done: 1, total: 2 });
     assert_eq!(coord.registered_chunks(), 1);
+    assert_eq!((coord.activity().calls_in_flight, coord.activity().calls_waiting), (0, 0), "a call left counted");
+    // Windows still open and close after library calls (none left waiting).
+    for _ in 0..2 {
+        let w = coord.open_window().unwrap();
+        assert_eq!(coord.activity().windows_open, 1);
+        drop(w);
+    }
+    // Aliases and jobs are counted while held.
+    let a = coord.acquire_alias(ranges[1].0, 64).unwrap();
+    assert_eq!(coord.activity().alias_users, 1);
+    drop(a);
+    assert_eq!(coord.activity().alias_users, 0);
+    let (j1, j2) = (coord.admit_job().unwrap(), coord.admit_job().unwrap());
+    assert_eq!(coord.activity().jobs_in_flight, 2);
+    drop((j1, j2));
+    assert_eq!(coord.activity().jobs_in_flight, 0);
     assert!(matches!(coord.chunk_reg(1), Some(ChunkReg::Registered { .. })));
     assert!(!coord.pin_cancelled());
     coord.cancel_pinning();
@@ -159,6 +180,7 @@ fn the_coordinators_accessors_report_its_state() {
     assert_eq!((coord.registered_chunks(), coord.chunk_reg(1)), (0, Some(ChunkReg::Unregistered)));
     coord.pin_finish(PinState::Pageable(PageableReason::Cancelled));
     assert_eq!(waiter.join().unwrap(), Ok(PinState::Pageable(PageableReason::Cancelled)));
+    assert_eq!(coord.activity().pin_waiters, 0);
     shutdown(&rt, &coord, || {}).unwrap();
     assert!(coord.shutting_down());
     // A cancel before pinning begins stops it from beginning.
@@ -188,9 +210,7 @@ fn a_window_counts_the_registrations_it_waited_for() {
         let coord = coord.clone();
         std::thread::spawn(move || coord.open_window().unwrap().chunks_waited())
     };
-    // The window is waiting once a library call may no longer start (its
-    // turn comes first).
-    while coord.try_unsafe_call(|_| ()).is_ok() {
+    while coord.activity().windows_waiting == 0 {
         std::thread::yield_now();
     }
     hold.release();

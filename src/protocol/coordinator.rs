@@ -142,6 +142,8 @@ struct State {
     chunks_completed: usize,
     jobs_in_flight: usize,
     graphs_live: usize,
+    /// Threads in [`Coordinator::wait_pin_final`] waiting for pinning.
+    pin_waiters: usize,
     phase: Phase,
     chunks: Vec<Chunk>,
 }
@@ -176,6 +178,29 @@ impl State {
     fn owns_window(&self, me: thread::ThreadId) -> bool {
         self.window_owners.contains(&me)
     }
+}
+
+/// What is open, in flight or waiting in a coordinator at one moment
+/// ([`Coordinator::activity`]; diagnostics, and tests that must know a
+/// thread is waiting before they let it go).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Activity {
+    /// Capture windows open.
+    pub windows_open: usize,
+    /// Capture windows waiting to open.
+    pub windows_waiting: usize,
+    /// Capture-unsafe library calls in flight (inside the gate).
+    pub calls_in_flight: usize,
+    /// Capture-unsafe library calls waiting to start.
+    pub calls_waiting: usize,
+    /// Threads waiting for pinning to be final.
+    pub pin_waiters: usize,
+    /// Transfer jobs admitted and not yet finished (their tickets live).
+    pub jobs_in_flight: usize,
+    /// Graphs registered and not yet dropped.
+    pub graphs_live: usize,
+    /// Device aliases of chunks handed out and not yet dropped.
+    pub alias_users: usize,
 }
 
 /// Shared by every thread of one offloader (`Arc<Coordinator>`).
@@ -346,6 +371,7 @@ impl Coordinator {
                     chunks_completed: 0,
                     jobs_in_flight: 0,
                     graphs_live: 0,
+                    pin_waiters: 0,
                     phase: Phase::Running,
                     chunks: chunks
                         .iter()
@@ -376,6 +402,21 @@ impl Coordinator {
 
     fn wait<'a>(&self, g: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
         sync::wait(&self.shared.cv, g)
+    }
+
+    /// What is open, in flight or waiting right now.
+    pub fn activity(&self) -> Activity {
+        let g = self.lock();
+        Activity {
+            windows_open: g.windows_open,
+            windows_waiting: g.windows_waiting,
+            calls_in_flight: g.unsafe_in_flight,
+            calls_waiting: g.unsafe_waiting,
+            pin_waiters: g.pin_waiters,
+            jobs_in_flight: g.jobs_in_flight,
+            graphs_live: g.graphs_live,
+            alias_users: g.chunks.iter().map(|c| c.users).sum(),
+        }
     }
 
     /// When capture windows may open, as fixed at construction.
@@ -634,9 +675,11 @@ impl Coordinator {
         if g.owns_window(me()) && !g.pin.is_final() && g.variant != Variant::WaitInsideWindow {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" });
         }
+        g.pin_waiters += 1;
         while !g.pin.is_final() {
             g = self.wait(g);
         }
+        g.pin_waiters -= 1;
         Ok(g.pin.clone())
     }
 

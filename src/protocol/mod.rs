@@ -10,7 +10,8 @@ mod error;
 mod shutdown;
 
 pub use coordinator::{
-    AliasGuard, CapturePolicy, CaptureWindow, ChunkReg, Coordinator, GraphToken, JobTicket, KeepAlive, Variant,
+    Activity, AliasGuard, CapturePolicy, CaptureWindow, ChunkReg, Coordinator, GraphToken, JobTicket, KeepAlive,
+    Variant,
 };
 pub use error::{PageableReason, PinState, ProtocolError};
 pub use shutdown::{shutdown, ShutdownError};
