@@ -317,12 +317,12 @@ impl PinHandle {
 
 impl Drop for PinHandle {
     /// A handle dropped early cancels pinning and waits for the rollback,
-    /// so no registration outlives its owner unnoticed.
+    /// so no registration outlives its owner unnoticed. (Cancelling pinning
+    /// that is already final changes nothing: only the start of pinning and
+    /// the registration loop read the request.)
     fn drop(&mut self) {
         if self.thread.is_some() {
-            if !self.coord.pin_state().is_final() {
-                self.coord.cancel_pinning();
-            }
+            self.coord.cancel_pinning();
             self.join_inner();
         }
     }
