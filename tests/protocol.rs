@@ -218,3 +218,25 @@ fn a_window_counts_the_registrations_it_waited_for() {
     assert_eq!(engine.join().unwrap(), 1, "the window waited for the registration in flight");
     coord.unregister_all(rt.as_ref()).unwrap();
 }
+
+#[test]
+fn unregistering_waits_for_the_chunks_alias_users() {
+    let rt = Arc::new(SimRuntime::new());
+    let (coord, ranges) = coordinator(CapturePolicy::AfterPinning, 1);
+    assert_eq!(pin_all(rt.as_ref(), &coord, &NoPrefault), PinState::Pinned);
+    let a = coord.acquire_alias(ranges[0].0, 64).unwrap();
+    let unregister = {
+        let (rt, coord) = (rt.clone(), coord.clone());
+        std::thread::spawn(move || coord.unregister_chunk(rt.as_ref(), 0))
+    };
+    while coord.activity().unregisters_waiting == 0 && !unregister.is_finished() {
+        std::thread::yield_now();
+    }
+    assert!(!unregister.is_finished(), "the chunk was unregistered while its alias was held");
+    assert_eq!(rt.registered_ranges(), 1);
+    assert_eq!(coord.chunk_reg(0), Some(ChunkReg::Unregistering));
+    assert!(coord.acquire_alias(ranges[0].0, 64).is_none(), "a new alias user while unregistering");
+    drop(a);
+    unregister.join().unwrap().unwrap().unwrap();
+    assert_eq!((rt.registered_ranges(), coord.activity().unregisters_waiting), (0, 0));
+}

@@ -144,6 +144,9 @@ struct State {
     graphs_live: usize,
     /// Threads in [`Coordinator::wait_pin_final`] waiting for pinning.
     pin_waiters: usize,
+    /// Threads in [`Coordinator::unregister_chunk`] waiting for a chunk's
+    /// alias users.
+    unregisters_waiting: usize,
     phase: Phase,
     chunks: Vec<Chunk>,
 }
@@ -201,6 +204,8 @@ pub struct Activity {
     pub graphs_live: usize,
     /// Device aliases of chunks handed out and not yet dropped.
     pub alias_users: usize,
+    /// Unregistrations waiting for a chunk's alias users to drop theirs.
+    pub unregisters_waiting: usize,
 }
 
 /// Shared by every thread of one offloader (`Arc<Coordinator>`).
@@ -372,6 +377,7 @@ impl Coordinator {
                     jobs_in_flight: 0,
                     graphs_live: 0,
                     pin_waiters: 0,
+                    unregisters_waiting: 0,
                     phase: Phase::Running,
                     chunks: chunks
                         .iter()
@@ -416,6 +422,7 @@ impl Coordinator {
             jobs_in_flight: g.jobs_in_flight,
             graphs_live: g.graphs_live,
             alias_users: g.chunks.iter().map(|c| c.users).sum(),
+            unregisters_waiting: g.unregisters_waiting,
         }
     }
 
@@ -646,9 +653,11 @@ impl Coordinator {
                 return Ok(Ok(()));
             }
             g.chunks[i].reg = ChunkReg::Unregistering;
+            g.unregisters_waiting += 1;
             while g.chunks[i].users > 0 {
                 g = self.wait(g);
             }
+            g.unregisters_waiting -= 1;
             g.chunks[i].addr
         };
         // On failure the chunk stays Unregistering: still registered in the
