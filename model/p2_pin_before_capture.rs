@@ -14,7 +14,8 @@
 //! loom builds only) and when it has opened differ by at most one; the
 //! count does not change while the window is open; the driver registered
 //! exactly 3 times for the 3 chunks. With AfterPinning the driver has
-//! completed all 3 when the window opens.
+//! completed all 3 when the window opens. A second window, opened as soon
+//! as the first closes, opens too (no library call need come between).
 //!
 //! Threads (3): the engine (main) opening one window and capturing in
 //! GLOBAL mode, the pinner (`PinHandle`, 3 chunks), the sim's device thread.
@@ -69,6 +70,10 @@ fn scenario(policy: CapturePolicy) {
     assert!(rt.end_capture(s).is_ok(), "capture invalidated");
     assert_eq!(f.sim().registrations_completed(), at_open, "a registration completed inside the window");
     drop(w);
+    // A second window right after the first: it opens too, whether or not a
+    // library call came between (closing a window gives library calls the
+    // turn; with none waiting, the next window must not wait for one).
+    drop(f.coord.open_window().unwrap());
 
     assert_eq!(pin.join(), PinState::Pinned);
     assert_eq!(f.sim().registrations_completed(), 3, "the driver registered other than once per chunk");
