@@ -82,7 +82,7 @@ impl Shape {
 /// kernel without a copy. A table uploaded with `copy_htod_async` goes
 /// through the host-to-device copy engine, where it queues behind the loads'
 /// copies: with loads in flight a store's fill kernel, and so the store
-/// ordered after it, waited for them (docs/gpu-runs/2026-12-01-pinned-tables/).
+/// ordered after it, waited for them (docs/gpu-runs/2026-12-01-duplex-linger/).
 pub(crate) struct PinnedWords {
     host: usize,
     words: usize,
