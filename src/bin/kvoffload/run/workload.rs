@@ -29,7 +29,7 @@ use super::metrics::{monotonic_secs, Intervals};
 use super::rank::{emit, gated, pause, phase, progress, RankError};
 use super::report::{busy_lines, RankReport};
 use super::tables::{Shape, TablePool};
-use super::verify::{Checker, Loaded, Outcome, Verdict};
+use super::verify::{Checker, Loaded, Outcome, Verdict, Verifier};
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum Kind {
@@ -111,8 +111,6 @@ const PREFILL: usize = 0;
 const MIXED: usize = 1;
 const SWEEP: usize = 2;
 const STAGE_NAMES: [&str; 3] = ["prefill", "mixed", "sweep"];
-
-use super::verify::Verifier;
 
 /// Index of `b` in [`Backend::ALL`].
 fn backend_slot(b: Backend) -> usize {
