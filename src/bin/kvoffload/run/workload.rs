@@ -540,15 +540,7 @@ impl Work<'_> {
         match job.kind {
             Kind::Store => {
                 if ok {
-                    let t = match self.stage {
-                        PREFILL => &mut rep.prefill_store,
-                        _ => &mut rep.store,
-                    };
-                    t.bytes += c.bytes;
-                    t.job_seconds += c.seconds;
-                    if self.stage == MIXED {
-                        rep.store_backends[backend_slot(c.backend)] += 1;
-                    }
+                    self.account(rep, Kind::Store, &c);
                     self.resident.extend(job.keys.iter().copied());
                 } else {
                     rep.stores_failed += 1;
@@ -565,15 +557,7 @@ impl Work<'_> {
             }
             Kind::Load => {
                 if ok {
-                    let t = match self.stage {
-                        SWEEP => &mut rep.sweep_load,
-                        _ => &mut rep.load,
-                    };
-                    t.bytes += c.bytes;
-                    t.job_seconds += c.seconds;
-                    if self.stage == MIXED {
-                        rep.load_backends[backend_slot(c.backend)] += 1;
-                    }
+                    self.account(rep, Kind::Load, &c);
                     self.verifying += 1;
                     verifier.push(Loaded { keys: job.keys, gpu: job.gpu });
                 } else {
@@ -582,6 +566,22 @@ impl Work<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Adds a completed job to its stage's figures: bytes and latency, and
+    /// during the requests the backend that moved it.
+    fn account(&self, rep: &mut RankReport, kind: Kind, c: &Completion) {
+        let (t, backends) = match (kind, self.stage) {
+            (Kind::Store, PREFILL) => (&mut rep.prefill_store, None),
+            (Kind::Store, _) => (&mut rep.store, Some(&mut rep.store_backends)),
+            (Kind::Load, SWEEP) => (&mut rep.sweep_load, None),
+            (Kind::Load, _) => (&mut rep.load, Some(&mut rep.load_backends)),
+        };
+        t.bytes += c.bytes;
+        t.job_seconds += c.seconds;
+        if let Some(b) = backends.filter(|_| self.stage == MIXED) {
+            b[backend_slot(c.backend)] += 1;
+        }
     }
 
     /// A load that delivered nothing checked: its GPU blocks are released
