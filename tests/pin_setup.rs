@@ -147,64 +147,72 @@ fn region_larger_than_dev_shm_is_a_typed_error_and_leaves_no_file() {
     g.assert_gone();
 }
 
+/// Runs `body` as rank 0 and rank 1 of the shared region `g.name`, each on
+/// its own thread with its own simulated GPU (rank 0 creates the region,
+/// rank 1 joins it); then checks that no region file is left.
+fn as_two_ranks<F>(g: &ShmGuard, layout: Layout, opts: &ShmOptions, body: F)
+where
+    F: Fn(usize, Arc<Region>, Arc<SimRuntime>, Arc<dyn GpuRuntime>) + Clone + Send + 'static,
+{
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let (name, opts, body) = (g.name.clone(), opts.clone(), body.clone());
+            std::thread::spawn(move || {
+                let r = Arc::new(if rank == 0 {
+                    Region::create(&name, layout, 0, &opts).unwrap()
+                } else {
+                    Region::join(&name, layout, 1, &opts).unwrap()
+                });
+                let sim = Arc::new(SimRuntime::new());
+                let rt: Arc<dyn GpuRuntime> = sim.clone();
+                body(rank, r, sim, rt);
+            })
+        })
+        .collect();
+    for t in ranks {
+        t.join().unwrap();
+    }
+    g.assert_gone();
+}
+
 #[test]
 fn shared_region_pinned_by_two_ranks_sees_both_ranks_writes() {
     let g = ShmGuard::new("pin-two-ranks");
     let p = page_size();
     let layout = Layout::new(2, 4 * p, 8).unwrap(); // 8 rows of 2 x 4 pages
     let barrier = Arc::new(Barrier::new(2));
-    let rank = |rank: usize| {
-        let name = g.name.clone();
-        let barrier = barrier.clone();
-        std::thread::spawn(move || {
-            let opts = ShmOptions::new().timeout(Duration::from_secs(10));
-            let r = Arc::new(if rank == 0 {
-                Region::create(&name, layout, 0, &opts).unwrap()
-            } else {
-                Region::join(&name, layout, 1, &opts).unwrap()
-            });
-            // Each rank has its own GPU.
-            let sim = Arc::new(SimRuntime::new());
-            let rt: Arc<dyn GpuRuntime> = sim.clone();
-            let prep = Prepared::new(&r, &PinOptions::default().max_chunk_bytes(3 * layout.row_bytes())).unwrap();
-            // The 8 rows are one data file: units of at most a quarter of
-            // it (2 rows), below the bound of 3 rows.
-            assert_eq!(prep.chunks(), 4);
-            let st = prep.spawn(rt.clone()).join();
-            assert_eq!(st, PinState::Pinned, "rank {rank}");
-            assert_eq!(sim.registered_ranges(), 4);
-            // The coordinator holds the region now: this rank writes its own
-            // chunks through their pointers (`own_chunk_mut` needs the only
-            // reference).
-            for c in 0..layout.num_rows() {
-                let at = r.chunk_ptr(rank, c).unwrap();
-                // SAFETY: rank `rank`'s chunk `c`: `layout.chunk_bytes()`
-                // bytes of the live mapping (`r`), written by this rank
-                // alone and borrowed by nothing meanwhile.
-                unsafe { std::ptr::write_bytes(at.as_ptr(), (rank * 16 + c) as u8 + 1, layout.chunk_bytes()) };
-            }
-            barrier.wait();
-            let other = 1 - rank;
-            let mut buf = vec![0u8; 4 * p];
-            for c in 0..layout.num_rows() {
-                r.read_chunk(other, c, 0, &mut buf).unwrap();
-                assert!(
-                    buf.iter().all(|b| *b == (other * 16 + c) as u8 + 1),
-                    "rank {rank} reads rank {other}'s chunk {c}"
-                );
-            }
-            barrier.wait();
-            prep.coordinator().unregister_all(rt.as_ref()).unwrap();
-            assert_eq!(sim.registered_ranges(), 0);
-            drop(prep);
-            drop(r);
-        })
-    };
-    let a = rank(0);
-    let b = rank(1);
-    a.join().unwrap();
-    b.join().unwrap();
-    g.assert_gone();
+    let opts = ShmOptions::new().timeout(Duration::from_secs(10));
+    as_two_ranks(&g, layout, &opts, move |rank, r, sim, rt| {
+        let prep = Prepared::new(&r, &PinOptions::default().max_chunk_bytes(3 * layout.row_bytes())).unwrap();
+        // The 8 rows are one data file: units of at most a quarter of
+        // it (2 rows), below the bound of 3 rows.
+        assert_eq!(prep.chunks(), 4);
+        let st = prep.spawn(rt.clone()).join();
+        assert_eq!(st, PinState::Pinned, "rank {rank}");
+        assert_eq!(sim.registered_ranges(), 4);
+        // The coordinator holds the region now: this rank writes its own
+        // chunks through their pointers (`own_chunk_mut` needs the only
+        // reference).
+        for c in 0..layout.num_rows() {
+            let at = r.chunk_ptr(rank, c).unwrap();
+            // SAFETY: rank `rank`'s chunk `c`: `layout.chunk_bytes()`
+            // bytes of the live mapping (`r`), written by this rank
+            // alone and borrowed by nothing meanwhile.
+            unsafe { std::ptr::write_bytes(at.as_ptr(), (rank * 16 + c) as u8 + 1, layout.chunk_bytes()) };
+        }
+        barrier.wait();
+        let other = 1 - rank;
+        let mut buf = vec![0u8; 4 * p];
+        for c in 0..layout.num_rows() {
+            r.read_chunk(other, c, 0, &mut buf).unwrap();
+            assert!(buf.iter().all(|b| *b == (other * 16 + c) as u8 + 1), "rank {rank} reads rank {other}'s chunk {c}");
+        }
+        barrier.wait();
+        prep.coordinator().unregister_all(rt.as_ref()).unwrap();
+        assert_eq!(sim.registered_ranges(), 0);
+        drop(prep);
+        drop(r);
+    });
 }
 
 #[test]
@@ -215,41 +223,26 @@ fn shared_rank_major_region_pins_only_its_own_share() {
     // Shares of 8 chunks of 2 pages, data files of 4 chunks: 2 files a rank.
     let layout = Layout::rank_major(2, 2 * p, 8).unwrap();
     let opts = ShmOptions::new().timeout(Duration::from_secs(10)).files(FileSplit::Multi { max_file_bytes: 8 * p });
-    let rank = |rank: usize| {
-        let (name, opts) = (g.name.clone(), opts.clone());
-        std::thread::spawn(move || {
-            let r = Arc::new(if rank == 0 {
-                Region::create(&name, layout, 0, &opts).unwrap()
-            } else {
-                Region::join(&name, layout, 1, &opts).unwrap()
-            });
-            let sim = Arc::new(SimRuntime::new());
-            let rt: Arc<dyn GpuRuntime> = sim.clone();
-            let prep = Prepared::new(&r, &PinOptions::default().max_chunk_bytes(4 * p)).unwrap();
-            assert_eq!(prep.bytes(), layout.bytes_per_rank(), "rank {rank}");
-            // Units of at most a quarter file (2 pages here) and of the bound.
-            assert_eq!(prep.chunks(), 8, "rank {rank}");
-            let cores = std::thread::available_parallelism().unwrap().get();
-            let threads = prep.prefaulter().unwrap().config().threads;
-            assert_eq!(threads, (cores / 2).max(1), "ranks share the cores");
-            assert_eq!(prep.spawn(rt.clone()).join(), PinState::Pinned);
-            let base = r.as_ptr() as usize;
-            let share = layout.rank_share(rank).unwrap();
-            let other = layout.rank_share(1 - rank).unwrap();
-            for c in (share.start..share.end).step_by(2 * p) {
-                assert!(sim.is_registered(base + c, 2 * p), "rank {rank}: own chunk at {c}");
-            }
-            for c in (other.start..other.end).step_by(2 * p) {
-                assert!(!sim.is_registered(base + c, 1), "rank {rank}: the other rank's chunk at {c}");
-            }
-            prep.coordinator().unregister_all(rt.as_ref()).unwrap();
-            drop(prep);
-            drop(r);
-        })
-    };
-    let a = rank(0);
-    let b = rank(1);
-    a.join().unwrap();
-    b.join().unwrap();
-    g.assert_gone();
+    as_two_ranks(&g, layout, &opts, move |rank, r, sim, rt| {
+        let prep = Prepared::new(&r, &PinOptions::default().max_chunk_bytes(4 * p)).unwrap();
+        assert_eq!(prep.bytes(), layout.bytes_per_rank(), "rank {rank}");
+        // Units of at most a quarter file (2 pages here) and of the bound.
+        assert_eq!(prep.chunks(), 8, "rank {rank}");
+        let cores = std::thread::available_parallelism().unwrap().get();
+        let threads = prep.prefaulter().unwrap().config().threads;
+        assert_eq!(threads, (cores / 2).max(1), "ranks share the cores");
+        assert_eq!(prep.spawn(rt.clone()).join(), PinState::Pinned);
+        let base = r.as_ptr() as usize;
+        let share = layout.rank_share(rank).unwrap();
+        let other = layout.rank_share(1 - rank).unwrap();
+        for c in (share.start..share.end).step_by(2 * p) {
+            assert!(sim.is_registered(base + c, 2 * p), "rank {rank}: own chunk at {c}");
+        }
+        for c in (other.start..other.end).step_by(2 * p) {
+            assert!(!sim.is_registered(base + c, 1), "rank {rank}: the other rank's chunk at {c}");
+        }
+        prep.coordinator().unregister_all(rt.as_ref()).unwrap();
+        drop(prep);
+        drop(r);
+    });
 }
