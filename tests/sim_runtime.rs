@@ -192,6 +192,41 @@ fn event_after_a_trailing_wait_completes_and_wakes_its_waiter() {
     assert!(gated(|gt| rt.event_query(gt, done)).unwrap());
 }
 
+/// A wait retired late in the device's pass over the streams can satisfy a
+/// wait on a stream it already passed: the device must look again before
+/// it sleeps. Streams a, b, c (in the order the device visits them): a
+/// waits for b, b only waits for c, c runs a held memset. After the memset
+/// the device retires b's wait; a's wait, already passed, is satisfied only
+/// then. The staged backend's failed load (model/p5_staged_order.rs) hung
+/// this way: a staging stream holding nothing but its wait for the compute
+/// stream. A hang fails the test after 60 s.
+#[test]
+fn a_wait_satisfied_late_in_the_devices_pass_is_retired() {
+    let rt = std::sync::Arc::new(SimRuntime::new());
+    let (a, b, c) = (rt.stream_create().unwrap(), rt.stream_create().unwrap(), rt.stream_create().unwrap());
+    let d = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
+    let (ec, eb, ea) = (rt.event_create().unwrap(), rt.event_create().unwrap(), rt.event_create().unwrap());
+    let hold = rt.hold(HoldPoint::DeviceOp);
+    // SAFETY: `d` is a 64-byte allocation of `rt`.
+    unsafe { rt.memset_d8_async(d, 1, 64, c).unwrap() };
+    hold.wait_entered();
+    rt.event_record(ec, c).unwrap();
+    rt.stream_wait_event(b, ec).unwrap();
+    rt.event_record(eb, b).unwrap();
+    rt.stream_wait_event(a, eb).unwrap();
+    rt.event_record(ea, a).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = {
+        let rt = rt.clone();
+        std::thread::spawn(move || tx.send(gated(|gt| rt.event_synchronize(gt, ea))).unwrap())
+    };
+    hold.release();
+    let r = rx.recv_timeout(std::time::Duration::from_secs(60));
+    assert!(r.is_ok(), "the device went to sleep with stream a's wait satisfied but not retired");
+    r.unwrap().unwrap();
+    waiter.join().unwrap();
+}
+
 #[test]
 fn batched_copy_spanning_two_registrations_is_refused() {
     // One copy's host range lies in one registration or in none (the H200

@@ -85,27 +85,38 @@ pub(crate) fn run(inner: Arc<Inner>) {
 
 /// Pops the next executable operation. Event waits that are satisfied are
 /// retired on the spot; a stream whose head waits on unfinished work is
-/// skipped, so streams progress independently.
+/// skipped, so streams progress independently. A wait retired in a pass can
+/// satisfy a wait of a stream the pass already visited (a stream that only
+/// waits for another, joined back into a third), so the streams are passed
+/// over again until a pass retires nothing: the device never sleeps with a
+/// satisfied wait (tests/sim_runtime.rs,
+/// `a_wait_satisfied_late_in_the_devices_pass_is_retired`).
 fn next_ready(st: &mut State, retired: &mut bool) -> Option<(u64, u64, Op)> {
     let ids: Vec<u64> = st.streams.keys().copied().collect();
-    for sid in ids {
-        while let Some((seq, Op::WaitEvent { stream, seq: want })) = st.streams[&sid].queue.front().cloned() {
-            let done = st.streams.get(&stream).is_none_or(|o| o.completed >= want);
-            if !done {
-                break;
+    loop {
+        let mut progressed = false;
+        for &sid in &ids {
+            while let Some((seq, Op::WaitEvent { stream, seq: want })) = st.streams[&sid].queue.front().cloned() {
+                let done = st.streams.get(&stream).is_none_or(|o| o.completed >= want);
+                if !done {
+                    break;
+                }
+                let s = st.streams.get_mut(&sid)?;
+                s.queue.pop_front();
+                s.completed = seq;
+                *retired = true;
+                progressed = true;
             }
             let s = st.streams.get_mut(&sid)?;
-            s.queue.pop_front();
-            s.completed = seq;
-            *retired = true;
+            if matches!(s.queue.front(), Some((_, op)) if !matches!(op, Op::WaitEvent { .. })) {
+                let (seq, op) = s.queue.pop_front()?;
+                return Some((sid, seq, op));
+            }
         }
-        let s = st.streams.get_mut(&sid)?;
-        if matches!(s.queue.front(), Some((_, op)) if !matches!(op, Op::WaitEvent { .. })) {
-            let (seq, op) = s.queue.pop_front()?;
-            return Some((sid, seq, op));
+        if !progressed {
+            return None;
         }
     }
-    None
 }
 
 /// Turns an operation into raw memory actions, checking every range.
