@@ -183,7 +183,31 @@ pub fn engine_with_compute(
     gpu_blocks: usize,
     backend: kvoffload::transfer::BackendChoice,
 ) -> (kvoffload::transfer::TransferEngine, kvoffload::runtime::DevicePtr, kvoffload::runtime::Stream) {
-    use kvoffload::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec, TransferEngine, TransferOptions};
+    // Gather tables staged on the heap, not in the page-locked ring: the
+    // ring's allocation and free (two more driver calls, the free waiting
+    // for the device) made P5's model take 435 s instead of about 32 s. Both
+    // go through `Coordinator::unsafe_call` like the device table's, and
+    // the ring itself is tested on the simulated GPU (tests/transfer_sim.rs).
+    // Likewise no device staging buffers: the staged backend's two streams
+    // are model-checked by model/p5_staged_order.rs, which asks for them.
+    let opts = kvoffload::transfer::TransferOptions {
+        backend,
+        staging_ring_entries: 0,
+        staging_bytes: 0,
+        ..Default::default()
+    };
+    engine_with_options(f, chunks, page, gpu_blocks, opts)
+}
+
+/// [`engine_with_compute`] with the engine's options given.
+pub fn engine_with_options(
+    f: &Fixture,
+    chunks: usize,
+    page: usize,
+    gpu_blocks: usize,
+    opts: kvoffload::transfer::TransferOptions,
+) -> (kvoffload::transfer::TransferEngine, kvoffload::runtime::DevicePtr, kvoffload::runtime::Stream) {
+    use kvoffload::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec, TransferEngine};
     // On the main thread, before the model's threads start.
     let dev = f.coord.unsafe_call("allocating the model's KV tensor", |g| f.rt.mem_alloc(g, gpu_blocks * page));
     let dev = dev.unwrap().unwrap();
@@ -194,16 +218,6 @@ pub fn engine_with_compute(
         num_host_blocks: chunks * f.chunk / page,
     };
     let layout = KvLayout::new(&[group], 1, f.base, HostPlacement::TensorMajor).unwrap();
-    // Gather tables staged on the heap, not in the page-locked ring: the
-    // ring's allocation and free (two more driver calls, the free waiting
-    // for the device) made P5's model take 435 s instead of about 32 s. Both
-    // go through `Coordinator::unsafe_call` like the device table's, and
-    // the ring itself is tested on the simulated GPU (tests/transfer_sim.rs).
-    // Likewise no device staging buffers (the staged backend's allocation,
-    // second stream, two events and free, the free waiting for the device):
-    // the staged path's kernel touches device memory only (nothing for P3
-    // to check) and its ordering is tested on the simulated GPU.
-    let opts = TransferOptions { backend, staging_ring_entries: 0, staging_bytes: 0, ..TransferOptions::default() };
     // SAFETY: the fixture's host memory is leaked (lives forever) and is
     // touched below only by the engine's jobs or after they completed; the
     // device tensor is a live allocation of the fixture's runtime.

@@ -44,7 +44,7 @@ pub enum CapturePolicy {
 }
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (N1-N7 in DESIGN.md; N9 and N10 in
+/// negative models run (N1-N7 in DESIGN.md; N9, N10, N13 and N14 in
 /// docs/PROOFS.md). Only loom builds can select a
 /// variant; every other build is always `Production`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
@@ -80,6 +80,10 @@ pub enum Variant {
     /// N10: shutdown does not wait for pinning to settle before it
     /// unregisters (a registration in flight completes afterwards).
     ShutdownSkipsPinWait,
+    /// N14: the staged backend does not join its two staging streams back
+    /// into the handler's stream, so a job's completion event does not
+    /// cover its chunks (P5).
+    UnjoinedStaging,
 }
 
 /// Registration state of one chunk of the region.

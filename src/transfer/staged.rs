@@ -40,7 +40,7 @@
 
 use std::ops::Range;
 
-use crate::protocol::Coordinator;
+use crate::protocol::{Coordinator, Variant};
 use crate::runtime::{
     DevicePtr, Direction, DriverResult, Event, Fragment, GpuRuntime, Kernel, Stream, GATHER_ENTRY_BYTES,
 };
@@ -171,6 +171,9 @@ pub(crate) struct Staging {
     /// table upload is a host-to-device copy that would wait behind a load's
     /// copies on the copy engine).
     ring: Option<(usize, usize, DevicePtr)>,
+    /// The coordinator runs [`Variant::UnjoinedStaging`] (negative N14:
+    /// the joins are skipped; always false outside loom builds).
+    unjoined: bool,
 }
 
 impl Staging {
@@ -226,6 +229,7 @@ impl Staging {
                 joins: [events[0], events[1]],
                 next: AtomicUsize::new(0),
                 ring: None,
+                unjoined: coord.is(Variant::UnjoinedStaging),
             })),
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, bytes = total, "no device staging buffers; the staged backend is off");
@@ -354,7 +358,7 @@ impl Staging {
             }
         }
         self.next.store((first + plan.chunks.len()) % 2, Ordering::Relaxed);
-        for &b in &used {
+        for &b in used.iter().filter(|_| !self.unjoined) {
             let joined = rt
                 .event_record(self.joins[b], self.streams[b])
                 .and_then(|()| rt.stream_wait_event(main, self.joins[b]));
