@@ -118,14 +118,4 @@ pub enum ProtocolError {
     /// A capture-unsafe call was skipped because a window is open.
     #[error("skipped: a capture window is open")]
     WindowBusy,
-    /// A bounded wait ran out. Reserved for waits given a time limit; no
-    /// wait of the library returns it today (the rank agreement reports its
-    /// timeout as [`AgreementError::Timeout`](super::agreement::AgreementError::Timeout)).
-    #[error("timed out after {millis} ms waiting for {what}")]
-    Timeout {
-        /// What was waited for.
-        what: &'static str,
-        /// The limit that passed, in milliseconds.
-        millis: u64,
-    },
 }
