@@ -227,6 +227,44 @@ fn a_wait_satisfied_late_in_the_devices_pass_is_retired() {
     waiter.join().unwrap();
 }
 
+/// `cuStreamDestroy` with work queued returns at once; the handle is invalid
+/// from then on, and the device still runs the queued work (CUDA driver
+/// API documentation). A destroy that waited would hang on the held memset:
+/// the test then fails after 60 s.
+#[test]
+fn stream_destroy_returns_at_once_and_the_device_finishes_the_work() {
+    let rt = std::sync::Arc::new(SimRuntime::new());
+    let s = rt.stream_create().unwrap();
+    let d = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
+    let mut out = host(64, 0);
+    let e = rt.event_create().unwrap();
+    let hold = rt.hold(HoldPoint::DeviceOp);
+    // SAFETY: `d` is a 64-byte allocation of `rt`; `out` outlives the
+    // event synchronize below.
+    unsafe {
+        rt.memset_d8_async(d, 5, 64, s).unwrap();
+        rt.copy_dtoh_async(out.as_mut_ptr() as usize, d, 64, s).unwrap();
+    }
+    rt.event_record(e, s).unwrap();
+    hold.wait_entered();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let destroyer = {
+        let rt = rt.clone();
+        std::thread::spawn(move || tx.send(rt.stream_destroy(s)).unwrap())
+    };
+    let r = rx.recv_timeout(std::time::Duration::from_secs(60));
+    assert!(r.is_ok(), "stream_destroy waited for the stream's queued work");
+    r.unwrap().unwrap();
+    destroyer.join().unwrap();
+    // SAFETY: `d` is live; nothing is enqueued (the handle is invalid).
+    assert_eq!(unsafe { rt.memset_d8_async(d, 6, 64, s) }.unwrap_err().code, Code::INVALID_HANDLE);
+    assert!(!gated(|gt| rt.event_query(gt, e)).unwrap(), "the queued work was dropped with the stream");
+    hold.release();
+    gated(|gt| rt.event_synchronize(gt, e)).unwrap();
+    assert!(out.iter().all(|&x| x == 5), "the destroyed stream's copy did not run");
+    assert_eq!(rt.poisoned(), None);
+}
+
 #[test]
 fn batched_copy_spanning_two_registrations_is_refused() {
     // One copy's host range lies in one registration or in none (the H200

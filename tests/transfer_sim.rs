@@ -866,11 +866,10 @@ fn dropping_the_engine_waits_for_the_jobs_in_flight() {
             std::thread::spawn(move || drop(engine))
         };
         // It blocks, waiting for the stream (or for the device to go idle
-        // before freeing a table), or returns without waiting. Waiting only
-        // in `cuStreamDestroy` does not count: the real driver does not wait
-        // there (the sim does, `Blocked::StreamDestroy`).
+        // before freeing a table), or returns without waiting
+        // (`cuStreamDestroy` does not wait, in the sim as on the driver).
         let waits = || s.blocked(Blocked::Stream) + s.blocked(Blocked::Idle);
-        while waits() + s.blocked(Blocked::StreamDestroy) == 0 && !dropper.is_finished() {
+        while waits() == 0 && !dropper.is_finished() {
             std::thread::yield_now();
         }
         assert!(waits() > 0, "{b:?}: the engine was dropped without waiting for its job");

@@ -149,7 +149,9 @@ pub trait GpuRuntime: Send + Sync {
 
     /// `cuStreamCreate` (non-blocking).
     fn stream_create(&self) -> DriverResult<Stream>;
-    /// `cuStreamDestroy`.
+    /// `cuStreamDestroy`: returns at once, also with work queued; the
+    /// handle is invalid from then on and the device still runs that work.
+    /// A caller that must know the work is done synchronizes first.
     fn stream_destroy(&self, stream: Stream) -> DriverResult<()>;
     /// `cuStreamSynchronize`. Capture-unsafe (FACTS 1, row "cuStreamSynchronize").
     fn stream_synchronize(&self, gate: &Gate, stream: Stream) -> DriverResult<()>;

@@ -54,6 +54,7 @@ pub(crate) fn run(inner: Arc<Inner>) {
             // A retired event wait completes its stream up to that point:
             // an event recorded right after it (nothing else enqueued since)
             // is complete now, and its waiters must hear of it.
+            g.drop_drained();
             inner.cv.notify_all();
         }
         if let Some((sid, seq, op)) = next {
@@ -70,9 +71,10 @@ pub(crate) fn run(inner: Arc<Inner>) {
                 g.poisoned.get_or_insert(code);
             }
             g.device_busy = false;
-            if let Some(s) = g.stream_mut(sid) {
+            if let Some(s) = g.running_mut(sid) {
                 s.completed = seq;
             }
+            g.drop_drained();
             inner.cv.notify_all();
             continue;
         }
@@ -92,22 +94,21 @@ pub(crate) fn run(inner: Arc<Inner>) {
 /// satisfied wait (tests/sim_runtime.rs,
 /// `a_wait_satisfied_late_in_the_devices_pass_is_retired`).
 fn next_ready(st: &mut State, retired: &mut bool) -> Option<(u64, u64, Op)> {
-    let ids: Vec<u64> = st.streams.keys().copied().collect();
+    let ids: Vec<u64> = st.streams.keys().chain(st.draining.keys()).copied().collect();
     loop {
         let mut progressed = false;
         for &sid in &ids {
-            while let Some((seq, Op::WaitEvent { stream, seq: want })) = st.streams[&sid].queue.front().cloned() {
-                let done = st.streams.get(&stream).is_none_or(|o| o.completed >= want);
-                if !done {
+            while let Some((seq, Op::WaitEvent { stream, seq: want })) = st.running(sid)?.queue.front().cloned() {
+                if !st.reached(stream, want) {
                     break;
                 }
-                let s = st.streams.get_mut(&sid)?;
+                let s = st.running_mut(sid)?;
                 s.queue.pop_front();
                 s.completed = seq;
                 *retired = true;
                 progressed = true;
             }
-            let s = st.streams.get_mut(&sid)?;
+            let s = st.running_mut(sid)?;
             if matches!(s.queue.front(), Some((_, op)) if !matches!(op, Op::WaitEvent { .. })) {
                 let (seq, op) = s.queue.pop_front()?;
                 return Some((sid, seq, op));

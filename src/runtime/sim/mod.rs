@@ -387,12 +387,7 @@ impl SimRuntime {
     /// Waits until `stream` has finished everything enqueued so far,
     /// counted as blocked in [`Blocked::Stream`] meanwhile.
     fn drain<'a>(&'a self, g: MutexGuard<'a, State>, stream: u64) -> MutexGuard<'a, State> {
-        self.drain_as(g, stream, Blocked::Stream)
-    }
-
-    /// [`SimRuntime::drain`], counted as blocked in `kind`.
-    fn drain_as<'a>(&'a self, g: MutexGuard<'a, State>, stream: u64, kind: Blocked) -> MutexGuard<'a, State> {
-        self.inner.wait_until(g, kind, |st| st.streams.get(&stream).is_none_or(|s| s.completed >= s.enqueued))
+        self.inner.wait_until(g, Blocked::Stream, |st| st.running(stream).is_none_or(|s| s.completed >= s.enqueued))
     }
 }
 
@@ -586,15 +581,20 @@ impl GpuRuntime for SimRuntime {
 
     fn stream_destroy(&self, stream: Stream) -> DriverResult<()> {
         let r = (|| {
-            let g = self.enter(Call::StreamDestroy, &[stream])?;
+            let mut g = self.enter(Call::StreamDestroy, &[stream])?;
             let s = g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?;
             if s.capture.is_some() || s.joined.is_some() {
                 return Err(Code::ILLEGAL_STATE);
             }
-            // The driver lets queued work finish before releasing the stream
-            // (without waiting for it; the sim waits: `Blocked::StreamDestroy`).
-            let mut g = self.drain_as(g, stream.0, Blocked::StreamDestroy);
-            g.streams.remove(&stream.0);
+            // cuStreamDestroy: "in case the device is still doing work in the
+            // stream, the function will return immediately and the resources
+            // associated with it will be released automatically once the
+            // device has completed all work". The handle is invalid at once;
+            // the device finishes the queued work (`State::draining`).
+            let Some(s) = g.streams.remove(&stream.0) else { return Err(Code::INVALID_HANDLE) };
+            if s.completed < s.enqueued {
+                g.draining.insert(stream.0, s);
+            }
             Ok(())
         })();
         traced("cuStreamDestroy", r)
@@ -945,7 +945,7 @@ fn event_done(st: &State, event: Event) -> Result<bool, Code> {
     }
     Ok(match e.recorded {
         None => true,
-        Some((s, seq)) => st.streams.get(&s).is_none_or(|s| s.completed >= seq),
+        Some((s, seq)) => st.reached(s, seq),
     })
 }
 

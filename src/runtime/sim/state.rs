@@ -136,12 +136,6 @@ pub enum Blocked {
     /// `stream_synchronize` (or a synchronous copy) waiting for a stream's
     /// work to finish.
     Stream,
-    /// `stream_destroy` waiting for the stream's queued work. The real
-    /// driver returns at once and releases the stream once its work is done
-    /// (`cuStreamDestroy`); the sim waits, which is stricter: a test that
-    /// must see a caller wait for its work checks that it waited in another
-    /// kind.
-    StreamDestroy,
 }
 
 #[derive(Default)]
@@ -149,6 +143,10 @@ pub(crate) struct State {
     next_id: u64,
     next_device: DevicePtr,
     pub streams: BTreeMap<u64, StreamState>,
+    /// Destroyed streams whose queued work has not finished: their handles
+    /// are invalid (not in `streams`), the device still runs their work and
+    /// drops them once it is done, as `cuStreamDestroy` does.
+    pub draining: BTreeMap<u64, StreamState>,
     pub events: BTreeMap<u64, EventState>,
     pub graphs: BTreeMap<u64, Arc<GraphBody>>,
     pub device_mem: BTreeMap<DevicePtr, Vec<u8>>,
@@ -254,11 +252,36 @@ impl State {
 
     /// True when no stream has work left and nothing runs.
     pub fn idle(&self) -> bool {
-        !self.device_busy && self.streams.values().all(|s| s.queue.is_empty())
+        !self.device_busy && self.streams.values().chain(self.draining.values()).all(|s| s.queue.is_empty())
     }
 
+    /// A live stream (its handle valid).
     pub fn stream_mut(&mut self, id: u64) -> Option<&mut StreamState> {
         self.streams.get_mut(&id)
+    }
+
+    /// A stream the device runs: live, or destroyed with work left.
+    pub fn running(&self, id: u64) -> Option<&StreamState> {
+        self.streams.get(&id).or_else(|| self.draining.get(&id))
+    }
+
+    /// [`State::running`], mutable.
+    pub fn running_mut(&mut self, id: u64) -> Option<&mut StreamState> {
+        match self.streams.get_mut(&id) {
+            Some(s) => Some(s),
+            None => self.draining.get_mut(&id),
+        }
+    }
+
+    /// True when everything enqueued on stream `id` up to `seq` has
+    /// executed (a stream that is gone finished all of its work).
+    pub fn reached(&self, id: u64, seq: u64) -> bool {
+        self.running(id).is_none_or(|s| s.completed >= seq)
+    }
+
+    /// Drops the destroyed streams whose work is done.
+    pub fn drop_drained(&mut self) {
+        self.draining.retain(|_, s| s.completed < s.enqueued);
     }
 
     /// The origin stream of the capture stream `id` takes part in: itself
