@@ -83,6 +83,16 @@ pub(super) fn scenarios() -> Vec<Scenario> {
             false,
             |t| unregister_waits(t, false),
         ),
+        // The CUDA driver API documentation of cuStreamDestroy: with work
+        // still queued it returns at once, and the stream's resources are
+        // released once the device has completed that work.
+        mk(
+            "order/stream_destroy_returns_with_work_queued",
+            "cuStreamDestroy of a stream with a running kernel returns at once; the kernel still completes",
+            "destroy=ok after-destroy=not-ready sync=ok",
+            false,
+            destroy_busy_stream,
+        ),
         mk(
             "order/pageable_capture_reads_at_replay",
             "async copies from pageable memory can be captured; replay reads the memory at replay time",
@@ -273,6 +283,55 @@ fn unregister_waits(t: &Target, kernel: bool) -> Result<Observed, String> {
         if after_done { "complete" } else { "not-ready" }
     ))
     .with_detail(format!("unregister took {:.3}s", took.as_secs_f64())))
+}
+
+fn destroy_busy_stream(t: &Target) -> Result<Observed, String> {
+    let rt = t.rt();
+    let c = &scenario_coordinator();
+    let s = rt.stream_create().map_err(de("stream"))?;
+    let e = rt.event_create().map_err(de("event"))?;
+    let hold = match t {
+        Target::Sim(sim) => Some(sim.hold(HoldPoint::DeviceOp)),
+        Target::Real(_) => None,
+    };
+    // SAFETY: the spin kernel reads and writes no memory.
+    unsafe { rt.launch(Kernel::Spin { nanos: 1_000_000_000 }, s) }.map_err(de("launch"))?;
+    rt.event_record(e, s).map_err(de("event_record"))?;
+    if let Some(h) = &hold {
+        h.wait_entered();
+    }
+    // The destroy runs on a thread of its own: one that waited for the
+    // kernel (held, on the sim) would never return; it is then reported as
+    // blocked after 10 s and the kernel let go.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let destroyer = {
+        let rt = rt.clone();
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let r = rt.stream_destroy(s);
+            let _ = tx.send((r, t0.elapsed()));
+        })
+    };
+    let (destroyed, took, after) = match rx.recv_timeout(std::time::Duration::from_secs(10)) {
+        Ok((r, took)) => (
+            code(&r),
+            format!("{:.6}s", took.as_secs_f64()),
+            gated(c, "query after destroy", |g| rt.event_query(g, e))?,
+        ),
+        Err(_) => ("blocked".to_string(), "more than 10 s".to_string(), false),
+    };
+    if let Some(h) = hold {
+        h.release();
+    }
+    destroyer.join().map_err(|_| "the destroying thread panicked".to_string())?;
+    let sync = gate(c, "sync", |g| rt.event_synchronize(g, e))?;
+    rt.event_destroy(e).map_err(de("event_destroy"))?;
+    Ok(Observed::new(format!(
+        "destroy={destroyed} after-destroy={} sync={}",
+        if after { "complete" } else { "not-ready" },
+        code(&sync)
+    ))
+    .with_detail(format!("destroy took {took}")))
 }
 
 /// Reads `bytes` of device memory back: `"new"` when every byte is `new`,
