@@ -3,19 +3,22 @@
 //! work ran: its bytes are where they belong when it is reported, even when
 //! it failed half-way.
 //!
-//! Threads (3): the engine (main) submitting two jobs of one direction with
-//! the staged backend forced and one descriptor a chunk: job 1 moves two
+//! Threads (3 or 4): the engine (main) submitting two jobs of one direction
+//! with the staged backend forced and one descriptor a chunk: job 1 moves two
 //! GPU pages to or from swapped host pages (two chunks, one on each staging
 //! stream), job 2 one page (its chunk on the first stream again, so it may
 //! run before job 1's second chunk); a poller thread calling
 //! `poll_finished` and checking each job's bytes the moment it is reported
 //! (the host pages after a store, the GPU pages, read back, after a load);
-//! the sim's device thread, which runs each stream in order and the
-//! streams independently. Two stores; and two loads of which the first
-//! fails half-way: its second chunk's host copy cannot be enqueued while
-//! its first chunk is already queued on the other stream. (A load runs the
-//! same enqueue as a store with the host copy before the kernel.)
-//! Preemption bound 3.
+//! the sim's device, which runs each stream in order and the streams
+//! independently. Two stores; and two loads of which the first fails
+//! half-way: its second chunk's host copy cannot be enqueued while its
+//! first chunk is already queued on the other stream. (A load runs the same
+//! enqueue as a store with the host copy before the kernel.) Each twice:
+//! with one device worker (one operation at a time, the oldest ready stream
+//! first), preemption bound 3; and with two (`SimConfig::workers`: chunks
+//! of the two staging streams run at the same time and finish in either
+//! order, as on a GPU), 4 threads, preemption bound 2.
 //!
 //! Why it holds (`src/transfer/staged.rs`): both staging streams wait for
 //! the job's compute-stream event; after its last chunk on each, the
@@ -34,10 +37,10 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, engine_with_options, fixture, host, negative, Bounds};
+use common::{check, engine_with_options, fixture_on, host, negative, Bounds};
 use kvoffload::pin::{pin_all, NoPrefault};
 use kvoffload::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::runtime::sim::SimFault;
+use kvoffload::runtime::sim::{SimConfig, SimFault, SimRuntime};
 use kvoffload::runtime::{Code, DevicePtr, Direction, GpuRuntime};
 use kvoffload::sync::{thread, Arc};
 use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, JobId, JobResult, TransferOptions};
@@ -100,8 +103,9 @@ fn check_reported(rt: &dyn GpuRuntime, dev: DevicePtr, host: usize, dir: Directi
     }
 }
 
-fn scenario(variant: Variant, dir: Direction, failing: bool) {
-    let f = fixture(CapturePolicy::AfterPinning, variant, 1, 64);
+fn scenario(variant: Variant, dir: Direction, failing: bool, workers: usize) {
+    let sim = SimRuntime::with_config(SimConfig { workers, ..SimConfig::default() });
+    let f = fixture_on(sim, CapturePolicy::AfterPinning, variant, 1, 64);
     assert_eq!(pin_all(f.rt.as_ref(), &f.coord, &NoPrefault), PinState::Pinned);
     let opts = TransferOptions {
         backend: BackendChoice::Force(Backend::Staged),
@@ -148,22 +152,38 @@ fn scenario(variant: Variant, dir: Direction, failing: bool) {
     assert!(eng.poll_finished().is_empty(), "a job was reported twice");
 }
 
+/// One device worker (the device runs one operation at a time, the oldest
+/// ready stream first): main, poller, worker.
 const B: Bounds = Bounds { property: "P5", threads: 3, preemptions: 3 };
+
+/// Two device workers: the two staging streams' chunks run at the same time
+/// and finish in either order (one thread more, so one preemption less).
+const B2: Bounds = Bounds { property: "P5", threads: 4, preemptions: 2 };
 
 #[test]
 fn p5_staged_stores_reported_in_order_after_both_streams() {
-    check("p5_staged_stores", B, || scenario(Variant::Production, Direction::DeviceToHost, false));
+    check("p5_staged_stores", B, || scenario(Variant::Production, Direction::DeviceToHost, false, 1));
 }
 
 #[test]
 fn p5_staged_load_failing_half_way_reported_failed_after_its_chunk() {
-    check("p5_staged_failed_load", B, || scenario(Variant::Production, Direction::HostToDevice, true));
+    check("p5_staged_failed_load", B, || scenario(Variant::Production, Direction::HostToDevice, true, 1));
+}
+
+#[test]
+fn p5_staged_stores_on_two_device_workers() {
+    check("p5_staged_stores_2w", B2, || scenario(Variant::Production, Direction::DeviceToHost, false, 2));
+}
+
+#[test]
+fn p5_staged_failed_load_on_two_device_workers() {
+    check("p5_staged_failed_load_2w", B2, || scenario(Variant::Production, Direction::HostToDevice, true, 2));
 }
 
 #[test]
 #[ignore = "negative model: run by ci/prove, must fail"]
 fn negative_n14_staging_streams_not_joined() {
     negative("n14_unjoined_staging", Bounds { property: "N14", ..B }, "reported before its", || {
-        scenario(Variant::UnjoinedStaging, Direction::DeviceToHost, false)
+        scenario(Variant::UnjoinedStaging, Direction::DeviceToHost, false, 1)
     });
 }

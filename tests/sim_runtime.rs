@@ -265,6 +265,44 @@ fn stream_destroy_returns_at_once_and_the_device_finishes_the_work() {
     assert_eq!(rt.poisoned(), None);
 }
 
+/// With two device workers, one stream's operation held on the device does
+/// not hold back another stream's work; the held stream's next operation
+/// still waits for it (order per stream). With one worker the same held
+/// operation stops the whole device: the test then fails after 60 s.
+#[test]
+fn two_device_workers_run_two_streams_at_once() {
+    use kvoffload::runtime::sim::SimConfig;
+    let rt = std::sync::Arc::new(SimRuntime::with_config(SimConfig { workers: 2, ..SimConfig::default() }));
+    let (a, b) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
+    let d = gated(|gt| rt.mem_alloc(gt, 128)).unwrap();
+    let (ea, eb) = (rt.event_create().unwrap(), rt.event_create().unwrap());
+    let hold = rt.hold(HoldPoint::DeviceOp);
+    // SAFETY: `d` is a 128-byte allocation of `rt`: a's memsets write its
+    // first half, b's its second.
+    unsafe { rt.memset_d8_async(d, 1, 64, a).unwrap() };
+    hold.wait_entered();
+    unsafe { rt.memset_d8_async(d, 2, 64, a).unwrap() };
+    rt.event_record(ea, a).unwrap();
+    unsafe { rt.memset_d8_async(d.offset(64), 3, 64, b).unwrap() };
+    rt.event_record(eb, b).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = {
+        let rt = rt.clone();
+        std::thread::spawn(move || tx.send(gated(|gt| rt.event_synchronize(gt, eb))).unwrap())
+    };
+    let r = rx.recv_timeout(std::time::Duration::from_secs(60));
+    assert!(r.is_ok(), "stream b waited behind stream a's held operation");
+    r.unwrap().unwrap();
+    waiter.join().unwrap();
+    assert!(!gated(|gt| rt.event_query(gt, ea)).unwrap(), "stream a ran past its held operation");
+    hold.release();
+    gated(|gt| rt.event_synchronize(gt, ea)).unwrap();
+    let mut out = host(128, 0);
+    // SAFETY: `out` is a writable buffer of 128 bytes.
+    unsafe { rt.copy_dtoh(out.as_mut_ptr() as usize, d, 128) }.unwrap();
+    assert!(out[..64].iter().all(|&x| x == 2) && out[64..].iter().all(|&x| x == 3), "{out:?}");
+}
+
 #[test]
 fn batched_copy_spanning_two_registrations_is_refused() {
     // One copy's host range lies in one registration or in none (the H200

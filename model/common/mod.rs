@@ -149,10 +149,16 @@ impl Fixture {
 }
 
 pub fn fixture(policy: CapturePolicy, variant: Variant, chunks: usize, chunk: usize) -> Fixture {
+    fixture_on(SimRuntime::new(), policy, variant, chunks, chunk)
+}
+
+/// [`fixture`] on the simulated GPU `sim` (one made with more device
+/// workers, say).
+pub fn fixture_on(sim: SimRuntime, policy: CapturePolicy, variant: Variant, chunks: usize, chunk: usize) -> Fixture {
     let mem: &'static mut [u8] = Box::leak(vec![0u8; chunks * chunk].into_boxed_slice());
     let base = mem.as_mut_ptr() as usize;
     let ranges: Vec<(usize, usize)> = (0..chunks).map(|i| (base + i * chunk, chunk)).collect();
-    let rt = shared(SimRuntime::new());
+    let rt = shared(sim);
     // SAFETY: the chunks are pieces of `mem`, leaked read-write memory that
     // lives (mapped) forever: no keep-alive needed.
     let coord = unsafe { Coordinator::new(policy, &ranges, None) };

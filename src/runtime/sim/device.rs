@@ -1,5 +1,6 @@
-//! The simulated device: one thread that executes stream work
-//! asynchronously, in order per stream, the way the GPU does.
+//! The simulated device: worker threads (one by default, `SimConfig::workers`)
+//! that execute stream work asynchronously, in order per stream, the
+//! streams independently, the way the GPU does.
 
 use crate::runtime::pattern;
 use crate::runtime::{Code, DevicePtr, GATHER_ENTRY_WORDS, PATTERN_ENTRY_WORDS};
@@ -43,8 +44,9 @@ enum Action {
 /// so every piece but the last starts on a word).
 const PATTERN_PIECE: usize = 64 << 10;
 
-/// Runs until the runtime stops: takes the first ready operation of any
-/// stream, executes it outside the lock, marks it complete, wakes waiters.
+/// One device worker, until the runtime stops: takes the first ready
+/// operation of any stream no other worker is executing, executes it
+/// outside the lock, marks it complete, wakes waiters.
 pub(crate) fn run(inner: Arc<Inner>) {
     let mut g = sync::lock(&inner.state);
     loop {
@@ -58,7 +60,10 @@ pub(crate) fn run(inner: Arc<Inner>) {
             inner.cv.notify_all();
         }
         if let Some((sid, seq, op)) = next {
-            g.device_busy = true;
+            g.device_busy += 1;
+            if let Some(s) = g.running_mut(sid) {
+                s.executing = true;
+            }
             g = inner.hold_at(g, HoldPoint::DeviceOp);
             let plan = if g.poisoned.is_some() { Ok(Vec::new()) } else { resolve(&mut g, &op) };
             drop(g);
@@ -70,9 +75,10 @@ pub(crate) fn run(inner: Arc<Inner>) {
                 tracing::debug!(%code, "sim: device fault, context poisoned");
                 g.poisoned.get_or_insert(code);
             }
-            g.device_busy = false;
+            g.device_busy -= 1;
             if let Some(s) = g.running_mut(sid) {
                 s.completed = seq;
+                s.executing = false;
             }
             g.drop_drained();
             inner.cv.notify_all();
@@ -86,8 +92,9 @@ pub(crate) fn run(inner: Arc<Inner>) {
 }
 
 /// Pops the next executable operation. Event waits that are satisfied are
-/// retired on the spot; a stream whose head waits on unfinished work is
-/// skipped, so streams progress independently. A wait retired in a pass can
+/// retired on the spot; a stream whose head waits on unfinished work, or
+/// whose previous operation another worker still executes, is skipped, so
+/// streams progress independently and each in order. A wait retired in a pass can
 /// satisfy a wait of a stream the pass already visited (a stream that only
 /// waits for another, joined back into a third), so the streams are passed
 /// over again until a pass retires nothing: the device never sleeps with a
@@ -98,6 +105,9 @@ fn next_ready(st: &mut State, retired: &mut bool) -> Option<(u64, u64, Op)> {
     loop {
         let mut progressed = false;
         for &sid in &ids {
+            if st.running(sid)?.executing {
+                continue;
+            }
             while let Some((seq, Op::WaitEvent { stream, seq: want })) = st.running(sid)?.queue.front().cloned() {
                 if !st.reached(stream, want) {
                     break;

@@ -54,11 +54,20 @@ pub struct SimConfig {
     /// Device memory the simulated `cuMemAlloc` hands out before it answers
     /// OUT_OF_MEMORY. Memory is allocated lazily (zeroed pages).
     pub device_bytes: usize,
+    /// Device workers: threads that each take the next ready operation of
+    /// any stream whose previous operation has finished. With 1 (the
+    /// default) the device runs one operation at a time, and when several
+    /// streams have work ready the oldest stream goes first. With 2 or more,
+    /// operations of different streams run at the same time and finish in
+    /// any order, as on a GPU, and loom explores those orders too (each
+    /// worker is one more thread for loom; a [`HoldPoint::DeviceOp`] hold
+    /// then stops one worker, not the device).
+    pub workers: usize,
 }
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { device_bytes: 64 << 30 }
+        SimConfig { device_bytes: 64 << 30, workers: 1 }
     }
 }
 
@@ -103,7 +112,7 @@ impl Inner {
 /// The simulated GPU. Dropping it stops its device thread.
 pub struct SimRuntime {
     inner: Arc<Inner>,
-    device: Mutex<Option<thread::JoinHandle<()>>>,
+    device: Mutex<Vec<thread::JoinHandle<()>>>,
 }
 
 /// A hold point armed by [`SimRuntime::hold`]: the next call reaching the
@@ -171,13 +180,17 @@ impl SimRuntime {
     }
 
     /// A simulated GPU with the settings of `cfg`. Starts the simulated
-    /// device's worker thread (from the sync facade, so loom schedules it);
-    /// it runs until the runtime is dropped.
+    /// device's worker threads (from the sync facade, so loom schedules
+    /// them; at least one); they run until the runtime is dropped.
     pub fn with_config(cfg: SimConfig) -> Self {
         let inner = Arc::new(Inner { state: Mutex::new(State::new(cfg.device_bytes)), cv: Condvar::new() });
-        let worker = inner.clone();
-        let handle = thread::spawn(move || device::run(worker));
-        SimRuntime { inner, device: Mutex::new(Some(handle)) }
+        let workers = (0..cfg.workers.max(1))
+            .map(|_| {
+                let worker = inner.clone();
+                thread::spawn(move || device::run(worker))
+            })
+            .collect();
+        SimRuntime { inner, device: Mutex::new(workers) }
     }
 
     /// Injects a fault (see [`SimFault`]).
@@ -404,9 +417,9 @@ impl Drop for SimRuntime {
             g.stop = true;
             self.inner.cv.notify_all();
         }
-        if let Some(h) = sync::lock(&self.device).take() {
-            // The device thread only exits its loop; a panic there is a bug
-            // in the simulator that the join surfaces in tests.
+        for h in std::mem::take(&mut *sync::lock(&self.device)) {
+            // A device thread only exits its loop; a panic there is a bug in
+            // the simulator that the join surfaces in tests.
             if h.join().is_err() {
                 tracing::error!("sim: device thread panicked");
             }

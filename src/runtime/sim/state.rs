@@ -100,6 +100,9 @@ pub(crate) struct StreamState {
     pub queue: VecDeque<(u64, Op)>,
     pub enqueued: u64,
     pub completed: u64,
+    /// A device worker is executing this stream's head operation (taken off
+    /// the queue, not yet completed): no other worker takes the next one.
+    pub executing: bool,
     /// The capture this stream began (it is the capture's origin).
     pub capture: Option<Capture>,
     /// The capture of another stream this one joined.
@@ -159,8 +162,8 @@ pub(crate) struct State {
     pub thread_modes: Vec<(ThreadId, CaptureMode)>,
     /// Sticky context error (FACTS 1: replay after unregister -> 719).
     pub poisoned: Option<Code>,
-    /// An operation is executing on the device right now.
-    pub device_busy: bool,
+    /// Operations executing on the device right now (one a worker).
+    pub device_busy: usize,
     pub stop: bool,
     pub blocked: Vec<Blocked>,
     pub faults: Faults,
@@ -252,7 +255,7 @@ impl State {
 
     /// True when no stream has work left and nothing runs.
     pub fn idle(&self) -> bool {
-        !self.device_busy && self.streams.values().chain(self.draining.values()).all(|s| s.queue.is_empty())
+        self.device_busy == 0 && self.streams.values().chain(self.draining.values()).all(|s| s.queue.is_empty())
     }
 
     /// A live stream (its handle valid).
