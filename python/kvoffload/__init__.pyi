@@ -115,7 +115,7 @@ class Completion:
     keys: List[Tuple[int, int]]
     bytes: int
     seconds: float
-    backend: str  # "per-fragment", "batched" or "gather"
+    backend: str  # "per-fragment", "batched", "gather" or "staged"
     error: Optional[DriverError]
     @property
     def ok(self) -> bool: ...
@@ -152,6 +152,15 @@ class Offloader:
     GPU blocks named in a store must not be written, and those named in a
     load neither read nor written, by the engine until ``poll`` reports the
     job or ``wait`` returns for it.
+
+    ``copy_backend``: ``"auto"`` (by fragment size, pin state and whether
+    the other direction is busy), or one forced: ``"per-fragment"``,
+    ``"batched"``, ``"gather"`` (a kernel reading pinned host memory) or
+    ``"staged"`` (a kernel packs the job into device staging memory, the
+    copy engine moves it; what auto picks while loads and stores run at
+    once). ``staging_bytes``: device staging memory per direction (None:
+    32 MiB; 0: no staged backend). ``duplex_linger``: seconds the other
+    direction still counts as busy after its last job (None: 0.02).
     """
 
     def __init__(
@@ -178,6 +187,8 @@ class Offloader:
         huge_pages: str = "auto",
         capture_policy: str = "after_pinning",
         copy_backend: str = "auto",
+        staging_bytes: Optional[int] = None,
+        duplex_linger: Optional[float] = None,
         eviction: str = "lru",
         agreement: Optional[AgreementTransport] = None,
         agreement_timeout: Optional[float] = 120.0,

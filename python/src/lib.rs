@@ -441,8 +441,8 @@ impl PyOffloader {
         backend = "auto", device = 0, runtime = None,
         region = "anonymous", name = None, rank = 0, ranks = 1, region_dir = None, join_timeout = 60.0,
         pin_threads = None, chunk_bytes = None, prefault = "populate", huge_pages = "auto",
-        capture_policy = "after_pinning", copy_backend = "auto", eviction = "lru",
-        agreement = None, agreement_timeout = Some(120.0), start = false,
+        capture_policy = "after_pinning", copy_backend = "auto", staging_bytes = None, duplex_linger = None,
+        eviction = "lru", agreement = None, agreement_timeout = Some(120.0), start = false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -468,6 +468,8 @@ impl PyOffloader {
         huge_pages: &str,
         capture_policy: &str,
         copy_backend: &str,
+        staging_bytes: Option<usize>,
+        duplex_linger: Option<f64>,
         eviction: &str,
         agreement: Option<Py<PyAny>>,
         agreement_timeout: Option<f64>,
@@ -532,8 +534,15 @@ impl PyOffloader {
                 ("per-fragment", BackendChoice::Force(Backend::PerFragment)),
                 ("batched", BackendChoice::Force(Backend::Batched)),
                 ("gather", BackendChoice::Force(Backend::Gather)),
+                ("staged", BackendChoice::Force(Backend::Staged)),
             ],
         )?;
+        if let Some(b) = staging_bytes {
+            opts.transfer.staging_bytes = b;
+        }
+        if let Some(d) = seconds(py, "duplex_linger", duplex_linger)? {
+            opts.transfer.thresholds.duplex_linger = d;
+        }
         opts.eviction = choice(py, "eviction", eviction, &[("lru", PolicyKind::Lru), ("arc", PolicyKind::Arc)])?;
         opts.agreement_timeout = seconds(py, "agreement_timeout", agreement_timeout)?;
         if let Some(f) = agreement {

@@ -107,6 +107,7 @@ def test_dropping_the_offloader_shuts_it_down(rt):
         (dict(huge_pages="maybe"), "options", "huge_pages"),
         (dict(capture_policy="never"), "options", "capture_policy"),
         (dict(copy_backend="carrier-pigeon"), "options", "copy_backend"),
+        (dict(duplex_linger=-0.5), "options", "duplex_linger"),
         (dict(eviction="random"), "options", "eviction"),
         (dict(region="cloud"), "options", "region"),
         (dict(region="shared"), "options", "needs a name"),
@@ -298,6 +299,30 @@ def test_round_trip_byte_for_byte(rt):
         for i, b in enumerate([43, 42, 41, 40]):
             assert off.read_block_for_test(t, b) == data[t, i], f"tensor {t}, block {b}"
     assert off.in_flight == 0
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+@pytest.mark.parametrize("staging_bytes, used", [(None, "staged"), (1 << 20, "staged"), (0, "per-fragment")])
+def test_staged_backend_by_name(rt, staging_bytes, used):
+    # Forced staged: both directions through device staging memory; with
+    # no staging memory the job falls back to per-fragment copies.
+    off = make(rt, start=True, copy_backend="staged", staging_bytes=staging_bytes, duplex_linger=0.0)
+    off.wait_pinned()
+    data = fill(off, [0, 3, 5])
+    off.store([1, 2, 3], [0, 3, 5])
+    off.wait_all()
+    done = off.poll()
+    for t in range(2):
+        for b in [0, 3, 5]:
+            off.write_block_for_test(t, b, bytes(PAGE))
+    job = off.load([3, 1, 2], [9, 10, 11])
+    off.wait(job)
+    done += off.poll()
+    assert [(c.direction, c.ok, c.backend) for c in done] == [("store", True, used), ("load", True, used)]
+    for t in range(2):
+        for b, src in [(9, 5), (10, 0), (11, 3)]:
+            assert off.read_block_for_test(t, b) == data[t, src], f"tensor {t}, block {b}"
     off.shutdown()
     assert_nothing_leaked(rt)
 
