@@ -37,8 +37,9 @@ def test_torch_tensors_and_stream(kv_tensors):
     off.shutdown()
 
 
-def test_round_trip_through_torch(kv_tensors):
-    off = make(kv_tensors, start=True)
+@pytest.mark.parametrize("copy_backend", ["auto", "staged", "gather"])
+def test_round_trip_through_torch(kv_tensors, copy_backend):
+    off = make(kv_tensors, start=True, copy_backend=copy_backend)
     off.wait_pinned()
     n = 32
     src = [torch.randint(0, 256, (n, PAGE), dtype=torch.uint8, device="cuda") for _ in kv_tensors]
@@ -47,12 +48,15 @@ def test_round_trip_through_torch(kv_tensors):
     res = off.store(list(range(n)), list(range(n)))
     assert len(res.stored) == n
     off.wait_all()
-    assert all(c.ok for c in off.poll())
+    done = off.poll()
     for t in kv_tensors:
         t[:n].zero_()
     job = off.load(list(range(n)), list(range(100, 100 + n)))
     off.wait(job)
-    assert all(c.ok for c in off.poll())
+    done += off.poll()
+    assert [(c.direction, c.ok) for c in done] == [("store", True), ("load", True)]
+    if copy_backend != "auto":
+        assert [c.backend for c in done] == [copy_backend] * 2
     for t, s in zip(kv_tensors, src):
         assert torch.equal(t[100 : 100 + n], s)
     # The offloader's test helpers see the same bytes.
