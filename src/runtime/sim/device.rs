@@ -61,13 +61,25 @@ pub(crate) fn run(inner: Arc<Inner>) {
         }
         if let Some((sid, seq, op)) = next {
             g.device_busy += 1;
-            if let Some(s) = g.running_mut(sid) {
+            if let Some(s) = g.device_stream_mut(sid) {
                 s.executing = true;
             }
             g = inner.hold_at(g, HoldPoint::DeviceOp);
             let plan = if g.poisoned.is_some() { Ok(Vec::new()) } else { resolve(&mut g, &op) };
             drop(g);
-            let outcome = plan.map(|actions| execute(&actions));
+            let outcome = plan.map(|actions| {
+                // Operations of two streams may touch the same bytes: on a GPU
+                // a race in the program, here (the sim's memory is host
+                // memory) a data race of the sim. So workers execute one
+                // operation's actions at a time; they still take, finish and
+                // complete operations in any order. Under loom the threads
+                // never run at once (an action has no loom operation in it,
+                // so it is atomic there), and the lock would only add
+                // interleavings.
+                #[cfg(not(loom))]
+                let _exec = sync::lock(&inner.exec);
+                execute(&actions)
+            });
             g = sync::lock(&inner.state);
             if let Err(code) = outcome {
                 // A device fault is sticky: every later call reports it
@@ -76,7 +88,7 @@ pub(crate) fn run(inner: Arc<Inner>) {
                 g.poisoned.get_or_insert(code);
             }
             g.device_busy -= 1;
-            if let Some(s) = g.running_mut(sid) {
+            if let Some(s) = g.device_stream_mut(sid) {
                 s.completed = seq;
                 s.executing = false;
             }
@@ -94,31 +106,31 @@ pub(crate) fn run(inner: Arc<Inner>) {
 /// Pops the next executable operation. Event waits that are satisfied are
 /// retired on the spot; a stream whose head waits on unfinished work, or
 /// whose previous operation another worker still executes, is skipped, so
-/// streams progress independently and each in order. A wait retired in a pass can
-/// satisfy a wait of a stream the pass already visited (a stream that only
-/// waits for another, joined back into a third), so the streams are passed
-/// over again until a pass retires nothing: the device never sleeps with a
-/// satisfied wait (tests/sim_runtime.rs,
+/// streams progress independently and each in order. A wait retired in a
+/// pass can satisfy a wait of a stream the pass already visited (a stream
+/// that only waits for another, joined back into a third), so the streams
+/// are passed over again until a pass retires nothing: the device never
+/// sleeps with a satisfied wait (tests/sim_runtime.rs,
 /// `a_wait_satisfied_late_in_the_devices_pass_is_retired`).
 fn next_ready(st: &mut State, retired: &mut bool) -> Option<(u64, u64, Op)> {
     let ids: Vec<u64> = st.streams.keys().chain(st.draining.keys()).copied().collect();
     loop {
         let mut progressed = false;
         for &sid in &ids {
-            if st.running(sid)?.executing {
+            if st.device_stream(sid)?.executing {
                 continue;
             }
-            while let Some((seq, Op::WaitEvent { stream, seq: want })) = st.running(sid)?.queue.front().cloned() {
+            while let Some((seq, Op::WaitEvent { stream, seq: want })) = st.device_stream(sid)?.queue.front().cloned() {
                 if !st.reached(stream, want) {
                     break;
                 }
-                let s = st.running_mut(sid)?;
+                let s = st.device_stream_mut(sid)?;
                 s.queue.pop_front();
                 s.completed = seq;
                 *retired = true;
                 progressed = true;
             }
-            let s = st.running_mut(sid)?;
+            let s = st.device_stream_mut(sid)?;
             if matches!(s.queue.front(), Some((_, op)) if !matches!(op, Op::WaitEvent { .. })) {
                 let (seq, op) = s.queue.pop_front()?;
                 return Some((sid, seq, op));

@@ -61,7 +61,10 @@ pub struct SimConfig {
     /// operations of different streams run at the same time and finish in
     /// any order, as on a GPU, and loom explores those orders too (each
     /// worker is one more thread for loom; a [`HoldPoint::DeviceOp`] hold
-    /// then stops one worker, not the device).
+    /// then stops one worker, not the device). The memory actions of two
+    /// operations never overlap in time (the sim's device memory is host
+    /// memory, where two streams writing the same bytes would be a data
+    /// race of the sim itself).
     pub workers: usize,
 }
 
@@ -74,6 +77,10 @@ impl Default for SimConfig {
 pub(crate) struct Inner {
     state: Mutex<State>,
     cv: Condvar,
+    /// Taken by a device worker while it executes an operation's memory
+    /// actions (std builds only, see `device::run`).
+    #[cfg(not(loom))]
+    exec: Mutex<()>,
 }
 
 impl Inner {
@@ -109,7 +116,7 @@ impl Inner {
     }
 }
 
-/// The simulated GPU. Dropping it stops its device thread.
+/// The simulated GPU. Dropping it stops its device threads.
 pub struct SimRuntime {
     inner: Arc<Inner>,
     device: Mutex<Vec<thread::JoinHandle<()>>>,
@@ -183,7 +190,12 @@ impl SimRuntime {
     /// device's worker threads (from the sync facade, so loom schedules
     /// them; at least one); they run until the runtime is dropped.
     pub fn with_config(cfg: SimConfig) -> Self {
-        let inner = Arc::new(Inner { state: Mutex::new(State::new(cfg.device_bytes)), cv: Condvar::new() });
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State::new(cfg.device_bytes)),
+            cv: Condvar::new(),
+            #[cfg(not(loom))]
+            exec: Mutex::new(()),
+        });
         let workers = (0..cfg.workers.max(1))
             .map(|_| {
                 let worker = inner.clone();
@@ -400,7 +412,8 @@ impl SimRuntime {
     /// Waits until `stream` has finished everything enqueued so far,
     /// counted as blocked in [`Blocked::Stream`] meanwhile.
     fn drain<'a>(&'a self, g: MutexGuard<'a, State>, stream: u64) -> MutexGuard<'a, State> {
-        self.inner.wait_until(g, Blocked::Stream, |st| st.running(stream).is_none_or(|s| s.completed >= s.enqueued))
+        self.inner
+            .wait_until(g, Blocked::Stream, |st| st.device_stream(stream).is_none_or(|s| s.completed >= s.enqueued))
     }
 }
 

@@ -264,12 +264,12 @@ impl State {
     }
 
     /// A stream the device runs: live, or destroyed with work left.
-    pub fn running(&self, id: u64) -> Option<&StreamState> {
+    pub fn device_stream(&self, id: u64) -> Option<&StreamState> {
         self.streams.get(&id).or_else(|| self.draining.get(&id))
     }
 
-    /// [`State::running`], mutable.
-    pub fn running_mut(&mut self, id: u64) -> Option<&mut StreamState> {
+    /// [`State::device_stream`], mutable.
+    pub fn device_stream_mut(&mut self, id: u64) -> Option<&mut StreamState> {
         match self.streams.get_mut(&id) {
             Some(s) => Some(s),
             None => self.draining.get_mut(&id),
@@ -279,7 +279,7 @@ impl State {
     /// True when everything enqueued on stream `id` up to `seq` has
     /// executed (a stream that is gone finished all of its work).
     pub fn reached(&self, id: u64, seq: u64) -> bool {
-        self.running(id).is_none_or(|s| s.completed >= seq)
+        self.device_stream(id).is_none_or(|s| s.completed >= seq)
     }
 
     /// Drops the destroyed streams whose work is done.
