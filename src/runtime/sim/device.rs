@@ -65,21 +65,15 @@ pub(crate) fn run(inner: Arc<Inner>) {
                 s.executing = true;
             }
             g = inner.hold_at(g, HoldPoint::DeviceOp);
-            let plan = if g.poisoned.is_some() { Ok(Vec::new()) } else { resolve(&mut g, &op) };
-            drop(g);
-            let outcome = plan.map(|actions| {
-                // Operations of two streams may touch the same bytes: on a GPU
-                // a race in the program, here (the sim's memory is host
-                // memory) a data race of the sim. So workers execute one
-                // operation's actions at a time; they still take, finish and
-                // complete operations in any order. Under loom the threads
-                // never run at once (an action has no loom operation in it,
-                // so it is atomic there), and the lock would only add
-                // interleavings.
-                #[cfg(not(loom))]
-                let _exec = sync::lock(&inner.exec);
-                execute(&actions)
-            });
+            let outcome = {
+                // The tables the operation reads and its memory actions,
+                // under `touching_memory` (taken after the state lock, as
+                // everywhere).
+                let _mem = inner.touching_memory();
+                let plan = if g.poisoned.is_some() { Ok(Vec::new()) } else { resolve(&mut g, &op) };
+                drop(g);
+                plan.map(|actions| execute(&actions))
+            };
             g = sync::lock(&inner.state);
             if let Err(code) = outcome {
                 // A device fault is sticky: every later call reports it
@@ -113,7 +107,9 @@ pub(crate) fn run(inner: Arc<Inner>) {
 /// sleeps with a satisfied wait (tests/sim_runtime.rs,
 /// `a_wait_satisfied_late_in_the_devices_pass_is_retired`).
 fn next_ready(st: &mut State, retired: &mut bool) -> Option<(u64, u64, Op)> {
-    let ids: Vec<u64> = st.streams.keys().chain(st.draining.keys()).copied().collect();
+    // Oldest stream first, destroyed ones with work left among them.
+    let mut ids: Vec<u64> = st.streams.keys().chain(st.draining.keys()).copied().collect();
+    ids.sort_unstable();
     loop {
         let mut progressed = false;
         for &sid in &ids {

@@ -77,13 +77,39 @@ impl Default for SimConfig {
 pub(crate) struct Inner {
     state: Mutex<State>,
     cv: Condvar,
-    /// Taken by a device worker while it executes an operation's memory
-    /// actions (std builds only, see `device::run`).
+    /// Held while the sim reads or writes its device memory outside the
+    /// state lock (std builds only, see [`Inner::touching_memory`]).
     #[cfg(not(loom))]
     exec: Mutex<()>,
 }
 
+/// What [`Inner::touching_memory`] returns under loom: nothing to hold.
+#[cfg(loom)]
+pub(crate) struct NoGuard;
+
 impl Inner {
+    /// Taken, after the state lock when both are, around every read or
+    /// write of the sim's device memory by a device worker (its tables and
+    /// its memory actions) or a synchronous copy. Operations of two streams
+    /// may touch the same bytes: on a GPU a race in the program, here (the
+    /// sim's device memory is host memory) a data race of the sim itself,
+    /// reachable with several workers (`SimConfig::workers`) even through
+    /// a safe `graph_launch`. So the memory actions of two operations never
+    /// overlap in time; workers still take, finish and complete operations
+    /// in any order. Under loom the threads never run at once (an action
+    /// has no loom operation in it, so it is atomic there) and the lock
+    /// would only add interleavings: it is left out.
+    #[cfg(not(loom))]
+    pub(crate) fn touching_memory(&self) -> MutexGuard<'_, ()> {
+        sync::lock(&self.exec)
+    }
+
+    /// See the std build's `touching_memory`.
+    #[cfg(loom)]
+    pub(crate) fn touching_memory(&self) -> NoGuard {
+        NoGuard
+    }
+
     /// Stops at `point` if a hold is armed there, until it is released.
     fn hold_at<'a>(&self, mut g: MutexGuard<'a, State>, point: HoldPoint) -> MutexGuard<'a, State> {
         if let Some(id) = g.faults.enter_hold(point) {
@@ -686,6 +712,7 @@ impl GpuRuntime for SimRuntime {
         let r = (|| {
             let mut g = self.enter(Call::CopyHtod, &[])?;
             let d = g.device_slice(dst, bytes).ok_or(Code::INVALID_VALUE)?;
+            let _mem = self.inner.touching_memory();
             // SAFETY: `d` is a bounds-checked live device range (the lock is
             // held, so it cannot be freed meanwhile); the caller promised
             // `src..src+bytes` is readable.
@@ -699,6 +726,7 @@ impl GpuRuntime for SimRuntime {
         let r = (|| {
             let mut g = self.enter(Call::CopyDtoh, &[])?;
             let s = g.device_slice(src, bytes).ok_or(Code::INVALID_VALUE)?;
+            let _mem = self.inner.touching_memory();
             // SAFETY: as in copy_htod, with the roles of host and device swapped.
             unsafe { std::ptr::copy(s as *const u8, dst as *mut u8, bytes) };
             Ok(())
