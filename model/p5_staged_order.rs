@@ -82,6 +82,9 @@ fn check_reported(rt: &dyn GpuRuntime, dev: DevicePtr, host: usize, dir: Directi
     };
     let src = source();
     let want = |page: usize| src[page * PAGE..(page + 1) * PAGE].to_vec();
+    // Not vacuous: the job took the staged path (staging buffers made, the
+    // plan accepted), not a fallback.
+    assert_eq!(r.backend, Backend::Staged, "job {} did not take the staged backend", r.id.0);
     match r.id.0 {
         1 => {
             // GPU page 1 with host page 0 is chunk 0 (host order), GPU page
