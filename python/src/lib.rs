@@ -376,7 +376,9 @@ fn choice<T: Copy>(py: Python<'_>, what: &str, given: &str, table: &[(&str, T)])
 fn seconds(py: Python<'_>, what: &str, s: Option<f64>) -> PyResult<Option<Duration>> {
     match s {
         None => Ok(None),
-        Some(v) if v.is_finite() && v >= 0.0 => Ok(Some(Duration::from_secs_f64(v))),
+        Some(v) if v.is_finite() && v >= 0.0 => Duration::try_from_secs_f64(v).map(Some).map_err(|_| {
+            errors::options(py, format!("{what} must be a non-negative number of seconds or None, not {v} (too large)"))
+        }),
         Some(v) => {
             Err(errors::options(py, format!("{what} must be a non-negative number of seconds or None, not {v}")))
         }

@@ -108,6 +108,7 @@ def test_dropping_the_offloader_shuts_it_down(rt):
         (dict(capture_policy="never"), "options", "capture_policy"),
         (dict(copy_backend="carrier-pigeon"), "options", "copy_backend"),
         (dict(duplex_linger=-0.5), "options", "duplex_linger"),
+        (dict(duplex_linger=1e20), "options", "duplex_linger"),
         (dict(eviction="random"), "options", "eviction"),
         (dict(region="cloud"), "options", "region"),
         (dict(region="shared"), "options", "needs a name"),
