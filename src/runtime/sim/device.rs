@@ -60,10 +60,6 @@ pub(crate) fn run(inner: Arc<Inner>) {
             inner.cv.notify_all();
         }
         if let Some((sid, seq, op)) = next {
-            g.device_busy += 1;
-            if let Some(s) = g.device_stream_mut(sid) {
-                s.executing = true;
-            }
             g = inner.hold_at(g, HoldPoint::DeviceOp);
             let outcome = {
                 // The tables the operation reads and its memory actions,
@@ -81,7 +77,6 @@ pub(crate) fn run(inner: Arc<Inner>) {
                 tracing::debug!(%code, "sim: device fault, context poisoned");
                 g.poisoned.get_or_insert(code);
             }
-            g.device_busy -= 1;
             if let Some(s) = g.device_stream_mut(sid) {
                 s.completed = seq;
                 s.executing = false;
@@ -129,6 +124,9 @@ fn next_ready(st: &mut State, retired: &mut bool) -> Option<(u64, u64, Op)> {
             let s = st.device_stream_mut(sid)?;
             if matches!(s.queue.front(), Some((_, op)) if !matches!(op, Op::WaitEvent { .. })) {
                 let (seq, op) = s.queue.pop_front()?;
+                // Taken off the queue, not yet complete: the stream waits
+                // for this worker, and the device is not idle.
+                s.executing = true;
                 return Some((sid, seq, op));
             }
         }

@@ -643,8 +643,7 @@ impl GpuRuntime for SimRuntime {
             // associated with it will be released automatically once the
             // device has completed all work". The handle is invalid at once;
             // the device finishes the queued work (`State::draining`).
-            let Some(s) = g.streams.remove(&stream.0) else { return Err(Code::INVALID_HANDLE) };
-            if s.completed < s.enqueued {
+            if let Some(s) = g.streams.remove(&stream.0).filter(|s| s.completed < s.enqueued) {
                 g.draining.insert(stream.0, s);
             }
             Ok(())

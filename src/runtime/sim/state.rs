@@ -101,7 +101,8 @@ pub(crate) struct StreamState {
     pub enqueued: u64,
     pub completed: u64,
     /// A device worker is executing this stream's head operation (taken off
-    /// the queue, not yet completed): no other worker takes the next one.
+    /// the queue, not yet completed): no other worker takes the next one,
+    /// and the device is not idle.
     pub executing: bool,
     /// The capture this stream began (it is the capture's origin).
     pub capture: Option<Capture>,
@@ -162,8 +163,6 @@ pub(crate) struct State {
     pub thread_modes: Vec<(ThreadId, CaptureMode)>,
     /// Sticky context error (FACTS 1: replay after unregister -> 719).
     pub poisoned: Option<Code>,
-    /// Operations executing on the device right now (one a worker).
-    pub device_busy: usize,
     pub stop: bool,
     pub blocked: Vec<Blocked>,
     pub faults: Faults,
@@ -255,7 +254,7 @@ impl State {
 
     /// True when no stream has work left and nothing runs.
     pub fn idle(&self) -> bool {
-        self.device_busy == 0 && self.streams.values().chain(self.draining.values()).all(|s| s.queue.is_empty())
+        self.streams.values().chain(self.draining.values()).all(|s| s.queue.is_empty() && !s.executing)
     }
 
     /// A live stream (its handle valid).
