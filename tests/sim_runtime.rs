@@ -17,6 +17,19 @@ fn gated<T>(f: impl FnOnce(&Gate) -> T) -> T {
     Coordinator::without_region(CapturePolicy::AfterPinning).unsafe_call("test", f).expect("no window, no refusal")
 }
 
+/// `f` on a thread of its own; its result, or the test fails with `hang`
+/// when it has not returned after 60 s (the thread is left behind).
+fn returns_within_60s<T: Send + 'static>(hang: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    let r = rx.recv_timeout(std::time::Duration::from_secs(60));
+    assert!(r.is_ok(), "{hang}");
+    t.join().unwrap();
+    r.unwrap()
+}
+
 #[test]
 fn copies_run_in_order_and_events_complete_after_them() {
     let rt = SimRuntime::new();
@@ -215,16 +228,12 @@ fn a_wait_satisfied_late_in_the_devices_pass_is_retired() {
     rt.event_record(eb, b).unwrap();
     rt.stream_wait_event(a, eb).unwrap();
     rt.event_record(ea, a).unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let waiter = {
-        let rt = rt.clone();
-        std::thread::spawn(move || tx.send(gated(|gt| rt.event_synchronize(gt, ea))).unwrap())
-    };
     hold.release();
-    let r = rx.recv_timeout(std::time::Duration::from_secs(60));
-    assert!(r.is_ok(), "the device went to sleep with stream a's wait satisfied but not retired");
-    r.unwrap().unwrap();
-    waiter.join().unwrap();
+    let rt2 = rt.clone();
+    returns_within_60s("the device went to sleep with stream a's wait satisfied but not retired", move || {
+        gated(|gt| rt2.event_synchronize(gt, ea))
+    })
+    .unwrap();
 }
 
 /// `cuStreamDestroy` with work queued returns at once; the handle is invalid
@@ -247,15 +256,8 @@ fn stream_destroy_returns_at_once_and_the_device_finishes_the_work() {
     }
     rt.event_record(e, s).unwrap();
     hold.wait_entered();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let destroyer = {
-        let rt = rt.clone();
-        std::thread::spawn(move || tx.send(rt.stream_destroy(s)).unwrap())
-    };
-    let r = rx.recv_timeout(std::time::Duration::from_secs(60));
-    assert!(r.is_ok(), "stream_destroy waited for the stream's queued work");
-    r.unwrap().unwrap();
-    destroyer.join().unwrap();
+    let rt2 = rt.clone();
+    returns_within_60s("stream_destroy waited for the stream's queued work", move || rt2.stream_destroy(s)).unwrap();
     // SAFETY: `d` is live; nothing is enqueued (the handle is invalid).
     assert_eq!(unsafe { rt.memset_d8_async(d, 6, 64, s) }.unwrap_err().code, Code::INVALID_HANDLE);
     assert!(!gated(|gt| rt.event_query(gt, e)).unwrap(), "the queued work was dropped with the stream");
@@ -285,15 +287,11 @@ fn two_device_workers_run_two_streams_at_once() {
     rt.event_record(ea, a).unwrap();
     unsafe { rt.memset_d8_async(d.offset(64), 3, 64, b).unwrap() };
     rt.event_record(eb, b).unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let waiter = {
-        let rt = rt.clone();
-        std::thread::spawn(move || tx.send(gated(|gt| rt.event_synchronize(gt, eb))).unwrap())
-    };
-    let r = rx.recv_timeout(std::time::Duration::from_secs(60));
-    assert!(r.is_ok(), "stream b waited behind stream a's held operation");
-    r.unwrap().unwrap();
-    waiter.join().unwrap();
+    let rt2 = rt.clone();
+    returns_within_60s("stream b waited behind stream a's held operation", move || {
+        gated(|gt| rt2.event_synchronize(gt, eb))
+    })
+    .unwrap();
     assert!(!gated(|gt| rt.event_query(gt, ea)).unwrap(), "stream a ran past its held operation");
     hold.release();
     gated(|gt| rt.event_synchronize(gt, ea)).unwrap();
