@@ -5,40 +5,28 @@
 //! other direction is busy, the fallback on unregistered memory, and
 //! ordering after compute.
 //!
-//! Every test prints "skipped: no GPU" and passes when no CUDA driver is
-//! present or device 0 cannot be opened. Run on a GPU machine (and under
+//! Every test prints "SKIPPED <test>: <why>" and passes when no CUDA driver
+//! is present or device 0 cannot be opened, and fails with the reason
+//! instead where `KVO_EXPECT_GPU` is set (ci/gpu). Run on a GPU machine (and under
 //! `compute-sanitizer --tool memcheck`) from binaries built by ci/build-gpu-bin:
 //!   gpu-bin/tests/transfer_gpu --test-threads=1
 
 #[path = "transfer_common/mod.rs"]
 mod common;
+#[path = "gpu_common/mod.rs"]
+mod gpu_common;
 
 use std::sync::Arc;
 
 use common::{gated, opts, random_case, simple, Pin, Rig, Rng, Shape, DIRS};
-use kvoffload::runtime::cuda::CudaRuntime;
 use kvoffload::runtime::{Direction, GpuRuntime, Kernel};
 use kvoffload::transfer::{Backend, BackendChoice, HostPlacement, JobBlocks, JobId, TransferOptions};
 
-/// Says on the real stderr (the test harness captures println) that the
-/// GPU tests were skipped.
-fn skipped(why: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIPPED transfer_gpu: no GPU ({why})");
-}
-
-fn gpu() -> Option<Arc<dyn GpuRuntime>> {
-    if !CudaRuntime::driver_present() {
-        skipped("no CUDA driver");
-        return None;
-    }
-    match CudaRuntime::open(0) {
-        Ok(rt) => Some(Arc::new(rt)),
-        Err(e) => {
-            skipped(&e.to_string());
-            None
-        }
-    }
+/// Device 0 for `test`, or None after saying it was skipped; fails the
+/// test instead where a GPU is expected (`KVO_EXPECT_GPU`, see
+/// tests/gpu_common/mod.rs).
+fn gpu(test: &str) -> Option<Arc<dyn GpuRuntime>> {
+    gpu_common::gpu(test).map(|rt| Arc::new(rt) as Arc<dyn GpuRuntime>)
 }
 
 fn random_layouts(rt: &Arc<dyn GpuRuntime>, choice: BackendChoice, expect: Option<Backend>, seed: u64) {
@@ -51,7 +39,7 @@ fn random_layouts(rt: &Arc<dyn GpuRuntime>, choice: BackendChoice, expect: Optio
 
 #[test]
 fn gpu_every_byte_every_backend() {
-    let Some(rt) = gpu() else { return };
+    let Some(rt) = gpu("gpu_every_byte_every_backend") else { return };
     println!("device: {}", rt.describe());
     random_layouts(&rt, BackendChoice::Force(Backend::PerFragment), Some(Backend::PerFragment), 11);
     random_layouts(&rt, BackendChoice::Force(Backend::Batched), Some(Backend::Batched), 12);
@@ -67,7 +55,7 @@ fn block_major(layers: usize, page: usize, blocks: usize) -> Shape {
 
 #[test]
 fn gpu_staged_in_many_chunks_at_kv_sizes() {
-    let Some(rt) = gpu() else { return };
+    let Some(rt) = gpu("gpu_staged_in_many_chunks_at_kv_sizes") else { return };
     // 8 layers of 32 KiB pages (host blocks of 256 KiB), 20 of 24 blocks a
     // job: in one chunk (default staging), in chunks of 4 pages alternating
     // between the two streams, and with 32 KiB + 8 pages (the kernel's byte
@@ -86,7 +74,7 @@ fn gpu_staged_in_many_chunks_at_kv_sizes() {
 
 #[test]
 fn gpu_auto_stages_while_the_other_direction_is_busy() {
-    let Some(rt) = gpu() else { return };
+    let Some(rt) = gpu("gpu_auto_stages_while_the_other_direction_is_busy") else { return };
     // Host runs of 8 x 32 KiB: a load alone takes the gather kernel; a store
     // submitted while it is in flight (unreported) is staged.
     let mut rig = Rig::new(rt.clone(), block_major(8, 32 << 10, 16), opts(BackendChoice::Auto), Pin::Registered);
@@ -119,7 +107,7 @@ fn gpu_auto_stages_while_the_other_direction_is_busy() {
 
 #[test]
 fn gpu_gather_vector_and_byte_paths_at_kv_sizes() {
-    let Some(rt) = gpu() else { return };
+    let Some(rt) = gpu("gpu_gather_vector_and_byte_paths_at_kv_sizes") else { return };
     // 32 KiB pages (vector path), and a 32 KiB + 8 page (byte path), many
     // fragments per block of the grid; plus a 3-entry table (many launches).
     for (page, entries) in [(32 << 10, 1 << 16), ((32 << 10) + 8, 1 << 16), (4096, 3)] {
@@ -136,7 +124,7 @@ fn gpu_gather_vector_and_byte_paths_at_kv_sizes() {
 
 #[test]
 fn gpu_gather_never_runs_on_unregistered_memory() {
-    let Some(rt) = gpu() else { return };
+    let Some(rt) = gpu("gpu_gather_never_runs_on_unregistered_memory") else { return };
     for choice in [BackendChoice::Force(Backend::Gather), BackendChoice::Auto] {
         let mut rig = Rig::new(rt.clone(), simple(2, 16 << 10, 16), opts(choice), Pin::Unregistered);
         for dir in DIRS {
@@ -150,7 +138,7 @@ fn gpu_gather_never_runs_on_unregistered_memory() {
 
 #[test]
 fn gpu_store_is_ordered_after_compute() {
-    let Some(rt) = gpu() else { return };
+    let Some(rt) = gpu("gpu_store_is_ordered_after_compute") else { return };
     let page = 1 << 20;
     let mut rig = Rig::new(rt.clone(), simple(1, page, 8), opts(BackendChoice::Auto), Pin::Registered);
     rig.fill(1);

@@ -1,17 +1,50 @@
 """The Python front on a real GPU with PyTorch: skipped without torch or a
-CUDA device (run on the H200 machine: pytest -m gpu python/tests)."""
+CUDA device (run on the H200 machine: pytest -m gpu python/tests).
 
+KVO_EXPECT_GPU, as for the Rust GPU tests (tests/gpu_common/mod.rs): set to
+anything but empty or "0" (ci/gpu exports KVO_EXPECT_GPU=1, a GPU is
+expected there), every test here fails with the reason (pytest.fail, shown
+as an error at setup) instead of skipping when torch or its CUDA device is
+missing."""
+
+import os
 import threading
 
 import pytest
 
 import kvoffload as kv
 
-torch = pytest.importorskip("torch")
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch"),
-]
+EXPECT_GPU = os.environ.get("KVO_EXPECT_GPU", "") not in ("", "0")
+
+
+def _torch_and_why_not():
+    """torch (or None), and why the GPU tests cannot run (None: they can)."""
+    try:
+        import torch
+    except ImportError as e:
+        return None, f"no PyTorch ({e})"
+    if torch.cuda.is_available():
+        return torch, None
+    try:  # is_available() says no more; init() raises the driver's reason
+        torch.cuda.init()
+        detail = "torch.cuda.init() raised nothing"
+    except Exception as e:  # noqa: BLE001 - any reason is the message
+        detail = f"torch.cuda.init(): {type(e).__name__}: {e}"
+    return torch, f"no CUDA device visible to torch ({detail}; torch {torch.__version__}, CUDA {torch.version.cuda})"
+
+
+torch, WHY_NO_GPU = _torch_and_why_not()
+pytestmark = [pytest.mark.gpu]
+
+
+@pytest.fixture(autouse=True)
+def _gpu_or_skip():
+    """Runs before the other fixtures: skips, or fails under KVO_EXPECT_GPU."""
+    if WHY_NO_GPU is not None:
+        if EXPECT_GPU:
+            pytest.fail(f"KVO_EXPECT_GPU is set (a GPU is expected here) but {WHY_NO_GPU}", pytrace=False)
+        pytest.skip(WHY_NO_GPU)
+
 
 PAGE = 32 << 10
 BLOCKS = 256
