@@ -186,7 +186,7 @@ fn fallocate(m: &Mapping) -> Result<f64, String> {
 /// runtime asks for one); it has no region and the probe captures nothing,
 /// so it never holds a call back.
 fn register(rt: &CudaRuntime, m: &Mapping, chunk: usize) -> Result<(f64, f64), String> {
-    let coord = Coordinator::without_region(CapturePolicy::AfterPinning);
+    let coord = Coordinator::without_region(rt, CapturePolicy::AfterPinning).map_err(|e| e.to_string())?;
     let gated = |f: &dyn Fn(&kvoffload::runtime::Gate) -> kvoffload::runtime::DriverResult<()>| {
         coord.unsafe_call("pin probe", f).map_err(|e| e.to_string())?.map_err(|e| e.to_string())
     };

@@ -35,7 +35,7 @@ fn scenario(relaxed: bool) {
     // coordinator with no region that A's capture does not go through (no
     // window), so B's register reaches the sim during the capture, which is
     // the rule this model checks.
-    let coord = Coordinator::without_region(CapturePolicy::AfterPinning);
+    let coord = Coordinator::without_region(&*sim, CapturePolicy::AfterPinning).unwrap();
     let s = sim.stream_create().unwrap();
     let d = coord.unsafe_call("alloc", |g| sim.mem_alloc(g, 64)).unwrap().unwrap();
     let addr = HOST.as_ptr() as usize;

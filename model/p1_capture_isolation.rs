@@ -39,7 +39,7 @@ mod common;
 use common::{check, fixture, negative, Bounds};
 use kvoffload::pin::{NoPrefault, PinHandle};
 use kvoffload::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::runtime::{CaptureMode, Gate};
+use kvoffload::runtime::CaptureMode;
 use kvoffload::sync::thread;
 
 fn scenario(variant: Variant) {
@@ -60,7 +60,7 @@ fn scenario_with(variant: Variant, forged: bool) {
     let (prt, pcoord) = (rt.clone(), f.coord.clone());
     let poller = thread::spawn(move || {
         if forged {
-            return Ok(prt.event_query(&Gate::forged(), e).is_ok());
+            return Ok(prt.event_query(&pcoord.forged_gate(), e).is_ok());
         }
         pcoord.try_unsafe_call(|g| prt.event_query(g, e)).map(|r| r.is_ok())
     });

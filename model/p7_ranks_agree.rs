@@ -63,7 +63,13 @@ fn scenario(rank1_fails_at: Option<u64>) {
             let base = mem.as_mut_ptr() as usize;
             // SAFETY: both chunks are pieces of `mem`, leaked read-write
             // memory that lives (mapped) forever.
-            let coord = unsafe { Coordinator::new(CapturePolicy::AfterPinning, &[(base, 64), (base + 64, 64)], None) };
+            // Each rank is an engine process with its own runtime handle on
+            // the one device (and so its own coordinator).
+            let rt = if rank == 0 { rt.clone() } else { shared(rt.as_sim().unwrap().another_handle()) };
+            let coord = unsafe {
+                Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &[(base, 64), (base + 64, 64)], None)
+            }
+            .unwrap();
             let (rt, slots, c) = (rt.clone(), slots.clone(), coord.clone());
             let h = thread::spawn(move || {
                 let a = Agreement { slots: slots.clone(), rank, timeout: None };
@@ -177,7 +183,13 @@ fn transport_scenario(fault: Fault, variant: Variant) {
             let base = mem.as_mut_ptr() as usize;
             // SAFETY: both chunks are pieces of `mem`, leaked read-write
             // memory that lives (mapped) forever.
-            let coord = unsafe { Coordinator::new(CapturePolicy::AfterPinning, &[(base, 64), (base + 64, 64)], None) };
+            // Each rank is an engine process with its own runtime handle on
+            // the one device (and so its own coordinator).
+            let rt = if rank == 0 { rt.clone() } else { shared(rt.as_sim().unwrap().another_handle()) };
+            let coord = unsafe {
+                Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &[(base, 64), (base + 64, 64)], None)
+            }
+            .unwrap();
             coord.set_variant(variant);
             let end = RankEnd { ex: ex.clone(), rank, breaks: fault == Fault::Transport && rank == 1 };
             let t: Arc<dyn Transport> = arc_dyn(end, |a: StdArc<RankEnd>| -> StdArc<dyn Transport> { a });

@@ -40,8 +40,8 @@ struct Rig<'a> {
 impl<'a> Rig<'a> {
     fn new(rt: &'a dyn GpuRuntime, cap: usize) -> Self {
         let s = rt.stream_create().unwrap();
-        let table = gated(|gt| rt.mem_alloc(gt, cap * PATTERN_ENTRY_BYTES)).unwrap();
-        let out = gated(|gt| rt.mem_alloc(gt, cap * 4)).unwrap();
+        let table = gated(rt, |gt| rt.mem_alloc(gt, cap * PATTERN_ENTRY_BYTES)).unwrap();
+        let out = gated(rt, |gt| rt.mem_alloc(gt, cap * 4)).unwrap();
         Rig { rt, s, table, out, cap }
     }
 
@@ -51,7 +51,7 @@ impl<'a> Rig<'a> {
     fn write(&self, dst: DevicePtr, bytes: &[u8]) {
         // SAFETY: `bytes` outlives the synchronize below.
         unsafe { self.rt.copy_htod_async(dst, bytes.as_ptr() as usize, bytes.len(), self.s).unwrap() };
-        gated(|gt| self.rt.stream_synchronize(gt, self.s)).unwrap();
+        gated(self.rt, |gt| self.rt.stream_synchronize(gt, self.s)).unwrap();
     }
 
     fn read(&self, src: DevicePtr, n: usize) -> Vec<u8> {
@@ -79,7 +79,7 @@ impl<'a> Rig<'a> {
         // host memory through its alias), or, in the sim-only fault tests,
         // memory the simulated GPU refuses with a fault instead of writing.
         unsafe { self.rt.launch(k, self.s).unwrap() };
-        gated(|gt| self.rt.stream_synchronize(gt, self.s)).unwrap();
+        gated(self.rt, |gt| self.rt.stream_synchronize(gt, self.s)).unwrap();
     }
 
     /// Mismatching words per entry.
@@ -92,7 +92,7 @@ impl<'a> Rig<'a> {
         // SAFETY: as for `fill`; the kernel writes `entries.len()` counters
         // of `out`.
         unsafe { self.rt.launch(k, self.s).unwrap() };
-        gated(|gt| self.rt.stream_synchronize(gt, self.s)).unwrap();
+        gated(self.rt, |gt| self.rt.stream_synchronize(gt, self.s)).unwrap();
         self.read(self.out, entries.len() * 4).chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect()
     }
 
@@ -105,8 +105,12 @@ impl<'a> Rig<'a> {
 
 impl Drop for Rig<'_> {
     fn drop(&mut self) {
-        let _ = gated(|gt| self.rt.mem_free(gt, self.table));
-        let _ = gated(|gt| self.rt.mem_free(gt, self.out));
+        // SAFETY: every kernel of the rig ran on `s` and was synchronized by
+        // the test that launched it (or faulted, poisoning the context); the
+        // rig is gone after this.
+        let _ = gated(self.rt, |gt| unsafe { self.rt.mem_free(gt, self.table) });
+        // SAFETY: as above.
+        let _ = gated(self.rt, |gt| unsafe { self.rt.mem_free(gt, self.out) });
         let _ = self.rt.stream_destroy(self.s);
     }
 }
@@ -123,7 +127,7 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
     // Two blocks of four 16 KiB pages, one entry per page: page p of block
     // b is words p * 2048.. of key 1000 + b.
     let page = 16 << 10;
-    let mem = gated(|gt| rt.mem_alloc(gt, 8 * page)).unwrap();
+    let mem = gated(rt, |gt| rt.mem_alloc(gt, 8 * page)).unwrap();
     // One entry over all of it (more words than a block has threads, more
     // bytes than the simulated GPU generates at a time).
     let whole = [[mem.raw(), 999, 0, 8 * page as u64]];
@@ -158,7 +162,7 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
     // Misaligned and odd-length: 1001 bytes at +3 from word 5 of key 77, an
     // aligned 13 bytes (one word and a 5-byte tail), an empty entry; the
     // bytes around them keep their 0xAA.
-    let odd = gated(|gt| rt.mem_alloc(gt, 2048)).unwrap();
+    let odd = gated(rt, |gt| rt.mem_alloc(gt, 2048)).unwrap();
     rig.write(odd, &[0xAA; 2048]);
     let ranges: Vec<Entry> =
         vec![[odd.raw() + 3, 77, 5, 1001], [odd.raw() + 1024, 78, 0, 13], [odd.raw() + 1100, 79, 0, 0]];
@@ -182,7 +186,7 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
     // More entries than one launch has blocks (the grid strides): 5000
     // ranges of 40 bytes.
     let n = 5000u64;
-    let many = gated(|gt| rt.mem_alloc(gt, n as usize * 48)).unwrap();
+    let many = gated(rt, |gt| rt.mem_alloc(gt, n as usize * 48)).unwrap();
     let small: Vec<Entry> = (0..n).map(|i| [many.raw() + 48 * i, i, i, 40]).collect();
     rig.fill(&small);
     let got = rig.read(many, n as usize * 48);
@@ -196,7 +200,7 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
     assert_eq!(nonzero(&rig.check(&small)), vec![(4321, 1)]);
 
     // Host memory through its device alias.
-    let host = gated(|gt| rt.mem_alloc_host(gt, 4096)).unwrap();
+    let host = gated(rt, |gt| rt.mem_alloc_host(gt, 4096)).unwrap();
     let alias = rt.host_device_ptr(host).unwrap();
     rig.fill(&[[alias.raw() + 8, 5, 0, 4000]]);
     // SAFETY: the allocation holds 4096 bytes and the kernel has finished.
@@ -206,12 +210,15 @@ fn fill_check_and_odd_ranges(rt: &dyn GpuRuntime) {
     assert!(seen[8..4008] == want, "host memory written through its alias");
     assert_eq!(rig.check(&[[alias.raw() + 8, 5, 0, 4000]]), vec![0]);
 
-    gated(|gt| rt.mem_free_host(gt, host)).unwrap();
+    // SAFETY: the rig's kernels have finished (their checks synchronized
+    // the stream); nothing uses the memory afterwards.
+    gated(rt, |gt| unsafe { rt.mem_free_host(gt, host) }).unwrap();
     for p in [mem, odd, many] {
-        gated(|gt| rt.mem_free(gt, p)).unwrap();
+        // SAFETY: as above.
+        gated(rt, |gt| unsafe { rt.mem_free(gt, p) }).unwrap();
     }
     drop(rig);
-    gated(|gt| rt.ctx_synchronize(gt)).expect("context healthy after the pattern kernels");
+    gated(rt, |gt| rt.ctx_synchronize(gt)).expect("context healthy after the pattern kernels");
 }
 
 #[test]
@@ -234,17 +241,17 @@ fn sim_pattern_fill_on_unregistered_host_memory_faults() {
     let rig = Rig::new(&rt, 1);
     let buf = vec![0u8; 4096];
     // SAFETY: `buf` outlives its registration (unregistered below).
-    unsafe { gated(|gt| rt.host_register(gt, buf.as_ptr() as usize, 4096)).unwrap() };
+    unsafe { gated(&rt, |gt| rt.host_register(gt, buf.as_ptr() as usize, 4096)).unwrap() };
     let alias = rt.host_device_ptr(buf.as_ptr() as usize).unwrap();
     rig.fill(&[[alias.raw(), 1, 0, 64]]);
     assert!(pattern::first_mismatch(1, &buf[..64]).is_none(), "registered host memory written");
-    gated(|gt| rt.host_unregister(gt, buf.as_ptr() as usize)).unwrap();
+    gated(&rt, |gt| rt.host_unregister(gt, buf.as_ptr() as usize)).unwrap();
     let _keep = rig.upload(&[[alias.raw(), 1, 0, 64]]);
     // SAFETY: the simulated GPU faults on the unregistered alias (what this
     // test checks) instead of writing through it; the table was uploaded on
     // the same stream.
     unsafe { rt.launch(Kernel::PatternFill { table: rig.table, count: 1 }, rig.s).unwrap() };
-    assert_eq!(gated(|gt| rt.stream_synchronize(gt, rig.s)).unwrap_err().code, Code::ILLEGAL_ADDRESS);
+    assert_eq!(gated(&rt, |gt| rt.stream_synchronize(gt, rig.s)).unwrap_err().code, Code::ILLEGAL_ADDRESS);
     assert_eq!(rt.poisoned(), Some(Code::ILLEGAL_ADDRESS));
 }
 
@@ -253,10 +260,10 @@ fn sim_pattern_fill_on_unregistered_host_memory_faults() {
 fn sim_pattern_check_with_misaligned_counters_faults() {
     let rt = SimRuntime::new();
     let rig = Rig::new(&rt, 1);
-    let mem = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
+    let mem = gated(&rt, |gt| rt.mem_alloc(gt, 64)).unwrap();
     let _keep = rig.upload(&[[mem.raw(), 1, 0, 64]]);
     // SAFETY: the simulated GPU faults on the misaligned counters (what this
     // test checks) instead of writing them; `mem` is a live allocation.
     unsafe { rt.launch(Kernel::PatternCheck { table: rig.table, count: 1, out: rig.out.offset(2) }, rig.s).unwrap() };
-    assert_eq!(gated(|gt| rt.stream_synchronize(gt, rig.s)).unwrap_err().code, Code::MISALIGNED_ADDRESS);
+    assert_eq!(gated(&rt, |gt| rt.stream_synchronize(gt, rig.s)).unwrap_err().code, Code::MISALIGNED_ADDRESS);
 }

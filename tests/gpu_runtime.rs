@@ -14,7 +14,7 @@ fn gpu_copy_round_trip_and_graph_replay() {
     let Some(rt) = gpu("gpu_copy_round_trip_and_graph_replay") else { return };
     let n = 1 << 20;
     let s = rt.stream_create().unwrap();
-    let d = gated(|gt| rt.mem_alloc(gt, n)).unwrap();
+    let d = gated(&rt, |gt| rt.mem_alloc(gt, n)).unwrap();
     let src: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
     let mut out = vec![0u8; n];
     // SAFETY: both buffers outlive the synchronize below.
@@ -22,7 +22,7 @@ fn gpu_copy_round_trip_and_graph_replay() {
         rt.copy_htod_async(d, src.as_ptr() as usize, n, s).unwrap();
         rt.copy_dtoh_async(out.as_mut_ptr() as usize, d, n, s).unwrap();
     }
-    gated(|gt| rt.stream_synchronize(gt, s)).unwrap();
+    gated(&rt, |gt| rt.stream_synchronize(gt, s)).unwrap();
     assert_eq!(src, out);
 
     rt.begin_capture(s, CaptureMode::Global).unwrap();
@@ -31,12 +31,13 @@ fn gpu_copy_round_trip_and_graph_replay() {
     unsafe { rt.memset_d8_async(d, 0x5a, n, s).unwrap() };
     let g = rt.end_capture(s).unwrap();
     rt.graph_launch(g, s).unwrap();
-    gated(|gt| rt.stream_synchronize(gt, s)).unwrap();
+    gated(&rt, |gt| rt.stream_synchronize(gt, s)).unwrap();
     // SAFETY: `out` is writable.
     unsafe { rt.copy_dtoh(out.as_mut_ptr() as usize, d, n).unwrap() };
     assert!(out.iter().all(|&b| b == 0x5a));
     rt.graph_destroy(g).unwrap();
-    gated(|gt| rt.mem_free(gt, d)).unwrap();
+    // SAFETY: the replay was synchronized and the graph is destroyed.
+    gated(&rt, |gt| unsafe { rt.mem_free(gt, d) }).unwrap();
     rt.stream_destroy(s).unwrap();
 }
 
@@ -50,7 +51,7 @@ fn gpu_chunked_pinning_and_rollback_free_shutdown() {
     let ranges: Vec<_> = (0..4).map(|i| (base + i * chunk, chunk)).collect();
     // SAFETY: the ranges are pieces of `mem` (read-write), which the
     // coordinator holds.
-    let coord = unsafe { Coordinator::new(CapturePolicy::AfterPinning, &ranges, Some(Box::new(mem))) };
+    let coord = unsafe { Coordinator::new(&rt, CapturePolicy::AfterPinning, &ranges, Some(Box::new(mem))) }.unwrap();
     assert_eq!(pin_all(&rt, &coord, &NoPrefault), PinState::Pinned);
     let alias = coord.acquire_alias(base + chunk, 4096).expect("alias of a registered chunk");
     assert_ne!(alias.device, DevicePtr::NULL);

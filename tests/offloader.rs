@@ -75,7 +75,7 @@ fn check_blocks(off: &Offloader, key: u64, gpu: &[usize]) -> usize {
 fn capture_in_window(off: &Offloader) -> bool {
     let rt = off.runtime();
     let s = rt.stream_create().unwrap();
-    let scratch = off.gated("scratch", |g, rt| rt.mem_alloc(g, 4096)).unwrap().unwrap();
+    let scratch = off.gated("scratch", |calls| calls.mem_alloc(4096)).unwrap().unwrap();
     let ok = {
         let _w = off.capture_window().unwrap();
         rt.begin_capture(s, CaptureMode::Global).unwrap();
@@ -90,7 +90,9 @@ fn capture_in_window(off: &Offloader) -> bool {
             Err(_) => false,
         }
     };
-    off.gated("scratch", |g, rt| rt.mem_free(g, scratch)).unwrap().unwrap();
+    // SAFETY: the graph that used `scratch` is destroyed and its capture
+    // never ran; nothing uses it afterwards.
+    off.gated("scratch", |calls| unsafe { calls.mem_free(scratch) }).unwrap().unwrap();
     rt.stream_destroy(s).unwrap();
     ok
 }

@@ -32,7 +32,7 @@ fn stop_inside(s: &Arc<SimRuntime>, first: Hold, k: usize) -> Hold {
 fn state_goes_pending_pinning_pinned_and_is_waitable() {
     let (mut r, opts) = region(CHUNKS, CHUNK);
     let (s, rt) = sim();
-    let p = Prepared::new(&r, &opts).unwrap();
+    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
     let coord = p.coordinator().clone();
     assert_eq!(coord.pin_state(), PinState::Pending);
 
@@ -67,7 +67,7 @@ fn cancel_midway_rolls_back_to_pageable() {
     for k in [0, 2, CHUNKS - 1] {
         let (mut r, opts) = region(CHUNKS, CHUNK);
         let (s, rt) = sim();
-        let p = Prepared::new(&r, &opts).unwrap();
+        let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
         let first = s.hold(HoldPoint::Register);
         let h = p.spawn(rt.clone());
         let hold = stop_inside(&s, first, k);
@@ -94,7 +94,7 @@ fn cancel_midway_rolls_back_to_pageable() {
 fn cancel_before_start_never_registers() {
     let (r, opts) = region(2, CHUNK);
     let (s, rt) = sim();
-    let p = Prepared::new(&r, &opts).unwrap();
+    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
     p.coordinator().cancel_pinning();
     let h = p.spawn(rt.clone());
     assert_eq!(h.join(), PinState::Pageable(PageableReason::Cancelled));
@@ -105,7 +105,7 @@ fn cancel_before_start_never_registers() {
 fn dropping_the_handle_after_pinning_keeps_the_state() {
     let (r, opts) = region(2, CHUNK);
     let (s, rt) = sim();
-    let p = Prepared::new(&r, &opts).unwrap();
+    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
     let h = p.spawn(rt.clone());
     assert_eq!(p.coordinator().wait_pin_final().unwrap(), PinState::Pinned);
     drop(h);
@@ -118,7 +118,7 @@ fn dropping_the_handle_after_pinning_keeps_the_state() {
 fn dropping_the_handle_midway_cancels_and_waits_for_the_rollback() {
     let (mut r, opts) = region(CHUNKS, CHUNK);
     let (s, rt) = sim();
-    let p = Prepared::new(&r, &opts).unwrap();
+    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
     let coord = p.coordinator().clone();
     let first = s.hold(HoldPoint::Register);
     let h = p.spawn(rt.clone());

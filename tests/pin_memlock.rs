@@ -26,21 +26,22 @@ fn oom_under_a_low_memlock_limit_is_memlock_limit() {
 
     let (mut r, opts) = region(4, 1 << 20);
     let (s, rt) = sim();
-    let p = Prepared::new(&r, &opts).unwrap();
+    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
     assert_eq!(p.memlock_limit(), Some(low), "noted at set-up");
     s.inject(SimFault::Register { nth: 3, code: Code::OUT_OF_MEMORY });
     let st = p.pin(rt.as_ref());
     assert_eq!(st, PinState::Pageable(PageableReason::MemlockLimit { limit: low, needed: 4 << 20 }));
     assert_eq!(s.registered_ranges(), 0);
 
-    // Another code is not blamed on the limit.
+    // Another code is not blamed on the limit (a second coordinator for
+    // the runtime once the first is gone).
+    drop(p);
     let (r2, opts2) = region(2, 1 << 20);
-    let p2 = Prepared::new(&r2, &opts2).unwrap();
+    let p2 = Prepared::new(rt.as_ref(), &r2, &opts2).unwrap();
     s.inject(SimFault::Register { nth: 1, code: Code::NOT_SUPPORTED });
     assert_eq!(p2.pin(rt.as_ref()), PinState::Pageable(PageableReason::NotSupported));
 
     // SAFETY: restores the original limits.
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &r0) }, 0);
-    drop(p);
     assert_usable(&mut r, 5);
 }

@@ -31,7 +31,7 @@ fn expected(code: Code, bytes: usize) -> PageableReason {
 fn fail_at(k: usize, code: Code, background: bool) {
     let (mut r, opts) = region(CHUNKS, CHUNK);
     let (s, rt) = sim();
-    let p = Prepared::new(&r, &opts).unwrap();
+    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
     assert_eq!(p.chunks(), CHUNKS);
     s.inject(SimFault::Register { nth: k as u64 + 1, code });
     let state = if background {
@@ -73,7 +73,7 @@ fn failure_in_background_mode_rolls_back() {
 fn other_driver_codes_are_carried() {
     let (mut r, opts) = region(3, CHUNK);
     let (s, rt) = sim();
-    let p = Prepared::new(&r, &opts).unwrap();
+    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
     s.inject(SimFault::Register { nth: 2, code: Code(999) });
     match p.pin(rt.as_ref()) {
         PinState::Pageable(PageableReason::Driver(e)) => assert_eq!(e.code, Code(999)),
@@ -88,7 +88,7 @@ fn other_driver_codes_are_carried() {
 fn success_registers_every_chunk_and_unregisters_cleanly() {
     let (mut r, opts) = region(CHUNKS, CHUNK);
     let (s, rt) = sim();
-    let p = Prepared::new(&r, &opts).unwrap();
+    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
     assert_eq!(p.pin(rt.as_ref()), PinState::Pinned);
     assert_eq!(s.registered_ranges(), CHUNKS);
     for i in 0..CHUNKS {
@@ -111,10 +111,12 @@ fn prefault_failure_ends_pageable_host_memory() {
     let base = r.as_ptr() as usize;
     let chunks = [(base, CHUNK), (base + CHUNK + 8, CHUNK - page_size())];
     // SAFETY: the ranges lie in `r` (read-write), which the coordinator holds.
-    let coord = unsafe { Coordinator::new(CapturePolicy::AfterPinning, &chunks, Some(Box::new(r.clone()))) };
+    let (s, rt) = sim();
+    let coord =
+        unsafe { Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &chunks, Some(Box::new(r.clone()))) }
+            .unwrap();
     // SAFETY: the ranges lie in `r`, alive until after pinning settled.
     let pf = unsafe { Prefaulter::new(PrefaultConfig { threads: 2, mode: PrefaultMode::Populate, huge_pages: false }) };
-    let (s, rt) = sim();
     match pin_all(rt.as_ref(), &coord, &pf) {
         PinState::Pageable(PageableReason::HostMemory(msg)) => {
             assert!(msg.contains("chunk 1") && msg.contains("page size"), "{msg}")
@@ -132,7 +134,7 @@ fn prefault_failure_ends_pageable_host_memory() {
 fn without_prefault_pinning_still_works() {
     let (r, opts) = region(2, CHUNK);
     let (s, rt) = sim();
-    let p = Prepared::new(&r, &opts.prefault(PrefaultMode::Off)).unwrap();
+    let p = Prepared::new(rt.as_ref(), &r, &opts.prefault(PrefaultMode::Off)).unwrap();
     assert!(p.prefaulter().is_none());
     assert_eq!(p.pin(rt.as_ref()), PinState::Pinned);
     assert_eq!(s.registered_ranges(), 2);
@@ -163,8 +165,10 @@ fn each_chunk_is_made_resident_before_registration_and_the_next_hinted() {
     let base = r.as_ptr() as usize;
     let chunks: Vec<(usize, usize)> = (0..3).map(|i| (base + i * CHUNK, CHUNK)).collect();
     // SAFETY: the ranges lie in `r` (read-write), which the coordinator holds.
-    let coord = unsafe { Coordinator::new(CapturePolicy::AfterPinning, &chunks, Some(Box::new(r.clone()))) };
     let (s, rt) = sim();
+    let coord =
+        unsafe { Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &chunks, Some(Box::new(r.clone()))) }
+            .unwrap();
     let rec = Recorder::default();
     assert_eq!(pin_all(rt.as_ref(), &coord, &rec), PinState::Pinned);
     let calls = rec.0.lock().unwrap().clone();

@@ -34,14 +34,14 @@ fn zero_and_too_large_options_are_typed() {
     let cases =
         [(PinOptions::default().threads(0), "threads"), (PinOptions::default().max_chunk_bytes(0), "max_chunk_bytes")];
     for (o, what) in cases {
-        match Prepared::new(&r, &o) {
+        match Prepared::new(&SimRuntime::new(), &r, &o) {
             Err(PinError::ZeroSize { what: w }) => assert_eq!(w, what),
             other => panic!("expected ZeroSize {what}, got {other:?}"),
         }
     }
     // Never one call of 512 GiB or more.
     for bad in [512usize << 30, MAX_CHUNK_LIMIT + 1] {
-        match prepare(&r, &PinOptions::default().max_chunk_bytes(bad)) {
+        match prepare(&SimRuntime::new(), &r, &PinOptions::default().max_chunk_bytes(bad)) {
             Err(e @ PinError::TooLarge { .. }) => {
                 let PinError::TooLarge { what, value, limit } = e else { unreachable!() };
                 assert_eq!((what, value, limit), ("max_chunk_bytes", bad as u64, MAX_CHUNK_LIMIT as u64));
@@ -50,7 +50,7 @@ fn zero_and_too_large_options_are_typed() {
             Ok(_) => panic!("expected TooLarge, got a coordinator"),
         }
     }
-    match Prepared::new(&r, &PinOptions::default().threads(100_000)) {
+    match Prepared::new(&SimRuntime::new(), &r, &PinOptions::default().threads(100_000)) {
         Err(PinError::TooLarge { what: "threads", .. }) => {}
         other => panic!("expected TooLarge threads, got {other:?}"),
     }
@@ -61,7 +61,7 @@ fn chunk_bound_below_one_row_is_typed() {
     let p = page_size();
     let l = Layout::new(3, 2 * p, 4).unwrap(); // rows of 6 pages
     let r = Arc::new(Region::anonymous(l, &AnonOptions::new()).unwrap());
-    match Prepared::new(&r, &PinOptions::default().max_chunk_bytes(5 * p)) {
+    match Prepared::new(&SimRuntime::new(), &r, &PinOptions::default().max_chunk_bytes(5 * p)) {
         Err(PinError::Region(RegionError::ChunkBoundBelowRow { max_bytes, row_bytes })) => {
             assert_eq!((max_bytes, row_bytes), (5 * p, 6 * p))
         }
@@ -92,7 +92,7 @@ fn chunks_are_whole_rows_within_the_bound_and_cover_the_region() {
     let l = Layout::new(3, 2 * p, 50).unwrap(); // rows of 6 pages
     let r = Arc::new(Region::anonymous(l, &AnonOptions::new()).unwrap());
     let max = 25 * p; // 4 rows per chunk (24 pages)
-    let (coord, _pf) = prepare(&r, &PinOptions::default().max_chunk_bytes(max)).unwrap();
+    let (coord, _pf) = prepare(&SimRuntime::new(), &r, &PinOptions::default().max_chunk_bytes(max)).unwrap();
     let n = coord.chunk_count();
     assert_eq!(n, 50usize.div_ceil(4));
     let mut next = r.as_ptr() as usize;
@@ -109,15 +109,15 @@ fn chunks_are_whole_rows_within_the_bound_and_cover_the_region() {
 #[test]
 fn huge_pages_auto_is_on_for_anonymous_off_for_shared() {
     let (r, o) = region(2, 2 << 20);
-    let p = Prepared::new(&r, &o).unwrap();
+    let p = Prepared::new(&SimRuntime::new(), &r, &o).unwrap();
     // The advice is accepted wherever THP is compiled in.
     assert_eq!(p.huge_pages(), kvoffload::pin::thp_setting("enabled").is_some());
-    let p = Prepared::new(&r, &o.clone().huge_pages(HugePages::Off)).unwrap();
+    let p = Prepared::new(&SimRuntime::new(), &r, &o.clone().huge_pages(HugePages::Off)).unwrap();
     assert!(!p.huge_pages());
 
     let g = ShmGuard::new("pin-auto-huge");
     let s = Arc::new(Region::create(&g.name, Layout::new(1, page_size(), 16).unwrap(), 0, &ShmOptions::new()).unwrap());
-    let p = Prepared::new(&s, &PinOptions::default()).unwrap();
+    let p = Prepared::new(&SimRuntime::new(), &s, &PinOptions::default()).unwrap();
     assert!(!p.huge_pages(), "shared regions get no advice by default");
     drop(p);
     drop(s);
@@ -127,7 +127,7 @@ fn huge_pages_auto_is_on_for_anonymous_off_for_shared() {
 /// What an engine does: create or join, then prepare.
 fn shm_setup(name: &str, layout: Layout) -> Result<(Arc<Region>, Prepared), PinError> {
     let r = Arc::new(Region::create(name, layout, 0, &ShmOptions::new().timeout(Duration::from_millis(200)))?);
-    let p = Prepared::new(&r, &PinOptions::default())?;
+    let p = Prepared::new(&SimRuntime::new(), &r, &PinOptions::default())?;
     Ok((r, p))
 }
 
@@ -183,7 +183,8 @@ fn shared_region_pinned_by_two_ranks_sees_both_ranks_writes() {
     let barrier = Arc::new(Barrier::new(2));
     let opts = ShmOptions::new().timeout(Duration::from_secs(10));
     as_two_ranks(&g, layout, &opts, move |rank, r, sim, rt| {
-        let prep = Prepared::new(&r, &PinOptions::default().max_chunk_bytes(3 * layout.row_bytes())).unwrap();
+        let prep =
+            Prepared::new(rt.as_ref(), &r, &PinOptions::default().max_chunk_bytes(3 * layout.row_bytes())).unwrap();
         // The 8 rows are one data file: units of at most a quarter of
         // it (2 rows), below the bound of 3 rows.
         assert_eq!(prep.chunks(), 4);
@@ -224,7 +225,7 @@ fn shared_rank_major_region_pins_only_its_own_share() {
     let layout = Layout::rank_major(2, 2 * p, 8).unwrap();
     let opts = ShmOptions::new().timeout(Duration::from_secs(10)).files(FileSplit::Multi { max_file_bytes: 8 * p });
     as_two_ranks(&g, layout, &opts, move |rank, r, sim, rt| {
-        let prep = Prepared::new(&r, &PinOptions::default().max_chunk_bytes(4 * p)).unwrap();
+        let prep = Prepared::new(rt.as_ref(), &r, &PinOptions::default().max_chunk_bytes(4 * p)).unwrap();
         assert_eq!(prep.bytes(), layout.bytes_per_rank(), "rank {rank}");
         // Units of at most a quarter file (2 pages here) and of the bound.
         assert_eq!(prep.chunks(), 8, "rank {rank}");

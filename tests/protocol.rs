@@ -7,22 +7,23 @@ use kvoffload::protocol::{
     shutdown, CapturePolicy, ChunkReg, Coordinator, PageableReason, PinState, ProtocolError, ShutdownError,
 };
 use kvoffload::runtime::sim::{HoldPoint, SimRuntime};
+use kvoffload::runtime::GpuRuntime;
 
 /// A coordinator over `chunks` chunks of 4096 bytes of heap memory, which
 /// it holds, and the chunks' ranges.
-fn coordinator(policy: CapturePolicy, chunks: usize) -> (Arc<Coordinator>, Vec<(usize, usize)>) {
+fn coordinator(rt: &SimRuntime, policy: CapturePolicy, chunks: usize) -> (Arc<Coordinator>, Vec<(usize, usize)>) {
     let mem = vec![0u8; chunks * 4096];
     let ranges: Vec<(usize, usize)> = (0..chunks).map(|i| (mem.as_ptr() as usize + i * 4096, 4096)).collect();
     // SAFETY: the chunks are pieces of `mem`'s heap buffer (read-write),
     // which the coordinator holds (moving the Vec does not move the buffer).
-    let coord = unsafe { Coordinator::new(policy, &ranges, Some(Box::new(mem))) };
+    let coord = unsafe { Coordinator::new(rt, policy, &ranges, Some(Box::new(mem))) }.unwrap();
     (coord, ranges)
 }
 
 #[test]
 fn shutdown_refuses_while_a_window_is_open_then_succeeds() {
     let rt = SimRuntime::new();
-    let (coord, _) = coordinator(CapturePolicy::AfterPinning, 2);
+    let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 2);
     assert_eq!(pin_all(&rt, &coord, &NoPrefault), PinState::Pinned);
     let w = coord.open_window().unwrap();
     assert_eq!(shutdown(&rt, &coord, || {}), Err(ShutdownError::Refused(ProtocolError::WindowOpen { open: 1 })));
@@ -35,7 +36,7 @@ fn shutdown_refuses_while_a_window_is_open_then_succeeds() {
 #[test]
 fn shutdown_refuses_while_graphs_live() {
     let rt = SimRuntime::new();
-    let (coord, _) = coordinator(CapturePolicy::AfterPinning, 1);
+    let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 1);
     pin_all(&rt, &coord, &NoPrefault);
     let g = coord.register_graph().unwrap();
     assert_eq!(shutdown(&rt, &coord, || {}), Err(ShutdownError::Refused(ProtocolError::GraphsAlive { live: 1 })));
@@ -47,7 +48,7 @@ fn shutdown_refuses_while_graphs_live() {
 #[test]
 fn work_after_shutdown_is_refused() {
     let rt = SimRuntime::new();
-    let (coord, _) = coordinator(CapturePolicy::AfterPinning, 1);
+    let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 1);
     shutdown(&rt, &coord, || {}).unwrap();
     assert!(matches!(coord.admit_job(), Err(ProtocolError::ShutDown)));
     assert!(matches!(coord.open_window(), Err(ProtocolError::ShutDown)));
@@ -58,7 +59,7 @@ fn work_after_shutdown_is_refused() {
 #[test]
 fn waiting_inside_ones_own_window_is_refused() {
     let rt = Arc::new(SimRuntime::new());
-    let (coord, _) = coordinator(CapturePolicy::Interleave, 2);
+    let (coord, _) = coordinator(&rt, CapturePolicy::Interleave, 2);
     let w = coord.open_window().unwrap();
     assert!(matches!(coord.wait_pin_final(), Err(ProtocolError::WouldDeadlock { .. })));
     assert!(matches!(coord.unsafe_call("x", |_| ()), Err(ProtocolError::WouldDeadlock { .. })));
@@ -73,7 +74,7 @@ fn waiting_inside_ones_own_window_is_refused() {
 #[test]
 fn alias_only_for_registered_chunks() {
     let rt = SimRuntime::new();
-    let (coord, ranges) = coordinator(CapturePolicy::AfterPinning, 2);
+    let (coord, ranges) = coordinator(&rt, CapturePolicy::AfterPinning, 2);
     assert!(coord.acquire_alias(ranges[0].0, 64).is_none(), "alias before registration");
     pin_all(&rt, &coord, &NoPrefault);
     let a = coord.acquire_alias(ranges[1].0 + 128, 64).expect("alias of a registered chunk");
@@ -107,8 +108,9 @@ fn a_coordinator_dropped_with_a_chunk_registered_keeps_its_memory() {
         let ranges = [(mem.as_ptr() as usize, 4096)];
         // SAFETY: the chunk is `mem`'s heap buffer, held by `keep_alive`.
         let coord = unsafe {
-            Coordinator::new(CapturePolicy::AfterPinning, &ranges, Some(Box::new(Unmapped(unmapped.clone(), mem))))
-        };
+            Coordinator::new(&rt, CapturePolicy::AfterPinning, &ranges, Some(Box::new(Unmapped(unmapped.clone(), mem))))
+        }
+        .unwrap();
         assert_eq!(pin_all(&rt, &coord, &NoPrefault), PinState::Pinned);
         if unregister_first {
             coord.unregister_all(&rt).unwrap();
@@ -126,7 +128,7 @@ fn a_coordinator_dropped_with_a_chunk_registered_keeps_its_memory() {
 #[test]
 fn the_coordinators_accessors_report_its_state() {
     let rt = SimRuntime::new();
-    let (coord, ranges) = coordinator(CapturePolicy::Interleave, 2);
+    let (coord, ranges) = coordinator(&rt, CapturePolicy::Interleave, 2);
     assert_eq!(coord.policy(), CapturePolicy::Interleave);
     assert_eq!((coord.windows_open(), coord.registered_chunks()), (0, 0));
     assert_eq!(coord.chunk_reg(0), Some(ChunkReg::Unregistered));
@@ -183,8 +185,10 @@ fn the_coordinators_accessors_report_its_state() {
     assert_eq!(coord.activity().pin_waiters, 0);
     shutdown(&rt, &coord, || {}).unwrap();
     assert!(coord.shutting_down());
-    // A cancel before pinning begins stops it from beginning.
-    let (coord, _) = coordinator(CapturePolicy::AfterPinning, 1);
+    // A cancel before pinning begins stops it from beginning (a fresh
+    // coordinator for the runtime, once the first is gone).
+    drop(coord);
+    let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 1);
     assert_eq!(coord.policy(), CapturePolicy::AfterPinning);
     coord.cancel_pinning();
     assert!(!coord.pin_begin(), "pinning began after a cancel");
@@ -193,7 +197,7 @@ fn the_coordinators_accessors_report_its_state() {
 #[test]
 fn a_window_counts_the_registrations_it_waited_for() {
     let rt = Arc::new(SimRuntime::new());
-    let (coord, _) = coordinator(CapturePolicy::Interleave, 2);
+    let (coord, _) = coordinator(&rt, CapturePolicy::Interleave, 2);
     // Nothing in flight: the window waits for nothing (after one
     // registration, counted before it asked).
     assert_eq!(coord.open_window().unwrap().chunks_waited(), 0);
@@ -222,7 +226,7 @@ fn a_window_counts_the_registrations_it_waited_for() {
 #[test]
 fn unregistering_waits_for_the_chunks_alias_users() {
     let rt = Arc::new(SimRuntime::new());
-    let (coord, ranges) = coordinator(CapturePolicy::AfterPinning, 1);
+    let (coord, ranges) = coordinator(&rt, CapturePolicy::AfterPinning, 1);
     assert_eq!(pin_all(rt.as_ref(), &coord, &NoPrefault), PinState::Pinned);
     let a = coord.acquire_alias(ranges[0].0, 64).unwrap();
     let unregister = {
@@ -239,4 +243,62 @@ fn unregistering_waits_for_the_chunks_alias_users() {
     drop(a);
     unregister.join().unwrap().unwrap().unwrap();
     assert_eq!((rt.registered_ranges(), coord.activity().unregisters_waiting), (0, 0));
+}
+
+/// Issue 20's route: a second coordinator for the runtime an offloader's
+/// coordinator guards, whose gate would let a capture-unsafe call overlap
+/// the first one's window (the seed incident: 900, the capture ends 901).
+/// It cannot be made while the first lives, and can once it is gone.
+#[test]
+fn a_second_coordinator_for_a_guarded_runtime_is_refused() {
+    let rt = SimRuntime::new();
+    let (first, _) = coordinator(&rt, CapturePolicy::AfterPinning, 1);
+    match Coordinator::without_region(&rt, CapturePolicy::AfterPinning) {
+        Err(ProtocolError::RuntimeGuarded { backend: "sim" }) => {}
+        Err(e) => panic!("expected RuntimeGuarded, got {e}"),
+        Ok(_) => panic!("a second coordinator was made for a guarded runtime"),
+    }
+    // A guard of the first keeps the runtime guarded after the coordinator
+    // itself is dropped (its gates would still be in use).
+    let graph = first.register_graph().unwrap();
+    drop(first);
+    assert!(matches!(
+        Coordinator::without_region(&rt, CapturePolicy::AfterPinning),
+        Err(ProtocolError::RuntimeGuarded { .. })
+    ));
+    drop(graph);
+    let second = Coordinator::without_region(&rt, CapturePolicy::AfterPinning).expect("the runtime is free again");
+    second.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+}
+
+/// A gate of one coordinator is refused by a runtime another coordinator
+/// guards, with `GATE_REFUSED` and nothing done: the capture of the
+/// guarded runtime's window stays valid. The same for a runtime no
+/// coordinator guards.
+#[test]
+fn a_gate_of_another_coordinator_is_refused_and_the_capture_survives() {
+    use kvoffload::runtime::{CaptureMode, Code};
+    let rt = SimRuntime::new();
+    let other = SimRuntime::new();
+    let unguarded = SimRuntime::new();
+    let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 1);
+    assert_eq!(pin_all(&rt, &coord, &NoPrefault), PinState::Pinned);
+    let foreign = Coordinator::without_region(&other, CapturePolicy::AfterPinning).unwrap();
+
+    let s = rt.stream_create().unwrap();
+    let w = coord.open_window().unwrap();
+    rt.begin_capture(s, CaptureMode::Global).unwrap();
+    let refused = std::thread::scope(|sc| {
+        sc.spawn(|| foreign.unsafe_call("the attacker's alloc", |g| rt.mem_alloc(g, 64)).unwrap()).join().unwrap()
+    });
+    assert_eq!(refused.map_err(|e| e.code), Err(Code::GATE_REFUSED));
+    let graph = rt.end_capture(s).expect("the capture was not invalidated");
+    rt.graph_destroy(graph).unwrap();
+    drop(w);
+    assert!(rt.refusals().is_empty(), "nothing reached the simulated driver: {:?}", rt.refusals());
+    assert_eq!(
+        foreign.unsafe_call("alloc", |g| unguarded.mem_alloc(g, 64)).unwrap().map_err(|e| e.code),
+        Err(Code::GATE_REFUSED)
+    );
+    shutdown(&rt, &coord, || {}).unwrap();
 }

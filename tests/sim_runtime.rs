@@ -13,8 +13,11 @@ fn host(bytes: usize, fill: u8) -> Vec<u8> {
 /// the simulated GPU directly: no window is opened through the coordinator,
 /// so it never holds a call back, and a call made during a capture reaches
 /// the runtime as it did before calls needed a gate.
-fn gated<T>(f: impl FnOnce(&Gate) -> T) -> T {
-    Coordinator::without_region(CapturePolicy::AfterPinning).unsafe_call("test", f).expect("no window, no refusal")
+fn gated<T>(rt: &dyn GpuRuntime, f: impl FnOnce(&Gate) -> T) -> T {
+    Coordinator::without_region(rt, CapturePolicy::AfterPinning)
+        .expect("no other coordinator guards this runtime")
+        .unsafe_call("test", f)
+        .expect("no window, no refusal")
 }
 
 /// `f` on a thread of its own; its result, or the test fails with `hang`
@@ -32,9 +35,9 @@ fn returns_within_60s<T: Send + 'static>(hang: &str, f: impl FnOnce() -> T + Sen
 
 #[test]
 fn copies_run_in_order_and_events_complete_after_them() {
-    let rt = SimRuntime::new();
+    let rt = std::sync::Arc::new(SimRuntime::new());
     let s = rt.stream_create().unwrap();
-    let d = gated(|gt| rt.mem_alloc(gt, 4096)).unwrap();
+    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 4096)).unwrap();
     let src1 = host(4096, 1);
     let src2 = host(4096, 2);
     let mut out = host(4096, 0);
@@ -48,18 +51,18 @@ fn copies_run_in_order_and_events_complete_after_them() {
     }
     rt.event_record(e, s).unwrap();
     hold.wait_entered();
-    assert!(!gated(|gt| rt.event_query(gt, e)).unwrap(), "event complete while the first copy is held");
+    assert!(!gated(&*rt, |gt| rt.event_query(gt, e)).unwrap(), "event complete while the first copy is held");
     hold.release();
-    gated(|gt| rt.event_synchronize(gt, e)).unwrap();
-    assert!(gated(|gt| rt.event_query(gt, e)).unwrap());
+    gated(&*rt, |gt| rt.event_synchronize(gt, e)).unwrap();
+    assert!(gated(&*rt, |gt| rt.event_query(gt, e)).unwrap());
     assert!(out.iter().all(|&b| b == 2), "later copy must win: in-order execution");
 }
 
 #[test]
 fn stream_wait_event_orders_across_streams() {
-    let rt = SimRuntime::new();
+    let rt = std::sync::Arc::new(SimRuntime::new());
     let (a, b) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
-    let d = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
+    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 64)).unwrap();
     let mut out = host(64, 0);
     let hold = rt.hold(HoldPoint::DeviceOp);
     // SAFETY: `d` is a 64-byte allocation of `rt`, read only by the copy
@@ -72,61 +75,61 @@ fn stream_wait_event_orders_across_streams() {
     unsafe { rt.copy_dtoh_async(out.as_mut_ptr() as usize, d, 64, b).unwrap() };
     hold.wait_entered();
     hold.release();
-    gated(|gt| rt.stream_synchronize(gt, b)).unwrap();
+    gated(&*rt, |gt| rt.stream_synchronize(gt, b)).unwrap();
     assert!(out.iter().all(|&x| x == 9), "copy on b ran before the memset on a");
 }
 
 #[test]
 fn captured_graph_replays_and_registered_replay_after_unregister_poisons() {
-    let rt = SimRuntime::new();
+    let rt = std::sync::Arc::new(SimRuntime::new());
     let s = rt.stream_create().unwrap();
-    let d = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
+    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 64)).unwrap();
     let src = host(64, 5);
     // SAFETY: `src` outlives the registration and every replay.
-    unsafe { gated(|gt| rt.host_register(gt, src.as_ptr() as usize, 64)).unwrap() };
+    unsafe { gated(&*rt, |gt| rt.host_register(gt, src.as_ptr() as usize, 64)).unwrap() };
     rt.begin_capture(s, CaptureMode::Global).unwrap();
     assert_eq!(rt.capture_status(s).unwrap(), CaptureStatus::Active);
     // SAFETY: as above.
     unsafe { rt.copy_htod_async(d, src.as_ptr() as usize, 64, s).unwrap() };
     let g = rt.end_capture(s).unwrap();
     rt.graph_launch(g, s).unwrap();
-    gated(|gt| rt.stream_synchronize(gt, s)).unwrap();
+    gated(&*rt, |gt| rt.stream_synchronize(gt, s)).unwrap();
     let mut out = host(64, 0);
     // SAFETY: `out` is writable.
     unsafe { rt.copy_dtoh(out.as_mut_ptr() as usize, d, 64).unwrap() };
     assert!(out.iter().all(|&x| x == 5));
-    gated(|gt| rt.host_unregister(gt, src.as_ptr() as usize)).unwrap();
+    gated(&*rt, |gt| rt.host_unregister(gt, src.as_ptr() as usize)).unwrap();
     rt.graph_launch(g, s).unwrap();
-    assert_eq!(gated(|gt| rt.stream_synchronize(gt, s)).unwrap_err().code, Code::LAUNCH_FAILED);
-    assert_eq!(gated(|gt| rt.mem_alloc(gt, 64)).unwrap_err().code, Code::LAUNCH_FAILED, "poison is sticky");
+    assert_eq!(gated(&*rt, |gt| rt.stream_synchronize(gt, s)).unwrap_err().code, Code::LAUNCH_FAILED);
+    assert_eq!(gated(&*rt, |gt| rt.mem_alloc(gt, 64)).unwrap_err().code, Code::LAUNCH_FAILED, "poison is sticky");
     assert_eq!(rt.poisoned(), Some(Code::LAUNCH_FAILED));
 }
 
 #[test]
 fn register_fault_at_kth_call() {
-    let rt = SimRuntime::new();
+    let rt = std::sync::Arc::new(SimRuntime::new());
     let bufs: Vec<Vec<u8>> = (0..3).map(|_| host(4096, 0)).collect();
     rt.inject(SimFault::Register { nth: 2, code: Code::NOT_SUPPORTED });
     let r: Vec<_> = bufs
         .iter()
         // SAFETY: each buffer outlives its registration (unregistered below).
-        .map(|b| unsafe { gated(|gt| rt.host_register(gt, b.as_ptr() as usize, 4096)) }.map_err(|e| e.code))
+        .map(|b| unsafe { gated(&*rt, |gt| rt.host_register(gt, b.as_ptr() as usize, 4096)) }.map_err(|e| e.code))
         .collect();
     assert_eq!(r, vec![Ok(()), Err(Code::NOT_SUPPORTED), Ok(())]);
     assert_eq!(rt.registered_ranges(), 2);
-    gated(|gt| rt.host_unregister(gt, bufs[0].as_ptr() as usize)).unwrap();
-    gated(|gt| rt.host_unregister(gt, bufs[2].as_ptr() as usize)).unwrap();
+    gated(&*rt, |gt| rt.host_unregister(gt, bufs[0].as_ptr() as usize)).unwrap();
+    gated(&*rt, |gt| rt.host_unregister(gt, bufs[2].as_ptr() as usize)).unwrap();
     assert_eq!(
-        gated(|gt| rt.host_unregister(gt, bufs[1].as_ptr() as usize)).unwrap_err().code,
+        gated(&*rt, |gt| rt.host_unregister(gt, bufs[1].as_ptr() as usize)).unwrap_err().code,
         Code::HOST_MEMORY_NOT_REGISTERED
     );
 }
 
 #[test]
 fn copy_fault_and_batched_copies() {
-    let rt = SimRuntime::new();
+    let rt = std::sync::Arc::new(SimRuntime::new());
     let s = rt.stream_create().unwrap();
-    let d = gated(|gt| rt.mem_alloc(gt, 256)).unwrap();
+    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 256)).unwrap();
     let src = host(256, 3);
     rt.inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
     let frags: Vec<Fragment> = (0..4)
@@ -137,7 +140,7 @@ fn copy_fault_and_batched_copies() {
     assert_eq!(first.unwrap_err().code, Code::INVALID_VALUE);
     // SAFETY: as above.
     unsafe { rt.copy_batch_async(Direction::HostToDevice, &frags, s).unwrap() };
-    gated(|gt| rt.stream_synchronize(gt, s)).unwrap();
+    gated(&*rt, |gt| rt.stream_synchronize(gt, s)).unwrap();
     let mut out = host(256, 0);
     // SAFETY: `out` is writable.
     unsafe { rt.copy_dtoh(out.as_mut_ptr() as usize, d, 256).unwrap() };
@@ -150,13 +153,13 @@ fn unregister_waits_for_device_idle() {
     let s = rt.stream_create().unwrap();
     let buf = host(64, 0);
     // SAFETY: `buf` outlives its registration.
-    unsafe { gated(|gt| rt.host_register(gt, buf.as_ptr() as usize, 64)).unwrap() };
+    unsafe { gated(&*rt, |gt| rt.host_register(gt, buf.as_ptr() as usize, 64)).unwrap() };
     let hold = rt.hold(HoldPoint::DeviceOp);
     // SAFETY: the spin kernel reads and writes no memory.
     unsafe { rt.launch(kvoffload::runtime::Kernel::Spin { nanos: 1 }, s).unwrap() };
     hold.wait_entered();
     let (rt2, addr) = (rt.clone(), buf.as_ptr() as usize);
-    let t = std::thread::spawn(move || gated(|gt| rt2.host_unregister(gt, addr)));
+    let t = std::thread::spawn(move || gated(&*rt2, |gt| rt2.host_unregister(gt, addr)));
     rt.wait_blocked(Blocked::Idle, 1);
     assert_eq!(rt.registered_ranges(), 1, "unregistered while the kernel runs");
     hold.release();
@@ -166,15 +169,15 @@ fn unregister_waits_for_device_idle() {
 
 #[test]
 fn bad_inputs_are_typed_errors() {
-    let rt = SimRuntime::new();
+    let rt = std::sync::Arc::new(SimRuntime::new());
     // SAFETY: zero-length and null ranges are refused before any access.
-    assert_eq!(unsafe { gated(|gt| rt.host_register(gt, 0, 64)) }.unwrap_err().code, Code::INVALID_VALUE);
-    assert_eq!(gated(|gt| rt.mem_alloc(gt, 0)).unwrap_err().code, Code::INVALID_VALUE);
+    assert_eq!(unsafe { gated(&*rt, |gt| rt.host_register(gt, 0, 64)) }.unwrap_err().code, Code::INVALID_VALUE);
+    assert_eq!(gated(&*rt, |gt| rt.mem_alloc(gt, 0)).unwrap_err().code, Code::INVALID_VALUE);
     let s = rt.stream_create().unwrap();
     assert_eq!(rt.end_capture(s).unwrap_err().code, Code::ILLEGAL_STATE);
     rt.stream_destroy(s).unwrap();
-    assert_eq!(gated(|gt| rt.stream_synchronize(gt, s)).unwrap_err().code, Code::INVALID_HANDLE);
-    let d = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
+    assert_eq!(gated(&*rt, |gt| rt.stream_synchronize(gt, s)).unwrap_err().code, Code::INVALID_HANDLE);
+    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 64)).unwrap();
     let s = rt.stream_create().unwrap();
     // SAFETY: the runtime refuses the out-of-bounds memset before any write.
     let over = unsafe { rt.memset_d8_async(d, 0, 65, s) };
@@ -189,9 +192,9 @@ fn bad_inputs_are_typed_errors() {
 /// synchronizing thread went to sleep: repeated to hit that order).
 #[test]
 fn event_after_a_trailing_wait_completes_and_wakes_its_waiter() {
-    let rt = SimRuntime::new();
+    let rt = std::sync::Arc::new(SimRuntime::new());
     let (compute, side) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
-    let d = gated(|gt| rt.mem_alloc(gt, 4096)).unwrap();
+    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 4096)).unwrap();
     let src = host(4096, 7);
     let (after, done) = (rt.event_create().unwrap(), rt.event_create().unwrap());
     for _ in 0..2000 {
@@ -200,9 +203,9 @@ fn event_after_a_trailing_wait_completes_and_wakes_its_waiter() {
         rt.event_record(after, compute).unwrap();
         rt.stream_wait_event(side, after).unwrap();
         rt.event_record(done, side).unwrap();
-        gated(|gt| rt.event_synchronize(gt, done)).unwrap();
+        gated(&*rt, |gt| rt.event_synchronize(gt, done)).unwrap();
     }
-    assert!(gated(|gt| rt.event_query(gt, done)).unwrap());
+    assert!(gated(&*rt, |gt| rt.event_query(gt, done)).unwrap());
 }
 
 /// A wait retired late in the device's pass over the streams can satisfy a
@@ -217,7 +220,7 @@ fn event_after_a_trailing_wait_completes_and_wakes_its_waiter() {
 fn a_wait_satisfied_late_in_the_devices_pass_is_retired() {
     let rt = std::sync::Arc::new(SimRuntime::new());
     let (a, b, c) = (rt.stream_create().unwrap(), rt.stream_create().unwrap(), rt.stream_create().unwrap());
-    let d = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
+    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 64)).unwrap();
     let (ec, eb, ea) = (rt.event_create().unwrap(), rt.event_create().unwrap(), rt.event_create().unwrap());
     let hold = rt.hold(HoldPoint::DeviceOp);
     // SAFETY: `d` is a 64-byte allocation of `rt`.
@@ -231,7 +234,7 @@ fn a_wait_satisfied_late_in_the_devices_pass_is_retired() {
     hold.release();
     let rt2 = rt.clone();
     returns_within_60s("the device went to sleep with stream a's wait satisfied but not retired", move || {
-        gated(|gt| rt2.event_synchronize(gt, ea))
+        gated(&*rt2, |gt| rt2.event_synchronize(gt, ea))
     })
     .unwrap();
 }
@@ -244,7 +247,7 @@ fn a_wait_satisfied_late_in_the_devices_pass_is_retired() {
 fn stream_destroy_returns_at_once_and_the_device_finishes_the_work() {
     let rt = std::sync::Arc::new(SimRuntime::new());
     let s = rt.stream_create().unwrap();
-    let d = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
+    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 64)).unwrap();
     let mut out = host(64, 0);
     let e = rt.event_create().unwrap();
     let hold = rt.hold(HoldPoint::DeviceOp);
@@ -260,9 +263,9 @@ fn stream_destroy_returns_at_once_and_the_device_finishes_the_work() {
     returns_within_60s("stream_destroy waited for the stream's queued work", move || rt2.stream_destroy(s)).unwrap();
     // SAFETY: `d` is live; nothing is enqueued (the handle is invalid).
     assert_eq!(unsafe { rt.memset_d8_async(d, 6, 64, s) }.unwrap_err().code, Code::INVALID_HANDLE);
-    assert!(!gated(|gt| rt.event_query(gt, e)).unwrap(), "the queued work was dropped with the stream");
+    assert!(!gated(&*rt, |gt| rt.event_query(gt, e)).unwrap(), "the queued work was dropped with the stream");
     hold.release();
-    gated(|gt| rt.event_synchronize(gt, e)).unwrap();
+    gated(&*rt, |gt| rt.event_synchronize(gt, e)).unwrap();
     assert!(out.iter().all(|&x| x == 5), "the destroyed stream's copy did not run");
     assert_eq!(rt.poisoned(), None);
 }
@@ -276,7 +279,7 @@ fn two_device_workers_run_two_streams_at_once() {
     use kvoffload::runtime::sim::SimConfig;
     let rt = std::sync::Arc::new(SimRuntime::with_config(SimConfig { workers: 2, ..SimConfig::default() }));
     let (a, b) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
-    let d = gated(|gt| rt.mem_alloc(gt, 128)).unwrap();
+    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 128)).unwrap();
     let (ea, eb) = (rt.event_create().unwrap(), rt.event_create().unwrap());
     let hold = rt.hold(HoldPoint::DeviceOp);
     // SAFETY: `d` is a 128-byte allocation of `rt`: a's memsets write its
@@ -289,12 +292,12 @@ fn two_device_workers_run_two_streams_at_once() {
     rt.event_record(eb, b).unwrap();
     let rt2 = rt.clone();
     returns_within_60s("stream b waited behind stream a's held operation", move || {
-        gated(|gt| rt2.event_synchronize(gt, eb))
+        gated(&*rt2, |gt| rt2.event_synchronize(gt, eb))
     })
     .unwrap();
-    assert!(!gated(|gt| rt.event_query(gt, ea)).unwrap(), "stream a ran past its held operation");
+    assert!(!gated(&*rt, |gt| rt.event_query(gt, ea)).unwrap(), "stream a ran past its held operation");
     hold.release();
-    gated(|gt| rt.event_synchronize(gt, ea)).unwrap();
+    gated(&*rt, |gt| rt.event_synchronize(gt, ea)).unwrap();
     let mut out = host(128, 0);
     // SAFETY: `out` is a writable buffer of 128 bytes.
     unsafe { rt.copy_dtoh(out.as_mut_ptr() as usize, d, 128) }.unwrap();
@@ -306,14 +309,14 @@ fn batched_copy_spanning_two_registrations_is_refused() {
     // One copy's host range lies in one registration or in none (the H200
     // answered INVALID_VALUE for staged runs crossing 1 MiB registration
     // chunks, docs/gpu-runs/2026-11-30-duplex-summary.md).
-    let rt = SimRuntime::new();
-    let d = gated(|gt| rt.mem_alloc(gt, 3 * 4096)).unwrap();
+    let rt = std::sync::Arc::new(SimRuntime::new());
+    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 3 * 4096)).unwrap();
     let mut buf = memmap2::MmapMut::map_anon(3 * 4096).unwrap();
     let base = buf.as_mut_ptr() as usize;
     // SAFETY: `buf` stays mapped until both ranges are unregistered below.
     unsafe {
-        gated(|gt| rt.host_register(gt, base, 4096)).unwrap();
-        gated(|gt| rt.host_register(gt, base + 4096, 4096)).unwrap();
+        gated(&*rt, |gt| rt.host_register(gt, base, 4096)).unwrap();
+        gated(&*rt, |gt| rt.host_register(gt, base + 4096, 4096)).unwrap();
     }
     let s = rt.stream_create().unwrap();
     let copy = |host: usize, bytes: usize| {
@@ -325,7 +328,7 @@ fn batched_copy_spanning_two_registrations_is_refused() {
     assert_eq!(copy(base + 4096 + 100, 4096), Err(Code::INVALID_VALUE), "registered, then not");
     assert_eq!(copy(base + 100, 3000), Ok(()), "inside one registration");
     assert_eq!(copy(base + 2 * 4096, 4096), Ok(()), "in none (pageable)");
-    gated(|gt| rt.stream_synchronize(gt, s)).unwrap();
-    gated(|gt| rt.host_unregister(gt, base)).unwrap();
-    gated(|gt| rt.host_unregister(gt, base + 4096)).unwrap();
+    gated(&*rt, |gt| rt.stream_synchronize(gt, s)).unwrap();
+    gated(&*rt, |gt| rt.host_unregister(gt, base)).unwrap();
+    gated(&*rt, |gt| rt.host_unregister(gt, base + 4096)).unwrap();
 }

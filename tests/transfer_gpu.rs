@@ -34,7 +34,7 @@ fn random_layouts(rt: &Arc<dyn GpuRuntime>, choice: BackendChoice, expect: Optio
     for case in 0..12 {
         random_case(rt.clone(), &mut rng, case, choice, expect, seed);
     }
-    gated(|gt| rt.ctx_synchronize(gt)).expect("context healthy");
+    gated(&**rt, |gt| rt.ctx_synchronize(gt)).expect("context healthy");
 }
 
 #[test]
@@ -69,7 +69,7 @@ fn gpu_staged_in_many_chunks_at_kv_sizes() {
             assert_eq!(res.backend, Backend::Staged);
         }
     }
-    gated(|gt| rt.ctx_synchronize(gt)).expect("context healthy");
+    gated(&*rt, |gt| rt.ctx_synchronize(gt)).expect("context healthy");
 }
 
 #[test]
@@ -102,7 +102,7 @@ fn gpu_auto_stages_while_the_other_direction_is_busy() {
             assert!(want == got, "{dir:?}: block {b} tensor {t} differs");
         }
     }
-    gated(|gt| rt.ctx_synchronize(gt)).expect("context healthy");
+    gated(&*rt, |gt| rt.ctx_synchronize(gt)).expect("context healthy");
 }
 
 #[test]
@@ -119,7 +119,7 @@ fn gpu_gather_vector_and_byte_paths_at_kv_sizes() {
             assert_eq!(res.backend, Backend::Gather);
         }
     }
-    gated(|gt| rt.ctx_synchronize(gt)).expect("context healthy");
+    gated(&*rt, |gt| rt.ctx_synchronize(gt)).expect("context healthy");
 }
 
 #[test]
@@ -133,7 +133,7 @@ fn gpu_gather_never_runs_on_unregistered_memory() {
         }
     }
     // A gather kernel on pageable memory would have faulted the context.
-    gated(|gt| rt.ctx_synchronize(gt)).expect("context healthy");
+    gated(&*rt, |gt| rt.ctx_synchronize(gt)).expect("context healthy");
 }
 
 #[test]

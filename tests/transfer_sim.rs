@@ -526,7 +526,7 @@ fn gather_never_runs_on_memory_outside_the_coordinator() {
     let mut other = memmap2::MmapMut::map_anon(8 * 4096).unwrap();
     let addr = other.as_mut_ptr() as usize;
     // SAFETY: `other` stays mapped until it is unregistered below.
-    unsafe { gated(|gt| rt.host_register(gt, addr, other.len())) }.unwrap();
+    unsafe { rig.gated(|gt| rt.host_register(gt, addr, other.len())) }.unwrap();
     let spec = kvoffload::transfer::GroupSpec {
         tensors: vec![kvoffload::transfer::TensorSpec { device_base: rig.tensors[0][0], page_bytes: 4096 }],
         num_gpu_blocks: 8,
@@ -550,7 +550,7 @@ fn gather_never_runs_on_memory_outside_the_coordinator() {
     assert_eq!(r.len(), 1);
     assert_eq!(r[0].backend, Backend::PerFragment);
     drop(eng);
-    gated(|gt| rt.host_unregister(gt, addr)).unwrap();
+    rig.gated(|gt| rt.host_unregister(gt, addr)).unwrap();
     assert_eq!(s.poisoned(), None);
     let _ = rig.run_checked(Direction::DeviceToHost, &JobBlocks::single(vec![1], vec![2]), 1);
 }
@@ -563,10 +563,10 @@ fn the_sim_faults_a_gather_kernel_on_unregistered_host_memory() {
     let mut host = memmap2::MmapMut::map_anon(4096).unwrap();
     let addr = host.as_mut_ptr() as usize;
     // SAFETY: `host` stays mapped until after it is unregistered.
-    unsafe { gated(|gt| rt.host_register(gt, addr, 4096)) }.unwrap();
+    unsafe { gated(&*rt, |gt| rt.host_register(gt, addr, 4096)) }.unwrap();
     let alias = rt.host_device_ptr(addr).unwrap();
-    gated(|gt| rt.host_unregister(gt, addr)).unwrap();
-    let dev = gated(|gt| rt.mem_alloc(gt, 4096 + 24)).unwrap();
+    gated(&*rt, |gt| rt.host_unregister(gt, addr)).unwrap();
+    let dev = gated(&*rt, |gt| rt.mem_alloc(gt, 4096 + 24)).unwrap();
     let table: [u64; 3] = [alias.raw(), dev.raw(), 4096];
     // SAFETY: `table` is readable for 24 bytes.
     unsafe { rt.copy_htod(dev.offset(4096), table.as_ptr() as usize, 24) }.unwrap();
@@ -574,7 +574,7 @@ fn the_sim_faults_a_gather_kernel_on_unregistered_host_memory() {
     // SAFETY: the simulated GPU faults on the stale alias (what this test
     // checks) instead of reading through it; the table is in place.
     unsafe { rt.launch(kvoffload::runtime::Kernel::Gather { table: dev.offset(4096), count: 1 }, st) }.unwrap();
-    assert_eq!(gated(|gt| rt.stream_synchronize(gt, st)).unwrap_err().code, Code::ILLEGAL_ADDRESS);
+    assert_eq!(gated(&*rt, |gt| rt.stream_synchronize(gt, st)).unwrap_err().code, Code::ILLEGAL_ADDRESS);
     assert_eq!(s.poisoned(), Some(Code::ILLEGAL_ADDRESS));
 }
 
@@ -589,7 +589,7 @@ fn store_is_ordered_after_compute() {
     // would run before the compute stream's memset.
     let gate = rt.stream_create().unwrap();
     let gate_ev = rt.event_create().unwrap();
-    let scratch = gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
+    let scratch = rig.gated(|gt| rt.mem_alloc(gt, 64)).unwrap();
     let hold = s.hold(HoldPoint::DeviceOp);
     // SAFETY (the three memsets): `scratch` is a 64-byte allocation freed
     // at the end, after `gate` is synchronized; `tensor` is the rig's
@@ -611,10 +611,12 @@ fn store_is_ordered_after_compute() {
     assert!(rig.poll_until(JobId(100)).iter().all(|r| r.succeeded()));
     assert!(control.iter().any(|&b| b != 0xab), "the control copy ran after the memset: the test would prove nothing");
     assert!(rig.host[..4 * 256].iter().all(|&b| b == 0xab), "the store did not see the compute stream's memset");
-    gated(|gt| rt.stream_synchronize(gt, gate)).unwrap();
+    rig.gated(|gt| rt.stream_synchronize(gt, gate)).unwrap();
     rt.stream_destroy(gate).unwrap();
     rt.event_destroy(gate_ev).unwrap();
-    gated(|gt| rt.mem_free(gt, scratch)).unwrap();
+    // SAFETY: the memset into `scratch` completed (its stream was
+    // synchronized above); nothing uses it afterwards.
+    rig.gated(|gt| unsafe { rt.mem_free(gt, scratch) }).unwrap();
 }
 
 #[test]
@@ -781,7 +783,7 @@ fn batched_copy_is_never_issued_on_a_capturing_stream() {
     rig.engine().load(JobId(1), &JobBlocks::single(vec![1, 5, 3], vec![4, 0, 6])).unwrap();
     let graph = rt.end_capture(stream).expect("capture stays valid");
     rt.graph_launch(graph, stream).unwrap();
-    gated(|gt| rt.stream_synchronize(gt, stream)).unwrap();
+    rig.gated(|gt| rt.stream_synchronize(gt, stream)).unwrap();
     let r = rig.poll_until(JobId(1));
     assert_eq!(r[0].backend, Backend::PerFragment);
     let dev = rig.device_snapshot();
@@ -808,7 +810,7 @@ fn poll_during_an_open_capture_window_queries_no_event() {
     let rt2 = rt.clone();
     let compute = rig.compute;
     let engine_thread = std::thread::spawn(move || {
-        let scratch = gated(|gt| rt2.mem_alloc(gt, 256)).unwrap();
+        let scratch = coord.unsafe_call("test", |gt| rt2.mem_alloc(gt, 256)).unwrap().unwrap();
         let window = coord.open_window().unwrap();
         // The engine captures its compute stream, the one jobs are ordered
         // after.
@@ -824,7 +826,9 @@ fn poll_during_an_open_capture_window_queries_no_event() {
         if let Ok(g) = graph {
             rt2.graph_destroy(g).unwrap();
         }
-        gated(|gt| rt2.mem_free(gt, scratch)).unwrap();
+        // SAFETY: the only work on `scratch` was captured, never run, and
+        // its graph is destroyed.
+        coord.unsafe_call("test", |gt| unsafe { rt2.mem_free(gt, scratch) }).unwrap().unwrap();
         ok
     });
     opened_rx.recv().unwrap();

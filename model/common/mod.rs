@@ -161,7 +161,7 @@ pub fn fixture_on(sim: SimRuntime, policy: CapturePolicy, variant: Variant, chun
     let rt = shared(sim);
     // SAFETY: the chunks are pieces of `mem`, leaked read-write memory that
     // lives (mapped) forever: no keep-alive needed.
-    let coord = unsafe { Coordinator::new(policy, &ranges, None) };
+    let coord = unsafe { Coordinator::new(rt.as_ref(), policy, &ranges, None) }.unwrap();
     coord.set_variant(variant);
     Fixture { rt, coord, base, chunk }
 }

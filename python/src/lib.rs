@@ -701,7 +701,7 @@ impl PyOffloader {
     /// windows wait for it. Returns what `f` returns.
     fn gated(&self, py: Python<'_>, f: Py<PyAny>) -> PyResult<Py<PyAny>> {
         let off = &self.off;
-        let r = py.detach(|| off.gated("the engine's own call", |_, _| Python::attach(|py| f.call0(py))));
+        let r = py.detach(|| off.gated("the engine's own call", |_| Python::attach(|py| f.call0(py))));
         r.map_err(|e| errors::offloader(py, e))?
     }
 

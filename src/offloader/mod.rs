@@ -66,7 +66,7 @@ pub use options::{KvAlloc, KvSpec, OffloaderOptions, RegionSpec};
 use crate::manager::{BlockKey, BlockManager, Lookup, ManagerConfig, Placement, Skipped};
 use crate::pin::{pin_all, pin_all_agreed_by, Agreement, Prefault, Prepared, RankAgreement, RegionSlots};
 use crate::protocol::agreement::{AgreementError, RankSlots};
-use crate::protocol::{shutdown, CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
+use crate::protocol::{finish_shutdown, CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
 use crate::region::{page_size, AnonOptions, Layout, Region};
 use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::{self, thread, Arc, Mutex};
@@ -223,33 +223,47 @@ impl Offloader {
         let bytes = alloc.gpu_blocks.checked_mul(alloc.page_bytes).ok_or_else(|| {
             OffloaderError::Options(format!("{} blocks of {} bytes overflow", alloc.gpu_blocks, alloc.page_bytes))
         })?;
-        // Allocations before any window can exist: a coordinator of its own
-        // gates them (none of them overlaps a capture the engine makes
-        // through this offloader, which does not exist yet).
-        let gate = Coordinator::without_region(Default::default());
-        let mut tensors = Vec::with_capacity(alloc.tensors);
-        let free_all = |rt: &dyn GpuRuntime, tensors: &[DevicePtr]| {
+        // Allocations before the offloader's coordinator exists: each goes
+        // through a coordinator of its own for `rt`, made for that call and
+        // gone after it (no window can be open: a window needs a coordinator
+        // of `rt`, and while this one lives no other can be made; if one
+        // exists, say another offloader on this handle, this is refused).
+        let gated = |what: &'static str, f: &mut dyn FnMut(&Gate) -> Result<(), DriverError>| {
+            Coordinator::without_region(rt.as_ref(), Default::default())
+                .and_then(|c| c.unsafe_call(what, |g| f(g)))
+                .map_err(OffloaderError::from)
+        };
+        let free_all = |tensors: &[DevicePtr]| {
             for &p in tensors {
-                match gate.unsafe_call("freeing a KV tensor", |g| rt.mem_free(g, p)) {
+                // SAFETY: allocated above for this offloader and never used
+                // by any device work (no job ran: the offloader was not
+                // built).
+                match gated("freeing a KV tensor", &mut |g| unsafe { rt.mem_free(g, p) }) {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => tracing::warn!(error = %e, "freeing a KV tensor failed"),
                     Err(e) => tracing::warn!(error = %e, "freeing a KV tensor refused"),
                 }
             }
         };
+        let mut tensors = Vec::with_capacity(alloc.tensors);
         for _ in 0..alloc.tensors {
-            match gate.unsafe_call("allocating a KV tensor", |g| rt.mem_alloc(g, bytes))? {
-                Ok(p) => tensors.push(p),
+            let mut got = None;
+            let r = gated("allocating a KV tensor", &mut |g| {
+                got = Some(rt.mem_alloc(g, bytes)?);
+                Ok(())
+            });
+            match r.and_then(|r| r.map_err(OffloaderError::driver("allocating a KV tensor"))) {
+                Ok(()) => tensors.extend(got),
                 Err(e) => {
-                    free_all(rt.as_ref(), &tensors);
-                    return Err(OffloaderError::driver("allocating a KV tensor")(e));
+                    free_all(&tensors);
+                    return Err(e);
                 }
             }
         }
         let compute = match rt.stream_create() {
             Ok(s) => s,
             Err(e) => {
-                free_all(rt.as_ref(), &tensors);
+                free_all(&tensors);
                 return Err(OffloaderError::driver("creating the compute stream")(e));
             }
         };
@@ -266,7 +280,7 @@ impl Offloader {
             if let Err(e) = rt.stream_destroy(compute) {
                 tracing::warn!(error = %e, "destroying the compute stream failed");
             }
-            free_all(rt.as_ref(), &tensors);
+            free_all(&tensors);
         }
         r
     }
@@ -315,7 +329,7 @@ impl Offloader {
             }
         };
         let region = Arc::new(region);
-        let prepared = Prepared::new(&region, &opts.pin)?;
+        let prepared = Prepared::new(rt.as_ref(), &region, &opts.pin)?;
         let bytes_total = prepared.bytes();
         let agreement = match (&opts.region, RegionSlots::new(region.clone())) {
             _ if opts.agreement.is_some() => opts.agreement.clone().map(RankAgreement::Transport),
@@ -507,14 +521,14 @@ impl Offloader {
     }
 
     /// Runs the engine's own capture-unsafe driver calls (allocations,
-    /// synchronizes, event queries) at a moment no capture window is open.
-    pub fn gated<T>(
-        &self,
-        what: &'static str,
-        f: impl FnOnce(&Gate, &dyn GpuRuntime) -> T,
-    ) -> Result<T, OffloaderError> {
+    /// synchronizes, event queries) on this offloader's runtime at a moment
+    /// no capture window is open: `f` gets [`GatedCalls`], those calls and
+    /// no others, and runs inside the offloader's gate, so windows wait
+    /// until it returns (keep it short: a window opening meanwhile waits for
+    /// all of it). Refused inside the caller's own window.
+    pub fn gated<T>(&self, what: &'static str, f: impl FnOnce(&GatedCalls<'_>) -> T) -> Result<T, OffloaderError> {
         let rt = self.rt.clone();
-        Ok(self.coord.unsafe_call(what, |g| f(g, rt.as_ref()))?)
+        Ok(self.coord.unsafe_call(what, |gate| f(&GatedCalls { gate, rt: rt.as_ref() }))?)
     }
 
     // ---- blocks ----
@@ -695,22 +709,26 @@ impl Offloader {
         if *down == Down::Down {
             return Err(ProtocolError::AlreadyShutDown.into());
         }
-        let open = self.coord.windows_open();
-        if open > 0 {
-            return Err(ProtocolError::WindowOpen { open }.into());
-        }
-        // Drain: no new jobs, every job in flight completes and is applied.
+        // Refused here, in one critical section of the coordinator, with
+        // nothing changed: no window open, no registered graph alive. From
+        // here on the coordinator refuses new windows, graphs and jobs.
+        self.coord.close()?;
+        *down = Down::Down;
+        // Drain: every job in flight completes and is applied.
         let engine = {
             let mut inner = sync::lock(&self.inner);
             inner.closed = true;
             inner.engine.clone()
         };
+        let mut drained = Ok(());
         if let Some(engine) = &engine {
-            engine.wait_all()?;
+            // No window can open any more (the coordinator is closed), so
+            // neither the waits nor the polls are refused.
+            drained = engine.wait_all().map_err(OffloaderError::from);
             while engine.in_flight(Direction::DeviceToHost) + engine.in_flight(Direction::HostToDevice) > 0 {
                 if self.poll().is_empty() {
-                    // A window opened meanwhile (polls are refused while one
-                    // is open): wait for it to close, then poll again.
+                    // Only while a window that opened before `close` is
+                    // still open, which `close` refused: cannot happen.
                     self.coord.wait_no_window()?;
                 }
             }
@@ -722,7 +740,7 @@ impl Offloader {
         drop(engine);
         let pinner = &self.pinner;
         let mut joined = Ok(());
-        let r = shutdown(self.rt.as_ref(), &self.coord, || {
+        let r = finish_shutdown(self.rt.as_ref(), &self.coord, || {
             let mut p = sync::lock(pinner);
             if let Pinner::Running(h) = std::mem::replace(&mut *p, Pinner::NotStarted) {
                 match h.join() {
@@ -731,10 +749,10 @@ impl Offloader {
                 }
             }
         });
-        *down = Down::Down;
         let freed = self.free_owned();
         r?;
         joined?;
+        drained?;
         freed?;
         tracing::info!("offloader shut down");
         Ok(())
@@ -749,7 +767,11 @@ impl Offloader {
             }
         }
         for &p in &self.owned_tensors {
-            match self.coord.unsafe_call("freeing a KV tensor", |g| self.rt.mem_free(g, p)) {
+            // SAFETY: every job is drained (no copy of the offloader touches
+            // the tensor) and no registered graph lives (`close` refused
+            // otherwise); the contract of `with_allocated_tensors` is that
+            // the engine's own work on them ended before shutdown.
+            match self.coord.unsafe_call("freeing a KV tensor", |g| unsafe { self.rt.mem_free(g, p) }) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     first.get_or_insert(OffloaderError::driver("freeing a KV tensor")(e));
@@ -768,6 +790,14 @@ impl Offloader {
     }
 }
 
+/// Dropping an offloader that was not shut down runs [`Offloader::shutdown`].
+/// When that is refused (a capture window still open, or a registered graph
+/// still alive: the graph may be replayed and reads the region and the
+/// tensors), the drop leaks on purpose: the region stays mapped and
+/// registered (the coordinator keeps it), the tensors the offloader
+/// allocated stay allocated, and the pinner finishes on its own; the error
+/// is logged. Replaying the graph stays correct; the memory is the
+/// process's until it exits.
 impl Drop for Offloader {
     fn drop(&mut self) {
         if self.is_shut_down() {
@@ -776,5 +806,66 @@ impl Drop for Offloader {
         if let Err(e) = self.shutdown() {
             tracing::error!(error = %e, "offloader dropped: shutdown failed; registered memory stays mapped (leaked)");
         }
+    }
+}
+
+/// The capture-unsafe driver calls an engine may make through
+/// [`Offloader::gated`]: on the offloader's runtime, inside its gate, only
+/// while the closure runs (the handle cannot leave it).
+pub struct GatedCalls<'a> {
+    gate: &'a Gate,
+    rt: &'a dyn GpuRuntime,
+}
+
+impl GatedCalls<'_> {
+    /// `cuMemAlloc` of `bytes` of device memory.
+    pub fn mem_alloc(&self, bytes: usize) -> Result<DevicePtr, DriverError> {
+        self.rt.mem_alloc(self.gate, bytes)
+    }
+
+    /// `cuMemFree`.
+    ///
+    /// # Safety
+    /// As for [`GpuRuntime::mem_free`]: no device work still uses the
+    /// allocation, and nothing uses `ptr` afterwards.
+    pub unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<(), DriverError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.rt.mem_free(self.gate, ptr) }
+    }
+
+    /// `cuMemAllocHost` of `bytes` of page-locked host memory; returns its
+    /// address.
+    pub fn mem_alloc_host(&self, bytes: usize) -> Result<usize, DriverError> {
+        self.rt.mem_alloc_host(self.gate, bytes)
+    }
+
+    /// `cuMemFreeHost`.
+    ///
+    /// # Safety
+    /// As for [`GpuRuntime::mem_free_host`]: nothing (device work or host
+    /// code) uses the memory afterwards.
+    pub unsafe fn mem_free_host(&self, addr: usize) -> Result<(), DriverError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.rt.mem_free_host(self.gate, addr) }
+    }
+
+    /// `cuStreamSynchronize`.
+    pub fn stream_synchronize(&self, stream: Stream) -> Result<(), DriverError> {
+        self.rt.stream_synchronize(self.gate, stream)
+    }
+
+    /// `cuCtxSynchronize`.
+    pub fn ctx_synchronize(&self) -> Result<(), DriverError> {
+        self.rt.ctx_synchronize(self.gate)
+    }
+
+    /// `cuEventQuery`: true once complete.
+    pub fn event_query(&self, event: crate::runtime::Event) -> Result<bool, DriverError> {
+        self.rt.event_query(self.gate, event)
+    }
+
+    /// `cuEventSynchronize`.
+    pub fn event_synchronize(&self, event: crate::runtime::Event) -> Result<(), DriverError> {
+        self.rt.event_synchronize(self.gate, event)
     }
 }

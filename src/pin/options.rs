@@ -178,4 +178,8 @@ pub enum PinError {
     /// The region refused (layout, capacity, chunk bound below one row ...).
     #[error(transparent)]
     Region(#[from] RegionError),
+    /// The runtime handle is guarded by another coordinator
+    /// ([`ProtocolError::RuntimeGuarded`](crate::protocol::ProtocolError::RuntimeGuarded)).
+    #[error(transparent)]
+    Protocol(#[from] crate::protocol::ProtocolError),
 }

@@ -53,8 +53,10 @@ impl Prepared {
     /// Typed errors: [`PinError::ZeroSize`], [`PinError::TooLarge`] for the
     /// options, [`PinError::Region`] with
     /// [`RegionError::ChunkBoundBelowRow`](crate::region::RegionError::ChunkBoundBelowRow)
-    /// when the bound is below one row (one chunk when rank-major).
-    pub fn new(region: &Arc<Region>, opts: &PinOptions) -> Result<Prepared, PinError> {
+    /// when the bound is below one row (one chunk when rank-major),
+    /// [`PinError::Protocol`] when another coordinator guards `rt` (the
+    /// coordinator made here guards it from now on).
+    pub fn new(rt: &dyn GpuRuntime, region: &Arc<Region>, opts: &PinOptions) -> Result<Prepared, PinError> {
         opts.validate()?;
         let ranges = region.pin_ranges(opts.max_chunk_bytes)?;
         let chunks: Vec<(usize, usize)> = ranges.iter().map(|r| (r.range.as_ptr() as usize, r.range.len())).collect();
@@ -105,7 +107,7 @@ impl Prepared {
         let keep: crate::protocol::KeepAlive = Box::new(region.clone());
         // SAFETY: the chunks are `pin_ranges` of `region`'s mapping (read-write),
         // which stays mapped while the coordinator holds `keep`.
-        let coord = unsafe { Coordinator::new(opts.policy, &chunks, Some(keep)) };
+        let coord = unsafe { Coordinator::new(rt, opts.policy, &chunks, Some(keep)) }?;
         tracing::info!(
             chunks = chunks.len(),
             bytes,
@@ -184,8 +186,12 @@ impl Prepared {
 
 /// [`Prepared::new`], returning the coordinator (which holds the region)
 /// and the pre-faulter.
-pub fn prepare(region: &Arc<Region>, opts: &PinOptions) -> Result<(Arc<Coordinator>, Arc<dyn Prefault>), PinError> {
-    Ok(Prepared::new(region, opts)?.into_parts())
+pub fn prepare(
+    rt: &dyn GpuRuntime,
+    region: &Arc<Region>,
+    opts: &PinOptions,
+) -> Result<(Arc<Coordinator>, Arc<dyn Prefault>), PinError> {
+    Ok(Prepared::new(rt, region, opts)?.into_parts())
 }
 
 /// The shared pre-faulter as a trait object (loom's `Arc` cannot coerce).

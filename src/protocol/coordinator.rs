@@ -27,8 +27,18 @@
 //! - Waiting for pinning inside one's own window under Interleave is a
 //!   typed error, not a deadlock (P6).
 
-use crate::runtime::{DevicePtr, DriverError, Gate, GpuRuntime};
+use crate::runtime::{CoordinatorId, DevicePtr, DriverError, Gate, GateBinding, GateSeal, GpuRuntime};
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
+
+/// The process's one gate seal: only this module can make a [`Gate`]
+/// (`runtime::gate` explains the seal). Taken the first time a coordinator
+/// is made; if anything else took it first, that is a bug this panic names
+/// at once, in every test that makes a coordinator.
+// Not synchronisation between library threads: initialised once, then only
+// read (std's, so that loom does not explore its initialisation).
+#[allow(clippy::disallowed_types)]
+static SEAL: std::sync::LazyLock<GateSeal> =
+    std::sync::LazyLock::new(|| GateSeal::take().expect("the gate seal was taken outside the coordinator's module"));
 
 use super::error::{PinState, ProtocolError};
 
@@ -224,6 +234,11 @@ pub type KeepAlive = Box<dyn std::any::Any + Send + Sync>;
 struct Shared {
     state: Mutex<State>,
     cv: Condvar,
+    /// This coordinator's identity: its gates carry it, and `rt` accepts
+    /// only those while this coordinator lives (bound in
+    /// `Coordinator::new`, released in `Drop`).
+    id: CoordinatorId,
+    binding: GateBinding,
     /// Dropped with the last reference to the coordinator or its guards,
     /// unless a chunk is still registered then (see `Drop`).
     keep_alive: Option<KeepAlive>,
@@ -241,6 +256,9 @@ impl Drop for Shared {
                 std::mem::forget(k);
             }
         }
+        // No gate of this coordinator is left (each holds a borrow of a
+        // guard or of the coordinator): the runtime may take another one.
+        self.binding.release(self.id);
     }
 }
 
@@ -343,13 +361,22 @@ impl Coordinator {
     /// gate for capture-unsafe calls, jobs and shutdown, nothing to pin (its
     /// pin state starts `Pending`; [`Coordinator::pin_begin`] on no chunks
     /// pins nothing). For tools and tests that need the gate alone.
-    pub fn without_region(policy: CapturePolicy) -> Arc<Self> {
+    ///
+    /// Refused with [`ProtocolError::RuntimeGuarded`] while another
+    /// coordinator guards `rt` (see [`Coordinator::new`]).
+    pub fn without_region(rt: &dyn GpuRuntime, policy: CapturePolicy) -> Result<Arc<Self>, ProtocolError> {
         // SAFETY: no chunks, so nothing is ever registered.
-        unsafe { Self::new(policy, &[], None) }
+        unsafe { Self::new(rt, policy, &[], None) }
     }
 
     /// A coordinator for a region cut into `chunks` (address, length) pieces,
-    /// the units of registration.
+    /// the units of registration, guarding runtime handle `rt`: from now on
+    /// `rt` accepts the gates of this coordinator and no other, until this
+    /// coordinator and every guard it handed out are gone. Refused with
+    /// [`ProtocolError::RuntimeGuarded`] while another coordinator guards
+    /// `rt`: one runtime handle has one coordinator, so no capture-unsafe
+    /// call on it can run outside the gate of the coordinator whose windows
+    /// the engine opens.
     ///
     /// `keep_alive` (for example an `Arc` of the region the chunks lie in)
     /// is held until the coordinator and every guard it handed out are
@@ -363,8 +390,17 @@ impl Coordinator {
     /// unregistered again (after [`Coordinator::unregister_all`], or a
     /// shutdown, returned `Ok`). [`crate::pin::Prepared`] makes its
     /// coordinator with the region as `keep_alive`; use it rather than this.
-    pub unsafe fn new(policy: CapturePolicy, chunks: &[(usize, usize)], keep_alive: Option<KeepAlive>) -> Arc<Self> {
-        Arc::new(Coordinator {
+    pub unsafe fn new(
+        rt: &dyn GpuRuntime,
+        policy: CapturePolicy,
+        chunks: &[(usize, usize)],
+        keep_alive: Option<KeepAlive>,
+    ) -> Result<Arc<Self>, ProtocolError> {
+        let id = CoordinatorId::fresh(&SEAL);
+        if rt.gate_binding().bind(id).is_err() {
+            return Err(ProtocolError::RuntimeGuarded { backend: rt.backend() });
+        }
+        Ok(Arc::new(Coordinator {
             shared: Arc::new(Shared {
                 state: Mutex::new(State {
                     policy,
@@ -389,9 +425,20 @@ impl Coordinator {
                         .collect(),
                 }),
                 cv: Condvar::new(),
+                id,
+                binding: rt.gate_binding().clone(),
                 keep_alive,
             }),
-        })
+        }))
+    }
+
+    /// A gate of this coordinator that its gate did not make (not in flight
+    /// on any thread): loom builds only, for negative N8, which shows the
+    /// simulated GPU stops a call made with it.
+    #[cfg(loom)]
+    #[doc(hidden)]
+    pub fn forged_gate(&self) -> Gate {
+        Gate::unrecorded(&SEAL, self.shared.id)
     }
 
     /// Selects a known-bad variant (negative models only).
@@ -533,8 +580,7 @@ impl Coordinator {
         drop(g);
         // The one place a gate is made: `unsafe_in_flight` counts this call,
         // so no window opens until it returns (P1).
-        #[allow(clippy::disallowed_methods)]
-        let gate = Gate::new_inside_gate();
+        let gate = Gate::minted(&SEAL, self.shared.id);
         let out = f(&gate);
         self.shared.update(|g| {
             record(g, &out);
@@ -760,12 +806,26 @@ impl Coordinator {
         Ok(GraphToken { coord: self.shared.clone() })
     }
 
-    /// First half of shutdown: refuses (typed) while a window is open or
-    /// registered graphs live; otherwise refuses all new work, asks pinning
-    /// to stop, and waits for in-flight jobs and for pinning to settle.
-    /// Afterwards the caller unregisters every chunk
+    /// First half of shutdown ([`Coordinator::close`], then
+    /// [`Coordinator::drain`]): refuses (typed, nothing changed) while a
+    /// window is open or registered graphs live; otherwise refuses all new
+    /// work, asks pinning to stop, and waits for in-flight jobs and for
+    /// pinning to settle. Afterwards the caller unregisters every chunk
     /// ([`Coordinator::unregister_all`]), unmaps and unlinks.
     pub fn begin_shutdown(&self) -> Result<(), ProtocolError> {
+        self.close()?;
+        self.drain();
+        Ok(())
+    }
+
+    /// Starts shutdown, or refuses it with nothing changed: in one critical
+    /// section it checks that shutdown was not asked for before
+    /// ([`ProtocolError::AlreadyShutDown`]), that no window is open
+    /// ([`ProtocolError::WindowOpen`]) and no registered graph lives
+    /// ([`ProtocolError::GraphsAlive`]), and only then refuses new windows,
+    /// jobs and graphs and asks pinning to stop. No window or graph can
+    /// appear after the check, since both are refused from then on (P4).
+    pub fn close(&self) -> Result<(), ProtocolError> {
         let mut g = self.lock();
         match g.phase {
             Phase::Running => {}
@@ -783,6 +843,15 @@ impl Coordinator {
             g.pin = PinState::Pageable(super::PageableReason::Cancelled);
         }
         self.shared.cv.notify_all();
+        tracing::info!(jobs = g.jobs_in_flight, pin = ?g.pin, "shutdown: closed to new work");
+        Ok(())
+    }
+
+    /// After [`Coordinator::close`]: waits until every admitted job's ticket
+    /// is gone and pinning is final.
+    pub fn drain(&self) {
+        let mut g = self.lock();
+        debug_assert!(g.phase != Phase::Running, "drain before close");
         tracing::info!(jobs = g.jobs_in_flight, pin = ?g.pin, "shutdown: draining");
         if g.variant != Variant::NoDrainBeforeUnregister {
             while g.jobs_in_flight > 0 {
@@ -794,7 +863,6 @@ impl Coordinator {
                 g = self.wait(g);
             }
         }
-        Ok(())
     }
 
     /// Unregisters every registered chunk, last first (rollback and

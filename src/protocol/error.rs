@@ -118,4 +118,16 @@ pub enum ProtocolError {
     /// A capture-unsafe call was skipped because a window is open.
     #[error("skipped: a capture window is open")]
     WindowBusy,
+    /// A coordinator for a runtime handle that another coordinator guards
+    /// (an `Offloader` on a handle another offloader uses, say): refused,
+    /// because the second coordinator's gates would let capture-unsafe
+    /// calls overlap the first one's capture windows. Use one runtime handle
+    /// per coordinator (open another, or drop the first offloader).
+    #[error(
+        "this {backend} runtime handle is already guarded by another coordinator (one coordinator per runtime handle)"
+    )]
+    RuntimeGuarded {
+        /// The runtime's backend (`"sim"` or `"cuda"`).
+        backend: &'static str,
+    },
 }

@@ -14,4 +14,4 @@ pub use coordinator::{
     Variant,
 };
 pub use error::{PageableReason, PinState, ProtocolError};
-pub use shutdown::{shutdown, ShutdownError};
+pub use shutdown::{finish_shutdown, shutdown, ShutdownError};

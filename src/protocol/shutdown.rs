@@ -22,7 +22,20 @@ pub enum ShutdownError {
 /// settled (to join its thread). On success nothing of the region is
 /// registered any more and it may be unmapped and unlinked.
 pub fn shutdown(rt: &dyn GpuRuntime, coord: &Coordinator, join_pinner: impl FnOnce()) -> Result<(), ShutdownError> {
-    coord.begin_shutdown()?;
+    coord.close()?;
+    finish_shutdown(rt, coord, join_pinner)
+}
+
+/// The rest of the shutdown order once [`Coordinator::close`] succeeded (and
+/// the caller retired its jobs, so that their tickets are gone): waits for
+/// the jobs and for pinning to settle, calls `join_pinner`, unregisters
+/// every chunk.
+pub fn finish_shutdown(
+    rt: &dyn GpuRuntime,
+    coord: &Coordinator,
+    join_pinner: impl FnOnce(),
+) -> Result<(), ShutdownError> {
+    coord.drain();
     join_pinner();
     let r = coord.unregister_all(rt).map_err(ShutdownError::Unregister);
     tracing::info!(ok = r.is_ok(), "shutdown complete");

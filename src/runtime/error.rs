@@ -91,6 +91,12 @@ impl Code {
     /// already captures, ending one on a stream that does not, and
     /// destroying a capturing stream.
     pub const ILLEGAL_STATE: Code = Code(401);
+    /// Not a driver code (the driver's codes stay below 1000): the runtime
+    /// refused a capture-unsafe call whose [`Gate`](super::Gate) came from
+    /// another coordinator than the one bound to this runtime handle, or
+    /// came while no coordinator is bound (see `runtime::gate`). Nothing
+    /// reached the driver.
+    pub const GATE_REFUSED: Code = Code(10_000);
 
     /// The driver's name for the code, or `"CUDA_ERROR_OTHER"` for a code
     /// without a constant here (the number is in the `Debug` and `Display`
@@ -115,6 +121,7 @@ impl Code {
             904 => "CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
             907 => "CUDA_ERROR_CAPTURED_EVENT",
             908 => "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
+            10_000 => "KVOFFLOAD_GATE_REFUSED",
             _ => "CUDA_ERROR_OTHER",
         }
     }

@@ -15,10 +15,16 @@
 //! A driver call is *capture-unsafe* when, made by one thread while another
 //! thread has a GLOBAL stream capture open, it fails with 900 and
 //! invalidates that capture. Every such operation of [`GpuRuntime`] takes a
-//! [`Gate`]: proof that the call runs inside the coordinator's gate
+//! [`Gate`]: proof that the call runs inside the gate of the coordinator
+//! that guards this runtime handle
 //! ([`crate::protocol::Coordinator::unsafe_call`]), which never lets it
-//! overlap a capture window. Nothing outside the coordinator can make a
-//! `Gate`, so a capture-unsafe call made anywhere else does not compile:
+//! overlap one of that coordinator's capture windows. Nothing outside the
+//! coordinator's module can make a `Gate` (its constructor needs the one
+//! gate seal of the process, which that module holds), a runtime handle
+//! accepts the gates of the one coordinator bound to it ([`GateBinding`]),
+//! and a second coordinator for a bound handle cannot be made. So a
+//! capture-unsafe call made anywhere else does not compile, or is refused
+//! with [`Code::GATE_REFUSED`]:
 //!
 //! ```compile_fail
 //! use kvoffload::runtime::{sim::SimRuntime, GpuRuntime};
@@ -28,8 +34,13 @@
 //! ```
 //!
 //! ```compile_fail
-//! // error: `Gate`'s constructor is private to the crate.
-//! let g = kvoffload::runtime::Gate::new_inside_gate();
+//! // error: `Gate` has private fields and no public constructor.
+//! let g = kvoffload::runtime::Gate { serial: 1 };
+//! ```
+//!
+//! ```compile_fail
+//! // error: the seal that mints gates is private to the crate.
+//! let s = kvoffload::runtime::GateSeal::take();
 //! ```
 //!
 //! The gated operations, each with the measurement that makes it unsafe
@@ -76,8 +87,10 @@
 //! measurement) and denies by default: during another thread's GLOBAL
 //! capture it refuses every call the table does not list (900, the capture
 //! invalidated), and any call touching a stream that takes part in another
-//! thread's capture; it also refuses to run a capture-unsafe call whose
-//! [`Gate`] is not in flight on the calling thread. So the loom models,
+//! thread's capture; it also stops the run (a panic) on a capture-unsafe
+//! call whose [`Gate`] is not in flight on the calling thread, and refuses
+//! one whose gate is of another coordinator, as the CUDA runtime does
+//! ([`Code::GATE_REFUSED`]). So the loom models,
 //! which run on it, rely on no call being harmless during a capture
 //! without a measurement saying so.
 
@@ -90,7 +103,8 @@ pub mod sim;
 mod types;
 
 pub use error::{Code, DriverError, DriverResult, OpenError};
-pub use gate::Gate;
+pub(crate) use gate::{CoordinatorId, GateSeal};
+pub use gate::{Gate, GateBinding};
 pub use types::{
     CaptureMode, CaptureStatus, DevicePtr, Direction, Event, Fragment, Graph, Kernel, Stream, GATHER_ENTRY_BYTES,
     GATHER_ENTRY_WORDS, PATTERN_ENTRY_BYTES, PATTERN_ENTRY_WORDS,
@@ -123,6 +137,10 @@ pub trait GpuRuntime: Send + Sync {
     fn as_sim(&self) -> Option<&sim::SimRuntime> {
         None
     }
+    /// Which coordinator's gates this handle accepts (see [`GateBinding`]):
+    /// every capture-unsafe operation starts with
+    /// `self.gate_binding().check(gate, name)?`.
+    fn gate_binding(&self) -> &GateBinding;
 
     /// `cuMemHostRegister`. Capture-unsafe (FACTS 1, row "cuMemHostRegister").
     ///
@@ -140,12 +158,23 @@ pub trait GpuRuntime: Send + Sync {
     /// `cuMemAlloc`. Capture-unsafe (FACTS 1, row "cuMemAlloc").
     fn mem_alloc(&self, gate: &Gate, bytes: usize) -> DriverResult<DevicePtr>;
     /// `cuMemFree`. Capture-unsafe (cell `mem_free`).
-    fn mem_free(&self, gate: &Gate, ptr: DevicePtr) -> DriverResult<()>;
+    ///
+    /// # Safety
+    /// No work still queued or running on the device reads or writes the
+    /// allocation (a copy, kernel, memset or graph enqueued on it has
+    /// completed, or its stream was synchronized), and nothing uses `ptr`
+    /// afterwards: the driver may hand the memory out again at once.
+    unsafe fn mem_free(&self, gate: &Gate, ptr: DevicePtr) -> DriverResult<()>;
     /// `cuMemAllocHost` (page-locked host allocation). Capture-unsafe
     /// (FACTS 1, row "cuMemAllocHost").
     fn mem_alloc_host(&self, gate: &Gate, bytes: usize) -> DriverResult<usize>;
     /// `cuMemFreeHost`. Capture-unsafe (cell `mem_free_host`).
-    fn mem_free_host(&self, gate: &Gate, addr: usize) -> DriverResult<()>;
+    ///
+    /// # Safety
+    /// No device work still reads or writes the allocation, and no host
+    /// code reads, writes or holds a reference into it afterwards: the
+    /// memory is unmapped.
+    unsafe fn mem_free_host(&self, gate: &Gate, addr: usize) -> DriverResult<()>;
 
     /// `cuStreamCreate` (non-blocking).
     fn stream_create(&self) -> DriverResult<Stream>;

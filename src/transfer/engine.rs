@@ -863,15 +863,22 @@ fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handler) {
         if ring_in_use {
             tracing::error!("pinned staging ring leaked (engine dropped with jobs in flight inside a capture window)");
         } else {
-            match coord.unsafe_call("freeing the pinned staging ring", |gate| rt.mem_free_host(gate, addr)) {
+            // SAFETY: no job is in flight, or the handler's stream was
+            // synchronized above, so no copy reads the ring any more (and
+            // the staged streams were settled by `st.release`); the jobs
+            // holding tables in it are dropped; nothing else points into it.
+            match coord.unsafe_call("freeing the pinned staging ring", |gate| unsafe { rt.mem_free_host(gate, addr) }) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::warn!(error = %e, "freeing the pinned staging ring failed"),
                 Err(e) => tracing::warn!(error = %e, "pinned staging ring leaked (dropped inside a capture window)"),
             }
         }
     }
-    if let Some(t) = h.table {
-        match coord.unsafe_call("freeing the gather descriptor table", |gate| rt.mem_free(gate, t.ptr)) {
+    if let Some(t) = h.table.filter(|_| !ring_in_use) {
+        // SAFETY: as for the ring: no gather kernel of this handler is still
+        // queued or running (no job in flight, or the stream synchronized);
+        // with jobs left running (`ring_in_use`) the table is leaked instead.
+        match coord.unsafe_call("freeing the gather descriptor table", |gate| unsafe { rt.mem_free(gate, t.ptr) }) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "freeing the gather descriptor table failed"),
             Err(e) => tracing::warn!(error = %e, "gather descriptor table leaked (dropped inside a capture window)"),

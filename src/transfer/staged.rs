@@ -403,7 +403,11 @@ impl Staging {
             }
         }
         if idle {
-            match coord.unsafe_call("freeing the staging buffers", |gate| rt.mem_free(gate, self.base)) {
+            // SAFETY: `idle`: no job was in flight (each job's completion
+            // event covers its staging streams, which are joined back), or
+            // both staging streams were synchronized above; nothing keeps
+            // `base` after this.
+            match coord.unsafe_call("freeing the staging buffers", |gate| unsafe { rt.mem_free(gate, self.base) }) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::warn!(error = %e, "freeing the staging buffers failed"),
                 Err(e) => tracing::warn!(error = %e, "staging buffers leaked (dropped inside a capture window)"),

@@ -18,14 +18,17 @@
 
 use kvoffload::protocol::{CapturePolicy, Coordinator};
 use kvoffload::runtime::cuda::CudaRuntime;
-use kvoffload::runtime::Gate;
+use kvoffload::runtime::{Gate, GpuRuntime};
 
 /// `f` through the gate of a coordinator with no region: the tests drive
 /// the runtime directly and open no window through it, so it never holds a
 /// call back (a call made during a capture reaches the driver as before).
 #[allow(dead_code)]
-pub fn gated<T>(f: impl FnOnce(&Gate) -> T) -> T {
-    Coordinator::without_region(CapturePolicy::AfterPinning).unsafe_call("test", f).expect("no window, no refusal")
+pub fn gated<T>(rt: &dyn GpuRuntime, f: impl FnOnce(&Gate) -> T) -> T {
+    Coordinator::without_region(rt, CapturePolicy::AfterPinning)
+        .expect("no other coordinator guards this runtime")
+        .unsafe_call("test", f)
+        .expect("no window, no refusal")
 }
 
 /// The variable that says a GPU is expected (see the module docs).

@@ -15,13 +15,16 @@ use kvoffload::transfer::{
     TransferOptions,
 };
 
-/// `f` through the gate of a coordinator with no region: the tests' own
-/// capture-unsafe calls (set-up, clean-up, calls made deliberately during a
-/// capture the rig's coordinator knows nothing of) reach the runtime as
-/// they did before calls needed a gate; no window is ever opened through
-/// this coordinator, so it never holds a call back.
-pub fn gated<T>(f: impl FnOnce(&Gate) -> T) -> T {
-    Coordinator::without_region(CapturePolicy::AfterPinning).unsafe_call("test", f).expect("no window, no refusal")
+/// `f` through the gate of a coordinator with no region made for the call:
+/// the tests' own capture-unsafe calls on a runtime no rig guards (a rig's
+/// runtime is guarded by the rig's coordinator: use [`Rig::gated`]); no
+/// window is ever opened through this coordinator, so it never holds a call
+/// back.
+pub fn gated<T>(rt: &dyn GpuRuntime, f: impl FnOnce(&Gate) -> T) -> T {
+    Coordinator::without_region(rt, CapturePolicy::AfterPinning)
+        .expect("no other coordinator guards this runtime")
+        .unsafe_call("test", f)
+        .expect("no window, no refusal")
 }
 
 /// Both directions, stores first.
@@ -251,7 +254,7 @@ impl Rig {
         let chunks: Vec<(usize, usize)> = (0..bytes / chunk).map(|i| (base + i * chunk, chunk)).collect();
         // SAFETY: the chunks are pieces of `host` (read-write), which the
         // rig keeps mapped until every chunk is unregistered (see `Drop`).
-        let coord = unsafe { Coordinator::new(CapturePolicy::AfterPinning, &chunks, None) };
+        let coord = unsafe { Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &chunks, None) }.unwrap();
         let host = ManuallyDrop::new(host);
         match pin {
             Pin::Registered => assert_eq!(pin_all(&*rt, &coord, &NoPrefault), PinState::Pinned),
@@ -264,7 +267,7 @@ impl Rig {
             let mut ts = Vec::new();
             let mut tspecs = Vec::new();
             for &p in pages {
-                let d = gated(|gt| rt.mem_alloc(gt, p * ng)).unwrap();
+                let d = coord.unsafe_call("test", |gt| rt.mem_alloc(gt, p * ng)).unwrap().unwrap();
                 ts.push(d);
                 tspecs.push(TensorSpec { device_base: d, page_bytes: p });
             }
@@ -281,6 +284,13 @@ impl Rig {
 
     pub fn engine(&self) -> &TransferEngine {
         self.engine.as_ref().unwrap()
+    }
+
+    /// `f` through the gate of the rig's coordinator (which guards the rig's
+    /// runtime); the tests' own capture-unsafe calls, including calls made
+    /// deliberately during a capture the rig opened no window for.
+    pub fn gated<T>(&self, f: impl FnOnce(&Gate) -> T) -> T {
+        self.coord.unsafe_call("test", f).expect("no window of the rig's coordinator is open")
     }
 
     pub fn fresh_id(&mut self) -> JobId {
@@ -304,7 +314,7 @@ impl Rig {
         }
         // A synchronous copy from pageable memory may return before its DMA
         // lands, and the engine's non-blocking streams do not wait for it.
-        gated(|gt| self.rt.ctx_synchronize(gt)).unwrap();
+        self.gated(|gt| self.rt.ctx_synchronize(gt)).unwrap();
     }
 
     /// Copies of every device tensor.
@@ -390,7 +400,9 @@ impl Drop for Rig {
             self.coord.unregister_all(&*self.rt).unwrap();
             for ts in &self.tensors {
                 for &d in ts {
-                    gated(|gt| self.rt.mem_free(gt, d)).unwrap();
+                    // SAFETY: the engine is gone and the tests' jobs are
+                    // done; nothing uses the tensor after this.
+                    self.gated(|gt| unsafe { self.rt.mem_free(gt, d) }).unwrap();
                 }
             }
             self.rt.stream_destroy(self.compute).unwrap();

@@ -158,10 +158,11 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
         let keep: KeepAlive = Box::new(map.clone());
         // SAFETY: the chunks are pieces of `map`, a read-write anonymous
         // mapping that the coordinator keeps mapped (`keep`) while it lives.
-        unsafe { Coordinator::new(policy, &chunks, Some(keep)) }
+        unsafe { Coordinator::new(rt.as_ref(), policy, &chunks, Some(keep)) }
     } else {
-        Coordinator::without_region(CapturePolicy::AfterPinning)
-    };
+        Coordinator::without_region(rt.as_ref(), CapturePolicy::AfterPinning)
+    }
+    .map_err(|e| format!("the coordinator: {e}"))?;
     // Upstream's registrations are made behind the coordinator's back, so
     // nothing else keeps the region mapped while they last: this does, and
     // leaks it unless every one of them was undone (at the end of the run).
@@ -289,8 +290,10 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
         }
         keep_mapped.release();
     }
-    gated(&coord, "free", |g| rt.mem_free(g, d))?;
-    gated(&coord, "free", |g| rt.mem_free(g, scratch))?;
+    // SAFETY: the context was synchronized above and the graphs are destroyed; the memory is not used again.
+    gated(&coord, "free", |g| unsafe { rt.mem_free(g, d) })?;
+    // SAFETY: the context was synchronized above and the graphs are destroyed; the memory is not used again.
+    gated(&coord, "free", |g| unsafe { rt.mem_free(g, scratch) })?;
     rt.stream_destroy(s).map_err(e("stream destroy"))?;
     drop(coord);
     drop(map);

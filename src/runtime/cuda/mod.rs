@@ -25,7 +25,7 @@ use cudarc::driver::sys;
 
 use crate::runtime::{
     CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, Gate,
-    GpuRuntime, Graph, Kernel, OpenError, Stream,
+    GateBinding, GpuRuntime, Graph, Kernel, OpenError, Stream,
 };
 use crate::sync::{self, Mutex};
 
@@ -91,6 +91,8 @@ pub struct CudaRuntime {
     pattern_fill_fn: Result<usize, DriverError>,
     pattern_check_fn: Result<usize, DriverError>,
     handles: Mutex<Handles>,
+    /// Whose gates the capture-unsafe operations accept.
+    binding: GateBinding,
     /// Multiprocessors of the device (the gather kernel's grid).
     sm_count: u32,
     name: String,
@@ -175,6 +177,7 @@ impl CudaRuntime {
             pattern_fill_fn: Err(DriverError::new("cuModuleLoadDataEx", Code::INVALID_HANDLE)),
             pattern_check_fn: Err(DriverError::new("cuModuleLoadDataEx", Code::INVALID_HANDLE)),
             handles: Mutex::new(Handles::default()),
+            binding: GateBinding::new(),
             sm_count: u32::try_from(sms).unwrap_or(1).max(1),
             name,
             driver_version,
@@ -338,6 +341,10 @@ impl GpuRuntime for CudaRuntime {
         "cuda"
     }
 
+    fn gate_binding(&self) -> &GateBinding {
+        &self.binding
+    }
+
     fn describe(&self) -> String {
         format!(
             "{} (device {}), CUDA driver API {}.{}",
@@ -348,14 +355,16 @@ impl GpuRuntime for CudaRuntime {
         )
     }
 
-    unsafe fn host_register(&self, _gate: &Gate, addr: usize, len: usize) -> DriverResult<()> {
+    unsafe fn host_register(&self, gate: &Gate, addr: usize, len: usize) -> DriverResult<()> {
+        self.binding.check(gate, "cuMemHostRegister")?;
         self.bind()?;
         // SAFETY: the caller guarantees `[addr, addr+len)` is a live mapping
         // that stays mapped while registered.
         check("cuMemHostRegister", unsafe { sys::cuMemHostRegister_v2(addr as *mut c_void, len, 0) })
     }
 
-    fn host_unregister(&self, _gate: &Gate, addr: usize) -> DriverResult<()> {
+    fn host_unregister(&self, gate: &Gate, addr: usize) -> DriverResult<()> {
+        self.binding.check(gate, "cuMemHostUnregister")?;
         self.bind()?;
         // SAFETY: the driver checks `addr` against its registrations and
         // answers 713 for anything else; no memory is dereferenced here.
@@ -372,7 +381,8 @@ impl GpuRuntime for CudaRuntime {
         Ok(DevicePtr(p))
     }
 
-    fn mem_alloc(&self, _gate: &Gate, bytes: usize) -> DriverResult<DevicePtr> {
+    fn mem_alloc(&self, gate: &Gate, bytes: usize) -> DriverResult<DevicePtr> {
+        self.binding.check(gate, "cuMemAlloc")?;
         self.bind()?;
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer.
@@ -380,13 +390,16 @@ impl GpuRuntime for CudaRuntime {
         Ok(DevicePtr(p))
     }
 
-    fn mem_free(&self, _gate: &Gate, ptr: DevicePtr) -> DriverResult<()> {
+    unsafe fn mem_free(&self, gate: &Gate, ptr: DevicePtr) -> DriverResult<()> {
+        self.binding.check(gate, "cuMemFree")?;
         self.bind()?;
-        // SAFETY: the driver validates `ptr` against its allocations.
+        // SAFETY: the driver validates `ptr` against its allocations; the
+        // caller promises no device work still uses it (the contract).
         check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr.raw()) })
     }
 
-    fn mem_alloc_host(&self, _gate: &Gate, bytes: usize) -> DriverResult<usize> {
+    fn mem_alloc_host(&self, gate: &Gate, bytes: usize) -> DriverResult<usize> {
+        self.binding.check(gate, "cuMemAllocHost")?;
         self.bind()?;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
@@ -394,9 +407,11 @@ impl GpuRuntime for CudaRuntime {
         Ok(p as usize)
     }
 
-    fn mem_free_host(&self, _gate: &Gate, addr: usize) -> DriverResult<()> {
+    unsafe fn mem_free_host(&self, gate: &Gate, addr: usize) -> DriverResult<()> {
+        self.binding.check(gate, "cuMemFreeHost")?;
         self.bind()?;
-        // SAFETY: the driver validates `addr` against its host allocations.
+        // SAFETY: the driver validates `addr` against its host allocations;
+        // the caller promises nothing uses the memory afterwards.
         check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(addr as *mut c_void) })
     }
 
@@ -426,13 +441,15 @@ impl GpuRuntime for CudaRuntime {
         Ok(())
     }
 
-    fn stream_synchronize(&self, _gate: &Gate, stream: Stream) -> DriverResult<()> {
+    fn stream_synchronize(&self, gate: &Gate, stream: Stream) -> DriverResult<()> {
+        self.binding.check(gate, "cuStreamSynchronize")?;
         let s = self.stream_raw(stream, "cuStreamSynchronize")?;
         // SAFETY: live stream.
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(s) })
     }
 
-    fn ctx_synchronize(&self, _gate: &Gate) -> DriverResult<()> {
+    fn ctx_synchronize(&self, gate: &Gate) -> DriverResult<()> {
+        self.binding.check(gate, "cuCtxSynchronize")?;
         self.bind()?;
         // SAFETY: no arguments; the context is current.
         check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
@@ -632,7 +649,8 @@ impl GpuRuntime for CudaRuntime {
         check("cuEventRecord", unsafe { sys::cuEventRecord(e, s) })
     }
 
-    fn event_query(&self, _gate: &Gate, event: Event) -> DriverResult<bool> {
+    fn event_query(&self, gate: &Gate, event: Event) -> DriverResult<bool> {
+        self.binding.check(gate, "cuEventQuery")?;
         let e = self.event_raw(event, "cuEventQuery")?;
         // SAFETY: live event.
         match check("cuEventQuery", unsafe { sys::cuEventQuery(e) }) {
@@ -642,7 +660,8 @@ impl GpuRuntime for CudaRuntime {
         }
     }
 
-    fn event_synchronize(&self, _gate: &Gate, event: Event) -> DriverResult<()> {
+    fn event_synchronize(&self, gate: &Gate, event: Event) -> DriverResult<()> {
+        self.binding.check(gate, "cuEventSynchronize")?;
         let e = self.event_raw(event, "cuEventSynchronize")?;
         // SAFETY: live event.
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(e) })

@@ -37,7 +37,7 @@ pub use state::Blocked;
 
 use crate::runtime::{
     CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, Gate,
-    GpuRuntime, Graph, Kernel, Stream,
+    GateBinding, GpuRuntime, Graph, Kernel, Stream,
 };
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 
@@ -142,10 +142,20 @@ impl Inner {
     }
 }
 
-/// The simulated GPU. Dropping it stops its device threads.
+/// The simulated GPU, through one runtime handle. Dropping the last handle
+/// on the device stops its device threads.
 pub struct SimRuntime {
     inner: Arc<Inner>,
-    device: Mutex<Vec<thread::JoinHandle<()>>>,
+    device: Arc<DeviceThreads>,
+    /// Whose gates the capture-unsafe operations of this handle accept.
+    binding: GateBinding,
+}
+
+/// The device's worker threads, stopped and joined when the last handle on
+/// the device is gone.
+struct DeviceThreads {
+    inner: Arc<Inner>,
+    workers: Mutex<Vec<thread::JoinHandle<()>>>,
 }
 
 /// A hold point armed by [`SimRuntime::hold`]: the next call reaching the
@@ -228,7 +238,17 @@ impl SimRuntime {
                 thread::spawn(move || device::run(worker))
             })
             .collect();
-        SimRuntime { inner, device: Mutex::new(workers) }
+        let device = Arc::new(DeviceThreads { inner: inner.clone(), workers: Mutex::new(workers) });
+        SimRuntime { inner, device, binding: GateBinding::new() }
+    }
+
+    /// Another runtime handle on the same simulated device, as a second
+    /// engine process (a rank of the node) opens its own: the same memory,
+    /// streams, registrations and capture rules, but its own gate binding,
+    /// so it takes a coordinator of its own. (Capture rules are shared
+    /// across handles, which is stricter than two processes on a real GPU.)
+    pub fn another_handle(&self) -> SimRuntime {
+        SimRuntime { inner: self.inner.clone(), device: self.device.clone(), binding: GateBinding::new() }
     }
 
     /// Injects a fault (see [`SimFault`]).
@@ -366,11 +386,15 @@ impl SimRuntime {
     /// A capture-unsafe call must come with a gate in flight on the calling
     /// thread (`Gate::in_flight_here`): the coordinator's gate, not a forged
     /// one. Failing this is a bug in the model or the library, not a driver
-    /// behaviour, so the simulated GPU stops the run.
-    fn gated(gate: &Gate, call: Call) {
+    /// behaviour, so the simulated GPU stops the run. A gate of another
+    /// coordinator than the one bound to this runtime is refused
+    /// (`Code::GATE_REFUSED`), as the CUDA runtime refuses it, before
+    /// anything else happens.
+    fn gated(&self, gate: &Gate, call: Call) -> DriverResult<()> {
         if !gate.in_flight_here() {
             panic!("capture-unsafe call outside the gate: {}", call.driver_name());
         }
+        self.binding.check(gate, call.driver_name())
     }
 
     /// Adds `op` to `stream`: executed later by the device, or recorded into
@@ -449,14 +473,14 @@ impl Default for SimRuntime {
     }
 }
 
-impl Drop for SimRuntime {
+impl Drop for DeviceThreads {
     fn drop(&mut self) {
         {
-            let mut g = self.state();
+            let mut g = sync::lock(&self.inner.state);
             g.stop = true;
             self.inner.cv.notify_all();
         }
-        for h in std::mem::take(&mut *sync::lock(&self.device)) {
+        for h in std::mem::take(&mut *sync::lock(&self.workers)) {
             // A device thread only exits its loop; a panic there is a bug in
             // the simulator that the join surfaces in tests.
             if h.join().is_err() {
@@ -501,8 +525,12 @@ impl GpuRuntime for SimRuntime {
         Some(self)
     }
 
+    fn gate_binding(&self) -> &GateBinding {
+        &self.binding
+    }
+
     unsafe fn host_register(&self, gate: &Gate, addr: usize, len: usize) -> DriverResult<()> {
-        Self::gated(gate, Call::HostRegister);
+        self.gated(gate, Call::HostRegister)?;
         let r = (|| {
             let mut g = self.state();
             live(&g)?;
@@ -532,7 +560,7 @@ impl GpuRuntime for SimRuntime {
     }
 
     fn host_unregister(&self, gate: &Gate, addr: usize) -> DriverResult<()> {
-        Self::gated(gate, Call::HostUnregister);
+        self.gated(gate, Call::HostUnregister)?;
         let r = (|| {
             let g = self.enter(Call::HostUnregister, &[])?;
             if !g.registered.contains_key(&addr) || g.host_allocs.contains_key(&addr) {
@@ -558,7 +586,7 @@ impl GpuRuntime for SimRuntime {
     }
 
     fn mem_alloc(&self, gate: &Gate, bytes: usize) -> DriverResult<DevicePtr> {
-        Self::gated(gate, Call::MemAlloc);
+        self.gated(gate, Call::MemAlloc)?;
         let r = (|| {
             let mut g = self.enter(Call::MemAlloc, &[])?;
             if bytes == 0 {
@@ -575,8 +603,8 @@ impl GpuRuntime for SimRuntime {
         traced("cuMemAlloc", r)
     }
 
-    fn mem_free(&self, gate: &Gate, ptr: DevicePtr) -> DriverResult<()> {
-        Self::gated(gate, Call::MemFree);
+    unsafe fn mem_free(&self, gate: &Gate, ptr: DevicePtr) -> DriverResult<()> {
+        self.gated(gate, Call::MemFree)?;
         let r = (|| {
             let g = self.enter(Call::MemFree, &[])?;
             if !g.device_mem.contains_key(&ptr) {
@@ -591,7 +619,7 @@ impl GpuRuntime for SimRuntime {
     }
 
     fn mem_alloc_host(&self, gate: &Gate, bytes: usize) -> DriverResult<usize> {
-        Self::gated(gate, Call::MemAllocHost);
+        self.gated(gate, Call::MemAllocHost)?;
         let r = (|| {
             let mut g = self.enter(Call::MemAllocHost, &[])?;
             if bytes == 0 {
@@ -606,8 +634,8 @@ impl GpuRuntime for SimRuntime {
         traced("cuMemAllocHost", r)
     }
 
-    fn mem_free_host(&self, gate: &Gate, addr: usize) -> DriverResult<()> {
-        Self::gated(gate, Call::MemFreeHost);
+    unsafe fn mem_free_host(&self, gate: &Gate, addr: usize) -> DriverResult<()> {
+        self.gated(gate, Call::MemFreeHost)?;
         let r = (|| {
             let g = self.enter(Call::MemFreeHost, &[])?;
             if !g.host_allocs.contains_key(&addr) {
@@ -652,7 +680,7 @@ impl GpuRuntime for SimRuntime {
     }
 
     fn stream_synchronize(&self, gate: &Gate, stream: Stream) -> DriverResult<()> {
-        Self::gated(gate, Call::StreamSynchronize);
+        self.gated(gate, Call::StreamSynchronize)?;
         let r = (|| {
             let g = self.enter(Call::StreamSynchronize, &[stream])?;
             if !g.streams.contains_key(&stream.0) {
@@ -665,7 +693,7 @@ impl GpuRuntime for SimRuntime {
     }
 
     fn ctx_synchronize(&self, gate: &Gate) -> DriverResult<()> {
-        Self::gated(gate, Call::CtxSynchronize);
+        self.gated(gate, Call::CtxSynchronize)?;
         let r = (|| {
             let g = self.enter(Call::CtxSynchronize, &[])?;
             let g = self.inner.wait_until(g, Blocked::Idle, State::idle);
@@ -848,7 +876,7 @@ impl GpuRuntime for SimRuntime {
     }
 
     fn event_query(&self, gate: &Gate, event: Event) -> DriverResult<bool> {
-        Self::gated(gate, Call::EventQuery);
+        self.gated(gate, Call::EventQuery)?;
         let r = (|| {
             let g = self.enter(Call::EventQuery, &[])?;
             event_done(&g, event)
@@ -857,7 +885,7 @@ impl GpuRuntime for SimRuntime {
     }
 
     fn event_synchronize(&self, gate: &Gate, event: Event) -> DriverResult<()> {
-        Self::gated(gate, Call::EventSynchronize);
+        self.gated(gate, Call::EventSynchronize)?;
         let r = (|| {
             let mut g = self.enter(Call::EventSynchronize, &[])?;
             while !event_done(&g, event)? {
@@ -1016,8 +1044,8 @@ mod tests {
     #[test]
     fn an_unmeasured_call_during_another_threads_global_capture_is_refused() {
         assert!(rules::row(Call::GraphLaunch).is_none(), "cuGraphLaunch has no measured row");
-        let rt = Arc::new(SimRuntime::new());
-        let coord = Coordinator::without_region(CapturePolicy::AfterPinning);
+        let rt = crate::runtime::shared(SimRuntime::new());
+        let coord = Coordinator::without_region(rt.as_ref(), CapturePolicy::AfterPinning).unwrap();
         let (a, b) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
         let d = coord.unsafe_call("test", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
         // B's graph, captured while no other capture is open.
@@ -1031,7 +1059,7 @@ mod tests {
         let launched = thread::spawn(move || rt2.graph_launch(graph, b)).join().unwrap();
         assert_eq!(launched.map_err(|e| e.code), Err(Code::STREAM_CAPTURE_UNSUPPORTED));
         assert_eq!(rt.end_capture(a).map_err(|e| e.code), Err(Code::STREAM_CAPTURE_INVALIDATED));
-        let refusals = rt.refusals();
+        let refusals = rt.as_sim().unwrap().refusals();
         assert_eq!(refusals.len(), 1, "{refusals:?}");
         assert_eq!(refusals[0].call, "cuGraphLaunch");
         assert!(refusals[0].reason.contains("no measured row"), "{refusals:?}");
@@ -1072,8 +1100,8 @@ mod tests {
     /// capture while it has not rejoined fails with 904.
     #[test]
     fn a_joined_stream_that_did_not_rejoin_fails_the_capture() {
-        let rt = SimRuntime::new();
-        let coord = Coordinator::without_region(CapturePolicy::AfterPinning);
+        let rt = crate::runtime::shared(SimRuntime::new());
+        let coord = Coordinator::without_region(rt.as_ref(), CapturePolicy::AfterPinning).unwrap();
         let (o, x) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
         let d = coord.unsafe_call("test", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
         let e = rt.event_create().unwrap();

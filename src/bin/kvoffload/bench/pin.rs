@@ -361,7 +361,13 @@ fn one_call(rt: &dyn GpuRuntime, size: usize, progress: &(dyn Fn(Progress) + Syn
     let addr = region.as_ptr() as usize;
     // No capture runs during the bench: the gate of a coordinator of its own,
     // with no region (upstream's one call knows no coordinator).
-    let coord = Coordinator::without_region(CapturePolicy::AfterPinning);
+    let coord = match Coordinator::without_region(rt, CapturePolicy::AfterPinning) {
+        Ok(c) => c,
+        Err(e) => {
+            row.outcome = Err(format!("the coordinator: {e}"));
+            return row;
+        }
+    };
     progress(Progress::Start { label, bytes: size as u64 });
     let t = Instant::now();
     let r = coord.unsafe_call("the upstream register call", |g| {
@@ -435,7 +441,7 @@ pub fn pipeline(
         PinOptions::default().threads(c.threads).huge_pages(c.huge_pages).max_chunk_bytes(c.chunk).prefault(c.prefault);
     progress(Progress::Start { label, bytes: size as u64 });
     let t = Instant::now();
-    let prepared = match Prepared::new(&region, &opts) {
+    let prepared = match Prepared::new(rt, &region, &opts) {
         Ok(p) => p,
         Err(e) => {
             progress(Progress::Finish);
@@ -562,7 +568,10 @@ fn warm_up(cfg: &BenchConfig, progress: &(dyn Fn(Progress) + Sync)) -> Result<f6
     let region = fresh_region(cfg.size)?;
     progress(Progress::Start { label: "warm-up (not measured)".into(), bytes: cfg.size as u64 });
     let opts = PinOptions::default().threads(cfg.threads).huge_pages(HugePages::On);
-    let prepared = Prepared::new(&region, &opts).map_err(|e| e.to_string())?;
+    // No GPU is involved: a simulated one stands in for the runtime the
+    // coordinator that `Prepared` makes must guard (nothing is registered).
+    let prepared =
+        Prepared::new(&kvoffload::runtime::sim::SimRuntime::new(), &region, &opts).map_err(|e| e.to_string())?;
     if let Some(pf) = prepared.prefaulter() {
         pf.ensure_typed(0, region.as_ptr() as usize, region.len()).map_err(|e| format!("warm-up: {e}"))?;
     }

@@ -262,7 +262,7 @@ fn run_rank_inner(cfg: &RankConfig, rt: &dyn GpuRuntime, t: &mut RankTimes) -> R
     let region = Arc::new(region);
     t.pin = monotonic_secs();
     let popts = PinOptions::default().threads(cfg.threads).max_chunk_bytes(cfg.chunk);
-    let prepared = Prepared::new(&region, &popts).map_err(|e| e.to_string())?;
+    let prepared = Prepared::new(rt, &region, &popts).map_err(|e| e.to_string())?;
     t.share = prepared.bytes() as u64;
     let (coord, prefault) = prepared.into_parts();
     let settled = Settled { inner: prefault, at: Mutex::new(None) };

@@ -361,7 +361,8 @@ impl Buffers {
         // mapping; nothing registers them before `host` moves into the
         // `Buffers` below, which unmaps it only after every chunk was
         // unregistered again (see its `Drop`).
-        let coord = unsafe { Coordinator::new(CapturePolicy::AfterPinning, &chunks, None) };
+        let coord = unsafe { Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &chunks, None) }
+            .map_err(|e| format!("the bench's coordinator: {e}"))?;
         let alloc = coord.unsafe_call("bench: allocating device memory", |g| rt.mem_alloc(g, cfg.total));
         let device = alloc
             .map_err(|e| e.to_string())?
@@ -369,7 +370,8 @@ impl Buffers {
         let compute = match rt.stream_create() {
             Ok(s) => s,
             Err(e) => {
-                match coord.unsafe_call("bench: freeing device memory", |g| rt.mem_free(g, device)) {
+                // SAFETY: no job is in flight (the engine is gone or was never made); the memory is not used again.
+                match coord.unsafe_call("bench: freeing device memory", |g| unsafe { rt.mem_free(g, device) }) {
                     Ok(Ok(())) => {}
                     Ok(Err(f)) => {
                         tracing::warn!(error = %f, "bench: freeing device memory after a failed set-up failed")
@@ -412,7 +414,8 @@ impl Drop for Buffers {
         if let Err(e) = self.rt.stream_destroy(self.compute) {
             tracing::warn!(error = %e, "bench: destroying the compute stream failed");
         }
-        match self.coord.unsafe_call("bench: freeing device memory", |g| self.rt.mem_free(g, self.device)) {
+        // SAFETY: no job is in flight (the engine is gone or was never made); the memory is not used again.
+        match self.coord.unsafe_call("bench: freeing device memory", |g| unsafe { self.rt.mem_free(g, self.device) }) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "bench: freeing device memory failed"),
             Err(e) => tracing::warn!(error = %e, "bench: freeing device memory failed"),

@@ -365,8 +365,11 @@ fn warm_up(size: usize) -> Result<f64, String> {
     let region = kvoffload::sync::Arc::new(
         Region::anonymous(layout, &AnonOptions::new().check_memory(false)).map_err(|e| e.to_string())?,
     );
+    // No GPU is involved: a simulated one stands in for the runtime the
+    // coordinator that `Prepared` makes must guard (nothing is registered).
+    let sim = kvoffload::runtime::sim::SimRuntime::new();
     let prepared =
-        Prepared::new(&region, &PinOptions::default().huge_pages(HugePages::On)).map_err(|e| e.to_string())?;
+        Prepared::new(&sim, &region, &PinOptions::default().huge_pages(HugePages::On)).map_err(|e| e.to_string())?;
     if let Some(pf) = prepared.prefaulter() {
         pf.ensure_typed(0, region.as_ptr() as usize, region.len()).map_err(|e| format!("warm-up: {e}"))?;
     }

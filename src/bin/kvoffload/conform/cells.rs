@@ -139,7 +139,7 @@ struct Fixture {
 impl Fixture {
     fn new(rt: Arc<dyn GpuRuntime>) -> Result<Self, String> {
         let e = |e: kvoffload::runtime::DriverError| format!("setup: {e}");
-        let coord = scenario_coordinator();
+        let coord = scenario_coordinator(rt.as_ref())?;
         let c = &coord;
         let pinned = HostBuf::new(4 * COPY, 1)?;
         let pageable = HostBuf::new(4 * COPY, 2)?;
@@ -176,13 +176,16 @@ impl Fixture {
             }
         };
         note(gate(c, "cleanup", |g| rt.ctx_synchronize(g))?, false);
+        // SAFETY (each free below): the context was synchronized just above,
+        // so no device work of the cell uses the memory any more, and the
+        // fixture is consumed: nothing uses it afterwards.
         note(gate(c, "cleanup", |g| rt.host_unregister(g, self.pinned.addr()))?, true);
         note(gate(c, "cleanup", |g| rt.host_unregister(g, self.pageable.addr()))?, true);
         if let Some(p) = left.device {
-            note(gate(c, "cleanup", |g| rt.mem_free(g, p))?, false);
+            note(gate(c, "cleanup", |g| unsafe { rt.mem_free(g, p) })?, false);
         }
         if let Some(h) = left.host {
-            note(gate(c, "cleanup", |g| rt.mem_free_host(g, h))?, false);
+            note(gate(c, "cleanup", |g| unsafe { rt.mem_free_host(g, h) })?, false);
         }
         if let Some(e) = left.event {
             note(rt.event_destroy(e), false);
@@ -198,13 +201,13 @@ impl Fixture {
             note(rt.stream_destroy(self.s3), false);
         }
         if !left.consumed_device {
-            note(gate(c, "cleanup", |g| rt.mem_free(g, self.d3))?, false);
+            note(gate(c, "cleanup", |g| unsafe { rt.mem_free(g, self.d3) })?, false);
         }
         if !left.consumed_host {
-            note(gate(c, "cleanup", |g| rt.mem_free_host(g, self.h3))?, false);
+            note(gate(c, "cleanup", |g| unsafe { rt.mem_free_host(g, self.h3) })?, false);
         }
-        note(gate(c, "cleanup", |g| rt.mem_free(g, self.d1))?, false);
-        note(gate(c, "cleanup", |g| rt.mem_free(g, self.d2))?, false);
+        note(gate(c, "cleanup", |g| unsafe { rt.mem_free(g, self.d1) })?, false);
+        note(gate(c, "cleanup", |g| unsafe { rt.mem_free(g, self.d2) })?, false);
         note(rt.stream_destroy(self.s1), false);
         note(rt.stream_destroy(self.s2), false);
         if errs.is_empty() {
@@ -292,8 +295,12 @@ fn run_cell(t: &Target, call: Call, relaxed: bool) -> Result<Observed, String> {
                 Call::CopyDtohPinned => unsafe { rt.copy_dtoh_async(pinned, d2, COPY, s2) },
                 // SAFETY: as above, synchronously.
                 Call::CopySyncDtoh => unsafe { rt.copy_dtoh(pinned, d2, COPY) },
-                Call::MemFree => rt.mem_free(gate, d3).map(|()| left.consumed_device = true),
-                Call::MemFreeHost => rt.mem_free_host(gate, h3).map(|()| left.consumed_host = true),
+                // SAFETY: `d3` and `h3` were made for this cell and no work
+                // ever used them; a freed one is marked consumed so that
+                // cleanup does not free it again.
+                Call::MemFree => unsafe { rt.mem_free(gate, d3) }.map(|()| left.consumed_device = true),
+                // SAFETY: as above.
+                Call::MemFreeHost => unsafe { rt.mem_free_host(gate, h3) }.map(|()| left.consumed_host = true),
                 Call::HostDevicePtr => rt.host_device_ptr(pinned).map(|_| ()),
                 Call::CaptureStatusOther => rt.capture_status(s2).map(|_| ()),
             }

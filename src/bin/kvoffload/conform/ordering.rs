@@ -141,7 +141,7 @@ pub(super) fn scenarios() -> Vec<Scenario> {
 
 fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
     let rt = t.rt();
-    let c = &scenario_coordinator();
+    let c = &scenario_coordinator(rt.as_ref())?;
     let s = rt.stream_create().map_err(de("stream"))?;
     let d = gated(c, "alloc", |g| rt.mem_alloc(g, 4096))?;
     let mut reg = LongRegister::start(t, c)?;
@@ -176,7 +176,8 @@ fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
         rt.graph_destroy(*g).map_err(de("graph_destroy"))?;
     }
     reg.unregister()?;
-    gated(c, "free", |g| rt.mem_free(g, d))?;
+    // SAFETY: the scenario is over: its replays were synchronized or never ran, its graphs are destroyed, and the memory is not used again.
+    gated(c, "free", |g| unsafe { rt.mem_free(g, d) })?;
     rt.stream_destroy(s).map_err(de("stream_destroy"))?;
     Ok(Observed::new(format!(
         "register={} begin={} begin-returned={} end={}",
@@ -194,7 +195,7 @@ fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
 
 fn enqueue_beside_register(t: &Target, mode: CaptureMode) -> Result<Observed, String> {
     let rt = t.rt();
-    let c = &scenario_coordinator();
+    let c = &scenario_coordinator(rt.as_ref())?;
     let s = rt.stream_create().map_err(de("stream"))?;
     let d = gated(c, "alloc", |g| rt.mem_alloc(g, 4096))?;
     rt.begin_capture(s, mode).map_err(de("begin_capture"))?;
@@ -214,7 +215,8 @@ fn enqueue_beside_register(t: &Target, mode: CaptureMode) -> Result<Observed, St
         rt.graph_destroy(*g).map_err(de("graph_destroy"))?;
     }
     reg.unregister()?;
-    gated(c, "free", |g| rt.mem_free(g, d))?;
+    // SAFETY: the scenario is over: its replays were synchronized or never ran, its graphs are destroyed, and the memory is not used again.
+    gated(c, "free", |g| unsafe { rt.mem_free(g, d) })?;
     rt.stream_destroy(s).map_err(de("stream_destroy"))?;
     running?;
     Ok(Observed::new(format!(
@@ -229,7 +231,7 @@ fn enqueue_beside_register(t: &Target, mode: CaptureMode) -> Result<Observed, St
 
 fn unregister_waits(t: &Target, kernel: bool) -> Result<Observed, String> {
     let rt = t.rt();
-    let c = &scenario_coordinator();
+    let c = &scenario_coordinator(rt.as_ref())?;
     let s = rt.stream_create().map_err(de("stream"))?;
     let e = rt.event_create().map_err(de("event"))?;
     let small = HostBuf::new(2 << 20, 3)?;
@@ -275,7 +277,8 @@ fn unregister_waits(t: &Target, kernel: bool) -> Result<Observed, String> {
         gated(c, "unregister src", |g| rt.host_unregister(g, src.addr()))?;
     }
     if let Some(d) = dev {
-        gated(c, "free", |g| rt.mem_free(g, d))?;
+        // SAFETY: the scenario is over: its replays were synchronized or never ran, its graphs are destroyed, and the memory is not used again.
+        gated(c, "free", |g| unsafe { rt.mem_free(g, d) })?;
     }
     rt.event_destroy(e).map_err(de("event_destroy"))?;
     rt.stream_destroy(s).map_err(de("stream_destroy"))?;
@@ -290,7 +293,7 @@ fn unregister_waits(t: &Target, kernel: bool) -> Result<Observed, String> {
 
 fn destroy_busy_stream(t: &Target) -> Result<Observed, String> {
     let rt = t.rt();
-    let c = &scenario_coordinator();
+    let c = &scenario_coordinator(rt.as_ref())?;
     let s = rt.stream_create().map_err(de("stream"))?;
     let e = rt.event_create().map_err(de("event"))?;
     let hold = match t {
@@ -354,7 +357,7 @@ fn read_device(rt: &Arc<dyn GpuRuntime>, d: DevicePtr, bytes: usize, new: u8, ol
 
 fn pageable_replay(t: &Target) -> Result<Observed, String> {
     let rt = t.rt();
-    let c = &scenario_coordinator();
+    let c = &scenario_coordinator(rt.as_ref())?;
     let bytes = 1 << 20;
     let s = rt.stream_create().map_err(de("stream"))?;
     let d = gated(c, "alloc", |g| rt.mem_alloc(g, bytes))?;
@@ -374,7 +377,8 @@ fn pageable_replay(t: &Target) -> Result<Observed, String> {
         holds = read_device(&rt, d, bytes, 2, 1)?;
         rt.graph_destroy(g).map_err(de("graph_destroy"))?;
     }
-    gated(c, "free", |g| rt.mem_free(g, d))?;
+    // SAFETY: the scenario is over: its replays were synchronized or never ran, its graphs are destroyed, and the memory is not used again.
+    gated(c, "free", |g| unsafe { rt.mem_free(g, d) })?;
     rt.stream_destroy(s).map_err(de("stream_destroy"))?;
     let capture = if cap.is_ok() && end.is_ok() { "ok".to_string() } else { format!("{}/{}", code(&cap), code(&end)) };
     Ok(Observed::new(format!("capture={capture} replay={} device-holds={holds}", code(&replay))))
@@ -382,7 +386,7 @@ fn pageable_replay(t: &Target) -> Result<Observed, String> {
 
 fn batch_in_capture(t: &Target) -> Result<Observed, String> {
     let rt = t.rt();
-    let c = &scenario_coordinator();
+    let c = &scenario_coordinator(rt.as_ref())?;
     let frag = 64 << 10;
     let bytes = 2 * frag;
     let s = rt.stream_create().map_err(de("stream"))?;
@@ -412,7 +416,8 @@ fn batch_in_capture(t: &Target) -> Result<Observed, String> {
         rt.graph_destroy(*g).map_err(de("graph_destroy"))?;
     }
     gated(c, "unregister", |g| rt.host_unregister(g, src.addr()))?;
-    gated(c, "free", |g| rt.mem_free(g, d))?;
+    // SAFETY: the scenario is over: its replays were synchronized or never ran, its graphs are destroyed, and the memory is not used again.
+    gated(c, "free", |g| unsafe { rt.mem_free(g, d) })?;
     rt.stream_destroy(s).map_err(de("stream_destroy"))?;
     Ok(Observed::new(format!(
         "batch={} end={} replay={} device-holds={holds}",
@@ -424,7 +429,7 @@ fn batch_in_capture(t: &Target) -> Result<Observed, String> {
 
 fn replay_after_unregister(t: &Target) -> Result<Observed, String> {
     let rt = t.rt();
-    let c = &scenario_coordinator();
+    let c = &scenario_coordinator(rt.as_ref())?;
     let bytes = 1 << 20;
     let s = rt.stream_create().map_err(de("stream"))?;
     let d = gated(c, "alloc", |g| rt.mem_alloc(g, bytes))?;
@@ -460,7 +465,7 @@ fn replay_after_unregister(t: &Target) -> Result<Observed, String> {
 /// Whether X's memset ran is read back from device memory.
 fn cross_stream(t: &Target, rejoin: bool) -> Result<Observed, String> {
     let rt = t.rt();
-    let c = &scenario_coordinator();
+    let c = &scenario_coordinator(rt.as_ref())?;
     let bytes = 4096;
     let (o, x) = (rt.stream_create().map_err(de("stream"))?, rt.stream_create().map_err(de("stream"))?);
     let (e, e2) = (rt.event_create().map_err(de("event"))?, rt.event_create().map_err(de("event"))?);
@@ -507,8 +512,10 @@ fn cross_stream(t: &Target, rejoin: bool) -> Result<Observed, String> {
         replay = format!(" replay={} x-work={}", code(&r), if after == "new" { "replayed" } else { after });
         rt.graph_destroy(*g).map_err(de("graph_destroy"))?;
     }
-    gated(c, "free", |g| rt.mem_free(g, d_o))?;
-    gated(c, "free", |g| rt.mem_free(g, d_x))?;
+    // SAFETY: the scenario is over: its replays were synchronized or never ran, its graphs are destroyed, and the memory is not used again.
+    gated(c, "free", |g| unsafe { rt.mem_free(g, d_o) })?;
+    // SAFETY: the scenario is over: its replays were synchronized or never ran, its graphs are destroyed, and the memory is not used again.
+    gated(c, "free", |g| unsafe { rt.mem_free(g, d_x) })?;
     rt.event_destroy(e).map_err(de("event_destroy"))?;
     rt.event_destroy(e2).map_err(de("event_destroy"))?;
     rt.stream_destroy(o).map_err(de("stream_destroy"))?;

@@ -42,11 +42,13 @@ impl Target {
     }
 }
 
-/// A scenario's own coordinator, for the gate of its capture-unsafe calls
-/// (see the module docs): no region, and no capture window ever opened
-/// through it, so its gate never waits and never refuses.
-pub fn scenario_coordinator() -> Arc<Coordinator> {
-    Coordinator::without_region(CapturePolicy::AfterPinning)
+/// A scenario's own coordinator for `rt`, for the gate of its
+/// capture-unsafe calls (see the module docs): no region, and no capture
+/// window ever opened through it, so its gate never waits and never
+/// refuses. One scenario runs at a time, so no other coordinator guards
+/// `rt` (if one did, that is the scenario's error).
+pub fn scenario_coordinator(rt: &dyn GpuRuntime) -> Result<Arc<Coordinator>, String> {
+    Coordinator::without_region(rt, CapturePolicy::AfterPinning).map_err(|e| format!("the scenario's coordinator: {e}"))
 }
 
 /// `f` through `coord`'s gate; the coordinator's refusal (none is expected:

@@ -31,6 +31,7 @@
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
+use kvoffload::offloader::GatedCalls;
 use kvoffload::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, PinObserver, RegionSpec};
 use kvoffload::pin::PinOptions;
 use kvoffload::protocol::agreement::AgreementError;
@@ -38,7 +39,7 @@ use kvoffload::protocol::{GraphToken, PinState};
 use kvoffload::region::{pages, ShmOptions};
 use kvoffload::runtime::pattern;
 use kvoffload::runtime::sim::SimFault;
-use kvoffload::runtime::{CaptureMode, Code, DevicePtr, DriverError, DriverResult, Gate, GpuRuntime, Graph, Stream};
+use kvoffload::runtime::{CaptureMode, Code, DevicePtr, DriverError, DriverResult, GpuRuntime, Graph, Stream};
 use kvoffload::sync::{self, Arc, Mutex};
 
 use super::config::{ConfigError, KillAt, RunConfig};
@@ -69,7 +70,7 @@ pub(super) fn drv(what: &'static str) -> impl FnOnce(DriverError) -> RankError {
 pub(super) fn gated<T>(
     off: &Offloader,
     what: &'static str,
-    f: impl FnOnce(&Gate, &dyn GpuRuntime) -> DriverResult<T>,
+    f: impl FnOnce(&GatedCalls<'_>) -> DriverResult<T>,
 ) -> Result<T, RankError> {
     off.gated(what, f)?.map_err(drv(what))
 }
@@ -143,7 +144,9 @@ impl Captures {
             }
             drop(token);
         }
-        if let Err(e) = gated(off, "freeing the capture scratch buffer", |g, rt| rt.mem_free(g, self.scratch)) {
+        // SAFETY: the graphs that used the scratch buffer are destroyed
+        // (above) after their replays were synchronized; nothing else uses it.
+        if let Err(e) = gated(off, "freeing the capture scratch buffer", |c| unsafe { c.mem_free(self.scratch) }) {
             first.get_or_insert(e);
         }
         if let Err(e) = rt.stream_destroy(self.stream) {
@@ -273,7 +276,7 @@ fn capture(
     phase(rank, "capture");
     let rt = off.runtime();
     let stream = rt.stream_create().map_err(drv("creating the capture stream"))?;
-    let scratch = match gated(off, "allocating the capture scratch buffer", |g, rt| rt.mem_alloc(g, 1 << 20)) {
+    let scratch = match gated(off, "allocating the capture scratch buffer", |c| c.mem_alloc(1 << 20)) {
         Ok(p) => p,
         Err(e) => {
             let _ = rt.stream_destroy(stream);
@@ -317,7 +320,7 @@ fn capture(
         for (g, _) in &c.graphs {
             rt.graph_launch(*g, stream).map_err(drv("replaying a graph"))?;
         }
-        gated(off, "replaying the graphs", |g, rt| rt.stream_synchronize(g, stream))
+        gated(off, "replaying the graphs", |c| c.stream_synchronize(stream))
     })();
     match r {
         Ok(()) => Ok(c),

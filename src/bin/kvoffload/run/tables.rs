@@ -95,7 +95,7 @@ impl PinnedWords {
     /// through the offloader's gate, and looks up their device alias.
     pub fn new(off: &Offloader, words: usize, what: &'static str) -> Result<Self, RankError> {
         let words = words.max(1);
-        let host = gated(off, what, |g, rt| rt.mem_alloc_host(g, words * 8))?;
+        let host = gated(off, what, |c| c.mem_alloc_host(words * 8))?;
         match off.runtime().host_device_ptr(host) {
             Ok(device) => Ok(PinnedWords { host, words, device }),
             Err(e) => {
@@ -134,7 +134,10 @@ impl PinnedWords {
     /// for the device to go idle).
     pub fn release(self, off: &Offloader) {
         let host = self.host;
-        if let Err(e) = gated(off, "freeing a pinned table", |g, rt| rt.mem_free_host(g, host)) {
+        // SAFETY: `release` takes the table by value: the jobs that read it
+        // are done (its owner releases it after they were reported), and
+        // nothing keeps its address.
+        if let Err(e) = gated(off, "freeing a pinned table", |c| unsafe { c.mem_free_host(host) }) {
             tracing::warn!(error = %e, "freeing a pinned table failed");
         }
     }

@@ -152,7 +152,7 @@ impl Checker {
                 }
             }
         }
-        let out = match gated(off, SETTING_UP, |g, rt| rt.mem_alloc(g, entries * 4)) {
+        let out = match gated(off, SETTING_UP, |c| c.mem_alloc(entries * 4)) {
             Ok(o) => o,
             Err(e) => {
                 Self::release_parts(off, stream, made, DevicePtr::NULL);
@@ -213,7 +213,7 @@ impl Checker {
             }
             .map_err(drv(READING))?;
             let stream = self.stream;
-            gated(off, READING, |g, rt| rt.stream_synchronize(g, stream))?;
+            gated(off, READING, |c| c.stream_synchronize(stream))?;
             // SAFETY: the stream was synchronized: the gather kernel that
             // wrote the counters has finished.
             unsafe { self.counts.read_u32(&mut counts[..n]) };
@@ -246,7 +246,9 @@ impl Checker {
             p.release(off);
         }
         if out != DevicePtr::NULL {
-            if let Err(e) = gated(off, "freeing a verifier buffer", |g, rt| rt.mem_free(g, out)) {
+            // SAFETY: the verifier's kernels that wrote `out` were
+            // synchronized before it was read back; nothing keeps it.
+            if let Err(e) = gated(off, "freeing a verifier buffer", |c| unsafe { c.mem_free(out) }) {
                 tracing::warn!(error = %e, "freeing a verifier buffer failed");
             }
         }
@@ -290,14 +292,14 @@ mod tests {
         let rt = off.runtime();
         let s = rt.stream_create().unwrap();
         let table = shape.table(keys, gpu);
-        let t = gated(off, "test", |g, rt| rt.mem_alloc(g, table.len() * 8)).unwrap();
+        let t = gated(off, "test", |c| c.mem_alloc(table.len() * 8)).unwrap();
         // SAFETY: `table` outlives the synchronize below.
         unsafe { rt.copy_htod_async(t, table.as_ptr() as usize, table.len() * 8, s).unwrap() };
         let count = (table.len() / PATTERN_ENTRY_WORDS) as u32;
         // SAFETY: the table was uploaded on `s` just before; its entries name
         // pages of the offloader's live tensors; the synchronize below waits.
         unsafe { rt.launch(Kernel::PatternFill { table: t, count }, s).unwrap() };
-        gated(off, "test", |g, rt| rt.stream_synchronize(g, s)).unwrap();
+        gated(off, "test", |c| c.stream_synchronize(s)).unwrap();
     }
 
     #[test]

@@ -400,7 +400,7 @@ impl Work<'_> {
     /// or write GPU blocks that are about to be reused).
     fn sync_compute(&self) -> Result<(), RankError> {
         let compute = self.compute;
-        gated(self.off, "synchronizing the compute stream", |g, rt| rt.stream_synchronize(g, compute))
+        gated(self.off, "synchronizing the compute stream", |c| c.stream_synchronize(compute))
     }
 
     /// One request: load the leading hits, store the misses.
