@@ -62,7 +62,7 @@ fn region_bigger_than_memory_is_typed() {
     let rows = (avail / p + 1024) as usize;
     let l = Layout::new(1, page_size(), rows).unwrap();
     match Region::anonymous(l, &AnonOptions::new()) {
-        Err(e @ RegionError::MemoryTooSmall { needed, available }) => {
+        Err(e @ RegionError::MemoryTooSmall { needed, available, .. }) => {
             assert_eq!(needed, l.data_bytes() as u64);
             assert!(needed > available);
             let msg = e.to_string();

@@ -11,7 +11,7 @@ use kvoffload::region::{
     fs_available, page_size, shm_path, FileSplit, JoinPhase, Layout, Region, RegionError, RegionKind, ShmOptions,
     DEFAULT_SHM_DIR, SHM_PREFIX,
 };
-use region_common::ShmGuard;
+use region_common::{write_private, ShmGuard};
 
 fn small(n: usize, rows: usize) -> Layout {
     Layout::new(n, page_size(), rows).unwrap()
@@ -163,7 +163,7 @@ fn region_creator_times_out_and_unlinks_when_a_rank_never_maps() {
 fn region_joiner_unlinks_a_file_the_creator_never_sized() {
     // What a creator killed between open(O_EXCL) and ftruncate leaves.
     let g = ShmGuard::new("unsized");
-    std::fs::File::create(&g.path).unwrap();
+    write_private(&g.path, b"");
     match Region::join(&g.name, small(2, 1), 1, &opts(150)) {
         Err(RegionError::JoinTimeout { phase: JoinPhase::FileToBeSized, .. }) => {}
         other => panic!("expected JoinTimeout, got {other:?}"),
@@ -176,8 +176,7 @@ fn region_joiner_unlinks_a_file_the_creator_never_initialised() {
     // What a creator killed between ftruncate and publishing READY leaves.
     let g = ShmGuard::new("uninit");
     let l = small(2, 1);
-    let f = std::fs::File::create(&g.path).unwrap();
-    f.set_len((l.data_bytes() + 4096.max(page_size())) as u64).unwrap();
+    write_private(&g.path, &vec![0u8; l.data_bytes() + 4096.max(page_size())]);
     match Region::join(&g.name, l, 1, &opts(150).files(FileSplit::Single)) {
         Err(RegionError::JoinTimeout { phase: JoinPhase::CreatorToInitialise, .. }) => {}
         other => panic!("expected JoinTimeout, got {other:?}"),
@@ -196,13 +195,13 @@ fn region_joiner_removes_the_data_files_of_a_creator_that_died_creating_them() {
     let p = page_size();
     let l = Layout::rank_major(2, p, 2).unwrap();
     let split = FileSplit::Multi { max_file_bytes: p }; // 4 files of one page
-    std::fs::write(g.data_path(0), vec![0u8; p]).unwrap();
-    std::fs::File::create(g.data_path(1)).unwrap();
+    write_private(&g.data_path(0), &vec![0u8; p]);
+    write_private(&g.data_path(1), b"");
     std::fs::write(g.data_path(3), b"someone else's").unwrap();
     let ino0 = std::fs::metadata(g.data_path(0)).unwrap().ino();
     let mut header = vec![0u8; multi_header()];
     header[384..392].copy_from_slice(&ino0.to_ne_bytes()); // file table, entry 0
-    std::fs::write(&g.path, &header).unwrap();
+    write_private(&g.path, &header);
     match Region::join(&g.name, l, 1, &opts(150).files(split)) {
         Err(RegionError::JoinTimeout { phase: JoinPhase::CreatorToInitialise, .. }) => {}
         other => panic!("expected JoinTimeout, got {other:?}"),
@@ -282,7 +281,7 @@ fn region_foreign_file_with_bad_magic_is_refused_and_left_alone() {
         let mut bytes = vec![0u8; total];
         bytes[..8].copy_from_slice(b"NOTOURS!");
         bytes[64 + 4..64 + 8].copy_from_slice(&1u32.to_ne_bytes()); // join state READY
-        std::fs::write(&g.path, &bytes).unwrap();
+        write_private(&g.path, &bytes);
         match Region::join(&g.name, l, 0, &opts(200).files(split)) {
             Err(RegionError::BadHeader { field: "magic", .. }) => {}
             other => panic!("{split:?}: expected BadHeader(magic), got {other:?}"),
@@ -491,7 +490,7 @@ fn region_joiner_refuses_a_data_file_that_is_not_the_creators_and_leaves_it() {
     let creator = Region::create(&g.name, l, 0, &o).unwrap();
     // Someone replaces data file 2 (rank 1's first) with a file of the same size.
     let other = g.dir.join(format!("{}-other", g.name));
-    std::fs::write(&other, vec![0u8; p]).unwrap();
+    write_private(&other, &vec![0u8; p]);
     std::fs::rename(&other, g.data_path(2)).unwrap();
     match Region::join(&g.name, l, 1, &o) {
         Err(RegionError::BadHeader { field: "data file inode", .. }) => {}

@@ -7,15 +7,17 @@ use tracing::info;
 
 use super::error::RegionError;
 use super::layout::Layout;
+use super::limits;
 use super::options::AnonOptions;
-use super::sys;
 use super::{Kind, Region};
 
 impl Region {
     /// Maps `layout.data_bytes()` of private anonymous memory, as rank 0.
     ///
-    /// Fails with [`RegionError::MemoryTooSmall`] if the region exceeds
-    /// `MemAvailable` (unless [`AnonOptions::check_memory`] is off), or
+    /// Fails with [`RegionError::MemoryTooSmall`] if the region exceeds the
+    /// memory this process can get (`MemAvailable`, its cgroup's limit
+    /// minus usage: [`limits`]), before anything is mapped
+    /// (unless [`AnonOptions::check_memory`] is off), or
     /// [`RegionError::Io`] if `mmap` fails. Pages are not touched: the
     /// pinning layer pre-faults them.
     pub fn anonymous(layout: Layout, opts: &AnonOptions) -> Result<Region, RegionError> {
@@ -28,10 +30,7 @@ impl Region {
         layout.check_rank(rank)?;
         let len = layout.data_bytes();
         if opts.check_memory {
-            let avail = sys::mem_available().map_err(|e| RegionError::io("read", "/proc/meminfo", e))?;
-            if len as u64 > avail {
-                return Err(RegionError::MemoryTooSmall { needed: len as u64, available: avail });
-            }
+            limits::check(len as u64)?;
         }
         let map = MmapOptions::new().len(len).map_anon().map_err(|e| RegionError::io("mmap", "<anonymous>", e))?;
         let mut region = Region {

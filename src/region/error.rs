@@ -6,6 +6,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use super::limits::LimitSource;
+
 /// What a joining or creating rank was waiting for when its timeout expired.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum JoinPhase {
@@ -27,6 +29,75 @@ impl std::fmt::Display for JoinPhase {
             JoinPhase::CreatorToInitialise => "the creator to initialise the header",
             JoinPhase::RanksToMap => "every rank to map the region",
         })
+    }
+}
+
+/// What made a region file untrusted ([`RegionError::UntrustedFile`]).
+/// Every check is made on the open descriptor (or, for a name that cannot
+/// be opened safely, on the name itself without following it), never on a
+/// path that could be swapped between the check and the use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FileProblem {
+    /// The name is a symbolic link (never followed).
+    Symlink,
+    /// Not a regular file.
+    NotRegular {
+        /// What it is instead: `directory`, `FIFO`, `socket`, ...
+        kind: &'static str,
+    },
+    /// Owned by another user (and, with an allowed group, not of that group).
+    ForeignOwner {
+        /// The file's owner.
+        uid: u32,
+        /// This process's effective uid.
+        euid: u32,
+        /// The file's group.
+        gid: u32,
+        /// The allowed group, if any.
+        allowed_group: Option<u32>,
+    },
+    /// Permission bits for others, or for the group when no group is allowed.
+    Mode {
+        /// The file's permission bits.
+        mode: u32,
+        /// The allowed group, if any (then group bits of that group are fine).
+        allowed_group: Option<u32>,
+    },
+    /// Group permission bits, but the file's group is not the allowed one.
+    WrongGroup {
+        /// The file's permission bits.
+        mode: u32,
+        /// The file's group.
+        gid: u32,
+        /// The allowed group.
+        allowed_group: u32,
+    },
+}
+
+impl std::fmt::Display for FileProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FileProblem::Symlink => {
+                f.write_str("it is a symbolic link (region files are never followed through links)")
+            }
+            FileProblem::NotRegular { kind } => write!(f, "it is a {kind}, not a regular file"),
+            FileProblem::ForeignOwner { uid, euid, gid, allowed_group } => {
+                write!(f, "owned by uid {uid}, not us (uid {euid})")?;
+                if let Some(g) = allowed_group {
+                    write!(f, ", and its group {gid} is not the allowed group {g}")?;
+                }
+                Ok(())
+            }
+            FileProblem::Mode { mode, allowed_group: None } => {
+                write!(f, "mode {mode:#o} has group/other permission bits (the region must be this user's alone)")
+            }
+            FileProblem::Mode { mode, allowed_group: Some(g) } => {
+                write!(f, "mode {mode:#o} has permission bits for others (only group {g} may share the region)")
+            }
+            FileProblem::WrongGroup { mode, gid, allowed_group } => {
+                write!(f, "mode {mode:#o} has group permission bits but its group is {gid}, not the allowed group {allowed_group}")
+            }
+        }
     }
 }
 
@@ -173,13 +244,43 @@ pub enum RegionError {
         available: u64,
     },
 
-    /// The machine has less available memory than the region needs.
-    #[error("region of {needed} bytes exceeds MemAvailable of {available} bytes (/proc/meminfo)")]
+    /// The region needs more memory than this process can get: the
+    /// smaller of `MemAvailable` and its cgroup's limit minus usage
+    /// ([`super::limits`]). Checked before any file is created or reserved
+    /// and any page touched; `check_memory(false)` of the options skips it.
+    #[error("region of {needed} bytes exceeds the {available} bytes this process can get ({limit}); nothing was created or touched (check_memory(false) skips this check)")]
     MemoryTooSmall {
-        /// Bytes the region needs.
+        /// Bytes the region (or, for a joining rank, this rank's share) needs.
         needed: u64,
-        /// `MemAvailable` in bytes.
+        /// Bytes this process can get.
         available: u64,
+        /// Where that number came from.
+        limit: LimitSource,
+    },
+
+    /// A file of the shared region that this rank will not join through: a
+    /// symbolic link, not a regular file, owned by another user, or with
+    /// permission bits that let others read or write it. Nothing was
+    /// written to it and it was left as it was (contents, mode, times).
+    #[error("{path}: refusing to use this region file: {problem}; nothing was written and the file was left as it is")]
+    UntrustedFile {
+        /// The file (as named in the region's directory).
+        path: PathBuf,
+        /// What was wrong with it.
+        problem: FileProblem,
+    },
+
+    /// The permission bits asked for the region's files
+    /// ([`ShmOptions::mode`](super::ShmOptions::mode)) are ones that joiners
+    /// would refuse, or the allowed group is not a group.
+    #[error("file mode {mode:#o} for the region files is refused: {reason}")]
+    BadFileMode {
+        /// The mode asked for.
+        mode: u32,
+        /// The allowed group, if any ([`ShmOptions::allow_group`](super::ShmOptions::allow_group)).
+        allow_group: Option<u32>,
+        /// Why.
+        reason: &'static str,
     },
 
     /// The region file already exists: a stale file from a crashed run, or

@@ -6,7 +6,6 @@
 use std::fs::File;
 use std::io;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
 
 use super::error::RegionError;
 use super::header::{FILE_TABLE_OFFSET, MIN_HEADER_BYTES};
@@ -81,12 +80,12 @@ pub(crate) fn header_bytes(num_files: usize) -> usize {
     (FILE_TABLE_OFFSET + 8 * num_files).next_multiple_of(page)
 }
 
-/// Path of data file `k` of the region whose header file is `header`:
-/// `<header>.<k>`.
-pub(crate) fn data_path(header: &Path, k: usize) -> PathBuf {
-    let mut s = header.as_os_str().to_owned();
+/// Name of data file `k` of the region whose header file is named
+/// `header`: `<header>.<k>`.
+pub(crate) fn data_name(header: &std::ffi::OsStr, k: usize) -> std::ffi::OsString {
+    let mut s = header.to_owned();
     s.push(format!(".{k}"));
-    PathBuf::from(s)
+    s
 }
 
 /// Why reserving failed: the file (index into the list given) and the error.
@@ -208,6 +207,6 @@ mod tests {
         assert_eq!(header_bytes(1), page);
         assert_eq!(header_bytes((page - FILE_TABLE_OFFSET) / 8), page);
         assert_eq!(header_bytes((page - FILE_TABLE_OFFSET) / 8 + 1), 2 * page);
-        assert_eq!(data_path(Path::new("/dev/shm/kvoffload-x"), 7), PathBuf::from("/dev/shm/kvoffload-x.7"));
+        assert_eq!(data_name(std::ffi::OsStr::new("kvoffload-x"), 7), std::ffi::OsString::from("kvoffload-x.7"));
     }
 }

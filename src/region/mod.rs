@@ -8,7 +8,11 @@
 //!   `kvoffload-<name>.<k>` mapped back to back behind it in one reserved
 //!   address range (or one file holding both, [`FileSplit::Single`]). The
 //!   creator makes them with `O_EXCL` after checking /dev/shm's free space
-//!   and `MemAvailable`; joiners wait (with a deadline) until they are
+//!   and the memory this process can get ([`limits`]); joiners open them
+//!   without following links and use only files of their own user that
+//!   nobody else may read or write ([`ShmOptions::allow_group`] for ranks
+//!   of different users, [`RegionError::UntrustedFile`] otherwise); they
+//!   wait (with a deadline) until they are
 //!   sized and initialised; each rank reserves its own data files; the files
 //!   are unlinked as soon as every rank has mapped them, and no rank killed
 //!   at any point leaves one behind once the survivors return (see [`shm`]
@@ -39,11 +43,13 @@ pub mod error;
 mod files;
 pub mod header;
 pub mod layout;
+pub mod limits;
 mod mapping;
 pub mod options;
 pub mod pages;
 pub mod shm;
 mod sys;
+mod trust;
 
 use std::io;
 use std::ops::Range;
@@ -52,13 +58,14 @@ use std::ptr::NonNull;
 
 use mapping::Mapping;
 
-pub use error::{JoinPhase, RegionError};
+pub use error::{FileProblem, JoinPhase, RegionError};
 pub use header::MAX_RANKS;
 pub use layout::{Layout, Location, Order, RankView, RowChunks, RowSpan};
+pub use limits::{available_memory, mem_available, LimitSource, MemoryBudget};
 pub use options::{AnonOptions, FileSplit, ShmObserver, ShmOptions, ShmStep, DEFAULT_FILE_BYTES, MAX_FILES};
 pub use shm::shm_path;
 pub(crate) use sys::mincore;
-pub use sys::{fs_available, mem_available, page_size};
+pub use sys::{fs_available, page_size};
 
 /// Where shared regions live unless [`ShmOptions::dir`] says otherwise.
 pub const DEFAULT_SHM_DIR: &str = "/dev/shm";

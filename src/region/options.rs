@@ -102,8 +102,17 @@ impl AnonOptions {
         self
     }
 
-    /// Refuse a region larger than `MemAvailable` (default on): a region
-    /// that cannot be resident cannot be pinned.
+    /// Refuse a region larger than the memory this process can get
+    /// (default on): the smaller of `MemAvailable` and its cgroup's limit
+    /// minus usage ([`limits`](super::limits)), checked before anything is
+    /// mapped; a region that cannot be resident cannot be pinned. The
+    /// refusal is [`RegionError::MemoryTooSmall`](super::RegionError::MemoryTooSmall).
+    ///
+    /// Escape hatch: off skips the check, for a caller that knows better
+    /// (memory freed by the time the region is touched, overcommit on
+    /// purpose, a benchmark measuring the failure itself). A region that
+    /// does not fit then fails later and worse: the pinning fails or the
+    /// process is killed by the OOM killer while faulting it.
     pub fn check_memory(mut self, on: bool) -> Self {
         self.check_memory = on;
         self
@@ -122,7 +131,8 @@ pub struct ShmOptions {
     pub(crate) check_memory: bool,
     pub(crate) huge_pages: bool,
     pub(crate) session: u64,
-    pub(crate) mode: u32,
+    pub(crate) mode: Option<u32>,
+    pub(crate) allow_group: Option<u32>,
     pub(crate) files: FileSplit,
     pub(crate) reserve: bool,
     pub(crate) threads: Option<usize>,
@@ -139,7 +149,8 @@ impl std::fmt::Debug for ShmOptions {
             .field("check_memory", &self.check_memory)
             .field("huge_pages", &self.huge_pages)
             .field("session", &self.session)
-            .field("mode", &format_args!("{:o}", self.mode))
+            .field("mode", &format_args!("{:o}", self.file_mode()))
+            .field("allow_group", &self.allow_group)
             .field("files", &self.files)
             .field("reserve", &self.reserve)
             .field("threads", &self.threads)
@@ -158,7 +169,8 @@ impl Default for ShmOptions {
             check_memory: true,
             huge_pages: false,
             session: 0,
-            mode: 0o600,
+            mode: None,
+            allow_group: None,
             files: FileSplit::default(),
             reserve: true,
             threads: None,
@@ -169,7 +181,8 @@ impl Default for ShmOptions {
 
 impl ShmOptions {
     /// Defaults: `/dev/shm`, 60 s timeout, wait for every rank, no force,
-    /// MemAvailable checked, no huge pages, session 0, mode 0600, data files
+    /// memory checked, no huge pages, session 0, mode 0600 (files this
+    /// user's alone, no group allowed), data files
     /// of at most [`DEFAULT_FILE_BYTES`] ([`FileSplit::Multi`]), pages
     /// reserved, reserve threads from the cores.
     pub fn new() -> Self {
@@ -208,7 +221,22 @@ impl ShmOptions {
         self
     }
 
-    /// Creator only: refuse a region larger than `MemAvailable` (default on).
+    /// Refuse a region larger than the memory this process can get
+    /// (default on): the smaller of `MemAvailable` and its cgroup's limit
+    /// minus usage ([`limits`](super::limits)), checked before any file is
+    /// created, opened or reserved and any page touched;
+    /// [`RegionError::MemoryTooSmall`](super::RegionError::MemoryTooSmall)
+    /// otherwise. The creator checks the whole region (header and data: the
+    /// node's memory must hold it all; the file system's free space is
+    /// checked too, [`RegionError::ShmTooSmall`](super::RegionError::ShmTooSmall)),
+    /// a joiner the bytes it brings in itself (its own data files, or its
+    /// share of a one-file region), before it waits for the creator.
+    ///
+    /// Escape hatch: off skips the memory check (not the file-system one),
+    /// for a caller that knows better (memory freed by the time the region
+    /// is touched, a benchmark of the failure itself). A region that does
+    /// not fit then fails later and worse: reserving fails, or the process
+    /// is killed by the OOM killer while faulting the region.
     pub fn check_memory(mut self, on: bool) -> Self {
         self.check_memory = on;
         self
@@ -233,11 +261,39 @@ impl ShmOptions {
         self
     }
 
-    /// Permission bits of the created file (default 0600: ranks of one
-    /// engine run as one user).
+    /// Permission bits of the created files (default 0600, or 0660 with
+    /// [`ShmOptions::allow_group`]), set exactly (`fchmod` after creating:
+    /// the umask does not change them). Bits that joiners would refuse
+    /// (any for others; for the group without an allowed group; owner
+    /// without read and write) make `create` fail with
+    /// [`RegionError::BadFileMode`](super::RegionError::BadFileMode) before
+    /// any file is made.
     pub fn mode(mut self, mode: u32) -> Self {
-        self.mode = mode;
+        self.mode = Some(mode);
         self
+    }
+
+    /// Lets the ranks of one engine run as different users of group `gid`
+    /// (default: none; the region is this user's alone).
+    ///
+    /// The creator gives every file this group (`fchown`, so the creating
+    /// user must be a member, or root) and mode 0660 unless
+    /// [`ShmOptions::mode`] says otherwise. A joiner then accepts a file
+    /// with group read/write bits if, and only if, its group is `gid`, and
+    /// a file owned by another user only if its group is `gid` (only a
+    /// member of the group, or root, can make such a file). Permission bits
+    /// for others are never accepted; without this option a joiner accepts
+    /// only regular files owned by its own effective uid with no group or
+    /// other bits ([`RegionError::UntrustedFile`](super::RegionError::UntrustedFile)
+    /// otherwise). Creator and joiners should agree on it.
+    pub fn allow_group(mut self, gid: u32) -> Self {
+        self.allow_group = Some(gid);
+        self
+    }
+
+    /// The mode the creator gives its files.
+    pub(crate) fn file_mode(&self) -> u32 {
+        self.mode.unwrap_or(if self.allow_group.is_some() { 0o660 } else { 0o600 })
     }
 
     /// How the region is split into files (default [`FileSplit::Multi`] with

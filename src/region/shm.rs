@@ -16,15 +16,21 @@
 //!
 //! # Protocol
 //!
-//! One rank creates the header file with `O_CREAT | O_EXCL` (a stale file
-//! is reported, never reused), after checking that the file system and the
-//! machine's memory can hold the whole region. It sizes and maps it, then
-//! (multi-file) creates each data file with `O_EXCL`, records its inode in
-//! the header's file table, sizes and maps it. It writes the header and
-//! publishes `Ready`. The other ranks open the header file (waiting for it
-//! to appear), wait until it has its full size and the header is `Ready`,
-//! check the header against what they expect, open each data file and check
-//! its inode against the table and its size against the plan, and map it.
+//! One rank creates the header file with `O_CREAT | O_EXCL | O_NOFOLLOW`
+//! (a stale file, or a link planted under the name, is reported, never
+//! reused or followed), after checking that the file system and the memory
+//! this process can get ([`super::limits`]) can hold the whole region. It
+//! sizes and maps it, then (multi-file) creates each data file the same
+//! way, records its inode in the header's file table, sizes and maps it.
+//! It writes the header and publishes `Ready`. The other ranks open the
+//! header file (waiting for it to appear; never through a link, and only a
+//! regular file of their own user that nobody else may read or write, see
+//! [`ShmOptions::allow_group`] and [`RegionError::UntrustedFile`]), wait
+//! until it has its full size and the header is `Ready`, check the header
+//! against what they expect, open each data file (with the same checks)
+//! and check its inode against the table and its size against the plan,
+//! and map it. Every file is reached by name through one descriptor of the
+//! region's directory, opened once per rank.
 //! Each rank then claims its pid word, reserves its own data files
 //! (`fallocate`, [`ShmOptions::reserve`], multi-file only) and sets its bit.
 //! With one file, or reserving off, the creator publishes `Ready` with its
@@ -104,9 +110,9 @@
 //! data file after that joiner gave up and cleaned up, and is killed before
 //! it checks the state again (it checks after every file), leaves that file.
 
-use std::fs::{File, OpenOptions};
+use std::ffi::{OsStr, OsString};
+use std::fs::File;
 use std::io;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
@@ -118,9 +124,11 @@ use super::error::{JoinPhase, RegionError};
 use super::files::{self, FilePlan};
 use super::header::{full_mask, Fields, Hdr, JoinState, JoinWord, HUGE_HEADER_BYTES, MAGIC, MIN_HEADER_BYTES, VERSION};
 use super::layout::Layout;
+use super::limits;
 use super::mapping::{Mapping, Pieces};
 use super::options::{FileSplit, ShmOptions, ShmStep};
 use super::sys::{self, Backoff};
+use super::trust::{self, FileMeta, OpenFailure, RegionDir, Trust};
 use super::{Kind, Region, SHM_PREFIX};
 
 type Result<T> = std::result::Result<T, RegionError>;
@@ -197,50 +205,56 @@ pub(crate) fn total_bytes(layout: &Layout, header_bytes: usize) -> Result<usize>
     })
 }
 
-/// A file of the region this rank has open or mapped: its name and the
-/// inode it named, so that unlinking removes only that inode.
+/// A file of the region this rank has open or mapped: its name in the
+/// region's directory and the inode it named, so that unlinking removes
+/// only that inode.
 #[derive(Debug)]
 struct Linked {
+    /// The name's path, for messages.
     path: PathBuf,
+    /// The name in the region's directory.
+    name: OsString,
     dev: u64,
     ino: u64,
-    /// False once this rank has seen the path gone or renamed to another
+    /// False once this rank has seen the name gone or renamed to another
     /// inode, or unlinked it itself.
     linked: bool,
 }
 
 impl Linked {
-    fn of(path: PathBuf, file: &File) -> Result<Linked> {
-        let md = file.metadata().map_err(|e| RegionError::io("fstat", &path, e))?;
-        Ok(Linked { path, dev: md.dev(), ino: md.ino(), linked: true })
+    /// The inode `file` (opened as `name` in `dir`) is, from `fstat`.
+    fn of(dir: &RegionDir, name: OsString, file: &File) -> Result<Linked> {
+        let path = dir.path_of(&name);
+        let m = FileMeta::of_file(file).map_err(|e| RegionError::io("fstat", &path, e))?;
+        Ok(Linked { path, name, dev: m.dev, ino: m.ino, linked: true })
     }
 
-    /// Unlinks the path if it still names this inode. Returns whether this
-    /// call removed it.
-    fn unlink_if_ours(&mut self, why: &str) -> Result<bool> {
+    /// Unlinks the name if it still names this inode (`fstatat` without
+    /// following, then `unlinkat`). Returns whether this call removed it.
+    fn unlink_if_ours(&mut self, dir: &RegionDir, why: &str) -> Result<bool> {
         if !self.linked {
             return Ok(false);
         }
-        match std::fs::symlink_metadata(&self.path) {
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+        match dir.lstat(&self.name) {
+            Ok(None) => {
                 self.linked = false;
                 return Ok(false);
             }
             Err(e) => return Err(RegionError::io("stat", &self.path, e)),
-            Ok(md) if md.dev() != self.dev || md.ino() != self.ino => {
+            Ok(Some(m)) if m.dev != self.dev || m.ino != self.ino => {
                 debug!(path = %self.path.display(), "region path now names another file; not unlinking");
                 self.linked = false;
                 return Ok(false);
             }
-            Ok(_) => {}
+            Ok(Some(_)) => {}
         }
-        match std::fs::remove_file(&self.path) {
-            Ok(()) => {
+        match dir.unlink(&self.name) {
+            Ok(true) => {
                 self.linked = false;
                 debug!(path = %self.path.display(), why, "unlinked region file");
                 Ok(true)
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Ok(false) => {
                 self.linked = false;
                 Ok(false)
             }
@@ -265,6 +279,10 @@ struct DataFile {
 pub(crate) struct Shared {
     /// The header file's path (the region's name).
     pub(crate) path: PathBuf,
+    /// The region's directory: every file is reached through it by name.
+    dir: RegionDir,
+    /// Which files this rank accepts ([`trust`]).
+    trust: Trust,
     /// The header file, kept open for the life of the region (fstat, mmap).
     file: File,
     header: Linked,
@@ -279,10 +297,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    fn new(path: PathBuf, file: File, opts: &ShmOptions, multi: bool) -> Result<Self> {
-        let header = Linked::of(path.clone(), &file)?;
-        Ok(Shared {
-            path,
+    fn new(dir: RegionDir, header: Linked, file: File, opts: &ShmOptions, multi: bool) -> Self {
+        Shared {
+            path: header.path.clone(),
+            dir,
+            trust: Trust::current(opts.allow_group),
             file,
             header,
             data: Vec::new(),
@@ -291,7 +310,7 @@ impl Shared {
             session: opts.session,
             wait_for_all: opts.wait_for_all,
             opts: opts.clone(),
-        })
+        }
     }
 
     /// Whether this rank still believes some file of the region is linked.
@@ -307,15 +326,16 @@ impl Shared {
     pub(crate) fn unlink_if_ours(&mut self, why: &str) -> Result<bool> {
         let mut removed = false;
         let mut first_err = None;
+        let dir = &self.dir;
         for d in &mut self.data {
-            match d.link.unlink_if_ours(why) {
+            match d.link.unlink_if_ours(dir, why) {
                 Ok(r) => removed |= r,
                 Err(e) => {
                     first_err.get_or_insert(e);
                 }
             }
         }
-        match self.header.unlink_if_ours(why) {
+        match self.header.unlink_if_ours(dir, why) {
             Ok(r) => removed |= r,
             Err(e) => {
                 first_err.get_or_insert(e);
@@ -352,10 +372,14 @@ impl Region {
     /// `dir/kvoffload-<name>`, data files `dir/kvoffload-<name>.<k>` unless
     /// [`FileSplit::Single`]) as rank `rank` of `layout.num_ranks()`.
     ///
-    /// Checks capacity first ([`RegionError::ShmTooSmall`],
-    /// [`RegionError::MemoryTooSmall`]), then creates every file with
-    /// `O_EXCL` ([`RegionError::AlreadyExists`] unless
-    /// [`ShmOptions::force`]) and reserves this rank's data files
+    /// Checks the files' mode ([`RegionError::BadFileMode`]) and capacity
+    /// first: the file system's free space ([`RegionError::ShmTooSmall`])
+    /// and the memory this process can get ([`RegionError::MemoryTooSmall`],
+    /// [`ShmOptions::check_memory`]), before any file exists; then creates
+    /// every file with `O_EXCL | O_NOFOLLOW` in the directory opened once
+    /// ([`RegionError::AlreadyExists`], a symbolic link under the name
+    /// included, unless [`ShmOptions::force`], which removes the name, never
+    /// a link's target) and reserves this rank's data files
     /// ([`RegionError::ShmFull`]). With [`ShmOptions::wait_for_all`] (the
     /// default) it returns once every rank has joined, the files already
     /// unlinked; on timeout it abandons the region, unlinks the files and
@@ -363,35 +387,38 @@ impl Region {
     pub fn create(name: &str, layout: Layout, rank: usize, opts: &ShmOptions) -> Result<Region> {
         layout.check_rank(rank)?;
         let path = shm_path(&opts.dir, name)?;
+        trust::check_create_mode(opts.file_mode(), opts.allow_group)?;
         let started = Instant::now();
         let shape = Shape::of(&layout, opts)?;
         let total = shape.total;
+        let dir = RegionDir::open(&opts.dir).map_err(|e| RegionError::io("open (directory)", &opts.dir, e))?;
 
         // Capacity, before anything is written.
-        let free = sys::fs_available(&opts.dir).map_err(|e| RegionError::io("statvfs", &opts.dir, e))?;
+        let free = dir.available().map_err(|e| RegionError::io("statvfs", &opts.dir, e))?;
         if total as u64 > free {
             return Err(RegionError::ShmTooSmall { dir: opts.dir.clone(), needed: total as u64, available: free });
         }
         if opts.check_memory {
-            let avail = sys::mem_available().map_err(|e| RegionError::io("read", "/proc/meminfo", e))?;
-            if total as u64 > avail {
-                return Err(RegionError::MemoryTooSmall { needed: total as u64, available: avail });
-            }
+            // The whole region: the node's memory must hold every rank's
+            // share (tmpfs pages are memory).
+            limits::check(total as u64)?;
         }
 
-        let file = open_exclusive(&path, opts)?;
-        let mut shared = match Shared::new(path.clone(), file, opts, shape.plan.is_some()) {
-            Ok(s) => s,
+        let file_name = header_name(&path);
+        let file = open_exclusive(&dir, &file_name, opts)?;
+        let header = match Linked::of(&dir, file_name.clone(), &file) {
+            Ok(l) => l,
             Err(e) => {
                 // fstat failed on the file we just created: remove it by
                 // name (no inode to compare; nobody else can have it yet
                 // under O_EXCL unless it was force-removed meanwhile).
-                if let Err(u) = std::fs::remove_file(&path) {
+                if let Err(u) = dir.unlink(&file_name) {
                     warn!(error = %u, path = %path.display(), "could not unlink region file after failed create");
                 }
                 return Err(e);
             }
         };
+        let mut shared = Shared::new(dir, header, file, opts, shape.plan.is_some());
         let map = match size_and_map(&shared, &shape) {
             Ok(m) => m,
             Err(e) => {
@@ -429,20 +456,23 @@ impl Region {
         let Mapping::Pieces(pieces) = &self.map else { unreachable!("a multi-file region maps pieces") };
         let hb = self.data_offset;
         let mut made = Vec::with_capacity(plan.files.len());
+        let header = header_name(&self.shared().path);
         for (k, spec) in plan.files.iter().enumerate() {
-            let path = files::data_path(&self.shared().path, k);
-            let file = match open_exclusive(&path, opts) {
+            let name = files::data_name(&header, k);
+            let dir = &self.shared().dir;
+            let path = dir.path_of(&name);
+            let file = match open_exclusive(dir, &name, opts) {
                 Ok(f) => f,
                 Err(e) => {
                     self.shared_mut().data.append(&mut made);
                     return Err(e);
                 }
             };
-            let link = match Linked::of(path.clone(), &file) {
+            let link = match Linked::of(dir, name.clone(), &file) {
                 Ok(l) => l,
                 Err(e) => {
                     // As for the header: no inode to compare, remove by name.
-                    let _ = std::fs::remove_file(&path);
+                    let _ = dir.unlink(&name);
                     self.shared_mut().data.append(&mut made);
                     return Err(e);
                 }
@@ -474,8 +504,14 @@ impl Region {
 
     /// Joins the node-shared region `name` as rank `rank`.
     ///
+    /// Checks first that this rank's share fits in the memory this process
+    /// can get ([`RegionError::MemoryTooSmall`], [`ShmOptions::check_memory`]).
     /// Waits (up to [`ShmOptions::timeout`]) for the header file to appear,
-    /// to get its full size and to be marked initialised; checks the header
+    /// opens it and every data file without following links and refuses
+    /// any that is not a regular file of this user that nobody else may
+    /// read or write ([`RegionError::UntrustedFile`], leaving it as it was;
+    /// see [`ShmOptions::allow_group`]), waits for the header file to get
+    /// its full size and to be marked initialised; checks the header
     /// against `layout` and `opts` ([`RegionError::BadHeader`]); opens,
     /// checks and maps the data files; reserves this rank's own
     /// ([`RegionError::ShmFull`]); sets this rank's bit. With
@@ -487,23 +523,49 @@ impl Region {
         let started = Instant::now();
         let n = layout.num_ranks();
         let shape = Shape::of(&layout, opts)?;
+        if opts.check_memory {
+            // What this rank brings in itself, before it waits for anything.
+            limits::check(rank_bytes(&layout, shape.plan.as_ref(), rank))?;
+        }
         let file_len = shape.header_file_len();
         let mut backoff = Backoff::new(opts.timeout);
+        let trust = Trust::current(opts.allow_group);
+        let file_name = header_name(&path);
+        let never_appeared = |path: &Path| {
+            warn!(path = %path.display(), "join timed out: region file never appeared");
+            timeout_error(path, JoinPhase::FileToAppear, opts.timeout, None, n)
+        };
 
-        // Phase 1: the file appears.
-        let file = loop {
-            match OpenOptions::new().read(true).write(true).open(&path) {
-                Ok(f) => break f,
+        // Phase 1: the directory and the file appear.
+        let dir = loop {
+            match RegionDir::open(&opts.dir) {
+                Ok(d) => break d,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     if !backoff.wait() {
-                        warn!(path = %path.display(), "join timed out: region file never appeared");
-                        return Err(timeout_error(&path, JoinPhase::FileToAppear, opts.timeout, None, n));
+                        return Err(never_appeared(&path));
                     }
                 }
-                Err(e) => return Err(RegionError::io("open", &path, e)),
+                Err(e) => return Err(RegionError::io("open (directory)", &opts.dir, e)),
             }
         };
-        let mut shared = Shared::new(path, file, opts, shape.plan.is_some())?;
+        let file = loop {
+            match dir.open_existing(&file_name, &trust) {
+                Ok(f) => break f,
+                Err(OpenFailure::Missing) => {
+                    if !backoff.wait() {
+                        return Err(never_appeared(&path));
+                    }
+                }
+                Err(OpenFailure::Untrusted(problem)) => return Err(dir.untrusted(&file_name, problem)),
+                // With an allowed group, a creator of another user gives the
+                // file its group and mode right after creating it (0600).
+                Err(OpenFailure::Io(_, e))
+                    if e.kind() == io::ErrorKind::PermissionDenied && opts.allow_group.is_some() && backoff.wait() => {}
+                Err(OpenFailure::Io(op, e)) => return Err(RegionError::io(op, &path, e)),
+            }
+        };
+        let header = Linked::of(&dir, file_name, &file)?;
+        let mut shared = Shared::new(dir, header, file, opts, shape.plan.is_some());
         debug!(path = %shared.path.display(), rank, "opened region file");
 
         // Phase 2: the creator sizes it.
@@ -610,26 +672,31 @@ impl Region {
         let Mapping::Pieces(pieces) = &self.map else { unreachable!("a multi-file region maps pieces") };
         let hb = self.data_offset;
         let header_dev = self.shared().header.dev;
+        let header = header_name(&self.shared().path);
         let mut opened = Vec::with_capacity(plan.files.len());
         let res = (|| {
             for (k, spec) in plan.files.iter().enumerate() {
-                let path = files::data_path(&self.shared().path, k);
-                let file = match OpenOptions::new().read(true).write(true).open(&path) {
+                let name = files::data_name(&header, k);
+                let (dir, trust) = (&self.shared().dir, &self.shared().trust);
+                let path = dir.path_of(&name);
+                let file = match dir.open_existing(&name, trust) {
                     Ok(f) => f,
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    Err(OpenFailure::Missing) => {
                         if self.hdr().load().state == JoinState::Abandoned {
                             return Err(None);
                         }
                         return Err(Some(RegionError::FileMissing { path }));
                     }
-                    Err(e) => return Err(Some(RegionError::io("open", &path, e))),
+                    // Not a file this rank may use: not ours to remove either.
+                    Err(OpenFailure::Untrusted(problem)) => return Err(Some(dir.untrusted(&name, problem))),
+                    Err(OpenFailure::Io(op, e)) => return Err(Some(RegionError::io(op, &path, e))),
                 };
-                let md = file.metadata().map_err(|e| Some(RegionError::io("fstat", &path, e)))?;
+                let md = FileMeta::of_file(&file).map_err(|e| Some(RegionError::io("fstat", &path, e)))?;
                 let want = self.hdr().file_inodes()[k].load(core::sync::atomic::Ordering::Acquire);
-                let bad = if md.dev() != header_dev || md.ino() != want {
-                    Some(("data file inode", want, md.ino()))
-                } else if md.len() != spec.bytes.len() as u64 {
-                    Some(("data file size", spec.bytes.len() as u64, md.len()))
+                let bad = if md.dev != header_dev || md.ino != want {
+                    Some(("data file inode", want, md.ino))
+                } else if md.size != spec.bytes.len() as u64 {
+                    Some(("data file size", spec.bytes.len() as u64, md.size))
                 } else {
                     None
                 };
@@ -637,7 +704,7 @@ impl Region {
                     // Not the file the creator made: not ours to remove.
                     return Err(Some(RegionError::BadHeader { path, field, expected, found }));
                 }
-                let link = Linked { path: path.clone(), dev: md.dev(), ino: md.ino(), linked: true };
+                let link = Linked { path: path.clone(), name, dev: md.dev, ino: md.ino, linked: true };
                 pieces
                     .map_file(hb + spec.bytes.start, spec.bytes.len(), &file)
                     .map_err(|e| Some(RegionError::io("mmap", &path, e)))?;
@@ -650,7 +717,9 @@ impl Region {
         match res {
             Ok(()) => Ok(()),
             Err(None) => Err(self.abandoned_error()),
-            Err(Some(e @ RegionError::BadHeader { .. })) => {
+            Err(Some(e @ (RegionError::BadHeader { .. } | RegionError::UntrustedFile { .. }))) => {
+                // Nothing is written (no abandon) and nothing removed: the
+                // creator times out and removes its own files.
                 self.forget_link();
                 Err(e)
             }
@@ -665,24 +734,31 @@ impl Region {
     /// best-effort cleanup on a path that already fails.
     fn remove_unmapped_data_files(&mut self, count: usize) {
         let header_dev = self.shared().header.dev;
+        let header = header_name(&self.shared().path);
         for k in 0..count {
-            let path = files::data_path(&self.shared().path, k);
+            let name = files::data_name(&header, k);
+            let (dir, trust) = (&self.shared().dir, &self.shared().trust);
+            let path = dir.path_of(&name);
             let ino = self.hdr().file_inodes().get(k).map_or(0, |i| i.load(core::sync::atomic::Ordering::Acquire));
-            let md = match std::fs::symlink_metadata(&path) {
-                Ok(md) => md,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            let md = match dir.lstat(&name) {
+                Ok(Some(md)) => md,
+                Ok(None) => continue,
                 Err(e) => {
                     warn!(path = %path.display(), error = %e, "cannot stat a data file of an abandoned region");
                     continue;
                 }
             };
-            let ours = md.dev() == header_dev && (if ino != 0 { md.ino() == ino } else { md.len() == 0 });
+            // A recorded inode is the creator's file; an unrecorded one is
+            // taken for the creator's only if it is empty and a file this
+            // rank would have accepted (its name alone proves nothing).
+            let ours = md.dev == header_dev
+                && (if ino != 0 { md.ino == ino } else { md.size == 0 && trust.check(&md).is_ok() });
             if !ours {
                 continue;
             }
-            match std::fs::remove_file(&path) {
-                Ok(()) => debug!(path = %path.display(), "removed a data file of an abandoned region"),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            match dir.unlink(&name) {
+                Ok(true) => debug!(path = %path.display(), "removed a data file of an abandoned region"),
+                Ok(false) => {}
                 Err(e) => warn!(path = %path.display(), error = %e, "cannot remove a data file of an abandoned region"),
             }
         }
@@ -717,7 +793,7 @@ impl Region {
                 .map(|&k| self.shared().data[k].link.path.clone())
                 .unwrap_or_else(|| self.shared().path.clone());
             let e = if fail.error.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {
-                let available = sys::fs_available(&opts.dir).unwrap_or(0);
+                let available = self.shared().dir.available().unwrap_or(0);
                 warn!(path = %path.display(), needed = fail.unreserved, available, "file system full while reserving the region");
                 RegionError::ShmFull { path, needed: fail.unreserved, available }
             } else {
@@ -1043,10 +1119,27 @@ impl Region {
     }
 }
 
-/// `open(O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, mode)`, removing a stale
-/// file first if `force`.
-fn open_exclusive(path: &Path, opts: &ShmOptions) -> Result<File> {
-    let open = || OpenOptions::new().read(true).write(true).create_new(true).mode(opts.mode).open(path);
+/// The header file's name (the last component of a [`shm_path`]).
+fn header_name(path: &Path) -> OsString {
+    path.file_name().expect("shm_path always ends in the file name").to_owned()
+}
+
+/// Bytes rank `rank` brings into memory itself: its own data files (it
+/// reserves them), or its share of a one-file region.
+fn rank_bytes(layout: &Layout, plan: Option<&FilePlan>, rank: usize) -> u64 {
+    match plan {
+        Some(p) => p.files.iter().filter(|f| f.owner == rank).map(|f| f.bytes.len() as u64).sum(),
+        None => layout.bytes_per_rank() as u64,
+    }
+}
+
+/// `openat(dir, name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC)`
+/// with the options' group and mode, removing a stale file (or link: the
+/// name, never its target) first if `force`.
+fn open_exclusive(dir: &RegionDir, name: &OsStr, opts: &ShmOptions) -> Result<File> {
+    let path = dir.path_of(name);
+    let path = path.as_path();
+    let open = || dir.create_new(name, opts.file_mode(), opts.allow_group);
     match open() {
         Ok(f) => Ok(f),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
@@ -1055,11 +1148,7 @@ fn open_exclusive(path: &Path, opts: &ShmOptions) -> Result<File> {
                 return Err(RegionError::AlreadyExists { path: path.to_path_buf() });
             }
             warn!(path = %path.display(), "force: removing existing region file");
-            match std::fs::remove_file(path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(RegionError::io("unlink", path, e)),
-            }
+            dir.unlink(name).map_err(|e| RegionError::io("unlink", path, e))?;
             open().map_err(|e| {
                 if e.kind() == io::ErrorKind::AlreadyExists {
                     RegionError::AlreadyExists { path: path.to_path_buf() }

@@ -1,5 +1,5 @@
 //! The few system calls the region needs that std does not wrap: page size
-//! and statvfs (through rustix), MemAvailable, a sleep between polls of
+//! and statvfs (through rustix), a sleep between polls of
 //! words shared with other processes, and `mincore(2)`, the crate's one raw
 //! system call (no maintained wrapper covers it; its safety argument is on
 //! [`mincore`]).
@@ -18,25 +18,6 @@ pub fn page_size() -> usize {
 pub fn fs_available(dir: &Path) -> io::Result<u64> {
     let st = rustix::fs::statvfs(dir)?;
     Ok(st.f_bavail.saturating_mul(st.f_frsize))
-}
-
-/// `MemAvailable` of `/proc/meminfo`, in bytes.
-pub fn mem_available() -> io::Result<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo")?;
-    parse_mem_available(&text)
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no parsable MemAvailable line in /proc/meminfo"))
-}
-
-/// Parses the `MemAvailable:  N kB` line of a meminfo text.
-pub(crate) fn parse_mem_available(text: &str) -> Option<u64> {
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let mut it = line["MemAvailable:".len()..].split_whitespace();
-    let n: u64 = it.next()?.parse().ok()?;
-    match it.next() {
-        Some("kB") => n.checked_mul(1024),
-        None => Some(n),
-        Some(_) => None,
-    }
 }
 
 /// Sleeps for `d` between two polls of a condition that only another
@@ -99,14 +80,6 @@ pub(crate) unsafe fn mincore(addr: usize, len: usize, resident: &mut [u8]) -> io
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_mem_available() {
-        let t = "MemTotal:  100 kB\nMemFree: 5 kB\nMemAvailable:   24356544 kB\n";
-        assert_eq!(parse_mem_available(t), Some(24356544 * 1024));
-        assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
-        assert_eq!(parse_mem_available("MemAvailable: x kB\n"), None);
-    }
 
     #[test]
     fn page_size_is_power_of_two() {

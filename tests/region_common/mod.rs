@@ -198,3 +198,60 @@ pub fn poll_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_micros(200)); // poll interval, not synchronisation
     }
 }
+
+/// Writes `bytes` to a new file at `path` with mode 0600 exactly (what a
+/// creator makes: the region's files are this user's alone), whatever the
+/// umask.
+pub fn write_private(path: &Path, bytes: &[u8]) {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).unwrap();
+    f.write_all(bytes).unwrap();
+    f.set_permissions(std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+/// Everything a refused joiner must leave as it was: contents, type and
+/// mode, owner, inode, modification and change times (`lstat`: a link is
+/// described itself, not its target).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// The contents of a regular file.
+    pub bytes: Option<Contents>,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub ino: u64,
+    pub mtime: (i64, i64),
+    pub ctime: (i64, i64),
+}
+
+impl Snapshot {
+    /// The file at `path` now (its bytes if it is a regular file).
+    pub fn of(path: &Path) -> Snapshot {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::symlink_metadata(path).unwrap();
+        let bytes = m.file_type().is_file().then(|| Contents(std::fs::read(path).unwrap()));
+        Snapshot {
+            bytes,
+            mode: m.mode(),
+            uid: m.uid(),
+            gid: m.gid(),
+            ino: m.ino(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        }
+    }
+}
+
+/// A file's bytes, compared in full, shown as their length, a digest and
+/// the first non-zero bytes (a page of zeros would flood the test output).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Contents(pub Vec<u8>);
+
+impl std::fmt::Debug for Contents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let fnv = self.0.iter().fold(0xcbf29ce484222325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x100000001b3));
+        let nonzero: Vec<(usize, u8)> = self.0.iter().copied().enumerate().filter(|(_, b)| *b != 0).take(8).collect();
+        write!(f, "{} bytes, fnv1a {fnv:016x}, first non-zero (offset, byte): {nonzero:?}", self.0.len())
+    }
+}
