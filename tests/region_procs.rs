@@ -95,7 +95,7 @@ impl Prefault for PauseAt {
 /// stopping at chunk `pause` if given.
 fn pin_agreed(region: &kvoffload::sync::Arc<Region>, pause: Option<usize>) -> Result<PinState, AgreementError> {
     let rt = SimRuntime::new();
-    let prepared = Prepared::new(region, &PinOptions::default().threads(1).max_chunk_bytes(page_size())).unwrap();
+    let prepared = Prepared::new(&rt, region, &PinOptions::default().threads(1).max_chunk_bytes(page_size())).unwrap();
     assert_eq!(prepared.chunks(), 4, "a rank's share is 4 chunks of one page");
     let (coord, prefault) = prepared.into_parts();
     let pf = PauseAt { inner: prefault, at: pause };

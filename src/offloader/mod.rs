@@ -66,7 +66,7 @@ pub use options::{KvAlloc, KvSpec, OffloaderOptions, RegionSpec};
 use crate::manager::{BlockKey, BlockManager, Lookup, ManagerConfig, Placement, Skipped};
 use crate::pin::{pin_all, pin_all_agreed_by, Agreement, Prefault, Prepared, RankAgreement, RegionSlots};
 use crate::protocol::agreement::{AgreementError, RankSlots};
-use crate::protocol::{finish_shutdown, CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
+use crate::protocol::{finish_shutdown, CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError, Variant};
 use crate::region::{page_size, AnonOptions, Layout, Region};
 use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::{self, thread, Arc, Mutex};
@@ -425,11 +425,6 @@ impl Offloader {
         &self.region
     }
 
-    /// The coordinator (diagnostics: windows open, chunks registered).
-    pub fn coordinator(&self) -> &Arc<Coordinator> {
-        &self.coord
-    }
-
     // ---- pinning ----
 
     /// Starts background pinning (idempotent). With a shared region the
@@ -712,8 +707,13 @@ impl Offloader {
         // Refused here, in one critical section of the coordinator, with
         // nothing changed: no window open, no registered graph alive. From
         // here on the coordinator refuses new windows, graphs and jobs.
-        self.coord.close()?;
-        *down = Down::Down;
+        // (N15, loom builds only, keeps the old order: the refusal after the
+        // teardown.)
+        let old_order = self.coord.is(Variant::TeardownBeforeRefusal);
+        if !old_order {
+            self.coord.close()?;
+            *down = Down::Down;
+        }
         // Drain: every job in flight completes and is applied.
         let engine = {
             let mut inner = sync::lock(&self.inner);
@@ -738,6 +738,13 @@ impl Offloader {
         // tables and staging ring are freed through the gate).
         let engine = sync::lock(&self.inner).engine.take();
         drop(engine);
+        if old_order {
+            *down = Down::Down;
+            if let Err(e) = self.coord.close() {
+                let _ = self.free_owned();
+                return Err(e.into());
+            }
+        }
         let pinner = &self.pinner;
         let mut joined = Ok(());
         let r = finish_shutdown(self.rt.as_ref(), &self.coord, || {
@@ -782,6 +789,14 @@ impl Offloader {
             }
         }
         first.map_or(Ok(()), Err)
+    }
+
+    /// Selects a known-bad variant of the protocol for this offloader
+    /// (negative models only).
+    #[cfg(loom)]
+    #[doc(hidden)]
+    pub fn set_variant(&self, v: Variant) {
+        self.coord.set_variant(v);
     }
 
     /// True once [`Offloader::shutdown`] completed.

@@ -94,6 +94,11 @@ pub enum Variant {
     /// into the handler's stream, so a job's completion event does not
     /// cover its chunks (P5).
     UnjoinedStaging,
+    /// N15: `Offloader::shutdown` in its order before issue 20: it closes
+    /// the offloader, drains and drops the transfer engine and frees its
+    /// tensors, and only then asks the coordinator, which may refuse (a
+    /// window open, a graph alive): the refusal comes after the teardown.
+    TeardownBeforeRefusal,
 }
 
 /// Registration state of one chunk of the region.

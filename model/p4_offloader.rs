@@ -1,0 +1,205 @@
+//! P4 at the engine's edge: the `Offloader` itself (not its parts) on the
+//! simulated GPU, built by `Offloader::with_allocated_tensors` and pinning in
+//! the background (`Offloader::start`), as an engine uses it.
+//!
+//! Two scenarios, each with the offloader's pinner (2 chunks, no
+//! pre-fault), the sim's device thread and a thread that calls
+//! `Offloader::shutdown`:
+//! - **a live graph** (4 threads): the engine registered a graph token and
+//!   has a store in flight while pinning runs; shutdown is called on
+//!   another thread and must be refused (`GraphsAlive`) with nothing
+//!   changed: the store completes, a load of its key into another GPU block
+//!   brings back its bytes, a window still opens, and once the token is
+//!   dropped a later shutdown succeeds and the region ends unregistered.
+//!   Offloader paths driven: `start`, `store`, `register_graph`, `shutdown`
+//!   (refused, then done), `wait`, `wait_all`, `poll`, `load`,
+//!   `capture_window`, `Drop` (after shutdown).
+//! - **racing a window and a capture** (4 threads): shutdown on another
+//!   thread while the engine opens a window (it waits for pinning, policy
+//!   AfterPinning), captures a memset in GLOBAL mode and ends the capture;
+//!   or is refused because shutdown began. If shutdown was refused because
+//!   the window was open, the engine retries it after closing the window.
+//!   Every capture ends with a graph, and the region ends unregistered.
+//!   Paths: `start`, `gated`, `capture_window`, `shutdown` (concurrent,
+//!   maybe refused, retried), `Drop`.
+//!
+//! Negative N15 (`Variant::TeardownBeforeRefusal`): `Offloader::shutdown`
+//! in its order before issue 20, which tore the offloader down (closed it,
+//! drained and dropped the transfer engine, freed its tensors) and asked
+//! the coordinator only afterwards. Caught in the first scenario ("a
+//! refused shutdown marked the offloader down": the later load would get
+//! `ShutDown`, the retry `AlreadyShutDown`) and in the second ("a shutdown
+//! retried after the window closed": a window that opened after the old
+//! code's check made the coordinator refuse after the teardown, and the
+//! retry gets `AlreadyShutDown`, the region staying registered).
+//!
+//! Why it holds: `Offloader::shutdown` first calls `Coordinator::close`,
+//! which in one critical section refuses (window open, graph alive) or
+//! starts shutdown, after which windows, graphs and jobs are refused; only
+//! then does it drain, drop the engine, wait for pinning and unregister.
+//! Bound: preemption bound 2 (the scenarios have 4 threads each).
+
+#![cfg(loom)]
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{check, negative, Bounds};
+use kvoffload::manager::BlockKey;
+use kvoffload::offloader::{Completion, KvAlloc, Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::pin::{HugePages, PinOptions, PrefaultMode};
+use kvoffload::protocol::{PinState, ProtocolError, Variant};
+use kvoffload::runtime::sim::SimRuntime;
+use kvoffload::runtime::{shared, CaptureMode, GpuRuntime};
+use kvoffload::sync::{thread, Arc};
+use kvoffload::transfer::{Backend, BackendChoice, TransferOptions};
+
+const PAGE: usize = 64;
+
+/// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and 2 host
+/// blocks (two registration chunks), on a simulated GPU.
+fn offloader(variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<Offloader>) {
+    let rt = shared(SimRuntime::new());
+    let mut opts = OffloaderOptions::with_host_blocks(2);
+    let page = kvoffload::region::page_size();
+    opts.pin =
+        PinOptions::default().prefault(PrefaultMode::Off).huge_pages(HugePages::Off).threads(1).max_chunk_bytes(page);
+    // Per-fragment copies, no page-locked ring and no staging buffers: the
+    // fewest driver calls (the backends are checked by P1, P3 and P5).
+    opts.transfer = TransferOptions {
+        backend: BackendChoice::Force(Backend::PerFragment),
+        staging_ring_entries: 0,
+        staging_bytes: 0,
+        ..TransferOptions::default()
+    };
+    let kv = KvAlloc { tensors: 1, page_bytes: PAGE, gpu_blocks: 4, block_factor: 1 };
+    let off = Offloader::with_allocated_tensors(rt.clone(), kv, opts).expect("offloader on the simulated GPU");
+    off.set_variant(variant);
+    (rt, Arc::new(off))
+}
+
+fn write_block(off: &Offloader, block: usize, fill: u8) {
+    let buf = [fill; PAGE];
+    let dst = off.tensors()[0].offset(block * PAGE);
+    // SAFETY: `buf` is readable; `dst` is GPU block `block` of the
+    // offloader's tensor, which no job touches now.
+    unsafe { off.runtime().copy_htod(dst, buf.as_ptr() as usize, PAGE) }.unwrap();
+}
+
+fn read_block(off: &Offloader, block: usize) -> [u8; PAGE] {
+    let mut buf = [0u8; PAGE];
+    let src = off.tensors()[0].offset(block * PAGE);
+    // SAFETY: `buf` is writable; the job that wrote `src` was waited for.
+    unsafe { off.runtime().copy_dtoh(buf.as_mut_ptr() as usize, src, PAGE) }.unwrap();
+    buf
+}
+
+/// Polls until `n` jobs were reported; returns them.
+fn poll_n(off: &Offloader, n: usize) -> Vec<Completion> {
+    let mut done = Vec::new();
+    while done.len() < n {
+        done.extend(off.poll());
+        thread::yield_now();
+    }
+    done
+}
+
+fn sim(rt: &Arc<dyn GpuRuntime>) -> &SimRuntime {
+    rt.as_sim().unwrap()
+}
+
+fn refused_with_a_live_graph(variant: Variant) {
+    let (rt, off) = offloader(variant);
+    write_block(&off, 0, 0x5a);
+    off.start().unwrap();
+    let token = off.register_graph().unwrap();
+    let k = [BlockKey::new(1, 0)];
+    off.store(&k, &[0]).unwrap();
+    let o2 = off.clone();
+    let refused = thread::spawn(move || o2.shutdown()).join().unwrap();
+    assert!(
+        matches!(refused, Err(OffloaderError::Protocol(ProtocolError::GraphsAlive { live: 1 }))),
+        "shutdown with a live graph: {refused:?}"
+    );
+    assert!(!off.is_shut_down(), "a refused shutdown marked the offloader down");
+    // Nothing changed: the store completes and is applied, its key loads.
+    off.wait_all().unwrap();
+    let stored = poll_n(&off, 1);
+    assert!(stored[0].error.is_none(), "the store failed: {stored:?}");
+    let job = off.load(&k, &[1]).expect("a load after a refused shutdown");
+    off.wait(job).unwrap();
+    let loaded = poll_n(&off, 1);
+    assert!(loaded[0].error.is_none(), "the load failed: {loaded:?}");
+    assert_eq!(read_block(&off, 1), [0x5a; PAGE], "a load after a refused shutdown brought back other bytes");
+    drop(off.capture_window().expect("a window after a refused shutdown"));
+    drop(token);
+    off.shutdown().expect("a shutdown once the graph is gone");
+    assert_eq!(sim(&rt).registered_ranges(), 0, "region left registered after shutdown");
+    assert!(off.pin_state().is_final());
+}
+
+fn racing_a_capture(variant: Variant) {
+    let (rt, off) = offloader(variant);
+    off.start().unwrap();
+    let s = rt.stream_create().unwrap();
+    let d = off.gated("the engine's scratch", |c| c.mem_alloc(64)).unwrap().unwrap();
+    let o2 = off.clone();
+    let sh = thread::spawn(move || o2.shutdown());
+    match off.capture_window() {
+        Ok(w) => {
+            rt.begin_capture(s, CaptureMode::Global).unwrap();
+            // SAFETY: `d` is a 64-byte allocation of the sim, never freed;
+            // the memset is only captured.
+            let enq = unsafe { rt.memset_d8_async(d, 0, 64, s) };
+            let end = rt.end_capture(s);
+            drop(w);
+            assert!(enq.is_ok() && end.is_ok(), "capture invalidated during shutdown: enqueue {enq:?}, end {end:?}");
+            rt.graph_destroy(end.unwrap()).unwrap();
+        }
+        Err(OffloaderError::Protocol(ProtocolError::ShutDown)) => {}
+        Err(e) => panic!("capture_window failed: {e}"),
+    }
+    match sh.join().unwrap() {
+        Ok(()) => {}
+        Err(OffloaderError::Protocol(ProtocolError::WindowOpen { .. })) => {
+            off.shutdown().expect("a shutdown retried after the window closed");
+        }
+        Err(e) => panic!("shutdown failed: {e}"),
+    }
+    assert_eq!(sim(&rt).registered_ranges(), 0, "region left registered after shutdown");
+    assert!(matches!(off.pin_state(), PinState::Pinned | PinState::Pageable(_)));
+}
+
+const B: Bounds = Bounds { property: "P4", threads: 4, preemptions: 2 };
+
+#[test]
+fn p4_offloader_refuses_shutdown_with_a_live_graph_and_changes_nothing() {
+    check("p4_offloader_live_graph", B, || refused_with_a_live_graph(Variant::Production));
+}
+
+#[test]
+fn p4_offloader_shutdown_races_a_window_and_a_capture() {
+    check("p4_offloader_racing_a_capture", B, || racing_a_capture(Variant::Production));
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n15_offloader_tears_down_before_refusing() {
+    negative(
+        "n15_teardown_before_refusal",
+        Bounds { property: "N15", ..B },
+        "a refused shutdown marked the offloader down",
+        || refused_with_a_live_graph(Variant::TeardownBeforeRefusal),
+    );
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n15_offloader_tears_down_before_refusing_a_window() {
+    negative(
+        "n15_teardown_before_refusal_window",
+        Bounds { property: "N15", ..B },
+        "a shutdown retried after the window closed",
+        || racing_a_capture(Variant::TeardownBeforeRefusal),
+    );
+}
