@@ -94,6 +94,13 @@ pub enum Variant {
     /// into the handler's stream, so a job's completion event does not
     /// cover its chunks (P5).
     UnjoinedStaging,
+    /// N16: a closing window does not hand the turn to a waiting library
+    /// call, so windows opening back to back starve pinning (P6, liveness).
+    WindowKeepsTurn,
+    /// N17: a guard's release (a window, a job ticket, a graph token, an
+    /// alias, the end of a gated call) changes the state but wakes nobody
+    /// (P6, liveness: a lost wake-up).
+    SilentRelease,
     /// N15: `Offloader::shutdown` in its order before issue 20: it closes
     /// the offloader, drains and drops the transfer engine and frees its
     /// tensors, and only then asks the coordinator, which may refuse (a
@@ -279,6 +286,17 @@ impl Shared {
         self.cv.notify_all();
         r
     }
+
+    /// A guard's release: changes the state and wakes every waiter (N17,
+    /// loom builds only, forgets the wake-up; model/p6_liveness.rs shows
+    /// each guard's own wake-up is what releases its waiter).
+    fn release(&self, f: impl FnOnce(&mut State)) {
+        let mut g = self.lock();
+        f(&mut g);
+        if g.variant != Variant::SilentRelease {
+            self.cv.notify_all();
+        }
+    }
 }
 
 /// An open capture window. The engine captures its graphs while holding
@@ -300,9 +318,11 @@ impl CaptureWindow {
 
 impl Drop for CaptureWindow {
     fn drop(&mut self) {
-        self.coord.update(|g| {
+        self.coord.release(|g| {
             g.windows_open -= 1;
-            g.turn = Turn::Library;
+            if g.variant != Variant::WindowKeepsTurn {
+                g.turn = Turn::Library;
+            }
             if let Some(i) = g.window_owners.iter().position(|t| *t == self.owner) {
                 g.window_owners.swap_remove(i);
             }
@@ -320,7 +340,7 @@ pub struct JobTicket {
 
 impl Drop for JobTicket {
     fn drop(&mut self) {
-        self.coord.update(|g| g.jobs_in_flight -= 1);
+        self.coord.release(|g| g.jobs_in_flight -= 1);
     }
 }
 
@@ -333,7 +353,7 @@ pub struct GraphToken {
 
 impl Drop for GraphToken {
     fn drop(&mut self) {
-        self.coord.update(|g| g.graphs_live -= 1);
+        self.coord.release(|g| g.graphs_live -= 1);
     }
 }
 
@@ -349,7 +369,7 @@ pub struct AliasGuard {
 
 impl Drop for AliasGuard {
     fn drop(&mut self) {
-        self.coord.update(|g| {
+        self.coord.release(|g| {
             if let Some(c) = g.chunks.get_mut(self.chunk) {
                 c.users -= 1;
             }
@@ -587,7 +607,8 @@ impl Coordinator {
         // so no window opens until it returns (P1).
         let gate = Gate::minted(&SEAL, self.shared.id);
         let out = f(&gate);
-        self.shared.update(|g| {
+        drop(gate);
+        self.shared.release(|g| {
             record(g, &out);
             g.unsafe_in_flight -= 1;
             g.turn = Turn::Window;
