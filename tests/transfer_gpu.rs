@@ -102,7 +102,7 @@ fn gpu_auto_stages_while_the_other_direction_is_busy() {
             assert!(want == got, "{dir:?}: block {b} tensor {t} differs");
         }
     }
-    gated(&*rt, |gt| rt.ctx_synchronize(gt)).expect("context healthy");
+    rig.gated(|gt| rt.ctx_synchronize(gt)).expect("context healthy");
 }
 
 #[test]

@@ -54,7 +54,7 @@ pub enum CapturePolicy {
 }
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (N1-N7 in DESIGN.md; N9, N10, N13 and N14 in
+/// negative models run (N1-N7 in DESIGN.md; N9, N10 and N13-N17 in
 /// docs/PROOFS.md). Only loom builds can select a
 /// variant; every other build is always `Production`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
