@@ -799,7 +799,8 @@ impl Offloader {
         self.coord.set_variant(v);
     }
 
-    /// True once [`Offloader::shutdown`] completed.
+    /// True once [`Offloader::shutdown`] began and was not refused (it then
+    /// refuses every later call with `AlreadyShutDown`).
     pub fn is_shut_down(&self) -> bool {
         *sync::lock(&self.down) == Down::Down
     }
