@@ -332,3 +332,94 @@ fn batched_copy_spanning_two_registrations_is_refused() {
     gated(&*rt, |gt| rt.host_unregister(gt, base)).unwrap();
     gated(&*rt, |gt| rt.host_unregister(gt, base + 4096)).unwrap();
 }
+
+/// What this process can get now (`kvoffload::region::limits`), if known.
+fn host_available() -> Option<usize> {
+    kvoffload::region::available_memory().map(|b| usize::try_from(b.bytes).unwrap_or(usize::MAX))
+}
+
+/// A simulated GPU whose configured device memory is no limit: only what
+/// the host can back (or `host_limit`) bounds its allocations.
+fn unbounded_sim(host_limit: Option<usize>) -> SimRuntime {
+    use kvoffload::runtime::sim::SimConfig;
+    SimRuntime::with_config(SimConfig { device_bytes: usize::MAX, host_limit, ..SimConfig::default() })
+}
+
+/// Issue 20 item 7: the sim's device memory is host memory, so a request
+/// the host cannot back (4 times what this process can get) is
+/// OUT_OF_MEMORY at once, as the driver answers past its memory, and
+/// changes nothing; before, the allocation aborted the process or handed
+/// out pages the OOM killer took back with it. The same for page-locked
+/// host memory.
+#[test]
+fn an_allocation_the_host_cannot_back_is_out_of_memory_at_once() {
+    let Some(avail) = host_available() else {
+        eprintln!("skipped: what this process can get is not known here");
+        return;
+    };
+    let rt = unbounded_sim(None);
+    let huge = avail.saturating_mul(4);
+    assert_eq!(gated(&rt, |gt| rt.mem_alloc(gt, huge)).map_err(|e| e.code), Err(Code::OUT_OF_MEMORY));
+    assert_eq!(rt.device_bytes_in_use(), 0, "a refused allocation takes nothing");
+    assert_eq!(gated(&rt, |gt| rt.mem_alloc_host(gt, huge)).map_err(|e| e.code), Err(Code::OUT_OF_MEMORY));
+    assert_eq!(rt.host_allocs_in_use(), 0);
+    // The runtime is fine afterwards.
+    let d = gated(&rt, |gt| rt.mem_alloc(gt, 4096)).unwrap();
+    // SAFETY: `d` was never used by any work.
+    gated(&rt, |gt| unsafe { rt.mem_free(gt, d) }).unwrap();
+}
+
+/// Many allocations that each fit but together pass what the host can back:
+/// the first past it is OUT_OF_MEMORY and the process lives on. The pages
+/// are never written (the sim's memory is zero-filled lazily), so the test
+/// uses no memory; before, every allocation succeeded.
+#[test]
+fn allocations_summing_past_what_the_host_can_back_are_out_of_memory() {
+    let Some(avail) = host_available() else {
+        eprintln!("skipped: what this process can get is not known here");
+        return;
+    };
+    let rt = unbounded_sim(None);
+    let chunk = (avail / 8).max(1 << 20);
+    let mut got = Vec::new();
+    let mut refused = None;
+    for _ in 0..32 {
+        match gated(&rt, |gt| rt.mem_alloc(gt, chunk)) {
+            Ok(p) => got.push(p),
+            Err(e) => {
+                refused = Some(e.code);
+                break;
+            }
+        }
+    }
+    let n = got.len();
+    assert_eq!(refused, Some(Code::OUT_OF_MEMORY), "{n} allocations of {chunk} bytes (the host can back {avail})");
+    assert!(n < 16, "{n} allocations of {chunk} bytes went through (the host can back {avail})");
+    assert_eq!(rt.device_bytes_in_use(), n * chunk, "the refused one took nothing");
+    for d in got {
+        // SAFETY: no work ever used these allocations.
+        gated(&rt, |gt| unsafe { rt.mem_free(gt, d) }).unwrap();
+    }
+    assert_eq!(rt.device_bytes_in_use(), 0);
+    gated(&rt, |gt| rt.mem_alloc(gt, chunk)).expect("room again once freed");
+}
+
+/// `SimConfig::host_limit` in place of the host's reading: device and
+/// page-locked host memory together stay within it, to the byte.
+#[test]
+fn device_and_page_locked_memory_together_stay_within_the_host_limit() {
+    let mib = 1 << 20;
+    let rt = unbounded_sim(Some(8 * mib));
+    let dev: Vec<_> = (0..6).map(|_| gated(&rt, |gt| rt.mem_alloc(gt, mib)).unwrap()).collect();
+    let h = gated(&rt, |gt| rt.mem_alloc_host(gt, 2 * mib)).unwrap();
+    assert_eq!(gated(&rt, |gt| rt.mem_alloc(gt, 1)).map_err(|e| e.code), Err(Code::OUT_OF_MEMORY));
+    assert_eq!(gated(&rt, |gt| rt.mem_alloc_host(gt, 1)).map_err(|e| e.code), Err(Code::OUT_OF_MEMORY));
+    assert_eq!((rt.device_bytes_in_use(), rt.host_allocs_in_use()), (6 * mib, 1));
+    // SAFETY: no work ever used `h`.
+    gated(&rt, |gt| unsafe { rt.mem_free_host(gt, h) }).unwrap();
+    let d = gated(&rt, |gt| rt.mem_alloc(gt, 2 * mib)).expect("the freed host memory is room again");
+    for p in dev.into_iter().chain([d]) {
+        // SAFETY: no work ever used these allocations.
+        gated(&rt, |gt| unsafe { rt.mem_free(gt, p) }).unwrap();
+    }
+}

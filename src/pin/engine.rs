@@ -9,7 +9,9 @@ use crate::runtime::GpuRuntime;
 use crate::sync::{thread, Arc};
 
 /// Makes a chunk's pages resident before it is registered (registration of
-/// touched pages is several times faster than of untouched ones, FACTS 3).
+/// touched pages is several times faster than of untouched ones:
+/// docs/driver-rules.md, rows "One registration of untouched pages" and
+/// "Registration of resident pages").
 pub trait Prefault: Send + Sync {
     /// Returns once chunk `i` (`len` bytes at `addr`) is resident.
     fn ensure(&self, i: usize, addr: usize, len: usize) -> Result<(), String>;

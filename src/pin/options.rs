@@ -20,7 +20,8 @@ pub const RECOMMENDED_MAX_CHUNK_BYTES: usize = 4 << 30;
 
 /// Hard cap of one registration call: 64 GiB, the bound vLLM adopted after
 /// a single registration of 512 GiB or more failed with out-of-memory
-/// (FACTS 2, vLLM #51080/#51081). [`PinOptions::validate`] refuses more.
+/// (vLLM #51080/#51081; docs/driver-rules.md, row "Registration size
+/// cap"). [`PinOptions::validate`] refuses more.
 pub const MAX_CHUNK_LIMIT: usize = 64 << 30;
 
 /// Most pre-fault threads accepted (a typo guard, not a tuning limit).
@@ -29,7 +30,8 @@ pub const MAX_THREADS: usize = 1024;
 /// Transparent huge pages for the region before it is pre-faulted.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub enum HugePages {
-    /// On for anonymous regions (FACTS 3: 16 pre-fault threads reach 26.7 -
+    /// On for anonymous regions (docs/driver-rules.md, row "Pre-fault
+    /// threads and huge pages": 16 pre-fault threads reach 26.7 -
     /// 28.1 GB/s end to end with huge pages against 11 - 12 without); off
     /// for shared /dev/shm regions, whose huge pages depend on the tmpfs
     /// mount (`huge=`), usually `never` on /dev/shm.

@@ -5,7 +5,9 @@
 //! Why: registering untouched pages makes the driver fault them one by one
 //! on one thread (2.2 - 3.2 GB/s on the H200); registering pages that are
 //! already resident runs at 22.8 - 24.6 GB/s, and faulting in parallel with
-//! huge pages reaches 26.7 - 28.1 GB/s end to end (FACTS 3). With
+//! huge pages reaches 26.7 - 28.1 GB/s end to end (docs/driver-rules.md,
+//! rows "One registration of untouched pages", "Registration of resident
+//! pages" and "Pre-fault threads and huge pages"). With
 //! [`Prefault::hint`] the faults of chunk i+1 overlap the registration of
 //! chunk i, so the pipeline approaches max(fault, register) instead of the
 //! sum.

@@ -1,7 +1,7 @@
 //! Typed errors of the region layer.
 //!
 //! Every error names the offending value and the limit it broke, so that a
-//! log line alone says what to change (DESIGN.md, "Bad input and faults").
+//! log line alone says what to change.
 
 use std::path::PathBuf;
 use std::time::Duration;

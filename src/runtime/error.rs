@@ -50,26 +50,28 @@ impl Code {
     /// address not aligned for the access (e.g. a pattern table not 8-byte
     /// aligned). A device fault: sticky, like [`Code::ILLEGAL_ADDRESS`].
     pub const MISALIGNED_ADDRESS: Code = Code(716);
-    /// `CUDA_ERROR_LAUNCH_FAILED`: work failed on the device. FACTS.md
-    /// section 1: replaying a graph that copies from host memory
+    /// `CUDA_ERROR_LAUNCH_FAILED`: work failed on the device.
+    /// docs/driver-rules.md, row "Replay after unregister": replaying a graph that copies from host memory
     /// unregistered since its capture returns OK at launch and 719 at the
     /// next synchronize, sticky for the whole process (what P4 rules out and
     /// negative N5 provokes).
     pub const LAUNCH_FAILED: Code = Code(719);
     /// `CUDA_ERROR_NOT_SUPPORTED`: the operation is not supported here, e.g.
     /// host registration under Confidential Computing at every size (vLLM
-    /// #55428, FACTS.md section 2); pinning then ends pageable with
+    /// #55428; docs/driver-rules.md, row "Not supported under Confidential
+    /// Computing"); pinning then ends pageable with
     /// [`PageableReason::NotSupported`](crate::protocol::PageableReason::NotSupported).
     pub const NOT_SUPPORTED: Code = Code(801);
     /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: a capture-unsafe call made
-    /// while another thread holds a GLOBAL capture (FACTS.md section 1
-    /// table; it also invalidates that capture, which P1 rules out), or a
-    /// batched copy on a capturing stream (FACTS.md section 3, the capture
-    /// stays valid but records nothing).
+    /// while another thread holds a GLOBAL capture (docs/driver-rules.md,
+    /// section 1 and row "Refused call"; it also invalidates that capture,
+    /// which P1 rules out), or a batched copy on a capturing stream (row
+    /// "Batched copy inside a capture": the capture stays valid but records
+    /// nothing).
     pub const STREAM_CAPTURE_UNSUPPORTED: Code = Code(900);
     /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`: the capture was invalidated
-    /// by an earlier 900; `end_capture` returns it and no graph (FACTS.md
-    /// section 1).
+    /// by an earlier 900; `end_capture` returns it and no graph
+    /// (docs/driver-rules.md, row "Refused call").
     pub const STREAM_CAPTURE_INVALIDATED: Code = Code(901);
     /// `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`: the capture sequence contains a
     /// fork that was not joined to the primary stream: `end_capture` on the

@@ -4,7 +4,7 @@
 //! - [`cuda::CudaRuntime`] (normal builds): the CUDA driver API through
 //!   cudarc, loaded at run time, so the crate builds with no CUDA installed.
 //! - [`sim::SimRuntime`]: a GPU simulated on host memory that follows the
-//!   driver rules measured on an H200 (FACTS.md section 1); the runtime that
+//!   driver rules measured on an H200 (docs/driver-rules.md); the runtime that
 //!   loom explores and the default where no GPU exists.
 //!
 //! Every operation returns a [`DriverResult`]: the crate never ignores a
@@ -44,15 +44,16 @@
 //! ```
 //!
 //! The gated operations, each with the measurement that makes it unsafe
-//! (FACTS.md section 1 rows; "cell" names a conformance scenario of
-//! `kvoffload conform`, measured on an H200 and committed in
+//! (docs/driver-rules.md, section 1 rows; "cell" names a conformance
+//! scenario of `kvoffload conform`, measured on an H200 and committed in
 //! docs/conformance-h200.md): `host_register` and `host_unregister` (rows
-//! "cuMemHostRegister", "cuMemHostUnregister"), `mem_alloc` and
-//! `mem_alloc_host` (rows "cuMemAlloc", "cuMemAllocHost"), `mem_free` and
-//! `mem_free_host` (cells `mem_free`, `mem_free_host`), `stream_synchronize`
-//! (row "cuStreamSynchronize(other stream)"), `ctx_synchronize` (row
-//! "cuCtxSynchronize", unsafe even relaxed), `event_query` and
-//! `event_synchronize` (cells `event_query`, `event_sync`).
+//! "cuMemHostRegister", "cuMemHostUnregister"; cells `register`,
+//! `unregister`), `mem_alloc` and `mem_alloc_host` (rows "cuMemAlloc",
+//! "cuMemAllocHost"), `mem_free` and `mem_free_host` (cells `mem_free`,
+//! `mem_free_host`), `stream_synchronize` (row "cuStreamSynchronize", cell
+//! `stream_sync_other`), `ctx_synchronize` (row "cuCtxSynchronize", unsafe
+//! even relaxed), `event_query` and `event_synchronize` (cells
+//! `event_query`, `event_record_query`, `event_sync`).
 //!
 //! # Operations made without the gate
 //!
@@ -63,8 +64,8 @@
 //!
 //! | operation | measured by |
 //! |---|---|
-//! | `copy_htod_async` | FACTS 1 rows "cuMemcpyHtoDAsync on another stream, pinned src" and "pageable src" |
-//! | `copy_htod` | FACTS 1 row "synchronous cuMemcpyHtoD, pinned src" |
+//! | `copy_htod_async` | cells `copy_async_pinned`, `copy_async_pageable` |
+//! | `copy_htod` | cell `copy_sync_pinned` |
 //! | `copy_dtoh_async` | cell `copy_dtoh_async_pinned` |
 //! | `copy_dtoh` | cell `copy_sync_dtoh_pinned` |
 //! | `copy_batch_async` (on a stream that does not capture) | cell `copy_batch_pinned` |
@@ -76,6 +77,9 @@
 //! | `host_device_ptr` | cell `host_device_ptr` |
 //! | `capture_status` (of a stream no other thread captures) | cell `capture_status_other` |
 //! | `exchange_capture_mode` | every `cell/*/relaxed`: B switches itself to RELAXED and back during A's capture |
+//!
+//! (docs/driver-rules.md, section 1, has a row for each with the value
+//! measured.)
 //!
 //! The capture operations themselves (`begin_capture`, `end_capture`) and
 //! graphs (`graph_launch`, `graph_destroy`) belong to the thread that
@@ -142,20 +146,21 @@ pub trait GpuRuntime: Send + Sync {
     /// `self.gate_binding().check(gate, name)?`.
     fn gate_binding(&self) -> &GateBinding;
 
-    /// `cuMemHostRegister`. Capture-unsafe (FACTS 1, row "cuMemHostRegister").
+    /// `cuMemHostRegister`. Capture-unsafe (docs/driver-rules.md, row "cuMemHostRegister").
     ///
     /// # Safety
     /// `[addr, addr+len)` is a live mapping that stays mapped until it is
     /// unregistered.
     unsafe fn host_register(&self, gate: &Gate, addr: usize, len: usize) -> DriverResult<()>;
     /// `cuMemHostUnregister` of a range registered at `addr`. Waits for the
-    /// device to go idle. Capture-unsafe (FACTS 1, row "cuMemHostUnregister").
+    /// device to go idle (row "Unregister waits for the device"). Capture-unsafe
+    /// (docs/driver-rules.md, row "cuMemHostUnregister").
     fn host_unregister(&self, gate: &Gate, addr: usize) -> DriverResult<()>;
     /// `cuMemHostGetDevicePointer`: the device's alias of registered host
     /// memory (fails with INVALID_VALUE for memory that is not registered).
     fn host_device_ptr(&self, addr: usize) -> DriverResult<DevicePtr>;
 
-    /// `cuMemAlloc`. Capture-unsafe (FACTS 1, row "cuMemAlloc").
+    /// `cuMemAlloc`. Capture-unsafe (docs/driver-rules.md, row "cuMemAlloc").
     fn mem_alloc(&self, gate: &Gate, bytes: usize) -> DriverResult<DevicePtr>;
     /// `cuMemFree`. Capture-unsafe (cell `mem_free`).
     ///
@@ -166,7 +171,7 @@ pub trait GpuRuntime: Send + Sync {
     /// afterwards: the driver may hand the memory out again at once.
     unsafe fn mem_free(&self, gate: &Gate, ptr: DevicePtr) -> DriverResult<()>;
     /// `cuMemAllocHost` (page-locked host allocation). Capture-unsafe
-    /// (FACTS 1, row "cuMemAllocHost").
+    /// (docs/driver-rules.md, row "cuMemAllocHost").
     fn mem_alloc_host(&self, gate: &Gate, bytes: usize) -> DriverResult<usize>;
     /// `cuMemFreeHost`. Capture-unsafe (cell `mem_free_host`).
     ///
@@ -182,10 +187,11 @@ pub trait GpuRuntime: Send + Sync {
     /// handle is invalid from then on and the device still runs that work.
     /// A caller that must know the work is done synchronizes first.
     fn stream_destroy(&self, stream: Stream) -> DriverResult<()>;
-    /// `cuStreamSynchronize`. Capture-unsafe (FACTS 1, row "cuStreamSynchronize").
+    /// `cuStreamSynchronize`. Capture-unsafe (docs/driver-rules.md, row
+    /// "cuStreamSynchronize").
     fn stream_synchronize(&self, gate: &Gate, stream: Stream) -> DriverResult<()>;
-    /// `cuCtxSynchronize`. Capture-unsafe even in relaxed mode (FACTS 1, row
-    /// "cuCtxSynchronize").
+    /// `cuCtxSynchronize`. Capture-unsafe even in relaxed mode
+    /// (docs/driver-rules.md, row "cuCtxSynchronize").
     fn ctx_synchronize(&self, gate: &Gate) -> DriverResult<()>;
     /// `cuStreamWaitEvent`: later work on `stream` waits for `event`. On an
     /// event recorded in a capturing stream, `stream` joins that capture
@@ -207,7 +213,8 @@ pub trait GpuRuntime: Send + Sync {
     /// `[dst, dst+bytes)` is writable, and not otherwise accessed, until the
     /// copy completes.
     unsafe fn copy_dtoh_async(&self, dst: usize, src: DevicePtr, bytes: usize, stream: Stream) -> DriverResult<()>;
-    /// Synchronous `cuMemcpyHtoD` (FACTS 1: allowed during a capture).
+    /// Synchronous `cuMemcpyHtoD` (allowed during a capture: docs/driver-rules.md,
+    /// row "cuMemcpyHtoD").
     ///
     /// # Safety
     /// `[src, src+bytes)` is readable.
@@ -218,8 +225,10 @@ pub trait GpuRuntime: Send + Sync {
     /// `[dst, dst+bytes)` is writable.
     unsafe fn copy_dtoh(&self, dst: usize, src: DevicePtr, bytes: usize) -> DriverResult<()>;
     /// `cuMemcpyBatchAsync`: every fragment in one call. Inside a capture the
-    /// driver answers 900 and records nothing (FACTS 3, "cuMemcpyBatchAsync
-    /// INSIDE a stream capture"), so never call it on a capturing stream.
+    /// driver answers 900 and records nothing (docs/driver-rules.md, row
+    /// "Batched copy inside a capture"; scenario
+    /// `order/batch_copy_in_capture_dropped`), so never call it on a capturing
+    /// stream.
     ///
     /// # Safety
     /// As for the single async copies, for every fragment.
@@ -248,14 +257,14 @@ pub trait GpuRuntime: Send + Sync {
     /// `stream` before it does.
     fn event_record(&self, event: Event, stream: Stream) -> DriverResult<()>;
     /// `cuEventQuery`: `Ok(true)` when complete, `Ok(false)` for NOT_READY.
-    /// Capture-unsafe (cell `event_query`; FACTS 1, row "cuEventRecord +
-    /// cuEventQuery").
+    /// Capture-unsafe (docs/driver-rules.md, row "cuEventQuery"; cells
+    /// `event_query`, `event_record_query`).
     fn event_query(&self, gate: &Gate, event: Event) -> DriverResult<bool>;
     /// `cuEventSynchronize`. Capture-unsafe (cell `event_sync`).
     fn event_synchronize(&self, gate: &Gate, event: Event) -> DriverResult<()>;
 
     /// `cuStreamBeginCapture`. Blocks while another thread's registration is
-    /// running (FACTS 1, ordering effects).
+    /// running (docs/driver-rules.md, row "begin_capture waits for a registration").
     fn begin_capture(&self, stream: Stream, mode: CaptureMode) -> DriverResult<()>;
     /// `cuStreamEndCapture` + `cuGraphInstantiate`. An invalidated capture
     /// ends with STREAM_CAPTURE_INVALIDATED and no graph.

@@ -76,7 +76,7 @@ handle!(
 );
 
 /// `CUstreamCaptureMode`: who else may make capture-unsafe calls while a
-/// stream captures (FACTS.md section 1).
+/// stream captures (docs/driver-rules.md, row "Capture modes").
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum CaptureMode {
     /// Any thread's unsafe call (unless that thread is relaxed) fails with
@@ -109,7 +109,8 @@ pub enum CaptureStatus {
     /// graph, not run.
     Active,
     /// The stream is capturing, but the capture was invalidated (by a
-    /// capture-unsafe call refused with 900, FACTS.md section 1): ending it
+    /// capture-unsafe call refused with 900, docs/driver-rules.md, row
+    /// "Refused call"): ending it
     /// returns STREAM_CAPTURE_INVALIDATED (901) and no graph.
     Invalidated,
 }

@@ -12,10 +12,12 @@ use crate::runtime::{DevicePtr, Direction, DriverResult, Fragment, GpuRuntime, K
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Backend {
     /// One `cuMemcpy{HtoD,DtoH}Async` per fragment (2.5 - 3.7 us each on an
-    /// H200, FACTS 3): works everywhere, pageable memory and captures too.
+    /// H200: docs/driver-rules.md, row "One copy call"): works everywhere,
+    /// pageable memory and captures too.
     PerFragment,
     /// One `cuMemcpyBatchAsync` for the job. Never issued on a capturing
-    /// stream (FACTS 3: 900, and the graph silently copies nothing).
+    /// stream (900, and the graph silently copies nothing:
+    /// docs/driver-rules.md, row "Batched copy inside a capture").
     Batched,
     /// The gather kernel reading registered host memory through its device
     /// alias; only for host ranges whose registration completed (P3).
@@ -95,8 +97,9 @@ impl FromStr for BackendChoice {
     }
 }
 
-/// Fragments per `cuMemcpyBatchAsync` call (FACTS 3 measured 4096 in one
-/// call; larger jobs take several calls).
+/// Fragments per `cuMemcpyBatchAsync` call (4096 in one call were measured:
+/// docs/driver-rules.md, row "Batched copy"; larger jobs take several
+/// calls).
 pub(crate) const BATCH_MAX: usize = 4096;
 
 /// Enqueues one async copy per fragment; stops at the first failure.

@@ -12,7 +12,8 @@
 //!
 //! [`TransferEngine::poll_finished`] queries completion events only through
 //! [`Coordinator::try_unsafe_call`] (a query while the engine captures in
-//! GLOBAL mode would invalidate its capture, FACTS 1) and reports jobs in
+//! GLOBAL mode would invalidate its capture: docs/driver-rules.md, row
+//! "cuEventQuery") and reports jobs in
 //! submission order per direction, each exactly once, failed ones included.
 //! Descriptor tables (in the handler's page-locked staging ring, or on the
 //! heap when the ring is full: see the `ring` module) and admission tickets
@@ -591,7 +592,8 @@ impl TransferEngine {
     /// (none -> `None`, the caller falls back), the descriptor table
     /// encoded from those aliases, uploaded and launched; the guards are
     /// dropped once the launches are enqueued (an unregister then waits for
-    /// the device, FACTS 1).
+    /// the device: docs/driver-rules.md, row "Unregister waits for the
+    /// device").
     fn try_gather(
         &self,
         h: &Handler,

@@ -13,7 +13,7 @@
 //!   from.
 //! - `kvoffload bench transfer` (the binary crate) measures it.
 //!
-//! Properties served (DESIGN.md): P3 (the gather kernel reads only host
+//! Properties served (docs/PROOFS.md): P3 (the gather kernel reads only host
 //! memory whose registration completed: aliases come only from
 //! [`crate::protocol::Coordinator::acquire_alias`], held until the launch
 //! is enqueued; the staged backend's kernel touches device memory only) and P5 (every submitted job reported exactly once, in

@@ -1,7 +1,7 @@
 //! The automatic backend choice: by fragment size, host run length, pin
-//! state, capture state and whether the other direction is busy (FACTS 3
-//! and docs/gpu-runs/2026-11-30-duplex-* for the speeds behind the
-//! thresholds).
+//! state, capture state and whether the other direction is busy
+//! (docs/driver-rules.md, section 6, for the speeds behind the thresholds,
+//! and docs/gpu-runs/2026-11-30-duplex-*).
 
 use std::time::Duration;
 
@@ -14,7 +14,9 @@ const DUPLEX_LINGER_MS: u64 = 20;
 /// mean fragment size of the merged job is compared.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct AutoThresholds {
-    /// Up to this mean size the gather kernel is tried first (FACTS 3: the
+    /// Up to this mean size the gather kernel is tried first
+    /// (docs/driver-rules.md, rows "Gather kernel", "One copy call" and
+    /// "Batched copy": the
     /// kernel reached 50 GB/s at 16 and 128 KiB, where per-copy calls reach
     /// 5 - 24 and a batched copy 3.5 - 41).
     pub gather_max_bytes: usize,

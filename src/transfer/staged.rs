@@ -14,7 +14,8 @@
 //! Staging makes every byte on the link a copy-engine byte; it pays where
 //! a job's host side is contiguous in large runs (a block-major or
 //! block-strided host block holds every layer's page of a block), never
-//! where host pages are scattered (one DMA a page: FACTS 3).
+//! where host pages are scattered (one DMA a page: docs/driver-rules.md,
+//! row "One copy call").
 //!
 //! A handler's staging memory is one device allocation made at engine
 //! creation through the gate ([`Staging::create`]): two buffers of `half`
@@ -36,7 +37,8 @@
 //! The kernel here reads and writes device memory only (KV pages and the
 //! staging buffer): no host alias is involved, so P3 (kernels only on
 //! registered memory) holds without a guard. The copies are batched copies,
-//! so the backend is never used on a capturing stream (FACTS 3).
+//! so the backend is never used on a capturing stream (docs/driver-rules.md,
+//! row "Batched copy inside a capture").
 
 use std::ops::Range;
 

@@ -73,7 +73,7 @@ pub(crate) fn run(inner: Arc<Inner>) {
             g = sync::lock(&inner.state);
             if let Err(code) = outcome {
                 // A device fault is sticky: every later call reports it
-                // (FACTS 1, "replayed after that memory was unregistered").
+                // (docs/driver-rules.md, row "Replay after unregister").
                 tracing::debug!(%code, "sim: device fault, context poisoned");
                 g.poisoned.get_or_insert(code);
             }
@@ -210,7 +210,8 @@ fn resolve_into(st: &mut State, op: &Op, out: &mut Vec<Action>) -> Result<(), Co
             }
         }
         Op::Graph(body) => {
-            // FACTS 1: a graph whose copies used registered host memory,
+            // docs/driver-rules.md, row "Replay after unregister": a graph
+            // whose copies used registered host memory,
             // replayed after that memory was unregistered, faults on the
             // device: launch said OK, the next synchronize says 719.
             if body.registered_refs.iter().any(|&(a, n)| st.registered_range(a, n).is_none()) {

@@ -31,8 +31,8 @@ pub enum SimFault {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum HoldPoint {
     /// Inside `host_register`, after the capture rules were applied and the
-    /// registration is counted as running (the window in which FACTS 1's
-    /// ordering effects happen).
+    /// registration is counted as running (the window in which the ordering
+    /// effects of docs/driver-rules.md, section 3, happen).
     Register,
     /// On the device, while an operation executes.
     DeviceOp,

@@ -1,5 +1,5 @@
 //! A GPU simulated on host memory, faithful to the driver rules measured on
-//! an H200 (FACTS.md section 1).
+//! an H200 (docs/driver-rules.md).
 //!
 //! - Streams execute asynchronously and in order on a device thread
 //!   (`device.rs`); events complete when the work recorded before them does.
@@ -28,6 +28,7 @@
 
 mod device;
 mod fault;
+mod memory;
 mod rules;
 mod state;
 
@@ -46,14 +47,25 @@ use rules::Call;
 use state::{Capture, CapturedRecord, EventState, GraphBody, Join, Op, State, StreamState, HOST_ALIAS_BIT};
 
 /// What [`GpuRuntime::describe`] says of every simulated GPU.
-pub const DESCRIPTION: &str = "simulated GPU (driver rules of FACTS.md section 1)";
+pub const DESCRIPTION: &str = "simulated GPU (driver rules of docs/driver-rules.md)";
 
 /// Settings of a simulated GPU.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
     /// Device memory the simulated `cuMemAlloc` hands out before it answers
-    /// OUT_OF_MEMORY. Memory is allocated lazily (zeroed pages).
+    /// OUT_OF_MEMORY. Memory is allocated lazily (zeroed pages). The sim
+    /// also answers OUT_OF_MEMORY, from `cuMemAlloc` and `cuMemAllocHost`,
+    /// where this host cannot back the request: its device and page-locked
+    /// host memory are host memory of this process, and together they stay
+    /// within what the process can get
+    /// ([`crate::region::limits::available_memory`], read at allocation
+    /// time and cached; not read under loom).
     pub device_bytes: usize,
+    /// What the process can get, in bytes, in place of the host's reading:
+    /// a fixed bound on the sim's device and page-locked host memory
+    /// together (tests use it to reach the host's limit without using the
+    /// memory). `None` (the default): the host's reading.
+    pub host_limit: Option<usize>,
     /// Device workers: threads that each take the next ready operation of
     /// any stream whose previous operation has finished. With 1 (the
     /// default) the device runs one operation at a time, and when several
@@ -70,7 +82,7 @@ pub struct SimConfig {
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { device_bytes: 64 << 30, workers: 1 }
+        SimConfig { device_bytes: 64 << 30, host_limit: None, workers: 1 }
     }
 }
 
@@ -227,7 +239,7 @@ impl SimRuntime {
     /// them; at least one); they run until the runtime is dropped.
     pub fn with_config(cfg: SimConfig) -> Self {
         let inner = Arc::new(Inner {
-            state: Mutex::new(State::new(cfg.device_bytes)),
+            state: Mutex::new(State::new(cfg.device_bytes, memory::HostBudget::new(cfg.host_limit))),
             cv: Condvar::new(),
             #[cfg(not(loom))]
             exec: Mutex::new(()),
@@ -402,10 +414,10 @@ impl SimRuntime {
     fn enqueue<'a>(&'a self, mut g: MutexGuard<'a, State>, stream: Stream, op: Op) -> Result<(), Code> {
         g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?;
         if let Some(origin) = g.capture_origin(stream.0) {
-            // FACTS 1 said an enqueue onto a THREAD_LOCAL or RELAXED capture
-            // blocks while another thread registers; the H200 conformance
-            // run showed it does not (docs/facts-deltas.md), so it does not
-            // block here either. Work on a stream that joined a capture is
+            // An enqueue onto a THREAD_LOCAL or RELAXED capture does not
+            // block while another thread registers (docs/driver-rules.md,
+            // row "Registration beside a THREAD_LOCAL or RELAXED capture",
+            // measured against the fact sheet: docs/facts-deltas.md). Work on a stream that joined a capture is
             // recorded into the origin's capture (cross-stream capture).
             let refs = host_ref(&g, &op);
             let c = g.stream_mut(origin).and_then(|s| s.capture.as_mut()).ok_or(Code::INVALID_HANDLE)?;
@@ -566,8 +578,9 @@ impl GpuRuntime for SimRuntime {
             if !g.registered.contains_key(&addr) || g.host_allocs.contains_key(&addr) {
                 return Err(Code::HOST_MEMORY_NOT_REGISTERED);
             }
-            // FACTS 1, other driver facts: unregister waits for the device to
-            // go idle (1.8 s behind a running 1.8 s kernel).
+            // Unregister waits for the device to go idle (docs/driver-rules.md,
+            // row "Unregister waits for the device": 1.000 s behind a 1 s
+            // kernel).
             let mut g = self.inner.wait_until(g, Blocked::Idle, State::idle);
             g.registered.remove(&addr);
             self.inner.cv.notify_all();
@@ -592,11 +605,15 @@ impl GpuRuntime for SimRuntime {
             if bytes == 0 {
                 return Err(Code::INVALID_VALUE);
             }
-            if g.device_used.saturating_add(bytes) > g.device_limit {
+            // Past the configured device memory, or past what this host can
+            // back (docs/driver-rules.md, "Allocation past the memory there
+            // is"): OUT_OF_MEMORY, as the driver answers, nothing changed.
+            if g.device_used.saturating_add(bytes) > g.device_limit || !g.host_can_back(bytes) {
                 return Err(Code::OUT_OF_MEMORY);
             }
+            let mem = memory::zeroed(bytes).ok_or(Code::OUT_OF_MEMORY)?;
             let p = g.fresh_device_addr(bytes);
-            g.device_mem.insert(p, vec![0u8; bytes]);
+            g.device_mem.insert(p, mem);
             g.device_used += bytes;
             Ok(p)
         })();
@@ -625,9 +642,14 @@ impl GpuRuntime for SimRuntime {
             if bytes == 0 {
                 return Err(Code::INVALID_VALUE);
             }
-            let mut buf = vec![0u8; bytes];
+            // Past what this host can back: OUT_OF_MEMORY, as for mem_alloc.
+            if !g.host_can_back(bytes) {
+                return Err(Code::OUT_OF_MEMORY);
+            }
+            let mut buf = memory::zeroed(bytes).ok_or(Code::OUT_OF_MEMORY)?;
             let addr = buf.as_mut_ptr() as usize;
             g.host_allocs.insert(addr, buf);
+            g.host_alloc_used += bytes;
             g.registered.insert(addr, bytes);
             Ok(addr)
         })();
@@ -643,7 +665,8 @@ impl GpuRuntime for SimRuntime {
             }
             let mut g = self.inner.wait_until(g, Blocked::Idle, State::idle);
             g.registered.remove(&addr);
-            g.host_allocs.remove(&addr);
+            let freed = g.host_allocs.remove(&addr).map_or(0, |m| m.len());
+            g.host_alloc_used -= freed;
             Ok(())
         })();
         traced("cuMemFreeHost", r)
@@ -772,8 +795,9 @@ impl GpuRuntime for SimRuntime {
             }
             g.streams.get(&stream.0).ok_or(Code::INVALID_HANDLE)?;
             if g.capture_origin(stream.0).is_some() {
-                // FACTS 3: cuMemcpyBatchAsync inside a capture returns 900,
-                // the capture stays valid and the graph copies nothing.
+                // cuMemcpyBatchAsync inside a capture returns 900, the capture
+                // stays valid and the graph copies nothing (docs/driver-rules.md,
+                // row "Batched copy inside a capture").
                 return Err(Code::STREAM_CAPTURE_UNSUPPORTED);
             }
             for f in fragments {
@@ -899,8 +923,9 @@ impl GpuRuntime for SimRuntime {
     fn begin_capture(&self, stream: Stream, mode: CaptureMode) -> DriverResult<()> {
         let r = (|| {
             let g = self.enter(Call::BeginCapture, &[stream])?;
-            // FACTS 1, ordering: begin_capture blocks while another thread's
-            // register runs, then succeeds.
+            // begin_capture blocks while another thread's register runs, then
+            // succeeds (docs/driver-rules.md, row "begin_capture waits for a
+            // registration").
             let mut g = self.inner.wait_until(g, Blocked::BeginCapture, |st| st.registers_running == 0);
             let s = g.stream_mut(stream.0).ok_or(Code::INVALID_HANDLE)?;
             if s.capture.is_some() || s.joined.is_some() {
@@ -931,7 +956,8 @@ impl GpuRuntime for SimRuntime {
                 }
             }
             if c.invalidated {
-                // FACTS 1: an invalidated capture ends with 901 and no graph.
+                // An invalidated capture ends with 901 and no graph
+                // (docs/driver-rules.md, row "Refused call").
                 return Err(Code::STREAM_CAPTURE_INVALIDATED);
             }
             if unjoined {
@@ -972,7 +998,8 @@ impl GpuRuntime for SimRuntime {
             let g = self.enter(Call::GraphLaunch, &[stream])?;
             let body = g.graphs.get(&graph.0).ok_or(Code::INVALID_HANDLE)?.clone();
             // The launch itself succeeds even if the graph's host memory was
-            // unregistered; the fault shows at the next synchronize (FACTS 1).
+            // unregistered; the fault shows at the next synchronize
+            // (docs/driver-rules.md, row "Replay after unregister").
             self.enqueue(g, stream, Op::Graph(body))
         })();
         traced("cuGraphLaunch", r)

@@ -4,9 +4,9 @@
 //!
 //! **Default deny.** A call is let through during another thread's GLOBAL
 //! capture only when [`MEASURED`] lists it with a measurement that says it
-//! is safe there (FACTS.md section 1 rows, or the conformance cells of
-//! `kvoffload conform` measured on an H200 and committed in
-//! docs/conformance-h200.md). A call the table does not list is refused
+//! is safe there (the conformance cells of `kvoffload conform`, measured on
+//! an H200 and committed in docs/conformance-h200.md; each row is a row of
+//! docs/driver-rules.md, section 1, with the value measured). A call the table does not list is refused
 //! with 900 and invalidates that capture, whatever the calling thread's
 //! mode, and the refusal names the missing row (trace event and
 //! [`super::SimRuntime::refusals`]). So is any call that touches a stream
@@ -117,8 +117,8 @@ pub(crate) enum Effect {
 pub(crate) struct Row {
     pub call: Call,
     pub effect: Effect,
-    /// Where it was measured: FACTS.md section 1 row and/or conformance
-    /// cells (docs/conformance-h200.md, H200, 2026-11-29 and 2026-11-30).
+    /// Where it was measured: conformance cells (docs/conformance-h200.md,
+    /// H200, since 2026-11-29) and the row of docs/driver-rules.md.
     pub measured: &'static str,
 }
 
@@ -134,17 +134,17 @@ pub(crate) const MEASURED: &[Row] = &[
     Row {
         call: Call::HostRegister,
         effect: Effect::Unsafe,
-        measured: "FACTS 1 row \"cuMemHostRegister\"; cells register/default, register/relaxed",
+        measured: "cells register/default, register/relaxed (docs/driver-rules.md, row \"cuMemHostRegister\")",
     },
     Row {
         call: Call::HostUnregister,
         effect: Effect::Unsafe,
-        measured: "FACTS 1 row \"cuMemHostUnregister\"; cells unregister/default, unregister/relaxed",
+        measured: "cells unregister/default, unregister/relaxed (docs/driver-rules.md, row \"cuMemHostUnregister\")",
     },
     Row {
         call: Call::EventQuery,
         effect: Effect::Unsafe,
-        measured: "FACTS 1 row \"cuEventRecord + cuEventQuery\"; cells event_record_query/*, event_query/*",
+        measured: "cells event_record_query/*, event_query/* (docs/driver-rules.md, row \"cuEventQuery\")",
     },
     Row {
         call: Call::EventSynchronize,
@@ -154,18 +154,22 @@ pub(crate) const MEASURED: &[Row] = &[
     Row {
         call: Call::StreamSynchronize,
         effect: Effect::Unsafe,
-        measured: "FACTS 1 row \"cuStreamSynchronize(other stream)\"; cells stream_sync_other/*",
+        measured: "cells stream_sync_other/* (docs/driver-rules.md, row \"cuStreamSynchronize\")",
     },
     Row {
         call: Call::CtxSynchronize,
         effect: Effect::UnsafeEvenRelaxed,
-        measured: "FACTS 1 row \"cuCtxSynchronize\" (relaxed column too); cells ctx_sync/*",
+        measured: "cells ctx_sync/default, ctx_sync/relaxed (docs/driver-rules.md, row \"cuCtxSynchronize\")",
     },
-    Row { call: Call::MemAlloc, effect: Effect::Unsafe, measured: "FACTS 1 row \"cuMemAlloc\"; cells mem_alloc/*" },
+    Row {
+        call: Call::MemAlloc,
+        effect: Effect::Unsafe,
+        measured: "cells mem_alloc/* (docs/driver-rules.md, row \"cuMemAlloc\")",
+    },
     Row {
         call: Call::MemAllocHost,
         effect: Effect::Unsafe,
-        measured: "FACTS 1 row \"cuMemAllocHost\"; cells mem_alloc_host/*",
+        measured: "cells mem_alloc_host/* (docs/driver-rules.md, row \"cuMemAllocHost\")",
     },
     Row { call: Call::MemFree, effect: Effect::Unsafe, measured: "cells mem_free/default, mem_free/relaxed" },
     Row {
@@ -176,12 +180,12 @@ pub(crate) const MEASURED: &[Row] = &[
     Row {
         call: Call::CopyHtodAsync,
         effect: Effect::Safe,
-        measured: "FACTS 1 rows \"cuMemcpyHtoDAsync on another stream\", pinned and pageable src; cells copy_async_*",
+        measured: "cells copy_async_pinned/*, copy_async_pageable/* (docs/driver-rules.md, row \"cuMemcpyHtoDAsync\")",
     },
     Row {
         call: Call::CopyHtod,
         effect: Effect::Safe,
-        measured: "FACTS 1 row \"synchronous cuMemcpyHtoD, pinned src\"; cells copy_sync_pinned/*",
+        measured: "cells copy_sync_pinned/* (docs/driver-rules.md, row \"cuMemcpyHtoD\")",
     },
     Row { call: Call::CopyDtohAsync, effect: Effect::Safe, measured: "cells copy_dtoh_async_pinned/*" },
     Row { call: Call::CopyDtoh, effect: Effect::Safe, measured: "cells copy_sync_dtoh_pinned/*" },
@@ -236,12 +240,12 @@ pub struct Refusal {
 /// 2. A call with no row in [`MEASURED`]: 900 and invalidation of every
 ///    other thread's GLOBAL capture open now, whatever `me`'s mode.
 /// 3. A capture-unsafe row (the driver's rule, CUDA programming guide,
-///    "cudaStreamCaptureMode", and FACTS 1): a thread in GLOBAL mode (the
-///    default) may not make it while any other thread has a GLOBAL capture
-///    open, or while it has a non-relaxed capture of its own; a thread in
-///    THREAD_LOCAL mode only while it has a non-relaxed capture of its own;
+///    "cudaStreamCaptureMode"; docs/driver-rules.md, row "Capture modes"):
+///    a thread in GLOBAL mode (the default) may not make it while any
+///    other thread has a GLOBAL capture open, or while it has a non-relaxed
+///    capture of its own; a thread in THREAD_LOCAL mode only while it has a non-relaxed capture of its own;
 ///    a RELAXED thread always may, except for `cuCtxSynchronize`, refused
-///    during any capture whatever the mode (FACTS 1, relaxed column).
+///    during any capture whatever the mode (cell `ctx_sync/relaxed`).
 ///
 /// A refused call fails with 900 and invalidates the captures that refused
 /// it; the refusal is returned for the trace.
@@ -307,5 +311,6 @@ pub(crate) fn check(st: &mut State, me: ThreadId, call: Call, touched: &[u64]) -
     }
 }
 
-/// The code a refused call fails with (FACTS 1).
+/// The code a refused call fails with (docs/driver-rules.md, row "Refused
+/// call").
 pub(crate) const REFUSED: Code = Code::STREAM_CAPTURE_UNSUPPORTED;

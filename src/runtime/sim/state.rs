@@ -10,6 +10,7 @@ use crate::sync::thread::ThreadId;
 use crate::sync::Arc;
 
 use super::fault::Faults;
+use super::memory::HostBudget;
 
 /// Device aliases of registered host memory live above this bit, so a
 /// pointer says by itself whether it names device or host memory.
@@ -157,11 +158,15 @@ pub(crate) struct State {
     pub device_limit: usize,
     pub device_used: usize,
     pub host_allocs: BTreeMap<usize, Vec<u8>>,
+    /// Bytes of `host_allocs`.
+    pub host_alloc_used: usize,
+    /// Whether the host can back one more allocation (`memory.rs`).
+    pub host_budget: HostBudget,
     /// Registered host ranges: start -> length.
     pub registered: BTreeMap<usize, usize>,
     pub registers_running: usize,
     pub thread_modes: Vec<(ThreadId, CaptureMode)>,
-    /// Sticky context error (FACTS 1: replay after unregister -> 719).
+    /// Sticky context error (docs/driver-rules.md, "Replay after unregister": 719).
     pub poisoned: Option<Code>,
     pub stop: bool,
     pub blocked: Vec<Blocked>,
@@ -179,8 +184,15 @@ pub(crate) struct State {
 }
 
 impl State {
-    pub fn new(device_limit: usize) -> Self {
-        State { next_id: 1, next_device: DEVICE_BASE, device_limit, ..Default::default() }
+    pub fn new(device_limit: usize, host_budget: HostBudget) -> Self {
+        State { next_id: 1, next_device: DEVICE_BASE, device_limit, host_budget, ..Default::default() }
+    }
+
+    /// Room for `bytes` more of the sim's memory (device or page-locked
+    /// host): the host can back them, with everything handed out so far.
+    pub fn host_can_back(&mut self, bytes: usize) -> bool {
+        let out = self.device_used.saturating_add(self.host_alloc_used);
+        self.host_budget.fits(out, bytes)
     }
 
     pub fn fresh_id(&mut self) -> u64 {

@@ -2,7 +2,8 @@
 //! in one run, each measurement on fresh untouched anonymous memory.
 //!
 //! - (a) one `host_register` call over the whole untouched region (what
-//!   vLLM does; 2.2 - 3.2 GB/s on the H200, FACTS 3);
+//!   vLLM does; 2.2 - 3.2 GB/s on the H200, docs/driver-rules.md, row "One
+//!   registration of untouched pages");
 //! - (b) our pipeline with its defaults ([`PinOptions::default`]): huge-page
 //!   advice, parallel pre-faulting, chunked registration with the next chunk
 //!   faulted while the current one registers; timed end to end from the
@@ -581,7 +582,8 @@ fn warm_up(cfg: &BenchConfig, progress: &(dyn Fn(Progress) + Sync)) -> Result<f6
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// The target of DESIGN.md / the issue: >= 20 GB/s end to end.
+/// The target (docs/driver-rules.md, "Targets the benches print"): >= 20
+/// GB/s end to end.
 pub const TARGET_GBPS: f64 = 20.0;
 /// The target ratio (b)/(a): at least 6x.
 pub const TARGET_RATIO: f64 = 6.0;

@@ -235,7 +235,8 @@ impl BenchReport {
     }
 
     /// The slowest automatic-choice row among fragment sizes in `lo..=hi`,
-    /// in GB/s (for the targets of DESIGN.md), of the rows that ran alone
+    /// in GB/s (for the targets of docs/driver-rules.md, "Targets the
+    /// benches print"), of the rows that ran alone
     /// (`concurrent` false) or of those that ran both ways at once, with
     /// host blocks of `layers` pages.
     pub fn auto_min_gbps(&self, layers: usize, lo: usize, hi: usize, concurrent: bool) -> Option<f64> {
@@ -351,7 +352,8 @@ impl Buffers {
     fn new(rt: Arc<dyn GpuRuntime>, cfg: &BenchConfig) -> Result<Self, String> {
         let mut host = memmap2::MmapMut::map_anon(cfg.total)
             .map_err(|e| format!("mapping {} of host memory: {e}", human(cfg.total)))?;
-        // Touch every page (registration of touched pages is fast, FACTS 3).
+        // Touch every page (registration of touched pages is fast:
+        // docs/driver-rules.md, row "Registration of resident pages").
         host.fill(0);
         let base = host.as_ptr() as usize;
         let chunks: Vec<(usize, usize)> = (0..cfg.total.div_ceil(cfg.chunk_bytes))

@@ -30,7 +30,7 @@ enum Command {
     /// state, then store and load KV blocks through the block manager and
     /// the transfer engine, checking every loaded block byte for byte.
     Run(run::Args),
-    /// Re-measure the driver rules of FACTS.md section 1 on a backend and
+    /// Re-measure the driver rules of docs/driver-rules.md on a backend and
     /// print expected against observed, one row a scenario.
     Conform(conform::Args),
     /// Benchmarks, each against its baseline in the same run.

@@ -1,10 +1,11 @@
-//! The cells of FACTS.md section 1's table, and one cell per further driver
+//! The cells of the fact sheet's capture table, and one cell per further driver
 //! call that a library thread makes: thread A captures in GLOBAL mode on its
 //! own stream, thread B makes one call (in default mode, or after switching
 //! itself to RELAXED), then A enqueues one more operation and ends the
 //! capture.
 //!
-//! The first ten calls are FACTS.md's rows. The rest (`UNGATED`) are every
+//! The first ten calls are the fact sheet's rows (the H200 probe's; marked
+//! "probe" in docs/driver-rules.md, section 1). The rest are every
 //! other call the library makes, each alone (an event record without the
 //! query, a free without an allocation): their rows are this suite's own
 //! measurements, committed in docs/conformance-h200.md.
@@ -57,7 +58,8 @@ enum Call {
     CaptureStatusOther,
 }
 
-/// (call, id, FACTS row, refused in default mode, refused in relaxed mode)
+/// (call, id, the row's description (docs/driver-rules.md, section 1), refused
+/// in default mode, refused in relaxed mode)
 const TABLE: &[(Call, &str, &str, bool, bool)] = &[
     (Call::Register, "register", "cuMemHostRegister", true, false),
     (Call::Unregister, "unregister", "cuMemHostUnregister", true, false),
@@ -91,9 +93,10 @@ const TABLE: &[(Call, &str, &str, bool, bool)] = &[
 
 fn expected(refused: bool) -> String {
     if refused {
-        // FACTS 1: "900 STREAM_CAPTURE_UNSUPPORTED, A's capture INVALIDATED
-        // (end_capture -> 901, no graph)"; A's next enqueue meets the
-        // invalidated capture (901).
+        // docs/driver-rules.md, row "Refused call": 900
+        // STREAM_CAPTURE_UNSUPPORTED, A's capture invalidated (end_capture ->
+        // 901, no graph); A's next enqueue meets the invalidated capture
+        // (901).
         "B=900 A-enqueue=901 end=901".into()
     } else {
         "B=ok A-enqueue=ok end=ok".into()

@@ -1,4 +1,4 @@
-//! The conformance suite: every rule of FACTS.md section 1 as a
+//! The conformance suite: every measured rule of docs/driver-rules.md as a
 //! data-driven scenario that runs on any runtime, printed as expected
 //! against observed. `kvoffload conform --backend sim|cuda` runs it; the sim
 //! run is part of the test command, and the cuda run re-measures the rules
@@ -20,13 +20,13 @@ use kvoffload::sync::Arc;
 /// The code of a scenario.
 pub type RunFn = dyn Fn(&Target) -> Result<Observed, String> + Send + Sync;
 
-/// One scenario: what FACTS.md says, and the code that observes it.
+/// One scenario: what docs/driver-rules.md says, and the code that observes it.
 pub struct Scenario {
     /// Stable name (`--only` takes it).
     pub id: String,
-    /// The FACTS.md row it checks.
+    /// The rule it checks (its description; docs/driver-rules.md has the row).
     pub facts: &'static str,
-    /// The observation FACTS.md predicts, in the format `run` produces.
+    /// The observation the rule predicts, in the format `run` produces.
     pub expected: String,
     /// Runs the scenario and describes what happened.
     pub run: Box<RunFn>,
@@ -167,7 +167,7 @@ pub fn run(backend: &Backend, only: Option<&str>, mut progress: impl FnMut(&str)
 }
 
 /// The conformance suite on the simulated GPU: every scenario matches what
-/// FACTS.md section 1 (as corrected by the H200 run) says (was
+/// docs/driver-rules.md (as measured on the H200) says (was
 /// tests/conform_sim.rs).
 #[cfg(test)]
 mod tests {

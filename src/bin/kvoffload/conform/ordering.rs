@@ -1,5 +1,5 @@
-//! The ordering effects and other driver facts of FACTS.md section 1,
-//! beyond the table: blocking between registration and capture, unregister
+//! The ordering effects and other driver facts (docs/driver-rules.md,
+//! section 3), beyond the table of cells: blocking between registration and capture, unregister
 //! waiting for the device, graph replay semantics, the batched copy lost
 //! inside a capture, and the sticky poison after replaying a graph whose
 //! host memory was unregistered; cross-stream capture (a stream joining a
@@ -53,9 +53,11 @@ pub(super) fn scenarios() -> Vec<Scenario> {
             false,
             begin_waits_for_register,
         ),
-        // FACTS 1 said A's next enqueue blocks until B's register returns.
-        // Measured on the H200 (docs/facts-deltas.md): a cuMemsetD8Async
-        // into cuMemAlloc memory does not block; the sim follows the driver.
+        // The fact sheet said A's next enqueue blocks until B's register
+        // returns. Measured on the H200 (docs/facts-deltas.md): a
+        // cuMemsetD8Async into cuMemAlloc memory does not block; the sim
+        // follows the driver (docs/driver-rules.md, row "Registration beside
+        // a THREAD_LOCAL or RELAXED capture").
         mk(
             "order/thread_local_capture_register_runs_beside",
             "ordering: THREAD_LOCAL capture open, B registers: B ok (enqueue not blocked, measured)",
@@ -446,7 +448,8 @@ fn replay_after_unregister(t: &Target) -> Result<Observed, String> {
     let launch = rt.graph_launch(g, s);
     let sync = gate(c, "sync", |gt| rt.stream_synchronize(gt, s))?;
     let next = gate(c, "next call", |gt| rt.mem_alloc(gt, 4096))?;
-    // The context is poisoned now (if the driver behaves as FACTS says):
+    // The context is poisoned now (if the driver behaves as
+    // docs/driver-rules.md, row "Replay after unregister", says):
     // nothing more can be released; the process (or the simulated GPU) ends.
     Ok(Observed::new(format!(
         "unregister={} launch={} sync={} next-call={}",

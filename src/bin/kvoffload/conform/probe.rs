@@ -5,7 +5,8 @@
 //! On the simulated GPU a registration is held at a hold point and released
 //! once the other thread is seen blocked, so every scenario is
 //! deterministic. On a real GPU the registration is of 8 GiB of untouched
-//! memory (seconds of page pinning, FACTS 1); the harness learns that it is
+//! memory (seconds of page pinning: docs/driver-rules.md, row "One
+//! registration of untouched pages"); the harness learns that it is
 //! running from the registering thread's kernel CPU time in
 //! /proc/self/task/TID/stat, never from a sleep.
 //!
