@@ -2,7 +2,7 @@
 
 from os import PathLike
 from types import TracebackType
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 __version__: str
 
@@ -73,6 +73,23 @@ class Runtime:
     def sim_device_bytes_in_use_for_test(self) -> int: ...
     def sim_registered_ranges_for_test(self) -> int: ...
     def sim_fail_registration_for_test(self, nth: int = 1, code: int = 801) -> None: ...
+    def sim_hold_for_test(self, point: str = "device_op") -> "SimHold": ...
+
+class SimHold:
+    """A hold point of the simulated GPU (tests): the next call reaching it
+    (``"register"``: inside a host registration; ``"device_op"``: an
+    operation executing on the device) stops there until ``release()`` (or
+    the end of a ``with`` block)."""
+
+    def wait_entered(self) -> None: ...
+    def release(self) -> None: ...
+    def __enter__(self) -> "SimHold": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
 
 class PinState:
     """``name``: ``"pending"``, ``"pinning"``, ``"pinned"`` or
@@ -123,7 +140,8 @@ class Completion:
 class CaptureWindow:
     """``with off.capture_window(): ...``: no library thread makes a
     capture-unsafe driver call while it is open; with the default policy it
-    opens once pinning is final (entering waits, the GIL released)."""
+    opens once pinning is final (entering waits, the GIL released; Ctrl-C
+    stops the wait with ``KeyboardInterrupt`` and the window never opens)."""
 
     def __enter__(self) -> "CaptureWindow": ...
     def __exit__(
@@ -161,6 +179,20 @@ class Offloader:
     once). ``staging_bytes``: device staging memory per direction (None:
     32 MiB; 0: no staged backend). ``duplex_linger``: seconds the other
     direction still counts as busy after its last job (None: 0.02).
+
+    Shared regions (``region="shared"``): ``allow_group`` (a gid, or a
+    group name) lets ranks of different users of that group share the
+    region (files get that group and mode 0660; joiners accept files of
+    that group); ``check_memory=False`` skips the check that the region (a
+    joiner: its share) fits in the memory this process can get (an escape
+    hatch; anonymous regions are always checked).
+
+    Ctrl-C (``SIGINT``, or any signal whose handler raises) during a wait
+    (joining or creating a shared region, ``wait_pinned`` and the ranks'
+    agreement in it, entering a capture window, ``wait``, ``wait_all``) on
+    the main thread raises ``KeyboardInterrupt`` (the handler's exception)
+    within about 50 ms and leaves nothing behind: no region file, no window
+    request; pinning and jobs go on, and the offloader stays usable.
     """
 
     def __init__(
@@ -181,6 +213,8 @@ class Offloader:
         ranks: int = 1,
         region_dir: Optional[Union[str, PathLike]] = None,
         join_timeout: float = 60.0,
+        allow_group: Optional[Union[int, str]] = None,
+        check_memory: bool = True,
         pin_threads: Optional[int] = None,
         chunk_bytes: Optional[int] = None,
         prefault: str = "populate",
@@ -238,6 +272,7 @@ class Offloader:
     ) -> bool: ...
     def write_block_for_test(self, tensor: int, gpu_block: int, data: bytes) -> None: ...
     def read_block_for_test(self, tensor: int, gpu_block: int) -> bytes: ...
+    def activity_for_test(self) -> Dict[str, int]: ...
 
 def enable_logging(filter: str = "info") -> bool: ...
 def cuda_driver_present() -> bool: ...

@@ -17,14 +17,20 @@
 //! error's variant, e.g. `"already_exists"`, or None) and, for driver
 //! errors, `code` (the CUresult as an int, or None when no driver exists),
 //! `code_name` and `call` (the driver entry point).
+//!
+//! An interrupted wait (the library's `Interrupted` errors) is not a
+//! kvoffload error: it raises the exception the signal handler raised
+//! (`Signals` in lib.rs keeps it), or `KeyboardInterrupt` when none was
+//! kept.
 
 use kvoffload::offloader::OffloaderError;
 use kvoffload::pin::PinError;
 use kvoffload::protocol::agreement::AgreementError as RustAgreementError;
 use kvoffload::protocol::{ProtocolError as RustProtocolError, ShutdownError};
+use kvoffload::region::RegionError as RustRegionError;
 use kvoffload::runtime::{DriverError as RustDriverError, OpenError};
 use kvoffload::transfer::TransferError as RustTransferError;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyKeyboardInterrupt};
 use pyo3::prelude::*;
 use pyo3::PyTypeInfo;
 
@@ -124,6 +130,10 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
     let kind = variant(&dbg);
     let reason = inner_variant(&dbg);
     match &e {
+        OffloaderError::Region(RustRegionError::Interrupted { .. })
+        | OffloaderError::Pin(PinError::Region(RustRegionError::Interrupted { .. })) => {
+            PyKeyboardInterrupt::new_err(msg)
+        }
         OffloaderError::Options(_) | OffloaderError::Layout(_) | OffloaderError::GpuBlockCount { .. } => {
             make::<OptionsError>(py, msg, &kind, reason, None)
         }
@@ -164,6 +174,7 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
 fn protocol(py: Python<'_>, msg: String, kind: &str, p: &RustProtocolError) -> PyErr {
     let reason = Some(variant(&format!("{p:?}")));
     match p {
+        RustProtocolError::Interrupted { .. } => PyKeyboardInterrupt::new_err(msg),
         RustProtocolError::ShutDown | RustProtocolError::AlreadyShutDown => {
             make::<ShutDownError>(py, msg, kind, reason, None)
         }

@@ -8,7 +8,13 @@
 //! callable ([`PyTransport`]).
 //!
 //! Every call that can block (construction, pinning waits, capture windows,
-//! job waits, shutdown, the submissions) releases the GIL.
+//! job waits, shutdown, the submissions) releases the GIL. The waits
+//! (joining or creating a shared region, `wait_pinned` and with it the
+//! ranks' agreement, entering a capture window, `wait`, `wait_all`) use the
+//! library's interruptible forms with [`Signals`] as their check: Ctrl-C
+//! (any signal whose Python handler raises) stops them within about 50 ms
+//! and raises the handler's exception (`KeyboardInterrupt`), leaving
+//! nothing behind.
 
 mod errors;
 mod tensors;
@@ -17,15 +23,17 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use kvoffload::manager::{BlockKey, Lookup, PolicyKind, SkipReason};
-use kvoffload::offloader::{Completion, KvAlloc, KvSpec, Offloader, OffloaderOptions, PinOutcome, RegionSpec};
+use kvoffload::offloader::{
+    Completion, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, RegionSpec,
+};
 use kvoffload::pin::options::{HugePages, PrefaultMode};
 use kvoffload::protocol::agreement::Transport;
 use kvoffload::protocol::{CapturePolicy, CaptureWindow, PinState};
 use kvoffload::region::ShmOptions;
 use kvoffload::runtime::cuda::CudaRuntime;
-use kvoffload::runtime::sim::{SimFault, SimRuntime};
+use kvoffload::runtime::sim::{Hold, HoldPoint, SimFault, SimRuntime};
 use kvoffload::runtime::{Code, DevicePtr, Direction, GpuRuntime, Stream};
-use kvoffload::transfer::{Backend, BackendChoice, JobId, TensorSpec};
+use kvoffload::transfer::{Backend, BackendChoice, JobId, TensorSpec, TransferError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 use std::sync::Arc;
@@ -108,6 +116,96 @@ impl PyRuntime {
     fn sim_fail_registration_for_test(&self, py: Python<'_>, nth: u64, code: u32) -> PyResult<()> {
         self.sim(py)?.inject(SimFault::Register { nth, code: Code(code) });
         Ok(())
+    }
+
+    /// Simulated GPU only (tests): arms a hold point: the next call that
+    /// reaches it (`"register"`: inside a host registration; `"device_op"`:
+    /// an operation executing on the device) stops there until the
+    /// returned hold is released (or dropped).
+    #[pyo3(signature = (point = "device_op"))]
+    fn sim_hold_for_test(&self, py: Python<'_>, point: &str) -> PyResult<PySimHold> {
+        let point =
+            choice(py, "point", point, &[("register", HoldPoint::Register), ("device_op", HoldPoint::DeviceOp)])?;
+        Ok(PySimHold { hold: Mutex::new(Some(self.sim(py)?.hold(point))) })
+    }
+}
+
+/// A hold point of the simulated GPU (`Runtime.sim_hold_for_test`): also a
+/// context manager that releases it on exit.
+#[pyclass(name = "SimHold", module = "kvoffload", frozen)]
+struct PySimHold {
+    hold: Mutex<Option<Hold>>,
+}
+
+#[pymethods]
+impl PySimHold {
+    /// Blocks (GIL released) until a call has reached the hold point.
+    fn wait_entered(&self, py: Python<'_>) {
+        let g = self.hold.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = g.as_ref() {
+            py.detach(|| h.wait_entered());
+        }
+    }
+
+    /// Lets the held call continue (or disarms the hold if none arrived).
+    fn release(&self) {
+        let h = self.hold.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(h);
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (_exc_type = None, _exc = None, _tb = None))]
+    fn __exit__(
+        &self,
+        _exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        self.release();
+        false
+    }
+}
+
+// ---------------------------------------------------------------- signals
+
+/// Python's pending signals as the `interrupted` check of the library's
+/// interruptible waits. The library calls [`Signals::check`] every 50 ms or
+/// so while a wait lasts, from the waiting thread (which released the GIL)
+/// and never while it holds a lock of its own, so taking the GIL there
+/// cannot deadlock with a Python thread that holds the GIL and waits for
+/// one of those locks. The check runs the Python signal handlers (on the
+/// main thread only, as Python itself does: a wait on another thread is
+/// not interrupted, as `threading.Event.wait` is not), and keeps the
+/// exception a handler raised, so that the caller sees exactly that one.
+#[derive(Clone, Default)]
+struct Signals {
+    raised: Arc<Mutex<Option<PyErr>>>,
+}
+
+impl Signals {
+    /// True when a signal handler raised (the wait then stops).
+    fn check(&self) -> bool {
+        Python::attach(|py| match py.check_signals() {
+            Ok(()) => false,
+            Err(e) => {
+                *self.raised.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                true
+            }
+        })
+    }
+
+    /// The wait's outcome for Python: the signal handler's exception when
+    /// one was raised during the wait (whatever the wait returned),
+    /// otherwise the error's exception (an `Interrupted` error with no
+    /// exception kept raises KeyboardInterrupt, see `errors::offloader`).
+    fn result<T>(&self, py: Python<'_>, r: Result<T, OffloaderError>) -> PyResult<T> {
+        if let Some(e) = self.raised.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            return Err(e);
+        }
+        r.map_err(|e| errors::offloader(py, e))
     }
 }
 
@@ -385,6 +483,22 @@ fn seconds(py: Python<'_>, what: &str, s: Option<f64>) -> PyResult<Option<Durati
     }
 }
 
+/// `allow_group`: a gid (int) or a group name (looked up with Python's
+/// `grp` module).
+fn group_id(py: Python<'_>, g: &Bound<'_, PyAny>) -> PyResult<u32> {
+    if let Ok(gid) = g.extract::<u32>() {
+        return Ok(gid);
+    }
+    let Ok(name) = g.extract::<String>() else {
+        return Err(errors::options(py, format!("allow_group must be a gid (int) or a group name (str), not {g}")));
+    };
+    let entry = py
+        .import("grp")?
+        .call_method1("getgrnam", (name.as_str(),))
+        .map_err(|_| errors::options(py, format!("allow_group: no group named {name:?}")))?;
+    entry.getattr("gr_gid")?.extract::<u32>()
+}
+
 /// KV-cache offload between GPU memory and a pinned host region; the one
 /// object an engine holds. See the package docs and `kvoffload/__init__.pyi`.
 #[pyclass(name = "Offloader", module = "kvoffload", frozen)]
@@ -395,6 +509,11 @@ struct PyOffloader {
     tensors: Mutex<Vec<Py<PyAny>>>,
     /// The engine's compute stream, adopted (forgotten after shutdown).
     adopted: Mutex<Option<Stream>>,
+    /// Completions taken from the engine and not yet returned by `poll`,
+    /// in the engine's order: `poll` and the waits (which poll while they
+    /// wait, see `Offloader::wait_interruptible`) put them here, each under
+    /// the offloader's lock, and `poll` returns them all.
+    reported: Mutex<Vec<Completion>>,
 }
 
 impl Drop for PyOffloader {
@@ -417,6 +536,13 @@ impl Drop for PyOffloader {
 }
 
 impl PyOffloader {
+    /// A sink for `Offloader::poll_each` and the waits: into `reported`
+    /// (called under the offloader's lock; takes no other lock but this
+    /// one's, and no GIL).
+    fn keep(&self) -> impl FnMut(Completion) + '_ {
+        move |c| self.reported.lock().unwrap_or_else(|p| p.into_inner()).push(c)
+    }
+
     fn forget_stream(&self) {
         if let Some(s) = self.adopted.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = self.off.runtime().stream_destroy(s);
@@ -442,6 +568,7 @@ impl PyOffloader {
         host_blocks, *, tensors, gpu_blocks = None, page_bytes = None, block_factor = 1, stream = None,
         backend = "auto", device = 0, runtime = None,
         region = "anonymous", name = None, rank = 0, ranks = 1, region_dir = None, join_timeout = 60.0,
+        allow_group = None, check_memory = true,
         pin_threads = None, chunk_bytes = None, prefault = "populate", huge_pages = "auto",
         capture_policy = "after_pinning", copy_backend = "auto", staging_bytes = None, duplex_linger = None,
         eviction = "lru", agreement = None, agreement_timeout = Some(120.0), start = false,
@@ -464,6 +591,8 @@ impl PyOffloader {
         ranks: usize,
         region_dir: Option<std::path::PathBuf>,
         join_timeout: f64,
+        allow_group: Option<&Bound<'_, PyAny>>,
+        check_memory: bool,
         pin_threads: Option<usize>,
         chunk_bytes: Option<usize>,
         prefault: &str,
@@ -482,12 +611,21 @@ impl PyOffloader {
             None => Py::new(py, PyRuntime::open(py, backend, device)?)?,
         };
         let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
+        // Joining or creating a shared region waits for the other ranks:
+        // Ctrl-C stops it (see `Signals`).
+        let signals = Signals::default();
         opts.region = match region {
             "anonymous" => {
-                if ranks != 1 || rank != 0 || name.is_some() {
+                if ranks != 1 || rank != 0 || name.is_some() || allow_group.is_some() {
                     return Err(errors::options(
                         py,
-                        "name, rank and ranks describe a shared region: give region='shared' too",
+                        "name, rank, ranks and allow_group describe a shared region: give region='shared' too",
+                    ));
+                }
+                if !check_memory {
+                    return Err(errors::options(
+                        py,
+                        "check_memory=False applies to shared regions only (an anonymous region is always checked)",
                     ));
                 }
                 RegionSpec::Anonymous
@@ -495,9 +633,14 @@ impl PyOffloader {
             "shared" => {
                 let name = name.ok_or_else(|| errors::options(py, "region='shared' needs a name"))?;
                 let timeout = seconds(py, "join_timeout", Some(join_timeout))?.unwrap_or_default();
-                let mut o = ShmOptions::new().timeout(timeout);
+                let check = signals.clone();
+                let mut o =
+                    ShmOptions::new().timeout(timeout).check_memory(check_memory).interrupt(move || check.check());
                 if let Some(d) = &region_dir {
                     o = o.dir(d);
+                }
+                if let Some(g) = allow_group {
+                    o = o.allow_group(group_id(py, g)?);
                 }
                 RegionSpec::Shared { name, rank, ranks, options: o }
             }
@@ -598,8 +741,14 @@ impl PyOffloader {
                 (off, keep, Some(s))
             }
         };
-        let off = Arc::new(off.map_err(|e| errors::offloader(py, e))?);
-        let me = PyOffloader { off, runtime, tensors: Mutex::new(keep), adopted: Mutex::new(adopted) };
+        let off = Arc::new(signals.result(py, off)?);
+        let me = PyOffloader {
+            off,
+            runtime,
+            tensors: Mutex::new(keep),
+            adopted: Mutex::new(adopted),
+            reported: Mutex::new(Vec::new()),
+        };
         if start {
             me.off.start().map_err(|e| errors::offloader(py, e))?;
         }
@@ -679,7 +828,8 @@ impl PyOffloader {
     /// starting it if needed; returns how it ended.
     fn wait_pinned(&self, py: Python<'_>) -> PyResult<PyPinOutcome> {
         let off = &self.off;
-        let out: PinOutcome = py.detach(|| off.wait_pinned()).map_err(|e| errors::offloader(py, e))?;
+        let signals = Signals::default();
+        let out: PinOutcome = signals.result(py, py.detach(|| off.wait_pinned_interruptible(&|| signals.check())))?;
         let (agreed, agreement_error) = match &out.agreement {
             None => (None, None),
             Some(Ok(())) => (Some(true), None),
@@ -691,7 +841,8 @@ impl PyOffloader {
     /// A capture window, as a context manager: `with off.capture_window():
     /// capture graphs here`. No library thread makes a capture-unsafe
     /// driver call while it is open; with the default policy it opens only
-    /// once pinning is final (entering waits, GIL released).
+    /// once pinning is final (entering waits, GIL released; Ctrl-C stops
+    /// the wait with KeyboardInterrupt, the window not opened).
     fn capture_window(&self) -> PyCaptureWindow {
         PyCaptureWindow { off: self.off.clone(), guard: Mutex::new(None), waited: Mutex::new(0) }
     }
@@ -761,27 +912,50 @@ impl PyOffloader {
     /// submission order per direction, already applied to the block
     /// manager. Never blocks on the GPU.
     fn poll(&self, py: Python<'_>) -> PyResult<Vec<PyCompletion>> {
-        let off = &self.off;
-        py.detach(|| off.poll()).into_iter().map(|c| completion(py, c)).collect()
+        let out = py.detach(|| {
+            self.off.poll_each(&mut self.keep());
+            std::mem::take(&mut *self.reported.lock().unwrap_or_else(|p| p.into_inner()))
+        });
+        out.into_iter().map(|c| completion(py, c)).collect()
     }
 
     /// Blocks until job `job` completed on the GPU (it is still reported by
-    /// `poll`).
+    /// `poll`). Ctrl-C stops the wait (KeyboardInterrupt; the job goes on).
     fn wait(&self, py: Python<'_>, job: u64) -> PyResult<()> {
+        let id = JobId(job);
+        let kept = self.reported.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|c| c.job == id).cloned();
+        if let Some(c) = kept {
+            // Completed, and taken from the engine by an earlier wait: not
+            // reported by `poll` yet, so still the caller's to wait for,
+            // with the outcome the blocking wait would give.
+            return match c.error {
+                None => Ok(()),
+                Some(error) => Err(errors::offloader(py, TransferError::JobFailed { id, error }.into())),
+            };
+        }
         let off = &self.off;
-        py.detach(|| off.wait(JobId(job))).map_err(|e| errors::offloader(py, e))
+        let signals = Signals::default();
+        let r = py.detach(|| off.wait_interruptible(id, &|| signals.check(), &mut self.keep()));
+        signals.result(py, r)
     }
 
     /// Blocks until every job submitted so far completed on the GPU.
+    /// Ctrl-C stops the wait (KeyboardInterrupt; the jobs go on).
     fn wait_all(&self, py: Python<'_>) -> PyResult<()> {
         let off = &self.off;
-        py.detach(|| off.wait_all()).map_err(|e| errors::offloader(py, e))
+        let signals = Signals::default();
+        let r = py.detach(|| off.wait_all_interruptible(&|| signals.check(), &mut self.keep()));
+        signals.result(py, r)
     }
 
-    /// Jobs submitted and not yet reported by `poll`.
+    /// Jobs submitted and not yet reported by `poll` (those a wait already
+    /// took from the engine included).
     #[getter]
     fn in_flight(&self) -> usize {
-        self.off.in_flight()
+        // The library's count first: a job moving into `reported` between
+        // the two reads is counted twice for a moment, never missed.
+        let engine = self.off.in_flight();
+        engine + self.reported.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// Keys stored and readable now.
@@ -798,6 +972,8 @@ impl PyOffloader {
         let off = &self.off;
         let r = py.detach(|| off.shutdown());
         if self.off.is_shut_down() {
+            // As the library's `poll` after shutdown: nothing more to report.
+            self.reported.lock().unwrap_or_else(|p| p.into_inner()).clear();
             self.forget_stream();
             let keep = std::mem::take(&mut *self.tensors.lock().unwrap_or_else(|p| p.into_inner()));
             drop(keep);
@@ -842,6 +1018,27 @@ impl PyOffloader {
             self.off.region().rank(),
             PyPinState::from(&self.off.pin_state()).__repr__()
         )
+    }
+
+    /// Testing only: what the coordinator has open, in flight or waiting
+    /// now, as a dict of counts (`windows_open`, `windows_waiting`,
+    /// `calls_in_flight`, `calls_waiting`, `pin_waiters`, `jobs_in_flight`,
+    /// `graphs_live`, `alias_users`, `unregisters_waiting`).
+    fn activity_for_test(&self) -> std::collections::HashMap<&'static str, usize> {
+        let a = self.off.activity();
+        [
+            ("windows_open", a.windows_open),
+            ("windows_waiting", a.windows_waiting),
+            ("calls_in_flight", a.calls_in_flight),
+            ("calls_waiting", a.calls_waiting),
+            ("pin_waiters", a.pin_waiters),
+            ("jobs_in_flight", a.jobs_in_flight),
+            ("graphs_live", a.graphs_live),
+            ("alias_users", a.alias_users),
+            ("unregisters_waiting", a.unregisters_waiting),
+        ]
+        .into_iter()
+        .collect()
     }
 
     /// Testing only: writes `data` (exactly one page of tensor `tensor`)
@@ -890,7 +1087,8 @@ impl PyCaptureWindow {
         {
             let me = slf.get();
             let off = &me.off;
-            let w = py.detach(|| off.capture_window()).map_err(|e| errors::offloader(py, e))?;
+            let signals = Signals::default();
+            let w = signals.result(py, py.detach(|| off.capture_window_interruptible(&|| signals.check())))?;
             *me.waited.lock().unwrap_or_else(|p| p.into_inner()) = w.chunks_waited();
             let old = me.guard.lock().unwrap_or_else(|p| p.into_inner()).replace(w);
             drop(old);
@@ -943,6 +1141,7 @@ fn cuda_driver_present() -> bool {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRuntime>()?;
+    m.add_class::<PySimHold>()?;
     m.add_class::<PyOffloader>()?;
     m.add_class::<PyCaptureWindow>()?;
     m.add_class::<PyPinState>()?;

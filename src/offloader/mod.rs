@@ -56,6 +56,7 @@
 mod error;
 mod observe;
 mod options;
+mod waits;
 
 use std::collections::HashMap;
 

@@ -26,9 +26,28 @@
 //!   is unregistered (P4).
 //! - Waiting for pinning inside one's own window under Interleave is a
 //!   typed error, not a deadlock (P6).
+//! - The interruptible waits ([`Coordinator::open_window_interruptible`],
+//!   [`Coordinator::wait_pin_final_interruptible`],
+//!   [`Coordinator::wait_no_window_interruptible`]) wait for what their
+//!   blocking forms wait for, on the condition variable in slices of at
+//!   most 50 ms, and call their `interrupted` check between slices with
+//!   the lock released (it may take other locks: the Python front takes
+//!   the GIL, which Python threads hold while they take this lock). An
+//!   interrupted wait leaves no trace: a window request is withdrawn
+//!   before it opened (`windows_waiting` back, waiters woken), a pin waiter
+//!   uncounted. P1 and P2 are about windows that open, so they are
+//!   untouched; for P6 a withdrawn request is a release that wakes the
+//!   library calls it held back. The blocking forms are unchanged (the
+//!   loom models run those).
+
+use std::time::{Duration, Instant};
 
 use crate::runtime::{CoordinatorId, DevicePtr, DriverError, Gate, GateBinding, GateSeal, GpuRuntime};
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
+
+/// The longest an interruptible wait goes without calling its
+/// `interrupted` check (the module docs' rule for interruptible waits).
+const INTERRUPT_SLICE: Duration = Duration::from_millis(50);
 
 /// The process's one gate seal: only this module can make a [`Gate`]
 /// (`runtime::gate` explains the seal). Taken the first time a coordinator
@@ -486,6 +505,40 @@ impl Coordinator {
         sync::wait(&self.shared.cv, g)
     }
 
+    /// Waits while `blocked` holds, like a loop of [`Coordinator::wait`],
+    /// but on the condition variable in slices of at most
+    /// [`INTERRUPT_SLICE`], calling `interrupted` once a slice has passed
+    /// since the last call (never before the first slice: a wait that ends
+    /// sooner never calls it). `interrupted` runs with the lock released:
+    /// it may take other locks (the Python front takes the GIL, and a
+    /// Python thread holding the GIL may be waiting for this lock), so
+    /// calling it under the lock could deadlock. Returns the guard and true
+    /// when `interrupted` said to stop (the caller then undoes its
+    /// bookkeeping under that guard), false once `blocked` is false.
+    fn wait_while_interruptible<'a>(
+        &'a self,
+        mut g: MutexGuard<'a, State>,
+        blocked: impl Fn(&State) -> bool,
+        interrupted: &dyn Fn() -> bool,
+    ) -> (MutexGuard<'a, State>, bool) {
+        let mut checked = Instant::now();
+        while blocked(&g) {
+            let since = checked.elapsed();
+            if since >= INTERRUPT_SLICE {
+                drop(g);
+                let stop = interrupted();
+                g = self.lock();
+                if stop {
+                    return (g, true);
+                }
+                checked = Instant::now();
+                continue;
+            }
+            g = sync::wait_timeout(&self.shared.cv, g, INTERRUPT_SLICE - since).0;
+        }
+        (g, false)
+    }
+
     /// What is open, in flight or waiting right now.
     pub fn activity(&self) -> Activity {
         let g = self.lock();
@@ -523,6 +576,47 @@ impl Coordinator {
     #[cfg(loom)]
     pub fn open_window_noting(&self, at_request: impl FnOnce()) -> Result<CaptureWindow, ProtocolError> {
         self.open_window_inner(at_request)
+    }
+
+    /// [`Coordinator::open_window`], interruptible: waits the same way, but
+    /// calls `interrupted` at least every 50 ms while it waits (with the
+    /// lock released, see the module docs) and, when it returns true,
+    /// withdraws the request and returns [`ProtocolError::Interrupted`]. A
+    /// withdrawn request leaves no trace: it never opened, it is no longer
+    /// counted as waiting ([`Activity::windows_waiting`] as before the
+    /// call), and the library calls it held back are woken.
+    pub fn open_window_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<CaptureWindow, ProtocolError> {
+        let me = me();
+        let mut g = self.lock();
+        if g.phase != Phase::Running {
+            return Err(ProtocolError::ShutDown);
+        }
+        if g.owns_window(me) {
+            return Err(ProtocolError::NestedWindow);
+        }
+        g.windows_waiting += 1;
+        let completed_at_request = g.chunks_completed;
+        self.shared.cv.notify_all();
+        let (mut g, stopped) =
+            self.wait_while_interruptible(g, |s| !s.window_may_open() && s.phase == Phase::Running, interrupted);
+        g.windows_waiting -= 1;
+        if stopped {
+            // Withdrawn: library calls that deferred to this request may
+            // start now.
+            self.shared.cv.notify_all();
+            tracing::debug!(pin = ?g.pin, "capture window request interrupted before it opened");
+            return Err(ProtocolError::Interrupted { what: "a capture window" });
+        }
+        // From here as in `open_window_inner`.
+        if g.phase != Phase::Running {
+            self.shared.cv.notify_all();
+            return Err(ProtocolError::ShutDown);
+        }
+        g.windows_open += 1;
+        g.window_owners.push(me);
+        tracing::debug!(open = g.windows_open, pin = ?g.pin, "capture window opened");
+        let chunks_waited = g.chunks_completed - completed_at_request;
+        Ok(CaptureWindow { coord: self.shared.clone(), owner: me, chunks_waited })
     }
 
     fn open_window_inner(&self, at_request: impl FnOnce()) -> Result<CaptureWindow, ProtocolError> {
@@ -636,6 +730,22 @@ impl Coordinator {
         }
         while !g.unsafe_may_start() {
             g = self.wait(g);
+        }
+        Ok(())
+    }
+
+    /// [`Coordinator::wait_no_window`], interruptible: calls `interrupted`
+    /// at least every 50 ms while it waits (with the lock released) and
+    /// returns [`ProtocolError::Interrupted`] when it says so (this wait
+    /// keeps no count, so nothing is undone).
+    pub fn wait_no_window_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<(), ProtocolError> {
+        let g = self.lock();
+        if g.owns_window(me()) {
+            return Err(ProtocolError::WouldDeadlock { what: "waiting for a transfer" });
+        }
+        let (_g, stopped) = self.wait_while_interruptible(g, |s| !s.unsafe_may_start(), interrupted);
+        if stopped {
+            return Err(ProtocolError::Interrupted { what: "capture windows to close" });
         }
         Ok(())
     }
@@ -765,6 +875,27 @@ impl Coordinator {
             g = self.wait(g);
         }
         g.pin_waiters -= 1;
+        Ok(g.pin.clone())
+    }
+
+    /// [`Coordinator::wait_pin_final`], interruptible: calls `interrupted`
+    /// at least every 50 ms while it waits (with the lock released) and,
+    /// when it says so, stops counting itself as a pin waiter
+    /// ([`Activity::pin_waiters`] as before the call) and returns
+    /// [`ProtocolError::Interrupted`]. Pinning goes on (this only waits for
+    /// it). Refused like the blocking form inside one's own window.
+    pub fn wait_pin_final_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<PinState, ProtocolError> {
+        let mut g = self.lock();
+        if g.owns_window(me()) && !g.pin.is_final() && g.variant != Variant::WaitInsideWindow {
+            return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" });
+        }
+        g.pin_waiters += 1;
+        let (mut g, stopped) = self.wait_while_interruptible(g, |s| !s.pin.is_final(), interrupted);
+        g.pin_waiters -= 1;
+        if stopped {
+            self.shared.cv.notify_all();
+            return Err(ProtocolError::Interrupted { what: "pinning" });
+        }
         Ok(g.pin.clone())
     }
 

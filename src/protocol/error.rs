@@ -118,6 +118,17 @@ pub enum ProtocolError {
     /// A capture-unsafe call was skipped because a window is open.
     #[error("skipped: a capture window is open")]
     WindowBusy,
+    /// An interruptible wait ([`Coordinator::open_window_interruptible`](super::Coordinator::open_window_interruptible),
+    /// [`Coordinator::wait_pin_final_interruptible`](super::Coordinator::wait_pin_final_interruptible),
+    /// [`Coordinator::wait_no_window_interruptible`](super::Coordinator::wait_no_window_interruptible))
+    /// stopped because its `interrupted` check said so (e.g. Ctrl-C in the
+    /// Python front). It left no trace: a window request was withdrawn
+    /// before it opened, a pin waiter uncounted.
+    #[error("interrupted while waiting for {what}")]
+    Interrupted {
+        /// What the caller was waiting for, e.g. `"a capture window"`.
+        what: &'static str,
+    },
     /// A coordinator for a runtime handle that another coordinator guards
     /// (an `Offloader` on a handle another offloader uses, say): refused,
     /// because the second coordinator's gates would let capture-unsafe

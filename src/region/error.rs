@@ -307,6 +307,19 @@ pub enum RegionError {
         missing: Vec<usize>,
     },
 
+    /// The interrupt check of the options ([`ShmOptions::interrupt`](super::ShmOptions::interrupt))
+    /// said to stop while this rank waited (Ctrl-C in the Python front).
+    /// The rank gave the region up as its timeout would have: abandoned it
+    /// if it had the header mapped, and removed the files a timeout
+    /// removes (none for a joiner that found no file).
+    #[error("interrupted while waiting for {phase} of {path}; no file left behind")]
+    Interrupted {
+        /// The region file.
+        path: PathBuf,
+        /// What the rank was waiting for.
+        phase: JoinPhase,
+    },
+
     /// Another rank gave the region up (timeout or drop) before every rank mapped it.
     #[error("{path} was abandoned by another rank before every rank mapped it (ranks mapped: {mapped:?})")]
     Abandoned {

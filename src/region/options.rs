@@ -1,7 +1,7 @@
 //! Options for creating and joining regions.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::sync::StdArc;
 
@@ -74,6 +74,14 @@ pub enum ShmStep {
 /// A callback for [`ShmStep`]s.
 pub type ShmObserver = StdArc<dyn Fn(ShmStep) + Send + Sync>;
 
+/// The check of [`ShmOptions::interrupt`]: true means stop waiting.
+pub type ShmInterrupt = StdArc<dyn Fn() -> bool + Send + Sync>;
+
+/// The longest a wait of `create` or `join` goes without calling the
+/// options' interrupt check (it polls every 5 ms at most, and calls the
+/// check once this much time passed since the last call).
+pub const INTERRUPT_EVERY: Duration = Duration::from_millis(50);
+
 /// Options of [`Region::anonymous`](super::Region::anonymous).
 #[derive(Debug, Clone)]
 pub struct AnonOptions {
@@ -137,6 +145,7 @@ pub struct ShmOptions {
     pub(crate) reserve: bool,
     pub(crate) threads: Option<usize>,
     pub(crate) observer: Option<ShmObserver>,
+    pub(crate) interrupt: Option<ShmInterrupt>,
 }
 
 impl std::fmt::Debug for ShmOptions {
@@ -155,6 +164,7 @@ impl std::fmt::Debug for ShmOptions {
             .field("reserve", &self.reserve)
             .field("threads", &self.threads)
             .field("observer", &self.observer.is_some())
+            .field("interrupt", &self.interrupt.is_some())
             .finish()
     }
 }
@@ -175,6 +185,7 @@ impl Default for ShmOptions {
             reserve: true,
             threads: None,
             observer: None,
+            interrupt: None,
         }
     }
 }
@@ -340,10 +351,59 @@ impl ShmOptions {
         self
     }
 
+    /// Makes the waits of `create` and `join` interruptible: while this rank
+    /// waits (for the directory and the header file to appear, for the
+    /// creator to size and initialise it, for every rank to map the region,
+    /// also in [`Region::wait_all_mapped`](super::Region::wait_all_mapped))
+    /// it calls `f` at least every [`INTERRUPT_EVERY`] (not before the
+    /// first 50 ms of a wait, and never while it holds anything another
+    /// thread of this process could be waiting for). When `f` returns true
+    /// the rank gives the region up exactly as its timeout would have (an
+    /// interrupt is a timeout that came early): it abandons the region if it
+    /// had the header mapped and removes the files it would remove on a
+    /// timeout (a joiner that found no file removes nothing: it never
+    /// creates one), and returns [`RegionError::Interrupted`](super::RegionError::Interrupted).
+    /// The Python front passes a check of Python's pending signals, so that
+    /// Ctrl-C stops a join at once.
+    pub fn interrupt(mut self, f: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        // A shared callback, as for `observe`.
+        #[allow(clippy::disallowed_methods)]
+        let f: ShmInterrupt = StdArc::new(f);
+        self.interrupt = Some(f);
+        self
+    }
+
+    /// A fresh rate-limited view of the interrupt check, for one wait.
+    pub(crate) fn interrupt_check(&self) -> InterruptCheck {
+        InterruptCheck { check: self.interrupt.clone(), last: Instant::now() }
+    }
+
     pub(crate) fn step(&self, s: ShmStep) {
         tracing::debug!(step = ?s, "shared region step");
         if let Some(f) = &self.observer {
             f(s);
         }
+    }
+}
+
+/// The options' interrupt check as one wait uses it: [`InterruptCheck::due`]
+/// calls it at most every [`INTERRUPT_EVERY`].
+pub(crate) struct InterruptCheck {
+    check: Option<ShmInterrupt>,
+    last: Instant,
+}
+
+impl InterruptCheck {
+    /// Between two polls of a wait: true once the check said to stop
+    /// (called only when [`INTERRUPT_EVERY`] passed since the last call, or
+    /// since this wait began).
+    pub(crate) fn due(&mut self) -> bool {
+        let Some(f) = &self.check else { return false };
+        if self.last.elapsed() < INTERRUPT_EVERY {
+            return false;
+        }
+        let stop = f();
+        self.last = Instant::now();
+        stop
     }
 }

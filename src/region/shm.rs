@@ -359,6 +359,11 @@ impl Shared {
     }
 }
 
+fn interrupted_error(path: &Path, phase: JoinPhase) -> RegionError {
+    info!(path = %path.display(), %phase, "wait interrupted; giving the region up");
+    RegionError::Interrupted { path: path.to_path_buf(), phase }
+}
+
 fn timeout_error(path: &Path, phase: JoinPhase, timeout: Duration, w: Option<JoinWord>, n: usize) -> RegionError {
     let (mapped, missing) = match w {
         Some(w) => (w.mapped(), w.missing(n)),
@@ -529,6 +534,8 @@ impl Region {
         }
         let file_len = shape.header_file_len();
         let mut backoff = Backoff::new(opts.timeout);
+        // An interrupt gives up as the timeout does, at the same points.
+        let mut interrupt = opts.interrupt_check();
         let trust = Trust::current(opts.allow_group);
         let file_name = header_name(&path);
         let never_appeared = |path: &Path| {
@@ -541,6 +548,9 @@ impl Region {
             match RegionDir::open(&opts.dir) {
                 Ok(d) => break d,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    if interrupt.due() {
+                        return Err(interrupted_error(&path, JoinPhase::FileToAppear));
+                    }
                     if !backoff.wait() {
                         return Err(never_appeared(&path));
                     }
@@ -552,6 +562,9 @@ impl Region {
             match dir.open_existing(&file_name, &trust) {
                 Ok(f) => break f,
                 Err(OpenFailure::Missing) => {
+                    if interrupt.due() {
+                        return Err(interrupted_error(&path, JoinPhase::FileToAppear));
+                    }
                     if !backoff.wait() {
                         return Err(never_appeared(&path));
                     }
@@ -559,8 +572,16 @@ impl Region {
                 Err(OpenFailure::Untrusted(problem)) => return Err(dir.untrusted(&file_name, problem)),
                 // With an allowed group, a creator of another user gives the
                 // file its group and mode right after creating it (0600).
-                Err(OpenFailure::Io(_, e))
-                    if e.kind() == io::ErrorKind::PermissionDenied && opts.allow_group.is_some() && backoff.wait() => {}
+                Err(OpenFailure::Io(op, e))
+                    if e.kind() == io::ErrorKind::PermissionDenied && opts.allow_group.is_some() =>
+                {
+                    if interrupt.due() {
+                        return Err(interrupted_error(&path, JoinPhase::FileToAppear));
+                    }
+                    if !backoff.wait() {
+                        return Err(RegionError::io(op, &path, e));
+                    }
+                }
                 Err(OpenFailure::Io(op, e)) => return Err(RegionError::io(op, &path, e)),
             }
         };
@@ -581,6 +602,14 @@ impl Region {
                     expected: file_len as u64,
                     found: len,
                 });
+            }
+            if interrupt.due() {
+                // Given up as on a timeout (below): this rank leaves, and
+                // the creator, if it lives, removes its own data files when
+                // its wait for the ranks ends.
+                let e = interrupted_error(&shared.path, JoinPhase::FileToBeSized);
+                shared.unlink_if_ours("join interrupted before the file was sized")?;
+                return Err(e);
             }
             if !backoff.wait() {
                 // The creator died between open and ftruncate (or is stuck):
@@ -604,6 +633,21 @@ impl Region {
             let w = region.hdr().load();
             match w.state {
                 JoinState::Init => {
+                    if interrupt.due() {
+                        // Given up as on a timeout (below), whether or not
+                        // the creator published meanwhile: abandoned, so no
+                        // rank joins it any more, and every file removed.
+                        let _ = region.hdr().update(|w| {
+                            matches!(w.state, JoinState::Init | JoinState::Ready)
+                                .then_some(JoinWord { state: JoinState::Abandoned, ..w })
+                        });
+                        let e = interrupted_error(region.shared_path(), JoinPhase::CreatorToInitialise);
+                        if let Some(plan) = &shape.plan {
+                            region.remove_unmapped_data_files(plan.files.len());
+                        }
+                        region.shared_mut().unlink_if_ours("join interrupted before the header was ready")?;
+                        return Err(e);
+                    }
                     if !backoff.wait() {
                         warn!(path = %region.path_lossy(), "join timed out: creator never initialised the header");
                         let abandon = region.hdr().update(|w| {
@@ -988,6 +1032,7 @@ impl Region {
     }
 
     fn wait_all(&mut self, mut backoff: Backoff, timeout: Duration) -> Result<()> {
+        let mut interrupt = self.shared().opts.interrupt_check();
         loop {
             let w = self.hdr().load();
             match w.state {
@@ -997,6 +1042,24 @@ impl Region {
                 }
                 JoinState::Abandoned => return Err(self.abandoned_error()),
                 _ => {}
+            }
+            if interrupt.due() {
+                // Given up as on a timeout (below), even if the last rank
+                // arrived meanwhile (the caller is told it was interrupted,
+                // whatever the region did): abandoned unless complete, and
+                // every file removed.
+                let old = self
+                    .hdr()
+                    .update(|w| (w.state == JoinState::Ready).then_some(JoinWord { state: JoinState::Abandoned, ..w }));
+                if let Err(w) = old {
+                    if !matches!(w.state, JoinState::Complete | JoinState::Abandoned) {
+                        // Overwritten, as below: leave the files alone.
+                        self.forget_link();
+                    }
+                }
+                let e = interrupted_error(self.shared_path(), JoinPhase::RanksToMap);
+                self.shared_mut().unlink_if_ours("interrupted waiting for ranks")?;
+                return Err(e);
             }
             if !backoff.wait() {
                 // Abandon unless the last rank arrived meanwhile.

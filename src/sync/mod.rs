@@ -66,6 +66,24 @@ pub fn wait<'a, T>(cv: &Condvar, g: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
     }
 }
 
+/// Waits on `cv` for at most `timeout`, recovering from poisoning like
+/// [`lock`]; the flag is true when the wait timed out (under loom, which
+/// does not model time, it waits for a notification and never times out).
+/// Callers re-check their condition after it returns, as after [`wait`].
+pub fn wait_timeout<'a, T>(
+    cv: &Condvar,
+    g: MutexGuard<'a, T>,
+    timeout: std::time::Duration,
+) -> (MutexGuard<'a, T>, bool) {
+    match cv.wait_timeout(g, timeout) {
+        Ok((g, r)) => (g, r.timed_out()),
+        Err(p) => {
+            let (g, r) = p.into_inner();
+            (g, r.timed_out())
+        }
+    }
+}
+
 /// The standard library's `Arc`, whatever the build: the one type that can
 /// be coerced to a trait object (loom's `Arc` cannot; see [`arc_dyn`]).
 pub type StdArc<T> = std::sync::Arc<T>;

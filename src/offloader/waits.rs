@@ -1,0 +1,250 @@
+//! The interruptible waits of [`Offloader`] (issue 20, item 7: Ctrl-C
+//! during a wait of the Python front).
+//!
+//! Each waits for what its blocking form waits for and calls
+//! `interrupted` at least every 50 ms while it waits, never while it holds
+//! a lock of the offloader or of its coordinator (`interrupted` may take
+//! other locks: the Python front takes the GIL, and Python threads holding
+//! the GIL take those locks). When `interrupted` returns true the wait
+//! returns [`ProtocolError::Interrupted`] (as
+//! [`OffloaderError::Protocol`]) and leaves no trace:
+//!
+//! - [`Offloader::capture_window_interruptible`]: the window request is
+//!   withdrawn before it opened
+//!   ([`Coordinator::open_window_interruptible`](crate::protocol::Coordinator::open_window_interruptible));
+//! - [`Offloader::wait_pinned_interruptible`]: this thread stops waiting;
+//!   the pinner goes on in the background as it did before the call
+//!   (pinning, or the ranks' agreement, which it waits for before it
+//!   publishes a final state). It was started by [`Offloader::start`], not
+//!   by the wait, and the next `wait_pinned`, [`Offloader::shutdown`] or
+//!   the drop joins it, as when nobody waited;
+//! - [`Offloader::wait_interruptible`] and
+//!   [`Offloader::wait_all_interruptible`]: the jobs go on on the GPU and
+//!   stay in flight; the completions the wait took from the engine went to
+//!   its `sink` (see there), the one way they are reported.
+//!
+//! The blocking forms are unchanged.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use super::{Completion, Offloader, OffloaderError, PinOutcome};
+use crate::protocol::{Activity, CaptureWindow, ProtocolError};
+use crate::runtime::Direction;
+use crate::sync;
+use crate::transfer::{JobId, TransferError};
+
+/// The longest a wait for jobs goes without calling `interrupted` (the
+/// coordinator's interruptible waits use the same bound).
+const INTERRUPT_EVERY: Duration = Duration::from_millis(50);
+
+/// Polls of a job wait that only yield before the pauses begin.
+const SPIN_POLLS: u32 = 32;
+
+/// The longest pause between two polls of a job wait.
+const MAX_PAUSE: Duration = Duration::from_micros(200);
+
+/// The pause before poll `attempt + 1` of a job wait: a completion on the
+/// GPU signals no condition variable, so the wait polls. The first
+/// [`SPIN_POLLS`] polls only yield (a short job is seen within
+/// microseconds, as `cuEventSynchronize` spinning would see it), then the
+/// pauses double from 20 us to [`MAX_PAUSE`] (so a long job is seen at
+/// most about 0.2 ms late, for a few thousand cheap polls a second).
+/// Under loom: a yield, which is what loom needs to explore a poll loop.
+fn pause(attempt: u32) {
+    if sync::LOOM || attempt < SPIN_POLLS {
+        sync::thread::yield_now();
+        return;
+    }
+    let doublings = ((attempt - SPIN_POLLS) / 4).min(8);
+    let pause = Duration::from_micros(20u64 << doublings).min(MAX_PAUSE);
+    std::thread::sleep(pause);
+}
+
+impl Offloader {
+    /// [`Offloader::capture_window`], interruptible (see the module docs):
+    /// an interrupted request never opened and leaves the coordinator as
+    /// before the call.
+    pub fn capture_window_interruptible(
+        &self,
+        interrupted: &dyn Fn() -> bool,
+    ) -> Result<CaptureWindow, OffloaderError> {
+        Ok(self.coord.open_window_interruptible(interrupted)?)
+    }
+
+    /// [`Offloader::wait_pinned`], interruptible (see the module docs): the
+    /// wait for a final pin state (which, with ranks that agree, comes only
+    /// after the agreement) calls `interrupted` at least every 50 ms; the
+    /// pinner is joined only once it published that state (its last step),
+    /// so joining it does not wait for pinning or the agreement (one
+    /// exception, as for the blocking form: pinning cancelled before it
+    /// began is final at once, and the pinner still takes part in the
+    /// agreement before it ends). On an interruption the pinner goes on and
+    /// nothing is joined.
+    pub fn wait_pinned_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<PinOutcome, OffloaderError> {
+        self.start()?;
+        self.coord.wait_pin_final_interruptible(interrupted)?;
+        self.join_pinner()
+    }
+
+    /// [`Offloader::wait`], interruptible: returns once job `id` completed
+    /// on the GPU ([`TransferError::JobFailed`] if it failed), calling
+    /// `interrupted` at least every 50 ms while it waits.
+    ///
+    /// The transfer engine has no query of one job's completion that leaves
+    /// the job to be reported, so this one polls: [`Offloader::poll_each`]
+    /// (the engine's event queries, through the coordinator's gate, never
+    /// while a window is open), first yielding between polls, then pausing
+    /// (a completion on the GPU signals no condition variable; the pauses
+    /// grow from 20 us to 0.2 ms), and while a capture window is open or
+    /// about to open it waits on the coordinator for it to close
+    /// ([`Coordinator::wait_no_window_interruptible`](crate::protocol::Coordinator::wait_no_window_interruptible)).
+    /// So it returns up to about 0.2 ms after the job completed (the
+    /// blocking form: at once), and it stops when interrupted during a long
+    /// GPU job too (the blocking form sits in `cuEventSynchronize`).
+    ///
+    /// Every completion those polls take from the engine, of this job and
+    /// of any other, goes to `sink`, whatever the outcome (interrupted too),
+    /// exactly as [`Offloader::poll_each`] hands them out: already applied
+    /// to the block manager, never reported again by a poll, so the caller
+    /// reports them (the Python front keeps them for its next `poll`).
+    ///
+    /// Errors as the blocking form: [`OffloaderError::UnknownJob`] when `id`
+    /// is not in flight, [`ProtocolError::WouldDeadlock`] inside the
+    /// caller's own window, [`OffloaderError::ShutDown`] after shutdown. A
+    /// job that another thread's poll reported while this one waited counts
+    /// as completed (its outcome went to that caller).
+    pub fn wait_interruptible(
+        &self,
+        id: JobId,
+        interrupted: &dyn Fn() -> bool,
+        sink: &mut dyn FnMut(Completion),
+    ) -> Result<(), OffloaderError> {
+        {
+            let inner = sync::lock(&self.inner);
+            if inner.engine.is_none() {
+                return Err(OffloaderError::ShutDown);
+            }
+            if !inner.jobs.contains_key(&id) {
+                return Err(OffloaderError::UnknownJob { id });
+            }
+        }
+        let mut failed = None;
+        let mut watch = |c: Completion| {
+            if c.job == id {
+                failed = c.error.clone();
+            }
+            sink(c)
+        };
+        self.poll_until_reported(&HashSet::from([id]), interrupted, &mut watch)?;
+        match failed {
+            Some(error) => Err(TransferError::JobFailed { id, error }.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Offloader::wait_all`], interruptible: returns once every job
+    /// submitted before the call completed on the GPU (failed jobs are not
+    /// errors here, as in the blocking form). Polls like
+    /// [`Offloader::wait_interruptible`], and hands what it takes from the
+    /// engine to `sink` the same way.
+    pub fn wait_all_interruptible(
+        &self,
+        interrupted: &dyn Fn() -> bool,
+        sink: &mut dyn FnMut(Completion),
+    ) -> Result<(), OffloaderError> {
+        let ids: HashSet<JobId> = {
+            let inner = sync::lock(&self.inner);
+            if inner.engine.is_none() {
+                return Err(OffloaderError::ShutDown);
+            }
+            inner.jobs.keys().copied().collect()
+        };
+        if ids.is_empty() {
+            return Ok(());
+        }
+        self.poll_until_reported(&ids, interrupted, sink)
+    }
+
+    /// [`Offloader::poll`], handing each completion to `sink` instead of
+    /// returning them, in the same order, each called under the offloader's
+    /// lock (so completions reach the sinks of concurrent callers in the
+    /// engine's order: a caller that keeps them in one list for later, as
+    /// the Python front does, keeps poll's order). `sink` must not block
+    /// or take a lock that a thread may hold while it calls the offloader
+    /// (the GIL, say). Returns how many it handed out.
+    pub fn poll_each(&self, sink: &mut dyn FnMut(Completion)) -> usize {
+        // The body of `Offloader::poll`, with the sink in the loop.
+        let mut inner = sync::lock(&self.inner);
+        let Some(engine) = inner.engine.clone() else {
+            return 0;
+        };
+        let mut n = 0;
+        for r in engine.poll_finished() {
+            let Some(job) = inner.jobs.remove(&r.id) else {
+                tracing::error!(job = r.id.0, "a job was reported that the offloader did not submit");
+                continue;
+            };
+            let applied = match job.direction {
+                Direction::DeviceToHost => inner.manager.complete_store(&job.keys, r.succeeded()),
+                Direction::HostToDevice => inner.manager.complete_load(&job.keys),
+            };
+            if let Err(e) = applied {
+                tracing::error!(job = r.id.0, error = %e, "applying a finished job to the block manager failed");
+            }
+            sink(Completion {
+                job: r.id,
+                direction: r.direction,
+                keys: job.keys,
+                bytes: r.bytes,
+                seconds: r.seconds,
+                backend: r.backend,
+                error: r.error,
+            });
+            n += 1;
+        }
+        n
+    }
+
+    /// What the coordinator has open, in flight or waiting right now
+    /// (diagnostics; the tests of the interruptible waits check with it
+    /// that an interrupted wait left nothing counted).
+    pub fn activity(&self) -> Activity {
+        self.coord.activity()
+    }
+
+    /// Polls until none of `ids` is in flight any more (reported by these
+    /// polls, or by another thread's), handing what the polls report to
+    /// `sink`.
+    fn poll_until_reported(
+        &self,
+        ids: &HashSet<JobId>,
+        interrupted: &dyn Fn() -> bool,
+        sink: &mut dyn FnMut(Completion),
+    ) -> Result<(), OffloaderError> {
+        let mut attempt = 0u32;
+        let mut checked = Instant::now();
+        loop {
+            self.poll_each(sink);
+            let left = {
+                let inner = sync::lock(&self.inner);
+                ids.iter().any(|id| inner.jobs.contains_key(id))
+            };
+            if !left {
+                return Ok(());
+            }
+            // A window open or about to open holds the event queries back:
+            // wait for it to close (refused inside the caller's own window,
+            // which would never close while it waits).
+            self.coord.wait_no_window_interruptible(interrupted)?;
+            if checked.elapsed() >= INTERRUPT_EVERY {
+                if interrupted() {
+                    return Err(ProtocolError::Interrupted { what: "a transfer" }.into());
+                }
+                checked = Instant::now();
+            }
+            pause(attempt);
+            attempt = attempt.saturating_add(1);
+        }
+    }
+}
