@@ -579,6 +579,11 @@ impl Offloader {
             return Err(e.into());
         }
         inner.jobs.insert(id, JobKeys { direction: Direction::DeviceToHost, keys: stored.clone() });
+        // N18 (loom builds only): the keys readable at submission.
+        #[cfg(loom)]
+        if self.coord.is(Variant::ReadableAtSubmit) {
+            let _ = inner.manager.complete_store(&stored, true);
+        }
         Ok(StoreSubmitted { job: Some(id), stored, skipped: out.skipped, evicted })
     }
 
@@ -607,6 +612,11 @@ impl Offloader {
             return Err(e.into());
         }
         inner.jobs.insert(id, JobKeys { direction: Direction::HostToDevice, keys: keys.to_vec() });
+        // N19 (loom builds only): the slots released at submission.
+        #[cfg(loom)]
+        if self.coord.is(Variant::SlotFreedAtLoadSubmit) {
+            let _ = inner.manager.complete_load(keys);
+        }
         Ok(id)
     }
 
@@ -710,7 +720,7 @@ impl Offloader {
         // here on the coordinator refuses new windows, graphs and jobs.
         // (N15, loom builds only, keeps the old order: the refusal after the
         // teardown.)
-        let old_order = self.coord.is(Variant::TeardownBeforeRefusal);
+        let old_order = cfg!(loom) && self.coord.is(Variant::TeardownBeforeRefusal);
         if !old_order {
             self.coord.close()?;
             *down = Down::Down;

@@ -73,7 +73,7 @@ pub enum CapturePolicy {
 }
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (N1-N7 in DESIGN.md; N9, N10 and N13-N17 in
+/// negative models run (N1-N7 in DESIGN.md; N9, N10 and N13-N19 in
 /// docs/PROOFS.md). Only loom builds can select a
 /// variant; every other build is always `Production`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
@@ -120,6 +120,13 @@ pub enum Variant {
     /// alias, the end of a gated call) changes the state but wakes nobody
     /// (P6, liveness: a lost wake-up).
     SilentRelease,
+    /// N18: `Offloader::store` makes its keys readable when the store is
+    /// submitted, not when it completed (P5).
+    ReadableAtSubmit,
+    /// N19: `Offloader::load` releases its keys' slots when the load is
+    /// submitted, so eviction may hand a slot to a store while the load
+    /// still reads it (P5).
+    SlotFreedAtLoadSubmit,
     /// N15: `Offloader::shutdown` in its order before issue 20: it closes
     /// the offloader, drains and drops the transfer engine and frees its
     /// tensors, and only then asks the coordinator, which may refuse (a

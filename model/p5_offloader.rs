@@ -1,0 +1,180 @@
+//! P5 at the engine's edge: through `Offloader` itself, a key is readable
+//! only once its store completed, and a slot being read by a load is never
+//! handed to a store.
+//!
+//! Each scenario builds an `Offloader` with `with_allocated_tensors` on a
+//! simulated GPU with **two device workers** (so the store handler's and
+//! the load handler's streams run in either order, as on a GPU: with one
+//! worker the older stream goes first and would hide both bugs), one KV
+//! tensor of 64-byte GPU blocks, per-fragment copies, no pinning started
+//! (the copies run on pageable host memory). 3 threads: main, two device
+//! workers; bound 2.
+//! - **readable only after its store completed**: the engine stores key 1
+//!   (GPU block 0 holds its bytes) and tries to load it into GPU block 1
+//!   until the offloader accepts the load (before that it is refused: not
+//!   stored yet, the store pending), polling meanwhile; the load must be
+//!   accepted only after a poll reported the store, and bring back key 1's
+//!   bytes. Paths: `store`, `load` (refused, then accepted),
+//!   `poll`, `wait`.
+//! - **a slot being read is never reused**: one host block; key 1 stored
+//!   and reported; a load of key 1 into GPU block 1 is submitted, then a
+//!   store of key 2 (GPU block 2, other bytes) that needs a slot: the only
+//!   slot is being read, so it must not be given to key 2 (the store is
+//!   refused or skips it) and the load brings back key 1's bytes. Paths:
+//!   `store` (with eviction), `load`, `wait_all`, `poll`, `lookup`.
+//!
+//! Negatives: N18 (`Variant::ReadableAtSubmit`: keys readable when the
+//! store is submitted) -> "a load read key 1 before its store completed"
+//! (the load is accepted before `poll` reported the store; the bytes alone
+//! would not show it on the sim, whose device workers take the older
+//! stream's work first, so the store's copy still lands first);
+//! N19 (`Variant::SlotFreedAtLoadSubmit`: a load's slots released when it
+//! is submitted) -> "key 1 evicted while its load runs" (the store of key 2
+//! takes its slot).
+//!
+//! Why it holds: the offloader's block manager marks a stored key
+//! write-pending until `poll` applies its completion (refused to loads
+//! meanwhile), and a loaded key reading until `poll` applies the load's
+//! completion (its slot not evictable meanwhile); `poll` applies only jobs
+//! whose completion event the transfer engine saw complete (P5's engine
+//! models).
+
+#![cfg(loom)]
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{check, negative, Bounds};
+use kvoffload::manager::BlockKey;
+use kvoffload::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::pin::{HugePages, PinOptions, PrefaultMode};
+use kvoffload::protocol::Variant;
+use kvoffload::runtime::shared;
+use kvoffload::runtime::sim::{SimConfig, SimRuntime};
+use kvoffload::sync::thread;
+use kvoffload::transfer::{Backend, BackendChoice, TransferOptions};
+
+const PAGE: usize = 64;
+
+fn offloader(host_blocks: usize, variant: Variant) -> Offloader {
+    let rt = shared(SimRuntime::with_config(SimConfig { workers: 2, ..SimConfig::default() }));
+    let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
+    opts.pin = PinOptions::default().prefault(PrefaultMode::Off).huge_pages(HugePages::Off).threads(1);
+    opts.transfer = TransferOptions {
+        backend: BackendChoice::Force(Backend::PerFragment),
+        staging_ring_entries: 0,
+        staging_bytes: 0,
+        ..TransferOptions::default()
+    };
+    let kv = KvAlloc { tensors: 1, page_bytes: PAGE, gpu_blocks: 4, block_factor: 1 };
+    let off = Offloader::with_allocated_tensors(rt, kv, opts).expect("offloader on the simulated GPU");
+    off.set_variant(variant);
+    off
+}
+
+fn write_block(off: &Offloader, block: usize, fill: u8) {
+    let buf = [fill; PAGE];
+    let dst = off.tensors()[0].offset(block * PAGE);
+    // SAFETY: `buf` is readable; `dst` is GPU block `block` of the
+    // offloader's tensor, which no job touches now.
+    unsafe { off.runtime().copy_htod(dst, buf.as_ptr() as usize, PAGE) }.unwrap();
+}
+
+fn read_block(off: &Offloader, block: usize) -> [u8; PAGE] {
+    let mut buf = [0u8; PAGE];
+    let src = off.tensors()[0].offset(block * PAGE);
+    // SAFETY: `buf` is writable; the job that wrote `src` was waited for.
+    unsafe { off.runtime().copy_dtoh(buf.as_mut_ptr() as usize, src, PAGE) }.unwrap();
+    buf
+}
+
+fn readable_only_after_its_store(variant: Variant) {
+    let off = offloader(2, variant);
+    write_block(&off, 0, 0x11);
+    let k = [BlockKey::new(1, 0)];
+    let store = off.store(&k, &[0]).unwrap().job.unwrap();
+    let mut store_reported = false;
+    let job = loop {
+        match off.load(&k, &[1]) {
+            Ok(job) => break job,
+            Err(OffloaderError::Manager(_)) | Err(OffloaderError::NotStored { .. }) => {
+                store_reported |= off.poll().iter().any(|c| c.job == store && c.error.is_none());
+                thread::yield_now();
+            }
+            Err(e) => panic!("load refused: {e}"),
+        }
+    };
+    // The contract: readable once `poll` reported the store (the device's
+    // order of the two streams alone would not show a load that read too
+    // early: the sim's workers take the older stream's work first).
+    assert!(store_reported, "a load read key 1 before its store completed (the load was accepted first)");
+    off.wait(job).unwrap();
+    assert_eq!(read_block(&off, 1), [0x11; PAGE], "a load read key 1 before its store completed");
+    off.wait_all().unwrap();
+    off.poll();
+    off.shutdown().unwrap();
+}
+
+fn a_slot_being_read_is_not_reused(variant: Variant) {
+    let off = offloader(1, variant);
+    write_block(&off, 0, 0x11);
+    write_block(&off, 2, 0x22);
+    let (k1, k2) = ([BlockKey::new(1, 0)], [BlockKey::new(2, 0)]);
+    off.store(&k1, &[0]).unwrap();
+    off.wait_all().unwrap();
+    while off.in_flight() > 0 {
+        off.poll();
+        thread::yield_now();
+    }
+    let load = off.load(&k1, &[1]).unwrap();
+    match off.store(&k2, &[2]) {
+        Ok(s) => assert!(s.stored.is_empty() || s.evicted.is_empty(), "key 1 evicted while its load runs: {s:?}"),
+        Err(OffloaderError::Manager(_)) => {}
+        Err(e) => panic!("store failed: {e}"),
+    }
+    off.wait(load).unwrap();
+    assert_eq!(read_block(&off, 1), [0x11; PAGE], "the load brought back another key's bytes");
+    off.wait_all().unwrap();
+    while off.in_flight() > 0 {
+        off.poll();
+        thread::yield_now();
+    }
+    off.shutdown().unwrap();
+}
+
+/// Bound 2: at bound 3 each scenario ran over 5 minutes (the engine's poll
+/// loop and two device workers); at 2 each takes about 11 s.
+const B: Bounds = Bounds { property: "P5", threads: 3, preemptions: 2 };
+const NEG: Bounds = B;
+
+#[test]
+fn p5_offloader_key_readable_only_after_its_store_completed() {
+    check("p5_offloader_readable_after_store", B, || readable_only_after_its_store(Variant::Production));
+}
+
+#[test]
+fn p5_offloader_slot_being_read_is_not_reused() {
+    check("p5_offloader_slot_not_reused", B, || a_slot_being_read_is_not_reused(Variant::Production));
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n18_keys_readable_at_submit() {
+    negative(
+        "n18_readable_at_submit",
+        Bounds { property: "N18", ..NEG },
+        "a load read key 1 before its store completed",
+        || readable_only_after_its_store(Variant::ReadableAtSubmit),
+    );
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n19_slot_freed_at_load_submit() {
+    negative(
+        "n19_slot_freed_at_load_submit",
+        Bounds { property: "N19", ..NEG },
+        "key 1 evicted while its load runs",
+        || a_slot_being_read_is_not_reused(Variant::SlotFreedAtLoadSubmit),
+    );
+}
