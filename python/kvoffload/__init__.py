@@ -17,6 +17,9 @@ The one object an engine holds is :class:`Offloader`::
 Tensors are given as objects with ``data_ptr()`` (PyTorch) or
 ``__cuda_array_interface__`` (CuPy, Numba), so the package never imports
 PyTorch. See ``kvoffload/__init__.pyi`` for every signature.
+
+``kvoffload._testing`` holds the hooks of the package's own tests; it is
+not part of the API.
 """
 
 from ._native import (
@@ -37,8 +40,7 @@ from ._native import (
     RegionError,
     Runtime,
     ShutDownError,
-    SimHold,
-    StoreResult,
+    StoreSubmitted,
     TransferError,
     cuda_driver_present,
     enable_logging,
@@ -64,8 +66,7 @@ __all__ = [
     "RegionError",
     "Runtime",
     "ShutDownError",
-    "SimHold",
-    "StoreResult",
+    "StoreSubmitted",
     "TransferError",
     "cuda_driver_present",
     "enable_logging",

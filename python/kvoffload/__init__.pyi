@@ -1,8 +1,10 @@
-"""Type stubs of kvoffload (the extension module kvoffload._native)."""
+"""Type stubs of kvoffload (the extension module kvoffload._native): the
+public API, exactly. The test hooks are in ``kvoffload._testing`` (typed in
+``_testing.py``), which is not part of the API."""
 
 from os import PathLike
 from types import TracebackType
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 __version__: str
 
@@ -12,14 +14,17 @@ SETTLED_PINNED: int
 #: an all-reduce with MAX of the ranks' words says "pageable" if any is).
 SETTLED_PAGEABLE: int
 
+# Type aliases of these stubs only (private: the module has no such names
+# at run time).
+
 #: A block key: an int hash (group 0; negative hashes fold to their 64-bit
 #: pattern) or a ``(hash, group)`` pair. Keys are reported as pairs.
-Key = Union[int, Tuple[int, int]]
+_Key = Union[int, Tuple[int, int]]
 #: A tensor: an object with ``data_ptr()`` (PyTorch) or
 #: ``__cuda_array_interface__`` (CuPy, Numba), or a bare device address.
-TensorLike = Any
+_TensorLike = Any
 #: ``f(mine) -> every rank's word (list) or their maximum (int)``.
-AgreementTransport = Callable[[int], Union[int, Sequence[int]]]
+_AgreementTransport = Callable[[int], Union[int, Sequence[int]]]
 
 class KvoffloadError(Exception):
     """Base of every kvoffload error. ``kind``: the Rust variant in snake
@@ -70,26 +75,6 @@ class Runtime:
     @property
     def backend(self) -> str: ...
     def describe(self) -> str: ...
-    def sim_device_bytes_in_use_for_test(self) -> int: ...
-    def sim_registered_ranges_for_test(self) -> int: ...
-    def sim_fail_registration_for_test(self, nth: int = 1, code: int = 801) -> None: ...
-    def sim_hold_for_test(self, point: str = "device_op") -> "SimHold": ...
-
-class SimHold:
-    """A hold point of the simulated GPU (tests): the next call reaching it
-    (``"register"``: inside a host registration; ``"device_op"``: an
-    operation executing on the device) stops there until ``release()`` (or
-    the end of a ``with`` block)."""
-
-    def wait_entered(self) -> None: ...
-    def release(self) -> None: ...
-    def __enter__(self) -> "SimHold": ...
-    def __exit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> bool: ...
 
 class PinState:
     """``name``: ``"pending"``, ``"pinning"``, ``"pinned"`` or
@@ -118,7 +103,11 @@ class PinOutcome:
     #: Why the agreement failed (not raised); this rank runs pageable.
     agreement_error: Optional[AgreementError]
 
-class StoreResult:
+class StoreSubmitted:
+    """What ``Offloader.store`` submitted (the library's ``StoreSubmitted``).
+    ``job``: the job that writes the ``stored`` keys (readable once ``poll``
+    reports it), None when nothing needed storing."""
+
     job: Optional[int]
     stored: List[Tuple[int, int]]
     #: ``(key, reason)``; reason ``"already_stored"``, ``"store_pending"``
@@ -199,7 +188,7 @@ class Offloader:
         self,
         host_blocks: int,
         *,
-        tensors: Union[int, Sequence[TensorLike]],
+        tensors: Union[int, Sequence[_TensorLike]],
         gpu_blocks: Optional[int] = None,
         page_bytes: Optional[int] = None,
         block_factor: int = 1,
@@ -216,7 +205,7 @@ class Offloader:
         allow_group: Optional[Union[int, str]] = None,
         check_memory: bool = True,
         pin_threads: Optional[int] = None,
-        chunk_bytes: Optional[int] = None,
+        max_chunk_bytes: Optional[int] = None,
         prefault: str = "populate",
         huge_pages: str = "auto",
         capture_policy: str = "after_pinning",
@@ -224,14 +213,14 @@ class Offloader:
         staging_bytes: Optional[int] = None,
         duplex_linger: Optional[float] = None,
         eviction: str = "lru",
-        agreement: Optional[AgreementTransport] = None,
+        agreement: Optional[_AgreementTransport] = None,
         agreement_timeout: Optional[float] = 120.0,
         start: bool = False,
     ) -> None: ...
+    #: The runtime (GPU) it runs on; ``runtime.backend`` is ``"cuda"`` or
+    #: ``"sim"`` (the copy path a job took is ``Completion.backend``).
     @property
     def runtime(self) -> Runtime: ...
-    @property
-    def backend(self) -> str: ...
     @property
     def tensor_addresses(self) -> List[int]: ...
     @property
@@ -250,9 +239,11 @@ class Offloader:
     def wait_pinned(self) -> PinOutcome: ...
     def capture_window(self) -> CaptureWindow: ...
     def gated(self, f: Callable[[], Any]) -> Any: ...
-    def lookup(self, keys: Iterable[Key]) -> List[str]: ...
-    def store(self, keys: Iterable[Key], gpu_blocks: Iterable[int]) -> StoreResult: ...
-    def load(self, keys: Iterable[Key], gpu_blocks: Iterable[int]) -> int: ...
+    #: Per key: ``"hit"`` (readable), ``"miss"`` or ``"hit_pending"``
+    #: (stored, its store not complete yet).
+    def lookup(self, keys: Iterable[_Key]) -> List[str]: ...
+    def store(self, keys: Iterable[_Key], gpu_blocks: Iterable[int]) -> StoreSubmitted: ...
+    def load(self, keys: Iterable[_Key], gpu_blocks: Iterable[int]) -> int: ...
     def poll(self) -> List[Completion]: ...
     def wait(self, job: int) -> None: ...
     def wait_all(self) -> None: ...
@@ -270,10 +261,7 @@ class Offloader:
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> bool: ...
-    def write_block_for_test(self, tensor: int, gpu_block: int, data: bytes) -> None: ...
-    def read_block_for_test(self, tensor: int, gpu_block: int) -> bytes: ...
-    def activity_for_test(self) -> Dict[str, int]: ...
 
 def enable_logging(filter: str = "info") -> bool: ...
 def cuda_driver_present() -> bool: ...
-def torch_agreement(group: Any = None) -> AgreementTransport: ...
+def torch_agreement(group: Any = None) -> _AgreementTransport: ...

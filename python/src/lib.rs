@@ -5,7 +5,11 @@
 //! for the GPU it runs on (the CUDA driver on the device's primary context,
 //! shared with PyTorch, or the simulated GPU); small result classes; the
 //! exceptions of [`errors`]; and an agreement transport backed by a Python
-//! callable ([`PyTransport`]).
+//! callable ([`PyTransport`]). The test hooks (the simulated GPU's
+//! counters, faults and hold points, the coordinator's counts, direct block
+//! reads and writes) are not on these classes: they are the native
+//! submodule [`testing`], which `kvoffload/_testing.py` wraps (tests only,
+//! not part of the API).
 //!
 //! Every call that can block (construction, pinning waits, capture windows,
 //! job waits, shutdown, the submissions) releases the GIL. The waits
@@ -18,6 +22,7 @@
 
 mod errors;
 mod tensors;
+mod testing;
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -31,11 +36,11 @@ use kvoffload::protocol::agreement::Transport;
 use kvoffload::protocol::{CapturePolicy, CaptureWindow, PinState};
 use kvoffload::region::ShmOptions;
 use kvoffload::runtime::cuda::CudaRuntime;
-use kvoffload::runtime::sim::{Hold, HoldPoint, SimFault, SimRuntime};
-use kvoffload::runtime::{Code, DevicePtr, Direction, GpuRuntime, Stream};
+use kvoffload::runtime::sim::SimRuntime;
+use kvoffload::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
 use kvoffload::transfer::{Backend, BackendChoice, JobId, TensorSpec, TransferError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::PyTuple;
 use std::sync::Arc;
 
 // ---------------------------------------------------------------- runtime
@@ -71,10 +76,6 @@ impl PyRuntime {
             other => Err(errors::options(py, format!("backend must be 'auto', 'sim' or 'cuda', not {other:?}"))),
         }
     }
-
-    fn sim(&self, py: Python<'_>) -> PyResult<&SimRuntime> {
-        self.rt.as_sim().ok_or_else(|| errors::options(py, "this helper needs the simulated GPU (backend='sim')"))
-    }
 }
 
 #[pymethods]
@@ -98,74 +99,6 @@ impl PyRuntime {
 
     fn __repr__(&self) -> String {
         format!("kvoffload.Runtime({:?}: {})", self.rt.backend(), self.rt.describe())
-    }
-
-    /// Simulated GPU only (tests): device bytes allocated and not freed.
-    fn sim_device_bytes_in_use_for_test(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.sim(py)?.device_bytes_in_use())
-    }
-
-    /// Simulated GPU only (tests): host ranges registered now.
-    fn sim_registered_ranges_for_test(&self, py: Python<'_>) -> PyResult<usize> {
-        Ok(self.sim(py)?.registered_ranges())
-    }
-
-    /// Simulated GPU only (tests): the `nth` host registration from now
-    /// (1 = the next) fails with CUresult `code` (801: not supported).
-    #[pyo3(signature = (nth = 1, code = 801))]
-    fn sim_fail_registration_for_test(&self, py: Python<'_>, nth: u64, code: u32) -> PyResult<()> {
-        self.sim(py)?.inject(SimFault::Register { nth, code: Code(code) });
-        Ok(())
-    }
-
-    /// Simulated GPU only (tests): arms a hold point: the next call that
-    /// reaches it (`"register"`: inside a host registration; `"device_op"`:
-    /// an operation executing on the device) stops there until the
-    /// returned hold is released (or dropped).
-    #[pyo3(signature = (point = "device_op"))]
-    fn sim_hold_for_test(&self, py: Python<'_>, point: &str) -> PyResult<PySimHold> {
-        let point =
-            choice(py, "point", point, &[("register", HoldPoint::Register), ("device_op", HoldPoint::DeviceOp)])?;
-        Ok(PySimHold { hold: Mutex::new(Some(self.sim(py)?.hold(point))) })
-    }
-}
-
-/// A hold point of the simulated GPU (`Runtime.sim_hold_for_test`): also a
-/// context manager that releases it on exit.
-#[pyclass(name = "SimHold", module = "kvoffload", frozen)]
-struct PySimHold {
-    hold: Mutex<Option<Hold>>,
-}
-
-#[pymethods]
-impl PySimHold {
-    /// Blocks (GIL released) until a call has reached the hold point.
-    fn wait_entered(&self, py: Python<'_>) {
-        let g = self.hold.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(h) = g.as_ref() {
-            py.detach(|| h.wait_entered());
-        }
-    }
-
-    /// Lets the held call continue (or disarms the hold if none arrived).
-    fn release(&self) {
-        let h = self.hold.lock().unwrap_or_else(|p| p.into_inner()).take();
-        drop(h);
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (_exc_type = None, _exc = None, _tb = None))]
-    fn __exit__(
-        &self,
-        _exc_type: Option<&Bound<'_, PyAny>>,
-        _exc: Option<&Bound<'_, PyAny>>,
-        _tb: Option<&Bound<'_, PyAny>>,
-    ) -> bool {
-        self.release();
-        false
     }
 }
 
@@ -348,11 +281,12 @@ impl PyPinOutcome {
     }
 }
 
-/// What a store submission did: `job` (None when nothing needed storing),
-/// the keys it `stored` (readable once `poll` reports the job), the keys
-/// `skipped` as `(key, reason)`, the keys `evicted` to make room.
-#[pyclass(name = "StoreResult", module = "kvoffload", frozen, get_all)]
-struct PyStoreResult {
+/// What a store submission did (the library's `StoreSubmitted`): `job`
+/// (None when nothing needed storing), the keys it `stored` (readable once
+/// `poll` reports the job), the keys `skipped` as `(key, reason)`, the keys
+/// `evicted` to make room.
+#[pyclass(name = "StoreSubmitted", module = "kvoffload", frozen, get_all)]
+struct PyStoreSubmitted {
     job: Option<u64>,
     stored: Py<PyAny>,
     skipped: Py<PyAny>,
@@ -360,10 +294,10 @@ struct PyStoreResult {
 }
 
 #[pymethods]
-impl PyStoreResult {
+impl PyStoreSubmitted {
     fn __repr__(&self, py: Python<'_>) -> String {
         format!(
-            "StoreResult(job={}, stored={}, skipped={}, evicted={})",
+            "StoreSubmitted(job={}, stored={}, skipped={}, evicted={})",
             self.job.map_or("None".to_string(), |j| j.to_string()),
             self.stored.bind(py),
             self.skipped.bind(py),
@@ -548,17 +482,6 @@ impl PyOffloader {
             let _ = self.off.runtime().stream_destroy(s);
         }
     }
-
-    fn check_block(&self, py: Python<'_>, tensor: usize, block: usize) -> PyResult<(DevicePtr, usize)> {
-        let kv = self.off.kv();
-        let t = kv.tensors.get(tensor).ok_or_else(|| {
-            errors::options(py, format!("tensor {tensor} out of range ({} tensors)", kv.tensors.len()))
-        })?;
-        if block >= kv.gpu_blocks {
-            return Err(errors::options(py, format!("GPU block {block} out of range ({} blocks)", kv.gpu_blocks)));
-        }
-        Ok((DevicePtr(t.device_base.raw() + (block * t.page_bytes) as u64), t.page_bytes))
-    }
 }
 
 #[pymethods]
@@ -569,7 +492,7 @@ impl PyOffloader {
         backend = "auto", device = 0, runtime = None,
         region = "anonymous", name = None, rank = 0, ranks = 1, region_dir = None, join_timeout = 60.0,
         allow_group = None, check_memory = true,
-        pin_threads = None, chunk_bytes = None, prefault = "populate", huge_pages = "auto",
+        pin_threads = None, max_chunk_bytes = None, prefault = "populate", huge_pages = "auto",
         capture_policy = "after_pinning", copy_backend = "auto", staging_bytes = None, duplex_linger = None,
         eviction = "lru", agreement = None, agreement_timeout = Some(120.0), start = false,
     ))]
@@ -594,7 +517,7 @@ impl PyOffloader {
         allow_group: Option<&Bound<'_, PyAny>>,
         check_memory: bool,
         pin_threads: Option<usize>,
-        chunk_bytes: Option<usize>,
+        max_chunk_bytes: Option<usize>,
         prefault: &str,
         huge_pages: &str,
         capture_policy: &str,
@@ -649,7 +572,7 @@ impl PyOffloader {
         if let Some(t) = pin_threads {
             opts.pin.threads = t;
         }
-        if let Some(c) = chunk_bytes {
+        if let Some(c) = max_chunk_bytes {
             opts.pin.max_chunk_bytes = c;
         }
         opts.pin.prefault = choice(
@@ -761,12 +684,6 @@ impl PyOffloader {
         self.runtime.clone_ref(py)
     }
 
-    /// `"cuda"` or `"sim"`.
-    #[getter]
-    fn backend(&self) -> &'static str {
-        self.off.runtime().backend()
-    }
-
     /// Device addresses of the KV tensors.
     #[getter]
     fn tensor_addresses(&self) -> Vec<u64> {
@@ -857,7 +774,8 @@ impl PyOffloader {
     }
 
     /// What the offloader holds of each key: `"hit"`, `"miss"` or
-    /// `"pending"` (stored, store not yet complete).
+    /// `"hit_pending"` (stored, store not yet complete), the library's
+    /// `Lookup` variants.
     fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
         let keys = parse_keys(py, keys)?;
         let off = &self.off;
@@ -867,7 +785,7 @@ impl PyOffloader {
             .map(|l| match l {
                 Lookup::Hit => "hit",
                 Lookup::Miss => "miss",
-                Lookup::HitPending => "pending",
+                Lookup::HitPending => "hit_pending",
             })
             .collect())
     }
@@ -875,7 +793,12 @@ impl PyOffloader {
     /// Stores `keys` from GPU blocks `gpu_blocks` (`block_factor` per key,
     /// in key order). The engine must not write those blocks until `poll`
     /// reports the job (or `wait` returns for it).
-    fn store(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, gpu_blocks: &Bound<'_, PyAny>) -> PyResult<PyStoreResult> {
+    fn store(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        gpu_blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<PyStoreSubmitted> {
         let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
         let off = &self.off;
         let r = py.detach(|| off.store(&keys, &blocks)).map_err(|e| errors::offloader(py, e))?;
@@ -891,7 +814,7 @@ impl PyOffloader {
                 Ok((key_out(py, s.key)?, why))
             })
             .collect();
-        Ok(PyStoreResult {
+        Ok(PyStoreSubmitted {
             job: r.job.map(|j| j.0),
             stored: keys_out(py, &r.stored)?.into_pyobject(py)?.into_any().unbind(),
             skipped: skipped?.into_pyobject(py)?.into_any().unbind(),
@@ -1012,64 +935,12 @@ impl PyOffloader {
 
     fn __repr__(&self) -> String {
         format!(
-            "kvoffload.Offloader(backend={:?}, region_bytes={}, rank={}, pin={})",
+            "kvoffload.Offloader(runtime={:?}, region_bytes={}, rank={}, pin={})",
             self.off.runtime().backend(),
             self.off.region().len(),
             self.off.region().rank(),
             PyPinState::from(&self.off.pin_state()).__repr__()
         )
-    }
-
-    /// Testing only: what the coordinator has open, in flight or waiting
-    /// now, as a dict of counts (`windows_open`, `windows_waiting`,
-    /// `calls_in_flight`, `calls_waiting`, `pin_waiters`, `jobs_in_flight`,
-    /// `graphs_live`, `alias_users`, `unregisters_waiting`).
-    fn activity_for_test(&self) -> std::collections::HashMap<&'static str, usize> {
-        let a = self.off.activity();
-        [
-            ("windows_open", a.windows_open),
-            ("windows_waiting", a.windows_waiting),
-            ("calls_in_flight", a.calls_in_flight),
-            ("calls_waiting", a.calls_waiting),
-            ("pin_waiters", a.pin_waiters),
-            ("jobs_in_flight", a.jobs_in_flight),
-            ("graphs_live", a.graphs_live),
-            ("alias_users", a.alias_users),
-            ("unregisters_waiting", a.unregisters_waiting),
-        ]
-        .into_iter()
-        .collect()
-    }
-
-    /// Testing only: writes `data` (exactly one page of tensor `tensor`)
-    /// into GPU block `gpu_block` with a synchronous copy.
-    fn write_block_for_test(&self, py: Python<'_>, tensor: usize, gpu_block: usize, data: &[u8]) -> PyResult<()> {
-        let (dst, page) = self.check_block(py, tensor, gpu_block)?;
-        if data.len() != page {
-            return Err(errors::options(py, format!("a page of tensor {tensor} is {page} bytes, not {}", data.len())));
-        }
-        let rt = self.off.runtime();
-        // SAFETY: `data` is a readable buffer of `page` bytes for the call;
-        // `dst` is a block of a live tensor of this offloader.
-        unsafe { rt.copy_htod(dst, data.as_ptr() as usize, page) }.map_err(|e| errors::driver(py, "writing a block", e))
-    }
-
-    /// Testing only: the bytes of GPU block `gpu_block` of tensor `tensor`
-    /// (a synchronous copy).
-    fn read_block_for_test<'py>(
-        &self,
-        py: Python<'py>,
-        tensor: usize,
-        gpu_block: usize,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        let (src, page) = self.check_block(py, tensor, gpu_block)?;
-        let mut buf = vec![0u8; page];
-        let rt = self.off.runtime();
-        // SAFETY: `buf` is writable for `page` bytes; `src` is a block of a
-        // live tensor of this offloader.
-        unsafe { rt.copy_dtoh(buf.as_mut_ptr() as usize, src, page) }
-            .map_err(|e| errors::driver(py, "reading a block", e))?;
-        Ok(PyBytes::new(py, &buf))
     }
 }
 
@@ -1141,17 +1012,17 @@ fn cuda_driver_present() -> bool {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRuntime>()?;
-    m.add_class::<PySimHold>()?;
     m.add_class::<PyOffloader>()?;
     m.add_class::<PyCaptureWindow>()?;
     m.add_class::<PyPinState>()?;
     m.add_class::<PyPinProgress>()?;
     m.add_class::<PyPinOutcome>()?;
-    m.add_class::<PyStoreResult>()?;
+    m.add_class::<PyStoreSubmitted>()?;
     m.add_class::<PyCompletion>()?;
     m.add_function(wrap_pyfunction!(enable_logging, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
     m.add("SETTLED_PINNED", kvoffload::protocol::agreement::SETTLED_PINNED)?;
     m.add("SETTLED_PAGEABLE", kvoffload::protocol::agreement::SETTLED_PAGEABLE)?;
+    testing::register(m)?;
     errors::register(m)
 }

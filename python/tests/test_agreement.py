@@ -8,6 +8,7 @@ import os
 import pytest
 
 import kvoffload as kv
+import kvoffload._testing as kt
 
 PAGE = 4096
 
@@ -29,7 +30,7 @@ def pipe_transport(conn, rank, breaks):
 def rank_main(rank, conn, results, fail_pinning, breaks, region):
     rt = kv.Runtime("sim")
     if fail_pinning:
-        rt.sim_fail_registration_for_test(nth=1, code=801)
+        kt.sim_fail_registration(rt, nth=1, code=801)
     kw = dict(tensors=2, page_bytes=PAGE, gpu_blocks=32, runtime=rt, pin_threads=1)
     if region is not None:
         kw.update(region="shared", name=region["name"], region_dir=region["dir"], rank=rank, ranks=2, join_timeout=30)
@@ -42,14 +43,14 @@ def rank_main(rank, conn, results, fail_pinning, breaks, region):
             conn.close()  # the peer's recv ends (EOF) if it still waits
         # Offload works in the agreed mode: a round trip.
         data = os.urandom(PAGE)
-        off.write_block_for_test(0, 0, data)
+        kt.write_block(off, 0, 0, data)
         off.store([rank + 1], [0])
         off.wait_all()
         off.poll()
         job = off.load([rank + 1], [1])
         off.wait(job)
         off.poll()
-        same = off.read_block_for_test(0, 1) == data
+        same = kt.read_block(off, 0, 1) == data
         chunks = off.pin_progress.chunks_done
         off.shutdown()
         err = out.agreement_error
@@ -63,7 +64,7 @@ def rank_main(rank, conn, results, fail_pinning, breaks, region):
                     error=None if err is None else (err.kind, str(err)),
                     round_trip=same,
                     chunks=chunks,
-                    leaked=rt.sim_device_bytes_in_use_for_test(),
+                    leaked=kt.sim_device_bytes_in_use(rt),
                 ),
             )
         )

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 import kvoffload as kv
+import kvoffload._testing as kt
 
 EXPECT_GPU = os.environ.get("KVO_EXPECT_GPU", "") not in ("", "0")
 
@@ -63,7 +64,7 @@ def make(tensors, **kw):
 
 def test_torch_tensors_and_stream(kv_tensors):
     off = make(kv_tensors, start=True)
-    assert off.backend == "cuda"
+    assert off.runtime.backend == "cuda"
     assert off.gpu_blocks == BLOCKS and off.page_bytes == [PAGE, PAGE]
     assert off.tensor_addresses == [t.data_ptr() for t in kv_tensors]
     assert off.wait_pinned().state == "pinned"
@@ -93,7 +94,7 @@ def test_round_trip_through_torch(kv_tensors, copy_backend):
     for t, s in zip(kv_tensors, src):
         assert torch.equal(t[100 : 100 + n], s)
     # The offloader's test helpers see the same bytes.
-    assert off.read_block_for_test(0, 100) == bytes(src[0][0].cpu().numpy().tobytes())
+    assert kt.read_block(off, 0, 100) == bytes(src[0][0].cpu().numpy().tobytes())
     off.shutdown()
 
 
@@ -106,7 +107,7 @@ def test_capture_window_around_torch_graphs_while_pinning(kv_tensors):
         stream=torch.cuda.current_stream().cuda_stream,
         backend="cuda",
         capture_policy="interleave",
-        chunk_bytes=32 << 20,
+        max_chunk_bytes=32 << 20,
     )
     off.start()
     x = torch.arange(1024, dtype=torch.float32, device="cuda")

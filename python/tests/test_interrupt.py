@@ -20,6 +20,7 @@ import time
 import pytest
 
 import kvoffload as kv
+import kvoffload._testing as kt
 
 PAGE = 4096
 DELAY = 0.23  # s before SIGINT is sent (not a multiple of the 50 ms slices)
@@ -41,13 +42,13 @@ def make(rt, host_blocks=64, **kw):
 
 
 def assert_nothing_leaked(rt):
-    assert rt.sim_device_bytes_in_use_for_test() == 0
-    assert rt.sim_registered_ranges_for_test() == 0
+    assert kt.sim_device_bytes_in_use(rt) == 0
+    assert kt.sim_registered_ranges(rt) == 0
 
 
 def idle(off, **counts):
     """The coordinator's counts, all zero but `counts`."""
-    a = off.activity_for_test()
+    a = kt.activity(off)
     want = {k: counts.get(k, 0) for k in a}
     assert a == want
 
@@ -128,7 +129,7 @@ def test_ctrl_c_while_a_window_waits_for_pinning(rt):
 
 def test_ctrl_c_while_a_window_waits_for_a_registration(rt):
     off = make(rt, capture_policy="interleave")
-    with rt.sim_hold_for_test("register") as hold:
+    with kt.sim_hold(rt, "register") as hold:
         off.start()
         hold.wait_entered()  # a registration in flight: a window waits for it
         expect_ctrl_c("capture_window (waiting for a registration)", lambda: enter_window(off), hold.release)
@@ -145,7 +146,7 @@ def test_ctrl_c_while_a_window_waits_for_a_registration(rt):
 
 def test_ctrl_c_in_wait_pinned(rt):
     off = make(rt)
-    with rt.sim_hold_for_test("register") as hold:
+    with kt.sim_hold(rt, "register") as hold:
         off.start()
         hold.wait_entered()
         expect_ctrl_c("wait_pinned (a registration held)", off.wait_pinned, unblock=hold.release)
@@ -221,7 +222,7 @@ def test_ctrl_c_in_a_job_wait(rt, blocker, call):
     off.wait_pinned()
     closer = None
     if blocker == "gpu":
-        hold = rt.sim_hold_for_test("device_op")
+        hold = kt.sim_hold(rt, "device_op")
         job = off.store([1], [0]).job
         hold.wait_entered()
         unblock = hold.release

@@ -7,6 +7,7 @@ import time
 import pytest
 
 import kvoffload as kv
+import kvoffload._testing as kt
 
 PAGE = 4096
 BLOCKS = 64
@@ -26,8 +27,8 @@ def make(rt, host_blocks=128, **kw):
 
 
 def assert_nothing_leaked(rt):
-    assert rt.sim_device_bytes_in_use_for_test() == 0
-    assert rt.sim_registered_ranges_for_test() == 0
+    assert kt.sim_device_bytes_in_use(rt) == 0
+    assert kt.sim_registered_ranges(rt) == 0
 
 
 def fill(off, blocks):
@@ -36,7 +37,7 @@ def fill(off, blocks):
     for t in range(len(off.tensor_addresses)):
         for b in blocks:
             data[t, b] = os.urandom(off.page_bytes[t])
-            off.write_block_for_test(t, b, data[t, b])
+            kt.write_block(off, t, b, data[t, b])
     return data
 
 
@@ -45,7 +46,7 @@ def fill(off, blocks):
 
 def test_construction_with_defaults(rt):
     off = make(rt)
-    assert off.backend == "sim"
+    assert off.runtime.backend == "sim"
     assert off.gpu_blocks == BLOCKS
     assert off.page_bytes == [PAGE, PAGE]
     assert off.block_factor == 1
@@ -56,7 +57,7 @@ def test_construction_with_defaults(rt):
     p = off.pin_progress
     assert p.chunks_done == 0 and p.chunks_total >= 1 and p.bytes_total >= 128 * 2 * PAGE
     # The KV tensors and the engine's gather tables.
-    assert rt.sim_device_bytes_in_use_for_test() >= 2 * BLOCKS * PAGE
+    assert kt.sim_device_bytes_in_use(rt) >= 2 * BLOCKS * PAGE
     assert "Offloader" in repr(off) and "sim" in repr(off)
     off.shutdown()
     assert off.is_shut_down
@@ -74,7 +75,7 @@ def test_start_pins_in_the_background(rt):
     out = off.wait_pinned()
     assert out.state == "pinned" and out.agreed is None and out.agreement_error is None
     assert off.pin_progress.chunks_done == off.pin_progress.chunks_total
-    assert rt.sim_registered_ranges_for_test() >= 1
+    assert kt.sim_registered_ranges(rt) >= 1
     off.shutdown()
     assert_nothing_leaked(rt)
 
@@ -114,7 +115,7 @@ def test_dropping_the_offloader_shuts_it_down(rt):
         (dict(region="shared"), "options", "needs a name"),
         (dict(ranks=2), "options", "shared"),
         (dict(pin_threads=0), "pin", "threads"),
-        (dict(chunk_bytes=0), "pin", "max_chunk_bytes"),
+        (dict(max_chunk_bytes=0), "pin", "max_chunk_bytes"),
         (dict(agreement=42), "options", "callable"),
         (dict(agreement_timeout=-1.0), "options", "agreement_timeout"),
     ],
@@ -291,14 +292,14 @@ def test_round_trip_byte_for_byte(rt):
     # Clobber the source blocks, load into other blocks, compare.
     for t in range(2):
         for b in range(4):
-            off.write_block_for_test(t, b, bytes(PAGE))
+            kt.write_block(off, t, b, bytes(PAGE))
     job = off.load(list(reversed(keys)), [40, 41, 42, 43])
     off.wait(job)
     done = off.poll()
     assert [(c.job, c.direction, c.ok) for c in done] == [(job, "load", True)]
     for t in range(2):
         for i, b in enumerate([43, 42, 41, 40]):
-            assert off.read_block_for_test(t, b) == data[t, i], f"tensor {t}, block {b}"
+            assert kt.read_block(off, t, b) == data[t, i], f"tensor {t}, block {b}"
     assert off.in_flight == 0
     off.shutdown()
     assert_nothing_leaked(rt)
@@ -316,20 +317,20 @@ def test_staged_backend_by_name(rt, staging_bytes, used):
     done = off.poll()
     for t in range(2):
         for b in [0, 3, 5]:
-            off.write_block_for_test(t, b, bytes(PAGE))
+            kt.write_block(off, t, b, bytes(PAGE))
     job = off.load([3, 1, 2], [9, 10, 11])
     off.wait(job)
     done += off.poll()
     assert [(c.direction, c.ok, c.backend) for c in done] == [("store", True, used), ("load", True, used)]
     for t in range(2):
         for b, src in [(9, 5), (10, 0), (11, 3)]:
-            assert off.read_block_for_test(t, b) == data[t, src], f"tensor {t}, block {b}"
+            assert kt.read_block(off, t, b) == data[t, src], f"tensor {t}, block {b}"
     off.shutdown()
     assert_nothing_leaked(rt)
 
 
 def test_round_trip_on_pageable_memory(rt):
-    rt.sim_fail_registration_for_test(nth=1, code=801)
+    kt.sim_fail_registration(rt, nth=1, code=801)
     off = make(rt, start=True)
     out = off.wait_pinned()
     assert out.state == "pageable" and out.state.reason == "not_supported"
@@ -341,8 +342,8 @@ def test_round_trip_on_pageable_memory(rt):
     job = off.load([7], [6])
     off.wait(job)
     off.poll()
-    assert off.read_block_for_test(0, 6) == data[0, 5]
-    assert off.read_block_for_test(1, 6) == data[1, 5]
+    assert kt.read_block(off, 0, 6) == data[0, 5]
+    assert kt.read_block(off, 1, 6) == data[1, 5]
     off.shutdown()
     assert_nothing_leaked(rt)
 
@@ -382,9 +383,9 @@ def test_bad_jobs(rt):
         off.wait(12345)
     assert e.value.kind == "unknown_job"
     with pytest.raises(kv.OptionsError):
-        off.read_block_for_test(2, 0)
+        kt.read_block(off, 2, 0)
     with pytest.raises(kv.OptionsError):
-        off.write_block_for_test(0, 0, b"short")
+        kt.write_block(off, 0, 0, b"short")
     off.shutdown()
     assert_nothing_leaked(rt)
 
@@ -413,7 +414,7 @@ def test_use_after_shutdown(rt):
 
 
 def test_shutdown_during_pinning(rt):
-    off = make(rt, host_blocks=256, chunk_bytes=2 * PAGE, start=True)
+    off = make(rt, host_blocks=256, max_chunk_bytes=2 * PAGE, start=True)
     off.shutdown()
     assert off.pin_state.is_final
     assert_nothing_leaked(rt)
