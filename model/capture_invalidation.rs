@@ -1,4 +1,4 @@
-//! Sim rule S1 (FACTS.md section 1, rows "cuMemHostRegister", default and
+//! Sim rule S1 (docs/driver-rules.md section 1, rows "cuMemHostRegister", default and
 //! relaxed columns; ordering effect "register running, then begin_capture
 //! blocks"): in every interleaving of a register on thread B with a GLOBAL
 //! capture on thread A, the simulated GPU either

@@ -17,7 +17,8 @@
 //! state Registered and counts the user until the launch is enqueued;
 //! `unregister_chunk` first marks the chunk Unregistering (no new users),
 //! waits for the users, and the driver's unregister then waits for the
-//! enqueued kernel (FACTS 1: unregister waits for the device to go idle).
+//! enqueued kernel (docs/driver-rules.md: unregister waits for the device
+//! to go idle).
 //! When no alias is available the engine falls back to per-fragment copies,
 //! which are valid on pageable memory.
 //!

@@ -28,7 +28,8 @@
 //!   copies from the region and registered it; shutdown on another thread;
 //!   the engine replays the graph, destroys it, releases the token, and
 //!   retries shutdown if it was refused). Negative N5 ignores the graph:
-//!   the replay after unregister poisons the context (FACTS 1, 719).
+//!   the replay after unregister poisons the context (docs/driver-rules.md,
+//!   719).
 //!
 //! Preemption bound 4 (the negatives run at 3, a subset of the
 //! interleavings of 4: each is caught there already). Why it holds: `begin_shutdown` decides, under the

@@ -15,7 +15,7 @@ use kvoffload::sync::Arc;
 
 /// What a model explores, stated next to the model and printed in the table.
 pub struct Bounds {
-    /// Property name as in DESIGN.md ("P1", "N3", or a sim rule "S1").
+    /// Property name as in docs/PROOFS.md ("P1", "N3", or a sim rule "S1").
     pub property: &'static str,
     /// Threads in the model, the simulated GPU's device thread included.
     pub threads: usize,

@@ -67,7 +67,7 @@ pub use options::{KvAlloc, KvSpec, OffloaderOptions, RegionSpec};
 use crate::manager::{BlockKey, BlockManager, Lookup, ManagerConfig, Placement, Skipped};
 use crate::pin::{pin_all, pin_all_agreed_by, Agreement, Prefault, Prepared, RankAgreement, RegionSlots};
 use crate::protocol::agreement::{AgreementError, RankSlots};
-use crate::protocol::{finish_shutdown, CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError, Variant};
+use crate::protocol::{finish_shutdown, CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
 use crate::region::{page_size, AnonOptions, Layout, Region};
 use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::{self, thread, Arc, Mutex};
@@ -581,7 +581,7 @@ impl Offloader {
         inner.jobs.insert(id, JobKeys { direction: Direction::DeviceToHost, keys: stored.clone() });
         // N18 (loom builds only): the keys readable at submission.
         #[cfg(loom)]
-        if self.coord.is(Variant::ReadableAtSubmit) {
+        if crate::protocol::variant_is!(self.coord, ReadableAtSubmit) {
             let _ = inner.manager.complete_store(&stored, true);
         }
         Ok(StoreSubmitted { job: Some(id), stored, skipped: out.skipped, evicted })
@@ -614,7 +614,7 @@ impl Offloader {
         inner.jobs.insert(id, JobKeys { direction: Direction::HostToDevice, keys: keys.to_vec() });
         // N19 (loom builds only): the slots released at submission.
         #[cfg(loom)]
-        if self.coord.is(Variant::SlotFreedAtLoadSubmit) {
+        if crate::protocol::variant_is!(self.coord, SlotFreedAtLoadSubmit) {
             let _ = inner.manager.complete_load(keys);
         }
         Ok(id)
@@ -648,33 +648,8 @@ impl Offloader {
     /// Never blocks on the GPU and never makes a capture-unsafe call while a
     /// window is open (it then returns what it found so far).
     pub fn poll(&self) -> Vec<Completion> {
-        let mut inner = sync::lock(&self.inner);
-        let Some(engine) = inner.engine.clone() else {
-            return Vec::new();
-        };
         let mut out = Vec::new();
-        for r in engine.poll_finished() {
-            let Some(job) = inner.jobs.remove(&r.id) else {
-                tracing::error!(job = r.id.0, "a job was reported that the offloader did not submit");
-                continue;
-            };
-            let applied = match job.direction {
-                Direction::DeviceToHost => inner.manager.complete_store(&job.keys, r.succeeded()),
-                Direction::HostToDevice => inner.manager.complete_load(&job.keys),
-            };
-            if let Err(e) = applied {
-                tracing::error!(job = r.id.0, error = %e, "applying a finished job to the block manager failed");
-            }
-            out.push(Completion {
-                job: r.id,
-                direction: r.direction,
-                keys: job.keys,
-                bytes: r.bytes,
-                seconds: r.seconds,
-                backend: r.backend,
-                error: r.error,
-            });
-        }
+        self.poll_each(&mut |c| out.push(c));
         out
     }
 
@@ -720,7 +695,7 @@ impl Offloader {
         // here on the coordinator refuses new windows, graphs and jobs.
         // (N15, loom builds only, keeps the old order: the refusal after the
         // teardown.)
-        let old_order = cfg!(loom) && self.coord.is(Variant::TeardownBeforeRefusal);
+        let old_order = crate::protocol::variant_is!(self.coord, TeardownBeforeRefusal);
         if !old_order {
             self.coord.close()?;
             *down = Down::Down;
@@ -806,7 +781,7 @@ impl Offloader {
     /// (negative models only).
     #[cfg(loom)]
     #[doc(hidden)]
-    pub fn set_variant(&self, v: Variant) {
+    pub fn set_variant(&self, v: crate::protocol::Variant) {
         self.coord.set_variant(v);
     }
 

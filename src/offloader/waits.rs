@@ -174,7 +174,6 @@ impl Offloader {
     /// or take a lock that a thread may hold while it calls the offloader
     /// (the GIL, say). Returns how many it handed out.
     pub fn poll_each(&self, sink: &mut dyn FnMut(Completion)) -> usize {
-        // The body of `Offloader::poll`, with the sink in the loop.
         let mut inner = sync::lock(&self.inner);
         let Some(engine) = inner.engine.clone() else {
             return 0;

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use crate::protocol::agreement::{agree, agree_via, AgreementError, OffloadMode, RankSlots, Transport};
-use crate::protocol::{Coordinator, PageableReason, PinState, Variant};
+use crate::protocol::{Coordinator, PageableReason, PinState};
 use crate::runtime::GpuRuntime;
 use crate::sync::{thread, Arc};
 
@@ -148,7 +148,7 @@ fn pin_then_agree(
         Err(PinState::Pageable(reason)) => Err(reason),
         Err(_) => Ok(()),
     };
-    if local.is_ok() && coord.is(Variant::PublishBeforeAgreement) {
+    if local.is_ok() && crate::protocol::variant_is!(coord, PublishBeforeAgreement) {
         // N8: offload turns on for this rank before the ranks agreed.
         coord.pin_finish(PinState::Pinned);
     }
@@ -241,7 +241,7 @@ fn rollback(
     reason: PageableReason,
 ) -> PageableReason {
     prefault.settle();
-    let order: Vec<usize> = if coord.is(Variant::ForgetfulRollback) {
+    let order: Vec<usize> = if crate::protocol::variant_is!(coord, ForgetfulRollback) {
         // N7: only the chunk registered last is undone.
         failed.checked_sub(1).into_iter().collect()
     } else {

@@ -92,7 +92,7 @@ pub enum AgreementError {
     },
     /// A rank that had not settled is known to be dead
     /// ([`RankSlots::alive`] is false: its process is gone), so it never
-    /// will; waiting would hang as upstream's TP peer did (FACTS.md
+    /// will; waiting would hang as upstream's TP peer did (docs/driver-rules.md,
     /// section 2, vLLM #46933).
     #[error("rank {rank} died before it settled its pin state")]
     RankDied {

@@ -49,6 +49,40 @@ use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 /// `interrupted` check (the module docs' rule for interruptible waits).
 const INTERRUPT_SLICE: Duration = Duration::from_millis(50);
 
+/// `bad!(state, Name)`: true when the coordinator's state `state` runs the
+/// known-bad variant `Variant::Name` of a negative model. Loom builds only:
+/// elsewhere it is `false` and the variant does not exist, so no negative
+/// model's knob is compiled into the engine's build.
+#[cfg(loom)]
+macro_rules! bad {
+    ($g:expr, $v:ident) => {
+        $g.variant == Variant::$v
+    };
+}
+#[cfg(not(loom))]
+macro_rules! bad {
+    ($g:expr, $v:ident) => {
+        false
+    };
+}
+
+/// `variant_is!(coord, Name)`: [`Coordinator::is`] of `Variant::Name` in
+/// loom builds, `false` (and not compiled) elsewhere; for the other
+/// modules' negative-model knobs.
+#[cfg(loom)]
+macro_rules! variant_is {
+    ($c:expr, $v:ident) => {
+        $c.is($crate::protocol::Variant::$v)
+    };
+}
+#[cfg(not(loom))]
+macro_rules! variant_is {
+    ($c:expr, $v:ident) => {
+        false
+    };
+}
+pub(crate) use variant_is;
+
 /// The process's one gate seal: only this module can make a [`Gate`]
 /// (`runtime::gate` explains the seal). Taken the first time a coordinator
 /// is made; if anything else took it first, that is a bug this panic names
@@ -73,9 +107,10 @@ pub enum CapturePolicy {
 }
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (N1-N7 in DESIGN.md; N9, N10 and N13-N19 in
-/// docs/PROOFS.md). Only loom builds can select a
-/// variant; every other build is always `Production`.
+/// negative models run (N1-N19, docs/PROOFS.md). The known-bad variants,
+/// the state that holds one and every branch that reads it exist only in
+/// loom builds (`bad!`, `variant_is!`): the engine's build has `Production`
+/// alone and none of the negative models' knobs.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub enum Variant {
     /// The protocol as shipped: every rule of the module docs enforced.
@@ -85,52 +120,68 @@ pub enum Variant {
     Production,
     /// N1: upstream's design: no capture window (windows open at once,
     /// library calls are not held back).
+    #[cfg(loom)]
     NoCaptureWindow,
     /// N2: shutdown unregisters without draining transfers.
+    #[cfg(loom)]
     NoDrainBeforeUnregister,
     /// N3: the completion poller queries events even while a window is open.
+    #[cfg(loom)]
     UngatedPoller,
     /// N4: the gather kernel gets an alias without checking registration.
+    #[cfg(loom)]
     UncheckedGather,
     /// N5: shutdown ignores graphs that still reference the region.
+    #[cfg(loom)]
     IgnoreLiveGraphs,
     /// N6: waiting for pinning inside a window is allowed (and hangs).
+    #[cfg(loom)]
     WaitInsideWindow,
     /// N7: rollback unregisters only the chunk that failed last.
+    #[cfg(loom)]
     ForgetfulRollback,
     /// N13: a rank publishes its own pin outcome (offload on) before the
     /// ranks exchanged theirs (P7).
+    #[cfg(loom)]
     PublishBeforeAgreement,
     /// N9: `TransferEngine::submit` as it was before issue 12: it checks
     /// the compute stream's capture status, then records the ordering
     /// event on it and waits for it on the handler's stream, all outside
     /// the gate (check-then-act: a capture may begin in between).
+    #[cfg(loom)]
     RacySubmit,
     /// N10: shutdown does not wait for pinning to settle before it
     /// unregisters (a registration in flight completes afterwards).
+    #[cfg(loom)]
     ShutdownSkipsPinWait,
     /// N14: the staged backend does not join its two staging streams back
     /// into the handler's stream, so a job's completion event does not
     /// cover its chunks (P5).
+    #[cfg(loom)]
     UnjoinedStaging,
     /// N16: a closing window does not hand the turn to a waiting library
     /// call, so windows opening back to back starve pinning (P6, liveness).
+    #[cfg(loom)]
     WindowKeepsTurn,
     /// N17: a guard's release (a window, a job ticket, a graph token, an
     /// alias, the end of a gated call) changes the state but wakes nobody
     /// (P6, liveness: a lost wake-up).
+    #[cfg(loom)]
     SilentRelease,
     /// N18: `Offloader::store` makes its keys readable when the store is
     /// submitted, not when it completed (P5).
+    #[cfg(loom)]
     ReadableAtSubmit,
     /// N19: `Offloader::load` releases its keys' slots when the load is
     /// submitted, so eviction may hand a slot to a store while the load
     /// still reads it (P5).
+    #[cfg(loom)]
     SlotFreedAtLoadSubmit,
     /// N15: `Offloader::shutdown` in its order before issue 20: it closes
     /// the offloader, drains and drops the transfer engine and frees its
     /// tensors, and only then asks the coordinator, which may refuse (a
     /// window open, a graph alive): the refusal comes after the teardown.
+    #[cfg(loom)]
     TeardownBeforeRefusal,
 }
 
@@ -176,6 +227,8 @@ enum Phase {
 
 struct State {
     policy: CapturePolicy,
+    /// The negative model's knob (loom builds only, `bad!`).
+    #[cfg(loom)]
     variant: Variant,
     pin: PinState,
     cancel_pin: bool,
@@ -215,7 +268,7 @@ impl State {
     }
 
     fn window_may_open(&self) -> bool {
-        if self.variant == Variant::NoCaptureWindow {
+        if bad!(self, NoCaptureWindow) {
             return true;
         }
         self.unsafe_in_flight == 0
@@ -224,7 +277,7 @@ impl State {
     }
 
     fn unsafe_may_start(&self) -> bool {
-        if self.variant == Variant::NoCaptureWindow {
+        if bad!(self, NoCaptureWindow) {
             return true;
         }
         self.windows_open == 0 && (self.windows_waiting == 0 || !self.window_could_open() || self.turn == Turn::Library)
@@ -319,7 +372,7 @@ impl Shared {
     fn release(&self, f: impl FnOnce(&mut State)) {
         let mut g = self.lock();
         f(&mut g);
-        if g.variant != Variant::SilentRelease {
+        if !bad!(g, SilentRelease) {
             self.cv.notify_all();
         }
     }
@@ -346,7 +399,7 @@ impl Drop for CaptureWindow {
     fn drop(&mut self) {
         self.coord.release(|g| {
             g.windows_open -= 1;
-            if g.variant != Variant::WindowKeepsTurn {
+            if !bad!(g, WindowKeepsTurn) {
                 g.turn = Turn::Library;
             }
             if let Some(i) = g.window_owners.iter().position(|t| *t == self.owner) {
@@ -455,6 +508,7 @@ impl Coordinator {
             shared: Arc::new(Shared {
                 state: Mutex::new(State {
                     policy,
+                    #[cfg(loom)]
                     variant: Variant::Production,
                     pin: PinState::Pending,
                     cancel_pin: false,
@@ -498,8 +552,9 @@ impl Coordinator {
         self.lock().variant = v;
     }
 
-    /// True when this coordinator runs variant `v` (always false outside
-    /// loom builds for every variant but `Production`).
+    /// True when this coordinator runs variant `v` (loom builds only: the
+    /// other modules ask through `variant_is!`, which is `false` elsewhere).
+    #[cfg(loom)]
     pub fn is(&self, v: Variant) -> bool {
         self.lock().variant == v
     }
@@ -683,7 +738,7 @@ impl Coordinator {
         record: impl FnOnce(&mut State, &T),
     ) -> Result<T, ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(me()) && g.variant != Variant::NoCaptureWindow {
+        if g.owns_window(me()) && !bad!(g, NoCaptureWindow) {
             return Err(ProtocolError::WouldDeadlock { what });
         }
         g.unsafe_waiting += 1;
@@ -721,7 +776,7 @@ impl Coordinator {
     /// a window is open or about to open (the poller tries again later).
     pub fn try_unsafe_call<T>(&self, f: impl FnOnce(&Gate) -> T) -> Result<T, ProtocolError> {
         let g = self.lock();
-        let bypass = g.variant == Variant::UngatedPoller;
+        let bypass = bad!(g, UngatedPoller);
         if !bypass && (g.owns_window(me()) || !g.unsafe_may_start()) {
             return Err(ProtocolError::WindowBusy);
         }
@@ -874,7 +929,7 @@ impl Coordinator {
     /// Interleave policy that would never return: typed error instead.
     pub fn wait_pin_final(&self) -> Result<PinState, ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(me()) && !g.pin.is_final() && g.variant != Variant::WaitInsideWindow {
+        if g.owns_window(me()) && !g.pin.is_final() && !bad!(g, WaitInsideWindow) {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" });
         }
         g.pin_waiters += 1;
@@ -893,7 +948,7 @@ impl Coordinator {
     /// it). Refused like the blocking form inside one's own window.
     pub fn wait_pin_final_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<PinState, ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(me()) && !g.pin.is_final() && g.variant != Variant::WaitInsideWindow {
+        if g.owns_window(me()) && !g.pin.is_final() && !bad!(g, WaitInsideWindow) {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" });
         }
         g.pin_waiters += 1;
@@ -912,7 +967,7 @@ impl Coordinator {
     /// chunk; the chunk stays registered while the guard lives.
     pub fn acquire_alias(&self, addr: usize, len: usize) -> Option<AliasGuard> {
         let mut g = self.lock();
-        let unchecked = g.variant == Variant::UncheckedGather;
+        let unchecked = bad!(g, UncheckedGather);
         let i = g.chunks.iter().position(|c| addr >= c.addr && addr + len <= c.addr + c.len)?;
         let c = &mut g.chunks[i];
         let base = match c.reg {
@@ -952,7 +1007,7 @@ impl Coordinator {
         if g.phase != Phase::Running {
             return Err(ProtocolError::ShutDown);
         }
-        if g.variant != Variant::NoCaptureWindow && (g.owns_window(me()) || !g.unsafe_may_start()) {
+        if !bad!(g, NoCaptureWindow) && (g.owns_window(me()) || !g.unsafe_may_start()) {
             return Err(ProtocolError::WindowBusy);
         }
         g.jobs_in_flight += 1;
@@ -998,7 +1053,7 @@ impl Coordinator {
         if g.windows_open > 0 {
             return Err(ProtocolError::WindowOpen { open: g.windows_open });
         }
-        if g.graphs_live > 0 && g.variant != Variant::IgnoreLiveGraphs {
+        if g.graphs_live > 0 && !bad!(g, IgnoreLiveGraphs) {
             return Err(ProtocolError::GraphsAlive { live: g.graphs_live });
         }
         g.phase = Phase::ShuttingDown;
@@ -1017,12 +1072,12 @@ impl Coordinator {
         let mut g = self.lock();
         debug_assert!(g.phase != Phase::Running, "drain before close");
         tracing::info!(jobs = g.jobs_in_flight, pin = ?g.pin, "shutdown: draining");
-        if g.variant != Variant::NoDrainBeforeUnregister {
+        if !bad!(g, NoDrainBeforeUnregister) {
             while g.jobs_in_flight > 0 {
                 g = self.wait(g);
             }
         }
-        if g.variant != Variant::ShutdownSkipsPinWait {
+        if !bad!(g, ShutdownSkipsPinWait) {
             while !g.pin.is_final() {
                 g = self.wait(g);
             }

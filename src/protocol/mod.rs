@@ -9,6 +9,7 @@ mod coordinator;
 mod error;
 mod shutdown;
 
+pub(crate) use coordinator::variant_is;
 pub use coordinator::{
     Activity, AliasGuard, CapturePolicy, CaptureWindow, ChunkReg, Coordinator, GraphToken, JobTicket, KeepAlive,
     Variant,

@@ -22,7 +22,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use crate::protocol::{AliasGuard, ChunkReg, Coordinator, JobTicket, ProtocolError, Variant};
+use crate::protocol::{AliasGuard, ChunkReg, Coordinator, JobTicket, ProtocolError};
 use crate::runtime::{
     CaptureStatus, DevicePtr, Direction, DriverError, DriverResult, Event, GpuRuntime, Stream, GATHER_ENTRY_BYTES,
     GATHER_ENTRY_WORDS,
@@ -223,7 +223,7 @@ impl TransferEngine {
         let (Some(store), Some(load)) = (store, load) else {
             unreachable!("two handlers were made");
         };
-        let racy_submit = coord.is(Variant::RacySubmit);
+        let racy_submit = crate::protocol::variant_is!(coord, RacySubmit);
         Ok(TransferEngine {
             rt,
             coord,

@@ -42,7 +42,7 @@
 
 use std::ops::Range;
 
-use crate::protocol::{Coordinator, Variant};
+use crate::protocol::Coordinator;
 use crate::runtime::{
     DevicePtr, Direction, DriverResult, Event, Fragment, GpuRuntime, Kernel, Stream, GATHER_ENTRY_BYTES,
 };
@@ -231,7 +231,7 @@ impl Staging {
                 joins: [events[0], events[1]],
                 next: AtomicUsize::new(0),
                 ring: None,
-                unjoined: coord.is(Variant::UnjoinedStaging),
+                unjoined: crate::protocol::variant_is!(coord, UnjoinedStaging),
             })),
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, bytes = total, "no device staging buffers; the staged backend is off");

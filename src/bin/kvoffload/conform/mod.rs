@@ -94,7 +94,7 @@ impl Report {
     pub fn markdown(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "# Conformance: backend `{}`\n\nDevice: {}\n", self.backend, self.device);
-        let _ = writeln!(s, "| scenario | FACTS row | expected | observed | match | detail |");
+        let _ = writeln!(s, "| scenario | driver rule (docs/driver-rules.md) | expected | observed | match | detail |");
         let _ = writeln!(s, "|---|---|---|---|---|---|");
         for r in &self.rows {
             let _ = writeln!(
