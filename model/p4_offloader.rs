@@ -2,7 +2,7 @@
 //! simulated GPU, built by `Offloader::with_allocated_tensors` and pinning in
 //! the background (`Offloader::start`), as an engine uses it.
 //!
-//! Two scenarios, each with the offloader's pinner (2 chunks, no
+//! Three scenarios, each with the offloader's pinner (2 chunks, no
 //! pre-fault), the sim's device thread and a thread that calls
 //! `Offloader::shutdown`:
 //! - **a live graph** (4 threads): the engine registered a graph token and
@@ -22,6 +22,17 @@
 //!   Every capture ends with a graph, and the region ends unregistered.
 //!   Paths: `start`, `gated`, `capture_window`, `shutdown` (concurrent,
 //!   maybe refused, retried), `Drop`.
+//!
+//! - **jobs in flight while pinning runs** (4 threads): the engine has a
+//!   store in flight and pinning running when shutdown is called on another
+//!   thread; it succeeds, the store was applied (the key counted stored,
+//!   nothing in flight), and nothing is left registered. Paths: `start`,
+//!   `store`, `shutdown`, `in_flight`, `stored_blocks`. Negative N20
+//!   (`Variant::OffloaderSkipsDrain`: the offloader does not poll its jobs
+//!   to completion before it drops the transfer engine) is caught: "shutdown
+//!   returned with a job not applied" (the engine's drop waits for the copy
+//!   but its completion never reaches the block manager: the stored key is
+//!   lost).
 //!
 //! Negative N15 (`Variant::TeardownBeforeRefusal`): `Offloader::shutdown`
 //! in its order before issue 20, which tore the offloader down (closed it,
@@ -138,6 +149,23 @@ fn refused_with_a_live_graph(variant: Variant) {
     assert!(off.pin_state().is_final());
 }
 
+/// Shutdown (on another thread) while a store is in flight and pinning
+/// runs: it succeeds, the store is applied before it returns (its key is
+/// counted stored), and nothing is left registered.
+fn with_jobs_and_pinning(variant: Variant) {
+    let (rt, off) = offloader(variant);
+    write_block(&off, 0, 0x5a);
+    off.start().unwrap();
+    off.store(&[BlockKey::new(1, 0)], &[0]).unwrap();
+    let o2 = off.clone();
+    let done = thread::spawn(move || o2.shutdown()).join().unwrap();
+    assert!(done.is_ok(), "shutdown with a job in flight failed: {done:?}");
+    assert_eq!(off.in_flight(), 0, "shutdown returned with a job not applied");
+    assert_eq!(off.stored_blocks(), 1, "the store in flight was lost");
+    assert_eq!(sim(&rt).registered_ranges(), 0, "region left registered after shutdown");
+    assert!(off.pin_state().is_final());
+}
+
 fn racing_a_capture(variant: Variant) {
     let (rt, off) = offloader(variant);
     off.start().unwrap();
@@ -180,6 +208,22 @@ fn p4_offloader_refuses_shutdown_with_a_live_graph_and_changes_nothing() {
 #[test]
 fn p4_offloader_shutdown_races_a_window_and_a_capture() {
     check("p4_offloader_racing_a_capture", B, || racing_a_capture(Variant::Production));
+}
+
+#[test]
+fn p4_offloader_shutdown_drains_jobs_while_pinning_runs() {
+    check("p4_offloader_jobs_and_pinning", B, || with_jobs_and_pinning(Variant::Production));
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n20_offloader_skips_its_drain() {
+    negative(
+        "n20_offloader_skips_drain",
+        Bounds { property: "N20", ..B },
+        "shutdown returned with a job not applied",
+        || with_jobs_and_pinning(Variant::OffloaderSkipsDrain),
+    );
 }
 
 #[test]

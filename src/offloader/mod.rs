@@ -707,7 +707,8 @@ impl Offloader {
             inner.engine.clone()
         };
         let mut drained = Ok(());
-        if let Some(engine) = &engine {
+        let skip_drain = crate::protocol::variant_is!(self.coord, OffloaderSkipsDrain);
+        if let Some(engine) = engine.as_ref().filter(|_| !skip_drain) {
             // No window can open any more (the coordinator is closed), so
             // neither the waits nor the polls are refused.
             drained = engine.wait_all().map_err(OffloaderError::from);

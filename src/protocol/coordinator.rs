@@ -107,7 +107,7 @@ pub enum CapturePolicy {
 }
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (N1-N19, docs/PROOFS.md). The known-bad variants,
+/// negative models run (N1-N20, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// loom builds (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
@@ -177,6 +177,11 @@ pub enum Variant {
     /// still reads it (P5).
     #[cfg(loom)]
     SlotFreedAtLoadSubmit,
+    /// N20: `Offloader::shutdown` skips its own drain (polling its jobs to
+    /// completion) and drops the transfer engine with jobs unreported: their
+    /// completions never reach the block manager (P4, P5).
+    #[cfg(loom)]
+    OffloaderSkipsDrain,
     /// N15: `Offloader::shutdown` in its order before issue 20: it closes
     /// the offloader, drains and drops the transfer engine and frees its
     /// tensors, and only then asks the coordinator, which may refuse (a
