@@ -35,7 +35,7 @@
 //!   lost).
 //!
 //! Negative N15 (`Variant::TeardownBeforeRefusal`): `Offloader::shutdown`
-//! in its order before issue 20, which tore the offloader down (closed it,
+//! in its earlier order, which tore the offloader down (closed it,
 //! drained and dropped the transfer engine, freed its tensors) and asked
 //! the coordinator only afterwards. Caught in the first scenario ("a
 //! refused shutdown marked the offloader down": the later load would get

@@ -30,7 +30,7 @@ fn sim(rt: &Arc<dyn GpuRuntime>) -> &SimRuntime {
 /// Shutdown with a live graph token is refused with nothing changed: the
 /// region stays registered, jobs are still accepted and complete, keys stay
 /// readable, and once the token is gone a later shutdown succeeds and
-/// unregisters everything. (Before issue 20 the refusal came after the
+/// unregisters everything. (The refusal used to come after the
 /// offloader had closed, drained and dropped its engine and freed its
 /// tensors: the next store got `ShutDown`, the retry `AlreadyShutDown`, and
 /// the region stayed registered.)

@@ -1,4 +1,4 @@
-//! The coordinator's interruptible waits (issue 20, item 7): an interrupted
+//! The coordinator's interruptible waits: an interrupted
 //! wait returns `Interrupted` and leaves no trace (the coordinator's
 //! activity as before the call; a later window opens), its check is called
 //! with the coordinator's lock released, and the blocked parties it held

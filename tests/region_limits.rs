@@ -1,4 +1,4 @@
-//! Limits checked before work (issue 20, item 7): a region larger than the
+//! Limits checked before work: a region larger than the
 //! memory this process can get (the smaller of MemAvailable and its
 //! cgroup's limit minus usage) is `RegionError::MemoryTooSmall`, naming the
 //! bytes asked for, the bytes available and where that limit came from,

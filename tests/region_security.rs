@@ -1,4 +1,4 @@
-//! The shared region is this user's alone (issue 20, item 5): a joiner
+//! The shared region is this user's alone: a joiner
 //! never follows a link planted under a region file's name, and uses only
 //! regular files owned by its own user with no group or other permission
 //! bits (or, with `ShmOptions::allow_group`, group bits of that one

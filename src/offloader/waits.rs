@@ -1,4 +1,4 @@
-//! The interruptible waits of [`Offloader`] (issue 20, item 7: Ctrl-C
+//! The interruptible waits of [`Offloader`] (for Ctrl-C
 //! during a wait of the Python front).
 //!
 //! Each waits for what its blocking form waits for and calls

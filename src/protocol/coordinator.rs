@@ -182,7 +182,7 @@ pub enum Variant {
     /// completions never reach the block manager (P4, P5).
     #[cfg(loom)]
     OffloaderSkipsDrain,
-    /// N15: `Offloader::shutdown` in its order before issue 20: it closes
+    /// N15: `Offloader::shutdown` in its earlier order: it closes
     /// the offloader, drains and drops the transfer engine and frees its
     /// tensors, and only then asks the coordinator, which may refuse (a
     /// window open, a graph alive): the refusal comes after the teardown.

@@ -1,5 +1,5 @@
 //! How much memory this process can get, checked before a region is made
-//! (issue 20, item 7: limits checked before work).
+//! (limits checked before work).
 //!
 //! What a process can get is the smaller of
 //! - `MemAvailable` of `/proc/meminfo` (the whole machine), and

@@ -1,4 +1,4 @@
-//! The shared region is this user's alone (issue 20, item 5).
+//! The shared region is this user's alone.
 //!
 //! Every file of a shared region is reached through one descriptor of its
 //! directory ([`RegionDir`], opened once per `create`/`join`) by a bare
