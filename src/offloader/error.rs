@@ -54,6 +54,28 @@ pub enum OffloaderError {
         /// GPU blocks given.
         got: usize,
     },
+    /// A slot job's `gpu_blocks` does not give `block_factor` GPU blocks per
+    /// host slot.
+    #[error("{slots} host slots need {need} GPU blocks ({factor} per slot), {got} given")]
+    SlotBlockCount {
+        /// Host slots in the call.
+        slots: usize,
+        /// GPU blocks per host slot.
+        factor: usize,
+        /// GPU blocks needed.
+        need: usize,
+        /// GPU blocks given.
+        got: usize,
+    },
+    /// A keyed call on a slot-addressed offloader, or a slot call on a
+    /// keyed one (see [`super::Addressing`]).
+    #[error("{call} is not available: this offloader's host blocks are addressed by {addressing:?}")]
+    WrongAddressing {
+        /// The refused call.
+        call: &'static str,
+        /// How this offloader addresses its host blocks.
+        addressing: super::Addressing,
+    },
     /// A load named a key the offloader does not hold ready.
     #[error("key {key} is not stored (or its store has not completed)")]
     NotStored {

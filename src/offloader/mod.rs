@@ -13,7 +13,11 @@
 //!   while it is open (P1), and with the default policy it opens only once
 //!   pinning is final (P2);
 //! - [`Offloader::lookup`], [`Offloader::store`], [`Offloader::load`] by
-//!   block keys and the engine's GPU block ids;
+//!   block keys and the engine's GPU block ids; or, for an engine that
+//!   manages its own host blocks (built with [`Addressing::Slots`], e.g.
+//!   [`OffloaderOptions::with_host_slots`]), [`Offloader::store_slots`] and
+//!   [`Offloader::load_slots`] by its own job ids, GPU block ids and host
+//!   slot ids (no block manager; the two kinds never mix on one offloader);
 //! - [`Offloader::poll`]: finished jobs, already applied to the block
 //!   manager (a stored key becomes readable only once its store completed;
 //!   a loaded key's slot is released once its load completed, P5);
@@ -62,7 +66,7 @@ use std::collections::HashMap;
 
 pub use error::OffloaderError;
 pub use observe::PinObserver;
-pub use options::{KvAlloc, KvSpec, OffloaderOptions, RegionSpec};
+pub use options::{Addressing, KvAlloc, KvSpec, OffloaderOptions, RegionSpec};
 
 use crate::manager::{BlockKey, BlockManager, Lookup, ManagerConfig, Placement, Skipped};
 use crate::pin::{pin_all, pin_all_agreed_by, Agreement, Prefault, Prepared, RankAgreement, RegionSlots};
@@ -95,7 +99,9 @@ pub struct Completion {
     pub job: JobId,
     /// Store (`DeviceToHost`) or load (`HostToDevice`).
     pub direction: Direction,
-    /// Its keys.
+    /// Its keys (none for a job of [`Offloader::store_slots`] or
+    /// [`Offloader::load_slots`]: its id is the engine's, which knows its
+    /// slots).
     pub keys: Vec<BlockKey>,
     /// Bytes moved.
     pub bytes: u64,
@@ -166,6 +172,7 @@ pub struct Offloader {
     prefault: Arc<dyn Prefault>,
     agreement: Option<RankAgreement>,
     bytes_total: usize,
+    addressing: Addressing,
     inner: Mutex<Inner>,
     pinner: Mutex<Pinner>,
     /// Tensors and the compute stream the offloader made, freed at shutdown.
@@ -351,7 +358,14 @@ impl Offloader {
             GroupSpec { tensors: kv.tensors.clone(), num_gpu_blocks: kv.gpu_blocks, num_host_blocks: opts.host_blocks };
         let placement = HostPlacement::BlockStrided { stride: layout.chunk_stride() };
         let kv_layout = KvLayout::new(&[group], kv.block_factor, host_base, placement)?;
-        let manager = BlockManager::new(ManagerConfig::new(opts.host_blocks, opts.eviction))?;
+        // Slot addressing uses no block manager; `poll` still applies each
+        // completion to one (with no keys: nothing changes), so a
+        // one-slot manager stands in.
+        let manager_slots = match opts.addressing {
+            Addressing::Keys => opts.host_blocks,
+            Addressing::Slots => 1,
+        };
+        let manager = BlockManager::new(ManagerConfig::new(manager_slots, opts.eviction))?;
         // SAFETY: the host area is this rank's slots of `region`, which the
         // offloader (and the coordinator) hold until the engine is gone;
         // only the engine's DMA touches them (the offloader hands out no
@@ -362,6 +376,7 @@ impl Offloader {
         }?;
         tracing::info!(
             backend = rt.backend(),
+            addressing = ?opts.addressing,
             rank,
             ranks,
             host_blocks = opts.host_blocks,
@@ -378,6 +393,7 @@ impl Offloader {
             prefault,
             agreement,
             bytes_total,
+            addressing: opts.addressing,
             inner: Mutex::new(Inner {
                 manager,
                 engine: Some(Arc::new(engine)),
@@ -424,6 +440,17 @@ impl Offloader {
     /// The host region.
     pub fn region(&self) -> &Region {
         &self.region
+    }
+
+    /// How host blocks are addressed (keys or the engine's slot ids).
+    pub fn addressing(&self) -> Addressing {
+        self.addressing
+    }
+
+    /// Host blocks of this rank: the block manager's slots, or the slot ids
+    /// `0..host_blocks()` of [`Addressing::Slots`].
+    pub fn host_blocks(&self) -> usize {
+        self.layout.num_host_blocks(0)
     }
 
     // ---- pinning ----
@@ -530,7 +557,8 @@ impl Offloader {
     // ---- blocks ----
 
     /// What the offloader holds of each key (counts as a lookup for the
-    /// eviction policy).
+    /// eviction policy). With [`Addressing::Slots`] no key is ever held:
+    /// every key is absent.
     pub fn lookup(&self, keys: &[BlockKey]) -> Vec<Lookup> {
         sync::lock(&self.inner).manager.lookup(keys)
     }
@@ -538,6 +566,15 @@ impl Offloader {
     /// Keys stored and readable now.
     pub fn stored_blocks(&self) -> usize {
         sync::lock(&self.inner).manager.len()
+    }
+
+    /// Refuses `call` unless the offloader addresses its host blocks by
+    /// `want`.
+    fn check_addressing(&self, call: &'static str, want: Addressing) -> Result<(), OffloaderError> {
+        if self.addressing != want {
+            return Err(OffloaderError::WrongAddressing { call, addressing: self.addressing });
+        }
+        Ok(())
     }
 
     fn check_gpu_blocks(&self, keys: &[BlockKey], gpu_blocks: &[usize]) -> Result<(), OffloaderError> {
@@ -558,6 +595,7 @@ impl Offloader {
     /// moment; the engine must not write those GPU blocks until the job is
     /// reported.
     pub fn store(&self, keys: &[BlockKey], gpu_blocks: &[usize]) -> Result<StoreSubmitted, OffloaderError> {
+        self.check_addressing("store", Addressing::Keys)?;
         self.check_gpu_blocks(keys, gpu_blocks)?;
         let mut inner = sync::lock(&self.inner);
         if inner.closed {
@@ -595,6 +633,7 @@ impl Offloader {
     /// moment; the engine must not touch those GPU blocks until the job is
     /// reported.
     pub fn load(&self, keys: &[BlockKey], gpu_blocks: &[usize]) -> Result<JobId, OffloaderError> {
+        self.check_addressing("load", Addressing::Keys)?;
         self.check_gpu_blocks(keys, gpu_blocks)?;
         let mut inner = sync::lock(&self.inner);
         if inner.closed {
@@ -618,6 +657,86 @@ impl Offloader {
             let _ = inner.manager.complete_load(keys);
         }
         Ok(id)
+    }
+
+    /// Stores GPU blocks `gpu_blocks` into host slots `slots` (the engine's
+    /// slot ids, `0..host_blocks()`) as job `id`, the engine's id for it
+    /// (with [`Addressing::Slots`] only). Slot `slots[i]` receives GPU
+    /// blocks `gpu_blocks[i * f .. (i + 1) * f]` (`f` = `block_factor`,
+    /// every tensor), so `gpu_blocks.len() == slots.len() * f`.
+    ///
+    /// The store is ordered after the work on the compute stream at this
+    /// moment, as a keyed store; [`Offloader::poll`] reports it once (a
+    /// [`Completion`] with no keys), with its bytes and seconds, and
+    /// [`Offloader::wait`] / [`Offloader::wait_all`] wait for it. Until it
+    /// is reported the engine must not write those GPU blocks, nor read the
+    /// slots or hand them to another job (the offloader does not track
+    /// slots: the engine owns them). Once it is reported the slots hold the
+    /// bytes and may be loaded, or stored again.
+    ///
+    /// Errors, with nothing submitted: [`OffloaderError::WrongAddressing`]
+    /// on a keyed offloader; [`OffloaderError::SlotBlockCount`];
+    /// [`OffloaderError::ShutDown`]; and from the transfer engine
+    /// ([`OffloaderError::Transfer`]): [`TransferError::JobIdReused`] when
+    /// `id` was used before (ids are never reused, reported or not),
+    /// [`TransferError::HostBlockOutOfRange`] /
+    /// [`TransferError::GpuBlockOutOfRange`] (the id and the limit),
+    /// [`TransferError::RepeatedHostBlock`] /
+    /// [`TransferError::RepeatedGpuBlock`] (within the job),
+    /// [`TransferError::EmptyJob`], and the refusals every job has
+    /// (a capture window open, a capturing compute stream, shutdown).
+    ///
+    /// [`TransferError::JobIdReused`]: crate::transfer::TransferError::JobIdReused
+    /// [`TransferError::HostBlockOutOfRange`]: crate::transfer::TransferError::HostBlockOutOfRange
+    /// [`TransferError::GpuBlockOutOfRange`]: crate::transfer::TransferError::GpuBlockOutOfRange
+    /// [`TransferError::RepeatedHostBlock`]: crate::transfer::TransferError::RepeatedHostBlock
+    /// [`TransferError::RepeatedGpuBlock`]: crate::transfer::TransferError::RepeatedGpuBlock
+    /// [`TransferError::EmptyJob`]: crate::transfer::TransferError::EmptyJob
+    pub fn store_slots(&self, id: JobId, gpu_blocks: &[usize], slots: &[usize]) -> Result<(), OffloaderError> {
+        self.submit_slots("store_slots", Direction::DeviceToHost, id, gpu_blocks, slots)
+    }
+
+    /// Loads host slots `slots` into GPU blocks `gpu_blocks` as job `id`
+    /// (the engine's id), with [`Addressing::Slots`] only: GPU blocks
+    /// `gpu_blocks[i * f .. (i + 1) * f]` receive slot `slots[i]`. The
+    /// slots hold what the engine's last reported store to them wrote (the
+    /// offloader does not check: the engine owns its slots). Until
+    /// [`Offloader::poll`] reports the job the engine must not touch those
+    /// GPU blocks nor store to those slots. Ordering, reporting, waits and
+    /// errors as [`Offloader::store_slots`].
+    pub fn load_slots(&self, id: JobId, gpu_blocks: &[usize], slots: &[usize]) -> Result<(), OffloaderError> {
+        self.submit_slots("load_slots", Direction::HostToDevice, id, gpu_blocks, slots)
+    }
+
+    fn submit_slots(
+        &self,
+        call: &'static str,
+        dir: Direction,
+        id: JobId,
+        gpu_blocks: &[usize],
+        slots: &[usize],
+    ) -> Result<(), OffloaderError> {
+        self.check_addressing(call, Addressing::Slots)?;
+        let factor = self.kv.block_factor;
+        let need = slots.len().saturating_mul(factor);
+        if gpu_blocks.len() != need {
+            return Err(OffloaderError::SlotBlockCount { slots: slots.len(), factor, need, got: gpu_blocks.len() });
+        }
+        let mut inner = sync::lock(&self.inner);
+        if inner.closed {
+            return Err(OffloaderError::ShutDown);
+        }
+        let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
+        // The engine checks the ids (range, repeats, the job id never used
+        // before) and orders the job after the compute stream, as for a
+        // keyed job; with every count exact, no sub-block is skipped.
+        let job = JobBlocks::single(gpu_blocks.to_vec(), slots.to_vec());
+        match dir {
+            Direction::DeviceToHost => engine.store(id, &job)?,
+            Direction::HostToDevice => engine.load(id, &job)?,
+        }
+        inner.jobs.insert(id, JobKeys { direction: dir, keys: Vec::new() });
+        Ok(())
     }
 
     /// The GPU blocks and host slots of `placements` (a subset of `keys`,

@@ -1,0 +1,381 @@
+//! The slot-addressed `Offloader` API (issue 21, the Rust part), on the
+//! simulated GPU: an engine that chooses its own host slots and job ids
+//! (vLLM's offloading manager) stores GPU blocks into slots and loads them
+//! back, byte for byte; slots reused after their store was reported; every
+//! typed refusal; job ids never reused; keyed and slot calls never mixed;
+//! shutdown drains slot jobs in flight.
+
+use kvoffload::manager::BlockKey;
+use kvoffload::offloader::{Addressing, KvAlloc, Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::runtime::pattern;
+use kvoffload::runtime::sim::SimRuntime;
+use kvoffload::runtime::{shared, Direction};
+use kvoffload::transfer::{JobId, TransferError};
+
+const PAGE: usize = 4096;
+const TENSORS: usize = 3;
+const FACTOR: usize = 2;
+const GPU_BLOCKS: usize = 32;
+const SLOTS: usize = 16;
+
+fn kv() -> KvAlloc {
+    KvAlloc { tensors: TENSORS, page_bytes: PAGE, gpu_blocks: GPU_BLOCKS, block_factor: FACTOR }
+}
+
+fn slot_offloader() -> Offloader {
+    let mut opts = OffloaderOptions::with_host_slots(SLOTS);
+    // Small chunks, so pinning takes several registrations.
+    opts.pin = opts.pin.max_chunk_bytes(4 * TENSORS * FACTOR * PAGE);
+    let off = Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).expect("slot offloader");
+    assert_eq!(off.addressing(), Addressing::Slots);
+    assert_eq!(off.host_blocks(), SLOTS);
+    off
+}
+
+/// The bytes of page `j` of tensor `t` of content `tag`.
+fn page(tag: u64, t: usize, j: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; PAGE];
+    pattern::fill(tag * 1000 + (t * 64 + j) as u64, &mut buf);
+    buf
+}
+
+/// Writes content `tag` into GPU blocks `gpu` of every tensor (synchronous
+/// copies through the offloader's runtime).
+fn write_blocks(off: &Offloader, tag: u64, gpu: &[usize]) {
+    let rt = off.runtime();
+    for (t, base) in off.tensors().into_iter().enumerate() {
+        for (j, &b) in gpu.iter().enumerate() {
+            let buf = page(tag, t, j);
+            // SAFETY: `buf` is readable for the synchronous copy; the
+            // destination is GPU block `b` of a tensor of the offloader.
+            unsafe { rt.copy_htod(base.offset(b * PAGE), buf.as_ptr() as usize, PAGE) }.unwrap();
+        }
+    }
+}
+
+/// Zeroes GPU blocks `gpu` of every tensor.
+fn zero_blocks(off: &Offloader, gpu: &[usize]) {
+    let rt = off.runtime();
+    let zero = vec![0u8; PAGE];
+    for base in off.tensors() {
+        for &b in gpu {
+            // SAFETY: as in `write_blocks`.
+            unsafe { rt.copy_htod(base.offset(b * PAGE), zero.as_ptr() as usize, PAGE) }.unwrap();
+        }
+    }
+}
+
+/// Pages of GPU blocks `gpu` (every tensor) that differ from content `tag`.
+fn bad_pages(off: &Offloader, tag: u64, gpu: &[usize]) -> usize {
+    let rt = off.runtime();
+    let mut bad = 0;
+    for (t, base) in off.tensors().into_iter().enumerate() {
+        for (j, &b) in gpu.iter().enumerate() {
+            let mut got = vec![0u8; PAGE];
+            // SAFETY: `got` is writable for the synchronous copy.
+            unsafe { rt.copy_dtoh(got.as_mut_ptr() as usize, base.offset(b * PAGE), PAGE) }.unwrap();
+            bad += usize::from(got != page(tag, t, j));
+        }
+    }
+    bad
+}
+
+/// Pages of host slots `slots` (every tensor, `FACTOR` sub-blocks each)
+/// that differ from content `tag` written from `FACTOR` GPU blocks per
+/// slot, read straight from the region. Only while no job touches them.
+fn bad_host_pages(off: &Offloader, tag: u64, slots: &[usize]) -> usize {
+    let l = off.layout();
+    let mut bad = 0;
+    for t in 0..TENSORS {
+        for (i, &s) in slots.iter().enumerate() {
+            for sub in 0..FACTOR {
+                let addr = l.host_addr(0, t, s, sub);
+                // SAFETY: a page of this rank's slot `s` of the mapped
+                // region; no job is in flight (the caller waited).
+                let got = unsafe { std::slice::from_raw_parts(addr as *const u8, PAGE) };
+                bad += usize::from(got != page(tag, t, i * FACTOR + sub).as_slice());
+            }
+        }
+    }
+    bad
+}
+
+/// Waits for every job and returns what poll reports.
+fn drain(off: &Offloader) -> Vec<kvoffload::offloader::Completion> {
+    off.wait_all().unwrap();
+    let done = off.poll();
+    assert_eq!(off.in_flight(), 0);
+    done
+}
+
+fn gpu_range(first: usize, n: usize) -> Vec<usize> {
+    (first..first + n).collect()
+}
+
+#[test]
+fn round_trip_through_chosen_slots_byte_for_byte() {
+    let off = slot_offloader();
+    off.start().unwrap();
+    let src = gpu_range(0, 4);
+    write_blocks(&off, 1, &src);
+    // Two slots the engine chose, out of order.
+    let slots = [9, 5];
+    off.store_slots(JobId(100), &src, &slots).unwrap();
+    assert_eq!(off.in_flight(), 1);
+    let done = drain(&off);
+    assert_eq!(done.len(), 1);
+    let c = &done[0];
+    assert_eq!((c.job, c.direction), (JobId(100), Direction::DeviceToHost));
+    assert!(c.keys.is_empty());
+    assert!(c.error.is_none(), "{:?}", c.error);
+    assert_eq!(c.bytes, (src.len() * TENSORS * PAGE) as u64);
+    assert!(c.seconds >= 0.0);
+    // The bytes sit in the slots the engine named, in its order.
+    assert_eq!(bad_host_pages(&off, 1, &slots), 0);
+
+    zero_blocks(&off, &src);
+    assert_eq!(bad_pages(&off, 1, &src), src.len() * TENSORS, "zeroed");
+    // Back into other GPU blocks, in the stored order ...
+    let dst = gpu_range(10, 4);
+    off.load_slots(JobId(101), &dst, &slots).unwrap();
+    // ... and the slots the other way round into a third set.
+    let swapped = gpu_range(20, 4);
+    off.load_slots(JobId(102), &swapped, &[5, 9]).unwrap();
+    let done = drain(&off);
+    assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(101), JobId(102)]);
+    for c in &done {
+        assert_eq!(c.direction, Direction::HostToDevice);
+        assert!(c.keys.is_empty() && c.error.is_none(), "{c:?}");
+        assert_eq!(c.bytes, (4 * TENSORS * PAGE) as u64);
+    }
+    assert_eq!(bad_pages(&off, 1, &dst), 0);
+    // GPU blocks 20, 21 got slot 5, which holds blocks 2 and 3 of the store.
+    let rt = off.runtime();
+    for (t, base) in off.tensors().into_iter().enumerate() {
+        for (j, &b) in swapped.iter().enumerate() {
+            let mut got = vec![0u8; PAGE];
+            // SAFETY: `got` is writable for the synchronous copy.
+            unsafe { rt.copy_dtoh(got.as_mut_ptr() as usize, base.offset(b * PAGE), PAGE) }.unwrap();
+            assert_eq!(got, page(1, t, (j + FACTOR) % (2 * FACTOR)), "tensor {t}, GPU block {b}");
+        }
+    }
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn slot_jobs_are_ordered_after_the_compute_stream() {
+    let off = slot_offloader();
+    let rt = off.runtime().clone();
+    let base = off.tensors()[0];
+    write_blocks(&off, 2, &[0, 1]);
+    // Work on the compute stream, not yet done when the store is
+    // submitted: the store must see what it writes.
+    // SAFETY: GPU blocks 0 and 1 of tensor 0 are the offloader's, written
+    // by nothing else until the store is reported.
+    unsafe { rt.memset_d8_async(base, 0xAB, 2 * PAGE, off.compute_stream()) }.unwrap();
+    off.store_slots(JobId(1), &[0, 1], &[3]).unwrap();
+    drain(&off);
+    off.load_slots(JobId(2), &[6, 7], &[3]).unwrap();
+    drain(&off);
+    for b in [6, 7] {
+        let mut got = vec![0u8; PAGE];
+        // SAFETY: `got` is writable for the synchronous copy.
+        unsafe { rt.copy_dtoh(got.as_mut_ptr() as usize, base.offset(b * PAGE), PAGE) }.unwrap();
+        assert!(got.iter().all(|&x| x == 0xAB), "GPU block {b} did not get the compute stream's bytes");
+    }
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn slots_are_reused_after_their_store_was_reported() {
+    let off = slot_offloader();
+    off.start().unwrap();
+    let src = gpu_range(0, 2);
+    let mut id = 1000u64;
+    let mut next = || {
+        id += 1;
+        JobId(id)
+    };
+    for round in 1..=4u64 {
+        write_blocks(&off, round, &src);
+        let store = next();
+        off.store_slots(store, &src, &[7]).unwrap();
+        off.wait(store).unwrap();
+        let done = off.poll();
+        assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [store]);
+        let dst = gpu_range(8 + 2 * round as usize, 2);
+        let load = next();
+        off.load_slots(load, &dst, &[7]).unwrap();
+        off.wait(load).unwrap();
+        assert_eq!(off.poll().len(), 1);
+        assert_eq!(bad_pages(&off, round, &dst), 0, "round {round}: slot 7 holds the last store");
+        assert_eq!(bad_host_pages(&off, round, &[7]), 0);
+    }
+    // Two loads of one slot at once (a shared prefix) are fine.
+    off.load_slots(next(), &[30, 31], &[7]).unwrap();
+    off.load_slots(next(), &[28, 29], &[7]).unwrap();
+    assert_eq!(drain(&off).len(), 2);
+    assert_eq!(bad_pages(&off, 4, &[30, 31]), 0);
+    assert_eq!(bad_pages(&off, 4, &[28, 29]), 0);
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn bad_slot_jobs_are_typed_errors_and_submit_nothing() {
+    let off = slot_offloader();
+    let store = |id: u64, gpu: &[usize], slots: &[usize]| off.store_slots(JobId(id), gpu, slots).unwrap_err();
+    let load = |id: u64, gpu: &[usize], slots: &[usize]| off.load_slots(JobId(id), gpu, slots).unwrap_err();
+    match store(1, &[0, 1, 2], &[0, 1]) {
+        OffloaderError::SlotBlockCount { slots: 2, factor: FACTOR, need: 4, got: 3 } => {}
+        e => panic!("{e:?}"),
+    }
+    match load(1, &[0, 1], &[]) {
+        OffloaderError::SlotBlockCount { slots: 0, factor: FACTOR, need: 0, got: 2 } => {}
+        e => panic!("{e:?}"),
+    }
+    match store(1, &[0, 1], &[SLOTS]) {
+        OffloaderError::Transfer(TransferError::HostBlockOutOfRange { group: 0, block: SLOTS, num_blocks: SLOTS }) => {}
+        e => panic!("{e:?}"),
+    }
+    match load(1, &[0, GPU_BLOCKS], &[0]) {
+        OffloaderError::Transfer(TransferError::GpuBlockOutOfRange {
+            group: 0,
+            block: GPU_BLOCKS,
+            num_blocks: GPU_BLOCKS,
+        }) => {}
+        e => panic!("{e:?}"),
+    }
+    match store(1, &[0, 1, 2, 3], &[4, 4]) {
+        OffloaderError::Transfer(TransferError::RepeatedHostBlock { group: 0, block: 4 }) => {}
+        e => panic!("{e:?}"),
+    }
+    match load(1, &[5, 6, 5, 7], &[1, 2]) {
+        OffloaderError::Transfer(TransferError::RepeatedGpuBlock { group: 0, block: 5 }) => {}
+        e => panic!("{e:?}"),
+    }
+    match store(1, &[], &[]) {
+        OffloaderError::Transfer(TransferError::EmptyJob { id: JobId(1) }) => {}
+        e => panic!("{e:?}"),
+    }
+    assert_eq!(off.in_flight(), 0, "a refused job is not in flight");
+    assert!(off.poll().is_empty(), "a refused job is never reported");
+    // Nothing was submitted, so id 1 was not used: it is accepted now.
+    off.store_slots(JobId(1), &[0, 1], &[0]).unwrap();
+    assert_eq!(drain(&off).len(), 1);
+    // Waits on ids that are not in flight: never submitted, and reported.
+    assert!(matches!(off.wait(JobId(77)), Err(OffloaderError::UnknownJob { id: JobId(77) })));
+    assert!(matches!(off.wait(JobId(1)), Err(OffloaderError::UnknownJob { id: JobId(1) })));
+    off.shutdown().unwrap();
+    match store(2, &[0, 1], &[0]) {
+        OffloaderError::ShutDown => {}
+        e => panic!("{e:?}"),
+    }
+}
+
+#[test]
+fn job_ids_are_never_reused() {
+    let off = slot_offloader();
+    off.store_slots(JobId(5), &[0, 1], &[0]).unwrap();
+    // In flight: the same id again, either direction.
+    match off.store_slots(JobId(5), &[2, 3], &[1]) {
+        Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(5) })) => {}
+        other => panic!("{other:?}"),
+    }
+    match off.load_slots(JobId(5), &[2, 3], &[1]) {
+        Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(5) })) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(off.in_flight(), 1);
+    let done = drain(&off);
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].bytes, (FACTOR * TENSORS * PAGE) as u64, "the first job, not a refused one");
+    // Reported: still used.
+    match off.load_slots(JobId(5), &[2, 3], &[0]) {
+        Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(5) })) => {}
+        other => panic!("{other:?}"),
+    }
+    // Ids need not grow: any id never used is accepted.
+    off.load_slots(JobId(3), &[2, 3], &[0]).unwrap();
+    off.load_slots(JobId(u64::MAX), &[4, 5], &[0]).unwrap();
+    off.load_slots(JobId(0), &[6, 7], &[0]).unwrap();
+    let done = drain(&off);
+    assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(3), JobId(u64::MAX), JobId(0)]);
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn keyed_and_slot_calls_never_mix() {
+    let off = slot_offloader();
+    let k = [BlockKey::new(1, 0)];
+    match off.store(&k, &[0, 1]) {
+        Err(OffloaderError::WrongAddressing { call: "store", addressing: Addressing::Slots }) => {}
+        other => panic!("{other:?}"),
+    }
+    match off.load(&k, &[0, 1]) {
+        Err(OffloaderError::WrongAddressing { call: "load", addressing: Addressing::Slots }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(off.stored_blocks(), 0);
+    assert_eq!(off.in_flight(), 0);
+    off.shutdown().unwrap();
+
+    let keyed =
+        Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), OffloaderOptions::with_host_blocks(SLOTS))
+            .unwrap();
+    assert_eq!(keyed.addressing(), Addressing::Keys);
+    match keyed.store_slots(JobId(1), &[0, 1], &[0]) {
+        Err(OffloaderError::WrongAddressing { call: "store_slots", addressing: Addressing::Keys }) => {}
+        other => panic!("{other:?}"),
+    }
+    match keyed.load_slots(JobId(1), &[0, 1], &[0]) {
+        Err(OffloaderError::WrongAddressing { call: "load_slots", addressing: Addressing::Keys }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(keyed.in_flight(), 0);
+    // The keyed API still works there.
+    let stored = keyed.store(&k, &[0, 1]).unwrap();
+    keyed.wait_all().unwrap();
+    assert_eq!(keyed.poll().iter().map(|c| c.job).collect::<Vec<_>>(), [stored.job.unwrap()]);
+    keyed.shutdown().unwrap();
+}
+
+#[test]
+fn shutdown_drains_slot_jobs_in_flight() {
+    let off = slot_offloader();
+    off.start().unwrap();
+    let mut slots = Vec::new();
+    for i in 0..8usize {
+        let gpu = gpu_range(2 * i, 2);
+        write_blocks(&off, 10 + i as u64, &gpu);
+        off.store_slots(JobId(i as u64), &gpu, &[15 - i]).unwrap();
+        slots.push(15 - i);
+    }
+    write_blocks(&off, 30, &[16, 17]);
+    off.store_slots(JobId(8), &[16, 17], &[0]).unwrap();
+    // A load from a slot the engine filled before (its store reported).
+    off.wait(JobId(8)).unwrap();
+    assert_eq!(off.poll().len(), 9);
+    off.load_slots(JobId(9), &[20, 21], &[0]).unwrap();
+    for i in 0..4usize {
+        let gpu = gpu_range(24 + 2 * i, 2);
+        write_blocks(&off, 40 + i as u64, &gpu);
+        off.store_slots(JobId(10 + i as u64), &gpu, &[1 + i]).unwrap();
+    }
+    assert_eq!(off.in_flight(), 5);
+    off.shutdown().unwrap();
+    assert_eq!(off.in_flight(), 0, "every slot job drained and reported");
+    assert!(off.poll().is_empty());
+    // Every store's bytes are in its slot, the drained ones too (the GPU
+    // blocks of the drained load went with the tensors at shutdown).
+    for (i, &s) in slots.iter().enumerate() {
+        assert_eq!(bad_host_pages(&off, 10 + i as u64, &[s]), 0, "slot {s}");
+    }
+    assert_eq!(bad_host_pages(&off, 30, &[0]), 0);
+    for i in 0..4usize {
+        assert_eq!(bad_host_pages(&off, 40 + i as u64, &[1 + i]), 0, "drained store to slot {}", 1 + i);
+    }
+    match off.store_slots(JobId(99), &[0, 1], &[0]) {
+        Err(OffloaderError::ShutDown) => {}
+        other => panic!("{other:?}"),
+    }
+}
