@@ -8,7 +8,7 @@
 use kvoffload::manager::BlockKey;
 use kvoffload::offloader::{Addressing, KvAlloc, Offloader, OffloaderError, OffloaderOptions};
 use kvoffload::runtime::pattern;
-use kvoffload::runtime::sim::SimRuntime;
+use kvoffload::runtime::sim::{HoldPoint, SimConfig, SimRuntime};
 use kvoffload::runtime::{shared, Direction};
 use kvoffload::transfer::{JobId, TransferError};
 
@@ -164,16 +164,27 @@ fn round_trip_through_chosen_slots_byte_for_byte() {
 
 #[test]
 fn slot_jobs_are_ordered_after_the_compute_stream() {
-    let off = slot_offloader();
+    // Two device workers: a store not ordered after the compute stream
+    // would run on the second while the first holds the compute stream's
+    // memset.
+    let sim = SimRuntime::with_config(SimConfig { workers: 2, ..SimConfig::default() });
+    let device = sim.another_handle();
+    let opts = OffloaderOptions::with_host_slots(SLOTS);
+    let off = Offloader::with_allocated_tensors(shared(sim), kv(), opts).unwrap();
     let rt = off.runtime().clone();
     let base = off.tensors()[0];
     write_blocks(&off, 2, &[0, 1]);
-    // Work on the compute stream, not yet done when the store is
+    let hold = device.hold(HoldPoint::DeviceOp);
+    // Work on the compute stream, held on the device while the store is
     // submitted: the store must see what it writes.
     // SAFETY: GPU blocks 0 and 1 of tensor 0 are the offloader's, written
     // by nothing else until the store is reported.
     unsafe { rt.memset_d8_async(base, 0xAB, 2 * PAGE, off.compute_stream()) }.unwrap();
+    hold.wait_entered();
     off.store_slots(JobId(1), &[0, 1], &[3]).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(off.poll(), Vec::new(), "the store completed while the compute stream's work was held");
+    hold.release();
     drain(&off);
     off.load_slots(JobId(2), &[6, 7], &[3]).unwrap();
     drain(&off);
