@@ -423,3 +423,211 @@ fn device_and_page_locked_memory_together_stay_within_the_host_limit() {
         gated(&rt, |gt| unsafe { rt.mem_free(gt, p) }).unwrap();
     }
 }
+
+/// Host memory owned by a test, handed to the sim by address
+/// (`adopt_host_memory`): read only through its raw pointer, after the
+/// device work on it was synchronized.
+struct HostTensor {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl HostTensor {
+    fn new(len: usize, fill: u8) -> Self {
+        let ptr = Box::into_raw(vec![fill; len].into_boxed_slice()) as *mut u8;
+        HostTensor { ptr, len }
+    }
+    fn addr(&self) -> usize {
+        self.ptr as usize
+    }
+    fn bytes(&self) -> Vec<u8> {
+        // SAFETY: `ptr..ptr+len` is this tensor's live allocation; callers
+        // read it only when no device work on it is queued.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }.to_vec()
+    }
+}
+
+impl Drop for HostTensor {
+    fn drop(&mut self) {
+        // SAFETY: made by `Box::into_raw` of a boxed slice of `len` bytes.
+        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+    }
+}
+
+/// Issue 21: host memory adopted as device memory, in place. Copies into
+/// the adopted range change the host bytes, copies out of it read them,
+/// and it does not count against the device memory (a sim of 4 KiB adopts
+/// 1 MiB). Before `adopt_host_memory` existed, a pointer the sim did not
+/// allocate was refused at enqueue (INVALID_VALUE), as the last lines
+/// check for a released range.
+#[test]
+fn a_copy_round_trip_through_adopted_memory_changes_the_host_bytes() {
+    use kvoffload::runtime::sim::SimConfig;
+    let rt = std::sync::Arc::new(SimRuntime::with_config(SimConfig { device_bytes: 4096, ..SimConfig::default() }));
+    let s = rt.stream_create().unwrap();
+    let t = HostTensor::new(1 << 20, 0);
+    // SAFETY: `t` outlives the adoption (released below) and is read only
+    // after the stream is synchronized.
+    let d = unsafe { rt.adopt_host_memory(t.addr(), t.len) }.unwrap();
+    assert_eq!(rt.adopted_ranges(), 1);
+    assert_eq!(rt.device_bytes_in_use(), 0, "adopted memory is not the sim's device memory");
+    let src: Vec<u8> = (0..4096).map(|i| (i * 7 % 251) as u8).collect();
+    // SAFETY: `src` outlives the synchronize; the destination is adopted.
+    unsafe { rt.copy_htod_async(d.offset(8192), src.as_ptr() as usize, 4096, s).unwrap() };
+    gated(&*rt, |gt| rt.stream_synchronize(gt, s)).unwrap();
+    let now = t.bytes();
+    assert_eq!(&now[8192..8192 + 4096], &src[..], "the copy wrote the host bytes in place");
+    assert!(now[..8192].iter().chain(&now[8192 + 4096..]).all(|&b| b == 0), "and nothing else");
+    // Back out, asynchronously and synchronously.
+    let mut out = host(4096, 0);
+    // SAFETY: `out` outlives the synchronize.
+    unsafe { rt.copy_dtoh_async(out.as_mut_ptr() as usize, d.offset(8192), 4096, s).unwrap() };
+    gated(&*rt, |gt| rt.stream_synchronize(gt, s)).unwrap();
+    assert_eq!(out, src);
+    let mut sync_out = host(16, 1);
+    // SAFETY: `sync_out` is writable for 16 bytes.
+    unsafe { rt.copy_dtoh(sync_out.as_mut_ptr() as usize, d, 16).unwrap() };
+    assert_eq!(sync_out, host(16, 0));
+    rt.release_adopted(d).unwrap();
+    assert_eq!(rt.adopted_ranges(), 0);
+    // SAFETY: refused before any access: the range is no longer device memory.
+    let gone = unsafe { rt.copy_htod_async(d, src.as_ptr() as usize, 16, s) };
+    assert_eq!(gone.map_err(|e| e.code), Err(Code::INVALID_VALUE));
+}
+
+/// A memset and a kernel (gather, its table in adopted memory too) on
+/// adopted memory, run directly and replayed from a captured graph: each
+/// writes the host bytes when it runs, and the capture itself writes
+/// nothing.
+#[test]
+fn a_memset_a_kernel_and_a_graph_replay_write_adopted_memory() {
+    use kvoffload::runtime::Kernel;
+    let rt = std::sync::Arc::new(SimRuntime::new());
+    let s = rt.stream_create().unwrap();
+    let t = HostTensor::new(4096, 0);
+    let table = HostTensor::new(24, 0);
+    // SAFETY: `t` and `table` outlive their adoptions (released below) and
+    // are read only after the device is synchronized.
+    let (d, dt) =
+        unsafe { (rt.adopt_host_memory(t.addr(), 4096).unwrap(), rt.adopt_host_memory(table.addr(), 24).unwrap()) };
+    // SAFETY: `d` is adopted, 4096 bytes.
+    unsafe { rt.memset_d8_async(d, 0xAB, 1024, s).unwrap() };
+    gated(&*rt, |gt| rt.stream_synchronize(gt, s)).unwrap();
+    assert!(t.bytes()[..1024].iter().all(|&b| b == 0xAB) && t.bytes()[1024..].iter().all(|&b| b == 0));
+
+    // The gather kernel copies bytes 0..512 to 2048..2560 (one entry:
+    // source, destination, bytes), its table written into adopted memory.
+    let entry: Vec<u8> = [d.raw(), d.offset(2048).raw(), 512].iter().flat_map(|w| w.to_ne_bytes()).collect();
+    // SAFETY: `entry` is 24 readable bytes; `dt` is adopted, 24 bytes.
+    unsafe { rt.copy_htod(dt, entry.as_ptr() as usize, 24).unwrap() };
+    assert_eq!(table.bytes(), entry, "the synchronous copy wrote the table's host bytes");
+    // SAFETY: the table and every range it names are adopted memory.
+    unsafe { rt.launch(Kernel::Gather { table: dt, count: 1 }, s).unwrap() };
+    gated(&*rt, |gt| rt.stream_synchronize(gt, s)).unwrap();
+    assert!(t.bytes()[2048..2560].iter().all(|&b| b == 0xAB), "the kernel read and wrote adopted memory");
+
+    rt.begin_capture(s, CaptureMode::Global).unwrap();
+    // SAFETY: `d` is adopted; recorded, not run.
+    unsafe { rt.memset_d8_async(d.offset(3072), 0x5C, 1024, s).unwrap() };
+    let g = rt.end_capture(s).unwrap();
+    assert!(t.bytes()[3072..].iter().all(|&b| b == 0), "a capture runs nothing");
+    rt.graph_launch(g, s).unwrap();
+    gated(&*rt, |gt| rt.stream_synchronize(gt, s)).unwrap();
+    assert!(t.bytes()[3072..].iter().all(|&b| b == 0x5C), "the replay wrote the host bytes");
+    rt.release_adopted(d).unwrap();
+    // Replayed after the release, the graph faults as on freed memory.
+    rt.graph_launch(g, s).unwrap();
+    assert_eq!(gated(&*rt, |gt| rt.stream_synchronize(gt, s)).unwrap_err().code, Code::ILLEGAL_ADDRESS);
+    rt.release_adopted(dt).unwrap();
+    assert!(t.bytes()[3072..].iter().all(|&b| b == 0x5C));
+}
+
+/// `release_adopted` with work on the range queued waits, like `mem_free`,
+/// until the device is idle: the held memset still writes the host bytes
+/// before the release returns, and nothing touches them after. A pointer
+/// that is not an adoption is refused, and `mem_free` refuses an adoption.
+#[test]
+fn releasing_adopted_memory_waits_for_queued_work() {
+    let rt = std::sync::Arc::new(SimRuntime::new());
+    let s = rt.stream_create().unwrap();
+    let t = HostTensor::new(256, 0);
+    // SAFETY: `t` outlives the adoption; read after the release returned.
+    let d = unsafe { rt.adopt_host_memory(t.addr(), 256) }.unwrap();
+    // SAFETY: refused: `d` is not an allocation of the sim.
+    assert_eq!(gated(&*rt, |gt| unsafe { rt.mem_free(gt, d) }).unwrap_err().code, Code::INVALID_VALUE);
+    let hold = rt.hold(HoldPoint::DeviceOp);
+    // SAFETY: `d` is adopted, 256 bytes.
+    unsafe { rt.memset_d8_async(d, 7, 256, s).unwrap() };
+    hold.wait_entered();
+    let rt2 = rt.clone();
+    let release = std::thread::spawn(move || rt2.release_adopted(d));
+    let waited = rt.wait_blocked_timeout(Blocked::Idle, 1, std::time::Duration::from_secs(5));
+    assert!(waited && rt.adopted_ranges() == 1, "released while work on it is queued");
+    hold.release();
+    release.join().unwrap().unwrap();
+    assert_eq!(rt.adopted_ranges(), 0);
+    assert!(t.bytes().iter().all(|&b| b == 7), "the queued memset ran before the release returned");
+    assert_eq!(rt.release_adopted(d).unwrap_err().code, Code::INVALID_VALUE, "released twice");
+    let owned = gated(&*rt, |gt| rt.mem_alloc(gt, 64)).unwrap();
+    assert_eq!(rt.release_adopted(owned).unwrap_err().code, Code::INVALID_VALUE, "an allocation is not adopted");
+}
+
+/// An access past the end of an adopted range is the fault an access past
+/// the end of an allocation is: INVALID_VALUE at enqueue or for a
+/// synchronous copy, ILLEGAL_ADDRESS (sticky) from a kernel.
+#[test]
+fn an_access_past_an_adopted_range_faults_as_past_an_allocation() {
+    use kvoffload::runtime::Kernel;
+    let rt = std::sync::Arc::new(SimRuntime::new());
+    let s = rt.stream_create().unwrap();
+    let t = HostTensor::new(4096, 0);
+    // SAFETY: `t` outlives the adoption and is never accessed by the sim
+    // out of its range (the point of the test).
+    let d = unsafe { rt.adopt_host_memory(t.addr(), 4096) }.unwrap();
+    let a = gated(&*rt, |gt| rt.mem_alloc(gt, 4096)).unwrap();
+    let src = host(64, 1);
+    for p in [d, a] {
+        // SAFETY: refused before any access (out of range).
+        let over = unsafe { rt.copy_htod_async(p.offset(4096 - 32), src.as_ptr() as usize, 64, s) };
+        assert_eq!(over.map_err(|e| e.code), Err(Code::INVALID_VALUE), "{p}");
+        // SAFETY: as above.
+        let over = unsafe { rt.copy_htod(p.offset(4096), src.as_ptr() as usize, 1) };
+        assert_eq!(over.map_err(|e| e.code), Err(Code::INVALID_VALUE), "{p}");
+        // SAFETY: as above.
+        assert_eq!(unsafe { rt.memset_d8_async(p, 0, 4097, s) }.unwrap_err().code, Code::INVALID_VALUE);
+    }
+    // A kernel's table entry past the end: a device fault.
+    let entry: Vec<u8> = [a.raw(), d.offset(4000).raw(), 128].iter().flat_map(|w| w.to_ne_bytes()).collect();
+    // SAFETY: `entry` is 24 readable bytes into the allocation `a`.
+    unsafe { rt.copy_htod(a, entry.as_ptr() as usize, 24).unwrap() };
+    // SAFETY: the entry is checked by the device before any byte moves.
+    unsafe { rt.launch(Kernel::Gather { table: a, count: 1 }, s).unwrap() };
+    assert_eq!(gated(&*rt, |gt| rt.stream_synchronize(gt, s)).unwrap_err().code, Code::ILLEGAL_ADDRESS);
+    assert!(t.bytes().iter().all(|&b| b == 0), "nothing written");
+}
+
+/// What `adopt_host_memory` refuses: a null or empty range, one
+/// overlapping another adoption or registered host memory; and
+/// `host_register` refuses adopted memory.
+#[test]
+fn bad_adoptions_are_typed_errors() {
+    let rt = std::sync::Arc::new(SimRuntime::new());
+    let t = HostTensor::new(8192, 0);
+    let code = |r: kvoffload::runtime::DriverResult<kvoffload::runtime::DevicePtr>| r.map(|_| ()).map_err(|e| e.code);
+    // SAFETY: refused, or adopted memory of `t`, which outlives the sim.
+    unsafe {
+        assert_eq!(code(rt.adopt_host_memory(0, 64)), Err(Code::INVALID_VALUE));
+        assert_eq!(code(rt.adopt_host_memory(t.addr(), 0)), Err(Code::INVALID_VALUE));
+        assert_eq!(code(rt.adopt_host_memory(usize::MAX - 8, 64)), Err(Code::INVALID_VALUE));
+        rt.adopt_host_memory(t.addr(), 4096).unwrap();
+        assert_eq!(code(rt.adopt_host_memory(t.addr() + 4095, 2)), Err(Code::INVALID_VALUE), "overlaps");
+        assert_eq!(
+            gated(&*rt, |gt| rt.host_register(gt, t.addr(), 4096)).unwrap_err().code,
+            Code::INVALID_VALUE,
+            "adopted memory is not host memory to pin"
+        );
+        gated(&*rt, |gt| rt.host_register(gt, t.addr() + 4096, 4096)).unwrap();
+        assert_eq!(code(rt.adopt_host_memory(t.addr() + 4096, 16)), Err(Code::INVALID_VALUE), "registered");
+    }
+    gated(&*rt, |gt| rt.host_unregister(gt, t.addr() + 4096)).unwrap();
+}

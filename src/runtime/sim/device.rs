@@ -289,8 +289,10 @@ fn execute(actions: &[Action]) {
     for a in actions {
         match *a {
             // SAFETY: device ranges were bounds-checked against live
-            // allocations under the lock, and allocations are freed only when
-            // the device is idle (mem_free waits), so they outlive this
+            // allocations (or adopted host ranges) under the lock, and both
+            // are freed only when the device is idle (mem_free and
+            // release_adopted wait; adopted memory stays valid until then by
+            // the contract of adopt_host_memory), so they outlive this
             // operation; host ranges are valid until the operation completes
             // by the contract of the unsafe enqueue that created it. `copy`
             // tolerates overlap.

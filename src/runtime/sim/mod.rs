@@ -20,6 +20,11 @@
 //!   replaying a graph whose registered host memory was unregistered
 //!   poisons the context with 719; a batched copy inside a capture returns
 //!   900 and is silently absent from the graph.
+//! - Host memory the caller owns can be adopted as device memory in place
+//!   ([`SimRuntime::adopt_host_memory`], not a driver call: for tests of
+//!   engines whose tensors are CPU tensors); device work on it reads and
+//!   writes those host bytes; [`SimRuntime::release_adopted`] waits for the
+//!   device like `mem_free`.
 //! - Faults ([`SimFault`]) and hold points ([`Hold`]) let tests fail a
 //!   registration or copy and stop a call mid-way, deterministically.
 //!
@@ -44,7 +49,7 @@ use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 
 use fault::HoldSlot;
 use rules::Call;
-use state::{Capture, CapturedRecord, EventState, GraphBody, Join, Op, State, StreamState, HOST_ALIAS_BIT};
+use state::{Capture, CapturedRecord, DeviceMem, EventState, GraphBody, Join, Op, State, StreamState, HOST_ALIAS_BIT};
 
 /// What [`GpuRuntime::describe`] says of every simulated GPU.
 pub const DESCRIPTION: &str = "simulated GPU (driver rules of docs/driver-rules.md)";
@@ -332,6 +337,106 @@ impl SimRuntime {
         sync::lock(&self.inner.state).device_used
     }
 
+    /// Host ranges adopted as device memory and not released
+    /// ([`SimRuntime::adopt_host_memory`]; leak checks).
+    pub fn adopted_ranges(&self) -> usize {
+        sync::lock(&self.inner.state).device_mem.values().filter(|m| matches!(m, DeviceMem::Adopted { .. })).count()
+    }
+
+    /// Makes `len` bytes of the caller's host memory at `addr` simulated
+    /// device memory, in place: every device operation of the sim on the
+    /// returned range (`copy_*`, `memset_d8_async`, kernels, and graph
+    /// replays of captured ones) reads and writes those host bytes directly,
+    /// and the sim's checks treat it as an allocation of `len` bytes (an
+    /// access past its end is the same fault as past the end of a
+    /// `mem_alloc`: INVALID_VALUE from an enqueue or a synchronous copy,
+    /// ILLEGAL_ADDRESS from a kernel's table entry, sticky).
+    ///
+    /// **Not a CUDA driver call**: it exists only on the simulated GPU, for
+    /// tests of engines whose tensors are host (CPU) tensors, such as vLLM
+    /// 0.33 on a machine with no GPU (issue 21). No capture rule applies to
+    /// it and no `Gate` is needed. The range does not count against
+    /// [`SimConfig::device_bytes`] or the host limit
+    /// ([`SimRuntime::device_bytes_in_use`] does not include it); it gets a
+    /// device address of its own (256-byte aligned, like `cuMemAlloc`'s),
+    /// not `addr`. `mem_free` refuses it (INVALID_VALUE); end it with
+    /// [`SimRuntime::release_adopted`].
+    ///
+    /// Errors: INVALID_VALUE for a null `addr`, a zero `len`, a range that
+    /// wraps, overlaps another adopted range or host memory registered with
+    /// the sim (`host_register`, `mem_alloc_host`); `host_register` of
+    /// adopted memory is INVALID_VALUE too. A poisoned context answers its
+    /// sticky error.
+    ///
+    /// # Safety
+    /// `addr..addr+len` is memory the caller owns, readable and writable,
+    /// and stays valid until [`SimRuntime::release_adopted`] has returned
+    /// `Ok` (or the last handle on this device is dropped); the caller does
+    /// not read or write it while device work on it is queued or running
+    /// (as for any device memory: synchronize first).
+    pub unsafe fn adopt_host_memory(&self, addr: usize, len: usize) -> DriverResult<DevicePtr> {
+        let r = (|| {
+            let mut g = self.state();
+            live(&g)?;
+            if addr == 0 || len == 0 || addr.checked_add(len).is_none() {
+                return Err(Code::INVALID_VALUE);
+            }
+            if g.overlaps_adoption(addr, len) || g.overlaps_registration(addr, len) {
+                return Err(Code::INVALID_VALUE);
+            }
+            let p = g.fresh_device_addr(len);
+            g.device_mem.insert(p, DeviceMem::Adopted { addr, len });
+            Ok(p)
+        })();
+        traced("sim_adopt_host_memory", r)
+    }
+
+    /// Ends an adoption made by [`SimRuntime::adopt_host_memory`] (`ptr` is
+    /// the pointer it returned): waits, like the sim's `mem_free` and the
+    /// driver's `cuMemFree`, until the device is idle (no queued or running
+    /// work on any stream; counted as [`Blocked::Idle`] meanwhile), then
+    /// forgets the range, so that once it returns `Ok` the sim never
+    /// touches the caller's memory again and the caller may free it. Work
+    /// enqueued on the range afterwards, or a graph captured on it and
+    /// replayed afterwards, faults as on freed device memory.
+    ///
+    /// Not a driver call (see `adopt_host_memory`): no capture rule applies,
+    /// and it ends the adoption in a poisoned context too (the device still
+    /// drains there, touching no memory). INVALID_VALUE when `ptr` is not
+    /// the base of an adopted range (an allocation of `mem_alloc`
+    /// included), nothing changed.
+    pub fn release_adopted(&self, ptr: DevicePtr) -> DriverResult<()> {
+        let r = (|| {
+            let g = self.state();
+            if !matches!(g.device_mem.get(&ptr), Some(DeviceMem::Adopted { .. })) {
+                return Err(Code::INVALID_VALUE);
+            }
+            let mut g = self.inner.wait_until(g, Blocked::Idle, State::idle);
+            // Another thread may have released it while this one waited.
+            match g.device_mem.get(&ptr) {
+                Some(DeviceMem::Adopted { .. }) => {
+                    g.device_mem.remove(&ptr);
+                    Ok(())
+                }
+                _ => Err(Code::INVALID_VALUE),
+            }
+        })();
+        traced("sim_release_adopted", r)
+    }
+
+    /// The handle of stream `raw` ([`Stream::raw`]) of this device, if it
+    /// is live (tests that hold streams as numbers, such as the Python
+    /// test hooks).
+    pub fn stream_by_raw(&self, raw: u64) -> Option<Stream> {
+        self.state().streams.contains_key(&raw).then_some(Stream(raw))
+    }
+
+    /// The handle of graph `raw` ([`Graph::raw`]) of this device, if it is
+    /// live (see [`SimRuntime::stream_by_raw`]).
+    pub fn graph_by_raw(&self, raw: u64) -> Option<Graph> {
+        self.state().graphs.contains_key(&raw).then_some(Graph(raw))
+    }
+
     /// Page-locked host allocations (`mem_alloc_host`) not freed.
     pub fn host_allocs_in_use(&self) -> usize {
         sync::lock(&self.inner.state).host_allocs.len()
@@ -556,6 +661,11 @@ impl GpuRuntime for SimRuntime {
             if g.overlaps_registration(addr, len) {
                 return Err(Code::HOST_MEMORY_ALREADY_REGISTERED);
             }
+            // Adopted host memory is device memory now
+            // (`SimRuntime::adopt_host_memory`): not host memory to pin.
+            if g.overlaps_adoption(addr, len) {
+                return Err(Code::INVALID_VALUE);
+            }
             g.registers_running += 1;
             g = self.inner.hold_at(g, HoldPoint::Register);
             // The lock is let go while the pages are "pinned", as in the real
@@ -613,7 +723,7 @@ impl GpuRuntime for SimRuntime {
             }
             let mem = memory::zeroed(bytes).ok_or(Code::OUT_OF_MEMORY)?;
             let p = g.fresh_device_addr(bytes);
-            g.device_mem.insert(p, mem);
+            g.device_mem.insert(p, DeviceMem::Owned(mem));
             g.device_used += bytes;
             Ok(p)
         })();
@@ -624,7 +734,9 @@ impl GpuRuntime for SimRuntime {
         self.gated(gate, Call::MemFree)?;
         let r = (|| {
             let g = self.enter(Call::MemFree, &[])?;
-            if !g.device_mem.contains_key(&ptr) {
+            // Adopted host memory is not the driver's to free
+            // (`SimRuntime::release_adopted` ends it).
+            if !matches!(g.device_mem.get(&ptr), Some(DeviceMem::Owned(_))) {
                 return Err(Code::INVALID_VALUE);
             }
             let mut g = self.inner.wait_until(g, Blocked::Idle, State::idle);

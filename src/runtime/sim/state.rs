@@ -18,6 +18,34 @@ pub(crate) const HOST_ALIAS_BIT: u64 = 1 << 62;
 /// First address handed out by the simulated `cuMemAlloc`.
 const DEVICE_BASE: DevicePtr = DevicePtr(0x7f00_0000_0000 & !HOST_ALIAS_BIT);
 
+/// One range of simulated device memory.
+pub(crate) enum DeviceMem {
+    /// Allocated by the simulated `cuMemAlloc`: the sim owns the bytes.
+    Owned(Vec<u8>),
+    /// The caller's host memory, adopted as device memory in place
+    /// (`SimRuntime::adopt_host_memory`): device work reads and writes the
+    /// `len` bytes at `addr`, which the caller keeps valid until
+    /// `release_adopted`. Not counted in `State::device_used`.
+    Adopted { addr: usize, len: usize },
+}
+
+impl DeviceMem {
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceMem::Owned(v) => v.len(),
+            DeviceMem::Adopted { len, .. } => *len,
+        }
+    }
+
+    /// The first byte of the range.
+    fn base_ptr(&mut self) -> *mut u8 {
+        match self {
+            DeviceMem::Owned(v) => v.as_mut_ptr(),
+            DeviceMem::Adopted { addr, .. } => *addr as *mut u8,
+        }
+    }
+}
+
 /// One unit of stream work.
 #[derive(Clone, Debug)]
 pub(crate) enum Op {
@@ -136,7 +164,8 @@ pub(crate) struct EventState {
 pub enum Blocked {
     /// `begin_capture` waiting for a running registration.
     BeginCapture,
-    /// `host_unregister` (or `mem_free`) waiting for the device to go idle.
+    /// `host_unregister` (or `mem_free`, or `SimRuntime::release_adopted`)
+    /// waiting for the device to go idle.
     Idle,
     /// `stream_synchronize` (or a synchronous copy) waiting for a stream's
     /// work to finish.
@@ -154,7 +183,10 @@ pub(crate) struct State {
     pub draining: BTreeMap<u64, StreamState>,
     pub events: BTreeMap<u64, EventState>,
     pub graphs: BTreeMap<u64, Arc<GraphBody>>,
-    pub device_mem: BTreeMap<DevicePtr, Vec<u8>>,
+    /// Device memory by base address: the sim's own allocations
+    /// (`mem_alloc`) and host memory adopted in place
+    /// (`SimRuntime::adopt_host_memory`).
+    pub device_mem: BTreeMap<DevicePtr, DeviceMem>,
     pub device_limit: usize,
     pub device_used: usize,
     pub host_allocs: BTreeMap<usize, Vec<u8>>,
@@ -229,9 +261,19 @@ impl State {
         self.registered.range(addr..end).next().is_some()
     }
 
-    /// Raw pointer to `[ptr, ptr+bytes)` of device memory, or of registered
-    /// host memory through its device alias; `None` if out of bounds or not
-    /// (any longer) registered.
+    /// True when `[addr, addr+bytes)` overlaps host memory adopted as device
+    /// memory.
+    pub fn overlaps_adoption(&self, addr: usize, bytes: usize) -> bool {
+        let end = addr.saturating_add(bytes);
+        self.device_mem.values().any(|m| match *m {
+            DeviceMem::Adopted { addr: a, len } => a < end && addr < a.saturating_add(len),
+            DeviceMem::Owned(_) => false,
+        })
+    }
+
+    /// Raw pointer to `[ptr, ptr+bytes)` of device memory (allocated or
+    /// adopted), or of registered host memory through its device alias;
+    /// `None` if out of bounds or not (any longer) registered or adopted.
     pub fn device_slice(&mut self, ptr: DevicePtr, bytes: usize) -> Option<*mut u8> {
         if ptr.raw() & HOST_ALIAS_BIT != 0 {
             let addr = (ptr.raw() & !HOST_ALIAS_BIT) as usize;
@@ -243,8 +285,8 @@ impl State {
         if end > mem.len() {
             return None;
         }
-        // Pointer arithmetic inside the allocation: `off + bytes <= len`.
-        Some(mem[off..].as_mut_ptr())
+        // Pointer arithmetic inside the range: `off + bytes <= len`.
+        Some(mem.base_ptr().wrapping_add(off))
     }
 
     /// Copies `words` native `u64`s out of device memory (or registered host
