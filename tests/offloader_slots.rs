@@ -120,7 +120,7 @@ fn round_trip_through_chosen_slots_byte_for_byte() {
     write_blocks(&off, 1, &src);
     // Two slots the engine chose, out of order.
     let slots = [9, 5];
-    off.store_slots(JobId(100), &src, &slots).unwrap();
+    off.store_slots(JobId(100), &src, &slots, 0).unwrap();
     assert_eq!(off.in_flight(), 1);
     let done = drain(&off);
     assert_eq!(done.len(), 1);
@@ -137,10 +137,10 @@ fn round_trip_through_chosen_slots_byte_for_byte() {
     assert_eq!(bad_pages(&off, 1, &src), src.len() * TENSORS, "zeroed");
     // Back into other GPU blocks, in the stored order ...
     let dst = gpu_range(10, 4);
-    off.load_slots(JobId(101), &dst, &slots).unwrap();
+    off.load_slots(JobId(101), &dst, &slots, 0).unwrap();
     // ... and the slots the other way round into a third set.
     let swapped = gpu_range(20, 4);
-    off.load_slots(JobId(102), &swapped, &[5, 9]).unwrap();
+    off.load_slots(JobId(102), &swapped, &[5, 9], 0).unwrap();
     let done = drain(&off);
     assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(101), JobId(102)]);
     for c in &done {
@@ -156,7 +156,56 @@ fn round_trip_through_chosen_slots_byte_for_byte() {
             let mut got = vec![0u8; PAGE];
             // SAFETY: `got` is writable for the synchronous copy.
             unsafe { rt.copy_dtoh(got.as_mut_ptr() as usize, base.offset(b * PAGE), PAGE) }.unwrap();
-            assert_eq!(got, page(1, t, (j + FACTOR) % (2 * FACTOR)), "tensor {t}, GPU block {b}");
+            assert!(got == page(1, t, (j + FACTOR) % (2 * FACTOR)), "tensor {t}, GPU block {b}");
+        }
+    }
+    off.shutdown().unwrap();
+}
+
+/// Page `sub` of tensor `t` in host slot `slot`, read from the region.
+fn host_page(off: &Offloader, t: usize, slot: usize, sub: usize) -> Vec<u8> {
+    let addr = off.layout().host_addr(0, t, slot, sub);
+    // SAFETY: a page of this rank's slot of the mapped region; the callers
+    // read only while no job is in flight.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, PAGE) }.to_vec()
+}
+
+#[test]
+fn partial_first_and_last_slots_from_first_sub() {
+    let off = slot_offloader();
+    let slots = [4, 6];
+    // Full slots first: tag 7, GPU blocks 0..4.
+    write_blocks(&off, 7, &gpu_range(0, 4));
+    off.store_slots(JobId(1), &gpu_range(0, 4), &slots, 0).unwrap();
+    drain(&off);
+    // Then 2 GPU blocks from sub-block 1: the second half of slot 4 and the
+    // first half of slot 6 (vLLM's block_indices[0] % factor == 1), both
+    // slots partial.
+    write_blocks(&off, 8, &[10, 11]);
+    off.store_slots(JobId(2), &[10, 11], &slots, 1).unwrap();
+    let done = drain(&off);
+    assert_eq!(done[0].bytes, (2 * TENSORS * PAGE) as u64);
+    for t in 0..TENSORS {
+        assert!(host_page(&off, t, 4, 0) == page(7, t, 0), "tensor {t}: slot 4, sub-block 0 untouched");
+        assert!(host_page(&off, t, 4, 1) == page(8, t, 0), "tensor {t}: slot 4, sub-block 1");
+        assert!(host_page(&off, t, 6, 0) == page(8, t, 1), "tensor {t}: slot 6, sub-block 0");
+        assert!(host_page(&off, t, 6, 1) == page(7, t, 3), "tensor {t}: slot 6, sub-block 1 untouched");
+    }
+    // Loads the same way: the partial range, and the whole slots.
+    off.load_slots(JobId(3), &[20, 21], &slots, 1).unwrap();
+    off.load_slots(JobId(4), &gpu_range(24, 4), &slots, 0).unwrap();
+    // One GPU block from the last sub-block of slot 6.
+    off.load_slots(JobId(5), &[30], &[6], 1).unwrap();
+    drain(&off);
+    assert_eq!(bad_pages(&off, 8, &[20, 21]), 0);
+    let rt = off.runtime();
+    for (t, base) in off.tensors().into_iter().enumerate() {
+        let want = [page(7, t, 0), page(8, t, 0), page(8, t, 1), page(7, t, 3), page(7, t, 3)];
+        for (b, want) in [24, 25, 26, 27, 30].into_iter().zip(want) {
+            let mut got = vec![0u8; PAGE];
+            // SAFETY: `got` is writable for the synchronous copy.
+            unsafe { rt.copy_dtoh(got.as_mut_ptr() as usize, base.offset(b * PAGE), PAGE) }.unwrap();
+            assert!(got == want, "tensor {t}, GPU block {b}");
         }
     }
     off.shutdown().unwrap();
@@ -181,12 +230,12 @@ fn slot_jobs_are_ordered_after_the_compute_stream() {
     // by nothing else until the store is reported.
     unsafe { rt.memset_d8_async(base, 0xAB, 2 * PAGE, off.compute_stream()) }.unwrap();
     hold.wait_entered();
-    off.store_slots(JobId(1), &[0, 1], &[3]).unwrap();
+    off.store_slots(JobId(1), &[0, 1], &[3], 0).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(50));
     assert_eq!(off.poll(), Vec::new(), "the store completed while the compute stream's work was held");
     hold.release();
     drain(&off);
-    off.load_slots(JobId(2), &[6, 7], &[3]).unwrap();
+    off.load_slots(JobId(2), &[6, 7], &[3], 0).unwrap();
     drain(&off);
     for b in [6, 7] {
         let mut got = vec![0u8; PAGE];
@@ -210,21 +259,21 @@ fn slots_are_reused_after_their_store_was_reported() {
     for round in 1..=4u64 {
         write_blocks(&off, round, &src);
         let store = next();
-        off.store_slots(store, &src, &[7]).unwrap();
+        off.store_slots(store, &src, &[7], 0).unwrap();
         off.wait(store).unwrap();
         let done = off.poll();
         assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [store]);
         let dst = gpu_range(8 + 2 * round as usize, 2);
         let load = next();
-        off.load_slots(load, &dst, &[7]).unwrap();
+        off.load_slots(load, &dst, &[7], 0).unwrap();
         off.wait(load).unwrap();
         assert_eq!(off.poll().len(), 1);
         assert_eq!(bad_pages(&off, round, &dst), 0, "round {round}: slot 7 holds the last store");
         assert_eq!(bad_host_pages(&off, round, &[7]), 0);
     }
     // Two loads of one slot at once (a shared prefix) are fine.
-    off.load_slots(next(), &[30, 31], &[7]).unwrap();
-    off.load_slots(next(), &[28, 29], &[7]).unwrap();
+    off.load_slots(next(), &[30, 31], &[7], 0).unwrap();
+    off.load_slots(next(), &[28, 29], &[7], 0).unwrap();
     assert_eq!(drain(&off).len(), 2);
     assert_eq!(bad_pages(&off, 4, &[30, 31]), 0);
     assert_eq!(bad_pages(&off, 4, &[28, 29]), 0);
@@ -234,14 +283,43 @@ fn slots_are_reused_after_their_store_was_reported() {
 #[test]
 fn bad_slot_jobs_are_typed_errors_and_submit_nothing() {
     let off = slot_offloader();
-    let store = |id: u64, gpu: &[usize], slots: &[usize]| off.store_slots(JobId(id), gpu, slots).unwrap_err();
-    let load = |id: u64, gpu: &[usize], slots: &[usize]| off.load_slots(JobId(id), gpu, slots).unwrap_err();
-    match store(1, &[0, 1, 2], &[0, 1]) {
-        OffloaderError::SlotBlockCount { slots: 2, factor: FACTOR, need: 4, got: 3 } => {}
+    let store = |id: u64, gpu: &[usize], slots: &[usize]| off.store_slots(JobId(id), gpu, slots, 0).unwrap_err();
+    let load = |id: u64, gpu: &[usize], slots: &[usize]| off.load_slots(JobId(id), gpu, slots, 0).unwrap_err();
+    match store(1, &[0, 1, 2], &[0]) {
+        OffloaderError::Transfer(TransferError::HostCountMismatch {
+            group: 0,
+            gpu: 3,
+            host: 1,
+            first_sub: 0,
+            factor: FACTOR,
+            need: 2,
+        }) => {}
         e => panic!("{e:?}"),
     }
     match load(1, &[0, 1], &[]) {
-        OffloaderError::SlotBlockCount { slots: 0, factor: FACTOR, need: 0, got: 2 } => {}
+        OffloaderError::Transfer(TransferError::HostCountMismatch { gpu: 2, host: 0, need: 1, .. }) => {}
+        e => panic!("{e:?}"),
+    }
+    // From sub-block 1: 2 GPU blocks need 2 slots, 1 GPU block needs 1.
+    match off.store_slots(JobId(1), &[0, 1], &[0], 1).unwrap_err() {
+        OffloaderError::Transfer(TransferError::HostCountMismatch {
+            group: 0,
+            gpu: 2,
+            host: 1,
+            first_sub: 1,
+            factor: FACTOR,
+            need: 2,
+        }) => {}
+        e => panic!("{e:?}"),
+    }
+    match off.load_slots(JobId(1), &[0], &[0, 1], 1).unwrap_err() {
+        OffloaderError::Transfer(TransferError::HostCountMismatch {
+            gpu: 1, host: 2, first_sub: 1, need: 1, ..
+        }) => {}
+        e => panic!("{e:?}"),
+    }
+    match off.store_slots(JobId(1), &[0], &[0], FACTOR).unwrap_err() {
+        OffloaderError::Transfer(TransferError::FirstSubTooLarge { group: 0, first_sub: FACTOR, factor: FACTOR }) => {}
         e => panic!("{e:?}"),
     }
     match store(1, &[0, 1], &[SLOTS]) {
@@ -271,7 +349,7 @@ fn bad_slot_jobs_are_typed_errors_and_submit_nothing() {
     assert_eq!(off.in_flight(), 0, "a refused job is not in flight");
     assert!(off.poll().is_empty(), "a refused job is never reported");
     // Nothing was submitted, so id 1 was not used: it is accepted now.
-    off.store_slots(JobId(1), &[0, 1], &[0]).unwrap();
+    off.store_slots(JobId(1), &[0, 1], &[0], 0).unwrap();
     assert_eq!(drain(&off).len(), 1);
     // Waits on ids that are not in flight: never submitted, and reported.
     assert!(matches!(off.wait(JobId(77)), Err(OffloaderError::UnknownJob { id: JobId(77) })));
@@ -286,13 +364,13 @@ fn bad_slot_jobs_are_typed_errors_and_submit_nothing() {
 #[test]
 fn job_ids_are_never_reused() {
     let off = slot_offloader();
-    off.store_slots(JobId(5), &[0, 1], &[0]).unwrap();
+    off.store_slots(JobId(5), &[0, 1], &[0], 0).unwrap();
     // In flight: the same id again, either direction.
-    match off.store_slots(JobId(5), &[2, 3], &[1]) {
+    match off.store_slots(JobId(5), &[2, 3], &[1], 0) {
         Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(5) })) => {}
         other => panic!("{other:?}"),
     }
-    match off.load_slots(JobId(5), &[2, 3], &[1]) {
+    match off.load_slots(JobId(5), &[2, 3], &[1], 0) {
         Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(5) })) => {}
         other => panic!("{other:?}"),
     }
@@ -301,14 +379,14 @@ fn job_ids_are_never_reused() {
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].bytes, (FACTOR * TENSORS * PAGE) as u64, "the first job, not a refused one");
     // Reported: still used.
-    match off.load_slots(JobId(5), &[2, 3], &[0]) {
+    match off.load_slots(JobId(5), &[2, 3], &[0], 0) {
         Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(5) })) => {}
         other => panic!("{other:?}"),
     }
     // Ids need not grow: any id never used is accepted.
-    off.load_slots(JobId(3), &[2, 3], &[0]).unwrap();
-    off.load_slots(JobId(u64::MAX), &[4, 5], &[0]).unwrap();
-    off.load_slots(JobId(0), &[6, 7], &[0]).unwrap();
+    off.load_slots(JobId(3), &[2, 3], &[0], 0).unwrap();
+    off.load_slots(JobId(u64::MAX), &[4, 5], &[0], 0).unwrap();
+    off.load_slots(JobId(0), &[6, 7], &[0], 0).unwrap();
     let done = drain(&off);
     assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(3), JobId(u64::MAX), JobId(0)]);
     off.shutdown().unwrap();
@@ -334,11 +412,11 @@ fn keyed_and_slot_calls_never_mix() {
         Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), OffloaderOptions::with_host_blocks(SLOTS))
             .unwrap();
     assert_eq!(keyed.addressing(), Addressing::Keys);
-    match keyed.store_slots(JobId(1), &[0, 1], &[0]) {
+    match keyed.store_slots(JobId(1), &[0, 1], &[0], 0) {
         Err(OffloaderError::WrongAddressing { call: "store_slots", addressing: Addressing::Keys }) => {}
         other => panic!("{other:?}"),
     }
-    match keyed.load_slots(JobId(1), &[0, 1], &[0]) {
+    match keyed.load_slots(JobId(1), &[0, 1], &[0], 0) {
         Err(OffloaderError::WrongAddressing { call: "load_slots", addressing: Addressing::Keys }) => {}
         other => panic!("{other:?}"),
     }
@@ -358,19 +436,19 @@ fn shutdown_drains_slot_jobs_in_flight() {
     for i in 0..8usize {
         let gpu = gpu_range(2 * i, 2);
         write_blocks(&off, 10 + i as u64, &gpu);
-        off.store_slots(JobId(i as u64), &gpu, &[15 - i]).unwrap();
+        off.store_slots(JobId(i as u64), &gpu, &[15 - i], 0).unwrap();
         slots.push(15 - i);
     }
     write_blocks(&off, 30, &[16, 17]);
-    off.store_slots(JobId(8), &[16, 17], &[0]).unwrap();
+    off.store_slots(JobId(8), &[16, 17], &[0], 0).unwrap();
     // A load from a slot the engine filled before (its store reported).
     off.wait(JobId(8)).unwrap();
     assert_eq!(off.poll().len(), 9);
-    off.load_slots(JobId(9), &[20, 21], &[0]).unwrap();
+    off.load_slots(JobId(9), &[20, 21], &[0], 0).unwrap();
     for i in 0..4usize {
         let gpu = gpu_range(24 + 2 * i, 2);
         write_blocks(&off, 40 + i as u64, &gpu);
-        off.store_slots(JobId(10 + i as u64), &gpu, &[1 + i]).unwrap();
+        off.store_slots(JobId(10 + i as u64), &gpu, &[1 + i], 0).unwrap();
     }
     assert_eq!(off.in_flight(), 5);
     off.shutdown().unwrap();
@@ -385,7 +463,7 @@ fn shutdown_drains_slot_jobs_in_flight() {
     for i in 0..4usize {
         assert_eq!(bad_host_pages(&off, 40 + i as u64, &[1 + i]), 0, "drained store to slot {}", 1 + i);
     }
-    match off.store_slots(JobId(99), &[0, 1], &[0]) {
+    match off.store_slots(JobId(99), &[0, 1], &[0], 0) {
         Err(OffloaderError::ShutDown) => {}
         other => panic!("{other:?}"),
     }

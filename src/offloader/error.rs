@@ -54,19 +54,6 @@ pub enum OffloaderError {
         /// GPU blocks given.
         got: usize,
     },
-    /// A slot job's `gpu_blocks` does not give `block_factor` GPU blocks per
-    /// host slot.
-    #[error("{slots} host slots need {need} GPU blocks ({factor} per slot), {got} given")]
-    SlotBlockCount {
-        /// Host slots in the call.
-        slots: usize,
-        /// GPU blocks per host slot.
-        factor: usize,
-        /// GPU blocks needed.
-        need: usize,
-        /// GPU blocks given.
-        got: usize,
-    },
     /// A keyed call on a slot-addressed offloader, or a slot call on a
     /// keyed one (see [`super::Addressing`]).
     #[error("{call} is not available: this offloader's host blocks are addressed by {addressing:?}")]

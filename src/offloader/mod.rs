@@ -661,9 +661,14 @@ impl Offloader {
 
     /// Stores GPU blocks `gpu_blocks` into host slots `slots` (the engine's
     /// slot ids, `0..host_blocks()`) as job `id`, the engine's id for it
-    /// (with [`Addressing::Slots`] only). Slot `slots[i]` receives GPU
-    /// blocks `gpu_blocks[i * f .. (i + 1) * f]` (`f` = `block_factor`,
-    /// every tensor), so `gpu_blocks.len() == slots.len() * f`.
+    /// (with [`Addressing::Slots`] only). The slots' sub-blocks, `f`
+    /// (`block_factor`) per slot in `slots` order, receive the GPU blocks
+    /// from sub-block `first_sub` of the first slot on (vLLM's
+    /// `block_indices[0] % f`): GPU block `i` goes to sub-block
+    /// `(first_sub + i) % f` of slot `slots[(first_sub + i) / f]`, every
+    /// tensor. So the first and the last slot may be partial (their other
+    /// sub-blocks are not written), and
+    /// `slots.len() == ceil((gpu_blocks.len() + first_sub) / f)`.
     ///
     /// The store is ordered after the work on the compute stream at this
     /// moment, as a keyed store; [`Offloader::poll`] reports it once (a
@@ -675,10 +680,12 @@ impl Offloader {
     /// bytes and may be loaded, or stored again.
     ///
     /// Errors, with nothing submitted: [`OffloaderError::WrongAddressing`]
-    /// on a keyed offloader; [`OffloaderError::SlotBlockCount`];
-    /// [`OffloaderError::ShutDown`]; and from the transfer engine
-    /// ([`OffloaderError::Transfer`]): [`TransferError::JobIdReused`] when
-    /// `id` was used before (ids are never reused, reported or not),
+    /// on a keyed offloader; [`OffloaderError::ShutDown`]; and from the
+    /// transfer engine ([`OffloaderError::Transfer`]):
+    /// [`TransferError::JobIdReused`] when `id` was used before (ids are
+    /// never reused, reported or not; a refused call uses none),
+    /// [`TransferError::FirstSubTooLarge`] (`first_sub >= f`),
+    /// [`TransferError::HostCountMismatch`] (the slot count above),
     /// [`TransferError::HostBlockOutOfRange`] /
     /// [`TransferError::GpuBlockOutOfRange`] (the id and the limit),
     /// [`TransferError::RepeatedHostBlock`] /
@@ -687,25 +694,40 @@ impl Offloader {
     /// (a capture window open, a capturing compute stream, shutdown).
     ///
     /// [`TransferError::JobIdReused`]: crate::transfer::TransferError::JobIdReused
+    /// [`TransferError::FirstSubTooLarge`]: crate::transfer::TransferError::FirstSubTooLarge
+    /// [`TransferError::HostCountMismatch`]: crate::transfer::TransferError::HostCountMismatch
     /// [`TransferError::HostBlockOutOfRange`]: crate::transfer::TransferError::HostBlockOutOfRange
     /// [`TransferError::GpuBlockOutOfRange`]: crate::transfer::TransferError::GpuBlockOutOfRange
     /// [`TransferError::RepeatedHostBlock`]: crate::transfer::TransferError::RepeatedHostBlock
     /// [`TransferError::RepeatedGpuBlock`]: crate::transfer::TransferError::RepeatedGpuBlock
     /// [`TransferError::EmptyJob`]: crate::transfer::TransferError::EmptyJob
-    pub fn store_slots(&self, id: JobId, gpu_blocks: &[usize], slots: &[usize]) -> Result<(), OffloaderError> {
-        self.submit_slots("store_slots", Direction::DeviceToHost, id, gpu_blocks, slots)
+    pub fn store_slots(
+        &self,
+        id: JobId,
+        gpu_blocks: &[usize],
+        slots: &[usize],
+        first_sub: usize,
+    ) -> Result<(), OffloaderError> {
+        self.submit_slots("store_slots", Direction::DeviceToHost, id, gpu_blocks, slots, first_sub)
     }
 
     /// Loads host slots `slots` into GPU blocks `gpu_blocks` as job `id`
-    /// (the engine's id), with [`Addressing::Slots`] only: GPU blocks
-    /// `gpu_blocks[i * f .. (i + 1) * f]` receive slot `slots[i]`. The
-    /// slots hold what the engine's last reported store to them wrote (the
-    /// offloader does not check: the engine owns its slots). Until
-    /// [`Offloader::poll`] reports the job the engine must not touch those
-    /// GPU blocks nor store to those slots. Ordering, reporting, waits and
-    /// errors as [`Offloader::store_slots`].
-    pub fn load_slots(&self, id: JobId, gpu_blocks: &[usize], slots: &[usize]) -> Result<(), OffloaderError> {
-        self.submit_slots("load_slots", Direction::HostToDevice, id, gpu_blocks, slots)
+    /// (the engine's id), with [`Addressing::Slots`] only: GPU block `i`
+    /// receives sub-block `(first_sub + i) % f` of slot
+    /// `slots[(first_sub + i) / f]` (as [`Offloader::store_slots`] placed
+    /// it). The slots hold what the engine's last reported store to them
+    /// wrote (the offloader does not check: the engine owns its slots).
+    /// Until [`Offloader::poll`] reports the job the engine must not touch
+    /// those GPU blocks nor store to those slots. Ordering, reporting,
+    /// waits and errors as [`Offloader::store_slots`].
+    pub fn load_slots(
+        &self,
+        id: JobId,
+        gpu_blocks: &[usize],
+        slots: &[usize],
+        first_sub: usize,
+    ) -> Result<(), OffloaderError> {
+        self.submit_slots("load_slots", Direction::HostToDevice, id, gpu_blocks, slots, first_sub)
     }
 
     fn submit_slots(
@@ -715,26 +737,19 @@ impl Offloader {
         id: JobId,
         gpu_blocks: &[usize],
         slots: &[usize],
+        first_sub: usize,
     ) -> Result<(), OffloaderError> {
         self.check_addressing(call, Addressing::Slots)?;
-        let factor = self.kv.block_factor;
-        let need = slots.len().saturating_mul(factor);
-        if gpu_blocks.len() != need {
-            return Err(OffloaderError::SlotBlockCount { slots: slots.len(), factor, need, got: gpu_blocks.len() });
-        }
         let mut inner = sync::lock(&self.inner);
         if inner.closed {
             return Err(OffloaderError::ShutDown);
         }
         let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
-        // The engine checks the ids (range, repeats, the job id never used
-        // before) and orders the job after the compute stream, as for a
-        // keyed job; with every count exact, no sub-block is skipped.
+        // The engine checks the skip, the counts and the ids (range,
+        // repeats, the job id never used before) and orders the job after
+        // the compute stream, as for a keyed job.
         let job = JobBlocks::single(gpu_blocks.to_vec(), slots.to_vec());
-        match dir {
-            Direction::DeviceToHost => engine.store(id, &job)?,
-            Direction::HostToDevice => engine.load(id, &job)?,
-        }
+        engine.submit_skipping(id, dir, &job, &[first_sub])?;
         inner.jobs.insert(id, JobKeys { direction: dir, keys: Vec::new() });
         Ok(())
     }

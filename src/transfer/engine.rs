@@ -379,13 +379,31 @@ impl TransferEngine {
     /// as the caller may hold locks the window's owner needs.
     pub fn submit(&self, id: JobId, dir: Direction, job: &JobBlocks) -> Result<(), TransferError> {
         let exp = self.layout.expand(id, job)?;
+        self.submit_expanded(id, dir, &exp)
+    }
+
+    /// [`TransferEngine::submit`] with the skip of each group's first host
+    /// block given ([`KvLayout::expand_skipping`]: the first and the last
+    /// host block may be partial). Everything else as `submit`.
+    pub fn submit_skipping(
+        &self,
+        id: JobId,
+        dir: Direction,
+        job: &JobBlocks,
+        first_subs: &[usize],
+    ) -> Result<(), TransferError> {
+        let exp = self.layout.expand_skipping(id, job, first_subs)?;
+        self.submit_expanded(id, dir, &exp)
+    }
+
+    fn submit_expanded(&self, id: JobId, dir: Direction, exp: &Expansion) -> Result<(), TransferError> {
         if self.racy_submit {
             // N9 (loom builds only): the submit of before issue 12, outside
             // the gate.
             let ticket = self.coord.admit_job().map_err(|_| TransferError::ShutDown { id })?;
-            return self.accept(id, dir, &exp, ticket);
+            return self.accept(id, dir, exp, ticket);
         }
-        match self.coord.admit_job_outside_windows(|_inside, ticket| self.accept(id, dir, &exp, ticket)) {
+        match self.coord.admit_job_outside_windows(|_inside, ticket| self.accept(id, dir, exp, ticket)) {
             Ok(r) => r,
             Err(ProtocolError::ShutDown) => Err(TransferError::ShutDown { id }),
             Err(_) => Err(TransferError::CaptureWindowOpen { id }),

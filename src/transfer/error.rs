@@ -127,6 +127,38 @@ pub enum TransferError {
         /// Most GPU blocks that fit: `host*factor`.
         max: usize,
     },
+    /// An explicit first-slot skip ([`super::KvLayout::expand_skipping`])
+    /// of `factor` or more sub-blocks.
+    #[error("group {group}: first_sub {first_sub} skips a whole host block of {factor} GPU blocks (at most {max})", max = factor - 1)]
+    FirstSubTooLarge {
+        /// Index of the KV cache group.
+        group: usize,
+        /// The skip given.
+        first_sub: usize,
+        /// GPU blocks per host block.
+        factor: usize,
+    },
+    /// With an explicit skip, `gpu` GPU blocks from sub-block `first_sub`
+    /// of the first host block need exactly
+    /// `ceil((gpu + first_sub) / factor)` host blocks.
+    #[error(
+        "group {group}: {gpu} GPU block(s) from sub-block {first_sub} need {need} host block(s) of {factor} GPU blocks, \
+         {host} given"
+    )]
+    HostCountMismatch {
+        /// Index of the KV cache group.
+        group: usize,
+        /// GPU block ids the job names for the group.
+        gpu: usize,
+        /// Host block ids the job names for the group.
+        host: usize,
+        /// The skip of the first host block.
+        first_sub: usize,
+        /// GPU blocks per host block.
+        factor: usize,
+        /// Host blocks needed.
+        need: usize,
+    },
     /// The job moves no block at all (every group empty); such a job would
     /// have nothing to complete by.
     #[error("job {id} moves no block")]

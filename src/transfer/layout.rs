@@ -17,6 +17,14 @@
 //!   are skipped (upstream's `skip_count`), so `n` lies in
 //!   `(h-1)*factor+1 ..= h*factor`.
 //!
+//! - [`KvLayout::expand_skipping`] takes the skip per group instead
+//!   (vLLM's `block_indices`): `n` GPU blocks go to sub-blocks
+//!   `first_sub .. first_sub + n` of the group's `h` host blocks, so the
+//!   first and the last host block may be partial and
+//!   `h == ceil((n + first_sub) / factor)`. With `first_sub` 0 and full
+//!   host blocks both rules agree; otherwise they differ (the derived skip
+//!   fills the last host block, vLLM's may leave it partial).
+//!
 //! [`KvLayout::expand`] turns a job into `(host, device, bytes)` fragments,
 //! tensor by tensor in job order, merging each fragment into the previous
 //! one when both sides are contiguous.
@@ -317,12 +325,39 @@ impl KvLayout {
     /// Checks `job` against the layout (typed errors for every bad id or
     /// count) and expands it into merged fragments.
     pub fn expand(&self, id: JobId, job: &JobBlocks) -> Result<Expansion, TransferError> {
+        self.expand_with(id, job, None)
+    }
+
+    /// [`KvLayout::expand`] with the skip of each group's first host block
+    /// given (`first_subs[g]`, one per group; see the module docs):
+    /// [`TransferError::FirstSubTooLarge`] when one is `factor` or more,
+    /// [`TransferError::HostCountMismatch`] when a group's host blocks are
+    /// not exactly `ceil((gpu + first_sub) / factor)`, the other checks as
+    /// for `expand`.
+    pub fn expand_skipping(
+        &self,
+        id: JobId,
+        job: &JobBlocks,
+        first_subs: &[usize],
+    ) -> Result<Expansion, TransferError> {
+        if first_subs.len() != self.groups.len() {
+            return Err(TransferError::GroupCount { given: first_subs.len(), expected: self.groups.len() });
+        }
+        self.expand_with(id, job, Some(first_subs))
+    }
+
+    fn expand_with(
+        &self,
+        id: JobId,
+        job: &JobBlocks,
+        first_subs: Option<&[usize]>,
+    ) -> Result<Expansion, TransferError> {
         if job.groups.len() != self.groups.len() {
             return Err(TransferError::GroupCount { given: job.groups.len(), expected: self.groups.len() });
         }
         let mut skips = Vec::with_capacity(job.groups.len());
         for (gi, (gb, gl)) in job.groups.iter().zip(&self.groups).enumerate() {
-            skips.push(self.check_group(gi, gb, gl)?);
+            skips.push(self.check_group(gi, gb, gl, first_subs.map(|s| s[gi]))?);
         }
         let pages: usize = job.groups.iter().zip(&self.groups).map(|(gb, gl)| gb.gpu.len() * gl.tensors.len()).sum();
         let mut out = Expansion { fragments: Vec::with_capacity(pages), bytes: 0 };
@@ -344,18 +379,50 @@ impl KvLayout {
         Ok(out)
     }
 
-    /// Validates one group of a job; returns its skip count.
-    fn check_group(&self, gi: usize, gb: &GroupBlocks, gl: &GroupLayout) -> Result<usize, TransferError> {
+    /// Validates one group of a job; returns its skip count (`first_sub`
+    /// when given, else derived).
+    fn check_group(
+        &self,
+        gi: usize,
+        gb: &GroupBlocks,
+        gl: &GroupLayout,
+        first_sub: Option<usize>,
+    ) -> Result<usize, TransferError> {
         let f = self.factor;
         let (n, h) = (gb.gpu.len(), gb.host.len());
+        if let Some(s) = first_sub {
+            if s >= f {
+                return Err(TransferError::FirstSubTooLarge { group: gi, first_sub: s, factor: f });
+            }
+        }
         if n == 0 && h == 0 {
             return Ok(0);
         }
-        let max = h.saturating_mul(f);
-        let min = if h == 0 { 1 } else { (h - 1).saturating_mul(f) + 1 };
-        if n < min || n > max {
-            return Err(TransferError::BlockCountMismatch { group: gi, gpu: n, host: h, factor: f, min, max });
-        }
+        let skip = match first_sub {
+            None => {
+                let max = h.saturating_mul(f);
+                let min = if h == 0 { 1 } else { (h - 1).saturating_mul(f) + 1 };
+                if n < min || n > max {
+                    return Err(TransferError::BlockCountMismatch { group: gi, gpu: n, host: h, factor: f, min, max });
+                }
+                max - n
+            }
+            Some(s) => {
+                // s < f, so n + s cannot overflow past n + f.
+                let need = if n == 0 { 0 } else { n.saturating_add(s).div_ceil(f) };
+                if h != need {
+                    return Err(TransferError::HostCountMismatch {
+                        group: gi,
+                        gpu: n,
+                        host: h,
+                        first_sub: s,
+                        factor: f,
+                        need,
+                    });
+                }
+                s
+            }
+        };
         if let Some(&block) = gb.gpu.iter().find(|&&b| b >= gl.num_gpu_blocks) {
             return Err(TransferError::GpuBlockOutOfRange { group: gi, block, num_blocks: gl.num_gpu_blocks });
         }
@@ -368,7 +435,7 @@ impl KvLayout {
         if let Some(block) = first_repeat(&gb.host, gl.num_host_blocks) {
             return Err(TransferError::RepeatedHostBlock { group: gi, block });
         }
-        Ok(max - n)
+        Ok(skip)
     }
 }
 
@@ -443,6 +510,36 @@ mod tests {
                 Fragment { host: 0x1000, device: DevicePtr((1 << 32) + 32), bytes: 64 },
             ]
         );
+    }
+
+    #[test]
+    fn explicit_skip_leaves_first_and_last_host_block_partial() {
+        let l = one(&[16], 4, HostPlacement::TensorMajor);
+        // 3 GPU blocks from sub-block 2: 2 of host block 3, 1 of host block 0.
+        let e = l.expand_skipping(JobId(1), &JobBlocks::single(vec![0, 1, 2], vec![3, 0]), &[2]).unwrap();
+        assert_eq!(e.bytes, 48);
+        assert_eq!(
+            e.fragments,
+            vec![
+                Fragment { host: 0x1000 + 3 * 64 + 2 * 16, device: DevicePtr(1 << 32), bytes: 32 },
+                Fragment { host: 0x1000, device: DevicePtr((1 << 32) + 32), bytes: 16 },
+            ]
+        );
+        // The derived rule refuses the same job: there only the first host
+        // block may be partial.
+        let d = l.expand(JobId(1), &JobBlocks::single(vec![0, 1, 2], vec![3, 0])).unwrap_err();
+        assert!(matches!(d, TransferError::BlockCountMismatch { min: 5, max: 8, .. }), "{d:?}");
+        let e = |g: Vec<usize>, h: Vec<usize>, s: usize| {
+            l.expand_skipping(JobId(7), &JobBlocks::single(g, h), &[s]).unwrap_err()
+        };
+        assert!(matches!(e(vec![0], vec![0], 4), TransferError::FirstSubTooLarge { first_sub: 4, factor: 4, .. }));
+        assert!(matches!(e(vec![0, 1, 2], vec![0], 2), TransferError::HostCountMismatch { need: 2, host: 1, .. }));
+        assert!(matches!(e(vec![0], vec![0, 1], 0), TransferError::HostCountMismatch { need: 1, host: 2, .. }));
+        assert!(matches!(e(vec![], vec![], 0), TransferError::EmptyJob { id: JobId(7) }));
+        assert!(matches!(
+            l.expand_skipping(JobId(1), &JobBlocks::single(vec![0], vec![0]), &[]).unwrap_err(),
+            TransferError::GroupCount { given: 0, expected: 1 }
+        ));
     }
 
     #[test]
