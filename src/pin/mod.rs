@@ -9,11 +9,14 @@
 //!   after chunk while the pre-faulter makes the next one resident; any
 //!   failure unregisters what was registered, last first, and leaves the
 //!   region pageable with a typed [`PageableReason`](crate::protocol::PageableReason).
+//! - [`numa`]: the pre-fault threads and the region's pages on the GPU's
+//!   NUMA node ([`PinOptions::numa`]), or a typed, logged reason why not.
 //! - `kvoffload bench pin` (the binary crate) measures it; with `--shared`,
 //!   a shared region pinned by N rank processes.
 
 mod engine;
 pub mod memlock;
+pub mod numa;
 pub mod options;
 pub mod prefault;
 mod region_slots;
@@ -23,8 +26,8 @@ pub use engine::{
     pin_all, pin_all_agreed, pin_all_agreed_by, Agreement, NoPrefault, PinHandle, Prefault, RankAgreement,
 };
 pub use options::{
-    available_cores, HugePages, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT,
-    MAX_THREADS, RECOMMENDED_MAX_CHUNK_BYTES,
+    available_cores, HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES,
+    MAX_CHUNK_LIMIT, MAX_THREADS, RECOMMENDED_MAX_CHUNK_BYTES,
 };
 pub use prefault::{
     thp_setting, PlannedChunk, PrefaultConfig, PrefaultError, PrefaultStats, Prefaulter, HUGE_PAGE_BYTES,

@@ -1,6 +1,8 @@
 //! Options of the pinning pipeline and their typed errors.
 
 use crate::protocol::CapturePolicy;
+
+pub use super::numa::NumaPolicy;
 use crate::region::RegionError;
 
 /// Default bound of one registration call: 256 MiB.
@@ -78,6 +80,14 @@ pub struct PinOptions {
     pub prefault: PrefaultMode,
     /// When capture windows may open while pinning runs.
     pub policy: CapturePolicy,
+    /// NUMA placement of the pre-fault threads and the region's pages
+    /// (default [`NumaPolicy::Auto`]: the GPU's node when sysfs names one and
+    /// it can hold the bytes to pin; see [`crate::pin::numa`]).
+    pub numa: NumaPolicy,
+    /// The sysfs tree the NUMA topology is read from (default `/sys`,
+    /// [`crate::pin::numa::SYSFS_ROOT`]; tests point it at a described
+    /// topology).
+    pub numa_sysfs_root: std::path::PathBuf,
 }
 
 /// The number of cores this process may run on (1 if unknown).
@@ -93,6 +103,8 @@ impl Default for PinOptions {
             max_chunk_bytes: DEFAULT_MAX_CHUNK_BYTES,
             prefault: PrefaultMode::Populate,
             policy: CapturePolicy::AfterPinning,
+            numa: NumaPolicy::Auto,
+            numa_sysfs_root: super::numa::SYSFS_ROOT.into(),
         }
     }
 }
@@ -130,6 +142,18 @@ impl PinOptions {
     /// Sets [`PinOptions::policy`].
     pub fn policy(mut self, p: CapturePolicy) -> Self {
         self.policy = p;
+        self
+    }
+
+    /// Sets [`PinOptions::numa`].
+    pub fn numa(mut self, n: NumaPolicy) -> Self {
+        self.numa = n;
+        self
+    }
+
+    /// Sets [`PinOptions::numa_sysfs_root`].
+    pub fn numa_sysfs_root(mut self, root: impl Into<std::path::PathBuf>) -> Self {
+        self.numa_sysfs_root = root.into();
         self
     }
 

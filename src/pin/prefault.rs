@@ -294,6 +294,8 @@ impl Shared {
 pub struct Prefaulter {
     shared: Arc<Shared>,
     workers: Mutex<Vec<thread::JoinHandle<()>>>,
+    /// CPUs each worker restricts itself to as it starts (empty: anywhere).
+    cpus: Vec<usize>,
 }
 
 fn align(cfg: &PrefaultConfig) -> usize {
@@ -511,6 +513,17 @@ fn probe_populate() -> Populate {
     }
 }
 
+/// Restricts worker `k` to `cpus` (not under loom: its threads are not OS
+/// threads of their own).
+fn pin_worker(k: usize, cpus: &[usize]) {
+    if sync::LOOM || cpus.is_empty() {
+        return;
+    }
+    if let Err(e) = super::numa::bind_current_thread(cpus) {
+        tracing::warn!(worker = k, error = %e, "NUMA: sched_setaffinity refused; this pre-fault worker runs on any CPU");
+    }
+}
+
 fn worker(shared: Arc<Shared>) {
     let mut g = shared.lock();
     loop {
@@ -587,7 +600,21 @@ impl Prefaulter {
                 done: Condvar::new(),
             }),
             workers: Mutex::new(Vec::new()),
+            cpus: Vec::new(),
         }
+    }
+
+    /// Workers restrict themselves to `cpus` (`sched_setaffinity`, the NUMA
+    /// node's CPUs of [`super::numa::Placement`]) as they start; empty:
+    /// anywhere. A refused affinity is logged and the worker runs anywhere.
+    pub fn on_cpus(mut self, cpus: Vec<usize>) -> Prefaulter {
+        self.cpus = cpus;
+        self
+    }
+
+    /// The CPUs workers restrict themselves to (empty: anywhere).
+    pub fn cpus(&self) -> &[usize] {
+        &self.cpus
     }
 
     /// The settings.
@@ -623,7 +650,11 @@ impl Prefaulter {
             for k in 0..self.shared.cfg.threads {
                 let sh = self.shared.clone();
                 let b = thread::Builder::new().name(format!("kvo-prefault-{k}")).stack_size(WORKER_STACK_BYTES);
-                match b.spawn(move || worker(sh)) {
+                let cpus = self.cpus.clone();
+                match b.spawn(move || {
+                    pin_worker(k, &cpus);
+                    worker(sh)
+                }) {
                     Ok(h) => w.push(h),
                     Err(e) => {
                         tracing::warn!(error = %e, started = k, wanted = self.shared.cfg.threads, "could not start a pre-fault worker; continuing with fewer");

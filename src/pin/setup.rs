@@ -7,6 +7,7 @@ use crate::sync::Arc;
 
 use super::engine::{pin_all, NoPrefault, PinHandle, Prefault};
 use super::memlock;
+use super::numa::{self, Placement};
 use super::options::{available_cores, HugePages, PinError, PinOptions, PrefaultMode};
 use super::prefault::{PlannedChunk, PrefaultConfig, Prefaulter};
 
@@ -24,6 +25,7 @@ pub struct Prepared {
     bytes: usize,
     memlock_limit: Option<u64>,
     options: PinOptions,
+    placement: Placement,
 }
 
 impl std::fmt::Debug for Prepared {
@@ -33,6 +35,7 @@ impl std::fmt::Debug for Prepared {
             .field("bytes", &self.bytes)
             .field("huge_pages", &self.huge_pages)
             .field("memlock_limit", &self.memlock_limit)
+            .field("placement", &self.placement)
             .field("options", &self.options)
             .finish()
     }
@@ -49,6 +52,14 @@ impl Prepared {
     /// plan for a multi-file region, [`Prefaulter::with_plan`]). For a shared
     /// region the pre-fault threads are at most the cores divided by its
     /// ranks (they all pin at once).
+    ///
+    /// NUMA ([`PinOptions::numa`], [`numa::place`] on [`PinOptions::numa_sysfs_root`] with the
+    /// runtime's PCI bus id): when a node is chosen, every chunk gets
+    /// `mbind(MPOL_PREFERRED)` for it here, before any page of it is
+    /// faulted, and the pre-fault workers run on its CPUs (at most as many
+    /// workers as it has CPUs); otherwise the typed reason is logged and
+    /// kept ([`Prepared::placement`]). Pages already resident (a shared
+    /// region's files reserved by create/join) stay where they are.
     ///
     /// Typed errors: [`PinError::ZeroSize`], [`PinError::TooLarge`] for the
     /// options, [`PinError::Region`] with
@@ -90,6 +101,13 @@ impl Prepared {
             RegionKind::Shared => opts.threads.min((available_cores() / region.layout().num_ranks()).max(1)),
             RegionKind::Anonymous => opts.threads,
         };
+        let placement = numa::place(opts.numa, &opts.numa_sysfs_root, rt.pci_bus_id(), bytes as u64);
+        let placement = numa::apply_pages(placement, &chunks);
+        placement.log(bytes as u64);
+        let threads = match placement.cpus().len() {
+            0 => threads,
+            n => threads.min(n),
+        };
         let prefaulter = match opts.prefault {
             PrefaultMode::Off => None,
             mode => {
@@ -101,7 +119,7 @@ impl Prepared {
                 // pre-faulter before it publishes a final state, so no slice
                 // runs once pinning is over. The region's memory is
                 // read-write.
-                Some(Arc::new(unsafe { Prefaulter::with_plan(cfg, plan) }))
+                Some(Arc::new(unsafe { Prefaulter::with_plan(cfg, plan) }.on_cpus(placement.cpus().to_vec())))
             }
         };
         let keep: crate::protocol::KeepAlive = Box::new(region.clone());
@@ -116,9 +134,10 @@ impl Prepared {
             huge_pages,
             prefault = ?opts.prefault,
             populate_write = ?prefaulter.as_ref().and_then(|p| p.stats().populate_write),
+            numa = %placement,
             "pinning prepared"
         );
-        Ok(Prepared { coord, prefaulter, huge_pages, bytes, memlock_limit, options: opts.clone() })
+        Ok(Prepared { coord, prefaulter, huge_pages, bytes, memlock_limit, options: opts.clone(), placement })
     }
 
     /// The coordinator (capture windows, pin state, chunk registrations).
@@ -159,6 +178,12 @@ impl Prepared {
     /// RLIMIT_MEMLOCK when it is finite and below the region size.
     pub fn memlock_limit(&self) -> Option<u64> {
         self.memlock_limit
+    }
+
+    /// The NUMA placement in effect: the node the pages are preferred on and
+    /// the pre-fault workers' CPUs, or why nothing was placed.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
     }
 
     /// The options it was made with.

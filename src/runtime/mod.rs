@@ -145,6 +145,13 @@ pub trait GpuRuntime: Send + Sync {
     /// every capture-unsafe operation starts with
     /// `self.gate_binding().check(gate, name)?`.
     fn gate_binding(&self) -> &GateBinding;
+    /// The device's PCI bus id as the driver names it (`0000:1B:00.0`),
+    /// asked once when the runtime was opened and cached: pinning reads the
+    /// GPU's NUMA node from sysfs with it. `None` when unknown (the
+    /// simulated GPU). Makes no driver call.
+    fn pci_bus_id(&self) -> Option<&str> {
+        None
+    }
 
     /// `cuMemHostRegister`. Capture-unsafe (docs/driver-rules.md, row "cuMemHostRegister").
     ///

@@ -97,6 +97,8 @@ pub struct CudaRuntime {
     sm_count: u32,
     name: String,
     driver_version: i32,
+    /// `cuDeviceGetPCIBusId`, asked in `open` (see there).
+    pci_bus_id: Option<String>,
 }
 
 // SAFETY: the raw context and function handles are plain driver handles that
@@ -165,6 +167,25 @@ impl CudaRuntime {
             )
         })
         .map_err(dev_err)?;
+        // The PCI bus id (pinning reads the GPU's NUMA node from sysfs with
+        // it). cuDeviceGetPCIBusId has no measured conformance row, so it is
+        // treated as capture-unsafe: it is called only here, in `open`,
+        // before this runtime exists and so before any capture can, and the
+        // answer is cached (`GpuRuntime::pci_bus_id` makes no driver call).
+        // A failure only leaves the id unknown (no NUMA placement).
+        let mut bus_buf = [0 as std::ffi::c_char; 64];
+        // SAFETY: the buffer holds 64 bytes, the length we pass; `device`
+        // came from cuDeviceGet.
+        let pci_bus_id =
+            match check("cuDeviceGetPCIBusId", unsafe { sys::cuDeviceGetPCIBusId(bus_buf.as_mut_ptr(), 64, device) }) {
+                // SAFETY: on success the driver wrote a NUL-terminated string
+                // into the buffer.
+                Ok(()) => Some(unsafe { std::ffi::CStr::from_ptr(bus_buf.as_ptr()) }.to_string_lossy().into_owned()),
+                Err(e) => {
+                    tracing::info!(error = %e, "the GPU's PCI bus id is unknown; no NUMA placement");
+                    None
+                }
+            };
         let mut driver_version = 0;
         // SAFETY: valid out-pointer.
         check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut driver_version) }).map_err(dev_err)?;
@@ -181,6 +202,7 @@ impl CudaRuntime {
             sm_count: u32::try_from(sms).unwrap_or(1).max(1),
             name,
             driver_version,
+            pci_bus_id,
         };
         rt.bind().map_err(dev_err)?;
         let mut module: sys::CUmodule = std::ptr::null_mut();
@@ -343,6 +365,10 @@ impl GpuRuntime for CudaRuntime {
 
     fn gate_binding(&self) -> &GateBinding {
         &self.binding
+    }
+
+    fn pci_bus_id(&self) -> Option<&str> {
+        self.pci_bus_id.as_deref()
     }
 
     fn describe(&self) -> String {
