@@ -13,9 +13,9 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use kvoffload::runtime::sim::{Hold, HoldPoint, SimFault, SimRuntime};
-use kvoffload::runtime::{Code, DevicePtr};
+use kvoffload::runtime::{CaptureMode, Code, DevicePtr, GpuRuntime, Graph, Kernel, Stream};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::{choice, errors, PyOffloader, PyRuntime};
 
@@ -53,6 +53,156 @@ fn sim_fail_registration(py: Python<'_>, runtime: &Bound<'_, PyRuntime>, nth: u6
 fn sim_hold(py: Python<'_>, runtime: &Bound<'_, PyRuntime>, point: &str) -> PyResult<PySimHold> {
     let point = choice(py, "point", point, &[("register", HoldPoint::Register), ("device_op", HoldPoint::DeviceOp)])?;
     Ok(PySimHold { hold: Mutex::new(Some(sim(py, runtime.get())?.hold(point))) })
+}
+
+/// Adopts `nbytes` of host memory at `addr` as simulated device memory in
+/// place (`SimRuntime::adopt_host_memory`); returns its device address.
+/// The Python wrapper keeps the object owning the memory alive until
+/// `sim_release_adopted`.
+#[pyfunction]
+fn sim_adopt(py: Python<'_>, runtime: &Bound<'_, PyRuntime>, addr: usize, nbytes: usize) -> PyResult<u64> {
+    let sim = sim(py, runtime.get())?;
+    // SAFETY: test hook (`kvoffload._testing`, not part of the API): the
+    // caller promises, as `sim_adopt`'s documentation says, that the memory
+    // is its own, writable, valid until `sim_release_adopted` returned, and
+    // untouched while device work on it is queued; the wrapper keeps its
+    // owner alive until then.
+    let p =
+        unsafe { sim.adopt_host_memory(addr, nbytes) }.map_err(|e| errors::driver(py, "adopting host memory", e))?;
+    Ok(p.raw())
+}
+
+/// Ends an adoption (`SimRuntime::release_adopted`): waits, GIL released,
+/// until the device is idle.
+#[pyfunction]
+fn sim_release_adopted(py: Python<'_>, runtime: &Bound<'_, PyRuntime>, ptr: u64) -> PyResult<()> {
+    let sim = sim(py, runtime.get())?;
+    py.detach(|| sim.release_adopted(DevicePtr(ptr))).map_err(|e| errors::driver(py, "releasing adopted memory", e))
+}
+
+/// Host ranges adopted and not released (simulated GPU only).
+#[pyfunction]
+fn sim_adopted_ranges(py: Python<'_>, runtime: &Bound<'_, PyRuntime>) -> PyResult<usize> {
+    Ok(sim(py, runtime.get())?.adopted_ranges())
+}
+
+fn stream_of(py: Python<'_>, sim: &SimRuntime, raw: u64) -> PyResult<Stream> {
+    sim.stream_by_raw(raw).ok_or_else(|| errors::options(py, format!("no stream {raw} on this simulated GPU")))
+}
+
+fn graph_of(py: Python<'_>, sim: &SimRuntime, raw: u64) -> PyResult<Graph> {
+    sim.graph_by_raw(raw).ok_or_else(|| errors::options(py, format!("no graph {raw} on this simulated GPU")))
+}
+
+/// A new stream of the simulated GPU (`stream_create`), as its number.
+#[pyfunction]
+fn sim_stream(py: Python<'_>, runtime: &Bound<'_, PyRuntime>) -> PyResult<u64> {
+    let s = sim(py, runtime.get())?.stream_create().map_err(|e| errors::driver(py, "creating a stream", e))?;
+    Ok(s.raw())
+}
+
+/// Destroys a stream of the simulated GPU (its queued work still runs).
+#[pyfunction]
+fn sim_stream_destroy(py: Python<'_>, runtime: &Bound<'_, PyRuntime>, stream: u64) -> PyResult<()> {
+    let sim = sim(py, runtime.get())?;
+    sim.stream_destroy(stream_of(py, sim, stream)?).map_err(|e| errors::driver(py, "destroying a stream", e))
+}
+
+/// Begins a capture on `stream` (`"global"`, `"thread_local"` or
+/// `"relaxed"`); blocks, GIL released, while a registration runs.
+#[pyfunction]
+#[pyo3(signature = (runtime, stream, mode = "global"))]
+fn sim_begin_capture(py: Python<'_>, runtime: &Bound<'_, PyRuntime>, stream: u64, mode: &str) -> PyResult<()> {
+    let mode = choice(
+        py,
+        "mode",
+        mode,
+        &[
+            ("global", CaptureMode::Global),
+            ("thread_local", CaptureMode::ThreadLocal),
+            ("relaxed", CaptureMode::Relaxed),
+        ],
+    )?;
+    let sim = sim(py, runtime.get())?;
+    let s = stream_of(py, sim, stream)?;
+    py.detach(|| sim.begin_capture(s, mode)).map_err(|e| errors::driver(py, "beginning a capture", e))
+}
+
+/// Ends the capture on `stream`; the graph's number (`DriverError` with
+/// the driver's code when the capture was invalidated, 901, or failed).
+#[pyfunction]
+fn sim_end_capture(py: Python<'_>, runtime: &Bound<'_, PyRuntime>, stream: u64) -> PyResult<u64> {
+    let sim = sim(py, runtime.get())?;
+    let g = sim.end_capture(stream_of(py, sim, stream)?).map_err(|e| errors::driver(py, "ending a capture", e))?;
+    Ok(g.raw())
+}
+
+/// Launches (replays) graph `graph` on `stream`.
+#[pyfunction]
+fn sim_graph_launch(py: Python<'_>, runtime: &Bound<'_, PyRuntime>, graph: u64, stream: u64) -> PyResult<()> {
+    let sim = sim(py, runtime.get())?;
+    let (g, s) = (graph_of(py, sim, graph)?, stream_of(py, sim, stream)?);
+    sim.graph_launch(g, s).map_err(|e| errors::driver(py, "launching a graph", e))
+}
+
+/// Destroys graph `graph`.
+#[pyfunction]
+fn sim_graph_destroy(py: Python<'_>, runtime: &Bound<'_, PyRuntime>, graph: u64) -> PyResult<()> {
+    let sim = sim(py, runtime.get())?;
+    sim.graph_destroy(graph_of(py, sim, graph)?).map_err(|e| errors::driver(py, "destroying a graph", e))
+}
+
+/// Enqueues (or, in a capture, records) a memset of `nbytes` bytes of
+/// `value` at device address `ptr` on `stream`.
+#[pyfunction]
+fn sim_memset(
+    py: Python<'_>,
+    runtime: &Bound<'_, PyRuntime>,
+    ptr: u64,
+    value: u8,
+    nbytes: usize,
+    stream: u64,
+) -> PyResult<()> {
+    let sim = sim(py, runtime.get())?;
+    let s = stream_of(py, sim, stream)?;
+    // SAFETY: the sim bounds-checks `ptr..ptr+nbytes` against its device
+    // memory (its own allocations, adopted memory the caller keeps valid by
+    // `sim_adopt`'s contract, or registered host memory through its alias)
+    // and refuses anything else.
+    unsafe { sim.memset_d8_async(DevicePtr(ptr), value, nbytes, s) }.map_err(|e| errors::driver(py, "memset", e))
+}
+
+/// Enqueues (or records) the spin kernel, which touches no memory.
+#[pyfunction]
+fn sim_launch_spin(py: Python<'_>, runtime: &Bound<'_, PyRuntime>, stream: u64) -> PyResult<()> {
+    let sim = sim(py, runtime.get())?;
+    let s = stream_of(py, sim, stream)?;
+    // SAFETY: the spin kernel reads and writes no memory.
+    unsafe { sim.launch(Kernel::Spin { nanos: 1 }, s) }.map_err(|e| errors::driver(py, "launching a kernel", e))
+}
+
+/// Blocks, GIL released, until every stream's work has run.
+#[pyfunction]
+fn sim_wait_idle(py: Python<'_>, runtime: &Bound<'_, PyRuntime>) -> PyResult<()> {
+    let sim = sim(py, runtime.get())?;
+    py.detach(|| sim.wait_device_idle());
+    Ok(())
+}
+
+/// Every call the capture rules refused so far, oldest first: dicts of
+/// `call` (the driver entry point) and `reason` (the rule).
+#[pyfunction]
+fn sim_refusals<'py>(py: Python<'py>, runtime: &Bound<'_, PyRuntime>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    sim(py, runtime.get())?
+        .refusals()
+        .into_iter()
+        .map(|r| {
+            let d = PyDict::new(py);
+            d.set_item("call", r.call)?;
+            d.set_item("reason", r.reason)?;
+            Ok(d)
+        })
+        .collect()
 }
 
 /// A hold point of the simulated GPU (`sim_hold`): also a context manager
@@ -176,6 +326,19 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     t.add_function(wrap_pyfunction!(sim_registered_ranges, &t)?)?;
     t.add_function(wrap_pyfunction!(sim_fail_registration, &t)?)?;
     t.add_function(wrap_pyfunction!(sim_hold, &t)?)?;
+    t.add_function(wrap_pyfunction!(sim_adopt, &t)?)?;
+    t.add_function(wrap_pyfunction!(sim_release_adopted, &t)?)?;
+    t.add_function(wrap_pyfunction!(sim_adopted_ranges, &t)?)?;
+    t.add_function(wrap_pyfunction!(sim_stream, &t)?)?;
+    t.add_function(wrap_pyfunction!(sim_stream_destroy, &t)?)?;
+    t.add_function(wrap_pyfunction!(sim_begin_capture, &t)?)?;
+    t.add_function(wrap_pyfunction!(sim_end_capture, &t)?)?;
+    t.add_function(wrap_pyfunction!(sim_graph_launch, &t)?)?;
+    t.add_function(wrap_pyfunction!(sim_graph_destroy, &t)?)?;
+    t.add_function(wrap_pyfunction!(sim_memset, &t)?)?;
+    t.add_function(wrap_pyfunction!(sim_launch_spin, &t)?)?;
+    t.add_function(wrap_pyfunction!(sim_wait_idle, &t)?)?;
+    t.add_function(wrap_pyfunction!(sim_refusals, &t)?)?;
     t.add_function(wrap_pyfunction!(activity, &t)?)?;
     t.add_function(wrap_pyfunction!(write_block, &t)?)?;
     t.add_function(wrap_pyfunction!(read_block, &t)?)?;
