@@ -6,7 +6,7 @@
 //! shutdown drains slot jobs in flight.
 
 use kvoffload::manager::BlockKey;
-use kvoffload::offloader::{Addressing, KvAlloc, Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::offloader::{Addressing, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob};
 use kvoffload::runtime::pattern;
 use kvoffload::runtime::sim::{HoldPoint, SimConfig, SimRuntime};
 use kvoffload::runtime::{shared, Direction};
@@ -466,5 +466,129 @@ fn shutdown_drains_slot_jobs_in_flight() {
     match off.store_slots(JobId(99), &[0, 1], &[0], 0) {
         Err(OffloaderError::ShutDown) => {}
         other => panic!("{other:?}"),
+    }
+}
+
+fn grouped_offloader() -> Offloader {
+    // Group 0: tensors 0 and 1; group 1: tensor 2.
+    let opts = OffloaderOptions { kv_groups: Some(vec![2, 1]), ..OffloaderOptions::with_host_slots(SLOTS) };
+    Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).expect("grouped slot offloader")
+}
+
+/// Page `sub` of slot `slot` for tensor `t` (local to group `g`).
+fn group_page(off: &Offloader, g: usize, t: usize, slot: usize, sub: usize) -> Vec<u8> {
+    let addr = off.layout().host_addr(g, t, slot, sub);
+    // SAFETY: as in `host_page`.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, PAGE) }.to_vec()
+}
+
+fn gpu_page(off: &Offloader, t: usize, b: usize) -> Vec<u8> {
+    let mut got = vec![0u8; PAGE];
+    // SAFETY: `got` is writable for the synchronous copy.
+    unsafe { off.runtime().copy_dtoh(got.as_mut_ptr() as usize, off.tensors()[t].offset(b * PAGE), PAGE) }.unwrap();
+    got
+}
+
+#[test]
+fn kv_groups_share_slot_ids_and_touch_only_their_tensors() {
+    let off = grouped_offloader();
+    assert_eq!(off.layout().num_groups(), 2);
+    write_blocks(&off, 5, &gpu_range(0, 5));
+    // vLLM's shape: group 0 has GPU blocks 0..3 from sub-block 1 (slots 2
+    // and 3), group 1 GPU blocks 3, 4 (slot 3 too: its own tensor's part).
+    let job = SlotJob { gpu_blocks: &[0, 1, 2, 3, 4], group_sizes: &[3, 2], slots: &[2, 3, 3], first_subs: &[1, 0] };
+    off.store_slot_job(JobId(1), &job).unwrap();
+    let done = drain(&off);
+    assert_eq!(done[0].bytes, ((3 * 2 + 2) * PAGE) as u64, "3 blocks of 2 tensors, 2 of 1");
+    let zero = vec![0u8; PAGE];
+    for t in 0..2 {
+        assert!(group_page(&off, 0, t, 2, 0) == zero, "group 0, tensor {t}: slot 2, sub-block 0 untouched");
+        for (sub_at, j) in [((2, 1), 0), ((3, 0), 1), ((3, 1), 2)] {
+            assert!(group_page(&off, 0, t, sub_at.0, sub_at.1) == page(5, t, j), "group 0, tensor {t}, {sub_at:?}");
+        }
+    }
+    assert!(group_page(&off, 1, 0, 3, 0) == page(5, 2, 3), "group 1: slot 3, sub-block 0");
+    assert!(group_page(&off, 1, 0, 3, 1) == page(5, 2, 4), "group 1: slot 3, sub-block 1");
+    for sub in 0..FACTOR {
+        assert!(group_page(&off, 1, 0, 2, sub) == zero, "group 1: slot 2 untouched");
+    }
+    // Back into other GPU blocks, the same shape.
+    let back =
+        SlotJob { gpu_blocks: &[10, 11, 12, 13, 14], group_sizes: &[3, 2], slots: &[2, 3, 3], first_subs: &[1, 0] };
+    off.load_slot_job(JobId(2), &back).unwrap();
+    // Only group 1, from its last sub-block of slot 3.
+    let one = SlotJob { gpu_blocks: &[20], group_sizes: &[0, 1], slots: &[3], first_subs: &[0, 1] };
+    off.load_slot_job(JobId(3), &one).unwrap();
+    drain(&off);
+    for t in 0..2 {
+        for (i, b) in [10, 11, 12].into_iter().enumerate() {
+            assert!(gpu_page(&off, t, b) == page(5, t, i), "tensor {t}, GPU block {b}");
+        }
+    }
+    for (i, b) in [13, 14].into_iter().enumerate() {
+        assert!(gpu_page(&off, 2, b) == page(5, 2, 3 + i), "tensor 2, GPU block {b}");
+    }
+    assert!(gpu_page(&off, 2, 20) == page(5, 2, 4), "tensor 2, GPU block 20");
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn kv_group_jobs_of_the_wrong_shape_are_typed_errors() {
+    let off = grouped_offloader();
+    let store = |job: SlotJob<'_>| off.store_slot_job(JobId(1), &job).unwrap_err();
+    let shape = |e: OffloaderError| match e {
+        OffloaderError::SlotJobShape { given, expected, .. } => (given, expected),
+        e => panic!("{e:?}"),
+    };
+    assert_eq!(shape(store(SlotJob { gpu_blocks: &[0, 1], group_sizes: &[2], slots: &[0], first_subs: &[0] })), (1, 2));
+    assert_eq!(
+        shape(store(SlotJob { gpu_blocks: &[0, 1], group_sizes: &[2, 0], slots: &[0], first_subs: &[0] })),
+        (1, 2),
+        "first_subs"
+    );
+    assert_eq!(
+        shape(store(SlotJob { gpu_blocks: &[0, 1, 2], group_sizes: &[2, 2], slots: &[0, 1], first_subs: &[0, 0] })),
+        (3, 4),
+        "GPU blocks"
+    );
+    assert_eq!(
+        shape(store(SlotJob { gpu_blocks: &[0, 1, 2], group_sizes: &[2, 1], slots: &[0], first_subs: &[0, 0] })),
+        (1, 2),
+        "slots"
+    );
+    // One-group calls on two groups.
+    assert_eq!(shape(off.store_slots(JobId(1), &[0, 1], &[0], 0).unwrap_err()), (1, 2));
+    // Per-group checks name the group.
+    match store(SlotJob { gpu_blocks: &[0, 1, 2, 3], group_sizes: &[0, 4], slots: &[5, 5], first_subs: &[0, 0] }) {
+        OffloaderError::Transfer(TransferError::RepeatedHostBlock { group: 1, block: 5 }) => {}
+        e => panic!("{e:?}"),
+    }
+    match store(SlotJob { gpu_blocks: &[0, 1, 2], group_sizes: &[2, 1], slots: &[SLOTS, 0], first_subs: &[0, 0] }) {
+        OffloaderError::Transfer(TransferError::HostBlockOutOfRange { group: 0, block: SLOTS, num_blocks: SLOTS }) => {}
+        e => panic!("{e:?}"),
+    }
+    match store(SlotJob { gpu_blocks: &[0, 1], group_sizes: &[1, 1], slots: &[0, 0, 1], first_subs: &[0, FACTOR] }) {
+        OffloaderError::Transfer(TransferError::FirstSubTooLarge { group: 1, first_sub: FACTOR, .. }) => {}
+        e => panic!("{e:?}"),
+    }
+    assert_eq!(off.in_flight(), 0);
+    off.store_slot_job(JobId(1), &SlotJob { gpu_blocks: &[0], group_sizes: &[1, 0], slots: &[0], first_subs: &[0, 0] })
+        .unwrap();
+    assert_eq!(drain(&off).len(), 1);
+    off.shutdown().unwrap();
+
+    // Groups need slot addressing and a partition of the tensors.
+    for (addressing, groups) in
+        [(Addressing::Keys, vec![2, 1]), (Addressing::Slots, vec![2, 2]), (Addressing::Slots, vec![3, 0])]
+    {
+        let opts = OffloaderOptions {
+            kv_groups: Some(groups.clone()),
+            addressing,
+            ..OffloaderOptions::with_host_blocks(SLOTS)
+        };
+        match Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts) {
+            Err(OffloaderError::Options(_)) => {}
+            other => panic!("{addressing:?} {groups:?}: {other:?}"),
+        }
     }
 }

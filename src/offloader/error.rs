@@ -54,6 +54,17 @@ pub enum OffloaderError {
         /// GPU blocks given.
         got: usize,
     },
+    /// A slot job's lists do not fit each other or the KV cache groups
+    /// ([`super::SlotJob`]).
+    #[error("slot job: {given} {what}, {expected} expected")]
+    SlotJobShape {
+        /// Which list, and what its length must be.
+        what: &'static str,
+        /// Its length.
+        given: usize,
+        /// The length it must have.
+        expected: usize,
+    },
     /// A keyed call on a slot-addressed offloader, or a slot call on a
     /// keyed one (see [`super::Addressing`]).
     #[error("{call} is not available: this offloader's host blocks are addressed by {addressing:?}")]

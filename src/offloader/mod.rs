@@ -91,6 +91,27 @@ pub struct StoreSubmitted {
     pub evicted: Vec<BlockKey>,
 }
 
+/// A slot job over every KV cache group ([`Offloader::store_slot_job`],
+/// [`Offloader::load_slot_job`]), in vLLM's shape: its
+/// `GPULoadStoreSpec(block_ids, group_sizes, block_indices)` and
+/// `CPULoadStoreSpec(chunk_ids)`.
+#[derive(Copy, Clone, Debug)]
+pub struct SlotJob<'a> {
+    /// GPU block ids of every group, group after group.
+    pub gpu_blocks: &'a [usize],
+    /// GPU blocks of each group in `gpu_blocks`, one per group (0 for a
+    /// group the job does not touch).
+    pub group_sizes: &'a [usize],
+    /// Host slot ids of every group, group after group: group `g` has
+    /// `ceil((group_sizes[g] + first_subs[g]) / block_factor)` of them
+    /// (none when its size is 0).
+    pub slots: &'a [usize],
+    /// Per group, the sub-blocks of its first slot before its first GPU
+    /// block (vLLM's `block_indices[g] % block_factor`), below
+    /// `block_factor`.
+    pub first_subs: &'a [usize],
+}
+
 /// A finished job, as [`Offloader::poll`] reports it (already applied to
 /// the block manager).
 #[derive(Clone, Debug, PartialEq)]
@@ -190,6 +211,37 @@ impl std::fmt::Debug for Offloader {
             .field("pin", &self.coord.pin_state())
             .finish()
     }
+}
+
+/// The KV cache groups of the layout: one of every tensor, or
+/// `opts.kv_groups` (slot addressing only), each of every GPU block and
+/// every host slot.
+fn kv_groups(kv: &KvSpec, opts: &OffloaderOptions) -> Result<Vec<GroupSpec>, OffloaderError> {
+    let group = |tensors: &[TensorSpec]| GroupSpec {
+        tensors: tensors.to_vec(),
+        num_gpu_blocks: kv.gpu_blocks,
+        num_host_blocks: opts.host_blocks,
+    };
+    let Some(sizes) = &opts.kv_groups else {
+        return Ok(vec![group(&kv.tensors)]);
+    };
+    if opts.addressing != Addressing::Slots {
+        return Err(OffloaderError::Options("kv_groups needs Addressing::Slots (keyed jobs have one group)".into()));
+    }
+    if sizes.is_empty() || sizes.contains(&0) || sizes.iter().sum::<usize>() != kv.tensors.len() {
+        return Err(OffloaderError::Options(format!(
+            "kv_groups {sizes:?} must be positive tensor counts summing to the {} KV tensors",
+            kv.tensors.len()
+        )));
+    }
+    let mut at = 0;
+    Ok(sizes
+        .iter()
+        .map(|&n| {
+            at += n;
+            group(&kv.tensors[at - n..at])
+        })
+        .collect())
 }
 
 impl Offloader {
@@ -354,10 +406,9 @@ impl Offloader {
         let coord = prepared.coordinator().clone();
         // This rank's host blocks: block `i` is the rank's chunk `i`.
         let host_base = region.chunk_ptr(rank, 0)?.as_ptr() as usize;
-        let group =
-            GroupSpec { tensors: kv.tensors.clone(), num_gpu_blocks: kv.gpu_blocks, num_host_blocks: opts.host_blocks };
+        let groups = kv_groups(&kv, &opts)?;
         let placement = HostPlacement::BlockStrided { stride: layout.chunk_stride() };
-        let kv_layout = KvLayout::new(&[group], kv.block_factor, host_base, placement)?;
+        let kv_layout = KvLayout::new(&groups, kv.block_factor, host_base, placement)?;
         // Slot addressing uses no block manager; `poll` still applies each
         // completion to one (with no keys: nothing changes), so a
         // one-slot manager stands in.
@@ -679,6 +730,10 @@ impl Offloader {
     /// slots: the engine owns them). Once it is reported the slots hold the
     /// bytes and may be loaded, or stored again.
     ///
+    /// With several KV cache groups ([`OffloaderOptions::kv_groups`]) use
+    /// [`Offloader::store_slot_job`]; here they are refused
+    /// ([`OffloaderError::SlotJobShape`]).
+    ///
     /// Errors, with nothing submitted: [`OffloaderError::WrongAddressing`]
     /// on a keyed offloader; [`OffloaderError::ShutDown`]; and from the
     /// transfer engine ([`OffloaderError::Transfer`]):
@@ -708,7 +763,8 @@ impl Offloader {
         slots: &[usize],
         first_sub: usize,
     ) -> Result<(), OffloaderError> {
-        self.submit_slots("store_slots", Direction::DeviceToHost, id, gpu_blocks, slots, first_sub)
+        let job = SlotJob { gpu_blocks, group_sizes: &[gpu_blocks.len()], slots, first_subs: &[first_sub] };
+        self.submit_slots("store_slots", Direction::DeviceToHost, id, &job)
     }
 
     /// Loads host slots `slots` into GPU blocks `gpu_blocks` as job `id`
@@ -727,7 +783,77 @@ impl Offloader {
         slots: &[usize],
         first_sub: usize,
     ) -> Result<(), OffloaderError> {
-        self.submit_slots("load_slots", Direction::HostToDevice, id, gpu_blocks, slots, first_sub)
+        let job = SlotJob { gpu_blocks, group_sizes: &[gpu_blocks.len()], slots, first_subs: &[first_sub] };
+        self.submit_slots("load_slots", Direction::HostToDevice, id, &job)
+    }
+
+    /// [`Offloader::store_slots`] over every KV cache group of an
+    /// offloader built with [`OffloaderOptions::kv_groups`] (or its one
+    /// group): group `g`'s GPU blocks and slots are its part of
+    /// `job.gpu_blocks` and `job.slots`, placed as `store_slots` places
+    /// one group's, from sub-block `job.first_subs[g]` of its first slot;
+    /// within a slot, group `g` touches only its own tensors' pages.
+    /// [`OffloaderError::SlotJobShape`] when `group_sizes` or `first_subs`
+    /// has not one entry per group, `gpu_blocks` is not `group_sizes` long
+    /// in all, or `slots` not as long as the groups need (with one group:
+    /// `HostCountMismatch`, as for `store_slots`); every check of
+    /// `store_slots` per group (the errors name the group).
+    pub fn store_slot_job(&self, id: JobId, job: &SlotJob<'_>) -> Result<(), OffloaderError> {
+        self.submit_slots("store_slot_job", Direction::DeviceToHost, id, job)
+    }
+
+    /// [`Offloader::load_slots`] over every KV cache group, as
+    /// [`Offloader::store_slot_job`] stores them.
+    pub fn load_slot_job(&self, id: JobId, job: &SlotJob<'_>) -> Result<(), OffloaderError> {
+        self.submit_slots("load_slot_job", Direction::HostToDevice, id, job)
+    }
+
+    /// The job's blocks, group by group (the shape checks of
+    /// [`Offloader::store_slot_job`]; the rest is the engine's).
+    fn slot_job_blocks(&self, job: &SlotJob<'_>) -> Result<JobBlocks, OffloaderError> {
+        let groups = self.layout.num_groups();
+        let shape = |what, given, expected| Err(OffloaderError::SlotJobShape { what, given, expected });
+        if job.group_sizes.len() != groups {
+            return shape("group_sizes entries (one per KV cache group)", job.group_sizes.len(), groups);
+        }
+        if job.first_subs.len() != groups {
+            return shape("first_subs entries (one per KV cache group)", job.first_subs.len(), groups);
+        }
+        let gpu_total = job.group_sizes.iter().fold(0usize, |a, &n| a.saturating_add(n));
+        if job.gpu_blocks.len() != gpu_total {
+            return shape("GPU block ids (the sum of group_sizes)", job.gpu_blocks.len(), gpu_total);
+        }
+        let f = self.kv.block_factor;
+        let need: Vec<usize> = job
+            .group_sizes
+            .iter()
+            .zip(job.first_subs)
+            .map(|(&n, &s)| if n == 0 { 0 } else { n.saturating_add(s).div_ceil(f) })
+            .collect();
+        let slots_total = need.iter().fold(0usize, |a, &n| a.saturating_add(n));
+        if job.slots.len() != slots_total {
+            if groups == 1 {
+                // The engine's check names the group, the skip and the need
+                // (TransferError::HostCountMismatch).
+                return Ok(JobBlocks::single(job.gpu_blocks.to_vec(), job.slots.to_vec()));
+            }
+            return shape(
+                "host slot ids (ceil((size + first_sub) / block_factor) per group)",
+                job.slots.len(),
+                slots_total,
+            );
+        }
+        let (mut g_at, mut s_at) = (0, 0);
+        let mut out = JobBlocks { groups: Vec::with_capacity(groups) };
+        for (&n, &h) in job.group_sizes.iter().zip(&need) {
+            out.groups.push(crate::transfer::GroupBlocks {
+                gpu: job.gpu_blocks[g_at..g_at + n].to_vec(),
+                host: job.slots[s_at..s_at + h].to_vec(),
+            });
+            g_at += n;
+            s_at += h;
+        }
+        Ok(out)
     }
 
     fn submit_slots(
@@ -735,21 +861,19 @@ impl Offloader {
         call: &'static str,
         dir: Direction,
         id: JobId,
-        gpu_blocks: &[usize],
-        slots: &[usize],
-        first_sub: usize,
+        job: &SlotJob<'_>,
     ) -> Result<(), OffloaderError> {
         self.check_addressing(call, Addressing::Slots)?;
+        let blocks = self.slot_job_blocks(job)?;
         let mut inner = sync::lock(&self.inner);
         if inner.closed {
             return Err(OffloaderError::ShutDown);
         }
         let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
-        // The engine checks the skip, the counts and the ids (range,
+        // The engine checks the skips, the counts and the ids (range,
         // repeats, the job id never used before) and orders the job after
         // the compute stream, as for a keyed job.
-        let job = JobBlocks::single(gpu_blocks.to_vec(), slots.to_vec());
-        engine.submit_skipping(id, dir, &job, &[first_sub])?;
+        engine.submit_skipping(id, dir, &blocks, job.first_subs)?;
         inner.jobs.insert(id, JobKeys { direction: dir, keys: Vec::new() });
         Ok(())
     }

@@ -143,6 +143,14 @@ pub struct OffloaderOptions {
     pub agreement: Option<Arc<dyn Transport>>,
     /// Keyed (the default) or slot-addressed host blocks.
     pub addressing: Addressing,
+    /// KV cache groups, with [`Addressing::Slots`] only: how many of the
+    /// KV tensors (in order) each group has, summing to their number
+    /// (vLLM's `group_data_refs`, each group's tensors distinct). `None`
+    /// (the default): one group of every tensor. A host slot holds
+    /// `block_factor` pages of every tensor, group after group; a slot job
+    /// names GPU blocks and slots per group ([`super::SlotJob`]), and
+    /// group `g`'s part of a slot touches only group `g`'s tensors.
+    pub kv_groups: Option<Vec<usize>>,
 }
 
 impl std::fmt::Debug for OffloaderOptions {
@@ -156,6 +164,7 @@ impl std::fmt::Debug for OffloaderOptions {
             .field("agreement_timeout", &self.agreement_timeout)
             .field("agreement", &self.agreement.as_ref().map(|_| "transport"))
             .field("addressing", &self.addressing)
+            .field("kv_groups", &self.kv_groups)
             .field("pin_observer", &self.pin_observer.as_ref().map(|_| "observer"))
             .finish()
     }
@@ -173,6 +182,7 @@ impl Default for OffloaderOptions {
             pin_observer: None,
             agreement: None,
             addressing: Addressing::Keys,
+            kv_groups: None,
         }
     }
 }
