@@ -62,6 +62,19 @@ __all__ = [
     "sim_hold",
     "sim_registered_ranges",
     "write_block",
+    "sim_adopt",
+    "sim_release_adopted",
+    "sim_adopted_ranges",
+    "sim_stream",
+    "sim_stream_destroy",
+    "sim_begin_capture",
+    "sim_end_capture",
+    "sim_graph_launch",
+    "sim_graph_destroy",
+    "sim_memset",
+    "sim_launch_spin",
+    "sim_wait_idle",
+    "sim_refusals",
 ]
 
 #: A hold point of the simulated GPU, armed by :func:`sim_hold`: the next

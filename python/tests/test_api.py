@@ -43,6 +43,19 @@ def test_the_testing_module_imports_and_says_what_it_is():
         "sim_hold",
         "sim_registered_ranges",
         "write_block",
+        "sim_adopt",
+        "sim_release_adopted",
+        "sim_adopted_ranges",
+        "sim_stream",
+        "sim_stream_destroy",
+        "sim_begin_capture",
+        "sim_end_capture",
+        "sim_graph_launch",
+        "sim_graph_destroy",
+        "sim_memset",
+        "sim_launch_spin",
+        "sim_wait_idle",
+        "sim_refusals",
     }
     assert kt.SimHold.__module__ == "kvoffload._testing"
 
