@@ -592,3 +592,81 @@ fn kv_group_jobs_of_the_wrong_shape_are_typed_errors() {
         }
     }
 }
+
+#[test]
+fn slots_of_jobs_not_yet_reported_are_busy() {
+    let off = slot_offloader();
+    off.store_slots(JobId(1), &[0, 1], &[3], 0).unwrap();
+    // Until poll reports the store, no job may use slot 3.
+    match off.store_slots(JobId(2), &[2, 3], &[5, 3], 0) {
+        Err(OffloaderError::SlotBusy { group: 0, slot: 3, job: JobId(1), direction: Direction::DeviceToHost }) => {}
+        other => panic!("{other:?}"),
+    }
+    match off.load_slots(JobId(2), &[2, 3], &[3], 0) {
+        Err(OffloaderError::SlotBusy { group: 0, slot: 3, job: JobId(1), direction: Direction::DeviceToHost }) => {}
+        other => panic!("{other:?}"),
+    }
+    // Completed on the GPU is not enough: reported is.
+    off.wait(JobId(1)).unwrap();
+    assert!(matches!(off.store_slots(JobId(2), &[2, 3], &[3], 0), Err(OffloaderError::SlotBusy { slot: 3, .. })));
+    assert_eq!(off.poll().len(), 1);
+    // Loads of one slot run together; a store to it waits for their report.
+    off.load_slots(JobId(2), &[4, 5], &[3], 0).unwrap();
+    off.load_slots(JobId(3), &[6, 7], &[3], 0).unwrap();
+    match off.store_slots(JobId(4), &[8, 9], &[3], 0) {
+        Err(OffloaderError::SlotBusy {
+            group: 0,
+            slot: 3,
+            job: JobId(2) | JobId(3),
+            direction: Direction::HostToDevice,
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    // Other slots are free meanwhile; the refused id 4 is unused.
+    off.store_slots(JobId(4), &[8, 9], &[4], 0).unwrap();
+    assert_eq!(drain(&off).len(), 3);
+    off.store_slots(JobId(5), &[8, 9], &[3], 0).unwrap();
+    assert_eq!(drain(&off).len(), 1);
+    off.shutdown().unwrap();
+
+    // With groups, a slot id is one slot per group.
+    let off = grouped_offloader();
+    let g0 = SlotJob { gpu_blocks: &[0, 1], group_sizes: &[2, 0], slots: &[3], first_subs: &[0, 0] };
+    let g1 = SlotJob { gpu_blocks: &[0, 1], group_sizes: &[0, 2], slots: &[3], first_subs: &[0, 0] };
+    off.store_slot_job(JobId(1), &g0).unwrap();
+    off.store_slot_job(JobId(2), &g1).unwrap();
+    match off.load_slot_job(JobId(3), &g1) {
+        Err(OffloaderError::SlotBusy { group: 1, slot: 3, job: JobId(2), .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(drain(&off).len(), 2);
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn wait_jobs_waits_for_those_in_flight_and_skips_the_rest() {
+    let sim = SimRuntime::new();
+    let device = sim.another_handle();
+    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_slots(SLOTS)).unwrap();
+    off.store_slots(JobId(1), &[0, 1], &[0], 0).unwrap();
+    off.wait_all().unwrap();
+    assert_eq!(off.poll().len(), 1);
+    write_blocks(&off, 3, &[2, 3]);
+    // The store's copies are held on the device until 100 ms from now.
+    let hold = device.hold(HoldPoint::DeviceOp);
+    off.store_slots(JobId(2), &[2, 3], &[1], 0).unwrap();
+    off.load_slots(JobId(3), &[4, 5], &[0], 0).unwrap();
+    hold.wait_entered();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        hold.release();
+    });
+    // 1 reported, 2 and 3 in flight, 9 never submitted.
+    off.wait_jobs(&[JobId(9), JobId(1), JobId(2), JobId(3)]).unwrap();
+    assert_eq!(bad_host_pages(&off, 3, &[1]), 0, "job 2 completed when wait_jobs returned");
+    release.join().unwrap();
+    assert_eq!(off.poll().iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(2), JobId(3)]);
+    off.wait_jobs(&[]).unwrap();
+    off.shutdown().unwrap();
+    assert!(matches!(off.wait_jobs(&[JobId(2)]), Err(OffloaderError::ShutDown)));
+}

@@ -65,6 +65,19 @@ pub enum OffloaderError {
         /// The length it must have.
         expected: usize,
     },
+    /// A slot job named a host slot that a job not yet reported by `poll`
+    /// uses: any job, for a store; a store, for a load.
+    #[error("host slot {slot} of group {group} is in use by job {job} ({direction:?}) until poll reports it")]
+    SlotBusy {
+        /// The KV cache group.
+        group: usize,
+        /// The slot id.
+        slot: usize,
+        /// The job in flight that uses it.
+        job: JobId,
+        /// That job's direction.
+        direction: crate::runtime::Direction,
+    },
     /// A keyed call on a slot-addressed offloader, or a slot call on a
     /// keyed one (see [`super::Addressing`]).
     #[error("{call} is not available: this offloader's host blocks are addressed by {addressing:?}")]

@@ -62,7 +62,7 @@ mod observe;
 mod options;
 mod waits;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 pub use error::OffloaderError;
 pub use observe::PinObserver;
@@ -75,7 +75,9 @@ use crate::protocol::{finish_shutdown, CaptureWindow, Coordinator, GraphToken, P
 use crate::region::{page_size, AnonOptions, Layout, Region};
 use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::{self, thread, Arc, Mutex};
-use crate::transfer::{Backend, GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine};
+use crate::transfer::{
+    Backend, GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine, TransferError,
+};
 
 /// What a store submission did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -167,6 +169,9 @@ enum Pinner {
 struct JobKeys {
     direction: Direction,
     keys: Vec<BlockKey>,
+    /// A slot job's `(group, slot)` pairs (empty for keyed jobs), until
+    /// `poll` reports it.
+    slots: Vec<(usize, usize)>,
 }
 
 struct Inner {
@@ -667,7 +672,7 @@ impl Offloader {
             }
             return Err(e.into());
         }
-        inner.jobs.insert(id, JobKeys { direction: Direction::DeviceToHost, keys: stored.clone() });
+        inner.jobs.insert(id, JobKeys { direction: Direction::DeviceToHost, keys: stored.clone(), slots: Vec::new() });
         // N18 (loom builds only): the keys readable at submission.
         #[cfg(loom)]
         if crate::protocol::variant_is!(self.coord, ReadableAtSubmit) {
@@ -701,7 +706,7 @@ impl Offloader {
             }
             return Err(e.into());
         }
-        inner.jobs.insert(id, JobKeys { direction: Direction::HostToDevice, keys: keys.to_vec() });
+        inner.jobs.insert(id, JobKeys { direction: Direction::HostToDevice, keys: keys.to_vec(), slots: Vec::new() });
         // N19 (loom builds only): the slots released at submission.
         #[cfg(loom)]
         if crate::protocol::variant_is!(self.coord, SlotFreedAtLoadSubmit) {
@@ -725,17 +730,21 @@ impl Offloader {
     /// moment, as a keyed store; [`Offloader::poll`] reports it once (a
     /// [`Completion`] with no keys), with its bytes and seconds, and
     /// [`Offloader::wait`] / [`Offloader::wait_all`] wait for it. Until it
-    /// is reported the engine must not write those GPU blocks, nor read the
-    /// slots or hand them to another job (the offloader does not track
-    /// slots: the engine owns them). Once it is reported the slots hold the
-    /// bytes and may be loaded, or stored again.
+    /// is reported the engine must not write those GPU blocks, and the
+    /// offloader refuses any other job on those slots
+    /// ([`OffloaderError::SlotBusy`]); the engine still owns its slots
+    /// (which slot holds what is its business, not checked). Once it is
+    /// reported the slots hold the bytes and may be loaded, or stored
+    /// again.
     ///
     /// With several KV cache groups ([`OffloaderOptions::kv_groups`]) use
     /// [`Offloader::store_slot_job`]; here they are refused
     /// ([`OffloaderError::SlotJobShape`]).
     ///
     /// Errors, with nothing submitted: [`OffloaderError::WrongAddressing`]
-    /// on a keyed offloader; [`OffloaderError::ShutDown`]; and from the
+    /// on a keyed offloader; [`OffloaderError::ShutDown`];
+    /// [`OffloaderError::SlotBusy`] (a store on a slot of a job not yet
+    /// reported, a load on a slot of a store not yet reported); and from the
     /// transfer engine ([`OffloaderError::Transfer`]):
     /// [`TransferError::JobIdReused`] when `id` was used before (ids are
     /// never reused, reported or not; a refused call uses none),
@@ -772,10 +781,11 @@ impl Offloader {
     /// receives sub-block `(first_sub + i) % f` of slot
     /// `slots[(first_sub + i) / f]` (as [`Offloader::store_slots`] placed
     /// it). The slots hold what the engine's last reported store to them
-    /// wrote (the offloader does not check: the engine owns its slots).
-    /// Until [`Offloader::poll`] reports the job the engine must not touch
-    /// those GPU blocks nor store to those slots. Ordering, reporting,
-    /// waits and errors as [`Offloader::store_slots`].
+    /// wrote (not checked: the engine owns its slots). Until
+    /// [`Offloader::poll`] reports the job the engine must not touch those
+    /// GPU blocks, and a store to those slots is refused
+    /// ([`OffloaderError::SlotBusy`]; other loads of them are not).
+    /// Ordering, reporting, waits and errors as [`Offloader::store_slots`].
     pub fn load_slots(
         &self,
         id: JobId,
@@ -870,11 +880,27 @@ impl Offloader {
             return Err(OffloaderError::ShutDown);
         }
         let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
+        let slots: Vec<(usize, usize)> =
+            blocks.groups.iter().enumerate().flat_map(|(g, b)| b.host.iter().map(move |&s| (g, s))).collect();
+        // A store never shares a slot with a job in flight; a load never
+        // with a store in flight (loads of one slot may run together).
+        // Linear in the slots of the jobs in flight.
+        if !inner.jobs.is_empty() {
+            let mine: HashSet<(usize, usize)> = slots.iter().copied().collect();
+            for (&other, j) in &inner.jobs {
+                if dir == Direction::HostToDevice && j.direction == Direction::HostToDevice {
+                    continue;
+                }
+                if let Some(&(group, slot)) = j.slots.iter().find(|gs| mine.contains(gs)) {
+                    return Err(OffloaderError::SlotBusy { group, slot, job: other, direction: j.direction });
+                }
+            }
+        }
         // The engine checks the skips, the counts and the ids (range,
         // repeats, the job id never used before) and orders the job after
         // the compute stream, as for a keyed job.
         engine.submit_skipping(id, dir, &blocks, job.first_subs)?;
-        inner.jobs.insert(id, JobKeys { direction: dir, keys: Vec::new() });
+        inner.jobs.insert(id, JobKeys { direction: dir, keys: Vec::new(), slots });
         Ok(())
     }
 
@@ -924,6 +950,26 @@ impl Offloader {
             crate::transfer::TransferError::UnknownJob { id } => OffloaderError::UnknownJob { id },
             e => e.into(),
         })
+    }
+
+    /// Blocks until each of `ids` that is in flight completed on the GPU
+    /// (vLLM's `OffloadingWorker.wait`): ids never submitted or already
+    /// reported are skipped, and failed jobs are reported by
+    /// [`Offloader::poll`], not here (as [`Offloader::wait_all`]). Refused
+    /// inside the caller's own window.
+    pub fn wait_jobs(&self, ids: &[JobId]) -> Result<(), OffloaderError> {
+        let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
+        for &id in ids {
+            if !sync::lock(&self.inner).jobs.contains_key(&id) {
+                continue;
+            }
+            match engine.wait(id) {
+                // Reported by another thread's poll since the check, or failed.
+                Ok(()) | Err(TransferError::UnknownJob { .. }) | Err(TransferError::JobFailed { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
     }
 
     /// Blocks until every job submitted so far completed on the GPU (failed
