@@ -17,6 +17,7 @@
 //! | [`offloader::Offloader::capture_window`] ([`protocol::CaptureWindow`]), [`offloader::Offloader::register_graph`] ([`protocol::GraphToken`]) | around each CUDA graph capture; for each graph that references the region |
 //! | [`offloader::Offloader::gated`] ([`offloader::GatedCalls`]) | the engine's own capture-unsafe driver calls, inside the offloader's gate |
 //! | [`offloader::Offloader::lookup`], [`offloader::Offloader::store`] ([`offloader::StoreSubmitted`]), [`offloader::Offloader::load`] | by block keys ([`manager::BlockKey`], [`manager::Lookup`]) and the engine's GPU block ids |
+//! | [`offloader::OffloaderOptions::with_host_slots`] ([`offloader::Addressing`], `OffloaderOptions::kv_groups`), [`offloader::Offloader::store_slots`], [`offloader::Offloader::load_slots`], [`offloader::Offloader::store_slot_job`] / [`offloader::Offloader::load_slot_job`] ([`offloader::SlotJob`]), [`offloader::Offloader::wait_jobs`] | for engines whose scheduler manages its own host blocks (vLLM's offloading connector): host slots and job ids chosen by the engine, no block manager |
 //! | [`offloader::Offloader::poll`] ([`offloader::Completion`]), [`offloader::Offloader::wait`], [`offloader::Offloader::wait_all`], [`offloader::Offloader::in_flight`] | completions, applied to the block manager |
 //! | [`offloader::Offloader::shutdown`], [`offloader::Offloader::is_shut_down`] | shutdown (refused with nothing changed while a window is open or a graph lives) |
 //! | [`offloader::OffloaderError`] and the errors it wraps | every failure, typed |
