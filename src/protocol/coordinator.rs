@@ -632,7 +632,7 @@ impl Coordinator {
     /// Opens a capture window, waiting until the policy allows it and no
     /// capture-unsafe library call is in flight.
     pub fn open_window(&self) -> Result<CaptureWindow, ProtocolError> {
-        self.open_window_inner(|| {})
+        self.open_window_inner(|| {}, None)
     }
 
     /// [`Coordinator::open_window`], calling `at_request` under the
@@ -642,7 +642,7 @@ impl Coordinator {
     /// not by the coordinator).
     #[cfg(loom)]
     pub fn open_window_noting(&self, at_request: impl FnOnce()) -> Result<CaptureWindow, ProtocolError> {
-        self.open_window_inner(at_request)
+        self.open_window_inner(at_request, None)
     }
 
     /// [`Coordinator::open_window`], interruptible: waits the same way, but
@@ -653,40 +653,17 @@ impl Coordinator {
     /// counted as waiting ([`Activity::windows_waiting`] as before the
     /// call), and the library calls it held back are woken.
     pub fn open_window_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<CaptureWindow, ProtocolError> {
-        let me = me();
-        let mut g = self.lock();
-        if g.phase != Phase::Running {
-            return Err(ProtocolError::ShutDown);
-        }
-        if g.owns_window(me) {
-            return Err(ProtocolError::NestedWindow);
-        }
-        g.windows_waiting += 1;
-        let completed_at_request = g.chunks_completed;
-        self.shared.cv.notify_all();
-        let (mut g, stopped) =
-            self.wait_while_interruptible(g, |s| !s.window_may_open() && s.phase == Phase::Running, interrupted);
-        g.windows_waiting -= 1;
-        if stopped {
-            // Withdrawn: library calls that deferred to this request may
-            // start now.
-            self.shared.cv.notify_all();
-            tracing::debug!(pin = ?g.pin, "capture window request interrupted before it opened");
-            return Err(ProtocolError::Interrupted { what: "a capture window" });
-        }
-        // From here as in `open_window_inner`.
-        if g.phase != Phase::Running {
-            self.shared.cv.notify_all();
-            return Err(ProtocolError::ShutDown);
-        }
-        g.windows_open += 1;
-        g.window_owners.push(me);
-        tracing::debug!(open = g.windows_open, pin = ?g.pin, "capture window opened");
-        let chunks_waited = g.chunks_completed - completed_at_request;
-        Ok(CaptureWindow { coord: self.shared.clone(), owner: me, chunks_waited })
+        self.open_window_inner(|| {}, Some(interrupted))
     }
 
-    fn open_window_inner(&self, at_request: impl FnOnce()) -> Result<CaptureWindow, ProtocolError> {
+    /// Opens a window: `at_request` runs under the lock as the request is
+    /// counted; the wait blocks, or with `interrupted` waits in slices and
+    /// withdraws the request when it says so.
+    fn open_window_inner(
+        &self,
+        at_request: impl FnOnce(),
+        interrupted: Option<&dyn Fn() -> bool>,
+    ) -> Result<CaptureWindow, ProtocolError> {
         let me = me();
         let mut g = self.lock();
         if g.phase != Phase::Running {
@@ -699,10 +676,28 @@ impl Coordinator {
         at_request();
         let completed_at_request = g.chunks_completed;
         self.shared.cv.notify_all();
-        while !g.window_may_open() && g.phase == Phase::Running {
-            g = self.wait(g);
-        }
+        let blocked = |s: &State| !s.window_may_open() && s.phase == Phase::Running;
+        let stopped = match interrupted {
+            None => {
+                while blocked(&g) {
+                    g = self.wait(g);
+                }
+                false
+            }
+            Some(f) => {
+                let (g2, stopped) = self.wait_while_interruptible(g, blocked, f);
+                g = g2;
+                stopped
+            }
+        };
         g.windows_waiting -= 1;
+        if stopped {
+            // Withdrawn: library calls that deferred to this request may
+            // start now.
+            self.shared.cv.notify_all();
+            tracing::debug!(pin = ?g.pin, "capture window request interrupted before it opened");
+            return Err(ProtocolError::Interrupted { what: "a capture window" });
+        }
         if g.phase != Phase::Running {
             self.shared.cv.notify_all();
             return Err(ProtocolError::ShutDown);
