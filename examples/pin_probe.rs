@@ -22,9 +22,9 @@
 use std::ffi::CString;
 use std::time::Instant;
 
-use kvoffload::protocol::{CapturePolicy, Coordinator};
-use kvoffload::runtime::cuda::CudaRuntime;
-use kvoffload::runtime::GpuRuntime;
+use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
+use kvoffload::internal::runtime::cuda::CudaRuntime;
+use kvoffload::internal::runtime::GpuRuntime;
 
 const GIB: usize = 1 << 30;
 const MADV_POPULATE_WRITE: libc::c_int = 23;
@@ -187,7 +187,7 @@ fn fallocate(m: &Mapping) -> Result<f64, String> {
 /// so it never holds a call back.
 fn register(rt: &CudaRuntime, m: &Mapping, chunk: usize) -> Result<(f64, f64), String> {
     let coord = Coordinator::without_region(rt, CapturePolicy::AfterPinning).map_err(|e| e.to_string())?;
-    let gated = |f: &dyn Fn(&kvoffload::runtime::Gate) -> kvoffload::runtime::DriverResult<()>| {
+    let gated = |f: &dyn Fn(&kvoffload::internal::runtime::Gate) -> kvoffload::internal::runtime::DriverResult<()>| {
         coord.unsafe_call("pin probe", f).map_err(|e| e.to_string())?.map_err(|e| e.to_string())
     };
     let n = m.len.div_ceil(chunk);

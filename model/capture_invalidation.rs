@@ -22,10 +22,10 @@
 mod common;
 
 use common::{check, Bounds};
-use kvoffload::protocol::{CapturePolicy, Coordinator};
-use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::{CaptureMode, Code, GpuRuntime};
-use kvoffload::sync::Arc;
+use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::{CaptureMode, Code, GpuRuntime};
+use kvoffload::internal::sync::Arc;
 
 static HOST: [u8; 64] = [0; 64];
 

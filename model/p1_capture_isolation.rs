@@ -37,10 +37,10 @@
 mod common;
 
 use common::{check, fixture, negative, Bounds};
-use kvoffload::pin::{NoPrefault, PinHandle};
-use kvoffload::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::runtime::CaptureMode;
-use kvoffload::sync::thread;
+use kvoffload::internal::pin::{NoPrefault, PinHandle};
+use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
+use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::sync::thread;
 
 fn scenario(variant: Variant) {
     scenario_with(variant, false)

@@ -37,11 +37,11 @@
 mod common;
 
 use common::{check, engine_with_compute, fixture, host, negative, Bounds};
-use kvoffload::pin::{pin_all, NoPrefault};
-use kvoffload::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::runtime::CaptureMode;
-use kvoffload::sync::thread;
-use kvoffload::transfer::{BackendChoice, JobBlocks, JobId, JobResult, TransferError};
+use kvoffload::internal::pin::{pin_all, NoPrefault};
+use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
+use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::sync::thread;
+use kvoffload::internal::transfer::{BackendChoice, JobBlocks, JobId, JobResult, TransferError};
 
 fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::AfterPinning, variant, 1, 64);

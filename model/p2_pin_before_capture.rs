@@ -34,9 +34,9 @@
 mod common;
 
 use common::{check, fixture, Bounds};
-use kvoffload::pin::{NoPrefault, PinHandle};
-use kvoffload::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::runtime::CaptureMode;
+use kvoffload::internal::pin::{NoPrefault, PinHandle};
+use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
+use kvoffload::internal::runtime::CaptureMode;
 
 fn scenario(policy: CapturePolicy) {
     let f = fixture(policy, Variant::Production, 3, 64);

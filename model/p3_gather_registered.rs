@@ -31,11 +31,11 @@
 mod common;
 
 use common::{check, engine, fixture, host, negative, Bounds};
-use kvoffload::pin::{NoPrefault, PinHandle};
-use kvoffload::protocol::{CapturePolicy, Variant};
-use kvoffload::runtime::sim::SimFault;
-use kvoffload::runtime::{Code, Direction};
-use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, JobId};
+use kvoffload::internal::pin::{NoPrefault, PinHandle};
+use kvoffload::internal::protocol::{CapturePolicy, Variant};
+use kvoffload::internal::runtime::sim::SimFault;
+use kvoffload::internal::runtime::{Code, Direction};
+use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId};
 
 fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::Interleave, variant, 2, 64);

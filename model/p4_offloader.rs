@@ -56,14 +56,14 @@
 mod common;
 
 use common::{check, negative, Bounds};
-use kvoffload::manager::BlockKey;
-use kvoffload::offloader::{Completion, KvAlloc, Offloader, OffloaderError, OffloaderOptions};
-use kvoffload::pin::{HugePages, PinOptions, PrefaultMode};
-use kvoffload::protocol::{PinState, ProtocolError, Variant};
-use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::{shared, CaptureMode, GpuRuntime};
-use kvoffload::sync::{thread, Arc};
-use kvoffload::transfer::{Backend, BackendChoice, TransferOptions};
+use kvoffload::internal::manager::BlockKey;
+use kvoffload::internal::offloader::{Completion, KvAlloc, Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::internal::pin::{HugePages, PinOptions, PrefaultMode};
+use kvoffload::internal::protocol::{PinState, ProtocolError, Variant};
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::{shared, CaptureMode, GpuRuntime};
+use kvoffload::internal::sync::{thread, Arc};
+use kvoffload::internal::transfer::{Backend, BackendChoice, TransferOptions};
 
 const PAGE: usize = 64;
 
@@ -72,7 +72,7 @@ const PAGE: usize = 64;
 fn offloader(variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<Offloader>) {
     let rt = shared(SimRuntime::new());
     let mut opts = OffloaderOptions::with_host_blocks(2);
-    let page = kvoffload::region::page_size();
+    let page = kvoffload::internal::region::page_size();
     opts.pin =
         PinOptions::default().prefault(PrefaultMode::Off).huge_pages(HugePages::Off).threads(1).max_chunk_bytes(page);
     // Per-fragment copies, no page-locked ring and no staging buffers: the

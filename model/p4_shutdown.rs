@@ -44,12 +44,12 @@
 mod common;
 
 use common::{check, engine, fixture, negative, Bounds};
-use kvoffload::pin::{pin_all, NoPrefault, PinHandle};
-use kvoffload::protocol::{shutdown, CapturePolicy, ChunkReg, PinState, ProtocolError, ShutdownError, Variant};
-use kvoffload::runtime::CaptureMode;
-use kvoffload::sync::atomic::{AtomicBool, Ordering};
-use kvoffload::sync::{thread, Arc};
-use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, JobId, TransferError};
+use kvoffload::internal::pin::{pin_all, NoPrefault, PinHandle};
+use kvoffload::internal::protocol::{shutdown, CapturePolicy, ChunkReg, PinState, ProtocolError, ShutdownError, Variant};
+use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::sync::atomic::{AtomicBool, Ordering};
+use kvoffload::internal::sync::{thread, Arc};
+use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId, TransferError};
 
 const B: Bounds = Bounds { property: "P4", threads: 3, preemptions: 4 };
 

@@ -22,12 +22,12 @@
 mod common;
 
 use common::{check, engine, fixture, host, Bounds};
-use kvoffload::pin::{pin_all, NoPrefault};
-use kvoffload::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::runtime::sim::SimFault;
-use kvoffload::runtime::{Code, Direction};
-use kvoffload::sync::{thread, Arc};
-use kvoffload::transfer::{BackendChoice, JobBlocks, JobId};
+use kvoffload::internal::pin::{pin_all, NoPrefault};
+use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
+use kvoffload::internal::runtime::sim::SimFault;
+use kvoffload::internal::runtime::{Code, Direction};
+use kvoffload::internal::sync::{thread, Arc};
+use kvoffload::internal::transfer::{BackendChoice, JobBlocks, JobId};
 
 fn scenario(failing: bool) {
     let f = fixture(CapturePolicy::AfterPinning, Variant::Production, 1, 64);

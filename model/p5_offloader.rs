@@ -45,14 +45,14 @@
 mod common;
 
 use common::{check, negative, Bounds};
-use kvoffload::manager::BlockKey;
-use kvoffload::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions};
-use kvoffload::pin::{HugePages, PinOptions, PrefaultMode};
-use kvoffload::protocol::Variant;
-use kvoffload::runtime::shared;
-use kvoffload::runtime::sim::{SimConfig, SimRuntime};
-use kvoffload::sync::thread;
-use kvoffload::transfer::{Backend, BackendChoice, TransferOptions};
+use kvoffload::internal::manager::BlockKey;
+use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::internal::pin::{HugePages, PinOptions, PrefaultMode};
+use kvoffload::internal::protocol::Variant;
+use kvoffload::internal::runtime::shared;
+use kvoffload::internal::runtime::sim::{SimConfig, SimRuntime};
+use kvoffload::internal::sync::thread;
+use kvoffload::internal::transfer::{Backend, BackendChoice, TransferOptions};
 
 const PAGE: usize = 64;
 

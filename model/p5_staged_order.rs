@@ -38,12 +38,12 @@
 mod common;
 
 use common::{check, engine_with_options, fixture_on, host, negative, Bounds};
-use kvoffload::pin::{pin_all, NoPrefault};
-use kvoffload::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::runtime::sim::{SimConfig, SimFault, SimRuntime};
-use kvoffload::runtime::{Code, DevicePtr, Direction, GpuRuntime};
-use kvoffload::sync::{thread, Arc};
-use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, JobId, JobResult, TransferOptions};
+use kvoffload::internal::pin::{pin_all, NoPrefault};
+use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
+use kvoffload::internal::runtime::sim::{SimConfig, SimFault, SimRuntime};
+use kvoffload::internal::runtime::{Code, DevicePtr, Direction, GpuRuntime};
+use kvoffload::internal::sync::{thread, Arc};
+use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId, JobResult, TransferOptions};
 
 const PAGE: usize = 16;
 

@@ -34,9 +34,9 @@
 mod common;
 
 use common::{check, fixture, negative, Bounds};
-use kvoffload::pin::{pin_all, NoPrefault, PinHandle};
-use kvoffload::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::sync::thread;
+use kvoffload::internal::pin::{pin_all, NoPrefault, PinHandle};
+use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
+use kvoffload::internal::sync::thread;
 
 fn back_to_back_windows(variant: Variant) {
     let f = fixture(CapturePolicy::Interleave, variant, 3, 64);

@@ -30,11 +30,11 @@
 mod common;
 
 use common::{check, engine, fixture, negative, Bounds};
-use kvoffload::pin::{NoPrefault, PinHandle};
-use kvoffload::protocol::{shutdown, CapturePolicy, ProtocolError, Variant};
-use kvoffload::runtime::CaptureMode;
-use kvoffload::sync::thread;
-use kvoffload::transfer::{Backend, BackendChoice, JobBlocks, JobId, TransferError};
+use kvoffload::internal::pin::{NoPrefault, PinHandle};
+use kvoffload::internal::protocol::{shutdown, CapturePolicy, ProtocolError, Variant};
+use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::sync::thread;
+use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId, TransferError};
 
 fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::Interleave, variant, 2, 64);

@@ -34,10 +34,10 @@
 mod common;
 
 use common::{check, fixture, negative, Bounds};
-use kvoffload::pin::{NoPrefault, PinHandle};
-use kvoffload::protocol::{CapturePolicy, ChunkReg, PageableReason, PinState, Variant};
-use kvoffload::runtime::sim::SimFault;
-use kvoffload::runtime::{CaptureMode, Code};
+use kvoffload::internal::pin::{NoPrefault, PinHandle};
+use kvoffload::internal::protocol::{CapturePolicy, ChunkReg, PageableReason, PinState, Variant};
+use kvoffload::internal::runtime::sim::SimFault;
+use kvoffload::internal::runtime::{CaptureMode, Code};
 
 fn scenario(variant: Variant, fail_at: u64) {
     let f = fixture(CapturePolicy::Interleave, variant, 3, 64);

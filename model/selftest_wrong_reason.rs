@@ -19,7 +19,7 @@
 mod common;
 
 use common::{negative, Bounds};
-use kvoffload::sync::thread;
+use kvoffload::internal::sync::thread;
 
 #[test]
 #[ignore = "checker self-test: run by ci/prove --self-test, must NOT be counted as caught"]

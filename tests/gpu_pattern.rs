@@ -16,9 +16,9 @@
 //! On a GPU machine: `gpu-bin/tests/gpu_pattern --test-threads=1` (built by
 //! ci/build-gpu-bin).
 
-use kvoffload::runtime::pattern;
-use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::{Code, DevicePtr, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_BYTES};
+use kvoffload::internal::runtime::pattern;
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::{Code, DevicePtr, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_BYTES};
 
 #[path = "gpu_common/mod.rs"]
 mod gpu_common;

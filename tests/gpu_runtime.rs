@@ -1,9 +1,9 @@
 //! The cuda backend on a real GPU (skipped, with a message, without one):
 //! copies, capture and replay, and chunked pinning through the coordinator.
 
-use kvoffload::pin::{pin_all, NoPrefault};
-use kvoffload::protocol::{CapturePolicy, Coordinator, PinState};
-use kvoffload::runtime::{CaptureMode, DevicePtr, GpuRuntime};
+use kvoffload::internal::pin::{pin_all, NoPrefault};
+use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState};
+use kvoffload::internal::runtime::{CaptureMode, DevicePtr, GpuRuntime};
 
 #[path = "gpu_common/mod.rs"]
 mod gpu_common;
@@ -56,6 +56,6 @@ fn gpu_chunked_pinning_and_rollback_free_shutdown() {
     let alias = coord.acquire_alias(base + chunk, 4096).expect("alias of a registered chunk");
     assert_ne!(alias.device, DevicePtr::NULL);
     drop(alias);
-    kvoffload::protocol::shutdown(&rt, &coord, || {}).unwrap();
+    kvoffload::internal::protocol::shutdown(&rt, &coord, || {}).unwrap();
     assert_eq!(coord.registered_chunks(), 0);
 }

@@ -1,7 +1,7 @@
 //! Example-based tests of the block manager: the life of a block, every
 //! misuse error, the store threshold, events, and the two policies.
 
-use kvoffload::manager::{
+use kvoffload::internal::manager::{
     BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, ManagerEvent, PolicyKind, RemoveReason,
     SkipReason, Skipped, SlotId,
 };

@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::marker::PhantomData;
 
-use kvoffload::manager::{
+use kvoffload::internal::manager::{
     BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, ManagerEvent, PolicyKind,
     PrepareStoreOutput, SkipReason, Skipped, SlotId,
 };

@@ -9,16 +9,16 @@ mod gpu_common;
 
 use std::time::Duration;
 
-use kvoffload::manager::{BlockKey, Lookup};
-use kvoffload::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, PinObserver, RegionSpec};
-use kvoffload::protocol::{PinState, ProtocolError};
-use kvoffload::region::ShmOptions;
-use kvoffload::runtime::pattern;
-use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::{shared, CaptureMode, Direction, GpuRuntime};
-use kvoffload::sync::atomic::{AtomicUsize, Ordering};
-use kvoffload::sync::thread;
-use kvoffload::sync::{self, Arc, Condvar, Mutex};
+use kvoffload::internal::manager::{BlockKey, Lookup};
+use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, PinObserver, RegionSpec};
+use kvoffload::internal::protocol::{PinState, ProtocolError};
+use kvoffload::internal::region::ShmOptions;
+use kvoffload::internal::runtime::pattern;
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::{shared, CaptureMode, Direction, GpuRuntime};
+use kvoffload::internal::sync::atomic::{AtomicUsize, Ordering};
+use kvoffload::internal::sync::thread;
+use kvoffload::internal::sync::{self, Arc, Condvar, Mutex};
 
 const PAGE: usize = 4096;
 

@@ -5,12 +5,12 @@
 //! typed refusal; job ids never reused; keyed and slot calls never mixed;
 //! shutdown drains slot jobs in flight.
 
-use kvoffload::manager::BlockKey;
-use kvoffload::offloader::{Addressing, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob};
-use kvoffload::runtime::pattern;
-use kvoffload::runtime::sim::{HoldPoint, SimConfig, SimRuntime};
-use kvoffload::runtime::{shared, Direction};
-use kvoffload::transfer::{JobId, TransferError};
+use kvoffload::internal::manager::BlockKey;
+use kvoffload::internal::offloader::{Addressing, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob};
+use kvoffload::internal::runtime::pattern;
+use kvoffload::internal::runtime::sim::{HoldPoint, SimConfig, SimRuntime};
+use kvoffload::internal::runtime::{shared, Direction};
+use kvoffload::internal::transfer::{JobId, TransferError};
 
 const PAGE: usize = 4096;
 const TENSORS: usize = 3;
@@ -101,7 +101,7 @@ fn bad_host_pages(off: &Offloader, tag: u64, slots: &[usize]) -> usize {
 }
 
 /// Waits for every job and returns what poll reports.
-fn drain(off: &Offloader) -> Vec<kvoffload::offloader::Completion> {
+fn drain(off: &Offloader) -> Vec<kvoffload::internal::offloader::Completion> {
     off.wait_all().unwrap();
     let done = off.poll();
     assert_eq!(off.in_flight(), 0);

@@ -4,12 +4,12 @@
 //! offloader guards is refused, and the engine's gated calls are the
 //! offloader's.
 
-use kvoffload::manager::BlockKey;
-use kvoffload::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions};
-use kvoffload::protocol::{CapturePolicy, Coordinator, PinState, ProtocolError};
-use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::{shared, CaptureMode, Code, GpuRuntime};
-use kvoffload::sync::Arc;
+use kvoffload::internal::manager::BlockKey;
+use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState, ProtocolError};
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::{shared, CaptureMode, Code, GpuRuntime};
+use kvoffload::internal::sync::Arc;
 
 const PAGE: usize = 4096;
 

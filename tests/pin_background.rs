@@ -6,9 +6,9 @@ mod pin_common;
 
 use std::sync::Arc;
 
-use kvoffload::pin::Prepared;
-use kvoffload::protocol::{PageableReason, PinState};
-use kvoffload::runtime::sim::{Hold, HoldPoint, SimRuntime};
+use kvoffload::internal::pin::Prepared;
+use kvoffload::internal::protocol::{PageableReason, PinState};
+use kvoffload::internal::runtime::sim::{Hold, HoldPoint, SimRuntime};
 use pin_common::{assert_usable, region, sim};
 
 const CHUNKS: usize = 4;

@@ -4,10 +4,10 @@
 
 mod pin_common;
 
-use kvoffload::pin::{memlock, Prepared};
-use kvoffload::protocol::{PageableReason, PinState};
-use kvoffload::runtime::sim::SimFault;
-use kvoffload::runtime::Code;
+use kvoffload::internal::pin::{memlock, Prepared};
+use kvoffload::internal::protocol::{PageableReason, PinState};
+use kvoffload::internal::runtime::sim::SimFault;
+use kvoffload::internal::runtime::Code;
 use pin_common::{assert_usable, region, sim};
 
 #[test]

@@ -15,15 +15,15 @@ mod pin_common;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use kvoffload::pin::numa::{
+use kvoffload::internal::pin::numa::{
     self, apply_pages, decide, parse_list, parse_mem_free, place, policy_at, prefer_node, reset_policy, sysfs_bus_id,
     NumaFallback, NumaNode, NumaPolicy, Placement, Topology, MPOL_DEFAULT, MPOL_PREFERRED,
 };
-use kvoffload::pin::{PinOptions, Prefault, PrefaultConfig, PrefaultMode, Prefaulter, Prepared};
-use kvoffload::protocol::PinState;
-use kvoffload::region::page_size;
-use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::GpuRuntime;
+use kvoffload::internal::pin::{PinOptions, Prefault, PrefaultConfig, PrefaultMode, Prefaulter, Prepared};
+use kvoffload::internal::protocol::PinState;
+use kvoffload::internal::region::page_size;
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::GpuRuntime;
 
 const GIB: u64 = 1 << 30;
 

@@ -5,8 +5,8 @@
 
 mod pin_common;
 
-use kvoffload::pin::{Prefault, PrefaultConfig, PrefaultError, PrefaultMode, Prefaulter};
-use kvoffload::region::{page_size, AnonOptions, Layout, Region};
+use kvoffload::internal::pin::{Prefault, PrefaultConfig, PrefaultError, PrefaultMode, Prefaulter};
+use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
 use pin_common::{not_resident, not_written};
 
 /// A fresh anonymous region of `bytes`, with huge-page advice if asked.
@@ -130,7 +130,7 @@ fn populate_write_is_reported() {
 
 #[test]
 fn a_plan_is_queued_whole_and_each_chunk_faulted_once() {
-    use kvoffload::pin::PlannedChunk;
+    use kvoffload::internal::pin::PlannedChunk;
     // 8 chunks of 2 MiB over 4 lanes (data files), in registration order.
     let r = fresh(16 << 20, false);
     let base = r.as_ptr() as usize;
@@ -160,7 +160,7 @@ fn a_plan_is_queued_whole_and_each_chunk_faulted_once() {
 
 #[test]
 fn settle_drops_the_rest_of_a_plan() {
-    use kvoffload::pin::PlannedChunk;
+    use kvoffload::internal::pin::PlannedChunk;
     let r = fresh(64 << 20, false);
     let base = r.as_ptr() as usize;
     let c = 4 << 20;

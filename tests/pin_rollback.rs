@@ -5,11 +5,11 @@
 
 mod pin_common;
 
-use kvoffload::pin::{memlock, pin_all, PrefaultConfig, PrefaultMode, Prefaulter, Prepared};
-use kvoffload::protocol::{CapturePolicy, Coordinator, PageableReason, PinState};
-use kvoffload::region::page_size;
-use kvoffload::runtime::sim::SimFault;
-use kvoffload::runtime::Code;
+use kvoffload::internal::pin::{memlock, pin_all, PrefaultConfig, PrefaultMode, Prefaulter, Prepared};
+use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PageableReason, PinState};
+use kvoffload::internal::region::page_size;
+use kvoffload::internal::runtime::sim::SimFault;
+use kvoffload::internal::runtime::Code;
 use pin_common::{assert_usable, region, sim};
 
 const CHUNKS: usize = 5;
@@ -146,7 +146,7 @@ fn without_prefault_pinning_still_works() {
 #[derive(Default)]
 struct Recorder(std::sync::Mutex<Vec<String>>);
 
-impl kvoffload::pin::Prefault for Recorder {
+impl kvoffload::internal::pin::Prefault for Recorder {
     fn ensure(&self, i: usize, _addr: usize, _len: usize) -> Result<(), String> {
         self.0.lock().unwrap().push(format!("ensure {i}"));
         Ok(())

@@ -8,13 +8,13 @@ mod region_common;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use kvoffload::pin::{prepare, HugePages, PinError, PinOptions, Prepared, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT};
-use kvoffload::protocol::PinState;
-use kvoffload::region::{
+use kvoffload::internal::pin::{prepare, HugePages, PinError, PinOptions, Prepared, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT};
+use kvoffload::internal::protocol::PinState;
+use kvoffload::internal::region::{
     fs_available, page_size, AnonOptions, Layout, Region, RegionError, ShmOptions, DEFAULT_SHM_DIR,
 };
-use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::GpuRuntime;
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::GpuRuntime;
 use pin_common::region;
 use region_common::ShmGuard;
 
@@ -111,7 +111,7 @@ fn huge_pages_auto_is_on_for_anonymous_off_for_shared() {
     let (r, o) = region(2, 2 << 20);
     let p = Prepared::new(&SimRuntime::new(), &r, &o).unwrap();
     // The advice is accepted wherever THP is compiled in.
-    assert_eq!(p.huge_pages(), kvoffload::pin::thp_setting("enabled").is_some());
+    assert_eq!(p.huge_pages(), kvoffload::internal::pin::thp_setting("enabled").is_some());
     let p = Prepared::new(&SimRuntime::new(), &r, &o.clone().huge_pages(HugePages::Off)).unwrap();
     assert!(!p.huge_pages());
 
@@ -218,7 +218,7 @@ fn shared_region_pinned_by_two_ranks_sees_both_ranks_writes() {
 
 #[test]
 fn shared_rank_major_region_pins_only_its_own_share() {
-    use kvoffload::region::FileSplit;
+    use kvoffload::internal::region::FileSplit;
     let g = ShmGuard::new("pin-share");
     let p = page_size();
     // Shares of 8 chunks of 2 pages, data files of 4 chunks: 2 files a rank.

@@ -2,12 +2,12 @@
 
 use std::sync::Arc;
 
-use kvoffload::pin::{pin_all, NoPrefault};
-use kvoffload::protocol::{
+use kvoffload::internal::pin::{pin_all, NoPrefault};
+use kvoffload::internal::protocol::{
     shutdown, CapturePolicy, ChunkReg, Coordinator, PageableReason, PinState, ProtocolError, ShutdownError,
 };
-use kvoffload::runtime::sim::{HoldPoint, SimRuntime};
-use kvoffload::runtime::GpuRuntime;
+use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
+use kvoffload::internal::runtime::GpuRuntime;
 
 /// A coordinator over `chunks` chunks of 4096 bytes of heap memory, which
 /// it holds, and the chunks' ranges.
@@ -85,8 +85,8 @@ fn alias_only_for_registered_chunks() {
     assert!(coord.acquire_alias(ranges[1].0, 64).is_none(), "alias after unregistration");
 }
 
-fn rt_alias(rt: &SimRuntime, addr: usize) -> kvoffload::runtime::DevicePtr {
-    use kvoffload::runtime::GpuRuntime;
+fn rt_alias(rt: &SimRuntime, addr: usize) -> kvoffload::internal::runtime::DevicePtr {
+    use kvoffload::internal::runtime::GpuRuntime;
     rt.host_device_ptr(addr).unwrap()
 }
 
@@ -277,7 +277,7 @@ fn a_second_coordinator_for_a_guarded_runtime_is_refused() {
 /// coordinator guards.
 #[test]
 fn a_gate_of_another_coordinator_is_refused_and_the_capture_survives() {
-    use kvoffload::runtime::{CaptureMode, Code};
+    use kvoffload::internal::runtime::{CaptureMode, Code};
     let rt = SimRuntime::new();
     let other = SimRuntime::new();
     let unguarded = SimRuntime::new();

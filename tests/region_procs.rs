@@ -10,12 +10,12 @@ use std::os::unix::process::ExitStatusExt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use kvoffload::pin::RegionSlots;
-use kvoffload::pin::{pin_all_agreed, Agreement, PinOptions, Prefault, Prepared};
-use kvoffload::protocol::agreement::{AgreementError, RankSlots};
-use kvoffload::protocol::PinState;
-use kvoffload::region::{page_size, FileSplit, JoinPhase, Layout, Region, RegionError, ShmOptions, ShmStep};
-use kvoffload::runtime::sim::SimRuntime;
+use kvoffload::internal::pin::RegionSlots;
+use kvoffload::internal::pin::{pin_all_agreed, Agreement, PinOptions, Prefault, Prepared};
+use kvoffload::internal::protocol::agreement::{AgreementError, RankSlots};
+use kvoffload::internal::protocol::PinState;
+use kvoffload::internal::region::{page_size, FileSplit, JoinPhase, Layout, Region, RegionError, ShmOptions, ShmStep};
+use kvoffload::internal::runtime::sim::SimRuntime;
 use region_common::{block_on_stdin, child_role, poll_until, ChildGuard, ShmGuard};
 
 /// Long enough for anything that should happen on a loaded machine.
@@ -69,7 +69,7 @@ fn pause_at(o: ShmOptions, step: &str) -> ShmOptions {
 
 /// A pre-faulter that stops this process at chunk `at` (prints `at chunk`).
 struct PauseAt {
-    inner: kvoffload::sync::Arc<dyn Prefault>,
+    inner: kvoffload::internal::sync::Arc<dyn Prefault>,
     at: Option<usize>,
 }
 
@@ -93,14 +93,14 @@ impl Prefault for PauseAt {
 
 /// Pins `region` on a simulated GPU with the agreement of its ranks,
 /// stopping at chunk `pause` if given.
-fn pin_agreed(region: &kvoffload::sync::Arc<Region>, pause: Option<usize>) -> Result<PinState, AgreementError> {
+fn pin_agreed(region: &kvoffload::internal::sync::Arc<Region>, pause: Option<usize>) -> Result<PinState, AgreementError> {
     let rt = SimRuntime::new();
     let prepared = Prepared::new(&rt, region, &PinOptions::default().threads(1).max_chunk_bytes(page_size())).unwrap();
     assert_eq!(prepared.chunks(), 4, "a rank's share is 4 chunks of one page");
     let (coord, prefault) = prepared.into_parts();
     let pf = PauseAt { inner: prefault, at: pause };
-    let slots: kvoffload::sync::Arc<dyn RankSlots> =
-        kvoffload::sync::Arc::new(RegionSlots::new(region.clone()).unwrap());
+    let slots: kvoffload::internal::sync::Arc<dyn RankSlots> =
+        kvoffload::internal::sync::Arc::new(RegionSlots::new(region.clone()).unwrap());
     let agreement = Agreement { slots, rank: region.rank(), timeout: Some(PATIENCE) };
     let r = pin_all_agreed(&rt, &coord, &pf, &agreement);
     if coord.registered_chunks() > 0 {
@@ -177,7 +177,7 @@ fn run_child(role: &str, name: &str) {
         // 1 (`registering`), or once pinned and agreed (`pinned`: the
         // transfer phase).
         r if r.starts_with("mpin:") => {
-            let region = kvoffload::sync::Arc::new(Region::join(name, mlayout(), 1, &mopts(PATIENCE)).unwrap());
+            let region = kvoffload::internal::sync::Arc::new(Region::join(name, mlayout(), 1, &mopts(PATIENCE)).unwrap());
             let pause = match &r["mpin:".len()..] {
                 "prefault" => Some(0),
                 "registering" => Some(2),
@@ -412,7 +412,7 @@ fn region_multi_rank_killed_while_pinning_or_transferring_leaves_no_file() {
     for point in ["prefault", "registering", "pinned"] {
         let g = ShmGuard::new(point);
         let mut child = ChildGuard::spawn_piped(test, &format!("mpin:{point}"), &g.name);
-        let region = kvoffload::sync::Arc::new(Region::create(&g.name, mlayout(), 0, &mopts(PATIENCE)).unwrap());
+        let region = kvoffload::internal::sync::Arc::new(Region::create(&g.name, mlayout(), 0, &mopts(PATIENCE)).unwrap());
         // Every rank mapped: the files went before any pinning started.
         g.assert_gone();
         if point == "pinned" {

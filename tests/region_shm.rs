@@ -7,7 +7,7 @@ mod region_common;
 
 use std::time::Duration;
 
-use kvoffload::region::{
+use kvoffload::internal::region::{
     fs_available, page_size, shm_path, FileSplit, JoinPhase, Layout, Region, RegionError, RegionKind, ShmOptions,
     DEFAULT_SHM_DIR, SHM_PREFIX,
 };
@@ -242,7 +242,7 @@ fn region_header_mismatches_are_typed() {
         if let FileSplit::Multi { .. } = split {
             match Region::join(
                 &g.name,
-                small(2, 2).with_order(kvoffload::region::Order::RankMajor),
+                small(2, 2).with_order(kvoffload::internal::region::Order::RankMajor),
                 1,
                 &o(200).session(7),
             ) {

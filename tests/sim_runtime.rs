@@ -1,9 +1,9 @@
 //! The simulated GPU on its own: asynchronous in-order streams, events,
 //! capture and replay, fault injection, holds, poisoning.
 
-use kvoffload::protocol::{CapturePolicy, Coordinator};
-use kvoffload::runtime::sim::{Blocked, HoldPoint, SimFault, SimRuntime};
-use kvoffload::runtime::{CaptureMode, CaptureStatus, Code, Direction, Fragment, Gate, GpuRuntime};
+use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
+use kvoffload::internal::runtime::sim::{Blocked, HoldPoint, SimFault, SimRuntime};
+use kvoffload::internal::runtime::{CaptureMode, CaptureStatus, Code, Direction, Fragment, Gate, GpuRuntime};
 
 fn host(bytes: usize, fill: u8) -> Vec<u8> {
     vec![fill; bytes]
@@ -156,7 +156,7 @@ fn unregister_waits_for_device_idle() {
     unsafe { gated(&*rt, |gt| rt.host_register(gt, buf.as_ptr() as usize, 64)).unwrap() };
     let hold = rt.hold(HoldPoint::DeviceOp);
     // SAFETY: the spin kernel reads and writes no memory.
-    unsafe { rt.launch(kvoffload::runtime::Kernel::Spin { nanos: 1 }, s).unwrap() };
+    unsafe { rt.launch(kvoffload::internal::runtime::Kernel::Spin { nanos: 1 }, s).unwrap() };
     hold.wait_entered();
     let (rt2, addr) = (rt.clone(), buf.as_ptr() as usize);
     let t = std::thread::spawn(move || gated(&*rt2, |gt| rt2.host_unregister(gt, addr)));
@@ -276,7 +276,7 @@ fn stream_destroy_returns_at_once_and_the_device_finishes_the_work() {
 /// operation stops the whole device: the test then fails after 60 s.
 #[test]
 fn two_device_workers_run_two_streams_at_once() {
-    use kvoffload::runtime::sim::SimConfig;
+    use kvoffload::internal::runtime::sim::SimConfig;
     let rt = std::sync::Arc::new(SimRuntime::with_config(SimConfig { workers: 2, ..SimConfig::default() }));
     let (a, b) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
     let d = gated(&*rt, |gt| rt.mem_alloc(gt, 128)).unwrap();
@@ -333,15 +333,15 @@ fn batched_copy_spanning_two_registrations_is_refused() {
     gated(&*rt, |gt| rt.host_unregister(gt, base + 4096)).unwrap();
 }
 
-/// What this process can get now (`kvoffload::region::limits`), if known.
+/// What this process can get now (`kvoffload::internal::region::limits`), if known.
 fn host_available() -> Option<usize> {
-    kvoffload::region::available_memory().map(|b| usize::try_from(b.bytes).unwrap_or(usize::MAX))
+    kvoffload::internal::region::available_memory().map(|b| usize::try_from(b.bytes).unwrap_or(usize::MAX))
 }
 
 /// A simulated GPU whose configured device memory is no limit: only what
 /// the host can back (or `host_limit`) bounds its allocations.
 fn unbounded_sim(host_limit: Option<usize>) -> SimRuntime {
-    use kvoffload::runtime::sim::SimConfig;
+    use kvoffload::internal::runtime::sim::SimConfig;
     SimRuntime::with_config(SimConfig { device_bytes: usize::MAX, host_limit, ..SimConfig::default() })
 }
 
@@ -462,7 +462,7 @@ impl Drop for HostTensor {
 /// check for a released range.
 #[test]
 fn a_copy_round_trip_through_adopted_memory_changes_the_host_bytes() {
-    use kvoffload::runtime::sim::SimConfig;
+    use kvoffload::internal::runtime::sim::SimConfig;
     let rt = std::sync::Arc::new(SimRuntime::with_config(SimConfig { device_bytes: 4096, ..SimConfig::default() }));
     let s = rt.stream_create().unwrap();
     let t = HostTensor::new(1 << 20, 0);
@@ -501,7 +501,7 @@ fn a_copy_round_trip_through_adopted_memory_changes_the_host_bytes() {
 /// nothing.
 #[test]
 fn a_memset_a_kernel_and_a_graph_replay_write_adopted_memory() {
-    use kvoffload::runtime::Kernel;
+    use kvoffload::internal::runtime::Kernel;
     let rt = std::sync::Arc::new(SimRuntime::new());
     let s = rt.stream_create().unwrap();
     let t = HostTensor::new(4096, 0);
@@ -577,7 +577,7 @@ fn releasing_adopted_memory_waits_for_queued_work() {
 /// synchronous copy, ILLEGAL_ADDRESS (sticky) from a kernel.
 #[test]
 fn an_access_past_an_adopted_range_faults_as_past_an_allocation() {
-    use kvoffload::runtime::Kernel;
+    use kvoffload::internal::runtime::Kernel;
     let rt = std::sync::Arc::new(SimRuntime::new());
     let s = rt.stream_create().unwrap();
     let t = HostTensor::new(4096, 0);
@@ -613,7 +613,7 @@ fn an_access_past_an_adopted_range_faults_as_past_an_allocation() {
 fn bad_adoptions_are_typed_errors() {
     let rt = std::sync::Arc::new(SimRuntime::new());
     let t = HostTensor::new(8192, 0);
-    let code = |r: kvoffload::runtime::DriverResult<kvoffload::runtime::DevicePtr>| r.map(|_| ()).map_err(|e| e.code);
+    let code = |r: kvoffload::internal::runtime::DriverResult<kvoffload::internal::runtime::DevicePtr>| r.map(|_| ()).map_err(|e| e.code);
     // SAFETY: refused, or adopted memory of `t`, which outlives the sim.
     unsafe {
         assert_eq!(code(rt.adopt_host_memory(0, 64)), Err(Code::INVALID_VALUE));

@@ -6,8 +6,8 @@
 mod common;
 
 use common::{Rng, Shape};
-use kvoffload::runtime::{DevicePtr, Fragment};
-use kvoffload::transfer::{merge_adjacent, GroupSpec, JobBlocks, JobId, KvLayout, TensorSpec, TransferError};
+use kvoffload::internal::runtime::{DevicePtr, Fragment};
+use kvoffload::internal::transfer::{merge_adjacent, GroupSpec, JobBlocks, JobId, KvLayout, TensorSpec, TransferError};
 use proptest::prelude::*;
 
 /// The layout of `shape` with host base `host_base` and tensors placed in
@@ -133,7 +133,7 @@ fn large_runs_merge_across_blocks() {
     let shape = Shape {
         groups: vec![(vec![4096], 8, 2)],
         factor: 4,
-        placement: kvoffload::transfer::HostPlacement::TensorMajor,
+        placement: kvoffload::internal::transfer::HostPlacement::TensorMajor,
     };
     let (l, bases) = layout(&shape, 1 << 30, 1 << 44, false);
     let e = l.expand(JobId(1), &JobBlocks::single((0..8).collect(), vec![0, 1])).unwrap();
@@ -142,7 +142,7 @@ fn large_runs_merge_across_blocks() {
 
 #[test]
 fn strided_blocks_sit_one_per_stride_and_refuse_a_short_stride() {
-    use kvoffload::transfer::{HostPlacement, LayoutError};
+    use kvoffload::internal::transfer::{HostPlacement, LayoutError};
     // Two tensors of 4 KiB pages, factor 1: a host block is 8 KiB; with a
     // 16 KiB stride (two ranks' slots in a row) block b is at b * 16 KiB.
     let shape = Shape {
@@ -157,7 +157,7 @@ fn strided_blocks_sit_one_per_stride_and_refuse_a_short_stride() {
     // Consecutive GPU blocks of one tensor go to blocks one stride apart: no merge.
     assert_eq!(e.fragments.len(), 4);
     assert_eq!(e.fragments[0], Fragment { host: (1 << 30) + 2 * 16384, device: DevicePtr(bases[0][0]), bytes: 4096 });
-    let short = kvoffload::transfer::KvLayout::new(
+    let short = kvoffload::internal::transfer::KvLayout::new(
         &[GroupSpec {
             tensors: vec![TensorSpec { device_base: DevicePtr(0), page_bytes: 4096 }; 2],
             num_gpu_blocks: 1,

@@ -8,10 +8,10 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
-use kvoffload::protocol::{CapturePolicy, Coordinator, Variant};
-use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::{shared, GpuRuntime};
-use kvoffload::sync::Arc;
+use kvoffload::internal::protocol::{CapturePolicy, Coordinator, Variant};
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::{shared, GpuRuntime};
+use kvoffload::internal::sync::Arc;
 
 /// What a model explores, stated next to the model and printed in the table.
 pub struct Bounds {
@@ -174,8 +174,8 @@ pub fn engine(
     chunks: usize,
     page: usize,
     gpu_blocks: usize,
-    backend: kvoffload::transfer::BackendChoice,
-) -> (kvoffload::transfer::TransferEngine, kvoffload::runtime::DevicePtr) {
+    backend: kvoffload::internal::transfer::BackendChoice,
+) -> (kvoffload::internal::transfer::TransferEngine, kvoffload::internal::runtime::DevicePtr) {
     let (e, dev, _) = engine_with_compute(f, chunks, page, gpu_blocks, backend);
     (e, dev)
 }
@@ -187,8 +187,8 @@ pub fn engine_with_compute(
     chunks: usize,
     page: usize,
     gpu_blocks: usize,
-    backend: kvoffload::transfer::BackendChoice,
-) -> (kvoffload::transfer::TransferEngine, kvoffload::runtime::DevicePtr, kvoffload::runtime::Stream) {
+    backend: kvoffload::internal::transfer::BackendChoice,
+) -> (kvoffload::internal::transfer::TransferEngine, kvoffload::internal::runtime::DevicePtr, kvoffload::internal::runtime::Stream) {
     // Gather tables staged on the heap, not in the page-locked ring: the
     // ring's allocation and free (two more driver calls, the free waiting
     // for the device) made P5's model take 435 s instead of about 32 s. Both
@@ -196,7 +196,7 @@ pub fn engine_with_compute(
     // the ring itself is tested on the simulated GPU (tests/transfer_sim.rs).
     // Likewise no device staging buffers: the staged backend's two streams
     // are model-checked by model/p5_staged_order.rs, which asks for them.
-    let opts = kvoffload::transfer::TransferOptions {
+    let opts = kvoffload::internal::transfer::TransferOptions {
         backend,
         staging_ring_entries: 0,
         staging_bytes: 0,
@@ -211,9 +211,9 @@ pub fn engine_with_options(
     chunks: usize,
     page: usize,
     gpu_blocks: usize,
-    opts: kvoffload::transfer::TransferOptions,
-) -> (kvoffload::transfer::TransferEngine, kvoffload::runtime::DevicePtr, kvoffload::runtime::Stream) {
-    use kvoffload::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec, TransferEngine};
+    opts: kvoffload::internal::transfer::TransferOptions,
+) -> (kvoffload::internal::transfer::TransferEngine, kvoffload::internal::runtime::DevicePtr, kvoffload::internal::runtime::Stream) {
+    use kvoffload::internal::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec, TransferEngine};
     // On the main thread, before the model's threads start.
     let dev = f.coord.unsafe_call("allocating the model's KV tensor", |g| f.rt.mem_alloc(g, gpu_blocks * page));
     let dev = dev.unwrap().unwrap();

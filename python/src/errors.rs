@@ -23,13 +23,13 @@
 //! (`Signals` in lib.rs keeps it), or `KeyboardInterrupt` when none was
 //! kept.
 
-use kvoffload::offloader::OffloaderError;
-use kvoffload::pin::PinError;
-use kvoffload::protocol::agreement::AgreementError as RustAgreementError;
-use kvoffload::protocol::{ProtocolError as RustProtocolError, ShutdownError};
-use kvoffload::region::RegionError as RustRegionError;
-use kvoffload::runtime::{DriverError as RustDriverError, OpenError};
-use kvoffload::transfer::TransferError as RustTransferError;
+use kvoffload::internal::offloader::OffloaderError;
+use kvoffload::internal::pin::PinError;
+use kvoffload::internal::protocol::agreement::AgreementError as RustAgreementError;
+use kvoffload::internal::protocol::{ProtocolError as RustProtocolError, ShutdownError};
+use kvoffload::internal::region::RegionError as RustRegionError;
+use kvoffload::internal::runtime::{DriverError as RustDriverError, OpenError};
+use kvoffload::internal::transfer::TransferError as RustTransferError;
 use pyo3::exceptions::{PyException, PyKeyboardInterrupt};
 use pyo3::prelude::*;
 use pyo3::PyTypeInfo;

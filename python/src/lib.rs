@@ -27,18 +27,18 @@ mod testing;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvoffload::manager::{BlockKey, Lookup, PolicyKind, SkipReason};
-use kvoffload::offloader::{
+use kvoffload::internal::manager::{BlockKey, Lookup, PolicyKind, SkipReason};
+use kvoffload::internal::offloader::{
     Completion, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, RegionSpec,
 };
-use kvoffload::pin::options::{HugePages, PrefaultMode};
-use kvoffload::protocol::agreement::Transport;
-use kvoffload::protocol::{CapturePolicy, CaptureWindow, PinState};
-use kvoffload::region::ShmOptions;
-use kvoffload::runtime::cuda::CudaRuntime;
-use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
-use kvoffload::transfer::{Backend, BackendChoice, JobId, TensorSpec, TransferError};
+use kvoffload::internal::pin::options::{HugePages, PrefaultMode};
+use kvoffload::internal::protocol::agreement::Transport;
+use kvoffload::internal::protocol::{CapturePolicy, CaptureWindow, PinState};
+use kvoffload::internal::region::ShmOptions;
+use kvoffload::internal::runtime::cuda::CudaRuntime;
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
+use kvoffload::internal::transfer::{Backend, BackendChoice, JobId, TensorSpec, TransferError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use std::sync::Arc;
@@ -718,7 +718,7 @@ impl PyOffloader {
     fn start(&self, py: Python<'_>) -> PyResult<()> {
         let off = &self.off;
         if off.is_shut_down() {
-            return Err(errors::offloader(py, kvoffload::offloader::OffloaderError::ShutDown));
+            return Err(errors::offloader(py, kvoffload::internal::offloader::OffloaderError::ShutDown));
         }
         py.detach(|| off.start()).map_err(|e| errors::offloader(py, e))
     }
@@ -1021,8 +1021,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCompletion>()?;
     m.add_function(wrap_pyfunction!(enable_logging, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
-    m.add("SETTLED_PINNED", kvoffload::protocol::agreement::SETTLED_PINNED)?;
-    m.add("SETTLED_PAGEABLE", kvoffload::protocol::agreement::SETTLED_PAGEABLE)?;
+    m.add("SETTLED_PINNED", kvoffload::internal::protocol::agreement::SETTLED_PINNED)?;
+    m.add("SETTLED_PAGEABLE", kvoffload::internal::protocol::agreement::SETTLED_PAGEABLE)?;
     testing::register(m)?;
     errors::register(m)
 }

@@ -5,15 +5,15 @@
 //! simulated GPU (its counters, an injected registration failure, a hold
 //! point), or an `Offloader` (the coordinator's counts, a GPU block written
 //! or read with a synchronous copy). The names follow the library's: the
-//! `sim_` prefix stands for `kvoffload::runtime::sim` (`sim_hold` is
+//! `sim_` prefix stands for `kvoffload::internal::runtime::sim` (`sim_hold` is
 //! `SimRuntime::hold`, `SimHold` is `sim::Hold`), `activity` is
 //! `Offloader::activity`.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use kvoffload::runtime::sim::{Hold, HoldPoint, SimFault, SimRuntime};
-use kvoffload::runtime::{CaptureMode, Code, DevicePtr, GpuRuntime, Graph, Kernel, Stream};
+use kvoffload::internal::runtime::sim::{Hold, HoldPoint, SimFault, SimRuntime};
+use kvoffload::internal::runtime::{CaptureMode, Code, DevicePtr, GpuRuntime, Graph, Kernel, Stream};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 

@@ -32,11 +32,9 @@
 //! go through [`Offloader::gated`], never around it.
 //!
 //! ```
-//! use kvoffload::offloader::{KvAlloc, Offloader, OffloaderOptions};
-//! use kvoffload::manager::BlockKey;
-//! use kvoffload::runtime::{shared, sim::SimRuntime};
+//! use kvoffload::{shared, BlockKey, KvAlloc, Offloader, OffloaderOptions, SimRuntime};
 //!
-//! # fn main() -> Result<(), kvoffload::offloader::OffloaderError> {
+//! # fn main() -> Result<(), kvoffload::OffloaderError> {
 //! let rt = shared(SimRuntime::new()); // or CudaRuntime::open(0)?
 //! let kv = KvAlloc { tensors: 2, page_bytes: 4096, gpu_blocks: 64, block_factor: 1 };
 //! let off = Offloader::with_allocated_tensors(rt, kv, OffloaderOptions::with_host_blocks(128))?;

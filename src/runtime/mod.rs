@@ -26,21 +26,21 @@
 //! capture-unsafe call made anywhere else does not compile, or is refused
 //! with [`Code::GATE_REFUSED`]:
 //!
-//! ```compile_fail
-//! use kvoffload::runtime::{sim::SimRuntime, GpuRuntime};
+//! ```compile_fail,E0061
+//! use kvoffload::{GpuRuntime, SimRuntime};
 //! let rt = SimRuntime::new();
 //! // error: no `Gate` to pass, and none can be made here.
 //! let p = rt.mem_alloc(1 << 20);
 //! ```
 //!
-//! ```compile_fail
+//! ```compile_fail,E0451
 //! // error: `Gate` has private fields and no public constructor.
-//! let g = kvoffload::runtime::Gate { serial: 1 };
+//! let g = kvoffload::internal::runtime::Gate { serial: 1 };
 //! ```
 //!
-//! ```compile_fail
+//! ```compile_fail,E0603
 //! // error: the seal that mints gates is private to the crate.
-//! let s = kvoffload::runtime::GateSeal::take();
+//! let s = kvoffload::internal::runtime::GateSeal::take();
 //! ```
 //!
 //! The gated operations, each with the measurement that makes it unsafe

@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use kvoffload::pin::PinOptions;
-use kvoffload::region::{page_size, AnonOptions, Layout, Region};
-use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::GpuRuntime;
+use kvoffload::internal::pin::PinOptions;
+use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::GpuRuntime;
 
 /// An anonymous region of `chunks` registration chunks of `chunk_bytes`
 /// each (one rank, rows of one page), and options that cut it there.

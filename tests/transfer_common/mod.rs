@@ -7,10 +7,10 @@ use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvoffload::pin::{pin_all, NoPrefault};
-use kvoffload::protocol::{CapturePolicy, Coordinator, PageableReason, PinState};
-use kvoffload::runtime::{DevicePtr, Direction, Gate, GpuRuntime, Stream};
-use kvoffload::transfer::{
+use kvoffload::internal::pin::{pin_all, NoPrefault};
+use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PageableReason, PinState};
+use kvoffload::internal::runtime::{DevicePtr, Direction, Gate, GpuRuntime, Stream};
+use kvoffload::internal::transfer::{
     GroupBlocks, GroupSpec, HostPlacement, JobBlocks, JobId, JobResult, KvLayout, TensorSpec, TransferEngine,
     TransferOptions,
 };
@@ -31,7 +31,7 @@ pub fn gated<T>(rt: &dyn GpuRuntime, f: impl FnOnce(&Gate) -> T) -> T {
 pub const DIRS: [Direction; 2] = [Direction::DeviceToHost, Direction::HostToDevice];
 
 /// Engine options with `backend` and the defaults otherwise.
-pub fn opts(backend: kvoffload::transfer::BackendChoice) -> TransferOptions {
+pub fn opts(backend: kvoffload::internal::transfer::BackendChoice) -> TransferOptions {
     TransferOptions { backend, ..TransferOptions::default() }
 }
 
@@ -48,8 +48,8 @@ pub fn random_case(
     rt: Arc<dyn GpuRuntime>,
     rng: &mut Rng,
     case: usize,
-    choice: kvoffload::transfer::BackendChoice,
-    expect: Option<kvoffload::transfer::Backend>,
+    choice: kvoffload::internal::transfer::BackendChoice,
+    expect: Option<kvoffload::internal::transfer::Backend>,
     seed: u64,
 ) {
     let shape = Shape::random(rng);

@@ -17,11 +17,11 @@
 
 use std::time::{Duration, Instant};
 
-use kvoffload::pin::{NoPrefault, PinHandle, Prefault};
-use kvoffload::protocol::{CapturePolicy, Coordinator, KeepAlive};
-use kvoffload::runtime::{CaptureMode, Code, DevicePtr, DriverResult, Gate, GpuRuntime, Graph, Stream};
-use kvoffload::sync::atomic::{AtomicBool, Ordering};
-use kvoffload::sync::{thread, Arc};
+use kvoffload::internal::pin::{NoPrefault, PinHandle, Prefault};
+use kvoffload::internal::protocol::{CapturePolicy, Coordinator, KeepAlive};
+use kvoffload::internal::runtime::{CaptureMode, Code, DevicePtr, DriverResult, Gate, GpuRuntime, Graph, Stream};
+use kvoffload::internal::sync::atomic::{AtomicBool, Ordering};
+use kvoffload::internal::sync::{thread, Arc};
 
 /// Which design pins the region.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -144,7 +144,7 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
         *b = (i % 251) as u8;
     }
     let map = Arc::new(map);
-    let e = |what: &'static str| move |err: kvoffload::runtime::DriverError| format!("{what}: {err}");
+    let e = |what: &'static str| move |err: kvoffload::internal::runtime::DriverError| format!("{what}: {err}");
     let windowed = design != Design::Upstream;
 
     // The design's coordinator. Ours registers the region's chunks through
@@ -282,7 +282,7 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
 
     // Undo every registration before the region is unmapped.
     if windowed {
-        kvoffload::protocol::shutdown(rt.as_ref(), &coord, || {}).map_err(|err| format!("shutdown: {err}"))?;
+        kvoffload::internal::protocol::shutdown(rt.as_ref(), &coord, || {}).map_err(|err| format!("shutdown: {err}"))?;
     } else {
         gated(&coord, "sync", |g| rt.ctx_synchronize(g))?;
         for (a, _) in registered.iter().rev() {

@@ -21,16 +21,16 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use kvoffload::protocol::{CapturePolicy, Coordinator, PinState};
-use kvoffload::region::{page_size, AnonOptions, Layout, Region};
-use kvoffload::runtime::GpuRuntime;
-use kvoffload::sync::{self, Arc, Mutex};
+use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState};
+use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
+use kvoffload::internal::runtime::GpuRuntime;
+use kvoffload::internal::sync::{self, Arc, Mutex};
 
-use kvoffload::pin::memlock;
-use kvoffload::pin::Prepared;
-use kvoffload::pin::{available_cores, HugePages, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
-use kvoffload::pin::{pin_all, Prefault};
-use kvoffload::pin::{thp_setting, HUGE_PAGE_BYTES};
+use kvoffload::internal::pin::memlock;
+use kvoffload::internal::pin::Prepared;
+use kvoffload::internal::pin::{available_cores, HugePages, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
+use kvoffload::internal::pin::{pin_all, Prefault};
+use kvoffload::internal::pin::{thp_setting, HUGE_PAGE_BYTES};
 
 /// What to measure.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -572,7 +572,7 @@ fn warm_up(cfg: &BenchConfig, progress: &(dyn Fn(Progress) + Sync)) -> Result<f6
     // No GPU is involved: a simulated one stands in for the runtime the
     // coordinator that `Prepared` makes must guard (nothing is registered).
     let prepared =
-        Prepared::new(&kvoffload::runtime::sim::SimRuntime::new(), &region, &opts).map_err(|e| e.to_string())?;
+        Prepared::new(&kvoffload::internal::runtime::sim::SimRuntime::new(), &region, &opts).map_err(|e| e.to_string())?;
     if let Some(pf) = prepared.prefaulter() {
         pf.ensure_typed(0, region.as_ptr() as usize, region.len()).map_err(|e| format!("warm-up: {e}"))?;
     }

@@ -33,17 +33,17 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::run::metrics::monotonic_secs;
-use kvoffload::pin::RegionSlots;
-use kvoffload::protocol::agreement::RankSlots;
-use kvoffload::protocol::PinState;
-use kvoffload::region::{pages, FileSplit, Layout, Order, Region, ShmOptions};
-use kvoffload::runtime::GpuRuntime;
-use kvoffload::sync::{self, Arc, Mutex};
+use kvoffload::internal::pin::RegionSlots;
+use kvoffload::internal::protocol::agreement::RankSlots;
+use kvoffload::internal::protocol::PinState;
+use kvoffload::internal::region::{pages, FileSplit, Layout, Order, Region, ShmOptions};
+use kvoffload::internal::runtime::GpuRuntime;
+use kvoffload::internal::sync::{self, Arc, Mutex};
 use kvoffload::units::fmt_bytes;
 
-use kvoffload::pin::Prepared;
-use kvoffload::pin::{available_cores, PinOptions};
-use kvoffload::pin::{pin_all_agreed, Agreement, Prefault};
+use kvoffload::internal::pin::Prepared;
+use kvoffload::internal::pin::{available_cores, PinOptions};
+use kvoffload::internal::pin::{pin_all_agreed, Agreement, Prefault};
 
 /// What one variant changes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -538,7 +538,7 @@ pub fn default_threads(ranks: usize) -> usize {
 
 /// Names of the files of region `name` left in `dir`.
 pub fn files_left(dir: &Path, name: &str) -> Vec<String> {
-    let Ok(base) = kvoffload::region::shm_path(dir, name) else {
+    let Ok(base) = kvoffload::internal::region::shm_path(dir, name) else {
         return Vec::new();
     };
     let base = base.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -582,7 +582,7 @@ mod tests {
 
     #[test]
     fn measurement_spans_run_from_the_first_start_to_the_last_agreement() {
-        let v = Variant::named("new", kvoffload::region::DEFAULT_FILE_BYTES).unwrap();
+        let v = Variant::named("new", kvoffload::internal::region::DEFAULT_FILE_BYTES).unwrap();
         let r = |rank, create, pin, agreed| RankTimes {
             rank,
             create,
@@ -608,6 +608,6 @@ mod tests {
         let mut bad = m.clone();
         bad.left = vec!["kvoffload-x.3".into()];
         assert!(!bad.ok() && bad.pin_s().is_none());
-        assert!(Variant::named("nope", kvoffload::region::DEFAULT_FILE_BYTES).unwrap_err().contains("old, new"));
+        assert!(Variant::named("nope", kvoffload::internal::region::DEFAULT_FILE_BYTES).unwrap_err().contains("old, new"));
     }
 }

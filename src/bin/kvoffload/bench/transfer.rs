@@ -21,12 +21,12 @@ use std::fmt;
 use std::mem::ManuallyDrop;
 use std::time::Instant;
 
-use kvoffload::pin::{pin_all, NoPrefault};
-use kvoffload::protocol::{CapturePolicy, Coordinator, PinState};
-use kvoffload::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
-use kvoffload::sync::Arc;
+use kvoffload::internal::pin::{pin_all, NoPrefault};
+use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState};
+use kvoffload::internal::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
+use kvoffload::internal::sync::Arc;
 
-use kvoffload::transfer::{
+use kvoffload::internal::transfer::{
     Backend, BackendChoice, GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine,
     TransferOptions,
 };
@@ -665,7 +665,7 @@ fn both_ways(
                 error.get_or_insert("jobs not reported within 120 s".into());
                 break;
             }
-            kvoffload::sync::thread::yield_now();
+            kvoffload::internal::sync::thread::yield_now();
         }
         if let Some(e) = error {
             fail(&mut rows, e);
@@ -879,7 +879,7 @@ impl fmt::Display for BenchReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvoffload::runtime::sim::SimRuntime;
+    use kvoffload::internal::runtime::sim::SimRuntime;
 
     #[test]
     fn sizes_format() {

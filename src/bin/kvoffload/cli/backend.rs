@@ -1,10 +1,10 @@
 //! Choosing the runtime a command runs on, and parsing byte sizes.
 
 use clap::ValueEnum;
-use kvoffload::runtime::cuda::CudaRuntime;
-use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::{shared, GpuRuntime};
-use kvoffload::sync::Arc;
+use kvoffload::internal::runtime::cuda::CudaRuntime;
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::{shared, GpuRuntime};
+use kvoffload::internal::sync::Arc;
 
 /// Which runtime to use.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use crate::bench::pin::{self, BenchConfig, Progress};
 use crate::bench::pin_shared::{self as shared_bench, Measurement, RankConfig, RankTimes, SharedReport, Variant};
-use kvoffload::region::{pages, DEFAULT_SHM_DIR};
-use kvoffload::runtime::cuda::CudaRuntime;
+use kvoffload::internal::region::{pages, DEFAULT_SHM_DIR};
+use kvoffload::internal::runtime::cuda::CudaRuntime;
 use kvoffload::units::{fmt_bytes, parse_size};
 
 use super::backend::{open, BackendArg};
@@ -116,7 +116,7 @@ pub fn run(a: PinArgs) -> Result<i32, String> {
     )
     .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
     .progress_chars("=> ");
-    let current: kvoffload::sync::Mutex<Option<indicatif::ProgressBar>> = kvoffload::sync::Mutex::new(None);
+    let current: kvoffload::internal::sync::Mutex<Option<indicatif::ProgressBar>> = kvoffload::internal::sync::Mutex::new(None);
     let progress = |p: Progress| {
         let mut cur = current.lock().unwrap_or_else(|e| e.into_inner());
         match p {
@@ -146,7 +146,7 @@ pub fn run(a: PinArgs) -> Result<i32, String> {
 }
 
 fn chunk_of(a: &PinArgs) -> usize {
-    a.chunk.unwrap_or(kvoffload::pin::DEFAULT_MAX_CHUNK_BYTES)
+    a.chunk.unwrap_or(kvoffload::internal::pin::DEFAULT_MAX_CHUNK_BYTES)
 }
 
 /// Which backend the ranks use: `(name, devices)`.
@@ -168,8 +168,8 @@ fn run_shared(a: &PinArgs) -> Result<i32, String> {
     let wall = Instant::now();
     let variants: Vec<Variant> =
         a.variants.iter().map(|v| Variant::named(v.trim(), a.file_bytes)).collect::<Result<_, _>>()?;
-    if a.ranks.iter().any(|&r| r == 0 || r > kvoffload::region::MAX_RANKS) {
-        return Err(format!("--ranks must be 1..={} each", kvoffload::region::MAX_RANKS));
+    if a.ranks.iter().any(|&r| r == 0 || r > kvoffload::internal::region::MAX_RANKS) {
+        return Err(format!("--ranks must be 1..={} each", kvoffload::internal::region::MAX_RANKS));
     }
     if a.repeat == 0 {
         return Err("--repeat is zero; it must be at least 1".into());
@@ -184,7 +184,7 @@ fn run_shared(a: &PinArgs) -> Result<i32, String> {
             for v in &variants {
                 let rc = rank_config(a, "check", 0, ranks, size, *v);
                 rc.layout()?;
-                kvoffload::pin::PinOptions::default()
+                kvoffload::internal::pin::PinOptions::default()
                     .threads(rc.threads)
                     .max_chunk_bytes(chunk)
                     .validate()
@@ -195,7 +195,7 @@ fn run_shared(a: &PinArgs) -> Result<i32, String> {
     let (backend, devices) = rank_backend(a.backend)?;
     let device = if backend == "cuda" {
         let rt = CudaRuntime::open(0).map_err(|e| e.to_string())?;
-        format!("{} x{devices}", kvoffload::runtime::GpuRuntime::describe(&rt))
+        format!("{} x{devices}", kvoffload::internal::runtime::GpuRuntime::describe(&rt))
     } else {
         "simulated GPU, one per rank process".into()
     };
@@ -240,7 +240,7 @@ fn run_shared(a: &PinArgs) -> Result<i32, String> {
         device,
         dir: a.dir.clone(),
         pages: pages::mount_of(&a.dir).map_or("mount unknown".into(), |m| m.pages()),
-        cores: kvoffload::pin::available_cores(),
+        cores: kvoffload::internal::pin::available_cores(),
         slot: a.slot,
         chunk,
         warmup_s,
@@ -343,7 +343,7 @@ fn run_as_rank(a: &PinArgs) -> Result<i32, String> {
     let v = Variant::named(variant, a.file_bytes)?;
     let rt = match (a.backend, a.device) {
         (BackendArg::Cuda, Some(d)) => {
-            CudaRuntime::open(d).map(kvoffload::runtime::shared).map_err(|e| e.to_string())?
+            CudaRuntime::open(d).map(kvoffload::internal::runtime::shared).map_err(|e| e.to_string())?
         }
         (b, _) => open(b)?,
     };
@@ -356,18 +356,18 @@ fn run_as_rank(a: &PinArgs) -> Result<i32, String> {
 /// unmaps them (a VM that grows its memory on first use, or hands freed
 /// memory back, then has it at hand). Returns the seconds it took.
 fn warm_up(size: usize) -> Result<f64, String> {
-    use kvoffload::pin::{HugePages, PinOptions, Prepared};
-    use kvoffload::region::{AnonOptions, Layout, Region};
+    use kvoffload::internal::pin::{HugePages, PinOptions, Prepared};
+    use kvoffload::internal::region::{AnonOptions, Layout, Region};
     let t = Instant::now();
-    let page = kvoffload::region::page_size();
+    let page = kvoffload::internal::region::page_size();
     let unit = if size % (2 << 20) == 0 { 2 << 20 } else { page };
     let layout = Layout::new(1, unit, (size / unit).max(1)).map_err(|e| e.to_string())?;
-    let region = kvoffload::sync::Arc::new(
+    let region = kvoffload::internal::sync::Arc::new(
         Region::anonymous(layout, &AnonOptions::new().check_memory(false)).map_err(|e| e.to_string())?,
     );
     // No GPU is involved: a simulated one stands in for the runtime the
     // coordinator that `Prepared` makes must guard (nothing is registered).
-    let sim = kvoffload::runtime::sim::SimRuntime::new();
+    let sim = kvoffload::internal::runtime::sim::SimRuntime::new();
     let prepared =
         Prepared::new(&sim, &region, &PinOptions::default().huge_pages(HugePages::On)).map_err(|e| e.to_string())?;
     if let Some(pf) = prepared.prefaulter() {

@@ -4,7 +4,7 @@
 
 use super::backend::{open, BackendArg};
 use crate::bench::transfer::{parse_size, run_bench, BenchConfig};
-use kvoffload::transfer::{Backend, BackendChoice};
+use kvoffload::internal::transfer::{Backend, BackendChoice};
 
 /// Arguments of `kvoffload bench transfer`.
 #[derive(clap::Args, Debug)]

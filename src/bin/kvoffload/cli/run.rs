@@ -31,9 +31,9 @@ use crate::run::metrics::{Intervals, Latencies, Throughput};
 use crate::run::report::{self, field, RankReport};
 use crate::run::{lifecycle, run_rank, KillAt, RunConfig};
 use clap::ValueEnum;
-use kvoffload::region::{pages, shm_path};
-use kvoffload::runtime::cuda::CudaRuntime;
-use kvoffload::sync::{self, thread, Arc, Condvar, Mutex};
+use kvoffload::internal::region::{pages, shm_path};
+use kvoffload::internal::runtime::cuda::CudaRuntime;
+use kvoffload::internal::sync::{self, thread, Arc, Condvar, Mutex};
 use kvoffload::units::{fmt_bytes, parse_size};
 
 use super::backend::{self, BackendArg};
@@ -203,9 +203,9 @@ impl Args {
             pin_threads: self.pin_threads,
             pin_chunk: self.pin_chunk,
             pin_huge_pages: match self.pin_huge_pages {
-                HugeArg::Auto => kvoffload::pin::HugePages::Auto,
-                HugeArg::On => kvoffload::pin::HugePages::On,
-                HugeArg::Off => kvoffload::pin::HugePages::Off,
+                HugeArg::Auto => kvoffload::internal::pin::HugePages::Auto,
+                HugeArg::On => kvoffload::internal::pin::HugePages::On,
+                HugeArg::Off => kvoffload::internal::pin::HugePages::Off,
             },
             region_dir: self.region_dir.clone(),
             seed: self.seed,
@@ -739,7 +739,7 @@ fn run_as_rank(a: &Args, cfg: &RunConfig, rank: usize) -> Result<i32, String> {
         _ => BackendArg::Sim,
     };
     let opened = match (b, a.rank_device) {
-        (BackendArg::Cuda, Some(d)) => CudaRuntime::open(d).map(kvoffload::runtime::shared).map_err(|e| e.to_string()),
+        (BackendArg::Cuda, Some(d)) => CudaRuntime::open(d).map(kvoffload::internal::runtime::shared).map_err(|e| e.to_string()),
         _ => backend::open(b),
     };
     let rt = match opened {

@@ -17,9 +17,9 @@
 //! coordinator, which knows nothing of A's capture and so lets them run
 //! during it: making them there is the point (see [`super::probe`]).
 
-use kvoffload::protocol::Coordinator;
-use kvoffload::runtime::{CaptureMode, DevicePtr, Direction, Event, Fragment, GpuRuntime, Kernel, Stream};
-use kvoffload::sync::{thread, Arc};
+use kvoffload::internal::protocol::Coordinator;
+use kvoffload::internal::runtime::{CaptureMode, DevicePtr, Direction, Event, Fragment, GpuRuntime, Kernel, Stream};
+use kvoffload::internal::sync::{thread, Arc};
 
 use super::probe::{gate, scenario_coordinator, HostBuf, Target};
 use super::{code, Observed, Scenario};
@@ -141,7 +141,7 @@ struct Fixture {
 
 impl Fixture {
     fn new(rt: Arc<dyn GpuRuntime>) -> Result<Self, String> {
-        let e = |e: kvoffload::runtime::DriverError| format!("setup: {e}");
+        let e = |e: kvoffload::internal::runtime::DriverError| format!("setup: {e}");
         let coord = scenario_coordinator(rt.as_ref())?;
         let c = &coord;
         let pinned = HostBuf::new(4 * COPY, 1)?;
@@ -171,9 +171,9 @@ impl Fixture {
         let rt = &self.rt;
         let c = &self.coord;
         let mut errs = Vec::new();
-        let mut note = |r: kvoffload::runtime::DriverResult<()>, allow_713: bool| {
+        let mut note = |r: kvoffload::internal::runtime::DriverResult<()>, allow_713: bool| {
             if let Err(e) = r {
-                if !(allow_713 && e.code == kvoffload::runtime::Code::HOST_MEMORY_NOT_REGISTERED) {
+                if !(allow_713 && e.code == kvoffload::internal::runtime::Code::HOST_MEMORY_NOT_REGISTERED) {
                     errs.push(e.to_string());
                 }
             }
@@ -250,7 +250,7 @@ fn run_cell(t: &Target, call: Call, relaxed: bool) -> Result<Observed, String> {
         // B's one call, inside the gate of the cell's coordinator, which lets
         // it run during A's capture (see the module docs); the ungated calls
         // are made in the same place, so every cell's B is alike.
-        let r = gate(&b_coord, "B's call", |gate| -> kvoffload::runtime::DriverResult<()> {
+        let r = gate(&b_coord, "B's call", |gate| -> kvoffload::internal::runtime::DriverResult<()> {
             match call {
                 // SAFETY: the fixture's pageable buffer outlives the cell and is
                 // unregistered in cleanup.

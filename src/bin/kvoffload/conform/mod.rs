@@ -13,9 +13,9 @@ use std::fmt::Write as _;
 
 pub use probe::Target;
 
-use kvoffload::runtime::sim::SimRuntime;
-use kvoffload::runtime::{DriverError, DriverResult};
-use kvoffload::sync::Arc;
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::{DriverError, DriverResult};
+use kvoffload::internal::sync::Arc;
 
 /// The code of a scenario.
 pub type RunFn = dyn Fn(&Target) -> Result<Observed, String> + Send + Sync;
@@ -138,14 +138,14 @@ pub enum Backend {
     /// A fresh simulated GPU for every scenario.
     Sim,
     /// One real runtime for all of them.
-    Real(Arc<dyn kvoffload::runtime::GpuRuntime>),
+    Real(Arc<dyn kvoffload::internal::runtime::GpuRuntime>),
 }
 
 /// Runs the scenarios whose id contains `only` (all when `None`).
 /// `progress` is called before each scenario with its id.
 pub fn run(backend: &Backend, only: Option<&str>, mut progress: impl FnMut(&str)) -> Report {
     let (name, device) = match backend {
-        Backend::Sim => ("sim".to_string(), kvoffload::runtime::sim::DESCRIPTION.to_string()),
+        Backend::Sim => ("sim".to_string(), kvoffload::internal::runtime::sim::DESCRIPTION.to_string()),
         Backend::Real(rt) => (rt.backend().to_string(), rt.describe()),
     };
     let mut rows = Vec::new();

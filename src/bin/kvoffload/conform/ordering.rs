@@ -13,9 +13,9 @@
 
 use std::time::Instant;
 
-use kvoffload::runtime::sim::{Blocked, HoldPoint};
-use kvoffload::runtime::{CaptureMode, CaptureStatus, DevicePtr, Direction, DriverError, Fragment, GpuRuntime, Kernel};
-use kvoffload::sync::Arc;
+use kvoffload::internal::runtime::sim::{Blocked, HoldPoint};
+use kvoffload::internal::runtime::{CaptureMode, CaptureStatus, DevicePtr, Direction, DriverError, Fragment, GpuRuntime, Kernel};
+use kvoffload::internal::sync::Arc;
 
 use super::probe::{gate, gated, release_hold_when, scenario_coordinator, tick, HostBuf, LongRegister, Target};
 use super::{code, Observed, Scenario};
@@ -172,7 +172,7 @@ fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
         let _ = unsafe { rt.memset_d8_async(d, 0, 4096, s) };
         rt.end_capture(s)
     } else {
-        Err(DriverError::new("cuStreamEndCapture", kvoffload::runtime::Code::ILLEGAL_STATE))
+        Err(DriverError::new("cuStreamEndCapture", kvoffload::internal::runtime::Code::ILLEGAL_STATE))
     };
     if let Ok(g) = &end {
         rt.graph_destroy(*g).map_err(de("graph_destroy"))?;
@@ -368,7 +368,7 @@ fn pageable_replay(t: &Target) -> Result<Observed, String> {
     // SAFETY: `src` outlives every replay of the graph (destroyed below).
     let cap = unsafe { rt.copy_htod_async(d, src.addr(), bytes, s) };
     let end = rt.end_capture(s);
-    let mut replay = Err(DriverError::new("cuGraphLaunch", kvoffload::runtime::Code::ILLEGAL_STATE));
+    let mut replay = Err(DriverError::new("cuGraphLaunch", kvoffload::internal::runtime::Code::ILLEGAL_STATE));
     let mut holds = "none";
     if let Ok(g) = end {
         src.fill(2);
@@ -407,7 +407,7 @@ fn batch_in_capture(t: &Target) -> Result<Observed, String> {
     // SAFETY: `src` stays registered and alive until after the replay.
     let batch = unsafe { rt.copy_batch_async(Direction::HostToDevice, &frags, s) };
     let end = rt.end_capture(s);
-    let mut replay = Err(DriverError::new("cuGraphLaunch", kvoffload::runtime::Code::ILLEGAL_STATE));
+    let mut replay = Err(DriverError::new("cuGraphLaunch", kvoffload::internal::runtime::Code::ILLEGAL_STATE));
     let mut holds = "none";
     if let Ok(g) = &end {
         replay = match rt.graph_launch(*g, s) {
@@ -544,7 +544,7 @@ fn cross_stream(t: &Target, rejoin: bool) -> Result<Observed, String> {
     Ok(Observed::new(outcome).with_detail(detail))
 }
 
-fn status_name(s: &kvoffload::runtime::DriverResult<CaptureStatus>) -> String {
+fn status_name(s: &kvoffload::internal::runtime::DriverResult<CaptureStatus>) -> String {
     match s {
         Ok(CaptureStatus::None) => "none".into(),
         Ok(CaptureStatus::Active) => "active".into(),

@@ -21,11 +21,11 @@
 
 use std::time::{Duration, Instant};
 
-use kvoffload::protocol::{CapturePolicy, Coordinator};
-use kvoffload::runtime::sim::{Blocked, Hold, HoldPoint, SimRuntime};
-use kvoffload::runtime::{DriverError, DriverResult, Gate, GpuRuntime};
-use kvoffload::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use kvoffload::sync::{thread, Arc};
+use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
+use kvoffload::internal::runtime::sim::{Blocked, Hold, HoldPoint, SimRuntime};
+use kvoffload::internal::runtime::{DriverError, DriverResult, Gate, GpuRuntime};
+use kvoffload::internal::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use kvoffload::internal::sync::{thread, Arc};
 
 /// The runtime a scenario runs on, with what the harness needs to steer it.
 #[derive(Clone)]

@@ -31,16 +31,16 @@
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
-use kvoffload::offloader::GatedCalls;
-use kvoffload::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, PinObserver, RegionSpec};
-use kvoffload::pin::PinOptions;
-use kvoffload::protocol::agreement::AgreementError;
-use kvoffload::protocol::{GraphToken, PinState};
-use kvoffload::region::{pages, ShmOptions};
-use kvoffload::runtime::pattern;
-use kvoffload::runtime::sim::SimFault;
-use kvoffload::runtime::{CaptureMode, Code, DevicePtr, DriverError, DriverResult, GpuRuntime, Graph, Stream};
-use kvoffload::sync::{self, Arc, Mutex};
+use kvoffload::internal::offloader::GatedCalls;
+use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, PinObserver, RegionSpec};
+use kvoffload::internal::pin::PinOptions;
+use kvoffload::internal::protocol::agreement::AgreementError;
+use kvoffload::internal::protocol::{GraphToken, PinState};
+use kvoffload::internal::region::{pages, ShmOptions};
+use kvoffload::internal::runtime::pattern;
+use kvoffload::internal::runtime::sim::SimFault;
+use kvoffload::internal::runtime::{CaptureMode, Code, DevicePtr, DriverError, DriverResult, GpuRuntime, Graph, Stream};
+use kvoffload::internal::sync::{self, Arc, Mutex};
 
 use super::config::{ConfigError, KillAt, RunConfig};
 use super::lifecycle::Stop;

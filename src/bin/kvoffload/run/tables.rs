@@ -3,18 +3,18 @@
 //! loaded one), and the device buffers the tables live in.
 //!
 //! Block `key` of rank `r` holds the contents of [`seed`]`(r, key)`
-//! ([`kvoffload::runtime::pattern`]); its page `j` of layer `t` is bytes
+//! ([`kvoffload::internal::runtime::pattern`]); its page `j` of layer `t` is bytes
 //! `(t * factor + j) * page ..` of the block, so its table entry is
 //! `[device address, seed, (t * factor + j) * page / 8, page]` (pages are a
 //! multiple of 8 bytes: `RunConfig::validate`).
 //!
-//! [`Kernel::PatternFill`]: kvoffload::runtime::Kernel::PatternFill
-//! [`Kernel::PatternCheck`]: kvoffload::runtime::Kernel::PatternCheck
+//! [`Kernel::PatternFill`]: kvoffload::internal::runtime::Kernel::PatternFill
+//! [`Kernel::PatternCheck`]: kvoffload::internal::runtime::Kernel::PatternCheck
 
-use kvoffload::manager::BlockKey;
-use kvoffload::offloader::Offloader;
-use kvoffload::runtime::{DevicePtr, PATTERN_ENTRY_WORDS};
-use kvoffload::transfer::KvLayout;
+use kvoffload::internal::manager::BlockKey;
+use kvoffload::internal::offloader::Offloader;
+use kvoffload::internal::runtime::{DevicePtr, PATTERN_ENTRY_WORDS};
+use kvoffload::internal::transfer::KvLayout;
 
 use super::rank::{drv, gated, RankError};
 
@@ -199,7 +199,7 @@ impl TablePool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvoffload::transfer::{GroupSpec, HostPlacement, TensorSpec};
+    use kvoffload::internal::transfer::{GroupSpec, HostPlacement, TensorSpec};
 
     #[test]
     fn table_entries_are_the_pages_of_each_block_in_order() {

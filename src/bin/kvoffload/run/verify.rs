@@ -4,11 +4,11 @@
 
 use std::collections::VecDeque;
 
-use kvoffload::manager::BlockKey;
-use kvoffload::offloader::Offloader;
-use kvoffload::runtime::pattern;
-use kvoffload::runtime::{DevicePtr, DriverError, GpuRuntime, Kernel, Stream, GATHER_ENTRY_WORDS, PATTERN_ENTRY_WORDS};
-use kvoffload::sync::{self, Condvar, Mutex};
+use kvoffload::internal::manager::BlockKey;
+use kvoffload::internal::offloader::Offloader;
+use kvoffload::internal::runtime::pattern;
+use kvoffload::internal::runtime::{DevicePtr, DriverError, GpuRuntime, Kernel, Stream, GATHER_ENTRY_WORDS, PATTERN_ENTRY_WORDS};
+use kvoffload::internal::sync::{self, Condvar, Mutex};
 
 use super::rank::{drv, gated, RankError};
 use super::tables::{PinnedWords, Shape};
@@ -270,9 +270,9 @@ fn first_bad_byte(rt: &dyn GpuRuntime, e: &[u64]) -> Result<u64, DriverError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvoffload::offloader::{KvAlloc, OffloaderOptions};
-    use kvoffload::runtime::shared;
-    use kvoffload::runtime::sim::SimRuntime;
+    use kvoffload::internal::offloader::{KvAlloc, OffloaderOptions};
+    use kvoffload::internal::runtime::shared;
+    use kvoffload::internal::runtime::sim::SimRuntime;
 
     /// An offloader on the simulated GPU with two layers of 8 GPU blocks of
     /// 256-byte pages, factor 2 (its gate serves the tests' capture-unsafe

@@ -17,11 +17,11 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use crate::bench::manager::{SplitMix64, Zipf};
-use kvoffload::manager::{BlockKey, Lookup, ManagerError};
-use kvoffload::offloader::{Completion, Offloader, OffloaderError};
-use kvoffload::runtime::{Direction, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
-use kvoffload::sync::{thread, Arc};
-use kvoffload::transfer::{Backend, JobId, TransferError};
+use kvoffload::internal::manager::{BlockKey, Lookup, ManagerError};
+use kvoffload::internal::offloader::{Completion, Offloader, OffloaderError};
+use kvoffload::internal::runtime::{Direction, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
+use kvoffload::internal::sync::{thread, Arc};
+use kvoffload::internal::transfer::{Backend, JobId, TransferError};
 
 use super::config::{KillAt, RunConfig};
 use super::lifecycle::Stop;

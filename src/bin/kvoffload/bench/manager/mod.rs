@@ -15,7 +15,7 @@ use std::time::Instant;
 pub use report::{BenchReport, BenchRow};
 pub use workload::{SplitMix64, Workload, Zipf};
 
-use kvoffload::manager::{BlockKey, BlockManager, Lookup, ManagerConfig, PolicyKind};
+use kvoffload::internal::manager::{BlockKey, BlockManager, Lookup, ManagerConfig, PolicyKind};
 use workload::{trace, TraceShape};
 
 /// Most slots, keys or accesses a bench run accepts.

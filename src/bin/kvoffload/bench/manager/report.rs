@@ -4,7 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use super::{BenchConfig, Workload};
-use kvoffload::manager::{ManagerCounters, PolicyKind};
+use kvoffload::internal::manager::{ManagerCounters, PolicyKind};
 
 /// One (workload, policy) run.
 #[derive(Clone, Debug, PartialEq)]
