@@ -45,7 +45,9 @@ mod common;
 
 use common::{check, engine, fixture, negative, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{shutdown, CapturePolicy, ChunkReg, PinState, ProtocolError, ShutdownError, Variant};
+use kvoffload::internal::protocol::{
+    shutdown, CapturePolicy, ChunkReg, PinState, ProtocolError, ShutdownError, Variant,
+};
 use kvoffload::internal::runtime::CaptureMode;
 use kvoffload::internal::sync::atomic::{AtomicBool, Ordering};
 use kvoffload::internal::sync::{thread, Arc};

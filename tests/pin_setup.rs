@@ -8,7 +8,9 @@ mod region_common;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use kvoffload::internal::pin::{prepare, HugePages, PinError, PinOptions, Prepared, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT};
+use kvoffload::internal::pin::{
+    prepare, HugePages, PinError, PinOptions, Prepared, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT,
+};
 use kvoffload::internal::protocol::PinState;
 use kvoffload::internal::region::{
     fs_available, page_size, AnonOptions, Layout, Region, RegionError, ShmOptions, DEFAULT_SHM_DIR,

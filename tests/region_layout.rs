@@ -4,7 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use kvoffload::internal::region::{page_size, AnonOptions, Layout, Location, Order, Region, RegionError, RowSpan, MAX_RANKS};
+use kvoffload::internal::region::{
+    page_size, AnonOptions, Layout, Location, Order, Region, RegionError, RowSpan, MAX_RANKS,
+};
 use proptest::prelude::*;
 
 /// The reference: walk rows, then slots, handing out `chunk` bytes each.

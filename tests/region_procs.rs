@@ -93,7 +93,10 @@ impl Prefault for PauseAt {
 
 /// Pins `region` on a simulated GPU with the agreement of its ranks,
 /// stopping at chunk `pause` if given.
-fn pin_agreed(region: &kvoffload::internal::sync::Arc<Region>, pause: Option<usize>) -> Result<PinState, AgreementError> {
+fn pin_agreed(
+    region: &kvoffload::internal::sync::Arc<Region>,
+    pause: Option<usize>,
+) -> Result<PinState, AgreementError> {
     let rt = SimRuntime::new();
     let prepared = Prepared::new(&rt, region, &PinOptions::default().threads(1).max_chunk_bytes(page_size())).unwrap();
     assert_eq!(prepared.chunks(), 4, "a rank's share is 4 chunks of one page");
@@ -177,7 +180,8 @@ fn run_child(role: &str, name: &str) {
         // 1 (`registering`), or once pinned and agreed (`pinned`: the
         // transfer phase).
         r if r.starts_with("mpin:") => {
-            let region = kvoffload::internal::sync::Arc::new(Region::join(name, mlayout(), 1, &mopts(PATIENCE)).unwrap());
+            let region =
+                kvoffload::internal::sync::Arc::new(Region::join(name, mlayout(), 1, &mopts(PATIENCE)).unwrap());
             let pause = match &r["mpin:".len()..] {
                 "prefault" => Some(0),
                 "registering" => Some(2),
@@ -412,7 +416,8 @@ fn region_multi_rank_killed_while_pinning_or_transferring_leaves_no_file() {
     for point in ["prefault", "registering", "pinned"] {
         let g = ShmGuard::new(point);
         let mut child = ChildGuard::spawn_piped(test, &format!("mpin:{point}"), &g.name);
-        let region = kvoffload::internal::sync::Arc::new(Region::create(&g.name, mlayout(), 0, &mopts(PATIENCE)).unwrap());
+        let region =
+            kvoffload::internal::sync::Arc::new(Region::create(&g.name, mlayout(), 0, &mopts(PATIENCE)).unwrap());
         // Every rank mapped: the files went before any pinning started.
         g.assert_gone();
         if point == "pinned" {

@@ -613,7 +613,9 @@ fn an_access_past_an_adopted_range_faults_as_past_an_allocation() {
 fn bad_adoptions_are_typed_errors() {
     let rt = std::sync::Arc::new(SimRuntime::new());
     let t = HostTensor::new(8192, 0);
-    let code = |r: kvoffload::internal::runtime::DriverResult<kvoffload::internal::runtime::DevicePtr>| r.map(|_| ()).map_err(|e| e.code);
+    let code = |r: kvoffload::internal::runtime::DriverResult<kvoffload::internal::runtime::DevicePtr>| {
+        r.map(|_| ()).map_err(|e| e.code)
+    };
     // SAFETY: refused, or adopted memory of `t`, which outlives the sim.
     unsafe {
         assert_eq!(code(rt.adopt_host_memory(0, 64)), Err(Code::INVALID_VALUE));

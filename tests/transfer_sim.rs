@@ -13,7 +13,9 @@ use common::{gated, opts, random_case, simple, Pin, Rig, Rng, Shape, DIRS};
 use kvoffload::internal::protocol::ProtocolError;
 use kvoffload::internal::runtime::sim::{Blocked, HoldPoint, SimFault, SimRuntime};
 use kvoffload::internal::runtime::{CaptureMode, Code, Direction, GpuRuntime};
-use kvoffload::internal::transfer::{Backend, BackendChoice, HostPlacement, JobBlocks, JobId, TransferError, TransferOptions};
+use kvoffload::internal::transfer::{
+    Backend, BackendChoice, HostPlacement, JobBlocks, JobId, TransferError, TransferOptions,
+};
 
 fn sim() -> (Arc<SimRuntime>, Arc<dyn GpuRuntime>) {
     let s = Arc::new(SimRuntime::new());
@@ -573,7 +575,8 @@ fn the_sim_faults_a_gather_kernel_on_unregistered_host_memory() {
     let st = rt.stream_create().unwrap();
     // SAFETY: the simulated GPU faults on the stale alias (what this test
     // checks) instead of reading through it; the table is in place.
-    unsafe { rt.launch(kvoffload::internal::runtime::Kernel::Gather { table: dev.offset(4096), count: 1 }, st) }.unwrap();
+    unsafe { rt.launch(kvoffload::internal::runtime::Kernel::Gather { table: dev.offset(4096), count: 1 }, st) }
+        .unwrap();
     assert_eq!(gated(&*rt, |gt| rt.stream_synchronize(gt, st)).unwrap_err().code, Code::ILLEGAL_ADDRESS);
     assert_eq!(s.poisoned(), Some(Code::ILLEGAL_ADDRESS));
 }

@@ -188,7 +188,11 @@ pub fn engine_with_compute(
     page: usize,
     gpu_blocks: usize,
     backend: kvoffload::internal::transfer::BackendChoice,
-) -> (kvoffload::internal::transfer::TransferEngine, kvoffload::internal::runtime::DevicePtr, kvoffload::internal::runtime::Stream) {
+) -> (
+    kvoffload::internal::transfer::TransferEngine,
+    kvoffload::internal::runtime::DevicePtr,
+    kvoffload::internal::runtime::Stream,
+) {
     // Gather tables staged on the heap, not in the page-locked ring: the
     // ring's allocation and free (two more driver calls, the free waiting
     // for the device) made P5's model take 435 s instead of about 32 s. Both
@@ -212,7 +216,11 @@ pub fn engine_with_options(
     page: usize,
     gpu_blocks: usize,
     opts: kvoffload::internal::transfer::TransferOptions,
-) -> (kvoffload::internal::transfer::TransferEngine, kvoffload::internal::runtime::DevicePtr, kvoffload::internal::runtime::Stream) {
+) -> (
+    kvoffload::internal::transfer::TransferEngine,
+    kvoffload::internal::runtime::DevicePtr,
+    kvoffload::internal::runtime::Stream,
+) {
     use kvoffload::internal::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec, TransferEngine};
     // On the main thread, before the model's threads start.
     let dev = f.coord.unsafe_call("allocating the model's KV tensor", |g| f.rt.mem_alloc(g, gpu_blocks * page));

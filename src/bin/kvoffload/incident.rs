@@ -282,7 +282,8 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
 
     // Undo every registration before the region is unmapped.
     if windowed {
-        kvoffload::internal::protocol::shutdown(rt.as_ref(), &coord, || {}).map_err(|err| format!("shutdown: {err}"))?;
+        kvoffload::internal::protocol::shutdown(rt.as_ref(), &coord, || {})
+            .map_err(|err| format!("shutdown: {err}"))?;
     } else {
         gated(&coord, "sync", |g| rt.ctx_synchronize(g))?;
         for (a, _) in registered.iter().rev() {

@@ -571,8 +571,8 @@ fn warm_up(cfg: &BenchConfig, progress: &(dyn Fn(Progress) + Sync)) -> Result<f6
     let opts = PinOptions::default().threads(cfg.threads).huge_pages(HugePages::On);
     // No GPU is involved: a simulated one stands in for the runtime the
     // coordinator that `Prepared` makes must guard (nothing is registered).
-    let prepared =
-        Prepared::new(&kvoffload::internal::runtime::sim::SimRuntime::new(), &region, &opts).map_err(|e| e.to_string())?;
+    let prepared = Prepared::new(&kvoffload::internal::runtime::sim::SimRuntime::new(), &region, &opts)
+        .map_err(|e| e.to_string())?;
     if let Some(pf) = prepared.prefaulter() {
         pf.ensure_typed(0, region.as_ptr() as usize, region.len()).map_err(|e| format!("warm-up: {e}"))?;
     }

@@ -608,6 +608,8 @@ mod tests {
         let mut bad = m.clone();
         bad.left = vec!["kvoffload-x.3".into()];
         assert!(!bad.ok() && bad.pin_s().is_none());
-        assert!(Variant::named("nope", kvoffload::internal::region::DEFAULT_FILE_BYTES).unwrap_err().contains("old, new"));
+        assert!(Variant::named("nope", kvoffload::internal::region::DEFAULT_FILE_BYTES)
+            .unwrap_err()
+            .contains("old, new"));
     }
 }

@@ -116,7 +116,8 @@ pub fn run(a: PinArgs) -> Result<i32, String> {
     )
     .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
     .progress_chars("=> ");
-    let current: kvoffload::internal::sync::Mutex<Option<indicatif::ProgressBar>> = kvoffload::internal::sync::Mutex::new(None);
+    let current: kvoffload::internal::sync::Mutex<Option<indicatif::ProgressBar>> =
+        kvoffload::internal::sync::Mutex::new(None);
     let progress = |p: Progress| {
         let mut cur = current.lock().unwrap_or_else(|e| e.into_inner());
         match p {

@@ -739,7 +739,9 @@ fn run_as_rank(a: &Args, cfg: &RunConfig, rank: usize) -> Result<i32, String> {
         _ => BackendArg::Sim,
     };
     let opened = match (b, a.rank_device) {
-        (BackendArg::Cuda, Some(d)) => CudaRuntime::open(d).map(kvoffload::internal::runtime::shared).map_err(|e| e.to_string()),
+        (BackendArg::Cuda, Some(d)) => {
+            CudaRuntime::open(d).map(kvoffload::internal::runtime::shared).map_err(|e| e.to_string())
+        }
         _ => backend::open(b),
     };
     let rt = match opened {

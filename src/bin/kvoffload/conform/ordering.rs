@@ -14,7 +14,9 @@
 use std::time::Instant;
 
 use kvoffload::internal::runtime::sim::{Blocked, HoldPoint};
-use kvoffload::internal::runtime::{CaptureMode, CaptureStatus, DevicePtr, Direction, DriverError, Fragment, GpuRuntime, Kernel};
+use kvoffload::internal::runtime::{
+    CaptureMode, CaptureStatus, DevicePtr, Direction, DriverError, Fragment, GpuRuntime, Kernel,
+};
 use kvoffload::internal::sync::Arc;
 
 use super::probe::{gate, gated, release_hold_when, scenario_coordinator, tick, HostBuf, LongRegister, Target};

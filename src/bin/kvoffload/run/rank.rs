@@ -39,7 +39,9 @@ use kvoffload::internal::protocol::{GraphToken, PinState};
 use kvoffload::internal::region::{pages, ShmOptions};
 use kvoffload::internal::runtime::pattern;
 use kvoffload::internal::runtime::sim::SimFault;
-use kvoffload::internal::runtime::{CaptureMode, Code, DevicePtr, DriverError, DriverResult, GpuRuntime, Graph, Stream};
+use kvoffload::internal::runtime::{
+    CaptureMode, Code, DevicePtr, DriverError, DriverResult, GpuRuntime, Graph, Stream,
+};
 use kvoffload::internal::sync::{self, Arc, Mutex};
 
 use super::config::{ConfigError, KillAt, RunConfig};

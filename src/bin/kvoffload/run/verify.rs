@@ -7,7 +7,9 @@ use std::collections::VecDeque;
 use kvoffload::internal::manager::BlockKey;
 use kvoffload::internal::offloader::Offloader;
 use kvoffload::internal::runtime::pattern;
-use kvoffload::internal::runtime::{DevicePtr, DriverError, GpuRuntime, Kernel, Stream, GATHER_ENTRY_WORDS, PATTERN_ENTRY_WORDS};
+use kvoffload::internal::runtime::{
+    DevicePtr, DriverError, GpuRuntime, Kernel, Stream, GATHER_ENTRY_WORDS, PATTERN_ENTRY_WORDS,
+};
 use kvoffload::internal::sync::{self, Condvar, Mutex};
 
 use super::rank::{drv, gated, RankError};
