@@ -1,7 +1,8 @@
-//! The `kvoffload` command line, a user of the library's public API like
-//! any engine: the main job (`run`), the conformance suite (`conform`), the
+//! The `kvoffload` command line: the main job (`run`), the conformance suite (`conform`), the
 //! seed incident (`incident`) and the benchmarks (`bench`). See
-//! `kvoffload --help`.
+//! `kvoffload --help`. The run job's ranks hold one `Offloader` each, as an
+//! engine does; the tools below it (conformance, benchmarks) drive the
+//! library's layers through `kvoffload::internal`.
 
 #[cfg(not(loom))]
 mod bench;
@@ -11,6 +12,8 @@ mod cli;
 mod conform;
 #[cfg(not(loom))]
 mod incident;
+#[cfg(not(loom))]
+mod random;
 #[cfg(not(loom))]
 mod run;
 

@@ -40,8 +40,8 @@ mod state;
 
 pub use controls::Hold;
 pub use fault::{HoldPoint, SimFault};
-pub use rules::Refusal;
 pub use state::Blocked;
+pub use state::Refusal;
 
 use crate::runtime::{
     CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event, Fragment, Gate,

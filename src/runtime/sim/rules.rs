@@ -23,7 +23,7 @@
 use crate::runtime::{CaptureMode, Code};
 use crate::sync::thread::ThreadId;
 
-use super::state::State;
+use super::state::{Refusal, State};
 
 /// Every driver call of the runtime trait, by its driver entry point.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -218,16 +218,6 @@ pub(crate) const MEASURED: &[Row] = &[
 /// The measured row of `call`, if any.
 pub(crate) fn row(call: Call) -> Option<&'static Row> {
     MEASURED.iter().find(|r| r.call == call)
-}
-
-/// Why a call was refused, as the simulated GPU reports it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Refusal {
-    /// The driver entry point refused.
-    pub call: &'static str,
-    /// The rule that refused it: a measured row ("capture-unsafe: ...") or
-    /// the missing one ("no measured row ...").
-    pub reason: String,
 }
 
 /// Applies the capture rules to `call` made by thread `me` that touches

@@ -12,6 +12,16 @@ use crate::sync::Arc;
 use super::fault::Faults;
 use super::memory::HostBudget;
 
+/// Why a call was refused, as the simulated GPU reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// The driver entry point refused.
+    pub call: &'static str,
+    /// The rule that refused it: a measured row ("capture-unsafe: ...") or
+    /// the missing one ("no measured row ...").
+    pub reason: String,
+}
+
 /// Device aliases of registered host memory live above this bit, so a
 /// pointer says by itself whether it names device or host memory.
 pub(crate) const HOST_ALIAS_BIT: u64 = 1 << 62;
@@ -212,7 +222,7 @@ pub(crate) struct State {
     /// the caller (observers: tests check a backend avoids them).
     pub pageable_async_copies: u64,
     /// Calls refused by the capture rules, oldest first (observers).
-    pub refusals: Vec<super::rules::Refusal>,
+    pub refusals: Vec<Refusal>,
 }
 
 impl State {

@@ -7,7 +7,9 @@
 //! a pattern derived from its key.
 //!
 //! - [`config`]: the settings and the sizes derived from them.
-//! - [`rank`]: the body of one rank process.
+//! - [`rank`]: the body of one rank process; `error`: why a rank stops,
+//!   and its gated driver calls; [`parent`]: the lines it writes for its
+//!   parent and the fault tests' pause points.
 //! - [`lifecycle`]: a rank dies with its parent; SIGINT/SIGTERM stop it in
 //!   order.
 //! - [`report`]: the lines a rank prints for its parent, and its figures.
@@ -22,8 +24,10 @@
 //! (`src/cli/run.rs`).
 
 pub mod config;
+mod error;
 pub mod lifecycle;
 pub mod metrics;
+pub mod parent;
 pub mod rank;
 pub mod report;
 mod tables;

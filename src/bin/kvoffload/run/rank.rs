@@ -28,79 +28,24 @@
 //!
 //! It speaks to the parent through stdout lines (`report::PHASE`, ...).
 
-use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::offloader::GatedCalls;
-use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, PinObserver, RegionSpec};
+use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderOptions, PinObserver, RegionSpec};
 use kvoffload::internal::pin::PinOptions;
 use kvoffload::internal::protocol::agreement::AgreementError;
 use kvoffload::internal::protocol::{GraphToken, PinState};
 use kvoffload::internal::region::{pages, ShmOptions};
 use kvoffload::internal::runtime::pattern;
 use kvoffload::internal::runtime::sim::SimFault;
-use kvoffload::internal::runtime::{
-    CaptureMode, Code, DevicePtr, DriverError, DriverResult, GpuRuntime, Graph, Stream,
-};
+use kvoffload::internal::runtime::{CaptureMode, Code, DevicePtr, DriverError, GpuRuntime, Graph, Stream};
 use kvoffload::internal::sync::{self, Arc, Mutex};
 
-use super::config::{ConfigError, KillAt, RunConfig};
+use super::config::{KillAt, RunConfig};
+use super::error::{drv, gated, RankError};
 use super::lifecycle::Stop;
-use super::report::{RankReport, NOTE, PAUSE, PHASE, PROGRESS};
+use super::parent::{emit, pause, phase, progress};
+use super::report::{RankReport, NOTE};
 use super::workload::workload;
-
-/// Why a rank stopped before its report.
-#[derive(Debug, thiserror::Error)]
-pub enum RankError {
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error(transparent)]
-    Offloader(#[from] OffloaderError),
-    #[error("{what}: {error}")]
-    Driver { what: &'static str, error: DriverError },
-    #[error("{0}")]
-    Other(String),
-}
-
-pub(super) fn drv(what: &'static str) -> impl FnOnce(DriverError) -> RankError {
-    move |error| RankError::Driver { what, error }
-}
-
-/// `f`, a capture-unsafe driver call, through the offloader's gate (it
-/// waits while a capture window is open); the offloader's refusal and the
-/// driver's error both become a [`RankError`] naming `what`.
-pub(super) fn gated<T>(
-    off: &Offloader,
-    what: &'static str,
-    f: impl FnOnce(&GatedCalls<'_>) -> DriverResult<T>,
-) -> Result<T, RankError> {
-    off.gated(what, f)?.map_err(drv(what))
-}
-
-/// Writes one line on stdout for the parent, flushed at once (a parent
-/// that is gone makes it fail, which is ignored).
-pub fn emit(line: &str) {
-    let mut o = std::io::stdout().lock();
-    let _ = writeln!(o, "{line}");
-    let _ = o.flush();
-}
-
-pub(super) fn phase(rank: usize, p: &str) {
-    emit(&format!("{PHASE} rank={rank} phase={p}"));
-}
-
-pub(super) fn progress(rank: usize, p: &str, done: usize, total: usize) {
-    emit(&format!("{PROGRESS} rank={rank} phase={p} done={done} total={total}"));
-}
-
-/// Announces a pause point and blocks until the parent writes a line or
-/// closes stdin (the parent SIGKILLs the rank here in the fault tests; if
-/// the parent is gone, stdin reaches EOF and the rank goes on).
-pub(super) fn pause(rank: usize, at: KillAt) {
-    emit(&format!("{PAUSE} rank={rank} at={}", at.name()));
-    let mut s = String::new();
-    let _ = std::io::stdin().lock().read_line(&mut s);
-}
 
 /// Watches the offloader's pinner: reports progress per chunk, pauses where
 /// the fault test asks, and notes when this rank's own pinning ended.

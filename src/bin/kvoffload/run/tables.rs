@@ -16,7 +16,7 @@ use kvoffload::internal::offloader::Offloader;
 use kvoffload::internal::runtime::{DevicePtr, PATTERN_ENTRY_WORDS};
 use kvoffload::internal::transfer::KvLayout;
 
-use super::rank::{drv, gated, RankError};
+use super::error::{drv, gated, RankError};
 
 /// The pattern key of `key` on `rank`: ranks never share contents, so a
 /// block written into another rank's slot would be caught.

@@ -12,7 +12,7 @@ use kvoffload::internal::runtime::{
 };
 use kvoffload::internal::sync::{self, Condvar, Mutex};
 
-use super::rank::{drv, gated, RankError};
+use super::error::{drv, gated, RankError};
 use super::tables::{PinnedWords, Shape};
 
 /// What a failed check names.

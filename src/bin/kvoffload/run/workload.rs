@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::Instant;
 
-use crate::bench::manager::{SplitMix64, Zipf};
+use crate::random::{SplitMix64, Zipf};
 use kvoffload::internal::manager::{BlockKey, Lookup, ManagerError};
 use kvoffload::internal::offloader::{Completion, Offloader, OffloaderError};
 use kvoffload::internal::runtime::{Direction, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
@@ -24,9 +24,10 @@ use kvoffload::internal::sync::{thread, Arc};
 use kvoffload::internal::transfer::{Backend, JobId, TransferError};
 
 use super::config::{KillAt, RunConfig};
+use super::error::{gated, RankError};
 use super::lifecycle::Stop;
 use super::metrics::{monotonic_secs, Intervals};
-use super::rank::{emit, gated, pause, phase, progress, RankError};
+use super::parent::{emit, pause, phase, progress};
 use super::report::{busy_lines, RankReport};
 use super::tables::{Shape, TablePool};
 use super::verify::{Checker, Loaded, Outcome, Verdict, Verifier};

@@ -13,7 +13,7 @@ mod workload;
 use std::time::Instant;
 
 pub use report::{BenchReport, BenchRow};
-pub use workload::{SplitMix64, Workload, Zipf};
+pub use workload::Workload;
 
 use kvoffload::internal::manager::{BlockKey, BlockManager, Lookup, ManagerConfig, PolicyKind};
 use workload::{trace, TraceShape};

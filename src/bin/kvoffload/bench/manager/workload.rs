@@ -1,57 +1,6 @@
 //! Deterministic access traces for the policy comparison.
 
-/// splitmix64 (Steele, Lea and Flood): a small, seeded, deterministic PRNG.
-#[derive(Clone, Debug)]
-pub struct SplitMix64(u64);
-
-impl SplitMix64 {
-    /// A generator started from `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// A uniform float in `[0, 1)`.
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-}
-
-/// Samples ranks `0..n` with probability proportional to `1 / (rank + 1)^s`,
-/// by binary search in a precomputed cumulative table (O(log n) a sample).
-#[derive(Clone, Debug)]
-pub struct Zipf {
-    cdf: Vec<f64>,
-}
-
-impl Zipf {
-    /// A sampler over `n` ranks (at least 1) with exponent `s` (0 is uniform).
-    pub fn new(n: usize, s: f64) -> Self {
-        let n = n.max(1);
-        let mut cdf = Vec::with_capacity(n);
-        let mut total = 0.0;
-        for rank in 0..n {
-            total += 1.0 / ((rank + 1) as f64).powf(s);
-            cdf.push(total);
-        }
-        cdf.iter_mut().for_each(|c| *c /= total);
-        Self { cdf }
-    }
-
-    /// One rank, most popular first.
-    pub fn sample(&self, rng: &mut SplitMix64) -> usize {
-        let u = rng.next_f64();
-        self.cdf.partition_point(|c| *c <= u).min(self.cdf.len() - 1)
-    }
-}
+use crate::random::{SplitMix64, Zipf};
 
 /// Which access pattern a trace follows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -114,19 +63,6 @@ pub(crate) fn trace(workload: Workload, shape: &TraceShape) -> Vec<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn zipf_favours_low_ranks_and_is_deterministic() {
-        let z = Zipf::new(1000, 1.0);
-        let (mut a, mut b) = (SplitMix64::new(7), SplitMix64::new(7));
-        let xs: Vec<usize> = (0..10_000).map(|_| z.sample(&mut a)).collect();
-        let ys: Vec<usize> = (0..10_000).map(|_| z.sample(&mut b)).collect();
-        assert_eq!(xs, ys);
-        let top10 = xs.iter().filter(|r| **r < 10).count();
-        // H(10)/H(1000) is about 0.39 for s = 1.
-        assert!((3_400..4_400).contains(&top10), "{top10}");
-        assert!(xs.iter().all(|r| *r < 1000));
-    }
 
     #[test]
     fn scan_keys_never_repeat_and_trace_has_exact_length() {
