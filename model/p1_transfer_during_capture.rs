@@ -25,7 +25,7 @@
 //! capturing stream from the library thread, or any unmeasured call during
 //! the capture, would be refused and invalidate the capture.
 //!
-//! Negative N9 (`Variant::RacySubmit`): submit as it was before issue 12,
+//! Negative N9 (`Variant::RacySubmit`): submit as it was before it moved inside the gate,
 //! checking the compute stream's status and then recording its event,
 //! outside the gate (check-then-act). Loom finds the capture beginning in
 //! between: the library thread's record lands on the capturing stream, the

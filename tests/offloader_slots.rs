@@ -1,4 +1,4 @@
-//! The slot-addressed `Offloader` API (issue 21, the Rust part), on the
+//! The slot-addressed `Offloader` API, on the
 //! simulated GPU: an engine that chooses its own host slots and job ids
 //! (vLLM's offloading manager) stores GPU blocks into slots and loads them
 //! back, byte for byte; slots reused after their store was reported; every

@@ -6,7 +6,8 @@
 use super::key::BlockKey;
 use super::state::BlockState;
 
-/// Why a manager operation was refused.
+/// Why a manager operation was refused. A variant's `key` is the key of
+/// the batch that was refused, `state` that key's state when it was.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ManagerError {
     /// The configuration asked for no slots at all.
@@ -23,7 +24,7 @@ pub enum ManagerError {
     /// A store threshold was set but no lookups may be tracked.
     #[error("store threshold {threshold} needs a lookup tracking limit of at least 1, got 0")]
     ZeroTrackingLimit {
-        /// The configured threshold.
+        /// The store threshold configured (misses before a store).
         threshold: u32,
     },
     /// The slot tables could not be allocated.
@@ -35,7 +36,7 @@ pub enum ManagerError {
     /// The same key appears twice in one batch.
     #[error("key {key} appears twice in one batch (positions {first} and {second})")]
     DuplicateKey {
-        /// The repeated key.
+        #[allow(missing_docs)]
         key: BlockKey,
         /// Position of its first occurrence.
         first: usize,
@@ -59,39 +60,28 @@ pub enum ManagerError {
     },
     /// The key is not stored (never stored, evicted, or its store failed).
     #[error("key {key} is not stored")]
-    NotFound {
-        /// The key.
-        key: BlockKey,
-    },
+    #[allow(missing_docs)]
+    NotFound { key: BlockKey },
     /// complete_store for a block whose store is not in flight (double
     /// complete, or complete without prepare).
     #[error("key {key} is {state}, not write-pending: no store to complete")]
-    NotPending {
-        /// The key.
-        key: BlockKey,
-        /// Its actual state.
-        state: BlockState,
-    },
+    #[allow(missing_docs)]
+    NotPending { key: BlockKey, state: BlockState },
     /// prepare_load for a block whose store has not completed.
     #[error("key {key} is write-pending: it cannot be loaded until its store completes")]
-    NotReadable {
-        /// The key.
-        key: BlockKey,
-    },
+    #[allow(missing_docs)]
+    NotReadable { key: BlockKey },
     /// complete_load for a block with no load in flight.
     #[error("key {key} is {state}: no load to complete")]
-    NoLoadInFlight {
-        /// The key.
-        key: BlockKey,
-        /// Its actual state.
-        state: BlockState,
-    },
+    #[allow(missing_docs)]
+    NoLoadInFlight { key: BlockKey, state: BlockState },
     /// A block already has the most concurrent readers a count can hold.
     #[error("key {key} already has {limit} readers, the limit")]
     TooManyReaders {
-        /// The key.
+        #[allow(missing_docs)]
         key: BlockKey,
-        /// The reader limit.
+        /// Loads of one block that may be in flight at once (the reference
+        /// count's range).
         limit: u32,
     },
     /// reset while transfers still use slots.

@@ -11,32 +11,18 @@ pub enum RemoveReason {
     Reset,
 }
 
-/// Something that changed which blocks the host region holds.
+/// Something that changed which blocks the host region holds. In every
+/// event, `key` is the block and `slot` the host slot it was stored in
+/// (after `Evicted` and `Removed`, a slot now free).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(missing_docs)] // the fields are the same in every variant, described above
 pub enum ManagerEvent {
     /// A store completed: the block is readable from `slot`.
-    Stored {
-        /// The block.
-        key: BlockKey,
-        /// Its slot.
-        slot: SlotId,
-    },
+    Stored { key: BlockKey, slot: SlotId },
     /// The policy evicted a ready, unread block to make room.
-    Evicted {
-        /// The block.
-        key: BlockKey,
-        /// The slot it freed.
-        slot: SlotId,
-    },
-    /// A block was dropped without eviction.
-    Removed {
-        /// The block.
-        key: BlockKey,
-        /// The slot it freed.
-        slot: SlotId,
-        /// Why.
-        reason: RemoveReason,
-    },
+    Evicted { key: BlockKey, slot: SlotId },
+    /// A block was dropped without eviction, for `reason`.
+    Removed { key: BlockKey, slot: SlotId, reason: RemoveReason },
 }
 
 /// Running totals since the manager was built (reset does not clear them).

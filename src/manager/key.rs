@@ -10,9 +10,11 @@ use std::fmt;
 /// before building a key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BlockKey {
-    /// The block hash.
+    /// The engine's hash of the block's tokens (and of its prefix), folded
+    /// to 64 bits: equal hashes are the same block.
     pub hash: u64,
-    /// The KV-cache group index.
+    /// The KV-cache group the block belongs to (0 for a plain model); the
+    /// same hash in two groups is two blocks.
     pub group: u32,
 }
 
@@ -47,11 +49,11 @@ impl fmt::Display for SlotId {
     }
 }
 
-/// A key together with the slot it occupies (or occupied).
+/// A key together with the host slot it occupies (or occupied, in an
+/// event about a block that left).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(missing_docs)] // the type's doc says what both fields are
 pub struct Placement {
-    /// The block.
     pub key: BlockKey,
-    /// Its host slot.
     pub slot: SlotId,
 }

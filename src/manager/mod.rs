@@ -1,4 +1,4 @@
-//! Block manager: block states, reference counts and eviction (issue 6).
+//! Block manager: block states, reference counts and eviction.
 //!
 //! [`BlockManager`] decides which KV-cache blocks the host region holds and
 //! in which slot. Keys are block hashes plus a KV-cache group index

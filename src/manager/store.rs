@@ -16,19 +16,20 @@ pub enum SkipReason {
     StorePending,
     /// The key was looked up fewer times than the store threshold.
     BelowThreshold {
-        /// Misses counted for the key.
+        /// Misses counted for the key so far (this one included).
         misses: u32,
-        /// The threshold.
+        /// Misses a key needs before it is stored
+        /// ([`ManagerConfig::store_threshold`](super::ManagerConfig::store_threshold)).
         threshold: u32,
     },
 }
 
-/// A key prepare_store skipped, and why.
+/// A key prepare_store skipped (`key`), and why (`reason`): nothing was
+/// placed for it and no slot was taken.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(missing_docs)] // both fields are described above
 pub struct Skipped {
-    /// The key.
     pub key: BlockKey,
-    /// Why it was skipped.
     pub reason: SkipReason,
 }
 

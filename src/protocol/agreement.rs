@@ -85,7 +85,7 @@ pub enum AgreementError {
     /// was published.
     #[error("rank {rank} out of range for {ranks} ranks")]
     RankOutOfRange {
-        /// The rank index given.
+        /// The calling rank's index, as given.
         rank: usize,
         /// Ranks the slots hold ([`RankSlots::ranks`]).
         ranks: usize,

@@ -144,7 +144,7 @@ pub enum Variant {
     /// ranks exchanged theirs (P7).
     #[cfg(loom)]
     PublishBeforeAgreement,
-    /// N9: `TransferEngine::submit` as it was before issue 12: it checks
+    /// N9: `TransferEngine::submit` as it was before it moved inside the gate: it checks
     /// the compute stream's capture status, then records the ordering
     /// event on it and waits for it on the handler's stream, all outside
     /// the gate (check-then-act: a capture may begin in between).

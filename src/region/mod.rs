@@ -1,4 +1,4 @@
-//! The host region: anonymous or /dev/shm shared mapping (issue 3).
+//! The host region: anonymous or /dev/shm shared mapping.
 //!
 //! Two kinds, one type ([`Region`]):
 //! - **anonymous** ([`Region::anonymous`]): private memory of one process;

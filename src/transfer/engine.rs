@@ -364,7 +364,7 @@ impl TransferEngine {
     /// would be recorded into the engine's graph instead of running, and
     /// the engine's `end_capture` would fail with STREAM_CAPTURE_UNJOINED
     /// (904). Checking the status first and recording afterwards (what
-    /// this function did before issue 12) is check-then-act: a capture can
+    /// this function did before it moved inside the gate) is check-then-act: a capture can
     /// begin in between. Recording first and reading the outcome from the
     /// returned error does not work either: a record inside a capture
     /// succeeds. So the check, the record and the wait run inside the
@@ -398,7 +398,7 @@ impl TransferEngine {
 
     fn submit_expanded(&self, id: JobId, dir: Direction, exp: &Expansion) -> Result<(), TransferError> {
         if self.racy_submit {
-            // N9 (loom builds only): the submit of before issue 12, outside
+            // N9 (loom builds only): the submit as it was before it moved inside the gate, outside
             // the gate.
             let ticket = self.coord.admit_job().map_err(|_| TransferError::ShutDown { id })?;
             return self.accept(id, dir, exp, ticket);

@@ -134,7 +134,7 @@ impl SimRuntime {
     ///
     /// **Not a CUDA driver call**: it exists only on the simulated GPU, for
     /// tests of engines whose tensors are host (CPU) tensors, such as vLLM
-    /// 0.33 on a machine with no GPU (issue 21). No capture rule applies to
+    /// 0.33 on a machine with no GPU. No capture rule applies to
     /// it and no `Gate` is needed. The range does not count against
     /// [`SimConfig::device_bytes`] or the host limit
     /// ([`SimRuntime::device_bytes_in_use`] does not include it); it gets a

@@ -1,4 +1,4 @@
-//! Whether this host can back a simulated allocation (issue 20, item 7).
+//! Whether this host can back a simulated allocation.
 //!
 //! The simulated GPU's device memory (`cuMemAlloc`) and its page-locked host
 //! memory (`cuMemAllocHost`) are host memory of this process. The configured

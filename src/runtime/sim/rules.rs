@@ -117,8 +117,8 @@ pub(crate) enum Effect {
 pub(crate) struct Row {
     pub call: Call,
     pub effect: Effect,
-    /// Where it was measured: conformance cells (docs/conformance-h200.md,
-    /// H200, since 2026-11-29) and the row of docs/driver-rules.md.
+    /// Where it was measured: conformance cells (docs/conformance-h200.md, measured on
+    /// the H200) and the row of docs/driver-rules.md.
     pub measured: &'static str,
 }
 
@@ -207,7 +207,7 @@ pub(crate) const MEASURED: &[Row] = &[
     // Not a cell of its own: in every `cell/*/relaxed` scenario thread B
     // switches itself to RELAXED (from GLOBAL mode) and back while A's
     // GLOBAL capture is open, and A's capture ended with a graph in every
-    // relaxed cell whose own call is safe relaxed (H200, 2026-11-30).
+    // relaxed cell whose own call is safe relaxed (H200, docs/conformance-h200.md).
     Row {
         call: Call::ExchangeCaptureMode,
         effect: Effect::Safe,

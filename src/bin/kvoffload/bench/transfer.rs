@@ -151,7 +151,7 @@ pub struct BenchRow {
     pub layers: usize,
     /// Store (`DeviceToHost`) or load (`HostToDevice`).
     pub direction: Direction,
-    /// The backend asked for.
+    /// The backend asked for (`auto` lets the engine choose per job).
     pub choice: BackendChoice,
     /// The backend the engine used (a forced backend can fall back); with
     /// several jobs, the one that moved the most of them.

@@ -17,7 +17,8 @@ use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{DriverError, DriverResult};
 use kvoffload::internal::sync::Arc;
 
-/// The code of a scenario.
+/// A scenario's body: runs it on `Target`, returns what it observed (or why
+/// it could not run).
 pub type RunFn = dyn Fn(&Target) -> Result<Observed, String> + Send + Sync;
 
 /// One scenario: what docs/driver-rules.md says, and the code that observes it.
@@ -78,7 +79,7 @@ pub struct Row {
     pub matches: bool,
 }
 
-/// The whole run.
+/// Every scenario's outcome on one backend.
 pub struct Report {
     pub backend: String,
     pub device: String,

@@ -41,7 +41,6 @@ enum Kind {
 /// One transfer job in flight.
 struct Job {
     kind: Kind,
-    /// The keys the job moves.
     keys: Vec<BlockKey>,
     /// The GPU blocks it holds (a store: those of every key it was asked
     /// to store, written by the fill kernel).

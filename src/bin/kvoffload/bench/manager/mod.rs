@@ -62,19 +62,14 @@ pub enum BenchError {
     /// A count is zero or above [`BENCH_LIMIT`].
     #[error("{field} must be in 1..={limit}, got {value}")]
     OutOfRange {
-        /// The field.
         field: &'static str,
-        /// Its value.
         value: usize,
-        /// The largest value accepted.
         limit: usize,
     },
     /// The exponent is not a number in `0.0..=MAX_ZIPF_EXPONENT`.
     #[error("zipf exponent must be in 0..={limit}, got {value}")]
     Exponent {
-        /// The exponent.
         value: f64,
-        /// The largest accepted.
         limit: f64,
     },
 }

@@ -9,9 +9,7 @@ use kvoffload::internal::manager::{ManagerCounters, PolicyKind};
 /// One (workload, policy) run.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BenchRow {
-    /// The access pattern.
     pub workload: Workload,
-    /// The eviction policy.
     pub policy: PolicyKind,
     /// Host slots.
     pub capacity: usize,

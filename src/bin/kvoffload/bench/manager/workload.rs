@@ -25,7 +25,9 @@ impl Workload {
     }
 }
 
-/// The shape of a trace.
+/// How a trace is drawn: `universe` keys (Zipf, `exponent`), `accesses`
+/// in all, scans of `scan_length` fresh keys after every `hot_run` hot ones
+/// (scan-heavy only), from `seed`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct TraceShape {
     pub(crate) universe: usize,
