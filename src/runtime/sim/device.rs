@@ -3,7 +3,7 @@
 //! streams independently, the way the GPU does.
 
 use crate::runtime::pattern;
-use crate::runtime::{Code, DevicePtr, GATHER_ENTRY_WORDS, PATTERN_ENTRY_WORDS};
+use crate::runtime::{Code, DevicePtr, Kernel, GATHER_ENTRY_WORDS, PATTERN_ENTRY_WORDS};
 use crate::sync::{self, Arc};
 
 use super::fault::HoldPoint;
@@ -157,8 +157,8 @@ fn resolve_into(st: &mut State, op: &Op, out: &mut Vec<Action>) -> Result<(), Co
             let d = st.device_slice(*dst, *bytes).ok_or(Code::ILLEGAL_ADDRESS)?;
             out.push(Action::Fill { dst: d, value: *value, bytes: *bytes });
         }
-        Op::Spin | Op::WaitEvent { .. } => {}
-        Op::Gather { table, count } => {
+        Op::Kernel(Kernel::Spin { .. }) | Op::WaitEvent { .. } => {}
+        Op::Kernel(Kernel::Gather { table, count }) => {
             // The kernel reads its descriptor table from device memory, then
             // every source and destination through the device's view: device
             // memory, or host memory through its alias, valid only while that
@@ -176,7 +176,7 @@ fn resolve_into(st: &mut State, op: &Op, out: &mut Vec<Action>) -> Result<(), Co
                 out.push(Action::Copy { dst, src, bytes });
             }
         }
-        Op::PatternFill { table, count } => {
+        Op::Kernel(Kernel::PatternFill { table, count }) => {
             // Like Gather: the table, then every range through the device's
             // view (host memory only through the alias of a registered range).
             for e in pattern_table(st, *table, *count)? {
@@ -188,7 +188,7 @@ fn resolve_into(st: &mut State, op: &Op, out: &mut Vec<Action>) -> Result<(), Co
                 out.push(Action::Pattern { dst, key, first_word, bytes });
             }
         }
-        Op::PatternCheck { table, count, out: counts } => {
+        Op::Kernel(Kernel::PatternCheck { table, count, out: counts }) => {
             let entries = pattern_table(st, *table, *count)?;
             if entries.is_empty() {
                 return Ok(());

@@ -265,6 +265,31 @@ impl SimRuntime {
         self.binding.check(gate, call.driver_name())
     }
 
+    /// `cuMemFree` and `cuMemFreeHost`: gated; INVALID_VALUE unless `owns`
+    /// says the pointer is one this call frees; then it waits until the
+    /// device is idle (docs/driver-rules.md, row "Free waits for the
+    /// device": a free never pulls memory from under queued work) and
+    /// `release`s the memory.
+    fn free_when_idle(
+        &self,
+        gate: &Gate,
+        call: Call,
+        owns: impl Fn(&State) -> bool,
+        release: impl FnOnce(&mut State),
+    ) -> DriverResult<()> {
+        self.gated(gate, call)?;
+        let r = (|| {
+            let g = self.enter(call, &[])?;
+            if !owns(&g) {
+                return Err(Code::INVALID_VALUE);
+            }
+            let mut g = self.inner.wait_until(g, Blocked::Idle, State::idle);
+            release(&mut g);
+            Ok(())
+        })();
+        traced(call.driver_name(), r)
+    }
+
     /// Adds `op` to `stream`: executed later by the device, or recorded into
     /// the stream's capture.
     fn enqueue<'a>(&'a self, mut g: MutexGuard<'a, State>, stream: Stream, op: Op) -> Result<(), Code> {
@@ -482,20 +507,13 @@ impl GpuRuntime for SimRuntime {
     }
 
     unsafe fn mem_free(&self, gate: &Gate, ptr: DevicePtr) -> DriverResult<()> {
-        self.gated(gate, Call::MemFree)?;
-        let r = (|| {
-            let g = self.enter(Call::MemFree, &[])?;
-            // Adopted host memory is not the driver's to free
-            // (`SimRuntime::release_adopted` ends it).
-            if !matches!(g.device_mem.get(&ptr), Some(DeviceMem::Owned(_))) {
-                return Err(Code::INVALID_VALUE);
-            }
-            let mut g = self.inner.wait_until(g, Blocked::Idle, State::idle);
-            let freed = g.device_mem.remove(&ptr).map_or(0, |m| m.len());
-            g.device_used -= freed;
-            Ok(())
-        })();
-        traced("cuMemFree", r)
+        // Adopted host memory is not the driver's to free
+        // (`SimRuntime::release_adopted` ends it).
+        let owns = |st: &State| matches!(st.device_mem.get(&ptr), Some(DeviceMem::Owned(_)));
+        self.free_when_idle(gate, Call::MemFree, owns, |st| {
+            let freed = st.device_mem.remove(&ptr).map_or(0, |m| m.len());
+            st.device_used -= freed;
+        })
     }
 
     fn mem_alloc_host(&self, gate: &Gate, bytes: usize) -> DriverResult<usize> {
@@ -520,19 +538,12 @@ impl GpuRuntime for SimRuntime {
     }
 
     unsafe fn mem_free_host(&self, gate: &Gate, addr: usize) -> DriverResult<()> {
-        self.gated(gate, Call::MemFreeHost)?;
-        let r = (|| {
-            let g = self.enter(Call::MemFreeHost, &[])?;
-            if !g.host_allocs.contains_key(&addr) {
-                return Err(Code::INVALID_VALUE);
-            }
-            let mut g = self.inner.wait_until(g, Blocked::Idle, State::idle);
-            g.registered.remove(&addr);
-            let freed = g.host_allocs.remove(&addr).map_or(0, |m| m.len());
-            g.host_alloc_used -= freed;
-            Ok(())
-        })();
-        traced("cuMemFreeHost", r)
+        let owns = |st: &State| st.host_allocs.contains_key(&addr);
+        self.free_when_idle(gate, Call::MemFreeHost, owns, |st| {
+            st.registered.remove(&addr);
+            let freed = st.host_allocs.remove(&addr).map_or(0, |m| m.len());
+            st.host_alloc_used -= freed;
+        })
     }
 
     fn stream_create(&self) -> DriverResult<Stream> {
@@ -704,14 +715,7 @@ impl GpuRuntime for SimRuntime {
     unsafe fn launch(&self, kernel: Kernel, stream: Stream) -> DriverResult<()> {
         let r = (|| {
             let g = self.enter(Call::Launch, &[stream])?;
-            match kernel {
-                Kernel::Spin { .. } => self.enqueue(g, stream, Op::Spin),
-                Kernel::Gather { table, count } => self.enqueue(g, stream, Op::Gather { table, count }),
-                Kernel::PatternFill { table, count } => self.enqueue(g, stream, Op::PatternFill { table, count }),
-                Kernel::PatternCheck { table, count, out } => {
-                    self.enqueue(g, stream, Op::PatternCheck { table, count, out })
-                }
-            }
+            self.enqueue(g, stream, Op::Kernel(kernel))
         })();
         traced("cuLaunchKernel", r)
     }

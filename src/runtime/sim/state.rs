@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use crate::runtime::{CaptureMode, Code, DevicePtr};
+use crate::runtime::{CaptureMode, Code, DevicePtr, Kernel};
 use crate::sync::thread::ThreadId;
 use crate::sync::Arc;
 
@@ -74,27 +74,10 @@ pub(crate) enum Op {
         value: u8,
         bytes: usize,
     },
-    /// A kernel with no memory effect (the conformance suite's spin kernel).
-    Spin,
-    /// The gather kernel: copies the fragments of the descriptor table at
-    /// `table` (device memory), read when the kernel runs.
-    Gather {
-        table: DevicePtr,
-        count: u32,
-    },
-    /// The pattern-fill kernel: writes the ranges of the table at `table`,
-    /// read when the kernel runs.
-    PatternFill {
-        table: DevicePtr,
-        count: u32,
-    },
-    /// The pattern-check kernel: counts mismatching words per table entry
-    /// into the `u32`s at `out`.
-    PatternCheck {
-        table: DevicePtr,
-        count: u32,
-        out: DevicePtr,
-    },
+    /// A kernel launch, as `launch` was given it ([`Kernel`]'s docs say what
+    /// each does; the spin kernel has no memory effect here). A table is read
+    /// when the kernel runs, not at launch.
+    Kernel(Kernel),
     /// Wait until `stream` has completed `seq` operations.
     WaitEvent {
         stream: u64,
