@@ -99,6 +99,14 @@ pub enum OffloaderError {
         /// The job.
         id: JobId,
     },
+    /// [`super::Offloader::capture_end`] or
+    /// [`super::Offloader::capture_abort`] on a thread whose hook depth is
+    /// 0 (no [`super::Offloader::capture_begin`] to match).
+    #[error("{call} without a capture_begin on this thread")]
+    HookNotOpen {
+        /// The refused call.
+        call: &'static str,
+    },
     /// The operation came after `shutdown`.
     #[error("the offloader is shut down")]
     ShutDown,

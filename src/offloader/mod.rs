@@ -56,6 +56,7 @@
 //! ```
 
 mod error;
+mod hook;
 mod observe;
 mod options;
 mod waits;
@@ -133,6 +134,10 @@ pub struct Completion {
     /// `None` when every byte arrived. A failed store's keys are dropped
     /// (not readable); a failed load's keys stay stored.
     pub error: Option<DriverError>,
+    /// Seconds the job waited, admitted, behind a capture hook window
+    /// ([`Offloader::capture_begin`]) before it was submitted; 0 when it
+    /// was submitted at once. Included in `seconds`.
+    pub deferred_seconds: f64,
 }
 
 /// Pinning progress.
@@ -203,6 +208,8 @@ pub struct Offloader {
     owned_tensors: Vec<DevicePtr>,
     owned_compute: Option<Stream>,
     down: Mutex<Down>,
+    /// The capture hook's windows and deferred jobs (hook.rs).
+    hook: hook::Hook,
 }
 
 impl std::fmt::Debug for Offloader {
@@ -459,6 +466,7 @@ impl Offloader {
             owned_tensors,
             owned_compute,
             down: Mutex::new(Down::Running),
+            hook: hook::Hook::new(),
         })
     }
 
@@ -664,11 +672,12 @@ impl Offloader {
         let id = inner.next_id;
         inner.next_id = JobId(inner.next_id.0 + 1);
         let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
-        if let Err(e) = engine.store(id, &JobBlocks::single(gpu, slots)) {
+        if let Err(e) = self.submit_or_defer(&engine, id, Direction::DeviceToHost, &JobBlocks::single(gpu, slots), None)
+        {
             if let Err(m) = inner.manager.complete_store(&stored, false) {
                 tracing::error!(error = %m, "undoing a refused store failed");
             }
-            return Err(e.into());
+            return Err(e);
         }
         inner.jobs.insert(id, JobKeys { direction: Direction::DeviceToHost, keys: stored.clone(), slots: Vec::new() });
         // N18 (loom builds only): the keys readable at submission.
@@ -698,11 +707,12 @@ impl Offloader {
         let id = inner.next_id;
         inner.next_id = JobId(inner.next_id.0 + 1);
         let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
-        if let Err(e) = engine.load(id, &JobBlocks::single(gpu, slots)) {
+        if let Err(e) = self.submit_or_defer(&engine, id, Direction::HostToDevice, &JobBlocks::single(gpu, slots), None)
+        {
             if let Err(m) = inner.manager.complete_load(keys) {
                 tracing::error!(error = %m, "undoing a refused load failed");
             }
-            return Err(e.into());
+            return Err(e);
         }
         inner.jobs.insert(id, JobKeys { direction: Direction::HostToDevice, keys: keys.to_vec(), slots: Vec::new() });
         // N19 (loom builds only): the slots released at submission.
@@ -897,7 +907,7 @@ impl Offloader {
         // The engine checks the skips, the counts and the ids (range,
         // repeats, the job id never used before) and orders the job after
         // the compute stream, as for a keyed job.
-        engine.submit_skipping(id, dir, &blocks, job.first_subs)?;
+        self.submit_or_defer(&engine, id, dir, &blocks, Some(job.first_subs))?;
         inner.jobs.insert(id, JobKeys { direction: dir, keys: Vec::new(), slots });
         Ok(())
     }
@@ -944,6 +954,7 @@ impl Offloader {
     /// [`Offloader::poll`]). Refused inside the caller's own window.
     pub fn wait(&self, id: JobId) -> Result<(), OffloaderError> {
         let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
+        self.wait_deferred(Some(&[id]))?;
         engine.wait(id).map_err(|e| match e {
             crate::transfer::TransferError::UnknownJob { id } => OffloaderError::UnknownJob { id },
             e => e.into(),
@@ -957,6 +968,7 @@ impl Offloader {
     /// inside the caller's own window.
     pub fn wait_jobs(&self, ids: &[JobId]) -> Result<(), OffloaderError> {
         let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
+        self.wait_deferred(Some(ids))?;
         for &id in ids {
             if !sync::lock(&self.inner).jobs.contains_key(&id) {
                 continue;
@@ -974,6 +986,7 @@ impl Offloader {
     /// jobs are reported by [`Offloader::poll`], not here).
     pub fn wait_all(&self) -> Result<(), OffloaderError> {
         let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
+        self.wait_deferred(None)?;
         Ok(engine.wait_all()?)
     }
 
@@ -999,7 +1012,12 @@ impl Offloader {
         // teardown.)
         let old_order = crate::protocol::variant_is!(self.coord, TeardownBeforeRefusal);
         if !old_order {
+            // Refused while a capture hook window is open or opening; a
+            // flush of deferred jobs in progress ends first, and no hook
+            // window begins until the coordinator is closed (hook.rs).
+            let hook = self.hook_quiesce()?;
             self.coord.close()?;
+            drop(hook);
             *down = Down::Down;
         }
         // Drain: every job in flight completes and is applied.

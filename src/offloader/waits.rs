@@ -179,6 +179,24 @@ impl Offloader {
             return 0;
         };
         let mut n = 0;
+        // Deferred jobs the engine refused when they were submitted after
+        // their window: reported failed, before the engine's (they were
+        // submitted earlier than anything the engine holds now).
+        for c in self.take_refused_deferred() {
+            let Some(job) = inner.jobs.remove(&c.job) else {
+                tracing::error!(job = c.job.0, "a deferred job was refused that the offloader did not submit");
+                continue;
+            };
+            let applied = match job.direction {
+                Direction::DeviceToHost => inner.manager.complete_store(&job.keys, false),
+                Direction::HostToDevice => inner.manager.complete_load(&job.keys),
+            };
+            if let Err(e) = applied {
+                tracing::error!(job = c.job.0, error = %e, "applying a refused deferred job to the block manager failed");
+            }
+            sink(Completion { keys: job.keys, ..c });
+            n += 1;
+        }
         for r in engine.poll_finished() {
             let Some(job) = inner.jobs.remove(&r.id) else {
                 tracing::error!(job = r.id.0, "a job was reported that the offloader did not submit");
@@ -191,14 +209,16 @@ impl Offloader {
             if let Err(e) = applied {
                 tracing::error!(job = r.id.0, error = %e, "applying a finished job to the block manager failed");
             }
+            let deferred_seconds = self.take_deferred_seconds(r.id);
             sink(Completion {
                 job: r.id,
                 direction: r.direction,
                 keys: job.keys,
                 bytes: r.bytes,
-                seconds: r.seconds,
+                seconds: r.seconds + deferred_seconds,
                 backend: r.backend,
                 error: r.error,
+                deferred_seconds,
             });
             n += 1;
         }

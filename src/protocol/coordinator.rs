@@ -18,7 +18,11 @@
 //!   and its record: a window counts exactly the registrations it waited
 //!   for ([`CaptureWindow::chunks_waited`], P2).
 //! - With [`CapturePolicy::AfterPinning`] a window opens only once pinning
-//!   is final (P2).
+//!   is final (P2), except a window asked for with the Interleave policy
+//!   ([`Coordinator::open_window_interleaved`], the capture hook's): it
+//!   opens under the Interleave rules whatever the coordinator's policy,
+//!   and while it waits, library calls take turns with it as with any
+//!   Interleave window (P2 for the hook).
 //! - The gather kernel gets a chunk's device alias only while the chunk is
 //!   registered, and unregistering a chunk waits for those users (P3).
 //! - Shutdown refuses while a window is open or registered graphs live,
@@ -107,7 +111,7 @@ pub enum CapturePolicy {
 }
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (N1-N20, docs/PROOFS.md). The known-bad variants,
+/// negative models run (N1-N22, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// loom builds (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
@@ -182,6 +186,15 @@ pub enum Variant {
     /// completions never reach the block manager (P4, P5).
     #[cfg(loom)]
     OffloaderSkipsDrain,
+    /// N21: the capture hook's `capture_end` submits the jobs it deferred
+    /// before it closes its window, not after (on the closing thread, still
+    /// inside the window the capture runs in).
+    #[cfg(loom)]
+    HookFlushesInsideWindow,
+    /// N22: the capture hook's `capture_abort` (a capture whose begin
+    /// failed) forgets to close the window its `capture_begin` opened.
+    #[cfg(loom)]
+    HookAbortKeepsWindow,
     /// N15: `Offloader::shutdown` in its earlier order: it closes
     /// the offloader, drains and drops the transfer engine and frees its
     /// tensors, and only then asks the coordinator, which may refuse (a
@@ -240,6 +253,9 @@ struct State {
     windows_open: usize,
     window_owners: Vec<thread::ThreadId>,
     windows_waiting: usize,
+    /// Of `windows_waiting`, the requests that open under the Interleave
+    /// rules whatever `policy` ([`Coordinator::open_window_interleaved`]).
+    interleave_waiting: usize,
     unsafe_in_flight: usize,
     /// Capture-unsafe library calls waiting to start.
     unsafe_waiting: usize,
@@ -272,12 +288,24 @@ impl State {
         self.policy == CapturePolicy::Interleave || self.pin.is_final()
     }
 
-    fn window_may_open(&self) -> bool {
+    /// Whether a request could open now, by the policy alone (`interleave`:
+    /// a request of [`Coordinator::open_window_interleaved`]).
+    fn request_could_open(&self, interleave: bool) -> bool {
+        interleave || self.window_could_open()
+    }
+
+    /// Whether some waiting request could open by the policy alone (then
+    /// library calls take turns with it).
+    fn some_request_could_open(&self) -> bool {
+        self.interleave_waiting > 0 || self.window_could_open()
+    }
+
+    fn window_may_open(&self, interleave: bool) -> bool {
         if bad!(self, NoCaptureWindow) {
             return true;
         }
         self.unsafe_in_flight == 0
-            && self.window_could_open()
+            && self.request_could_open(interleave)
             && (self.unsafe_waiting == 0 || self.turn == Turn::Window)
     }
 
@@ -285,7 +313,8 @@ impl State {
         if bad!(self, NoCaptureWindow) {
             return true;
         }
-        self.windows_open == 0 && (self.windows_waiting == 0 || !self.window_could_open() || self.turn == Turn::Library)
+        self.windows_open == 0
+            && (self.windows_waiting == 0 || !self.some_request_could_open() || self.turn == Turn::Library)
     }
 
     fn owns_window(&self, me: thread::ThreadId) -> bool {
@@ -520,6 +549,7 @@ impl Coordinator {
                     windows_open: 0,
                     window_owners: Vec::new(),
                     windows_waiting: 0,
+                    interleave_waiting: 0,
                     unsafe_in_flight: 0,
                     unsafe_waiting: 0,
                     turn: Turn::Window,
@@ -632,7 +662,25 @@ impl Coordinator {
     /// Opens a capture window, waiting until the policy allows it and no
     /// capture-unsafe library call is in flight.
     pub fn open_window(&self) -> Result<CaptureWindow, ProtocolError> {
-        self.open_window_inner(|| {}, None)
+        self.open_window_inner(|| {}, None, false)
+    }
+
+    /// [`Coordinator::open_window`] under the Interleave rules whatever the
+    /// coordinator's policy: it waits only for the capture-unsafe call in
+    /// flight (a chunk's registration, at most one: windows and library
+    /// calls take turns), never for pinning to be final. The capture hook
+    /// (`Offloader::capture_begin`) opens its windows so, since a framework
+    /// capture it wraps cannot be told to wait for the whole region.
+    pub fn open_window_interleaved(&self) -> Result<CaptureWindow, ProtocolError> {
+        self.open_window_inner(|| {}, None, true)
+    }
+
+    /// [`Coordinator::open_window_interleaved`], calling `at_request` under
+    /// the lock as the request is counted (loom builds only, as
+    /// [`Coordinator::open_window_noting`]).
+    #[cfg(loom)]
+    pub fn open_window_interleaved_noting(&self, at_request: impl FnOnce()) -> Result<CaptureWindow, ProtocolError> {
+        self.open_window_inner(at_request, None, true)
     }
 
     /// [`Coordinator::open_window`], calling `at_request` under the
@@ -642,7 +690,7 @@ impl Coordinator {
     /// not by the coordinator).
     #[cfg(loom)]
     pub fn open_window_noting(&self, at_request: impl FnOnce()) -> Result<CaptureWindow, ProtocolError> {
-        self.open_window_inner(at_request, None)
+        self.open_window_inner(at_request, None, false)
     }
 
     /// [`Coordinator::open_window`], interruptible: waits the same way, but
@@ -653,16 +701,18 @@ impl Coordinator {
     /// counted as waiting ([`Activity::windows_waiting`] as before the
     /// call), and the library calls it held back are woken.
     pub fn open_window_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<CaptureWindow, ProtocolError> {
-        self.open_window_inner(|| {}, Some(interrupted))
+        self.open_window_inner(|| {}, Some(interrupted), false)
     }
 
     /// Opens a window: `at_request` runs under the lock as the request is
     /// counted; the wait blocks, or with `interrupted` waits in slices and
-    /// withdraws the request when it says so.
+    /// withdraws the request when it says so; `interleave` opens it under
+    /// the Interleave rules whatever the policy.
     fn open_window_inner(
         &self,
         at_request: impl FnOnce(),
         interrupted: Option<&dyn Fn() -> bool>,
+        interleave: bool,
     ) -> Result<CaptureWindow, ProtocolError> {
         let me = me();
         let mut g = self.lock();
@@ -673,10 +723,11 @@ impl Coordinator {
             return Err(ProtocolError::NestedWindow);
         }
         g.windows_waiting += 1;
+        g.interleave_waiting += usize::from(interleave);
         at_request();
         let completed_at_request = g.chunks_completed;
         self.shared.cv.notify_all();
-        let blocked = |s: &State| !s.window_may_open() && s.phase == Phase::Running;
+        let blocked = |s: &State| !s.window_may_open(interleave) && s.phase == Phase::Running;
         let stopped = match interrupted {
             None => {
                 while blocked(&g) {
@@ -691,6 +742,7 @@ impl Coordinator {
             }
         };
         g.windows_waiting -= 1;
+        g.interleave_waiting -= usize::from(interleave);
         if stopped {
             // Withdrawn: library calls that deferred to this request may
             // start now.

@@ -1,0 +1,474 @@
+//! The capture hook: capture windows held by the offloader itself, for a
+//! hook that wraps a framework's `capture_begin`/`capture_end` (PyTorch's
+//! `torch.cuda.CUDAGraph`), where no lexical guard can live.
+//!
+//! The rules, each part of P1/P2/P4/P6 in docs/PROOFS.md:
+//!
+//! - Depth is per thread. [`Offloader::capture_begin`] at depth 0 opens a
+//!   capture window under the Interleave rules, whatever the offloader's
+//!   [`CapturePolicy`](crate::protocol::CapturePolicy)
+//!   ([`Coordinator::open_window_interleaved`](crate::protocol::Coordinator::open_window_interleaved)):
+//!   it waits at most for the capture-unsafe library call in flight (one
+//!   chunk's registration, or one job submission), never for pinning.
+//!   Deeper begins only count. [`Offloader::capture_end`] at depth 1 closes
+//!   the window; [`Offloader::capture_abort`] does the same for a capture
+//!   whose framework begin failed after the hook's begin succeeded.
+//! - While a hook window is open or opening on any thread, or deferred
+//!   jobs wait, every job submitted (keyed or slot) is checked as a direct
+//!   submission is, admitted ([`JobTicket`], so shutdown drains it) and
+//!   queued: never refused for the window, never submitted inside it, so
+//!   no capture-unsafe call of the job's (the order event, the copies)
+//!   lands in a capture (P1).
+//! - The thread whose close leaves no hook window open submits the queue,
+//!   first in first out, after its window closed and outside every window;
+//!   each submission runs under the hook's lock, so a window that begins
+//!   meanwhile waits for that one submission and the rest stay queued for
+//!   its own close. A submission refused because an engine's own
+//!   (lexical) window is open waits for it and is retried.
+//! - A wait ([`Offloader::wait`], [`Offloader::wait_jobs`],
+//!   [`Offloader::wait_all`]) for a deferred job by the thread holding a
+//!   hook window is refused with [`ProtocolError::WouldDeadlock`] (the job
+//!   cannot start before that thread's close); from any other thread it
+//!   waits until the job was submitted, then for the job.
+//! - Shutdown is refused ([`ProtocolError::WindowOpen`]) while a hook
+//!   window is open or opening, waits for a flush in progress, and closes
+//!   the coordinator under the hook's lock, so no window can begin between
+//!   the check and the close; deferred jobs are therefore all submitted
+//!   before it drains (P4).
+//!
+//! Lock order: the offloader's `inner`, then the hook's, then the
+//! coordinator's. A deferred job's order point is its submission after the
+//! window: the compute stream's work at that moment, later than at the
+//! call (safe for engines that leave a job's GPU blocks alone until it is
+//! reported, the contract of [`Offloader::new`]).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::Instant;
+
+use super::{Completion, Offloader, OffloaderError};
+use crate::protocol::{CaptureWindow, JobTicket, ProtocolError};
+use crate::runtime::{Code, Direction, DriverError};
+use crate::sync::{self, thread, Condvar, Mutex, MutexGuard};
+use crate::transfer::{Backend, JobBlocks, JobId, TransferEngine, TransferError};
+
+/// The hook's state and the condition variable its waiters wait on.
+pub(super) struct Hook {
+    state: Mutex<HookState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+pub(super) struct HookState {
+    /// One per thread with a hook window open or opening.
+    windows: Vec<HookWindow>,
+    /// Jobs admitted while a hook window was open, oldest first.
+    queue: VecDeque<Deferred>,
+    /// Threads submitting the queue right now.
+    flushing: usize,
+    /// Deferred jobs submitted, until `poll` reports them: seconds queued.
+    deferred_for: HashMap<JobId, f64>,
+    /// Deferred jobs the engine refused at their submission, reported
+    /// failed by the next `poll`.
+    failed: Vec<Completion>,
+    /// Every job id submitted or deferred (a deferred id is not the
+    /// engine's yet, so the engine's own check cannot see it).
+    ids: UsedIds,
+}
+
+impl Hook {
+    pub(super) fn new() -> Self {
+        Hook { state: Mutex::new(HookState::default()), cv: Condvar::new() }
+    }
+}
+
+struct HookWindow {
+    owner: thread::ThreadId,
+    depth: usize,
+    /// `None` while the window waits to open.
+    window: Option<CaptureWindow>,
+    since: Instant,
+}
+
+/// A job admitted and queued behind a hook window.
+struct Deferred {
+    id: JobId,
+    dir: Direction,
+    blocks: JobBlocks,
+    /// Slot jobs' skips (`None`: a keyed job, the engine derives them).
+    first_subs: Option<Vec<usize>>,
+    bytes: u64,
+    queued_at: Instant,
+    /// Held until the engine admitted the job with its own ticket.
+    _ticket: JobTicket,
+}
+
+/// Job ids used so far, as disjoint closed intervals (start -> end): ids
+/// that grow by one stay one interval.
+#[derive(Default)]
+struct UsedIds {
+    runs: BTreeMap<u64, u64>,
+}
+
+impl UsedIds {
+    fn contains(&self, id: JobId) -> bool {
+        self.runs.range(..=id.0).next_back().is_some_and(|(_, &end)| id.0 <= end)
+    }
+
+    /// Inserts `id` (not yet contained).
+    fn insert(&mut self, id: JobId) {
+        let id = id.0;
+        let below = self.runs.range(..id).next_back().map(|(&s, &e)| (s, e));
+        let above = id.checked_add(1).and_then(|n| self.runs.get(&n).map(|&e| (n, e)));
+        match (below.filter(|&(_, e)| e.checked_add(1) == Some(id)), above) {
+            (Some((s, _)), Some((n, e))) => {
+                self.runs.remove(&n);
+                self.runs.insert(s, e);
+            }
+            (Some((s, _)), None) => {
+                self.runs.insert(s, id);
+            }
+            (None, Some((n, e))) => {
+                self.runs.remove(&n);
+                self.runs.insert(id, e);
+            }
+            (None, None) => {
+                self.runs.insert(id, id);
+            }
+        }
+    }
+}
+
+fn me() -> thread::ThreadId {
+    thread::current().id()
+}
+
+/// The error a deferred job refused at its submission is reported with
+/// (`Completion::error` is a driver error): the driver's own when the
+/// engine's enqueue failed, otherwise `ILLEGAL_STATE` named after the
+/// refusal's step.
+fn refusal_error(e: &TransferError) -> DriverError {
+    match e {
+        TransferError::Driver(d) => d.clone(),
+        TransferError::ComputeCapturing { .. } => {
+            DriverError::new("kvoffload: deferred job (compute stream capturing)", Code::STREAM_CAPTURE_UNSUPPORTED)
+        }
+        _ => DriverError::new("kvoffload: deferred job refused at its submission", Code::ILLEGAL_STATE),
+    }
+}
+
+impl Offloader {
+    /// Opens this thread's hook window (depth 0 -> 1), or counts a nested
+    /// begin (depth n -> n + 1, nothing else). For a hook wrapping a
+    /// framework's capture begin: call it before the framework's begin, and
+    /// [`Offloader::capture_end`] after its end (or
+    /// [`Offloader::capture_abort`] if its begin failed), on the same
+    /// thread: depth is per thread.
+    ///
+    /// The window opens under the Interleave rules whatever
+    /// `PinOptions::capture_policy`: it waits at most for the library call
+    /// in flight (one chunk's registration, or one job submission), never
+    /// for pinning to finish; pinning pauses at its next chunk boundary
+    /// until the window closes. While it is open no library thread of this
+    /// offloader makes a capture-unsafe driver call (P1), and jobs
+    /// submitted on any thread are deferred (module docs).
+    ///
+    /// Errors (depth unchanged, nothing open): [`ProtocolError::ShutDown`]
+    /// after shutdown began, [`ProtocolError::NestedWindow`] when this
+    /// thread holds a window of [`Offloader::capture_window`].
+    pub fn capture_begin(&self) -> Result<(), OffloaderError> {
+        let me = me();
+        {
+            let mut h = sync::lock(&self.hook.state);
+            if let Some(w) = h.windows.iter_mut().find(|w| w.owner == me) {
+                w.depth += 1;
+                tracing::trace!(depth = w.depth, "capture hook: nested begin");
+                return Ok(());
+            }
+            h.windows.push(HookWindow { owner: me, depth: 1, window: None, since: Instant::now() });
+        }
+        let span = tracing::debug_span!("capture_hook_begin").entered();
+        // Outside the hook's lock: jobs submitted meanwhile are deferred.
+        let opened = self.coord.open_window_interleaved();
+        let engine = sync::lock(&self.inner).engine.clone();
+        let mut h = sync::lock(&self.hook.state);
+        let Some(i) = h.windows.iter().position(|w| w.owner == me) else {
+            // Only this thread removes its entry.
+            unreachable!("capture hook: the opening window's entry vanished");
+        };
+        match opened {
+            Ok(w) => {
+                tracing::debug!(
+                    chunks_waited = w.chunks_waited(),
+                    waited_s = h.windows[i].since.elapsed().as_secs_f64(),
+                    "capture hook window opened"
+                );
+                h.windows[i].window = Some(w);
+                h.windows[i].since = Instant::now();
+                Ok(())
+            }
+            Err(e) => {
+                h.windows.swap_remove(i);
+                tracing::warn!(error = %e, "capture hook window refused");
+                self.hook.cv.notify_all();
+                drop(span);
+                self.flush_if_last(h, engine.as_deref());
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Closes this thread's hook window (depth 1 -> 0), or uncounts a
+    /// nested begin (depth n -> n - 1). Once no hook window is open on any
+    /// thread, the deferred jobs are submitted, in the order they were
+    /// submitted, on this thread and outside every window (async enqueues:
+    /// this returns once they are enqueued, not completed).
+    ///
+    /// Call it after the framework's capture end, also when that end
+    /// failed (the capture is over either way). Error:
+    /// [`OffloaderError::HookNotOpen`] when this thread's depth is 0.
+    pub fn capture_end(&self) -> Result<(), OffloaderError> {
+        self.hook_close("capture_end")
+    }
+
+    /// What [`Offloader::capture_end`] does, for a capture whose framework
+    /// begin failed after [`Offloader::capture_begin`] succeeded (the hook's
+    /// `begin(); try: framework_begin() except: abort(); raise`). Error:
+    /// [`OffloaderError::HookNotOpen`] when this thread's depth is 0.
+    pub fn capture_abort(&self) -> Result<(), OffloaderError> {
+        // N22 (loom builds only): the window stays open for good.
+        if crate::protocol::variant_is!(self.coord, HookAbortKeepsWindow) {
+            return Ok(());
+        }
+        self.hook_close("capture_abort")
+    }
+
+    /// This thread's hook depth: begins not yet matched by an end or an
+    /// abort.
+    pub fn capture_depth(&self) -> usize {
+        let me = me();
+        sync::lock(&self.hook.state).windows.iter().find(|w| w.owner == me).map_or(0, |w| w.depth)
+    }
+
+    /// Jobs deferred behind a hook window and not yet submitted.
+    pub fn deferred_jobs(&self) -> usize {
+        sync::lock(&self.hook.state).queue.len()
+    }
+
+    fn hook_close(&self, call: &'static str) -> Result<(), OffloaderError> {
+        let me = me();
+        let engine = sync::lock(&self.inner).engine.clone();
+        let mut h = sync::lock(&self.hook.state);
+        let Some(i) = h.windows.iter().position(|w| w.owner == me && w.window.is_some()) else {
+            return Err(OffloaderError::HookNotOpen { call });
+        };
+        if h.windows[i].depth > 1 {
+            h.windows[i].depth -= 1;
+            tracing::trace!(depth = h.windows[i].depth, call, "capture hook: nested end");
+            return Ok(());
+        }
+        // N21 (loom builds only): the deferred jobs go before the window
+        // closes.
+        if crate::protocol::variant_is!(self.coord, HookFlushesInsideWindow) {
+            if let Some(e) = engine.as_deref() {
+                h = self.flush(h, e, Some(me));
+            }
+        }
+        let Some(i) = h.windows.iter().position(|w| w.owner == me) else {
+            unreachable!("capture hook: this thread's window vanished");
+        };
+        let w = h.windows.swap_remove(i);
+        let held_s = w.since.elapsed().as_secs_f64();
+        // The coordinator's window closes here (its lock inside the hook's).
+        drop(w.window);
+        tracing::debug!(call, held_s, deferred = h.queue.len(), "capture hook window closed");
+        self.hook.cv.notify_all();
+        self.flush_if_last(h, engine.as_deref());
+        Ok(())
+    }
+
+    /// Submits the deferred jobs when no hook window is open any more.
+    fn flush_if_last(&self, h: MutexGuard<'_, HookState>, engine: Option<&TransferEngine>) {
+        if !h.windows.is_empty() || h.queue.is_empty() {
+            return;
+        }
+        match engine {
+            Some(e) => drop(self.flush(h, e, None)),
+            // Shutdown waits for the hook to be idle before it takes the
+            // engine, so this cannot happen.
+            None => {
+                tracing::error!(jobs = h.queue.len(), "capture hook: deferred jobs left after the engine was dropped")
+            }
+        }
+    }
+
+    /// Submits the queue, oldest first, each under the hook's lock, until
+    /// it is empty or a hook window (other than `inside`'s, N21 only) is
+    /// open or opening again.
+    fn flush<'a>(
+        &'a self,
+        mut h: MutexGuard<'a, HookState>,
+        engine: &TransferEngine,
+        inside: Option<thread::ThreadId>,
+    ) -> MutexGuard<'a, HookState> {
+        let span = tracing::debug_span!("capture_hook_flush", jobs = h.queue.len()).entered();
+        h.flushing += 1;
+        let mut submitted = 0usize;
+        loop {
+            if h.windows.iter().any(|w| Some(w.owner) != inside) {
+                break;
+            }
+            let Some(d) = h.queue.pop_front() else { break };
+            let r = match &d.first_subs {
+                Some(s) => engine.submit_skipping(d.id, d.dir, &d.blocks, s),
+                None => engine.submit(d.id, d.dir, &d.blocks),
+            };
+            let queued_s = d.queued_at.elapsed().as_secs_f64();
+            match r {
+                Ok(()) => {
+                    h.deferred_for.insert(d.id, queued_s);
+                    submitted += 1;
+                }
+                Err(TransferError::CaptureWindowOpen { .. }) if inside.is_none() => {
+                    // An engine's own window (no hook window is open): wait
+                    // for it without the hook's lock, then retry this job.
+                    h.queue.push_front(d);
+                    drop(h);
+                    let waited = self.coord.wait_no_window();
+                    h = sync::lock(&self.hook.state);
+                    if let Err(e) = waited {
+                        // Only inside this thread's own window, which the
+                        // coordinator refuses to open beside a hook window.
+                        tracing::error!(error = %e, "capture hook: cannot submit deferred jobs here");
+                        break;
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    tracing::error!(job = d.id.0, error = %e, "capture hook: a deferred job was refused at its submission; reported failed");
+                    h.failed.push(Completion {
+                        job: d.id,
+                        direction: d.dir,
+                        keys: Vec::new(),
+                        bytes: d.bytes,
+                        seconds: queued_s,
+                        backend: Backend::PerFragment,
+                        error: Some(refusal_error(&e)),
+                        deferred_seconds: queued_s,
+                    });
+                }
+            }
+            // `d`'s ticket goes here, after the engine took its own.
+            drop(d);
+            self.hook.cv.notify_all();
+        }
+        h.flushing -= 1;
+        tracing::debug!(submitted, left = h.queue.len(), "capture hook: deferred jobs submitted");
+        self.hook.cv.notify_all();
+        drop(span);
+        h
+    }
+
+    /// Submits job `id` to `engine` now, or defers it while a hook window
+    /// is open or opening or deferred jobs wait (module docs). Called under
+    /// the offloader's `inner` lock; the checks are the engine's in both
+    /// cases (a deferred job's id, ranges, counts and skips are checked
+    /// now, its compute-stream order at its submission).
+    pub(super) fn submit_or_defer(
+        &self,
+        engine: &TransferEngine,
+        id: JobId,
+        dir: Direction,
+        blocks: &JobBlocks,
+        first_subs: Option<&[usize]>,
+    ) -> Result<(), OffloaderError> {
+        let mut h = sync::lock(&self.hook.state);
+        if h.ids.contains(id) {
+            return Err(TransferError::JobIdReused { id }.into());
+        }
+        if h.windows.is_empty() && h.queue.is_empty() {
+            // Under the hook's lock: no hook window begins until this
+            // submission returned, so a refusal here is for an engine's
+            // own window (as before the hook existed).
+            match first_subs {
+                Some(s) => engine.submit_skipping(id, dir, blocks, s)?,
+                None => engine.submit(id, dir, blocks)?,
+            }
+            h.ids.insert(id);
+            return Ok(());
+        }
+        let exp = match first_subs {
+            Some(s) => self.layout.expand_skipping(id, blocks, s)?,
+            None => self.layout.expand(id, blocks)?,
+        };
+        let ticket = self.coord.admit_job().map_err(|e| match e {
+            ProtocolError::ShutDown => OffloaderError::ShutDown,
+            e => e.into(),
+        })?;
+        h.ids.insert(id);
+        h.queue.push_back(Deferred {
+            id,
+            dir,
+            blocks: blocks.clone(),
+            first_subs: first_subs.map(<[usize]>::to_vec),
+            bytes: exp.bytes,
+            queued_at: Instant::now(),
+            _ticket: ticket,
+        });
+        tracing::debug!(job = id.0, ?dir, queued = h.queue.len(), "job deferred behind a capture hook window");
+        Ok(())
+    }
+
+    /// Blocks while any of `ids` (every deferred job: `None`) waits in the
+    /// queue; [`ProtocolError::WouldDeadlock`] when one does and this
+    /// thread holds a hook window.
+    pub(super) fn wait_deferred(&self, ids: Option<&[JobId]>) -> Result<(), OffloaderError> {
+        let me = me();
+        let mut h = sync::lock(&self.hook.state);
+        loop {
+            let pending = h.queue.iter().any(|d| ids.is_none_or(|ids| ids.contains(&d.id)));
+            if !pending {
+                return Ok(());
+            }
+            if h.windows.iter().any(|w| w.owner == me) {
+                return Err(ProtocolError::WouldDeadlock {
+                    what: "waiting for a job deferred behind this thread's capture hook window",
+                }
+                .into());
+            }
+            h = sync::wait(&self.hook.cv, h);
+        }
+    }
+
+    /// For `poll`, under the `inner` lock: deferred jobs the engine refused
+    /// at their submission (each reported once, failed).
+    pub(super) fn take_refused_deferred(&self) -> Vec<Completion> {
+        std::mem::take(&mut sync::lock(&self.hook.state).failed)
+    }
+
+    /// For `poll`: the seconds job `id` spent deferred (0 when it was not).
+    pub(super) fn take_deferred_seconds(&self, id: JobId) -> f64 {
+        sync::lock(&self.hook.state).deferred_for.remove(&id).unwrap_or(0.0)
+    }
+
+    /// For shutdown: refuses while a hook window is open or opening, waits
+    /// for a flush in progress, and returns the hook's lock, to be held
+    /// while the coordinator closes (so no hook window begins in between).
+    pub(super) fn hook_quiesce(&self) -> Result<MutexGuard<'_, HookState>, OffloaderError> {
+        let mut h = sync::lock(&self.hook.state);
+        loop {
+            if !h.windows.is_empty() {
+                return Err(ProtocolError::WindowOpen { open: h.windows.len() }.into());
+            }
+            if h.flushing == 0 {
+                return Ok(h);
+            }
+            // A flush waits only for engine windows to close, which
+            // `close` refuses anyway: refuse now rather than wait for one
+            // (it may be this thread's).
+            if self.coord.windows_open() > 0 {
+                return Err(ProtocolError::WindowOpen { open: self.coord.windows_open() }.into());
+            }
+            h = sync::wait(&self.hook.cv, h);
+        }
+    }
+}

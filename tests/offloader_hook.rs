@@ -1,0 +1,404 @@
+//! The capture hook (`Offloader::capture_begin` / `capture_end` /
+//! `capture_abort`) on the simulated GPU: per-thread depth (nested begins
+//! open one window), jobs submitted inside a GLOBAL capture deferred and
+//! submitted after it (the capture intact, the bytes right,
+//! `deferred_seconds > 0`, first in first out), waits for a deferred job
+//! (refused on the holding thread, waiting elsewhere), abort, shutdown
+//! refused while a hook window is open and draining deferred jobs after,
+//! deferred jobs checked like direct ones, and the hook's window opening
+//! under the Interleave rules (it waits for the registration in progress,
+//! not for pinning).
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvoffload::internal::manager::BlockKey;
+use kvoffload::internal::offloader::{Completion, KvAlloc, Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::internal::protocol::{PinState, ProtocolError};
+use kvoffload::internal::runtime::pattern;
+use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
+use kvoffload::internal::runtime::{shared, CaptureMode, Direction};
+use kvoffload::internal::sync::{thread, Arc};
+use kvoffload::internal::transfer::{JobId, TransferError};
+
+const PAGE: usize = 4096;
+const TENSORS: usize = 2;
+const GPU_BLOCKS: usize = 16;
+const SLOTS: usize = 8;
+
+fn kv() -> KvAlloc {
+    KvAlloc { tensors: TENSORS, page_bytes: PAGE, gpu_blocks: GPU_BLOCKS, block_factor: 1 }
+}
+
+/// A slot-addressed offloader on `sim`, one slot per registration chunk
+/// (so pinning takes `SLOTS` registrations), default capture policy
+/// (AfterPinning: only the hook's windows open while pinning runs).
+fn slot_offloader_on(sim: SimRuntime) -> Offloader {
+    let mut opts = OffloaderOptions::with_host_slots(SLOTS);
+    opts.pin = opts.pin.max_chunk_bytes(TENSORS * PAGE);
+    Offloader::with_allocated_tensors(shared(sim), kv(), opts).expect("slot offloader")
+}
+
+fn slot_offloader() -> Offloader {
+    slot_offloader_on(SimRuntime::new())
+}
+
+fn page(tag: u64, t: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; PAGE];
+    pattern::fill(tag * 1000 + t as u64, &mut buf);
+    buf
+}
+
+/// Writes content `tag` into GPU block `b` of every tensor.
+fn write_block(off: &Offloader, tag: u64, b: usize) {
+    for (t, base) in off.tensors().into_iter().enumerate() {
+        let buf = page(tag, t);
+        // SAFETY: `buf` is readable for the synchronous copy; the
+        // destination is GPU block `b` of a tensor of the offloader, which
+        // no job touches now.
+        unsafe { off.runtime().copy_htod(base.offset(b * PAGE), buf.as_ptr() as usize, PAGE) }.unwrap();
+    }
+}
+
+/// Tensors whose GPU block `b` differs from content `tag`.
+fn bad_block(off: &Offloader, tag: u64, b: usize) -> usize {
+    let mut bad = 0;
+    for (t, base) in off.tensors().into_iter().enumerate() {
+        let mut got = vec![0u8; PAGE];
+        // SAFETY: `got` is writable for the synchronous copy; the job that
+        // wrote the block was waited for.
+        unsafe { off.runtime().copy_dtoh(got.as_mut_ptr() as usize, base.offset(b * PAGE), PAGE) }.unwrap();
+        bad += usize::from(got != page(tag, t));
+    }
+    bad
+}
+
+/// Tensors whose page in host slot `s` differs from content `tag`, read
+/// from the region (only while no job touches the slot).
+fn bad_slot(off: &Offloader, tag: u64, s: usize) -> usize {
+    let mut bad = 0;
+    for t in 0..TENSORS {
+        let addr = off.layout().host_addr(0, t, s, 0);
+        // SAFETY: a page of this rank's slot `s` of the mapped region; no
+        // job on it is in flight (the caller waited).
+        let got = unsafe { std::slice::from_raw_parts(addr as *const u8, PAGE) };
+        bad += usize::from(got != page(tag, t).as_slice());
+    }
+    bad
+}
+
+fn sim(off: &Offloader) -> &SimRuntime {
+    off.runtime().as_sim().expect("the simulated GPU")
+}
+
+/// Polls until `n` completions came (20 s at most).
+fn poll_n(off: &Offloader, n: usize) -> Vec<Completion> {
+    let t = Instant::now();
+    let mut done = Vec::new();
+    while done.len() < n {
+        assert!(t.elapsed() < Duration::from_secs(20), "only {done:?} reported");
+        done.extend(off.poll());
+        thread::yield_now();
+    }
+    done
+}
+
+/// Spins (yielding) until `cond` holds, 20 s at most: observing a state
+/// another thread reaches, not waiting for time to pass.
+fn until(what: &str, cond: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !cond() {
+        assert!(t.elapsed() < Duration::from_secs(20), "never: {what}");
+        thread::yield_now();
+    }
+}
+
+/// A GLOBAL capture of a memset on `stream` around `body`, inside the
+/// hook's begin and end; returns the graph (its capture not invalidated)
+/// or the failure.
+fn hooked_capture(off: &Offloader, stream: kvoffload::internal::runtime::Stream, body: impl FnOnce()) -> bool {
+    let rt = off.runtime().clone();
+    let scratch = off.gated("scratch", |c| c.mem_alloc(PAGE)).unwrap().unwrap();
+    off.capture_begin().unwrap();
+    rt.begin_capture(stream, CaptureMode::Global).unwrap();
+    // SAFETY: `scratch` lives until freed below, after the graph is gone;
+    // the memset is only captured.
+    let enq = unsafe { rt.memset_d8_async(scratch, 7, PAGE, stream) };
+    body();
+    let end = rt.end_capture(stream);
+    off.capture_end().unwrap();
+    let ok = enq.is_ok() && end.is_ok();
+    if let Ok(g) = end {
+        rt.graph_destroy(g).unwrap();
+    }
+    // SAFETY: the graph that used `scratch` is destroyed and never ran.
+    off.gated("scratch", |c| unsafe { c.mem_free(scratch) }).unwrap().unwrap();
+    ok
+}
+
+#[test]
+fn nested_begins_open_one_window_and_the_outer_end_closes_it() {
+    let off = slot_offloader();
+    off.start().unwrap();
+    assert!(matches!(off.capture_end(), Err(OffloaderError::HookNotOpen { call: "capture_end" })));
+    off.capture_begin().unwrap();
+    off.capture_begin().unwrap();
+    off.capture_begin().unwrap();
+    assert_eq!(off.capture_depth(), 3);
+    assert_eq!(off.activity().windows_open, 1, "nested begins opened more than one window");
+    off.capture_end().unwrap();
+    off.capture_end().unwrap();
+    assert_eq!(off.activity().windows_open, 1, "an inner end closed the window");
+    // Depth is per thread: another thread has none, and its own begin
+    // opens a second window.
+    let other = {
+        let off = &off;
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let none = off.capture_end();
+                off.capture_begin().unwrap();
+                let open = off.activity().windows_open;
+                off.capture_end().unwrap();
+                (none, open)
+            })
+            .join()
+            .unwrap()
+        })
+    };
+    assert!(matches!(other.0, Err(OffloaderError::HookNotOpen { .. })), "{:?}", other.0);
+    assert_eq!(other.1, 2);
+    off.capture_end().unwrap();
+    assert_eq!((off.capture_depth(), off.activity().windows_open), (0, 0));
+    assert!(matches!(off.capture_abort(), Err(OffloaderError::HookNotOpen { call: "capture_abort" })));
+    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn a_job_inside_a_global_capture_completes_after_it_and_the_capture_is_intact() {
+    let off = slot_offloader();
+    off.start().unwrap();
+    write_block(&off, 1, 0);
+    write_block(&off, 2, 1);
+    let compute = off.compute_stream();
+    let ok = hooked_capture(&off, compute, || {
+        // The compute stream captures: a direct submission would be
+        // refused (ComputeCapturing); these are deferred.
+        off.store_slots(JobId(10), &[0], &[3], 0).unwrap();
+        off.store_slots(JobId(11), &[1], &[4], 0).unwrap();
+        assert_eq!(off.deferred_jobs(), 2);
+        assert_eq!(off.in_flight(), 2, "deferred jobs are in flight until reported");
+    });
+    assert!(ok, "the capture was invalidated");
+    assert!(sim(&off).refusals().is_empty(), "the simulated GPU refused: {:?}", sim(&off).refusals());
+    assert_eq!(off.deferred_jobs(), 0);
+    off.wait_all().unwrap();
+    let done = poll_n(&off, 2);
+    assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(10), JobId(11)], "not first in first out");
+    for c in &done {
+        assert!(c.error.is_none(), "{c:?}");
+        assert!(c.deferred_seconds > 0.0 && c.seconds >= c.deferred_seconds, "{c:?}");
+        assert_eq!(c.bytes, (TENSORS * PAGE) as u64);
+    }
+    assert_eq!(bad_slot(&off, 1, 3) + bad_slot(&off, 2, 4), 0, "stored bytes wrong");
+    // Loaded back into other blocks, byte for byte; not deferred.
+    off.load_slots(JobId(12), &[8, 9], &[3, 4], 0).unwrap();
+    off.wait(JobId(12)).unwrap();
+    let loaded = poll_n(&off, 1);
+    assert_eq!(loaded[0].deferred_seconds, 0.0);
+    assert_eq!(bad_block(&off, 1, 8) + bad_block(&off, 2, 9), 0, "loaded bytes wrong");
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn keyed_jobs_are_deferred_too_and_keys_become_readable_once_reported() {
+    let mut opts = OffloaderOptions::with_host_blocks(SLOTS);
+    opts.pin = opts.pin.max_chunk_bytes(TENSORS * PAGE);
+    let off = Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap();
+    off.start().unwrap();
+    write_block(&off, 5, 2);
+    let s = off.runtime().stream_create().unwrap();
+    let k = [BlockKey::new(5, 0)];
+    let mut job = None;
+    assert!(hooked_capture(&off, s, || {
+        job = off.store(&k, &[2]).unwrap().job;
+        assert_eq!(off.deferred_jobs(), 1);
+    }));
+    let job = job.expect("a store job");
+    off.wait(job).unwrap();
+    let done = poll_n(&off, 1);
+    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0 && done[0].keys == k, "{done:?}");
+    let l = off.load(&k, &[6]).unwrap();
+    off.wait(l).unwrap();
+    poll_n(&off, 1);
+    assert_eq!(bad_block(&off, 5, 6), 0);
+    off.runtime().stream_destroy(s).unwrap();
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn outside_the_hook_a_job_in_an_engine_window_is_still_refused() {
+    // The contrast to the hook: a lexical window does not defer.
+    let off = slot_offloader();
+    off.wait_pinned().unwrap();
+    let w = off.capture_window().unwrap();
+    let r = off.store_slots(JobId(1), &[0], &[0], 0);
+    assert!(matches!(r, Err(OffloaderError::Transfer(TransferError::CaptureWindowOpen { .. }))), "{r:?}");
+    assert_eq!(off.deferred_jobs(), 0);
+    // Neither window nests in the other on one thread.
+    assert!(matches!(off.capture_begin(), Err(OffloaderError::Protocol(ProtocolError::NestedWindow))));
+    assert_eq!(off.capture_depth(), 0);
+    drop(w);
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn a_wait_for_a_deferred_job_is_refused_on_the_holding_thread_and_waits_elsewhere() {
+    let off = Arc::new(slot_offloader());
+    off.start().unwrap();
+    write_block(&off, 3, 0);
+    off.capture_begin().unwrap();
+    off.store_slots(JobId(1), &[0], &[2], 0).unwrap();
+    let would_deadlock =
+        |r: Result<(), OffloaderError>| matches!(r, Err(OffloaderError::Protocol(ProtocolError::WouldDeadlock { .. })));
+    assert!(would_deadlock(off.wait(JobId(1))), "wait on the holding thread");
+    assert!(would_deadlock(off.wait_jobs(&[JobId(7), JobId(1)])), "wait_jobs on the holding thread");
+    assert!(would_deadlock(off.wait_all()), "wait_all on the holding thread");
+    // Ids not deferred are skipped as before.
+    off.wait_jobs(&[JobId(7)]).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let o2 = off.clone();
+    let waiter = std::thread::spawn(move || {
+        tx.send(()).unwrap();
+        let r = o2.wait_jobs(&[JobId(1)]);
+        // Returned only once the job was submitted and completed: the
+        // slot holds its bytes.
+        (r, o2.deferred_jobs(), bad_slot(&o2, 3, 2))
+    });
+    rx.recv().unwrap();
+    assert_eq!(off.deferred_jobs(), 1, "the job ran before the window closed");
+    off.capture_end().unwrap();
+    let (r, deferred, bad) = waiter.join().unwrap();
+    assert!(r.is_ok(), "{r:?}");
+    assert_eq!((deferred, bad), (0, 0), "the other thread's wait returned before the job completed");
+    let done = poll_n(&off, 1);
+    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn abort_closes_the_window_and_submits_what_it_deferred() {
+    let off = slot_offloader();
+    off.start().unwrap();
+    write_block(&off, 4, 1);
+    off.capture_begin().unwrap();
+    // The framework's own capture begin failed here: the hook aborts.
+    off.store_slots(JobId(3), &[1], &[5], 0).unwrap();
+    off.capture_abort().unwrap();
+    assert_eq!((off.capture_depth(), off.activity().windows_open, off.deferred_jobs()), (0, 0, 0));
+    off.wait(JobId(3)).unwrap();
+    let done = poll_n(&off, 1);
+    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
+    assert_eq!(bad_slot(&off, 4, 5), 0);
+    // Pinning resumes once the window is gone.
+    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn shutdown_is_refused_while_a_hook_window_is_open_and_drains_deferred_jobs_after() {
+    let off = slot_offloader();
+    off.start().unwrap();
+    write_block(&off, 6, 3);
+    off.capture_begin().unwrap();
+    off.store_slots(JobId(4), &[3], &[6], 0).unwrap();
+    let r = off.shutdown();
+    assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))), "{r:?}");
+    assert!(!off.is_shut_down());
+    assert_eq!(off.deferred_jobs(), 1, "a refused shutdown touched the deferred job");
+    off.capture_end().unwrap();
+    off.shutdown().unwrap();
+    assert_eq!(off.in_flight(), 0, "shutdown left the deferred job unreported");
+    assert_eq!(bad_slot(&off, 6, 6), 0, "the deferred store did not run before shutdown returned");
+    assert_eq!(sim(&off).registered_ranges(), 0);
+    assert!(matches!(off.capture_begin(), Err(OffloaderError::Protocol(ProtocolError::ShutDown))));
+    assert_eq!(off.capture_depth(), 0);
+}
+
+#[test]
+fn deferred_jobs_are_checked_when_submitted() {
+    let off = slot_offloader();
+    off.start().unwrap();
+    off.store_slots(JobId(1), &[0], &[0], 0).unwrap();
+    off.wait_all().unwrap();
+    poll_n(&off, 1);
+    off.capture_begin().unwrap();
+    // An id used before (reported), one deferred, out of range, a busy slot.
+    let reused = off.store_slots(JobId(1), &[1], &[1], 0);
+    assert!(matches!(reused, Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(1) }))), "{reused:?}");
+    off.store_slots(JobId(2), &[1], &[1], 0).unwrap();
+    let twice = off.load_slots(JobId(2), &[2], &[0], 0);
+    assert!(matches!(twice, Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(2) }))), "{twice:?}");
+    let range = off.store_slots(JobId(3), &[1], &[SLOTS], 0);
+    assert!(matches!(range, Err(OffloaderError::Transfer(TransferError::HostBlockOutOfRange { .. }))), "{range:?}");
+    let busy = off.load_slots(JobId(4), &[5], &[1], 0);
+    assert!(matches!(busy, Err(OffloaderError::SlotBusy { slot: 1, job: JobId(2), .. })), "{busy:?}");
+    // Refused ids stay unused.
+    off.store_slots(JobId(3), &[1], &[2], 0).unwrap();
+    assert_eq!(off.deferred_jobs(), 2);
+    off.capture_end().unwrap();
+    off.wait_all().unwrap();
+    let done = poll_n(&off, 2);
+    assert_eq!(
+        done.iter().map(|c| (c.job, c.direction)).collect::<Vec<_>>(),
+        [(JobId(2), Direction::DeviceToHost), (JobId(3), Direction::DeviceToHost)]
+    );
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn the_hook_window_waits_for_the_registration_in_progress_not_for_pinning() {
+    let sim = SimRuntime::new();
+    let control = sim.another_handle();
+    let off = Arc::new(slot_offloader_on(sim));
+    // The pinner is held inside its first registration (in the gate).
+    let hold = control.hold(HoldPoint::Register);
+    off.start().unwrap();
+    hold.wait_entered();
+    let (opened_tx, opened_rx) = mpsc::channel();
+    let (close_tx, close_rx) = mpsc::channel::<()>();
+    let o2 = off.clone();
+    let capture = std::thread::spawn(move || {
+        let r = o2.capture_begin();
+        opened_tx.send((r.is_ok(), o2.pin_state())).unwrap();
+        close_rx.recv().unwrap();
+        o2.capture_end()
+    });
+    until("the hook's window waits to open", || off.activity().windows_waiting == 1);
+    assert_eq!(off.activity().windows_open, 0, "the window opened during a registration");
+    // A job submitted while the window waits to open is deferred.
+    write_block(&off, 8, 4);
+    off.store_slots(JobId(1), &[4], &[7], 0).unwrap();
+    assert_eq!(off.deferred_jobs(), 1);
+    // Shutdown is refused while the hook's window waits to open, too (the
+    // coordinator alone would close, failing the window and its job).
+    let (sd_tx, sd_rx) = mpsc::channel();
+    let o3 = off.clone();
+    std::thread::spawn(move || sd_tx.send(o3.shutdown()).unwrap());
+    let r = sd_rx.recv_timeout(Duration::from_secs(20)).expect("shutdown neither refused nor returned");
+    assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))), "{r:?}");
+    hold.release();
+    let (ok, pin) = opened_rx.recv().unwrap();
+    assert!(ok);
+    // Opened after one registration, with pinning far from final (the
+    // default policy, AfterPinning, would have waited for all of it).
+    assert!(matches!(pin, PinState::Pinning { done: 1, total: SLOTS }), "{pin:?}");
+    assert_eq!(off.deferred_jobs(), 1);
+    close_tx.send(()).unwrap();
+    capture.join().unwrap().unwrap();
+    off.wait(JobId(1)).unwrap();
+    assert!(poll_n(&off, 1)[0].deferred_seconds > 0.0);
+    assert_eq!(bad_slot(&off, 8, 7), 0);
+    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    off.shutdown().unwrap();
+}
