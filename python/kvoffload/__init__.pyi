@@ -154,7 +154,20 @@ class Offloader:
     int handle such as ``torch.cuda.current_stream().cuda_stream``, or an
     object with ``.cuda_stream``; None: the legacy default stream); or an
     int: the offloader allocates that many tensors of ``gpu_blocks`` blocks
-    of ``page_bytes`` (the only way on the simulated GPU).
+    of ``page_bytes``. On the simulated GPU the engine's tensors are CPU
+    tensors (``device.type == "cpu"``, with ``untyped_storage()``): the
+    range of each one's storage is adopted once as simulated device memory
+    (tensors sharing a backing allocation share the adoption), and released
+    at shutdown; ``stream`` is then a stream number of the sim
+    (``kvoffload._testing.sim_stream``) or None (a stream of its own).
+
+    ``addressing``: ``"keys"`` (the offloader's block manager picks host
+    blocks: ``store``, ``load``, ``lookup``) or ``"slots"`` (the engine
+    picks host slots ``0..host_blocks`` and job ids: ``store_slots``,
+    ``load_slots``, ``store_slot_job``, ``load_slot_job``, ``wait_jobs``;
+    calls of the other kind raise ``OptionsError``, kind
+    ``"wrong_addressing"``). ``kv_groups`` (slots only): how many of the
+    tensors, in order, each KV cache group has (None: one group).
 
     GPU blocks named in a store must not be written, and those named in a
     load neither read nor written, by the engine until ``poll`` reports the
@@ -216,6 +229,8 @@ class Offloader:
         agreement: Optional[_AgreementTransport] = None,
         agreement_timeout: Optional[float] = 120.0,
         start: bool = False,
+        addressing: str = "keys",
+        kv_groups: Optional[Sequence[int]] = None,
     ) -> None: ...
     #: The runtime (GPU) it runs on; ``runtime.backend`` is ``"cuda"`` or
     #: ``"sim"`` (the copy path a job took is ``Completion.backend``).
@@ -231,6 +246,11 @@ class Offloader:
     def block_factor(self) -> int: ...
     @property
     def region_bytes(self) -> int: ...
+    #: ``"keys"`` or ``"slots"``.
+    @property
+    def addressing(self) -> str: ...
+    @property
+    def host_blocks(self) -> int: ...
     def start(self) -> None: ...
     @property
     def pin_state(self) -> PinState: ...
@@ -244,6 +264,42 @@ class Offloader:
     def lookup(self, keys: Iterable[_Key]) -> List[str]: ...
     def store(self, keys: Iterable[_Key], gpu_blocks: Iterable[int]) -> StoreSubmitted: ...
     def load(self, keys: Iterable[_Key], gpu_blocks: Iterable[int]) -> int: ...
+    #: Slot jobs (``addressing="slots"``): ``job`` is the engine's id, never
+    #: used before (``TransferError``, kind ``"transfer"``, reason
+    #: ``"job_id_reused"``); GPU block ``i`` is sub-block
+    #: ``(first_sub + i) % block_factor`` of slot
+    #: ``slots[(first_sub + i) // block_factor]``. A store on a slot of a job
+    #: not yet reported, or a load on a slot of a store not yet reported,
+    #: raises ``TransferError`` (kind ``"slot_busy"``). Id lists may be any
+    #: iterable of ints or an array with ``tolist()``.
+    def store_slots(
+        self, job: int, gpu_blocks: Iterable[int], slots: Iterable[int], first_sub: int = 0
+    ) -> None: ...
+    def load_slots(
+        self, job: int, gpu_blocks: Iterable[int], slots: Iterable[int], first_sub: int = 0
+    ) -> None: ...
+    #: Over every KV cache group (vLLM's spec pair): ``gpu_blocks`` and
+    #: ``slots`` group after group, ``group_sizes`` and ``first_subs`` one per
+    #: group (``OptionsError``, kind ``"slot_job_shape"``, otherwise).
+    def store_slot_job(
+        self,
+        job: int,
+        gpu_blocks: Iterable[int],
+        group_sizes: Iterable[int],
+        slots: Iterable[int],
+        first_subs: Iterable[int],
+    ) -> None: ...
+    def load_slot_job(
+        self,
+        job: int,
+        gpu_blocks: Iterable[int],
+        group_sizes: Iterable[int],
+        slots: Iterable[int],
+        first_subs: Iterable[int],
+    ) -> None: ...
+    #: Waits for each of ``jobs`` in flight; others skipped, failures left
+    #: to ``poll`` (vLLM's ``wait``).
+    def wait_jobs(self, jobs: Iterable[int]) -> None: ...
     def poll(self) -> List[Completion]: ...
     def wait(self, job: int) -> None: ...
     def wait_all(self) -> None: ...

@@ -2,13 +2,15 @@
 //!
 //! ```text
 //! KvoffloadError                 every error of the package
-//! ├── OptionsError               bad arguments, options, KV description, layout
+//! ├── OptionsError               bad arguments, options, KV description, layout,
+//! │                              a slot job's shape, a call of the other addressing
 //! ├── RegionError                creating, joining or mapping the host region
 //! ├── ProtocolError              the capture-safety protocol refused
 //! │   └── ShutDownError          used after shutdown (or shut down twice)
 //! ├── DriverError                a CUDA driver call failed (.code, .call)
 //! ├── ManagerError               the block manager refused (key not stored, no slot)
-//! ├── TransferError              the transfer engine refused a job
+//! ├── TransferError              the transfer engine refused a job (a job id
+//! │                              used before, a host slot busy, a window open)
 //! └── AgreementError             the ranks did not agree (P7)
 //! ```
 //!
@@ -134,9 +136,14 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
         | OffloaderError::Pin(PinError::Region(RustRegionError::Interrupted { .. })) => {
             PyKeyboardInterrupt::new_err(msg)
         }
-        OffloaderError::Options(_) | OffloaderError::Layout(_) | OffloaderError::GpuBlockCount { .. } => {
-            make::<OptionsError>(py, msg, &kind, reason, None)
-        }
+        OffloaderError::Options(_)
+        | OffloaderError::Layout(_)
+        | OffloaderError::GpuBlockCount { .. }
+        | OffloaderError::SlotJobShape { .. }
+        | OffloaderError::WrongAddressing { .. } => make::<OptionsError>(py, msg, &kind, reason, None),
+        // The engine named a slot of a job not yet reported: its own
+        // bookkeeping is wrong, the job refused.
+        OffloaderError::SlotBusy { .. } => make::<TransferError>(py, msg, &kind, None, None),
         OffloaderError::Pin(PinError::Region(_)) | OffloaderError::Region(_) => {
             make::<RegionError>(py, msg, &kind, reason, None)
         }
@@ -159,7 +166,11 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
             | RustTransferError::RepeatedGpuBlock { .. }
             | RustTransferError::RepeatedHostBlock { .. }
             | RustTransferError::BlockCountMismatch { .. }
+            | RustTransferError::FirstSubTooLarge { .. }
+            | RustTransferError::HostCountMismatch { .. }
             | RustTransferError::EmptyJob { .. } => make::<OptionsError>(py, msg, &kind, reason, None),
+            // JobIdReused, ComputeCapturing, CaptureWindowOpen, UnknownJob:
+            // the engine refused the job as given at this moment.
             _ => make::<TransferError>(py, msg, &kind, reason, None),
         },
         OffloaderError::UnknownJob { .. } => make::<TransferError>(py, msg, &kind, None, None),

@@ -29,7 +29,8 @@ use std::time::Duration;
 
 use kvoffload::internal::manager::{BlockKey, Lookup, PolicyKind, SkipReason};
 use kvoffload::internal::offloader::{
-    Completion, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, RegionSpec,
+    Addressing, Completion, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, RegionSpec,
+    SlotJob,
 };
 use kvoffload::internal::pin::options::{HugePages, PrefaultMode};
 use kvoffload::internal::protocol::agreement::Transport;
@@ -387,12 +388,23 @@ fn parse_keys(py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<BlockKey>
 }
 
 fn parse_blocks(py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    parse_ids(py, "a GPU block id", blocks)
+}
+
+/// A list of non-negative ints: any iterable of ints, or an array with
+/// `tolist()` (numpy, as vLLM's specs hold them), converted in one call.
+fn parse_ids(py: Python<'_>, what: &str, ids: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    if let Ok(list) = ids.call_method0("tolist") {
+        if let Ok(v) = list.extract::<Vec<usize>>() {
+            return Ok(v);
+        }
+    }
     let mut out = Vec::new();
-    for b in blocks.try_iter()? {
+    for b in ids.try_iter()? {
         let b = b?;
         out.push(
             b.extract::<usize>()
-                .map_err(|_| errors::options(py, format!("a GPU block id must be a non-negative int, not {b}")))?,
+                .map_err(|_| errors::options(py, format!("{what} must be a non-negative int, not {b}")))?,
         );
     }
     Ok(out)
@@ -441,8 +453,12 @@ struct PyOffloader {
     runtime: Py<PyRuntime>,
     /// The engine's tensors, kept alive until shutdown.
     tensors: Mutex<Vec<Py<PyAny>>>,
-    /// The engine's compute stream, adopted (forgotten after shutdown).
+    /// The engine's compute stream, adopted (forgotten after shutdown), or
+    /// on the simulated GPU a stream made for this offloader (destroyed).
     adopted: Mutex<Option<Stream>>,
+    /// On the simulated GPU with CPU tensors: the storage ranges adopted as
+    /// device memory, released once the offloader shut down.
+    adoptions: Mutex<Vec<DevicePtr>>,
     /// Completions taken from the engine and not yet returned by `poll`,
     /// in the engine's order: `poll` and the waits (which poll while they
     /// wait, see `Offloader::wait_interruptible`) put them here, each under
@@ -465,6 +481,16 @@ impl Drop for PyOffloader {
                 }
             })
         });
+        if self.off.is_shut_down() {
+            self.release_adoptions();
+        } else if !self.adoptions.get_mut().unwrap_or_else(|p| p.into_inner()).is_empty() {
+            // The simulated GPU may still touch the adopted tensors: their
+            // owners must outlive it, so they are leaked, not dropped.
+            eprintln!("kvoffload: offloader dropped without shutting down; its CPU tensors are kept alive");
+            for t in std::mem::take(self.tensors.get_mut().unwrap_or_else(|p| p.into_inner())) {
+                std::mem::forget(t);
+            }
+        }
         self.forget_stream();
     }
 }
@@ -475,6 +501,52 @@ impl PyOffloader {
     /// one's, and no GIL).
     fn keep(&self) -> impl FnMut(Completion) + '_ {
         move |c| self.reported.lock().unwrap_or_else(|p| p.into_inner()).push(c)
+    }
+
+    /// Ends the adoptions of the CPU tensors' storage (simulated GPU; after
+    /// shutdown, so no job of this offloader is queued). Each release waits
+    /// for the device to be idle. A failure is reported on stderr and the
+    /// tensors are then leaked, since the sim may still reach them.
+    fn release_adoptions(&self) -> bool {
+        let ptrs = std::mem::take(&mut *self.adoptions.lock().unwrap_or_else(|p| p.into_inner()));
+        let Some(sim) = self.off.runtime().as_sim() else { return ptrs.is_empty() };
+        let mut ok = true;
+        for p in ptrs {
+            if let Err(e) = sim.release_adopted(p) {
+                eprintln!("kvoffload: releasing the adopted CPU tensors at {:#x} failed: {e}", p.raw());
+                ok = false;
+            }
+        }
+        if !ok {
+            for t in std::mem::take(&mut *self.tensors.lock().unwrap_or_else(|p| p.into_inner())) {
+                std::mem::forget(t);
+            }
+        }
+        ok
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn slot_job(
+        &self,
+        py: Python<'_>,
+        dir: Direction,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        group_sizes: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_subs: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let g = parse_blocks(py, gpu_blocks)?;
+        let sizes = parse_ids(py, "a group size", group_sizes)?;
+        let s = parse_ids(py, "a host slot id", slots)?;
+        let subs = parse_ids(py, "a first_sub", first_subs)?;
+        let j = SlotJob { gpu_blocks: &g, group_sizes: &sizes, slots: &s, first_subs: &subs };
+        let off = &self.off;
+        py.detach(|| match dir {
+            Direction::DeviceToHost => off.store_slot_job(JobId(job), &j),
+            Direction::HostToDevice => off.load_slot_job(JobId(job), &j),
+        })
+        .map_err(|e| errors::offloader(py, e))
     }
 
     fn forget_stream(&self) {
@@ -495,6 +567,7 @@ impl PyOffloader {
         pin_threads = None, max_chunk_bytes = None, prefault = "populate", huge_pages = "auto",
         capture_policy = "after_pinning", copy_backend = "auto", staging_bytes = None, duplex_linger = None,
         eviction = "lru", agreement = None, agreement_timeout = Some(120.0), start = false,
+        addressing = "keys", kv_groups = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -528,12 +601,17 @@ impl PyOffloader {
         agreement: Option<Py<PyAny>>,
         agreement_timeout: Option<f64>,
         start: bool,
+        addressing: &str,
+        kv_groups: Option<Vec<usize>>,
     ) -> PyResult<Self> {
         let runtime = match runtime {
             Some(r) => r,
             None => Py::new(py, PyRuntime::open(py, backend, device)?)?,
         };
         let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
+        opts.addressing =
+            choice(py, "addressing", addressing, &[("keys", Addressing::Keys), ("slots", Addressing::Slots)])?;
+        opts.kv_groups = kv_groups;
         // Joining or creating a shared region waits for the other ranks:
         // Ctrl-C stops it (see `Signals`).
         let signals = Signals::default();
@@ -622,14 +700,106 @@ impl PyOffloader {
 
         let rt_ref = runtime.get();
         let rt = rt_ref.rt.clone();
-        let parsed = tensors::parse(py, tensors, gpu_blocks, page_bytes, device)?;
+        let on_sim = rt.as_sim().is_some();
+        let parsed = tensors::parse(py, tensors, gpu_blocks, page_bytes, device, on_sim)?;
+        let mut adoptions: Vec<DevicePtr> = Vec::new();
         let (off, keep, adopted) = match parsed {
             tensors::Tensors::Allocate { count, gpu_blocks, page_bytes } => {
                 let alloc = KvAlloc { tensors: count, page_bytes, gpu_blocks, block_factor };
                 let off = py.detach(|| Offloader::with_allocated_tensors(rt, alloc, opts));
                 (off, Vec::new(), None)
             }
-            tensors::Tensors::External { tensors: ts, gpu_blocks, keep } => {
+            tensors::Tensors::External { tensors: ts, gpu_blocks, keep, host } if on_sim => {
+                let sim = rt.as_sim().expect("on_sim");
+                if let Some(i) = host.iter().position(|h| h.is_none()) {
+                    return Err(errors::options(
+                        py,
+                        format!(
+                            "tensors[{i}] is not a CPU tensor: the simulated GPU takes CPU tensors (adopted as its \
+                             device memory) and cannot reach other memory; an engine's GPU tensors need the CUDA \
+                             backend, or give tensors=<count> to let the offloader allocate its own"
+                        ),
+                    ));
+                }
+                let host: Vec<(u64, usize)> = host.into_iter().flatten().collect();
+                let ranges = tensors::merged(&host);
+                let mut bases: Vec<(u64, usize, DevicePtr)> = Vec::new();
+                let release = |ptrs: &[DevicePtr]| {
+                    for &p in ptrs {
+                        let _ = sim.release_adopted(p);
+                    }
+                };
+                for &(start, len) in &ranges {
+                    // SAFETY: `start..start+len` is the storage of CPU
+                    // tensors the caller gave (from `untyped_storage()`),
+                    // owned by them, readable and writable; this offloader
+                    // keeps the tensor objects (and with them the storage)
+                    // alive until the adoption is released after shutdown,
+                    // or leaks them when it cannot be; the caller must not
+                    // touch blocks named in jobs until they are reported
+                    // (the documented contract for device tensors).
+                    match unsafe { sim.adopt_host_memory(start as usize, len) } {
+                        Ok(p) => {
+                            adoptions.push(p);
+                            bases.push((start, len, p));
+                        }
+                        Err(e) => {
+                            release(&adoptions);
+                            return Err(errors::driver(py, "adopting the CPU tensors as simulated device memory", e));
+                        }
+                    }
+                }
+                let device_of = |ptr: u64| {
+                    let &(start, _, p) = bases
+                        .iter()
+                        .find(|&&(s, n, _)| ptr >= s && ptr < s + n as u64)
+                        .expect("each tensor lies in its storage (checked), and its storage in a merged range");
+                    DevicePtr(p.raw() + (ptr - start))
+                };
+                let (s, own) = match stream {
+                    None => match sim.stream_create() {
+                        Ok(s) => (s, true),
+                        Err(e) => {
+                            release(&adoptions);
+                            return Err(errors::driver(py, "creating the compute stream", e));
+                        }
+                    },
+                    Some(st) => {
+                        let raw = tensors::stream_handle(py, Some(st))?;
+                        match sim.stream_by_raw(raw as u64) {
+                            Some(s) => (s, false),
+                            None => {
+                                release(&adoptions);
+                                return Err(errors::options(py, format!("no stream {raw} on this simulated GPU")));
+                            }
+                        }
+                    }
+                };
+                let kv = KvSpec {
+                    tensors: ts.iter().map(|&(p, b)| TensorSpec { device_base: device_of(p), page_bytes: b }).collect(),
+                    gpu_blocks,
+                    block_factor,
+                    compute_stream: s,
+                };
+                let rt2 = rt.clone();
+                // SAFETY: the tensors are the sim's device memory (adopted
+                // above), each at least gpu_blocks * page_bytes long
+                // (checked by `tensors::parse` against its size); the
+                // adoption lasts until after shutdown; the stream is live
+                // (made here, or found live on this sim) and outlives the
+                // offloader (ours is destroyed after shutdown; a caller's
+                // stream is the caller's to keep alive, as on CUDA).
+                let off = py.detach(|| unsafe { Offloader::new(rt2, kv, opts) });
+                if off.is_err() {
+                    release(&adoptions);
+                    adoptions.clear();
+                    if own {
+                        let _ = sim.stream_destroy(s);
+                    }
+                }
+                (off, keep, own.then_some(s))
+            }
+            tensors::Tensors::External { tensors: ts, gpu_blocks, keep, .. } => {
                 let Some(cuda) = rt_ref.cuda.clone() else {
                     return Err(errors::options(
                         py,
@@ -670,6 +840,7 @@ impl PyOffloader {
             runtime,
             tensors: Mutex::new(keep),
             adopted: Mutex::new(adopted),
+            adoptions: Mutex::new(adoptions),
             reported: Mutex::new(Vec::new()),
         };
         if start {
@@ -831,6 +1002,98 @@ impl PyOffloader {
         py.detach(|| off.load(&keys, &blocks)).map(|j| j.0).map_err(|e| errors::offloader(py, e))
     }
 
+    /// How host blocks are addressed: `"keys"` (the block manager picks
+    /// them) or `"slots"` (the engine's slot ids, `addressing="slots"`).
+    #[getter]
+    fn addressing(&self) -> &'static str {
+        match self.off.addressing() {
+            Addressing::Keys => "keys",
+            Addressing::Slots => "slots",
+        }
+    }
+
+    /// Host blocks of this rank (with `addressing="slots"`, the slot ids
+    /// are `0..host_blocks`).
+    #[getter]
+    fn host_blocks(&self) -> usize {
+        self.off.host_blocks()
+    }
+
+    /// Stores GPU blocks `gpu_blocks` into host slots `slots` as job `job`
+    /// (the engine's id, never used before), `addressing="slots"` only:
+    /// GPU block `i` goes to sub-block `(first_sub + i) % block_factor` of
+    /// slot `slots[(first_sub + i) // block_factor]`. The engine must not
+    /// write those blocks until `poll` reports the job.
+    #[pyo3(signature = (job, gpu_blocks, slots, first_sub = 0))]
+    fn store_slots(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_sub: usize,
+    ) -> PyResult<()> {
+        let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
+        let off = &self.off;
+        py.detach(|| off.store_slots(JobId(job), &g, &s, first_sub)).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// Loads host slots `slots` into GPU blocks `gpu_blocks` as job `job`,
+    /// placed as `store_slots` placed them. The engine must not touch those
+    /// blocks until `poll` reports the job.
+    #[pyo3(signature = (job, gpu_blocks, slots, first_sub = 0))]
+    fn load_slots(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_sub: usize,
+    ) -> PyResult<()> {
+        let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
+        let off = &self.off;
+        py.detach(|| off.load_slots(JobId(job), &g, &s, first_sub)).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// `store_slots` over every KV cache group (`kv_groups`), in vLLM's
+    /// shape: `gpu_blocks` and `slots` group after group, `group_sizes`
+    /// and `first_subs` one per group.
+    fn store_slot_job(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        group_sizes: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_subs: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.slot_job(py, Direction::DeviceToHost, job, gpu_blocks, group_sizes, slots, first_subs)
+    }
+
+    /// `load_slots` over every KV cache group, as `store_slot_job` stored
+    /// them.
+    fn load_slot_job(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        group_sizes: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_subs: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.slot_job(py, Direction::HostToDevice, job, gpu_blocks, group_sizes, slots, first_subs)
+    }
+
+    /// Blocks, GIL released, until each of `jobs` that is in flight
+    /// completed on the GPU; ids never submitted or already reported are
+    /// skipped, failures are reported by `poll` (vLLM's `wait`). Not
+    /// interrupted by Ctrl-C.
+    fn wait_jobs(&self, py: Python<'_>, jobs: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids: Vec<JobId> = parse_ids(py, "a job id", jobs)?.into_iter().map(|j| JobId(j as u64)).collect();
+        let off = &self.off;
+        py.detach(|| off.wait_jobs(&ids)).map_err(|e| errors::offloader(py, e))
+    }
+
     /// Jobs finished since the last call, each reported once, in
     /// submission order per direction, already applied to the block
     /// manager. Never blocks on the GPU.
@@ -898,6 +1161,7 @@ impl PyOffloader {
             // As the library's `poll` after shutdown: nothing more to report.
             self.reported.lock().unwrap_or_else(|p| p.into_inner()).clear();
             self.forget_stream();
+            py.detach(|| self.release_adoptions());
             let keep = std::mem::take(&mut *self.tensors.lock().unwrap_or_else(|p| p.into_inner()));
             drop(keep);
         }

@@ -7,6 +7,12 @@
 //! `gpu_blocks` must be given). Tensors must be contiguous; block `b` of a
 //! tensor is `page_bytes` bytes at `address + b * page_bytes`. The package
 //! never imports PyTorch.
+//!
+//! On the simulated GPU (`host_ok`), CPU tensors are accepted too: each
+//! one's storage range (`untyped_storage()`: its `data_ptr()` and
+//! `nbytes()`) is returned with it, so that the offloader can adopt every
+//! storage once as simulated device memory (vLLM's KV tensors are views of
+//! one backing allocation).
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -17,9 +23,11 @@ use crate::errors;
 pub enum Tensors {
     /// An int: the offloader allocates `count` tensors itself.
     Allocate { count: usize, gpu_blocks: usize, page_bytes: usize },
-    /// The engine's tensors: `(device address, page bytes)` each, and the
-    /// Python objects to keep alive.
-    External { tensors: Vec<(u64, usize)>, gpu_blocks: usize, keep: Vec<Py<PyAny>> },
+    /// The engine's tensors: `(address, page bytes)` each, and the Python
+    /// objects to keep alive. `host[i]` is tensor `i`'s storage range
+    /// `(start, bytes)` when it is a CPU tensor (simulated GPU only; its
+    /// address is then a host address), None otherwise.
+    External { tensors: Vec<(u64, usize)>, gpu_blocks: usize, keep: Vec<Py<PyAny>>, host: Vec<Option<(u64, usize)>> },
 }
 
 /// One tensor: address, bytes (when known), blocks (its first dimension,
@@ -28,22 +36,37 @@ struct Seen {
     ptr: u64,
     nbytes: Option<usize>,
     rows: Option<usize>,
+    /// A CPU tensor's storage range (start, bytes).
+    storage: Option<(u64, usize)>,
 }
 
 fn attr_int(o: &Bound<'_, PyAny>, name: &str) -> Option<usize> {
     o.getattr(name).ok().and_then(|v| v.extract::<usize>().ok())
 }
 
-fn one(py: Python<'_>, i: usize, t: &Bound<'_, PyAny>, device: usize) -> PyResult<Seen> {
+fn one(py: Python<'_>, i: usize, t: &Bound<'_, PyAny>, device: usize, host_ok: bool) -> PyResult<Seen> {
     let bad = |why: String| errors::options(py, format!("tensors[{i}]: {why}"));
     if let Ok(ptr) = t.extract::<u64>() {
-        return Ok(Seen { ptr, nbytes: None, rows: None });
+        return Ok(Seen { ptr, nbytes: None, rows: None, storage: None });
     }
     if t.hasattr("data_ptr")? {
         // PyTorch (and look-alikes).
+        let mut storage = None;
         if let Ok(dev) = t.getattr("device") {
             if let Ok(kind) = dev.getattr("type").and_then(|k| k.extract::<String>()) {
-                if kind != "cuda" {
+                if kind == "cpu" && host_ok {
+                    let st = t.call_method0("untyped_storage").map_err(|_| {
+                        bad("a CPU tensor without untyped_storage(); its storage range is needed".into())
+                    })?;
+                    let start = st.call_method0("data_ptr")?.extract::<u64>()?;
+                    let len = st.call_method0("nbytes")?.extract::<usize>()?;
+                    storage = Some((start, len));
+                } else if kind == "cpu" {
+                    return Err(bad(
+                        "a cpu tensor; the KV cache must be in GPU memory (CPU tensors only on the simulated GPU)"
+                            .into(),
+                    ));
+                } else if kind != "cuda" {
                     return Err(bad(format!("a {kind} tensor; the KV cache must be in GPU memory")));
                 }
             }
@@ -63,7 +86,14 @@ fn one(py: Python<'_>, i: usize, t: &Bound<'_, PyAny>, device: usize) -> PyResul
             Some(n * e)
         });
         let rows = t.getattr("shape").ok().and_then(|s| s.get_item(0).ok()).and_then(|d| d.extract::<usize>().ok());
-        return Ok(Seen { ptr, nbytes, rows });
+        if let (Some((start, len)), Some(n)) = (storage, nbytes) {
+            if ptr < start || (ptr - start) as usize + n > len {
+                return Err(bad(format!(
+                    "its {n} bytes at {ptr:#x} are not inside its storage ({len} bytes at {start:#x})"
+                )));
+            }
+        }
+        return Ok(Seen { ptr, nbytes, rows, storage });
     }
     if let Ok(cai) = t.getattr("__cuda_array_interface__") {
         let cai = cai.cast::<PyDict>().map_err(|_| bad("__cuda_array_interface__ is not a dict".into()))?;
@@ -90,7 +120,7 @@ fn one(py: Python<'_>, i: usize, t: &Bound<'_, PyAny>, device: usize) -> PyResul
             }
         }
         let nbytes = shape.iter().product::<usize>() * item;
-        return Ok(Seen { ptr, nbytes: Some(nbytes), rows: shape.first().copied() });
+        return Ok(Seen { ptr, nbytes: Some(nbytes), rows: shape.first().copied(), storage: None });
     }
     Err(bad(format!(
         "{} has neither data_ptr() nor __cuda_array_interface__, and is not a device address",
@@ -105,6 +135,7 @@ pub fn parse(
     gpu_blocks: Option<usize>,
     page_bytes: Option<usize>,
     device: usize,
+    host_ok: bool,
 ) -> PyResult<Tensors> {
     if let Ok(count) = tensors.extract::<usize>() {
         let (Some(gpu_blocks), Some(page_bytes)) = (gpu_blocks, page_bytes) else {
@@ -119,7 +150,7 @@ pub fn parse(
     let mut keep = Vec::new();
     for (i, t) in tensors.try_iter()?.enumerate() {
         let t = t?;
-        seen.push(one(py, i, &t, device)?);
+        seen.push(one(py, i, &t, device, host_ok)?);
         keep.push(t.unbind());
     }
     if seen.is_empty() {
@@ -152,7 +183,23 @@ pub fn parse(
         };
         out.push((s.ptr, page));
     }
-    Ok(Tensors::External { tensors: out, gpu_blocks: blocks, keep })
+    let host = seen.iter().map(|s| s.storage).collect();
+    Ok(Tensors::External { tensors: out, gpu_blocks: blocks, keep, host })
+}
+
+/// The storage ranges `(start, bytes)` merged where they overlap or touch,
+/// sorted: each is adopted once.
+pub fn merged(ranges: &[(u64, usize)]) -> Vec<(u64, usize)> {
+    let mut r: Vec<(u64, u64)> = ranges.iter().map(|&(s, n)| (s, s + n as u64)).collect();
+    r.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for (s, e) in r {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out.into_iter().map(|(s, e)| (s, (e - s) as usize)).collect()
 }
 
 /// The compute stream's raw handle: None (the legacy default stream, 0),
