@@ -121,6 +121,8 @@ class Completion:
     keys: List[Tuple[int, int]]
     bytes: int
     seconds: float
+    #: Of ``seconds``, queued behind a capture hook window (0: not deferred).
+    deferred_seconds: float
     backend: str  # "per-fragment", "batched", "gather" or "staged"
     error: Optional[DriverError]
     @property
@@ -259,6 +261,20 @@ class Offloader:
     def wait_pinned(self) -> PinOutcome: ...
     def capture_window(self) -> CaptureWindow: ...
     def gated(self, f: Callable[[], Any]) -> Any: ...
+    #: The capture hook (``kvoffload.vllm``'s wrapper of
+    #: ``torch.cuda.CUDAGraph.capture_begin/capture_end`` calls these on the
+    #: capturing thread): ``capture_begin`` opens this thread's hook window
+    #: (nested begins only count; it waits at most for the registration in
+    #: progress), ``capture_end`` closes it and submits the jobs deferred
+    #: meanwhile, ``capture_abort`` is ``capture_end`` for a failed begin;
+    #: ``ProtocolError`` (kind ``"hook_not_open"``) at depth 0.
+    def capture_begin(self) -> None: ...
+    def capture_end(self) -> None: ...
+    def capture_abort(self) -> None: ...
+    @property
+    def capture_depth(self) -> int: ...
+    @property
+    def deferred_jobs(self) -> int: ...
     #: Per key: ``"hit"`` (readable), ``"miss"`` or ``"hit_pending"``
     #: (stored, its store not complete yet).
     def lookup(self, keys: Iterable[_Key]) -> List[str]: ...

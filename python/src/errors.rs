@@ -174,6 +174,7 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
             _ => make::<TransferError>(py, msg, &kind, reason, None),
         },
         OffloaderError::UnknownJob { .. } => make::<TransferError>(py, msg, &kind, None, None),
+        OffloaderError::HookNotOpen { .. } => make::<ProtocolError>(py, msg, &kind, None, None),
         OffloaderError::Manager(_) | OffloaderError::NotStored { .. } => {
             make::<ManagerError>(py, msg, &kind, reason, None)
         }

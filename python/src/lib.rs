@@ -308,8 +308,10 @@ impl PyStoreSubmitted {
 }
 
 /// A finished job, as `poll` reports it (already applied to the block
-/// manager): `direction` is `"store"` or `"load"`; `error` is None when
-/// every byte arrived, else a `DriverError` (not raised).
+/// manager): `direction` is `"store"` or `"load"`; `seconds` from
+/// submission until completion was seen, `deferred_seconds` of them queued
+/// behind a capture hook window (0 when not deferred); `error` is None
+/// when every byte arrived, else a `DriverError` (not raised).
 #[pyclass(name = "Completion", module = "kvoffload", frozen, get_all)]
 struct PyCompletion {
     job: u64,
@@ -317,6 +319,7 @@ struct PyCompletion {
     keys: Py<PyAny>,
     bytes: u64,
     seconds: f64,
+    deferred_seconds: f64,
     backend: &'static str,
     error: Option<Py<PyAny>>,
 }
@@ -351,6 +354,7 @@ fn completion(py: Python<'_>, c: Completion) -> PyResult<PyCompletion> {
         keys: keys_out(py, &c.keys)?.into_pyobject(py)?.into_any().unbind(),
         bytes: c.bytes,
         seconds: c.seconds,
+        deferred_seconds: c.deferred_seconds,
         backend: c.backend.name(),
         error: c.error.map(|e| errors::driver(py, "the job failed", e).into_value(py).into_any()),
     })
@@ -933,6 +937,46 @@ impl PyOffloader {
     /// the wait with KeyboardInterrupt, the window not opened).
     fn capture_window(&self) -> PyCaptureWindow {
         PyCaptureWindow { off: self.off.clone(), guard: Mutex::new(None), waited: Mutex::new(0) }
+    }
+
+    /// The capture hook's begin (for a wrapper of a framework's capture
+    /// begin, called before it, on the capturing thread): opens this
+    /// thread's hook window (depth 0 -> 1; deeper begins only count). It
+    /// waits, GIL released, at most for the library call in flight (one
+    /// chunk's registration), never for pinning to finish. While a hook
+    /// window is open, jobs submitted on any thread are deferred and
+    /// submitted when the last one closes.
+    fn capture_begin(&self, py: Python<'_>) -> PyResult<()> {
+        let off = &self.off;
+        py.detach(|| off.capture_begin()).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// The capture hook's end (after the framework's capture end, also
+    /// when it failed): depth n -> n - 1; at 0 the window closes and the
+    /// deferred jobs are submitted, in order, on this thread. ProtocolError
+    /// (kind `"hook_not_open"`) at depth 0.
+    fn capture_end(&self, py: Python<'_>) -> PyResult<()> {
+        let off = &self.off;
+        py.detach(|| off.capture_end()).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// What `capture_end` does, for a capture whose framework begin failed
+    /// after `capture_begin` succeeded.
+    fn capture_abort(&self, py: Python<'_>) -> PyResult<()> {
+        let off = &self.off;
+        py.detach(|| off.capture_abort()).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// This thread's hook depth: `capture_begin`s not yet ended.
+    #[getter]
+    fn capture_depth(&self) -> usize {
+        self.off.capture_depth()
+    }
+
+    /// Jobs deferred behind a hook window and not yet submitted.
+    #[getter]
+    fn deferred_jobs(&self) -> usize {
+        self.off.deferred_jobs()
     }
 
     /// Runs `f()` (the engine's own capture-unsafe calls, e.g.
