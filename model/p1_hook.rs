@@ -1,0 +1,211 @@
+//! P1 and P6 through the capture hook: the `Offloader`'s own
+//! `capture_begin` / `capture_end` / `capture_abort` (no lexical guard),
+//! on the simulated GPU, with the offloader's pinner running.
+//!
+//! - **A job beside a hooked capture** (4 threads: the engine on main, a
+//!   library thread, the offloader's pinner, the sim's device thread). The
+//!   engine calls `capture_begin` (the offloader's policy is the default,
+//!   AfterPinning, so only the hook's Interleave rule lets the window open
+//!   while pinning runs), captures a memset on the compute stream in
+//!   GLOBAL mode, ends the capture and calls `capture_end`. The library
+//!   thread submits a slot store (`store_slots`) at any point of that and
+//!   waits for it (`wait_jobs`, from a thread that holds no window). In
+//!   every interleaving: the capture ends with a graph, the simulated GPU
+//!   refused no call (it default-denies any unmeasured call during a
+//!   capture and any touch of the capturing stream), the store is reported
+//!   once, succeeded, its bytes in its slot, `deferred_seconds > 0` exactly
+//!   when it was submitted while the hook's window was open or opening;
+//!   pinning ends Pinned and shutdown leaves nothing registered. Paths:
+//!   `start`, `capture_begin`, `store_slots` (direct or deferred),
+//!   `wait_jobs` (waiting for a deferred job, then for the copy),
+//!   `capture_end` (and its flush of the deferred queue), `poll`,
+//!   `wait_pinned`, `shutdown`.
+//!
+//!   Negative N21 (`Variant::HookFlushesInsideWindow`: `capture_end`
+//!   submits the deferred jobs before it closes its window): caught, "a
+//!   job of the hooked capture failed" (the submission inside the window
+//!   is refused by the coordinator's gate, so the job is lost as failed;
+//!   without the gate it would have recorded the order event on the
+//!   capturing compute stream, N9's invalidation).
+//! - **An aborted capture** (4 threads: main, the capture thread, the
+//!   pinner, the sim's device thread). The capture thread calls
+//!   `capture_begin`, the framework's own begin fails (no driver call), it
+//!   calls `capture_abort` and ends. Main submits a slot store, waits for
+//!   it (`wait`) and for pinning (`wait_pinned`), joins the capture thread
+//!   and makes a gated call of its own (`Offloader::gated`, which waits
+//!   while any window is open): all return in every interleaving, the
+//!   store succeeded. Negative N22
+//!   (`Variant::HookAbortKeepsWindow`: `capture_abort` forgets to close)
+//!   caught as "deadlock": the window stays open for good, so the pinner
+//!   never registers again and main waits for ever, in `wait` (a deferred
+//!   job), `wait_pinned` or its gated call (P6, liveness, as N17).
+//!
+//! Why it holds: while a hook window is open or opening, or deferred jobs
+//! wait, a submission is checked and queued under the hook's lock, never
+//! handed to the transfer engine; the queue is submitted by the close that
+//! leaves no hook window open, after the coordinator's window closed, each
+//! submission under the hook's lock, so no hook window begins during one
+//! (and a begin marks itself under that lock before it asks the
+//! coordinator). Every capture-unsafe call of a job (the order event on the
+//! compute stream, the copies' enqueue) therefore runs inside the
+//! coordinator's gate at a moment no window is open (P1's argument for the
+//! transfer engine). `capture_abort` drops the coordinator's window and
+//! wakes the hook's waiters, as `capture_end` does.
+//! Bound: preemption bound 2 (4 threads).
+
+#![cfg(loom)]
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{check, negative, Bounds};
+use kvoffload::internal::offloader::{Completion, KvAlloc, Offloader, OffloaderOptions};
+use kvoffload::internal::pin::{HugePages, PinOptions, PrefaultMode};
+use kvoffload::internal::protocol::{PinState, Variant};
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::{shared, CaptureMode, GpuRuntime};
+use kvoffload::internal::sync::{thread, Arc};
+use kvoffload::internal::transfer::{Backend, BackendChoice, JobId, TransferOptions};
+
+const PAGE: usize = 64;
+
+/// A slot-addressed offloader of one KV tensor of 4 GPU blocks of 64 bytes
+/// and 2 host slots (two registration chunks), on a simulated GPU.
+fn offloader(variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<Offloader>) {
+    let rt = shared(SimRuntime::new());
+    let mut opts = OffloaderOptions::with_host_slots(2);
+    let page = kvoffload::internal::region::page_size();
+    opts.pin =
+        PinOptions::default().prefault(PrefaultMode::Off).huge_pages(HugePages::Off).threads(1).max_chunk_bytes(page);
+    // Per-fragment copies, no page-locked ring and no staging buffers: the
+    // fewest driver calls (the backends are checked by P1, P3 and P5).
+    opts.transfer = TransferOptions {
+        backend: BackendChoice::Force(Backend::PerFragment),
+        staging_ring_entries: 0,
+        staging_bytes: 0,
+        ..TransferOptions::default()
+    };
+    let kv = KvAlloc { tensors: 1, page_bytes: PAGE, gpu_blocks: 4, block_factor: 1 };
+    let off = Offloader::with_allocated_tensors(rt.clone(), kv, opts).expect("offloader on the simulated GPU");
+    off.set_variant(variant);
+    (rt, Arc::new(off))
+}
+
+fn write_block(off: &Offloader, block: usize, fill: u8) {
+    let buf = [fill; PAGE];
+    let dst = off.tensors()[0].offset(block * PAGE);
+    // SAFETY: `buf` is readable; `dst` is GPU block `block` of the
+    // offloader's tensor, which no job touches now.
+    unsafe { off.runtime().copy_htod(dst, buf.as_ptr() as usize, PAGE) }.unwrap();
+}
+
+/// Host slot `slot`'s page, read from the region.
+fn slot_bytes(off: &Offloader, slot: usize) -> [u8; PAGE] {
+    let addr = off.layout().host_addr(0, 0, slot, 0);
+    let mut out = [0u8; PAGE];
+    // SAFETY: a page of this rank's slot of the mapped region; the job
+    // that wrote it was reported.
+    out.copy_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, PAGE) });
+    out
+}
+
+/// Polls until `n` jobs were reported; returns them.
+fn poll_n(off: &Offloader, n: usize) -> Vec<Completion> {
+    let mut done = Vec::new();
+    while done.len() < n {
+        done.extend(off.poll());
+        thread::yield_now();
+    }
+    done
+}
+
+fn sim(rt: &Arc<dyn GpuRuntime>) -> &SimRuntime {
+    rt.as_sim().unwrap()
+}
+
+fn beside_a_hooked_capture(variant: Variant) {
+    let (rt, off) = offloader(variant);
+    write_block(&off, 0, 0x5a);
+    let d = off.gated("the engine's scratch", |c| c.mem_alloc(64)).unwrap().unwrap();
+    let compute = off.compute_stream();
+    off.start().unwrap();
+    let o2 = off.clone();
+    let library = thread::spawn(move || {
+        o2.store_slots(JobId(1), &[0], &[1], 0).expect("a store beside a capture is never refused");
+        o2.wait_jobs(&[JobId(1)]).expect("a wait from a thread without a window");
+    });
+    off.capture_begin().unwrap();
+    rt.begin_capture(compute, CaptureMode::Global).unwrap();
+    // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
+    // memset is only captured.
+    let enq = unsafe { rt.memset_d8_async(d, 0, 64, compute) };
+    let end = rt.end_capture(compute);
+    off.capture_end().unwrap();
+    library.join().unwrap();
+    assert!(enq.is_ok() && end.is_ok(), "capture invalidated: enqueue {enq:?}, end {end:?}");
+    assert!(sim(&rt).refusals().is_empty(), "the simulated GPU refused a call: {:?}", sim(&rt).refusals());
+    let done = poll_n(&off, 1);
+    assert!(done[0].error.is_none(), "a job of the hooked capture failed: {done:?}");
+    assert!(done[0].deferred_seconds >= 0.0 && done[0].seconds >= done[0].deferred_seconds, "{done:?}");
+    assert_eq!(slot_bytes(&off, 1), [0x5a; PAGE], "the store's bytes are not in its slot");
+    rt.graph_destroy(end.unwrap()).unwrap();
+    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    off.shutdown().unwrap();
+    assert_eq!(sim(&rt).registered_ranges(), 0, "region left registered after shutdown");
+}
+
+fn an_aborted_capture(variant: Variant) {
+    let (_rt, off) = offloader(variant);
+    write_block(&off, 2, 0x3c);
+    off.start().unwrap();
+    let o2 = off.clone();
+    let capture = thread::spawn(move || {
+        o2.capture_begin().unwrap();
+        // The framework's capture begin failed here (before any driver
+        // call): the hook aborts.
+        o2.capture_abort().unwrap();
+    });
+    off.store_slots(JobId(1), &[2], &[0], 0).expect("a store beside a capture is never refused");
+    off.wait(JobId(1)).expect("a wait from a thread without a window");
+    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    capture.join().unwrap();
+    // The engine's own gated call after the capture thread ended: it waits
+    // while any window is open (a blocking wait, so a window left open is
+    // a deadlock loom reports, not a spin).
+    off.gated("the engine's call after an aborted capture", |c| c.ctx_synchronize()).unwrap().unwrap();
+    let done = poll_n(&off, 1);
+    assert!(done[0].error.is_none(), "the store failed: {done:?}");
+    assert_eq!(slot_bytes(&off, 0), [0x3c; PAGE]);
+    off.shutdown().unwrap();
+}
+
+const B: Bounds = Bounds { property: "P1", threads: 4, preemptions: 2 };
+
+#[test]
+fn p1_hook_a_job_beside_a_hooked_capture_never_disturbs_it() {
+    check("p1_hook_job_beside_capture", B, || beside_a_hooked_capture(Variant::Production));
+}
+
+#[test]
+fn p6_hook_an_aborted_capture_closes_its_window() {
+    check("p6_hook_aborted_capture", Bounds { property: "P6", ..B }, || an_aborted_capture(Variant::Production));
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n21_hook_submits_deferred_jobs_inside_its_window() {
+    negative(
+        "n21_hook_flushes_inside_window",
+        Bounds { property: "N21", ..B },
+        "a job of the hooked capture failed",
+        || beside_a_hooked_capture(Variant::HookFlushesInsideWindow),
+    );
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n22_hook_abort_forgets_to_close() {
+    negative("n22_hook_abort_keeps_window", Bounds { property: "N22", ..B }, "deadlock", || {
+        an_aborted_capture(Variant::HookAbortKeepsWindow)
+    });
+}

@@ -1,0 +1,73 @@
+//! P2 for the capture hook's window: `Coordinator::open_window_interleaved`
+//! (what `Offloader::capture_begin` opens at depth 0) on a coordinator
+//! whose policy is AfterPinning (the default): the window opens while
+//! pinning runs, having waited for at most one registration, no
+//! registration runs or completes while it is open, the pinner resumes
+//! after it closes and pinning still ends Pinned; a window of the
+//! coordinator's own policy asked for right after still waits for the
+//! final state (the hook's rule is per request, not a change of policy).
+//!
+//! Registrations are counted by the simulated GPU, as in
+//! model/p2_pin_before_capture.rs: the count when the window asks to open
+//! (under the coordinator's lock, `open_window_interleaved_noting`, loom
+//! builds only) and when it opened differ by at most one.
+//!
+//! Threads (3): the engine (main) opening the hook's window and capturing
+//! in GLOBAL mode, the pinner (`PinHandle`, 3 chunks), the sim's device
+//! thread. Preemption bound 3.
+//!
+//! Why it holds: a request of `open_window_interleaved` is counted in
+//! `interleave_waiting`; it may open once no library call is in flight and
+//! the turn is the windows' (whatever the policy), and while it waits
+//! library calls start only on their turn, which each call's end gives to
+//! the windows: so at most the registration already in flight, or one
+//! started on the library's turn before the request, completes first.
+
+#![cfg(loom)]
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{check, fixture, Bounds};
+use kvoffload::internal::pin::{NoPrefault, PinHandle};
+use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
+use kvoffload::internal::runtime::CaptureMode;
+
+fn scenario() {
+    let f = fixture(CapturePolicy::AfterPinning, Variant::Production, 3, 64);
+    let rt = f.rt.clone();
+    let s = rt.stream_create().unwrap();
+    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+    let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
+
+    let mut at_request = None;
+    let w = f.coord.open_window_interleaved_noting(|| at_request = Some(f.sim().registrations_completed())).unwrap();
+    let at_request = at_request.expect("the window asked to open");
+    let at_open = f.sim().registrations_completed();
+    assert!(
+        at_open - at_request <= 1,
+        "the hook's window waited for {} registrations (counted by the simulated GPU)",
+        at_open - at_request
+    );
+    assert_eq!(f.sim().registers_running(), 0, "registration running inside the window");
+    rt.begin_capture(s, CaptureMode::Global).unwrap();
+    // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
+    // memset is only captured.
+    unsafe { rt.memset_d8_async(d, 0, 64, s) }.unwrap();
+    assert!(rt.end_capture(s).is_ok(), "capture invalidated");
+    assert_eq!(f.sim().registrations_completed(), at_open, "a registration completed inside the window");
+    drop(w);
+    // The coordinator's own policy still holds for its other windows.
+    let after = f.coord.open_window().unwrap();
+    assert!(f.coord.pin_state().is_final(), "an AfterPinning window opened while pinning");
+    assert_eq!(f.sim().registrations_completed(), 3);
+    drop(after);
+
+    assert_eq!(pin.join(), PinState::Pinned);
+    f.coord.unregister_all(rt.as_ref()).unwrap();
+}
+
+#[test]
+fn p2_hook_window_waits_at_most_one_chunk_under_after_pinning() {
+    check("p2_hook_interleave", Bounds { property: "P2", threads: 3, preemptions: 3 }, scenario);
+}
