@@ -1,0 +1,380 @@
+"""kvoffload inside vLLM 0.33: an out-of-tree offloading spec.
+
+vLLM loads it by name from its ``--kv-transfer-config``::
+
+    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+     "kv_connector_extra_config": {"spec_name": "KvoffloadSpec",
+                                   "spec_module_path": "kvoffload.vllm",
+                                   "cpu_bytes_to_use": 68719476736}}
+
+The scheduler side is vLLM's own ``CPUOffloadingManager`` (lookup, prepare
+and complete store/load, touch, events, eviction, its policies), which
+hands out chunk ids; the worker side is :class:`KvoffloadWorker`, a
+slot-addressed :class:`kvoffload.Offloader` whose host slots are those
+chunk ids. The worker starts pinning its host region in the background and
+returns from ``get_worker`` at once; until pinning settles, jobs run on
+pageable memory (the engine only offers the fast copy backends for memory
+that is registered), so they never fail.
+
+This is the only module of the package that imports vLLM (and with it
+torch): ``import kvoffload`` stays free of both. The design is
+``docs/vllm-spec-design.md``; the vLLM facts it rests on are in
+``docs/vllm-0.33-interfaces.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+import kvoffload
+
+__all__ = ["KvoffloadSpec", "KvoffloadWorker", "EXTRA_KEYS"]
+
+log = logging.getLogger("kvoffload.vllm")
+
+#: The ``kv_connector_extra_config`` keys kvoffload adds, with what each
+#: accepts (all optional). vLLM's own keys (``spec_name``,
+#: ``spec_module_path``, ``blocks_per_chunk``, ``block_size``,
+#: ``offload_prompt_only``, ``sync_load_budget_bytes``,
+#: ``self_describing_kv_events``) and the CPU manager's (``cpu_bytes_to_use``,
+#: ``eviction_policy``, ``cache_policy_module_path``, ``store_threshold``,
+#: ``max_tracker_size``) keep their vLLM meaning.
+EXTRA_KEYS: Dict[str, str] = {
+    "kvo_backend": "'auto' (CUDA where a device is visible), 'cuda' or 'sim' (the simulated GPU, for tests)",
+    "kvo_region": "'shared' (one /dev/shm file per engine, each rank pins its own share) or 'anonymous'",
+    "kvo_region_dir": "directory of the shared region's file (default /dev/shm)",
+    "kvo_pin_threads": "pre-fault threads, a positive int",
+    "kvo_max_chunk_bytes": "bytes per host registration call, a positive int",
+    "kvo_prefault": "'populate', 'touch' or 'off'",
+    "kvo_huge_pages": "'auto', 'on' or 'off'",
+    "kvo_copy_backend": "'auto' (the only choice that is right before pinning settles), "
+    "'per-fragment', 'batched', 'gather' or 'staged'",
+    "kvo_staging_bytes": "device staging bytes per direction, an int >= 0",
+    "kvo_capture_hook": "true (default): every CUDA graph capture in the worker's process runs in a capture window",
+}
+
+_CHOICES = {
+    "kvo_backend": ("auto", "cuda", "sim"),
+    "kvo_region": ("shared", "anonymous"),
+    "kvo_prefault": ("populate", "touch", "off"),
+    "kvo_huge_pages": ("auto", "on", "off"),
+    "kvo_copy_backend": ("auto", "per-fragment", "batched", "gather", "staged"),
+    "eviction_policy": ("lru", "arc"),
+}
+
+# Tests only: a callable returning the Runtime a worker runs on (so a test
+# can arm the simulated GPU's hold points before pinning starts). Not API.
+_runtime_factory: Optional[Callable[[str], "kvoffload.Runtime"]] = None
+
+
+def _bad(key: str, value: Any, accepted: str) -> ValueError:
+    return ValueError(f"kvoffload.vllm: kv_connector_extra_config[{key!r}] = {value!r}: {accepted}")
+
+
+def _int(extra: Dict[str, Any], key: str, default: Optional[int], minimum: int) -> Optional[int]:
+    if key not in extra or extra[key] is None:
+        return default
+    v = extra[key]
+    if isinstance(v, bool):
+        raise _bad(key, v, f"expected an int >= {minimum}")
+    if isinstance(v, str):
+        try:
+            v = int(v.strip())
+        except ValueError:
+            raise _bad(key, extra[key], f"expected an int >= {minimum}") from None
+    elif isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int):
+        raise _bad(key, extra[key], f"expected an int >= {minimum}")
+    if v < minimum:
+        raise _bad(key, extra[key], f"expected an int >= {minimum}")
+    return v
+
+
+def _choice(extra: Dict[str, Any], key: str, default: str) -> str:
+    v = extra.get(key, default)
+    if v not in _CHOICES[key]:
+        raise _bad(key, v, "expected one of " + ", ".join(repr(c) for c in _CHOICES[key]))
+    return v
+
+
+def _bool(extra: Dict[str, Any], key: str, default: bool) -> bool:
+    v = extra.get(key, default)
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    raise _bad(key, v, "expected true or false")
+
+
+class _Settings:
+    """``kv_connector_extra_config``, checked (the same in every process)."""
+
+    def __init__(self, extra: Dict[str, Any]):
+        unknown = sorted(k for k in extra if k.startswith("kvo_") and k not in EXTRA_KEYS)
+        if unknown:
+            raise _bad(unknown[0], extra[unknown[0]], "not a kvoffload key; the keys are " + ", ".join(EXTRA_KEYS))
+        if "cpu_bytes_to_use" not in extra:
+            raise ValueError(
+                "kvoffload.vllm: kv_connector_extra_config['cpu_bytes_to_use'] is missing: "
+                "the host bytes to offload to (all ranks of the engine together), a positive int"
+            )
+        self.cpu_bytes_to_use = _int(extra, "cpu_bytes_to_use", None, 1)
+        if _bool(extra, "canonical_layout", False):
+            raise _bad("canonical_layout", extra["canonical_layout"], "not supported by kvoffload (use false)")
+        self.cache_policy_module_path = extra.get("cache_policy_module_path")
+        if self.cache_policy_module_path is None:
+            self.eviction_policy = _choice(extra, "eviction_policy", "lru")
+        else:
+            self.eviction_policy = extra.get("eviction_policy", "lru")
+        self.store_threshold = _int(extra, "store_threshold", 0, 0)
+        self.max_tracker_size = _int(extra, "max_tracker_size", 64_000, 1)
+        self.backend = _choice(extra, "kvo_backend", "auto")
+        self.region = _choice(extra, "kvo_region", "shared")
+        self.region_dir = extra.get("kvo_region_dir")
+        if self.region_dir is not None and not isinstance(self.region_dir, str):
+            raise _bad("kvo_region_dir", self.region_dir, "expected a directory path (a string)")
+        if self.region_dir is not None and self.region != "shared":
+            raise _bad("kvo_region_dir", self.region_dir, "applies to kvo_region 'shared' only")
+        self.pin_threads = _int(extra, "kvo_pin_threads", None, 1)
+        self.max_chunk_bytes = _int(extra, "kvo_max_chunk_bytes", None, 1)
+        self.prefault = _choice(extra, "kvo_prefault", "populate")
+        self.huge_pages = _choice(extra, "kvo_huge_pages", "auto")
+        self.copy_backend = _choice(extra, "kvo_copy_backend", "auto")
+        self.staging_bytes = _int(extra, "kvo_staging_bytes", None, 0)
+        self.capture_hook = _bool(extra, "kvo_capture_hook", True)
+        if self.copy_backend != "auto":
+            log.warning(
+                "kvoffload.vllm: kvo_copy_backend=%r is for benchmarks: before pinning settles (or if it ends "
+                "pageable) only 'auto' is guaranteed to pick a backend that is right on pageable memory",
+                self.copy_backend,
+            )
+
+
+class KvoffloadSpec(OffloadingSpec):
+    """vLLM's offloading spec for kvoffload (``spec_name: KvoffloadSpec``,
+    ``spec_module_path: kvoffload.vllm``). Built in the scheduler and in
+    every worker: ``__init__`` only checks the config and sizes the tier."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: Dict[str, Any]) -> Dict[str, OffloadingMetricMetadata]:
+        # The manager is vLLM's CPU manager: its metrics.
+        return CPUOffloadingSpec.build_metric_definitions(extra_config)
+
+    @classmethod
+    def config_info_keys(cls, extra_config: Dict[str, Any]) -> tuple:
+        return CPUOffloadingSpec.config_info_keys(extra_config)
+
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(config)
+        self.settings = _Settings(self.extra_config)
+        world = config.parallel.world_size
+        self.num_chunks = 0
+        self.kv_bytes_per_chunk = 0
+        if config.worker_kv_bytes_per_block > 0 and world > 0:
+            # vLLM's CPU spec's sizing, so that the scheduler and every
+            # worker get the same number of chunks from the config alone.
+            row = config.worker_kv_bytes_per_block * world * self.blocks_per_chunk
+            row = -(-row // mmap.PAGESIZE) * mmap.PAGESIZE
+            self.kv_bytes_per_chunk = row
+            self.num_chunks = self.settings.cpu_bytes_to_use // row
+            if self.num_chunks == 0:
+                raise _bad(
+                    "cpu_bytes_to_use",
+                    self.extra_config["cpu_bytes_to_use"],
+                    f"holds no chunk of {row} bytes ({self.blocks_per_chunk} blocks of "
+                    f"{config.worker_kv_bytes_per_block} bytes on each of {world} ranks, page-rounded)",
+                )
+        self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, self.kv_bytes_per_chunk)
+        self._manager: Optional[OffloadingManager] = None
+        self._worker: Optional[KvoffloadWorker] = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            s = self.settings
+            self._manager = CPUOffloadingManager(
+                num_chunks=self.num_chunks,
+                cache_policy=s.eviction_policy,
+                cache_policy_module_path=s.cache_policy_module_path,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                store_threshold=s.store_threshold,
+                max_tracker_size=s.max_tracker_size,
+                info=self.cpu_info,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KvoffloadWorker(self, kv_caches)
+        return self._worker
+
+
+def _layout(kv_caches: CanonicalKVCaches):
+    """vLLM's canonical KV caches as the offloader's tensors and groups:
+    the tensors in group order, and how many each group has."""
+    order: List[int] = []
+    sizes: List[int] = []
+    seen: Dict[int, int] = {}
+    for g, refs in enumerate(kv_caches.group_data_refs):
+        for r in refs:
+            if r.tensor_idx in seen:
+                raise kvoffload.OptionsError(
+                    f"kvoffload.vllm: KV tensor {r.tensor_idx} is referenced by group {seen[r.tensor_idx]} and "
+                    f"group {g}: KV cache groups that share a tensor (hybrid overlays, packed layouts) are not "
+                    "supported yet"
+                )
+            seen[r.tensor_idx] = g
+            t = kv_caches.tensors[r.tensor_idx]
+            if r.page_size_bytes != t.page_size_bytes:
+                raise kvoffload.OptionsError(
+                    f"kvoffload.vllm: group {g} moves {r.page_size_bytes} bytes of tensor {r.tensor_idx}'s "
+                    f"{t.page_size_bytes}-byte pages: unpadded pages smaller than the tensor's are not supported yet"
+                )
+            if t.tensor.stride(0) != t.page_size_bytes or t.tensor.element_size() != 1:
+                raise kvoffload.OptionsError(
+                    f"kvoffload.vllm: KV tensor {r.tensor_idx} has block stride {t.tensor.stride(0)} bytes for "
+                    f"{t.page_size_bytes}-byte pages: only one page per block row (stride == page) is supported"
+                )
+            order.append(r.tensor_idx)
+        sizes.append(len(refs))
+    if not order:
+        raise kvoffload.OptionsError("kvoffload.vllm: no KV cache group references a tensor")
+    if any(n == 0 for n in sizes):
+        raise kvoffload.OptionsError(f"kvoffload.vllm: a KV cache group references no tensor ({sizes})")
+    return [kv_caches.tensors[i] for i in order], sizes
+
+
+class KvoffloadWorker(OffloadingWorker):
+    """vLLM's ``OffloadingWorker`` on a slot-addressed kvoffload
+    ``Offloader``: chunk id ``c`` of vLLM's manager is host slot ``c``;
+    vLLM's job ids are the offloader's."""
+
+    def __init__(self, spec: KvoffloadSpec, kv_caches: CanonicalKVCaches):
+        s = spec.settings
+        cfg = spec.config
+        tensors, sizes = _layout(kv_caches)
+        self.num_groups = len(sizes)
+        self.blocks_per_chunk = spec.blocks_per_chunk
+        if _runtime_factory is not None:
+            self.runtime = _runtime_factory(s.backend)
+        else:
+            self.runtime = kvoffload.Runtime(s.backend)
+        kw: Dict[str, Any] = dict(
+            tensors=[t.tensor for t in tensors],
+            block_factor=spec.blocks_per_chunk,
+            runtime=self.runtime,
+            addressing="slots",
+            kv_groups=sizes,
+            prefault=s.prefault,
+            huge_pages=s.huge_pages,
+            copy_backend=s.copy_backend,
+            # Windows open around captures while pinning runs (a window
+            # waits for at most the registration in progress).
+            capture_policy="interleave",
+        )
+        if self.runtime.backend == "cuda":
+            import torch
+
+            kw["stream"] = torch.cuda.current_stream().cuda_stream
+        for key, name in (
+            ("pin_threads", "pin_threads"),
+            ("max_chunk_bytes", "max_chunk_bytes"),
+            ("staging_bytes", "staging_bytes"),
+        ):
+            if getattr(s, key) is not None:
+                kw[name] = getattr(s, key)
+        if s.region == "shared":
+            kw.update(
+                region="shared",
+                name=f"vllm-{cfg.engine_id}",
+                rank=cfg.parallel.rank,
+                ranks=cfg.parallel.world_size,
+            )
+            if s.region_dir is not None:
+                kw["region_dir"] = s.region_dir
+        t0 = time.monotonic()
+        # start=True: pinning runs on the offloader's own thread; the
+        # constructor returns once the region is mapped.
+        self.offloader = kvoffload.Offloader(spec.num_chunks, start=True, **kw)
+        self.setup_seconds = time.monotonic() - t0
+        self._hook = None
+        if s.capture_hook:
+            from .. import _hook
+
+            self._hook = _hook.install(self.offloader)
+        self._shut = False
+        log.info(
+            "kvoffload.vllm: %d host slots of %d blocks, region %d bytes (%s), set up in %.3f s; pinning in the "
+            "background (%s)",
+            spec.num_chunks,
+            spec.blocks_per_chunk,
+            self.offloader.region_bytes,
+            s.region,
+            self.setup_seconds,
+            self.offloader.pin_state,
+        )
+
+    def _job(self, gpu: GPULoadStoreSpec, chunks: LoadStoreSpec):
+        if not isinstance(gpu, GPULoadStoreSpec):
+            raise TypeError(f"kvoffload.vllm: expected a GPULoadStoreSpec, got {type(gpu).__name__}")
+        sizes = list(gpu.group_sizes)
+        f = self.blocks_per_chunk
+        first_subs = [int(i) % f for i in gpu.block_indices]
+        return gpu.block_ids, sizes, chunks.block_ids, first_subs
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        blocks, sizes, slots, subs = self._job(src_spec, dst_spec)
+        self.offloader.store_slot_job(job_id, blocks, sizes, slots, subs)
+        return True
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        # Expedited loads share the load lane for now (the Rust core has
+        # one load lane); vLLM waits for them with wait().
+        blocks, sizes, slots, subs = self._job(dst_spec, src_spec)
+        self.offloader.load_slot_job(job_id, blocks, sizes, slots, subs)
+        return True
+
+    def get_finished(self) -> List[TransferResult]:
+        out = []
+        for c in self.offloader.poll():
+            if c.error is not None:
+                # vLLM has no failure path (a False success is a bare
+                # assert): the driver's error, raised, beats both that and
+                # reporting the job as done.
+                raise kvoffload.TransferError(
+                    f"kvoffload.vllm: job {c.job} ({c.direction}) failed: {c.error}"
+                ) from c.error
+            out.append(TransferResult(job_id=c.job, success=True, transfer_size=c.bytes, transfer_time=c.seconds))
+        return out
+
+    def wait(self, job_ids) -> None:
+        self.offloader.wait_jobs(job_ids)
+
+    def shutdown(self) -> None:
+        if self._shut:
+            return
+        self._shut = True
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.offloader.shutdown()
