@@ -140,6 +140,32 @@ def block_bytes(tokens, layer):
     return random.Random(hash((layer, tuple(tokens)))).randbytes(PAGE)
 
 
+class Recorder:
+    """The worker's offloader, recording what vLLM's calls became: each
+    slot job's arguments and each completion."""
+
+    def __init__(self, off):
+        self._off = off
+        self.jobs = []  # (call, job, gpu_blocks, group_sizes, slots, first_subs)
+        self.completions = []
+
+    def __getattr__(self, name):
+        return getattr(self._off, name)
+
+    def store_slot_job(self, job, blocks, sizes, slots, subs):
+        self.jobs.append(("store", job, list(blocks), list(sizes), list(slots), list(subs)))
+        return self._off.store_slot_job(job, blocks, sizes, slots, subs)
+
+    def load_slot_job(self, job, blocks, sizes, slots, subs):
+        self.jobs.append(("load", job, list(blocks), list(sizes), list(slots), list(subs)))
+        return self._off.load_slot_job(job, blocks, sizes, slots, subs)
+
+    def poll(self):
+        c = self._off.poll()
+        self.completions.extend(c)
+        return c
+
+
 class Engine:
     """vLLM's Scheduler and both connector roles in one process, driven the
     way vLLM's engine core and model runner drive them."""
@@ -154,6 +180,16 @@ class Engine:
         self.register_seconds = time.monotonic() - t0
         self.kvw = self.worker_conn.connector_worker.worker
         assert isinstance(self.kvw, kvv.KvoffloadWorker)
+        self.pin_state_at_return = self.kvw.offloader.pin_state
+        self.off = self.kvw.offloader = Recorder(self.kvw.offloader)
+        self.expedited = []
+        real_load = self.kvw.submit_load
+
+        def submit_load(job_id, src, dst, expedited=False):
+            self.expedited.append(expedited)
+            return real_load(job_id, src, dst, expedited)
+
+        self.kvw.submit_load = submit_load
         self.results = []
         real = self.kvw.get_finished
 
@@ -342,3 +378,193 @@ def test_round_trips_through_vllms_connector_byte_for_byte(engines, blocks_per_c
     assert {r.transfer_size % (len(LAYERS) * PAGE) for r in eng.results} == {0}, "whole pages of both layers"
     off = eng.kvw.offloader
     assert off.block_factor == blocks_per_chunk and off.addressing == "slots"
+    assert {r.job_id for r in eng.results} == {j[1] for j in off.jobs}, "every job reported"
+    assert len(eng.results) == len({r.job_id for r in eng.results}), "each once"
+    for r, c in zip(sorted(eng.results, key=lambda r: r.job_id), sorted(off.completions, key=lambda c: c.job)):
+        assert (r.transfer_size, r.transfer_time) == (c.bytes, c.seconds)
+    for call, job, blocks, sizes, slots, subs in off.jobs:
+        n = sizes[0]
+        assert len(slots) == -(-(n + subs[0]) // blocks_per_chunk), "ceil((n + first_sub) / f) chunks"
+        assert [r.transfer_size for r in eng.results if r.job_id == job] == [n * len(LAYERS) * PAGE]
+
+
+def test_a_hit_whose_first_chunk_is_partial(engines):
+    """The GPU cache keeps 2 blocks of a prefix whose chunks hold 4: the
+    load starts 2 sub-blocks into its first chunk (vLLM's block_indices)."""
+    eng = engines(blocks_per_chunk=4)
+    prompt = prompt_of(8 * BS + 5, 11)
+    a = eng.add(prompt)
+    eng.run(a)
+    eng.forget_gpu_cache()
+    x = eng.add(prompt[: 2 * BS + 3])  # computes blocks 0, 1 on the GPU again (no full chunk to load)
+    eng.run(x)
+    assert not [j for j in eng.off.jobs if j[0] == "load"], "x loaded nothing"
+    b = eng.add(prompt)
+    eng.run(b)
+    loads = [j for j in eng.off.jobs if j[0] == "load"]
+    assert len(loads) == 1 and loads[0][5] == [2], f"one load from sub-block 2: {loads}"
+    assert loads[0][3] == [6] and len(loads[0][4]) == 2, "blocks 2..7 from two chunks"
+    loaded = check_loaded(eng, b, prompt)
+    assert set(range(2, 8)) <= set(loaded)
+
+
+def test_expedited_loads_are_waited_for_within_the_step(engines):
+    eng = engines(blocks_per_chunk=2, sync_load_budget_bytes=1 << 30)
+    loaded = round_trip(eng, prompt_of(6 * BS + 1, 12))
+    assert loaded and True in eng.expedited, "vLLM asked for an expedited (sync) load"
+
+
+def test_eviction_reuses_chunk_ids_and_round_trips_stay_right(engines):
+    # Room for 4 chunks of 2 blocks: the second prompt's stores evict the first's.
+    eng = engines(blocks_per_chunk=2, cpu_bytes_to_use=4 * 2 * len(LAYERS) * PAGE)
+    assert eng.kvw.offloader.host_blocks == 4
+    first, second = prompt_of(8 * BS + 1, 13), prompt_of(8 * BS + 1, 14)
+    eng.run(eng.add(first))
+    eng.run(eng.add(second))
+    eng.forget_gpu_cache()
+    b = eng.add(second)
+    eng.run(b)
+    loaded = check_loaded(eng, b, second)
+    assert loaded, "the second prompt's blocks came back"
+    stored_slots = [s for j in eng.off.jobs if j[0] == "store" for s in j[4]]
+    assert max(stored_slots) < 4 and len(stored_slots) > len(set(stored_slots)), "chunk ids reused"
+
+
+# ---------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize(
+    "kw, key",
+    [
+        (dict(cpu_bytes_to_use=None), "cpu_bytes_to_use"),
+        (dict(cpu_bytes_to_use=0), "cpu_bytes_to_use"),
+        (dict(cpu_bytes_to_use="lots"), "cpu_bytes_to_use"),
+        (dict(cpu_bytes_to_use=100), "cpu_bytes_to_use"),
+        (dict(kvo_pinning="fast"), "kvo_pinning"),
+        (dict(kvo_backend="gpu"), "kvo_backend"),
+        (dict(kvo_pin_threads=0), "kvo_pin_threads"),
+        (dict(kvo_pin_threads=True), "kvo_pin_threads"),
+        (dict(kvo_max_chunk_bytes=-1), "kvo_max_chunk_bytes"),
+        (dict(kvo_prefault="maybe"), "kvo_prefault"),
+        (dict(kvo_copy_backend="fast"), "kvo_copy_backend"),
+        (dict(kvo_capture_hook="yes"), "kvo_capture_hook"),
+        (dict(kvo_region="tmp"), "kvo_region"),
+        (dict(kvo_region="anonymous", kvo_region_dir="/tmp"), "kvo_region_dir"),
+        (dict(eviction_policy="fifo"), "eviction_policy"),
+        (dict(store_threshold=-1), "store_threshold"),
+    ],
+)
+@pytest.mark.parametrize("role", ["scheduler", "worker"])
+def test_bad_extra_config_values_name_their_key(model_dir, kw, key, role):
+    cfg = vllm_config(model_dir, extra_config(**kw))
+    r = KVConnectorRole.SCHEDULER if role == "scheduler" else KVConnectorRole.WORKER
+    with pytest.raises(ValueError, match=rf"kvoffload.vllm: kv_connector_extra_config\['{key}'\]"):
+        KVConnectorFactory.create_connector(cfg, r, kv_cache_config())
+
+
+def test_the_good_config_of_those_cases_builds(model_dir):
+    """The baseline the error cases differ from by one key."""
+    cfg = vllm_config(model_dir, extra_config(kvo_region="anonymous", store_threshold=2, kvo_capture_hook=False))
+    KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+# ---------------------------------------------------------------- pinning
+
+
+def test_get_worker_returns_while_pinning_is_held_and_jobs_run_pageable(engines, monkeypatch):
+    holds = []
+
+    def runtime(backend):
+        assert backend == "sim"
+        rt = kv.Runtime("sim")
+        holds.append((rt, kt.sim_hold(rt, "register")))
+        return rt
+
+    monkeypatch.setattr(kvv, "_runtime_factory", runtime)
+    eng = engines(blocks_per_chunk=2)
+    rt, hold = holds[0]
+    assert eng.pin_state_at_return.name in ("pending", "pinning"), "get_worker returned before pinning settled"
+    hold.wait_entered()  # the pinner is inside a registration, held there
+    assert eng.kvw.offloader.pin_state == "pinning"
+    prompt = prompt_of(6 * BS + 3, 15)
+    assert round_trip(eng, prompt), "loads while pinning is held"
+    assert eng.kvw.offloader.pin_state == "pinning", "still held: every job above ran on pageable memory"
+    assert eng.off.completions and {c.backend for c in eng.off.completions} == {"per-fragment"}
+    assert all(c.ok for c in eng.off.completions)
+    hold.release()
+    assert eng.kvw.offloader.wait_pinned().state == "pinned"
+    n = len(eng.off.completions)
+    eng.forget_gpu_cache()
+    b = eng.add(prompt)
+    eng.run(b)
+    assert check_loaded(eng, b, prompt)
+    assert eng.off.completions[n:], "jobs after pinning"
+
+
+# ---------------------------------------------------------------- hook
+
+
+def test_the_worker_patches_torchs_graph_class_until_shutdown(engines):
+    orig_begin = torch.cuda.CUDAGraph.__dict__["capture_begin"]
+    orig_end = torch.cuda.CUDAGraph.__dict__["capture_end"]
+    eng = engines()
+    assert torch.cuda.CUDAGraph.capture_begin.__kvoffload_hook__
+    assert torch.cuda.CUDAGraph.capture_end.__wrapped__ is orig_end
+    assert _hook.installed_count() == 1
+    eng.shutdown()
+    assert torch.cuda.CUDAGraph.__dict__["capture_begin"] is orig_begin
+    assert torch.cuda.CUDAGraph.__dict__["capture_end"] is orig_end
+    assert _hook.installed_count() == 0
+
+
+def test_kvo_capture_hook_false_leaves_torch_alone(engines):
+    orig_begin = torch.cuda.CUDAGraph.__dict__["capture_begin"]
+    engines(kvo_capture_hook=False)
+    assert torch.cuda.CUDAGraph.__dict__["capture_begin"] is orig_begin
+
+
+def test_shutdown_releases_everything(engines):
+    eng = engines(kvo_region="anonymous")
+    rt = eng.kvw.runtime
+    assert kt.sim_adopted_ranges(rt) == 1, "vLLM's KV: one backing allocation, adopted once"
+    round_trip(eng, prompt_of(4 * BS + 1, 16))
+    eng.shutdown()
+    assert kt.sim_adopted_ranges(rt) == 0 and kt.sim_registered_ranges(rt) == 0
+    eng.kvw.shutdown()  # idempotent
+
+
+# ---------------------------------------------------------------- layouts kvoffload refuses
+
+
+def canonical(refs, pages=(PAGE, PAGE), stride=None):
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+    storage = torch.zeros(len(pages) * 8 * max(pages), dtype=torch.int8)
+    tensors = []
+    for i, p in enumerate(pages):
+        st = stride or p
+        t = torch.tensor([], dtype=torch.int8).set_(storage.untyped_storage(), i * 8 * max(pages), (8, p), (st, 1))
+        tensors.append(CanonicalKVCacheTensor(t, p))
+    return CanonicalKVCaches(tensors, [[CanonicalKVCacheRef(i, b) for i, b in g] for g in refs])
+
+
+def test_the_layout_maps_groups_in_order():
+    ts, sizes = kvv._layout(canonical([[(1, PAGE)], [(0, PAGE)]]))
+    assert sizes == [1, 1] and [t.page_size_bytes for t in ts] == [PAGE, PAGE]
+    c = canonical([[(1, PAGE)], [(0, PAGE)]])
+    ts, _ = kvv._layout(c)
+    assert ts[0] is c.tensors[1] and ts[1] is c.tensors[0], "tensors in group order"
+
+
+@pytest.mark.parametrize(
+    "caches, words",
+    [
+        (lambda: canonical([[(0, PAGE)], [(0, PAGE)]]), "referenced by group 0 and group 1"),
+        (lambda: canonical([[(0, PAGE - 64)]]), "unpadded pages smaller than the tensor's"),
+        (lambda: canonical([[(0, PAGE)]], stride=2 * PAGE), "block stride 4096 bytes"),
+        (lambda: canonical([[(0, PAGE)], []]), "a KV cache group references no tensor"),
+    ],
+)
+def test_layouts_kvoffload_cannot_take_are_refused_clearly(caches, words):
+    with pytest.raises(kv.OptionsError, match=words):
+        kvv._layout(caches())
