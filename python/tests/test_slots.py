@@ -53,6 +53,12 @@ class CpuTensor:
     def is_contiguous(self):
         return True
 
+    def stride(self, dim):
+        return (self.page, 1)[dim]
+
+    def element_size(self):
+        return 1
+
     def untyped_storage(self):
         return self.storage
 

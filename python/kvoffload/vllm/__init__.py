@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import logging
 import mmap
-import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    GPULoadStoreSpec,
-    LoadStoreSpec,
     OffloadingManager,
     OffloadingMetricMetadata,
     OffloadingSpec,
@@ -45,6 +42,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 import kvoffload
+from kvoffload import _slotworker
 
 __all__ = ["KvoffloadSpec", "KvoffloadWorker", "EXTRA_KEYS"]
 
@@ -227,100 +225,51 @@ class KvoffloadSpec(OffloadingSpec):
         return self._worker
 
 
-def _layout(kv_caches: CanonicalKVCaches):
-    """vLLM's canonical KV caches as the offloader's tensors and groups:
-    the tensors in group order, and how many each group has."""
-    order: List[int] = []
-    sizes: List[int] = []
-    seen: Dict[int, int] = {}
-    for g, refs in enumerate(kv_caches.group_data_refs):
-        for r in refs:
-            if r.tensor_idx in seen:
-                raise kvoffload.OptionsError(
-                    f"kvoffload.vllm: KV tensor {r.tensor_idx} is referenced by group {seen[r.tensor_idx]} and "
-                    f"group {g}: KV cache groups that share a tensor (hybrid overlays, packed layouts) are not "
-                    "supported yet"
-                )
-            seen[r.tensor_idx] = g
-            t = kv_caches.tensors[r.tensor_idx]
-            if r.page_size_bytes != t.page_size_bytes:
-                raise kvoffload.OptionsError(
-                    f"kvoffload.vllm: group {g} moves {r.page_size_bytes} bytes of tensor {r.tensor_idx}'s "
-                    f"{t.page_size_bytes}-byte pages: unpadded pages smaller than the tensor's are not supported yet"
-                )
-            if t.tensor.stride(0) != t.page_size_bytes or t.tensor.element_size() != 1:
-                raise kvoffload.OptionsError(
-                    f"kvoffload.vllm: KV tensor {r.tensor_idx} has block stride {t.tensor.stride(0)} bytes for "
-                    f"{t.page_size_bytes}-byte pages: only one page per block row (stride == page) is supported"
-                )
-            order.append(r.tensor_idx)
-        sizes.append(len(refs))
-    if not order:
-        raise kvoffload.OptionsError("kvoffload.vllm: no KV cache group references a tensor")
-    if any(n == 0 for n in sizes):
-        raise kvoffload.OptionsError(f"kvoffload.vllm: a KV cache group references no tensor ({sizes})")
-    return [kv_caches.tensors[i] for i in order], sizes
+# The worker's mapping, kept free of vLLM in kvoffload._slotworker (the
+# H200 run drives it without vLLM's wheel); re-exported for the tests.
+_layout = _slotworker.layout
 
 
-class KvoffloadWorker(OffloadingWorker):
+class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
     """vLLM's ``OffloadingWorker`` on a slot-addressed kvoffload
-    ``Offloader``: chunk id ``c`` of vLLM's manager is host slot ``c``;
-    vLLM's job ids are the offloader's."""
+    ``Offloader`` (:class:`kvoffload._slotworker.SlotWorker`): chunk id ``c``
+    of vLLM's manager is host slot ``c``; vLLM's job ids are the
+    offloader's."""
 
     def __init__(self, spec: KvoffloadSpec, kv_caches: CanonicalKVCaches):
         s = spec.settings
         cfg = spec.config
-        tensors, sizes = _layout(kv_caches)
-        self.num_groups = len(sizes)
-        self.blocks_per_chunk = spec.blocks_per_chunk
         if _runtime_factory is not None:
-            self.runtime = _runtime_factory(s.backend)
+            runtime = _runtime_factory(s.backend)
         else:
-            self.runtime = kvoffload.Runtime(s.backend)
-        kw: Dict[str, Any] = dict(
-            tensors=[t.tensor for t in tensors],
-            block_factor=spec.blocks_per_chunk,
-            runtime=self.runtime,
-            addressing="slots",
-            kv_groups=sizes,
+            runtime = kvoffload.Runtime(s.backend)
+        options: Dict[str, Any] = dict(
             prefault=s.prefault,
             huge_pages=s.huge_pages,
             copy_backend=s.copy_backend,
-            # Windows open around captures while pinning runs (a window
-            # waits for at most the registration in progress).
-            capture_policy="interleave",
         )
-        if self.runtime.backend == "cuda":
-            import torch
-
-            kw["stream"] = torch.cuda.current_stream().cuda_stream
-        for key, name in (
-            ("pin_threads", "pin_threads"),
-            ("max_chunk_bytes", "max_chunk_bytes"),
-            ("staging_bytes", "staging_bytes"),
-        ):
+        for key in ("pin_threads", "max_chunk_bytes", "staging_bytes"):
             if getattr(s, key) is not None:
-                kw[name] = getattr(s, key)
+                options[key] = getattr(s, key)
         if s.region == "shared":
-            kw.update(
+            options.update(
                 region="shared",
                 name=f"vllm-{cfg.engine_id}",
                 rank=cfg.parallel.rank,
                 ranks=cfg.parallel.world_size,
             )
             if s.region_dir is not None:
-                kw["region_dir"] = s.region_dir
-        t0 = time.monotonic()
-        # start=True: pinning runs on the offloader's own thread; the
-        # constructor returns once the region is mapped.
-        self.offloader = kvoffload.Offloader(spec.num_chunks, start=True, **kw)
-        self.setup_seconds = time.monotonic() - t0
-        self._hook = None
-        if s.capture_hook:
-            from .. import _hook
-
-            self._hook = _hook.install(self.offloader)
-        self._shut = False
+                options["region_dir"] = s.region_dir
+        _slotworker.SlotWorker.__init__(
+            self,
+            kv_caches,
+            num_slots=spec.num_chunks,
+            blocks_per_chunk=spec.blocks_per_chunk,
+            runtime=runtime,
+            options=options,
+            capture_hook=s.capture_hook,
+            result=TransferResult,
+        )
         log.info(
             "kvoffload.vllm: %d host slots of %d blocks, region %d bytes (%s), set up in %.3f s; pinning in the "
             "background (%s)",
@@ -331,50 +280,3 @@ class KvoffloadWorker(OffloadingWorker):
             self.setup_seconds,
             self.offloader.pin_state,
         )
-
-    def _job(self, gpu: GPULoadStoreSpec, chunks: LoadStoreSpec):
-        if not isinstance(gpu, GPULoadStoreSpec):
-            raise TypeError(f"kvoffload.vllm: expected a GPULoadStoreSpec, got {type(gpu).__name__}")
-        sizes = list(gpu.group_sizes)
-        f = self.blocks_per_chunk
-        first_subs = [int(i) % f for i in gpu.block_indices]
-        return gpu.block_ids, sizes, chunks.block_ids, first_subs
-
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        blocks, sizes, slots, subs = self._job(src_spec, dst_spec)
-        self.offloader.store_slot_job(job_id, blocks, sizes, slots, subs)
-        return True
-
-    def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
-    ) -> bool:
-        # Expedited loads share the load lane for now (the Rust core has
-        # one load lane); vLLM waits for them with wait().
-        blocks, sizes, slots, subs = self._job(dst_spec, src_spec)
-        self.offloader.load_slot_job(job_id, blocks, sizes, slots, subs)
-        return True
-
-    def get_finished(self) -> List[TransferResult]:
-        out = []
-        for c in self.offloader.poll():
-            if c.error is not None:
-                # vLLM has no failure path (a False success is a bare
-                # assert): the driver's error, raised, beats both that and
-                # reporting the job as done.
-                raise kvoffload.TransferError(
-                    f"kvoffload.vllm: job {c.job} ({c.direction}) failed: {c.error}"
-                ) from c.error
-            out.append(TransferResult(job_id=c.job, success=True, transfer_size=c.bytes, transfer_time=c.seconds))
-        return out
-
-    def wait(self, job_ids) -> None:
-        self.offloader.wait_jobs(job_ids)
-
-    def shutdown(self) -> None:
-        if self._shut:
-            return
-        self._shut = True
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        self.offloader.shutdown()

@@ -1,0 +1,175 @@
+"""The worker half of kvoffload's vLLM integration, free of vLLM:
+``kvoffload.vllm.KvoffloadWorker`` is this class with vLLM's
+``OffloadingWorker`` as a second base, and the H200 run of issue 21
+(``python/examples/h200_vllm_worker.py``) drives this class directly, the
+way vLLM's connector drives the worker, where vLLM's wheel is not
+installed.
+
+Inputs are duck-typed as vLLM 0.33 gives them: ``kv_caches`` with
+``tensors[i].tensor`` / ``.page_size_bytes`` and
+``group_data_refs[g][j].tensor_idx`` / ``.page_size_bytes`` (vLLM's
+``CanonicalKVCaches``), job specs with ``block_ids``, ``group_sizes``,
+``block_indices`` (``GPULoadStoreSpec``) and ``block_ids`` (the chunk ids
+of ``CPULoadStoreSpec``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import kvoffload
+
+
+def layout(kv_caches: Any) -> Tuple[List[Any], List[int]]:
+    """vLLM's canonical KV caches as the offloader's tensors and groups: the
+    tensors in group order, and how many each group has. Refuses (with
+    ``kvoffload.OptionsError``) what the slot layout cannot take yet."""
+    order: List[int] = []
+    sizes: List[int] = []
+    seen: Dict[int, int] = {}
+    for g, refs in enumerate(kv_caches.group_data_refs):
+        for r in refs:
+            if r.tensor_idx in seen:
+                raise kvoffload.OptionsError(
+                    f"kvoffload.vllm: KV tensor {r.tensor_idx} is referenced by group {seen[r.tensor_idx]} and "
+                    f"group {g}: KV cache groups that share a tensor (hybrid overlays, packed layouts) are not "
+                    "supported yet"
+                )
+            seen[r.tensor_idx] = g
+            t = kv_caches.tensors[r.tensor_idx]
+            if r.page_size_bytes != t.page_size_bytes:
+                raise kvoffload.OptionsError(
+                    f"kvoffload.vllm: group {g} moves {r.page_size_bytes} bytes of tensor {r.tensor_idx}'s "
+                    f"{t.page_size_bytes}-byte pages: unpadded pages smaller than the tensor's are not supported yet"
+                )
+            if t.tensor.stride(0) * t.tensor.element_size() != t.page_size_bytes:
+                raise kvoffload.OptionsError(
+                    f"kvoffload.vllm: KV tensor {r.tensor_idx} has block stride "
+                    f"{t.tensor.stride(0) * t.tensor.element_size()} bytes for {t.page_size_bytes}-byte pages: "
+                    "only one page per block row (stride == page) is supported"
+                )
+            order.append(r.tensor_idx)
+        sizes.append(len(refs))
+    if any(n == 0 for n in sizes):
+        raise kvoffload.OptionsError(f"kvoffload.vllm: a KV cache group references no tensor ({sizes})")
+    if not order:
+        raise kvoffload.OptionsError("kvoffload.vllm: no KV cache group references a tensor")
+    return [kv_caches.tensors[i] for i in order], sizes
+
+
+class SlotWorker:
+    """vLLM's worker interface (``submit_store``, ``submit_load``,
+    ``get_finished``, ``wait``, ``shutdown``) on a slot-addressed
+    :class:`kvoffload.Offloader`: chunk id ``c`` is host slot ``c``, vLLM's
+    job ids are the offloader's, ``first_sub`` of group ``g`` is
+    ``block_indices[g] % blocks_per_chunk``.
+
+    Construction maps the region and starts pinning on the offloader's
+    own thread (``start=True``), then returns: it never waits for pinning.
+    With ``capture_hook`` every CUDA graph capture of the process
+    (``torch.cuda.CUDAGraph``) runs in a capture window of this offloader
+    until :meth:`shutdown`. ``result(job_id, success, size, seconds)`` makes
+    what :meth:`get_finished` returns (vLLM's ``TransferResult``)."""
+
+    def __init__(
+        self,
+        kv_caches: Any,
+        *,
+        num_slots: int,
+        blocks_per_chunk: int,
+        runtime: "kvoffload.Runtime",
+        options: Optional[Dict[str, Any]] = None,
+        capture_hook: bool = True,
+        stream: Any = None,
+        result: Callable[..., Any] = None,
+        hook_class: Optional[type] = None,
+    ):
+        tensors, sizes = layout(kv_caches)
+        self.num_groups = len(sizes)
+        self.blocks_per_chunk = blocks_per_chunk
+        self.runtime = runtime
+        self._result = result if result is not None else _Result
+        kw: Dict[str, Any] = dict(options or {})
+        kw.update(
+            tensors=[t.tensor for t in tensors],
+            block_factor=blocks_per_chunk,
+            runtime=runtime,
+            addressing="slots",
+            kv_groups=sizes,
+            # Windows of lexical capture_window() calls also open while
+            # pinning runs (the hook's always do).
+            capture_policy="interleave",
+        )
+        if stream is None and runtime.backend == "cuda":
+            import torch
+
+            stream = torch.cuda.current_stream().cuda_stream
+        if stream is not None:
+            kw["stream"] = stream
+        t0 = time.monotonic()
+        self.offloader = kvoffload.Offloader(num_slots, start=True, **kw)
+        self.setup_seconds = time.monotonic() - t0
+        self._hook = None
+        if capture_hook:
+            from . import _hook
+
+            self._hook = _hook.install(self.offloader, hook_class)
+        self._shut = False
+
+    def _job(self, gpu: Any, chunks: Any):
+        if not all(hasattr(gpu, a) for a in ("block_ids", "group_sizes", "block_indices")):
+            raise TypeError(f"kvoffload.vllm: expected a GPULoadStoreSpec, got {type(gpu).__name__}")
+        f = self.blocks_per_chunk
+        return gpu.block_ids, list(gpu.group_sizes), chunks.block_ids, [int(i) % f for i in gpu.block_indices]
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        blocks, sizes, slots, subs = self._job(src_spec, dst_spec)
+        self.offloader.store_slot_job(job_id, blocks, sizes, slots, subs)
+        return True
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
+        # Expedited loads share the load lane for now (the Rust core has one
+        # load lane); vLLM waits for them with wait().
+        blocks, sizes, slots, subs = self._job(dst_spec, src_spec)
+        self.offloader.load_slot_job(job_id, blocks, sizes, slots, subs)
+        return True
+
+    def get_finished(self) -> List[Any]:
+        out = []
+        for c in self.offloader.poll():
+            if c.error is not None:
+                # vLLM has no failure path (a False success is a bare
+                # assert): the driver's error, raised, beats both that and
+                # reporting the job as done.
+                raise kvoffload.TransferError(f"kvoffload.vllm: job {c.job} ({c.direction}) failed: {c.error}") from (
+                    c.error
+                )
+            out.append(self._result(job_id=c.job, success=True, transfer_size=c.bytes, transfer_time=c.seconds))
+        return out
+
+    def wait(self, job_ids: Any) -> None:
+        self.offloader.wait_jobs(job_ids)
+
+    def shutdown(self) -> None:
+        """Removes the capture hook, then shuts the offloader down (drains
+        the jobs, stops pinning, unregisters, releases). Idempotent."""
+        if self._shut:
+            return
+        self._shut = True
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.offloader.shutdown()
+
+
+class _Result:
+    """vLLM's ``TransferResult`` where vLLM is not installed."""
+
+    __slots__ = ("job_id", "success", "transfer_size", "transfer_time")
+
+    def __init__(self, job_id: int, success: bool, transfer_size: Optional[int], transfer_time: Optional[float]):
+        self.job_id, self.success, self.transfer_size, self.transfer_time = job_id, success, transfer_size, transfer_time
+
+    def __repr__(self) -> str:
+        return f"TransferResult({self.job_id}, {self.success}, {self.transfer_size}, {self.transfer_time})"
