@@ -7,7 +7,9 @@
 //! refused while a hook window is open and draining deferred jobs after,
 //! deferred jobs checked like direct ones, and the hook's window opening
 //! under the Interleave rules (it waits for the registration in progress,
-//! not for pinning).
+//! not for pinning). Also the expedited load lane
+//! (`Offloader::load_slots_expedited`): its own stream, never behind a
+//! regular load, deferred like any job, refused without the lane.
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -16,10 +18,10 @@ use kvoffload::internal::manager::BlockKey;
 use kvoffload::internal::offloader::{Completion, KvAlloc, Offloader, OffloaderError, OffloaderOptions};
 use kvoffload::internal::protocol::{PinState, ProtocolError};
 use kvoffload::internal::runtime::pattern;
-use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
+use kvoffload::internal::runtime::sim::{HoldPoint, SimConfig, SimRuntime};
 use kvoffload::internal::runtime::{shared, CaptureMode, Direction};
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::{JobId, TransferError};
+use kvoffload::internal::transfer::{JobId, Lane, TransferError};
 
 const PAGE: usize = 4096;
 const TENSORS: usize = 2;
@@ -400,5 +402,93 @@ fn the_hook_window_waits_for_the_registration_in_progress_not_for_pinning() {
     assert!(poll_n(&off, 1)[0].deferred_seconds > 0.0);
     assert_eq!(bad_slot(&off, 8, 7), 0);
     assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    off.shutdown().unwrap();
+}
+
+/// A slot offloader with the expedited lane, on a sim with two device
+/// workers (so a held operation leaves the other worker free).
+fn expedited_offloader() -> (Offloader, SimRuntime) {
+    let sim = SimRuntime::with_config(SimConfig { workers: 2, ..SimConfig::default() });
+    let control = sim.another_handle();
+    let mut opts = OffloaderOptions::with_host_slots(SLOTS);
+    opts.transfer.expedited_lane = true;
+    (Offloader::with_allocated_tensors(shared(sim), kv(), opts).expect("offloader with an expedited lane"), control)
+}
+
+#[test]
+fn an_expedited_load_does_not_wait_behind_a_regular_load() {
+    let (off, control) = expedited_offloader();
+    let rt = off.runtime().clone();
+    write_block(&off, 1, 0);
+    write_block(&off, 2, 1);
+    off.store_slots(JobId(1), &[0], &[0], 0).unwrap();
+    off.store_slots(JobId(2), &[1], &[1], 0).unwrap();
+    off.wait_all().unwrap();
+    assert_eq!(poll_n(&off, 2).iter().map(|c| c.lane).collect::<Vec<_>>(), [Lane::Store, Lane::Store]);
+    let (load, expedited) = (off.lane_stream(Lane::Load).unwrap(), off.lane_stream(Lane::LoadExpedited).unwrap());
+    assert_ne!(load, expedited, "the expedited lane has no stream of its own");
+    // Work on the regular load stream, held on one device worker: a
+    // regular load queues behind it on that stream.
+    let scratch = off.gated("scratch", |c| c.mem_alloc(PAGE)).unwrap().unwrap();
+    let hold = control.hold(HoldPoint::DeviceOp);
+    // SAFETY: `scratch` is a live allocation of this runtime, freed below
+    // after the device work on it completed.
+    unsafe { rt.memset_d8_async(scratch, 0, PAGE, load) }.unwrap();
+    hold.wait_entered();
+    off.load_slots(JobId(3), &[4], &[0], 0).unwrap();
+    off.load_slots_expedited(JobId(4), &[5], &[1], 0).unwrap();
+    // Reported while the regular load is still held behind the memset
+    // (polled, 20 s at most: on the load stream it would never come).
+    let done = poll_n(&off, 1);
+    assert_eq!(done.iter().map(|c| (c.job, c.lane)).collect::<Vec<_>>(), [(JobId(4), Lane::LoadExpedited)]);
+    assert!(done[0].error.is_none() && done[0].direction == Direction::HostToDevice, "{done:?}");
+    assert_eq!(bad_block(&off, 2, 5), 0, "the expedited load's bytes");
+    assert_eq!(off.in_flight(), 1, "the regular load finished while its stream was held");
+    hold.release();
+    off.wait(JobId(3)).unwrap();
+    let done = poll_n(&off, 1);
+    assert_eq!((done[0].job, done[0].lane), (JobId(3), Lane::Load));
+    assert_eq!(bad_block(&off, 1, 4), 0, "the regular load's bytes");
+    // SAFETY: the memset on `scratch` completed (the load behind it did).
+    off.gated("scratch", |c| unsafe { c.mem_free(scratch) }).unwrap().unwrap();
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn expedited_loads_are_deferred_behind_a_hook_window_and_refused_without_the_lane() {
+    let (off, _control) = expedited_offloader();
+    write_block(&off, 7, 2);
+    off.store_slots(JobId(1), &[2], &[3], 0).unwrap();
+    off.wait_all().unwrap();
+    poll_n(&off, 1);
+    off.capture_begin().unwrap();
+    off.load_slots_expedited(JobId(2), &[6], &[3], 0).unwrap();
+    // A store on a slot an expedited load reads is busy, as for any load.
+    let busy = off.store_slots(JobId(3), &[2], &[3], 0);
+    assert!(matches!(busy, Err(OffloaderError::SlotBusy { slot: 3, job: JobId(2), .. })), "{busy:?}");
+    assert_eq!(off.deferred_jobs(), 1);
+    off.capture_end().unwrap();
+    off.wait(JobId(2)).unwrap();
+    let done = poll_n(&off, 1);
+    assert_eq!((done[0].job, done[0].lane), (JobId(2), Lane::LoadExpedited));
+    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
+    assert_eq!(bad_block(&off, 7, 6), 0);
+    off.shutdown().unwrap();
+
+    // Without the lane (the default): refused, directly and deferred, and
+    // the id stays unused.
+    let off = slot_offloader();
+    assert_eq!(off.lane_stream(Lane::LoadExpedited), None);
+    let no_lane = |r: Result<(), OffloaderError>| {
+        matches!(r, Err(OffloaderError::Transfer(TransferError::NoExpeditedLane { id: JobId(5) })))
+    };
+    assert!(no_lane(off.load_slots_expedited(JobId(5), &[0], &[0], 0)));
+    off.capture_begin().unwrap();
+    assert!(no_lane(off.load_slots_expedited(JobId(5), &[0], &[0], 0)));
+    assert_eq!(off.deferred_jobs(), 0);
+    off.capture_end().unwrap();
+    off.load_slots(JobId(5), &[0], &[0], 0).unwrap();
+    off.wait_all().unwrap();
+    assert_eq!(poll_n(&off, 1)[0].lane, Lane::Load);
     off.shutdown().unwrap();
 }

@@ -47,9 +47,9 @@ use std::time::Instant;
 
 use super::{Completion, Offloader, OffloaderError};
 use crate::protocol::{CaptureWindow, JobTicket, ProtocolError};
-use crate::runtime::{Code, Direction, DriverError};
+use crate::runtime::{Code, DriverError};
 use crate::sync::{self, thread, Condvar, Mutex, MutexGuard};
-use crate::transfer::{Backend, JobBlocks, JobId, TransferEngine, TransferError};
+use crate::transfer::{Backend, JobBlocks, JobId, Lane, TransferEngine, TransferError};
 
 /// The hook's state and the condition variable its waiters wait on.
 pub(super) struct Hook {
@@ -92,7 +92,7 @@ struct HookWindow {
 /// A job admitted and queued behind a hook window.
 struct Deferred {
     id: JobId,
-    dir: Direction,
+    lane: Lane,
     blocks: JobBlocks,
     /// Slot jobs' skips (`None`: a keyed job, the engine derives them).
     first_subs: Option<Vec<usize>>,
@@ -318,10 +318,7 @@ impl Offloader {
                 break;
             }
             let Some(d) = h.queue.pop_front() else { break };
-            let r = match &d.first_subs {
-                Some(s) => engine.submit_skipping(d.id, d.dir, &d.blocks, s),
-                None => engine.submit(d.id, d.dir, &d.blocks),
-            };
+            let r = engine.submit_lane(d.id, d.lane, &d.blocks, d.first_subs.as_deref());
             let queued_s = d.queued_at.elapsed().as_secs_f64();
             match r {
                 Ok(()) => {
@@ -347,7 +344,8 @@ impl Offloader {
                     tracing::error!(job = d.id.0, error = %e, "capture hook: a deferred job was refused at its submission; reported failed");
                     h.failed.push(Completion {
                         job: d.id,
-                        direction: d.dir,
+                        direction: d.lane.direction(),
+                        lane: d.lane,
                         keys: Vec::new(),
                         bytes: d.bytes,
                         seconds: queued_s,
@@ -377,7 +375,7 @@ impl Offloader {
         &self,
         engine: &TransferEngine,
         id: JobId,
-        dir: Direction,
+        lane: Lane,
         blocks: &JobBlocks,
         first_subs: Option<&[usize]>,
     ) -> Result<(), OffloaderError> {
@@ -389,12 +387,12 @@ impl Offloader {
             // Under the hook's lock: no hook window begins until this
             // submission returned, so a refusal here is for an engine's
             // own window (as before the hook existed).
-            match first_subs {
-                Some(s) => engine.submit_skipping(id, dir, blocks, s)?,
-                None => engine.submit(id, dir, blocks)?,
-            }
+            engine.submit_lane(id, lane, blocks, first_subs)?;
             h.ids.insert(id);
             return Ok(());
+        }
+        if engine.lane_stream(lane).is_none() {
+            return Err(TransferError::NoExpeditedLane { id }.into());
         }
         let exp = match first_subs {
             Some(s) => self.layout.expand_skipping(id, blocks, s)?,
@@ -407,14 +405,14 @@ impl Offloader {
         h.ids.insert(id);
         h.queue.push_back(Deferred {
             id,
-            dir,
+            lane,
             blocks: blocks.clone(),
             first_subs: first_subs.map(<[usize]>::to_vec),
             bytes: exp.bytes,
             queued_at: Instant::now(),
             _ticket: ticket,
         });
-        tracing::debug!(job = id.0, ?dir, queued = h.queue.len(), "job deferred behind a capture hook window");
+        tracing::debug!(job = id.0, ?lane, queued = h.queue.len(), "job deferred behind a capture hook window");
         Ok(())
     }
 

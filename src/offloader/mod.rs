@@ -75,7 +75,7 @@ use crate::region::{page_size, AnonOptions, Layout, Region};
 use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::{self, thread, Arc, Mutex};
 use crate::transfer::{
-    Backend, GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine, TransferError,
+    Backend, GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, Lane, TensorSpec, TransferEngine, TransferError,
 };
 
 /// What a store submission did.
@@ -121,6 +121,10 @@ pub struct Completion {
     pub job: JobId,
     /// Store (`DeviceToHost`) or load (`HostToDevice`).
     pub direction: Direction,
+    /// The lane that ran it: [`Lane::Store`], [`Lane::Load`], or
+    /// [`Lane::LoadExpedited`] for [`Offloader::load_slots_expedited`] and
+    /// [`Offloader::load_slot_job_expedited`].
+    pub lane: Lane,
     /// Its keys (none for a job of [`Offloader::store_slots`] or
     /// [`Offloader::load_slots`]: its id is the engine's, which knows its
     /// slots).
@@ -672,8 +676,7 @@ impl Offloader {
         let id = inner.next_id;
         inner.next_id = JobId(inner.next_id.0 + 1);
         let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
-        if let Err(e) = self.submit_or_defer(&engine, id, Direction::DeviceToHost, &JobBlocks::single(gpu, slots), None)
-        {
+        if let Err(e) = self.submit_or_defer(&engine, id, Lane::Store, &JobBlocks::single(gpu, slots), None) {
             if let Err(m) = inner.manager.complete_store(&stored, false) {
                 tracing::error!(error = %m, "undoing a refused store failed");
             }
@@ -707,8 +710,7 @@ impl Offloader {
         let id = inner.next_id;
         inner.next_id = JobId(inner.next_id.0 + 1);
         let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
-        if let Err(e) = self.submit_or_defer(&engine, id, Direction::HostToDevice, &JobBlocks::single(gpu, slots), None)
-        {
+        if let Err(e) = self.submit_or_defer(&engine, id, Lane::Load, &JobBlocks::single(gpu, slots), None) {
             if let Err(m) = inner.manager.complete_load(keys) {
                 tracing::error!(error = %m, "undoing a refused load failed");
             }
@@ -781,7 +783,7 @@ impl Offloader {
         first_sub: usize,
     ) -> Result<(), OffloaderError> {
         let job = SlotJob { gpu_blocks, group_sizes: &[gpu_blocks.len()], slots, first_subs: &[first_sub] };
-        self.submit_slots("store_slots", Direction::DeviceToHost, id, &job)
+        self.submit_slots("store_slots", Lane::Store, id, &job)
     }
 
     /// Loads host slots `slots` into GPU blocks `gpu_blocks` as job `id`
@@ -802,7 +804,44 @@ impl Offloader {
         first_sub: usize,
     ) -> Result<(), OffloaderError> {
         let job = SlotJob { gpu_blocks, group_sizes: &[gpu_blocks.len()], slots, first_subs: &[first_sub] };
-        self.submit_slots("load_slots", Direction::HostToDevice, id, &job)
+        self.submit_slots("load_slots", Lane::Load, id, &job)
+    }
+
+    /// [`Offloader::load_slots`] on the expedited lane (vLLM's
+    /// `submit_load(..., expedited=True)`): its own stream and completion
+    /// FIFO, so it never waits behind regular loads (or stores); like every
+    /// job it is ordered after the compute stream, reported by
+    /// [`Offloader::poll`] (with [`Lane::LoadExpedited`]; expedited loads
+    /// in their submission order), waited for and deferred behind a
+    /// capture hook window as any other, and slot-checked as a load.
+    /// Needs the lane: `OffloaderOptions::transfer.expedited_lane = true`
+    /// (a third transfer handler: a stream, its events, descriptor table,
+    /// staging ring and staging memory); without it
+    /// [`TransferError::NoExpeditedLane`] (nothing submitted).
+    ///
+    /// [`TransferError::NoExpeditedLane`]: crate::transfer::TransferError::NoExpeditedLane
+    pub fn load_slots_expedited(
+        &self,
+        id: JobId,
+        gpu_blocks: &[usize],
+        slots: &[usize],
+        first_sub: usize,
+    ) -> Result<(), OffloaderError> {
+        let job = SlotJob { gpu_blocks, group_sizes: &[gpu_blocks.len()], slots, first_subs: &[first_sub] };
+        self.submit_slots("load_slots_expedited", Lane::LoadExpedited, id, &job)
+    }
+
+    /// [`Offloader::load_slot_job`] on the expedited lane (see
+    /// [`Offloader::load_slots_expedited`]).
+    pub fn load_slot_job_expedited(&self, id: JobId, job: &SlotJob<'_>) -> Result<(), OffloaderError> {
+        self.submit_slots("load_slot_job_expedited", Lane::LoadExpedited, id, job)
+    }
+
+    /// The stream of `lane`'s transfer handler (`None` for the expedited
+    /// lane when it was not made, or after shutdown); for diagnostics and
+    /// tests that order work against a lane.
+    pub fn lane_stream(&self, lane: Lane) -> Option<Stream> {
+        sync::lock(&self.inner).engine.as_ref().and_then(|e| e.lane_stream(lane))
     }
 
     /// [`Offloader::store_slots`] over every KV cache group of an
@@ -817,13 +856,13 @@ impl Offloader {
     /// `HostCountMismatch`, as for `store_slots`); every check of
     /// `store_slots` per group (the errors name the group).
     pub fn store_slot_job(&self, id: JobId, job: &SlotJob<'_>) -> Result<(), OffloaderError> {
-        self.submit_slots("store_slot_job", Direction::DeviceToHost, id, job)
+        self.submit_slots("store_slot_job", Lane::Store, id, job)
     }
 
     /// [`Offloader::load_slots`] over every KV cache group, as
     /// [`Offloader::store_slot_job`] stores them.
     pub fn load_slot_job(&self, id: JobId, job: &SlotJob<'_>) -> Result<(), OffloaderError> {
-        self.submit_slots("load_slot_job", Direction::HostToDevice, id, job)
+        self.submit_slots("load_slot_job", Lane::Load, id, job)
     }
 
     /// The job's blocks, group by group (the shape checks of
@@ -874,13 +913,8 @@ impl Offloader {
         Ok(out)
     }
 
-    fn submit_slots(
-        &self,
-        call: &'static str,
-        dir: Direction,
-        id: JobId,
-        job: &SlotJob<'_>,
-    ) -> Result<(), OffloaderError> {
+    fn submit_slots(&self, call: &'static str, lane: Lane, id: JobId, job: &SlotJob<'_>) -> Result<(), OffloaderError> {
+        let dir = lane.direction();
         self.check_addressing(call, Addressing::Slots)?;
         let blocks = self.slot_job_blocks(job)?;
         let mut inner = sync::lock(&self.inner);
@@ -907,7 +941,7 @@ impl Offloader {
         // The engine checks the skips, the counts and the ids (range,
         // repeats, the job id never used before) and orders the job after
         // the compute stream, as for a keyed job.
-        self.submit_or_defer(&engine, id, dir, &blocks, Some(job.first_subs))?;
+        self.submit_or_defer(&engine, id, lane, &blocks, Some(job.first_subs))?;
         inner.jobs.insert(id, JobKeys { direction: dir, keys: Vec::new(), slots });
         Ok(())
     }

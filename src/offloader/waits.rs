@@ -213,6 +213,7 @@ impl Offloader {
             sink(Completion {
                 job: r.id,
                 direction: r.direction,
+                lane: r.lane,
                 keys: job.keys,
                 bytes: r.bytes,
                 seconds: r.seconds + deferred_seconds,

@@ -1,5 +1,8 @@
 //! The transfer engine: a store handler (GPU to host) and a load handler
-//! (host to GPU), each with its own stream and FIFO of jobs.
+//! (host to GPU), each with its own stream and FIFO of jobs, and with
+//! [`TransferOptions::expedited_lane`] a third, for expedited loads
+//! ([`Lane::LoadExpedited`]: its own stream, so it never waits behind the
+//! regular loads; it still waits for the compute stream like every job).
 //!
 //! A job, at [`TransferEngine::submit`]:
 //! 1. is checked and expanded ([`super::KvLayout::expand`]), admitted by the
@@ -63,6 +66,50 @@ pub struct TransferOptions {
     /// 16 KiB fragments, against 43.5 - 44.5 with 16 MiB
     /// (docs/gpu-runs/2026-12-01-duplex-linger/).
     pub staging_bytes: usize,
+    /// A third handler for expedited loads ([`Lane::LoadExpedited`]), with
+    /// its own stream, completion FIFO, descriptor table, staging ring and
+    /// staging memory (the cost of one more load handler). `false` (the
+    /// default): an expedited load is refused
+    /// ([`TransferError::NoExpeditedLane`]).
+    pub expedited_lane: bool,
+}
+
+/// Which handler, with its own stream and FIFO, runs a job.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Lane {
+    /// Stores (GPU to host).
+    Store,
+    /// Loads (host to GPU).
+    Load,
+    /// Expedited loads (host to GPU) on a stream of their own
+    /// ([`TransferOptions::expedited_lane`]): never behind a regular load.
+    LoadExpedited,
+}
+
+impl Lane {
+    /// The lane of a regular job of `dir`.
+    pub fn of(dir: Direction) -> Lane {
+        match dir {
+            Direction::DeviceToHost => Lane::Store,
+            Direction::HostToDevice => Lane::Load,
+        }
+    }
+
+    /// The direction its copies go.
+    pub fn direction(self) -> Direction {
+        match self {
+            Lane::Store => Direction::DeviceToHost,
+            Lane::Load | Lane::LoadExpedited => Direction::HostToDevice,
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Lane::Store => STORE,
+            Lane::Load => LOAD,
+            Lane::LoadExpedited => EXPEDITED,
+        }
+    }
 }
 
 impl Default for TransferOptions {
@@ -73,6 +120,7 @@ impl Default for TransferOptions {
             gather_table_entries: 1 << 13,
             staging_ring_entries: 1 << 15,
             staging_bytes: 32 << 20,
+            expedited_lane: false,
         }
     }
 }
@@ -84,6 +132,8 @@ pub struct JobResult {
     pub id: JobId,
     /// Store (`DeviceToHost`) or load (`HostToDevice`).
     pub direction: Direction,
+    /// The lane that ran it.
+    pub lane: Lane,
     /// Bytes the job moves.
     pub bytes: u64,
     /// Fragments after merging.
@@ -144,6 +194,7 @@ struct Queue {
 }
 
 struct Handler {
+    lane: Lane,
     dir: Direction,
     stream: Stream,
     /// Recorded on the compute stream at each submission, waited for by
@@ -158,7 +209,8 @@ struct Handler {
     q: Mutex<Queue>,
 }
 
-/// The store and load handlers of one offloader (see the module docs).
+/// The store, load and (optionally) expedited-load handlers of one
+/// offloader (see the module docs).
 pub struct TransferEngine {
     rt: Arc<dyn GpuRuntime>,
     coord: Arc<Coordinator>,
@@ -167,7 +219,9 @@ pub struct TransferEngine {
     compute: Stream,
     chunks: Chunks,
     ids: Mutex<IdSet>,
-    handlers: [Handler; 2],
+    /// Indexed by [`Lane::index`]: store, load, and the expedited loads'
+    /// when [`TransferOptions::expedited_lane`] is set.
+    handlers: Vec<Handler>,
     /// The coordinator runs [`Variant::RacySubmit`] (negative N9; always
     /// false outside loom builds).
     racy_submit: bool,
@@ -175,18 +229,14 @@ pub struct TransferEngine {
 
 const STORE: usize = 0;
 const LOAD: usize = 1;
-
-fn slot(dir: Direction) -> usize {
-    match dir {
-        Direction::DeviceToHost => STORE,
-        Direction::HostToDevice => LOAD,
-    }
-}
+const EXPEDITED: usize = 2;
 
 impl TransferEngine {
-    /// Creates both handlers: two streams, their events and, when the
-    /// gather kernel may be used, a device descriptor table per handler
-    /// (allocated as a capture-unsafe call through the coordinator).
+    /// Creates the handlers (store, load, and the expedited loads' with
+    /// [`TransferOptions::expedited_lane`]): a stream each, their events
+    /// and, when the gather kernel may be used, a device descriptor table
+    /// per handler (allocated as a capture-unsafe call through the
+    /// coordinator).
     ///
     /// # Safety
     /// For as long as the engine has jobs in flight: the layout's host area
@@ -206,9 +256,14 @@ impl TransferEngine {
         let wants_staged = matches!(opts.backend, BackendChoice::Auto | BackendChoice::Force(Backend::Staged))
             && opts.staging_bytes > 0;
         let chunks = Chunks::of(&coord);
-        let mut made: Vec<Handler> = Vec::with_capacity(2);
-        for dir in [Direction::DeviceToHost, Direction::HostToDevice] {
-            match Self::make_handler(&*rt, &coord, dir, wants_gather, wants_staged, &opts) {
+        let lanes: &[Lane] = if opts.expedited_lane {
+            &[Lane::Store, Lane::Load, Lane::LoadExpedited]
+        } else {
+            &[Lane::Store, Lane::Load]
+        };
+        let mut made: Vec<Handler> = Vec::with_capacity(lanes.len());
+        for &lane in lanes {
+            match Self::make_handler(&*rt, &coord, lane, wants_gather, wants_staged, &opts) {
                 Ok(h) => made.push(h),
                 Err(e) => {
                     for h in made {
@@ -218,11 +273,7 @@ impl TransferEngine {
                 }
             }
         }
-        let load = made.pop();
-        let store = made.pop();
-        let (Some(store), Some(load)) = (store, load) else {
-            unreachable!("two handlers were made");
-        };
+        debug_assert!(made.iter().enumerate().all(|(i, h)| h.lane.index() == i));
         let racy_submit = crate::protocol::variant_is!(coord, RacySubmit);
         Ok(TransferEngine {
             rt,
@@ -232,7 +283,7 @@ impl TransferEngine {
             compute,
             chunks,
             ids: Mutex::new(IdSet::default()),
-            handlers: [store, load],
+            handlers: made,
             racy_submit,
         })
     }
@@ -240,7 +291,7 @@ impl TransferEngine {
     fn make_handler(
         rt: &dyn GpuRuntime,
         coord: &Coordinator,
-        dir: Direction,
+        lane: Lane,
         gather: bool,
         staged: bool,
         opts: &TransferOptions,
@@ -257,7 +308,8 @@ impl TransferEngine {
             }
         };
         let mut h = Handler {
-            dir,
+            lane,
+            dir: lane.direction(),
             stream,
             after_compute,
             table: None,
@@ -326,14 +378,20 @@ impl TransferEngine {
         &self.opts
     }
 
-    /// The stream of the handler for `dir` (diagnostics and tests).
+    /// The stream of the regular handler for `dir` (diagnostics and tests).
     pub fn stream(&self, dir: Direction) -> Stream {
-        self.handlers[slot(dir)].stream
+        self.handlers[Lane::of(dir).index()].stream
     }
 
-    /// Jobs of `dir` submitted and not yet reported.
+    /// The stream of `lane`'s handler, `None` for an expedited lane that
+    /// was not made (diagnostics and tests).
+    pub fn lane_stream(&self, lane: Lane) -> Option<Stream> {
+        self.handlers.get(lane.index()).map(|h| h.stream)
+    }
+
+    /// Jobs of `dir` submitted and not yet reported (every lane of `dir`).
     pub fn in_flight(&self, dir: Direction) -> usize {
-        sync::lock(&self.handlers[slot(dir)].q).jobs.len()
+        self.handlers.iter().filter(|h| h.dir == dir).map(|h| sync::lock(&h.q).jobs.len()).sum()
     }
 
     /// Submits a store (GPU to host) of `job`. See [`TransferEngine::submit`].
@@ -379,7 +437,7 @@ impl TransferEngine {
     /// as the caller may hold locks the window's owner needs.
     pub fn submit(&self, id: JobId, dir: Direction, job: &JobBlocks) -> Result<(), TransferError> {
         let exp = self.layout.expand(id, job)?;
-        self.submit_expanded(id, dir, &exp)
+        self.submit_expanded(id, Lane::of(dir), &exp)
     }
 
     /// [`TransferEngine::submit`] with the skip of each group's first host
@@ -393,17 +451,39 @@ impl TransferEngine {
         first_subs: &[usize],
     ) -> Result<(), TransferError> {
         let exp = self.layout.expand_skipping(id, job, first_subs)?;
-        self.submit_expanded(id, dir, &exp)
+        self.submit_expanded(id, Lane::of(dir), &exp)
     }
 
-    fn submit_expanded(&self, id: JobId, dir: Direction, exp: &Expansion) -> Result<(), TransferError> {
+    /// [`TransferEngine::submit`] on `lane` (with `first_subs`:
+    /// [`TransferEngine::submit_skipping`]); [`TransferError::NoExpeditedLane`]
+    /// for [`Lane::LoadExpedited`] on an engine made without it. Everything
+    /// else as `submit`: jobs of one lane are enqueued, complete and are
+    /// reported in submission order; lanes do not wait for each other.
+    pub fn submit_lane(
+        &self,
+        id: JobId,
+        lane: Lane,
+        job: &JobBlocks,
+        first_subs: Option<&[usize]>,
+    ) -> Result<(), TransferError> {
+        if self.handlers.get(lane.index()).is_none() {
+            return Err(TransferError::NoExpeditedLane { id });
+        }
+        let exp = match first_subs {
+            Some(s) => self.layout.expand_skipping(id, job, s)?,
+            None => self.layout.expand(id, job)?,
+        };
+        self.submit_expanded(id, lane, &exp)
+    }
+
+    fn submit_expanded(&self, id: JobId, lane: Lane, exp: &Expansion) -> Result<(), TransferError> {
         if self.racy_submit {
             // N9 (loom builds only): the submit as it was before it moved inside the gate, outside
             // the gate.
             let ticket = self.coord.admit_job().map_err(|_| TransferError::ShutDown { id })?;
-            return self.accept(id, dir, exp, ticket);
+            return self.accept(id, lane, exp, ticket);
         }
-        match self.coord.admit_job_outside_windows(|_inside, ticket| self.accept(id, dir, exp, ticket)) {
+        match self.coord.admit_job_outside_windows(|_inside, ticket| self.accept(id, lane, exp, ticket)) {
             Ok(r) => r,
             Err(ProtocolError::ShutDown) => Err(TransferError::ShutDown { id }),
             Err(_) => Err(TransferError::CaptureWindowOpen { id }),
@@ -412,7 +492,7 @@ impl TransferEngine {
 
     /// The body of [`TransferEngine::submit`] once the job is admitted:
     /// the compute stream's check, the job's id, and its enqueue.
-    fn accept(&self, id: JobId, dir: Direction, exp: &Expansion, ticket: JobTicket) -> Result<(), TransferError> {
+    fn accept(&self, id: JobId, lane: Lane, exp: &Expansion, ticket: JobTicket) -> Result<(), TransferError> {
         // cuStreamIsCapturing of a stream no other thread captures is
         // measured capture-safe (cell capture_status_other).
         if self.rt.capture_status(self.compute)? != CaptureStatus::None {
@@ -421,7 +501,8 @@ impl TransferEngine {
         if !sync::lock(&self.ids).insert(id) {
             return Err(TransferError::JobIdReused { id });
         }
-        let h = &self.handlers[slot(dir)];
+        let h = &self.handlers[lane.index()];
+        let dir = h.dir;
         let other_busy = self.other_busy(h);
         // The queue lock is held while enqueueing, so queue order is stream
         // order.
@@ -492,8 +573,10 @@ impl TransferEngine {
         if h.staged.is_none() || self.opts.backend != BackendChoice::Auto {
             return false;
         }
-        let other = sync::lock(&self.handlers[1 - slot(h.dir)].q);
-        !other.jobs.is_empty() || other.idle_since.is_some_and(|t| t.elapsed() < self.opts.thresholds.duplex_linger)
+        self.handlers.iter().filter(|o| o.dir != h.dir).any(|o| {
+            let other = sync::lock(&o.q);
+            !other.jobs.is_empty() || other.idle_since.is_some_and(|t| t.elapsed() < self.opts.thresholds.duplex_linger)
+        })
     }
 
     /// Enqueues the fragments with the first allowed backend.
@@ -777,6 +860,7 @@ impl TransferEngine {
             out.push(JobResult {
                 id: p.id,
                 direction: h.dir,
+                lane: h.lane,
                 bytes: p.bytes,
                 fragments: p.fragments,
                 seconds: p.submitted.elapsed().as_secs_f64(),
@@ -912,6 +996,7 @@ fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handler) {
 impl Drop for TransferEngine {
     fn drop(&mut self) {
         let placeholder = || Handler {
+            lane: Lane::Store,
             dir: Direction::DeviceToHost,
             stream: Stream(0),
             after_compute: Event(0),
@@ -920,7 +1005,7 @@ impl Drop for TransferEngine {
             staged: None,
             q: Mutex::new(Queue::default()),
         };
-        for i in [STORE, LOAD] {
+        for i in 0..self.handlers.len() {
             let h = std::mem::replace(&mut self.handlers[i], placeholder());
             release_handler(&*self.rt, &self.coord, h);
         }

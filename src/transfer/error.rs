@@ -200,6 +200,13 @@ pub enum TransferError {
         /// The refused job's id (not marked as used).
         id: JobId,
     },
+    /// An expedited load on an engine made without an expedited lane
+    /// ([`super::TransferOptions::expedited_lane`]).
+    #[error("job {id} refused: no expedited lane (TransferOptions::expedited_lane is off)")]
+    NoExpeditedLane {
+        /// The refused job's id (not marked as used).
+        id: JobId,
+    },
     /// No job with this id is in flight (never submitted, or already reported).
     #[error("no job {id} is in flight")]
     UnknownJob {

@@ -31,7 +31,7 @@ pub mod select;
 mod staged;
 
 pub use backend::{Backend, BackendChoice};
-pub use engine::{JobResult, TransferEngine, TransferOptions};
+pub use engine::{JobResult, Lane, TransferEngine, TransferOptions};
 pub use error::{LayoutError, TransferError};
 pub use ids::JobId;
 pub use layout::{merge_adjacent, Expansion, GroupBlocks, GroupSpec, HostPlacement, JobBlocks, KvLayout, TensorSpec};
