@@ -30,7 +30,7 @@ pub use options::{
     MAX_CHUNK_LIMIT, MAX_THREADS, RECOMMENDED_MAX_CHUNK_BYTES,
 };
 pub use prefault::{
-    thp_setting, PlannedChunk, PrefaultConfig, PrefaultError, PrefaultStats, Prefaulter, HUGE_PAGE_BYTES,
+    thp_setting, PlannedChunk, PrefaultConfig, PrefaultError, PrefaultStats, Prefaulter, ReserveFn, HUGE_PAGE_BYTES,
 };
 pub use region_slots::RegionSlots;
 pub use setup::{prepare, Prepared};

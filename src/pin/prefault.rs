@@ -123,6 +123,22 @@ pub enum PrefaultError {
         /// The panic message.
         msg: String,
     },
+    /// Reserving a slice's pages in its file system (the hook of
+    /// [`Prefaulter::reserving`], a shared region with deferred
+    /// reservation) failed; the slice was not touched. For a full file
+    /// system the text is the region's
+    /// [`RegionError::ShmFull`](crate::region::RegionError::ShmFull).
+    #[error("chunk {chunk}: reserving {len} bytes at {addr:#x} failed: {msg}")]
+    Reserve {
+        /// The chunk index.
+        chunk: usize,
+        /// Start of the slice.
+        addr: usize,
+        /// Its length.
+        len: usize,
+        /// What the reservation said.
+        msg: String,
+    },
     /// Pre-faulting was stopped ([`Prefault::settle`]) before the chunk was done.
     #[error("chunk {chunk}: pre-faulting was stopped before the chunk was resident")]
     Stopped {
@@ -274,8 +290,13 @@ impl Pool {
     }
 }
 
+/// Reserves `len` bytes at `addr` before they are touched ([`Prefaulter::reserving`]).
+pub type ReserveFn = Box<dyn Fn(usize, usize) -> Result<(), String> + Send + Sync>;
+
 struct Shared {
     cfg: PrefaultConfig,
+    /// Run on every slice before it is faulted.
+    reserve: Option<ReserveFn>,
     pool: Mutex<Pool>,
     /// Workers wait here for slices (or stop).
     work: Condvar,
@@ -447,9 +468,24 @@ unsafe fn run_slice(
 /// As for [`run_slice`].
 unsafe fn run_slice_caught(
     cfg: &PrefaultConfig,
+    reserve: Option<&ReserveFn>,
     populate: Populate,
     s: &Slice,
 ) -> (Result<(), PrefaultError>, Option<Populate>) {
+    // A page touched must have been reserved first (the argument of
+    // `region::shm`, "Deferred reservation"): the hook runs here, on the
+    // thread that faults the slice, before `run_slice` touches any byte of
+    // `[s.addr, s.addr + s.len)`, and the slice is skipped (nothing
+    // touched) unless it returned success for exactly that range. Slices
+    // of one chunk never overlap and a chunk lies in one data file, so
+    // every page a worker faults was reserved by that same worker first.
+    if let Some(r) = reserve {
+        if cfg.mode != PrefaultMode::Off {
+            if let Err(msg) = r(s.addr, s.len) {
+                return (Err(PrefaultError::Reserve { chunk: s.chunk, addr: s.addr, len: s.len, msg }), None);
+            }
+        }
+    }
     // SAFETY: forwarded contract.
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { run_slice(cfg, populate, s) })) {
         Ok(r) => r,
@@ -540,7 +576,7 @@ fn worker(shared: Arc<Shared>) {
                 // before the pre-faulter is dropped) waits for every running
                 // slice; slices start page aligned (checked, then cut at
                 // multiples of the page size).
-                unsafe { run_slice_caught(&shared.cfg, populate, &s) }
+                unsafe { run_slice_caught(&shared.cfg, shared.reserve.as_ref(), populate, &s) }
             };
             g = shared.lock();
             g.finish(&s, res, learned);
@@ -580,11 +616,26 @@ impl Prefaulter {
     /// As for [`Prefaulter::new`], for every chunk of `plan` too: from the
     /// first `ensure`/`hint` until `settle` returned.
     pub unsafe fn with_plan(cfg: PrefaultConfig, plan: Vec<PlannedChunk>) -> Prefaulter {
+        // SAFETY: forwarded contract (no reservation hook).
+        unsafe { Self::reserving(cfg, plan, None) }
+    }
+
+    /// [`Prefaulter::with_plan`] that calls `reserve(addr, len)` for every
+    /// slice, on the worker that faults it, before any byte of it is
+    /// touched; a slice whose reservation fails is not faulted and its
+    /// chunk fails with [`PrefaultError::Reserve`]. What a shared region
+    /// with deferred reservation gets ([`crate::region::ShmOptions::defer_reserve`]:
+    /// `Region::reserve_addr`), so that no fault finds its file system full.
+    ///
+    /// # Safety
+    /// As for [`Prefaulter::with_plan`].
+    pub unsafe fn reserving(cfg: PrefaultConfig, plan: Vec<PlannedChunk>, reserve: Option<ReserveFn>) -> Prefaulter {
         let cfg = PrefaultConfig { threads: cfg.threads.max(1), ..cfg };
         let populate = if cfg.mode == PrefaultMode::Populate { probe_populate() } else { Populate::Unknown };
         Prefaulter {
             shared: Arc::new(Shared {
                 cfg,
+                reserve,
                 pool: Mutex::new(Pool {
                     queue: VecDeque::new(),
                     jobs: Vec::new(),
@@ -683,7 +734,7 @@ impl Prefaulter {
             // SAFETY: the range passed to `ensure`, vouched for by the
             // creator (`Prefaulter::new`); the start was checked page aligned
             // and slices are cut at multiples of the page size.
-            let (res, learned) = unsafe { run_slice_caught(&cfg, populate, &s) };
+            let (res, learned) = unsafe { run_slice_caught(&cfg, self.shared.reserve.as_ref(), populate, &s) };
             self.shared.lock().finish(&s, res.clone(), learned);
             res?;
         }

@@ -108,10 +108,25 @@ impl Prepared {
             0 => threads,
             n => threads.min(n),
         };
+        // A shared region whose reservation was left to the first touch
+        // (ShmOptions::defer_reserve): the pre-fault workers reserve each
+        // slice before faulting it; without pre-faulting, the driver's
+        // registration would fault unreserved pages, so everything this
+        // rank may touch is reserved here, first.
+        let deferred = region.reservation_deferred();
+        if deferred && opts.prefault == PrefaultMode::Off {
+            region.reserve_rest()?;
+        }
         let prefaulter = match opts.prefault {
             PrefaultMode::Off => None,
             mode => {
                 let cfg = PrefaultConfig { threads, mode, huge_pages };
+                let reserve: Option<super::prefault::ReserveFn> = deferred.then(|| {
+                    let r = region.clone();
+                    let f: super::prefault::ReserveFn =
+                        Box::new(move |addr, len| r.reserve_addr(addr, len).map_err(|e| e.to_string()));
+                    f
+                });
                 // SAFETY: the pre-faulter only ever gets this region's chunks
                 // (the plan and the coordinator's ranges, from `pin_all`,
                 // are both `pin_ranges` of this region; `pin_all` holds the
@@ -119,7 +134,7 @@ impl Prepared {
                 // pre-faulter before it publishes a final state, so no slice
                 // runs once pinning is over. The region's memory is
                 // read-write.
-                Some(Arc::new(unsafe { Prefaulter::with_plan(cfg, plan) }.on_cpus(placement.cpus().to_vec())))
+                Some(Arc::new(unsafe { Prefaulter::reserving(cfg, plan, reserve) }.on_cpus(placement.cpus().to_vec())))
             }
         };
         let keep: crate::protocol::KeepAlive = Box::new(region.clone());

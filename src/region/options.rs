@@ -143,6 +143,7 @@ pub struct ShmOptions {
     pub(crate) allow_group: Option<u32>,
     pub(crate) files: FileSplit,
     pub(crate) reserve: bool,
+    pub(crate) defer_reserve: bool,
     pub(crate) threads: Option<usize>,
     pub(crate) observer: Option<ShmObserver>,
     pub(crate) interrupt: Option<ShmInterrupt>,
@@ -162,6 +163,7 @@ impl std::fmt::Debug for ShmOptions {
             .field("allow_group", &self.allow_group)
             .field("files", &self.files)
             .field("reserve", &self.reserve)
+            .field("defer_reserve", &self.defer_reserve)
             .field("threads", &self.threads)
             .field("observer", &self.observer.is_some())
             .field("interrupt", &self.interrupt.is_some())
@@ -183,6 +185,7 @@ impl Default for ShmOptions {
             allow_group: None,
             files: FileSplit::default(),
             reserve: true,
+            defer_reserve: false,
             threads: None,
             observer: None,
             interrupt: None,
@@ -326,6 +329,29 @@ impl ShmOptions {
     /// of the faulting cost into creating or joining.
     pub fn reserve(mut self, on: bool) -> Self {
         self.reserve = on;
+        self
+    }
+
+    /// With [`ShmOptions::reserve`] on: leave the reservation out of
+    /// `create`/`join` (default off). The rank sets its bit without
+    /// reserving, keeps the descriptors of the data files it will touch
+    /// (its own with a rank-major layout, every file with a row-interleaved
+    /// one), and every page is reserved by whoever touches it first:
+    /// pinning's pre-fault workers reserve each slice (`fallocate` of that
+    /// range) right before faulting it, so reserving overlaps pre-faulting
+    /// and registering instead of preceding them. The promise is the same
+    /// as with upfront reservation for every page pinning made resident;
+    /// for the rest the caller must call
+    /// [`Region::reserve_rest`](super::Region::reserve_rest) before touching
+    /// a page pinning did not reserve (after pinning ended pageable, or
+    /// without pinning). A full file system is then
+    /// [`RegionError::ShmFull`](super::RegionError::ShmFull) from
+    /// `reserve_rest` or from the pre-fault step (pinning ends pageable,
+    /// and the other ranks' agreement fails), not from `create`/`join`;
+    /// the files are already unlinked then, so nothing is left either way.
+    /// Creator and joiners may differ (it changes only what this rank does).
+    pub fn defer_reserve(mut self, on: bool) -> Self {
+        self.defer_reserve = on;
         self
     }
 

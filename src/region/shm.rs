@@ -96,6 +96,41 @@
 //! rank has reserved its files, no fault of the region can fail for lack
 //! of space.
 //!
+//! # Deferred reservation ([`ShmOptions::defer_reserve`])
+//!
+//! The rank sets its bit without reserving: the creator publishes `Ready`
+//! with its bit set, a joiner sets its bit right after claiming its pid
+//! word. It keeps the descriptors of the data files it will touch, and
+//! reserves a range of them ([`Region::reserve_data`]) right before the
+//! first touch; pinning's pre-fault workers do it per slice, so reserving
+//! runs beside pre-faulting and registering instead of before them.
+//!
+//! Kill safety is unchanged: the steps before the bit are today's minus
+//! the reservation, so the cases above cover every kill point up to
+//! `Complete`, and reserving happens on descriptors of files that are
+//! unlinked by then (or, without [`ShmOptions::wait_for_all`], that the
+//! unlink at `Complete` removes); no step creates a file, so a rank killed
+//! while reserving leaves none.
+//!
+//! A full file system: why no fault of the region can fail for lack of
+//! space (SIGBUS, or EFAULT from pre-faulting). A page of a data file is
+//! backed once `fallocate` of a range holding it returned success (tmpfs
+//! allocates a folio for every index of the range and charges it to the
+//! mount, undoing them all on failure), and stays backed while the file
+//! lives (nothing here punches holes). Pinning touches only pages of the
+//! slices its pre-fault workers fault, and each worker reserves its slice
+//! on its own thread before it faults or touches any byte of it
+//! ([`crate::pin::prefault`]); a slice whose reservation fails is not
+//! touched, pre-faulting fails with the [`RegionError::ShmFull`] text and
+//! pinning ends pageable before registering that chunk (a registration
+//! faults only pages its pre-fault made resident; without pre-faulting,
+//! pinning reserves this rank's files whole before it starts). Every other
+//! touch must follow [`Region::reserve_rest`]: a rank whose pinning did not
+//! reserve everything calls it first and gets the typed error, then drops
+//! the region. The region is not abandoned then (every rank may have
+//! mapped it, the files are gone already); the other ranks learn of it
+//! through the pin agreement, which fails for them.
+//!
 //! Only if every rank dies does a file outlive them; the next creator then
 //! gets [`RegionError::AlreadyExists`] and may remove it with
 //! [`ShmOptions::force`] (which also removes stale data files as it meets
@@ -270,7 +305,10 @@ struct DataFile {
     /// Its bytes of the data area.
     bytes: std::ops::Range<usize>,
     owner: usize,
-    /// Kept open until this rank has reserved it (own files only).
+    /// Kept open until this rank has reserved it (own files only); with
+    /// [`ShmOptions::defer_reserve`], kept for the region's life (every file
+    /// this rank's pinning touches) so that pages are reserved as they are
+    /// first touched ([`Region::reserve_data`]).
     file: Option<File>,
 }
 
@@ -290,6 +328,9 @@ pub(crate) struct Shared {
     data: Vec<DataFile>,
     /// Whether the plan has data files.
     multi: bool,
+    /// Reservation left to whoever touches the pages
+    /// ([`ShmOptions::defer_reserve`], multi-file with reserving on).
+    deferred: bool,
     pub(crate) timeout: Duration,
     session: u64,
     wait_for_all: bool,
@@ -306,6 +347,7 @@ impl Shared {
             header,
             data: Vec::new(),
             multi,
+            deferred: multi && opts.reserve && opts.defer_reserve,
             timeout: opts.timeout,
             session: opts.session,
             wait_for_all: opts.wait_for_all,
@@ -489,7 +531,7 @@ impl Region {
             let mapped = file.set_len(len as u64).map_err(|e| RegionError::io("ftruncate", &path, e)).and_then(|()| {
                 pieces.map_file(hb + spec.bytes.start, len, &file).map_err(|e| RegionError::io("mmap", &path, e))
             });
-            let keep = (spec.owner == self.rank && opts.reserve).then_some(file);
+            let keep = self.keeps_file(spec.owner).then_some(file);
             made.push(DataFile { link, bytes: spec.bytes.clone(), owner: spec.owner, file: keep });
             if let Err(e) = mapped {
                 self.shared_mut().data.append(&mut made);
@@ -680,7 +722,7 @@ impl Region {
         }
         region.check_header(opts)?;
         if let Some(plan) = &shape.plan {
-            region.open_data_files(plan, opts)?;
+            region.open_data_files(plan)?;
             opts.step(ShmStep::FilesMapped);
         }
 
@@ -700,7 +742,9 @@ impl Region {
             region.forget_link();
             return Err(RegionError::RankAlreadyMapped { path: region.shared_path().to_path_buf(), rank });
         }
-        region.reserve_own()?;
+        if !region.shared().deferred {
+            region.reserve_own()?;
+        }
         let new = region.set_bit()?;
         if opts.huge_pages {
             region.huge_pages_advised = region.try_advise_huge_pages();
@@ -712,7 +756,7 @@ impl Region {
 
     /// Joiner: opens every data file, checks it against the header's table
     /// and the plan, maps it.
-    fn open_data_files(&mut self, plan: &FilePlan, opts: &ShmOptions) -> Result<()> {
+    fn open_data_files(&mut self, plan: &FilePlan) -> Result<()> {
         let Mapping::Pieces(pieces) = &self.map else { unreachable!("a multi-file region maps pieces") };
         let hb = self.data_offset;
         let header_dev = self.shared().header.dev;
@@ -752,7 +796,7 @@ impl Region {
                 pieces
                     .map_file(hb + spec.bytes.start, spec.bytes.len(), &file)
                     .map_err(|e| Some(RegionError::io("mmap", &path, e)))?;
-                let keep = (spec.owner == self.rank && opts.reserve).then_some(file);
+                let keep = self.keeps_file(spec.owner).then_some(file);
                 opened.push(DataFile { link, bytes: spec.bytes.clone(), owner: spec.owner, file: keep });
             }
             Ok(())
@@ -836,13 +880,7 @@ impl Region {
                 .get(fail.index)
                 .map(|&k| self.shared().data[k].link.path.clone())
                 .unwrap_or_else(|| self.shared().path.clone());
-            let e = if fail.error.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {
-                let available = self.shared().dir.available().unwrap_or(0);
-                warn!(path = %path.display(), needed = fail.unreserved, available, "file system full while reserving the region");
-                RegionError::ShmFull { path, needed: fail.unreserved, available }
-            } else {
-                RegionError::io("fallocate", path, fail.error)
-            };
+            let e = self.reserve_error(path, fail.error, fail.unreserved);
             // Dropping the region (the caller returns this error) abandons
             // it and unlinks every file.
             return Err(e);
@@ -859,6 +897,124 @@ impl Region {
         );
         opts.step(ShmStep::Reserved);
         Ok(())
+    }
+
+    /// The error of a failed `fallocate` of `path` with `needed` bytes left
+    /// to reserve: [`RegionError::ShmFull`] for ENOSPC, else the I/O error.
+    fn reserve_error(&self, path: PathBuf, error: io::Error, needed: u64) -> RegionError {
+        if error.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {
+            let available = self.shared().dir.available().unwrap_or(0);
+            warn!(path = %path.display(), needed, available, "file system full while reserving the region");
+            RegionError::ShmFull { path, needed, available }
+        } else {
+            RegionError::io("fallocate", path, error)
+        }
+    }
+
+    /// Whether this rank keeps data file descriptors of `owner`'s files
+    /// open past mapping them: to reserve them in `create`/`join` (its own
+    /// files), or, with deferred reservation, to reserve as pages are first
+    /// touched (every file its pinning touches: its own with a rank-major
+    /// layout, all of them with a row-interleaved one).
+    fn keeps_file(&self, owner: usize) -> bool {
+        let s = self.shared();
+        if !s.opts.reserve {
+            return false;
+        }
+        owner == self.rank || (s.deferred && self.layout.order() == super::layout::Order::RowInterleaved)
+    }
+
+    /// Whether `create`/`join` left this rank's reservation to whoever
+    /// touches the pages ([`ShmOptions::defer_reserve`]): pinning reserves
+    /// what it pre-faults ([`Region::reserve_data`]); anything else must
+    /// call [`Region::reserve_rest`] before touching a page.
+    pub fn reservation_deferred(&self) -> bool {
+        matches!(&self.kind, Kind::Shared(s) if s.deferred)
+    }
+
+    /// Reserves (`fallocate`) the pages of data-area bytes `range` in every
+    /// data file this rank holds open for deferred reservation (a no-op
+    /// where reservation is not deferred: the pages were reserved by
+    /// `create`/`join`, or reserving is off, or there is one file). Safe to
+    /// call again and from several threads at once (`fallocate` of pages
+    /// already allocated allocates nothing). A file system without room is
+    /// [`RegionError::ShmFull`] naming the file, the bytes of `range` in it
+    /// and the space left; pages it could not reserve stay unallocated, and
+    /// must not be touched.
+    pub fn reserve_data(&self, range: std::ops::Range<usize>) -> Result<()> {
+        let Kind::Shared(s) = &self.kind else { return Ok(()) };
+        if !s.deferred || range.is_empty() {
+            return Ok(());
+        }
+        // Data files are in data-area order, back to back.
+        let first = s.data.partition_point(|d| d.bytes.end <= range.start);
+        for d in &s.data[first..] {
+            if d.bytes.start >= range.end {
+                break;
+            }
+            let Some(f) = &d.file else { continue };
+            let from = range.start.max(d.bytes.start);
+            let to = range.end.min(d.bytes.end);
+            let (off, len) = ((from - d.bytes.start) as u64, (to - from) as u64);
+            match rustix::fs::fallocate(f, rustix::fs::FallocateFlags::empty(), off, len) {
+                Ok(()) => {}
+                // As in `files::reserve`: pages then come from faults.
+                Err(e) if e == rustix::io::Errno::OPNOTSUPP => {}
+                Err(e) => return Err(self.reserve_error(d.link.path.clone(), e.into(), len)),
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Region::reserve_data`] for the addresses `addr..addr + len` (they
+    /// must lie in the data area: [`RegionError::RangeOutOfBounds`] otherwise).
+    pub fn reserve_addr(&self, addr: usize, len: usize) -> Result<()> {
+        let base = self.as_ptr() as usize;
+        let in_area = addr.checked_sub(base).and_then(|s| s.checked_add(len).map(|e| (s, e)));
+        match in_area {
+            Some((s, e)) if e <= self.layout.data_bytes() => self.reserve_data(s..e),
+            _ => {
+                let start = addr.wrapping_sub(base);
+                Err(RegionError::RangeOutOfBounds {
+                    start,
+                    end: start.wrapping_add(len),
+                    limit: self.layout.data_bytes(),
+                })
+            }
+        }
+    }
+
+    /// With deferred reservation: reserves every data file this rank holds
+    /// open, whole, on the reserve threads ([`ShmOptions::threads`]), as
+    /// `create`/`join` would have. The call that makes every page this
+    /// rank may touch safe to touch when pinning did not reserve it (ended
+    /// pageable, or never ran). [`RegionError::ShmFull`] when the file
+    /// system is full. A no-op without deferred reservation.
+    pub fn reserve_rest(&self) -> Result<()> {
+        let Kind::Shared(s) = &self.kind else { return Ok(()) };
+        if !s.deferred {
+            return Ok(());
+        }
+        let mut own = Vec::new();
+        let mut index = Vec::new();
+        for (k, d) in s.data.iter().enumerate() {
+            if let Some(f) = &d.file {
+                let dup = f.try_clone().map_err(|e| RegionError::io("dup", &d.link.path, e))?;
+                own.push((dup, d.bytes.len() as u64));
+                index.push(k);
+            }
+        }
+        if own.is_empty() {
+            return Ok(());
+        }
+        let threads = s.opts.threads.unwrap_or_else(|| {
+            let cores = crate::sync::thread::available_parallelism().map_or(1, |c| c.get());
+            (cores / self.layout.num_ranks()).max(1)
+        });
+        files::reserve(own, threads).map_err(|fail| {
+            let path = index.get(fail.index).map(|&k| s.data[k].link.path.clone()).unwrap_or_else(|| s.path.clone());
+            self.reserve_error(path, fail.error, fail.unreserved)
+        })
     }
 
     /// Sets this rank's bit (after READY); the CAS that sets the last bit
@@ -964,7 +1120,7 @@ impl Region {
         let n = self.layout.num_ranks();
         let bit = 1u32 << self.rank;
         let timeout = self.shared().timeout;
-        let reserve_first = self.shared().data.iter().any(|d| d.file.is_some());
+        let reserve_first = !self.shared().deferred && self.shared().data.iter().any(|d| d.file.is_some());
         let fields = Fields {
             magic: MAGIC,
             version: VERSION,

@@ -54,8 +54,9 @@ pub struct PinArgs {
     #[arg(long, value_delimiter = ',', default_value = "1")]
     ranks: Vec<usize>,
     /// --shared: variants, comma separated, of old (one file, rows, whole region per rank), new (data files,
-    /// rank-major, own share, fallocate), new-noreserve, rows (data files, rows, whole region per rank).
-    #[arg(long, value_delimiter = ',', default_value = "old,new")]
+    /// rank-major, own share, fallocate in create/join), overlap (new with fallocate per slice by the
+    /// pre-fault workers), new-noreserve, rows (data files, rows, whole region per rank).
+    #[arg(long, value_delimiter = ',', default_value = "old,new,overlap")]
     variants: Vec<String>,
     /// --shared: directory of the region's files.
     #[arg(long, default_value = DEFAULT_SHM_DIR)]
