@@ -568,3 +568,17 @@ def test_the_layout_maps_groups_in_order():
 def test_layouts_kvoffload_cannot_take_are_refused_clearly(caches, words):
     with pytest.raises(kv.OptionsError, match=words):
         kvv._layout(caches())
+
+
+def test_a_failed_registration_leaves_every_job_right_on_pageable_memory(engines, monkeypatch):
+    def runtime(backend):
+        rt = kv.Runtime("sim")
+        kt.sim_fail_registration(rt, nth=2)  # the second chunk fails: all rolled back
+        return rt
+
+    monkeypatch.setattr(kvv, "_runtime_factory", runtime)
+    eng = engines(blocks_per_chunk=2, kvo_max_chunk_bytes=16384)
+    outcome = eng.kvw.offloader.wait_pinned()
+    assert outcome.state == "pageable" and outcome.state.reason == "not_supported", repr(outcome)  # code 801
+    assert round_trip(eng, prompt_of(6 * BS + 3, 17))
+    assert {c.backend for c in eng.off.completions} == {"per-fragment"}
