@@ -170,9 +170,10 @@ class Engine:
     """vLLM's Scheduler and both connector roles in one process, driven the
     way vLLM's engine core and model runner drive them."""
 
-    def __init__(self, model_dir, extra, num_blocks=64):
+    def __init__(self, model_dir, extra, num_blocks=64, kvc=None):
         self.cfg = vllm_config(model_dir, extra, num_blocks)
-        self.kvc = kv_cache_config(num_blocks)
+        self.kvc = kvc or kv_cache_config(num_blocks)
+        self.group_of = {l: g for g, grp in enumerate(self.kvc.kv_cache_groups) for l in grp.layer_names}
         self.worker_conn = KVConnectorFactory.create_connector(self.cfg, KVConnectorRole.WORKER, self.kvc)
         self.kv = allocate_kv_cache(self.kvc, torch.device("cpu"), KVCacheLayout.LBHNC, [BS])
         t0 = time.monotonic()
@@ -217,14 +218,14 @@ class Engine:
             req = self.sched.requests[req_id]
             end = req.num_computed_tokens  # advanced by schedule()
             start = end - n
-            blocks = self.sched.kv_cache_manager.get_block_ids(req_id)[0]
-            self.block_ids[req_id] = list(blocks)
+            groups = self.sched.kv_cache_manager.get_block_ids(req_id)
+            self.block_ids[req_id] = [list(b) for b in groups]
             tokens = req.all_token_ids
             for i in range(start // BS, (end - 1) // BS + 1):
-                self.written.setdefault(req_id, set()).add(i)
-                for layer in LAYERS:
+                for layer, g in self.group_of.items():
+                    self.written.setdefault((req_id, g), set()).add(i)
                     data = block_bytes(tokens[: (i + 1) * BS], layer)
-                    self.block(blocks[i], layer).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                    self.block(groups[g][i], layer).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def step(self):
         so = self.sched.schedule()
@@ -302,15 +303,20 @@ def prompt_of(n_tokens, seed):
     return [rng.randrange(1, 999) for _ in range(n_tokens)]
 
 
-def check_loaded(eng, req, prompt):
-    """Every block of ``req`` that its forward did not write (so it came
-    from the offload tier) holds, byte for byte, what the first request's
-    forward computed for it. Returns those logical block indices."""
-    blocks = eng.block_ids[req.request_id]
-    loaded = sorted(set(range(len(prompt) // BS)) - eng.written[req.request_id])
+def check_loaded(eng, req, prompt, group=0):
+    """Every block of ``req`` in KV cache group ``group`` that its forward
+    did not write (so it came from the offload tier; the null block of a
+    sliding window's dropped blocks aside) holds, byte for byte, what the
+    first request's forward computed for it. Returns those logical block
+    indices."""
+    blocks = eng.block_ids[req.request_id][group]
+    written = eng.written[(req.request_id, group)]
+    loaded = sorted(i for i in range(len(prompt) // BS) if i not in written and blocks[i] != 0)
     for i in loaded:
-        for layer in LAYERS:
-            assert eng.read(blocks[i], layer) == block_bytes(prompt[: (i + 1) * BS], layer), f"block {i} of {layer}"
+        for layer, g in eng.group_of.items():
+            if g == group:
+                got = eng.read(blocks[i], layer)
+                assert got == block_bytes(prompt[: (i + 1) * BS], layer), f"block {i} of {layer}"
     return loaded
 
 
@@ -332,8 +338,8 @@ def round_trip(eng, prompt):
 def engines(model_dir):
     made = []
 
-    def make(num_blocks=64, **kw):
-        e = Engine(model_dir, extra_config(**kw), num_blocks)
+    def make(num_blocks=64, kvc=None, **kw):
+        e = Engine(model_dir, extra_config(**kw), num_blocks, kvc)
         made.append(e)
         return e
 
@@ -582,3 +588,39 @@ def test_a_failed_registration_leaves_every_job_right_on_pageable_memory(engines
     assert outcome.state == "pageable" and outcome.state.reason == "not_supported", repr(outcome)  # code 801
     assert round_trip(eng, prompt_of(6 * BS + 3, 17))
     assert {c.backend for c in eng.off.completions} == {"per-fragment"}
+
+
+def test_two_groups_full_attention_and_sliding_window_share_the_slot_pool(engines):
+    """A hybrid model: layer 0 full attention, layer 1 a sliding window of
+    3 blocks, each group its own tensor; vLLM's one chunk pool serves both
+    (a chunk id holds both groups' parts)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    n = 64
+    sw = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=3 * BS)
+    kvc = KVCacheConfig(
+        num_blocks=n,
+        kv_cache_tensors=[
+            KVCacheTensor(size=2 * PAGE * n, layers=[LAYERS[0]], layer_stride=PAGE * n, block_stride=PAGE, offset=0),
+            KVCacheTensor(
+                size=2 * PAGE * n, layers=[LAYERS[1]], layer_stride=PAGE * n, block_stride=PAGE, offset=PAGE * n
+            ),
+        ],
+        kv_cache_groups=[KVCacheGroupSpec([LAYERS[0]], KV_SPEC), KVCacheGroupSpec([LAYERS[1]], sw)],
+    )
+    eng = engines(blocks_per_chunk=2, kvc=kvc)
+    assert eng.kvw.num_groups == 2
+    assert kt.sim_adopted_ranges(eng.kvw.runtime) == 1, "both tensors in vLLM's one backing allocation"
+    prompt = prompt_of(8 * BS + 5, 18)
+    a = eng.add(prompt)
+    eng.run(a)
+    (store,) = [j for j in eng.off.jobs if j[0] == "store"]
+    assert len(store[3]) == 2 and store[3][0] == 8 and 0 < store[3][1] < 8, f"both groups, window-limited: {store}"
+    eng.forget_gpu_cache()
+    b = eng.add(prompt)
+    eng.run(b)
+    loads = [j for j in eng.off.jobs if j[0] == "load"]
+    assert loads and all(len(j[3]) == 2 for j in loads)
+    assert loads[0][3][1] > 0, "the sliding window group's blocks were loaded too"
+    full, window = check_loaded(eng, b, prompt, 0), check_loaded(eng, b, prompt, 1)
+    assert full and window, (full, window)
