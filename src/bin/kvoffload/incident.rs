@@ -85,6 +85,70 @@ pub struct IncidentReport {
     pub pin_seconds: f64,
     pub capture_wait_seconds: f64,
     pub replay: String,
+    /// When things happened, seconds from the start of pinning.
+    pub timeline: Timeline,
+}
+
+/// The run's interleaving, for the picture (`kvoffload incident --svg`):
+/// spans in seconds from the start of pinning. Registrations and windows
+/// are sampled from the coordinator's activity (`Coordinator::activity`,
+/// every [`SAMPLE`]; in this run the only capture-unsafe library calls are
+/// the chunk registrations, upstream's included, which go through a gate
+/// too), captures are timed by the engine loop itself.
+#[derive(Clone, Debug, Default)]
+pub struct Timeline {
+    pub registrations: Vec<(f64, f64)>,
+    pub windows: Vec<(f64, f64)>,
+    /// (start, end, the capture ended with a graph).
+    pub captures: Vec<(f64, f64, bool)>,
+    /// Samples taken (the sampler's own resolution is the run's length over
+    /// this).
+    pub samples: usize,
+}
+
+/// How often the timeline's sampler reads the coordinator's activity.
+pub const SAMPLE: Duration = Duration::from_micros(200);
+
+/// Samples `coord`'s activity until `stop`, turning "a gated call in flight"
+/// and "a window open" into spans from `t0`.
+fn sample(coord: &Coordinator, t0: Instant, stop: &AtomicBool) -> Timeline {
+    let mut tl = Timeline::default();
+    let (mut reg_from, mut win_from): (Option<f64>, Option<f64>) = (None, None);
+    loop {
+        let done = stop.load(Ordering::SeqCst);
+        let a = coord.activity();
+        let t = t0.elapsed().as_secs_f64();
+        tl.samples += 1;
+        match (a.calls_in_flight > 0, reg_from) {
+            (true, None) => reg_from = Some(t),
+            (false, Some(f)) => {
+                tl.registrations.push((f, t));
+                reg_from = None;
+            }
+            _ => {}
+        }
+        match (a.windows_open > 0, win_from) {
+            (true, None) => win_from = Some(t),
+            (false, Some(f)) => {
+                tl.windows.push((f, t));
+                win_from = None;
+            }
+            _ => {}
+        }
+        if done {
+            break;
+        }
+        // A sampling period, not a synchronisation: nothing waits on it.
+        std::thread::sleep(SAMPLE);
+    }
+    let t = t0.elapsed().as_secs_f64();
+    if let Some(f) = reg_from {
+        tl.registrations.push((f, t));
+    }
+    if let Some(f) = win_from {
+        tl.windows.push((f, t));
+    }
+    tl
 }
 
 impl IncidentReport {
@@ -174,6 +238,11 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
 
     let t0 = Instant::now();
     let done = Arc::new(AtomicBool::new(false));
+    let sampling = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (c, st) = (coord.clone(), sampling.clone());
+        thread::spawn(move || sample(&c, t0, &st))
+    };
     let (pinner, upstream) = if windowed {
         let pf: Arc<dyn Prefault> = NoPrefault::shared();
         (Some(PinHandle::spawn(rt.clone(), coord.clone(), pf)), None)
@@ -215,7 +284,10 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
             if windowed { Some(coord.open_window().map_err(|err| format!("capture window: {err}"))?) } else { None };
         wait += tw.elapsed();
         report.captures += 1;
-        match capture_one(rt.as_ref(), s, d, scratch, base, probe, cfg.nodes_per_graph, cfg.capture) {
+        let c0 = t0.elapsed().as_secs_f64();
+        let captured = capture_one(rt.as_ref(), s, d, scratch, base, probe, cfg.nodes_per_graph, cfg.capture);
+        report.timeline.captures.push((c0, t0.elapsed().as_secs_f64(), captured.is_ok()));
+        match captured {
             Ok(g) => {
                 report.captures_ok += 1;
                 if let Some(old) = last.replace(g) {
@@ -250,6 +322,10 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
         _ => Vec::new(),
     };
     report.pin_seconds = t0.elapsed().as_secs_f64();
+    sampling.store(true, Ordering::SeqCst);
+    let captures = std::mem::take(&mut report.timeline.captures);
+    report.timeline = sampler.join().map_err(|_| "timeline sampler panicked".to_string())?;
+    report.timeline.captures = captures;
 
     // Replay the last good graph and check the offloaded data arrived.
     report.replay = match last {

@@ -13,6 +13,8 @@ mod conform;
 #[cfg(not(loom))]
 mod incident;
 #[cfg(not(loom))]
+mod plot;
+#[cfg(not(loom))]
 mod random;
 #[cfg(not(loom))]
 mod run;

@@ -3,7 +3,9 @@
 //! every run (library side: [`crate::bench::transfer`]).
 
 use super::backend::{open, BackendArg};
-use crate::bench::transfer::{parse_size, run_bench, BenchConfig};
+use crate::bench::transfer::{parse_size, run_bench, BenchConfig, BenchReport};
+use crate::plot::{lines, Limit, LineChart, Series};
+use kvoffload::internal::runtime::Direction;
 use kvoffload::internal::transfer::{Backend, BackendChoice};
 
 /// Arguments of `kvoffload bench transfer`.
@@ -69,6 +71,71 @@ pub struct TransferArgs {
     /// comma-separated (auto, gather, staged, batched, per-fragment), or none.
     #[arg(long, value_delimiter = ',', default_value = "auto/auto")]
     both: Vec<String>,
+    /// Also draw the results: in this directory one SVG per direction and
+    /// host-block shape (--layers value), GB/s against fragment size for
+    /// each backend, alone and with a job the other way, with the link's
+    /// limit.
+    #[arg(long)]
+    svg: Option<std::path::PathBuf>,
+    /// The limit drawn on the pictures, GB/s: by default the H200's pinned
+    /// 1 GiB copy, one way (docs/driver-rules.md, row "Large fragments").
+    #[arg(long, default_value_t = LINK_GBPS)]
+    link_gbps: f64,
+}
+
+/// Pinned 1 GiB copies on the H200 (cuMemcpyAsync, one way), the fastest a
+/// copy of the host region went: docs/driver-rules.md, row "Large
+/// fragments".
+const LINK_GBPS: f64 = 55.4;
+
+/// One picture per direction and host-block shape: a series per backend
+/// (alone, or with a job the other way), points at each fragment size;
+/// failed rows left out.
+fn draw(report: &BenchReport, dir: &std::path::Path, link_gbps: f64) -> Result<Vec<std::path::PathBuf>, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("--svg {}: {e}", dir.display()))?;
+    let mut written = Vec::new();
+    for (&layers, (direction, dname)) in report
+        .config
+        .layers
+        .iter()
+        .flat_map(|l| [(l, (Direction::DeviceToHost, "store")), (l, (Direction::HostToDevice, "load"))])
+    {
+        let mut series: Vec<Series> = Vec::new();
+        let rows = report.rows.iter().filter(|r| r.layers == layers && r.direction == direction);
+        for r in rows.filter(|r| r.error.is_none() && r.verified && r.gbps > 0.0) {
+            let name = match r.other {
+                Some(o) => format!("{} (a {o} job the other way)", r.choice),
+                None => r.choice.to_string(),
+            };
+            match series.iter_mut().find(|s| s.name == name) {
+                Some(s) => s.points.push((r.size as f64 / 1024.0, r.gbps)),
+                None => series.push(Series { name, points: vec![(r.size as f64 / 1024.0, r.gbps)] }),
+            }
+        }
+        for s in &mut series {
+            s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+        let shape =
+            if layers == 1 { "host pages scattered".to_string() } else { format!("host blocks of {layers} pages") };
+        if series.is_empty() {
+            continue;
+        }
+        let path = dir.join(format!("transfer-{dname}-layers{layers}.svg"));
+        let title = format!("{dname}s, {shape}: {}", report.device);
+        let limits = [Limit { name: format!("pinned 1 GiB copy, {link_gbps} GB/s"), y: link_gbps }];
+        let chart = LineChart {
+            title: &title,
+            x_label: "fragment KiB",
+            y_label: "GB/s",
+            log_x: true,
+            series: &series,
+            limits: &limits,
+            x_fmt: None,
+        };
+        lines(&path, &chart)?;
+        written.push(path);
+    }
+    Ok(written)
 }
 
 /// Runs the bench; exit status 1 when any run's data was wrong.
@@ -141,5 +208,10 @@ pub fn run(a: TransferArgs) -> Result<i32, String> {
     bar.finish_and_clear();
     let report = report?;
     println!("{report}");
+    if let Some(dir) = &a.svg {
+        for p in draw(&report, dir, a.link_gbps)? {
+            println!("picture: {}", p.display());
+        }
+    }
     Ok(if report.failures() == 0 { 0 } else { 1 })
 }

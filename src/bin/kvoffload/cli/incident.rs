@@ -1,7 +1,8 @@
 //! `kvoffload incident`: the seed incident (background pinning racing graph
 //! capture), with upstream's design and with ours, on the same machine.
 
-use crate::incident::{run as run_design, Design, IncidentConfig};
+use crate::incident::{run as run_design, Design, IncidentConfig, IncidentReport};
+use crate::plot::{timeline, Span};
 use clap::ValueEnum;
 
 use super::backend::{self, BackendArg};
@@ -30,6 +31,43 @@ pub struct Args {
     /// Which design(s) to run.
     #[arg(long, value_enum, default_value_t = DesignArg::All)]
     design: DesignArg,
+    /// Also draw each design's interleaving in this directory
+    /// (incident-<design>.svg): chunk registrations, capture windows and
+    /// captures against time.
+    #[arg(long)]
+    svg: Option<std::path::PathBuf>,
+}
+
+/// One design's timeline as a picture.
+fn draw(dir: &std::path::Path, d: Design, r: &IncidentReport) -> Result<std::path::PathBuf, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("--svg {}: {e}", dir.display()))?;
+    let tl = &r.timeline;
+    let mut spans: Vec<Span> = Vec::new();
+    spans.extend(tl.registrations.iter().map(|&(a, b)| Span { lane: 0, start: a, end: b, label: None }));
+    spans.extend(tl.windows.iter().map(|&(a, b)| Span { lane: 1, start: a, end: b, label: None }));
+    spans.extend(tl.captures.iter().map(|&(a, b, ok)| Span {
+        lane: if ok { 2 } else { 3 },
+        start: a,
+        end: b,
+        label: None,
+    }));
+    let key = match d {
+        Design::Upstream => "upstream",
+        Design::Windowed => "windowed",
+        Design::Interleaved => "interleaved",
+    };
+    let path = dir.join(format!("incident-{key}.svg"));
+    let title = format!(
+        "{}: {} of {} captures ok, pin {} in {:.2} s",
+        d.name(),
+        r.captures_ok,
+        r.captures,
+        r.pin_state,
+        r.pin_seconds
+    );
+    let lanes = ["chunk registrations", "capture windows", "captures, graph made", "captures invalidated"];
+    timeline(&path, &title, &lanes, &spans)?;
+    Ok(path)
 }
 
 pub fn run(a: Args) -> Result<i32, String> {
@@ -54,6 +92,9 @@ pub fn run(a: Args) -> Result<i32, String> {
     for &d in designs {
         let r = run_design(rt.clone(), d, &cfg)?;
         println!("{r}");
+        if let Some(dir) = &a.svg {
+            println!("  picture: {}", draw(dir, d, &r)?.display());
+        }
         match d {
             Design::Upstream if r.clean() => {
                 println!("  note: no registration landed inside a capture this time (the race is timing-dependent)")

@@ -61,17 +61,10 @@ impl Default for BenchConfig {
 pub enum BenchError {
     /// A count is zero or above [`BENCH_LIMIT`].
     #[error("{field} must be in 1..={limit}, got {value}")]
-    OutOfRange {
-        field: &'static str,
-        value: usize,
-        limit: usize,
-    },
+    OutOfRange { field: &'static str, value: usize, limit: usize },
     /// The exponent is not a number in `0.0..=MAX_ZIPF_EXPONENT`.
     #[error("zipf exponent must be in 0..={limit}, got {value}")]
-    Exponent {
-        value: f64,
-        limit: f64,
-    },
+    Exponent { value: f64, limit: f64 },
 }
 
 impl BenchConfig {
