@@ -4,6 +4,7 @@ without vLLM), on the simulated GPU with stand-ins for vLLM's specs and
 canonical KV caches. test_vllm.py drives the same class through vLLM."""
 
 import random
+import threading
 from types import SimpleNamespace as NS
 
 import pytest
@@ -80,9 +81,79 @@ def test_bad_ids_from_the_engine_are_raised_not_reported_false():
         caches(kv_tensors(1), [[0]]), num_slots=4, blocks_per_chunk=1, runtime=kv.Runtime("sim"),
         capture_hook=False,
     )
+    w.offloader.wait_pinned()  # pinned: submissions are the caller's, errors raised at once
     with pytest.raises(kv.OptionsError, match="out of range"):
         w.submit_store(1, gpu([0], [1], [0]), chunks([4]))
     w.submit_store(2, gpu([0], [1], [0]), chunks([0]))
     with pytest.raises(kv.TransferError, match="already used"):
         w.submit_store(2, gpu([1], [1], [0]), chunks([1]))
+    w.shutdown()
+
+
+class Gated:
+    """The worker's offloader with slot submissions held at a gate, noting
+    which thread made each."""
+
+    def __init__(self, off):
+        self._off = off
+        self.gate = threading.Event()
+        self.calls = []
+
+    def __getattr__(self, name):
+        return getattr(self._off, name)
+
+    def store_slot_job(self, job, *a):
+        self.calls.append((job, threading.get_ident()))
+        self.gate.wait(10)
+        return self._off.store_slot_job(job, *a)
+
+    def load_slot_job(self, job, *a):
+        self.calls.append((job, threading.get_ident()))
+        self.gate.wait(10)
+        return self._off.load_slot_job(job, *a)
+
+
+def test_before_pinning_settles_submissions_never_block_the_engines_thread():
+    import kvoffload._testing as kt
+
+    rt = kv.Runtime("sim")
+    ts = kv_tensors(1)
+    with kt.sim_hold(rt, "register") as hold:
+        w = _slotworker.SlotWorker(
+            caches(ts, [[0]]), num_slots=8, blocks_per_chunk=1, runtime=rt, options=dict(pin_threads=1),
+            capture_hook=False,
+        )
+        hold.wait_entered()
+        assert w.offloader.pin_state == "pinning"
+        real = w.offloader
+        g = w.offloader = Gated(real)
+        want = fill(ts, [0, 1], random.Random(10))
+        # Held at the gate, as a pageable copy holds its thread: both calls
+        # return at once, and the thread submits them in order.
+        assert w.submit_store(1, gpu([0], [1], [0]), chunks([3]))
+        assert w.submit_store(2, gpu([1], [1], [0]), chunks([4]))
+        assert w.jobs_queued == 2
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (w.wait({1, 2}), done.set()))
+        t.start()
+        assert not done.wait(0.3), "wait() waits for jobs still queued"
+        g.gate.set()
+        t.join(10)
+        assert done.is_set()
+        assert [j for j, _ in g.calls] == [1, 2], "in submission order"
+        assert all(th != threading.get_ident() for _, th in g.calls), "made by the submitter thread"
+        assert sorted(r.job_id for r in w.get_finished()) == [1, 2]
+        # A queued submission the offloader refuses is raised by get_finished.
+        w.submit_store(3, gpu([2], [1], [0]), chunks([8]))
+        w._submitter.wait_idle()
+        with pytest.raises(kv.OptionsError, match="out of range"):
+            w.get_finished()
+    assert w.offloader.wait_pinned().state == "pinned"
+    zero(ts)
+    w.submit_load(4, chunks([3, 4]), gpu([5, 6], [2], [0]))
+    assert g.calls[-1] == (4, threading.get_ident()), "pinned: the engine's thread submits directly"
+    assert w.jobs_queued == 3
+    w.wait([4])
+    w.get_finished()
+    assert [ts[0].block(5), ts[0].block(6)] == [want[(0, 0)], want[(0, 1)]]
     w.shutdown()

@@ -274,19 +274,29 @@ class Engine:
         job reported (waits on the offloader, not on time)."""
         for _ in range(limit):
             self.step()
-            self.kvw.offloader.wait_all()
+            self.settle()
             if req.is_finished() and not self.sched.has_requests() and self.idle():
                 # Two more steps: stores submitted at a step's start are
                 # reported by the next one's get_finished.
                 for _ in range(2):
                     self.step()
-                    self.kvw.offloader.wait_all()
+                    self.settle()
                 return
         raise AssertionError(f"{req.request_id} did not finish in {limit} steps")
 
+    def settle(self):
+        """Time passing between steps: the worker's queued submissions made
+        and its jobs completed (waits, never sleeps)."""
+        self.kvw._submitter.wait_idle()
+        self.kvw.offloader.wait_all()
+
     def idle(self):
         cw = self.worker_conn.connector_worker
-        return not cw._unsubmitted_store_jobs and self.kvw.offloader.in_flight == 0
+        return (
+            not cw._unsubmitted_store_jobs
+            and not self.kvw._submitter.pending
+            and self.kvw.offloader.in_flight == 0
+        )
 
     def forget_gpu_cache(self):
         assert self.sched.reset_prefix_cache()
@@ -497,6 +507,8 @@ def test_get_worker_returns_while_pinning_is_held_and_jobs_run_pageable(engines,
     assert eng.kvw.offloader.pin_state == "pinning", "still held: every job above ran on pageable memory"
     assert eng.off.completions and {c.backend for c in eng.off.completions} == {"per-fragment"}
     assert all(c.ok for c in eng.off.completions)
+    queued = eng.kvw.jobs_queued
+    assert queued == len(eng.off.jobs), "every job before pinning settled went through the submitter thread"
     hold.release()
     assert eng.kvw.offloader.wait_pinned().state == "pinned"
     n = len(eng.off.completions)
@@ -505,6 +517,7 @@ def test_get_worker_returns_while_pinning_is_held_and_jobs_run_pageable(engines,
     eng.run(b)
     assert check_loaded(eng, b, prompt)
     assert eng.off.completions[n:], "jobs after pinning"
+    assert eng.kvw.jobs_queued == queued, "once pinned, the engine's thread submits directly"
 
 
 # ---------------------------------------------------------------- hook
