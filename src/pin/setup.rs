@@ -80,11 +80,15 @@ impl Prepared {
             .collect();
         let bytes: usize = chunks.iter().map(|c| c.1).sum();
         let memlock_limit = memlock::note_limit(bytes as u64);
-        let want_huge = match opts.huge_pages {
-            HugePages::Auto => region.kind() == RegionKind::Anonymous,
-            HugePages::On => true,
-            HugePages::Off => false,
-        };
+        // hugetlbfs: the pages are huge whatever we advise (transparent huge
+        // pages do not apply there); slices are cut on huge pages.
+        let hugetlb = region.hugetlb_page().is_some();
+        let want_huge = !hugetlb
+            && match opts.huge_pages {
+                HugePages::Auto => region.kind() == RegionKind::Anonymous,
+                HugePages::On => true,
+                HugePages::Off => false,
+            };
         let advised = want_huge
             && match region.advise_huge_pages() {
                 Ok(()) => true,
@@ -93,7 +97,7 @@ impl Prepared {
                     false
                 }
             };
-        let huge_pages = advised || region.huge_pages_advised();
+        let huge_pages = advised || region.huge_pages_advised() || hugetlb;
         // The ranks of a shared region pin at the same time on one node:
         // each takes its share of the cores (measured that way on the H200,
         // docs/gpu-runs/2026-11-30-shm-pin.md).

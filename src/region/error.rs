@@ -352,6 +352,37 @@ pub enum RegionError {
         rank: usize,
     },
 
+    /// The region's directory is on hugetlbfs and its huge page pool (or
+    /// the mount's own `size=` limit) has fewer pages than the region needs.
+    #[error("{dir} is hugetlbfs with pages of {page_bytes} bytes: the region needs {needed_pages} pages, the pool {pool} has {free_pages} free (not reserved) of {total_pages} (nr_hugepages){}; grow the pool (vm.nr_hugepages, as root) or make the region smaller", mount_pages.map_or(String::new(), |m| format!(", the mount allows {m} more")))]
+    HugePagesTooFew {
+        /// The region's directory.
+        dir: PathBuf,
+        /// The pool's sysfs directory, e.g. `/sys/kernel/mm/hugepages/hugepages-2048kB`.
+        pool: PathBuf,
+        /// Bytes of one huge page.
+        page_bytes: u64,
+        /// Pages the region (header included) needs.
+        needed_pages: u64,
+        /// Pages free and not reserved in the pool when checked.
+        free_pages: u64,
+        /// Pages in the pool (`nr_hugepages`).
+        total_pages: u64,
+        /// Pages the mount's `size=` still allows, if it sets one.
+        mount_pages: Option<u64>,
+    },
+
+    /// A length that must be whole huge pages on hugetlbfs is not.
+    #[error("{what} of {bytes} bytes is not a multiple of the hugetlbfs page of {page_bytes} bytes (choose sizes, slots and file bounds in whole huge pages)")]
+    HugePageMisfit {
+        /// Which length (`data file`, `region file`, ...).
+        what: &'static str,
+        /// Its bytes.
+        bytes: u64,
+        /// The huge page size.
+        page_bytes: u64,
+    },
+
     /// A system call failed.
     #[error("{op} failed on {path}: {source}")]
     Io {

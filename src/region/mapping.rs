@@ -75,10 +75,16 @@ unsafe impl Sync for Pieces {}
 
 impl Pieces {
     /// Reserves `head + data` bytes such that `base + head` (the data area)
-    /// is a multiple of [`DATA_ALIGN`]; `head` is a multiple of the page size.
-    pub(crate) fn reserve(head: usize, data: usize) -> io::Result<Pieces> {
+    /// is a multiple of `align` (a power of two, at least the page size:
+    /// [`DATA_ALIGN`], or the hugetlbfs page, whose mappings must start on
+    /// one); `head` is a multiple of the page size (of `align` on
+    /// hugetlbfs, so `base` is aligned too).
+    pub(crate) fn reserve_aligned(head: usize, data: usize, align: usize) -> io::Result<Pieces> {
+        if !align.is_power_of_two() || align % rustix::param::page_size() != 0 {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
         let len = head.checked_add(data).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
-        let over = len.checked_add(DATA_ALIGN).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        let over = len.checked_add(align).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
         // SAFETY: a fresh private anonymous mapping at an address the kernel
         // picks: it cannot overlap any existing mapping, and PROT_NONE with
         // MAP_NORESERVE commits no memory.
@@ -91,13 +97,13 @@ impl Pieces {
             )
         }?;
         let raw = raw as usize;
-        let data_start = (raw + head).next_multiple_of(DATA_ALIGN);
+        let data_start = (raw + head).next_multiple_of(align);
         let base = data_start - head;
         // Give back the slack before `base` and after `base + len`.
         let tail = base + len;
         // SAFETY: both ranges lie inside the reservation just made (base >=
         // raw and base + len <= raw + over because data_start - (raw + head)
-        // < DATA_ALIGN), are page aligned (raw, head and DATA_ALIGN are),
+        // < align), are page aligned (raw, head and align are),
         // and nothing refers to them.
         unsafe {
             if base > raw {
@@ -143,6 +149,26 @@ impl Drop for Pieces {
         // uses the memory any more (the region's contract for raw pointers).
         if let Err(e) = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.len) } {
             tracing::warn!(error = %e, "munmap of a region's reservation failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_data_area_lands_on_the_alignment_asked_for() {
+        let page = rustix::param::page_size();
+        for (head, align) in [(page, DATA_ALIGN), (2 << 20, 2 << 20), (1 << 30, 1 << 30), (3 * page, 64 << 20)] {
+            let p = Pieces::reserve_aligned(head, 4 * page, align).unwrap();
+            let data = p.base.as_ptr() as usize + head;
+            assert_eq!(data % align, 0, "head {head}, align {align}");
+            assert_eq!(p.len, head + 4 * page);
+        }
+        // Not a power of two, or below a page: refused.
+        for bad in [3 << 20, page / 2] {
+            assert_eq!(Pieces::reserve_aligned(page, page, bad).unwrap_err().kind(), io::ErrorKind::InvalidInput);
         }
     }
 }

@@ -42,6 +42,7 @@ mod anon;
 pub mod error;
 mod files;
 pub mod header;
+pub mod hugetlb;
 pub mod layout;
 pub mod limits;
 mod mapping;

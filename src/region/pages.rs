@@ -96,8 +96,10 @@ fn mount_in(text: &str, dir: &Path) -> Option<Mount> {
     best
 }
 
-/// Bytes of `range` mapped with PMD-sized (2 MiB) pages, from the
-/// `ShmemPmdMapped` and `FilePmdMapped` lines of /proc/self/smaps, over the
+/// Bytes of `range` mapped with huge pages, from the `ShmemPmdMapped` and
+/// `FilePmdMapped` lines of /proc/self/smaps (transparent huge pages of
+/// tmpfs and files) and `Shared_Hugetlb` / `Private_Hugetlb` (hugetlbfs, 2
+/// MiB or 1 GiB pages, which the other lines never count), over the
 /// mappings that lie inside `range`. None when smaps is unreadable.
 pub fn huge_mapped_bytes(range: Range<usize>) -> Option<u64> {
     let text = std::fs::read_to_string("/proc/self/smaps").ok()?;
@@ -118,7 +120,7 @@ fn huge_in(text: &str, range: Range<usize>) -> u64 {
         if !inside {
             continue;
         }
-        for key in ["ShmemPmdMapped:", "FilePmdMapped:"] {
+        for key in ["ShmemPmdMapped:", "FilePmdMapped:", "Shared_Hugetlb:", "Private_Hugetlb:"] {
             if let Some(v) = line.strip_prefix(key) {
                 let kb: u64 = v.split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or(0);
                 total += kb * 1024;
@@ -167,6 +169,19 @@ ShmemPmdMapped:     4096 kB
         assert_eq!(huge_in(smaps, 0x7f00_0000_0000..0x7f00_0080_0000), 6 << 20);
         assert_eq!(huge_in(smaps, 0x7f00_0040_0000..0x7f00_0080_0000), 2 << 20);
         assert_eq!(huge_in(smaps, 0..1), 0);
+        // hugetlbfs: counted under *_Hugetlb only.
+        let smaps = "\
+7f0040000000-7f0080000000 rw-s 00000000 00:2b 7 /mnt/huge1g/kvoffload-x.0
+Size:            1048576 kB
+ShmemPmdMapped:        0 kB
+Shared_Hugetlb:  1048576 kB
+Private_Hugetlb:       0 kB
+7f0080000000-7f0080400000 rw-s 00000000 00:2c 9 /mnt/huge2m/kvoffload-y.0
+Shared_Hugetlb:     2048 kB
+Private_Hugetlb:    2048 kB
+";
+        assert_eq!(huge_in(smaps, 0x7f00_4000_0000..0x7f00_8000_0000), 1 << 30);
+        assert_eq!(huge_in(smaps, 0x7f00_4000_0000..0x7f00_8040_0000), (1 << 30) + (4 << 20));
     }
 
     #[test]

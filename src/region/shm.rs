@@ -158,6 +158,7 @@ use tracing::{debug, info, warn};
 use super::error::{JoinPhase, RegionError};
 use super::files::{self, FilePlan};
 use super::header::{full_mask, Fields, Hdr, JoinState, JoinWord, HUGE_HEADER_BYTES, MAGIC, MIN_HEADER_BYTES, VERSION};
+use super::hugetlb;
 use super::layout::Layout;
 use super::limits;
 use super::mapping::{Mapping, Pieces};
@@ -207,17 +208,30 @@ struct Shape {
     header_bytes: usize,
     /// Header plus data.
     total: usize,
+    /// The hugetlbfs page size, when the directory is on hugetlbfs.
+    hpage: Option<usize>,
 }
 
 impl Shape {
-    fn of(layout: &Layout, opts: &ShmOptions) -> Result<Shape> {
+    /// The shape in a directory on a file system whose hugetlbfs page is
+    /// `hpage` (None: not hugetlbfs). On hugetlbfs the header takes whole
+    /// huge pages and every file must be whole huge pages
+    /// ([`RegionError::HugePageMisfit`]).
+    fn of(layout: &Layout, opts: &ShmOptions, hpage: Option<usize>) -> Result<Shape> {
         let plan = files::plan(layout, opts.files)?;
         let header_bytes = match &plan {
             None => header_bytes(opts.huge_pages),
             Some(p) => files::header_bytes(p.files.len()),
         };
+        let header_bytes = hugetlb::round_header(header_bytes, hpage);
         let total = total_bytes(layout, header_bytes)?;
-        Ok(Shape { plan, header_bytes, total })
+        if let Some(page) = hpage {
+            match &plan {
+                None => hugetlb::check_fit([(total, "region file")], page)?,
+                Some(p) => hugetlb::check_fit(p.files.iter().map(|f| (f.bytes.len(), "data file")), page)?,
+            }
+        }
+        Ok(Shape { plan, header_bytes, total, hpage })
     }
 
     /// Length of the header file: the whole region with one file, the
@@ -331,6 +345,8 @@ pub(crate) struct Shared {
     /// Reservation left to whoever touches the pages
     /// ([`ShmOptions::defer_reserve`], multi-file with reserving on).
     deferred: bool,
+    /// The hugetlbfs page size when the directory is on hugetlbfs.
+    hpage: Option<usize>,
     pub(crate) timeout: Duration,
     session: u64,
     wait_for_all: bool,
@@ -338,7 +354,8 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    fn new(dir: RegionDir, header: Linked, file: File, opts: &ShmOptions, multi: bool) -> Self {
+    fn new(dir: RegionDir, header: Linked, file: File, opts: &ShmOptions, shape: &Shape) -> Self {
+        let multi = shape.plan.is_some();
         Shared {
             path: header.path.clone(),
             dir,
@@ -348,6 +365,7 @@ impl Shared {
             data: Vec::new(),
             multi,
             deferred: multi && opts.reserve && opts.defer_reserve,
+            hpage: shape.hpage,
             timeout: opts.timeout,
             session: opts.session,
             wait_for_all: opts.wait_for_all,
@@ -436,16 +454,25 @@ impl Region {
         let path = shm_path(&opts.dir, name)?;
         trust::check_create_mode(opts.file_mode(), opts.allow_group)?;
         let started = Instant::now();
-        let shape = Shape::of(&layout, opts)?;
-        let total = shape.total;
         let dir = RegionDir::open(&opts.dir).map_err(|e| RegionError::io("open (directory)", &opts.dir, e))?;
+        let hpage = dir.hugetlb_page().map_err(|e| RegionError::io("fstatfs", &opts.dir, e))?;
+        let shape = Shape::of(&layout, opts, hpage)?;
+        let total = shape.total;
 
         // Capacity, before anything is written.
-        let free = dir.available().map_err(|e| RegionError::io("statvfs", &opts.dir, e))?;
-        if total as u64 > free {
-            return Err(RegionError::ShmTooSmall { dir: opts.dir.clone(), needed: total as u64, available: free });
+        if let Some(page) = hpage {
+            // Huge pages come from the kernel's pool, not from MemAvailable
+            // (which already excludes the pool) or a tmpfs size.
+            let (blocks, avail) = dir.blocks().map_err(|e| RegionError::io("statvfs", &opts.dir, e))?;
+            let root = Path::new(hugetlb::SYSFS_HUGEPAGES);
+            hugetlb::check_capacity(&opts.dir, root, page, total as u64, hugetlb::mount_pages(blocks, avail))?;
+        } else {
+            let free = dir.available().map_err(|e| RegionError::io("statvfs", &opts.dir, e))?;
+            if total as u64 > free {
+                return Err(RegionError::ShmTooSmall { dir: opts.dir.clone(), needed: total as u64, available: free });
+            }
         }
-        if opts.check_memory {
+        if opts.check_memory && hpage.is_none() {
             // The whole region: the node's memory must hold every rank's
             // share (tmpfs pages are memory).
             limits::check(total as u64)?;
@@ -465,7 +492,7 @@ impl Region {
                 return Err(e);
             }
         };
-        let mut shared = Shared::new(dir, header, file, opts, shape.plan.is_some());
+        let mut shared = Shared::new(dir, header, file, opts, &shape);
         let map = match size_and_map(&shared, &shape) {
             Ok(m) => m,
             Err(e) => {
@@ -483,7 +510,7 @@ impl Region {
         if let Some(plan) = &shape.plan {
             region.create_data_files(plan, opts)?;
         }
-        if opts.huge_pages {
+        if opts.huge_pages && hpage.is_none() {
             region.huge_pages_advised = region.try_advise_huge_pages();
         }
         info!(
@@ -529,7 +556,7 @@ impl Region {
             self.hdr().file_inodes()[k].store(link.ino, core::sync::atomic::Ordering::Release);
             let len = spec.bytes.len();
             let mapped = file.set_len(len as u64).map_err(|e| RegionError::io("ftruncate", &path, e)).and_then(|()| {
-                pieces.map_file(hb + spec.bytes.start, len, &file).map_err(|e| RegionError::io("mmap", &path, e))
+                pieces.map_file(hb + spec.bytes.start, len, &file).map_err(|e| mmap_error(self.shared(), &path, e, len))
             });
             let keep = self.keeps_file(spec.owner).then_some(file);
             made.push(DataFile { link, bytes: spec.bytes.clone(), owner: spec.owner, file: keep });
@@ -569,12 +596,15 @@ impl Region {
         let path = shm_path(&opts.dir, name)?;
         let started = Instant::now();
         let n = layout.num_ranks();
-        let shape = Shape::of(&layout, opts)?;
-        if opts.check_memory {
+        // The plan alone (the memory check needs no more); the shape in the
+        // directory's file system is made once the directory is open.
+        let plan_only = Shape::of(&layout, opts, None)?;
+        let on_hugetlbfs =
+            rustix::fs::statfs(&opts.dir).is_ok_and(|st| st.f_type as u64 & 0xffff_ffff == hugetlb::HUGETLBFS_MAGIC);
+        if opts.check_memory && !on_hugetlbfs {
             // What this rank brings in itself, before it waits for anything.
-            limits::check(rank_bytes(&layout, shape.plan.as_ref(), rank))?;
+            limits::check(rank_bytes(&layout, plan_only.plan.as_ref(), rank))?;
         }
-        let file_len = shape.header_file_len();
         let mut backoff = Backoff::new(opts.timeout);
         // An interrupt gives up as the timeout does, at the same points.
         let mut interrupt = opts.interrupt_check();
@@ -600,6 +630,9 @@ impl Region {
                 Err(e) => return Err(RegionError::io("open (directory)", &opts.dir, e)),
             }
         };
+        let hpage = dir.hugetlb_page().map_err(|e| RegionError::io("fstatfs", &opts.dir, e))?;
+        let shape = Shape::of(&layout, opts, hpage)?;
+        let file_len = shape.header_file_len();
         let file = loop {
             match dir.open_existing(&file_name, &trust) {
                 Ok(f) => break f,
@@ -628,7 +661,7 @@ impl Region {
             }
         };
         let header = Linked::of(&dir, file_name, &file)?;
-        let mut shared = Shared::new(dir, header, file, opts, shape.plan.is_some());
+        let mut shared = Shared::new(dir, header, file, opts, &shape);
         debug!(path = %shared.path.display(), rank, "opened region file");
 
         // Phase 2: the creator sizes it.
@@ -746,7 +779,7 @@ impl Region {
             region.reserve_own()?;
         }
         let new = region.set_bit()?;
-        if opts.huge_pages {
+        if opts.huge_pages && region.shared().hpage.is_none() {
             region.huge_pages_advised = region.try_advise_huge_pages();
         }
         info!(path = %region.path_lossy(), rank, mapped = ?new.mapped(), "joined shared region");
@@ -795,7 +828,7 @@ impl Region {
                 let link = Linked { path: path.clone(), name, dev: md.dev, ino: md.ino, linked: true };
                 pieces
                     .map_file(hb + spec.bytes.start, spec.bytes.len(), &file)
-                    .map_err(|e| Some(RegionError::io("mmap", &path, e)))?;
+                    .map_err(|e| Some(mmap_error(self.shared(), &path, e, spec.bytes.len())))?;
                 let keep = self.keeps_file(spec.owner).then_some(file);
                 opened.push(DataFile { link, bytes: spec.bytes.clone(), owner: spec.owner, file: keep });
             }
@@ -902,7 +935,21 @@ impl Region {
     /// The error of a failed `fallocate` of `path` with `needed` bytes left
     /// to reserve: [`RegionError::ShmFull`] for ENOSPC, else the I/O error.
     fn reserve_error(&self, path: PathBuf, error: io::Error, needed: u64) -> RegionError {
-        if error.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {
+        let errno = error.raw_os_error();
+        let no_space = errno == Some(rustix::io::Errno::NOSPC.raw_os_error());
+        if let (Some(page), true) = (self.shared().hpage, no_space) {
+            // hugetlbfs: the pool ran out (someone took pages after the
+            // capacity check). Name the pool as it is now.
+            let root = Path::new(hugetlb::SYSFS_HUGEPAGES);
+            match hugetlb::Pool::read(root, page as u64) {
+                Ok(pool) => {
+                    warn!(path = %path.display(), needed, free = pool.available(), "huge page pool exhausted while reserving the region");
+                    return pool.too_few(&self.shared().opts.dir, needed, None);
+                }
+                Err(e) => warn!(error = %e, "cannot read the huge page pool after ENOSPC"),
+            }
+        }
+        if no_space {
             let available = self.shared().dir.available().unwrap_or(0);
             warn!(path = %path.display(), needed, available, "file system full while reserving the region");
             RegionError::ShmFull { path, needed, available }
@@ -922,6 +969,15 @@ impl Region {
             return false;
         }
         owner == self.rank || (s.deferred && self.layout.order() == super::layout::Order::RowInterleaved)
+    }
+
+    /// The huge page size of the region's hugetlbfs directory (None: not
+    /// hugetlbfs, or anonymous).
+    pub fn hugetlb_page(&self) -> Option<usize> {
+        match &self.kind {
+            Kind::Shared(s) => s.hpage,
+            Kind::Anonymous => None,
+        }
     }
 
     /// Whether `create`/`join` left this rank's reservation to whoever
@@ -1380,6 +1436,20 @@ fn open_exclusive(dir: &RegionDir, name: &OsStr, opts: &ShmOptions) -> Result<Fi
     }
 }
 
+/// The error of a failed shared `mmap` of `len` bytes of `path`: on
+/// hugetlbfs ENOMEM means the pool cannot back the mapping (a shared
+/// hugetlb mapping reserves its pages when it is made, so no later fault
+/// can find the pool empty), [`RegionError::HugePagesTooFew`]; otherwise
+/// the I/O error.
+fn mmap_error(shared: &Shared, path: &Path, e: io::Error, len: usize) -> RegionError {
+    if let (Some(page), Some(libc::ENOMEM)) = (shared.hpage, e.raw_os_error()) {
+        if let Ok(pool) = hugetlb::Pool::read(Path::new(hugetlb::SYSFS_HUGEPAGES), page as u64) {
+            return pool.too_few(&shared.opts.dir, len as u64, None);
+        }
+    }
+    RegionError::io("mmap", path, e)
+}
+
 /// Sizes and maps a freshly created header file: the whole region with one
 /// file, the header into a reservation for the data files otherwise.
 fn size_and_map(shared: &Shared, shape: &Shape) -> Result<Mapping> {
@@ -1393,13 +1463,16 @@ fn map_existing(shared: &Shared, shape: &Shape) -> Result<Mapping> {
         let map: MmapRaw = MmapOptions::new()
             .len(shape.total)
             .map_raw(&shared.file)
-            .map_err(|e| RegionError::io("mmap", &shared.path, e))?;
+            .map_err(|e| mmap_error(shared, &shared.path, e, shape.total))?;
         return Ok(Mapping::Raw(map));
     }
     let data = shape.total - shape.header_bytes;
-    let pieces =
-        Pieces::reserve(shape.header_bytes, data).map_err(|e| RegionError::io("mmap (reserve)", &shared.path, e))?;
-    pieces.map_file(0, shape.header_bytes, &shared.file).map_err(|e| RegionError::io("mmap", &shared.path, e))?;
+    let align = hugetlb::data_align(shape.hpage);
+    let pieces = Pieces::reserve_aligned(shape.header_bytes, data, align)
+        .map_err(|e| RegionError::io("mmap (reserve)", &shared.path, e))?;
+    pieces
+        .map_file(0, shape.header_bytes, &shared.file)
+        .map_err(|e| mmap_error(shared, &shared.path, e, shape.header_bytes))?;
     Ok(Mapping::Pieces(pieces))
 }
 

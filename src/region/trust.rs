@@ -168,6 +168,19 @@ impl RegionDir {
         self.path.join(name)
     }
 
+    /// The huge page size of its file system if that is hugetlbfs
+    /// (`fstatfs`, [`super::hugetlb`]).
+    pub(crate) fn hugetlb_page(&self) -> io::Result<Option<usize>> {
+        super::hugetlb::page_of(&self.fd)
+    }
+
+    /// Blocks of its file system and blocks free for an unprivileged user
+    /// (`fstatvfs`: `f_blocks`, `f_bavail`, in units of `f_frsize`).
+    pub(crate) fn blocks(&self) -> io::Result<(u64, u64)> {
+        let st = rustix::fs::fstatvfs(&self.fd)?;
+        Ok((st.f_blocks, st.f_bavail))
+    }
+
     /// Free bytes for an unprivileged user in its file system (`fstatvfs`).
     pub(crate) fn available(&self) -> io::Result<u64> {
         let st = rustix::fs::fstatvfs(&self.fd)?;
