@@ -27,6 +27,16 @@
 //!   is refused by the coordinator's gate, so the job is lost as failed;
 //!   without the gate it would have recorded the order event on the
 //!   capturing compute stream, N9's invalidation).
+//! - **Two hooked captures** (5 threads, 4 at once: main and a second capture thread,
+//!   each `capture_begin`, a THREAD_LOCAL capture of its own stream (a
+//!   second begin during a GLOBAL capture is refused), `end`,
+//!   `capture_end`; a library thread's `store_slots` and `wait_jobs`; the
+//!   sim's device thread; the pinner, whose pinning is final and which is
+//!   joined before the others start): both
+//!   captures intact, no refusal, no window and no deferred job left, the
+//!   store reported succeeded with its bytes. Checks that only the close
+//!   that leaves no hook window open submits the queue, and that a begin
+//!   during a flush stops it (the rest left for that window's close).
 //! - **An aborted capture** (4 threads: main, the capture thread, the
 //!   pinner, the sim's device thread). The capture thread calls
 //!   `capture_begin`, the framework's own begin fails (no driver call), it
@@ -179,7 +189,61 @@ fn an_aborted_capture(variant: Variant) {
     off.shutdown().unwrap();
 }
 
+/// Two hook windows on two threads (pinning final first), each around a
+/// THREAD_LOCAL capture of its own stream (the sim, like CUDA, refuses a
+/// second capture's begin while a GLOBAL one runs), and a library thread's store and
+/// wait: the last close submits what was deferred.
+fn two_hooked_captures() {
+    let (rt, off) = offloader(Variant::Production);
+    write_block(&off, 1, 0x77);
+    // Pinning runs and ends (its thread joined) before the model's threads.
+    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    let d = off.gated("the engine's scratch", |c| c.mem_alloc(128)).unwrap().unwrap();
+    let s_b = rt.stream_create().unwrap();
+    let (o_b, rt_b) = (off.clone(), rt.clone());
+    let b = thread::spawn(move || {
+        o_b.capture_begin().unwrap();
+        rt_b.begin_capture(s_b, CaptureMode::ThreadLocal).unwrap();
+        // SAFETY: `d` holds 128 bytes of the sim, never freed; the memset
+        // is only captured.
+        let enq = unsafe { rt_b.memset_d8_async(d.offset(64), 1, 64, s_b) };
+        let end = rt_b.end_capture(s_b);
+        o_b.capture_end().unwrap();
+        assert!(enq.is_ok() && end.is_ok(), "the second capture was invalidated: enqueue {enq:?}, end {end:?}");
+        rt_b.graph_destroy(end.unwrap()).unwrap();
+    });
+    let o_l = off.clone();
+    let library = thread::spawn(move || {
+        o_l.store_slots(JobId(1), &[1], &[0], 0).expect("a store beside two captures is never refused");
+        o_l.wait_jobs(&[JobId(1)]).expect("a wait from a thread without a window");
+    });
+    let compute = off.compute_stream();
+    off.capture_begin().unwrap();
+    rt.begin_capture(compute, CaptureMode::ThreadLocal).unwrap();
+    // SAFETY: as above, the first 64 bytes of `d`.
+    let enq = unsafe { rt.memset_d8_async(d, 0, 64, compute) };
+    let end = rt.end_capture(compute);
+    off.capture_end().unwrap();
+    b.join().unwrap();
+    library.join().unwrap();
+    assert!(enq.is_ok() && end.is_ok(), "the first capture was invalidated: enqueue {enq:?}, end {end:?}");
+    assert!(sim(&rt).refusals().is_empty(), "the simulated GPU refused a call: {:?}", sim(&rt).refusals());
+    assert_eq!((off.activity().windows_open, off.deferred_jobs()), (0, 0), "a window or a deferred job left");
+    let done = poll_n(&off, 1);
+    assert!(done[0].error.is_none(), "the job beside two captures failed: {done:?}");
+    assert_eq!(slot_bytes(&off, 0), [0x77; PAGE], "the store's bytes are not in its slot");
+    rt.graph_destroy(end.unwrap()).unwrap();
+    off.shutdown().unwrap();
+}
+
 const B: Bounds = Bounds { property: "P1", threads: 4, preemptions: 2 };
+
+#[test]
+fn p1_hook_two_hooked_captures_and_a_job_the_last_close_submits() {
+    // Five threads spawned in all: the pinner ends before the other three
+    // start, so at most four run at once.
+    check("p1_hook_two_captures", Bounds { threads: 5, ..B }, two_hooked_captures);
+}
 
 #[test]
 fn p1_hook_a_job_beside_a_hooked_capture_never_disturbs_it() {
