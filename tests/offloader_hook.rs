@@ -266,6 +266,8 @@ fn a_wait_for_a_deferred_job_is_refused_on_the_holding_thread_and_waits_elsewher
     assert!(would_deadlock(off.wait(JobId(1))), "wait on the holding thread");
     assert!(would_deadlock(off.wait_jobs(&[JobId(7), JobId(1)])), "wait_jobs on the holding thread");
     assert!(would_deadlock(off.wait_all()), "wait_all on the holding thread");
+    let interrupted = off.wait_interruptible(JobId(1), &|| false, &mut |c| panic!("reported inside: {c:?}"));
+    assert!(would_deadlock(interrupted), "wait_interruptible on the holding thread");
     // Ids not deferred are skipped as before.
     off.wait_jobs(&[JobId(7)]).unwrap();
     let (tx, rx) = mpsc::channel();
@@ -490,5 +492,39 @@ fn expedited_loads_are_deferred_behind_a_hook_window_and_refused_without_the_lan
     off.load_slots(JobId(5), &[0], &[0], 0).unwrap();
     off.wait_all().unwrap();
     assert_eq!(poll_n(&off, 1)[0].lane, Lane::Load);
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn a_flush_waits_for_an_engine_window_on_another_thread_and_then_submits() {
+    let off = Arc::new(slot_offloader());
+    off.wait_pinned().unwrap();
+    write_block(&off, 9, 2);
+    let (begun_tx, begun_rx) = mpsc::channel();
+    let (end_tx, end_rx) = mpsc::channel::<()>();
+    let o2 = off.clone();
+    let capture = std::thread::spawn(move || {
+        o2.capture_begin().unwrap();
+        begun_tx.send(()).unwrap();
+        end_rx.recv().unwrap();
+        // Closes its window, then submits the queue: refused while the
+        // engine's own window (main's) is open, so it waits for that.
+        o2.capture_end()
+    });
+    begun_rx.recv().unwrap();
+    off.store_slots(JobId(1), &[2], &[4], 0).unwrap();
+    let w = off.capture_window().unwrap();
+    end_tx.send(()).unwrap();
+    until("the hook's window closed", || off.activity().windows_open == 1);
+    // The flush found main's window open: the job is back at the head of
+    // the queue, not failed, not submitted.
+    assert_eq!(off.deferred_jobs(), 1, "the flush submitted or dropped the job inside an engine window");
+    drop(w);
+    capture.join().unwrap().unwrap();
+    assert_eq!(off.deferred_jobs(), 0);
+    off.wait(JobId(1)).unwrap();
+    let done = poll_n(&off, 1);
+    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
+    assert_eq!(bad_slot(&off, 9, 4), 0);
     off.shutdown().unwrap();
 }
