@@ -12,12 +12,21 @@
 //!   graph capture: no library thread makes a capture-unsafe driver call
 //!   while it is open (P1), and with the default policy it opens only once
 //!   pinning is final (P2);
+//! - [`Offloader::capture_begin`], [`Offloader::capture_end`],
+//!   [`Offloader::capture_abort`]: the same window held without a guard,
+//!   per thread and nested, for a hook around a framework's own capture
+//!   calls (`torch.cuda.CUDAGraph`); it opens while pinning runs (waiting
+//!   at most for the chunk registration in progress), and jobs submitted
+//!   while one is open are deferred, never refused, and submitted when the
+//!   last one closes (`hook.rs` has the rules);
 //! - [`Offloader::lookup`], [`Offloader::store`], [`Offloader::load`] by
 //!   block keys and the engine's GPU block ids; or, for an engine that
 //!   manages its own host blocks (built with [`Addressing::Slots`], e.g.
 //!   [`OffloaderOptions::with_host_slots`]), [`Offloader::store_slots`] and
 //!   [`Offloader::load_slots`] by its own job ids, GPU block ids and host
-//!   slot ids (no block manager; the two kinds never mix on one offloader);
+//!   slot ids (no block manager; the two kinds never mix on one offloader),
+//!   and [`Offloader::load_slots_expedited`] on a lane of its own (with
+//!   `TransferOptions::expedited_lane`);
 //! - [`Offloader::poll`]: finished jobs, already applied to the block
 //!   manager (a stored key becomes readable only once its store completed;
 //!   a loaded key's slot is released once its load completed, P5);
