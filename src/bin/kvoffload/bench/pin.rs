@@ -21,6 +21,11 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
+/// `bench pin --sizes`: several sizes, each with its first touch apart,
+/// rounds of baseline, defaults and stage split, median and spread.
+#[path = "pin_sizes.rs"]
+pub mod sizes;
+
 use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState};
 use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
 use kvoffload::internal::runtime::GpuRuntime;

@@ -21,6 +21,16 @@ pub struct PinArgs {
     /// With --shared, a comma-separated list of region sizes.
     #[arg(long, default_value = "16GiB", value_delimiter = ',', value_parser = parse_size)]
     size: Vec<usize>,
+    /// Several region sizes in one run (comma separated, e.g. 16GiB,64GiB,96GiB): per size its first
+    /// touch (the defaults once, reported apart, also its warm-up), then --repeat rounds (at least 3) of
+    /// the one-call baseline, the defaults and the defaults with the overlap off (the two stages apart,
+    /// their bound); medians and spread. Replaces --size and the sweep.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    sizes: Vec<usize>,
+    /// With --sizes: write the GB/s-against-size picture (SVG) into this directory as
+    /// pin-sizes-<sizes>.svg (e.g. pin-sizes-16GiB-64GiB.svg).
+    #[arg(long)]
+    svg: Option<PathBuf>,
     /// Which runtime registers the memory.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     backend: BackendArg,
@@ -89,6 +99,9 @@ pub fn run(a: PinArgs) -> Result<i32, String> {
     if a.shared {
         return run_shared(&a);
     }
+    if !a.sizes.is_empty() {
+        return run_sizes(a);
+    }
     let [size] = a.size[..] else {
         return Err(format!("--size takes one size without --shared, got {}", a.size.len()));
     };
@@ -145,6 +158,35 @@ pub fn run(a: PinArgs) -> Result<i32, String> {
     let report = pin::run(rt.as_ref(), &cfg, &progress)?;
     println!("{report}");
     Ok(0)
+}
+
+/// `kvoffload bench pin --sizes`.
+fn run_sizes(a: PinArgs) -> Result<i32, String> {
+    let mut cfg = BenchConfig::new(a.sizes[0]);
+    if let Some(t) = a.threads {
+        cfg.threads = t;
+    }
+    if let Some(c) = a.chunk {
+        cfg.chunk = c;
+    }
+    cfg.repeat = a.repeat;
+    cfg.quick = true;
+    if let Some(dir) = &a.svg {
+        std::fs::create_dir_all(dir).map_err(|e| format!("--svg {}: {e}", dir.display()))?;
+    }
+    let rt = open(a.backend)?;
+    let report = pin::sizes::run(rt.as_ref(), &a.sizes, &cfg, &|_| {})?;
+    println!("{report}");
+    if let Some(dir) = &a.svg {
+        let tag: Vec<String> = a.sizes.iter().map(|&s| fmt_bytes(s).replace(' ', "")).collect();
+        let path = dir.join(format!("pin-sizes-{}.svg", tag.join("-")));
+        report.write_svg(&path)?;
+        println!("picture: {}", path.display());
+    }
+    let failed = report.sizes.iter().any(|s| {
+        s.rounds.iter().any(|r| r.one_call.outcome.is_err() || r.defaults.outcome.is_err() || r.split.outcome.is_err())
+    });
+    Ok(if failed { 1 } else { 0 })
 }
 
 fn chunk_of(a: &PinArgs) -> usize {

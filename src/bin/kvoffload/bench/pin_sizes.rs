@@ -1,0 +1,414 @@
+//! `kvoffload bench pin --sizes 16GiB,64GiB,96GiB`: pinning at several
+//! region sizes in one run, each against the one-call baseline and the
+//! bound of its slower stage.
+//!
+//! Per size, in this order, each on fresh untouched anonymous memory:
+//! 1. **first touch**: the defaults (b) once, reported on its own line and
+//!    left out of every median. It is also the size's warm-up: in a virtual
+//!    machine the host backs guest memory on first use (the first 16 GiB
+//!    run of a fresh H200 machine gave 7.0 GB/s), so the first run of a
+//!    size larger than any before pays for memory nobody touched yet;
+//! 2. `repeat` rounds (at least 3) of: (a) one `host_register` call over
+//!    the untouched region (upstream's path), (b) the pipeline with its
+//!    defaults, and (s) the same pipeline with its overlap off, which times
+//!    its two stages apart: pre-faulting alone (the pinning thread's wait
+//!    for each chunk to be resident) and registering alone (the rest).
+//!
+//! The stage bound of a round is the region's bytes over the longer of the
+//! two stage times: what a perfect pipeline of those two stages would
+//! reach. The report gives, per size, the median and the spread (min -
+//! max, and (max - min) / median) of (a), (b), pre-fault alone, register
+//! alone and the bound, and (b) against the bound and against (a).
+
+use std::fmt;
+use std::path::Path;
+
+use kvoffload::internal::runtime::GpuRuntime;
+
+use super::{fmt_bytes, median, one_call, pipeline, plan, BenchConfig, Group, Progress, Row, RunConfig};
+
+/// One round of one size.
+#[derive(Clone, Debug)]
+pub struct Round {
+    /// (a) one call.
+    pub one_call: Row,
+    /// (b) the defaults.
+    pub defaults: Row,
+    /// (s) the defaults without overlap: the stages apart.
+    pub split: Row,
+}
+
+impl Round {
+    /// Seconds of the two stages apart: (pre-fault, register).
+    fn stage_s(&self) -> Option<(f64, f64)> {
+        if self.split.outcome.is_err() {
+            return None;
+        }
+        let fault = self.split.fault_wait_s?;
+        let reg = self.split.total_s - fault;
+        (fault > 0.0 && reg > 0.0).then_some((fault, reg))
+    }
+}
+
+/// Everything measured at one size.
+#[derive(Clone, Debug)]
+pub struct SizeResult {
+    /// Bytes of the region.
+    pub size: usize,
+    /// The first run of the size (the defaults), not in the medians.
+    pub first_touch: Row,
+    /// The measured rounds.
+    pub rounds: Vec<Round>,
+}
+
+/// Median, min and max of some GB/s figures.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct Spread {
+    /// The median.
+    pub median: f64,
+    /// The smallest.
+    pub min: f64,
+    /// The largest.
+    pub max: f64,
+    /// How many figures.
+    pub n: usize,
+}
+
+impl Spread {
+    /// None when `v` is empty.
+    pub fn of(v: Vec<f64>) -> Option<Spread> {
+        let n = v.len();
+        let min = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        Some(Spread { median: median(v)?, min, max, n })
+    }
+
+    /// (max - min) / median, in percent.
+    pub fn spread_pct(&self) -> f64 {
+        if self.median > 0.0 {
+            (self.max - self.min) / self.median * 100.0
+        } else {
+            0.0
+        }
+    }
+}
+
+impl fmt::Display for Spread {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:.2} [{:.2}-{:.2}, {:.0}%]", self.median, self.min, self.max, self.spread_pct())
+    }
+}
+
+/// Which figure of a round.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Figure {
+    /// (a).
+    OneCall,
+    /// (b).
+    Defaults,
+    /// Pre-faulting alone.
+    Prefault,
+    /// Registering alone.
+    Register,
+    /// The stage bound.
+    Bound,
+}
+
+impl SizeResult {
+    /// GB/s of `fig` in every round where it was measured.
+    pub fn figures(&self, fig: Figure) -> Vec<f64> {
+        let gb = self.size as f64 / 1e9;
+        let ok = |r: &Row| r.outcome.is_ok() && r.total_s > 0.0;
+        self.rounds
+            .iter()
+            .filter_map(|r| match fig {
+                Figure::OneCall => ok(&r.one_call).then(|| r.one_call.gbps(self.size)),
+                Figure::Defaults => ok(&r.defaults).then(|| r.defaults.gbps(self.size)),
+                Figure::Prefault => r.stage_s().map(|(f, _)| gb / f),
+                Figure::Register => r.stage_s().map(|(_, g)| gb / g),
+                Figure::Bound => r.stage_s().map(|(f, g)| gb / f.max(g)),
+            })
+            .collect()
+    }
+
+    /// [`Spread`] of `fig`.
+    pub fn spread(&self, fig: Figure) -> Option<Spread> {
+        Spread::of(self.figures(fig))
+    }
+}
+
+/// The whole run.
+#[derive(Clone, Debug)]
+pub struct SizesReport {
+    /// `cuda` or `sim`.
+    pub backend: &'static str,
+    /// The runtime's description.
+    pub device: String,
+    /// The defaults (b).
+    pub defaults: RunConfig,
+    /// Every size, in the order run.
+    pub sizes: Vec<SizeResult>,
+    /// Seconds the whole bench took.
+    pub wall_s: f64,
+}
+
+/// Runs every size of `sizes` with `base`'s threads and chunk bound and
+/// `base.repeat.max(3)` rounds.
+pub fn run(
+    rt: &dyn GpuRuntime,
+    sizes: &[usize],
+    base: &BenchConfig,
+    progress: &(dyn Fn(Progress) + Sync),
+) -> Result<SizesReport, String> {
+    if sizes.is_empty() {
+        return Err("--sizes is empty".into());
+    }
+    for &s in sizes {
+        BenchConfig { size: s, ..base.clone() }.validate()?;
+    }
+    let wall = std::time::Instant::now();
+    let (defaults, _, _) = plan(&BenchConfig { quick: true, ..base.clone() });
+    let split_cfg = RunConfig { pipelined: false, ..defaults.clone() };
+    let rounds = base.repeat.max(3);
+    let mut out = Vec::with_capacity(sizes.len());
+    for &size in sizes {
+        eprintln!("{}: first touch (the defaults once, reported apart) ...", fmt_bytes(size));
+        let first_touch = pipeline(rt, size, Group::Defaults, &defaults, progress);
+        let mut rs = Vec::with_capacity(rounds);
+        for k in 0..rounds {
+            eprintln!("{}: round {}/{rounds}", fmt_bytes(size), k + 1);
+            let one_call = one_call(rt, size, progress);
+            let d = pipeline(rt, size, Group::Defaults, &defaults, progress);
+            let split = pipeline(rt, size, Group::Sweep, &split_cfg, progress);
+            rs.push(Round { one_call, defaults: d, split });
+        }
+        out.push(SizeResult { size, first_touch, rounds: rs });
+    }
+    Ok(SizesReport {
+        backend: rt.backend(),
+        device: rt.describe(),
+        defaults,
+        sizes: out,
+        wall_s: wall.elapsed().as_secs_f64(),
+    })
+}
+
+impl SizesReport {
+    /// Writes the picture: median GB/s of (b), (a) and the stage bound
+    /// against the region size, with min - max as separate series.
+    pub fn write_svg(&self, path: &Path) -> Result<(), String> {
+        use crate::plot::{lines, LineChart, Series};
+        let series_of = |name: &str, fig: Figure, pick: fn(&Spread) -> f64| Series {
+            name: name.to_string(),
+            points: self
+                .sizes
+                .iter()
+                .filter_map(|s| s.spread(fig).map(|sp| (s.size as f64 / (1u64 << 30) as f64, pick(&sp))))
+                .collect(),
+        };
+        let series = vec![
+            series_of("(b) defaults, median", Figure::Defaults, |s| s.median),
+            series_of("(b) defaults, slowest", Figure::Defaults, |s| s.min),
+            series_of("stage bound, median", Figure::Bound, |s| s.median),
+            series_of("pre-fault alone, median", Figure::Prefault, |s| s.median),
+            series_of("register alone, median", Figure::Register, |s| s.median),
+            series_of("(a) one call (baseline), median", Figure::OneCall, |s| s.median),
+        ];
+        let title = format!("Pinning anonymous memory ({}, {})", self.backend, self.device);
+        lines(
+            path,
+            &LineChart {
+                title: &title,
+                x_label: "region size (GiB)",
+                y_label: "GB/s (1e9 bytes/s)",
+                log_x: false,
+                series: &series,
+                limits: &[],
+                x_fmt: None,
+            },
+        )
+    }
+}
+
+impl fmt::Display for SizesReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "kvoffload bench pin --sizes: fresh untouched anonymous memory for every run")?;
+        writeln!(f, "backend: {} ({})", self.backend, self.device)?;
+        writeln!(f, "defaults (b): {}", super::describe(&self.defaults))?;
+        if self.backend == "sim" {
+            writeln!(
+                f,
+                "NOTE: simulated GPU: registration is instant, so only the host-side work is measured; \
+                 (a), register alone and the ratios mean nothing here. Run with --backend cuda on a GPU machine."
+            )?;
+        }
+        writeln!(f)?;
+        writeln!(f, "every run (GB/s; (s): overlap off, its two stages apart):")?;
+        for s in &self.sizes {
+            let g = |r: &Row| match &r.outcome {
+                Ok(()) => format!("{:.2}", r.gbps(s.size)),
+                Err(e) => format!("FAILED ({e})"),
+            };
+            let thp = |r: &Row| {
+                r.thp_bytes.map_or("-".into(), |b| format!("{:.0}%", (b as f64 * 100.0 / s.size as f64).min(100.0)))
+            };
+            writeln!(
+                f,
+                "  {:>7} first touch (b) {} (THP {}, fault wait {:.2} s)",
+                fmt_bytes(s.size),
+                g(&s.first_touch),
+                thp(&s.first_touch),
+                s.first_touch.fault_wait_s.unwrap_or(0.0)
+            )?;
+            for (k, r) in s.rounds.iter().enumerate() {
+                let stages = r.stage_s().map_or("-".into(), |(p, q)| {
+                    let gb = s.size as f64 / 1e9;
+                    format!("pre-fault {:.2}, register {:.2}", gb / p, gb / q)
+                });
+                writeln!(
+                    f,
+                    "  {:>7} round {}: (a) {}, (b) {} (THP {}), (s) {} ({stages})",
+                    fmt_bytes(s.size),
+                    k + 1,
+                    g(&r.one_call),
+                    g(&r.defaults),
+                    thp(&r.defaults),
+                    g(&r.split)
+                )?;
+            }
+        }
+        writeln!(f)?;
+        writeln!(f, "median [min-max, spread = (max-min)/median] over the rounds, GB/s:")?;
+        writeln!(
+            f,
+            "{:>7} {:>11} {:>26} {:>26} {:>26} {:>26} {:>26} {:>8} {:>7}",
+            "size",
+            "first touch",
+            "(a) one call",
+            "(b) defaults",
+            "pre-fault alone",
+            "register alone",
+            "stage bound",
+            "b/bound",
+            "b/a"
+        )?;
+        for s in &self.sizes {
+            let sp = |fig| s.spread(fig).map_or("-".to_string(), |x| x.to_string());
+            let med = |fig| s.spread(fig).map(|x| x.median);
+            let ratio = |a: Option<f64>, b: Option<f64>, pct: bool| match (a, b) {
+                (Some(a), Some(b)) if b > 0.0 => {
+                    if pct {
+                        format!("{:.0}%", a / b * 100.0)
+                    } else {
+                        format!("{:.1}x", a / b)
+                    }
+                }
+                _ => "-".into(),
+            };
+            let first = if s.first_touch.outcome.is_ok() {
+                format!("{:.2}", s.first_touch.gbps(s.size))
+            } else {
+                "FAILED".into()
+            };
+            writeln!(
+                f,
+                "{:>7} {:>11} {:>26} {:>26} {:>26} {:>26} {:>26} {:>8} {:>7}",
+                fmt_bytes(s.size).replace(' ', ""),
+                first,
+                sp(Figure::OneCall),
+                sp(Figure::Defaults),
+                sp(Figure::Prefault),
+                sp(Figure::Register),
+                sp(Figure::Bound),
+                ratio(med(Figure::Defaults), med(Figure::Bound), true),
+                ratio(med(Figure::Defaults), med(Figure::OneCall), false)
+            )?;
+        }
+        writeln!(
+            f,
+            "stage bound: the region's bytes over the longer of pre-faulting alone and registering alone (the same \
+             round's (s) run): what a perfect two-stage pipeline would reach; b/bound and b/a from the medians"
+        )?;
+        write!(f, "bench wall time: {:.1} s", self.wall_s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(group: Group, total_s: f64, fault: Option<f64>, ok: bool) -> Row {
+        let mut r = Row::empty(group, "x".into(), None, 1);
+        r.total_s = total_s;
+        r.fault_wait_s = fault;
+        if !ok {
+            r.outcome = Err("failed".into());
+        }
+        r
+    }
+
+    #[test]
+    fn the_bound_is_the_slower_stage_and_failed_runs_are_left_out() {
+        let size = 4_000_000_000usize; // 4 GB
+        let round = |a: f64, b: f64, fault: f64, split_total: f64| Round {
+            one_call: row(Group::OneCall, a, None, true),
+            defaults: row(Group::Defaults, b, Some(0.0), true),
+            split: row(Group::Sweep, split_total, Some(fault), true),
+        };
+        let mut failed = round(1.0, 1.0, 0.1, 1.0);
+        failed.defaults.outcome = Err("x".into());
+        failed.split.outcome = Err("x".into());
+        let s = SizeResult {
+            size,
+            first_touch: row(Group::Defaults, 4.0, Some(1.0), true),
+            rounds: vec![
+                // pre-fault 0.1 s (40 GB/s), register 0.2 s (20): bound 20.
+                round(2.0, 0.25, 0.1, 0.3),
+                // pre-fault 0.4 s (10), register 0.1 s (40): bound 10.
+                round(1.0, 0.5, 0.4, 0.5),
+                round(4.0, 0.2, 0.2, 0.4),
+                failed,
+            ],
+        };
+        let b = s.spread(Figure::Bound).unwrap();
+        assert_eq!(b.n, 3);
+        assert!((b.min - 10.0).abs() < 1e-9 && (b.max - 20.0).abs() < 1e-9 && (b.median - 20.0).abs() < 1e-9, "{b:?}");
+        let d = s.spread(Figure::Defaults).unwrap();
+        assert_eq!(d.n, 3); // the failed (b) is not a figure
+        assert!((d.median - 16.0).abs() < 1e-9, "{d:?}");
+        assert!((d.spread_pct() - (20.0 - 8.0) / 16.0 * 100.0).abs() < 1e-9);
+        assert_eq!(s.figures(Figure::OneCall).len(), 4);
+        assert!((s.spread(Figure::Prefault).unwrap().median - 20.0).abs() < 1e-9);
+        assert!((s.spread(Figure::Register).unwrap().median - 20.0).abs() < 1e-9);
+        // A split with no fault wait gives no stage figures.
+        let zero = SizeResult { rounds: vec![round(1.0, 1.0, 0.0, 1.0)], ..s.clone() };
+        assert!(zero.spread(Figure::Bound).is_none());
+        assert!(Spread::of(vec![]).is_none());
+    }
+
+    #[test]
+    fn the_report_keeps_the_first_touch_apart_and_prints_every_size() {
+        let size = 1usize << 30;
+        let r = |t| row(Group::Defaults, t, Some(t / 2.0), true);
+        let s = SizeResult {
+            size,
+            first_touch: r(10.0),
+            rounds: (0..3)
+                .map(|_| Round { one_call: row(Group::OneCall, 1.0, None, true), defaults: r(0.1), split: r(0.2) })
+                .collect(),
+        };
+        let rep = SizesReport {
+            backend: "sim",
+            device: "simulated".into(),
+            defaults: plan(&BenchConfig { quick: true, ..BenchConfig::new(size) }).0,
+            sizes: vec![s.clone(), SizeResult { size: 2 * size, ..s }],
+            wall_s: 1.0,
+        };
+        let text = rep.to_string();
+        // The first touch (0.11 GB/s) is printed, but the medians ignore it.
+        assert!(text.contains("first touch (b) 0.11"), "{text}");
+        assert!(text.contains("10.74 [10.74-10.74, 0%]"), "{text}");
+        assert!(text.contains("1 GiB") && text.contains("2 GiB"), "{text}");
+        assert!(!text.contains("FAILED"), "{text}");
+    }
+}
