@@ -179,10 +179,20 @@ fn run_child(role: &str, name: &str) {
         // pre-faulting chunk 0 (`prefault`), after registering chunks 0 and
         // 1 (`registering`), or once pinned and agreed (`pinned`: the
         // transfer phase).
-        r if r.starts_with("mpin:") => {
-            let region =
-                kvoffload::internal::sync::Arc::new(Region::join(name, mlayout(), 1, &mopts(PATIENCE)).unwrap());
-            let pause = match &r["mpin:".len()..] {
+        // Multi-file joiner with deferred reservation stopping at a step.
+        r if r.starts_with("mjoind:") => {
+            let o = pause_at(mopts(PATIENCE).defer_reserve(true), &r["mjoind:".len()..]);
+            let _ = Region::join(name, mlayout(), 1, &o);
+            block_on_stdin();
+        }
+        // As `mpin:`, with deferred reservation (`mpind:`): pre-faulting
+        // reserves as it goes.
+        r if r.starts_with("mpin:") || r.starts_with("mpind:") => {
+            let deferred = r.starts_with("mpind:");
+            let o = mopts(PATIENCE).defer_reserve(deferred);
+            let region = kvoffload::internal::sync::Arc::new(Region::join(name, mlayout(), 1, &o).unwrap());
+            assert_eq!(region.reservation_deferred(), deferred);
+            let pause = match r.split_once(':').map_or("", |p| p.1) {
                 "prefault" => Some(0),
                 "registering" => Some(2),
                 _ => None,
@@ -405,6 +415,58 @@ fn region_multi_joiner_killed_at_each_step_leaves_no_file() {
         }
         g.assert_gone();
         drop(creator);
+        g.assert_gone();
+    }
+}
+
+#[test]
+fn region_multi_deferred_joiner_killed_at_each_step_leaves_no_file() {
+    child_dispatch!();
+    let test = "region_multi_deferred_joiner_killed_at_each_step_leaves_no_file";
+    // With the reservation deferred the joiner passes no Reserving step:
+    // files mapped, then its bit (Mapped) right after its pid word.
+    for step in ["FilesMapped", "Mapped"] {
+        let g = ShmGuard::new(&format!("d{}", step.to_lowercase()));
+        let o = mopts(PATIENCE).defer_reserve(true).wait_for_all(false);
+        let mut creator = Region::create(&g.name, mlayout(), 0, &o).unwrap();
+        assert_eq!(creator.mapped_ranks(), vec![0]);
+        let mut child = ChildGuard::spawn_piped(test, &format!("mjoind:{step}"), &g.name);
+        assert_eq!(child.read_line("at "), format!("at {step}"));
+        assert_killed(child.kill9());
+        match (step, creator.wait_all_mapped(Duration::from_millis(300))) {
+            ("Mapped", Ok(())) => assert_eq!(creator.mapped_ranks(), vec![0, 1]),
+            ("FilesMapped", Err(RegionError::JoinTimeout { phase: JoinPhase::RanksToMap, missing, .. })) => {
+                assert_eq!(missing, vec![1])
+            }
+            (_, other) => panic!("{step}: unexpected {other:?}"),
+        }
+        g.assert_gone();
+        drop(creator);
+        g.assert_gone();
+    }
+}
+
+#[test]
+fn region_multi_deferred_rank_killed_while_pinning_leaves_no_file() {
+    child_dispatch!();
+    let test = "region_multi_deferred_rank_killed_while_pinning_leaves_no_file";
+    // Killed while its pre-fault workers reserve and fault chunk 0, or
+    // after registering two chunks: the files were unlinked at COMPLETE,
+    // before either; the survivor's agreement sees the dead rank.
+    for point in ["prefault", "registering"] {
+        let g = ShmGuard::new(&format!("d{point}"));
+        let mut child = ChildGuard::spawn_piped(test, &format!("mpind:{point}"), &g.name);
+        let o = mopts(PATIENCE).defer_reserve(true);
+        let region = kvoffload::internal::sync::Arc::new(Region::create(&g.name, mlayout(), 0, &o).unwrap());
+        g.assert_gone();
+        assert!(child.read_line("at ").starts_with("at chunk"));
+        assert_killed(child.kill9());
+        match pin_agreed(&region, None) {
+            Err(AgreementError::RankDied { rank: 1 }) => {}
+            other => panic!("{point}: expected RankDied, got {other:?}"),
+        }
+        g.assert_gone();
+        drop(region);
         g.assert_gone();
     }
 }
