@@ -274,7 +274,7 @@ def kvoffload_startup(torch, kvoffload, size, args):
     # Round trips until pinning settles (pageable copies until then).
     while not off.pin_state.is_final and len(trips) < 10_000:
         trips.append(round_trip(torch, steps, kv, slots_free, len(trips), str(off.pin_state)))
-    outcome = off.wait_pinned()
+    outcome = w.wait_pinned()
     out["pinned_s"] = time.monotonic() - t0
     out["pin_final"] = repr(outcome.state)
     for k in range(4):

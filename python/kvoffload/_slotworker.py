@@ -82,12 +82,28 @@ class _Submitter:
         self.queued_total = 0
         self.closed = False
         self.thread: Optional[threading.Thread] = None
+        # Set once pinning is "pinned" (final), by a watcher blocked in
+        # wait_pinned (GIL released): the engine's thread never asks the
+        # offloader's coordinator (whose lock a registration in progress
+        # can hold for a while) on a submission.
+        self.pinned = False
+        self.watcher = threading.Thread(target=self._watch, name="kvoffload-pin-watch", daemon=True)
+        self.watcher.start()
+
+    def _watch(self) -> None:
+        try:
+            state = self.off.wait_pinned().state
+        except BaseException:  # noqa: BLE001 - shut down meanwhile: stays queued
+            return
+        if state == "pinned":
+            with self.cv:
+                self.pinned = True
 
     def submit(self, call: Callable[..., None], job_id: int, args: tuple) -> None:
         with self.cv:
             if self.closed:
                 raise kvoffload.ShutDownError("kvoffload.vllm: the worker is shut down")
-            if not self.queue and self.off.pin_state == "pinned":
+            if not self.queue and self.pinned:
                 direct = True
             else:
                 direct = False
@@ -249,6 +265,14 @@ class SlotWorker:
         self._submitter.wait_submitted(ids)
         self._submitter.check()
         self.offloader.wait_jobs(ids)
+
+    def wait_pinned(self) -> Any:
+        """Waits until pinning is final and the worker saw it (submissions
+        are the caller's from then on if it is ``pinned``); returns the
+        offloader's ``PinOutcome``."""
+        outcome = self.offloader.wait_pinned()
+        self._submitter.watcher.join()
+        return outcome
 
     @property
     def jobs_queued(self) -> int:

@@ -81,7 +81,7 @@ def test_bad_ids_from_the_engine_are_raised_not_reported_false():
         caches(kv_tensors(1), [[0]]), num_slots=4, blocks_per_chunk=1, runtime=kv.Runtime("sim"),
         capture_hook=False,
     )
-    w.offloader.wait_pinned()  # pinned: submissions are the caller's, errors raised at once
+    w.wait_pinned()  # pinned: submissions are the caller's, errors raised at once
     with pytest.raises(kv.OptionsError, match="out of range"):
         w.submit_store(1, gpu([0], [1], [0]), chunks([4]))
     w.submit_store(2, gpu([0], [1], [0]), chunks([0]))
@@ -148,7 +148,7 @@ def test_before_pinning_settles_submissions_never_block_the_engines_thread():
         w._submitter.wait_idle()
         with pytest.raises(kv.OptionsError, match="out of range"):
             w.get_finished()
-    assert w.offloader.wait_pinned().state == "pinned"
+    assert w.wait_pinned().state == "pinned"
     zero(ts)
     w.submit_load(4, chunks([3, 4]), gpu([5, 6], [2], [0]))
     assert g.calls[-1] == (4, threading.get_ident()), "pinned: the engine's thread submits directly"

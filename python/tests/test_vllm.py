@@ -510,7 +510,7 @@ def test_get_worker_returns_while_pinning_is_held_and_jobs_run_pageable(engines,
     queued = eng.kvw.jobs_queued
     assert queued == len(eng.off.jobs), "every job before pinning settled went through the submitter thread"
     hold.release()
-    assert eng.kvw.offloader.wait_pinned().state == "pinned"
+    assert eng.kvw.wait_pinned().state == "pinned"
     n = len(eng.off.completions)
     eng.forget_gpu_cache()
     b = eng.add(prompt)
