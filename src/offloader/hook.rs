@@ -470,3 +470,30 @@ impl Offloader {
         }
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::UsedIds;
+    use crate::transfer::JobId;
+
+    #[test]
+    fn used_ids_merge_into_runs_and_answer_membership() {
+        let mut ids = UsedIds::default();
+        for id in [5, 7, 6, 1, 3, 2, 10] {
+            assert!(!ids.contains(JobId(id)), "{id} before its insert");
+            ids.insert(JobId(id));
+            assert!(ids.contains(JobId(id)), "{id} after its insert");
+        }
+        // 1-3 and 5-7 merged from both sides, 10 alone.
+        assert_eq!(ids.runs.iter().map(|(&s, &e)| (s, e)).collect::<Vec<_>>(), [(1, 3), (5, 7), (10, 10)]);
+        for id in [0, 4, 8, 9, 11] {
+            assert!(!ids.contains(JobId(id)), "{id} never inserted");
+        }
+        ids.insert(JobId(4));
+        ids.insert(JobId(u64::MAX));
+        assert_eq!(
+            ids.runs.iter().map(|(&s, &e)| (s, e)).collect::<Vec<_>>(),
+            [(1, 7), (10, 10), (u64::MAX, u64::MAX)]
+        );
+    }
+}
