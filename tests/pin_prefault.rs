@@ -177,3 +177,42 @@ fn settle_drops_the_rest_of_a_plan() {
     drop(pf);
     drop(r);
 }
+
+#[test]
+fn slices_follow_the_huge_page_size_given() {
+    // 16 MiB with 4 threads: 2 MiB huge pages give 4 slices of 4 MiB; a
+    // region on hugetlbfs with (say) 8 MiB pages must give whole pages to
+    // each worker: 2 slices. Without huge pages the page size rules.
+    let bytes = 16 << 20;
+    for (huge, page, slices) in [(true, None, 4), (true, Some(8 << 20), 2), (false, Some(8 << 20), 4)] {
+        let r = fresh(bytes, huge);
+        let cfg = PrefaultConfig { threads: 4, mode: PrefaultMode::Populate, huge_pages: huge };
+        // SAFETY: the region outlives the pre-faulter (dropped first).
+        let pf = unsafe { Prefaulter::reserving(cfg, Vec::new(), None, page) };
+        pf.ensure(0, r.as_ptr() as usize, r.len()).unwrap();
+        assert_eq!(pf.stats().slices, slices, "huge {huge}, page {page:?}");
+        assert_eq!(not_resident(r.as_ptr() as usize, r.len()), 0);
+        drop(pf);
+    }
+}
+
+#[test]
+fn a_failed_reservation_skips_the_slice_untouched() {
+    // The reservation hook refuses the second half: those pages are never
+    // faulted, and the chunk fails with the hook's text.
+    let r = fresh(8 << 20, false);
+    let (addr, len) = (r.as_ptr() as usize, r.len());
+    let half = addr + len / 2;
+    let cfg = PrefaultConfig { threads: 2, mode: PrefaultMode::Populate, huge_pages: false };
+    let hook: kvoffload::internal::pin::ReserveFn =
+        Box::new(move |a, l| if a + l > half { Err("no space (test)".into()) } else { Ok(()) });
+    // SAFETY: the region outlives the pre-faulter (dropped first).
+    let pf = unsafe { Prefaulter::reserving(cfg, Vec::new(), Some(hook), None) };
+    match pf.ensure_typed(3, addr, len) {
+        Err(PrefaultError::Reserve { chunk: 3, msg, .. }) => assert_eq!(msg, "no space (test)"),
+        other => panic!("expected Reserve, got {other:?}"),
+    }
+    drop(pf);
+    assert_eq!(not_resident(half, len / 2), len / 2 / page_size(), "a refused slice was touched");
+    assert_eq!(not_resident(addr, len / 2), 0);
+}

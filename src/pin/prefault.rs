@@ -217,6 +217,10 @@ struct Pool {
     plan: Option<Vec<PlannedChunk>>,
     /// Workers running a slice of each lane.
     running: Vec<u32>,
+    /// Bytes of one huge page when `cfg.huge_pages`: [`HUGE_PAGE_BYTES`],
+    /// or the hugetlbfs page of the region (1 GiB pages are faulted one
+    /// worker a page).
+    huge_bytes: usize,
 }
 
 impl Pool {
@@ -231,7 +235,7 @@ impl Pool {
     fn submit(&mut self, cfg: &PrefaultConfig, chunk: usize, addr: usize, len: usize, lane: Option<usize>) -> u64 {
         self.next_id += 1;
         let id = self.next_id;
-        let slices = split(addr, len, cfg.threads, align(cfg));
+        let slices = split(addr, len, cfg.threads, align(cfg, self.huge_bytes));
         let pending = slices.len();
         self.queue.extend(slices.into_iter().map(|(addr, len)| Slice { job: id, chunk, addr, len, lane }));
         self.jobs.push(Job { id, chunk, addr, len, pending, error: None, planned: lane.is_some() });
@@ -319,9 +323,9 @@ pub struct Prefaulter {
     cpus: Vec<usize>,
 }
 
-fn align(cfg: &PrefaultConfig) -> usize {
+fn align(cfg: &PrefaultConfig, huge_bytes: usize) -> usize {
     if cfg.huge_pages {
-        HUGE_PAGE_BYTES.max(page_size())
+        huge_bytes.max(page_size())
     } else {
         page_size()
     }
@@ -433,10 +437,11 @@ unsafe fn touch(chunk: usize, addr: usize, len: usize, step: usize, fill_holes: 
 /// aligned.
 unsafe fn run_slice(
     cfg: &PrefaultConfig,
+    huge_bytes: usize,
     populate: Populate,
     s: &Slice,
 ) -> (Result<(), PrefaultError>, Option<Populate>) {
-    let step = if cfg.huge_pages { HUGE_PAGE_BYTES.max(page_size()) } else { page_size() };
+    let step = align(cfg, huge_bytes);
     let fill = step > page_size();
     // SAFETY (both touch calls): the caller's contract for the slice.
     let touch_all = || unsafe { touch(s.chunk, s.addr, s.len, step, fill) };
@@ -469,6 +474,7 @@ unsafe fn run_slice(
 unsafe fn run_slice_caught(
     cfg: &PrefaultConfig,
     reserve: Option<&ReserveFn>,
+    huge_bytes: usize,
     populate: Populate,
     s: &Slice,
 ) -> (Result<(), PrefaultError>, Option<Populate>) {
@@ -487,7 +493,8 @@ unsafe fn run_slice_caught(
         }
     }
     // SAFETY: forwarded contract.
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { run_slice(cfg, populate, s) })) {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { run_slice(cfg, huge_bytes, populate, s) }))
+    {
         Ok(r) => r,
         Err(p) => {
             let msg = p
@@ -565,7 +572,7 @@ fn worker(shared: Arc<Shared>) {
     loop {
         if let Some(s) = g.take() {
             let skip = g.job_mut(s.job).is_none_or(|j| j.error.is_some());
-            let populate = g.populate;
+            let (populate, huge) = (g.populate, g.huge_bytes);
             drop(g);
             let (res, learned) = if skip {
                 (Ok(()), None)
@@ -576,7 +583,7 @@ fn worker(shared: Arc<Shared>) {
                 // before the pre-faulter is dropped) waits for every running
                 // slice; slices start page aligned (checked, then cut at
                 // multiples of the page size).
-                unsafe { run_slice_caught(&shared.cfg, shared.reserve.as_ref(), populate, &s) }
+                unsafe { run_slice_caught(&shared.cfg, shared.reserve.as_ref(), huge, populate, &s) }
             };
             g = shared.lock();
             g.finish(&s, res, learned);
@@ -617,7 +624,7 @@ impl Prefaulter {
     /// first `ensure`/`hint` until `settle` returned.
     pub unsafe fn with_plan(cfg: PrefaultConfig, plan: Vec<PlannedChunk>) -> Prefaulter {
         // SAFETY: forwarded contract (no reservation hook).
-        unsafe { Self::reserving(cfg, plan, None) }
+        unsafe { Self::reserving(cfg, plan, None, None) }
     }
 
     /// [`Prefaulter::with_plan`] that calls `reserve(addr, len)` for every
@@ -626,10 +633,18 @@ impl Prefaulter {
     /// chunk fails with [`PrefaultError::Reserve`]. What a shared region
     /// with deferred reservation gets ([`crate::region::ShmOptions::defer_reserve`]:
     /// `Region::reserve_addr`), so that no fault finds its file system full.
+    /// `huge_page_bytes`: with `cfg.huge_pages`, the huge page slices are
+    /// cut on and touching steps by (default [`HUGE_PAGE_BYTES`]; a region
+    /// on hugetlbfs gives its page, 2 MiB or 1 GiB).
     ///
     /// # Safety
     /// As for [`Prefaulter::with_plan`].
-    pub unsafe fn reserving(cfg: PrefaultConfig, plan: Vec<PlannedChunk>, reserve: Option<ReserveFn>) -> Prefaulter {
+    pub unsafe fn reserving(
+        cfg: PrefaultConfig,
+        plan: Vec<PlannedChunk>,
+        reserve: Option<ReserveFn>,
+        huge_page_bytes: Option<usize>,
+    ) -> Prefaulter {
         let cfg = PrefaultConfig { threads: cfg.threads.max(1), ..cfg };
         let populate = if cfg.mode == PrefaultMode::Populate { probe_populate() } else { Populate::Unknown };
         Prefaulter {
@@ -646,6 +661,7 @@ impl Prefaulter {
                     slices: 0,
                     plan: (!plan.is_empty()).then_some(plan),
                     running: Vec::new(),
+                    huge_bytes: huge_page_bytes.unwrap_or(HUGE_PAGE_BYTES),
                 }),
                 work: Condvar::new(),
                 done: Condvar::new(),
@@ -728,13 +744,14 @@ impl Prefaulter {
     /// Runs a chunk on the calling thread (no worker could be started).
     fn run_inline(&self, chunk: usize, addr: usize, len: usize) -> Result<(), PrefaultError> {
         let cfg = self.shared.cfg;
-        for (addr, len) in split(addr, len, 1, align(&cfg)) {
+        let huge = self.shared.lock().huge_bytes;
+        for (addr, len) in split(addr, len, 1, align(&cfg, huge)) {
             let s = Slice { job: 0, chunk, addr, len, lane: None };
             let populate = self.shared.lock().populate;
             // SAFETY: the range passed to `ensure`, vouched for by the
             // creator (`Prefaulter::new`); the start was checked page aligned
             // and slices are cut at multiples of the page size.
-            let (res, learned) = unsafe { run_slice_caught(&cfg, self.shared.reserve.as_ref(), populate, &s) };
+            let (res, learned) = unsafe { run_slice_caught(&cfg, self.shared.reserve.as_ref(), huge, populate, &s) };
             self.shared.lock().finish(&s, res.clone(), learned);
             res?;
         }

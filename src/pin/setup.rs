@@ -59,7 +59,14 @@ impl Prepared {
     /// faulted, and the pre-fault workers run on its CPUs (at most as many
     /// workers as it has CPUs); otherwise the typed reason is logged and
     /// kept ([`Prepared::placement`]). Pages already resident (a shared
-    /// region's files reserved by create/join) stay where they are.
+    /// region's files reserved by create/join) stay where they are; with
+    /// deferred reservation ([`crate::region::ShmOptions::defer_reserve`])
+    /// the pre-fault workers reserve each slice right before faulting it
+    /// ([`Prefaulter::reserving`]), after the binding, and without
+    /// pre-faulting the rank's files are reserved here, before anything is
+    /// registered ([`PinError::Region`] with `ShmFull` when the file system
+    /// is full). A region on hugetlbfs gets no huge-page advice; its slices
+    /// are cut on its huge pages.
     ///
     /// Typed errors: [`PinError::ZeroSize`], [`PinError::TooLarge`] for the
     /// options, [`PinError::Region`] with
@@ -138,7 +145,10 @@ impl Prepared {
                 // pre-faulter before it publishes a final state, so no slice
                 // runs once pinning is over. The region's memory is
                 // read-write.
-                Some(Arc::new(unsafe { Prefaulter::reserving(cfg, plan, reserve) }.on_cpus(placement.cpus().to_vec())))
+                Some(Arc::new(
+                    unsafe { Prefaulter::reserving(cfg, plan, reserve, region.hugetlb_page()) }
+                        .on_cpus(placement.cpus().to_vec()),
+                ))
             }
         };
         let keep: crate::protocol::KeepAlive = Box::new(region.clone());

@@ -3,8 +3,8 @@
 //! What changes there (and only there):
 //! - every file length and every mapping offset must be a multiple of the
 //!   file system's page size (2 MiB or 1 GiB), so the header takes one
-//!   whole huge page and the data area is aligned to one ([`round_header`],
-//!   [`check_fit`], `Pieces::reserve`'s alignment);
+//!   whole huge page and the data area is aligned to one (`round_header`,
+//!   `check_fit`, `Pieces::reserve_aligned`'s alignment);
 //! - the pages come from the kernel's pool
 //!   (`/sys/kernel/mm/hugepages/hugepages-<kB>kB`), not from `MemAvailable`
 //!   or a tmpfs size: the capacity check reads the pool ([`Pool`]), and a
