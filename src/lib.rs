@@ -15,9 +15,10 @@
 //! | [`Offloader::new`] (the engine's tensors, `unsafe`: their lifetime is the contract; [`KvSpec`], [`TensorSpec`]) or [`Offloader::with_allocated_tensors`] ([`KvAlloc`]) | build it; [`RegionSpec`] picks an anonymous or a node-shared region ([`ShmOptions`]); [`PinOptions`], [`TransferOptions`], [`PolicyKind`] tune it |
 //! | [`Offloader::start`], [`Offloader::pin_state`], [`Offloader::pin_progress`], [`Offloader::wait_pinned`], [`PinObserver`] | pinning in the background and its progress ([`PinState`], [`PinProgress`], [`PinOutcome`]) |
 //! | [`Offloader::capture_window`] ([`CaptureWindow`]), [`Offloader::register_graph`] ([`GraphToken`]) | around each CUDA graph capture; for each graph that references the region |
+//! | [`Offloader::capture_begin`], [`Offloader::capture_end`], [`Offloader::capture_abort`], [`Offloader::capture_depth`], [`Offloader::deferred_jobs`] | the same window for a hook that wraps a framework's capture calls (PyTorch's `CUDAGraph.capture_begin`/`capture_end`): jobs submitted meanwhile are queued and submitted when it closes ([`Completion::deferred_seconds`]) |
 //! | [`Offloader::gated`] ([`GatedCalls`]) | the engine's own capture-unsafe driver calls, inside the offloader's gate |
 //! | [`Offloader::lookup`], [`Offloader::store`] ([`StoreSubmitted`]), [`Offloader::load`] | by block keys ([`BlockKey`], [`Lookup`]) and the engine's GPU block ids |
-//! | [`OffloaderOptions::with_host_slots`] ([`Addressing`], `OffloaderOptions::kv_groups`), [`Offloader::store_slots`], [`Offloader::load_slots`], [`Offloader::store_slot_job`] / [`Offloader::load_slot_job`] ([`SlotJob`]), [`Offloader::wait_jobs`] | for engines whose scheduler manages its own host blocks (vLLM's offloading connector): host slots and job ids ([`JobId`]) chosen by the engine, no block manager |
+//! | [`OffloaderOptions::with_host_slots`] ([`Addressing`], `OffloaderOptions::kv_groups`), [`Offloader::store_slots`], [`Offloader::load_slots`], [`Offloader::store_slot_job`] / [`Offloader::load_slot_job`] ([`SlotJob`]), [`Offloader::wait_jobs`], [`Offloader::load_slots_expedited`] / [`Offloader::load_slot_job_expedited`] ([`Lane`], [`Offloader::lane_stream`], `TransferOptions::expedited_lane`) | for engines whose scheduler manages its own host blocks (vLLM's offloading connector): host slots and job ids ([`JobId`]) chosen by the engine, no block manager |
 //! | [`Offloader::poll`] ([`Completion`]), [`Offloader::wait`], [`Offloader::wait_all`], [`Offloader::in_flight`] | completions, applied to the block manager |
 //! | [`Offloader::shutdown`], [`Offloader::is_shut_down`] | shutdown (refused with nothing changed while a window is open or a graph lives) |
 //! | [`Offloader::layout`] ([`KvLayout`]: the host and device address of every block), [`Offloader::region`] ([`Region`]), [`Offloader::tensors`], [`Offloader::activity`] ([`Activity`]) | where things are, and what the coordinator has open or waiting (diagnostics) |
@@ -84,7 +85,7 @@ pub use runtime::{
     shared, CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, Event, GpuRuntime, Graph, OpenError,
     Stream,
 };
-pub use transfer::{Backend, BackendChoice, JobId, KvLayout, LayoutError, TensorSpec, TransferError, TransferOptions};
+pub use transfer::{Backend, BackendChoice, JobId, KvLayout, Lane, LayoutError, TensorSpec, TransferError, TransferOptions};
 
 /// The README's library example, compiled and run as a doc test.
 #[cfg(doctest)]
