@@ -204,9 +204,13 @@ pub enum RegionError {
 
     /// Reserving a data file's pages (`fallocate`) ran out of space: the
     /// file system filled up after the capacity check (another process
-    /// wrote to it meanwhile). The region was abandoned and every file
-    /// removed.
-    #[error("{path}: no space to reserve {needed} bytes ({available} bytes free in its file system now); the region was abandoned and its files removed")]
+    /// wrote to it meanwhile). From `create`/`join`: the region was
+    /// abandoned and every file removed. With deferred reservation
+    /// ([`ShmOptions::defer_reserve`](super::ShmOptions::defer_reserve)),
+    /// from pinning or [`Region::reserve_rest`](super::Region::reserve_rest):
+    /// the files were unlinked already, and the pages not reserved must not
+    /// be touched (drop the region).
+    #[error("{path}: no space to reserve {needed} bytes ({available} bytes free in its file system now); no file of the region is left, and its unreserved pages must not be touched")]
     ShmFull {
         /// The data file being reserved.
         path: PathBuf,
