@@ -183,15 +183,18 @@ fn slices_follow_the_huge_page_size_given() {
     // 16 MiB with 4 threads: 2 MiB huge pages give 4 slices of 4 MiB; a
     // region on hugetlbfs with (say) 8 MiB pages must give whole pages to
     // each worker: 2 slices. Without huge pages the page size rules.
-    let bytes = 16 << 20;
+    // Slices are cut at multiples of the page in addresses (a hugetlbfs
+    // data area starts on one): use a window that starts on 8 MiB.
+    let len = 16 << 20;
     for (huge, page, slices) in [(true, None, 4), (true, Some(8 << 20), 2), (false, Some(8 << 20), 4)] {
-        let r = fresh(bytes, huge);
+        let r = fresh(len + (8 << 20), huge);
+        let addr = (r.as_ptr() as usize).next_multiple_of(8 << 20);
         let cfg = PrefaultConfig { threads: 4, mode: PrefaultMode::Populate, huge_pages: huge };
         // SAFETY: the region outlives the pre-faulter (dropped first).
         let pf = unsafe { Prefaulter::reserving(cfg, Vec::new(), None, page) };
-        pf.ensure(0, r.as_ptr() as usize, r.len()).unwrap();
+        pf.ensure(0, addr, len).unwrap();
         assert_eq!(pf.stats().slices, slices, "huge {huge}, page {page:?}");
-        assert_eq!(not_resident(r.as_ptr() as usize, r.len()), 0);
+        assert_eq!(not_resident(addr, len), 0);
         drop(pf);
     }
 }
