@@ -27,6 +27,57 @@ use kvoffload::internal::runtime::GpuRuntime;
 
 use super::{fmt_bytes, median, one_call, pipeline, plan, BenchConfig, Group, Progress, Row, RunConfig};
 
+/// Counters of /proc/vmstat that say how the kernel got huge pages for a
+/// run (what the collapse near the memory limit points at): transparent
+/// huge pages faulted in, faults that fell back to 4 KiB pages, and direct
+/// compaction stalls (and the failed ones).
+pub const VMSTAT_KEYS: [&str; 4] = ["thp_fault_alloc", "thp_fault_fallback", "compact_stall", "compact_fail"];
+
+/// The [`VMSTAT_KEYS`] counters, or how much they grew over a run.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct VmStat(pub [u64; 4]);
+
+impl VmStat {
+    /// Reads /proc/vmstat now (None where it cannot be read).
+    pub fn read() -> Option<VmStat> {
+        Self::parse(&std::fs::read_to_string("/proc/vmstat").ok()?)
+    }
+
+    fn parse(text: &str) -> Option<VmStat> {
+        let mut v = [None; 4];
+        for line in text.lines() {
+            let mut it = line.split_whitespace();
+            if let (Some(k), Some(n)) = (it.next(), it.next()) {
+                if let Some(i) = VMSTAT_KEYS.iter().position(|x| *x == k) {
+                    v[i] = n.parse().ok();
+                }
+            }
+        }
+        // A kernel without THP or compaction lacks some: count them as 0.
+        v.iter().any(Option::is_some).then(|| VmStat(v.map(|x| x.unwrap_or(0))))
+    }
+
+    /// `self - before`, counter by counter.
+    pub fn since(&self, before: &VmStat) -> VmStat {
+        VmStat(std::array::from_fn(|i| self.0[i].saturating_sub(before.0[i])))
+    }
+}
+
+impl fmt::Display for VmStat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let [alloc, fallback, stall, fail] = self.0;
+        write!(f, "THP faults +{alloc}, fell back to 4 KiB +{fallback}, compaction stalls +{stall} (failed +{fail})")
+    }
+}
+
+/// Runs `f` and returns its row with the vmstat growth over it.
+fn with_vmstat(f: impl FnOnce() -> Row) -> (Row, Option<VmStat>) {
+    let before = VmStat::read();
+    let row = f();
+    let delta = VmStat::read().zip(before).map(|(a, b)| a.since(&b));
+    (row, delta)
+}
+
 /// One round of one size.
 #[derive(Clone, Debug)]
 pub struct Round {
@@ -36,6 +87,10 @@ pub struct Round {
     pub defaults: Row,
     /// (s) the defaults without overlap: the stages apart.
     pub split: Row,
+    /// /proc/vmstat's growth over (b).
+    pub defaults_vm: Option<VmStat>,
+    /// /proc/vmstat's growth over (s).
+    pub split_vm: Option<VmStat>,
 }
 
 impl Round {
@@ -57,6 +112,8 @@ pub struct SizeResult {
     pub size: usize,
     /// The first run of the size (the defaults), not in the medians.
     pub first_touch: Row,
+    /// /proc/vmstat's growth over the first touch.
+    pub first_vm: Option<VmStat>,
     /// The measured rounds.
     pub rounds: Vec<Round>,
 }
@@ -173,16 +230,16 @@ pub fn run(
     let mut out = Vec::with_capacity(sizes.len());
     for &size in sizes {
         eprintln!("{}: first touch (the defaults once, reported apart) ...", fmt_bytes(size));
-        let first_touch = pipeline(rt, size, Group::Defaults, &defaults, progress);
+        let (first_touch, first_vm) = with_vmstat(|| pipeline(rt, size, Group::Defaults, &defaults, progress));
         let mut rs = Vec::with_capacity(rounds);
         for k in 0..rounds {
             eprintln!("{}: round {}/{rounds}", fmt_bytes(size), k + 1);
             let one_call = one_call(rt, size, progress);
-            let d = pipeline(rt, size, Group::Defaults, &defaults, progress);
-            let split = pipeline(rt, size, Group::Sweep, &split_cfg, progress);
-            rs.push(Round { one_call, defaults: d, split });
+            let (d, defaults_vm) = with_vmstat(|| pipeline(rt, size, Group::Defaults, &defaults, progress));
+            let (split, split_vm) = with_vmstat(|| pipeline(rt, size, Group::Sweep, &split_cfg, progress));
+            rs.push(Round { one_call, defaults: d, split, defaults_vm, split_vm });
         }
-        out.push(SizeResult { size, first_touch, rounds: rs });
+        out.push(SizeResult { size, first_touch, first_vm, rounds: rs });
     }
     Ok(SizesReport {
         backend: rt.backend(),
@@ -252,13 +309,15 @@ impl fmt::Display for SizesReport {
             let thp = |r: &Row| {
                 r.thp_bytes.map_or("-".into(), |b| format!("{:.0}%", (b as f64 * 100.0 / s.size as f64).min(100.0)))
             };
+            let vm = |tag: &str, v: &Option<VmStat>| v.map_or(String::new(), |v| format!("; {tag} {v}"));
             writeln!(
                 f,
-                "  {:>7} first touch (b) {} (THP {}, fault wait {:.2} s)",
+                "  {:>7} first touch (b) {} (THP {}, fault wait {:.2} s{})",
                 fmt_bytes(s.size),
                 g(&s.first_touch),
                 thp(&s.first_touch),
-                s.first_touch.fault_wait_s.unwrap_or(0.0)
+                s.first_touch.fault_wait_s.unwrap_or(0.0),
+                vm("(b)", &s.first_vm)
             )?;
             for (k, r) in s.rounds.iter().enumerate() {
                 let stages = r.stage_s().map_or("-".into(), |(p, q)| {
@@ -267,13 +326,15 @@ impl fmt::Display for SizesReport {
                 });
                 writeln!(
                     f,
-                    "  {:>7} round {}: (a) {}, (b) {} (THP {}), (s) {} ({stages})",
+                    "  {:>7} round {}: (a) {}, (b) {} (THP {}, fault wait {:.2} s), (s) {} ({stages}){}",
                     fmt_bytes(s.size),
                     k + 1,
                     g(&r.one_call),
                     g(&r.defaults),
                     thp(&r.defaults),
-                    g(&r.split)
+                    r.defaults.fault_wait_s.unwrap_or(0.0),
+                    g(&r.split),
+                    vm("(b)", &r.defaults_vm) + &vm("(s)", &r.split_vm)
                 )?;
             }
         }
@@ -354,6 +415,8 @@ mod tests {
             one_call: row(Group::OneCall, a, None, true),
             defaults: row(Group::Defaults, b, Some(0.0), true),
             split: row(Group::Sweep, split_total, Some(fault), true),
+            defaults_vm: None,
+            split_vm: None,
         };
         let mut failed = round(1.0, 1.0, 0.1, 1.0);
         failed.defaults.outcome = Err("x".into());
@@ -361,6 +424,7 @@ mod tests {
         let s = SizeResult {
             size,
             first_touch: row(Group::Defaults, 4.0, Some(1.0), true),
+            first_vm: None,
             rounds: vec![
                 // pre-fault 0.1 s (40 GB/s), register 0.2 s (20): bound 20.
                 round(2.0, 0.25, 0.1, 0.3),
@@ -393,8 +457,15 @@ mod tests {
         let s = SizeResult {
             size,
             first_touch: r(10.0),
+            first_vm: Some(VmStat([512, 7, 3, 1])),
             rounds: (0..3)
-                .map(|_| Round { one_call: row(Group::OneCall, 1.0, None, true), defaults: r(0.1), split: r(0.2) })
+                .map(|_| Round {
+                    one_call: row(Group::OneCall, 1.0, None, true),
+                    defaults: r(0.1),
+                    split: r(0.2),
+                    defaults_vm: None,
+                    split_vm: None,
+                })
                 .collect(),
         };
         let rep = SizesReport {
@@ -410,5 +481,19 @@ mod tests {
         assert!(text.contains("10.74 [10.74-10.74, 0%]"), "{text}");
         assert!(text.contains("1 GiB") && text.contains("2 GiB"), "{text}");
         assert!(!text.contains("FAILED"), "{text}");
+        assert!(text.contains("fell back to 4 KiB +7, compaction stalls +3 (failed +1)"), "{text}");
+    }
+
+    #[test]
+    fn vmstat_counters_are_read_and_subtracted() {
+        let before = VmStat::parse("pgfault 5\nthp_fault_alloc 10\ncompact_stall 2\nthp_fault_fallback 1\n").unwrap();
+        assert_eq!(before, VmStat([10, 1, 2, 0]));
+        let after = VmStat([15, 4, 2, 1]);
+        assert_eq!(after.since(&before), VmStat([5, 3, 0, 1]));
+        assert_eq!(VmStat::parse("pgfault 5\n"), None);
+        // This machine's, if it has one, parses.
+        if std::path::Path::new("/proc/vmstat").exists() {
+            assert!(VmStat::read().is_some());
+        }
     }
 }
