@@ -180,6 +180,11 @@ pub struct Row {
     pub populate_write: Option<bool>,
     /// "ok", or what went wrong.
     pub outcome: Result<(), String>,
+    /// The pinning thread's waits for pre-faulting, one per chunk: seconds
+    /// from the start of the run to the `ensure` call and to its return
+    /// (chunk i registers from the end of wait i to the start of wait i+1,
+    /// the last one until `total_s`). Empty for the one-call path.
+    pub waits: Vec<(f64, f64)>,
 }
 
 impl Row {
@@ -197,6 +202,7 @@ impl Row {
             thp_bytes: None,
             populate_write: None,
             outcome: Ok(()),
+            waits: Vec::new(),
         }
     }
 
@@ -330,6 +336,9 @@ struct Observed<'a> {
     coord: &'a Coordinator,
     pipelined: bool,
     waited: Mutex<Duration>,
+    /// Start of the run, and each `ensure`'s (start, end) from it.
+    t0: Instant,
+    waits: Mutex<Vec<(f64, f64)>>,
     progress: &'a (dyn Fn(Progress) + Sync),
 }
 
@@ -340,6 +349,8 @@ impl Prefault for Observed<'_> {
         let t = Instant::now();
         let r = self.inner.ensure(i, addr, len);
         *sync::lock(&self.waited) += t.elapsed();
+        let from = |x: Instant| x.duration_since(self.t0).as_secs_f64();
+        sync::lock(&self.waits).push((from(t), from(Instant::now())));
         r
     }
 
@@ -461,11 +472,14 @@ pub fn pipeline(
         coord: prepared.coordinator(),
         pipelined: c.pipelined,
         waited: Mutex::new(Duration::ZERO),
+        t0: t,
+        waits: Mutex::new(Vec::new()),
         progress,
     };
     let state = pin_all(rt, prepared.coordinator(), &observed);
     row.total_s = t.elapsed().as_secs_f64();
     row.fault_wait_s = Some(sync::lock(&observed.waited).as_secs_f64());
+    row.waits = std::mem::take(&mut *sync::lock(&observed.waits));
     row.chunks = prepared.chunks();
     row.huge_pages = prepared.huge_pages();
     row.populate_write = prepared.prefaulter().and_then(|p| p.stats().populate_write);

@@ -287,6 +287,54 @@ impl SizesReport {
     }
 }
 
+/// The timeline of one pipeline run: per chunk, the pinning thread's wait
+/// for pre-faulting (lane 0) and its registration (lane 1), from the run's
+/// start (None for a run without waits recorded).
+pub fn timeline_spans(r: &Row) -> Vec<crate::plot::Span> {
+    use crate::plot::Span;
+    let mut out = Vec::with_capacity(2 * r.waits.len());
+    for (i, &(s, e)) in r.waits.iter().enumerate() {
+        out.push(Span { lane: 0, start: s, end: e, label: None });
+        let next = r.waits.get(i + 1).map_or(r.total_s, |w| w.0);
+        if next > e {
+            out.push(Span { lane: 1, start: e, end: next, label: None });
+        }
+    }
+    out
+}
+
+impl SizesReport {
+    /// Writes one timeline per size into `dir` (`pin-timeline-<size>.svg`):
+    /// the slowest (b) run of the size's rounds, its chunks' pre-fault
+    /// waits and registrations. Returns the paths written.
+    pub fn write_timelines(&self, dir: &Path) -> Result<Vec<std::path::PathBuf>, String> {
+        let mut paths = Vec::new();
+        for s in &self.sizes {
+            let Some(slowest) = s
+                .rounds
+                .iter()
+                .map(|r| &r.defaults)
+                .filter(|r| r.outcome.is_ok() && !r.waits.is_empty())
+                .max_by(|a, b| a.total_s.total_cmp(&b.total_s))
+            else {
+                continue;
+            };
+            let path = dir.join(format!("pin-timeline-{}.svg", fmt_bytes(s.size).replace(' ', "")));
+            let title = format!(
+                "Pinning {} with the defaults, slowest of {} rounds: {:.2} GB/s ({})",
+                fmt_bytes(s.size),
+                s.rounds.len(),
+                slowest.gbps(s.size),
+                self.backend
+            );
+            let lanes = ["waiting for pre-faulting", "registering"];
+            crate::plot::timeline(&path, &title, &lanes, &timeline_spans(slowest))?;
+            paths.push(path);
+        }
+        Ok(paths)
+    }
+}
+
 impl fmt::Display for SizesReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "kvoffload bench pin --sizes: fresh untouched anonymous memory for every run")?;
@@ -448,6 +496,17 @@ mod tests {
         let zero = SizeResult { rounds: vec![round(1.0, 1.0, 0.0, 1.0)], ..s.clone() };
         assert!(zero.spread(Figure::Bound).is_none());
         assert!(Spread::of(vec![]).is_none());
+    }
+
+    #[test]
+    fn the_timeline_alternates_waits_and_registrations() {
+        let mut r = row(Group::Defaults, 1.0, Some(0.3), true);
+        r.waits = vec![(0.0, 0.2), (0.5, 0.6), (0.6, 0.6)];
+        let spans = timeline_spans(&r);
+        let got: Vec<(usize, f64, f64)> = spans.iter().map(|s| (s.lane, s.start, s.end)).collect();
+        // Chunk 1 was resident when asked for (no registration gap before
+        // chunk 2 either): the last registration runs to the end.
+        assert_eq!(got, vec![(0, 0.0, 0.2), (1, 0.2, 0.5), (0, 0.5, 0.6), (0, 0.6, 0.6), (1, 0.6, 1.0)]);
     }
 
     #[test]

@@ -182,6 +182,9 @@ fn run_sizes(a: PinArgs) -> Result<i32, String> {
         let path = dir.join(format!("pin-sizes-{}.svg", tag.join("-")));
         report.write_svg(&path)?;
         println!("picture: {}", path.display());
+        for p in report.write_timelines(dir)? {
+            println!("timeline: {}", p.display());
+        }
     }
     let failed = report.sizes.iter().any(|s| {
         s.rounds.iter().any(|r| r.one_call.outcome.is_err() || r.defaults.outcome.is_err() || r.split.outcome.is_err())
