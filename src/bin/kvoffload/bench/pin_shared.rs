@@ -571,6 +571,56 @@ impl fmt::Display for SharedReport {
     }
 }
 
+impl SharedReport {
+    /// Writes the picture: median end-to-end GB/s (create/join + pin until
+    /// every rank is pinned and agreed) against the region size, one series
+    /// per variant and rank count, with the target as a line.
+    pub fn write_svg(&self, path: &Path) -> Result<(), String> {
+        use crate::plot::{lines, Limit, LineChart, Series};
+        let mut keys: Vec<(&'static str, usize)> = Vec::new();
+        let mut sizes: Vec<usize> = Vec::new();
+        for m in &self.rows {
+            if !keys.contains(&(m.variant.name, m.ranks)) {
+                keys.push((m.variant.name, m.ranks));
+            }
+            if !sizes.contains(&m.size) {
+                sizes.push(m.size);
+            }
+        }
+        sizes.sort_unstable();
+        let series: Vec<Series> = keys
+            .iter()
+            .map(|&(v, ranks)| Series {
+                name: format!("{v}, {ranks} rank(s), end to end"),
+                points: sizes
+                    .iter()
+                    .filter_map(|&size| {
+                        self.median_gbps(size, ranks, v, true).map(|g| (size as f64 / (1u64 << 30) as f64, g))
+                    })
+                    .collect(),
+            })
+            .collect();
+        let limits = if self.backend == "sim" {
+            Vec::new()
+        } else {
+            vec![Limit { name: format!("target {TARGET_GBPS} GB/s"), y: TARGET_GBPS }]
+        };
+        let title = format!("Shared region, create/join + pin to agreed ({}, {})", self.backend, self.device);
+        lines(
+            path,
+            &LineChart {
+                title: &title,
+                x_label: "region size (GiB)",
+                y_label: "GB/s of region bytes (1e9 bytes/s)",
+                log_x: false,
+                series: &series,
+                limits: &limits,
+                x_fmt: Some(|x| if (x - x.round()).abs() < 1e-6 { format!("{x:.0}") } else { format!("{x:.1}") }),
+            },
+        )
+    }
+}
+
 /// Default pre-fault threads per rank: the cores divided by the ranks.
 pub fn default_threads(ranks: usize) -> usize {
     (available_cores() / ranks.max(1)).max(1)

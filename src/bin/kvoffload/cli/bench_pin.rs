@@ -28,7 +28,8 @@ pub struct PinArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     sizes: Vec<usize>,
     /// With --sizes: write the GB/s-against-size picture (SVG) into this directory as
-    /// pin-sizes-<sizes>.svg (e.g. pin-sizes-16GiB-64GiB.svg).
+    /// pin-sizes-<sizes>.svg (e.g. pin-sizes-16GiB-64GiB.svg) and a per-chunk timeline per size;
+    /// with --shared: pin-shared.svg (end-to-end GB/s against size per variant and ranks).
     #[arg(long)]
     svg: Option<PathBuf>,
     /// Which runtime registers the memory.
@@ -296,6 +297,12 @@ fn run_shared(a: &PinArgs) -> Result<i32, String> {
     };
     let failed = report.rows.iter().any(|m| !m.ok());
     println!("{report}");
+    if let Some(dir) = &a.svg {
+        std::fs::create_dir_all(dir).map_err(|e| format!("--svg {}: {e}", dir.display()))?;
+        let path = dir.join("pin-shared.svg");
+        report.write_svg(&path)?;
+        println!("picture: {}", path.display());
+    }
     Ok(if failed { 1 } else { 0 })
 }
 
