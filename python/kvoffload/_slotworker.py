@@ -81,7 +81,12 @@ class _Submitter:
         self.errors: List[Tuple[int, BaseException]] = []
         self.queued_total = 0
         self.closed = False
-        self.thread: Optional[threading.Thread] = None
+        # Started now, not at the first queued job: a thread's start maps
+        # its stack, which waits for the process's memory-map lock that the
+        # pinner's pre-fault holds (30 ms seen on the H200 for the first
+        # submission, made inside a graph capture).
+        self.thread = threading.Thread(target=self._run, name="kvoffload-submit", daemon=True)
+        self.thread.start()
         # Set once pinning is "pinned" (final), by a watcher blocked in
         # wait_pinned (GIL released): the engine's thread never asks the
         # offloader's coordinator (whose lock a registration in progress
@@ -110,9 +115,6 @@ class _Submitter:
                 self.queue.append((call, job_id, args))
                 self.pending.add(job_id)
                 self.queued_total += 1
-                if self.thread is None:
-                    self.thread = threading.Thread(target=self._run, name="kvoffload-submit", daemon=True)
-                    self.thread.start()
                 self.cv.notify_all()
         if direct:
             call(job_id, *args)
@@ -161,9 +163,7 @@ class _Submitter:
         with self.cv:
             self.closed = True
             self.cv.notify_all()
-            t = self.thread
-        if t is not None:
-            t.join()
+        self.thread.join()
 
 
 class SlotWorker:
