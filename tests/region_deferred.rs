@@ -19,7 +19,8 @@ use std::time::Duration;
 use kvoffload::internal::pin::{PinError, PinOptions, PrefaultMode, Prepared};
 use kvoffload::internal::protocol::{PageableReason, PinState};
 use kvoffload::internal::region::{fs_available, page_size, FileSplit, Layout, Region, RegionError, ShmOptions};
-use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::sim::{SimFault, SimRuntime};
+use kvoffload::internal::runtime::Code;
 use region_common::ShmGuard;
 
 const MIB: usize = 1 << 20;
@@ -107,9 +108,20 @@ fn reserve_moves_out_of_create_and_join() {
     let p = Prepared::new(&rt, &j, &PinOptions::default().threads(2).max_chunk_bytes(MIB / 4)).unwrap();
     assert_eq!(p.pin(&rt), PinState::Pinned);
     assert_eq!(used(&dir, before) - header, (64 << 10) + MIB as u64);
-    // Rank 0 reserves the rest of its files without pinning.
+    // Rank 0's pinning fails at its first registration: it ends pageable,
+    // and settling reserved the rest of its files (the region stays in
+    // use, pageable, so every page it may touch must be reserved).
+    let c = Arc::new(c);
+    let rt0 = SimRuntime::new();
+    rt0.inject(SimFault::Register { nth: 1, code: Code(999) });
+    let opts0 = PinOptions::default().threads(1).max_chunk_bytes(MIB / 4);
+    let p0 = Prepared::new(&rt0, &c, &opts0).unwrap();
+    assert!(matches!(p0.pin(&rt0), PinState::Pageable(PageableReason::Driver(_))));
+    assert_eq!(used(&dir, before) - header, 2 * MIB as u64, "the failed pin left pages unreserved");
+    // Reserving again finds everything reserved.
     c.reserve_rest().unwrap();
     assert_eq!(used(&dir, before) - header, 2 * MIB as u64);
+    drop(p0);
     drop(p);
     drop(j);
     drop(c);

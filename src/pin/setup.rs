@@ -3,7 +3,7 @@
 use crate::protocol::{Coordinator, PinState};
 use crate::region::{Region, RegionKind};
 use crate::runtime::GpuRuntime;
-use crate::sync::Arc;
+use crate::sync::{Arc, Mutex};
 
 use super::engine::{pin_all, NoPrefault, PinHandle, Prefault};
 use super::memlock;
@@ -21,6 +21,9 @@ use super::prefault::{PlannedChunk, PrefaultConfig, Prefaulter};
 pub struct Prepared {
     coord: Arc<Coordinator>,
     prefaulter: Option<Arc<Prefaulter>>,
+    /// A shared region with deferred reservation: what settling reserves
+    /// when pinning did not ensure every chunk.
+    rest: Option<Arc<Rest>>,
     huge_pages: bool,
     bytes: usize,
     memlock_limit: Option<u64>,
@@ -166,7 +169,9 @@ impl Prepared {
             numa = %placement,
             "pinning prepared"
         );
-        Ok(Prepared { coord, prefaulter, huge_pages, bytes, memlock_limit, options: opts.clone(), placement })
+        let rest = (deferred && prefaulter.is_some())
+            .then(|| Arc::new(Rest { region: region.clone(), ensured: Mutex::new(vec![false; chunks.len()]) }));
+        Ok(Prepared { coord, prefaulter, rest, huge_pages, bytes, memlock_limit, options: opts.clone(), placement })
     }
 
     /// The coordinator (capture windows, pin state, chunk registrations).
@@ -182,7 +187,7 @@ impl Prepared {
     /// The pre-faulter as the engine takes it ([`NoPrefault`] when off).
     pub fn prefault(&self) -> Arc<dyn Prefault> {
         match &self.prefaulter {
-            Some(p) => crate::sync::arc_dyn(Shared(p.clone()), |a| a),
+            Some(p) => crate::sync::arc_dyn(Shared(p.clone(), self.rest.clone()), |a| a),
             None => NoPrefault::shared(),
         }
     }
@@ -248,17 +253,47 @@ pub fn prepare(
     Ok(Prepared::new(rt, region, opts)?.into_parts())
 }
 
+/// Deferred reservation: which chunks pinning ensured (reserved and made
+/// resident), so that settling can reserve the rest when pinning ended
+/// before ensuring them all (failed, cancelled): the region then stays in
+/// use pageable, and every page this rank may touch must be reserved
+/// (`Region::reserve_rest`).
+struct Rest {
+    region: Arc<Region>,
+    ensured: Mutex<Vec<bool>>,
+}
+
 /// The shared pre-faulter as a trait object (loom's `Arc` cannot coerce).
-struct Shared(Arc<Prefaulter>);
+struct Shared(Arc<Prefaulter>, Option<Arc<Rest>>);
 
 impl Prefault for Shared {
     fn ensure(&self, i: usize, addr: usize, len: usize) -> Result<(), String> {
-        self.0.ensure(i, addr, len)
+        let r = self.0.ensure(i, addr, len);
+        if let (Ok(()), Some(rest)) = (&r, &self.1) {
+            if let Some(e) = crate::sync::lock(&rest.ensured).get_mut(i) {
+                *e = true;
+            }
+        }
+        r
     }
     fn hint(&self, i: usize, addr: usize, len: usize) {
         self.0.hint(i, addr, len)
     }
     fn settle(&self) {
-        self.0.settle()
+        self.0.settle();
+        let Some(rest) = &self.1 else { return };
+        // Every chunk ensured (pinned): every page this rank touches was
+        // reserved by the pre-fault workers; nothing more to do (and
+        // nothing to walk on the success path).
+        if crate::sync::lock(&rest.ensured).iter().all(|e| *e) {
+            return;
+        }
+        match rest.region.reserve_rest() {
+            Ok(()) => tracing::info!("pinning ended early: reserved the rest of this rank's data files"),
+            Err(e) => tracing::error!(
+                error = %e,
+                "pinning ended early and the rest of the region cannot be reserved: its unreserved pages must not be touched"
+            ),
+        }
     }
 }

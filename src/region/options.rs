@@ -341,10 +341,10 @@ impl ShmOptions {
     /// range) right before faulting it, so reserving overlaps pre-faulting
     /// and registering instead of preceding them. The promise is the same
     /// as with upfront reservation for every page pinning made resident;
-    /// for the rest the caller must call
-    /// [`Region::reserve_rest`](super::Region::reserve_rest) before touching
-    /// a page pinning did not reserve (after pinning ended pageable, or
-    /// without pinning). A full file system is then
+    /// pinning that ends before ensuring every chunk (pageable) reserves the
+    /// rest itself ([`Region::reserve_rest`](super::Region::reserve_rest),
+    /// an error logged); a caller that does not pin must call `reserve_rest`
+    /// before touching a page. A full file system is then
     /// [`RegionError::ShmFull`](super::RegionError::ShmFull) from
     /// `reserve_rest` or from the pre-fault step (pinning ends pageable,
     /// and the other ranks' agreement fails), not from `create`/`join`;

@@ -125,9 +125,11 @@
 //! pinning ends pageable before registering that chunk (a registration
 //! faults only pages its pre-fault made resident; without pre-faulting,
 //! pinning reserves this rank's files whole before it starts). Every other
-//! touch must follow [`Region::reserve_rest`]: a rank whose pinning did not
-//! reserve everything calls it first and gets the typed error, then drops
-//! the region. The region is not abandoned then (every rank may have
+//! touch must follow [`Region::reserve_rest`]: pinning calls it itself when
+//! it ends before ensuring every chunk (failed or cancelled: the region is
+//! then used pageable), and logs the typed error if it fails; a caller
+//! that does not pin calls it first and, on the typed error, drops the
+//! region. The region is not abandoned then (every rank may have
 //! mapped it, the files are gone already); the other ranks learn of it
 //! through the pin agreement, which fails for them.
 //!
