@@ -97,6 +97,11 @@ pub fn run(a: PinArgs) -> Result<i32, String> {
     if a.as_rank.is_some() {
         return run_as_rank(&a);
     }
+    if a.shared && !a.sizes.is_empty() {
+        return Err(
+            "--sizes is for anonymous pinning; with --shared give the sizes to --size (e.g. --size 16GiB,64GiB)".into(),
+        );
+    }
     if a.shared {
         return run_shared(&a);
     }
