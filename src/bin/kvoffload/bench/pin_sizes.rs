@@ -87,6 +87,10 @@ pub struct Round {
     pub defaults: Row,
     /// (s) the defaults without overlap: the stages apart.
     pub split: Row,
+    /// (h) the defaults with huge pages off (4 KiB pages: no huge-page
+    /// allocation, no compaction), the fallback candidate near the memory
+    /// limit.
+    pub huge_off: Row,
     /// /proc/vmstat's growth over (b).
     pub defaults_vm: Option<VmStat>,
     /// /proc/vmstat's growth over (s).
@@ -169,6 +173,8 @@ pub enum Figure {
     Register,
     /// The stage bound.
     Bound,
+    /// (h): the defaults with 4 KiB pages.
+    HugeOff,
 }
 
 impl SizeResult {
@@ -184,6 +190,7 @@ impl SizeResult {
                 Figure::Prefault => r.stage_s().map(|(f, _)| gb / f),
                 Figure::Register => r.stage_s().map(|(_, g)| gb / g),
                 Figure::Bound => r.stage_s().map(|(f, g)| gb / f.max(g)),
+                Figure::HugeOff => ok(&r.huge_off).then(|| r.huge_off.gbps(self.size)),
             })
             .collect()
     }
@@ -226,6 +233,7 @@ pub fn run(
     let wall = std::time::Instant::now();
     let (defaults, _, _) = plan(&BenchConfig { quick: true, ..base.clone() });
     let split_cfg = RunConfig { pipelined: false, ..defaults.clone() };
+    let small_cfg = RunConfig { huge_pages: kvoffload::internal::pin::HugePages::Off, ..defaults.clone() };
     let rounds = base.repeat.max(3);
     let mut out = Vec::with_capacity(sizes.len());
     for &size in sizes {
@@ -237,7 +245,8 @@ pub fn run(
             let one_call = one_call(rt, size, progress);
             let (d, defaults_vm) = with_vmstat(|| pipeline(rt, size, Group::Defaults, &defaults, progress));
             let (split, split_vm) = with_vmstat(|| pipeline(rt, size, Group::Sweep, &split_cfg, progress));
-            rs.push(Round { one_call, defaults: d, split, defaults_vm, split_vm });
+            let huge_off = pipeline(rt, size, Group::Sweep, &small_cfg, progress);
+            rs.push(Round { one_call, defaults: d, split, huge_off, defaults_vm, split_vm });
         }
         out.push(SizeResult { size, first_touch, first_vm, rounds: rs });
     }
@@ -268,6 +277,7 @@ impl SizesReport {
             series_of("(b) defaults, slowest", Figure::Defaults, |s| s.min),
             series_of("stage bound, median", Figure::Bound, |s| s.median),
             series_of("pre-fault alone, median", Figure::Prefault, |s| s.median),
+            series_of("(h) 4 KiB pages (huge off), median", Figure::HugeOff, |s| s.median),
         ];
         // On the simulated GPU registration is instant: its figures would
         // only flatten the chart.
@@ -378,7 +388,7 @@ impl fmt::Display for SizesReport {
                 });
                 writeln!(
                     f,
-                    "  {:>7} round {}: (a) {}, (b) {} (THP {}, fault wait {:.2} s), (s) {} ({stages}){}",
+                    "  {:>7} round {}: (a) {}, (b) {} (THP {}, fault wait {:.2} s), (s) {} ({stages}), (h) {}{}",
                     fmt_bytes(s.size),
                     k + 1,
                     g(&r.one_call),
@@ -386,6 +396,7 @@ impl fmt::Display for SizesReport {
                     thp(&r.defaults),
                     r.defaults.fault_wait_s.unwrap_or(0.0),
                     g(&r.split),
+                    g(&r.huge_off),
                     vm("(b)", &r.defaults_vm) + &vm("(s)", &r.split_vm)
                 )?;
             }
@@ -394,7 +405,7 @@ impl fmt::Display for SizesReport {
         writeln!(f, "median [min-max, spread = (max-min)/median] over the rounds, GB/s:")?;
         writeln!(
             f,
-            "{:>7} {:>11} {:>26} {:>26} {:>26} {:>26} {:>26} {:>8} {:>7}",
+            "{:>7} {:>11} {:>26} {:>26} {:>26} {:>26} {:>26} {:>8} {:>7} {:>26}",
             "size",
             "first touch",
             "(a) one call",
@@ -403,7 +414,8 @@ impl fmt::Display for SizesReport {
             "register alone",
             "stage bound",
             "b/bound",
-            "b/a"
+            "b/a",
+            "(h) 4 KiB pages"
         )?;
         for s in &self.sizes {
             let sp = |fig| s.spread(fig).map_or("-".to_string(), |x| x.to_string());
@@ -425,7 +437,7 @@ impl fmt::Display for SizesReport {
             };
             writeln!(
                 f,
-                "{:>7} {:>11} {:>26} {:>26} {:>26} {:>26} {:>26} {:>8} {:>7}",
+                "{:>7} {:>11} {:>26} {:>26} {:>26} {:>26} {:>26} {:>8} {:>7} {:>26}",
                 fmt_bytes(s.size).replace(' ', ""),
                 first,
                 sp(Figure::OneCall),
@@ -434,13 +446,16 @@ impl fmt::Display for SizesReport {
                 sp(Figure::Register),
                 sp(Figure::Bound),
                 ratio(med(Figure::Defaults), med(Figure::Bound), true),
-                ratio(med(Figure::Defaults), med(Figure::OneCall), false)
+                ratio(med(Figure::Defaults), med(Figure::OneCall), false),
+                sp(Figure::HugeOff)
             )?;
         }
         writeln!(
             f,
             "stage bound: the region's bytes over the longer of pre-faulting alone and registering alone (the same \
-             round's (s) run): what a perfect two-stage pipeline would reach; b/bound and b/a from the medians"
+             round's (s) run): what a perfect two-stage pipeline would reach; b/bound and b/a from the medians; \
+             (h): the defaults with huge pages off (no huge-page allocation or compaction: what falling back to \
+             4 KiB pages near the memory limit would give)"
         )?;
         write!(f, "bench wall time: {:.1} s", self.wall_s)
     }
@@ -467,12 +482,14 @@ mod tests {
             one_call: row(Group::OneCall, a, None, true),
             defaults: row(Group::Defaults, b, Some(0.0), true),
             split: row(Group::Sweep, split_total, Some(fault), true),
+            huge_off: row(Group::Sweep, 2.0 * b, Some(0.0), true),
             defaults_vm: None,
             split_vm: None,
         };
         let mut failed = round(1.0, 1.0, 0.1, 1.0);
         failed.defaults.outcome = Err("x".into());
         failed.split.outcome = Err("x".into());
+        failed.huge_off.outcome = Err("x".into());
         let s = SizeResult {
             size,
             first_touch: row(Group::Defaults, 4.0, Some(1.0), true),
@@ -496,6 +513,8 @@ mod tests {
         assert_eq!(s.figures(Figure::OneCall).len(), 4);
         assert!((s.spread(Figure::Prefault).unwrap().median - 20.0).abs() < 1e-9);
         assert!((s.spread(Figure::Register).unwrap().median - 20.0).abs() < 1e-9);
+        // (h) took twice (b)'s time in every round: half its GB/s.
+        assert!((s.spread(Figure::HugeOff).unwrap().median - 8.0).abs() < 1e-9);
         // A split with no fault wait gives no stage figures.
         let zero = SizeResult { rounds: vec![round(1.0, 1.0, 0.0, 1.0)], ..s.clone() };
         assert!(zero.spread(Figure::Bound).is_none());
@@ -526,6 +545,7 @@ mod tests {
                     one_call: row(Group::OneCall, 1.0, None, true),
                     defaults: r(0.1),
                     split: r(0.2),
+                    huge_off: r(0.4),
                     defaults_vm: None,
                     split_vm: None,
                 })
