@@ -637,3 +637,67 @@ def test_two_groups_full_attention_and_sliding_window_share_the_slot_pool(engine
     assert loads[0][3][1] > 0, "the sliding window group's blocks were loaded too"
     full, window = check_loaded(eng, b, prompt, 0), check_loaded(eng, b, prompt, 1)
     assert full and window, (full, window)
+
+
+def test_only_kvoffload_vllm_imports_vllm_and_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvoffload, kvoffload._hook, kvoffload._slotworker, kvoffload._testing\n"
+        "bad = [m for m in ('torch', 'vllm') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "import kvoffload.vllm\n"
+        "assert 'vllm' in sys.modules\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_flush_stores_blocks_before_vllm_reallocates_them(engines):
+    """vLLM's flush (``jobs_to_flush``): a finished request's store is still
+    unsubmitted when its freed blocks are handed to the next request; the
+    worker connector submits it and ``wait``s in ``handle_preemptions``,
+    before the new request's forward overwrites the blocks. The stored
+    bytes must be the first request's (checked by loading them back)."""
+    eng = engines(num_blocks=12, blocks_per_chunk=2)
+    flushed = []
+    real = eng.worker_conn.handle_preemptions
+
+    def handle_preemptions(meta):
+        if meta.jobs_to_flush:
+            flushed.append(set(meta.jobs_to_flush))
+        return real(meta)
+
+    eng.worker_conn.handle_preemptions = handle_preemptions
+    events = []
+    real_wait, real_forward = eng.kvw.wait, eng.forward
+
+    def wait(ids):
+        events.append(("wait", set(ids)))
+        return real_wait(ids)
+
+    def forward(so):
+        events.append(("forward", set(so.num_scheduled_tokens)))
+        return real_forward(so)
+
+    eng.kvw.wait, eng.forward = wait, forward
+    first, second = prompt_of(8 * BS + 1, 19), prompt_of(8 * BS + 1, 20)
+    a = eng.add(first, max_tokens=1)
+    for _ in range(20):  # no settling: jobs run only as vLLM's calls make them
+        eng.step()
+        if a.is_finished():
+            break
+    assert a.is_finished()
+    b = eng.add(second, max_tokens=1)
+    eng.run(b)
+    assert flushed, "vLLM flushed the first request's store before reusing its blocks"
+    job = next(iter(flushed[0]))
+    first_b = events.index(("forward", {b.request_id}))
+    assert any(e == "wait" and job in ids for e, ids in events[:first_b]), (
+        f"no wait for store {job} before its blocks were overwritten: {events}"
+    )
+    eng.forget_gpu_cache()
+    again = eng.add(first)
+    eng.run(again)
+    assert check_loaded(eng, again, first), "the first request's blocks, as it computed them"
