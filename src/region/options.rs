@@ -336,7 +336,7 @@ impl ShmOptions {
     /// `create`/`join` (default off). The rank sets its bit without
     /// reserving, keeps the descriptors of the data files it will touch
     /// (its own with a rank-major layout, every file with a row-interleaved
-    /// one), and every page is reserved by whoever touches it first:
+    /// one: up to [`MAX_FILES`] descriptors, mind RLIMIT_NOFILE), and every page is reserved by whoever touches it first:
     /// pinning's pre-fault workers reserve each slice (`fallocate` of that
     /// range) right before faulting it, so reserving overlaps pre-faulting
     /// and registering instead of preceding them. The promise is the same
