@@ -5,7 +5,6 @@ class whose capture_begin/capture_end play a CUDA graph capture on the sim
 ``torch.cuda.CUDAGraph`` cannot be made without a GPU, so the real class is
 only checked by identity (test_vllm.py). No PyTorch needed here."""
 
-import ctypes
 import random
 import threading
 
@@ -15,7 +14,7 @@ import kvoffload as kv
 import kvoffload._testing as kt
 from kvoffload import _hook
 
-from test_slots import PAGE, ROWS, fill, kv_tensors, zero
+from test_slots import PAGE, fill, kv_tensors, zero
 
 
 class Graph:

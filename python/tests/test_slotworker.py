@@ -10,7 +10,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 import kvoffload as kv
-from kvoffload import _hook, _slotworker
+from kvoffload import _slotworker
 
 from test_slots import PAGE, fill, kv_tensors, zero
 

@@ -31,7 +31,6 @@ Run by ci/python with the venv's python (``KVO_SKIP_VLLM=1`` skips).
 import json
 import os
 import random
-import threading
 import time
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -336,8 +335,7 @@ def round_trip(eng, prompt):
     its hit is loaded from kvoffload. Returns the logical blocks loaded."""
     a = eng.add(prompt)
     eng.run(a)
-    stores = [r for r in eng.results]
-    assert stores, "stores were reported"
+    assert eng.results, "stores were reported"
     eng.forget_gpu_cache()
     b = eng.add(prompt)
     eng.run(b)
