@@ -118,6 +118,9 @@ pub struct SizeResult {
     pub first_touch: Row,
     /// /proc/vmstat's growth over the first touch.
     pub first_vm: Option<VmStat>,
+    /// MemAvailable when the size started (how close to the memory limit
+    /// the size runs).
+    pub mem_available: Option<u64>,
     /// The measured rounds.
     pub rounds: Vec<Round>,
 }
@@ -238,6 +241,7 @@ pub fn run(
     let mut out = Vec::with_capacity(sizes.len());
     for &size in sizes {
         eprintln!("{}: first touch (the defaults once, reported apart) ...", fmt_bytes(size));
+        let mem_available = kvoffload::internal::region::mem_available().ok();
         let (first_touch, first_vm) = with_vmstat(|| pipeline(rt, size, Group::Defaults, &defaults, progress));
         let mut rs = Vec::with_capacity(rounds);
         for k in 0..rounds {
@@ -248,7 +252,7 @@ pub fn run(
             let huge_off = pipeline(rt, size, Group::Sweep, &small_cfg, progress);
             rs.push(Round { one_call, defaults: d, split, huge_off, defaults_vm, split_vm });
         }
-        out.push(SizeResult { size, first_touch, first_vm, rounds: rs });
+        out.push(SizeResult { size, first_touch, first_vm, mem_available, rounds: rs });
     }
     Ok(SizesReport {
         backend: rt.backend(),
@@ -372,6 +376,15 @@ impl fmt::Display for SizesReport {
                 r.thp_bytes.map_or("-".into(), |b| format!("{:.0}%", (b as f64 * 100.0 / s.size as f64).min(100.0)))
             };
             let vm = |tag: &str, v: &Option<VmStat>| v.map_or(String::new(), |v| format!("; {tag} {v}"));
+            if let Some(m) = s.mem_available {
+                writeln!(
+                    f,
+                    "  {:>7} MemAvailable {} at the start: the region is {:.0}% of it",
+                    fmt_bytes(s.size),
+                    fmt_bytes(m as usize),
+                    s.size as f64 * 100.0 / m.max(1) as f64
+                )?;
+            }
             writeln!(
                 f,
                 "  {:>7} first touch (b) {} (THP {}, fault wait {:.2} s{})",
@@ -494,6 +507,7 @@ mod tests {
             size,
             first_touch: row(Group::Defaults, 4.0, Some(1.0), true),
             first_vm: None,
+            mem_available: None,
             rounds: vec![
                 // pre-fault 0.1 s (40 GB/s), register 0.2 s (20): bound 20.
                 round(2.0, 0.25, 0.1, 0.3),
@@ -540,6 +554,7 @@ mod tests {
             size,
             first_touch: r(10.0),
             first_vm: Some(VmStat([512, 7, 3, 1])),
+            mem_available: Some(4 << 30),
             rounds: (0..3)
                 .map(|_| Round {
                     one_call: row(Group::OneCall, 1.0, None, true),
@@ -565,6 +580,7 @@ mod tests {
         assert!(text.contains("1 GiB") && text.contains("2 GiB"), "{text}");
         assert!(!text.contains("FAILED"), "{text}");
         assert!(text.contains("fell back to 4 KiB +7, compaction stalls +3 (failed +1)"), "{text}");
+        assert!(text.contains("MemAvailable 4 GiB at the start: the region is 25% of it"), "{text}");
     }
 
     #[test]
