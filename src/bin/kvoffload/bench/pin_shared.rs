@@ -197,7 +197,9 @@ impl RankTimes {
             self.huge,
             self.files,
             self.unregister,
-            self.outcome.replace(' ', "_")
+            // One token: '%' and ' ' escaped (underscores, e.g. in
+            // "nr_hugepages", stay as they are).
+            self.outcome.replace('%', "%25").replace(' ', "%20")
         )
     }
 
@@ -219,7 +221,7 @@ impl RankTimes {
                 "huge" => t.huge = v.parse().ok()?,
                 "files" => t.files = v.parse().ok()?,
                 "unregister" => t.unregister = f()?,
-                "outcome" => t.outcome = v.replace('_', " "),
+                "outcome" => t.outcome = v.replace("%20", " ").replace("%25", "%"),
                 _ => {}
             }
         }
@@ -665,8 +667,10 @@ mod tests {
             outcome: "pinned".into(),
         };
         assert_eq!(RankTimes::parse(&t.to_line()), Some(t.clone()));
-        let bad = RankTimes { outcome: "FAILED: no space".into(), ..t };
+        let bad = RankTimes { outcome: "FAILED: no space".into(), ..t.clone() };
         assert_eq!(RankTimes::parse(&bad.to_line()).unwrap().outcome, "FAILED: no space");
+        let odd = RankTimes { outcome: "FAILED: nr_hugepages 0, 100% %20 used".into(), ..t };
+        assert_eq!(RankTimes::parse(&odd.to_line()).unwrap().outcome, "FAILED: nr_hugepages 0, 100% %20 used");
         assert_eq!(RankTimes::parse("something else"), None);
     }
 
