@@ -85,7 +85,9 @@ pub use runtime::{
     shared, CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, Event, GpuRuntime, Graph, OpenError,
     Stream,
 };
-pub use transfer::{Backend, BackendChoice, JobId, KvLayout, Lane, LayoutError, TensorSpec, TransferError, TransferOptions};
+pub use transfer::{
+    Backend, BackendChoice, JobId, KvLayout, Lane, LayoutError, TensorSpec, TransferError, TransferOptions,
+};
 
 /// The README's library example, compiled and run as a doc test.
 #[cfg(doctest)]
