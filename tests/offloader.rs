@@ -265,6 +265,21 @@ fn drop_without_shutdown_shuts_down() {
 }
 
 #[test]
+fn an_offloader_refuses_a_region_whose_reservation_is_deferred() {
+    let rt = shared(SimRuntime::new());
+    let mut opts = OffloaderOptions::with_host_blocks(8);
+    let name = format!("offloader-defer-{}", std::process::id());
+    opts.region = RegionSpec::Shared { name, rank: 0, ranks: 1, options: ShmOptions::new().defer_reserve(true) };
+    match Offloader::with_allocated_tensors(rt.clone(), kv(), opts) {
+        Err(OffloaderError::Options(m)) => assert!(m.contains("defer_reserve") && m.contains("SIGBUS"), "{m}"),
+        Err(e) => panic!("another error: {e}"),
+        Ok(_) => panic!("a deferred reservation was accepted"),
+    }
+    // Refused before anything was made: no tensors, no region file.
+    assert_eq!(rt.as_sim().unwrap().device_bytes_in_use(), 0);
+}
+
+#[test]
 fn two_ranks_share_a_region_and_agree() {
     let name = format!("offloader-test-{}", std::process::id());
     let run = move |rank: usize| {

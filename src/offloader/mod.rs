@@ -388,6 +388,23 @@ impl Offloader {
         if opts.host_blocks == 0 {
             return Err(OffloaderError::Options("host_blocks is 0".into()));
         }
+        // A deferred reservation is made by pinning's pre-fault workers as
+        // they reach each page, but the offloader's jobs may touch any host
+        // block before pinning settles (on pageable memory); a page of a
+        // full file system that nobody reserved would then fault with
+        // SIGBUS in a copy. Until jobs reserve what they touch, the
+        // offloader takes only regions reserved at create/join.
+        if let RegionSpec::Shared { options, .. } = &opts.region {
+            if options.reserve && options.defer_reserve {
+                return Err(OffloaderError::Options(
+                    "ShmOptions::defer_reserve is not accepted by an Offloader: its jobs may touch host blocks \
+                     before pinning reserved them (a full file system would fault them with SIGBUS); it is for \
+                     `kvoffload bench pin --shared` and callers that pin or call Region::reserve_rest before \
+                     touching a page"
+                        .into(),
+                ));
+            }
+        }
         let block_bytes = kv.host_block_bytes();
         let page = page_size();
         let slot_bytes = block_bytes.div_ceil(page) * page;
