@@ -118,6 +118,8 @@ class StoreSubmitted:
 class Completion:
     job: int
     direction: str  # "store" or "load"
+    #: The handler that ran it: "store", "load" or "load_expedited".
+    lane: str
     keys: List[Tuple[int, int]]
     bytes: int
     seconds: float
@@ -175,6 +177,10 @@ class Offloader:
     load neither read nor written, by the engine until ``poll`` reports the
     job or ``wait`` returns for it.
 
+    ``expedited_lane``: a third transfer lane with a stream of its own for
+    loads submitted with ``expedited=True`` (``load_slots``,
+    ``load_slot_job``), never behind the regular loads (vLLM's expedited
+    loads); ``Completion.lane`` says which lane ran a job.
     ``copy_backend``: ``"auto"`` (by fragment size, pin state and whether
     the other direction is busy), or one forced: ``"per-fragment"``,
     ``"batched"``, ``"gather"`` (a kernel reading pinned host memory) or
@@ -233,6 +239,7 @@ class Offloader:
         start: bool = False,
         addressing: str = "keys",
         kv_groups: Optional[Sequence[int]] = None,
+        expedited_lane: bool = False,
     ) -> None: ...
     #: The runtime (GPU) it runs on; ``runtime.backend`` is ``"cuda"`` or
     #: ``"sim"`` (the copy path a job took is ``Completion.backend``).
@@ -291,8 +298,17 @@ class Offloader:
     def store_slots(
         self, job: int, gpu_blocks: Iterable[int], slots: Iterable[int], first_sub: int = 0
     ) -> None: ...
+    #: ``expedited``: on the expedited lane's own stream, never behind a
+    #: regular load (needs ``expedited_lane=True``; ``TransferError``,
+    #: reason ``"no_expedited_lane"``, otherwise).
     def load_slots(
-        self, job: int, gpu_blocks: Iterable[int], slots: Iterable[int], first_sub: int = 0
+        self,
+        job: int,
+        gpu_blocks: Iterable[int],
+        slots: Iterable[int],
+        first_sub: int = 0,
+        *,
+        expedited: bool = False,
     ) -> None: ...
     #: Over every KV cache group (vLLM's spec pair): ``gpu_blocks`` and
     #: ``slots`` group after group, ``group_sizes`` and ``first_subs`` one per
@@ -312,6 +328,8 @@ class Offloader:
         group_sizes: Iterable[int],
         slots: Iterable[int],
         first_subs: Iterable[int],
+        *,
+        expedited: bool = False,
     ) -> None: ...
     #: Waits for each of ``jobs`` in flight; others skipped, failures left
     #: to ``poll`` (vLLM's ``wait``).

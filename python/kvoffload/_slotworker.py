@@ -16,6 +16,7 @@ of ``CPULoadStoreSpec``).
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
@@ -210,6 +211,9 @@ class SlotWorker:
             # Windows of lexical capture_window() calls also open while
             # pinning runs (the hook's always do).
             capture_policy="interleave",
+            # vLLM's expedited (synchronous) loads on a stream of their own,
+            # never behind the regular loads it is not waiting for.
+            expedited_lane=True,
         )
         if stream is None and runtime.backend == "cuda":
             import torch
@@ -240,10 +244,11 @@ class SlotWorker:
         return True
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
-        # Expedited loads share the load lane for now (the Rust core has one
-        # load lane); vLLM waits for them with wait().
+        # Expedited loads (vLLM waits for them with wait()) run on the
+        # expedited lane's own stream, never behind a regular load.
         blocks, sizes, slots, subs = self._job(dst_spec, src_spec)
-        self._submitter.submit(self.offloader.load_slot_job, job_id, (blocks, sizes, slots, subs))
+        call = functools.partial(self.offloader.load_slot_job, expedited=True) if expedited else self.offloader.load_slot_job
+        self._submitter.submit(call, job_id, (blocks, sizes, slots, subs))
         return True
 
     def get_finished(self) -> List[Any]:

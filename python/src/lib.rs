@@ -39,7 +39,7 @@ use kvoffload::internal::region::ShmOptions;
 use kvoffload::internal::runtime::cuda::CudaRuntime;
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
-use kvoffload::internal::transfer::{Backend, BackendChoice, JobId, TensorSpec, TransferError};
+use kvoffload::internal::transfer::{Backend, BackendChoice, JobId, Lane, TensorSpec, TransferError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use std::sync::Arc;
@@ -310,12 +310,15 @@ impl PyStoreSubmitted {
 /// A finished job, as `poll` reports it (already applied to the block
 /// manager): `direction` is `"store"` or `"load"`; `seconds` from
 /// submission until completion was seen, `deferred_seconds` of them queued
-/// behind a capture hook window (0 when not deferred); `error` is None
-/// when every byte arrived, else a `DriverError` (not raised).
+/// behind a capture hook window (0 when not deferred); `lane` is the
+/// handler that ran it: `"store"`, `"load"` or `"load_expedited"` (an
+/// expedited load on its own stream, `expedited_lane=True`); `error` is
+/// None when every byte arrived, else a `DriverError` (not raised).
 #[pyclass(name = "Completion", module = "kvoffload", frozen, get_all)]
 struct PyCompletion {
     job: u64,
     direction: &'static str,
+    lane: &'static str,
     keys: Py<PyAny>,
     bytes: u64,
     seconds: f64,
@@ -350,6 +353,11 @@ fn completion(py: Python<'_>, c: Completion) -> PyResult<PyCompletion> {
         direction: match c.direction {
             Direction::DeviceToHost => "store",
             Direction::HostToDevice => "load",
+        },
+        lane: match c.lane {
+            Lane::Store => "store",
+            Lane::Load => "load",
+            Lane::LoadExpedited => "load_expedited",
         },
         keys: keys_out(py, &c.keys)?.into_pyobject(py)?.into_any().unbind(),
         bytes: c.bytes,
@@ -533,7 +541,7 @@ impl PyOffloader {
     fn slot_job(
         &self,
         py: Python<'_>,
-        dir: Direction,
+        lane: Lane,
         job: u64,
         gpu_blocks: &Bound<'_, PyAny>,
         group_sizes: &Bound<'_, PyAny>,
@@ -546,9 +554,10 @@ impl PyOffloader {
         let subs = parse_ids(py, "a first_sub", first_subs)?;
         let j = SlotJob { gpu_blocks: &g, group_sizes: &sizes, slots: &s, first_subs: &subs };
         let off = &self.off;
-        py.detach(|| match dir {
-            Direction::DeviceToHost => off.store_slot_job(JobId(job), &j),
-            Direction::HostToDevice => off.load_slot_job(JobId(job), &j),
+        py.detach(|| match lane {
+            Lane::Store => off.store_slot_job(JobId(job), &j),
+            Lane::Load => off.load_slot_job(JobId(job), &j),
+            Lane::LoadExpedited => off.load_slot_job_expedited(JobId(job), &j),
         })
         .map_err(|e| errors::offloader(py, e))
     }
@@ -571,7 +580,7 @@ impl PyOffloader {
         pin_threads = None, max_chunk_bytes = None, prefault = "populate", huge_pages = "auto",
         capture_policy = "after_pinning", copy_backend = "auto", staging_bytes = None, duplex_linger = None,
         eviction = "lru", agreement = None, agreement_timeout = Some(120.0), start = false,
-        addressing = "keys", kv_groups = None,
+        addressing = "keys", kv_groups = None, expedited_lane = false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -607,6 +616,7 @@ impl PyOffloader {
         start: bool,
         addressing: &str,
         kv_groups: Option<Vec<usize>>,
+        expedited_lane: bool,
     ) -> PyResult<Self> {
         let runtime = match runtime {
             Some(r) => r,
@@ -687,6 +697,7 @@ impl PyOffloader {
                 ("staged", BackendChoice::Force(Backend::Staged)),
             ],
         )?;
+        opts.transfer.expedited_lane = expedited_lane;
         if let Some(b) = staging_bytes {
             opts.transfer.staging_bytes = b;
         }
@@ -1084,8 +1095,11 @@ impl PyOffloader {
 
     /// Loads host slots `slots` into GPU blocks `gpu_blocks` as job `job`,
     /// placed as `store_slots` placed them. The engine must not touch those
-    /// blocks until `poll` reports the job.
-    #[pyo3(signature = (job, gpu_blocks, slots, first_sub = 0))]
+    /// blocks until `poll` reports the job. `expedited`: on the expedited
+    /// lane's own stream, never behind a regular load (needs
+    /// `expedited_lane=True`; TransferError, reason `"no_expedited_lane"`,
+    /// otherwise).
+    #[pyo3(signature = (job, gpu_blocks, slots, first_sub = 0, *, expedited = false))]
     fn load_slots(
         &self,
         py: Python<'_>,
@@ -1093,10 +1107,18 @@ impl PyOffloader {
         gpu_blocks: &Bound<'_, PyAny>,
         slots: &Bound<'_, PyAny>,
         first_sub: usize,
+        expedited: bool,
     ) -> PyResult<()> {
         let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
         let off = &self.off;
-        py.detach(|| off.load_slots(JobId(job), &g, &s, first_sub)).map_err(|e| errors::offloader(py, e))
+        py.detach(|| {
+            if expedited {
+                off.load_slots_expedited(JobId(job), &g, &s, first_sub)
+            } else {
+                off.load_slots(JobId(job), &g, &s, first_sub)
+            }
+        })
+        .map_err(|e| errors::offloader(py, e))
     }
 
     /// `store_slots` over every KV cache group (`kv_groups`), in vLLM's
@@ -1111,11 +1133,13 @@ impl PyOffloader {
         slots: &Bound<'_, PyAny>,
         first_subs: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        self.slot_job(py, Direction::DeviceToHost, job, gpu_blocks, group_sizes, slots, first_subs)
+        self.slot_job(py, Lane::Store, job, gpu_blocks, group_sizes, slots, first_subs)
     }
 
     /// `load_slots` over every KV cache group, as `store_slot_job` stored
-    /// them.
+    /// them (`expedited` as for `load_slots`).
+    #[pyo3(signature = (job, gpu_blocks, group_sizes, slots, first_subs, *, expedited = false))]
+    #[allow(clippy::too_many_arguments)]
     fn load_slot_job(
         &self,
         py: Python<'_>,
@@ -1124,8 +1148,10 @@ impl PyOffloader {
         group_sizes: &Bound<'_, PyAny>,
         slots: &Bound<'_, PyAny>,
         first_subs: &Bound<'_, PyAny>,
+        expedited: bool,
     ) -> PyResult<()> {
-        self.slot_job(py, Direction::HostToDevice, job, gpu_blocks, group_sizes, slots, first_subs)
+        let lane = if expedited { Lane::LoadExpedited } else { Lane::Load };
+        self.slot_job(py, lane, job, gpu_blocks, group_sizes, slots, first_subs)
     }
 
     /// Blocks, GIL released, until each of `jobs` that is in flight

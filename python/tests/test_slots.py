@@ -349,3 +349,42 @@ def test_the_adopted_tensors_stay_alive_until_shutdown(rt):
     off.shutdown()
     gc.collect()
     assert gone() is None
+
+
+def test_an_expedited_load_runs_on_its_own_lane_and_moves_every_byte(rt):
+    ts = kv_tensors(2)
+    off = slot_offloader(rt, ts, start=True, expedited_lane=True)
+    want = fill(ts, [1, 2], random.Random(7))
+    off.store_slots(1, [1, 2], [3, 4])
+    off.wait_jobs([1])
+    (c,) = off.poll()
+    assert c.lane == "store"
+    zero(ts)
+    off.load_slots(2, [5, 6], [3, 4], expedited=True)
+    off.load_slot_job(3, [7], [1], [3], [0], expedited=True)
+    off.wait_jobs([2, 3])
+    done = {c.job: c for c in off.poll()}
+    assert {j: (c.direction, c.lane, c.ok) for j, c in done.items()} == {
+        2: ("load", "load_expedited", True),
+        3: ("load", "load_expedited", True),
+    }
+    for t_i, t in enumerate(ts):
+        assert t.block(5) == want[(t_i, 1)] and t.block(6) == want[(t_i, 2)]
+        assert t.block(7) == want[(t_i, 1)]
+    off.load_slots(4, [8], [4])
+    off.wait_jobs([4])
+    (c,) = off.poll()
+    assert c.lane == "load", "a regular load stays on the load lane"
+    off.shutdown()
+
+
+def test_an_expedited_load_without_the_lane_is_refused(rt):
+    ts = kv_tensors(1)
+    off = slot_offloader(rt, ts, start=True)
+    off.store_slots(1, [1], [0])
+    off.wait_jobs([1])
+    off.poll()
+    with pytest.raises(kv.TransferError) as e:
+        off.load_slots(2, [2], [0], expedited=True)
+    assert e.value.reason == "no_expedited_lane", (e.value.kind, e.value.reason)
+    off.shutdown()

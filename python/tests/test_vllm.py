@@ -155,9 +155,9 @@ class Recorder:
         self.jobs.append(("store", job, list(blocks), list(sizes), list(slots), list(subs)))
         return self._off.store_slot_job(job, blocks, sizes, slots, subs)
 
-    def load_slot_job(self, job, blocks, sizes, slots, subs):
+    def load_slot_job(self, job, blocks, sizes, slots, subs, expedited=False):
         self.jobs.append(("load", job, list(blocks), list(sizes), list(slots), list(subs)))
-        return self._off.load_slot_job(job, blocks, sizes, slots, subs)
+        return self._off.load_slot_job(job, blocks, sizes, slots, subs, expedited=expedited)
 
     def poll(self):
         c = self._off.poll()
@@ -426,6 +426,8 @@ def test_expedited_loads_are_waited_for_within_the_step(engines):
     eng = engines(blocks_per_chunk=2, sync_load_budget_bytes=1 << 30)
     loaded = round_trip(eng, prompt_of(6 * BS + 1, 12))
     assert loaded and True in eng.expedited, "vLLM asked for an expedited (sync) load"
+    lanes = {c.lane for c in eng.off.completions if c.direction == "load"}
+    assert "load_expedited" in lanes, f"an expedited load ran on the expedited lane: {lanes}"
 
 
 def test_eviction_reuses_chunk_ids_and_round_trips_stay_right(engines):
