@@ -1,0 +1,872 @@
+//! `kvoffload.Offloader` and `kvoffload.CaptureWindow`.
+
+use super::*;
+
+/// KV-cache offload between GPU memory and a pinned host region; the one
+/// object an engine holds. See the package docs and `kvoffload/__init__.pyi`.
+#[pyclass(name = "Offloader", module = "kvoffload", frozen)]
+pub(crate) struct PyOffloader {
+    pub(crate) off: Arc<Offloader>,
+    pub(crate) runtime: Py<PyRuntime>,
+    /// The engine's tensors, kept alive until shutdown.
+    pub(crate) tensors: Mutex<Vec<Py<PyAny>>>,
+    /// The engine's compute stream, adopted (forgotten after shutdown), or
+    /// on the simulated GPU a stream made for this offloader (destroyed).
+    pub(crate) adopted: Mutex<Option<Stream>>,
+    /// On the simulated GPU with CPU tensors: the storage ranges adopted as
+    /// device memory, released once the offloader shut down.
+    pub(crate) adoptions: Mutex<Vec<DevicePtr>>,
+    /// Completions taken from the engine and not yet returned by `poll`,
+    /// in the engine's order: `poll` and the waits (which poll while they
+    /// wait, see `Offloader::wait_interruptible`) put them here, each under
+    /// the offloader's lock, and `poll` returns them all.
+    pub(crate) reported: Mutex<Vec<Completion>>,
+}
+
+impl Drop for PyOffloader {
+    fn drop(&mut self) {
+        // The offloader's own Drop shuts it down, joining the pinner, which
+        // may be inside the Python agreement callable waiting for the GIL:
+        // shut down with the GIL released.
+        let off = self.off.clone();
+        Python::attach(|py| {
+            py.detach(move || {
+                if !off.is_shut_down() {
+                    if let Err(e) = off.shutdown() {
+                        eprintln!("kvoffload: offloader dropped, shutdown failed: {e}");
+                    }
+                }
+            })
+        });
+        if self.off.is_shut_down() {
+            self.release_adoptions();
+        } else if !self.adoptions.get_mut().unwrap_or_else(|p| p.into_inner()).is_empty() {
+            // The simulated GPU may still touch the adopted tensors: their
+            // owners must outlive it, so they are leaked, not dropped.
+            eprintln!("kvoffload: offloader dropped without shutting down; its CPU tensors are kept alive");
+            for t in std::mem::take(self.tensors.get_mut().unwrap_or_else(|p| p.into_inner())) {
+                std::mem::forget(t);
+            }
+        }
+        self.forget_stream();
+    }
+}
+
+impl PyOffloader {
+    /// A sink for `Offloader::poll_each` and the waits: into `reported`
+    /// (called under the offloader's lock; takes no other lock but this
+    /// one's, and no GIL).
+    pub(crate) fn keep(&self) -> impl FnMut(Completion) + '_ {
+        move |c| self.reported.lock().unwrap_or_else(|p| p.into_inner()).push(c)
+    }
+
+    /// Ends the adoptions of the CPU tensors' storage (simulated GPU; after
+    /// shutdown, so no job of this offloader is queued). Each release waits
+    /// for the device to be idle. A failure is reported on stderr and the
+    /// tensors are then leaked, since the sim may still reach them.
+    pub(crate) fn release_adoptions(&self) -> bool {
+        let ptrs = std::mem::take(&mut *self.adoptions.lock().unwrap_or_else(|p| p.into_inner()));
+        let Some(sim) = self.off.runtime().as_sim() else { return ptrs.is_empty() };
+        let mut ok = true;
+        for p in ptrs {
+            if let Err(e) = sim.release_adopted(p) {
+                eprintln!("kvoffload: releasing the adopted CPU tensors at {:#x} failed: {e}", p.raw());
+                ok = false;
+            }
+        }
+        if !ok {
+            for t in std::mem::take(&mut *self.tensors.lock().unwrap_or_else(|p| p.into_inner())) {
+                std::mem::forget(t);
+            }
+        }
+        ok
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn slot_job(
+        &self,
+        py: Python<'_>,
+        lane: Lane,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        group_sizes: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_subs: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let g = parse_blocks(py, gpu_blocks)?;
+        let sizes = parse_ids(py, "a group size", group_sizes)?;
+        let s = parse_ids(py, "a host slot id", slots)?;
+        let subs = parse_ids(py, "a first_sub", first_subs)?;
+        let j = SlotJob { gpu_blocks: &g, group_sizes: &sizes, slots: &s, first_subs: &subs };
+        let off = &self.off;
+        py.detach(|| match lane {
+            Lane::Store => off.store_slot_job(JobId(job), &j),
+            Lane::Load => off.load_slot_job(JobId(job), &j),
+            Lane::LoadExpedited => off.load_slot_job_expedited(JobId(job), &j),
+        })
+        .map_err(|e| errors::offloader(py, e))
+    }
+
+    pub(crate) fn forget_stream(&self) {
+        if let Some(s) = self.adopted.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = self.off.runtime().stream_destroy(s);
+        }
+    }
+}
+
+#[pymethods]
+impl PyOffloader {
+    #[new]
+    #[pyo3(signature = (
+        host_blocks, *, tensors, gpu_blocks = None, page_bytes = None, block_factor = 1, stream = None,
+        backend = "auto", device = 0, runtime = None,
+        region = "anonymous", name = None, rank = 0, ranks = 1, region_dir = None, join_timeout = 60.0,
+        allow_group = None, check_memory = true,
+        pin_threads = None, max_chunk_bytes = None, prefault = "populate", huge_pages = "auto",
+        capture_policy = "after_pinning", copy_backend = "auto", staging_bytes = None, duplex_linger = None,
+        eviction = "lru", agreement = None, agreement_timeout = Some(120.0), start = false,
+        addressing = "keys", kv_groups = None, expedited_lane = false,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        py: Python<'_>,
+        host_blocks: usize,
+        tensors: &Bound<'_, PyAny>,
+        gpu_blocks: Option<usize>,
+        page_bytes: Option<usize>,
+        block_factor: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+        backend: &str,
+        device: usize,
+        runtime: Option<Py<PyRuntime>>,
+        region: &str,
+        name: Option<String>,
+        rank: usize,
+        ranks: usize,
+        region_dir: Option<std::path::PathBuf>,
+        join_timeout: f64,
+        allow_group: Option<&Bound<'_, PyAny>>,
+        check_memory: bool,
+        pin_threads: Option<usize>,
+        max_chunk_bytes: Option<usize>,
+        prefault: &str,
+        huge_pages: &str,
+        capture_policy: &str,
+        copy_backend: &str,
+        staging_bytes: Option<usize>,
+        duplex_linger: Option<f64>,
+        eviction: &str,
+        agreement: Option<Py<PyAny>>,
+        agreement_timeout: Option<f64>,
+        start: bool,
+        addressing: &str,
+        kv_groups: Option<Vec<usize>>,
+        expedited_lane: bool,
+    ) -> PyResult<Self> {
+        let runtime = match runtime {
+            Some(r) => r,
+            None => Py::new(py, PyRuntime::open(py, backend, device)?)?,
+        };
+        let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
+        opts.addressing =
+            choice(py, "addressing", addressing, &[("keys", Addressing::Keys), ("slots", Addressing::Slots)])?;
+        opts.kv_groups = kv_groups;
+        // Joining or creating a shared region waits for the other ranks:
+        // Ctrl-C stops it (see `Signals`).
+        let signals = Signals::default();
+        opts.region = match region {
+            "anonymous" => {
+                if ranks != 1 || rank != 0 || name.is_some() || allow_group.is_some() {
+                    return Err(errors::options(
+                        py,
+                        "name, rank, ranks and allow_group describe a shared region: give region='shared' too",
+                    ));
+                }
+                if !check_memory {
+                    return Err(errors::options(
+                        py,
+                        "check_memory=False applies to shared regions only (an anonymous region is always checked)",
+                    ));
+                }
+                RegionSpec::Anonymous
+            }
+            "shared" => {
+                let name = name.ok_or_else(|| errors::options(py, "region='shared' needs a name"))?;
+                let timeout = seconds(py, "join_timeout", Some(join_timeout))?.unwrap_or_default();
+                let check = signals.clone();
+                let mut o =
+                    ShmOptions::new().timeout(timeout).check_memory(check_memory).interrupt(move || check.check());
+                if let Some(d) = &region_dir {
+                    o = o.dir(d);
+                }
+                if let Some(g) = allow_group {
+                    o = o.allow_group(group_id(py, g)?);
+                }
+                RegionSpec::Shared { name, rank, ranks, options: o }
+            }
+            other => return Err(errors::options(py, format!("region must be 'anonymous' or 'shared', not {other:?}"))),
+        };
+        if let Some(t) = pin_threads {
+            opts.pin.threads = t;
+        }
+        if let Some(c) = max_chunk_bytes {
+            opts.pin.max_chunk_bytes = c;
+        }
+        opts.pin.prefault = choice(
+            py,
+            "prefault",
+            prefault,
+            &[("populate", PrefaultMode::Populate), ("touch", PrefaultMode::Touch), ("off", PrefaultMode::Off)],
+        )?;
+        opts.pin.huge_pages = choice(
+            py,
+            "huge_pages",
+            huge_pages,
+            &[("auto", HugePages::Auto), ("on", HugePages::On), ("off", HugePages::Off)],
+        )?;
+        opts.pin.policy = choice(
+            py,
+            "capture_policy",
+            capture_policy,
+            &[("after_pinning", CapturePolicy::AfterPinning), ("interleave", CapturePolicy::Interleave)],
+        )?;
+        opts.transfer.backend = choice(
+            py,
+            "copy_backend",
+            copy_backend,
+            &[
+                ("auto", BackendChoice::Auto),
+                ("per-fragment", BackendChoice::Force(Backend::PerFragment)),
+                ("batched", BackendChoice::Force(Backend::Batched)),
+                ("gather", BackendChoice::Force(Backend::Gather)),
+                ("staged", BackendChoice::Force(Backend::Staged)),
+            ],
+        )?;
+        opts.transfer.expedited_lane = expedited_lane;
+        if let Some(b) = staging_bytes {
+            opts.transfer.staging_bytes = b;
+        }
+        if let Some(d) = seconds(py, "duplex_linger", duplex_linger)? {
+            opts.transfer.thresholds.duplex_linger = d;
+        }
+        opts.eviction = choice(py, "eviction", eviction, &[("lru", PolicyKind::Lru), ("arc", PolicyKind::Arc)])?;
+        opts.agreement_timeout = seconds(py, "agreement_timeout", agreement_timeout)?;
+        if let Some(f) = agreement {
+            if !f.bind(py).is_callable() {
+                return Err(errors::options(py, "agreement must be a callable: f(mine: int) -> list[int] | int"));
+            }
+            opts.agreement = Some(Arc::new(PyTransport { f }));
+        }
+
+        let rt_ref = runtime.get();
+        let rt = rt_ref.rt.clone();
+        let on_sim = rt.as_sim().is_some();
+        let parsed = tensors::parse(py, tensors, gpu_blocks, page_bytes, device, on_sim)?;
+        let mut adoptions: Vec<DevicePtr> = Vec::new();
+        let (off, keep, adopted) = match parsed {
+            tensors::Tensors::Allocate { count, gpu_blocks, page_bytes } => {
+                let alloc = KvAlloc { tensors: count, page_bytes, gpu_blocks, block_factor };
+                let off = py.detach(|| Offloader::with_allocated_tensors(rt, alloc, opts));
+                (off, Vec::new(), None)
+            }
+            tensors::Tensors::External { tensors: ts, gpu_blocks, keep, host } if on_sim => {
+                let sim = rt.as_sim().expect("on_sim");
+                if let Some(i) = host.iter().position(|h| h.is_none()) {
+                    return Err(errors::options(
+                        py,
+                        format!(
+                            "tensors[{i}] is not a CPU tensor: the simulated GPU takes CPU tensors (adopted as its \
+                             device memory) and cannot reach other memory; an engine's GPU tensors need the CUDA \
+                             backend, or give tensors=<count> to let the offloader allocate its own"
+                        ),
+                    ));
+                }
+                let host: Vec<(u64, usize)> = host.into_iter().flatten().collect();
+                let ranges = tensors::merged(&host);
+                let mut bases: Vec<(u64, usize, DevicePtr)> = Vec::new();
+                let release = |ptrs: &[DevicePtr]| {
+                    for &p in ptrs {
+                        let _ = sim.release_adopted(p);
+                    }
+                };
+                for &(start, len) in &ranges {
+                    // SAFETY: `start..start+len` is the storage of CPU
+                    // tensors the caller gave (from `untyped_storage()`),
+                    // owned by them, readable and writable; this offloader
+                    // keeps the tensor objects (and with them the storage)
+                    // alive until the adoption is released after shutdown,
+                    // or leaks them when it cannot be; the caller must not
+                    // touch blocks named in jobs until they are reported
+                    // (the documented contract for device tensors).
+                    match unsafe { sim.adopt_host_memory(start as usize, len) } {
+                        Ok(p) => {
+                            adoptions.push(p);
+                            bases.push((start, len, p));
+                        }
+                        Err(e) => {
+                            release(&adoptions);
+                            return Err(errors::driver(py, "adopting the CPU tensors as simulated device memory", e));
+                        }
+                    }
+                }
+                let device_of = |ptr: u64| {
+                    let &(start, _, p) = bases
+                        .iter()
+                        .find(|&&(s, n, _)| ptr >= s && ptr < s + n as u64)
+                        .expect("each tensor lies in its storage (checked), and its storage in a merged range");
+                    DevicePtr(p.raw() + (ptr - start))
+                };
+                let (s, own) = match stream {
+                    None => match sim.stream_create() {
+                        Ok(s) => (s, true),
+                        Err(e) => {
+                            release(&adoptions);
+                            return Err(errors::driver(py, "creating the compute stream", e));
+                        }
+                    },
+                    Some(st) => {
+                        let raw = tensors::stream_handle(py, Some(st))?;
+                        match sim.stream_by_raw(raw as u64) {
+                            Some(s) => (s, false),
+                            None => {
+                                release(&adoptions);
+                                return Err(errors::options(py, format!("no stream {raw} on this simulated GPU")));
+                            }
+                        }
+                    }
+                };
+                let kv = KvSpec {
+                    tensors: ts.iter().map(|&(p, b)| TensorSpec { device_base: device_of(p), page_bytes: b }).collect(),
+                    gpu_blocks,
+                    block_factor,
+                    compute_stream: s,
+                };
+                let rt2 = rt.clone();
+                // SAFETY: the tensors are the sim's device memory (adopted
+                // above), each at least gpu_blocks * page_bytes long
+                // (checked by `tensors::parse` against its size); the
+                // adoption lasts until after shutdown; the stream is live
+                // (made here, or found live on this sim) and outlives the
+                // offloader (ours is destroyed after shutdown; a caller's
+                // stream is the caller's to keep alive, as on CUDA).
+                let off = py.detach(|| unsafe { Offloader::new(rt2, kv, opts) });
+                if off.is_err() {
+                    release(&adoptions);
+                    adoptions.clear();
+                    if own {
+                        let _ = sim.stream_destroy(s);
+                    }
+                }
+                (off, keep, own.then_some(s))
+            }
+            tensors::Tensors::External { tensors: ts, gpu_blocks, keep, .. } => {
+                let Some(cuda) = rt_ref.cuda.clone() else {
+                    return Err(errors::options(
+                        py,
+                        "an engine's tensors need the CUDA backend (the simulated GPU cannot reach them); \
+                         give tensors=<count> to let the offloader allocate its own",
+                    ));
+                };
+                let raw = tensors::stream_handle(py, stream)?;
+                // SAFETY: `raw` is the engine's stream of this device's
+                // primary context (the caller's word, as for the tensors);
+                // it is forgotten again after the offloader shut down.
+                let s = unsafe { cuda.adopt_stream(raw) };
+                let kv = KvSpec {
+                    tensors: ts.iter().map(|&(p, b)| TensorSpec { device_base: DevicePtr(p), page_bytes: b }).collect(),
+                    gpu_blocks,
+                    block_factor,
+                    compute_stream: s,
+                };
+                // SAFETY: the tensors are device allocations of this
+                // device's primary context (checked to be CUDA tensors of
+                // `device` where the object says), each at least
+                // gpu_blocks * page_bytes long; the Python objects are kept
+                // alive by this offloader until it shut down, so their
+                // memory stays allocated; the stream is the engine's, alive
+                // as long (the documented contract of `Offloader`). Blocks
+                // named in jobs are the engine's to leave alone until the
+                // job is reported (documented in the Python API).
+                let off = py.detach(|| unsafe { Offloader::new(rt, kv, opts) });
+                if off.is_err() {
+                    let _ = cuda.stream_destroy(s);
+                }
+                (off, keep, Some(s))
+            }
+        };
+        let off = Arc::new(signals.result(py, off)?);
+        let me = PyOffloader {
+            off,
+            runtime,
+            tensors: Mutex::new(keep),
+            adopted: Mutex::new(adopted),
+            adoptions: Mutex::new(adoptions),
+            reported: Mutex::new(Vec::new()),
+        };
+        if start {
+            me.off.start().map_err(|e| errors::offloader(py, e))?;
+        }
+        Ok(me)
+    }
+
+    /// The runtime (GPU) this offloader runs on.
+    #[getter]
+    pub(crate) fn runtime(&self, py: Python<'_>) -> Py<PyRuntime> {
+        self.runtime.clone_ref(py)
+    }
+
+    /// Device addresses of the KV tensors.
+    #[getter]
+    pub(crate) fn tensor_addresses(&self) -> Vec<u64> {
+        self.off.tensors().into_iter().map(DevicePtr::raw).collect()
+    }
+
+    /// Bytes of one GPU block of each tensor.
+    #[getter]
+    pub(crate) fn page_bytes(&self) -> Vec<usize> {
+        self.off.kv().tensors.iter().map(|t| t.page_bytes).collect()
+    }
+
+    /// GPU blocks in each tensor.
+    #[getter]
+    pub(crate) fn gpu_blocks(&self) -> usize {
+        self.off.kv().gpu_blocks
+    }
+
+    /// GPU blocks per key.
+    #[getter]
+    pub(crate) fn block_factor(&self) -> usize {
+        self.off.kv().block_factor
+    }
+
+    /// Bytes of the host region (every rank's part).
+    #[getter]
+    pub(crate) fn region_bytes(&self) -> usize {
+        self.off.region().len()
+    }
+
+    /// Starts background pinning (idempotent; ShutDownError after shutdown).
+    pub(crate) fn start(&self, py: Python<'_>) -> PyResult<()> {
+        let off = &self.off;
+        if off.is_shut_down() {
+            return Err(errors::offloader(py, kvoffload::internal::offloader::OffloaderError::ShutDown));
+        }
+        py.detach(|| off.start()).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// The pin state now.
+    #[getter]
+    pub(crate) fn pin_state(&self) -> PyPinState {
+        PyPinState::from(&self.off.pin_state())
+    }
+
+    /// Pinning progress now.
+    #[getter]
+    pub(crate) fn pin_progress(&self, py: Python<'_>) -> PyResult<PyPinProgress> {
+        let p = self.off.pin_progress();
+        Ok(PyPinProgress {
+            state: Py::new(py, PyPinState::from(&p.state))?,
+            chunks_done: p.chunks_done,
+            chunks_total: p.chunks_total,
+            bytes_total: p.bytes_total,
+        })
+    }
+
+    /// Waits until pinning is final (and agreed, where ranks agree),
+    /// starting it if needed; returns how it ended.
+    pub(crate) fn wait_pinned(&self, py: Python<'_>) -> PyResult<PyPinOutcome> {
+        let off = &self.off;
+        let signals = Signals::default();
+        let out: PinOutcome = signals.result(py, py.detach(|| off.wait_pinned_interruptible(&|| signals.check())))?;
+        let (agreed, agreement_error) = match &out.agreement {
+            None => (None, None),
+            Some(Ok(())) => (Some(true), None),
+            Some(Err(e)) => (Some(false), Some(errors::agreement(py, e).into_value(py).into_any())),
+        };
+        Ok(PyPinOutcome { state: Py::new(py, PyPinState::from(&out.state))?, agreed, agreement_error })
+    }
+
+    /// A capture window, as a context manager: `with off.capture_window():
+    /// capture graphs here`. No library thread makes a capture-unsafe
+    /// driver call while it is open; with the default policy it opens only
+    /// once pinning is final (entering waits, GIL released; Ctrl-C stops
+    /// the wait with KeyboardInterrupt, the window not opened).
+    pub(crate) fn capture_window(&self) -> PyCaptureWindow {
+        PyCaptureWindow { off: self.off.clone(), guard: Mutex::new(None), waited: Mutex::new(0) }
+    }
+
+    /// The capture hook's begin (for a wrapper of a framework's capture
+    /// begin, called before it, on the capturing thread): opens this
+    /// thread's hook window (depth 0 -> 1; deeper begins only count). It
+    /// waits, GIL released, at most for the library call in flight (one
+    /// chunk's registration), never for pinning to finish. While a hook
+    /// window is open, jobs submitted on any thread are deferred and
+    /// submitted when the last one closes.
+    pub(crate) fn capture_begin(&self, py: Python<'_>) -> PyResult<()> {
+        let off = &self.off;
+        py.detach(|| off.capture_begin()).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// The capture hook's end (after the framework's capture end, also
+    /// when it failed): depth n -> n - 1; at 0 the window closes and the
+    /// deferred jobs are submitted, in order, on this thread. ProtocolError
+    /// (kind `"hook_not_open"`) at depth 0.
+    pub(crate) fn capture_end(&self, py: Python<'_>) -> PyResult<()> {
+        let off = &self.off;
+        py.detach(|| off.capture_end()).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// What `capture_end` does, for a capture whose framework begin failed
+    /// after `capture_begin` succeeded.
+    pub(crate) fn capture_abort(&self, py: Python<'_>) -> PyResult<()> {
+        let off = &self.off;
+        py.detach(|| off.capture_abort()).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// This thread's hook depth: `capture_begin`s not yet ended.
+    #[getter]
+    pub(crate) fn capture_depth(&self) -> usize {
+        self.off.capture_depth()
+    }
+
+    /// Jobs deferred behind a hook window and not yet submitted.
+    #[getter]
+    pub(crate) fn deferred_jobs(&self) -> usize {
+        self.off.deferred_jobs()
+    }
+
+    /// Runs `f()` (the engine's own capture-unsafe calls, e.g.
+    /// `torch.cuda.synchronize`) at a moment no capture window is open;
+    /// windows wait for it. Returns what `f` returns.
+    pub(crate) fn gated(&self, py: Python<'_>, f: Py<PyAny>) -> PyResult<Py<PyAny>> {
+        let off = &self.off;
+        let r = py.detach(|| off.gated("the engine's own call", |_| Python::attach(|py| f.call0(py))));
+        r.map_err(|e| errors::offloader(py, e))?
+    }
+
+    /// What the offloader holds of each key: `"hit"`, `"miss"` or
+    /// `"hit_pending"` (stored, store not yet complete), the library's
+    /// `Lookup` variants.
+    pub(crate) fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
+        let keys = parse_keys(py, keys)?;
+        let off = &self.off;
+        Ok(py
+            .detach(|| off.lookup(&keys))
+            .into_iter()
+            .map(|l| match l {
+                Lookup::Hit => "hit",
+                Lookup::Miss => "miss",
+                Lookup::HitPending => "hit_pending",
+            })
+            .collect())
+    }
+
+    /// Stores `keys` from GPU blocks `gpu_blocks` (`block_factor` per key,
+    /// in key order). The engine must not write those blocks until `poll`
+    /// reports the job (or `wait` returns for it).
+    pub(crate) fn store(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        gpu_blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<PyStoreSubmitted> {
+        let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
+        let off = &self.off;
+        let r = py.detach(|| off.store(&keys, &blocks)).map_err(|e| errors::offloader(py, e))?;
+        let skipped: PyResult<Vec<(Bound<'_, PyTuple>, String)>> = r
+            .skipped
+            .iter()
+            .map(|s| {
+                let why = match s.reason {
+                    SkipReason::AlreadyStored => "already_stored".to_string(),
+                    SkipReason::StorePending => "store_pending".to_string(),
+                    SkipReason::BelowThreshold { .. } => "below_threshold".to_string(),
+                };
+                Ok((key_out(py, s.key)?, why))
+            })
+            .collect();
+        Ok(PyStoreSubmitted {
+            job: r.job.map(|j| j.0),
+            stored: keys_out(py, &r.stored)?.into_pyobject(py)?.into_any().unbind(),
+            skipped: skipped?.into_pyobject(py)?.into_any().unbind(),
+            evicted: keys_out(py, &r.evicted)?.into_pyobject(py)?.into_any().unbind(),
+        })
+    }
+
+    /// Loads `keys` (each stored and readable) into GPU blocks
+    /// `gpu_blocks`; returns the job id. The engine must not touch those
+    /// blocks until the job is reported.
+    pub(crate) fn load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, gpu_blocks: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
+        let off = &self.off;
+        py.detach(|| off.load(&keys, &blocks)).map(|j| j.0).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// How host blocks are addressed: `"keys"` (the block manager picks
+    /// them) or `"slots"` (the engine's slot ids, `addressing="slots"`).
+    #[getter]
+    pub(crate) fn addressing(&self) -> &'static str {
+        match self.off.addressing() {
+            Addressing::Keys => "keys",
+            Addressing::Slots => "slots",
+        }
+    }
+
+    /// Host blocks of this rank (with `addressing="slots"`, the slot ids
+    /// are `0..host_blocks`).
+    #[getter]
+    pub(crate) fn host_blocks(&self) -> usize {
+        self.off.host_blocks()
+    }
+
+    /// Stores GPU blocks `gpu_blocks` into host slots `slots` as job `job`
+    /// (the engine's id, never used before), `addressing="slots"` only:
+    /// GPU block `i` goes to sub-block `(first_sub + i) % block_factor` of
+    /// slot `slots[(first_sub + i) // block_factor]`. The engine must not
+    /// write those blocks until `poll` reports the job.
+    #[pyo3(signature = (job, gpu_blocks, slots, first_sub = 0))]
+    pub(crate) fn store_slots(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_sub: usize,
+    ) -> PyResult<()> {
+        let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
+        let off = &self.off;
+        py.detach(|| off.store_slots(JobId(job), &g, &s, first_sub)).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// Loads host slots `slots` into GPU blocks `gpu_blocks` as job `job`,
+    /// placed as `store_slots` placed them. The engine must not touch those
+    /// blocks until `poll` reports the job. `expedited`: on the expedited
+    /// lane's own stream, never behind a regular load (needs
+    /// `expedited_lane=True`; TransferError, reason `"no_expedited_lane"`,
+    /// otherwise).
+    #[pyo3(signature = (job, gpu_blocks, slots, first_sub = 0, *, expedited = false))]
+    pub(crate) fn load_slots(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_sub: usize,
+        expedited: bool,
+    ) -> PyResult<()> {
+        let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
+        let off = &self.off;
+        py.detach(|| {
+            if expedited {
+                off.load_slots_expedited(JobId(job), &g, &s, first_sub)
+            } else {
+                off.load_slots(JobId(job), &g, &s, first_sub)
+            }
+        })
+        .map_err(|e| errors::offloader(py, e))
+    }
+
+    /// `store_slots` over every KV cache group (`kv_groups`), in vLLM's
+    /// shape: `gpu_blocks` and `slots` group after group, `group_sizes`
+    /// and `first_subs` one per group.
+    pub(crate) fn store_slot_job(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        group_sizes: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_subs: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.slot_job(py, Lane::Store, job, gpu_blocks, group_sizes, slots, first_subs)
+    }
+
+    /// `load_slots` over every KV cache group, as `store_slot_job` stored
+    /// them (`expedited` as for `load_slots`).
+    #[pyo3(signature = (job, gpu_blocks, group_sizes, slots, first_subs, *, expedited = false))]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn load_slot_job(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        group_sizes: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_subs: &Bound<'_, PyAny>,
+        expedited: bool,
+    ) -> PyResult<()> {
+        let lane = if expedited { Lane::LoadExpedited } else { Lane::Load };
+        self.slot_job(py, lane, job, gpu_blocks, group_sizes, slots, first_subs)
+    }
+
+    /// Blocks, GIL released, until each of `jobs` that is in flight
+    /// completed on the GPU; ids never submitted or already reported are
+    /// skipped, failures are reported by `poll` (vLLM's `wait`). Not
+    /// interrupted by Ctrl-C.
+    pub(crate) fn wait_jobs(&self, py: Python<'_>, jobs: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids: Vec<JobId> = parse_ids(py, "a job id", jobs)?.into_iter().map(|j| JobId(j as u64)).collect();
+        let off = &self.off;
+        py.detach(|| off.wait_jobs(&ids)).map_err(|e| errors::offloader(py, e))
+    }
+
+    /// Jobs finished since the last call, each reported once, in
+    /// submission order per direction, already applied to the block
+    /// manager. Never blocks on the GPU.
+    pub(crate) fn poll(&self, py: Python<'_>) -> PyResult<Vec<PyCompletion>> {
+        let out = py.detach(|| {
+            self.off.poll_each(&mut self.keep());
+            std::mem::take(&mut *self.reported.lock().unwrap_or_else(|p| p.into_inner()))
+        });
+        out.into_iter().map(|c| completion(py, c)).collect()
+    }
+
+    /// Blocks until job `job` completed on the GPU (it is still reported by
+    /// `poll`). Ctrl-C stops the wait (KeyboardInterrupt; the job goes on).
+    pub(crate) fn wait(&self, py: Python<'_>, job: u64) -> PyResult<()> {
+        let id = JobId(job);
+        let kept = self.reported.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|c| c.job == id).cloned();
+        if let Some(c) = kept {
+            // Completed, and taken from the engine by an earlier wait: not
+            // reported by `poll` yet, so still the caller's to wait for,
+            // with the outcome the blocking wait would give.
+            return match c.error {
+                None => Ok(()),
+                Some(error) => Err(errors::offloader(py, TransferError::JobFailed { id, error }.into())),
+            };
+        }
+        let off = &self.off;
+        let signals = Signals::default();
+        let r = py.detach(|| off.wait_interruptible(id, &|| signals.check(), &mut self.keep()));
+        signals.result(py, r)
+    }
+
+    /// Blocks until every job submitted so far completed on the GPU.
+    /// Ctrl-C stops the wait (KeyboardInterrupt; the jobs go on).
+    pub(crate) fn wait_all(&self, py: Python<'_>) -> PyResult<()> {
+        let off = &self.off;
+        let signals = Signals::default();
+        let r = py.detach(|| off.wait_all_interruptible(&|| signals.check(), &mut self.keep()));
+        signals.result(py, r)
+    }
+
+    /// Jobs submitted and not yet reported by `poll` (those a wait already
+    /// took from the engine included).
+    #[getter]
+    pub(crate) fn in_flight(&self) -> usize {
+        // The library's count first: a job moving into `reported` between
+        // the two reads is counted twice for a moment, never missed.
+        let engine = self.off.in_flight();
+        engine + self.reported.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Keys stored and readable now.
+    #[getter]
+    pub(crate) fn stored_blocks(&self) -> usize {
+        self.off.stored_blocks()
+    }
+
+    /// Shuts down: refused (ProtocolError) while a capture window is open;
+    /// drains the jobs, stops pinning, unregisters, frees what the
+    /// offloader allocated, and lets go of the engine's tensors and stream.
+    /// A second call raises ShutDownError.
+    pub(crate) fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        let off = &self.off;
+        let r = py.detach(|| off.shutdown());
+        if self.off.is_shut_down() {
+            // As the library's `poll` after shutdown: nothing more to report.
+            self.reported.lock().unwrap_or_else(|p| p.into_inner()).clear();
+            self.forget_stream();
+            py.detach(|| self.release_adoptions());
+            let keep = std::mem::take(&mut *self.tensors.lock().unwrap_or_else(|p| p.into_inner()));
+            drop(keep);
+        }
+        r.map_err(|e| errors::offloader(py, e))
+    }
+
+    /// True once `shutdown` completed.
+    #[getter]
+    pub(crate) fn is_shut_down(&self) -> bool {
+        self.off.is_shut_down()
+    }
+
+    pub(crate) fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Shuts down (unless already); a shutdown error is raised only when
+    /// the block raised nothing.
+    #[pyo3(signature = (exc_type = None, _exc = None, _tb = None))]
+    pub(crate) fn __exit__(
+        &self,
+        py: Python<'_>,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        if self.off.is_shut_down() {
+            return Ok(false);
+        }
+        match self.shutdown(py) {
+            Err(e) if exc_type.is_none_or(|t| t.is_none()) => Err(e),
+            _ => Ok(false),
+        }
+    }
+
+    pub(crate) fn __repr__(&self) -> String {
+        format!(
+            "kvoffload.Offloader(runtime={:?}, region_bytes={}, rank={}, pin={})",
+            self.off.runtime().backend(),
+            self.off.region().len(),
+            self.off.region().rank(),
+            PyPinState::from(&self.off.pin_state()).__repr__()
+        )
+    }
+}
+
+/// The context manager `Offloader.capture_window()` returns.
+#[pyclass(name = "CaptureWindow", module = "kvoffload", frozen)]
+pub(crate) struct PyCaptureWindow {
+    pub(crate) off: Arc<Offloader>,
+    pub(crate) guard: Mutex<Option<CaptureWindow>>,
+    pub(crate) waited: Mutex<usize>,
+}
+
+#[pymethods]
+impl PyCaptureWindow {
+    pub(crate) fn __enter__(slf: Py<Self>, py: Python<'_>) -> PyResult<Py<Self>> {
+        {
+            let me = slf.get();
+            let off = &me.off;
+            let signals = Signals::default();
+            let w = signals.result(py, py.detach(|| off.capture_window_interruptible(&|| signals.check())))?;
+            *me.waited.lock().unwrap_or_else(|p| p.into_inner()) = w.chunks_waited();
+            let old = me.guard.lock().unwrap_or_else(|p| p.into_inner()).replace(w);
+            drop(old);
+        }
+        Ok(slf)
+    }
+
+    #[pyo3(signature = (_exc_type = None, _exc = None, _tb = None))]
+    pub(crate) fn __exit__(
+        &self,
+        _exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        let w = self.guard.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(w);
+        false
+    }
+
+    /// True while the window is open.
+    #[getter]
+    pub(crate) fn is_open(&self) -> bool {
+        self.guard.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// Chunk registrations that completed while the window waited to open.
+    #[getter]
+    pub(crate) fn chunks_waited(&self) -> usize {
+        *self.waited.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
