@@ -49,6 +49,7 @@ mod mapping;
 pub mod options;
 pub mod pages;
 pub mod shm;
+mod shm_files;
 mod sys;
 mod trust;
 
@@ -88,7 +89,7 @@ pub enum RegionKind {
 #[derive(Debug)]
 enum Kind {
     Anonymous,
-    Shared(Box<shm::Shared>),
+    Shared(Box<shm_files::Shared>),
 }
 
 /// A raw address range inside a region's mapping: what a pinning engine
