@@ -1,0 +1,283 @@
+//! Construction of an [`Offloader`]: the KV description checked, the region
+//! created or joined, the coordinator and pinning prepared, the transfer
+//! engine and the block manager made.
+
+use std::collections::HashMap;
+
+use super::{
+    hook, observe, Addressing, Down, Inner, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, Pinner,
+    RegionSpec,
+};
+use crate::manager::{BlockManager, ManagerConfig};
+use crate::pin::{Agreement, Prepared, RankAgreement, RegionSlots};
+use crate::protocol::agreement::RankSlots;
+use crate::protocol::Coordinator;
+use crate::region::{page_size, AnonOptions, Layout, Region};
+use crate::runtime::{DevicePtr, DriverError, Gate, GpuRuntime, Stream};
+use crate::sync::{self, Arc, Mutex};
+use crate::transfer::{GroupSpec, HostPlacement, JobId, KvLayout, TensorSpec, TransferEngine};
+
+/// The KV cache groups of the layout: one of every tensor, or
+/// `opts.kv_groups` (slot addressing only), each of every GPU block and
+/// every host slot.
+fn kv_groups(kv: &KvSpec, opts: &OffloaderOptions) -> Result<Vec<GroupSpec>, OffloaderError> {
+    let group = |tensors: &[TensorSpec]| GroupSpec {
+        tensors: tensors.to_vec(),
+        num_gpu_blocks: kv.gpu_blocks,
+        num_host_blocks: opts.host_blocks,
+    };
+    let Some(sizes) = &opts.kv_groups else {
+        return Ok(vec![group(&kv.tensors)]);
+    };
+    if opts.addressing != Addressing::Slots {
+        return Err(OffloaderError::Options("kv_groups needs Addressing::Slots (keyed jobs have one group)".into()));
+    }
+    if sizes.is_empty() || sizes.contains(&0) || sizes.iter().sum::<usize>() != kv.tensors.len() {
+        return Err(OffloaderError::Options(format!(
+            "kv_groups {sizes:?} must be positive tensor counts summing to the {} KV tensors",
+            kv.tensors.len()
+        )));
+    }
+    let mut at = 0;
+    Ok(sizes
+        .iter()
+        .map(|&n| {
+            at += n;
+            group(&kv.tensors[at - n..at])
+        })
+        .collect())
+}
+
+impl Offloader {
+    /// Builds an offloader over the engine's own KV tensors (`kv`).
+    ///
+    /// Creates or joins the region, cuts it into registration chunks, makes
+    /// the transfer engine (its streams and tables) and the block manager.
+    /// Pinning starts with [`Offloader::start`].
+    ///
+    /// # Safety
+    /// Every tensor of `kv` is a device allocation of `rt` of at least
+    /// `gpu_blocks * page_bytes` bytes that stays allocated until this
+    /// offloader is shut down (or dropped); `kv.compute_stream` is a stream
+    /// of `rt` that lives as long. GPU blocks named in a store are not
+    /// written, and GPU blocks named in a load neither read nor written, by
+    /// the engine until [`Offloader::poll`] reports the job (or
+    /// [`Offloader::wait`] returns for it): the copies are asynchronous.
+    pub unsafe fn new(
+        rt: Arc<dyn GpuRuntime>,
+        kv: KvSpec,
+        opts: OffloaderOptions,
+    ) -> Result<Offloader, OffloaderError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { Self::build(rt, kv, opts, Vec::new(), None) }
+    }
+
+    /// Builds an offloader that allocates its KV tensors itself (`alloc`)
+    /// and a compute stream, and frees them at shutdown. The tensors'
+    /// device addresses are [`Offloader::tensors`]; the stream is
+    /// [`Offloader::compute_stream`].
+    pub fn with_allocated_tensors(
+        rt: Arc<dyn GpuRuntime>,
+        alloc: KvAlloc,
+        opts: OffloaderOptions,
+    ) -> Result<Offloader, OffloaderError> {
+        if alloc.tensors == 0 || alloc.page_bytes == 0 || alloc.gpu_blocks == 0 {
+            return Err(OffloaderError::Options(format!("zero-sized KV allocation: {alloc:?}")));
+        }
+        let bytes = alloc.gpu_blocks.checked_mul(alloc.page_bytes).ok_or_else(|| {
+            OffloaderError::Options(format!("{} blocks of {} bytes overflow", alloc.gpu_blocks, alloc.page_bytes))
+        })?;
+        // Allocations before the offloader's coordinator exists: each goes
+        // through a coordinator of its own for `rt`, made for that call and
+        // gone after it (no window can be open: a window needs a coordinator
+        // of `rt`, and while this one lives no other can be made; if one
+        // exists, say another offloader on this handle, this is refused).
+        let gated = |what: &'static str, f: &mut dyn FnMut(&Gate) -> Result<(), DriverError>| {
+            Coordinator::without_region(rt.as_ref(), Default::default())
+                .and_then(|c| c.unsafe_call(what, |g| f(g)))
+                .map_err(OffloaderError::from)
+        };
+        let free_all = |tensors: &[DevicePtr]| {
+            for &p in tensors {
+                // SAFETY: allocated above for this offloader and never used
+                // by any device work (no job ran: the offloader was not
+                // built).
+                match gated("freeing a KV tensor", &mut |g| unsafe { rt.mem_free(g, p) }) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::warn!(error = %e, "freeing a KV tensor failed"),
+                    Err(e) => tracing::warn!(error = %e, "freeing a KV tensor refused"),
+                }
+            }
+        };
+        let mut tensors = Vec::with_capacity(alloc.tensors);
+        for _ in 0..alloc.tensors {
+            let mut got = None;
+            let r = gated("allocating a KV tensor", &mut |g| {
+                got = Some(rt.mem_alloc(g, bytes)?);
+                Ok(())
+            });
+            match r.and_then(|r| r.map_err(OffloaderError::driver("allocating a KV tensor"))) {
+                Ok(()) => tensors.extend(got),
+                Err(e) => {
+                    free_all(&tensors);
+                    return Err(e);
+                }
+            }
+        }
+        let compute = match rt.stream_create() {
+            Ok(s) => s,
+            Err(e) => {
+                free_all(&tensors);
+                return Err(OffloaderError::driver("creating the compute stream")(e));
+            }
+        };
+        let kv = KvSpec {
+            tensors: tensors.iter().map(|&p| TensorSpec { device_base: p, page_bytes: alloc.page_bytes }).collect(),
+            gpu_blocks: alloc.gpu_blocks,
+            block_factor: alloc.block_factor,
+            compute_stream: compute,
+        };
+        // SAFETY: the tensors and the stream were made above for this
+        // offloader, which frees them at shutdown, after its jobs.
+        let r = unsafe { Self::build(rt.clone(), kv, opts, tensors.clone(), Some(compute)) };
+        if r.is_err() {
+            if let Err(e) = rt.stream_destroy(compute) {
+                tracing::warn!(error = %e, "destroying the compute stream failed");
+            }
+            free_all(&tensors);
+        }
+        r
+    }
+
+    /// # Safety
+    /// As for [`Offloader::new`].
+    unsafe fn build(
+        rt: Arc<dyn GpuRuntime>,
+        kv: KvSpec,
+        opts: OffloaderOptions,
+        owned_tensors: Vec<DevicePtr>,
+        owned_compute: Option<Stream>,
+    ) -> Result<Offloader, OffloaderError> {
+        if kv.tensors.is_empty() || kv.gpu_blocks == 0 || kv.block_factor == 0 {
+            return Err(OffloaderError::Options(format!(
+                "the KV description needs tensors, GPU blocks and a block factor (got {} tensors, {} GPU blocks, factor {})",
+                kv.tensors.len(),
+                kv.gpu_blocks,
+                kv.block_factor
+            )));
+        }
+        if opts.host_blocks == 0 {
+            return Err(OffloaderError::Options("host_blocks is 0".into()));
+        }
+        // A deferred reservation is made by pinning's pre-fault workers as
+        // they reach each page, but the offloader's jobs may touch any host
+        // block before pinning settles (on pageable memory); a page of a
+        // full file system that nobody reserved would then fault with
+        // SIGBUS in a copy. Until jobs reserve what they touch, the
+        // offloader takes only regions reserved at create/join.
+        if let RegionSpec::Shared { options, .. } = &opts.region {
+            if options.reserve && options.defer_reserve {
+                return Err(OffloaderError::Options(
+                    "ShmOptions::defer_reserve is not accepted by an Offloader: its jobs may touch host blocks \
+                     before pinning reserved them (a full file system would fault them with SIGBUS); it is for \
+                     `kvoffload bench pin --shared` and callers that pin or call Region::reserve_rest before \
+                     touching a page"
+                        .into(),
+                ));
+            }
+        }
+        let block_bytes = kv.host_block_bytes();
+        let page = page_size();
+        let slot_bytes = block_bytes.div_ceil(page) * page;
+        let ranks = opts.region.ranks();
+        let rank = opts.region.rank();
+        // Shared regions are rank-major: each rank's host blocks are
+        // contiguous (its own data files), so each rank reserves, pre-faults
+        // and registers only its share (`Region::pin_ranges`).
+        let layout = match &opts.region {
+            RegionSpec::Anonymous => Layout::new(1, slot_bytes, opts.host_blocks)?,
+            RegionSpec::Shared { .. } => Layout::rank_major(ranks, slot_bytes, opts.host_blocks)?,
+        };
+        let region = match &opts.region {
+            // Huge-page advice comes from the pin options (Prepared::new).
+            RegionSpec::Anonymous => Region::anonymous(layout, &AnonOptions::new())?,
+            RegionSpec::Shared { name, rank, options, .. } => {
+                if *rank == 0 {
+                    Region::create(name, layout, 0, options)?
+                } else {
+                    Region::join(name, layout, *rank, options)?
+                }
+            }
+        };
+        let region = Arc::new(region);
+        let prepared = Prepared::new(rt.as_ref(), &region, &opts.pin)?;
+        let bytes_total = prepared.bytes();
+        let agreement = match (&opts.region, RegionSlots::new(region.clone())) {
+            _ if opts.agreement.is_some() => opts.agreement.clone().map(RankAgreement::Transport),
+            (RegionSpec::Shared { ranks, .. }, Some(slots)) if *ranks > 1 => {
+                let slots: Arc<dyn RankSlots> = sync::arc_dyn(slots, |a| a);
+                Some(Agreement { slots, rank, timeout: opts.agreement_timeout }.into())
+            }
+            _ => None,
+        };
+        let prefault = match &opts.pin_observer {
+            Some(o) => observe::observed(prepared.prefault(), o.clone(), prepared.chunks()),
+            None => prepared.prefault(),
+        };
+        let coord = prepared.coordinator().clone();
+        // This rank's host blocks: block `i` is the rank's chunk `i`.
+        let host_base = region.chunk_ptr(rank, 0)?.as_ptr() as usize;
+        let groups = kv_groups(&kv, &opts)?;
+        let placement = HostPlacement::BlockStrided { stride: layout.chunk_stride() };
+        let kv_layout = KvLayout::new(&groups, kv.block_factor, host_base, placement)?;
+        // Slot addressing uses no block manager; `poll` still applies each
+        // completion to one (with no keys: nothing changes), so a
+        // one-slot manager stands in.
+        let manager_slots = match opts.addressing {
+            Addressing::Keys => opts.host_blocks,
+            Addressing::Slots => 1,
+        };
+        let manager = BlockManager::new(ManagerConfig::new(manager_slots, opts.eviction))?;
+        // SAFETY: the host area is this rank's slots of `region`, which the
+        // offloader (and the coordinator) hold until the engine is gone;
+        // only the engine's DMA touches them (the offloader hands out no
+        // reference into the region). The tensors and the compute stream
+        // are the caller's contract.
+        let engine = unsafe {
+            TransferEngine::new(rt.clone(), coord.clone(), kv_layout.clone(), kv.compute_stream, opts.transfer)
+        }?;
+        tracing::info!(
+            backend = rt.backend(),
+            addressing = ?opts.addressing,
+            rank,
+            ranks,
+            host_blocks = opts.host_blocks,
+            block_bytes,
+            region_bytes = region.len(),
+            "offloader built"
+        );
+        Ok(Offloader {
+            rt,
+            coord,
+            region,
+            kv,
+            layout: kv_layout,
+            prefault,
+            agreement,
+            bytes_total,
+            addressing: opts.addressing,
+            inner: Mutex::new(Inner {
+                manager,
+                engine: Some(Arc::new(engine)),
+                jobs: HashMap::new(),
+                next_id: JobId(1),
+                closed: false,
+            }),
+            pinner: Mutex::new(Pinner::NotStarted),
+            owned_tensors,
+            owned_compute,
+            down: Mutex::new(Down::Running),
+            hook: hook::Hook::new(),
+        })
+    }
+}

@@ -1,0 +1,148 @@
+//! [`Offloader::shutdown`] in the protocol's order, and the drop that runs
+//! it.
+
+use super::{Down, Offloader, OffloaderError, Pinner};
+use crate::protocol::{finish_shutdown, ProtocolError};
+use crate::runtime::Direction;
+use crate::sync;
+
+impl Offloader {
+    /// Shuts down in the protocol's order: refused (typed, nothing changed)
+    /// while a capture window is open or registered graphs live; otherwise
+    /// refuses new jobs, waits for the jobs in flight and applies them to
+    /// the manager, stops pinning at a chunk boundary, unregisters the
+    /// region, and frees what the offloader allocated. A second call is
+    /// refused with [`ProtocolError::AlreadyShutDown`]. The region is
+    /// unmapped (and a shared file's name is long gone) when the offloader
+    /// is dropped.
+    pub fn shutdown(&self) -> Result<(), OffloaderError> {
+        let mut down = sync::lock(&self.down);
+        if *down == Down::Down {
+            return Err(ProtocolError::AlreadyShutDown.into());
+        }
+        // Refused here, in one critical section of the coordinator, with
+        // nothing changed: no window open, no registered graph alive. From
+        // here on the coordinator refuses new windows, graphs and jobs.
+        // (N15, loom builds only, keeps the old order: the refusal after the
+        // teardown.)
+        let old_order = crate::protocol::variant_is!(self.coord, TeardownBeforeRefusal);
+        if !old_order {
+            // Refused while a capture hook window is open or opening; a
+            // flush of deferred jobs in progress ends first, and no hook
+            // window begins until the coordinator is closed (hook.rs).
+            let hook = self.hook_quiesce()?;
+            self.coord.close()?;
+            drop(hook);
+            *down = Down::Down;
+        }
+        // Drain: every job in flight completes and is applied.
+        let engine = {
+            let mut inner = sync::lock(&self.inner);
+            inner.closed = true;
+            inner.engine.clone()
+        };
+        let mut drained = Ok(());
+        let skip_drain = crate::protocol::variant_is!(self.coord, OffloaderSkipsDrain);
+        if let Some(engine) = engine.as_ref().filter(|_| !skip_drain) {
+            // No window can open any more (the coordinator is closed), so
+            // neither the waits nor the polls are refused.
+            drained = engine.wait_all().map_err(OffloaderError::from);
+            while engine.in_flight(Direction::DeviceToHost) + engine.in_flight(Direction::HostToDevice) > 0 {
+                if self.poll().is_empty() {
+                    // Only while a window that opened before `close` is
+                    // still open, which `close` refused: cannot happen.
+                    self.coord.wait_no_window()?;
+                }
+            }
+        }
+        drop(engine);
+        // The engine goes before the region is unregistered (its streams,
+        // tables and staging ring are freed through the gate).
+        let engine = sync::lock(&self.inner).engine.take();
+        drop(engine);
+        if old_order {
+            *down = Down::Down;
+            if let Err(e) = self.coord.close() {
+                let _ = self.free_owned();
+                return Err(e.into());
+            }
+        }
+        let pinner = &self.pinner;
+        let mut joined = Ok(());
+        let r = finish_shutdown(self.rt.as_ref(), &self.coord, || {
+            let mut p = sync::lock(pinner);
+            if let Pinner::Running(h) = std::mem::replace(&mut *p, Pinner::NotStarted) {
+                match h.join() {
+                    Ok(o) => *p = Pinner::Done(o),
+                    Err(_) => joined = Err(OffloaderError::PinnerPanicked),
+                }
+            }
+        });
+        let freed = self.free_owned();
+        r?;
+        joined?;
+        drained?;
+        freed?;
+        tracing::info!("offloader shut down");
+        Ok(())
+    }
+
+    /// Frees the tensors and the compute stream the offloader allocated.
+    fn free_owned(&self) -> Result<(), OffloaderError> {
+        let mut first = None;
+        if let Some(s) = self.owned_compute {
+            if let Err(e) = self.rt.stream_destroy(s) {
+                first.get_or_insert(OffloaderError::driver("destroying the compute stream")(e));
+            }
+        }
+        for &p in &self.owned_tensors {
+            // SAFETY: every job is drained (no copy of the offloader touches
+            // the tensor) and no registered graph lives (`close` refused
+            // otherwise); the contract of `with_allocated_tensors` is that
+            // the engine's own work on them ended before shutdown.
+            match self.coord.unsafe_call("freeing a KV tensor", |g| unsafe { self.rt.mem_free(g, p) }) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    first.get_or_insert(OffloaderError::driver("freeing a KV tensor")(e));
+                }
+                Err(e) => {
+                    first.get_or_insert(e.into());
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Selects a known-bad variant of the protocol for this offloader
+    /// (negative models only).
+    #[cfg(loom)]
+    #[doc(hidden)]
+    pub fn set_variant(&self, v: crate::protocol::Variant) {
+        self.coord.set_variant(v);
+    }
+
+    /// True once [`Offloader::shutdown`] began and was not refused (it then
+    /// refuses every later call with `AlreadyShutDown`).
+    pub fn is_shut_down(&self) -> bool {
+        *sync::lock(&self.down) == Down::Down
+    }
+}
+
+/// Dropping an offloader that was not shut down runs [`Offloader::shutdown`].
+/// When that is refused (a capture window still open, or a registered graph
+/// still alive: the graph may be replayed and reads the region and the
+/// tensors), the drop leaks on purpose: the region stays mapped and
+/// registered (the coordinator keeps it), the tensors the offloader
+/// allocated stay allocated, and the pinner finishes on its own; the error
+/// is logged. Replaying the graph stays correct; the memory is the
+/// process's until it exits.
+impl Drop for Offloader {
+    fn drop(&mut self) {
+        if self.is_shut_down() {
+            return;
+        }
+        if let Err(e) = self.shutdown() {
+            tracing::error!(error = %e, "offloader dropped: shutdown failed; registered memory stays mapped (leaked)");
+        }
+    }
+}
