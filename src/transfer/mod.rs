@@ -2,9 +2,11 @@
 //!
 //! - [`layout`]: where blocks live ([`KvLayout`]) and the expansion of a
 //!   job into merged `(host, device, bytes)` fragments.
-//! - [`engine`]: the [`TransferEngine`] with its store and load handlers:
-//!   job ids, ordering after the compute stream, completion by events,
-//!   in-order reporting per direction.
+//! - [`engine`]: the [`TransferEngine`] and its submit paths: job ids,
+//!   admission, ordering after the compute stream, the lanes; `enqueue`:
+//!   the backend chosen for a job and its gather and staged paths;
+//!   `handler`: the per-lane handler (stream, events, tables, FIFO of jobs),
+//!   completion by events, in-order reporting per lane, release at drop.
 //! - [`backend`]: per-fragment async copies, batched copies and the gather
 //!   kernel; `staged`: the gather kernel into device staging buffers and
 //!   batched copies of them (copy engines both ways when a load and a
@@ -23,7 +25,9 @@
 pub mod backend;
 mod chunks;
 pub mod engine;
+mod enqueue;
 pub mod error;
+mod handler;
 mod ids;
 pub mod layout;
 mod ring;
