@@ -25,7 +25,6 @@ impl std::fmt::Display for JobId {
 #[derive(Debug, Default)]
 pub(crate) struct IdSet {
     runs: BTreeMap<JobId, JobId>,
-    len: u64,
 }
 
 impl IdSet {
@@ -53,20 +52,7 @@ impl IdSet {
             }
         }
         self.runs.insert(start, end);
-        self.len += 1;
         true
-    }
-
-    /// Number of ids inserted.
-    #[allow(dead_code)]
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-
-    /// Number of disjoint runs stored.
-    #[allow(dead_code)]
-    pub fn runs(&self) -> usize {
-        self.runs.len()
     }
 }
 
@@ -80,8 +66,7 @@ mod tests {
         for id in 0..1000 {
             assert!(s.insert(JobId(id)));
         }
-        assert_eq!(s.runs(), 1);
-        assert_eq!(s.len(), 1000);
+        assert_eq!(s.runs.iter().collect::<Vec<_>>(), [(&JobId(0), &JobId(999))]);
         assert!(!s.insert(JobId(17)));
         assert!(!s.contains(JobId(1000)));
     }
@@ -92,11 +77,11 @@ mod tests {
         for id in [5, 7, 9, u64::MAX, 0] {
             assert!(s.insert(JobId(id)));
         }
-        assert_eq!(s.runs(), 5);
+        assert_eq!(s.runs.len(), 5);
         assert!(s.insert(JobId(6)));
-        assert_eq!(s.runs(), 4);
+        assert_eq!(s.runs.len(), 4);
         assert!(s.insert(JobId(8)));
-        assert_eq!(s.runs(), 3);
+        assert_eq!(s.runs.len(), 3);
         for id in [0, 5, 6, 7, 8, 9, u64::MAX] {
             assert!(s.contains(JobId(id)), "{id}");
         }
