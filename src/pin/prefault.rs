@@ -36,116 +36,28 @@
 //!   pinning and no thread is created or destroyed (an `mmap_lock` writer)
 //!   while registrations run.
 //!
+//! This file is the pool (its threads, the plan, the stats, the
+//! [`Prefaulter`]); how one slice is faulted, with the safety argument of
+//! every page access, is in `prefault_slice.rs`.
+//!
 //! Threads and locks come from [`crate::sync`]; the pool compiles under
 //! loom, though the models drive the engine with [`super::NoPrefault`].
 
 use std::collections::VecDeque;
-use std::ffi::c_void;
-use std::io;
 
 use crate::region::page_size;
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 
 use super::engine::Prefault;
 use super::options::PrefaultMode;
-
-/// Size of a transparent huge page on x86-64 and most arm64 kernels.
-pub const HUGE_PAGE_BYTES: usize = 2 << 20;
+use super::prefault_slice::{align, probe_populate, round_down, run_slice_caught, Populate, Slice};
+pub use super::prefault_slice::{thp_setting, PrefaultConfig, PrefaultError, ReserveFn, HUGE_PAGE_BYTES};
 
 /// Largest slice one worker takes at a time.
 const MAX_SLICE_BYTES: usize = 16 << 20;
 
 /// Stack of a worker thread (they only loop over madvise and byte accesses).
 const WORKER_STACK_BYTES: usize = 256 << 10;
-
-/// Retries of `madvise` on EINTR or EAGAIN before giving up.
-const MADVISE_RETRIES: usize = 16;
-
-/// Settings of a [`Prefaulter`].
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct PrefaultConfig {
-    /// Worker threads (at least 1).
-    pub threads: usize,
-    /// How pages are made resident ([`PrefaultMode::Off`]: not at all).
-    pub mode: PrefaultMode,
-    /// Huge pages were requested for the memory: slices are 2 MiB aligned
-    /// and page touching steps by 2 MiB (then fills the holes).
-    pub huge_pages: bool,
-}
-
-/// Why pre-faulting a chunk failed. In the engine it becomes
-/// [`PageableReason::HostMemory`](crate::protocol::PageableReason::HostMemory).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum PrefaultError {
-    /// The chunk does not start on a page boundary.
-    #[error("chunk {chunk}: address {addr:#x} is not a multiple of the page size {page}")]
-    Misaligned {
-        /// The chunk index.
-        chunk: usize,
-        /// Its address.
-        addr: usize,
-        /// The page size it must be a multiple of.
-        page: usize,
-    },
-    /// `madvise(MADV_POPULATE_WRITE)` failed with something other than
-    /// EINVAL (e.g. ENOMEM: not mapped or out of memory; EFAULT: the backing
-    /// file system is full; EHWPOISON).
-    #[error("chunk {chunk}: madvise(MADV_POPULATE_WRITE) of {len} bytes at {addr:#x} failed: {msg}")]
-    Populate {
-        /// The chunk index.
-        chunk: usize,
-        /// Start of the slice that failed.
-        addr: usize,
-        /// Its length.
-        len: usize,
-        /// The errno.
-        errno: i32,
-        /// The errno's text.
-        msg: String,
-    },
-    /// `mincore` failed while checking which pages touching missed.
-    #[error("chunk {chunk}: mincore of {len} bytes at {addr:#x} failed: {msg}")]
-    Mincore {
-        /// The chunk index.
-        chunk: usize,
-        /// Start of the slice.
-        addr: usize,
-        /// Its length.
-        len: usize,
-        /// The errno's text.
-        msg: String,
-    },
-    /// A worker panicked while faulting a slice of the chunk.
-    #[error("chunk {chunk}: a pre-fault worker panicked: {msg}")]
-    Panicked {
-        /// The chunk index.
-        chunk: usize,
-        /// The panic message.
-        msg: String,
-    },
-    /// Reserving a slice's pages in its file system (the hook of
-    /// [`Prefaulter::reserving`], a shared region with deferred
-    /// reservation) failed; the slice was not touched. For a full file
-    /// system the text is the region's
-    /// [`RegionError::ShmFull`](crate::region::RegionError::ShmFull).
-    #[error("chunk {chunk}: reserving {len} bytes at {addr:#x} failed: {msg}")]
-    Reserve {
-        /// The chunk index.
-        chunk: usize,
-        /// Start of the slice.
-        addr: usize,
-        /// Its length.
-        len: usize,
-        /// What the reservation said.
-        msg: String,
-    },
-    /// Pre-faulting was stopped ([`Prefault::settle`]) before the chunk was done.
-    #[error("chunk {chunk}: pre-faulting was stopped before the chunk was resident")]
-    Stopped {
-        /// The chunk index.
-        chunk: usize,
-    },
-}
 
 /// What a pre-faulter did so far.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -161,13 +73,6 @@ pub struct PrefaultStats {
     pub slices: u64,
 }
 
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum Populate {
-    Unknown,
-    Works,
-    Unsupported,
-}
-
 #[derive(Debug)]
 struct Job {
     id: u64,
@@ -179,16 +84,6 @@ struct Job {
     error: Option<PrefaultError>,
     /// Queued from the plan: kept when done until `ensure` collects it.
     planned: bool,
-}
-
-#[derive(Copy, Clone, Debug)]
-struct Slice {
-    job: u64,
-    chunk: usize,
-    addr: usize,
-    len: usize,
-    /// The data file the slice lies in (plan only).
-    lane: Option<usize>,
 }
 
 /// One chunk of a plan: index, address, length, data file.
@@ -294,9 +189,6 @@ impl Pool {
     }
 }
 
-/// Reserves `len` bytes at `addr` before they are touched ([`Prefaulter::reserving`]).
-pub type ReserveFn = Box<dyn Fn(usize, usize) -> Result<(), String> + Send + Sync>;
-
 struct Shared {
     cfg: PrefaultConfig,
     /// Run on every slice before it is faulted.
@@ -323,18 +215,6 @@ pub struct Prefaulter {
     cpus: Vec<usize>,
 }
 
-fn align(cfg: &PrefaultConfig, huge_bytes: usize) -> usize {
-    if cfg.huge_pages {
-        huge_bytes.max(page_size())
-    } else {
-        page_size()
-    }
-}
-
-fn round_down(x: usize, a: usize) -> usize {
-    x - x % a
-}
-
 /// Splits `[addr, addr+len)` into slices of about `len / threads` bytes (at
 /// most [`MAX_SLICE_BYTES`], at least `align`), cut at multiples of `align`.
 fn split(addr: usize, len: usize, threads: usize, align: usize) -> Vec<(usize, usize)> {
@@ -352,208 +232,6 @@ fn split(addr: usize, len: usize, threads: usize, align: usize) -> Vec<(usize, u
         p = q;
     }
     out
-}
-
-/// EINVAL's number (the errors here are kept as raw numbers for reports).
-const EINVAL: i32 = rustix::io::Errno::INVAL.raw_os_error();
-
-fn errno_text(e: i32) -> String {
-    io::Error::from_raw_os_error(e).to_string()
-}
-
-/// `madvise(MADV_POPULATE_WRITE)` of one slice; the errno on failure.
-fn populate_write(addr: usize, len: usize) -> Result<(), i32> {
-    let mut tries = 0;
-    loop {
-        // SAFETY: madvise only acts on this process's page tables for the
-        // range; MADV_POPULATE_WRITE allocates pages as a write fault would
-        // and never changes memory contents. An address range that is not
-        // mapped is answered with ENOMEM, not undefined behaviour.
-        let r = unsafe { rustix::mm::madvise(addr as *mut c_void, len, rustix::mm::Advice::LinuxPopulateWrite) };
-        match r {
-            Ok(()) => return Ok(()),
-            Err(e) if (e == rustix::io::Errno::INTR || e == rustix::io::Errno::AGAIN) && tries < MADVISE_RETRIES => {
-                tries += 1;
-            }
-            Err(e) => return Err(e.raw_os_error()),
-        }
-    }
-}
-
-/// Faults the page holding `addr` in for writing without changing it.
-///
-/// # Safety
-/// `addr` lies in a live, readable and writable mapping of this process.
-unsafe fn touch_byte(addr: usize) {
-    // SAFETY: the caller guarantees `addr` is valid for reads and writes;
-    // AtomicU8 has the size and alignment (1) of u8. This is not
-    // synchronisation (hence core's atomic, not the sync facade's): a
-    // compare-exchange of 0 with 0 is a locked read-modify-write, so it
-    // faults the page in for writing, and it stores only the value that is
-    // already there, so bytes that DMA or another rank write concurrently
-    // are never overwritten with stale data.
-    let a = unsafe { core::sync::atomic::AtomicU8::from_ptr(addr as *mut u8) };
-    let _ = a.compare_exchange(0, 0, core::sync::atomic::Ordering::Relaxed, core::sync::atomic::Ordering::Relaxed);
-}
-
-/// Touches one byte per `step` (at `addr` and at every multiple of `step`
-/// after it); with `fill_holes`, then every page `mincore` reports absent.
-///
-/// # Safety
-/// `[addr, addr+len)` is a live, readable and writable mapping; `addr` is
-/// page aligned.
-unsafe fn touch(chunk: usize, addr: usize, len: usize, step: usize, fill_holes: bool) -> Result<(), PrefaultError> {
-    let end = addr + len;
-    let mut p = addr;
-    while p < end {
-        // SAFETY: addr <= p < end: inside the range the caller vouches for.
-        unsafe { touch_byte(p) };
-        p = round_down(p, step) + step;
-    }
-    if !fill_holes {
-        return Ok(());
-    }
-    let page = page_size();
-    let mut resident = vec![0u8; len.div_ceil(page)];
-    // SAFETY: `addr` is page aligned and `resident` has one byte for every
-    // page of `[addr, addr+len)`.
-    if let Err(e) = unsafe { crate::region::mincore(addr, len, &mut resident) } {
-        return Err(PrefaultError::Mincore { chunk, addr, len, msg: e.to_string() });
-    }
-    for (k, r) in resident.iter().enumerate() {
-        if r & 1 == 0 {
-            // SAFETY: page k of the range, inside it.
-            unsafe { touch_byte(addr + k * page) };
-        }
-    }
-    Ok(())
-}
-
-/// Makes one slice resident. Returns what it learned about
-/// MADV_POPULATE_WRITE, if anything.
-///
-/// # Safety
-/// The slice is a live, readable and writable mapping; its start is page
-/// aligned.
-unsafe fn run_slice(
-    cfg: &PrefaultConfig,
-    huge_bytes: usize,
-    populate: Populate,
-    s: &Slice,
-) -> (Result<(), PrefaultError>, Option<Populate>) {
-    let step = align(cfg, huge_bytes);
-    let fill = step > page_size();
-    // SAFETY (both touch calls): the caller's contract for the slice.
-    let touch_all = || unsafe { touch(s.chunk, s.addr, s.len, step, fill) };
-    match cfg.mode {
-        PrefaultMode::Off => (Ok(()), None),
-        PrefaultMode::Touch => (touch_all(), None),
-        PrefaultMode::Populate if populate == Populate::Unsupported => (touch_all(), None),
-        PrefaultMode::Populate => match populate_write(s.addr, s.len) {
-            Ok(()) => (Ok(()), (populate == Populate::Unknown).then_some(Populate::Works)),
-            // Only when the probe could not run: EINVAL is then taken to
-            // mean the kernel lacks the advice. Where the probe showed the
-            // kernel has it, EINVAL says something about this mapping (not
-            // writable, VM_IO/VM_PFNMAP) and touching would fault: an error.
-            Err(e) if e == EINVAL && populate == Populate::Unknown => {
-                tracing::info!("madvise(MADV_POPULATE_WRITE) refused with EINVAL (kernel older than 5.14?); touching pages instead");
-                (touch_all(), Some(Populate::Unsupported))
-            }
-            Err(e) => (
-                Err(PrefaultError::Populate { chunk: s.chunk, addr: s.addr, len: s.len, errno: e, msg: errno_text(e) }),
-                None,
-            ),
-        },
-    }
-}
-
-/// Runs one slice, turning a panic into a typed error.
-///
-/// # Safety
-/// As for [`run_slice`].
-unsafe fn run_slice_caught(
-    cfg: &PrefaultConfig,
-    reserve: Option<&ReserveFn>,
-    huge_bytes: usize,
-    populate: Populate,
-    s: &Slice,
-) -> (Result<(), PrefaultError>, Option<Populate>) {
-    // A page touched must have been reserved first (the argument of
-    // `region::shm`, "Deferred reservation"): the hook runs here, on the
-    // thread that faults the slice, before `run_slice` touches any byte of
-    // `[s.addr, s.addr + s.len)`, and the slice is skipped (nothing
-    // touched) unless it returned success for exactly that range. Slices
-    // of one chunk never overlap and a chunk lies in one data file, so
-    // every page a worker faults was reserved by that same worker first.
-    if let Some(r) = reserve {
-        if cfg.mode != PrefaultMode::Off {
-            if let Err(msg) = r(s.addr, s.len) {
-                return (Err(PrefaultError::Reserve { chunk: s.chunk, addr: s.addr, len: s.len, msg }), None);
-            }
-        }
-    }
-    // SAFETY: forwarded contract.
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { run_slice(cfg, huge_bytes, populate, s) }))
-    {
-        Ok(r) => r,
-        Err(p) => {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
-            (Err(PrefaultError::Panicked { chunk: s.chunk, msg }), None)
-        }
-    }
-}
-
-/// The selected value of a transparent-huge-page setting, e.g.
-/// `thp_setting("enabled")` = `Some("madvise")` for
-/// `always [madvise] never` in `/sys/kernel/mm/transparent_hugepage/enabled`.
-/// `None` when the file is missing (no THP support) or unreadable.
-pub fn thp_setting(name: &str) -> Option<String> {
-    let text = std::fs::read_to_string(format!("/sys/kernel/mm/transparent_hugepage/{name}")).ok()?;
-    parse_thp(&text)
-}
-
-fn parse_thp(text: &str) -> Option<String> {
-    let open = text.find('[')?;
-    let close = open + text[open..].find(']')?;
-    Some(text[open + 1..close].to_string())
-}
-
-/// Whether this kernel knows `MADV_POPULATE_WRITE`, asked once on a page
-/// of our own (so that EINVAL later means a bad mapping, not an old kernel).
-fn probe_populate() -> Populate {
-    let page = page_size();
-    use rustix::mm::{MapFlags, ProtFlags};
-    // SAFETY: a fresh private anonymous mapping at an address of the
-    // kernel's choosing; no existing memory is affected.
-    let p = match unsafe {
-        rustix::mm::mmap_anonymous(std::ptr::null_mut(), page, ProtFlags::READ | ProtFlags::WRITE, MapFlags::PRIVATE)
-    } {
-        Ok(p) => p,
-        Err(e) => {
-            tracing::debug!(error = %e, "MADV_POPULATE_WRITE probe: mmap failed");
-            return Populate::Unknown;
-        }
-    };
-    let r = populate_write(p as usize, page);
-    // SAFETY: unmaps exactly the page mapped above, which nothing else uses.
-    if let Err(e) = unsafe { rustix::mm::munmap(p, page) } {
-        tracing::warn!(error = %e, "MADV_POPULATE_WRITE probe: munmap failed");
-    }
-    match r {
-        Ok(()) => Populate::Works,
-        Err(e) if e == EINVAL => {
-            tracing::info!("madvise(MADV_POPULATE_WRITE) is not supported by this kernel (EINVAL); pre-faulting touches pages instead");
-            Populate::Unsupported
-        }
-        Err(e) => {
-            tracing::debug!(error = %errno_text(e), "MADV_POPULATE_WRITE probe failed");
-            Populate::Unknown
-        }
-    }
 }
 
 /// Restricts worker `k` to `cpus` (not under loom: its threads are not OS
@@ -854,6 +532,8 @@ impl Drop for Prefaulter {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
+    use std::io;
+
     use super::*;
 
     #[test]
@@ -880,13 +560,6 @@ mod tests {
             assert_eq!(next, addr + len);
             assert!(s.len() >= threads.min(len / align), "enough slices for every thread: {} for {threads}", s.len());
         }
-    }
-
-    #[test]
-    fn thp_setting_parses_the_bracketed_choice() {
-        assert_eq!(parse_thp("always [madvise] never\n").as_deref(), Some("madvise"));
-        assert_eq!(parse_thp("[always] madvise never").as_deref(), Some("always"));
-        assert_eq!(parse_thp("nothing"), None);
     }
 
     #[test]
