@@ -55,68 +55,21 @@
 #[path = "common/mod.rs"]
 mod common;
 
+use common::offloader::{lean, offloader_on, poll_n, read_block, sim, write_block, PAGE};
 use common::{check, negative, Bounds};
 use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{Completion, KvAlloc, Offloader, OffloaderError, OffloaderOptions};
-use kvoffload::internal::pin::{HugePages, PinOptions, PrefaultMode};
+use kvoffload::internal::offloader::{Offloader, OffloaderError, OffloaderOptions};
 use kvoffload::internal::protocol::{PinState, ProtocolError, Variant};
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{shared, CaptureMode, GpuRuntime};
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::{Backend, BackendChoice, TransferOptions};
-
-const PAGE: usize = 64;
 
 /// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and 2 host
 /// blocks (two registration chunks), on a simulated GPU.
 fn offloader(variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<Offloader>) {
     let rt = shared(SimRuntime::new());
-    let mut opts = OffloaderOptions::with_host_blocks(2);
-    let page = kvoffload::internal::region::page_size();
-    opts.pin =
-        PinOptions::default().prefault(PrefaultMode::Off).huge_pages(HugePages::Off).threads(1).max_chunk_bytes(page);
-    // Per-fragment copies, no page-locked ring and no staging buffers: the
-    // fewest driver calls (the backends are checked by P1, P3 and P5).
-    opts.transfer = TransferOptions {
-        backend: BackendChoice::Force(Backend::PerFragment),
-        staging_ring_entries: 0,
-        staging_bytes: 0,
-        ..TransferOptions::default()
-    };
-    let kv = KvAlloc { tensors: 1, page_bytes: PAGE, gpu_blocks: 4, block_factor: 1 };
-    let off = Offloader::with_allocated_tensors(rt.clone(), kv, opts).expect("offloader on the simulated GPU");
-    off.set_variant(variant);
-    (rt, Arc::new(off))
-}
-
-fn write_block(off: &Offloader, block: usize, fill: u8) {
-    let buf = [fill; PAGE];
-    let dst = off.tensors()[0].offset(block * PAGE);
-    // SAFETY: `buf` is readable; `dst` is GPU block `block` of the
-    // offloader's tensor, which no job touches now.
-    unsafe { off.runtime().copy_htod(dst, buf.as_ptr() as usize, PAGE) }.unwrap();
-}
-
-fn read_block(off: &Offloader, block: usize) -> [u8; PAGE] {
-    let mut buf = [0u8; PAGE];
-    let src = off.tensors()[0].offset(block * PAGE);
-    // SAFETY: `buf` is writable; the job that wrote `src` was waited for.
-    unsafe { off.runtime().copy_dtoh(buf.as_mut_ptr() as usize, src, PAGE) }.unwrap();
-    buf
-}
-
-/// Polls until `n` jobs were reported; returns them.
-fn poll_n(off: &Offloader, n: usize) -> Vec<Completion> {
-    let mut done = Vec::new();
-    while done.len() < n {
-        done.extend(off.poll());
-        thread::yield_now();
-    }
-    done
-}
-
-fn sim(rt: &Arc<dyn GpuRuntime>) -> &SimRuntime {
-    rt.as_sim().unwrap()
+    let opts = lean(OffloaderOptions::with_host_blocks(2), Some(kvoffload::internal::region::page_size()));
+    (rt.clone(), Arc::new(offloader_on(rt, opts, variant)))
 }
 
 fn refused_with_a_live_graph(variant: Variant) {

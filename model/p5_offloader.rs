@@ -44,48 +44,20 @@
 #[path = "common/mod.rs"]
 mod common;
 
+use common::offloader::{lean, offloader_on, read_block, write_block, PAGE};
 use common::{check, negative, Bounds};
 use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions};
-use kvoffload::internal::pin::{HugePages, PinOptions, PrefaultMode};
+use kvoffload::internal::offloader::{Offloader, OffloaderError, OffloaderOptions};
 use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::runtime::shared;
 use kvoffload::internal::runtime::sim::{SimConfig, SimRuntime};
 use kvoffload::internal::sync::thread;
-use kvoffload::internal::transfer::{Backend, BackendChoice, TransferOptions};
 
-const PAGE: usize = 64;
-
+/// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and
+/// `host_blocks` host blocks, on a simulated GPU with two device workers.
 fn offloader(host_blocks: usize, variant: Variant) -> Offloader {
     let rt = shared(SimRuntime::with_config(SimConfig { workers: 2, ..SimConfig::default() }));
-    let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
-    opts.pin = PinOptions::default().prefault(PrefaultMode::Off).huge_pages(HugePages::Off).threads(1);
-    opts.transfer = TransferOptions {
-        backend: BackendChoice::Force(Backend::PerFragment),
-        staging_ring_entries: 0,
-        staging_bytes: 0,
-        ..TransferOptions::default()
-    };
-    let kv = KvAlloc { tensors: 1, page_bytes: PAGE, gpu_blocks: 4, block_factor: 1 };
-    let off = Offloader::with_allocated_tensors(rt, kv, opts).expect("offloader on the simulated GPU");
-    off.set_variant(variant);
-    off
-}
-
-fn write_block(off: &Offloader, block: usize, fill: u8) {
-    let buf = [fill; PAGE];
-    let dst = off.tensors()[0].offset(block * PAGE);
-    // SAFETY: `buf` is readable; `dst` is GPU block `block` of the
-    // offloader's tensor, which no job touches now.
-    unsafe { off.runtime().copy_htod(dst, buf.as_ptr() as usize, PAGE) }.unwrap();
-}
-
-fn read_block(off: &Offloader, block: usize) -> [u8; PAGE] {
-    let mut buf = [0u8; PAGE];
-    let src = off.tensors()[0].offset(block * PAGE);
-    // SAFETY: `buf` is writable; the job that wrote `src` was waited for.
-    unsafe { off.runtime().copy_dtoh(buf.as_mut_ptr() as usize, src, PAGE) }.unwrap();
-    buf
+    offloader_on(rt, lean(OffloaderOptions::with_host_blocks(host_blocks), None), variant)
 }
 
 fn readable_only_after_its_store(variant: Variant) {

@@ -5,6 +5,8 @@
 
 #![allow(dead_code)]
 
+pub mod offloader;
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 

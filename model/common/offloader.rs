@@ -1,0 +1,78 @@
+//! The small offloader the models of the engine's edge drive
+//! (`p4_offloader.rs`, `p5_offloader.rs`, `p1_hook.rs`): one KV tensor of 4
+//! GPU blocks of [`PAGE`] bytes on a simulated GPU, with the fewest driver
+//! calls (no pre-faulting, no huge pages, one pinning thread, per-fragment
+//! copies, no page-locked ring, no staging buffers: the backends are
+//! checked by P1, P3 and P5 on their own), and the block reads and writes
+//! those models check with.
+
+use kvoffload::internal::offloader::{Completion, KvAlloc, Offloader, OffloaderOptions};
+use kvoffload::internal::pin::{HugePages, PinOptions, PrefaultMode};
+use kvoffload::internal::protocol::Variant;
+use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::runtime::GpuRuntime;
+use kvoffload::internal::sync::{thread, Arc};
+use kvoffload::internal::transfer::{Backend, BackendChoice, TransferOptions};
+
+/// Bytes of one GPU block (and of one host block: one tensor).
+pub const PAGE: usize = 64;
+
+/// `opts` with the models' lean pinning and transfer settings; with
+/// `chunk_bytes`, registration chunks of that many bytes (one page: a
+/// chunk per host block, so pinning has several steps to interleave).
+pub fn lean(mut opts: OffloaderOptions, chunk_bytes: Option<usize>) -> OffloaderOptions {
+    let pin = PinOptions::default().prefault(PrefaultMode::Off).huge_pages(HugePages::Off).threads(1);
+    opts.pin = match chunk_bytes {
+        Some(c) => pin.max_chunk_bytes(c),
+        None => pin,
+    };
+    opts.transfer = TransferOptions {
+        backend: BackendChoice::Force(Backend::PerFragment),
+        staging_ring_entries: 0,
+        staging_bytes: 0,
+        ..TransferOptions::default()
+    };
+    opts
+}
+
+/// The offloader over one tensor of 4 GPU blocks on `rt`, with `variant`
+/// (a negative model's knob, or `Variant::Correct`).
+pub fn offloader_on(rt: Arc<dyn GpuRuntime>, opts: OffloaderOptions, variant: Variant) -> Offloader {
+    let kv = KvAlloc { tensors: 1, page_bytes: PAGE, gpu_blocks: 4, block_factor: 1 };
+    let off = Offloader::with_allocated_tensors(rt, kv, opts).expect("offloader on the simulated GPU");
+    off.set_variant(variant);
+    off
+}
+
+/// Fills GPU block `block` with `fill` (a synchronous copy).
+pub fn write_block(off: &Offloader, block: usize, fill: u8) {
+    let buf = [fill; PAGE];
+    let dst = off.tensors()[0].offset(block * PAGE);
+    // SAFETY: `buf` is readable; `dst` is GPU block `block` of the
+    // offloader's tensor, which no job touches now.
+    unsafe { off.runtime().copy_htod(dst, buf.as_ptr() as usize, PAGE) }.unwrap();
+}
+
+/// GPU block `block`'s bytes (a synchronous copy).
+pub fn read_block(off: &Offloader, block: usize) -> [u8; PAGE] {
+    let mut buf = [0u8; PAGE];
+    let src = off.tensors()[0].offset(block * PAGE);
+    // SAFETY: `buf` is writable; the job that wrote `src` was waited for.
+    unsafe { off.runtime().copy_dtoh(buf.as_mut_ptr() as usize, src, PAGE) }.unwrap();
+    buf
+}
+
+/// Polls until `n` jobs were reported; returns them.
+pub fn poll_n(off: &Offloader, n: usize) -> Vec<Completion> {
+    let mut done = Vec::new();
+    while done.len() < n {
+        done.extend(off.poll());
+        thread::yield_now();
+    }
+    done
+}
+
+/// The simulated GPU behind `rt`.
+pub fn sim(rt: &Arc<dyn GpuRuntime>) -> &SimRuntime {
+    rt.as_sim().unwrap()
+}
