@@ -45,7 +45,7 @@ use super::error::{drv, gated, RankError};
 use super::lifecycle::Stop;
 use super::parent::{emit, pause, phase, progress};
 use super::report::{RankReport, NOTE};
-use super::workload::workload;
+use super::workload::{workload, RankWorkload};
 
 /// Watches the offloader's pinner: reports progress per chunk, pauses where
 /// the fault test asks, and notes when this rank's own pinning ended.
@@ -179,7 +179,8 @@ pub fn run_rank(
         startup(cfg, rank, stop);
         captures = Some(capture(cfg, rank, &off, &mut rep, stop)?);
         if agree(rank, &off, &probe, started, &mut rep, stop)? {
-            workload(cfg, rank, &off, &rearm, &mut rep, pause_at, stop)?;
+            let ctx = RankWorkload { cfg, rank, off: &off, rearm: &rearm, pause_at, stop };
+            workload(&ctx, &mut rep)?;
         }
         Ok(())
     });

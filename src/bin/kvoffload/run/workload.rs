@@ -124,17 +124,27 @@ fn dir_slot(k: Kind) -> usize {
     }
 }
 
-/// Runs the workload of rank `rank` on `off` (its KV tensors and compute
-/// stream); `stop` ends it early: no new work, what is in flight drains.
-pub(super) fn workload(
-    cfg: &RunConfig,
-    rank: usize,
-    off: &Arc<Offloader>,
-    rearm: &dyn Fn(&dyn GpuRuntime),
-    rep: &mut RankReport,
-    pause_at: Option<KillAt>,
-    stop: Stop,
-) -> Result<(), RankError> {
+/// What one rank's workload runs with: the run's settings, the rank, its
+/// offloader, and the test controls.
+pub(super) struct RankWorkload<'a> {
+    pub(super) cfg: &'a RunConfig,
+    pub(super) rank: usize,
+    /// The rank's offloader (its KV tensors and compute stream).
+    pub(super) off: &'a Arc<Offloader>,
+    /// Re-injects the simulated copy fault after each one fired (a no-op
+    /// without [`RunConfig::fault_copy_every`] for this rank).
+    pub(super) rearm: &'a dyn Fn(&dyn GpuRuntime),
+    /// Where a fault test kills this rank: the workload pauses there when
+    /// it is [`KillAt::Transfers`].
+    pub(super) pause_at: Option<KillAt>,
+    /// Ends the workload early: no new work, what is in flight drains.
+    pub(super) stop: Stop,
+}
+
+/// Runs the workload of rank `ctx.rank` on `ctx.off`, writing what it
+/// measured into `rep`.
+pub(super) fn workload(ctx: &RankWorkload<'_>, rep: &mut RankReport) -> Result<(), RankError> {
+    let RankWorkload { cfg, rank, off, rearm, pause_at, stop } = *ctx;
     let shape = Shape {
         rank,
         layers: cfg.layers,
