@@ -404,7 +404,12 @@ fn prefault_workers_run_on_the_nodes_cpus() {
     let last = vec![*cpus.last().unwrap()];
     for (k, want) in [cpus.clone(), last].into_iter().enumerate() {
         let m = Map::new(8);
-        let cfg = PrefaultConfig { threads: 2, mode: PrefaultMode::Populate, huge_pages: false };
+        // One worker: `ensure` returns once it faulted the chunk, which it
+        // does only after restricting itself (the first thing it runs), so
+        // its CPUs are settled when they are read below. (With two, the
+        // chunk may be done by worker 1 before worker 0 ran at all: the
+        // test failed 3 of 30 runs on a loaded machine that way.)
+        let cfg = PrefaultConfig { threads: 1, mode: PrefaultMode::Populate, huge_pages: false };
         // SAFETY: only `m`'s range is passed, and the pre-faulter is settled
         // (dropped) before `m`.
         let pf = unsafe { Prefaulter::new(cfg) }.on_cpus(want.clone());
