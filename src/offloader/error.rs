@@ -60,7 +60,7 @@ pub enum OffloaderError {
     SlotJobShape {
         /// Which list, and what its length must be.
         what: &'static str,
-        /// Its length.
+        /// Entries given.
         given: usize,
         /// The length it must have.
         expected: usize,
@@ -71,7 +71,7 @@ pub enum OffloaderError {
     SlotBusy {
         /// The KV cache group.
         group: usize,
-        /// The slot id.
+        /// The host slot id the engine named.
         slot: usize,
         /// The job in flight that uses it.
         job: JobId,
@@ -90,13 +90,13 @@ pub enum OffloaderError {
     /// A load named a key the offloader does not hold ready.
     #[error("key {key} is not stored (or its store has not completed)")]
     NotStored {
-        /// The key.
+        /// The key the batch named.
         key: BlockKey,
     },
     /// `wait` named a job that is not in flight.
     #[error("job {id} is not in flight")]
     UnknownJob {
-        /// The job.
+        /// The engine's job id.
         id: JobId,
     },
     /// [`super::Offloader::capture_end`] or

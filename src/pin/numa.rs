@@ -91,7 +91,7 @@ pub struct Topology {
 pub struct TopologyError {
     /// The file or directory that failed.
     pub path: PathBuf,
-    /// The error.
+    /// What the system call answered.
     #[source]
     pub source: io::Error,
 }
@@ -106,7 +106,7 @@ pub enum NumaFallback {
     /// One node: every page and CPU is on it already; placement is a no-op.
     #[error("one NUMA node ({node}): placement is a no-op")]
     SingleNode {
-        /// The node.
+        /// The NUMA node id, as in `/sys/devices/system/node/node<id>`.
         node: u32,
     },
     /// The topology could not be read (a kernel without NUMA in sysfs ...).
@@ -129,15 +129,15 @@ pub enum NumaFallback {
     /// The node asked for (or the GPU's) is not among the online nodes.
     #[error("NUMA node {node} is not online (nodes: {online:?})")]
     NoSuchNode {
-        /// The node.
+        /// The NUMA node id, as in `/sys/devices/system/node/node<id>`.
         node: u32,
-        /// The online nodes.
+        /// The node ids the kernel lists as online.
         online: Vec<u32>,
     },
     /// The node's free memory cannot hold the bytes to pin.
     #[error("NUMA node {node} has {free} bytes free, less than the {bytes} bytes to pin")]
     NodeTooSmall {
-        /// The node.
+        /// The NUMA node id, as in `/sys/devices/system/node/node<id>`.
         node: u32,
         /// Its `MemFree`.
         free: u64,
@@ -148,11 +148,11 @@ pub enum NumaFallback {
     /// chunks bound before it are reset to the default policy).
     #[error("mbind(MPOL_PREFERRED, node {node}) of {len} bytes at {addr:#x} failed: {msg}")]
     Mbind {
-        /// The node.
+        /// The NUMA node id, as in `/sys/devices/system/node/node<id>`.
         node: u32,
         /// Start of the range.
         addr: usize,
-        /// Its length.
+        /// Bytes of the range.
         len: usize,
         /// The errno's text.
         msg: String,
@@ -165,7 +165,7 @@ pub enum Placement {
     /// Pages preferred on `node`, pre-fault threads on `cpus` (not pinned
     /// when empty: a memory-only node).
     Node {
-        /// The node.
+        /// The NUMA node id, as in `/sys/devices/system/node/node<id>`.
         node: u32,
         /// Its CPUs.
         cpus: Vec<usize>,

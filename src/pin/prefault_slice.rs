@@ -37,9 +37,9 @@ pub enum PrefaultError {
     /// The chunk does not start on a page boundary.
     #[error("chunk {chunk}: address {addr:#x} is not a multiple of the page size {page}")]
     Misaligned {
-        /// The chunk index.
+        /// Index of the registration chunk the slice belongs to (0: the region's first).
         chunk: usize,
-        /// Its address.
+        /// Start address of the chunk.
         addr: usize,
         /// The page size it must be a multiple of.
         page: usize,
@@ -49,13 +49,13 @@ pub enum PrefaultError {
     /// file system is full; EHWPOISON).
     #[error("chunk {chunk}: madvise(MADV_POPULATE_WRITE) of {len} bytes at {addr:#x} failed: {msg}")]
     Populate {
-        /// The chunk index.
+        /// Index of the registration chunk the slice belongs to (0: the region's first).
         chunk: usize,
         /// Start of the slice that failed.
         addr: usize,
-        /// Its length.
+        /// Bytes of the slice.
         len: usize,
-        /// The errno.
+        /// The `errno` the kernel returned (ENOMEM 12, EFAULT 14, ...).
         errno: i32,
         /// The errno's text.
         msg: String,
@@ -63,11 +63,11 @@ pub enum PrefaultError {
     /// `mincore` failed while checking which pages touching missed.
     #[error("chunk {chunk}: mincore of {len} bytes at {addr:#x} failed: {msg}")]
     Mincore {
-        /// The chunk index.
+        /// Index of the registration chunk the slice belongs to (0: the region's first).
         chunk: usize,
         /// Start of the slice.
         addr: usize,
-        /// Its length.
+        /// Bytes of the slice.
         len: usize,
         /// The errno's text.
         msg: String,
@@ -75,7 +75,7 @@ pub enum PrefaultError {
     /// A worker panicked while faulting a slice of the chunk.
     #[error("chunk {chunk}: a pre-fault worker panicked: {msg}")]
     Panicked {
-        /// The chunk index.
+        /// Index of the registration chunk the slice belongs to (0: the region's first).
         chunk: usize,
         /// The panic message.
         msg: String,
@@ -87,11 +87,11 @@ pub enum PrefaultError {
     /// [`RegionError::ShmFull`](crate::region::RegionError::ShmFull).
     #[error("chunk {chunk}: reserving {len} bytes at {addr:#x} failed: {msg}")]
     Reserve {
-        /// The chunk index.
+        /// Index of the registration chunk the slice belongs to (0: the region's first).
         chunk: usize,
         /// Start of the slice.
         addr: usize,
-        /// Its length.
+        /// Bytes of the slice.
         len: usize,
         /// What the reservation said.
         msg: String,
@@ -100,7 +100,7 @@ pub enum PrefaultError {
     /// was done.
     #[error("chunk {chunk}: pre-faulting was stopped before the chunk was resident")]
     Stopped {
-        /// The chunk index.
+        /// Index of the registration chunk the slice belongs to (0: the region's first).
         chunk: usize,
     },
 }

@@ -69,7 +69,7 @@ pub enum FileProblem {
         mode: u32,
         /// The file's group.
         gid: u32,
-        /// The allowed group.
+        /// The group id `ShmOptions::allow_group` allows.
         allowed_group: u32,
     },
 }
@@ -144,7 +144,7 @@ pub enum RegionError {
     /// A rank index at or beyond the number of ranks.
     #[error("rank {rank} is out of range: the region has {num_ranks} ranks (0..{num_ranks})")]
     RankOutOfRange {
-        /// The rank given.
+        /// The rank index the caller gave.
         rank: usize,
         /// The number of ranks of the layout.
         num_ranks: usize,
@@ -224,14 +224,14 @@ pub enum RegionError {
     /// rank abandoned the region and removed it, or something else did.
     #[error("data file {path} of the region is missing (removed by another rank or process)")]
     FileMissing {
-        /// The data file.
+        /// The data file's path.
         path: PathBuf,
     },
 
     /// A region name that cannot be a single file name.
     #[error("bad region name {name:?}: {reason}")]
     BadName {
-        /// The name given.
+        /// The region name the caller gave.
         name: String,
         /// Why it was refused.
         reason: &'static str,
@@ -299,7 +299,7 @@ pub enum RegionError {
     /// and its file unlinked (if there was one).
     #[error("timed out after {timeout:?} waiting for {phase} of {path} (ranks mapped: {mapped:?}, missing: {missing:?}); no file left behind")]
     JoinTimeout {
-        /// The region file.
+        /// The region's header file.
         path: PathBuf,
         /// What the rank was waiting for.
         phase: JoinPhase,
@@ -318,7 +318,7 @@ pub enum RegionError {
     /// removes (none for a joiner that found no file).
     #[error("interrupted while waiting for {phase} of {path}; no file left behind")]
     Interrupted {
-        /// The region file.
+        /// The region's header file.
         path: PathBuf,
         /// What the rank was waiting for.
         phase: JoinPhase,
@@ -327,7 +327,7 @@ pub enum RegionError {
     /// Another rank gave the region up (timeout or drop) before every rank mapped it.
     #[error("{path} was abandoned by another rank before every rank mapped it (ranks mapped: {mapped:?})")]
     Abandoned {
-        /// The region file.
+        /// The region's header file.
         path: PathBuf,
         /// Ranks that had mapped the region.
         mapped: Vec<usize>,
@@ -336,7 +336,7 @@ pub enum RegionError {
     /// The file's header does not match what this rank expects.
     #[error("bad header in {path}: {field} is {found}, expected {expected}")]
     BadHeader {
-        /// The region file.
+        /// The region's header file.
         path: PathBuf,
         /// The mismatching field (`magic`, `version`, `file size`, ...).
         field: &'static str,
@@ -350,9 +350,9 @@ pub enum RegionError {
     /// the same rank, or the file is stale.
     #[error("rank {rank} has already mapped {path} (duplicate rank or stale file)")]
     RankAlreadyMapped {
-        /// The region file.
+        /// The region's header file.
         path: PathBuf,
-        /// The rank.
+        /// The rank's index, `0..ranks`.
         rank: usize,
     },
 
@@ -381,7 +381,7 @@ pub enum RegionError {
     HugePageMisfit {
         /// Which length (`data file`, `region file`, ...).
         what: &'static str,
-        /// Its bytes.
+        /// Bytes of the file.
         bytes: u64,
         /// The huge page size.
         page_bytes: u64,
@@ -394,7 +394,7 @@ pub enum RegionError {
         op: &'static str,
         /// The path it was applied to (the region file, or `/proc/meminfo`, or `<anonymous>`).
         path: PathBuf,
-        /// The underlying error.
+        /// The `std::io::Error` of the call (its errno).
         #[source]
         source: std::io::Error,
     },
