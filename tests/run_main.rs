@@ -192,8 +192,8 @@ fn a_rank_that_cannot_create_its_region_ends_the_run_at_once_with_its_error() {
     // directory with no free space. For 1 TiB both ranks refuse at once
     // (rank 0 finds /dev/shm too small before creating the region; rank 1
     // finds its 512 GiB share larger than the memory it can get before
-    // joining), so either may report first: the one that does fails the run
-    // and the other is stopped.
+    // joining), so either may report first, or both: a rank that does not
+    // refuse is stopped.
     for (args, whys) in [
         (&["--region", "1TiB"][..], &["does not fit in /dev/shm", "this process can get"][..]),
         (&["--region-dir", "/proc"][..], &["does not fit in /proc: only 0 bytes free"][..]),
@@ -205,10 +205,13 @@ fn a_rank_that_cannot_create_its_region_ends_the_run_at_once_with_its_error() {
         assert_eq!(rc, 1, "{args:?}: {out}");
         let failed: Vec<usize> =
             (0..2).filter(|r| out.contains(&format!("rank {r}: FAILED: host region: region of"))).collect();
-        assert_eq!(failed.len(), 1, "{args:?}: one rank fails, the other is stopped: {out}");
-        let other = 1 - failed[0];
+        assert!(!failed.is_empty(), "{args:?}: a rank reports the region's error: {out}");
         assert!(whys.iter().any(|w| out.contains(w)), "{args:?}: {out}");
-        assert!(out.contains(&format!("rank {other}: stopped (another rank failed)")), "{args:?}: {out}");
+        // Each rank either refused the region itself (both may, at once,
+        // before the parent stops the other) or was stopped.
+        for r in (0..2).filter(|r| !failed.contains(r)) {
+            assert!(out.contains(&format!("rank {r}: stopped (another rank failed)")), "{args:?}: {out}");
+        }
         // The error, not a table of zeros.
         assert!(!out.contains("total:") && !out.lines().any(|l| l.starts_with("blocks:")), "{args:?}: {out}");
         assert!(out.contains("result: FAILED"), "{args:?}: {out}");
