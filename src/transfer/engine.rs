@@ -25,7 +25,7 @@
 use std::time::Instant;
 
 use crate::protocol::{Coordinator, JobTicket, ProtocolError};
-use crate::runtime::{CaptureStatus, Direction, DriverError, GpuRuntime, Stream};
+use crate::runtime::{CaptureStatus, Direction, GpuRuntime, Stream};
 use crate::sync::{self, Arc, Mutex};
 
 use super::backend::{Backend, BackendChoice};
@@ -33,124 +33,10 @@ use super::chunks::Chunks;
 use super::error::TransferError;
 use super::handler::{release_handler, Completion, Handler, Pending};
 use super::ids::{IdSet, JobId};
+use super::lane::Lane;
 use super::layout::{Expansion, JobBlocks, KvLayout};
+use super::options::TransferOptions;
 use super::ring::Table;
-use super::select::AutoThresholds;
-
-/// Settings of a [`TransferEngine`].
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct TransferOptions {
-    /// Backend for every job: automatic, or forced.
-    pub backend: BackendChoice,
-    /// Sizes at which the automatic choice switches backend.
-    pub thresholds: AutoThresholds,
-    /// Entries of each handler's device descriptor table for the gather
-    /// kernel; a job with more fragments launches the kernel once per
-    /// table-full (uploads and launches alternate on the handler's stream).
-    pub gather_table_entries: usize,
-    /// Entries of each handler's page-locked staging ring, where jobs write
-    /// their descriptor tables so that uploads do not synchronize the
-    /// stream (0: tables in pageable memory; a job that finds the ring full
-    /// uses pageable memory too).
-    pub staging_ring_entries: usize,
-    /// Bytes of each handler's device staging memory for the staged
-    /// backend ([`Backend::Staged`]): two buffers of half each, so one
-    /// chunk's kernel overlaps the previous chunk's copies (0: no staged
-    /// backend). Allocated at creation when the backend choice may use it.
-    /// The default, 32 MiB, holds a 16 MiB job in one half: on the H200 it
-    /// gave both ways at once 45.3 - 45.6 GB/s for the slower direction at
-    /// 16 KiB fragments, against 43.5 - 44.5 with 16 MiB
-    /// (docs/gpu-runs/2026-12-01-duplex-linger/).
-    pub staging_bytes: usize,
-    /// A third handler for expedited loads ([`Lane::LoadExpedited`]), with
-    /// its own stream, completion FIFO, descriptor table, staging ring and
-    /// staging memory (the cost of one more load handler). `false` (the
-    /// default): an expedited load is refused
-    /// ([`TransferError::NoExpeditedLane`]).
-    pub expedited_lane: bool,
-}
-
-/// Which handler, with its own stream and FIFO, runs a job.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Lane {
-    /// Stores (GPU to host).
-    Store,
-    /// Loads (host to GPU).
-    Load,
-    /// Expedited loads (host to GPU) on a stream of their own
-    /// ([`TransferOptions::expedited_lane`]): never behind a regular load.
-    LoadExpedited,
-}
-
-impl Lane {
-    /// The lane of a regular job of `dir`.
-    pub fn of(dir: Direction) -> Lane {
-        match dir {
-            Direction::DeviceToHost => Lane::Store,
-            Direction::HostToDevice => Lane::Load,
-        }
-    }
-
-    /// The direction its copies go.
-    pub fn direction(self) -> Direction {
-        match self {
-            Lane::Store => Direction::DeviceToHost,
-            Lane::Load | Lane::LoadExpedited => Direction::HostToDevice,
-        }
-    }
-
-    pub(super) fn index(self) -> usize {
-        match self {
-            Lane::Store => STORE,
-            Lane::Load => LOAD,
-            Lane::LoadExpedited => EXPEDITED,
-        }
-    }
-}
-
-impl Default for TransferOptions {
-    fn default() -> Self {
-        TransferOptions {
-            backend: BackendChoice::Auto,
-            thresholds: AutoThresholds::default(),
-            gather_table_entries: 1 << 13,
-            staging_ring_entries: 1 << 15,
-            staging_bytes: 32 << 20,
-            expedited_lane: false,
-        }
-    }
-}
-
-/// What became of one job, reported once by [`TransferEngine::poll_finished`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct JobResult {
-    /// The job's id.
-    pub id: JobId,
-    /// Store (`DeviceToHost`) or load (`HostToDevice`).
-    pub direction: Direction,
-    /// The lane that ran it.
-    pub lane: Lane,
-    /// Bytes the job moves.
-    pub bytes: u64,
-    /// Fragments after merging.
-    pub fragments: usize,
-    /// Seconds from submission until completion was observed (an upper
-    /// bound on the transfer time: it includes the wait for compute and
-    /// the polling delay).
-    pub seconds: f64,
-    /// The backend that enqueued the job.
-    pub backend: Backend,
-    /// `None` when every byte arrived; otherwise the driver error that
-    /// failed the job (at enqueue or on the device).
-    pub error: Option<DriverError>,
-}
-
-impl JobResult {
-    /// True when the job completed without error.
-    pub fn succeeded(&self) -> bool {
-        self.error.is_none()
-    }
-}
 
 /// The store, load and (optionally) expedited-load handlers of one
 /// offloader (see the module docs).
@@ -169,10 +55,6 @@ pub struct TransferEngine {
     /// false outside loom builds).
     racy_submit: bool,
 }
-
-const STORE: usize = 0;
-const LOAD: usize = 1;
-const EXPEDITED: usize = 2;
 
 impl TransferEngine {
     /// Creates the handlers (store, load, and the expedited loads' with

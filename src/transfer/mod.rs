@@ -24,19 +24,24 @@
 
 pub mod backend;
 mod chunks;
+mod completion;
 pub mod engine;
 mod enqueue;
 pub mod error;
 mod handler;
 mod ids;
+mod lane;
 pub mod layout;
+mod options;
 mod ring;
 pub mod select;
 mod staged;
 
 pub use backend::{Backend, BackendChoice};
-pub use engine::{JobResult, Lane, TransferEngine, TransferOptions};
+pub use engine::TransferEngine;
 pub use error::{LayoutError, TransferError};
 pub use ids::JobId;
+pub use lane::{JobResult, Lane};
 pub use layout::{merge_adjacent, Expansion, GroupBlocks, GroupSpec, HostPlacement, JobBlocks, KvLayout, TensorSpec};
+pub use options::TransferOptions;
 pub use select::{AutoThresholds, Situation};
