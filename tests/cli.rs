@@ -1,6 +1,9 @@
 //! The command line: bad input gives one clear line and a non-zero exit,
-//! never a panic.
+//! never a panic; `bench pin --sizes` and `bench pin --shared` with the
+//! overlapped reservation end to end on the simulated GPU (the reports hold
+//! every size and variant, and the pictures are written).
 
+use std::path::PathBuf;
 use std::process::Command;
 
 fn kvoffload(args: &[&str]) -> (i32, String, String) {
@@ -94,4 +97,74 @@ fn bench_pin_shared_rejects_bad_shapes_in_one_line() {
     let (code, _, err) = kvoffload(&["bench", "pin", "--size", "1GiB,2GiB", "--backend", "sim"]);
     assert_eq!(code, 2);
     assert!(err.contains("one size"), "{err}");
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvo-pin-bench-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn bench_pin_sizes_reports_every_size_with_its_first_touch_and_draws_them() {
+    let dir = scratch("sizes");
+    let d = dir.to_str().unwrap();
+    let (code, out, err) = kvoffload(&["bench", "pin", "--sizes", "64MiB,128MiB", "--backend", "sim", "--svg", d]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    for size in ["64 MiB", "128 MiB"] {
+        assert!(out.contains(&format!("{size:>7} first touch (b)")), "{size}: {out}");
+        for k in 1..=3 {
+            assert!(out.contains(&format!("{size:>7} round {k}: (a)")), "{size} round {k}: {out}");
+        }
+    }
+    assert!(!out.contains(" round 4:"), "3 rounds by default: {out}");
+    assert!(out.contains("  64MiB ") && out.contains(" 128MiB "), "the median table: {out}");
+    assert!(!out.contains("FAILED"), "{out}");
+    for f in ["pin-sizes-64MiB-128MiB.svg", "pin-timeline-64MiB.svg", "pin-timeline-128MiB.svg"] {
+        let text = std::fs::read_to_string(dir.join(f)).unwrap_or_else(|e| panic!("{f}: {e}\n{out}"));
+        assert!(text.starts_with("<svg") || text.contains("<svg"), "{f} is not an SVG");
+    }
+    let svg = std::fs::read_to_string(dir.join("pin-sizes-64MiB-128MiB.svg")).unwrap();
+    assert!(svg.contains("stage bound") && svg.contains("(b) defaults"), "legend missing");
+    std::fs::remove_dir_all(&dir).unwrap();
+    // With --shared the sizes go to --size: refused in one line.
+    let (code, _, err) = kvoffload(&["bench", "pin", "--shared", "--sizes", "64MiB", "--backend", "sim"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--size 16GiB,64GiB") && err.trim().lines().count() == 1, "{err}");
+}
+
+#[test]
+fn bench_pin_shared_runs_the_overlapped_reservation_beside_the_old_paths() {
+    let dir = scratch("shared");
+    let d = dir.to_str().unwrap();
+    let (code, out, err) = kvoffload(&[
+        "bench",
+        "pin",
+        "--shared",
+        "--backend",
+        "sim",
+        "--ranks",
+        "1,2",
+        "--size",
+        "64MiB",
+        "--variants",
+        "old,new,overlap",
+        "--no-warmup",
+        "--svg",
+        d,
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    for v in ["old ", "new ", "overlap "] {
+        assert_eq!(out.lines().filter(|l| l.starts_with(v) && l.contains("ok (")).count(), 2, "{v}: {out}");
+    }
+    assert!(out.contains("fallocate per slice by the pre-fault workers"), "{out}");
+    for ranks in [1, 2] {
+        assert!(
+            out.contains(&format!("64 MiB x {ranks} rank(s), end to end (create/join + pin to agreed), median: old")),
+            "{out}"
+        );
+    }
+    let svg = std::fs::read_to_string(dir.join("pin-shared.svg")).unwrap_or_else(|e| panic!("{e}\n{out}"));
+    assert!(svg.contains("overlap, 2 rank(s), end to end"), "legend missing");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
