@@ -142,9 +142,10 @@ fn without_prefault_pinning_still_works() {
     assert_eq!(s.registered_ranges(), 0);
 }
 
-/// Records the registration loop's calls to its pre-faulter.
+/// Records the registration loop's calls to its pre-faulter (asking for
+/// `.1` bytes of lookahead).
 #[derive(Default)]
-struct Recorder(std::sync::Mutex<Vec<String>>);
+struct Recorder(std::sync::Mutex<Vec<String>>, usize);
 
 impl kvoffload::internal::pin::Prefault for Recorder {
     fn ensure(&self, i: usize, _addr: usize, _len: usize) -> Result<(), String> {
@@ -153,6 +154,9 @@ impl kvoffload::internal::pin::Prefault for Recorder {
     }
     fn hint(&self, i: usize, _addr: usize, _len: usize) {
         self.0.lock().unwrap().push(format!("hint {i}"));
+    }
+    fn lookahead_bytes(&self) -> usize {
+        self.1
     }
     fn settle(&self) {
         self.0.lock().unwrap().push("settle".into());
@@ -173,6 +177,44 @@ fn each_chunk_is_made_resident_before_registration_and_the_next_hinted() {
     assert_eq!(pin_all(rt.as_ref(), &coord, &rec), PinState::Pinned);
     let calls = rec.0.lock().unwrap().clone();
     assert_eq!(calls, ["ensure 0", "hint 1", "ensure 1", "hint 2", "ensure 2", "settle"]);
+    coord.unregister_all(rt.as_ref()).unwrap();
+    assert_eq!(s.registered_ranges(), 0);
+}
+
+#[test]
+fn with_lookahead_the_loop_hints_ahead_each_chunk_once_and_in_order() {
+    let (r, _) = region(5, CHUNK);
+    let base = r.as_ptr() as usize;
+    let chunks: Vec<(usize, usize)> = (0..5).map(|i| (base + i * CHUNK, CHUNK)).collect();
+    let (s, rt) = sim();
+    // SAFETY: the ranges lie in `r` (read-write), which the coordinator holds.
+    let coord =
+        unsafe { Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &chunks, Some(Box::new(r.clone()))) }
+            .unwrap();
+    // Two chunks' bytes ahead: while chunk i registers, i+1 and i+2 are
+    // queued; the last chunks are hinted once, none past the end.
+    let rec = Recorder(Default::default(), 2 * CHUNK);
+    assert_eq!(pin_all(rt.as_ref(), &coord, &rec), PinState::Pinned);
+    let calls = rec.0.lock().unwrap().clone();
+    assert_eq!(
+        calls,
+        ["ensure 0", "hint 1", "hint 2", "ensure 1", "hint 3", "ensure 2", "hint 4", "ensure 3", "ensure 4", "settle"]
+    );
+    coord.unregister_all(rt.as_ref()).unwrap();
+    drop(coord);
+    // A lookahead past the region hints every chunk at once, after the first
+    // (a fresh coordinator: pinning is final once per coordinator).
+    // SAFETY: as above.
+    let coord =
+        unsafe { Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &chunks, Some(Box::new(r.clone()))) }
+            .unwrap();
+    let rec = Recorder(Default::default(), usize::MAX);
+    assert_eq!(pin_all(rt.as_ref(), &coord, &rec), PinState::Pinned);
+    let calls = rec.0.lock().unwrap().clone();
+    assert_eq!(
+        calls,
+        ["ensure 0", "hint 1", "hint 2", "hint 3", "hint 4", "ensure 1", "ensure 2", "ensure 3", "ensure 4", "settle"]
+    );
     coord.unregister_all(rt.as_ref()).unwrap();
     assert_eq!(s.registered_ranges(), 0);
 }

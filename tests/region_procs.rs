@@ -86,6 +86,9 @@ impl Prefault for PauseAt {
     fn hint(&self, i: usize, addr: usize, len: usize) {
         self.inner.hint(i, addr, len)
     }
+    fn lookahead_bytes(&self) -> usize {
+        self.inner.lookahead_bytes()
+    }
     fn settle(&self) {
         self.inner.settle()
     }

@@ -46,6 +46,9 @@ impl Prefault for Observed {
         self.inner.hint(i, addr, len)
     }
 
+    fn lookahead_bytes(&self) -> usize {
+        self.inner.lookahead_bytes()
+    }
     fn settle(&self) {
         self.inner.settle();
         self.observer.settled();

@@ -15,9 +15,17 @@ use crate::sync::{thread, Arc};
 pub trait Prefault: Send + Sync {
     /// Returns once chunk `i` (`len` bytes at `addr`) is resident.
     fn ensure(&self, i: usize, addr: usize, len: usize) -> Result<(), String>;
-    /// Chunk `i` comes next after the one being registered: an
-    /// implementation may start faulting it in the background.
+    /// Chunk `i` comes later, after the one being registered: an
+    /// implementation may start faulting it in the background. The loop
+    /// hints the next chunk, and further chunks while the hinted bytes
+    /// ahead of the current chunk are below [`Prefault::lookahead_bytes`],
+    /// each chunk once and in order.
     fn hint(&self, _i: usize, _addr: usize, _len: usize) {}
+    /// The registration loop hints chunks until the bytes hinted ahead of
+    /// the chunk being registered reach this (0: only the next chunk). A
+    /// required method, so that a wrapper cannot silently drop its inner
+    /// pre-faulter's lookahead.
+    fn lookahead_bytes(&self) -> usize;
     /// Pinning is over (pinned, failed or cancelled): stop background work
     /// (drop what did not start, wait for what runs) and release threads.
     /// The registration loop calls it before the outcome is published, so
@@ -40,6 +48,9 @@ impl NoPrefault {
 impl Prefault for NoPrefault {
     fn ensure(&self, _i: usize, _addr: usize, _len: usize) -> Result<(), String> {
         Ok(())
+    }
+    fn lookahead_bytes(&self) -> usize {
+        0
     }
 }
 
@@ -193,6 +204,11 @@ fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault)
     let span = tracing::info_span!("pin", chunks = n);
     let _e = span.enter();
     let started = std::time::Instant::now();
+    let ahead = prefault.lookahead_bytes();
+    // Chunks `..next` were hinted (or are being ensured); `queued`: bytes of
+    // the hinted chunks after the current one.
+    let mut next = 0usize;
+    let mut queued = 0usize;
     for i in 0..n {
         if coord.pin_cancelled() {
             return Err(rollback(rt, coord, prefault, i, PageableReason::Cancelled));
@@ -201,9 +217,20 @@ fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault)
         if let Err(e) = prefault.ensure(i, addr, len) {
             return Err(rollback(rt, coord, prefault, i, PageableReason::HostMemory(e)));
         }
-        if i + 1 < n {
-            let (a, l) = coord.chunk_range(i + 1);
-            prefault.hint(i + 1, a, l);
+        if i < next {
+            queued = queued.saturating_sub(len);
+        } else {
+            next = i + 1;
+        }
+        // The next chunk always; more while the bytes hinted ahead are
+        // below the lookahead, so the pre-fault workers stay busy while a
+        // registration runs long (the pipeline then approaches the slower
+        // stage instead of the slower of each pair of chunks).
+        while next < n && (next == i + 1 || queued < ahead) {
+            let (a, l) = coord.chunk_range(next);
+            prefault.hint(next, a, l);
+            queued += l;
+            next += 1;
         }
         match coord.register_chunk(rt, i) {
             Ok(Ok(())) => {

@@ -27,11 +27,13 @@ pub use engine::{
     pin_all, pin_all_agreed, pin_all_agreed_by, Agreement, NoPrefault, PinHandle, Prefault, RankAgreement,
 };
 pub use options::{
-    available_cores, HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES,
-    MAX_CHUNK_LIMIT, MAX_THREADS, RECOMMENDED_MAX_CHUNK_BYTES,
+    available_cores, default_threads, HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode,
+    DEFAULT_HUGE_FALLBACK_MBPS, DEFAULT_LOOKAHEAD_BYTES, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT, MAX_THREADS,
+    RECOMMENDED_MAX_CHUNK_BYTES,
 };
 pub use prefault::{
     thp_setting, PlannedChunk, PrefaultConfig, PrefaultError, PrefaultStats, Prefaulter, ReserveFn, HUGE_PAGE_BYTES,
+    SLICE_GBPS_EDGES,
 };
 pub use region_slots::RegionSlots;
 pub use setup::{prepare, Prepared};

@@ -26,6 +26,45 @@ pub const RECOMMENDED_MAX_CHUNK_BYTES: usize = 4 << 30;
 /// cap"). [`PinOptions::validate`] refuses more.
 pub const MAX_CHUNK_LIMIT: usize = 64 << 30;
 
+/// Default [`PinOptions::lookahead_bytes`]: unbounded, every chunk is
+/// queued for pre-faulting once the first is resident. With the next chunk
+/// only, a registration that runs long leaves the pre-fault workers idle
+/// and one that runs short waits for them: the pipeline then reaches the
+/// slower of each pair of chunks, not the slower stage. Anonymous memory
+/// faulted early costs nothing extra (all of it is pinned anyway). Measured
+/// on the H200 (docs/gpu-runs/2026-12-02-pin-probe/): with 12 threads and
+/// the whole region queued, 40.7 GB/s at 16 GiB and 41.7 at 64 GiB, above
+/// the 36.1 and 40.1 GB/s bound of the stages measured apart with 16; in
+/// the committed run (docs/gpu-runs/2026-12-02-pin-sizes/call3/, median of
+/// three) 36.3 and 36.4 GB/s, 100 - 104% of its stage bound.
+pub const DEFAULT_LOOKAHEAD_BYTES: usize = usize::MAX;
+
+/// Default [`PinOptions::huge_fallback_mbps`]: 1000 MB/s per worker. Below
+/// that (12 GB/s with 12 workers) and with the kernel stalling in reclaim
+/// or compaction, 4 KiB pages are faster: pre-faulting and registering
+/// them ran at 17 - 24 GB/s end to end at 16 - 96 GiB on the H200
+/// (docs/gpu-runs/2026-12-02-pin-sizes/), while healthy huge-page slices
+/// fault at 2 - 8 GB/s per worker and the collapse near the memory limit
+/// ran at 0.1 - 0.23 GB/s per worker. A slow first touch of a virtual
+/// machine's memory (0.1 - 0.5 GB/s per worker, no stall counted) does not
+/// trip it: 4 KiB pages are no faster there.
+pub const DEFAULT_HUGE_FALLBACK_MBPS: u32 = 1000;
+
+/// The default number of pre-fault threads on `cores` cores: three in
+/// four (at least 1), leaving the rest to the registering thread and the
+/// driver's own work. On the H200's 16 cores (docs/gpu-runs/2026-12-02-pin-probe/),
+/// whole region queued: 16 threads 27.0 - 32.2 GB/s, 15 threads 35.9 -
+/// 36.0, 12 threads 40.7 - 41.7 (16 and 64 GiB); 8 threads 36.8 against
+/// 16 threads' 33.9 at 96 GiB. With all 16 cores faulting, registration
+/// (and the driver's threads) wait for a core. In the committed run
+/// (docs/gpu-runs/2026-12-02-pin-sizes/call3/, median of three, same run):
+/// 36.3 and 36.4 GB/s at 16 and 64 GiB against 34.7 and 37.8 for the
+/// defaults before (16 threads, next chunk only): within each other's
+/// spread there, 25 - 29% ahead in the probe.
+pub fn default_threads(cores: usize) -> usize {
+    (cores - cores / 4).max(1)
+}
+
 /// Most pre-fault threads accepted (a typo guard, not a tuning limit).
 pub const MAX_THREADS: usize = 1024;
 
@@ -67,8 +106,9 @@ pub enum PrefaultMode {
 /// Options of [`prepare`](super::prepare) and [`Prepared`](super::Prepared).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PinOptions {
-    /// Pre-fault threads (default: `available_parallelism`, the cores this
-    /// process may run on). At least 1, at most [`MAX_THREADS`].
+    /// Pre-fault threads (default: [`default_threads`] of
+    /// `available_parallelism`, three in four of the cores this process may
+    /// run on). At least 1, at most [`MAX_THREADS`].
     pub threads: usize,
     /// Huge pages (default [`HugePages::Auto`]).
     pub huge_pages: HugePages,
@@ -84,6 +124,17 @@ pub struct PinOptions {
     /// (default [`NumaPolicy::Auto`]: the GPU's node when sysfs names one and
     /// it can hold the bytes to pin; see [`crate::pin::numa`]).
     pub numa: NumaPolicy,
+    /// Bytes the pre-fault workers may fault ahead of the chunk being
+    /// registered (default [`DEFAULT_LOOKAHEAD_BYTES`]; at least the next
+    /// chunk is always faulted ahead). A shared region's chunks are all
+    /// queued at once whatever this says (the plan of its data files).
+    pub lookahead_bytes: usize,
+    /// Falling back from transparent huge pages to 4 KiB pages when
+    /// faulting huge pages stalls: when recent slices were faulted in at
+    /// under this many MB/s per pre-fault worker, the rest of the region is
+    /// advised `MADV_NOHUGEPAGE` (default [`DEFAULT_HUGE_FALLBACK_MBPS`];
+    /// 0: never). Anonymous regions with huge pages only.
+    pub huge_fallback_mbps: u32,
     /// The sysfs tree the NUMA topology is read from (default `/sys`,
     /// [`crate::pin::numa::SYSFS_ROOT`]; tests point it at a described
     /// topology).
@@ -98,12 +149,14 @@ pub fn available_cores() -> usize {
 impl Default for PinOptions {
     fn default() -> Self {
         PinOptions {
-            threads: available_cores(),
+            threads: default_threads(available_cores()),
             huge_pages: HugePages::Auto,
             max_chunk_bytes: DEFAULT_MAX_CHUNK_BYTES,
             prefault: PrefaultMode::Populate,
             policy: CapturePolicy::AfterPinning,
             numa: NumaPolicy::Auto,
+            lookahead_bytes: DEFAULT_LOOKAHEAD_BYTES,
+            huge_fallback_mbps: DEFAULT_HUGE_FALLBACK_MBPS,
             numa_sysfs_root: super::numa::SYSFS_ROOT.into(),
         }
     }
@@ -148,6 +201,18 @@ impl PinOptions {
     /// Sets [`PinOptions::numa`].
     pub fn numa(mut self, n: NumaPolicy) -> Self {
         self.numa = n;
+        self
+    }
+
+    /// Sets [`PinOptions::lookahead_bytes`].
+    pub fn lookahead_bytes(mut self, bytes: usize) -> Self {
+        self.lookahead_bytes = bytes;
+        self
+    }
+
+    /// Sets [`PinOptions::huge_fallback_mbps`].
+    pub fn huge_fallback_mbps(mut self, mbps: u32) -> Self {
+        self.huge_fallback_mbps = mbps;
         self
     }
 

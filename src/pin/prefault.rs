@@ -50,8 +50,10 @@ use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 
 use super::engine::Prefault;
 use super::options::PrefaultMode;
-use super::prefault_slice::{align, probe_populate, round_down, run_slice_caught, Populate, Slice};
-pub use super::prefault_slice::{thp_setting, PrefaultConfig, PrefaultError, ReserveFn, HUGE_PAGE_BYTES};
+use super::prefault_slice::{advise_no_huge, align, probe_populate, round_down, run_slice_caught, Populate, Slice};
+pub use super::prefault_slice::{
+    thp_setting, thp_stall_events, PrefaultConfig, PrefaultError, ReserveFn, HUGE_PAGE_BYTES,
+};
 
 /// Largest slice one worker takes at a time.
 const MAX_SLICE_BYTES: usize = 16 << 20;
@@ -60,7 +62,7 @@ const MAX_SLICE_BYTES: usize = 16 << 20;
 const WORKER_STACK_BYTES: usize = 256 << 10;
 
 /// What a pre-faulter did so far.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
 pub struct PrefaultStats {
     /// In [`PrefaultMode::Populate`]: whether the kernel has
     /// `MADV_POPULATE_WRITE` (`Some(true)`: it is used) or not (`Some(false)`:
@@ -71,6 +73,47 @@ pub struct PrefaultStats {
     pub bytes: u64,
     /// Slices processed.
     pub slices: u64,
+    /// Slices by how fast one worker faulted them in, GB/s (1e9 bytes/s):
+    /// below 0.125, 0.25, 0.5, 1, 2, 4, 8, and 8 or more
+    /// ([`SLICE_GBPS_EDGES`]). Where a chunk stalls in huge-page allocation
+    /// and compaction, its slices land in the first buckets.
+    pub slice_gbps: [u64; 8],
+    /// Where huge-page faulting was given up for 4 KiB pages
+    /// ([`Prefaulter::with_huge_fallback`]): the address from which the
+    /// rest of the region was advised `MADV_NOHUGEPAGE`, and the per-worker
+    /// GB/s that tripped it. `None`: never.
+    pub huge_fallback: Option<(usize, f64)>,
+}
+
+/// Upper edges of the [`PrefaultStats::slice_gbps`] buckets (the last is
+/// open).
+pub const SLICE_GBPS_EDGES: [f64; 7] = [0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0];
+
+/// Slices that must have been timed before [`HugeFallback`] judges, per
+/// worker (the window is this many slices per worker).
+const FALLBACK_WINDOW_PER_WORKER: usize = 2;
+
+/// Giving up transparent huge pages when faulting them stalls: near the
+/// memory limit the kernel compacts memory for every huge page (THP
+/// `defrag=madvise` with `MADV_HUGEPAGE`), and pre-faulting can fall far
+/// below what 4 KiB pages reach (see [`super::options::PinOptions::huge_fallback_mbps`]).
+#[derive(Clone, Debug)]
+struct HugeFallback {
+    /// Per-worker MB/s over the window below which the fallback trips.
+    min_mbps: u32,
+    /// The range the fallback's `MADV_NOHUGEPAGE` may cover (the region's
+    /// chunks, first byte and end).
+    span: (usize, usize),
+    /// The last timed huge-page slices: (bytes, seconds).
+    window: VecDeque<(u64, f64)>,
+    /// Where it tripped and the rate that tripped it.
+    tripped: Option<(usize, f64)>,
+    /// [`thp_stall_events`] when armed: slow slices trip the fallback only
+    /// when the kernel stalled in compaction or gave huge pages up since
+    /// (a slow first touch of a virtual machine's memory is slow with
+    /// 4 KiB pages too). None where /proc/vmstat cannot be read: the rate
+    /// alone decides.
+    stalls_at_arm: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -82,8 +125,10 @@ struct Job {
     /// Slices queued or running.
     pending: usize,
     error: Option<PrefaultError>,
-    /// Queued from the plan: kept when done until `ensure` collects it.
-    planned: bool,
+    /// Queued from the plan or by a hint: kept when done until `ensure`
+    /// collects it (a hinted chunk may finish long before its `ensure`
+    /// with a lookahead of several chunks).
+    keep: bool,
 }
 
 /// One chunk of a plan: index, address, length, data file.
@@ -116,9 +161,30 @@ struct Pool {
     /// or the hugetlbfs page of the region (1 GiB pages are faulted one
     /// worker a page).
     huge_bytes: usize,
+    /// See [`PrefaultStats::slice_gbps`].
+    slice_gbps: [u64; 8],
+    /// Armed by [`Prefaulter::with_huge_fallback`].
+    fallback: Option<HugeFallback>,
 }
 
 impl Pool {
+    fn new(populate: Populate, plan: Vec<PlannedChunk>, huge_bytes: usize) -> Pool {
+        Pool {
+            queue: VecDeque::new(),
+            jobs: Vec::new(),
+            next_id: 0,
+            stop: false,
+            populate,
+            bytes: 0,
+            slices: 0,
+            plan: (!plan.is_empty()).then_some(plan),
+            running: Vec::new(),
+            huge_bytes,
+            slice_gbps: [0; 8],
+            fallback: None,
+        }
+    }
+
     fn job_mut(&mut self, id: u64) -> Option<&mut Job> {
         self.jobs.iter_mut().find(|j| j.id == id)
     }
@@ -127,13 +193,21 @@ impl Pool {
         self.jobs.iter().find(|j| j.chunk == chunk && j.addr == addr && j.len == len).map(|j| j.id)
     }
 
-    fn submit(&mut self, cfg: &PrefaultConfig, chunk: usize, addr: usize, len: usize, lane: Option<usize>) -> u64 {
+    fn submit(
+        &mut self,
+        cfg: &PrefaultConfig,
+        chunk: usize,
+        addr: usize,
+        len: usize,
+        lane: Option<usize>,
+        keep: bool,
+    ) -> u64 {
         self.next_id += 1;
         let id = self.next_id;
         let slices = split(addr, len, cfg.threads, align(cfg, self.huge_bytes));
         let pending = slices.len();
         self.queue.extend(slices.into_iter().map(|(addr, len)| Slice { job: id, chunk, addr, len, lane }));
-        self.jobs.push(Job { id, chunk, addr, len, pending, error: None, planned: lane.is_some() });
+        self.jobs.push(Job { id, chunk, addr, len, pending, error: None, keep });
         id
     }
 
@@ -145,7 +219,7 @@ impl Pool {
         };
         for c in plan {
             if c.len > 0 && c.addr % page_size() == 0 {
-                self.submit(cfg, c.chunk, c.addr, c.len, Some(c.lane));
+                self.submit(cfg, c.chunk, c.addr, c.len, Some(c.lane), true);
             }
         }
         true
@@ -164,6 +238,47 @@ impl Pool {
             self.running[l] += 1;
         }
         Some(s)
+    }
+
+    /// Records how fast a worker faulted a slice in; returns the range to
+    /// advise `MADV_NOHUGEPAGE` when this slice tripped the huge-page
+    /// fallback (the rest of the span from the first slice not yet started).
+    fn timed(&mut self, s: &Slice, secs: f64, huge: bool, workers: usize) -> Option<(usize, usize)> {
+        let gbps = if secs > 0.0 { s.len as f64 / secs / 1e9 } else { f64::INFINITY };
+        let bucket = SLICE_GBPS_EDGES.iter().position(|&e| gbps < e).unwrap_or(SLICE_GBPS_EDGES.len());
+        self.slice_gbps[bucket] += 1;
+        let queued_from = self.queue.iter().map(|q| q.addr).min();
+        let fb = self.fallback.as_mut()?;
+        if !huge || fb.tripped.is_some() || secs <= 0.0 {
+            return None;
+        }
+        fb.window.push_back((s.len as u64, secs));
+        let cap = FALLBACK_WINDOW_PER_WORKER * workers.max(1);
+        while fb.window.len() > cap {
+            fb.window.pop_front();
+        }
+        if fb.window.len() < cap {
+            return None;
+        }
+        let (bytes, t) = fb.window.iter().fold((0u64, 0f64), |(b, t), &(x, y)| (b + x, t + y));
+        let rate = bytes as f64 / t / 1e9;
+        if rate * 1000.0 >= fb.min_mbps as f64 {
+            return None;
+        }
+        if let (Some(then), Some(now)) = (fb.stalls_at_arm, thp_stall_events()) {
+            if now <= then {
+                // Slow, but not from compaction: judge a fresh window.
+                fb.window.clear();
+                return None;
+            }
+        }
+        // From the first slice nobody started (slices run in address order
+        // for an anonymous region); without one, after this slice.
+        let page = page_size();
+        let from = queued_from.unwrap_or(s.addr + s.len).max(fb.span.0);
+        let from = from.div_ceil(page) * page;
+        fb.tripped = Some((from, rate));
+        (from < fb.span.1).then_some((from, fb.span.1 - from))
     }
 
     /// Records the outcome of one slice.
@@ -213,6 +328,8 @@ pub struct Prefaulter {
     workers: Mutex<Vec<thread::JoinHandle<()>>>,
     /// CPUs each worker restricts itself to as it starts (empty: anywhere).
     cpus: Vec<usize>,
+    /// See [`Prefaulter::with_lookahead`].
+    lookahead: usize,
 }
 
 /// Splits `[addr, addr+len)` into slices of about `len / threads` bytes (at
@@ -252,6 +369,7 @@ fn worker(shared: Arc<Shared>) {
             let skip = g.job_mut(s.job).is_none_or(|j| j.error.is_some());
             let (populate, huge) = (g.populate, g.huge_bytes);
             drop(g);
+            let started = std::time::Instant::now();
             let (res, learned) = if skip {
                 (Ok(()), None)
             } else {
@@ -263,9 +381,35 @@ fn worker(shared: Arc<Shared>) {
                 // multiples of the page size).
                 unsafe { run_slice_caught(&shared.cfg, shared.reserve.as_ref(), huge, populate, &s) }
             };
+            let secs = started.elapsed().as_secs_f64();
             g = shared.lock();
+            let give_up = if !skip && res.is_ok() {
+                g.timed(&s, secs, shared.cfg.huge_pages && huge == HUGE_PAGE_BYTES, shared.cfg.threads)
+            } else {
+                None
+            };
             g.finish(&s, res, learned);
             shared.done.notify_all();
+            if let Some((addr, len)) = give_up {
+                drop(g);
+                let rate = sync::lock(&shared.pool).fallback.as_ref().and_then(|f| f.tripped).map_or(0.0, |t| t.1);
+                // SAFETY: `[addr, addr+len)` lies in the span the creator of
+                // the pre-faulter vouched for (`Prefaulter::with_huge_fallback`):
+                // a live mapping of this process until `settle` returned,
+                // and this worker runs before `settle` returns. The advice
+                // changes no memory contents and no page already present; it
+                // only makes later faults of the range allocate base pages.
+                match unsafe { advise_no_huge(addr, len) } {
+                    Ok(()) => tracing::warn!(
+                        from = format_args!("{addr:#x}"),
+                        bytes = len,
+                        worker_gbps = rate,
+                        "pre-faulting huge pages stalled (memory compaction near the limit?); the rest of the region uses 4 KiB pages"
+                    ),
+                    Err(e) => tracing::warn!(errno = e, "huge-page fallback: madvise(MADV_NOHUGEPAGE) refused; going on with huge pages"),
+                }
+                g = shared.lock();
+            }
             continue;
         }
         if g.stop {
@@ -329,24 +473,51 @@ impl Prefaulter {
             shared: Arc::new(Shared {
                 cfg,
                 reserve,
-                pool: Mutex::new(Pool {
-                    queue: VecDeque::new(),
-                    jobs: Vec::new(),
-                    next_id: 0,
-                    stop: false,
-                    populate,
-                    bytes: 0,
-                    slices: 0,
-                    plan: (!plan.is_empty()).then_some(plan),
-                    running: Vec::new(),
-                    huge_bytes: huge_page_bytes.unwrap_or(HUGE_PAGE_BYTES),
-                }),
+                pool: Mutex::new(Pool::new(populate, plan, huge_page_bytes.unwrap_or(HUGE_PAGE_BYTES))),
                 work: Condvar::new(),
                 done: Condvar::new(),
             }),
             workers: Mutex::new(Vec::new()),
             cpus: Vec::new(),
+            lookahead: 0,
         }
+    }
+
+    /// The registration loop may hint chunks until `bytes` are queued ahead
+    /// of the chunk it registers ([`Prefault::lookahead_bytes`]; default 0:
+    /// the next chunk only).
+    pub fn with_lookahead(mut self, bytes: usize) -> Prefaulter {
+        self.lookahead = bytes;
+        self
+    }
+
+    /// Arms the huge-page fallback: when the last few huge-page slices (two
+    /// per worker) were faulted in at under `min_mbps` MB/s per worker on
+    /// average, and the kernel stalled in direct compaction or fell back
+    /// from huge pages since the fallback was armed ([`thp_stall_events`];
+    /// the rate alone where /proc/vmstat cannot be read), the rest of `[start, start+len)` from the first slice not
+    /// yet started is advised `MADV_NOHUGEPAGE` once, so that its pages
+    /// come as 4 KiB pages instead of waiting for compaction (logged, and
+    /// reported in [`PrefaultStats::huge_fallback`]). Only where the
+    /// pre-faulter faults transparent huge pages (`cfg.huge_pages` with
+    /// 2 MiB pages); 0 or an empty range leaves it off.
+    ///
+    /// # Safety
+    /// `[start, start+len)` is a live mapping of this process from this call
+    /// until [`Prefault::settle`] returned (or the pre-faulter is dropped),
+    /// and advising it `MADV_NOHUGEPAGE` is acceptable to its owner (the
+    /// pinning of an anonymous region, which advised it huge itself).
+    pub unsafe fn with_huge_fallback(self, min_mbps: u32, start: usize, len: usize) -> Prefaulter {
+        if min_mbps > 0 && len > 0 {
+            self.shared.lock().fallback = Some(HugeFallback {
+                min_mbps,
+                span: (start, start + len),
+                window: VecDeque::new(),
+                tripped: None,
+                stalls_at_arm: thp_stall_events(),
+            });
+        }
+        self
     }
 
     /// Workers restrict themselves to `cpus` (`sched_setaffinity`, the NUMA
@@ -378,6 +549,8 @@ impl Prefaulter {
             },
             bytes: g.bytes,
             slices: g.slices,
+            slice_gbps: g.slice_gbps,
+            huge_fallback: g.fallback.as_ref().and_then(|f| f.tripped),
         }
     }
 
@@ -453,7 +626,7 @@ impl Prefaulter {
         let id = match g.find(chunk, addr, len) {
             Some(id) => id,
             None => {
-                let id = g.submit(&sh.cfg, chunk, addr, len, None);
+                let id = g.submit(&sh.cfg, chunk, addr, len, None, false);
                 sh.work.notify_all();
                 id
             }
@@ -463,9 +636,9 @@ impl Prefaulter {
         }
         let pos = g.jobs.iter().position(|j| j.id == id);
         let job = pos.map(|p| g.jobs.swap_remove(p));
-        // Finished hints nobody asked for (not the engine's pattern) go too;
-        // planned chunks stay until their `ensure`.
-        g.jobs.retain(|j| j.pending > 0 || j.planned);
+        // Finished jobs of `ensure` calls go; hinted and planned chunks stay
+        // until their `ensure` (or `settle`).
+        g.jobs.retain(|j| j.pending > 0 || j.keep);
         match job.and_then(|j| j.error) {
             Some(e) => Err(e),
             None => Ok(()),
@@ -490,11 +663,15 @@ impl Prefault for Prefaulter {
         let mut g = sh.lock();
         let planned = g.submit_plan(&sh.cfg);
         if g.find(i, addr, len).is_none() {
-            g.submit(&sh.cfg, i, addr, len, None);
+            g.submit(&sh.cfg, i, addr, len, None, true);
             sh.work.notify_all();
         } else if planned {
             sh.work.notify_all();
         }
+    }
+
+    fn lookahead_bytes(&self) -> usize {
+        self.lookahead
     }
 
     fn settle(&self) {
@@ -560,6 +737,68 @@ mod tests {
             assert_eq!(next, addr + len);
             assert!(s.len() >= threads.min(len / align), "enough slices for every thread: {} for {threads}", s.len());
         }
+    }
+
+    fn armed(min_mbps: u32, stalls_at_arm: Option<u64>) -> Pool {
+        let mut p = Pool::new(Populate::Works, Vec::new(), HUGE_PAGE_BYTES);
+        p.fallback = Some(HugeFallback {
+            min_mbps,
+            span: (0x4000_0000, 0x4000_0000 + (1 << 30)),
+            window: VecDeque::new(),
+            tripped: None,
+            stalls_at_arm,
+        });
+        p
+    }
+
+    fn slice(addr: usize) -> Slice {
+        Slice { job: 1, chunk: 0, addr, len: 16 << 20, lane: None }
+    }
+
+    #[test]
+    fn slow_huge_slices_trip_the_fallback_from_the_first_queued_slice() {
+        // Two workers: a window of 4 slices. 16 MiB in 0.1 s = 0.17 GB/s per
+        // worker, under 1000 MB/s; no /proc/vmstat reading: the rate decides.
+        let mut p = armed(1000, None);
+        p.queue.push_back(slice(0x4000_0000 + (512 << 20)));
+        p.queue.push_back(slice(0x4000_0000 + (256 << 20)));
+        for k in 0..3 {
+            assert_eq!(p.timed(&slice(0x4000_0000 + k * (16 << 20)), 0.1, true, 2), None, "window not full at {k}");
+        }
+        let from = 0x4000_0000 + (256 << 20);
+        assert_eq!(p.timed(&slice(0x4000_0000 + (48 << 20)), 0.1, true, 2), Some((from, (1 << 30) - (256 << 20))));
+        let (at, rate) = p.fallback.as_ref().unwrap().tripped.unwrap();
+        assert_eq!(at, from);
+        assert!((rate - 0.1678).abs() < 1e-3, "{rate}");
+        // Once only; the buckets counted every slice (0.125 - 0.25 GB/s).
+        assert_eq!(p.timed(&slice(0x4000_0000), 0.1, true, 2), None);
+        assert_eq!(p.slice_gbps[1], 5);
+    }
+
+    #[test]
+    fn fast_slices_base_pages_or_no_compaction_keep_huge_pages() {
+        // 16 MiB in 4 ms: 4.2 GB/s per worker.
+        let mut p = armed(1000, None);
+        for _ in 0..8 {
+            assert_eq!(p.timed(&slice(0x4000_0000), 0.004, true, 2), None);
+        }
+        // Slow base-page slices are not judged.
+        for _ in 0..8 {
+            assert_eq!(p.timed(&slice(0x4000_0000), 1.0, false, 2), None);
+        }
+        // Slow, but the kernel's stall counters did not grow since arming
+        // (an arming count no reading can exceed): no trip, window restarts.
+        if thp_stall_events().is_some() {
+            let mut p = armed(1000, Some(u64::MAX));
+            for _ in 0..8 {
+                assert_eq!(p.timed(&slice(0x4000_0000), 1.0, true, 2), None);
+            }
+            assert!(p.fallback.as_ref().unwrap().tripped.is_none());
+        }
+        // Not armed: only counted.
+        let mut p = Pool::new(Populate::Works, Vec::new(), HUGE_PAGE_BYTES);
+        assert_eq!(p.timed(&slice(0x4000_0000), 1.0, true, 2), None);
+        assert_eq!(p.slice_gbps[0], 1);
     }
 
     #[test]

@@ -164,6 +164,19 @@ fn populate_write(addr: usize, len: usize) -> Result<(), i32> {
     }
 }
 
+/// `madvise(MADV_NOHUGEPAGE)`: later faults of the range allocate base
+/// pages; the errno on failure.
+///
+/// # Safety
+/// `[addr, addr+len)` is a mapping of this process whose owner accepts the
+/// advice (it changes no memory contents and no page already present).
+pub(super) unsafe fn advise_no_huge(addr: usize, len: usize) -> Result<(), i32> {
+    // SAFETY: the caller's contract; madvise acts on this process's VMA
+    // flags only, and answers an unmapped range with ENOMEM.
+    unsafe { rustix::mm::madvise(addr as *mut c_void, len, rustix::mm::Advice::LinuxNoHugepage) }
+        .map_err(|e| e.raw_os_error())
+}
+
 /// Faults the page holding `addr` in for writing without changing it.
 ///
 /// # Safety
@@ -291,6 +304,31 @@ pub(super) unsafe fn run_slice_caught(
     }
 }
 
+/// Direct reclaim and compaction stalls plus huge-page faults that fell
+/// back to base pages since boot (`allocstall_*`, `compact_stall` and
+/// `thp_fault_fallback` of /proc/vmstat, counted system-wide): what grows
+/// when faulting transparent huge pages waits for the kernel to free or
+/// assemble them (page cache to reclaim, fragmented free memory). None
+/// where /proc/vmstat cannot be read or has none of the counters.
+pub fn thp_stall_events() -> Option<u64> {
+    parse_stall_events(&std::fs::read_to_string("/proc/vmstat").ok()?)
+}
+
+fn parse_stall_events(text: &str) -> Option<u64> {
+    let mut found = None;
+    for line in text.lines() {
+        let mut it = line.split_whitespace();
+        let Some(key) = it.next() else { continue };
+        if key != "compact_stall" && key != "thp_fault_fallback" && !key.starts_with("allocstall") {
+            continue;
+        }
+        if let Some(v) = it.next() {
+            *found.get_or_insert(0u64) += v.parse::<u64>().ok()?;
+        }
+    }
+    found
+}
+
 /// The selected value of a transparent-huge-page setting, e.g.
 /// `thp_setting("enabled")` = `Some("madvise")` for
 /// `always [madvise] never` in `/sys/kernel/mm/transparent_hugepage/enabled`.
@@ -343,6 +381,15 @@ pub(super) fn probe_populate() -> Populate {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stall_events_add_compaction_stalls_and_huge_page_fallbacks() {
+        let text = "compact_stall 3\nthp_fault_alloc 99\nthp_fault_fallback 4\nthp_fault_fallback_charge 7\n\
+                    allocstall_normal 10\nallocstall_movable 20\ncompact_fail 5\n";
+        assert_eq!(parse_stall_events(text), Some(37));
+        assert_eq!(parse_stall_events("thp_fault_alloc 1\n"), None);
+        assert_eq!(parse_stall_events("compact_stall x\n"), None);
+    }
 
     #[test]
     fn thp_setting_parses_the_bracketed_choice() {

@@ -148,10 +148,25 @@ impl Prepared {
                 // pre-faulter before it publishes a final state, so no slice
                 // runs once pinning is over. The region's memory is
                 // read-write.
-                Some(Arc::new(
-                    unsafe { Prefaulter::reserving(cfg, plan, reserve, region.hugetlb_page()) }
-                        .on_cpus(placement.cpus().to_vec()),
-                ))
+                let pf = unsafe { Prefaulter::reserving(cfg, plan, reserve, region.hugetlb_page()) }
+                    .on_cpus(placement.cpus().to_vec())
+                    .with_lookahead(opts.lookahead_bytes);
+                // The huge-page fallback: anonymous regions whose huge pages
+                // are transparent ones this pinning advised.
+                let pf = match span_of(&chunks) {
+                    Some((start, len)) if advised && region.kind() == RegionKind::Anonymous => {
+                        // SAFETY: the span covers this region's chunks only
+                        // (its `pin_ranges`, contiguous in the anonymous
+                        // mapping), which stays mapped while the coordinator
+                        // holds the region, and `pin_all` settles the
+                        // pre-faulter before a final state; the advice undoes
+                        // this pinning's own `MADV_HUGEPAGE` for pages not
+                        // faulted yet.
+                        unsafe { pf.with_huge_fallback(opts.huge_fallback_mbps, start, len) }
+                    }
+                    _ => pf,
+                };
+                Some(Arc::new(pf))
             }
         };
         let keep: crate::protocol::KeepAlive = Box::new(region.clone());
@@ -163,6 +178,8 @@ impl Prepared {
             bytes,
             max_chunk_bytes = opts.max_chunk_bytes,
             threads,
+            lookahead_bytes = opts.lookahead_bytes,
+            huge_fallback_mbps = opts.huge_fallback_mbps,
             huge_pages,
             prefault = ?opts.prefault,
             populate_write = ?prefaulter.as_ref().and_then(|p| p.stats().populate_write),
@@ -243,6 +260,14 @@ impl Prepared {
     }
 }
 
+/// The first byte and length of the range from the lowest chunk to the end
+/// of the highest (None without chunks).
+fn span_of(chunks: &[(usize, usize)]) -> Option<(usize, usize)> {
+    let start = chunks.iter().map(|c| c.0).min()?;
+    let end = chunks.iter().map(|c| c.0 + c.1).max()?;
+    Some((start, end - start))
+}
+
 /// [`Prepared::new`], returning the coordinator (which holds the region)
 /// and the pre-faulter.
 pub fn prepare(
@@ -278,6 +303,9 @@ impl Prefault for Shared {
     }
     fn hint(&self, i: usize, addr: usize, len: usize) {
         self.0.hint(i, addr, len)
+    }
+    fn lookahead_bytes(&self) -> usize {
+        self.0.lookahead_bytes()
     }
     fn settle(&self) {
         self.0.settle();

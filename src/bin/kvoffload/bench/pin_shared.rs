@@ -242,6 +242,9 @@ impl Prefault for Settled {
     fn hint(&self, i: usize, addr: usize, len: usize) {
         self.inner.hint(i, addr, len)
     }
+    fn lookahead_bytes(&self) -> usize {
+        self.inner.lookahead_bytes()
+    }
     fn settle(&self) {
         self.inner.settle();
         sync::lock(&self.at).get_or_insert_with(monotonic_secs);
