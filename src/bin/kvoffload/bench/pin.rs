@@ -47,6 +47,10 @@ pub struct BenchConfig {
     pub threads: usize,
     /// Chunk bound of (b) and of the thread sweep (default [`DEFAULT_MAX_CHUNK_BYTES`]).
     pub chunk: usize,
+    /// [`PinOptions::lookahead_bytes`] of (b) (default: the library's).
+    pub lookahead: usize,
+    /// [`PinOptions::huge_fallback_mbps`] of (b) (default: the library's).
+    pub fallback_mbps: u32,
     /// Thread counts of the sweep (default 1, 4 and the available cores).
     pub threads_sweep: Vec<usize>,
     /// Other chunk bounds to try with the default threads (default 256 MiB,
@@ -72,8 +76,10 @@ impl BenchConfig {
         sweep.dedup();
         BenchConfig {
             size,
-            threads: cores,
+            threads: PinOptions::default().threads,
             chunk: DEFAULT_MAX_CHUNK_BYTES,
+            lookahead: PinOptions::default().lookahead_bytes,
+            fallback_mbps: PinOptions::default().huge_fallback_mbps,
             threads_sweep: sweep,
             chunk_sweep: vec![256 << 20, 1 << 30, 4 << 30],
             quick: false,
@@ -151,6 +157,58 @@ pub struct RunConfig {
     pub prefault: PrefaultMode,
     /// Whether chunk i+1 is faulted while chunk i registers.
     pub pipelined: bool,
+    /// [`PinOptions::lookahead_bytes`].
+    pub lookahead: usize,
+    /// [`PinOptions::huge_fallback_mbps`].
+    pub fallback_mbps: u32,
+}
+
+impl RunConfig {
+    /// `self` changed by a candidate spec: comma-separated `key=value` of
+    /// threads=N, chunk=SIZE, lookahead=SIZE|all, fallback=MB/s (0: off),
+    /// huge=auto|on|off, prefault=populate|touch|off.
+    pub fn with_spec(&self, spec: &str) -> Result<RunConfig, String> {
+        let mut c = self.clone();
+        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) =
+                part.split_once('=').ok_or_else(|| format!("candidate {spec:?}: {part:?} is not key=value"))?;
+            let bad = |what: &str| format!("candidate {spec:?}: {k}={v:?} is not {what}");
+            match k {
+                "threads" => c.threads = v.parse().map_err(|_| bad("a thread count"))?,
+                "chunk" => c.chunk = kvoffload::units::parse_size(v).map_err(|_| bad("a size"))?,
+                "lookahead" if v == "all" => c.lookahead = usize::MAX,
+                "lookahead" => c.lookahead = kvoffload::units::parse_size(v).map_err(|_| bad("a size or all"))?,
+                "fallback" => c.fallback_mbps = v.parse().map_err(|_| bad("MB/s (0: off)"))?,
+                "huge" => {
+                    c.huge_pages = match v {
+                        "auto" => HugePages::Auto,
+                        "on" => HugePages::On,
+                        "off" => HugePages::Off,
+                        _ => return Err(bad("auto, on or off")),
+                    }
+                }
+                "prefault" => {
+                    c.prefault = match v {
+                        "populate" => PrefaultMode::Populate,
+                        "touch" => PrefaultMode::Touch,
+                        "off" => PrefaultMode::Off,
+                        _ => return Err(bad("populate, touch or off")),
+                    }
+                }
+                _ => {
+                    return Err(format!(
+                        "candidate {spec:?}: unknown key {k:?} (threads, chunk, lookahead, fallback, huge, prefault)"
+                    ))
+                }
+            }
+        }
+        PinOptions::default()
+            .threads(c.threads)
+            .max_chunk_bytes(c.chunk)
+            .validate()
+            .map_err(|e| format!("candidate {spec:?}: {e}"))?;
+        Ok(c)
+    }
 }
 
 /// One measurement.
@@ -185,6 +243,12 @@ pub struct Row {
     /// (chunk i registers from the end of wait i to the start of wait i+1,
     /// the last one until `total_s`). Empty for the one-call path.
     pub waits: Vec<(f64, f64)>,
+    /// The pre-faulter's slices by per-worker GB/s
+    /// ([`kvoffload::internal::pin::PrefaultStats::slice_gbps`]; None: no pre-faulter).
+    pub slice_gbps: Option<[u64; 8]>,
+    /// Where the huge-page fallback tripped, as a share of the region from
+    /// its start, and the per-worker GB/s that tripped it.
+    pub huge_fallback: Option<(f64, f64)>,
 }
 
 impl Row {
@@ -203,6 +267,8 @@ impl Row {
             populate_write: None,
             outcome: Ok(()),
             waits: Vec::new(),
+            slice_gbps: None,
+            huge_fallback: None,
         }
     }
 
@@ -360,6 +426,14 @@ impl Prefault for Observed<'_> {
         }
     }
 
+    fn lookahead_bytes(&self) -> usize {
+        if self.pipelined {
+            self.inner.lookahead_bytes()
+        } else {
+            0
+        }
+    }
+
     fn settle(&self) {
         self.inner.settle();
     }
@@ -429,8 +503,17 @@ fn describe(c: &RunConfig) -> String {
         PrefaultMode::Touch => "touch",
         PrefaultMode::Off => "no prefault",
     };
+    let ahead = match c.lookahead {
+        0 => String::new(),
+        usize::MAX => ", lookahead all".into(),
+        b => format!(", lookahead {}", fmt_bytes(b)),
+    };
+    let fallback = match c.fallback_mbps {
+        0 => String::new(),
+        m => format!(", 4 KiB fallback below {m} MB/s/worker"),
+    };
     format!(
-        "threads {:>3}, huge {huge:>4}, chunk {:>8}, {mode}{}",
+        "threads {:>3}, huge {huge:>4}, chunk {:>8}, {mode}{}{ahead}{fallback}",
         c.threads,
         fmt_bytes(c.chunk),
         if c.pipelined { "" } else { ", NOT pipelined" }
@@ -454,8 +537,13 @@ pub fn pipeline(
             return row;
         }
     };
-    let opts =
-        PinOptions::default().threads(c.threads).huge_pages(c.huge_pages).max_chunk_bytes(c.chunk).prefault(c.prefault);
+    let opts = PinOptions::default()
+        .threads(c.threads)
+        .huge_pages(c.huge_pages)
+        .max_chunk_bytes(c.chunk)
+        .prefault(c.prefault)
+        .lookahead_bytes(c.lookahead)
+        .huge_fallback_mbps(c.fallback_mbps);
     progress(Progress::Start { label, bytes: size as u64 });
     let t = Instant::now();
     let prepared = match Prepared::new(rt, &region, &opts) {
@@ -482,7 +570,12 @@ pub fn pipeline(
     row.waits = std::mem::take(&mut *sync::lock(&observed.waits));
     row.chunks = prepared.chunks();
     row.huge_pages = prepared.huge_pages();
-    row.populate_write = prepared.prefaulter().and_then(|p| p.stats().populate_write);
+    let stats = prepared.prefaulter().map(|p| p.stats());
+    row.populate_write = stats.and_then(|s| s.populate_write);
+    row.slice_gbps = stats.map(|s| s.slice_gbps);
+    let base = region.as_ptr() as usize;
+    row.huge_fallback =
+        stats.and_then(|s| s.huge_fallback).map(|(at, gbps)| (at.saturating_sub(base) as f64 / size as f64, gbps));
     row.thp_bytes = anon_huge_bytes();
     progress(Progress::Advance { bytes: size as u64 });
     if state != PinState::Pinned {
@@ -512,6 +605,8 @@ pub fn plan(cfg: &BenchConfig) -> (RunConfig, Vec<RunConfig>, Vec<String>) {
         chunk: cfg.chunk,
         prefault: PrefaultMode::Populate,
         pipelined: true,
+        lookahead: cfg.lookahead,
+        fallback_mbps: cfg.fallback_mbps,
     };
     let mut sweep = Vec::new();
     let mut skipped = Vec::new();
@@ -527,6 +622,8 @@ pub fn plan(cfg: &BenchConfig) -> (RunConfig, Vec<RunConfig>, Vec<String>) {
             && eff(a.chunk) == eff(b.chunk)
             && a.prefault == b.prefault
             && a.pipelined == b.pipelined
+            && a.lookahead == b.lookahead
+            && a.fallback_mbps == b.fallback_mbps
     };
     let mut push = |c: RunConfig, sweep: &mut Vec<RunConfig>| {
         if same(&c, &defaults) || sweep.iter().any(|s| same(s, &c)) {

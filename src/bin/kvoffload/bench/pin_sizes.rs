@@ -8,11 +8,19 @@
 //!    machine the host backs guest memory on first use (the first 16 GiB
 //!    run of a fresh H200 machine gave 7.0 GB/s), so the first run of a
 //!    size larger than any before pays for memory nobody touched yet;
-//! 2. `repeat` rounds (at least 3) of: (a) one `host_register` call over
-//!    the untouched region (upstream's path), (b) the pipeline with its
-//!    defaults, and (s) the same pipeline with its overlap off, which times
-//!    its two stages apart: pre-faulting alone (the pinning thread's wait
-//!    for each chunk to be resident) and registering alone (the rest).
+//! 2. `repeat` runs (at least 3) of (a), one `host_register` call over the
+//!    untouched region (upstream's path), one after the other;
+//! 3. **after the baseline**: the defaults once more, reported apart and
+//!    left out of the medians: the run right after (a) freed its region's
+//!    4 KiB pages finds huge pages slow to get (on the H200 machine, 1.4 -
+//!    9.9 GB/s with compaction and reclaim stalls, where the next runs
+//!    reached 30 - 37: docs/gpu-runs/2026-12-02-pin-sizes/), a state of the
+//!    machine that one run clears; the rounds after it are warm;
+//! 4. `repeat` rounds of: (b) the pipeline with its defaults, (s) the same
+//!    pipeline with its overlap off, which times its two stages apart:
+//!    pre-faulting alone (the pinning thread's wait for each chunk to be
+//!    resident) and registering alone (the rest), (h) 4 KiB pages, and the
+//!    candidates.
 //!
 //! The stage bound of a round is the region's bytes over the longer of the
 //! two stage times: what a perfect pipeline of those two stages would
@@ -29,13 +37,21 @@ use super::{fmt_bytes, median, one_call, pipeline, plan, BenchConfig, Group, Pro
 
 /// Counters of /proc/vmstat that say how the kernel got huge pages for a
 /// run (what the collapse near the memory limit points at): transparent
-/// huge pages faulted in, faults that fell back to 4 KiB pages, and direct
-/// compaction stalls (and the failed ones).
-pub const VMSTAT_KEYS: [&str; 4] = ["thp_fault_alloc", "thp_fault_fallback", "compact_stall", "compact_fail"];
+/// huge pages faulted in, faults that fell back to 4 KiB pages, direct
+/// compaction stalls (and the failed ones), and direct reclaim stalls
+/// (movable and normal zones: page cache given back for the region).
+pub const VMSTAT_KEYS: [&str; 6] = [
+    "thp_fault_alloc",
+    "thp_fault_fallback",
+    "compact_stall",
+    "compact_fail",
+    "allocstall_movable",
+    "allocstall_normal",
+];
 
 /// The [`VMSTAT_KEYS`] counters, or how much they grew over a run.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub struct VmStat(pub [u64; 4]);
+pub struct VmStat(pub [u64; 6]);
 
 impl VmStat {
     /// Reads /proc/vmstat now (None where it cannot be read).
@@ -44,7 +60,7 @@ impl VmStat {
     }
 
     fn parse(text: &str) -> Option<VmStat> {
-        let mut v = [None; 4];
+        let mut v = [None; 6];
         for line in text.lines() {
             let mut it = line.split_whitespace();
             if let (Some(k), Some(n)) = (it.next(), it.next()) {
@@ -65,16 +81,36 @@ impl VmStat {
 
 impl fmt::Display for VmStat {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let [alloc, fallback, stall, fail] = self.0;
-        write!(f, "THP faults +{alloc}, fell back to 4 KiB +{fallback}, compaction stalls +{stall} (failed +{fail})")
+        let [alloc, fallback, stall, fail, movable, normal] = self.0;
+        write!(
+            f,
+            "THP faults +{alloc}, fell back to 4 KiB +{fallback}, compaction stalls +{stall} (failed +{fail}), \
+             reclaim stalls +{}",
+            movable + normal
+        )
     }
 }
 
-/// Runs `f` and returns its row with the vmstat growth over it.
-fn with_vmstat(f: impl FnOnce() -> Row) -> (Row, Option<VmStat>) {
+/// Runs `f` and returns its row with the vmstat growth over it; prints
+/// the row on stderr as it ends (a long run's figures survive a run cut
+/// short).
+fn with_vmstat(size: usize, f: impl FnOnce() -> Row) -> (Row, Option<VmStat>) {
     let before = VmStat::read();
     let row = f();
     let delta = VmStat::read().zip(before).map(|(a, b)| a.since(&b));
+    let gb = match &row.outcome {
+        Ok(()) => format!("{:.2} GB/s", row.gbps(size)),
+        Err(e) => format!("FAILED ({e})"),
+    };
+    eprintln!(
+        "  {}: [{}] {gb} in {:.2} s (fault wait {:.2} s){}{}",
+        fmt_bytes(size),
+        row.label,
+        row.total_s,
+        row.fault_wait_s.unwrap_or(0.0),
+        delta.map_or(String::new(), |v| format!("; {v}")),
+        row.slice_gbps.map_or(String::new(), |h| format!("; slices by GB/s/worker {}", hist(&h)))
+    );
     (row, delta)
 }
 
@@ -95,6 +131,9 @@ pub struct Round {
     pub defaults_vm: Option<VmStat>,
     /// /proc/vmstat's growth over (s).
     pub split_vm: Option<VmStat>,
+    /// The candidates' runs ([`SizesReport::candidates`], in that order),
+    /// each with /proc/vmstat's growth over it.
+    pub candidates: Vec<(Row, Option<VmStat>)>,
 }
 
 impl Round {
@@ -116,6 +155,9 @@ pub struct SizeResult {
     pub size: usize,
     /// The first run of the size (the defaults), not in the medians.
     pub first_touch: Row,
+    /// The defaults right after the baseline runs (None without them), not
+    /// in the medians, with /proc/vmstat's growth over it.
+    pub after_baseline: Option<(Row, Option<VmStat>)>,
     /// /proc/vmstat's growth over the first touch.
     pub first_vm: Option<VmStat>,
     /// MemAvailable when the size started (how close to the memory limit
@@ -178,6 +220,8 @@ pub enum Figure {
     Bound,
     /// (h): the defaults with 4 KiB pages.
     HugeOff,
+    /// Candidate k of [`SizesReport::candidates`].
+    Candidate(usize),
 }
 
 impl SizeResult {
@@ -194,6 +238,7 @@ impl SizeResult {
                 Figure::Register => r.stage_s().map(|(_, g)| gb / g),
                 Figure::Bound => r.stage_s().map(|(f, g)| gb / f.max(g)),
                 Figure::HugeOff => ok(&r.huge_off).then(|| r.huge_off.gbps(self.size)),
+                Figure::Candidate(k) => r.candidates.get(k).filter(|c| ok(&c.0)).map(|c| c.0.gbps(self.size)),
             })
             .collect()
     }
@@ -213,6 +258,19 @@ pub struct SizesReport {
     pub device: String,
     /// The defaults (b).
     pub defaults: RunConfig,
+    /// Other configurations run in every round after (h): the spec they
+    /// were given as ([`RunConfig::with_spec`]) and the configuration.
+    pub candidates: Vec<(String, RunConfig)>,
+    /// A probe: one round, no one-call baseline (exploring candidates;
+    /// its figures are not the committed kind).
+    pub probe: bool,
+    /// Only the first touch of each size, with the first candidate instead
+    /// of the defaults when there is one (a machine state that one run
+    /// changes, such as fragmented memory, is measured once per state).
+    pub once: bool,
+    /// With `once`: the run followed one (a) of the size (the state an
+    /// engine restarting after a 4 KiB-pinned region was freed finds).
+    pub after_one_call: bool,
     /// Every size, in the order run.
     pub sizes: Vec<SizeResult>,
     /// Seconds the whole bench took.
@@ -220,11 +278,18 @@ pub struct SizesReport {
 }
 
 /// Runs every size of `sizes` with `base`'s threads and chunk bound and
-/// `base.repeat.max(3)` rounds.
+/// `base.repeat.max(3)` rounds; each round also runs every candidate spec
+/// (the defaults changed by it). A `probe` runs one round per size without
+/// the one-call baseline.
+#[allow(clippy::too_many_arguments)] // the bench's knobs, each a CLI flag
 pub fn run(
     rt: &dyn GpuRuntime,
     sizes: &[usize],
     base: &BenchConfig,
+    candidates: &[String],
+    probe: bool,
+    once: bool,
+    after_one_call: bool,
     progress: &(dyn Fn(Progress) + Sync),
 ) -> Result<SizesReport, String> {
     if sizes.is_empty() {
@@ -237,27 +302,83 @@ pub fn run(
     let (defaults, _, _) = plan(&BenchConfig { quick: true, ..base.clone() });
     let split_cfg = RunConfig { pipelined: false, ..defaults.clone() };
     let small_cfg = RunConfig { huge_pages: kvoffload::internal::pin::HugePages::Off, ..defaults.clone() };
-    let rounds = base.repeat.max(3);
+    let candidates: Vec<(String, RunConfig)> =
+        candidates.iter().map(|spec| defaults.with_spec(spec).map(|c| (spec.clone(), c))).collect::<Result<_, _>>()?;
+    let rounds = match (once, probe) {
+        (true, _) => 0,
+        (false, true) => 1,
+        (false, false) => base.repeat.max(3),
+    };
+    let first_cfg = match (once, candidates.first()) {
+        (true, Some((_, c))) => c.clone(),
+        _ => defaults.clone(),
+    };
     let mut out = Vec::with_capacity(sizes.len());
     for &size in sizes {
+        let before: Vec<Row> = if once && after_one_call {
+            eprintln!("{}: one call before the run ...", fmt_bytes(size));
+            vec![with_vmstat(size, || one_call(rt, size, progress)).0]
+        } else {
+            Vec::new()
+        };
         eprintln!("{}: first touch (the defaults once, reported apart) ...", fmt_bytes(size));
         let mem_available = kvoffload::internal::region::mem_available().ok();
-        let (first_touch, first_vm) = with_vmstat(|| pipeline(rt, size, Group::Defaults, &defaults, progress));
-        let mut rs = Vec::with_capacity(rounds);
-        for k in 0..rounds {
-            eprintln!("{}: round {}/{rounds}", fmt_bytes(size), k + 1);
-            let one_call = one_call(rt, size, progress);
-            let (d, defaults_vm) = with_vmstat(|| pipeline(rt, size, Group::Defaults, &defaults, progress));
-            let (split, split_vm) = with_vmstat(|| pipeline(rt, size, Group::Sweep, &split_cfg, progress));
-            let huge_off = pipeline(rt, size, Group::Sweep, &small_cfg, progress);
-            rs.push(Round { one_call, defaults: d, split, huge_off, defaults_vm, split_vm });
+        let (first_touch, first_vm) = with_vmstat(size, || pipeline(rt, size, Group::Defaults, &first_cfg, progress));
+        let mut baseline: Vec<Row> = (0..rounds)
+            .map(|k| {
+                if probe {
+                    let mut r = Row::empty(Group::OneCall, "one call (not run: probe)".into(), None, 1);
+                    r.outcome = Err("not run (probe)".into());
+                    r
+                } else {
+                    eprintln!("{}: one call {}/{rounds}", fmt_bytes(size), k + 1);
+                    with_vmstat(size, || one_call(rt, size, progress)).0
+                }
+            })
+            .collect();
+        let after_baseline = (!probe && rounds > 0).then(|| {
+            eprintln!("{}: the defaults once after the baseline (reported apart) ...", fmt_bytes(size));
+            with_vmstat(size, || pipeline(rt, size, Group::Defaults, &defaults, progress))
+        });
+        let mut rs = Vec::with_capacity(rounds.max(before.len()));
+        if let Some(a) = before.into_iter().next() {
+            // Reported as the (a) of a round without pipeline runs.
+            let none = |l: &str| {
+                let mut r = Row::empty(Group::Sweep, l.into(), None, 0);
+                r.outcome = Err("not run (--once)".into());
+                r
+            };
+            rs.push(Round {
+                one_call: a,
+                defaults: none("(b)"),
+                split: none("(s)"),
+                huge_off: none("(h)"),
+                defaults_vm: None,
+                split_vm: None,
+                candidates: Vec::new(),
+            });
         }
-        out.push(SizeResult { size, first_touch, first_vm, mem_available, rounds: rs });
+        for (k, one_call) in baseline.drain(..).enumerate() {
+            eprintln!("{}: round {}/{rounds}", fmt_bytes(size), k + 1);
+            let (d, defaults_vm) = with_vmstat(size, || pipeline(rt, size, Group::Defaults, &defaults, progress));
+            let (split, split_vm) = with_vmstat(size, || pipeline(rt, size, Group::Sweep, &split_cfg, progress));
+            let huge_off = with_vmstat(size, || pipeline(rt, size, Group::Sweep, &small_cfg, progress)).0;
+            let cands = candidates
+                .iter()
+                .map(|(_, c)| with_vmstat(size, || pipeline(rt, size, Group::Sweep, c, progress)))
+                .collect();
+            rs.push(Round { one_call, defaults: d, split, huge_off, defaults_vm, split_vm, candidates: cands });
+        }
+        out.push(SizeResult { size, first_touch, first_vm, after_baseline, mem_available, rounds: rs });
     }
     Ok(SizesReport {
         backend: rt.backend(),
         device: rt.describe(),
         defaults,
+        candidates,
+        probe,
+        once,
+        after_one_call,
         sizes: out,
         wall_s: wall.elapsed().as_secs_f64(),
     })
@@ -353,6 +474,26 @@ impl SizesReport {
     }
 }
 
+/// A slice histogram as `<0.125:n <0.25:n ... >=8:n` (empty buckets left out).
+fn hist(h: &[u64; 8]) -> String {
+    use kvoffload::internal::pin::SLICE_GBPS_EDGES;
+    let mut parts = Vec::new();
+    for (k, &n) in h.iter().enumerate() {
+        if n == 0 {
+            continue;
+        }
+        parts.push(match SLICE_GBPS_EDGES.get(k) {
+            Some(e) => format!("<{e}:{n}"),
+            None => format!(">={}:{n}", SLICE_GBPS_EDGES[SLICE_GBPS_EDGES.len() - 1]),
+        });
+    }
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join(" ")
+    }
+}
+
 impl fmt::Display for SizesReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "kvoffload bench pin --sizes: fresh untouched anonymous memory for every run")?;
@@ -376,6 +517,13 @@ impl fmt::Display for SizesReport {
                 r.thp_bytes.map_or("-".into(), |b| format!("{:.0}%", (b as f64 * 100.0 / s.size as f64).min(100.0)))
             };
             let vm = |tag: &str, v: &Option<VmStat>| v.map_or(String::new(), |v| format!("; {tag} {v}"));
+            let slices = |r: &Row| {
+                let mut t = r.slice_gbps.map_or(String::new(), |h| format!("; slices by GB/s/worker {}", hist(&h)));
+                if let Some((at, gbps)) = r.huge_fallback {
+                    t += &format!("; fell back to 4 KiB at {:.0}% ({gbps:.2} GB/s/worker)", at * 100.0);
+                }
+                t
+            };
             if let Some(m) = s.mem_available {
                 writeln!(
                     f,
@@ -387,13 +535,27 @@ impl fmt::Display for SizesReport {
             }
             writeln!(
                 f,
-                "  {:>7} first touch (b) {} (THP {}, fault wait {:.2} s{})",
+                "  {:>7} first touch {} {} (THP {}, fault wait {:.2} s{}{})",
                 fmt_bytes(s.size),
+                if self.once { format!("[{}]", s.first_touch.label) } else { "(b)".into() },
                 g(&s.first_touch),
                 thp(&s.first_touch),
                 s.first_touch.fault_wait_s.unwrap_or(0.0),
-                vm("(b)", &s.first_vm)
+                vm("(b)", &s.first_vm),
+                slices(&s.first_touch)
             )?;
+            if let Some((r, v)) = &s.after_baseline {
+                writeln!(
+                    f,
+                    "  {:>7} after the baseline (b) {} (THP {}, fault wait {:.2} s{}{})",
+                    fmt_bytes(s.size),
+                    g(r),
+                    thp(r),
+                    r.fault_wait_s.unwrap_or(0.0),
+                    vm("(b)", v),
+                    slices(r)
+                )?;
+            }
             for (k, r) in s.rounds.iter().enumerate() {
                 let stages = r.stage_s().map_or("-".into(), |(p, q)| {
                     let gb = s.size as f64 / 1e9;
@@ -410,8 +572,21 @@ impl fmt::Display for SizesReport {
                     r.defaults.fault_wait_s.unwrap_or(0.0),
                     g(&r.split),
                     g(&r.huge_off),
-                    vm("(b)", &r.defaults_vm) + &vm("(s)", &r.split_vm)
+                    vm("(b)", &r.defaults_vm) + &vm("(s)", &r.split_vm) + &slices(&r.defaults)
                 )?;
+                for ((spec, _), (c, cvm)) in self.candidates.iter().zip(&r.candidates) {
+                    writeln!(
+                        f,
+                        "  {:>7} round {}: candidate [{spec}] {} (THP {}, fault wait {:.2} s{}{})",
+                        fmt_bytes(s.size),
+                        k + 1,
+                        g(c),
+                        thp(c),
+                        c.fault_wait_s.unwrap_or(0.0),
+                        vm("", cvm),
+                        slices(c)
+                    )?;
+                }
             }
         }
         writeln!(f)?;
@@ -470,6 +645,34 @@ impl fmt::Display for SizesReport {
              (h): the defaults with huge pages off (no huge-page allocation or compaction: what falling back to \
              4 KiB pages near the memory limit would give)"
         )?;
+        for (k, (spec, cfg)) in self.candidates.iter().enumerate() {
+            writeln!(f, "candidate [{spec}]: {}", super::describe(cfg))?;
+            for s in &self.sizes {
+                let Some(c) = s.spread(Figure::Candidate(k)) else {
+                    writeln!(f, "  {:>7} -", fmt_bytes(s.size).replace(' ', ""))?;
+                    continue;
+                };
+                let of = |fig| s.spread(fig).map(|x| x.median).filter(|&m| m > 0.0);
+                let pct = |m: Option<f64>| m.map_or("-".into(), |m| format!("{:.0}%", c.median / m * 100.0));
+                writeln!(
+                    f,
+                    "  {:>7} {c} GB/s: {} of (b), {} of the stage bound",
+                    fmt_bytes(s.size).replace(' ', ""),
+                    pct(of(Figure::Defaults)),
+                    pct(of(Figure::Bound))
+                )?;
+            }
+        }
+        if self.once {
+            writeln!(
+                f,
+                "ONCE: only the first touch of each size was run{}",
+                if self.after_one_call { ", right after one (a) of the size" } else { "" }
+            )?;
+        }
+        if self.probe {
+            writeln!(f, "PROBE: one round per size and no one-call baseline; not a committed measurement")?;
+        }
         write!(f, "bench wall time: {:.1} s", self.wall_s)
     }
 }
@@ -498,6 +701,7 @@ mod tests {
             huge_off: row(Group::Sweep, 2.0 * b, Some(0.0), true),
             defaults_vm: None,
             split_vm: None,
+            candidates: Vec::new(),
         };
         let mut failed = round(1.0, 1.0, 0.1, 1.0);
         failed.defaults.outcome = Err("x".into());
@@ -507,6 +711,7 @@ mod tests {
             size,
             first_touch: row(Group::Defaults, 4.0, Some(1.0), true),
             first_vm: None,
+            after_baseline: None,
             mem_available: None,
             rounds: vec![
                 // pre-fault 0.1 s (40 GB/s), register 0.2 s (20): bound 20.
@@ -553,7 +758,8 @@ mod tests {
         let s = SizeResult {
             size,
             first_touch: r(10.0),
-            first_vm: Some(VmStat([512, 7, 3, 1])),
+            first_vm: Some(VmStat([512, 7, 3, 1, 2, 3])),
+            after_baseline: Some((r(1.0), None)),
             mem_available: Some(4 << 30),
             rounds: (0..3)
                 .map(|_| Round {
@@ -563,6 +769,7 @@ mod tests {
                     huge_off: r(0.4),
                     defaults_vm: None,
                     split_vm: None,
+                    candidates: Vec::new(),
                 })
                 .collect(),
         };
@@ -570,25 +777,31 @@ mod tests {
             backend: "sim",
             device: "simulated".into(),
             defaults: plan(&BenchConfig { quick: true, ..BenchConfig::new(size) }).0,
+            candidates: Vec::new(),
+            probe: false,
+            once: false,
+            after_one_call: false,
             sizes: vec![s.clone(), SizeResult { size: 2 * size, ..s }],
             wall_s: 1.0,
         };
         let text = rep.to_string();
         // The first touch (0.11 GB/s) is printed, but the medians ignore it.
         assert!(text.contains("first touch (b) 0.11"), "{text}");
+        // The run after the baseline is printed apart and out of the medians.
+        assert!(text.contains("after the baseline (b) 1.07"), "{text}");
         assert!(text.contains("10.74 [10.74-10.74, 0%]"), "{text}");
         assert!(text.contains("1 GiB") && text.contains("2 GiB"), "{text}");
         assert!(!text.contains("FAILED"), "{text}");
-        assert!(text.contains("fell back to 4 KiB +7, compaction stalls +3 (failed +1)"), "{text}");
+        assert!(text.contains("fell back to 4 KiB +7, compaction stalls +3 (failed +1), reclaim stalls +5"), "{text}");
         assert!(text.contains("MemAvailable 4 GiB at the start: the region is 25% of it"), "{text}");
     }
 
     #[test]
     fn vmstat_counters_are_read_and_subtracted() {
         let before = VmStat::parse("pgfault 5\nthp_fault_alloc 10\ncompact_stall 2\nthp_fault_fallback 1\n").unwrap();
-        assert_eq!(before, VmStat([10, 1, 2, 0]));
-        let after = VmStat([15, 4, 2, 1]);
-        assert_eq!(after.since(&before), VmStat([5, 3, 0, 1]));
+        assert_eq!(before, VmStat([10, 1, 2, 0, 0, 0]));
+        let after = VmStat([15, 4, 2, 1, 6, 0]);
+        assert_eq!(after.since(&before), VmStat([5, 3, 0, 1, 6, 0]));
         assert_eq!(VmStat::parse("pgfault 5\n"), None);
         // This machine's, if it has one, parses.
         if std::path::Path::new("/proc/vmstat").exists() {

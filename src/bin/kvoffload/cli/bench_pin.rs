@@ -27,6 +27,23 @@ pub struct PinArgs {
     /// their bound); medians and spread. Replaces --size and the sweep.
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     sizes: Vec<usize>,
+    /// With --sizes: also run this configuration in every round, as the defaults changed by
+    /// comma-separated key=value of threads=N, chunk=SIZE, lookahead=SIZE|all, fallback=MB/s,
+    /// huge=auto|on|off, prefault=populate|touch|off (repeat the option for several).
+    #[arg(long = "candidate")]
+    candidates: Vec<String>,
+    /// With --sizes: one round per size and no one-call baseline, to explore candidates quickly
+    /// (the report says it is a probe).
+    #[arg(long)]
+    probe: bool,
+    /// With --sizes: only one run per size, of the first --candidate if given (else the defaults):
+    /// for a machine state one run changes (fragmented memory), measured once per state.
+    #[arg(long)]
+    once: bool,
+    /// With --once: one one-call baseline run of the size right before the run (the state a 4 KiB
+    /// region just freed leaves).
+    #[arg(long, requires = "once")]
+    after_one_call: bool,
     /// With --sizes: write the GB/s-against-size picture (SVG) into this directory as
     /// pin-sizes-<sizes>.svg (e.g. pin-sizes-16GiB-64GiB.svg) and a per-chunk timeline per size;
     /// with --shared: pin-shared.svg (end-to-end GB/s against size per variant and ranks).
@@ -96,6 +113,9 @@ pub struct PinArgs {
 pub fn run(a: PinArgs) -> Result<i32, String> {
     if a.as_rank.is_some() {
         return run_as_rank(&a);
+    }
+    if a.sizes.is_empty() && (a.probe || a.once || !a.candidates.is_empty()) {
+        return Err("--candidate, --probe and --once go with --sizes".into());
     }
     if a.shared && !a.sizes.is_empty() {
         return Err(
@@ -181,7 +201,8 @@ fn run_sizes(a: PinArgs) -> Result<i32, String> {
         std::fs::create_dir_all(dir).map_err(|e| format!("--svg {}: {e}", dir.display()))?;
     }
     let rt = open(a.backend)?;
-    let report = pin::sizes::run(rt.as_ref(), &a.sizes, &cfg, &|_| {})?;
+    let report =
+        pin::sizes::run(rt.as_ref(), &a.sizes, &cfg, &a.candidates, a.probe, a.once, a.after_one_call, &|_| {})?;
     println!("{report}");
     if let Some(dir) = &a.svg {
         let tag: Vec<String> = a.sizes.iter().map(|&s| fmt_bytes(s).replace(' ', "")).collect();
@@ -193,7 +214,11 @@ fn run_sizes(a: PinArgs) -> Result<i32, String> {
         }
     }
     let failed = report.sizes.iter().any(|s| {
-        s.rounds.iter().any(|r| r.one_call.outcome.is_err() || r.defaults.outcome.is_err() || r.split.outcome.is_err())
+        s.rounds.iter().any(|r| {
+            (r.one_call.outcome.is_err() && !a.probe)
+                || (!a.once && (r.defaults.outcome.is_err() || r.split.outcome.is_err()))
+                || r.candidates.iter().any(|c| c.0.outcome.is_err())
+        }) || s.first_touch.outcome.is_err()
     });
     Ok(if failed { 1 } else { 0 })
 }
