@@ -57,6 +57,27 @@ fn err(path: &Path, e: impl std::fmt::Display) -> String {
     format!("drawing {}: {e}", path.display())
 }
 
+/// Where the legend covers the fewest points: the lower right (the usual
+/// place, below curves that rise or stay high) unless more points lie
+/// there than in the upper left (curves that start low and end high).
+fn legend_corner(pts: &[(f64, f64)], x0: f64, x1: f64, y1: f64, log_x: bool) -> SeriesLabelPosition {
+    let pos = |x: f64| if log_x && x0 > 0.0 && x > 0.0 { (x / x0).ln() / (x1 / x0).ln() } else { (x - x0) / (x1 - x0) };
+    let (mut lower_right, mut upper_left) = (0, 0);
+    for &(x, y) in pts.iter().filter(|(x, y)| x.is_finite() && y.is_finite()) {
+        let (u, v) = (pos(x), if y1 > 0.0 { y / y1 } else { 0.0 });
+        if u > 0.5 && v < 0.4 {
+            lower_right += 1;
+        } else if u < 0.5 && v > 0.6 {
+            upper_left += 1;
+        }
+    }
+    if lower_right > upper_left {
+        SeriesLabelPosition::UpperLeft
+    } else {
+        SeriesLabelPosition::LowerRight
+    }
+}
+
 /// Writes `chart` as an SVG file at `path`. An empty chart (no point at
 /// all) is an error rather than an empty picture.
 pub fn lines(path: &Path, chart: &LineChart<'_>) -> Result<(), String> {
@@ -87,6 +108,7 @@ pub fn lines(path: &Path, chart: &LineChart<'_>) -> Result<(), String> {
     let mut b = ChartBuilder::on(&root);
     b.caption(chart.title, ("sans-serif", 20)).margin(16).x_label_area_size(44).y_label_area_size(60);
     // Two chart types (log or linear x): one drawing routine over both.
+    let legend_at = legend_corner(&pts, x0, x1, y1, chart.log_x);
     macro_rules! draw {
         ($cc:expr) => {{
             let mut cc = $cc;
@@ -116,7 +138,7 @@ pub fn lines(path: &Path, chart: &LineChart<'_>) -> Result<(), String> {
             cc.configure_series_labels()
                 .background_style(WHITE.mix(0.85))
                 .border_style(BLACK)
-                .position(SeriesLabelPosition::LowerRight)
+                .position(legend_at)
                 .draw()
                 .map_err(|e| err(path, e))?;
         }};
@@ -197,6 +219,17 @@ pub fn timeline(path: &Path, title: &str, lanes: &[&str], spans: &[Span]) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_legend_goes_where_the_points_are_not() {
+        // Curves low on the right (a projection under a steep baseline):
+        // the legend moves to the upper left.
+        let low_right: Vec<(f64, f64)> = (1..=10).map(|k| (k as f64 * 100.0, 5.0)).chain([(1000.0, 400.0)]).collect();
+        assert!(matches!(legend_corner(&low_right, 100.0, 1000.0, 400.0, true), SeriesLabelPosition::UpperLeft));
+        // Curves high on the right: the usual lower right.
+        let high_right: Vec<(f64, f64)> = (1..=10).map(|k| (k as f64, 10.0 * k as f64)).collect();
+        assert!(matches!(legend_corner(&high_right, 1.0, 10.0, 100.0, false), SeriesLabelPosition::LowerRight));
+    }
 
     fn tmp(name: &str) -> std::path::PathBuf {
         std::env::temp_dir().join(format!("kvoffload-plot-{}-{name}.svg", std::process::id()))
