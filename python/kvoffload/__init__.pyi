@@ -181,6 +181,15 @@ class Offloader:
     loads submitted with ``expedited=True`` (``load_slots``,
     ``load_slot_job``), never behind the regular loads (vLLM's expedited
     loads); ``Completion.lane`` says which lane ran a job.
+    Pinning: ``pin_threads`` (pre-fault threads; None: three in four of
+    the cores), ``max_chunk_bytes`` (bytes per registration call; None:
+    256 MiB), ``prefault`` (``"populate"``, ``"touch"``, ``"off"``),
+    ``huge_pages`` (``"auto"``, ``"on"``, ``"off"``),
+    ``pin_lookahead_bytes`` (bytes pre-faulted ahead of the chunk being
+    registered; None: the whole region, 0: the next chunk only) and
+    ``huge_fallback_mbps`` (4 KiB pages for the rest of an anonymous region
+    once faulting huge pages runs below this many MB/s per thread while the
+    kernel stalls in reclaim or compaction; None: 1000, 0: never).
     ``copy_backend``: ``"auto"`` (by fragment size, pin state and whether
     the other direction is busy), or one forced: ``"per-fragment"``,
     ``"batched"``, ``"gather"`` (a kernel reading pinned host memory) or
@@ -229,6 +238,8 @@ class Offloader:
         max_chunk_bytes: Optional[int] = None,
         prefault: str = "populate",
         huge_pages: str = "auto",
+        pin_lookahead_bytes: Optional[int] = None,
+        huge_fallback_mbps: Optional[int] = None,
         capture_policy: str = "after_pinning",
         copy_backend: str = "auto",
         staging_bytes: Optional[int] = None,

@@ -123,6 +123,7 @@ impl PyOffloader {
         region = "anonymous", name = None, rank = 0, ranks = 1, region_dir = None, join_timeout = 60.0,
         allow_group = None, check_memory = true,
         pin_threads = None, max_chunk_bytes = None, prefault = "populate", huge_pages = "auto",
+        pin_lookahead_bytes = None, huge_fallback_mbps = None,
         capture_policy = "after_pinning", copy_backend = "auto", staging_bytes = None, duplex_linger = None,
         eviction = "lru", agreement = None, agreement_timeout = Some(120.0), start = false,
         addressing = "keys", kv_groups = None, expedited_lane = false,
@@ -151,6 +152,8 @@ impl PyOffloader {
         max_chunk_bytes: Option<usize>,
         prefault: &str,
         huge_pages: &str,
+        pin_lookahead_bytes: Option<usize>,
+        huge_fallback_mbps: Option<u32>,
         capture_policy: &str,
         copy_backend: &str,
         staging_bytes: Option<usize>,
@@ -211,6 +214,12 @@ impl PyOffloader {
         }
         if let Some(c) = max_chunk_bytes {
             opts.pin.max_chunk_bytes = c;
+        }
+        if let Some(b) = pin_lookahead_bytes {
+            opts.pin.lookahead_bytes = b;
+        }
+        if let Some(m) = huge_fallback_mbps {
+            opts.pin.huge_fallback_mbps = m;
         }
         opts.pin.prefault = choice(
             py,

@@ -80,6 +80,25 @@ def test_start_pins_in_the_background(rt):
     assert_nothing_leaked(rt)
 
 
+@pytest.mark.parametrize("lookahead, fallback", [(0, 0), (1 << 20, 1), (None, None)])
+def test_pinning_options_of_the_pipeline_pin(rt, lookahead, fallback):
+    # The next chunk only / a small lookahead with the fallback at 1 MB/s /
+    # the defaults: each pins every chunk (several: 64 KiB chunks).
+    off = make(rt, start=True, max_chunk_bytes=1 << 16, pin_lookahead_bytes=lookahead, huge_fallback_mbps=fallback)
+    assert off.wait_pinned().state == "pinned"
+    assert off.pin_progress.chunks_total > 4
+    assert off.pin_progress.chunks_done == off.pin_progress.chunks_total
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+def test_negative_pinning_options_are_refused(rt):
+    for kw in (dict(pin_lookahead_bytes=-1), dict(huge_fallback_mbps=-1)):
+        with pytest.raises(OverflowError):
+            make(rt, **kw)
+    assert_nothing_leaked(rt)
+
+
 def test_context_manager_shuts_down(rt):
     with make(rt) as off:
         off.start()
