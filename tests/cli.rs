@@ -168,3 +168,78 @@ fn bench_pin_shared_runs_the_overlapped_reservation_beside_the_old_paths() {
     assert!(svg.contains("overlap, 2 rank(s), end to end"), "legend missing");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn bench_pin_sizes_runs_candidates_and_reports_the_run_after_the_baseline_apart() {
+    let (code, out, err) =
+        kvoffload(&["bench", "pin", "--sizes", "64MiB", "--backend", "sim", "--candidate", "threads=1,lookahead=0"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains(" 64 MiB after the baseline (b)"), "{out}");
+    for k in 1..=3 {
+        assert!(out.contains(&format!(" 64 MiB round {k}: candidate [threads=1,lookahead=0]")), "round {k}: {out}");
+    }
+    assert!(out.contains("candidate [threads=1,lookahead=0]: threads   1"), "the candidate's summary: {out}");
+    // Every run's row on stderr as it ends (the baseline's first).
+    assert!(err.contains("64 MiB: [one call") || err.contains("64 MiB: [one "), "{err}");
+    // A probe: one round, no baseline, said so.
+    let (code, out, _) = kvoffload(&["bench", "pin", "--sizes", "64MiB", "--backend", "sim", "--probe"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("PROBE") && !out.contains(" round 2:"), "{out}");
+    // --once --after-one-call: the one call, then one run.
+    let (code, out, err) = kvoffload(&[
+        "bench",
+        "pin",
+        "--sizes",
+        "64MiB",
+        "--backend",
+        "sim",
+        "--once",
+        "--after-one-call",
+        "--candidate",
+        "huge=off",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("first touch [threads") && out.contains("huge  off"), "{out}");
+    assert!(out.contains("right after one (a) of the size"), "{out}");
+    // Bad specs and misplaced flags: one line, exit 2.
+    for (args, words) in [
+        (&["--sizes", "64MiB", "--candidate", "speed=11"][..], "unknown key \"speed\""),
+        (&["--sizes", "64MiB", "--candidate", "threads"][..], "is not key=value"),
+        (&["--sizes", "64MiB", "--candidate", "huge=maybe"][..], "auto, on or off"),
+        (&["--sizes", "64MiB", "--candidate", "threads=0"][..], "threads is zero"),
+        (&["--probe"][..], "go with --sizes"),
+    ] {
+        let mut a = vec!["bench", "pin", "--backend", "sim"];
+        a.extend_from_slice(args);
+        let (code, out, err) = kvoffload(&a);
+        assert_eq!(code, 2, "{args:?}: {out}\n{err}");
+        assert!(err.contains(words) && err.trim().lines().count() == 1, "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn bench_pin_project_holds_on_the_committed_points_and_fails_on_an_outlier() {
+    let dir = scratch("project");
+    let d = dir.to_str().unwrap();
+    let (code, out, err) = kvoffload(&["bench", "pin-project", "--svg", d]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("the model holds") && out.contains("1TiB"), "{out}");
+    assert!(std::fs::read_to_string(dir.join("pin-project.svg")).unwrap().contains("<svg"));
+    std::fs::remove_dir_all(&dir).unwrap();
+    // 64 GiB four times slower than 16 GiB: no line through both and a third.
+    let (code, out, _) = kvoffload(&[
+        "bench",
+        "pin-project",
+        "--point",
+        "16GiB:36:35:40:2.8:21",
+        "--point",
+        "64GiB:9:35:40:2.8:21",
+        "--point",
+        "96GiB:36:35:40:2.8:21",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("THE MODEL DOES NOT HOLD"), "{out}");
+    let (code, _, err) = kvoffload(&["bench", "pin-project", "--point", "16GiB:36"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("expected SIZE:DEFAULTS"), "{err}");
+}

@@ -82,6 +82,28 @@ fn hint_faults_ahead_and_ensure_waits_for_it() {
 }
 
 #[test]
+fn a_chunk_hinted_far_ahead_is_faulted_once() {
+    // One worker, FIFO: chunks 1..=4 are hinted (a lookahead of four
+    // chunks), then `ensure(0)` queues chunk 0 behind them, so when it
+    // returns the hinted chunks are done. Their `ensure` must find them
+    // done, not fault them again: every byte counted exactly once.
+    let r = fresh(20 << 20, false);
+    let base = r.as_ptr() as usize;
+    let chunk = 4 << 20;
+    let pf = prefaulter(1, PrefaultMode::Populate, false);
+    for i in 1..=4 {
+        pf.hint(i, base + i * chunk, chunk);
+    }
+    pf.ensure(0, base, chunk).unwrap();
+    assert_eq!(pf.stats().bytes, r.len() as u64, "the hinted chunks ran before chunk 0");
+    for i in 1..=4 {
+        pf.ensure(i, base + i * chunk, chunk).unwrap();
+    }
+    assert_eq!(pf.stats().bytes, r.len() as u64, "a hinted chunk was faulted again at its ensure");
+    assert_eq!(not_resident(base, r.len()), 0);
+}
+
+#[test]
 fn settle_stops_hinted_work_and_returns() {
     let r = fresh(64 << 20, false);
     let pf = prefaulter(1, PrefaultMode::Touch, false);
