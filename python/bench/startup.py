@@ -16,7 +16,8 @@ The engine's start-up work, the same in every configuration:
   whole region), then each replayed once and checked against an eager run.
 
 Configurations: ``none`` (no offloader: the engine alone), then for each
-``--pin-threads`` value an offloader over a region of ``--region`` bytes
+``--pin-threads`` value and each ``--pin-nice`` niceness of those threads
+(default 10, the library's: they take the cores the engine leaves idle) an offloader over a region of ``--region`` bytes
 whose pinning starts just before the start-up work (``start()``) and runs
 behind it, and last ``vllm-sync``: vLLM 0.33's synchronous chunked
 registration of a region of the same size (``cudaHostRegister`` through
@@ -32,6 +33,7 @@ perturbs one expected value and must see the mismatch.
 
     python3 python/bench/startup.py --region 16GiB --json startup-16.json
     python3 python/bench/startup.py --region 64GiB --pin-threads 16,8,4,2
+    python3 python/bench/startup.py --region 64GiB --pin-threads 12 --pin-nice 0,10,19
 """
 
 from __future__ import annotations
@@ -145,9 +147,12 @@ def sync_run(torch, a) -> Dict[str, object]:
     return r
 
 
-def one_run(torch, kvoffload, a, threads: Optional[int], kv) -> Dict[str, object]:
-    if threads == 0:
+def one_run(torch, kvoffload, a, cfg, kv) -> Dict[str, object]:
+    """``cfg``: None (the engine alone), 0 (vLLM's synchronous
+    registration first) or (pinning threads, their niceness)."""
+    if cfg == 0:
         return sync_run(torch, a)
+    threads, nice = cfg if cfg is not None else (None, None)
     off = None
     t_start = time.perf_counter()
     if threads is not None:
@@ -157,6 +162,7 @@ def one_run(torch, kvoffload, a, threads: Optional[int], kv) -> Dict[str, object
             stream=torch.cuda.current_stream(),
             capture_policy="interleave",
             pin_threads=threads,
+            pin_nice=nice,
         )
         t_start = time.perf_counter()
         off.start()
@@ -189,6 +195,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--region", type=parse_size, default=16 * GIB)
     p.add_argument("--pin-threads", default="16,8,4,2", help="comma-separated pinning thread counts")
+    p.add_argument("--pin-nice", default="10",
+                   help="comma-separated niceness of the pinning threads (each with every thread count; 0: the engine's)")
     p.add_argument("--weights", type=parse_size, default=2 * GIB)
     p.add_argument("--weight-rounds", type=int, default=2)
     p.add_argument("--captures", type=int, default=8)
@@ -221,8 +229,10 @@ def main(argv=None) -> int:
         return 0 if ok else 1
 
     # None: the engine alone; 0: vLLM's synchronous registration first;
-    # n: kvoffload pinning with n threads behind the work.
-    threads: List[Optional[int]] = [None] + [int(t) for t in a.pin_threads.split(",") if t] + ([0] if a.sync else [])
+    # (n, k): kvoffload pinning with n threads at niceness k behind the work.
+    nices = [int(n) for n in a.pin_nice.split(",") if n]
+    pinned = [(int(t), n) for t in a.pin_threads.split(",") if t for n in nices]
+    threads: List[object] = [None] + pinned + ([0] if a.sync else [])
     # Warm-up: the engine's work once, and one pinning of the region (a
     # fresh machine's first touches of its memory are slow).
     one_run(torch, kvoffload, a, threads[1] if len(threads) > 1 else None, kv)
@@ -234,7 +244,7 @@ def main(argv=None) -> int:
     failed = False
     for t in threads:
         runs = [one_run(torch, kvoffload, a, t, kv) for _ in range(a.repeats)]
-        name = "none" if t is None else ("vllm-sync" if t == 0 else f"{t} threads")
+        name = "none" if t is None else ("vllm-sync" if t == 0 else f"{t[0]} threads nice {t[1]}")
         med = lambda k: statistics.median(float(r[k]) for r in runs)  # noqa: E731
         row = {k: med(k) for k in ("weights", "captures", "total")}
         row["runs"] = runs
@@ -248,14 +258,14 @@ def main(argv=None) -> int:
             row["pin_states"] = sorted({str(r["pin_state"]) for r in runs})
         rows[name] = row
     base = rows["none"]
-    print(f"{'':12} {'weights s':>10} {'captures s':>11} {'total s':>8} {'slowdown':>9} {'pinning s':>10} {'GB/s':>6} hidden")
+    print(f"{'':20} {'weights s':>10} {'captures s':>11} {'total s':>8} {'slowdown':>9} {'pinning s':>10} {'GB/s':>6} hidden")
     for name, r in rows.items():
         slow = r["total"] / base["total"]
         r["slowdown"] = slow
         extra = ""
         if name != "none":
             extra = f"{r['pin_seconds']:10.2f} {r['pin_gbps']:6.1f} {r['pin_hidden']}/{a.repeats} {r['pin_states']}"
-        print(f"{name:12} {r['weights']:10.3f} {r['captures']:11.3f} {r['total']:8.3f} {slow:8.2f}x {extra}")
+        print(f"{name:20} {r['weights']:10.3f} {r['captures']:11.3f} {r['total']:8.3f} {slow:8.2f}x {extra}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(a).items()}, "rows": rows}, f, indent=2, default=str)

@@ -189,7 +189,10 @@ class Offloader:
     registered; None: the whole region, 0: the next chunk only) and
     ``huge_fallback_mbps`` (4 KiB pages for the rest of an anonymous region
     once faulting huge pages runs below this many MB/s per thread while the
-    kernel stalls in reclaim or compaction; None: 1000, 0: never).
+    kernel stalls in reclaim or compaction; None: 1000, 0: never),
+    ``pin_nice`` (niceness the pre-fault threads raise themselves to, so
+    that they take the cores the engine leaves idle; None: 10, 0: the
+    process's own; at most 19).
     ``copy_backend``: ``"auto"`` (by fragment size, pin state and whether
     the other direction is busy), or one forced: ``"per-fragment"``,
     ``"batched"``, ``"gather"`` (a kernel reading pinned host memory) or
@@ -240,6 +243,7 @@ class Offloader:
         huge_pages: str = "auto",
         pin_lookahead_bytes: Optional[int] = None,
         huge_fallback_mbps: Optional[int] = None,
+        pin_nice: Optional[int] = None,
         capture_policy: str = "after_pinning",
         copy_backend: str = "auto",
         staging_bytes: Optional[int] = None,

@@ -123,7 +123,7 @@ impl PyOffloader {
         region = "anonymous", name = None, rank = 0, ranks = 1, region_dir = None, join_timeout = 60.0,
         allow_group = None, check_memory = true,
         pin_threads = None, max_chunk_bytes = None, prefault = "populate", huge_pages = "auto",
-        pin_lookahead_bytes = None, huge_fallback_mbps = None,
+        pin_lookahead_bytes = None, huge_fallback_mbps = None, pin_nice = None,
         capture_policy = "after_pinning", copy_backend = "auto", staging_bytes = None, duplex_linger = None,
         eviction = "lru", agreement = None, agreement_timeout = Some(120.0), start = false,
         addressing = "keys", kv_groups = None, expedited_lane = false,
@@ -154,6 +154,7 @@ impl PyOffloader {
         huge_pages: &str,
         pin_lookahead_bytes: Option<usize>,
         huge_fallback_mbps: Option<u32>,
+        pin_nice: Option<i32>,
         capture_policy: &str,
         copy_backend: &str,
         staging_bytes: Option<usize>,
@@ -220,6 +221,9 @@ impl PyOffloader {
         }
         if let Some(m) = huge_fallback_mbps {
             opts.pin.huge_fallback_mbps = m;
+        }
+        if let Some(n) = pin_nice {
+            opts.pin.prefault_nice = n;
         }
         opts.pin.prefault = choice(
             py,

@@ -80,11 +80,18 @@ def test_start_pins_in_the_background(rt):
     assert_nothing_leaked(rt)
 
 
-@pytest.mark.parametrize("lookahead, fallback", [(0, 0), (1 << 20, 1), (None, None)])
-def test_pinning_options_of_the_pipeline_pin(rt, lookahead, fallback):
+@pytest.mark.parametrize("lookahead, fallback, nice", [(0, 0, 0), (1 << 20, 1, 19), (None, None, None)])
+def test_pinning_options_of_the_pipeline_pin(rt, lookahead, fallback, nice):
     # The next chunk only / a small lookahead with the fallback at 1 MB/s /
     # the defaults: each pins every chunk (several: 64 KiB chunks).
-    off = make(rt, start=True, max_chunk_bytes=1 << 16, pin_lookahead_bytes=lookahead, huge_fallback_mbps=fallback)
+    off = make(
+        rt,
+        start=True,
+        max_chunk_bytes=1 << 16,
+        pin_lookahead_bytes=lookahead,
+        huge_fallback_mbps=fallback,
+        pin_nice=nice,
+    )
     assert off.wait_pinned().state == "pinned"
     assert off.pin_progress.chunks_total > 4
     assert off.pin_progress.chunks_done == off.pin_progress.chunks_total
@@ -135,6 +142,7 @@ def test_dropping_the_offloader_shuts_it_down(rt):
         (dict(ranks=2), "options", "shared"),
         (dict(pin_threads=0), "pin", "threads"),
         (dict(max_chunk_bytes=0), "pin", "max_chunk_bytes"),
+        (dict(pin_nice=20), "pin", "prefault_nice"),
         (dict(agreement=42), "options", "callable"),
         (dict(agreement_timeout=-1.0), "options", "agreement_timeout"),
     ],

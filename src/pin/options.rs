@@ -50,6 +50,13 @@ pub const DEFAULT_LOOKAHEAD_BYTES: usize = usize::MAX;
 /// trip it: 4 KiB pages are no faster there.
 pub const DEFAULT_HUGE_FALLBACK_MBPS: u32 = 1000;
 
+/// Default [`PinOptions::prefault_nice`]: 10. Pinning runs behind an
+/// engine's start-up (weights, graph captures): at niceness 10 the workers
+/// get about a tenth of a core's time where an engine thread at 0 wants it
+/// and all of an idle core, so an idle machine pins as fast as before and
+/// a busy one keeps its cores for the engine.
+pub const DEFAULT_PREFAULT_NICE: i32 = 10;
+
 /// The default number of pre-fault threads on `cores` cores: three in
 /// four (at least 1), leaving the rest to the registering thread and the
 /// driver's own work. On the H200's 16 cores (docs/gpu-runs/2026-12-02-pin-probe/),
@@ -135,6 +142,10 @@ pub struct PinOptions {
     /// advised `MADV_NOHUGEPAGE` (default [`DEFAULT_HUGE_FALLBACK_MBPS`];
     /// 0: never). Anonymous regions with huge pages only.
     pub huge_fallback_mbps: u32,
+    /// Niceness the pre-fault workers raise themselves to (default
+    /// [`DEFAULT_PREFAULT_NICE`]; 0: the process's own; at most 19). Only
+    /// raised, never lowered below the process's own.
+    pub prefault_nice: i32,
     /// The sysfs tree the NUMA topology is read from (default `/sys`,
     /// [`crate::pin::numa::SYSFS_ROOT`]; tests point it at a described
     /// topology).
@@ -157,6 +168,7 @@ impl Default for PinOptions {
             numa: NumaPolicy::Auto,
             lookahead_bytes: DEFAULT_LOOKAHEAD_BYTES,
             huge_fallback_mbps: DEFAULT_HUGE_FALLBACK_MBPS,
+            prefault_nice: DEFAULT_PREFAULT_NICE,
             numa_sysfs_root: super::numa::SYSFS_ROOT.into(),
         }
     }
@@ -216,6 +228,12 @@ impl PinOptions {
         self
     }
 
+    /// Sets [`PinOptions::prefault_nice`].
+    pub fn prefault_nice(mut self, nice: i32) -> Self {
+        self.prefault_nice = nice;
+        self
+    }
+
     /// Sets [`PinOptions::numa_sysfs_root`].
     pub fn numa_sysfs_root(mut self, root: impl Into<std::path::PathBuf>) -> Self {
         self.numa_sysfs_root = root.into();
@@ -230,6 +248,14 @@ impl PinOptions {
         }
         if self.threads > MAX_THREADS {
             return Err(PinError::TooLarge { what: "threads", value: self.threads as u64, limit: MAX_THREADS as u64 });
+        }
+        if !(0..=19).contains(&self.prefault_nice) {
+            return Err(PinError::OutOfRange {
+                what: "prefault_nice",
+                value: self.prefault_nice as i64,
+                min: 0,
+                max: 19,
+            });
         }
         if self.max_chunk_bytes == 0 {
             return Err(PinError::ZeroSize { what: "max_chunk_bytes" });
@@ -265,6 +291,18 @@ pub enum PinError {
         value: u64,
         /// The largest value accepted.
         limit: u64,
+    },
+    /// A value outside its range.
+    #[error("{what} = {value} is outside {min} ..= {max}")]
+    OutOfRange {
+        /// Which option.
+        what: &'static str,
+        /// The value given.
+        value: i64,
+        /// The smallest value accepted.
+        min: i64,
+        /// The largest value accepted.
+        max: i64,
     },
     /// The region refused (layout, capacity, chunk bound below one row ...).
     #[error(transparent)]

@@ -163,6 +163,9 @@ struct Pool {
     huge_bytes: usize,
     /// See [`PrefaultStats::slice_gbps`].
     slice_gbps: [u64; 8],
+    /// Workers of the current start that have placed themselves (CPUs,
+    /// niceness); `start_workers` waits for all of them.
+    started: usize,
     /// Armed by [`Prefaulter::with_huge_fallback`].
     fallback: Option<HugeFallback>,
 }
@@ -181,6 +184,7 @@ impl Pool {
             running: Vec::new(),
             huge_bytes,
             slice_gbps: [0; 8],
+            started: 0,
             fallback: None,
         }
     }
@@ -330,6 +334,8 @@ pub struct Prefaulter {
     cpus: Vec<usize>,
     /// See [`Prefaulter::with_lookahead`].
     lookahead: usize,
+    /// See [`Prefaulter::with_nice`].
+    nice: i32,
 }
 
 /// Splits `[addr, addr+len)` into slices of about `len / threads` bytes (at
@@ -359,6 +365,23 @@ fn pin_worker(k: usize, cpus: &[usize]) {
     }
     if let Err(e) = super::numa::bind_current_thread(cpus) {
         tracing::warn!(worker = k, error = %e, "NUMA: sched_setaffinity refused; this pre-fault worker runs on any CPU");
+    }
+}
+
+/// Raises this thread's niceness to `nice` (never lowers it: that needs
+/// privileges); not under loom, whose threads are not OS threads.
+fn lower_priority(k: usize, nice: i32) {
+    if sync::LOOM || nice <= 0 {
+        return;
+    }
+    let tid = rustix::thread::gettid();
+    match rustix::process::getpriority_process(Some(tid)) {
+        Ok(now) if now >= nice => {}
+        _ => {
+            if let Err(e) = rustix::process::setpriority_process(Some(tid), nice) {
+                tracing::warn!(worker = k, nice, error = %e, "setpriority refused; this pre-fault worker keeps its priority");
+            }
+        }
     }
 }
 
@@ -480,7 +503,18 @@ impl Prefaulter {
             workers: Mutex::new(Vec::new()),
             cpus: Vec::new(),
             lookahead: 0,
+            nice: 0,
         }
+    }
+
+    /// Workers raise their niceness to `nice` as they start (0, or a value
+    /// at or below the process's own: unchanged): they then take the cores
+    /// the engine leaves idle and yield the others, so background pinning
+    /// slows the engine's CPU work less. A refusal is logged and the worker
+    /// keeps its priority.
+    pub fn with_nice(mut self, nice: i32) -> Prefaulter {
+        self.nice = nice;
+        self
     }
 
     /// The registration loop may hint chunks until `bytes` are queued ahead
@@ -564,13 +598,21 @@ impl Prefaulter {
     fn start_workers(&self) -> usize {
         let mut w = sync::lock(&self.workers);
         if w.is_empty() {
-            self.shared.lock().stop = false;
+            {
+                let mut g = self.shared.lock();
+                g.stop = false;
+                g.started = 0;
+            }
             for k in 0..self.shared.cfg.threads {
                 let sh = self.shared.clone();
                 let b = thread::Builder::new().name(format!("kvo-prefault-{k}")).stack_size(WORKER_STACK_BYTES);
                 let cpus = self.cpus.clone();
+                let nice = self.nice;
                 match b.spawn(move || {
                     pin_worker(k, &cpus);
+                    lower_priority(k, nice);
+                    sh.lock().started += 1;
+                    sh.done.notify_all();
                     worker(sh)
                 }) {
                     Ok(h) => w.push(h),
@@ -579,6 +621,14 @@ impl Prefaulter {
                         break;
                     }
                 }
+            }
+            // Every worker has placed itself (CPUs, niceness) before any
+            // slice is queued for it: no slice runs with the spawner's
+            // placement.
+            let n = w.len();
+            let mut g = self.shared.lock();
+            while g.started < n {
+                g = sync::wait(&self.shared.done, g);
             }
         }
         w.len()

@@ -71,7 +71,7 @@ impl Prepared {
     /// is full). A region on hugetlbfs gets no huge-page advice; its slices
     /// are cut on its huge pages.
     ///
-    /// Typed errors: [`PinError::ZeroSize`], [`PinError::TooLarge`] for the
+    /// Typed errors: [`PinError::ZeroSize`], [`PinError::TooLarge`], [`PinError::OutOfRange`] for the
     /// options, [`PinError::Region`] with
     /// [`RegionError::ChunkBoundBelowRow`](crate::region::RegionError::ChunkBoundBelowRow)
     /// when the bound is below one row (one chunk when rank-major),
@@ -150,7 +150,8 @@ impl Prepared {
                 // read-write.
                 let pf = unsafe { Prefaulter::reserving(cfg, plan, reserve, region.hugetlb_page()) }
                     .on_cpus(placement.cpus().to_vec())
-                    .with_lookahead(opts.lookahead_bytes);
+                    .with_lookahead(opts.lookahead_bytes)
+                    .with_nice(opts.prefault_nice);
                 // The huge-page fallback: anonymous regions whose huge pages
                 // are transparent ones this pinning advised.
                 let pf = match span_of(&chunks) {
@@ -180,6 +181,7 @@ impl Prepared {
             threads,
             lookahead_bytes = opts.lookahead_bytes,
             huge_fallback_mbps = opts.huge_fallback_mbps,
+            prefault_nice = opts.prefault_nice,
             huge_pages,
             prefault = ?opts.prefault,
             populate_write = ?prefaulter.as_ref().and_then(|p| p.stats().populate_write),

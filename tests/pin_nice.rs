@@ -1,0 +1,50 @@
+//! The pre-fault workers' niceness (`Prefaulter::with_nice`,
+//! `PinOptions::prefault_nice`): a test binary of its own, so that no other
+//! test's workers (named alike) are running while it reads them from /proc.
+
+use kvoffload::internal::pin::{Prefault, PrefaultConfig, PrefaultMode, Prefaulter};
+use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
+
+fn fresh(bytes: usize) -> Region {
+    let l = Layout::new(1, page_size(), bytes / page_size()).unwrap();
+    Region::anonymous(l, &AnonOptions::new()).unwrap()
+}
+
+/// The niceness (field 19 of /proc/<pid>/task/<tid>/stat) of every thread
+/// of this process named `kvo-prefault-*`.
+fn prefault_worker_nices() -> Vec<i32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc/self/task").unwrap() {
+        let dir = e.unwrap().path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if !comm.starts_with("kvo-prefault-") {
+            continue;
+        }
+        let stat = std::fs::read_to_string(dir.join("stat")).unwrap();
+        // After the ")" closing the name: state is field 3, nice field 19.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        out.push(rest.split_whitespace().nth(16).unwrap().parse().unwrap());
+    }
+    out
+}
+
+#[test]
+fn workers_raise_their_niceness_and_leave_the_callers_alone() {
+    let own = rustix::process::getpriority_process(None).unwrap();
+    let r = fresh(8 << 20);
+    let want = (own + 7).min(19);
+    // SAFETY: the region outlives the pre-faulter (dropped below first).
+    let pf = unsafe { Prefaulter::new(PrefaultConfig { threads: 3, mode: PrefaultMode::Populate, huge_pages: false }) }
+        .with_nice(want);
+    pf.ensure(0, r.as_ptr() as usize, r.len()).unwrap();
+    assert_eq!(prefault_worker_nices(), vec![want; 3], "every worker at niceness {want}");
+    assert_eq!(rustix::process::getpriority_process(None).unwrap(), own, "the caller's priority is untouched");
+    drop(pf);
+    // Niceness 0: the workers keep the process's.
+    // SAFETY: as above.
+    let pf = unsafe { Prefaulter::new(PrefaultConfig { threads: 2, mode: PrefaultMode::Populate, huge_pages: false }) }
+        .with_nice(0);
+    pf.ensure(0, r.as_ptr() as usize, r.len()).unwrap();
+    assert_eq!(prefault_worker_nices(), vec![own; 2]);
+    drop(pf);
+}
