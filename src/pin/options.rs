@@ -54,7 +54,11 @@ pub const DEFAULT_HUGE_FALLBACK_MBPS: u32 = 1000;
 /// engine's start-up (weights, graph captures): at niceness 10 the workers
 /// get about a tenth of a core's time where an engine thread at 0 wants it
 /// and all of an idle core, so an idle machine pins as fast as before and
-/// a busy one keeps its cores for the engine.
+/// a busy one keeps its cores for the engine (the registering thread, at
+/// the process's niceness, is never starved by its own workers either).
+/// Not yet measured on the H200: the runs of 2026-12-02 ran the workers at
+/// niceness 0; `python/bench/startup.py --pin-nice 0,10,19` measures the
+/// trade.
 pub const DEFAULT_PREFAULT_NICE: i32 = 10;
 
 /// The default number of pre-fault threads on `cores` cores: three in
