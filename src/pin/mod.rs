@@ -19,6 +19,7 @@ pub mod memlock;
 pub mod numa;
 pub mod options;
 pub mod prefault;
+mod prefault_rates;
 mod prefault_slice;
 mod region_slots;
 mod setup;

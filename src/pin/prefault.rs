@@ -50,6 +50,8 @@ use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 
 use super::engine::Prefault;
 use super::options::PrefaultMode;
+pub use super::prefault_rates::SLICE_GBPS_EDGES;
+use super::prefault_rates::{bucket, HugeFallback};
 use super::prefault_slice::{advise_no_huge, align, probe_populate, round_down, run_slice_caught, Populate, Slice};
 pub use super::prefault_slice::{
     thp_setting, thp_stall_events, PrefaultConfig, PrefaultError, ReserveFn, HUGE_PAGE_BYTES,
@@ -83,37 +85,6 @@ pub struct PrefaultStats {
     /// rest of the region was advised `MADV_NOHUGEPAGE`, and the per-worker
     /// GB/s that tripped it. `None`: never.
     pub huge_fallback: Option<(usize, f64)>,
-}
-
-/// Upper edges of the [`PrefaultStats::slice_gbps`] buckets (the last is
-/// open).
-pub const SLICE_GBPS_EDGES: [f64; 7] = [0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0];
-
-/// Slices that must have been timed before [`HugeFallback`] judges, per
-/// worker (the window is this many slices per worker).
-const FALLBACK_WINDOW_PER_WORKER: usize = 2;
-
-/// Giving up transparent huge pages when faulting them stalls: near the
-/// memory limit the kernel compacts memory for every huge page (THP
-/// `defrag=madvise` with `MADV_HUGEPAGE`), and pre-faulting can fall far
-/// below what 4 KiB pages reach (see [`super::options::PinOptions::huge_fallback_mbps`]).
-#[derive(Clone, Debug)]
-struct HugeFallback {
-    /// Per-worker MB/s over the window below which the fallback trips.
-    min_mbps: u32,
-    /// The range the fallback's `MADV_NOHUGEPAGE` may cover (the region's
-    /// chunks, first byte and end).
-    span: (usize, usize),
-    /// The last timed huge-page slices: (bytes, seconds).
-    window: VecDeque<(u64, f64)>,
-    /// Where it tripped and the rate that tripped it.
-    tripped: Option<(usize, f64)>,
-    /// [`thp_stall_events`] when armed: slow slices trip the fallback only
-    /// when the kernel stalled in compaction or gave huge pages up since
-    /// (a slow first touch of a virtual machine's memory is slow with
-    /// 4 KiB pages too). None where /proc/vmstat cannot be read: the rate
-    /// alone decides.
-    stalls_at_arm: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -249,40 +220,11 @@ impl Pool {
     /// fallback (the rest of the span from the first slice not yet started).
     fn timed(&mut self, s: &Slice, secs: f64, huge: bool, workers: usize) -> Option<(usize, usize)> {
         let gbps = if secs > 0.0 { s.len as f64 / secs / 1e9 } else { f64::INFINITY };
-        let bucket = SLICE_GBPS_EDGES.iter().position(|&e| gbps < e).unwrap_or(SLICE_GBPS_EDGES.len());
-        self.slice_gbps[bucket] += 1;
-        let queued_from = self.queue.iter().map(|q| q.addr).min();
-        let fb = self.fallback.as_mut()?;
-        if !huge || fb.tripped.is_some() || secs <= 0.0 {
-            return None;
-        }
-        fb.window.push_back((s.len as u64, secs));
-        let cap = FALLBACK_WINDOW_PER_WORKER * workers.max(1);
-        while fb.window.len() > cap {
-            fb.window.pop_front();
-        }
-        if fb.window.len() < cap {
-            return None;
-        }
-        let (bytes, t) = fb.window.iter().fold((0u64, 0f64), |(b, t), &(x, y)| (b + x, t + y));
-        let rate = bytes as f64 / t / 1e9;
-        if rate * 1000.0 >= fb.min_mbps as f64 {
-            return None;
-        }
-        if let (Some(then), Some(now)) = (fb.stalls_at_arm, thp_stall_events()) {
-            if now <= then {
-                // Slow, but not from compaction: judge a fresh window.
-                fb.window.clear();
-                return None;
-            }
-        }
+        self.slice_gbps[bucket(gbps)] += 1;
         // From the first slice nobody started (slices run in address order
         // for an anonymous region); without one, after this slice.
-        let page = page_size();
-        let from = queued_from.unwrap_or(s.addr + s.len).max(fb.span.0);
-        let from = from.div_ceil(page) * page;
-        fb.tripped = Some((from, rate));
-        (from < fb.span.1).then_some((from, fb.span.1 - from))
+        let from = self.queue.iter().map(|q| q.addr).min().unwrap_or(s.addr + s.len);
+        self.fallback.as_mut()?.judge(s.len, secs, huge, workers, from)
     }
 
     /// Records the outcome of one slice.
@@ -415,7 +357,7 @@ fn worker(shared: Arc<Shared>) {
             shared.done.notify_all();
             if let Some((addr, len)) = give_up {
                 drop(g);
-                let rate = sync::lock(&shared.pool).fallback.as_ref().and_then(|f| f.tripped).map_or(0.0, |t| t.1);
+                let rate = sync::lock(&shared.pool).fallback.as_ref().and_then(|f| f.tripped()).map_or(0.0, |t| t.1);
                 // SAFETY: `[addr, addr+len)` lies in the span the creator of
                 // the pre-faulter vouched for (`Prefaulter::with_huge_fallback`):
                 // a live mapping of this process until `settle` returned,
@@ -543,13 +485,7 @@ impl Prefaulter {
     /// pinning of an anonymous region, which advised it huge itself).
     pub unsafe fn with_huge_fallback(self, min_mbps: u32, start: usize, len: usize) -> Prefaulter {
         if min_mbps > 0 && len > 0 {
-            self.shared.lock().fallback = Some(HugeFallback {
-                min_mbps,
-                span: (start, start + len),
-                window: VecDeque::new(),
-                tripped: None,
-                stalls_at_arm: thp_stall_events(),
-            });
+            self.shared.lock().fallback = Some(HugeFallback::new(min_mbps, (start, start + len), thp_stall_events()));
         }
         self
     }
@@ -584,7 +520,7 @@ impl Prefaulter {
             bytes: g.bytes,
             slices: g.slices,
             slice_gbps: g.slice_gbps,
-            huge_fallback: g.fallback.as_ref().and_then(|f| f.tripped),
+            huge_fallback: g.fallback.as_ref().and_then(|f| f.tripped()),
         }
     }
 
@@ -791,13 +727,7 @@ mod tests {
 
     fn armed(min_mbps: u32, stalls_at_arm: Option<u64>) -> Pool {
         let mut p = Pool::new(Populate::Works, Vec::new(), HUGE_PAGE_BYTES);
-        p.fallback = Some(HugeFallback {
-            min_mbps,
-            span: (0x4000_0000, 0x4000_0000 + (1 << 30)),
-            window: VecDeque::new(),
-            tripped: None,
-            stalls_at_arm,
-        });
+        p.fallback = Some(HugeFallback::new(min_mbps, (0x4000_0000, 0x4000_0000 + (1 << 30)), stalls_at_arm));
         p
     }
 
@@ -817,7 +747,7 @@ mod tests {
         }
         let from = 0x4000_0000 + (256 << 20);
         assert_eq!(p.timed(&slice(0x4000_0000 + (48 << 20)), 0.1, true, 2), Some((from, (1 << 30) - (256 << 20))));
-        let (at, rate) = p.fallback.as_ref().unwrap().tripped.unwrap();
+        let (at, rate) = p.fallback.as_ref().unwrap().tripped().unwrap();
         assert_eq!(at, from);
         assert!((rate - 0.1678).abs() < 1e-3, "{rate}");
         // Once only; the buckets counted every slice (0.125 - 0.25 GB/s).
@@ -843,7 +773,7 @@ mod tests {
             for _ in 0..8 {
                 assert_eq!(p.timed(&slice(0x4000_0000), 1.0, true, 2), None);
             }
-            assert!(p.fallback.as_ref().unwrap().tripped.is_none());
+            assert!(p.fallback.as_ref().unwrap().tripped().is_none());
         }
         // Not armed: only counted.
         let mut p = Pool::new(Populate::Works, Vec::new(), HUGE_PAGE_BYTES);
