@@ -160,8 +160,16 @@ impl Pool {
         }
     }
 
+    /// `jobs` is ordered by id (ids only grow; removal keeps the order), so
+    /// a job is found by binary search: this runs for every slice, under
+    /// the pool's lock, with up to every chunk of the region queued.
+    fn job_index(&self, id: u64) -> Option<usize> {
+        self.jobs.binary_search_by_key(&id, |j| j.id).ok()
+    }
+
     fn job_mut(&mut self, id: u64) -> Option<&mut Job> {
-        self.jobs.iter_mut().find(|j| j.id == id)
+        let k = self.job_index(id)?;
+        self.jobs.get_mut(k)
     }
 
     fn find(&self, chunk: usize, addr: usize, len: usize) -> Option<u64> {
@@ -620,11 +628,11 @@ impl Prefaulter {
                 id
             }
         };
-        while g.jobs.iter().any(|j| j.id == id && j.pending > 0) {
+        while g.job_index(id).is_some_and(|k| g.jobs[k].pending > 0) {
             g = sync::wait(&sh.done, g);
         }
-        let pos = g.jobs.iter().position(|j| j.id == id);
-        let job = pos.map(|p| g.jobs.swap_remove(p));
+        let pos = g.job_index(id);
+        let job = pos.map(|p| g.jobs.remove(p));
         // Finished jobs of `ensure` calls go; hinted and planned chunks stay
         // until their `ensure` (or `settle`).
         g.jobs.retain(|j| j.pending > 0 || j.keep);
