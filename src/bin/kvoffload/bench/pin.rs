@@ -51,6 +51,8 @@ pub struct BenchConfig {
     pub lookahead: usize,
     /// [`PinOptions::huge_fallback_mbps`] of (b) (default: the library's).
     pub fallback_mbps: u32,
+    /// [`PinOptions::prefault_nice`] of (b) (default: the library's).
+    pub nice: i32,
     /// Thread counts of the sweep (default 1, 4 and the available cores).
     pub threads_sweep: Vec<usize>,
     /// Other chunk bounds to try with the default threads (default 256 MiB,
@@ -80,6 +82,7 @@ impl BenchConfig {
             chunk: DEFAULT_MAX_CHUNK_BYTES,
             lookahead: PinOptions::default().lookahead_bytes,
             fallback_mbps: PinOptions::default().huge_fallback_mbps,
+            nice: PinOptions::default().prefault_nice,
             threads_sweep: sweep,
             chunk_sweep: vec![256 << 20, 1 << 30, 4 << 30],
             quick: false,
@@ -161,11 +164,13 @@ pub struct RunConfig {
     pub lookahead: usize,
     /// [`PinOptions::huge_fallback_mbps`].
     pub fallback_mbps: u32,
+    /// [`PinOptions::prefault_nice`].
+    pub nice: i32,
 }
 
 impl RunConfig {
     /// `self` changed by a candidate spec: comma-separated `key=value` of
-    /// threads=N, chunk=SIZE, lookahead=SIZE|all, fallback=MB/s (0: off),
+    /// threads=N, chunk=SIZE, lookahead=SIZE|all, fallback=MB/s (0: off), nice=N,
     /// huge=auto|on|off, prefault=populate|touch|off.
     pub fn with_spec(&self, spec: &str) -> Result<RunConfig, String> {
         let mut c = self.clone();
@@ -179,6 +184,7 @@ impl RunConfig {
                 "lookahead" if v == "all" => c.lookahead = usize::MAX,
                 "lookahead" => c.lookahead = kvoffload::units::parse_size(v).map_err(|_| bad("a size or all"))?,
                 "fallback" => c.fallback_mbps = v.parse().map_err(|_| bad("MB/s (0: off)"))?,
+                "nice" => c.nice = v.parse().map_err(|_| bad("a niceness"))?,
                 "huge" => {
                     c.huge_pages = match v {
                         "auto" => HugePages::Auto,
@@ -197,7 +203,7 @@ impl RunConfig {
                 }
                 _ => {
                     return Err(format!(
-                        "candidate {spec:?}: unknown key {k:?} (threads, chunk, lookahead, fallback, huge, prefault)"
+                        "candidate {spec:?}: unknown key {k:?} (threads, chunk, lookahead, fallback, nice, huge, prefault)"
                     ))
                 }
             }
@@ -205,6 +211,7 @@ impl RunConfig {
         PinOptions::default()
             .threads(c.threads)
             .max_chunk_bytes(c.chunk)
+            .prefault_nice(c.nice)
             .validate()
             .map_err(|e| format!("candidate {spec:?}: {e}"))?;
         Ok(c)
@@ -513,8 +520,9 @@ fn describe(c: &RunConfig) -> String {
         m => format!(", 4 KiB fallback below {m} MB/s/worker"),
     };
     format!(
-        "threads {:>3}, huge {huge:>4}, chunk {:>8}, {mode}{}{ahead}{fallback}",
+        "threads {:>3} (nice {}), huge {huge:>4}, chunk {:>8}, {mode}{}{ahead}{fallback}",
         c.threads,
+        c.nice,
         fmt_bytes(c.chunk),
         if c.pipelined { "" } else { ", NOT pipelined" }
     )
@@ -543,7 +551,8 @@ pub fn pipeline(
         .max_chunk_bytes(c.chunk)
         .prefault(c.prefault)
         .lookahead_bytes(c.lookahead)
-        .huge_fallback_mbps(c.fallback_mbps);
+        .huge_fallback_mbps(c.fallback_mbps)
+        .prefault_nice(c.nice);
     progress(Progress::Start { label, bytes: size as u64 });
     let t = Instant::now();
     let prepared = match Prepared::new(rt, &region, &opts) {
@@ -607,6 +616,7 @@ pub fn plan(cfg: &BenchConfig) -> (RunConfig, Vec<RunConfig>, Vec<String>) {
         pipelined: true,
         lookahead: cfg.lookahead,
         fallback_mbps: cfg.fallback_mbps,
+        nice: cfg.nice,
     };
     let mut sweep = Vec::new();
     let mut skipped = Vec::new();
@@ -624,6 +634,7 @@ pub fn plan(cfg: &BenchConfig) -> (RunConfig, Vec<RunConfig>, Vec<String>) {
             && a.pipelined == b.pipelined
             && a.lookahead == b.lookahead
             && a.fallback_mbps == b.fallback_mbps
+            && a.nice == b.nice
     };
     let mut push = |c: RunConfig, sweep: &mut Vec<RunConfig>| {
         if same(&c, &defaults) || sweep.iter().any(|s| same(s, &c)) {

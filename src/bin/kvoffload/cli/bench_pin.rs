@@ -28,7 +28,7 @@ pub struct PinArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     sizes: Vec<usize>,
     /// With --sizes: also run this configuration in every round, as the defaults changed by
-    /// comma-separated key=value of threads=N, chunk=SIZE, lookahead=SIZE|all, fallback=MB/s,
+    /// comma-separated key=value of threads=N, chunk=SIZE, lookahead=SIZE|all, fallback=MB/s, nice=N,
     /// huge=auto|on|off, prefault=populate|touch|off (repeat the option for several).
     #[arg(long = "candidate")]
     candidates: Vec<String>,
