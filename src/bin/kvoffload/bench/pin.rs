@@ -203,8 +203,8 @@ impl RunConfig {
                 }
                 _ => {
                     return Err(format!(
-                        "candidate {spec:?}: unknown key {k:?} (threads, chunk, lookahead, fallback, nice, huge, prefault)"
-                    ))
+                    "candidate {spec:?}: unknown key {k:?} (threads, chunk, lookahead, fallback, nice, huge, prefault)"
+                ))
                 }
             }
         }
