@@ -461,6 +461,9 @@ def test_eviction_reuses_chunk_ids_and_round_trips_stay_right(engines):
         (dict(kvo_pin_threads=0), "kvo_pin_threads"),
         (dict(kvo_pin_threads=True), "kvo_pin_threads"),
         (dict(kvo_max_chunk_bytes=-1), "kvo_max_chunk_bytes"),
+        (dict(kvo_pin_lookahead_bytes=-1), "kvo_pin_lookahead_bytes"),
+        (dict(kvo_huge_fallback_mbps="fast"), "kvo_huge_fallback_mbps"),
+        (dict(kvo_pin_nice=20), "kvo_pin_nice"),
         (dict(kvo_prefault="maybe"), "kvo_prefault"),
         (dict(kvo_copy_backend="fast"), "kvo_copy_backend"),
         (dict(kvo_capture_hook="yes"), "kvo_capture_hook"),
@@ -601,6 +604,28 @@ def test_a_failed_registration_leaves_every_job_right_on_pageable_memory(engines
     assert outcome.state == "pageable" and outcome.state.reason == "not_supported", repr(outcome)  # code 801
     assert round_trip(eng, prompt_of(6 * BS + 3, 17))
     assert {c.backend for c in eng.off.completions} == {"per-fragment"}
+
+
+def test_pinning_keys_reach_the_offloader(engines, monkeypatch):
+    import kvoffload._slotworker as sw
+
+    seen = {}
+    real = sw.kvoffload.Offloader
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sw.kvoffload, "Offloader", spy)
+    eng = engines(kvo_pin_lookahead_bytes=0, kvo_huge_fallback_mbps=0, kvo_pin_nice=0, kvo_max_chunk_bytes=16384)
+    assert {k: seen.get(k) for k in ("pin_lookahead_bytes", "huge_fallback_mbps", "pin_nice", "max_chunk_bytes")} == {
+        "pin_lookahead_bytes": 0,
+        "huge_fallback_mbps": 0,
+        "pin_nice": 0,
+        "max_chunk_bytes": 16384,
+    }, seen
+    assert eng.kvw.offloader.wait_pinned().state == "pinned"
+    assert round_trip(eng, prompt_of(6 * BS + 3, 17))
 
 
 def test_two_groups_full_attention_and_sliding_window_share_the_slot_pool(engines):

@@ -63,6 +63,10 @@ EXTRA_KEYS: Dict[str, str] = {
     "kvo_max_chunk_bytes": "bytes per host registration call, a positive int",
     "kvo_prefault": "'populate', 'touch' or 'off'",
     "kvo_huge_pages": "'auto', 'on' or 'off'",
+    "kvo_pin_lookahead_bytes": "bytes pre-faulted ahead of the chunk being registered, an int >= 0 (default: all)",
+    "kvo_huge_fallback_mbps": "4 KiB pages once huge pages fault below this MB/s per thread with the kernel "
+    "stalling, an int >= 0 (default 1000, 0: never)",
+    "kvo_pin_nice": "niceness of the pre-fault threads, an int 0 - 19 (default 10: they yield cores to the engine)",
     "kvo_copy_backend": "'auto' (the only choice that is right before pinning settles), "
     "'per-fragment', 'batched', 'gather' or 'staged'",
     "kvo_staging_bytes": "device staging bytes per direction, an int >= 0",
@@ -156,6 +160,11 @@ class _Settings:
         self.max_chunk_bytes = _int(extra, "kvo_max_chunk_bytes", None, 1)
         self.prefault = _choice(extra, "kvo_prefault", "populate")
         self.huge_pages = _choice(extra, "kvo_huge_pages", "auto")
+        self.pin_lookahead_bytes = _int(extra, "kvo_pin_lookahead_bytes", None, 0)
+        self.huge_fallback_mbps = _int(extra, "kvo_huge_fallback_mbps", None, 0)
+        self.pin_nice = _int(extra, "kvo_pin_nice", None, 0)
+        if self.pin_nice is not None and self.pin_nice > 19:
+            raise _bad("kvo_pin_nice", extra["kvo_pin_nice"], "expected an int from 0 to 19")
         self.copy_backend = _choice(extra, "kvo_copy_backend", "auto")
         self.staging_bytes = _int(extra, "kvo_staging_bytes", None, 0)
         self.capture_hook = _bool(extra, "kvo_capture_hook", True)
@@ -248,7 +257,14 @@ class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
             huge_pages=s.huge_pages,
             copy_backend=s.copy_backend,
         )
-        for key in ("pin_threads", "max_chunk_bytes", "staging_bytes"):
+        for key in (
+            "pin_threads",
+            "max_chunk_bytes",
+            "staging_bytes",
+            "pin_lookahead_bytes",
+            "huge_fallback_mbps",
+            "pin_nice",
+        ):
             if getattr(s, key) is not None:
                 options[key] = getattr(s, key)
         if s.region == "shared":
