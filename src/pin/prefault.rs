@@ -380,7 +380,7 @@ fn worker(shared: Arc<Shared>) {
                         from = format_args!("{addr:#x}"),
                         bytes = len,
                         worker_gbps = rate,
-                        "pre-faulting huge pages stalled (memory compaction near the limit?); the rest of the region uses 4 KiB pages"
+                        "pre-faulting huge pages stalled (reclaim or compaction near the memory limit); the rest of the region uses 4 KiB pages"
                     ),
                     Err(e) => tracing::warn!(errno = e, "huge-page fallback: madvise(MADV_NOHUGEPAGE) refused; going on with huge pages"),
                 }
@@ -480,10 +480,11 @@ impl Prefaulter {
 
     /// Arms the huge-page fallback: when the last few huge-page slices (two
     /// per worker) were faulted in at under `min_mbps` MB/s per worker on
-    /// average, and the kernel stalled in direct compaction or fell back
-    /// from huge pages since the fallback was armed ([`thp_stall_events`];
-    /// the rate alone where /proc/vmstat cannot be read), the rest of `[start, start+len)` from the first slice not
-    /// yet started is advised `MADV_NOHUGEPAGE` once, so that its pages
+    /// average, and the kernel stalled in direct reclaim or compaction or
+    /// fell back from huge pages since the fallback was armed
+    /// ([`thp_stall_events`]; the rate alone where /proc/vmstat cannot be
+    /// read), the rest of `[start, start+len)` from the first slice not yet
+    /// started is advised `MADV_NOHUGEPAGE` once, so that its pages
     /// come as 4 KiB pages instead of waiting for compaction (logged, and
     /// reported in [`PrefaultStats::huge_fallback`]). Only where the
     /// pre-faulter faults transparent huge pages (`cfg.huge_pages` with
