@@ -343,7 +343,9 @@ pub struct PinBenchReport {
     pub wall_s: f64,
 }
 
-fn median(mut v: Vec<f64>) -> Option<f64> {
+/// The median (the mean of the middle two for an even count); None when
+/// `v` is empty.
+pub(crate) fn median(mut v: Vec<f64>) -> Option<f64> {
     if v.is_empty() {
         return None;
     }

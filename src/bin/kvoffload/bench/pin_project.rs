@@ -43,6 +43,8 @@ use std::path::Path;
 
 use kvoffload::units::{fmt_bytes, parse_size};
 
+use super::pin::median;
+
 /// One measured size: GB/s (1e9 bytes/s) of the defaults, of pre-faulting
 /// and registering apart, of the one-call baseline and of 4 KiB pages.
 #[derive(Copy, Clone, Debug, PartialEq)]
@@ -104,16 +106,6 @@ pub fn parse_point(s: &str) -> Result<Point, String> {
     })
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 /// The fitted model.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct Model {
@@ -154,7 +146,8 @@ impl Model {
             t0 = 0.0;
             per_byte = xs.iter().zip(&ts).map(|(x, t)| x * t).sum::<f64>() / xs.iter().map(|x| x * x).sum::<f64>();
         }
-        let med = |f: fn(&Point) -> f64| median(points.iter().map(f).collect());
+        // `points` is not empty (two sizes or more, checked above).
+        let med = |f: fn(&Point) -> f64| median(points.iter().map(f).collect()).unwrap_or(f64::NAN);
         Ok(Model {
             t0,
             per_byte,

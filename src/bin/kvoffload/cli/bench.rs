@@ -77,7 +77,7 @@ pub fn run(b: Bench) -> Result<i32, String> {
             let p = Projection::new(points, a.to, a.tolerance)?;
             println!("{p}");
             if let Some(dir) = &a.svg {
-                std::fs::create_dir_all(dir).map_err(|e| format!("--svg {}: {e}", dir.display()))?;
+                super::svg_dir(dir)?;
                 let path = dir.join("pin-project.svg");
                 p.write_svg(&path)?;
                 println!("picture: {}", path.display());

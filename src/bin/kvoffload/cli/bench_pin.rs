@@ -198,7 +198,7 @@ fn run_sizes(a: PinArgs) -> Result<i32, String> {
     cfg.repeat = a.repeat;
     cfg.quick = true;
     if let Some(dir) = &a.svg {
-        std::fs::create_dir_all(dir).map_err(|e| format!("--svg {}: {e}", dir.display()))?;
+        super::svg_dir(dir)?;
     }
     let rt = open(a.backend)?;
     let report =
@@ -328,7 +328,7 @@ fn run_shared(a: &PinArgs) -> Result<i32, String> {
     let failed = report.rows.iter().any(|m| !m.ok());
     println!("{report}");
     if let Some(dir) = &a.svg {
-        std::fs::create_dir_all(dir).map_err(|e| format!("--svg {}: {e}", dir.display()))?;
+        super::svg_dir(dir)?;
         let path = dir.join("pin-shared.svg");
         report.write_svg(&path)?;
         println!("picture: {}", path.display());

@@ -92,7 +92,7 @@ const LINK_GBPS: f64 = 55.4;
 /// (alone, or with a job the other way), points at each fragment size;
 /// failed rows left out.
 fn draw(report: &BenchReport, dir: &std::path::Path, link_gbps: f64) -> Result<Vec<std::path::PathBuf>, String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("--svg {}: {e}", dir.display()))?;
+    super::svg_dir(dir)?;
     let mut written = Vec::new();
     for (&layers, (direction, dname)) in report
         .config

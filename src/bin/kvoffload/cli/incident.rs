@@ -40,7 +40,7 @@ pub struct Args {
 
 /// One design's timeline as a picture.
 fn draw(dir: &std::path::Path, d: Design, r: &IncidentReport) -> Result<std::path::PathBuf, String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("--svg {}: {e}", dir.display()))?;
+    super::svg_dir(dir)?;
     let tl = &r.timeline;
     let mut spans: Vec<Span> = Vec::new();
     spans.extend(tl.registrations.iter().map(|&(a, b)| Span { lane: 0, start: a, end: b, label: None }));

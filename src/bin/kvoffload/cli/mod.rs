@@ -12,6 +12,12 @@ mod run;
 
 use clap::{Parser, Subcommand};
 
+/// Makes the `--svg` directory of a command (and its parents); the error
+/// names the option.
+fn svg_dir(dir: &std::path::Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("--svg {}: {e}", dir.display()))
+}
+
 /// Offload LLM KV-cache blocks between GPU memory and a pinned host region.
 #[derive(Parser, Debug)]
 #[command(name = "kvoffload", version, about)]
