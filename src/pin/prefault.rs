@@ -224,9 +224,10 @@ impl Pool {
     }
 
     /// Records how fast a worker faulted a slice in; returns the range to
-    /// advise `MADV_NOHUGEPAGE` when this slice tripped the huge-page
-    /// fallback (the rest of the span from the first slice not yet started).
-    fn timed(&mut self, s: &Slice, secs: f64, huge: bool, workers: usize) -> Option<(usize, usize)> {
+    /// advise `MADV_NOHUGEPAGE` and the per-worker GB/s that tripped the
+    /// huge-page fallback when this slice tripped it (the rest of the span
+    /// from the first slice not yet started).
+    fn timed(&mut self, s: &Slice, secs: f64, huge: bool, workers: usize) -> Option<(usize, usize, f64)> {
         let gbps = if secs > 0.0 { s.len as f64 / secs / 1e9 } else { f64::INFINITY };
         self.slice_gbps[bucket(gbps)] += 1;
         // From the first slice nobody started: the queue's front, as the
@@ -366,9 +367,8 @@ fn worker(shared: Arc<Shared>) {
             };
             g.finish(&s, res, learned);
             shared.done.notify_all();
-            if let Some((addr, len)) = give_up {
+            if let Some((addr, len, rate)) = give_up {
                 drop(g);
-                let rate = sync::lock(&shared.pool).fallback.as_ref().and_then(|f| f.tripped()).map_or(0.0, |t| t.1);
                 // SAFETY: `[addr, addr+len)` lies in the span the creator of
                 // the pre-faulter vouched for (`Prefaulter::with_huge_fallback`):
                 // a live mapping of this process until `settle` returned,
@@ -758,10 +758,10 @@ mod tests {
             assert_eq!(p.timed(&slice(0x4000_0000 + k * (16 << 20)), 0.1, true, 2), None, "window not full at {k}");
         }
         let from = 0x4000_0000 + (256 << 20);
-        assert_eq!(p.timed(&slice(0x4000_0000 + (48 << 20)), 0.1, true, 2), Some((from, (1 << 30) - (256 << 20))));
-        let (at, rate) = p.fallback.as_ref().unwrap().tripped().unwrap();
-        assert_eq!(at, from);
+        let (at, len, rate) = p.timed(&slice(0x4000_0000 + (48 << 20)), 0.1, true, 2).unwrap();
+        assert_eq!((at, len), (from, (1 << 30) - (256 << 20)));
         assert!((rate - 0.1678).abs() < 1e-3, "{rate}");
+        assert_eq!(p.fallback.as_ref().unwrap().tripped(), Some((at, rate)));
         // Once only; the buckets counted every slice (0.125 - 0.25 GB/s).
         assert_eq!(p.timed(&slice(0x4000_0000), 0.1, true, 2), None);
         assert_eq!(p.slice_gbps[1], 5);

@@ -63,7 +63,8 @@ impl HugeFallback {
     /// One more slice of `len` bytes faulted in `secs` by one of `workers`
     /// (`huge`: as transparent huge pages). Returns the range to advise
     /// `MADV_NOHUGEPAGE`, from `from` (the first slice not started) to the
-    /// span's end, when this slice trips the fallback: the window (two
+    /// span's end, with the per-worker GB/s that tripped it, when this slice
+    /// trips the fallback: the window (two
     /// slices per worker) is full, its rate is below `min_mbps`, and the
     /// kernel's reclaim/compaction stall counters grew since arming (the
     /// rate alone where they cannot be read). Once only.
@@ -74,7 +75,7 @@ impl HugeFallback {
         huge: bool,
         workers: usize,
         from: usize,
-    ) -> Option<(usize, usize)> {
+    ) -> Option<(usize, usize, f64)> {
         if !huge || self.tripped.is_some() || secs <= 0.0 {
             return None;
         }
@@ -101,7 +102,7 @@ impl HugeFallback {
         let page = page_size();
         let from = from.max(self.span.0).div_ceil(page) * page;
         self.tripped = Some((from, rate));
-        (from < self.span.1).then_some((from, self.span.1 - from))
+        (from < self.span.1).then_some((from, self.span.1 - from, rate))
     }
 }
 
