@@ -158,6 +158,9 @@ pub struct SizeResult {
     /// The defaults right after the baseline runs (None without them), not
     /// in the medians, with /proc/vmstat's growth over it.
     pub after_baseline: Option<(Row, Option<VmStat>)>,
+    /// With `--once --after-one-call`: the one call (a) run right before
+    /// the size's one run (a figure of (a) like the rounds' ones).
+    pub one_call_before: Option<Row>,
     /// /proc/vmstat's growth over the first touch.
     pub first_vm: Option<VmStat>,
     /// MemAvailable when the size started (how close to the memory limit
@@ -229,9 +232,13 @@ impl SizeResult {
     pub fn figures(&self, fig: Figure) -> Vec<f64> {
         let gb = self.size as f64 / 1e9;
         let ok = |r: &Row| r.outcome.is_ok() && r.total_s > 0.0;
-        self.rounds
-            .iter()
-            .filter_map(|r| match fig {
+        let before = match fig {
+            Figure::OneCall => self.one_call_before.as_ref().filter(|r| ok(r)).map(|r| r.gbps(self.size)),
+            _ => None,
+        };
+        before
+            .into_iter()
+            .chain(self.rounds.iter().filter_map(|r| match fig {
                 Figure::OneCall => ok(&r.one_call).then(|| r.one_call.gbps(self.size)),
                 Figure::Defaults => ok(&r.defaults).then(|| r.defaults.gbps(self.size)),
                 Figure::Prefault => r.stage_s().map(|(f, _)| gb / f),
@@ -239,7 +246,7 @@ impl SizeResult {
                 Figure::Bound => r.stage_s().map(|(f, g)| gb / f.max(g)),
                 Figure::HugeOff => ok(&r.huge_off).then(|| r.huge_off.gbps(self.size)),
                 Figure::Candidate(k) => r.candidates.get(k).filter(|c| ok(&c.0)).map(|c| c.0.gbps(self.size)),
-            })
+            }))
             .collect()
     }
 
@@ -315,12 +322,10 @@ pub fn run(
     };
     let mut out = Vec::with_capacity(sizes.len());
     for &size in sizes {
-        let before: Vec<Row> = if once && after_one_call {
+        let one_call_before = (once && after_one_call).then(|| {
             eprintln!("{}: one call before the run ...", fmt_bytes(size));
-            vec![with_vmstat(size, || one_call(rt, size, progress)).0]
-        } else {
-            Vec::new()
-        };
+            with_vmstat(size, || one_call(rt, size, progress)).0
+        });
         eprintln!("{}: first touch (the defaults once, reported apart) ...", fmt_bytes(size));
         let mem_available = kvoffload::internal::region::mem_available().ok();
         let (first_touch, first_vm) = with_vmstat(size, || pipeline(rt, size, Group::Defaults, &first_cfg, progress));
@@ -340,24 +345,7 @@ pub fn run(
             eprintln!("{}: the defaults once after the baseline (reported apart) ...", fmt_bytes(size));
             with_vmstat(size, || pipeline(rt, size, Group::Defaults, &defaults, progress))
         });
-        let mut rs = Vec::with_capacity(rounds.max(before.len()));
-        if let Some(a) = before.into_iter().next() {
-            // Reported as the (a) of a round without pipeline runs.
-            let none = |l: &str| {
-                let mut r = Row::empty(Group::Sweep, l.into(), None, 0);
-                r.outcome = Err("not run (--once)".into());
-                r
-            };
-            rs.push(Round {
-                one_call: a,
-                defaults: none("(b)"),
-                split: none("(s)"),
-                huge_off: none("(h)"),
-                defaults_vm: None,
-                split_vm: None,
-                candidates: Vec::new(),
-            });
-        }
+        let mut rs = Vec::with_capacity(rounds);
         for (k, one_call) in baseline.drain(..).enumerate() {
             eprintln!("{}: round {}/{rounds}", fmt_bytes(size), k + 1);
             let (d, defaults_vm) = with_vmstat(size, || pipeline(rt, size, Group::Defaults, &defaults, progress));
@@ -369,7 +357,15 @@ pub fn run(
                 .collect();
             rs.push(Round { one_call, defaults: d, split, huge_off, defaults_vm, split_vm, candidates: cands });
         }
-        out.push(SizeResult { size, first_touch, first_vm, after_baseline, mem_available, rounds: rs });
+        out.push(SizeResult {
+            size,
+            first_touch,
+            first_vm,
+            after_baseline,
+            one_call_before,
+            mem_available,
+            rounds: rs,
+        });
     }
     Ok(SizesReport {
         backend: rt.backend(),
@@ -532,6 +528,9 @@ impl fmt::Display for SizesReport {
                     fmt_bytes(m as usize),
                     s.size as f64 * 100.0 / m.max(1) as f64
                 )?;
+            }
+            if let Some(r) = &s.one_call_before {
+                writeln!(f, "  {:>7} one call (a) right before the run: {}", fmt_bytes(s.size), g(r))?;
             }
             writeln!(
                 f,
@@ -712,6 +711,7 @@ mod tests {
             first_touch: row(Group::Defaults, 4.0, Some(1.0), true),
             first_vm: None,
             after_baseline: None,
+            one_call_before: None,
             mem_available: None,
             rounds: vec![
                 // pre-fault 0.1 s (40 GB/s), register 0.2 s (20): bound 20.
@@ -760,6 +760,7 @@ mod tests {
             first_touch: r(10.0),
             first_vm: Some(VmStat([512, 7, 3, 1, 2, 3])),
             after_baseline: Some((r(1.0), None)),
+            one_call_before: None,
             mem_available: Some(4 << 30),
             rounds: (0..3)
                 .map(|_| Round {

@@ -216,9 +216,11 @@ fn run_sizes(a: PinArgs) -> Result<i32, String> {
     let failed = report.sizes.iter().any(|s| {
         s.rounds.iter().any(|r| {
             (r.one_call.outcome.is_err() && !a.probe)
-                || (!a.once && (r.defaults.outcome.is_err() || r.split.outcome.is_err()))
+                || r.defaults.outcome.is_err()
+                || r.split.outcome.is_err()
                 || r.candidates.iter().any(|c| c.0.outcome.is_err())
         }) || s.first_touch.outcome.is_err()
+            || s.one_call_before.as_ref().is_some_and(|r| r.outcome.is_err())
     });
     Ok(if failed { 1 } else { 0 })
 }
