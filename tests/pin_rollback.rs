@@ -6,11 +6,11 @@
 mod pin_common;
 
 use kvoffload::internal::pin::{memlock, pin_all, PrefaultConfig, PrefaultMode, Prefaulter, Prepared};
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PageableReason, PinState};
+use kvoffload::internal::protocol::{PageableReason, PinState};
 use kvoffload::internal::region::page_size;
 use kvoffload::internal::runtime::sim::SimFault;
 use kvoffload::internal::runtime::Code;
-use pin_common::{assert_usable, region, sim};
+use pin_common::{assert_usable, coordinator_over, region, sim};
 
 const CHUNKS: usize = 5;
 const CHUNK: usize = 1 << 20;
@@ -110,11 +110,8 @@ fn prefault_failure_ends_pageable_host_memory() {
     let (mut r, _) = region(3, CHUNK);
     let base = r.as_ptr() as usize;
     let chunks = [(base, CHUNK), (base + CHUNK + 8, CHUNK - page_size())];
-    // SAFETY: the ranges lie in `r` (read-write), which the coordinator holds.
     let (s, rt) = sim();
-    let coord =
-        unsafe { Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &chunks, Some(Box::new(r.clone()))) }
-            .unwrap();
+    let coord = coordinator_over(rt.as_ref(), &r, &chunks);
     // SAFETY: the ranges lie in `r`, alive until after pinning settled.
     let pf = unsafe { Prefaulter::new(PrefaultConfig { threads: 2, mode: PrefaultMode::Populate, huge_pages: false }) };
     match pin_all(rt.as_ref(), &coord, &pf) {
@@ -168,11 +165,8 @@ fn each_chunk_is_made_resident_before_registration_and_the_next_hinted() {
     let (r, _) = region(3, CHUNK);
     let base = r.as_ptr() as usize;
     let chunks: Vec<(usize, usize)> = (0..3).map(|i| (base + i * CHUNK, CHUNK)).collect();
-    // SAFETY: the ranges lie in `r` (read-write), which the coordinator holds.
     let (s, rt) = sim();
-    let coord =
-        unsafe { Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &chunks, Some(Box::new(r.clone()))) }
-            .unwrap();
+    let coord = coordinator_over(rt.as_ref(), &r, &chunks);
     let rec = Recorder::default();
     assert_eq!(pin_all(rt.as_ref(), &coord, &rec), PinState::Pinned);
     let calls = rec.0.lock().unwrap().clone();
@@ -187,10 +181,7 @@ fn with_lookahead_the_loop_hints_ahead_each_chunk_once_and_in_order() {
     let base = r.as_ptr() as usize;
     let chunks: Vec<(usize, usize)> = (0..5).map(|i| (base + i * CHUNK, CHUNK)).collect();
     let (s, rt) = sim();
-    // SAFETY: the ranges lie in `r` (read-write), which the coordinator holds.
-    let coord =
-        unsafe { Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &chunks, Some(Box::new(r.clone()))) }
-            .unwrap();
+    let coord = coordinator_over(rt.as_ref(), &r, &chunks);
     // Two chunks' bytes ahead: while chunk i registers, i+1 and i+2 are
     // queued; the last chunks are hinted once, none past the end.
     let rec = Recorder(Default::default(), 2 * CHUNK);
@@ -204,10 +195,7 @@ fn with_lookahead_the_loop_hints_ahead_each_chunk_once_and_in_order() {
     drop(coord);
     // A lookahead past the region hints every chunk at once, after the first
     // (a fresh coordinator: pinning is final once per coordinator).
-    // SAFETY: as above.
-    let coord =
-        unsafe { Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &chunks, Some(Box::new(r.clone()))) }
-            .unwrap();
+    let coord = coordinator_over(rt.as_ref(), &r, &chunks);
     let rec = Recorder(Default::default(), usize::MAX);
     assert_eq!(pin_all(rt.as_ref(), &coord, &rec), PinState::Pinned);
     let calls = rec.0.lock().unwrap().clone();

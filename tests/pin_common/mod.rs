@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use kvoffload::internal::pin::PinOptions;
+use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
 use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::GpuRuntime;
@@ -17,6 +18,18 @@ pub fn region(chunks: usize, chunk_bytes: usize) -> (Arc<Region>, PinOptions) {
     let l = Layout::new(1, p, chunks * chunk_bytes / p).unwrap();
     let r = Region::anonymous(l, &AnonOptions::new()).unwrap();
     (Arc::new(r), PinOptions::default().max_chunk_bytes(chunk_bytes))
+}
+
+/// A coordinator (policy AfterPinning) over `chunks`, each checked to lie
+/// inside `r`, which the coordinator then holds.
+pub fn coordinator_over(rt: &dyn GpuRuntime, r: &Arc<Region>, chunks: &[(usize, usize)]) -> Arc<Coordinator> {
+    let (lo, hi) = (r.as_ptr() as usize, r.as_ptr() as usize + r.len());
+    for &(a, l) in chunks {
+        assert!(a >= lo && a + l <= hi, "chunk {a:#x}+{l} outside the region {lo:#x}..{hi:#x}");
+    }
+    // SAFETY: every range lies in `r` (checked above; its memory is
+    // read-write), which the coordinator holds for as long as it lives.
+    unsafe { Coordinator::new(rt, CapturePolicy::AfterPinning, chunks, Some(Box::new(r.clone()))) }.unwrap()
 }
 
 /// A simulated GPU as the engine takes it.
