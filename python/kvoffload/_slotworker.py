@@ -5,23 +5,30 @@
 way vLLM's connector drives the worker, where vLLM's wheel is not
 installed.
 
-Inputs are duck-typed as vLLM 0.33 gives them: ``kv_caches`` with
+Inputs are duck-typed as vLLM 0.26 - 0.34 give them: ``kv_caches`` with
 ``tensors[i].tensor`` / ``.page_size_bytes`` and
 ``group_data_refs[g][j].tensor_idx`` / ``.page_size_bytes`` (vLLM's
-``CanonicalKVCaches``), job specs with ``block_ids``, ``group_sizes``,
-``block_indices`` (``GPULoadStoreSpec``) and ``block_ids`` (the chunk ids
-of ``CPULoadStoreSpec``).
+``CanonicalKVCaches``); the GPU side of a job either as block ids
+(``block_ids``, ``group_sizes``, ``block_indices``: ``GPULoadStoreSpec``,
+up to 0.33) or as device addresses (``ptrs``, ``sizes``,
+``group_block_counts``, ``group_data_ref_counts``, ``block_indices``:
+0.34's ``DevicePointers``, mapped back to block ids of the registered
+tensors and checked); the host side as ``block_ids`` (the chunk ids of
+``CPULoadStoreSpec``).
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import logging
 import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import kvoffload
+
+log = logging.getLogger("kvoffload.vllm")
 
 
 def layout(kv_caches: Any) -> Tuple[List[Any], List[int]]:
@@ -139,13 +146,20 @@ class _Submitter:
                 self.cv.notify_all()
 
     def check(self) -> None:
-        """Raises the first error a queued submission met (vLLM has no
-        failure path: a job that was never submitted would hang its
+        """Raises the first error a queued submission met (for a vLLM with
+        no failure path: a job that was never submitted would hang its
         request)."""
         with self.cv:
             if self.errors:
                 job_id, e = self.errors.pop(0)
                 raise e
+
+    def take_errors(self) -> List[Tuple[int, BaseException]]:
+        """The errors queued submissions met since the last call, each once
+        (for a vLLM that takes failed results)."""
+        with self.cv:
+            errors, self.errors = self.errors, []
+        return errors
 
     def wait_submitted(self, ids: Set[int]) -> None:
         """Blocks until none of ``ids`` waits in the queue."""
@@ -181,7 +195,14 @@ class SlotWorker:
     With ``capture_hook`` every CUDA graph capture of the process
     (``torch.cuda.CUDAGraph``) runs in a capture window of this offloader
     until :meth:`shutdown`. ``result(job_id, success, size, seconds)`` makes
-    what :meth:`get_finished` returns (vLLM's ``TransferResult``)."""
+    what :meth:`get_finished` returns (vLLM's ``TransferResult``).
+
+    A job that fails (at submission, in the submitter thread, or on the
+    GPU) is raised by the next :meth:`get_finished` or :meth:`wait`, or,
+    with ``failed_results`` (vLLM 0.34+, whose connector fails the request
+    of a failed load and drops the chunks of a failed store), reported
+    once as ``result(job_id, success=False)`` and logged: the engine goes
+    on."""
 
     def __init__(
         self,
@@ -195,9 +216,21 @@ class SlotWorker:
         stream: Any = None,
         result: Callable[..., Any] = None,
         hook_class: Optional[type] = None,
+        failed_results: bool = False,
     ):
         tensors, sizes = layout(kv_caches)
         self.num_groups = len(sizes)
+        self._refs_per_group = sizes
+        # Per tensor, in group order: (address, block stride in bytes, page
+        # bytes, blocks) to map device pointers back to block ids.
+        self._tensor_rows = [
+            (t.tensor.data_ptr(), t.tensor.stride(0) * t.tensor.element_size(), t.page_size_bytes, t.tensor.shape[0])
+            for t in tensors
+        ]
+        self.failed_results = failed_results
+        # Jobs that failed before reaching the GPU, reported by get_finished.
+        self._failed: List[Tuple[int, BaseException]] = []
+        self._failed_lock = threading.Lock()
         self.blocks_per_chunk = blocks_per_chunk
         self.runtime = runtime
         self._result = result if result is not None else _Result
@@ -233,42 +266,139 @@ class SlotWorker:
         self._shut = False
 
     def _job(self, gpu: Any, chunks: Any):
-        if not all(hasattr(gpu, a) for a in ("block_ids", "group_sizes", "block_indices")):
-            raise TypeError(f"kvoffload.vllm: expected a GPULoadStoreSpec, got {type(gpu).__name__}")
         f = self.blocks_per_chunk
-        return gpu.block_ids, list(gpu.group_sizes), chunks.block_ids, [int(i) % f for i in gpu.block_indices]
+        if hasattr(gpu, "ptrs"):
+            blocks, sizes, indices = self._from_pointers(gpu)
+        elif all(hasattr(gpu, a) for a in ("block_ids", "group_sizes", "block_indices")):
+            blocks, sizes, indices = gpu.block_ids, list(gpu.group_sizes), gpu.block_indices
+        else:
+            raise TypeError(
+                f"kvoffload.vllm: expected a GPULoadStoreSpec or DevicePointers, got {type(gpu).__name__}"
+            )
+        return blocks, sizes, chunks.block_ids, [int(i) % f for i in indices]
+
+    def _from_pointers(self, dp: Any):
+        """vLLM 0.34's ``DevicePointers`` (per group, per data ref, per block:
+        ``ptrs[i]`` = the ref's tensor address + block id * block stride,
+        ``sizes[i]`` = the ref's page bytes) as block ids per group, checked
+        against the tensors this worker registered: every pointer a whole
+        block of its tensor, every ref of a group the same blocks, every
+        size a whole page. Anything else is a ``ValueError`` naming it (the
+        offloader can only copy the tensors it was given)."""
+        import numpy as np
+
+        counts = [int(n) for n in dp.group_block_counts]
+        refs = [int(r) for r in dp.group_data_ref_counts]
+        indices = [int(i) for i in dp.block_indices]
+        if refs != self._refs_per_group or len(indices) != len(counts):
+            raise ValueError(
+                f"kvoffload.vllm: device pointers for {len(counts)} groups of {refs} data refs "
+                f"({len(indices)} block indices); this worker registered groups of {self._refs_per_group}"
+            )
+        ptrs = np.asarray(dp.ptrs, dtype=np.uint64)
+        sizes = np.asarray(dp.sizes, dtype=np.uint64)
+        total = sum(n * r for n, r in zip(counts, refs))
+        if ptrs.shape != (total,) or sizes.shape != (total,):
+            raise ValueError(
+                f"kvoffload.vllm: {ptrs.size} device pointers and {sizes.size} sizes for {total} copies "
+                f"(blocks per group {counts} x data refs {refs})"
+            )
+        blocks = []
+        op = 0
+        t = 0
+        for g, (n, r) in enumerate(zip(counts, refs)):
+            if n == 0:
+                t += r
+                continue
+            base, stride, _, rows = self._tensor_rows[t]
+            delta = ptrs[op : op + n] - np.uint64(base)  # wraps for a pointer below base: out of range below
+            ids = delta // np.uint64(stride)
+            if np.any(delta % np.uint64(stride)) or np.any(ids >= np.uint64(rows)):
+                raise ValueError(
+                    f"kvoffload.vllm: a device pointer of group {g} is not a block of KV tensor {t} "
+                    f"({rows} blocks of {stride} bytes at {base:#x}): {[hex(int(p)) for p in ptrs[op : op + n][:4]]}"
+                )
+            for j in range(r):
+                base_j, stride_j, page_j, _ = self._tensor_rows[t + j]
+                seg = slice(op + j * n, op + (j + 1) * n)
+                if not np.array_equal(ptrs[seg], np.uint64(base_j) + ids * np.uint64(stride_j)):
+                    raise ValueError(
+                        f"kvoffload.vllm: data ref {j} of group {g} points at other blocks than data ref 0 "
+                        f"(or outside KV tensor {t + j})"
+                    )
+                if np.any(sizes[seg] != np.uint64(page_j)):
+                    raise ValueError(
+                        f"kvoffload.vllm: data ref {j} of group {g} copies {sorted(set(int(x) for x in sizes[seg]))} "
+                        f"bytes per block; its tensor's pages are {page_j} bytes"
+                    )
+            blocks.append(ids.astype(np.int64))
+            op += n * r
+            t += r
+        flat = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
+        return flat, counts, indices
+
+    def _submit(self, job_id: int, make: Callable[[], Tuple[Callable[..., None], tuple]]) -> bool:
+        try:
+            call, args = make()
+            self._submitter.submit(call, job_id, args)
+        except Exception as e:  # noqa: BLE001 - reported as a failed result where vLLM takes one
+            if not self.failed_results:
+                raise
+            log.error("kvoffload.vllm: job %d could not be submitted (reported as failed): %s", job_id, e)
+            with self._failed_lock:
+                self._failed.append((job_id, e))
+        return True
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        blocks, sizes, slots, subs = self._job(src_spec, dst_spec)
-        self._submitter.submit(self.offloader.store_slot_job, job_id, (blocks, sizes, slots, subs))
-        return True
+        def make():
+            return self.offloader.store_slot_job, self._job(src_spec, dst_spec)
+
+        return self._submit(job_id, make)
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
         # Expedited loads (vLLM waits for them with wait()) run on the
         # expedited lane's own stream, never behind a regular load.
-        blocks, sizes, slots, subs = self._job(dst_spec, src_spec)
-        call = functools.partial(self.offloader.load_slot_job, expedited=True) if expedited else self.offloader.load_slot_job
-        self._submitter.submit(call, job_id, (blocks, sizes, slots, subs))
-        return True
+        def make():
+            load = self.offloader.load_slot_job
+            return (functools.partial(load, expedited=True) if expedited else load), self._job(dst_spec, src_spec)
+
+        return self._submit(job_id, make)
 
     def get_finished(self) -> List[Any]:
-        self._submitter.check()
         out = []
+        if self.failed_results:
+            with self._failed_lock:
+                failed, self._failed = self._failed, []
+            for job_id, e in failed + self._submitter.take_errors():
+                out.append(self._failed_result(job_id, "submission", e))
+        else:
+            self._submitter.check()
         for c in self.offloader.poll():
             if c.error is not None:
-                # vLLM has no failure path (a False success is a bare
-                # assert): the driver's error, raised, beats both that and
-                # reporting the job as done.
-                raise kvoffload.TransferError(f"kvoffload.vllm: job {c.job} ({c.direction}) failed: {c.error}") from (
-                    c.error
-                )
+                if not self.failed_results:
+                    # This vLLM has no failure path (a False success is a
+                    # bare assert): the driver's error, raised, beats both
+                    # that and reporting the job as done.
+                    raise kvoffload.TransferError(
+                        f"kvoffload.vllm: job {c.job} ({c.direction}) failed: {c.error}"
+                    ) from c.error
+                out.append(self._failed_result(c.job, c.direction, c.error))
+                continue
             out.append(self._result(job_id=c.job, success=True, transfer_size=c.bytes, transfer_time=c.seconds))
         return out
+
+    def _failed_result(self, job_id: int, what: str, error: BaseException) -> Any:
+        if what != "submission":
+            log.error("kvoffload.vllm: job %d (%s) failed (reported as failed): %s", job_id, what, error)
+        return self._result(job_id=job_id, success=False, transfer_size=None, transfer_time=None)
 
     def wait(self, job_ids: Any) -> None:
         ids = {int(j) for j in job_ids}
         self._submitter.wait_submitted(ids)
-        self._submitter.check()
+        if not self.failed_results:
+            self._submitter.check()
+        # Failed jobs are left to get_finished; ids never submitted are
+        # skipped by wait_jobs.
         self.offloader.wait_jobs(ids)
 
     def wait_pinned(self) -> Any:

@@ -7,6 +7,7 @@ import random
 import threading
 from types import SimpleNamespace as NS
 
+import numpy as np  # vLLM's DevicePointers are numpy arrays (ci/python installs numpy)
 import pytest
 
 import kvoffload as kv
@@ -71,7 +72,7 @@ def test_a_spec_of_the_wrong_kind_is_a_type_error():
         caches(kv_tensors(1), [[0]]), num_slots=4, blocks_per_chunk=1, runtime=kv.Runtime("sim"),
         capture_hook=False,
     )
-    with pytest.raises(TypeError, match="expected a GPULoadStoreSpec, got SimpleNamespace"):
+    with pytest.raises(TypeError, match="expected a GPULoadStoreSpec or DevicePointers, got SimpleNamespace"):
         w.submit_store(1, chunks([0]), chunks([0]))
     w.shutdown()
 
@@ -156,4 +157,170 @@ def test_before_pinning_settles_submissions_never_block_the_engines_thread():
     w.wait([4])
     w.get_finished()
     assert [ts[0].block(5), ts[0].block(6)] == [want[(0, 0)], want[(0, 1)]]
+    w.shutdown()
+
+
+# ---------------------------------------------------------------- vLLM 0.34: device pointers, failed results
+
+
+def pointers(ts, groups, block_ids, group_sizes, block_indices, nudge=None):
+    """vLLM 0.34's ``DevicePointers`` for a job, as its connector resolves
+    them (``pointer_utils.resolve_device_pointers``): per group, per data
+    ref, per block, the tensor's address + block id * stride(0), and the
+    page bytes. ``nudge(i, ptr)`` changes pointer ``i``."""
+    ptrs, sizes = [], []
+    at = 0
+    for g, n in zip(groups, group_sizes):
+        ids = block_ids[at : at + n]
+        for t in g:
+            for b in ids:
+                ptrs.append(ts[t].data_ptr() + b * ts[t].stride(0))
+                sizes.append(PAGE)
+        at += n
+    if nudge is not None:
+        ptrs = [nudge(i, p) for i, p in enumerate(ptrs)]
+    return NS(
+        ptrs=np.array(ptrs, dtype=np.uint64),
+        sizes=np.array(sizes, dtype=np.uint64),
+        group_block_counts=tuple(group_sizes),
+        group_data_ref_counts=tuple(len(g) for g in groups),
+        block_indices=tuple(block_indices),
+    )
+
+
+def pinned_worker(ts, groups, failed_results=False, **kw):
+    w = _slotworker.SlotWorker(
+        caches(ts, groups), num_slots=8, blocks_per_chunk=2, runtime=kv.Runtime("sim"),
+        options=dict(pin_threads=1), capture_hook=False, failed_results=failed_results, **kw,
+    )
+    w.wait_pinned()
+    return w
+
+
+def test_device_pointers_move_the_same_blocks_as_block_ids():
+    ts = kv_tensors(3)
+    groups = [[2], [0, 1]]
+    w = pinned_worker(ts, groups)
+    want = fill(ts, range(8), random.Random(11))
+    # As the first test: group 0 blocks 1, 2 from logical block 3; group 1 blocks 4..6 from 0.
+    assert w.submit_store(10, pointers(ts, groups, [1, 2, 4, 5, 6], [2, 3], [3, 0]), chunks([1, 2, 5, 6]))
+    w.wait({10})
+    (r,) = w.get_finished()
+    assert (r.job_id, r.success, r.transfer_size) == (10, True, (2 + 3 * 2) * PAGE)
+    zero(ts)
+    assert w.submit_load(11, chunks([1, 2, 5, 6]), pointers(ts, groups, [9, 10, 11, 12, 13], [2, 3], [3, 0]))
+    w.wait({11})
+    assert [r.job_id for r in w.get_finished()] == [11]
+    assert [ts[2].block(b) for b in (9, 10)] == [want[(2, 1)], want[(2, 2)]]
+    for t in (0, 1):
+        assert [ts[t].block(b) for b in (11, 12, 13)] == [want[(t, b)] for b in (4, 5, 6)]
+    # A group with no blocks in this job (vLLM skips it when resolving).
+    assert w.submit_store(12, pointers(ts, groups, [3], [0, 1], [0, 6]), chunks([3]))
+    w.wait({12})
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(12, True)]
+    w.shutdown()
+
+
+@pytest.mark.parametrize(
+    "nudge, words",
+    [
+        (lambda i, p: p + 1 if i == 0 else p, "not a block of KV tensor"),
+        (lambda i, p: p - (1 << 40) if i == 0 else p, "not a block of KV tensor"),
+        (lambda i, p: p + 64 * PAGE * 1000 if i == 0 else p, "not a block of KV tensor"),
+        (lambda i, p: p + PAGE if i == 3 else p, "data ref 1 of group 1 points at other blocks"),
+    ],
+)
+def test_device_pointers_outside_the_registered_blocks_are_refused_naming_them(nudge, words):
+    ts = kv_tensors(3)
+    groups = [[2], [0, 1]]
+    w = pinned_worker(ts, groups)
+    with pytest.raises(ValueError, match=words):
+        w.submit_store(1, pointers(ts, groups, [1, 2, 4], [2, 1], [0, 0], nudge=nudge), chunks([0, 1]))
+    bad_sizes = pointers(ts, groups, [1], [1, 0], [0, 0])
+    bad_sizes.sizes[0] = PAGE - 8
+    with pytest.raises(ValueError, match=f"copies \\[{PAGE - 8}\\] bytes per block; its tensor's pages are {PAGE}"):
+        w.submit_store(2, bad_sizes, chunks([0]))
+    wrong_groups = pointers(ts, [[2], [0]], [1, 2], [1, 1], [0, 0])
+    with pytest.raises(ValueError, match="this worker registered groups of \\[1, 2\\]"):
+        w.submit_store(3, wrong_groups, chunks([0, 1]))
+    w.shutdown()
+
+
+def test_with_failed_results_a_refused_job_is_reported_failed_once_and_the_worker_goes_on():
+    ts = kv_tensors(3)
+    groups = [[2], [0, 1]]
+    w = pinned_worker(ts, groups, failed_results=True)
+    bad = pointers(ts, groups, [1, 2, 4], [2, 1], [0, 0], nudge=lambda i, p: p + 1 if i == 0 else p)
+    assert w.submit_store(1, bad, chunks([0, 1])) is True, "vLLM 0.34 asserts a submission's True"
+    assert w.submit_store(2, gpu([0], [1, 0], [0, 0]), chunks([9])) is True, "slot 9 is out of range"
+    w.wait({1, 2})  # failed jobs are not waited for, nor raised
+    res = sorted(w.get_finished(), key=lambda r: r.job_id)
+    assert [(r.job_id, r.success, r.transfer_size) for r in res] == [(1, False, None), (2, False, None)]
+    assert w.get_finished() == [], "each failure reported once"
+    want = fill(ts, range(8), random.Random(12))
+    assert w.submit_store(3, pointers(ts, groups, [5, 6], [1, 1], [0, 0]), chunks([4, 5]))
+    w.wait({3})
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(3, True)]
+    zero(ts)
+    w.submit_load(4, chunks([4, 5]), pointers(ts, groups, [7, 7], [1, 1], [0, 0]))
+    w.wait({4})
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(4, True)]
+    assert ts[2].block(7) == want[(2, 5)] and ts[0].block(7) == want[(0, 6)] and ts[1].block(7) == want[(1, 6)]
+    w.shutdown()
+
+
+class FailingPoll:
+    """The worker's offloader, reporting job ``job`` failed on the GPU."""
+
+    def __init__(self, off, job):
+        self._off, self.job = off, job
+
+    def __getattr__(self, name):
+        return getattr(self._off, name)
+
+    def poll(self):
+        out = []
+        for c in self._off.poll():
+            if c.job == self.job:
+                c = NS(job=c.job, direction=c.direction, error=kv.DriverError("copy failed (injected)"), bytes=0, seconds=0.0)
+            out.append(c)
+        return out
+
+
+@pytest.mark.parametrize("failed_results", [False, True])
+def test_a_job_that_fails_on_the_gpu_is_raised_or_reported_failed(failed_results):
+    ts = kv_tensors(1)
+    w = pinned_worker(ts, [[0]], failed_results=failed_results)
+    w.offloader = FailingPoll(w.offloader, job=1)
+    w.submit_store(1, gpu([0], [1], [0]), chunks([0]))
+    w.submit_store(2, gpu([1], [1], [0]), chunks([1]))
+    w.wait({1, 2})
+    if failed_results:
+        res = sorted(w.get_finished(), key=lambda r: r.job_id)
+        assert [(r.job_id, r.success) for r in res] == [(1, False), (2, True)]
+    else:
+        with pytest.raises(kv.TransferError, match=r"job 1 \(store\) failed: copy failed \(injected\)"):
+            w.get_finished()
+    w.shutdown()
+
+
+def test_with_failed_results_a_queued_submission_that_fails_is_reported_failed():
+    import kvoffload._testing as kt
+
+    rt = kv.Runtime("sim")
+    ts = kv_tensors(1)
+    with kt.sim_hold(rt, "register") as hold:
+        w = _slotworker.SlotWorker(
+            caches(ts, [[0]]), num_slots=8, blocks_per_chunk=1, runtime=rt, options=dict(pin_threads=1),
+            capture_hook=False, failed_results=True,
+        )
+        hold.wait_entered()
+        w.submit_store(1, gpu([0], [1], [0]), chunks([8]))  # queued (pinning): refused in the thread
+        w.submit_store(2, gpu([1], [1], [0]), chunks([1]))
+        assert w.jobs_queued == 2
+        w.wait({1, 2})
+        w._submitter.wait_idle()
+        w.offloader.wait_all()
+        res = sorted(w.get_finished(), key=lambda r: r.job_id)
+        assert [(r.job_id, r.success) for r in res] == [(1, False), (2, True)]
     w.shutdown()

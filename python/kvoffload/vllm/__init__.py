@@ -1,4 +1,4 @@
-"""kvoffload inside vLLM 0.33: an out-of-tree offloading spec.
+"""kvoffload inside vLLM (0.26 to 0.34): an out-of-tree offloading spec.
 
 vLLM loads it by name from its ``--kv-transfer-config``::
 
@@ -19,7 +19,9 @@ that is registered), so they never fail.
 This is the only module of the package that imports vLLM (and with it
 torch): ``import kvoffload`` stays free of both. The design is
 ``docs/vllm-spec-design.md``; the vLLM facts it rests on are in
-``docs/vllm-0.33-interfaces.md``.
+``docs/vllm-interfaces.md``. What differs between the releases is decided
+in one place, :mod:`kvoffload._vllm_releases`; importing this module in a
+release outside 0.26 - 0.34 raises ``ImportError`` naming the version.
 """
 
 from __future__ import annotations
@@ -37,16 +39,27 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
-from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 import kvoffload
 from kvoffload import _slotworker
+from kvoffload import _vllm_releases as _releases
 
-__all__ = ["KvoffloadSpec", "KvoffloadWorker", "EXTRA_KEYS"]
+__all__ = ["KvoffloadSpec", "KvoffloadWorker", "EXTRA_KEYS", "RELEASE"]
 
 log = logging.getLogger("kvoffload.vllm")
+
+#: What the installed vLLM has (:class:`kvoffload._vllm_releases.Release`);
+#: an unsupported release raised ``ImportError`` above.
+RELEASE: _releases.Release = _releases.detect()
+if not RELEASE.supported:
+    log.warning(
+        "kvoffload.vllm: vLLM %s is outside the supported releases (%s); loaded because %s=1",
+        RELEASE.version,
+        _releases.supported_text(),
+        _releases.ANY_VERSION_ENV,
+    )
 
 #: The ``kv_connector_extra_config`` keys kvoffload adds, with what each
 #: accepts (all optional). vLLM's own keys (``spec_name``,
@@ -188,7 +201,10 @@ class KvoffloadSpec(OffloadingSpec):
 
     @classmethod
     def config_info_keys(cls, extra_config: Dict[str, Any]) -> tuple:
-        return CPUOffloadingSpec.config_info_keys(extra_config)
+        # vLLM 0.33+ asks for the labels of its config-info metric; earlier
+        # releases have neither the metric nor this method.
+        keys = getattr(CPUOffloadingSpec, "config_info_keys", None)
+        return keys(extra_config) if keys is not None else ()
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
@@ -210,15 +226,17 @@ class KvoffloadSpec(OffloadingSpec):
                     f"holds no chunk of {row} bytes ({self.blocks_per_chunk} blocks of "
                     f"{config.worker_kv_bytes_per_block} bytes on each of {world} ranks, page-rounded)",
                 )
-        self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, self.kv_bytes_per_chunk)
+        info = RELEASE.offloading_info
+        self.cpu_info = info.from_config(config, self.num_chunks, self.kv_bytes_per_chunk) if info else None
         self._manager: Optional[OffloadingManager] = None
         self._worker: Optional[KvoffloadWorker] = None
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             s = self.settings
-            self._manager = CPUOffloadingManager(
-                num_chunks=self.num_chunks,
+            self._manager = RELEASE.manager(
+                CPUOffloadingManager,
+                self.num_chunks,
                 cache_policy=s.eviction_policy,
                 cache_policy_module_path=s.cache_policy_module_path,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
@@ -243,7 +261,10 @@ class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
     """vLLM's ``OffloadingWorker`` on a slot-addressed kvoffload
     ``Offloader`` (:class:`kvoffload._slotworker.SlotWorker`): chunk id ``c``
     of vLLM's manager is host slot ``c``; vLLM's job ids are the
-    offloader's."""
+    offloader's. The GPU side of a job is whatever the release passes
+    (``GPULoadStoreSpec`` block ids, or 0.34's ``DevicePointers``); a failed
+    job is reported as ``TransferResult(success=False)`` where the release
+    accepts that (0.34+) and raised where it would crash on it."""
 
     def __init__(self, spec: KvoffloadSpec, kv_caches: CanonicalKVCaches):
         s = spec.settings
@@ -285,6 +306,7 @@ class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
             options=options,
             capture_hook=s.capture_hook,
             result=TransferResult,
+            failed_results=RELEASE.failed_results,
         )
         log.info(
             "kvoffload.vllm: %d host slots of %d blocks, region %d bytes (%s), set up in %.3f s; pinning in the "
