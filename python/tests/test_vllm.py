@@ -1,5 +1,6 @@
-"""kvoffload inside the real vLLM 0.33.0 (ci/vllm-env's cached venv), on
-the simulated GPU, with no GPU anywhere.
+"""kvoffload inside the real vLLM (0.33.0, 0.34.0 and 0.26.0 from
+ci/vllm-env's cached environments: ci/python runs this file once per
+release), on the simulated GPU, with no GPU anywhere.
 
 What runs here is vLLM's own code: ``OffloadingSpecFactory`` and
 ``KVConnectorFactory`` load ``kvoffload.vllm.KvoffloadSpec`` from the JSON
@@ -25,8 +26,19 @@ as ``kv_connector_model_runner_mixin`` does), and vLLM's own
 ``CPUOffloadingWorker`` (it asserts CUDA tensors), the baseline of the
 start-up comparison.
 
-Run by ci/python with the venv's python (``KVO_SKIP_VLLM=1`` skips).
+Where the releases differ (docs/vllm-interfaces.md section 0), the
+harness builds what each release's model runner builds (0.26 has no
+``allocate_kv_cache`` and places layers with ``KVCacheTensor.shared_by``;
+0.34's ``ModelRunnerOutput`` has no ``req_id_to_index``; the connector's
+``get_transfer_results`` where it exists), and the tests of a feature a
+release lacks (expedited loads before 0.33, device pointers and failed
+results before 0.34) say so when they skip.
+
+Run by ci/python with each environment's python (``KVO_SKIP_VLLM=1``
+skips); ``KVO_EXPECT_VLLM`` names the release the environment must have.
 """
+
+import dataclasses
 
 import json
 import os
@@ -54,17 +66,28 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheGroupSpec,
     KVCacheTensor,
 )
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+try:  # 0.27+: the model runner's allocator and its layouts
+    from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+    from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+except ImportError:  # 0.26: one tensor per KVCacheTensor, per layer views
+    KVCacheLayout = allocate_kv_cache = None
+
+from types import SimpleNamespace as NS  # noqa: E402
 
 import kvoffload as kv  # noqa: E402
 import kvoffload._testing as kt  # noqa: E402
 import kvoffload.vllm as kvv  # noqa: E402
 from kvoffload import _hook  # noqa: E402
+
+RELEASE = kvv.RELEASE
+# 0.26's KVCacheTensor(size, shared_by, offset, block_stride); 0.27+ place
+# the layers of one tensor with layers / layer_stride.
+OLD_KV_TENSORS = "shared_by" in {f.name for f in dataclasses.fields(KVCacheTensor)}
 
 BS = 16  # tokens per GPU block
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -122,16 +145,50 @@ def vllm_config(model_dir, extra, num_blocks=64):
     return cfg
 
 
-def kv_cache_config(num_blocks=64):
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=len(LAYERS) * PAGE * num_blocks, layers=LAYERS, layer_stride=PAGE * num_blocks, block_stride=PAGE
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(LAYERS, KV_SPEC)],
+def kv_tensor(layers, num_blocks, offset=0):
+    """One ``KVCacheTensor`` holding ``layers`` (each ``PAGE`` bytes a
+    block) in this release's form."""
+    if OLD_KV_TENSORS:
+        return KVCacheTensor(size=len(layers) * PAGE * num_blocks, shared_by=list(layers), offset=offset)
+    return KVCacheTensor(
+        size=len(layers) * PAGE * num_blocks,
+        layers=list(layers),
+        layer_stride=PAGE * num_blocks,
+        block_stride=PAGE,
+        offset=offset,
     )
+
+
+def kv_cache_config(num_blocks=64):
+    tensors = [kv_tensor([l], num_blocks) for l in LAYERS] if OLD_KV_TENSORS else [kv_tensor(LAYERS, num_blocks)]
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(LAYERS, KV_SPEC)]
+    )
+
+
+def allocate(kvc):
+    """The KV tensors as the release's model runner makes them, on the CPU:
+    0.27+ with vLLM's own allocator; 0.26 (no allocator function) one
+    backing allocation with a ``(num_blocks, page)`` view per layer, the
+    layers one after the other (as the simulated GPU adopts one range)."""
+    if allocate_kv_cache is not None:
+        return allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout.LBHNC, [BS])
+    layers = [l for g in kvc.kv_cache_groups for l in g.layer_names]
+    n = kvc.num_blocks
+    backing = torch.zeros(len(layers) * n * PAGE, dtype=torch.int8)
+    return {l: backing[i * n * PAGE : (i + 1) * n * PAGE].view(n, PAGE) for i, l in enumerate(layers)}
+
+
+def model_runner_output(**kw):
+    """``ModelRunnerOutput`` with the fields this release has (0.34 has no
+    ``req_id_to_index``)."""
+    names = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+    return ModelRunnerOutput(**{k: v for k, v in kw.items() if k in names})
+
+
+def connector_output(**kw):
+    names = {f.name for f in dataclasses.fields(KVConnectorOutput)}
+    return KVConnectorOutput(**{k: v for k, v in kw.items() if k in names})
 
 
 def block_bytes(tokens, layer):
@@ -147,6 +204,8 @@ class Recorder:
         self._off = off
         self.jobs = []  # (call, job, gpu_blocks, group_sizes, slots, first_subs)
         self.completions = []
+        self.fail_next_load = False  # the next load is reported failed on the GPU
+        self.failing = set()
 
     def __getattr__(self, name):
         return getattr(self._off, name)
@@ -157,10 +216,18 @@ class Recorder:
 
     def load_slot_job(self, job, blocks, sizes, slots, subs, expedited=False):
         self.jobs.append(("load", job, list(blocks), list(sizes), list(slots), list(subs)))
+        if self.fail_next_load:
+            self.fail_next_load = False
+            self.failing.add(job)
         return self._off.load_slot_job(job, blocks, sizes, slots, subs, expedited=expedited)
 
     def poll(self):
-        c = self._off.poll()
+        c = [
+            NS(job=x.job, direction=x.direction, error=kv.DriverError("copy failed (injected)"), bytes=0, seconds=0.0)
+            if x.job in self.failing
+            else x
+            for x in self._off.poll()
+        ]
         self.completions.extend(c)
         return c
 
@@ -174,7 +241,7 @@ class Engine:
         self.kvc = kvc or kv_cache_config(num_blocks)
         self.group_of = {l: g for g, grp in enumerate(self.kvc.kv_cache_groups) for l in grp.layer_names}
         self.worker_conn = KVConnectorFactory.create_connector(self.cfg, KVConnectorRole.WORKER, self.kvc)
-        self.kv = allocate_kv_cache(self.kvc, torch.device("cpu"), KVCacheLayout.LBHNC, [BS])
+        self.kv = allocate(self.kvc)
         t0 = time.monotonic()
         self.worker_conn.register_kv_caches(self.kv)  # -> KvoffloadSpec.get_worker
         self.register_seconds = time.monotonic() - t0
@@ -202,6 +269,7 @@ class Engine:
         self.sched = Scheduler(self.cfg, self.kvc, StructuredOutputManager(self.cfg), block_size=BS)
         self.written = {}  # req_id -> logical block indices the forward wrote
         self.block_ids = {}  # req_id -> its GPU block ids (the latest seen)
+        self.failed_recving = set()  # requests whose load vLLM saw fail
         self.n = 0
 
     # ---- the model runner's part
@@ -232,22 +300,30 @@ class Engine:
         meta = so.kv_connector_metadata
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
-        sync = so.has_sync_kv_loads
+        sync = getattr(so, "has_sync_kv_loads", False)
         if sync:
             w.start_load_kv(None)
         self.forward(so)
         if not sync:
             w.start_load_kv(None)
         w.wait_for_save()
-        finished_sending, finished_recving = w.get_finished(so.finished_req_ids)
-        out = KVConnectorOutput(
+        if hasattr(w, "get_transfer_results"):  # the model runner's call where it exists
+            tr = w.get_transfer_results(so.finished_req_ids)
+            finished_sending, finished_recving = tr.finished_sending, tr.finished_recving
+            failed_recving = getattr(tr, "failed_recving", set())
+        else:
+            finished_sending, finished_recving = w.get_finished(so.finished_req_ids)
+            failed_recving = set()
+        self.failed_recving |= set(failed_recving)
+        out = connector_output(
             finished_sending=finished_sending,
             finished_recving=finished_recving,
+            failed_recving=failed_recving,
             kv_connector_worker_meta=w.build_connector_worker_meta(),
         )
         w.clear_connector_metadata()
         ids = list(so.num_scheduled_tokens)
-        mro = ModelRunnerOutput(
+        mro = model_runner_output(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[7] for _ in ids],
@@ -360,6 +436,39 @@ def engines(model_dir):
 # ---------------------------------------------------------------- loading
 
 
+def test_the_release_under_test_is_the_one_expected():
+    want = os.environ.get("KVO_EXPECT_VLLM")
+    if want is None:
+        pytest.skip("KVO_EXPECT_VLLM is not set (ci/python sets it for each environment)")
+    assert vllm.__version__ == want, f"vLLM {vllm.__version__} imported from {vllm.__file__}, {want} expected"
+    assert RELEASE.version == want and RELEASE.supported
+
+
+def test_what_the_release_has_is_detected():
+    """Each feature the adapter keys on, as docs/vllm-interfaces.md section 0
+    lists it for the releases under test."""
+    mm = kvv._releases.parse(vllm.__version__)
+    assert RELEASE.manager_size_arg == ("num_blocks" if mm < (0, 30) else "num_chunks")
+    assert (RELEASE.offloading_info is not None) == (mm >= (0, 33))
+    assert RELEASE.expedited_loads == (mm >= (0, 33))
+    assert RELEASE.device_pointers == (mm >= (0, 34))
+    assert RELEASE.failed_results == (mm >= (0, 34))
+
+
+def test_an_unsupported_release_is_refused_at_import_naming_its_version(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    monkeypatch.delenv(kvv._releases.ANY_VERSION_ENV, raising=False)
+    saved = sys.modules.pop("kvoffload.vllm")
+    try:
+        with pytest.raises(ImportError, match=r"supports vLLM 0.26 to 0.34; vLLM 0.35.0 is installed"):
+            importlib.import_module("kvoffload.vllm")
+    finally:
+        sys.modules["kvoffload.vllm"] = saved
+
+
 def test_vllm_factory_loads_the_spec_by_name_and_module():
     assert OffloadingSpecFactory.get_spec_cls(extra_config()) is kvv.KvoffloadSpec
 
@@ -423,6 +532,8 @@ def test_a_hit_whose_first_chunk_is_partial(engines):
 
 
 def test_expedited_loads_are_waited_for_within_the_step(engines):
+    if not RELEASE.expedited_loads:
+        pytest.skip(f"vLLM {vllm.__version__} has no expedited (sync) loads (0.33+)")
     eng = engines(blocks_per_chunk=2, sync_load_budget_bytes=1 << 30)
     loaded = round_trip(eng, prompt_of(6 * BS + 1, 12))
     assert loaded and True in eng.expedited, "vLLM asked for an expedited (sync) load"
@@ -638,12 +749,7 @@ def test_two_groups_full_attention_and_sliding_window_share_the_slot_pool(engine
     sw = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=3 * BS)
     kvc = KVCacheConfig(
         num_blocks=n,
-        kv_cache_tensors=[
-            KVCacheTensor(size=2 * PAGE * n, layers=[LAYERS[0]], layer_stride=PAGE * n, block_stride=PAGE, offset=0),
-            KVCacheTensor(
-                size=2 * PAGE * n, layers=[LAYERS[1]], layer_stride=PAGE * n, block_stride=PAGE, offset=PAGE * n
-            ),
-        ],
+        kv_cache_tensors=[kv_tensor([LAYERS[0]], n), kv_tensor([LAYERS[1]], n, offset=PAGE * n)],
         kv_cache_groups=[KVCacheGroupSpec([LAYERS[0]], KV_SPEC), KVCacheGroupSpec([LAYERS[1]], sw)],
     )
     eng = engines(blocks_per_chunk=2, kvc=kvc)
@@ -653,7 +759,11 @@ def test_two_groups_full_attention_and_sliding_window_share_the_slot_pool(engine
     a = eng.add(prompt)
     eng.run(a)
     (store,) = [j for j in eng.off.jobs if j[0] == "store"]
-    assert len(store[3]) == 2 and store[3][0] == 8 and 0 < store[3][1] < 8, f"both groups, window-limited: {store}"
+    assert len(store[3]) == 2 and store[3][0] == 8 and 0 < store[3][1] <= 8, f"both groups: {store}"
+    if kvv._releases.parse(vllm.__version__) >= (0, 33):
+        # 0.33+ store only the sliding window's blocks of that group (0.26
+        # stores all of them).
+        assert store[3][1] < 8, f"window-limited: {store}"
     eng.forget_gpu_cache()
     b = eng.add(prompt)
     eng.run(b)
@@ -726,3 +836,49 @@ def test_a_flush_stores_blocks_before_vllm_reallocates_them(engines):
     again = eng.add(first)
     eng.run(again)
     assert check_loaded(eng, again, first), "the first request's blocks, as it computed them"
+
+
+# ---------------------------------------------------------------- 0.34: device pointers, failed results
+
+
+def test_jobs_arrive_in_the_form_the_release_passes(engines):
+    eng = engines(blocks_per_chunk=2)
+    seen = []
+    real_store, real_load = eng.kvw.submit_store, eng.kvw.submit_load
+
+    def submit_store(job_id, src, dst):
+        seen.append(type(src).__name__)
+        return real_store(job_id, src, dst)
+
+    def submit_load(job_id, src, dst, expedited=False):
+        seen.append(type(dst).__name__)
+        return real_load(job_id, src, dst, expedited)
+
+    eng.kvw.submit_store, eng.kvw.submit_load = submit_store, submit_load
+    assert round_trip(eng, prompt_of(6 * BS + 3, 21))
+    want = "DevicePointers" if RELEASE.device_pointers else "GPULoadStoreSpec"
+    assert seen and set(seen) == {want}, seen
+
+
+def test_a_failed_load_fails_its_request_or_is_raised_as_the_release_allows(engines):
+    eng = engines(blocks_per_chunk=2)
+    prompt = prompt_of(6 * BS + 3, 22)
+    eng.run(eng.add(prompt))
+    eng.forget_gpu_cache()
+    eng.off.fail_next_load = True
+    b = eng.add(prompt)
+    if not RELEASE.failed_results:
+        # vLLM before 0.34 asserts success: kvoffload raises the driver's
+        # error instead, naming the job, rather than reporting it done.
+        with pytest.raises(kv.TransferError, match=r"job \d+ \(load\) failed: copy failed \(injected\)"):
+            eng.run(b)
+        return
+    eng.run(b)  # finishes: vLLM recomputes what the failed load was to bring
+    assert b.request_id in eng.failed_recving, "vLLM saw the load fail"
+    assert [r.success for r in eng.results if r.job_id in eng.off.failing] == [False]
+    assert b.is_finished()
+    # The engine goes on: the next round trip loads right.
+    eng.forget_gpu_cache()
+    c = eng.add(prompt)
+    eng.run(c)
+    assert check_loaded(eng, c, prompt), "loaded from the host after the failure"
