@@ -289,6 +289,28 @@ fn region_joiner_refuses_files_that_others_may_read_or_write() {
     g.assert_gone();
 }
 
+/// Issue 28, item 9: a file of ours with set-user-id, set-group-id or sticky
+/// bits (which a creator refuses to make) is refused by a joiner and left
+/// as it was, not joined and then removed.
+#[test]
+fn region_joiner_refuses_a_file_with_setuid_setgid_or_sticky_bits_and_leaves_it() {
+    for split in SPLITS {
+        for mode in [0o2600, 0o4600, 0o1600] {
+            let g = ShmGuard::new("special");
+            let l = small(1, 1);
+            write_private(&g.path, &vec![0u8; header_file_len(&l, split)]);
+            set_mode(&g.path, mode);
+            let before = Snapshot::of(&g.path);
+            assert_eq!(before.mode & 0o7777, mode, "the test could not set the bits");
+            let res = Region::join(&g.name, l, 0, &opts(300).files(split));
+            assert!(g.listed(), "{split:?} {mode:o}: the file was removed; join gave {res:?}");
+            assert_eq!(Snapshot::of(&g.path), before, "{split:?} {mode:o}: the file was changed; join gave {res:?}");
+            let msg = expect_untrusted(res, &g.path, FileProblem::SpecialBits { mode });
+            assert!(msg.contains("set-user-id"), "{msg}");
+        }
+    }
+}
+
 /// A group to allow: 65534 when we are root (so it is not our own), our
 /// effective gid otherwise (the creator must be a member).
 fn a_group() -> u32 {

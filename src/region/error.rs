@@ -63,6 +63,12 @@ pub enum FileProblem {
         /// The allowed group, if any (then group bits of that group are fine).
         allowed_group: Option<u32>,
     },
+    /// Set-user-id, set-group-id or sticky bits (`0o7000`), which a
+    /// creator never sets ([`RegionError::BadFileMode`] refuses them).
+    SpecialBits {
+        /// The file's permission bits.
+        mode: u32,
+    },
     /// Group permission bits, but the file's group is not the allowed one.
     WrongGroup {
         /// The file's permission bits.
@@ -93,6 +99,9 @@ impl std::fmt::Display for FileProblem {
             }
             FileProblem::Mode { mode, allowed_group: Some(g) } => {
                 write!(f, "mode {mode:#o} has permission bits for others (only group {g} may share the region)")
+            }
+            FileProblem::SpecialBits { mode } => {
+                write!(f, "mode {mode:#o} has set-user-id, set-group-id or sticky bits, which a creator never sets")
             }
             FileProblem::WrongGroup { mode, gid, allowed_group } => {
                 write!(f, "mode {mode:#o} has group permission bits but its group is {gid}, not the allowed group {allowed_group}")
