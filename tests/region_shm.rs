@@ -570,3 +570,96 @@ fn region_joiner_with_another_file_split_is_refused() {
     drop(creator);
     g.assert_gone();
 }
+
+/// Reads the u32 at `off` of a region's header file.
+fn header_u32(path: &std::path::Path, off: u64) -> u32 {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 4];
+    std::fs::File::open(path).unwrap().read_exact_at(&mut b, off).unwrap();
+    u32::from_ne_bytes(b)
+}
+
+/// Writes `bytes` at `off` of a region's header file (a hostile or broken
+/// writer; the creator's mapping sees it).
+fn poke(path: &std::path::Path, off: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    std::fs::OpenOptions::new().write(true).open(path).unwrap().write_all_at(bytes, off).unwrap();
+}
+
+/// The join word at offset 64: state in the high half, mask in the low.
+fn join_word(state: u32, mask: u32) -> [u8; 8] {
+    (((state as u64) << 32) | mask as u64).to_ne_bytes()
+}
+
+/// Issue 28, item 8: a join refused on the join state claims nothing: the
+/// pid word of its rank (offset 128 + 4 rank) stays 0, so the real rank
+/// joins once the state is right again (before the fix the refused joiner
+/// had written its pid first and the real rank got `RankAlreadyMapped`).
+#[test]
+fn region_join_refused_on_the_join_state_leaves_no_pid_word() {
+    for split in SPLITS {
+        let g = ShmGuard::new("pidmark");
+        let o = opts(3000).files(split).wait_for_all(false);
+        let creator = Region::create(&g.name, small(2, 1), 0, &o).unwrap();
+        // A state no code writes, with the creator's bit.
+        poke(&g.path, 64, &join_word(7, 1));
+        match Region::join(&g.name, small(2, 1), 1, &o) {
+            Err(RegionError::BadHeader { field: "join state", .. }) => {}
+            other => panic!("{split:?}: expected BadHeader(join state), got {other:?}"),
+        }
+        assert_eq!(header_u32(&g.path, 128 + 4), 0, "{split:?}: the refused joiner left its pid word");
+        assert!(g.listed(), "{split:?}: the refused joiner removed the files");
+        poke(&g.path, 64, &join_word(1, 1));
+        let joiner = Region::join(&g.name, small(2, 1), 1, &o).unwrap();
+        assert_eq!(joiner.rank_pids().unwrap(), vec![std::process::id(); 2]);
+        g.assert_gone();
+        drop((creator, joiner));
+    }
+}
+
+/// Issue 28: `creator_rank` must name one of the region's ranks
+/// (creator_rank = 1000 was accepted); refused, the files left alone.
+#[test]
+fn region_join_refuses_a_creator_rank_out_of_range() {
+    let g = ShmGuard::new("crank");
+    let o = opts(3000).wait_for_all(false);
+    let creator = Region::create(&g.name, small(2, 1), 0, &o).unwrap();
+    poke(&g.path, 44, &1000u32.to_ne_bytes());
+    match Region::join(&g.name, small(2, 1), 1, &o) {
+        Err(e @ RegionError::HeaderOutOfRange { field: "creator_rank", found: 1000, limit: 2, .. }) => {
+            assert!(e.to_string().contains("creator_rank is 1000, must be below 2"), "{e}");
+        }
+        other => panic!("expected HeaderOutOfRange(creator_rank), got {other:?}"),
+    }
+    assert!(g.listed());
+    assert_eq!(header_u32(&g.path, 128 + 4), 0);
+    drop(creator);
+    g.assert_gone();
+}
+
+/// Issue 28: a region whose creator is dead is refused at join with a
+/// typed error naming its pid (it was joined, and the failure showed only
+/// later), and abandoned and removed: stale, nobody can finish it.
+#[test]
+fn region_join_refuses_a_region_whose_creator_is_dead() {
+    for split in SPLITS {
+        let g = ShmGuard::new("deadcreator");
+        let o = opts(3000).files(split).wait_for_all(false);
+        let creator = Region::create(&g.name, small(2, 1), 0, &o).unwrap();
+        // A pid that was a process and is gone (reaped).
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        poke(&g.path, 56, &dead.to_ne_bytes());
+        match Region::join(&g.name, small(2, 1), 1, &o) {
+            Err(e @ RegionError::CreatorDied { .. }) => {
+                let RegionError::CreatorDied { pid, .. } = e else { unreachable!() };
+                assert_eq!(pid, dead);
+                assert!(e.to_string().contains(&format!("pid {dead}")), "{e}");
+            }
+            other => panic!("{split:?}: expected CreatorDied, got {other:?}"),
+        }
+        g.assert_gone();
+        drop(creator);
+    }
+}

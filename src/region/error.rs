@@ -355,6 +355,30 @@ pub enum RegionError {
         found: u64,
     },
 
+    /// A header field is outside what any creator writes.
+    #[error("bad header in {path}: {field} is {found}, must be below {limit}")]
+    HeaderOutOfRange {
+        /// The region's header file.
+        path: PathBuf,
+        /// The field (`creator_rank`).
+        field: &'static str,
+        /// The value found in the file.
+        found: u64,
+        /// The bound it must stay below.
+        limit: u64,
+    },
+
+    /// The process that created the region is gone: the region is stale
+    /// (left by a launch whose creator died), so this rank does not join
+    /// it; the joiner abandons it and removes its files.
+    #[error("{path} is stale: its creator (pid {pid}) is gone")]
+    CreatorDied {
+        /// The region's header file.
+        path: PathBuf,
+        /// The creator's recorded pid (0: none recorded).
+        pid: u32,
+    },
+
     /// This rank's bit was already set in the header: two processes claim
     /// the same rank, or the file is stale.
     #[error("rank {rank} has already mapped {path} (duplicate rank or stale file)")]
