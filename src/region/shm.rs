@@ -76,6 +76,11 @@
 //!   [`ShmStep::Reserving`], [`ShmStep::Reserved`]; the creator included
 //!   when it reserves): the others time out on [`JoinPhase::RanksToMap`],
 //!   abandon and unlink every file (each of them has mapped all of them).
+//! - the creator dies after `Ready`: a rank that reaches the header after
+//!   that finds the creator's pid gone and refuses the region at once
+//!   ([`RegionError::CreatorDied`]), abandons it and removes every file
+//!   (the ranks already waiting then see `Abandoned`); it does not join a
+//!   region whose agreement could only fail later.
 //! - any rank dies after setting its bit: the mask still completes when the
 //!   others arrive, or they time out; either way they unlink.
 //! - any rank dies during pre-faulting, registering or transferring: the
