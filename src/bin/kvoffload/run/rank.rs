@@ -306,7 +306,9 @@ fn agree(
     rep.agreement = match &outcome.agreement {
         None | Some(Ok(())) if outcome.state == PinState::Pinned => "pinned".into(),
         None | Some(Ok(())) => "pageable".into(),
-        Some(Err(e @ AgreementError::RankDied { .. })) | Some(Err(e @ AgreementError::Timeout { .. })) => {
+        Some(Err(
+            e @ (AgreementError::RankDied { .. } | AgreementError::Timeout { .. } | AgreementError::Abandoned { .. }),
+        )) => {
             emit(&format!("{NOTE} rank={rank} agreement not reached ({e}); this rank runs on pageable memory"));
             format!("failed: {e}")
         }
