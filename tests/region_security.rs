@@ -139,12 +139,19 @@ fn region_joiner_never_follows_a_link_planted_under_a_data_file_name() {
     write_private(&target, &vec![0x5a; p]);
     std::fs::remove_file(g.data_path(2)).unwrap();
     std::os::unix::fs::symlink(&target, g.data_path(2)).unwrap();
-    let (before, header_before) = (Snapshot::of(&target), Snapshot::of(&g.path));
+    let (before, header_before) = (Snapshot::of(&target), std::fs::read(&g.path).unwrap());
     expect_untrusted(Region::join(&g.name, l, 1, &o), &g.data_path(2), FileProblem::Symlink);
     assert_eq!(Snapshot::of(&target), before, "the link's target was changed");
-    // Nothing written to the region either (no pid claimed, not abandoned)
-    // and nothing removed.
-    assert_eq!(Snapshot::of(&g.path).bytes, header_before.bytes, "the refused joiner wrote to the header");
+    // The region is abandoned with the joiner's note (issue 28: the creator
+    // then fails at once with the reason), and nothing else is written to
+    // the header (no pid claimed) and nothing removed.
+    let mut header_after = std::fs::read(&g.path).unwrap();
+    let word = |h: &[u8], off: usize| u64::from_ne_bytes(h[off..off + 8].try_into().unwrap());
+    assert_eq!(word(&header_after, 64) >> 32, 3, "the join state is Abandoned");
+    assert_eq!(word(&header_after, 96), (2u64 << 48) | (1 << 32) | 2, "the note: rank 1 refused data file 2");
+    header_after[64..72].copy_from_slice(&header_before[64..72]);
+    header_after[96..104].copy_from_slice(&header_before[96..104]);
+    assert!(header_after == header_before, "the refused joiner wrote elsewhere in the header");
     assert_eq!(g.files().len(), 5);
     assert_eq!(creator.mapped_ranks(), vec![0]);
     drop(creator);

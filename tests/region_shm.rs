@@ -8,8 +8,8 @@ mod region_common;
 use std::time::Duration;
 
 use kvoffload::internal::region::{
-    fs_available, page_size, shm_path, FileSplit, JoinPhase, Layout, Region, RegionError, RegionKind, ShmOptions,
-    DEFAULT_SHM_DIR, SHM_PREFIX,
+    fs_available, page_size, shm_path, AbandonNote, AbandonReason, FileSplit, JoinPhase, Layout, Region, RegionError,
+    RegionKind, ShmOptions, DEFAULT_SHM_DIR, SHM_PREFIX,
 };
 use region_common::{write_private, ShmGuard};
 
@@ -522,6 +522,24 @@ fn region_joiner_refuses_a_data_file_of_the_wrong_size_or_a_missing_one() {
     assert_eq!(g.files().len(), 5, "the refused joiner removed nothing");
     drop(creator);
     g.assert_gone();
+    // Issue 28: the refusing joiner abandons the region with a note of why,
+    // so the creator, waiting for every rank, fails at once with the reason
+    // (before, it waited its whole join timeout: JoinTimeout here).
+    let g = ShmGuard::new("resized-wait");
+    let mut creator = Region::create(&g.name, l, 0, &o).unwrap();
+    std::fs::OpenOptions::new().write(true).open(g.data_path(3)).unwrap().set_len(3 * p as u64).unwrap();
+    assert!(matches!(Region::join(&g.name, l, 1, &o), Err(RegionError::BadHeader { field: "data file size", .. })));
+    match creator.wait_all_mapped(Duration::from_secs(5)) {
+        Err(e @ RegionError::Abandoned { .. }) => {
+            let RegionError::Abandoned { ref by, .. } = e else { unreachable!() };
+            assert_eq!(*by, Some(AbandonNote { rank: 1, reason: AbandonReason::RefusedDataFile { file: 3 } }));
+            assert!(e.to_string().contains("rank 1 refused data file 3"), "{e}");
+        }
+        other => panic!("expected Abandoned with the joiner's note, got {other:?}"),
+    }
+    // The creator removed its own files (every file here is its inode).
+    g.assert_gone();
+    drop(creator);
     // Removed after the creator made it: the joiner says which, abandons
     // the region and removes what it opened; the creator the rest.
     let g = ShmGuard::new("missing");

@@ -737,7 +737,9 @@ impl Region {
         if let Err(e) = self.shared_mut().unlink_if_ours("region abandoned") {
             warn!(error = %e, "could not unlink abandoned region file");
         }
-        RegionError::Abandoned { path: self.shared_path().to_path_buf(), mapped }
+        let by =
+            super::error::AbandonNote::decode(self.hdr().abandon_note().load(core::sync::atomic::Ordering::Acquire));
+        RegionError::Abandoned { path: self.shared_path().to_path_buf(), mapped, by }
     }
 
     /// Compares the header with what this rank expects.
