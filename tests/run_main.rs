@@ -399,3 +399,33 @@ fn sigkill_to_the_parent_ends_every_rank_and_leaves_no_region_file() {
         .collect();
     assert!(left.is_empty(), "region file left: {left:?}\n{}", bg.output());
 }
+
+/// Issue 28: a rank that dies during the join (SIGKILLed before it maps the
+/// region) ends the run at once: the parent stops the others, which would
+/// wait for it until their rank timeout (120 s by default; 600 s here, so a
+/// run that ends at all before the test's own limit ended through the
+/// parent), and removes every file of the region.
+#[test]
+fn a_rank_killed_during_the_join_ends_the_run_at_once() {
+    for rank in ["0", "1"] {
+        let t = Instant::now();
+        let mut bg = Background::start(&["--kill-rank", rank, "--kill-at", "join", "--rank-timeout-s", "600"]);
+        let status = bg.wait(Duration::from_secs(60));
+        let out = bg.output();
+        println!("rank {rank} killed during the join: the run ended after {:.2} s", t.elapsed().as_secs_f64());
+        assert_eq!(status.code(), Some(1), "{out}");
+        assert!(out.contains(&format!("rank {rank} died during the join")), "{out}");
+        let other = if rank == "0" { 1 } else { 0 };
+        assert!(out.contains(&format!("rank {other}: stopped (another rank failed)")), "{out}");
+        assert!(out.contains("result: FAILED"), "{out}");
+        let pid = bg.child.id();
+        let prefix = format!("kvoffload-run-{pid}-");
+        let left: Vec<String> = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .filter(|n| n.starts_with(&prefix))
+            .collect();
+        assert!(left.is_empty(), "left: {left:?}\n{out}");
+    }
+}

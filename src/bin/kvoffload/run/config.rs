@@ -8,6 +8,9 @@ use kvoffload::internal::region::{page_size, Layout, DEFAULT_FILE_BYTES, MAX_FIL
 /// Where the parent SIGKILLs a rank (fault tests).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum KillAt {
+    /// During the join of the shared region (the rank pauses before it
+    /// creates or joins it, announces it, and the parent kills it there).
+    Join,
     /// In the middle of pinning (the rank pauses before registering its
     /// middle chunk, announces it, and the parent kills it there).
     Pinning,
@@ -18,6 +21,7 @@ pub enum KillAt {
 impl KillAt {
     pub fn name(self) -> &'static str {
         match self {
+            KillAt::Join => "join",
             KillAt::Pinning => "pinning",
             KillAt::Transfers => "transfers",
         }
