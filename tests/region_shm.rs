@@ -681,3 +681,118 @@ fn region_join_refuses_a_region_whose_creator_is_dead() {
         drop(creator);
     }
 }
+
+// ---- the header parser against hostile headers (issue 28, deliver 6) ----
+
+/// A header field: offset, width in bytes, and the value a valid region of
+/// [`fuzz_layout`] made by this process has there.
+struct Field {
+    off: usize,
+    width: usize,
+    valid: u64,
+}
+
+/// Two ranks, one page each, one row: the joiner is rank 1.
+fn fuzz_layout() -> Layout {
+    small(2, 1)
+}
+
+/// The fields of a valid one-file header of [`fuzz_layout`] whose creator
+/// is this process, rank 0 mapped (join word Ready, mask 1).
+fn fuzz_fields() -> Vec<Field> {
+    let p = page_size() as u64;
+    let hb = 4096.max(p);
+    let f = |off, width, valid| Field { off, width, valid };
+    vec![
+        f(0, 8, kvoffload::internal::region::header::MAGIC),
+        f(8, 4, kvoffload::internal::region::header::VERSION as u64),
+        f(12, 4, hb),
+        f(16, 8, hb + 2 * p),
+        f(24, 8, p),
+        f(32, 8, 1),
+        f(40, 4, 2),
+        f(44, 4, 0),
+        f(48, 8, 0),
+        f(56, 4, std::process::id() as u64),
+        f(64, 8, 1 << 32 | 1),
+        f(72, 8, 0),
+        f(80, 8, 0),
+        f(88, 8, 0),
+        f(96, 8, 0),
+        f(128, 4, std::process::id() as u64),
+        f(132, 4, 0),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::test_runner::Config { cases: 256, ..Default::default() })]
+
+    /// Whatever a header says, a joiner returns (within its timeout), never
+    /// panics, and gives a typed error or a region that is right: it joins
+    /// only a header whose every field is what this rank expects, with a
+    /// creator rank below the ranks and a live creator; a header it refuses
+    /// as not its own (BadHeader, HeaderOutOfRange, UntrustedFile) is left
+    /// byte for byte as it was; and a refused join never leaves its pid in
+    /// the header.
+    #[test]
+    fn region_join_of_a_hostile_header_is_typed_and_leaves_no_mark(
+        // Up to two fields made hostile (any bits, a small number, or the
+        // valid value off by one); the rest valid, so that a defect in one
+        // check is reached.
+        mutations in proptest::collection::vec((0usize..17, 0u8..4, proptest::prelude::any::<u64>()), 0..3),
+        flips in proptest::collection::vec((0usize..512, proptest::prelude::any::<u8>()), 0..2),
+    ) {
+        let fields = fuzz_fields();
+        let l = fuzz_layout();
+        let len = 4096.max(page_size()) + l.data_bytes();
+        let mut values: Vec<u64> = fields.iter().map(|f| f.valid).collect();
+        for &(i, kind, raw) in &mutations {
+            values[i] = match kind {
+                0 => raw,
+                1 => raw % 40,
+                2 => values[i].wrapping_add(1),
+                _ => values[i].wrapping_sub(1),
+            };
+        }
+        let mut bytes = vec![0u8; len];
+        for (f, v) in fields.iter().zip(&values) {
+            bytes[f.off..f.off + f.width].copy_from_slice(&v.to_ne_bytes()[..f.width]);
+        }
+        for (off, b) in &flips {
+            bytes[*off] = *b;
+        }
+        let g = ShmGuard::new("fuzz");
+        write_private(&g.path, &bytes);
+        let res = Region::join(&g.name, l, 1, &opts(20).files(FileSplit::Single));
+        let after = std::fs::read(&g.path).ok();
+        match &res {
+            Ok(_) => {
+                // Every field the joiner checks was valid.
+                let read = |off: usize, width: usize| {
+                    let mut b = [0u8; 8];
+                    b[..width].copy_from_slice(&bytes[off..off + width]);
+                    u64::from_ne_bytes(b)
+                };
+                for f in fields.iter().filter(|f| ![64, 96, 128, 132].contains(&f.off)) {
+                    let found = read(f.off, f.width);
+                    if f.off == 44 {
+                        proptest::prop_assert!(found < 2, "joined with creator_rank {found}");
+                    } else if f.off == 56 {
+                        proptest::prop_assert!(found != 0, "joined with no creator pid");
+                    } else {
+                        proptest::prop_assert_eq!(found, f.valid, "joined with field at {} wrong", f.off);
+                    }
+                }
+            }
+            Err(RegionError::BadHeader { .. } | RegionError::HeaderOutOfRange { .. } | RegionError::UntrustedFile { .. }) => {
+                proptest::prop_assert!(after.as_deref() == Some(&bytes[..]), "a refused header was changed or removed: {res:?}");
+            }
+            Err(_) => {}
+        }
+        if let (Err(_), Some(after)) = (&res, &after) {
+            // No pid claimed by the refused rank 1.
+            proptest::prop_assert_eq!(&after[132..136], &bytes[132..136], "the refused joiner left its pid word: {:?}", res);
+        }
+        drop(res);
+    }
+}
