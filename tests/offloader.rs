@@ -317,3 +317,98 @@ fn two_ranks_share_a_region_and_agree() {
         assert!(!linked, "the region file is unlinked once both ranks mapped it");
     }
 }
+
+/// Tells a channel when this rank's own pinning settled (before the
+/// agreement).
+struct SettledSignal(std::sync::Mutex<std::sync::mpsc::Sender<()>>);
+impl PinObserver for SettledSignal {
+    fn settled(&self) {
+        let _ = self.0.lock().unwrap().send(());
+    }
+}
+
+/// Issue 28, item 1: `shutdown` during the agreement, with a peer that
+/// never settles, ends the agreement for this rank at once (before: it
+/// waited the agreement timeout, then reported `Timeout`), and tells the
+/// peer: when it comes to settle it ends pageable at once, naming the rank
+/// that left (before: it found rank 0 settled and turned offload on alone).
+#[test]
+fn shutdown_during_the_agreement_ends_it_and_the_peer_settles_pageable_at_once() {
+    use kvoffload::internal::protocol::agreement::AgreementError;
+    let name = format!("offloader-leave-{}", std::process::id());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let make = |rank: usize, observer: Option<Arc<dyn PinObserver>>| {
+        let name = name.clone();
+        thread::spawn(move || {
+            let mut opts = OffloaderOptions::with_host_blocks(8);
+            opts.region = RegionSpec::Shared {
+                name,
+                rank,
+                ranks: 2,
+                options: ShmOptions::new().timeout(Duration::from_secs(30)),
+            };
+            // Far longer than the test: only the shutdown can end rank 0's wait.
+            opts.agreement_timeout = Some(Duration::from_secs(600));
+            opts.pin_observer = observer;
+            Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap()
+        })
+    };
+    let observer: Arc<dyn PinObserver> =
+        sync::arc_dyn(SettledSignal(std::sync::Mutex::new(tx)), |a| -> sync::StdArc<dyn PinObserver> { a });
+    let (a, b) = (make(0, Some(observer)), make(1, None));
+    let (r0, r1) = (a.join().unwrap(), b.join().unwrap());
+    // Rank 0 pins and waits for rank 1, which has not started pinning.
+    r0.start().unwrap();
+    rx.recv_timeout(Duration::from_secs(60)).expect("rank 0 never finished its own pinning");
+    let t = std::time::Instant::now();
+    r0.shutdown().unwrap();
+    let took = t.elapsed();
+    println!("shutdown during the agreement returned in {} ms", took.as_millis());
+    let out0 = r0.wait_pinned().unwrap();
+    assert_eq!(out0.agreement, Some(Err(AgreementError::Cancelled { waiting: vec![1] })), "{out0:?}");
+    assert!(matches!(out0.state, PinState::Pageable(_)), "{out0:?}");
+    // The peer comes later: it settles pageable at once, told why.
+    let out1 = r1.wait_pinned().unwrap();
+    assert_eq!(out1.agreement, Some(Err(AgreementError::Abandoned { by: 0, ranks: vec![1] })), "{out1:?}");
+    assert!(matches!(out1.state, PinState::Pageable(_)), "{out1:?}");
+    r1.shutdown().unwrap();
+}
+
+/// Issue 28, item 1: `cancel_pinning` (the Rust call a wrapper's Ctrl-C can
+/// make) ends this rank's wait in the agreement for a peer that never
+/// settles, without a shutdown; `wait_pinned` then returns at once.
+#[test]
+fn cancel_pinning_ends_the_wait_in_the_agreement() {
+    use kvoffload::internal::protocol::agreement::AgreementError;
+    let name = format!("offloader-cancel-{}", std::process::id());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let observer: Arc<dyn PinObserver> =
+        sync::arc_dyn(SettledSignal(std::sync::Mutex::new(tx)), |a| -> sync::StdArc<dyn PinObserver> { a });
+    let make = |rank: usize, observer: Option<Arc<dyn PinObserver>>| {
+        let name = name.clone();
+        thread::spawn(move || {
+            let mut opts = OffloaderOptions::with_host_blocks(8);
+            opts.region = RegionSpec::Shared {
+                name,
+                rank,
+                ranks: 2,
+                options: ShmOptions::new().timeout(Duration::from_secs(30)),
+            };
+            opts.agreement_timeout = Some(Duration::from_secs(600));
+            opts.pin_observer = observer;
+            Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap()
+        })
+    };
+    let (a, b) = (make(0, Some(observer)), make(1, None));
+    let (r0, r1) = (a.join().unwrap(), b.join().unwrap());
+    r0.start().unwrap();
+    rx.recv_timeout(Duration::from_secs(60)).expect("rank 0 never finished its own pinning");
+    r0.cancel_pinning();
+    let out0 = r0.wait_pinned().unwrap();
+    assert_eq!(out0.agreement, Some(Err(AgreementError::Cancelled { waiting: vec![1] })), "{out0:?}");
+    assert_eq!(out0.state, PinState::Pageable(kvoffload::internal::protocol::PageableReason::PeerPageable));
+    // No chunk stays registered on the cancelled rank.
+    assert_eq!(r0.pin_progress().chunks_done, 0);
+    r0.shutdown().unwrap();
+    r1.shutdown().unwrap();
+}

@@ -344,19 +344,24 @@ fn region_creator_killed_at_any_observed_point_leaves_no_file() {
             "exists" => assert!(poll_until(PATIENCE, || g.path.exists()), "file never appeared"),
             _ => assert!(poll_until(PATIENCE, || file_join_state(&g.path) == Some(1)), "never ready"),
         }
+        let creator_pid = child.child.as_ref().unwrap().id();
         let status = child.kill9();
         // The child cannot have finished on its own: it waits for rank 1.
         assert_killed(status);
         // The survivor joins; whatever point the creator died at, it
-        // returns (joined and completed, or timed out) and no file remains.
+        // returns (timed out before READY; refused after it: the creator
+        // is dead, issue 28) and no file remains.
         let res = Region::join(&g.name, layout(2), 1, &single(Duration::from_millis(300)));
         match (&res, point) {
-            (Ok(r), _) => assert_eq!(r.mapped_ranks(), vec![0, 1]),
             (Err(RegionError::JoinTimeout { .. }), "spawned" | "exists") => {}
-            (Err(e), _) => panic!("kill point {point}: unexpected {e:?}"),
+            (Err(RegionError::CreatorDied { pid, .. }), _) => assert_eq!(*pid, creator_pid),
+            (r, _) => panic!("kill point {point}: unexpected {r:?}"),
         }
         if point == "ready" {
-            assert!(res.is_ok(), "a READY region must still be joinable");
+            assert!(
+                matches!(res, Err(RegionError::CreatorDied { .. })),
+                "a READY region whose creator is dead is refused"
+            );
         }
         drop(res);
         g.assert_gone();
@@ -384,13 +389,12 @@ fn region_multi_creator_killed_at_each_step_leaves_no_file() {
         assert_eq!(child.read_line("at "), format!("at {step}"));
         assert_eq!(g.files().len(), files, "{step}: {:?}", g.files());
         assert_killed(child.kill9());
+        // Before READY the survivor times out; after it, the header names
+        // the dead creator and the join is refused at once (issue 28).
         match Region::join(&g.name, mlayout(), 1, &mopts(Duration::from_millis(300))) {
-            Err(RegionError::JoinTimeout { phase: p, missing, .. }) if p == phase => {
-                if phase == JoinPhase::RanksToMap {
-                    assert_eq!(missing, vec![0], "{step}");
-                }
-            }
-            other => panic!("{step}: expected JoinTimeout({phase:?}), got {other:?}"),
+            Err(RegionError::JoinTimeout { phase: p, .. }) if p == phase && phase != JoinPhase::RanksToMap => {}
+            Err(RegionError::CreatorDied { .. }) if phase == JoinPhase::RanksToMap => {}
+            other => panic!("{step}: expected JoinTimeout({phase:?}) or CreatorDied after READY, got {other:?}"),
         }
         g.assert_gone();
     }

@@ -139,12 +139,19 @@ fn region_joiner_never_follows_a_link_planted_under_a_data_file_name() {
     write_private(&target, &vec![0x5a; p]);
     std::fs::remove_file(g.data_path(2)).unwrap();
     std::os::unix::fs::symlink(&target, g.data_path(2)).unwrap();
-    let (before, header_before) = (Snapshot::of(&target), Snapshot::of(&g.path));
+    let (before, header_before) = (Snapshot::of(&target), std::fs::read(&g.path).unwrap());
     expect_untrusted(Region::join(&g.name, l, 1, &o), &g.data_path(2), FileProblem::Symlink);
     assert_eq!(Snapshot::of(&target), before, "the link's target was changed");
-    // Nothing written to the region either (no pid claimed, not abandoned)
-    // and nothing removed.
-    assert_eq!(Snapshot::of(&g.path).bytes, header_before.bytes, "the refused joiner wrote to the header");
+    // The region is abandoned with the joiner's note (issue 28: the creator
+    // then fails at once with the reason), and nothing else is written to
+    // the header (no pid claimed) and nothing removed.
+    let mut header_after = std::fs::read(&g.path).unwrap();
+    let word = |h: &[u8], off: usize| u64::from_ne_bytes(h[off..off + 8].try_into().unwrap());
+    assert_eq!(word(&header_after, 64) >> 32, 3, "the join state is Abandoned");
+    assert_eq!(word(&header_after, 96), (2u64 << 48) | (1 << 32) | 2, "the note: rank 1 refused data file 2");
+    header_after[64..72].copy_from_slice(&header_before[64..72]);
+    header_after[96..104].copy_from_slice(&header_before[96..104]);
+    assert!(header_after == header_before, "the refused joiner wrote elsewhere in the header");
     assert_eq!(g.files().len(), 5);
     assert_eq!(creator.mapped_ranks(), vec![0]);
     drop(creator);
@@ -287,6 +294,28 @@ fn region_joiner_refuses_files_that_others_may_read_or_write() {
     assert_eq!(Snapshot::of(&g.data_path(0)), before);
     drop(creator);
     g.assert_gone();
+}
+
+/// Issue 28, item 9: a file of ours with set-user-id, set-group-id or sticky
+/// bits (which a creator refuses to make) is refused by a joiner and left
+/// as it was, not joined and then removed.
+#[test]
+fn region_joiner_refuses_a_file_with_setuid_setgid_or_sticky_bits_and_leaves_it() {
+    for split in SPLITS {
+        for mode in [0o2600, 0o4600, 0o1600] {
+            let g = ShmGuard::new("special");
+            let l = small(1, 1);
+            write_private(&g.path, &vec![0u8; header_file_len(&l, split)]);
+            set_mode(&g.path, mode);
+            let before = Snapshot::of(&g.path);
+            assert_eq!(before.mode & 0o7777, mode, "the test could not set the bits");
+            let res = Region::join(&g.name, l, 0, &opts(300).files(split));
+            assert!(g.listed(), "{split:?} {mode:o}: the file was removed; join gave {res:?}");
+            assert_eq!(Snapshot::of(&g.path), before, "{split:?} {mode:o}: the file was changed; join gave {res:?}");
+            let msg = expect_untrusted(res, &g.path, FileProblem::SpecialBits { mode });
+            assert!(msg.contains("set-user-id"), "{msg}");
+        }
+    }
 }
 
 /// A group to allow: 65534 when we are root (so it is not our own), our

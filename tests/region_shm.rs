@@ -8,8 +8,8 @@ mod region_common;
 use std::time::Duration;
 
 use kvoffload::internal::region::{
-    fs_available, page_size, shm_path, FileSplit, JoinPhase, Layout, Region, RegionError, RegionKind, ShmOptions,
-    DEFAULT_SHM_DIR, SHM_PREFIX,
+    fs_available, page_size, shm_path, AbandonNote, AbandonReason, FileSplit, JoinPhase, Layout, Region, RegionError,
+    RegionKind, ShmOptions, DEFAULT_SHM_DIR, SHM_PREFIX,
 };
 use region_common::{write_private, ShmGuard};
 
@@ -522,6 +522,24 @@ fn region_joiner_refuses_a_data_file_of_the_wrong_size_or_a_missing_one() {
     assert_eq!(g.files().len(), 5, "the refused joiner removed nothing");
     drop(creator);
     g.assert_gone();
+    // Issue 28: the refusing joiner abandons the region with a note of why,
+    // so the creator, waiting for every rank, fails at once with the reason
+    // (before, it waited its whole join timeout: JoinTimeout here).
+    let g = ShmGuard::new("resized-wait");
+    let mut creator = Region::create(&g.name, l, 0, &o).unwrap();
+    std::fs::OpenOptions::new().write(true).open(g.data_path(3)).unwrap().set_len(3 * p as u64).unwrap();
+    assert!(matches!(Region::join(&g.name, l, 1, &o), Err(RegionError::BadHeader { field: "data file size", .. })));
+    match creator.wait_all_mapped(Duration::from_secs(5)) {
+        Err(e @ RegionError::Abandoned { .. }) => {
+            let RegionError::Abandoned { ref by, .. } = e else { unreachable!() };
+            assert_eq!(*by, Some(AbandonNote { rank: 1, reason: AbandonReason::RefusedDataFile { file: 3 } }));
+            assert!(e.to_string().contains("rank 1 refused data file 3"), "{e}");
+        }
+        other => panic!("expected Abandoned with the joiner's note, got {other:?}"),
+    }
+    // The creator removed its own files (every file here is its inode).
+    g.assert_gone();
+    drop(creator);
     // Removed after the creator made it: the joiner says which, abandons
     // the region and removes what it opened; the creator the rest.
     let g = ShmGuard::new("missing");
@@ -569,4 +587,212 @@ fn region_joiner_with_another_file_split_is_refused() {
     }
     drop(creator);
     g.assert_gone();
+}
+
+/// Reads the u32 at `off` of a region's header file.
+fn header_u32(path: &std::path::Path, off: u64) -> u32 {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 4];
+    std::fs::File::open(path).unwrap().read_exact_at(&mut b, off).unwrap();
+    u32::from_ne_bytes(b)
+}
+
+/// Writes `bytes` at `off` of a region's header file (a hostile or broken
+/// writer; the creator's mapping sees it).
+fn poke(path: &std::path::Path, off: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    std::fs::OpenOptions::new().write(true).open(path).unwrap().write_all_at(bytes, off).unwrap();
+}
+
+/// The join word at offset 64: state in the high half, mask in the low.
+fn join_word(state: u32, mask: u32) -> [u8; 8] {
+    (((state as u64) << 32) | mask as u64).to_ne_bytes()
+}
+
+/// Issue 28, item 8: a join refused on the join state claims nothing: the
+/// pid word of its rank (offset 128 + 4 rank) stays 0, so the real rank
+/// joins once the state is right again (before the fix the refused joiner
+/// had written its pid first and the real rank got `RankAlreadyMapped`).
+#[test]
+fn region_join_refused_on_the_join_state_leaves_no_pid_word() {
+    for split in SPLITS {
+        let g = ShmGuard::new("pidmark");
+        let o = opts(3000).files(split).wait_for_all(false);
+        let creator = Region::create(&g.name, small(2, 1), 0, &o).unwrap();
+        // A state no code writes, with the creator's bit.
+        poke(&g.path, 64, &join_word(7, 1));
+        match Region::join(&g.name, small(2, 1), 1, &o) {
+            Err(RegionError::BadHeader { field: "join state", .. }) => {}
+            other => panic!("{split:?}: expected BadHeader(join state), got {other:?}"),
+        }
+        assert_eq!(header_u32(&g.path, 128 + 4), 0, "{split:?}: the refused joiner left its pid word");
+        assert!(g.listed(), "{split:?}: the refused joiner removed the files");
+        poke(&g.path, 64, &join_word(1, 1));
+        let joiner = Region::join(&g.name, small(2, 1), 1, &o).unwrap();
+        assert_eq!(joiner.rank_pids().unwrap(), vec![std::process::id(); 2]);
+        g.assert_gone();
+        drop((creator, joiner));
+    }
+}
+
+/// Issue 28: `creator_rank` must name one of the region's ranks
+/// (creator_rank = 1000 was accepted); refused, the files left alone.
+#[test]
+fn region_join_refuses_a_creator_rank_out_of_range() {
+    let g = ShmGuard::new("crank");
+    let o = opts(3000).wait_for_all(false);
+    let creator = Region::create(&g.name, small(2, 1), 0, &o).unwrap();
+    poke(&g.path, 44, &1000u32.to_ne_bytes());
+    match Region::join(&g.name, small(2, 1), 1, &o) {
+        Err(e @ RegionError::HeaderOutOfRange { field: "creator_rank", found: 1000, limit: 2, .. }) => {
+            assert!(e.to_string().contains("creator_rank is 1000, must be below 2"), "{e}");
+        }
+        other => panic!("expected HeaderOutOfRange(creator_rank), got {other:?}"),
+    }
+    assert!(g.listed());
+    assert_eq!(header_u32(&g.path, 128 + 4), 0);
+    drop(creator);
+    g.assert_gone();
+}
+
+/// Issue 28: a region whose creator is dead is refused at join with a
+/// typed error naming its pid (it was joined, and the failure showed only
+/// later), and abandoned and removed: stale, nobody can finish it.
+#[test]
+fn region_join_refuses_a_region_whose_creator_is_dead() {
+    for split in SPLITS {
+        let g = ShmGuard::new("deadcreator");
+        let o = opts(3000).files(split).wait_for_all(false);
+        let creator = Region::create(&g.name, small(2, 1), 0, &o).unwrap();
+        // A pid that was a process and is gone (reaped).
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        poke(&g.path, 56, &dead.to_ne_bytes());
+        match Region::join(&g.name, small(2, 1), 1, &o) {
+            Err(e @ RegionError::CreatorDied { .. }) => {
+                let RegionError::CreatorDied { pid, .. } = e else { unreachable!() };
+                assert_eq!(pid, dead);
+                assert!(e.to_string().contains(&format!("pid {dead}")), "{e}");
+            }
+            other => panic!("{split:?}: expected CreatorDied, got {other:?}"),
+        }
+        g.assert_gone();
+        drop(creator);
+    }
+}
+
+// ---- the header parser against hostile headers (issue 28, deliver 6) ----
+
+/// A header field: offset, width in bytes, and the value a valid region of
+/// [`fuzz_layout`] made by this process has there.
+struct Field {
+    off: usize,
+    width: usize,
+    valid: u64,
+}
+
+/// Two ranks, one page each, one row: the joiner is rank 1.
+fn fuzz_layout() -> Layout {
+    small(2, 1)
+}
+
+/// The fields of a valid one-file header of [`fuzz_layout`] whose creator
+/// is this process, rank 0 mapped (join word Ready, mask 1).
+fn fuzz_fields() -> Vec<Field> {
+    let p = page_size() as u64;
+    let hb = 4096.max(p);
+    let f = |off, width, valid| Field { off, width, valid };
+    vec![
+        f(0, 8, kvoffload::internal::region::header::MAGIC),
+        f(8, 4, kvoffload::internal::region::header::VERSION as u64),
+        f(12, 4, hb),
+        f(16, 8, hb + 2 * p),
+        f(24, 8, p),
+        f(32, 8, 1),
+        f(40, 4, 2),
+        f(44, 4, 0),
+        f(48, 8, 0),
+        f(56, 4, std::process::id() as u64),
+        f(64, 8, 1 << 32 | 1),
+        f(72, 8, 0),
+        f(80, 8, 0),
+        f(88, 8, 0),
+        f(96, 8, 0),
+        f(128, 4, std::process::id() as u64),
+        f(132, 4, 0),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::test_runner::Config { cases: 256, ..Default::default() })]
+
+    /// Whatever a header says, a joiner returns (within its timeout), never
+    /// panics, and gives a typed error or a region that is right: it joins
+    /// only a header whose every field is what this rank expects, with a
+    /// creator rank below the ranks and a live creator; a header it refuses
+    /// as not its own (BadHeader, HeaderOutOfRange, UntrustedFile) is left
+    /// byte for byte as it was; and a refused join never leaves its pid in
+    /// the header.
+    #[test]
+    fn region_join_of_a_hostile_header_is_typed_and_leaves_no_mark(
+        // Up to two fields made hostile (any bits, a small number, or the
+        // valid value off by one); the rest valid, so that a defect in one
+        // check is reached.
+        mutations in proptest::collection::vec((0usize..17, 0u8..4, proptest::prelude::any::<u64>()), 0..3),
+        flips in proptest::collection::vec((0usize..512, proptest::prelude::any::<u8>()), 0..2),
+    ) {
+        let fields = fuzz_fields();
+        let l = fuzz_layout();
+        let len = 4096.max(page_size()) + l.data_bytes();
+        let mut values: Vec<u64> = fields.iter().map(|f| f.valid).collect();
+        for &(i, kind, raw) in &mutations {
+            values[i] = match kind {
+                0 => raw,
+                1 => raw % 40,
+                2 => values[i].wrapping_add(1),
+                _ => values[i].wrapping_sub(1),
+            };
+        }
+        let mut bytes = vec![0u8; len];
+        for (f, v) in fields.iter().zip(&values) {
+            bytes[f.off..f.off + f.width].copy_from_slice(&v.to_ne_bytes()[..f.width]);
+        }
+        for (off, b) in &flips {
+            bytes[*off] = *b;
+        }
+        let g = ShmGuard::new("fuzz");
+        write_private(&g.path, &bytes);
+        let res = Region::join(&g.name, l, 1, &opts(20).files(FileSplit::Single));
+        let after = std::fs::read(&g.path).ok();
+        match &res {
+            Ok(_) => {
+                // Every field the joiner checks was valid.
+                let read = |off: usize, width: usize| {
+                    let mut b = [0u8; 8];
+                    b[..width].copy_from_slice(&bytes[off..off + width]);
+                    u64::from_ne_bytes(b)
+                };
+                for f in fields.iter().filter(|f| ![64, 96, 128, 132].contains(&f.off)) {
+                    let found = read(f.off, f.width);
+                    if f.off == 44 {
+                        proptest::prop_assert!(found < 2, "joined with creator_rank {found}");
+                    } else if f.off == 56 {
+                        proptest::prop_assert!(found != 0, "joined with no creator pid");
+                    } else {
+                        proptest::prop_assert_eq!(found, f.valid, "joined with field at {} wrong", f.off);
+                    }
+                }
+            }
+            Err(RegionError::BadHeader { .. } | RegionError::HeaderOutOfRange { .. } | RegionError::UntrustedFile { .. }) => {
+                proptest::prop_assert!(after.as_deref() == Some(&bytes[..]), "a refused header was changed or removed: {res:?}");
+            }
+            Err(_) => {}
+        }
+        if let (Err(_), Some(after)) = (&res, &after) {
+            // No pid claimed by the refused rank 1.
+            proptest::prop_assert_eq!(&after[132..136], &bytes[132..136], "the refused joiner left its pid word: {:?}", res);
+        }
+        drop(res);
+    }
 }

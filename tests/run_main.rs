@@ -181,6 +181,21 @@ fn bad_options_are_one_line_and_exit_2() {
         assert_eq!(out.lines().count(), 1, "{args:?}: {out}");
         assert!(out.starts_with("kvoffload: "), "{args:?}: {out}");
     }
+    // Issue 28: a directory that holds no files (it failed in the ranks,
+    // exit status 1), and a region past the 1 TiB of data files (it named
+    // the layout's data_bytes and isize::MAX, or failed in the ranks): the
+    // option is named, not an internal field.
+    for args in
+        [&["--region-dir", "/proc"][..], &["--region", "18446744073709551615"], &["--region", "9223372036854775807"]]
+    {
+        let (rc, out, _) = run(args);
+        assert_eq!(rc, 2, "{args:?}: {out}");
+        assert_eq!(out.lines().count(), 1, "{args:?}: {out}");
+        assert!(out.starts_with("kvoffload: ") && out.contains(args[0].trim_start_matches("--")), "{args:?}: {out}");
+        assert!(!out.contains("data_bytes") && !out.contains("isize"), "{args:?}: {out}");
+    }
+    let (_, out, _) = run(&["--region", "18446744073709551615"]);
+    assert!(out.contains("region = 18446744073709551615 exceeds the limit of 1099511627776"), "{out}");
     let out = Command::new(BIN).args(["run", "--backend", "cuda", "--fault-copy-every", "3"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("need the simulated GPU"));
@@ -194,10 +209,7 @@ fn a_rank_that_cannot_create_its_region_ends_the_run_at_once_with_its_error() {
     // finds its 512 GiB share larger than the memory it can get before
     // joining), so either may report first, or both: a rank that does not
     // refuse is stopped.
-    for (args, whys) in [
-        (&["--region", "1TiB"][..], &["does not fit in /dev/shm", "this process can get"][..]),
-        (&["--region-dir", "/proc"][..], &["does not fit in /proc: only 0 bytes free"][..]),
-    ] {
+    for (args, whys) in [(&["--region", "1TiB"][..], &["does not fit in /dev/shm", "this process can get"][..])] {
         let t = Instant::now();
         let (rc, out, pid) = run(args);
         let secs = t.elapsed().as_secs_f64();
@@ -386,4 +398,34 @@ fn sigkill_to_the_parent_ends_every_rank_and_leaves_no_region_file() {
         .filter(|n| n.starts_with(&prefix))
         .collect();
     assert!(left.is_empty(), "region file left: {left:?}\n{}", bg.output());
+}
+
+/// Issue 28: a rank that dies during the join (SIGKILLed before it maps the
+/// region) ends the run at once: the parent stops the others, which would
+/// wait for it until their rank timeout (120 s by default; 600 s here, so a
+/// run that ends at all before the test's own limit ended through the
+/// parent), and removes every file of the region.
+#[test]
+fn a_rank_killed_during_the_join_ends_the_run_at_once() {
+    for rank in ["0", "1"] {
+        let t = Instant::now();
+        let mut bg = Background::start(&["--kill-rank", rank, "--kill-at", "join", "--rank-timeout-s", "600"]);
+        let status = bg.wait(Duration::from_secs(60));
+        let out = bg.output();
+        println!("rank {rank} killed during the join: the run ended after {:.2} s", t.elapsed().as_secs_f64());
+        assert_eq!(status.code(), Some(1), "{out}");
+        assert!(out.contains(&format!("rank {rank} died during the join")), "{out}");
+        let other = if rank == "0" { 1 } else { 0 };
+        assert!(out.contains(&format!("rank {other}: stopped (another rank failed)")), "{out}");
+        assert!(out.contains("result: FAILED"), "{out}");
+        let pid = bg.child.id();
+        let prefix = format!("kvoffload-run-{pid}-");
+        let left: Vec<String> = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .filter(|n| n.starts_with(&prefix))
+            .collect();
+        assert!(left.is_empty(), "left: {left:?}\n{out}");
+    }
 }

@@ -306,6 +306,18 @@ impl Offloader {
         Ok(())
     }
 
+    /// Cancels pinning: the pinner stops at the next chunk boundary and
+    /// rolls back, or, while it waits for the other ranks in the agreement
+    /// (P7), stops waiting at once: it gives the ranks it waited for up, so
+    /// they end pageable at once too, and this rank ends
+    /// `Pageable(Cancelled)` or `Pageable(PeerPageable)` with
+    /// [`AgreementError::Cancelled`]. A pinning that is already final is
+    /// not changed. Returns at once; [`Offloader::wait_pinned`] then
+    /// returns promptly. [`Offloader::shutdown`] does the same first.
+    pub fn cancel_pinning(&self) {
+        self.coord.cancel_pinning();
+    }
+
     /// The pin state now.
     pub fn pin_state(&self) -> PinState {
         self.coord.pin_state()

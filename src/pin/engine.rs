@@ -118,16 +118,22 @@ pub fn pin_all(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault
 /// Like [`pin_all`], but the outcome is published only once every rank of
 /// `agreement` has settled; if any rank ended pageable, this one unregisters
 /// its chunks and ends `Pageable(PeerPageable)` too. An agreement that
-/// cannot be reached (a rank died, timeout) leaves this rank pageable and
-/// is returned as the error.
+/// cannot be reached (a rank died, timeout, pinning cancelled by a shutdown
+/// or [`Coordinator::cancel_pinning`] while this rank waited, a peer that
+/// gave up) leaves this rank pageable, at once, and is returned as the
+/// error; the ranks this one waited for then end pageable too (see
+/// [`agree`]).
 pub fn pin_all_agreed(
     rt: &dyn GpuRuntime,
     coord: &Coordinator,
     prefault: &dyn Prefault,
     agreement: &Agreement,
 ) -> Result<PinState, AgreementError> {
+    // The wait ends when pinning is cancelled (a shutdown closes the
+    // coordinator, which cancels pinning), N23 aside.
+    let cancelled = || coord.pin_cancelled() && !crate::protocol::variant_is!(coord, AgreementIgnoresCancel);
     pin_then_agree(rt, coord, prefault, |pinned| {
-        agree(agreement.slots.as_ref(), agreement.rank, pinned, agreement.timeout)
+        agree(agreement.slots.as_ref(), agreement.rank, pinned, agreement.timeout, &cancelled)
     })
 }
 

@@ -38,6 +38,13 @@ impl RankSlots for RegionSlots {
         }
     }
 
+    fn compare_exchange(&self, rank: usize, current: u32, new: u32) -> Result<u32, u32> {
+        match self.region.rank_slots() {
+            Some(s) => s[rank].compare_exchange(current, new, Ordering::SeqCst, Ordering::SeqCst),
+            None => Err(0),
+        }
+    }
+
     /// A rank is dead when it recorded a pid and that process is gone.
     fn alive(&self, rank: usize) -> bool {
         let pid = self.region.rank_pids().and_then(|p| p.get(rank).copied()).unwrap_or(0);

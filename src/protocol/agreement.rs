@@ -6,7 +6,38 @@
 //!
 //! Ranks on several nodes share no region: they agree through a
 //! [`Transport`] the engine provides (one collective exchange over its own
-//! process group, e.g. torch.distributed with gloo), with [`agree_via`].
+//! process group, e.g. torch.distributed with gloo), with [`agree`]'s
+//! sibling [`agree_via`].
+//!
+//! # Rules of the words (and the property each serves)
+//!
+//! 1. Every word is written once: from [`UNSETTLED`] to a final value, by
+//!    a compare-and-swap, never back (P7, agreement: once no word is
+//!    unsettled, the words never change again, so every rank that decides
+//!    reads the same words and decides the same mode).
+//! 2. A rank settles its own word ([`SETTLED_PINNED`] or
+//!    [`SETTLED_PAGEABLE`]) before it reads the others' (SeqCst) (P7: no
+//!    rank decides without every rank's outcome).
+//! 3. A rank that stops waiting (its pinning was cancelled: a shutdown or
+//!    [`Coordinator::cancel_pinning`](super::Coordinator::cancel_pinning);
+//!    its timeout passed; a rank it waits for is dead) gives the words it
+//!    waited for up: it writes [`abandoned_by`] itself into every word
+//!    still unsettled (rule 1's compare-and-swap, so a rank that settled
+//!    meanwhile keeps its outcome). It then reads the words again, all
+//!    final now (bounded: the wait ends for this rank at once, P6).
+//! 4. An abandoned word means pageable: a rank that finds any word
+//!    abandoned ends pageable, and a rank that finds its own word abandoned
+//!    when it comes to settle ends pageable at once without waiting (the
+//!    peers of a rank that shut down settle at once instead of timing out;
+//!    P7 still holds by rule 1: the final words are the same for all).
+//! 5. The wait checks the cancel, the timeout and the peers' liveness on
+//!    every round, between two reads of the words, and takes no lock while
+//!    it waits (every rank settles within its bound: the agreement's
+//!    timeout, or at once after a cancel).
+//!
+//! The model `model/p7_settles_in_bound.rs` checks rules 1, 3 and 4 with a
+//! rank that shuts down during the agreement and a peer that never
+//! settles; `model/p7_ranks_agree.rs` checks the agreement itself.
 
 use std::time::{Duration, Instant};
 
@@ -18,6 +49,20 @@ pub const UNSETTLED: u32 = 0;
 pub const SETTLED_PINNED: u32 = 1;
 /// The word of a rank running on pageable memory.
 pub const SETTLED_PAGEABLE: u32 = 2;
+/// The first word of [`abandoned_by`]: `ABANDONED + r` is the word of a
+/// rank that rank `r` gave up waiting for before it settled.
+pub const ABANDONED: u32 = 0x100;
+
+/// The word rank `by` writes into the word of a rank it gave up waiting
+/// for (rule 3).
+pub fn abandoned_by(by: usize) -> u32 {
+    ABANDONED.saturating_add(u32::try_from(by).unwrap_or(u32::MAX))
+}
+
+/// The rank that abandoned a word, if `word` is an abandoned one.
+pub fn abandoner(word: u32) -> Option<usize> {
+    word.checked_sub(ABANDONED).map(|r| r as usize)
+}
 
 /// One word per rank, visible to every rank.
 ///
@@ -33,8 +78,14 @@ pub trait RankSlots: Send + Sync {
     /// sequentially consistent ordering.
     fn load(&self, rank: usize) -> u32;
     /// Sets the word of rank `rank` (`rank < ranks()`) to `value`, with
-    /// sequentially consistent ordering. Each rank stores only its own word.
+    /// sequentially consistent ordering. [`agree`] never stores (its words
+    /// are written once, by [`RankSlots::compare_exchange`]); for set-ups
+    /// and tests.
     fn store(&self, rank: usize, value: u32);
+    /// Sets the word of rank `rank` to `new` if it is `current`
+    /// (sequentially consistent); returns the word found (`Ok(current)` on
+    /// success).
+    fn compare_exchange(&self, rank: usize, current: u32, new: u32) -> Result<u32, u32>;
     /// False when rank `rank` is known to be dead (its process is gone).
     fn alive(&self, _rank: usize) -> bool {
         true
@@ -63,6 +114,9 @@ impl RankSlots for LocalSlots {
     }
     fn store(&self, rank: usize, value: u32) {
         self.words[rank].store(value, Ordering::SeqCst)
+    }
+    fn compare_exchange(&self, rank: usize, current: u32, new: u32) -> Result<u32, u32> {
+        self.words[rank].compare_exchange(current, new, Ordering::SeqCst, Ordering::SeqCst)
     }
 }
 
@@ -118,51 +172,138 @@ pub enum AgreementError {
         /// This rank's word.
         mine: u32,
     },
-    /// The timeout given to [`agree`] passed before every rank settled.
+    /// The timeout given to [`agree`] passed before every rank settled;
+    /// this rank gave the ranks it waited for up (rule 3), so they end
+    /// pageable too.
     #[error("timed out after {millis} ms waiting for ranks {waiting:?} to settle their pin state")]
     Timeout {
         /// The timeout, in milliseconds.
         millis: u64,
-        /// The ranks still unsettled at the last look, in ascending order.
+        /// The ranks this rank gave up (still unsettled when it did), in
+        /// ascending order.
         waiting: Vec<usize>,
+    },
+    /// This rank's pinning was cancelled (a shutdown, or
+    /// `cancel_pinning`) while it waited: it gave the ranks it waited for
+    /// up (rule 3) and ends pageable, as they do.
+    #[error("cancelled (shutdown) while waiting for ranks {waiting:?} to settle their pin state")]
+    Cancelled {
+        /// The ranks this rank gave up, in ascending order.
+        waiting: Vec<usize>,
+    },
+    /// This rank's word was not [`UNSETTLED`] when it came to settle, and
+    /// not given up by a peer either: another process wrote it (a second
+    /// process with this rank, or a damaged header). This rank ends
+    /// pageable.
+    #[error("rank {rank}'s agreement word was already {found} before it settled (written by another process)")]
+    WordTaken {
+        /// This rank.
+        rank: usize,
+        /// The word found.
+        found: u32,
+    },
+    /// Another rank gave up waiting (it shut down, timed out or saw a rank
+    /// die) before these ranks settled: every rank ends pageable (rule 4).
+    #[error("rank {by} left the agreement (shut down, timed out or saw a rank die) before ranks {ranks:?} settled")]
+    Abandoned {
+        /// The rank that gave up (the first one found).
+        by: usize,
+        /// The ranks whose words it gave up, in ascending order (this rank
+        /// among them when it came to settle after that).
+        ranks: Vec<usize>,
     },
 }
 
 /// Publishes this rank's outcome (`pinned`), waits until every rank has
-/// settled (or one died, or `timeout` passed), and returns the common mode.
+/// settled, and returns the common mode. The wait ends early (see the
+/// module's rules 3-5), this rank giving the ranks it waited for up, when
+/// `cancelled()` returns true (checked every round; the pinner passes
+/// [`Coordinator::pin_cancelled`](super::Coordinator::pin_cancelled), which a
+/// shutdown sets), when `timeout` passed, or when a rank it waits for is
+/// dead; every other rank then ends pageable too, at once.
 pub fn agree(
     slots: &dyn RankSlots,
     rank: usize,
     pinned: bool,
     timeout: Option<Duration>,
+    cancelled: &dyn Fn() -> bool,
 ) -> Result<OffloadMode, AgreementError> {
     let ranks = slots.ranks();
     if rank >= ranks {
         return Err(AgreementError::RankOutOfRange { rank, ranks });
     }
-    slots.store(rank, if pinned { SETTLED_PINNED } else { SETTLED_PAGEABLE });
+    // Rule 2 (and 1: written once). A peer may have given this word up
+    // already (rule 4): then this rank ends pageable at once.
+    let mine = if pinned { SETTLED_PINNED } else { SETTLED_PAGEABLE };
+    if let Err(found) = slots.compare_exchange(rank, UNSETTLED, mine) {
+        let words: Vec<u32> = (0..ranks).map(|r| slots.load(r)).collect();
+        tracing::warn!(rank, found, "this rank's agreement word was written before it settled");
+        return Err(match abandoner(found) {
+            Some(_) => abandoned(&words).unwrap_or(AgreementError::WordTaken { rank, found }),
+            None => AgreementError::WordTaken { rank, found },
+        });
+    }
     let start = Instant::now();
     let mut attempt = 0u32;
     loop {
         let words: Vec<u32> = (0..ranks).map(|r| slots.load(r)).collect();
         let waiting: Vec<usize> = (0..ranks).filter(|&r| words[r] == UNSETTLED).collect();
         if waiting.is_empty() {
-            let mode =
-                if words.iter().all(|&w| w == SETTLED_PINNED) { OffloadMode::Pinned } else { OffloadMode::Pageable };
-            tracing::info!(rank, ?mode, "ranks agreed");
-            return Ok(mode);
+            return verdict(&words, rank);
         }
-        if let Some(&dead) = waiting.iter().find(|&&r| !slots.alive(r)) {
-            return Err(AgreementError::RankDied { rank: dead });
-        }
-        if let Some(t) = timeout {
-            if start.elapsed() >= t {
-                return Err(AgreementError::Timeout { millis: t.as_millis() as u64, waiting });
+        // Rule 5: each reason to stop waiting, once a round.
+        let stop = if cancelled() {
+            Some(AgreementError::Cancelled { waiting: waiting.clone() })
+        } else if let Some(&dead) = waiting.iter().find(|&&r| !slots.alive(r)) {
+            Some(AgreementError::RankDied { rank: dead })
+        } else {
+            timeout
+                .filter(|t| start.elapsed() >= *t)
+                .map(|t| AgreementError::Timeout { millis: t.as_millis() as u64, waiting: waiting.clone() })
+        };
+        if let Some(e) = stop {
+            // Rule 3: give every unsettled word up, then decide on the
+            // final words (a rank that settled meanwhile kept its word).
+            let mut gave_up = Vec::new();
+            for &r in &waiting {
+                if slots.compare_exchange(r, UNSETTLED, abandoned_by(rank)).is_ok() {
+                    gave_up.push(r);
+                }
             }
+            let words: Vec<u32> = (0..ranks).map(|r| slots.load(r)).collect();
+            if gave_up.is_empty() && abandoned(&words).is_none() {
+                // Every rank settled before this one gave up: agreed.
+                return verdict(&words, rank);
+            }
+            tracing::warn!(rank, error = %e, gave_up = ?gave_up, "stopped waiting for the ranks; every rank ends pageable");
+            return Err(match e {
+                AgreementError::Cancelled { .. } => AgreementError::Cancelled { waiting: gave_up },
+                AgreementError::Timeout { millis, .. } => AgreementError::Timeout { millis, waiting: gave_up },
+                e => e,
+            });
         }
         crate::sync::backoff(attempt);
         attempt = attempt.saturating_add(1);
     }
+}
+
+/// The first abandoned word among `words` (rule 4), as the error a rank
+/// reports.
+fn abandoned(words: &[u32]) -> Option<AgreementError> {
+    let by = words.iter().find_map(|&w| abandoner(w))?;
+    let ranks = (0..words.len()).filter(|&r| abandoner(words[r]).is_some()).collect();
+    Some(AgreementError::Abandoned { by, ranks })
+}
+
+/// The mode of final `words` (none unsettled): Pinned only when every word
+/// is [`SETTLED_PINNED`]; an abandoned word is reported (rule 4).
+fn verdict(words: &[u32], rank: usize) -> Result<OffloadMode, AgreementError> {
+    if let Some(e) = abandoned(words) {
+        return Err(e);
+    }
+    let mode = if words.iter().all(|&w| w == SETTLED_PINNED) { OffloadMode::Pinned } else { OffloadMode::Pageable };
+    tracing::info!(rank, ?mode, "ranks agreed");
+    Ok(mode)
 }
 
 /// An agreement transport the engine provides, for ranks that share no
@@ -243,39 +384,97 @@ mod tests {
         fn store(&self, rank: usize, value: u32) {
             self.slots.store(rank, value)
         }
+        fn compare_exchange(&self, rank: usize, current: u32, new: u32) -> Result<u32, u32> {
+            self.slots.compare_exchange(rank, current, new)
+        }
         fn alive(&self, rank: usize) -> bool {
             !self.dead.contains(&rank)
         }
     }
 
+    /// Never cancelled.
+    fn no() -> bool {
+        false
+    }
+
     #[test]
     fn out_of_range_rank_publishes_nothing() {
         let slots = LocalSlots::new(2);
-        assert_eq!(agree(&slots, 2, true, None), Err(AgreementError::RankOutOfRange { rank: 2, ranks: 2 }));
+        assert_eq!(agree(&slots, 2, true, None, &no), Err(AgreementError::RankOutOfRange { rank: 2, ranks: 2 }));
         assert_eq!((slots.load(0), slots.load(1)), (UNSETTLED, UNSETTLED));
         // The last valid rank is in range.
         slots.store(0, SETTLED_PINNED);
-        assert_eq!(agree(&slots, 1, true, None), Ok(OffloadMode::Pinned));
+        assert_eq!(agree(&slots, 1, true, None, &no), Ok(OffloadMode::Pinned));
     }
 
     #[test]
     fn a_dead_unsettled_rank_is_reported_not_waited_for() {
         let w = Words { slots: LocalSlots::new(3), dead: vec![2] };
         w.store(1, SETTLED_PINNED);
-        assert_eq!(agree(&w, 0, true, None), Err(AgreementError::RankDied { rank: 2 }));
+        assert_eq!(agree(&w, 0, true, None, &no), Err(AgreementError::RankDied { rank: 2 }));
+        // Its word is given up (rule 3): it can no longer settle pinned.
+        assert_eq!(w.load(2), abandoned_by(0));
         // A dead rank that settled before it died does not matter.
+        let w = Words { slots: LocalSlots::new(3), dead: vec![2] };
+        w.store(1, SETTLED_PINNED);
         w.store(2, SETTLED_PAGEABLE);
-        assert_eq!(agree(&w, 0, true, None), Ok(OffloadMode::Pageable));
+        assert_eq!(agree(&w, 0, true, None, &no), Ok(OffloadMode::Pageable));
     }
 
     #[test]
-    fn the_timeout_ends_the_wait_and_names_the_unsettled_ranks() {
+    fn the_timeout_ends_the_wait_names_the_unsettled_ranks_and_gives_them_up() {
         let slots = LocalSlots::new(3);
         slots.store(1, SETTLED_PINNED);
         let t0 = std::time::Instant::now();
-        let r = agree(&slots, 0, true, Some(Duration::from_millis(50)));
+        let r = agree(&slots, 0, true, Some(Duration::from_millis(50)), &no);
         assert_eq!(r, Err(AgreementError::Timeout { millis: 50, waiting: vec![2] }));
         assert!(t0.elapsed() >= Duration::from_millis(50), "gave up before the timeout");
+        // The late rank settles pageable at once (rule 4), as rank 0 did.
+        assert_eq!(agree(&slots, 2, true, None, &no), Err(AgreementError::Abandoned { by: 0, ranks: vec![2] }));
+    }
+
+    /// Issue 28, item 1: a cancel (what a shutdown does) ends the wait for
+    /// a peer that never settles, at once, without a timeout; the peers
+    /// still waiting settle at once, and a late one finds its word given up.
+    #[test]
+    fn a_cancel_ends_the_wait_and_the_peers_settle_pageable_at_once() {
+        let slots = std::sync::Arc::new(LocalSlots::new(3));
+        // Rank 1 waits (no timeout, never cancelled) for rank 2, which never
+        // comes until the end.
+        let peer = {
+            let slots = slots.clone();
+            std::thread::spawn(move || agree(slots.as_ref(), 1, true, None, &no))
+        };
+        // Rank 0 waits until it is cancelled; the cancel comes once rank 1
+        // has settled (so both are waiting for rank 2).
+        let seen = std::cell::Cell::new(0u32);
+        let cancelled = || {
+            seen.set(seen.get() + 1);
+            slots.load(1) != UNSETTLED
+        };
+        assert_eq!(
+            agree(slots.as_ref(), 0, true, None, &cancelled),
+            Err(AgreementError::Cancelled { waiting: vec![2] })
+        );
+        assert!(seen.get() >= 1);
+        assert_eq!(peer.join().unwrap(), Err(AgreementError::Abandoned { by: 0, ranks: vec![2] }));
+        assert_eq!(agree(slots.as_ref(), 2, true, None, &no), Err(AgreementError::Abandoned { by: 0, ranks: vec![2] }));
+    }
+
+    /// A cancel that comes after every rank settled changes nothing: the
+    /// words are final, the mode is the agreed one.
+    #[test]
+    fn a_cancel_after_every_rank_settled_keeps_the_agreed_mode() {
+        let slots = LocalSlots::new(2);
+        slots.store(1, SETTLED_PINNED);
+        assert_eq!(agree(&slots, 0, true, None, &|| true), Ok(OffloadMode::Pinned));
+    }
+
+    #[test]
+    fn a_word_written_by_another_process_is_refused() {
+        let slots = LocalSlots::new(2);
+        slots.store(0, SETTLED_PINNED);
+        assert_eq!(agree(&slots, 0, false, None, &no), Err(AgreementError::WordTaken { rank: 0, found: 1 }));
     }
 
     #[test]
@@ -285,10 +484,10 @@ mod tests {
             let slots = slots.clone();
             std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(50));
-                slots.store(1, SETTLED_PAGEABLE);
+                slots.compare_exchange(1, UNSETTLED, SETTLED_PAGEABLE).unwrap();
             })
         };
-        assert_eq!(agree(slots.as_ref(), 0, true, Some(Duration::from_secs(60))), Ok(OffloadMode::Pageable));
+        assert_eq!(agree(slots.as_ref(), 0, true, Some(Duration::from_secs(60)), &no), Ok(OffloadMode::Pageable));
         peer.join().unwrap();
     }
 

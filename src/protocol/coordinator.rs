@@ -195,6 +195,11 @@ pub enum Variant {
     /// failed) forgets to close the window its `capture_begin` opened.
     #[cfg(loom)]
     HookAbortKeepsWindow,
+    /// N23: a rank's wait in the P7 agreement ignores the cancel of its
+    /// pinning (a shutdown during the agreement), as before issue 28: it
+    /// waits for a peer that never settles.
+    #[cfg(loom)]
+    AgreementIgnoresCancel,
     /// N15: `Offloader::shutdown` in its earlier order: it closes
     /// the offloader, drains and drops the transfer engine and frees its
     /// tensors, and only then asks the coordinator, which may refuse (a

@@ -63,6 +63,12 @@ pub enum FileProblem {
         /// The allowed group, if any (then group bits of that group are fine).
         allowed_group: Option<u32>,
     },
+    /// Set-user-id, set-group-id or sticky bits (`0o7000`), which a
+    /// creator never sets ([`RegionError::BadFileMode`] refuses them).
+    SpecialBits {
+        /// The file's permission bits.
+        mode: u32,
+    },
     /// Group permission bits, but the file's group is not the allowed one.
     WrongGroup {
         /// The file's permission bits.
@@ -93,6 +99,9 @@ impl std::fmt::Display for FileProblem {
             }
             FileProblem::Mode { mode, allowed_group: Some(g) } => {
                 write!(f, "mode {mode:#o} has permission bits for others (only group {g} may share the region)")
+            }
+            FileProblem::SpecialBits { mode } => {
+                write!(f, "mode {mode:#o} has set-user-id, set-group-id or sticky bits, which a creator never sets")
             }
             FileProblem::WrongGroup { mode, gid, allowed_group } => {
                 write!(f, "mode {mode:#o} has group permission bits but its group is {gid}, not the allowed group {allowed_group}")
@@ -324,13 +333,16 @@ pub enum RegionError {
         phase: JoinPhase,
     },
 
-    /// Another rank gave the region up (timeout or drop) before every rank mapped it.
-    #[error("{path} was abandoned by another rank before every rank mapped it (ranks mapped: {mapped:?})")]
+    /// Another rank gave the region up (timeout, drop, a refused file)
+    /// before every rank mapped it.
+    #[error("{path} was abandoned by another rank before every rank mapped it (ranks mapped: {mapped:?}){}", by.as_ref().map_or(String::new(), |n| format!(": {n}")))]
     Abandoned {
         /// The region's header file.
         path: PathBuf,
         /// Ranks that had mapped the region.
         mapped: Vec<usize>,
+        /// Why, when the abandoning rank recorded it in the header.
+        by: Option<AbandonNote>,
     },
 
     /// The file's header does not match what this rank expects.
@@ -344,6 +356,30 @@ pub enum RegionError {
         expected: u64,
         /// The value found in the file.
         found: u64,
+    },
+
+    /// A header field is outside what any creator writes.
+    #[error("bad header in {path}: {field} is {found}, must be below {limit}")]
+    HeaderOutOfRange {
+        /// The region's header file.
+        path: PathBuf,
+        /// The field (`creator_rank`).
+        field: &'static str,
+        /// The value found in the file.
+        found: u64,
+        /// The bound it must stay below.
+        limit: u64,
+    },
+
+    /// The process that created the region is gone: the region is stale
+    /// (left by a launch whose creator died), so this rank does not join
+    /// it; the joiner abandons it and removes its files.
+    #[error("{path} is stale: its creator (pid {pid}) is gone")]
+    CreatorDied {
+        /// The region's header file.
+        path: PathBuf,
+        /// The creator's recorded pid (0: none recorded).
+        pid: u32,
     },
 
     /// This rank's bit was already set in the header: two processes claim
@@ -403,5 +439,62 @@ pub enum RegionError {
 impl RegionError {
     pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         RegionError::Io { op, path: path.into(), source }
+    }
+}
+
+/// Why a rank abandoned a shared region, as it recorded it in the header
+/// (`abandon_note`, offset 96) before it abandoned, so the ranks waiting
+/// learn the reason at once instead of timing out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AbandonNote {
+    /// The rank that abandoned the region.
+    pub rank: usize,
+    /// What it refused.
+    pub reason: AbandonReason,
+}
+
+/// What a rank refused when it abandoned a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbandonReason {
+    /// Data file `file` was not one it could use (not the creator's inode,
+    /// the wrong size, or untrusted: see that rank's own error).
+    RefusedDataFile {
+        /// The data file's index (`<header>.<file>`).
+        file: usize,
+    },
+    /// A note this version does not know.
+    Unknown(u64),
+}
+
+impl AbandonNote {
+    /// The header word: `(rank + 1) << 48 | kind << 32 | detail` (0 is no
+    /// note).
+    pub(crate) fn encode(self) -> u64 {
+        let (kind, detail) = match self.reason {
+            AbandonReason::RefusedDataFile { file } => (1u64, file as u64 & 0xffff_ffff),
+            AbandonReason::Unknown(w) => return w,
+        };
+        ((self.rank as u64 + 1) << 48) | (kind << 32) | detail
+    }
+
+    /// The note a header word holds (None for 0).
+    pub(crate) fn decode(w: u64) -> Option<AbandonNote> {
+        let rank = (w >> 48).checked_sub(1)? as usize;
+        let reason = match (w >> 32) & 0xffff {
+            1 => AbandonReason::RefusedDataFile { file: (w & 0xffff_ffff) as usize },
+            _ => AbandonReason::Unknown(w),
+        };
+        Some(AbandonNote { rank, reason })
+    }
+}
+
+impl std::fmt::Display for AbandonNote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.reason {
+            AbandonReason::RefusedDataFile { file } => {
+                write!(f, "rank {} refused data file {file} (see that rank's error)", self.rank)
+            }
+            AbandonReason::Unknown(w) => write!(f, "rank {} left note {w:#x}", self.rank),
+        }
     }
 }

@@ -26,7 +26,8 @@
 //! | 72     | `order`        | u64             | creator, before READY (0 row-interleaved, 1 rank-major) |
 //! | 80     | `num_files`    | u64             | creator, before READY (0: one file) |
 //! | 88     | `file_bytes`   | u64             | creator, before READY (bytes per data file) |
-//! | 96     | reserved       | 4 x u64         | zero |
+//! | 96     | `abandon_note` | atomic u64      | a rank that abandons the region for a reason it can name (a refused data file), CAS 0 -> note before it abandons; see [`AbandonNote`](super::error::AbandonNote) |
+//! | 104    | reserved       | 3 x u64         | zero |
 //! | 128    | `rank_pids`    | 32 x atomic u32 | rank r, CAS 0 -> pid before it sets its bit |
 //! | 256    | `rank_slots`   | 32 x atomic u32 | reserved for the P7 agreement |
 //! | 384    | file table     | num_files x atomic u64 | creator: data file k's inode, stored right after it created the file and before it sizes it |
@@ -94,7 +95,8 @@ pub(crate) struct Header {
     order: u64,
     num_files: u64,
     file_bytes: u64,
-    _reserved: [u64; 4],
+    abandon_note: AtomicU64,
+    _reserved: [u64; 3],
     rank_pids: [AtomicU32; MAX_RANKS],
     rank_slots: [AtomicU32; MAX_RANKS],
 }
@@ -114,6 +116,7 @@ const _: () = {
     assert!(offset_of!(Header, order) == 72);
     assert!(offset_of!(Header, num_files) == 80);
     assert!(offset_of!(Header, file_bytes) == 88);
+    assert!(offset_of!(Header, abandon_note) == 96);
     assert!(offset_of!(Header, rank_pids) == 128);
     assert!(offset_of!(Header, rank_slots) == 256);
     assert!(size_of::<Header>() == 384);
@@ -308,6 +311,14 @@ impl<'a> Hdr<'a> {
     pub fn rank_pids(&self) -> &'a [AtomicU32; MAX_RANKS] {
         // SAFETY: as for `join`: inside the mapping, aligned, atomic-only.
         unsafe { &*addr_of!((*self.ptr.as_ptr()).rank_pids) }
+    }
+
+    /// Why a rank abandoned the region, when it could name it (0: not
+    /// recorded); see [`AbandonNote`](super::error::AbandonNote).
+    pub fn abandon_note(&self) -> &'a AtomicU64 {
+        // SAFETY: as for `join`: inside the mapping, 8-byte aligned (offset
+        // 96 of a page-aligned base), atomic-only.
+        unsafe { &*addr_of!((*self.ptr.as_ptr()).abandon_note) }
     }
 
     /// Per-rank words reserved for the P7 cross-rank agreement.

@@ -60,7 +60,7 @@ use std::ptr::NonNull;
 
 use mapping::Mapping;
 
-pub use error::{FileProblem, JoinPhase, RegionError};
+pub use error::{AbandonNote, AbandonReason, FileProblem, JoinPhase, RegionError};
 pub use header::MAX_RANKS;
 pub use layout::{Layout, Location, Order, RankView, RowChunks, RowSpan};
 pub use limits::{available_memory, mem_available, LimitSource, MemoryBudget};

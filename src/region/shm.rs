@@ -76,6 +76,11 @@
 //!   [`ShmStep::Reserving`], [`ShmStep::Reserved`]; the creator included
 //!   when it reserves): the others time out on [`JoinPhase::RanksToMap`],
 //!   abandon and unlink every file (each of them has mapped all of them).
+//! - the creator dies after `Ready`: a rank that reaches the header after
+//!   that finds the creator's pid gone and refuses the region at once
+//!   ([`RegionError::CreatorDied`]), abandons it and removes every file
+//!   (the ranks already waiting then see `Abandoned`); it does not join a
+//!   region whose agreement could only fail later.
 //! - any rank dies after setting its bit: the mask still completes when the
 //!   others arrive, or they time out; either way they unlink.
 //! - any rank dies during pre-faulting, registering or transferring: the
@@ -430,6 +435,22 @@ impl Region {
             return Err(region.abandoned_error());
         }
         region.check_header(opts)?;
+        let creator_pid = region.hdr().read_fields().creator_pid;
+        if process_gone(creator_pid) {
+            // A region whose creator is gone is stale: refused, abandoned
+            // (its surviving ranks fail fast instead of waiting for a rank
+            // that will never come) and removed, files of ours that nobody
+            // can finish: the data files here, the header file by the drop.
+            let _ = region.hdr().update(|w| {
+                matches!(w.state, JoinState::Init | JoinState::Ready)
+                    .then_some(JoinWord { state: JoinState::Abandoned, ..w })
+            });
+            if let Some(plan) = &shape.plan {
+                region.remove_unmapped_data_files(plan.files.len());
+            }
+            warn!(path = %region.path_lossy(), creator_pid, "refusing a region whose creator is gone");
+            return Err(RegionError::CreatorDied { path: region.shared_path().to_path_buf(), pid: creator_pid });
+        }
         if let Some(plan) = &shape.plan {
             region.open_data_files(plan)?;
             opts.step(ShmStep::FilesMapped);
@@ -439,6 +460,10 @@ impl Region {
         // then set our bit. Claiming first makes a second process with the
         // same rank fail before it can touch the mask or the files, and
         // lets peers see our pid as soon as our bit is visible.
+        // The join state is checked before the pid word is claimed, so a
+        // join refused here leaves no mark in the header (a claimed pid word
+        // would make the real rank fail later with `RankAlreadyMapped`).
+        region.check_joinable()?;
         let pid = std::process::id();
         // A cross-process header word: core atomics, see `header`.
         if let Err(other) = region.hdr().rank_pids()[rank].compare_exchange(
@@ -454,13 +479,54 @@ impl Region {
         if !region.shared().deferred {
             region.reserve_own()?;
         }
-        let new = region.set_bit()?;
+        let new = match region.set_bit() {
+            Ok(new) => new,
+            Err(e) => {
+                // The state changed since `check_joinable` (abandoned, or
+                // overwritten): give the pid word back (0 again, only if it
+                // is still ours), so this refused join leaves no mark.
+                let _ = region.hdr().rank_pids()[rank].compare_exchange(
+                    pid,
+                    0,
+                    core::sync::atomic::Ordering::AcqRel,
+                    core::sync::atomic::Ordering::Acquire,
+                );
+                return Err(e);
+            }
+        };
         if opts.huge_pages && region.shared().hpage.is_none() {
             region.huge_pages_advised = region.try_advise_huge_pages();
         }
         info!(path = %region.path_lossy(), rank, mapped = ?new.mapped(), "joined shared region");
         region.after_mapped(new, backoff, started)?;
         Ok(region)
+    }
+
+    /// Refuses, before this rank claims anything in the header, a join
+    /// word it could not set its bit in: a state other than `Ready`
+    /// ([`RegionError::BadHeader`], the files left alone; `Abandoned` is
+    /// [`RegionError::Abandoned`]) or its bit already set
+    /// ([`RegionError::RankAlreadyMapped`]).
+    fn check_joinable(&mut self) -> Result<()> {
+        let w = self.hdr().load();
+        let bit = 1u32 << self.rank;
+        match w.state {
+            JoinState::Ready if w.mask & bit == 0 => Ok(()),
+            JoinState::Abandoned => Err(self.abandoned_error()),
+            JoinState::Ready => {
+                self.forget_link();
+                Err(RegionError::RankAlreadyMapped { path: self.shared_path().to_path_buf(), rank: self.rank })
+            }
+            _ => {
+                self.forget_link();
+                Err(RegionError::BadHeader {
+                    path: self.shared_path().to_path_buf(),
+                    field: "join state",
+                    expected: JoinWord { state: JoinState::Ready, mask: w.mask }.encode(),
+                    found: w.encode(),
+                })
+            }
+        }
     }
 
     /// Sets this rank's bit (after READY); the CAS that sets the last bit
@@ -671,7 +737,9 @@ impl Region {
         if let Err(e) = self.shared_mut().unlink_if_ours("region abandoned") {
             warn!(error = %e, "could not unlink abandoned region file");
         }
-        RegionError::Abandoned { path: self.shared_path().to_path_buf(), mapped }
+        let by =
+            super::error::AbandonNote::decode(self.hdr().abandon_note().load(core::sync::atomic::Ordering::Acquire));
+        RegionError::Abandoned { path: self.shared_path().to_path_buf(), mapped, by }
     }
 
     /// Compares the header with what this rank expects.
@@ -700,6 +768,17 @@ impl Region {
                 return Err(RegionError::BadHeader { path: self.shared_path().to_path_buf(), field, expected, found });
             }
         }
+        // The creator's rank is one of the region's ranks.
+        let ranks = self.layout.num_ranks() as u64;
+        if f.creator_rank as u64 >= ranks {
+            self.forget_link();
+            return Err(RegionError::HeaderOutOfRange {
+                path: self.shared_path().to_path_buf(),
+                field: "creator_rank",
+                found: f.creator_rank as u64,
+                limit: ranks,
+            });
+        }
         Ok(())
     }
 
@@ -721,6 +800,16 @@ impl Region {
         if let Err(e) = self.unlink_now() {
             warn!(error = %e, "could not unlink region files on drop");
         }
+    }
+}
+
+/// Whether process `pid` is known to be gone: 0 (no process records it)
+/// or `kill(pid, 0)` failing with `ESRCH` (`EPERM` means it exists under
+/// another user). Ranks share one pid namespace (they share /dev/shm).
+pub(crate) fn process_gone(pid: u32) -> bool {
+    match i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) {
+        Some(p) => matches!(rustix::process::test_kill_process(p), Err(rustix::io::Errno::SRCH)),
+        None => true,
     }
 }
 

@@ -66,7 +66,7 @@ use tracing::{debug, info, warn};
 
 use super::error::RegionError;
 use super::files::{self, FilePlan};
-use super::header::{JoinState, HUGE_HEADER_BYTES, MIN_HEADER_BYTES};
+use super::header::{JoinState, JoinWord, HUGE_HEADER_BYTES, MIN_HEADER_BYTES};
 use super::hugetlb;
 use super::layout::Layout;
 use super::mapping::{Mapping, Pieces};
@@ -364,6 +364,8 @@ impl Region {
         let header_dev = self.shared().header.dev;
         let header = header_name(&self.shared().path);
         let mut opened = Vec::with_capacity(plan.files.len());
+        // The data file refused, if one was (the region is then abandoned).
+        let mut refused = None;
         let res = (|| {
             for (k, spec) in plan.files.iter().enumerate() {
                 let name = files::data_name(&header, k);
@@ -378,7 +380,10 @@ impl Region {
                         return Err(Some(RegionError::FileMissing { path }));
                     }
                     // Not a file this rank may use: not ours to remove either.
-                    Err(OpenFailure::Untrusted(problem)) => return Err(Some(dir.untrusted(&name, problem))),
+                    Err(OpenFailure::Untrusted(problem)) => {
+                        refused = Some(k);
+                        return Err(Some(dir.untrusted(&name, problem)));
+                    }
                     Err(OpenFailure::Io(op, e)) => return Err(Some(RegionError::io(op, &path, e))),
                 };
                 let md = FileMeta::of_file(&file).map_err(|e| Some(RegionError::io("fstat", &path, e)))?;
@@ -392,6 +397,7 @@ impl Region {
                 };
                 if let Some((field, expected, found)) = bad {
                     // Not the file the creator made: not ours to remove.
+                    refused = Some(k);
                     return Err(Some(RegionError::BadHeader { path, field, expected, found }));
                 }
                 let link = Linked { path: path.clone(), name, dev: md.dev, ino: md.ino, linked: true };
@@ -408,8 +414,28 @@ impl Region {
             Ok(()) => Ok(()),
             Err(None) => Err(self.abandoned_error()),
             Err(Some(e @ (RegionError::BadHeader { .. } | RegionError::UntrustedFile { .. }))) => {
-                // Nothing is written (no abandon) and nothing removed: the
-                // creator times out and removes its own files.
+                // The header is this launch's (checked), one of its data
+                // files is not usable: no rank can complete the region.
+                // Abandon it with a note of why, so the creator and the
+                // ranks waiting fail at once with the reason instead of at
+                // their timeout; remove nothing here (the refused file is
+                // not ours to remove; each rank removes its own files when
+                // it sees the region abandoned, by inode).
+                if let Some(file) = refused {
+                    let note = super::error::AbandonNote {
+                        rank: self.rank,
+                        reason: super::error::AbandonReason::RefusedDataFile { file },
+                    };
+                    let _ = self.hdr().abandon_note().compare_exchange(
+                        0,
+                        note.encode(),
+                        core::sync::atomic::Ordering::AcqRel,
+                        core::sync::atomic::Ordering::Acquire,
+                    );
+                    let _ = self.hdr().update(|w| {
+                        (w.state == JoinState::Ready).then_some(JoinWord { state: JoinState::Abandoned, ..w })
+                    });
+                }
                 self.forget_link();
                 Err(e)
             }

@@ -123,6 +123,11 @@ impl Trust {
             });
         }
         let perm = m.mode & 0o7777;
+        if perm & 0o7000 != 0 {
+            // The creator refuses these bits (`check_create_mode`): a file
+            // with them is not one a creator of this code made.
+            return Err(FileProblem::SpecialBits { mode: perm });
+        }
         if perm & 0o007 != 0 || (perm & 0o070 != 0 && self.allow_group.is_none()) {
             return Err(FileProblem::Mode { mode: perm, allowed_group: self.allow_group });
         }
@@ -351,6 +356,11 @@ mod tests {
             t.check(&meta(S_IFREG | 0o666, 1000, 77)),
             Err(FileProblem::Mode { mode: 0o666, allowed_group: Some(77) })
         );
+        // Set-user-id, set-group-id and sticky bits, which a creator refuses,
+        // with or without an allowed group.
+        for m in [0o4600, 0o2600, 0o1600, 0o2660] {
+            assert_eq!(t.check(&meta(S_IFREG | m, 1000, 77)), Err(FileProblem::SpecialBits { mode: m }), "{m:o}");
+        }
         assert_eq!(
             t.check(&meta(S_IFREG | 0o660, 1000, 50)),
             Err(FileProblem::WrongGroup { mode: 0o660, gid: 50, allowed_group: 77 })

@@ -449,7 +449,11 @@ fn warm_up(size: usize) -> Result<f64, String> {
     let unit = if size % (2 << 20) == 0 { 2 << 20 } else { page };
     let layout = Layout::new(1, unit, (size / unit).max(1)).map_err(|e| e.to_string())?;
     let region = kvoffload::internal::sync::Arc::new(
-        Region::anonymous(layout, &AnonOptions::new().check_memory(false)).map_err(|e| e.to_string())?,
+        // The region's own checks (the memory this process can get among
+        // them) before anything is mapped, as without --shared: a size
+        // above what the machine or its cgroup has is refused here, not
+        // met by the OOM killer while pre-faulting.
+        Region::anonymous(layout, &AnonOptions::new()).map_err(|e| format!("warm-up of {}: {e}", fmt_bytes(size)))?,
     );
     // No GPU is involved: a simulated one stands in for the runtime the
     // coordinator that `Prepared` makes must guard (nothing is registered).

@@ -40,6 +40,8 @@ mod supervise;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum KillAtArg {
+    /// During the join of the shared region (before the rank maps it).
+    Join,
     /// In the middle of pinning (the rank stops before its middle chunk).
     Pinning,
     /// In the middle of the workload, with jobs in flight.
@@ -49,6 +51,7 @@ pub enum KillAtArg {
 impl From<KillAtArg> for KillAt {
     fn from(k: KillAtArg) -> Self {
         match k {
+            KillAtArg::Join => KillAt::Join,
             KillAtArg::Pinning => KillAt::Pinning,
             KillAtArg::Transfers => KillAt::Transfers,
         }

@@ -3,11 +3,14 @@
 
 use std::time::Duration;
 
-use kvoffload::internal::region::{page_size, Layout, MAX_RANKS};
+use kvoffload::internal::region::{page_size, Layout, DEFAULT_FILE_BYTES, MAX_FILES, MAX_RANKS};
 
 /// Where the parent SIGKILLs a rank (fault tests).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum KillAt {
+    /// During the join of the shared region (the rank pauses before it
+    /// creates or joins it, announces it, and the parent kills it there).
+    Join,
     /// In the middle of pinning (the rank pauses before registering its
     /// middle chunk, announces it, and the parent kills it there).
     Pinning,
@@ -18,6 +21,7 @@ pub enum KillAt {
 impl KillAt {
     pub fn name(self) -> &'static str {
         match self {
+            KillAt::Join => "join",
             KillAt::Pinning => "pinning",
             KillAt::Transfers => "transfers",
         }
@@ -224,6 +228,13 @@ impl RunConfig {
         }
         if self.pin_threads == Some(0) {
             return Err(ConfigError::Zero { what: "pin-threads" });
+        }
+        // The region is data files of at most DEFAULT_FILE_BYTES, at most
+        // MAX_FILES of them (1 TiB): a larger --region is refused here,
+        // naming the option and that limit, not deep in the layout.
+        let max_region = (MAX_FILES as u64).saturating_mul(DEFAULT_FILE_BYTES as u64);
+        if self.region_bytes as u64 > max_region {
+            return Err(ConfigError::TooLarge { what: "region", value: self.region_bytes as u64, limit: max_region });
         }
         let overflow = || ConfigError::Other("the block size overflows (layers x page-bytes x block-factor)".into());
         let block_bytes = self

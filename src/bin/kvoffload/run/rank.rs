@@ -119,6 +119,9 @@ pub fn run_rank(
 
     // 1. The offloader: KV tensors, shared region, engine, manager.
     phase(rank, "region");
+    if pause_at == Some(KillAt::Join) {
+        pause(rank, KillAt::Join);
+    }
     let probe = Arc::new(PinProbe {
         rank,
         pause: pause_at == Some(KillAt::Pinning),
@@ -135,7 +138,13 @@ pub fn run_rank(
             name: region_name.to_string(),
             rank,
             ranks: cfg.ranks,
-            options: ShmOptions::new().timeout(cfg.rank_timeout).dir(&cfg.region_dir),
+            // SIGINT/SIGTERM (the parent's, or the kernel's when the parent
+            // dies) end the join at once: the rank abandons the region and
+            // removes its files instead of waiting its rank timeout.
+            options: ShmOptions::new()
+                .timeout(cfg.rank_timeout)
+                .dir(&cfg.region_dir)
+                .interrupt(move || stop.requested()),
         },
         pin,
         agreement_timeout: Some(cfg.rank_timeout),
@@ -306,7 +315,9 @@ fn agree(
     rep.agreement = match &outcome.agreement {
         None | Some(Ok(())) if outcome.state == PinState::Pinned => "pinned".into(),
         None | Some(Ok(())) => "pageable".into(),
-        Some(Err(e @ AgreementError::RankDied { .. })) | Some(Err(e @ AgreementError::Timeout { .. })) => {
+        Some(Err(
+            e @ (AgreementError::RankDied { .. } | AgreementError::Timeout { .. } | AgreementError::Abandoned { .. }),
+        )) => {
             emit(&format!("{NOTE} rank={rank} agreement not reached ({e}); this rank runs on pageable memory"));
             format!("failed: {e}")
         }

@@ -50,6 +50,18 @@ pub(super) fn plan(a: &Args, cfg: &RunConfig) -> Result<Plan, String> {
     if !cfg.region_dir.is_dir() {
         return Err(format!("--region-dir {}: not a directory", cfg.region_dir.display()));
     }
+    // A directory whose file system holds no files at all (procfs, sysfs:
+    // no blocks) is a bad argument, not a rank's failure.
+    match rustix::fs::statvfs(&cfg.region_dir) {
+        Ok(st) if st.f_blocks == 0 => {
+            return Err(format!(
+                "--region-dir {}: its file system has no room for files (0 blocks); give a directory on tmpfs, such as /dev/shm",
+                cfg.region_dir.display()
+            ))
+        }
+        Ok(_) => {}
+        Err(e) => return Err(format!("--region-dir {}: statvfs: {e}", cfg.region_dir.display())),
+    }
     let path = shm_path(&cfg.region_dir, &name).map_err(|e| e.to_string())?;
     let bname = if backend == BackendArg::Cuda { "cuda" } else { "sim" };
     let devices: Vec<usize> = match (backend, a.rank_gpus) {

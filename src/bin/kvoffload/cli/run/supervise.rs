@@ -135,6 +135,8 @@ pub(super) fn supervise(cfg: &RunConfig, plan: &Plan, verbose: u8) -> Result<Out
     // because they outlived STOP_GRACE (or a second signal).
     let mut interrupted: Option<i32> = None;
     let mut overdue: Vec<bool> = vec![false; cfg.ranks];
+    // The last phase each rank announced (None: none yet).
+    let mut phases: Vec<Option<String>> = vec![None; cfg.ranks];
     let mut open = readers.len();
     while open > 0 {
         let (r, line) = match events.pop() {
@@ -143,6 +145,18 @@ pub(super) fn supervise(cfg: &RunConfig, plan: &Plan, verbose: u8) -> Result<Out
                 open -= 1;
                 statuses[r] = children[r].wait().ok();
                 bars.done(r);
+                // A rank that exited without a word (killed from outside,
+                // crashed) during the join: the others would wait for it
+                // until their rank timeout.
+                let unexplained = reports[r].is_none() && errors[r].is_none() && !killed[r] && !aborted[r];
+                if unexplained && !overdue[r] && interrupted.is_none() && in_join(&phases[r]) {
+                    let why = statuses[r].map_or("exited".to_string(), |s| format!("exited ({s})"));
+                    stop_others(&mut children, &mut statuses, &killed, &mut aborted, r);
+                    bars.println(&format!(
+                        "rank {r} {why} during the join, {:.2} s into the run; the other ranks were stopped",
+                        t0.elapsed().as_secs_f64()
+                    ));
+                }
                 continue;
             }
             Event::Signal(sig) => {
@@ -188,6 +202,7 @@ pub(super) fn supervise(cfg: &RunConfig, plan: &Plan, verbose: u8) -> Result<Out
             }
         };
         if line.starts_with(report::PHASE) {
+            phases[r] = field(&line, "phase").map(str::to_string);
             bars.phase(r, field(&line, "phase").unwrap_or("?"), t0.elapsed().as_secs_f64());
         } else if line.starts_with(report::PROGRESS) {
             let n = |k| field(&line, k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
@@ -204,6 +219,15 @@ pub(super) fn supervise(cfg: &RunConfig, plan: &Plan, verbose: u8) -> Result<Out
                     field(&line, "at").unwrap_or("?"),
                     t0.elapsed().as_secs_f64()
                 ));
+                if interrupted.is_none() && in_join(&phases[r]) {
+                    // Killed before it mapped the region: no rank can
+                    // complete the join; the others would only wait for it.
+                    stop_others(&mut children, &mut statuses, &killed, &mut aborted, r);
+                    bars.println(&format!(
+                        "rank {r} died during the join, {:.2} s into the run; the other ranks were stopped",
+                        t0.elapsed().as_secs_f64()
+                    ));
+                }
             } else if let Some(Some(s)) = stdins.get_mut(r) {
                 let _ = writeln!(s);
             }
@@ -232,12 +256,8 @@ pub(super) fn supervise(cfg: &RunConfig, plan: &Plan, verbose: u8) -> Result<Out
             // the others and reap them; the region file (if any) is removed
             // below whatever happened. (Not when the run was interrupted:
             // the others are stopping in order.)
-            for (o, c) in children.iter_mut().enumerate() {
-                if o != r && statuses[o].is_none() && !killed[o] && interrupted.is_none() {
-                    let _ = c.kill();
-                    statuses[o] = c.wait().ok();
-                    aborted[o] = true;
-                }
+            if interrupted.is_none() {
+                stop_others(&mut children, &mut statuses, &killed, &mut aborted, r);
             }
             bars.println(&format!(
                 "rank {r} failed {:.2} s into the run; the other ranks were stopped",
@@ -260,10 +280,13 @@ pub(super) fn supervise(cfg: &RunConfig, plan: &Plan, verbose: u8) -> Result<Out
     bars.clear();
     let wall = t0.elapsed().as_secs_f64();
 
-    // The region file must be gone whatever happened.
-    let left = path.exists();
-    if left {
-        let _ = std::fs::remove_file(path);
+    // The region's files must be gone whatever happened (ranks SIGKILLed
+    // during the join leave the header file and their data files).
+    let files = region_files(path);
+    let left = !files.is_empty();
+    for f in &files {
+        // remove_file never follows a link: it removes the name.
+        let _ = std::fs::remove_file(f);
     }
 
     Ok(Outcome {
@@ -280,6 +303,50 @@ pub(super) fn supervise(cfg: &RunConfig, plan: &Plan, verbose: u8) -> Result<Out
         wall,
         left,
     })
+}
+
+/// The region's files left in its directory: the header file `path` and
+/// its data files `<path>.<k>` (names only; links are not followed).
+fn region_files(path: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let (Some(dir), Some(base)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+        return Vec::new();
+    };
+    let dotted = format!("{base}.");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n == base || n.strip_prefix(&dotted).is_some_and(|k| k.parse::<usize>().is_ok()))
+        .map(|n| dir.join(n))
+        .collect()
+}
+
+/// True while a rank that announced `phase` last has not mapped the
+/// region yet (it announces "region" before it creates or joins it, and
+/// the next phase once every rank mapped it).
+fn in_join(phase: &Option<String>) -> bool {
+    phase.as_deref().is_none_or(|p| p == "region")
+}
+
+/// SIGKILLs and reaps every rank but `r` that is still running (not
+/// killed on request): they would only wait for `r` until their rank
+/// timeout. Marks them aborted.
+fn stop_others(
+    children: &mut [Child],
+    statuses: &mut [Option<ExitStatus>],
+    killed: &[bool],
+    aborted: &mut [bool],
+    r: usize,
+) {
+    for (o, c) in children.iter_mut().enumerate() {
+        if o != r && statuses[o].is_none() && !killed[o] {
+            let _ = c.kill();
+            statuses[o] = c.wait().ok();
+            aborted[o] = true;
+        }
+    }
 }
 
 /// What the parent's loop reacts to.
