@@ -504,6 +504,8 @@ def main():
             i = rest.index("--json")
             del rest[i : i + 2]
         cmd = [sys.executable, __file__, "--one", one] + rest
+        if label:
+            cmd += ["--prompts", str(min(args.prompts, 50))]  # the warm-up's figures are its start-up alone
         say(f"== {label}{one} (MemAvailable {mem_available_gib():.1f} GiB)")
         shm_before = shm_files()
         t = time.monotonic()

@@ -225,7 +225,7 @@ def test_device_pointers_move_the_same_blocks_as_block_ids():
     "nudge, words",
     [
         (lambda i, p: p + 1 if i == 0 else p, "not a block of KV tensor"),
-        (lambda i, p: p - (1 << 40) if i == 0 else p, "not a block of KV tensor"),
+        (lambda i, p: p - 3 * PAGE if i == 0 else p, "not a block of KV tensor"),  # below the tensor
         (lambda i, p: p + 64 * PAGE * 1000 if i == 0 else p, "not a block of KV tensor"),
         (lambda i, p: p + PAGE if i == 3 else p, "data ref 1 of group 1 points at other blocks"),
     ],

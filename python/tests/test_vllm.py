@@ -52,6 +52,18 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (ci/python runs this file in ci/vllm-env's venv)")
 
+# vLLM 0.26 picks its CPU platform only in a CPU build of vLLM
+# (platforms/__init__.py:162-183), not from VLLM_TARGET_DEVICE as 0.27+ do;
+# with no GPU it would resolve to UnspecifiedPlatform, whose configs fail
+# ("Failed to infer device type"). Set here, before the config classes are
+# imported, and only where it resolved to nothing.
+import vllm.platforms as _platforms  # noqa: E402
+
+if os.environ.get("VLLM_TARGET_DEVICE") == "cpu" and type(_platforms.current_platform).__name__ == "UnspecifiedPlatform":
+    from vllm.platforms.cpu import CpuPlatform  # noqa: E402
+
+    _platforms._current_platform = CpuPlatform()
+
 import torch  # noqa: E402
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
@@ -134,24 +146,37 @@ def extra_config(**kw):
 
 
 def vllm_config(model_dir, extra, num_blocks=64):
-    cfg = VllmConfig(
-        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=4096),
-        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
-        ),
-    )
+    # vLLM 0.34's CPU platform refuses a config on x86 without triton-cpu
+    # ("vLLM on x86 CPUs requires Triton", platforms/cpu.py:242): it would
+    # run the model with Triton kernels. No model runs here (only the
+    # scheduler and the connector), so the check is told Triton is there
+    # while the config is built, and only then.
+    import vllm.triton_utils as triton_utils
+
+    had = triton_utils.HAS_TRITON
+    triton_utils.HAS_TRITON = True
+    try:
+        cfg = VllmConfig(
+            model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=4096),
+            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+            ),
+        )
+    finally:
+        triton_utils.HAS_TRITON = had
     cfg.cache_config.num_gpu_blocks = num_blocks
     return cfg
 
 
-def kv_tensor(layers, num_blocks, offset=0):
+def kv_tensor(layers, num_blocks, offset=0, size=None):
     """One ``KVCacheTensor`` holding ``layers`` (each ``PAGE`` bytes a
     block) in this release's form."""
+    size = size or len(layers) * PAGE * num_blocks
     if OLD_KV_TENSORS:
-        return KVCacheTensor(size=len(layers) * PAGE * num_blocks, shared_by=list(layers), offset=offset)
+        return KVCacheTensor(size=size, shared_by=list(layers), offset=offset)
     return KVCacheTensor(
-        size=len(layers) * PAGE * num_blocks,
+        size=size,
         layers=list(layers),
         layer_stride=PAGE * num_blocks,
         block_stride=PAGE,
@@ -749,7 +774,10 @@ def test_two_groups_full_attention_and_sliding_window_share_the_slot_pool(engine
     sw = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=3 * BS)
     kvc = KVCacheConfig(
         num_blocks=n,
-        kv_cache_tensors=[kv_tensor([LAYERS[0]], n), kv_tensor([LAYERS[1]], n, offset=PAGE * n)],
+        kv_cache_tensors=[
+            kv_tensor([LAYERS[0]], n, size=2 * PAGE * n),
+            kv_tensor([LAYERS[1]], n, offset=PAGE * n, size=2 * PAGE * n),
+        ],
         kv_cache_groups=[KVCacheGroupSpec([LAYERS[0]], KV_SPEC), KVCacheGroupSpec([LAYERS[1]], sw)],
     )
     eng = engines(blocks_per_chunk=2, kvc=kvc)
