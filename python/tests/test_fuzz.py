@@ -9,6 +9,7 @@ exactly. Simulated GPU; about 20 s in a release build."""
 
 import itertools
 import math
+import os
 import threading
 
 import pytest
@@ -23,7 +24,13 @@ import kvoffload._testing as kt  # noqa: E402
 PAGE = 4096
 GPU_BLOCKS = 8
 ALLOWED = (kv.KvoffloadError, TypeError, ValueError, OverflowError)
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+#: KVO_FUZZ_EXAMPLES: examples per test (300: a few seconds in a release build).
+SETTINGS = settings(
+    max_examples=int(os.environ.get("KVO_FUZZ_EXAMPLES", "300")),
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+)
 
 HUGE = [2**31, 2**32, 2**40, 2**62, 2**63, 2**63 - 1, 2**64 - 1, 2**64, 2**64 + 1, 10**30]
 NEGATIVE = [-1, -2, -(2**31), -(2**63), -(2**64)]
@@ -64,9 +71,10 @@ class RoundTrip:
                 off.store([1], [0])
             return
         key = next(cls.counter)
-        data = key.to_bytes(8, "little") * (PAGE // 8)
+        page = off.page_bytes[0]
+        data = (key.to_bytes(8, "little") * (page // 8 + 1))[:page]
         kt.write_block(off, 0, 0, data)
-        kt.write_block(off, 0, 1, b"\0" * PAGE)
+        kt.write_block(off, 0, 1, b"\0" * page)
         r = off.store([key], [0])
         off.wait(r.job)
         off.wait(off.load([key], [1]))
