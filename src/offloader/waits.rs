@@ -21,9 +21,18 @@
 //! - [`Offloader::wait_interruptible`] and
 //!   [`Offloader::wait_all_interruptible`]: the jobs go on on the GPU and
 //!   stay in flight; the completions the wait took from the engine went to
-//!   its `sink` (see there), the one way they are reported.
+//!   its `sink` (see there), the one way they are reported;
+//! - [`Offloader::wait_jobs_interruptible`]: as `wait_all_interruptible`;
+//! - [`Offloader::shutdown_interruptible`]: only its wait for the jobs in
+//!   flight is interruptible; interrupted, nothing is shut down;
+//! - [`Offloader::capture_begin_interruptible`] (hook.rs) and
+//!   [`Offloader::gated_interruptible`]: the window request or the gated
+//!   call is withdrawn before it opened or ran.
 //!
-//! The blocking forms are unchanged.
+//! The blocking forms are unchanged, except that a capture window, a hook
+//! window or a nested `gated` asked for inside `gated` is refused
+//! ([`ProtocolError::WouldDeadlock`]) instead of waiting for itself.
+//! docs/blocking-calls.md has the table of every blocking call.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
