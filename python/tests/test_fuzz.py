@@ -99,6 +99,8 @@ def test_construction_with_hostile_options(changes):
     if off is None:
         return
     try:
+        call(off.start)  # the pinning options are checked here
+        call(off.wait_pinned)
         if off.addressing == "keys" and off.block_factor == 1 and off.gpu_blocks >= 2:
             RoundTrip.check(off)
     finally:
