@@ -29,7 +29,15 @@ _AgreementTransport = Callable[[int], Union[int, Sequence[int]]]
 class KvoffloadError(Exception):
     """Base of every kvoffload error. ``kind``: the Rust variant in snake
     case (e.g. ``"gpu_block_count"``); ``reason``: the inner error's variant
-    (e.g. ``"already_exists"``, ``"nested_window"``) or None."""
+    (e.g. ``"already_exists"``, ``"nested_window"``) or None.
+
+    A Rust panic inside a call is caught and raised as ``KvoffloadError``
+    with kind ``"panic"`` (a bug to report; never ``PanicException``).
+    Arguments Python cannot convert raise ``TypeError``, or
+    ``OverflowError`` for an int out of an argument's range (a negative
+    count, say); counts and sizes that convert but exceed what the process
+    can have raise ``OptionsError`` or ``RegionError`` (kind ``"region"``,
+    reason ``"memory_too_small"``) before anything is allocated."""
 
     kind: str
     reason: Optional[str]
@@ -282,6 +290,10 @@ class Offloader:
     def pin_progress(self) -> PinProgress: ...
     def wait_pinned(self) -> PinOutcome: ...
     def capture_window(self) -> CaptureWindow: ...
+    #: Runs ``f()`` at a moment no capture window is open (windows wait for
+    #: it). Ctrl-C stops the wait for windows to close (``f`` not run);
+    #: inside ``f``, opening a capture window or hook window, or a nested
+    #: ``gated``, raises ``ProtocolError`` (reason ``"would_deadlock"``).
     def gated(self, f: Callable[[], Any]) -> Any: ...
     #: The capture hook (``kvoffload.vllm``'s wrapper of
     #: ``torch.cuda.CUDAGraph.capture_begin/capture_end`` calls these on the
@@ -289,7 +301,8 @@ class Offloader:
     #: (nested begins only count; it waits at most for the registration in
     #: progress), ``capture_end`` closes it and submits the jobs deferred
     #: meanwhile, ``capture_abort`` is ``capture_end`` for a failed begin;
-    #: ``ProtocolError`` (kind ``"hook_not_open"``) at depth 0.
+    #: ``ProtocolError`` (kind ``"hook_not_open"``) at depth 0. Ctrl-C stops
+    #: ``capture_begin``'s wait with nothing opened (depth unchanged).
     def capture_begin(self) -> None: ...
     def capture_end(self) -> None: ...
     def capture_abort(self) -> None: ...
@@ -347,15 +360,23 @@ class Offloader:
         expedited: bool = False,
     ) -> None: ...
     #: Waits for each of ``jobs`` in flight; others skipped, failures left
-    #: to ``poll`` (vLLM's ``wait``).
+    #: to ``poll`` (vLLM's ``wait``). Ctrl-C stops it (the jobs go on).
     def wait_jobs(self, jobs: Iterable[int]) -> None: ...
     def poll(self) -> List[Completion]: ...
+    #: Returns once ``job`` completed (``TransferError``, kind ``"transfer"``,
+    #: reason ``"job_failed"``, if it failed), whichever thread's ``wait`` or
+    #: ``poll`` took its completion, also after a ``poll`` returned it (the
+    #: last 65536 jobs ``poll`` returned are remembered); ``TransferError``
+    #: kind ``"unknown_job"`` for an id never submitted. Safe from any
+    #: number of threads. Ctrl-C stops it (the job goes on).
     def wait(self, job: int) -> None: ...
     def wait_all(self) -> None: ...
     @property
     def in_flight(self) -> int: ...
     @property
     def stored_blocks(self) -> int: ...
+    #: Drains the jobs in flight, stops pinning, frees. Ctrl-C during the
+    #: drain raises KeyboardInterrupt with nothing shut down.
     def shutdown(self) -> None: ...
     @property
     def is_shut_down(self) -> bool: ...

@@ -20,6 +20,9 @@
 //! errors, `code` (the CUresult as an int, or None when no driver exists),
 //! `code_name` and `call` (the driver entry point).
 //!
+//! A Rust panic inside a call is caught at the entry point and raised as
+//! `KvoffloadError` with kind `"panic"` (never `PanicException`).
+//!
 //! An interrupted wait (the library's `Interrupted` errors) is not a
 //! kvoffload error: it raises the exception the signal handler raised
 //! (`Signals` in lib.rs keeps it), or `KeyboardInterrupt` when none was
@@ -66,18 +69,26 @@ pyo3::create_exception!(
 pyo3::create_exception!(kvoffload, TransferError, KvoffloadError, "The transfer engine refused a job.");
 pyo3::create_exception!(kvoffload, AgreementError, KvoffloadError, "The ranks did not agree on the pin state (P7).");
 
-/// `CamelCase` -> `camel_case`.
+/// `CamelCase` -> `camel_case`; a name already in upper case (a driver
+/// code's, `CUDA_ERROR_OUT_OF_MEMORY`) is only lowered
+/// (`cuda_error_out_of_memory`). An underscore is put before an upper-case
+/// letter that follows a lower-case letter or a digit, or that begins a
+/// new word after an upper-case run (`HTTPServer` -> `http_server`), never
+/// next to an underscore.
 pub fn snake(name: &str) -> String {
+    let chars: Vec<char> = name.chars().collect();
     let mut out = String::with_capacity(name.len() + 4);
-    for (i, c) in name.chars().enumerate() {
-        if c.is_ascii_uppercase() {
-            if i > 0 {
+    for (i, &c) in chars.iter().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            let prev = chars[i - 1];
+            let next_lower = chars.get(i + 1).is_some_and(|n| n.is_ascii_lowercase());
+            let boundary =
+                prev.is_ascii_lowercase() || prev.is_ascii_digit() || (prev.is_ascii_uppercase() && next_lower);
+            if boundary && !out.ends_with('_') {
                 out.push('_');
             }
-            out.push(c.to_ascii_lowercase());
-        } else {
-            out.push(c);
         }
+        out.push(c.to_ascii_lowercase());
     }
     out
 }
@@ -210,6 +221,12 @@ pub fn driver(py: Python<'_>, what: &str, e: RustDriverError) -> PyErr {
     driver_err(py, format!("{what}: {e}"), "driver", &e)
 }
 
+/// A Rust panic caught at an entry point (`offloader::guarded`): a
+/// `KvoffloadError` of kind `"panic"`, never a `PanicException`.
+pub fn panicked(py: Python<'_>, what: &str) -> PyErr {
+    make::<KvoffloadError>(py, format!("internal error (a Rust panic, caught): {what}"), "panic", None, None)
+}
+
 /// A bad argument found on the Python side.
 pub fn options(py: Python<'_>, message: impl Into<String>) -> PyErr {
     make::<OptionsError>(py, message.into(), "options", None, None)
@@ -233,4 +250,22 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TransferError", py.get_type::<TransferError>())?;
     m.add("AgreementError", py.get_type::<AgreementError>())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::snake;
+
+    #[test]
+    fn snake_case_of_camel_case_and_of_upper_case_names() {
+        assert_eq!(snake("GpuBlockCount"), "gpu_block_count");
+        assert_eq!(snake("AlreadyExists"), "already_exists");
+        assert_eq!(snake("JobFailed"), "job_failed");
+        assert_eq!(snake("P7Agreement"), "p7_agreement");
+        // Issue 28 item 7: a driver code's name is already upper case.
+        assert_eq!(snake("CUDA_ERROR_OUT_OF_MEMORY"), "cuda_error_out_of_memory");
+        assert_eq!(snake("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"), "cuda_error_stream_capture_unsupported");
+        assert_eq!(snake("HTTPServer"), "http_server");
+        assert_eq!(snake(""), "");
+    }
 }

@@ -14,19 +14,24 @@
 //! Every call that can block (construction, pinning waits, capture windows,
 //! job waits, shutdown, the submissions) releases the GIL. The waits
 //! (joining or creating a shared region, `wait_pinned` and with it the
-//! ranks' agreement, entering a capture window, `wait`, `wait_all`) use the
+//! ranks' agreement, entering a capture window, `capture_begin`, `gated`,
+//! `wait`, `wait_all`, `wait_jobs`, the drain of `shutdown`; the table is
+//! docs/blocking-calls.md) use the
 //! library's interruptible forms with [`Signals`] as their check: Ctrl-C
 //! (any signal whose Python handler raises) stops them within about 50 ms
 //! and raises the handler's exception (`KeyboardInterrupt`), leaving
 //! nothing behind.
 //!
-//! Files: `offloader.rs` (`Offloader`, `CaptureWindow`), `runtime.rs`
+//! Files: `offloader.rs` (`Offloader`, `CaptureWindow`; the lock
+//! discipline of its job bookkeeping at the top), `book.rs` (that
+//! bookkeeping, and the panic guard of the entry points), `runtime.rs`
 //! (`Runtime`), `results.rs` (the result classes), `args.rs` (arguments
 //! from Python), `tensors.rs` (the engine's tensors, CPU ones adopted on
 //! the sim), `signals.rs`, `agreement.rs`, `errors.rs`, `testing.rs`.
 
 mod agreement;
 mod args;
+mod book;
 mod errors;
 mod offloader;
 mod results;
@@ -57,6 +62,7 @@ use std::sync::Arc;
 
 use agreement::*;
 use args::*;
+use book::*;
 use offloader::*;
 use results::*;
 use runtime::*;

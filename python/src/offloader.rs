@@ -1,4 +1,34 @@
 //! `kvoffload.Offloader` and `kvoffload.CaptureWindow`.
+//!
+//! # Lock discipline (the job bookkeeping, issue 28)
+//!
+//! A completion is always in exactly one of two places: the library's job
+//! table (inside `Offloader`, under its lock) until some thread's poll takes
+//! it from the engine, then this wrapper's [`Book`] (`book`, book.rs). The move is
+//! one critical section of the library's lock: `poll_each` and the waits
+//! call the sink ([`PyOffloader::keep`]) under that lock, and the sink takes
+//! `book`'s lock inside it. Hence the rules:
+//!
+//! 1. Order: the library's lock, then `book`. `book` is never held while
+//!    calling the library, nor while taking the GIL or any other lock of
+//!    this file; it is held for a few instructions only.
+//! 2. To learn a job's outcome, ask the library first and `book` after:
+//!    once the library says a job is not in flight (`UnknownJob`, or a wait
+//!    that returned), the critical section that removed it has ended, so
+//!    its completion is already in `book` (asking `book` first is the race
+//!    of issue 28, item 2: the completion can move in between).
+//! 3. `poll` moves completions from `book.reported` to `book.collected`
+//!    under `book`'s lock alone; `collected` keeps the outcomes of the last
+//!    [`COLLECTED_KEPT`] jobs `poll` returned, so a `wait` for a job another
+//!    thread already collected returns that job's result.
+//!
+//! The other mutexes of this file (`tensors`, `adopted`, `adoptions`, a
+//! window's `guard` and `waited`) each guard one field, are never held two
+//! at once, and never across a call that blocks.
+//!
+//! Every entry point that takes arguments runs inside [`guarded`]: a Rust
+//! panic becomes a `KvoffloadError` (kind `"panic"`), never a
+//! `PanicException`.
 
 use super::*;
 
@@ -16,11 +46,8 @@ pub(crate) struct PyOffloader {
     /// On the simulated GPU with CPU tensors: the storage ranges adopted as
     /// device memory, released once the offloader shut down.
     pub(crate) adoptions: Mutex<Vec<DevicePtr>>,
-    /// Completions taken from the engine and not yet returned by `poll`,
-    /// in the engine's order: `poll` and the waits (which poll while they
-    /// wait, see `Offloader::wait_interruptible`) put them here, each under
-    /// the offloader's lock, and `poll` returns them all.
-    pub(crate) reported: Mutex<Vec<Completion>>,
+    /// The job bookkeeping (module docs: its lock discipline).
+    pub(crate) book: Mutex<Book>,
 }
 
 impl Drop for PyOffloader {
@@ -53,11 +80,29 @@ impl Drop for PyOffloader {
 }
 
 impl PyOffloader {
-    /// A sink for `Offloader::poll_each` and the waits: into `reported`
-    /// (called under the offloader's lock; takes no other lock but this
-    /// one's, and no GIL).
+    /// A sink for `Offloader::poll_each` and the waits: into
+    /// `book.reported` (called under the library's lock; takes `book`'s
+    /// lock inside it and nothing else, no GIL: rule 1).
     pub(crate) fn keep(&self) -> impl FnMut(Completion) + '_ {
-        move |c| self.reported.lock().unwrap_or_else(|p| p.into_inner()).push(c)
+        move |c| self.book().reported.push(c)
+    }
+
+    pub(crate) fn book(&self) -> std::sync::MutexGuard<'_, Book> {
+        self.book.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Job `id`'s outcome from the book, once the library said it is no
+    /// longer in flight (rule 2); `r` when the book has none.
+    fn outcome_after(&self, py: Python<'_>, id: JobId, r: Result<(), OffloaderError>) -> PyResult<()> {
+        let kept = match &r {
+            Ok(()) | Err(OffloaderError::UnknownJob { .. }) => self.book().outcome(id),
+            Err(_) => None,
+        };
+        match kept {
+            Some(None) => Ok(()),
+            Some(Some(error)) => Err(errors::offloader(py, TransferError::JobFailed { id, error }.into())),
+            None => r.map_err(|e| errors::offloader(py, e)),
+        }
     }
 
     /// Ends the adoptions of the CPU tensors' storage (simulated GPU; after
@@ -93,18 +138,35 @@ impl PyOffloader {
         slots: &Bound<'_, PyAny>,
         first_subs: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let g = parse_blocks(py, gpu_blocks)?;
-        let sizes = parse_ids(py, "a group size", group_sizes)?;
-        let s = parse_ids(py, "a host slot id", slots)?;
-        let subs = parse_ids(py, "a first_sub", first_subs)?;
-        let j = SlotJob { gpu_blocks: &g, group_sizes: &sizes, slots: &s, first_subs: &subs };
-        let off = &self.off;
-        py.detach(|| match lane {
-            Lane::Store => off.store_slot_job(JobId(job), &j),
-            Lane::Load => off.load_slot_job(JobId(job), &j),
-            Lane::LoadExpedited => off.load_slot_job_expedited(JobId(job), &j),
+        guarded(py, || {
+            let g = parse_blocks(py, gpu_blocks)?;
+            let sizes = parse_ids(py, "a group size", group_sizes)?;
+            let s = parse_ids(py, "a host slot id", slots)?;
+            let subs = parse_ids(py, "a first_sub", first_subs)?;
+            let j = SlotJob { gpu_blocks: &g, group_sizes: &sizes, slots: &s, first_subs: &subs };
+            let off = &self.off;
+            py.detach(|| match lane {
+                Lane::Store => off.store_slot_job(JobId(job), &j),
+                Lane::Load => off.load_slot_job(JobId(job), &j),
+                Lane::LoadExpedited => off.load_slot_job_expedited(JobId(job), &j),
+            })
+            .map_err(|e| errors::offloader(py, e))
         })
-        .map_err(|e| errors::offloader(py, e))
+    }
+
+    fn shutdown_inner(&self, py: Python<'_>) -> PyResult<()> {
+        let off = &self.off;
+        let signals = Signals::default();
+        let r = py.detach(|| off.shutdown_interruptible(&|| signals.check(), &mut self.keep()));
+        if self.off.is_shut_down() {
+            // As the library's `poll` after shutdown: nothing more to report.
+            self.book().clear();
+            self.forget_stream();
+            py.detach(|| self.release_adoptions());
+            let keep = std::mem::take(&mut *self.tensors.lock().unwrap_or_else(|p| p.into_inner()));
+            drop(keep);
+        }
+        signals.result(py, r)
     }
 
     pub(crate) fn forget_stream(&self) {
@@ -167,259 +229,282 @@ impl PyOffloader {
         kv_groups: Option<Vec<usize>>,
         expedited_lane: bool,
     ) -> PyResult<Self> {
-        let runtime = match runtime {
-            Some(r) => r,
-            None => Py::new(py, PyRuntime::open(py, backend, device)?)?,
-        };
-        let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
-        opts.addressing =
-            choice(py, "addressing", addressing, &[("keys", Addressing::Keys), ("slots", Addressing::Slots)])?;
-        opts.kv_groups = kv_groups;
-        // Joining or creating a shared region waits for the other ranks:
-        // Ctrl-C stops it (see `Signals`).
-        let signals = Signals::default();
-        opts.region = match region {
-            "anonymous" => {
-                if ranks != 1 || rank != 0 || name.is_some() || allow_group.is_some() {
-                    return Err(errors::options(
-                        py,
-                        "name, rank, ranks and allow_group describe a shared region: give region='shared' too",
-                    ));
+        guarded(py, move || {
+            let runtime = match runtime {
+                Some(r) => r,
+                None => Py::new(py, PyRuntime::open(py, backend, device)?)?,
+            };
+            let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
+            opts.addressing =
+                choice(py, "addressing", addressing, &[("keys", Addressing::Keys), ("slots", Addressing::Slots)])?;
+            opts.kv_groups = kv_groups;
+            // Joining or creating a shared region waits for the other ranks:
+            // Ctrl-C stops it (see `Signals`).
+            let signals = Signals::default();
+            opts.region = match region {
+                "anonymous" => {
+                    if ranks != 1 || rank != 0 || name.is_some() || allow_group.is_some() {
+                        return Err(errors::options(
+                            py,
+                            "name, rank, ranks and allow_group describe a shared region: give region='shared' too",
+                        ));
+                    }
+                    if !check_memory {
+                        return Err(errors::options(
+                            py,
+                            "check_memory=False applies to shared regions only (an anonymous region is always checked)",
+                        ));
+                    }
+                    RegionSpec::Anonymous
                 }
-                if !check_memory {
-                    return Err(errors::options(
-                        py,
-                        "check_memory=False applies to shared regions only (an anonymous region is always checked)",
-                    ));
+                "shared" => {
+                    let name = name.ok_or_else(|| errors::options(py, "region='shared' needs a name"))?;
+                    let timeout = seconds(py, "join_timeout", Some(join_timeout))?.unwrap_or_default();
+                    let check = signals.clone();
+                    let mut o =
+                        ShmOptions::new().timeout(timeout).check_memory(check_memory).interrupt(move || check.check());
+                    if let Some(d) = &region_dir {
+                        o = o.dir(d);
+                    }
+                    if let Some(g) = allow_group {
+                        o = o.allow_group(group_id(py, g)?);
+                    }
+                    RegionSpec::Shared { name, rank, ranks, options: o }
                 }
-                RegionSpec::Anonymous
+                other => {
+                    return Err(errors::options(py, format!("region must be 'anonymous' or 'shared', not {other:?}")))
+                }
+            };
+            if let Some(t) = pin_threads {
+                opts.pin.threads = t;
             }
-            "shared" => {
-                let name = name.ok_or_else(|| errors::options(py, "region='shared' needs a name"))?;
-                let timeout = seconds(py, "join_timeout", Some(join_timeout))?.unwrap_or_default();
-                let check = signals.clone();
-                let mut o =
-                    ShmOptions::new().timeout(timeout).check_memory(check_memory).interrupt(move || check.check());
-                if let Some(d) = &region_dir {
-                    o = o.dir(d);
-                }
-                if let Some(g) = allow_group {
-                    o = o.allow_group(group_id(py, g)?);
-                }
-                RegionSpec::Shared { name, rank, ranks, options: o }
+            if let Some(c) = max_chunk_bytes {
+                opts.pin.max_chunk_bytes = c;
             }
-            other => return Err(errors::options(py, format!("region must be 'anonymous' or 'shared', not {other:?}"))),
-        };
-        if let Some(t) = pin_threads {
-            opts.pin.threads = t;
-        }
-        if let Some(c) = max_chunk_bytes {
-            opts.pin.max_chunk_bytes = c;
-        }
-        if let Some(b) = pin_lookahead_bytes {
-            opts.pin.lookahead_bytes = b;
-        }
-        if let Some(m) = huge_fallback_mbps {
-            opts.pin.huge_fallback_mbps = m;
-        }
-        if let Some(n) = pin_nice {
-            opts.pin.prefault_nice = n;
-        }
-        opts.pin.prefault = choice(
-            py,
-            "prefault",
-            prefault,
-            &[("populate", PrefaultMode::Populate), ("touch", PrefaultMode::Touch), ("off", PrefaultMode::Off)],
-        )?;
-        opts.pin.huge_pages = choice(
-            py,
-            "huge_pages",
-            huge_pages,
-            &[("auto", HugePages::Auto), ("on", HugePages::On), ("off", HugePages::Off)],
-        )?;
-        opts.pin.policy = choice(
-            py,
-            "capture_policy",
-            capture_policy,
-            &[("after_pinning", CapturePolicy::AfterPinning), ("interleave", CapturePolicy::Interleave)],
-        )?;
-        opts.transfer.backend = choice(
-            py,
-            "copy_backend",
-            copy_backend,
-            &[
-                ("auto", BackendChoice::Auto),
-                ("per-fragment", BackendChoice::Force(Backend::PerFragment)),
-                ("batched", BackendChoice::Force(Backend::Batched)),
-                ("gather", BackendChoice::Force(Backend::Gather)),
-                ("staged", BackendChoice::Force(Backend::Staged)),
-            ],
-        )?;
-        opts.transfer.expedited_lane = expedited_lane;
-        if let Some(b) = staging_bytes {
-            opts.transfer.staging_bytes = b;
-        }
-        if let Some(d) = seconds(py, "duplex_linger", duplex_linger)? {
-            opts.transfer.thresholds.duplex_linger = d;
-        }
-        opts.eviction = choice(py, "eviction", eviction, &[("lru", PolicyKind::Lru), ("arc", PolicyKind::Arc)])?;
-        opts.agreement_timeout = seconds(py, "agreement_timeout", agreement_timeout)?;
-        if let Some(f) = agreement {
-            if !f.bind(py).is_callable() {
-                return Err(errors::options(py, "agreement must be a callable: f(mine: int) -> list[int] | int"));
+            if let Some(b) = pin_lookahead_bytes {
+                opts.pin.lookahead_bytes = b;
             }
-            opts.agreement = Some(Arc::new(PyTransport { f }));
-        }
+            if let Some(m) = huge_fallback_mbps {
+                opts.pin.huge_fallback_mbps = m;
+            }
+            if let Some(n) = pin_nice {
+                opts.pin.prefault_nice = n;
+            }
+            opts.pin.prefault = choice(
+                py,
+                "prefault",
+                prefault,
+                &[("populate", PrefaultMode::Populate), ("touch", PrefaultMode::Touch), ("off", PrefaultMode::Off)],
+            )?;
+            opts.pin.huge_pages = choice(
+                py,
+                "huge_pages",
+                huge_pages,
+                &[("auto", HugePages::Auto), ("on", HugePages::On), ("off", HugePages::Off)],
+            )?;
+            opts.pin.policy = choice(
+                py,
+                "capture_policy",
+                capture_policy,
+                &[("after_pinning", CapturePolicy::AfterPinning), ("interleave", CapturePolicy::Interleave)],
+            )?;
+            opts.transfer.backend = choice(
+                py,
+                "copy_backend",
+                copy_backend,
+                &[
+                    ("auto", BackendChoice::Auto),
+                    ("per-fragment", BackendChoice::Force(Backend::PerFragment)),
+                    ("batched", BackendChoice::Force(Backend::Batched)),
+                    ("gather", BackendChoice::Force(Backend::Gather)),
+                    ("staged", BackendChoice::Force(Backend::Staged)),
+                ],
+            )?;
+            opts.transfer.expedited_lane = expedited_lane;
+            if let Some(b) = staging_bytes {
+                opts.transfer.staging_bytes = b;
+            }
+            if let Some(d) = seconds(py, "duplex_linger", duplex_linger)? {
+                opts.transfer.thresholds.duplex_linger = d;
+            }
+            opts.eviction = choice(py, "eviction", eviction, &[("lru", PolicyKind::Lru), ("arc", PolicyKind::Arc)])?;
+            opts.agreement_timeout = seconds(py, "agreement_timeout", agreement_timeout)?;
+            if let Some(f) = agreement {
+                if !f.bind(py).is_callable() {
+                    return Err(errors::options(py, "agreement must be a callable: f(mine: int) -> list[int] | int"));
+                }
+                opts.agreement = Some(Arc::new(PyTransport { f }));
+            }
 
-        let rt_ref = runtime.get();
-        let rt = rt_ref.rt.clone();
-        let on_sim = rt.as_sim().is_some();
-        let parsed = tensors::parse(py, tensors, gpu_blocks, page_bytes, device, on_sim)?;
-        let mut adoptions: Vec<DevicePtr> = Vec::new();
-        let (off, keep, adopted) = match parsed {
-            tensors::Tensors::Allocate { count, gpu_blocks, page_bytes } => {
-                let alloc = KvAlloc { tensors: count, page_bytes, gpu_blocks, block_factor };
-                let off = py.detach(|| Offloader::with_allocated_tensors(rt, alloc, opts));
-                (off, Vec::new(), None)
-            }
-            tensors::Tensors::External { tensors: ts, gpu_blocks, keep, host } if on_sim => {
-                let sim = rt.as_sim().expect("on_sim");
-                if let Some(i) = host.iter().position(|h| h.is_none()) {
-                    return Err(errors::options(
-                        py,
-                        format!(
+            let rt_ref = runtime.get();
+            let rt = rt_ref.rt.clone();
+            let on_sim = rt.as_sim().is_some();
+            let parsed = tensors::parse(py, tensors, gpu_blocks, page_bytes, device, on_sim)?;
+            let mut adoptions: Vec<DevicePtr> = Vec::new();
+            let (off, keep, adopted) = match parsed {
+                tensors::Tensors::Allocate { count, gpu_blocks, page_bytes } => {
+                    if let Some(st) = stream.filter(|s| !s.is_none()) {
+                        return Err(errors::options(
+                            py,
+                            format!(
+                                "stream={st} with tensors=<count>: the offloader allocates the tensors and makes its \
+                             own compute stream; stream= goes with the engine's own tensors"
+                            ),
+                        ));
+                    }
+                    let alloc = KvAlloc { tensors: count, page_bytes, gpu_blocks, block_factor };
+                    let off = py.detach(|| Offloader::with_allocated_tensors(rt, alloc, opts));
+                    (off, Vec::new(), None)
+                }
+                tensors::Tensors::External { tensors: ts, gpu_blocks, keep, host } if on_sim => {
+                    let sim = rt.as_sim().expect("on_sim");
+                    if let Some(i) = host.iter().position(|h| h.is_none()) {
+                        return Err(errors::options(
+                            py,
+                            format!(
                             "tensors[{i}] is not a CPU tensor: the simulated GPU takes CPU tensors (adopted as its \
                              device memory) and cannot reach other memory; an engine's GPU tensors need the CUDA \
                              backend, or give tensors=<count> to let the offloader allocate its own"
                         ),
-                    ));
-                }
-                let host: Vec<(u64, usize)> = host.into_iter().flatten().collect();
-                let ranges = tensors::merged(&host);
-                let mut bases: Vec<(u64, usize, DevicePtr)> = Vec::new();
-                let release = |ptrs: &[DevicePtr]| {
-                    for &p in ptrs {
-                        let _ = sim.release_adopted(p);
+                        ));
                     }
-                };
-                for &(start, len) in &ranges {
-                    // SAFETY: `start..start+len` is the storage of CPU
-                    // tensors the caller gave (from `untyped_storage()`),
-                    // owned by them, readable and writable; this offloader
-                    // keeps the tensor objects (and with them the storage)
-                    // alive until the adoption is released after shutdown,
-                    // or leaks them when it cannot be; the caller must not
-                    // touch blocks named in jobs until they are reported
-                    // (the documented contract for device tensors).
-                    match unsafe { sim.adopt_host_memory(start as usize, len) } {
-                        Ok(p) => {
-                            adoptions.push(p);
-                            bases.push((start, len, p));
+                    let host: Vec<(u64, usize)> = host.into_iter().flatten().collect();
+                    let ranges = tensors::merged(&host);
+                    let mut bases: Vec<(u64, usize, DevicePtr)> = Vec::new();
+                    let release = |ptrs: &[DevicePtr]| {
+                        for &p in ptrs {
+                            let _ = sim.release_adopted(p);
                         }
-                        Err(e) => {
-                            release(&adoptions);
-                            return Err(errors::driver(py, "adopting the CPU tensors as simulated device memory", e));
-                        }
-                    }
-                }
-                let device_of = |ptr: u64| {
-                    let &(start, _, p) = bases
-                        .iter()
-                        .find(|&&(s, n, _)| ptr >= s && ptr < s + n as u64)
-                        .expect("each tensor lies in its storage (checked), and its storage in a merged range");
-                    DevicePtr(p.raw() + (ptr - start))
-                };
-                let (s, own) = match stream {
-                    None => match sim.stream_create() {
-                        Ok(s) => (s, true),
-                        Err(e) => {
-                            release(&adoptions);
-                            return Err(errors::driver(py, "creating the compute stream", e));
-                        }
-                    },
-                    Some(st) => {
-                        let raw = tensors::stream_handle(py, Some(st))?;
-                        match sim.stream_by_raw(raw as u64) {
-                            Some(s) => (s, false),
-                            None => {
+                    };
+                    for &(start, len) in &ranges {
+                        // SAFETY: `start..start+len` is the storage of CPU
+                        // tensors the caller gave (from `untyped_storage()`),
+                        // owned by them, readable and writable; this offloader
+                        // keeps the tensor objects (and with them the storage)
+                        // alive until the adoption is released after shutdown,
+                        // or leaks them when it cannot be; the caller must not
+                        // touch blocks named in jobs until they are reported
+                        // (the documented contract for device tensors).
+                        match unsafe { sim.adopt_host_memory(start as usize, len) } {
+                            Ok(p) => {
+                                adoptions.push(p);
+                                bases.push((start, len, p));
+                            }
+                            Err(e) => {
                                 release(&adoptions);
-                                return Err(errors::options(py, format!("no stream {raw} on this simulated GPU")));
+                                return Err(errors::driver(
+                                    py,
+                                    "adopting the CPU tensors as simulated device memory",
+                                    e,
+                                ));
                             }
                         }
                     }
-                };
-                let kv = KvSpec {
-                    tensors: ts.iter().map(|&(p, b)| TensorSpec { device_base: device_of(p), page_bytes: b }).collect(),
-                    gpu_blocks,
-                    block_factor,
-                    compute_stream: s,
-                };
-                let rt2 = rt.clone();
-                // SAFETY: the tensors are the sim's device memory (adopted
-                // above), each at least gpu_blocks * page_bytes long
-                // (checked by `tensors::parse` against its size); the
-                // adoption lasts until after shutdown; the stream is live
-                // (made here, or found live on this sim) and outlives the
-                // offloader (ours is destroyed after shutdown; a caller's
-                // stream is the caller's to keep alive, as on CUDA).
-                let off = py.detach(|| unsafe { Offloader::new(rt2, kv, opts) });
-                if off.is_err() {
-                    release(&adoptions);
-                    adoptions.clear();
-                    if own {
-                        let _ = sim.stream_destroy(s);
+                    let device_of = |ptr: u64| {
+                        let &(start, _, p) = bases
+                            .iter()
+                            .find(|&&(s, n, _)| ptr >= s && ptr < s + n as u64)
+                            .expect("each tensor lies in its storage (checked), and its storage in a merged range");
+                        DevicePtr(p.raw() + (ptr - start))
+                    };
+                    let (s, own) = match stream {
+                        None => match sim.stream_create() {
+                            Ok(s) => (s, true),
+                            Err(e) => {
+                                release(&adoptions);
+                                return Err(errors::driver(py, "creating the compute stream", e));
+                            }
+                        },
+                        Some(st) => {
+                            let raw = tensors::stream_handle(py, Some(st))?;
+                            match sim.stream_by_raw(raw as u64) {
+                                Some(s) => (s, false),
+                                None => {
+                                    release(&adoptions);
+                                    return Err(errors::options(py, format!("no stream {raw} on this simulated GPU")));
+                                }
+                            }
+                        }
+                    };
+                    let kv = KvSpec {
+                        tensors: ts
+                            .iter()
+                            .map(|&(p, b)| TensorSpec { device_base: device_of(p), page_bytes: b })
+                            .collect(),
+                        gpu_blocks,
+                        block_factor,
+                        compute_stream: s,
+                    };
+                    let rt2 = rt.clone();
+                    // SAFETY: the tensors are the sim's device memory (adopted
+                    // above), each at least gpu_blocks * page_bytes long
+                    // (checked by `tensors::parse` against its size); the
+                    // adoption lasts until after shutdown; the stream is live
+                    // (made here, or found live on this sim) and outlives the
+                    // offloader (ours is destroyed after shutdown; a caller's
+                    // stream is the caller's to keep alive, as on CUDA).
+                    let off = py.detach(|| unsafe { Offloader::new(rt2, kv, opts) });
+                    if off.is_err() {
+                        release(&adoptions);
+                        adoptions.clear();
+                        if own {
+                            let _ = sim.stream_destroy(s);
+                        }
                     }
+                    (off, keep, own.then_some(s))
                 }
-                (off, keep, own.then_some(s))
-            }
-            tensors::Tensors::External { tensors: ts, gpu_blocks, keep, .. } => {
-                let Some(cuda) = rt_ref.cuda.clone() else {
-                    return Err(errors::options(
-                        py,
-                        "an engine's tensors need the CUDA backend (the simulated GPU cannot reach them); \
+                tensors::Tensors::External { tensors: ts, gpu_blocks, keep, .. } => {
+                    let Some(cuda) = rt_ref.cuda.clone() else {
+                        return Err(errors::options(
+                            py,
+                            "an engine's tensors need the CUDA backend (the simulated GPU cannot reach them); \
                          give tensors=<count> to let the offloader allocate its own",
-                    ));
-                };
-                let raw = tensors::stream_handle(py, stream)?;
-                // SAFETY: `raw` is the engine's stream of this device's
-                // primary context (the caller's word, as for the tensors);
-                // it is forgotten again after the offloader shut down.
-                let s = unsafe { cuda.adopt_stream(raw) };
-                let kv = KvSpec {
-                    tensors: ts.iter().map(|&(p, b)| TensorSpec { device_base: DevicePtr(p), page_bytes: b }).collect(),
-                    gpu_blocks,
-                    block_factor,
-                    compute_stream: s,
-                };
-                // SAFETY: the tensors are device allocations of this
-                // device's primary context (checked to be CUDA tensors of
-                // `device` where the object says), each at least
-                // gpu_blocks * page_bytes long; the Python objects are kept
-                // alive by this offloader until it shut down, so their
-                // memory stays allocated; the stream is the engine's, alive
-                // as long (the documented contract of `Offloader`). Blocks
-                // named in jobs are the engine's to leave alone until the
-                // job is reported (documented in the Python API).
-                let off = py.detach(|| unsafe { Offloader::new(rt, kv, opts) });
-                if off.is_err() {
-                    let _ = cuda.stream_destroy(s);
+                        ));
+                    };
+                    let raw = tensors::stream_handle(py, stream)?;
+                    // SAFETY: `raw` is the engine's stream of this device's
+                    // primary context (the caller's word, as for the tensors);
+                    // it is forgotten again after the offloader shut down.
+                    let s = unsafe { cuda.adopt_stream(raw) };
+                    let kv = KvSpec {
+                        tensors: ts
+                            .iter()
+                            .map(|&(p, b)| TensorSpec { device_base: DevicePtr(p), page_bytes: b })
+                            .collect(),
+                        gpu_blocks,
+                        block_factor,
+                        compute_stream: s,
+                    };
+                    // SAFETY: the tensors are device allocations of this
+                    // device's primary context (checked to be CUDA tensors of
+                    // `device` where the object says), each at least
+                    // gpu_blocks * page_bytes long; the Python objects are kept
+                    // alive by this offloader until it shut down, so their
+                    // memory stays allocated; the stream is the engine's, alive
+                    // as long (the documented contract of `Offloader`). Blocks
+                    // named in jobs are the engine's to leave alone until the
+                    // job is reported (documented in the Python API).
+                    let off = py.detach(|| unsafe { Offloader::new(rt, kv, opts) });
+                    if off.is_err() {
+                        let _ = cuda.stream_destroy(s);
+                    }
+                    (off, keep, Some(s))
                 }
-                (off, keep, Some(s))
+            };
+            let off = Arc::new(signals.result(py, off)?);
+            let me = PyOffloader {
+                off,
+                runtime,
+                tensors: Mutex::new(keep),
+                adopted: Mutex::new(adopted),
+                adoptions: Mutex::new(adoptions),
+                book: Mutex::new(Book::default()),
+            };
+            if start {
+                me.off.start().map_err(|e| errors::offloader(py, e))?;
             }
-        };
-        let off = Arc::new(signals.result(py, off)?);
-        let me = PyOffloader {
-            off,
-            runtime,
-            tensors: Mutex::new(keep),
-            adopted: Mutex::new(adopted),
-            adoptions: Mutex::new(adoptions),
-            reported: Mutex::new(Vec::new()),
-        };
-        if start {
-            me.off.start().map_err(|e| errors::offloader(py, e))?;
-        }
-        Ok(me)
+            Ok(me)
+        })
     }
 
     /// The runtime (GPU) this offloader runs on.
@@ -460,11 +545,13 @@ impl PyOffloader {
 
     /// Starts background pinning (idempotent; ShutDownError after shutdown).
     pub(crate) fn start(&self, py: Python<'_>) -> PyResult<()> {
-        let off = &self.off;
-        if off.is_shut_down() {
-            return Err(errors::offloader(py, kvoffload::internal::offloader::OffloaderError::ShutDown));
-        }
-        py.detach(|| off.start()).map_err(|e| errors::offloader(py, e))
+        guarded(py, || {
+            let off = &self.off;
+            if off.is_shut_down() {
+                return Err(errors::offloader(py, kvoffload::internal::offloader::OffloaderError::ShutDown));
+            }
+            py.detach(|| off.start()).map_err(|e| errors::offloader(py, e))
+        })
     }
 
     /// The pin state now.
@@ -488,15 +575,18 @@ impl PyOffloader {
     /// Waits until pinning is final (and agreed, where ranks agree),
     /// starting it if needed; returns how it ended.
     pub(crate) fn wait_pinned(&self, py: Python<'_>) -> PyResult<PyPinOutcome> {
-        let off = &self.off;
-        let signals = Signals::default();
-        let out: PinOutcome = signals.result(py, py.detach(|| off.wait_pinned_interruptible(&|| signals.check())))?;
-        let (agreed, agreement_error) = match &out.agreement {
-            None => (None, None),
-            Some(Ok(())) => (Some(true), None),
-            Some(Err(e)) => (Some(false), Some(errors::agreement(py, e).into_value(py).into_any())),
-        };
-        Ok(PyPinOutcome { state: Py::new(py, PyPinState::from(&out.state))?, agreed, agreement_error })
+        guarded(py, || {
+            let off = &self.off;
+            let signals = Signals::default();
+            let out: PinOutcome =
+                signals.result(py, py.detach(|| off.wait_pinned_interruptible(&|| signals.check())))?;
+            let (agreed, agreement_error) = match &out.agreement {
+                None => (None, None),
+                Some(Ok(())) => (Some(true), None),
+                Some(Err(e)) => (Some(false), Some(errors::agreement(py, e).into_value(py).into_any())),
+            };
+            Ok(PyPinOutcome { state: Py::new(py, PyPinState::from(&out.state))?, agreed, agreement_error })
+        })
     }
 
     /// A capture window, as a context manager: `with off.capture_window():
@@ -515,9 +605,28 @@ impl PyOffloader {
     /// chunk's registration), never for pinning to finish. While a hook
     /// window is open, jobs submitted on any thread are deferred and
     /// submitted when the last one closes.
+    ///
+    /// Ctrl-C stops the wait (KeyboardInterrupt, nothing opened, depth
+    /// unchanged); a signal that arrives as the window opens closes it again
+    /// before KeyboardInterrupt is raised, so the call either returns with
+    /// the window open or raises with it closed.
     pub(crate) fn capture_begin(&self, py: Python<'_>) -> PyResult<()> {
-        let off = &self.off;
-        py.detach(|| off.capture_begin()).map_err(|e| errors::offloader(py, e))
+        guarded(py, || {
+            let off = &self.off;
+            let signals = Signals::default();
+            let depth = off.capture_depth();
+            signals.result(py, py.detach(|| off.capture_begin_interruptible(&|| signals.check())))?;
+            if let Err(e) = py.check_signals() {
+                // Opened (or counted) just as Ctrl-C came: undo this begin.
+                if depth == 0 {
+                    let _ = py.detach(|| off.capture_abort());
+                } else {
+                    let _ = py.detach(|| off.capture_end());
+                }
+                return Err(e);
+            }
+            Ok(())
+        })
     }
 
     /// The capture hook's end (after the framework's capture end, also
@@ -525,15 +634,19 @@ impl PyOffloader {
     /// deferred jobs are submitted, in order, on this thread. ProtocolError
     /// (kind `"hook_not_open"`) at depth 0.
     pub(crate) fn capture_end(&self, py: Python<'_>) -> PyResult<()> {
-        let off = &self.off;
-        py.detach(|| off.capture_end()).map_err(|e| errors::offloader(py, e))
+        guarded(py, || {
+            let off = &self.off;
+            py.detach(|| off.capture_end()).map_err(|e| errors::offloader(py, e))
+        })
     }
 
     /// What `capture_end` does, for a capture whose framework begin failed
     /// after `capture_begin` succeeded.
     pub(crate) fn capture_abort(&self, py: Python<'_>) -> PyResult<()> {
-        let off = &self.off;
-        py.detach(|| off.capture_abort()).map_err(|e| errors::offloader(py, e))
+        guarded(py, || {
+            let off = &self.off;
+            py.detach(|| off.capture_abort()).map_err(|e| errors::offloader(py, e))
+        })
     }
 
     /// This thread's hook depth: `capture_begin`s not yet ended.
@@ -551,27 +664,45 @@ impl PyOffloader {
     /// Runs `f()` (the engine's own capture-unsafe calls, e.g.
     /// `torch.cuda.synchronize`) at a moment no capture window is open;
     /// windows wait for it. Returns what `f` returns.
+    ///
+    /// Ctrl-C stops the wait for windows to close (KeyboardInterrupt, `f`
+    /// not run); inside `f`, opening a capture window (`capture_window`,
+    /// `capture_begin`) or a nested `gated` raises ProtocolError (reason
+    /// `"would_deadlock"`): it would wait for this call.
     pub(crate) fn gated(&self, py: Python<'_>, f: Py<PyAny>) -> PyResult<Py<PyAny>> {
-        let off = &self.off;
-        let r = py.detach(|| off.gated("the engine's own call", |_| Python::attach(|py| f.call0(py))));
-        r.map_err(|e| errors::offloader(py, e))?
+        guarded(py, || {
+            let off = &self.off;
+            let signals = Signals::default();
+            let r = py.detach(|| {
+                off.gated_interruptible("the engine's own call", &|| signals.check(), |_| {
+                    Python::attach(|py| f.call0(py))
+                })
+            });
+            signals.result(py, r)?
+        })
     }
 
     /// What the offloader holds of each key: `"hit"`, `"miss"` or
     /// `"hit_pending"` (stored, store not yet complete), the library's
     /// `Lookup` variants.
     pub(crate) fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
-        let keys = parse_keys(py, keys)?;
-        let off = &self.off;
-        Ok(py
-            .detach(|| off.lookup(&keys))
-            .into_iter()
-            .map(|l| match l {
-                Lookup::Hit => "hit",
-                Lookup::Miss => "miss",
-                Lookup::HitPending => "hit_pending",
-            })
-            .collect())
+        guarded(py, || {
+            if self.off.addressing() != Addressing::Keys {
+                let e = OffloaderError::WrongAddressing { call: "lookup", addressing: self.off.addressing() };
+                return Err(errors::offloader(py, e));
+            }
+            let keys = parse_keys(py, keys)?;
+            let off = &self.off;
+            Ok(py
+                .detach(|| off.lookup(&keys))
+                .into_iter()
+                .map(|l| match l {
+                    Lookup::Hit => "hit",
+                    Lookup::Miss => "miss",
+                    Lookup::HitPending => "hit_pending",
+                })
+                .collect())
+        })
     }
 
     /// Stores `keys` from GPU blocks `gpu_blocks` (`block_factor` per key,
@@ -583,26 +714,28 @@ impl PyOffloader {
         keys: &Bound<'_, PyAny>,
         gpu_blocks: &Bound<'_, PyAny>,
     ) -> PyResult<PyStoreSubmitted> {
-        let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
-        let off = &self.off;
-        let r = py.detach(|| off.store(&keys, &blocks)).map_err(|e| errors::offloader(py, e))?;
-        let skipped: PyResult<Vec<(Bound<'_, PyTuple>, String)>> = r
-            .skipped
-            .iter()
-            .map(|s| {
-                let why = match s.reason {
-                    SkipReason::AlreadyStored => "already_stored".to_string(),
-                    SkipReason::StorePending => "store_pending".to_string(),
-                    SkipReason::BelowThreshold { .. } => "below_threshold".to_string(),
-                };
-                Ok((key_out(py, s.key)?, why))
+        guarded(py, || {
+            let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
+            let off = &self.off;
+            let r = py.detach(|| off.store(&keys, &blocks)).map_err(|e| errors::offloader(py, e))?;
+            let skipped: PyResult<Vec<(Bound<'_, PyTuple>, String)>> = r
+                .skipped
+                .iter()
+                .map(|s| {
+                    let why = match s.reason {
+                        SkipReason::AlreadyStored => "already_stored".to_string(),
+                        SkipReason::StorePending => "store_pending".to_string(),
+                        SkipReason::BelowThreshold { .. } => "below_threshold".to_string(),
+                    };
+                    Ok((key_out(py, s.key)?, why))
+                })
+                .collect();
+            Ok(PyStoreSubmitted {
+                job: r.job.map(|j| j.0),
+                stored: keys_out(py, &r.stored)?.into_pyobject(py)?.into_any().unbind(),
+                skipped: skipped?.into_pyobject(py)?.into_any().unbind(),
+                evicted: keys_out(py, &r.evicted)?.into_pyobject(py)?.into_any().unbind(),
             })
-            .collect();
-        Ok(PyStoreSubmitted {
-            job: r.job.map(|j| j.0),
-            stored: keys_out(py, &r.stored)?.into_pyobject(py)?.into_any().unbind(),
-            skipped: skipped?.into_pyobject(py)?.into_any().unbind(),
-            evicted: keys_out(py, &r.evicted)?.into_pyobject(py)?.into_any().unbind(),
         })
     }
 
@@ -610,9 +743,11 @@ impl PyOffloader {
     /// `gpu_blocks`; returns the job id. The engine must not touch those
     /// blocks until the job is reported.
     pub(crate) fn load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, gpu_blocks: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
-        let off = &self.off;
-        py.detach(|| off.load(&keys, &blocks)).map(|j| j.0).map_err(|e| errors::offloader(py, e))
+        guarded(py, || {
+            let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
+            let off = &self.off;
+            py.detach(|| off.load(&keys, &blocks)).map(|j| j.0).map_err(|e| errors::offloader(py, e))
+        })
     }
 
     /// How host blocks are addressed: `"keys"` (the block manager picks
@@ -646,9 +781,11 @@ impl PyOffloader {
         slots: &Bound<'_, PyAny>,
         first_sub: usize,
     ) -> PyResult<()> {
-        let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
-        let off = &self.off;
-        py.detach(|| off.store_slots(JobId(job), &g, &s, first_sub)).map_err(|e| errors::offloader(py, e))
+        guarded(py, || {
+            let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
+            let off = &self.off;
+            py.detach(|| off.store_slots(JobId(job), &g, &s, first_sub)).map_err(|e| errors::offloader(py, e))
+        })
     }
 
     /// Loads host slots `slots` into GPU blocks `gpu_blocks` as job `job`,
@@ -667,16 +804,18 @@ impl PyOffloader {
         first_sub: usize,
         expedited: bool,
     ) -> PyResult<()> {
-        let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
-        let off = &self.off;
-        py.detach(|| {
-            if expedited {
-                off.load_slots_expedited(JobId(job), &g, &s, first_sub)
-            } else {
-                off.load_slots(JobId(job), &g, &s, first_sub)
-            }
+        guarded(py, || {
+            let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
+            let off = &self.off;
+            py.detach(|| {
+                if expedited {
+                    off.load_slots_expedited(JobId(job), &g, &s, first_sub)
+                } else {
+                    off.load_slots(JobId(job), &g, &s, first_sub)
+                }
+            })
+            .map_err(|e| errors::offloader(py, e))
         })
-        .map_err(|e| errors::offloader(py, e))
     }
 
     /// `store_slots` over every KV cache group (`kv_groups`), in vLLM's
@@ -715,51 +854,58 @@ impl PyOffloader {
     /// Blocks, GIL released, until each of `jobs` that is in flight
     /// completed on the GPU; ids never submitted or already reported are
     /// skipped, failures are reported by `poll` (vLLM's `wait`). Not
-    /// interrupted by Ctrl-C.
+    /// interrupted by Ctrl-C (KeyboardInterrupt; the jobs go on). Slot
+    /// addressing only (OptionsError, kind `"wrong_addressing"`).
     pub(crate) fn wait_jobs(&self, py: Python<'_>, jobs: &Bound<'_, PyAny>) -> PyResult<()> {
-        let ids: Vec<JobId> = parse_ids(py, "a job id", jobs)?.into_iter().map(|j| JobId(j as u64)).collect();
-        let off = &self.off;
-        py.detach(|| off.wait_jobs(&ids)).map_err(|e| errors::offloader(py, e))
+        guarded(py, || {
+            let ids: Vec<JobId> = parse_ids(py, "a job id", jobs)?.into_iter().map(|j| JobId(j as u64)).collect();
+            let off = &self.off;
+            let signals = Signals::default();
+            let r = py.detach(|| off.wait_jobs_interruptible(&ids, &|| signals.check(), &mut self.keep()));
+            signals.result(py, r)
+        })
     }
 
     /// Jobs finished since the last call, each reported once, in
     /// submission order per direction, already applied to the block
     /// manager. Never blocks on the GPU.
     pub(crate) fn poll(&self, py: Python<'_>) -> PyResult<Vec<PyCompletion>> {
-        let out = py.detach(|| {
-            self.off.poll_each(&mut self.keep());
-            std::mem::take(&mut *self.reported.lock().unwrap_or_else(|p| p.into_inner()))
-        });
-        out.into_iter().map(|c| completion(py, c)).collect()
+        guarded(py, || {
+            let out = py.detach(|| {
+                self.off.poll_each(&mut self.keep());
+                self.book().take()
+            });
+            out.into_iter().map(|c| completion(py, c)).collect()
+        })
     }
 
     /// Blocks until job `job` completed on the GPU (it is still reported by
-    /// `poll`). Ctrl-C stops the wait (KeyboardInterrupt; the job goes on).
+    /// `poll`), and returns its outcome (TransferError `job_failed` when it
+    /// failed), also when another thread's wait or poll took its completion
+    /// (module docs, rules 2 and 3). Ctrl-C stops the wait
+    /// (KeyboardInterrupt; the job goes on).
     pub(crate) fn wait(&self, py: Python<'_>, job: u64) -> PyResult<()> {
-        let id = JobId(job);
-        let kept = self.reported.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|c| c.job == id).cloned();
-        if let Some(c) = kept {
-            // Completed, and taken from the engine by an earlier wait: not
-            // reported by `poll` yet, so still the caller's to wait for,
-            // with the outcome the blocking wait would give.
-            return match c.error {
-                None => Ok(()),
-                Some(error) => Err(errors::offloader(py, TransferError::JobFailed { id, error }.into())),
-            };
-        }
-        let off = &self.off;
-        let signals = Signals::default();
-        let r = py.detach(|| off.wait_interruptible(id, &|| signals.check(), &mut self.keep()));
-        signals.result(py, r)
+        guarded(py, || {
+            let id = JobId(job);
+            let off = &self.off;
+            let signals = Signals::default();
+            let r = py.detach(|| off.wait_interruptible(id, &|| signals.check(), &mut self.keep()));
+            if let Some(e) = signals.raised.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                return Err(e);
+            }
+            self.outcome_after(py, id, r)
+        })
     }
 
     /// Blocks until every job submitted so far completed on the GPU.
     /// Ctrl-C stops the wait (KeyboardInterrupt; the jobs go on).
     pub(crate) fn wait_all(&self, py: Python<'_>) -> PyResult<()> {
-        let off = &self.off;
-        let signals = Signals::default();
-        let r = py.detach(|| off.wait_all_interruptible(&|| signals.check(), &mut self.keep()));
-        signals.result(py, r)
+        guarded(py, || {
+            let off = &self.off;
+            let signals = Signals::default();
+            let r = py.detach(|| off.wait_all_interruptible(&|| signals.check(), &mut self.keep()));
+            signals.result(py, r)
+        })
     }
 
     /// Jobs submitted and not yet reported by `poll` (those a wait already
@@ -769,7 +915,7 @@ impl PyOffloader {
         // The library's count first: a job moving into `reported` between
         // the two reads is counted twice for a moment, never missed.
         let engine = self.off.in_flight();
-        engine + self.reported.lock().unwrap_or_else(|p| p.into_inner()).len()
+        engine + self.book().reported.len()
     }
 
     /// Keys stored and readable now.
@@ -781,19 +927,12 @@ impl PyOffloader {
     /// Shuts down: refused (ProtocolError) while a capture window is open;
     /// drains the jobs, stops pinning, unregisters, frees what the
     /// offloader allocated, and lets go of the engine's tensors and stream.
-    /// A second call raises ShutDownError.
+    /// A second call raises ShutDownError. Ctrl-C stops the wait for the
+    /// jobs in flight (KeyboardInterrupt; nothing shut down, the jobs go
+    /// on); past that the rest is bounded (a chunk's registration, the
+    /// driver's frees).
     pub(crate) fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
-        let off = &self.off;
-        let r = py.detach(|| off.shutdown());
-        if self.off.is_shut_down() {
-            // As the library's `poll` after shutdown: nothing more to report.
-            self.reported.lock().unwrap_or_else(|p| p.into_inner()).clear();
-            self.forget_stream();
-            py.detach(|| self.release_adoptions());
-            let keep = std::mem::take(&mut *self.tensors.lock().unwrap_or_else(|p| p.into_inner()));
-            drop(keep);
-        }
-        r.map_err(|e| errors::offloader(py, e))
+        guarded(py, || self.shutdown_inner(py))
     }
 
     /// True once `shutdown` completed.

@@ -1,7 +1,9 @@
-"""Ctrl-C during a wait (issue 20, item 7): every wait of the Python front
-(joining or creating a shared region, wait_pinned and the ranks' agreement
-in it, entering a capture window, wait, wait_all) raises KeyboardInterrupt
-within half a second of SIGINT and leaves nothing behind. Simulated GPU.
+"""Ctrl-C during a wait (issue 20, item 7; issue 28, item 4): every wait of
+the Python front (joining or creating a shared region, wait_pinned and the
+ranks' agreement in it, entering a capture window, wait, wait_all,
+wait_jobs, shutdown with a job in flight, capture_begin, gated) raises
+KeyboardInterrupt within half a second of SIGINT and leaves nothing behind.
+Simulated GPU.
 
 Each test starts the wait in a state where it blocks, sends SIGINT to the
 main thread from a timer thread 0.23 s later, and measures how long after
@@ -266,9 +268,93 @@ def test_a_job_completed_during_a_wait_is_reported_by_poll_once(rt):
     done = off.poll()
     assert [c.job for c in done] == [a, b]
     assert off.poll() == []
+    # Reported, so no longer in flight; a wait still returns its result
+    # (issue 28: another thread may have collected it).
+    off.wait(a)
     with pytest.raises(kv.TransferError) as e:
-        off.wait(a)  # reported: no longer in flight
+        off.wait(12345)  # never submitted
     assert e.value.kind == "unknown_job"
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+# ---- issue 28, item 4: the calls Ctrl-C did not stop ----
+
+
+def test_ctrl_c_in_wait_jobs(rt):
+    off = make(rt, addressing="slots", start=True)
+    off.wait_pinned()
+    hold = kt.sim_hold(rt, "device_op")
+    off.store_slots(7, [0], [0])
+    hold.wait_entered()
+    expect_ctrl_c("wait_jobs (a job held on the GPU)", lambda: off.wait_jobs([7]), unblock=hold.release)
+    assert off.in_flight == 1
+    idle(off, jobs_in_flight=1)
+    hold.release()
+    off.wait_jobs([7])
+    assert [(c.job, c.ok) for c in off.poll()] == [(7, True)]
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+def test_ctrl_c_in_shutdown_with_a_job_in_flight(rt):
+    off = make(rt, start=True)
+    off.wait_pinned()
+    hold = kt.sim_hold(rt, "device_op")
+    job = off.store([1], [0]).job
+    hold.wait_entered()
+    expect_ctrl_c("shutdown (a job held on the GPU)", off.shutdown, unblock=hold.release)
+    # Nothing shut down: the offloader runs, its job goes on.
+    assert not off.is_shut_down
+    idle(off, jobs_in_flight=1)
+    hold.release()
+    off.wait(job)
+    assert off.lookup([1]) == ["hit"]
+    off.shutdown()
+    assert off.is_shut_down
+    assert_nothing_leaked(rt)
+
+
+def test_ctrl_c_in_capture_begin(rt):
+    """capture_begin waits for the library call in flight (a registration,
+    held here); interrupted, it leaves no window open, so shutdown works."""
+    off = make(rt, capture_policy="interleave")
+    with kt.sim_hold(rt, "register") as hold:
+        off.start()
+        hold.wait_entered()
+        expect_ctrl_c("capture_begin (waiting for a registration)", off.capture_begin, unblock=hold.release)
+        assert off.capture_depth == 0
+        idle(off, calls_in_flight=1)
+    assert off.wait_pinned().state == "pinned"
+    idle(off)
+    off.capture_begin()  # a later begin opens
+    off.capture_end()
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+def test_ctrl_c_in_gated(rt):
+    """gated waits for windows to close (another thread holds one); the
+    interrupted call never runs its function."""
+    off = make(rt, start=True)
+    off.wait_pinned()
+    opened, close = threading.Event(), threading.Event()
+
+    def hold_a_window():
+        with off.capture_window():
+            opened.set()
+            close.wait()
+
+    holder = threading.Thread(target=hold_a_window)
+    holder.start()
+    opened.wait()
+    ran = []
+    expect_ctrl_c("gated (a window open)", lambda: off.gated(lambda: ran.append(1)), unblock=close.set)
+    assert ran == []
+    idle(off, windows_open=1)
+    close.set()
+    holder.join()
+    assert off.gated(lambda: 5) == 5
     off.shutdown()
     assert_nothing_leaked(rt)
 

@@ -48,6 +48,29 @@ fn kv_groups(kv: &KvSpec, opts: &OffloaderOptions) -> Result<Vec<GroupSpec>, Off
         .collect())
 }
 
+/// Bytes of one host block: the tensors' page bytes times the block factor,
+/// `None` when that overflows.
+fn host_block_bytes(page_bytes: impl IntoIterator<Item = usize>, block_factor: usize) -> Option<usize> {
+    page_bytes.into_iter().try_fold(0usize, |a, b| a.checked_add(b))?.checked_mul(block_factor)
+}
+
+/// The region's layout for host blocks of `block_bytes` bytes (`None`:
+/// their size overflowed), every product checked: OptionsError or the
+/// layout's own RegionError, never an overflow.
+fn region_layout(block_bytes: Option<usize>, opts: &OffloaderOptions) -> Result<Layout, OffloaderError> {
+    let page = page_size();
+    let slot_bytes = block_bytes.and_then(|b| b.div_ceil(page).checked_mul(page)).ok_or_else(|| {
+        OffloaderError::Options(
+            "a host block (the tensors' page bytes times block_factor, in whole pages) is larger than memory can be"
+                .into(),
+        )
+    })?;
+    Ok(match &opts.region {
+        RegionSpec::Anonymous => Layout::new(1, slot_bytes, opts.host_blocks)?,
+        RegionSpec::Shared { .. } => Layout::rank_major(opts.region.ranks(), slot_bytes, opts.host_blocks)?,
+    })
+}
+
 impl Offloader {
     /// Builds an offloader over the engine's own KV tensors (`kv`).
     ///
@@ -87,6 +110,24 @@ impl Offloader {
         let bytes = alloc.gpu_blocks.checked_mul(alloc.page_bytes).ok_or_else(|| {
             OffloaderError::Options(format!("{} blocks of {} bytes overflow", alloc.gpu_blocks, alloc.page_bytes))
         })?;
+        // Everything is checked before anything is allocated (issue 28,
+        // item 5): the tensors' total, and the host region their layout
+        // implies, against the memory this process can get (as the region
+        // checks itself, only later, after the tensors).
+        if bytes.checked_mul(alloc.tensors).is_none() {
+            return Err(OffloaderError::Options(format!(
+                "{} tensors of {bytes} bytes overflow the address space",
+                alloc.tensors
+            )));
+        }
+        if opts.host_blocks == 0 {
+            return Err(OffloaderError::Options("host_blocks is 0".into()));
+        }
+        let block_bytes = alloc.page_bytes.checked_mul(alloc.tensors).and_then(|b| b.checked_mul(alloc.block_factor));
+        let layout = region_layout(block_bytes, &opts)?;
+        if let RegionSpec::Anonymous = opts.region {
+            crate::region::limits::check(layout.data_bytes() as u64)?;
+        }
         // Allocations before the offloader's coordinator exists: each goes
         // through a coordinator of its own for `rt`, made for that call and
         // gone after it (no window can be open: a window needs a coordinator
@@ -186,18 +227,14 @@ impl Offloader {
                 ));
             }
         }
-        let block_bytes = kv.host_block_bytes();
-        let page = page_size();
-        let slot_bytes = block_bytes.div_ceil(page) * page;
+        let block_bytes = host_block_bytes(kv.tensors.iter().map(|t| t.page_bytes), kv.block_factor);
         let ranks = opts.region.ranks();
         let rank = opts.region.rank();
         // Shared regions are rank-major: each rank's host blocks are
         // contiguous (its own data files), so each rank reserves, pre-faults
         // and registers only its share (`Region::pin_ranges`).
-        let layout = match &opts.region {
-            RegionSpec::Anonymous => Layout::new(1, slot_bytes, opts.host_blocks)?,
-            RegionSpec::Shared { .. } => Layout::rank_major(ranks, slot_bytes, opts.host_blocks)?,
-        };
+        let layout = region_layout(block_bytes, &opts)?;
+        let block_bytes = block_bytes.unwrap_or_default();
         let region = match &opts.region {
             // Huge-page advice comes from the pin options (Prepared::new).
             RegionSpec::Anonymous => Region::anonymous(layout, &AnonOptions::new())?,
@@ -278,6 +315,7 @@ impl Offloader {
             owned_compute,
             down: Mutex::new(Down::Running),
             hook: hook::Hook::new(),
+            gated_threads: Mutex::new(Vec::new()),
         })
     }
 }

@@ -176,6 +176,21 @@ impl Offloader {
     /// after shutdown began, [`ProtocolError::NestedWindow`] when this
     /// thread holds a window of [`Offloader::capture_window`].
     pub fn capture_begin(&self) -> Result<(), OffloaderError> {
+        self.hook_begin(None)
+    }
+
+    /// [`Offloader::capture_begin`], interruptible: while the window waits
+    /// to open it calls `interrupted` at least every 50 ms and, when that
+    /// returns true, withdraws the request and returns
+    /// [`ProtocolError::Interrupted`] with nothing open (depth unchanged),
+    /// as a refused begin leaves it.
+    pub fn capture_begin_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<(), OffloaderError> {
+        self.hook_begin(Some(interrupted))
+    }
+
+    fn hook_begin(&self, interrupted: Option<&dyn Fn() -> bool>) -> Result<(), OffloaderError> {
+        // Inside `gated` the window would wait for this thread's own call.
+        self.refuse_inside_gated("opening a capture hook window inside gated()")?;
         let me = me();
         {
             let mut h = sync::lock(&self.hook.state);
@@ -188,7 +203,10 @@ impl Offloader {
         }
         let span = tracing::debug_span!("capture_hook_begin").entered();
         // Outside the hook's lock: jobs submitted meanwhile are deferred.
-        let opened = self.coord.open_window_interleaved();
+        let opened = match interrupted {
+            None => self.coord.open_window_interleaved(),
+            Some(f) => self.coord.open_window_interleaved_interruptible(f),
+        };
         let engine = sync::lock(&self.inner).engine.clone();
         let mut h = sync::lock(&self.hook.state);
         let Some(i) = h.windows.iter().position(|w| w.owner == me) else {

@@ -104,7 +104,7 @@ pub use slots::SlotJob;
 use crate::manager::{BlockKey, BlockManager};
 use crate::pin::{pin_all, pin_all_agreed_by, Prefault, RankAgreement};
 use crate::protocol::agreement::AgreementError;
-use crate::protocol::{CaptureWindow, Coordinator, GraphToken, PinState};
+use crate::protocol::{CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
 use crate::region::Region;
 use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::{self, thread, Arc, Mutex};
@@ -211,6 +211,26 @@ pub struct Offloader {
     down: Mutex<Down>,
     /// The capture hook's windows and deferred jobs (hook.rs).
     hook: hook::Hook,
+    /// Threads inside [`Offloader::gated`]'s closure now: a capture window
+    /// they asked for would wait for their own gated call (issue 28, item
+    /// 3), so it is refused.
+    gated_threads: Mutex<Vec<thread::ThreadId>>,
+}
+
+/// Marks this thread as inside [`Offloader::gated`] while it lives (also
+/// when the closure panics).
+struct InGated<'a> {
+    threads: &'a Mutex<Vec<thread::ThreadId>>,
+    me: thread::ThreadId,
+}
+
+impl Drop for InGated<'_> {
+    fn drop(&mut self) {
+        let mut t = sync::lock(self.threads);
+        if let Some(i) = t.iter().position(|&id| id == self.me) {
+            t.swap_remove(i);
+        }
+    }
 }
 
 impl std::fmt::Debug for Offloader {
@@ -369,7 +389,27 @@ impl Offloader {
     /// guard. No library thread makes a capture-unsafe call while it is
     /// open; with the default policy it opens only once pinning is final.
     pub fn capture_window(&self) -> Result<CaptureWindow, OffloaderError> {
+        self.refuse_inside_gated("opening a capture window inside gated()")?;
         Ok(self.coord.open_window()?)
+    }
+
+    /// [`ProtocolError::WouldDeadlock`] when this thread is inside
+    /// [`Offloader::gated`]: a window (or a nested gated call, which waits
+    /// for windows that wait for this call) would wait for itself.
+    fn refuse_inside_gated(&self, what: &'static str) -> Result<(), OffloaderError> {
+        let me = thread::current().id();
+        if sync::lock(&self.gated_threads).contains(&me) {
+            return Err(ProtocolError::WouldDeadlock { what }.into());
+        }
+        Ok(())
+    }
+
+    /// Runs `f` marked as inside gated (see `gated_threads`).
+    fn run_gated<T>(&self, gate: &Gate, f: impl FnOnce(&GatedCalls<'_>) -> T) -> T {
+        let me = thread::current().id();
+        sync::lock(&self.gated_threads).push(me);
+        let _mark = InGated { threads: &self.gated_threads, me };
+        f(&GatedCalls { gate, rt: self.rt.as_ref() })
     }
 
     /// Records that a graph which references the region exists: shutdown
@@ -385,9 +425,28 @@ impl Offloader {
     /// no others, and runs inside the offloader's gate, so windows wait
     /// until it returns (keep it short: a window opening meanwhile waits for
     /// all of it). Refused inside the caller's own window.
+    ///
+    /// Inside `f`, opening a capture window ([`Offloader::capture_window`],
+    /// [`Offloader::capture_begin`]) or a nested `gated` is refused with
+    /// [`ProtocolError::WouldDeadlock`]: it would wait for this call.
     pub fn gated<T>(&self, what: &'static str, f: impl FnOnce(&GatedCalls<'_>) -> T) -> Result<T, OffloaderError> {
-        let rt = self.rt.clone();
-        Ok(self.coord.unsafe_call(what, |gate| f(&GatedCalls { gate, rt: rt.as_ref() }))?)
+        self.refuse_inside_gated("gated() inside gated()")?;
+        Ok(self.coord.unsafe_call(what, |gate| self.run_gated(gate, f))?)
+    }
+
+    /// [`Offloader::gated`], interruptible: while it waits for capture
+    /// windows to close it calls `interrupted` at least every 50 ms and,
+    /// when that returns true, returns [`ProtocolError::Interrupted`]
+    /// without running `f` (nothing left counted). `f` itself is not
+    /// interrupted.
+    pub fn gated_interruptible<T>(
+        &self,
+        what: &'static str,
+        interrupted: &dyn Fn() -> bool,
+        f: impl FnOnce(&GatedCalls<'_>) -> T,
+    ) -> Result<T, OffloaderError> {
+        self.refuse_inside_gated("gated() inside gated()")?;
+        Ok(self.coord.unsafe_call_interruptible(what, interrupted, |gate| self.run_gated(gate, f))?)
     }
 
     /// Refuses `call` unless the offloader addresses its host blocks by

@@ -254,6 +254,7 @@ impl Offloader {
     /// [`Offloader::poll`], not here (as [`Offloader::wait_all`]). Refused
     /// inside the caller's own window.
     pub fn wait_jobs(&self, ids: &[JobId]) -> Result<(), OffloaderError> {
+        self.check_addressing("wait_jobs", Addressing::Slots)?;
         let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
         self.wait_deferred(Some(ids))?;
         for &id in ids {

@@ -21,9 +21,18 @@
 //! - [`Offloader::wait_interruptible`] and
 //!   [`Offloader::wait_all_interruptible`]: the jobs go on on the GPU and
 //!   stay in flight; the completions the wait took from the engine went to
-//!   its `sink` (see there), the one way they are reported.
+//!   its `sink` (see there), the one way they are reported;
+//! - [`Offloader::wait_jobs_interruptible`]: as `wait_all_interruptible`;
+//! - [`Offloader::shutdown_interruptible`]: only its wait for the jobs in
+//!   flight is interruptible; interrupted, nothing is shut down;
+//! - [`Offloader::capture_begin_interruptible`] (hook.rs) and
+//!   [`Offloader::gated_interruptible`]: the window request or the gated
+//!   call is withdrawn before it opened or ran.
 //!
-//! The blocking forms are unchanged.
+//! The blocking forms are unchanged, except that a capture window, a hook
+//! window or a nested `gated` asked for inside `gated` is refused
+//! ([`ProtocolError::WouldDeadlock`]) instead of waiting for itself.
+//! docs/blocking-calls.md has the table of every blocking call.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -69,6 +78,7 @@ impl Offloader {
         &self,
         interrupted: &dyn Fn() -> bool,
     ) -> Result<CaptureWindow, OffloaderError> {
+        self.refuse_inside_gated("opening a capture window inside gated()")?;
         Ok(self.coord.open_window_interruptible(interrupted)?)
     }
 
@@ -164,6 +174,62 @@ impl Offloader {
             return Ok(());
         }
         self.poll_until_reported(&ids, interrupted, sink)
+    }
+
+    /// [`Offloader::wait_jobs`], interruptible: returns once each of `ids`
+    /// that is in flight at the call completed on the GPU (ids never
+    /// submitted or already reported are skipped; failed jobs are not errors
+    /// here, `poll` reports them). Polls like
+    /// [`Offloader::wait_interruptible`] and hands what it takes from the
+    /// engine to `sink` the same way; a job deferred behind a capture hook
+    /// window is waited for until it is submitted and done (refused with
+    /// [`ProtocolError::WouldDeadlock`] when this thread holds that window).
+    /// Slot addressing only, as the blocking form.
+    pub fn wait_jobs_interruptible(
+        &self,
+        ids: &[JobId],
+        interrupted: &dyn Fn() -> bool,
+        sink: &mut dyn FnMut(Completion),
+    ) -> Result<(), OffloaderError> {
+        self.check_addressing("wait_jobs", super::Addressing::Slots)?;
+        let ids: HashSet<JobId> = {
+            let inner = sync::lock(&self.inner);
+            if inner.engine.is_none() {
+                return Err(OffloaderError::ShutDown);
+            }
+            ids.iter().copied().filter(|id| inner.jobs.contains_key(id)).collect()
+        };
+        if ids.is_empty() {
+            return Ok(());
+        }
+        self.poll_until_reported(&ids, interrupted, sink)
+    }
+
+    /// [`Offloader::shutdown`], interruptible: first waits, interruptibly,
+    /// for the jobs in flight (as [`Offloader::wait_all_interruptible`],
+    /// handing what it takes to `sink`); interrupted there, it returns
+    /// [`ProtocolError::Interrupted`] with nothing changed (the offloader
+    /// still runs, its jobs go on). Then it shuts down as the blocking form,
+    /// whose drain then waits at most for jobs submitted meanwhile by other
+    /// threads. Not interrupted after that point: the rest (stopping the
+    /// pinner at a chunk boundary, unregistering, freeing) is bounded by a
+    /// chunk's registration and the driver calls.
+    pub fn shutdown_interruptible(
+        &self,
+        interrupted: &dyn Fn() -> bool,
+        sink: &mut dyn FnMut(Completion),
+    ) -> Result<(), OffloaderError> {
+        if self.is_shut_down() {
+            return Err(ProtocolError::AlreadyShutDown.into());
+        }
+        // Any other outcome (a window of this thread's, shut down
+        // meanwhile) is for the shutdown itself to refuse or report.
+        if let Err(e @ OffloaderError::Protocol(ProtocolError::Interrupted { .. })) =
+            self.wait_all_interruptible(interrupted, sink)
+        {
+            return Err(e);
+        }
+        self.shutdown()
     }
 
     /// [`Offloader::poll`], handing each completion to `sink` instead of

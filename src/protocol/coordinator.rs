@@ -709,6 +709,16 @@ impl Coordinator {
         self.open_window_inner(|| {}, Some(interrupted), false)
     }
 
+    /// [`Coordinator::open_window_interleaved`], interruptible as
+    /// [`Coordinator::open_window_interruptible`] (the capture hook's begin
+    /// from the Python front: Ctrl-C withdraws the request, nothing opened).
+    pub fn open_window_interleaved_interruptible(
+        &self,
+        interrupted: &dyn Fn() -> bool,
+    ) -> Result<CaptureWindow, ProtocolError> {
+        self.open_window_inner(|| {}, Some(interrupted), true)
+    }
+
     /// Opens a window: `at_request` runs under the lock as the request is
     /// counted; the wait blocks, or with `interrupted` waits in slices and
     /// withdraws the request when it says so; `interleave` opens it under
@@ -782,6 +792,34 @@ impl Coordinator {
     /// window (it would wait for itself).
     pub fn unsafe_call<T>(&self, what: &'static str, f: impl FnOnce(&Gate) -> T) -> Result<T, ProtocolError> {
         self.unsafe_call_then(what, f, |_, _| {})
+    }
+
+    /// [`Coordinator::unsafe_call`], interruptible: while it waits to start
+    /// (a window open, or one whose turn it is) it calls `interrupted` at
+    /// least every 50 ms with the lock released and, when that returns
+    /// true, withdraws (no longer counted as waiting, the windows it held
+    /// back woken) and returns [`ProtocolError::Interrupted`]; `f` has not
+    /// run. Once `f` runs it is not interrupted (it is the caller's).
+    pub fn unsafe_call_interruptible<T>(
+        &self,
+        what: &'static str,
+        interrupted: &dyn Fn() -> bool,
+        f: impl FnOnce(&Gate) -> T,
+    ) -> Result<T, ProtocolError> {
+        let mut g = self.lock();
+        if g.owns_window(me()) && !bad!(g, NoCaptureWindow) {
+            return Err(ProtocolError::WouldDeadlock { what });
+        }
+        g.unsafe_waiting += 1;
+        let (g2, stopped) = self.wait_while_interruptible(g, |s| !s.unsafe_may_start(), interrupted);
+        g = g2;
+        g.unsafe_waiting -= 1;
+        if stopped {
+            // Windows that gave this call its turn may open now.
+            self.shared.cv.notify_all();
+            return Err(ProtocolError::Interrupted { what });
+        }
+        Ok(self.counted(g, f, |_, _| {}))
     }
 
     /// [`Coordinator::unsafe_call`], then `record` of its outcome under the

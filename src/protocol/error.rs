@@ -119,11 +119,14 @@ pub enum ProtocolError {
     #[error("skipped: a capture window is open")]
     WindowBusy,
     /// An interruptible wait ([`Coordinator::open_window_interruptible`](super::Coordinator::open_window_interruptible),
+    /// [`Coordinator::open_window_interleaved_interruptible`](super::Coordinator::open_window_interleaved_interruptible),
+    /// [`Coordinator::unsafe_call_interruptible`](super::Coordinator::unsafe_call_interruptible),
     /// [`Coordinator::wait_pin_final_interruptible`](super::Coordinator::wait_pin_final_interruptible),
     /// [`Coordinator::wait_no_window_interruptible`](super::Coordinator::wait_no_window_interruptible))
     /// stopped because its `interrupted` check said so (e.g. Ctrl-C in the
     /// Python front). It left no trace: a window request was withdrawn
-    /// before it opened, a pin waiter uncounted.
+    /// before it opened, a waiting library call withdrawn before it ran, a
+    /// pin waiter uncounted.
     #[error("interrupted while waiting for {what}")]
     Interrupted {
         /// What the caller was waiting for, e.g. `"a capture window"`.

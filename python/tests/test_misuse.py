@@ -1,0 +1,134 @@
+"""Misuse gives a typed error, never a hang, a panic or an abort (issue 28,
+items 3, 5, 7 and 10, and the garbage ``stream=``). Simulated GPU.
+
+The calls that hung or killed the process before the fix run in a child
+interpreter with a timeout, so that a regression fails the test instead of
+hanging or killing pytest."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import kvoffload as kv
+
+PAGE = 4096
+CHILD_TIMEOUT = 20.0  # s: a child still running then is a hang (it needs about 1 s)
+
+
+def make(rt, **kw):
+    kw.setdefault("tensors", 1)
+    kw.setdefault("page_bytes", PAGE)
+    kw.setdefault("gpu_blocks", 4)
+    kw.setdefault("pin_threads", 1)
+    return kv.Offloader(kw.pop("host_blocks", 8), runtime=rt, **kw)
+
+
+def child(body):
+    """Runs `body` in a fresh interpreter (kvoffload imported as kv, a sim
+    runtime as rt); returns (exit status, stdout, stderr)."""
+    src = "import kvoffload as kv, resource, sys, time\nrt = kv.Runtime('sim')\n" + textwrap.dedent(body)
+    try:
+        p = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=CHILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the child hung for {CHILD_TIMEOUT} s:\n{body}")
+    return p.returncode, p.stdout, p.stderr
+
+
+# ---- item 3: calls that deadlocked for ever ----
+
+
+@pytest.mark.parametrize("inner", ["o.capture_window().__enter__()", "o.capture_begin()", "o.gated(lambda: 1)"])
+def test_a_window_or_gated_inside_gated_is_refused(inner):
+    code, out, err = child(f"""
+        o = kv.Offloader(8, tensors=1, page_bytes=4096, gpu_blocks=4, runtime=rt, pin_threads=1, start=True)
+        o.wait_pinned()
+        try:
+            o.gated(lambda: {inner})
+            print("no error")
+        except kv.ProtocolError as e:
+            print("refused", e.reason)
+        assert o.capture_depth == 0
+        with o.capture_window():  # nothing left open or counted
+            pass
+        o.shutdown()
+        print("shut down")
+    """)
+    assert code == 0, err
+    assert out.split("\n")[:2] == ["refused would_deadlock", "shut down"], out + err
+
+
+# ---- item 5: huge counts ----
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        "tensors=2**63, page_bytes=4096, gpu_blocks=4",
+        "tensors=2**40, page_bytes=4096, gpu_blocks=4",
+        "tensors=100000, page_bytes=4096, gpu_blocks=4, host_blocks=2**20",
+        "tensors=4, page_bytes=2**62, gpu_blocks=4",
+        "tensors=1, page_bytes=4096, gpu_blocks=2**62",
+        "tensors=1, page_bytes=4096, gpu_blocks=4, host_blocks=2**62",
+        "tensors=1, page_bytes=4096, gpu_blocks=4, block_factor=2**62",
+    ],
+)
+def test_huge_counts_are_refused_before_anything_is_allocated(kwargs):
+    code, out, err = child(f"""
+        kw = dict({kwargs})
+        t0 = time.monotonic()
+        try:
+            kv.Offloader(kw.pop("host_blocks", 8), runtime=rt, pin_threads=1, **kw)
+            print("built")
+        except BaseException as e:
+            print(type(e).__name__, isinstance(e, kv.KvoffloadError), getattr(e, "kind", None))
+        print(round(time.monotonic() - t0, 3))
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+    """)
+    assert code == 0, f"the child died (exit {code}): {err[-2000:]}"
+    what, seconds, rss_mb = out.split("\n")[:3]
+    name, typed, kind = what.split(" ")
+    assert typed == "True" and kind != "panic", f"{kwargs}: {what} ({err[-1000:]})"
+    assert float(seconds) < 2.0, f"{kwargs}: refused after {seconds} s"
+    assert int(rss_mb) < 500, f"{kwargs}: {rss_mb} MB resident before the refusal"
+
+
+# ---- item 7: the driver error's reason ----
+
+
+def test_driver_error_reason_is_the_code_in_snake_case():
+    rt = kv.Runtime("sim")
+    with pytest.raises(kv.DriverError) as e:
+        make(rt, gpu_blocks=2**40)
+    assert e.value.code_name == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert e.value.reason == "cuda_error_out_of_memory"
+
+
+# ---- item 10: calls of the other addressing ----
+
+
+def test_wait_jobs_and_lookup_of_the_other_addressing_are_refused():
+    rt = kv.Runtime("sim")
+    keys = make(rt)
+    with pytest.raises(kv.OptionsError) as e:
+        keys.wait_jobs([1])
+    assert e.value.kind == "wrong_addressing"
+    keys.shutdown()
+    slots = make(kv.Runtime("sim"), addressing="slots")
+    with pytest.raises(kv.OptionsError) as e:
+        slots.lookup([1])
+    assert e.value.kind == "wrong_addressing"
+    slots.shutdown()
+
+
+# ---- fragile: stream= with tensors=<count> ----
+
+
+@pytest.mark.parametrize("stream", ["garbage", 12345, object()])
+def test_a_stream_with_allocated_tensors_is_refused(stream):
+    rt = kv.Runtime("sim")
+    with pytest.raises(kv.OptionsError, match="stream="):
+        make(rt, stream=stream)
+    off = make(kv.Runtime("sim"), stream=None)  # None is the default: accepted
+    off.shutdown()

@@ -1,0 +1,188 @@
+//! Issue 28 on the library's own API (the Python front's tests are
+//! python/tests/test_misuse.py and test_interrupt.py): a capture window or
+//! a nested `gated` inside `gated` is refused instead of waiting for
+//! itself; the interruptible forms of `capture_begin`, `gated`,
+//! `wait_jobs` and `shutdown` stop when their check says so and leave
+//! nothing behind; `wait_jobs` checks the addressing; a KV allocation too
+//! large for the process is refused before anything is allocated.
+//! Simulated GPU.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvoffload::internal::offloader::{Addressing, KvAlloc, Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::internal::protocol::{Activity, CapturePolicy, ProtocolError};
+use kvoffload::internal::runtime::shared;
+use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
+use kvoffload::internal::transfer::JobId;
+use std::sync::Arc;
+use std::thread;
+
+const PAGE: usize = 4096;
+
+fn kv(tensors: usize) -> KvAlloc {
+    KvAlloc { tensors, page_bytes: PAGE, gpu_blocks: 4, block_factor: 1 }
+}
+
+fn offloader(opts: OffloaderOptions) -> Offloader {
+    Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(1), opts).expect("offloader")
+}
+
+fn sim(off: &Offloader) -> &SimRuntime {
+    off.runtime().as_sim().expect("the simulated GPU")
+}
+
+/// Spins (yielding) until `cond` holds, 20 s at most: observing a state
+/// another thread reaches.
+fn until(what: &str, cond: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !cond() {
+        assert!(t.elapsed() < Duration::from_secs(20), "never: {what}");
+        thread::yield_now();
+    }
+}
+
+/// An interrupt check that says stop once `stop` is set.
+fn check(stop: &AtomicBool) -> impl Fn() -> bool + '_ {
+    move || stop.load(Ordering::SeqCst)
+}
+
+fn interrupted(r: Result<(), OffloaderError>) -> bool {
+    matches!(r, Err(OffloaderError::Protocol(ProtocolError::Interrupted { .. })))
+}
+
+fn would_deadlock<T>(r: Result<T, OffloaderError>) -> bool {
+    matches!(r, Err(OffloaderError::Protocol(ProtocolError::WouldDeadlock { .. })))
+}
+
+#[test]
+fn a_window_or_a_nested_gated_inside_gated_is_refused() {
+    let off = offloader(OffloaderOptions::with_host_blocks(8));
+    off.start().unwrap();
+    off.wait_pinned().unwrap();
+    let never = AtomicBool::new(false);
+    // Each of these waited for the gated call it ran inside, for ever.
+    assert!(would_deadlock(off.gated("test", |_| off.capture_window()).unwrap()));
+    assert!(would_deadlock(off.gated("test", |_| off.capture_window_interruptible(&check(&never))).unwrap()));
+    assert!(would_deadlock(off.gated("test", |_| off.capture_begin()).unwrap()));
+    assert!(would_deadlock(off.gated("test", |_| off.gated("nested", |_| ())).unwrap()));
+    assert_eq!(off.capture_depth(), 0);
+    assert_eq!(off.activity(), Activity::default());
+    // Outside gated, all of them work again.
+    drop(off.capture_window().unwrap());
+    off.capture_begin().unwrap();
+    off.capture_end().unwrap();
+    assert_eq!(off.gated("test", |_| 7).unwrap(), 7);
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn an_interrupted_capture_begin_opens_nothing() {
+    let mut opts = OffloaderOptions::with_host_blocks(8);
+    opts.pin.policy = CapturePolicy::Interleave;
+    let off = offloader(opts);
+    let hold = sim(&off).hold(HoldPoint::Register);
+    off.start().unwrap();
+    hold.wait_entered(); // a registration in flight: a hook window waits
+    let stop = AtomicBool::new(false);
+    thread::scope(|s| {
+        let begin = s.spawn(|| off.capture_begin_interruptible(&check(&stop)));
+        until("the hook window waits", || off.activity().windows_waiting == 1);
+        stop.store(true, Ordering::SeqCst);
+        assert!(interrupted(begin.join().unwrap()));
+    });
+    assert_eq!(off.activity(), Activity { calls_in_flight: 1, ..Activity::default() });
+    hold.release();
+    off.wait_pinned().unwrap();
+    off.shutdown().unwrap(); // no window was left open
+}
+
+#[test]
+fn an_interrupted_gated_runs_nothing() {
+    let off = offloader(OffloaderOptions::with_host_blocks(8));
+    off.start().unwrap();
+    off.wait_pinned().unwrap();
+    let (opened_tx, opened) = mpsc::channel();
+    let (close, close_rx) = mpsc::channel::<()>();
+    let stop = AtomicBool::new(false);
+    let ran = AtomicBool::new(false);
+    thread::scope(|s| {
+        let holder = &off;
+        s.spawn(move || {
+            let w = holder.capture_window().unwrap();
+            opened_tx.send(()).unwrap();
+            close_rx.recv().unwrap();
+            drop(w);
+        });
+        opened.recv().unwrap();
+        let gated = s.spawn(|| off.gated_interruptible("test", &check(&stop), |_| ran.store(true, Ordering::SeqCst)));
+        until("gated waits", || off.activity().calls_waiting == 1);
+        stop.store(true, Ordering::SeqCst);
+        assert!(interrupted(gated.join().unwrap()));
+        assert_eq!(off.activity(), Activity { windows_open: 1, ..Activity::default() });
+        close.send(()).unwrap();
+    });
+    assert!(!ran.load(Ordering::SeqCst));
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn interrupted_wait_jobs_and_shutdown_leave_the_job_running() {
+    let off = Arc::new(offloader(OffloaderOptions::with_host_slots(8)));
+    off.start().unwrap();
+    off.wait_pinned().unwrap();
+    let hold = sim(&off).hold(HoldPoint::DeviceOp);
+    off.store_slots(JobId(7), &[0], &[0], 0).unwrap();
+    hold.wait_entered();
+    let stop = AtomicBool::new(true); // stop at the first check
+    let mut sink = Vec::new();
+    assert!(interrupted(off.wait_jobs_interruptible(&[JobId(7)], &check(&stop), &mut |c| sink.push(c))));
+    assert!(interrupted(off.shutdown_interruptible(&check(&stop), &mut |c| sink.push(c))));
+    assert!(!off.is_shut_down());
+    assert_eq!(off.in_flight(), 1);
+    hold.release();
+    let never = AtomicBool::new(false);
+    off.wait_jobs_interruptible(&[JobId(7), JobId(99)], &check(&never), &mut |c| sink.push(c)).unwrap();
+    assert_eq!(sink.iter().map(|c| (c.job, c.error.is_none())).collect::<Vec<_>>(), [(JobId(7), true)]);
+    off.shutdown_interruptible(&check(&never), &mut |c| sink.push(c)).unwrap();
+    assert!(off.is_shut_down());
+}
+
+#[test]
+fn wait_jobs_is_refused_on_a_keyed_offloader() {
+    let off = offloader(OffloaderOptions::with_host_blocks(8));
+    let never = AtomicBool::new(false);
+    for r in [off.wait_jobs(&[JobId(1)]), off.wait_jobs_interruptible(&[JobId(1)], &check(&never), &mut |_| {})] {
+        assert!(
+            matches!(r, Err(OffloaderError::WrongAddressing { call: "wait_jobs", addressing: Addressing::Keys })),
+            "{r:?}"
+        );
+    }
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn a_kv_allocation_too_large_is_refused_before_anything_is_allocated() {
+    let cases = [
+        (KvAlloc { tensors: 1 << 63, ..kv(1) }, 8),
+        (KvAlloc { tensors: 1 << 40, ..kv(1) }, 8),
+        (KvAlloc { tensors: 100_000, ..kv(1) }, 1 << 20),
+        (KvAlloc { block_factor: 1 << 62, ..kv(1) }, 8),
+        (KvAlloc { page_bytes: 1 << 62, ..kv(4) }, 8),
+        (kv(1), 1 << 62),
+    ];
+    for (alloc, host_blocks) in cases {
+        let rt = shared(SimRuntime::new());
+        let t = Instant::now();
+        let r = Offloader::with_allocated_tensors(rt.clone(), alloc, OffloaderOptions::with_host_blocks(host_blocks));
+        let e = r.expect_err("refused");
+        assert!(
+            matches!(e, OffloaderError::Options(_) | OffloaderError::Region(_)),
+            "{alloc:?}, {host_blocks} host blocks: {e:?}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(2), "{alloc:?}: refused after {:?}", t.elapsed());
+        let sim = rt.as_sim().expect("the simulated GPU");
+        assert_eq!(sim.device_bytes_in_use(), 0, "{alloc:?}: device memory allocated before the refusal");
+    }
+}
