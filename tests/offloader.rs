@@ -374,9 +374,11 @@ fn shutdown_during_the_agreement_ends_it_and_the_peer_settles_pageable_at_once()
     r1.shutdown().unwrap();
 }
 
-/// Issue 28, item 1: `cancel_pinning` (the Rust call a wrapper's Ctrl-C can
-/// make) ends this rank's wait in the agreement for a peer that never
-/// settles, without a shutdown; `wait_pinned` then returns at once.
+/// Issue 28, item 1: `cancel_pinning` (an engine's call to stop waiting for
+/// its peers without shutting down; the Python front does not make it: its
+/// Ctrl-C in `wait_pinned` leaves pinning and the agreement running, and
+/// its shutdown ends both) ends this rank's wait in the agreement for a
+/// peer that never settles; `wait_pinned` then returns at once.
 #[test]
 fn cancel_pinning_ends_the_wait_in_the_agreement() {
     use kvoffload::internal::protocol::agreement::AgreementError;

@@ -185,9 +185,12 @@ fn bad_options_are_one_line_and_exit_2() {
     // exit status 1), and a region past the 1 TiB of data files (it named
     // the layout's data_bytes and isize::MAX, or failed in the ranks): the
     // option is named, not an internal field.
-    for args in
-        [&["--region-dir", "/proc"][..], &["--region", "18446744073709551615"], &["--region", "9223372036854775807"]]
-    {
+    for args in [
+        &["--region-dir", "/proc"][..],
+        &["--region-dir", "/sys"],
+        &["--region", "18446744073709551615"],
+        &["--region", "9223372036854775807"],
+    ] {
         let (rc, out, _) = run(args);
         assert_eq!(rc, 2, "{args:?}: {out}");
         assert_eq!(out.lines().count(), 1, "{args:?}: {out}");

@@ -853,8 +853,8 @@ impl PyOffloader {
 
     /// Blocks, GIL released, until each of `jobs` that is in flight
     /// completed on the GPU; ids never submitted or already reported are
-    /// skipped, failures are reported by `poll` (vLLM's `wait`). Not
-    /// interrupted by Ctrl-C (KeyboardInterrupt; the jobs go on). Slot
+    /// skipped, failures are reported by `poll` (vLLM's `wait`). Ctrl-C
+    /// stops the wait (KeyboardInterrupt; the jobs go on). Slot
     /// addressing only (OptionsError, kind `"wrong_addressing"`).
     pub(crate) fn wait_jobs(&self, py: Python<'_>, jobs: &Bound<'_, PyAny>) -> PyResult<()> {
         guarded(py, || {

@@ -72,6 +72,9 @@ def test_a_window_or_gated_inside_gated_is_refused(inner):
         "tensors=1, page_bytes=4096, gpu_blocks=2**62",
         "tensors=1, page_bytes=4096, gpu_blocks=4, host_blocks=2**62",
         "tensors=1, page_bytes=4096, gpu_blocks=4, block_factor=2**62",
+        # A shared region's share is checked before the tensors too.
+        "tensors=2**40, page_bytes=1, gpu_blocks=1, host_blocks=1, region='shared', name='misuse', ranks=1",
+        "tensors=100000, page_bytes=4096, gpu_blocks=4, host_blocks=2**20, region='shared', name='misuse', ranks=1",
     ],
 )
 def test_huge_counts_are_refused_before_anything_is_allocated(kwargs):

@@ -14,6 +14,7 @@ use crate::protocol::agreement::RankSlots;
 use crate::protocol::Coordinator;
 use crate::region::{page_size, AnonOptions, Layout, Region};
 use crate::runtime::{DevicePtr, DriverError, Gate, GpuRuntime, Stream};
+use crate::sync::atomic::AtomicBool;
 use crate::sync::{self, Arc, Mutex};
 use crate::transfer::{GroupSpec, HostPlacement, JobId, KvLayout, TensorSpec, TransferEngine};
 
@@ -71,6 +72,10 @@ fn region_layout(block_bytes: Option<usize>, opts: &OffloaderOptions) -> Result<
     })
 }
 
+/// The most KV tensors [`Offloader::with_allocated_tensors`] makes (one per
+/// layer and K/V: a few thousand in the largest models).
+pub(crate) const MAX_KV_TENSORS: usize = 1 << 20;
+
 impl Offloader {
     /// Builds an offloader over the engine's own KV tensors (`kv`).
     ///
@@ -107,6 +112,15 @@ impl Offloader {
         if alloc.tensors == 0 || alloc.page_bytes == 0 || alloc.gpu_blocks == 0 {
             return Err(OffloaderError::Options(format!("zero-sized KV allocation: {alloc:?}")));
         }
+        // The tensor list is allocated before any memory check can see the
+        // tensors' bytes (a region whose memory check is off, tiny pages):
+        // bound its length (an engine has a few thousand at most).
+        if alloc.tensors > MAX_KV_TENSORS {
+            return Err(OffloaderError::Options(format!(
+                "tensors = {}: more than {MAX_KV_TENSORS} KV tensors",
+                alloc.tensors
+            )));
+        }
         let bytes = alloc.gpu_blocks.checked_mul(alloc.page_bytes).ok_or_else(|| {
             OffloaderError::Options(format!("{} blocks of {} bytes overflow", alloc.gpu_blocks, alloc.page_bytes))
         })?;
@@ -125,8 +139,15 @@ impl Offloader {
         }
         let block_bytes = alloc.page_bytes.checked_mul(alloc.tensors).and_then(|b| b.checked_mul(alloc.block_factor));
         let layout = region_layout(block_bytes, &opts)?;
-        if let RegionSpec::Anonymous = opts.region {
-            crate::region::limits::check(layout.data_bytes() as u64)?;
+        match &opts.region {
+            RegionSpec::Anonymous => crate::region::limits::check(layout.data_bytes() as u64)?,
+            // A shared region's rank maps the whole file but backs only its
+            // own share; the region checks that share at create or join,
+            // after the tensors, so the same check comes first here.
+            RegionSpec::Shared { ranks, options, .. } if options.check_memory => {
+                crate::region::limits::check(layout.data_bytes() as u64 / (*ranks).max(1) as u64)?
+            }
+            RegionSpec::Shared { .. } => {}
         }
         // Allocations before the offloader's coordinator exists: each goes
         // through a coordinator of its own for `rt`, made for that call and
@@ -314,6 +335,7 @@ impl Offloader {
             owned_tensors,
             owned_compute,
             down: Mutex::new(Down::Running),
+            shut: AtomicBool::new(false),
             hook: hook::Hook::new(),
             gated_threads: Mutex::new(Vec::new()),
         })

@@ -107,6 +107,7 @@ use crate::protocol::agreement::AgreementError;
 use crate::protocol::{CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
 use crate::region::Region;
 use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
+use crate::sync::atomic::AtomicBool;
 use crate::sync::{self, thread, Arc, Mutex};
 use crate::transfer::{Backend, JobId, KvLayout, Lane, TransferEngine};
 
@@ -209,6 +210,8 @@ pub struct Offloader {
     owned_tensors: Vec<DevicePtr>,
     owned_compute: Option<Stream>,
     down: Mutex<Down>,
+    /// `down` is `Down::Down` (read without its lock: `is_shut_down`).
+    shut: AtomicBool,
     /// The capture hook's windows and deferred jobs (hook.rs).
     hook: hook::Hook,
     /// Threads inside [`Offloader::gated`]'s closure now: a capture window
@@ -360,6 +363,7 @@ impl Offloader {
     /// caller's own capture window with the Interleave policy (it would
     /// never return).
     pub fn wait_pinned(&self) -> Result<PinOutcome, OffloaderError> {
+        self.refuse_inside_gated("waiting for pinning inside gated()")?;
         self.start()?;
         self.coord.wait_pin_final()?;
         self.join_pinner()
@@ -478,6 +482,7 @@ impl Offloader {
     /// Blocks until job `id` completed on the GPU (it is still reported by
     /// [`Offloader::poll`]). Refused inside the caller's own window.
     pub fn wait(&self, id: JobId) -> Result<(), OffloaderError> {
+        self.refuse_inside_gated("waiting for a job inside gated()")?;
         let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
         self.wait_deferred(Some(&[id]))?;
         engine.wait(id).map_err(|e| match e {
@@ -489,6 +494,7 @@ impl Offloader {
     /// Blocks until every job submitted so far completed on the GPU (failed
     /// jobs are reported by [`Offloader::poll`], not here).
     pub fn wait_all(&self) -> Result<(), OffloaderError> {
+        self.refuse_inside_gated("waiting for jobs inside gated()")?;
         let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
         self.wait_deferred(None)?;
         Ok(engine.wait_all()?)

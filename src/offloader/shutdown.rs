@@ -5,6 +5,7 @@ use super::{Down, Offloader, OffloaderError, Pinner};
 use crate::protocol::{finish_shutdown, ProtocolError};
 use crate::runtime::Direction;
 use crate::sync;
+use crate::sync::atomic::Ordering;
 
 impl Offloader {
     /// Shuts down in the protocol's order: refused (typed, nothing changed)
@@ -16,6 +17,7 @@ impl Offloader {
     /// unmapped (and a shared file's name is long gone) when the offloader
     /// is dropped.
     pub fn shutdown(&self) -> Result<(), OffloaderError> {
+        self.refuse_inside_gated("shutting down inside gated()")?;
         let mut down = sync::lock(&self.down);
         if *down == Down::Down {
             return Err(ProtocolError::AlreadyShutDown.into());
@@ -34,6 +36,7 @@ impl Offloader {
             self.coord.close()?;
             drop(hook);
             *down = Down::Down;
+            self.shut.store(true, Ordering::SeqCst);
         }
         // Drain: every job in flight completes and is applied.
         let engine = {
@@ -62,6 +65,7 @@ impl Offloader {
         drop(engine);
         if old_order {
             *down = Down::Down;
+            self.shut.store(true, Ordering::SeqCst);
             if let Err(e) = self.coord.close() {
                 let _ = self.free_owned();
                 return Err(e.into());
@@ -123,8 +127,11 @@ impl Offloader {
 
     /// True once [`Offloader::shutdown`] began and was not refused (it then
     /// refuses every later call with `AlreadyShutDown`).
+    /// Never blocks: a shutdown in progress holds `down` for its whole
+    /// run (the drain, the pinner's join), and a caller asking this, the
+    /// Python front with the GIL held, must not wait for it.
     pub fn is_shut_down(&self) -> bool {
-        *sync::lock(&self.down) == Down::Down
+        self.shut.load(Ordering::SeqCst)
     }
 }
 

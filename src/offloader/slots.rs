@@ -255,6 +255,7 @@ impl Offloader {
     /// inside the caller's own window.
     pub fn wait_jobs(&self, ids: &[JobId]) -> Result<(), OffloaderError> {
         self.check_addressing("wait_jobs", Addressing::Slots)?;
+        self.refuse_inside_gated("waiting for jobs inside gated()")?;
         let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
         self.wait_deferred(Some(ids))?;
         for &id in ids {

@@ -92,6 +92,7 @@ impl Offloader {
     /// agreement before it ends). On an interruption the pinner goes on and
     /// nothing is joined.
     pub fn wait_pinned_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<PinOutcome, OffloaderError> {
+        self.refuse_inside_gated("waiting for pinning inside gated()")?;
         self.start()?;
         self.coord.wait_pin_final_interruptible(interrupted)?;
         self.join_pinner()
@@ -219,6 +220,7 @@ impl Offloader {
         interrupted: &dyn Fn() -> bool,
         sink: &mut dyn FnMut(Completion),
     ) -> Result<(), OffloaderError> {
+        self.refuse_inside_gated("shutting down inside gated()")?;
         if self.is_shut_down() {
             return Err(ProtocolError::AlreadyShutDown.into());
         }
@@ -308,6 +310,7 @@ impl Offloader {
         interrupted: &dyn Fn() -> bool,
         sink: &mut dyn FnMut(Completion),
     ) -> Result<(), OffloaderError> {
+        self.refuse_inside_gated("waiting for jobs inside gated()")?;
         let mut attempt = 0u32;
         let mut checked = Instant::now();
         loop {

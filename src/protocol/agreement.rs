@@ -31,9 +31,10 @@
 //!    peers of a rank that shut down settle at once instead of timing out;
 //!    P7 still holds by rule 1: the final words are the same for all).
 //! 5. The wait checks the cancel, the timeout and the peers' liveness on
-//!    every round, between two reads of the words, and takes no lock while
-//!    it waits (every rank settles within its bound: the agreement's
-//!    timeout, or at once after a cancel).
+//!    every round, between two reads of the words, and holds no lock while
+//!    it waits (the cancel check takes the coordinator's lock for the
+//!    check alone); every rank settles within its bound: the agreement's
+//!    timeout, or at once after a cancel.
 //!
 //! The model `model/p7_settles_in_bound.rs` checks rules 1, 3 and 4 with a
 //! rank that shuts down during the agreement and a peer that never

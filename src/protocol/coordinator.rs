@@ -417,6 +417,24 @@ impl Shared {
     }
 }
 
+/// A capture-unsafe call in flight (`Coordinator::counted`), ended on
+/// unwinding: the count drops and windows get their turn.
+struct InFlight<'a> {
+    shared: &'a Shared,
+    armed: bool,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.release(|g| {
+                g.unsafe_in_flight -= 1;
+                g.turn = Turn::Window;
+            });
+        }
+    }
+}
+
 /// An open capture window. The engine captures its graphs while holding
 /// one; dropping it closes the window.
 #[must_use = "the window closes when this guard is dropped"]
@@ -854,11 +872,17 @@ impl Coordinator {
     ) -> T {
         g.unsafe_in_flight += 1;
         drop(g);
+        // Should `f` unwind (a panic in an engine's callable run under the
+        // gate), the call still ends: the count drops and a waiting window
+        // gets its turn (P6), instead of every later window waiting for
+        // ever on a call that is gone.
+        let mut in_flight = InFlight { shared: &self.shared, armed: true };
         // The one place a gate is made: `unsafe_in_flight` counts this call,
         // so no window opens until it returns (P1).
         let gate = Gate::minted(&SEAL, self.shared.id);
         let out = f(&gate);
         drop(gate);
+        in_flight.armed = false;
         self.shared.release(|g| {
             record(g, &out);
             g.unsafe_in_flight -= 1;

@@ -117,6 +117,12 @@ impl SimRuntime {
         sync::lock(&self.inner.state).device_used
     }
 
+    /// The most device memory this runtime has had allocated at once
+    /// (checks that something was never allocated, even if freed since).
+    pub fn device_bytes_peak(&self) -> usize {
+        sync::lock(&self.inner.state).device_peak
+    }
+
     /// Host ranges adopted as device memory and not released
     /// ([`SimRuntime::adopt_host_memory`]; leak checks).
     pub fn adopted_ranges(&self) -> usize {

@@ -501,6 +501,7 @@ impl GpuRuntime for SimRuntime {
             let p = g.fresh_device_addr(bytes);
             g.device_mem.insert(p, DeviceMem::Owned(mem));
             g.device_used += bytes;
+            g.device_peak = g.device_peak.max(g.device_used);
             Ok(p)
         })();
         traced("cuMemAlloc", r)

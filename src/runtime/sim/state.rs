@@ -182,6 +182,8 @@ pub(crate) struct State {
     pub device_mem: BTreeMap<DevicePtr, DeviceMem>,
     pub device_limit: usize,
     pub device_used: usize,
+    /// The most `device_used` has been (tests: nothing allocated at all).
+    pub device_peak: usize,
     pub host_allocs: BTreeMap<usize, Vec<u8>>,
     /// Bytes of `host_allocs`.
     pub host_alloc_used: usize,

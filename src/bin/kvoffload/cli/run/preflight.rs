@@ -50,17 +50,20 @@ pub(super) fn plan(a: &Args, cfg: &RunConfig) -> Result<Plan, String> {
     if !cfg.region_dir.is_dir() {
         return Err(format!("--region-dir {}: not a directory", cfg.region_dir.display()));
     }
-    // A directory whose file system holds no files at all (procfs, sysfs:
-    // no blocks) is a bad argument, not a rank's failure.
-    match rustix::fs::statvfs(&cfg.region_dir) {
-        Ok(st) if st.f_blocks == 0 => {
-            return Err(format!(
-                "--region-dir {}: its file system has no room for files (0 blocks); give a directory on tmpfs, such as /dev/shm",
-                cfg.region_dir.display()
-            ))
+    // A directory on a kernel file system that holds no files of ours
+    // (procfs, sysfs and the like) is a bad argument, not a rank's
+    // failure. Told by the file system's type: a tmpfs mounted with size=0
+    // (no limit) reports 0 blocks too, and is a good region directory.
+    match rustix::fs::statfs(&cfg.region_dir) {
+        Ok(st) => {
+            if let Some(kind) = pseudo_fs(st.f_type as u64) {
+                return Err(format!(
+                    "--region-dir {}: a {kind} directory holds no files; give a directory on tmpfs, such as /dev/shm",
+                    cfg.region_dir.display()
+                ));
+            }
         }
-        Ok(_) => {}
-        Err(e) => return Err(format!("--region-dir {}: statvfs: {e}", cfg.region_dir.display())),
+        Err(e) => return Err(format!("--region-dir {}: statfs: {e}", cfg.region_dir.display())),
     }
     let path = shm_path(&cfg.region_dir, &name).map_err(|e| e.to_string())?;
     let bname = if backend == BackendArg::Cuda { "cuda" } else { "sim" };
@@ -127,4 +130,21 @@ pub(super) fn announce(cfg: &RunConfig, plan: &Plan) {
             cfg.fault_register_at.map_or("-".into(), |k| k.to_string())
         );
     }
+}
+
+/// The kernel's pseudo file systems by their magic numbers (statfs(2),
+/// linux/magic.h): none can hold a region's files.
+fn pseudo_fs(f_type: u64) -> Option<&'static str> {
+    Some(match f_type {
+        0x9fa0 => "procfs",
+        0x6265_6572 => "sysfs",
+        0x0027_e0eb => "cgroup",
+        0x6367_7270 => "cgroup2",
+        0x6462_6720 => "debugfs",
+        0x7472_6163 => "tracefs",
+        0x7363_6673 => "securityfs",
+        0x1cd1 => "devpts",
+        0xcafe_4a11 => "bpf",
+        _ => return None,
+    })
 }
