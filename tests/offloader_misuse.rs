@@ -287,3 +287,38 @@ fn is_shut_down_answers_while_a_shutdown_drains() {
         shutting.join().unwrap().unwrap();
     });
 }
+
+#[test]
+fn an_interruptible_shutdown_is_refused_at_once_while_another_threads_window_is_open() {
+    let off = Arc::new(offloader(OffloaderOptions::with_host_slots(8)));
+    off.start().unwrap();
+    off.wait_pinned().unwrap();
+    let never = AtomicBool::new(false);
+    thread::scope(|s| {
+        // Both dropped on the way out of this closure, a failure included:
+        // the window closes and the held job ends, so the scope can join.
+        let (opened_tx, opened) = mpsc::channel();
+        let (close, close_rx) = mpsc::channel::<()>();
+        let hold = sim(&off).hold(HoldPoint::DeviceOp);
+        off.store_slots(JobId(3), &[0], &[0], 0).unwrap();
+        hold.wait_entered();
+        let holder = &off;
+        s.spawn(move || {
+            let w = holder.capture_window().unwrap();
+            opened_tx.send(()).unwrap();
+            let _ = close_rx.recv();
+            drop(w);
+        });
+        opened.recv().unwrap();
+        // The blocking form refuses this at once; the interruptible one
+        // drained first, waiting for the window to close.
+        let asked = s.spawn(|| off.shutdown_interruptible(&check(&never), &mut |_| {}));
+        until("the interruptible shutdown answered", || asked.is_finished());
+        let r = asked.join().unwrap();
+        assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))), "{r:?}");
+        assert!(!off.is_shut_down());
+        close.send(()).unwrap();
+        hold.release();
+    });
+    off.shutdown().unwrap();
+}

@@ -224,6 +224,17 @@ impl Offloader {
         if self.is_shut_down() {
             return Err(ProtocolError::AlreadyShutDown.into());
         }
+        // Refused at once, as the blocking form refuses, when a window is
+        // open or a registered graph lives: the drain below would wait for
+        // that window first. (One that opens after this check is refused
+        // by the shutdown after the drain, as before.)
+        let a = self.coord.activity();
+        if a.windows_open > 0 {
+            return Err(ProtocolError::WindowOpen { open: a.windows_open }.into());
+        }
+        if a.graphs_live > 0 {
+            return Err(ProtocolError::GraphsAlive { live: a.graphs_live }.into());
+        }
         // Any other outcome (a window of this thread's, shut down
         // meanwhile) is for the shutdown itself to refuse or report.
         if let Err(e @ OffloaderError::Protocol(ProtocolError::Interrupted { .. })) =
