@@ -344,7 +344,6 @@ class SlotWorker:
         except Exception as e:  # noqa: BLE001 - reported as a failed result where vLLM takes one
             if not self.failed_results:
                 raise
-            log.error("kvoffload.vllm: job %d could not be submitted (reported as failed): %s", job_id, e)
             with self._failed_lock:
                 self._failed.append((job_id, e))
         return True
@@ -388,8 +387,7 @@ class SlotWorker:
         return out
 
     def _failed_result(self, job_id: int, what: str, error: BaseException) -> Any:
-        if what != "submission":
-            log.error("kvoffload.vllm: job %d (%s) failed (reported as failed): %s", job_id, what, error)
+        log.error("kvoffload.vllm: job %d (%s) failed (reported as failed): %s", job_id, what, error)
         return self._result(job_id=job_id, success=False, transfer_size=None, transfer_time=None)
 
     def wait(self, job_ids: Any) -> None:

@@ -517,15 +517,19 @@ impl Region {
                 self.forget_link();
                 Err(RegionError::RankAlreadyMapped { path: self.shared_path().to_path_buf(), rank: self.rank })
             }
-            _ => {
-                self.forget_link();
-                Err(RegionError::BadHeader {
-                    path: self.shared_path().to_path_buf(),
-                    field: "join state",
-                    expected: JoinWord { state: JoinState::Ready, mask: w.mask }.encode(),
-                    found: w.encode(),
-                })
-            }
+            _ => Err(self.not_ready(w)),
+        }
+    }
+
+    /// The join word `w` is neither READY nor one this rank can explain:
+    /// forgets the link and names the word found.
+    fn not_ready(&mut self, w: JoinWord) -> RegionError {
+        self.forget_link();
+        RegionError::BadHeader {
+            path: self.shared_path().to_path_buf(),
+            field: "join state",
+            expected: JoinWord { state: JoinState::Ready, mask: w.mask }.encode(),
+            found: w.encode(),
         }
     }
 
@@ -552,15 +556,7 @@ impl Region {
                 self.forget_link();
                 Err(RegionError::RankAlreadyMapped { path: self.shared_path().to_path_buf(), rank })
             }
-            Err(w) => {
-                self.forget_link();
-                Err(RegionError::BadHeader {
-                    path: self.shared_path().to_path_buf(),
-                    field: "join state",
-                    expected: JoinWord { state: JoinState::Ready, mask: w.mask }.encode(),
-                    found: w.encode(),
-                })
-            }
+            Err(w) => Err(self.not_ready(w)),
         }
     }
 
