@@ -597,6 +597,14 @@ fn header_u32(path: &std::path::Path, off: u64) -> u32 {
     u32::from_ne_bytes(b)
 }
 
+/// Reads the u64 at `off` of a region's header file.
+fn header_u64(path: &std::path::Path, off: u64) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 8];
+    std::fs::File::open(path).unwrap().read_exact_at(&mut b, off).unwrap();
+    u64::from_ne_bytes(b)
+}
+
 /// Writes `bytes` at `off` of a region's header file (a hostile or broken
 /// writer; the creator's mapping sees it).
 fn poke(path: &std::path::Path, off: u64, bytes: &[u8]) {
@@ -680,6 +688,29 @@ fn region_join_refuses_a_region_whose_creator_is_dead() {
         g.assert_gone();
         drop(creator);
     }
+}
+
+/// Issue 28: a creator's pid means nothing in another pid namespace (two
+/// containers that share /dev/shm): a joiner there does not call the
+/// creator dead by its pid. The same dead pid as above, with the header
+/// naming another namespace: the join goes on.
+#[test]
+fn region_join_does_not_judge_a_creator_of_another_pid_namespace_by_its_pid() {
+    let g = ShmGuard::new("otherns");
+    let o = opts(3000).wait_for_all(false);
+    let creator = Region::create(&g.name, small(2, 1), 0, &o).unwrap();
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    poke(&g.path, 56, &dead.to_ne_bytes());
+    let ns = header_u64(&g.path, 104);
+    assert_ne!(ns, 0, "the creator records its pid namespace");
+    poke(&g.path, 104, &(ns ^ 1).to_ne_bytes());
+    let joiner = Region::join(&g.name, small(2, 1), 1, &o);
+    assert!(joiner.is_ok(), "joined: {:?}", joiner.err());
+    drop(joiner);
+    drop(creator);
+    g.assert_gone();
 }
 
 // ---- the header parser against hostile headers (issue 28, deliver 6) ----

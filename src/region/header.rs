@@ -27,7 +27,8 @@
 //! | 80     | `num_files`    | u64             | creator, before READY (0: one file) |
 //! | 88     | `file_bytes`   | u64             | creator, before READY (bytes per data file) |
 //! | 96     | `abandon_note` | atomic u64      | a rank that abandons the region for a reason it can name (a refused data file), CAS 0 -> note before it abandons; see [`AbandonNote`](super::error::AbandonNote) |
-//! | 104    | reserved       | 3 x u64         | zero |
+//! | 104    | `creator_pidns`| u64             | creator, before READY: the inode of its `/proc/self/ns/pid` (its pid namespace; 0 when unknown), so a joiner tells whether `creator_pid` means anything to it |
+//! | 112    | reserved       | 2 x u64         | zero |
 //! | 128    | `rank_pids`    | 32 x atomic u32 | rank r, CAS 0 -> pid before it sets its bit |
 //! | 256    | `rank_slots`   | 32 x atomic u32 | reserved for the P7 agreement |
 //! | 384    | file table     | num_files x atomic u64 | creator: data file k's inode, stored right after it created the file and before it sizes it |
@@ -96,7 +97,8 @@ pub(crate) struct Header {
     num_files: u64,
     file_bytes: u64,
     abandon_note: AtomicU64,
-    _reserved: [u64; 3],
+    creator_pidns: u64,
+    _reserved: [u64; 2],
     rank_pids: [AtomicU32; MAX_RANKS],
     rank_slots: [AtomicU32; MAX_RANKS],
 }
@@ -117,6 +119,7 @@ const _: () = {
     assert!(offset_of!(Header, num_files) == 80);
     assert!(offset_of!(Header, file_bytes) == 88);
     assert!(offset_of!(Header, abandon_note) == 96);
+    assert!(offset_of!(Header, creator_pidns) == 104);
     assert!(offset_of!(Header, rank_pids) == 128);
     assert!(offset_of!(Header, rank_slots) == 256);
     assert!(size_of::<Header>() == 384);
@@ -138,6 +141,7 @@ pub(crate) struct Fields {
     pub creator_rank: u32,
     pub session: u64,
     pub creator_pid: u32,
+    pub creator_pidns: u64,
     pub order: u64,
     pub num_files: u64,
     pub file_bytes: u64,
@@ -266,6 +270,7 @@ impl<'a> Hdr<'a> {
             addr_of_mut!((*h).creator_rank).write_volatile(f.creator_rank);
             addr_of_mut!((*h).session).write_volatile(f.session);
             addr_of_mut!((*h).creator_pid).write_volatile(f.creator_pid);
+            addr_of_mut!((*h).creator_pidns).write_volatile(f.creator_pidns);
             addr_of_mut!((*h).order).write_volatile(f.order);
             addr_of_mut!((*h).num_files).write_volatile(f.num_files);
             addr_of_mut!((*h).file_bytes).write_volatile(f.file_bytes);
@@ -292,6 +297,7 @@ impl<'a> Hdr<'a> {
                 creator_rank: addr_of!((*h).creator_rank).read_volatile(),
                 session: addr_of!((*h).session).read_volatile(),
                 creator_pid: addr_of!((*h).creator_pid).read_volatile(),
+                creator_pidns: addr_of!((*h).creator_pidns).read_volatile(),
                 order: addr_of!((*h).order).read_volatile(),
                 num_files: addr_of!((*h).num_files).read_volatile(),
                 file_bytes: addr_of!((*h).file_bytes).read_volatile(),

@@ -435,8 +435,11 @@ impl Region {
             return Err(region.abandoned_error());
         }
         region.check_header(opts)?;
-        let creator_pid = region.hdr().read_fields().creator_pid;
-        if process_gone(creator_pid) {
+        let (creator_pid, creator_pidns) = {
+            let f = region.hdr().read_fields();
+            (f.creator_pid, f.creator_pidns)
+        };
+        if creator_known_gone(creator_pid, creator_pidns, own_pid_namespace()) {
             // A region whose creator is gone is stale: refused, abandoned
             // (its surviving ranks fail fast instead of waiting for a rank
             // that will never come) and removed, files of ours that nobody
@@ -620,6 +623,7 @@ impl Region {
             creator_rank: self.rank as u32,
             session: self.shared().session,
             creator_pid: std::process::id(),
+            creator_pidns: own_pid_namespace().unwrap_or(0),
             order: self.layout.order().code(),
             num_files: self.shared().data.len() as u64,
             file_bytes: self.file_bytes() as u64,
@@ -799,9 +803,37 @@ impl Region {
     }
 }
 
+/// This process's pid namespace: the inode of `/proc/self/ns/pid` (a link
+/// the kernel makes, to the namespace's nsfs inode); `None` without /proc.
+pub(crate) fn own_pid_namespace() -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").ok().map(|m| m.ino())
+}
+
+/// Whether the region's creator (`pid` in pid namespace `pidns`, 0 when its
+/// header does not say) is known to be gone, seen from a joiner in pid
+/// namespace `mine`. A pid means something only in its own namespace, and
+/// ranks in two containers that share `/dev/shm` have two: then, or when
+/// this process cannot read its own namespace, nothing is known (logged)
+/// and the join goes on, its timeouts bounding a creator that is in fact
+/// gone.
+pub(crate) fn creator_known_gone(pid: u32, pidns: u64, mine: Option<u64>) -> bool {
+    if pidns != 0 && mine != Some(pidns) {
+        tracing::debug!(
+            pid,
+            creator_pidns = pidns,
+            own_pidns = ?mine,
+            "the region's creator is in another pid namespace: its liveness is not checked by pid"
+        );
+        return false;
+    }
+    process_gone(pid)
+}
+
 /// Whether process `pid` is known to be gone: 0 (no process records it)
 /// or `kill(pid, 0)` failing with `ESRCH` (`EPERM` means it exists under
-/// another user). Ranks share one pid namespace (they share /dev/shm).
+/// another user). Only for a pid of this process's pid namespace
+/// ([`creator_known_gone`]).
 pub(crate) fn process_gone(pid: u32) -> bool {
     match i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) {
         Some(p) => matches!(rustix::process::test_kill_process(p), Err(rustix::io::Errno::SRCH)),
@@ -815,5 +847,32 @@ fn rank_bytes(layout: &Layout, plan: Option<&FilePlan>, rank: usize) -> u64 {
     match plan {
         Some(p) => p.files.iter().filter(|f| f.owner == rank).map(|f| f.bytes.len() as u64).sum(),
         None => layout.bytes_per_rank() as u64,
+    }
+}
+
+#[cfg(test)]
+mod pid_namespace_tests {
+    use super::*;
+
+    /// A pid that was a process and is gone (reaped).
+    fn dead_pid() -> u32 {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        pid
+    }
+
+    #[test]
+    fn a_dead_creator_is_known_gone_only_in_our_pid_namespace() {
+        let dead = dead_pid();
+        let mine = own_pid_namespace();
+        assert!(mine.is_some(), "this test needs /proc");
+        // Ours, or a header that does not say (0): judged by pid.
+        assert!(creator_known_gone(dead, mine.unwrap(), mine));
+        assert!(creator_known_gone(dead, 0, mine));
+        assert!(!creator_known_gone(std::process::id(), mine.unwrap(), mine));
+        // Another namespace, or ours unknown: nothing known, not gone.
+        assert!(!creator_known_gone(dead, mine.unwrap() ^ 1, mine));
+        assert!(!creator_known_gone(dead, mine.unwrap(), None));
     }
 }
