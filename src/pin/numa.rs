@@ -374,9 +374,10 @@ pub fn place(policy: NumaPolicy, root: &Path, gpu_bus_id: Option<&str>, bytes: u
     if policy == NumaPolicy::Off {
         return Placement::Unplaced(NumaFallback::Off);
     }
-    match Topology::read(root, gpu_bus_id) {
+    let key = format!("numa topology of {} for {gpu_bus_id:?}", root.display());
+    match crate::sync::host_fact(&key, || Topology::read(root, gpu_bus_id).map_err(|e| e.to_string())) {
         Ok(t) => decide(policy, &t, bytes),
-        Err(e) => Placement::Unplaced(NumaFallback::NoTopology { msg: e.to_string() }),
+        Err(msg) => Placement::Unplaced(NumaFallback::NoTopology { msg }),
     }
 }
 

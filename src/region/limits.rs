@@ -328,7 +328,12 @@ pub fn budget_from(
 /// What this process can get now: the smallest of `MemAvailable` and every
 /// cgroup headroom known (see the module documentation). `None` (logged)
 /// when none is known.
+/// (Read once per process under loom: [`crate::sync::host_fact`].)
 pub fn available_memory() -> Option<MemoryBudget> {
+    crate::sync::host_fact("available_memory", read_available_memory)
+}
+
+fn read_available_memory() -> Option<MemoryBudget> {
     let read = |p: &Path| std::fs::read_to_string(p).ok();
     let meminfo = read(Path::new(MEMINFO));
     let proc_cgroup = read(Path::new("/proc/self/cgroup"));

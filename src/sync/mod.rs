@@ -4,7 +4,12 @@
 //! [loom](https://docs.rs/loom), so the model checker sees every lock, atomic,
 //! condition variable and thread the library uses (tokio's `src/loom/`
 //! convention). Code outside this module must not name `std::sync` or
-//! `std::thread` for anything that synchronises; `ci/test` greps for it.
+//! `std::thread` for anything that synchronises; `ci/lint` checks it with
+//! clippy on a loom build (`ci/lint-loom/clippy.toml`).
+//!
+//! One more thing differs under loom, and it is not concurrency:
+//! [`host_fact`] (the core count, the memory headroom, the NUMA topology,
+//! read from `/proc` and `/sys`) is read once per process there.
 
 // The one module that names std's primitives (ci/lint-loom/clippy.toml).
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
@@ -34,8 +39,14 @@ mod imp {
     /// spawns (the pinner, the pre-fault workers, the simulated device).
     pub mod thread {
         pub use loom::thread::{current, spawn, yield_now, Builder, JoinHandle, ThreadId};
-        /// Not a scheduling primitive: the machine's core count, as in std.
-        pub use std::thread::available_parallelism;
+        /// Not a scheduling primitive: the machine's core count, as in std
+        /// (read once per process: see [`super::super::host_fact`]).
+        pub fn available_parallelism() -> std::io::Result<std::num::NonZeroUsize> {
+            super::super::host_fact("available_parallelism", || {
+                std::thread::available_parallelism().map_err(|e| (e.kind(), e.to_string()))
+            })
+            .map_err(|(kind, msg)| std::io::Error::new(kind, msg))
+        }
     }
     /// Thread-local storage: loom's, one value per loom thread and
     /// execution (std's would be shared by every loom thread).
@@ -45,6 +56,45 @@ mod imp {
 }
 
 pub use imp::*;
+
+/// A fact about the host that the engine reads each time it builds an
+/// offloader or a region (the core count, the memory this process can get,
+/// the NUMA topology): `read()`, keyed by `key` (the fact and what it was
+/// read for).
+///
+/// Normal builds call `read` every time: the host changes between two
+/// offloaders (free memory above all). Under loom the value is read once per
+/// process and key, then cloned: every model iteration builds its engine
+/// afresh, and those reads of `/proc` and `/sys` were 40 % of a model's time
+/// (perf over `p1_hook_a_job_beside_a_hooked_capture_never_disturbs_it`:
+/// `available_memory` 24 %, `available_parallelism` 8 %, `Topology::read`
+/// 4 %), while the host is not what a model explores (its regions are a few
+/// pages, its sizes fixed).
+#[cfg(not(loom))]
+pub fn host_fact<T>(_key: &str, read: impl FnOnce() -> T) -> T {
+    read()
+}
+
+/// See the other build's `host_fact`: under loom, read once per process and
+/// key (a std lock, not loom's: the cache is outside what loom explores,
+/// like the host itself).
+#[cfg(loom)]
+pub fn host_fact<T: Clone + Send + 'static>(key: &str, read: impl FnOnce() -> T) -> T {
+    use std::any::{Any, TypeId};
+    use std::collections::HashMap;
+    type Facts = HashMap<(TypeId, String), Box<dyn Any + Send>>;
+    static FACTS: std::sync::OnceLock<std::sync::Mutex<Facts>> = std::sync::OnceLock::new();
+    let facts = FACTS.get_or_init(Default::default);
+    let k = (TypeId::of::<T>(), key.to_string());
+    if let Some(v) = facts.lock().unwrap_or_else(|p| p.into_inner()).get(&k) {
+        return v.downcast_ref::<T>().cloned().expect("host_fact: keyed by the value's type");
+    }
+    // Read outside the lock (a read may take a while; two first readers of
+    // one key both read, the second's value is kept: either is the host's).
+    let v = read();
+    facts.lock().unwrap_or_else(|p| p.into_inner()).insert(k, Box::new(v.clone()));
+    v
+}
 
 /// Locks a mutex, recovering the data if a thread panicked while holding it.
 ///
