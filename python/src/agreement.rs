@@ -4,8 +4,9 @@ use super::*;
 
 /// The agreement transport backed by a Python callable: `f(mine) ->
 /// list[int] | int` (an all-gather of every rank's word, or the result of
-/// an all-reduce with MAX). Called once, on the pinning thread, with the
-/// GIL taken for the call.
+/// an all-reduce with MAX). Called once, on a thread of its own
+/// (`kvo-agree-exchange`, which a shutdown does not wait for: see
+/// `agree_via`), with the GIL taken for the call.
 pub(crate) struct PyTransport {
     pub(crate) f: Py<PyAny>,
 }

@@ -180,6 +180,30 @@ def test_ctrl_c_in_the_agreement_over_a_transport(rt):
     assert_nothing_leaked(rt)
 
 
+def test_shutdown_during_an_exchange_that_never_returns(rt):
+    """Issue 28, item 1, for a transport: a shutdown while the agreement's
+    callable is blocked (its peers never come) returns within the bound,
+    this rank pageable; the callable is left to return on its own thread.
+    Before, shutdown waited for the callable (here, SAFETY s)."""
+    entered, peers = threading.Event(), threading.Event()
+
+    def transport(mine):
+        entered.set()
+        peers.wait(SAFETY)
+        return [mine]
+
+    off = make(rt, agreement=transport, start=True)
+    assert entered.wait(SAFETY)
+    t0 = time.monotonic()
+    off.shutdown()
+    took = time.monotonic() - t0
+    peers.set()
+    print(f"shutdown during a blocked exchange: {took * 1000:.1f} ms")
+    assert took < BOUND, f"shutdown waited {took:.2f} s for the agreement callable"
+    assert off.pin_state == "pageable"
+    assert_nothing_leaked(rt)
+
+
 def test_ctrl_c_in_the_agreement_of_a_shared_region(tmp_path):
     """Two ranks of one shared region in this process: rank 0 pins and waits
     in the agreement for rank 1, which has not started pinning."""

@@ -148,7 +148,10 @@ pub fn pin_all_agreed_by(
 ) -> Result<PinState, AgreementError> {
     match agreement {
         RankAgreement::Slots(a) => pin_all_agreed(rt, coord, prefault, a),
-        RankAgreement::Transport(t) => pin_then_agree(rt, coord, prefault, |pinned| agree_via(t.as_ref(), pinned)),
+        RankAgreement::Transport(t) => {
+            let cancelled = || coord.pin_cancelled();
+            pin_then_agree(rt, coord, prefault, |pinned| agree_via(t, pinned, &cancelled))
+        }
     }
 }
 

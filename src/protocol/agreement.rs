@@ -43,6 +43,7 @@
 use std::time::{Duration, Instant};
 
 use crate::sync::atomic::{AtomicU32, Ordering};
+use crate::sync::{self, Arc};
 
 /// The word of a rank that has not settled yet.
 pub const UNSETTLED: u32 = 0;
@@ -192,6 +193,12 @@ pub enum AgreementError {
         /// The ranks this rank gave up, in ascending order.
         waiting: Vec<usize>,
     },
+    /// This rank's pinning was cancelled (a shutdown, or `cancel_pinning`)
+    /// while the engine's [`Transport`] exchanged the ranks' outcomes: this
+    /// rank stopped waiting for the exchange and ends pageable (see
+    /// [`agree_via`]).
+    #[error("cancelled (shutdown) while the agreement transport exchanged the ranks' outcomes")]
+    ExchangeCancelled,
     /// This rank's word was not [`UNSETTLED`] when it came to settle, and
     /// not given up by a peer either: another process wrote it (a second
     /// process with this rank, or a damaged header). This rank ends
@@ -350,9 +357,28 @@ pub fn decide(words: &[u32], mine: u32) -> Result<OffloadMode, AgreementError> {
 
 /// Like [`agree`], through the engine's [`Transport`]: exchanges this
 /// rank's outcome (`pinned`) with every rank's and returns the common mode.
-pub fn agree_via(transport: &dyn Transport, pinned: bool) -> Result<OffloadMode, AgreementError> {
+///
+/// The exchange runs on a thread of its own (`kvo-agree-exchange`,
+/// [`sync::abandonable`]) and this rank waits for its result, checking
+/// `cancelled()` at least every 50 ms (rule 5 for a transport): a shutdown during the exchange ends this rank's
+/// agreement at once ([`AgreementError::ExchangeCancelled`], this rank
+/// pageable), even when the engine's collective never returns. The exchange
+/// is left to end on its own thread; it holds only the transport, and its
+/// result is dropped. Its peers learn of it as the transport's collective
+/// tells them (its own timeout): a transport cannot be given up from one
+/// end, as the region's words can (rule 3).
+pub fn agree_via(
+    transport: &Arc<dyn Transport>,
+    pinned: bool,
+    cancelled: &dyn Fn() -> bool,
+) -> Result<OffloadMode, AgreementError> {
     let mine = if pinned { SETTLED_PINNED } else { SETTLED_PAGEABLE };
-    let words = transport.exchange(mine).map_err(|message| AgreementError::Transport { message })?;
+    let t = transport.clone();
+    let words = sync::abandonable("kvo-agree-exchange", move || t.exchange(mine), cancelled).ok_or_else(|| {
+        tracing::warn!("cancelled (shutdown) during the agreement transport's exchange; this rank ends pageable");
+        AgreementError::ExchangeCancelled
+    })?;
+    let words = words.map_err(|message| AgreementError::Transport { message })?;
     let mode = decide(&words, mine)?;
     tracing::info!(?mode, ranks_reported = words.len(), "ranks agreed through the transport");
     Ok(mode)
@@ -363,6 +389,26 @@ mod tests {
     use super::*;
 
     struct Fixed(Result<Vec<u32>, String>);
+
+    use crate::sync::{Condvar, Mutex};
+
+    /// `agree_via` over `t`, never cancelled.
+    fn via(t: impl Transport + 'static, pinned: bool) -> Result<OffloadMode, AgreementError> {
+        let t: Arc<dyn Transport> = Arc::new(t);
+        agree_via(&t, pinned, &|| false)
+    }
+
+    /// A collective whose peers never come: blocks until released.
+    struct Never(Arc<(Mutex<bool>, Condvar)>);
+    impl Transport for Never {
+        fn exchange(&self, mine: u32) -> Result<Vec<u32>, String> {
+            let mut released = sync::lock(&self.0 .0);
+            while !*released {
+                released = sync::wait(&self.0 .1, released);
+            }
+            Ok(vec![mine])
+        }
+    }
     impl Transport for Fixed {
         fn exchange(&self, _mine: u32) -> Result<Vec<u32>, String> {
             self.0.clone()
@@ -495,27 +541,59 @@ mod tests {
     #[test]
     fn transport_verdicts() {
         let (p, g) = (SETTLED_PINNED, SETTLED_PAGEABLE);
-        assert_eq!(agree_via(&Fixed(Ok(vec![p, p])), true), Ok(OffloadMode::Pinned));
-        assert_eq!(agree_via(&Fixed(Ok(vec![p, g])), true), Ok(OffloadMode::Pageable));
+        assert_eq!(via(Fixed(Ok(vec![p, p])), true), Ok(OffloadMode::Pinned));
+        assert_eq!(via(Fixed(Ok(vec![p, g])), true), Ok(OffloadMode::Pageable));
         // The one-word result of an all-reduce with MAX.
-        assert_eq!(agree_via(&Fixed(Ok(vec![g])), true), Ok(OffloadMode::Pageable));
-        assert_eq!(agree_via(&Fixed(Ok(vec![g, p])), false), Ok(OffloadMode::Pageable));
+        assert_eq!(via(Fixed(Ok(vec![g])), true), Ok(OffloadMode::Pageable));
+        assert_eq!(via(Fixed(Ok(vec![g, p])), false), Ok(OffloadMode::Pageable));
     }
 
     #[test]
     fn transport_errors_and_broken_contracts() {
         let (p, g) = (SETTLED_PINNED, SETTLED_PAGEABLE);
         assert_eq!(
-            agree_via(&Fixed(Err("peer gone".into())), true),
+            via(Fixed(Err("peer gone".into())), true),
             Err(AgreementError::Transport { message: "peer gone".into() })
         );
-        assert!(matches!(agree_via(&Fixed(Ok(vec![])), true), Err(AgreementError::BadExchange { .. })));
-        assert!(matches!(agree_via(&Fixed(Ok(vec![p, UNSETTLED])), true), Err(AgreementError::BadExchange { .. })));
-        assert!(matches!(agree_via(&Fixed(Ok(vec![p, 7])), true), Err(AgreementError::BadExchange { .. })));
+        assert!(matches!(via(Fixed(Ok(vec![])), true), Err(AgreementError::BadExchange { .. })));
+        assert!(matches!(via(Fixed(Ok(vec![p, UNSETTLED])), true), Err(AgreementError::BadExchange { .. })));
+        assert!(matches!(via(Fixed(Ok(vec![p, 7])), true), Err(AgreementError::BadExchange { .. })));
         // This rank is pageable, yet every word says pinned: its word is missing.
+        assert_eq!(via(Fixed(Ok(vec![p, p])), false), Err(AgreementError::BadExchange { words: vec![p, p], mine: g }));
+    }
+
+    #[test]
+    fn a_cancel_ends_a_rank_waiting_for_an_exchange_that_never_returns() {
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let t: Arc<dyn Transport> = Arc::new(Never(gate.clone()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let rank = sync::thread::spawn(move || {
+            let asked = Instant::now();
+            let r = agree_via(&t, true, &|| asked.elapsed() >= Duration::from_millis(120));
+            let _ = tx.send((r, asked.elapsed()));
+        });
+        // The cancel is checked every 50 ms: 5 s is many slices; past it the
+        // rank is waiting for the exchange, not for the cancel.
+        let got = rx.recv_timeout(Duration::from_secs(5));
+        // Release the exchange's thread (and the rank, if it still waits).
+        *sync::lock(&gate.0) = true;
+        gate.1.notify_all();
+        rank.join().unwrap();
+        let (r, waited) = got.expect("the rank waited for the exchange for 5 s after its cancel");
+        assert_eq!(r, Err(AgreementError::ExchangeCancelled), "after {waited:?}");
+    }
+
+    #[test]
+    fn a_panicking_transport_is_a_transport_error() {
+        struct Panics;
+        impl Transport for Panics {
+            fn exchange(&self, _mine: u32) -> Result<Vec<u32>, String> {
+                panic!("a transport's bug")
+            }
+        }
         assert_eq!(
-            agree_via(&Fixed(Ok(vec![p, p])), false),
-            Err(AgreementError::BadExchange { words: vec![p, p], mine: g })
+            via(Panics, true),
+            Err(AgreementError::Transport { message: "kvo-agree-exchange panicked: a transport's bug".into() })
         );
     }
 }

@@ -96,6 +96,68 @@ pub fn host_fact<T: Clone + Send + 'static>(key: &str, read: impl FnOnce() -> T)
     v
 }
 
+/// Runs `f` on a thread of its own named `name` and waits for its result,
+/// checking `cancelled()` at least every 50 ms: `None` once `cancelled()`
+/// says so, the thread then left to end on its own (its result dropped).
+/// For a call the library cannot bound itself (an engine's callback, such
+/// as the agreement transport's collective): the caller's wait ends on a
+/// cancel, whatever `f` waits for. `f` must hold nothing the caller frees.
+/// A panic in `f` is returned as `Some(Err("{name} panicked: .."))`, and so
+/// is a thread that could not be started.
+///
+/// Under loom `f` runs on the calling thread and the cancel is not checked:
+/// loom models at most 5 threads and no time (the timed wait this needs),
+/// and what its models check is what `f` returns, not how long it takes.
+#[cfg(not(loom))]
+pub fn abandonable<T: Send + 'static>(
+    name: &str,
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+    cancelled: &dyn Fn() -> bool,
+) -> Option<Result<T, String>> {
+    /// The result, once `f` ends, and its signal.
+    type Slot<T> = (Mutex<Option<Result<T, String>>>, Condvar);
+    let slot: Arc<Slot<T>> = Arc::new((Mutex::new(None), Condvar::new()));
+    let (put, who) = (slot.clone(), name.to_string());
+    let caught = move || {
+        // The panic is reported, not lost: the caller would otherwise wait
+        // for a cancel.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|e| {
+            let msg = e.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| e.downcast_ref::<String>().cloned());
+            Err(format!("{who} panicked: {}", msg.unwrap_or_else(|| "?".into())))
+        });
+        *lock(&put.0) = Some(r);
+        put.1.notify_all();
+    };
+    if let Err(e) = thread::Builder::new().name(name.into()).spawn(caught) {
+        return Some(Err(format!("could not start thread {name}: {e}")));
+    }
+    let mut g = lock(&slot.0);
+    loop {
+        if let Some(r) = g.take() {
+            return Some(r);
+        }
+        drop(g);
+        if cancelled() {
+            return None;
+        }
+        g = lock(&slot.0);
+        if g.is_none() {
+            g = wait_timeout(&slot.1, g, std::time::Duration::from_millis(50)).0;
+        }
+    }
+}
+
+/// See the other build's `abandonable`: under loom, `f` on the calling
+/// thread (a panic is the model's).
+#[cfg(loom)]
+pub fn abandonable<T: Send + 'static>(
+    _name: &str,
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+    _cancelled: &dyn Fn() -> bool,
+) -> Option<Result<T, String>> {
+    Some(f())
+}
+
 /// Locks a mutex, recovering the data if a thread panicked while holding it.
 ///
 /// Library state stays consistent across a panic because every critical
