@@ -175,8 +175,21 @@ fn secs(py: Python<'_>, class: &str, field: &str, v: &Bound<'_, PyAny>) -> PyRes
     Ok(seconds(py, &what, Some(v.extract::<f64>()?))?.unwrap_or_default())
 }
 
+/// `s` as a Python string literal (single quotes), so that `repr` reads
+/// back with `eval`.
 fn quoted(s: &str) -> String {
-    format!("{s:?}").replace('"', "'")
+    let mut out = String::from("'");
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\'' => out.push_str("\\'"),
+            '\n' => out.push_str("\\n"),
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('\'');
+    out
 }
 
 /// Pinning: `kvoffload.PinOptions`, Rust's `PinOptions` (the fields Python

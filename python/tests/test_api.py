@@ -62,7 +62,7 @@ def test_the_testing_module_imports_and_says_what_it_is():
 
 def test_the_testing_hooks_check_their_object():
     rt = kv.Runtime("sim")
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin_threads=1)
+    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1))
     with pytest.raises(TypeError):
         kt.sim_registered_ranges(off)  # a Runtime, not an Offloader
     with pytest.raises(TypeError):
@@ -76,7 +76,7 @@ def test_the_testing_hooks_check_their_object():
 
 def test_store_returns_store_submitted():
     rt = kv.Runtime("sim")
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin_threads=1, start=True)
+    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
     off.wait_pinned()
     res = off.store([1, 2], [0, 1])
     assert type(res) is kv.StoreSubmitted
@@ -95,7 +95,7 @@ def test_backend_means_one_thing_per_object():
     """``Runtime.backend`` is the runtime ("sim"/"cuda"), ``Completion.backend``
     the copy path; the offloader itself has no ``backend``."""
     rt = kv.Runtime("sim")
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, copy_backend="batched", start=True)
+    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, transfer=kv.TransferOptions(backend="batched"), start=True)
     off.wait_pinned()
     assert not hasattr(off, "backend")
     assert off.runtime.backend == "sim"
@@ -108,7 +108,7 @@ def test_backend_means_one_thing_per_object():
 def test_lookup_names_the_rust_variants():
     """``"hit"``, ``"miss"``, ``"hit_pending"``: ``Lookup::{Hit, Miss, HitPending}``."""
     rt = kv.Runtime("sim")
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin_threads=1, start=True)
+    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
     off.wait_pinned()
     with kt.sim_hold(rt, "device_op") as hold:
         off.store([1], [0])
