@@ -221,9 +221,8 @@ def run_kvoffload(args, torch, rank, group):
         host_blocks,
         tensors=tensors,
         stream=torch.cuda.current_stream().cuda_stream,
-        backend="cuda",
-        device=dev,
-        capture_policy=args.policy,
+        runtime=kv.Runtime("cuda", dev),
+        pin=kv.PinOptions(policy=args.policy),
         agreement=agreement,
     )
     built = time.perf_counter() - t0

@@ -160,9 +160,7 @@ def one_run(torch, kvoffload, a, cfg, kv) -> Dict[str, object]:
             a.region // (len(kv) * kv[0][0].nbytes),
             tensors=kv,
             stream=torch.cuda.current_stream(),
-            capture_policy="interleave",
-            pin_threads=threads,
-            pin_nice=nice,
+            pin=kvoffload.PinOptions(policy="interleave", threads=threads, prefault_nice=nice),
         )
         t_start = time.perf_counter()
         off.start()

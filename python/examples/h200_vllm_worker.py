@@ -210,9 +210,9 @@ def kvoffload_startup(torch, kvoffload, size, args):
         tensors=[NS(tensor=t, page_size_bytes=page) for t in kv],
         group_data_refs=[[NS(tensor_idx=i, page_size_bytes=page) for i in range(L)]],
     )
-    options = dict(pin_threads=args.pin_threads)
+    options = dict(pin=kvoffload.PinOptions(threads=args.pin_threads))
     if args.region == "shared":
-        options.update(region="shared", name=f"kvo-h200-{os.getpid()}", rank=0, ranks=1)
+        options["region"] = kvoffload.RegionSpec.shared(f"kvo-h200-{os.getpid()}", rank=0, ranks=1)
     torch.cuda.synchronize()
     t0 = time.monotonic()
     w = _slotworker.SlotWorker(

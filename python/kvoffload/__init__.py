@@ -4,8 +4,9 @@ host region, with capture safety proved by the loom model checker.
 The one object an engine holds is :class:`Offloader`::
 
     import kvoffload
-    off = kvoffload.Offloader(host_blocks=4096, tensors=kv_tensors,
-                              stream=torch.cuda.current_stream().cuda_stream)
+    off = kvoffload.Offloader(4096, tensors=kv_tensors,
+                              stream=torch.cuda.current_stream().cuda_stream,
+                              pin=kvoffload.PinOptions(policy="interleave"))
     off.start()                        # pin in the background
     with off.capture_window(), torch.cuda.graph(g):
         ...                            # capture: no library thread disturbs it
@@ -33,15 +34,19 @@ from ._native import (
     ManagerError,
     Offloader,
     OptionsError,
+    PinOptions,
     PinOutcome,
     PinProgress,
     PinState,
     ProtocolError,
     RegionError,
+    RegionSpec,
     Runtime,
+    ShmOptions,
     ShutDownError,
     StoreSubmitted,
     TransferError,
+    TransferOptions,
     cuda_driver_present,
     enable_logging,
 )
@@ -59,15 +64,19 @@ __all__ = [
     "ManagerError",
     "Offloader",
     "OptionsError",
+    "PinOptions",
     "PinOutcome",
     "PinProgress",
     "PinState",
     "ProtocolError",
     "RegionError",
+    "RegionSpec",
     "Runtime",
+    "ShmOptions",
     "ShutDownError",
     "StoreSubmitted",
     "TransferError",
+    "TransferOptions",
     "cuda_driver_present",
     "enable_logging",
     "torch_agreement",

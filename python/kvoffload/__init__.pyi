@@ -82,6 +82,10 @@ class Runtime:
     def __init__(self, backend: str = "auto", device: int = 0) -> None: ...
     @property
     def backend(self) -> str: ...
+    #: The CUDA device (0 on the simulated GPU); an engine's tensors must be
+    #: on it.
+    @property
+    def device(self) -> int: ...
     def describe(self) -> str: ...
 
 class PinState:
@@ -156,6 +160,178 @@ class CaptureWindow:
     @property
     def chunks_waited(self) -> int: ...
 
+class PinOptions:
+    """Pinning (Rust's ``PinOptions``). Keyword arguments only; a field left
+    out (or None for a numeric one) keeps the default. An unknown field, a
+    wrong type or a value out of range raises ``OptionsError`` (kind
+    ``"options"``; Rust's limits kind ``"pin"``). Immutable; compares by
+    value; ``replace(**changes)`` returns a changed copy.
+
+    ``threads``: pre-fault threads (default three in four of the cores, at
+    most 1024); ``max_chunk_bytes``: bytes per registration call (default
+    256 MiB, at most 64 GiB); ``prefault``: ``"populate"``, ``"touch"`` or
+    ``"off"``; ``huge_pages``: ``"auto"``, ``"on"`` or ``"off"``;
+    ``lookahead_bytes``: bytes pre-faulted ahead of the chunk being
+    registered (None: the whole region, 0: the next chunk only);
+    ``huge_fallback_mbps``: 4 KiB pages for the rest of an anonymous region
+    once faulting huge pages runs below this many MB/s per thread while the
+    kernel stalls in reclaim or compaction (default 1000, 0: never);
+    ``prefault_nice``: niceness the pre-fault threads raise themselves to,
+    so that they take the cores the engine leaves idle (default 10, 0: the
+    process's own, at most 19); ``policy``: when capture windows may open
+    while pinning runs, ``"after_pinning"`` (once pinning is final) or
+    ``"interleave"`` (between chunks)."""
+
+    def __init__(
+        self,
+        *,
+        threads: Optional[int] = None,
+        max_chunk_bytes: Optional[int] = None,
+        prefault: str = "populate",
+        huge_pages: str = "auto",
+        lookahead_bytes: Optional[int] = None,
+        huge_fallback_mbps: Optional[int] = None,
+        prefault_nice: Optional[int] = None,
+        policy: str = "after_pinning",
+    ) -> None: ...
+    def replace(
+        self,
+        *,
+        threads: Optional[int] = ...,
+        max_chunk_bytes: Optional[int] = ...,
+        prefault: str = ...,
+        huge_pages: str = ...,
+        lookahead_bytes: Optional[int] = ...,
+        huge_fallback_mbps: Optional[int] = ...,
+        prefault_nice: Optional[int] = ...,
+        policy: str = ...,
+    ) -> "PinOptions": ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def max_chunk_bytes(self) -> int: ...
+    @property
+    def prefault(self) -> str: ...
+    @property
+    def huge_pages(self) -> str: ...
+    @property
+    def lookahead_bytes(self) -> Optional[int]: ...
+    @property
+    def huge_fallback_mbps(self) -> int: ...
+    @property
+    def prefault_nice(self) -> int: ...
+    @property
+    def policy(self) -> str: ...
+
+class TransferOptions:
+    """Copies (Rust's ``TransferOptions``; ``duplex_linger`` is its
+    ``thresholds.duplex_linger``), built and checked as ``PinOptions`` is.
+
+    ``backend``: ``"auto"`` (by fragment size, pin state and whether the
+    other direction is busy), or one forced: ``"per-fragment"``,
+    ``"batched"``, ``"gather"`` (a kernel reading pinned host memory) or
+    ``"staged"`` (a kernel packs the job into device staging memory, the
+    copy engine moves it; what auto picks while loads and stores run at
+    once). ``staging_bytes``: device staging memory per direction (default
+    32 MiB; 0: no staged backend). ``duplex_linger``: seconds the other
+    direction still counts as busy after its last job (default 0.02).
+    ``expedited_lane``: a third lane, with a stream of its own, for the
+    loads submitted with ``expedited=True`` (``load_slots``,
+    ``load_slot_job``), never behind the regular loads (vLLM's expedited
+    loads); ``Completion.lane`` says which lane ran a job."""
+
+    def __init__(
+        self,
+        *,
+        backend: str = "auto",
+        staging_bytes: Optional[int] = None,
+        duplex_linger: Optional[float] = None,
+        expedited_lane: bool = False,
+    ) -> None: ...
+    def replace(
+        self,
+        *,
+        backend: str = ...,
+        staging_bytes: Optional[int] = ...,
+        duplex_linger: Optional[float] = ...,
+        expedited_lane: bool = ...,
+    ) -> "TransferOptions": ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def staging_bytes(self) -> int: ...
+    @property
+    def duplex_linger(self) -> float: ...
+    @property
+    def expedited_lane(self) -> bool: ...
+
+class ShmOptions:
+    """A shared region's options (Rust's ``ShmOptions``), built and checked
+    as ``PinOptions`` is.
+
+    ``dir``: directory of the region's files (default ``/dev/shm``; any
+    tmpfs, e.g. one mounted ``huge=always``); ``timeout``: seconds creating
+    or joining may wait for the other ranks (default 60); ``check_memory``:
+    False skips the check that the region (a joiner: its share) fits in the
+    memory this process can get (an escape hatch); ``allow_group``: a gid,
+    or a group name (looked up now, kept as its gid), whose members' ranks
+    may share the region (files get that group and mode 0660; joiners
+    accept files of that group)."""
+
+    def __init__(
+        self,
+        *,
+        dir: Optional[Union[str, PathLike]] = None,
+        timeout: float = 60.0,
+        check_memory: bool = True,
+        allow_group: Optional[Union[int, str]] = None,
+    ) -> None: ...
+    def replace(
+        self,
+        *,
+        dir: Optional[Union[str, PathLike]] = ...,
+        timeout: float = ...,
+        check_memory: bool = ...,
+        allow_group: Optional[Union[int, str]] = ...,
+    ) -> "ShmOptions": ...
+    @property
+    def dir(self) -> str: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def check_memory(self) -> bool: ...
+    @property
+    def allow_group(self) -> Optional[int]: ...
+
+class RegionSpec:
+    """Where the host blocks live (Rust's ``RegionSpec``): private memory of
+    this process (``RegionSpec.anonymous()``, also ``RegionSpec()``, the
+    default; always checked against the memory the process can get), or a
+    region shared by the ``ranks`` processes of one node
+    (``RegionSpec.shared(name, rank=..., ranks=..., options=ShmOptions())``:
+    files named after ``name`` in ``options.dir``, created by rank 0, joined
+    by the others, unlinked once every rank mapped them). Checked when
+    built, as ``PinOptions`` is; compares by value."""
+
+    def __init__(self) -> None: ...
+    @staticmethod
+    def anonymous() -> "RegionSpec": ...
+    @staticmethod
+    def shared(
+        name: str, *, rank: int = 0, ranks: int = 1, options: Optional[ShmOptions] = None
+    ) -> "RegionSpec": ...
+    #: ``"anonymous"`` or ``"shared"``.
+    @property
+    def kind(self) -> str: ...
+    @property
+    def name(self) -> Optional[str]: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def ranks(self) -> int: ...
+    @property
+    def options(self) -> Optional[ShmOptions]: ...
+
 class Offloader:
     """KV-cache offload between GPU memory and a pinned host region.
 
@@ -185,37 +361,16 @@ class Offloader:
     load neither read nor written, by the engine until ``poll`` reports the
     job or ``wait`` returns for it.
 
-    ``expedited_lane``: a third transfer lane with a stream of its own for
-    loads submitted with ``expedited=True`` (``load_slots``,
-    ``load_slot_job``), never behind the regular loads (vLLM's expedited
-    loads); ``Completion.lane`` says which lane ran a job.
-    Pinning: ``pin_threads`` (pre-fault threads; None: three in four of
-    the cores), ``max_chunk_bytes`` (bytes per registration call; None:
-    256 MiB), ``prefault`` (``"populate"``, ``"touch"``, ``"off"``),
-    ``huge_pages`` (``"auto"``, ``"on"``, ``"off"``),
-    ``pin_lookahead_bytes`` (bytes pre-faulted ahead of the chunk being
-    registered; None: the whole region, 0: the next chunk only) and
-    ``huge_fallback_mbps`` (4 KiB pages for the rest of an anonymous region
-    once faulting huge pages runs below this many MB/s per thread while the
-    kernel stalls in reclaim or compaction; None: 1000, 0: never),
-    ``pin_nice`` (niceness the pre-fault threads raise themselves to, so
-    that they take the cores the engine leaves idle; None: 10, 0: the
-    process's own; at most 19).
-    ``copy_backend``: ``"auto"`` (by fragment size, pin state and whether
-    the other direction is busy), or one forced: ``"per-fragment"``,
-    ``"batched"``, ``"gather"`` (a kernel reading pinned host memory) or
-    ``"staged"`` (a kernel packs the job into device staging memory, the
-    copy engine moves it; what auto picks while loads and stores run at
-    once). ``staging_bytes``: device staging memory per direction (None:
-    32 MiB; 0: no staged backend). ``duplex_linger``: seconds the other
-    direction still counts as busy after its last job (None: 0.02).
-
-    Shared regions (``region="shared"``): ``allow_group`` (a gid, or a
-    group name) lets ranks of different users of that group share the
-    region (files get that group and mode 0660; joiners accept files of
-    that group); ``check_memory=False`` skips the check that the region (a
-    joiner: its share) fits in the memory this process can get (an escape
-    hatch; anonymous regions are always checked).
+    The rest is in option objects with the Rust library's names:
+    ``runtime`` (None: ``Runtime("auto")``, device 0), ``region``
+    (``RegionSpec``; None: anonymous), ``pin`` (``PinOptions``), ``transfer``
+    (``TransferOptions``); None gives their defaults, anything but the
+    class raises ``OptionsError``, as does an unknown keyword argument (the
+    flat ones before issue 30, ``pin_threads=`` and the like, are refused
+    naming the option that replaced them). ``eviction``: ``"lru"`` or
+    ``"arc"`` (keys only); ``agreement``: the ranks' agreement transport
+    (``torch_agreement``), ``agreement_timeout``: seconds a rank waits for
+    its peers (None: no limit); ``start``: start pinning at once.
 
     Ctrl-C (``SIGINT``, or any signal whose handler raises) during a wait
     (joining or creating a shared region, ``wait_pinned`` and the ranks'
@@ -234,35 +389,16 @@ class Offloader:
         page_bytes: Optional[int] = None,
         block_factor: int = 1,
         stream: Any = None,
-        backend: str = "auto",
-        device: int = 0,
         runtime: Optional[Runtime] = None,
-        region: str = "anonymous",
-        name: Optional[str] = None,
-        rank: int = 0,
-        ranks: int = 1,
-        region_dir: Optional[Union[str, PathLike]] = None,
-        join_timeout: float = 60.0,
-        allow_group: Optional[Union[int, str]] = None,
-        check_memory: bool = True,
-        pin_threads: Optional[int] = None,
-        max_chunk_bytes: Optional[int] = None,
-        prefault: str = "populate",
-        huge_pages: str = "auto",
-        pin_lookahead_bytes: Optional[int] = None,
-        huge_fallback_mbps: Optional[int] = None,
-        pin_nice: Optional[int] = None,
-        capture_policy: str = "after_pinning",
-        copy_backend: str = "auto",
-        staging_bytes: Optional[int] = None,
-        duplex_linger: Optional[float] = None,
+        region: Optional[RegionSpec] = None,
+        pin: Optional[PinOptions] = None,
+        transfer: Optional[TransferOptions] = None,
         eviction: str = "lru",
         agreement: Optional[_AgreementTransport] = None,
         agreement_timeout: Optional[float] = 120.0,
-        start: bool = False,
         addressing: str = "keys",
         kv_groups: Optional[Sequence[int]] = None,
-        expedited_lane: bool = False,
+        start: bool = False,
     ) -> None: ...
     #: The runtime (GPU) it runs on; ``runtime.backend`` is ``"cuda"`` or
     #: ``"sim"`` (the copy path a job took is ``Completion.backend``).
@@ -327,7 +463,7 @@ class Offloader:
         self, job: int, gpu_blocks: Iterable[int], slots: Iterable[int], first_sub: int = 0
     ) -> None: ...
     #: ``expedited``: on the expedited lane's own stream, never behind a
-    #: regular load (needs ``expedited_lane=True``; ``TransferError``,
+    #: regular load (needs ``TransferOptions(expedited_lane=True)``; ``TransferError``,
     #: reason ``"no_expedited_lane"``, otherwise).
     def load_slots(
         self,

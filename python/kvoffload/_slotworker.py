@@ -243,10 +243,10 @@ class SlotWorker:
             kv_groups=sizes,
             # Windows of lexical capture_window() calls also open while
             # pinning runs (the hook's always do).
-            capture_policy="interleave",
+            pin=(kw.get("pin") or kvoffload.PinOptions()).replace(policy="interleave"),
             # vLLM's expedited (synchronous) loads on a stream of their own,
             # never behind the regular loads it is not waiting for.
-            expedited_lane=True,
+            transfer=(kw.get("transfer") or kvoffload.TransferOptions()).replace(expedited_lane=True),
         )
         if stream is None and runtime.backend == "cuda":
             import torch

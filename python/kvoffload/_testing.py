@@ -75,6 +75,7 @@ __all__ = [
     "sim_launch_spin",
     "sim_wait_idle",
     "sim_refusals",
+    "error_table",
 ]
 
 #: A hold point of the simulated GPU, armed by :func:`sim_hold`: the next
@@ -113,6 +114,13 @@ def activity(off: Offloader) -> Dict[str, int]:
     ``calls_waiting``, ``pin_waiters``, ``jobs_in_flight``, ``graphs_live``,
     ``alias_users``, ``unregisters_waiting``."""
     return _hooks.activity(off)
+
+
+def error_table() -> List[Tuple[str, BaseException]]:
+    """``(rust_path, exception)`` for a sample of every error variant an
+    offloader call can raise (e.g. ``"OffloaderError::Transfer(JobFailed)"``),
+    each as the Python exception it becomes (``errors::samples``)."""
+    return _hooks.error_table()
 
 
 def write_block(off: Offloader, tensor: int, gpu_block: int, data: bytes) -> None:

@@ -158,6 +158,9 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
         OffloaderError::Pin(PinError::Region(_)) | OffloaderError::Region(_) => {
             make::<RegionError>(py, msg, &kind, reason, None)
         }
+        // The runtime handle guarded by another coordinator: a protocol
+        // refusal wherever it comes from.
+        OffloaderError::Pin(PinError::Protocol(p)) => protocol(py, msg, &kind, p),
         OffloaderError::Pin(_) => make::<OptionsError>(py, msg, &kind, reason, None),
         OffloaderError::Protocol(p) => protocol(py, msg, &kind, p),
         OffloaderError::Shutdown(ShutdownError::Refused(p)) => protocol(py, msg, &kind, p),
@@ -165,8 +168,12 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
             driver_err(py, msg, &kind, d)
         }
         OffloaderError::Transfer(t) => match t {
-            RustTransferError::Driver(d) | RustTransferError::JobFailed { error: d, .. } => {
-                driver_err(py, msg, &kind, d)
+            RustTransferError::Driver(d) => driver_err(py, msg, &kind, d),
+            // A job that failed on the GPU: the transfer engine's error (as
+            // `kvoffload._slotworker` raises it), with the driver's call and
+            // code as attributes.
+            RustTransferError::JobFailed { error: d, .. } => {
+                make::<TransferError>(py, msg, &kind, reason, Some((d.call, Some(d.code.0), Some(d.code.name()))))
             }
             RustTransferError::Protocol(p) => protocol(py, msg, &kind, p),
             RustTransferError::ShutDown { .. } => make::<ShutDownError>(py, msg, &kind, reason, None),
@@ -192,6 +199,106 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
         OffloaderError::ShutDown => make::<ShutDownError>(py, msg, &kind, None, None),
         _ => make::<KvoffloadError>(py, msg, &kind, reason, None),
     }
+}
+
+/// One sample of every error variant an offloader call raises (every
+/// `OffloaderError` variant, with every variant of the inner errors whose
+/// variant picks the Python class), each with its Rust path: the test that
+/// each maps to one Python class, with `kind` the outer variant in snake
+/// case and `reason` the inner one (`kvoffload._testing.error_table`,
+/// python/tests/test_api.py).
+pub fn samples() -> Vec<(String, OffloaderError)> {
+    use kvoffload::internal::manager::{BlockKey, ManagerError};
+    use kvoffload::internal::offloader::Addressing;
+    use kvoffload::internal::runtime::{Code, Direction};
+    use kvoffload::internal::transfer::{JobId, LayoutError};
+    let d = || RustDriverError::new("cuMemcpyAsync", Code::INVALID_VALUE);
+    let id = JobId(7);
+    let transfer = [
+        RustTransferError::Layout(LayoutError::NoGroups),
+        RustTransferError::GroupCount { given: 2, expected: 1 },
+        RustTransferError::GpuBlockOutOfRange { group: 0, block: 9, num_blocks: 8 },
+        RustTransferError::HostBlockOutOfRange { group: 0, block: 9, num_blocks: 8 },
+        RustTransferError::RepeatedGpuBlock { group: 0, block: 1 },
+        RustTransferError::RepeatedHostBlock { group: 0, block: 1 },
+        RustTransferError::BlockCountMismatch { group: 0, gpu: 3, host: 1, factor: 2, min: 1, max: 2 },
+        RustTransferError::FirstSubTooLarge { group: 0, first_sub: 2, factor: 2 },
+        RustTransferError::HostCountMismatch { group: 0, gpu: 3, host: 1, first_sub: 0, factor: 2, need: 2 },
+        RustTransferError::EmptyJob { id },
+        RustTransferError::JobIdReused { id },
+        RustTransferError::ShutDown { id },
+        RustTransferError::ComputeCapturing { id },
+        RustTransferError::CaptureWindowOpen { id },
+        RustTransferError::NoExpeditedLane { id },
+        RustTransferError::UnknownJob { id },
+        RustTransferError::JobFailed { id, error: d() },
+        RustTransferError::Protocol(RustProtocolError::NestedWindow),
+        RustTransferError::Protocol(RustProtocolError::ShutDown),
+        RustTransferError::Driver(d()),
+    ];
+    let mut out: Vec<OffloaderError> = vec![
+        OffloaderError::Options("x".into()),
+        OffloaderError::Layout(LayoutError::NoGroups),
+        OffloaderError::Region(RustRegionError::ZeroSize { what: "x" }),
+        OffloaderError::Pin(PinError::ZeroSize { what: "threads" }),
+        OffloaderError::Pin(PinError::TooLarge { what: "threads", value: 2, limit: 1 }),
+        OffloaderError::Pin(PinError::OutOfRange { what: "prefault_nice", value: 20, min: 0, max: 19 }),
+        OffloaderError::Pin(PinError::Region(RustRegionError::ZeroSize { what: "x" })),
+        OffloaderError::Pin(PinError::Protocol(RustProtocolError::NestedWindow)),
+        OffloaderError::Protocol(RustProtocolError::NestedWindow),
+        OffloaderError::Protocol(RustProtocolError::ShutDown),
+        OffloaderError::Protocol(RustProtocolError::AlreadyShutDown),
+        OffloaderError::Driver { what: "x", error: d() },
+        OffloaderError::Manager(ManagerError::ZeroCapacity),
+        OffloaderError::GpuBlockCount { keys: 1, factor: 1, need: 1, got: 2 },
+        OffloaderError::SlotJobShape { what: "x", given: 1, expected: 2 },
+        OffloaderError::SlotBusy { group: 0, slot: 1, job: id, direction: Direction::DeviceToHost },
+        OffloaderError::WrongAddressing { call: "lookup", addressing: Addressing::Slots },
+        OffloaderError::NotStored { key: BlockKey::new(1, 0) },
+        OffloaderError::UnknownJob { id },
+        OffloaderError::HookNotOpen { call: "capture_end" },
+        OffloaderError::ShutDown,
+        OffloaderError::Shutdown(ShutdownError::Refused(RustProtocolError::NestedWindow)),
+        OffloaderError::Shutdown(ShutdownError::Unregister(d())),
+        OffloaderError::PinnerPanicked,
+    ];
+    out.extend(transfer.into_iter().map(OffloaderError::Transfer));
+    out.into_iter()
+        .map(|e| {
+            // Without a wildcard: a new variant fails to compile here until
+            // it has a sample above and a row in the Python test.
+            let outer = match &e {
+                OffloaderError::Options(_) => "Options",
+                OffloaderError::Layout(_) => "Layout",
+                OffloaderError::Region(_) => "Region",
+                OffloaderError::Pin(_) => "Pin",
+                OffloaderError::Protocol(_) => "Protocol",
+                OffloaderError::Driver { .. } => "Driver",
+                OffloaderError::Transfer(_) => "Transfer",
+                OffloaderError::Manager(_) => "Manager",
+                OffloaderError::GpuBlockCount { .. } => "GpuBlockCount",
+                OffloaderError::SlotJobShape { .. } => "SlotJobShape",
+                OffloaderError::SlotBusy { .. } => "SlotBusy",
+                OffloaderError::WrongAddressing { .. } => "WrongAddressing",
+                OffloaderError::NotStored { .. } => "NotStored",
+                OffloaderError::UnknownJob { .. } => "UnknownJob",
+                OffloaderError::HookNotOpen { .. } => "HookNotOpen",
+                OffloaderError::ShutDown => "ShutDown",
+                OffloaderError::Shutdown(_) => "Shutdown",
+                OffloaderError::PinnerPanicked => "PinnerPanicked",
+            };
+            let dbg = format!("{e:?}");
+            // The inner error's variant, for a tuple variant holding one.
+            let inner = dbg[outer.len()..].strip_prefix('(').map(|rest| {
+                rest[..rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len())].to_string()
+            });
+            let path = match inner {
+                Some(v) if !v.is_empty() => format!("OffloaderError::{outer}({v})"),
+                _ => format!("OffloaderError::{outer}"),
+            };
+            (path, e)
+        })
+        .collect()
 }
 
 fn protocol(py: Python<'_>, msg: String, kind: &str, p: &RustProtocolError) -> PyErr {

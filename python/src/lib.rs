@@ -25,8 +25,9 @@
 //! Files: `offloader.rs` (`Offloader`, `CaptureWindow`; the lock
 //! discipline of its job bookkeeping at the top), `book.rs` (that
 //! bookkeeping, and the panic guard of the entry points), `runtime.rs`
-//! (`Runtime`), `results.rs` (the result classes), `args.rs` (arguments
-//! from Python), `tensors.rs` (the engine's tensors, CPU ones adopted on
+//! (`Runtime`), `results.rs` (the result classes), `options.rs` (the option
+//! classes: `PinOptions`, `TransferOptions`, `RegionSpec`, `ShmOptions`),
+//! `args.rs` (arguments from Python), `tensors.rs` (the engine's tensors, CPU ones adopted on
 //! the sim), `signals.rs`, `agreement.rs`, `errors.rs`, `testing.rs`.
 
 mod agreement;
@@ -34,6 +35,7 @@ mod args;
 mod book;
 mod errors;
 mod offloader;
+mod options;
 mod results;
 mod runtime;
 mod signals;
@@ -45,25 +47,23 @@ use std::time::Duration;
 
 use kvoffload::internal::manager::{BlockKey, Lookup, PolicyKind, SkipReason};
 use kvoffload::internal::offloader::{
-    Addressing, Completion, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, RegionSpec,
-    SlotJob,
+    Addressing, Completion, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, SlotJob,
 };
-use kvoffload::internal::pin::options::{HugePages, PrefaultMode};
 use kvoffload::internal::protocol::agreement::Transport;
-use kvoffload::internal::protocol::{CapturePolicy, CaptureWindow, PinState};
-use kvoffload::internal::region::ShmOptions;
+use kvoffload::internal::protocol::{CaptureWindow, PinState};
 use kvoffload::internal::runtime::cuda::CudaRuntime;
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
-use kvoffload::internal::transfer::{Backend, BackendChoice, JobId, Lane, TensorSpec, TransferError};
+use kvoffload::internal::transfer::{JobId, Lane, TensorSpec, TransferError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyDict, PyTuple};
 use std::sync::Arc;
 
 use agreement::*;
 use args::*;
 use book::*;
 use offloader::*;
+use options::{PyPinOptions, PyRegionSpec, PyShmOptions, PyTransferOptions};
 use results::*;
 use runtime::*;
 use signals::*;
@@ -90,6 +90,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRuntime>()?;
     m.add_class::<PyOffloader>()?;
     m.add_class::<PyCaptureWindow>()?;
+    m.add_class::<PyPinOptions>()?;
+    m.add_class::<PyTransferOptions>()?;
+    m.add_class::<PyRegionSpec>()?;
+    m.add_class::<PyShmOptions>()?;
     m.add_class::<PyPinState>()?;
     m.add_class::<PyPinProgress>()?;
     m.add_class::<PyPinOutcome>()?;

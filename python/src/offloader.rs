@@ -181,14 +181,8 @@ impl PyOffloader {
     #[new]
     #[pyo3(signature = (
         host_blocks, *, tensors, gpu_blocks = None, page_bytes = None, block_factor = 1, stream = None,
-        backend = "auto", device = 0, runtime = None,
-        region = "anonymous", name = None, rank = 0, ranks = 1, region_dir = None, join_timeout = 60.0,
-        allow_group = None, check_memory = true,
-        pin_threads = None, max_chunk_bytes = None, prefault = "populate", huge_pages = "auto",
-        pin_lookahead_bytes = None, huge_fallback_mbps = None, pin_nice = None,
-        capture_policy = "after_pinning", copy_backend = "auto", staging_bytes = None, duplex_linger = None,
-        eviction = "lru", agreement = None, agreement_timeout = Some(120.0), start = false,
-        addressing = "keys", kv_groups = None, expedited_lane = false,
+        runtime = None, region = None, pin = None, transfer = None, eviction = "lru", agreement = None,
+        agreement_timeout = Some(120.0), addressing = "keys", kv_groups = None, start = false, **unknown,
     ))]
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
@@ -199,41 +193,28 @@ impl PyOffloader {
         page_bytes: Option<usize>,
         block_factor: usize,
         stream: Option<&Bound<'_, PyAny>>,
-        backend: &str,
-        device: usize,
         runtime: Option<Py<PyRuntime>>,
-        region: &str,
-        name: Option<String>,
-        rank: usize,
-        ranks: usize,
-        region_dir: Option<std::path::PathBuf>,
-        join_timeout: f64,
-        allow_group: Option<&Bound<'_, PyAny>>,
-        check_memory: bool,
-        pin_threads: Option<usize>,
-        max_chunk_bytes: Option<usize>,
-        prefault: &str,
-        huge_pages: &str,
-        pin_lookahead_bytes: Option<usize>,
-        huge_fallback_mbps: Option<u32>,
-        pin_nice: Option<i32>,
-        capture_policy: &str,
-        copy_backend: &str,
-        staging_bytes: Option<usize>,
-        duplex_linger: Option<f64>,
+        region: Option<&Bound<'_, PyAny>>,
+        pin: Option<&Bound<'_, PyAny>>,
+        transfer: Option<&Bound<'_, PyAny>>,
         eviction: &str,
         agreement: Option<Py<PyAny>>,
         agreement_timeout: Option<f64>,
-        start: bool,
         addressing: &str,
         kv_groups: Option<Vec<usize>>,
-        expedited_lane: bool,
+        start: bool,
+        unknown: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         guarded(py, move || {
+            options::unknown_arguments(py, unknown)?;
+            let region: PyRegionSpec = options::given(py, "region", "RegionSpec", region)?;
+            let pin: PyPinOptions = options::given(py, "pin", "PinOptions", pin)?;
+            let transfer: PyTransferOptions = options::given(py, "transfer", "TransferOptions", transfer)?;
             let runtime = match runtime {
                 Some(r) => r,
-                None => Py::new(py, PyRuntime::open(py, backend, device)?)?,
+                None => Py::new(py, PyRuntime::open(py, "auto", 0)?)?,
             };
+            let device = runtime.get().device;
             let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
             opts.addressing =
                 choice(py, "addressing", addressing, &[("keys", Addressing::Keys), ("slots", Addressing::Slots)])?;
@@ -241,92 +222,9 @@ impl PyOffloader {
             // Joining or creating a shared region waits for the other ranks:
             // Ctrl-C stops it (see `Signals`).
             let signals = Signals::default();
-            opts.region = match region {
-                "anonymous" => {
-                    if ranks != 1 || rank != 0 || name.is_some() || allow_group.is_some() {
-                        return Err(errors::options(
-                            py,
-                            "name, rank, ranks and allow_group describe a shared region: give region='shared' too",
-                        ));
-                    }
-                    if !check_memory {
-                        return Err(errors::options(
-                            py,
-                            "check_memory=False applies to shared regions only (an anonymous region is always checked)",
-                        ));
-                    }
-                    RegionSpec::Anonymous
-                }
-                "shared" => {
-                    let name = name.ok_or_else(|| errors::options(py, "region='shared' needs a name"))?;
-                    let timeout = seconds(py, "join_timeout", Some(join_timeout))?.unwrap_or_default();
-                    let check = signals.clone();
-                    let mut o =
-                        ShmOptions::new().timeout(timeout).check_memory(check_memory).interrupt(move || check.check());
-                    if let Some(d) = &region_dir {
-                        o = o.dir(d);
-                    }
-                    if let Some(g) = allow_group {
-                        o = o.allow_group(group_id(py, g)?);
-                    }
-                    RegionSpec::Shared { name, rank, ranks, options: o }
-                }
-                other => {
-                    return Err(errors::options(py, format!("region must be 'anonymous' or 'shared', not {other:?}")))
-                }
-            };
-            if let Some(t) = pin_threads {
-                opts.pin.threads = t;
-            }
-            if let Some(c) = max_chunk_bytes {
-                opts.pin.max_chunk_bytes = c;
-            }
-            if let Some(b) = pin_lookahead_bytes {
-                opts.pin.lookahead_bytes = b;
-            }
-            if let Some(m) = huge_fallback_mbps {
-                opts.pin.huge_fallback_mbps = m;
-            }
-            if let Some(n) = pin_nice {
-                opts.pin.prefault_nice = n;
-            }
-            opts.pin.prefault = choice(
-                py,
-                "prefault",
-                prefault,
-                &[("populate", PrefaultMode::Populate), ("touch", PrefaultMode::Touch), ("off", PrefaultMode::Off)],
-            )?;
-            opts.pin.huge_pages = choice(
-                py,
-                "huge_pages",
-                huge_pages,
-                &[("auto", HugePages::Auto), ("on", HugePages::On), ("off", HugePages::Off)],
-            )?;
-            opts.pin.policy = choice(
-                py,
-                "capture_policy",
-                capture_policy,
-                &[("after_pinning", CapturePolicy::AfterPinning), ("interleave", CapturePolicy::Interleave)],
-            )?;
-            opts.transfer.backend = choice(
-                py,
-                "copy_backend",
-                copy_backend,
-                &[
-                    ("auto", BackendChoice::Auto),
-                    ("per-fragment", BackendChoice::Force(Backend::PerFragment)),
-                    ("batched", BackendChoice::Force(Backend::Batched)),
-                    ("gather", BackendChoice::Force(Backend::Gather)),
-                    ("staged", BackendChoice::Force(Backend::Staged)),
-                ],
-            )?;
-            opts.transfer.expedited_lane = expedited_lane;
-            if let Some(b) = staging_bytes {
-                opts.transfer.staging_bytes = b;
-            }
-            if let Some(d) = seconds(py, "duplex_linger", duplex_linger)? {
-                opts.transfer.thresholds.duplex_linger = d;
-            }
+            opts.region = region.build(&signals);
+            opts.pin = pin.o;
+            opts.transfer = transfer.o;
             opts.eviction = choice(py, "eviction", eviction, &[("lru", PolicyKind::Lru), ("arc", PolicyKind::Arc)])?;
             opts.agreement_timeout = seconds(py, "agreement_timeout", agreement_timeout)?;
             if let Some(f) = agreement {

@@ -144,7 +144,7 @@ impl PyStoreSubmitted {
 /// submission until completion was seen, `deferred_seconds` of them queued
 /// behind a capture hook window (0 when not deferred); `lane` is the
 /// handler that ran it: `"store"`, `"load"` or `"load_expedited"` (an
-/// expedited load on its own stream, `expedited_lane=True`); `error` is
+/// expedited load on its own stream, `TransferOptions(expedited_lane=True)`); `error` is
 /// None when every byte arrived, else a `DriverError` (not raised).
 #[pyclass(name = "Completion", module = "kvoffload", frozen, get_all)]
 pub(crate) struct PyCompletion {

@@ -13,6 +13,9 @@ use super::*;
 pub(crate) struct PyRuntime {
     pub(crate) rt: Arc<dyn GpuRuntime>,
     pub(crate) cuda: Option<Arc<CudaRuntime>>,
+    /// The CUDA device it was opened on (0 on the simulated GPU); an
+    /// engine's tensors must be on it.
+    pub(crate) device: usize,
 }
 
 impl PyRuntime {
@@ -20,9 +23,9 @@ impl PyRuntime {
         let cuda = |py: Python<'_>| -> PyResult<PyRuntime> {
             let c = Arc::new(py.detach(|| CudaRuntime::open(device)).map_err(|e| errors::open(py, e))?);
             let rt: Arc<dyn GpuRuntime> = c.clone();
-            Ok(PyRuntime { rt, cuda: Some(c) })
+            Ok(PyRuntime { rt, cuda: Some(c), device })
         };
-        let sim = || PyRuntime { rt: Arc::new(SimRuntime::new()), cuda: None };
+        let sim = || PyRuntime { rt: Arc::new(SimRuntime::new()), cuda: None, device: 0 };
         match backend {
             "sim" => Ok(sim()),
             "cuda" => cuda(py),
@@ -47,6 +50,12 @@ impl PyRuntime {
     #[getter]
     pub(crate) fn backend(&self) -> &'static str {
         self.rt.backend()
+    }
+
+    /// The CUDA device ordinal (0 on the simulated GPU).
+    #[getter]
+    pub(crate) fn device(&self) -> usize {
+        self.device
     }
 
     /// The device and driver, for reports.

@@ -319,6 +319,14 @@ fn read_block<'py>(
 }
 
 /// Adds the submodule `_testing` to `m` (`kvoffload._native`).
+/// `(rust_path, exception)` for a sample of every error variant an
+/// offloader call raises (`errors::samples`), each as the Python exception
+/// it becomes.
+#[pyfunction]
+fn error_table(py: Python<'_>) -> Vec<(String, Py<PyAny>)> {
+    errors::samples().into_iter().map(|(path, e)| (path, errors::offloader(py, e).into_value(py).into_any())).collect()
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let t = PyModule::new(m.py(), "_testing")?;
     t.add_class::<PySimHold>()?;
@@ -342,5 +350,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     t.add_function(wrap_pyfunction!(activity, &t)?)?;
     t.add_function(wrap_pyfunction!(write_block, &t)?)?;
     t.add_function(wrap_pyfunction!(read_block, &t)?)?;
+    t.add_function(wrap_pyfunction!(error_table, &t)?)?;
     m.add_submodule(&t)
 }

@@ -31,9 +31,11 @@ def rank_main(rank, conn, results, fail_pinning, breaks, region):
     rt = kv.Runtime("sim")
     if fail_pinning:
         kt.sim_fail_registration(rt, nth=1, code=801)
-    kw = dict(tensors=2, page_bytes=PAGE, gpu_blocks=32, runtime=rt, pin_threads=1)
+    kw = dict(tensors=2, page_bytes=PAGE, gpu_blocks=32, runtime=rt, pin=kv.PinOptions(threads=1))
     if region is not None:
-        kw.update(region="shared", name=region["name"], region_dir=region["dir"], rank=rank, ranks=2, join_timeout=30)
+        kw["region"] = kv.RegionSpec.shared(
+            region["name"], rank=rank, ranks=2, options=kv.ShmOptions(dir=region["dir"], timeout=30)
+        )
     if conn is not None:
         kw["agreement"] = pipe_transport(conn, rank, breaks)
     try:

@@ -56,13 +56,14 @@ def test_the_testing_module_imports_and_says_what_it_is():
         "sim_launch_spin",
         "sim_wait_idle",
         "sim_refusals",
+        "error_table",
     }
     assert kt.SimHold.__module__ == "kvoffload._testing"
 
 
 def test_the_testing_hooks_check_their_object():
     rt = kv.Runtime("sim")
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin_threads=1)
+    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1))
     with pytest.raises(TypeError):
         kt.sim_registered_ranges(off)  # a Runtime, not an Offloader
     with pytest.raises(TypeError):
@@ -76,7 +77,7 @@ def test_the_testing_hooks_check_their_object():
 
 def test_store_returns_store_submitted():
     rt = kv.Runtime("sim")
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin_threads=1, start=True)
+    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
     off.wait_pinned()
     res = off.store([1, 2], [0, 1])
     assert type(res) is kv.StoreSubmitted
@@ -95,7 +96,7 @@ def test_backend_means_one_thing_per_object():
     """``Runtime.backend`` is the runtime ("sim"/"cuda"), ``Completion.backend``
     the copy path; the offloader itself has no ``backend``."""
     rt = kv.Runtime("sim")
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, copy_backend="batched", start=True)
+    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, transfer=kv.TransferOptions(backend="batched"), start=True)
     off.wait_pinned()
     assert not hasattr(off, "backend")
     assert off.runtime.backend == "sim"
@@ -108,7 +109,7 @@ def test_backend_means_one_thing_per_object():
 def test_lookup_names_the_rust_variants():
     """``"hit"``, ``"miss"``, ``"hit_pending"``: ``Lookup::{Hit, Miss, HitPending}``."""
     rt = kv.Runtime("sim")
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin_threads=1, start=True)
+    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
     off.wait_pinned()
     with kt.sim_hold(rt, "device_op") as hold:
         off.store([1], [0])
@@ -143,3 +144,75 @@ def test_the_stubs_say_exactly_the_public_surface():
             continue  # attributes set on instances; BaseException's own
         have = {n for n in dir(cls) if not n.startswith("_")}
         assert stub_members(node) == have, node.name
+
+
+#: Issue 30: every Rust error variant an offloader call raises becomes one
+#: Python class, with ``kind`` the OffloaderError variant in snake case and
+#: ``reason`` the inner error's variant (the driver's code name for driver
+#: errors; the ProtocolError variant under a protocol refusal).
+ERRORS = {
+    "OffloaderError::Options": (kv.OptionsError, "options", None),
+    "OffloaderError::Layout(NoGroups)": (kv.OptionsError, "layout", "no_groups"),
+    "OffloaderError::Region(ZeroSize)": (kv.RegionError, "region", "zero_size"),
+    "OffloaderError::Pin(ZeroSize)": (kv.OptionsError, "pin", "zero_size"),
+    "OffloaderError::Pin(TooLarge)": (kv.OptionsError, "pin", "too_large"),
+    "OffloaderError::Pin(OutOfRange)": (kv.OptionsError, "pin", "out_of_range"),
+    "OffloaderError::Pin(Region)": (kv.RegionError, "pin", "region"),
+    "OffloaderError::Pin(Protocol)": (kv.ProtocolError, "pin", "nested_window"),
+    "OffloaderError::Protocol(NestedWindow)": (kv.ProtocolError, "protocol", "nested_window"),
+    "OffloaderError::Protocol(ShutDown)": (kv.ShutDownError, "protocol", "shut_down"),
+    "OffloaderError::Protocol(AlreadyShutDown)": (kv.ShutDownError, "protocol", "already_shut_down"),
+    "OffloaderError::Driver": (kv.DriverError, "driver", "cuda_error_invalid_value"),
+    "OffloaderError::Manager(ZeroCapacity)": (kv.ManagerError, "manager", "zero_capacity"),
+    "OffloaderError::GpuBlockCount": (kv.OptionsError, "gpu_block_count", None),
+    "OffloaderError::SlotJobShape": (kv.OptionsError, "slot_job_shape", None),
+    "OffloaderError::SlotBusy": (kv.TransferError, "slot_busy", None),
+    "OffloaderError::WrongAddressing": (kv.OptionsError, "wrong_addressing", None),
+    "OffloaderError::NotStored": (kv.ManagerError, "not_stored", None),
+    "OffloaderError::UnknownJob": (kv.TransferError, "unknown_job", None),
+    "OffloaderError::HookNotOpen": (kv.ProtocolError, "hook_not_open", None),
+    "OffloaderError::ShutDown": (kv.ShutDownError, "shut_down", None),
+    "OffloaderError::Shutdown(Refused)": (kv.ProtocolError, "shutdown", "nested_window"),
+    "OffloaderError::Shutdown(Unregister)": (kv.DriverError, "shutdown", "cuda_error_invalid_value"),
+    "OffloaderError::PinnerPanicked": (kv.KvoffloadError, "pinner_panicked", None),
+    "OffloaderError::Transfer(Layout)": (kv.OptionsError, "transfer", "layout"),
+    "OffloaderError::Transfer(GroupCount)": (kv.OptionsError, "transfer", "group_count"),
+    "OffloaderError::Transfer(GpuBlockOutOfRange)": (kv.OptionsError, "transfer", "gpu_block_out_of_range"),
+    "OffloaderError::Transfer(HostBlockOutOfRange)": (kv.OptionsError, "transfer", "host_block_out_of_range"),
+    "OffloaderError::Transfer(RepeatedGpuBlock)": (kv.OptionsError, "transfer", "repeated_gpu_block"),
+    "OffloaderError::Transfer(RepeatedHostBlock)": (kv.OptionsError, "transfer", "repeated_host_block"),
+    "OffloaderError::Transfer(BlockCountMismatch)": (kv.OptionsError, "transfer", "block_count_mismatch"),
+    "OffloaderError::Transfer(FirstSubTooLarge)": (kv.OptionsError, "transfer", "first_sub_too_large"),
+    "OffloaderError::Transfer(HostCountMismatch)": (kv.OptionsError, "transfer", "host_count_mismatch"),
+    "OffloaderError::Transfer(EmptyJob)": (kv.OptionsError, "transfer", "empty_job"),
+    "OffloaderError::Transfer(JobIdReused)": (kv.TransferError, "transfer", "job_id_reused"),
+    "OffloaderError::Transfer(ShutDown)": (kv.ShutDownError, "transfer", "shut_down"),
+    "OffloaderError::Transfer(ComputeCapturing)": (kv.TransferError, "transfer", "compute_capturing"),
+    "OffloaderError::Transfer(CaptureWindowOpen)": (kv.TransferError, "transfer", "capture_window_open"),
+    "OffloaderError::Transfer(NoExpeditedLane)": (kv.TransferError, "transfer", "no_expedited_lane"),
+    "OffloaderError::Transfer(UnknownJob)": (kv.TransferError, "transfer", "unknown_job"),
+    "OffloaderError::Transfer(JobFailed)": (kv.TransferError, "transfer", "job_failed"),
+    "OffloaderError::Transfer(Protocol)": (kv.ProtocolError, "transfer", "nested_window"),
+    "OffloaderError::Transfer(Driver)": (kv.DriverError, "transfer", "cuda_error_invalid_value"),
+}
+
+
+def test_every_rust_error_variant_maps_to_one_class_kind_and_reason():
+    seen = {}
+    for path, e in kt.error_table():
+        # Protocol(ShutDown) under Transfer is the one row sharing a path.
+        if path in seen and path == "OffloaderError::Transfer(Protocol)":
+            assert type(e) is kv.ShutDownError and e.reason == "shut_down", (path, e)
+            continue
+        assert path not in seen, f"{path} twice"
+        seen[path] = e
+    assert sorted(seen) == sorted(ERRORS), "the Rust samples and this table differ"
+    for path, (cls, kind, reason) in ERRORS.items():
+        e = seen[path]
+        assert type(e) is cls, f"{path}: {type(e).__name__}, expected {cls.__name__}"
+        assert (e.kind, e.reason) == (kind, reason), f"{path}: kind {e.kind!r}, reason {e.reason!r}"
+        assert isinstance(e, kv.KvoffloadError)
+    # A failed job keeps the driver's call and code (issue 30: TransferError,
+    # as kvoffload._slotworker raises it, not DriverError).
+    failed = seen["OffloaderError::Transfer(JobFailed)"]
+    assert (failed.call, failed.code, failed.code_name) == ("cuMemcpyAsync", 1, "CUDA_ERROR_INVALID_VALUE")

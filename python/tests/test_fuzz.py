@@ -82,24 +82,51 @@ class RoundTrip:
 
 
 OPTIONS = [
-    "host_blocks", "tensors", "gpu_blocks", "page_bytes", "block_factor", "stream", "backend", "device",
-    "region", "name", "rank", "ranks", "join_timeout", "pin_threads", "max_chunk_bytes", "prefault",
-    "huge_pages", "pin_lookahead_bytes", "huge_fallback_mbps", "pin_nice", "capture_policy", "copy_backend",
-    "staging_bytes", "duplex_linger", "eviction", "agreement_timeout", "addressing", "kv_groups",
+    "host_blocks", "tensors", "gpu_blocks", "page_bytes", "block_factor", "stream", "runtime", "region", "pin",
+    "transfer", "eviction", "agreement", "agreement_timeout", "addressing", "kv_groups", "start", "pin_threads",
 ]
+#: The option classes' fields (issue 30): hostile values raise OptionsError
+#: when the object is built, and the offloader gets only valid objects.
+FIELDS = {
+    kv.PinOptions: [
+        "threads", "max_chunk_bytes", "prefault", "huge_pages", "lookahead_bytes", "huge_fallback_mbps",
+        "prefault_nice", "policy", "no_such_field",
+    ],
+    kv.TransferOptions: ["backend", "staging_bytes", "duplex_linger", "expedited_lane", "no_such_field"],
+    kv.ShmOptions: ["dir", "timeout", "check_memory", "allow_group", "no_such_field"],
+}
+option_objects = st.sampled_from(sorted(FIELDS, key=lambda c: c.__name__)).flatmap(
+    lambda c: st.tuples(st.just(c), st.dictionaries(st.sampled_from(FIELDS[c]), values, min_size=1, max_size=3))
+)
+
+
+@SETTINGS
+@given(made=option_objects)
+def test_option_objects_with_hostile_fields(made):
+    cls, fields = made
+    try:
+        o = cls(**fields)
+    except BaseException as e:
+        # Wrong types and unknown fields too: typed, never TypeError.
+        assert isinstance(e, kv.OptionsError) and e.kind in ("options", "pin"), f"{type(e).__name__}: {e}"
+        return
+    assert o == cls(**fields) and o == eval(repr(o), {"kvoffload": kv})
+    for name in fields:
+        getattr(o, name)
 
 
 @SETTINGS
 @given(changes=st.dictionaries(st.sampled_from(OPTIONS), values, min_size=1, max_size=3))
 def test_construction_with_hostile_options(changes):
-    kw = dict(host_blocks=8, tensors=2, gpu_blocks=GPU_BLOCKS, page_bytes=PAGE, backend="sim", pin_threads=1)
+    kw = dict(host_blocks=8, tensors=2, gpu_blocks=GPU_BLOCKS, page_bytes=PAGE, runtime=kv.Runtime("sim"))
+    kw["pin"] = kv.PinOptions(threads=1)
     kw.update(changes)
     host_blocks = kw.pop("host_blocks")
     off = call(kv.Offloader, host_blocks, **kw)
     if off is None:
         return
     try:
-        call(off.start)  # the pinning options are checked here
+        call(off.start)
         call(off.wait_pinned)
         if off.addressing == "keys" and off.block_factor == 1 and off.gpu_blocks >= 2:
             RoundTrip.check(off)
@@ -120,7 +147,8 @@ def test_calls_with_hostile_arguments(steps):
     # Started: a capture window of the default policy waits for pinning,
     # which nothing else would start.
     off = kv.Offloader(
-        16, tensors=1, gpu_blocks=GPU_BLOCKS, page_bytes=PAGE, backend="sim", pin_threads=1, start=True
+        16, tensors=1, gpu_blocks=GPU_BLOCKS, page_bytes=PAGE, runtime=kv.Runtime("sim"),
+        pin=kv.PinOptions(threads=1), start=True,
     )
     try:
         for action, ids, ks, v in steps:

@@ -59,7 +59,7 @@ def kv_tensors():
 
 def make(tensors, **kw):
     kw.setdefault("stream", torch.cuda.current_stream().cuda_stream)
-    return kv.Offloader(256, tensors=tensors, backend="cuda", device=0, **kw)
+    return kv.Offloader(256, tensors=tensors, runtime=kv.Runtime("cuda", 0), **kw)
 
 
 def test_torch_tensors_and_stream(kv_tensors):
@@ -73,7 +73,7 @@ def test_torch_tensors_and_stream(kv_tensors):
 
 @pytest.mark.parametrize("copy_backend", ["auto", "staged", "gather"])
 def test_round_trip_through_torch(kv_tensors, copy_backend):
-    off = make(kv_tensors, start=True, copy_backend=copy_backend)
+    off = make(kv_tensors, start=True, transfer=kv.TransferOptions(backend=copy_backend))
     off.wait_pinned()
     n = 32
     src = [torch.randint(0, 256, (n, PAGE), dtype=torch.uint8, device="cuda") for _ in kv_tensors]
@@ -105,9 +105,8 @@ def test_capture_window_around_torch_graphs_while_pinning(kv_tensors):
         8192,  # 512 MiB of host blocks: pinning takes a while
         tensors=kv_tensors,
         stream=torch.cuda.current_stream().cuda_stream,
-        backend="cuda",
-        capture_policy="interleave",
-        max_chunk_bytes=32 << 20,
+        runtime=kv.Runtime("cuda"),
+        pin=kv.PinOptions(policy="interleave", max_chunk_bytes=32 << 20),
     )
     off.start()
     x = torch.arange(1024, dtype=torch.float32, device="cuda")
@@ -140,15 +139,15 @@ def test_agreement_over_a_callable_on_gpu(kv_tensors):
 def test_bad_tensors_on_gpu():
     cpu = torch.zeros((BLOCKS, PAGE), dtype=torch.uint8)
     with pytest.raises(kv.OptionsError, match="cpu tensor"):
-        kv.Offloader(16, tensors=[cpu], backend="cuda")
+        kv.Offloader(16, tensors=[cpu], runtime=kv.Runtime("cuda"))
     strided = torch.zeros((BLOCKS, 2 * PAGE), dtype=torch.uint8, device="cuda")[:, :PAGE]
     with pytest.raises(kv.OptionsError, match="contiguous"):
-        kv.Offloader(16, tensors=[strided], backend="cuda")
+        kv.Offloader(16, tensors=[strided], runtime=kv.Runtime("cuda"))
     t = torch.zeros((BLOCKS, PAGE), dtype=torch.uint8, device="cuda")
     with pytest.raises(kv.OptionsError, match="do not fit"):
-        kv.Offloader(16, tensors=[t], page_bytes=2 * PAGE, backend="cuda")
+        kv.Offloader(16, tensors=[t], page_bytes=2 * PAGE, runtime=kv.Runtime("cuda"))
     with pytest.raises(kv.OptionsError, match="stream"):
-        kv.Offloader(16, tensors=[t], stream="default", backend="cuda")
+        kv.Offloader(16, tensors=[t], stream="default", runtime=kv.Runtime("cuda"))
 
 
 def test_a_side_stream_as_compute_stream(kv_tensors):

@@ -39,7 +39,7 @@ def make(rt, host_blocks=64, **kw):
     kw.setdefault("tensors", 2)
     kw.setdefault("page_bytes", PAGE)
     kw.setdefault("gpu_blocks", 32)
-    kw.setdefault("pin_threads", 1)
+    kw.setdefault("pin", kv.PinOptions(threads=1))
     return kv.Offloader(host_blocks, runtime=rt, **kw)
 
 
@@ -130,7 +130,7 @@ def test_ctrl_c_while_a_window_waits_for_pinning(rt):
 
 
 def test_ctrl_c_while_a_window_waits_for_a_registration(rt):
-    off = make(rt, capture_policy="interleave")
+    off = make(rt, pin=kv.PinOptions(threads=1, policy="interleave"))
     with kt.sim_hold(rt, "register") as hold:
         off.start()
         hold.wait_entered()  # a registration in flight: a window waits for it
@@ -208,15 +208,19 @@ def test_ctrl_c_in_the_agreement_of_a_shared_region(tmp_path):
     """Two ranks of one shared region in this process: rank 0 pins and waits
     in the agreement for rank 1, which has not started pinning."""
     rts = [kv.Runtime("sim"), kv.Runtime("sim")]
-    region = dict(region="shared", name=f"agree{os.getpid()}", region_dir=tmp_path, ranks=2, join_timeout=30)
+    shm = kv.ShmOptions(dir=tmp_path, timeout=30)
+
+    def region(rank):
+        return kv.RegionSpec.shared(f"agree{os.getpid()}", rank=rank, ranks=2, options=shm)
+
     made = {}
 
     def create():
-        made[0] = make(rts[0], rank=0, **region)
+        made[0] = make(rts[0], region=region(0))
 
     creator = threading.Thread(target=create)
     creator.start()
-    made[1] = make(rts[1], rank=1, **region)
+    made[1] = make(rts[1], region=region(1))
     creator.join()
     off0, off1 = made[0], made[1]
     assert os.listdir(tmp_path) == []  # every rank mapped: unlinked
@@ -342,7 +346,7 @@ def test_ctrl_c_in_shutdown_with_a_job_in_flight(rt):
 def test_ctrl_c_in_capture_begin(rt):
     """capture_begin waits for the library call in flight (a registration,
     held here); interrupted, it leaves no window open, so shutdown works."""
-    off = make(rt, capture_policy="interleave")
+    off = make(rt, pin=kv.PinOptions(threads=1, policy="interleave"))
     with kt.sim_hold(rt, "register") as hold:
         off.start()
         hold.wait_entered()
@@ -388,8 +392,9 @@ def test_ctrl_c_in_gated(rt):
 
 def test_ctrl_c_while_joining_a_region_nobody_creates(rt, tmp_path):
     # join_timeout = SAFETY: a join that ignored Ctrl-C fails then.
-    shared = dict(region="shared", name=f"j{os.getpid()}", region_dir=tmp_path, join_timeout=SAFETY)
-    expect_ctrl_c("join (nobody creates the region)", lambda: make(rt, rank=1, ranks=2, **shared))
+    shm = kv.ShmOptions(dir=tmp_path, timeout=SAFETY)
+    shared = kv.RegionSpec.shared(f"j{os.getpid()}", rank=1, ranks=2, options=shm)
+    expect_ctrl_c("join (nobody creates the region)", lambda: make(rt, region=shared))
     assert os.listdir(tmp_path) == []  # a joiner creates no file
     assert_nothing_leaked(rt)  # the tensors allocated before the join are freed
 
@@ -404,15 +409,16 @@ def test_ctrl_c_while_joining_a_region_its_creator_left_unfinished(rt, tmp_path,
     fd = os.open(tmp_path / f"kvoffload-{name}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     os.ftruncate(fd, size)
     os.close(fd)
-    shared = dict(region="shared", name=name, region_dir=tmp_path, join_timeout=SAFETY)
-    expect_ctrl_c(f"join (a creator's file, {size} bytes)", lambda: make(rt, rank=1, ranks=2, **shared))
+    shared = kv.RegionSpec.shared(name, rank=1, ranks=2, options=kv.ShmOptions(dir=tmp_path, timeout=SAFETY))
+    expect_ctrl_c(f"join (a creator's file, {size} bytes)", lambda: make(rt, region=shared))
     assert os.listdir(tmp_path) == []
     assert_nothing_leaked(rt)
 
 
 def test_ctrl_c_while_the_creator_waits_for_the_ranks(rt, tmp_path):
-    shared = dict(region="shared", name=f"c{os.getpid()}", region_dir=tmp_path, join_timeout=SAFETY)
-    expect_ctrl_c("create (no rank joins)", lambda: make(rt, rank=0, ranks=2, **shared))
+    shm = kv.ShmOptions(dir=tmp_path, timeout=SAFETY)
+    shared = kv.RegionSpec.shared(f"c{os.getpid()}", rank=0, ranks=2, options=shm)
+    expect_ctrl_c("create (no rank joins)", lambda: make(rt, region=shared))
     assert os.listdir(tmp_path) == []  # the creator removed its files
     assert_nothing_leaked(rt)
 
@@ -420,25 +426,27 @@ def test_ctrl_c_while_the_creator_waits_for_the_ranks(rt, tmp_path):
 def test_allow_group_and_check_memory(rt, tmp_path):
     gid = os.getgid()
     for i, group in enumerate([gid, grp.getgrgid(gid).gr_name]):
-        off = make(rt, region="shared", name=f"g{i}{os.getpid()}", region_dir=tmp_path, allow_group=group, start=True)
+        shm = kv.ShmOptions(dir=tmp_path, allow_group=group)
+        assert shm.allow_group == gid
+        off = make(rt, region=kv.RegionSpec.shared(f"g{i}{os.getpid()}", options=shm), start=True)
         assert off.wait_pinned().state == "pinned"
         off.shutdown()
         del off  # its coordinator guards the runtime until it is gone
         assert os.listdir(tmp_path) == []
     with pytest.raises(kv.OptionsError, match="no group named"):
-        make(rt, region="shared", name="x", region_dir=tmp_path, allow_group="no-such-group-kvoffload")
-    with pytest.raises(kv.OptionsError, match="shared region"):
-        make(rt, allow_group=gid)
-    with pytest.raises(kv.OptionsError, match="shared regions only"):
-        make(rt, check_memory=False)
+        kv.ShmOptions(dir=tmp_path, allow_group="no-such-group-kvoffload")
     # A joiner's share far larger than this machine's memory: refused at
     # once with the check, waited for (here: until a short timeout) without.
-    huge = dict(region="shared", name=f"h{os.getpid()}", region_dir=tmp_path, rank=1, ranks=2, join_timeout=0.2)
+    shm = kv.ShmOptions(dir=tmp_path, timeout=0.2)
+
+    def huge(shm):
+        return kv.RegionSpec.shared(f"h{os.getpid()}", rank=1, ranks=2, options=shm)
+
     with pytest.raises(kv.RegionError) as e:
-        make(rt, host_blocks=1 << 26, **huge)
+        make(rt, host_blocks=1 << 26, region=huge(shm))
     assert e.value.reason == "memory_too_small"
     with pytest.raises(kv.RegionError) as e:
-        make(rt, host_blocks=1 << 26, check_memory=False, **huge)
+        make(rt, host_blocks=1 << 26, region=huge(shm.replace(check_memory=False)))
     assert e.value.reason == "join_timeout"
     assert os.listdir(tmp_path) == []
     assert_nothing_leaked(rt)

@@ -21,7 +21,7 @@ def make(rt, **kw):
     kw.setdefault("tensors", 1)
     kw.setdefault("page_bytes", PAGE)
     kw.setdefault("gpu_blocks", 4)
-    kw.setdefault("pin_threads", 1)
+    kw.setdefault("pin", kv.PinOptions(threads=1))
     return kv.Offloader(kw.pop("host_blocks", 8), runtime=rt, **kw)
 
 
@@ -42,7 +42,7 @@ def child(body):
 @pytest.mark.parametrize("inner", ["o.capture_window().__enter__()", "o.capture_begin()", "o.gated(lambda: 1)"])
 def test_a_window_or_gated_inside_gated_is_refused(inner):
     code, out, err = child(f"""
-        o = kv.Offloader(8, tensors=1, page_bytes=4096, gpu_blocks=4, runtime=rt, pin_threads=1, start=True)
+        o = kv.Offloader(8, tensors=1, page_bytes=4096, gpu_blocks=4, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
         o.wait_pinned()
         try:
             o.gated(lambda: {inner})
@@ -73,8 +73,8 @@ def test_a_window_or_gated_inside_gated_is_refused(inner):
         "tensors=1, page_bytes=4096, gpu_blocks=4, host_blocks=2**62",
         "tensors=1, page_bytes=4096, gpu_blocks=4, block_factor=2**62",
         # A shared region's share is checked before the tensors too.
-        "tensors=2**40, page_bytes=1, gpu_blocks=1, host_blocks=1, region='shared', name='misuse', ranks=1",
-        "tensors=100000, page_bytes=4096, gpu_blocks=4, host_blocks=2**20, region='shared', name='misuse', ranks=1",
+        "tensors=2**40, page_bytes=1, gpu_blocks=1, host_blocks=1, region=kv.RegionSpec.shared('misuse')",
+        "tensors=100000, page_bytes=4096, gpu_blocks=4, host_blocks=2**20, region=kv.RegionSpec.shared('misuse')",
     ],
 )
 def test_huge_counts_are_refused_before_anything_is_allocated(kwargs):
@@ -84,7 +84,7 @@ def test_huge_counts_are_refused_before_anything_is_allocated(kwargs):
         kw = dict({kwargs})
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         try:
-            kv.Offloader(kw.pop("host_blocks", 8), runtime=rt, pin_threads=1, **kw)
+            kv.Offloader(kw.pop("host_blocks", 8), runtime=rt, pin=kv.PinOptions(threads=1), **kw)
             print("built")
         except BaseException as e:
             print(type(e).__name__, isinstance(e, kv.KvoffloadError), getattr(e, "kind", None))

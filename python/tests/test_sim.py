@@ -64,9 +64,12 @@ def test_construction_with_defaults(rt):
     assert_nothing_leaked(rt)
 
 
-def test_backend_by_name():
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, backend="sim", pin_threads=1)
-    assert off.runtime.backend == "sim"
+def test_default_runtime_is_auto():
+    # runtime=None: Runtime("auto") (the sim here, without a GPU).
+    if kv.cuda_driver_present():
+        pytest.skip("a CUDA driver is present: auto may pick it")
+    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, pin=kv.PinOptions(threads=1))
+    assert off.runtime.backend == "sim" and off.runtime.device == 0
     off.shutdown()
 
 
@@ -87,10 +90,9 @@ def test_pinning_options_of_the_pipeline_pin(rt, lookahead, fallback, nice):
     off = make(
         rt,
         start=True,
-        max_chunk_bytes=1 << 16,
-        pin_lookahead_bytes=lookahead,
-        huge_fallback_mbps=fallback,
-        pin_nice=nice,
+        pin=kv.PinOptions(
+            max_chunk_bytes=1 << 16, lookahead_bytes=lookahead, huge_fallback_mbps=fallback, prefault_nice=nice
+        ),
     )
     assert off.wait_pinned().state == "pinned"
     assert off.pin_progress.chunks_total > 4
@@ -100,9 +102,10 @@ def test_pinning_options_of_the_pipeline_pin(rt, lookahead, fallback, nice):
 
 
 def test_negative_pinning_options_are_refused(rt):
-    for kw in (dict(pin_lookahead_bytes=-1), dict(huge_fallback_mbps=-1)):
-        with pytest.raises(OverflowError):
-            make(rt, **kw)
+    for kw in (dict(lookahead_bytes=-1), dict(huge_fallback_mbps=-1)):
+        with pytest.raises(kv.OptionsError) as e:
+            kv.PinOptions(**kw)
+        assert e.value.kind == "options" and next(iter(kw)) in str(e.value)
     assert_nothing_leaked(rt)
 
 
@@ -130,19 +133,13 @@ def test_dropping_the_offloader_shuts_it_down(rt):
         (dict(host_blocks=0), "options", "host_blocks"),
         (dict(tensors=0), "options", "zero-sized"),
         (dict(page_bytes=0), "options", "zero-sized"),
-        (dict(prefault="sometimes"), "options", "prefault"),
-        (dict(huge_pages="maybe"), "options", "huge_pages"),
-        (dict(capture_policy="never"), "options", "capture_policy"),
-        (dict(copy_backend="carrier-pigeon"), "options", "copy_backend"),
-        (dict(duplex_linger=-0.5), "options", "duplex_linger"),
-        (dict(duplex_linger=1e20), "options", "duplex_linger"),
         (dict(eviction="random"), "options", "eviction"),
-        (dict(region="cloud"), "options", "region"),
-        (dict(region="shared"), "options", "needs a name"),
-        (dict(ranks=2), "options", "shared"),
-        (dict(pin_threads=0), "pin", "threads"),
-        (dict(max_chunk_bytes=0), "pin", "max_chunk_bytes"),
-        (dict(pin_nice=20), "pin", "prefault_nice"),
+        (dict(region="shared"), "options", "region must be a kvoffload.RegionSpec"),
+        (dict(pin=dict(threads=1)), "options", "pin must be a kvoffload.PinOptions"),
+        (dict(transfer=kv.PinOptions()), "options", "transfer must be a kvoffload.TransferOptions"),
+        (dict(pin_threads=1), "options", "pin_threads (now pin=kvoffload.PinOptions(threads=...))"),
+        (dict(ranks=2), "options", "ranks (now region=kvoffload.RegionSpec.shared(name, ranks=...))"),
+        (dict(no_such_argument=1), "options", "unknown keyword arguments: no_such_argument"),
         (dict(agreement=42), "options", "callable"),
         (dict(agreement_timeout=-1.0), "options", "agreement_timeout"),
     ],
@@ -155,6 +152,73 @@ def test_bad_arguments_raise_options_error(rt, kw, kind, words):
     assert e.value.kind == kind
     assert words in str(e.value)
     assert_nothing_leaked(rt)
+
+
+@pytest.mark.parametrize(
+    "make_it, kind, words",
+    [
+        (lambda: kv.PinOptions(prefault="sometimes"), "options", "PinOptions.prefault must be one of"),
+        (lambda: kv.PinOptions(huge_pages="maybe"), "options", "PinOptions.huge_pages"),
+        (lambda: kv.PinOptions(policy="never"), "options", "PinOptions.policy"),
+        (lambda: kv.PinOptions(threads=0), "pin", "threads"),
+        (lambda: kv.PinOptions(max_chunk_bytes=0), "pin", "max_chunk_bytes"),
+        (lambda: kv.PinOptions(prefault_nice=20), "pin", "prefault_nice"),
+        (lambda: kv.TransferOptions(backend="carrier-pigeon"), "options", "TransferOptions.backend"),
+        (lambda: kv.TransferOptions(duplex_linger=-0.5), "options", "duplex_linger"),
+        (lambda: kv.TransferOptions(duplex_linger=1e20), "options", "duplex_linger"),
+        (lambda: kv.ShmOptions(timeout=-1), "options", "ShmOptions.timeout"),
+        (lambda: kv.RegionSpec.shared(), "options", "needs a name"),
+        (lambda: kv.RegionSpec.shared("x", options=dict(dir="/tmp")), "options", "options must be a kvoffload.ShmOptions"),
+        # Issue 30: an unknown field and a wrong type are OptionsErrors too
+        # (never TypeError), naming the class and its fields.
+        (lambda: kv.PinOptions(pin_threads=1), "options", "PinOptions has no field \"pin_threads\"; its fields are threads,"),
+        (lambda: kv.TransferOptions(copy_backend="auto"), "options", "TransferOptions has no field"),
+        (lambda: kv.ShmOptions(region_dir="/tmp"), "options", "ShmOptions has no field"),
+        (lambda: kv.RegionSpec.shared("x", rnak=1), "options", "RegionSpec.shared has no field"),
+        (lambda: kv.PinOptions(threads="2"), "options", "PinOptions.threads must be an int >= 1 or None, not '2' (str)"),
+        (lambda: kv.PinOptions(threads=True), "options", "PinOptions.threads must be"),
+        (lambda: kv.PinOptions(threads=2.0), "options", "PinOptions.threads must be"),
+        (lambda: kv.PinOptions(lookahead_bytes=2**64), "options", "PinOptions.lookahead_bytes must be"),
+        (lambda: kv.TransferOptions(expedited_lane=1), "options", "TransferOptions.expedited_lane must be a bool"),
+        (lambda: kv.ShmOptions(check_memory="no"), "options", "ShmOptions.check_memory must be a bool"),
+        (lambda: kv.ShmOptions(allow_group=True), "options", "ShmOptions.allow_group must be"),
+        (lambda: kv.RegionSpec.shared(42), "options", "name must be a str"),
+        (lambda: kv.RegionSpec.shared("x", rank=-1), "options", "RegionSpec.shared.rank must be"),
+        (lambda: kv.PinOptions(1), "options", "PinOptions takes keyword arguments only"),
+        (lambda: kv.PinOptions().replace(policy=None), "options", "PinOptions.policy"),
+    ],
+)
+def test_bad_option_objects_raise_options_error(make_it, kind, words):
+    with pytest.raises(kv.OptionsError) as e:
+        make_it()
+    assert e.value.kind == kind
+    assert words in str(e.value), str(e.value)
+
+
+def test_option_objects_have_rusts_defaults_and_compare_by_value(tmp_path):
+    pin = kv.PinOptions()
+    assert pin.threads >= 1 and pin.max_chunk_bytes == 256 << 20 and pin.lookahead_bytes is None
+    assert (pin.prefault, pin.huge_pages, pin.policy) == ("populate", "auto", "after_pinning")
+    assert (pin.huge_fallback_mbps, pin.prefault_nice) == (1000, 10)
+    # None is the default for a numeric field, as the old flat arguments had it.
+    assert kv.PinOptions(threads=None, prefault_nice=None) == pin
+    assert pin.replace(policy="interleave") == kv.PinOptions(policy="interleave") != pin
+    assert eval(repr(pin.replace(lookahead_bytes=0)), {"kvoffload": kv}) == pin.replace(lookahead_bytes=0)
+    t = kv.TransferOptions()
+    assert (t.backend, t.staging_bytes, t.duplex_linger, t.expedited_lane) == ("auto", 32 << 20, 0.02, False)
+    assert eval(repr(t), {"kvoffload": kv}) == t and t != kv.TransferOptions(expedited_lane=True)
+    shm = kv.ShmOptions()
+    assert (shm.dir, shm.timeout, shm.check_memory, shm.allow_group) == ("/dev/shm", 60.0, True, None)
+    assert kv.ShmOptions(dir=tmp_path).dir == str(tmp_path)
+    r = kv.RegionSpec.shared("it's", rank=1, ranks=2, options=kv.ShmOptions(dir=tmp_path, timeout=5))
+    assert (r.kind, r.name, r.rank, r.ranks, r.options.timeout) == ("shared", "it's", 1, 2, 5.0)
+    assert eval(repr(r), {"kvoffload": kv}) == r
+    a = kv.RegionSpec()
+    assert a == kv.RegionSpec.anonymous() != r and (a.kind, a.name, a.rank, a.ranks, a.options) == (
+        "anonymous", None, 0, 1, None
+    )
+    assert repr(a) == "kvoffload.RegionSpec.anonymous()"
+    assert pin != t and (pin == object()) is False
 
 
 def test_tensor_arguments(rt):
@@ -205,7 +269,7 @@ def test_tensor_arguments(rt):
 
 
 def test_shared_region_file_is_gone(rt, tmp_path):
-    off = make(rt, region="shared", name=f"t{os.getpid()}", region_dir=tmp_path, start=True)
+    off = make(rt, region=kv.RegionSpec.shared(f"t{os.getpid()}", options=kv.ShmOptions(dir=tmp_path)), start=True)
     # One rank: the file is unlinked as soon as it is mapped.
     assert os.listdir(tmp_path) == []
     assert off.wait_pinned().state == "pinned"
@@ -218,7 +282,7 @@ def test_region_that_exists_raises_region_error(rt, tmp_path):
     name = f"busy{os.getpid()}"
     (tmp_path / f"kvoffload-{name}").write_bytes(b"someone else's")
     with pytest.raises(kv.RegionError) as e:
-        make(rt, region="shared", name=name, region_dir=tmp_path)
+        make(rt, region=kv.RegionSpec.shared(name, options=kv.ShmOptions(dir=tmp_path)))
     assert e.value.kind == "region" and e.value.reason == "already_exists"
     # Not ours: left alone; nothing else made.
     assert os.listdir(tmp_path) == [f"kvoffload-{name}"]
@@ -227,7 +291,7 @@ def test_region_that_exists_raises_region_error(rt, tmp_path):
 
 def test_region_directory_missing(rt, tmp_path):
     with pytest.raises(kv.RegionError):
-        make(rt, region="shared", name="x", region_dir=tmp_path / "no-such-dir")
+        make(rt, region=kv.RegionSpec.shared("x", options=kv.ShmOptions(dir=tmp_path / "no-such-dir")))
     assert_nothing_leaked(rt)
 
 
@@ -337,7 +401,8 @@ def test_round_trip_byte_for_byte(rt):
 def test_staged_backend_by_name(rt, staging_bytes, used):
     # Forced staged: both directions through device staging memory; with
     # no staging memory the job falls back to per-fragment copies.
-    off = make(rt, start=True, copy_backend="staged", staging_bytes=staging_bytes, duplex_linger=0.0)
+    transfer = kv.TransferOptions(backend="staged", staging_bytes=staging_bytes, duplex_linger=0.0)
+    off = make(rt, start=True, transfer=transfer)
     off.wait_pinned()
     data = fill(off, [0, 3, 5])
     off.store([1, 2, 3], [0, 3, 5])
@@ -442,7 +507,7 @@ def test_use_after_shutdown(rt):
 
 
 def test_shutdown_during_pinning(rt):
-    off = make(rt, host_blocks=256, max_chunk_bytes=2 * PAGE, start=True)
+    off = make(rt, host_blocks=256, pin=kv.PinOptions(max_chunk_bytes=2 * PAGE), start=True)
     off.shutdown()
     assert off.pin_state.is_final
     assert_nothing_leaked(rt)

@@ -99,7 +99,7 @@ def rt():
 
 
 def slot_offloader(rt, tensors, host_slots=8, **kw):
-    kw.setdefault("pin_threads", 1)
+    kw.setdefault("pin", kv.PinOptions(threads=1))
     return kv.Offloader(host_slots, tensors=tensors, runtime=rt, addressing="slots", **kw)
 
 
@@ -140,7 +140,7 @@ def test_separate_storages_are_adopted_one_each_and_released(rt):
 
 def test_a_keyed_offloader_takes_cpu_tensors_too(rt):
     ts = kv_tensors(1)
-    off = kv.Offloader(4, tensors=ts, runtime=rt, pin_threads=1, start=True)
+    off = kv.Offloader(4, tensors=ts, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
     want = fill(ts, [4], random.Random(2))
     off.store([11], [4])
     off.wait_all()
@@ -301,13 +301,13 @@ def test_calls_of_the_other_addressing_are_refused(rt):
     with pytest.raises(kv.OptionsError, match="store is not available") as e:
         slots.store([1], [0])
     assert e.value.kind == "wrong_addressing"
-    keys = kv.Offloader(4, tensors=1, page_bytes=PAGE, gpu_blocks=4, backend="sim")
+    keys = kv.Offloader(4, tensors=1, page_bytes=PAGE, gpu_blocks=4, runtime=kv.Runtime("sim"))
     assert keys.addressing == "keys"
     with pytest.raises(kv.OptionsError, match="store_slots is not available") as e:
         keys.store_slots(1, [0], [0])
     assert e.value.kind == "wrong_addressing"
     with pytest.raises(kv.OptionsError, match="addressing must be one of"):
-        kv.Offloader(4, tensors=1, page_bytes=PAGE, gpu_blocks=4, backend="sim", addressing="slot")
+        kv.Offloader(4, tensors=1, page_bytes=PAGE, gpu_blocks=4, runtime=kv.Runtime("sim"), addressing="slot")
     slots.shutdown()
     keys.shutdown()
 
@@ -330,10 +330,10 @@ def test_a_cpu_tensor_is_refused_off_the_sim():
     # runtime cannot open, and the tensors are checked before it is used.
     if not kv.cuda_driver_present():
         with pytest.raises(kv.KvoffloadError):
-            kv.Offloader(4, tensors=[CpuTensor(Storage(ROWS * PAGE))], backend="cuda")
+            kv.Offloader(4, tensors=[CpuTensor(Storage(ROWS * PAGE))], runtime=kv.Runtime("cuda"))
         return
     with pytest.raises(kv.OptionsError, match="a cpu tensor; the KV cache must be in GPU memory"):
-        kv.Offloader(4, tensors=[CpuTensor(Storage(ROWS * PAGE))], backend="cuda")
+        kv.Offloader(4, tensors=[CpuTensor(Storage(ROWS * PAGE))], runtime=kv.Runtime("cuda"))
 
 
 def test_the_adopted_tensors_stay_alive_until_shutdown(rt):
@@ -353,7 +353,7 @@ def test_the_adopted_tensors_stay_alive_until_shutdown(rt):
 
 def test_an_expedited_load_runs_on_its_own_lane_and_moves_every_byte(rt):
     ts = kv_tensors(2)
-    off = slot_offloader(rt, ts, start=True, expedited_lane=True)
+    off = slot_offloader(rt, ts, start=True, transfer=kv.TransferOptions(expedited_lane=True))
     want = fill(ts, [1, 2], random.Random(7))
     off.store_slots(1, [1, 2], [3, 4])
     off.wait_jobs([1])

@@ -44,7 +44,7 @@ def test_a_store_and_a_load_in_vllms_shapes_with_two_groups():
     orig = Graph.__dict__["capture_begin"]
     w = _slotworker.SlotWorker(
         caches(ts, [[2], [0, 1]]), num_slots=8, blocks_per_chunk=2, runtime=kv.Runtime("sim"),
-        options=dict(pin_threads=1), hook_class=Graph,
+        options=dict(pin=kv.PinOptions(threads=1)), hook_class=Graph,
     )
     assert w.offloader.addressing == "slots" and w.num_groups == 2
     assert Graph.capture_begin.__kvoffload_hook__ and Graph.capture_begin.__wrapped__ is orig
@@ -121,7 +121,7 @@ def test_before_pinning_settles_submissions_never_block_the_engines_thread():
     ts = kv_tensors(1)
     with kt.sim_hold(rt, "register") as hold:
         w = _slotworker.SlotWorker(
-            caches(ts, [[0]]), num_slots=8, blocks_per_chunk=1, runtime=rt, options=dict(pin_threads=1),
+            caches(ts, [[0]]), num_slots=8, blocks_per_chunk=1, runtime=rt, options=dict(pin=kv.PinOptions(threads=1)),
             capture_hook=False,
         )
         hold.wait_entered()
@@ -191,7 +191,7 @@ def pointers(ts, groups, block_ids, group_sizes, block_indices, nudge=None):
 def pinned_worker(ts, groups, failed_results=False, **kw):
     w = _slotworker.SlotWorker(
         caches(ts, groups), num_slots=8, blocks_per_chunk=2, runtime=kv.Runtime("sim"),
-        options=dict(pin_threads=1), capture_hook=False, failed_results=failed_results, **kw,
+        options=dict(pin=kv.PinOptions(threads=1)), capture_hook=False, failed_results=failed_results, **kw,
     )
     w.wait_pinned()
     return w
@@ -311,7 +311,7 @@ def test_with_failed_results_a_queued_submission_that_fails_is_reported_failed()
     ts = kv_tensors(1)
     with kt.sim_hold(rt, "register") as hold:
         w = _slotworker.SlotWorker(
-            caches(ts, [[0]]), num_slots=8, blocks_per_chunk=1, runtime=rt, options=dict(pin_threads=1),
+            caches(ts, [[0]]), num_slots=8, blocks_per_chunk=1, runtime=rt, options=dict(pin=kv.PinOptions(threads=1)),
             capture_hook=False, failed_results=True,
         )
         hold.wait_entered()

@@ -754,12 +754,14 @@ def test_pinning_keys_reach_the_offloader(engines, monkeypatch):
 
     monkeypatch.setattr(sw.kvoffload, "Offloader", spy)
     eng = engines(kvo_pin_lookahead_bytes=0, kvo_huge_fallback_mbps=0, kvo_pin_nice=0, kvo_max_chunk_bytes=16384)
-    assert {k: seen.get(k) for k in ("pin_lookahead_bytes", "huge_fallback_mbps", "pin_nice", "max_chunk_bytes")} == {
-        "pin_lookahead_bytes": 0,
+    pin = seen["pin"]
+    assert {k: getattr(pin, k) for k in ("lookahead_bytes", "huge_fallback_mbps", "prefault_nice", "max_chunk_bytes")} == {
+        "lookahead_bytes": 0,
         "huge_fallback_mbps": 0,
-        "pin_nice": 0,
+        "prefault_nice": 0,
         "max_chunk_bytes": 16384,
     }, seen
+    assert pin.policy == "interleave" and seen["transfer"].expedited_lane, seen
     assert eng.kvw.offloader.wait_pinned().state == "pinned"
     assert round_trip(eng, prompt_of(6 * BS + 3, 17))
 

@@ -274,29 +274,24 @@ class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
         else:
             runtime = kvoffload.Runtime(s.backend)
         options: Dict[str, Any] = dict(
-            prefault=s.prefault,
-            huge_pages=s.huge_pages,
-            copy_backend=s.copy_backend,
+            pin=kvoffload.PinOptions(
+                threads=s.pin_threads,
+                max_chunk_bytes=s.max_chunk_bytes,
+                prefault=s.prefault,
+                huge_pages=s.huge_pages,
+                lookahead_bytes=s.pin_lookahead_bytes,
+                huge_fallback_mbps=s.huge_fallback_mbps,
+                prefault_nice=s.pin_nice,
+            ),
+            transfer=kvoffload.TransferOptions(backend=s.copy_backend, staging_bytes=s.staging_bytes),
         )
-        for key in (
-            "pin_threads",
-            "max_chunk_bytes",
-            "staging_bytes",
-            "pin_lookahead_bytes",
-            "huge_fallback_mbps",
-            "pin_nice",
-        ):
-            if getattr(s, key) is not None:
-                options[key] = getattr(s, key)
         if s.region == "shared":
-            options.update(
-                region="shared",
-                name=f"vllm-{cfg.engine_id}",
+            options["region"] = kvoffload.RegionSpec.shared(
+                f"vllm-{cfg.engine_id}",
                 rank=cfg.parallel.rank,
                 ranks=cfg.parallel.world_size,
+                options=kvoffload.ShmOptions(dir=s.region_dir),
             )
-            if s.region_dir is not None:
-                options["region_dir"] = s.region_dir
         _slotworker.SlotWorker.__init__(
             self,
             kv_caches,
