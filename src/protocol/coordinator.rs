@@ -111,7 +111,7 @@ pub enum CapturePolicy {
 }
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (N1-N22, docs/PROOFS.md). The known-bad variants,
+/// negative models run (N1-N24, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// loom builds (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
@@ -200,6 +200,11 @@ pub enum Variant {
     /// waits for a peer that never settles.
     #[cfg(loom)]
     AgreementIgnoresCancel,
+    /// N24: shutdown unregisters the chunks first and drains after: a job
+    /// admitted before the shutdown copies the region once it is no longer
+    /// registered (its memory stays mapped until the drain).
+    #[cfg(loom)]
+    UnregisterBeforeDrain,
     /// N15: `Offloader::shutdown` in its earlier order: it closes
     /// the offloader, drains and drops the transfer engine and frees its
     /// tensors, and only then asks the coordinator, which may refuse (a

@@ -35,6 +35,13 @@ pub fn finish_shutdown(
     coord: &Coordinator,
     join_pinner: impl FnOnce(),
 ) -> Result<(), ShutdownError> {
+    if crate::protocol::variant_is!(coord, UnregisterBeforeDrain) {
+        // N24: the chunks go first.
+        let r = coord.unregister_all(rt).map_err(ShutdownError::Unregister);
+        coord.drain();
+        join_pinner();
+        return r;
+    }
     coord.drain();
     join_pinner();
     let r = coord.unregister_all(rt).map_err(ShutdownError::Unregister);

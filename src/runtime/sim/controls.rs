@@ -112,6 +112,14 @@ impl SimRuntime {
         sync::lock(&self.inner.state).registered.len()
     }
 
+    /// Copies enqueued for execution (not captured) whose host side was
+    /// pageable when enqueued: neither registered nor from `mem_alloc_host`.
+    /// A job of a pinned region that copies pageable memory ran after its
+    /// chunks were unregistered (model/p4_shutdown.rs).
+    pub fn pageable_copies(&self) -> u64 {
+        sync::lock(&self.inner.state).pageable_copies
+    }
+
     /// Bytes of device memory allocated and not freed (leak checks).
     pub fn device_bytes_in_use(&self) -> usize {
         sync::lock(&self.inner.state).device_used

@@ -313,6 +313,7 @@ impl SimRuntime {
             }
             return Ok(());
         }
+        g.count_pageable(&op);
         let s = g.stream_mut(stream.0).ok_or(Code::INVALID_HANDLE)?;
         s.enqueued += 1;
         let seq = s.enqueued;
@@ -390,6 +391,16 @@ fn host_ref(st: &State, op: &Op) -> Option<(usize, usize)> {
         Op::HtoD { src, bytes, .. } => st.registered_range(src, bytes),
         Op::DtoH { dst, bytes, .. } => st.registered_range(dst, bytes),
         _ => None,
+    }
+}
+
+impl State {
+    /// Counts `op` in [`State::pageable_copies`] if it is a copy whose host
+    /// side is not page-locked now.
+    fn count_pageable(&mut self, op: &Op) {
+        if matches!(op, Op::HtoD { .. } | Op::DtoH { .. }) && host_ref(self, op).is_none() {
+            self.pageable_copies += 1;
+        }
     }
 }
 
@@ -693,6 +704,7 @@ impl GpuRuntime for SimRuntime {
                     Direction::HostToDevice => Op::HtoD { dst: f.device, src: f.host, bytes: f.bytes },
                     Direction::DeviceToHost => Op::DtoH { dst: f.host, src: f.device, bytes: f.bytes },
                 };
+                g.count_pageable(&op);
                 let s = g.stream_mut(stream.0).ok_or(Code::INVALID_HANDLE)?;
                 s.enqueued += 1;
                 let seq = s.enqueued;

@@ -195,6 +195,10 @@ pub(crate) struct State {
     pub thread_modes: Vec<(ThreadId, CaptureMode)>,
     /// Sticky context error (docs/driver-rules.md, "Replay after unregister": 719).
     pub poisoned: Option<Code>,
+    /// Copies enqueued for execution whose host side was pageable (not
+    /// registered, not from `mem_alloc_host`) when enqueued
+    /// ([`SimRuntime::pageable_copies`](super::SimRuntime::pageable_copies)).
+    pub pageable_copies: u64,
     pub stop: bool,
     pub blocked: Vec<Blocked>,
     pub faults: Faults,
