@@ -80,14 +80,12 @@
 //! - `hook.rs`: the capture hook's windows and deferred jobs;
 //! - `waits.rs`: the interruptible waits and [`Offloader::poll_each`],
 //!   which applies completions to the block manager;
-//! - `options.rs`, `error.rs`, `observe.rs`: the options, the errors, the
-//!   pin observer.
+//! - `options.rs`, `error.rs`: the options, the errors.
 
 mod build;
 mod error;
 mod hook;
 mod keyed;
-mod observe;
 mod options;
 mod shutdown;
 mod slots;
@@ -95,15 +93,14 @@ mod waits;
 
 use std::collections::HashMap;
 
+pub use crate::pin::{PinObserver, PinOutcome};
 pub use error::OffloaderError;
 pub use keyed::StoreSubmitted;
-pub use observe::PinObserver;
 pub use options::{Addressing, KvAlloc, KvSpec, OffloaderOptions, RegionSpec};
 pub use slots::SlotJob;
 
 use crate::manager::{BlockKey, BlockManager};
-use crate::pin::{pin_all, pin_all_agreed_by, Prefault, RankAgreement};
-use crate::protocol::agreement::AgreementError;
+use crate::pin::{spawn_pinner, Prefault, RankAgreement};
 use crate::protocol::{CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
 use crate::region::Region;
 use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
@@ -155,16 +152,6 @@ pub struct PinProgress {
     pub bytes_total: usize,
 }
 
-/// How the pinner ended, once it did.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PinOutcome {
-    /// The final state.
-    pub state: PinState,
-    /// With a shared region: the agreement, or why it was not reached
-    /// (this rank then runs on pageable memory).
-    pub agreement: Option<Result<(), AgreementError>>,
-}
-
 enum Pinner {
     NotStarted,
     Running(thread::JoinHandle<PinOutcome>),
@@ -201,6 +188,8 @@ pub struct Offloader {
     kv: KvSpec,
     layout: KvLayout,
     prefault: Arc<dyn Prefault>,
+    /// Told of the pinning thread's progress (`OffloaderOptions::pin_observer`).
+    pin_observer: Option<Arc<dyn PinObserver>>,
     agreement: Option<RankAgreement>,
     bytes_total: usize,
     addressing: Addressing,
@@ -312,18 +301,13 @@ impl Offloader {
         if self.coord.shutting_down() {
             return Err(OffloaderError::ShutDown);
         }
-        let (rt, coord, prefault, agreement) =
-            (self.rt.clone(), self.coord.clone(), self.prefault.clone(), self.agreement.clone());
-        let handle = thread::spawn(move || match agreement {
-            None => PinOutcome { state: pin_all(rt.as_ref(), &coord, prefault.as_ref()), agreement: None },
-            Some(a) => match pin_all_agreed_by(rt.as_ref(), &coord, prefault.as_ref(), &a) {
-                Ok(state) => PinOutcome { state, agreement: Some(Ok(())) },
-                Err(e) => {
-                    tracing::error!(error = %e, "ranks did not agree; this rank runs on pageable memory");
-                    PinOutcome { state: coord.pin_state(), agreement: Some(Err(e)) }
-                }
-            },
-        });
+        let handle = spawn_pinner(
+            self.rt.clone(),
+            self.coord.clone(),
+            self.prefault.clone(),
+            self.pin_observer.clone(),
+            self.agreement.clone(),
+        );
         *p = Pinner::Running(handle);
         tracing::info!(bytes = self.bytes_total, "background pinning started");
         Ok(())
@@ -334,9 +318,10 @@ impl Offloader {
     /// (P7), stops waiting at once: it gives the ranks it waited for up, so
     /// they end pageable at once too, and this rank ends
     /// `Pageable(Cancelled)` or `Pageable(PeerPageable)` with
-    /// [`AgreementError::Cancelled`]. A pinning that is already final is
-    /// not changed. Returns at once; [`Offloader::wait_pinned`] then
-    /// returns promptly. [`Offloader::shutdown`] does the same first.
+    /// [`AgreementError::Cancelled`](crate::protocol::agreement::AgreementError::Cancelled).
+    /// A pinning that is already final is not changed. Returns at once;
+    /// [`Offloader::wait_pinned`] then returns promptly.
+    /// [`Offloader::shutdown`] does the same first.
     pub fn cancel_pinning(&self) {
         self.coord.cancel_pinning();
     }

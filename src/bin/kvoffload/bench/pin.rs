@@ -406,7 +406,7 @@ fn fresh_region(size: usize) -> Result<Arc<Region>, String> {
 /// A pre-faulter wrapper that times the pinning thread's waits, reports
 /// progress (chunk i is about to be ensured = chunks before it registered)
 /// and can drop hints (no overlap).
-struct Observed<'a> {
+struct TimedPrefault<'a> {
     inner: &'a dyn Prefault,
     coord: &'a Coordinator,
     pipelined: bool,
@@ -417,7 +417,7 @@ struct Observed<'a> {
     progress: &'a (dyn Fn(Progress) + Sync),
 }
 
-impl Prefault for Observed<'_> {
+impl Prefault for TimedPrefault<'_> {
     fn ensure(&self, i: usize, addr: usize, len: usize) -> Result<(), String> {
         let done: u64 = (0..i).map(|k| self.coord.chunk_range(k).1 as u64).sum();
         (self.progress)(Progress::Advance { bytes: done });
@@ -566,7 +566,7 @@ pub fn pipeline(
         }
     };
     let pf = prepared.prefault();
-    let observed = Observed {
+    let timed = TimedPrefault {
         inner: pf.as_ref(),
         coord: prepared.coordinator(),
         pipelined: c.pipelined,
@@ -575,10 +575,10 @@ pub fn pipeline(
         waits: Mutex::new(Vec::new()),
         progress,
     };
-    let state = pin_all(rt, prepared.coordinator(), &observed);
+    let state = pin_all(rt, prepared.coordinator(), &timed);
     row.total_s = t.elapsed().as_secs_f64();
-    row.fault_wait_s = Some(sync::lock(&observed.waited).as_secs_f64());
-    row.waits = std::mem::take(&mut *sync::lock(&observed.waits));
+    row.fault_wait_s = Some(sync::lock(&timed.waited).as_secs_f64());
+    row.waits = std::mem::take(&mut *sync::lock(&timed.waits));
     row.chunks = prepared.chunks();
     row.huge_pages = prepared.huge_pages();
     let stats = prepared.prefaulter().map(|p| p.stats());
