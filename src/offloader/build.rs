@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use super::{
-    hook, Addressing, Down, Inner, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, Pinner, RegionSpec,
+    hook, Addressing, Inner, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, Pinner, RegionSpec,
 };
 use crate::manager::{BlockManager, ManagerConfig};
 use crate::pin::{Agreement, Prepared, RankAgreement, RegionSlots};
@@ -330,7 +330,7 @@ impl Offloader {
             pinner: Mutex::new(Pinner::NotStarted),
             owned_tensors,
             owned_compute,
-            down: Mutex::new(Down::Running),
+            shut_down: Mutex::new(false),
             shut: AtomicBool::new(false),
             hook: hook::Hook::new(),
             gated_threads: Mutex::new(Vec::new()),

@@ -171,13 +171,9 @@ struct Inner {
     engine: Option<Arc<TransferEngine>>,
     jobs: HashMap<JobId, JobKeys>,
     next_id: JobId,
+    /// New jobs are refused: set by the shutdown, under this lock, before
+    /// it drains (so a job is either refused or drained).
     closed: bool,
-}
-
-#[derive(Copy, Clone, PartialEq, Eq)]
-enum Down {
-    Running,
-    Down,
 }
 
 /// The one type an engine uses; see the module docs.
@@ -198,8 +194,11 @@ pub struct Offloader {
     /// Tensors and the compute stream the offloader made, freed at shutdown.
     owned_tensors: Vec<DevicePtr>,
     owned_compute: Option<Stream>,
-    down: Mutex<Down>,
-    /// `down` is `Down::Down` (read without its lock: `is_shut_down`).
+    /// Shut down: true once a shutdown passed its refusal point. The lock
+    /// is held by a shutdown for its whole run, so a second one waits for
+    /// the first and is refused.
+    shut_down: Mutex<bool>,
+    /// `shut_down`'s value, read without its lock (`is_shut_down`).
     shut: AtomicBool,
     /// The capture hook's windows and deferred jobs (hook.rs).
     hook: hook::Hook,

@@ -513,10 +513,6 @@ impl Drop for AliasGuard {
     }
 }
 
-fn me() -> thread::ThreadId {
-    thread::current().id()
-}
-
 impl Coordinator {
     /// A coordinator with no host memory to register: capture windows, the
     /// gate for capture-unsafe calls, jobs and shutdown, nothing to pin (its
@@ -747,7 +743,7 @@ impl Coordinator {
         interrupted: Option<&dyn Fn() -> bool>,
         interleave: bool,
     ) -> Result<CaptureWindow, ProtocolError> {
-        let me = me();
+        let me = sync::this_thread();
         let mut g = self.lock();
         if g.phase != Phase::Running {
             return Err(ProtocolError::ShutDown);
@@ -825,7 +821,7 @@ impl Coordinator {
         f: impl FnOnce(&Gate) -> T,
     ) -> Result<T, ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(me()) && !bad!(g, NoCaptureWindow) {
+        if g.owns_window(sync::this_thread()) && !bad!(g, NoCaptureWindow) {
             return Err(ProtocolError::WouldDeadlock { what });
         }
         g.unsafe_waiting += 1;
@@ -851,7 +847,7 @@ impl Coordinator {
         record: impl FnOnce(&mut State, &T),
     ) -> Result<T, ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(me()) && !bad!(g, NoCaptureWindow) {
+        if g.owns_window(sync::this_thread()) && !bad!(g, NoCaptureWindow) {
             return Err(ProtocolError::WouldDeadlock { what });
         }
         g.unsafe_waiting += 1;
@@ -896,7 +892,7 @@ impl Coordinator {
     pub fn try_unsafe_call<T>(&self, f: impl FnOnce(&Gate) -> T) -> Result<T, ProtocolError> {
         let g = self.lock();
         let bypass = bad!(g, UngatedPoller);
-        if !bypass && (g.owns_window(me()) || !g.unsafe_may_start()) {
+        if !bypass && (g.owns_window(sync::this_thread()) || !g.unsafe_may_start()) {
             return Err(ProtocolError::WindowBusy);
         }
         Ok(self.counted(g, f, |_, _| {}))
@@ -906,7 +902,7 @@ impl Coordinator {
     /// got `WindowBusy` and has nothing else to do).
     pub fn wait_no_window(&self) -> Result<(), ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(me()) {
+        if g.owns_window(sync::this_thread()) {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for a transfer" });
         }
         while !g.unsafe_may_start() {
@@ -921,7 +917,7 @@ impl Coordinator {
     /// keeps no count, so nothing is undone).
     pub fn wait_no_window_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<(), ProtocolError> {
         let g = self.lock();
-        if g.owns_window(me()) {
+        if g.owns_window(sync::this_thread()) {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for a transfer" });
         }
         let (_g, stopped) = self.wait_while_interruptible(g, |s| !s.unsafe_may_start(), interrupted);
@@ -1048,7 +1044,7 @@ impl Coordinator {
     /// Interleave policy that would never return: typed error instead.
     pub fn wait_pin_final(&self) -> Result<PinState, ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(me()) && !g.pin.is_final() && !bad!(g, WaitInsideWindow) {
+        if g.owns_window(sync::this_thread()) && !g.pin.is_final() && !bad!(g, WaitInsideWindow) {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" });
         }
         g.pin_waiters += 1;
@@ -1067,7 +1063,7 @@ impl Coordinator {
     /// it). Refused like the blocking form inside one's own window.
     pub fn wait_pin_final_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<PinState, ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(me()) && !g.pin.is_final() && !bad!(g, WaitInsideWindow) {
+        if g.owns_window(sync::this_thread()) && !g.pin.is_final() && !bad!(g, WaitInsideWindow) {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" });
         }
         g.pin_waiters += 1;
@@ -1126,7 +1122,7 @@ impl Coordinator {
         if g.phase != Phase::Running {
             return Err(ProtocolError::ShutDown);
         }
-        if !bad!(g, NoCaptureWindow) && (g.owns_window(me()) || !g.unsafe_may_start()) {
+        if !bad!(g, NoCaptureWindow) && (g.owns_window(sync::this_thread()) || !g.unsafe_may_start()) {
             return Err(ProtocolError::WindowBusy);
         }
         g.jobs_in_flight += 1;
