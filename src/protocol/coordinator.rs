@@ -111,7 +111,7 @@ pub enum CapturePolicy {
 }
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (N1-N22, docs/PROOFS.md). The known-bad variants,
+/// negative models run (of N1-N23, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// loom builds (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
