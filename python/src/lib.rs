@@ -43,19 +43,19 @@ mod testing;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvoffload::internal::manager::{BlockKey, Lookup, PolicyKind, SkipReason};
+use kvoffload::internal::manager::{BlockKey, SkipReason};
 use kvoffload::internal::offloader::{
     Addressing, Completion, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, RegionSpec,
     SlotJob,
 };
-use kvoffload::internal::pin::options::{HugePages, PrefaultMode};
 use kvoffload::internal::protocol::agreement::Transport;
-use kvoffload::internal::protocol::{CapturePolicy, CaptureWindow, PinState};
+use kvoffload::internal::protocol::{CaptureWindow, PinState};
 use kvoffload::internal::region::ShmOptions;
 use kvoffload::internal::runtime::cuda::CudaRuntime;
 use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
-use kvoffload::internal::transfer::{Backend, BackendChoice, JobId, Lane, TensorSpec, TransferError};
+use kvoffload::internal::runtime::{DevicePtr, GpuRuntime, Stream};
+use kvoffload::internal::transfer::{JobId, Lane, TensorSpec, TransferError};
+use kvoffload::Named;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use std::sync::Arc;

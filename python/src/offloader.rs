@@ -235,8 +235,7 @@ impl PyOffloader {
                 None => Py::new(py, PyRuntime::open(py, backend, device)?)?,
             };
             let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
-            opts.addressing =
-                choice(py, "addressing", addressing, &[("keys", Addressing::Keys), ("slots", Addressing::Slots)])?;
+            opts.addressing = named(py, "addressing", addressing)?;
             opts.kv_groups = kv_groups;
             // Joining or creating a shared region waits for the other ranks:
             // Ctrl-C stops it (see `Signals`).
@@ -290,36 +289,10 @@ impl PyOffloader {
             if let Some(n) = pin_nice {
                 opts.pin.prefault_nice = n;
             }
-            opts.pin.prefault = choice(
-                py,
-                "prefault",
-                prefault,
-                &[("populate", PrefaultMode::Populate), ("touch", PrefaultMode::Touch), ("off", PrefaultMode::Off)],
-            )?;
-            opts.pin.huge_pages = choice(
-                py,
-                "huge_pages",
-                huge_pages,
-                &[("auto", HugePages::Auto), ("on", HugePages::On), ("off", HugePages::Off)],
-            )?;
-            opts.pin.policy = choice(
-                py,
-                "capture_policy",
-                capture_policy,
-                &[("after_pinning", CapturePolicy::AfterPinning), ("interleave", CapturePolicy::Interleave)],
-            )?;
-            opts.transfer.backend = choice(
-                py,
-                "copy_backend",
-                copy_backend,
-                &[
-                    ("auto", BackendChoice::Auto),
-                    ("per-fragment", BackendChoice::Force(Backend::PerFragment)),
-                    ("batched", BackendChoice::Force(Backend::Batched)),
-                    ("gather", BackendChoice::Force(Backend::Gather)),
-                    ("staged", BackendChoice::Force(Backend::Staged)),
-                ],
-            )?;
+            opts.pin.prefault = named(py, "prefault", prefault)?;
+            opts.pin.huge_pages = named(py, "huge_pages", huge_pages)?;
+            opts.pin.policy = named(py, "capture_policy", capture_policy)?;
+            opts.transfer.backend = named(py, "copy_backend", copy_backend)?;
             opts.transfer.expedited_lane = expedited_lane;
             if let Some(b) = staging_bytes {
                 opts.transfer.staging_bytes = b;
@@ -327,7 +300,7 @@ impl PyOffloader {
             if let Some(d) = seconds(py, "duplex_linger", duplex_linger)? {
                 opts.transfer.thresholds.duplex_linger = d;
             }
-            opts.eviction = choice(py, "eviction", eviction, &[("lru", PolicyKind::Lru), ("arc", PolicyKind::Arc)])?;
+            opts.eviction = named(py, "eviction", eviction)?;
             opts.agreement_timeout = seconds(py, "agreement_timeout", agreement_timeout)?;
             if let Some(f) = agreement {
                 if !f.bind(py).is_callable() {
@@ -693,15 +666,7 @@ impl PyOffloader {
             }
             let keys = parse_keys(py, keys)?;
             let off = &self.off;
-            Ok(py
-                .detach(|| off.lookup(&keys))
-                .into_iter()
-                .map(|l| match l {
-                    Lookup::Hit => "hit",
-                    Lookup::Miss => "miss",
-                    Lookup::HitPending => "hit_pending",
-                })
-                .collect())
+            Ok(py.detach(|| off.lookup(&keys)).into_iter().map(|l| l.name()).collect())
         })
     }
 
@@ -754,10 +719,7 @@ impl PyOffloader {
     /// them) or `"slots"` (the engine's slot ids, `addressing="slots"`).
     #[getter]
     pub(crate) fn addressing(&self) -> &'static str {
-        match self.off.addressing() {
-            Addressing::Keys => "keys",
-            Addressing::Slots => "slots",
-        }
+        self.off.addressing().name()
     }
 
     /// Host blocks of this rank (with `addressing="slots"`, the slot ids

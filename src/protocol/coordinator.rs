@@ -98,6 +98,7 @@ static SEAL: std::sync::LazyLock<GateSeal> =
     std::sync::LazyLock::new(|| GateSeal::take().expect("the gate seal was taken outside the coordinator's module"));
 
 use super::error::{PinState, ProtocolError};
+use crate::names::named;
 
 /// When capture windows may open.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
@@ -109,6 +110,11 @@ pub enum CapturePolicy {
     /// and resumes when the window closes.
     Interleave,
 }
+
+named!(CapturePolicy, "capture policy" {
+    AfterPinning => "after_pinning",
+    Interleave => "interleave",
+});
 
 /// The production protocol, or one of the known-bad variants that the
 /// negative models run (of N1-N23, docs/PROOFS.md). The known-bad variants,

@@ -18,6 +18,7 @@
 //! runs on any [`GpuRuntime`]; with the simulated GPU registration is
 //! instant, so only the host-side work is measured (the report says so).
 
+use kvoffload::Named;
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -185,22 +186,8 @@ impl RunConfig {
                 "lookahead" => c.lookahead = kvoffload::units::parse_size(v).map_err(|_| bad("a size or all"))?,
                 "fallback" => c.fallback_mbps = v.parse().map_err(|_| bad("MB/s (0: off)"))?,
                 "nice" => c.nice = v.parse().map_err(|_| bad("a niceness"))?,
-                "huge" => {
-                    c.huge_pages = match v {
-                        "auto" => HugePages::Auto,
-                        "on" => HugePages::On,
-                        "off" => HugePages::Off,
-                        _ => return Err(bad("auto, on or off")),
-                    }
-                }
-                "prefault" => {
-                    c.prefault = match v {
-                        "populate" => PrefaultMode::Populate,
-                        "touch" => PrefaultMode::Touch,
-                        "off" => PrefaultMode::Off,
-                        _ => return Err(bad("populate, touch or off")),
-                    }
-                }
+                "huge" => c.huge_pages = HugePages::from_name(v).map_err(|e| bad(&e.expected()))?,
+                "prefault" => c.prefault = PrefaultMode::from_name(v).map_err(|e| bad(&e.expected()))?,
                 _ => {
                     return Err(format!(
                     "candidate {spec:?}: unknown key {k:?} (threads, chunk, lookahead, fallback, nice, huge, prefault)"
@@ -502,15 +489,10 @@ fn one_call(rt: &dyn GpuRuntime, size: usize, progress: &(dyn Fn(Progress) + Syn
 }
 
 fn describe(c: &RunConfig) -> String {
-    let huge = match c.huge_pages {
-        HugePages::Auto => "auto",
-        HugePages::On => "on",
-        HugePages::Off => "off",
-    };
+    let huge = c.huge_pages.name();
     let mode = match c.prefault {
-        PrefaultMode::Populate => "populate",
-        PrefaultMode::Touch => "touch",
         PrefaultMode::Off => "no prefault",
+        m => m.name(),
     };
     let ahead = match c.lookahead {
         0 => String::new(),
