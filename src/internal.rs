@@ -15,6 +15,8 @@
 
 #[path = "manager/mod.rs"]
 pub mod manager;
+#[path = "names.rs"]
+pub mod names;
 #[path = "offloader/mod.rs"]
 pub mod offloader;
 #[path = "pin/mod.rs"]

@@ -66,10 +66,11 @@ pub mod internal;
 // The layers by their short names inside the crate (`crate::protocol::...`).
 use internal::{manager, offloader, pin, protocol, region, runtime, sync, transfer};
 
-pub use internal::units;
+pub use internal::{names, units};
 
 // The engine's API. Grouped by the layer each item comes from.
 pub use manager::{BlockKey, Lookup, ManagerError, PolicyKind, SkipReason, Skipped};
+pub use names::{Named, UnknownName};
 pub use offloader::{
     Addressing, Completion, GatedCalls, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinObserver,
     PinOutcome, PinProgress, RegionSpec, SlotJob, StoreSubmitted,

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use kvoffload::internal::pin::RegionSlots;
-use kvoffload::internal::pin::{pin_all_agreed, Agreement, PinOptions, Prefault, Prepared};
+use kvoffload::internal::pin::{pin_with, Agreement, PinObserver, PinOptions, Prepared};
 use kvoffload::internal::protocol::agreement::{AgreementError, RankSlots};
 use kvoffload::internal::protocol::PinState;
 use kvoffload::internal::region::{page_size, FileSplit, JoinPhase, Layout, Region, RegionError, ShmOptions, ShmStep};
@@ -67,30 +67,19 @@ fn pause_at(o: ShmOptions, step: &str) -> ShmOptions {
     })
 }
 
-/// A pre-faulter that stops this process at chunk `at` (prints `at chunk`).
+/// Stops this process at chunk `at` (prints `at chunk`).
 struct PauseAt {
-    inner: kvoffload::internal::sync::Arc<dyn Prefault>,
     at: Option<usize>,
 }
 
-impl Prefault for PauseAt {
-    fn ensure(&self, i: usize, addr: usize, len: usize) -> Result<(), String> {
+impl PinObserver for PauseAt {
+    fn before_chunk(&self, i: usize, _total: usize) {
         if self.at == Some(i) {
             use std::io::Write;
             println!("at chunk {i}");
             let _ = std::io::stdout().flush();
             block_on_stdin();
         }
-        self.inner.ensure(i, addr, len)
-    }
-    fn hint(&self, i: usize, addr: usize, len: usize) {
-        self.inner.hint(i, addr, len)
-    }
-    fn lookahead_bytes(&self) -> usize {
-        self.inner.lookahead_bytes()
-    }
-    fn settle(&self) {
-        self.inner.settle()
     }
 }
 
@@ -104,11 +93,11 @@ fn pin_agreed(
     let prepared = Prepared::new(&rt, region, &PinOptions::default().threads(1).max_chunk_bytes(page_size())).unwrap();
     assert_eq!(prepared.chunks(), 4, "a rank's share is 4 chunks of one page");
     let (coord, prefault) = prepared.into_parts();
-    let pf = PauseAt { inner: prefault, at: pause };
+    let pause = PauseAt { at: pause };
     let slots: kvoffload::internal::sync::Arc<dyn RankSlots> =
         kvoffload::internal::sync::Arc::new(RegionSlots::new(region.clone()).unwrap());
     let agreement = Agreement { slots, rank: region.rank(), timeout: Some(PATIENCE) };
-    let r = pin_all_agreed(&rt, &coord, &pf, &agreement);
+    let r = pin_with(&rt, &coord, prefault.as_ref(), Some(&pause), Some(&agreement.into())).agreed();
     if coord.registered_chunks() > 0 {
         coord.unregister_all(&rt).unwrap();
     }

@@ -55,11 +55,18 @@ pub(crate) fn parse_ids(py: Python<'_>, what: &str, ids: &Bound<'_, PyAny>) -> P
     Ok(out)
 }
 
+/// `given` looked up in `table`, for choices no library enum names (the
+/// sim hooks' capture modes, spelled as Python spells them).
 pub(crate) fn choice<T: Copy>(py: Python<'_>, what: &str, given: &str, table: &[(&str, T)]) -> PyResult<T> {
     table.iter().find(|(n, _)| *n == given).map(|(_, v)| *v).ok_or_else(|| {
         let names: Vec<&str> = table.iter().map(|(n, _)| *n).collect();
         errors::options(py, format!("{what} must be one of {names:?}, not {given:?}"))
     })
+}
+
+/// `given` as a value of `T`, by `T`'s one table of names (`kvoffload::names`).
+pub(crate) fn named<T: Named>(py: Python<'_>, what: &str, given: &str) -> PyResult<T> {
+    T::from_name(given).map_err(|e| errors::options(py, format!("{what} must be one of {:?}, not {given:?}", e.valid)))
 }
 
 pub(crate) fn seconds(py: Python<'_>, what: &str, s: Option<f64>) -> PyResult<Option<Duration>> {

@@ -45,7 +45,7 @@ mod testing;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvoffload::internal::manager::{BlockKey, Lookup, PolicyKind, SkipReason};
+use kvoffload::internal::manager::{BlockKey, SkipReason};
 use kvoffload::internal::offloader::{
     Addressing, Completion, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, SlotJob,
 };
@@ -53,8 +53,9 @@ use kvoffload::internal::protocol::agreement::Transport;
 use kvoffload::internal::protocol::{CaptureWindow, PinState};
 use kvoffload::internal::runtime::cuda::CudaRuntime;
 use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
+use kvoffload::internal::runtime::{DevicePtr, GpuRuntime, Stream};
 use kvoffload::internal::transfer::{JobId, Lane, TensorSpec, TransferError};
+use kvoffload::Named;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use std::sync::Arc;

@@ -216,8 +216,7 @@ impl PyOffloader {
             };
             let device = runtime.get().device;
             let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
-            opts.addressing =
-                choice(py, "addressing", addressing, &[("keys", Addressing::Keys), ("slots", Addressing::Slots)])?;
+            opts.addressing = named(py, "addressing", addressing)?;
             opts.kv_groups = kv_groups;
             // Joining or creating a shared region waits for the other ranks:
             // Ctrl-C stops it (see `Signals`).
@@ -225,7 +224,7 @@ impl PyOffloader {
             opts.region = region.build(&signals);
             opts.pin = pin.o;
             opts.transfer = transfer.o;
-            opts.eviction = choice(py, "eviction", eviction, &[("lru", PolicyKind::Lru), ("arc", PolicyKind::Arc)])?;
+            opts.eviction = named(py, "eviction", eviction)?;
             opts.agreement_timeout = seconds(py, "agreement_timeout", agreement_timeout)?;
             if let Some(f) = agreement {
                 if !f.bind(py).is_callable() {
@@ -591,15 +590,7 @@ impl PyOffloader {
             }
             let keys = parse_keys(py, keys)?;
             let off = &self.off;
-            Ok(py
-                .detach(|| off.lookup(&keys))
-                .into_iter()
-                .map(|l| match l {
-                    Lookup::Hit => "hit",
-                    Lookup::Miss => "miss",
-                    Lookup::HitPending => "hit_pending",
-                })
-                .collect())
+            Ok(py.detach(|| off.lookup(&keys)).into_iter().map(|l| l.name()).collect())
         })
     }
 
@@ -652,10 +643,7 @@ impl PyOffloader {
     /// them) or `"slots"` (the engine's slot ids, `addressing="slots"`).
     #[getter]
     pub(crate) fn addressing(&self) -> &'static str {
-        match self.off.addressing() {
-            Addressing::Keys => "keys",
-            Addressing::Slots => "slots",
-        }
+        self.off.addressing().name()
     }
 
     /// Host blocks of this rank (with `addressing="slots"`, the slot ids

@@ -25,36 +25,14 @@ use kvoffload::internal::pin::options::{HugePages, PrefaultMode};
 use kvoffload::internal::pin::PinOptions;
 use kvoffload::internal::protocol::CapturePolicy;
 use kvoffload::internal::region::{ShmOptions, DEFAULT_SHM_DIR};
-use kvoffload::internal::transfer::{Backend, BackendChoice, TransferOptions};
+use kvoffload::internal::transfer::{BackendChoice, TransferOptions};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString, PyTuple};
 
-use crate::args::{choice, group_id, seconds};
+use crate::args::{group_id, seconds};
 use crate::errors;
 use crate::signals::Signals;
-
-/// `PinOptions.prefault`.
-pub(crate) const PREFAULT: &[(&str, PrefaultMode)] =
-    &[("populate", PrefaultMode::Populate), ("touch", PrefaultMode::Touch), ("off", PrefaultMode::Off)];
-/// `PinOptions.huge_pages`.
-pub(crate) const HUGE_PAGES: &[(&str, HugePages)] =
-    &[("auto", HugePages::Auto), ("on", HugePages::On), ("off", HugePages::Off)];
-/// `PinOptions.policy`.
-pub(crate) const POLICY: &[(&str, CapturePolicy)] =
-    &[("after_pinning", CapturePolicy::AfterPinning), ("interleave", CapturePolicy::Interleave)];
-/// `TransferOptions.backend`.
-pub(crate) const BACKEND: &[(&str, BackendChoice)] = &[
-    ("auto", BackendChoice::Auto),
-    ("per-fragment", BackendChoice::Force(Backend::PerFragment)),
-    ("batched", BackendChoice::Force(Backend::Batched)),
-    ("gather", BackendChoice::Force(Backend::Gather)),
-    ("staged", BackendChoice::Force(Backend::Staged)),
-];
-
-/// The Python name of `v` in `table`.
-fn name_of<T: PartialEq>(table: &[(&'static str, T)], v: &T) -> &'static str {
-    table.iter().find(|(_, t)| t == v).map_or("?", |(n, _)| *n)
-}
+use kvoffload::Named;
 
 /// The arguments of an option class's constructor (or `replace`), checked
 /// against its fields: `positional` of them may come first by position,
@@ -157,13 +135,13 @@ fn boolean(py: Python<'_>, class: &str, field: &str, v: &Bound<'_, PyAny>) -> Py
     v.extract()
 }
 
-/// A string naming one entry of `table`.
-fn named<T: Copy>(py: Python<'_>, class: &str, field: &str, table: &[(&str, T)], v: &Bound<'_, PyAny>) -> PyResult<T> {
+/// A string naming a value of `T`, by `T`'s one table of names
+/// (`kvoffload::Named`).
+fn named<T: Named>(py: Python<'_>, class: &str, field: &str, v: &Bound<'_, PyAny>) -> PyResult<T> {
     let Ok(s) = v.cast::<PyString>() else {
-        let names: Vec<&str> = table.iter().map(|(n, _)| *n).collect();
-        return Err(errors::options(py, format!("{class}.{field} must be one of {names:?}, not {}", shown(v))));
+        return Err(errors::options(py, format!("{class}.{field} must be one of {:?}, not {}", T::names(), shown(v))));
     };
-    choice(py, &format!("{class}.{field}"), &s.to_cow()?, table)
+    crate::args::named(py, &format!("{class}.{field}"), &s.to_cow()?)
 }
 
 /// A number of seconds (int or float, not negative).
@@ -215,8 +193,8 @@ impl PyPinOptions {
                 "max_chunk_bytes" => {
                     o.max_chunk_bytes = opt_int(py, C, f, "an int >= 1", &v)?.unwrap_or(d.max_chunk_bytes)
                 }
-                "prefault" => o.prefault = named(py, C, f, PREFAULT, &v)?,
-                "huge_pages" => o.huge_pages = named(py, C, f, HUGE_PAGES, &v)?,
+                "prefault" => o.prefault = named::<PrefaultMode>(py, C, f, &v)?,
+                "huge_pages" => o.huge_pages = named::<HugePages>(py, C, f, &v)?,
                 "lookahead_bytes" => {
                     o.lookahead_bytes = opt_int(py, C, f, "an int >= 0", &v)?.unwrap_or(d.lookahead_bytes)
                 }
@@ -227,7 +205,7 @@ impl PyPinOptions {
                 "prefault_nice" => {
                     o.prefault_nice = opt_int(py, C, f, "an int from 0 to 19", &v)?.unwrap_or(d.prefault_nice)
                 }
-                "policy" => o.policy = named(py, C, f, POLICY, &v)?,
+                "policy" => o.policy = named::<CapturePolicy>(py, C, f, &v)?,
                 _ => unreachable!("PIN_FIELDS"),
             }
         }
@@ -267,13 +245,13 @@ impl PyPinOptions {
     /// `"populate"`, `"touch"` or `"off"`.
     #[getter]
     fn prefault(&self) -> &'static str {
-        name_of(PREFAULT, &self.o.prefault)
+        self.o.prefault.name()
     }
 
     /// `"auto"`, `"on"` or `"off"`.
     #[getter]
     fn huge_pages(&self) -> &'static str {
-        name_of(HUGE_PAGES, &self.o.huge_pages)
+        self.o.huge_pages.name()
     }
 
     /// Bytes pre-faulted ahead of the chunk being registered; None: the
@@ -300,7 +278,7 @@ impl PyPinOptions {
     /// or `"interleave"`.
     #[getter]
     fn policy(&self) -> &'static str {
-        name_of(POLICY, &self.o.policy)
+        self.o.policy.name()
     }
 
     fn __repr__(&self) -> String {
@@ -339,7 +317,7 @@ impl PyTransferOptions {
         let d = TransferOptions::default();
         for (f, v) in arguments(py, C, TRANSFER_FIELDS, 0, args, kwargs)? {
             match f {
-                "backend" => o.backend = named(py, C, f, BACKEND, &v)?,
+                "backend" => o.backend = named::<BackendChoice>(py, C, f, &v)?,
                 "staging_bytes" => o.staging_bytes = opt_int(py, C, f, "an int >= 0", &v)?.unwrap_or(d.staging_bytes),
                 "duplex_linger" => {
                     o.thresholds.duplex_linger =
@@ -370,7 +348,7 @@ impl PyTransferOptions {
     /// `"auto"`, `"per-fragment"`, `"batched"`, `"gather"` or `"staged"`.
     #[getter]
     fn backend(&self) -> &'static str {
-        name_of(BACKEND, &self.o.backend)
+        self.o.backend.name()
     }
 
     /// Device staging bytes per direction (default 32 MiB; 0: no staged

@@ -182,15 +182,8 @@ impl PyCompletion {
 pub(crate) fn completion(py: Python<'_>, c: Completion) -> PyResult<PyCompletion> {
     Ok(PyCompletion {
         job: c.job.0,
-        direction: match c.direction {
-            Direction::DeviceToHost => "store",
-            Direction::HostToDevice => "load",
-        },
-        lane: match c.lane {
-            Lane::Store => "store",
-            Lane::Load => "load",
-            Lane::LoadExpedited => "load_expedited",
-        },
+        direction: c.direction.name(),
+        lane: c.lane.name(),
         keys: keys_out(py, &c.keys)?.into_pyobject(py)?.into_any().unbind(),
         bytes: c.bytes,
         seconds: c.seconds,

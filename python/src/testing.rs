@@ -17,7 +17,7 @@ use kvoffload::internal::runtime::{CaptureMode, Code, DevicePtr, GpuRuntime, Gra
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::{choice, errors, PyOffloader, PyRuntime};
+use crate::{choice, errors, named, PyOffloader, PyRuntime};
 
 fn sim<'a>(py: Python<'_>, runtime: &'a PyRuntime) -> PyResult<&'a SimRuntime> {
     runtime.rt.as_sim().ok_or_else(|| errors::options(py, "this test hook needs the simulated GPU (backend='sim')"))
@@ -51,7 +51,7 @@ fn sim_fail_registration(py: Python<'_>, runtime: &Bound<'_, PyRuntime>, nth: u6
 #[pyfunction]
 #[pyo3(signature = (runtime, point = "device_op"))]
 fn sim_hold(py: Python<'_>, runtime: &Bound<'_, PyRuntime>, point: &str) -> PyResult<PySimHold> {
-    let point = choice(py, "point", point, &[("register", HoldPoint::Register), ("device_op", HoldPoint::DeviceOp)])?;
+    let point = named::<HoldPoint>(py, "point", point)?;
     Ok(PySimHold { hold: Mutex::new(Some(sim(py, runtime.get())?.hold(point))) })
 }
 

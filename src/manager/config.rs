@@ -1,5 +1,7 @@
 //! Manager configuration.
 
+use crate::names::named;
+
 /// Which eviction policy the manager uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum PolicyKind {
@@ -11,24 +13,10 @@ pub enum PolicyKind {
     Arc,
 }
 
-impl PolicyKind {
-    /// Both policies, in the order reports list them.
-    pub const ALL: [PolicyKind; 2] = [PolicyKind::Lru, PolicyKind::Arc];
-
-    /// Short lowercase name.
-    pub fn name(self) -> &'static str {
-        match self {
-            PolicyKind::Lru => "lru",
-            PolicyKind::Arc => "arc",
-        }
-    }
-}
-
-impl std::fmt::Display for PolicyKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+named!(PolicyKind, "eviction policy" {
+    Lru => "lru",
+    Arc => "arc",
+});
 
 /// How to build a [`BlockManager`](super::BlockManager).
 #[derive(Clone, Debug, PartialEq, Eq)]

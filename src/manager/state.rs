@@ -3,6 +3,7 @@
 use std::fmt;
 
 use super::key::SlotId;
+use crate::names::named;
 
 /// Where a stored block is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -52,6 +53,12 @@ pub enum Lookup {
     /// Stored, but its store has not completed: ask again later.
     HitPending,
 }
+
+named!(Lookup, "lookup answer" {
+    Hit => "hit",
+    Miss => "miss",
+    HitPending => "hit_pending",
+});
 
 impl Lookup {
     /// Number of leading [`Lookup::Hit`] answers: how many blocks of a prefix

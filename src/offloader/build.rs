@@ -5,8 +5,7 @@
 use std::collections::HashMap;
 
 use super::{
-    hook, observe, Addressing, Down, Inner, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, Pinner,
-    RegionSpec,
+    hook, Addressing, Inner, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, Pinner, RegionSpec,
 };
 use crate::manager::{BlockManager, ManagerConfig};
 use crate::pin::{Agreement, Prepared, RankAgreement, RegionSlots};
@@ -278,10 +277,6 @@ impl Offloader {
             }
             _ => None,
         };
-        let prefault = match &opts.pin_observer {
-            Some(o) => observe::observed(prepared.prefault(), o.clone(), prepared.chunks()),
-            None => prepared.prefault(),
-        };
         let coord = prepared.coordinator().clone();
         // This rank's host blocks: block `i` is the rank's chunk `i`.
         let host_base = region.chunk_ptr(rank, 0)?.as_ptr() as usize;
@@ -320,7 +315,8 @@ impl Offloader {
             region,
             kv,
             layout: kv_layout,
-            prefault,
+            prefault: prepared.prefault(),
+            pin_observer: opts.pin_observer.clone(),
             agreement,
             bytes_total,
             addressing: opts.addressing,
@@ -334,7 +330,7 @@ impl Offloader {
             pinner: Mutex::new(Pinner::NotStarted),
             owned_tensors,
             owned_compute,
-            down: Mutex::new(Down::Running),
+            shut_down: Mutex::new(false),
             shut: AtomicBool::new(false),
             hook: hook::Hook::new(),
             gated_threads: Mutex::new(Vec::new()),

@@ -138,10 +138,6 @@ impl UsedIds {
     }
 }
 
-fn me() -> thread::ThreadId {
-    thread::current().id()
-}
-
 /// The error a deferred job refused at its submission is reported with
 /// (`Completion::error` is a driver error): the driver's own when the
 /// engine's enqueue failed, otherwise `ILLEGAL_STATE` named after the
@@ -191,7 +187,7 @@ impl Offloader {
     fn hook_begin(&self, interrupted: Option<&dyn Fn() -> bool>) -> Result<(), OffloaderError> {
         // Inside `gated` the window would wait for this thread's own call.
         self.refuse_inside_gated("opening a capture hook window inside gated()")?;
-        let me = me();
+        let me = sync::this_thread();
         {
             let mut h = sync::lock(&self.hook.state);
             if let Some(w) = h.windows.iter_mut().find(|w| w.owner == me) {
@@ -263,7 +259,7 @@ impl Offloader {
     /// This thread's hook depth: begins not yet matched by an end or an
     /// abort.
     pub fn capture_depth(&self) -> usize {
-        let me = me();
+        let me = sync::this_thread();
         sync::lock(&self.hook.state).windows.iter().find(|w| w.owner == me).map_or(0, |w| w.depth)
     }
 
@@ -273,7 +269,7 @@ impl Offloader {
     }
 
     fn hook_close(&self, call: &'static str) -> Result<(), OffloaderError> {
-        let me = me();
+        let me = sync::this_thread();
         let engine = sync::lock(&self.inner).engine.clone();
         let mut h = sync::lock(&self.hook.state);
         let Some(i) = h.windows.iter().position(|w| w.owner == me && w.window.is_some()) else {
@@ -438,7 +434,7 @@ impl Offloader {
     /// queue; [`ProtocolError::WouldDeadlock`] when one does and this
     /// thread holds a hook window.
     pub(super) fn wait_deferred(&self, ids: Option<&[JobId]>) -> Result<(), OffloaderError> {
-        let me = me();
+        let me = sync::this_thread();
         let mut h = sync::lock(&self.hook.state);
         loop {
             let pending = h.queue.iter().any(|d| ids.is_none_or(|ids| ids.contains(&d.id)));

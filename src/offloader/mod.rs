@@ -80,14 +80,12 @@
 //! - `hook.rs`: the capture hook's windows and deferred jobs;
 //! - `waits.rs`: the interruptible waits and [`Offloader::poll_each`],
 //!   which applies completions to the block manager;
-//! - `options.rs`, `error.rs`, `observe.rs`: the options, the errors, the
-//!   pin observer.
+//! - `options.rs`, `error.rs`: the options, the errors.
 
 mod build;
 mod error;
 mod hook;
 mod keyed;
-mod observe;
 mod options;
 mod shutdown;
 mod slots;
@@ -95,15 +93,14 @@ mod waits;
 
 use std::collections::HashMap;
 
+pub use crate::pin::{PinObserver, PinOutcome};
 pub use error::OffloaderError;
 pub use keyed::StoreSubmitted;
-pub use observe::PinObserver;
 pub use options::{Addressing, KvAlloc, KvSpec, OffloaderOptions, RegionSpec};
 pub use slots::SlotJob;
 
 use crate::manager::{BlockKey, BlockManager};
-use crate::pin::{pin_all, pin_all_agreed_by, Prefault, RankAgreement};
-use crate::protocol::agreement::AgreementError;
+use crate::pin::{spawn_pinner, Prefault, RankAgreement};
 use crate::protocol::{CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
 use crate::region::Region;
 use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
@@ -155,16 +152,6 @@ pub struct PinProgress {
     pub bytes_total: usize,
 }
 
-/// How the pinner ended, once it did.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PinOutcome {
-    /// The final state.
-    pub state: PinState,
-    /// With a shared region: the agreement, or why it was not reached
-    /// (this rank then runs on pageable memory).
-    pub agreement: Option<Result<(), AgreementError>>,
-}
-
 enum Pinner {
     NotStarted,
     Running(thread::JoinHandle<PinOutcome>),
@@ -184,13 +171,9 @@ struct Inner {
     engine: Option<Arc<TransferEngine>>,
     jobs: HashMap<JobId, JobKeys>,
     next_id: JobId,
+    /// New jobs are refused: set by the shutdown, under this lock, before
+    /// it drains (so a job is either refused or drained).
     closed: bool,
-}
-
-#[derive(Copy, Clone, PartialEq, Eq)]
-enum Down {
-    Running,
-    Down,
 }
 
 /// The one type an engine uses; see the module docs.
@@ -201,6 +184,8 @@ pub struct Offloader {
     kv: KvSpec,
     layout: KvLayout,
     prefault: Arc<dyn Prefault>,
+    /// Told of the pinning thread's progress (`OffloaderOptions::pin_observer`).
+    pin_observer: Option<Arc<dyn PinObserver>>,
     agreement: Option<RankAgreement>,
     bytes_total: usize,
     addressing: Addressing,
@@ -209,8 +194,11 @@ pub struct Offloader {
     /// Tensors and the compute stream the offloader made, freed at shutdown.
     owned_tensors: Vec<DevicePtr>,
     owned_compute: Option<Stream>,
-    down: Mutex<Down>,
-    /// `down` is `Down::Down` (read without its lock: `is_shut_down`).
+    /// Shut down: true once a shutdown passed its refusal point. The lock
+    /// is held by a shutdown for its whole run, so a second one waits for
+    /// the first and is refused.
+    shut_down: Mutex<bool>,
+    /// `shut_down`'s value, read without its lock (`is_shut_down`).
     shut: AtomicBool,
     /// The capture hook's windows and deferred jobs (hook.rs).
     hook: hook::Hook,
@@ -312,18 +300,13 @@ impl Offloader {
         if self.coord.shutting_down() {
             return Err(OffloaderError::ShutDown);
         }
-        let (rt, coord, prefault, agreement) =
-            (self.rt.clone(), self.coord.clone(), self.prefault.clone(), self.agreement.clone());
-        let handle = thread::spawn(move || match agreement {
-            None => PinOutcome { state: pin_all(rt.as_ref(), &coord, prefault.as_ref()), agreement: None },
-            Some(a) => match pin_all_agreed_by(rt.as_ref(), &coord, prefault.as_ref(), &a) {
-                Ok(state) => PinOutcome { state, agreement: Some(Ok(())) },
-                Err(e) => {
-                    tracing::error!(error = %e, "ranks did not agree; this rank runs on pageable memory");
-                    PinOutcome { state: coord.pin_state(), agreement: Some(Err(e)) }
-                }
-            },
-        });
+        let handle = spawn_pinner(
+            self.rt.clone(),
+            self.coord.clone(),
+            self.prefault.clone(),
+            self.pin_observer.clone(),
+            self.agreement.clone(),
+        );
         *p = Pinner::Running(handle);
         tracing::info!(bytes = self.bytes_total, "background pinning started");
         Ok(())
@@ -334,9 +317,10 @@ impl Offloader {
     /// (P7), stops waiting at once: it gives the ranks it waited for up, so
     /// they end pageable at once too, and this rank ends
     /// `Pageable(Cancelled)` or `Pageable(PeerPageable)` with
-    /// [`AgreementError::Cancelled`]. A pinning that is already final is
-    /// not changed. Returns at once; [`Offloader::wait_pinned`] then
-    /// returns promptly. [`Offloader::shutdown`] does the same first.
+    /// [`AgreementError::Cancelled`](crate::protocol::agreement::AgreementError::Cancelled).
+    /// A pinning that is already final is not changed. Returns at once;
+    /// [`Offloader::wait_pinned`] then returns promptly.
+    /// [`Offloader::shutdown`] does the same first.
     pub fn cancel_pinning(&self) {
         self.coord.cancel_pinning();
     }

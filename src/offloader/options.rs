@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::manager::PolicyKind;
+use crate::names::named;
 use crate::pin::PinOptions;
 use crate::protocol::agreement::Transport;
 use crate::region::ShmOptions;
@@ -113,6 +114,11 @@ pub enum Addressing {
     /// [`super::Offloader::load_slots`]); job ids are the engine's.
     Slots,
 }
+
+named!(Addressing, "addressing" {
+    Keys => "keys",
+    Slots => "slots",
+});
 
 /// Everything an [`super::Offloader`] is built from. `Default` gives one
 /// anonymous region, background pinning with the default [`PinOptions`],

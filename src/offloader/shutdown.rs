@@ -1,7 +1,7 @@
 //! [`Offloader::shutdown`] in the protocol's order, and the drop that runs
 //! it.
 
-use super::{Down, Offloader, OffloaderError, Pinner};
+use super::{Offloader, OffloaderError, Pinner};
 use crate::protocol::{finish_shutdown, ProtocolError};
 use crate::runtime::Direction;
 use crate::sync;
@@ -18,8 +18,8 @@ impl Offloader {
     /// is dropped.
     pub fn shutdown(&self) -> Result<(), OffloaderError> {
         self.refuse_inside_gated("shutting down inside gated()")?;
-        let mut down = sync::lock(&self.down);
-        if *down == Down::Down {
+        let mut shut_down = sync::lock(&self.shut_down);
+        if *shut_down {
             return Err(ProtocolError::AlreadyShutDown.into());
         }
         // Refused here, in one critical section of the coordinator, with
@@ -35,7 +35,7 @@ impl Offloader {
             let hook = self.hook_quiesce()?;
             self.coord.close()?;
             drop(hook);
-            *down = Down::Down;
+            *shut_down = true;
             self.shut.store(true, Ordering::SeqCst);
         }
         // Drain: every job in flight completes and is applied.
@@ -64,7 +64,7 @@ impl Offloader {
         let engine = sync::lock(&self.inner).engine.take();
         drop(engine);
         if old_order {
-            *down = Down::Down;
+            *shut_down = true;
             self.shut.store(true, Ordering::SeqCst);
             if let Err(e) = self.coord.close() {
                 let _ = self.free_owned();
@@ -127,7 +127,7 @@ impl Offloader {
 
     /// True once [`Offloader::shutdown`] began and was not refused (it then
     /// refuses every later call with `AlreadyShutDown`).
-    /// Never blocks: a shutdown in progress holds `down` for its whole
+    /// Never blocks: a shutdown in progress holds `shut_down` for its whole
     /// run (the drain, the pinner's join), and a caller asking this, the
     /// Python front with the GIL held, must not wait for it.
     pub fn is_shut_down(&self) -> bool {

@@ -54,6 +54,54 @@ impl Prefault for NoPrefault {
     }
 }
 
+/// Watches pinning from the pinning thread: the registration loop calls it
+/// before each chunk and once it settled. An [`Offloader`]'s background
+/// pinner reports to the one in `OffloaderOptions::pin_observer`.
+///
+/// Its methods run on the pinning thread, and pinning waits while one runs:
+/// keep them short (a progress display, a timestamp). A test may block in
+/// [`PinObserver::before_chunk`] to hold pinning at a chunk boundary (a
+/// capture window that waits for pinning then waits as long).
+///
+/// [`Offloader`]: crate::offloader::Offloader
+pub trait PinObserver: Send + Sync {
+    /// Chunk `index` (of `total`, counted from 0) is about to be made
+    /// resident and registered.
+    fn before_chunk(&self, _index: usize, _total: usize) {}
+    /// This rank's own pinning ended: every chunk registered, or pinning
+    /// failed or was cancelled and is about to roll back. Called once,
+    /// after pre-faulting stopped ([`Prefault::settle`]), before any
+    /// rollback and, with a shared region, before the agreement with the
+    /// other ranks; not called when pinning was cancelled before it began.
+    fn settled(&self) {}
+}
+
+impl std::fmt::Debug for dyn PinObserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PinObserver")
+    }
+}
+
+/// How a pinner ended ([`pin_with`], the thread of [`spawn_pinner`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PinOutcome {
+    /// The final state.
+    pub state: PinState,
+    /// With a shared region: the agreement, or why it was not reached
+    /// (this rank then runs on pageable memory).
+    pub agreement: Option<Result<(), AgreementError>>,
+}
+
+impl PinOutcome {
+    /// The final state, or why the ranks did not agree.
+    pub fn agreed(self) -> Result<PinState, AgreementError> {
+        match self.agreement {
+            Some(Err(e)) => Err(e),
+            _ => Ok(self.state),
+        }
+    }
+}
+
 /// Ranks that must agree on the outcome before it is published (P7).
 #[derive(Clone)]
 pub struct Agreement {
@@ -105,10 +153,39 @@ impl From<Agreement> for RankAgreement {
 /// - Each registered chunk is a tracing event (info): chunks done of
 ///   total, bytes so far, GB/s so far.
 pub fn pin_all(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault) -> PinState {
+    pin_alone(rt, coord, Steps { prefault, observer: None })
+}
+
+/// What the registration loop calls besides the coordinator: the
+/// pre-faulter, and who watches.
+#[derive(Clone, Copy)]
+struct Steps<'a> {
+    prefault: &'a dyn Prefault,
+    observer: Option<&'a dyn PinObserver>,
+}
+
+impl Steps<'_> {
+    fn before_chunk(&self, i: usize, n: usize) {
+        if let Some(o) = self.observer {
+            o.before_chunk(i, n);
+        }
+    }
+
+    /// [`Prefault::settle`], then [`PinObserver::settled`].
+    fn settle(&self) {
+        self.prefault.settle();
+        if let Some(o) = self.observer {
+            o.settled();
+        }
+    }
+}
+
+/// [`pin_all`] with `steps`.
+fn pin_alone(rt: &dyn GpuRuntime, coord: &Coordinator, steps: Steps<'_>) -> PinState {
     if let Err(settled) = begin(coord) {
         return settled;
     }
-    let state = match pin_chunks(rt, coord, prefault) {
+    let state = match pin_chunks(rt, coord, steps) {
         Ok(()) => PinState::Pinned,
         Err(reason) => PinState::Pageable(reason),
     };
@@ -129,10 +206,20 @@ pub fn pin_all_agreed(
     prefault: &dyn Prefault,
     agreement: &Agreement,
 ) -> Result<PinState, AgreementError> {
+    pin_agreed(rt, coord, Steps { prefault, observer: None }, agreement)
+}
+
+/// [`pin_all_agreed`] with `steps`.
+fn pin_agreed(
+    rt: &dyn GpuRuntime,
+    coord: &Coordinator,
+    steps: Steps<'_>,
+    agreement: &Agreement,
+) -> Result<PinState, AgreementError> {
     // The wait ends when pinning is cancelled (a shutdown closes the
     // coordinator, which cancels pinning), N23 aside.
     let cancelled = || coord.pin_cancelled() && !crate::protocol::variant_is!(coord, AgreementIgnoresCancel);
-    pin_then_agree(rt, coord, prefault, |pinned| {
+    pin_then_agree(rt, coord, steps, |pinned| {
         agree(agreement.slots.as_ref(), agreement.rank, pinned, agreement.timeout, &cancelled)
     })
 }
@@ -146,13 +233,64 @@ pub fn pin_all_agreed_by(
     prefault: &dyn Prefault,
     agreement: &RankAgreement,
 ) -> Result<PinState, AgreementError> {
+    pin_agreed_by(rt, coord, Steps { prefault, observer: None }, agreement)
+}
+
+/// [`pin_all_agreed_by`] with `steps`.
+fn pin_agreed_by(
+    rt: &dyn GpuRuntime,
+    coord: &Coordinator,
+    steps: Steps<'_>,
+    agreement: &RankAgreement,
+) -> Result<PinState, AgreementError> {
     match agreement {
-        RankAgreement::Slots(a) => pin_all_agreed(rt, coord, prefault, a),
+        RankAgreement::Slots(a) => pin_agreed(rt, coord, steps, a),
         RankAgreement::Transport(t) => {
             let cancelled = || coord.pin_cancelled();
-            pin_then_agree(rt, coord, prefault, |pinned| agree_via(t, pinned, &cancelled))
+            pin_then_agree(rt, coord, steps, |pinned| agree_via(t, pinned, &cancelled))
         }
     }
+}
+
+/// Pins every chunk of `coord` on the calling thread, reporting to
+/// `observer`: [`pin_all`] without an agreement, [`pin_all_agreed_by`] with
+/// one (an agreement error is returned in the outcome; the state is then
+/// pageable). What the thread of [`spawn_pinner`] runs.
+pub fn pin_with(
+    rt: &dyn GpuRuntime,
+    coord: &Coordinator,
+    prefault: &dyn Prefault,
+    observer: Option<&dyn PinObserver>,
+    agreement: Option<&RankAgreement>,
+) -> PinOutcome {
+    let steps = Steps { prefault, observer };
+    match agreement {
+        None => PinOutcome { state: pin_alone(rt, coord, steps), agreement: None },
+        Some(a) => match pin_agreed_by(rt, coord, steps, a) {
+            Ok(state) => PinOutcome { state, agreement: Some(Ok(())) },
+            Err(e) => PinOutcome { state: coord.pin_state(), agreement: Some(Err(e)) },
+        },
+    }
+}
+
+/// Starts [`pin_with`] on a new thread: the one way the library pins in the
+/// background ([`PinHandle`], `Offloader::start`), so the models that drive
+/// a [`PinHandle`] drive the thread an engine gets. An agreement error is
+/// logged.
+pub fn spawn_pinner(
+    rt: Arc<dyn GpuRuntime>,
+    coord: Arc<Coordinator>,
+    prefault: Arc<dyn Prefault>,
+    observer: Option<Arc<dyn PinObserver>>,
+    agreement: Option<RankAgreement>,
+) -> thread::JoinHandle<PinOutcome> {
+    thread::spawn(move || {
+        let out = pin_with(rt.as_ref(), &coord, prefault.as_ref(), observer.as_deref(), agreement.as_ref());
+        if let Some(Err(e)) = &out.agreement {
+            tracing::error!(error = %e, "ranks did not agree; this rank runs on pageable memory");
+        }
+        out
+    })
 }
 
 /// Pins locally, then lets `agree` (this rank's outcome in, the common mode
@@ -160,11 +298,11 @@ pub fn pin_all_agreed_by(
 fn pin_then_agree(
     rt: &dyn GpuRuntime,
     coord: &Coordinator,
-    prefault: &dyn Prefault,
+    steps: Steps<'_>,
     agree: impl FnOnce(bool) -> Result<OffloadMode, AgreementError>,
 ) -> Result<PinState, AgreementError> {
     let local = match begin(coord) {
-        Ok(()) => pin_chunks(rt, coord, prefault),
+        Ok(()) => pin_chunks(rt, coord, steps),
         Err(PinState::Pageable(reason)) => Err(reason),
         Err(_) => Ok(()),
     };
@@ -208,7 +346,8 @@ fn publish(coord: &Coordinator, state: PinState) -> PinState {
 
 /// The registration loop (after [`begin`]) without publishing: Ok when
 /// every chunk is registered, otherwise the reason after a full rollback.
-fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault) -> Result<(), PageableReason> {
+fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, steps: Steps<'_>) -> Result<(), PageableReason> {
+    let prefault = steps.prefault;
     let n = coord.chunk_count();
     let span = tracing::info_span!("pin", chunks = n);
     let _e = span.enter();
@@ -220,11 +359,12 @@ fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault)
     let mut queued = 0usize;
     for i in 0..n {
         if coord.pin_cancelled() {
-            return Err(rollback(rt, coord, prefault, i, PageableReason::Cancelled));
+            return Err(rollback(rt, coord, steps, i, PageableReason::Cancelled));
         }
         let (addr, len) = coord.chunk_range(i);
+        steps.before_chunk(i, n);
         if let Err(e) = prefault.ensure(i, addr, len) {
-            return Err(rollback(rt, coord, prefault, i, PageableReason::HostMemory(e)));
+            return Err(rollback(rt, coord, steps, i, PageableReason::HostMemory(e)));
         }
         if i < next {
             queued = queued.saturating_sub(len);
@@ -255,28 +395,28 @@ fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, prefault: &dyn Prefault)
                     let total: u64 = (0..n).map(|j| coord.chunk_range(j).1 as u64).sum();
                     reason = super::memlock::refine(reason, total);
                 }
-                return Err(rollback(rt, coord, prefault, i, reason));
+                return Err(rollback(rt, coord, steps, i, reason));
             }
             Err(e) => {
                 tracing::warn!(chunk = i, error = %e, "registration refused; rolling back");
-                return Err(rollback(rt, coord, prefault, i, PageableReason::Cancelled));
+                return Err(rollback(rt, coord, steps, i, PageableReason::Cancelled));
             }
         }
     }
-    prefault.settle();
+    steps.settle();
     Ok(())
 }
 
-/// Stops pre-faulting, unregisters chunks `0..failed` (last first);
-/// returns `reason`.
+/// Stops pre-faulting (and tells the observer), unregisters chunks
+/// `0..failed` (last first); returns `reason`.
 fn rollback(
     rt: &dyn GpuRuntime,
     coord: &Coordinator,
-    prefault: &dyn Prefault,
+    steps: Steps<'_>,
     failed: usize,
     reason: PageableReason,
 ) -> PageableReason {
-    prefault.settle();
+    steps.settle();
     let order: Vec<usize> = if crate::protocol::variant_is!(coord, ForgetfulRollback) {
         // N7: only the chunk registered last is undone.
         failed.checked_sub(1).into_iter().collect()
@@ -298,31 +438,25 @@ fn rollback(
 /// ([`Coordinator::pin_state`], [`Coordinator::wait_pin_final`]).
 pub struct PinHandle {
     coord: Arc<Coordinator>,
-    thread: Option<thread::JoinHandle<PinState>>,
+    thread: Option<thread::JoinHandle<PinOutcome>>,
 }
 
 impl PinHandle {
-    /// Starts [`pin_all`] on a new thread.
+    /// Starts [`pin_all`] on a new thread ([`spawn_pinner`]).
     pub fn spawn(rt: Arc<dyn GpuRuntime>, coord: Arc<Coordinator>, prefault: Arc<dyn Prefault>) -> PinHandle {
         Self::spawn_with(rt, coord, prefault, None)
     }
 
     /// Starts [`pin_all`], or [`pin_all_agreed`] when ranks must agree, on
-    /// a new thread. An agreement error is logged; the state ends Pageable.
+    /// a new thread ([`spawn_pinner`]). An agreement error is logged; the
+    /// state ends Pageable.
     pub fn spawn_with(
         rt: Arc<dyn GpuRuntime>,
         coord: Arc<Coordinator>,
         prefault: Arc<dyn Prefault>,
         agreement: Option<Agreement>,
     ) -> PinHandle {
-        let c = coord.clone();
-        let thread = thread::spawn(move || match &agreement {
-            None => pin_all(rt.as_ref(), &c, prefault.as_ref()),
-            Some(a) => pin_all_agreed(rt.as_ref(), &c, prefault.as_ref(), a).unwrap_or_else(|e| {
-                tracing::error!(error = %e, "ranks did not agree; running pageable");
-                c.pin_state()
-            }),
-        });
+        let thread = spawn_pinner(rt, coord.clone(), prefault, None, agreement.map(RankAgreement::from));
         PinHandle { coord, thread: Some(thread) }
     }
 
@@ -343,7 +477,7 @@ impl PinHandle {
 
     fn join_inner(&mut self) -> PinState {
         match self.thread.take() {
-            Some(t) => t.join().unwrap_or_else(|_| {
+            Some(t) => t.join().map(|o| o.state).unwrap_or_else(|_| {
                 let s = PinState::Pageable(PageableReason::HostMemory("pinning thread panicked".into()));
                 self.coord.pin_finish(s.clone());
                 s

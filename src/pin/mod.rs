@@ -9,6 +9,10 @@
 //!   after chunk while the pre-faulter makes the next one resident; any
 //!   failure unregisters what was registered, last first, and leaves the
 //!   region pageable with a typed [`PageableReason`](crate::protocol::PageableReason).
+//!   [`pin_with`] is the general form (an agreement of the ranks, a
+//!   [`PinObserver`] told of each chunk and of the end); [`spawn_pinner`]
+//!   runs it on the one background thread both [`PinHandle`] and the
+//!   offloader use.
 //! - [`numa`]: the pre-fault threads and the region's pages on the GPU's
 //!   NUMA node ([`PinOptions::numa`]), or a typed, logged reason why not.
 //! - `kvoffload bench pin` (the binary crate) measures it; with `--shared`,
@@ -25,7 +29,8 @@ mod region_slots;
 mod setup;
 
 pub use engine::{
-    pin_all, pin_all_agreed, pin_all_agreed_by, Agreement, NoPrefault, PinHandle, Prefault, RankAgreement,
+    pin_all, pin_all_agreed, pin_all_agreed_by, pin_with, spawn_pinner, Agreement, NoPrefault, PinHandle, PinObserver,
+    PinOutcome, Prefault, RankAgreement,
 };
 pub use options::{
     available_cores, default_threads, HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode,

@@ -3,6 +3,7 @@
 use crate::protocol::CapturePolicy;
 
 pub use super::numa::NumaPolicy;
+use crate::names::named;
 use crate::region::RegionError;
 
 /// Default bound of one registration call: 256 MiB.
@@ -95,6 +96,12 @@ pub enum HugePages {
     Off,
 }
 
+named!(HugePages, "huge-page setting" {
+    Auto => "auto",
+    On => "on",
+    Off => "off",
+});
+
 /// How pages are made resident before registration.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub enum PrefaultMode {
@@ -113,6 +120,12 @@ pub enum PrefaultMode {
     /// (upstream's behaviour; 2.2 - 3.2 GB/s on the H200).
     Off,
 }
+
+named!(PrefaultMode, "pre-fault mode" {
+    Populate => "populate",
+    Touch => "touch",
+    Off => "off",
+});
 
 /// Options of [`prepare`](super::prepare) and [`Prepared`](super::Prepared).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -206,7 +206,9 @@ impl Prepared {
     /// The pre-faulter as the engine takes it ([`NoPrefault`] when off).
     pub fn prefault(&self) -> Arc<dyn Prefault> {
         match &self.prefaulter {
-            Some(p) => crate::sync::arc_dyn(Shared(p.clone(), self.rest.clone()), |a| a),
+            Some(p) => {
+                crate::sync::arc_dyn(PrefaultThenReserve { prefaulter: p.clone(), rest: self.rest.clone() }, |a| a)
+            }
             None => NoPrefault::shared(),
         }
     }
@@ -290,13 +292,20 @@ struct Rest {
     ensured: Mutex<Vec<bool>>,
 }
 
-/// The shared pre-faulter as a trait object (loom's `Arc` cannot coerce).
-struct Shared(Arc<Prefaulter>, Option<Arc<Rest>>);
+/// The prepared pre-faulter as the registration loop takes it (a trait
+/// object of its own: loom's `Arc` cannot coerce); with deferred
+/// reservation it notes the chunks it ensured and, when pinning settles
+/// before ensuring them all, reserves the rest.
+struct PrefaultThenReserve {
+    prefaulter: Arc<Prefaulter>,
+    /// `Some` with deferred reservation only.
+    rest: Option<Arc<Rest>>,
+}
 
-impl Prefault for Shared {
+impl Prefault for PrefaultThenReserve {
     fn ensure(&self, i: usize, addr: usize, len: usize) -> Result<(), String> {
-        let r = self.0.ensure(i, addr, len);
-        if let (Ok(()), Some(rest)) = (&r, &self.1) {
+        let r = self.prefaulter.ensure(i, addr, len);
+        if let (Ok(()), Some(rest)) = (&r, &self.rest) {
             if let Some(e) = crate::sync::lock(&rest.ensured).get_mut(i) {
                 *e = true;
             }
@@ -304,14 +313,14 @@ impl Prefault for Shared {
         r
     }
     fn hint(&self, i: usize, addr: usize, len: usize) {
-        self.0.hint(i, addr, len)
+        self.prefaulter.hint(i, addr, len)
     }
     fn lookahead_bytes(&self) -> usize {
-        self.0.lookahead_bytes()
+        self.prefaulter.lookahead_bytes()
     }
     fn settle(&self) {
-        self.0.settle();
-        let Some(rest) = &self.1 else { return };
+        self.prefaulter.settle();
+        let Some(rest) = &self.rest else { return };
         // Every chunk ensured (pinned): every page this rank touches was
         // reserved by the pre-fault workers; nothing more to do (and
         // nothing to walk on the success path).

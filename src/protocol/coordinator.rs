@@ -98,6 +98,7 @@ static SEAL: std::sync::LazyLock<GateSeal> =
     std::sync::LazyLock::new(|| GateSeal::take().expect("the gate seal was taken outside the coordinator's module"));
 
 use super::error::{PinState, ProtocolError};
+use crate::names::named;
 
 /// When capture windows may open.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
@@ -110,8 +111,13 @@ pub enum CapturePolicy {
     Interleave,
 }
 
+named!(CapturePolicy, "capture policy" {
+    AfterPinning => "after_pinning",
+    Interleave => "interleave",
+});
+
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (N1-N24, docs/PROOFS.md). The known-bad variants,
+/// negative models run (of N1-N24, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// loom builds (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
@@ -518,10 +524,6 @@ impl Drop for AliasGuard {
     }
 }
 
-fn me() -> thread::ThreadId {
-    thread::current().id()
-}
-
 impl Coordinator {
     /// A coordinator with no host memory to register: capture windows, the
     /// gate for capture-unsafe calls, jobs and shutdown, nothing to pin (its
@@ -752,7 +754,7 @@ impl Coordinator {
         interrupted: Option<&dyn Fn() -> bool>,
         interleave: bool,
     ) -> Result<CaptureWindow, ProtocolError> {
-        let me = me();
+        let me = sync::this_thread();
         let mut g = self.lock();
         if g.phase != Phase::Running {
             return Err(ProtocolError::ShutDown);
@@ -830,7 +832,7 @@ impl Coordinator {
         f: impl FnOnce(&Gate) -> T,
     ) -> Result<T, ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(me()) && !bad!(g, NoCaptureWindow) {
+        if g.owns_window(sync::this_thread()) && !bad!(g, NoCaptureWindow) {
             return Err(ProtocolError::WouldDeadlock { what });
         }
         g.unsafe_waiting += 1;
@@ -856,7 +858,7 @@ impl Coordinator {
         record: impl FnOnce(&mut State, &T),
     ) -> Result<T, ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(me()) && !bad!(g, NoCaptureWindow) {
+        if g.owns_window(sync::this_thread()) && !bad!(g, NoCaptureWindow) {
             return Err(ProtocolError::WouldDeadlock { what });
         }
         g.unsafe_waiting += 1;
@@ -901,7 +903,7 @@ impl Coordinator {
     pub fn try_unsafe_call<T>(&self, f: impl FnOnce(&Gate) -> T) -> Result<T, ProtocolError> {
         let g = self.lock();
         let bypass = bad!(g, UngatedPoller);
-        if !bypass && (g.owns_window(me()) || !g.unsafe_may_start()) {
+        if !bypass && (g.owns_window(sync::this_thread()) || !g.unsafe_may_start()) {
             return Err(ProtocolError::WindowBusy);
         }
         Ok(self.counted(g, f, |_, _| {}))
@@ -911,7 +913,7 @@ impl Coordinator {
     /// got `WindowBusy` and has nothing else to do).
     pub fn wait_no_window(&self) -> Result<(), ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(me()) {
+        if g.owns_window(sync::this_thread()) {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for a transfer" });
         }
         while !g.unsafe_may_start() {
@@ -926,7 +928,7 @@ impl Coordinator {
     /// keeps no count, so nothing is undone).
     pub fn wait_no_window_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<(), ProtocolError> {
         let g = self.lock();
-        if g.owns_window(me()) {
+        if g.owns_window(sync::this_thread()) {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for a transfer" });
         }
         let (_g, stopped) = self.wait_while_interruptible(g, |s| !s.unsafe_may_start(), interrupted);
@@ -1053,7 +1055,7 @@ impl Coordinator {
     /// Interleave policy that would never return: typed error instead.
     pub fn wait_pin_final(&self) -> Result<PinState, ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(me()) && !g.pin.is_final() && !bad!(g, WaitInsideWindow) {
+        if g.owns_window(sync::this_thread()) && !g.pin.is_final() && !bad!(g, WaitInsideWindow) {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" });
         }
         g.pin_waiters += 1;
@@ -1072,7 +1074,7 @@ impl Coordinator {
     /// it). Refused like the blocking form inside one's own window.
     pub fn wait_pin_final_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<PinState, ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(me()) && !g.pin.is_final() && !bad!(g, WaitInsideWindow) {
+        if g.owns_window(sync::this_thread()) && !g.pin.is_final() && !bad!(g, WaitInsideWindow) {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" });
         }
         g.pin_waiters += 1;
@@ -1131,7 +1133,7 @@ impl Coordinator {
         if g.phase != Phase::Running {
             return Err(ProtocolError::ShutDown);
         }
-        if !bad!(g, NoCaptureWindow) && (g.owns_window(me()) || !g.unsafe_may_start()) {
+        if !bad!(g, NoCaptureWindow) && (g.owns_window(sync::this_thread()) || !g.unsafe_may_start()) {
             return Err(ProtocolError::WindowBusy);
         }
         g.jobs_in_flight += 1;

@@ -1,6 +1,8 @@
 //! Plain value types shared by every runtime: handles, capture modes,
 //! copy fragments.
 
+use crate::names::named;
+
 /// Address in device memory (`CUdeviceptr`), or a host allocation's device
 /// alias obtained through [`super::GpuRuntime::host_device_ptr`].
 ///
@@ -123,6 +125,11 @@ pub enum Direction {
     /// Device to host (a store).
     DeviceToHost,
 }
+
+named!(Direction, "direction" {
+    DeviceToHost => "store",
+    HostToDevice => "load",
+});
 
 /// One contiguous piece of a copy: `bytes` from `host`/`device` in the
 /// direction of the batch it belongs to.

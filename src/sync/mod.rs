@@ -215,6 +215,11 @@ pub fn arc_dyn<T, D: ?Sized>(value: T, coerce: fn(StdArc<T>) -> StdArc<D>) -> Ar
     }
 }
 
+/// The calling thread's id (std's or loom's).
+pub fn this_thread() -> thread::ThreadId {
+    thread::current().id()
+}
+
 /// Pause between two polls of a condition that no condition variable can
 /// signal (words in memory shared between processes). Under loom it yields,
 /// which is what loom needs to explore a spin loop; otherwise it yields a

@@ -3,9 +3,7 @@
 //! gather kernel reading a descriptor table, or the gather kernel into a
 //! device staging buffer and batched copies of it (`super::staged`).
 
-use std::fmt;
-use std::str::FromStr;
-
+use crate::names::named;
 use crate::runtime::{DevicePtr, Direction, DriverResult, Fragment, GpuRuntime, Kernel, Stream, GATHER_ENTRY_WORDS};
 
 /// A way of moving a job's fragments.
@@ -31,36 +29,12 @@ pub enum Backend {
     Staged,
 }
 
-impl Backend {
-    /// Every backend, in a fixed order.
-    pub const ALL: [Backend; 4] = [Backend::PerFragment, Backend::Batched, Backend::Gather, Backend::Staged];
-
-    /// The command-line name (`per-fragment`, `batched`, `gather`, `staged`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::PerFragment => "per-fragment",
-            Backend::Batched => "batched",
-            Backend::Gather => "gather",
-            Backend::Staged => "staged",
-        }
-    }
-}
-
-impl fmt::Display for Backend {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Backend {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Backend::ALL
-            .into_iter()
-            .find(|b| b.name() == s)
-            .ok_or_else(|| format!("unknown backend {s:?} (expected per-fragment, batched, gather or staged)"))
-    }
-}
+named!(Backend, "backend" {
+    PerFragment => "per-fragment",
+    Batched => "batched",
+    Gather => "gather",
+    Staged => "staged",
+});
 
 /// Which backend an engine uses for its jobs.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
@@ -76,26 +50,13 @@ pub enum BackendChoice {
     Force(Backend),
 }
 
-impl fmt::Display for BackendChoice {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            BackendChoice::Auto => f.write_str("auto"),
-            BackendChoice::Force(b) => b.fmt(f),
-        }
-    }
-}
-
-impl FromStr for BackendChoice {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        if s == "auto" {
-            return Ok(BackendChoice::Auto);
-        }
-        s.parse().map(BackendChoice::Force).map_err(|_: String| {
-            format!("unknown backend {s:?} (expected auto, per-fragment, batched, gather or staged)")
-        })
-    }
-}
+named!(BackendChoice, "backend" {
+    Auto => "auto",
+    Force(Backend::PerFragment) => "per-fragment",
+    Force(Backend::Batched) => "batched",
+    Force(Backend::Gather) => "gather",
+    Force(Backend::Staged) => "staged",
+});
 
 /// Fragments per `cuMemcpyBatchAsync` call (4096 in one call were measured:
 /// docs/driver-rules.md, row "Batched copy"; larger jobs take several

@@ -185,22 +185,10 @@ impl TransferEngine {
         self.submit_expanded(id, Lane::of(dir), &exp)
     }
 
-    /// [`TransferEngine::submit`] with the skip of each group's first host
-    /// block given ([`KvLayout::expand_skipping`]: the first and the last
-    /// host block may be partial). Everything else as `submit`.
-    pub fn submit_skipping(
-        &self,
-        id: JobId,
-        dir: Direction,
-        job: &JobBlocks,
-        first_subs: &[usize],
-    ) -> Result<(), TransferError> {
-        let exp = self.layout.expand_skipping(id, job, first_subs)?;
-        self.submit_expanded(id, Lane::of(dir), &exp)
-    }
-
-    /// [`TransferEngine::submit`] on `lane` (with `first_subs`:
-    /// [`TransferEngine::submit_skipping`]); [`TransferError::NoExpeditedLane`]
+    /// [`TransferEngine::submit`] on `lane` (with `first_subs`: the skip of
+    /// each group's first host block, [`KvLayout::expand_skipping`]: the
+    /// first and the last host block may be partial);
+    /// [`TransferError::NoExpeditedLane`]
     /// for [`Lane::LoadExpedited`] on an engine made without it. Everything
     /// else as `submit`: jobs of one lane are enqueued, complete and are
     /// reported in submission order; lanes do not wait for each other.

@@ -7,6 +7,7 @@ use super::backend::Backend;
 use super::ids::JobId;
 #[cfg(doc)]
 use super::{TransferEngine, TransferOptions};
+use crate::names::named;
 
 /// Index of each lane's handler in the engine's handler table.
 pub(super) const STORE: usize = 0;
@@ -24,6 +25,12 @@ pub enum Lane {
     /// ([`TransferOptions::expedited_lane`]): never behind a regular load.
     LoadExpedited,
 }
+
+named!(Lane, "lane" {
+    Store => "store",
+    Load => "load",
+    LoadExpedited => "load_expedited",
+});
 
 impl Lane {
     /// The lane of a regular job of `dir`.

@@ -145,6 +145,7 @@ pub fn candidates(choice: BackendChoice, th: &AutoThresholds, sit: Situation) ->
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::names::Named;
     use Backend::*;
 
     fn sit(mean_bytes: u64, capturing: bool, pinned: bool) -> Situation {
@@ -217,7 +218,7 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for b in Backend::ALL {
+        for &b in Backend::all() {
             assert_eq!(b.name().parse::<Backend>(), Ok(b));
             assert_eq!(b.name().parse::<BackendChoice>(), Ok(BackendChoice::Force(b)));
         }

@@ -1,5 +1,6 @@
 //! Fault injection and hold points of the simulated GPU.
 
+use crate::names::named;
 use crate::runtime::Code;
 
 /// A fault to inject into the simulated GPU.
@@ -37,6 +38,11 @@ pub enum HoldPoint {
     /// On the device, while an operation executes.
     DeviceOp,
 }
+
+named!(HoldPoint, "hold point" {
+    Register => "register",
+    DeviceOp => "device_op",
+});
 
 #[derive(Default)]
 pub(crate) struct Faults {

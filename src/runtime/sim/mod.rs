@@ -197,10 +197,6 @@ fn live(st: &State) -> Result<(), Code> {
     }
 }
 
-fn me() -> thread::ThreadId {
-    thread::current().id()
-}
-
 impl SimRuntime {
     /// A simulated GPU with default settings.
     pub fn new() -> Self {
@@ -407,7 +403,7 @@ impl State {
 /// [`rules::check`], with the refusal recorded for [`SimRuntime::refusals`]
 /// and turned into the driver's code (900).
 fn apply_rules(g: &mut State, call: Call, touched: &[u64]) -> Result<(), Code> {
-    match rules::check(g, me(), call, touched) {
+    match rules::check(g, sync::this_thread(), call, touched) {
         Ok(()) => Ok(()),
         Err(r) => {
             g.refusals.push(r);
@@ -811,7 +807,8 @@ impl GpuRuntime for SimRuntime {
             if s.capture.is_some() || s.joined.is_some() {
                 return Err(Code::ILLEGAL_STATE);
             }
-            s.capture = Some(Capture { mode, owner: me(), invalidated: false, body: GraphBody::default() });
+            s.capture =
+                Some(Capture { mode, owner: sync::this_thread(), invalidated: false, body: GraphBody::default() });
             Ok(())
         })();
         traced("cuStreamBeginCapture", r)
@@ -868,7 +865,7 @@ impl GpuRuntime for SimRuntime {
     fn exchange_capture_mode(&self, mode: CaptureMode) -> DriverResult<CaptureMode> {
         let r = (|| {
             let mut g = self.enter(Call::ExchangeCaptureMode, &[])?;
-            Ok(g.set_thread_mode(me(), mode))
+            Ok(g.set_thread_mode(sync::this_thread(), mode))
         })();
         traced("cuThreadExchangeStreamCaptureMode", r)
     }

@@ -18,6 +18,7 @@
 //! runs on any [`GpuRuntime`]; with the simulated GPU registration is
 //! instant, so only the host-side work is measured (the report says so).
 
+use kvoffload::Named;
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -185,22 +186,8 @@ impl RunConfig {
                 "lookahead" => c.lookahead = kvoffload::units::parse_size(v).map_err(|_| bad("a size or all"))?,
                 "fallback" => c.fallback_mbps = v.parse().map_err(|_| bad("MB/s (0: off)"))?,
                 "nice" => c.nice = v.parse().map_err(|_| bad("a niceness"))?,
-                "huge" => {
-                    c.huge_pages = match v {
-                        "auto" => HugePages::Auto,
-                        "on" => HugePages::On,
-                        "off" => HugePages::Off,
-                        _ => return Err(bad("auto, on or off")),
-                    }
-                }
-                "prefault" => {
-                    c.prefault = match v {
-                        "populate" => PrefaultMode::Populate,
-                        "touch" => PrefaultMode::Touch,
-                        "off" => PrefaultMode::Off,
-                        _ => return Err(bad("populate, touch or off")),
-                    }
-                }
+                "huge" => c.huge_pages = HugePages::from_name(v).map_err(|e| bad(&e.expected()))?,
+                "prefault" => c.prefault = PrefaultMode::from_name(v).map_err(|e| bad(&e.expected()))?,
                 _ => {
                     return Err(format!(
                     "candidate {spec:?}: unknown key {k:?} (threads, chunk, lookahead, fallback, nice, huge, prefault)"
@@ -406,7 +393,7 @@ fn fresh_region(size: usize) -> Result<Arc<Region>, String> {
 /// A pre-faulter wrapper that times the pinning thread's waits, reports
 /// progress (chunk i is about to be ensured = chunks before it registered)
 /// and can drop hints (no overlap).
-struct Observed<'a> {
+struct TimedPrefault<'a> {
     inner: &'a dyn Prefault,
     coord: &'a Coordinator,
     pipelined: bool,
@@ -417,7 +404,7 @@ struct Observed<'a> {
     progress: &'a (dyn Fn(Progress) + Sync),
 }
 
-impl Prefault for Observed<'_> {
+impl Prefault for TimedPrefault<'_> {
     fn ensure(&self, i: usize, addr: usize, len: usize) -> Result<(), String> {
         let done: u64 = (0..i).map(|k| self.coord.chunk_range(k).1 as u64).sum();
         (self.progress)(Progress::Advance { bytes: done });
@@ -502,15 +489,10 @@ fn one_call(rt: &dyn GpuRuntime, size: usize, progress: &(dyn Fn(Progress) + Syn
 }
 
 fn describe(c: &RunConfig) -> String {
-    let huge = match c.huge_pages {
-        HugePages::Auto => "auto",
-        HugePages::On => "on",
-        HugePages::Off => "off",
-    };
+    let huge = c.huge_pages.name();
     let mode = match c.prefault {
-        PrefaultMode::Populate => "populate",
-        PrefaultMode::Touch => "touch",
         PrefaultMode::Off => "no prefault",
+        m => m.name(),
     };
     let ahead = match c.lookahead {
         0 => String::new(),
@@ -566,7 +548,7 @@ pub fn pipeline(
         }
     };
     let pf = prepared.prefault();
-    let observed = Observed {
+    let timed = TimedPrefault {
         inner: pf.as_ref(),
         coord: prepared.coordinator(),
         pipelined: c.pipelined,
@@ -575,10 +557,10 @@ pub fn pipeline(
         waits: Mutex::new(Vec::new()),
         progress,
     };
-    let state = pin_all(rt, prepared.coordinator(), &observed);
+    let state = pin_all(rt, prepared.coordinator(), &timed);
     row.total_s = t.elapsed().as_secs_f64();
-    row.fault_wait_s = Some(sync::lock(&observed.waited).as_secs_f64());
-    row.waits = std::mem::take(&mut *sync::lock(&observed.waits));
+    row.fault_wait_s = Some(sync::lock(&timed.waited).as_secs_f64());
+    row.waits = std::mem::take(&mut *sync::lock(&timed.waits));
     row.chunks = prepared.chunks();
     row.huge_pages = prepared.huge_pages();
     let stats = prepared.prefaulter().map(|p| p.stats());

@@ -5,7 +5,7 @@
 //! Each measurement is a fresh region of `size` bytes: N processes (the
 //! binary re-executed, one per rank; rank r on GPU r mod the GPUs there
 //! are) create or join it, pin what [`Region::pin_ranges`] gives them with
-//! [`pin_all_agreed`] (the P7 agreement through the region's header) and
+//! [`pin_with`] (the P7 agreement through the region's header) and
 //! report their clock readings (CLOCK_MONOTONIC, one clock for every
 //! process of the machine). The parent reports the region's bytes over:
 //! - **pin**: from the first rank starting to pin to the last rank Pinned
@@ -47,7 +47,7 @@ use kvoffload::units::fmt_bytes;
 
 use kvoffload::internal::pin::Prepared;
 use kvoffload::internal::pin::{available_cores, PinOptions};
-use kvoffload::internal::pin::{pin_all_agreed, Agreement, Prefault};
+use kvoffload::internal::pin::{pin_with, Agreement, PinObserver};
 
 /// What one variant changes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -229,24 +229,13 @@ impl RankTimes {
     }
 }
 
-/// Notes when this rank's pre-faulter settles (its registrations are done).
+/// Notes when this rank's pinning settles (its registrations are done).
 struct Settled {
-    inner: Arc<dyn Prefault>,
     at: Mutex<Option<f64>>,
 }
 
-impl Prefault for Settled {
-    fn ensure(&self, i: usize, addr: usize, len: usize) -> Result<(), String> {
-        self.inner.ensure(i, addr, len)
-    }
-    fn hint(&self, i: usize, addr: usize, len: usize) {
-        self.inner.hint(i, addr, len)
-    }
-    fn lookahead_bytes(&self) -> usize {
-        self.inner.lookahead_bytes()
-    }
-    fn settle(&self) {
-        self.inner.settle();
+impl PinObserver for Settled {
+    fn settled(&self) {
         sync::lock(&self.at).get_or_insert_with(monotonic_secs);
     }
 }
@@ -286,13 +275,13 @@ fn run_rank_inner(cfg: &RankConfig, rt: &dyn GpuRuntime, t: &mut RankTimes) -> R
     let prepared = Prepared::new(rt, &region, &popts).map_err(|e| e.to_string())?;
     t.share = prepared.bytes() as u64;
     let (coord, prefault) = prepared.into_parts();
-    let settled = Settled { inner: prefault, at: Mutex::new(None) };
+    let settled = Settled { at: Mutex::new(None) };
     let slots: Arc<dyn RankSlots> = match RegionSlots::new(region.clone()) {
         Some(s) => Arc::new(s),
         None => return Err("the region is not shared".into()),
     };
     let agreement = Agreement { slots, rank: cfg.rank, timeout: Some(cfg.timeout) };
-    let state = pin_all_agreed(rt, &coord, &settled, &agreement);
+    let state = pin_with(rt, &coord, prefault.as_ref(), Some(&settled), Some(&agreement.into())).agreed();
     t.agreed = monotonic_secs();
     t.pinned = sync::lock(&settled.at).unwrap_or(t.agreed);
     t.huge = pages::huge_mapped_bytes(region.mapping_range().addr_range()).unwrap_or(0);

@@ -17,6 +17,7 @@
 //! best counts), with the destination cleared before and checked word by
 //! word after every repetition.
 
+use kvoffload::Named;
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::time::Instant;
@@ -77,7 +78,7 @@ impl BenchConfig {
 
     /// Every backend and the automatic choice.
     pub fn all_choices() -> Vec<BackendChoice> {
-        let mut v: Vec<BackendChoice> = Backend::ALL.into_iter().map(BackendChoice::Force).collect();
+        let mut v: Vec<BackendChoice> = Backend::all().iter().copied().map(BackendChoice::Force).collect();
         v.push(BackendChoice::Auto);
         v
     }
@@ -761,16 +762,18 @@ fn verify(b: &mut Buffers, dir: Direction, size: usize, gpu: &[usize], host: &[u
 /// The other direction's job, in words.
 fn other_name(d: Direction) -> &'static str {
     match d {
-        Direction::HostToDevice => "store",
-        Direction::DeviceToHost => "load",
+        Direction::HostToDevice => Direction::DeviceToHost.name(),
+        Direction::DeviceToHost => Direction::HostToDevice.name(),
     }
 }
 
-fn dir_name(d: Direction) -> &'static str {
-    match d {
-        Direction::HostToDevice => "load H2D",
-        Direction::DeviceToHost => "store D2H",
-    }
+/// The direction's job and its copies: `load H2D`, `store D2H`.
+fn dir_name(d: Direction) -> String {
+    let copies = match d {
+        Direction::HostToDevice => "H2D",
+        Direction::DeviceToHost => "D2H",
+    };
+    format!("{} {copies}", d.name())
 }
 
 impl fmt::Display for BenchReport {
@@ -837,7 +840,7 @@ impl fmt::Display for BenchReport {
                 run,
                 match r.other {
                     Some(o) => format!("{}, {} {o} running", dir_name(r.direction), other_name(r.direction)),
-                    None => dir_name(r.direction).to_string(),
+                    None => dir_name(r.direction),
                 },
                 r.choice,
                 used,

@@ -5,6 +5,7 @@ use kvoffload::internal::runtime::cuda::CudaRuntime;
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{shared, GpuRuntime};
 use kvoffload::internal::sync::Arc;
+use kvoffload::Named;
 
 /// Which runtime to use.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -37,3 +38,10 @@ pub fn open(b: BackendArg) -> Result<Arc<dyn GpuRuntime>, String> {
 }
 
 pub use kvoffload::units::parse_size;
+
+/// The clap parser of a [`Named`] enum: its table's names are the
+/// possible values (`--help` lists them), parsed with the same table.
+pub fn named<T: Named + Send + Sync>() -> impl clap::builder::TypedValueParser<Value = T> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(T::names()).map(|s| T::from_name(&s).expect("clap checked the name"))
+}

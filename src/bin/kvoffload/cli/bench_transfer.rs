@@ -7,6 +7,7 @@ use crate::bench::transfer::{parse_size, run_bench, BenchConfig, BenchReport};
 use crate::plot::{lines, Limit, LineChart, Series};
 use kvoffload::internal::runtime::Direction;
 use kvoffload::internal::transfer::{Backend, BackendChoice};
+use kvoffload::Named;
 
 /// Arguments of `kvoffload bench transfer`.
 #[derive(clap::Args, Debug)]
@@ -94,12 +95,10 @@ const LINK_GBPS: f64 = 55.4;
 fn draw(report: &BenchReport, dir: &std::path::Path, link_gbps: f64) -> Result<Vec<std::path::PathBuf>, String> {
     super::svg_dir(dir)?;
     let mut written = Vec::new();
-    for (&layers, (direction, dname)) in report
-        .config
-        .layers
-        .iter()
-        .flat_map(|l| [(l, (Direction::DeviceToHost, "store")), (l, (Direction::HostToDevice, "load"))])
+    for (&layers, direction) in
+        report.config.layers.iter().flat_map(|l| [(l, Direction::DeviceToHost), (l, Direction::HostToDevice)])
     {
+        let dname = direction.name();
         let mut series: Vec<Series> = Vec::new();
         let rows = report.rows.iter().filter(|r| r.layers == layers && r.direction == direction);
         for r in rows.filter(|r| r.error.is_none() && r.verified && r.gbps > 0.0) {
@@ -157,7 +156,10 @@ pub fn run(a: TransferArgs) -> Result<i32, String> {
     for p in a.both.iter().filter(|p| p.as_str() != "none") {
         let (l, s) =
             p.split_once('/').ok_or_else(|| format!("--both {p}: expected LOAD/STORE, e.g. gather/batched"))?;
-        cfg.both.push((l.parse()?, s.parse()?));
+        cfg.both.push((
+            BackendChoice::from_name(l).map_err(|e| e.to_string())?,
+            BackendChoice::from_name(s).map_err(|e| e.to_string())?,
+        ));
     }
     if let Some(g) = &a.gather_max {
         cfg.options.thresholds.gather_max_bytes = parse_size(g)?;
@@ -184,7 +186,8 @@ pub fn run(a: TransferArgs) -> Result<i32, String> {
     cfg.layers = a.layers.clone();
     cfg.baseline = !a.no_baseline;
     if !a.force.is_empty() {
-        cfg.choices = a.force.iter().map(|f| f.parse()).collect::<Result<_, String>>()?;
+        cfg.choices =
+            a.force.iter().map(|f| BackendChoice::from_name(f)).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
         cfg.choices.retain(|c| *c != BackendChoice::Force(Backend::PerFragment));
         if !cfg.baseline && a.force.iter().any(|f| f == "per-fragment") {
             cfg.choices.insert(0, BackendChoice::Force(Backend::PerFragment));

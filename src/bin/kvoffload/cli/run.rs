@@ -33,6 +33,7 @@ use kvoffload::internal::runtime::cuda::CudaRuntime;
 use kvoffload::units::parse_size;
 
 use super::backend::{self, BackendArg};
+use kvoffload::internal::pin::HugePages;
 
 mod preflight;
 mod summary;
@@ -124,8 +125,8 @@ pub struct Args {
     /// Huge-page advice for the shared region: auto (library default: none
     /// for /dev/shm), on (madvise MADV_HUGEPAGE; effective where
     /// /sys/kernel/mm/transparent_hugepage/shmem_enabled allows), off.
-    #[arg(long, value_enum, default_value_t = HugeArg::Auto)]
-    pin_huge_pages: HugeArg,
+    #[arg(long, value_parser = backend::named::<HugePages>(), default_value = "auto")]
+    pin_huge_pages: HugePages,
     /// Directory of the region file. /dev/shm usually has 4 KiB pages (no
     /// huge= mount option), which limit pinning to a few GB/s; a tmpfs
     /// mounted with huge=always (mount -t tmpfs -o huge=always,size=... none DIR)
@@ -205,11 +206,7 @@ impl Args {
             startup: Duration::from_millis(self.startup_ms),
             pin_threads: self.pin_threads,
             pin_chunk: self.pin_chunk,
-            pin_huge_pages: match self.pin_huge_pages {
-                HugeArg::Auto => kvoffload::internal::pin::HugePages::Auto,
-                HugeArg::On => kvoffload::internal::pin::HugePages::On,
-                HugeArg::Off => kvoffload::internal::pin::HugePages::Off,
-            },
+            pin_huge_pages: self.pin_huge_pages,
             region_dir: self.region_dir.clone(),
             seed: self.seed,
             rank_timeout: Duration::from_secs(self.rank_timeout_s),
@@ -277,12 +274,4 @@ fn run_as_rank(a: &Args, cfg: &RunConfig, rank: usize) -> Result<i32, String> {
             Ok(1)
         }
     }
-}
-
-/// `--pin-huge-pages`.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum HugeArg {
-    Auto,
-    On,
-    Off,
 }

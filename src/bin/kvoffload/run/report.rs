@@ -1,6 +1,7 @@
 //! What one rank reports (a `KVO-RESULT` line of `key=value` pairs) and the
 //! run's summary over every rank.
 
+use kvoffload::Named;
 use std::fmt::Write as _;
 
 use super::metrics::{Intervals, Latencies, Throughput};
@@ -55,7 +56,7 @@ pub struct RankReport {
     pub stores: u64,
     pub loads: u64,
     /// Stores and loads of the Zipf requests by the backend that moved
-    /// them, in [`Backend::ALL`]'s order.
+    /// them, in [`Backend::all`](kvoffload::Named::all)'s order.
     pub store_backends: [u64; 4],
     pub load_backends: [u64; 4],
     /// Stores and loads of the Zipf requests (both directions at once).
@@ -212,7 +213,7 @@ impl RankReport {
     }
 }
 
-/// `a/b/c/d`: one count per backend of [`Backend::ALL`].
+/// `a/b/c/d`: one count per backend of [`Backend::all`](kvoffload::Named::all).
 fn backend_counts(v: &str) -> Option<[u64; 4]> {
     let mut out = [0u64; 4];
     let mut it = v.split('/');
@@ -225,7 +226,7 @@ fn backend_counts(v: &str) -> Option<[u64; 4]> {
 /// Jobs by backend, as `934 staged, 512 gather` (backends with none left out).
 pub fn backend_mix(counts: &[u64; 4]) -> String {
     let parts: Vec<String> =
-        Backend::ALL.iter().zip(counts).filter(|(_, n)| **n > 0).map(|(b, n)| format!("{n} {}", b.name())).collect();
+        Backend::all().iter().zip(counts).filter(|(_, n)| **n > 0).map(|(b, n)| format!("{n} {}", b.name())).collect();
     if parts.is_empty() {
         "none".into()
     } else {

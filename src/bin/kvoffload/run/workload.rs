@@ -13,6 +13,7 @@
 //! The offloader places the blocks (its block manager) and moves them (its
 //! transfer engine); the workload only chooses keys and GPU blocks.
 
+use kvoffload::Named;
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::Instant;
 
@@ -112,9 +113,9 @@ const MIXED: usize = 1;
 const SWEEP: usize = 2;
 const STAGE_NAMES: [&str; 3] = ["prefill", "mixed", "sweep"];
 
-/// Index of `b` in [`Backend::ALL`].
+/// Index of `b` in [`Backend::all`](kvoffload::Named::all).
 fn backend_slot(b: Backend) -> usize {
-    Backend::ALL.iter().position(|x| *x == b).unwrap_or(0)
+    Backend::all().iter().position(|x| *x == b).unwrap_or(0)
 }
 
 fn dir_slot(k: Kind) -> usize {

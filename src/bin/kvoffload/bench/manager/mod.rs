@@ -10,6 +10,7 @@
 mod report;
 mod workload;
 
+use kvoffload::Named;
 use std::time::Instant;
 
 pub use report::{BenchReport, BenchRow};
@@ -122,7 +123,7 @@ pub fn run_bench(cfg: &BenchConfig) -> BenchReport {
     let mut rows = Vec::new();
     for workload in Workload::ALL {
         let keys = trace(workload, &shape);
-        for policy in PolicyKind::ALL {
+        for &policy in PolicyKind::all() {
             rows.push(run_one(workload, policy, cfg.capacity, &keys));
         }
     }
@@ -184,7 +185,7 @@ mod tests {
         let report = run_bench(&small());
         assert_eq!(report.rows.len(), 4);
         for w in Workload::ALL {
-            for p in PolicyKind::ALL {
+            for &p in PolicyKind::all() {
                 let row = report.row(w, p).expect("row");
                 assert_eq!(row.accesses, 6_000);
                 assert_eq!(row.failures, 0);

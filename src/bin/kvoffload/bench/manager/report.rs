@@ -1,5 +1,6 @@
 //! Results of the policy comparison and their table.
 
+use kvoffload::Named;
 use std::fmt;
 use std::time::Duration;
 
