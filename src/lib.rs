@@ -71,8 +71,8 @@ pub use internal::units;
 // The engine's API. Grouped by the layer each item comes from.
 pub use manager::{BlockKey, Lookup, ManagerError, PolicyKind, SkipReason, Skipped};
 pub use offloader::{
-    Addressing, Completion, GatedCalls, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinObserver,
-    PinOutcome, PinProgress, RegionSpec, SlotJob, StoreSubmitted,
+    CaptureHook, Completion, GatedCalls, Geometry, Interruptible, KeyedOffloader, KvAlloc, KvSpec, Offloader,
+    OffloaderError, OffloaderOptions, PinObserver, PinOutcome, PinProgress, RegionSpec, SlotJob, StoreSubmitted,
 };
 pub use pin::{HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode};
 pub use protocol::agreement::{AgreementError, Transport};
