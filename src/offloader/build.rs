@@ -331,12 +331,7 @@ impl Offloader {
             prefault,
             agreement,
             bytes_total,
-            inner: Mutex::new(Inner {
-                engine: Some(Arc::new(engine)),
-                jobs: HashMap::new(),
-                closed: false,
-                book,
-            }),
+            inner: Mutex::new(Inner { engine: Some(Arc::new(engine)), jobs: HashMap::new(), closed: false, book }),
             pinner: Mutex::new(Pinner::NotStarted),
             owned_tensors,
             owned_compute,

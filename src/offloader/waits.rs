@@ -246,9 +246,7 @@ impl<'a> Interruptible<'a> {
         }
         // Any other outcome (a window of this thread's, shut down
         // meanwhile) is for the shutdown itself to refuse or report.
-        if let Err(e @ OffloaderError::Protocol(ProtocolError::Interrupted { .. })) =
-            self.wait_all(sink)
-        {
+        if let Err(e @ OffloaderError::Protocol(ProtocolError::Interrupted { .. })) = self.wait_all(sink) {
             return Err(e);
         }
         off.shutdown()

@@ -30,7 +30,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderOptions, PinObserver, RegionSpec};
+use kvoffload::internal::offloader::{KeyedOffloader, KvAlloc, Offloader, OffloaderOptions, PinObserver, RegionSpec};
 use kvoffload::internal::pin::PinOptions;
 use kvoffload::internal::protocol::agreement::AgreementError;
 use kvoffload::internal::protocol::{GraphToken, PinState};
@@ -157,8 +157,8 @@ pub fn run_rank(
         gpu_blocks: cfg.gpu_blocks,
         block_factor: cfg.block_factor,
     };
-    let off = Arc::new(Offloader::with_allocated_tensors(rt.clone(), kv, opts)?);
-    rep.region_bytes = off.region().len() as u64;
+    let off = Arc::new(KeyedOffloader::with_allocated_tensors(rt.clone(), kv, opts)?);
+    rep.region_bytes = off.core().geometry().region.len() as u64;
 
     // Faults (simulated GPU only; the parent refuses them elsewhere).
     let faulty = cfg.fault_rank.is_none_or(|r| r == rank);
@@ -184,10 +184,10 @@ pub fn run_rank(
     let started = Instant::now();
     *sync::lock(&probe.started) = Some(started);
     let mut captures = None;
-    let result = off.start().map_err(RankError::from).and_then(|()| {
+    let result = off.core().start().map_err(RankError::from).and_then(|()| {
         startup(cfg, rank, stop);
-        captures = Some(capture(cfg, rank, &off, &mut rep, stop)?);
-        if agree(rank, &off, &probe, started, &mut rep, stop)? {
+        captures = Some(capture(cfg, rank, off.core(), &mut rep, stop)?);
+        if agree(rank, off.core(), &probe, started, &mut rep, stop)? {
             let ctx = RankWorkload { cfg, rank, off: &off, rearm: &rearm, pause_at, stop };
             workload(&ctx, &mut rep)?;
         }
@@ -198,8 +198,8 @@ pub fn run_rank(
     // 7. Shutdown: graphs first, then the offloader's (jobs drained,
     // pinning stopped, the region unregistered), even when a step failed.
     phase(rank, "shutdown");
-    let released = captures.map_or(Ok(()), |c| c.release(&off));
-    let down = off.shutdown();
+    let released = captures.map_or(Ok(()), |c| c.release(off.core()));
+    let down = off.core().shutdown();
     result?;
     released?;
     down?;
@@ -309,7 +309,7 @@ fn agree(
     }
     let outcome = off.wait_pinned()?;
     rep.agreed_seconds = started.elapsed().as_secs_f64();
-    rep.huge_bytes = pages::huge_mapped_bytes(off.region().mapping_range().addr_range()).unwrap_or(0);
+    rep.huge_bytes = pages::huge_mapped_bytes(off.geometry().region.mapping_range().addr_range()).unwrap_or(0);
     rep.pin_seconds = sync::lock(&probe.local_done).map_or(rep.agreed_seconds, |d| d.as_secs_f64());
     rep.pin_state = format!("{:?}", outcome.state).replace(' ', "");
     rep.agreement = match &outcome.agreement {

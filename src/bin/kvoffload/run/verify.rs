@@ -285,7 +285,7 @@ mod tests {
         let off =
             Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv, OffloaderOptions::with_host_blocks(2))
                 .unwrap();
-        let shape = Shape { rank: 0, layers, factor, page, layout: off.layout().clone() };
+        let shape = Shape { rank: 0, layers, factor, page, layout: off.geometry().layout.clone() };
         (off, shape)
     }
 
