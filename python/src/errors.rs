@@ -151,7 +151,7 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
         | OffloaderError::Layout(_)
         | OffloaderError::GpuBlockCount { .. }
         | OffloaderError::SlotJobShape { .. }
-        | OffloaderError::WrongAddressing { .. } => make::<OptionsError>(py, msg, &kind, reason, None),
+        | OffloaderError::KeyedCore { .. } => make::<OptionsError>(py, msg, &kind, reason, None),
         // The engine named a slot of a job not yet reported: its own
         // bookkeeping is wrong, the job refused.
         OffloaderError::SlotBusy { .. } => make::<TransferError>(py, msg, &kind, None, None),
@@ -192,6 +192,15 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
         OffloaderError::ShutDown => make::<ShutDownError>(py, msg, &kind, None, None),
         _ => make::<KvoffloadError>(py, msg, &kind, reason, None),
     }
+}
+
+/// A call of the other addressing (`addressing` is how this offloader's
+/// host blocks are addressed: `"Keys"` or `"Slots"`): OptionsError, kind
+/// `"wrong_addressing"`. The library has no such error (its types decide
+/// what each offloader can do); the one Python class refuses it here.
+pub fn wrong_addressing(py: Python<'_>, call: &str, addressing: &str) -> PyErr {
+    let msg = format!("{call} is not available: this offloader's host blocks are addressed by {addressing}");
+    make::<OptionsError>(py, msg, "wrong_addressing", None, None)
 }
 
 fn protocol(py: Python<'_>, msg: String, kind: &str, p: &RustProtocolError) -> PyErr {

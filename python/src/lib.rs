@@ -23,7 +23,9 @@
 //! nothing behind.
 //!
 //! Files: `offloader.rs` (`Offloader`, `CaptureWindow`; the lock
-//! discipline of its job bookkeeping at the top), `book.rs` (that
+//! discipline of its job bookkeeping at the top), `front.rs` (the
+//! library offloader it holds: keyed, or the slot-addressed core),
+//! `book.rs` (that
 //! bookkeeping, and the panic guard of the entry points), `runtime.rs`
 //! (`Runtime`), `results.rs` (the result classes), `args.rs` (arguments
 //! from Python), `tensors.rs` (the engine's tensors, CPU ones adopted on
@@ -33,6 +35,7 @@ mod agreement;
 mod args;
 mod book;
 mod errors;
+mod front;
 mod offloader;
 mod results;
 mod runtime;
@@ -45,7 +48,7 @@ use std::time::Duration;
 
 use kvoffload::internal::manager::{BlockKey, Lookup, PolicyKind, SkipReason};
 use kvoffload::internal::offloader::{
-    Addressing, Completion, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, RegionSpec,
+    Completion, KeyedOffloader, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, RegionSpec,
     SlotJob,
 };
 use kvoffload::internal::pin::options::{HugePages, PrefaultMode};
@@ -63,6 +66,7 @@ use std::sync::Arc;
 use agreement::*;
 use args::*;
 use book::*;
+use front::*;
 use offloader::*;
 use results::*;
 use runtime::*;
