@@ -97,7 +97,7 @@ impl Offloader {
     /// `submit_load(..., expedited=True)`: its own stream and completion
     /// FIFO, so it never waits behind regular loads or stores; needs
     /// `OffloaderOptions::transfer.expedited_lane = true`, otherwise
-    /// [`TransferError::NoExpeditedLane`](crate::transfer::TransferError::NoExpeditedLane)).
+    /// [`TransferError::NoExpeditedLane`]).
     ///
     /// The job is ordered after the work on the compute stream at this
     /// moment; [`Offloader::poll`] reports it once (a
