@@ -30,6 +30,7 @@
 //! | [`Offloader::interruptible`] ([`Interruptible`]) | every wait above (and the window, the hook's begin, `gated`, shutdown) interruptible by a check: the Python front's Ctrl-C |
 //! | [`Offloader::shutdown`], [`Offloader::is_shut_down`] | shutdown (refused with nothing changed while a window is open or a graph lives) |
 //! | [`Offloader::geometry`] ([`Geometry`]: the tensors, the host blocks, the [`KvLayout`] with the host and device address of every block, the [`Region`], the lanes' streams), [`Offloader::runtime`], [`Offloader::activity`] ([`Activity`]) | where things are, and what the coordinator has open or waiting (diagnostics) |
+//! | [`Kernel`] (the pattern kernels of [`GpuRuntime::launch`]: [`pattern`], [`PATTERN_ENTRY_WORDS`], [`GATHER_ENTRY_WORDS`]), [`SimFault`] ([`SimRuntime::inject`]), [`Layout`] ([`Region::layout`], [`page_size`]), [`GroupSpec`] and [`HostPlacement`] ([`KvLayout::new`]), the options' defaults and limits ([`DEFAULT_MAX_CHUNK_BYTES`], [`DEFAULT_SHM_DIR`], [`DEFAULT_FILE_BYTES`], [`MAX_FILES`], [`MAX_RANKS`]) | the rest of those items' signatures: what the `run` job's ranks (engine-like processes on this API alone) verify every block with, fault injection on the simulated GPU, and region sizing |
 //! | [`OffloaderError`] and the errors it wraps ([`ProtocolError`], [`ShutdownError`], [`PinError`], [`RegionError`], [`TransferError`], [`ManagerError`], [`LayoutError`], [`DriverError`] with its [`Code`], [`AgreementError`]) | every failure, typed |
 //!
 //! The layers these are built from (the coordinator and its gate, the
@@ -83,22 +84,25 @@ pub use offloader::{
     CaptureHook, Completion, GatedCalls, Geometry, Interruptible, KeyedOffloader, KvAlloc, KvSpec, Offloader,
     OffloaderError, OffloaderOptions, PinObserver, PinOutcome, PinProgress, RegionSpec, SlotJob, StoreSubmitted,
 };
-pub use pin::{HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode};
+pub use pin::{HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
 pub use protocol::agreement::{AgreementError, Transport};
 pub use protocol::{
     Activity, CapturePolicy, CaptureWindow, GraphToken, PageableReason, PinState, ProtocolError, ShutdownError,
 };
-pub use region::{AbandonReason, FileProblem, FileSplit, JoinPhase, Region, RegionError, ShmOptions, ShmStep};
+pub use region::{
+    page_size, AbandonReason, FileProblem, FileSplit, JoinPhase, Layout, RawRange, Region, RegionError, ShmOptions,
+    ShmStep, DEFAULT_FILE_BYTES, DEFAULT_SHM_DIR, MAX_FILES, MAX_RANKS,
+};
 #[cfg(not(loom))]
 pub use runtime::cuda::CudaRuntime;
-pub use runtime::sim::{SimConfig, SimRuntime};
+pub use runtime::sim::{SimConfig, SimFault, SimRuntime};
 pub use runtime::{
-    shared, CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, Event, GpuRuntime, Graph, OpenError,
-    Stream,
+    pattern, shared, CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event,
+    GpuRuntime, Graph, Kernel, OpenError, Stream, GATHER_ENTRY_WORDS, PATTERN_ENTRY_WORDS,
 };
 pub use transfer::{
-    AutoThresholds, Backend, BackendChoice, JobId, KvLayout, Lane, LayoutError, TensorSpec, TransferError,
-    TransferOptions,
+    AutoThresholds, Backend, BackendChoice, GroupSpec, HostPlacement, JobId, KvLayout, Lane, LayoutError, TensorSpec,
+    TransferError, TransferOptions,
 };
 
 /// The README's library example, compiled and run as a doc test.

@@ -30,15 +30,13 @@
 
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::offloader::{KeyedOffloader, KvAlloc, Offloader, OffloaderOptions, PinObserver, RegionSpec};
-use kvoffload::internal::pin::PinOptions;
-use kvoffload::internal::protocol::agreement::AgreementError;
-use kvoffload::internal::protocol::{GraphToken, PinState};
-use kvoffload::internal::region::{pages, ShmOptions};
-use kvoffload::internal::runtime::pattern;
-use kvoffload::internal::runtime::sim::SimFault;
-use kvoffload::internal::runtime::{CaptureMode, Code, DevicePtr, DriverError, GpuRuntime, Graph, Stream};
-use kvoffload::internal::sync::{self, Arc, Mutex};
+use kvoffload::{
+    pattern, AgreementError, CaptureMode, Code, DevicePtr, DriverError, GpuRuntime, Graph, GraphToken, KeyedOffloader,
+    KvAlloc, Offloader, OffloaderOptions, PinObserver, PinOptions, PinState, RegionSpec, ShmOptions, SimFault, Stream,
+};
+use std::sync::{Arc, Mutex};
+
+use super::lock;
 
 use super::config::{KillAt, RunConfig};
 use super::error::{drv, gated, RankError};
@@ -65,9 +63,9 @@ impl PinObserver for PinProbe {
     }
 
     fn settled(&self) {
-        let started = *sync::lock(&self.started);
+        let started = *lock(&self.started);
         if let Some(t) = started {
-            sync::lock(&self.local_done).get_or_insert(t.elapsed());
+            lock(&self.local_done).get_or_insert(t.elapsed());
         }
     }
 }
@@ -182,7 +180,7 @@ pub fn run_rank(
     // 2. Background pinning, with the agreement of every rank.
     phase(rank, "pinning");
     let started = Instant::now();
-    *sync::lock(&probe.started) = Some(started);
+    *lock(&probe.started) = Some(started);
     let mut captures = None;
     let result = off.core().start().map_err(RankError::from).and_then(|()| {
         startup(cfg, rank, stop);
@@ -309,8 +307,8 @@ fn agree(
     }
     let outcome = off.wait_pinned()?;
     rep.agreed_seconds = started.elapsed().as_secs_f64();
-    rep.huge_bytes = pages::huge_mapped_bytes(off.geometry().region.mapping_range().addr_range()).unwrap_or(0);
-    rep.pin_seconds = sync::lock(&probe.local_done).map_or(rep.agreed_seconds, |d| d.as_secs_f64());
+    rep.huge_bytes = off.geometry().region.huge_mapped_bytes().unwrap_or(0);
+    rep.pin_seconds = lock(&probe.local_done).map_or(rep.agreed_seconds, |d| d.as_secs_f64());
     rep.pin_state = format!("{:?}", outcome.state).replace(' ', "");
     rep.agreement = match &outcome.agreement {
         None | Some(Ok(())) if outcome.state == PinState::Pinned => "pinned".into(),

@@ -17,11 +17,12 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use crate::random::{SplitMix64, Zipf};
-use kvoffload::internal::manager::{BlockKey, Lookup, ManagerError};
-use kvoffload::internal::offloader::{Completion, KeyedOffloader, OffloaderError};
-use kvoffload::internal::runtime::{Direction, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
-use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::{Backend, JobId, TransferError};
+use kvoffload::{
+    Backend, BlockKey, Completion, Direction, GpuRuntime, JobId, Kernel, KeyedOffloader, Lookup, ManagerError,
+    OffloaderError, Stream, TransferError, PATTERN_ENTRY_WORDS,
+};
+use std::sync::Arc;
+use std::thread;
 
 use super::config::{KillAt, RunConfig};
 use super::error::{gated, RankError};
