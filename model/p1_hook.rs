@@ -1,5 +1,6 @@
 //! P1 and P6 through the capture hook: the `Offloader`'s own
-//! `capture_begin` / `capture_end` / `capture_abort` (no lexical guard),
+//! `CaptureHook` (`capture_hook()`: `begin` / `end` / `abort`, no lexical
+//! guard; `capture_begin` below is the hook's `begin`, and so on),
 //! on the simulated GPU, with the offloader's pinner running.
 //!
 //! - **A job beside a hooked capture** (4 threads: the engine on main, a
@@ -8,7 +9,7 @@
 //!   AfterPinning, so only the hook's Interleave rule lets the window open
 //!   while pinning runs), captures a memset on the compute stream in
 //!   GLOBAL mode, ends the capture and calls `capture_end`. The library
-//!   thread submits a slot store (`store_slots`) at any point of that and
+//!   thread submits a slot store (`submit` on `Lane::Store`) at any point of that and
 //!   waits for it (`wait_jobs`, from a thread that holds no window). In
 //!   every interleaving: the capture ends with a graph, the simulated GPU
 //!   refused no call (it default-denies any unmeasured call during a
@@ -16,7 +17,7 @@
 //!   once, succeeded, its bytes in its slot, `deferred_seconds > 0` exactly
 //!   when it was submitted while the hook's window was open or opening;
 //!   pinning ends Pinned and shutdown leaves nothing registered. Paths:
-//!   `start`, `capture_begin`, `store_slots` (direct or deferred),
+//!   `start`, `capture_begin`, `submit` (direct or deferred),
 //!   `wait_jobs` (waiting for a deferred job, then for the copy),
 //!   `capture_end` (and its flush of the deferred queue), `poll`,
 //!   `wait_pinned`, `shutdown`.
@@ -30,7 +31,7 @@
 //! - **Two hooked captures** (5 threads, 4 at once: main and a second capture thread,
 //!   each `capture_begin`, a THREAD_LOCAL capture of its own stream (a
 //!   second begin during a GLOBAL capture is refused), `end`,
-//!   `capture_end`; a library thread's `store_slots` and `wait_jobs`; the
+//!   `capture_end`; a library thread's `submit` and `wait_jobs`; the
 //!   sim's device thread; the pinner, whose pinning is final and which is
 //!   joined before the others start): both
 //!   captures intact, no refusal, no window and no deferred job left, the
@@ -70,24 +71,24 @@ mod common;
 
 use common::offloader::{lean, offloader_on, poll_n, sim, write_block, PAGE};
 use common::{check, negative, Bounds};
-use kvoffload::internal::offloader::{Offloader, OffloaderOptions};
+use kvoffload::internal::offloader::{Offloader, OffloaderOptions, SlotJob};
 use kvoffload::internal::protocol::{PinState, Variant};
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{shared, CaptureMode, GpuRuntime};
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::JobId;
+use kvoffload::internal::transfer::{JobId, Lane};
 
 /// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and 2 host
 /// slots (two registration chunks), on a simulated GPU.
 fn offloader(variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<Offloader>) {
     let rt = shared(SimRuntime::new());
-    let opts = lean(OffloaderOptions::with_host_slots(2), Some(kvoffload::internal::region::page_size()));
+    let opts = lean(OffloaderOptions::with_host_blocks(2), Some(kvoffload::internal::region::page_size()));
     (rt.clone(), Arc::new(offloader_on(rt, opts, variant)))
 }
 
 /// Host slot `slot`'s page, read from the region.
 fn slot_bytes(off: &Offloader, slot: usize) -> [u8; PAGE] {
-    let addr = off.layout().host_addr(0, 0, slot, 0);
+    let addr = off.geometry().layout.host_addr(0, 0, slot, 0);
     let mut out = [0u8; PAGE];
     // SAFETY: a page of this rank's slot of the mapped region; the job
     // that wrote it was reported.
@@ -99,20 +100,21 @@ fn beside_a_hooked_capture(variant: Variant) {
     let (rt, off) = offloader(variant);
     write_block(&off, 0, 0x5a);
     let d = off.gated("the engine's scratch", |c| c.mem_alloc(64)).unwrap().unwrap();
-    let compute = off.compute_stream();
+    let compute = off.geometry().compute_stream();
     off.start().unwrap();
     let o2 = off.clone();
     let library = thread::spawn(move || {
-        o2.store_slots(JobId(1), &[0], &[1], 0).expect("a store beside a capture is never refused");
+        o2.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[1], 0))
+            .expect("a store beside a capture is never refused");
         o2.wait_jobs(&[JobId(1)]).expect("a wait from a thread without a window");
     });
-    off.capture_begin().unwrap();
+    off.capture_hook().begin().unwrap();
     rt.begin_capture(compute, CaptureMode::Global).unwrap();
     // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
     // memset is only captured.
     let enq = unsafe { rt.memset_d8_async(d, 0, 64, compute) };
     let end = rt.end_capture(compute);
-    off.capture_end().unwrap();
+    off.capture_hook().end().unwrap();
     library.join().unwrap();
     assert!(enq.is_ok() && end.is_ok(), "capture invalidated: enqueue {enq:?}, end {end:?}");
     assert!(sim(&rt).refusals().is_empty(), "the simulated GPU refused a call: {:?}", sim(&rt).refusals());
@@ -132,12 +134,13 @@ fn an_aborted_capture(variant: Variant) {
     off.start().unwrap();
     let o2 = off.clone();
     let capture = thread::spawn(move || {
-        o2.capture_begin().unwrap();
+        o2.capture_hook().begin().unwrap();
         // The framework's capture begin failed here (before any driver
         // call): the hook aborts.
-        o2.capture_abort().unwrap();
+        o2.capture_hook().abort().unwrap();
     });
-    off.store_slots(JobId(1), &[2], &[0], 0).expect("a store beside a capture is never refused");
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[2], &[0], 0))
+        .expect("a store beside a capture is never refused");
     off.wait(JobId(1)).expect("a wait from a thread without a window");
     assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
     capture.join().unwrap();
@@ -164,33 +167,38 @@ fn two_hooked_captures() {
     let s_b = rt.stream_create().unwrap();
     let (o_b, rt_b) = (off.clone(), rt.clone());
     let b = thread::spawn(move || {
-        o_b.capture_begin().unwrap();
+        o_b.capture_hook().begin().unwrap();
         rt_b.begin_capture(s_b, CaptureMode::ThreadLocal).unwrap();
         // SAFETY: `d` holds 128 bytes of the sim, never freed; the memset
         // is only captured.
         let enq = unsafe { rt_b.memset_d8_async(d.offset(64), 1, 64, s_b) };
         let end = rt_b.end_capture(s_b);
-        o_b.capture_end().unwrap();
+        o_b.capture_hook().end().unwrap();
         assert!(enq.is_ok() && end.is_ok(), "the second capture was invalidated: enqueue {enq:?}, end {end:?}");
         rt_b.graph_destroy(end.unwrap()).unwrap();
     });
     let o_l = off.clone();
     let library = thread::spawn(move || {
-        o_l.store_slots(JobId(1), &[1], &[0], 0).expect("a store beside two captures is never refused");
+        o_l.submit(JobId(1), Lane::Store, &SlotJob::single(&[1], &[0], 0))
+            .expect("a store beside two captures is never refused");
         o_l.wait_jobs(&[JobId(1)]).expect("a wait from a thread without a window");
     });
-    let compute = off.compute_stream();
-    off.capture_begin().unwrap();
+    let compute = off.geometry().compute_stream();
+    off.capture_hook().begin().unwrap();
     rt.begin_capture(compute, CaptureMode::ThreadLocal).unwrap();
     // SAFETY: as above, the first 64 bytes of `d`.
     let enq = unsafe { rt.memset_d8_async(d, 0, 64, compute) };
     let end = rt.end_capture(compute);
-    off.capture_end().unwrap();
+    off.capture_hook().end().unwrap();
     b.join().unwrap();
     library.join().unwrap();
     assert!(enq.is_ok() && end.is_ok(), "the first capture was invalidated: enqueue {enq:?}, end {end:?}");
     assert!(sim(&rt).refusals().is_empty(), "the simulated GPU refused a call: {:?}", sim(&rt).refusals());
-    assert_eq!((off.activity().windows_open, off.deferred_jobs()), (0, 0), "a window or a deferred job left");
+    assert_eq!(
+        (off.activity().windows_open, off.capture_hook().deferred_jobs()),
+        (0, 0),
+        "a window or a deferred job left"
+    );
     let done = poll_n(&off, 1);
     assert!(done[0].error.is_none(), "the job beside two captures failed: {done:?}");
     assert_eq!(slot_bytes(&off, 0), [0x77; PAGE], "the store's bytes are not in its slot");

@@ -1,5 +1,5 @@
 //! P2 for the capture hook's window: `Coordinator::open_window_interleaved`
-//! (what `Offloader::capture_begin` opens at depth 0) on a coordinator
+//! (what `CaptureHook::begin` opens at depth 0) on a coordinator
 //! whose policy is AfterPinning (the default): the window opens while
 //! pinning runs, having waited for at most one registration, no
 //! registration runs or completes while it is open, the pinner resumes

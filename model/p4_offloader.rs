@@ -1,6 +1,8 @@
 //! P4 at the engine's edge: the `Offloader` itself (not its parts) on the
-//! simulated GPU, built by `Offloader::with_allocated_tensors` and pinning in
-//! the background (`Offloader::start`), as an engine uses it.
+//! simulated GPU, as the core of a `KeyedOffloader` built by
+//! `KeyedOffloader::with_allocated_tensors` and pinning in the background
+//! (`Offloader::start`), as an engine uses it (the keyed calls `store`,
+//! `load`, `stored_blocks` are the keyed layer's, the rest its core's).
 //!
 //! Three scenarios, each with the offloader's pinner (2 chunks, no
 //! pre-fault), the sim's device thread and a thread that calls
@@ -55,10 +57,10 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::offloader::{lean, offloader_on, poll_n, read_block, sim, write_block, PAGE};
+use common::offloader::{keyed_on, lean, poll_n, read_block, sim, write_block, PAGE};
 use common::{check, negative, Bounds};
 use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::internal::offloader::{KeyedOffloader, OffloaderError, OffloaderOptions};
 use kvoffload::internal::protocol::{PinState, ProtocolError, Variant};
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{shared, CaptureMode, GpuRuntime};
@@ -66,40 +68,40 @@ use kvoffload::internal::sync::{thread, Arc};
 
 /// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and 2 host
 /// blocks (two registration chunks), on a simulated GPU.
-fn offloader(variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<Offloader>) {
+fn offloader(variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<KeyedOffloader>) {
     let rt = shared(SimRuntime::new());
     let opts = lean(OffloaderOptions::with_host_blocks(2), Some(kvoffload::internal::region::page_size()));
-    (rt.clone(), Arc::new(offloader_on(rt, opts, variant)))
+    (rt.clone(), Arc::new(keyed_on(rt, opts, variant)))
 }
 
 fn refused_with_a_live_graph(variant: Variant) {
     let (rt, off) = offloader(variant);
-    write_block(&off, 0, 0x5a);
-    off.start().unwrap();
-    let token = off.register_graph().unwrap();
+    write_block(off.core(), 0, 0x5a);
+    off.core().start().unwrap();
+    let token = off.core().register_graph().unwrap();
     let k = [BlockKey::new(1, 0)];
     off.store(&k, &[0]).unwrap();
     let o2 = off.clone();
-    let refused = thread::spawn(move || o2.shutdown()).join().unwrap();
+    let refused = thread::spawn(move || o2.core().shutdown()).join().unwrap();
     assert!(
         matches!(refused, Err(OffloaderError::Protocol(ProtocolError::GraphsAlive { live: 1 }))),
         "shutdown with a live graph: {refused:?}"
     );
-    assert!(!off.is_shut_down(), "a refused shutdown marked the offloader down");
+    assert!(!off.core().is_shut_down(), "a refused shutdown marked the offloader down");
     // Nothing changed: the store completes and is applied, its key loads.
-    off.wait_all().unwrap();
-    let stored = poll_n(&off, 1);
+    off.core().wait_all().unwrap();
+    let stored = poll_n(off.core(), 1);
     assert!(stored[0].error.is_none(), "the store failed: {stored:?}");
     let job = off.load(&k, &[1]).expect("a load after a refused shutdown");
-    off.wait(job).unwrap();
-    let loaded = poll_n(&off, 1);
+    off.core().wait(job).unwrap();
+    let loaded = poll_n(off.core(), 1);
     assert!(loaded[0].error.is_none(), "the load failed: {loaded:?}");
-    assert_eq!(read_block(&off, 1), [0x5a; PAGE], "a load after a refused shutdown brought back other bytes");
-    drop(off.capture_window().expect("a window after a refused shutdown"));
+    assert_eq!(read_block(off.core(), 1), [0x5a; PAGE], "a load after a refused shutdown brought back other bytes");
+    drop(off.core().capture_window().expect("a window after a refused shutdown"));
     drop(token);
-    off.shutdown().expect("a shutdown once the graph is gone");
+    off.core().shutdown().expect("a shutdown once the graph is gone");
     assert_eq!(sim(&rt).registered_ranges(), 0, "region left registered after shutdown");
-    assert!(off.pin_state().is_final());
+    assert!(off.core().pin_state().is_final());
 }
 
 /// Shutdown (on another thread) while a store is in flight and pinning
@@ -107,26 +109,26 @@ fn refused_with_a_live_graph(variant: Variant) {
 /// counted stored), and nothing is left registered.
 fn with_jobs_and_pinning(variant: Variant) {
     let (rt, off) = offloader(variant);
-    write_block(&off, 0, 0x5a);
-    off.start().unwrap();
+    write_block(off.core(), 0, 0x5a);
+    off.core().start().unwrap();
     off.store(&[BlockKey::new(1, 0)], &[0]).unwrap();
     let o2 = off.clone();
-    let done = thread::spawn(move || o2.shutdown()).join().unwrap();
+    let done = thread::spawn(move || o2.core().shutdown()).join().unwrap();
     assert!(done.is_ok(), "shutdown with a job in flight failed: {done:?}");
-    assert_eq!(off.in_flight(), 0, "shutdown returned with a job not applied");
+    assert_eq!(off.core().in_flight(), 0, "shutdown returned with a job not applied");
     assert_eq!(off.stored_blocks(), 1, "the store in flight was lost");
     assert_eq!(sim(&rt).registered_ranges(), 0, "region left registered after shutdown");
-    assert!(off.pin_state().is_final());
+    assert!(off.core().pin_state().is_final());
 }
 
 fn racing_a_capture(variant: Variant) {
     let (rt, off) = offloader(variant);
-    off.start().unwrap();
+    off.core().start().unwrap();
     let s = rt.stream_create().unwrap();
-    let d = off.gated("the engine's scratch", |c| c.mem_alloc(64)).unwrap().unwrap();
+    let d = off.core().gated("the engine's scratch", |c| c.mem_alloc(64)).unwrap().unwrap();
     let o2 = off.clone();
-    let sh = thread::spawn(move || o2.shutdown());
-    match off.capture_window() {
+    let sh = thread::spawn(move || o2.core().shutdown());
+    match off.core().capture_window() {
         Ok(w) => {
             rt.begin_capture(s, CaptureMode::Global).unwrap();
             // SAFETY: `d` is a 64-byte allocation of the sim, never freed;
@@ -143,12 +145,12 @@ fn racing_a_capture(variant: Variant) {
     match sh.join().unwrap() {
         Ok(()) => {}
         Err(OffloaderError::Protocol(ProtocolError::WindowOpen { .. })) => {
-            off.shutdown().expect("a shutdown retried after the window closed");
+            off.core().shutdown().expect("a shutdown retried after the window closed");
         }
         Err(e) => panic!("shutdown failed: {e}"),
     }
     assert_eq!(sim(&rt).registered_ranges(), 0, "region left registered after shutdown");
-    assert!(matches!(off.pin_state(), PinState::Pinned | PinState::Pageable(_)));
+    assert!(matches!(off.core().pin_state(), PinState::Pinned | PinState::Pageable(_)));
 }
 
 const B: Bounds = Bounds { property: "P4", threads: 4, preemptions: 2 };

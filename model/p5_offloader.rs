@@ -1,8 +1,8 @@
-//! P5 at the engine's edge: through `Offloader` itself, a key is readable
+//! P5 at the engine's edge: through `KeyedOffloader` itself, a key is readable
 //! only once its store completed, and a slot being read by a load is never
 //! handed to a store.
 //!
-//! Each scenario builds an `Offloader` with `with_allocated_tensors` on a
+//! Each scenario builds a `KeyedOffloader` with `with_allocated_tensors` on a
 //! simulated GPU with **two device workers** (so the store handler's and
 //! the load handler's streams run in either order, as on a GPU: with one
 //! worker the older stream goes first and would hide both bugs), one KV
@@ -44,10 +44,10 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::offloader::{lean, offloader_on, read_block, write_block, PAGE};
+use common::offloader::{keyed_on, lean, read_block, write_block, PAGE};
 use common::{check, negative, Bounds};
 use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::internal::offloader::{KeyedOffloader, OffloaderError, OffloaderOptions};
 use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::runtime::shared;
 use kvoffload::internal::runtime::sim::{SimConfig, SimRuntime};
@@ -55,14 +55,14 @@ use kvoffload::internal::sync::thread;
 
 /// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and
 /// `host_blocks` host blocks, on a simulated GPU with two device workers.
-fn offloader(host_blocks: usize, variant: Variant) -> Offloader {
+fn offloader(host_blocks: usize, variant: Variant) -> KeyedOffloader {
     let rt = shared(SimRuntime::with_config(SimConfig { workers: 2, ..SimConfig::default() }));
-    offloader_on(rt, lean(OffloaderOptions::with_host_blocks(host_blocks), None), variant)
+    keyed_on(rt, lean(OffloaderOptions::with_host_blocks(host_blocks), None), variant)
 }
 
 fn readable_only_after_its_store(variant: Variant) {
     let off = offloader(2, variant);
-    write_block(&off, 0, 0x11);
+    write_block(off.core(), 0, 0x11);
     let k = [BlockKey::new(1, 0)];
     let store = off.store(&k, &[0]).unwrap().job.unwrap();
     let mut store_reported = false;
@@ -80,21 +80,21 @@ fn readable_only_after_its_store(variant: Variant) {
     // order of the two streams alone would not show a load that read too
     // early: the sim's workers take the older stream's work first).
     assert!(store_reported, "a load read key 1 before its store completed (the load was accepted first)");
-    off.wait(job).unwrap();
-    assert_eq!(read_block(&off, 1), [0x11; PAGE], "a load read key 1 before its store completed");
-    off.wait_all().unwrap();
+    off.core().wait(job).unwrap();
+    assert_eq!(read_block(off.core(), 1), [0x11; PAGE], "a load read key 1 before its store completed");
+    off.core().wait_all().unwrap();
     off.poll();
-    off.shutdown().unwrap();
+    off.core().shutdown().unwrap();
 }
 
 fn a_slot_being_read_is_not_reused(variant: Variant) {
     let off = offloader(1, variant);
-    write_block(&off, 0, 0x11);
-    write_block(&off, 2, 0x22);
+    write_block(off.core(), 0, 0x11);
+    write_block(off.core(), 2, 0x22);
     let (k1, k2) = ([BlockKey::new(1, 0)], [BlockKey::new(2, 0)]);
     off.store(&k1, &[0]).unwrap();
-    off.wait_all().unwrap();
-    while off.in_flight() > 0 {
+    off.core().wait_all().unwrap();
+    while off.core().in_flight() > 0 {
         off.poll();
         thread::yield_now();
     }
@@ -104,14 +104,14 @@ fn a_slot_being_read_is_not_reused(variant: Variant) {
         Err(OffloaderError::Manager(_)) => {}
         Err(e) => panic!("store failed: {e}"),
     }
-    off.wait(load).unwrap();
-    assert_eq!(read_block(&off, 1), [0x11; PAGE], "the load brought back another key's bytes");
-    off.wait_all().unwrap();
-    while off.in_flight() > 0 {
+    off.core().wait(load).unwrap();
+    assert_eq!(read_block(off.core(), 1), [0x11; PAGE], "the load brought back another key's bytes");
+    off.core().wait_all().unwrap();
+    while off.core().in_flight() > 0 {
         off.poll();
         thread::yield_now();
     }
-    off.shutdown().unwrap();
+    off.core().shutdown().unwrap();
 }
 
 /// Bound 2: at bound 3 each scenario ran over 5 minutes (the engine's poll

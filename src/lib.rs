@@ -4,25 +4,34 @@
 //!
 //! # What an engine uses
 //!
-//! An engine holds one [`Offloader`], built from one [`OffloaderOptions`].
-//! The items it needs are re-exported here, at the crate root, and they are
-//! the only ones whose behaviour the proofs cover at the engine's edge
-//! (`model/p4_offloader.rs`, `model/p5_offloader.rs`):
+//! An engine holds one [`KeyedOffloader`] (jobs by block keys, placed by a
+//! block manager) or one [`Offloader`] (its slot-addressed core: jobs by the
+//! engine's own host slots and job ids, for engines whose scheduler manages
+//! its own host blocks, vLLM's offloading connector), built from one
+//! [`OffloaderOptions`]. The type decides what it can do: a keyed
+//! offloader's [`KeyedOffloader::core`] is its core for everything but the
+//! keyed jobs. The items it needs are re-exported here, at the crate root
+//! (every type in a public signature of the two and of their options), and
+//! they are the only ones whose behaviour the proofs cover at the engine's
+//! edge (`model/p4_offloader.rs`, `model/p5_offloader.rs`,
+//! `model/p1_hook.rs`):
 //!
 //! | item | what for |
 //! |---|---|
 //! | [`CudaRuntime::open`], [`SimRuntime::new`] ([`SimConfig`]), [`shared`], [`GpuRuntime`] | a runtime handle; one offloader per handle (a second is refused: [`ProtocolError::RuntimeGuarded`]) |
-//! | [`Offloader::new`] (the engine's tensors, `unsafe`: their lifetime is the contract; [`KvSpec`], [`TensorSpec`]) or [`Offloader::with_allocated_tensors`] ([`KvAlloc`]) | build it; [`RegionSpec`] picks an anonymous or a node-shared region ([`ShmOptions`]); [`PinOptions`], [`TransferOptions`], [`PolicyKind`] tune it |
-//! | [`Offloader::start`], [`Offloader::pin_state`], [`Offloader::pin_progress`], [`Offloader::wait_pinned`], [`PinObserver`] | pinning in the background and its progress ([`PinState`], [`PinProgress`], [`PinOutcome`]) |
+//! | [`Offloader::new`] / [`KeyedOffloader::new`] (the engine's tensors, `unsafe`: their lifetime is the contract; [`KvSpec`], [`TensorSpec`]) or [`Offloader::with_allocated_tensors`] / [`KeyedOffloader::with_allocated_tensors`] ([`KvAlloc`]) | build it; [`RegionSpec`] picks an anonymous or a node-shared region ([`ShmOptions`], [`FileSplit`], [`ShmStep`]); [`PinOptions`] ([`CapturePolicy`], [`HugePages`], [`PrefaultMode`], [`NumaPolicy`]), [`TransferOptions`] ([`BackendChoice`], [`AutoThresholds`]), [`PolicyKind`], `OffloaderOptions::kv_groups` (slot jobs only) tune it |
+//! | [`Offloader::start`], [`Offloader::pin_state`], [`Offloader::pin_progress`], [`Offloader::wait_pinned`], [`Offloader::cancel_pinning`], [`PinObserver`] | pinning in the background and its progress ([`PinState`], [`PinProgress`], [`PinOutcome`]) |
 //! | [`Offloader::capture_window`] ([`CaptureWindow`]), [`Offloader::register_graph`] ([`GraphToken`]) | around each CUDA graph capture; for each graph that references the region |
-//! | [`Offloader::capture_begin`], [`Offloader::capture_end`], [`Offloader::capture_abort`], [`Offloader::capture_depth`], [`Offloader::deferred_jobs`] | the same window for a hook that wraps a framework's capture calls (PyTorch's `CUDAGraph.capture_begin`/`capture_end`): jobs submitted meanwhile are queued and submitted when it closes ([`Completion::deferred_seconds`]) |
+//! | [`Offloader::capture_hook`] ([`CaptureHook`]: `begin`, `end`, `abort`, `depth`, `deferred_jobs`) | the same window for a hook that wraps a framework's capture calls (PyTorch's `CUDAGraph.capture_begin`/`capture_end`): jobs submitted meanwhile are queued and submitted when it closes ([`Completion::deferred_seconds`]) |
 //! | [`Offloader::gated`] ([`GatedCalls`]) | the engine's own capture-unsafe driver calls, inside the offloader's gate |
-//! | [`Offloader::lookup`], [`Offloader::store`] ([`StoreSubmitted`]), [`Offloader::load`] | by block keys ([`BlockKey`], [`Lookup`]) and the engine's GPU block ids |
-//! | [`OffloaderOptions::with_host_slots`] ([`Addressing`], `OffloaderOptions::kv_groups`), [`Offloader::store_slots`], [`Offloader::load_slots`], [`Offloader::store_slot_job`] / [`Offloader::load_slot_job`] ([`SlotJob`]), [`Offloader::wait_jobs`], [`Offloader::load_slots_expedited`] / [`Offloader::load_slot_job_expedited`] ([`Lane`], [`Offloader::lane_stream`], `TransferOptions::expedited_lane`) | for engines whose scheduler manages its own host blocks (vLLM's offloading connector): host slots and job ids ([`JobId`]) chosen by the engine, no block manager |
-//! | [`Offloader::poll`] ([`Completion`]), [`Offloader::wait`], [`Offloader::wait_all`], [`Offloader::in_flight`] | completions, applied to the block manager |
+//! | [`KeyedOffloader::lookup`], [`KeyedOffloader::store`] ([`StoreSubmitted`]), [`KeyedOffloader::load`], [`KeyedOffloader::stored_blocks`], [`KeyedOffloader::poll`] | by block keys ([`BlockKey`], [`Lookup`], [`Skipped`]) and the engine's GPU block ids |
+//! | [`Offloader::submit`] ([`SlotJob::single`], [`SlotJob::groups`] for `OffloaderOptions::kv_groups`; [`Lane`]: store, load, or the expedited load lane of `TransferOptions::expedited_lane`), [`Offloader::wait_jobs`] | host slots and job ids ([`JobId`]) chosen by the engine, no block manager |
+//! | [`Offloader::poll`], [`Offloader::poll_each`] ([`Completion`]), [`Offloader::wait`], [`Offloader::wait_all`], [`Offloader::in_flight`] | completions, applied to a keyed offloader's block manager |
+//! | [`Offloader::interruptible`] ([`Interruptible`]) | every wait above (and the window, the hook's begin, `gated`, shutdown) interruptible by a check: the Python front's Ctrl-C |
 //! | [`Offloader::shutdown`], [`Offloader::is_shut_down`] | shutdown (refused with nothing changed while a window is open or a graph lives) |
-//! | [`Offloader::layout`] ([`KvLayout`]: the host and device address of every block), [`Offloader::region`] ([`Region`]), [`Offloader::tensors`], [`Offloader::activity`] ([`Activity`]) | where things are, and what the coordinator has open or waiting (diagnostics) |
-//! | [`OffloaderError`] and the errors it wraps ([`ProtocolError`], [`PinError`], [`RegionError`], [`TransferError`], [`ManagerError`], [`LayoutError`], [`DriverError`] with its [`Code`], [`AgreementError`]) | every failure, typed |
+//! | [`Offloader::geometry`] ([`Geometry`]: the tensors, the host blocks, the [`KvLayout`] with the host and device address of every block, the [`Region`], the lanes' streams), [`Offloader::runtime`], [`Offloader::activity`] ([`Activity`]) | where things are, and what the coordinator has open or waiting (diagnostics) |
+//! | [`Kernel`] (the pattern kernels of [`GpuRuntime::launch`]: [`pattern`], [`PATTERN_ENTRY_WORDS`], [`GATHER_ENTRY_WORDS`]), [`SimFault`] ([`SimRuntime::inject`]), [`Layout`] ([`Region::layout`], [`page_size`]), [`GroupSpec`] and [`HostPlacement`] ([`KvLayout::new`]), the options' defaults and limits ([`DEFAULT_MAX_CHUNK_BYTES`], [`DEFAULT_SHM_DIR`], [`DEFAULT_FILE_BYTES`], [`MAX_FILES`], [`MAX_RANKS`]) | the rest of those items' signatures: what the `run` job's ranks (engine-like processes on this API alone) verify every block with, fault injection on the simulated GPU, and region sizing |
+//! | [`OffloaderError`] and the errors it wraps ([`ProtocolError`], [`ShutdownError`], [`PinError`], [`RegionError`], [`TransferError`], [`ManagerError`], [`LayoutError`], [`DriverError`] with its [`Code`], [`AgreementError`]) | every failure, typed |
 //!
 //! The layers these are built from (the coordinator and its gate, the
 //! pinner, the transfer engine, the block manager, the region's files, the
@@ -50,7 +59,8 @@
 //! - `manager`: block states, reference counts and eviction.
 //! - `transfer`: store and load jobs between GPU blocks and host blocks,
 //!   with per-fragment, batched, gather-kernel and staged copy backends.
-//! - `offloader`: the one type an engine holds.
+//! - `offloader`: the slot-addressed core an engine holds, and the keyed
+//!   layer over it.
 //!
 //! The tools (the `run` job, conformance, the incident, the benchmarks and
 //! the CLI) live in the binary crate, `src/bin/kvoffload/`.
@@ -69,25 +79,31 @@ use internal::{manager, offloader, pin, protocol, region, runtime, sync, transfe
 pub use internal::{names, units};
 
 // The engine's API. Grouped by the layer each item comes from.
-pub use manager::{BlockKey, Lookup, ManagerError, PolicyKind, SkipReason, Skipped};
+pub use manager::{BlockKey, BlockState, Lookup, ManagerError, PolicyKind, SkipReason, Skipped};
 pub use names::{Named, UnknownName};
 pub use offloader::{
-    Addressing, Completion, GatedCalls, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinObserver,
-    PinOutcome, PinProgress, RegionSpec, SlotJob, StoreSubmitted,
+    CaptureHook, Completion, GatedCalls, Geometry, Interruptible, KeyedOffloader, KvAlloc, KvSpec, Offloader,
+    OffloaderError, OffloaderOptions, PinObserver, PinOutcome, PinProgress, RegionSpec, SlotJob, StoreSubmitted,
 };
-pub use pin::{HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode};
+pub use pin::{HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
 pub use protocol::agreement::{AgreementError, Transport};
-pub use protocol::{Activity, CaptureWindow, GraphToken, PageableReason, PinState, ProtocolError};
-pub use region::{FileProblem, JoinPhase, Region, RegionError, ShmOptions};
+pub use protocol::{
+    Activity, CapturePolicy, CaptureWindow, GraphToken, PageableReason, PinState, ProtocolError, ShutdownError,
+};
+pub use region::{
+    page_size, AbandonReason, FileProblem, FileSplit, JoinPhase, Layout, RawRange, Region, RegionError, ShmOptions,
+    ShmStep, DEFAULT_FILE_BYTES, DEFAULT_SHM_DIR, MAX_FILES, MAX_RANKS,
+};
 #[cfg(not(loom))]
 pub use runtime::cuda::CudaRuntime;
-pub use runtime::sim::{SimConfig, SimRuntime};
+pub use runtime::sim::{SimConfig, SimFault, SimRuntime};
 pub use runtime::{
-    shared, CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, Event, GpuRuntime, Graph, OpenError,
-    Stream,
+    pattern, shared, CaptureMode, CaptureStatus, Code, DevicePtr, Direction, DriverError, DriverResult, Event,
+    GpuRuntime, Graph, Kernel, OpenError, Stream, GATHER_ENTRY_WORDS, PATTERN_ENTRY_WORDS,
 };
 pub use transfer::{
-    Backend, BackendChoice, JobId, KvLayout, Lane, LayoutError, TensorSpec, TransferError, TransferOptions,
+    AutoThresholds, Backend, BackendChoice, GroupSpec, HostPlacement, JobId, KvLayout, Lane, LayoutError, TensorSpec,
+    TransferError, TransferOptions,
 };
 
 /// The README's library example, compiled and run as a doc test.

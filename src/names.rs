@@ -115,7 +115,6 @@ pub(crate) use named;
 mod tests {
     use super::*;
     use crate::manager::{Lookup, PolicyKind};
-    use crate::offloader::Addressing;
     use crate::pin::{HugePages, PrefaultMode};
     use crate::protocol::CapturePolicy;
     use crate::runtime::Direction;
@@ -143,7 +142,6 @@ mod tests {
         round_trips::<Lane>();
         round_trips::<Direction>();
         round_trips::<Lookup>();
-        round_trips::<Addressing>();
     }
 
     #[test]

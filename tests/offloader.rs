@@ -1,4 +1,4 @@
-//! An engine written against `Offloader` alone, on the simulated GPU (and
+//! An engine written against `KeyedOffloader` alone, on the simulated GPU (and
 //! the same round trip on a real GPU where one exists): blocks written into
 //! GPU blocks, stored, loaded back into other GPU blocks and compared byte
 //! for byte, with GLOBAL graph captures inside capture windows while jobs
@@ -10,7 +10,9 @@ mod gpu_common;
 use std::time::Duration;
 
 use kvoffload::internal::manager::{BlockKey, Lookup};
-use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, PinObserver, RegionSpec};
+use kvoffload::internal::offloader::{
+    KeyedOffloader, KvAlloc, OffloaderError, OffloaderOptions, PinObserver, RegionSpec,
+};
 use kvoffload::internal::protocol::{PinState, ProtocolError};
 use kvoffload::internal::region::ShmOptions;
 use kvoffload::internal::runtime::pattern;
@@ -26,22 +28,22 @@ fn kv() -> KvAlloc {
     KvAlloc { tensors: 3, page_bytes: PAGE, gpu_blocks: 32, block_factor: 2 }
 }
 
-fn offloader(host_blocks: usize) -> Offloader {
+fn offloader(host_blocks: usize) -> KeyedOffloader {
     offloader_on(shared(SimRuntime::new()), host_blocks)
 }
 
-fn offloader_on(rt: Arc<dyn GpuRuntime>, host_blocks: usize) -> Offloader {
+fn offloader_on(rt: Arc<dyn GpuRuntime>, host_blocks: usize) -> KeyedOffloader {
     let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
     // Small chunks, so pinning takes several registrations.
     opts.pin = opts.pin.max_chunk_bytes(4 * 3 * 2 * PAGE);
-    Offloader::with_allocated_tensors(rt, kv(), opts).expect("offloader on the simulated GPU")
+    KeyedOffloader::with_allocated_tensors(rt, kv(), opts).expect("offloader on the simulated GPU")
 }
 
 /// Writes the contents of `key` (page by page) into GPU blocks `gpu` of
 /// every tensor, through the runtime the offloader hands out.
-fn write_blocks(off: &Offloader, key: u64, gpu: &[usize]) {
-    let rt = off.runtime();
-    for (t, base) in off.tensors().into_iter().enumerate() {
+fn write_blocks(off: &KeyedOffloader, key: u64, gpu: &[usize]) {
+    let rt = off.core().runtime();
+    for (t, base) in off.core().geometry().tensors().into_iter().enumerate() {
         for (j, &b) in gpu.iter().enumerate() {
             let mut buf = vec![0u8; PAGE];
             pattern::fill(key * 1000 + (t * 16 + j) as u64, &mut buf);
@@ -54,10 +56,10 @@ fn write_blocks(off: &Offloader, key: u64, gpu: &[usize]) {
 
 /// Checks GPU blocks `gpu` against `key`'s contents; returns the pages
 /// that differ.
-fn check_blocks(off: &Offloader, key: u64, gpu: &[usize]) -> usize {
-    let rt = off.runtime();
+fn check_blocks(off: &KeyedOffloader, key: u64, gpu: &[usize]) -> usize {
+    let rt = off.core().runtime();
     let mut bad = 0;
-    for (t, base) in off.tensors().into_iter().enumerate() {
+    for (t, base) in off.core().geometry().tensors().into_iter().enumerate() {
         for (j, &b) in gpu.iter().enumerate() {
             let mut got = vec![0u8; PAGE];
             // SAFETY: `got` is writable for the synchronous copy.
@@ -72,12 +74,12 @@ fn check_blocks(off: &Offloader, key: u64, gpu: &[usize]) -> usize {
 
 /// One GLOBAL capture of a memset inside a capture window; returns whether
 /// the graph came out (the library never invalidates it, P1).
-fn capture_in_window(off: &Offloader) -> bool {
-    let rt = off.runtime();
+fn capture_in_window(off: &KeyedOffloader) -> bool {
+    let rt = off.core().runtime();
     let s = rt.stream_create().unwrap();
-    let scratch = off.gated("scratch", |calls| calls.mem_alloc(4096)).unwrap().unwrap();
+    let scratch = off.core().gated("scratch", |calls| calls.mem_alloc(4096)).unwrap().unwrap();
     let ok = {
-        let _w = off.capture_window().unwrap();
+        let _w = off.core().capture_window().unwrap();
         rt.begin_capture(s, CaptureMode::Global).unwrap();
         // SAFETY: `scratch` lives until freed below, after the graph is gone.
         let enq = unsafe { rt.memset_d8_async(scratch, 1, 4096, s) };
@@ -92,7 +94,7 @@ fn capture_in_window(off: &Offloader) -> bool {
     };
     // SAFETY: the graph that used `scratch` is destroyed and its capture
     // never ran; nothing uses it afterwards.
-    off.gated("scratch", |calls| unsafe { calls.mem_free(scratch) }).unwrap().unwrap();
+    off.core().gated("scratch", |calls| unsafe { calls.mem_free(scratch) }).unwrap().unwrap();
     rt.stream_destroy(s).unwrap();
     ok
 }
@@ -110,8 +112,8 @@ fn gpu_store_load_round_trip_through_capture_windows() {
     round_trip(offloader_on(shared(rt), 16));
 }
 
-fn round_trip(off: Offloader) {
-    off.start().unwrap();
+fn round_trip(off: KeyedOffloader) {
+    off.core().start().unwrap();
     let keys: Vec<BlockKey> = (0..4).map(|k| BlockKey::new(k, 0)).collect();
     // GPU blocks 2k, 2k+1 hold key k (block factor 2).
     let gpu: Vec<usize> = (0..8).collect();
@@ -123,41 +125,41 @@ fn round_trip(off: Offloader) {
     // Readable only once the store is reported.
     assert!(off.lookup(&keys).iter().all(|l| *l == Lookup::HitPending));
     assert!(capture_in_window(&off), "a capture inside a window was invalidated");
-    off.wait_all().unwrap();
+    off.core().wait_all().unwrap();
     let done = off.poll();
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].direction, Direction::DeviceToHost);
     assert!(done[0].error.is_none(), "{:?}", done[0].error);
     assert!(off.lookup(&keys).iter().all(|l| *l == Lookup::Hit));
-    assert_eq!(off.pin_state(), off.wait_pinned().unwrap().state);
+    assert_eq!(off.core().pin_state(), off.core().wait_pinned().unwrap().state);
     // Load into other GPU blocks, with a capture in between.
     let dst: Vec<usize> = (16..24).collect();
     let job = off.load(&keys, &dst).unwrap();
     assert!(capture_in_window(&off), "a capture inside a window was invalidated");
-    off.wait(job).unwrap();
+    off.core().wait(job).unwrap();
     let done = off.poll();
     assert_eq!(done.len(), 1);
     assert!(done[0].error.is_none());
     for k in 0..4u64 {
         assert_eq!(check_blocks(&off, k, &dst[2 * k as usize..2 * k as usize + 2]), 0, "key {k} corrupted");
     }
-    assert_eq!(off.in_flight(), 0);
-    off.shutdown().unwrap();
-    assert!(off.is_shut_down());
+    assert_eq!(off.core().in_flight(), 0);
+    off.core().shutdown().unwrap();
+    assert!(off.core().is_shut_down());
 }
 
 #[test]
 fn pinning_reaches_pinned_and_reports_progress() {
     let off = offloader(16);
-    assert_eq!(off.pin_state(), PinState::Pending);
-    let p = off.pin_progress();
+    assert_eq!(off.core().pin_state(), PinState::Pending);
+    let p = off.core().pin_progress();
     assert!(p.chunks_total >= 2, "{p:?}");
-    let out = off.wait_pinned().unwrap();
+    let out = off.core().wait_pinned().unwrap();
     assert_eq!(out.state, PinState::Pinned);
     assert_eq!(out.agreement, None);
-    let p = off.pin_progress();
+    let p = off.core().pin_progress();
     assert_eq!(p.chunks_done, p.chunks_total);
-    off.shutdown().unwrap();
+    off.core().shutdown().unwrap();
 }
 
 /// Records what the pinner reports, and holds it at one chunk until told.
@@ -192,10 +194,10 @@ fn a_pin_observer_sees_every_chunk_and_the_end_and_can_hold_pinning() {
     let mut opts = OffloaderOptions::with_host_blocks(16);
     opts.pin = opts.pin.max_chunk_bytes(4 * 3 * 2 * PAGE);
     opts.pin_observer = Some(rec.clone());
-    let off = Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap();
-    let total = off.pin_progress().chunks_total;
+    let off = KeyedOffloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap();
+    let total = off.core().pin_progress().chunks_total;
     assert!(total >= 3, "{total} chunks");
-    off.start().unwrap();
+    off.core().start().unwrap();
     // Held before chunk 1: chunk 0 registered, pinning not final.
     let t = std::time::Instant::now();
     while sync::lock(&rec.chunks).len() < 2 {
@@ -203,15 +205,15 @@ fn a_pin_observer_sees_every_chunk_and_the_end_and_can_hold_pinning() {
         thread::yield_now();
     }
     std::thread::sleep(Duration::from_millis(50));
-    assert!(matches!(off.pin_state(), PinState::Pinning { .. }), "{:?}", off.pin_state());
+    assert!(matches!(off.core().pin_state(), PinState::Pinning { .. }), "{:?}", off.core().pin_state());
     assert_eq!(rec.settled.load(Ordering::SeqCst), 0);
     *sync::lock(&rec.release) = true;
     rec.cv.notify_all();
-    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    assert_eq!(off.core().wait_pinned().unwrap().state, PinState::Pinned);
     let seen = sync::lock(&rec.chunks).clone();
     assert_eq!(seen, (0..total).map(|i| (i, total)).collect::<Vec<_>>());
     assert_eq!(rec.settled.load(Ordering::SeqCst), 1);
-    off.shutdown().unwrap();
+    off.core().shutdown().unwrap();
 }
 
 #[test]
@@ -226,24 +228,25 @@ fn bad_inputs_are_typed_errors() {
     // Two keys on the same key twice in one batch.
     assert!(matches!(off.store(&[k[0], k[0]], &[1, 2, 3, 4]), Err(OffloaderError::Manager(_))));
     // Shutdown is refused (nothing changed) while a window is open.
-    off.wait_pinned().unwrap();
-    let w = off.capture_window().unwrap();
-    assert!(matches!(off.shutdown(), Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))));
+    off.core().wait_pinned().unwrap();
+    let w = off.core().capture_window().unwrap();
+    assert!(matches!(off.core().shutdown(), Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))));
     drop(w);
     assert!(off.store(&k, &[1, 2]).is_ok());
-    off.shutdown().unwrap();
-    assert!(matches!(off.shutdown(), Err(OffloaderError::Protocol(ProtocolError::AlreadyShutDown))));
+    off.core().shutdown().unwrap();
+    assert!(matches!(off.core().shutdown(), Err(OffloaderError::Protocol(ProtocolError::AlreadyShutDown))));
     assert!(matches!(off.store(&k, &[3, 4]), Err(OffloaderError::ShutDown)));
-    assert!(matches!(off.capture_window(), Err(OffloaderError::Protocol(ProtocolError::ShutDown))));
+    assert!(matches!(off.core().capture_window(), Err(OffloaderError::Protocol(ProtocolError::ShutDown))));
     assert!(off.poll().is_empty());
 }
 
 #[test]
 fn zero_sizes_are_refused() {
     let rt = shared(SimRuntime::new());
-    let e = Offloader::with_allocated_tensors(rt.clone(), kv(), OffloaderOptions::with_host_blocks(0)).unwrap_err();
+    let e =
+        KeyedOffloader::with_allocated_tensors(rt.clone(), kv(), OffloaderOptions::with_host_blocks(0)).unwrap_err();
     assert!(matches!(e, OffloaderError::Options(_)), "{e:?}");
-    let e = Offloader::with_allocated_tensors(rt.clone(), KvAlloc { gpu_blocks: 0, ..kv() }, Default::default())
+    let e = KeyedOffloader::with_allocated_tensors(rt.clone(), KvAlloc { gpu_blocks: 0, ..kv() }, Default::default())
         .unwrap_err();
     assert!(matches!(e, OffloaderError::Options(_)), "{e:?}");
     // Nothing leaked on the simulated GPU: every failed build freed its tensors.
@@ -254,8 +257,9 @@ fn zero_sizes_are_refused() {
 fn drop_without_shutdown_shuts_down() {
     let rt = shared(SimRuntime::new());
     {
-        let off = Offloader::with_allocated_tensors(rt.clone(), kv(), OffloaderOptions::with_host_blocks(8)).unwrap();
-        off.wait_pinned().unwrap();
+        let off =
+            KeyedOffloader::with_allocated_tensors(rt.clone(), kv(), OffloaderOptions::with_host_blocks(8)).unwrap();
+        off.core().wait_pinned().unwrap();
         off.store(&[BlockKey::new(5, 0)], &[0, 1]).unwrap();
     }
     let sim = rt.as_sim().unwrap();
@@ -270,7 +274,7 @@ fn an_offloader_refuses_a_region_whose_reservation_is_deferred() {
     let mut opts = OffloaderOptions::with_host_blocks(8);
     let name = format!("offloader-defer-{}", std::process::id());
     opts.region = RegionSpec::Shared { name, rank: 0, ranks: 1, options: ShmOptions::new().defer_reserve(true) };
-    match Offloader::with_allocated_tensors(rt.clone(), kv(), opts) {
+    match KeyedOffloader::with_allocated_tensors(rt.clone(), kv(), opts) {
         Err(OffloaderError::Options(m)) => assert!(m.contains("defer_reserve") && m.contains("SIGBUS"), "{m}"),
         Err(e) => panic!("another error: {e}"),
         Ok(_) => panic!("a deferred reservation was accepted"),
@@ -293,19 +297,19 @@ fn two_ranks_share_a_region_and_agree() {
                 ranks: 2,
                 options: ShmOptions::new().timeout(Duration::from_secs(30)),
             };
-            let off = Offloader::with_allocated_tensors(rt, kv(), opts).unwrap();
-            let out = off.wait_pinned().unwrap();
+            let off = KeyedOffloader::with_allocated_tensors(rt, kv(), opts).unwrap();
+            let out = off.core().wait_pinned().unwrap();
             let k = BlockKey::new(rank as u64, 0);
             write_blocks(&off, 100 + rank as u64, &[0, 1]);
             off.store(&[k], &[0, 1]).unwrap();
-            off.wait_all().unwrap();
+            off.core().wait_all().unwrap();
             off.poll();
             let j = off.load(&[k], &[4, 5]).unwrap();
-            off.wait(j).unwrap();
+            off.core().wait(j).unwrap();
             off.poll();
             let bad = check_blocks(&off, 100 + rank as u64, &[4, 5]);
-            let linked = off.region().is_linked();
-            off.shutdown().unwrap();
+            let linked = off.core().geometry().region.is_linked();
+            off.core().shutdown().unwrap();
             (out, bad, linked)
         })
     };
@@ -350,7 +354,7 @@ fn shutdown_during_the_agreement_ends_it_and_the_peer_settles_pageable_at_once()
             // Far longer than the test: only the shutdown can end rank 0's wait.
             opts.agreement_timeout = Some(Duration::from_secs(600));
             opts.pin_observer = observer;
-            Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap()
+            KeyedOffloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap()
         })
     };
     let observer: Arc<dyn PinObserver> =
@@ -358,20 +362,20 @@ fn shutdown_during_the_agreement_ends_it_and_the_peer_settles_pageable_at_once()
     let (a, b) = (make(0, Some(observer)), make(1, None));
     let (r0, r1) = (a.join().unwrap(), b.join().unwrap());
     // Rank 0 pins and waits for rank 1, which has not started pinning.
-    r0.start().unwrap();
+    r0.core().start().unwrap();
     rx.recv_timeout(Duration::from_secs(60)).expect("rank 0 never finished its own pinning");
     let t = std::time::Instant::now();
-    r0.shutdown().unwrap();
+    r0.core().shutdown().unwrap();
     let took = t.elapsed();
     println!("shutdown during the agreement returned in {} ms", took.as_millis());
-    let out0 = r0.wait_pinned().unwrap();
+    let out0 = r0.core().wait_pinned().unwrap();
     assert_eq!(out0.agreement, Some(Err(AgreementError::Cancelled { waiting: vec![1] })), "{out0:?}");
     assert!(matches!(out0.state, PinState::Pageable(_)), "{out0:?}");
     // The peer comes later: it settles pageable at once, told why.
-    let out1 = r1.wait_pinned().unwrap();
+    let out1 = r1.core().wait_pinned().unwrap();
     assert_eq!(out1.agreement, Some(Err(AgreementError::Abandoned { by: 0, ranks: vec![1] })), "{out1:?}");
     assert!(matches!(out1.state, PinState::Pageable(_)), "{out1:?}");
-    r1.shutdown().unwrap();
+    r1.core().shutdown().unwrap();
 }
 
 /// Issue 28, item 1: `cancel_pinning` (an engine's call to stop waiting for
@@ -398,19 +402,19 @@ fn cancel_pinning_ends_the_wait_in_the_agreement() {
             };
             opts.agreement_timeout = Some(Duration::from_secs(600));
             opts.pin_observer = observer;
-            Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap()
+            KeyedOffloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap()
         })
     };
     let (a, b) = (make(0, Some(observer)), make(1, None));
     let (r0, r1) = (a.join().unwrap(), b.join().unwrap());
-    r0.start().unwrap();
+    r0.core().start().unwrap();
     rx.recv_timeout(Duration::from_secs(60)).expect("rank 0 never finished its own pinning");
-    r0.cancel_pinning();
-    let out0 = r0.wait_pinned().unwrap();
+    r0.core().cancel_pinning();
+    let out0 = r0.core().wait_pinned().unwrap();
     assert_eq!(out0.agreement, Some(Err(AgreementError::Cancelled { waiting: vec![1] })), "{out0:?}");
     assert_eq!(out0.state, PinState::Pageable(kvoffload::internal::protocol::PageableReason::PeerPageable));
     // No chunk stays registered on the cancelled rank.
-    assert_eq!(r0.pin_progress().chunks_done, 0);
-    r0.shutdown().unwrap();
-    r1.shutdown().unwrap();
+    assert_eq!(r0.core().pin_progress().chunks_done, 0);
+    r0.core().shutdown().unwrap();
+    r1.core().shutdown().unwrap();
 }

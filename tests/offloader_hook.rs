@@ -1,5 +1,5 @@
-//! The capture hook (`Offloader::capture_begin` / `capture_end` /
-//! `capture_abort`) on the simulated GPU: per-thread depth (nested begins
+//! The capture hook (`Offloader::capture_hook`: `CaptureHook::begin` /
+//! `end` / `abort`) on the simulated GPU: per-thread depth (nested begins
 //! open one window), jobs submitted inside a GLOBAL capture deferred and
 //! submitted after it (the capture intact, the bytes right,
 //! `deferred_seconds > 0`, first in first out), waits for a deferred job
@@ -8,14 +8,16 @@
 //! deferred jobs checked like direct ones, and the hook's window opening
 //! under the Interleave rules (it waits for the registration in progress,
 //! not for pinning). Also the expedited load lane
-//! (`Offloader::load_slots_expedited`): its own stream, never behind a
+//! (`Offloader::submit` on `Lane::LoadExpedited`): its own stream, never behind a
 //! regular load, deferred like any job, refused without the lane.
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{Completion, KvAlloc, Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::internal::offloader::{
+    Completion, KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob,
+};
 use kvoffload::internal::protocol::{PinState, ProtocolError};
 use kvoffload::internal::runtime::pattern;
 use kvoffload::internal::runtime::sim::{HoldPoint, SimConfig, SimRuntime};
@@ -36,7 +38,7 @@ fn kv() -> KvAlloc {
 /// (so pinning takes `SLOTS` registrations), default capture policy
 /// (AfterPinning: only the hook's windows open while pinning runs).
 fn slot_offloader_on(sim: SimRuntime) -> Offloader {
-    let mut opts = OffloaderOptions::with_host_slots(SLOTS);
+    let mut opts = OffloaderOptions::with_host_blocks(SLOTS);
     opts.pin = opts.pin.max_chunk_bytes(TENSORS * PAGE);
     Offloader::with_allocated_tensors(shared(sim), kv(), opts).expect("slot offloader")
 }
@@ -53,7 +55,7 @@ fn page(tag: u64, t: usize) -> Vec<u8> {
 
 /// Writes content `tag` into GPU block `b` of every tensor.
 fn write_block(off: &Offloader, tag: u64, b: usize) {
-    for (t, base) in off.tensors().into_iter().enumerate() {
+    for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         let buf = page(tag, t);
         // SAFETY: `buf` is readable for the synchronous copy; the
         // destination is GPU block `b` of a tensor of the offloader, which
@@ -65,7 +67,7 @@ fn write_block(off: &Offloader, tag: u64, b: usize) {
 /// Tensors whose GPU block `b` differs from content `tag`.
 fn bad_block(off: &Offloader, tag: u64, b: usize) -> usize {
     let mut bad = 0;
-    for (t, base) in off.tensors().into_iter().enumerate() {
+    for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         let mut got = vec![0u8; PAGE];
         // SAFETY: `got` is writable for the synchronous copy; the job that
         // wrote the block was waited for.
@@ -80,7 +82,7 @@ fn bad_block(off: &Offloader, tag: u64, b: usize) -> usize {
 fn bad_slot(off: &Offloader, tag: u64, s: usize) -> usize {
     let mut bad = 0;
     for t in 0..TENSORS {
-        let addr = off.layout().host_addr(0, t, s, 0);
+        let addr = off.geometry().layout.host_addr(0, t, s, 0);
         // SAFETY: a page of this rank's slot `s` of the mapped region; no
         // job on it is in flight (the caller waited).
         let got = unsafe { std::slice::from_raw_parts(addr as *const u8, PAGE) };
@@ -121,14 +123,14 @@ fn until(what: &str, cond: impl Fn() -> bool) {
 fn hooked_capture(off: &Offloader, stream: kvoffload::internal::runtime::Stream, body: impl FnOnce()) -> bool {
     let rt = off.runtime().clone();
     let scratch = off.gated("scratch", |c| c.mem_alloc(PAGE)).unwrap().unwrap();
-    off.capture_begin().unwrap();
+    off.capture_hook().begin().unwrap();
     rt.begin_capture(stream, CaptureMode::Global).unwrap();
     // SAFETY: `scratch` lives until freed below, after the graph is gone;
     // the memset is only captured.
     let enq = unsafe { rt.memset_d8_async(scratch, 7, PAGE, stream) };
     body();
     let end = rt.end_capture(stream);
-    off.capture_end().unwrap();
+    off.capture_hook().end().unwrap();
     let ok = enq.is_ok() && end.is_ok();
     if let Ok(g) = end {
         rt.graph_destroy(g).unwrap();
@@ -142,14 +144,14 @@ fn hooked_capture(off: &Offloader, stream: kvoffload::internal::runtime::Stream,
 fn nested_begins_open_one_window_and_the_outer_end_closes_it() {
     let off = slot_offloader();
     off.start().unwrap();
-    assert!(matches!(off.capture_end(), Err(OffloaderError::HookNotOpen { call: "capture_end" })));
-    off.capture_begin().unwrap();
-    off.capture_begin().unwrap();
-    off.capture_begin().unwrap();
-    assert_eq!(off.capture_depth(), 3);
+    assert!(matches!(off.capture_hook().end(), Err(OffloaderError::HookNotOpen { call: "capture_end" })));
+    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin().unwrap();
+    assert_eq!(off.capture_hook().depth(), 3);
     assert_eq!(off.activity().windows_open, 1, "nested begins opened more than one window");
-    off.capture_end().unwrap();
-    off.capture_end().unwrap();
+    off.capture_hook().end().unwrap();
+    off.capture_hook().end().unwrap();
     assert_eq!(off.activity().windows_open, 1, "an inner end closed the window");
     // Depth is per thread: another thread has none, and its own begin
     // opens a second window.
@@ -157,10 +159,10 @@ fn nested_begins_open_one_window_and_the_outer_end_closes_it() {
         let off = &off;
         std::thread::scope(|s| {
             s.spawn(|| {
-                let none = off.capture_end();
-                off.capture_begin().unwrap();
+                let none = off.capture_hook().end();
+                off.capture_hook().begin().unwrap();
                 let open = off.activity().windows_open;
-                off.capture_end().unwrap();
+                off.capture_hook().end().unwrap();
                 (none, open)
             })
             .join()
@@ -169,9 +171,9 @@ fn nested_begins_open_one_window_and_the_outer_end_closes_it() {
     };
     assert!(matches!(other.0, Err(OffloaderError::HookNotOpen { .. })), "{:?}", other.0);
     assert_eq!(other.1, 2);
-    off.capture_end().unwrap();
-    assert_eq!((off.capture_depth(), off.activity().windows_open), (0, 0));
-    assert!(matches!(off.capture_abort(), Err(OffloaderError::HookNotOpen { call: "capture_abort" })));
+    off.capture_hook().end().unwrap();
+    assert_eq!((off.capture_hook().depth(), off.activity().windows_open), (0, 0));
+    assert!(matches!(off.capture_hook().abort(), Err(OffloaderError::HookNotOpen { call: "capture_abort" })));
     assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
     off.shutdown().unwrap();
 }
@@ -182,18 +184,18 @@ fn a_job_inside_a_global_capture_completes_after_it_and_the_capture_is_intact() 
     off.start().unwrap();
     write_block(&off, 1, 0);
     write_block(&off, 2, 1);
-    let compute = off.compute_stream();
+    let compute = off.geometry().compute_stream();
     let ok = hooked_capture(&off, compute, || {
         // The compute stream captures: a direct submission would be
         // refused (ComputeCapturing); these are deferred.
-        off.store_slots(JobId(10), &[0], &[3], 0).unwrap();
-        off.store_slots(JobId(11), &[1], &[4], 0).unwrap();
-        assert_eq!(off.deferred_jobs(), 2);
+        off.submit(JobId(10), Lane::Store, &SlotJob::single(&[0], &[3], 0)).unwrap();
+        off.submit(JobId(11), Lane::Store, &SlotJob::single(&[1], &[4], 0)).unwrap();
+        assert_eq!(off.capture_hook().deferred_jobs(), 2);
         assert_eq!(off.in_flight(), 2, "deferred jobs are in flight until reported");
     });
     assert!(ok, "the capture was invalidated");
     assert!(sim(&off).refusals().is_empty(), "the simulated GPU refused: {:?}", sim(&off).refusals());
-    assert_eq!(off.deferred_jobs(), 0);
+    assert_eq!(off.capture_hook().deferred_jobs(), 0);
     off.wait_all().unwrap();
     let done = poll_n(&off, 2);
     assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(10), JobId(11)], "not first in first out");
@@ -204,7 +206,7 @@ fn a_job_inside_a_global_capture_completes_after_it_and_the_capture_is_intact() 
     }
     assert_eq!(bad_slot(&off, 1, 3) + bad_slot(&off, 2, 4), 0, "stored bytes wrong");
     // Loaded back into other blocks, byte for byte; not deferred.
-    off.load_slots(JobId(12), &[8, 9], &[3, 4], 0).unwrap();
+    off.submit(JobId(12), Lane::Load, &SlotJob::single(&[8, 9], &[3, 4], 0)).unwrap();
     off.wait(JobId(12)).unwrap();
     let loaded = poll_n(&off, 1);
     assert_eq!(loaded[0].deferred_seconds, 0.0);
@@ -216,24 +218,25 @@ fn a_job_inside_a_global_capture_completes_after_it_and_the_capture_is_intact() 
 fn keyed_jobs_are_deferred_too_and_keys_become_readable_once_reported() {
     let mut opts = OffloaderOptions::with_host_blocks(SLOTS);
     opts.pin = opts.pin.max_chunk_bytes(TENSORS * PAGE);
-    let off = Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap();
+    let keyed = KeyedOffloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap();
+    let off = keyed.core();
     off.start().unwrap();
-    write_block(&off, 5, 2);
+    write_block(off, 5, 2);
     let s = off.runtime().stream_create().unwrap();
     let k = [BlockKey::new(5, 0)];
     let mut job = None;
-    assert!(hooked_capture(&off, s, || {
-        job = off.store(&k, &[2]).unwrap().job;
-        assert_eq!(off.deferred_jobs(), 1);
+    assert!(hooked_capture(off, s, || {
+        job = keyed.store(&k, &[2]).unwrap().job;
+        assert_eq!(off.capture_hook().deferred_jobs(), 1);
     }));
     let job = job.expect("a store job");
     off.wait(job).unwrap();
-    let done = poll_n(&off, 1);
+    let done = poll_n(off, 1);
     assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0 && done[0].keys == k, "{done:?}");
-    let l = off.load(&k, &[6]).unwrap();
+    let l = keyed.load(&k, &[6]).unwrap();
     off.wait(l).unwrap();
-    poll_n(&off, 1);
-    assert_eq!(bad_block(&off, 5, 6), 0);
+    poll_n(off, 1);
+    assert_eq!(bad_block(off, 5, 6), 0);
     off.runtime().stream_destroy(s).unwrap();
     off.shutdown().unwrap();
 }
@@ -244,12 +247,12 @@ fn outside_the_hook_a_job_in_an_engine_window_is_still_refused() {
     let off = slot_offloader();
     off.wait_pinned().unwrap();
     let w = off.capture_window().unwrap();
-    let r = off.store_slots(JobId(1), &[0], &[0], 0);
+    let r = off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0));
     assert!(matches!(r, Err(OffloaderError::Transfer(TransferError::CaptureWindowOpen { .. }))), "{r:?}");
-    assert_eq!(off.deferred_jobs(), 0);
+    assert_eq!(off.capture_hook().deferred_jobs(), 0);
     // Neither window nests in the other on one thread.
-    assert!(matches!(off.capture_begin(), Err(OffloaderError::Protocol(ProtocolError::NestedWindow))));
-    assert_eq!(off.capture_depth(), 0);
+    assert!(matches!(off.capture_hook().begin(), Err(OffloaderError::Protocol(ProtocolError::NestedWindow))));
+    assert_eq!(off.capture_hook().depth(), 0);
     drop(w);
     off.shutdown().unwrap();
 }
@@ -259,14 +262,14 @@ fn a_wait_for_a_deferred_job_is_refused_on_the_holding_thread_and_waits_elsewher
     let off = Arc::new(slot_offloader());
     off.start().unwrap();
     write_block(&off, 3, 0);
-    off.capture_begin().unwrap();
-    off.store_slots(JobId(1), &[0], &[2], 0).unwrap();
+    off.capture_hook().begin().unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[2], 0)).unwrap();
     let would_deadlock =
         |r: Result<(), OffloaderError>| matches!(r, Err(OffloaderError::Protocol(ProtocolError::WouldDeadlock { .. })));
     assert!(would_deadlock(off.wait(JobId(1))), "wait on the holding thread");
     assert!(would_deadlock(off.wait_jobs(&[JobId(7), JobId(1)])), "wait_jobs on the holding thread");
     assert!(would_deadlock(off.wait_all()), "wait_all on the holding thread");
-    let interrupted = off.wait_interruptible(JobId(1), &|| false, &mut |c| panic!("reported inside: {c:?}"));
+    let interrupted = off.interruptible(&|| false).wait(JobId(1), &mut |c| panic!("reported inside: {c:?}"));
     assert!(would_deadlock(interrupted), "wait_interruptible on the holding thread");
     // Ids not deferred are skipped as before.
     off.wait_jobs(&[JobId(7)]).unwrap();
@@ -277,11 +280,11 @@ fn a_wait_for_a_deferred_job_is_refused_on_the_holding_thread_and_waits_elsewher
         let r = o2.wait_jobs(&[JobId(1)]);
         // Returned only once the job was submitted and completed: the
         // slot holds its bytes.
-        (r, o2.deferred_jobs(), bad_slot(&o2, 3, 2))
+        (r, o2.capture_hook().deferred_jobs(), bad_slot(&o2, 3, 2))
     });
     rx.recv().unwrap();
-    assert_eq!(off.deferred_jobs(), 1, "the job ran before the window closed");
-    off.capture_end().unwrap();
+    assert_eq!(off.capture_hook().deferred_jobs(), 1, "the job ran before the window closed");
+    off.capture_hook().end().unwrap();
     let (r, deferred, bad) = waiter.join().unwrap();
     assert!(r.is_ok(), "{r:?}");
     assert_eq!((deferred, bad), (0, 0), "the other thread's wait returned before the job completed");
@@ -295,11 +298,14 @@ fn abort_closes_the_window_and_submits_what_it_deferred() {
     let off = slot_offloader();
     off.start().unwrap();
     write_block(&off, 4, 1);
-    off.capture_begin().unwrap();
+    off.capture_hook().begin().unwrap();
     // The framework's own capture begin failed here: the hook aborts.
-    off.store_slots(JobId(3), &[1], &[5], 0).unwrap();
-    off.capture_abort().unwrap();
-    assert_eq!((off.capture_depth(), off.activity().windows_open, off.deferred_jobs()), (0, 0, 0));
+    off.submit(JobId(3), Lane::Store, &SlotJob::single(&[1], &[5], 0)).unwrap();
+    off.capture_hook().abort().unwrap();
+    assert_eq!(
+        (off.capture_hook().depth(), off.activity().windows_open, off.capture_hook().deferred_jobs()),
+        (0, 0, 0)
+    );
     off.wait(JobId(3)).unwrap();
     let done = poll_n(&off, 1);
     assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
@@ -314,43 +320,43 @@ fn shutdown_is_refused_while_a_hook_window_is_open_and_drains_deferred_jobs_afte
     let off = slot_offloader();
     off.start().unwrap();
     write_block(&off, 6, 3);
-    off.capture_begin().unwrap();
-    off.store_slots(JobId(4), &[3], &[6], 0).unwrap();
+    off.capture_hook().begin().unwrap();
+    off.submit(JobId(4), Lane::Store, &SlotJob::single(&[3], &[6], 0)).unwrap();
     let r = off.shutdown();
     assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))), "{r:?}");
     assert!(!off.is_shut_down());
-    assert_eq!(off.deferred_jobs(), 1, "a refused shutdown touched the deferred job");
-    off.capture_end().unwrap();
+    assert_eq!(off.capture_hook().deferred_jobs(), 1, "a refused shutdown touched the deferred job");
+    off.capture_hook().end().unwrap();
     off.shutdown().unwrap();
     assert_eq!(off.in_flight(), 0, "shutdown left the deferred job unreported");
     assert_eq!(bad_slot(&off, 6, 6), 0, "the deferred store did not run before shutdown returned");
     assert_eq!(sim(&off).registered_ranges(), 0);
-    assert!(matches!(off.capture_begin(), Err(OffloaderError::Protocol(ProtocolError::ShutDown))));
-    assert_eq!(off.capture_depth(), 0);
+    assert!(matches!(off.capture_hook().begin(), Err(OffloaderError::Protocol(ProtocolError::ShutDown))));
+    assert_eq!(off.capture_hook().depth(), 0);
 }
 
 #[test]
 fn deferred_jobs_are_checked_when_submitted() {
     let off = slot_offloader();
     off.start().unwrap();
-    off.store_slots(JobId(1), &[0], &[0], 0).unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
     off.wait_all().unwrap();
     poll_n(&off, 1);
-    off.capture_begin().unwrap();
+    off.capture_hook().begin().unwrap();
     // An id used before (reported), one deferred, out of range, a busy slot.
-    let reused = off.store_slots(JobId(1), &[1], &[1], 0);
+    let reused = off.submit(JobId(1), Lane::Store, &SlotJob::single(&[1], &[1], 0));
     assert!(matches!(reused, Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(1) }))), "{reused:?}");
-    off.store_slots(JobId(2), &[1], &[1], 0).unwrap();
-    let twice = off.load_slots(JobId(2), &[2], &[0], 0);
+    off.submit(JobId(2), Lane::Store, &SlotJob::single(&[1], &[1], 0)).unwrap();
+    let twice = off.submit(JobId(2), Lane::Load, &SlotJob::single(&[2], &[0], 0));
     assert!(matches!(twice, Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(2) }))), "{twice:?}");
-    let range = off.store_slots(JobId(3), &[1], &[SLOTS], 0);
+    let range = off.submit(JobId(3), Lane::Store, &SlotJob::single(&[1], &[SLOTS], 0));
     assert!(matches!(range, Err(OffloaderError::Transfer(TransferError::HostBlockOutOfRange { .. }))), "{range:?}");
-    let busy = off.load_slots(JobId(4), &[5], &[1], 0);
+    let busy = off.submit(JobId(4), Lane::Load, &SlotJob::single(&[5], &[1], 0));
     assert!(matches!(busy, Err(OffloaderError::SlotBusy { slot: 1, job: JobId(2), .. })), "{busy:?}");
     // Refused ids stay unused.
-    off.store_slots(JobId(3), &[1], &[2], 0).unwrap();
-    assert_eq!(off.deferred_jobs(), 2);
-    off.capture_end().unwrap();
+    off.submit(JobId(3), Lane::Store, &SlotJob::single(&[1], &[2], 0)).unwrap();
+    assert_eq!(off.capture_hook().deferred_jobs(), 2);
+    off.capture_hook().end().unwrap();
     off.wait_all().unwrap();
     let done = poll_n(&off, 2);
     assert_eq!(
@@ -373,17 +379,17 @@ fn the_hook_window_waits_for_the_registration_in_progress_not_for_pinning() {
     let (close_tx, close_rx) = mpsc::channel::<()>();
     let o2 = off.clone();
     let capture = std::thread::spawn(move || {
-        let r = o2.capture_begin();
+        let r = o2.capture_hook().begin();
         opened_tx.send((r.is_ok(), o2.pin_state())).unwrap();
         close_rx.recv().unwrap();
-        o2.capture_end()
+        o2.capture_hook().end()
     });
     until("the hook's window waits to open", || off.activity().windows_waiting == 1);
     assert_eq!(off.activity().windows_open, 0, "the window opened during a registration");
     // A job submitted while the window waits to open is deferred.
     write_block(&off, 8, 4);
-    off.store_slots(JobId(1), &[4], &[7], 0).unwrap();
-    assert_eq!(off.deferred_jobs(), 1);
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[4], &[7], 0)).unwrap();
+    assert_eq!(off.capture_hook().deferred_jobs(), 1);
     // Shutdown is refused while the hook's window waits to open, too (the
     // coordinator alone would close, failing the window and its job).
     let (sd_tx, sd_rx) = mpsc::channel();
@@ -397,7 +403,7 @@ fn the_hook_window_waits_for_the_registration_in_progress_not_for_pinning() {
     // Opened after one registration, with pinning far from final (the
     // default policy, AfterPinning, would have waited for all of it).
     assert!(matches!(pin, PinState::Pinning { done: 1, total: SLOTS }), "{pin:?}");
-    assert_eq!(off.deferred_jobs(), 1);
+    assert_eq!(off.capture_hook().deferred_jobs(), 1);
     close_tx.send(()).unwrap();
     capture.join().unwrap().unwrap();
     off.wait(JobId(1)).unwrap();
@@ -412,7 +418,7 @@ fn the_hook_window_waits_for_the_registration_in_progress_not_for_pinning() {
 fn expedited_offloader() -> (Offloader, SimRuntime) {
     let sim = SimRuntime::with_config(SimConfig { workers: 2, ..SimConfig::default() });
     let control = sim.another_handle();
-    let mut opts = OffloaderOptions::with_host_slots(SLOTS);
+    let mut opts = OffloaderOptions::with_host_blocks(SLOTS);
     opts.transfer.expedited_lane = true;
     (Offloader::with_allocated_tensors(shared(sim), kv(), opts).expect("offloader with an expedited lane"), control)
 }
@@ -423,11 +429,12 @@ fn an_expedited_load_does_not_wait_behind_a_regular_load() {
     let rt = off.runtime().clone();
     write_block(&off, 1, 0);
     write_block(&off, 2, 1);
-    off.store_slots(JobId(1), &[0], &[0], 0).unwrap();
-    off.store_slots(JobId(2), &[1], &[1], 0).unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
+    off.submit(JobId(2), Lane::Store, &SlotJob::single(&[1], &[1], 0)).unwrap();
     off.wait_all().unwrap();
     assert_eq!(poll_n(&off, 2).iter().map(|c| c.lane).collect::<Vec<_>>(), [Lane::Store, Lane::Store]);
-    let (load, expedited) = (off.lane_stream(Lane::Load).unwrap(), off.lane_stream(Lane::LoadExpedited).unwrap());
+    let (load, expedited) =
+        (off.geometry().lane_stream(Lane::Load).unwrap(), off.geometry().lane_stream(Lane::LoadExpedited).unwrap());
     assert_ne!(load, expedited, "the expedited lane has no stream of its own");
     // Work on the regular load stream, held on one device worker: a
     // regular load queues behind it on that stream.
@@ -437,8 +444,8 @@ fn an_expedited_load_does_not_wait_behind_a_regular_load() {
     // after the device work on it completed.
     unsafe { rt.memset_d8_async(scratch, 0, PAGE, load) }.unwrap();
     hold.wait_entered();
-    off.load_slots(JobId(3), &[4], &[0], 0).unwrap();
-    off.load_slots_expedited(JobId(4), &[5], &[1], 0).unwrap();
+    off.submit(JobId(3), Lane::Load, &SlotJob::single(&[4], &[0], 0)).unwrap();
+    off.submit(JobId(4), Lane::LoadExpedited, &SlotJob::single(&[5], &[1], 0)).unwrap();
     // Reported while the regular load is still held behind the memset
     // (polled, 20 s at most: on the load stream it would never come).
     let done = poll_n(&off, 1);
@@ -460,16 +467,16 @@ fn an_expedited_load_does_not_wait_behind_a_regular_load() {
 fn expedited_loads_are_deferred_behind_a_hook_window_and_refused_without_the_lane() {
     let (off, _control) = expedited_offloader();
     write_block(&off, 7, 2);
-    off.store_slots(JobId(1), &[2], &[3], 0).unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[2], &[3], 0)).unwrap();
     off.wait_all().unwrap();
     poll_n(&off, 1);
-    off.capture_begin().unwrap();
-    off.load_slots_expedited(JobId(2), &[6], &[3], 0).unwrap();
+    off.capture_hook().begin().unwrap();
+    off.submit(JobId(2), Lane::LoadExpedited, &SlotJob::single(&[6], &[3], 0)).unwrap();
     // A store on a slot an expedited load reads is busy, as for any load.
-    let busy = off.store_slots(JobId(3), &[2], &[3], 0);
+    let busy = off.submit(JobId(3), Lane::Store, &SlotJob::single(&[2], &[3], 0));
     assert!(matches!(busy, Err(OffloaderError::SlotBusy { slot: 3, job: JobId(2), .. })), "{busy:?}");
-    assert_eq!(off.deferred_jobs(), 1);
-    off.capture_end().unwrap();
+    assert_eq!(off.capture_hook().deferred_jobs(), 1);
+    off.capture_hook().end().unwrap();
     off.wait(JobId(2)).unwrap();
     let done = poll_n(&off, 1);
     assert_eq!((done[0].job, done[0].lane), (JobId(2), Lane::LoadExpedited));
@@ -480,16 +487,16 @@ fn expedited_loads_are_deferred_behind_a_hook_window_and_refused_without_the_lan
     // Without the lane (the default): refused, directly and deferred, and
     // the id stays unused.
     let off = slot_offloader();
-    assert_eq!(off.lane_stream(Lane::LoadExpedited), None);
+    assert_eq!(off.geometry().lane_stream(Lane::LoadExpedited), None);
     let no_lane = |r: Result<(), OffloaderError>| {
         matches!(r, Err(OffloaderError::Transfer(TransferError::NoExpeditedLane { id: JobId(5) })))
     };
-    assert!(no_lane(off.load_slots_expedited(JobId(5), &[0], &[0], 0)));
-    off.capture_begin().unwrap();
-    assert!(no_lane(off.load_slots_expedited(JobId(5), &[0], &[0], 0)));
-    assert_eq!(off.deferred_jobs(), 0);
-    off.capture_end().unwrap();
-    off.load_slots(JobId(5), &[0], &[0], 0).unwrap();
+    assert!(no_lane(off.submit(JobId(5), Lane::LoadExpedited, &SlotJob::single(&[0], &[0], 0))));
+    off.capture_hook().begin().unwrap();
+    assert!(no_lane(off.submit(JobId(5), Lane::LoadExpedited, &SlotJob::single(&[0], &[0], 0))));
+    assert_eq!(off.capture_hook().deferred_jobs(), 0);
+    off.capture_hook().end().unwrap();
+    off.submit(JobId(5), Lane::Load, &SlotJob::single(&[0], &[0], 0)).unwrap();
     off.wait_all().unwrap();
     assert_eq!(poll_n(&off, 1)[0].lane, Lane::Load);
     off.shutdown().unwrap();
@@ -504,24 +511,24 @@ fn a_flush_waits_for_an_engine_window_on_another_thread_and_then_submits() {
     let (end_tx, end_rx) = mpsc::channel::<()>();
     let o2 = off.clone();
     let capture = std::thread::spawn(move || {
-        o2.capture_begin().unwrap();
+        o2.capture_hook().begin().unwrap();
         begun_tx.send(()).unwrap();
         end_rx.recv().unwrap();
         // Closes its window, then submits the queue: refused while the
         // engine's own window (main's) is open, so it waits for that.
-        o2.capture_end()
+        o2.capture_hook().end()
     });
     begun_rx.recv().unwrap();
-    off.store_slots(JobId(1), &[2], &[4], 0).unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[2], &[4], 0)).unwrap();
     let w = off.capture_window().unwrap();
     end_tx.send(()).unwrap();
     until("the hook's window closed", || off.activity().windows_open == 1);
     // The flush found main's window open: the job is back at the head of
     // the queue, not failed, not submitted.
-    assert_eq!(off.deferred_jobs(), 1, "the flush submitted or dropped the job inside an engine window");
+    assert_eq!(off.capture_hook().deferred_jobs(), 1, "the flush submitted or dropped the job inside an engine window");
     drop(w);
     capture.join().unwrap().unwrap();
-    assert_eq!(off.deferred_jobs(), 0);
+    assert_eq!(off.capture_hook().deferred_jobs(), 0);
     off.wait(JobId(1)).unwrap();
     let done = poll_n(&off, 1);
     assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");

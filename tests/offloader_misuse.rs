@@ -3,7 +3,7 @@
 //! a nested `gated` inside `gated` is refused instead of waiting for
 //! itself; the interruptible forms of `capture_begin`, `gated`,
 //! `wait_jobs` and `shutdown` stop when their check says so and leave
-//! nothing behind; `wait_jobs` checks the addressing; a KV allocation too
+//! nothing behind; the core of a keyed offloader refuses slot jobs; a KV allocation too
 //! large for the process is refused before anything is allocated.
 //! Simulated GPU.
 
@@ -11,11 +11,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::offloader::{Addressing, KvAlloc, Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::internal::offloader::{KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob};
 use kvoffload::internal::protocol::{Activity, CapturePolicy, ProtocolError};
 use kvoffload::internal::runtime::shared;
 use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
-use kvoffload::internal::transfer::JobId;
+use kvoffload::internal::transfer::{JobId, Lane};
 use std::sync::Arc;
 use std::thread;
 
@@ -64,15 +64,15 @@ fn a_window_or_a_nested_gated_inside_gated_is_refused() {
     let never = AtomicBool::new(false);
     // Each of these waited for the gated call it ran inside, for ever.
     assert!(would_deadlock(off.gated("test", |_| off.capture_window()).unwrap()));
-    assert!(would_deadlock(off.gated("test", |_| off.capture_window_interruptible(&check(&never))).unwrap()));
-    assert!(would_deadlock(off.gated("test", |_| off.capture_begin()).unwrap()));
+    assert!(would_deadlock(off.gated("test", |_| off.interruptible(&check(&never)).capture_window()).unwrap()));
+    assert!(would_deadlock(off.gated("test", |_| off.capture_hook().begin()).unwrap()));
     assert!(would_deadlock(off.gated("test", |_| off.gated("nested", |_| ())).unwrap()));
-    assert_eq!(off.capture_depth(), 0);
+    assert_eq!(off.capture_hook().depth(), 0);
     assert_eq!(off.activity(), Activity::default());
     // Outside gated, all of them work again.
     drop(off.capture_window().unwrap());
-    off.capture_begin().unwrap();
-    off.capture_end().unwrap();
+    off.capture_hook().begin().unwrap();
+    off.capture_hook().end().unwrap();
     assert_eq!(off.gated("test", |_| 7).unwrap(), 7);
     off.shutdown().unwrap();
 }
@@ -87,7 +87,7 @@ fn an_interrupted_capture_begin_opens_nothing() {
     hold.wait_entered(); // a registration in flight: a hook window waits
     let stop = AtomicBool::new(false);
     thread::scope(|s| {
-        let begin = s.spawn(|| off.capture_begin_interruptible(&check(&stop)));
+        let begin = s.spawn(|| off.interruptible(&check(&stop)).capture_hook().begin());
         until("the hook window waits", || off.activity().windows_waiting == 1);
         stop.store(true, Ordering::SeqCst);
         assert!(interrupted(begin.join().unwrap()));
@@ -116,7 +116,7 @@ fn an_interrupted_gated_runs_nothing() {
             drop(w);
         });
         opened.recv().unwrap();
-        let gated = s.spawn(|| off.gated_interruptible("test", &check(&stop), |_| ran.store(true, Ordering::SeqCst)));
+        let gated = s.spawn(|| off.interruptible(&check(&stop)).gated("test", |_| ran.store(true, Ordering::SeqCst)));
         until("gated waits", || off.activity().calls_waiting == 1);
         stop.store(true, Ordering::SeqCst);
         assert!(interrupted(gated.join().unwrap()));
@@ -129,37 +129,46 @@ fn an_interrupted_gated_runs_nothing() {
 
 #[test]
 fn interrupted_wait_jobs_and_shutdown_leave_the_job_running() {
-    let off = Arc::new(offloader(OffloaderOptions::with_host_slots(8)));
+    let off = Arc::new(offloader(OffloaderOptions::with_host_blocks(8)));
     off.start().unwrap();
     off.wait_pinned().unwrap();
     let hold = sim(&off).hold(HoldPoint::DeviceOp);
-    off.store_slots(JobId(7), &[0], &[0], 0).unwrap();
+    off.submit(JobId(7), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
     hold.wait_entered();
     let stop = AtomicBool::new(true); // stop at the first check
     let mut sink = Vec::new();
-    assert!(interrupted(off.wait_jobs_interruptible(&[JobId(7)], &check(&stop), &mut |c| sink.push(c))));
-    assert!(interrupted(off.shutdown_interruptible(&check(&stop), &mut |c| sink.push(c))));
+    assert!(interrupted(off.interruptible(&check(&stop)).wait_jobs(&[JobId(7)], &mut |c| sink.push(c))));
+    assert!(interrupted(off.interruptible(&check(&stop)).shutdown(&mut |c| sink.push(c))));
     assert!(!off.is_shut_down());
     assert_eq!(off.in_flight(), 1);
     hold.release();
     let never = AtomicBool::new(false);
-    off.wait_jobs_interruptible(&[JobId(7), JobId(99)], &check(&never), &mut |c| sink.push(c)).unwrap();
+    off.interruptible(&check(&never)).wait_jobs(&[JobId(7), JobId(99)], &mut |c| sink.push(c)).unwrap();
     assert_eq!(sink.iter().map(|c| (c.job, c.error.is_none())).collect::<Vec<_>>(), [(JobId(7), true)]);
-    off.shutdown_interruptible(&check(&never), &mut |c| sink.push(c)).unwrap();
+    off.interruptible(&check(&never)).shutdown(&mut |c| sink.push(c)).unwrap();
     assert!(off.is_shut_down());
 }
 
 #[test]
-fn wait_jobs_is_refused_on_a_keyed_offloader() {
-    let off = offloader(OffloaderOptions::with_host_blocks(8));
+fn the_core_of_a_keyed_offloader_refuses_slot_jobs_and_keyed_refuses_kv_groups() {
+    // The type decides what a call may do: a keyed offloader's block
+    // manager owns its host slots, so its core takes no slot job (nothing
+    // submitted, the manager untouched), and keyed jobs have one group.
+    let rt = shared(SimRuntime::new());
+    let keyed = KeyedOffloader::with_allocated_tensors(rt, kv(1), OffloaderOptions::with_host_blocks(8)).unwrap();
+    let r = keyed.core().submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0));
+    assert!(matches!(r, Err(OffloaderError::KeyedCore { call: "submit" })), "{r:?}");
+    assert_eq!(keyed.core().in_flight(), 0);
+    // Its waits are the core's: ids not in flight are skipped.
+    keyed.core().wait_jobs(&[JobId(1)]).unwrap();
     let never = AtomicBool::new(false);
-    for r in [off.wait_jobs(&[JobId(1)]), off.wait_jobs_interruptible(&[JobId(1)], &check(&never), &mut |_| {})] {
-        assert!(
-            matches!(r, Err(OffloaderError::WrongAddressing { call: "wait_jobs", addressing: Addressing::Keys })),
-            "{r:?}"
-        );
+    keyed.core().interruptible(&check(&never)).wait_jobs(&[JobId(1)], &mut |_| {}).unwrap();
+    keyed.core().shutdown().unwrap();
+    let opts = OffloaderOptions { kv_groups: Some(vec![1]), ..OffloaderOptions::with_host_blocks(8) };
+    match KeyedOffloader::with_allocated_tensors(shared(SimRuntime::new()), kv(1), opts) {
+        Err(OffloaderError::Options(m)) => assert!(m.contains("kv_groups"), "{m}"),
+        r => panic!("kv_groups on a keyed offloader: {r:?}"),
     }
-    off.shutdown().unwrap();
 }
 
 #[test]
@@ -226,20 +235,20 @@ fn every_wait_and_shutdown_inside_gated_is_refused() {
     // Each waits for work (a poll through the gate, the pinner's next
     // chunk, the drain) that a window asked for by another thread holds
     // back until this gated call ends: it would wait for itself.
-    let off = Arc::new(offloader(OffloaderOptions::with_host_slots(8)));
+    let off = Arc::new(offloader(OffloaderOptions::with_host_blocks(8)));
     off.start().unwrap();
     off.wait_pinned().unwrap();
-    off.store_slots(JobId(1), &[0], &[0], 0).unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
     let never = AtomicBool::new(false);
     assert!(would_deadlock(off.gated("test", |_| off.wait(JobId(1))).unwrap()));
     assert!(would_deadlock(off.gated("test", |_| off.wait_all()).unwrap()));
     assert!(would_deadlock(off.gated("test", |_| off.wait_jobs(&[JobId(1)])).unwrap()));
     assert!(would_deadlock(
-        off.gated("test", |_| off.wait_jobs_interruptible(&[JobId(1)], &check(&never), &mut |_| {})).unwrap()
+        off.gated("test", |_| off.interruptible(&check(&never)).wait_jobs(&[JobId(1)], &mut |_| {})).unwrap()
     ));
     assert!(would_deadlock(off.gated("test", |_| off.wait_pinned()).unwrap()));
     assert!(would_deadlock(off.gated("test", |_| off.shutdown()).unwrap()));
-    assert!(would_deadlock(off.gated("test", |_| off.shutdown_interruptible(&check(&never), &mut |_| {})).unwrap()));
+    assert!(would_deadlock(off.gated("test", |_| off.interruptible(&check(&never)).shutdown(&mut |_| {})).unwrap()));
     assert!(!off.is_shut_down());
     assert_eq!(
         off.activity(),
@@ -264,14 +273,14 @@ fn a_panic_in_a_gated_call_ends_the_call() {
 
 #[test]
 fn is_shut_down_answers_while_a_shutdown_drains() {
-    let off = Arc::new(offloader(OffloaderOptions::with_host_slots(8)));
+    let off = Arc::new(offloader(OffloaderOptions::with_host_blocks(8)));
     off.start().unwrap();
     off.wait_pinned().unwrap();
     thread::scope(|s| {
         // Dropped on the way out of this closure, a failure included, so
         // the held shutdown ends and the scope can join it.
         let hold = sim(&off).hold(HoldPoint::DeviceOp);
-        off.store_slots(JobId(7), &[0], &[0], 0).unwrap();
+        off.submit(JobId(7), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
         hold.wait_entered();
         let shutting = s.spawn(|| off.shutdown());
         // The shutdown holds its own lock through the drain, held here:
@@ -290,7 +299,7 @@ fn is_shut_down_answers_while_a_shutdown_drains() {
 
 #[test]
 fn an_interruptible_shutdown_is_refused_at_once_while_another_threads_window_is_open() {
-    let off = Arc::new(offloader(OffloaderOptions::with_host_slots(8)));
+    let off = Arc::new(offloader(OffloaderOptions::with_host_blocks(8)));
     off.start().unwrap();
     off.wait_pinned().unwrap();
     let never = AtomicBool::new(false);
@@ -300,7 +309,7 @@ fn an_interruptible_shutdown_is_refused_at_once_while_another_threads_window_is_
         let (opened_tx, opened) = mpsc::channel();
         let (close, close_rx) = mpsc::channel::<()>();
         let hold = sim(&off).hold(HoldPoint::DeviceOp);
-        off.store_slots(JobId(3), &[0], &[0], 0).unwrap();
+        off.submit(JobId(3), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
         hold.wait_entered();
         let holder = &off;
         s.spawn(move || {
@@ -312,7 +321,7 @@ fn an_interruptible_shutdown_is_refused_at_once_while_another_threads_window_is_
         opened.recv().unwrap();
         // The blocking form refuses this at once; the interruptible one
         // drained first, waiting for the window to close.
-        let asked = s.spawn(|| off.shutdown_interruptible(&check(&never), &mut |_| {}));
+        let asked = s.spawn(|| off.interruptible(&check(&never)).shutdown(&mut |_| {}));
         until("the interruptible shutdown answered", || asked.is_finished());
         let r = asked.join().unwrap();
         assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))), "{r:?}");

@@ -1,16 +1,16 @@
-//! The slot-addressed `Offloader` API, on the
+//! The slot-addressed core `Offloader` (`submit` of `SlotJob`s), on the
 //! simulated GPU: an engine that chooses its own host slots and job ids
 //! (vLLM's offloading manager) stores GPU blocks into slots and loads them
 //! back, byte for byte; slots reused after their store was reported; every
-//! typed refusal; job ids never reused; keyed and slot calls never mixed;
+//! typed refusal; job ids never reused; keyed and slot jobs never mixed;
 //! shutdown drains slot jobs in flight.
 
 use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{Addressing, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob};
+use kvoffload::internal::offloader::{KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob};
 use kvoffload::internal::runtime::pattern;
 use kvoffload::internal::runtime::sim::{HoldPoint, SimConfig, SimRuntime};
 use kvoffload::internal::runtime::{shared, Direction};
-use kvoffload::internal::transfer::{JobId, TransferError};
+use kvoffload::internal::transfer::{JobId, Lane, TransferError};
 
 const PAGE: usize = 4096;
 const TENSORS: usize = 3;
@@ -23,12 +23,11 @@ fn kv() -> KvAlloc {
 }
 
 fn slot_offloader() -> Offloader {
-    let mut opts = OffloaderOptions::with_host_slots(SLOTS);
+    let mut opts = OffloaderOptions::with_host_blocks(SLOTS);
     // Small chunks, so pinning takes several registrations.
     opts.pin = opts.pin.max_chunk_bytes(4 * TENSORS * FACTOR * PAGE);
     let off = Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).expect("slot offloader");
-    assert_eq!(off.addressing(), Addressing::Slots);
-    assert_eq!(off.host_blocks(), SLOTS);
+    assert_eq!(off.geometry().host_blocks, SLOTS);
     off
 }
 
@@ -43,7 +42,7 @@ fn page(tag: u64, t: usize, j: usize) -> Vec<u8> {
 /// copies through the offloader's runtime).
 fn write_blocks(off: &Offloader, tag: u64, gpu: &[usize]) {
     let rt = off.runtime();
-    for (t, base) in off.tensors().into_iter().enumerate() {
+    for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         for (j, &b) in gpu.iter().enumerate() {
             let buf = page(tag, t, j);
             // SAFETY: `buf` is readable for the synchronous copy; the
@@ -57,7 +56,7 @@ fn write_blocks(off: &Offloader, tag: u64, gpu: &[usize]) {
 fn zero_blocks(off: &Offloader, gpu: &[usize]) {
     let rt = off.runtime();
     let zero = vec![0u8; PAGE];
-    for base in off.tensors() {
+    for base in off.geometry().tensors() {
         for &b in gpu {
             // SAFETY: as in `write_blocks`.
             unsafe { rt.copy_htod(base.offset(b * PAGE), zero.as_ptr() as usize, PAGE) }.unwrap();
@@ -69,7 +68,7 @@ fn zero_blocks(off: &Offloader, gpu: &[usize]) {
 fn bad_pages(off: &Offloader, tag: u64, gpu: &[usize]) -> usize {
     let rt = off.runtime();
     let mut bad = 0;
-    for (t, base) in off.tensors().into_iter().enumerate() {
+    for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         for (j, &b) in gpu.iter().enumerate() {
             let mut got = vec![0u8; PAGE];
             // SAFETY: `got` is writable for the synchronous copy.
@@ -84,7 +83,7 @@ fn bad_pages(off: &Offloader, tag: u64, gpu: &[usize]) -> usize {
 /// that differ from content `tag` written from `FACTOR` GPU blocks per
 /// slot, read straight from the region. Only while no job touches them.
 fn bad_host_pages(off: &Offloader, tag: u64, slots: &[usize]) -> usize {
-    let l = off.layout();
+    let l = &off.geometry().layout;
     let mut bad = 0;
     for t in 0..TENSORS {
         for (i, &s) in slots.iter().enumerate() {
@@ -120,7 +119,7 @@ fn round_trip_through_chosen_slots_byte_for_byte() {
     write_blocks(&off, 1, &src);
     // Two slots the engine chose, out of order.
     let slots = [9, 5];
-    off.store_slots(JobId(100), &src, &slots, 0).unwrap();
+    off.submit(JobId(100), Lane::Store, &SlotJob::single(&src, &slots, 0)).unwrap();
     assert_eq!(off.in_flight(), 1);
     let done = drain(&off);
     assert_eq!(done.len(), 1);
@@ -137,10 +136,10 @@ fn round_trip_through_chosen_slots_byte_for_byte() {
     assert_eq!(bad_pages(&off, 1, &src), src.len() * TENSORS, "zeroed");
     // Back into other GPU blocks, in the stored order ...
     let dst = gpu_range(10, 4);
-    off.load_slots(JobId(101), &dst, &slots, 0).unwrap();
+    off.submit(JobId(101), Lane::Load, &SlotJob::single(&dst, &slots, 0)).unwrap();
     // ... and the slots the other way round into a third set.
     let swapped = gpu_range(20, 4);
-    off.load_slots(JobId(102), &swapped, &[5, 9], 0).unwrap();
+    off.submit(JobId(102), Lane::Load, &SlotJob::single(&swapped, &[5, 9], 0)).unwrap();
     let done = drain(&off);
     assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(101), JobId(102)]);
     for c in &done {
@@ -151,7 +150,7 @@ fn round_trip_through_chosen_slots_byte_for_byte() {
     assert_eq!(bad_pages(&off, 1, &dst), 0);
     // GPU blocks 20, 21 got slot 5, which holds blocks 2 and 3 of the store.
     let rt = off.runtime();
-    for (t, base) in off.tensors().into_iter().enumerate() {
+    for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         for (j, &b) in swapped.iter().enumerate() {
             let mut got = vec![0u8; PAGE];
             // SAFETY: `got` is writable for the synchronous copy.
@@ -164,7 +163,7 @@ fn round_trip_through_chosen_slots_byte_for_byte() {
 
 /// Page `sub` of tensor `t` in host slot `slot`, read from the region.
 fn host_page(off: &Offloader, t: usize, slot: usize, sub: usize) -> Vec<u8> {
-    let addr = off.layout().host_addr(0, t, slot, sub);
+    let addr = off.geometry().layout.host_addr(0, t, slot, sub);
     // SAFETY: a page of this rank's slot of the mapped region; the callers
     // read only while no job is in flight.
     unsafe { std::slice::from_raw_parts(addr as *const u8, PAGE) }.to_vec()
@@ -176,13 +175,13 @@ fn partial_first_and_last_slots_from_first_sub() {
     let slots = [4, 6];
     // Full slots first: tag 7, GPU blocks 0..4.
     write_blocks(&off, 7, &gpu_range(0, 4));
-    off.store_slots(JobId(1), &gpu_range(0, 4), &slots, 0).unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&gpu_range(0, 4), &slots, 0)).unwrap();
     drain(&off);
     // Then 2 GPU blocks from sub-block 1: the second half of slot 4 and the
     // first half of slot 6 (vLLM's block_indices[0] % factor == 1), both
     // slots partial.
     write_blocks(&off, 8, &[10, 11]);
-    off.store_slots(JobId(2), &[10, 11], &slots, 1).unwrap();
+    off.submit(JobId(2), Lane::Store, &SlotJob::single(&[10, 11], &slots, 1)).unwrap();
     let done = drain(&off);
     assert_eq!(done[0].bytes, (2 * TENSORS * PAGE) as u64);
     for t in 0..TENSORS {
@@ -192,14 +191,14 @@ fn partial_first_and_last_slots_from_first_sub() {
         assert!(host_page(&off, t, 6, 1) == page(7, t, 3), "tensor {t}: slot 6, sub-block 1 untouched");
     }
     // Loads the same way: the partial range, and the whole slots.
-    off.load_slots(JobId(3), &[20, 21], &slots, 1).unwrap();
-    off.load_slots(JobId(4), &gpu_range(24, 4), &slots, 0).unwrap();
+    off.submit(JobId(3), Lane::Load, &SlotJob::single(&[20, 21], &slots, 1)).unwrap();
+    off.submit(JobId(4), Lane::Load, &SlotJob::single(&gpu_range(24, 4), &slots, 0)).unwrap();
     // One GPU block from the last sub-block of slot 6.
-    off.load_slots(JobId(5), &[30], &[6], 1).unwrap();
+    off.submit(JobId(5), Lane::Load, &SlotJob::single(&[30], &[6], 1)).unwrap();
     drain(&off);
     assert_eq!(bad_pages(&off, 8, &[20, 21]), 0);
     let rt = off.runtime();
-    for (t, base) in off.tensors().into_iter().enumerate() {
+    for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         let want = [page(7, t, 0), page(8, t, 0), page(8, t, 1), page(7, t, 3), page(7, t, 3)];
         for (b, want) in [24, 25, 26, 27, 30].into_iter().zip(want) {
             let mut got = vec![0u8; PAGE];
@@ -218,24 +217,24 @@ fn slot_jobs_are_ordered_after_the_compute_stream() {
     // memset.
     let sim = SimRuntime::with_config(SimConfig { workers: 2, ..SimConfig::default() });
     let device = sim.another_handle();
-    let opts = OffloaderOptions::with_host_slots(SLOTS);
+    let opts = OffloaderOptions::with_host_blocks(SLOTS);
     let off = Offloader::with_allocated_tensors(shared(sim), kv(), opts).unwrap();
     let rt = off.runtime().clone();
-    let base = off.tensors()[0];
+    let base = off.geometry().tensors()[0];
     write_blocks(&off, 2, &[0, 1]);
     let hold = device.hold(HoldPoint::DeviceOp);
     // Work on the compute stream, held on the device while the store is
     // submitted: the store must see what it writes.
     // SAFETY: GPU blocks 0 and 1 of tensor 0 are the offloader's, written
     // by nothing else until the store is reported.
-    unsafe { rt.memset_d8_async(base, 0xAB, 2 * PAGE, off.compute_stream()) }.unwrap();
+    unsafe { rt.memset_d8_async(base, 0xAB, 2 * PAGE, off.geometry().compute_stream()) }.unwrap();
     hold.wait_entered();
-    off.store_slots(JobId(1), &[0, 1], &[3], 0).unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[3], 0)).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(50));
     assert_eq!(off.poll(), Vec::new(), "the store completed while the compute stream's work was held");
     hold.release();
     drain(&off);
-    off.load_slots(JobId(2), &[6, 7], &[3], 0).unwrap();
+    off.submit(JobId(2), Lane::Load, &SlotJob::single(&[6, 7], &[3], 0)).unwrap();
     drain(&off);
     for b in [6, 7] {
         let mut got = vec![0u8; PAGE];
@@ -259,21 +258,21 @@ fn slots_are_reused_after_their_store_was_reported() {
     for round in 1..=4u64 {
         write_blocks(&off, round, &src);
         let store = next();
-        off.store_slots(store, &src, &[7], 0).unwrap();
+        off.submit(store, Lane::Store, &SlotJob::single(&src, &[7], 0)).unwrap();
         off.wait(store).unwrap();
         let done = off.poll();
         assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [store]);
         let dst = gpu_range(8 + 2 * round as usize, 2);
         let load = next();
-        off.load_slots(load, &dst, &[7], 0).unwrap();
+        off.submit(load, Lane::Load, &SlotJob::single(&dst, &[7], 0)).unwrap();
         off.wait(load).unwrap();
         assert_eq!(off.poll().len(), 1);
         assert_eq!(bad_pages(&off, round, &dst), 0, "round {round}: slot 7 holds the last store");
         assert_eq!(bad_host_pages(&off, round, &[7]), 0);
     }
     // Two loads of one slot at once (a shared prefix) are fine.
-    off.load_slots(next(), &[30, 31], &[7], 0).unwrap();
-    off.load_slots(next(), &[28, 29], &[7], 0).unwrap();
+    off.submit(next(), Lane::Load, &SlotJob::single(&[30, 31], &[7], 0)).unwrap();
+    off.submit(next(), Lane::Load, &SlotJob::single(&[28, 29], &[7], 0)).unwrap();
     assert_eq!(drain(&off).len(), 2);
     assert_eq!(bad_pages(&off, 4, &[30, 31]), 0);
     assert_eq!(bad_pages(&off, 4, &[28, 29]), 0);
@@ -283,8 +282,12 @@ fn slots_are_reused_after_their_store_was_reported() {
 #[test]
 fn bad_slot_jobs_are_typed_errors_and_submit_nothing() {
     let off = slot_offloader();
-    let store = |id: u64, gpu: &[usize], slots: &[usize]| off.store_slots(JobId(id), gpu, slots, 0).unwrap_err();
-    let load = |id: u64, gpu: &[usize], slots: &[usize]| off.load_slots(JobId(id), gpu, slots, 0).unwrap_err();
+    let store = |id: u64, gpu: &[usize], slots: &[usize]| {
+        off.submit(JobId(id), Lane::Store, &SlotJob::single(gpu, slots, 0)).unwrap_err()
+    };
+    let load = |id: u64, gpu: &[usize], slots: &[usize]| {
+        off.submit(JobId(id), Lane::Load, &SlotJob::single(gpu, slots, 0)).unwrap_err()
+    };
     match store(1, &[0, 1, 2], &[0]) {
         OffloaderError::Transfer(TransferError::HostCountMismatch {
             group: 0,
@@ -301,7 +304,7 @@ fn bad_slot_jobs_are_typed_errors_and_submit_nothing() {
         e => panic!("{e:?}"),
     }
     // From sub-block 1: 2 GPU blocks need 2 slots, 1 GPU block needs 1.
-    match off.store_slots(JobId(1), &[0, 1], &[0], 1).unwrap_err() {
+    match off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[0], 1)).unwrap_err() {
         OffloaderError::Transfer(TransferError::HostCountMismatch {
             group: 0,
             gpu: 2,
@@ -312,13 +315,13 @@ fn bad_slot_jobs_are_typed_errors_and_submit_nothing() {
         }) => {}
         e => panic!("{e:?}"),
     }
-    match off.load_slots(JobId(1), &[0], &[0, 1], 1).unwrap_err() {
+    match off.submit(JobId(1), Lane::Load, &SlotJob::single(&[0], &[0, 1], 1)).unwrap_err() {
         OffloaderError::Transfer(TransferError::HostCountMismatch {
             gpu: 1, host: 2, first_sub: 1, need: 1, ..
         }) => {}
         e => panic!("{e:?}"),
     }
-    match off.store_slots(JobId(1), &[0], &[0], FACTOR).unwrap_err() {
+    match off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], FACTOR)).unwrap_err() {
         OffloaderError::Transfer(TransferError::FirstSubTooLarge { group: 0, first_sub: FACTOR, factor: FACTOR }) => {}
         e => panic!("{e:?}"),
     }
@@ -349,7 +352,7 @@ fn bad_slot_jobs_are_typed_errors_and_submit_nothing() {
     assert_eq!(off.in_flight(), 0, "a refused job is not in flight");
     assert!(off.poll().is_empty(), "a refused job is never reported");
     // Nothing was submitted, so id 1 was not used: it is accepted now.
-    off.store_slots(JobId(1), &[0, 1], &[0], 0).unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[0], 0)).unwrap();
     assert_eq!(drain(&off).len(), 1);
     // Waits on ids that are not in flight: never submitted, and reported.
     assert!(matches!(off.wait(JobId(77)), Err(OffloaderError::UnknownJob { id: JobId(77) })));
@@ -364,13 +367,13 @@ fn bad_slot_jobs_are_typed_errors_and_submit_nothing() {
 #[test]
 fn job_ids_are_never_reused() {
     let off = slot_offloader();
-    off.store_slots(JobId(5), &[0, 1], &[0], 0).unwrap();
+    off.submit(JobId(5), Lane::Store, &SlotJob::single(&[0, 1], &[0], 0)).unwrap();
     // In flight: the same id again, either direction.
-    match off.store_slots(JobId(5), &[2, 3], &[1], 0) {
+    match off.submit(JobId(5), Lane::Store, &SlotJob::single(&[2, 3], &[1], 0)) {
         Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(5) })) => {}
         other => panic!("{other:?}"),
     }
-    match off.load_slots(JobId(5), &[2, 3], &[1], 0) {
+    match off.submit(JobId(5), Lane::Load, &SlotJob::single(&[2, 3], &[1], 0)) {
         Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(5) })) => {}
         other => panic!("{other:?}"),
     }
@@ -379,53 +382,44 @@ fn job_ids_are_never_reused() {
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].bytes, (FACTOR * TENSORS * PAGE) as u64, "the first job, not a refused one");
     // Reported: still used.
-    match off.load_slots(JobId(5), &[2, 3], &[0], 0) {
+    match off.submit(JobId(5), Lane::Load, &SlotJob::single(&[2, 3], &[0], 0)) {
         Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(5) })) => {}
         other => panic!("{other:?}"),
     }
     // Ids need not grow: any id never used is accepted.
-    off.load_slots(JobId(3), &[2, 3], &[0], 0).unwrap();
-    off.load_slots(JobId(u64::MAX), &[4, 5], &[0], 0).unwrap();
-    off.load_slots(JobId(0), &[6, 7], &[0], 0).unwrap();
+    off.submit(JobId(3), Lane::Load, &SlotJob::single(&[2, 3], &[0], 0)).unwrap();
+    off.submit(JobId(u64::MAX), Lane::Load, &SlotJob::single(&[4, 5], &[0], 0)).unwrap();
+    off.submit(JobId(0), Lane::Load, &SlotJob::single(&[6, 7], &[0], 0)).unwrap();
     let done = drain(&off);
     assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(3), JobId(u64::MAX), JobId(0)]);
     off.shutdown().unwrap();
 }
 
 #[test]
-fn keyed_and_slot_calls_never_mix() {
-    let off = slot_offloader();
+fn keyed_and_slot_jobs_never_mix() {
+    // A core offloader has no keyed calls (the type decides); the core of
+    // a keyed offloader refuses slot jobs, which would write host slots its
+    // block manager owns, with nothing submitted.
     let k = [BlockKey::new(1, 0)];
-    match off.store(&k, &[0, 1]) {
-        Err(OffloaderError::WrongAddressing { call: "store", addressing: Addressing::Slots }) => {}
-        other => panic!("{other:?}"),
+    let keyed = KeyedOffloader::with_allocated_tensors(
+        shared(SimRuntime::new()),
+        kv(),
+        OffloaderOptions::with_host_blocks(SLOTS),
+    )
+    .unwrap();
+    for lane in [Lane::Store, Lane::Load, Lane::LoadExpedited] {
+        match keyed.core().submit(JobId(1), lane, &SlotJob::single(&[0, 1], &[0], 0)) {
+            Err(OffloaderError::KeyedCore { call: "submit" }) => {}
+            other => panic!("{lane:?}: {other:?}"),
+        }
     }
-    match off.load(&k, &[0, 1]) {
-        Err(OffloaderError::WrongAddressing { call: "load", addressing: Addressing::Slots }) => {}
-        other => panic!("{other:?}"),
-    }
-    assert_eq!(off.stored_blocks(), 0);
-    assert_eq!(off.in_flight(), 0);
-    off.shutdown().unwrap();
-
-    let keyed =
-        Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), OffloaderOptions::with_host_blocks(SLOTS))
-            .unwrap();
-    assert_eq!(keyed.addressing(), Addressing::Keys);
-    match keyed.store_slots(JobId(1), &[0, 1], &[0], 0) {
-        Err(OffloaderError::WrongAddressing { call: "store_slots", addressing: Addressing::Keys }) => {}
-        other => panic!("{other:?}"),
-    }
-    match keyed.load_slots(JobId(1), &[0, 1], &[0], 0) {
-        Err(OffloaderError::WrongAddressing { call: "load_slots", addressing: Addressing::Keys }) => {}
-        other => panic!("{other:?}"),
-    }
-    assert_eq!(keyed.in_flight(), 0);
+    assert_eq!(keyed.core().in_flight(), 0);
     // The keyed API still works there.
     let stored = keyed.store(&k, &[0, 1]).unwrap();
-    keyed.wait_all().unwrap();
+    keyed.core().wait_all().unwrap();
     assert_eq!(keyed.poll().iter().map(|c| c.job).collect::<Vec<_>>(), [stored.job.unwrap()]);
-    keyed.shutdown().unwrap();
+    assert_eq!(keyed.stored_blocks(), 1);
+    keyed.core().shutdown().unwrap();
 }
 
 #[test]
@@ -436,19 +430,19 @@ fn shutdown_drains_slot_jobs_in_flight() {
     for i in 0..8usize {
         let gpu = gpu_range(2 * i, 2);
         write_blocks(&off, 10 + i as u64, &gpu);
-        off.store_slots(JobId(i as u64), &gpu, &[15 - i], 0).unwrap();
+        off.submit(JobId(i as u64), Lane::Store, &SlotJob::single(&gpu, &[15 - i], 0)).unwrap();
         slots.push(15 - i);
     }
     write_blocks(&off, 30, &[16, 17]);
-    off.store_slots(JobId(8), &[16, 17], &[0], 0).unwrap();
+    off.submit(JobId(8), Lane::Store, &SlotJob::single(&[16, 17], &[0], 0)).unwrap();
     // A load from a slot the engine filled before (its store reported).
     off.wait(JobId(8)).unwrap();
     assert_eq!(off.poll().len(), 9);
-    off.load_slots(JobId(9), &[20, 21], &[0], 0).unwrap();
+    off.submit(JobId(9), Lane::Load, &SlotJob::single(&[20, 21], &[0], 0)).unwrap();
     for i in 0..4usize {
         let gpu = gpu_range(24 + 2 * i, 2);
         write_blocks(&off, 40 + i as u64, &gpu);
-        off.store_slots(JobId(10 + i as u64), &gpu, &[1 + i], 0).unwrap();
+        off.submit(JobId(10 + i as u64), Lane::Store, &SlotJob::single(&gpu, &[1 + i], 0)).unwrap();
     }
     assert_eq!(off.in_flight(), 5);
     off.shutdown().unwrap();
@@ -463,7 +457,7 @@ fn shutdown_drains_slot_jobs_in_flight() {
     for i in 0..4usize {
         assert_eq!(bad_host_pages(&off, 40 + i as u64, &[1 + i]), 0, "drained store to slot {}", 1 + i);
     }
-    match off.store_slots(JobId(99), &[0, 1], &[0], 0) {
+    match off.submit(JobId(99), Lane::Store, &SlotJob::single(&[0, 1], &[0], 0)) {
         Err(OffloaderError::ShutDown) => {}
         other => panic!("{other:?}"),
     }
@@ -471,13 +465,13 @@ fn shutdown_drains_slot_jobs_in_flight() {
 
 fn grouped_offloader() -> Offloader {
     // Group 0: tensors 0 and 1; group 1: tensor 2.
-    let opts = OffloaderOptions { kv_groups: Some(vec![2, 1]), ..OffloaderOptions::with_host_slots(SLOTS) };
+    let opts = OffloaderOptions { kv_groups: Some(vec![2, 1]), ..OffloaderOptions::with_host_blocks(SLOTS) };
     Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).expect("grouped slot offloader")
 }
 
 /// Page `sub` of slot `slot` for tensor `t` (local to group `g`).
 fn group_page(off: &Offloader, g: usize, t: usize, slot: usize, sub: usize) -> Vec<u8> {
-    let addr = off.layout().host_addr(g, t, slot, sub);
+    let addr = off.geometry().layout.host_addr(g, t, slot, sub);
     // SAFETY: as in `host_page`.
     unsafe { std::slice::from_raw_parts(addr as *const u8, PAGE) }.to_vec()
 }
@@ -485,19 +479,20 @@ fn group_page(off: &Offloader, g: usize, t: usize, slot: usize, sub: usize) -> V
 fn gpu_page(off: &Offloader, t: usize, b: usize) -> Vec<u8> {
     let mut got = vec![0u8; PAGE];
     // SAFETY: `got` is writable for the synchronous copy.
-    unsafe { off.runtime().copy_dtoh(got.as_mut_ptr() as usize, off.tensors()[t].offset(b * PAGE), PAGE) }.unwrap();
+    unsafe { off.runtime().copy_dtoh(got.as_mut_ptr() as usize, off.geometry().tensors()[t].offset(b * PAGE), PAGE) }
+        .unwrap();
     got
 }
 
 #[test]
 fn kv_groups_share_slot_ids_and_touch_only_their_tensors() {
     let off = grouped_offloader();
-    assert_eq!(off.layout().num_groups(), 2);
+    assert_eq!(off.geometry().layout.num_groups(), 2);
     write_blocks(&off, 5, &gpu_range(0, 5));
     // vLLM's shape: group 0 has GPU blocks 0..3 from sub-block 1 (slots 2
     // and 3), group 1 GPU blocks 3, 4 (slot 3 too: its own tensor's part).
-    let job = SlotJob { gpu_blocks: &[0, 1, 2, 3, 4], group_sizes: &[3, 2], slots: &[2, 3, 3], first_subs: &[1, 0] };
-    off.store_slot_job(JobId(1), &job).unwrap();
+    let job = SlotJob::groups(&[0, 1, 2, 3, 4], &[3, 2], &[2, 3, 3], &[1, 0]);
+    off.submit(JobId(1), Lane::Store, &job).unwrap();
     let done = drain(&off);
     assert_eq!(done[0].bytes, ((3 * 2 + 2) * PAGE) as u64, "3 blocks of 2 tensors, 2 of 1");
     let zero = vec![0u8; PAGE];
@@ -513,12 +508,11 @@ fn kv_groups_share_slot_ids_and_touch_only_their_tensors() {
         assert!(group_page(&off, 1, 0, 2, sub) == zero, "group 1: slot 2 untouched");
     }
     // Back into other GPU blocks, the same shape.
-    let back =
-        SlotJob { gpu_blocks: &[10, 11, 12, 13, 14], group_sizes: &[3, 2], slots: &[2, 3, 3], first_subs: &[1, 0] };
-    off.load_slot_job(JobId(2), &back).unwrap();
+    let back = SlotJob::groups(&[10, 11, 12, 13, 14], &[3, 2], &[2, 3, 3], &[1, 0]);
+    off.submit(JobId(2), Lane::Load, &back).unwrap();
     // Only group 1, from its last sub-block of slot 3.
-    let one = SlotJob { gpu_blocks: &[20], group_sizes: &[0, 1], slots: &[3], first_subs: &[0, 1] };
-    off.load_slot_job(JobId(3), &one).unwrap();
+    let one = SlotJob::groups(&[20], &[0, 1], &[3], &[0, 1]);
+    off.submit(JobId(3), Lane::Load, &one).unwrap();
     drain(&off);
     for t in 0..2 {
         for (i, b) in [10, 11, 12].into_iter().enumerate() {
@@ -535,60 +529,47 @@ fn kv_groups_share_slot_ids_and_touch_only_their_tensors() {
 #[test]
 fn kv_group_jobs_of_the_wrong_shape_are_typed_errors() {
     let off = grouped_offloader();
-    let store = |job: SlotJob<'_>| off.store_slot_job(JobId(1), &job).unwrap_err();
+    let store = |job: SlotJob<'_>| off.submit(JobId(1), Lane::Store, &job).unwrap_err();
     let shape = |e: OffloaderError| match e {
         OffloaderError::SlotJobShape { given, expected, .. } => (given, expected),
         e => panic!("{e:?}"),
     };
-    assert_eq!(shape(store(SlotJob { gpu_blocks: &[0, 1], group_sizes: &[2], slots: &[0], first_subs: &[0] })), (1, 2));
-    assert_eq!(
-        shape(store(SlotJob { gpu_blocks: &[0, 1], group_sizes: &[2, 0], slots: &[0], first_subs: &[0] })),
-        (1, 2),
-        "first_subs"
-    );
-    assert_eq!(
-        shape(store(SlotJob { gpu_blocks: &[0, 1, 2], group_sizes: &[2, 2], slots: &[0, 1], first_subs: &[0, 0] })),
-        (3, 4),
-        "GPU blocks"
-    );
-    assert_eq!(
-        shape(store(SlotJob { gpu_blocks: &[0, 1, 2], group_sizes: &[2, 1], slots: &[0], first_subs: &[0, 0] })),
-        (1, 2),
-        "slots"
-    );
+    assert_eq!(shape(store(SlotJob::groups(&[0, 1], &[2], &[0], &[0]))), (1, 2));
+    assert_eq!(shape(store(SlotJob::groups(&[0, 1], &[2, 0], &[0], &[0]))), (1, 2), "first_subs");
+    assert_eq!(shape(store(SlotJob::groups(&[0, 1, 2], &[2, 2], &[0, 1], &[0, 0]))), (3, 4), "GPU blocks");
+    assert_eq!(shape(store(SlotJob::groups(&[0, 1, 2], &[2, 1], &[0], &[0, 0]))), (1, 2), "slots");
     // One-group calls on two groups.
-    assert_eq!(shape(off.store_slots(JobId(1), &[0, 1], &[0], 0).unwrap_err()), (1, 2));
+    assert_eq!(shape(off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[0], 0)).unwrap_err()), (1, 2));
     // Per-group checks name the group.
-    match store(SlotJob { gpu_blocks: &[0, 1, 2, 3], group_sizes: &[0, 4], slots: &[5, 5], first_subs: &[0, 0] }) {
+    match store(SlotJob::groups(&[0, 1, 2, 3], &[0, 4], &[5, 5], &[0, 0])) {
         OffloaderError::Transfer(TransferError::RepeatedHostBlock { group: 1, block: 5 }) => {}
         e => panic!("{e:?}"),
     }
-    match store(SlotJob { gpu_blocks: &[0, 1, 2], group_sizes: &[2, 1], slots: &[SLOTS, 0], first_subs: &[0, 0] }) {
+    match store(SlotJob::groups(&[0, 1, 2], &[2, 1], &[SLOTS, 0], &[0, 0])) {
         OffloaderError::Transfer(TransferError::HostBlockOutOfRange { group: 0, block: SLOTS, num_blocks: SLOTS }) => {}
         e => panic!("{e:?}"),
     }
-    match store(SlotJob { gpu_blocks: &[0, 1], group_sizes: &[1, 1], slots: &[0, 0, 1], first_subs: &[0, FACTOR] }) {
+    match store(SlotJob::groups(&[0, 1], &[1, 1], &[0, 0, 1], &[0, FACTOR])) {
         OffloaderError::Transfer(TransferError::FirstSubTooLarge { group: 1, first_sub: FACTOR, .. }) => {}
         e => panic!("{e:?}"),
     }
     assert_eq!(off.in_flight(), 0);
-    off.store_slot_job(JobId(1), &SlotJob { gpu_blocks: &[0], group_sizes: &[1, 0], slots: &[0], first_subs: &[0, 0] })
-        .unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::groups(&[0], &[1, 0], &[0], &[0, 0])).unwrap();
     assert_eq!(drain(&off).len(), 1);
     off.shutdown().unwrap();
 
-    // Groups need slot addressing and a partition of the tensors.
-    for (addressing, groups) in
-        [(Addressing::Keys, vec![2, 1]), (Addressing::Slots, vec![2, 2]), (Addressing::Slots, vec![3, 0])]
-    {
-        let opts = OffloaderOptions {
-            kv_groups: Some(groups.clone()),
-            addressing,
-            ..OffloaderOptions::with_host_blocks(SLOTS)
+    // Groups need slot jobs (a keyed offloader refuses them) and a
+    // partition of the tensors.
+    for (keyed, groups) in [(true, vec![2, 1]), (false, vec![2, 2]), (false, vec![3, 0])] {
+        let opts = OffloaderOptions { kv_groups: Some(groups.clone()), ..OffloaderOptions::with_host_blocks(SLOTS) };
+        let r = if keyed {
+            KeyedOffloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).map(|_| ())
+        } else {
+            Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).map(|_| ())
         };
-        match Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts) {
+        match r {
             Err(OffloaderError::Options(_)) => {}
-            other => panic!("{addressing:?} {groups:?}: {other:?}"),
+            other => panic!("keyed {keyed} {groups:?}: {other:?}"),
         }
     }
 }
@@ -596,24 +577,27 @@ fn kv_group_jobs_of_the_wrong_shape_are_typed_errors() {
 #[test]
 fn slots_of_jobs_not_yet_reported_are_busy() {
     let off = slot_offloader();
-    off.store_slots(JobId(1), &[0, 1], &[3], 0).unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[3], 0)).unwrap();
     // Until poll reports the store, no job may use slot 3.
-    match off.store_slots(JobId(2), &[2, 3], &[5, 3], 0) {
+    match off.submit(JobId(2), Lane::Store, &SlotJob::single(&[2, 3], &[5, 3], 0)) {
         Err(OffloaderError::SlotBusy { group: 0, slot: 3, job: JobId(1), direction: Direction::DeviceToHost }) => {}
         other => panic!("{other:?}"),
     }
-    match off.load_slots(JobId(2), &[2, 3], &[3], 0) {
+    match off.submit(JobId(2), Lane::Load, &SlotJob::single(&[2, 3], &[3], 0)) {
         Err(OffloaderError::SlotBusy { group: 0, slot: 3, job: JobId(1), direction: Direction::DeviceToHost }) => {}
         other => panic!("{other:?}"),
     }
     // Completed on the GPU is not enough: reported is.
     off.wait(JobId(1)).unwrap();
-    assert!(matches!(off.store_slots(JobId(2), &[2, 3], &[3], 0), Err(OffloaderError::SlotBusy { slot: 3, .. })));
+    assert!(matches!(
+        off.submit(JobId(2), Lane::Store, &SlotJob::single(&[2, 3], &[3], 0)),
+        Err(OffloaderError::SlotBusy { slot: 3, .. })
+    ));
     assert_eq!(off.poll().len(), 1);
     // Loads of one slot run together; a store to it waits for their report.
-    off.load_slots(JobId(2), &[4, 5], &[3], 0).unwrap();
-    off.load_slots(JobId(3), &[6, 7], &[3], 0).unwrap();
-    match off.store_slots(JobId(4), &[8, 9], &[3], 0) {
+    off.submit(JobId(2), Lane::Load, &SlotJob::single(&[4, 5], &[3], 0)).unwrap();
+    off.submit(JobId(3), Lane::Load, &SlotJob::single(&[6, 7], &[3], 0)).unwrap();
+    match off.submit(JobId(4), Lane::Store, &SlotJob::single(&[8, 9], &[3], 0)) {
         Err(OffloaderError::SlotBusy {
             group: 0,
             slot: 3,
@@ -623,19 +607,19 @@ fn slots_of_jobs_not_yet_reported_are_busy() {
         other => panic!("{other:?}"),
     }
     // Other slots are free meanwhile; the refused id 4 is unused.
-    off.store_slots(JobId(4), &[8, 9], &[4], 0).unwrap();
+    off.submit(JobId(4), Lane::Store, &SlotJob::single(&[8, 9], &[4], 0)).unwrap();
     assert_eq!(drain(&off).len(), 3);
-    off.store_slots(JobId(5), &[8, 9], &[3], 0).unwrap();
+    off.submit(JobId(5), Lane::Store, &SlotJob::single(&[8, 9], &[3], 0)).unwrap();
     assert_eq!(drain(&off).len(), 1);
     off.shutdown().unwrap();
 
     // With groups, a slot id is one slot per group.
     let off = grouped_offloader();
-    let g0 = SlotJob { gpu_blocks: &[0, 1], group_sizes: &[2, 0], slots: &[3], first_subs: &[0, 0] };
-    let g1 = SlotJob { gpu_blocks: &[0, 1], group_sizes: &[0, 2], slots: &[3], first_subs: &[0, 0] };
-    off.store_slot_job(JobId(1), &g0).unwrap();
-    off.store_slot_job(JobId(2), &g1).unwrap();
-    match off.load_slot_job(JobId(3), &g1) {
+    let g0 = SlotJob::groups(&[0, 1], &[2, 0], &[3], &[0, 0]);
+    let g1 = SlotJob::groups(&[0, 1], &[0, 2], &[3], &[0, 0]);
+    off.submit(JobId(1), Lane::Store, &g0).unwrap();
+    off.submit(JobId(2), Lane::Store, &g1).unwrap();
+    match off.submit(JobId(3), Lane::Load, &g1) {
         Err(OffloaderError::SlotBusy { group: 1, slot: 3, job: JobId(2), .. }) => {}
         other => panic!("{other:?}"),
     }
@@ -647,15 +631,15 @@ fn slots_of_jobs_not_yet_reported_are_busy() {
 fn wait_jobs_waits_for_those_in_flight_and_skips_the_rest() {
     let sim = SimRuntime::new();
     let device = sim.another_handle();
-    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_slots(SLOTS)).unwrap();
-    off.store_slots(JobId(1), &[0, 1], &[0], 0).unwrap();
+    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[0], 0)).unwrap();
     off.wait_all().unwrap();
     assert_eq!(off.poll().len(), 1);
     write_blocks(&off, 3, &[2, 3]);
     // The store's copies are held on the device until 100 ms from now.
     let hold = device.hold(HoldPoint::DeviceOp);
-    off.store_slots(JobId(2), &[2, 3], &[1], 0).unwrap();
-    off.load_slots(JobId(3), &[4, 5], &[0], 0).unwrap();
+    off.submit(JobId(2), Lane::Store, &SlotJob::single(&[2, 3], &[1], 0)).unwrap();
+    off.submit(JobId(3), Lane::Load, &SlotJob::single(&[4, 5], &[0], 0)).unwrap();
     hold.wait_entered();
     let release = std::thread::spawn(move || {
         std::thread::sleep(std::time::Duration::from_millis(100));

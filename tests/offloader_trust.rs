@@ -1,11 +1,11 @@
-//! The safety claim at the `Offloader` edge, through its public API only:
+//! The safety claim at the `KeyedOffloader` edge, through its public API only:
 //! a refused shutdown changes nothing, a drop with a live graph leaks on
 //! purpose, a second offloader (or coordinator) for the runtime handle an
 //! offloader guards is refused, and the engine's gated calls are the
 //! offloader's.
 
 use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions};
+use kvoffload::internal::offloader::{KeyedOffloader, KvAlloc, OffloaderError, OffloaderOptions};
 use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState, ProtocolError};
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{shared, CaptureMode, Code, GpuRuntime};
@@ -17,10 +17,10 @@ fn kv() -> KvAlloc {
     KvAlloc { tensors: 2, page_bytes: PAGE, gpu_blocks: 16, block_factor: 1 }
 }
 
-fn offloader(rt: &Arc<dyn GpuRuntime>) -> Offloader {
+fn offloader(rt: &Arc<dyn GpuRuntime>) -> KeyedOffloader {
     let mut opts = OffloaderOptions::with_host_blocks(8);
     opts.pin = opts.pin.max_chunk_bytes(2 * 2 * PAGE);
-    Offloader::with_allocated_tensors(rt.clone(), kv(), opts).expect("offloader on the simulated GPU")
+    KeyedOffloader::with_allocated_tensors(rt.clone(), kv(), opts).expect("offloader on the simulated GPU")
 }
 
 fn sim(rt: &Arc<dyn GpuRuntime>) -> &SimRuntime {
@@ -38,39 +38,39 @@ fn sim(rt: &Arc<dyn GpuRuntime>) -> &SimRuntime {
 fn a_refused_shutdown_changes_nothing() {
     let rt = shared(SimRuntime::new());
     let off = offloader(&rt);
-    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    assert_eq!(off.core().wait_pinned().unwrap().state, PinState::Pinned);
     let registered = sim(&rt).registered_ranges();
     assert!(registered > 0);
     let k = [BlockKey::new(1, 0)];
     off.store(&k, &[3]).unwrap();
-    off.wait_all().unwrap();
+    off.core().wait_all().unwrap();
     off.poll();
 
-    let token = off.register_graph().unwrap();
-    match off.shutdown() {
+    let token = off.core().register_graph().unwrap();
+    match off.core().shutdown() {
         Err(OffloaderError::Protocol(ProtocolError::GraphsAlive { live: 1 })) => {}
         other => panic!("expected GraphsAlive, got {other:?}"),
     }
-    assert!(!off.is_shut_down());
+    assert!(!off.core().is_shut_down());
     assert_eq!(sim(&rt).registered_ranges(), registered, "nothing unregistered");
     // Work goes on as before the refusal.
     let job = off.load(&k, &[5]).expect("a load after a refused shutdown");
-    off.wait(job).unwrap();
+    off.core().wait(job).unwrap();
     let k2 = [BlockKey::new(2, 0)];
     let stored = off.store(&k2, &[4]).expect("a store after a refused shutdown");
     assert_eq!(stored.stored, k2.to_vec());
-    off.wait_all().unwrap();
+    off.core().wait_all().unwrap();
     let done = off.poll();
     assert_eq!(done.len(), 2);
     assert!(done.iter().all(|c| c.error.is_none()), "{done:?}");
-    let _w = off.capture_window().expect("windows still open after a refused shutdown");
+    let _w = off.core().capture_window().expect("windows still open after a refused shutdown");
     drop(_w);
 
     drop(token);
-    off.shutdown().expect("shutdown once the graph is gone");
-    assert!(off.is_shut_down());
+    off.core().shutdown().expect("shutdown once the graph is gone");
+    assert!(off.core().is_shut_down());
     assert_eq!(sim(&rt).registered_ranges(), 0, "the region is unregistered");
-    assert!(matches!(off.shutdown(), Err(OffloaderError::Protocol(ProtocolError::AlreadyShutDown))));
+    assert!(matches!(off.core().shutdown(), Err(OffloaderError::Protocol(ProtocolError::AlreadyShutDown))));
 }
 
 /// The same with a window open: refused, nothing changed, and the window's
@@ -79,16 +79,16 @@ fn a_refused_shutdown_changes_nothing() {
 fn a_shutdown_refused_during_a_window_leaves_the_capture_valid() {
     let rt = shared(SimRuntime::new());
     let off = offloader(&rt);
-    off.wait_pinned().unwrap();
+    off.core().wait_pinned().unwrap();
     let s = rt.stream_create().unwrap();
-    let w = off.capture_window().unwrap();
+    let w = off.core().capture_window().unwrap();
     rt.begin_capture(s, CaptureMode::Global).unwrap();
-    assert!(matches!(off.shutdown(), Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))));
+    assert!(matches!(off.core().shutdown(), Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))));
     let g = rt.end_capture(s).expect("capture valid");
     rt.graph_destroy(g).unwrap();
     drop(w);
     assert!(off.store(&[BlockKey::new(9, 0)], &[1]).unwrap().job.is_some());
-    off.shutdown().unwrap();
+    off.core().shutdown().unwrap();
     assert_eq!(sim(&rt).registered_ranges(), 0);
 }
 
@@ -99,9 +99,9 @@ fn a_shutdown_refused_during_a_window_leaves_the_capture_valid() {
 fn a_drop_with_a_live_graph_leaks_the_region_registered() {
     let rt = shared(SimRuntime::new());
     let off = offloader(&rt);
-    off.wait_pinned().unwrap();
-    let chunks = off.pin_progress().chunks_total;
-    let token = off.register_graph().unwrap();
+    off.core().wait_pinned().unwrap();
+    let chunks = off.core().pin_progress().chunks_total;
+    let token = off.core().register_graph().unwrap();
     drop(off);
     // The engine's own page-locked staging rings are freed with it; every
     // chunk of the region stays registered.
@@ -120,7 +120,7 @@ fn a_drop_with_a_live_graph_leaks_the_region_registered() {
 fn one_runtime_handle_one_offloader() {
     let rt = shared(SimRuntime::new());
     let off = offloader(&rt);
-    match Offloader::with_allocated_tensors(rt.clone(), kv(), OffloaderOptions::with_host_blocks(8)) {
+    match KeyedOffloader::with_allocated_tensors(rt.clone(), kv(), OffloaderOptions::with_host_blocks(8)) {
         Err(OffloaderError::Protocol(ProtocolError::RuntimeGuarded { .. })) => {}
         other => panic!("expected RuntimeGuarded, got {other:?}"),
     }
@@ -130,8 +130,8 @@ fn one_runtime_handle_one_offloader() {
     ));
     let second = shared(sim(&rt).another_handle());
     let off2 = offloader(&second);
-    off2.shutdown().unwrap();
-    off.shutdown().unwrap();
+    off2.core().shutdown().unwrap();
+    off.core().shutdown().unwrap();
 }
 
 /// The engine's gated calls run on the offloader's runtime inside its gate;
@@ -141,12 +141,12 @@ fn one_runtime_handle_one_offloader() {
 fn gated_calls_are_the_offloaders_and_foreign_gates_are_refused() {
     let rt = shared(SimRuntime::new());
     let off = offloader(&rt);
-    let p = off.gated("engine scratch", |calls| calls.mem_alloc(64)).unwrap().unwrap();
+    let p = off.core().gated("engine scratch", |calls| calls.mem_alloc(64)).unwrap().unwrap();
     // SAFETY: no work used `p`; nothing uses it afterwards.
-    off.gated("engine scratch", |calls| unsafe { calls.mem_free(p) }).unwrap().unwrap();
+    off.core().gated("engine scratch", |calls| unsafe { calls.mem_free(p) }).unwrap().unwrap();
     let elsewhere = shared(SimRuntime::new());
     let foreign = Coordinator::without_region(elsewhere.as_ref(), CapturePolicy::AfterPinning).unwrap();
     let r = foreign.unsafe_call("attack", |g| rt.mem_alloc(g, 64)).unwrap();
     assert_eq!(r.map_err(|e| e.code), Err(Code::GATE_REFUSED));
-    off.shutdown().unwrap();
+    off.core().shutdown().unwrap();
 }

@@ -6,7 +6,7 @@
 //! checked by P1, P3 and P5 on their own), and the block reads and writes
 //! those models check with.
 
-use kvoffload::internal::offloader::{Completion, KvAlloc, Offloader, OffloaderOptions};
+use kvoffload::internal::offloader::{Completion, KeyedOffloader, KvAlloc, Offloader, OffloaderOptions};
 use kvoffload::internal::pin::{HugePages, PinOptions, PrefaultMode};
 use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::runtime::sim::SimRuntime;
@@ -35,19 +35,29 @@ pub fn lean(mut opts: OffloaderOptions, chunk_bytes: Option<usize>) -> Offloader
     opts
 }
 
-/// The offloader over one tensor of 4 GPU blocks on `rt`, with `variant`
-/// (a negative model's knob, or `Variant::Correct`).
+/// The KV tensors of the models' offloaders: one tensor of 4 GPU blocks.
+const KV: KvAlloc = KvAlloc { tensors: 1, page_bytes: PAGE, gpu_blocks: 4, block_factor: 1 };
+
+/// The (slot-addressed) offloader over one tensor of 4 GPU blocks on `rt`,
+/// with `variant` (a negative model's knob, or `Variant::Correct`).
 pub fn offloader_on(rt: Arc<dyn GpuRuntime>, opts: OffloaderOptions, variant: Variant) -> Offloader {
-    let kv = KvAlloc { tensors: 1, page_bytes: PAGE, gpu_blocks: 4, block_factor: 1 };
-    let off = Offloader::with_allocated_tensors(rt, kv, opts).expect("offloader on the simulated GPU");
+    let off = Offloader::with_allocated_tensors(rt, KV, opts).expect("offloader on the simulated GPU");
     off.set_variant(variant);
+    off
+}
+
+/// The keyed offloader over one tensor of 4 GPU blocks on `rt`, with
+/// `variant`.
+pub fn keyed_on(rt: Arc<dyn GpuRuntime>, opts: OffloaderOptions, variant: Variant) -> KeyedOffloader {
+    let off = KeyedOffloader::with_allocated_tensors(rt, KV, opts).expect("offloader on the simulated GPU");
+    off.core().set_variant(variant);
     off
 }
 
 /// Fills GPU block `block` with `fill` (a synchronous copy).
 pub fn write_block(off: &Offloader, block: usize, fill: u8) {
     let buf = [fill; PAGE];
-    let dst = off.tensors()[0].offset(block * PAGE);
+    let dst = off.geometry().tensors()[0].offset(block * PAGE);
     // SAFETY: `buf` is readable; `dst` is GPU block `block` of the
     // offloader's tensor, which no job touches now.
     unsafe { off.runtime().copy_htod(dst, buf.as_ptr() as usize, PAGE) }.unwrap();
@@ -56,7 +66,7 @@ pub fn write_block(off: &Offloader, block: usize, fill: u8) {
 /// GPU block `block`'s bytes (a synchronous copy).
 pub fn read_block(off: &Offloader, block: usize) -> [u8; PAGE] {
     let mut buf = [0u8; PAGE];
-    let src = off.tensors()[0].offset(block * PAGE);
+    let src = off.geometry().tensors()[0].offset(block * PAGE);
     // SAFETY: `buf` is writable; the job that wrote `src` was waited for.
     unsafe { off.runtime().copy_dtoh(buf.as_mut_ptr() as usize, src, PAGE) }.unwrap();
     buf

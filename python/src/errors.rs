@@ -151,7 +151,7 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
         | OffloaderError::Layout(_)
         | OffloaderError::GpuBlockCount { .. }
         | OffloaderError::SlotJobShape { .. }
-        | OffloaderError::WrongAddressing { .. } => make::<OptionsError>(py, msg, &kind, reason, None),
+        | OffloaderError::KeyedCore { .. } => make::<OptionsError>(py, msg, &kind, reason, None),
         // The engine named a slot of a job not yet reported: its own
         // bookkeeping is wrong, the job refused.
         OffloaderError::SlotBusy { .. } => make::<TransferError>(py, msg, &kind, None, None),
@@ -209,7 +209,6 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
 /// python/tests/test_api.py).
 pub fn samples() -> Vec<(String, OffloaderError)> {
     use kvoffload::internal::manager::{BlockKey, ManagerError};
-    use kvoffload::internal::offloader::Addressing;
     use kvoffload::internal::runtime::{Code, Direction};
     use kvoffload::internal::transfer::{JobId, LayoutError};
     let d = || RustDriverError::new("cuMemcpyAsync", Code::INVALID_VALUE);
@@ -253,7 +252,7 @@ pub fn samples() -> Vec<(String, OffloaderError)> {
         OffloaderError::GpuBlockCount { keys: 1, factor: 1, need: 1, got: 2 },
         OffloaderError::SlotJobShape { what: "x", given: 1, expected: 2 },
         OffloaderError::SlotBusy { group: 0, slot: 1, job: id, direction: Direction::DeviceToHost },
-        OffloaderError::WrongAddressing { call: "lookup", addressing: Addressing::Slots },
+        OffloaderError::KeyedCore { call: "submit" },
         OffloaderError::NotStored { key: BlockKey::new(1, 0) },
         OffloaderError::UnknownJob { id },
         OffloaderError::HookNotOpen { call: "capture_end" },
@@ -279,7 +278,7 @@ pub fn samples() -> Vec<(String, OffloaderError)> {
                 OffloaderError::GpuBlockCount { .. } => "GpuBlockCount",
                 OffloaderError::SlotJobShape { .. } => "SlotJobShape",
                 OffloaderError::SlotBusy { .. } => "SlotBusy",
-                OffloaderError::WrongAddressing { .. } => "WrongAddressing",
+                OffloaderError::KeyedCore { .. } => "KeyedCore",
                 OffloaderError::NotStored { .. } => "NotStored",
                 OffloaderError::UnknownJob { .. } => "UnknownJob",
                 OffloaderError::HookNotOpen { .. } => "HookNotOpen",
@@ -299,6 +298,15 @@ pub fn samples() -> Vec<(String, OffloaderError)> {
             (path, e)
         })
         .collect()
+}
+
+/// A call of the other addressing (`addressing` is how this offloader's
+/// host blocks are addressed: `"Keys"` or `"Slots"`): OptionsError, kind
+/// `"wrong_addressing"`. The library has no such error (its types decide
+/// what each offloader can do); the one Python class refuses it here.
+pub fn wrong_addressing(py: Python<'_>, call: &str, addressing: &str) -> PyErr {
+    let msg = format!("{call} is not available: this offloader's host blocks are addressed by {addressing}");
+    make::<OptionsError>(py, msg, "wrong_addressing", None, None)
 }
 
 fn protocol(py: Python<'_>, msg: String, kind: &str, p: &RustProtocolError) -> PyErr {

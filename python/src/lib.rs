@@ -23,7 +23,9 @@
 //! nothing behind.
 //!
 //! Files: `offloader.rs` (`Offloader`, `CaptureWindow`; the lock
-//! discipline of its job bookkeeping at the top), `book.rs` (that
+//! discipline of its job bookkeeping at the top), `front.rs` (the
+//! library offloader it holds: keyed, or the slot-addressed core),
+//! `book.rs` (that
 //! bookkeeping, and the panic guard of the entry points), `runtime.rs`
 //! (`Runtime`), `results.rs` (the result classes), `options.rs` (the option
 //! classes: `PinOptions`, `TransferOptions`, `RegionSpec`, `ShmOptions`),
@@ -34,6 +36,7 @@ mod agreement;
 mod args;
 mod book;
 mod errors;
+mod front;
 mod offloader;
 mod options;
 mod results;
@@ -47,7 +50,7 @@ use std::time::Duration;
 
 use kvoffload::internal::manager::{BlockKey, SkipReason};
 use kvoffload::internal::offloader::{
-    Addressing, Completion, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, SlotJob,
+    Completion, KeyedOffloader, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, SlotJob,
 };
 use kvoffload::internal::protocol::agreement::Transport;
 use kvoffload::internal::protocol::{CaptureWindow, PinState};
@@ -63,6 +66,7 @@ use std::sync::Arc;
 use agreement::*;
 use args::*;
 use book::*;
+use front::*;
 use offloader::*;
 use options::{PyPinOptions, PyRegionSpec, PyShmOptions, PyTransferOptions};
 use results::*;

@@ -36,7 +36,7 @@ use super::*;
 /// object an engine holds. See the package docs and `kvoffload/__init__.pyi`.
 #[pyclass(name = "Offloader", module = "kvoffload", frozen)]
 pub(crate) struct PyOffloader {
-    pub(crate) off: Arc<Offloader>,
+    pub(crate) off: Arc<Front>,
     pub(crate) runtime: Py<PyRuntime>,
     /// The engine's tensors, kept alive until shutdown.
     pub(crate) tensors: Mutex<Vec<Py<PyAny>>>,
@@ -143,21 +143,21 @@ impl PyOffloader {
             let sizes = parse_ids(py, "a group size", group_sizes)?;
             let s = parse_ids(py, "a host slot id", slots)?;
             let subs = parse_ids(py, "a first_sub", first_subs)?;
-            let j = SlotJob { gpu_blocks: &g, group_sizes: &sizes, slots: &s, first_subs: &subs };
-            let off = &self.off;
-            py.detach(|| match lane {
-                Lane::Store => off.store_slot_job(JobId(job), &j),
-                Lane::Load => off.load_slot_job(JobId(job), &j),
-                Lane::LoadExpedited => off.load_slot_job_expedited(JobId(job), &j),
-            })
-            .map_err(|e| errors::offloader(py, e))
+            let j = SlotJob::groups(&g, &sizes, &s, &subs);
+            let call = match lane {
+                Lane::Store => "store_slot_job",
+                Lane::Load => "load_slot_job",
+                Lane::LoadExpedited => "load_slot_job_expedited",
+            };
+            let off = self.off.slots(py, call)?;
+            py.detach(|| off.submit(JobId(job), lane, &j)).map_err(|e| errors::offloader(py, e))
         })
     }
 
     fn shutdown_inner(&self, py: Python<'_>) -> PyResult<()> {
         let off = &self.off;
         let signals = Signals::default();
-        let r = py.detach(|| off.shutdown_interruptible(&|| signals.check(), &mut self.keep()));
+        let r = py.detach(|| off.interruptible(&|| signals.check()).shutdown(&mut self.keep()));
         if self.off.is_shut_down() {
             // As the library's `poll` after shutdown: nothing more to report.
             self.book().clear();
@@ -216,7 +216,7 @@ impl PyOffloader {
             };
             let device = runtime.get().device;
             let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
-            opts.addressing = named(py, "addressing", addressing)?;
+            let keyed = choice(py, "addressing", addressing, &[("keys", true), ("slots", false)])?;
             opts.kv_groups = kv_groups;
             // Joining or creating a shared region waits for the other ranks:
             // Ctrl-C stops it (see `Signals`).
@@ -250,7 +250,10 @@ impl PyOffloader {
                         ));
                     }
                     let alloc = KvAlloc { tensors: count, page_bytes, gpu_blocks, block_factor };
-                    let off = py.detach(|| Offloader::with_allocated_tensors(rt, alloc, opts));
+                    let off = py.detach(|| match keyed {
+                        true => KeyedOffloader::with_allocated_tensors(rt, alloc, opts).map(Front::Keyed),
+                        false => Offloader::with_allocated_tensors(rt, alloc, opts).map(Front::Slots),
+                    });
                     (off, Vec::new(), None)
                 }
                 tensors::Tensors::External { tensors: ts, gpu_blocks, keep, host } if on_sim => {
@@ -340,7 +343,10 @@ impl PyOffloader {
                     // (made here, or found live on this sim) and outlives the
                     // offloader (ours is destroyed after shutdown; a caller's
                     // stream is the caller's to keep alive, as on CUDA).
-                    let off = py.detach(|| unsafe { Offloader::new(rt2, kv, opts) });
+                    let off = py.detach(|| match keyed {
+                        true => unsafe { KeyedOffloader::new(rt2, kv, opts) }.map(Front::Keyed),
+                        false => unsafe { Offloader::new(rt2, kv, opts) }.map(Front::Slots),
+                    });
                     if off.is_err() {
                         release(&adoptions);
                         adoptions.clear();
@@ -381,7 +387,10 @@ impl PyOffloader {
                     // as long (the documented contract of `Offloader`). Blocks
                     // named in jobs are the engine's to leave alone until the
                     // job is reported (documented in the Python API).
-                    let off = py.detach(|| unsafe { Offloader::new(rt, kv, opts) });
+                    let off = py.detach(|| match keyed {
+                        true => unsafe { KeyedOffloader::new(rt, kv, opts) }.map(Front::Keyed),
+                        false => unsafe { Offloader::new(rt, kv, opts) }.map(Front::Slots),
+                    });
                     if off.is_err() {
                         let _ = cuda.stream_destroy(s);
                     }
@@ -413,31 +422,31 @@ impl PyOffloader {
     /// Device addresses of the KV tensors.
     #[getter]
     pub(crate) fn tensor_addresses(&self) -> Vec<u64> {
-        self.off.tensors().into_iter().map(DevicePtr::raw).collect()
+        self.off.geometry().tensors().into_iter().map(DevicePtr::raw).collect()
     }
 
     /// Bytes of one GPU block of each tensor.
     #[getter]
     pub(crate) fn page_bytes(&self) -> Vec<usize> {
-        self.off.kv().tensors.iter().map(|t| t.page_bytes).collect()
+        self.off.geometry().kv.tensors.iter().map(|t| t.page_bytes).collect()
     }
 
     /// GPU blocks in each tensor.
     #[getter]
     pub(crate) fn gpu_blocks(&self) -> usize {
-        self.off.kv().gpu_blocks
+        self.off.geometry().kv.gpu_blocks
     }
 
     /// GPU blocks per key.
     #[getter]
     pub(crate) fn block_factor(&self) -> usize {
-        self.off.kv().block_factor
+        self.off.geometry().kv.block_factor
     }
 
     /// Bytes of the host region (every rank's part).
     #[getter]
     pub(crate) fn region_bytes(&self) -> usize {
-        self.off.region().len()
+        self.off.geometry().region.len()
     }
 
     /// Starts background pinning (idempotent; ShutDownError after shutdown).
@@ -476,7 +485,7 @@ impl PyOffloader {
             let off = &self.off;
             let signals = Signals::default();
             let out: PinOutcome =
-                signals.result(py, py.detach(|| off.wait_pinned_interruptible(&|| signals.check())))?;
+                signals.result(py, py.detach(|| off.interruptible(&|| signals.check()).wait_pinned()))?;
             let (agreed, agreement_error) = match &out.agreement {
                 None => (None, None),
                 Some(Ok(())) => (Some(true), None),
@@ -511,14 +520,14 @@ impl PyOffloader {
         guarded(py, || {
             let off = &self.off;
             let signals = Signals::default();
-            let depth = off.capture_depth();
-            signals.result(py, py.detach(|| off.capture_begin_interruptible(&|| signals.check())))?;
+            let depth = off.capture_hook().depth();
+            signals.result(py, py.detach(|| off.interruptible(&|| signals.check()).capture_hook().begin()))?;
             if let Err(e) = py.check_signals() {
                 // Opened (or counted) just as Ctrl-C came: undo this begin.
                 if depth == 0 {
-                    let _ = py.detach(|| off.capture_abort());
+                    let _ = py.detach(|| off.capture_hook().abort());
                 } else {
-                    let _ = py.detach(|| off.capture_end());
+                    let _ = py.detach(|| off.capture_hook().end());
                 }
                 return Err(e);
             }
@@ -533,7 +542,7 @@ impl PyOffloader {
     pub(crate) fn capture_end(&self, py: Python<'_>) -> PyResult<()> {
         guarded(py, || {
             let off = &self.off;
-            py.detach(|| off.capture_end()).map_err(|e| errors::offloader(py, e))
+            py.detach(|| off.capture_hook().end()).map_err(|e| errors::offloader(py, e))
         })
     }
 
@@ -542,20 +551,20 @@ impl PyOffloader {
     pub(crate) fn capture_abort(&self, py: Python<'_>) -> PyResult<()> {
         guarded(py, || {
             let off = &self.off;
-            py.detach(|| off.capture_abort()).map_err(|e| errors::offloader(py, e))
+            py.detach(|| off.capture_hook().abort()).map_err(|e| errors::offloader(py, e))
         })
     }
 
     /// This thread's hook depth: `capture_begin`s not yet ended.
     #[getter]
     pub(crate) fn capture_depth(&self) -> usize {
-        self.off.capture_depth()
+        self.off.capture_hook().depth()
     }
 
     /// Jobs deferred behind a hook window and not yet submitted.
     #[getter]
     pub(crate) fn deferred_jobs(&self) -> usize {
-        self.off.deferred_jobs()
+        self.off.capture_hook().deferred_jobs()
     }
 
     /// Runs `f()` (the engine's own capture-unsafe calls, e.g.
@@ -571,9 +580,8 @@ impl PyOffloader {
             let off = &self.off;
             let signals = Signals::default();
             let r = py.detach(|| {
-                off.gated_interruptible("the engine's own call", &|| signals.check(), |_| {
-                    Python::attach(|py| f.call0(py))
-                })
+                off.interruptible(&|| signals.check())
+                    .gated("the engine's own call", |_| Python::attach(|py| f.call0(py)))
             });
             signals.result(py, r)?
         })
@@ -584,12 +592,8 @@ impl PyOffloader {
     /// `Lookup` variants.
     pub(crate) fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
         guarded(py, || {
-            if self.off.addressing() != Addressing::Keys {
-                let e = OffloaderError::WrongAddressing { call: "lookup", addressing: self.off.addressing() };
-                return Err(errors::offloader(py, e));
-            }
+            let off = self.off.keyed(py, "lookup")?;
             let keys = parse_keys(py, keys)?;
-            let off = &self.off;
             Ok(py.detach(|| off.lookup(&keys)).into_iter().map(|l| l.name()).collect())
         })
     }
@@ -605,7 +609,7 @@ impl PyOffloader {
     ) -> PyResult<PyStoreSubmitted> {
         guarded(py, || {
             let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
-            let off = &self.off;
+            let off = self.off.keyed(py, "store")?;
             let r = py.detach(|| off.store(&keys, &blocks)).map_err(|e| errors::offloader(py, e))?;
             let skipped: PyResult<Vec<(Bound<'_, PyTuple>, String)>> = r
                 .skipped
@@ -634,7 +638,7 @@ impl PyOffloader {
     pub(crate) fn load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, gpu_blocks: &Bound<'_, PyAny>) -> PyResult<u64> {
         guarded(py, || {
             let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
-            let off = &self.off;
+            let off = self.off.keyed(py, "load")?;
             py.detach(|| off.load(&keys, &blocks)).map(|j| j.0).map_err(|e| errors::offloader(py, e))
         })
     }
@@ -643,14 +647,14 @@ impl PyOffloader {
     /// them) or `"slots"` (the engine's slot ids, `addressing="slots"`).
     #[getter]
     pub(crate) fn addressing(&self) -> &'static str {
-        self.off.addressing().name()
+        self.off.addressing()
     }
 
     /// Host blocks of this rank (with `addressing="slots"`, the slot ids
     /// are `0..host_blocks`).
     #[getter]
     pub(crate) fn host_blocks(&self) -> usize {
-        self.off.host_blocks()
+        self.off.geometry().host_blocks
     }
 
     /// Stores GPU blocks `gpu_blocks` into host slots `slots` as job `job`
@@ -669,8 +673,9 @@ impl PyOffloader {
     ) -> PyResult<()> {
         guarded(py, || {
             let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
-            let off = &self.off;
-            py.detach(|| off.store_slots(JobId(job), &g, &s, first_sub)).map_err(|e| errors::offloader(py, e))
+            let off = self.off.slots(py, "store_slots")?;
+            py.detach(|| off.submit(JobId(job), Lane::Store, &SlotJob::single(&g, &s, first_sub)))
+                .map_err(|e| errors::offloader(py, e))
         })
     }
 
@@ -692,15 +697,11 @@ impl PyOffloader {
     ) -> PyResult<()> {
         guarded(py, || {
             let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
-            let off = &self.off;
-            py.detach(|| {
-                if expedited {
-                    off.load_slots_expedited(JobId(job), &g, &s, first_sub)
-                } else {
-                    off.load_slots(JobId(job), &g, &s, first_sub)
-                }
-            })
-            .map_err(|e| errors::offloader(py, e))
+            let (call, lane) =
+                if expedited { ("load_slots_expedited", Lane::LoadExpedited) } else { ("load_slots", Lane::Load) };
+            let off = self.off.slots(py, call)?;
+            py.detach(|| off.submit(JobId(job), lane, &SlotJob::single(&g, &s, first_sub)))
+                .map_err(|e| errors::offloader(py, e))
         })
     }
 
@@ -745,9 +746,9 @@ impl PyOffloader {
     pub(crate) fn wait_jobs(&self, py: Python<'_>, jobs: &Bound<'_, PyAny>) -> PyResult<()> {
         guarded(py, || {
             let ids: Vec<JobId> = parse_ids(py, "a job id", jobs)?.into_iter().map(|j| JobId(j as u64)).collect();
-            let off = &self.off;
+            let off = self.off.slots(py, "wait_jobs")?;
             let signals = Signals::default();
-            let r = py.detach(|| off.wait_jobs_interruptible(&ids, &|| signals.check(), &mut self.keep()));
+            let r = py.detach(|| off.interruptible(&|| signals.check()).wait_jobs(&ids, &mut self.keep()));
             signals.result(py, r)
         })
     }
@@ -775,7 +776,7 @@ impl PyOffloader {
             let id = JobId(job);
             let off = &self.off;
             let signals = Signals::default();
-            let r = py.detach(|| off.wait_interruptible(id, &|| signals.check(), &mut self.keep()));
+            let r = py.detach(|| off.interruptible(&|| signals.check()).wait(id, &mut self.keep()));
             if let Some(e) = signals.raised.lock().unwrap_or_else(|p| p.into_inner()).take() {
                 return Err(e);
             }
@@ -789,7 +790,7 @@ impl PyOffloader {
         guarded(py, || {
             let off = &self.off;
             let signals = Signals::default();
-            let r = py.detach(|| off.wait_all_interruptible(&|| signals.check(), &mut self.keep()));
+            let r = py.detach(|| off.interruptible(&|| signals.check()).wait_all(&mut self.keep()));
             signals.result(py, r)
         })
     }
@@ -807,7 +808,10 @@ impl PyOffloader {
     /// Keys stored and readable now.
     #[getter]
     pub(crate) fn stored_blocks(&self) -> usize {
-        self.off.stored_blocks()
+        match &*self.off {
+            Front::Keyed(k) => k.stored_blocks(),
+            Front::Slots(_) => 0,
+        }
     }
 
     /// Shuts down: refused (ProtocolError) while a capture window is open;
@@ -854,8 +858,8 @@ impl PyOffloader {
         format!(
             "kvoffload.Offloader(runtime={:?}, region_bytes={}, rank={}, pin={})",
             self.off.runtime().backend(),
-            self.off.region().len(),
-            self.off.region().rank(),
+            self.off.geometry().region.len(),
+            self.off.geometry().region.rank(),
             PyPinState::from(&self.off.pin_state()).__repr__()
         )
     }
@@ -864,7 +868,7 @@ impl PyOffloader {
 /// The context manager `Offloader.capture_window()` returns.
 #[pyclass(name = "CaptureWindow", module = "kvoffload", frozen)]
 pub(crate) struct PyCaptureWindow {
-    pub(crate) off: Arc<Offloader>,
+    pub(crate) off: Arc<Front>,
     pub(crate) guard: Mutex<Option<CaptureWindow>>,
     pub(crate) waited: Mutex<usize>,
 }
@@ -876,7 +880,7 @@ impl PyCaptureWindow {
             let me = slf.get();
             let off = &me.off;
             let signals = Signals::default();
-            let w = signals.result(py, py.detach(|| off.capture_window_interruptible(&|| signals.check())))?;
+            let w = signals.result(py, py.detach(|| off.interruptible(&|| signals.check()).capture_window()))?;
             *me.waited.lock().unwrap_or_else(|p| p.into_inner()) = w.chunks_waited();
             let old = me.guard.lock().unwrap_or_else(|p| p.into_inner()).replace(w);
             drop(old);

@@ -266,7 +266,7 @@ fn activity(off: &Bound<'_, PyOffloader>) -> HashMap<&'static str, usize> {
 
 /// GPU block `gpu_block` of tensor `tensor`: its address and length.
 fn block(py: Python<'_>, off: &PyOffloader, tensor: usize, gpu_block: usize) -> PyResult<(DevicePtr, usize)> {
-    let kv = off.off.kv();
+    let kv = &off.off.geometry().kv;
     let t = kv
         .tensors
         .get(tensor)

@@ -167,7 +167,7 @@ ERRORS = {
     "OffloaderError::GpuBlockCount": (kv.OptionsError, "gpu_block_count", None),
     "OffloaderError::SlotJobShape": (kv.OptionsError, "slot_job_shape", None),
     "OffloaderError::SlotBusy": (kv.TransferError, "slot_busy", None),
-    "OffloaderError::WrongAddressing": (kv.OptionsError, "wrong_addressing", None),
+    "OffloaderError::KeyedCore": (kv.OptionsError, "keyed_core", None),
     "OffloaderError::NotStored": (kv.ManagerError, "not_stored", None),
     "OffloaderError::UnknownJob": (kv.TransferError, "unknown_job", None),
     "OffloaderError::HookNotOpen": (kv.ProtocolError, "hook_not_open", None),

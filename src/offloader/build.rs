@@ -1,13 +1,12 @@
 //! Construction of an [`Offloader`]: the KV description checked, the region
 //! created or joined, the coordinator and pinning prepared, the transfer
-//! engine and the block manager made.
+//! engine made (and a keyed layer's job book, its block manager).
 
 use std::collections::HashMap;
 
 use super::{
-    hook, Addressing, Inner, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, Pinner, RegionSpec,
+    hook, Geometry, Inner, JobBook, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, Pinner, RegionSpec,
 };
-use crate::manager::{BlockManager, ManagerConfig};
 use crate::pin::{Agreement, Prepared, RankAgreement, RegionSlots};
 use crate::protocol::agreement::RankSlots;
 use crate::protocol::Coordinator;
@@ -15,11 +14,15 @@ use crate::region::{page_size, AnonOptions, Layout, Region};
 use crate::runtime::{DevicePtr, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::atomic::AtomicBool;
 use crate::sync::{self, Arc, Mutex};
-use crate::transfer::{GroupSpec, HostPlacement, JobId, KvLayout, TensorSpec, TransferEngine};
+use crate::transfer::{GroupSpec, HostPlacement, KvLayout, Lane, TensorSpec, TransferEngine};
+
+/// Makes a layer's job book from the options (a keyed offloader's block
+/// manager), where the offloader is built.
+pub(crate) type MakeBook = fn(&OffloaderOptions) -> Result<Box<dyn JobBook>, OffloaderError>;
 
 /// The KV cache groups of the layout: one of every tensor, or
-/// `opts.kv_groups` (slot addressing only), each of every GPU block and
-/// every host slot.
+/// `opts.kv_groups` (slot jobs only: a keyed offloader refuses them before
+/// it gets here), each of every GPU block and every host slot.
 fn kv_groups(kv: &KvSpec, opts: &OffloaderOptions) -> Result<Vec<GroupSpec>, OffloaderError> {
     let group = |tensors: &[TensorSpec]| GroupSpec {
         tensors: tensors.to_vec(),
@@ -29,9 +32,6 @@ fn kv_groups(kv: &KvSpec, opts: &OffloaderOptions) -> Result<Vec<GroupSpec>, Off
     let Some(sizes) = &opts.kv_groups else {
         return Ok(vec![group(&kv.tensors)]);
     };
-    if opts.addressing != Addressing::Slots {
-        return Err(OffloaderError::Options("kv_groups needs Addressing::Slots (keyed jobs have one group)".into()));
-    }
     if sizes.is_empty() || sizes.contains(&0) || sizes.iter().sum::<usize>() != kv.tensors.len() {
         return Err(OffloaderError::Options(format!(
             "kv_groups {sizes:?} must be positive tensor counts summing to the {} KV tensors",
@@ -96,17 +96,27 @@ impl Offloader {
         opts: OffloaderOptions,
     ) -> Result<Offloader, OffloaderError> {
         // SAFETY: forwarded to the caller.
-        unsafe { Self::build(rt, kv, opts, Vec::new(), None) }
+        unsafe { Self::build(rt, kv, opts, Vec::new(), None, None) }
     }
 
     /// Builds an offloader that allocates its KV tensors itself (`alloc`)
     /// and a compute stream, and frees them at shutdown. The tensors'
-    /// device addresses are [`Offloader::tensors`]; the stream is
-    /// [`Offloader::compute_stream`].
+    /// device addresses are [`Geometry::tensors`]; the stream is
+    /// [`Geometry::compute_stream`].
     pub fn with_allocated_tensors(
         rt: Arc<dyn GpuRuntime>,
         alloc: KvAlloc,
         opts: OffloaderOptions,
+    ) -> Result<Offloader, OffloaderError> {
+        Self::allocate_and_build(rt, alloc, opts, None)
+    }
+
+    /// [`Offloader::with_allocated_tensors`], with a layer's job book.
+    pub(crate) fn allocate_and_build(
+        rt: Arc<dyn GpuRuntime>,
+        alloc: KvAlloc,
+        opts: OffloaderOptions,
+        make_book: Option<MakeBook>,
     ) -> Result<Offloader, OffloaderError> {
         if alloc.tensors == 0 || alloc.page_bytes == 0 || alloc.gpu_blocks == 0 {
             return Err(OffloaderError::Options(format!("zero-sized KV allocation: {alloc:?}")));
@@ -200,7 +210,7 @@ impl Offloader {
         };
         // SAFETY: the tensors and the stream were made above for this
         // offloader, which frees them at shutdown, after its jobs.
-        let r = unsafe { Self::build(rt.clone(), kv, opts, tensors.clone(), Some(compute)) };
+        let r = unsafe { Self::build(rt.clone(), kv, opts, tensors.clone(), Some(compute), make_book) };
         if r.is_err() {
             if let Err(e) = rt.stream_destroy(compute) {
                 tracing::warn!(error = %e, "destroying the compute stream failed");
@@ -210,14 +220,18 @@ impl Offloader {
         r
     }
 
+    /// The offloader, with the job book `make_book` makes (a keyed
+    /// layer's; `None`: slot jobs).
+    ///
     /// # Safety
     /// As for [`Offloader::new`].
-    unsafe fn build(
+    pub(crate) unsafe fn build(
         rt: Arc<dyn GpuRuntime>,
         kv: KvSpec,
         opts: OffloaderOptions,
         owned_tensors: Vec<DevicePtr>,
         owned_compute: Option<Stream>,
+        make_book: Option<MakeBook>,
     ) -> Result<Offloader, OffloaderError> {
         if kv.tensors.is_empty() || kv.gpu_blocks == 0 || kv.block_factor == 0 {
             return Err(OffloaderError::Options(format!(
@@ -283,14 +297,8 @@ impl Offloader {
         let groups = kv_groups(&kv, &opts)?;
         let placement = HostPlacement::BlockStrided { stride: layout.chunk_stride() };
         let kv_layout = KvLayout::new(&groups, kv.block_factor, host_base, placement)?;
-        // Slot addressing uses no block manager; `poll` still applies each
-        // completion to one (with no keys: nothing changes), so a
-        // one-slot manager stands in.
-        let manager_slots = match opts.addressing {
-            Addressing::Keys => opts.host_blocks,
-            Addressing::Slots => 1,
-        };
-        let manager = BlockManager::new(ManagerConfig::new(manager_slots, opts.eviction))?;
+        // A keyed layer's block manager; slot jobs need none.
+        let book = make_book.map(|make| make(&opts)).transpose()?;
         // SAFETY: the host area is this rank's slots of `region`, which the
         // offloader (and the coordinator) hold until the engine is gone;
         // only the engine's DMA touches them (the offloader hands out no
@@ -299,9 +307,10 @@ impl Offloader {
         let engine = unsafe {
             TransferEngine::new(rt.clone(), coord.clone(), kv_layout.clone(), kv.compute_stream, opts.transfer)
         }?;
+        let lane_streams = [Lane::Store, Lane::Load, Lane::LoadExpedited].map(|l| engine.lane_stream(l));
         tracing::info!(
             backend = rt.backend(),
-            addressing = ?opts.addressing,
+            keyed = book.is_some(),
             rank,
             ranks,
             host_blocks = opts.host_blocks,
@@ -309,24 +318,16 @@ impl Offloader {
             region_bytes = region.len(),
             "offloader built"
         );
+        let host_blocks = kv_layout.num_host_blocks(0);
         Ok(Offloader {
             rt,
             coord,
-            region,
-            kv,
-            layout: kv_layout,
+            geometry: Geometry { kv, host_blocks, layout: kv_layout, region, lane_streams },
             prefault: prepared.prefault(),
             pin_observer: opts.pin_observer.clone(),
             agreement,
             bytes_total,
-            addressing: opts.addressing,
-            inner: Mutex::new(Inner {
-                manager,
-                engine: Some(Arc::new(engine)),
-                jobs: HashMap::new(),
-                next_id: JobId(1),
-                closed: false,
-            }),
+            inner: Mutex::new(Inner { engine: Some(Arc::new(engine)), jobs: HashMap::new(), closed: false, book }),
             pinner: Mutex::new(Pinner::NotStarted),
             owned_tensors,
             owned_compute,

@@ -78,14 +78,13 @@ pub enum OffloaderError {
         /// That job's direction.
         direction: crate::runtime::Direction,
     },
-    /// A keyed call on a slot-addressed offloader, or a slot call on a
-    /// keyed one (see [`super::Addressing`]).
-    #[error("{call} is not available: this offloader's host blocks are addressed by {addressing:?}")]
-    WrongAddressing {
+    /// A slot job on the core of a [`super::KeyedOffloader`], whose block
+    /// manager owns the host slots (submit keyed jobs through the keyed
+    /// layer).
+    #[error("{call} is not available on the core of a KeyedOffloader: its block manager owns the host slots")]
+    KeyedCore {
         /// The refused call.
         call: &'static str,
-        /// How this offloader addresses its host blocks.
-        addressing: super::Addressing,
     },
     /// A load named a key the offloader does not hold ready.
     #[error("key {key} is not stored (or its store has not completed)")]
@@ -99,9 +98,9 @@ pub enum OffloaderError {
         /// The engine's job id.
         id: JobId,
     },
-    /// [`super::Offloader::capture_end`] or
-    /// [`super::Offloader::capture_abort`] on a thread whose hook depth is
-    /// 0 (no [`super::Offloader::capture_begin`] to match).
+    /// [`super::CaptureHook::end`] or [`super::CaptureHook::abort`] on a
+    /// thread whose hook depth is 0 (no [`super::CaptureHook::begin`] to
+    /// match).
     #[error("{call} without a capture_begin on this thread")]
     HookNotOpen {
         /// The refused call.

@@ -4,14 +4,14 @@
 //!
 //! The rules, each part of P1/P2/P4/P6 in docs/PROOFS.md:
 //!
-//! - Depth is per thread. [`Offloader::capture_begin`] at depth 0 opens a
+//! - Depth is per thread. [`CaptureHook::begin`] at depth 0 opens a
 //!   capture window under the Interleave rules, whatever the offloader's
 //!   [`CapturePolicy`](crate::protocol::CapturePolicy)
 //!   ([`Coordinator::open_window_interleaved`](crate::protocol::Coordinator::open_window_interleaved)):
 //!   it waits at most for the capture-unsafe library call in flight (one
 //!   chunk's registration, or one job submission), never for pinning.
-//!   Deeper begins only count. [`Offloader::capture_end`] at depth 1 closes
-//!   the window; [`Offloader::capture_abort`] does the same for a capture
+//!   Deeper begins only count. [`CaptureHook::end`] at depth 1 closes
+//!   the window; [`CaptureHook::abort`] does the same for a capture
 //!   whose framework begin failed after the hook's begin succeeded.
 //! - While a hook window is open or opening on any thread, or deferred
 //!   jobs wait, every job submitted (keyed or slot) is checked as a direct
@@ -152,13 +152,33 @@ fn refusal_error(e: &TransferError) -> DriverError {
     }
 }
 
-impl Offloader {
+/// The capture hook of an [`Offloader`] ([`Offloader::capture_hook`]):
+/// capture windows the offloader holds itself, per thread and nested, for a
+/// hook that wraps a framework's capture calls (module docs). With
+/// [`Interruptible::capture_hook`](super::Interruptible::capture_hook), its
+/// [`CaptureHook::begin`] is interruptible.
+#[derive(Copy, Clone)]
+pub struct CaptureHook<'a> {
+    off: &'a Offloader,
+    interrupted: Option<&'a dyn Fn() -> bool>,
+}
+
+impl std::fmt::Debug for CaptureHook<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CaptureHook").field("interruptible", &self.interrupted.is_some()).finish()
+    }
+}
+
+impl<'a> CaptureHook<'a> {
+    pub(super) fn new(off: &'a Offloader, interrupted: Option<&'a dyn Fn() -> bool>) -> Self {
+        CaptureHook { off, interrupted }
+    }
+
     /// Opens this thread's hook window (depth 0 -> 1), or counts a nested
     /// begin (depth n -> n + 1, nothing else). For a hook wrapping a
     /// framework's capture begin: call it before the framework's begin, and
-    /// [`Offloader::capture_end`] after its end (or
-    /// [`Offloader::capture_abort`] if its begin failed), on the same
-    /// thread: depth is per thread.
+    /// [`CaptureHook::end`] after its end (or [`CaptureHook::abort`] if its
+    /// begin failed), on the same thread: depth is per thread.
     ///
     /// The window opens under the Interleave rules whatever
     /// `PinOptions::capture_policy`: it waits at most for the library call
@@ -168,22 +188,58 @@ impl Offloader {
     /// offloader makes a capture-unsafe driver call (P1), and jobs
     /// submitted on any thread are deferred (module docs).
     ///
+    /// Interruptible (a hook from [`Offloader::interruptible`]): while the
+    /// window waits to open it calls the check at least every 50 ms and,
+    /// when that returns true, withdraws the request and returns
+    /// [`ProtocolError::Interrupted`] with nothing open (depth unchanged),
+    /// as a refused begin leaves it.
+    ///
     /// Errors (depth unchanged, nothing open): [`ProtocolError::ShutDown`]
     /// after shutdown began, [`ProtocolError::NestedWindow`] when this
     /// thread holds a window of [`Offloader::capture_window`].
-    pub fn capture_begin(&self) -> Result<(), OffloaderError> {
-        self.hook_begin(None)
+    pub fn begin(&self) -> Result<(), OffloaderError> {
+        self.off.hook_begin(self.interrupted)
     }
 
-    /// [`Offloader::capture_begin`], interruptible: while the window waits
-    /// to open it calls `interrupted` at least every 50 ms and, when that
-    /// returns true, withdraws the request and returns
-    /// [`ProtocolError::Interrupted`] with nothing open (depth unchanged),
-    /// as a refused begin leaves it.
-    pub fn capture_begin_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<(), OffloaderError> {
-        self.hook_begin(Some(interrupted))
+    /// Closes this thread's hook window (depth 1 -> 0), or uncounts a
+    /// nested begin (depth n -> n - 1). Once no hook window is open on any
+    /// thread, the deferred jobs are submitted, in the order they were
+    /// submitted, on this thread and outside every window (async enqueues:
+    /// this returns once they are enqueued, not completed).
+    ///
+    /// Call it after the framework's capture end, also when that end
+    /// failed (the capture is over either way). Error:
+    /// [`OffloaderError::HookNotOpen`] when this thread's depth is 0.
+    pub fn end(&self) -> Result<(), OffloaderError> {
+        self.off.hook_close("capture_end")
     }
 
+    /// What [`CaptureHook::end`] does, for a capture whose framework begin
+    /// failed after [`CaptureHook::begin`] succeeded (the hook's
+    /// `begin(); try: framework_begin() except: abort(); raise`). Error:
+    /// [`OffloaderError::HookNotOpen`] when this thread's depth is 0.
+    pub fn abort(&self) -> Result<(), OffloaderError> {
+        // N22 (loom builds only): the window stays open for good.
+        if crate::protocol::variant_is!(self.off.coord, HookAbortKeepsWindow) {
+            return Ok(());
+        }
+        self.off.hook_close("capture_abort")
+    }
+
+    /// This thread's hook depth: begins not yet matched by an end or an
+    /// abort.
+    pub fn depth(&self) -> usize {
+        let me = sync::this_thread();
+        sync::lock(&self.off.hook.state).windows.iter().find(|w| w.owner == me).map_or(0, |w| w.depth)
+    }
+
+    /// Jobs deferred behind a hook window and not yet submitted.
+    pub fn deferred_jobs(&self) -> usize {
+        sync::lock(&self.off.hook.state).queue.len()
+    }
+}
+
+impl Offloader {
     fn hook_begin(&self, interrupted: Option<&dyn Fn() -> bool>) -> Result<(), OffloaderError> {
         // Inside `gated` the window would wait for this thread's own call.
         self.refuse_inside_gated("opening a capture hook window inside gated()")?;
@@ -229,43 +285,6 @@ impl Offloader {
                 Err(e.into())
             }
         }
-    }
-
-    /// Closes this thread's hook window (depth 1 -> 0), or uncounts a
-    /// nested begin (depth n -> n - 1). Once no hook window is open on any
-    /// thread, the deferred jobs are submitted, in the order they were
-    /// submitted, on this thread and outside every window (async enqueues:
-    /// this returns once they are enqueued, not completed).
-    ///
-    /// Call it after the framework's capture end, also when that end
-    /// failed (the capture is over either way). Error:
-    /// [`OffloaderError::HookNotOpen`] when this thread's depth is 0.
-    pub fn capture_end(&self) -> Result<(), OffloaderError> {
-        self.hook_close("capture_end")
-    }
-
-    /// What [`Offloader::capture_end`] does, for a capture whose framework
-    /// begin failed after [`Offloader::capture_begin`] succeeded (the hook's
-    /// `begin(); try: framework_begin() except: abort(); raise`). Error:
-    /// [`OffloaderError::HookNotOpen`] when this thread's depth is 0.
-    pub fn capture_abort(&self) -> Result<(), OffloaderError> {
-        // N22 (loom builds only): the window stays open for good.
-        if crate::protocol::variant_is!(self.coord, HookAbortKeepsWindow) {
-            return Ok(());
-        }
-        self.hook_close("capture_abort")
-    }
-
-    /// This thread's hook depth: begins not yet matched by an end or an
-    /// abort.
-    pub fn capture_depth(&self) -> usize {
-        let me = sync::this_thread();
-        sync::lock(&self.hook.state).windows.iter().find(|w| w.owner == me).map_or(0, |w| w.depth)
-    }
-
-    /// Jobs deferred behind a hook window and not yet submitted.
-    pub fn deferred_jobs(&self) -> usize {
-        sync::lock(&self.hook.state).queue.len()
     }
 
     fn hook_close(&self, call: &'static str) -> Result<(), OffloaderError> {
@@ -409,8 +428,8 @@ impl Offloader {
             return Err(TransferError::NoExpeditedLane { id }.into());
         }
         let exp = match first_subs {
-            Some(s) => self.layout.expand_skipping(id, blocks, s)?,
-            None => self.layout.expand(id, blocks)?,
+            Some(s) => self.geometry.layout.expand_skipping(id, blocks, s)?,
+            None => self.geometry.layout.expand(id, blocks)?,
         };
         let ticket = self.coord.admit_job().map_err(|e| match e {
             ProtocolError::ShutDown => OffloaderError::ShutDown,

@@ -1,14 +1,21 @@
-//! Keyed jobs: [`Offloader::lookup`], [`Offloader::store`] and
-//! [`Offloader::load`] by block keys, placed by the block manager (a stored
-//! key becomes readable, and a loaded key's slot evictable, once
-//! [`Offloader::poll`] applies the job).
+//! [`KeyedOffloader`]: jobs by block keys ([`KeyedOffloader::lookup`],
+//! [`KeyedOffloader::store`], [`KeyedOffloader::load`]) placed by a block
+//! manager, over a core [`Offloader`].
+//!
+//! The manager is the core's job book ([`JobBook`]): it lives under the
+//! core's job lock, so a keyed submission (the manager's prepare, the
+//! core's submission, the manager's undo when the core refuses) is one
+//! critical section, as is a poll's removal of a job and its application
+//! to the manager: a stored key becomes readable, and a loaded key's slot
+//! evictable, only once [`Offloader::poll`] (or a wait that polls, or
+//! shutdown's drain) applies the job (P5).
 
 use std::collections::HashMap;
 
-use super::{Addressing, JobKeys, Offloader, OffloaderError};
-use crate::manager::{BlockKey, Lookup, Placement, Skipped};
-use crate::runtime::Direction;
-use crate::sync;
+use super::{Completion, JobBook, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions};
+use crate::manager::{BlockKey, BlockManager, Lookup, ManagerConfig, Placement, Skipped};
+use crate::runtime::{Direction, GpuRuntime};
+use crate::sync::Arc;
 use crate::transfer::{JobBlocks, JobId, Lane};
 
 /// What a store submission did.
@@ -25,21 +32,117 @@ pub struct StoreSubmitted {
     pub evicted: Vec<BlockKey>,
 }
 
-impl Offloader {
+/// The block manager and the keys of each keyed job in flight, under the
+/// core's job lock.
+struct KeyedBook {
+    manager: BlockManager,
+    keys: HashMap<JobId, Vec<BlockKey>>,
+    next_id: JobId,
+}
+
+impl JobBook for KeyedBook {
+    fn finished(&mut self, id: JobId, direction: Direction, succeeded: bool) -> Vec<BlockKey> {
+        let keys = self.keys.remove(&id).unwrap_or_default();
+        let applied = match direction {
+            Direction::DeviceToHost => self.manager.complete_store(&keys, succeeded),
+            Direction::HostToDevice => self.manager.complete_load(&keys),
+        };
+        if let Err(e) = applied {
+            tracing::error!(job = id.0, error = %e, "applying a finished job to the block manager failed");
+        }
+        keys
+    }
+
+    fn as_any(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// The book of a keyed offloader (built where the core would build
+/// nothing): a manager of the options' host blocks and eviction policy.
+fn make_book(opts: &OffloaderOptions) -> Result<Box<dyn JobBook>, OffloaderError> {
+    let manager = BlockManager::new(ManagerConfig::new(opts.host_blocks, opts.eviction))?;
+    Ok(Box::new(KeyedBook { manager, keys: HashMap::new(), next_id: JobId(1) }))
+}
+
+/// Keyed jobs refuse several KV cache groups (one group of every tensor).
+fn check_options(opts: &OffloaderOptions) -> Result<(), OffloaderError> {
+    if opts.kv_groups.is_some() {
+        return Err(OffloaderError::Options(
+            "kv_groups is for slot jobs (Offloader::submit): a KeyedOffloader's jobs have one group".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// An offloader whose host blocks are placed by a block manager, by block
+/// keys: [`KeyedOffloader::lookup`], [`KeyedOffloader::store`],
+/// [`KeyedOffloader::load`], [`KeyedOffloader::poll`]. Everything else
+/// (pinning, capture windows, waits, shutdown, the geometry) is its core's,
+/// [`KeyedOffloader::core`]; the core's [`Offloader::submit`] is refused on
+/// it ([`OffloaderError::KeyedCore`]: the manager owns the host slots).
+/// Dropping it drops the core, which shuts down.
+#[derive(Debug)]
+pub struct KeyedOffloader {
+    core: Offloader,
+}
+
+impl KeyedOffloader {
+    /// [`Offloader::new`] with a block manager of `opts.host_blocks` slots
+    /// and `opts.eviction`; `opts.kv_groups` is refused
+    /// ([`OffloaderError::Options`]).
+    ///
+    /// # Safety
+    /// As for [`Offloader::new`].
+    pub unsafe fn new(
+        rt: Arc<dyn GpuRuntime>,
+        kv: KvSpec,
+        opts: OffloaderOptions,
+    ) -> Result<KeyedOffloader, OffloaderError> {
+        check_options(&opts)?;
+        // SAFETY: forwarded to the caller.
+        let core = unsafe { Offloader::build(rt, kv, opts, Vec::new(), None, Some(make_book)) }?;
+        Ok(KeyedOffloader { core })
+    }
+
+    /// [`Offloader::with_allocated_tensors`] with a block manager, as
+    /// [`KeyedOffloader::new`].
+    pub fn with_allocated_tensors(
+        rt: Arc<dyn GpuRuntime>,
+        alloc: KvAlloc,
+        opts: OffloaderOptions,
+    ) -> Result<KeyedOffloader, OffloaderError> {
+        check_options(&opts)?;
+        let core = Offloader::allocate_and_build(rt, alloc, opts, Some(make_book))?;
+        Ok(KeyedOffloader { core })
+    }
+
+    /// The core: pinning, capture windows and the hook, gated calls, the
+    /// waits (completions they take are applied to the block manager, as
+    /// by [`KeyedOffloader::poll`]), shutdown, the geometry.
+    pub fn core(&self) -> &Offloader {
+        &self.core
+    }
+
     /// What the offloader holds of each key (counts as a lookup for the
-    /// eviction policy). With [`Addressing::Slots`] no key is ever held:
-    /// every key is absent.
+    /// eviction policy).
     pub fn lookup(&self, keys: &[BlockKey]) -> Vec<Lookup> {
-        sync::lock(&self.inner).manager.lookup(keys)
+        self.core.jobs(|j| j.book::<KeyedBook>().manager.lookup(keys))
     }
 
     /// Keys stored and readable now.
     pub fn stored_blocks(&self) -> usize {
-        sync::lock(&self.inner).manager.len()
+        self.core.jobs(|j| j.book::<KeyedBook>().manager.len())
+    }
+
+    /// [`Offloader::poll`]: jobs that finished since the last call, each
+    /// with its keys, already applied to the block manager.
+    pub fn poll(&self) -> Vec<Completion> {
+        self.core.poll()
     }
 
     fn check_gpu_blocks(&self, keys: &[BlockKey], gpu_blocks: &[usize]) -> Result<(), OffloaderError> {
-        let factor = self.kv.block_factor;
+        let factor = self.core.geometry.kv.block_factor;
         let need = keys.len().saturating_mul(factor);
         if gpu_blocks.len() != need {
             return Err(OffloaderError::GpuBlockCount { keys: keys.len(), factor, need, got: gpu_blocks.len() });
@@ -56,34 +159,35 @@ impl Offloader {
     /// moment; the engine must not write those GPU blocks until the job is
     /// reported.
     pub fn store(&self, keys: &[BlockKey], gpu_blocks: &[usize]) -> Result<StoreSubmitted, OffloaderError> {
-        self.check_addressing("store", Addressing::Keys)?;
         self.check_gpu_blocks(keys, gpu_blocks)?;
-        let mut inner = sync::lock(&self.inner);
-        if inner.closed {
-            return Err(OffloaderError::ShutDown);
-        }
-        let out = inner.manager.prepare_store(keys)?;
-        let evicted: Vec<BlockKey> = out.evicted.iter().map(|p| p.key).collect();
-        if out.to_store.is_empty() {
-            return Ok(StoreSubmitted { job: None, stored: Vec::new(), skipped: out.skipped, evicted });
-        }
-        let (gpu, slots, stored) = self.job_blocks(keys, gpu_blocks, &out.to_store);
-        let id = inner.next_id;
-        inner.next_id = JobId(inner.next_id.0 + 1);
-        let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
-        if let Err(e) = self.submit_or_defer(&engine, id, Lane::Store, &JobBlocks::single(gpu, slots), None) {
-            if let Err(m) = inner.manager.complete_store(&stored, false) {
-                tracing::error!(error = %m, "undoing a refused store failed");
+        self.core.jobs(|j| {
+            if j.closed() {
+                return Err(OffloaderError::ShutDown);
             }
-            return Err(e);
-        }
-        inner.jobs.insert(id, JobKeys { direction: Direction::DeviceToHost, keys: stored.clone(), slots: Vec::new() });
-        // N18 (loom builds only): the keys readable at submission.
-        #[cfg(loom)]
-        if crate::protocol::variant_is!(self.coord, ReadableAtSubmit) {
-            let _ = inner.manager.complete_store(&stored, true);
-        }
-        Ok(StoreSubmitted { job: Some(id), stored, skipped: out.skipped, evicted })
+            let book = j.book::<KeyedBook>();
+            let out = book.manager.prepare_store(keys)?;
+            let evicted: Vec<BlockKey> = out.evicted.iter().map(|p| p.key).collect();
+            if out.to_store.is_empty() {
+                return Ok(StoreSubmitted { job: None, stored: Vec::new(), skipped: out.skipped, evicted });
+            }
+            let (gpu, slots, stored) = self.job_blocks(keys, gpu_blocks, &out.to_store);
+            let id = book.next_id;
+            book.next_id = JobId(id.0 + 1);
+            if let Err(e) = j.submit(id, Lane::Store, &JobBlocks::single(gpu, slots)) {
+                if let Err(m) = j.book::<KeyedBook>().manager.complete_store(&stored, false) {
+                    tracing::error!(error = %m, "undoing a refused store failed");
+                }
+                return Err(e);
+            }
+            let book = j.book::<KeyedBook>();
+            book.keys.insert(id, stored.clone());
+            // N18 (loom builds only): the keys readable at submission.
+            #[cfg(loom)]
+            if crate::protocol::variant_is!(self.core.coord, ReadableAtSubmit) {
+                let _ = book.manager.complete_store(&stored, true);
+            }
+            Ok(StoreSubmitted { job: Some(id), stored, skipped: out.skipped, evicted })
+        })
     }
 
     /// Loads `keys` (each stored and readable) into GPU blocks `gpu_blocks`
@@ -94,30 +198,31 @@ impl Offloader {
     /// moment; the engine must not touch those GPU blocks until the job is
     /// reported.
     pub fn load(&self, keys: &[BlockKey], gpu_blocks: &[usize]) -> Result<JobId, OffloaderError> {
-        self.check_addressing("load", Addressing::Keys)?;
         self.check_gpu_blocks(keys, gpu_blocks)?;
-        let mut inner = sync::lock(&self.inner);
-        if inner.closed {
-            return Err(OffloaderError::ShutDown);
-        }
-        let placements = inner.manager.prepare_load(keys)?;
-        let (gpu, slots, _) = self.job_blocks(keys, gpu_blocks, &placements);
-        let id = inner.next_id;
-        inner.next_id = JobId(inner.next_id.0 + 1);
-        let engine = inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
-        if let Err(e) = self.submit_or_defer(&engine, id, Lane::Load, &JobBlocks::single(gpu, slots), None) {
-            if let Err(m) = inner.manager.complete_load(keys) {
-                tracing::error!(error = %m, "undoing a refused load failed");
+        self.core.jobs(|j| {
+            if j.closed() {
+                return Err(OffloaderError::ShutDown);
             }
-            return Err(e);
-        }
-        inner.jobs.insert(id, JobKeys { direction: Direction::HostToDevice, keys: keys.to_vec(), slots: Vec::new() });
-        // N19 (loom builds only): the slots released at submission.
-        #[cfg(loom)]
-        if crate::protocol::variant_is!(self.coord, SlotFreedAtLoadSubmit) {
-            let _ = inner.manager.complete_load(keys);
-        }
-        Ok(id)
+            let book = j.book::<KeyedBook>();
+            let placements = book.manager.prepare_load(keys)?;
+            let (gpu, slots, _) = self.job_blocks(keys, gpu_blocks, &placements);
+            let id = book.next_id;
+            book.next_id = JobId(id.0 + 1);
+            if let Err(e) = j.submit(id, Lane::Load, &JobBlocks::single(gpu, slots)) {
+                if let Err(m) = j.book::<KeyedBook>().manager.complete_load(keys) {
+                    tracing::error!(error = %m, "undoing a refused load failed");
+                }
+                return Err(e);
+            }
+            let book = j.book::<KeyedBook>();
+            book.keys.insert(id, keys.to_vec());
+            // N19 (loom builds only): the slots released at submission.
+            #[cfg(loom)]
+            if crate::protocol::variant_is!(self.core.coord, SlotFreedAtLoadSubmit) {
+                let _ = book.manager.complete_load(keys);
+            }
+            Ok(id)
+        })
     }
 
     /// The GPU blocks and host slots of `placements` (a subset of `keys`,
@@ -128,7 +233,7 @@ impl Offloader {
         gpu_blocks: &[usize],
         placements: &[Placement],
     ) -> (Vec<usize>, Vec<usize>, Vec<BlockKey>) {
-        let f = self.kv.block_factor;
+        let f = self.core.geometry.kv.block_factor;
         let at: HashMap<BlockKey, usize> = keys.iter().enumerate().map(|(i, k)| (*k, i)).collect();
         let mut gpu = Vec::with_capacity(placements.len() * f);
         let mut slots = Vec::with_capacity(placements.len());

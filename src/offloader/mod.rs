@@ -1,9 +1,10 @@
-//! [`Offloader`]: the one type an engine holds.
+//! [`Offloader`], the slot-addressed core an engine holds, and
+//! [`KeyedOffloader`], the block manager's keyed layer on top of it.
 //!
-//! Built from one [`OffloaderOptions`] and the engine's [`KvSpec`], it owns
-//! the host region (anonymous, or shared by the ranks of a node), the
-//! coordinator of the capture-safety protocol, the background pinner, the
-//! transfer engine and the block manager, and speaks the engine's words:
+//! Built from one [`OffloaderOptions`] and the engine's [`KvSpec`], the core
+//! owns the host region (anonymous, or shared by the ranks of a node), the
+//! coordinator of the capture-safety protocol, the background pinner and
+//! the transfer engine, and speaks the engine's words:
 //!
 //! - [`Offloader::start`]: background pinning begins (pre-fault, chunked
 //!   registration, rollback to pageable memory on any failure; with a shared
@@ -12,74 +13,79 @@
 //!   graph capture: no library thread makes a capture-unsafe driver call
 //!   while it is open (P1), and with the default policy it opens only once
 //!   pinning is final (P2);
-//! - [`Offloader::capture_begin`], [`Offloader::capture_end`],
-//!   [`Offloader::capture_abort`]: the same window held without a guard,
-//!   per thread and nested, for a hook around a framework's own capture
-//!   calls (`torch.cuda.CUDAGraph`); it opens while pinning runs (waiting
-//!   at most for the chunk registration in progress), and jobs submitted
-//!   while one is open are deferred, never refused, and submitted when the
-//!   last one closes (`hook.rs` has the rules);
-//! - [`Offloader::lookup`], [`Offloader::store`], [`Offloader::load`] by
-//!   block keys and the engine's GPU block ids; or, for an engine that
-//!   manages its own host blocks (built with [`Addressing::Slots`], e.g.
-//!   [`OffloaderOptions::with_host_slots`]), [`Offloader::store_slots`] and
-//!   [`Offloader::load_slots`] by its own job ids, GPU block ids and host
-//!   slot ids (no block manager; the two kinds never mix on one offloader),
-//!   and [`Offloader::load_slots_expedited`] on a lane of its own (with
-//!   `TransferOptions::expedited_lane`);
+//! - [`Offloader::capture_hook`] ([`CaptureHook`]): the same window held
+//!   without a guard, per thread and nested, for a hook around a
+//!   framework's own capture calls (`torch.cuda.CUDAGraph`); it opens while
+//!   pinning runs (waiting at most for the chunk registration in
+//!   progress), and jobs submitted while one is open are deferred, never
+//!   refused, and submitted when the last one closes (`hook.rs` has the
+//!   rules);
+//! - [`Offloader::submit`]: a [`SlotJob`] on a [`Lane`] (store, load, or
+//!   the expedited load lane of `TransferOptions::expedited_lane`) by the
+//!   engine's own job id, GPU block ids and host slot ids (no block
+//!   manager: for engines that manage their own host blocks, vLLM's
+//!   offloading connector);
+//! - [`KeyedOffloader::lookup`], [`KeyedOffloader::store`],
+//!   [`KeyedOffloader::load`] by block keys, placed by the block manager
+//!   ([`KeyedOffloader`] owns one and a core; everything else is its
+//!   [`KeyedOffloader::core`]);
 //! - [`Offloader::poll`]: finished jobs, already applied to the block
-//!   manager (a stored key becomes readable only once its store completed;
-//!   a loaded key's slot is released once its load completed, P5);
-//! - [`Offloader::pin_state`] and [`Offloader::pin_progress`] (or a
-//!   [`PinObserver`] in the options, called from the pinning thread);
+//!   manager of a keyed offloader (a stored key becomes readable only once
+//!   its store completed; a loaded key's slot is released once its load
+//!   completed, P5);
+//! - [`Offloader::pin_progress`] (or a [`PinObserver`] in the options,
+//!   called from the pinning thread);
 //! - [`Offloader::shutdown`] (also run by `Drop`, whose errors are logged):
 //!   refused while a window is open or registered graphs live; drains the
 //!   jobs, stops pinning, unregisters, frees what the offloader allocated
 //!   (P4).
 //!
-//! The engine's own capture-unsafe driver calls (allocations, synchronizes)
-//! go through [`Offloader::gated`], never around it.
+//! Every wait has one interruptible form, through
+//! [`Offloader::interruptible`] ([`Interruptible`]: the same waits, with a
+//! check called at least every 50 ms). The engine's own capture-unsafe
+//! driver calls (allocations, synchronizes) go through
+//! [`Offloader::gated`], never around it.
 //!
 //! ```
-//! use kvoffload::{shared, BlockKey, KvAlloc, Offloader, OffloaderOptions, SimRuntime};
+//! use kvoffload::{shared, BlockKey, KeyedOffloader, KvAlloc, OffloaderOptions, SimRuntime};
 //!
 //! # fn main() -> Result<(), kvoffload::OffloaderError> {
 //! let rt = shared(SimRuntime::new()); // or CudaRuntime::open(0)?
 //! let kv = KvAlloc { tensors: 2, page_bytes: 4096, gpu_blocks: 64, block_factor: 1 };
-//! let off = Offloader::with_allocated_tensors(rt, kv, OffloaderOptions::with_host_blocks(128))?;
-//! off.start()?; // pinning runs in the background from here
+//! let off = KeyedOffloader::with_allocated_tensors(rt, kv, OffloaderOptions::with_host_blocks(128))?;
+//! off.core().start()?; // pinning runs in the background from here
 //! {
-//!     let _window = off.capture_window()?; // capture the engine's graphs here
+//!     let _window = off.core().capture_window()?; // capture the engine's graphs here
 //! }
 //! let keys = [BlockKey::new(7, 0), BlockKey::new(8, 0)];
 //! let stored = off.store(&keys, &[3, 4])?;
-//! off.wait_all()?;
+//! off.core().wait_all()?;
 //! let done = off.poll();
 //! assert!(done.iter().all(|c| c.error.is_none()));
 //! assert_eq!(stored.stored.len(), 2);
 //! let job = off.load(&keys, &[10, 11])?;
-//! off.wait(job)?;
+//! off.core().wait(job)?;
 //! off.poll();
-//! off.shutdown()?;
+//! off.core().shutdown()?;
 //! # Ok(()) }
 //! ```
 //!
 //! The files of the module, one concern each:
 //!
-//! - `mod.rs`: the type, what the engine reads, pinning, capture windows,
+//! - `mod.rs`: the core type, [`Geometry`], pinning, capture windows,
 //!   [`Offloader::poll`] and the waits, [`GatedCalls`];
 //! - `build.rs`: construction ([`Offloader::new`],
-//!   [`Offloader::with_allocated_tensors`]): the region, the coordinator,
-//!   the transfer engine and the block manager;
-//! - `keyed.rs`: keyed jobs ([`Offloader::lookup`], [`Offloader::store`],
-//!   [`Offloader::load`]) placed by the block manager;
-//! - `slots.rs`: the slot-addressed API ([`Offloader::store_slots`],
-//!   [`Offloader::load_slots`], [`SlotJob`], [`Offloader::wait_jobs`]) and
-//!   its busy-slot rule;
+//!   [`Offloader::with_allocated_tensors`]): the region, the coordinator
+//!   and the transfer engine;
+//! - `keyed.rs`: [`KeyedOffloader`]: keyed jobs placed by the block
+//!   manager, which the core applies each completion to (its job book);
+//! - `slots.rs`: [`SlotJob`], [`Offloader::submit`],
+//!   [`Offloader::wait_jobs`] and the busy-slot rule;
 //! - `shutdown.rs`: [`Offloader::shutdown`] and the drop;
-//! - `hook.rs`: the capture hook's windows and deferred jobs;
-//! - `waits.rs`: the interruptible waits and [`Offloader::poll_each`],
-//!   which applies completions to the block manager;
+//! - `hook.rs`: [`CaptureHook`]: the capture hook's windows and deferred
+//!   jobs;
+//! - `waits.rs`: [`Interruptible`] and [`Offloader::poll_each`], which
+//!   applies completions to a keyed offloader's block manager;
 //! - `options.rs`, `error.rs`: the options, the errors.
 
 mod build;
@@ -95,21 +101,23 @@ use std::collections::HashMap;
 
 pub use crate::pin::{PinObserver, PinOutcome};
 pub use error::OffloaderError;
-pub use keyed::StoreSubmitted;
-pub use options::{Addressing, KvAlloc, KvSpec, OffloaderOptions, RegionSpec};
+pub use hook::CaptureHook;
+pub use keyed::{KeyedOffloader, StoreSubmitted};
+pub use options::{KvAlloc, KvSpec, OffloaderOptions, RegionSpec};
 pub use slots::SlotJob;
+pub use waits::Interruptible;
 
-use crate::manager::{BlockKey, BlockManager};
+use crate::manager::BlockKey;
 use crate::pin::{spawn_pinner, Prefault, RankAgreement};
 use crate::protocol::{CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
 use crate::region::Region;
 use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::atomic::AtomicBool;
 use crate::sync::{self, thread, Arc, Mutex};
-use crate::transfer::{Backend, JobId, KvLayout, Lane, TransferEngine};
+use crate::transfer::{Backend, JobBlocks, JobId, KvLayout, Lane, TransferEngine};
 
 /// A finished job, as [`Offloader::poll`] reports it (already applied to
-/// the block manager).
+/// the block manager of a [`KeyedOffloader`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Completion {
     /// The job.
@@ -117,12 +125,10 @@ pub struct Completion {
     /// Store (`DeviceToHost`) or load (`HostToDevice`).
     pub direction: Direction,
     /// The lane that ran it: [`Lane::Store`], [`Lane::Load`], or
-    /// [`Lane::LoadExpedited`] for [`Offloader::load_slots_expedited`] and
-    /// [`Offloader::load_slot_job_expedited`].
+    /// [`Lane::LoadExpedited`] for a job submitted on it.
     pub lane: Lane,
-    /// Its keys (none for a job of [`Offloader::store_slots`] or
-    /// [`Offloader::load_slots`]: its id is the engine's, which knows its
-    /// slots).
+    /// Its keys (none for a job of [`Offloader::submit`]: its id is the
+    /// engine's, which knows its slots).
     pub keys: Vec<BlockKey>,
     /// Bytes moved.
     pub bytes: u64,
@@ -134,8 +140,8 @@ pub struct Completion {
     /// (not readable); a failed load's keys stay stored.
     pub error: Option<DriverError>,
     /// Seconds the job waited, admitted, behind a capture hook window
-    /// ([`Offloader::capture_begin`]) before it was submitted; 0 when it
-    /// was submitted at once. Included in `seconds`.
+    /// ([`CaptureHook::begin`]) before it was submitted; 0 when it was
+    /// submitted at once. Included in `seconds`.
     pub deferred_seconds: f64,
 }
 
@@ -152,43 +158,98 @@ pub struct PinProgress {
     pub bytes_total: usize,
 }
 
+/// Where an offloader's blocks are, fixed at construction
+/// ([`Offloader::geometry`]): the KV tensors and their block sizes, the
+/// host blocks and the region they live in, the transfer layout, the
+/// transfer lanes' streams.
+#[derive(Clone, Debug)]
+pub struct Geometry {
+    /// The KV description the offloader moves blocks of: the tensors (the
+    /// engine's, or those the offloader allocated) with their page bytes,
+    /// GPU blocks per tensor, GPU blocks per host block, the compute
+    /// stream jobs are ordered after.
+    pub kv: KvSpec,
+    /// Host blocks of this rank: the slot ids `0..host_blocks` of
+    /// [`SlotJob`]s, or a [`KeyedOffloader`]'s block manager's slots.
+    pub host_blocks: usize,
+    /// The transfer layout (host and device address of every block, per KV
+    /// cache group).
+    pub layout: KvLayout,
+    /// The host region.
+    pub region: Arc<Region>,
+    /// The transfer handlers' streams, by [`Lane`] (store, load,
+    /// expedited load).
+    lane_streams: [Option<Stream>; 3],
+}
+
+impl Geometry {
+    /// Device addresses of the KV tensors.
+    pub fn tensors(&self) -> Vec<DevicePtr> {
+        self.kv.tensors.iter().map(|t| t.device_base).collect()
+    }
+
+    /// The compute stream jobs are ordered after.
+    pub fn compute_stream(&self) -> Stream {
+        self.kv.compute_stream
+    }
+
+    /// The stream of `lane`'s transfer handler (`None` for the expedited
+    /// lane when it was not made); destroyed at shutdown. For diagnostics
+    /// and tests that order work against a lane.
+    pub fn lane_stream(&self, lane: Lane) -> Option<Stream> {
+        match lane {
+            Lane::Store => self.lane_streams[0],
+            Lane::Load => self.lane_streams[1],
+            Lane::LoadExpedited => self.lane_streams[2],
+        }
+    }
+}
+
 enum Pinner {
     NotStarted,
     Running(thread::JoinHandle<PinOutcome>),
     Done(PinOutcome),
 }
 
-struct JobKeys {
+/// A job in flight, until `poll` reports it.
+struct JobSlots {
     direction: Direction,
-    keys: Vec<BlockKey>,
-    /// A slot job's `(group, slot)` pairs (empty for keyed jobs), until
-    /// `poll` reports it.
+    /// A slot job's `(group, slot)` pairs (empty for a keyed job).
     slots: Vec<(usize, usize)>,
 }
 
+/// What a layer above the core keeps per job (the keyed layer's block
+/// manager), under the core's job lock: each job it submitted through
+/// [`Jobs::submit`] is handed back once it ended, under the same lock
+/// that `poll` removes it from the core's jobs with.
+pub(crate) trait JobBook: Send {
+    /// Job `id` ended (`succeeded`: every byte arrived): apply it, and
+    /// return its keys.
+    fn finished(&mut self, id: JobId, direction: Direction, succeeded: bool) -> Vec<BlockKey>;
+    /// The book itself, for its layer.
+    fn as_any(&mut self) -> &mut dyn std::any::Any;
+}
+
 struct Inner {
-    manager: BlockManager,
     engine: Option<Arc<TransferEngine>>,
-    jobs: HashMap<JobId, JobKeys>,
-    next_id: JobId,
+    jobs: HashMap<JobId, JobSlots>,
     /// New jobs are refused: set by the shutdown, under this lock, before
     /// it drains (so a job is either refused or drained).
     closed: bool,
+    /// The keyed layer's book (`None`: the engine's own slot jobs).
+    book: Option<Box<dyn JobBook>>,
 }
 
-/// The one type an engine uses; see the module docs.
+/// The slot-addressed core an engine holds; see the module docs.
 pub struct Offloader {
     rt: Arc<dyn GpuRuntime>,
     coord: Arc<Coordinator>,
-    region: Arc<Region>,
-    kv: KvSpec,
-    layout: KvLayout,
+    geometry: Geometry,
     prefault: Arc<dyn Prefault>,
     /// Told of the pinning thread's progress (`OffloaderOptions::pin_observer`).
     pin_observer: Option<Arc<dyn PinObserver>>,
     agreement: Option<RankAgreement>,
     bytes_total: usize,
-    addressing: Addressing,
     inner: Mutex<Inner>,
     pinner: Mutex<Pinner>,
     /// Tensors and the compute stream the offloader made, freed at shutdown.
@@ -206,6 +267,37 @@ pub struct Offloader {
     /// they asked for would wait for their own gated call (issue 28, item
     /// 3), so it is refused.
     gated_threads: Mutex<Vec<thread::ThreadId>>,
+}
+
+/// The core's jobs under its lock, for the keyed layer: its book, and
+/// submission inside the same critical section.
+pub(crate) struct Jobs<'a> {
+    off: &'a Offloader,
+    inner: &'a mut Inner,
+}
+
+impl Jobs<'_> {
+    /// True once shutdown began (no job is accepted).
+    pub(crate) fn closed(&self) -> bool {
+        self.inner.closed
+    }
+
+    /// The layer's book (the type it was built with).
+    pub(crate) fn book<B: 'static>(&mut self) -> &mut B {
+        let Some(b) = self.inner.book.as_mut().and_then(|b| b.as_any().downcast_mut::<B>()) else {
+            unreachable!("an offloader's job book is the one its layer built it with");
+        };
+        b
+    }
+
+    /// Submits (or defers behind a hook window) the book's job `id`,
+    /// recorded as in flight until `poll` reports it to the book.
+    pub(crate) fn submit(&mut self, id: JobId, lane: Lane, blocks: &JobBlocks) -> Result<(), OffloaderError> {
+        let engine = self.inner.engine.clone().ok_or(OffloaderError::ShutDown)?;
+        self.off.submit_or_defer(&engine, id, lane, blocks, None)?;
+        self.inner.jobs.insert(id, JobSlots { direction: lane.direction(), slots: Vec::new() });
+        Ok(())
+    }
 }
 
 /// Marks this thread as inside [`Offloader::gated`] while it lives (also
@@ -228,8 +320,8 @@ impl std::fmt::Debug for Offloader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Offloader")
             .field("backend", &self.rt.backend())
-            .field("region_bytes", &self.region.len())
-            .field("rank", &self.region.rank())
+            .field("region_bytes", &self.geometry.region.len())
+            .field("rank", &self.geometry.region.rank())
             .field("pin", &self.coord.pin_state())
             .finish()
     }
@@ -244,48 +336,24 @@ impl Offloader {
         &self.rt
     }
 
-    /// The KV description the offloader moves blocks of.
-    pub fn kv(&self) -> &KvSpec {
-        &self.kv
+    /// Where the blocks are: the KV tensors, the host blocks and region,
+    /// the transfer layout and lanes.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
     }
 
-    /// Device addresses of the KV tensors (the engine's, or those the
-    /// offloader allocated).
-    pub fn tensors(&self) -> Vec<DevicePtr> {
-        self.kv.tensors.iter().map(|t| t.device_base).collect()
+    /// What the coordinator has open, in flight or waiting right now
+    /// (diagnostics; the tests of the interruptible waits check with it
+    /// that an interrupted wait left nothing counted).
+    pub fn activity(&self) -> crate::protocol::Activity {
+        self.coord.activity()
     }
 
-    /// The compute stream jobs are ordered after.
-    pub fn compute_stream(&self) -> Stream {
-        self.kv.compute_stream
-    }
-
-    /// The transfer layout (host and device address of every block).
-    pub fn layout(&self) -> &KvLayout {
-        &self.layout
-    }
-
-    /// The host region.
-    pub fn region(&self) -> &Region {
-        &self.region
-    }
-
-    /// How host blocks are addressed (keys or the engine's slot ids).
-    pub fn addressing(&self) -> Addressing {
-        self.addressing
-    }
-
-    /// Host blocks of this rank: the block manager's slots, or the slot ids
-    /// `0..host_blocks()` of [`Addressing::Slots`].
-    pub fn host_blocks(&self) -> usize {
-        self.layout.num_host_blocks(0)
-    }
-
-    /// The stream of `lane`'s transfer handler (`None` for the expedited
-    /// lane when it was not made, or after shutdown); for diagnostics and
-    /// tests that order work against a lane.
-    pub fn lane_stream(&self, lane: Lane) -> Option<Stream> {
-        sync::lock(&self.inner).engine.as_ref().and_then(|e| e.lane_stream(lane))
+    /// The core's jobs under its lock (the keyed layer's submissions and
+    /// lookups).
+    pub(crate) fn jobs<R>(&self, f: impl FnOnce(&mut Jobs<'_>) -> R) -> R {
+        let mut inner = sync::lock(&self.inner);
+        f(&mut Jobs { off: self, inner: &mut inner })
     }
 
     // ---- pinning ----
@@ -345,11 +413,20 @@ impl Offloader {
     /// Waits until pinning is final (and, with a shared region, agreed),
     /// starting it if needed, and returns how it ended. Refused inside the
     /// caller's own capture window with the Interleave policy (it would
-    /// never return).
+    /// never return). Interruptible: [`Interruptible::wait_pinned`].
     pub fn wait_pinned(&self) -> Result<PinOutcome, OffloaderError> {
+        self.wait_pinned_with(None)
+    }
+
+    /// [`Offloader::wait_pinned`], interruptible when `interrupted` is
+    /// given (waits.rs).
+    fn wait_pinned_with(&self, interrupted: Option<&dyn Fn() -> bool>) -> Result<PinOutcome, OffloaderError> {
         self.refuse_inside_gated("waiting for pinning inside gated()")?;
         self.start()?;
-        self.coord.wait_pin_final()?;
+        match interrupted {
+            None => self.coord.wait_pin_final()?,
+            Some(f) => self.coord.wait_pin_final_interruptible(f)?,
+        };
         self.join_pinner()
     }
 
@@ -376,9 +453,26 @@ impl Offloader {
     /// Opens a capture window: capture the engine's graphs while holding the
     /// guard. No library thread makes a capture-unsafe call while it is
     /// open; with the default policy it opens only once pinning is final.
+    /// Interruptible: [`Interruptible::capture_window`]. For a hook around a
+    /// framework's capture calls, where no guard can live:
+    /// [`Offloader::capture_hook`].
     pub fn capture_window(&self) -> Result<CaptureWindow, OffloaderError> {
+        self.capture_window_with(None)
+    }
+
+    fn capture_window_with(&self, interrupted: Option<&dyn Fn() -> bool>) -> Result<CaptureWindow, OffloaderError> {
         self.refuse_inside_gated("opening a capture window inside gated()")?;
-        Ok(self.coord.open_window()?)
+        Ok(match interrupted {
+            None => self.coord.open_window()?,
+            Some(f) => self.coord.open_window_interruptible(f)?,
+        })
+    }
+
+    /// The capture hook ([`CaptureHook`]): windows held without a guard,
+    /// per thread and nested, for a hook that wraps a framework's
+    /// `capture_begin`/`capture_end`.
+    pub fn capture_hook(&self) -> CaptureHook<'_> {
+        CaptureHook::new(self, None)
     }
 
     /// [`ProtocolError::WouldDeadlock`] when this thread is inside
@@ -413,45 +507,41 @@ impl Offloader {
     /// no others, and runs inside the offloader's gate, so windows wait
     /// until it returns (keep it short: a window opening meanwhile waits for
     /// all of it). Refused inside the caller's own window.
+    /// Interruptible: [`Interruptible::gated`].
     ///
     /// Inside `f`, opening a capture window ([`Offloader::capture_window`],
-    /// [`Offloader::capture_begin`]) or a nested `gated` is refused with
+    /// [`CaptureHook::begin`]) or a nested `gated` is refused with
     /// [`ProtocolError::WouldDeadlock`]: it would wait for this call.
     pub fn gated<T>(&self, what: &'static str, f: impl FnOnce(&GatedCalls<'_>) -> T) -> Result<T, OffloaderError> {
-        self.refuse_inside_gated("gated() inside gated()")?;
-        Ok(self.coord.unsafe_call(what, |gate| self.run_gated(gate, f))?)
+        self.gated_with(what, None, f)
     }
 
-    /// [`Offloader::gated`], interruptible: while it waits for capture
-    /// windows to close it calls `interrupted` at least every 50 ms and,
-    /// when that returns true, returns [`ProtocolError::Interrupted`]
-    /// without running `f` (nothing left counted). `f` itself is not
-    /// interrupted.
-    pub fn gated_interruptible<T>(
+    fn gated_with<T>(
         &self,
         what: &'static str,
-        interrupted: &dyn Fn() -> bool,
+        interrupted: Option<&dyn Fn() -> bool>,
         f: impl FnOnce(&GatedCalls<'_>) -> T,
     ) -> Result<T, OffloaderError> {
         self.refuse_inside_gated("gated() inside gated()")?;
-        Ok(self.coord.unsafe_call_interruptible(what, interrupted, |gate| self.run_gated(gate, f))?)
+        Ok(match interrupted {
+            None => self.coord.unsafe_call(what, |gate| self.run_gated(gate, f))?,
+            Some(i) => self.coord.unsafe_call_interruptible(what, i, |gate| self.run_gated(gate, f))?,
+        })
     }
 
-    /// Refuses `call` unless the offloader addresses its host blocks by
-    /// `want`.
-    fn check_addressing(&self, call: &'static str, want: Addressing) -> Result<(), OffloaderError> {
-        if self.addressing != want {
-            return Err(OffloaderError::WrongAddressing { call, addressing: self.addressing });
-        }
-        Ok(())
+    /// The waits of this offloader, interruptible by `interrupted` (the
+    /// one way to make any of them interruptible; see [`Interruptible`]).
+    pub fn interruptible<'a>(&'a self, interrupted: &'a dyn Fn() -> bool) -> Interruptible<'a> {
+        Interruptible::new(self, interrupted)
     }
 
     // ---- completions ----
 
     /// Jobs that finished since the last call, in submission order per
-    /// direction, each reported once, already applied to the block manager.
-    /// Never blocks on the GPU and never makes a capture-unsafe call while a
-    /// window is open (it then returns what it found so far).
+    /// direction, each reported once, already applied to the block manager
+    /// of a [`KeyedOffloader`]. Never blocks on the GPU and never makes a
+    /// capture-unsafe call while a window is open (it then returns what it
+    /// found so far).
     pub fn poll(&self) -> Vec<Completion> {
         let mut out = Vec::new();
         self.poll_each(&mut |c| out.push(c));
@@ -465,6 +555,7 @@ impl Offloader {
 
     /// Blocks until job `id` completed on the GPU (it is still reported by
     /// [`Offloader::poll`]). Refused inside the caller's own window.
+    /// Interruptible: [`Interruptible::wait`].
     pub fn wait(&self, id: JobId) -> Result<(), OffloaderError> {
         self.refuse_inside_gated("waiting for a job inside gated()")?;
         let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
@@ -477,6 +568,7 @@ impl Offloader {
 
     /// Blocks until every job submitted so far completed on the GPU (failed
     /// jobs are reported by [`Offloader::poll`], not here).
+    /// Interruptible: [`Interruptible::wait_all`].
     pub fn wait_all(&self) -> Result<(), OffloaderError> {
         self.refuse_inside_gated("waiting for jobs inside gated()")?;
         let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;

@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use crate::manager::PolicyKind;
-use crate::names::named;
 use crate::pin::PinOptions;
 use crate::protocol::agreement::Transport;
 use crate::region::ShmOptions;
@@ -97,36 +96,14 @@ pub struct KvAlloc {
     pub block_factor: usize,
 }
 
-/// How an [`super::Offloader`]'s host blocks are addressed: chosen once, in
-/// [`OffloaderOptions::addressing`]; calls of the other kind are refused
-/// with [`super::OffloaderError::WrongAddressing`].
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub enum Addressing {
-    /// By [`crate::manager::BlockKey`]: the offloader's block manager picks
-    /// the host slots and evicts ([`super::Offloader::store`],
-    /// [`super::Offloader::load`], [`super::Offloader::lookup`]); job ids
-    /// are the offloader's.
-    #[default]
-    Keys,
-    /// By host slot ids the engine chooses, `0..host_blocks`, for engines
-    /// that manage their own host blocks (vLLM's offloading manager): no
-    /// block manager is involved ([`super::Offloader::store_slots`],
-    /// [`super::Offloader::load_slots`]); job ids are the engine's.
-    Slots,
-}
-
-named!(Addressing, "addressing" {
-    Keys => "keys",
-    Slots => "slots",
-});
-
 /// Everything an [`super::Offloader`] is built from. `Default` gives one
 /// anonymous region, background pinning with the default [`PinOptions`],
 /// automatic copy backends and LRU eviction; only `host_blocks` must be set.
 #[derive(Clone)]
 pub struct OffloaderOptions {
-    /// Host blocks this rank owns in the region (the block manager's slots,
-    /// or with [`Addressing::Slots`] the engine's slot ids `0..host_blocks`).
+    /// Host blocks this rank owns in the region (the engine's slot ids
+    /// `0..host_blocks` of [`super::SlotJob`]s, or a
+    /// [`super::KeyedOffloader`]'s block manager's slots).
     pub host_blocks: usize,
     /// Anonymous or shared region.
     pub region: RegionSpec,
@@ -134,7 +111,8 @@ pub struct OffloaderOptions {
     pub pin: PinOptions,
     /// Copy backends and their tables.
     pub transfer: TransferOptions,
-    /// Which block the manager evicts when it needs a slot.
+    /// Which block a [`super::KeyedOffloader`]'s manager evicts when it
+    /// needs a slot.
     pub eviction: PolicyKind,
     /// How long a rank waits for its peers to settle their pin state (shared
     /// regions); `None` waits for as long as it takes.
@@ -147,9 +125,8 @@ pub struct OffloaderOptions {
     /// of the shared region's header, whatever the region; its own timeout
     /// bounds the wait. See [`Transport`] for its contract.
     pub agreement: Option<Arc<dyn Transport>>,
-    /// Keyed (the default) or slot-addressed host blocks.
-    pub addressing: Addressing,
-    /// KV cache groups, with [`Addressing::Slots`] only: how many of the
+    /// KV cache groups, for slot jobs only (a [`super::KeyedOffloader`]
+    /// refuses them): how many of the
     /// KV tensors (in order) each group has, summing to their number
     /// (vLLM's `group_data_refs`, each group's tensors distinct). `None`
     /// (the default): one group of every tensor. A host slot holds
@@ -169,7 +146,6 @@ impl std::fmt::Debug for OffloaderOptions {
             .field("eviction", &self.eviction)
             .field("agreement_timeout", &self.agreement_timeout)
             .field("agreement", &self.agreement.as_ref().map(|_| "transport"))
-            .field("addressing", &self.addressing)
             .field("kv_groups", &self.kv_groups)
             .field("pin_observer", &self.pin_observer.as_ref().map(|_| "observer"))
             .finish()
@@ -187,7 +163,6 @@ impl Default for OffloaderOptions {
             agreement_timeout: Some(Duration::from_secs(120)),
             pin_observer: None,
             agreement: None,
-            addressing: Addressing::Keys,
             kv_groups: None,
         }
     }
@@ -197,11 +172,5 @@ impl OffloaderOptions {
     /// Defaults with `host_blocks` host blocks.
     pub fn with_host_blocks(host_blocks: usize) -> Self {
         OffloaderOptions { host_blocks, ..Self::default() }
-    }
-
-    /// Defaults with `host_slots` host blocks addressed by the engine's own
-    /// slot ids ([`Addressing::Slots`]).
-    pub fn with_host_slots(host_slots: usize) -> Self {
-        OffloaderOptions { host_blocks: host_slots, addressing: Addressing::Slots, ..Self::default() }
     }
 }

@@ -1,33 +1,35 @@
-//! The interruptible waits of [`Offloader`] (for Ctrl-C
-//! during a wait of the Python front).
+//! [`Interruptible`]: the waits of an [`Offloader`], interruptible (for
+//! Ctrl-C during a wait of the Python front), and [`Offloader::poll_each`].
 //!
-//! Each waits for what its blocking form waits for and calls
-//! `interrupted` at least every 50 ms while it waits, never while it holds
-//! a lock of the offloader or of its coordinator (`interrupted` may take
-//! other locks: the Python front takes the GIL, and Python threads holding
-//! the GIL take those locks). When `interrupted` returns true the wait
-//! returns [`ProtocolError::Interrupted`] (as
-//! [`OffloaderError::Protocol`]) and leaves no trace:
+//! [`Offloader::interruptible`] takes a check, `interrupted`, and returns a
+//! view with the offloader's waits. Each waits for what its blocking form
+//! waits for and calls `interrupted` at least every 50 ms while it waits,
+//! never while it holds a lock of the offloader or of its coordinator
+//! (`interrupted` may take other locks: the Python front takes the GIL,
+//! and Python threads holding the GIL take those locks). When
+//! `interrupted` returns true the wait returns
+//! [`ProtocolError::Interrupted`] (as [`OffloaderError::Protocol`]) and
+//! leaves no trace:
 //!
-//! - [`Offloader::capture_window_interruptible`]: the window request is
-//!   withdrawn before it opened
+//! - [`Interruptible::capture_window`]: the window request is withdrawn
+//!   before it opened
 //!   ([`Coordinator::open_window_interruptible`](crate::protocol::Coordinator::open_window_interruptible));
-//! - [`Offloader::wait_pinned_interruptible`]: this thread stops waiting;
-//!   the pinner goes on in the background as it did before the call
-//!   (pinning, or the ranks' agreement, which it waits for before it
-//!   publishes a final state). It was started by [`Offloader::start`], not
-//!   by the wait, and the next `wait_pinned`, [`Offloader::shutdown`] or
-//!   the drop joins it, as when nobody waited;
-//! - [`Offloader::wait_interruptible`] and
-//!   [`Offloader::wait_all_interruptible`]: the jobs go on on the GPU and
-//!   stay in flight; the completions the wait took from the engine went to
-//!   its `sink` (see there), the one way they are reported;
-//! - [`Offloader::wait_jobs_interruptible`]: as `wait_all_interruptible`;
-//! - [`Offloader::shutdown_interruptible`]: only its wait for the jobs in
-//!   flight is interruptible; interrupted, nothing is shut down;
-//! - [`Offloader::capture_begin_interruptible`] (hook.rs) and
-//!   [`Offloader::gated_interruptible`]: the window request or the gated
-//!   call is withdrawn before it opened or ran.
+//! - [`Interruptible::wait_pinned`]: this thread stops waiting; the pinner
+//!   goes on in the background as it did before the call (pinning, or the
+//!   ranks' agreement, which it waits for before it publishes a final
+//!   state). It was started by [`Offloader::start`], not by the wait, and
+//!   the next `wait_pinned`, [`Offloader::shutdown`] or the drop joins it,
+//!   as when nobody waited;
+//! - [`Interruptible::wait`] and [`Interruptible::wait_all`]: the jobs go
+//!   on on the GPU and stay in flight; the completions the wait took from
+//!   the engine went to its `sink` (see there), the one way they are
+//!   reported;
+//! - [`Interruptible::wait_jobs`]: as `wait_all`;
+//! - [`Interruptible::shutdown`]: only its wait for the jobs in flight is
+//!   interruptible; interrupted, nothing is shut down;
+//! - [`Interruptible::capture_hook`]'s [`CaptureHook::begin`] and
+//!   [`Interruptible::gated`]: the window request or the gated call is
+//!   withdrawn before it opened or ran.
 //!
 //! The blocking forms are unchanged, except that a capture window, a hook
 //! window or a nested `gated` asked for inside `gated` is refused
@@ -37,9 +39,8 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use super::{Completion, Offloader, OffloaderError, PinOutcome};
-use crate::protocol::{Activity, CaptureWindow, ProtocolError};
-use crate::runtime::Direction;
+use super::{CaptureHook, Completion, GatedCalls, Offloader, OffloaderError, PinOutcome};
+use crate::protocol::{CaptureWindow, ProtocolError};
 use crate::sync;
 use crate::transfer::{JobId, TransferError};
 
@@ -70,16 +71,46 @@ fn pause(attempt: u32) {
     std::thread::sleep(pause);
 }
 
-impl Offloader {
+/// The waits of an [`Offloader`], interruptible by a check
+/// ([`Offloader::interruptible`]; module docs): the one interruptible form
+/// of each.
+#[derive(Copy, Clone)]
+pub struct Interruptible<'a> {
+    off: &'a Offloader,
+    interrupted: &'a dyn Fn() -> bool,
+}
+
+impl std::fmt::Debug for Interruptible<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Interruptible")
+    }
+}
+
+impl<'a> Interruptible<'a> {
+    pub(super) fn new(off: &'a Offloader, interrupted: &'a dyn Fn() -> bool) -> Self {
+        Interruptible { off, interrupted }
+    }
+
     /// [`Offloader::capture_window`], interruptible (see the module docs):
     /// an interrupted request never opened and leaves the coordinator as
     /// before the call.
-    pub fn capture_window_interruptible(
-        &self,
-        interrupted: &dyn Fn() -> bool,
-    ) -> Result<CaptureWindow, OffloaderError> {
-        self.refuse_inside_gated("opening a capture window inside gated()")?;
-        Ok(self.coord.open_window_interruptible(interrupted)?)
+    pub fn capture_window(&self) -> Result<CaptureWindow, OffloaderError> {
+        self.off.capture_window_with(Some(self.interrupted))
+    }
+
+    /// [`Offloader::capture_hook`], whose [`CaptureHook::begin`] is
+    /// interruptible: an interrupted begin opened nothing (depth
+    /// unchanged), as a refused begin leaves it.
+    pub fn capture_hook(&self) -> CaptureHook<'a> {
+        CaptureHook::new(self.off, Some(self.interrupted))
+    }
+
+    /// [`Offloader::gated`], interruptible: while it waits for capture
+    /// windows to close it calls the check at least every 50 ms and, when
+    /// that returns true, returns [`ProtocolError::Interrupted`] without
+    /// running `f` (nothing left counted). `f` itself is not interrupted.
+    pub fn gated<T>(&self, what: &'static str, f: impl FnOnce(&GatedCalls<'_>) -> T) -> Result<T, OffloaderError> {
+        self.off.gated_with(what, Some(self.interrupted), f)
     }
 
     /// [`Offloader::wait_pinned`], interruptible (see the module docs): the
@@ -91,11 +122,8 @@ impl Offloader {
     /// began is final at once, and the pinner still takes part in the
     /// agreement before it ends). On an interruption the pinner goes on and
     /// nothing is joined.
-    pub fn wait_pinned_interruptible(&self, interrupted: &dyn Fn() -> bool) -> Result<PinOutcome, OffloaderError> {
-        self.refuse_inside_gated("waiting for pinning inside gated()")?;
-        self.start()?;
-        self.coord.wait_pin_final_interruptible(interrupted)?;
-        self.join_pinner()
+    pub fn wait_pinned(&self) -> Result<PinOutcome, OffloaderError> {
+        self.off.wait_pinned_with(Some(self.interrupted))
     }
 
     /// [`Offloader::wait`], interruptible: returns once job `id` completed
@@ -125,14 +153,9 @@ impl Offloader {
     /// caller's own window, [`OffloaderError::ShutDown`] after shutdown. A
     /// job that another thread's poll reported while this one waited counts
     /// as completed (its outcome went to that caller).
-    pub fn wait_interruptible(
-        &self,
-        id: JobId,
-        interrupted: &dyn Fn() -> bool,
-        sink: &mut dyn FnMut(Completion),
-    ) -> Result<(), OffloaderError> {
+    pub fn wait(&self, id: JobId, sink: &mut dyn FnMut(Completion)) -> Result<(), OffloaderError> {
         {
-            let inner = sync::lock(&self.inner);
+            let inner = sync::lock(&self.off.inner);
             if inner.engine.is_none() {
                 return Err(OffloaderError::ShutDown);
             }
@@ -147,7 +170,7 @@ impl Offloader {
             }
             sink(c)
         };
-        self.poll_until_reported(&HashSet::from([id]), interrupted, &mut watch)?;
+        self.off.poll_until_reported(&HashSet::from([id]), self.interrupted, &mut watch)?;
         match failed {
             Some(error) => Err(TransferError::JobFailed { id, error }.into()),
             None => Ok(()),
@@ -157,15 +180,11 @@ impl Offloader {
     /// [`Offloader::wait_all`], interruptible: returns once every job
     /// submitted before the call completed on the GPU (failed jobs are not
     /// errors here, as in the blocking form). Polls like
-    /// [`Offloader::wait_interruptible`], and hands what it takes from the
+    /// [`Interruptible::wait`], and hands what it takes from the
     /// engine to `sink` the same way.
-    pub fn wait_all_interruptible(
-        &self,
-        interrupted: &dyn Fn() -> bool,
-        sink: &mut dyn FnMut(Completion),
-    ) -> Result<(), OffloaderError> {
+    pub fn wait_all(&self, sink: &mut dyn FnMut(Completion)) -> Result<(), OffloaderError> {
         let ids: HashSet<JobId> = {
-            let inner = sync::lock(&self.inner);
+            let inner = sync::lock(&self.off.inner);
             if inner.engine.is_none() {
                 return Err(OffloaderError::ShutDown);
             }
@@ -174,27 +193,20 @@ impl Offloader {
         if ids.is_empty() {
             return Ok(());
         }
-        self.poll_until_reported(&ids, interrupted, sink)
+        self.off.poll_until_reported(&ids, self.interrupted, sink)
     }
 
     /// [`Offloader::wait_jobs`], interruptible: returns once each of `ids`
     /// that is in flight at the call completed on the GPU (ids never
     /// submitted or already reported are skipped; failed jobs are not errors
     /// here, `poll` reports them). Polls like
-    /// [`Offloader::wait_interruptible`] and hands what it takes from the
+    /// [`Interruptible::wait`] and hands what it takes from the
     /// engine to `sink` the same way; a job deferred behind a capture hook
     /// window is waited for until it is submitted and done (refused with
     /// [`ProtocolError::WouldDeadlock`] when this thread holds that window).
-    /// Slot addressing only, as the blocking form.
-    pub fn wait_jobs_interruptible(
-        &self,
-        ids: &[JobId],
-        interrupted: &dyn Fn() -> bool,
-        sink: &mut dyn FnMut(Completion),
-    ) -> Result<(), OffloaderError> {
-        self.check_addressing("wait_jobs", super::Addressing::Slots)?;
+    pub fn wait_jobs(&self, ids: &[JobId], sink: &mut dyn FnMut(Completion)) -> Result<(), OffloaderError> {
         let ids: HashSet<JobId> = {
-            let inner = sync::lock(&self.inner);
+            let inner = sync::lock(&self.off.inner);
             if inner.engine.is_none() {
                 return Err(OffloaderError::ShutDown);
             }
@@ -203,11 +215,11 @@ impl Offloader {
         if ids.is_empty() {
             return Ok(());
         }
-        self.poll_until_reported(&ids, interrupted, sink)
+        self.off.poll_until_reported(&ids, self.interrupted, sink)
     }
 
     /// [`Offloader::shutdown`], interruptible: first waits, interruptibly,
-    /// for the jobs in flight (as [`Offloader::wait_all_interruptible`],
+    /// for the jobs in flight (as [`Interruptible::wait_all`],
     /// handing what it takes to `sink`); interrupted there, it returns
     /// [`ProtocolError::Interrupted`] with nothing changed (the offloader
     /// still runs, its jobs go on). Then it shuts down as the blocking form,
@@ -215,20 +227,17 @@ impl Offloader {
     /// threads. Not interrupted after that point: the rest (stopping the
     /// pinner at a chunk boundary, unregistering, freeing) is bounded by a
     /// chunk's registration and the driver calls.
-    pub fn shutdown_interruptible(
-        &self,
-        interrupted: &dyn Fn() -> bool,
-        sink: &mut dyn FnMut(Completion),
-    ) -> Result<(), OffloaderError> {
-        self.refuse_inside_gated("shutting down inside gated()")?;
-        if self.is_shut_down() {
+    pub fn shutdown(&self, sink: &mut dyn FnMut(Completion)) -> Result<(), OffloaderError> {
+        let off = self.off;
+        off.refuse_inside_gated("shutting down inside gated()")?;
+        if off.is_shut_down() {
             return Err(ProtocolError::AlreadyShutDown.into());
         }
         // Refused at once, as the blocking form refuses, when a window is
         // open or a registered graph lives: the drain below would wait for
         // that window first. (One that opens after this check is refused
         // by the shutdown after the drain, as before.)
-        let a = self.coord.activity();
+        let a = off.coord.activity();
         if a.windows_open > 0 {
             return Err(ProtocolError::WindowOpen { open: a.windows_open }.into());
         }
@@ -237,16 +246,17 @@ impl Offloader {
         }
         // Any other outcome (a window of this thread's, shut down
         // meanwhile) is for the shutdown itself to refuse or report.
-        if let Err(e @ OffloaderError::Protocol(ProtocolError::Interrupted { .. })) =
-            self.wait_all_interruptible(interrupted, sink)
-        {
+        if let Err(e @ OffloaderError::Protocol(ProtocolError::Interrupted { .. })) = self.wait_all(sink) {
             return Err(e);
         }
-        self.shutdown()
+        off.shutdown()
     }
+}
 
+impl Offloader {
     /// [`Offloader::poll`], handing each completion to `sink` instead of
-    /// returning them, in the same order, each called under the offloader's
+    /// returning them, in the same order, each applied to a keyed
+    /// offloader's block manager and handed out under the offloader's
     /// lock (so completions reach the sinks of concurrent callers in the
     /// engine's order: a caller that keeps them in one list for later, as
     /// the Python front does, keeps poll's order). `sink` must not block
@@ -266,14 +276,11 @@ impl Offloader {
                 tracing::error!(job = c.job.0, "a deferred job was refused that the offloader did not submit");
                 continue;
             };
-            let applied = match job.direction {
-                Direction::DeviceToHost => inner.manager.complete_store(&job.keys, false),
-                Direction::HostToDevice => inner.manager.complete_load(&job.keys),
+            let keys = match inner.book.as_mut() {
+                Some(book) => book.finished(c.job, job.direction, false),
+                None => Vec::new(),
             };
-            if let Err(e) = applied {
-                tracing::error!(job = c.job.0, error = %e, "applying a refused deferred job to the block manager failed");
-            }
-            sink(Completion { keys: job.keys, ..c });
+            sink(Completion { keys, ..c });
             n += 1;
         }
         for r in engine.poll_finished() {
@@ -281,19 +288,16 @@ impl Offloader {
                 tracing::error!(job = r.id.0, "a job was reported that the offloader did not submit");
                 continue;
             };
-            let applied = match job.direction {
-                Direction::DeviceToHost => inner.manager.complete_store(&job.keys, r.succeeded()),
-                Direction::HostToDevice => inner.manager.complete_load(&job.keys),
+            let keys = match inner.book.as_mut() {
+                Some(book) => book.finished(r.id, job.direction, r.succeeded()),
+                None => Vec::new(),
             };
-            if let Err(e) = applied {
-                tracing::error!(job = r.id.0, error = %e, "applying a finished job to the block manager failed");
-            }
             let deferred_seconds = self.take_deferred_seconds(r.id);
             sink(Completion {
                 job: r.id,
                 direction: r.direction,
                 lane: r.lane,
-                keys: job.keys,
+                keys,
                 bytes: r.bytes,
                 seconds: r.seconds + deferred_seconds,
                 backend: r.backend,
@@ -303,13 +307,6 @@ impl Offloader {
             n += 1;
         }
         n
-    }
-
-    /// What the coordinator has open, in flight or waiting right now
-    /// (diagnostics; the tests of the interruptible waits check with it
-    /// that an interrupted wait left nothing counted).
-    pub fn activity(&self) -> Activity {
-        self.coord.activity()
     }
 
     /// Polls until none of `ids` is in flight any more (reported by these

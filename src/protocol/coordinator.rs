@@ -178,11 +178,11 @@ pub enum Variant {
     /// (P6, liveness: a lost wake-up).
     #[cfg(loom)]
     SilentRelease,
-    /// N18: `Offloader::store` makes its keys readable when the store is
+    /// N18: `KeyedOffloader::store` makes its keys readable when the store is
     /// submitted, not when it completed (P5).
     #[cfg(loom)]
     ReadableAtSubmit,
-    /// N19: `Offloader::load` releases its keys' slots when the load is
+    /// N19: `KeyedOffloader::load` releases its keys' slots when the load is
     /// submitted, so eviction may hand a slot to a store while the load
     /// still reads it (P5).
     #[cfg(loom)]
@@ -699,7 +699,7 @@ impl Coordinator {
     /// coordinator's policy: it waits only for the capture-unsafe call in
     /// flight (a chunk's registration, at most one: windows and library
     /// calls take turns), never for pinning to be final. The capture hook
-    /// (`Offloader::capture_begin`) opens its windows so, since a framework
+    /// (`CaptureHook::begin`) opens its windows so, since a framework
     /// capture it wraps cannot be told to wait for the whole region.
     pub fn open_window_interleaved(&self) -> Result<CaptureWindow, ProtocolError> {
         self.open_window_inner(|| {}, None, true)

@@ -247,6 +247,12 @@ impl Region {
         RawRange { ptr: NonNull::new(self.map.as_mut_ptr()).expect("mmap never returns null"), len: self.map.len() }
     }
 
+    /// Bytes of the whole mapping that transparent huge pages back now
+    /// (`/proc/self/smaps`; `None` where it cannot be read).
+    pub fn huge_mapped_bytes(&self) -> Option<u64> {
+        pages::huge_mapped_bytes(self.mapping_range().addr_range())
+    }
+
     /// A sub-range of the data area, `bytes` relative to [`Region::as_ptr`].
     pub fn raw_subrange(&self, bytes: Range<usize>) -> Result<RawRange> {
         if bytes.start > bytes.end || bytes.end > self.len() {

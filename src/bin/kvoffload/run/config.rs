@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use kvoffload::internal::region::{page_size, Layout, DEFAULT_FILE_BYTES, MAX_FILES, MAX_RANKS};
+use kvoffload::{page_size, Layout, DEFAULT_FILE_BYTES, MAX_FILES, MAX_RANKS};
 
 /// Where the parent SIGKILLs a rank (fault tests).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -73,10 +73,10 @@ pub struct RunConfig {
     /// Huge-page advice for the region (the library default, Auto, leaves
     /// /dev/shm regions alone: their huge pages depend on the machine's
     /// shmem THP setting).
-    pub pin_huge_pages: kvoffload::internal::pin::HugePages,
+    pub pin_huge_pages: kvoffload::HugePages,
     /// Directory of the region file (default /dev/shm). A tmpfs mounted
     /// with `huge=always` gives the region 2 MiB pages, which pin several
-    /// times faster than /dev/shm's usual 4 KiB pages ([`kvoffload::internal::region::pages`]).
+    /// times faster than /dev/shm's usual 4 KiB pages ([`kvoffload::Region::huge_mapped_bytes`]).
     pub region_dir: std::path::PathBuf,
     /// Seed of the key choice (rank r uses seed + r).
     pub seed: u64,
@@ -114,8 +114,8 @@ impl Default for RunConfig {
             startup: Duration::from_millis(300),
             pin_threads: None,
             pin_chunk: None,
-            pin_huge_pages: kvoffload::internal::pin::HugePages::Auto,
-            region_dir: std::path::PathBuf::from(kvoffload::internal::region::DEFAULT_SHM_DIR),
+            pin_huge_pages: kvoffload::HugePages::Auto,
+            region_dir: std::path::PathBuf::from(kvoffload::DEFAULT_SHM_DIR),
             seed: 1,
             rank_timeout: Duration::from_secs(120),
             kill_rank: None,
@@ -279,7 +279,7 @@ impl RunConfig {
                 })
             }
             Some(c) => c,
-            None => (layout.data_bytes() / 8).clamp(row, kvoffload::internal::pin::DEFAULT_MAX_CHUNK_BYTES.max(row)),
+            None => (layout.data_bytes() / 8).clamp(row, kvoffload::DEFAULT_MAX_CHUNK_BYTES.max(row)),
         };
         Ok(Derived { layout, block_bytes, host_blocks: rows, pin_chunk })
     }

@@ -1,8 +1,7 @@
 //! Why a rank stops, and its capture-unsafe driver calls through the
 //! offloader's gate, with the error naming the call.
 
-use kvoffload::internal::offloader::{GatedCalls, Offloader, OffloaderError};
-use kvoffload::internal::runtime::{DriverError, DriverResult};
+use kvoffload::{DriverError, DriverResult, GatedCalls, Offloader, OffloaderError};
 
 use super::config::ConfigError;
 

@@ -1,5 +1,5 @@
 //! `kvoffload run`, the main job end to end: N rank processes share one
-//! region; each holds one [`kvoffload::internal::offloader::Offloader`], as an engine
+//! region; each holds one [`kvoffload::KeyedOffloader`], as an engine
 //! would, which pins the region in the background while the rank does its
 //! own start-up work; the rank captures graphs inside capture windows, waits
 //! for the pin state every rank agreed on (P7), then stores and loads by
@@ -17,7 +17,7 @@
 //!   a job's GPU pages as pattern-kernel tables, and the verifier thread
 //!   that checks loaded pages on the GPU.
 //! - [`metrics`]: latencies and throughput; block contents come from
-//!   [`kvoffload::internal::runtime::pattern`].
+//!   [`kvoffload::pattern`].
 //!
 //! The parent (spawning ranks, killing them in fault tests, forwarding
 //! SIGINT/SIGTERM, the summary) is the CLI's `run` command
@@ -35,4 +35,10 @@ mod verify;
 mod workload;
 
 pub use config::{KillAt, RunConfig};
+
+/// `m`'s lock, also when a thread panicked holding it (the ranks' state
+/// stays readable for the report).
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 pub use rank::run_rank;

@@ -30,15 +30,13 @@
 
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderOptions, PinObserver, RegionSpec};
-use kvoffload::internal::pin::PinOptions;
-use kvoffload::internal::protocol::agreement::AgreementError;
-use kvoffload::internal::protocol::{GraphToken, PinState};
-use kvoffload::internal::region::{pages, ShmOptions};
-use kvoffload::internal::runtime::pattern;
-use kvoffload::internal::runtime::sim::SimFault;
-use kvoffload::internal::runtime::{CaptureMode, Code, DevicePtr, DriverError, GpuRuntime, Graph, Stream};
-use kvoffload::internal::sync::{self, Arc, Mutex};
+use kvoffload::{
+    pattern, AgreementError, CaptureMode, Code, DevicePtr, DriverError, GpuRuntime, Graph, GraphToken, KeyedOffloader,
+    KvAlloc, Offloader, OffloaderOptions, PinObserver, PinOptions, PinState, RegionSpec, ShmOptions, SimFault, Stream,
+};
+use std::sync::{Arc, Mutex};
+
+use super::lock;
 
 use super::config::{KillAt, RunConfig};
 use super::error::{drv, gated, RankError};
@@ -65,9 +63,9 @@ impl PinObserver for PinProbe {
     }
 
     fn settled(&self) {
-        let started = *sync::lock(&self.started);
+        let started = *lock(&self.started);
         if let Some(t) = started {
-            sync::lock(&self.local_done).get_or_insert(t.elapsed());
+            lock(&self.local_done).get_or_insert(t.elapsed());
         }
     }
 }
@@ -157,8 +155,8 @@ pub fn run_rank(
         gpu_blocks: cfg.gpu_blocks,
         block_factor: cfg.block_factor,
     };
-    let off = Arc::new(Offloader::with_allocated_tensors(rt.clone(), kv, opts)?);
-    rep.region_bytes = off.region().len() as u64;
+    let off = Arc::new(KeyedOffloader::with_allocated_tensors(rt.clone(), kv, opts)?);
+    rep.region_bytes = off.core().geometry().region.len() as u64;
 
     // Faults (simulated GPU only; the parent refuses them elsewhere).
     let faulty = cfg.fault_rank.is_none_or(|r| r == rank);
@@ -182,12 +180,12 @@ pub fn run_rank(
     // 2. Background pinning, with the agreement of every rank.
     phase(rank, "pinning");
     let started = Instant::now();
-    *sync::lock(&probe.started) = Some(started);
+    *lock(&probe.started) = Some(started);
     let mut captures = None;
-    let result = off.start().map_err(RankError::from).and_then(|()| {
+    let result = off.core().start().map_err(RankError::from).and_then(|()| {
         startup(cfg, rank, stop);
-        captures = Some(capture(cfg, rank, &off, &mut rep, stop)?);
-        if agree(rank, &off, &probe, started, &mut rep, stop)? {
+        captures = Some(capture(cfg, rank, off.core(), &mut rep, stop)?);
+        if agree(rank, off.core(), &probe, started, &mut rep, stop)? {
             let ctx = RankWorkload { cfg, rank, off: &off, rearm: &rearm, pause_at, stop };
             workload(&ctx, &mut rep)?;
         }
@@ -198,8 +196,8 @@ pub fn run_rank(
     // 7. Shutdown: graphs first, then the offloader's (jobs drained,
     // pinning stopped, the region unregistered), even when a step failed.
     phase(rank, "shutdown");
-    let released = captures.map_or(Ok(()), |c| c.release(&off));
-    let down = off.shutdown();
+    let released = captures.map_or(Ok(()), |c| c.release(off.core()));
+    let down = off.core().shutdown();
     result?;
     released?;
     down?;
@@ -309,8 +307,8 @@ fn agree(
     }
     let outcome = off.wait_pinned()?;
     rep.agreed_seconds = started.elapsed().as_secs_f64();
-    rep.huge_bytes = pages::huge_mapped_bytes(off.region().mapping_range().addr_range()).unwrap_or(0);
-    rep.pin_seconds = sync::lock(&probe.local_done).map_or(rep.agreed_seconds, |d| d.as_secs_f64());
+    rep.huge_bytes = off.geometry().region.huge_mapped_bytes().unwrap_or(0);
+    rep.pin_seconds = lock(&probe.local_done).map_or(rep.agreed_seconds, |d| d.as_secs_f64());
     rep.pin_state = format!("{:?}", outcome.state).replace(' ', "");
     rep.agreement = match &outcome.agreement {
         None | Some(Ok(())) if outcome.state == PinState::Pinned => "pinned".into(),

@@ -5,7 +5,7 @@ use kvoffload::Named;
 use std::fmt::Write as _;
 
 use super::metrics::{Intervals, Latencies, Throughput};
-use kvoffload::internal::transfer::Backend;
+use kvoffload::Backend;
 
 /// Prefix of a rank's phase markers: `KVO-PHASE rank=R phase=P`.
 pub const PHASE: &str = "KVO-PHASE";
@@ -36,7 +36,7 @@ pub struct RankReport {
     pub agreement: String,
     pub region_bytes: u64,
     /// Bytes of the region's mapping in 2 MiB pages once pinning settled
-    /// (`ShmemPmdMapped`, see [`kvoffload::internal::region::pages`]).
+    /// (`ShmemPmdMapped`, see [`kvoffload::Region::huge_mapped_bytes`]).
     pub huge_bytes: u64,
     /// Seconds from the start of pinning until this rank's chunks were all
     /// registered (or rolled back).

@@ -3,18 +3,15 @@
 //! loaded one), and the device buffers the tables live in.
 //!
 //! Block `key` of rank `r` holds the contents of [`seed`]`(r, key)`
-//! ([`kvoffload::internal::runtime::pattern`]); its page `j` of layer `t` is bytes
+//! ([`kvoffload::pattern`]); its page `j` of layer `t` is bytes
 //! `(t * factor + j) * page ..` of the block, so its table entry is
 //! `[device address, seed, (t * factor + j) * page / 8, page]` (pages are a
 //! multiple of 8 bytes: `RunConfig::validate`).
 //!
-//! [`Kernel::PatternFill`]: kvoffload::internal::runtime::Kernel::PatternFill
-//! [`Kernel::PatternCheck`]: kvoffload::internal::runtime::Kernel::PatternCheck
+//! [`Kernel::PatternFill`]: kvoffload::Kernel::PatternFill
+//! [`Kernel::PatternCheck`]: kvoffload::Kernel::PatternCheck
 
-use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::Offloader;
-use kvoffload::internal::runtime::{DevicePtr, PATTERN_ENTRY_WORDS};
-use kvoffload::internal::transfer::KvLayout;
+use kvoffload::{BlockKey, DevicePtr, KvLayout, Offloader, PATTERN_ENTRY_WORDS};
 
 use super::error::{drv, gated, RankError};
 
@@ -199,7 +196,7 @@ impl TablePool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvoffload::internal::transfer::{GroupSpec, HostPlacement, TensorSpec};
+    use kvoffload::{GroupSpec, HostPlacement, TensorSpec};
 
     #[test]
     fn table_entries_are_the_pages_of_each_block_in_order() {

@@ -4,13 +4,11 @@
 
 use std::collections::VecDeque;
 
-use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::Offloader;
-use kvoffload::internal::runtime::pattern;
-use kvoffload::internal::runtime::{
-    DevicePtr, DriverError, GpuRuntime, Kernel, Stream, GATHER_ENTRY_WORDS, PATTERN_ENTRY_WORDS,
+use kvoffload::{
+    pattern, BlockKey, DevicePtr, DriverError, GpuRuntime, Kernel, Offloader, Stream, GATHER_ENTRY_WORDS,
+    PATTERN_ENTRY_WORDS,
 };
-use kvoffload::internal::sync::{self, Condvar, Mutex};
+use std::sync::{Condvar, Mutex, PoisonError};
 
 use super::error::{drv, gated, RankError};
 use super::tables::{PinnedWords, Shape};
@@ -62,27 +60,27 @@ impl Verifier {
 
     /// Queues a loaded job for checking.
     pub fn push(&self, l: Loaded) {
-        sync::lock(&self.state).todo.push_back(l);
+        super::lock(&self.state).todo.push_back(l);
         self.cv.notify_all();
     }
 
     /// Verdicts so far, without waiting.
     pub fn drain(&self) -> Vec<Verdict> {
-        sync::lock(&self.state).done.drain(..).collect()
+        super::lock(&self.state).done.drain(..).collect()
     }
 
     /// Waits for a verdict; false when the verifier stopped with none left.
     pub fn wait_done(&self) -> bool {
-        let mut g = sync::lock(&self.state);
+        let mut g = super::lock(&self.state);
         while g.done.is_empty() && !g.stop {
-            g = sync::wait(&self.cv, g);
+            g = self.cv.wait(g).unwrap_or_else(PoisonError::into_inner);
         }
         !g.done.is_empty()
     }
 
     /// Tells the thread to finish (after the jobs already queued).
     pub fn stop(&self) {
-        sync::lock(&self.state).stop = true;
+        super::lock(&self.state).stop = true;
         self.cv.notify_all();
     }
 
@@ -92,7 +90,7 @@ impl Verifier {
     pub fn run(&self, off: &Offloader, checker: &mut Checker, shape: &Shape) -> Result<(), RankError> {
         loop {
             let loaded = {
-                let mut g = sync::lock(&self.state);
+                let mut g = super::lock(&self.state);
                 loop {
                     if let Some(j) = g.todo.pop_front() {
                         break j;
@@ -100,11 +98,11 @@ impl Verifier {
                     if g.stop {
                         return Ok(());
                     }
-                    g = sync::wait(&self.cv, g);
+                    g = self.cv.wait(g).unwrap_or_else(PoisonError::into_inner);
                 }
             };
             let r = checker.check(off, shape, &loaded.keys, &loaded.gpu);
-            let mut g = sync::lock(&self.state);
+            let mut g = super::lock(&self.state);
             let outcome = match r {
                 Ok(o) => o,
                 Err(e) => {
@@ -272,9 +270,7 @@ fn first_bad_byte(rt: &dyn GpuRuntime, e: &[u64]) -> Result<u64, DriverError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvoffload::internal::offloader::{KvAlloc, OffloaderOptions};
-    use kvoffload::internal::runtime::shared;
-    use kvoffload::internal::runtime::sim::SimRuntime;
+    use kvoffload::{shared, KvAlloc, OffloaderOptions, SimRuntime};
 
     /// An offloader on the simulated GPU with two layers of 8 GPU blocks of
     /// 256-byte pages, factor 2 (its gate serves the tests' capture-unsafe
@@ -285,7 +281,7 @@ mod tests {
         let off =
             Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv, OffloaderOptions::with_host_blocks(2))
                 .unwrap();
-        let shape = Shape { rank: 0, layers, factor, page, layout: off.layout().clone() };
+        let shape = Shape { rank: 0, layers, factor, page, layout: off.geometry().layout.clone() };
         (off, shape)
     }
 

@@ -18,11 +18,12 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use crate::random::{SplitMix64, Zipf};
-use kvoffload::internal::manager::{BlockKey, Lookup, ManagerError};
-use kvoffload::internal::offloader::{Completion, Offloader, OffloaderError};
-use kvoffload::internal::runtime::{Direction, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_WORDS};
-use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::{Backend, JobId, TransferError};
+use kvoffload::{
+    Backend, BlockKey, Completion, Direction, GpuRuntime, JobId, Kernel, KeyedOffloader, Lookup, ManagerError,
+    OffloaderError, Stream, TransferError, PATTERN_ENTRY_WORDS,
+};
+use std::sync::Arc;
+use std::thread;
 
 use super::config::{KillAt, RunConfig};
 use super::error::{gated, RankError};
@@ -86,7 +87,7 @@ impl Busy {
 struct Work<'a> {
     rank: usize,
     cfg: &'a RunConfig,
-    off: &'a Offloader,
+    off: &'a KeyedOffloader,
     shape: Shape,
     compute: Stream,
     /// Device buffers of the stores' pattern-fill tables.
@@ -131,7 +132,7 @@ pub(super) struct RankWorkload<'a> {
     pub(super) cfg: &'a RunConfig,
     pub(super) rank: usize,
     /// The rank's offloader (its KV tensors and compute stream).
-    pub(super) off: &'a Arc<Offloader>,
+    pub(super) off: &'a Arc<KeyedOffloader>,
     /// Re-injects the simulated copy fault after each one fired (a no-op
     /// without [`RunConfig::fault_copy_every`] for this rank).
     pub(super) rearm: &'a dyn Fn(&dyn GpuRuntime),
@@ -151,15 +152,15 @@ pub(super) fn workload(ctx: &RankWorkload<'_>, rep: &mut RankReport) -> Result<(
         layers: cfg.layers,
         factor: cfg.block_factor,
         page: cfg.page_bytes,
-        layout: off.layout().clone(),
+        layout: off.core().geometry().layout.clone(),
     };
     // A job has at most `blocks_per_job` blocks: one table entry per page.
     let entries = cfg.blocks_per_job * shape.pages_per_block();
-    let tables = TablePool::new(off, cfg.inflight, entries)?;
-    let checker = match Checker::new(off, entries) {
+    let tables = TablePool::new(off.core(), cfg.inflight, entries)?;
+    let checker = match Checker::new(off.core(), entries) {
         Ok(c) => c,
         Err(e) => {
-            tables.release(off);
+            tables.release(off.core());
             return Err(e);
         }
     };
@@ -168,7 +169,7 @@ pub(super) fn workload(ctx: &RankWorkload<'_>, rep: &mut RankReport) -> Result<(
         let (v, off, shape) = (verifier.clone(), off.clone(), shape.clone());
         thread::spawn(move || {
             let mut checker = checker;
-            let r = v.run(&off, &mut checker, &shape);
+            let r = v.run(off.core(), &mut checker, &shape);
             (checker, r)
         })
     };
@@ -177,7 +178,7 @@ pub(super) fn workload(ctx: &RankWorkload<'_>, rep: &mut RankReport) -> Result<(
         cfg,
         off: off.as_ref(),
         shape,
-        compute: off.compute_stream(),
+        compute: off.core().geometry().compute_stream(),
         tables,
         free_gpu: (0..cfg.gpu_blocks).rev().collect(),
         jobs: BTreeMap::new(),
@@ -193,7 +194,7 @@ pub(super) fn workload(ctx: &RankWorkload<'_>, rep: &mut RankReport) -> Result<(
     verifier.stop();
     let vr = match vthread.join() {
         Ok((checker, vr)) => {
-            checker.release(off);
+            checker.release(off.core());
             vr
         }
         Err(_) => Err(RankError::Other("the verifier thread panicked".into())),
@@ -201,13 +202,13 @@ pub(super) fn workload(ctx: &RankWorkload<'_>, rep: &mut RankReport) -> Result<(
     // After a failure jobs may still run: the fill tables are freed only
     // once nothing on the device reads them.
     if !w.jobs.is_empty() {
-        if let Err(e) = off.wait_all() {
+        if let Err(e) = off.core().wait_all() {
             tracing::warn!(rank, error = %e, "waiting for the jobs in flight failed");
         }
     }
     let lat = std::mem::take(&mut w.latencies);
     let busy = std::mem::take(&mut w.busy);
-    w.tables.release(off);
+    w.tables.release(off.core());
     r?;
     vr?;
     for line in rep.latency_lines(&lat, 4096) {
@@ -343,7 +344,7 @@ impl Work<'_> {
             } else {
                 idle_polls = 0;
                 if let Some(&id) = self.jobs.keys().next() {
-                    match self.off.wait(id) {
+                    match self.off.core().wait(id) {
                         Ok(())
                         | Err(OffloaderError::UnknownJob { .. })
                         | Err(OffloaderError::Transfer(TransferError::JobFailed { .. })) => {}
@@ -411,7 +412,7 @@ impl Work<'_> {
     /// or write GPU blocks that are about to be reused).
     fn sync_compute(&self) -> Result<(), RankError> {
         let compute = self.compute;
-        gated(self.off, "synchronizing the compute stream", |c| c.stream_synchronize(compute))
+        gated(self.off.core(), "synchronizing the compute stream", |c| c.stream_synchronize(compute))
     }
 
     /// One request: load the leading hits, store the misses.
@@ -455,7 +456,7 @@ impl Work<'_> {
         // (its store was reported, or the compute stream was synchronized).
         unsafe { buf.write(&words) };
         let dtable = buf.device;
-        let rt = self.off.runtime().as_ref();
+        let rt = self.off.core().runtime().as_ref();
         // SAFETY: the kernel reads the table written just before through
         // its device alias; the buffer stays with this job (not given back
         // to the pool) until the store, ordered after this kernel, is
@@ -545,7 +546,7 @@ impl Work<'_> {
         } else {
             rep.jobs_failed += 1;
             if !self.sweeping() {
-                rearm(self.off.runtime().as_ref());
+                rearm(self.off.core().runtime().as_ref());
             }
         }
         match job.kind {
