@@ -10,8 +10,9 @@
 //! - **a live graph** (4 threads): the engine registered a graph token and
 //!   has a store in flight while pinning runs; shutdown is called on
 //!   another thread and must be refused (`GraphsAlive`) with nothing
-//!   changed: the store completes, a load of its key into another GPU block
-//!   brings back its bytes, a window still opens, and once the token is
+//!   changed: pinning still ends Pinned, the store completes, a load of its
+//!   key into another GPU block brings back its bytes, a window still
+//!   opens, and once the token is
 //!   dropped a later shutdown succeeds and the region ends unregistered.
 //!   Offloader paths driven: `start`, `store`, `register_graph`, `shutdown`
 //!   (refused, then done), `wait`, `wait_all`, `poll`, `load`,
@@ -88,6 +89,9 @@ fn refused_with_a_live_graph(variant: Variant) {
         "shutdown with a live graph: {refused:?}"
     );
     assert!(!off.core().is_shut_down(), "a refused shutdown marked the offloader down");
+    // Pinning included: it still ends Pinned (no registration fails here).
+    let pinned = off.core().wait_pinned().expect("wait_pinned after a refused shutdown").state;
+    assert_eq!(pinned, PinState::Pinned, "a refused shutdown changed pinning");
     // Nothing changed: the store completes and is applied, its key loads.
     off.core().wait_all().unwrap();
     let stored = poll_n(off.core(), 1);
@@ -178,6 +182,17 @@ fn negative_n20_offloader_skips_its_drain() {
         Bounds { property: "N20", ..B },
         "shutdown returned with a job not applied",
         || with_jobs_and_pinning(Variant::OffloaderSkipsDrain),
+    );
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n25_a_refused_shutdown_cancels_pinning() {
+    negative(
+        "n25_refusal_cancels_pinning",
+        Bounds { property: "N25", ..B },
+        "a refused shutdown changed pinning",
+        || refused_with_a_live_graph(Variant::RefusalCancelsPinning),
     );
 }
 

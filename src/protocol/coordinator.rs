@@ -117,7 +117,7 @@ named!(CapturePolicy, "capture policy" {
 });
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (of N1-N24, docs/PROOFS.md). The known-bad variants,
+/// negative models run (of N1-N25, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// loom builds (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
@@ -206,6 +206,11 @@ pub enum Variant {
     /// waits for a peer that never settles.
     #[cfg(loom)]
     AgreementIgnoresCancel,
+    /// N25: a refused shutdown has already asked pinning to stop (the
+    /// cancel set before the refusal's checks): pinning rolls back to
+    /// pageable although nothing was shut down.
+    #[cfg(loom)]
+    RefusalCancelsPinning,
     /// N24: shutdown unregisters the chunks first and drains after: a job
     /// admitted before the shutdown copies the region once it is no longer
     /// registered (its memory stays mapped until the drain).
@@ -1175,6 +1180,9 @@ impl Coordinator {
         match g.phase {
             Phase::Running => {}
             _ => return Err(ProtocolError::AlreadyShutDown),
+        }
+        if bad!(g, RefusalCancelsPinning) {
+            g.cancel_pin = true;
         }
         if g.windows_open > 0 {
             return Err(ProtocolError::WindowOpen { open: g.windows_open });
