@@ -15,7 +15,7 @@ each in processes of its own, side by side:
     open, the seed's interleaving (the registration is refused with 900 and
     the capture invalidated; PyTorch reports it when the capture ends). The
     failures PyTorch reports, and the registration's result, are recorded.
-(b) kvoffload: ``kvoffload.Offloader`` over the engine's KV tensors pins in
+(b) kvoffload: ``kvoffload.KeyedOffloader`` over the engine's KV tensors pins in
     the background (chunked, gated) and every ``torch.cuda.graph`` runs
     inside ``off.capture_window()``: every capture succeeds, every replay
     computes the right result, and a store/load round trip through the
@@ -217,7 +217,7 @@ def run_kvoffload(args, torch, rank, group):
     agreement = kv.torch_agreement(group) if group is not None else None
     caps = Captures(torch, args.nodes, args.hold)
     t0 = time.perf_counter()
-    off = kv.Offloader(
+    off = kv.KeyedOffloader(
         host_blocks,
         tensors=tensors,
         stream=torch.cuda.current_stream().cuda_stream,

@@ -114,7 +114,6 @@ class KvoffloadSide:
             shape.host_blocks,
             tensors=kv,
             stream=stream,
-            addressing="slots",
             start=True,
         )
         t0 = time.perf_counter()

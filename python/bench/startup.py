@@ -156,7 +156,7 @@ def one_run(torch, kvoffload, a, cfg, kv) -> Dict[str, object]:
     off = None
     t_start = time.perf_counter()
     if threads is not None:
-        off = kvoffload.Offloader(
+        off = kvoffload.KeyedOffloader(
             a.region // (len(kv) * kv[0][0].nbytes),
             tensors=kv,
             stream=torch.cuda.current_stream(),

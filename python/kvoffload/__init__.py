@@ -1,12 +1,16 @@
 """kvoffload: offload LLM KV-cache blocks between GPU memory and a pinned
 host region, with capture safety proved by the loom model checker.
 
-The one object an engine holds is :class:`Offloader`::
+An engine holds one of two classes, as in the Rust library:
+:class:`KeyedOffloader` (the offloader's block manager places the engine's
+keys in host blocks) or :class:`Offloader`, the slot-addressed core (the
+engine picks host slots and job ids: ``store_slots``, ``load_slots``,
+``store_slot_job``, ``load_slot_job``, ``wait_jobs``)::
 
     import kvoffload
-    off = kvoffload.Offloader(4096, tensors=kv_tensors,
-                              stream=torch.cuda.current_stream().cuda_stream,
-                              pin=kvoffload.PinOptions(policy="interleave"))
+    off = kvoffload.KeyedOffloader(4096, tensors=kv_tensors,
+                                   stream=torch.cuda.current_stream().cuda_stream,
+                                   pin=kvoffload.PinOptions(policy="interleave"))
     off.start()                        # pin in the background
     with off.capture_window(), torch.cuda.graph(g):
         ...                            # capture: no library thread disturbs it
@@ -26,10 +30,12 @@ not part of the API.
 from ._native import (
     SETTLED_PAGEABLE,
     SETTLED_PINNED,
+    _OffloaderBase,
     AgreementError,
     CaptureWindow,
     Completion,
     DriverError,
+    KeyedOffloader,
     KvoffloadError,
     ManagerError,
     Offloader,
@@ -60,6 +66,7 @@ __all__ = [
     "CaptureWindow",
     "Completion",
     "DriverError",
+    "KeyedOffloader",
     "KvoffloadError",
     "ManagerError",
     "Offloader",

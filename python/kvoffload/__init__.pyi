@@ -332,8 +332,10 @@ class RegionSpec:
     @property
     def options(self) -> Optional[ShmOptions]: ...
 
-class Offloader:
-    """KV-cache offload between GPU memory and a pinned host region.
+class _OffloaderBase:
+    """What :class:`Offloader` and :class:`KeyedOffloader` share (not
+    constructible itself): KV-cache offload between GPU memory and a
+    pinned host region.
 
     ``tensors`` is either a list of the engine's KV tensors (each contiguous,
     block ``b`` at ``address + b * page_bytes``; ``gpu_blocks`` defaults to
@@ -349,13 +351,16 @@ class Offloader:
     at shutdown; ``stream`` is then a stream number of the sim
     (``kvoffload._testing.sim_stream``) or None (a stream of its own).
 
-    ``addressing``: ``"keys"`` (the offloader's block manager picks host
-    blocks: ``store``, ``load``, ``lookup``) or ``"slots"`` (the engine
-    picks host slots ``0..host_blocks`` and job ids: ``store_slots``,
-    ``load_slots``, ``store_slot_job``, ``load_slot_job``, ``wait_jobs``;
-    calls of the other kind raise ``OptionsError``, kind
-    ``"wrong_addressing"``). ``kv_groups`` (slots only): how many of the
-    tensors, in order, each KV cache group has (None: one group).
+    Two classes, as in the Rust library: :class:`Offloader`, the
+    slot-addressed core (the engine picks host slots ``0..host_blocks`` and
+    job ids: ``store_slots``, ``load_slots``, ``store_slot_job``,
+    ``load_slot_job``, ``wait_jobs``), and :class:`KeyedOffloader` (the
+    offloader's block manager picks host blocks for the engine's keys:
+    ``lookup``, ``store``, ``load``, ``stored_blocks``). Each lacks the
+    other's methods (AttributeError). Their constructors take the same
+    arguments; ``kv_groups`` (``Offloader`` only; ``KeyedOffloader``
+    raises ``OptionsError``): how many of the tensors, in order, each KV
+    cache group has (None: one group).
 
     GPU blocks named in a store must not be written, and those named in a
     load neither read nor written, by the engine until ``poll`` reports the
@@ -380,26 +385,6 @@ class Offloader:
     request; pinning and jobs go on, and the offloader stays usable.
     """
 
-    def __init__(
-        self,
-        host_blocks: int,
-        *,
-        tensors: Union[int, Sequence[_TensorLike]],
-        gpu_blocks: Optional[int] = None,
-        page_bytes: Optional[int] = None,
-        block_factor: int = 1,
-        stream: Any = None,
-        runtime: Optional[Runtime] = None,
-        region: Optional[RegionSpec] = None,
-        pin: Optional[PinOptions] = None,
-        transfer: Optional[TransferOptions] = None,
-        eviction: str = "lru",
-        agreement: Optional[_AgreementTransport] = None,
-        agreement_timeout: Optional[float] = 120.0,
-        addressing: str = "keys",
-        kv_groups: Optional[Sequence[int]] = None,
-        start: bool = False,
-    ) -> None: ...
     #: The runtime (GPU) it runs on; ``runtime.backend`` is ``"cuda"`` or
     #: ``"sim"`` (the copy path a job took is ``Completion.backend``).
     @property
@@ -414,9 +399,6 @@ class Offloader:
     def block_factor(self) -> int: ...
     @property
     def region_bytes(self) -> int: ...
-    #: ``"keys"`` or ``"slots"``.
-    @property
-    def addressing(self) -> str: ...
     @property
     def host_blocks(self) -> int: ...
     def start(self) -> None: ...
@@ -446,12 +428,47 @@ class Offloader:
     def capture_depth(self) -> int: ...
     @property
     def deferred_jobs(self) -> int: ...
-    #: Per key: ``"hit"`` (readable), ``"miss"`` or ``"hit_pending"``
-    #: (stored, its store not complete yet).
-    def lookup(self, keys: Iterable[_Key]) -> List[str]: ...
-    def store(self, keys: Iterable[_Key], gpu_blocks: Iterable[int]) -> StoreSubmitted: ...
-    def load(self, keys: Iterable[_Key], gpu_blocks: Iterable[int]) -> int: ...
-    #: Slot jobs (``addressing="slots"``): ``job`` is the engine's id, never
+    def poll(self) -> List[Completion]: ...
+    #: Returns once ``job`` completed (``TransferError``, kind ``"transfer"``,
+    #: reason ``"job_failed"``, if it failed), whichever thread's ``wait`` or
+    #: ``poll`` took its completion, also after a ``poll`` returned it (the
+    #: last 65536 jobs ``poll`` returned are remembered); ``TransferError``
+    #: kind ``"unknown_job"`` for an id never submitted. Safe from any
+    #: number of threads. Ctrl-C stops it (the job goes on).
+    def wait(self, job: int) -> None: ...
+    def wait_all(self) -> None: ...
+    @property
+    def in_flight(self) -> int: ...
+    #: Drains the jobs in flight, stops pinning, frees. Ctrl-C during the
+    #: drain raises KeyboardInterrupt with nothing shut down.
+    def shutdown(self) -> None: ...
+    @property
+    def is_shut_down(self) -> bool: ...
+
+class Offloader(_OffloaderBase):
+    """The slot-addressed core (the Rust library's ``Offloader``): the
+    engine picks host slots and job ids. See :class:`_OffloaderBase`."""
+
+    def __init__(
+        self,
+        host_blocks: int,
+        *,
+        tensors: Union[int, Sequence[_TensorLike]],
+        gpu_blocks: Optional[int] = None,
+        page_bytes: Optional[int] = None,
+        block_factor: int = 1,
+        stream: Any = None,
+        runtime: Optional[Runtime] = None,
+        region: Optional[RegionSpec] = None,
+        pin: Optional[PinOptions] = None,
+        transfer: Optional[TransferOptions] = None,
+        eviction: str = "lru",
+        agreement: Optional[_AgreementTransport] = None,
+        agreement_timeout: Optional[float] = 120.0,
+        kv_groups: Optional[Sequence[int]] = None,
+        start: bool = False,
+    ) -> None: ...
+    #: Slot jobs: ``job`` is the engine's id, never
     #: used before (``TransferError``, kind ``"transfer"``, reason
     #: ``"job_id_reused"``); GPU block ``i`` is sub-block
     #: ``(first_sub + i) % block_factor`` of slot
@@ -498,25 +515,46 @@ class Offloader:
     #: Waits for each of ``jobs`` in flight; others skipped, failures left
     #: to ``poll`` (vLLM's ``wait``). Ctrl-C stops it (the jobs go on).
     def wait_jobs(self, jobs: Iterable[int]) -> None: ...
-    def poll(self) -> List[Completion]: ...
-    #: Returns once ``job`` completed (``TransferError``, kind ``"transfer"``,
-    #: reason ``"job_failed"``, if it failed), whichever thread's ``wait`` or
-    #: ``poll`` took its completion, also after a ``poll`` returned it (the
-    #: last 65536 jobs ``poll`` returned are remembered); ``TransferError``
-    #: kind ``"unknown_job"`` for an id never submitted. Safe from any
-    #: number of threads. Ctrl-C stops it (the job goes on).
-    def wait(self, job: int) -> None: ...
-    def wait_all(self) -> None: ...
-    @property
-    def in_flight(self) -> int: ...
+    def __enter__(self) -> "Offloader": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
+class KeyedOffloader(_OffloaderBase):
+    """Keyed offload (the Rust library's ``KeyedOffloader``): the block
+    manager places the engine's keys in host blocks. See
+    :class:`_OffloaderBase`."""
+
+    def __init__(
+        self,
+        host_blocks: int,
+        *,
+        tensors: Union[int, Sequence[_TensorLike]],
+        gpu_blocks: Optional[int] = None,
+        page_bytes: Optional[int] = None,
+        block_factor: int = 1,
+        stream: Any = None,
+        runtime: Optional[Runtime] = None,
+        region: Optional[RegionSpec] = None,
+        pin: Optional[PinOptions] = None,
+        transfer: Optional[TransferOptions] = None,
+        eviction: str = "lru",
+        agreement: Optional[_AgreementTransport] = None,
+        agreement_timeout: Optional[float] = 120.0,
+        kv_groups: Optional[Sequence[int]] = None,
+        start: bool = False,
+    ) -> None: ...
+    #: Per key: ``"hit"`` (readable), ``"miss"`` or ``"hit_pending"``
+    #: (stored, its store not complete yet).
+    def lookup(self, keys: Iterable[_Key]) -> List[str]: ...
+    def store(self, keys: Iterable[_Key], gpu_blocks: Iterable[int]) -> StoreSubmitted: ...
+    def load(self, keys: Iterable[_Key], gpu_blocks: Iterable[int]) -> int: ...
     @property
     def stored_blocks(self) -> int: ...
-    #: Drains the jobs in flight, stops pinning, frees. Ctrl-C during the
-    #: drain raises KeyboardInterrupt with nothing shut down.
-    def shutdown(self) -> None: ...
-    @property
-    def is_shut_down(self) -> bool: ...
-    def __enter__(self) -> "Offloader": ...
+    def __enter__(self) -> "KeyedOffloader": ...
     def __exit__(
         self,
         exc_type: Optional[Type[BaseException]],

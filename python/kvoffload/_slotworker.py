@@ -239,7 +239,6 @@ class SlotWorker:
             tensors=[t.tensor for t in tensors],
             block_factor=blocks_per_chunk,
             runtime=runtime,
-            addressing="slots",
             kv_groups=sizes,
             # Windows of lexical capture_window() calls also open while
             # pinning runs (the hook's always do).

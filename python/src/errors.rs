@@ -3,7 +3,7 @@
 //! ```text
 //! KvoffloadError                 every error of the package
 //! ├── OptionsError               bad arguments, options, KV description, layout,
-//! │                              a slot job's shape, a call of the other addressing
+//! │                              a slot job's shape, kv_groups on a KeyedOffloader
 //! ├── RegionError                creating, joining or mapping the host region
 //! ├── ProtocolError              the capture-safety protocol refused
 //! │   └── ShutDownError          used after shutdown (or shut down twice)
@@ -298,15 +298,6 @@ pub fn samples() -> Vec<(String, OffloaderError)> {
             (path, e)
         })
         .collect()
-}
-
-/// A call of the other addressing (`addressing` is how this offloader's
-/// host blocks are addressed: `"Keys"` or `"Slots"`): OptionsError, kind
-/// `"wrong_addressing"`. The library has no such error (its types decide
-/// what each offloader can do); the one Python class refuses it here.
-pub fn wrong_addressing(py: Python<'_>, call: &str, addressing: &str) -> PyErr {
-    let msg = format!("{call} is not available: this offloader's host blocks are addressed by {addressing}");
-    make::<OptionsError>(py, msg, "wrong_addressing", None, None)
 }
 
 fn protocol(py: Python<'_>, msg: String, kind: &str, p: &RustProtocolError) -> PyErr {

@@ -1,18 +1,17 @@
-//! The library offloader behind `kvoffload.Offloader`: a
-//! [`KeyedOffloader`] (`addressing="keys"`: the block manager places the
-//! keys) or a core [`Offloader`] (`addressing="slots"`: the engine's own
-//! host slots). The library decides by type what each can do; the one
-//! Python class keeps its `addressing=` and refuses a call of the other
-//! kind itself (OptionsError, kind `"wrong_addressing"`).
+//! The library offloader behind the Python classes: a [`KeyedOffloader`]
+//! (`kvoffload.KeyedOffloader`: the block manager places the keys) or the
+//! slot-addressed core [`Offloader`] (`kvoffload.Offloader`: the engine's
+//! own host slots). Each class is built with one kind and only ever asks
+//! for its own (`keyed`, `slots`), as the library decides by type.
 
 use super::*;
 
-/// What a `kvoffload.Offloader` holds. Derefs to the core, which every
-/// call but the keyed and the slot jobs goes to.
+/// What the common base (`kvoffload._OffloaderBase`) holds. Derefs to the
+/// core, which every call but the keyed and the slot jobs goes to.
 pub(crate) enum Front {
-    /// `addressing="keys"`.
+    /// `kvoffload.KeyedOffloader`.
     Keyed(KeyedOffloader),
-    /// `addressing="slots"`.
+    /// `kvoffload.Offloader`.
     Slots(Offloader),
 }
 
@@ -28,27 +27,21 @@ impl std::ops::Deref for Front {
 }
 
 impl Front {
-    /// `"keys"` or `"slots"`.
-    pub(crate) fn addressing(&self) -> &'static str {
+    /// The keyed offloader of a `kvoffload.KeyedOffloader` (whose
+    /// constructor is the only one that builds `Front::Keyed`).
+    pub(crate) fn keyed(&self) -> &KeyedOffloader {
         match self {
-            Front::Keyed(_) => "keys",
-            Front::Slots(_) => "slots",
+            Front::Keyed(k) => k,
+            Front::Slots(_) => unreachable!("a KeyedOffloader is built with a keyed offloader"),
         }
     }
 
-    /// The keyed offloader, or the refusal of keyed call `call`.
-    pub(crate) fn keyed(&self, py: Python<'_>, call: &str) -> PyResult<&KeyedOffloader> {
+    /// The slot-addressed core of a `kvoffload.Offloader` (whose
+    /// constructor is the only one that builds `Front::Slots`).
+    pub(crate) fn slots(&self) -> &Offloader {
         match self {
-            Front::Keyed(k) => Ok(k),
-            Front::Slots(_) => Err(errors::wrong_addressing(py, call, "Slots")),
-        }
-    }
-
-    /// The slot-addressed core, or the refusal of slot call `call`.
-    pub(crate) fn slots(&self, py: Python<'_>, call: &str) -> PyResult<&Offloader> {
-        match self {
-            Front::Slots(o) => Ok(o),
-            Front::Keyed(_) => Err(errors::wrong_addressing(py, call, "Keys")),
+            Front::Slots(o) => o,
+            Front::Keyed(_) => unreachable!("an Offloader is built with the slot-addressed core"),
         }
     }
 }

@@ -1,7 +1,11 @@
 //! `kvoffload._native`: the Python front of kvoffload (PyO3, abi3).
 //!
-//! One class an engine holds, [`PyOffloader`] (`kvoffload.Offloader`),
-//! over the library's `Offloader`; a [`PyRuntime`] (`kvoffload.Runtime`)
+//! The classes an engine holds mirror the library's: [`PyOffloader`]
+//! (`kvoffload.Offloader`, the slot-addressed core `Offloader`) and
+//! [`PyKeyedOffloader`] (`kvoffload.KeyedOffloader`, the keyed layer
+//! `KeyedOffloader`), both subclasses of one hidden base
+//! [`PyOffloaderBase`] (`kvoffload._OffloaderBase`) that holds the library
+//! offloader and implements the calls they share; a [`PyRuntime`] (`kvoffload.Runtime`)
 //! for the GPU it runs on (the CUDA driver on the device's primary context,
 //! shared with PyTorch, or the simulated GPU); small result classes; the
 //! exceptions of [`errors`]; and an agreement transport backed by a Python
@@ -22,7 +26,8 @@
 //! and raises the handler's exception (`KeyboardInterrupt`), leaving
 //! nothing behind.
 //!
-//! Files: `offloader.rs` (`Offloader`, `CaptureWindow`; the lock
+//! Files: `offloader.rs` (`_OffloaderBase`, `Offloader`,
+//! `KeyedOffloader`, `CaptureWindow`; the lock
 //! discipline of its job bookkeeping at the top), `front.rs` (the
 //! library offloader it holds: keyed, or the slot-addressed core),
 //! `book.rs` (that
@@ -93,7 +98,9 @@ fn cuda_driver_present() -> bool {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRuntime>()?;
+    m.add_class::<PyOffloaderBase>()?;
     m.add_class::<PyOffloader>()?;
+    m.add_class::<PyKeyedOffloader>()?;
     m.add_class::<PyCaptureWindow>()?;
     m.add_class::<PyPinOptions>()?;
     m.add_class::<PyTransferOptions>()?;

@@ -1,4 +1,6 @@
-//! `kvoffload.Offloader` and `kvoffload.CaptureWindow`.
+//! `kvoffload._OffloaderBase` (what both classes share), its subclasses
+//! `kvoffload.Offloader` (the slot-addressed core) and
+//! `kvoffload.KeyedOffloader` (keyed), and `kvoffload.CaptureWindow`.
 //!
 //! # Lock discipline (the job bookkeeping, issue 28)
 //!
@@ -6,7 +8,7 @@
 //! table (inside `Offloader`, under its lock) until some thread's poll takes
 //! it from the engine, then this wrapper's [`Book`] (`book`, book.rs). The move is
 //! one critical section of the library's lock: `poll_each` and the waits
-//! call the sink ([`PyOffloader::keep`]) under that lock, and the sink takes
+//! call the sink ([`PyOffloaderBase::keep`]) under that lock, and the sink takes
 //! `book`'s lock inside it. Hence the rules:
 //!
 //! 1. Order: the library's lock, then `book`. `book` is never held while
@@ -32,10 +34,13 @@
 
 use super::*;
 
-/// KV-cache offload between GPU memory and a pinned host region; the one
-/// object an engine holds. See the package docs and `kvoffload/__init__.pyi`.
-#[pyclass(name = "Offloader", module = "kvoffload", frozen)]
-pub(crate) struct PyOffloader {
+/// What `kvoffload.Offloader` and `kvoffload.KeyedOffloader` share (the
+/// hidden base `kvoffload._OffloaderBase`): the library offloader, the
+/// engine's tensors and stream, the job bookkeeping, and every call both
+/// have (pinning, capture windows and the hook, `gated`, `poll`, `wait`,
+/// `wait_all`, shutdown, the properties). Not constructible itself.
+#[pyclass(name = "_OffloaderBase", module = "kvoffload", subclass, frozen)]
+pub(crate) struct PyOffloaderBase {
     pub(crate) off: Arc<Front>,
     pub(crate) runtime: Py<PyRuntime>,
     /// The engine's tensors, kept alive until shutdown.
@@ -50,7 +55,7 @@ pub(crate) struct PyOffloader {
     pub(crate) book: Mutex<Book>,
 }
 
-impl Drop for PyOffloader {
+impl Drop for PyOffloaderBase {
     fn drop(&mut self) {
         // The offloader's own Drop shuts it down, joining the pinner, which
         // may be inside the Python agreement callable waiting for the GIL:
@@ -79,7 +84,7 @@ impl Drop for PyOffloader {
     }
 }
 
-impl PyOffloader {
+impl PyOffloaderBase {
     /// A sink for `Offloader::poll_each` and the waits: into
     /// `book.reported` (called under the library's lock; takes `book`'s
     /// lock inside it and nothing else, no GIL: rule 1).
@@ -144,12 +149,7 @@ impl PyOffloader {
             let s = parse_ids(py, "a host slot id", slots)?;
             let subs = parse_ids(py, "a first_sub", first_subs)?;
             let j = SlotJob::groups(&g, &sizes, &s, &subs);
-            let call = match lane {
-                Lane::Store => "store_slot_job",
-                Lane::Load => "load_slot_job",
-                Lane::LoadExpedited => "load_slot_job_expedited",
-            };
-            let off = self.off.slots(py, call)?;
+            let off = self.off.slots();
             py.detach(|| off.submit(JobId(job), lane, &j)).map_err(|e| errors::offloader(py, e))
         })
     }
@@ -176,17 +176,14 @@ impl PyOffloader {
     }
 }
 
-#[pymethods]
-impl PyOffloader {
-    #[new]
-    #[pyo3(signature = (
-        host_blocks, *, tensors, gpu_blocks = None, page_bytes = None, block_factor = 1, stream = None,
-        runtime = None, region = None, pin = None, transfer = None, eviction = "lru", agreement = None,
-        agreement_timeout = Some(120.0), addressing = "keys", kv_groups = None, start = false, **unknown,
-    ))]
+impl PyOffloaderBase {
+    /// The constructors' common body: `keyed` builds a [`KeyedOffloader`]
+    /// (`kvoffload.KeyedOffloader`), otherwise the slot-addressed core
+    /// (`kvoffload.Offloader`).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
+    pub(crate) fn build(
         py: Python<'_>,
+        keyed: bool,
         host_blocks: usize,
         tensors: &Bound<'_, PyAny>,
         gpu_blocks: Option<usize>,
@@ -200,13 +197,12 @@ impl PyOffloader {
         eviction: &str,
         agreement: Option<Py<PyAny>>,
         agreement_timeout: Option<f64>,
-        addressing: &str,
         kv_groups: Option<Vec<usize>>,
         start: bool,
         unknown: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         guarded(py, move || {
-            options::unknown_arguments(py, unknown)?;
+            options::unknown_arguments(py, if keyed { "KeyedOffloader" } else { "Offloader" }, unknown)?;
             let region: PyRegionSpec = options::given(py, "region", "RegionSpec", region)?;
             let pin: PyPinOptions = options::given(py, "pin", "PinOptions", pin)?;
             let transfer: PyTransferOptions = options::given(py, "transfer", "TransferOptions", transfer)?;
@@ -216,7 +212,6 @@ impl PyOffloader {
             };
             let device = runtime.get().device;
             let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
-            let keyed = choice(py, "addressing", addressing, &[("keys", true), ("slots", false)])?;
             opts.kv_groups = kv_groups;
             // Joining or creating a shared region waits for the other ranks:
             // Ctrl-C stops it (see `Signals`).
@@ -398,7 +393,7 @@ impl PyOffloader {
                 }
             };
             let off = Arc::new(signals.result(py, off)?);
-            let me = PyOffloader {
+            let me = PyOffloaderBase {
                 off,
                 runtime,
                 tensors: Mutex::new(keep),
@@ -412,7 +407,10 @@ impl PyOffloader {
             Ok(me)
         })
     }
+}
 
+#[pymethods]
+impl PyOffloaderBase {
     /// The runtime (GPU) this offloader runs on.
     #[getter]
     pub(crate) fn runtime(&self, py: Python<'_>) -> Py<PyRuntime> {
@@ -587,170 +585,11 @@ impl PyOffloader {
         })
     }
 
-    /// What the offloader holds of each key: `"hit"`, `"miss"` or
-    /// `"hit_pending"` (stored, store not yet complete), the library's
-    /// `Lookup` variants.
-    pub(crate) fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
-        guarded(py, || {
-            let off = self.off.keyed(py, "lookup")?;
-            let keys = parse_keys(py, keys)?;
-            Ok(py.detach(|| off.lookup(&keys)).into_iter().map(|l| l.name()).collect())
-        })
-    }
-
-    /// Stores `keys` from GPU blocks `gpu_blocks` (`block_factor` per key,
-    /// in key order). The engine must not write those blocks until `poll`
-    /// reports the job (or `wait` returns for it).
-    pub(crate) fn store(
-        &self,
-        py: Python<'_>,
-        keys: &Bound<'_, PyAny>,
-        gpu_blocks: &Bound<'_, PyAny>,
-    ) -> PyResult<PyStoreSubmitted> {
-        guarded(py, || {
-            let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
-            let off = self.off.keyed(py, "store")?;
-            let r = py.detach(|| off.store(&keys, &blocks)).map_err(|e| errors::offloader(py, e))?;
-            let skipped: PyResult<Vec<(Bound<'_, PyTuple>, String)>> = r
-                .skipped
-                .iter()
-                .map(|s| {
-                    let why = match s.reason {
-                        SkipReason::AlreadyStored => "already_stored".to_string(),
-                        SkipReason::StorePending => "store_pending".to_string(),
-                        SkipReason::BelowThreshold { .. } => "below_threshold".to_string(),
-                    };
-                    Ok((key_out(py, s.key)?, why))
-                })
-                .collect();
-            Ok(PyStoreSubmitted {
-                job: r.job.map(|j| j.0),
-                stored: keys_out(py, &r.stored)?.into_pyobject(py)?.into_any().unbind(),
-                skipped: skipped?.into_pyobject(py)?.into_any().unbind(),
-                evicted: keys_out(py, &r.evicted)?.into_pyobject(py)?.into_any().unbind(),
-            })
-        })
-    }
-
-    /// Loads `keys` (each stored and readable) into GPU blocks
-    /// `gpu_blocks`; returns the job id. The engine must not touch those
-    /// blocks until the job is reported.
-    pub(crate) fn load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, gpu_blocks: &Bound<'_, PyAny>) -> PyResult<u64> {
-        guarded(py, || {
-            let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
-            let off = self.off.keyed(py, "load")?;
-            py.detach(|| off.load(&keys, &blocks)).map(|j| j.0).map_err(|e| errors::offloader(py, e))
-        })
-    }
-
-    /// How host blocks are addressed: `"keys"` (the block manager picks
-    /// them) or `"slots"` (the engine's slot ids, `addressing="slots"`).
-    #[getter]
-    pub(crate) fn addressing(&self) -> &'static str {
-        self.off.addressing()
-    }
-
-    /// Host blocks of this rank (with `addressing="slots"`, the slot ids
-    /// are `0..host_blocks`).
+    /// Host blocks of this rank (an `Offloader`'s slot ids are
+    /// `0..host_blocks`).
     #[getter]
     pub(crate) fn host_blocks(&self) -> usize {
         self.off.geometry().host_blocks
-    }
-
-    /// Stores GPU blocks `gpu_blocks` into host slots `slots` as job `job`
-    /// (the engine's id, never used before), `addressing="slots"` only:
-    /// GPU block `i` goes to sub-block `(first_sub + i) % block_factor` of
-    /// slot `slots[(first_sub + i) // block_factor]`. The engine must not
-    /// write those blocks until `poll` reports the job.
-    #[pyo3(signature = (job, gpu_blocks, slots, first_sub = 0))]
-    pub(crate) fn store_slots(
-        &self,
-        py: Python<'_>,
-        job: u64,
-        gpu_blocks: &Bound<'_, PyAny>,
-        slots: &Bound<'_, PyAny>,
-        first_sub: usize,
-    ) -> PyResult<()> {
-        guarded(py, || {
-            let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
-            let off = self.off.slots(py, "store_slots")?;
-            py.detach(|| off.submit(JobId(job), Lane::Store, &SlotJob::single(&g, &s, first_sub)))
-                .map_err(|e| errors::offloader(py, e))
-        })
-    }
-
-    /// Loads host slots `slots` into GPU blocks `gpu_blocks` as job `job`,
-    /// placed as `store_slots` placed them. The engine must not touch those
-    /// blocks until `poll` reports the job. `expedited`: on the expedited
-    /// lane's own stream, never behind a regular load (needs
-    /// `expedited_lane=True`; TransferError, reason `"no_expedited_lane"`,
-    /// otherwise).
-    #[pyo3(signature = (job, gpu_blocks, slots, first_sub = 0, *, expedited = false))]
-    pub(crate) fn load_slots(
-        &self,
-        py: Python<'_>,
-        job: u64,
-        gpu_blocks: &Bound<'_, PyAny>,
-        slots: &Bound<'_, PyAny>,
-        first_sub: usize,
-        expedited: bool,
-    ) -> PyResult<()> {
-        guarded(py, || {
-            let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
-            let (call, lane) =
-                if expedited { ("load_slots_expedited", Lane::LoadExpedited) } else { ("load_slots", Lane::Load) };
-            let off = self.off.slots(py, call)?;
-            py.detach(|| off.submit(JobId(job), lane, &SlotJob::single(&g, &s, first_sub)))
-                .map_err(|e| errors::offloader(py, e))
-        })
-    }
-
-    /// `store_slots` over every KV cache group (`kv_groups`), in vLLM's
-    /// shape: `gpu_blocks` and `slots` group after group, `group_sizes`
-    /// and `first_subs` one per group.
-    pub(crate) fn store_slot_job(
-        &self,
-        py: Python<'_>,
-        job: u64,
-        gpu_blocks: &Bound<'_, PyAny>,
-        group_sizes: &Bound<'_, PyAny>,
-        slots: &Bound<'_, PyAny>,
-        first_subs: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
-        self.slot_job(py, Lane::Store, job, gpu_blocks, group_sizes, slots, first_subs)
-    }
-
-    /// `load_slots` over every KV cache group, as `store_slot_job` stored
-    /// them (`expedited` as for `load_slots`).
-    #[pyo3(signature = (job, gpu_blocks, group_sizes, slots, first_subs, *, expedited = false))]
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn load_slot_job(
-        &self,
-        py: Python<'_>,
-        job: u64,
-        gpu_blocks: &Bound<'_, PyAny>,
-        group_sizes: &Bound<'_, PyAny>,
-        slots: &Bound<'_, PyAny>,
-        first_subs: &Bound<'_, PyAny>,
-        expedited: bool,
-    ) -> PyResult<()> {
-        let lane = if expedited { Lane::LoadExpedited } else { Lane::Load };
-        self.slot_job(py, lane, job, gpu_blocks, group_sizes, slots, first_subs)
-    }
-
-    /// Blocks, GIL released, until each of `jobs` that is in flight
-    /// completed on the GPU; ids never submitted or already reported are
-    /// skipped, failures are reported by `poll` (vLLM's `wait`). Ctrl-C
-    /// stops the wait (KeyboardInterrupt; the jobs go on). Slot
-    /// addressing only (OptionsError, kind `"wrong_addressing"`).
-    pub(crate) fn wait_jobs(&self, py: Python<'_>, jobs: &Bound<'_, PyAny>) -> PyResult<()> {
-        guarded(py, || {
-            let ids: Vec<JobId> = parse_ids(py, "a job id", jobs)?.into_iter().map(|j| JobId(j as u64)).collect();
-            let off = self.off.slots(py, "wait_jobs")?;
-            let signals = Signals::default();
-            let r = py.detach(|| off.interruptible(&|| signals.check()).wait_jobs(&ids, &mut self.keep()));
-            signals.result(py, r)
-        })
     }
 
     /// Jobs finished since the last call, each reported once, in
@@ -805,15 +644,6 @@ impl PyOffloader {
         engine + self.book().reported.len()
     }
 
-    /// Keys stored and readable now.
-    #[getter]
-    pub(crate) fn stored_blocks(&self) -> usize {
-        match &*self.off {
-            Front::Keyed(k) => k.stored_blocks(),
-            Front::Slots(_) => 0,
-        }
-    }
-
     /// Shuts down: refused (ProtocolError) while a capture window is open;
     /// drains the jobs, stops pinning, unregisters, frees what the
     /// offloader allocated, and lets go of the engine's tensors and stream.
@@ -856,7 +686,11 @@ impl PyOffloader {
 
     pub(crate) fn __repr__(&self) -> String {
         format!(
-            "kvoffload.Offloader(runtime={:?}, region_bytes={}, rank={}, pin={})",
+            "kvoffload.{}(runtime={:?}, region_bytes={}, rank={}, pin={})",
+            match &*self.off {
+                Front::Keyed(_) => "KeyedOffloader",
+                Front::Slots(_) => "Offloader",
+            },
             self.off.runtime().backend(),
             self.off.geometry().region.len(),
             self.off.geometry().region.rank(),
@@ -910,5 +744,297 @@ impl PyCaptureWindow {
     #[getter]
     pub(crate) fn chunks_waited(&self) -> usize {
         *self.waited.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// `kvoffload.Offloader`: the slot-addressed core (the library's
+/// `Offloader`). The engine picks host slots `0..host_blocks` and job ids;
+/// its jobs are the slot jobs below (the library's `submit` with a
+/// `SlotJob` on a `Lane`), waited for by `wait_jobs` as well as the
+/// common waits.
+#[pyclass(name = "Offloader", module = "kvoffload", extends = PyOffloaderBase, frozen)]
+pub(crate) struct PyOffloader {}
+
+#[pymethods]
+impl PyOffloader {
+    #[new]
+    #[pyo3(signature = (
+        host_blocks, *, tensors, gpu_blocks = None, page_bytes = None, block_factor = 1, stream = None,
+        runtime = None, region = None, pin = None, transfer = None, eviction = "lru", agreement = None,
+        agreement_timeout = Some(120.0), kv_groups = None, start = false, **unknown,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        py: Python<'_>,
+        host_blocks: usize,
+        tensors: &Bound<'_, PyAny>,
+        gpu_blocks: Option<usize>,
+        page_bytes: Option<usize>,
+        block_factor: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+        runtime: Option<Py<PyRuntime>>,
+        region: Option<&Bound<'_, PyAny>>,
+        pin: Option<&Bound<'_, PyAny>>,
+        transfer: Option<&Bound<'_, PyAny>>,
+        eviction: &str,
+        agreement: Option<Py<PyAny>>,
+        agreement_timeout: Option<f64>,
+        kv_groups: Option<Vec<usize>>,
+        start: bool,
+        unknown: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let base = PyOffloaderBase::build(
+            py,
+            false,
+            host_blocks,
+            tensors,
+            gpu_blocks,
+            page_bytes,
+            block_factor,
+            stream,
+            runtime,
+            region,
+            pin,
+            transfer,
+            eviction,
+            agreement,
+            agreement_timeout,
+            kv_groups,
+            start,
+            unknown,
+        )?;
+        Ok(PyClassInitializer::from(base).add_subclass(Self {}))
+    }
+
+    /// Stores GPU blocks `gpu_blocks` into host slots `slots` as job `job`
+    /// (the engine's id, never used before):
+    /// GPU block `i` goes to sub-block `(first_sub + i) % block_factor` of
+    /// slot `slots[(first_sub + i) // block_factor]`. The engine must not
+    /// write those blocks until `poll` reports the job.
+    #[pyo3(signature = (job, gpu_blocks, slots, first_sub = 0))]
+    pub(crate) fn store_slots(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_sub: usize,
+    ) -> PyResult<()> {
+        guarded(py, || {
+            let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
+            let off = slf.as_super().get().off.slots();
+            py.detach(|| off.submit(JobId(job), Lane::Store, &SlotJob::single(&g, &s, first_sub)))
+                .map_err(|e| errors::offloader(py, e))
+        })
+    }
+
+    /// Loads host slots `slots` into GPU blocks `gpu_blocks` as job `job`,
+    /// placed as `store_slots` placed them. The engine must not touch those
+    /// blocks until `poll` reports the job. `expedited`: on the expedited
+    /// lane's own stream, never behind a regular load (needs
+    /// `expedited_lane=True`; TransferError, reason `"no_expedited_lane"`,
+    /// otherwise).
+    #[pyo3(signature = (job, gpu_blocks, slots, first_sub = 0, *, expedited = false))]
+    pub(crate) fn load_slots(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_sub: usize,
+        expedited: bool,
+    ) -> PyResult<()> {
+        guarded(py, || {
+            let (g, s) = (parse_blocks(py, gpu_blocks)?, parse_ids(py, "a host slot id", slots)?);
+            let lane = if expedited { Lane::LoadExpedited } else { Lane::Load };
+            let off = slf.as_super().get().off.slots();
+            py.detach(|| off.submit(JobId(job), lane, &SlotJob::single(&g, &s, first_sub)))
+                .map_err(|e| errors::offloader(py, e))
+        })
+    }
+
+    /// `store_slots` over every KV cache group (`kv_groups`), in vLLM's
+    /// shape: `gpu_blocks` and `slots` group after group, `group_sizes`
+    /// and `first_subs` one per group.
+    pub(crate) fn store_slot_job(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        group_sizes: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_subs: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        slf.as_super().get().slot_job(py, Lane::Store, job, gpu_blocks, group_sizes, slots, first_subs)
+    }
+
+    /// `load_slots` over every KV cache group, as `store_slot_job` stored
+    /// them (`expedited` as for `load_slots`).
+    #[pyo3(signature = (job, gpu_blocks, group_sizes, slots, first_subs, *, expedited = false))]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn load_slot_job(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        job: u64,
+        gpu_blocks: &Bound<'_, PyAny>,
+        group_sizes: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+        first_subs: &Bound<'_, PyAny>,
+        expedited: bool,
+    ) -> PyResult<()> {
+        let lane = if expedited { Lane::LoadExpedited } else { Lane::Load };
+        slf.as_super().get().slot_job(py, lane, job, gpu_blocks, group_sizes, slots, first_subs)
+    }
+
+    /// Blocks, GIL released, until each of `jobs` that is in flight
+    /// completed on the GPU; ids never submitted or already reported are
+    /// skipped, failures are reported by `poll` (vLLM's `wait`). Ctrl-C
+    /// stops the wait (KeyboardInterrupt; the jobs go on).
+    pub(crate) fn wait_jobs(slf: &Bound<'_, Self>, py: Python<'_>, jobs: &Bound<'_, PyAny>) -> PyResult<()> {
+        guarded(py, || {
+            let ids: Vec<JobId> = parse_ids(py, "a job id", jobs)?.into_iter().map(|j| JobId(j as u64)).collect();
+            let base = slf.as_super().get();
+            let off = base.off.slots();
+            let signals = Signals::default();
+            let r = py.detach(|| off.interruptible(&|| signals.check()).wait_jobs(&ids, &mut base.keep()));
+            signals.result(py, r)
+        })
+    }
+}
+
+/// `kvoffload.KeyedOffloader`: the library's `KeyedOffloader`, a block
+/// manager over the core that places the engine's keys in host blocks
+/// (`lookup`, `store`, `load`, `stored_blocks`). `kv_groups` is refused
+/// (OptionsError): its jobs have one group.
+#[pyclass(name = "KeyedOffloader", module = "kvoffload", extends = PyOffloaderBase, frozen)]
+pub(crate) struct PyKeyedOffloader {}
+
+impl PyKeyedOffloader {
+    /// The keyed offloader this object was built with.
+    fn keyed<'a>(slf: &'a Bound<'_, Self>) -> &'a KeyedOffloader {
+        slf.as_super().get().off.keyed()
+    }
+}
+
+#[pymethods]
+impl PyKeyedOffloader {
+    #[new]
+    #[pyo3(signature = (
+        host_blocks, *, tensors, gpu_blocks = None, page_bytes = None, block_factor = 1, stream = None,
+        runtime = None, region = None, pin = None, transfer = None, eviction = "lru", agreement = None,
+        agreement_timeout = Some(120.0), kv_groups = None, start = false, **unknown,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        py: Python<'_>,
+        host_blocks: usize,
+        tensors: &Bound<'_, PyAny>,
+        gpu_blocks: Option<usize>,
+        page_bytes: Option<usize>,
+        block_factor: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+        runtime: Option<Py<PyRuntime>>,
+        region: Option<&Bound<'_, PyAny>>,
+        pin: Option<&Bound<'_, PyAny>>,
+        transfer: Option<&Bound<'_, PyAny>>,
+        eviction: &str,
+        agreement: Option<Py<PyAny>>,
+        agreement_timeout: Option<f64>,
+        kv_groups: Option<Vec<usize>>,
+        start: bool,
+        unknown: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let base = PyOffloaderBase::build(
+            py,
+            true,
+            host_blocks,
+            tensors,
+            gpu_blocks,
+            page_bytes,
+            block_factor,
+            stream,
+            runtime,
+            region,
+            pin,
+            transfer,
+            eviction,
+            agreement,
+            agreement_timeout,
+            kv_groups,
+            start,
+            unknown,
+        )?;
+        Ok(PyClassInitializer::from(base).add_subclass(Self {}))
+    }
+
+    /// What the offloader holds of each key: `"hit"`, `"miss"` or
+    /// `"hit_pending"` (stored, store not yet complete), the library's
+    /// `Lookup` variants.
+    pub(crate) fn lookup(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<&'static str>> {
+        guarded(py, || {
+            let off = Self::keyed(slf);
+            let keys = parse_keys(py, keys)?;
+            Ok(py.detach(|| off.lookup(&keys)).into_iter().map(|l| l.name()).collect())
+        })
+    }
+
+    /// Stores `keys` from GPU blocks `gpu_blocks` (`block_factor` per key,
+    /// in key order). The engine must not write those blocks until `poll`
+    /// reports the job (or `wait` returns for it).
+    pub(crate) fn store(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        gpu_blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<PyStoreSubmitted> {
+        guarded(py, || {
+            let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
+            let off = Self::keyed(slf);
+            let r = py.detach(|| off.store(&keys, &blocks)).map_err(|e| errors::offloader(py, e))?;
+            let skipped: PyResult<Vec<(Bound<'_, PyTuple>, String)>> = r
+                .skipped
+                .iter()
+                .map(|s| {
+                    let why = match s.reason {
+                        SkipReason::AlreadyStored => "already_stored".to_string(),
+                        SkipReason::StorePending => "store_pending".to_string(),
+                        SkipReason::BelowThreshold { .. } => "below_threshold".to_string(),
+                    };
+                    Ok((key_out(py, s.key)?, why))
+                })
+                .collect();
+            Ok(PyStoreSubmitted {
+                job: r.job.map(|j| j.0),
+                stored: keys_out(py, &r.stored)?.into_pyobject(py)?.into_any().unbind(),
+                skipped: skipped?.into_pyobject(py)?.into_any().unbind(),
+                evicted: keys_out(py, &r.evicted)?.into_pyobject(py)?.into_any().unbind(),
+            })
+        })
+    }
+
+    /// Loads `keys` (each stored and readable) into GPU blocks
+    /// `gpu_blocks`; returns the job id. The engine must not touch those
+    /// blocks until the job is reported.
+    pub(crate) fn load(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        gpu_blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        guarded(py, || {
+            let (keys, blocks) = (parse_keys(py, keys)?, parse_blocks(py, gpu_blocks)?);
+            let off = Self::keyed(slf);
+            py.detach(|| off.load(&keys, &blocks)).map(|j| j.0).map_err(|e| errors::offloader(py, e))
+        })
+    }
+
+    /// Keys stored and readable now.
+    #[getter]
+    pub(crate) fn stored_blocks(slf: &Bound<'_, Self>) -> usize {
+        Self::keyed(slf).stored_blocks()
     }
 }

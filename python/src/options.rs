@@ -668,9 +668,11 @@ where
     }
 }
 
-/// The keyword arguments `Offloader` took before issue 30, each with where
+/// The keyword arguments `Offloader` took before issue 30 (`addressing=`
+/// gave way to the two classes), each with where
 /// it went, so that an old call fails with directions.
 const MOVED: &[(&str, &str)] = &[
+    ("addressing", "the class: kvoffload.KeyedOffloader for keys, kvoffload.Offloader for slots"),
     ("backend", "runtime=kvoffload.Runtime(backend, device)"),
     ("device", "runtime=kvoffload.Runtime(backend, device)"),
     ("name", "region=kvoffload.RegionSpec.shared(name, ...)"),
@@ -696,7 +698,7 @@ const MOVED: &[(&str, &str)] = &[
 
 /// `Offloader`'s keyword arguments beyond its own: an `OptionsError`
 /// naming each (and where an old one went).
-pub(crate) fn unknown_arguments(py: Python<'_>, unknown: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+pub(crate) fn unknown_arguments(py: Python<'_>, class: &str, unknown: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
     let Some(kw) = unknown.filter(|k| !k.is_empty()) else { return Ok(()) };
     let mut parts = Vec::new();
     for k in kw.keys() {
@@ -706,5 +708,5 @@ pub(crate) fn unknown_arguments(py: Python<'_>, unknown: Option<&Bound<'_, PyDic
             None => parts.push(k),
         }
     }
-    Err(errors::options(py, format!("Offloader got unknown keyword arguments: {}", parts.join("; "))))
+    Err(errors::options(py, format!("{class} got unknown keyword arguments: {}", parts.join("; "))))
 }

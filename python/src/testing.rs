@@ -17,7 +17,7 @@ use kvoffload::internal::runtime::{CaptureMode, Code, DevicePtr, GpuRuntime, Gra
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::{choice, errors, named, PyOffloader, PyRuntime};
+use crate::{choice, errors, named, PyOffloaderBase, PyRuntime};
 
 fn sim<'a>(py: Python<'_>, runtime: &'a PyRuntime) -> PyResult<&'a SimRuntime> {
     runtime.rt.as_sim().ok_or_else(|| errors::options(py, "this test hook needs the simulated GPU (backend='sim')"))
@@ -247,7 +247,7 @@ impl PySimHold {
 /// What the offloader's coordinator has open, in flight or waiting now, as
 /// a dict of counts (the fields of the library's `Activity`).
 #[pyfunction]
-fn activity(off: &Bound<'_, PyOffloader>) -> HashMap<&'static str, usize> {
+fn activity(off: &Bound<'_, PyOffloaderBase>) -> HashMap<&'static str, usize> {
     let a = off.get().off.activity();
     [
         ("windows_open", a.windows_open),
@@ -265,7 +265,7 @@ fn activity(off: &Bound<'_, PyOffloader>) -> HashMap<&'static str, usize> {
 }
 
 /// GPU block `gpu_block` of tensor `tensor`: its address and length.
-fn block(py: Python<'_>, off: &PyOffloader, tensor: usize, gpu_block: usize) -> PyResult<(DevicePtr, usize)> {
+fn block(py: Python<'_>, off: &PyOffloaderBase, tensor: usize, gpu_block: usize) -> PyResult<(DevicePtr, usize)> {
     let kv = &off.off.geometry().kv;
     let t = kv
         .tensors
@@ -282,7 +282,7 @@ fn block(py: Python<'_>, off: &PyOffloader, tensor: usize, gpu_block: usize) -> 
 #[pyfunction]
 fn write_block(
     py: Python<'_>,
-    off: &Bound<'_, PyOffloader>,
+    off: &Bound<'_, PyOffloaderBase>,
     tensor: usize,
     gpu_block: usize,
     data: &[u8],
@@ -303,7 +303,7 @@ fn write_block(
 #[pyfunction]
 fn read_block<'py>(
     py: Python<'py>,
-    off: &Bound<'_, PyOffloader>,
+    off: &Bound<'_, PyOffloaderBase>,
     tensor: usize,
     gpu_block: usize,
 ) -> PyResult<Bound<'py, PyBytes>> {

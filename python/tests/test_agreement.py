@@ -39,7 +39,7 @@ def rank_main(rank, conn, results, fail_pinning, breaks, region):
     if conn is not None:
         kw["agreement"] = pipe_transport(conn, rank, breaks)
     try:
-        off = kv.Offloader(64, **kw)
+        off = kv.KeyedOffloader(64, **kw)
         out = off.wait_pinned()
         if conn is not None:
             conn.close()  # the peer's recv ends (EOF) if it still waits

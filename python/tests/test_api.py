@@ -63,7 +63,7 @@ def test_the_testing_module_imports_and_says_what_it_is():
 
 def test_the_testing_hooks_check_their_object():
     rt = kv.Runtime("sim")
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1))
+    off = kv.KeyedOffloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1))
     with pytest.raises(TypeError):
         kt.sim_registered_ranges(off)  # a Runtime, not an Offloader
     with pytest.raises(TypeError):
@@ -77,7 +77,7 @@ def test_the_testing_hooks_check_their_object():
 
 def test_store_returns_store_submitted():
     rt = kv.Runtime("sim")
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
+    off = kv.KeyedOffloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
     off.wait_pinned()
     res = off.store([1, 2], [0, 1])
     assert type(res) is kv.StoreSubmitted
@@ -96,7 +96,7 @@ def test_backend_means_one_thing_per_object():
     """``Runtime.backend`` is the runtime ("sim"/"cuda"), ``Completion.backend``
     the copy path; the offloader itself has no ``backend``."""
     rt = kv.Runtime("sim")
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, transfer=kv.TransferOptions(backend="batched"), start=True)
+    off = kv.KeyedOffloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, transfer=kv.TransferOptions(backend="batched"), start=True)
     off.wait_pinned()
     assert not hasattr(off, "backend")
     assert off.runtime.backend == "sim"
@@ -109,7 +109,7 @@ def test_backend_means_one_thing_per_object():
 def test_lookup_names_the_rust_variants():
     """``"hit"``, ``"miss"``, ``"hit_pending"``: ``Lookup::{Hit, Miss, HitPending}``."""
     rt = kv.Runtime("sim")
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
+    off = kv.KeyedOffloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
     off.wait_pinned()
     with kt.sim_hold(rt, "device_op") as hold:
         off.store([1], [0])
@@ -136,14 +136,21 @@ def stub_members(node):
 def test_the_stubs_say_exactly_the_public_surface():
     tree = ast.parse(STUB.read_text())
     assert stub_members(tree) == set(kv.__all__)
-    for node in tree.body:
-        if not isinstance(node, ast.ClassDef):
-            continue
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+    def members(node):
+        """The stub's members of a class and of its bases in the stub
+        (``Offloader`` and ``KeyedOffloader`` inherit ``_OffloaderBase``'s)."""
+        inherited = [members(classes[b.id]) for b in node.bases if isinstance(b, ast.Name) and b.id in classes]
+        return stub_members(node).union(*inherited)
+
+    for node in classes.values():
         cls = getattr(kv, node.name)
         if issubclass(cls, BaseException):
             continue  # attributes set on instances; BaseException's own
         have = {n for n in dir(cls) if not n.startswith("_")}
-        assert stub_members(node) == have, node.name
+        assert members(node) == have, node.name
+    assert kv.Offloader.__mro__[1] is kv._OffloaderBase and kv.KeyedOffloader.__mro__[1] is kv._OffloaderBase
 
 
 #: Issue 30: every Rust error variant an offloader call raises becomes one

@@ -116,19 +116,19 @@ def test_option_objects_with_hostile_fields(made):
 
 
 @SETTINGS
-@given(changes=st.dictionaries(st.sampled_from(OPTIONS), values, min_size=1, max_size=3))
-def test_construction_with_hostile_options(changes):
+@given(changes=st.dictionaries(st.sampled_from(OPTIONS), values, min_size=1, max_size=3), keyed=st.booleans())
+def test_construction_with_hostile_options(changes, keyed):
     kw = dict(host_blocks=8, tensors=2, gpu_blocks=GPU_BLOCKS, page_bytes=PAGE, runtime=kv.Runtime("sim"))
     kw["pin"] = kv.PinOptions(threads=1)
     kw.update(changes)
     host_blocks = kw.pop("host_blocks")
-    off = call(kv.Offloader, host_blocks, **kw)
+    off = call(kv.KeyedOffloader if keyed else kv.Offloader, host_blocks, **kw)
     if off is None:
         return
     try:
         call(off.start)
         call(off.wait_pinned)
-        if off.addressing == "keys" and off.block_factor == 1 and off.gpu_blocks >= 2:
+        if keyed and off.block_factor == 1 and off.gpu_blocks >= 2:
             RoundTrip.check(off)
     finally:
         call(off.shutdown)
@@ -146,10 +146,11 @@ ACTIONS = [
 def test_calls_with_hostile_arguments(steps):
     # Started: a capture window of the default policy waits for pinning,
     # which nothing else would start.
-    off = kv.Offloader(
+    off = kv.KeyedOffloader(
         16, tensors=1, gpu_blocks=GPU_BLOCKS, page_bytes=PAGE, runtime=kv.Runtime("sim"),
         pin=kv.PinOptions(threads=1), start=True,
     )
+    slots = []  # the slot-addressed Offloader of wait_jobs, made at its first
     try:
         for action, ids, ks, v in steps:
             if action == "store":
@@ -161,7 +162,12 @@ def test_calls_with_hostile_arguments(steps):
             elif action == "wait_all":
                 call(off.wait_all)
             elif action == "wait_jobs":
-                call(off.wait_jobs, ids)
+                if not slots:
+                    slots.append(kv.Offloader(
+                        16, tensors=1, gpu_blocks=GPU_BLOCKS, page_bytes=PAGE, runtime=kv.Runtime("sim"),
+                        pin=kv.PinOptions(threads=1),
+                    ))
+                call(slots[0].wait_jobs, ids)
             elif action == "poll":
                 call(off.poll)
             elif action == "lookup":
@@ -187,6 +193,8 @@ def test_calls_with_hostile_arguments(steps):
             RoundTrip.check(off)
     finally:
         call(off.shutdown)
+        for o in slots:
+            call(o.shutdown)
 
 
 def several_threads_wait(off):

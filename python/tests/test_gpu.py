@@ -59,7 +59,7 @@ def kv_tensors():
 
 def make(tensors, **kw):
     kw.setdefault("stream", torch.cuda.current_stream().cuda_stream)
-    return kv.Offloader(256, tensors=tensors, runtime=kv.Runtime("cuda", 0), **kw)
+    return kv.KeyedOffloader(256, tensors=tensors, runtime=kv.Runtime("cuda", 0), **kw)
 
 
 def test_torch_tensors_and_stream(kv_tensors):
@@ -101,7 +101,7 @@ def test_round_trip_through_torch(kv_tensors, copy_backend):
 def test_capture_window_around_torch_graphs_while_pinning(kv_tensors):
     """Captures in GLOBAL mode while pinning runs (Interleave policy): none
     is invalidated, every replay is right."""
-    off = kv.Offloader(
+    off = kv.KeyedOffloader(
         8192,  # 512 MiB of host blocks: pinning takes a while
         tensors=kv_tensors,
         stream=torch.cuda.current_stream().cuda_stream,
@@ -139,15 +139,15 @@ def test_agreement_over_a_callable_on_gpu(kv_tensors):
 def test_bad_tensors_on_gpu():
     cpu = torch.zeros((BLOCKS, PAGE), dtype=torch.uint8)
     with pytest.raises(kv.OptionsError, match="cpu tensor"):
-        kv.Offloader(16, tensors=[cpu], runtime=kv.Runtime("cuda"))
+        kv.KeyedOffloader(16, tensors=[cpu], runtime=kv.Runtime("cuda"))
     strided = torch.zeros((BLOCKS, 2 * PAGE), dtype=torch.uint8, device="cuda")[:, :PAGE]
     with pytest.raises(kv.OptionsError, match="contiguous"):
-        kv.Offloader(16, tensors=[strided], runtime=kv.Runtime("cuda"))
+        kv.KeyedOffloader(16, tensors=[strided], runtime=kv.Runtime("cuda"))
     t = torch.zeros((BLOCKS, PAGE), dtype=torch.uint8, device="cuda")
     with pytest.raises(kv.OptionsError, match="do not fit"):
-        kv.Offloader(16, tensors=[t], page_bytes=2 * PAGE, runtime=kv.Runtime("cuda"))
+        kv.KeyedOffloader(16, tensors=[t], page_bytes=2 * PAGE, runtime=kv.Runtime("cuda"))
     with pytest.raises(kv.OptionsError, match="stream"):
-        kv.Offloader(16, tensors=[t], stream="default", runtime=kv.Runtime("cuda"))
+        kv.KeyedOffloader(16, tensors=[t], stream="default", runtime=kv.Runtime("cuda"))
 
 
 def test_a_side_stream_as_compute_stream(kv_tensors):

@@ -40,7 +40,8 @@ def make(rt, host_blocks=64, **kw):
     kw.setdefault("page_bytes", PAGE)
     kw.setdefault("gpu_blocks", 32)
     kw.setdefault("pin", kv.PinOptions(threads=1))
-    return kv.Offloader(host_blocks, runtime=rt, **kw)
+    cls = kv.Offloader if kw.pop("slots", False) else kv.KeyedOffloader
+    return cls(host_blocks, runtime=rt, **kw)
 
 
 def assert_nothing_leaked(rt):
@@ -310,7 +311,7 @@ def test_a_job_completed_during_a_wait_is_reported_by_poll_once(rt):
 
 
 def test_ctrl_c_in_wait_jobs(rt):
-    off = make(rt, addressing="slots", start=True)
+    off = make(rt, slots=True, start=True)
     off.wait_pinned()
     hold = kt.sim_hold(rt, "device_op")
     off.store_slots(7, [0], [0])

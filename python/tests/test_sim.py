@@ -23,7 +23,7 @@ def make(rt, host_blocks=128, **kw):
     kw.setdefault("tensors", 2)
     kw.setdefault("page_bytes", PAGE)
     kw.setdefault("gpu_blocks", BLOCKS)
-    return kv.Offloader(host_blocks, runtime=rt, **kw)
+    return kv.KeyedOffloader(host_blocks, runtime=rt, **kw)
 
 
 def assert_nothing_leaked(rt):
@@ -68,7 +68,7 @@ def test_default_runtime_is_auto():
     # runtime=None: Runtime("auto") (the sim here, without a GPU).
     if kv.cuda_driver_present():
         pytest.skip("a CUDA driver is present: auto may pick it")
-    off = kv.Offloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, pin=kv.PinOptions(threads=1))
+    off = kv.KeyedOffloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, pin=kv.PinOptions(threads=1))
     assert off.runtime.backend == "sim" and off.runtime.device == 0
     off.shutdown()
 
@@ -223,24 +223,24 @@ def test_option_objects_have_rusts_defaults_and_compare_by_value(tmp_path):
 
 def test_tensor_arguments(rt):
     with pytest.raises(kv.OptionsError, match="gpu_blocks and page_bytes"):
-        kv.Offloader(16, tensors=2, runtime=rt)
+        kv.KeyedOffloader(16, tensors=2, runtime=rt)
     with pytest.raises(kv.OptionsError, match="neither data_ptr"):
-        kv.Offloader(16, tensors=[object()], runtime=rt)
+        kv.KeyedOffloader(16, tensors=[object()], runtime=rt)
     with pytest.raises(kv.OptionsError, match="empty"):
-        kv.Offloader(16, tensors=[], runtime=rt)
+        kv.KeyedOffloader(16, tensors=[], runtime=rt)
 
     class Cai:  # a CUDA array interface object, as CuPy gives
         __cuda_array_interface__ = {"data": (1 << 40, False), "shape": (BLOCKS, 256), "typestr": "<f2", "version": 3}
 
     # The simulated GPU cannot reach an engine's memory.
     with pytest.raises(kv.OptionsError, match="CUDA backend"):
-        kv.Offloader(16, tensors=[Cai()], runtime=rt)
+        kv.KeyedOffloader(16, tensors=[Cai()], runtime=rt)
 
     class ReadOnly:
         __cuda_array_interface__ = {"data": (1 << 40, True), "shape": (8,), "typestr": "<f4", "version": 3}
 
     with pytest.raises(kv.OptionsError, match="read-only"):
-        kv.Offloader(16, tensors=[ReadOnly()], runtime=rt)
+        kv.KeyedOffloader(16, tensors=[ReadOnly()], runtime=rt)
 
     class Strided:
         __cuda_array_interface__ = {
@@ -252,7 +252,7 @@ def test_tensor_arguments(rt):
         }
 
     with pytest.raises(kv.OptionsError, match="contiguous"):
-        kv.Offloader(16, tensors=[Strided()], runtime=rt)
+        kv.KeyedOffloader(16, tensors=[Strided()], runtime=rt)
 
     class Cpu:  # looks like a CPU torch tensor
         class device:
@@ -264,7 +264,7 @@ def test_tensor_arguments(rt):
 
     # The simulated GPU takes CPU tensors (test_slots.py), by their storage.
     with pytest.raises(kv.OptionsError, match="a CPU tensor without untyped_storage"):
-        kv.Offloader(16, tensors=[Cpu()], runtime=rt)
+        kv.KeyedOffloader(16, tensors=[Cpu()], runtime=rt)
     assert_nothing_leaked(rt)
 
 

@@ -27,7 +27,7 @@ def make(**kw):
     kw.setdefault("tensors", 1)
     kw.setdefault("page_bytes", PAGE)
     kw.setdefault("gpu_blocks", 2 * THREADS)
-    return kv.Offloader(kw.pop("host_blocks", 1024), runtime=rt, pin=kv.PinOptions(threads=1), start=True, **kw)
+    return kv.KeyedOffloader(kw.pop("host_blocks", 1024), runtime=rt, pin=kv.PinOptions(threads=1), start=True, **kw)
 
 
 def pattern(t, i):
