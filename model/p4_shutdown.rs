@@ -38,7 +38,7 @@
 //! `register_graph` refuse; it then waits until every job ticket is dropped
 //! and pinning is final; only then does `shutdown` unregister.
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;

@@ -78,7 +78,7 @@ pub use pin::{HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode};
 pub use protocol::agreement::{AgreementError, Transport};
 pub use protocol::{Activity, CaptureWindow, GraphToken, PageableReason, PinState, ProtocolError};
 pub use region::{FileProblem, JoinPhase, Region, RegionError, ShmOptions};
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 pub use runtime::cuda::CudaRuntime;
 pub use runtime::sim::{SimConfig, SimRuntime};
 pub use runtime::{

@@ -79,7 +79,7 @@ impl Offloader {
         }
         inner.jobs.insert(id, JobKeys { direction: Direction::DeviceToHost, keys: stored.clone(), slots: Vec::new() });
         // N18 (loom builds only): the keys readable at submission.
-        #[cfg(loom)]
+        #[cfg(any(loom, shuttle))]
         if crate::protocol::variant_is!(self.coord, ReadableAtSubmit) {
             let _ = inner.manager.complete_store(&stored, true);
         }
@@ -113,7 +113,7 @@ impl Offloader {
         }
         inner.jobs.insert(id, JobKeys { direction: Direction::HostToDevice, keys: keys.to_vec(), slots: Vec::new() });
         // N19 (loom builds only): the slots released at submission.
-        #[cfg(loom)]
+        #[cfg(any(loom, shuttle))]
         if crate::protocol::variant_is!(self.coord, SlotFreedAtLoadSubmit) {
             let _ = inner.manager.complete_load(keys);
         }
