@@ -53,15 +53,21 @@ fn scenario(variant: Variant) {
     let pin = PinHandle::spawn(f.rt.clone(), f.coord.clone(), NoPrefault::shared());
 
     let slot = |j: usize| per_chunk * (j % CHUNKS);
-    for j in 0..JOBS {
-        let blocks = JobBlocks::single(vec![2 * j, 2 * j + 1], vec![slot(j), slot(j) + 1]);
-        eng.submit(JobId(1 + j as u64), Direction::HostToDevice, &blocks).unwrap();
-    }
-    let waited: Vec<_> = (0..JOBS).map(|j| eng.wait(JobId(1 + j as u64))).collect();
+    // A submission's error is checked after the poison check: a gather that
+    // poisoned the context fails the later submissions (its sticky error).
+    let submitted: Vec<_> = (0..JOBS)
+        .map(|j| {
+            let blocks = JobBlocks::single(vec![2 * j, 2 * j + 1], vec![slot(j), slot(j) + 1]);
+            eng.submit(JobId(1 + j as u64), Direction::HostToDevice, &blocks)
+        })
+        .collect();
+    let waited: Vec<_> =
+        (0..JOBS).filter(|&j| submitted[j].is_ok()).map(|j| eng.wait(JobId(1 + j as u64))).collect();
     let results = eng.poll_finished();
     pin.join();
 
     assert!(f.sim().poisoned().is_none(), "context poisoned: the gather kernel read unregistered memory");
+    submitted.into_iter().for_each(|s| s.unwrap());
     waited.into_iter().for_each(|w| w.unwrap());
     assert!(results.iter().all(|r| r.error.is_none()), "job failed: {results:?}");
     for j in 0..JOBS {
