@@ -61,8 +61,7 @@ fn scenario(variant: Variant) {
             eng.submit(JobId(1 + j as u64), Direction::HostToDevice, &blocks)
         })
         .collect();
-    let waited: Vec<_> =
-        (0..JOBS).filter(|&j| submitted[j].is_ok()).map(|j| eng.wait(JobId(1 + j as u64))).collect();
+    let waited: Vec<_> = (0..JOBS).filter(|&j| submitted[j].is_ok()).map(|j| eng.wait(JobId(1 + j as u64))).collect();
     let results = eng.poll_finished();
     pin.join();
 
