@@ -16,7 +16,7 @@
 //! `registers_running` in src/runtime/sim), so the window is a single
 //! critical-section boundary that every interleaving falls on one side of.
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -25,7 +25,7 @@ use common::{check, Bounds};
 use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{CaptureMode, Code, GpuRuntime};
-use kvoffload::internal::sync::Arc;
+use kvoffload::internal::sync::{thread, Arc};
 
 static HOST: [u8; 64] = [0; 64];
 
@@ -40,7 +40,7 @@ fn scenario(relaxed: bool) {
     let d = coord.unsafe_call("alloc", |g| sim.mem_alloc(g, 64)).unwrap().unwrap();
     let addr = HOST.as_ptr() as usize;
     let (b_sim, b_coord) = (sim.clone(), coord.clone());
-    let b = loom::thread::spawn(move || {
+    let b = thread::spawn(move || {
         if relaxed {
             b_sim.exchange_capture_mode(CaptureMode::Relaxed).unwrap();
         }

@@ -31,7 +31,7 @@
 //! outside the gate: cuEventQuery", in the first interleaving, whether or
 //! not a capture is open then.
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;

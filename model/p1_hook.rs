@@ -64,7 +64,7 @@
 //! wakes the hook's waiters, as `capture_end` does.
 //! Bound: preemption bound 2 (4 threads).
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -78,11 +78,16 @@ use kvoffload::internal::runtime::{shared, CaptureMode, GpuRuntime};
 use kvoffload::internal::sync::{thread, Arc};
 use kvoffload::internal::transfer::{JobId, Lane};
 
-/// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and 2 host
-/// slots (two registration chunks), on a simulated GPU.
+/// Host slots (one registration chunk each) and, beside a hooked capture,
+/// library threads storing a job each: loom's size, and shuttle's past it.
+const SLOTS: usize = common::sized(2, 5);
+const LIBRARY_THREADS: usize = common::sized(1, 3);
+
+/// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and `SLOTS`
+/// host slots (as many registration chunks), on a simulated GPU.
 fn offloader(variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<Offloader>) {
     let rt = shared(SimRuntime::new());
-    let opts = lean(OffloaderOptions::with_host_blocks(2), Some(kvoffload::internal::region::page_size()));
+    let opts = lean(OffloaderOptions::with_host_blocks(SLOTS), Some(kvoffload::internal::region::page_size()));
     (rt.clone(), Arc::new(offloader_on(rt, opts, variant)))
 }
 
@@ -102,12 +107,17 @@ fn beside_a_hooked_capture(variant: Variant) {
     let d = off.gated("the engine's scratch", |c| c.mem_alloc(64)).unwrap().unwrap();
     let compute = off.geometry().compute_stream();
     off.start().unwrap();
-    let o2 = off.clone();
-    let library = thread::spawn(move || {
-        o2.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[1], 0))
-            .expect("a store beside a capture is never refused");
-        o2.wait_jobs(&[JobId(1)]).expect("a wait from a thread without a window");
-    });
+    // Library thread `i` stores GPU block 0 into slot `1 + i`.
+    let library: Vec<_> = (0..LIBRARY_THREADS)
+        .map(|i| {
+            let (o2, job) = (off.clone(), JobId(1 + i as u64));
+            thread::spawn(move || {
+                o2.submit(job, Lane::Store, &SlotJob::single(&[0], &[1 + i], 0))
+                    .expect("a store beside a capture is never refused");
+                o2.wait_jobs(&[job]).expect("a wait from a thread without a window");
+            })
+        })
+        .collect();
     off.capture_hook().begin().unwrap();
     rt.begin_capture(compute, CaptureMode::Global).unwrap();
     // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
@@ -115,13 +125,17 @@ fn beside_a_hooked_capture(variant: Variant) {
     let enq = unsafe { rt.memset_d8_async(d, 0, 64, compute) };
     let end = rt.end_capture(compute);
     off.capture_hook().end().unwrap();
-    library.join().unwrap();
+    library.into_iter().for_each(|t| t.join().unwrap());
     assert!(enq.is_ok() && end.is_ok(), "capture invalidated: enqueue {enq:?}, end {end:?}");
     assert!(sim(&rt).refusals().is_empty(), "the simulated GPU refused a call: {:?}", sim(&rt).refusals());
-    let done = poll_n(&off, 1);
-    assert!(done[0].error.is_none(), "a job of the hooked capture failed: {done:?}");
-    assert!(done[0].deferred_seconds >= 0.0 && done[0].seconds >= done[0].deferred_seconds, "{done:?}");
-    assert_eq!(slot_bytes(&off, 1), [0x5a; PAGE], "the store's bytes are not in its slot");
+    let done = poll_n(&off, LIBRARY_THREADS);
+    for d in &done {
+        assert!(d.error.is_none(), "a job of the hooked capture failed: {done:?}");
+        assert!(d.deferred_seconds >= 0.0 && d.seconds >= d.deferred_seconds, "{done:?}");
+    }
+    for i in 0..LIBRARY_THREADS {
+        assert_eq!(slot_bytes(&off, 1 + i), [0x5a; PAGE], "the store's bytes are not in its slot");
+    }
     rt.graph_destroy(end.unwrap()).unwrap();
     assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
     off.shutdown().unwrap();

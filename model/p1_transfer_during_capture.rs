@@ -31,7 +31,7 @@
 //! between: the library thread's record lands on the capturing stream, the
 //! sim refuses it and the capture is invalidated.
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;

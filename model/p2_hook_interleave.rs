@@ -23,7 +23,7 @@
 //! the windows: so at most the registration already in flight, or one
 //! started on the library's turn before the request, completes first.
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;

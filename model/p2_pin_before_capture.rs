@@ -28,7 +28,7 @@
 //! waiting. So at most the one registration already in flight when the
 //! window asked completes before it opens.
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;

@@ -25,7 +25,7 @@
 //! Negative N4: `acquire_alias` without the registration check; loom finds
 //! the launch on unregistered memory.
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -37,26 +37,44 @@ use kvoffload::internal::runtime::sim::SimFault;
 use kvoffload::internal::runtime::{Code, Direction};
 use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId};
 
+/// Chunks of the region (the last one's registration fails) and gather
+/// jobs (job `j` loads two blocks of chunk `j % CHUNKS`): loom's size, and
+/// shuttle's past it.
+const CHUNKS: usize = common::sized(2, 6);
+const JOBS: usize = common::sized(1, 4);
+
 fn scenario(variant: Variant) {
-    let f = fixture(CapturePolicy::Interleave, variant, 2, 64);
+    let f = fixture(CapturePolicy::Interleave, variant, CHUNKS, 64);
     let page = 16;
-    host(&f, 128).iter_mut().enumerate().for_each(|(i, b)| *b = i as u8 + 1);
-    let (eng, dev) = engine(&f, 2, page, 2, BackendChoice::Force(Backend::Gather));
-    f.sim().inject(SimFault::Register { nth: 2, code: Code::OUT_OF_MEMORY });
+    let per_chunk = 64 / page;
+    host(&f, CHUNKS * 64).iter_mut().enumerate().for_each(|(i, b)| *b = (i as u8).wrapping_add(1));
+    let (eng, dev) = engine(&f, CHUNKS, page, 2 * JOBS, BackendChoice::Force(Backend::Gather));
+    f.sim().inject(SimFault::Register { nth: CHUNKS as u64, code: Code::OUT_OF_MEMORY });
     let pin = PinHandle::spawn(f.rt.clone(), f.coord.clone(), NoPrefault::shared());
 
-    eng.submit(JobId(1), Direction::HostToDevice, &JobBlocks::single(vec![0, 1], vec![0, 1])).unwrap();
-    let waited = eng.wait(JobId(1));
+    let slot = |j: usize| per_chunk * (j % CHUNKS);
+    // A submission's error is checked after the poison check: a gather that
+    // poisoned the context fails the later submissions (its sticky error).
+    let submitted: Vec<_> = (0..JOBS)
+        .map(|j| {
+            let blocks = JobBlocks::single(vec![2 * j, 2 * j + 1], vec![slot(j), slot(j) + 1]);
+            eng.submit(JobId(1 + j as u64), Direction::HostToDevice, &blocks)
+        })
+        .collect();
+    let waited: Vec<_> = (0..JOBS).filter(|&j| submitted[j].is_ok()).map(|j| eng.wait(JobId(1 + j as u64))).collect();
     let results = eng.poll_finished();
     pin.join();
 
     assert!(f.sim().poisoned().is_none(), "context poisoned: the gather kernel read unregistered memory");
-    waited.unwrap();
+    submitted.into_iter().for_each(|s| s.unwrap());
+    waited.into_iter().for_each(|w| w.unwrap());
     assert!(results.iter().all(|r| r.error.is_none()), "job failed: {results:?}");
-    let mut out = [0u8; 32];
-    // SAFETY: `out` is a writable local buffer of 32 bytes.
-    unsafe { f.rt.copy_dtoh(out.as_mut_ptr() as usize, dev, 32) }.unwrap();
-    assert_eq!(&out[..], &host(&f, 32)[..], "device holds the wrong bytes");
+    for j in 0..JOBS {
+        let mut out = [0u8; 32];
+        // SAFETY: `out` is a writable local buffer of 32 bytes.
+        unsafe { f.rt.copy_dtoh(out.as_mut_ptr() as usize, dev.offset(2 * j * page), 32) }.unwrap();
+        assert_eq!(&out[..], &host(&f, CHUNKS * 64)[slot(j) * page..][..32], "device holds the wrong bytes");
+    }
 }
 
 const B: Bounds = Bounds { property: "P3", threads: 3, preemptions: 3 };

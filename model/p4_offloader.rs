@@ -53,7 +53,7 @@
 //! then does it drain, drop the engine, wait for pinning and unregister.
 //! Bound: preemption bound 2 (the scenarios have 4 threads each).
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;

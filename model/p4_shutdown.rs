@@ -38,7 +38,7 @@
 //! `register_graph` refuse; it then waits until every job ticket is dropped
 //! and pinning is final; only then does `shutdown` unregister.
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -64,10 +64,15 @@ fn during_pinning(variant: Variant) {
     let pin = PinHandle::spawn(f.rt.clone(), f.coord.clone(), NoPrefault::shared());
     // `join_pinner` does not join: the coordinator's own waits must keep
     // every registration from outliving shutdown.
-    shutdown(f.rt.as_ref(), &f.coord, || {}).unwrap();
+    // Its result is checked last: a shutdown that did not wait for pinning
+    // may also fail to unregister a chunk whose registration is in flight
+    // (shuttle finds that schedule), and what must be shown is the chunk
+    // it leaves registered.
+    let down = shutdown(f.rt.as_ref(), &f.coord, || {});
     assert_eq!(f.sim().registered_ranges(), 0, "chunk left registered after shutdown returned");
     pin.join();
     assert_eq!(f.sim().registered_ranges(), 0, "chunk left registered after shutdown (pinner joined since)");
+    down.expect("shutdown failed");
     assert!(f.coord.pin_state().is_final());
     for i in 0..3 {
         assert_eq!(f.coord.chunk_reg(i), Some(ChunkReg::Unregistered), "chunk {i} left registered");
@@ -226,7 +231,11 @@ fn negative_n5_unregister_while_graph_references_region() {
 #[test]
 #[ignore = "negative model: run by ci/prove, must fail"]
 fn negative_n10_shutdown_does_not_wait_for_pinning() {
-    negative("n10_no_pin_wait", Bounds { property: "N10", ..NEG }, "left registered after shutdown", || {
+    // Two ways the bug shows: a registration completing after shutdown
+    // returned (loom finds this one first), or shutdown's unregister racing
+    // a registration still in flight and failing (shuttle finds both).
+    let reason = "left registered after shutdown || shutdown failed: Unregister";
+    negative("n10_no_pin_wait", Bounds { property: "N10", ..NEG }, reason, || {
         during_pinning(Variant::ShutdownSkipsPinWait)
     });
 }

@@ -16,7 +16,7 @@
 //! successful store, never evicting a block being read) is checked by
 //! tests/manager_state_machine.rs against a reference model.
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -29,42 +29,59 @@ use kvoffload::internal::runtime::{Code, Direction};
 use kvoffload::internal::sync::{thread, Arc};
 use kvoffload::internal::transfer::{BackendChoice, JobBlocks, JobId};
 
+/// Stores and loads (the first load fails in the `failing` variant) over
+/// `CHUNKS` pinned chunks: loom's size, and shuttle's past it.
+const STORES: usize = common::sized(2, 6);
+const LOADS: usize = common::sized(1, 3);
+const CHUNKS: usize = common::sized(1, 2);
+/// GPU blocks: one per store, one per load, one spare (loom's 4).
+const GPU_BLOCKS: usize = STORES + LOADS + 1;
+
 fn scenario(failing: bool) {
-    let f = fixture(CapturePolicy::AfterPinning, Variant::Production, 1, 64);
+    let f = fixture(CapturePolicy::AfterPinning, Variant::Production, CHUNKS, 64);
     assert_eq!(pin_all(f.rt.as_ref(), &f.coord, &NoPrefault), PinState::Pinned);
     let page = 16;
-    host(&f, 64).fill(0);
-    let (eng, dev) = engine(&f, 1, page, 4, BackendChoice::Auto);
-    let pattern: Vec<u8> = (0..64u8).map(|i| i + 1).collect();
-    // SAFETY: `pattern` is a live local buffer of 64 bytes.
-    unsafe { f.rt.copy_htod(dev, pattern.as_ptr() as usize, 64) }.unwrap();
+    host(&f, CHUNKS * 64).fill(0);
+    let (eng, dev) = engine(&f, CHUNKS, page, GPU_BLOCKS, BackendChoice::Auto);
+    let pattern: Vec<u8> = (0..GPU_BLOCKS * page).map(|i| (i as u8).wrapping_add(1)).collect();
+    // SAFETY: `pattern` is a live local buffer of GPU_BLOCKS pages.
+    unsafe { f.rt.copy_htod(dev, pattern.as_ptr() as usize, pattern.len()) }.unwrap();
     let eng = Arc::new(eng);
+    let jobs = STORES + LOADS;
 
     let poller_eng = eng.clone();
     let poller = thread::spawn(move || {
         let mut seen = Vec::new();
-        while seen.len() < 3 {
+        while seen.len() < jobs {
             seen.extend(poller_eng.poll_finished());
             thread::yield_now();
         }
         seen
     });
-    eng.store(JobId(1), &JobBlocks::single(vec![0], vec![0])).unwrap();
-    eng.store(JobId(2), &JobBlocks::single(vec![1], vec![1])).unwrap();
+    for i in 0..STORES {
+        eng.store(JobId(1 + i as u64), &JobBlocks::single(vec![i], vec![i])).unwrap();
+    }
     if failing {
         f.sim().inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
     }
-    eng.load(JobId(3), &JobBlocks::single(vec![3], vec![0])).unwrap();
+    for k in 0..LOADS {
+        eng.load(JobId((STORES + 1 + k) as u64), &JobBlocks::single(vec![STORES + 1 + k], vec![k])).unwrap();
+    }
     let seen = poller.join().unwrap();
 
     let ids: Vec<u64> = seen.iter().map(|r| r.id.0).collect();
     let stores: Vec<u64> = seen.iter().filter(|r| r.direction == Direction::DeviceToHost).map(|r| r.id.0).collect();
-    assert_eq!(stores, vec![1, 2], "stores out of order or lost: {ids:?}");
-    assert_eq!(ids.iter().filter(|&&i| i == 3).count(), 1, "load reported {ids:?}");
+    assert_eq!(stores, (1..=STORES as u64).collect::<Vec<_>>(), "stores out of order or lost: {ids:?}");
+    let loads: Vec<u64> = seen.iter().filter(|r| r.direction == Direction::HostToDevice).map(|r| r.id.0).collect();
+    let want: Vec<u64> = (STORES as u64 + 1..=jobs as u64).collect();
+    assert_eq!(loads, want, "loads out of order, lost or reported twice: {ids:?}");
     assert!(eng.poll_finished().is_empty(), "a job was reported twice");
-    let load = seen.iter().find(|r| r.id == JobId(3)).unwrap();
-    assert_eq!(load.error.is_some(), failing, "failed job not reported as failed: {load:?}");
-    assert_eq!(&host(&f, 32)[..], &pattern[..32], "stored bytes wrong");
+    for r in seen.iter().filter(|r| r.direction == Direction::HostToDevice) {
+        // The injected fault fails the first load's copy.
+        let fails = failing && r.id.0 == STORES as u64 + 1;
+        assert_eq!(r.error.is_some(), fails, "failed job not reported as failed: {r:?}");
+    }
+    assert_eq!(&host(&f, CHUNKS * 64)[..STORES * page], &pattern[..STORES * page], "stored bytes wrong");
 }
 
 const B: Bounds = Bounds { property: "P5", threads: 3, preemptions: 3 };

@@ -39,7 +39,7 @@
 //! whose completion event the transfer engine saw complete (P5's engine
 //! models).
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;

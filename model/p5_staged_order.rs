@@ -32,7 +32,7 @@
 //! Negative N14: the joins skipped (`Variant::UnjoinedStaging`); loom finds
 //! a store reported while its chunks are still queued on a staging stream.
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;

@@ -28,7 +28,7 @@
 //! the coordinator's one condition variable in the same critical section.
 //! Bounds: preemption bound 3 (2 for the negatives, a subset).
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -38,11 +38,16 @@ use kvoffload::internal::pin::{pin_all, NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::internal::sync::thread;
 
+/// Chunks the pinner registers and windows the engine opens back to back:
+/// loom's size, and shuttle's past it.
+const CHUNKS: usize = common::sized(3, 8);
+const WINDOWS: usize = common::sized(3, 8);
+
 fn back_to_back_windows(variant: Variant) {
-    let f = fixture(CapturePolicy::Interleave, variant, 3, 64);
+    let f = fixture(CapturePolicy::Interleave, variant, CHUNKS, 64);
     let pin = PinHandle::spawn(f.rt.clone(), f.coord.clone(), NoPrefault::shared());
     let mut waited_at: Option<usize> = None;
-    for _ in 0..3 {
+    for _ in 0..WINDOWS {
         let w = f.coord.open_window().unwrap();
         let (waiting, registered) = (f.coord.activity().calls_waiting > 0, f.coord.registered_chunks());
         if waiting {

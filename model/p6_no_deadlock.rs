@@ -24,7 +24,7 @@
 //! [..]"), not just "deadlock", which `ProtocolError::WouldDeadlock`'s text
 //! ("... would deadlock") also contains.
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;

@@ -36,7 +36,7 @@
 //! (`Variant::PublishBeforeAgreement`); caught as "turned offload on before
 //! every rank".
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;

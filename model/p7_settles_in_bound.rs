@@ -30,7 +30,7 @@
 //! as loom's "Model exceeded maximum number of branches" (a spin that never
 //! ends).
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;

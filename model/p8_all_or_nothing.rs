@@ -1,5 +1,5 @@
 //! P8 all-or-nothing: after a registration failure at chunk k (first,
-//! middle or last of 3), every chunk registered before it is unregistered
+//! middle or last of 3; of 10 under shuttle), every chunk registered before it is unregistered
 //! and the region is usable as pageable memory; this holds while the engine
 //! captures a graph in a capture window concurrently (Interleave policy).
 //!
@@ -28,7 +28,7 @@
 //! window (`Variant::NoCaptureWindow`): loom finds a registration or an
 //! unregistration of the rollback invalidating the capture.
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -39,11 +39,14 @@ use kvoffload::internal::protocol::{CapturePolicy, ChunkReg, PageableReason, Pin
 use kvoffload::internal::runtime::sim::SimFault;
 use kvoffload::internal::runtime::{CaptureMode, Code};
 
+/// Chunks of the region: loom's size, and shuttle's past it.
+const CHUNKS: usize = common::sized(3, 10);
+
 fn scenario(variant: Variant, fail_at: u64) {
-    let f = fixture(CapturePolicy::Interleave, variant, 3, 64);
+    let f = fixture(CapturePolicy::Interleave, variant, CHUNKS, 64);
     let rt = f.rt.clone();
     let s = rt.stream_create().unwrap();
-    let bytes = 3 * f.chunk;
+    let bytes = CHUNKS * f.chunk;
     let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, bytes)).unwrap().unwrap();
     f.sim().inject(SimFault::Register { nth: fail_at, code: Code::OUT_OF_MEMORY });
     let pin = PinHandle::spawn(f.rt.clone(), f.coord.clone(), NoPrefault::shared());
@@ -58,18 +61,18 @@ fn scenario(variant: Variant, fail_at: u64) {
     assert!(enq.is_ok() && end.is_ok(), "capture invalidated during pinning: enqueue {enq:?}, end {end:?}");
     rt.graph_destroy(end.unwrap()).unwrap();
     assert_eq!(state, PinState::Pageable(PageableReason::OutOfMemory));
-    for i in 0..3 {
+    for i in 0..CHUNKS {
         assert_eq!(f.coord.chunk_reg(i), Some(ChunkReg::Unregistered), "chunk {i} left registered");
     }
     assert_eq!(f.sim().registered_ranges(), 0, "chunk left registered in the driver");
     // Pageable in the driver's eyes: no device alias for any chunk.
-    for i in 0..3 {
+    for i in 0..CHUNKS {
         let alias = rt.host_device_ptr(f.base + i * f.chunk);
         assert!(alias.is_err(), "chunk {i} left registered: the driver still maps it ({alias:?})");
     }
     // Usable as pageable memory: an asynchronous copy to the device and
     // back moves every byte.
-    // SAFETY: the fixture's memory is leaked, 3*64 bytes, owned by this model.
+    // SAFETY: the fixture's memory is leaked, CHUNKS*64 bytes, owned by this model.
     let mem = unsafe { std::slice::from_raw_parts_mut(f.base as *mut u8, bytes) };
     mem.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8 ^ 0x5a);
     let mut back = vec![0u8; bytes];
@@ -92,19 +95,19 @@ fn p8_failure_at_first_chunk_rolls_back() {
 
 #[test]
 fn p8_failure_at_middle_chunk_rolls_back() {
-    check("p8_fail_middle", B, || scenario(Variant::Production, 2));
+    check("p8_fail_middle", B, || scenario(Variant::Production, CHUNKS as u64 / 2 + 1));
 }
 
 #[test]
 fn p8_failure_at_last_chunk_rolls_back() {
-    check("p8_fail_last", B, || scenario(Variant::Production, 3));
+    check("p8_fail_last", B, || scenario(Variant::Production, CHUNKS as u64));
 }
 
 #[test]
 #[ignore = "negative model: run by ci/prove, must fail"]
 fn negative_n7_rollback_forgets_earlier_chunks() {
     negative("n7_forgetful_rollback", Bounds { property: "N7", ..B }, "left registered", || {
-        scenario(Variant::ForgetfulRollback, 3)
+        scenario(Variant::ForgetfulRollback, CHUNKS as u64)
     });
 }
 
@@ -112,6 +115,6 @@ fn negative_n7_rollback_forgets_earlier_chunks() {
 #[ignore = "negative model: run by ci/prove, must fail"]
 fn negative_n11_pinning_without_capture_windows() {
     negative("n11_no_capture_window", Bounds { property: "N11", ..B }, "capture invalidated", || {
-        scenario(Variant::NoCaptureWindow, 3)
+        scenario(Variant::NoCaptureWindow, CHUNKS as u64)
     });
 }

@@ -13,7 +13,7 @@
 //!
 //! Threads (2): main, which spawns and joins, and the panicking thread.
 
-#![cfg(loom)]
+#![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;

@@ -94,7 +94,7 @@ pub use region::{
     page_size, AbandonReason, FileProblem, FileSplit, JoinPhase, Layout, RawRange, Region, RegionError, ShmOptions,
     ShmStep, DEFAULT_FILE_BYTES, DEFAULT_SHM_DIR, MAX_FILES, MAX_RANKS,
 };
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 pub use runtime::cuda::CudaRuntime;
 pub use runtime::sim::{SimConfig, SimFault, SimRuntime};
 pub use runtime::{

@@ -2,7 +2,9 @@
 //! through the crate root: each name parses back to its value, names are
 //! distinct, an unknown name lists the valid ones.
 
-use kvoffload::{Backend, BackendChoice, CapturePolicy, Direction, HugePages, Lane, Lookup, Named, PolicyKind, PrefaultMode};
+use kvoffload::{
+    Backend, BackendChoice, CapturePolicy, Direction, HugePages, Lane, Lookup, Named, PolicyKind, PrefaultMode,
+};
 
 /// Every value's name parses back to it, and the names are distinct.
 fn round_trips<T: Named + PartialEq + std::fmt::Debug + std::fmt::Display + std::str::FromStr>() {

@@ -1,7 +1,9 @@
-//! Shared by every loom model: runs a model with an explicit preemption
-//! bound and reports what was explored in one machine-readable line that
-//! `ci/prove` turns into the proof table; builds the usual fixture (a
-//! simulated GPU and a coordinator over a small host region).
+//! Shared by every model: runs a model under loom with an explicit
+//! preemption bound (`--cfg loom`), or under shuttle's random scheduler for
+//! a number of schedules (`--cfg shuttle`), and reports what was explored in
+//! one machine-readable line that `ci/prove` turns into the proof table;
+//! builds the usual fixture (a simulated GPU and a coordinator over a small
+//! host region).
 
 #![allow(dead_code)]
 
@@ -27,6 +29,25 @@ pub struct Bounds {
 
 static ITER: AtomicUsize = AtomicUsize::new(0);
 
+/// The prefix of the machine-readable lines (`LOOM-REPORT`, `SHUTTLE-REPORT`,
+/// ...): which checker ran the model, so ci/prove reads each build's own.
+#[cfg(loom)]
+pub const MARK: &str = "LOOM";
+#[cfg(shuttle)]
+pub const MARK: &str = "SHUTTLE";
+
+/// A scenario's size: `loom` in loom builds (the size the proof table's
+/// interleaving counts are of: never change it without re-running
+/// ci/prove), `shuttle` in shuttle builds, which run the same scenario past
+/// what loom can explore (docs/PROOFS.md, "Past loom's bound").
+pub const fn sized(loom: usize, shuttle: usize) -> usize {
+    if cfg!(shuttle) {
+        shuttle
+    } else {
+        loom
+    }
+}
+
 /// Runs `f` in every interleaving loom explores under `b`, then prints
 /// `LOOM-REPORT model=.. property=.. threads=.. preemptions=.. iterations=.. seconds=..`.
 ///
@@ -35,6 +56,7 @@ static ITER: AtomicUsize = AtomicUsize::new(0);
 /// screening round: a failure found under a lower bound is a real failing
 /// interleaving, and what passes the screen is run again at the model's own
 /// bound. `ci/prove` never sets it (and refuses to run when it is set).
+#[cfg(loom)]
 pub fn check<F>(name: &str, mut b: Bounds, f: F)
 where
     F: Fn() + Sync + Send + 'static,
@@ -59,6 +81,116 @@ where
         ITER.load(Ordering::SeqCst),
         t.elapsed().as_secs_f64()
     );
+}
+
+/// Schedules a shuttle run tries when `KVO_SHUTTLE_ITERATIONS` is not set.
+#[cfg(shuttle)]
+pub const SHUTTLE_DEFAULT_SCHEDULES: usize = 50;
+
+/// The most threads one schedule had (the model's main thread included), and
+/// the most scheduling steps one took, over the schedules of a shuttle run.
+#[cfg(shuttle)]
+static THREADS: AtomicUsize = AtomicUsize::new(0);
+#[cfg(shuttle)]
+static STEPS: AtomicUsize = AtomicUsize::new(0);
+
+/// Runs `f` under shuttle's random scheduler, then prints
+/// `SHUTTLE-REPORT model=.. property=.. threads=.. steps=.. schedules=.. seed=.. seconds=..`
+/// (`threads`: the most one schedule had, counted; `steps`: the most
+/// scheduling decisions one took). `b`'s preemption bound is loom's and
+/// means nothing here: each schedule picks a random runnable thread at every
+/// scheduling point (lock, atomic, condition variable, spawn, join, yield),
+/// with no bound on preemptions.
+///
+/// - `KVO_SHUTTLE_ITERATIONS=n`: the schedules to try (default
+///   [`SHUTTLE_DEFAULT_SCHEDULES`]); ci/prove sets it (quick pass, `--full`).
+/// - `KVO_SHUTTLE_SEED=s`: the seed of the run's random scheduler (default:
+///   a fresh one, printed on a `SHUTTLE-START` line before the first
+///   schedule, so a run is reproducible: the same seed tries the same
+///   schedules).
+/// - `KVO_SHUTTLE_PCT=d`: after the random schedules, as many of shuttle's
+///   PCT scheduler (probabilistic concurrency testing: `d` random priority
+///   changes a schedule), seeded alike; it finds bugs of few preemptions
+///   that uniformly random schedules rarely hit (N13: caught within 6 PCT
+///   schedules, not in 50000 random ones). ci/prove sets `d` = 3.
+/// - `KVO_SHUTTLE_REPLAY=<schedule>`: replays one schedule instead, as
+///   shuttle printed it after a failure ("failing schedule: .."), or the path
+///   of a file holding it (ci/prove saves each failing schedule to one).
+#[cfg(shuttle)]
+pub fn check<F>(name: &str, b: Bounds, f: F)
+where
+    F: Fn() + Sync + Send + 'static,
+{
+    use shuttle::scheduler::{PctScheduler, RandomScheduler, ReplayScheduler};
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+    let schedules = env("KVO_SHUTTLE_ITERATIONS").map_or(SHUTTLE_DEFAULT_SCHEDULES, |v| {
+        v.trim().parse().expect("KVO_SHUTTLE_ITERATIONS: a number of schedules")
+    });
+    let seed = env("KVO_SHUTTLE_SEED").map_or_else(fresh_seed, |v| v.trim().parse().expect("KVO_SHUTTLE_SEED: a u64"));
+    ITER.store(0, Ordering::SeqCst);
+    THREADS.store(0, Ordering::SeqCst);
+    STEPS.store(0, Ordering::SeqCst);
+    let body = move || {
+        ITER.fetch_add(1, Ordering::Relaxed);
+        f();
+        // Task ids count up from the main thread's 0: a thread spawned now
+        // gets the number of threads this schedule had.
+        let probe = shuttle::thread::spawn(shuttle::current::get_current_task).join().unwrap();
+        THREADS.fetch_max(probe.map_or(0, usize::from), Ordering::Relaxed);
+        STEPS.fetch_max(shuttle::current::context_switches(), Ordering::Relaxed);
+    };
+    let mut config = shuttle::Config::new();
+    // The library's frames (tracing, the sim's tables) need more than
+    // shuttle's 60 KiB default.
+    config.stack_size = 1 << 20;
+    config.silence_warnings = true;
+    // Stop at the first panic: the schedule printed then is the whole of
+    // what a replay needs (scheduling on while the panicking thread unwinds
+    // would take steps the printed schedule lacks).
+    config.ungraceful_shutdown_config.immediately_return_on_panic = true;
+    let t = Instant::now();
+    let replay = env("KVO_SHUTTLE_REPLAY");
+    let pct: Option<usize> = env("KVO_SHUTTLE_PCT").map(|d| d.trim().parse().expect("KVO_SHUTTLE_PCT: a bug depth"));
+    let body = std::sync::Arc::new(body);
+    let run = |sched: Box<dyn shuttle::scheduler::Scheduler + Send>| {
+        let body = body.clone();
+        shuttle::Runner::new(sched, config.clone()).run(move || body())
+    };
+    let ran = if let Some(r) = &replay {
+        println!("SHUTTLE-START model={name} replay=1");
+        let sched = if std::path::Path::new(r.trim()).is_file() {
+            ReplayScheduler::new_from_file(r.trim()).expect("KVO_SHUTTLE_REPLAY: a readable schedule file")
+        } else {
+            ReplayScheduler::new_from_encoded(r.trim())
+        };
+        run(Box::new(sched))
+    } else {
+        println!("SHUTTLE-START model={name} seed={seed} schedules={schedules} scheduler=random");
+        let mut ran = run(Box::new(RandomScheduler::new_from_seed(seed, schedules)));
+        if let Some(depth) = pct {
+            println!("SHUTTLE-START model={name} seed={seed} schedules={schedules} scheduler=pct{depth}");
+            ran += run(Box::new(PctScheduler::new_from_seed(seed, depth, schedules)));
+        }
+        ran
+    };
+    println!(
+        "SHUTTLE-REPORT model={name} property={} threads={} steps={} schedules={ran} seed={} seconds={:.2}",
+        b.property,
+        THREADS.load(Ordering::SeqCst),
+        STEPS.load(Ordering::SeqCst),
+        if replay.is_some() { "replay".to_string() } else { seed.to_string() },
+        t.elapsed().as_secs_f64()
+    );
+}
+
+/// A seed for a shuttle run nobody gave one: std's per-process hash keys
+/// (random), folded with the time.
+#[cfg(shuttle)]
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish()
 }
 
 /// Set by the first panic of a negative model; later panics (while
@@ -96,7 +228,8 @@ fn payload_text(payload: &(dyn std::any::Any + Send)) -> String {
 
 /// A negative model: the production code with one known-bad `variant`.
 /// Declares the failure it must end in (`reason`, a substring of loom's or
-/// the assertion's message) on a
+/// the assertion's message; several, separated by ` || `, when the bug can
+/// show in more than one way) on a
 /// `LOOM-EXPECT model=.. property=.. threads=.. preemptions=.. reason=..`
 /// line. The first panic, whichever thread raises it (an assertion in the
 /// model, in a model thread, or loom's own: "deadlock; threads = ..",
@@ -112,8 +245,15 @@ pub fn negative<F>(name: &str, b: Bounds, reason: &str, f: F)
 where
     F: Fn() + Sync + Send + 'static,
 {
+    // Shuttle says loom's two failures of its own in its words.
+    #[cfg(shuttle)]
+    let reason = match reason {
+        "deadlock; threads" => "deadlock!",
+        "Model exceeded maximum number of branches" => "exceeded max_steps bound",
+        r => r,
+    };
     println!(
-        "LOOM-EXPECT model={name} property={} threads={} preemptions={} reason={}",
+        "{MARK}-EXPECT model={name} property={} threads={} preemptions={} reason={}",
         b.property,
         b.threads,
         b.preemptions,
@@ -126,8 +266,8 @@ where
             let at = info
                 .location()
                 .map_or_else(|| "?".to_string(), |l| format!("{}:{}:{}", l.file(), l.line(), l.column()));
-            println!("LOOM-CAUGHT iterations={}", ITER.load(Ordering::SeqCst));
-            println!("LOOM-FAILED at={} reason={}", at.replace(' ', "%20"), one_line(&payload_text(info.payload())));
+            println!("{MARK}-CAUGHT iterations={}", ITER.load(Ordering::SeqCst));
+            println!("{MARK}-FAILED at={} reason={}", at.replace(' ', "%20"), one_line(&payload_text(info.payload())));
         }
         prev(info);
     }));

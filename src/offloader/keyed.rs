@@ -182,7 +182,7 @@ impl KeyedOffloader {
             let book = j.book::<KeyedBook>();
             book.keys.insert(id, stored.clone());
             // N18 (loom builds only): the keys readable at submission.
-            #[cfg(loom)]
+            #[cfg(any(loom, shuttle))]
             if crate::protocol::variant_is!(self.core.coord, ReadableAtSubmit) {
                 let _ = book.manager.complete_store(&stored, true);
             }
@@ -217,7 +217,7 @@ impl KeyedOffloader {
             let book = j.book::<KeyedBook>();
             book.keys.insert(id, keys.to_vec());
             // N19 (loom builds only): the slots released at submission.
-            #[cfg(loom)]
+            #[cfg(any(loom, shuttle))]
             if crate::protocol::variant_is!(self.core.coord, SlotFreedAtLoadSubmit) {
                 let _ = book.manager.complete_load(keys);
             }

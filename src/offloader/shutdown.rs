@@ -119,7 +119,7 @@ impl Offloader {
 
     /// Selects a known-bad variant of the protocol for this offloader
     /// (negative models only).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     #[doc(hidden)]
     pub fn set_variant(&self, v: crate::protocol::Variant) {
         self.coord.set_variant(v);

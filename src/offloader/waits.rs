@@ -62,7 +62,7 @@ const MAX_PAUSE: Duration = Duration::from_micros(200);
 /// most about 0.2 ms late, for a few thousand cheap polls a second).
 /// Under loom: a yield, which is what loom needs to explore a poll loop.
 fn pause(attempt: u32) {
-    if sync::LOOM || attempt < SPIN_POLLS {
+    if sync::MODEL || attempt < SPIN_POLLS {
         sync::thread::yield_now();
         return;
     }

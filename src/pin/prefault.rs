@@ -314,7 +314,7 @@ fn split(addr: usize, len: usize, threads: usize, align: usize) -> Vec<(usize, u
 /// Restricts worker `k` to `cpus` (not under loom: its threads are not OS
 /// threads of their own).
 fn pin_worker(k: usize, cpus: &[usize]) {
-    if sync::LOOM || cpus.is_empty() {
+    if sync::MODEL || cpus.is_empty() {
         return;
     }
     if let Err(e) = super::numa::bind_current_thread(cpus) {
@@ -325,7 +325,7 @@ fn pin_worker(k: usize, cpus: &[usize]) {
 /// Raises this thread's niceness to `nice` (never lowers it: that needs
 /// privileges); not under loom, whose threads are not OS threads.
 fn lower_priority(k: usize, nice: i32) {
-    if sync::LOOM || nice <= 0 {
+    if sync::MODEL || nice <= 0 {
         return;
     }
     let tid = rustix::thread::gettid();

@@ -54,16 +54,17 @@ use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 const INTERRUPT_SLICE: Duration = Duration::from_millis(50);
 
 /// `bad!(state, Name)`: true when the coordinator's state `state` runs the
-/// known-bad variant `Variant::Name` of a negative model. Loom builds only:
+/// known-bad variant `Variant::Name` of a negative model. Model builds only
+/// (`--cfg loom` or `--cfg shuttle`):
 /// elsewhere it is `false` and the variant does not exist, so no negative
 /// model's knob is compiled into the engine's build.
-#[cfg(loom)]
+#[cfg(any(loom, shuttle))]
 macro_rules! bad {
     ($g:expr, $v:ident) => {
         $g.variant == Variant::$v
     };
 }
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 macro_rules! bad {
     ($g:expr, $v:ident) => {
         false
@@ -71,15 +72,15 @@ macro_rules! bad {
 }
 
 /// `variant_is!(coord, Name)`: [`Coordinator::is`] of `Variant::Name` in
-/// loom builds, `false` (and not compiled) elsewhere; for the other
+/// model builds (loom, shuttle), `false` (and not compiled) elsewhere; for the other
 /// modules' negative-model knobs.
-#[cfg(loom)]
+#[cfg(any(loom, shuttle))]
 macro_rules! variant_is {
     ($c:expr, $v:ident) => {
         $c.is($crate::protocol::Variant::$v)
     };
 }
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 macro_rules! variant_is {
     ($c:expr, $v:ident) => {
         false
@@ -119,108 +120,108 @@ named!(CapturePolicy, "capture policy" {
 /// The production protocol, or one of the known-bad variants that the
 /// negative models run (of N1-N25, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
-/// loom builds (`bad!`, `variant_is!`): the engine's build has `Production`
+/// model builds, loom's and shuttle's (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub enum Variant {
     /// The protocol as shipped: every rule of the module docs enforced.
-    /// The only variant outside loom builds, and the one the positive
+    /// The only variant outside model builds, and the one the positive
     /// models P1-P8 check.
     #[default]
     Production,
     /// N1: upstream's design: no capture window (windows open at once,
     /// library calls are not held back).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     NoCaptureWindow,
     /// N2: shutdown unregisters without draining transfers.
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     NoDrainBeforeUnregister,
     /// N3: the completion poller queries events even while a window is open.
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     UngatedPoller,
     /// N4: the gather kernel gets an alias without checking registration.
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     UncheckedGather,
     /// N5: shutdown ignores graphs that still reference the region.
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     IgnoreLiveGraphs,
     /// N6: waiting for pinning inside a window is allowed (and hangs).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     WaitInsideWindow,
     /// N7: rollback unregisters only the chunk that failed last.
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     ForgetfulRollback,
     /// N13: a rank publishes its own pin outcome (offload on) before the
     /// ranks exchanged theirs (P7).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     PublishBeforeAgreement,
     /// N9: `TransferEngine::submit` as it was before it moved inside the gate: it checks
     /// the compute stream's capture status, then records the ordering
     /// event on it and waits for it on the handler's stream, all outside
     /// the gate (check-then-act: a capture may begin in between).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     RacySubmit,
     /// N10: shutdown does not wait for pinning to settle before it
     /// unregisters (a registration in flight completes afterwards).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     ShutdownSkipsPinWait,
     /// N14: the staged backend does not join its two staging streams back
     /// into the handler's stream, so a job's completion event does not
     /// cover its chunks (P5).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     UnjoinedStaging,
     /// N16: a closing window does not hand the turn to a waiting library
     /// call, so windows opening back to back starve pinning (P6, liveness).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     WindowKeepsTurn,
     /// N17: a guard's release (a window, a job ticket, a graph token, an
     /// alias, the end of a gated call) changes the state but wakes nobody
     /// (P6, liveness: a lost wake-up).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     SilentRelease,
     /// N18: `KeyedOffloader::store` makes its keys readable when the store is
     /// submitted, not when it completed (P5).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     ReadableAtSubmit,
     /// N19: `KeyedOffloader::load` releases its keys' slots when the load is
     /// submitted, so eviction may hand a slot to a store while the load
     /// still reads it (P5).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     SlotFreedAtLoadSubmit,
     /// N20: `Offloader::shutdown` skips its own drain (polling its jobs to
     /// completion) and drops the transfer engine with jobs unreported: their
     /// completions never reach the block manager (P4, P5).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     OffloaderSkipsDrain,
     /// N21: the capture hook's `capture_end` submits the jobs it deferred
     /// before it closes its window, not after (on the closing thread, still
     /// inside the window the capture runs in).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     HookFlushesInsideWindow,
     /// N22: the capture hook's `capture_abort` (a capture whose begin
     /// failed) forgets to close the window its `capture_begin` opened.
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     HookAbortKeepsWindow,
     /// N23: a rank's wait in the P7 agreement ignores the cancel of its
     /// pinning (a shutdown during the agreement), as before issue 28: it
     /// waits for a peer that never settles.
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     AgreementIgnoresCancel,
     /// N25: a refused shutdown has already asked pinning to stop (the
     /// cancel set before the refusal's checks): pinning rolls back to
     /// pageable although nothing was shut down.
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     RefusalCancelsPinning,
     /// N24: shutdown unregisters the chunks first and drains after: a job
     /// admitted before the shutdown copies the region once it is no longer
     /// registered (its memory stays mapped until the drain).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     UnregisterBeforeDrain,
     /// N15: `Offloader::shutdown` in its earlier order: it closes
     /// the offloader, drains and drops the transfer engine and frees its
     /// tensors, and only then asks the coordinator, which may refuse (a
     /// window open, a graph alive): the refusal comes after the teardown.
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     TeardownBeforeRefusal,
 }
 
@@ -266,8 +267,8 @@ enum Phase {
 
 struct State {
     policy: CapturePolicy,
-    /// The negative model's knob (loom builds only, `bad!`).
-    #[cfg(loom)]
+    /// The negative model's knob (model builds only, `bad!`).
+    #[cfg(any(loom, shuttle))]
     variant: Variant,
     pin: PinState,
     cancel_pin: bool,
@@ -577,7 +578,7 @@ impl Coordinator {
             shared: Arc::new(Shared {
                 state: Mutex::new(State {
                     policy,
-                    #[cfg(loom)]
+                    #[cfg(any(loom, shuttle))]
                     variant: Variant::Production,
                     pin: PinState::Pending,
                     cancel_pin: false,
@@ -610,21 +611,21 @@ impl Coordinator {
     /// A gate of this coordinator that its gate did not make (not in flight
     /// on any thread): loom builds only, for negative N8, which shows the
     /// simulated GPU stops a call made with it.
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     #[doc(hidden)]
     pub fn forged_gate(&self) -> Gate {
         Gate::unrecorded(&SEAL, self.shared.id)
     }
 
     /// Selects a known-bad variant (negative models only).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     pub fn set_variant(&self, v: Variant) {
         self.lock().variant = v;
     }
 
     /// True when this coordinator runs variant `v` (loom builds only: the
     /// other modules ask through `variant_is!`, which is `false` elsewhere).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     pub fn is(&self, v: Variant) -> bool {
         self.lock().variant == v
     }
@@ -713,7 +714,7 @@ impl Coordinator {
     /// [`Coordinator::open_window_interleaved`], calling `at_request` under
     /// the lock as the request is counted (loom builds only, as
     /// [`Coordinator::open_window_noting`]).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     pub fn open_window_interleaved_noting(&self, at_request: impl FnOnce()) -> Result<CaptureWindow, ProtocolError> {
         self.open_window_inner(at_request, None, true)
     }
@@ -723,7 +724,7 @@ impl Coordinator {
     /// builds only: P2's model reads the simulated GPU's registration count
     /// there, so the chunks a window waited for are counted by the driver,
     /// not by the coordinator).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     pub fn open_window_noting(&self, at_request: impl FnOnce()) -> Result<CaptureWindow, ProtocolError> {
         self.open_window_inner(at_request, None, false)
     }

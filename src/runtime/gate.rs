@@ -43,11 +43,11 @@ use super::Code;
 // alive on this thread (made by the coordinator's gate, not yet dropped).
 // The simulated GPU checks every capture-unsafe call against it
 // (`Gate::in_flight_here`). Loom's macro takes no `const` initializer.
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 crate::sync::thread_local! {
     static IN_FLIGHT: RefCell<(u64, Vec<u64>)> = const { RefCell::new((0, Vec::new())) };
 }
-#[cfg(loom)]
+#[cfg(any(loom, shuttle))]
 crate::sync::thread_local! {
     static IN_FLIGHT: RefCell<(u64, Vec<u64>)> = RefCell::new((0, Vec::new()));
 }
@@ -125,7 +125,7 @@ impl Gate {
     /// thread (loom builds only: `Coordinator::forged_gate`, for the
     /// negative model N8 that shows the simulated GPU catches a call made
     /// with it).
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     pub(crate) fn unrecorded(_seal: &GateSeal, coordinator: CoordinatorId) -> Gate {
         Gate { serial: 0, coordinator, _not_send: PhantomData }
     }

@@ -98,7 +98,7 @@
 //! which run on it, rely on no call being harmless during a capture
 //! without a measurement saying so.
 
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 pub mod cuda;
 mod error;
 mod gate;

@@ -3,18 +3,24 @@
 //! Normal builds re-export `std`; builds with `RUSTFLAGS="--cfg loom"` re-export
 //! [loom](https://docs.rs/loom), so the model checker sees every lock, atomic,
 //! condition variable and thread the library uses (tokio's `src/loom/`
-//! convention). Code outside this module must not name `std::sync` or
-//! `std::thread` for anything that synchronises; `ci/lint` checks it with
-//! clippy on a loom build (`ci/lint-loom/clippy.toml`).
+//! convention); builds with `RUSTFLAGS="--cfg shuttle"` re-export
+//! [shuttle](https://docs.rs/shuttle)'s, the randomized scheduler that runs
+//! the same models past loom's bound (docs/PROOFS.md, "Past loom's bound").
+//! Code outside this module must not name `std::sync` or `std::thread` for
+//! anything that synchronises; `ci/lint` checks it with clippy on a loom
+//! build (`ci/lint-loom/clippy.toml`).
 //!
-//! One more thing differs under loom, and it is not concurrency:
+//! One more thing differs under loom and shuttle, and it is not concurrency:
 //! [`host_fact`] (the core count, the memory headroom, the NUMA topology,
 //! read from `/proc` and `/sys`) is read once per process there.
 
 // The one module that names std's primitives (ci/lint-loom/clippy.toml).
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
-#[cfg(not(loom))]
+#[cfg(all(loom, shuttle))]
+compile_error!("--cfg loom and --cfg shuttle are two model builds: set one of them");
+
+#[cfg(not(any(loom, shuttle)))]
 mod imp {
     pub use std::sync::atomic;
     pub use std::sync::{Arc, Condvar, Mutex, MutexGuard, WaitTimeoutResult};
@@ -29,6 +35,10 @@ mod imp {
     pub use std::thread_local;
     /// True when the loom model checker drives this build.
     pub const LOOM: bool = false;
+    /// True when a model checker (loom or shuttle) drives this build: its
+    /// threads are not OS threads, a poll loop must yield to let the others
+    /// run, and real time does not pass.
+    pub const MODEL: bool = false;
 }
 
 #[cfg(loom)]
@@ -53,6 +63,37 @@ mod imp {
     pub use loom::thread_local;
     /// True when the loom model checker drives this build.
     pub const LOOM: bool = true;
+    /// True when a model checker (loom or shuttle) drives this build.
+    pub const MODEL: bool = true;
+}
+
+#[cfg(shuttle)]
+mod imp {
+    pub use shuttle::sync::atomic;
+    // Shuttle's `Arc` is std's (shuttle 0.9 does not model reference counts).
+    pub use shuttle::sync::{Arc, Condvar, Mutex, MutexGuard, WaitTimeoutResult};
+    /// Threads: `shuttle::thread`, so shuttle schedules every thread the
+    /// library spawns (the pinner, the pre-fault workers, the simulated
+    /// device).
+    pub mod thread {
+        pub use shuttle::thread::{current, spawn, yield_now, Builder, JoinHandle, ThreadId};
+        /// Not a scheduling primitive: the machine's core count, as in std
+        /// (read once per process: see [`super::super::host_fact`]).
+        pub fn available_parallelism() -> std::io::Result<std::num::NonZeroUsize> {
+            super::super::host_fact("available_parallelism", || {
+                std::thread::available_parallelism().map_err(|e| (e.kind(), e.to_string()))
+            })
+            .map_err(|(kind, msg)| std::io::Error::new(kind, msg))
+        }
+    }
+    /// Thread-local storage: shuttle's, one value per shuttle thread and
+    /// execution (std's would be shared by every shuttle thread, which all
+    /// run on one OS thread).
+    pub use shuttle::thread_local;
+    /// False: shuttle, not loom, drives this build.
+    pub const LOOM: bool = false;
+    /// True when a model checker (loom or shuttle) drives this build.
+    pub const MODEL: bool = true;
 }
 
 pub use imp::*;
@@ -69,16 +110,17 @@ pub use imp::*;
 /// (perf over `p1_hook_a_job_beside_a_hooked_capture_never_disturbs_it`:
 /// `available_memory` 24 %, `available_parallelism` 8 %, `Topology::read`
 /// 4 %), while the host is not what a model explores (its regions are a few
-/// pages, its sizes fixed).
-#[cfg(not(loom))]
+/// pages, its sizes fixed). Shuttle builds do as loom's, for the same
+/// reason.
+#[cfg(not(any(loom, shuttle)))]
 pub fn host_fact<T>(_key: &str, read: impl FnOnce() -> T) -> T {
     read()
 }
 
-/// See the other build's `host_fact`: under loom, read once per process and
-/// key (a std lock, not loom's: the cache is outside what loom explores,
-/// like the host itself).
-#[cfg(loom)]
+/// See the other build's `host_fact`: under loom (and shuttle), read once
+/// per process and key (a std lock, not the model checker's: the cache is
+/// outside what it explores, like the host itself).
+#[cfg(any(loom, shuttle))]
 pub fn host_fact<T: Clone + Send + 'static>(key: &str, read: impl FnOnce() -> T) -> T {
     use std::any::{Any, TypeId};
     use std::collections::HashMap;
@@ -108,7 +150,8 @@ pub fn host_fact<T: Clone + Send + 'static>(key: &str, read: impl FnOnce() -> T)
 /// Under loom `f` runs on the calling thread and the cancel is not checked:
 /// loom models at most 5 threads and no time (the timed wait this needs),
 /// and what its models check is what `f` returns, not how long it takes.
-#[cfg(not(loom))]
+/// Shuttle builds do the same (shuttle models no time either).
+#[cfg(not(any(loom, shuttle)))]
 pub fn abandonable<T: Send + 'static>(
     name: &str,
     f: impl FnOnce() -> Result<T, String> + Send + 'static,
@@ -147,9 +190,9 @@ pub fn abandonable<T: Send + 'static>(
     }
 }
 
-/// See the other build's `abandonable`: under loom, `f` on the calling
-/// thread (a panic is the model's).
-#[cfg(loom)]
+/// See the other build's `abandonable`: under loom and shuttle, `f` on the
+/// calling thread (a panic is the model's).
+#[cfg(any(loom, shuttle))]
 pub fn abandonable<T: Send + 'static>(
     _name: &str,
     f: impl FnOnce() -> Result<T, String> + Send + 'static,
@@ -179,8 +222,9 @@ pub fn wait<'a, T>(cv: &Condvar, g: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
 }
 
 /// Waits on `cv` for at most `timeout`, recovering from poisoning like
-/// [`lock`]; the flag is true when the wait timed out (under loom, which
-/// does not model time, it waits for a notification and never times out).
+/// [`lock`]; the flag is true when the wait timed out (under loom and
+/// shuttle, which do not model time, it waits for a notification and never
+/// times out: shuttle's `Condvar::wait_timeout` is its `wait`).
 /// Callers re-check their condition after it returns, as after [`wait`].
 pub fn wait_timeout<'a, T>(
     cv: &Condvar,
@@ -200,9 +244,9 @@ pub fn wait_timeout<'a, T>(
 /// be coerced to a trait object (loom's `Arc` cannot; see [`arc_dyn`]).
 pub type StdArc<T> = std::sync::Arc<T>;
 
-/// `Arc<D>` (a trait object) of `value`, under std and loom alike: `coerce`
-/// turns the std `Arc` into the trait object; under loom it is then wrapped
-/// with `Arc::from_std`.
+/// `Arc<D>` (a trait object) of `value`, under std, loom and shuttle alike:
+/// `coerce` turns the std `Arc` into the trait object; under loom it is then
+/// wrapped with `Arc::from_std` (shuttle's `Arc` is std's).
 pub fn arc_dyn<T, D: ?Sized>(value: T, coerce: fn(StdArc<T>) -> StdArc<D>) -> Arc<D> {
     let d = coerce(StdArc::new(value));
     #[cfg(not(loom))]
@@ -221,16 +265,18 @@ pub fn this_thread() -> thread::ThreadId {
 }
 
 /// Pause between two polls of a condition that no condition variable can
-/// signal (words in memory shared between processes). Under loom it yields,
-/// which is what loom needs to explore a spin loop; otherwise it yields a
-/// few times, then sleeps from 50 us up to 2 ms.
+/// signal (words in memory shared between processes). Under loom and
+/// shuttle it yields, which is what a model checker needs to explore a spin
+/// loop (shuttle's random scheduler also takes it as a hint to run another
+/// thread); otherwise it yields a few times, then sleeps from 50 us up to
+/// 2 ms.
 pub fn backoff(attempt: u32) {
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     {
         let _ = attempt;
         thread::yield_now();
     }
-    #[cfg(not(loom))]
+    #[cfg(not(any(loom, shuttle)))]
     {
         if attempt < 16 {
             thread::yield_now();

@@ -4,30 +4,30 @@
 //! engine does; the tools below it (conformance, benchmarks) drive the
 //! library's layers through `kvoffload::internal`.
 
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 mod bench;
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 mod cli;
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 mod conform;
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 mod incident;
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 mod plot;
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 mod random;
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 mod run;
 
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 fn main() {
     std::process::exit(cli::main());
 }
 
-/// Loom builds (`--cfg loom`) exist to run the models under model/; the CLI
-/// needs the real driver and is not part of them.
-#[cfg(loom)]
+/// Model builds (`--cfg loom`, `--cfg shuttle`) exist to run the models
+/// under model/; the CLI needs the real driver and is not part of them.
+#[cfg(any(loom, shuttle))]
 fn main() {
-    eprintln!("kvoffload: this binary was built with --cfg loom for the model checker; build without it");
+    eprintln!("kvoffload: this binary was built for a model checker (--cfg loom or --cfg shuttle); build without it");
     std::process::exit(2);
 }

@@ -71,7 +71,7 @@ impl SimRuntime {
 
     /// Like [`SimRuntime::wait_blocked`], giving up after `timeout`; true
     /// when the threads were seen blocked.
-    #[cfg(not(loom))]
+    #[cfg(not(any(loom, shuttle)))]
     pub fn wait_blocked_timeout(&self, kind: Blocked, n: usize, timeout: std::time::Duration) -> bool {
         let deadline = std::time::Instant::now() + timeout;
         let mut g = sync::lock(&self.inner.state);

@@ -83,7 +83,7 @@ impl HostBudget {
 }
 
 /// What this process can get now, in bytes; `None` when nothing is known.
-#[cfg(not(loom))]
+#[cfg(not(any(loom, shuttle)))]
 fn read_host() -> Option<usize> {
     let b = crate::region::limits::available_memory()?;
     tracing::debug!(bytes = b.bytes, limit = %b.source, "sim: read what the host can back");
@@ -91,7 +91,7 @@ fn read_host() -> Option<usize> {
 }
 
 /// Under loom the host is not read (see the module docs).
-#[cfg(loom)]
+#[cfg(any(loom, shuttle))]
 fn read_host() -> Option<usize> {
     None
 }
@@ -137,7 +137,7 @@ mod tests {
         assert_eq!(b.readings, 0, "a fixed figure reads nothing");
     }
 
-    #[cfg(not(loom))]
+    #[cfg(not(any(loom, shuttle)))]
     #[test]
     fn the_host_is_read_once_for_small_requests_and_again_near_the_reading() {
         let Some(avail) = read_host() else {

@@ -98,12 +98,12 @@ pub(crate) struct Inner {
     cv: Condvar,
     /// Held while the sim reads or writes its device memory outside the
     /// state lock (std builds only, see [`Inner::touching_memory`]).
-    #[cfg(not(loom))]
+    #[cfg(not(any(loom, shuttle)))]
     exec: Mutex<()>,
 }
 
 /// What [`Inner::touching_memory`] returns under loom: nothing to hold.
-#[cfg(loom)]
+#[cfg(any(loom, shuttle))]
 pub(crate) struct NoGuard;
 
 impl Inner {
@@ -118,13 +118,13 @@ impl Inner {
     /// in any order. Under loom the threads never run at once (an action
     /// has no loom operation in it, so it is atomic there) and the lock
     /// would only add interleavings: it is left out.
-    #[cfg(not(loom))]
+    #[cfg(not(any(loom, shuttle)))]
     pub(crate) fn touching_memory(&self) -> MutexGuard<'_, ()> {
         sync::lock(&self.exec)
     }
 
     /// See the std build's `touching_memory`.
-    #[cfg(loom)]
+    #[cfg(any(loom, shuttle))]
     pub(crate) fn touching_memory(&self) -> NoGuard {
         NoGuard
     }
@@ -210,7 +210,7 @@ impl SimRuntime {
         let inner = Arc::new(Inner {
             state: Mutex::new(State::new(cfg.device_bytes, memory::HostBudget::new(cfg.host_limit))),
             cv: Condvar::new(),
-            #[cfg(not(loom))]
+            #[cfg(not(any(loom, shuttle)))]
             exec: Mutex::new(()),
         });
         let workers = (0..cfg.workers.max(1))
