@@ -51,8 +51,9 @@ pub struct TransferEngine {
     /// Indexed by [`Lane::index`]: store, load, and the expedited loads'
     /// when [`TransferOptions::expedited_lane`] is set.
     pub(super) handlers: Vec<Handler>,
-    /// The coordinator runs [`Variant::RacySubmit`] (negative N9; always
-    /// false outside loom builds).
+    /// The coordinator runs [`Variant::RacySubmit`] (negative N9; the
+    /// field exists only in the model builds).
+    #[cfg(any(loom, shuttle))]
     racy_submit: bool,
 }
 
@@ -99,6 +100,7 @@ impl TransferEngine {
             }
         }
         debug_assert!(made.iter().enumerate().all(|(i, h)| h.lane.index() == i));
+        #[cfg(any(loom, shuttle))]
         let racy_submit = crate::protocol::variant_is!(coord, RacySubmit);
         Ok(TransferEngine {
             rt,
@@ -109,6 +111,7 @@ impl TransferEngine {
             chunks,
             ids: Mutex::new(IdSet::default()),
             handlers: made,
+            #[cfg(any(loom, shuttle))]
             racy_submit,
         })
     }
@@ -210,8 +213,9 @@ impl TransferEngine {
     }
 
     fn submit_expanded(&self, id: JobId, lane: Lane, exp: &Expansion) -> Result<(), TransferError> {
+        #[cfg(any(loom, shuttle))]
         if self.racy_submit {
-            // N9 (loom builds only): the submit as it was before it moved inside the gate, outside
+            // N9 (model builds only): the submit as it was before it moved inside the gate, outside
             // the gate.
             let ticket = self.coord.admit_job().map_err(|_| TransferError::ShutDown { id })?;
             return self.accept(id, lane, exp, ticket);
