@@ -44,9 +44,8 @@ use crate::protocol::{CaptureWindow, ProtocolError};
 use crate::sync;
 use crate::transfer::{JobId, TransferError};
 
-/// The longest a wait for jobs goes without calling `interrupted` (the
-/// coordinator's interruptible waits use the same bound).
-const INTERRUPT_EVERY: Duration = Duration::from_millis(50);
+// The longest a wait for jobs goes without calling `interrupted`.
+use crate::sync::INTERRUPT_EVERY;
 
 /// Polls of a job wait that only yield before the pauses begin.
 const SPIN_POLLS: u32 = 32;

@@ -360,8 +360,9 @@ pub fn decide(words: &[u32], mine: u32) -> Result<OffloadMode, AgreementError> {
 ///
 /// The exchange runs on a thread of its own (`kvo-agree-exchange`,
 /// [`sync::abandonable`]) and this rank waits for its result, checking
-/// `cancelled()` at least every 50 ms (rule 5 for a transport): a shutdown during the exchange ends this rank's
-/// agreement at once ([`AgreementError::ExchangeCancelled`], this rank
+/// `cancelled()` at least every [`sync::INTERRUPT_EVERY`] (rule 5 for a
+/// transport): a shutdown during the exchange ends this rank's agreement at
+/// once ([`AgreementError::ExchangeCancelled`], this rank
 /// pageable), even when the engine's collective never returns. The exchange
 /// is left to end on its own thread; it holds only the transport, and its
 /// result is dropped. Its peers learn of it as the transport's collective
@@ -387,9 +388,6 @@ pub fn agree_via(
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
-
-    struct Fixed(Result<Vec<u32>, String>);
-
     use crate::sync::{Condvar, Mutex};
 
     /// `agree_via` over `t`, never cancelled.
@@ -409,6 +407,7 @@ mod tests {
             Ok(vec![mine])
         }
     }
+    struct Fixed(Result<Vec<u32>, String>);
     impl Transport for Fixed {
         fn exchange(&self, _mine: u32) -> Result<Vec<u32>, String> {
             self.0.clone()

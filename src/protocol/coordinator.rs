@@ -44,14 +44,14 @@
 //!   library calls it held back. The blocking forms are unchanged (the
 //!   loom models run those).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::runtime::{CoordinatorId, DevicePtr, DriverError, Gate, GateBinding, GateSeal, GpuRuntime};
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 
-/// The longest an interruptible wait goes without calling its
-/// `interrupted` check (the module docs' rule for interruptible waits).
-const INTERRUPT_SLICE: Duration = Duration::from_millis(50);
+// The longest an interruptible wait goes without calling its
+// `interrupted` check (the module docs' rule for interruptible waits).
+use crate::sync::INTERRUPT_EVERY;
 
 /// `bad!(state, Name)`: true when the coordinator's state `state` runs the
 /// known-bad variant `Variant::Name` of a negative model. Model builds only
@@ -640,7 +640,7 @@ impl Coordinator {
 
     /// Waits while `blocked` holds, like a loop of [`Coordinator::wait`],
     /// but on the condition variable in slices of at most
-    /// [`INTERRUPT_SLICE`], calling `interrupted` once a slice has passed
+    /// [`INTERRUPT_EVERY`], calling `interrupted` once a slice has passed
     /// since the last call (never before the first slice: a wait that ends
     /// sooner never calls it). `interrupted` runs with the lock released:
     /// it may take other locks (the Python front takes the GIL, and a
@@ -657,7 +657,7 @@ impl Coordinator {
         let mut checked = Instant::now();
         while blocked(&g) {
             let since = checked.elapsed();
-            if since >= INTERRUPT_SLICE {
+            if since >= INTERRUPT_EVERY {
                 drop(g);
                 let stop = interrupted();
                 g = self.lock();
@@ -667,7 +667,7 @@ impl Coordinator {
                 checked = Instant::now();
                 continue;
             }
-            g = sync::wait_timeout(&self.shared.cv, g, INTERRUPT_SLICE - since).0;
+            g = sync::wait_timeout(&self.shared.cv, g, INTERRUPT_EVERY - since).0;
         }
         (g, false)
     }

@@ -80,7 +80,7 @@ pub type ShmInterrupt = StdArc<dyn Fn() -> bool + Send + Sync>;
 /// The longest a wait of `create` or `join` goes without calling the
 /// options' interrupt check (it polls every 5 ms at most, and calls the
 /// check once this much time passed since the last call).
-pub const INTERRUPT_EVERY: Duration = Duration::from_millis(50);
+pub use crate::sync::INTERRUPT_EVERY;
 
 /// Options of [`Region::anonymous`](super::Region::anonymous).
 #[derive(Debug, Clone)]

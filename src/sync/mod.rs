@@ -138,9 +138,16 @@ pub fn host_fact<T: Clone + Send + 'static>(key: &str, read: impl FnOnce() -> T)
     v
 }
 
+/// The longest an interruptible wait of the library goes without calling
+/// its `interrupted` (or cancel) check: the coordinator's waits, the waits
+/// for jobs, a shared region's create and join, and [`abandonable`]. Half
+/// of the half second the Python front promises for Ctrl-C.
+pub const INTERRUPT_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Runs `f` on a thread of its own named `name` and waits for its result,
-/// checking `cancelled()` at least every 50 ms: `None` once `cancelled()`
-/// says so, the thread then left to end on its own (its result dropped).
+/// checking `cancelled()` at least every [`INTERRUPT_EVERY`]: `None` once
+/// `cancelled()` says so, the thread then left to end on its own (its
+/// result dropped).
 /// For a call the library cannot bound itself (an engine's callback, such
 /// as the agreement transport's collective): the caller's wait ends on a
 /// cancel, whatever `f` waits for. `f` must hold nothing the caller frees.
@@ -185,7 +192,7 @@ pub fn abandonable<T: Send + 'static>(
         }
         g = lock(&slot.0);
         if g.is_none() {
-            g = wait_timeout(&slot.1, g, std::time::Duration::from_millis(50)).0;
+            g = wait_timeout(&slot.1, g, INTERRUPT_EVERY).0;
         }
     }
 }
