@@ -99,7 +99,7 @@ fn scenario(variant: Variant) {
     rt.graph_destroy(end.unwrap()).unwrap();
 }
 
-const B: Bounds = Bounds { property: "P1", threads: 3, preemptions: 3 };
+const B: Bounds = Bounds { property: "P1", threads: 3, preemptions: 3, ci: None };
 
 #[test]
 fn p1_transfer_paths_never_disturb_a_capture_of_the_compute_stream() {

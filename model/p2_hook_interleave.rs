@@ -69,5 +69,5 @@ fn scenario() {
 
 #[test]
 fn p2_hook_window_waits_at_most_one_chunk_under_after_pinning() {
-    check("p2_hook_interleave", Bounds { property: "P2", threads: 3, preemptions: 3 }, scenario);
+    check("p2_hook_interleave", Bounds { property: "P2", threads: 3, preemptions: 3, ci: None }.ci_at(2), scenario);
 }

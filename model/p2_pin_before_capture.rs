@@ -82,14 +82,14 @@ fn scenario(policy: CapturePolicy) {
 
 #[test]
 fn p2_after_pinning_windows_wait_for_final_state() {
-    check("p2_after_pinning", Bounds { property: "P2", threads: 3, preemptions: 3 }, || {
+    check("p2_after_pinning", Bounds { property: "P2", threads: 3, preemptions: 3, ci: None }.ci_at(2), || {
         scenario(CapturePolicy::AfterPinning)
     });
 }
 
 #[test]
 fn p2_interleave_window_waits_at_most_one_chunk() {
-    check("p2_interleave", Bounds { property: "P2", threads: 3, preemptions: 3 }, || {
+    check("p2_interleave", Bounds { property: "P2", threads: 3, preemptions: 3, ci: None }, || {
         scenario(CapturePolicy::Interleave)
     });
 }

@@ -157,7 +157,7 @@ fn racing_a_capture(variant: Variant) {
     assert!(matches!(off.core().pin_state(), PinState::Pinned | PinState::Pageable(_)));
 }
 
-const B: Bounds = Bounds { property: "P4", threads: 4, preemptions: 2 };
+const B: Bounds = Bounds { property: "P4", threads: 4, preemptions: 2, ci: None };
 
 #[test]
 fn p4_offloader_refuses_shutdown_with_a_live_graph_and_changes_nothing() {

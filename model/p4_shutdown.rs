@@ -53,7 +53,7 @@ use kvoffload::internal::sync::atomic::{AtomicBool, Ordering};
 use kvoffload::internal::sync::{thread, Arc};
 use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId, TransferError};
 
-const B: Bounds = Bounds { property: "P4", threads: 3, preemptions: 4 };
+const B: Bounds = Bounds { property: "P4", threads: 3, preemptions: 4, ci: None };
 
 /// The negatives run at bound 3: every interleaving of bound 3 is also one
 /// of bound 4, so a failure found there is found at 4.

@@ -116,7 +116,7 @@ fn a_slot_being_read_is_not_reused(variant: Variant) {
 
 /// Bound 2: at bound 3 each scenario ran over 5 minutes (the engine's poll
 /// loop and two device workers); at 2 each takes about 11 s.
-const B: Bounds = Bounds { property: "P5", threads: 3, preemptions: 2 };
+const B: Bounds = Bounds { property: "P5", threads: 3, preemptions: 2, ci: None };
 const NEG: Bounds = B;
 
 #[test]

@@ -103,7 +103,7 @@ fn own_wake_up(guard: Guard, variant: Variant) {
     let _ = f.coord.unregister_all(f.rt.as_ref());
 }
 
-const B: Bounds = Bounds { property: "P6", threads: 3, preemptions: 3 };
+const B: Bounds = Bounds { property: "P6", threads: 3, preemptions: 3, ci: None };
 const NEG: Bounds = Bounds { preemptions: 2, ..B };
 
 #[test]

@@ -85,7 +85,7 @@ fn scenario(variant: Variant) {
     assert_eq!(f.sim().registered_ranges(), 0);
 }
 
-const B: Bounds = Bounds { property: "P6", threads: 4, preemptions: 2 };
+const B: Bounds = Bounds { property: "P6", threads: 4, preemptions: 2, ci: None };
 
 #[test]
 fn p6_pin_capture_jobs_shutdown_terminate() {

@@ -93,7 +93,7 @@ fn scenario(rank1_fails_at: Option<u64>) {
     assert_eq!(pinned[0], rank1_fails_at.is_none(), "mode wrong: {states:?}");
 }
 
-const B: Bounds = Bounds { property: "P7", threads: 4, preemptions: 2 };
+const B: Bounds = Bounds { property: "P7", threads: 4, preemptions: 2, ci: None };
 
 #[test]
 fn p7_all_pinned_when_no_rank_fails() {

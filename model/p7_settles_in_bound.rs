@@ -95,7 +95,7 @@ fn scenario(variant: Variant) {
     }
 }
 
-const B: Bounds = Bounds { property: "P7", threads: 4, preemptions: 2 };
+const B: Bounds = Bounds { property: "P7", threads: 4, preemptions: 2, ci: None };
 
 #[test]
 fn p7_a_rank_shutting_down_during_the_agreement_ends_every_wait() {

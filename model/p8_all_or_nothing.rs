@@ -86,7 +86,7 @@ fn scenario(variant: Variant, fail_at: u64) {
     assert_eq!(&back[..], &mem[..], "pageable round trip lost bytes");
 }
 
-const B: Bounds = Bounds { property: "P8", threads: 3, preemptions: 3 };
+const B: Bounds = Bounds { property: "P8", threads: 3, preemptions: 3, ci: None };
 
 #[test]
 fn p8_failure_at_first_chunk_rolls_back() {

@@ -24,7 +24,7 @@ use kvoffload::internal::sync::thread;
 #[test]
 #[ignore = "checker self-test: run by ci/prove --self-test, must NOT be counted as caught"]
 fn selftest_wrong_reason_must_not_be_caught() {
-    let b = Bounds { property: "T1", threads: 2, preemptions: 2 };
+    let b = Bounds { property: "T1", threads: 2, preemptions: 2, ci: None };
     negative("selftest_wrong_reason", b, "capture invalidated", || {
         println!("self-test: this line says capture invalidated, but it is not a failure");
         let t = thread::spawn(|| panic!("self-test: unrelated panic"));
