@@ -386,6 +386,15 @@ struct Shared {
     /// `Coordinator::new`, released in `Drop`).
     id: CoordinatorId,
     binding: GateBinding,
+    /// The variant again, for [`Coordinator::is`] (`variant_is!`) outside
+    /// the lock: std's mutex, which loom and shuttle do not schedule, so a
+    /// knob read adds no interleaving to a positive model (in the engine's
+    /// build `variant_is!` is `false` and reads nothing; a model must
+    /// explore the engine's schedule points, not the knobs'). Written by
+    /// `set_variant` before the model's threads start.
+    #[cfg(any(loom, shuttle))]
+    #[allow(clippy::disallowed_types)]
+    knob: std::sync::Mutex<Variant>,
     /// Dropped with the last reference to the coordinator or its guards,
     /// unless a chunk is still registered then (see `Drop`).
     keep_alive: Option<KeepAlive>,
@@ -576,6 +585,9 @@ impl Coordinator {
         }
         Ok(Arc::new(Coordinator {
             shared: Arc::new(Shared {
+                #[cfg(any(loom, shuttle))]
+                #[allow(clippy::disallowed_types)]
+                knob: std::sync::Mutex::new(Variant::Production),
                 state: Mutex::new(State {
                     policy,
                     #[cfg(any(loom, shuttle))]
@@ -621,13 +633,15 @@ impl Coordinator {
     #[cfg(any(loom, shuttle))]
     pub fn set_variant(&self, v: Variant) {
         self.lock().variant = v;
+        *self.shared.knob.lock().unwrap_or_else(|p| p.into_inner()) = v;
     }
 
     /// True when this coordinator runs variant `v` (loom builds only: the
     /// other modules ask through `variant_is!`, which is `false` elsewhere).
     #[cfg(any(loom, shuttle))]
     pub fn is(&self, v: Variant) -> bool {
-        self.lock().variant == v
+        // Not the state's lock: a schedule point under loom (see `knob`).
+        *self.shared.knob.lock().unwrap_or_else(|p| p.into_inner()) == v
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
