@@ -9,7 +9,7 @@ look inside the simulated GPU and the offloader::
     from kvoffload import _testing
 
     rt = kvoffload.Runtime("sim")
-    off = kvoffload.Offloader(64, tensors=2, page_bytes=4096, gpu_blocks=32, runtime=rt)
+    off = kvoffload.Offloader(64, kv=kvoffload.KvAlloc(tensors=2, page_bytes=4096, gpu_blocks=32), runtime=rt)
     _testing.write_block(off, 0, 0, bytes(4096))
     with _testing.sim_hold(rt, "register") as hold:
         off.start()

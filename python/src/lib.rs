@@ -33,7 +33,8 @@
 //! `book.rs` (that
 //! bookkeeping, and the panic guard of the entry points), `runtime.rs`
 //! (`Runtime`), `results.rs` (the result classes), `options.rs` (the option
-//! classes: `PinOptions`, `TransferOptions`, `RegionSpec`, `ShmOptions`),
+//! classes: `KvSpec`, `KvAlloc`, `PinOptions`, `TransferOptions`,
+//! `RegionSpec`, `ShmOptions`),
 //! `args.rs` (arguments from Python), `tensors.rs` (the engine's tensors, CPU ones adopted on
 //! the sim), `signals.rs`, `agreement.rs`, `errors.rs`, `testing.rs`.
 
@@ -55,7 +56,7 @@ use std::time::Duration;
 
 use kvoffload::internal::manager::{BlockKey, SkipReason};
 use kvoffload::internal::offloader::{
-    Completion, KeyedOffloader, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, SlotJob,
+    Completion, KeyedOffloader, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, SlotJob,
 };
 use kvoffload::internal::protocol::agreement::Transport;
 use kvoffload::internal::protocol::{CaptureWindow, PinState};
@@ -73,7 +74,7 @@ use args::*;
 use book::*;
 use front::*;
 use offloader::*;
-use options::{PyPinOptions, PyRegionSpec, PyShmOptions, PyTransferOptions};
+use options::{PyKvAlloc, PyKvSpec, PyPinOptions, PyRegionSpec, PyShmOptions, PyTransferOptions};
 use results::*;
 use runtime::*;
 use signals::*;
@@ -102,6 +103,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyOffloader>()?;
     m.add_class::<PyKeyedOffloader>()?;
     m.add_class::<PyCaptureWindow>()?;
+    m.add_class::<PyKvSpec>()?;
+    m.add_class::<PyKvAlloc>()?;
     m.add_class::<PyPinOptions>()?;
     m.add_class::<PyTransferOptions>()?;
     m.add_class::<PyRegionSpec>()?;

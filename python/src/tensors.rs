@@ -1,12 +1,13 @@
-//! The engine's KV tensors and compute stream, as Python gives them.
+//! The engine's KV tensors, as Python gives them (a `kvoffload.KvSpec`'s
+//! `tensors`, read when the offloader is built).
 //!
 //! A tensor is any object with `data_ptr()` (PyTorch: its size from
 //! `nbytes`, or `numel() * element_size()`), or with
 //! `__cuda_array_interface__` (CuPy, Numba: its size from `shape` and
-//! `typestr`), or a bare device address (an int; then `page_bytes` and
-//! `gpu_blocks` must be given). Tensors must be contiguous; block `b` of a
-//! tensor is `page_bytes` bytes at `address + b * page_bytes`. The package
-//! never imports PyTorch.
+//! `typestr`), or a bare device address (an int; then the `KvSpec`'s
+//! `page_bytes` and `gpu_blocks` must be given). Tensors must be
+//! contiguous; block `b` of a tensor is `page_bytes` bytes at
+//! `address + b * page_bytes`. The package never imports PyTorch.
 //!
 //! On the simulated GPU (`host_ok`), CPU tensors are accepted too: each
 //! one's storage range (`untyped_storage()`: its `data_ptr()` and
@@ -19,15 +20,15 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::errors;
 
-/// What `tensors=` asked for.
-pub enum Tensors {
-    /// An int: the offloader allocates `count` tensors itself.
-    Allocate { count: usize, gpu_blocks: usize, page_bytes: usize },
-    /// The engine's tensors: `(address, page bytes)` each, and the Python
-    /// objects to keep alive. `host[i]` is tensor `i`'s storage range
-    /// `(start, bytes)` when it is a CPU tensor (simulated GPU only; its
-    /// address is then a host address), None otherwise.
-    External { tensors: Vec<(u64, usize)>, gpu_blocks: usize, keep: Vec<Py<PyAny>>, host: Vec<Option<(u64, usize)>> },
+/// The engine's tensors as the offloader reads them: `(address, page
+/// bytes)` each, and the Python objects to keep alive. `host[i]` is tensor
+/// `i`'s storage range `(start, bytes)` when it is a CPU tensor (simulated
+/// GPU only; its address is then a host address), None otherwise.
+pub struct External {
+    pub tensors: Vec<(u64, usize)>,
+    pub gpu_blocks: usize,
+    pub keep: Vec<Py<PyAny>>,
+    pub host: Vec<Option<(u64, usize)>>,
 }
 
 /// One tensor: address, bytes (when known), blocks (its first dimension,
@@ -128,30 +129,23 @@ fn one(py: Python<'_>, i: usize, t: &Bound<'_, PyAny>, device: usize, host_ok: b
     )))
 }
 
-/// Parses `tensors=` with the optional `gpu_blocks=` and `page_bytes=`.
+/// Reads a `KvSpec`'s tensors (checked to be a non-empty list of
+/// tensor-like objects or addresses when it was built) with its optional
+/// `gpu_blocks` and `page_bytes`, on device `device` (`host_ok`: the
+/// simulated GPU, which takes CPU tensors).
 pub fn parse(
     py: Python<'_>,
-    tensors: &Bound<'_, PyAny>,
+    tensors: &[Bound<'_, PyAny>],
     gpu_blocks: Option<usize>,
     page_bytes: Option<usize>,
     device: usize,
     host_ok: bool,
-) -> PyResult<Tensors> {
-    if let Ok(count) = tensors.extract::<usize>() {
-        let (Some(gpu_blocks), Some(page_bytes)) = (gpu_blocks, page_bytes) else {
-            return Err(errors::options(py, "tensors=<count> allocates them: give gpu_blocks and page_bytes too"));
-        };
-        return Ok(Tensors::Allocate { count, gpu_blocks, page_bytes });
-    }
-    if tensors.hasattr("data_ptr")? || tensors.hasattr("__cuda_array_interface__")? {
-        return Err(errors::options(py, "tensors must be a list of tensors (one per layer, or K and V each)"));
-    }
+) -> PyResult<External> {
     let mut seen = Vec::new();
     let mut keep = Vec::new();
-    for (i, t) in tensors.try_iter()?.enumerate() {
-        let t = t?;
-        seen.push(one(py, i, &t, device, host_ok)?);
-        keep.push(t.unbind());
+    for (i, t) in tensors.iter().enumerate() {
+        seen.push(one(py, i, t, device, host_ok)?);
+        keep.push(t.clone().unbind());
     }
     if seen.is_empty() {
         return Err(errors::options(py, "tensors is empty"));
@@ -184,7 +178,7 @@ pub fn parse(
         out.push((s.ptr, page));
     }
     let host = seen.iter().map(|s| s.storage).collect();
-    Ok(Tensors::External { tensors: out, gpu_blocks: blocks, keep, host })
+    Ok(External { tensors: out, gpu_blocks: blocks, keep, host })
 }
 
 /// The storage ranges `(start, bytes)` merged where they overlap or touch,
@@ -200,17 +194,4 @@ pub fn merged(ranges: &[(u64, usize)]) -> Vec<(u64, usize)> {
         }
     }
     out.into_iter().map(|(s, e)| (s, (e - s) as usize)).collect()
-}
-
-/// The compute stream's raw handle: None (the legacy default stream, 0),
-/// an int, or an object with `cuda_stream` (a `torch.cuda.Stream`).
-pub fn stream_handle(py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
-    let Some(s) = stream else { return Ok(0) };
-    if let Ok(v) = s.extract::<usize>() {
-        return Ok(v);
-    }
-    if let Ok(v) = s.getattr("cuda_stream").and_then(|v| v.extract::<usize>()) {
-        return Ok(v);
-    }
-    Err(errors::options(py, "stream must be a CUDA stream handle (an int) or an object with .cuda_stream"))
 }

@@ -36,9 +36,7 @@ def rt():
 
 
 def make(rt, host_blocks=64, **kw):
-    kw.setdefault("tensors", 2)
-    kw.setdefault("page_bytes", PAGE)
-    kw.setdefault("gpu_blocks", 32)
+    kw.setdefault("kv", kv.KvAlloc(tensors=2, page_bytes=PAGE, gpu_blocks=32))
     kw.setdefault("pin", kv.PinOptions(threads=1))
     cls = kv.Offloader if kw.pop("slots", False) else kv.KeyedOffloader
     return cls(host_blocks, runtime=rt, **kw)
