@@ -131,7 +131,7 @@ fn round_trip(off: KeyedOffloader) {
     assert_eq!(done[0].direction, Direction::DeviceToHost);
     assert!(done[0].error.is_none(), "{:?}", done[0].error);
     assert!(off.lookup(&keys).iter().all(|l| *l == Lookup::Hit));
-    assert_eq!(off.core().pin_state(), off.core().wait_pinned().unwrap().state);
+    assert_eq!(off.core().pin_progress().state, off.core().wait_pinned().unwrap().state);
     // Load into other GPU blocks, with a capture in between.
     let dst: Vec<usize> = (16..24).collect();
     let job = off.load(&keys, &dst).unwrap();
@@ -151,7 +151,7 @@ fn round_trip(off: KeyedOffloader) {
 #[test]
 fn pinning_reaches_pinned_and_reports_progress() {
     let off = offloader(16);
-    assert_eq!(off.core().pin_state(), PinState::Pending);
+    assert_eq!(off.core().pin_progress().state, PinState::Pending);
     let p = off.core().pin_progress();
     assert!(p.chunks_total >= 2, "{p:?}");
     let out = off.core().wait_pinned().unwrap();
@@ -205,7 +205,8 @@ fn a_pin_observer_sees_every_chunk_and_the_end_and_can_hold_pinning() {
         thread::yield_now();
     }
     std::thread::sleep(Duration::from_millis(50));
-    assert!(matches!(off.core().pin_state(), PinState::Pinning { .. }), "{:?}", off.core().pin_state());
+    let state = off.core().pin_progress().state;
+    assert!(matches!(state, PinState::Pinning { .. }), "{state:?}");
     assert_eq!(rec.settled.load(Ordering::SeqCst), 0);
     *sync::lock(&rec.release) = true;
     rec.cv.notify_all();

@@ -380,7 +380,7 @@ fn the_hook_window_waits_for_the_registration_in_progress_not_for_pinning() {
     let o2 = off.clone();
     let capture = std::thread::spawn(move || {
         let r = o2.capture_hook().begin();
-        opened_tx.send((r.is_ok(), o2.pin_state())).unwrap();
+        opened_tx.send((r.is_ok(), o2.pin_progress().state)).unwrap();
         close_rx.recv().unwrap();
         o2.capture_hook().end()
     });

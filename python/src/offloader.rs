@@ -460,13 +460,8 @@ impl PyOffloaderBase {
         })
     }
 
-    /// The pin state now.
-    #[getter]
-    pub(crate) fn pin_state(&self) -> PyPinState {
-        PyPinState::from(&self.off.pin_state())
-    }
-
-    /// Pinning progress now.
+    /// Pinning now: its state (`PinProgress.state`, a `PinState`) and how
+    /// far it got (the library's `pin_progress`).
     #[getter]
     pub(crate) fn pin_progress(&self, py: Python<'_>) -> PyResult<PyPinProgress> {
         let p = self.off.pin_progress();
@@ -696,7 +691,7 @@ impl PyOffloaderBase {
             self.off.runtime().backend(),
             self.off.geometry().region.len(),
             self.off.geometry().region.rank(),
-            PyPinState::from(&self.off.pin_state()).__repr__()
+            PyPinState::from(&self.off.pin_progress().state).__repr__()
         )
     }
 }

@@ -258,7 +258,7 @@ def test_a_hook_window_waits_for_one_registration_not_for_pinning(setup):
     assert opened.wait(10) and errors == []
     p = off.pin_progress
     assert p.chunks_done < p.chunks_total, f"pinning paused mid-way ({p}), not awaited"
-    assert off.pin_state == "pinning"
+    assert off.pin_progress.state == "pinning"
     assert kt.activity(off)["windows_open"] == 1
     go.set()
     t.join(10)

@@ -54,8 +54,8 @@ def test_construction_with_defaults(rt):
     assert off.block_factor == 1
     assert len(off.tensor_addresses) == 2
     assert off.region_bytes >= 128 * 2 * PAGE
-    assert off.pin_state == "pending"
-    assert off.pin_state.name == "pending" and not off.pin_state.is_final
+    assert off.pin_progress.state == "pending"
+    assert off.pin_progress.state.name == "pending" and not off.pin_progress.state.is_final
     p = off.pin_progress
     assert p.chunks_done == 0 and p.chunks_total >= 1 and p.bytes_total >= 128 * 2 * PAGE
     # The KV tensors and the engine's gather tables.
@@ -398,7 +398,7 @@ def test_window_waits_for_pinning_with_the_gil_released(rt):
 
     def capture():
         with off.capture_window():
-            assert off.pin_state.is_final
+            assert off.pin_progress.state.is_final
             opened.set()
 
     t = threading.Thread(target=capture)
@@ -578,7 +578,7 @@ def test_use_after_shutdown(rt):
 def test_shutdown_during_pinning(rt):
     off = make(rt, host_blocks=256, pin=kv.PinOptions(max_chunk_bytes=2 * PAGE), start=True)
     off.shutdown()
-    assert off.pin_state.is_final
+    assert off.pin_progress.state.is_final
     assert_nothing_leaked(rt)
 
 

@@ -393,12 +393,7 @@ impl Offloader {
         self.coord.cancel_pinning();
     }
 
-    /// The pin state now.
-    pub fn pin_state(&self) -> PinState {
-        self.coord.pin_state()
-    }
-
-    /// Pinning progress now.
+    /// Pinning now: its state ([`PinProgress::state`]) and how far it got.
     pub fn pin_progress(&self) -> PinProgress {
         let state = self.coord.pin_state();
         let total = self.coord.chunk_count();

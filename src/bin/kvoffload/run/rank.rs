@@ -299,7 +299,7 @@ fn agree(
     stop: Stop,
 ) -> Result<bool, RankError> {
     phase(rank, "agree");
-    while !off.pin_state().is_final() {
+    while !off.pin_progress().state.is_final() {
         if stop.requested() {
             return Ok(false);
         }
