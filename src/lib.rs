@@ -26,7 +26,7 @@
 //! | [`Offloader::gated`] ([`GatedCalls`]) | the engine's own capture-unsafe driver calls, inside the offloader's gate |
 //! | [`KeyedOffloader::lookup`], [`KeyedOffloader::store`] ([`StoreSubmitted`]), [`KeyedOffloader::load`], [`KeyedOffloader::stored_blocks`], [`KeyedOffloader::poll`] | by block keys ([`BlockKey`], [`Lookup`], [`Skipped`]) and the engine's GPU block ids |
 //! | [`Offloader::submit`] ([`SlotJob::single`], [`SlotJob::groups`] for `OffloaderOptions::kv_groups`; [`Lane`]: store, load, or the expedited load lane of `TransferOptions::expedited_lane`), [`Offloader::wait_jobs`] | host slots and job ids ([`JobId`]) chosen by the engine, no block manager |
-//! | [`Offloader::poll`], [`Offloader::poll_each`] ([`Completion`]), [`Offloader::wait`], [`Offloader::wait_all`], [`Offloader::in_flight`] | completions, applied to a keyed offloader's block manager |
+//! | [`Offloader::poll_each`] ([`Completion`]), [`Offloader::wait`], [`Offloader::wait_all`], [`Offloader::in_flight`] | completions, applied to a keyed offloader's block manager |
 //! | [`Offloader::interruptible`] ([`Interruptible`]) | every wait above (and the window, the hook's begin, `gated`, shutdown) interruptible by a check: the Python front's Ctrl-C |
 //! | [`Offloader::shutdown`], [`Offloader::is_shut_down`] | shutdown (refused with nothing changed while a window is open or a graph lives) |
 //! | [`Offloader::geometry`] ([`Geometry`]: the tensors, the host blocks, the [`KvLayout`] with the host and device address of every block, the [`Region`], the lanes' streams), [`Offloader::runtime`], [`Offloader::activity`] ([`Activity`]) | where things are, and what the coordinator has open or waiting (diagnostics) |

@@ -88,7 +88,7 @@ impl Offloader {
     /// offloader is shut down (or dropped); `kv.compute_stream` is a stream
     /// of `rt` that lives as long. GPU blocks named in a store are not
     /// written, and GPU blocks named in a load neither read nor written, by
-    /// the engine until [`Offloader::poll`] reports the job (or
+    /// the engine until [`Offloader::poll_each`] reports the job (or
     /// [`Offloader::wait`] returns for it): the copies are asynchronous.
     pub unsafe fn new(
         rt: Arc<dyn GpuRuntime>,

@@ -29,7 +29,7 @@
 //!   [`KeyedOffloader::load`] by block keys, placed by the block manager
 //!   ([`KeyedOffloader`] owns one and a core; everything else is its
 //!   [`KeyedOffloader::core`]);
-//! - [`Offloader::poll`]: finished jobs, already applied to the block
+//! - [`Offloader::poll_each`]: finished jobs, already applied to the block
 //!   manager of a keyed offloader (a stored key becomes readable only once
 //!   its store completed; a loaded key's slot is released once its load
 //!   completed, P5);
@@ -73,7 +73,7 @@
 //! The files of the module, one concern each:
 //!
 //! - `mod.rs`: the core type, [`Geometry`], pinning, capture windows,
-//!   [`Offloader::poll`] and the waits, [`GatedCalls`];
+//!   the waits, [`GatedCalls`];
 //! - `build.rs`: construction ([`Offloader::new`],
 //!   [`Offloader::with_allocated_tensors`]): the region, the coordinator
 //!   and the transfer engine;
@@ -116,7 +116,7 @@ use crate::sync::atomic::AtomicBool;
 use crate::sync::{self, thread, Arc, Mutex};
 use crate::transfer::{Backend, JobBlocks, JobId, KvLayout, Lane, TransferEngine};
 
-/// A finished job, as [`Offloader::poll`] reports it (already applied to
+/// A finished job, as [`Offloader::poll_each`] reports it (already applied to
 /// the block manager of a [`KeyedOffloader`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Completion {
@@ -532,24 +532,13 @@ impl Offloader {
 
     // ---- completions ----
 
-    /// Jobs that finished since the last call, in submission order per
-    /// direction, each reported once, already applied to the block manager
-    /// of a [`KeyedOffloader`]. Never blocks on the GPU and never makes a
-    /// capture-unsafe call while a window is open (it then returns what it
-    /// found so far).
-    pub fn poll(&self) -> Vec<Completion> {
-        let mut out = Vec::new();
-        self.poll_each(&mut |c| out.push(c));
-        out
-    }
-
-    /// Jobs submitted and not yet reported by [`Offloader::poll`].
+    /// Jobs submitted and not yet reported by [`Offloader::poll_each`].
     pub fn in_flight(&self) -> usize {
         sync::lock(&self.inner).jobs.len()
     }
 
     /// Blocks until job `id` completed on the GPU (it is still reported by
-    /// [`Offloader::poll`]). Refused inside the caller's own window.
+    /// [`Offloader::poll_each`]). Refused inside the caller's own window.
     /// Interruptible: [`Interruptible::wait`].
     pub fn wait(&self, id: JobId) -> Result<(), OffloaderError> {
         self.refuse_inside_gated("waiting for a job inside gated()")?;
@@ -562,7 +551,7 @@ impl Offloader {
     }
 
     /// Blocks until every job submitted so far completed on the GPU (failed
-    /// jobs are reported by [`Offloader::poll`], not here).
+    /// jobs are reported by [`Offloader::poll_each`], not here).
     /// Interruptible: [`Interruptible::wait_all`].
     pub fn wait_all(&self) -> Result<(), OffloaderError> {
         self.refuse_inside_gated("waiting for jobs inside gated()")?;
