@@ -42,7 +42,7 @@ fn offloader_on(rt: Arc<dyn GpuRuntime>, host_blocks: usize) -> KeyedOffloader {
 /// Writes the contents of `key` (page by page) into GPU blocks `gpu` of
 /// every tensor, through the runtime the offloader hands out.
 fn write_blocks(off: &KeyedOffloader, key: u64, gpu: &[usize]) {
-    let rt = off.core().runtime();
+    let rt = &off.core().geometry().runtime;
     for (t, base) in off.core().geometry().tensors().into_iter().enumerate() {
         for (j, &b) in gpu.iter().enumerate() {
             let mut buf = vec![0u8; PAGE];
@@ -57,7 +57,7 @@ fn write_blocks(off: &KeyedOffloader, key: u64, gpu: &[usize]) {
 /// Checks GPU blocks `gpu` against `key`'s contents; returns the pages
 /// that differ.
 fn check_blocks(off: &KeyedOffloader, key: u64, gpu: &[usize]) -> usize {
-    let rt = off.core().runtime();
+    let rt = &off.core().geometry().runtime;
     let mut bad = 0;
     for (t, base) in off.core().geometry().tensors().into_iter().enumerate() {
         for (j, &b) in gpu.iter().enumerate() {
@@ -75,7 +75,7 @@ fn check_blocks(off: &KeyedOffloader, key: u64, gpu: &[usize]) -> usize {
 /// One GLOBAL capture of a memset inside a capture window; returns whether
 /// the graph came out (the library never invalidates it, P1).
 fn capture_in_window(off: &KeyedOffloader) -> bool {
-    let rt = off.core().runtime();
+    let rt = &off.core().geometry().runtime;
     let s = rt.stream_create().unwrap();
     let scratch = off.core().gated("scratch", |calls| calls.mem_alloc(4096)).unwrap().unwrap();
     let ok = {

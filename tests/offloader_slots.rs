@@ -50,7 +50,7 @@ fn page(tag: u64, t: usize, j: usize) -> Vec<u8> {
 /// Writes content `tag` into GPU blocks `gpu` of every tensor (synchronous
 /// copies through the offloader's runtime).
 fn write_blocks(off: &Offloader, tag: u64, gpu: &[usize]) {
-    let rt = off.runtime();
+    let rt = &off.geometry().runtime;
     for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         for (j, &b) in gpu.iter().enumerate() {
             let buf = page(tag, t, j);
@@ -63,7 +63,7 @@ fn write_blocks(off: &Offloader, tag: u64, gpu: &[usize]) {
 
 /// Zeroes GPU blocks `gpu` of every tensor.
 fn zero_blocks(off: &Offloader, gpu: &[usize]) {
-    let rt = off.runtime();
+    let rt = &off.geometry().runtime;
     let zero = vec![0u8; PAGE];
     for base in off.geometry().tensors() {
         for &b in gpu {
@@ -75,7 +75,7 @@ fn zero_blocks(off: &Offloader, gpu: &[usize]) {
 
 /// Pages of GPU blocks `gpu` (every tensor) that differ from content `tag`.
 fn bad_pages(off: &Offloader, tag: u64, gpu: &[usize]) -> usize {
-    let rt = off.runtime();
+    let rt = &off.geometry().runtime;
     let mut bad = 0;
     for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         for (j, &b) in gpu.iter().enumerate() {
@@ -111,7 +111,7 @@ fn bad_host_pages(off: &Offloader, tag: u64, slots: &[usize]) -> usize {
 /// Waits for every job and returns what poll reports.
 fn drain(off: &Offloader) -> Vec<kvoffload::internal::offloader::Completion> {
     off.wait_all().unwrap();
-    let done = poll(&off);
+    let done = poll(off);
     assert_eq!(off.in_flight(), 0);
     done
 }
@@ -158,7 +158,7 @@ fn round_trip_through_chosen_slots_byte_for_byte() {
     }
     assert_eq!(bad_pages(&off, 1, &dst), 0);
     // GPU blocks 20, 21 got slot 5, which holds blocks 2 and 3 of the store.
-    let rt = off.runtime();
+    let rt = &off.geometry().runtime;
     for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         for (j, &b) in swapped.iter().enumerate() {
             let mut got = vec![0u8; PAGE];
@@ -206,7 +206,7 @@ fn partial_first_and_last_slots_from_first_sub() {
     off.submit(JobId(5), Lane::Load, &SlotJob::single(&[30], &[6], 1)).unwrap();
     drain(&off);
     assert_eq!(bad_pages(&off, 8, &[20, 21]), 0);
-    let rt = off.runtime();
+    let rt = &off.geometry().runtime;
     for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         let want = [page(7, t, 0), page(8, t, 0), page(8, t, 1), page(7, t, 3), page(7, t, 3)];
         for (b, want) in [24, 25, 26, 27, 30].into_iter().zip(want) {
@@ -228,7 +228,7 @@ fn slot_jobs_are_ordered_after_the_compute_stream() {
     let device = sim.another_handle();
     let opts = OffloaderOptions::with_host_blocks(SLOTS);
     let off = Offloader::with_allocated_tensors(shared(sim), kv(), opts).unwrap();
-    let rt = off.runtime().clone();
+    let rt = off.geometry().runtime.clone();
     let base = off.geometry().tensors()[0];
     write_blocks(&off, 2, &[0, 1]);
     let hold = device.hold(HoldPoint::DeviceOp);
@@ -488,8 +488,10 @@ fn group_page(off: &Offloader, g: usize, t: usize, slot: usize, sub: usize) -> V
 fn gpu_page(off: &Offloader, t: usize, b: usize) -> Vec<u8> {
     let mut got = vec![0u8; PAGE];
     // SAFETY: `got` is writable for the synchronous copy.
-    unsafe { off.runtime().copy_dtoh(got.as_mut_ptr() as usize, off.geometry().tensors()[t].offset(b * PAGE), PAGE) }
-        .unwrap();
+    unsafe {
+        off.geometry().runtime.copy_dtoh(got.as_mut_ptr() as usize, off.geometry().tensors()[t].offset(b * PAGE), PAGE)
+    }
+    .unwrap();
     got
 }
 

@@ -20,7 +20,7 @@ look inside the simulated GPU and the offloader::
 Each function takes the object it looks into. The names follow the Rust
 library's: ``sim_`` stands for ``kvoffload::runtime::sim`` (``sim_hold`` is
 ``SimRuntime::hold`` and returns a :class:`SimHold`, ``sim::Hold``),
-``activity`` is ``Offloader::activity``. The ``sim_`` functions need a
+``activity`` is ``kvoffload::internal::offloader::activity``. The ``sim_`` functions need a
 ``Runtime("sim")`` (``OptionsError`` otherwise).
 
 Host memory as device memory (issue 21: vLLM's KV cache is CPU tensors when

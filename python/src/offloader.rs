@@ -116,7 +116,7 @@ impl PyOffloaderBase {
     /// tensors are then leaked, since the sim may still reach them.
     pub(crate) fn release_adoptions(&self) -> bool {
         let ptrs = std::mem::take(&mut *self.adoptions.lock().unwrap_or_else(|p| p.into_inner()));
-        let Some(sim) = self.off.runtime().as_sim() else { return ptrs.is_empty() };
+        let Some(sim) = self.off.geometry().runtime.as_sim() else { return ptrs.is_empty() };
         let mut ok = true;
         for p in ptrs {
             if let Err(e) = sim.release_adopted(p) {
@@ -171,7 +171,7 @@ impl PyOffloaderBase {
 
     pub(crate) fn forget_stream(&self) {
         if let Some(s) = self.adopted.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = self.off.runtime().stream_destroy(s);
+            let _ = self.off.geometry().runtime.stream_destroy(s);
         }
     }
 }
@@ -688,7 +688,7 @@ impl PyOffloaderBase {
                 Front::Keyed(_) => "KeyedOffloader",
                 Front::Slots(_) => "Offloader",
             },
-            self.off.runtime().backend(),
+            self.off.geometry().runtime.backend(),
             self.off.geometry().region.len(),
             self.off.geometry().region.rank(),
             PyPinState::from(&self.off.pin_progress().state).__repr__()

@@ -320,9 +320,9 @@ impl Offloader {
         );
         let host_blocks = kv_layout.num_host_blocks(0);
         Ok(Offloader {
-            rt,
+            rt: rt.clone(),
             coord,
-            geometry: Geometry { kv, host_blocks, layout: kv_layout, region, lane_streams },
+            geometry: Geometry { runtime: rt, kv, host_blocks, layout: kv_layout, region, lane_streams },
             prefault: prepared.prefault(),
             pin_observer: opts.pin_observer.clone(),
             agreement,

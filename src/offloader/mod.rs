@@ -159,11 +159,15 @@ pub struct PinProgress {
 }
 
 /// Where an offloader's blocks are, fixed at construction
-/// ([`Offloader::geometry`]): the KV tensors and their block sizes, the
-/// host blocks and the region they live in, the transfer layout, the
-/// transfer lanes' streams.
-#[derive(Clone, Debug)]
+/// ([`Offloader::geometry`]): the GPU (its runtime), the KV tensors and
+/// their block sizes, the host blocks and the region they live in, the
+/// transfer layout, the transfer lanes' streams.
+#[derive(Clone)]
 pub struct Geometry {
+    /// The runtime of the GPU the KV tensors are on (for the engine's own
+    /// capture and graph calls on its thread; its capture-unsafe
+    /// operations need [`Offloader::gated`]).
+    pub runtime: Arc<dyn GpuRuntime>,
     /// The KV description the offloader moves blocks of: the tensors (the
     /// engine's, or those the offloader allocated) with their page bytes,
     /// GPU blocks per tensor, GPU blocks per host block, the compute
@@ -180,6 +184,19 @@ pub struct Geometry {
     /// The transfer handlers' streams, by [`Lane`] (store, load,
     /// expedited load).
     lane_streams: [Option<Stream>; 3],
+}
+
+impl std::fmt::Debug for Geometry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Geometry")
+            .field("runtime", &self.runtime.backend())
+            .field("kv", &self.kv)
+            .field("host_blocks", &self.host_blocks)
+            .field("layout", &self.layout)
+            .field("region", &self.region)
+            .field("lane_streams", &self.lane_streams)
+            .finish()
+    }
 }
 
 impl Geometry {
@@ -330,23 +347,10 @@ impl std::fmt::Debug for Offloader {
 impl Offloader {
     // ---- what the engine reads ----
 
-    /// The runtime (for capture and graph calls of the engine's own thread;
-    /// its capture-unsafe operations need [`Offloader::gated`]).
-    pub fn runtime(&self) -> &Arc<dyn GpuRuntime> {
-        &self.rt
-    }
-
-    /// Where the blocks are: the KV tensors, the host blocks and region,
-    /// the transfer layout and lanes.
+    /// Where the blocks are: the GPU's runtime, the KV tensors, the host
+    /// blocks and region, the transfer layout and lanes.
     pub fn geometry(&self) -> &Geometry {
         &self.geometry
-    }
-
-    /// What the coordinator has open, in flight or waiting right now
-    /// (diagnostics; the tests of the interruptible waits check with it
-    /// that an interrupted wait left nothing counted).
-    pub fn activity(&self) -> crate::protocol::Activity {
-        self.coord.activity()
     }
 
     /// The core's jobs under its lock (the keyed layer's submissions and
@@ -559,6 +563,15 @@ impl Offloader {
         self.wait_deferred(None)?;
         Ok(engine.wait_all()?)
     }
+}
+
+/// What `off`'s coordinator has open, in flight or waiting right now: a
+/// diagnostic of the layer below the offloader (the tests of the
+/// interruptible waits check with it that an interrupted wait left nothing
+/// counted; the Python test hooks' `activity`), reached through
+/// `kvoffload::internal` only, not a call of the engine's API.
+pub fn activity(off: &Offloader) -> crate::protocol::Activity {
+    off.coord.activity()
 }
 
 /// The capture-unsafe driver calls an engine may make through
