@@ -33,9 +33,9 @@
 //! `book.rs` (that
 //! bookkeeping, and the panic guard of the entry points), `runtime.rs`
 //! (`Runtime`), `results.rs` (the result classes), `options.rs` (the option
-//! classes: `KvSpec`, `KvAlloc`, `PinOptions`, `TransferOptions`,
-//! `RegionSpec`, `ShmOptions`),
-//! `args.rs` (arguments from Python), `tensors.rs` (the engine's tensors, CPU ones adopted on
+//! classes: `PinOptions`, `TransferOptions`, `RegionSpec`, `ShmOptions`),
+//! `args.rs` (arguments from Python), `tensors.rs` (the KV cache's classes,
+//! `KvSpec` and `KvAlloc`, and the engine's tensors, CPU ones adopted on
 //! the sim), `signals.rs`, `agreement.rs`, `errors.rs`, `testing.rs`.
 
 mod agreement;
@@ -74,10 +74,11 @@ use args::*;
 use book::*;
 use front::*;
 use offloader::*;
-use options::{PyKvAlloc, PyKvSpec, PyPinOptions, PyRegionSpec, PyShmOptions, PyTransferOptions};
+use options::{PyPinOptions, PyRegionSpec, PyShmOptions, PyTransferOptions};
 use results::*;
 use runtime::*;
 use signals::*;
+use tensors::{PyKvAlloc, PyKvSpec};
 
 /// Sends the library's tracing events (pinning progress, agreement,
 /// shutdown) to stderr, filtered like RUST_LOG (e.g. `"info"`,

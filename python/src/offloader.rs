@@ -207,7 +207,7 @@ impl PyOffloaderBase {
         let keyed = matches!(class, Class::Keyed { .. });
         guarded(py, move || {
             options::unknown_arguments(py, keyed, unknown)?;
-            let kv = options::kv(py, if keyed { "KeyedOffloader" } else { "Offloader" }, kv)?;
+            let kv = tensors::kv(py, if keyed { "KeyedOffloader" } else { "Offloader" }, kv)?;
             let region: PyRegionSpec = options::given(py, "region", "RegionSpec", region)?;
             let pin: PyPinOptions = options::given(py, "pin", "PinOptions", pin)?;
             let transfer: PyTransferOptions = options::given(py, "transfer", "TransferOptions", transfer)?;
@@ -240,8 +240,8 @@ impl PyOffloaderBase {
             let on_sim = rt.as_sim().is_some();
             // A KvSpec's tensors are read here, with the runtime known.
             let kv = match kv {
-                options::Kv::Alloc(alloc) => Err(alloc),
-                options::Kv::Spec(spec) => {
+                tensors::Kv::Alloc(alloc) => Err(alloc),
+                tensors::Kv::Spec(spec) => {
                     let spec = spec.get();
                     let parsed = tensors::parse(py, &spec.bound(py), spec.gpu_blocks, spec.page_bytes, device, on_sim)?;
                     Ok((parsed, spec.block_factor, spec.compute_stream))
