@@ -219,8 +219,7 @@ def run_kvoffload(args, torch, rank, group):
     t0 = time.perf_counter()
     off = kv.KeyedOffloader(
         host_blocks,
-        tensors=tensors,
-        stream=torch.cuda.current_stream().cuda_stream,
+        kv=kv.KvSpec(tensors, compute_stream=torch.cuda.current_stream().cuda_stream),
         runtime=kv.Runtime("cuda", dev),
         pin=kv.PinOptions(policy=args.policy),
         agreement=agreement,

@@ -71,7 +71,7 @@ mod common;
 
 use common::offloader::{lean, offloader_on, poll_n, sim, write_block, PAGE};
 use common::{check, negative, Bounds};
-use kvoffload::internal::offloader::{Offloader, OffloaderOptions, SlotJob};
+use kvoffload::internal::offloader::{activity, Offloader, OffloaderOptions, SlotJob};
 use kvoffload::internal::protocol::{PinState, Variant};
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{shared, CaptureMode, GpuRuntime};
@@ -209,7 +209,7 @@ fn two_hooked_captures() {
     assert!(enq.is_ok() && end.is_ok(), "the first capture was invalidated: enqueue {enq:?}, end {end:?}");
     assert!(sim(&rt).refusals().is_empty(), "the simulated GPU refused a call: {:?}", sim(&rt).refusals());
     assert_eq!(
-        (off.activity().windows_open, off.capture_hook().deferred_jobs()),
+        (activity(&off).windows_open, off.capture_hook().deferred_jobs()),
         (0, 0),
         "a window or a deferred job left"
     );

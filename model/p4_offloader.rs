@@ -105,7 +105,7 @@ fn refused_with_a_live_graph(variant: Variant) {
     drop(token);
     off.core().shutdown().expect("a shutdown once the graph is gone");
     assert_eq!(sim(&rt).registered_ranges(), 0, "region left registered after shutdown");
-    assert!(off.core().pin_state().is_final());
+    assert!(off.core().pin_progress().state.is_final());
 }
 
 /// Shutdown (on another thread) while a store is in flight and pinning
@@ -122,7 +122,7 @@ fn with_jobs_and_pinning(variant: Variant) {
     assert_eq!(off.core().in_flight(), 0, "shutdown returned with a job not applied");
     assert_eq!(off.stored_blocks(), 1, "the store in flight was lost");
     assert_eq!(sim(&rt).registered_ranges(), 0, "region left registered after shutdown");
-    assert!(off.core().pin_state().is_final());
+    assert!(off.core().pin_progress().state.is_final());
 }
 
 fn racing_a_capture(variant: Variant) {
@@ -154,7 +154,7 @@ fn racing_a_capture(variant: Variant) {
         Err(e) => panic!("shutdown failed: {e}"),
     }
     assert_eq!(sim(&rt).registered_ranges(), 0, "region left registered after shutdown");
-    assert!(matches!(off.core().pin_state(), PinState::Pinned | PinState::Pageable(_)));
+    assert!(matches!(off.core().pin_progress().state, PinState::Pinned | PinState::Pageable(_)));
 }
 
 const B: Bounds = Bounds { property: "P4", threads: 4, preemptions: 2, ci: None };

@@ -20,16 +20,16 @@
 //! |---|---|
 //! | [`CudaRuntime::open`], [`SimRuntime::new`] ([`SimConfig`]), [`shared`], [`GpuRuntime`] | a runtime handle; one offloader per handle (a second is refused: [`ProtocolError::RuntimeGuarded`]) |
 //! | [`Offloader::new`] / [`KeyedOffloader::new`] (the engine's tensors, `unsafe`: their lifetime is the contract; [`KvSpec`], [`TensorSpec`]) or [`Offloader::with_allocated_tensors`] / [`KeyedOffloader::with_allocated_tensors`] ([`KvAlloc`]) | build it; [`RegionSpec`] picks an anonymous or a node-shared region ([`ShmOptions`], [`FileSplit`], [`ShmStep`]); [`PinOptions`] ([`CapturePolicy`], [`HugePages`], [`PrefaultMode`], [`NumaPolicy`]), [`TransferOptions`] ([`BackendChoice`], [`AutoThresholds`]), [`PolicyKind`], `OffloaderOptions::kv_groups` (slot jobs only) tune it |
-//! | [`Offloader::start`], [`Offloader::pin_state`], [`Offloader::pin_progress`], [`Offloader::wait_pinned`], [`Offloader::cancel_pinning`], [`PinObserver`] | pinning in the background and its progress ([`PinState`], [`PinProgress`], [`PinOutcome`]) |
+//! | [`Offloader::start`], [`Offloader::pin_progress`], [`Offloader::wait_pinned`], [`Offloader::cancel_pinning`], [`PinObserver`] | pinning in the background and its progress ([`PinState`], [`PinProgress`], [`PinOutcome`]) |
 //! | [`Offloader::capture_window`] ([`CaptureWindow`]), [`Offloader::register_graph`] ([`GraphToken`]) | around each CUDA graph capture; for each graph that references the region |
 //! | [`Offloader::capture_hook`] ([`CaptureHook`]: `begin`, `end`, `abort`, `depth`, `deferred_jobs`) | the same window for a hook that wraps a framework's capture calls (PyTorch's `CUDAGraph.capture_begin`/`capture_end`): jobs submitted meanwhile are queued and submitted when it closes ([`Completion::deferred_seconds`]) |
 //! | [`Offloader::gated`] ([`GatedCalls`]) | the engine's own capture-unsafe driver calls, inside the offloader's gate |
 //! | [`KeyedOffloader::lookup`], [`KeyedOffloader::store`] ([`StoreSubmitted`]), [`KeyedOffloader::load`], [`KeyedOffloader::stored_blocks`], [`KeyedOffloader::poll`] | by block keys ([`BlockKey`], [`Lookup`], [`Skipped`]) and the engine's GPU block ids |
 //! | [`Offloader::submit`] ([`SlotJob::single`], [`SlotJob::groups`] for `OffloaderOptions::kv_groups`; [`Lane`]: store, load, or the expedited load lane of `TransferOptions::expedited_lane`), [`Offloader::wait_jobs`] | host slots and job ids ([`JobId`]) chosen by the engine, no block manager |
-//! | [`Offloader::poll`], [`Offloader::poll_each`] ([`Completion`]), [`Offloader::wait`], [`Offloader::wait_all`], [`Offloader::in_flight`] | completions, applied to a keyed offloader's block manager |
+//! | [`Offloader::poll_each`] ([`Completion`]), [`Offloader::wait`], [`Offloader::wait_all`], [`Offloader::in_flight`] | completions, applied to a keyed offloader's block manager |
 //! | [`Offloader::interruptible`] ([`Interruptible`]) | every wait above (and the window, the hook's begin, `gated`, shutdown) interruptible by a check: the Python front's Ctrl-C |
 //! | [`Offloader::shutdown`], [`Offloader::is_shut_down`] | shutdown (refused with nothing changed while a window is open or a graph lives) |
-//! | [`Offloader::geometry`] ([`Geometry`]: the tensors, the host blocks, the [`KvLayout`] with the host and device address of every block, the [`Region`], the lanes' streams), [`Offloader::runtime`], [`Offloader::activity`] ([`Activity`]) | where things are, and what the coordinator has open or waiting (diagnostics) |
+//! | [`Offloader::geometry`] ([`Geometry`]: the GPU's runtime, the tensors, the host blocks, the [`KvLayout`] with the host and device address of every block, the [`Region`], the lanes' streams) | where things are |
 //! | [`Kernel`] (the pattern kernels of [`GpuRuntime::launch`]: [`pattern`], [`PATTERN_ENTRY_WORDS`], [`GATHER_ENTRY_WORDS`]), [`SimFault`] ([`SimRuntime::inject`]), [`Layout`] ([`Region::layout`], [`page_size`]), [`GroupSpec`] and [`HostPlacement`] ([`KvLayout::new`]), the options' defaults and limits ([`DEFAULT_MAX_CHUNK_BYTES`], [`DEFAULT_SHM_DIR`], [`DEFAULT_FILE_BYTES`], [`MAX_FILES`], [`MAX_RANKS`]) | the rest of those items' signatures: what the `run` job's ranks (engine-like processes on this API alone) verify every block with, fault injection on the simulated GPU, and region sizing |
 //! | [`OffloaderError`] and the errors it wraps ([`ProtocolError`], [`ShutdownError`], [`PinError`], [`RegionError`], [`TransferError`], [`ManagerError`], [`LayoutError`], [`DriverError`] with its [`Code`], [`AgreementError`]) | every failure, typed |
 //!
@@ -87,9 +87,7 @@ pub use offloader::{
 };
 pub use pin::{HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
 pub use protocol::agreement::{AgreementError, Transport};
-pub use protocol::{
-    Activity, CapturePolicy, CaptureWindow, GraphToken, PageableReason, PinState, ProtocolError, ShutdownError,
-};
+pub use protocol::{CapturePolicy, CaptureWindow, GraphToken, PageableReason, PinState, ProtocolError, ShutdownError};
 pub use region::{
     page_size, AbandonReason, FileProblem, FileSplit, JoinPhase, Layout, RawRange, Region, RegionError, ShmOptions,
     ShmStep, DEFAULT_FILE_BYTES, DEFAULT_SHM_DIR, MAX_FILES, MAX_RANKS,

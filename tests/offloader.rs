@@ -42,7 +42,7 @@ fn offloader_on(rt: Arc<dyn GpuRuntime>, host_blocks: usize) -> KeyedOffloader {
 /// Writes the contents of `key` (page by page) into GPU blocks `gpu` of
 /// every tensor, through the runtime the offloader hands out.
 fn write_blocks(off: &KeyedOffloader, key: u64, gpu: &[usize]) {
-    let rt = off.core().runtime();
+    let rt = &off.core().geometry().runtime;
     for (t, base) in off.core().geometry().tensors().into_iter().enumerate() {
         for (j, &b) in gpu.iter().enumerate() {
             let mut buf = vec![0u8; PAGE];
@@ -57,7 +57,7 @@ fn write_blocks(off: &KeyedOffloader, key: u64, gpu: &[usize]) {
 /// Checks GPU blocks `gpu` against `key`'s contents; returns the pages
 /// that differ.
 fn check_blocks(off: &KeyedOffloader, key: u64, gpu: &[usize]) -> usize {
-    let rt = off.core().runtime();
+    let rt = &off.core().geometry().runtime;
     let mut bad = 0;
     for (t, base) in off.core().geometry().tensors().into_iter().enumerate() {
         for (j, &b) in gpu.iter().enumerate() {
@@ -75,7 +75,7 @@ fn check_blocks(off: &KeyedOffloader, key: u64, gpu: &[usize]) -> usize {
 /// One GLOBAL capture of a memset inside a capture window; returns whether
 /// the graph came out (the library never invalidates it, P1).
 fn capture_in_window(off: &KeyedOffloader) -> bool {
-    let rt = off.core().runtime();
+    let rt = &off.core().geometry().runtime;
     let s = rt.stream_create().unwrap();
     let scratch = off.core().gated("scratch", |calls| calls.mem_alloc(4096)).unwrap().unwrap();
     let ok = {
@@ -131,7 +131,7 @@ fn round_trip(off: KeyedOffloader) {
     assert_eq!(done[0].direction, Direction::DeviceToHost);
     assert!(done[0].error.is_none(), "{:?}", done[0].error);
     assert!(off.lookup(&keys).iter().all(|l| *l == Lookup::Hit));
-    assert_eq!(off.core().pin_state(), off.core().wait_pinned().unwrap().state);
+    assert_eq!(off.core().pin_progress().state, off.core().wait_pinned().unwrap().state);
     // Load into other GPU blocks, with a capture in between.
     let dst: Vec<usize> = (16..24).collect();
     let job = off.load(&keys, &dst).unwrap();
@@ -151,7 +151,7 @@ fn round_trip(off: KeyedOffloader) {
 #[test]
 fn pinning_reaches_pinned_and_reports_progress() {
     let off = offloader(16);
-    assert_eq!(off.core().pin_state(), PinState::Pending);
+    assert_eq!(off.core().pin_progress().state, PinState::Pending);
     let p = off.core().pin_progress();
     assert!(p.chunks_total >= 2, "{p:?}");
     let out = off.core().wait_pinned().unwrap();
@@ -205,7 +205,8 @@ fn a_pin_observer_sees_every_chunk_and_the_end_and_can_hold_pinning() {
         thread::yield_now();
     }
     std::thread::sleep(Duration::from_millis(50));
-    assert!(matches!(off.core().pin_state(), PinState::Pinning { .. }), "{:?}", off.core().pin_state());
+    let state = off.core().pin_progress().state;
+    assert!(matches!(state, PinState::Pinning { .. }), "{state:?}");
     assert_eq!(rec.settled.load(Ordering::SeqCst), 0);
     *sync::lock(&rec.release) = true;
     rec.cv.notify_all();

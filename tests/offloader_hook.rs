@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use kvoffload::internal::manager::BlockKey;
 use kvoffload::internal::offloader::{
-    Completion, KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob,
+    activity, Completion, KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob,
 };
 use kvoffload::internal::protocol::{PinState, ProtocolError};
 use kvoffload::internal::runtime::pattern;
@@ -60,7 +60,7 @@ fn write_block(off: &Offloader, tag: u64, b: usize) {
         // SAFETY: `buf` is readable for the synchronous copy; the
         // destination is GPU block `b` of a tensor of the offloader, which
         // no job touches now.
-        unsafe { off.runtime().copy_htod(base.offset(b * PAGE), buf.as_ptr() as usize, PAGE) }.unwrap();
+        unsafe { off.geometry().runtime.copy_htod(base.offset(b * PAGE), buf.as_ptr() as usize, PAGE) }.unwrap();
     }
 }
 
@@ -71,7 +71,7 @@ fn bad_block(off: &Offloader, tag: u64, b: usize) -> usize {
         let mut got = vec![0u8; PAGE];
         // SAFETY: `got` is writable for the synchronous copy; the job that
         // wrote the block was waited for.
-        unsafe { off.runtime().copy_dtoh(got.as_mut_ptr() as usize, base.offset(b * PAGE), PAGE) }.unwrap();
+        unsafe { off.geometry().runtime.copy_dtoh(got.as_mut_ptr() as usize, base.offset(b * PAGE), PAGE) }.unwrap();
         bad += usize::from(got != page(tag, t));
     }
     bad
@@ -92,7 +92,7 @@ fn bad_slot(off: &Offloader, tag: u64, s: usize) -> usize {
 }
 
 fn sim(off: &Offloader) -> &SimRuntime {
-    off.runtime().as_sim().expect("the simulated GPU")
+    off.geometry().runtime.as_sim().expect("the simulated GPU")
 }
 
 /// Polls until `n` completions came (20 s at most).
@@ -101,7 +101,7 @@ fn poll_n(off: &Offloader, n: usize) -> Vec<Completion> {
     let mut done = Vec::new();
     while done.len() < n {
         assert!(t.elapsed() < Duration::from_secs(20), "only {done:?} reported");
-        done.extend(off.poll());
+        off.poll_each(&mut |c| done.push(c));
         thread::yield_now();
     }
     done
@@ -121,7 +121,7 @@ fn until(what: &str, cond: impl Fn() -> bool) {
 /// hook's begin and end; returns the graph (its capture not invalidated)
 /// or the failure.
 fn hooked_capture(off: &Offloader, stream: kvoffload::internal::runtime::Stream, body: impl FnOnce()) -> bool {
-    let rt = off.runtime().clone();
+    let rt = off.geometry().runtime.clone();
     let scratch = off.gated("scratch", |c| c.mem_alloc(PAGE)).unwrap().unwrap();
     off.capture_hook().begin().unwrap();
     rt.begin_capture(stream, CaptureMode::Global).unwrap();
@@ -149,10 +149,10 @@ fn nested_begins_open_one_window_and_the_outer_end_closes_it() {
     off.capture_hook().begin().unwrap();
     off.capture_hook().begin().unwrap();
     assert_eq!(off.capture_hook().depth(), 3);
-    assert_eq!(off.activity().windows_open, 1, "nested begins opened more than one window");
+    assert_eq!(activity(&off).windows_open, 1, "nested begins opened more than one window");
     off.capture_hook().end().unwrap();
     off.capture_hook().end().unwrap();
-    assert_eq!(off.activity().windows_open, 1, "an inner end closed the window");
+    assert_eq!(activity(&off).windows_open, 1, "an inner end closed the window");
     // Depth is per thread: another thread has none, and its own begin
     // opens a second window.
     let other = {
@@ -161,7 +161,7 @@ fn nested_begins_open_one_window_and_the_outer_end_closes_it() {
             s.spawn(|| {
                 let none = off.capture_hook().end();
                 off.capture_hook().begin().unwrap();
-                let open = off.activity().windows_open;
+                let open = activity(off).windows_open;
                 off.capture_hook().end().unwrap();
                 (none, open)
             })
@@ -172,7 +172,7 @@ fn nested_begins_open_one_window_and_the_outer_end_closes_it() {
     assert!(matches!(other.0, Err(OffloaderError::HookNotOpen { .. })), "{:?}", other.0);
     assert_eq!(other.1, 2);
     off.capture_hook().end().unwrap();
-    assert_eq!((off.capture_hook().depth(), off.activity().windows_open), (0, 0));
+    assert_eq!((off.capture_hook().depth(), activity(&off).windows_open), (0, 0));
     assert!(matches!(off.capture_hook().abort(), Err(OffloaderError::HookNotOpen { call: "capture_abort" })));
     assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
     off.shutdown().unwrap();
@@ -222,7 +222,7 @@ fn keyed_jobs_are_deferred_too_and_keys_become_readable_once_reported() {
     let off = keyed.core();
     off.start().unwrap();
     write_block(off, 5, 2);
-    let s = off.runtime().stream_create().unwrap();
+    let s = off.geometry().runtime.stream_create().unwrap();
     let k = [BlockKey::new(5, 0)];
     let mut job = None;
     assert!(hooked_capture(off, s, || {
@@ -237,7 +237,7 @@ fn keyed_jobs_are_deferred_too_and_keys_become_readable_once_reported() {
     off.wait(l).unwrap();
     poll_n(off, 1);
     assert_eq!(bad_block(off, 5, 6), 0);
-    off.runtime().stream_destroy(s).unwrap();
+    off.geometry().runtime.stream_destroy(s).unwrap();
     off.shutdown().unwrap();
 }
 
@@ -303,7 +303,7 @@ fn abort_closes_the_window_and_submits_what_it_deferred() {
     off.submit(JobId(3), Lane::Store, &SlotJob::single(&[1], &[5], 0)).unwrap();
     off.capture_hook().abort().unwrap();
     assert_eq!(
-        (off.capture_hook().depth(), off.activity().windows_open, off.capture_hook().deferred_jobs()),
+        (off.capture_hook().depth(), activity(&off).windows_open, off.capture_hook().deferred_jobs()),
         (0, 0, 0)
     );
     off.wait(JobId(3)).unwrap();
@@ -380,12 +380,12 @@ fn the_hook_window_waits_for_the_registration_in_progress_not_for_pinning() {
     let o2 = off.clone();
     let capture = std::thread::spawn(move || {
         let r = o2.capture_hook().begin();
-        opened_tx.send((r.is_ok(), o2.pin_state())).unwrap();
+        opened_tx.send((r.is_ok(), o2.pin_progress().state)).unwrap();
         close_rx.recv().unwrap();
         o2.capture_hook().end()
     });
-    until("the hook's window waits to open", || off.activity().windows_waiting == 1);
-    assert_eq!(off.activity().windows_open, 0, "the window opened during a registration");
+    until("the hook's window waits to open", || activity(&off).windows_waiting == 1);
+    assert_eq!(activity(&off).windows_open, 0, "the window opened during a registration");
     // A job submitted while the window waits to open is deferred.
     write_block(&off, 8, 4);
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[4], &[7], 0)).unwrap();
@@ -426,7 +426,7 @@ fn expedited_offloader() -> (Offloader, SimRuntime) {
 #[test]
 fn an_expedited_load_does_not_wait_behind_a_regular_load() {
     let (off, control) = expedited_offloader();
-    let rt = off.runtime().clone();
+    let rt = off.geometry().runtime.clone();
     write_block(&off, 1, 0);
     write_block(&off, 2, 1);
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
@@ -522,7 +522,7 @@ fn a_flush_waits_for_an_engine_window_on_another_thread_and_then_submits() {
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[2], &[4], 0)).unwrap();
     let w = off.capture_window().unwrap();
     end_tx.send(()).unwrap();
-    until("the hook's window closed", || off.activity().windows_open == 1);
+    until("the hook's window closed", || activity(&off).windows_open == 1);
     // The flush found main's window open: the job is back at the head of
     // the queue, not failed, not submitted.
     assert_eq!(off.capture_hook().deferred_jobs(), 1, "the flush submitted or dropped the job inside an engine window");

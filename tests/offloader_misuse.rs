@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::offloader::{KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob};
+use kvoffload::internal::offloader::{
+    activity, KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob,
+};
 use kvoffload::internal::protocol::{Activity, CapturePolicy, ProtocolError};
 use kvoffload::internal::runtime::shared;
 use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
@@ -30,7 +32,7 @@ fn offloader(opts: OffloaderOptions) -> Offloader {
 }
 
 fn sim(off: &Offloader) -> &SimRuntime {
-    off.runtime().as_sim().expect("the simulated GPU")
+    off.geometry().runtime.as_sim().expect("the simulated GPU")
 }
 
 /// Spins (yielding) until `cond` holds, 20 s at most: observing a state
@@ -68,7 +70,7 @@ fn a_window_or_a_nested_gated_inside_gated_is_refused() {
     assert!(would_deadlock(off.gated("test", |_| off.capture_hook().begin()).unwrap()));
     assert!(would_deadlock(off.gated("test", |_| off.gated("nested", |_| ())).unwrap()));
     assert_eq!(off.capture_hook().depth(), 0);
-    assert_eq!(off.activity(), Activity::default());
+    assert_eq!(activity(&off), Activity::default());
     // Outside gated, all of them work again.
     drop(off.capture_window().unwrap());
     off.capture_hook().begin().unwrap();
@@ -88,11 +90,11 @@ fn an_interrupted_capture_begin_opens_nothing() {
     let stop = AtomicBool::new(false);
     thread::scope(|s| {
         let begin = s.spawn(|| off.interruptible(&check(&stop)).capture_hook().begin());
-        until("the hook window waits", || off.activity().windows_waiting == 1);
+        until("the hook window waits", || activity(&off).windows_waiting == 1);
         stop.store(true, Ordering::SeqCst);
         assert!(interrupted(begin.join().unwrap()));
     });
-    assert_eq!(off.activity(), Activity { calls_in_flight: 1, ..Activity::default() });
+    assert_eq!(activity(&off), Activity { calls_in_flight: 1, ..Activity::default() });
     hold.release();
     off.wait_pinned().unwrap();
     off.shutdown().unwrap(); // no window was left open
@@ -117,10 +119,10 @@ fn an_interrupted_gated_runs_nothing() {
         });
         opened.recv().unwrap();
         let gated = s.spawn(|| off.interruptible(&check(&stop)).gated("test", |_| ran.store(true, Ordering::SeqCst)));
-        until("gated waits", || off.activity().calls_waiting == 1);
+        until("gated waits", || activity(&off).calls_waiting == 1);
         stop.store(true, Ordering::SeqCst);
         assert!(interrupted(gated.join().unwrap()));
-        assert_eq!(off.activity(), Activity { windows_open: 1, ..Activity::default() });
+        assert_eq!(activity(&off), Activity { windows_open: 1, ..Activity::default() });
         close.send(()).unwrap();
     });
     assert!(!ran.load(Ordering::SeqCst));
@@ -251,7 +253,7 @@ fn every_wait_and_shutdown_inside_gated_is_refused() {
     assert!(would_deadlock(off.gated("test", |_| off.interruptible(&check(&never)).shutdown(&mut |_| {})).unwrap()));
     assert!(!off.is_shut_down());
     assert_eq!(
-        off.activity(),
+        activity(&off),
         Activity { jobs_in_flight: 1, ..Activity::default() },
         "nothing left in flight but the job"
     );
@@ -266,7 +268,7 @@ fn a_panic_in_a_gated_call_ends_the_call() {
     off.wait_pinned().unwrap();
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| off.gated("test", |_| panic!("the callable"))));
     assert!(r.is_err());
-    assert_eq!(off.activity(), Activity::default(), "no call left in flight");
+    assert_eq!(activity(&off), Activity::default(), "no call left in flight");
     drop(off.capture_window().expect("a window opens after the panic"));
     off.shutdown().unwrap();
 }

@@ -6,7 +6,9 @@
 //! shutdown drains slot jobs in flight.
 
 use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob};
+use kvoffload::internal::offloader::{
+    Completion, KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob,
+};
 use kvoffload::internal::runtime::pattern;
 use kvoffload::internal::runtime::sim::{HoldPoint, SimConfig, SimRuntime};
 use kvoffload::internal::runtime::{shared, Direction};
@@ -32,6 +34,13 @@ fn slot_offloader() -> Offloader {
 }
 
 /// The bytes of page `j` of tensor `t` of content `tag`.
+/// The completions a poll hands out, collected.
+fn poll(off: &Offloader) -> Vec<Completion> {
+    let mut done = Vec::new();
+    off.poll_each(&mut |c| done.push(c));
+    done
+}
+
 fn page(tag: u64, t: usize, j: usize) -> Vec<u8> {
     let mut buf = vec![0u8; PAGE];
     pattern::fill(tag * 1000 + (t * 64 + j) as u64, &mut buf);
@@ -41,7 +50,7 @@ fn page(tag: u64, t: usize, j: usize) -> Vec<u8> {
 /// Writes content `tag` into GPU blocks `gpu` of every tensor (synchronous
 /// copies through the offloader's runtime).
 fn write_blocks(off: &Offloader, tag: u64, gpu: &[usize]) {
-    let rt = off.runtime();
+    let rt = &off.geometry().runtime;
     for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         for (j, &b) in gpu.iter().enumerate() {
             let buf = page(tag, t, j);
@@ -54,7 +63,7 @@ fn write_blocks(off: &Offloader, tag: u64, gpu: &[usize]) {
 
 /// Zeroes GPU blocks `gpu` of every tensor.
 fn zero_blocks(off: &Offloader, gpu: &[usize]) {
-    let rt = off.runtime();
+    let rt = &off.geometry().runtime;
     let zero = vec![0u8; PAGE];
     for base in off.geometry().tensors() {
         for &b in gpu {
@@ -66,7 +75,7 @@ fn zero_blocks(off: &Offloader, gpu: &[usize]) {
 
 /// Pages of GPU blocks `gpu` (every tensor) that differ from content `tag`.
 fn bad_pages(off: &Offloader, tag: u64, gpu: &[usize]) -> usize {
-    let rt = off.runtime();
+    let rt = &off.geometry().runtime;
     let mut bad = 0;
     for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         for (j, &b) in gpu.iter().enumerate() {
@@ -102,7 +111,7 @@ fn bad_host_pages(off: &Offloader, tag: u64, slots: &[usize]) -> usize {
 /// Waits for every job and returns what poll reports.
 fn drain(off: &Offloader) -> Vec<kvoffload::internal::offloader::Completion> {
     off.wait_all().unwrap();
-    let done = off.poll();
+    let done = poll(off);
     assert_eq!(off.in_flight(), 0);
     done
 }
@@ -149,7 +158,7 @@ fn round_trip_through_chosen_slots_byte_for_byte() {
     }
     assert_eq!(bad_pages(&off, 1, &dst), 0);
     // GPU blocks 20, 21 got slot 5, which holds blocks 2 and 3 of the store.
-    let rt = off.runtime();
+    let rt = &off.geometry().runtime;
     for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         for (j, &b) in swapped.iter().enumerate() {
             let mut got = vec![0u8; PAGE];
@@ -197,7 +206,7 @@ fn partial_first_and_last_slots_from_first_sub() {
     off.submit(JobId(5), Lane::Load, &SlotJob::single(&[30], &[6], 1)).unwrap();
     drain(&off);
     assert_eq!(bad_pages(&off, 8, &[20, 21]), 0);
-    let rt = off.runtime();
+    let rt = &off.geometry().runtime;
     for (t, base) in off.geometry().tensors().into_iter().enumerate() {
         let want = [page(7, t, 0), page(8, t, 0), page(8, t, 1), page(7, t, 3), page(7, t, 3)];
         for (b, want) in [24, 25, 26, 27, 30].into_iter().zip(want) {
@@ -219,7 +228,7 @@ fn slot_jobs_are_ordered_after_the_compute_stream() {
     let device = sim.another_handle();
     let opts = OffloaderOptions::with_host_blocks(SLOTS);
     let off = Offloader::with_allocated_tensors(shared(sim), kv(), opts).unwrap();
-    let rt = off.runtime().clone();
+    let rt = off.geometry().runtime.clone();
     let base = off.geometry().tensors()[0];
     write_blocks(&off, 2, &[0, 1]);
     let hold = device.hold(HoldPoint::DeviceOp);
@@ -231,7 +240,7 @@ fn slot_jobs_are_ordered_after_the_compute_stream() {
     hold.wait_entered();
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[3], 0)).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(50));
-    assert_eq!(off.poll(), Vec::new(), "the store completed while the compute stream's work was held");
+    assert_eq!(poll(&off), Vec::new(), "the store completed while the compute stream's work was held");
     hold.release();
     drain(&off);
     off.submit(JobId(2), Lane::Load, &SlotJob::single(&[6, 7], &[3], 0)).unwrap();
@@ -260,13 +269,13 @@ fn slots_are_reused_after_their_store_was_reported() {
         let store = next();
         off.submit(store, Lane::Store, &SlotJob::single(&src, &[7], 0)).unwrap();
         off.wait(store).unwrap();
-        let done = off.poll();
+        let done = poll(&off);
         assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [store]);
         let dst = gpu_range(8 + 2 * round as usize, 2);
         let load = next();
         off.submit(load, Lane::Load, &SlotJob::single(&dst, &[7], 0)).unwrap();
         off.wait(load).unwrap();
-        assert_eq!(off.poll().len(), 1);
+        assert_eq!(poll(&off).len(), 1);
         assert_eq!(bad_pages(&off, round, &dst), 0, "round {round}: slot 7 holds the last store");
         assert_eq!(bad_host_pages(&off, round, &[7]), 0);
     }
@@ -350,7 +359,7 @@ fn bad_slot_jobs_are_typed_errors_and_submit_nothing() {
         e => panic!("{e:?}"),
     }
     assert_eq!(off.in_flight(), 0, "a refused job is not in flight");
-    assert!(off.poll().is_empty(), "a refused job is never reported");
+    assert!(poll(&off).is_empty(), "a refused job is never reported");
     // Nothing was submitted, so id 1 was not used: it is accepted now.
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[0], 0)).unwrap();
     assert_eq!(drain(&off).len(), 1);
@@ -437,7 +446,7 @@ fn shutdown_drains_slot_jobs_in_flight() {
     off.submit(JobId(8), Lane::Store, &SlotJob::single(&[16, 17], &[0], 0)).unwrap();
     // A load from a slot the engine filled before (its store reported).
     off.wait(JobId(8)).unwrap();
-    assert_eq!(off.poll().len(), 9);
+    assert_eq!(poll(&off).len(), 9);
     off.submit(JobId(9), Lane::Load, &SlotJob::single(&[20, 21], &[0], 0)).unwrap();
     for i in 0..4usize {
         let gpu = gpu_range(24 + 2 * i, 2);
@@ -447,7 +456,7 @@ fn shutdown_drains_slot_jobs_in_flight() {
     assert_eq!(off.in_flight(), 5);
     off.shutdown().unwrap();
     assert_eq!(off.in_flight(), 0, "every slot job drained and reported");
-    assert!(off.poll().is_empty());
+    assert!(poll(&off).is_empty());
     // Every store's bytes are in its slot, the drained ones too (the GPU
     // blocks of the drained load went with the tensors at shutdown).
     for (i, &s) in slots.iter().enumerate() {
@@ -479,8 +488,10 @@ fn group_page(off: &Offloader, g: usize, t: usize, slot: usize, sub: usize) -> V
 fn gpu_page(off: &Offloader, t: usize, b: usize) -> Vec<u8> {
     let mut got = vec![0u8; PAGE];
     // SAFETY: `got` is writable for the synchronous copy.
-    unsafe { off.runtime().copy_dtoh(got.as_mut_ptr() as usize, off.geometry().tensors()[t].offset(b * PAGE), PAGE) }
-        .unwrap();
+    unsafe {
+        off.geometry().runtime.copy_dtoh(got.as_mut_ptr() as usize, off.geometry().tensors()[t].offset(b * PAGE), PAGE)
+    }
+    .unwrap();
     got
 }
 
@@ -593,7 +604,7 @@ fn slots_of_jobs_not_yet_reported_are_busy() {
         off.submit(JobId(2), Lane::Store, &SlotJob::single(&[2, 3], &[3], 0)),
         Err(OffloaderError::SlotBusy { slot: 3, .. })
     ));
-    assert_eq!(off.poll().len(), 1);
+    assert_eq!(poll(&off).len(), 1);
     // Loads of one slot run together; a store to it waits for their report.
     off.submit(JobId(2), Lane::Load, &SlotJob::single(&[4, 5], &[3], 0)).unwrap();
     off.submit(JobId(3), Lane::Load, &SlotJob::single(&[6, 7], &[3], 0)).unwrap();
@@ -634,7 +645,7 @@ fn wait_jobs_waits_for_those_in_flight_and_skips_the_rest() {
     let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[0], 0)).unwrap();
     off.wait_all().unwrap();
-    assert_eq!(off.poll().len(), 1);
+    assert_eq!(poll(&off).len(), 1);
     write_blocks(&off, 3, &[2, 3]);
     // The store's copies are held on the device until 100 ms from now.
     let hold = device.hold(HoldPoint::DeviceOp);
@@ -649,7 +660,7 @@ fn wait_jobs_waits_for_those_in_flight_and_skips_the_rest() {
     off.wait_jobs(&[JobId(9), JobId(1), JobId(2), JobId(3)]).unwrap();
     assert_eq!(bad_host_pages(&off, 3, &[1]), 0, "job 2 completed when wait_jobs returned");
     release.join().unwrap();
-    assert_eq!(off.poll().iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(2), JobId(3)]);
+    assert_eq!(poll(&off).iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(2), JobId(3)]);
     off.wait_jobs(&[]).unwrap();
     off.shutdown().unwrap();
     assert!(matches!(off.wait_jobs(&[JobId(2)]), Err(OffloaderError::ShutDown)));

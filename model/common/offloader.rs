@@ -60,7 +60,7 @@ pub fn write_block(off: &Offloader, block: usize, fill: u8) {
     let dst = off.geometry().tensors()[0].offset(block * PAGE);
     // SAFETY: `buf` is readable; `dst` is GPU block `block` of the
     // offloader's tensor, which no job touches now.
-    unsafe { off.runtime().copy_htod(dst, buf.as_ptr() as usize, PAGE) }.unwrap();
+    unsafe { off.geometry().runtime.copy_htod(dst, buf.as_ptr() as usize, PAGE) }.unwrap();
 }
 
 /// GPU block `block`'s bytes (a synchronous copy).
@@ -68,7 +68,7 @@ pub fn read_block(off: &Offloader, block: usize) -> [u8; PAGE] {
     let mut buf = [0u8; PAGE];
     let src = off.geometry().tensors()[0].offset(block * PAGE);
     // SAFETY: `buf` is writable; the job that wrote `src` was waited for.
-    unsafe { off.runtime().copy_dtoh(buf.as_mut_ptr() as usize, src, PAGE) }.unwrap();
+    unsafe { off.geometry().runtime.copy_dtoh(buf.as_mut_ptr() as usize, src, PAGE) }.unwrap();
     buf
 }
 
@@ -76,7 +76,7 @@ pub fn read_block(off: &Offloader, block: usize) -> [u8; PAGE] {
 pub fn poll_n(off: &Offloader, n: usize) -> Vec<Completion> {
     let mut done = Vec::new();
     while done.len() < n {
-        done.extend(off.poll());
+        off.poll_each(&mut |c| done.push(c));
         thread::yield_now();
     }
     done

@@ -112,8 +112,7 @@ class KvoffloadSide:
         free0 = torch.cuda.mem_get_info()[0]
         self.off = kvoffload.Offloader(
             shape.host_blocks,
-            tensors=kv,
-            stream=stream,
+            kv=kvoffload.KvSpec(kv, compute_stream=stream),
             start=True,
         )
         t0 = time.perf_counter()

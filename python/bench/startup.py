@@ -158,8 +158,7 @@ def one_run(torch, kvoffload, a, cfg, kv) -> Dict[str, object]:
     if threads is not None:
         off = kvoffload.KeyedOffloader(
             a.region // (len(kv) * kv[0][0].nbytes),
-            tensors=kv,
-            stream=torch.cuda.current_stream(),
+            kv=kvoffload.KvSpec(kv, compute_stream=torch.cuda.current_stream()),
             pin=kvoffload.PinOptions(policy="interleave", threads=threads, prefault_nice=nice),
         )
         t_start = time.perf_counter()

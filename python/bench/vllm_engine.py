@@ -139,7 +139,7 @@ def observe(obs: Observed, spec: str):
         def capture_begin(graph, *a, **kw):
             t = obs.now()
             off = getattr(obs.worker, "offloader", None)
-            state = str(off.pin_state) if off is not None else None
+            state = str(off.pin_progress.state) if off is not None else None
             try:
                 r = begin(graph, *a, **kw)
             except BaseException as e:

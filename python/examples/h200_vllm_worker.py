@@ -145,7 +145,7 @@ class Steps:
             j, NS(block_ids=gpu_blocks, group_sizes=[len(gpu_blocks)], block_indices=[first_index]),
             NS(block_ids=chunks),
         )
-        self.submit_s.append(("store", time.monotonic() - t, str(self.w.offloader.pin_state)))
+        self.submit_s.append(("store", time.monotonic() - t, str(self.w.offloader.pin_progress.state)))
         return j
 
     def load(self, chunks, gpu_blocks, first_index, expedited=False):
@@ -155,7 +155,7 @@ class Steps:
             j, NS(block_ids=chunks),
             NS(block_ids=gpu_blocks, group_sizes=[len(gpu_blocks)], block_indices=[first_index]), expedited,
         )
-        self.submit_s.append(("load", time.monotonic() - t, str(self.w.offloader.pin_state)))
+        self.submit_s.append(("load", time.monotonic() - t, str(self.w.offloader.pin_progress.state)))
         return j
 
     def finish(self, ids):
@@ -236,7 +236,7 @@ def kvoffload_startup(torch, kvoffload, size, args):
     for i in range(args.captures):
         y = torch.empty_like(x)
         gph = torch.cuda.CUDAGraph()
-        state = str(off.pin_state)
+        state = str(off.pin_progress.state)
         p = off.pin_progress
         tb = time.monotonic()
         deferred = None
@@ -269,16 +269,16 @@ def kvoffload_startup(torch, kvoffload, size, args):
             steps.finish([deferred])
             out["deferred_store_seconds"] = steps.results[deferred].transfer_time
         if i % 4 == 3:
-            trips.append(round_trip(torch, steps, kv, slots_free, i, str(off.pin_state)))
+            trips.append(round_trip(torch, steps, kv, slots_free, i, str(off.pin_progress.state)))
     out["captures_done_s"] = time.monotonic() - t0
     # Round trips until pinning settles (pageable copies until then).
-    while not off.pin_state.is_final and len(trips) < 10_000:
-        trips.append(round_trip(torch, steps, kv, slots_free, len(trips), str(off.pin_state)))
+    while not off.pin_progress.state.is_final and len(trips) < 10_000:
+        trips.append(round_trip(torch, steps, kv, slots_free, len(trips), str(off.pin_progress.state)))
     outcome = w.wait_pinned()
     out["pinned_s"] = time.monotonic() - t0
     out["pin_final"] = repr(outcome.state)
     for k in range(4):
-        trips.append(round_trip(torch, steps, kv, slots_free, 10_000 + k, str(off.pin_state)))
+        trips.append(round_trip(torch, steps, kv, slots_free, 10_000 + k, str(off.pin_progress.state)))
     out["captures_ok"] = captures_ok
     out["replays_ok"] = replays_ok
     out["round_trips"] = len(trips)

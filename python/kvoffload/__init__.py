@@ -8,9 +8,9 @@ engine picks host slots and job ids: ``store_slots``, ``load_slots``,
 ``store_slot_job``, ``load_slot_job``, ``wait_jobs``)::
 
     import kvoffload
-    off = kvoffload.KeyedOffloader(4096, tensors=kv_tensors,
-                                   stream=torch.cuda.current_stream().cuda_stream,
-                                   pin=kvoffload.PinOptions(policy="interleave"))
+    kv = kvoffload.KvSpec(kv_tensors,  # one per layer; kept alive until shutdown
+                          compute_stream=torch.cuda.current_stream().cuda_stream)
+    off = kvoffload.KeyedOffloader(4096, kv=kv, pin=kvoffload.PinOptions(policy="interleave"))
     off.start()                        # pin in the background
     with off.capture_window(), torch.cuda.graph(g):
         ...                            # capture: no library thread disturbs it
@@ -36,7 +36,9 @@ from ._native import (
     Completion,
     DriverError,
     KeyedOffloader,
+    KvAlloc,
     KvoffloadError,
+    KvSpec,
     ManagerError,
     Offloader,
     OptionsError,
@@ -67,7 +69,9 @@ __all__ = [
     "Completion",
     "DriverError",
     "KeyedOffloader",
+    "KvAlloc",
     "KvoffloadError",
+    "KvSpec",
     "ManagerError",
     "Offloader",
     "OptionsError",

@@ -160,6 +160,86 @@ class CaptureWindow:
     @property
     def chunks_waited(self) -> int: ...
 
+class KvSpec:
+    """The engine's KV tensors (Rust's ``KvSpec``), one KV cache description
+    given to an offloader as ``kv=``. ``tensors``: a list of the engine's
+    tensors (objects with ``data_ptr()``, PyTorch, or
+    ``__cuda_array_interface__``, CuPy and Numba; or bare device addresses),
+    one per layer or K and V each, each contiguous, block ``b`` at
+    ``address + b * page_bytes``, kept alive by the offloader until
+    shutdown; ``gpu_blocks``: blocks in each (None: the first dimension);
+    ``page_bytes``: bytes of one block of every tensor (None: each tensor's
+    size over ``gpu_blocks``; a bare address needs it); ``block_factor``: GPU
+    blocks per host block; ``compute_stream``: the engine's compute stream,
+    which jobs are ordered after (an int handle such as
+    ``torch.cuda.current_stream().cuda_stream``, or an object with
+    ``.cuda_stream``, kept as its handle; None: the legacy default stream).
+    On the simulated GPU the tensors are CPU tensors (``device.type ==
+    "cpu"``, with ``untyped_storage()``): each one's storage range is
+    adopted once as simulated device memory (tensors sharing a backing
+    allocation share the adoption) and released at shutdown;
+    ``compute_stream`` is then a stream of the sim
+    (``kvoffload._testing.sim_stream``) or None (a stream of its own).
+
+    ``tensors`` may be given by position, the rest by keyword. The list, its
+    entries' kinds and the numbers' types are checked when it is built
+    (``OptionsError``, as ``PinOptions`` is), each tensor's device,
+    contiguity and size when the offloader reads it. Immutable; compares by
+    value (tensor objects by identity); ``replace(**changes)``; its
+    ``repr`` reads back with ``eval`` when the tensors are addresses."""
+
+    def __init__(
+        self,
+        tensors: Sequence[_TensorLike],
+        *,
+        gpu_blocks: Optional[int] = None,
+        page_bytes: Optional[int] = None,
+        block_factor: int = 1,
+        compute_stream: Any = None,
+    ) -> None: ...
+    def replace(
+        self,
+        tensors: Sequence[_TensorLike] = ...,
+        *,
+        gpu_blocks: Optional[int] = ...,
+        page_bytes: Optional[int] = ...,
+        block_factor: int = ...,
+        compute_stream: Any = ...,
+    ) -> "KvSpec": ...
+    @property
+    def tensors(self) -> List[_TensorLike]: ...
+    @property
+    def gpu_blocks(self) -> Optional[int]: ...
+    @property
+    def page_bytes(self) -> Optional[int]: ...
+    @property
+    def block_factor(self) -> int: ...
+    #: The stream's raw handle (None: the default).
+    @property
+    def compute_stream(self) -> Optional[int]: ...
+
+class KvAlloc:
+    """KV tensors the offloader allocates itself and frees at shutdown
+    (Rust's ``KvAlloc``), for engines and tests that bring none, given as
+    ``kv=``: ``tensors`` of ``gpu_blocks`` blocks of ``page_bytes`` each,
+    ``block_factor`` GPU blocks per host block. Keyword arguments only;
+    ``tensors``, ``page_bytes`` and ``gpu_blocks`` must be given. Built and
+    checked as ``PinOptions`` is; the counts' limits are checked when the
+    offloader is built, before anything is allocated."""
+
+    def __init__(self, *, tensors: int, page_bytes: int, gpu_blocks: int, block_factor: int = 1) -> None: ...
+    def replace(
+        self, *, tensors: int = ..., page_bytes: int = ..., gpu_blocks: int = ..., block_factor: int = ...
+    ) -> "KvAlloc": ...
+    @property
+    def tensors(self) -> int: ...
+    @property
+    def page_bytes(self) -> int: ...
+    @property
+    def gpu_blocks(self) -> int: ...
+    @property
+    def block_factor(self) -> int: ...
+
 class PinOptions:
     """Pinning (Rust's ``PinOptions``). Keyword arguments only; a field left
     out (or None for a numeric one) keeps the default. An unknown field, a
@@ -337,19 +417,9 @@ class _OffloaderBase:
     constructible itself): KV-cache offload between GPU memory and a
     pinned host region.
 
-    ``tensors`` is either a list of the engine's KV tensors (each contiguous,
-    block ``b`` at ``address + b * page_bytes``; ``gpu_blocks`` defaults to
-    the first dimension, ``page_bytes`` to ``nbytes / gpu_blocks``), kept
-    alive until shutdown, with ``stream`` the engine's compute stream (an
-    int handle such as ``torch.cuda.current_stream().cuda_stream``, or an
-    object with ``.cuda_stream``; None: the legacy default stream); or an
-    int: the offloader allocates that many tensors of ``gpu_blocks`` blocks
-    of ``page_bytes``. On the simulated GPU the engine's tensors are CPU
-    tensors (``device.type == "cpu"``, with ``untyped_storage()``): the
-    range of each one's storage is adopted once as simulated device memory
-    (tensors sharing a backing allocation share the adoption), and released
-    at shutdown; ``stream`` is then a stream number of the sim
-    (``kvoffload._testing.sim_stream``) or None (a stream of its own).
+    ``kv`` describes the KV cache: a :class:`KvSpec` (the engine's tensors
+    and compute stream) or a :class:`KvAlloc` (tensors the offloader
+    allocates).
 
     Two classes, as in the Rust library: :class:`Offloader`, the
     slot-addressed core (the engine picks host slots ``0..host_blocks`` and
@@ -357,10 +427,12 @@ class _OffloaderBase:
     ``load_slot_job``, ``wait_jobs``), and :class:`KeyedOffloader` (the
     offloader's block manager picks host blocks for the engine's keys:
     ``lookup``, ``store``, ``load``, ``stored_blocks``). Each lacks the
-    other's methods (AttributeError). Their constructors take the same
-    arguments; ``kv_groups`` (``Offloader`` only; ``KeyedOffloader``
-    raises ``OptionsError``): how many of the tensors, in order, each KV
-    cache group has (None: one group).
+    other's methods (AttributeError). Each constructor takes its own
+    argument besides the shared ones: ``kv_groups`` (``Offloader``): how
+    many of the tensors, in order, each KV cache group has (None: one
+    group); ``eviction`` (``KeyedOffloader``): ``"lru"`` or ``"arc"``. The
+    other class's argument is refused (``OptionsError``, naming the class
+    that takes it).
 
     GPU blocks named in a store must not be written, and those named in a
     load neither read nor written, by the engine until ``poll`` reports the
@@ -371,9 +443,9 @@ class _OffloaderBase:
     (``RegionSpec``; None: anonymous), ``pin`` (``PinOptions``), ``transfer``
     (``TransferOptions``); None gives their defaults, anything but the
     class raises ``OptionsError``, as does an unknown keyword argument (the
-    flat ones before issue 30, ``pin_threads=`` and the like, are refused
-    naming the option that replaced them). ``eviction``: ``"lru"`` or
-    ``"arc"`` (keys only); ``agreement``: the ranks' agreement transport
+    flat ones before issue 30, ``pin_threads=``, ``tensors=``, ``stream=``
+    and the like, are refused naming the option that replaced them).
+    ``agreement``: the ranks' agreement transport
     (``torch_agreement``), ``agreement_timeout``: seconds a rank waits for
     its peers (None: no limit); ``start``: start pinning at once.
 
@@ -402,8 +474,7 @@ class _OffloaderBase:
     @property
     def host_blocks(self) -> int: ...
     def start(self) -> None: ...
-    @property
-    def pin_state(self) -> PinState: ...
+    #: Pinning now: ``state`` (a :class:`PinState`) and how far it got.
     @property
     def pin_progress(self) -> PinProgress: ...
     def wait_pinned(self) -> PinOutcome: ...
@@ -453,16 +524,11 @@ class Offloader(_OffloaderBase):
         self,
         host_blocks: int,
         *,
-        tensors: Union[int, Sequence[_TensorLike]],
-        gpu_blocks: Optional[int] = None,
-        page_bytes: Optional[int] = None,
-        block_factor: int = 1,
-        stream: Any = None,
+        kv: Union[KvSpec, KvAlloc],
         runtime: Optional[Runtime] = None,
         region: Optional[RegionSpec] = None,
         pin: Optional[PinOptions] = None,
         transfer: Optional[TransferOptions] = None,
-        eviction: str = "lru",
         agreement: Optional[_AgreementTransport] = None,
         agreement_timeout: Optional[float] = 120.0,
         kv_groups: Optional[Sequence[int]] = None,
@@ -532,11 +598,7 @@ class KeyedOffloader(_OffloaderBase):
         self,
         host_blocks: int,
         *,
-        tensors: Union[int, Sequence[_TensorLike]],
-        gpu_blocks: Optional[int] = None,
-        page_bytes: Optional[int] = None,
-        block_factor: int = 1,
-        stream: Any = None,
+        kv: Union[KvSpec, KvAlloc],
         runtime: Optional[Runtime] = None,
         region: Optional[RegionSpec] = None,
         pin: Optional[PinOptions] = None,
@@ -544,7 +606,6 @@ class KeyedOffloader(_OffloaderBase):
         eviction: str = "lru",
         agreement: Optional[_AgreementTransport] = None,
         agreement_timeout: Optional[float] = 120.0,
-        kv_groups: Optional[Sequence[int]] = None,
         start: bool = False,
     ) -> None: ...
     #: Per key: ``"hit"`` (readable), ``"miss"`` or ``"hit_pending"``

@@ -235,9 +235,14 @@ class SlotWorker:
         self.runtime = runtime
         self._result = result if result is not None else _Result
         kw: Dict[str, Any] = dict(options or {})
+        if stream is None and runtime.backend == "cuda":
+            import torch
+
+            stream = torch.cuda.current_stream().cuda_stream
         kw.update(
-            tensors=[t.tensor for t in tensors],
-            block_factor=blocks_per_chunk,
+            kv=kvoffload.KvSpec(
+                [t.tensor for t in tensors], block_factor=blocks_per_chunk, compute_stream=stream
+            ),
             runtime=runtime,
             kv_groups=sizes,
             # Windows of lexical capture_window() calls also open while
@@ -247,12 +252,6 @@ class SlotWorker:
             # never behind the regular loads it is not waiting for.
             transfer=(kw.get("transfer") or kvoffload.TransferOptions()).replace(expedited_lane=True),
         )
-        if stream is None and runtime.backend == "cuda":
-            import torch
-
-            stream = torch.cuda.current_stream().cuda_stream
-        if stream is not None:
-            kw["stream"] = stream
         t0 = time.monotonic()
         self.offloader = kvoffload.Offloader(num_slots, start=True, **kw)
         self.setup_seconds = time.monotonic() - t0

@@ -9,7 +9,7 @@ look inside the simulated GPU and the offloader::
     from kvoffload import _testing
 
     rt = kvoffload.Runtime("sim")
-    off = kvoffload.Offloader(64, tensors=2, page_bytes=4096, gpu_blocks=32, runtime=rt)
+    off = kvoffload.Offloader(64, kv=kvoffload.KvAlloc(tensors=2, page_bytes=4096, gpu_blocks=32), runtime=rt)
     _testing.write_block(off, 0, 0, bytes(4096))
     with _testing.sim_hold(rt, "register") as hold:
         off.start()
@@ -20,7 +20,7 @@ look inside the simulated GPU and the offloader::
 Each function takes the object it looks into. The names follow the Rust
 library's: ``sim_`` stands for ``kvoffload::runtime::sim`` (``sim_hold`` is
 ``SimRuntime::hold`` and returns a :class:`SimHold`, ``sim::Hold``),
-``activity`` is ``Offloader::activity``. The ``sim_`` functions need a
+``activity`` is ``kvoffload::internal::offloader::activity``. The ``sim_`` functions need a
 ``Runtime("sim")`` (``OptionsError`` otherwise).
 
 Host memory as device memory (issue 21: vLLM's KV cache is CPU tensors when

@@ -34,7 +34,8 @@
 //! bookkeeping, and the panic guard of the entry points), `runtime.rs`
 //! (`Runtime`), `results.rs` (the result classes), `options.rs` (the option
 //! classes: `PinOptions`, `TransferOptions`, `RegionSpec`, `ShmOptions`),
-//! `args.rs` (arguments from Python), `tensors.rs` (the engine's tensors, CPU ones adopted on
+//! `args.rs` (arguments from Python), `tensors.rs` (the KV cache's classes,
+//! `KvSpec` and `KvAlloc`, and the engine's tensors, CPU ones adopted on
 //! the sim), `signals.rs`, `agreement.rs`, `errors.rs`, `testing.rs`.
 
 mod agreement;
@@ -55,7 +56,7 @@ use std::time::Duration;
 
 use kvoffload::internal::manager::{BlockKey, SkipReason};
 use kvoffload::internal::offloader::{
-    Completion, KeyedOffloader, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, SlotJob,
+    Completion, KeyedOffloader, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, SlotJob,
 };
 use kvoffload::internal::protocol::agreement::Transport;
 use kvoffload::internal::protocol::{CaptureWindow, PinState};
@@ -77,6 +78,7 @@ use options::{PyPinOptions, PyRegionSpec, PyShmOptions, PyTransferOptions};
 use results::*;
 use runtime::*;
 use signals::*;
+use tensors::{PyKvAlloc, PyKvSpec};
 
 /// Sends the library's tracing events (pinning progress, agreement,
 /// shutdown) to stderr, filtered like RUST_LOG (e.g. `"info"`,
@@ -102,6 +104,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyOffloader>()?;
     m.add_class::<PyKeyedOffloader>()?;
     m.add_class::<PyCaptureWindow>()?;
+    m.add_class::<PyKvSpec>()?;
+    m.add_class::<PyKvAlloc>()?;
     m.add_class::<PyPinOptions>()?;
     m.add_class::<PyTransferOptions>()?;
     m.add_class::<PyRegionSpec>()?;

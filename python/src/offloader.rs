@@ -116,7 +116,7 @@ impl PyOffloaderBase {
     /// tensors are then leaked, since the sim may still reach them.
     pub(crate) fn release_adoptions(&self) -> bool {
         let ptrs = std::mem::take(&mut *self.adoptions.lock().unwrap_or_else(|p| p.into_inner()));
-        let Some(sim) = self.off.runtime().as_sim() else { return ptrs.is_empty() };
+        let Some(sim) = self.off.geometry().runtime.as_sim() else { return ptrs.is_empty() };
         let mut ok = true;
         for p in ptrs {
             if let Err(e) = sim.release_adopted(p) {
@@ -171,38 +171,43 @@ impl PyOffloaderBase {
 
     pub(crate) fn forget_stream(&self) {
         if let Some(s) = self.adopted.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = self.off.runtime().stream_destroy(s);
+            let _ = self.off.geometry().runtime.stream_destroy(s);
         }
     }
 }
 
+/// The constructor arguments both classes take.
+pub(crate) struct Args<'a, 'py> {
+    pub(crate) host_blocks: usize,
+    pub(crate) kv: Option<&'a Bound<'py, PyAny>>,
+    pub(crate) runtime: Option<Py<PyRuntime>>,
+    pub(crate) region: Option<&'a Bound<'py, PyAny>>,
+    pub(crate) pin: Option<&'a Bound<'py, PyAny>>,
+    pub(crate) transfer: Option<&'a Bound<'py, PyAny>>,
+    pub(crate) agreement: Option<Py<PyAny>>,
+    pub(crate) agreement_timeout: Option<f64>,
+    pub(crate) start: bool,
+    pub(crate) unknown: Option<&'a Bound<'py, PyDict>>,
+}
+
+/// Which class is built, with the arguments only it takes.
+pub(crate) enum Class<'a> {
+    /// `kvoffload.Offloader`, the slot-addressed core.
+    Slots { kv_groups: Option<Vec<usize>> },
+    /// `kvoffload.KeyedOffloader`.
+    Keyed { eviction: &'a str },
+}
+
 impl PyOffloaderBase {
-    /// The constructors' common body: `keyed` builds a [`KeyedOffloader`]
-    /// (`kvoffload.KeyedOffloader`), otherwise the slot-addressed core
-    /// (`kvoffload.Offloader`).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn build(
-        py: Python<'_>,
-        keyed: bool,
-        host_blocks: usize,
-        tensors: &Bound<'_, PyAny>,
-        gpu_blocks: Option<usize>,
-        page_bytes: Option<usize>,
-        block_factor: usize,
-        stream: Option<&Bound<'_, PyAny>>,
-        runtime: Option<Py<PyRuntime>>,
-        region: Option<&Bound<'_, PyAny>>,
-        pin: Option<&Bound<'_, PyAny>>,
-        transfer: Option<&Bound<'_, PyAny>>,
-        eviction: &str,
-        agreement: Option<Py<PyAny>>,
-        agreement_timeout: Option<f64>,
-        kv_groups: Option<Vec<usize>>,
-        start: bool,
-        unknown: Option<&Bound<'_, PyDict>>,
-    ) -> PyResult<Self> {
+    /// The constructors' one body: `class` says which library offloader it
+    /// builds ([`KeyedOffloader`] or the slot-addressed core [`Offloader`]).
+    pub(crate) fn build(py: Python<'_>, class: Class<'_>, args: Args<'_, '_>) -> PyResult<Self> {
+        let Args { host_blocks, kv, runtime, region, pin, transfer, agreement, agreement_timeout, start, unknown } =
+            args;
+        let keyed = matches!(class, Class::Keyed { .. });
         guarded(py, move || {
-            options::unknown_arguments(py, if keyed { "KeyedOffloader" } else { "Offloader" }, unknown)?;
+            options::unknown_arguments(py, keyed, unknown)?;
+            let kv = tensors::kv(py, if keyed { "KeyedOffloader" } else { "Offloader" }, kv)?;
             let region: PyRegionSpec = options::given(py, "region", "RegionSpec", region)?;
             let pin: PyPinOptions = options::given(py, "pin", "PinOptions", pin)?;
             let transfer: PyTransferOptions = options::given(py, "transfer", "TransferOptions", transfer)?;
@@ -212,14 +217,16 @@ impl PyOffloaderBase {
             };
             let device = runtime.get().device;
             let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
-            opts.kv_groups = kv_groups;
+            match class {
+                Class::Slots { kv_groups } => opts.kv_groups = kv_groups,
+                Class::Keyed { eviction } => opts.eviction = named(py, "eviction", eviction)?,
+            }
             // Joining or creating a shared region waits for the other ranks:
             // Ctrl-C stops it (see `Signals`).
             let signals = Signals::default();
             opts.region = region.build(&signals);
             opts.pin = pin.o;
             opts.transfer = transfer.o;
-            opts.eviction = named(py, "eviction", eviction)?;
             opts.agreement_timeout = seconds(py, "agreement_timeout", agreement_timeout)?;
             if let Some(f) = agreement {
                 if !f.bind(py).is_callable() {
@@ -231,27 +238,25 @@ impl PyOffloaderBase {
             let rt_ref = runtime.get();
             let rt = rt_ref.rt.clone();
             let on_sim = rt.as_sim().is_some();
-            let parsed = tensors::parse(py, tensors, gpu_blocks, page_bytes, device, on_sim)?;
+            // A KvSpec's tensors are read here, with the runtime known.
+            let kv = match kv {
+                tensors::Kv::Alloc(alloc) => Err(alloc),
+                tensors::Kv::Spec(spec) => {
+                    let spec = spec.get();
+                    let parsed = tensors::parse(py, &spec.bound(py), spec.gpu_blocks, spec.page_bytes, device, on_sim)?;
+                    Ok((parsed, spec.block_factor, spec.compute_stream))
+                }
+            };
             let mut adoptions: Vec<DevicePtr> = Vec::new();
-            let (off, keep, adopted) = match parsed {
-                tensors::Tensors::Allocate { count, gpu_blocks, page_bytes } => {
-                    if let Some(st) = stream.filter(|s| !s.is_none()) {
-                        return Err(errors::options(
-                            py,
-                            format!(
-                                "stream={st} with tensors=<count>: the offloader allocates the tensors and makes its \
-                             own compute stream; stream= goes with the engine's own tensors"
-                            ),
-                        ));
-                    }
-                    let alloc = KvAlloc { tensors: count, page_bytes, gpu_blocks, block_factor };
+            let (off, keep, adopted) = match kv {
+                Err(alloc) => {
                     let off = py.detach(|| match keyed {
                         true => KeyedOffloader::with_allocated_tensors(rt, alloc, opts).map(Front::Keyed),
                         false => Offloader::with_allocated_tensors(rt, alloc, opts).map(Front::Slots),
                     });
                     (off, Vec::new(), None)
                 }
-                tensors::Tensors::External { tensors: ts, gpu_blocks, keep, host } if on_sim => {
+                Ok((tensors::External { tensors: ts, gpu_blocks, keep, host }, block_factor, stream)) if on_sim => {
                     let sim = rt.as_sim().expect("on_sim");
                     if let Some(i) = host.iter().position(|h| h.is_none()) {
                         return Err(errors::options(
@@ -259,7 +264,7 @@ impl PyOffloaderBase {
                             format!(
                             "tensors[{i}] is not a CPU tensor: the simulated GPU takes CPU tensors (adopted as its \
                              device memory) and cannot reach other memory; an engine's GPU tensors need the CUDA \
-                             backend, or give tensors=<count> to let the offloader allocate its own"
+                             backend, or give kv=kvoffload.KvAlloc(...) to let the offloader allocate its own"
                         ),
                         ));
                     }
@@ -310,16 +315,13 @@ impl PyOffloaderBase {
                                 return Err(errors::driver(py, "creating the compute stream", e));
                             }
                         },
-                        Some(st) => {
-                            let raw = tensors::stream_handle(py, Some(st))?;
-                            match sim.stream_by_raw(raw as u64) {
-                                Some(s) => (s, false),
-                                None => {
-                                    release(&adoptions);
-                                    return Err(errors::options(py, format!("no stream {raw} on this simulated GPU")));
-                                }
+                        Some(raw) => match sim.stream_by_raw(raw as u64) {
+                            Some(s) => (s, false),
+                            None => {
+                                release(&adoptions);
+                                return Err(errors::options(py, format!("no stream {raw} on this simulated GPU")));
                             }
-                        }
+                        },
                     };
                     let kv = KvSpec {
                         tensors: ts
@@ -351,15 +353,15 @@ impl PyOffloaderBase {
                     }
                     (off, keep, own.then_some(s))
                 }
-                tensors::Tensors::External { tensors: ts, gpu_blocks, keep, .. } => {
+                Ok((tensors::External { tensors: ts, gpu_blocks, keep, .. }, block_factor, stream)) => {
                     let Some(cuda) = rt_ref.cuda.clone() else {
                         return Err(errors::options(
                             py,
                             "an engine's tensors need the CUDA backend (the simulated GPU cannot reach them); \
-                         give tensors=<count> to let the offloader allocate its own",
+                         give kv=kvoffload.KvAlloc(...) to let the offloader allocate its own",
                         ));
                     };
-                    let raw = tensors::stream_handle(py, stream)?;
+                    let raw = stream.unwrap_or(0);
                     // SAFETY: `raw` is the engine's stream of this device's
                     // primary context (the caller's word, as for the tensors);
                     // it is forgotten again after the offloader shut down.
@@ -458,13 +460,8 @@ impl PyOffloaderBase {
         })
     }
 
-    /// The pin state now.
-    #[getter]
-    pub(crate) fn pin_state(&self) -> PyPinState {
-        PyPinState::from(&self.off.pin_state())
-    }
-
-    /// Pinning progress now.
+    /// Pinning now: its state (`PinProgress.state`, a `PinState`) and how
+    /// far it got (the library's `pin_progress`).
     #[getter]
     pub(crate) fn pin_progress(&self, py: Python<'_>) -> PyResult<PyPinProgress> {
         let p = self.off.pin_progress();
@@ -691,10 +688,10 @@ impl PyOffloaderBase {
                 Front::Keyed(_) => "KeyedOffloader",
                 Front::Slots(_) => "Offloader",
             },
-            self.off.runtime().backend(),
+            self.off.geometry().runtime.backend(),
             self.off.geometry().region.len(),
             self.off.geometry().region.rank(),
-            PyPinState::from(&self.off.pin_state()).__repr__()
+            PyPinState::from(&self.off.pin_progress().state).__repr__()
         )
     }
 }
@@ -757,52 +754,32 @@ pub(crate) struct PyOffloader {}
 
 #[pymethods]
 impl PyOffloader {
+    /// `Offloader(host_blocks, *, kv, ...)`: the slot-addressed core over
+    /// `kv` (`KvSpec` or `KvAlloc`), with `kv_groups` (its own argument)
+    /// and the arguments both classes take ([`Args`]).
     #[new]
     #[pyo3(signature = (
-        host_blocks, *, tensors, gpu_blocks = None, page_bytes = None, block_factor = 1, stream = None,
-        runtime = None, region = None, pin = None, transfer = None, eviction = "lru", agreement = None,
+        host_blocks, *, kv = None, runtime = None, region = None, pin = None, transfer = None, agreement = None,
         agreement_timeout = Some(120.0), kv_groups = None, start = false, **unknown,
     ))]
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        py: Python<'_>,
+    pub(crate) fn new<'py>(
+        py: Python<'py>,
         host_blocks: usize,
-        tensors: &Bound<'_, PyAny>,
-        gpu_blocks: Option<usize>,
-        page_bytes: Option<usize>,
-        block_factor: usize,
-        stream: Option<&Bound<'_, PyAny>>,
+        kv: Option<&Bound<'py, PyAny>>,
         runtime: Option<Py<PyRuntime>>,
-        region: Option<&Bound<'_, PyAny>>,
-        pin: Option<&Bound<'_, PyAny>>,
-        transfer: Option<&Bound<'_, PyAny>>,
-        eviction: &str,
+        region: Option<&Bound<'py, PyAny>>,
+        pin: Option<&Bound<'py, PyAny>>,
+        transfer: Option<&Bound<'py, PyAny>>,
         agreement: Option<Py<PyAny>>,
         agreement_timeout: Option<f64>,
         kv_groups: Option<Vec<usize>>,
         start: bool,
-        unknown: Option<&Bound<'_, PyDict>>,
+        unknown: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let base = PyOffloaderBase::build(
-            py,
-            false,
-            host_blocks,
-            tensors,
-            gpu_blocks,
-            page_bytes,
-            block_factor,
-            stream,
-            runtime,
-            region,
-            pin,
-            transfer,
-            eviction,
-            agreement,
-            agreement_timeout,
-            kv_groups,
-            start,
-            unknown,
-        )?;
+        let args =
+            Args { host_blocks, kv, runtime, region, pin, transfer, agreement, agreement_timeout, start, unknown };
+        let base = PyOffloaderBase::build(py, Class::Slots { kv_groups }, args)?;
         Ok(PyClassInitializer::from(base).add_subclass(Self {}))
     }
 
@@ -904,8 +881,8 @@ impl PyOffloader {
 
 /// `kvoffload.KeyedOffloader`: the library's `KeyedOffloader`, a block
 /// manager over the core that places the engine's keys in host blocks
-/// (`lookup`, `store`, `load`, `stored_blocks`). `kv_groups` is refused
-/// (OptionsError): its jobs have one group.
+/// (`lookup`, `store`, `load`, `stored_blocks`). It takes no `kv_groups`
+/// (its jobs have one group); `eviction` is its own.
 #[pyclass(name = "KeyedOffloader", module = "kvoffload", extends = PyOffloaderBase, frozen)]
 pub(crate) struct PyKeyedOffloader {}
 
@@ -918,52 +895,32 @@ impl PyKeyedOffloader {
 
 #[pymethods]
 impl PyKeyedOffloader {
+    /// `KeyedOffloader(host_blocks, *, kv, ...)`: the keyed offloader over
+    /// `kv`, with `eviction` (its own argument) and the arguments both
+    /// classes take ([`Args`]).
     #[new]
     #[pyo3(signature = (
-        host_blocks, *, tensors, gpu_blocks = None, page_bytes = None, block_factor = 1, stream = None,
-        runtime = None, region = None, pin = None, transfer = None, eviction = "lru", agreement = None,
-        agreement_timeout = Some(120.0), kv_groups = None, start = false, **unknown,
+        host_blocks, *, kv = None, runtime = None, region = None, pin = None, transfer = None, eviction = "lru",
+        agreement = None, agreement_timeout = Some(120.0), start = false, **unknown,
     ))]
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        py: Python<'_>,
+    pub(crate) fn new<'py>(
+        py: Python<'py>,
         host_blocks: usize,
-        tensors: &Bound<'_, PyAny>,
-        gpu_blocks: Option<usize>,
-        page_bytes: Option<usize>,
-        block_factor: usize,
-        stream: Option<&Bound<'_, PyAny>>,
+        kv: Option<&Bound<'py, PyAny>>,
         runtime: Option<Py<PyRuntime>>,
-        region: Option<&Bound<'_, PyAny>>,
-        pin: Option<&Bound<'_, PyAny>>,
-        transfer: Option<&Bound<'_, PyAny>>,
+        region: Option<&Bound<'py, PyAny>>,
+        pin: Option<&Bound<'py, PyAny>>,
+        transfer: Option<&Bound<'py, PyAny>>,
         eviction: &str,
         agreement: Option<Py<PyAny>>,
         agreement_timeout: Option<f64>,
-        kv_groups: Option<Vec<usize>>,
         start: bool,
-        unknown: Option<&Bound<'_, PyDict>>,
+        unknown: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let base = PyOffloaderBase::build(
-            py,
-            true,
-            host_blocks,
-            tensors,
-            gpu_blocks,
-            page_bytes,
-            block_factor,
-            stream,
-            runtime,
-            region,
-            pin,
-            transfer,
-            eviction,
-            agreement,
-            agreement_timeout,
-            kv_groups,
-            start,
-            unknown,
-        )?;
+        let args =
+            Args { host_blocks, kv, runtime, region, pin, transfer, agreement, agreement_timeout, start, unknown };
+        let base = PyOffloaderBase::build(py, Class::Keyed { eviction }, args)?;
         Ok(PyClassInitializer::from(base).add_subclass(Self {}))
     }
 

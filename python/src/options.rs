@@ -1,8 +1,13 @@
-//! The option objects of `kvoffload.Offloader`, one class per Rust options
-//! type, with that type's name and field names (issue 30, item 2):
+//! The option objects of `kvoffload.Offloader` and `KeyedOffloader`, one
+//! class per Rust options type, with that type's name and field names
+//! (issue 30, item 2; the KV cache's two, `KvSpec` and `KvAlloc`, are
+//! built here with the same checker but live in tensors.rs, beside the
+//! reading of the tensors):
 //!
 //! | Python | Rust | fields |
 //! |---|---|---|
+//! | `KvSpec` | `offloader::KvSpec` | `tensors` (the tensor objects; Rust's `TensorSpec`s once read), `gpu_blocks`, `page_bytes` (Python's: one for all, or each tensor's size over `gpu_blocks`), `block_factor`, `compute_stream` (its handle) |
+//! | `KvAlloc` | `offloader::KvAlloc` | `tensors`, `page_bytes`, `gpu_blocks`, `block_factor` |
 //! | `PinOptions` | `pin::PinOptions` | `threads`, `max_chunk_bytes`, `prefault`, `huge_pages`, `lookahead_bytes`, `huge_fallback_mbps`, `prefault_nice`, `policy` |
 //! | `TransferOptions` | `transfer::TransferOptions` | `backend`, `staging_bytes`, `duplex_linger` (Rust's `thresholds.duplex_linger`), `expedited_lane` |
 //! | `RegionSpec` | `offloader::RegionSpec` | `anonymous()`, `shared(name, rank, ranks, options)` |
@@ -15,7 +20,11 @@
 //! or a value of the wrong type or out of range, raises `OptionsError`
 //! (kind `"options"`; pinning's limits kind `"pin"`, as `Offloader` raised
 //! them before). The enums are named by strings (`prefault="touch"`), the
-//! tables below.
+//! tables below. `KvSpec` differs in two ways: its `tensors` may come by
+//! position and hold Python objects (compared by identity; its `repr`
+//! reads back with `eval` only when they are addresses), and what needs
+//! the runtime (each tensor's device, contiguity and size) is checked when
+//! the offloader reads them.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -38,7 +47,7 @@ use kvoffload::Named;
 /// against its fields: `positional` of them may come first by position,
 /// every other one by keyword; anything else is an `OptionsError` naming
 /// the class and its fields.
-fn arguments<'py>(
+pub(crate) fn arguments<'py>(
     py: Python<'py>,
     class: &str,
     fields: &'static [&'static str],
@@ -91,7 +100,7 @@ const SHM_FIELDS: &[&str] = &["dir", "timeout", "check_memory", "allow_group"];
 const SHARED_FIELDS: &[&str] = &["name", "rank", "ranks", "options"];
 
 /// A short description of `v`'s value and type for messages.
-fn shown(v: &Bound<'_, PyAny>) -> String {
+pub(crate) fn shown(v: &Bound<'_, PyAny>) -> String {
     let ty = v.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
     match v.repr() {
         Ok(r) => format!("{r} ({ty})"),
@@ -100,7 +109,7 @@ fn shown(v: &Bound<'_, PyAny>) -> String {
 }
 
 /// An int (never a bool) converted to `T`; `what` says the range.
-fn int<'py, T: FromPyObjectOwned<'py>>(
+pub(crate) fn int<'py, T: FromPyObjectOwned<'py>>(
     py: Python<'py>,
     class: &str,
     field: &str,
@@ -115,7 +124,7 @@ fn int<'py, T: FromPyObjectOwned<'py>>(
 }
 
 /// As [`int`], None giving `None`.
-fn opt_int<'py, T: FromPyObjectOwned<'py>>(
+pub(crate) fn opt_int<'py, T: FromPyObjectOwned<'py>>(
     py: Python<'py>,
     class: &str,
     field: &str,
@@ -673,6 +682,15 @@ where
 /// it went, so that an old call fails with directions.
 const MOVED: &[(&str, &str)] = &[
     ("addressing", "the class: kvoffload.KeyedOffloader for keys, kvoffload.Offloader for slots"),
+    (
+        "tensors",
+        "kv=kvoffload.KvSpec(tensors, ...) for the engine's tensors, kv=kvoffload.KvAlloc(tensors=<count>, ...) to \
+         allocate them",
+    ),
+    ("gpu_blocks", "kv=kvoffload.KvSpec(..., gpu_blocks=...) or kvoffload.KvAlloc(..., gpu_blocks=...)"),
+    ("page_bytes", "kv=kvoffload.KvSpec(..., page_bytes=...) or kvoffload.KvAlloc(..., page_bytes=...)"),
+    ("block_factor", "kv=kvoffload.KvSpec(..., block_factor=...) or kvoffload.KvAlloc(..., block_factor=...)"),
+    ("stream", "kv=kvoffload.KvSpec(..., compute_stream=...)"),
     ("backend", "runtime=kvoffload.Runtime(backend, device)"),
     ("device", "runtime=kvoffload.Runtime(backend, device)"),
     ("name", "region=kvoffload.RegionSpec.shared(name, ...)"),
@@ -696,14 +714,22 @@ const MOVED: &[(&str, &str)] = &[
     ("expedited_lane", "transfer=kvoffload.TransferOptions(expedited_lane=...)"),
 ];
 
-/// `Offloader`'s keyword arguments beyond its own: an `OptionsError`
-/// naming each (and where an old one went).
-pub(crate) fn unknown_arguments(py: Python<'_>, class: &str, unknown: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+/// The other class's own arguments, where each goes.
+const KEYED_ONLY: &[(&str, &str)] =
+    &[("eviction", "kvoffload.KeyedOffloader(eviction=...): the slot-addressed Offloader places no keys")];
+const SLOTS_ONLY: &[(&str, &str)] =
+    &[("kv_groups", "kvoffload.Offloader(kv_groups=...): a KeyedOffloader's jobs have one group")];
+
+/// A constructor's keyword arguments beyond its own (`keyed`: of
+/// `KeyedOffloader`): an `OptionsError` naming each (and where an old one,
+/// or the other class's own, went).
+pub(crate) fn unknown_arguments(py: Python<'_>, keyed: bool, unknown: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
     let Some(kw) = unknown.filter(|k| !k.is_empty()) else { return Ok(()) };
+    let (class, other) = if keyed { ("KeyedOffloader", SLOTS_ONLY) } else { ("Offloader", KEYED_ONLY) };
     let mut parts = Vec::new();
     for k in kw.keys() {
         let k: String = k.extract()?;
-        match MOVED.iter().find(|(old, _)| *old == k) {
+        match MOVED.iter().chain(other).find(|(old, _)| *old == k) {
             Some((_, new)) => parts.push(format!("{k} (now {new})")),
             None => parts.push(k),
         }

@@ -7,7 +7,7 @@
 //! or read with a synchronous copy). The names follow the library's: the
 //! `sim_` prefix stands for `kvoffload::internal::runtime::sim` (`sim_hold` is
 //! `SimRuntime::hold`, `SimHold` is `sim::Hold`), `activity` is
-//! `Offloader::activity`.
+//! `kvoffload::internal::offloader::activity`.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -248,7 +248,7 @@ impl PySimHold {
 /// a dict of counts (the fields of the library's `Activity`).
 #[pyfunction]
 fn activity(off: &Bound<'_, PyOffloaderBase>) -> HashMap<&'static str, usize> {
-    let a = off.get().off.activity();
+    let a = kvoffload::internal::offloader::activity(&off.get().off);
     [
         ("windows_open", a.windows_open),
         ("windows_waiting", a.windows_waiting),
@@ -292,7 +292,7 @@ fn write_block(
     if data.len() != page {
         return Err(errors::options(py, format!("a page of tensor {tensor} is {page} bytes, not {}", data.len())));
     }
-    let rt = off.off.runtime();
+    let rt = &off.off.geometry().runtime;
     // SAFETY: `data` is a readable buffer of `page` bytes for the call;
     // `dst` is a block of a live tensor of this offloader.
     unsafe { rt.copy_htod(dst, data.as_ptr() as usize, page) }.map_err(|e| errors::driver(py, "writing a block", e))
@@ -310,7 +310,7 @@ fn read_block<'py>(
     let off = off.get();
     let (src, page) = block(py, off, tensor, gpu_block)?;
     let mut buf = vec![0u8; page];
-    let rt = off.off.runtime();
+    let rt = &off.off.geometry().runtime;
     // SAFETY: `buf` is writable for `page` bytes; `src` is a block of a live
     // tensor of this offloader.
     unsafe { rt.copy_dtoh(buf.as_mut_ptr() as usize, src, page) }

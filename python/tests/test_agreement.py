@@ -31,7 +31,7 @@ def rank_main(rank, conn, results, fail_pinning, breaks, region):
     rt = kv.Runtime("sim")
     if fail_pinning:
         kt.sim_fail_registration(rt, nth=1, code=801)
-    kw = dict(tensors=2, page_bytes=PAGE, gpu_blocks=32, runtime=rt, pin=kv.PinOptions(threads=1))
+    kw = dict(kv=kv.KvAlloc(tensors=2, page_bytes=PAGE, gpu_blocks=32), runtime=rt, pin=kv.PinOptions(threads=1))
     if region is not None:
         kw["region"] = kv.RegionSpec.shared(
             region["name"], rank=rank, ranks=2, options=kv.ShmOptions(dir=region["dir"], timeout=30)

@@ -63,7 +63,7 @@ def test_the_testing_module_imports_and_says_what_it_is():
 
 def test_the_testing_hooks_check_their_object():
     rt = kv.Runtime("sim")
-    off = kv.KeyedOffloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1))
+    off = kv.KeyedOffloader(16, kv=kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=8), runtime=rt, pin=kv.PinOptions(threads=1))
     with pytest.raises(TypeError):
         kt.sim_registered_ranges(off)  # a Runtime, not an Offloader
     with pytest.raises(TypeError):
@@ -77,7 +77,7 @@ def test_the_testing_hooks_check_their_object():
 
 def test_store_returns_store_submitted():
     rt = kv.Runtime("sim")
-    off = kv.KeyedOffloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
+    off = kv.KeyedOffloader(16, kv=kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=8), runtime=rt, pin=kv.PinOptions(threads=1), start=True)
     off.wait_pinned()
     res = off.store([1, 2], [0, 1])
     assert type(res) is kv.StoreSubmitted
@@ -96,7 +96,7 @@ def test_backend_means_one_thing_per_object():
     """``Runtime.backend`` is the runtime ("sim"/"cuda"), ``Completion.backend``
     the copy path; the offloader itself has no ``backend``."""
     rt = kv.Runtime("sim")
-    off = kv.KeyedOffloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, transfer=kv.TransferOptions(backend="batched"), start=True)
+    off = kv.KeyedOffloader(16, kv=kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=8), runtime=rt, transfer=kv.TransferOptions(backend="batched"), start=True)
     off.wait_pinned()
     assert not hasattr(off, "backend")
     assert off.runtime.backend == "sim"
@@ -109,7 +109,7 @@ def test_backend_means_one_thing_per_object():
 def test_lookup_names_the_rust_variants():
     """``"hit"``, ``"miss"``, ``"hit_pending"``: ``Lookup::{Hit, Miss, HitPending}``."""
     rt = kv.Runtime("sim")
-    off = kv.KeyedOffloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
+    off = kv.KeyedOffloader(16, kv=kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=8), runtime=rt, pin=kv.PinOptions(threads=1), start=True)
     off.wait_pinned()
     with kt.sim_hold(rt, "device_op") as hold:
         off.store([1], [0])
@@ -151,6 +151,29 @@ def test_the_stubs_say_exactly_the_public_surface():
         have = {n for n in dir(cls) if not n.startswith("_")}
         assert members(node) == have, node.name
     assert kv.Offloader.__mro__[1] is kv._OffloaderBase and kv.KeyedOffloader.__mro__[1] is kv._OffloaderBase
+
+
+def test_the_constructors_take_option_objects_and_their_own_arguments():
+    """Issue 30: a short constructor with option objects, the KV cache one
+    of them (``kv=``: ``KvSpec`` or ``KvAlloc``, as in Rust), each class
+    with its own argument (``kv_groups``, ``eviction``); the stubs say the
+    same signature."""
+    tree = ast.parse(STUB.read_text())
+    stub = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def stub_args(name):
+        init = next(f for f in stub[name].body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+        return [a.arg for a in init.args.args[1:] + init.args.kwonlyargs]
+
+    shared = ["host_blocks", "kv", "runtime", "region", "pin", "transfer", "agreement", "agreement_timeout", "start"]
+    for cls, own in ((kv.Offloader, "kv_groups"), (kv.KeyedOffloader, "eviction")):
+        params = [p.name for p in inspect.signature(cls).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        assert params == stub_args(cls.__name__), cls.__name__
+        assert sorted(params) == sorted(shared + [own]) and len(params) <= 12, params
+    # The KV classes' fields are Rust's (KvSpec: the tensors' Python
+    # shape, with page_bytes given once for all of them).
+    assert stub_args("KvAlloc") == ["tensors", "page_bytes", "gpu_blocks", "block_factor"]
+    assert stub_args("KvSpec") == ["tensors", "gpu_blocks", "page_bytes", "block_factor", "compute_stream"]
 
 
 #: Issue 30: every Rust error variant an offloader call raises becomes one

@@ -57,9 +57,10 @@ def kv_tensors():
     return [torch.zeros((BLOCKS, PAGE), dtype=torch.uint8, device="cuda:0") for _ in range(2)]
 
 
-def make(tensors, **kw):
-    kw.setdefault("stream", torch.cuda.current_stream().cuda_stream)
-    return kv.KeyedOffloader(256, tensors=tensors, runtime=kv.Runtime("cuda", 0), **kw)
+def make(tensors, stream=None, **kw):
+    if stream is None:
+        stream = torch.cuda.current_stream().cuda_stream
+    return kv.KeyedOffloader(256, kv=kv.KvSpec(tensors, compute_stream=stream), runtime=kv.Runtime("cuda", 0), **kw)
 
 
 def test_torch_tensors_and_stream(kv_tensors):
@@ -103,8 +104,7 @@ def test_capture_window_around_torch_graphs_while_pinning(kv_tensors):
     is invalidated, every replay is right."""
     off = kv.KeyedOffloader(
         8192,  # 512 MiB of host blocks: pinning takes a while
-        tensors=kv_tensors,
-        stream=torch.cuda.current_stream().cuda_stream,
+        kv=kv.KvSpec(kv_tensors, compute_stream=torch.cuda.current_stream().cuda_stream),
         runtime=kv.Runtime("cuda"),
         pin=kv.PinOptions(policy="interleave", max_chunk_bytes=32 << 20),
     )
@@ -139,15 +139,15 @@ def test_agreement_over_a_callable_on_gpu(kv_tensors):
 def test_bad_tensors_on_gpu():
     cpu = torch.zeros((BLOCKS, PAGE), dtype=torch.uint8)
     with pytest.raises(kv.OptionsError, match="cpu tensor"):
-        kv.KeyedOffloader(16, tensors=[cpu], runtime=kv.Runtime("cuda"))
+        kv.KeyedOffloader(16, kv=kv.KvSpec([cpu]), runtime=kv.Runtime("cuda"))
     strided = torch.zeros((BLOCKS, 2 * PAGE), dtype=torch.uint8, device="cuda")[:, :PAGE]
     with pytest.raises(kv.OptionsError, match="contiguous"):
-        kv.KeyedOffloader(16, tensors=[strided], runtime=kv.Runtime("cuda"))
+        kv.KeyedOffloader(16, kv=kv.KvSpec([strided]), runtime=kv.Runtime("cuda"))
     t = torch.zeros((BLOCKS, PAGE), dtype=torch.uint8, device="cuda")
     with pytest.raises(kv.OptionsError, match="do not fit"):
-        kv.KeyedOffloader(16, tensors=[t], page_bytes=2 * PAGE, runtime=kv.Runtime("cuda"))
-    with pytest.raises(kv.OptionsError, match="stream"):
-        kv.KeyedOffloader(16, tensors=[t], stream="default", runtime=kv.Runtime("cuda"))
+        kv.KeyedOffloader(16, kv=kv.KvSpec([t], page_bytes=2 * PAGE), runtime=kv.Runtime("cuda"))
+    with pytest.raises(kv.OptionsError, match="compute_stream"):
+        kv.KeyedOffloader(16, kv=kv.KvSpec([t], compute_stream="default"), runtime=kv.Runtime("cuda"))
 
 
 def test_a_side_stream_as_compute_stream(kv_tensors):

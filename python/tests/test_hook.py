@@ -45,7 +45,7 @@ def setup():
     cls = type("G", (Graph,), {"rt": rt, "stream": stream})
     ts = kv_tensors(1)
     off = kv.Offloader(
-        8, tensors=ts, runtime=rt, stream=stream,
+        8, kv=kv.KvSpec(ts, compute_stream=stream), runtime=rt,
         pin=kv.PinOptions(threads=1, policy="interleave"),
     )
     yield rt, stream, cls, ts, off
@@ -157,7 +157,7 @@ def test_a_failing_capture_begin_aborts_and_a_failing_end_still_closes(setup):
 def test_two_offloaders_share_one_patch(setup):
     rt, stream, cls, ts, off = setup
     rt2 = kv.Runtime("sim")
-    off2 = kv.Offloader(4, tensors=kv_tensors(1), runtime=rt2, pin=kv.PinOptions(threads=1))
+    off2 = kv.Offloader(4, kv=kv.KvSpec(kv_tensors(1)), runtime=rt2, pin=kv.PinOptions(threads=1))
     h1 = _hook.install(off, cls)
     patched = cls.capture_begin
     h2 = _hook.install(off2, cls)
@@ -231,7 +231,7 @@ def test_a_hook_window_waits_for_one_registration_not_for_pinning(setup):
     cls = type("G2", (Graph,), {"rt": rt, "stream": stream})
     # 64 slots of one 256-byte page rounded to 4 KiB pages: 8 chunks of 32 KiB.
     off = kv.Offloader(
-        64, tensors=kv_tensors(1), runtime=rt, stream=stream,
+        64, kv=kv.KvSpec(kv_tensors(1), compute_stream=stream), runtime=rt,
         pin=kv.PinOptions(threads=1, max_chunk_bytes=32768),
     )
     h = _hook.install(off, cls)
@@ -258,7 +258,7 @@ def test_a_hook_window_waits_for_one_registration_not_for_pinning(setup):
     assert opened.wait(10) and errors == []
     p = off.pin_progress
     assert p.chunks_done < p.chunks_total, f"pinning paused mid-way ({p}), not awaited"
-    assert off.pin_state == "pinning"
+    assert off.pin_progress.state == "pinning"
     assert kt.activity(off)["windows_open"] == 1
     go.set()
     t.join(10)

@@ -36,9 +36,7 @@ def rt():
 
 
 def make(rt, host_blocks=64, **kw):
-    kw.setdefault("tensors", 2)
-    kw.setdefault("page_bytes", PAGE)
-    kw.setdefault("gpu_blocks", 32)
+    kw.setdefault("kv", kv.KvAlloc(tensors=2, page_bytes=PAGE, gpu_blocks=32))
     kw.setdefault("pin", kv.PinOptions(threads=1))
     cls = kv.Offloader if kw.pop("slots", False) else kv.KeyedOffloader
     return cls(host_blocks, runtime=rt, **kw)
@@ -156,7 +154,7 @@ def test_ctrl_c_in_wait_pinned(rt):
         idle(off, calls_in_flight=1)
         # The pinner goes on (left running on purpose: it is the background
         # pinner start() began, which wait_pinned only watches).
-        assert off.pin_state == "pinning"
+        assert off.pin_progress.state == "pinning"
     out = off.wait_pinned()
     assert out.state == "pinned"
     off.shutdown()
@@ -173,7 +171,7 @@ def test_ctrl_c_in_the_agreement_over_a_transport(rt):
     off = make(rt, agreement=transport, start=True)
     expect_ctrl_c("wait_pinned (the agreement over a transport)", off.wait_pinned, unblock=peers.set)
     idle(off)
-    assert not off.pin_state.is_final  # still agreeing
+    assert not off.pin_progress.state.is_final  # still agreeing
     peers.set()
     out = off.wait_pinned()
     assert out.state == "pinned" and out.agreed is True
@@ -201,7 +199,7 @@ def test_shutdown_during_an_exchange_that_never_returns(rt):
     peers.set()
     print(f"shutdown during a blocked exchange: {took * 1000:.1f} ms")
     assert took < BOUND, f"shutdown waited {took:.2f} s for the agreement callable"
-    assert off.pin_state == "pageable"
+    assert off.pin_progress.state == "pageable"
     assert_nothing_leaked(rt)
 
 
@@ -228,7 +226,7 @@ def test_ctrl_c_in_the_agreement_of_a_shared_region(tmp_path):
     off0.start()
     expect_ctrl_c("wait_pinned (the agreement of a shared region)", off0.wait_pinned, unblock=off1.start)
     idle(off0)
-    assert not off0.pin_state.is_final
+    assert not off0.pin_progress.state.is_final
     off1.start()
     outs = [off0.wait_pinned(), off1.wait_pinned()]
     assert [o.state.name for o in outs] == ["pinned", "pinned"]

@@ -1,5 +1,5 @@
 """Misuse gives a typed error, never a hang, a panic or an abort (issue 28,
-items 3, 5, 7 and 10, and the garbage ``stream=``). Simulated GPU.
+items 3, 5, 7 and 10, and a garbage compute stream). Simulated GPU.
 
 The calls that hung or killed the process before the fix run in a child
 interpreter with a timeout, so that a regression fails the test instead of
@@ -18,9 +18,7 @@ CHILD_TIMEOUT = 20.0  # s: a child still running then is a hang (it needs about 
 
 
 def make(rt, **kw):
-    kw.setdefault("tensors", 1)
-    kw.setdefault("page_bytes", PAGE)
-    kw.setdefault("gpu_blocks", 4)
+    kw.setdefault("kv", kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=4))
     kw.setdefault("pin", kv.PinOptions(threads=1))
     cls = kv.Offloader if kw.pop("slots", False) else kv.KeyedOffloader
     return cls(kw.pop("host_blocks", 8), runtime=rt, **kw)
@@ -43,7 +41,7 @@ def child(body):
 @pytest.mark.parametrize("inner", ["o.capture_window().__enter__()", "o.capture_begin()", "o.gated(lambda: 1)"])
 def test_a_window_or_gated_inside_gated_is_refused(inner):
     code, out, err = child(f"""
-        o = kv.KeyedOffloader(8, tensors=1, page_bytes=4096, gpu_blocks=4, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
+        o = kv.KeyedOffloader(8, kv=kv.KvAlloc(tensors=1, page_bytes=4096, gpu_blocks=4), runtime=rt, pin=kv.PinOptions(threads=1), start=True)
         o.wait_pinned()
         try:
             o.gated(lambda: {inner})
@@ -66,16 +64,21 @@ def test_a_window_or_gated_inside_gated_is_refused(inner):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        "tensors=2**63, page_bytes=4096, gpu_blocks=4",
-        "tensors=2**40, page_bytes=4096, gpu_blocks=4",
-        "tensors=100000, page_bytes=4096, gpu_blocks=4, host_blocks=2**20",
-        "tensors=4, page_bytes=2**62, gpu_blocks=4",
-        "tensors=1, page_bytes=4096, gpu_blocks=2**62",
-        "tensors=1, page_bytes=4096, gpu_blocks=4, host_blocks=2**62",
-        "tensors=1, page_bytes=4096, gpu_blocks=4, block_factor=2**62",
+        "kv=kv.KvAlloc(tensors=2**63, page_bytes=4096, gpu_blocks=4)",
+        "kv=kv.KvAlloc(tensors=2**40, page_bytes=4096, gpu_blocks=4)",
+        "kv=kv.KvAlloc(tensors=100000, page_bytes=4096, gpu_blocks=4), host_blocks=2**20",
+        "kv=kv.KvAlloc(tensors=4, page_bytes=2**62, gpu_blocks=4)",
+        "kv=kv.KvAlloc(tensors=1, page_bytes=4096, gpu_blocks=2**62)",
+        "kv=kv.KvAlloc(tensors=1, page_bytes=4096, gpu_blocks=4), host_blocks=2**62",
+        "kv=kv.KvAlloc(tensors=1, page_bytes=4096, gpu_blocks=4, block_factor=2**62)",
         # A shared region's share is checked before the tensors too.
-        "tensors=2**40, page_bytes=1, gpu_blocks=1, host_blocks=1, region=kv.RegionSpec.shared('misuse')",
-        "tensors=100000, page_bytes=4096, gpu_blocks=4, host_blocks=2**20, region=kv.RegionSpec.shared('misuse')",
+        "kv=kv.KvAlloc(tensors=2**40, page_bytes=1, gpu_blocks=1), host_blocks=1, region=kv.RegionSpec.shared('misuse')",
+        "kv=kv.KvAlloc(tensors=100000, page_bytes=4096, gpu_blocks=4), host_blocks=2**20, "
+        "region=kv.RegionSpec.shared('misuse')",
+        # The engine's tensors (bare addresses) with huge numbers: typed too
+        # (on the sim, which takes only CPU tensors, refused as such).
+        "kv=kv.KvSpec([1 << 40] * 4, page_bytes=2**62, gpu_blocks=4)",
+        "kv=kv.KvSpec([1 << 40], page_bytes=4096, gpu_blocks=2**62)",
     ],
 )
 def test_huge_counts_are_refused_before_anything_is_allocated(kwargs):
@@ -104,7 +107,7 @@ def test_huge_counts_are_refused_before_anything_is_allocated(kwargs):
 def test_driver_error_reason_is_the_code_in_snake_case():
     rt = kv.Runtime("sim")
     with pytest.raises(kv.DriverError) as e:
-        make(rt, gpu_blocks=2**40)
+        make(rt, kv=kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=2**40))
     assert e.value.code_name == "CUDA_ERROR_OUT_OF_MEMORY"
     assert e.value.reason == "cuda_error_out_of_memory"
 
@@ -135,13 +138,21 @@ def test_each_class_lacks_the_other_ones_calls():
         kv._OffloaderBase()
 
 
-# ---- fragile: stream= with tensors=<count> ----
+# ---- fragile: a compute stream ----
+# A stream goes with the engine's tensors only (KvSpec.compute_stream;
+# KvAlloc has no such field: the offloader makes its own), and a garbage
+# one is refused when the KvSpec is built.
 
 
 @pytest.mark.parametrize("stream", ["garbage", 12345, object()])
 def test_a_stream_with_allocated_tensors_is_refused(stream):
-    rt = kv.Runtime("sim")
-    with pytest.raises(kv.OptionsError, match="stream="):
-        make(rt, stream=stream)
-    off = make(kv.Runtime("sim"), stream=None)  # None is the default: accepted
+    with pytest.raises(kv.OptionsError, match="KvAlloc has no field \"compute_stream\""):
+        kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=4, compute_stream=stream)
+    off = make(kv.Runtime("sim"))
     off.shutdown()
+
+
+@pytest.mark.parametrize("stream", ["garbage", 2**64, -1, 1.0, object(), True])
+def test_a_garbage_stream_is_refused(stream):
+    with pytest.raises(kv.OptionsError, match="KvSpec.compute_stream must be a CUDA stream handle"):
+        kv.KvSpec([1 << 40], page_bytes=PAGE, gpu_blocks=4, compute_stream=stream)

@@ -19,10 +19,12 @@ def rt():
     return kv.Runtime("sim")
 
 
+#: Two tensors of BLOCKS blocks of PAGE bytes, allocated by the offloader.
+ALLOC = kv.KvAlloc(tensors=2, page_bytes=PAGE, gpu_blocks=BLOCKS)
+
+
 def make(rt, host_blocks=128, **kw):
-    kw.setdefault("tensors", 2)
-    kw.setdefault("page_bytes", PAGE)
-    kw.setdefault("gpu_blocks", BLOCKS)
+    kw.setdefault("kv", ALLOC)
     return kv.KeyedOffloader(host_blocks, runtime=rt, **kw)
 
 
@@ -52,8 +54,8 @@ def test_construction_with_defaults(rt):
     assert off.block_factor == 1
     assert len(off.tensor_addresses) == 2
     assert off.region_bytes >= 128 * 2 * PAGE
-    assert off.pin_state == "pending"
-    assert off.pin_state.name == "pending" and not off.pin_state.is_final
+    assert off.pin_progress.state == "pending"
+    assert off.pin_progress.state.name == "pending" and not off.pin_progress.state.is_final
     p = off.pin_progress
     assert p.chunks_done == 0 and p.chunks_total >= 1 and p.bytes_total >= 128 * 2 * PAGE
     # The KV tensors and the engine's gather tables.
@@ -68,7 +70,7 @@ def test_default_runtime_is_auto():
     # runtime=None: Runtime("auto") (the sim here, without a GPU).
     if kv.cuda_driver_present():
         pytest.skip("a CUDA driver is present: auto may pick it")
-    off = kv.KeyedOffloader(16, tensors=1, page_bytes=PAGE, gpu_blocks=8, pin=kv.PinOptions(threads=1))
+    off = kv.KeyedOffloader(16, kv=kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=8), pin=kv.PinOptions(threads=1))
     assert off.runtime.backend == "sim" and off.runtime.device == 0
     off.shutdown()
 
@@ -131,8 +133,13 @@ def test_dropping_the_offloader_shuts_it_down(rt):
     "kw, kind, words",
     [
         (dict(host_blocks=0), "options", "host_blocks"),
-        (dict(tensors=0), "options", "zero-sized"),
-        (dict(page_bytes=0), "options", "zero-sized"),
+        (dict(kv=ALLOC.replace(tensors=0)), "options", "zero-sized"),
+        (dict(kv=ALLOC.replace(page_bytes=0)), "options", "zero-sized"),
+        (dict(kv=None), "options", "KeyedOffloader needs kv=: kvoffload.KvSpec(tensors, ...)"),
+        (dict(kv=2), "options", "kv must be a kvoffload.KvSpec or a kvoffload.KvAlloc, not 2 (int)"),
+        (dict(tensors=2), "options", "tensors (now kv=kvoffload.KvSpec(tensors, ...) for the engine's tensors"),
+        (dict(stream=0), "options", "stream (now kv=kvoffload.KvSpec(..., compute_stream=...))"),
+        (dict(kv_groups=[1, 1]), "options", "kv_groups (now kvoffload.Offloader(kv_groups=...)"),
         (dict(eviction="random"), "options", "eviction"),
         (dict(region="shared"), "options", "region must be a kvoffload.RegionSpec"),
         (dict(pin=dict(threads=1)), "options", "pin must be a kvoffload.PinOptions"),
@@ -186,6 +193,30 @@ def test_bad_arguments_raise_options_error(rt, kw, kind, words):
         (lambda: kv.RegionSpec.shared("x", rank=-1), "options", "RegionSpec.shared.rank must be"),
         (lambda: kv.PinOptions(1), "options", "PinOptions takes keyword arguments only"),
         (lambda: kv.PinOptions().replace(policy=None), "options", "PinOptions.policy"),
+        # The KV description's classes, as the others.
+        (lambda: kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=4, compute_stream=0), "options",
+         "KvAlloc has no field \"compute_stream\"; its fields are tensors, page_bytes, gpu_blocks, block_factor"),
+        (lambda: kv.KvAlloc(1, PAGE, 4), "options", "KvAlloc takes keyword arguments only"),
+        (lambda: kv.KvAlloc(tensors="2", page_bytes=PAGE, gpu_blocks=4), "options",
+         "KvAlloc.tensors must be an int in [0, 2**64), not '2' (str)"),
+        (lambda: kv.KvAlloc(tensors=-1, page_bytes=PAGE, gpu_blocks=4), "options", "KvAlloc.tensors must be"),
+        (lambda: kv.KvAlloc(tensors=True, page_bytes=PAGE, gpu_blocks=4), "options", "KvAlloc.tensors must be"),
+        (lambda: kv.KvAlloc(tensors=1, page_bytes=2**64, gpu_blocks=4), "options", "KvAlloc.page_bytes must be"),
+        (lambda: kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=4).replace(block_factor=None), "options",
+         "KvAlloc.block_factor must be"),
+        (lambda: kv.KvSpec([1], compute_stream="garbage"), "options",
+         "KvSpec.compute_stream must be a CUDA stream handle (an int in [0, 2**64)), an object with .cuda_stream"),
+        (lambda: kv.KvSpec([1], compute_stream=object()), "options", "KvSpec.compute_stream must be"),
+        (lambda: kv.KvSpec([1], compute_stream=True), "options", "KvSpec.compute_stream must be"),
+        (lambda: kv.KvSpec([1], compute_stream=-1), "options", "KvSpec.compute_stream must be"),
+        (lambda: kv.KvSpec([1], block_factor=1.5), "options", "KvSpec.block_factor must be"),
+        (lambda: kv.KvSpec([1], gpu_blocks="4"), "options", "KvSpec.gpu_blocks must be"),
+        (lambda: kv.KvSpec([True]), "options", "KvSpec.tensors[0]: bool has neither data_ptr()"),
+        (lambda: kv.KvSpec([1, -1]), "options", "KvSpec.tensors[1]: a device address must be in [0, 2**64), not -1"),
+        (lambda: kv.KvSpec([1], [2]), "options", "KvSpec takes at most 1 positional argument(s) (tensors), 2 given"),
+        (lambda: kv.KvSpec([1], tensors=[2]), "options", "KvSpec: tensors given twice"),
+        (lambda: kv.KvSpec([1], stream=0), "options", "KvSpec has no field \"stream\""),
+        (lambda: kv.KvSpec(None), "options", "KvSpec.tensors must be a list of tensors"),
     ],
 )
 def test_bad_option_objects_raise_options_error(make_it, kind, words):
@@ -221,26 +252,64 @@ def test_option_objects_have_rusts_defaults_and_compare_by_value(tmp_path):
     assert pin != t and (pin == object()) is False
 
 
+def test_kv_objects_compare_by_value_and_read_back():
+    a = kv.KvAlloc(tensors=2, page_bytes=PAGE, gpu_blocks=8)
+    assert (a.tensors, a.page_bytes, a.gpu_blocks, a.block_factor) == (2, PAGE, 8, 1)
+    assert a == kv.KvAlloc(gpu_blocks=8, page_bytes=PAGE, tensors=2) != a.replace(block_factor=2)
+    assert eval(repr(a), {"kvoffload": kv}) == a
+    assert repr(a) == f"kvoffload.KvAlloc(tensors=2, page_bytes={PAGE}, gpu_blocks=8, block_factor=1)"
+
+    class T:  # a tensor-like object
+        def data_ptr(self):
+            return 4096
+
+    class S:  # a torch.cuda.Stream-like object
+        cuda_stream = 7
+
+    ta, tb = T(), T()
+    s = kv.KvSpec([ta, tb], compute_stream=7)
+    assert s.tensors[0] is ta and s.tensors[1] is tb
+    assert (s.gpu_blocks, s.page_bytes, s.block_factor, s.compute_stream) == (None, None, 1, 7)
+    # Tensor objects compare by identity, the stream by its handle.
+    assert s == kv.KvSpec(tensors=(ta, tb), compute_stream=S()) != kv.KvSpec([tb, ta], compute_stream=7)
+    assert s.replace(block_factor=2) == kv.KvSpec([ta, tb], block_factor=2, compute_stream=7) != s
+    assert s.replace(compute_stream=None).compute_stream is None
+    assert repr(s).startswith("kvoffload.KvSpec(tensors=[<T at 0x") and repr(s).endswith(
+        "], gpu_blocks=None, page_bytes=None, block_factor=1, compute_stream=7)"
+    )
+    # Bare addresses read back with eval.
+    addrs = kv.KvSpec([1 << 40, 1 << 41], gpu_blocks=4, page_bytes=PAGE, block_factor=2)
+    assert eval(repr(addrs), {"kvoffload": kv}) == addrs
+    assert (s == a) is False and (s != a) is True and (a == s) is False
+
+
 def test_tensor_arguments(rt):
-    with pytest.raises(kv.OptionsError, match="gpu_blocks and page_bytes"):
-        kv.KeyedOffloader(16, tensors=2, runtime=rt)
-    with pytest.raises(kv.OptionsError, match="neither data_ptr"):
-        kv.KeyedOffloader(16, tensors=[object()], runtime=rt)
-    with pytest.raises(kv.OptionsError, match="empty"):
-        kv.KeyedOffloader(16, tensors=[], runtime=rt)
+    with pytest.raises(kv.OptionsError, match="KvAlloc needs tensors, page_bytes and gpu_blocks; page_bytes, gpu_blocks missing"):
+        kv.KvAlloc(tensors=2)
+    with pytest.raises(kv.OptionsError, match=r"KvSpec.tensors\[0\]: object has neither data_ptr"):
+        kv.KvSpec([object()])
+    with pytest.raises(kv.OptionsError, match="KvSpec.tensors is empty"):
+        kv.KvSpec([])
+    with pytest.raises(kv.OptionsError, match=r"not 2 \(int\); for the offloader to allocate them: kv=kvoffload.KvAlloc"):
+        kv.KvSpec(2)
+    with pytest.raises(kv.OptionsError, match="KvSpec needs tensors"):
+        kv.KvSpec(gpu_blocks=4)
+    # A bare address needs page_bytes, known only when the offloader reads it.
+    with pytest.raises(kv.OptionsError, match="is a bare address: give page_bytes"):
+        kv.KeyedOffloader(16, kv=kv.KvSpec([1 << 40], gpu_blocks=4), runtime=rt)
 
     class Cai:  # a CUDA array interface object, as CuPy gives
         __cuda_array_interface__ = {"data": (1 << 40, False), "shape": (BLOCKS, 256), "typestr": "<f2", "version": 3}
 
     # The simulated GPU cannot reach an engine's memory.
     with pytest.raises(kv.OptionsError, match="CUDA backend"):
-        kv.KeyedOffloader(16, tensors=[Cai()], runtime=rt)
+        kv.KeyedOffloader(16, kv=kv.KvSpec([Cai()]), runtime=rt)
 
     class ReadOnly:
         __cuda_array_interface__ = {"data": (1 << 40, True), "shape": (8,), "typestr": "<f4", "version": 3}
 
     with pytest.raises(kv.OptionsError, match="read-only"):
-        kv.KeyedOffloader(16, tensors=[ReadOnly()], runtime=rt)
+        kv.KeyedOffloader(16, kv=kv.KvSpec([ReadOnly()]), runtime=rt)
 
     class Strided:
         __cuda_array_interface__ = {
@@ -252,7 +321,7 @@ def test_tensor_arguments(rt):
         }
 
     with pytest.raises(kv.OptionsError, match="contiguous"):
-        kv.KeyedOffloader(16, tensors=[Strided()], runtime=rt)
+        kv.KeyedOffloader(16, kv=kv.KvSpec([Strided()]), runtime=rt)
 
     class Cpu:  # looks like a CPU torch tensor
         class device:
@@ -264,7 +333,7 @@ def test_tensor_arguments(rt):
 
     # The simulated GPU takes CPU tensors (test_slots.py), by their storage.
     with pytest.raises(kv.OptionsError, match="a CPU tensor without untyped_storage"):
-        kv.KeyedOffloader(16, tensors=[Cpu()], runtime=rt)
+        kv.KeyedOffloader(16, kv=kv.KvSpec([Cpu()]), runtime=rt)
     assert_nothing_leaked(rt)
 
 
@@ -329,7 +398,7 @@ def test_window_waits_for_pinning_with_the_gil_released(rt):
 
     def capture():
         with off.capture_window():
-            assert off.pin_state.is_final
+            assert off.pin_progress.state.is_final
             opened.set()
 
     t = threading.Thread(target=capture)
@@ -456,7 +525,7 @@ def test_eviction_when_full(rt):
 
 
 def test_bad_jobs(rt):
-    off = make(rt, start=True, block_factor=2, gpu_blocks=BLOCKS)
+    off = make(rt, start=True, kv=ALLOC.replace(block_factor=2))
     with pytest.raises(kv.OptionsError) as e:
         off.store([1], [0])
     assert e.value.kind == "gpu_block_count"
@@ -509,7 +578,7 @@ def test_use_after_shutdown(rt):
 def test_shutdown_during_pinning(rt):
     off = make(rt, host_blocks=256, pin=kv.PinOptions(max_chunk_bytes=2 * PAGE), start=True)
     off.shutdown()
-    assert off.pin_state.is_final
+    assert off.pin_progress.state.is_final
     assert_nothing_leaked(rt)
 
 

@@ -99,8 +99,10 @@ def rt():
 
 
 def slot_offloader(rt, tensors, host_slots=8, **kw):
+    """An Offloader over `tensors`; KvSpec's fields among `kw` go to it."""
+    spec = {f: kw.pop(f) for f in ("gpu_blocks", "page_bytes", "block_factor", "compute_stream") if f in kw}
     kw.setdefault("pin", kv.PinOptions(threads=1))
-    return kv.Offloader(host_slots, tensors=tensors, runtime=rt, **kw)
+    return kv.Offloader(host_slots, kv=kv.KvSpec(tensors, **spec), runtime=rt, **kw)
 
 
 def test_a_round_trip_through_chosen_slots_on_adopted_cpu_tensors(rt):
@@ -140,7 +142,7 @@ def test_separate_storages_are_adopted_one_each_and_released(rt):
 
 def test_a_keyed_offloader_takes_cpu_tensors_too(rt):
     ts = kv_tensors(1)
-    off = kv.KeyedOffloader(4, tensors=ts, runtime=rt, pin=kv.PinOptions(threads=1), start=True)
+    off = kv.KeyedOffloader(4, kv=kv.KvSpec(ts), runtime=rt, pin=kv.PinOptions(threads=1), start=True)
     want = fill(ts, [4], random.Random(2))
     off.store([11], [4])
     off.wait_all()
@@ -298,14 +300,19 @@ def test_a_wrong_slot_count_names_the_need(rt):
 
 def test_the_constructors_refuse_what_their_class_cannot_do(rt):
     # The calls of the other class are missing (test_misuse.py); here the
-    # arguments: addressing= is gone (the class decides), and a
-    # KeyedOffloader refuses kv_groups as the library does.
+    # arguments: addressing= is gone (the class decides), and each class
+    # takes only its own arguments: kv_groups the slot-addressed Offloader,
+    # eviction the KeyedOffloader (the other's is refused naming it).
+    one = kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=4)
     with pytest.raises(kv.OptionsError, match=r"Offloader got unknown keyword arguments: addressing \(now the class"):
-        kv.Offloader(4, tensors=1, page_bytes=PAGE, gpu_blocks=4, runtime=rt, addressing="slots")
+        kv.Offloader(4, kv=one, runtime=rt, addressing="slots")
     with pytest.raises(kv.OptionsError, match="KeyedOffloader got unknown keyword arguments: addressing"):
-        kv.KeyedOffloader(4, tensors=1, page_bytes=PAGE, gpu_blocks=4, runtime=rt, addressing="keys")
-    with pytest.raises(kv.OptionsError, match="kv_groups is for slot jobs") as e:
-        kv.KeyedOffloader(4, tensors=2, page_bytes=PAGE, gpu_blocks=4, runtime=rt, kv_groups=[1, 1])
+        kv.KeyedOffloader(4, kv=one, runtime=rt, addressing="keys")
+    with pytest.raises(kv.OptionsError, match=r"kv_groups \(now kvoffload.Offloader\(kv_groups=...\): a KeyedOffloader's") as e:
+        kv.KeyedOffloader(4, kv=one.replace(tensors=2), runtime=rt, kv_groups=[1, 1])
+    assert e.value.kind == "options"
+    with pytest.raises(kv.OptionsError, match=r"eviction \(now kvoffload.KeyedOffloader\(eviction=...\)") as e:
+        kv.Offloader(4, kv=one, runtime=rt, eviction="arc")
     assert e.value.kind == "options"
     assert kt.sim_adopted_ranges(rt) == 0
 
@@ -319,7 +326,7 @@ def test_the_sim_refuses_tensors_it_cannot_adopt(rt):
     with pytest.raises(kv.OptionsError, match=r"tensors\[0\]: its 4096 bytes at .* are not inside its storage"):
         slot_offloader(rt, [CpuTensor(st, offset=PAGE)])
     with pytest.raises(kv.OptionsError, match="no stream 999 on this simulated GPU"):
-        slot_offloader(rt, [CpuTensor(st)], stream=999)
+        slot_offloader(rt, [CpuTensor(st)], compute_stream=999)
     assert kt.sim_adopted_ranges(rt) == 0, "a refused construction releases its adoptions"
 
 
@@ -328,10 +335,10 @@ def test_a_cpu_tensor_is_refused_off_the_sim():
     # runtime cannot open, and the tensors are checked before it is used.
     if not kv.cuda_driver_present():
         with pytest.raises(kv.KvoffloadError):
-            kv.Offloader(4, tensors=[CpuTensor(Storage(ROWS * PAGE))], runtime=kv.Runtime("cuda"))
+            kv.Offloader(4, kv=kv.KvSpec([CpuTensor(Storage(ROWS * PAGE))]), runtime=kv.Runtime("cuda"))
         return
     with pytest.raises(kv.OptionsError, match="a cpu tensor; the KV cache must be in GPU memory"):
-        kv.Offloader(4, tensors=[CpuTensor(Storage(ROWS * PAGE))], runtime=kv.Runtime("cuda"))
+        kv.Offloader(4, kv=kv.KvSpec([CpuTensor(Storage(ROWS * PAGE))]), runtime=kv.Runtime("cuda"))
 
 
 def test_the_adopted_tensors_stay_alive_until_shutdown(rt):

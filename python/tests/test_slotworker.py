@@ -125,7 +125,7 @@ def test_before_pinning_settles_submissions_never_block_the_engines_thread():
             capture_hook=False,
         )
         hold.wait_entered()
-        assert w.offloader.pin_state == "pinning"
+        assert w.offloader.pin_progress.state == "pinning"
         real = w.offloader
         g = w.offloader = Gated(real)
         want = fill(ts, [0, 1], random.Random(10))

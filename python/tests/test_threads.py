@@ -24,9 +24,7 @@ THREADS = 8
 
 def make(**kw):
     rt = kv.Runtime("sim")
-    kw.setdefault("tensors", 1)
-    kw.setdefault("page_bytes", PAGE)
-    kw.setdefault("gpu_blocks", 2 * THREADS)
+    kw.setdefault("kv", kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=2 * THREADS))
     return kv.KeyedOffloader(kw.pop("host_blocks", 1024), runtime=rt, pin=kv.PinOptions(threads=1), start=True, **kw)
 
 

@@ -272,7 +272,7 @@ class Engine:
         self.register_seconds = time.monotonic() - t0
         self.kvw = self.worker_conn.connector_worker.worker
         assert isinstance(self.kvw, kvv.KvoffloadWorker)
-        self.pin_state_at_return = self.kvw.offloader.pin_state
+        self.pin_state_at_return = self.kvw.offloader.pin_progress.state
         self.off = self.kvw.offloader = Recorder(self.kvw.offloader)
         self.expedited = []
         real_load = self.kvw.submit_load
@@ -640,10 +640,10 @@ def test_get_worker_returns_while_pinning_is_held_and_jobs_run_pageable(engines,
     rt, hold = holds[0]
     assert eng.pin_state_at_return.name in ("pending", "pinning"), "get_worker returned before pinning settled"
     hold.wait_entered()  # the pinner is inside a registration, held there
-    assert eng.kvw.offloader.pin_state == "pinning"
+    assert eng.kvw.offloader.pin_progress.state == "pinning"
     prompt = prompt_of(6 * BS + 3, 15)
     assert round_trip(eng, prompt), "loads while pinning is held"
-    assert eng.kvw.offloader.pin_state == "pinning", "still held: every job above ran on pageable memory"
+    assert eng.kvw.offloader.pin_progress.state == "pinning", "still held: every job above ran on pageable memory"
     assert eng.off.completions and {c.backend for c in eng.off.completions} == {"per-fragment"}
     assert all(c.ok for c in eng.off.completions)
     queued = eng.kvw.jobs_queued

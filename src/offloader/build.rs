@@ -88,7 +88,7 @@ impl Offloader {
     /// offloader is shut down (or dropped); `kv.compute_stream` is a stream
     /// of `rt` that lives as long. GPU blocks named in a store are not
     /// written, and GPU blocks named in a load neither read nor written, by
-    /// the engine until [`Offloader::poll`] reports the job (or
+    /// the engine until [`Offloader::poll_each`] reports the job (or
     /// [`Offloader::wait`] returns for it): the copies are asynchronous.
     pub unsafe fn new(
         rt: Arc<dyn GpuRuntime>,
@@ -320,9 +320,9 @@ impl Offloader {
         );
         let host_blocks = kv_layout.num_host_blocks(0);
         Ok(Offloader {
-            rt,
+            rt: rt.clone(),
             coord,
-            geometry: Geometry { kv, host_blocks, layout: kv_layout, region, lane_streams },
+            geometry: Geometry { runtime: rt, kv, host_blocks, layout: kv_layout, region, lane_streams },
             prefault: prepared.prefault(),
             pin_observer: opts.pin_observer.clone(),
             agreement,

@@ -7,7 +7,7 @@
 //! core's submission, the manager's undo when the core refuses) is one
 //! critical section, as is a poll's removal of a job and its application
 //! to the manager: a stored key becomes readable, and a loaded key's slot
-//! evictable, only once [`Offloader::poll`] (or a wait that polls, or
+//! evictable, only once [`KeyedOffloader::poll`] (or a wait that polls, or
 //! shutdown's drain) applies the job (P5).
 
 use std::collections::HashMap;
@@ -24,7 +24,7 @@ pub struct StoreSubmitted {
     /// The job that writes the stored keys, `None` when nothing needed
     /// storing (every key already stored or pending).
     pub job: Option<JobId>,
-    /// Keys the job stores (readable once [`Offloader::poll`] reports it).
+    /// Keys the job stores (readable once [`KeyedOffloader::poll`] reports it).
     pub stored: Vec<BlockKey>,
     /// Keys not stored, and why.
     pub skipped: Vec<Skipped>,
@@ -135,10 +135,13 @@ impl KeyedOffloader {
         self.core.jobs(|j| j.book::<KeyedBook>().manager.len())
     }
 
-    /// [`Offloader::poll`]: jobs that finished since the last call, each
-    /// with its keys, already applied to the block manager.
+    /// Jobs that finished since the last call, each with its keys,
+    /// already applied to the block manager ([`Offloader::poll_each`],
+    /// collected).
     pub fn poll(&self) -> Vec<Completion> {
-        self.core.poll()
+        let mut out = Vec::new();
+        self.core.poll_each(&mut |c| out.push(c));
+        out
     }
 
     fn check_gpu_blocks(&self, keys: &[BlockKey], gpu_blocks: &[usize]) -> Result<(), OffloaderError> {
@@ -153,7 +156,7 @@ impl KeyedOffloader {
     /// Stores `keys` from GPU blocks `gpu_blocks` (`block_factor` per key,
     /// in key order). Keys already stored or pending are skipped; slots are
     /// freed by eviction when needed (all or nothing). The stored keys
-    /// become readable once [`Offloader::poll`] reports the job.
+    /// become readable once [`KeyedOffloader::poll`] reports the job.
     ///
     /// The store is ordered after the work on the compute stream at this
     /// moment; the engine must not write those GPU blocks until the job is
@@ -192,7 +195,7 @@ impl KeyedOffloader {
 
     /// Loads `keys` (each stored and readable) into GPU blocks `gpu_blocks`
     /// (`block_factor` per key, in key order). Their slots cannot be evicted
-    /// until [`Offloader::poll`] reports the job.
+    /// until [`KeyedOffloader::poll`] reports the job.
     ///
     /// The load is ordered after the work on the compute stream at this
     /// moment; the engine must not touch those GPU blocks until the job is

@@ -29,7 +29,7 @@
 //!   [`KeyedOffloader::load`] by block keys, placed by the block manager
 //!   ([`KeyedOffloader`] owns one and a core; everything else is its
 //!   [`KeyedOffloader::core`]);
-//! - [`Offloader::poll`]: finished jobs, already applied to the block
+//! - [`Offloader::poll_each`]: finished jobs, already applied to the block
 //!   manager of a keyed offloader (a stored key becomes readable only once
 //!   its store completed; a loaded key's slot is released once its load
 //!   completed, P5);
@@ -73,7 +73,7 @@
 //! The files of the module, one concern each:
 //!
 //! - `mod.rs`: the core type, [`Geometry`], pinning, capture windows,
-//!   [`Offloader::poll`] and the waits, [`GatedCalls`];
+//!   the waits, [`GatedCalls`];
 //! - `build.rs`: construction ([`Offloader::new`],
 //!   [`Offloader::with_allocated_tensors`]): the region, the coordinator
 //!   and the transfer engine;
@@ -116,7 +116,7 @@ use crate::sync::atomic::AtomicBool;
 use crate::sync::{self, thread, Arc, Mutex};
 use crate::transfer::{Backend, JobBlocks, JobId, KvLayout, Lane, TransferEngine};
 
-/// A finished job, as [`Offloader::poll`] reports it (already applied to
+/// A finished job, as [`Offloader::poll_each`] reports it (already applied to
 /// the block manager of a [`KeyedOffloader`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Completion {
@@ -159,11 +159,15 @@ pub struct PinProgress {
 }
 
 /// Where an offloader's blocks are, fixed at construction
-/// ([`Offloader::geometry`]): the KV tensors and their block sizes, the
-/// host blocks and the region they live in, the transfer layout, the
-/// transfer lanes' streams.
-#[derive(Clone, Debug)]
+/// ([`Offloader::geometry`]): the GPU (its runtime), the KV tensors and
+/// their block sizes, the host blocks and the region they live in, the
+/// transfer layout, the transfer lanes' streams.
+#[derive(Clone)]
 pub struct Geometry {
+    /// The runtime of the GPU the KV tensors are on (for the engine's own
+    /// capture and graph calls on its thread; its capture-unsafe
+    /// operations need [`Offloader::gated`]).
+    pub runtime: Arc<dyn GpuRuntime>,
     /// The KV description the offloader moves blocks of: the tensors (the
     /// engine's, or those the offloader allocated) with their page bytes,
     /// GPU blocks per tensor, GPU blocks per host block, the compute
@@ -180,6 +184,19 @@ pub struct Geometry {
     /// The transfer handlers' streams, by [`Lane`] (store, load,
     /// expedited load).
     lane_streams: [Option<Stream>; 3],
+}
+
+impl std::fmt::Debug for Geometry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Geometry")
+            .field("runtime", &self.runtime.backend())
+            .field("kv", &self.kv)
+            .field("host_blocks", &self.host_blocks)
+            .field("layout", &self.layout)
+            .field("region", &self.region)
+            .field("lane_streams", &self.lane_streams)
+            .finish()
+    }
 }
 
 impl Geometry {
@@ -330,23 +347,10 @@ impl std::fmt::Debug for Offloader {
 impl Offloader {
     // ---- what the engine reads ----
 
-    /// The runtime (for capture and graph calls of the engine's own thread;
-    /// its capture-unsafe operations need [`Offloader::gated`]).
-    pub fn runtime(&self) -> &Arc<dyn GpuRuntime> {
-        &self.rt
-    }
-
-    /// Where the blocks are: the KV tensors, the host blocks and region,
-    /// the transfer layout and lanes.
+    /// Where the blocks are: the GPU's runtime, the KV tensors, the host
+    /// blocks and region, the transfer layout and lanes.
     pub fn geometry(&self) -> &Geometry {
         &self.geometry
-    }
-
-    /// What the coordinator has open, in flight or waiting right now
-    /// (diagnostics; the tests of the interruptible waits check with it
-    /// that an interrupted wait left nothing counted).
-    pub fn activity(&self) -> crate::protocol::Activity {
-        self.coord.activity()
     }
 
     /// The core's jobs under its lock (the keyed layer's submissions and
@@ -393,12 +397,7 @@ impl Offloader {
         self.coord.cancel_pinning();
     }
 
-    /// The pin state now.
-    pub fn pin_state(&self) -> PinState {
-        self.coord.pin_state()
-    }
-
-    /// Pinning progress now.
+    /// Pinning now: its state ([`PinProgress::state`]) and how far it got.
     pub fn pin_progress(&self) -> PinProgress {
         let state = self.coord.pin_state();
         let total = self.coord.chunk_count();
@@ -537,24 +536,13 @@ impl Offloader {
 
     // ---- completions ----
 
-    /// Jobs that finished since the last call, in submission order per
-    /// direction, each reported once, already applied to the block manager
-    /// of a [`KeyedOffloader`]. Never blocks on the GPU and never makes a
-    /// capture-unsafe call while a window is open (it then returns what it
-    /// found so far).
-    pub fn poll(&self) -> Vec<Completion> {
-        let mut out = Vec::new();
-        self.poll_each(&mut |c| out.push(c));
-        out
-    }
-
-    /// Jobs submitted and not yet reported by [`Offloader::poll`].
+    /// Jobs submitted and not yet reported by [`Offloader::poll_each`].
     pub fn in_flight(&self) -> usize {
         sync::lock(&self.inner).jobs.len()
     }
 
     /// Blocks until job `id` completed on the GPU (it is still reported by
-    /// [`Offloader::poll`]). Refused inside the caller's own window.
+    /// [`Offloader::poll_each`]). Refused inside the caller's own window.
     /// Interruptible: [`Interruptible::wait`].
     pub fn wait(&self, id: JobId) -> Result<(), OffloaderError> {
         self.refuse_inside_gated("waiting for a job inside gated()")?;
@@ -567,7 +555,7 @@ impl Offloader {
     }
 
     /// Blocks until every job submitted so far completed on the GPU (failed
-    /// jobs are reported by [`Offloader::poll`], not here).
+    /// jobs are reported by [`Offloader::poll_each`], not here).
     /// Interruptible: [`Interruptible::wait_all`].
     pub fn wait_all(&self) -> Result<(), OffloaderError> {
         self.refuse_inside_gated("waiting for jobs inside gated()")?;
@@ -575,6 +563,15 @@ impl Offloader {
         self.wait_deferred(None)?;
         Ok(engine.wait_all()?)
     }
+}
+
+/// What `off`'s coordinator has open, in flight or waiting right now: a
+/// diagnostic of the layer below the offloader (the tests of the
+/// interruptible waits check with it that an interrupted wait left nothing
+/// counted; the Python test hooks' `activity`), reached through
+/// `kvoffload::internal` only, not a call of the engine's API.
+pub fn activity(off: &Offloader) -> crate::protocol::Activity {
+    off.coord.activity()
 }
 
 /// The capture-unsafe driver calls an engine may make through

@@ -51,7 +51,7 @@ impl Offloader {
             // neither the waits nor the polls are refused.
             drained = engine.wait_all().map_err(OffloaderError::from);
             while engine.in_flight(Direction::DeviceToHost) + engine.in_flight(Direction::HostToDevice) > 0 {
-                if self.poll().is_empty() {
+                if self.poll_each(&mut drop) == 0 {
                     // Only while a window that opened before `close` is
                     // still open, which `close` refused: cannot happen.
                     self.coord.wait_no_window()?;

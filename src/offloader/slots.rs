@@ -100,7 +100,7 @@ impl Offloader {
     /// [`TransferError::NoExpeditedLane`]).
     ///
     /// The job is ordered after the work on the compute stream at this
-    /// moment; [`Offloader::poll`] reports it once (a
+    /// moment; [`Offloader::poll_each`] reports it once (a
     /// [`Completion`](super::Completion) with no keys, its lane), with its
     /// bytes and seconds, and [`Offloader::wait`] /
     /// [`Offloader::wait_jobs`] / [`Offloader::wait_all`] wait for it.
@@ -233,7 +233,7 @@ impl Offloader {
     /// Blocks until each of `ids` that is in flight completed on the GPU
     /// (vLLM's `OffloadingWorker.wait`): ids never submitted or already
     /// reported are skipped, and failed jobs are reported by
-    /// [`Offloader::poll`], not here (as [`Offloader::wait_all`]). Refused
+    /// [`Offloader::poll_each`], not here (as [`Offloader::wait_all`]). Refused
     /// inside the caller's own window. Interruptible:
     /// [`Interruptible::wait_jobs`](super::Interruptible::wait_jobs).
     pub fn wait_jobs(&self, ids: &[JobId]) -> Result<(), OffloaderError> {

@@ -253,12 +253,15 @@ impl<'a> Interruptible<'a> {
 }
 
 impl Offloader {
-    /// [`Offloader::poll`], handing each completion to `sink` instead of
-    /// returning them, in the same order, each applied to a keyed
-    /// offloader's block manager and handed out under the offloader's
-    /// lock (so completions reach the sinks of concurrent callers in the
-    /// engine's order: a caller that keeps them in one list for later, as
-    /// the Python front does, keeps poll's order). `sink` must not block
+    /// Hands each job that finished since the last call to `sink` (vLLM's
+    /// `get_finished`; `KeyedOffloader::poll` collects them in a list), in
+    /// submission order per direction, each reported once, each applied to
+    /// a keyed offloader's block manager and handed out under the
+    /// offloader's lock (so completions reach the sinks of concurrent
+    /// callers in the engine's order: a caller that keeps them in one list
+    /// for later, as the Python front does, keeps poll's order). Never
+    /// blocks on the GPU and never makes a capture-unsafe call while a
+    /// window is open (it then hands out what it found so far). `sink` must not block
     /// or take a lock that a thread may hold while it calls the offloader
     /// (the GIL, say). Returns how many it handed out.
     pub fn poll_each(&self, sink: &mut dyn FnMut(Completion)) -> usize {

@@ -311,5 +311,5 @@ class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
             self.offloader.region_bytes,
             s.region,
             self.setup_seconds,
-            self.offloader.pin_state,
+            self.offloader.pin_progress.state,
         )

@@ -81,7 +81,7 @@ impl Captures {
     /// Destroys the graphs (then their tokens: shutdown is refused while
     /// any lives), frees the scratch buffer and the stream.
     fn release(self, off: &Offloader) -> Result<(), RankError> {
-        let rt = off.runtime();
+        let rt = &off.geometry().runtime;
         let mut first = None;
         for (g, token) in self.graphs {
             if let Err(e) = rt.graph_destroy(g) {
@@ -229,7 +229,7 @@ fn capture(
     stop: Stop,
 ) -> Result<Captures, RankError> {
     phase(rank, "capture");
-    let rt = off.runtime();
+    let rt = &off.geometry().runtime;
     let stream = rt.stream_create().map_err(drv("creating the capture stream"))?;
     let scratch = match gated(off, "allocating the capture scratch buffer", |c| c.mem_alloc(1 << 20)) {
         Ok(p) => p,
@@ -299,7 +299,7 @@ fn agree(
     stop: Stop,
 ) -> Result<bool, RankError> {
     phase(rank, "agree");
-    while !off.pin_state().is_final() {
+    while !off.pin_progress().state.is_final() {
         if stop.requested() {
             return Ok(false);
         }

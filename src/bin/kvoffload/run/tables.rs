@@ -93,7 +93,7 @@ impl PinnedWords {
     pub fn new(off: &Offloader, words: usize, what: &'static str) -> Result<Self, RankError> {
         let words = words.max(1);
         let host = gated(off, what, |c| c.mem_alloc_host(words * 8))?;
-        match off.runtime().host_device_ptr(host) {
+        match off.geometry().runtime.host_device_ptr(host) {
             Ok(device) => Ok(PinnedWords { host, words, device }),
             Err(e) => {
                 PinnedWords { host, words, device: DevicePtr::NULL }.release(off);

@@ -141,7 +141,7 @@ impl Checker {
     /// offloader's gate.
     pub fn new(off: &Offloader, entries: usize) -> Result<Self, RankError> {
         let entries = entries.max(1);
-        let stream = off.runtime().stream_create().map_err(drv(SETTING_UP))?;
+        let stream = off.geometry().runtime.stream_create().map_err(drv(SETTING_UP))?;
         let mut made = Vec::new();
         for words in [entries * PATTERN_ENTRY_WORDS, entries.div_ceil(2), GATHER_ENTRY_WORDS] {
             match PinnedWords::new(off, words, SETTING_UP) {
@@ -177,7 +177,7 @@ impl Checker {
         keys: &[BlockKey],
         gpu: &[usize],
     ) -> Result<Outcome, RankError> {
-        let rt = off.runtime().as_ref();
+        let rt = off.geometry().runtime.as_ref();
         let table = shape.table(keys, gpu);
         let mut bad_blocks = vec![false; keys.len()];
         let mut counts = vec![0u32; self.entries];
@@ -252,7 +252,7 @@ impl Checker {
                 tracing::warn!(error = %e, "freeing a verifier buffer failed");
             }
         }
-        if let Err(e) = off.runtime().stream_destroy(stream) {
+        if let Err(e) = off.geometry().runtime.stream_destroy(stream) {
             tracing::warn!(error = %e, "destroying the verifier stream failed");
         }
     }
@@ -287,7 +287,7 @@ mod tests {
 
     /// Writes the blocks' patterns with the fill kernel, as a store does.
     fn fill(off: &Offloader, shape: &Shape, keys: &[BlockKey], gpu: &[usize]) {
-        let rt = off.runtime();
+        let rt = &off.geometry().runtime;
         let s = rt.stream_create().unwrap();
         let table = shape.table(keys, gpu);
         let t = gated(off, "test", |c| c.mem_alloc(table.len() * 8)).unwrap();
@@ -303,7 +303,7 @@ mod tests {
     #[test]
     fn the_check_finds_a_flipped_byte_in_the_block_that_holds_it() {
         let (off, shape) = setup();
-        let rt = off.runtime().as_ref();
+        let rt = off.geometry().runtime.as_ref();
         let keys = [BlockKey::new(3, 0), BlockKey::new(4, 0)];
         let gpu = [5, 2, 7, 0];
         fill(&off, &shape, &keys, &gpu);

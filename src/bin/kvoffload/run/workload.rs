@@ -456,7 +456,7 @@ impl Work<'_> {
         // (its store was reported, or the compute stream was synchronized).
         unsafe { buf.write(&words) };
         let dtable = buf.device;
-        let rt = self.off.core().runtime().as_ref();
+        let rt = self.off.core().geometry().runtime.as_ref();
         // SAFETY: the kernel reads the table written just before through
         // its device alias; the buffer stays with this job (not given back
         // to the pool) until the store, ordered after this kernel, is
@@ -546,7 +546,7 @@ impl Work<'_> {
         } else {
             rep.jobs_failed += 1;
             if !self.sweeping() {
-                rearm(self.off.core().runtime().as_ref());
+                rearm(self.off.core().geometry().runtime.as_ref());
             }
         }
         match job.kind {
