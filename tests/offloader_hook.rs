@@ -7,7 +7,9 @@
 //! refused while a hook window is open and draining deferred jobs after,
 //! deferred jobs checked like direct ones, and the hook's window opening
 //! under the Interleave rules (it waits for the registration in progress,
-//! not for pinning). Also the expedited load lane
+//! not for pinning), and a blocking wait for a deferred job inside an
+//! engine window refused instead of waiting for a flush that waits for
+//! that window. Also the expedited load lane
 //! (`Offloader::submit` on `Lane::LoadExpedited`): its own stream, never behind a
 //! regular load, deferred like any job, refused without the lane.
 
@@ -533,5 +535,60 @@ fn a_flush_waits_for_an_engine_window_on_another_thread_and_then_submits() {
     let done = poll_n(&off, 1);
     assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
     assert_eq!(bad_slot(&off, 9, 4), 0);
+    off.shutdown().unwrap();
+}
+
+/// A blocking wait for a deferred job on a thread that holds an engine
+/// window, while the hook's close waits for that window to submit the
+/// job: refused (`WouldDeadlock`), where it waited for the close, which
+/// waited for it, for ever.
+#[test]
+fn a_wait_for_a_deferred_job_inside_an_engine_window_is_refused_not_a_deadlock() {
+    let off = Arc::new(slot_offloader());
+    off.wait_pinned().unwrap();
+    write_block(&off, 31, 0);
+    let (begun_tx, begun_rx) = mpsc::channel();
+    let (close_tx, close_rx) = mpsc::channel::<()>();
+    let o2 = off.clone();
+    let capture = std::thread::spawn(move || {
+        o2.capture_hook().begin().unwrap();
+        begun_tx.send(()).unwrap();
+        close_rx.recv().unwrap();
+        o2.capture_hook().end()
+    });
+    begun_rx.recv().unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[3], 0)).unwrap();
+    let (o3, (waited_tx, waited_rx)) = (off.clone(), mpsc::channel());
+    let (opened_tx, opened_rx) = mpsc::channel::<()>();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let engine = std::thread::spawn(move || {
+        let w = o3.capture_window().unwrap();
+        opened_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+        waited_tx.send((o3.wait(JobId(1)), o3.wait_jobs(&[JobId(1)]), o3.wait_all())).unwrap();
+        drop(w);
+    });
+    opened_rx.recv().unwrap();
+    close_tx.send(()).unwrap();
+    // The hook window closed (its flush, in the same critical section of
+    // the hook's lock, then finds the engine's window and waits for it).
+    until("the hook's window closed", || off.activity().windows_open == 1);
+    go_tx.send(()).unwrap();
+    let (wait, wait_jobs, wait_all) =
+        waited_rx.recv_timeout(Duration::from_secs(5)).expect("deadlock: the waits inside the window never returned");
+    let would_deadlock = |r: &Result<(), OffloaderError>| {
+        matches!(r, Err(OffloaderError::Protocol(ProtocolError::WouldDeadlock { .. })))
+    };
+    assert!(
+        would_deadlock(&wait) && would_deadlock(&wait_jobs) && would_deadlock(&wait_all),
+        "{wait:?} {wait_jobs:?} {wait_all:?}"
+    );
+    engine.join().unwrap();
+    capture.join().unwrap().unwrap();
+    assert_eq!(off.capture_hook().deferred_jobs(), 0);
+    off.wait(JobId(1)).unwrap();
+    let done = poll_n(&off, 1);
+    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
+    assert_eq!(bad_slot(&off, 31, 3), 0);
     off.shutdown().unwrap();
 }

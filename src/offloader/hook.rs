@@ -29,7 +29,10 @@
 //!   [`Offloader::wait_all`]) for a deferred job by the thread holding a
 //!   hook window is refused with [`ProtocolError::WouldDeadlock`] (the job
 //!   cannot start before that thread's close); from any other thread it
-//!   waits until the job was submitted, then for the job.
+//!   waits until the job was submitted, then for the job, submitting the
+//!   queue itself whenever no hook window is open (refused,
+//!   `WouldDeadlock`, when a job of it is refused for this thread's own
+//!   engine window, which would never close while it waits).
 //! - Shutdown is refused ([`ProtocolError::WindowOpen`]) while a hook
 //!   window is open or opening, waits for a flush in progress, and closes
 //!   the coordinator under the hook's lock, so no window can begin between
@@ -303,7 +306,7 @@ impl Offloader {
         // closes.
         if crate::protocol::variant_is!(self.coord, HookFlushesInsideWindow) {
             if let Some(e) = engine.as_deref() {
-                h = self.flush(h, e, Some(me));
+                h = self.flush(h, e, Some(me)).0;
             }
         }
         let Some(i) = h.windows.iter().position(|w| w.owner == me) else {
@@ -325,7 +328,13 @@ impl Offloader {
             return;
         }
         match engine {
-            Some(e) => drop(self.flush(h, e, None)),
+            Some(e) => {
+                if let (_, Err(err)) = self.flush(h, e, None) {
+                    // Only inside this thread's own window, which the
+                    // coordinator refuses to open beside a hook window.
+                    tracing::error!(error = %err, "capture hook: cannot submit deferred jobs here");
+                }
+            }
             // Shutdown waits for the hook to be idle before it takes the
             // engine, so this cannot happen.
             None => {
@@ -336,16 +345,20 @@ impl Offloader {
 
     /// Submits the queue, oldest first, each under the hook's lock, until
     /// it is empty or a hook window (other than `inside`'s, N21 only) is
-    /// open or opening again.
+    /// open or opening again; a job an engine window refuses waits for it.
+    /// Returns the lock and, when that wait was refused (inside this
+    /// thread's own window), its error; the jobs not submitted stay
+    /// queued, in order.
     fn flush<'a>(
         &'a self,
         mut h: MutexGuard<'a, HookState>,
         engine: &TransferEngine,
         inside: Option<thread::ThreadId>,
-    ) -> MutexGuard<'a, HookState> {
+    ) -> (MutexGuard<'a, HookState>, Result<(), ProtocolError>) {
         let span = tracing::debug_span!("capture_hook_flush", jobs = h.queue.len()).entered();
         h.flushing += 1;
         let mut submitted = 0usize;
+        let mut outcome = Ok(());
         loop {
             if h.windows.iter().any(|w| Some(w.owner) != inside) {
                 break;
@@ -366,9 +379,9 @@ impl Offloader {
                     let waited = self.coord.wait_no_window();
                     h = sync::lock(&self.hook.state);
                     if let Err(e) = waited {
-                        // Only inside this thread's own window, which the
-                        // coordinator refuses to open beside a hook window.
-                        tracing::error!(error = %e, "capture hook: cannot submit deferred jobs here");
+                        // Inside this thread's own window (which would
+                        // never close while it waits).
+                        outcome = Err(e);
                         break;
                     }
                     continue;
@@ -396,7 +409,7 @@ impl Offloader {
         tracing::debug!(submitted, left = h.queue.len(), "capture hook: deferred jobs submitted");
         self.hook.cv.notify_all();
         drop(span);
-        h
+        (h, outcome)
     }
 
     /// Submits job `id` to `engine` now, or defers it while a hook window
@@ -451,8 +464,13 @@ impl Offloader {
 
     /// Blocks while any of `ids` (every deferred job: `None`) waits in the
     /// queue; [`ProtocolError::WouldDeadlock`] when one does and this
-    /// thread holds a hook window.
-    pub(super) fn wait_deferred(&self, ids: Option<&[JobId]>) -> Result<(), OffloaderError> {
+    /// thread holds a hook window. While no hook window is open it submits
+    /// the queue itself (beside a flush in progress, if any: each job
+    /// leaves the queue in the critical section that submits it), waiting
+    /// for an engine window that refuses a job; `WouldDeadlock` when that
+    /// window is this thread's (the flush in progress would wait for it,
+    /// and this wait for the flush, for ever).
+    pub(super) fn wait_deferred(&self, engine: &TransferEngine, ids: Option<&[JobId]>) -> Result<(), OffloaderError> {
         let me = sync::this_thread();
         let mut h = sync::lock(&self.hook.state);
         loop {
@@ -465,6 +483,13 @@ impl Offloader {
                     what: "waiting for a job deferred behind this thread's capture hook window",
                 }
                 .into());
+            }
+            if h.windows.is_empty() {
+                let (g, r) = self.flush(h, engine, None);
+                h = g;
+                r?;
+                // Empty, or a hook window began: look again.
+                continue;
             }
             h = sync::wait(&self.hook.cv, h);
         }
