@@ -7,7 +7,12 @@
 //! refused while a hook window is open and draining deferred jobs after,
 //! deferred jobs checked like direct ones, and the hook's window opening
 //! under the Interleave rules (it waits for the registration in progress,
-//! not for pinning). Also the expedited load lane
+//! not for pinning), an interruptible `end`/`abort` whose flush waits
+//! for another thread's engine window (a cancel ends it within the bound,
+//! the window closed, the rest left deferred and submitted once, in
+//! order, by the next poll, wait, close or shutdown), and a blocking wait
+//! for a deferred job inside an engine window refused instead of waiting
+//! for a flush that waits for that window. Also the expedited load lane
 //! (`Offloader::submit` on `Lane::LoadExpedited`): its own stream, never behind a
 //! regular load, deferred like any job, refused without the lane.
 
@@ -533,5 +538,194 @@ fn a_flush_waits_for_an_engine_window_on_another_thread_and_then_submits() {
     let done = poll_n(&off, 1);
     assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
     assert_eq!(bad_slot(&off, 9, 4), 0);
+    off.shutdown().unwrap();
+}
+
+// ---- issue 28: capture_end / capture_abort interruptible ----
+
+/// Who submits, after an interrupted close, the jobs it left deferred.
+#[derive(Clone, Copy, Debug)]
+enum Next {
+    /// `poll` (and with it the interruptible waits' polls).
+    Poll,
+    /// A blocking `wait_jobs` for the last of them.
+    WaitJobs,
+    /// The next hook window's close.
+    Close,
+    /// Shutdown, which drains them.
+    Shutdown,
+}
+
+/// A capture thread's hook window closes (`abort` or `end`) while main
+/// holds an engine window (`capture_window`): the close's flush finds two
+/// deferred jobs refused for it and waits. A cancel ends that wait within
+/// the bound: the hook window closed all the same (depth 0, only main's
+/// window open), both jobs still deferred, in order; a third job submitted
+/// then queues behind them. Once main's window closed, `next` submits the
+/// three, each once, first in first out.
+///
+/// That the close waits is observed through its check: it is called only
+/// while a wait lasts (on today's code, never: `end` ignored the cancel
+/// and the test fails at that `until`).
+fn an_interrupted_close(abort: bool, next: Next) {
+    let off = Arc::new(slot_offloader());
+    off.wait_pinned().unwrap();
+    for (b, tag) in [(0, 21), (1, 22), (2, 23)] {
+        write_block(&off, tag, b);
+    }
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (begun_tx, begun_rx) = mpsc::channel();
+    let (close_tx, close_rx) = mpsc::channel::<()>();
+    let (o2, c2, s2) = (off.clone(), calls.clone(), stop.clone());
+    let capture = std::thread::spawn(move || {
+        o2.capture_hook().begin().unwrap();
+        begun_tx.send(()).unwrap();
+        close_rx.recv().unwrap();
+        let check = || {
+            c2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            s2.load(std::sync::atomic::Ordering::SeqCst)
+        };
+        let hook = o2.interruptible(&check).capture_hook();
+        let r = if abort { hook.abort() } else { hook.end() };
+        (r, Instant::now(), o2.capture_hook().depth())
+    });
+    begun_rx.recv().unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[4], 0)).unwrap();
+    off.submit(JobId(2), Lane::Store, &SlotJob::single(&[1], &[5], 0)).unwrap();
+    let w = off.capture_window().unwrap();
+    close_tx.send(()).unwrap();
+    until("the close's flush waits for main's window, calling its cancel check", || {
+        calls.load(std::sync::atomic::Ordering::SeqCst) > 0
+    });
+    let cancelled = Instant::now();
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (r, returned, depth) = capture.join().unwrap();
+    let latency = returned.duration_since(cancelled);
+    println!(
+        "capture_{} (a deferred job behind another thread's window): returned {:.1} ms after the cancel",
+        if abort { "abort" } else { "end" },
+        latency.as_secs_f64() * 1e3
+    );
+    assert!(latency < Duration::from_millis(500), "the interrupted close returned {latency:?} after the cancel");
+    assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::Interrupted { .. }))), "{r:?}");
+    assert_eq!(depth, 0, "the interrupted close left its depth");
+    let a = off.activity();
+    assert_eq!((a.windows_open, a.windows_waiting), (1, 0), "the hook window is not closed: {a:?}");
+    assert_eq!(off.capture_hook().deferred_jobs(), 2, "the interrupted flush submitted or dropped a job");
+    assert_eq!((off.in_flight(), a.jobs_in_flight), (2, 2), "the deferred jobs are not in flight any more");
+    // Main's window still refuses them: a submission and a poll now submit
+    // nothing, and the new job keeps its place after the two.
+    off.submit(JobId(3), Lane::Store, &SlotJob::single(&[2], &[6], 0)).unwrap();
+    assert!(off.poll().is_empty());
+    assert_eq!(off.capture_hook().deferred_jobs(), 3, "a job went past the queue or inside main's window");
+    drop(w);
+    let done = match next {
+        Next::Poll => poll_n(&off, 3),
+        Next::WaitJobs => {
+            off.wait_jobs(&[JobId(3)]).unwrap();
+            assert_eq!(off.capture_hook().deferred_jobs(), 0);
+            poll_n(&off, 3)
+        }
+        Next::Close => {
+            off.capture_hook().begin().unwrap();
+            assert_eq!(off.capture_hook().deferred_jobs(), 3, "submitted while a hook window is open");
+            off.capture_hook().end().unwrap();
+            assert_eq!(off.capture_hook().deferred_jobs(), 0, "the next close left them");
+            poll_n(&off, 3)
+        }
+        Next::Shutdown => {
+            off.shutdown().unwrap();
+            assert_eq!(off.in_flight(), 0, "shutdown left a deferred job unreported");
+            assert_eq!(bad_slot(&off, 21, 4) + bad_slot(&off, 22, 5) + bad_slot(&off, 23, 6), 0);
+            assert_eq!(sim(&off).registered_ranges(), 0);
+            return;
+        }
+    };
+    assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(1), JobId(2), JobId(3)], "{done:?}");
+    for c in &done {
+        assert!(c.error.is_none() && c.deferred_seconds > 0.0, "{c:?}");
+    }
+    // Each once: nothing more is reported (a second submission of an id
+    // would be refused by the engine and reported failed).
+    off.wait_all().unwrap();
+    assert!(off.poll().is_empty(), "a job was reported twice");
+    assert_eq!((off.in_flight(), off.capture_hook().deferred_jobs()), (0, 0));
+    assert_eq!(bad_slot(&off, 21, 4) + bad_slot(&off, 22, 5) + bad_slot(&off, 23, 6), 0);
+    off.shutdown().unwrap();
+}
+
+#[test]
+fn a_cancel_ends_capture_end_waiting_for_another_threads_window_and_the_next_poll_submits_what_it_left() {
+    an_interrupted_close(false, Next::Poll);
+}
+
+#[test]
+fn a_cancel_ends_capture_abort_waiting_for_another_threads_window_and_a_wait_submits_what_it_left() {
+    an_interrupted_close(true, Next::WaitJobs);
+}
+
+#[test]
+fn what_an_interrupted_capture_end_left_is_submitted_by_the_next_close() {
+    an_interrupted_close(false, Next::Close);
+}
+
+#[test]
+fn what_an_interrupted_capture_end_left_is_submitted_by_shutdown() {
+    an_interrupted_close(false, Next::Shutdown);
+}
+
+/// A blocking wait for a deferred job on a thread that holds an engine
+/// window, while the hook's close waits for that window to submit the
+/// job: refused (`WouldDeadlock`), where it waited for the close, which
+/// waited for it, for ever.
+#[test]
+fn a_wait_for_a_deferred_job_inside_an_engine_window_is_refused_not_a_deadlock() {
+    let off = Arc::new(slot_offloader());
+    off.wait_pinned().unwrap();
+    write_block(&off, 31, 0);
+    let (begun_tx, begun_rx) = mpsc::channel();
+    let (close_tx, close_rx) = mpsc::channel::<()>();
+    let o2 = off.clone();
+    let capture = std::thread::spawn(move || {
+        o2.capture_hook().begin().unwrap();
+        begun_tx.send(()).unwrap();
+        close_rx.recv().unwrap();
+        o2.capture_hook().end()
+    });
+    begun_rx.recv().unwrap();
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[3], 0)).unwrap();
+    let (o3, (waited_tx, waited_rx)) = (off.clone(), mpsc::channel());
+    let (opened_tx, opened_rx) = mpsc::channel::<()>();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let engine = std::thread::spawn(move || {
+        let w = o3.capture_window().unwrap();
+        opened_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+        waited_tx.send((o3.wait(JobId(1)), o3.wait_jobs(&[JobId(1)]), o3.wait_all())).unwrap();
+        drop(w);
+    });
+    opened_rx.recv().unwrap();
+    close_tx.send(()).unwrap();
+    // The hook window closed (its flush, in the same critical section of
+    // the hook's lock, then finds the engine's window and waits for it).
+    until("the hook's window closed", || off.activity().windows_open == 1);
+    go_tx.send(()).unwrap();
+    let (wait, wait_jobs, wait_all) =
+        waited_rx.recv_timeout(Duration::from_secs(5)).expect("deadlock: the waits inside the window never returned");
+    let would_deadlock = |r: &Result<(), OffloaderError>| {
+        matches!(r, Err(OffloaderError::Protocol(ProtocolError::WouldDeadlock { .. })))
+    };
+    assert!(
+        would_deadlock(&wait) && would_deadlock(&wait_jobs) && would_deadlock(&wait_all),
+        "{wait:?} {wait_jobs:?} {wait_all:?}"
+    );
+    engine.join().unwrap();
+    capture.join().unwrap().unwrap();
+    assert_eq!(off.capture_hook().deferred_jobs(), 0);
+    off.wait(JobId(1)).unwrap();
+    let done = poll_n(&off, 1);
+    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
+    assert_eq!(bad_slot(&off, 31, 3), 0);
     off.shutdown().unwrap();
 }

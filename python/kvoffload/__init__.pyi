@@ -491,7 +491,11 @@ class _OffloaderBase:
     #: progress), ``capture_end`` closes it and submits the jobs deferred
     #: meanwhile, ``capture_abort`` is ``capture_end`` for a failed begin;
     #: ``ProtocolError`` (kind ``"hook_not_open"``) at depth 0. Ctrl-C stops
-    #: ``capture_begin``'s wait with nothing opened (depth unchanged).
+    #: ``capture_begin``'s wait with nothing opened (depth unchanged), and
+    #: ``capture_end``'s / ``capture_abort``'s wait for another thread's
+    #: capture window (a deferred job it refuses) with the hook window
+    #: closed all the same and the jobs not yet submitted left deferred, in
+    #: order, for the next ``poll``, wait, submission or ``capture_end``.
     def capture_begin(self) -> None: ...
     def capture_end(self) -> None: ...
     def capture_abort(self) -> None: ...

@@ -18,13 +18,15 @@
 //! Every call that can block (construction, pinning waits, capture windows,
 //! job waits, shutdown, the submissions) releases the GIL. The waits
 //! (joining or creating a shared region, `wait_pinned` and with it the
-//! ranks' agreement, entering a capture window, `capture_begin`, `gated`,
-//! `wait`, `wait_all`, `wait_jobs`, the drain of `shutdown`; the table is
-//! docs/blocking-calls.md) use the
-//! library's interruptible forms with [`Signals`] as their check: Ctrl-C
-//! (any signal whose Python handler raises) stops them within about 50 ms
-//! and raises the handler's exception (`KeyboardInterrupt`), leaving
-//! nothing behind.
+//! ranks' agreement, entering a capture window, `capture_begin`,
+//! `capture_end`, `capture_abort`, `gated`, `wait`, `wait_all`,
+//! `wait_jobs`, the drain of `shutdown`; the table is
+//! docs/blocking-calls.md) use the library's interruptible forms with
+//! [`Signals`] as their check: Ctrl-C (any signal whose Python handler
+//! raises) stops them within about 50 ms and raises the handler's
+//! exception (`KeyboardInterrupt`), leaving nothing behind (an
+//! interrupted `capture_end` closes its window and leaves the jobs it did
+//! not submit deferred, in order, for the next flush).
 //!
 //! Files: `offloader.rs` (`_OffloaderBase`, `Offloader`,
 //! `KeyedOffloader`, `CaptureWindow`; the lock

@@ -519,11 +519,18 @@ impl PyOffloaderBase {
             signals.result(py, py.detach(|| off.interruptible(&|| signals.check()).capture_hook().begin()))?;
             if let Err(e) = py.check_signals() {
                 // Opened (or counted) just as Ctrl-C came: undo this begin.
-                if depth == 0 {
-                    let _ = py.detach(|| off.capture_hook().abort());
-                } else {
-                    let _ = py.detach(|| off.capture_hook().end());
-                }
+                // The window closes at once; a job deferred meanwhile that
+                // an engine window refuses is not waited for (the check
+                // says stop: at most one 50 ms slice) but left deferred,
+                // for the next poll, wait or submission.
+                let _ = py.detach(|| {
+                    let hook = off.interruptible(&|| true).capture_hook();
+                    if depth == 0 {
+                        hook.abort()
+                    } else {
+                        hook.end()
+                    }
+                });
                 return Err(e);
             }
             Ok(())
@@ -532,21 +539,29 @@ impl PyOffloaderBase {
 
     /// The capture hook's end (after the framework's capture end, also
     /// when it failed): depth n -> n - 1; at 0 the window closes and the
-    /// deferred jobs are submitted, in order, on this thread. ProtocolError
-    /// (kind `"hook_not_open"`) at depth 0.
+    /// deferred jobs are submitted, in order, on this thread, GIL released
+    /// (a job refused for another thread's `capture_window` waits for it).
+    /// ProtocolError (kind `"hook_not_open"`) at depth 0.
+    ///
+    /// Ctrl-C stops that wait (KeyboardInterrupt): the window is closed
+    /// all the same (depth decremented) and the jobs not yet submitted stay
+    /// deferred, in order, submitted by the next `poll`, wait, submission,
+    /// `capture_end` or `shutdown`.
     pub(crate) fn capture_end(&self, py: Python<'_>) -> PyResult<()> {
         guarded(py, || {
             let off = &self.off;
-            py.detach(|| off.capture_hook().end()).map_err(|e| errors::offloader(py, e))
+            let signals = Signals::default();
+            signals.result(py, py.detach(|| off.interruptible(&|| signals.check()).capture_hook().end()))
         })
     }
 
     /// What `capture_end` does, for a capture whose framework begin failed
-    /// after `capture_begin` succeeded.
+    /// after `capture_begin` succeeded (Ctrl-C as there).
     pub(crate) fn capture_abort(&self, py: Python<'_>) -> PyResult<()> {
         guarded(py, || {
             let off = &self.off;
-            py.detach(|| off.capture_hook().abort()).map_err(|e| errors::offloader(py, e))
+            let signals = Signals::default();
+            signals.result(py, py.detach(|| off.interruptible(&|| signals.check()).capture_hook().abort()))
         })
     }
 
@@ -706,12 +721,23 @@ pub(crate) struct PyCaptureWindow {
 
 #[pymethods]
 impl PyCaptureWindow {
+    /// Opens the window (waiting, GIL released; Ctrl-C stops the wait with
+    /// KeyboardInterrupt, nothing opened). A signal that arrives as the
+    /// window opens closes it again before KeyboardInterrupt is raised (as
+    /// `capture_begin`), so `__enter__` either returns with the window open
+    /// or raises with it closed: raised before the `with` body, no
+    /// `__exit__` would close it.
     pub(crate) fn __enter__(slf: Py<Self>, py: Python<'_>) -> PyResult<Py<Self>> {
         {
             let me = slf.get();
             let off = &me.off;
             let signals = Signals::default();
             let w = signals.result(py, py.detach(|| off.interruptible(&|| signals.check()).capture_window()))?;
+            if let Err(e) = py.check_signals() {
+                // Opened just as Ctrl-C came: close it again.
+                drop(w);
+                return Err(e);
+            }
             *me.waited.lock().unwrap_or_else(|p| p.into_inner()) = w.chunks_waited();
             let old = me.guard.lock().unwrap_or_else(|p| p.into_inner()).replace(w);
             drop(old);

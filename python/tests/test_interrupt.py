@@ -1,9 +1,9 @@
 """Ctrl-C during a wait (issue 20, item 7; issue 28, item 4): every wait of
 the Python front (joining or creating a shared region, wait_pinned and the
 ranks' agreement in it, entering a capture window, wait, wait_all,
-wait_jobs, shutdown with a job in flight, capture_begin, gated) raises
-KeyboardInterrupt within half a second of SIGINT and leaves nothing behind.
-Simulated GPU.
+wait_jobs, shutdown with a job in flight, capture_begin, capture_end and
+capture_abort, gated) raises KeyboardInterrupt within half a second of
+SIGINT and leaves nothing behind. Simulated GPU.
 
 Each test starts the wait in a state where it blocks, sends SIGINT to the
 main thread from a timer thread 0.23 s later, and measures how long after
@@ -13,6 +13,7 @@ A second timer unblocks the wait after 5 s (or its timeout ends it), so a
 wait that ignores Ctrl-C fails the test (latency about 5 s) instead of
 hanging it."""
 
+import _thread
 import grp
 import os
 import signal
@@ -356,6 +357,95 @@ def test_ctrl_c_in_capture_begin(rt):
     idle(off)
     off.capture_begin()  # a later begin opens
     off.capture_end()
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+@pytest.mark.parametrize("call", ["capture_end", "capture_abort"])
+def test_ctrl_c_in_capture_end_while_a_deferred_job_waits_for_another_threads_window(rt, call):
+    """capture_end (capture_abort alike) closes the hook window and submits
+    the jobs deferred behind it; one refused because another thread holds
+    a capture window waits for that window. Ctrl-C ends the wait: the hook
+    window is closed all the same (depth 0) and the jobs stay deferred, in
+    order, submitted once by the next wait or poll."""
+    off = make(rt, slots=True, start=True)
+    off.wait_pinned()
+    off.capture_begin()
+    off.store_slots(1, [0], [0])
+    off.store_slots(2, [1], [1])
+    assert off.deferred_jobs == 2
+    opened, close = threading.Event(), threading.Event()
+
+    def hold_a_window():
+        with off.capture_window():
+            opened.set()
+            close.wait()
+
+    holder = threading.Thread(target=hold_a_window)
+    holder.start()
+    opened.wait()
+    expect_ctrl_c(f"{call} (a deferred job behind another thread's window)", getattr(off, call), unblock=close.set)
+    assert off.capture_depth == 0
+    assert off.deferred_jobs == 2
+    idle(off, windows_open=1, jobs_in_flight=2)  # the holder's window only
+    close.set()
+    holder.join()
+    off.wait_jobs([1, 2])  # submits them (no window refuses them now)
+    assert off.deferred_jobs == 0
+    assert [(c.job, c.ok) for c in off.poll()] == [(1, True), (2, True)]
+    assert off.poll() == []  # each submitted and reported once
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+def test_ctrl_c_as_a_window_opens_closes_it_again(rt):
+    """A SIGINT that lands as the window opens, after the wait last looked
+    at the signals, used to leave it open with KeyboardInterrupt raised
+    from __enter__ (no __exit__ to close it). Staged: the wait's check runs
+    the handler for a first SIGINT; it starts a thread that sends a second
+    one (pending until Python next looks, on the main thread) and then
+    releases the registration the window waits for, so the window opens
+    with the signal pending, well before the wait's next look (50 ms)."""
+    off = make(rt, pin=kv.PinOptions(threads=1, policy="interleave"))
+    main = threading.main_thread().ident
+    calls = []
+
+    with kt.sim_hold(rt, "register") as hold:
+
+        def sigint_then_release():
+            signal.pthread_kill(main, signal.SIGINT)
+            hold.release()
+
+        def handler(signum, frame):
+            calls.append(time.monotonic())
+            if len(calls) == 1:
+                # Not threading.Thread: its start() waits on a lock, where
+                # Python would run the second SIGINT's handler at once.
+                _thread.start_new_thread(sigint_then_release, ())
+                return
+            raise KeyboardInterrupt
+
+        off.start()
+        hold.wait_entered()  # a registration in flight: the window waits for it
+        w = off.capture_window()
+        timer = threading.Timer(DELAY, lambda: signal.pthread_kill(main, signal.SIGINT))
+        old = signal.signal(signal.SIGINT, handler)
+        try:
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                w.__enter__()
+        finally:
+            timer.cancel()
+            timer.join()
+            signal.signal(signal.SIGINT, old)
+    assert len(calls) == 2
+    assert not w.is_open, "KeyboardInterrupt raised with the window open"
+    assert kt.activity(off)["windows_open"] == 0
+    assert off.wait_pinned().state == "pinned"
+    idle(off)
+    with off.capture_window() as w2:  # a later window opens and closes
+        assert w2.is_open
+    idle(off)
     off.shutdown()
     assert_nothing_leaked(rt)
 

@@ -25,16 +25,32 @@
 //!   meanwhile waits for that one submission and the rest stay queued for
 //!   its own close. A submission refused because an engine's own
 //!   (lexical) window is open waits for it and is retried.
+//! - That wait is the close's only wait for another thread, and an
+//!   interruptible close ([`Interruptible::capture_hook`](super::Interruptible::capture_hook))
+//!   stops it: the window is closed all the same (the capture is over),
+//!   and the refused job and those after it stay queued, in order. So may
+//!   a flush find the queue with no hook window open: whoever flushes next
+//!   submits it, first in first out, each job once (it leaves the queue in
+//!   the critical section that submits it): the next close, a blocking
+//!   wait for a deferred job, and, never waiting (an engine window that
+//!   refuses a job leaves it and the rest queued), a refused or
+//!   interrupted begin, [`Offloader::poll`] (and the interruptible waits'
+//!   polls), the next submission (before its own, which keeps its place
+//!   after them) and shutdown.
 //! - A wait ([`Offloader::wait`], [`Offloader::wait_jobs`],
 //!   [`Offloader::wait_all`]) for a deferred job by the thread holding a
 //!   hook window is refused with [`ProtocolError::WouldDeadlock`] (the job
 //!   cannot start before that thread's close); from any other thread it
-//!   waits until the job was submitted, then for the job.
+//!   waits until the job was submitted, then for the job, submitting the
+//!   queue itself whenever no hook window is open (refused,
+//!   `WouldDeadlock`, when a job of it is refused for this thread's own
+//!   engine window, which would never close while it waits).
 //! - Shutdown is refused ([`ProtocolError::WindowOpen`]) while a hook
-//!   window is open or opening, waits for a flush in progress, and closes
-//!   the coordinator under the hook's lock, so no window can begin between
-//!   the check and the close; deferred jobs are therefore all submitted
-//!   before it drains (P4).
+//!   window is open or opening, waits for a flush in progress, submits
+//!   what is still queued (refused, `WindowOpen`, when an engine window
+//!   refuses a job of it), and closes the coordinator under the hook's
+//!   lock, so no window can begin between the check and the close;
+//!   deferred jobs are therefore all submitted before it drains (P4).
 //!
 //! Lock order: the offloader's `inner`, then the hook's, then the
 //! coordinator's. A deferred job's order point is its submission after the
@@ -48,7 +64,7 @@ use std::time::Instant;
 use super::{Completion, Offloader, OffloaderError};
 use crate::protocol::{CaptureWindow, JobTicket, ProtocolError};
 use crate::runtime::{Code, DriverError};
-use crate::sync::{self, thread, Condvar, Mutex, MutexGuard};
+use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 use crate::transfer::{Backend, JobBlocks, JobId, Lane, TransferEngine, TransferError};
 
 /// The hook's state and the condition variable its waiters wait on.
@@ -138,6 +154,20 @@ impl UsedIds {
     }
 }
 
+/// What a flush does when an engine's own (lexical) window refuses a
+/// deferred job's submission.
+#[derive(Clone, Copy)]
+enum AtEngineWindow<'a> {
+    /// Stops: that job and those after it stay queued, in order, for the
+    /// next flush (the calls that never wait: poll, a submission,
+    /// shutdown).
+    Stop,
+    /// Waits for the engine's windows to close, without the hook's lock,
+    /// then retries; interruptibly when a check is given (a hook close, a
+    /// blocking wait for a deferred job).
+    Wait(Option<&'a dyn Fn() -> bool>),
+}
+
 /// The error a deferred job refused at its submission is reported with
 /// (`Completion::error` is a driver error): the driver's own when the
 /// engine's enqueue failed, otherwise `ILLEGAL_STATE` named after the
@@ -156,7 +186,8 @@ fn refusal_error(e: &TransferError) -> DriverError {
 /// capture windows the offloader holds itself, per thread and nested, for a
 /// hook that wraps a framework's capture calls (module docs). With
 /// [`Interruptible::capture_hook`](super::Interruptible::capture_hook), its
-/// [`CaptureHook::begin`] is interruptible.
+/// [`CaptureHook::begin`], [`CaptureHook::end`] and [`CaptureHook::abort`]
+/// are interruptible.
 #[derive(Copy, Clone)]
 pub struct CaptureHook<'a> {
     off: &'a Offloader,
@@ -205,25 +236,37 @@ impl<'a> CaptureHook<'a> {
     /// nested begin (depth n -> n - 1). Once no hook window is open on any
     /// thread, the deferred jobs are submitted, in the order they were
     /// submitted, on this thread and outside every window (async enqueues:
-    /// this returns once they are enqueued, not completed).
+    /// this returns once they are enqueued, not completed). A job refused
+    /// because an engine's own window ([`Offloader::capture_window`],
+    /// another thread's) is open waits for that window to close.
+    ///
+    /// Interruptible (a hook from [`Offloader::interruptible`]): that wait
+    /// calls the check at least every 50 ms and, when it returns true,
+    /// returns [`ProtocolError::Interrupted`] with the window closed all
+    /// the same (depth decremented: the capture is over either way) and
+    /// the jobs not yet submitted still deferred, in order, for whoever
+    /// flushes next (the next close, [`Offloader::poll`], the next
+    /// submission, a wait for one of them, shutdown; module docs).
     ///
     /// Call it after the framework's capture end, also when that end
     /// failed (the capture is over either way). Error:
-    /// [`OffloaderError::HookNotOpen`] when this thread's depth is 0.
+    /// [`OffloaderError::HookNotOpen`] when this thread's depth is 0
+    /// (nothing changed).
     pub fn end(&self) -> Result<(), OffloaderError> {
-        self.off.hook_close("capture_end")
+        self.off.hook_close("capture_end", self.interrupted)
     }
 
     /// What [`CaptureHook::end`] does, for a capture whose framework begin
     /// failed after [`CaptureHook::begin`] succeeded (the hook's
-    /// `begin(); try: framework_begin() except: abort(); raise`). Error:
-    /// [`OffloaderError::HookNotOpen`] when this thread's depth is 0.
+    /// `begin(); try: framework_begin() except: abort(); raise`),
+    /// interruptible as `end`. Error: [`OffloaderError::HookNotOpen`] when
+    /// this thread's depth is 0.
     pub fn abort(&self) -> Result<(), OffloaderError> {
         // N22 (loom builds only): the window stays open for good.
         if crate::protocol::variant_is!(self.off.coord, HookAbortKeepsWindow) {
             return Ok(());
         }
-        self.off.hook_close("capture_abort")
+        self.off.hook_close("capture_abort", self.interrupted)
     }
 
     /// This thread's hook depth: begins not yet matched by an end or an
@@ -281,13 +324,18 @@ impl Offloader {
                 tracing::warn!(error = %e, "capture hook window refused");
                 self.hook.cv.notify_all();
                 drop(span);
-                self.flush_if_last(h, engine.as_deref());
+                // The jobs deferred behind this request are submitted as a
+                // close would, but never waiting: an interrupted begin's
+                // check has had its say, so the rest (an engine window
+                // refused one) is left for whoever flushes next.
+                // (Never waiting, it returns no error.)
+                let _ = self.flush_if_last(h, engine.as_deref(), AtEngineWindow::Stop);
                 Err(e.into())
             }
         }
     }
 
-    fn hook_close(&self, call: &'static str) -> Result<(), OffloaderError> {
+    fn hook_close(&self, call: &'static str, interrupted: Option<&dyn Fn() -> bool>) -> Result<(), OffloaderError> {
         let me = sync::this_thread();
         let engine = sync::lock(&self.inner).engine.clone();
         let mut h = sync::lock(&self.hook.state);
@@ -303,7 +351,7 @@ impl Offloader {
         // closes.
         if crate::protocol::variant_is!(self.coord, HookFlushesInsideWindow) {
             if let Some(e) = engine.as_deref() {
-                h = self.flush(h, e, Some(me));
+                h = self.flush(h, e, Some(me), AtEngineWindow::Stop).0;
             }
         }
         let Some(i) = h.windows.iter().position(|w| w.owner == me) else {
@@ -315,37 +363,54 @@ impl Offloader {
         drop(w.window);
         tracing::debug!(call, held_s, deferred = h.queue.len(), "capture hook window closed");
         self.hook.cv.notify_all();
-        self.flush_if_last(h, engine.as_deref());
-        Ok(())
+        // The window is closed whatever the flush's outcome: interrupted,
+        // the jobs it did not submit stay queued, in order (module docs).
+        self.flush_if_last(h, engine.as_deref(), AtEngineWindow::Wait(interrupted)).map_err(|e| {
+            tracing::debug!(call, error = %e, "capture hook: window closed, deferred jobs left queued");
+            e.into()
+        })
     }
 
-    /// Submits the deferred jobs when no hook window is open any more.
-    fn flush_if_last(&self, h: MutexGuard<'_, HookState>, engine: Option<&TransferEngine>) {
+    /// Submits the deferred jobs when no hook window is open any more; an
+    /// engine window that refuses one is met as `at_window` says.
+    fn flush_if_last(
+        &self,
+        h: MutexGuard<'_, HookState>,
+        engine: Option<&TransferEngine>,
+        at_window: AtEngineWindow<'_>,
+    ) -> Result<(), ProtocolError> {
         if !h.windows.is_empty() || h.queue.is_empty() {
-            return;
+            return Ok(());
         }
         match engine {
-            Some(e) => drop(self.flush(h, e, None)),
+            Some(e) => self.flush(h, e, None, at_window).1,
             // Shutdown waits for the hook to be idle before it takes the
             // engine, so this cannot happen.
             None => {
-                tracing::error!(jobs = h.queue.len(), "capture hook: deferred jobs left after the engine was dropped")
+                tracing::error!(jobs = h.queue.len(), "capture hook: deferred jobs left after the engine was dropped");
+                Ok(())
             }
         }
     }
 
     /// Submits the queue, oldest first, each under the hook's lock, until
     /// it is empty or a hook window (other than `inside`'s, N21 only) is
-    /// open or opening again.
+    /// open or opening again; a job an engine window refuses is handled as
+    /// `at_window` says. Returns the lock and, when a wait for an engine
+    /// window ended the flush (interrupted, or refused inside this
+    /// thread's own window), its error; the jobs not submitted stay
+    /// queued, in order, either way.
     fn flush<'a>(
         &'a self,
         mut h: MutexGuard<'a, HookState>,
         engine: &TransferEngine,
         inside: Option<thread::ThreadId>,
-    ) -> MutexGuard<'a, HookState> {
+        at_window: AtEngineWindow<'_>,
+    ) -> (MutexGuard<'a, HookState>, Result<(), ProtocolError>) {
         let span = tracing::debug_span!("capture_hook_flush", jobs = h.queue.len()).entered();
         h.flushing += 1;
         let mut submitted = 0usize;
+        let mut outcome = Ok(());
         loop {
             if h.windows.iter().any(|w| Some(w.owner) != inside) {
                 break;
@@ -359,16 +424,21 @@ impl Offloader {
                     submitted += 1;
                 }
                 Err(TransferError::CaptureWindowOpen { .. }) if inside.is_none() => {
-                    // An engine's own window (no hook window is open): wait
-                    // for it without the hook's lock, then retry this job.
+                    // An engine's own window (no hook window is open): back
+                    // to the head of the queue, not submitted, not failed.
                     h.queue.push_front(d);
+                    let AtEngineWindow::Wait(interrupted) = at_window else { break };
+                    // Wait for it without the hook's lock, then retry.
                     drop(h);
-                    let waited = self.coord.wait_no_window();
+                    let waited = match interrupted {
+                        None => self.coord.wait_no_window(),
+                        Some(f) => self.coord.wait_no_window_interruptible(f),
+                    };
                     h = sync::lock(&self.hook.state);
                     if let Err(e) = waited {
-                        // Only inside this thread's own window, which the
-                        // coordinator refuses to open beside a hook window.
-                        tracing::error!(error = %e, "capture hook: cannot submit deferred jobs here");
+                        // Interrupted, or inside this thread's own window
+                        // (which would never close while it waits).
+                        outcome = Err(e);
                         break;
                     }
                     continue;
@@ -396,7 +466,7 @@ impl Offloader {
         tracing::debug!(submitted, left = h.queue.len(), "capture hook: deferred jobs submitted");
         self.hook.cv.notify_all();
         drop(span);
-        h
+        (h, outcome)
     }
 
     /// Submits job `id` to `engine` now, or defers it while a hook window
@@ -415,6 +485,12 @@ impl Offloader {
         let mut h = sync::lock(&self.hook.state);
         if h.ids.contains(id) {
             return Err(TransferError::JobIdReused { id }.into());
+        }
+        if h.windows.is_empty() && !h.queue.is_empty() {
+            // Deferred jobs that no flush submitted (an interrupted close
+            // left them): theirs first, never waiting, so this job keeps
+            // its place after them.
+            h = self.flush(h, engine, None, AtEngineWindow::Stop).0;
         }
         if h.windows.is_empty() && h.queue.is_empty() {
             // Under the hook's lock: no hook window begins until this
@@ -451,8 +527,14 @@ impl Offloader {
 
     /// Blocks while any of `ids` (every deferred job: `None`) waits in the
     /// queue; [`ProtocolError::WouldDeadlock`] when one does and this
-    /// thread holds a hook window.
-    pub(super) fn wait_deferred(&self, ids: Option<&[JobId]>) -> Result<(), OffloaderError> {
+    /// thread holds a hook window. While no hook window is open it submits
+    /// the queue itself (beside a flush in progress, if any: each job
+    /// leaves the queue in the critical section that submits it), waiting
+    /// for an engine window that refuses a job, so a queue an interrupted
+    /// close left is not waited for in vain; `WouldDeadlock` when that
+    /// window is this thread's (the flush in progress would wait for it,
+    /// and this wait for the flush, for ever).
+    pub(super) fn wait_deferred(&self, engine: &TransferEngine, ids: Option<&[JobId]>) -> Result<(), OffloaderError> {
         let me = sync::this_thread();
         let mut h = sync::lock(&self.hook.state);
         loop {
@@ -466,14 +548,28 @@ impl Offloader {
                 }
                 .into());
             }
+            if h.windows.is_empty() {
+                let (g, r) = self.flush(h, engine, None, AtEngineWindow::Wait(None));
+                h = g;
+                r?;
+                // Empty, or a hook window began: look again.
+                continue;
+            }
             h = sync::wait(&self.hook.cv, h);
         }
     }
 
-    /// For `poll`, under the `inner` lock: deferred jobs the engine refused
-    /// at their submission (each reported once, failed).
-    pub(super) fn take_refused_deferred(&self) -> Vec<Completion> {
-        std::mem::take(&mut sync::lock(&self.hook.state).failed)
+    /// For `poll`, under the `inner` lock: submits the deferred jobs no
+    /// flush submitted, if no hook window is open (never waiting: an
+    /// engine window that refuses one leaves it and the rest queued), and
+    /// returns the deferred jobs the engine refused at their submission
+    /// (each reported once, failed).
+    pub(super) fn flush_and_take_refused(&self, engine: &TransferEngine) -> Vec<Completion> {
+        let mut h = sync::lock(&self.hook.state);
+        if h.windows.is_empty() && !h.queue.is_empty() {
+            h = self.flush(h, engine, None, AtEngineWindow::Stop).0;
+        }
+        std::mem::take(&mut h.failed)
     }
 
     /// For `poll`: the seconds job `id` spent deferred (0 when it was not).
@@ -482,16 +578,41 @@ impl Offloader {
     }
 
     /// For shutdown: refuses while a hook window is open or opening, waits
-    /// for a flush in progress, and returns the hook's lock, to be held
-    /// while the coordinator closes (so no hook window begins in between).
+    /// for a flush in progress, submits what is still queued (never
+    /// waiting: refused, `WindowOpen`, while an engine window refuses a job
+    /// of it), and returns the hook's lock, to be held while the
+    /// coordinator closes (so no hook window begins in between).
     pub(super) fn hook_quiesce(&self) -> Result<MutexGuard<'_, HookState>, OffloaderError> {
         let mut h = sync::lock(&self.hook.state);
+        let mut engine: Option<Arc<TransferEngine>> = None;
         loop {
             if !h.windows.is_empty() {
                 return Err(ProtocolError::WindowOpen { open: h.windows.len() }.into());
             }
-            if h.flushing == 0 {
+            if h.flushing == 0 && h.queue.is_empty() {
                 return Ok(h);
+            }
+            if h.flushing == 0 {
+                // Left by an interrupted close. The engine is taken under
+                // the `inner` lock, which comes before the hook's.
+                let Some(e) = engine.as_deref() else {
+                    drop(h);
+                    engine = sync::lock(&self.inner).engine.clone();
+                    if engine.is_none() {
+                        // Taken by a shutdown, which quiesced first: the
+                        // queue is empty by now.
+                        return Err(ProtocolError::AlreadyShutDown.into());
+                    }
+                    h = sync::lock(&self.hook.state);
+                    continue;
+                };
+                h = self.flush(h, e, None, AtEngineWindow::Stop).0;
+                if !h.queue.is_empty() && self.coord.windows_open() > 0 {
+                    // An engine window refused a job: `close` would refuse
+                    // for that window anyway.
+                    return Err(ProtocolError::WindowOpen { open: self.coord.windows_open() }.into());
+                }
+                continue;
             }
             // A flush waits only for engine windows to close, which
             // `close` refuses anyway: refuse now rather than wait for one

@@ -547,7 +547,7 @@ impl Offloader {
     pub fn wait(&self, id: JobId) -> Result<(), OffloaderError> {
         self.refuse_inside_gated("waiting for a job inside gated()")?;
         let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
-        self.wait_deferred(Some(&[id]))?;
+        self.wait_deferred(&engine, Some(&[id]))?;
         engine.wait(id).map_err(|e| match e {
             crate::transfer::TransferError::UnknownJob { id } => OffloaderError::UnknownJob { id },
             e => e.into(),
@@ -560,7 +560,7 @@ impl Offloader {
     pub fn wait_all(&self) -> Result<(), OffloaderError> {
         self.refuse_inside_gated("waiting for jobs inside gated()")?;
         let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
-        self.wait_deferred(None)?;
+        self.wait_deferred(&engine, None)?;
         Ok(engine.wait_all()?)
     }
 }

@@ -239,7 +239,7 @@ impl Offloader {
     pub fn wait_jobs(&self, ids: &[JobId]) -> Result<(), OffloaderError> {
         self.refuse_inside_gated("waiting for jobs inside gated()")?;
         let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
-        self.wait_deferred(Some(ids))?;
+        self.wait_deferred(&engine, Some(ids))?;
         for &id in ids {
             if !sync::lock(&self.inner).jobs.contains_key(&id) {
                 continue;

@@ -29,7 +29,13 @@
 //!   interruptible; interrupted, nothing is shut down;
 //! - [`Interruptible::capture_hook`]'s [`CaptureHook::begin`] and
 //!   [`Interruptible::gated`]: the window request or the gated call is
-//!   withdrawn before it opened or ran.
+//!   withdrawn before it opened or ran;
+//! - [`Interruptible::capture_hook`]'s [`CaptureHook::end`] and
+//!   [`CaptureHook::abort`] (whose one wait is the deferred jobs' flush
+//!   waiting for an engine window of another thread): the hook window is
+//!   closed all the same (depth decremented) and the jobs not yet
+//!   submitted stay deferred, in order, submitted once by whoever flushes
+//!   next (hook.rs).
 //!
 //! The blocking forms are unchanged, except that a capture window, a hook
 //! window or a nested `gated` asked for inside `gated` is refused
@@ -97,9 +103,12 @@ impl<'a> Interruptible<'a> {
         self.off.capture_window_with(Some(self.interrupted))
     }
 
-    /// [`Offloader::capture_hook`], whose [`CaptureHook::begin`] is
-    /// interruptible: an interrupted begin opened nothing (depth
-    /// unchanged), as a refused begin leaves it.
+    /// [`Offloader::capture_hook`], whose [`CaptureHook::begin`],
+    /// [`CaptureHook::end`] and [`CaptureHook::abort`] are interruptible:
+    /// an interrupted begin opened nothing (depth unchanged), as a refused
+    /// begin leaves it; an interrupted end or abort closed the window
+    /// (depth decremented) and left the jobs it did not submit deferred,
+    /// in order.
     pub fn capture_hook(&self) -> CaptureHook<'a> {
         CaptureHook::new(self.off, Some(self.interrupted))
     }
@@ -270,10 +279,12 @@ impl Offloader {
             return 0;
         };
         let mut n = 0;
-        // Deferred jobs the engine refused when they were submitted after
-        // their window: reported failed, before the engine's (they were
-        // submitted earlier than anything the engine holds now).
-        for c in self.take_refused_deferred() {
+        // Deferred jobs no flush submitted (an interrupted close left them)
+        // are submitted first, if no hook window is open; then those the
+        // engine refused when they were submitted after their window:
+        // reported failed, before the engine's (they were submitted earlier
+        // than anything the engine holds now).
+        for c in self.flush_and_take_refused(&engine) {
             let Some(job) = inner.jobs.remove(&c.job) else {
                 tracing::error!(job = c.job.0, "a deferred job was refused that the offloader did not submit");
                 continue;
