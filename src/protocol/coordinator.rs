@@ -118,7 +118,7 @@ named!(CapturePolicy, "capture policy" {
 });
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (of N1-N25, docs/PROOFS.md). The known-bad variants,
+/// negative models run (of N1-N26, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// model builds, loom's and shuttle's (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
@@ -223,6 +223,11 @@ pub enum Variant {
     /// window open, a graph alive): the refusal comes after the teardown.
     #[cfg(any(loom, shuttle))]
     TeardownBeforeRefusal,
+    /// N26: `Offloader::submit` skips its busy-slot check: a slot job is
+    /// accepted while a job in flight on one of its slots conflicts with it
+    /// (a store beside any job on the slot, a load beside a store).
+    #[cfg(any(loom, shuttle))]
+    SlotBusyUnchecked,
 }
 
 /// Registration state of one chunk of the region.
