@@ -118,7 +118,7 @@ named!(CapturePolicy, "capture policy" {
 });
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (of N1-N26, docs/PROOFS.md). The known-bad variants,
+/// negative models run (of N1-N27, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// model builds, loom's and shuttle's (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
@@ -228,6 +228,10 @@ pub enum Variant {
     /// (a store beside any job on the slot, a load beside a store).
     #[cfg(any(loom, shuttle))]
     SlotBusyUnchecked,
+    /// N27: the runtime handle bound to this coordinator admits a gate of
+    /// any coordinator (`GateBinding::admits` says yes to every gate).
+    #[cfg(any(loom, shuttle))]
+    BindingAdmitsAnyGate,
 }
 
 /// Registration state of one chunk of the region.
@@ -626,6 +630,9 @@ impl Coordinator {
     #[cfg(any(loom, shuttle))]
     pub fn set_variant(&self, v: Variant) {
         self.lock().variant = v;
+        // N27's knob lives in the binding of this coordinator's runtime
+        // handle, which admits gates without asking the coordinator.
+        self.shared.binding.set_admit_any(v == Variant::BindingAdmitsAnyGate);
     }
 
     /// True when this coordinator runs variant `v` (loom builds only: the
