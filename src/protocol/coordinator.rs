@@ -118,7 +118,7 @@ named!(CapturePolicy, "capture policy" {
 });
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (of N1-N27, docs/PROOFS.md). The known-bad variants,
+/// negative models run (of N1-N29, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// model builds, loom's and shuttle's (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
@@ -232,6 +232,17 @@ pub enum Variant {
     /// any coordinator (`GateBinding::admits` says yes to every gate).
     #[cfg(any(loom, shuttle))]
     BindingAdmitsAnyGate,
+    /// N28: a pre-faulter's `ensure` of a chunk returns once every slice of
+    /// the chunk was taken by a worker, not once each was faulted: the
+    /// registration of the chunk may run while a worker still faults it
+    /// (`Prefaulter::set_variant`).
+    #[cfg(any(loom, shuttle))]
+    PrefaultEnsureBeforeFaulted,
+    /// N29: a pre-faulter's `ensure` does not look for its chunk among the
+    /// chunks hinted before and queues it again: a hinted chunk's slices are
+    /// faulted twice (`Prefaulter::set_variant`).
+    #[cfg(any(loom, shuttle))]
+    PrefaultHintForgotten,
 }
 
 /// Registration state of one chunk of the region.
