@@ -158,8 +158,10 @@ impl Offloader {
             blocks.groups.iter().enumerate().flat_map(|(g, b)| b.host.iter().map(move |&s| (g, s))).collect();
         // A store never shares a slot with a job in flight; a load never
         // with a store in flight (loads of one slot may run together).
-        // Linear in the slots of the jobs in flight.
-        if !inner.jobs.is_empty() {
+        // Linear in the slots of the jobs in flight. (N26, model builds
+        // only, skips the check; asked only with jobs in flight, so a
+        // submission beside none takes no more locks in the models.)
+        if !inner.jobs.is_empty() && !crate::protocol::variant_is!(self.coord, SlotBusyUnchecked) {
             let mine: HashSet<(usize, usize)> = slots.iter().copied().collect();
             for (&other, j) in &inner.jobs {
                 if dir == Direction::HostToDevice && j.direction == Direction::HostToDevice {

@@ -40,8 +40,10 @@
 //! [`Prefaulter`]); how one slice is faulted, with the safety argument of
 //! every page access, is in `prefault_slice.rs`.
 //!
-//! Threads and locks come from [`crate::sync`]; the pool compiles under
-//! loom, though the models drive the engine with [`super::NoPrefault`].
+//! Threads and locks come from [`crate::sync`], so loom and shuttle see
+//! the pool's workers, lock and condition variables:
+//! `model/f1_prefault_pool.rs` drives it under the pinning thread (most
+//! other models pin with [`super::NoPrefault`]).
 
 use std::collections::VecDeque;
 
@@ -139,6 +141,10 @@ struct Pool {
     started: usize,
     /// Armed by [`Prefaulter::with_huge_fallback`].
     fallback: Option<HugeFallback>,
+    /// A negative model's knob (N28, N29; model builds only:
+    /// [`Prefaulter::set_variant`]).
+    #[cfg(any(loom, shuttle))]
+    variant: crate::protocol::Variant,
 }
 
 impl Pool {
@@ -157,7 +163,16 @@ impl Pool {
             slice_gbps: [0; 8],
             started: 0,
             fallback: None,
+            #[cfg(any(loom, shuttle))]
+            variant: crate::protocol::Variant::Production,
         }
+    }
+
+    /// True when this pool runs the known-bad variant `v` (model builds
+    /// only: `variant_is!(pool, Name)` is `false` elsewhere).
+    #[cfg(any(loom, shuttle))]
+    fn is(&self, v: crate::protocol::Variant) -> bool {
+        self.variant == v
     }
 
     /// `jobs` is ordered by id (ids only grow; removal keeps the order), so
@@ -460,6 +475,14 @@ impl Prefaulter {
         }
     }
 
+    /// Selects a known-bad variant of the pool (negative models N28 and
+    /// N29 only).
+    #[cfg(any(loom, shuttle))]
+    #[doc(hidden)]
+    pub fn set_variant(&self, v: crate::protocol::Variant) {
+        self.shared.lock().variant = v;
+    }
+
     /// Workers raise their niceness to `nice` as they start (0, or a value
     /// at or below the process's own: unchanged): they then take the cores
     /// the engine leaves idle and yield the others, so background pinning
@@ -497,7 +520,12 @@ impl Prefaulter {
     /// pinning of an anonymous region, which advised it huge itself).
     pub unsafe fn with_huge_fallback(self, min_mbps: u32, start: usize, len: usize) -> Prefaulter {
         if min_mbps > 0 && len > 0 {
-            self.shared.lock().fallback = Some(HugeFallback::new(min_mbps, (start, start + len), thp_stall_events()));
+            // Not read in the model builds (the rate alone decides there, as
+            // where /proc/vmstat cannot be read): the kernel's counters move
+            // outside the model, and a schedule run twice must take the
+            // same branches (model/f1_prefault_pool.rs).
+            let stalls = if sync::MODEL { None } else { thp_stall_events() };
+            self.shared.lock().fallback = Some(HugeFallback::new(min_mbps, (start, start + len), stalls));
         }
         self
     }
@@ -621,7 +649,10 @@ impl Prefaulter {
         if g.submit_plan(&sh.cfg) {
             sh.work.notify_all();
         }
-        let id = match g.find(chunk, addr, len) {
+        // N29 (model builds only): the chunk hinted before is not looked for.
+        let hinted =
+            if crate::protocol::variant_is!(g, PrefaultHintForgotten) { None } else { g.find(chunk, addr, len) };
+        let id = match hinted {
             Some(id) => id,
             None => {
                 let id = g.submit(&sh.cfg, chunk, addr, len, None, false);
@@ -629,7 +660,16 @@ impl Prefaulter {
                 id
             }
         };
-        while g.job_index(id).is_some_and(|k| g.jobs[k].pending > 0) {
+        // Every slice of the chunk finished (N28, model builds only: every
+        // slice taken by a worker, some maybe still being faulted).
+        let unfinished = |p: &Pool| {
+            if crate::protocol::variant_is!(p, PrefaultEnsureBeforeFaulted) {
+                p.queue.iter().any(|s| s.job == id)
+            } else {
+                p.job_index(id).is_some_and(|k| p.jobs[k].pending > 0)
+            }
+        };
+        while unfinished(&g) {
             g = sync::wait(&sh.done, g);
         }
         let pos = g.job_index(id);

@@ -118,7 +118,7 @@ named!(CapturePolicy, "capture policy" {
 });
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (of N1-N25, docs/PROOFS.md). The known-bad variants,
+/// negative models run (of N1-N29, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// model builds, loom's and shuttle's (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
@@ -223,6 +223,26 @@ pub enum Variant {
     /// window open, a graph alive): the refusal comes after the teardown.
     #[cfg(any(loom, shuttle))]
     TeardownBeforeRefusal,
+    /// N26: `Offloader::submit` skips its busy-slot check: a slot job is
+    /// accepted while a job in flight on one of its slots conflicts with it
+    /// (a store beside any job on the slot, a load beside a store).
+    #[cfg(any(loom, shuttle))]
+    SlotBusyUnchecked,
+    /// N27: the runtime handle bound to this coordinator admits a gate of
+    /// any coordinator (`GateBinding::admits` says yes to every gate).
+    #[cfg(any(loom, shuttle))]
+    BindingAdmitsAnyGate,
+    /// N28: a pre-faulter's `ensure` of a chunk returns once every slice of
+    /// the chunk was taken by a worker, not once each was faulted: the
+    /// registration of the chunk may run while a worker still faults it
+    /// (`Prefaulter::set_variant`).
+    #[cfg(any(loom, shuttle))]
+    PrefaultEnsureBeforeFaulted,
+    /// N29: a pre-faulter's `ensure` does not look for its chunk among the
+    /// chunks hinted before and queues it again: a hinted chunk's slices are
+    /// faulted twice (`Prefaulter::set_variant`).
+    #[cfg(any(loom, shuttle))]
+    PrefaultHintForgotten,
 }
 
 /// Registration state of one chunk of the region.
@@ -634,6 +654,9 @@ impl Coordinator {
     pub fn set_variant(&self, v: Variant) {
         self.lock().variant = v;
         *self.shared.knob.lock().unwrap_or_else(|p| p.into_inner()) = v;
+        // N27's knob lives in the binding of this coordinator's runtime
+        // handle, which admits gates without asking the coordinator.
+        self.shared.binding.set_admit_any(v == Variant::BindingAdmitsAnyGate);
     }
 
     /// True when this coordinator runs variant `v` (loom builds only: the
