@@ -34,7 +34,7 @@
 //!   the critical section that submits it): the next close, a blocking
 //!   wait for a deferred job, and, never waiting (an engine window that
 //!   refuses a job leaves it and the rest queued), a refused or
-//!   interrupted begin, [`Offloader::poll`] (and the interruptible waits'
+//!   interrupted begin, [`Offloader::poll_each`] (and the interruptible waits'
 //!   polls), the next submission (before its own, which keeps its place
 //!   after them) and shutdown.
 //! - A wait ([`Offloader::wait`], [`Offloader::wait_jobs`],
@@ -245,7 +245,7 @@ impl<'a> CaptureHook<'a> {
     /// returns [`ProtocolError::Interrupted`] with the window closed all
     /// the same (depth decremented: the capture is over either way) and
     /// the jobs not yet submitted still deferred, in order, for whoever
-    /// flushes next (the next close, [`Offloader::poll`], the next
+    /// flushes next (the next close, [`Offloader::poll_each`], the next
     /// submission, a wait for one of them, shutdown; module docs).
     ///
     /// Call it after the framework's capture end, also when that end
