@@ -102,7 +102,7 @@ fn block(off: &Offloader, b: usize) -> [u8; PAGE] {
     let mut buf = [0u8; PAGE];
     let src = off.geometry().tensors()[0].offset(b * PAGE);
     // SAFETY: `buf` is writable; every job was waited for and reported.
-    unsafe { off.runtime().copy_dtoh(buf.as_mut_ptr() as usize, src, PAGE) }.unwrap();
+    unsafe { off.geometry().runtime.copy_dtoh(buf.as_mut_ptr() as usize, src, PAGE) }.unwrap();
     buf
 }
 
@@ -124,7 +124,7 @@ fn scenario(variant: Variant) {
         let buf = [fill(b); PAGE];
         let dst = off.geometry().tensors()[0].offset(b * PAGE);
         // SAFETY: `buf` is readable; no job runs yet.
-        unsafe { off.runtime().copy_htod(dst, buf.as_ptr() as usize, PAGE) }.unwrap();
+        unsafe { off.geometry().runtime.copy_htod(dst, buf.as_ptr() as usize, PAGE) }.unwrap();
     }
 
     // Jobs accepted and not yet seen reported by the engine's polls.
@@ -160,7 +160,7 @@ fn scenario(variant: Variant) {
                         Ok(()) | Err(OffloaderError::UnknownJob { .. }) => {}
                         Err(e) => panic!("wait for job {}: {e}", other.0),
                     }
-                    note(off.poll(), &mut unreported);
+                    note(polled(&off), &mut unreported);
                 }
                 Err(e) => panic!("job {} refused: {e}", id.0),
             }
@@ -176,7 +176,7 @@ fn scenario(variant: Variant) {
     }
     off.wait_all().unwrap();
     while !unreported.is_empty() {
-        note(off.poll(), &mut unreported);
+        note(polled(&off), &mut unreported);
         kvoffload::internal::sync::thread::yield_now();
     }
     assert_eq!(reported, SCRIPT.len(), "not every job was reported once");
@@ -219,4 +219,11 @@ fn negative_n26_slot_busy_unchecked() {
         "a load brought back other bytes than the last store || accepted while a conflicting job on its slot was unreported",
         || scenario(Variant::SlotBusyUnchecked),
     );
+}
+
+/// What one poll of the core reports, in order.
+fn polled(off: &Offloader) -> Vec<kvoffload::internal::offloader::Completion> {
+    let mut done = Vec::new();
+    off.poll_each(&mut |c| done.push(c));
+    done
 }
