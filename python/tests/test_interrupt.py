@@ -112,6 +112,22 @@ def enter_window(off):
         pytest.fail("the window opened")
 
 
+def hold_a_window_elsewhere(off):
+    """Opens a capture window on another thread and returns once it is
+    open: (the thread, the function that closes the window)."""
+    opened, close = threading.Event(), threading.Event()
+
+    def hold_a_window():
+        with off.capture_window():
+            opened.set()
+            close.wait()
+
+    holder = threading.Thread(target=hold_a_window)
+    holder.start()
+    opened.wait()
+    return holder, close.set
+
+
 # ---- capture windows ----
 
 
@@ -258,17 +274,7 @@ def test_ctrl_c_in_a_job_wait(rt, blocker, call):
         unblock = hold.release
     else:
         job = off.store([1], [0]).job
-        opened, close = threading.Event(), threading.Event()
-
-        def hold_a_window():
-            with off.capture_window():
-                opened.set()
-                close.wait()
-
-        closer = threading.Thread(target=hold_a_window)
-        closer.start()
-        opened.wait()
-        unblock = close.set
+        closer, unblock = hold_a_window_elsewhere(off)
     wait = (lambda: off.wait(job)) if call == "wait" else off.wait_all
     expect_ctrl_c(f"{call} (blocked by {blocker})", wait, unblock=unblock)
     # The job goes on, unreported; the offloader is usable.
@@ -374,21 +380,12 @@ def test_ctrl_c_in_capture_end_while_a_deferred_job_waits_for_another_threads_wi
     off.store_slots(1, [0], [0])
     off.store_slots(2, [1], [1])
     assert off.deferred_jobs == 2
-    opened, close = threading.Event(), threading.Event()
-
-    def hold_a_window():
-        with off.capture_window():
-            opened.set()
-            close.wait()
-
-    holder = threading.Thread(target=hold_a_window)
-    holder.start()
-    opened.wait()
-    expect_ctrl_c(f"{call} (a deferred job behind another thread's window)", getattr(off, call), unblock=close.set)
+    holder, close = hold_a_window_elsewhere(off)
+    expect_ctrl_c(f"{call} (a deferred job behind another thread's window)", getattr(off, call), unblock=close)
     assert off.capture_depth == 0
     assert off.deferred_jobs == 2
     idle(off, windows_open=1, jobs_in_flight=2)  # the holder's window only
-    close.set()
+    close()
     holder.join()
     off.wait_jobs([1, 2])  # submits them (no window refuses them now)
     assert off.deferred_jobs == 0
@@ -455,21 +452,12 @@ def test_ctrl_c_in_gated(rt):
     interrupted call never runs its function."""
     off = make(rt, start=True)
     off.wait_pinned()
-    opened, close = threading.Event(), threading.Event()
-
-    def hold_a_window():
-        with off.capture_window():
-            opened.set()
-            close.wait()
-
-    holder = threading.Thread(target=hold_a_window)
-    holder.start()
-    opened.wait()
+    holder, close = hold_a_window_elsewhere(off)
     ran = []
-    expect_ctrl_c("gated (a window open)", lambda: off.gated(lambda: ran.append(1)), unblock=close.set)
+    expect_ctrl_c("gated (a window open)", lambda: off.gated(lambda: ran.append(1)), unblock=close)
     assert ran == []
     idle(off, windows_open=1)
-    close.set()
+    close()
     holder.join()
     assert off.gated(lambda: 5) == 5
     off.shutdown()
