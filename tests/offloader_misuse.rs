@@ -233,6 +233,68 @@ fn a_shared_regions_share_and_the_tensor_count_are_checked_before_any_tensor() {
 }
 
 #[test]
+fn a_shared_regions_memory_check_is_its_share_and_off_when_asked() {
+    use kvoffload::internal::offloader::RegionSpec;
+    use kvoffload::internal::region::{available_memory, ShmOptions};
+
+    let Some(budget) = available_memory() else {
+        println!("skipped: this machine does not say how much memory a process can get");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("kvoffload-share-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Host blocks of 1 MiB (one tensor of 1 MiB pages); files sized, never
+    // reserved or touched (nothing is pinned).
+    const MIB: u64 = 1 << 20;
+    let alloc = KvAlloc { tensors: 1, page_bytes: MIB as usize, gpu_blocks: 1, block_factor: 1 };
+    let shared = |name: &str, ranks, share_bytes: u64, check| {
+        let mut o = OffloaderOptions::with_host_blocks((share_bytes / MIB) as usize);
+        let options = ShmOptions::default().dir(&dir).reserve(false).wait_for_all(false).check_memory(check);
+        o.region = RegionSpec::Shared { name: name.into(), rank: 0, ranks, options };
+        o
+    };
+    // 2 ranks, each share 3/4 of the budget (1.5 times it in all). Rank 0
+    // creates the region: its check (Region::create's) is of every share,
+    // the node's memory holding them all: refused before any tensor.
+    let rt = shared_rt();
+    let e = Offloader::with_allocated_tensors(rt.clone(), alloc, shared("both", 2, budget.bytes / 4 * 3, true))
+        .expect_err("two shares of 3/4 of the budget");
+    assert!(matches!(e, OffloaderError::Region(_)), "{e:?}");
+    assert_eq!(rt.as_sim().unwrap().device_bytes_peak(), 0, "a tensor allocated before the refusal ({e})");
+    // The files are sized (not reserved): the directory's file system must
+    // have room for them (Region::create's other check).
+    let st = rustix::fs::statvfs(&dir).unwrap();
+    let disk = st.f_bavail * st.f_frsize;
+    // Each share half the budget less a little: created.
+    let halves = budget.bytes / 2 - (budget.bytes / 8).min(1 << 30);
+    if 2 * halves + MIB < disk {
+        let opts = shared("halves", 2, halves, true);
+        let off = Offloader::with_allocated_tensors(shared_rt(), alloc, opts).expect("two shares within the budget");
+        off.shutdown().unwrap();
+    } else {
+        println!("skipped the shares within the budget: {disk} bytes free in {}", dir.display());
+    }
+    // One rank of 9/8 of the budget: refused by the check, built without it.
+    let over = budget.bytes / 8 * 9;
+    let e = Offloader::with_allocated_tensors(shared_rt(), alloc, shared("over", 1, over, true))
+        .expect_err("more than the budget");
+    assert!(matches!(e, OffloaderError::Region(_)), "{e:?}");
+    if over + MIB < disk {
+        let opts = shared("unchecked", 1, over, false);
+        let off =
+            Offloader::with_allocated_tensors(shared_rt(), alloc, opts).expect("check_memory(false) skips the check");
+        off.shutdown().unwrap();
+    } else {
+        println!("skipped check_memory(false): {disk} bytes free in {}", dir.display());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn shared_rt() -> Arc<dyn kvoffload::internal::runtime::GpuRuntime> {
+    shared(SimRuntime::new())
+}
+
+#[test]
 fn every_wait_and_shutdown_inside_gated_is_refused() {
     // Each waits for work (a poll through the gate, the pinner's next
     // chunk, the drain) that a window asked for by another thread holds

@@ -75,6 +75,15 @@ fn region_layout(block_bytes: Option<usize>, opts: &OffloaderOptions) -> Result<
 /// layer and K/V: a few thousand in the largest models).
 pub(crate) const MAX_KV_TENSORS: usize = 1 << 20;
 
+/// Refuses more than [`MAX_KV_TENSORS`] tensors (checked before the tensor
+/// list is allocated).
+fn check_tensor_count(tensors: usize) -> Result<(), OffloaderError> {
+    if tensors > MAX_KV_TENSORS {
+        return Err(OffloaderError::Options(format!("tensors = {tensors}: more than {MAX_KV_TENSORS} KV tensors")));
+    }
+    Ok(())
+}
+
 impl Offloader {
     /// Builds an offloader over the engine's own KV tensors (`kv`).
     ///
@@ -124,12 +133,7 @@ impl Offloader {
         // The tensor list is allocated before any memory check can see the
         // tensors' bytes (a region whose memory check is off, tiny pages):
         // bound its length (an engine has a few thousand at most).
-        if alloc.tensors > MAX_KV_TENSORS {
-            return Err(OffloaderError::Options(format!(
-                "tensors = {}: more than {MAX_KV_TENSORS} KV tensors",
-                alloc.tensors
-            )));
-        }
+        check_tensor_count(alloc.tensors)?;
         let bytes = alloc.gpu_blocks.checked_mul(alloc.page_bytes).ok_or_else(|| {
             OffloaderError::Options(format!("{} blocks of {} bytes overflow", alloc.gpu_blocks, alloc.page_bytes))
         })?;
@@ -150,11 +154,12 @@ impl Offloader {
         let layout = region_layout(block_bytes, &opts)?;
         match &opts.region {
             RegionSpec::Anonymous => crate::region::limits::check(layout.data_bytes() as u64)?,
-            // A shared region's rank maps the whole file but backs only its
-            // own share; the region checks that share at create or join,
-            // after the tensors, so the same check comes first here.
-            RegionSpec::Shared { ranks, options, .. } if options.check_memory => {
-                crate::region::limits::check(layout.data_bytes() as u64 / (*ranks).max(1) as u64)?
+            // The region checks at create (rank 0) the whole region, every
+            // rank's share on this node's memory, and at join the joiner's
+            // own share, after the tensors; the same check comes first here.
+            RegionSpec::Shared { rank, options, .. } if options.check_memory => {
+                let needed = if *rank == 0 { layout.data_bytes() } else { layout.bytes_per_rank() };
+                crate::region::limits::check(needed as u64)?
             }
             RegionSpec::Shared { .. } => {}
         }
@@ -336,5 +341,23 @@ impl Offloader {
             hook: hook::Hook::new(),
             gated_threads: Mutex::new(Vec::new()),
         })
+    }
+}
+
+#[cfg(all(test, not(any(loom, shuttle))))]
+mod tests {
+    use super::*;
+
+    // The bound itself: building an offloader of 2**20 tensors to see it
+    // accepted would allocate a million tensors (tests/offloader_misuse.rs
+    // checks one past it through the constructor).
+    #[test]
+    fn the_tensor_count_is_bounded_at_max_kv_tensors_inclusive() {
+        assert!(check_tensor_count(1).is_ok());
+        assert!(check_tensor_count(MAX_KV_TENSORS).is_ok());
+        match check_tensor_count(MAX_KV_TENSORS + 1) {
+            Err(OffloaderError::Options(m)) => assert!(m.contains("more than 1048576 KV tensors"), "{m}"),
+            r => panic!("{r:?}"),
+        }
     }
 }
