@@ -53,16 +53,20 @@
 //!
 //! Why it holds: while a hook window is open or opening, or deferred jobs
 //! wait, a submission is checked and queued under the hook's lock, never
-//! handed to the transfer engine; the queue is submitted by the close that
-//! leaves no hook window open, after the coordinator's window closed, each
-//! submission under the hook's lock, so no hook window begins during one
-//! (and a begin marks itself under that lock before it asks the
-//! coordinator). Every capture-unsafe call of a job (the order event on the
+//! handed to the transfer engine; the queue is submitted only while no hook
+//! window is open or opening, by whoever finds it so (the close that leaves
+//! none open, after the coordinator's window closed; or, after an
+//! interrupted close, the next close, blocking wait, poll, submission or
+//! shutdown), each job leaving the queue in the critical section of the
+//! hook's lock that submits it, so no hook window begins during one (and a
+//! begin marks itself under that lock before it asks the coordinator), and
+//! two flushes submit each job once, in order. Every capture-unsafe call of a job (the order event on the
 //! compute stream, the copies' enqueue) therefore runs inside the
 //! coordinator's gate at a moment no window is open (P1's argument for the
 //! transfer engine). `capture_abort` drops the coordinator's window and
 //! wakes the hook's waiters, as `capture_end` does.
-//! Bound: preemption bound 2 (4 threads).
+//! Bound: preemption bound 2 (4 threads); ci/test explores the positives at
+//! bound 1 (`Bounds::ci_at`), `ci/prove --full` at 2.
 
 #![cfg(any(loom, shuttle))]
 

@@ -11,13 +11,13 @@ use std::time::Duration;
 
 use kvoffload::internal::manager::{BlockKey, Lookup};
 use kvoffload::internal::offloader::{
-    KeyedOffloader, KvAlloc, OffloaderError, OffloaderOptions, PinObserver, RegionSpec,
+    GatedCalls, KeyedOffloader, KvAlloc, OffloaderError, OffloaderOptions, PinObserver, RegionSpec,
 };
 use kvoffload::internal::protocol::{PinState, ProtocolError};
 use kvoffload::internal::region::ShmOptions;
 use kvoffload::internal::runtime::pattern;
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{shared, CaptureMode, Direction, GpuRuntime};
+use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
+use kvoffload::internal::runtime::{shared, CaptureMode, Direction, DriverError, Event, GpuRuntime, Stream};
 use kvoffload::internal::sync::atomic::{AtomicUsize, Ordering};
 use kvoffload::internal::sync::thread;
 use kvoffload::internal::sync::{self, Arc, Condvar, Mutex};
@@ -247,9 +247,17 @@ fn zero_sizes_are_refused() {
     let e =
         KeyedOffloader::with_allocated_tensors(rt.clone(), kv(), OffloaderOptions::with_host_blocks(0)).unwrap_err();
     assert!(matches!(e, OffloaderError::Options(_)), "{e:?}");
-    let e = KeyedOffloader::with_allocated_tensors(rt.clone(), KvAlloc { gpu_blocks: 0, ..kv() }, Default::default())
-        .unwrap_err();
-    assert!(matches!(e, OffloaderError::Options(_)), "{e:?}");
+    // Each size of the allocation, zero alone: refused by name, before any
+    // device memory (a later check would refuse some of them too, after
+    // allocating tensors of zero bytes, or with a message about the layout).
+    for alloc in [KvAlloc { tensors: 0, ..kv() }, KvAlloc { page_bytes: 0, ..kv() }, KvAlloc { gpu_blocks: 0, ..kv() }]
+    {
+        match KeyedOffloader::with_allocated_tensors(rt.clone(), alloc, OffloaderOptions::with_host_blocks(4)) {
+            Err(OffloaderError::Options(m)) => assert!(m.contains("zero-sized KV allocation"), "{alloc:?}: {m}"),
+            r => panic!("{alloc:?}: {:?}", r.map(|_| ())),
+        }
+    }
+    assert_eq!(rt.as_sim().unwrap().device_bytes_peak(), 0, "device memory allocated before a refusal");
     // Nothing leaked on the simulated GPU: every failed build freed its tensors.
     assert_eq!(rt.as_sim().unwrap().device_bytes_in_use(), 0);
 }
@@ -418,4 +426,66 @@ fn cancel_pinning_ends_the_wait_in_the_agreement() {
     assert_eq!(r0.core().pin_progress().chunks_done, 0);
     r0.core().shutdown().unwrap();
     r1.core().shutdown().unwrap();
+}
+
+#[test]
+fn the_offloader_and_its_geometry_print_what_they_hold() {
+    let off = offloader(4);
+    let core = format!("{:?}", off.core());
+    for field in ["Offloader", "backend: \"sim\"", "region_bytes", "rank: 0", "pin:"] {
+        assert!(core.contains(field), "{field} missing from {core}");
+    }
+    let geometry = format!("{:?}", off.core().geometry());
+    for field in ["Geometry", "runtime: \"sim\"", "host_blocks: 4", "layout", "region", "lane_streams"] {
+        assert!(geometry.contains(field), "{field} missing from {geometry}");
+    }
+    off.core().shutdown().unwrap();
+}
+
+/// One of the synchronizing calls of `GatedCalls`, on stream `s` whose work
+/// ends with event `ev`.
+type SyncCall = fn(&GatedCalls<'_>, Stream, Event) -> Result<(), DriverError>;
+
+#[test]
+fn the_gated_calls_reach_the_runtime() {
+    let sim = SimRuntime::new();
+    let device = sim.another_handle();
+    let off = offloader_on(shared(sim), 4);
+    let core = off.core();
+    let rt = core.geometry().runtime.clone();
+    // Page-locked host memory: an address the runtime freed again.
+    let host = core.gated("host", |c| c.mem_alloc_host(PAGE)).unwrap().unwrap();
+    // SAFETY: nothing used the allocation.
+    core.gated("host", |c| unsafe { c.mem_free_host(host) }).unwrap().expect("the address mem_alloc_host gave");
+    let scratch = core.gated("scratch", |c| c.mem_alloc(PAGE)).unwrap().unwrap();
+    let s = rt.stream_create().unwrap();
+    let ev = rt.event_create().unwrap();
+    let done = |what| core.gated(what, |c| c.event_query(ev)).unwrap().unwrap();
+    let calls: [(&str, SyncCall); 3] = [
+        ("stream_synchronize", |c, s, _| c.stream_synchronize(s)),
+        ("ctx_synchronize", |c, _, _| c.ctx_synchronize()),
+        ("event_synchronize", |c, _, ev| c.event_synchronize(ev)),
+    ];
+    for (what, sync) in calls {
+        // A memset held on the device until 100 ms from now, the event
+        // recorded after it.
+        let hold = device.hold(HoldPoint::DeviceOp);
+        // SAFETY: `scratch` is this test's allocation, used by nothing else.
+        unsafe { rt.memset_d8_async(scratch, 1, PAGE, s) }.unwrap();
+        rt.event_record(ev, s).unwrap();
+        hold.wait_entered();
+        assert!(!done("query"), "{what}: the event completed while its stream's work was held");
+        let release = thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            hold.release();
+        });
+        core.gated(what, |c| sync(c, s, ev)).unwrap().unwrap();
+        assert!(done("query"), "{what} returned before the stream's work completed");
+        release.join().unwrap();
+    }
+    rt.event_destroy(ev).unwrap();
+    rt.stream_destroy(s).unwrap();
+    // SAFETY: the stream that used `scratch` was synchronized.
+    core.gated("scratch", |c| unsafe { c.mem_free(scratch) }).unwrap().unwrap();
+    off.core().shutdown().unwrap();
 }

@@ -665,3 +665,24 @@ fn wait_jobs_waits_for_those_in_flight_and_skips_the_rest() {
     off.shutdown().unwrap();
     assert!(matches!(off.wait_jobs(&[JobId(2)]), Err(OffloaderError::ShutDown)));
 }
+
+#[test]
+fn wait_all_waits_for_every_job_in_flight() {
+    let sim = SimRuntime::new();
+    let device = sim.another_handle();
+    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    write_blocks(&off, 4, &[2, 3]);
+    // The store's copies are held on the device until 100 ms from now.
+    let hold = device.hold(HoldPoint::DeviceOp);
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[2, 3], &[1], 0)).unwrap();
+    hold.wait_entered();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        hold.release();
+    });
+    off.wait_all().unwrap();
+    assert_eq!(bad_host_pages(&off, 4, &[1]), 0, "job 1 completed when wait_all returned");
+    release.join().unwrap();
+    assert_eq!(poll(&off).iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(1)]);
+    off.shutdown().unwrap();
+}

@@ -150,7 +150,7 @@ pub struct Completion {
 pub struct PinProgress {
     /// The state.
     pub state: PinState,
-    /// Chunks registered.
+    /// Chunks registered when the state was read (just after it).
     pub chunks_done: usize,
     /// Chunks in all.
     pub chunks_total: usize,
@@ -399,14 +399,16 @@ impl Offloader {
 
     /// Pinning now: its state ([`PinProgress::state`]) and how far it got.
     pub fn pin_progress(&self) -> PinProgress {
+        // One count for every state: the chunks registered now (while
+        // pinning runs, the same as its state's `done`; once Pinned, every
+        // chunk; during a rollback or after shutdown, what is left).
         let state = self.coord.pin_state();
-        let total = self.coord.chunk_count();
-        let done = match &state {
-            PinState::Pinning { done, .. } => *done,
-            PinState::Pinned => total,
-            _ => self.coord.registered_chunks(),
-        };
-        PinProgress { state, chunks_done: done, chunks_total: total, bytes_total: self.bytes_total }
+        PinProgress {
+            state,
+            chunks_done: self.coord.registered_chunks(),
+            chunks_total: self.coord.chunk_count(),
+            bytes_total: self.bytes_total,
+        }
     }
 
     /// Waits until pinning is final (and, with a shared region, agreed),
