@@ -295,8 +295,13 @@ fn an_offloader_refuses_a_region_whose_reservation_is_deferred() {
 #[test]
 fn two_ranks_share_a_region_and_agree() {
     let name = format!("offloader-test-{}", std::process::id());
+    // Both ranks store into their block 0 before either loads back: were
+    // their shares one (a rank's host blocks found at another's place),
+    // the second store would overwrite the first.
+    let stored = Arc::new(std::sync::Barrier::new(2));
     let run = move |rank: usize| {
         let name = name.clone();
+        let stored = stored.clone();
         thread::spawn(move || {
             let rt = shared(SimRuntime::new());
             let mut opts = OffloaderOptions::with_host_blocks(8);
@@ -313,6 +318,7 @@ fn two_ranks_share_a_region_and_agree() {
             off.store(&[k], &[0, 1]).unwrap();
             off.core().wait_all().unwrap();
             off.poll();
+            stored.wait();
             let j = off.load(&[k], &[4, 5]).unwrap();
             off.core().wait(j).unwrap();
             off.poll();
@@ -429,11 +435,19 @@ fn cancel_pinning_ends_the_wait_in_the_agreement() {
 }
 
 #[test]
-fn the_offloader_and_its_geometry_print_what_they_hold() {
+fn the_offloader_its_options_and_geometry_print_what_they_hold() {
     let off = offloader(4);
     let core = format!("{:?}", off.core());
     for field in ["Offloader", "backend: \"sim\"", "region_bytes", "rank: 0", "pin:"] {
         assert!(core.contains(field), "{field} missing from {core}");
+    }
+    let mut opts = OffloaderOptions::with_host_blocks(4);
+    opts.kv_groups = Some(vec![2, 1]);
+    let opts = format!("{opts:?}");
+    for field in
+        ["OffloaderOptions", "host_blocks: 4", "region: Anonymous", "kv_groups: Some([2, 1])", "pin_observer: None"]
+    {
+        assert!(opts.contains(field), "{field} missing from {opts}");
     }
     let geometry = format!("{:?}", off.core().geometry());
     for field in ["Geometry", "runtime: \"sim\"", "host_blocks: 4", "layout", "region", "lane_streams"] {

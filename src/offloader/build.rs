@@ -48,12 +48,6 @@ fn kv_groups(kv: &KvSpec, opts: &OffloaderOptions) -> Result<Vec<GroupSpec>, Off
         .collect())
 }
 
-/// Bytes of one host block: the tensors' page bytes times the block factor,
-/// `None` when that overflows.
-fn host_block_bytes(page_bytes: impl IntoIterator<Item = usize>, block_factor: usize) -> Option<usize> {
-    page_bytes.into_iter().try_fold(0usize, |a, b| a.checked_add(b))?.checked_mul(block_factor)
-}
-
 /// The region's layout for host blocks of `block_bytes` bytes (`None`:
 /// their size overflowed), every product checked: OptionsError or the
 /// layout's own RegionError, never an overflow.
@@ -266,7 +260,7 @@ impl Offloader {
                 ));
             }
         }
-        let block_bytes = host_block_bytes(kv.tensors.iter().map(|t| t.page_bytes), kv.block_factor);
+        let block_bytes = kv.host_block_bytes();
         let ranks = opts.region.ranks();
         let rank = opts.region.rank();
         // Shared regions are rank-major: each rank's host blocks are

@@ -76,9 +76,10 @@ pub struct KvSpec {
 }
 
 impl KvSpec {
-    /// Bytes one host block holds: `block_factor` pages of every tensor.
-    pub fn host_block_bytes(&self) -> usize {
-        self.tensors.iter().map(|t| t.page_bytes).sum::<usize>() * self.block_factor
+    /// Bytes one host block holds: `block_factor` pages of every tensor;
+    /// `None` when that overflows (the offloader refuses such a KV cache).
+    pub fn host_block_bytes(&self) -> Option<usize> {
+        self.tensors.iter().try_fold(0usize, |a, t| a.checked_add(t.page_bytes))?.checked_mul(self.block_factor)
     }
 }
 
