@@ -149,6 +149,8 @@ fn hooked_capture(off: &Offloader, stream: kvoffload::internal::runtime::Stream,
 fn nested_begins_open_one_window_and_the_outer_end_closes_it() {
     let off = slot_offloader();
     off.start().unwrap();
+    assert_eq!(format!("{:?}", off.capture_hook()), "CaptureHook { interruptible: false }");
+    assert_eq!(format!("{:?}", off.interruptible(&|| false).capture_hook()), "CaptureHook { interruptible: true }");
     assert!(matches!(off.capture_hook().end(), Err(OffloaderError::HookNotOpen { call: "capture_end" })));
     off.capture_hook().begin().unwrap();
     off.capture_hook().begin().unwrap();
@@ -728,4 +730,49 @@ fn a_wait_for_a_deferred_job_inside_an_engine_window_is_refused_not_a_deadlock()
     assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
     assert_eq!(bad_slot(&off, 31, 3), 0);
     off.shutdown().unwrap();
+}
+
+/// A deferred job that its late submission refuses is reported failed, with
+/// the reason in its error's code: the compute stream capturing when the
+/// hook window closed (`STREAM_CAPTURE_UNSUPPORTED`), the driver's own code
+/// when the submission's driver call failed (here `INVALID_HANDLE`: the
+/// compute stream was destroyed meanwhile); `ILLEGAL_STATE` for any other
+/// refusal.
+#[test]
+fn a_deferred_job_refused_late_is_reported_failed_with_the_reason() {
+    use kvoffload::internal::runtime::Code;
+    let off = slot_offloader();
+    let rt = off.geometry().runtime.clone();
+    let compute = off.geometry().compute_stream();
+    let failed_with = |code: Code, close: &dyn Fn()| {
+        let id = JobId(code.0 as u64 + 100);
+        off.capture_hook().begin().unwrap();
+        off.submit(id, Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
+        assert_eq!(off.capture_hook().deferred_jobs(), 1);
+        close();
+        let done = poll_n(&off, 1);
+        assert_eq!(done[0].job, id);
+        let e = done[0].error.as_ref().unwrap_or_else(|| panic!("job {id:?} not failed: {done:?}"));
+        assert_eq!(e.code, code, "{e}");
+    };
+    // The hook's window closed while the compute stream still captures.
+    failed_with(Code::STREAM_CAPTURE_UNSUPPORTED, &|| {
+        rt.begin_capture(compute, CaptureMode::ThreadLocal).unwrap();
+        off.capture_hook().end().unwrap();
+        let graph = rt.end_capture(compute).unwrap();
+        rt.graph_destroy(graph).unwrap();
+    });
+    // The compute stream destroyed while the job was deferred: the
+    // submission's first driver call on it fails.
+    failed_with(Code::INVALID_HANDLE, &|| {
+        rt.stream_destroy(compute).unwrap();
+        off.capture_hook().end().unwrap();
+    });
+    // Shutdown destroys the stream it made, which the test took from it.
+    match off.shutdown() {
+        Err(OffloaderError::Driver { what: "destroying the compute stream", error }) => {
+            assert_eq!(error.code, Code::INVALID_HANDLE)
+        }
+        r => panic!("{r:?}"),
+    }
 }
