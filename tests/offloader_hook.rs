@@ -563,8 +563,9 @@ enum Next {
 /// deferred jobs refused for it and waits. A cancel ends that wait within
 /// the bound: the hook window closed all the same (depth 0, only main's
 /// window open), both jobs still deferred, in order; a third job submitted
-/// then queues behind them. Once main's window closed, `next` submits the
-/// three, each once, first in first out.
+/// then queues behind them, and shutdown is refused (`WindowOpen`). Once
+/// main's window closed, `next` submits the three, each once, first in
+/// first out.
 ///
 /// That the close waits is observed through its check: it is called only
 /// while a wait lasts (on today's code, never: `end` ignored the cancel
@@ -621,6 +622,11 @@ fn an_interrupted_close(abort: bool, next: Next) {
     off.submit(JobId(3), Lane::Store, &SlotJob::single(&[2], &[6], 0)).unwrap();
     assert_eq!(off.poll_each(&mut |_| {}), 0);
     assert_eq!(off.capture_hook().deferred_jobs(), 3, "a job went past the queue or inside main's window");
+    // So is shutdown, at once (it would wait for main's own window), with
+    // nothing changed.
+    let r = off.shutdown();
+    assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))), "{r:?}");
+    assert_eq!((off.capture_hook().deferred_jobs(), off.in_flight()), (3, 3), "the refused shutdown changed the queue");
     drop(w);
     let done = match next {
         Next::Poll => poll_n(&off, 3),
