@@ -556,6 +556,8 @@ enum Next {
     Close,
     /// Shutdown, which drains them.
     Shutdown,
+    /// The next submission, before its own job.
+    Submit,
 }
 
 /// A capture thread's hook window closes (`abort` or `end`) while main
@@ -563,7 +565,8 @@ enum Next {
 /// deferred jobs refused for it and waits. A cancel ends that wait within
 /// the bound: the hook window closed all the same (depth 0, only main's
 /// window open), both jobs still deferred, in order; a third job submitted
-/// then queues behind them, and shutdown is refused (`WindowOpen`). Once
+/// then queues behind them; shutdown is refused (`WindowOpen`), during the
+/// flush's wait and after it. Once
 /// main's window closed, `next` submits the three, each once, first in
 /// first out.
 ///
@@ -601,6 +604,10 @@ fn an_interrupted_close(abort: bool, next: Next) {
     until("the close's flush waits for main's window, calling its cancel check", || {
         calls.load(std::sync::atomic::Ordering::SeqCst) > 0
     });
+    // Shutdown meanwhile is refused at once: it would wait for the flush,
+    // which waits for main's own window.
+    let r = off.shutdown();
+    assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))), "{r:?}");
     let cancelled = Instant::now();
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let (r, returned, depth) = capture.join().unwrap();
@@ -642,6 +649,15 @@ fn an_interrupted_close(abort: bool, next: Next) {
             assert_eq!(off.capture_hook().deferred_jobs(), 0, "the next close left them");
             poll_n(&off, 3)
         }
+        Next::Submit => {
+            write_block(&off, 24, 3);
+            off.submit(JobId(4), Lane::Store, &SlotJob::single(&[3], &[7], 0)).unwrap();
+            assert_eq!(off.capture_hook().deferred_jobs(), 0, "the submission left them, or queued its own");
+            let mut done = poll_n(&off, 4);
+            assert_eq!(done.pop().map(|c| c.job), Some(JobId(4)), "{done:?}");
+            assert_eq!(bad_slot(&off, 24, 7), 0);
+            done
+        }
         Next::Shutdown => {
             off.shutdown().unwrap();
             assert_eq!(off.in_flight(), 0, "shutdown left a deferred job unreported");
@@ -676,6 +692,11 @@ fn a_cancel_ends_capture_abort_waiting_for_another_threads_window_and_a_wait_sub
 #[test]
 fn what_an_interrupted_capture_end_left_is_submitted_by_the_next_close() {
     an_interrupted_close(false, Next::Close);
+}
+
+#[test]
+fn what_an_interrupted_capture_end_left_is_submitted_by_the_next_submission_before_its_own() {
+    an_interrupted_close(false, Next::Submit);
 }
 
 #[test]
