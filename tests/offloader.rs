@@ -123,14 +123,16 @@ fn round_trip(off: KeyedOffloader) {
     let st = off.store(&keys, &gpu).unwrap();
     assert_eq!(st.stored, keys);
     // Readable only once the store is reported.
-    assert!(off.lookup(&keys).iter().all(|l| *l == Lookup::HitPending));
+    assert_eq!(off.lookup(&keys), [Lookup::HitPending; 4]);
+    assert_eq!(off.lookup(&[BlockKey::new(9, 0)]), [Lookup::Miss]);
     assert!(capture_in_window(&off), "a capture inside a window was invalidated");
     off.core().wait_all().unwrap();
     let done = off.poll();
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].direction, Direction::DeviceToHost);
     assert!(done[0].error.is_none(), "{:?}", done[0].error);
-    assert!(off.lookup(&keys).iter().all(|l| *l == Lookup::Hit));
+    assert_eq!(off.lookup(&keys), [Lookup::Hit; 4]);
+    assert_eq!(off.stored_blocks(), 4);
     assert_eq!(off.core().pin_progress().state, off.core().wait_pinned().unwrap().state);
     // Load into other GPU blocks, with a capture in between.
     let dst: Vec<usize> = (16..24).collect();

@@ -686,3 +686,11 @@ fn wait_all_waits_for_every_job_in_flight() {
     assert_eq!(poll(&off).iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(1)]);
     off.shutdown().unwrap();
 }
+
+#[test]
+fn a_slot_job_hands_back_its_blocks_and_slots() {
+    let single = SlotJob::single(&[3, 4, 5], &[7, 8], 1);
+    assert_eq!((single.gpu_blocks(), single.slots()), (&[3, 4, 5][..], &[7, 8][..]));
+    let groups = SlotJob::groups(&[0, 1, 2], &[1, 2], &[5, 6], &[0, 1]);
+    assert_eq!((groups.gpu_blocks(), groups.slots()), (&[0, 1, 2][..], &[5, 6][..]));
+}
