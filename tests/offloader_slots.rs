@@ -694,3 +694,36 @@ fn a_slot_job_hands_back_its_blocks_and_slots() {
     let groups = SlotJob::groups(&[0, 1, 2], &[1, 2], &[5, 6], &[0, 1]);
     assert_eq!((groups.gpu_blocks(), groups.slots()), (&[0, 1, 2][..], &[5, 6][..]));
 }
+
+/// An interruptible wait reports the failure of the job it waits for, and
+/// only that one: a job failed beside it goes to the sink, not to its
+/// result.
+#[test]
+fn an_interruptible_wait_reports_its_own_jobs_failure_not_anothers() {
+    use kvoffload::internal::runtime::sim::SimFault;
+    use kvoffload::internal::runtime::Code;
+    let never = || false;
+    for (failing, waited) in [(1, 2), (1, 1)] {
+        let sim = SimRuntime::new();
+        let device = sim.another_handle();
+        let off =
+            Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+        assert_eq!(format!("{:?}", off.interruptible(&never)), "Interruptible");
+        // Job 1's first copy enqueue fails.
+        device.inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
+        off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
+        off.submit(JobId(2), Lane::Store, &SlotJob::single(&[1], &[1], 0)).unwrap();
+        let mut seen = Vec::new();
+        let r = off.interruptible(&never).wait(JobId(waited), &mut |c| seen.push((c.job, c.error.is_some())));
+        assert!(seen.contains(&(JobId(waited), waited == failing)), "{seen:?}");
+        match (r, waited == failing) {
+            (Err(OffloaderError::Transfer(TransferError::JobFailed { id, error })), true) => {
+                assert_eq!((id, error.code), (JobId(failing), Code::INVALID_VALUE))
+            }
+            (Ok(()), false) => {}
+            (r, _) => panic!("waiting for job {waited} beside failing job {failing}: {r:?} ({seen:?})"),
+        }
+        drain(&off);
+        off.shutdown().unwrap();
+    }
+}
