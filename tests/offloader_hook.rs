@@ -106,7 +106,9 @@ fn poll_n(off: &Offloader, n: usize) -> Vec<Completion> {
     let mut done = Vec::new();
     while done.len() < n {
         assert!(t.elapsed() < Duration::from_secs(20), "only {done:?} reported");
-        off.poll_each(&mut |c| done.push(c));
+        let before = done.len();
+        let n = off.poll_each(&mut |c| done.push(c));
+        assert_eq!(n, done.len() - before, "poll_each's count is not what it handed out");
         thread::yield_now();
     }
     done
@@ -245,6 +247,34 @@ fn keyed_jobs_are_deferred_too_and_keys_become_readable_once_reported() {
     poll_n(off, 1);
     assert_eq!(bad_block(off, 5, 6), 0);
     off.geometry().runtime.stream_destroy(s).unwrap();
+    off.shutdown().unwrap();
+}
+
+/// A keyed store refused at its late submission is reported failed with
+/// its keys, which stay unreadable.
+#[test]
+fn a_keyed_store_refused_late_is_reported_with_its_keys() {
+    use kvoffload::internal::manager::Lookup;
+    use kvoffload::internal::runtime::Code;
+    let keyed = KeyedOffloader::with_allocated_tensors(
+        shared(SimRuntime::new()),
+        kv(),
+        OffloaderOptions::with_host_blocks(SLOTS),
+    )
+    .unwrap();
+    let off = keyed.core();
+    let (rt, compute) = (off.geometry().runtime.clone(), off.geometry().compute_stream());
+    let k = [BlockKey::new(7, 0)];
+    off.capture_hook().begin().unwrap();
+    keyed.store(&k, &[2]).unwrap();
+    // The hook's window closes while the compute stream still captures.
+    rt.begin_capture(compute, CaptureMode::ThreadLocal).unwrap();
+    off.capture_hook().end().unwrap();
+    rt.graph_destroy(rt.end_capture(compute).unwrap()).unwrap();
+    let done = poll_n(off, 1);
+    assert_eq!(done[0].keys, k, "{done:?}");
+    assert_eq!(done[0].error.as_ref().map(|e| e.code), Some(Code::STREAM_CAPTURE_UNSUPPORTED), "{done:?}");
+    assert_eq!(keyed.lookup(&k), [Lookup::Miss]);
     off.shutdown().unwrap();
 }
 

@@ -9,6 +9,7 @@ use kvoffload::internal::manager::BlockKey;
 use kvoffload::internal::offloader::{
     Completion, KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob,
 };
+use kvoffload::internal::protocol::ProtocolError;
 use kvoffload::internal::runtime::pattern;
 use kvoffload::internal::runtime::sim::{HoldPoint, SimConfig, SimRuntime};
 use kvoffload::internal::runtime::{shared, Direction};
@@ -37,7 +38,8 @@ fn slot_offloader() -> Offloader {
 /// The completions a poll hands out, collected.
 fn poll(off: &Offloader) -> Vec<Completion> {
     let mut done = Vec::new();
-    off.poll_each(&mut |c| done.push(c));
+    let n = off.poll_each(&mut |c| done.push(c));
+    assert_eq!(n, done.len(), "poll_each's count is not what it handed out");
     done
 }
 
@@ -726,4 +728,94 @@ fn an_interruptible_wait_reports_its_own_jobs_failure_not_anothers() {
         drain(&off);
         off.shutdown().unwrap();
     }
+}
+
+/// Shutdown drains stores and loads alike: after it, none is in flight
+/// (one of each in flight when it begins).
+#[test]
+fn shutdown_drains_stores_and_loads_in_flight() {
+    let off = slot_offloader();
+    write_blocks(&off, 5, &[0, 1]);
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[2], 0)).unwrap();
+    drain(&off);
+    off.submit(JobId(2), Lane::Store, &SlotJob::single(&[0, 1], &[3], 0)).unwrap();
+    off.submit(JobId(3), Lane::Load, &SlotJob::single(&[4, 5], &[2], 0)).unwrap();
+    off.shutdown().unwrap();
+    assert_eq!(off.in_flight(), 0, "shutdown left jobs in flight");
+    assert_eq!(bad_host_pages(&off, 5, &[3]), 0, "the store did not run before shutdown returned");
+}
+
+/// Interruptible shutdown with a registered graph alive is refused before
+/// it waits for the jobs in flight (here a store the device holds).
+#[test]
+fn an_interruptible_shutdown_beside_a_live_graph_is_refused_before_waiting() {
+    let sim = SimRuntime::new();
+    let device = sim.another_handle();
+    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    let hold = device.hold(HoldPoint::DeviceOp);
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
+    hold.wait_entered();
+    let token = off.register_graph().unwrap();
+    let never = || false;
+    // The hold ends once the shutdown returned, or after 5 s: a shutdown
+    // that waited for the store first ends too, and fails below instead
+    // of hanging.
+    let (returned, wait) = std::sync::mpsc::channel::<()>();
+    let release = std::thread::spawn(move || {
+        let _ = wait.recv_timeout(std::time::Duration::from_secs(5));
+        hold.release();
+    });
+    let r = off.interruptible(&never).shutdown(&mut |_| {});
+    let _ = returned.send(());
+    assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::GraphsAlive { live: 1 }))), "{r:?}");
+    assert_eq!(off.in_flight(), 1, "the refused shutdown waited for the held store");
+    drop(token);
+    release.join().unwrap();
+    drain(&off);
+    off.shutdown().unwrap();
+}
+
+/// An interruptible wait calls its check once every 50 ms
+/// (`sync::INTERRUPT_EVERY`), also after its first few checks: interrupted
+/// well after it began (the job held on the device), it returns
+/// `Interrupted`.
+#[test]
+fn an_interruptible_wait_is_interrupted_however_long_it_waited() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let sim = SimRuntime::new();
+    let device = sim.another_handle();
+    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    let hold = device.hold(HoldPoint::DeviceOp);
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
+    hold.wait_entered();
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let s2 = stop.clone();
+    // The interrupt after 6 of the wait's 50 ms check periods; the hold
+    // ends once the wait returned, or 5 s later: a wait that missed the
+    // interrupt then returns (and the test fails) instead of hanging.
+    let (returned, wait) = std::sync::mpsc::channel::<()>();
+    let later = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        s2.store(true, Ordering::SeqCst);
+        let _ = wait.recv_timeout(std::time::Duration::from_secs(5));
+        hold.release();
+    });
+    let calls = std::sync::atomic::AtomicU32::new(0);
+    let check = || {
+        calls.fetch_add(1, Ordering::SeqCst);
+        stop.load(Ordering::SeqCst)
+    };
+    let began = std::time::Instant::now();
+    let r = off.interruptible(&check).wait(JobId(1), &mut |_| {});
+    let waited = began.elapsed();
+    let _ = returned.send(());
+    assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::Interrupted { .. }))), "{r:?}");
+    // And not more often than every 50 ms (the check may be costly: the
+    // Python front's takes the GIL): at most one per period begun.
+    let periods = (waited.as_millis() / 50) as u32 + 1;
+    let calls = calls.load(Ordering::SeqCst);
+    assert!(calls <= periods, "{calls} checks in {waited:?}");
+    later.join().unwrap();
+    drain(&off);
+    off.shutdown().unwrap();
 }
