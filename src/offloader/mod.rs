@@ -150,7 +150,7 @@ pub struct Completion {
 pub struct PinProgress {
     /// The state.
     pub state: PinState,
-    /// Chunks registered when the state was read (just after it).
+    /// Chunks registered when the state was read (at the same moment).
     pub chunks_done: usize,
     /// Chunks in all.
     pub chunks_total: usize,
@@ -399,16 +399,11 @@ impl Offloader {
 
     /// Pinning now: its state ([`PinProgress::state`]) and how far it got.
     pub fn pin_progress(&self) -> PinProgress {
-        // One count for every state: the chunks registered now (while
-        // pinning runs, the same as its state's `done`; once Pinned, every
+        // One count for every state, read with it: the chunks registered
+        // (while pinning runs, its state's `done`; once Pinned, every
         // chunk; during a rollback or after shutdown, what is left).
-        let state = self.coord.pin_state();
-        PinProgress {
-            state,
-            chunks_done: self.coord.registered_chunks(),
-            chunks_total: self.coord.chunk_count(),
-            bytes_total: self.bytes_total,
-        }
+        let (state, chunks_done) = self.coord.pin_snapshot();
+        PinProgress { state, chunks_done, chunks_total: self.coord.chunk_count(), bytes_total: self.bytes_total }
     }
 
     /// Waits until pinning is final (and, with a shared region, agreed),

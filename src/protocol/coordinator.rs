@@ -1006,7 +1006,18 @@ impl Coordinator {
 
     /// Chunks registered right now.
     pub fn registered_chunks(&self) -> usize {
-        self.lock().chunks.iter().filter(|c| matches!(c.reg, ChunkReg::Registered { .. })).count()
+        Self::registered(&self.lock())
+    }
+
+    /// The pinning state and the chunks registered, read at one moment (a
+    /// progress report whose count agrees with its state).
+    pub fn pin_snapshot(&self) -> (PinState, usize) {
+        let g = self.lock();
+        (g.pin.clone(), Self::registered(&g))
+    }
+
+    fn registered(g: &State) -> usize {
+        g.chunks.iter().filter(|c| matches!(c.reg, ChunkReg::Registered { .. })).count()
     }
 
     /// Pinning starts; returns false if it was cancelled before starting.
