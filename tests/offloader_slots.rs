@@ -11,7 +11,7 @@ use kvoffload::internal::offloader::{
 };
 use kvoffload::internal::protocol::ProtocolError;
 use kvoffload::internal::runtime::pattern;
-use kvoffload::internal::runtime::sim::{HoldPoint, SimConfig, SimRuntime};
+use kvoffload::internal::runtime::sim::{Hold, HoldPoint, SimConfig, SimRuntime};
 use kvoffload::internal::runtime::{shared, Direction};
 use kvoffload::internal::transfer::{JobId, Lane, TransferError};
 
@@ -32,6 +32,15 @@ fn slot_offloader() -> Offloader {
     let off = Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).expect("slot offloader");
     assert_eq!(off.geometry().host_blocks, SLOTS);
     off
+}
+
+/// Releases `hold` 100 ms from now, on a thread of its own: a wait that
+/// returns before then returned before the held work ran.
+fn release_in_100_ms(hold: Hold) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        hold.release();
+    })
 }
 
 /// The bytes of page `j` of tensor `t` of content `tag`.
@@ -654,10 +663,7 @@ fn wait_jobs_waits_for_those_in_flight_and_skips_the_rest() {
     off.submit(JobId(2), Lane::Store, &SlotJob::single(&[2, 3], &[1], 0)).unwrap();
     off.submit(JobId(3), Lane::Load, &SlotJob::single(&[4, 5], &[0], 0)).unwrap();
     hold.wait_entered();
-    let release = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        hold.release();
-    });
+    let release = release_in_100_ms(hold);
     // 1 reported, 2 and 3 in flight, 9 never submitted.
     off.wait_jobs(&[JobId(9), JobId(1), JobId(2), JobId(3)]).unwrap();
     assert_eq!(bad_host_pages(&off, 3, &[1]), 0, "job 2 completed when wait_jobs returned");
@@ -678,10 +684,7 @@ fn wait_all_waits_for_every_job_in_flight() {
     let hold = device.hold(HoldPoint::DeviceOp);
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[2, 3], &[1], 0)).unwrap();
     hold.wait_entered();
-    let release = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        hold.release();
-    });
+    let release = release_in_100_ms(hold);
     off.wait_all().unwrap();
     assert_eq!(bad_host_pages(&off, 4, &[1]), 0, "job 1 completed when wait_all returned");
     release.join().unwrap();
