@@ -573,6 +573,57 @@ fn a_flush_waits_for_an_engine_window_on_another_thread_and_then_submits() {
     off.shutdown().unwrap();
 }
 
+/// A close whose flush waits for an engine window (main's) returns once
+/// another thread's hook window begins, leaving the job to that window's
+/// close: a close never waits for another thread's hook window (P6,
+/// model/p6_hook_flush.rs). Before, the close went on waiting until the
+/// other hook window closed too (the thread holding it may be waiting for
+/// this close: a deadlock).
+#[test]
+fn a_close_waiting_for_an_engine_window_leaves_the_rest_to_a_hook_window_that_begins() {
+    let off = Arc::new(slot_offloader());
+    off.wait_pinned().unwrap();
+    write_block(&off, 9, 2);
+    let (end_tx, end_rx) = mpsc::channel::<()>();
+    let (closed_tx, closed_rx) = mpsc::channel();
+    let o_a = off.clone();
+    let a = std::thread::spawn(move || {
+        o_a.capture_hook().begin().unwrap();
+        o_a.submit(JobId(1), Lane::Store, &SlotJob::single(&[2], &[4], 0)).unwrap();
+        end_rx.recv().unwrap();
+        closed_tx.send(o_a.capture_hook().end()).unwrap();
+    });
+    until("the first hook window deferred its job", || off.capture_hook().deferred_jobs() == 1);
+    let w = off.capture_window().unwrap();
+    end_tx.send(()).unwrap();
+    // Its window closed; its flush is refused by main's and waits.
+    until("the first hook window closed", || activity(&off).windows_open == 1);
+    let (begun_tx, begun_rx) = mpsc::channel();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let o_b = off.clone();
+    let b = std::thread::spawn(move || {
+        o_b.capture_hook().begin().unwrap();
+        begun_tx.send(()).unwrap();
+        release_rx.recv().unwrap();
+        o_b.capture_hook().end()
+    });
+    begun_rx.recv().unwrap();
+    drop(w);
+    // The second hook window stays open until the first close returned
+    // (10 s at most: the failure case, not a wait for time to pass).
+    let closed = closed_rx.recv_timeout(Duration::from_secs(10));
+    assert_eq!(off.capture_hook().deferred_jobs(), 1, "the job is left to the second window's close");
+    release_tx.send(()).unwrap();
+    assert!(b.join().unwrap().is_ok());
+    a.join().unwrap();
+    assert!(matches!(closed, Ok(Ok(()))), "the close waited for another thread's hook window: {closed:?}");
+    off.wait(JobId(1)).unwrap();
+    let done = poll_n(&off, 1);
+    assert!(done[0].error.is_none(), "{done:?}");
+    assert_eq!(bad_slot(&off, 9, 4), 0);
+    off.shutdown().unwrap();
+}
+
 // ---- issue 28: capture_end / capture_abort interruptible ----
 
 /// Who submits, after an interrupted close, the jobs it left deferred.

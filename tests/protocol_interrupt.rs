@@ -207,6 +207,72 @@ fn an_interrupted_wait_for_windows_to_close() {
     assert_eq!(never.calls(), 0);
 }
 
+/// `wait_no_window_or_request` (the capture hook's flush): it waits for
+/// the windows open at its reading of `window_requests` like
+/// `wait_no_window`, and also ends, `Ok(false)`, at a window requested
+/// after that reading; `Ok(true)` once no window holds library calls back;
+/// refused inside one's own window; interruptible.
+#[test]
+fn a_wait_for_windows_ends_at_a_later_request() {
+    let rt = SimRuntime::new();
+    let coord = coordinator(&rt, CapturePolicy::Interleave, 1);
+    let before = coord.window_requests();
+    let w = coord.open_window().unwrap();
+    assert_eq!(coord.window_requests(), before + 1, "a request is counted");
+    assert_eq!(
+        coord.wait_no_window_or_request(coord.window_requests(), None),
+        Err(ProtocolError::WouldDeadlock { what: "waiting for a transfer" })
+    );
+    // A wait from the count now, on another thread: main's window holds it.
+    let since = coord.window_requests();
+    let waiter = {
+        let coord = coord.clone();
+        thread::spawn(move || coord.wait_no_window_or_request(since, None))
+    };
+    // A second window, requested (and opened) on a third thread after the
+    // reading, ends the wait at once, both windows still open.
+    let (opened_tx, opened_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let second = {
+        let coord = coord.clone();
+        thread::spawn(move || {
+            let w2 = coord.open_window().unwrap();
+            opened_tx.send(()).unwrap();
+            release_rx.recv().unwrap();
+            drop(w2);
+        })
+    };
+    opened_rx.recv().unwrap();
+    assert_eq!(waiter.join().unwrap(), Ok(false), "the wait did not end at the later request");
+    assert_eq!(coord.activity().windows_open, 2);
+    // A wait from the count now (the second window's request before it)
+    // lasts until both windows closed; interruptible, it is asked while it
+    // waits and not stopped.
+    let since = coord.window_requests();
+    let quiet = Flag::default();
+    let waiter = {
+        let (coord, quiet) = (coord.clone(), quiet.clone());
+        thread::spawn(move || coord.wait_no_window_or_request(since, Some(&|| quiet.check())))
+    };
+    until(|| quiet.calls() > 0);
+    drop(w);
+    release_tx.send(()).unwrap();
+    second.join().unwrap();
+    assert_eq!(waiter.join().unwrap(), Ok(true));
+    // Interrupted: stopped, nothing changed.
+    let w = coord.open_window().unwrap();
+    let flag = Flag::default();
+    let waiter = {
+        let (coord, flag) = (coord.clone(), flag.clone());
+        let since = coord.window_requests();
+        thread::spawn(move || coord.wait_no_window_or_request(since, Some(&|| flag.check())))
+    };
+    raise_once_asked(&flag);
+    assert_eq!(waiter.join().unwrap(), Err(ProtocolError::Interrupted { what: "capture windows to close" }));
+    assert_eq!(coord.activity(), Activity { windows_open: 1, ..Activity::default() });
+    drop(w);
+}
+
 #[test]
 fn a_request_that_can_open_is_not_asked_and_shutdown_still_ends_a_wait() {
     let rt = SimRuntime::new();

@@ -24,7 +24,12 @@
 //!   each submission runs under the hook's lock, so a window that begins
 //!   meanwhile waits for that one submission and the rest stay queued for
 //!   its own close. A submission refused because an engine's own
-//!   (lexical) window is open waits for it and is retried.
+//!   (lexical) window is open waits for it and is retried; a hook window
+//!   that begins during that wait ends it, the rest left queued for that
+//!   window's close
+//!   ([`Coordinator::wait_no_window_or_request`](crate::protocol::Coordinator::wait_no_window_or_request)),
+//!   so a close never waits for another thread's hook window (P6: a
+//!   thread may hold its hook window until another's close returns).
 //! - That wait is the close's only wait for another thread, and an
 //!   interruptible close ([`Interruptible::capture_hook`](super::Interruptible::capture_hook))
 //!   stops it: the window is closed all the same (the capture is over),
@@ -428,11 +433,23 @@ impl Offloader {
                     // to the head of the queue, not submitted, not failed.
                     h.queue.push_front(d);
                     let AtEngineWindow::Wait(interrupted) = at_window else { break };
-                    // Wait for it without the hook's lock, then retry.
+                    // Wait for it without the hook's lock, then look again.
+                    // The wait also ends at a window requested after this
+                    // point, read under the hook's lock: a hook window's
+                    // begin marks itself under that lock before it asks the
+                    // coordinator, so one that begins during the wait is
+                    // seen below and takes the rest over (a close never
+                    // waits for another thread's hook window).
+                    let since = self.coord.window_requests();
                     drop(h);
-                    let waited = match interrupted {
-                        None => self.coord.wait_no_window(),
-                        Some(f) => self.coord.wait_no_window_interruptible(f),
+                    let waited = if crate::protocol::variant_is!(self.coord, HookFlushWaitsForEveryWindow) {
+                        match interrupted {
+                            None => self.coord.wait_no_window(),
+                            Some(f) => self.coord.wait_no_window_interruptible(f),
+                        }
+                        .map(|()| true)
+                    } else {
+                        self.coord.wait_no_window_or_request(since, interrupted)
                     };
                     h = sync::lock(&self.hook.state);
                     if let Err(e) = waited {
@@ -607,18 +624,25 @@ impl Offloader {
                     continue;
                 };
                 h = self.flush(h, e, None, AtEngineWindow::Stop).0;
-                if !h.queue.is_empty() && self.coord.windows_open() > 0 {
+                if !h.queue.is_empty() {
                     // An engine window refused a job: `close` would refuse
-                    // for that window anyway.
-                    return Err(ProtocolError::WindowOpen { open: self.coord.windows_open() }.into());
+                    // for that window anyway. Counted once: it may have
+                    // closed since (then flush again), and a refusal names
+                    // the windows it saw.
+                    let open = self.coord.windows_open();
+                    if open > 0 {
+                        return Err(ProtocolError::WindowOpen { open }.into());
+                    }
                 }
                 continue;
             }
-            // A flush waits only for engine windows to close, which
+            // A flush waits only for engine windows to close (and ends at a
+            // hook window's request, which the check above refuses), which
             // `close` refuses anyway: refuse now rather than wait for one
-            // (it may be this thread's).
-            if self.coord.windows_open() > 0 {
-                return Err(ProtocolError::WindowOpen { open: self.coord.windows_open() }.into());
+            // (it may be this thread's). Counted once, as above.
+            let open = self.coord.windows_open();
+            if open > 0 {
+                return Err(ProtocolError::WindowOpen { open }.into());
             }
             h = sync::wait(&self.hook.cv, h);
         }

@@ -118,7 +118,7 @@ named!(CapturePolicy, "capture policy" {
 });
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (of N1-N29, docs/PROOFS.md). The known-bad variants,
+/// negative models run (of N1-N30, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// model builds, loom's and shuttle's (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
@@ -243,6 +243,13 @@ pub enum Variant {
     /// faulted twice (`Prefaulter::set_variant`).
     #[cfg(any(loom, shuttle))]
     PrefaultHintForgotten,
+    /// N30: the capture hook's flush, refused by an engine's window, waits
+    /// until no window at all is open (`Coordinator::wait_no_window`), not
+    /// only until a window is requested after it began waiting: a hook
+    /// window that begins meanwhile on another thread holds up the close
+    /// that flushes until that window closes too.
+    #[cfg(any(loom, shuttle))]
+    HookFlushWaitsForEveryWindow,
 }
 
 /// Registration state of one chunk of the region.
@@ -295,6 +302,10 @@ struct State {
     windows_open: usize,
     window_owners: Vec<thread::ThreadId>,
     windows_waiting: usize,
+    /// Window requests counted since the coordinator was made (each one
+    /// that got past `open_window_inner`'s checks, opened or not):
+    /// [`Coordinator::wait_no_window_or_request`] ends at a new one.
+    window_requests: u64,
     /// Of `windows_waiting`, the requests that open under the Interleave
     /// rules whatever `policy` ([`Coordinator::open_window_interleaved`]).
     interleave_waiting: usize,
@@ -617,6 +628,7 @@ impl Coordinator {
                     windows_open: 0,
                     window_owners: Vec::new(),
                     windows_waiting: 0,
+                    window_requests: 0,
                     interleave_waiting: 0,
                     unsafe_in_flight: 0,
                     unsafe_waiting: 0,
@@ -806,6 +818,7 @@ impl Coordinator {
             return Err(ProtocolError::NestedWindow);
         }
         g.windows_waiting += 1;
+        g.window_requests += 1;
         g.interleave_waiting += usize::from(interleave);
         at_request();
         let completed_at_request = g.chunks_completed;
@@ -963,6 +976,50 @@ impl Coordinator {
             g = self.wait(g);
         }
         Ok(())
+    }
+
+    /// Window requests made so far (a count that only grows), for
+    /// [`Coordinator::wait_no_window_or_request`]: read it before deciding
+    /// to wait, under whatever lock orders the requests the caller cares
+    /// about (the capture hook reads it under its own lock, which a hook
+    /// window's begin takes before it asks to open).
+    pub fn window_requests(&self) -> u64 {
+        self.lock().window_requests
+    }
+
+    /// [`Coordinator::wait_no_window`], ending also once a window has been
+    /// requested after `since` (a [`Coordinator::window_requests`] reading):
+    /// `Ok(true)` when no window holds library calls back, `Ok(false)` when
+    /// a request came first (the caller looks again at why it waited). For
+    /// the capture hook's flush, which waits for an engine's window but must
+    /// not wait for a hook window that begins meanwhile (that window's close
+    /// takes the rest of the queue over). With `interrupted`, it waits as
+    /// [`Coordinator::wait_no_window_interruptible`].
+    pub fn wait_no_window_or_request(
+        &self,
+        since: u64,
+        interrupted: Option<&dyn Fn() -> bool>,
+    ) -> Result<bool, ProtocolError> {
+        let mut g = self.lock();
+        if g.owns_window(sync::this_thread()) {
+            return Err(ProtocolError::WouldDeadlock { what: "waiting for a transfer" });
+        }
+        let blocked = |s: &State| !s.unsafe_may_start() && s.window_requests == since;
+        match interrupted {
+            None => {
+                while blocked(&g) {
+                    g = self.wait(g);
+                }
+            }
+            Some(f) => {
+                let (g2, stopped) = self.wait_while_interruptible(g, blocked, f);
+                if stopped {
+                    return Err(ProtocolError::Interrupted { what: "capture windows to close" });
+                }
+                g = g2;
+            }
+        }
+        Ok(g.unsafe_may_start())
     }
 
     /// [`Coordinator::wait_no_window`], interruptible: calls `interrupted`
