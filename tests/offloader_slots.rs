@@ -43,7 +43,23 @@ fn release_in_100_ms(hold: Hold) -> std::thread::JoinHandle<()> {
     })
 }
 
-/// The bytes of page `j` of tensor `t` of content `tag`.
+/// Runs `first`, then releases `hold` once the returned sender sends (or
+/// is dropped), or 5 s later at most, on a thread of its own: a call that
+/// should return while the work is held and does not still ends, and the
+/// test fails its assertions instead of hanging.
+fn release_once_returned(
+    hold: Hold,
+    first: impl FnOnce() + Send + 'static,
+) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+    let (returned, wait) = std::sync::mpsc::channel::<()>();
+    let release = std::thread::spawn(move || {
+        first();
+        let _ = wait.recv_timeout(std::time::Duration::from_secs(5));
+        hold.release();
+    });
+    (returned, release)
+}
+
 /// The completions a poll hands out, collected.
 fn poll(off: &Offloader) -> Vec<Completion> {
     let mut done = Vec::new();
@@ -52,6 +68,7 @@ fn poll(off: &Offloader) -> Vec<Completion> {
     done
 }
 
+/// The bytes of page `j` of tensor `t` of content `tag`.
 fn page(tag: u64, t: usize, j: usize) -> Vec<u8> {
     let mut buf = vec![0u8; PAGE];
     pattern::fill(tag * 1000 + (t * 64 + j) as u64, &mut buf);
@@ -760,14 +777,8 @@ fn an_interruptible_shutdown_beside_a_live_graph_is_refused_before_waiting() {
     hold.wait_entered();
     let token = off.register_graph().unwrap();
     let never = || false;
-    // The hold ends once the shutdown returned, or after 5 s: a shutdown
-    // that waited for the store first ends too, and fails below instead
-    // of hanging.
-    let (returned, wait) = std::sync::mpsc::channel::<()>();
-    let release = std::thread::spawn(move || {
-        let _ = wait.recv_timeout(std::time::Duration::from_secs(5));
-        hold.release();
-    });
+    // A shutdown that waited for the store first ends too, and fails below.
+    let (returned, release) = release_once_returned(hold, || {});
     let r = off.interruptible(&never).shutdown(&mut |_| {});
     let _ = returned.send(());
     assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::GraphsAlive { live: 1 }))), "{r:?}");
@@ -793,15 +804,11 @@ fn an_interruptible_wait_is_interrupted_however_long_it_waited() {
     hold.wait_entered();
     let stop = std::sync::Arc::new(AtomicBool::new(false));
     let s2 = stop.clone();
-    // The interrupt after 6 of the wait's 50 ms check periods; the hold
-    // ends once the wait returned, or 5 s later: a wait that missed the
-    // interrupt then returns (and the test fails) instead of hanging.
-    let (returned, wait) = std::sync::mpsc::channel::<()>();
-    let later = std::thread::spawn(move || {
+    // The interrupt after 6 of the wait's 50 ms check periods; a wait that
+    // missed it returns once the hold ends (and the test fails).
+    let (returned, later) = release_once_returned(hold, move || {
         std::thread::sleep(std::time::Duration::from_millis(300));
         s2.store(true, Ordering::SeqCst);
-        let _ = wait.recv_timeout(std::time::Duration::from_secs(5));
-        hold.release();
     });
     let calls = std::sync::atomic::AtomicU32::new(0);
     let check = || {
