@@ -302,3 +302,23 @@ fn a_gate_of_another_coordinator_is_refused_and_the_capture_survives() {
     );
     shutdown(&rt, &coord, || {}).unwrap();
 }
+
+/// A failed registration's driver code gives its pageable reason: the
+/// three the protocol names (801, 900, 2), each with its code in its
+/// message, and any other kept whole (call and code).
+#[test]
+fn a_failed_registrations_code_gives_its_pageable_reason() {
+    use kvoffload::internal::runtime::{Code, DriverError};
+    let reason = |code| PageableReason::from_driver(DriverError::new("cuMemHostRegister", code));
+    for (code, want, shown) in [
+        (Code::NOT_SUPPORTED, PageableReason::NotSupported, "(801)"),
+        (Code::STREAM_CAPTURE_UNSUPPORTED, PageableReason::CaptureUnsupported, "(900)"),
+        (Code::OUT_OF_MEMORY, PageableReason::OutOfMemory, "(2)"),
+    ] {
+        let got = reason(code);
+        assert_eq!(got, want, "code {code:?}");
+        assert!(got.to_string().contains(shown), "{got}");
+    }
+    let other = DriverError::new("cuMemHostRegister", Code::INVALID_VALUE);
+    assert_eq!(reason(Code::INVALID_VALUE), PageableReason::Driver(other));
+}
