@@ -142,3 +142,23 @@ fn dropping_the_handle_midway_cancels_and_waits_for_the_rollback() {
     drop(coord);
     assert_usable(&mut r, 4);
 }
+
+/// `PinOutcome::agreed`: the state, unless the ranks did not agree (then
+/// why); `Debug` of a `dyn PinObserver` names it (an observer is an
+/// engine's, so nothing else of it is shown).
+#[test]
+fn an_outcome_gives_its_state_or_why_the_ranks_did_not_agree() {
+    use kvoffload::internal::pin::{PinObserver, PinOutcome};
+    use kvoffload::internal::protocol::agreement::AgreementError;
+    let pinned = |agreement| PinOutcome { state: PinState::Pinned, agreement };
+    assert_eq!(pinned(None).agreed(), Ok(PinState::Pinned), "no agreement asked for");
+    assert_eq!(pinned(Some(Ok(()))).agreed(), Ok(PinState::Pinned), "the ranks agreed");
+    let died = AgreementError::RankDied { rank: 1 };
+    let pageable =
+        PinOutcome { state: PinState::Pageable(PageableReason::Cancelled), agreement: Some(Err(died.clone())) };
+    assert_eq!(pageable.agreed(), Err(died), "the ranks did not agree");
+    struct Quiet;
+    impl PinObserver for Quiet {}
+    let o: &dyn PinObserver = &Quiet;
+    assert_eq!(format!("{o:?}"), "PinObserver");
+}
