@@ -354,6 +354,10 @@ fn engine_dropped_with_staged_jobs_in_flight() {
     hold.release();
     dropper.join().unwrap();
     assert_eq!(s.poisoned(), None);
+    // It freed what it allocated (staging buffers, tables): only the rig's
+    // tensors are left on the device.
+    let tensors: usize = rig.shape.groups.iter().map(|(pages, ng, _)| pages.iter().sum::<usize>() * ng).sum();
+    assert_eq!(s.device_bytes_in_use(), tensors, "the engine's device memory outlived it");
     // Block-major: host block b holds block b's page of tensor 0, then of tensor 1.
     for b in 0..8 {
         for (t, tensor) in dev[0].iter().enumerate() {
