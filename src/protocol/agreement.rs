@@ -279,8 +279,11 @@ pub fn agree(
                 }
             }
             let words: Vec<u32> = (0..ranks).map(|r| slots.load(r)).collect();
-            if gave_up.is_empty() && abandoned(&words).is_none() {
-                // Every rank settled before this one gave up: agreed.
+            if gave_up.is_empty() {
+                // Every word was final before this rank gave any up: the
+                // ranks settled (agreed), or a peer gave the rest up first,
+                // which is then the error (rule 4; not this rank's own
+                // reason, which would name no rank).
                 return verdict(&words, rank);
             }
             tracing::warn!(rank, error = %e, gave_up = ?gave_up, "stopped waiting for the ranks; every rank ends pageable");
@@ -441,6 +444,44 @@ mod tests {
     /// Never cancelled.
     fn no() -> bool {
         false
+    }
+
+    /// Rank words where a peer (rank 1) gives rank 2's word up between the
+    /// caller's reading of it and the caller's own compare-and-swap.
+    struct PeerGivesUpFirst(LocalSlots);
+    impl RankSlots for PeerGivesUpFirst {
+        fn ranks(&self) -> usize {
+            self.0.ranks()
+        }
+        fn load(&self, rank: usize) -> u32 {
+            self.0.load(rank)
+        }
+        fn store(&self, rank: usize, value: u32) {
+            self.0.store(rank, value)
+        }
+        fn compare_exchange(&self, rank: usize, current: u32, new: u32) -> Result<u32, u32> {
+            if rank == 2 {
+                let _ = self.0.compare_exchange(2, UNSETTLED, abandoned_by(1));
+            }
+            self.0.compare_exchange(rank, current, new)
+        }
+        fn alive(&self, rank: usize) -> bool {
+            self.0.alive(rank)
+        }
+    }
+
+    /// A rank that stops waiting (here its timeout) after a peer already
+    /// gave every unsettled word up reports that (`Abandoned`, rule 4), not
+    /// its own reason naming no rank (`Timeout { waiting: [] }`).
+    #[test]
+    fn a_rank_that_a_peer_beat_to_giving_up_reports_the_peer() {
+        let w = PeerGivesUpFirst(LocalSlots::new(3));
+        w.store(1, SETTLED_PINNED);
+        assert_eq!(
+            agree(&w, 0, true, Some(Duration::ZERO), &no),
+            Err(AgreementError::Abandoned { by: 1, ranks: vec![2] })
+        );
+        assert_eq!(w.load(2), abandoned_by(1), "the peer's word stays");
     }
 
     #[test]
