@@ -539,23 +539,34 @@ fn expedited_loads_are_deferred_behind_a_hook_window_and_refused_without_the_lan
     off.shutdown().unwrap();
 }
 
+/// A hook window held by a thread of its own: its `begin` has returned
+/// when this does; once the returned sender sends, the thread runs `close`
+/// (the window's end, or an abort) and the handle gives its result.
+fn hook_window_on_a_thread<T: Send + 'static>(
+    off: &Arc<Offloader>,
+    close: impl FnOnce(&Offloader) -> T + Send + 'static,
+) -> (mpsc::Sender<()>, std::thread::JoinHandle<T>) {
+    let (begun_tx, begun_rx) = mpsc::channel();
+    let (close_tx, close_rx) = mpsc::channel::<()>();
+    let o2 = off.clone();
+    let thread = std::thread::spawn(move || {
+        o2.capture_hook().begin().unwrap();
+        begun_tx.send(()).unwrap();
+        close_rx.recv().unwrap();
+        close(&o2)
+    });
+    begun_rx.recv().unwrap();
+    (close_tx, thread)
+}
+
 #[test]
 fn a_flush_waits_for_an_engine_window_on_another_thread_and_then_submits() {
     let off = Arc::new(slot_offloader());
     off.wait_pinned().unwrap();
     write_block(&off, 9, 2);
-    let (begun_tx, begun_rx) = mpsc::channel();
-    let (end_tx, end_rx) = mpsc::channel::<()>();
-    let o2 = off.clone();
-    let capture = std::thread::spawn(move || {
-        o2.capture_hook().begin().unwrap();
-        begun_tx.send(()).unwrap();
-        end_rx.recv().unwrap();
-        // Closes its window, then submits the queue: refused while the
-        // engine's own window (main's) is open, so it waits for that.
-        o2.capture_hook().end()
-    });
-    begun_rx.recv().unwrap();
+    // Its end closes its window, then submits the queue: refused while the
+    // engine's own window (main's) is open, so it waits for that.
+    let (end_tx, capture) = hook_window_on_a_thread(&off, |o| o.capture_hook().end());
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[2], &[4], 0)).unwrap();
     let w = off.capture_window().unwrap();
     end_tx.send(()).unwrap();
@@ -598,16 +609,7 @@ fn a_close_waiting_for_an_engine_window_leaves_the_rest_to_a_hook_window_that_be
     end_tx.send(()).unwrap();
     // Its window closed; its flush is refused by main's and waits.
     until("the first hook window closed", || activity(&off).windows_open == 1);
-    let (begun_tx, begun_rx) = mpsc::channel();
-    let (release_tx, release_rx) = mpsc::channel::<()>();
-    let o_b = off.clone();
-    let b = std::thread::spawn(move || {
-        o_b.capture_hook().begin().unwrap();
-        begun_tx.send(()).unwrap();
-        release_rx.recv().unwrap();
-        o_b.capture_hook().end()
-    });
-    begun_rx.recv().unwrap();
+    let (release_tx, b) = hook_window_on_a_thread(&off, |o| o.capture_hook().end());
     drop(w);
     // The second hook window stays open until the first close returned
     // (10 s at most: the failure case, not a wait for time to pass).
@@ -662,22 +664,16 @@ fn an_interrupted_close(abort: bool, next: Next) {
     }
     let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (begun_tx, begun_rx) = mpsc::channel();
-    let (close_tx, close_rx) = mpsc::channel::<()>();
-    let (o2, c2, s2) = (off.clone(), calls.clone(), stop.clone());
-    let capture = std::thread::spawn(move || {
-        o2.capture_hook().begin().unwrap();
-        begun_tx.send(()).unwrap();
-        close_rx.recv().unwrap();
+    let (c2, s2) = (calls.clone(), stop.clone());
+    let (close_tx, capture) = hook_window_on_a_thread(&off, move |o| {
         let check = || {
             c2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             s2.load(std::sync::atomic::Ordering::SeqCst)
         };
-        let hook = o2.interruptible(&check).capture_hook();
+        let hook = o.interruptible(&check).capture_hook();
         let r = if abort { hook.abort() } else { hook.end() };
-        (r, Instant::now(), o2.capture_hook().depth())
+        (r, Instant::now(), o.capture_hook().depth())
     });
-    begun_rx.recv().unwrap();
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[4], 0)).unwrap();
     off.submit(JobId(2), Lane::Store, &SlotJob::single(&[1], &[5], 0)).unwrap();
     let w = off.capture_window().unwrap();

@@ -626,25 +626,28 @@ impl Offloader {
                 h = self.flush(h, e, None, AtEngineWindow::Stop).0;
                 if !h.queue.is_empty() {
                     // An engine window refused a job: `close` would refuse
-                    // for that window anyway. Counted once: it may have
-                    // closed since (then flush again), and a refusal names
-                    // the windows it saw.
-                    let open = self.coord.windows_open();
-                    if open > 0 {
-                        return Err(ProtocolError::WindowOpen { open }.into());
-                    }
+                    // for that window anyway (it may have closed since:
+                    // then flush again).
+                    self.refuse_while_windows_open()?;
                 }
                 continue;
             }
             // A flush waits only for engine windows to close (and ends at a
             // hook window's request, which the check above refuses), which
             // `close` refuses anyway: refuse now rather than wait for one
-            // (it may be this thread's). Counted once, as above.
-            let open = self.coord.windows_open();
-            if open > 0 {
-                return Err(ProtocolError::WindowOpen { open }.into());
-            }
+            // (it may be this thread's).
+            self.refuse_while_windows_open()?;
             h = sync::wait(&self.hook.cv, h);
+        }
+    }
+
+    /// For `hook_quiesce`: [`ProtocolError::WindowOpen`] when a capture
+    /// window is open, naming the windows counted (read once: a refusal
+    /// names what it saw, never `open: 0`).
+    fn refuse_while_windows_open(&self) -> Result<(), OffloaderError> {
+        match self.coord.windows_open() {
+            0 => Ok(()),
+            open => Err(ProtocolError::WindowOpen { open }.into()),
         }
     }
 }
