@@ -69,6 +69,20 @@ proptest! {
         let shape = Shape::random(&mut rng);
         let (l, bases) = layout(&shape, host_base, 1 << 44, gaps);
         prop_assert_eq!(l.host_bytes(), shape.host_bytes());
+        // The accessors give back what the layout was built from.
+        prop_assert_eq!(l.block_size_factor(), shape.factor);
+        prop_assert_eq!(l.host_base(), host_base);
+        prop_assert_eq!(l.placement(), shape.placement);
+        prop_assert_eq!(l.num_groups(), shape.groups.len());
+        for (g, (pages, ng, nh)) in shape.groups.iter().enumerate() {
+            prop_assert_eq!(l.num_gpu_blocks(g), *ng);
+            prop_assert_eq!(l.num_host_blocks(g), *nh);
+            // A GPU block's address is its tensor's base plus one page per block before it.
+            for (t, &p) in pages.iter().enumerate() {
+                let b = rng.range(0, *ng);
+                prop_assert_eq!(l.device_addr(g, t, b), DevicePtr(bases[g][t] + (b * p) as u64));
+            }
+        }
         for _ in 0..4 {
             let job = shape.random_job(&mut rng);
             let got = l.expand(JobId(1), &job).unwrap();
@@ -168,4 +182,54 @@ fn strided_blocks_sit_one_per_stride_and_refuse_a_short_stride() {
         HostPlacement::BlockStrided { stride: 4096 },
     );
     assert_eq!(short.unwrap_err(), LayoutError::StrideTooSmall { stride: 4096, needed: 8192 });
+}
+
+/// A group whose GPU blocks or host blocks are empty while the other is
+/// not is a count mismatch, not an empty group (which is allowed).
+#[test]
+fn one_sided_groups_are_count_mismatches() {
+    use kvoffload::internal::transfer::{GroupBlocks, HostPlacement};
+    let shape =
+        Shape { groups: vec![(vec![64], 8, 4), (vec![32], 8, 4)], factor: 2, placement: HostPlacement::TensorMajor };
+    let (l, _) = layout(&shape, 1 << 30, 1 << 44, false);
+    let job = |g1: GroupBlocks| JobBlocks { groups: vec![GroupBlocks { gpu: vec![0, 1], host: vec![0] }, g1] };
+    // Both sides empty: that group moves nothing, the other still moves.
+    assert_eq!(l.expand(JobId(1), &job(GroupBlocks { gpu: vec![], host: vec![] })).unwrap().bytes, 2 * 64);
+    assert_eq!(
+        l.expand(JobId(1), &job(GroupBlocks { gpu: vec![], host: vec![2] })).unwrap_err(),
+        TransferError::BlockCountMismatch { group: 1, gpu: 0, host: 1, factor: 2, min: 1, max: 2 }
+    );
+    assert_eq!(
+        l.expand(JobId(1), &job(GroupBlocks { gpu: vec![3], host: vec![] })).unwrap_err(),
+        TransferError::BlockCountMismatch { group: 1, gpu: 1, host: 0, factor: 2, min: 1, max: 0 }
+    );
+    assert_eq!(
+        l.expand_skipping(JobId(1), &job(GroupBlocks { gpu: vec![], host: vec![2] }), &[0, 1]).unwrap_err(),
+        TransferError::HostCountMismatch { group: 1, gpu: 0, host: 1, first_sub: 1, factor: 2, need: 0 }
+    );
+}
+
+/// Repeats are found the same way whichever search a job's density picks
+/// (a bitmap over the blocks, or a sort for a few ids among many blocks).
+#[test]
+fn repeats_are_found_in_sparse_and_dense_jobs() {
+    use kvoffload::internal::transfer::HostPlacement;
+    for blocks in [16usize, 1 << 16] {
+        let shape =
+            Shape { groups: vec![(vec![64], blocks, blocks)], factor: 1, placement: HostPlacement::TensorMajor };
+        let (l, _) = layout(&shape, 1 << 30, 1 << 44, false);
+        let hi = blocks - 1;
+        let ok = l.expand(JobId(1), &JobBlocks::single(vec![hi, 3], vec![5, hi]));
+        assert_eq!(ok.map(|e| e.bytes), Ok(2 * 64), "{blocks} blocks: distinct ids refused");
+        assert_eq!(
+            l.expand(JobId(1), &JobBlocks::single(vec![hi, 3, hi], vec![0, 1, 2])).unwrap_err(),
+            TransferError::RepeatedGpuBlock { group: 0, block: hi },
+            "{blocks} blocks"
+        );
+        assert_eq!(
+            l.expand(JobId(1), &JobBlocks::single(vec![0, 1, 2], vec![4, hi, 4])).unwrap_err(),
+            TransferError::RepeatedHostBlock { group: 0, block: 4 },
+            "{blocks} blocks"
+        );
+    }
 }
