@@ -186,6 +186,58 @@ mod tests {
         assert!(!may_stage(BackendChoice::Force(Gather), &th, 16, true, true));
     }
 
+    /// `may_stage` is exactly "`candidates` could list `Staged` for some
+    /// host run length" (the engine plans host runs only where it says so,
+    /// and a plan it says no to would never be used), at and around every
+    /// threshold, for every choice.
+    #[test]
+    fn may_stage_is_exactly_where_candidates_could_stage() {
+        let set = AutoThresholds {
+            gather_max_bytes: 256 << 10,
+            per_fragment_min_bytes: 128 << 10,
+            staged_min_run_bytes: 64 << 10,
+            staged_duplex_min_run_bytes: 32 << 10,
+            ..AutoThresholds::default()
+        };
+        let wide = AutoThresholds { per_fragment_min_bytes: 512 << 10, ..set };
+        let choices: Vec<BackendChoice> = std::iter::once(BackendChoice::Auto)
+            .chain(Backend::all().iter().map(|&b| BackendChoice::Force(b)))
+            .collect();
+        for th in [AutoThresholds::default(), set, wide] {
+            let edges = [
+                th.gather_max_bytes,
+                th.per_fragment_min_bytes,
+                th.staged_min_run_bytes,
+                th.staged_duplex_min_run_bytes,
+            ];
+            let finite = edges.into_iter().filter(|&e| e != usize::MAX).map(|e| e as u64);
+            let means: Vec<u64> = finite.flat_map(|e| [e - 1, e, e + 1]).chain([1, 1 << 40]).collect();
+            for &mean in &means {
+                for (pinned, other_busy, &choice) in [false, true]
+                    .into_iter()
+                    .flat_map(|p| [false, true].map(|b| (p, b)))
+                    .flat_map(|(p, b)| choices.iter().map(move |c| (p, b, c)))
+                {
+                    let could = [0u64, 32 << 10, 64 << 10, 1 << 40].into_iter().any(|run| {
+                        let sit = Situation {
+                            mean_bytes: mean,
+                            capturing: false,
+                            pinned,
+                            other_busy,
+                            staged_run_bytes: Some(run),
+                        };
+                        candidates(choice, &th, sit).contains(&Staged)
+                    });
+                    assert_eq!(
+                        may_stage(choice, &th, mean, pinned, other_busy),
+                        could,
+                        "{choice:?}, mean {mean}, pinned {pinned}, other busy {other_busy}, {th:?}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn auto_by_size_pin_and_capture() {
         let th = AutoThresholds::default();
