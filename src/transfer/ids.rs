@@ -71,6 +71,15 @@ mod tests {
         assert!(!s.contains(JobId(1000)));
     }
 
+    /// An id prints as its number, as the errors that name it show it.
+    #[test]
+    fn an_id_prints_as_its_number() {
+        assert_eq!(JobId(42).to_string(), "42");
+        assert_eq!(format!("{:>4}", JobId(7)), "   7", "the formatter's options apply");
+        let e = crate::transfer::TransferError::EmptyJob { id: JobId(u64::MAX) };
+        assert_eq!(e.to_string(), format!("job {} moves no block", u64::MAX));
+    }
+
     #[test]
     fn gaps_merge_when_filled() {
         let mut s = IdSet::default();
