@@ -92,6 +92,7 @@ fn lists_meminfo_and_bus_ids_parse() {
     assert_eq!(parse_list("0-3,8,10-11\n").unwrap(), vec![0, 1, 2, 3, 8, 10, 11]);
     assert_eq!(parse_list("\n").unwrap(), Vec::<usize>::new());
     assert_eq!(parse_list("5").unwrap(), vec![5]);
+    assert_eq!(parse_list("3-3,7").unwrap(), vec![3, 7], "a range of one");
     assert!(parse_list("3-1").is_err());
     assert!(parse_list("a-b").is_err());
     assert_eq!(parse_mem_free("Node 0 MemTotal: 100 kB\nNode 0 MemFree:        14886928 kB\n"), Some(14886928 * 1024));
@@ -99,6 +100,7 @@ fn lists_meminfo_and_bus_ids_parse() {
     assert_eq!(sysfs_bus_id("0000:1B:00.0"), BUS);
     assert_eq!(sysfs_bus_id("00000000:1B:00.0"), BUS);
     assert_eq!(sysfs_bus_id(" 0001:c1:00.0\n"), "0001:c1:00.0");
+    assert_eq!(sysfs_bus_id("1B:00.0"), "1b:00.0", "no domain: nothing to widen");
 }
 
 #[test]
@@ -265,6 +267,17 @@ fn decisions_on_described_topologies() {
         let t = Topology::read(fs.path(), bus).unwrap();
         assert_eq!(decide(policy, &t, bytes), want, "{what}");
         assert_eq!(place(policy, fs.path(), bus, bytes), want, "{what} (place)");
+        // The accessors agree with the variant, and the display names it.
+        match &want {
+            Placement::Node { node, cpus } => {
+                assert_eq!((want.node(), want.cpus(), want.fallback()), (Some(*node), &cpus[..], None), "{what}");
+                assert_eq!(want.to_string(), format!("node {node} ({} CPUs)", cpus.len()), "{what}");
+            }
+            Placement::Unplaced(r) => {
+                assert_eq!((want.node(), want.cpus(), want.fallback()), (None, &[][..], Some(r)), "{what}");
+                assert_eq!(want.to_string(), format!("unplaced: {r}"), "{what}");
+            }
+        }
         // Logging never panics, whatever the outcome.
         want.log(bytes);
     }

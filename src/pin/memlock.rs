@@ -16,7 +16,12 @@ pub fn memlock_limit() -> Option<u64> {
 /// Notes in tracing when the limit is finite and below `needed` bytes.
 /// Returns the limit when it is.
 pub fn note_limit(needed: u64) -> Option<u64> {
-    let limit = memlock_limit()?;
+    note_limit_with(needed, memlock_limit())
+}
+
+/// [`note_limit`] with the limit given (`None` = unlimited).
+pub fn note_limit_with(needed: u64, limit: Option<u64>) -> Option<u64> {
+    let limit = limit?;
     if limit < needed {
         tracing::info!(
             limit,
@@ -57,6 +62,14 @@ mod tests {
         let r = refine_with(PageableReason::OutOfMemory, 100, Some(10));
         assert_eq!(r, PageableReason::MemlockLimit { limit: 10, needed: 100 });
         assert!(r.to_string().contains("10 bytes allowed, 100 needed"), "{r}");
+    }
+
+    #[test]
+    fn a_limit_is_noted_only_below_the_region() {
+        assert_eq!(note_limit_with(100, Some(99)), Some(99));
+        assert_eq!(note_limit_with(100, Some(100)), None, "a region of exactly the limit fits");
+        assert_eq!(note_limit_with(100, None), None, "unlimited");
+        assert_eq!(note_limit_with(0, Some(0)), None);
     }
 
     #[test]
