@@ -445,6 +445,39 @@ fn prefault_workers_run_on_the_nodes_cpus() {
     .unwrap();
 }
 
+/// The allowed CPUs of the calling thread, as the kernel lists them in
+/// /proc (not through `sched_getaffinity`, which `current_thread_cpus` reads).
+fn cpus_of_this_thread() -> Vec<usize> {
+    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+    parse_list(status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap()).unwrap()
+}
+
+/// `current_thread_cpus` and `bind_current_thread` against the kernel's own
+/// list: the CPUs the thread may use, then each alone, then all of them
+/// with the set's last CPU where the machine has none (the kernel keeps
+/// the CPUs that are; a bound on the set's bits that is too small would
+/// refuse it).
+#[test]
+fn a_threads_cpus_are_the_kernels_list() {
+    std::thread::spawn(|| {
+        let mine = cpus_of_this_thread();
+        assert_eq!(numa::current_thread_cpus().unwrap(), mine);
+        for &c in &mine {
+            numa::bind_current_thread(&[c]).unwrap();
+            assert_eq!((numa::current_thread_cpus().unwrap(), cpus_of_this_thread()), (vec![c], vec![c]));
+        }
+        // CPU 1023, the set's last bit, where the machine has no such CPU.
+        let possible = std::fs::read_to_string("/sys/devices/system/cpu/possible").unwrap();
+        if !parse_list(&possible).unwrap().contains(&1023) {
+            let with_absent: Vec<usize> = mine.iter().copied().chain([1023]).collect();
+            numa::bind_current_thread(&with_absent).unwrap();
+            assert_eq!(cpus_of_this_thread(), mine);
+        }
+    })
+    .join()
+    .unwrap();
+}
+
 #[test]
 fn prepared_reports_the_placement_on_this_machine() {
     let t = real_topology();

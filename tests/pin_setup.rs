@@ -249,3 +249,61 @@ fn shared_rank_major_region_pins_only_its_own_share() {
         drop(r);
     });
 }
+
+/// Three pre-fault threads in four cores, never none, and the default
+/// options take that share of this machine's cores.
+#[test]
+fn default_threads_are_three_in_four_cores() {
+    use kvoffload::internal::pin::{available_cores, default_threads};
+    let got: Vec<usize> = [0, 1, 2, 3, 4, 8, 16, 17, 128].into_iter().map(default_threads).collect();
+    assert_eq!(got, [1, 1, 2, 3, 3, 6, 12, 13, 96]);
+    assert_eq!(PinOptions::default().threads, default_threads(available_cores()));
+}
+
+/// Each setter sets its own field and leaves the others, and every limit
+/// is inclusive: the largest value allowed validates.
+#[test]
+fn setters_set_their_field_and_limits_are_inclusive() {
+    use kvoffload::internal::pin::MAX_THREADS;
+    use kvoffload::internal::protocol::CapturePolicy;
+    let d = PinOptions::default();
+    let o = d
+        .clone()
+        .policy(CapturePolicy::Interleave)
+        .lookahead_bytes(3 << 20)
+        .huge_fallback_mbps(700)
+        .prefault_nice(7)
+        .threads(5)
+        .max_chunk_bytes(8 << 20);
+    assert_eq!(
+        (o.policy, o.lookahead_bytes, o.huge_fallback_mbps, o.prefault_nice, o.threads, o.max_chunk_bytes),
+        (CapturePolicy::Interleave, 3 << 20, 700, 7, 5, 8 << 20)
+    );
+    assert_eq!((o.huge_pages, o.prefault, o.numa), (d.huge_pages, d.prefault, d.numa));
+    d.clone().threads(MAX_THREADS).max_chunk_bytes(MAX_CHUNK_LIMIT).prefault_nice(19).validate().unwrap();
+    d.clone().prefault_nice(0).validate().unwrap();
+    assert!(d.clone().prefault_nice(20).validate().is_err());
+}
+
+/// What `Prepared` hands on: the options it was made with, a `Debug` that
+/// names its parts, and a pre-faulter that passes the lookahead and the
+/// hints through to the pool.
+#[test]
+fn prepared_hands_on_its_options_and_its_prefaulters_hints() {
+    let (r, opts) = region(2, 1 << 20);
+    let opts = opts.lookahead_bytes(3 << 20).threads(2);
+    let p = Prepared::new(&SimRuntime::new(), &r, &opts).unwrap();
+    assert_eq!(p.options(), &opts);
+    let dbg = format!("{p:?}");
+    assert!(
+        dbg.starts_with("Prepared") && dbg.contains("chunks: 2") && dbg.contains("lookahead_bytes: 3145728"),
+        "{dbg}"
+    );
+    let pf = p.prefault();
+    assert_eq!(pf.lookahead_bytes(), 3 << 20);
+    assert_eq!(p.prefaulter().unwrap().workers_running(), 0, "no worker before the first chunk is hinted");
+    let (addr, len) = p.coordinator().chunk_range(1);
+    pf.hint(1, addr, len);
+    assert_eq!(p.prefaulter().unwrap().workers_running(), 2, "the hint started the pool");
+    pf.settle();
+}

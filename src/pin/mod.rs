@@ -35,7 +35,7 @@ pub use engine::{
 pub use options::{
     available_cores, default_threads, HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode,
     DEFAULT_HUGE_FALLBACK_MBPS, DEFAULT_LOOKAHEAD_BYTES, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_PREFAULT_NICE,
-    MAX_CHUNK_LIMIT, MAX_THREADS, RECOMMENDED_MAX_CHUNK_BYTES,
+    MAX_CHUNK_LIMIT, MAX_THREADS,
 };
 pub use prefault::{
     thp_setting, PlannedChunk, PrefaultConfig, PrefaultError, PrefaultStats, Prefaulter, ReserveFn, HUGE_PAGE_BYTES,

@@ -458,8 +458,12 @@ pub fn policy_at(addr: usize) -> io::Result<(i32, Vec<u32>)> {
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
-    let nodes = (0..MASK_BITS).filter(|&b| mask[b / 64] & (1 << (b % 64)) != 0).map(|b| b as u32).collect();
-    Ok((mode, nodes))
+    Ok((mode, nodes_in(&mask)))
+}
+
+/// The node ids whose bits are set in `mask` ([`node_mask`]'s inverse).
+fn nodes_in(mask: &[libc::c_ulong; MASK_WORDS]) -> Vec<u32> {
+    (0..MASK_BITS).filter(|&b| mask[b / 64] & (1 << (b % 64)) != 0).map(|b| b as u32).collect()
 }
 
 /// Applies the page half of a placement to `ranges` before they are
@@ -486,13 +490,16 @@ pub fn apply_pages(placement: Placement, ranges: &[(usize, usize)]) -> Placement
     placement
 }
 
+/// CPUs a `cpu_set_t` holds (its bits).
+const CPU_SET_BITS: usize = 8 * std::mem::size_of::<libc::cpu_set_t>();
+
 /// Restricts the calling thread to `cpus` (`sched_setaffinity`). Empty:
 /// nothing done.
 pub fn bind_current_thread(cpus: &[usize]) -> io::Result<()> {
     if cpus.is_empty() {
         return Ok(());
     }
-    let limit = 8 * std::mem::size_of::<libc::cpu_set_t>();
+    let limit = CPU_SET_BITS;
     // SAFETY: cpu_set_t is a plain bit array; all zeroes is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     for &c in cpus {
@@ -525,7 +532,37 @@ pub fn current_thread_cpus() -> io::Result<Vec<usize>> {
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
-    let limit = 8 * std::mem::size_of::<libc::cpu_set_t>();
     // SAFETY: c < the set's bit count.
-    Ok((0..limit).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect())
+    Ok((0..CPU_SET_BITS).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect())
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// The machines the tests run on have node 0 only, where a mask's bit
+    /// arithmetic cannot be wrong; these cover the other nodes.
+    #[test]
+    fn a_node_mask_holds_exactly_its_node() {
+        for n in [0u32, 1, 63, 64, 65, 511, MASK_BITS as u32 - 1] {
+            let m = node_mask(n).unwrap();
+            assert_eq!(nodes_in(&m), vec![n], "node {n}");
+            assert_eq!(m.iter().map(|w| w.count_ones()).sum::<u32>(), 1, "node {n}");
+        }
+        assert_eq!(node_mask(MASK_BITS as u32).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[test]
+    fn a_cpu_set_holds_cpu_setsize_cpus() {
+        assert_eq!(CPU_SET_BITS, libc::CPU_SETSIZE as usize);
+    }
+
+    #[test]
+    fn page_bounds_round_out_to_whole_pages() {
+        let p = crate::region::page_size();
+        assert_eq!(page_bounds(3 * p, p), (3 * p, p));
+        assert_eq!(page_bounds(3 * p + 5, 10), (3 * p, p));
+        assert_eq!(page_bounds(3 * p + 5, p), (3 * p, 2 * p));
+        assert_eq!(page_bounds(3 * p - 1, 2), (2 * p, 2 * p));
+    }
 }

@@ -18,9 +18,6 @@ use crate::region::RegionError;
 /// GB/s, against 2.1 - 2.7 GB/s for one register call.
 pub const DEFAULT_MAX_CHUNK_BYTES: usize = 256 << 20;
 
-/// The largest registration chunk the documentation recommends (4 GiB).
-pub const RECOMMENDED_MAX_CHUNK_BYTES: usize = 4 << 30;
-
 /// Hard cap of one registration call: 64 GiB, the bound vLLM adopted after
 /// a single registration of 512 GiB or more failed with out-of-memory
 /// (vLLM #51080/#51081; docs/driver-rules.md, row "Registration size

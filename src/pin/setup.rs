@@ -336,3 +336,17 @@ impl Prefault for PrefaultThenReserve {
         }
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::span_of;
+
+    /// The huge-page fallback's range: from the lowest chunk's first byte to
+    /// the end of the highest, in whatever order the chunks come.
+    #[test]
+    fn a_span_runs_from_the_lowest_chunk_to_the_end_of_the_highest() {
+        assert_eq!(span_of(&[]), None);
+        assert_eq!(span_of(&[(4096, 8192)]), Some((4096, 8192)));
+        assert_eq!(span_of(&[(20_000, 500), (4096, 100), (12_000, 3000)]), Some((4096, 20_500 - 4096)));
+    }
+}
