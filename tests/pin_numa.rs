@@ -342,6 +342,23 @@ fn numa_maps_line(addr: usize) -> Option<String> {
     text.lines().find(|l| l.starts_with(&key)).map(str::to_string)
 }
 
+/// The whole mask reaches the kernel: a preference for its last node
+/// (1023), which this machine does not have, is refused. A mask cut short
+/// by a wrong `maxnode` would reach the kernel empty, which it takes as
+/// "allocate locally" and accepts.
+#[test]
+fn mbind_sees_the_masks_last_node() {
+    let possible = std::fs::read_to_string("/sys/devices/system/node/possible").unwrap();
+    if parse_list(&possible).unwrap().contains(&1023) {
+        eprintln!("SKIPPED mbind_sees_the_masks_last_node: this machine may have node 1023");
+        return;
+    }
+    let m = Map::new(4);
+    let e = prefer_node(m.addr(), m.1, 1023).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{e}");
+    assert_eq!(policy_at(m.addr()).unwrap().0, MPOL_DEFAULT, "nothing bound");
+}
+
 #[test]
 fn mbind_prefers_node_0_on_an_anonymous_mapping() {
     let t = real_topology();
