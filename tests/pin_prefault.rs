@@ -130,12 +130,19 @@ fn zero_length_and_misaligned_chunks() {
     // The trait's String error carries the same text.
     let e = pf.ensure(4, 3 * p + 8, p).unwrap_err();
     assert!(e.contains("not a multiple of the page size"), "{e}");
+    // A hint of either is dropped (`ensure` reports the misaligned one):
+    // no worker starts for it.
+    let r = fresh(1 << 20, false);
+    pf.hint(5, r.as_ptr() as usize, 0);
+    pf.hint(6, r.as_ptr() as usize + 8, p);
+    assert_eq!(pf.workers_running(), 0, "a hint of nothing, or misaligned, starts no thread");
 }
 
 #[test]
 fn mode_off_does_nothing() {
     let r = fresh(1 << 20, false);
     let pf = prefaulter(2, PrefaultMode::Off, false);
+    pf.hint(0, r.as_ptr() as usize, r.len());
     pf.ensure(0, r.as_ptr() as usize, r.len()).unwrap();
     assert_eq!(not_resident(r.as_ptr() as usize, r.len()), r.len() / page_size());
     assert_eq!(pf.workers_running(), 0);
