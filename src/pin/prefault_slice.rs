@@ -391,6 +391,25 @@ mod tests {
         assert_eq!(parse_stall_events("compact_stall x\n"), None);
     }
 
+    /// The readers read this machine's files: the same answers as the
+    /// parsers on the files read here (the counters only grow between
+    /// readings), `None` where a file is missing.
+    #[test]
+    fn the_readers_read_this_machines_files() {
+        let read = |p: &str| std::fs::read_to_string(p).ok();
+        let thp = read("/sys/kernel/mm/transparent_hugepage/enabled").and_then(|t| parse_thp(&t));
+        assert_eq!(thp_setting("enabled"), thp);
+        assert_eq!(thp_setting("no-such-setting"), None);
+        let before = read("/proc/vmstat").and_then(|t| parse_stall_events(&t));
+        let got = thp_stall_events();
+        let after = read("/proc/vmstat").and_then(|t| parse_stall_events(&t));
+        assert_eq!(got.is_some(), before.is_some());
+        if let (Some(b), Some(g), Some(a)) = (before, got, after) {
+            assert!(b <= g && g <= a, "{b} <= {g} <= {a}");
+        }
+        assert_eq!(errno_text(EINVAL), "Invalid argument (os error 22)");
+    }
+
     #[test]
     fn thp_setting_parses_the_bracketed_choice() {
         assert_eq!(parse_thp("always [madvise] never\n").as_deref(), Some("madvise"));
