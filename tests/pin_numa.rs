@@ -348,7 +348,10 @@ fn numa_maps_line(addr: usize) -> Option<String> {
 /// "allocate locally" and accepts.
 #[test]
 fn mbind_sees_the_masks_last_node() {
-    let possible = std::fs::read_to_string("/sys/devices/system/node/possible").unwrap();
+    let Ok(possible) = std::fs::read_to_string("/sys/devices/system/node/possible") else {
+        eprintln!("SKIPPED mbind_sees_the_masks_last_node: no NUMA nodes in sysfs");
+        return;
+    };
     if parse_list(&possible).unwrap().contains(&1023) {
         eprintln!("SKIPPED mbind_sees_the_masks_last_node: this machine may have node 1023");
         return;
