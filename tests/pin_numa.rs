@@ -418,9 +418,7 @@ fn cpus_of_threads(name: &str) -> Vec<Vec<usize>> {
         if comm.trim() != name {
             continue;
         }
-        let status = std::fs::read_to_string(e.path().join("status")).unwrap();
-        let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap();
-        out.push(parse_list(list).unwrap());
+        out.push(cpus_allowed(&std::fs::read_to_string(e.path().join("status")).unwrap()));
     }
     out
 }
@@ -468,7 +466,11 @@ fn prefault_workers_run_on_the_nodes_cpus() {
 /// The allowed CPUs of the calling thread, as the kernel lists them in
 /// /proc (not through `sched_getaffinity`, which `current_thread_cpus` reads).
 fn cpus_of_this_thread() -> Vec<usize> {
-    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+    cpus_allowed(&std::fs::read_to_string("/proc/thread-self/status").unwrap())
+}
+
+/// The `Cpus_allowed_list` of a /proc `status` file.
+fn cpus_allowed(status: &str) -> Vec<usize> {
     parse_list(status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap()).unwrap()
 }
 
