@@ -64,4 +64,25 @@ fn workers_raise_their_niceness_and_leave_the_callers_alone() {
         assert_eq!(prefault_worker_nices(), vec![own; 2], "no worker below the process's niceness {own}");
         drop(pf);
     }
+    // Niceness 0 from a thread at a negative niceness: the workers (which
+    // start at their creator's niceness) keep it, not raised to 0. Needs
+    // CAP_SYS_NICE to set up.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let tid = rustix::thread::gettid();
+            let low = own.min(0) - 3;
+            if let Err(e) = rustix::process::setpriority_process(Some(tid), low) {
+                eprintln!("SKIPPED the negative-niceness case: setpriority({low}) refused ({e}): needs CAP_SYS_NICE");
+                return;
+            }
+            // SAFETY: as above.
+            let pf = unsafe {
+                Prefaulter::new(PrefaultConfig { threads: 2, mode: PrefaultMode::Populate, huge_pages: false })
+            }
+            .with_nice(0);
+            pf.ensure(0, r.as_ptr() as usize, r.len()).unwrap();
+            assert_eq!(prefault_worker_nices(), vec![low; 2], "workers keep their creator's niceness {low}");
+            drop(pf);
+        });
+    });
 }

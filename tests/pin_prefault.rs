@@ -255,3 +255,57 @@ fn a_failed_reservation_skips_the_slice_untouched() {
     assert_eq!(not_resident(half, len / 2), len / 2 / page_size(), "a refused slice was touched");
     assert_eq!(not_resident(addr, len / 2), 0);
 }
+
+/// This process's virtual size in bytes (`/proc/self/statm`'s first field).
+fn virtual_size() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    statm.split_whitespace().next().unwrap().parse::<u64>().unwrap() * page_size() as u64
+}
+
+/// The child of `a_chunk_is_faulted_on_the_callers_thread_when_no_worker_can_start`:
+/// with the address-space limit just above what is mapped, no worker's
+/// stack can be mapped, so no worker starts and `ensure` faults the chunk
+/// itself.
+fn no_worker_child() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let r = fresh(8 << 20, false);
+    let (addr, len) = (r.as_ptr() as usize, r.len());
+    let pf = prefaulter(2, PrefaultMode::Populate, false);
+    let old = getrlimit(Resource::As);
+    // 64 KiB of room: less than one worker's stack (256 KiB and a guard
+    // page), enough for the few small allocations of the inline path.
+    let room = virtual_size() + (64 << 10);
+    setrlimit(Resource::As, Rlimit { current: Some(room), maximum: old.maximum }).unwrap();
+    let res = pf.ensure(0, addr, len);
+    let running = pf.workers_running();
+    setrlimit(Resource::As, old).unwrap();
+    res.unwrap();
+    assert_eq!(running, 0, "a worker started under the limit: the case did not happen");
+    assert_eq!(not_resident(addr, len), 0, "pages missing after ensure");
+    assert_eq!(not_written(addr, len), 0, "pages not faulted for writing");
+    assert_eq!(pf.stats().bytes, len as u64);
+    println!("inline: ok");
+}
+
+/// No worker thread can be spawned (a real failure: the address space is
+/// full): `ensure` still faults every page of the chunk, on the caller's
+/// thread. Run in a child process, since the limit is the process's.
+#[test]
+fn a_chunk_is_faulted_on_the_callers_thread_when_no_worker_can_start() {
+    if std::env::var_os("KVOFFLOAD_NO_WORKER_CHILD").is_some() {
+        return no_worker_child();
+    }
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(exe)
+        .args([
+            "a_chunk_is_faulted_on_the_callers_thread_when_no_worker_can_start",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("KVOFFLOAD_NO_WORKER_CHILD", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && text.contains("inline: ok"), "child failed:\n{text}");
+}

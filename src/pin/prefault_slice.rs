@@ -147,14 +147,23 @@ fn errno_text(e: i32) -> String {
 
 /// `madvise(MADV_POPULATE_WRITE)` of one slice; the errno on failure.
 fn populate_write(addr: usize, len: usize) -> Result<(), i32> {
-    let mut tries = 0;
-    loop {
+    retry_interrupted(|| {
         // SAFETY: madvise only acts on this process's page tables for the
         // range; MADV_POPULATE_WRITE allocates pages as a write fault would
         // and never changes memory contents. An address range that is not
         // mapped is answered with ENOMEM, not undefined behaviour.
-        let r = unsafe { rustix::mm::madvise(addr as *mut c_void, len, rustix::mm::Advice::LinuxPopulateWrite) };
-        match r {
+        unsafe { rustix::mm::madvise(addr as *mut c_void, len, rustix::mm::Advice::LinuxPopulateWrite) }
+    })
+}
+
+/// Calls `call` until it succeeds, fails with an errno other than EINTR or
+/// EAGAIN, or has been retried [`MADVISE_RETRIES`] times; the last errno
+/// on failure. A seam of its own so that the retry is tested with errors
+/// this kernel never returns.
+fn retry_interrupted(mut call: impl FnMut() -> rustix::io::Result<()>) -> Result<(), i32> {
+    let mut tries = 0;
+    loop {
+        match call() {
             Ok(()) => return Ok(()),
             Err(e) if (e == rustix::io::Errno::INTR || e == rustix::io::Errno::AGAIN) && tries < MADVISE_RETRIES => {
                 tries += 1;
@@ -365,6 +374,13 @@ pub(super) fn probe_populate() -> Populate {
     if let Err(e) = unsafe { rustix::mm::munmap(p, page) } {
         tracing::warn!(error = %e, "MADV_POPULATE_WRITE probe: munmap failed");
     }
+    probe_answer(r)
+}
+
+/// What the probe's `madvise` answer says of the kernel: it works, it is
+/// unknown to the kernel (EINVAL on a page of our own: older than 5.14),
+/// or the probe says nothing (any other error).
+fn probe_answer(r: Result<(), i32>) -> Populate {
     match r {
         Ok(()) => Populate::Works,
         Err(e) if e == EINVAL => {
@@ -408,6 +424,68 @@ mod tests {
             assert!(b <= g && g <= a, "{b} <= {g} <= {a}");
         }
         assert_eq!(errno_text(EINVAL), "Invalid argument (os error 22)");
+    }
+
+    /// The retry seen with errors this kernel never returns: EINTR and
+    /// EAGAIN are retried exactly `MADVISE_RETRIES` times, in any mix,
+    /// then reported; any other errno at once; success ends it.
+    #[test]
+    fn madvise_is_retried_on_eintr_and_eagain_only_and_only_so_often() {
+        use rustix::io::Errno;
+        for (transient, n, want) in [
+            (Errno::INTR, MADVISE_RETRIES, Ok(())),
+            (Errno::AGAIN, MADVISE_RETRIES, Ok(())),
+            (Errno::INTR, MADVISE_RETRIES + 1, Err(Errno::INTR.raw_os_error())),
+            (Errno::AGAIN, MADVISE_RETRIES + 1, Err(Errno::AGAIN.raw_os_error())),
+            (Errno::NOMEM, 1, Err(Errno::NOMEM.raw_os_error())),
+            (Errno::INVAL, 1, Err(EINVAL)),
+        ] {
+            let mut calls = 0;
+            let got = retry_interrupted(|| {
+                calls += 1;
+                if calls <= n {
+                    Err(transient)
+                } else {
+                    Ok(())
+                }
+            });
+            assert_eq!(got, want, "{transient:?} {n} times");
+            let retried = transient == Errno::INTR || transient == Errno::AGAIN;
+            let want_calls = if retried { (n + 1).min(MADVISE_RETRIES + 1) } else { 1 };
+            assert_eq!(calls, want_calls, "{transient:?} {n} times: calls");
+        }
+        // Mixed: EINTR and EAGAIN share one count.
+        let mut calls = 0;
+        let got = retry_interrupted(|| {
+            calls += 1;
+            Err(if calls % 2 == 0 { Errno::INTR } else { Errno::AGAIN })
+        });
+        assert_eq!(calls, MADVISE_RETRIES + 1);
+        assert!(got == Err(Errno::INTR.raw_os_error()) || got == Err(Errno::AGAIN.raw_os_error()));
+        // A success after a failure of another kind is never reached.
+        let mut calls = 0;
+        assert_eq!(
+            retry_interrupted(|| {
+                calls += 1;
+                if calls == 1 {
+                    Err(Errno::FAULT)
+                } else {
+                    Ok(())
+                }
+            }),
+            Err(Errno::FAULT.raw_os_error())
+        );
+        assert_eq!(calls, 1);
+    }
+
+    /// The probe's answer: EINVAL (an old kernel) is "unsupported", other
+    /// errors say nothing, success is "works".
+    #[test]
+    fn the_probes_answer_reads_einval_as_an_old_kernel() {
+        assert_eq!(probe_answer(Ok(())), Populate::Works);
+        assert_eq!(probe_answer(Err(EINVAL)), Populate::Unsupported);
+        assert_eq!(probe_answer(Err(rustix::io::Errno::NOMEM.raw_os_error())), Populate::Unknown);
+        assert_eq!(probe_answer(Err(rustix::io::Errno::PERM.raw_os_error())), Populate::Unknown);
     }
 
     #[test]
