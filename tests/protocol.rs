@@ -1,6 +1,7 @@
 //! The coordinator's refusals: typed errors, never a hang or a panic.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use kvoffload::internal::pin::{pin_all, NoPrefault};
 use kvoffload::internal::protocol::{
@@ -321,4 +322,118 @@ fn a_failed_registrations_code_gives_its_pageable_reason() {
     }
     let other = DriverError::new("cuMemHostRegister", Code::INVALID_VALUE);
     assert_eq!(reason(Code::INVALID_VALUE), PageableReason::Driver(other));
+}
+
+/// Spins (yielding) until `cond` holds, failing with `what` after 30 s: a
+/// guard against a protocol that never lets the thread go, not a speed
+/// limit (each of these waits ends at once when the protocol is right).
+fn until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !cond() {
+        assert!(Instant::now() < deadline, "still waiting after 30 s: {what}");
+        std::thread::yield_now();
+    }
+}
+
+/// A capture-unsafe call whose callable unwinds (an engine's panic under
+/// the gate) still ends: it is no longer counted in flight, and a window
+/// opens instead of waiting for ever on a call that is gone (P6).
+#[test]
+fn a_call_that_unwinds_under_the_gate_still_ends() {
+    let rt = SimRuntime::new();
+    let (coord, _) = coordinator(&rt, CapturePolicy::Interleave, 1);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        coord.unsafe_call::<()>("a call that panics", |_| panic!("the engine's callable panicked (expected)"))
+    }));
+    assert!(r.is_err(), "the panic did not reach the caller");
+    assert_eq!(coord.activity().calls_in_flight, 0, "the call that unwound is still counted in flight");
+    let w = coord.open_window_interruptible(&|| panic!("the window waited for a call that unwound")).unwrap();
+    drop(w);
+    assert_eq!(coord.activity(), Default::default(), "nothing open, in flight or waiting");
+}
+
+/// Windows and library calls take turns (P6): a window that closes gives
+/// the turn to the library call waiting for it, so a window that asks
+/// after that waits until the call ran (windows open beside each other
+/// while the turn is theirs).
+#[test]
+fn a_closing_window_gives_the_turn_to_a_waiting_call() {
+    let rt = SimRuntime::new();
+    let (coord, _) = coordinator(&rt, CapturePolicy::Interleave, 1);
+    let order = Mutex::new(Vec::new());
+    // The turn starts with windows (as it is after every library call):
+    // two windows open, one here and one on a thread until told to close.
+    let first = coord.open_window().unwrap();
+    let (close_second, closed) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let coord = &coord;
+        s.spawn(move || {
+            let w = coord.open_window().unwrap();
+            closed.recv().unwrap();
+            drop(w);
+        });
+        until("the second window opens", || coord.activity().windows_open == 2);
+        s.spawn(|| coord.unsafe_call("a library call", |_| order.lock().unwrap().push("call")).unwrap());
+        until("the library call waits for the windows", || coord.activity().calls_waiting == 1);
+        // The first window closes: the turn is the call's.
+        drop(first);
+        s.spawn(|| {
+            let w = coord.open_window().unwrap();
+            order.lock().unwrap().push("window");
+            drop(w);
+        });
+        until("the third window waits, or opened", || {
+            coord.activity().windows_waiting == 1 || !order.lock().unwrap().is_empty()
+        });
+        close_second.send(()).unwrap();
+        until("the call and the window both ran", || order.lock().unwrap().len() == 2);
+    });
+    assert_eq!(*order.lock().unwrap(), ["call", "window"], "who went first once the windows closed");
+}
+
+/// Under AfterPinning, pinning's registrations take turns with a window
+/// that could open now (an interleaved request: the capture hook's), which
+/// then waits for at most the registration in flight (P2); they do not
+/// defer to a window that waits for pinning's end (it could not open
+/// before, so deferring would stall both).
+#[test]
+fn registrations_take_turns_only_with_windows_that_could_open() {
+    let rt = Arc::new(SimRuntime::new());
+    let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 4);
+    assert!(coord.pin_begin());
+    coord.register_chunk(rt.as_ref(), 0).unwrap().unwrap();
+    std::thread::scope(|s| {
+        // Chunk 1's registration held in the driver; an interleaved request
+        // comes, then chunk 2's registration.
+        let hold = rt.hold(HoldPoint::Register);
+        let p1 = s.spawn(|| coord.register_chunk(rt.as_ref(), 1).unwrap().unwrap());
+        hold.wait_entered();
+        let hook = s.spawn(|| coord.open_window_interleaved().unwrap().chunks_waited());
+        until("the interleaved request waits", || coord.activity().windows_waiting == 1);
+        let p2 = s.spawn(|| coord.register_chunk(rt.as_ref(), 2).unwrap().unwrap());
+        until("chunk 2's registration waits, runs or ends", || {
+            let a = coord.activity();
+            a.calls_waiting == 1 || a.calls_in_flight == 2 || p2.is_finished()
+        });
+        assert_eq!(
+            coord.activity().calls_waiting,
+            1,
+            "a registration went ahead of an interleaved window that could open"
+        );
+        hold.release();
+        p1.join().unwrap();
+        assert_eq!(hook.join().unwrap(), 1, "the interleaved window waited for more than the registration in flight");
+        p2.join().unwrap();
+        // A plain window waits for pinning's end; chunk 3's registration
+        // goes ahead of it.
+        let engine = s.spawn(|| coord.open_window().unwrap().chunks_waited());
+        until("the window waits for pinning", || coord.activity().windows_waiting == 1);
+        let p3 = s.spawn(|| coord.register_chunk(rt.as_ref(), 3).unwrap().unwrap());
+        until("chunk 3's registration ends while a window waits for pinning", || p3.is_finished());
+        p3.join().unwrap();
+        coord.pin_finish(PinState::Pinned);
+        assert_eq!(engine.join().unwrap(), 1, "the window counted the registration it waited for");
+    });
+    assert_eq!(rt.registered_ranges(), 4);
+    coord.unregister_all(rt.as_ref()).unwrap();
 }
