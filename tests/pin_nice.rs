@@ -1,9 +1,13 @@
 //! The pre-fault workers' niceness (`Prefaulter::with_nice`,
 //! `PinOptions::prefault_nice`): a test binary of its own, so that no other
-//! test's workers (named alike) are running while it reads them from /proc.
+//! test's workers (named alike) are running while it reads them from /proc;
+//! its tests take [`ONE_AT_A_TIME`] for the same reason (`cargo test` runs
+//! them on threads of one process).
 
 use kvoffload::internal::pin::{Prefault, PrefaultConfig, PrefaultMode, Prefaulter};
 use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
+
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn fresh(bytes: usize) -> Region {
     let l = Layout::new(1, page_size(), bytes / page_size()).unwrap();
@@ -28,8 +32,42 @@ fn prefault_worker_nices() -> Vec<i32> {
     out
 }
 
+/// Every worker has placed itself once the first `ensure` returns, also
+/// those that took no slice (one page, one slice, four workers): starting
+/// the workers waits for each to place itself, so no reader (the caller
+/// that reads the placement back, this test) sees a worker still at the
+/// spawner's niceness. Repeated, since a worker left unwaited for usually
+/// still wins the race to place itself before the caller reads.
+#[test]
+fn every_worker_is_placed_when_ensure_returns_even_without_a_slice() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let own = rustix::process::getpriority_process(None).unwrap();
+    if own >= 19 {
+        eprintln!(
+            "SKIPPED every_worker_is_placed_when_ensure_returns_even_without_a_slice: the process runs at niceness 19"
+        );
+        return;
+    }
+    let want = (own + 5).min(19);
+    let r = fresh(page_size());
+    for round in 0..50 {
+        // SAFETY: the region outlives the pre-faulter (dropped in this round).
+        let pf =
+            unsafe { Prefaulter::new(PrefaultConfig { threads: 4, mode: PrefaultMode::Populate, huge_pages: false }) }
+                .with_nice(want);
+        pf.ensure(0, r.as_ptr() as usize, r.len()).unwrap();
+        assert_eq!(
+            prefault_worker_nices(),
+            vec![want; 4],
+            "round {round}: a worker not yet placed when ensure returned"
+        );
+        drop(pf);
+    }
+}
+
 #[test]
 fn workers_raise_their_niceness_and_leave_the_callers_alone() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let own = rustix::process::getpriority_process(None).unwrap();
     if own >= 19 {
         // No niceness above the process's: a worker that never raised its
