@@ -289,3 +289,73 @@ fn a_request_that_can_open_is_not_asked_and_shutdown_still_ends_a_wait() {
     assert_eq!(coord.activity().windows_waiting, 0);
     assert!(!flag.stop.load(Ordering::SeqCst));
 }
+
+/// `Coordinator::unsafe_call_interruptible` (the offloader's `gated` with
+/// an interrupt check): runs at once when no window is open, without
+/// asking; refused inside the caller's own window; while it waits it is
+/// counted as waiting, and once its check says stop it returns
+/// `Interrupted`, its callable never ran, it is no longer counted, and a
+/// window its turn held back opens.
+#[test]
+fn an_interrupted_library_call_never_runs_and_lets_the_windows_it_held_back_open() {
+    let rt = SimRuntime::new();
+    let coord = coordinator(&rt, CapturePolicy::Interleave, 1);
+    let what = "an interruptible library call";
+    // No window: it runs at once, and a check that would stop it is never asked.
+    let stop_if_asked = Flag::default();
+    stop_if_asked.raise();
+    assert_eq!(coord.unsafe_call_interruptible(what, &|| stop_if_asked.check(), |_| 7), Ok(7));
+    assert_eq!((stop_if_asked.calls(), coord.activity()), (0, Activity::default()));
+    // Inside this thread's own window: refused (it would wait for itself).
+    let own = coord.open_window().unwrap();
+    assert_eq!(
+        coord.unsafe_call_interruptible(what, &|| stop_if_asked.check(), |_| panic!("ran inside its own window")),
+        Err(ProtocolError::WouldDeadlock { what })
+    );
+    drop(own);
+    // Two windows open on threads (held until told to close); the call waits.
+    let (first_tx, first_rx) = std::sync::mpsc::channel::<()>();
+    let (second_tx, second_rx) = std::sync::mpsc::channel::<()>();
+    let window_until = |rx: std::sync::mpsc::Receiver<()>| {
+        let coord = coord.clone();
+        thread::spawn(move || {
+            let w = coord.open_window().unwrap();
+            rx.recv().unwrap();
+            drop(w);
+        })
+    };
+    let first = window_until(first_rx);
+    let second = window_until(second_rx);
+    until(|| coord.activity().windows_open == 2);
+    let flag = Flag::default();
+    let call = {
+        let (coord, flag) = (coord.clone(), flag.clone());
+        thread::spawn(move || {
+            coord.unsafe_call_interruptible(what, &|| flag.check(), |_| panic!("the interrupted call ran"))
+        })
+    };
+    until(|| coord.activity().calls_waiting == 1);
+    // The first window closes: the turn is the call's, so a third window
+    // asking now waits behind it.
+    first_tx.send(()).unwrap();
+    first.join().unwrap();
+    let third = {
+        let coord = coord.clone();
+        thread::spawn(move || drop(coord.open_window().unwrap()))
+    };
+    until(|| coord.activity().windows_waiting == 1);
+    assert_eq!(
+        coord.activity(),
+        Activity { windows_open: 1, windows_waiting: 1, calls_waiting: 1, ..Activity::default() }
+    );
+    // Interrupted: it never ran, is no longer counted, and the third window
+    // opens (beside the second, which is still open: only the withdrawal
+    // can have let it go).
+    raise_once_asked(&flag);
+    assert_eq!(call.join().unwrap(), Err(ProtocolError::Interrupted { what }));
+    third.join().unwrap();
+    assert_eq!(coord.activity(), Activity { windows_open: 1, ..Activity::default() });
+    second_tx.send(()).unwrap();
+    second.join().unwrap();
+    assert_eq!(coord.activity(), Activity::default());
+}
