@@ -366,6 +366,9 @@ fn a_closing_window_gives_the_turn_to_a_waiting_call() {
     let first = coord.open_window().unwrap();
     let (close_second, closed) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|s| {
+        // Moved in, so that a failing check below drops it and the window's
+        // thread ends (the scope waits for it) instead of waiting for ever.
+        let close_second = close_second;
         let coord = &coord;
         s.spawn(move || {
             let w = coord.open_window().unwrap();
@@ -436,4 +439,62 @@ fn registrations_take_turns_only_with_windows_that_could_open() {
     });
     assert_eq!(rt.registered_ranges(), 4);
     coord.unregister_all(rt.as_ref()).unwrap();
+}
+
+/// The forms that never wait or that are interruptible refuse and admit
+/// as their blocking forms do: `try_unsafe_call` and
+/// `admit_job_outside_windows` run at once with no window and say
+/// `WindowBusy` while one is open (the caller's or another thread's);
+/// `wait_no_window` and `wait_pin_final_interruptible` are refused inside
+/// the caller's own window (they would wait for themselves), the latter
+/// only while pinning is not final; a job admitted is counted until its
+/// ticket goes; after close no job is admitted.
+#[test]
+fn the_non_waiting_and_interruptible_forms_refuse_and_admit_as_the_blocking_ones() {
+    let rt = SimRuntime::new();
+    let (coord, _) = coordinator(&rt, CapturePolicy::Interleave, 1);
+    let stop = || true;
+    // No window: each runs at once.
+    assert_eq!(coord.try_unsafe_call(|_| 3), Ok(3));
+    let ticket = coord.admit_job_outside_windows(|_, t| t).unwrap();
+    assert_eq!(coord.activity().jobs_in_flight, 1, "an admitted job is counted while its ticket lives");
+    drop(ticket);
+    assert_eq!(coord.wait_no_window(), Ok(()));
+    assert_eq!(coord.activity(), Default::default());
+    // Inside this thread's own window, pinning not final.
+    let own = coord.open_window().unwrap();
+    assert_eq!(coord.wait_no_window(), Err(ProtocolError::WouldDeadlock { what: "waiting for a transfer" }));
+    assert_eq!(
+        coord.wait_pin_final_interruptible(&stop),
+        Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" })
+    );
+    assert_eq!(
+        coord.admit_job_outside_windows(|_, _| panic!("a job admitted inside its caller's window")).err(),
+        Some(ProtocolError::WindowBusy)
+    );
+    // Pinning final: waiting for it inside a window is an answer, not a wait.
+    coord.pin_finish(PinState::Pageable(PageableReason::Disabled));
+    assert_eq!(coord.wait_pin_final_interruptible(&stop), Ok(PinState::Pageable(PageableReason::Disabled)));
+    drop(own);
+    // Another thread's window: both refuse, neither runs its callable.
+    let (close, closed) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let close = close; // moved in: see a_closing_window_gives_the_turn_to_a_waiting_call
+        let coord = &coord;
+        s.spawn(move || {
+            let w = coord.open_window().unwrap();
+            closed.recv().unwrap();
+            drop(w);
+        });
+        until("the other thread's window opens", || coord.activity().windows_open == 1);
+        assert_eq!(coord.try_unsafe_call(|_| panic!("ran beside an open window")), Err(ProtocolError::WindowBusy));
+        assert_eq!(
+            coord.admit_job_outside_windows(|_, _| panic!("a job admitted beside an open window")).err(),
+            Some(ProtocolError::WindowBusy)
+        );
+        close.send(()).unwrap();
+    });
+    assert_eq!(coord.activity(), Default::default());
+    coord.close().unwrap();
+    assert_eq!(coord.admit_job_outside_windows(|_, t| t).err(), Some(ProtocolError::ShutDown));
 }
