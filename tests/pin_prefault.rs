@@ -194,6 +194,40 @@ fn a_plan_is_queued_whole_and_each_chunk_faulted_once() {
     drop(pf);
 }
 
+/// The plan is queued at the first `ensure`, ahead of the chunk that
+/// `ensure` asks for when that chunk is not in the plan: with one worker
+/// (slices taken in order) every planned chunk is resident when the first
+/// `ensure` returns. A planned chunk that is empty or not page aligned is
+/// skipped, never touched (its own `ensure` reports it).
+#[test]
+fn the_plan_runs_ahead_of_the_first_ensure_and_skips_what_it_cannot_fault() {
+    use kvoffload::internal::pin::PlannedChunk;
+    let c = 2 << 20;
+    let r = fresh(6 * c, false);
+    let base = r.as_ptr() as usize;
+    let mut plan: Vec<PlannedChunk> =
+        (1..=3).map(|i| PlannedChunk { chunk: i, addr: base + i * c, len: c, lane: i }).collect();
+    // Chunk 4 starts inside a page, chunk 5 is empty.
+    plan.push(PlannedChunk { chunk: 4, addr: base + 4 * c + 64, len: c - 64, lane: 4 });
+    plan.push(PlannedChunk { chunk: 5, addr: base + 5 * c, len: 0, lane: 5 });
+    // SAFETY: the region outlives the pre-faulter (settled and dropped first).
+    let pf = unsafe {
+        Prefaulter::with_plan(PrefaultConfig { threads: 1, mode: PrefaultMode::Touch, huge_pages: false }, plan)
+    };
+    pf.ensure(0, base, c).unwrap();
+    assert_eq!(not_resident(base, 4 * c), 0, "a planned chunk was not faulted ahead of chunk 0");
+    assert_eq!(pf.stats().bytes, 4 * c as u64, "chunks 0 to 3, each once");
+    assert_eq!(
+        not_resident(base + 4 * c, 2 * c),
+        2 * c / page_size(),
+        "a misaligned or empty planned chunk was touched"
+    );
+    assert!(matches!(pf.ensure_typed(4, base + 4 * c + 64, c - 64), Err(PrefaultError::Misaligned { chunk: 4, .. })));
+    pf.settle();
+    drop(pf);
+    drop(r);
+}
+
 #[test]
 fn settle_drops_the_rest_of_a_plan() {
     use kvoffload::internal::pin::PlannedChunk;
