@@ -228,6 +228,51 @@ fn the_plan_runs_ahead_of_the_first_ensure_and_skips_what_it_cannot_fault() {
     drop(r);
 }
 
+/// Idle workers spread over a plan's lanes (its data files): a worker takes
+/// the first slice whose lane no other worker runs. Two workers, chunks 0
+/// and 1 on lane 0, 2 and 3 on lane 1: the first slice each worker starts
+/// is on a lane of its own (the reservation hook holds the first worker's
+/// slice until the second has started one, at most 30 s).
+#[test]
+fn idle_workers_take_slices_of_lanes_no_other_worker_runs() {
+    use kvoffload::internal::pin::PlannedChunk;
+    use std::sync::{Arc, Condvar, Mutex};
+    use std::time::{Duration, Instant};
+    let c = 2 << 20;
+    let r = fresh(4 * c, false);
+    let base = r.as_ptr() as usize;
+    let plan: Vec<PlannedChunk> =
+        (0..4).map(|i| PlannedChunk { chunk: i, addr: base + i * c, len: c, lane: i / 2 }).collect();
+    let started = Arc::new((Mutex::new(Vec::<usize>::new()), Condvar::new()));
+    let hook = {
+        let started = started.clone();
+        Box::new(move |addr: usize, _len: usize| {
+            let (seen, cv) = &*started;
+            let mut g = seen.lock().unwrap();
+            g.push(addr);
+            cv.notify_all();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while g.len() < 2 && Instant::now() < deadline {
+                g = cv.wait_timeout(g, Duration::from_millis(100)).unwrap().0;
+            }
+            Ok(())
+        })
+    };
+    let cfg = PrefaultConfig { threads: 2, mode: PrefaultMode::Touch, huge_pages: false };
+    // SAFETY: the region outlives the pre-faulter (settled and dropped first).
+    let pf = unsafe { Prefaulter::reserving(cfg, plan, Some(hook), None) };
+    pf.ensure(0, base, c).unwrap();
+    let lanes: Vec<usize> = started.0.lock().unwrap()[..2].iter().map(|a| (a - base) / c / 2).collect();
+    assert_eq!(lanes, [0, 1], "the first slices the two workers started, by lane");
+    for i in 1..4 {
+        pf.ensure(i, base + i * c, c).unwrap();
+    }
+    assert_eq!(not_resident(base, r.len()), 0);
+    pf.settle();
+    drop(pf);
+    drop(r);
+}
+
 #[test]
 fn settle_drops_the_rest_of_a_plan() {
     use kvoffload::internal::pin::PlannedChunk;
