@@ -273,6 +273,50 @@ fn idle_workers_take_slices_of_lanes_no_other_worker_runs() {
     drop(r);
 }
 
+/// Two threads ensure two chunks at once: each gets its own chunk's
+/// outcome. Chunk 1's only slice is held in the reservation hook until
+/// chunk 0's `ensure` has returned, then refused: its `ensure` must report
+/// the refusal (the first `ensure` to return must not drop the other's job,
+/// pending or finished).
+#[test]
+fn concurrent_ensures_each_get_their_own_outcome() {
+    use std::sync::mpsc;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+    let p = page_size();
+    let r = fresh(2 * p, false);
+    let base = r.as_ptr() as usize;
+    let (entered_tx, entered) = mpsc::channel::<()>();
+    let (go_tx, go) = mpsc::channel::<()>();
+    let (entered_tx, go) = (Mutex::new(entered_tx), Mutex::new(go));
+    let hook = Box::new(move |addr: usize, _len: usize| {
+        if addr != base + p {
+            return Ok(());
+        }
+        entered_tx.lock().unwrap().send(()).unwrap();
+        // Bounded: a test that fails elsewhere lets the worker go.
+        let _ = go.lock().unwrap().recv_timeout(Duration::from_secs(30));
+        Err("refused by the test".to_string())
+    });
+    let cfg = PrefaultConfig { threads: 2, mode: PrefaultMode::Touch, huge_pages: false };
+    // SAFETY: the region outlives the pre-faulter (dropped first).
+    let pf = Arc::new(unsafe { Prefaulter::reserving(cfg, Vec::new(), Some(hook), None) });
+    let second = {
+        let pf = pf.clone();
+        std::thread::spawn(move || pf.ensure_typed(1, base + p, p))
+    };
+    entered.recv_timeout(Duration::from_secs(30)).expect("chunk 1's slice never reached the hook");
+    pf.ensure_typed(0, base, p).unwrap();
+    go_tx.send(()).unwrap();
+    let got = second.join().unwrap();
+    assert!(matches!(got, Err(PrefaultError::Reserve { chunk: 1, .. })), "chunk 1's ensure returned {got:?}");
+    assert_eq!(not_resident(base, p), 0);
+    assert_eq!(not_resident(base + p, p), 1, "the refused slice was touched");
+    pf.settle();
+    drop(pf);
+    drop(r);
+}
+
 #[test]
 fn settle_drops_the_rest_of_a_plan() {
     use kvoffload::internal::pin::PlannedChunk;

@@ -672,11 +672,13 @@ impl Prefaulter {
         while unfinished(&g) {
             g = sync::wait(&sh.done, g);
         }
+        // This call's job goes (each `ensure` removes its own, so no other
+        // is swept here: a sweep of finished jobs could take another
+        // thread's `ensure` job before that thread, woken but not yet
+        // running, read its error); hinted and planned chunks stay until
+        // their `ensure` (or `settle`).
         let pos = g.job_index(id);
         let job = pos.map(|p| g.jobs.remove(p));
-        // Finished jobs of `ensure` calls go; hinted and planned chunks stay
-        // until their `ensure` (or `settle`).
-        g.jobs.retain(|j| j.pending > 0 || j.keep);
         match job.and_then(|j| j.error) {
             Some(e) => Err(e),
             None => Ok(()),
