@@ -97,11 +97,10 @@ struct Job {
     len: usize,
     /// Slices queued or running.
     pending: usize,
+    /// Every job stays when done until its `ensure` collects it (one
+    /// queued from the plan or by a hint may finish long before its
+    /// `ensure`, with a lookahead of several chunks) or `settle` clears it.
     error: Option<PrefaultError>,
-    /// Queued from the plan or by a hint: kept when done until `ensure`
-    /// collects it (a hinted chunk may finish long before its `ensure`
-    /// with a lookahead of several chunks).
-    keep: bool,
 }
 
 /// One chunk of a plan: index, address, length, data file.
@@ -191,21 +190,13 @@ impl Pool {
         self.jobs.iter().find(|j| j.chunk == chunk && j.addr == addr && j.len == len).map(|j| j.id)
     }
 
-    fn submit(
-        &mut self,
-        cfg: &PrefaultConfig,
-        chunk: usize,
-        addr: usize,
-        len: usize,
-        lane: Option<usize>,
-        keep: bool,
-    ) -> u64 {
+    fn submit(&mut self, cfg: &PrefaultConfig, chunk: usize, addr: usize, len: usize, lane: Option<usize>) -> u64 {
         self.next_id += 1;
         let id = self.next_id;
         let slices = split(addr, len, cfg.threads, align(cfg, self.huge_bytes));
         let pending = slices.len();
         self.queue.extend(slices.into_iter().map(|(addr, len)| Slice { job: id, chunk, addr, len, lane }));
-        self.jobs.push(Job { id, chunk, addr, len, pending, error: None, keep });
+        self.jobs.push(Job { id, chunk, addr, len, pending, error: None });
         id
     }
 
@@ -217,7 +208,7 @@ impl Pool {
         };
         for c in plan {
             if c.len > 0 && c.addr % page_size() == 0 {
-                self.submit(cfg, c.chunk, c.addr, c.len, Some(c.lane), true);
+                self.submit(cfg, c.chunk, c.addr, c.len, Some(c.lane));
             }
         }
         true
@@ -655,7 +646,7 @@ impl Prefaulter {
         let id = match hinted {
             Some(id) => id,
             None => {
-                let id = g.submit(&sh.cfg, chunk, addr, len, None, false);
+                let id = g.submit(&sh.cfg, chunk, addr, len, None);
                 sh.work.notify_all();
                 id
             }
@@ -703,7 +694,7 @@ impl Prefault for Prefaulter {
         let mut g = sh.lock();
         let planned = g.submit_plan(&sh.cfg);
         if g.find(i, addr, len).is_none() {
-            g.submit(&sh.cfg, i, addr, len, None, true);
+            g.submit(&sh.cfg, i, addr, len, None);
             sh.work.notify_all();
         } else if planned {
             sh.work.notify_all();
