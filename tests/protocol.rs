@@ -498,3 +498,34 @@ fn the_non_waiting_and_interruptible_forms_refuse_and_admit_as_the_blocking_ones
     coord.close().unwrap();
     assert_eq!(coord.admit_job_outside_windows(|_, t| t).err(), Some(ProtocolError::ShutDown));
 }
+
+/// `begin_shutdown` closes (new jobs refused, pinning asked to stop) and
+/// returns only once pinning is final: after it returns, nothing registers
+/// any more, so the caller may unregister. The pinner here finishes as
+/// soon as it sees the cancellation; repeated, since a shutdown that did
+/// not wait would usually, not always, look before the pinner finished.
+#[test]
+fn begin_shutdown_closes_and_returns_only_once_pinning_is_final() {
+    let rt = SimRuntime::new();
+    // Pinning never begun: closing settles it (cancelled) at once.
+    let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 1);
+    coord.begin_shutdown().unwrap();
+    assert!(matches!(coord.admit_job(), Err(ProtocolError::ShutDown)));
+    assert_eq!(coord.pin_state(), PinState::Pageable(PageableReason::Cancelled));
+    assert_eq!(coord.begin_shutdown(), Err(ProtocolError::AlreadyShutDown));
+    for round in 0..20 {
+        let rt = SimRuntime::new(); // one coordinator per runtime
+        let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 1);
+        assert!(coord.pin_begin());
+        std::thread::scope(|s| {
+            let shutdown = s.spawn(|| {
+                coord.begin_shutdown().unwrap();
+                coord.pin_state()
+            });
+            until("shutdown asks pinning to stop", || coord.pin_cancelled());
+            coord.pin_finish(PinState::Pageable(PageableReason::Cancelled));
+            let seen = shutdown.join().unwrap();
+            assert!(seen.is_final(), "round {round}: begin_shutdown returned with pinning at {seen:?}");
+        });
+    }
+}
