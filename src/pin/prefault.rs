@@ -744,6 +744,37 @@ mod tests {
 
     use super::*;
 
+    /// The huge-page fallback advises from the first slice nobody started:
+    /// the queue's front, or, with nothing queued, right after the slice
+    /// that tripped it; never a page faulted before (a slice already done,
+    /// or the one that tripped it). `timed` fed by hand (no memory is
+    /// touched), the fallback armed at a rate no slice reaches and without
+    /// stall counters (the rate alone decides, as where /proc/vmstat cannot
+    /// be read), so that it trips as soon as its window is full.
+    #[test]
+    fn the_fallback_advises_from_the_first_slice_not_started() {
+        let h = HUGE_PAGE_BYTES;
+        let base = 64 * h;
+        let slice = |i: usize| Slice { job: 1, chunk: 0, addr: base + i * h, len: h, lane: None };
+        for queued in [None, Some(6)] {
+            let mut pool = Pool::new(Populate::Unknown, Vec::new(), h);
+            pool.fallback = Some(HugeFallback::new(u32::MAX, (base, base + 8 * h), None));
+            if let Some(q) = queued {
+                pool.queue.push_back(slice(q));
+            }
+            let (tripper, advice) = (0..8)
+                .find_map(|i| pool.timed(&slice(i), 1.0, true, 1).map(|a| (i, a)))
+                .expect("the fallback never tripped");
+            let from = queued.map_or(base + (tripper + 1) * h, |q| base + q * h);
+            assert_eq!(
+                (advice.0, advice.1),
+                (from, base + 8 * h - from),
+                "queued {queued:?}, tripped at slice {tripper}"
+            );
+            assert_eq!(pool.fallback.as_ref().unwrap().tripped().map(|t| t.0), Some(from));
+        }
+    }
+
     #[test]
     fn split_covers_the_range_at_aligned_cuts() {
         let p = page_size();
