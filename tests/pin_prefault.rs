@@ -262,7 +262,9 @@ fn idle_workers_take_slices_of_lanes_no_other_worker_runs() {
     // SAFETY: the region outlives the pre-faulter (settled and dropped first).
     let pf = unsafe { Prefaulter::reserving(cfg, plan, Some(hook), None) };
     pf.ensure(0, base, c).unwrap();
-    let lanes: Vec<usize> = started.0.lock().unwrap()[..2].iter().map(|a| (a - base) / c / 2).collect();
+    // Either worker may reach the hook first: the lanes, in order.
+    let mut lanes: Vec<usize> = started.0.lock().unwrap()[..2].iter().map(|a| (a - base) / c / 2).collect();
+    lanes.sort_unstable();
     assert_eq!(lanes, [0, 1], "the first slices the two workers started, by lane");
     for i in 1..4 {
         pf.ensure(i, base + i * c, c).unwrap();
