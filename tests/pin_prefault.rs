@@ -21,6 +21,12 @@ fn prefaulter(threads: usize, mode: PrefaultMode, huge: bool) -> Prefaulter {
     unsafe { Prefaulter::new(PrefaultConfig { threads, mode, huge_pages: huge }) }
 }
 
+/// A pre-faulter of base pages with `plan` (queued at its first `ensure`).
+fn planned(threads: usize, mode: PrefaultMode, plan: Vec<kvoffload::internal::pin::PlannedChunk>) -> Prefaulter {
+    // SAFETY: as for `prefaulter`, for the plan's chunks too.
+    unsafe { Prefaulter::with_plan(PrefaultConfig { threads, mode, huge_pages: false }, plan) }
+}
+
 #[test]
 fn every_page_is_resident_after_ensure() {
     // 8 MiB plus 3 pages: whole huge pages and a ragged tail.
@@ -173,10 +179,7 @@ fn a_plan_is_queued_whole_and_each_chunk_faulted_once() {
     let c = 2 << 20;
     let plan: Vec<PlannedChunk> =
         (0..8).map(|i| PlannedChunk { chunk: i, addr: base + i * c, len: c, lane: i % 4 }).collect();
-    // SAFETY: the region outlives the pre-faulter (dropped first).
-    let pf = unsafe {
-        Prefaulter::with_plan(PrefaultConfig { threads: 3, mode: PrefaultMode::Populate, huge_pages: false }, plan)
-    };
+    let pf = planned(3, PrefaultMode::Populate, plan);
     assert_eq!(pf.workers_running(), 0, "nothing starts before the first ensure");
     // The first ensure queues every chunk; the later ones find them done or
     // running, and no chunk is faulted twice.
@@ -210,10 +213,7 @@ fn the_plan_runs_ahead_of_the_first_ensure_and_skips_what_it_cannot_fault() {
     // Chunk 4 starts inside a page, chunk 5 is empty.
     plan.push(PlannedChunk { chunk: 4, addr: base + 4 * c + 64, len: c - 64, lane: 4 });
     plan.push(PlannedChunk { chunk: 5, addr: base + 5 * c, len: 0, lane: 5 });
-    // SAFETY: the region outlives the pre-faulter (settled and dropped first).
-    let pf = unsafe {
-        Prefaulter::with_plan(PrefaultConfig { threads: 1, mode: PrefaultMode::Touch, huge_pages: false }, plan)
-    };
+    let pf = planned(1, PrefaultMode::Touch, plan);
     pf.ensure(0, base, c).unwrap();
     assert_eq!(not_resident(base, 4 * c), 0, "a planned chunk was not faulted ahead of chunk 0");
     assert_eq!(pf.stats().bytes, 4 * c as u64, "chunks 0 to 3, each once");
@@ -327,10 +327,7 @@ fn settle_drops_the_rest_of_a_plan() {
     let c = 4 << 20;
     let plan: Vec<PlannedChunk> =
         (0..16).map(|i| PlannedChunk { chunk: i, addr: base + i * c, len: c, lane: i }).collect();
-    // SAFETY: the region outlives the pre-faulter (settled and dropped first).
-    let pf = unsafe {
-        Prefaulter::with_plan(PrefaultConfig { threads: 1, mode: PrefaultMode::Touch, huge_pages: false }, plan)
-    };
+    let pf = planned(1, PrefaultMode::Touch, plan);
     pf.ensure(0, base, c).unwrap();
     pf.settle();
     assert_eq!(pf.workers_running(), 0);

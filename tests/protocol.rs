@@ -1,5 +1,6 @@
 //! The coordinator's refusals: typed errors, never a hang or a panic.
 
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -335,6 +336,20 @@ fn until(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Opens a window on a thread of `s` and holds it until the returned sender
+/// sends or is dropped: made inside the scope, so a failing check drops it
+/// and the window's thread ends (the scope waits for it) instead of
+/// waiting for ever.
+fn window_held_on<'scope>(s: &'scope std::thread::Scope<'scope, '_>, coord: &'scope Coordinator) -> Sender<()> {
+    let (close, closed) = std::sync::mpsc::channel::<()>();
+    s.spawn(move || {
+        let w = coord.open_window().unwrap();
+        let _ = closed.recv();
+        drop(w);
+    });
+    close
+}
+
 /// A capture-unsafe call whose callable unwinds (an engine's panic under
 /// the gate) still ends: it is no longer counted in flight, and a window
 /// opens instead of waiting for ever on a call that is gone (P6).
@@ -364,17 +379,9 @@ fn a_closing_window_gives_the_turn_to_a_waiting_call() {
     // The turn starts with windows (as it is after every library call):
     // two windows open, one here and one on a thread until told to close.
     let first = coord.open_window().unwrap();
-    let (close_second, closed) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|s| {
-        // Moved in, so that a failing check below drops it and the window's
-        // thread ends (the scope waits for it) instead of waiting for ever.
-        let close_second = close_second;
         let coord = &coord;
-        s.spawn(move || {
-            let w = coord.open_window().unwrap();
-            closed.recv().unwrap();
-            drop(w);
-        });
+        let close_second = window_held_on(s, coord);
         until("the second window opens", || coord.activity().windows_open == 2);
         s.spawn(|| coord.unsafe_call("a library call", |_| order.lock().unwrap().push("call")).unwrap());
         until("the library call waits for the windows", || coord.activity().calls_waiting == 1);
@@ -477,15 +484,9 @@ fn the_non_waiting_and_interruptible_forms_refuse_and_admit_as_the_blocking_ones
     assert_eq!(coord.wait_pin_final_interruptible(&stop), Ok(PinState::Pageable(PageableReason::Disabled)));
     drop(own);
     // Another thread's window: both refuse, neither runs its callable.
-    let (close, closed) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|s| {
-        let close = close; // moved in: see a_closing_window_gives_the_turn_to_a_waiting_call
         let coord = &coord;
-        s.spawn(move || {
-            let w = coord.open_window().unwrap();
-            closed.recv().unwrap();
-            drop(w);
-        });
+        let close = window_held_on(s, coord);
         until("the other thread's window opens", || coord.activity().windows_open == 1);
         assert_eq!(coord.try_unsafe_call(|_| panic!("ran beside an open window")), Err(ProtocolError::WindowBusy));
         assert_eq!(
