@@ -907,3 +907,53 @@ fn wait_inside_own_window_is_a_typed_error() {
     assert_eq!(rig.engine().wait(JobId(1)), Ok(()));
     assert_eq!(rig.poll_until(JobId(1)).len(), 1);
 }
+
+/// A job's device time is its copies' time on its stream, not the time
+/// from submission until the poll saw it: the compute work it is ordered
+/// after (here a memset held on the device) counts in `seconds` and not in
+/// `device_seconds`. What vLLM's offload stats divide bytes by (issue 42,
+/// item 4): with `seconds` they showed kvoffload's copies 10-50x slower
+/// than they ran. Both directions, and a job on an idle stream is timed too.
+#[test]
+fn device_seconds_count_the_copies_not_the_wait_for_compute() {
+    let backends = [Backend::PerFragment, Backend::Batched, Backend::Gather, Backend::Staged];
+    for (backend, dir) in backends.into_iter().flat_map(|b| DIRS.map(|d| (b, d))) {
+        let (s, rt) = sim();
+        let mut rig = Rig::new(rt.clone(), simple(2, 4096, 8), opts(BackendChoice::Force(backend)), Pin::Registered);
+        let job = JobBlocks::single(vec![0, 1, 2], vec![0, 1, 2]);
+        // On an idle compute stream: timed, and within its reported seconds.
+        let idle = rig.run_checked(dir, &job, 1);
+        let d = idle.device_seconds.expect("a job on an idle stream has device time");
+        assert!(d >= 0.0 && d <= idle.seconds, "{backend:?} {dir:?}: device {d} s, seconds {} s", idle.seconds);
+
+        // Behind compute work held on the device.
+        let scratch = rig.tensors[0][0];
+        let hold = s.hold(HoldPoint::DeviceOp);
+        // SAFETY: `scratch` is the rig's tensor; the job below reads it only
+        // after this memset (it is ordered after the compute stream).
+        unsafe { rt.memset_d8_async(scratch, 7, 4096, rig.compute) }.unwrap();
+        hold.wait_entered();
+        let id = rig.fresh_id();
+        rig.engine().submit(id, dir, &job).unwrap();
+        let submitted = std::time::Instant::now();
+        assert!(
+            rig.engine().poll_finished().is_empty(),
+            "{backend:?} {dir:?}: the job finished before the compute work it follows"
+        );
+        let released = std::time::Instant::now();
+        hold.release();
+        let r = rig.poll_until(id).into_iter().find(|r| r.id == id).unwrap();
+        assert!(r.succeeded() && r.backend == backend, "{backend:?}: {r:?}");
+        let d = r.device_seconds.expect("a completed job has device time");
+        // The start event is reached only after the release, the poll that
+        // reported the job ran after the copies: the held span is in
+        // `seconds`, not in `device_seconds`.
+        let held = (released - submitted).as_secs_f64();
+        assert!(d >= 0.0, "{backend:?} {dir:?}: negative device time {d}");
+        assert!(
+            r.seconds - d >= held - 1e-6,
+            "{backend:?} {dir:?}: device {d} s of {} s, held {held} s before it started",
+            r.seconds
+        );
+    }
+}

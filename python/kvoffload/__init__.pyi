@@ -137,6 +137,12 @@ class Completion:
     seconds: float
     #: Of ``seconds``, queued behind a capture hook window (0: not deferred).
     deferred_seconds: float
+    #: Device time of the job's copies (CUDA's event timer): from the moment
+    #: its stream started it (after the compute work it is ordered after and
+    #: the lane's earlier jobs) to its completion. What a rate is computed
+    #: from (``bytes / device_seconds``); ``seconds`` also holds the waits
+    #: and the polling delay. None when it could not be timed (a failed job).
+    device_seconds: Optional[float]
     backend: str  # "per-fragment", "batched", "gather" or "staged"
     error: Optional[DriverError]
     @property

@@ -195,7 +195,8 @@ class SlotWorker:
     With ``capture_hook`` every CUDA graph capture of the process
     (``torch.cuda.CUDAGraph``) runs in a capture window of this offloader
     until :meth:`shutdown`. ``result(job_id, success, size, seconds)`` makes
-    what :meth:`get_finished` returns (vLLM's ``TransferResult``).
+    what :meth:`get_finished` returns (vLLM's ``TransferResult``), with the
+    job's device seconds (``Completion.device_seconds``) as its time.
 
     A job that fails (at submission, in the submitter thread, or on the
     GPU) is raised by the next :meth:`get_finished` or :meth:`wait`, or,
@@ -381,7 +382,13 @@ class SlotWorker:
                     ) from c.error
                 out.append(self._failed_result(c.job, c.direction, c.error))
                 continue
-            out.append(self._result(job_id=c.job, success=True, transfer_size=c.bytes, transfer_time=c.seconds))
+            # vLLM's offload stats divide transfer_size by transfer_time: the
+            # job's device time (CUDA's event timer), not the time from
+            # submission until the poll saw it, which counts the wait for
+            # the compute stream and the polling interval (10-50x less GB/s
+            # than the copies ran at, on the H100).
+            secs = c.device_seconds if c.device_seconds is not None else c.seconds
+            out.append(self._result(job_id=c.job, success=True, transfer_size=c.bytes, transfer_time=secs))
         return out
 
     def _failed_result(self, job_id: int, what: str, error: BaseException) -> Any:

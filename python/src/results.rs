@@ -142,7 +142,9 @@ impl PyStoreSubmitted {
 /// A finished job, as `poll` reports it (already applied to the block
 /// manager): `direction` is `"store"` or `"load"`; `seconds` from
 /// submission until completion was seen, `deferred_seconds` of them queued
-/// behind a capture hook window (0 when not deferred); `lane` is the
+/// behind a capture hook window (0 when not deferred); `device_seconds`
+/// the device time of its copies by CUDA's event timer (None when it could
+/// not be timed), what a rate is computed from; `lane` is the
 /// handler that ran it: `"store"`, `"load"` or `"load_expedited"` (an
 /// expedited load on its own stream, `TransferOptions(expedited_lane=True)`); `error` is
 /// None when every byte arrived, else a `DriverError` (not raised).
@@ -155,6 +157,7 @@ pub(crate) struct PyCompletion {
     pub(crate) bytes: u64,
     pub(crate) seconds: f64,
     pub(crate) deferred_seconds: f64,
+    pub(crate) device_seconds: Option<f64>,
     pub(crate) backend: &'static str,
     pub(crate) error: Option<Py<PyAny>>,
 }
@@ -188,6 +191,7 @@ pub(crate) fn completion(py: Python<'_>, c: Completion) -> PyResult<PyCompletion
         bytes: c.bytes,
         seconds: c.seconds,
         deferred_seconds: c.deferred_seconds,
+        device_seconds: c.device_seconds,
         backend: c.backend.name(),
         error: c.error.map(|e| errors::driver(py, "the job failed", e).into_value(py).into_any()),
     })

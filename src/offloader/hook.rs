@@ -469,6 +469,7 @@ impl Offloader {
                         keys: Vec::new(),
                         bytes: d.bytes,
                         seconds: queued_s,
+                        device_seconds: None,
                         backend: Backend::PerFragment,
                         error: Some(refusal_error(&e)),
                         deferred_seconds: queued_s,

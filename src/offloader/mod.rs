@@ -134,6 +134,12 @@ pub struct Completion {
     pub bytes: u64,
     /// Seconds from submission until completion was seen.
     pub seconds: f64,
+    /// Device seconds of its copies, by CUDA's event timer: what a
+    /// transfer rate is computed from (`bytes / device_seconds`); `seconds`
+    /// also holds the wait for the compute stream, the lane's earlier jobs
+    /// and the polling delay. `None` when the job could not be timed (it
+    /// failed, or never reached the GPU).
+    pub device_seconds: Option<f64>,
     /// The copy backend used.
     pub backend: Backend,
     /// `None` when every byte arrived. A failed store's keys are dropped

@@ -313,6 +313,7 @@ impl Offloader {
                 keys,
                 bytes: r.bytes,
                 seconds: r.seconds + deferred_seconds,
+                device_seconds: r.device_seconds,
                 backend: r.backend,
                 error: r.error,
                 deferred_seconds,

@@ -269,6 +269,18 @@ pub trait GpuRuntime: Send + Sync {
     fn event_query(&self, gate: &Gate, event: Event) -> DriverResult<bool>;
     /// `cuEventSynchronize`. Capture-unsafe (cell `event_sync`).
     fn event_synchronize(&self, gate: &Gate, event: Event) -> DriverResult<()>;
+    /// `cuEventCreate` with timing enabled: an event that
+    /// [`GpuRuntime::event_elapsed`] can read. Costlier to record than
+    /// [`GpuRuntime::event_create`]'s, so only the transfer jobs' start and
+    /// completion events are made this way. Same row as `cuEventCreate`
+    /// (cells `event_create_timed/*` measure the flag).
+    fn event_create_timed(&self) -> DriverResult<Event>;
+    /// `cuEventElapsedTime_v2`: milliseconds of device time between two
+    /// completed events made by [`GpuRuntime::event_create_timed`]
+    /// (`NOT_READY` when either is still pending). Takes a `Gate` until its
+    /// conformance cells (`event_elapsed/*`) are measured on the H200: a
+    /// call with no measured row is capture-unsafe (docs/driver-rules.md).
+    fn event_elapsed(&self, gate: &Gate, start: Event, end: Event) -> DriverResult<f32>;
 
     /// `cuStreamBeginCapture`. Blocks while another thread's registration is
     /// running (docs/driver-rules.md, row "begin_capture waits for a registration").

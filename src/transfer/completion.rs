@@ -122,9 +122,25 @@ impl TransferEngine {
         let mut q = sync::lock(&h.q);
         loop {
             let Some(head) = q.jobs.front() else { return true };
+            let start = head.start;
+            let mut device_ms = None;
             let outcome = match head.done {
                 Completion::Immediate => Ok(()),
-                Completion::Event(ev) => match self.coord.try_unsafe_call(|gate| self.rt.event_query(gate, ev)) {
+                // Queried, and once complete timed, in one gated call
+                // (cuEventElapsedTime has no measured row yet: gated).
+                Completion::Event(ev) => match self.coord.try_unsafe_call(|gate| {
+                    let done = self.rt.event_query(gate, ev)?;
+                    if done {
+                        device_ms = start.and_then(|s| match self.rt.event_elapsed(gate, s, ev) {
+                            Ok(ms) => Some(ms),
+                            Err(e) => {
+                                tracing::debug!(error = %e, "timing a job's events failed: reported without device time");
+                                None
+                            }
+                        });
+                    }
+                    Ok(done)
+                }) {
                     Err(_) => return false,
                     Ok(Ok(true)) => Ok(()),
                     Ok(Ok(false)) => return true,
@@ -144,6 +160,7 @@ impl TransferEngine {
             if let Completion::Event(ev) = p.done {
                 q.spare.push(ev);
             }
+            q.spare.extend(p.start);
             if let Some(start) = p.staging.ring_start() {
                 q.ring.release(start);
             }
@@ -158,6 +175,7 @@ impl TransferEngine {
                 bytes: p.bytes,
                 fragments: p.fragments,
                 seconds: p.submitted.elapsed().as_secs_f64(),
+                device_seconds: device_ms.filter(|ms| error.is_none() && *ms >= 0.0).map(|ms| f64::from(ms) / 1e3),
                 backend: p.backend,
                 error,
             });

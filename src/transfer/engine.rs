@@ -25,7 +25,7 @@
 use std::time::Instant;
 
 use crate::protocol::{Coordinator, JobTicket, ProtocolError};
-use crate::runtime::{CaptureStatus, Direction, GpuRuntime, Stream};
+use crate::runtime::{CaptureStatus, Direction, Event, GpuRuntime, Stream};
 use crate::sync::{self, Arc, Mutex};
 
 use super::backend::{Backend, BackendChoice};
@@ -252,12 +252,13 @@ impl TransferEngine {
             fragments: exp.fragments.len(),
             backend: Backend::PerFragment,
             submitted: Instant::now(),
+            start: None,
             staging: Table::None,
             _ticket: ticket,
         };
         let done = match q.spare.pop() {
             Some(e) => Ok(e),
-            None => self.rt.event_create(),
+            None => self.rt.event_create_timed(),
         };
         match done {
             Err(e) => p.error = Some(e),
@@ -270,6 +271,10 @@ impl TransferEngine {
                 match r {
                     Err(e) => p.error = Some(e),
                     Ok(()) => {
+                        // The job's device time starts here: after its wait
+                        // for the compute stream, before its first copy. Not
+                        // fatal when it fails: the job is then untimed.
+                        p.start = self.record_start(h, &mut q.spare);
                         enqueued_any = true;
                         let (backend, staging, r) = self.enqueue(h, &mut q.ring, exp, other_busy);
                         p.backend = backend;
@@ -279,6 +284,7 @@ impl TransferEngine {
                 }
                 if !enqueued_any {
                     q.spare.push(done);
+                    q.spare.extend(p.start.take());
                 } else {
                     match self.rt.event_record(done, h.stream) {
                         Ok(()) => p.done = Completion::Event(done),
@@ -299,5 +305,28 @@ impl TransferEngine {
         }
         q.jobs.push_back(p);
         Ok(())
+    }
+
+    /// A timed event (a spare one, or a new one) recorded on `h`'s stream;
+    /// `None`, with the event kept for reuse, when the driver refuses.
+    fn record_start(&self, h: &Handler, spare: &mut Vec<Event>) -> Option<Event> {
+        let ev = match spare.pop() {
+            Some(e) => e,
+            None => match self.rt.event_create_timed() {
+                Ok(e) => e,
+                Err(e) => {
+                    tracing::debug!(error = %e, "no start event: the job is reported without device time");
+                    return None;
+                }
+            },
+        };
+        match self.rt.event_record(ev, h.stream) {
+            Ok(()) => Some(ev),
+            Err(e) => {
+                tracing::debug!(error = %e, "recording a start event failed: the job is reported without device time");
+                spare.push(ev);
+                None
+            }
+        }
     }
 }

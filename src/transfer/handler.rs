@@ -37,6 +37,11 @@ pub(super) struct Pending {
     pub(super) fragments: usize,
     pub(super) backend: Backend,
     pub(super) submitted: Instant,
+    /// A timed event recorded on the lane's stream right before the job's
+    /// copies (after its wait for the compute stream): with the completion
+    /// event, the job's device time. `None` when it could not be made or
+    /// recorded (the job is then reported without device time).
+    pub(super) start: Option<Event>,
     /// The gather descriptor table's host staging copy: the stream reads it
     /// when it executes the upload, so it lives until the job completes.
     pub(super) staging: Table,
@@ -46,7 +51,8 @@ pub(super) struct Pending {
 #[derive(Default)]
 pub(super) struct Queue {
     pub(super) jobs: VecDeque<Pending>,
-    /// Completion events of reported jobs, for reuse.
+    /// Timed events (completion and start events of reported jobs), for
+    /// reuse.
     pub(super) spare: Vec<Event>,
     /// Ranges of the handler's staging ring held by jobs in `jobs`.
     pub(super) ring: Ring,
@@ -104,6 +110,7 @@ pub(super) fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handl
         Completion::Event(e) => Some(e),
         _ => None,
     }));
+    events.extend(jobs.iter().filter_map(|p| p.start));
     events.push(h.after_compute);
     drop(jobs);
     for e in events {

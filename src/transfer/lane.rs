@@ -75,6 +75,14 @@ pub struct JobResult {
     /// bound on the transfer time: it includes the wait for compute and
     /// the polling delay).
     pub seconds: f64,
+    /// Device seconds of the job's copies: from the moment its stream
+    /// started it (after the compute work it is ordered after, and the
+    /// lane's earlier jobs) to its completion event, by CUDA's event timer
+    /// (`cuEventElapsedTime`). What a transfer rate is computed from
+    /// (`bytes / device_seconds`). `None` when it could not be timed (a job
+    /// that failed before its first copy, or an event the driver refused
+    /// to time); then only `seconds` is known.
+    pub device_seconds: Option<f64>,
     /// The backend that enqueued the job.
     pub backend: Backend,
     /// `None` when every byte arrived; otherwise the driver error that

@@ -660,6 +660,26 @@ impl GpuRuntime for CudaRuntime {
         Ok(Event(id))
     }
 
+    fn event_create_timed(&self) -> DriverResult<Event> {
+        self.bind()?;
+        let mut e: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DEFAULT as u32;
+        // SAFETY: valid out-pointer.
+        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, flags) })?;
+        let id = sync::lock(&self.handles).insert(|h| &mut h.events, e as usize);
+        Ok(Event(id))
+    }
+
+    fn event_elapsed(&self, gate: &Gate, start: Event, end: Event) -> DriverResult<f32> {
+        self.binding.check(gate, "cuEventElapsedTime")?;
+        let s = self.event_raw(start, "cuEventElapsedTime")?;
+        let e = self.event_raw(end, "cuEventElapsedTime")?;
+        let mut ms = 0f32;
+        // SAFETY: two live events of this runtime, a valid out-pointer.
+        check("cuEventElapsedTime", unsafe { sys::cuEventElapsedTime_v2(&mut ms, s, e) })?;
+        Ok(ms)
+    }
+
     fn event_destroy(&self, event: Event) -> DriverResult<()> {
         let e = self.event_raw(event, "cuEventDestroy")?;
         // SAFETY: live event created by this runtime.

@@ -77,8 +77,8 @@ pub(crate) fn run(inner: Arc<Inner>) {
                 tracing::debug!(%code, "sim: device fault, context poisoned");
                 g.poisoned.get_or_insert(code);
             }
+            g.complete(sid, seq);
             if let Some(s) = g.device_stream_mut(sid) {
-                s.completed = seq;
                 s.executing = false;
             }
             g.drop_drained();
@@ -115,9 +115,8 @@ fn next_ready(st: &mut State, retired: &mut bool) -> Option<(u64, u64, Op)> {
                 if !st.reached(stream, want) {
                     break;
                 }
-                let s = st.device_stream_mut(sid)?;
-                s.queue.pop_front();
-                s.completed = seq;
+                st.device_stream_mut(sid)?.queue.pop_front();
+                st.complete(sid, seq);
                 *retired = true;
                 progressed = true;
             }

@@ -733,10 +733,44 @@ impl GpuRuntime for SimRuntime {
         let r = (|| {
             let mut g = self.enter(Call::EventCreate, &[])?;
             let id = g.fresh_id();
-            g.events.insert(id, EventState { recorded: None, captured: None });
+            g.events.insert(id, EventState::default());
             Ok(Event(id))
         })();
         traced("cuEventCreate", r)
+    }
+
+    fn event_create_timed(&self) -> DriverResult<Event> {
+        let r = (|| {
+            let mut g = self.enter(Call::EventCreate, &[])?;
+            let id = g.fresh_id();
+            g.events.insert(id, EventState { timed: true, ..EventState::default() });
+            Ok(Event(id))
+        })();
+        traced("cuEventCreate", r)
+    }
+
+    fn event_elapsed(&self, gate: &Gate, start: Event, end: Event) -> DriverResult<f32> {
+        self.gated(gate, Call::EventElapsedTime)?;
+        let r = (|| {
+            let g = self.enter(Call::EventElapsedTime, &[])?;
+            // As the driver: an event made without timing, or never
+            // recorded, is INVALID_HANDLE; one not yet reached NOT_READY.
+            let at = |e: Event| -> Result<std::time::Instant, Code> {
+                let st = g.events.get(&e.0).ok_or(Code::INVALID_HANDLE)?;
+                if !st.timed || st.recorded.is_none() || st.captured.is_some() {
+                    return Err(Code::INVALID_HANDLE);
+                }
+                if !event_done(&g, e)? {
+                    return Err(Code::NOT_READY);
+                }
+                // Recorded on a stream that had already reached the record.
+                Ok(st.reached_at.unwrap_or_else(std::time::Instant::now))
+            };
+            let (a, b) = (at(start)?, at(end)?);
+            let ms = if b >= a { (b - a).as_secs_f64() * 1e3 } else { -((a - b).as_secs_f64() * 1e3) };
+            Ok(ms as f32)
+        })();
+        traced("cuEventElapsedTime", r)
     }
 
     fn event_destroy(&self, event: Event) -> DriverResult<()> {
@@ -761,12 +795,16 @@ impl GpuRuntime for SimRuntime {
             // joins the capture (cross-stream capture); it says nothing of
             // work that runs.
             let captured = g.capture_origin(stream.0).map(|origin| CapturedRecord { origin, stream: stream.0, at_ops });
+            // A record on a stream with nothing pending is reached at once
+            // (a timed event's stamp is now); otherwise the device stamps it.
+            let reached_now = g.reached(stream.0, enqueued).then(std::time::Instant::now);
             if let Some(e) = g.events.get_mut(&event.0) {
                 match captured {
                     Some(c) => e.captured = Some(c),
                     None => {
                         e.recorded = Some((stream.0, enqueued));
                         e.captured = None;
+                        e.reached_at = reached_now.filter(|_| e.timed);
                     }
                 }
             }

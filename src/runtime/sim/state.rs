@@ -144,9 +144,15 @@ pub(crate) struct CapturedRecord {
     pub at_ops: u64,
 }
 
+#[derive(Default)]
 pub(crate) struct EventState {
     /// (stream, sequence number) of the last record, if any.
     pub recorded: Option<(u64, u64)>,
+    /// Made with timing (`event_create_timed`): the device stamps when its
+    /// last record is reached, for `event_elapsed`.
+    pub timed: bool,
+    /// When the device reached the last record (timed events only).
+    pub reached_at: Option<std::time::Instant>,
     /// Set when the last record was made inside a capture (a captured
     /// event: waiting on it joins the capture).
     pub captured: Option<CapturedRecord>,
@@ -330,6 +336,20 @@ impl State {
 
     /// True when everything enqueued on stream `id` up to `seq` has
     /// executed (a stream that is gone finished all of its work).
+    /// The device finished stream `id`'s operations up to `seq`: marks it,
+    /// and stamps the timed events whose last record it reached.
+    pub fn complete(&mut self, id: u64, seq: u64) {
+        if let Some(s) = self.device_stream_mut(id) {
+            s.completed = seq;
+        }
+        let mut now = None;
+        for e in self.events.values_mut() {
+            if e.timed && e.reached_at.is_none() && matches!(e.recorded, Some((sid, q)) if sid == id && q <= seq) {
+                e.reached_at = Some(*now.get_or_insert_with(std::time::Instant::now));
+            }
+        }
+    }
+
     pub fn reached(&self, id: u64, seq: u64) -> bool {
         self.device_stream(id).is_none_or(|s| s.completed >= seq)
     }

@@ -56,6 +56,8 @@ enum Call {
     MemFreeHost,
     HostDevicePtr,
     CaptureStatusOther,
+    EventCreateTimed,
+    EventElapsed,
 }
 
 /// (call, id, the row's description (docs/driver-rules.md, section 1), refused
@@ -89,6 +91,12 @@ const TABLE: &[(Call, &str, &str, bool, bool)] = &[
     (Call::MemFreeHost, "mem_free_host", "cuMemFreeHost", true, false),
     (Call::HostDevicePtr, "host_device_ptr", "cuMemHostGetDevicePointer", false, false),
     (Call::CaptureStatusOther, "capture_status_other", "cuStreamIsCapturing of another stream", false, false),
+    // The transfer jobs' device time (issue 42): a timed event, and the
+    // time between two timed events complete before the capture. The
+    // elapsed time is expected refused in both modes until it is measured
+    // (the sim denies an unmeasured call in both; the library gates it).
+    (Call::EventCreateTimed, "event_create_timed", "cuEventCreate with timing", false, false),
+    (Call::EventElapsed, "event_elapsed", "cuEventElapsedTime_v2, events recorded before the capture", true, true),
 ];
 
 fn expected(refused: bool) -> String {
@@ -137,6 +145,8 @@ struct Fixture {
     ev: Event,
     d3: DevicePtr,
     h3: usize,
+    /// Two timed events recorded on `s2`, complete before the capture.
+    timed: (Event, Event),
 }
 
 impl Fixture {
@@ -161,8 +171,13 @@ impl Fixture {
         rt.event_record(ev, s2).map_err(e)?;
         let d3 = gate(c, "setup", |g| rt.mem_alloc(g, COPY))?.map_err(e)?;
         let h3 = gate(c, "setup", |g| rt.mem_alloc_host(g, COPY))?.map_err(e)?;
+        let timed = (rt.event_create_timed().map_err(e)?, rt.event_create_timed().map_err(e)?);
+        rt.event_record(timed.0, s2).map_err(e)?;
+        // SAFETY: `d2` is the fixture's device buffer of COPY bytes.
+        unsafe { rt.memset_d8_async(d2, 3, COPY, s2) }.map_err(e)?;
+        rt.event_record(timed.1, s2).map_err(e)?;
         gate(c, "setup", |g| rt.ctx_synchronize(g))?.map_err(e)?;
-        Ok(Fixture { rt, coord, s1, s2, d1, d2, pinned, pageable, s3, ev, d3, h3 })
+        Ok(Fixture { rt, coord, s1, s2, d1, d2, pinned, pageable, s3, ev, d3, h3, timed })
     }
 
     /// Releases everything. A registration may already be gone (the
@@ -211,6 +226,8 @@ impl Fixture {
         }
         note(gate(c, "cleanup", |g| unsafe { rt.mem_free(g, self.d1) })?, false);
         note(gate(c, "cleanup", |g| unsafe { rt.mem_free(g, self.d2) })?, false);
+        note(rt.event_destroy(self.timed.0), false);
+        note(rt.event_destroy(self.timed.1), false);
         note(rt.stream_destroy(self.s1), false);
         note(rt.stream_destroy(self.s2), false);
         if errs.is_empty() {
@@ -241,7 +258,7 @@ fn run_cell(t: &Target, call: Call, relaxed: bool) -> Result<Observed, String> {
 
     let (b_rt, b_coord, s2, d2, pinned, pageable) =
         (rt.clone(), f.coord.clone(), f.s2, f.d2, f.pinned.addr(), f.pageable.addr());
-    let (s3, ev, d3, h3) = (f.s3, f.ev, f.d3, f.h3);
+    let (s3, ev, d3, h3, timed) = (f.s3, f.ev, f.d3, f.h3, f.timed);
     let pageable_len = f.pageable.len();
     let b = thread::spawn(move || {
         let rt = b_rt;
@@ -306,6 +323,8 @@ fn run_cell(t: &Target, call: Call, relaxed: bool) -> Result<Observed, String> {
                 Call::MemFreeHost => unsafe { rt.mem_free_host(gate, h3) }.map(|()| left.consumed_host = true),
                 Call::HostDevicePtr => rt.host_device_ptr(pinned).map(|_| ()),
                 Call::CaptureStatusOther => rt.capture_status(s2).map(|_| ()),
+                Call::EventCreateTimed => rt.event_create_timed().map(|e| left.event = Some(e)),
+                Call::EventElapsed => rt.event_elapsed(gate, timed.0, timed.1).map(|_| ()),
             }
         });
         let restore = match prev {
