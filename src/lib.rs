@@ -22,6 +22,7 @@
 //! | [`Offloader::new`] / [`KeyedOffloader::new`] (the engine's tensors, `unsafe`: their lifetime is the contract; [`KvSpec`], [`TensorSpec`]) or [`Offloader::with_allocated_tensors`] / [`KeyedOffloader::with_allocated_tensors`] ([`KvAlloc`]) | build it; [`RegionSpec`] picks an anonymous or a node-shared region ([`ShmOptions`], [`FileSplit`], [`ShmStep`]); [`PinOptions`] ([`CapturePolicy`], [`HugePages`], [`PrefaultMode`], [`NumaPolicy`]), [`TransferOptions`] ([`BackendChoice`], [`AutoThresholds`]), [`PolicyKind`], `OffloaderOptions::kv_groups` (slot jobs only) tune it |
 //! | [`Offloader::start`], [`Offloader::pin_progress`], [`Offloader::wait_pinned`], [`Offloader::cancel_pinning`], [`PinObserver`] | pinning in the background and its progress ([`PinState`], [`PinProgress`], [`PinOutcome`]) |
 //! | [`Offloader::capture_window`] ([`CaptureWindow`]), [`Offloader::register_graph`] ([`GraphToken`]) | around each CUDA graph capture; for each graph that references the region |
+//! | [`Offloader::hold_pinning`] ([`PinHold`]) | around the engine's capture phase: no registration starts while it lives, so back-to-back captures never wait for one |
 //! | [`Offloader::capture_hook`] ([`CaptureHook`]: `begin`, `end`, `abort`, `depth`, `deferred_jobs`) | the same window for a hook that wraps a framework's capture calls (PyTorch's `CUDAGraph.capture_begin`/`capture_end`): jobs submitted meanwhile are queued and submitted when it closes ([`Completion::deferred_seconds`]) |
 //! | [`Offloader::gated`] ([`GatedCalls`]) | the engine's own capture-unsafe driver calls, inside the offloader's gate |
 //! | [`KeyedOffloader::lookup`], [`KeyedOffloader::store`] ([`StoreSubmitted`]), [`KeyedOffloader::load`], [`KeyedOffloader::stored_blocks`], [`KeyedOffloader::poll`] | by block keys ([`BlockKey`], [`Lookup`], [`Skipped`]) and the engine's GPU block ids |
@@ -87,7 +88,9 @@ pub use offloader::{
 };
 pub use pin::{HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
 pub use protocol::agreement::{AgreementError, Transport};
-pub use protocol::{CapturePolicy, CaptureWindow, GraphToken, PageableReason, PinState, ProtocolError, ShutdownError};
+pub use protocol::{
+    CapturePolicy, CaptureWindow, GraphToken, PageableReason, PinHold, PinState, ProtocolError, ShutdownError,
+};
 pub use region::{
     page_size, AbandonReason, FileProblem, FileSplit, JoinPhase, Layout, RawRange, Region, RegionError, ShmOptions,
     ShmStep, DEFAULT_FILE_BYTES, DEFAULT_SHM_DIR, MAX_FILES, MAX_RANKS,

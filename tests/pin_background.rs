@@ -162,3 +162,80 @@ fn an_outcome_gives_its_state_or_why_the_ranks_did_not_agree() {
     let o: &dyn PinObserver = &Quiet;
     assert_eq!(format!("{o:?}"), "PinObserver");
 }
+
+/// Polls `cond` (on the coordinator's diagnostics) for at most 30 s: the
+/// tests below wait for another thread to reach a wait they can see.
+fn eventually(what: &str, cond: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !cond() {
+        assert!(std::time::Instant::now() < deadline, "not within 30 s: {what}");
+        std::thread::yield_now();
+    }
+}
+
+/// A pin hold (an engine's capture phase) holds every registration back:
+/// one in flight when it was taken completes, none starts until the hold
+/// drops, then pinning goes on to Pinned. Holds nest: pinning resumes when
+/// the last one drops, whichever thread drops it.
+#[test]
+fn a_pin_hold_keeps_registrations_from_starting_until_it_drops() {
+    let (mut r, opts) = region(CHUNKS, CHUNK);
+    let (s, rt) = sim();
+    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
+    let coord = p.coordinator().clone();
+    // Chunk 0's registration in flight when the holds are taken.
+    let first = s.hold(HoldPoint::Register);
+    let h = p.spawn(rt.clone());
+    first.wait_entered();
+    let hold_a = coord.hold_pinning();
+    let hold_b = coord.hold_pinning();
+    assert_eq!(coord.activity().pin_holds, 2);
+    let next = s.hold(HoldPoint::Register);
+    first.release();
+    // Chunk 0 completes; chunk 1 waits for the holds, uncounted as a call.
+    eventually("chunk 1 held back", || coord.activity().registrations_held == 1);
+    assert_eq!(coord.pin_state(), PinState::Pinning { done: 1, total: CHUNKS });
+    assert_eq!(coord.activity().calls_waiting, 0);
+    drop(hold_a);
+    assert_eq!(coord.activity().registrations_held, 1, "one hold dropped of two: still held");
+    assert_eq!(s.registered_ranges(), 1);
+    std::thread::spawn(move || drop(hold_b)).join().unwrap();
+    next.wait_entered();
+    assert_eq!(coord.activity(), kvoffload::internal::protocol::Activity { calls_in_flight: 1, ..Default::default() });
+    next.release();
+    assert_eq!(h.join(), PinState::Pinned);
+    assert_eq!(s.registered_ranges(), CHUNKS);
+    coord.unregister_all(rt.as_ref()).unwrap();
+    drop(p);
+    drop(coord);
+    assert_usable(&mut r, 3);
+}
+
+/// A hold never holds a shutdown up: cancelling pinning releases the
+/// registration it held back, and pinning rolls back to pageable with the
+/// hold still alive. The holder's own wait for pinning is refused (it
+/// would wait for itself); another thread's wait is not.
+#[test]
+fn a_pin_hold_gives_way_to_a_cancel_and_refuses_its_holders_wait() {
+    let (mut r, opts) = region(CHUNKS, CHUNK);
+    let (_s, rt) = sim();
+    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
+    let coord = p.coordinator().clone();
+    let hold = coord.hold_pinning();
+    let h = p.spawn(rt.clone());
+    eventually("chunk 0 held back", || coord.activity().registrations_held == 1);
+    assert!(
+        matches!(coord.wait_pin_final(), Err(kvoffload::internal::protocol::ProtocolError::WouldDeadlock { .. })),
+        "the holder's wait for pinning must be refused"
+    );
+    let c2 = coord.clone();
+    let waiter = std::thread::spawn(move || c2.wait_pin_final().unwrap());
+    h.cancel();
+    assert_eq!(h.join(), PinState::Pageable(PageableReason::Cancelled));
+    assert_eq!(waiter.join().unwrap(), PinState::Pageable(PageableReason::Cancelled));
+    assert_eq!(coord.registered_chunks(), 0);
+    drop(hold);
+    drop(p);
+    drop(coord);
+    assert_usable(&mut r, 4);
+}

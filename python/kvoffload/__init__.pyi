@@ -166,6 +166,23 @@ class CaptureWindow:
     @property
     def chunks_waited(self) -> int: ...
 
+class PinHold:
+    """What ``off.hold_pinning()`` returns: no chunk registration starts
+    while it is held (the one in flight completes; pre-faulting goes on),
+    so an engine's capture phase never waits for one. ``release()``
+    (idempotent) or leaving its ``with`` block lets pinning go on."""
+
+    def release(self) -> None: ...
+    @property
+    def is_held(self) -> bool: ...
+    def __enter__(self) -> "PinHold": ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
 class KvSpec:
     """The engine's KV tensors (Rust's ``KvSpec``), one KV cache description
     given to an offloader as ``kv=``. ``tensors``: a list of the engine's
@@ -484,6 +501,11 @@ class _OffloaderBase:
     @property
     def pin_progress(self) -> PinProgress: ...
     def wait_pinned(self) -> PinOutcome: ...
+    #: Holds pinning back until the hold is released (an engine's capture
+    #: phase): no registration starts meanwhile. Holds nest; shutdown is
+    #: never held up; ``wait_pinned`` on the holding thread raises
+    #: ``ProtocolError`` (reason ``"would_deadlock"``).
+    def hold_pinning(self) -> PinHold: ...
     def capture_window(self) -> CaptureWindow: ...
     #: Runs ``f()`` at a moment no capture window is open (windows wait for
     #: it). Ctrl-C stops the wait for windows to close (``f`` not run);

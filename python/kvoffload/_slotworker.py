@@ -263,6 +263,38 @@ class SlotWorker:
 
             self._hook = _hook.install(self.offloader, hook_class)
         self._shut = False
+        # A pin hold over the engine's warm-up and graph capture
+        # (hold_pinning_until_served); released once, by whichever comes
+        # first: the warm-up's end, the first job, shutdown.
+        self._pin_hold: Any = None
+        self._pin_hold_lock = threading.Lock()
+        self._pin_hold_since = 0.0
+        #: Seconds pinning was held back (None: never held).
+        self.pin_held_seconds: Optional[float] = None
+
+    def hold_pinning_until_served(self, why: str) -> None:
+        """Holds pinning back (``Offloader.hold_pinning``) until
+        :meth:`release_pin_hold`, the first submitted job or
+        :meth:`shutdown`, whichever comes first: an engine that builds this
+        worker before it warms up and captures its graphs (vLLM 0.26 - 0.33)
+        captures without a registration beside it. A registration in
+        flight completes; pre-faulting goes on."""
+        with self._pin_hold_lock:
+            if self._pin_hold is None and not self._shut:
+                self._pin_hold = self.offloader.hold_pinning()
+                self._pin_hold_since = time.monotonic()
+                log.info("kvoffload.vllm: pinning held back: %s", why)
+
+    def release_pin_hold(self, why: str) -> None:
+        """Lets pinning go on if :meth:`hold_pinning_until_served` held it
+        (idempotent)."""
+        with self._pin_hold_lock:
+            hold, self._pin_hold = self._pin_hold, None
+            if hold is None:
+                return
+            hold.release()
+            self.pin_held_seconds = time.monotonic() - self._pin_hold_since
+        log.info("kvoffload.vllm: pinning resumed after %.1f s held back (%s)", self.pin_held_seconds, why)
 
     def _job(self, gpu: Any, chunks: Any):
         f = self.blocks_per_chunk
@@ -337,6 +369,8 @@ class SlotWorker:
         return flat, counts, indices
 
     def _submit(self, job_id: int, make: Callable[[], Tuple[Callable[..., None], tuple]]) -> bool:
+        if self._pin_hold is not None:
+            self.release_pin_hold("the engine submitted its first job")
         try:
             call, args = make()
             self._submitter.submit(call, job_id, args)
@@ -423,6 +457,7 @@ class SlotWorker:
         the jobs, stops pinning, unregisters, releases). Idempotent."""
         if self._shut:
             return
+        self.release_pin_hold("shutdown")
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

@@ -61,7 +61,7 @@ use kvoffload::internal::offloader::{
     Completion, KeyedOffloader, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, SlotJob,
 };
 use kvoffload::internal::protocol::agreement::Transport;
-use kvoffload::internal::protocol::{CaptureWindow, PinState};
+use kvoffload::internal::protocol::{CaptureWindow, PinHold, PinState};
 use kvoffload::internal::runtime::cuda::CudaRuntime;
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{DevicePtr, GpuRuntime, Stream};
@@ -106,6 +106,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyOffloader>()?;
     m.add_class::<PyKeyedOffloader>()?;
     m.add_class::<PyCaptureWindow>()?;
+    m.add_class::<PyPinHold>()?;
     m.add_class::<PyKvSpec>()?;
     m.add_class::<PyKvAlloc>()?;
     m.add_class::<PyPinOptions>()?;

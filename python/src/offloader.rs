@@ -490,6 +490,17 @@ impl PyOffloaderBase {
         })
     }
 
+    /// Holds pinning back while the returned `PinHold` is held (taken at
+    /// once; `release()` or leaving its `with` block ends it): no chunk
+    /// registration starts meanwhile, so an engine's capture phase (many
+    /// graphs captured back to back) never waits for one. The registration
+    /// in flight, if any, completes; pre-faulting goes on. Holds nest;
+    /// shutdown is never held up; `wait_pinned` on the thread that holds
+    /// one raises `WouldDeadlockError`.
+    pub(crate) fn hold_pinning(&self) -> PyPinHold {
+        PyPinHold { hold: Mutex::new(Some(self.off.hold_pinning())) }
+    }
+
     /// A capture window, as a context manager: `with off.capture_window():
     /// capture graphs here`. No library thread makes a capture-unsafe
     /// driver call while it is open; with the default policy it opens only
@@ -767,6 +778,48 @@ impl PyCaptureWindow {
     #[getter]
     pub(crate) fn chunks_waited(&self) -> usize {
         *self.waited.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// What `Offloader.hold_pinning()` returns: pinning is held back until
+/// `release()` (idempotent), the end of its `with` block, or its garbage
+/// collection.
+#[pyclass(name = "PinHold", module = "kvoffload", frozen)]
+pub(crate) struct PyPinHold {
+    pub(crate) hold: Mutex<Option<PinHold>>,
+}
+
+#[pymethods]
+impl PyPinHold {
+    /// Lets pinning go on (idempotent).
+    pub(crate) fn release(&self) {
+        let h = self.hold.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(h);
+    }
+
+    /// True until released.
+    #[getter]
+    pub(crate) fn is_held(&self) -> bool {
+        self.hold.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    pub(crate) fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (_exc_type = None, _exc = None, _tb = None))]
+    pub(crate) fn __exit__(
+        &self,
+        _exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        self.release();
+        false
+    }
+
+    pub(crate) fn __repr__(&self) -> String {
+        format!("PinHold({})", if self.is_held() { "held" } else { "released" })
     }
 }
 

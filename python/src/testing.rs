@@ -259,6 +259,8 @@ fn activity(off: &Bound<'_, PyOffloaderBase>) -> HashMap<&'static str, usize> {
         ("graphs_live", a.graphs_live),
         ("alias_users", a.alias_users),
         ("unregisters_waiting", a.unregisters_waiting),
+        ("pin_holds", a.pin_holds),
+        ("registrations_held", a.registrations_held),
     ]
     .into_iter()
     .collect()

@@ -634,3 +634,47 @@ def test_agreement_transport_breaking_its_contract(rt, answer):
 
 def test_logging_can_be_enabled():
     assert kv.enable_logging("warn") in (True, False)
+
+
+# ---- pin holds (an engine's capture phase) ----
+
+
+def eventually(what, cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.001)
+
+
+def test_a_pin_hold_keeps_registrations_back_until_released(rt):
+    off = make(rt)
+    h = off.hold_pinning()
+    assert h.is_held and repr(h) == "PinHold(held)"
+    off.start()
+    eventually("the first registration held back", lambda: kt.activity(off)["registrations_held"] == 1)
+    assert off.pin_progress.chunks_done == 0
+    assert kt.activity(off)["pin_holds"] == 1
+    # The holder waiting for pinning would wait for itself.
+    with pytest.raises(kv.ProtocolError) as e:
+        off.wait_pinned()
+    assert e.value.reason == "would_deadlock"
+    h.release()
+    h.release()  # idempotent
+    assert not h.is_held and kt.activity(off)["pin_holds"] == 0
+    assert off.wait_pinned().state == "pinned"
+    with off.hold_pinning() as h2:
+        assert h2.is_held and kt.activity(off)["pin_holds"] == 1
+    assert not h2.is_held and kt.activity(off)["pin_holds"] == 0
+    off.shutdown()
+    assert_nothing_leaked(rt)
+
+
+def test_a_shutdown_is_not_held_up_by_a_pin_hold(rt):
+    off = make(rt)
+    h = off.hold_pinning()
+    off.start()
+    eventually("the first registration held back", lambda: kt.activity(off)["registrations_held"] == 1)
+    off.shutdown()
+    assert off.pin_progress.state == "pageable" and h.is_held
+    h.release()
+    assert_nothing_leaked(rt)

@@ -324,3 +324,42 @@ def test_with_failed_results_a_queued_submission_that_fails_is_reported_failed()
         res = sorted(w.get_finished(), key=lambda r: r.job_id)
         assert [(r.job_id, r.success) for r in res] == [(1, False), (2, True)]
     w.shutdown()
+
+
+# ---------------------------------------------------------------- a pin hold over the engine's warm-up
+
+
+def test_a_pin_hold_until_served_ends_at_the_first_job_or_release():
+    import time
+
+    import kvoffload._testing as kt
+
+    for end in ("job", "release", "shutdown"):
+        rt = kv.Runtime("sim")
+        ts = kv_tensors(1)
+        # Chunk 0's registration held in the sim, so the hold below comes
+        # before the next one (two chunks: 8 slots, 4 per chunk).
+        with kt.sim_hold(rt, "register") as reg:
+            w = _slotworker.SlotWorker(
+                caches(ts, [[0]]), num_slots=8, blocks_per_chunk=1, runtime=rt, capture_hook=False,
+                options=dict(pin=kv.PinOptions(threads=1, max_chunk_bytes=4 * 4096)),
+            )
+            reg.wait_entered()
+            w.hold_pinning_until_served("the test's warm-up")
+        deadline = time.monotonic() + 30
+        while kt.activity(w.offloader)["registrations_held"] != 1:
+            assert time.monotonic() < deadline, f"{end}: chunk 1 not held back"
+            time.sleep(0.001)
+        assert w.offloader.pin_progress.chunks_done == 1 and w.pin_held_seconds is None
+        if end == "job":
+            fill(ts, [0], random.Random(3))
+            assert w.submit_store(1, gpu([0], [1], [0]), chunks([0]))
+        elif end == "release":
+            w.release_pin_hold("the test's warm-up ended")
+        else:
+            w.shutdown()
+            assert w.pin_held_seconds is not None
+            continue
+        assert w.pin_held_seconds is not None and kt.activity(w.offloader)["pin_holds"] == 0
+        assert w.wait_pinned().state == "pinned"
+        w.shutdown()

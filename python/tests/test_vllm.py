@@ -529,7 +529,10 @@ def test_round_trips_through_vllms_connector_byte_for_byte(engines, blocks_per_c
     assert {r.job_id for r in eng.results} == {j[1] for j in off.jobs}, "every job reported"
     assert len(eng.results) == len({r.job_id for r in eng.results}), "each once"
     for r, c in zip(sorted(eng.results, key=lambda r: r.job_id), sorted(off.completions, key=lambda c: c.job)):
-        assert (r.transfer_size, r.transfer_time) == (c.bytes, c.seconds)
+        # vLLM's stats divide size by time: the job's device time, which
+        # the wait for compute and the polling delay are not part of.
+        assert c.device_seconds is not None and 0 < c.device_seconds <= c.seconds, c
+        assert (r.transfer_size, r.transfer_time) == (c.bytes, c.device_seconds)
     for call, job, blocks, sizes, slots, subs in off.jobs:
         n = sizes[0]
         assert len(slots) == -(-(n + subs[0]) // blocks_per_chunk), "ceil((n + first_sub) / f) chunks"
@@ -912,3 +915,42 @@ def test_a_failed_load_fails_its_request_or_is_raised_as_the_release_allows(engi
     c = eng.add(prompt)
     eng.run(c)
     assert check_loaded(eng, c, prompt), "loaded from the host after the failure"
+
+
+# ---------------------------------------------------------------- pinning held over vLLM's warm-up
+
+
+def test_a_worker_built_in_initialize_from_config_holds_pinning_until_the_warm_up_ends():
+    """vLLM 0.26 - 0.33 build the offloading worker in the GPU worker's
+    ``initialize_from_config`` and capture the graphs in the
+    ``compile_or_warm_up_model`` that follows: the spec finds that worker on
+    the call stack, holds pinning back and wraps that instance's warm-up to
+    release it (then unwraps it). Built anywhere else, nothing is held."""
+
+    class Worker:  # vLLM's gpu_worker.Worker, as far as the spec looks
+        def initialize_from_config(self, build):
+            return build()
+
+        def compile_or_warm_up_model(self):
+            return "warmed"
+
+    engine = Worker()
+    assert engine.initialize_from_config(kvv._engine_worker_before_warmup) is engine
+    assert kvv._engine_worker_before_warmup() is None
+
+    class Slot:  # the worker's side: what SlotWorker records
+        def __init__(self):
+            self.events = []
+
+        def hold_pinning_until_served(self, why):
+            self.events.append("hold")
+
+        def release_pin_hold(self, why):
+            self.events.append("release")
+
+    slot = Slot()
+    kvv._hold_pinning_over_warmup(slot, engine)
+    assert slot.events == ["hold"] and "compile_or_warm_up_model" in vars(engine)
+    assert engine.compile_or_warm_up_model() == "warmed"
+    assert slot.events == ["hold", "release"] and "compile_or_warm_up_model" not in vars(engine)
+    assert "kvo_hold_pinning_for_warmup" in kvv.EXTRA_KEYS

@@ -30,6 +30,12 @@
 //!   is unregistered (P4).
 //! - Waiting for pinning inside one's own window under Interleave is a
 //!   typed error, not a deadlock (P6).
+//! - While a pin hold lives ([`Coordinator::hold_pinning`]: an engine's
+//!   capture phase), no chunk registration starts: at most the one in
+//!   flight when it was taken completes. A registration held back waits
+//!   uncounted (it takes no window's turn); cancelling pinning releases it
+//!   (shutdown is never held up), and a holder's own wait for pinning is a
+//!   typed error (P2, model/p2_pin_hold.rs).
 //! - The interruptible waits ([`Coordinator::open_window_interruptible`],
 //!   [`Coordinator::wait_pin_final_interruptible`],
 //!   [`Coordinator::wait_no_window_interruptible`]) wait for what their
@@ -250,6 +256,11 @@ pub enum Variant {
     /// that flushes until that window closes too.
     #[cfg(any(loom, shuttle))]
     HookFlushWaitsForEveryWindow,
+    /// N31: a chunk's registration ignores the pin holds
+    /// ([`Coordinator::hold_pinning`]): pinning goes on during an engine's
+    /// capture phase.
+    #[cfg(any(loom, shuttle))]
+    PinIgnoresHold,
 }
 
 /// Registration state of one chunk of the region.
@@ -299,6 +310,11 @@ struct State {
     variant: Variant,
     pin: PinState,
     cancel_pin: bool,
+    /// The threads that took the pin holds alive ([`Coordinator::hold_pinning`]),
+    /// one entry per hold: while any lives, no registration starts.
+    pin_holds: Vec<thread::ThreadId>,
+    /// Registrations waiting for the pin holds to go.
+    registrations_held: usize,
     windows_open: usize,
     window_owners: Vec<thread::ThreadId>,
     windows_waiting: usize,
@@ -373,6 +389,12 @@ impl State {
     fn owns_window(&self, me: thread::ThreadId) -> bool {
         self.window_owners.contains(&me)
     }
+
+    /// A registration may not start: pinning is held and not cancelled
+    /// (N31 ignores the hold).
+    fn pin_held(&self) -> bool {
+        !self.pin_holds.is_empty() && !self.cancel_pin && !bad!(self, PinIgnoresHold)
+    }
 }
 
 /// What is open, in flight or waiting in a coordinator at one moment
@@ -398,6 +420,11 @@ pub struct Activity {
     pub alias_users: usize,
     /// Unregistrations waiting for a chunk's alias users to drop theirs.
     pub unregisters_waiting: usize,
+    /// Pin holds alive ([`Coordinator::hold_pinning`]).
+    pub pin_holds: usize,
+    /// Chunk registrations held back by them (waiting, uncounted in
+    /// `calls_waiting`).
+    pub registrations_held: usize,
 }
 
 /// Shared by every thread of one offloader (`Arc<Coordinator>`).
@@ -550,6 +577,32 @@ impl Drop for GraphToken {
     }
 }
 
+/// A pin hold ([`Coordinator::hold_pinning`]): no chunk registration starts
+/// while it lives. Dropping it (on any thread) lets pinning go on.
+#[must_use = "pinning resumes as soon as the hold is dropped"]
+pub struct PinHold {
+    shared: Arc<Shared>,
+    owner: thread::ThreadId,
+}
+
+impl Drop for PinHold {
+    fn drop(&mut self) {
+        let owner = self.owner;
+        self.shared.release(|g| {
+            if let Some(i) = g.pin_holds.iter().position(|t| *t == owner) {
+                g.pin_holds.swap_remove(i);
+            }
+        });
+        tracing::debug!("pin hold released");
+    }
+}
+
+impl std::fmt::Debug for PinHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinHold").finish_non_exhaustive()
+    }
+}
+
 /// The device alias of registered host memory, valid while held: the chunk
 /// cannot start unregistering until the guard is dropped (after the kernel
 /// that uses it was enqueued; the driver's unregister then waits for it).
@@ -625,6 +678,8 @@ impl Coordinator {
                     variant: Variant::Production,
                     pin: PinState::Pending,
                     cancel_pin: false,
+                    pin_holds: Vec::new(),
+                    registrations_held: 0,
                     windows_open: 0,
                     window_owners: Vec::new(),
                     windows_waiting: 0,
@@ -734,6 +789,8 @@ impl Coordinator {
             graphs_live: g.graphs_live,
             alias_users: g.chunks.iter().map(|c| c.users).sum(),
             unregisters_waiting: g.unregisters_waiting,
+            pin_holds: g.pin_holds.len(),
+            registrations_held: g.registrations_held,
         }
     }
 
@@ -1098,8 +1155,29 @@ impl Coordinator {
         self.shared.update(|g| g.cancel_pin = true);
     }
 
+    /// Holds pinning back until the guard drops: no chunk registration
+    /// starts meanwhile (one in flight completes), so an engine's capture
+    /// phase (vLLM captures 50-200 graphs back to back) meets no
+    /// registration: each capture window would otherwise wait for the
+    /// registration in flight, and the kernel's work of pinning competes
+    /// with the captures (graph capture 8-15 s instead of 4-5 s with a
+    /// 64 GiB region, issue 42). Holds nest (pinning resumes when the last
+    /// drops) and may be dropped on any thread. Cancelling pinning (a
+    /// shutdown) ends the hold's effect at once; the thread that holds
+    /// pinning back is refused a wait for pinning
+    /// ([`ProtocolError::WouldDeadlock`]).
+    pub fn hold_pinning(&self) -> PinHold {
+        let me = sync::this_thread();
+        self.shared.update(|g| g.pin_holds.push(me));
+        tracing::debug!("pinning held back");
+        PinHold { shared: self.shared.clone(), owner: me }
+    }
+
     /// Registers chunk `i` (and looks up its device alias) as a
-    /// capture-unsafe call.
+    /// capture-unsafe call, once no pin hold lives
+    /// ([`Coordinator::hold_pinning`]); a registration held back and then
+    /// released by a cancel of pinning is [`ProtocolError::Interrupted`]
+    /// (never started).
     pub fn register_chunk(&self, rt: &dyn GpuRuntime, i: usize) -> Result<Result<(), DriverError>, ProtocolError> {
         let (addr, len) = self.chunk_range(i);
         let register = |gate: &Gate| {
@@ -1126,7 +1204,36 @@ impl Coordinator {
                 }
             }
         };
-        Ok(self.unsafe_call_then("registering a chunk", register, record)?.map(|_| ()))
+        let what = "registering a chunk";
+        let mut g = self.lock();
+        if g.owns_window(sync::this_thread()) && !bad!(g, NoCaptureWindow) {
+            return Err(ProtocolError::WouldDeadlock { what });
+        }
+        // As `unsafe_call_then`, but while pinning is held the call waits
+        // uncounted: counted, it could take the turn from a window that
+        // waits while the hold keeps it from starting.
+        loop {
+            let mut held = false;
+            while g.pin_held() {
+                held = true;
+                g.registrations_held += 1;
+                g = self.wait(g);
+                g.registrations_held -= 1;
+            }
+            // Held back, then released by a cancel: the registration never
+            // starts (the pinner rolls back), rather than register a chunk
+            // a shutdown is about to unregister.
+            if held && g.cancel_pin {
+                return Err(ProtocolError::Interrupted { what });
+            }
+            if g.unsafe_may_start() {
+                break;
+            }
+            g.unsafe_waiting += 1;
+            g = self.wait(g);
+            g.unsafe_waiting -= 1;
+        }
+        Ok(self.counted(g, register, record).map(|_| ()))
     }
 
     /// Unregisters chunk `i`: no new gather users from now on, waits for
@@ -1169,6 +1276,9 @@ impl Coordinator {
         if g.owns_window(sync::this_thread()) && !g.pin.is_final() && !bad!(g, WaitInsideWindow) {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" });
         }
+        if g.pin_holds.contains(&sync::this_thread()) && !g.pin.is_final() {
+            return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning while this thread holds it back" });
+        }
         g.pin_waiters += 1;
         while !g.pin.is_final() {
             g = self.wait(g);
@@ -1187,6 +1297,9 @@ impl Coordinator {
         let mut g = self.lock();
         if g.owns_window(sync::this_thread()) && !g.pin.is_final() && !bad!(g, WaitInsideWindow) {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" });
+        }
+        if g.pin_holds.contains(&sync::this_thread()) && !g.pin.is_final() {
+            return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning while this thread holds it back" });
         }
         g.pin_waiters += 1;
         let (mut g, stopped) = self.wait_while_interruptible(g, |s| !s.pin.is_final(), interrupted);

@@ -12,7 +12,7 @@ mod shutdown;
 pub(crate) use coordinator::variant_is;
 pub use coordinator::{
     Activity, AliasGuard, CapturePolicy, CaptureWindow, ChunkReg, Coordinator, GraphToken, JobTicket, KeepAlive,
-    Variant,
+    PinHold, Variant,
 };
 pub use error::{PageableReason, PinState, ProtocolError};
 pub use shutdown::{finish_shutdown, shutdown, ShutdownError};

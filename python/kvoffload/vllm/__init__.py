@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import sys
 from typing import Any, Callable, Dict, Optional
 
 from vllm.v1.kv_offload.base import (
@@ -84,6 +85,8 @@ EXTRA_KEYS: Dict[str, str] = {
     "'per-fragment', 'batched', 'gather' or 'staged'",
     "kvo_staging_bytes": "device staging bytes per direction, an int >= 0",
     "kvo_capture_hook": "true (default): every CUDA graph capture in the worker's process runs in a capture window",
+    "kvo_hold_pinning_for_warmup": "true (default): where vLLM builds the worker before its warm-up and graph "
+    "capture (0.26 - 0.33), no registration starts until they end (or the first job)",
 }
 
 _CHOICES = {
@@ -181,6 +184,7 @@ class _Settings:
         self.copy_backend = _choice(extra, "kvo_copy_backend", "auto")
         self.staging_bytes = _int(extra, "kvo_staging_bytes", None, 0)
         self.capture_hook = _bool(extra, "kvo_capture_hook", True)
+        self.hold_pinning_for_warmup = _bool(extra, "kvo_hold_pinning_for_warmup", True)
         if self.copy_backend != "auto":
             log.warning(
                 "kvoffload.vllm: kvo_copy_backend=%r is for benchmarks: before pinning settles (or if it ends "
@@ -252,6 +256,48 @@ class KvoffloadSpec(OffloadingSpec):
         return self._worker
 
 
+def _engine_worker_before_warmup() -> Any:
+    """vLLM's GPU worker when it is building this spec's worker before its
+    warm-up and graph capture, else None. Found on the call stack, from what
+    the installed vLLM does rather than its version: a frame of
+    ``initialize_from_config`` (vLLM 0.26 - 0.33 register the KV caches, and
+    so build the offloading worker, there; the executor then calls
+    ``compile_or_warm_up_model``, where the graphs are captured) whose
+    ``self`` has ``compile_or_warm_up_model``. vLLM 0.34 with its extensible
+    KV cache builds the connector after the warm-up: no such frame."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "initialize_from_config":
+            w = f.f_locals.get("self")
+            if w is not None and callable(getattr(type(w), "compile_or_warm_up_model", None)):
+                return w
+        f = f.f_back
+    return None
+
+
+def _hold_pinning_over_warmup(worker: "KvoffloadWorker", engine_worker: Any) -> None:
+    """Holds ``worker``'s pinning back until ``engine_worker``'s
+    ``compile_or_warm_up_model`` returns (wrapped on that instance only, and
+    unwrapped when it ran), or the first job, or shutdown. Graph capture
+    with a 64 GiB region pinning beside it took 8 - 15 s instead of 4 - 5 s
+    on an 8B-shaped model (issue 42): each capture window waited for the
+    registration in flight."""
+    original = engine_worker.compile_or_warm_up_model
+
+    def compile_or_warm_up_model(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        finally:
+            try:
+                del engine_worker.compile_or_warm_up_model
+            except AttributeError:
+                pass
+            worker.release_pin_hold("vLLM's warm-up and graph capture ended")
+
+    engine_worker.compile_or_warm_up_model = compile_or_warm_up_model
+    worker.hold_pinning_until_served("vLLM warms up and captures its graphs next")
+
+
 # The worker's mapping, kept free of vLLM in kvoffload._slotworker (the
 # H200 run drives it without vLLM's wheel); re-exported for the tests.
 _layout = _slotworker.layout
@@ -303,6 +349,9 @@ class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
             result=TransferResult,
             failed_results=RELEASE.failed_results,
         )
+        engine_worker = _engine_worker_before_warmup() if s.hold_pinning_for_warmup else None
+        if engine_worker is not None:
+            _hold_pinning_over_warmup(self, engine_worker)
         log.info(
             "kvoffload.vllm: %d host slots of %d blocks, region %d bytes (%s), set up in %.3f s; pinning in the "
             "background (%s)",
