@@ -73,8 +73,9 @@
 //! under the lock after it faulted the slice; the loop registers chunk i
 //! only after `ensure(i)` returned and hints only chunks after i, so every
 //! fault of chunk i's pages happened before its registration began.
-//! `settle` (before pinning publishes) drops the slices not started and
-//! waits for the running ones, then joins the workers.
+//! `settle` (before pinning publishes) drops the slices not started, then
+//! joins the workers, which waits for the running ones (a worker returns
+//! only once the slice it took is finished).
 
 #![cfg(any(loom, shuttle))]
 

@@ -2,7 +2,9 @@
 //! `PinOptions::prefault_nice`): a test binary of its own, so that no other
 //! test's workers (named alike) are running while it reads them from /proc;
 //! its tests take [`ONE_AT_A_TIME`] for the same reason (`cargo test` runs
-//! them on threads of one process).
+//! them on threads of one process). Also the one binary whose log
+//! subscriber panics on a worker's warning (a worker that panics before it
+//! has placed itself).
 
 use kvoffload::internal::pin::{Prefault, PrefaultConfig, PrefaultMode, Prefaulter};
 use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
@@ -123,4 +125,94 @@ fn workers_raise_their_niceness_and_leave_the_callers_alone() {
             drop(pf);
         });
     });
+}
+
+/// Armed: [`PanickyWorkers`] panics on a warning a pre-fault worker logs.
+static PANIC_ON_WORKER_WARNING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// A log subscriber that panics, while [`PANIC_ON_WORKER_WARNING`] is set,
+/// on a warning logged by a thread named `kvo-prefault-*`; ignores the rest.
+struct PanickyWorkers;
+
+impl tracing::Subscriber for PanickyWorkers {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, e: &tracing::Event<'_>) {
+        let worker = std::thread::current().name().is_some_and(|n| n.starts_with("kvo-prefault-"));
+        if worker
+            && *e.metadata().level() == tracing::Level::WARN
+            && PANIC_ON_WORKER_WARNING.load(std::sync::atomic::Ordering::SeqCst)
+        {
+            panic!("the test's log subscriber panics on a pre-fault worker's warning");
+        }
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// `f` on a thread of its own; its result, or `None` when it has not
+/// returned within `secs` (the thread is then left behind: a hang is
+/// reported as a failure within the bound, not by the harness's limit).
+fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(secs)).ok()
+}
+
+/// A worker that panics before it has placed itself (its warning that the
+/// CPU binding was refused panics in the log subscriber) must not leave
+/// the first `ensure` waiting for it to place itself: the `ensure` returns
+/// an error naming the panic, and settling returns.
+#[test]
+fn a_worker_that_panics_before_placing_itself_fails_ensure_instead_of_hanging() {
+    use kvoffload::internal::pin::PrefaultError;
+    use std::sync::atomic::Ordering::SeqCst;
+    use std::sync::Arc;
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| tracing::subscriber::set_global_default(PanickyWorkers).unwrap());
+    let r = fresh(page_size());
+    let (addr, len) = (r.as_ptr() as usize, r.len());
+    // SAFETY: the region outlives the pre-faulter: it is leaked below when
+    // a call did not return. A CPU no `cpu_set_t` holds: every worker's
+    // binding is refused, and logged.
+    let pf = Arc::new(
+        unsafe { Prefaulter::new(PrefaultConfig { threads: 2, mode: PrefaultMode::Touch, huge_pages: false }) }
+            .on_cpus(vec![1 << 20]),
+    );
+    PANIC_ON_WORKER_WARNING.store(true, SeqCst);
+    let got = {
+        let pf = pf.clone();
+        within(10, move || pf.ensure_typed(0, addr, len))
+    };
+    PANIC_ON_WORKER_WARNING.store(false, SeqCst);
+    let Some(got) = got else {
+        std::mem::forget(r);
+        panic!("ensure still waits 10 s after its workers panicked before placing themselves");
+    };
+    match got {
+        Err(PrefaultError::PoolBroken { chunk: 0, msg }) => {
+            assert!(msg.contains("the test's log subscriber panics"), "{msg}")
+        }
+        other => panic!("expected PoolBroken, got {other:?}"),
+    }
+    let settled = {
+        let pf = pf.clone();
+        within(10, move || pf.settle())
+    };
+    if settled.is_none() {
+        std::mem::forget(r);
+        panic!("settle still waits 10 s after the workers panicked");
+    }
+    assert_eq!(pf.workers_running(), 0);
+    drop(pf);
+    drop(r);
 }

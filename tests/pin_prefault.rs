@@ -319,6 +319,66 @@ fn concurrent_ensures_each_get_their_own_outcome() {
     drop(r);
 }
 
+/// `f` on a thread of its own; its result, or `None` when it has not
+/// returned within `secs` (the thread is then left behind: a hang is
+/// reported as a failure within the bound, not by the harness's limit).
+fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(secs)).ok()
+}
+
+/// A worker that panics outside the slice it faults (here in the
+/// reservation hook, which runs before the slice's own panic guard) stops
+/// the pool: the `ensure` waiting for that chunk returns an error naming
+/// the panic instead of waiting for ever, a later `ensure` fails at once,
+/// and settling (joining the workers) returns.
+#[test]
+fn a_worker_panic_outside_a_slice_fails_ensure_instead_of_hanging() {
+    use std::sync::Arc;
+    let p = page_size();
+    let r = fresh(4 * p, false);
+    let base = r.as_ptr() as usize;
+    let hook: kvoffload::internal::pin::ReserveFn = Box::new(|_, _| panic!("reservation hook exploded (test)"));
+    let cfg = PrefaultConfig { threads: 2, mode: PrefaultMode::Touch, huge_pages: false };
+    // SAFETY: the region outlives the pre-faulter: it is leaked below when
+    // a call did not return (a worker might still reach it).
+    let pf = Arc::new(unsafe { Prefaulter::reserving(cfg, Vec::new(), Some(hook), None) });
+    let first = {
+        let pf = pf.clone();
+        within(10, move || pf.ensure_typed(2, base, 2 * p))
+    };
+    let Some(first) = first else {
+        std::mem::forget(r);
+        panic!("ensure still waits 10 s after a worker panicked");
+    };
+    match first {
+        Err(PrefaultError::PoolBroken { chunk: 2, msg }) => {
+            assert!(msg.contains("reservation hook exploded (test)"), "{msg}")
+        }
+        other => panic!("expected PoolBroken for chunk 2, got {other:?}"),
+    }
+    let later = {
+        let pf = pf.clone();
+        within(10, move || pf.ensure_typed(3, base + 2 * p, 2 * p))
+    };
+    assert!(matches!(later, Some(Err(PrefaultError::PoolBroken { chunk: 3, .. }))), "a later ensure: {later:?}");
+    let settled = {
+        let pf = pf.clone();
+        within(10, move || pf.settle())
+    };
+    if settled.is_none() {
+        std::mem::forget(r);
+        panic!("settle still waits 10 s after a worker panicked");
+    }
+    assert_eq!(pf.workers_running(), 0);
+    assert_eq!(not_resident(base, 4 * p), 4, "a page was touched though its reservation panicked");
+    drop(pf);
+    drop(r);
+}
+
 #[test]
 fn settle_drops_the_rest_of_a_plan() {
     use kvoffload::internal::pin::PlannedChunk;

@@ -35,6 +35,13 @@
 //!   (the engine calls it when pinning ends), so no pre-fault work outlives
 //!   pinning and no thread is created or destroyed (an `mmap_lock` writer)
 //!   while registrations run.
+//! - A panic while faulting a slice fails that slice's chunk
+//!   ([`PrefaultError::Panicked`]). A worker that panics anywhere else (the
+//!   pool's bookkeeping, under its lock; the reservation hook; placing
+//!   itself) stops the pool for good: every `ensure` waiting for a chunk
+//!   not done, and every later one, fails with
+//!   [`PrefaultError::PoolBroken`], naming the panic; nothing waits for
+//!   ever on what that worker would have done or counted.
 //!
 //! This file is the pool (its threads, the plan, the stats, the
 //! [`Prefaulter`]); how one slice is faulted, with the safety argument of
@@ -54,7 +61,9 @@ use super::engine::Prefault;
 use super::options::PrefaultMode;
 pub use super::prefault_rates::SLICE_GBPS_EDGES;
 use super::prefault_rates::{bucket, HugeFallback};
-use super::prefault_slice::{advise_no_huge, align, probe_populate, round_down, run_slice_caught, Populate, Slice};
+use super::prefault_slice::{
+    advise_no_huge, align, panic_text, probe_populate, round_down, run_slice_caught, Populate, Slice,
+};
 pub use super::prefault_slice::{
     thp_setting, thp_stall_events, PrefaultConfig, PrefaultError, ReserveFn, HUGE_PAGE_BYTES,
 };
@@ -97,10 +106,15 @@ struct Job {
     len: usize,
     /// Slices queued or running.
     pending: usize,
-    /// Every job stays when done until its `ensure` collects it (one
-    /// queued from the plan or by a hint may finish long before its
-    /// `ensure`, with a lookahead of several chunks) or `settle` clears it.
+    /// Every job stays when done until the last `ensure` waiting for it
+    /// has read it (one queued from the plan or by a hint may finish long
+    /// before its `ensure`, with a lookahead of several chunks), or
+    /// `settle` clears it (one no `ensure` waits for).
     error: Option<PrefaultError>,
+    /// `ensure` calls waiting for this job: each reads its outcome, and
+    /// the last one removes it (two threads that ensure one chunk share its
+    /// job, and both get its outcome).
+    waiters: usize,
 }
 
 /// One chunk of a plan: index, address, length, data file.
@@ -140,10 +154,17 @@ struct Pool {
     started: usize,
     /// Armed by [`Prefaulter::with_huge_fallback`].
     fallback: Option<HugeFallback>,
+    /// A worker panicked outside a slice (the panic's message): the pool
+    /// stopped for good ([`PrefaultError::PoolBroken`], `Shared::broke`).
+    broken: Option<String>,
     /// A negative model's knob (N28, N29; model builds only:
     /// [`Prefaulter::set_variant`]).
     #[cfg(any(loom, shuttle))]
     variant: crate::protocol::Variant,
+    /// The unit tests' seam: `finish` panics (a worker panicking in the
+    /// pool's bookkeeping, under its lock).
+    #[cfg(test)]
+    panic_in_finish: bool,
 }
 
 impl Pool {
@@ -162,8 +183,11 @@ impl Pool {
             slice_gbps: [0; 8],
             started: 0,
             fallback: None,
+            broken: None,
             #[cfg(any(loom, shuttle))]
             variant: crate::protocol::Variant::Production,
+            #[cfg(test)]
+            panic_in_finish: false,
         }
     }
 
@@ -172,6 +196,12 @@ impl Pool {
     #[cfg(any(loom, shuttle))]
     fn is(&self, v: crate::protocol::Variant) -> bool {
         self.variant == v
+    }
+
+    /// What an `ensure` of `chunk` fails with once a worker panicked
+    /// outside a slice; `None` while the pool runs.
+    fn broken_for(&self, chunk: usize) -> Option<PrefaultError> {
+        self.broken.as_ref().map(|msg| PrefaultError::PoolBroken { chunk, msg: msg.clone() })
     }
 
     /// `jobs` is ordered by id (ids only grow; removal keeps the order), so
@@ -196,7 +226,7 @@ impl Pool {
         let slices = split(addr, len, cfg.threads, align(cfg, self.huge_bytes));
         let pending = slices.len();
         self.queue.extend(slices.into_iter().map(|(addr, len)| Slice { job: id, chunk, addr, len, lane }));
-        self.jobs.push(Job { id, chunk, addr, len, pending, error: None });
+        self.jobs.push(Job { id, chunk, addr, len, pending, error: None, waiters: 0 });
         id
     }
 
@@ -255,6 +285,10 @@ impl Pool {
         if let Some(p) = learned {
             self.populate = p;
         }
+        #[cfg(test)]
+        if self.panic_in_finish {
+            panic!("injected: the pool's bookkeeping panicked (test)");
+        }
         self.slices += 1;
         if res.is_ok() {
             self.bytes += s.len as u64;
@@ -282,6 +316,24 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Pool> {
         sync::lock(&self.pool)
+    }
+
+    /// A worker panicked outside a slice, with `msg`: the pool stops for
+    /// good. The bookkeeping it was in may be half done (a chunk's count
+    /// of unfinished slices may never reach 0), so nothing waits on it any
+    /// more: the slices not started are dropped (the other workers return
+    /// at their next look at the queue), and every waiter is woken: an
+    /// `ensure` whose chunk is not done returns
+    /// [`PrefaultError::PoolBroken`], `start_workers` stops waiting for
+    /// workers to place themselves. Its lock may be poisoned (a panic under
+    /// it): [`sync::lock`] takes it all the same.
+    fn broke(&self, msg: String) {
+        let mut g = self.lock();
+        g.broken.get_or_insert(msg);
+        g.queue.clear();
+        drop(g);
+        self.work.notify_all();
+        self.done.notify_all();
     }
 }
 
@@ -345,9 +397,35 @@ fn lower_priority(k: usize, nice: i32) {
     }
 }
 
-fn worker(shared: Arc<Shared>) {
+/// A worker thread, `k` of its start: places itself, counts itself placed
+/// (`start_workers` waits for that), then runs [`worker`]. A panic
+/// anywhere in it (one inside a slice is that slice's error already:
+/// `run_slice_caught`), before it counted itself too, stops the pool
+/// ([`Shared::broke`]) before the thread ends, so that nothing waits for
+/// ever on what it would have done or counted; the panic then goes on,
+/// for `settle`'s join to report (and, in the model builds, for loom and
+/// shuttle to see). The thread has no other way to end before counting
+/// itself.
+fn run_worker(shared: &Shared, k: usize, cpus: &[usize], nice: i32) {
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        pin_worker(k, cpus);
+        lower_priority(k, nice);
+        shared.lock().started += 1;
+        shared.done.notify_all();
+        worker(shared)
+    }));
+    if let Err(p) = ran {
+        shared.broke(panic_text(&*p));
+        std::panic::resume_unwind(p);
+    }
+}
+
+fn worker(shared: &Shared) {
     let mut g = shared.lock();
     loop {
+        if g.broken.is_some() {
+            return;
+        }
         if let Some(s) = g.take() {
             let skip = g.job_mut(s.job).is_none_or(|j| j.error.is_some());
             let (populate, huge) = (g.populate, g.huge_bytes);
@@ -359,9 +437,9 @@ fn worker(shared: Arc<Shared>) {
                 // SAFETY: slices come from `ensure`/`hint`, whose ranges the
                 // Prefaulter's creator vouched for (`Prefaulter::new`), and
                 // `settle` (run before pinning publishes its final state and
-                // before the pre-faulter is dropped) waits for every running
-                // slice; slices start page aligned (checked, then cut at
-                // multiples of the page size).
+                // before the pre-faulter is dropped) joins every worker, so
+                // it waits for every running slice; slices start page
+                // aligned (checked, then cut at multiples of the page size).
                 unsafe { run_slice_caught(&shared.cfg, shared.reserve.as_ref(), huge, populate, &s) }
             };
             let secs = started.elapsed().as_secs_f64();
@@ -555,18 +633,23 @@ impl Prefaulter {
         }
     }
 
-    /// Worker threads running right now.
+    /// Worker threads started and not yet joined (by [`Prefault::settle`]).
     pub fn workers_running(&self) -> usize {
         sync::lock(&self.workers).len()
     }
 
     /// Starts the workers if none run; returns how many run. A failed spawn
     /// is logged and the pool continues with fewer (0: the caller works).
-    fn start_workers(&self) -> usize {
+    /// The panic's message when a worker panicked outside a slice (then or
+    /// before): the pool stopped for good.
+    fn start_workers(&self) -> Result<usize, String> {
         let mut w = sync::lock(&self.workers);
         if w.is_empty() {
             {
                 let mut g = self.shared.lock();
+                if let Some(msg) = &g.broken {
+                    return Err(msg.clone());
+                }
                 g.stop = false;
                 g.started = 0;
             }
@@ -575,13 +658,7 @@ impl Prefaulter {
                 let b = thread::Builder::new().name(format!("kvo-prefault-{k}")).stack_size(WORKER_STACK_BYTES);
                 let cpus = self.cpus.clone();
                 let nice = self.nice;
-                match b.spawn(move || {
-                    pin_worker(k, &cpus);
-                    lower_priority(k, nice);
-                    sh.lock().started += 1;
-                    sh.done.notify_all();
-                    worker(sh)
-                }) {
+                match b.spawn(move || run_worker(&sh, k, &cpus, nice)) {
                     Ok(h) => w.push(h),
                     Err(e) => {
                         tracing::warn!(error = %e, started = k, wanted = self.shared.cfg.threads, "could not start a pre-fault worker; continuing with fewer");
@@ -591,14 +668,18 @@ impl Prefaulter {
             }
             // Every worker has placed itself (CPUs, niceness) before any
             // slice is queued for it: no slice runs with the spawner's
-            // placement.
+            // placement. Bounded: a worker that does not count itself
+            // panicked, which stops the pool (`run_worker`).
             let n = w.len();
             let mut g = self.shared.lock();
-            while g.started < n {
+            while g.started < n && g.broken.is_none() {
                 g = sync::wait(&self.shared.done, g);
             }
+            if let Some(msg) = &g.broken {
+                return Err(msg.clone());
+            }
         }
-        w.len()
+        Ok(w.len())
     }
 
     fn check(&self, chunk: usize, addr: usize) -> Result<(), PrefaultError> {
@@ -626,17 +707,26 @@ impl Prefaulter {
         Ok(())
     }
 
-    /// Like [`Prefault::ensure`], with the typed error.
+    /// Like [`Prefault::ensure`], with the typed error. Two threads that
+    /// ensure one chunk share its job and each gets its outcome; once a
+    /// worker panicked outside a slice, every `ensure` whose chunk is not
+    /// done fails with [`PrefaultError::PoolBroken`] (at once, or as the
+    /// panic happens while it waits).
     pub fn ensure_typed(&self, chunk: usize, addr: usize, len: usize) -> Result<(), PrefaultError> {
         if self.shared.cfg.mode == PrefaultMode::Off || len == 0 {
             return Ok(());
         }
         self.check(chunk, addr)?;
-        if self.start_workers() == 0 {
-            return self.run_inline(chunk, addr, len);
+        match self.start_workers() {
+            Ok(0) => return self.run_inline(chunk, addr, len),
+            Ok(_) => {}
+            Err(msg) => return Err(PrefaultError::PoolBroken { chunk, msg }),
         }
         let sh = &self.shared;
         let mut g = sh.lock();
+        if let Some(e) = g.broken_for(chunk) {
+            return Err(e);
+        }
         if g.submit_plan(&sh.cfg) {
             sh.work.notify_all();
         }
@@ -660,19 +750,33 @@ impl Prefaulter {
                 p.job_index(id).is_some_and(|k| p.jobs[k].pending > 0)
             }
         };
-        while unfinished(&g) {
+        if let Some(j) = g.job_mut(id) {
+            j.waiters += 1;
+        }
+        // Until the chunk is done, or a worker's panic stopped the pool (a
+        // count it left unfinished would never reach 0).
+        while unfinished(&g) && g.broken.is_none() {
             g = sync::wait(&sh.done, g);
         }
-        // This call's job goes (each `ensure` removes its own, so no other
-        // is swept here: a sweep of finished jobs could take another
-        // thread's `ensure` job before that thread, woken but not yet
-        // running, read its error); hinted and planned chunks stay until
-        // their `ensure` (or `settle`).
-        let pos = g.job_index(id);
-        let job = pos.map(|p| g.jobs.remove(p));
-        match job.and_then(|j| j.error) {
-            Some(e) => Err(e),
-            None => Ok(()),
+        // This call's outcome: its job's, read by every `ensure` waiting
+        // for it; the last of them removes the job (no other is swept here:
+        // a sweep of finished jobs could take another thread's `ensure` job
+        // before that thread, woken but not yet running, read its error);
+        // hinted and planned chunks stay until their `ensure` (or
+        // `settle`). The job is there: only its waiters remove it, and
+        // `settle` keeps the jobs waited for.
+        let Some(k) = g.job_index(id) else {
+            return Err(PrefaultError::Stopped { chunk });
+        };
+        let j = &mut g.jobs[k];
+        j.waiters -= 1;
+        let (done, res) = (j.pending == 0, j.error.clone().map_or(Ok(()), Err));
+        if j.waiters == 0 {
+            g.jobs.remove(k);
+        }
+        match g.broken_for(chunk) {
+            Some(e) if !done => Err(e),
+            _ => res,
         }
     }
 }
@@ -687,11 +791,15 @@ impl Prefault for Prefaulter {
             // `ensure` reports a misaligned chunk.
             return;
         }
-        if self.start_workers() == 0 {
+        if !matches!(self.start_workers(), Ok(n) if n > 0) {
             return;
         }
         let sh = &self.shared;
         let mut g = sh.lock();
+        if g.broken.is_some() {
+            // `ensure` reports it.
+            return;
+        }
         let planned = g.submit_plan(&sh.cfg);
         if g.find(i, addr, len).is_none() {
             g.submit(&sh.cfg, i, addr, len, None);
@@ -715,10 +823,18 @@ impl Prefault for Prefaulter {
                 j.error.get_or_insert(PrefaultError::Stopped { chunk: s.chunk });
             }
         }
-        while g.jobs.iter().any(|j| j.pending > 0) {
-            g = sync::wait(&sh.done, g);
+        if !dropped.is_empty() {
+            // An `ensure` beside this call (the engine makes none) whose
+            // chunk is now done, with `Stopped`.
+            sh.done.notify_all();
         }
-        g.jobs.clear();
+        // The slices running are waited for by the joins below: a worker
+        // returns only from the top of its loop, once it has finished the
+        // slice it took. (No wait on the jobs' counts here, as there was:
+        // the joins made it redundant, and a worker's panic can leave a
+        // count that never reaches 0.) A job an `ensure` waits for stays
+        // until that `ensure` has read it.
+        g.jobs.retain(|j| j.waiters > 0);
         g.plan = None;
         g.stop = true;
         sh.work.notify_all();
@@ -773,6 +889,183 @@ mod tests {
             );
             assert_eq!(pool.fallback.as_ref().unwrap().tripped().map(|t| t.0), Some(from));
         }
+    }
+
+    /// `f` on a thread of its own; its result, or `None` when it has not
+    /// returned within `secs` (the thread is then left behind: a hang is
+    /// reported as a failure within the bound, not by the harness's limit).
+    fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(secs)).ok()
+    }
+
+    /// An anonymous region of `pages` untouched pages.
+    fn pages(pages: usize) -> crate::region::Region {
+        let l = crate::region::Layout::new(1, page_size(), pages).unwrap();
+        crate::region::Region::anonymous(l, &crate::region::AnonOptions::new()).unwrap()
+    }
+
+    /// A worker that panics in the pool's bookkeeping, under the pool's
+    /// lock (`finish`, through the tests' seam), stops the pool: the
+    /// `ensure` waiting for the chunk returns an error naming the panic
+    /// instead of waiting for ever, though the lock is poisoned and the
+    /// chunk's count of unfinished slices never reaches 0; a later `ensure`
+    /// fails at once; settling returns.
+    #[test]
+    fn a_panic_in_the_bookkeeping_under_the_lock_fails_ensure_instead_of_hanging() {
+        let r = pages(2);
+        let (addr, len) = (r.as_ptr() as usize, r.len());
+        // SAFETY: the region outlives the pre-faulter: it is leaked below
+        // when a call did not return (a worker might still reach it).
+        let pf = Arc::new(unsafe {
+            Prefaulter::new(PrefaultConfig { threads: 2, mode: PrefaultMode::Touch, huge_pages: false })
+        });
+        pf.shared.lock().panic_in_finish = true;
+        let got = {
+            let pf = pf.clone();
+            within(10, move || pf.ensure_typed(5, addr, len))
+        };
+        let Some(got) = got else {
+            std::mem::forget(r);
+            panic!("ensure still waits 10 s after a worker panicked under the pool's lock");
+        };
+        match got {
+            Err(PrefaultError::PoolBroken { chunk: 5, msg }) => assert!(msg.contains("bookkeeping panicked"), "{msg}"),
+            other => panic!("expected PoolBroken for chunk 5, got {other:?}"),
+        }
+        assert!(pf.shared.pool.is_poisoned(), "the panic was not under the pool's lock: the case did not happen");
+        let later = {
+            let pf = pf.clone();
+            within(10, move || pf.ensure_typed(6, addr, len))
+        };
+        assert!(matches!(later, Some(Err(PrefaultError::PoolBroken { chunk: 6, .. }))), "a later ensure: {later:?}");
+        let settled = {
+            let pf = pf.clone();
+            within(10, move || pf.settle())
+        };
+        if settled.is_none() {
+            std::mem::forget(r);
+            panic!("settle still waits 10 s after a worker panicked under the pool's lock");
+        }
+        assert_eq!(pf.workers_running(), 0);
+        drop(pf);
+        drop(r);
+    }
+
+    /// Two threads `ensure` the same chunk, so they wait for one job: each
+    /// gets its outcome (here the reservation hook's refusal), not only the
+    /// first to read it. The chunk's one slice is held in the hook until
+    /// the job counts both waiters.
+    #[test]
+    fn two_ensures_of_one_chunk_each_get_its_outcome() {
+        use std::sync::mpsc;
+        use std::time::{Duration, Instant};
+        let r = pages(1);
+        let (addr, len) = (r.as_ptr() as usize, r.len());
+        let (entered_tx, entered) = mpsc::channel::<()>();
+        let (go_tx, go) = mpsc::channel::<()>();
+        let (entered_tx, go) = (Mutex::new(entered_tx), Mutex::new(go));
+        let hook: ReserveFn = Box::new(move |_, _| {
+            let _ = sync::lock(&entered_tx).send(());
+            // Bounded: a test that fails elsewhere lets the worker go.
+            let _ = sync::lock(&go).recv_timeout(Duration::from_secs(30));
+            Err("refused by the test".to_string())
+        });
+        let cfg = PrefaultConfig { threads: 1, mode: PrefaultMode::Touch, huge_pages: false };
+        // SAFETY: the region outlives the pre-faulter (dropped first).
+        let pf = Arc::new(unsafe { Prefaulter::reserving(cfg, Vec::new(), Some(hook), None) });
+        let ensure = |pf: &Arc<Prefaulter>| {
+            let pf = pf.clone();
+            std::thread::spawn(move || pf.ensure_typed(1, addr, len))
+        };
+        let first = ensure(&pf);
+        entered.recv_timeout(Duration::from_secs(10)).expect("the chunk's slice never reached the hook");
+        let second = ensure(&pf);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pf.shared.lock().jobs.iter().map(|j| j.waiters).sum::<usize>() < 2 {
+            assert!(Instant::now() < deadline, "the second ensure did not join the first's job within 10 s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        go_tx.send(()).unwrap();
+        for (who, h) in [("first", first), ("second", second)] {
+            let got = h.join().unwrap();
+            assert!(
+                matches!(&got, Err(PrefaultError::Reserve { chunk: 1, msg, .. }) if msg == "refused by the test"),
+                "the {who} ensure returned {got:?}"
+            );
+        }
+        assert!(entered.try_recv().is_err(), "the chunk was queued twice");
+        drop(pf);
+        drop(r);
+    }
+
+    /// Polls `cond` on the pool until it holds; fails after 10 s with
+    /// `what`.
+    fn until(pf: &Prefaulter, what: &str, cond: impl Fn(&Pool) -> bool) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !cond(&pf.shared.lock()) {
+            assert!(std::time::Instant::now() < deadline, "{what} within 10 s");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    /// `settle` beside two `ensure` calls (the engine makes none, but the
+    /// pool is `Sync`): one waits for a chunk whose slice runs, held in the
+    /// reservation hook, the other for a chunk queued behind it. The queued
+    /// one is dropped, and its `ensure` returns `Stopped` at once, not when
+    /// some slice happens to finish; the running one's `ensure` gets its
+    /// chunk's real outcome (`Ok`), its job kept though `settle` cleared
+    /// the others.
+    #[test]
+    fn settle_beside_ensure_ends_the_waits_with_each_chunks_outcome() {
+        use std::sync::mpsc;
+        use std::time::Duration;
+        let r = pages(2);
+        let (base, p) = (r.as_ptr() as usize, page_size());
+        let (entered_tx, entered) = mpsc::channel::<()>();
+        let (go_tx, go) = mpsc::channel::<()>();
+        let (entered_tx, go) = (Mutex::new(entered_tx), Mutex::new(go));
+        let hook: ReserveFn = Box::new(move |addr, _| {
+            if addr == base {
+                let _ = sync::lock(&entered_tx).send(());
+                // Bounded: a test that fails elsewhere lets the worker go.
+                let _ = sync::lock(&go).recv_timeout(Duration::from_secs(30));
+            }
+            Ok(())
+        });
+        let cfg = PrefaultConfig { threads: 1, mode: PrefaultMode::Touch, huge_pages: false };
+        // SAFETY: the region outlives the pre-faulter: it is leaked below
+        // when a call did not return.
+        let pf = Arc::new(unsafe { Prefaulter::reserving(cfg, Vec::new(), Some(hook), None) });
+        let running = {
+            let pf = pf.clone();
+            std::thread::spawn(move || pf.ensure_typed(0, base, p))
+        };
+        entered.recv_timeout(Duration::from_secs(10)).expect("chunk 0's slice never reached the hook");
+        let queued = {
+            let pf = pf.clone();
+            std::thread::spawn(move || pf.ensure_typed(1, base + p, p))
+        };
+        until(&pf, "chunk 1's ensure waits", |g| g.jobs.iter().any(|j| j.chunk == 1 && j.waiters == 1));
+        let settling = {
+            let pf = pf.clone();
+            std::thread::spawn(move || pf.settle())
+        };
+        let got = within(10, move || queued.join().unwrap());
+        go_tx.send(()).unwrap();
+        let Some(got) = got else {
+            std::mem::forget(r);
+            panic!("the ensure of a chunk settle dropped still waits 10 s later (for a slice of another chunk)");
+        };
+        assert_eq!(got, Err(PrefaultError::Stopped { chunk: 1 }));
+        assert_eq!(running.join().unwrap(), Ok(()), "the ensure of the chunk that was running");
+        settling.join().unwrap();
+        assert_eq!(pf.workers_running(), 0);
+        drop(pf);
+        drop(r);
     }
 
     #[test]

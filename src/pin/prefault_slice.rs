@@ -96,6 +96,17 @@ pub enum PrefaultError {
         /// What the reservation said.
         msg: String,
     },
+    /// A worker panicked outside the slices it faults (in the pool's
+    /// bookkeeping, the reservation hook, or before it had placed itself):
+    /// the pool stopped for good, and every `ensure` waiting for a chunk not
+    /// done, or called later, fails with this.
+    #[error("chunk {chunk}: the pre-fault pool stopped: a worker panicked outside a slice: {msg}")]
+    PoolBroken {
+        /// Index of the registration chunk `ensure` was called for.
+        chunk: usize,
+        /// The panic message.
+        msg: String,
+    },
     /// Pre-faulting was stopped ([`Prefault::settle`](super::Prefault::settle)) before the chunk
     /// was done.
     #[error("chunk {chunk}: pre-faulting was stopped before the chunk was resident")]
@@ -302,15 +313,17 @@ pub(super) unsafe fn run_slice_caught(
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { run_slice(cfg, huge_bytes, populate, s) }))
     {
         Ok(r) => r,
-        Err(p) => {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
-            (Err(PrefaultError::Panicked { chunk: s.chunk, msg }), None)
-        }
+        Err(p) => (Err(PrefaultError::Panicked { chunk: s.chunk, msg: panic_text(&*p) }), None),
     }
+}
+
+/// The message a panic was raised with (`panic!("literal")` carries a
+/// `&str`, a formatted panic a `String`).
+pub(super) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 /// Direct reclaim and compaction stalls plus huge-page faults that fell
