@@ -146,7 +146,11 @@ class CaptureWindow:
     """``with off.capture_window(): ...``: no library thread makes a
     capture-unsafe driver call while it is open; with the default policy it
     opens once pinning is final (entering waits, the GIL released; Ctrl-C
-    stops the wait with ``KeyboardInterrupt`` and the window never opens)."""
+    stops the wait with ``KeyboardInterrupt`` and the window never opens).
+
+    A window left open (entered, never exited, on any thread) closes when
+    the object is dropped; when it held the last reference to an offloader
+    already dropped, that offloader then shuts down."""
 
     def __enter__(self) -> "CaptureWindow": ...
     def __exit__(

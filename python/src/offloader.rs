@@ -507,7 +507,12 @@ impl PyOffloaderBase {
     /// once pinning is final (entering waits, GIL released; Ctrl-C stops
     /// the wait with KeyboardInterrupt, the window not opened).
     pub(crate) fn capture_window(&self) -> PyCaptureWindow {
-        PyCaptureWindow { off: self.off.clone(), guard: Mutex::new(None), waited: Mutex::new(0) }
+        PyCaptureWindow {
+            off: self.off.clone(),
+            agreement: self.agreement.clone(),
+            guard: Mutex::new(None),
+            waited: Mutex::new(0),
+        }
     }
 
     /// The capture hook's begin (for a wrapper of a framework's capture
@@ -726,8 +731,26 @@ impl PyOffloaderBase {
 #[pyclass(name = "CaptureWindow", module = "kvoffload", frozen)]
 pub(crate) struct PyCaptureWindow {
     pub(crate) off: Arc<Front>,
+    pub(crate) agreement: Option<Arc<Gate>>,
     pub(crate) guard: Mutex<Option<CaptureWindow>>,
     pub(crate) waited: Mutex<usize>,
+}
+
+/// A window left open (its `with` block never ended, or another thread
+/// entered it) closes when the object goes, before the offloader it may
+/// hold the last reference to: that offloader's drop shuts it down, which
+/// would otherwise wait for this very window (its transfer engine's
+/// release waits for windows to close) and never return (issue 43,
+/// item 4). As the last holder, it shuts the offloader down with the GIL
+/// released, as `_OffloaderBase`'s drop does.
+impl Drop for PyCaptureWindow {
+    fn drop(&mut self) {
+        let w = self.guard.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        drop(w);
+        if Arc::strong_count(&self.off) == 1 {
+            shut_down_dropped(&self.off, self.agreement.as_ref());
+        }
+    }
 }
 
 #[pymethods]

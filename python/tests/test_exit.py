@@ -1,5 +1,5 @@
 """Interpreter exit is safe whatever kvoffload's threads are doing (issue
-43, item 1). Simulated GPU.
+43, items 1 and 4). Simulated GPU.
 
 Each case runs in child interpreters with a timeout, so that an abort
 fails the test with the child's exit status and stderr, and a hang fails it
@@ -12,6 +12,10 @@ when the callable's thread came back into Python during finalisation: the
 callable ran on a thread of the library, whose Rust frames unwound as
 CPython ended it. Each exit case runs KVO_EXIT_RUNS times (default 20),
 a few children at a time.
+
+Item 4: dropping a capture window that another thread left open, after
+the offloader was dropped, hung for ever: the window held the offloader's
+last reference, and the offloader's drop waited for that very window.
 """
 
 import os
@@ -94,3 +98,47 @@ def test_exit_while_the_agreement_callable_runs_after_shutdown(case):
     assert not bad, f"{len(bad)} of {RUNS} exits failed; first: status {bad[0][0]}\n{bad[0][1][-2000:]}"
     for code, out, err in results:
         assert out.startswith("shut down "), out + err  # while the callable ran
+
+
+# The child of item 4: a thread opens a window and leaves it open; the
+# offloader is dropped (its shutdown refused: the window is open), then the
+# window (which now holds the offloader's last reference) on `dropper`.
+WINDOW_CHILD = """
+import sys, threading
+import kvoffload as kv
+import kvoffload._testing as kt
+
+opener, dropper = sys.argv[1], sys.argv[2]
+rt = kv.Runtime("sim")
+off = kv.KeyedOffloader(64, kv=kv.KvAlloc(tensors=2, page_bytes=4096, gpu_blocks=32), runtime=rt, start=True)
+off.wait_pinned()
+box = []
+
+def on(where, f):
+    if where == "main":
+        f()
+    else:
+        t = threading.Thread(target=f)
+        t.start()
+        t.join()
+
+def open_window():
+    w = off.capture_window()
+    w.__enter__()
+    box.append(w)
+
+on(opener, open_window)
+del off
+print("offloader dropped", flush=True)
+on(dropper, lambda: box.clear())
+print("window dropped", kt.sim_registered_ranges(rt), kt.sim_device_bytes_in_use(rt), flush=True)
+"""
+
+
+@pytest.mark.parametrize("opener,dropper", [("main", "main"), ("thread", "main"), ("main", "thread")])
+def test_dropping_a_window_left_open_after_the_offloader_ends(opener, dropper):
+    code, out, err = run_child(textwrap.dedent(WINDOW_CHILD), opener, dropper)
+    assert code == 0, f"status {code}: {out}{err}"
+    # The window closed, then the offloader shut down: nothing registered
+    # or allocated is left.
+    assert out.splitlines() == ["offloader dropped", "window dropped 0 0"], out + err
