@@ -429,7 +429,7 @@ fn cancel_pinning_ends_the_wait_in_the_agreement() {
     r0.core().cancel_pinning();
     let out0 = r0.core().wait_pinned().unwrap();
     assert_eq!(out0.agreement, Some(Err(AgreementError::Cancelled { waiting: vec![1] })), "{out0:?}");
-    assert_eq!(out0.state, PinState::Pageable(kvoffload::internal::protocol::PageableReason::PeerPageable));
+    assert_eq!(out0.state, PinState::Pageable(kvoffload::internal::protocol::PageableReason::Cancelled));
     // No chunk stays registered on the cancelled rank.
     assert_eq!(r0.core().pin_progress().chunks_done, 0);
     r0.core().shutdown().unwrap();

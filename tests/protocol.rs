@@ -4,7 +4,8 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::pin::{pin_all, NoPrefault};
+use kvoffload::internal::pin::{pin_all, pin_all_agreed_by, Agreement, NoPrefault, RankAgreement};
+use kvoffload::internal::protocol::agreement::{AgreementError, LocalSlots, RankSlots, Transport, UNSETTLED};
 use kvoffload::internal::protocol::{
     shutdown, CapturePolicy, ChunkReg, Coordinator, PageableReason, PinState, ProtocolError, ShutdownError,
 };
@@ -529,4 +530,59 @@ fn begin_shutdown_closes_and_returns_only_once_pinning_is_final() {
             assert!(seen.is_final(), "round {round}: begin_shutdown returned with pinning at {seen:?}");
         });
     }
+}
+
+/// A transport whose exchange says it began, then blocks until released.
+struct Blocked {
+    began: std::sync::atomic::AtomicBool,
+    release: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl Transport for Blocked {
+    fn exchange(&self, mine: u32) -> Result<Vec<u32>, String> {
+        self.began.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut released = self.release.lock().unwrap();
+        while !*released {
+            released = self.cv.wait(released).unwrap();
+        }
+        Ok(vec![mine])
+    }
+}
+
+/// Issue 43, item 7: a rank whose own cancel (what its shutdown does) ends
+/// its wait in the agreement, its region pinned, ends pageable for its own
+/// reason, `Cancelled`, not `PeerPageable` (no peer fell back), through
+/// the region's words and through a transport alike; its chunks are
+/// unregistered.
+#[test]
+fn a_ranks_own_cancel_during_the_agreement_is_its_own_reason() {
+    let transport =
+        Arc::new(Blocked { began: false.into(), release: std::sync::Mutex::new(false), cv: std::sync::Condvar::new() });
+    let words = Arc::new(LocalSlots::new(2)); // rank 1 never settles
+    let settled = || words.load(0) != UNSETTLED;
+    let exchanging = || transport.began.load(std::sync::atomic::Ordering::SeqCst);
+    let cases: [(RankAgreement, &dyn Fn() -> bool, AgreementError); 2] = [
+        (
+            RankAgreement::Slots(Agreement { slots: words.clone(), rank: 0, timeout: None }),
+            &settled,
+            AgreementError::Cancelled { waiting: vec![1] },
+        ),
+        (RankAgreement::Transport(transport.clone()), &exchanging, AgreementError::ExchangeCancelled),
+    ];
+    for (agreement, waiting, error) in cases {
+        let rt = SimRuntime::new();
+        let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 2);
+        std::thread::scope(|s| {
+            let rank = s.spawn(|| pin_all_agreed_by(&rt, &coord, &NoPrefault, &agreement));
+            // Its region pinned, this rank waits for the others.
+            until("the rank waits in the agreement", waiting);
+            coord.cancel_pinning();
+            assert_eq!(rank.join().unwrap(), Err(error));
+        });
+        assert_eq!(coord.pin_state(), PinState::Pageable(PageableReason::Cancelled));
+        assert_eq!(rt.registered_ranges(), 0);
+    }
+    *transport.release.lock().unwrap() = true;
+    transport.cv.notify_all();
 }

@@ -105,8 +105,9 @@ def torch_agreement(group=None):
     with ``torch.distributed.new_group(backend="gloo")`` on every rank (with
     ``group=None`` the default group is used when it is gloo, and otherwise
     a gloo group is made here, which is itself a collective call: make it on
-    every rank in the same order). The callable runs once, on the pinning
-    thread; the process group's timeout bounds it.
+    every rank in the same order). The callable runs once, on a daemon thread
+    of its own; the process group's timeout bounds it (``agreement_timeout``
+    does not).
     """
     import torch
     import torch.distributed as dist

@@ -152,7 +152,11 @@ class CaptureWindow:
     """``with off.capture_window(): ...``: no library thread makes a
     capture-unsafe driver call while it is open; with the default policy it
     opens once pinning is final (entering waits, the GIL released; Ctrl-C
-    stops the wait with ``KeyboardInterrupt`` and the window never opens)."""
+    stops the wait with ``KeyboardInterrupt`` and the window never opens).
+
+    A window left open (entered, never exited, on any thread) closes when
+    the object is dropped; when it held the last reference to an offloader
+    already dropped, that offloader then shuts down."""
 
     def __enter__(self) -> "CaptureWindow": ...
     def __exit__(
@@ -470,7 +474,20 @@ class _OffloaderBase:
     and the like, are refused naming the option that replaced them).
     ``agreement``: the ranks' agreement transport
     (``torch_agreement``), ``agreement_timeout``: seconds a rank waits for
-    its peers (None: no limit); ``start``: start pinning at once.
+    its peers through a shared region's header (None: no limit); it does
+    not bound the ``agreement`` callable, nor this rank's wait for it: the
+    transport's own timeout (the process group's) does, and a shutdown ends
+    the wait at once; ``start``: start pinning at once.
+
+    The ``agreement`` callable runs once, on a daemon thread of its own
+    (``kvo-agree-callable``). A shutdown does not wait for it: the callable
+    may still run after ``shutdown`` returned, and at interpreter exit its
+    thread ends as any daemon thread does; no other thread of kvoffload
+    enters Python after ``shutdown`` returned or once the interpreter began
+    to exit. Inside the callable, ``wait_pinned`` of its own offloader
+    raises ``ProtocolError`` (reason ``"would_deadlock"``): pinning ends
+    only once the callable returned. A shutdown while the callable runs
+    ends this rank pageable with reason ``"cancelled"``.
 
     Ctrl-C (``SIGINT``, or any signal whose handler raises) during a wait
     (joining or creating a shared region, ``wait_pinned`` and the ranks'
@@ -500,6 +517,9 @@ class _OffloaderBase:
     #: Pinning now: ``state`` (a :class:`PinState`) and how far it got.
     @property
     def pin_progress(self) -> PinProgress: ...
+    #: Waits until pinning is final (and agreed, where ranks agree),
+    #: starting it if needed. Inside the ``agreement`` callable raises
+    #: ``ProtocolError`` (reason ``"would_deadlock"``).
     def wait_pinned(self) -> PinOutcome: ...
     #: Holds pinning back until the hold is released (an engine's capture
     #: phase): no registration starts meanwhile. Holds nest; shutdown is

@@ -45,3 +45,29 @@ impl Front {
         }
     }
 }
+
+/// What a Python holder of the offloader does as it goes (`_OffloaderBase`,
+/// or a `CaptureWindow` holding the last reference): shuts it down unless
+/// it is, and once it is shut down closes the agreement's `gate`
+/// (agreement.rs: no thread of kvoffload enters Python for it afterwards),
+/// with the GIL released (the shutdown waits for what is in flight, a
+/// `gated` call among it, whose callable needs the GIL; the close waits for
+/// a start of the agreement callable's thread, which needs it too). A
+/// refused shutdown (a window or a graph still open) is reported on stderr.
+pub(crate) fn shut_down_dropped(off: &Arc<Front>, gate: Option<&Arc<Gate>>) {
+    let (off, gate) = (off.clone(), gate.cloned());
+    Python::attach(|py| {
+        py.detach(move || {
+            if !off.is_shut_down() {
+                if let Err(e) = off.shutdown() {
+                    eprintln!("kvoffload: offloader dropped, shutdown failed: {e}");
+                }
+            }
+            if off.is_shut_down() {
+                if let Some(g) = gate {
+                    g.close();
+                }
+            }
+        })
+    });
+}

@@ -33,6 +33,7 @@
 //! `PanicException`.
 
 use super::*;
+use kvoffload::internal::protocol::ProtocolError;
 
 /// What `kvoffload.Offloader` and `kvoffload.KeyedOffloader` share (the
 /// hidden base `kvoffload._OffloaderBase`): the library offloader, the
@@ -53,23 +54,15 @@ pub(crate) struct PyOffloaderBase {
     pub(crate) adoptions: Mutex<Vec<DevicePtr>>,
     /// The job bookkeeping (module docs: its lock discipline).
     pub(crate) book: Mutex<Book>,
+    /// The gate of the `agreement=` callable, closed once the offloader
+    /// shut down (agreement.rs).
+    pub(crate) agreement: Option<Arc<Gate>>,
 }
 
 impl Drop for PyOffloaderBase {
     fn drop(&mut self) {
-        // The offloader's own Drop shuts it down, joining the pinner, which
-        // may be inside the Python agreement callable waiting for the GIL:
-        // shut down with the GIL released.
-        let off = self.off.clone();
-        Python::attach(|py| {
-            py.detach(move || {
-                if !off.is_shut_down() {
-                    if let Err(e) = off.shutdown() {
-                        eprintln!("kvoffload: offloader dropped, shutdown failed: {e}");
-                    }
-                }
-            })
-        });
+        // Shut down with the GIL released (front.rs).
+        shut_down_dropped(&self.off, self.agreement.as_ref());
         if self.off.is_shut_down() {
             self.release_adoptions();
         } else if !self.adoptions.get_mut().unwrap_or_else(|p| p.into_inner()).is_empty() {
@@ -159,6 +152,11 @@ impl PyOffloaderBase {
         let signals = Signals::default();
         let r = py.detach(|| off.interruptible(&|| signals.check()).shutdown(&mut self.keep()));
         if self.off.is_shut_down() {
+            // No thread of kvoffload enters Python for the agreement any
+            // more (the callable's own thread may still run it).
+            if let Some(g) = &self.agreement {
+                py.detach(|| g.close());
+            }
             // As the library's `poll` after shutdown: nothing more to report.
             self.book().clear();
             self.forget_stream();
@@ -184,7 +182,11 @@ pub(crate) struct Args<'a, 'py> {
     pub(crate) region: Option<&'a Bound<'py, PyAny>>,
     pub(crate) pin: Option<&'a Bound<'py, PyAny>>,
     pub(crate) transfer: Option<&'a Bound<'py, PyAny>>,
+    /// The ranks' agreement callable (agreement.rs: run on a daemon thread
+    /// of its own, never bounded by kvoffload).
     pub(crate) agreement: Option<Py<PyAny>>,
+    /// Seconds a rank waits for its peers through a shared region's header;
+    /// it bounds neither the `agreement` callable nor the wait for it.
     pub(crate) agreement_timeout: Option<f64>,
     pub(crate) start: bool,
     pub(crate) unknown: Option<&'a Bound<'py, PyDict>>,
@@ -228,11 +230,14 @@ impl PyOffloaderBase {
             opts.pin = pin.o;
             opts.transfer = transfer.o;
             opts.agreement_timeout = seconds(py, "agreement_timeout", agreement_timeout)?;
+            let mut gate = None;
             if let Some(f) = agreement {
                 if !f.bind(py).is_callable() {
                     return Err(errors::options(py, "agreement must be a callable: f(mine: int) -> list[int] | int"));
                 }
-                opts.agreement = Some(Arc::new(PyTransport { f }));
+                let t = Arc::new(PyTransport::new(py, f)?);
+                gate = Some(t.gate.clone());
+                opts.agreement = Some(t);
             }
 
             let rt_ref = runtime.get();
@@ -402,6 +407,7 @@ impl PyOffloaderBase {
                 adopted: Mutex::new(adopted),
                 adoptions: Mutex::new(adoptions),
                 book: Mutex::new(Book::default()),
+                agreement: gate,
             };
             if start {
                 me.off.start().map_err(|e| errors::offloader(py, e))?;
@@ -477,6 +483,11 @@ impl PyOffloaderBase {
     /// starting it if needed; returns how it ended.
     pub(crate) fn wait_pinned(&self, py: Python<'_>) -> PyResult<PyPinOutcome> {
         guarded(py, || {
+            if self.agreement.as_ref().is_some_and(|g| g.on_caller_thread()) {
+                // Pinning ends only once the callable returned.
+                let what = "waiting for pinning inside the agreement callable";
+                return Err(errors::offloader(py, ProtocolError::WouldDeadlock { what }.into()));
+            }
             let off = &self.off;
             let signals = Signals::default();
             let out: PinOutcome =
@@ -507,7 +518,12 @@ impl PyOffloaderBase {
     /// once pinning is final (entering waits, GIL released; Ctrl-C stops
     /// the wait with KeyboardInterrupt, the window not opened).
     pub(crate) fn capture_window(&self) -> PyCaptureWindow {
-        PyCaptureWindow { off: self.off.clone(), guard: Mutex::new(None), waited: Mutex::new(0) }
+        PyCaptureWindow {
+            off: self.off.clone(),
+            agreement: self.agreement.clone(),
+            guard: Mutex::new(None),
+            waited: Mutex::new(0),
+        }
     }
 
     /// The capture hook's begin (for a wrapper of a framework's capture
@@ -726,8 +742,26 @@ impl PyOffloaderBase {
 #[pyclass(name = "CaptureWindow", module = "kvoffload", frozen)]
 pub(crate) struct PyCaptureWindow {
     pub(crate) off: Arc<Front>,
+    pub(crate) agreement: Option<Arc<Gate>>,
     pub(crate) guard: Mutex<Option<CaptureWindow>>,
     pub(crate) waited: Mutex<usize>,
+}
+
+/// A window left open (its `with` block never ended, or another thread
+/// entered it) closes when the object goes, before the offloader it may
+/// hold the last reference to: that offloader's drop shuts it down, which
+/// would otherwise wait for this very window (its transfer engine's
+/// release waits for windows to close) and never return (issue 43,
+/// item 4). As the last holder, it shuts the offloader down with the GIL
+/// released, as `_OffloaderBase`'s drop does.
+impl Drop for PyCaptureWindow {
+    fn drop(&mut self) {
+        let w = self.guard.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        drop(w);
+        if Arc::strong_count(&self.off) == 1 {
+            shut_down_dropped(&self.off, self.agreement.as_ref());
+        }
+    }
 }
 
 #[pymethods]

@@ -4,6 +4,7 @@ shared region's header. Simulated GPU, no PyTorch."""
 
 import multiprocessing as mp
 import os
+import threading
 
 import pytest
 
@@ -128,3 +129,73 @@ def test_shared_region_header_agreement(tmp_path, fail):
     want = "pageable" if any(fail) else "pinned"
     assert r0["state"] == r1["state"] == want
     assert os.listdir(tmp_path) == []  # the region file is gone
+
+
+# ---- issue 43, item 7: the agreement callable and this rank's own shutdown ----
+
+LIMIT = 20.0  # s: a wait still blocked then would block until shutdown
+
+
+def one_rank(agreement):
+    rt = kv.Runtime("sim")
+    kw = dict(kv=kv.KvAlloc(tensors=2, page_bytes=PAGE, gpu_blocks=32), runtime=rt, pin=kv.PinOptions(threads=1))
+    return rt, kv.KeyedOffloader(64, agreement=agreement, **kw)
+
+
+def test_wait_pinned_inside_the_agreement_callable_is_refused():
+    """Pinning ends only once the callable returned: its own offloader's
+    wait_pinned inside it is refused (ProtocolError, would_deadlock), as
+    waits inside gated() are, instead of blocking until shutdown."""
+    box, seen, finished = [], [], threading.Event()
+
+    def agree(mine):
+        try:
+            box[0].wait_pinned()
+            seen.append("returned")
+        except kv.ProtocolError as e:
+            seen.append(e)
+        finally:
+            finished.set()
+        return [mine]
+
+    rt, off = one_rank(agree)
+    box.append(off)
+    try:
+        off.start()
+        if not finished.wait(LIMIT):
+            off.shutdown()  # ends the blocked wait
+            pytest.fail(f"wait_pinned inside the agreement callable still blocked after {LIMIT} s")
+        (err,) = seen
+        assert isinstance(err, kv.ProtocolError) and err.reason == "would_deadlock", err
+        assert "agreement callable" in str(err)
+        # Outside the callable the wait works, and the agreement held.
+        out = off.wait_pinned()
+        assert out.state == "pinned" and out.agreed is True
+    finally:
+        box.clear()
+        if not off.is_shut_down:
+            off.shutdown()
+    assert kt.sim_registered_ranges(rt) == 0
+
+
+def test_a_ranks_own_shutdown_during_the_agreement_is_its_own_reason():
+    """A shutdown while the callable runs ends this rank pageable for its
+    own reason ("cancelled"), not as if a peer had fallen back
+    ("peer_pageable")."""
+    entered, release = threading.Event(), threading.Event()
+
+    def agree(mine):
+        entered.set()
+        release.wait(LIMIT)
+        return [mine]
+
+    rt, off = one_rank(agree)
+    try:
+        off.start()
+        assert entered.wait(LIMIT)
+        off.shutdown()
+        state = off.pin_progress.state
+        assert state == "pageable" and state.reason == "cancelled", (state, state.reason)
+    finally:
+        release.set()
+    assert kt.sim_registered_ranges(rt) == 0

@@ -394,8 +394,9 @@ impl Offloader {
     /// rolls back, or, while it waits for the other ranks in the agreement
     /// (P7), stops waiting at once: it gives the ranks it waited for up, so
     /// they end pageable at once too, and this rank ends
-    /// `Pageable(Cancelled)` or `Pageable(PeerPageable)` with
-    /// [`AgreementError::Cancelled`](crate::protocol::agreement::AgreementError::Cancelled).
+    /// `Pageable(Cancelled)` with
+    /// [`AgreementError::Cancelled`](crate::protocol::agreement::AgreementError::Cancelled)
+    /// (or `ExchangeCancelled`, through a transport).
     /// A pinning that is already final is not changed. Returns at once;
     /// [`Offloader::wait_pinned`] then returns promptly.
     /// [`Offloader::shutdown`] does the same first.

@@ -115,8 +115,12 @@ pub struct OffloaderOptions {
     /// Which block a [`super::KeyedOffloader`]'s manager evicts when it
     /// needs a slot.
     pub eviction: PolicyKind,
-    /// How long a rank waits for its peers to settle their pin state (shared
-    /// regions); `None` waits for as long as it takes.
+    /// How long a rank waits for its peers to settle their pin state
+    /// through a shared region's header; `None` waits for as long as it
+    /// takes. It does not bound an [`agreement`](Self::agreement)
+    /// transport: neither its exchange nor this rank's wait for it (the
+    /// transport's own timeout does; a shutdown ends the wait at once and
+    /// leaves the exchange running on its own thread).
     pub agreement_timeout: Option<Duration>,
     /// Called on the pinning thread before each chunk and once this rank's
     /// own pinning ended (progress, timing); `None` by default.
@@ -124,7 +128,8 @@ pub struct OffloaderOptions {
     /// The engine's agreement transport, for ranks that share no region
     /// (several nodes): when set, the ranks agree through it (P7) instead
     /// of the shared region's header, whatever the region; its own timeout
-    /// bounds the wait. See [`Transport`] for its contract.
+    /// bounds the wait ([`agreement_timeout`](Self::agreement_timeout) does
+    /// not). See [`Transport`] for its contract.
     pub agreement: Option<Arc<dyn Transport>>,
     /// KV cache groups, for slot jobs only (a [`super::KeyedOffloader`]
     /// refuses them): how many of the

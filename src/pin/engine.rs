@@ -198,8 +198,9 @@ fn pin_alone(rt: &dyn GpuRuntime, coord: &Coordinator, steps: Steps<'_>) -> PinS
 /// cannot be reached (a rank died, timeout, pinning cancelled by a shutdown
 /// or [`Coordinator::cancel_pinning`] while this rank waited, a peer that
 /// gave up) leaves this rank pageable, at once, and is returned as the
-/// error; the ranks this one waited for then end pageable too (see
-/// [`agree`]).
+/// error (its reason `PeerPageable`, but `Cancelled` when this rank's own
+/// cancel ended the wait); the ranks this one waited for then end pageable
+/// too (see [`agree`]).
 pub fn pin_all_agreed(
     rt: &dyn GpuRuntime,
     coord: &Coordinator,
@@ -318,7 +319,10 @@ fn pin_then_agree(
             if let Err(e) = coord.unregister_all(rt) {
                 tracing::error!(error = %e, "falling back to pageable: unregister failed");
             }
-            PinState::Pageable(PageableReason::PeerPageable)
+            // This rank's own cancel (its shutdown, or `cancel_pinning`)
+            // ended the agreement: its own reason, not a peer's outcome.
+            let own = matches!(mode, Err(AgreementError::Cancelled { .. } | AgreementError::ExchangeCancelled));
+            PinState::Pageable(if own { PageableReason::Cancelled } else { PageableReason::PeerPageable })
         }
     };
     let state = publish(coord, state);

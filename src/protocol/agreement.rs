@@ -342,7 +342,15 @@ fn verdict(words: &[u32], rank: usize) -> Result<OffloadMode, AgreementError> {
 /// one rank breaks on all of them (each ends pageable with the error), but
 /// no protocol can make ranks agree over a transport that succeeds on some
 /// ranks and fails on others. The exchange blocks for as long as the
-/// slowest rank's pinning takes; bound it with the transport's own timeout.
+/// slowest rank's pinning takes; bound it with the transport's own timeout
+/// (the offloader's `agreement_timeout` does not bound it).
+///
+/// The exchange may outlive the offloader's shutdown ([`agree_via`] leaves
+/// its thread behind): a transport whose exchange calls into an embedding
+/// interpreter must keep that thread out of it once the offloader shut
+/// down and once the interpreter exits (the Python front runs its callable
+/// on an interpreter thread of its own and enters Python only to start it,
+/// behind a gate that its shutdown and an `atexit` function close).
 pub trait Transport: Send + Sync {
     /// Exchanges this rank's settled word `mine`; see the trait's contract.
     fn exchange(&self, mine: u32) -> Result<Vec<u32>, String>;
