@@ -1,10 +1,12 @@
 """Misuse gives a typed error, never a hang, a panic or an abort (issue 28,
-items 3, 5, 7 and 10, and a garbage compute stream). Simulated GPU.
+items 3, 5, 7 and 10, and a garbage compute stream), naming what was
+wrong (issue 43, item 7). Simulated GPU.
 
 The calls that hung or killed the process before the fix run in a child
 interpreter with a timeout, so that a regression fails the test instead of
 hanging or killing pytest."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -156,3 +158,45 @@ def test_a_stream_with_allocated_tensors_is_refused(stream):
 def test_a_garbage_stream_is_refused(stream):
     with pytest.raises(kv.OptionsError, match="KvSpec.compute_stream must be a CUDA stream handle"):
         kv.KvSpec([1 << 40], page_bytes=PAGE, gpu_blocks=4, compute_stream=stream)
+
+
+# ---- issue 43, item 7: refusals that named the wrong thing, or none ----
+def test_a_logging_filter_that_does_not_parse_is_refused_naming_the_directive():
+    # In a child: a filter taken sets the process's one tracing subscriber.
+    code, out, err = child("""
+        try:
+            kv.enable_logging("warn,not a filter[[[")
+            print("taken")
+        except ValueError as e:
+            print(type(e).__name__, isinstance(e, kv.OptionsError), e.kind)
+            print(e)
+        print(kv.enable_logging("warn,kvoffload=debug"), kv.enable_logging("info"))
+    """)
+    assert code == 0, err
+    lines = out.split("\n")
+    assert lines[0] == "OptionsError True options", out
+    assert lines[1].startswith('enable_logging: "not a filter[[[" is not a filter directive ('), out
+    assert lines[2] == "True False", "a good filter still sets the subscriber, once: " + out
+
+
+def test_shut_down_error_has_kind_shut_down_from_every_call():
+    o = make(kv.Runtime("sim"), start=True)
+    o.wait_pinned()
+    o.shutdown()
+    # The windows' ShutDownError had kind "protocol" (the Rust error's
+    # outer variant), a store's or a wait's "shut_down".
+    calls = {
+        "capture_window": lambda: o.capture_window().__enter__(),
+        "capture_begin": o.capture_begin,
+        "store": lambda: o.store([1], [0]),
+        "wait_all": o.wait_all,
+        "wait_pinned": o.wait_pinned,
+        "start": o.start,
+    }
+    for name, call in calls.items():
+        with pytest.raises(kv.ShutDownError) as e:
+            call()
+        assert (e.value.kind, e.value.reason) == ("shut_down", "shut_down"), (name, e.value)
+    with pytest.raises(kv.ShutDownError) as e:
+        o.shutdown()
+    assert (e.value.kind, e.value.reason) == ("shut_down", "already_shut_down")
