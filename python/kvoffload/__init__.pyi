@@ -396,7 +396,9 @@ class RegionSpec:
     (``RegionSpec.shared(name, rank=..., ranks=..., options=ShmOptions())``:
     files named after ``name`` in ``options.dir``, created by rank 0, joined
     by the others, unlinked once every rank mapped them). Checked when
-    built, as ``PinOptions`` is; compares by value."""
+    built, as ``PinOptions`` is (``OptionsError``): ``name`` one file name
+    (not empty, at most 200 bytes, no ``/`` or NUL), ``ranks`` 1 to 32,
+    ``rank`` below ``ranks``; compares by value."""
 
     def __init__(self) -> None: ...
     @staticmethod

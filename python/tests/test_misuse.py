@@ -161,6 +161,35 @@ def test_a_garbage_stream_is_refused(stream):
 
 
 # ---- issue 43, item 7: refusals that named the wrong thing, or none ----
+
+
+@pytest.mark.parametrize(
+    "args, kw, words",
+    [
+        (("a/b",), {}, "RegionSpec.shared.name must be a file name: bad region name \"a/b\": contains '/' or NUL"),
+        (("",), {}, "RegionSpec.shared.name must be a file name: bad region name \"\": empty"),
+        (("x" * 201,), {}, "longer than 200 bytes"),
+        (("x",), dict(ranks=0), "RegionSpec.shared.ranks must be an int in [1, 32] (the most ranks a region's header"),
+        (("x",), dict(ranks=33), "RegionSpec.shared.ranks must be an int in [1, 32]"),
+        (("x",), dict(rank=2, ranks=2), "RegionSpec.shared.rank must be below ranks (2): the ranks are 0..1, not 2"),
+        (("x",), dict(rank=1), "RegionSpec.shared.rank must be below ranks (1)"),
+    ],
+)
+def test_a_shared_region_spec_is_checked_when_built(args, kw, words):
+    with pytest.raises(kv.OptionsError, match=re.escape(words)) as e:
+        kv.RegionSpec.shared(*args, **kw)
+    assert e.value.kind == "options"
+    # The bounds themselves are taken.
+    r = kv.RegionSpec.shared("x" * 200, rank=31, ranks=32)
+    assert (r.rank, r.ranks) == (31, 32)
+
+
+def test_a_zero_block_factor_is_refused_by_name():
+    with pytest.raises(kv.OptionsError, match=re.escape("KvAlloc.block_factor must be at least 1")) as e:
+        make(kv.Runtime("sim"), kv=kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=4, block_factor=0))
+    assert e.value.kind == "options"
+
+
 def test_a_logging_filter_that_does_not_parse_is_refused_naming_the_directive():
     # In a child: a filter taken sets the process's one tracing subscriber.
     code, out, err = child("""
