@@ -208,6 +208,23 @@ def test_a_logging_filter_that_does_not_parse_is_refused_naming_the_directive():
     assert lines[2] == "True False", "a good filter still sets the subscriber, once: " + out
 
 
+def test_a_wait_or_window_refused_inside_gated_names_gated_not_a_window():
+    o = make(kv.Runtime("sim"), start=True)
+    o.wait_pinned()
+    for inner in (o.wait_pinned, o.capture_window().__enter__, lambda: o.gated(lambda: 1), o.shutdown):
+        with pytest.raises(kv.ProtocolError) as e:
+            o.gated(inner)
+        assert e.value.reason == "would_deadlock"
+        assert "inside gated() would deadlock: gated() holds capture windows back" in str(e.value), e.value
+        assert "capture window would deadlock" not in str(e.value) and o.capture_depth == 0, e.value
+    # Inside a window, the window is the cause, and is named.
+    with o.capture_window():
+        with pytest.raises(kv.ProtocolError) as e:
+            o.gated(lambda: 1)
+    assert str(e.value) == "the engine's own call inside this thread's own open capture window would deadlock"
+    o.shutdown()
+
+
 def test_shut_down_error_has_kind_shut_down_from_every_call():
     o = make(kv.Runtime("sim"), start=True)
     o.wait_pinned()
