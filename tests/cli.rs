@@ -276,3 +276,67 @@ fn bench_pin_shared_warm_up_applies_the_memory_check() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+/// `kvoffload args`, killed (and failed) if still running after `limit`:
+/// for options that, unchecked, start a run that never ends.
+fn kvoffload_within(args: &[&str], limit: std::time::Duration) -> (i32, String) {
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvoffload"))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run kvoffload");
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("wait for kvoffload") {
+            let mut err = String::new();
+            std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+            return (status.code().unwrap_or(-1), err);
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvoffload {args:?} still running after {limit:?}: the option was not refused at parse time");
+        }
+        // A poll of the child's state, bounded by `limit`: not a wait for
+        // another thread's work.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Issue 43 item 7: `--startup-ms 18446744073709551615` ran until Ctrl-C;
+/// `--rank-timeout-s 0` and `--pin-threads 100000` passed the parse and
+/// failed later with exit 1. Each is refused at parse time (exit 2, one
+/// line naming the option and its bound); the bounds themselves pass the
+/// parse (the run then stops at `--ranks 0`, a later check).
+#[test]
+fn run_refuses_out_of_range_times_and_thread_counts_at_parse_time() {
+    let limit = std::time::Duration::from_secs(30);
+    for (args, words) in [
+        (&["--startup-ms", "18446744073709551615"][..], "--startup-ms <STARTUP_MS>': at most 3600000 ms (an hour)"),
+        (&["--startup-ms", "3600001"][..], "at most 3600000 ms"),
+        (&["--rank-timeout-s", "0"][..], "--rank-timeout-s <RANK_TIMEOUT_S>': at least 1 s"),
+        (&["--rank-timeout-s", "86401"][..], "at most 86400 s (a day)"),
+        (&["--pin-threads", "100000"][..], "--pin-threads <PIN_THREADS>': at most 1024 (the library's cap"),
+        (&["--pin-threads", "0"][..], "--pin-threads <PIN_THREADS>': at least 1"),
+    ] {
+        let mut a = vec!["run", "--backend", "sim", "--ranks", "1", "--region", "4MiB", "--jobs", "4"];
+        a.extend_from_slice(args);
+        let (code, err) = kvoffload_within(&a, limit);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(words) && err.trim().lines().count() == 1, "{args:?}: {err}");
+    }
+    for args in [
+        &["--startup-ms", "3600000"][..],
+        &["--rank-timeout-s", "1"][..],
+        &["--rank-timeout-s", "86400"][..],
+        &["--pin-threads", "1024"][..],
+    ] {
+        let mut a = vec!["run", "--backend", "sim", "--ranks", "0"];
+        a.extend_from_slice(args);
+        let (code, err) = kvoffload_within(&a, limit);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains("ranks is zero"), "{args:?}: parsed, then refused by the later check: {err}");
+    }
+}

@@ -42,8 +42,9 @@ class KvoffloadError(Exception):
     kind: str
     reason: Optional[str]
 
-class OptionsError(KvoffloadError):
-    """Bad arguments: options, the KV description, GPU block ids, the layout."""
+class OptionsError(KvoffloadError, ValueError):
+    """Bad arguments: options, the KV description, GPU block ids, the layout.
+    Also a ``ValueError``."""
 
 class RegionError(KvoffloadError):
     """The host region could not be created, joined or mapped."""
@@ -53,7 +54,11 @@ class ProtocolError(KvoffloadError):
     a wait that would deadlock)."""
 
 class ShutDownError(ProtocolError):
-    """The offloader is shut down (or shutting down)."""
+    """The offloader is shut down (or shutting down). Whichever call met
+    the shutdown (a store, a wait, a capture window, ``gated``, a second
+    ``shutdown``), ``kind`` is ``"shut_down"``; ``reason`` is
+    ``"shut_down"``, or ``"already_shut_down"`` for ``shutdown`` asked for
+    again."""
 
 class DriverError(KvoffloadError):
     """A CUDA driver call failed."""
@@ -418,7 +423,9 @@ class RegionSpec:
     (``RegionSpec.shared(name, rank=..., ranks=..., options=ShmOptions())``:
     files named after ``name`` in ``options.dir``, created by rank 0, joined
     by the others, unlinked once every rank mapped them). Checked when
-    built, as ``PinOptions`` is; compares by value."""
+    built, as ``PinOptions`` is (``OptionsError``): ``name`` one file name
+    (not empty, at most 200 bytes, no ``/`` or NUL), ``ranks`` 1 to 32,
+    ``rank`` below ``ranks``; compares by value."""
 
     def __init__(self) -> None: ...
     @staticmethod
@@ -675,6 +682,10 @@ class KeyedOffloader(_OffloaderBase):
         tb: Optional[TracebackType],
     ) -> bool: ...
 
-def enable_logging(filter: str = "info") -> bool: ...
+def enable_logging(filter: str = "info") -> bool:
+    """Sends the library's tracing events to stderr, filtered like RUST_LOG
+    (``"info"``, ``"warn,kvoffload=debug"``). False when a subscriber was
+    already set; a filter that does not parse raises ``OptionsError``
+    naming the first directive that does not."""
 def cuda_driver_present() -> bool: ...
 def torch_agreement(group: Any = None) -> _AgreementTransport: ...

@@ -31,6 +31,18 @@ import kvoffload
 log = logging.getLogger("kvoffload.vllm")
 
 
+def _error(cls: type, message: str, kind: str, reason: Optional[str] = None) -> BaseException:
+    """A kvoffload exception raised here, with the ``kind`` and ``reason``
+    the package's own (raised by its Rust part) carry."""
+    e = cls(message)
+    e.kind, e.reason = kind, reason
+    return e
+
+
+def _options_error(message: str) -> BaseException:
+    return _error(kvoffload.OptionsError, message, "options")
+
+
 def layout(kv_caches: Any) -> Tuple[List[Any], List[int]]:
     """vLLM's canonical KV caches as the offloader's tensors and groups: the
     tensors in group order, and how many each group has. Refuses (with
@@ -41,7 +53,7 @@ def layout(kv_caches: Any) -> Tuple[List[Any], List[int]]:
     for g, refs in enumerate(kv_caches.group_data_refs):
         for r in refs:
             if r.tensor_idx in seen:
-                raise kvoffload.OptionsError(
+                raise _options_error(
                     f"kvoffload.vllm: KV tensor {r.tensor_idx} is referenced by group {seen[r.tensor_idx]} and "
                     f"group {g}: KV cache groups that share a tensor (hybrid overlays, packed layouts) are not "
                     "supported yet"
@@ -49,12 +61,12 @@ def layout(kv_caches: Any) -> Tuple[List[Any], List[int]]:
             seen[r.tensor_idx] = g
             t = kv_caches.tensors[r.tensor_idx]
             if r.page_size_bytes != t.page_size_bytes:
-                raise kvoffload.OptionsError(
+                raise _options_error(
                     f"kvoffload.vllm: group {g} moves {r.page_size_bytes} bytes of tensor {r.tensor_idx}'s "
                     f"{t.page_size_bytes}-byte pages: unpadded pages smaller than the tensor's are not supported yet"
                 )
             if t.tensor.stride(0) * t.tensor.element_size() != t.page_size_bytes:
-                raise kvoffload.OptionsError(
+                raise _options_error(
                     f"kvoffload.vllm: KV tensor {r.tensor_idx} has block stride "
                     f"{t.tensor.stride(0) * t.tensor.element_size()} bytes for {t.page_size_bytes}-byte pages: "
                     "only one page per block row (stride == page) is supported"
@@ -62,10 +74,55 @@ def layout(kv_caches: Any) -> Tuple[List[Any], List[int]]:
             order.append(r.tensor_idx)
         sizes.append(len(refs))
     if any(n == 0 for n in sizes):
-        raise kvoffload.OptionsError(f"kvoffload.vllm: a KV cache group references no tensor ({sizes})")
+        raise _options_error(f"kvoffload.vllm: a KV cache group references no tensor ({sizes})")
     if not order:
-        raise kvoffload.OptionsError("kvoffload.vllm: no KV cache group references a tensor")
+        raise _options_error("kvoffload.vllm: no KV cache group references a tensor")
     return [kv_caches.tensors[i] for i in order], sizes
+
+
+_U64 = 1 << 64
+_I64 = 1 << 63
+
+
+def _ints(spec: str, field: str, values: Any, end: int, array: bool = False) -> Any:
+    """``spec.field`` of vLLM's job spec as a list of ints (``array``: a
+    ``uint64`` numpy array; DevicePointers only, which needs numpy), each in
+    ``[0, end)``, given as a 1-D numpy array of an integer dtype or a
+    sequence of ints (numpy integers too). Anything else (a bool or a
+    float, which ``int()`` truncated and ``%`` wrapped when negative, before)
+    or a value out of range (an ``OverflowError`` naming nothing, before) is
+    a ``kvoffload.OptionsError`` naming the field and the value."""
+    try:
+        import numpy as np
+    except ImportError:  # vLLM 0.26 - 0.33 hand Python lists; 0.34 needs numpy
+        np = None
+
+    def bad(what: str) -> Exception:
+        sep = "" if what.startswith("[") else " "
+        return _options_error(f"kvoffload.vllm: {spec}.{field}{sep}{what}")
+
+    if np is not None and isinstance(values, np.ndarray):
+        if values.dtype.kind not in "iu":  # "b" (bool), "f", "c", "O", ... are not ints
+            raise bad(f"must hold ints in [0, {end}), not {values.dtype} values")
+        if values.ndim != 1:
+            raise bad(f"must be one-dimensional, not of shape {values.shape}")
+        # min and max as Python ints: exact for every integer dtype.
+        if values.size and (int(values.min()) < 0 or int(values.max()) >= end):
+            i, v = next((i, v) for i, v in enumerate(values.tolist()) if not 0 <= v < end)
+            raise bad(f"[{i}] = {v} is out of range: it must be in [0, {end})")
+        return values.astype(np.uint64) if array else values.tolist()
+    try:
+        items = list(values)
+    except TypeError:
+        raise bad(f"must be a sequence of ints, not {type(values).__name__}") from None
+    int_types = (int,) if np is None else (int, np.integer)
+    for i, v in enumerate(items):
+        if isinstance(v, bool) or not isinstance(v, int_types):  # numpy's bool_ is no np.integer
+            raise bad(f"[{i}] must be an int in [0, {end}), not {v!r} ({type(v).__name__})")
+        if not 0 <= int(v) < end:
+            raise bad(f"[{i}] = {int(v)} is out of range: it must be in [0, {end})")
+    out = [int(v) for v in items]
+    return np.array(out, dtype=np.uint64) if array else out
 
 
 class _Submitter:
@@ -115,7 +172,7 @@ class _Submitter:
     def submit(self, call: Callable[..., None], job_id: int, args: tuple) -> None:
         with self.cv:
             if self.closed:
-                raise kvoffload.ShutDownError("kvoffload.vllm: the worker is shut down")
+                raise _error(kvoffload.ShutDownError, "kvoffload.vllm: the worker is shut down", "shut_down", "shut_down")
             if not self.queue and self.pinned:
                 direct = True
             else:
@@ -220,6 +277,9 @@ class SlotWorker:
         failed_results: bool = False,
     ):
         tensors, sizes = layout(kv_caches)
+        # vLLM's tensor_idx of each, in the same (group) order: messages
+        # name a tensor as vLLM does.
+        self._tensor_ids = [r.tensor_idx for refs in kv_caches.group_data_refs for r in refs]
         self.num_groups = len(sizes)
         self._refs_per_group = sizes
         # Per tensor, in group order: (address, block stride in bytes, page
@@ -301,36 +361,41 @@ class SlotWorker:
         if hasattr(gpu, "ptrs"):
             blocks, sizes, indices = self._from_pointers(gpu)
         elif all(hasattr(gpu, a) for a in ("block_ids", "group_sizes", "block_indices")):
-            blocks, sizes, indices = gpu.block_ids, list(gpu.group_sizes), gpu.block_indices
+            blocks, sizes = gpu.block_ids, list(gpu.group_sizes)
+            indices = _ints("GPULoadStoreSpec", "block_indices", gpu.block_indices, _I64)
         else:
             raise TypeError(
                 f"kvoffload.vllm: expected a GPULoadStoreSpec or DevicePointers, got {type(gpu).__name__}"
             )
-        return blocks, sizes, chunks.block_ids, [int(i) % f for i in indices]
+        return blocks, sizes, chunks.block_ids, [i % f for i in indices]
 
     def _from_pointers(self, dp: Any):
         """vLLM 0.34's ``DevicePointers`` (per group, per data ref, per block:
         ``ptrs[i]`` = the ref's tensor address + block id * block stride,
         ``sizes[i]`` = the ref's page bytes) as block ids per group, checked
-        against the tensors this worker registered: every pointer a whole
-        block of its tensor, every ref of a group the same blocks, every
-        size a whole page. Anything else is a ``ValueError`` naming it (the
+        against the tensors this worker registered: every field ints (numpy
+        arrays of an integer dtype, or sequences of ints; never a bool or a
+        float) in range (pointers and sizes in [0, 2**64), counts and block
+        indices in [0, 2**63)), every pointer a whole block of its tensor,
+        every ref of a group the same blocks, every size a whole page.
+        Anything else is a ``kvoffload.OptionsError`` (a ``ValueError``)
+        naming the field, and the tensor by vLLM's ``tensor_idx`` (the
         offloader can only copy the tensors it was given)."""
         import numpy as np
 
-        counts = [int(n) for n in dp.group_block_counts]
-        refs = [int(r) for r in dp.group_data_ref_counts]
-        indices = [int(i) for i in dp.block_indices]
+        counts = _ints("DevicePointers", "group_block_counts", dp.group_block_counts, _I64)
+        refs = _ints("DevicePointers", "group_data_ref_counts", dp.group_data_ref_counts, _I64)
+        indices = _ints("DevicePointers", "block_indices", dp.block_indices, _I64)
         if refs != self._refs_per_group or len(indices) != len(counts):
-            raise ValueError(
+            raise _options_error(
                 f"kvoffload.vllm: device pointers for {len(counts)} groups of {refs} data refs "
                 f"({len(indices)} block indices); this worker registered groups of {self._refs_per_group}"
             )
-        ptrs = np.asarray(dp.ptrs, dtype=np.uint64)
-        sizes = np.asarray(dp.sizes, dtype=np.uint64)
+        ptrs = _ints("DevicePointers", "ptrs", dp.ptrs, _U64, array=True)
+        sizes = _ints("DevicePointers", "sizes", dp.sizes, _U64, array=True)
         total = sum(n * r for n, r in zip(counts, refs))
         if ptrs.shape != (total,) or sizes.shape != (total,):
-            raise ValueError(
+            raise _options_error(
                 f"kvoffload.vllm: {ptrs.size} device pointers and {sizes.size} sizes for {total} copies "
                 f"(blocks per group {counts} x data refs {refs})"
             )
@@ -345,22 +410,24 @@ class SlotWorker:
             delta = ptrs[op : op + n] - np.uint64(base)  # wraps for a pointer below base: out of range below
             ids = delta // np.uint64(stride)
             if np.any(delta % np.uint64(stride)) or np.any(ids >= np.uint64(rows)):
-                raise ValueError(
-                    f"kvoffload.vllm: a device pointer of group {g} is not a block of KV tensor {t} "
-                    f"({rows} blocks of {stride} bytes at {base:#x}): {[hex(int(p)) for p in ptrs[op : op + n][:4]]}"
+                raise _options_error(
+                    f"kvoffload.vllm: a device pointer of group {g} is not a block of KV tensor "
+                    f"{self._tensor_ids[t]} ({rows} blocks of {stride} bytes at {base:#x}): "
+                    f"{[hex(int(p)) for p in ptrs[op : op + n][:4]]}"
                 )
             for j in range(r):
                 base_j, stride_j, page_j, _ = self._tensor_rows[t + j]
                 seg = slice(op + j * n, op + (j + 1) * n)
                 if not np.array_equal(ptrs[seg], np.uint64(base_j) + ids * np.uint64(stride_j)):
-                    raise ValueError(
+                    raise _options_error(
                         f"kvoffload.vllm: data ref {j} of group {g} points at other blocks than data ref 0 "
-                        f"(or outside KV tensor {t + j})"
+                        f"(or outside KV tensor {self._tensor_ids[t + j]})"
                     )
                 if np.any(sizes[seg] != np.uint64(page_j)):
-                    raise ValueError(
-                        f"kvoffload.vllm: data ref {j} of group {g} copies {sorted(set(int(x) for x in sizes[seg]))} "
-                        f"bytes per block; its tensor's pages are {page_j} bytes"
+                    raise _options_error(
+                        f"kvoffload.vllm: data ref {j} of group {g} (KV tensor {self._tensor_ids[t + j]}) copies "
+                        f"{sorted(set(int(x) for x in sizes[seg]))} bytes per block; its tensor's pages are "
+                        f"{page_j} bytes"
                     )
             blocks.append(ids.astype(np.int64))
             op += n * r

@@ -4,6 +4,7 @@
 //! KvoffloadError                 every error of the package
 //! ├── OptionsError               bad arguments, options, KV description, layout,
 //! │                              a slot job's shape, kv_groups on a KeyedOffloader
+//! │                              (also a ValueError: `except ValueError` catches it)
 //! ├── RegionError                creating, joining or mapping the host region
 //! ├── ProtocolError              the capture-safety protocol refused
 //! │   └── ShutDownError          used after shutdown (or shut down twice)
@@ -18,7 +19,11 @@
 //! variant in snake case, e.g. `"gpu_block_count"`), `reason` (the inner
 //! error's variant, e.g. `"already_exists"`, or None) and, for driver
 //! errors, `code` (the CUresult as an int, or None when no driver exists),
-//! `code_name` and `call` (the driver entry point).
+//! `code_name` and `call` (the driver entry point). `ShutDownError` is the
+//! one exception: whichever call met the shutdown (a store, a wait, a
+//! capture window, `gated`, a second `shutdown`), its `kind` is
+//! `"shut_down"` and its `reason` `"shut_down"`, or `"already_shut_down"`
+//! for `shutdown` asked for again.
 //!
 //! A Rust panic inside a call is caught at the entry point and raised as
 //! `KvoffloadError` with kind `"panic"` (never `PanicException`).
@@ -35,17 +40,13 @@ use kvoffload::internal::protocol::{ProtocolError as RustProtocolError, Shutdown
 use kvoffload::internal::region::RegionError as RustRegionError;
 use kvoffload::internal::runtime::{DriverError as RustDriverError, OpenError};
 use kvoffload::internal::transfer::TransferError as RustTransferError;
-use pyo3::exceptions::{PyException, PyKeyboardInterrupt};
+use pyo3::exceptions::{PyException, PyKeyboardInterrupt, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
 use pyo3::PyTypeInfo;
 
 pyo3::create_exception!(kvoffload, KvoffloadError, PyException, "Base class of every kvoffload error.");
-pyo3::create_exception!(
-    kvoffload,
-    OptionsError,
-    KvoffloadError,
-    "Bad arguments: options, the KV description, GPU block ids, the layout."
-);
 pyo3::create_exception!(
     kvoffload,
     RegionError,
@@ -68,6 +69,23 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(kvoffload, TransferError, KvoffloadError, "The transfer engine refused a job.");
 pyo3::create_exception!(kvoffload, AgreementError, KvoffloadError, "The ranks did not agree on the pin state (P7).");
+
+/// `kvoffload.OptionsError`: a subclass of both `KvoffloadError` and
+/// `ValueError` (a bad argument is a bad value, as Python code expects),
+/// made once with Python's `type`, since PyO3's exceptions take one base.
+/// Made at import ([`register`]); a later call finds it made.
+fn options_error_type(py: Python<'_>) -> PyResult<Bound<'_, PyType>> {
+    static TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    let ty = TYPE.get_or_try_init(py, || -> PyResult<Py<PyType>> {
+        let bases = PyTuple::new(py, [py.get_type::<KvoffloadError>(), py.get_type::<PyValueError>()])?;
+        let ns = PyDict::new(py);
+        ns.set_item("__module__", "kvoffload")?;
+        ns.set_item("__doc__", "Bad arguments: options, the KV description, GPU block ids, the layout.")?;
+        let made = py.get_type::<PyType>().call1(("OptionsError", bases, ns))?;
+        Ok(made.cast_into::<PyType>()?.unbind())
+    })?;
+    Ok(ty.bind(py).clone())
+}
 
 /// `CamelCase` -> `camel_case`; a name already in upper case (a driver
 /// code's, `CUDA_ERROR_OUT_OF_MEMORY`) is only lowered
@@ -114,7 +132,38 @@ fn make<T: PyTypeInfo>(
     reason: Option<String>,
     driver: Option<(&str, Option<u32>, Option<&str>)>,
 ) -> PyErr {
-    let err = PyErr::from_type(T::type_object(py), message);
+    make_of(py, T::type_object(py), message, kind, reason, driver)
+}
+
+/// An `OptionsError` with `message` and the typed attributes.
+fn make_options(py: Python<'_>, message: String, kind: &str, reason: Option<String>) -> PyErr {
+    match options_error_type(py) {
+        Ok(ty) => make_of(py, ty, message, kind, reason, None),
+        // Only where the class could not be made at import (out of
+        // memory), which then failed the import itself.
+        Err(e) => e,
+    }
+}
+
+/// A `ShutDownError`: kind `"shut_down"` whichever call met the shutdown
+/// (the Rust error's outer variant differs by call: `Protocol`,
+/// `Transfer`, `Shutdown`, `ShutDown`), reason `"shut_down"` or
+/// `"already_shut_down"`.
+fn make_shut_down(py: Python<'_>, message: String, again: bool) -> PyErr {
+    let reason = if again { "already_shut_down" } else { "shut_down" };
+    make::<ShutDownError>(py, message, "shut_down", Some(reason.into()), None)
+}
+
+/// An exception of class `ty` with `message` and the typed attributes.
+fn make_of(
+    py: Python<'_>,
+    ty: Bound<'_, PyType>,
+    message: String,
+    kind: &str,
+    reason: Option<String>,
+    driver: Option<(&str, Option<u32>, Option<&str>)>,
+) -> PyErr {
+    let err = PyErr::from_type(ty, message);
     let v = err.value(py);
     let _ = v.setattr("kind", kind);
     let _ = v.setattr("reason", reason);
@@ -151,7 +200,7 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
         | OffloaderError::Layout(_)
         | OffloaderError::GpuBlockCount { .. }
         | OffloaderError::SlotJobShape { .. }
-        | OffloaderError::KeyedCore { .. } => make::<OptionsError>(py, msg, &kind, reason, None),
+        | OffloaderError::KeyedCore { .. } => make_options(py, msg, &kind, reason),
         // The engine named a slot of a job not yet reported: its own
         // bookkeeping is wrong, the job refused.
         OffloaderError::SlotBusy { .. } => make::<TransferError>(py, msg, &kind, None, None),
@@ -161,7 +210,7 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
         // The runtime handle guarded by another coordinator: a protocol
         // refusal wherever it comes from.
         OffloaderError::Pin(PinError::Protocol(p)) => protocol(py, msg, &kind, p),
-        OffloaderError::Pin(_) => make::<OptionsError>(py, msg, &kind, reason, None),
+        OffloaderError::Pin(_) => make_options(py, msg, &kind, reason),
         OffloaderError::Protocol(p) => protocol(py, msg, &kind, p),
         OffloaderError::Shutdown(ShutdownError::Refused(p)) => protocol(py, msg, &kind, p),
         OffloaderError::Shutdown(ShutdownError::Unregister(d)) | OffloaderError::Driver { error: d, .. } => {
@@ -176,7 +225,7 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
                 make::<TransferError>(py, msg, &kind, reason, Some((d.call, Some(d.code.0), Some(d.code.name()))))
             }
             RustTransferError::Protocol(p) => protocol(py, msg, &kind, p),
-            RustTransferError::ShutDown { .. } => make::<ShutDownError>(py, msg, &kind, reason, None),
+            RustTransferError::ShutDown { .. } => make_shut_down(py, msg, false),
             RustTransferError::Layout(_)
             | RustTransferError::GroupCount { .. }
             | RustTransferError::GpuBlockOutOfRange { .. }
@@ -186,7 +235,7 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
             | RustTransferError::BlockCountMismatch { .. }
             | RustTransferError::FirstSubTooLarge { .. }
             | RustTransferError::HostCountMismatch { .. }
-            | RustTransferError::EmptyJob { .. } => make::<OptionsError>(py, msg, &kind, reason, None),
+            | RustTransferError::EmptyJob { .. } => make_options(py, msg, &kind, reason),
             // JobIdReused, ComputeCapturing, CaptureWindowOpen, UnknownJob:
             // the engine refused the job as given at this moment.
             _ => make::<TransferError>(py, msg, &kind, reason, None),
@@ -196,7 +245,7 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
         OffloaderError::Manager(_) | OffloaderError::NotStored { .. } => {
             make::<ManagerError>(py, msg, &kind, reason, None)
         }
-        OffloaderError::ShutDown => make::<ShutDownError>(py, msg, &kind, None, None),
+        OffloaderError::ShutDown => make_shut_down(py, msg, false),
         _ => make::<KvoffloadError>(py, msg, &kind, reason, None),
     }
 }
@@ -304,9 +353,8 @@ fn protocol(py: Python<'_>, msg: String, kind: &str, p: &RustProtocolError) -> P
     let reason = Some(variant(&format!("{p:?}")));
     match p {
         RustProtocolError::Interrupted { .. } => PyKeyboardInterrupt::new_err(msg),
-        RustProtocolError::ShutDown | RustProtocolError::AlreadyShutDown => {
-            make::<ShutDownError>(py, msg, kind, reason, None)
-        }
+        RustProtocolError::ShutDown => make_shut_down(py, msg, false),
+        RustProtocolError::AlreadyShutDown => make_shut_down(py, msg, true),
         _ => make::<ProtocolError>(py, msg, kind, reason, None),
     }
 }
@@ -335,7 +383,7 @@ pub fn panicked(py: Python<'_>, what: &str) -> PyErr {
 
 /// A bad argument found on the Python side.
 pub fn options(py: Python<'_>, message: impl Into<String>) -> PyErr {
-    make::<OptionsError>(py, message.into(), "options", None, None)
+    make_options(py, message.into(), "options", None)
 }
 
 /// An agreement error as an (unraised) exception instance.
@@ -347,7 +395,7 @@ pub fn agreement(py: Python<'_>, e: &RustAgreementError) -> PyErr {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("KvoffloadError", py.get_type::<KvoffloadError>())?;
-    m.add("OptionsError", py.get_type::<OptionsError>())?;
+    m.add("OptionsError", options_error_type(py)?)?;
     m.add("RegionError", py.get_type::<RegionError>())?;
     m.add("ProtocolError", py.get_type::<ProtocolError>())?;
     m.add("ShutDownError", py.get_type::<ShutDownError>())?;

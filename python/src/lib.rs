@@ -85,12 +85,26 @@ use tensors::{PyKvAlloc, PyKvSpec};
 /// Sends the library's tracing events (pinning progress, agreement,
 /// shutdown) to stderr, filtered like RUST_LOG (e.g. `"info"`,
 /// `"kvoffload=debug"`). Returns False when a subscriber was already set.
+/// A filter that does not parse raises `OptionsError` naming the first
+/// directive that does not.
 #[pyfunction]
 #[pyo3(signature = (filter = "info"))]
-fn enable_logging(filter: &str) -> bool {
-    let f =
-        tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(f).with_writer(std::io::stderr).try_init().is_ok()
+fn enable_logging(py: Python<'_>, filter: &str) -> PyResult<bool> {
+    use tracing_subscriber::filter::Directive;
+    let f = tracing_subscriber::EnvFilter::try_new(filter).map_err(|e| {
+        // The directive at fault: the first of the comma-separated ones
+        // that does not parse alone (the whole filter if each does).
+        let bad = filter.split(',').map(str::trim).find(|d| !d.is_empty() && d.parse::<Directive>().is_err());
+        errors::options(
+            py,
+            format!(
+                "enable_logging: {:?} is not a filter directive ({e}); a filter is RUST_LOG's syntax, directives \
+                 separated by commas, such as \"info\" or \"warn,kvoffload=debug\"",
+                bad.unwrap_or(filter)
+            ),
+        )
+    })?;
+    Ok(tracing_subscriber::fmt().with_env_filter(f).with_writer(std::io::stderr).try_init().is_ok())
 }
 
 /// True when the CUDA driver library can be loaded here.

@@ -33,7 +33,7 @@ use kvoffload::internal::offloader::{OffloaderError, RegionSpec};
 use kvoffload::internal::pin::options::{HugePages, PrefaultMode};
 use kvoffload::internal::pin::PinOptions;
 use kvoffload::internal::protocol::CapturePolicy;
-use kvoffload::internal::region::{ShmOptions, DEFAULT_SHM_DIR};
+use kvoffload::internal::region::{shm_path, ShmOptions, DEFAULT_SHM_DIR, MAX_RANKS};
 use kvoffload::internal::transfer::{BackendChoice, TransferOptions};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString, PyTuple};
@@ -588,7 +588,7 @@ impl PyRegionSpec {
                     named = true;
                 }
                 "rank" => s.rank = int(py, C, f, "an int >= 0", &v)?,
-                "ranks" => s.ranks = int(py, C, f, "an int >= 1", &v)?,
+                "ranks" => s.ranks = int(py, C, f, &format!("an int in [1, {MAX_RANKS}]"), &v)?,
                 "options" => {
                     s.options = if v.is_none() {
                         PyShmOptions::default()
@@ -609,6 +609,26 @@ impl PyRegionSpec {
         }
         if !named {
             return Err(errors::options(py, format!("{C} needs a name")));
+        }
+        // What the region checks when it is made, checked here (issue 43):
+        // the name is one file name, the rank one of the ranks.
+        if let Err(e) = shm_path(std::path::Path::new(DEFAULT_SHM_DIR), &s.name) {
+            return Err(errors::options(py, format!("{C}.name must be a file name: {e}")));
+        }
+        if s.ranks == 0 || s.ranks > MAX_RANKS {
+            return Err(errors::options(
+                py,
+                format!(
+                    "{C}.ranks must be an int in [1, {MAX_RANKS}] (the most ranks a region's header holds), not {}",
+                    s.ranks
+                ),
+            ));
+        }
+        if s.rank >= s.ranks {
+            return Err(errors::options(
+                py,
+                format!("{C}.rank must be below ranks ({}): the ranks are 0..{}, not {}", s.ranks, s.ranks - 1, s.rank),
+            ));
         }
         Ok(PyRegionSpec { shared: Some(s) })
     }

@@ -1,10 +1,12 @@
 """Misuse gives a typed error, never a hang, a panic or an abort (issue 28,
-items 3, 5, 7 and 10, and a garbage compute stream). Simulated GPU.
+items 3, 5, 7 and 10, and a garbage compute stream), naming what was
+wrong (issue 43, item 7). Simulated GPU.
 
 The calls that hung or killed the process before the fix run in a child
 interpreter with a timeout, so that a regression fails the test instead of
 hanging or killing pytest."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -156,3 +158,91 @@ def test_a_stream_with_allocated_tensors_is_refused(stream):
 def test_a_garbage_stream_is_refused(stream):
     with pytest.raises(kv.OptionsError, match="KvSpec.compute_stream must be a CUDA stream handle"):
         kv.KvSpec([1 << 40], page_bytes=PAGE, gpu_blocks=4, compute_stream=stream)
+
+
+# ---- issue 43, item 7: refusals that named the wrong thing, or none ----
+
+
+@pytest.mark.parametrize(
+    "args, kw, words",
+    [
+        (("a/b",), {}, "RegionSpec.shared.name must be a file name: bad region name \"a/b\": contains '/' or NUL"),
+        (("",), {}, "RegionSpec.shared.name must be a file name: bad region name \"\": empty"),
+        (("x" * 201,), {}, "longer than 200 bytes"),
+        (("x",), dict(ranks=0), "RegionSpec.shared.ranks must be an int in [1, 32] (the most ranks a region's header"),
+        (("x",), dict(ranks=33), "RegionSpec.shared.ranks must be an int in [1, 32]"),
+        (("x",), dict(rank=2, ranks=2), "RegionSpec.shared.rank must be below ranks (2): the ranks are 0..1, not 2"),
+        (("x",), dict(rank=1), "RegionSpec.shared.rank must be below ranks (1)"),
+    ],
+)
+def test_a_shared_region_spec_is_checked_when_built(args, kw, words):
+    with pytest.raises(kv.OptionsError, match=re.escape(words)) as e:
+        kv.RegionSpec.shared(*args, **kw)
+    assert e.value.kind == "options"
+    # The bounds themselves are taken.
+    r = kv.RegionSpec.shared("x" * 200, rank=31, ranks=32)
+    assert (r.rank, r.ranks) == (31, 32)
+
+
+def test_a_zero_block_factor_is_refused_by_name():
+    with pytest.raises(kv.OptionsError, match=re.escape("KvAlloc.block_factor must be at least 1")) as e:
+        make(kv.Runtime("sim"), kv=kv.KvAlloc(tensors=1, page_bytes=PAGE, gpu_blocks=4, block_factor=0))
+    assert e.value.kind == "options"
+
+
+def test_a_logging_filter_that_does_not_parse_is_refused_naming_the_directive():
+    # In a child: a filter taken sets the process's one tracing subscriber.
+    code, out, err = child("""
+        try:
+            kv.enable_logging("warn,not a filter[[[")
+            print("taken")
+        except ValueError as e:
+            print(type(e).__name__, isinstance(e, kv.OptionsError), e.kind)
+            print(e)
+        print(kv.enable_logging("warn,kvoffload=debug"), kv.enable_logging("info"))
+    """)
+    assert code == 0, err
+    lines = out.split("\n")
+    assert lines[0] == "OptionsError True options", out
+    assert lines[1].startswith('enable_logging: "not a filter[[[" is not a filter directive ('), out
+    assert lines[2] == "True False", "a good filter still sets the subscriber, once: " + out
+
+
+def test_a_wait_or_window_refused_inside_gated_names_gated_not_a_window():
+    o = make(kv.Runtime("sim"), start=True)
+    o.wait_pinned()
+    for inner in (o.wait_pinned, o.capture_window().__enter__, lambda: o.gated(lambda: 1), o.shutdown):
+        with pytest.raises(kv.ProtocolError) as e:
+            o.gated(inner)
+        assert e.value.reason == "would_deadlock"
+        assert "inside gated() would deadlock: gated() holds capture windows back" in str(e.value), e.value
+        assert "capture window would deadlock" not in str(e.value) and o.capture_depth == 0, e.value
+    # Inside a window, the window is the cause, and is named.
+    with o.capture_window():
+        with pytest.raises(kv.ProtocolError) as e:
+            o.gated(lambda: 1)
+    assert str(e.value) == "the engine's own call inside this thread's own open capture window would deadlock"
+    o.shutdown()
+
+
+def test_shut_down_error_has_kind_shut_down_from_every_call():
+    o = make(kv.Runtime("sim"), start=True)
+    o.wait_pinned()
+    o.shutdown()
+    # The windows' ShutDownError had kind "protocol" (the Rust error's
+    # outer variant), a store's or a wait's "shut_down".
+    calls = {
+        "capture_window": lambda: o.capture_window().__enter__(),
+        "capture_begin": o.capture_begin,
+        "store": lambda: o.store([1], [0]),
+        "wait_all": o.wait_all,
+        "wait_pinned": o.wait_pinned,
+        "start": o.start,
+    }
+    for name, call in calls.items():
+        with pytest.raises(kv.ShutDownError) as e:
+            call()
+        assert (e.value.kind, e.value.reason) == ("shut_down", "shut_down"), (name, e.value)
+    with pytest.raises(kv.ShutDownError) as e:
+        o.shutdown()
+    assert (e.value.kind, e.value.reason) == ("shut_down", "already_shut_down")

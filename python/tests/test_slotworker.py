@@ -4,6 +4,7 @@ without vLLM), on the simulated GPU with stand-ins for vLLM's specs and
 canonical KV caches. test_vllm.py drives the same class through vLLM."""
 
 import random
+import re
 import threading
 from types import SimpleNamespace as NS
 
@@ -244,6 +245,103 @@ def test_device_pointers_outside_the_registered_blocks_are_refused_naming_them(n
     with pytest.raises(ValueError, match="this worker registered groups of \\[1, 2\\]"):
         w.submit_store(3, wrong_groups, chunks([0, 1]))
     w.shutdown()
+
+
+def with_field(dp, field, value):
+    """``dp`` with ``field`` replaced (``value(old)``)."""
+    return NS(**{**vars(dp), field: value(getattr(dp, field))})
+
+
+# Issue 43 item 7: each of these was taken (floats truncated, bools as 0/1,
+# negative block indices taken modulo blocks_per_chunk: the job ran, on
+# other blocks than vLLM meant) or refused with an OverflowError naming
+# nothing (negative or 2**64 pointers).
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("ptrs", lambda a: a.astype(np.float64), "DevicePointers.ptrs must hold ints in [0, 2**64), not float64 values"),
+        ("ptrs", lambda a: [float(p) for p in a], "DevicePointers.ptrs[0] must be an int in [0, 2**64), not "),
+        ("ptrs", lambda a: [-1] + a.tolist()[1:], "DevicePointers.ptrs[0] = -1 is out of range: it must be in [0, 2**64)"),
+        ("ptrs", lambda a: a.tolist()[:-1] + [2**64], "DevicePointers.ptrs[3] = 18446744073709551616 is out of range"),
+        ("ptrs", lambda a: a.astype(np.bool_), "DevicePointers.ptrs must hold ints in [0, 2**64), not bool values"),
+        ("sizes", lambda a: a.astype(np.float32), "DevicePointers.sizes must hold ints in [0, 2**64), not float32 values"),
+        ("sizes", lambda a: [np.float64(x) for x in a], "DevicePointers.sizes[0] must be an int in [0, 2**64), not "),
+        ("group_block_counts", lambda c: (2.0, 1), "DevicePointers.group_block_counts[0] must be an int in [0, 2**63), not 2.0 (float)"),
+        ("group_data_ref_counts", lambda c: (True, 2), "DevicePointers.group_data_ref_counts[0] must be an int in [0, 2**63), not True (bool)"),
+        ("block_indices", lambda b: (-2, 0), "DevicePointers.block_indices[0] = -2 is out of range: it must be in [0, 2**63)"),
+        ("block_indices", lambda b: (-1, 0), "DevicePointers.block_indices[0] = -1 is out of range"),
+        ("block_indices", lambda b: (3.7, 0), "DevicePointers.block_indices[0] must be an int in [0, 2**63), not 3.7 (float)"),
+        ("block_indices", lambda b: (2.0, 0), "DevicePointers.block_indices[0] must be an int in [0, 2**63), not 2.0 (float)"),
+        ("block_indices", lambda b: (False, 0), "DevicePointers.block_indices[0] must be an int in [0, 2**63), not False (bool)"),
+        ("block_indices", lambda b: (np.float64(0), 0), "DevicePointers.block_indices[0] must be an int in [0, 2**63), not "),
+        ("block_indices", lambda b: np.array([0.0, 0.0]), "DevicePointers.block_indices must hold ints in [0, 2**63), not float64"),
+        ("block_indices", lambda b: 0, "DevicePointers.block_indices must be a sequence of ints, not int"),
+    ],
+)
+def test_device_pointers_of_other_types_or_out_of_range_are_refused_naming_the_field(field, value, words):
+    ts = kv_tensors(3)
+    groups = [[2], [0, 1]]
+    w = pinned_worker(ts, groups)
+    # Group 0: blocks 1, 2 of tensor 2; group 1: block 4 of tensors 0, 1 (4 copies).
+    good = pointers(ts, groups, [1, 2, 4], [2, 1], [0, 0])
+    bad = with_field(good, field, value)
+    words = words.replace("2**64", str(2**64)).replace("2**63", str(2**63))
+    with pytest.raises(kv.OptionsError, match=re.escape(words)) as e:
+        w.submit_store(1, bad, chunks([0, 1]))
+    assert isinstance(e.value, ValueError) and e.value.kind == "options"
+    # Integer numpy arrays of any integer dtype, numpy integers and ints
+    # are taken (as vLLM gives them: uint64 arrays, tuples of ints).
+    for job, ok in enumerate(
+        (
+            with_field(good, "ptrs", lambda a: a.astype(np.int64)),
+            with_field(good, "sizes", lambda a: [int(x) for x in a]),
+            with_field(good, "block_indices", lambda b: (np.int32(2), np.uint64(4))),
+            with_field(good, "group_block_counts", lambda c: np.array(c, dtype=np.int16)),
+        ),
+        start=2,
+    ):
+        assert w.submit_store(job, ok, chunks([0, 1]))
+        w.wait({job})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(job, True)]
+    w.shutdown()
+
+
+def test_a_block_index_of_a_gpu_load_store_spec_must_be_a_non_negative_int():
+    w = pinned_worker(kv_tensors(1), [[0]])
+    for bad, words in [((-1,), "[0] = -1 is out of range"), ((1.0,), "[0] must be an int in [0, ")]:
+        with pytest.raises(kv.OptionsError, match=re.escape("GPULoadStoreSpec.block_indices" + words)):
+            w.submit_store(1, gpu([0], [1], bad), chunks([0]))
+    w.shutdown()
+
+
+@pytest.mark.parametrize(
+    "nudge, words",
+    [
+        # Group 0 is vLLM's tensor 2 (the worker's first); data ref 1 of
+        # group 1 is vLLM's tensor 1 (the worker's third).
+        (lambda i, p: p + 1 if i == 0 else p, "not a block of KV tensor 2 ("),
+        (lambda i, p: p + PAGE if i == 3 else p, "points at other blocks than data ref 0 (or outside KV tensor 1)"),
+    ],
+)
+def test_a_refused_device_pointer_names_the_tensor_by_vllms_tensor_idx(nudge, words):
+    ts = kv_tensors(3)
+    groups = [[2], [0, 1]]
+    w = pinned_worker(ts, groups)
+    with pytest.raises(kv.OptionsError, match=re.escape(words)):
+        w.submit_store(1, pointers(ts, groups, [1, 2, 4], [2, 1], [0, 0], nudge=nudge), chunks([0, 1]))
+    bad_sizes = pointers(ts, groups, [1, 4], [1, 1], [0, 0])
+    bad_sizes.sizes[2] = PAGE - 8  # group 1's data ref 1: vLLM's tensor 1
+    with pytest.raises(kv.OptionsError, match=re.escape("data ref 1 of group 1 (KV tensor 1) copies")):
+        w.submit_store(2, bad_sizes, chunks([0, 1]))
+    w.shutdown()
+
+
+def test_a_submission_after_shutdown_is_a_shut_down_error_of_kind_shut_down():
+    w = pinned_worker(kv_tensors(1), [[0]])
+    w.shutdown()
+    with pytest.raises(kv.ShutDownError) as e:
+        w.submit_store(1, gpu([0], [1], [0]), chunks([0]))
+    assert (e.value.kind, e.value.reason) == ("shut_down", "shut_down")
 
 
 def test_with_failed_results_a_refused_job_is_reported_failed_once_and_the_worker_goes_on():

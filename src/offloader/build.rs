@@ -121,8 +121,21 @@ impl Offloader {
         opts: OffloaderOptions,
         make_book: Option<MakeBook>,
     ) -> Result<Offloader, OffloaderError> {
-        if alloc.tensors == 0 || alloc.page_bytes == 0 || alloc.gpu_blocks == 0 {
-            return Err(OffloaderError::Options(format!("zero-sized KV allocation: {alloc:?}")));
+        let zero: Vec<&str> = [
+            ("tensors", alloc.tensors),
+            ("page_bytes", alloc.page_bytes),
+            ("gpu_blocks", alloc.gpu_blocks),
+            ("block_factor", alloc.block_factor),
+        ]
+        .into_iter()
+        .filter(|(_, v)| *v == 0)
+        .map(|(n, _)| n)
+        .collect();
+        if !zero.is_empty() {
+            return Err(OffloaderError::Options(format!(
+                "zero-sized KV allocation: KvAlloc.{} must be at least 1 ({alloc:?})",
+                zero.join(", KvAlloc.")
+            )));
         }
         // The tensor list is allocated before any memory check can see the
         // tensors' bytes (a region whose memory check is off, tiny pages):

@@ -105,14 +105,21 @@ pub enum ProtocolError {
     /// This thread already holds a capture window.
     #[error("this thread already holds a capture window")]
     NestedWindow,
-    /// The call would wait for something the caller's own capture window
-    /// holds back (e.g. waiting for pinning inside a window with the
-    /// Interleave policy, or a blocking driver call inside a window).
-    #[error("{what} inside an open capture window would deadlock")]
+    /// The call would wait for something the caller itself holds back: its
+    /// own capture window (e.g. waiting for pinning inside a window with
+    /// the Interleave policy, or a blocking driver call inside a window),
+    /// a job deferred behind its own capture hook window, or the
+    /// `Offloader::gated` call it runs inside (a window, a wait or a
+    /// shutdown there). The message names the cause.
+    #[error("{}", would_deadlock_message(what))]
     WouldDeadlock {
         /// What the caller asked for, e.g. `"waiting for pinning"`,
         /// `"waiting for a transfer"` or the name of the capture-unsafe
-        /// call (such as `"registering a chunk"`).
+        /// call (such as `"registering a chunk"`): a call refused inside
+        /// the caller's own capture window. A refusal for another cause
+        /// says where the caller is: `"... inside gated()"` inside
+        /// `Offloader::gated`, `"... behind this thread's capture hook
+        /// window"` for a deferred job.
         what: &'static str,
     },
     /// A capture-unsafe call was skipped because a window is open.
@@ -144,4 +151,41 @@ pub enum ProtocolError {
         /// The runtime's backend (`"sim"` or `"cuda"`).
         backend: &'static str,
     },
+}
+
+/// [`ProtocolError::WouldDeadlock`]'s message: its cause as `what` says
+/// it (a refusal inside `gated()` or behind a hook window says so), or
+/// else the caller's own open capture window, the other refusals' cause.
+fn would_deadlock_message(what: &str) -> String {
+    if what.ends_with(" inside gated()") {
+        format!(
+            "{what} would deadlock: gated() holds capture windows back until it returns, and this would wait for \
+             one, or for work one holds back"
+        )
+    } else if what.contains("this thread's capture hook window") {
+        format!("{what} would deadlock: that window stays open until this thread closes it")
+    } else {
+        format!("{what} inside this thread's own open capture window would deadlock")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ProtocolError;
+
+    /// Issue 43: a refusal inside `gated()` named an open capture window
+    /// although none was open; each cause is named as it is.
+    #[test]
+    fn would_deadlock_names_its_true_cause() {
+        let m = |what| ProtocolError::WouldDeadlock { what }.to_string();
+        let gated = m("waiting for pinning inside gated()");
+        assert!(gated.starts_with("waiting for pinning inside gated() would deadlock: gated() holds"), "{gated}");
+        assert!(!gated.contains("open capture window"), "{gated}");
+        let hook = m("waiting for a job deferred behind this thread's capture hook window");
+        assert!(hook.ends_with("would deadlock: that window stays open until this thread closes it"), "{hook}");
+        assert_eq!(
+            m("waiting for pinning"),
+            "waiting for pinning inside this thread's own open capture window would deadlock"
+        );
+    }
 }

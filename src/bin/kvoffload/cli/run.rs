@@ -33,7 +33,7 @@ use kvoffload::internal::runtime::cuda::CudaRuntime;
 use kvoffload::units::parse_size;
 
 use super::backend::{self, BackendArg};
-use kvoffload::internal::pin::HugePages;
+use kvoffload::internal::pin::{HugePages, MAX_THREADS};
 
 mod preflight;
 mod summary;
@@ -113,11 +113,11 @@ pub struct Args {
     /// Graphs each rank captures through capture windows.
     #[arg(long, default_value_t = 8)]
     graphs: usize,
-    /// Each rank's own start-up work (a compute loop) while pinning runs, in ms.
-    #[arg(long, default_value_t = 300)]
+    /// Each rank's own start-up work (a compute loop) while pinning runs, in ms; at most 3600000 (an hour).
+    #[arg(long, default_value_t = 300, value_parser = startup_ms)]
     startup_ms: u64,
-    /// Pre-fault threads per rank [default: every core].
-    #[arg(long)]
+    /// Pre-fault threads per rank, 1 to 1024 (the library's cap) [default: every core].
+    #[arg(long, value_parser = pin_threads)]
     pin_threads: Option<usize>,
     /// Bound of one registration call [default: an eighth of the region, at most the library default, 256MiB].
     #[arg(long, value_parser = parse_size)]
@@ -136,8 +136,8 @@ pub struct Args {
     /// Seed of the key choice (rank r uses seed + r).
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// How long ranks wait for each other (joining, agreeing), in seconds.
-    #[arg(long, default_value_t = 120)]
+    /// How long ranks wait for each other (joining, agreeing), in seconds: 1 to 86400 (a day).
+    #[arg(long, default_value_t = 120, value_parser = rank_timeout_s)]
     rank_timeout_s: u64,
     /// Fault test: SIGKILL this rank ...
     #[arg(long)]
@@ -172,6 +172,55 @@ pub struct Args {
     /// The parent's pid, for a rank to check it was not orphaned at birth.
     #[arg(long, hide = true)]
     parent_pid: Option<u32>,
+}
+
+/// Longest `--startup-ms`: an hour. The start-up work stands for an
+/// engine's own start (loading a model) overlapping pinning: minutes at
+/// most; a longer value is a typo that would run until Ctrl-C.
+pub const MAX_STARTUP_MS: u64 = 3_600_000;
+
+/// Longest `--rank-timeout-s`: a day. Ranks wait this long for each other
+/// to join the region and to agree; a longer wait is a hang, not a wait.
+pub const MAX_RANK_TIMEOUT_S: u64 = 86_400;
+
+/// `--startup-ms`: 0 to [`MAX_STARTUP_MS`].
+fn startup_ms(s: &str) -> Result<u64, String> {
+    let v: u64 = s.parse().map_err(|e| format!("{e}"))?;
+    if v > MAX_STARTUP_MS {
+        return Err(format!(
+            "at most {MAX_STARTUP_MS} ms (an hour): the start-up work stands for an engine's own start \
+             overlapping pinning, and a longer one would run until Ctrl-C"
+        ));
+    }
+    Ok(v)
+}
+
+/// `--rank-timeout-s`: 1 to [`MAX_RANK_TIMEOUT_S`].
+fn rank_timeout_s(s: &str) -> Result<u64, String> {
+    let v: u64 = s.parse().map_err(|e| format!("{e}"))?;
+    if v == 0 {
+        return Err("at least 1 s: with 0 a rank times out before another one can join the region".into());
+    }
+    if v > MAX_RANK_TIMEOUT_S {
+        return Err(format!(
+            "at most {MAX_RANK_TIMEOUT_S} s (a day): the ranks wait this long for each other, and a longer \
+             wait is a hang"
+        ));
+    }
+    Ok(v)
+}
+
+/// `--pin-threads`: 1 to the library's cap ([`MAX_THREADS`], a typo
+/// guard: the library refuses more, so the run would fail later).
+fn pin_threads(s: &str) -> Result<usize, String> {
+    let v: usize = s.parse().map_err(|e| format!("{e}"))?;
+    if v == 0 {
+        return Err("at least 1: the pre-fault needs a thread".into());
+    }
+    if v > MAX_THREADS {
+        return Err(format!("at most {MAX_THREADS} (the library's cap on pre-fault threads, a typo guard)"));
+    }
+    Ok(v)
 }
 
 /// How long the parent waits for its ranks after forwarding SIGTERM to
