@@ -119,7 +119,8 @@ pub enum ProtocolError {
         /// the caller's own capture window. A refusal for another cause
         /// says where the caller is: `"... inside gated()"` inside
         /// `Offloader::gated`, `"... behind this thread's capture hook
-        /// window"` for a deferred job.
+        /// window"` for a deferred job, `"... while this thread holds it
+        /// back"` for a wait for pinning by a thread holding a pin hold.
         what: &'static str,
     },
     /// A capture-unsafe call was skipped because a window is open.
@@ -164,6 +165,8 @@ fn would_deadlock_message(what: &str) -> String {
         )
     } else if what.contains("this thread's capture hook window") {
         format!("{what} would deadlock: that window stays open until this thread closes it")
+    } else if what.ends_with(" while this thread holds it back") {
+        format!("{what} would deadlock: pinning waits for this thread's pin hold to be dropped")
     } else {
         format!("{what} inside this thread's own open capture window would deadlock")
     }
@@ -183,6 +186,9 @@ mod tests {
         assert!(!gated.contains("open capture window"), "{gated}");
         let hook = m("waiting for a job deferred behind this thread's capture hook window");
         assert!(hook.ends_with("would deadlock: that window stays open until this thread closes it"), "{hook}");
+        let held = m("waiting for pinning while this thread holds it back");
+        assert!(held.ends_with("would deadlock: pinning waits for this thread's pin hold to be dropped"), "{held}");
+        assert!(!held.contains("capture window"), "{held}");
         assert_eq!(
             m("waiting for pinning"),
             "waiting for pinning inside this thread's own open capture window would deadlock"
