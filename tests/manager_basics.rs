@@ -180,3 +180,27 @@ fn manager_bad_config_is_a_typed_error() {
     assert_eq!(m.slot(&k(1)), None::<SlotId>);
     assert_eq!(m.policy_kind(), PolicyKind::Arc);
 }
+
+/// Issue 43, item 3, at the manager: stores of [0,3,1] and [0,1,4] fill 4
+/// slots; prepare_store([0,1,2]) skips 0 and 1 as stored and must not evict
+/// either (it used to evict 1, the least recently used): it evicts 3.
+#[test]
+fn manager_never_evicts_a_key_its_batch_skips_as_stored() {
+    for policy in [PolicyKind::Lru, PolicyKind::Arc] {
+        let mut m = manager(4, policy);
+        store(&mut m, &[k(0), k(3), k(1)]);
+        store(&mut m, &[k(0), k(1), k(4)]);
+        let out = m.prepare_store(&[k(0), k(1), k(2)]).unwrap();
+        let stored = SkipReason::AlreadyStored;
+        let want = [Skipped { key: k(0), reason: stored }, Skipped { key: k(1), reason: stored }];
+        assert_eq!(out.skipped, want, "{policy:?}");
+        assert_eq!(out.evicted.iter().map(|p| p.key).collect::<Vec<_>>(), [k(3)], "{policy:?}");
+        m.complete_store(&[k(2)], true).unwrap();
+        m.check_invariants().unwrap();
+        assert_eq!(m.prepare_load(&[k(0), k(1)]).map(|p| p.len()), Ok(2), "{policy:?}");
+        // With only its own keys to evict, a batch is refused, changing nothing.
+        let e = m.prepare_store(&[k(0), k(1), k(2), k(4), k(5)]).unwrap_err();
+        assert!(matches!(e, ManagerError::InsufficientCapacity { evictable: 0, .. }), "{policy:?}: {e:?}");
+        m.check_invariants().unwrap();
+    }
+}

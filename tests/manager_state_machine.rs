@@ -222,8 +222,11 @@ impl Model {
         remove_key(&mut self.t2, key);
     }
 
-    fn policy_evict(&mut self) -> Option<BlockKey> {
-        let first_evictable = |m: &Model, list: &[BlockKey]| list.iter().copied().find(|k| m.evictable(*k));
+    /// The victim among the evictable blocks not in `protect` (the keys of
+    /// the batch being stored).
+    fn policy_evict(&mut self, protect: &[BlockKey]) -> Option<BlockKey> {
+        let first_evictable =
+            |m: &Model, list: &[BlockKey]| list.iter().copied().find(|k| m.evictable(*k) && !protect.contains(k));
         match self.policy {
             PolicyKind::Lru => {
                 let key = first_evictable(self, &self.lru)?;
@@ -321,7 +324,8 @@ impl Model {
             out.skipped.push(Skipped { key, reason });
         }
         let free = self.capacity - self.blocks.len();
-        let evictable = self.blocks.iter().filter(|b| b.evictable()).count();
+        // A key the batch skips as stored is never its victim.
+        let evictable = self.blocks.iter().filter(|b| b.evictable() && !keys.contains(&b.key)).count();
         let need = out.to_store.len().saturating_sub(free);
         if need > evictable {
             let requested = out.to_store.len();
@@ -329,7 +333,7 @@ impl Model {
             return self.fail(ManagerError::InsufficientCapacity { requested, free, evictable, capacity });
         }
         for _ in 0..need {
-            let victim = self.policy_evict().expect("model: a candidate exists");
+            let victim = self.policy_evict(keys).expect("model: a candidate exists");
             self.blocks.retain(|b| b.key != victim);
             out.evicted.push(victim);
             self.last_events.push((Ev::Evicted, victim));
@@ -551,6 +555,11 @@ impl Sut {
         let before: HashMap<BlockKey, BlockState> =
             self.slots.keys().filter_map(|k| Some((*k, self.mgr.state(k)?))).collect();
         let out: PrepareStoreOutput = self.mgr.prepare_store(keys)?;
+        // The contract on its own (not only as the model says): skipped and
+        // evicted are disjoint, and no key of the batch is a victim.
+        for e in &out.evicted {
+            assert!(!keys.contains(&e.key), "prepare_store({keys:?}) evicted its own key {}", e.key);
+        }
         for e in &out.evicted {
             let state = before.get(&e.key);
             assert_eq!(state, Some(&BlockState::Ready { readers: 0 }), "evicted {} while it was {state:?}", e.key);

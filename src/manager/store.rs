@@ -49,8 +49,11 @@ pub struct PrepareStoreOutput {
 impl BlockManager {
     /// Reserves a slot for each key of `keys` that is not stored yet and
     /// passes the store threshold, evicting ready, unread blocks when too few
-    /// slots are free. All or nothing: when the free slots plus the evictable
-    /// blocks cannot hold every such key, nothing changes and the call fails
+    /// slots are free. A key of `keys` is never a victim of the same call:
+    /// the keys it skips as [`SkipReason::AlreadyStored`] are kept from
+    /// eviction while it chooses, so `skipped` and `evicted` are disjoint.
+    /// All or nothing: when the free slots plus the evictable blocks not in
+    /// `keys` cannot hold every such key, nothing changes and the call fails
     /// with [`ManagerError::InsufficientCapacity`].
     pub fn prepare_store(&mut self, keys: &[BlockKey]) -> Result<PrepareStoreOutput, ManagerError> {
         if let Err(e) = check_unique(keys) {
@@ -58,10 +61,18 @@ impl BlockManager {
         }
         let mut out = PrepareStoreOutput::default();
         let mut admit = Vec::with_capacity(keys.len());
+        // Keys the batch skips as stored that the policy could evict: kept
+        // out of this call's victims, so no key is both skipped and evicted.
+        let mut pinned = Vec::new();
         for &key in keys {
             let reason = match self.blocks.get(&key).map(|b| b.state) {
                 Some(BlockState::WritePending) => SkipReason::StorePending,
-                Some(BlockState::Ready { .. }) => SkipReason::AlreadyStored,
+                Some(state @ BlockState::Ready { .. }) => {
+                    if state.is_evictable() {
+                        pinned.push(key);
+                    }
+                    SkipReason::AlreadyStored
+                }
                 None if !self.misses.admits(&key) => {
                     SkipReason::BelowThreshold { misses: self.misses.misses(&key), threshold: self.misses.threshold() }
                 }
@@ -72,10 +83,14 @@ impl BlockManager {
             };
             out.skipped.push(Skipped { key, reason });
         }
+        for &key in &pinned {
+            self.policy.set_candidate(key, false);
+        }
         let free = self.slots.free_count();
         let evictable = self.policy.candidates();
         let need = admit.len().saturating_sub(free);
         if need > evictable {
+            self.unpin(&pinned);
             self.events.counters.stores_rejected += 1;
             return self.refuse(ManagerError::InsufficientCapacity {
                 requested: admit.len(),
@@ -88,6 +103,7 @@ impl BlockManager {
             let victim = self.evict_one()?;
             out.evicted.push(victim);
         }
+        self.unpin(&pinned);
         for &key in admit.iter().rev() {
             let slot = self
                 .slots
@@ -108,6 +124,13 @@ impl BlockManager {
             }
         }
         Ok(out)
+    }
+
+    /// Makes `keys` (ready and unread) eviction candidates again.
+    fn unpin(&mut self, keys: &[BlockKey]) {
+        for &key in keys {
+            self.policy.set_candidate(key, true);
+        }
     }
 
     /// Asks the policy for a victim, checks it is evictable, frees its slot.
