@@ -1,7 +1,8 @@
 //! State-machine test of the block manager against a plain reference model.
 //!
 //! proptest-state-machine generates random sequences of every operation
-//! (lookup, touch, prepare/complete store, prepare/complete load, reset),
+//! (lookup, touch, prepare/complete store, a store prepared and undone,
+//! prepare/complete load, reset),
 //! well-formed ones and misuse alike, on a small manager (1 - 8 slots, 16
 //! keys) so that eviction, pinning and capacity errors happen often. The
 //! reference model keeps everything in `Vec`s and picks victims by linear
@@ -442,6 +443,9 @@ enum Op {
     Lookup(Vec<BlockKey>),
     Touch(Vec<BlockKey>),
     PrepareStore(Vec<BlockKey>),
+    /// prepare_store_undoable, then undo_store at once: answers as
+    /// prepare_store would, and changes nothing (policy state included).
+    PrepareStoreUndone(Vec<BlockKey>),
     CompleteStore(Vec<BlockKey>, bool),
     PrepareLoad(Vec<BlockKey>),
     CompleteLoad(Vec<BlockKey>),
@@ -503,6 +507,7 @@ impl<P: Policy> ReferenceStateMachine for ManagerMachine<P> {
             (4, any_keys().prop_map(Op::Lookup).boxed()),
             (4, any_keys().prop_map(Op::Touch).boxed()),
             (5, any_keys().prop_map(Op::PrepareStore).boxed()),
+            (2, any_keys().prop_map(Op::PrepareStoreUndone).boxed()),
             // Misuse: completing or loading whatever keys.
             (1, (any_keys(), any::<bool>()).prop_map(|(k, s)| Op::CompleteStore(k, s)).boxed()),
             (1, any_keys().prop_map(Op::PrepareLoad).boxed()),
@@ -532,6 +537,14 @@ impl<P: Policy> ReferenceStateMachine for ManagerMachine<P> {
                 Expected::Nothing
             }
             Op::PrepareStore(keys) => Expected::Store(m.prepare_store(keys)),
+            Op::PrepareStoreUndone(keys) => {
+                // The answer of a store made on a copy; only a refusal
+                // (counted as an error) leaves a trace.
+                let mut probe = m.clone();
+                let r = probe.prepare_store(keys);
+                m.errors = probe.errors;
+                Expected::Store(r)
+            }
             Op::CompleteStore(keys, ok) => Expected::Unit(m.complete_store(keys, *ok)),
             Op::PrepareLoad(keys) => Expected::Load(m.prepare_load(keys)),
             Op::CompleteLoad(keys) => Expected::Unit(m.complete_load(keys)),
@@ -570,6 +583,21 @@ impl Sut {
             assert!(!self.slots.values().any(|s| *s == p.slot), "{} given out twice", p.slot);
             self.slots.insert(p.key, p.slot);
         }
+        Ok(StoreOutcome {
+            to_store: out.to_store.iter().map(|p| p.key).collect(),
+            evicted: out.evicted.iter().map(|p| p.key).collect(),
+            skipped: out.skipped,
+        })
+    }
+
+    /// A store prepared and undone at once: the slots the test knows stay.
+    fn store_undone(&mut self, keys: &[BlockKey]) -> Result<StoreOutcome, ManagerError> {
+        let (out, undo) = self.mgr.prepare_store_undoable(keys)?;
+        for e in &out.evicted {
+            assert!(!keys.contains(&e.key), "prepare_store_undoable({keys:?}) evicted its own key {}", e.key);
+            assert_eq!(self.slots.get(&e.key), Some(&e.slot), "evicted {} from the wrong slot", e.key);
+        }
+        self.mgr.undo_store(undo).expect("an undo right after its prepare");
         Ok(StoreOutcome {
             to_store: out.to_store.iter().map(|p| p.key).collect(),
             evicted: out.evicted.iter().map(|p| p.key).collect(),
@@ -627,6 +655,7 @@ impl<P: Policy> StateMachineTest for ManagerTest<P> {
                 Expected::Nothing
             }
             Op::PrepareStore(keys) => Expected::Store(sut.store(keys)),
+            Op::PrepareStoreUndone(keys) => Expected::Store(sut.store_undone(keys)),
             Op::CompleteStore(keys, ok) => {
                 let r = sut.mgr.complete_store(keys, *ok);
                 if r.is_ok() && !ok {
