@@ -180,3 +180,81 @@ fn manager_bad_config_is_a_typed_error() {
     assert_eq!(m.slot(&k(1)), None::<SlotId>);
     assert_eq!(m.policy_kind(), PolicyKind::Arc);
 }
+
+/// Issue 43, item 3, at the manager: stores of [0,3,1] and [0,1,4] fill 4
+/// slots; prepare_store([0,1,2]) skips 0 and 1 as stored and must not evict
+/// either (it used to evict 1, the least recently used): it evicts 3.
+#[test]
+fn manager_never_evicts_a_key_its_batch_skips_as_stored() {
+    for policy in [PolicyKind::Lru, PolicyKind::Arc] {
+        let mut m = manager(4, policy);
+        store(&mut m, &[k(0), k(3), k(1)]);
+        store(&mut m, &[k(0), k(1), k(4)]);
+        let out = m.prepare_store(&[k(0), k(1), k(2)]).unwrap();
+        let stored = SkipReason::AlreadyStored;
+        let want = [Skipped { key: k(0), reason: stored }, Skipped { key: k(1), reason: stored }];
+        assert_eq!(out.skipped, want, "{policy:?}");
+        assert_eq!(out.evicted.iter().map(|p| p.key).collect::<Vec<_>>(), [k(3)], "{policy:?}");
+        m.complete_store(&[k(2)], true).unwrap();
+        m.check_invariants().unwrap();
+        assert_eq!(m.prepare_load(&[k(0), k(1)]).map(|p| p.len()), Ok(2), "{policy:?}");
+        // With only its own keys to evict, a batch is refused, changing nothing.
+        let e = m.prepare_store(&[k(0), k(1), k(2), k(4), k(5)]).unwrap_err();
+        assert!(matches!(e, ManagerError::InsufficientCapacity { evictable: 0, .. }), "{policy:?}: {e:?}");
+        m.check_invariants().unwrap();
+    }
+}
+
+/// A store prepared and undone is as if never made: a manager that did so
+/// and a twin that did not answer every later call alike, slots and events
+/// included (the free list's order, the policy's order, ARC's ghosts and
+/// target: with 1 and 2 in T2, 5 in T1 and 3, 4 ghosts in B1, the undone
+/// store of [6, 3] evicts 5 and 1 and re-admits 3 from B1, which raises the
+/// target; had the target stayed raised, the next store would evict 1 from
+/// T2 instead of 5 from T1).
+#[test]
+fn manager_undo_store_is_as_if_never_made() {
+    for policy in [PolicyKind::Lru, PolicyKind::Arc] {
+        let (mut m, mut twin) = (manager(3, policy), manager(3, policy));
+        for mg in [&mut m, &mut twin] {
+            for batch in [&[k(1)][..], &[k(2)], &[k(3)]] {
+                store(mg, batch);
+            }
+            mg.touch(&[k(2), k(1)]);
+            store(mg, &[k(4)]);
+            store(mg, &[k(5)]);
+            mg.take_events();
+        }
+        let (out, undo) = m.prepare_store_undoable(&[k(6), k(3)]).unwrap();
+        assert_eq!(out.to_store.len(), 2, "{policy:?}");
+        assert_eq!(out.evicted.len(), 2, "{policy:?}");
+        m.undo_store(undo).unwrap();
+        m.check_invariants().unwrap();
+        assert_eq!(m.take_events(), vec![], "{policy:?}: the undone evictions left no event");
+        assert_eq!(m.counters(), twin.counters(), "{policy:?}");
+        for batch in [&[k(6)][..], &[k(3)], &[k(1), k(2)], &[k(2), k(7)], &[k(1)], &[k(8), k(9)]] {
+            let (a, b) = (m.prepare_store(batch), twin.prepare_store(batch));
+            assert_eq!(a, b, "{policy:?}: store {batch:?}");
+            let stored: Vec<BlockKey> = a.unwrap().to_store.iter().map(|p| p.key).collect();
+            m.complete_store(&stored, true).unwrap();
+            twin.complete_store(&stored, true).unwrap();
+            assert_eq!(m.take_events(), twin.take_events(), "{policy:?}: events of {batch:?}");
+        }
+        m.check_invariants().unwrap();
+    }
+}
+
+/// An undo is exact only right after its prepare: after any other call it
+/// is refused, and changes nothing.
+#[test]
+fn manager_undo_store_after_another_call_is_refused() {
+    let mut m = manager(1, PolicyKind::Lru);
+    store(&mut m, &[k(1)]);
+    let (_, undo) = m.prepare_store_undoable(&[k(2)]).unwrap();
+    m.lookup(&[k(2)]);
+    let e = m.undo_store(undo).unwrap_err();
+    assert!(matches!(e, ManagerError::Internal(_)), "{e:?}");
+    assert_eq!(m.state(&k(2)), Some(BlockState::WritePending));
+    assert_eq!(m.state(&k(1)), None);
+    m.check_invariants().unwrap();
+}

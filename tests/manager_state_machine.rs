@@ -1,7 +1,8 @@
 //! State-machine test of the block manager against a plain reference model.
 //!
 //! proptest-state-machine generates random sequences of every operation
-//! (lookup, touch, prepare/complete store, prepare/complete load, reset),
+//! (lookup, touch, prepare/complete store, a store prepared and undone,
+//! prepare/complete load, reset),
 //! well-formed ones and misuse alike, on a small manager (1 - 8 slots, 16
 //! keys) so that eviction, pinning and capacity errors happen often. The
 //! reference model keeps everything in `Vec`s and picks victims by linear
@@ -222,8 +223,11 @@ impl Model {
         remove_key(&mut self.t2, key);
     }
 
-    fn policy_evict(&mut self) -> Option<BlockKey> {
-        let first_evictable = |m: &Model, list: &[BlockKey]| list.iter().copied().find(|k| m.evictable(*k));
+    /// The victim among the evictable blocks not in `protect` (the keys of
+    /// the batch being stored).
+    fn policy_evict(&mut self, protect: &[BlockKey]) -> Option<BlockKey> {
+        let first_evictable =
+            |m: &Model, list: &[BlockKey]| list.iter().copied().find(|k| m.evictable(*k) && !protect.contains(k));
         match self.policy {
             PolicyKind::Lru => {
                 let key = first_evictable(self, &self.lru)?;
@@ -321,7 +325,8 @@ impl Model {
             out.skipped.push(Skipped { key, reason });
         }
         let free = self.capacity - self.blocks.len();
-        let evictable = self.blocks.iter().filter(|b| b.evictable()).count();
+        // A key the batch skips as stored is never its victim.
+        let evictable = self.blocks.iter().filter(|b| b.evictable() && !keys.contains(&b.key)).count();
         let need = out.to_store.len().saturating_sub(free);
         if need > evictable {
             let requested = out.to_store.len();
@@ -329,7 +334,7 @@ impl Model {
             return self.fail(ManagerError::InsufficientCapacity { requested, free, evictable, capacity });
         }
         for _ in 0..need {
-            let victim = self.policy_evict().expect("model: a candidate exists");
+            let victim = self.policy_evict(keys).expect("model: a candidate exists");
             self.blocks.retain(|b| b.key != victim);
             out.evicted.push(victim);
             self.last_events.push((Ev::Evicted, victim));
@@ -438,6 +443,9 @@ enum Op {
     Lookup(Vec<BlockKey>),
     Touch(Vec<BlockKey>),
     PrepareStore(Vec<BlockKey>),
+    /// prepare_store_undoable, then undo_store at once: answers as
+    /// prepare_store would, and changes nothing (policy state included).
+    PrepareStoreUndone(Vec<BlockKey>),
     CompleteStore(Vec<BlockKey>, bool),
     PrepareLoad(Vec<BlockKey>),
     CompleteLoad(Vec<BlockKey>),
@@ -499,6 +507,7 @@ impl<P: Policy> ReferenceStateMachine for ManagerMachine<P> {
             (4, any_keys().prop_map(Op::Lookup).boxed()),
             (4, any_keys().prop_map(Op::Touch).boxed()),
             (5, any_keys().prop_map(Op::PrepareStore).boxed()),
+            (2, any_keys().prop_map(Op::PrepareStoreUndone).boxed()),
             // Misuse: completing or loading whatever keys.
             (1, (any_keys(), any::<bool>()).prop_map(|(k, s)| Op::CompleteStore(k, s)).boxed()),
             (1, any_keys().prop_map(Op::PrepareLoad).boxed()),
@@ -528,6 +537,14 @@ impl<P: Policy> ReferenceStateMachine for ManagerMachine<P> {
                 Expected::Nothing
             }
             Op::PrepareStore(keys) => Expected::Store(m.prepare_store(keys)),
+            Op::PrepareStoreUndone(keys) => {
+                // The answer of a store made on a copy; only a refusal
+                // (counted as an error) leaves a trace.
+                let mut probe = m.clone();
+                let r = probe.prepare_store(keys);
+                m.errors = probe.errors;
+                Expected::Store(r)
+            }
             Op::CompleteStore(keys, ok) => Expected::Unit(m.complete_store(keys, *ok)),
             Op::PrepareLoad(keys) => Expected::Load(m.prepare_load(keys)),
             Op::CompleteLoad(keys) => Expected::Unit(m.complete_load(keys)),
@@ -551,6 +568,11 @@ impl Sut {
         let before: HashMap<BlockKey, BlockState> =
             self.slots.keys().filter_map(|k| Some((*k, self.mgr.state(k)?))).collect();
         let out: PrepareStoreOutput = self.mgr.prepare_store(keys)?;
+        // The contract on its own (not only as the model says): skipped and
+        // evicted are disjoint, and no key of the batch is a victim.
+        for e in &out.evicted {
+            assert!(!keys.contains(&e.key), "prepare_store({keys:?}) evicted its own key {}", e.key);
+        }
         for e in &out.evicted {
             let state = before.get(&e.key);
             assert_eq!(state, Some(&BlockState::Ready { readers: 0 }), "evicted {} while it was {state:?}", e.key);
@@ -561,6 +583,21 @@ impl Sut {
             assert!(!self.slots.values().any(|s| *s == p.slot), "{} given out twice", p.slot);
             self.slots.insert(p.key, p.slot);
         }
+        Ok(StoreOutcome {
+            to_store: out.to_store.iter().map(|p| p.key).collect(),
+            evicted: out.evicted.iter().map(|p| p.key).collect(),
+            skipped: out.skipped,
+        })
+    }
+
+    /// A store prepared and undone at once: the slots the test knows stay.
+    fn store_undone(&mut self, keys: &[BlockKey]) -> Result<StoreOutcome, ManagerError> {
+        let (out, undo) = self.mgr.prepare_store_undoable(keys)?;
+        for e in &out.evicted {
+            assert!(!keys.contains(&e.key), "prepare_store_undoable({keys:?}) evicted its own key {}", e.key);
+            assert_eq!(self.slots.get(&e.key), Some(&e.slot), "evicted {} from the wrong slot", e.key);
+        }
+        self.mgr.undo_store(undo).expect("an undo right after its prepare");
         Ok(StoreOutcome {
             to_store: out.to_store.iter().map(|p| p.key).collect(),
             evicted: out.evicted.iter().map(|p| p.key).collect(),
@@ -618,6 +655,7 @@ impl<P: Policy> StateMachineTest for ManagerTest<P> {
                 Expected::Nothing
             }
             Op::PrepareStore(keys) => Expected::Store(sut.store(keys)),
+            Op::PrepareStoreUndone(keys) => Expected::Store(sut.store_undone(keys)),
             Op::CompleteStore(keys, ok) => {
                 let r = sut.mgr.complete_store(keys, *ok);
                 if r.is_ok() && !ok {

@@ -121,9 +121,11 @@ class PinOutcome:
     agreement_error: Optional[AgreementError]
 
 class StoreSubmitted:
-    """What ``Offloader.store`` submitted (the library's ``StoreSubmitted``).
-    ``job``: the job that writes the ``stored`` keys (readable once ``poll``
-    reports it), None when nothing needed storing."""
+    """What ``KeyedOffloader.store`` submitted (the library's
+    ``StoreSubmitted``). ``job``: the job that writes the ``stored`` keys
+    (readable once ``poll`` reports it), None when nothing needed storing.
+    ``skipped`` and ``evicted`` are disjoint (a store never evicts a key of
+    its own batch), and ``evicted`` names every key the store evicted."""
 
     job: Optional[int]
     stored: List[Tuple[int, int]]
@@ -670,8 +672,19 @@ class KeyedOffloader(_OffloaderBase):
     #: Per key: ``"hit"`` (readable), ``"miss"`` or ``"hit_pending"``
     #: (stored, its store not complete yet).
     def lookup(self, keys: Iterable[_Key]) -> List[str]: ...
-    def store(self, keys: Iterable[_Key], gpu_blocks: Iterable[int]) -> StoreSubmitted: ...
-    def load(self, keys: Iterable[_Key], gpu_blocks: Iterable[int]) -> int: ...
+    def store(self, keys: Iterable[_Key], gpu_blocks: Iterable[int]) -> StoreSubmitted:
+        """Stores ``keys`` from ``gpu_blocks`` (``block_factor`` per key).
+        The contract: a call that raises changes nothing (no key evicted,
+        no slot taken: a store refused inside a capture window or for an
+        out-of-range GPU block keeps every stored key); ``skipped`` and
+        ``evicted`` of one call are disjoint and ``evicted`` names every key
+        evicted; a key in ``stored`` is loadable once ``poll`` reports its
+        job, until a later store reports it in ``evicted`` (or ``poll``
+        reports its store failed)."""
+    def load(self, keys: Iterable[_Key], gpu_blocks: Iterable[int]) -> int:
+        """Loads ``keys`` (each readable) into ``gpu_blocks``; returns the
+        job id. Their slots are not evicted until ``poll`` reports it. A
+        call that raises changes nothing."""
     @property
     def stored_blocks(self) -> int: ...
     def __enter__(self) -> "KeyedOffloader": ...

@@ -34,6 +34,10 @@ pub struct BlockManager {
     pub(crate) policy: Box<dyn EvictionPolicy>,
     pub(crate) misses: MissCounter,
     pub(crate) events: EventSink,
+    /// Counts the calls that may change the manager, so that
+    /// [`undo_store`](Self::undo_store) can tell a [`StoreUndo`](super::StoreUndo)
+    /// made before the last call from one made by it.
+    pub(crate) epoch: u64,
 }
 
 impl BlockManager {
@@ -49,6 +53,7 @@ impl BlockManager {
             policy: new_policy(config.policy, config.capacity),
             misses: MissCounter::new(config.store_threshold, config.lookup_tracking_limit),
             events: EventSink::new(config.record_events),
+            epoch: 0,
             config,
         })
     }
@@ -106,6 +111,7 @@ impl BlockManager {
     /// Drains the event log; empty unless
     /// [`ManagerConfig::record_events`] is set.
     pub fn take_events(&mut self) -> Vec<ManagerEvent> {
+        self.epoch = self.epoch.wrapping_add(1);
         self.events.take()
     }
 
@@ -113,6 +119,7 @@ impl BlockManager {
     /// change recency (see [`touch`](Self::touch)); counts each miss toward
     /// the store threshold.
     pub fn lookup(&mut self, keys: &[BlockKey]) -> Vec<Lookup> {
+        self.epoch = self.epoch.wrapping_add(1);
         let c = &mut self.events.counters;
         c.lookups += keys.len() as u64;
         let mut answers = Vec::with_capacity(keys.len());
@@ -140,6 +147,7 @@ impl BlockManager {
     /// Marks the stored keys among `keys` as used now, the first key most
     /// recently; keys not stored are ignored.
     pub fn touch(&mut self, keys: &[BlockKey]) {
+        self.epoch = self.epoch.wrapping_add(1);
         self.events.counters.touches += keys.len() as u64;
         for key in keys.iter().rev() {
             if let Some(block) = self.blocks.get(key) {
@@ -153,6 +161,7 @@ impl BlockManager {
     /// Refused with [`ManagerError::Busy`] while any store or load is in
     /// flight, since a transfer still uses those slots.
     pub fn reset(&mut self) -> Result<(), ManagerError> {
+        self.epoch = self.epoch.wrapping_add(1);
         let pending = self.blocks.values().filter(|b| b.state == BlockState::WritePending).count();
         let reading =
             self.blocks.values().filter(|b| matches!(b.state, BlockState::Ready { readers } if readers > 0)).count();

@@ -98,6 +98,18 @@ impl EventSink {
         }
     }
 
+    /// Events in the log now (0 when not recording).
+    pub(crate) fn logged(&self) -> usize {
+        self.log.as_ref().map_or(0, Vec::len)
+    }
+
+    /// Drops the events logged after the first `n`.
+    pub(crate) fn truncate(&mut self, n: usize) {
+        if let Some(log) = &mut self.log {
+            log.truncate(n);
+        }
+    }
+
     /// Drains the event log (empty when not recording).
     pub(crate) fn take(&mut self) -> Vec<ManagerEvent> {
         self.log.as_mut().map(std::mem::take).unwrap_or_default()

@@ -13,6 +13,7 @@ impl BlockManager {
     /// changes and the first offending key is named
     /// ([`ManagerError::NotFound`], [`ManagerError::NotReadable`]).
     pub fn prepare_load(&mut self, keys: &[BlockKey]) -> Result<Vec<Placement>, ManagerError> {
+        self.epoch = self.epoch.wrapping_add(1);
         if let Err(e) = self.check_loadable(keys) {
             return self.refuse(e);
         }
@@ -38,6 +39,7 @@ impl BlockManager {
     /// nothing changes and the first offending key is named
     /// ([`ManagerError::NotFound`], [`ManagerError::NoLoadInFlight`]).
     pub fn complete_load(&mut self, keys: &[BlockKey]) -> Result<(), ManagerError> {
+        self.epoch = self.epoch.wrapping_add(1);
         if let Err(e) = self.check_reading(keys) {
             return self.refuse(e);
         }

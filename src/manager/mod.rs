@@ -9,6 +9,15 @@
 //! not prepared, loading a pending block, repeating a key in a batch) is a
 //! [`ManagerError`], never a panic or a silent change.
 //!
+//! The stores' contract ([`BlockManager::prepare_store`]): a call that
+//! fails changes nothing, and a store prepared with
+//! [`BlockManager::prepare_store_undoable`] can be taken back exactly
+//! ([`BlockManager::undo_store`], for a caller whose submission is
+//! refused); `skipped` and `evicted` of one call are disjoint (a batch
+//! never evicts its own keys) and every eviction is reported; a block
+//! stays stored until a call reports it evicted (or a failed store or a
+//! reset drops it).
+//!
 //! Events ([`ManagerEvent`]) go to `tracing` at debug level and to
 //! [`ManagerCounters`]; `kvoffload bench manager` compares the policies' hit rates.
 
@@ -31,6 +40,6 @@ pub use config::{ManagerConfig, PolicyKind};
 pub use error::ManagerError;
 pub use events::{ManagerCounters, ManagerEvent, RemoveReason};
 pub use key::{BlockKey, Placement, SlotId};
-pub use policy::EvictionPolicy;
+pub use policy::{EvictionPolicy, PolicyUndo};
 pub use state::{BlockState, Lookup};
-pub use store::{PrepareStoreOutput, SkipReason, Skipped};
+pub use store::{PrepareStoreOutput, SkipReason, Skipped, StoreUndo};

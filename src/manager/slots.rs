@@ -58,6 +58,28 @@ impl SlotTable {
         }
     }
 
+    /// Undoes [`allocate`](Self::allocate) of `slot`: free again, on top
+    /// of the free list (undoing allocations last first restores the list).
+    pub(crate) fn unallocate(&mut self, slot: SlotId) {
+        self.release(slot);
+    }
+
+    /// Undoes [`release`](Self::release) of `slot`, owned by `key`: the
+    /// slot must be on top of the free list (undoing releases last first,
+    /// after the allocations that followed them). Returns false, changing
+    /// nothing, when it is not.
+    pub(crate) fn unrelease(&mut self, slot: SlotId, key: BlockKey) -> bool {
+        if self.free.last() != Some(&slot) {
+            return false;
+        }
+        let Some(owner) = self.owners.get_mut(slot.index()) else {
+            return false;
+        };
+        self.free.pop();
+        *owner = Some(key);
+        true
+    }
+
     /// Frees every slot.
     pub(crate) fn clear(&mut self) {
         self.owners.fill(None);

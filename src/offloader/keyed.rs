@@ -158,6 +158,20 @@ impl KeyedOffloader {
     /// freed by eviction when needed (all or nothing). The stored keys
     /// become readable once [`KeyedOffloader::poll`] reports the job.
     ///
+    /// The contract, which an engine that keeps its own view of what the
+    /// offloader holds relies on:
+    /// - a call that returns an error changes nothing: no key evicted, no
+    ///   slot taken, the eviction policy as it was (a submission refused
+    ///   after the block manager placed the keys, inside a capture window
+    ///   or for an out-of-range GPU block, is undone with its evictions,
+    ///   the block manager's `undo_store`);
+    /// - `skipped` and `evicted` of one call are disjoint (a key of `keys`
+    ///   is never evicted by the same call), and every key evicted is in
+    ///   `evicted`;
+    /// - a key in `stored` is loadable once its job is reported, until a
+    ///   later call reports it in `evicted` (or its store fails, reported
+    ///   by `poll`).
+    ///
     /// The store is ordered after the work on the compute stream at this
     /// moment; the engine must not write those GPU blocks until the job is
     /// reported.
@@ -168,7 +182,7 @@ impl KeyedOffloader {
                 return Err(OffloaderError::ShutDown);
             }
             let book = j.book::<KeyedBook>();
-            let out = book.manager.prepare_store(keys)?;
+            let (out, undo) = book.manager.prepare_store_undoable(keys)?;
             let evicted: Vec<BlockKey> = out.evicted.iter().map(|p| p.key).collect();
             if out.to_store.is_empty() {
                 return Ok(StoreSubmitted { job: None, stored: Vec::new(), skipped: out.skipped, evicted });
@@ -177,7 +191,13 @@ impl KeyedOffloader {
             let id = book.next_id;
             book.next_id = JobId(id.0 + 1);
             if let Err(e) = j.submit(id, Lane::Store, &JobBlocks::single(gpu, slots)) {
-                if let Err(m) = j.book::<KeyedBook>().manager.complete_store(&stored, false) {
+                // Contract (a): the refused call changes nothing. Its
+                // evictions are taken back with the rest (the victims are
+                // readable again, the policy as before), so the engine,
+                // which gets no `evicted` list from a raising call, still
+                // agrees with the offloader. Nothing touched the manager
+                // since the prepare: it is under this same lock.
+                if let Err(m) = j.book::<KeyedBook>().manager.undo_store(undo) {
                     tracing::error!(error = %m, "undoing a refused store failed");
                 }
                 return Err(e);

@@ -21,7 +21,7 @@
 //! batch.
 
 use super::recency::Recency;
-use super::EvictionPolicy;
+use super::{EvictionPolicy, PolicyUndo, UndoOf};
 use crate::manager::config::PolicyKind;
 use crate::manager::key::BlockKey;
 
@@ -30,6 +30,8 @@ use crate::manager::key::BlockKey;
 pub struct ArcPolicy {
     capacity: usize,
     target: usize,
+    /// The target when a journal began ([`EvictionPolicy::begin_undo`]).
+    undo_target: Option<usize>,
     t1: Recency<BlockKey>,
     t2: Recency<BlockKey>,
     b1: Recency<BlockKey>,
@@ -42,6 +44,7 @@ impl ArcPolicy {
         Self {
             capacity,
             target: 0,
+            undo_target: None,
             t1: Recency::default(),
             t2: Recency::default(),
             b1: Recency::default(),
@@ -194,5 +197,33 @@ impl EvictionPolicy for ArcPolicy {
             }
         }
         Ok(())
+    }
+
+    fn begin_undo(&mut self) {
+        self.undo_target = Some(self.target);
+        for l in [&mut self.t1, &mut self.t2, &mut self.b1, &mut self.b2] {
+            l.begin_undo();
+        }
+    }
+
+    fn end_undo(&mut self) -> PolicyUndo {
+        let target = self.undo_target.take().unwrap_or(self.target);
+        let lists = Box::new([self.t1.end_undo(), self.t2.end_undo(), self.b1.end_undo(), self.b2.end_undo()]);
+        PolicyUndo(UndoOf::Arc { target, lists })
+    }
+
+    fn undo(&mut self, undo: PolicyUndo) -> Result<(), String> {
+        match undo.0 {
+            UndoOf::Arc { target, lists } => {
+                let [t1, t2, b1, b2] = *lists;
+                self.t1.undo(t1);
+                self.t2.undo(t2);
+                self.b1.undo(b1);
+                self.b2.undo(b2);
+                self.target = target;
+                Ok(())
+            }
+            UndoOf::Lru(_) => Err("an LRU undo given to the ARC policy".into()),
+        }
     }
 }

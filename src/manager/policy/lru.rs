@@ -1,7 +1,7 @@
 //! Least recently used eviction.
 
 use super::recency::Recency;
-use super::EvictionPolicy;
+use super::{EvictionPolicy, PolicyUndo, UndoOf};
 use crate::manager::config::PolicyKind;
 use crate::manager::key::BlockKey;
 
@@ -61,5 +61,23 @@ impl EvictionPolicy for LruPolicy {
 
     fn check_invariants(&self) -> Result<(), String> {
         self.list.check("lru")
+    }
+
+    fn begin_undo(&mut self) {
+        self.list.begin_undo();
+    }
+
+    fn end_undo(&mut self) -> PolicyUndo {
+        PolicyUndo(UndoOf::Lru(self.list.end_undo()))
+    }
+
+    fn undo(&mut self, undo: PolicyUndo) -> Result<(), String> {
+        match undo.0 {
+            UndoOf::Lru(u) => {
+                self.list.undo(u);
+                Ok(())
+            }
+            UndoOf::Arc { .. } => Err("an ARC undo given to the LRU policy".into()),
+        }
     }
 }

@@ -48,6 +48,28 @@ pub trait EvictionPolicy: std::fmt::Debug + Send {
     fn clear(&mut self);
     /// Checks the policy's own invariants.
     fn check_invariants(&self) -> Result<(), String>;
+    /// Starts remembering what each change replaces, so that
+    /// [`undo`](Self::undo) can put the policy back as it is now (a journal
+    /// in progress is dropped).
+    fn begin_undo(&mut self);
+    /// Stops remembering; returns what [`undo`](Self::undo) needs.
+    fn end_undo(&mut self) -> PolicyUndo;
+    /// Puts the policy back exactly as it was at [`begin_undo`](Self::begin_undo)
+    /// (order, candidates, ARC's ghosts and target). Valid only while the
+    /// policy has not changed since [`end_undo`](Self::end_undo); an undo of
+    /// another policy kind is refused, changing nothing.
+    fn undo(&mut self, undo: PolicyUndo) -> Result<(), String>;
+}
+
+/// What an [`EvictionPolicy`] needs to undo the changes of one journal
+/// ([`EvictionPolicy::end_undo`]); opaque.
+#[derive(Clone, Debug)]
+pub struct PolicyUndo(pub(crate) UndoOf);
+
+#[derive(Clone, Debug)]
+pub(crate) enum UndoOf {
+    Lru(recency::RecencyUndo<BlockKey>),
+    Arc { target: usize, lists: Box<[recency::RecencyUndo<BlockKey>; 4]> },
 }
 
 /// Builds the policy `kind` for a manager of `capacity` slots.

@@ -8,6 +8,11 @@
 //! being written or read) sit in front of it. A key that stops being a
 //! candidate keeps its stamp, so when it becomes one again it returns to its
 //! place in the recency order rather than to the front.
+//!
+//! A list can keep a journal ([`Recency::begin_undo`]): each key's entry as
+//! it was before its first change, so that [`Recency::undo`] puts the list
+//! back exactly as it was (order, stamps, candidates), in time linear in
+//! the keys changed, not in the list's length.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
@@ -19,6 +24,14 @@ struct Entry {
     candidate: bool,
 }
 
+/// What a [`Recency`] list was before a journal began: the entry (or
+/// absence) of every key changed since, and the next stamp.
+#[derive(Clone, Debug)]
+pub(crate) struct RecencyUndo<K> {
+    next_stamp: u64,
+    before: HashMap<K, Option<Entry>>,
+}
+
 /// Keys ordered by last use, with O(log n) access to the least recently used
 /// candidate. See the module documentation.
 #[derive(Clone, Debug)]
@@ -27,11 +40,13 @@ pub(crate) struct Recency<K> {
     /// Candidates only, oldest stamp first.
     candidates: BTreeMap<u64, K>,
     next_stamp: u64,
+    /// The journal, while one is kept.
+    journal: Option<RecencyUndo<K>>,
 }
 
 impl<K: Copy + Eq + Hash> Default for Recency<K> {
     fn default() -> Self {
-        Self { entries: HashMap::new(), candidates: BTreeMap::new(), next_stamp: 0 }
+        Self { entries: HashMap::new(), candidates: BTreeMap::new(), next_stamp: 0, journal: None }
     }
 }
 
@@ -56,6 +71,47 @@ impl<K: Copy + Eq + Hash> Recency<K> {
         self.entries.get(key).is_some_and(|e| e.candidate)
     }
 
+    /// Starts a journal (dropping one in progress): from here, each key's
+    /// entry is remembered before its first change.
+    pub(crate) fn begin_undo(&mut self) {
+        self.journal = Some(RecencyUndo { next_stamp: self.next_stamp, before: HashMap::new() });
+    }
+
+    /// Ends the journal and returns it (an empty one if none was kept).
+    pub(crate) fn end_undo(&mut self) -> RecencyUndo<K> {
+        self.journal.take().unwrap_or_else(|| RecencyUndo { next_stamp: self.next_stamp, before: HashMap::new() })
+    }
+
+    /// Puts the list back as it was when `undo`'s journal began. Valid only
+    /// while the list has not changed since that journal ended.
+    pub(crate) fn undo(&mut self, undo: RecencyUndo<K>) {
+        self.journal = None;
+        // Every stamp issued since the journal began belongs to a key it
+        // names, and every stamp it restores was unique then: no collision.
+        for (key, before) in undo.before {
+            if let Some(now) = self.entries.remove(&key) {
+                if now.candidate {
+                    self.candidates.remove(&now.stamp);
+                }
+            }
+            if let Some(e) = before {
+                if e.candidate {
+                    self.candidates.insert(e.stamp, key);
+                }
+                self.entries.insert(key, e);
+            }
+        }
+        self.next_stamp = undo.next_stamp;
+    }
+
+    /// Remembers `key`'s entry if a journal is kept and it is the key's
+    /// first change.
+    fn note(&mut self, key: &K) {
+        if let Some(j) = &mut self.journal {
+            j.before.entry(*key).or_insert_with(|| self.entries.get(key).copied());
+        }
+    }
+
     fn stamp(&mut self) -> u64 {
         let s = self.next_stamp;
         // 2^64 uses are out of reach; wrapping keeps the arithmetic panic-free.
@@ -66,6 +122,7 @@ impl<K: Copy + Eq + Hash> Recency<K> {
     /// Puts `key` at the most recently used end, keeping its candidate flag
     /// if it is already in the list, else inserting it with `candidate`.
     pub(crate) fn push_mru(&mut self, key: K, candidate: bool) {
+        self.note(&key);
         let stamp = self.stamp();
         let candidate = match self.entries.get(&key) {
             Some(old) => {
@@ -84,6 +141,10 @@ impl<K: Copy + Eq + Hash> Recency<K> {
 
     /// Marks `key` as a candidate or not; returns false when it is absent.
     pub(crate) fn set_candidate(&mut self, key: &K, candidate: bool) -> bool {
+        if !self.entries.contains_key(key) {
+            return false;
+        }
+        self.note(key);
         let Some(e) = self.entries.get_mut(key) else {
             return false;
         };
@@ -101,6 +162,10 @@ impl<K: Copy + Eq + Hash> Recency<K> {
     /// Removes `key`; returns whether it was present and whether it was a
     /// candidate.
     pub(crate) fn remove(&mut self, key: &K) -> Option<bool> {
+        if !self.entries.contains_key(key) {
+            return None;
+        }
+        self.note(key);
         let e = self.entries.remove(key)?;
         if e.candidate {
             self.candidates.remove(&e.stamp);
@@ -111,12 +176,18 @@ impl<K: Copy + Eq + Hash> Recency<K> {
     /// Removes and returns the least recently used candidate.
     pub(crate) fn pop_lru_candidate(&mut self) -> Option<K> {
         let (_, key) = self.candidates.pop_first()?;
+        self.note(&key);
         self.entries.remove(&key);
         Some(key)
     }
 
     /// Removes everything.
     pub(crate) fn clear(&mut self) {
+        if let Some(j) = &mut self.journal {
+            for (k, e) in &self.entries {
+                j.before.entry(*k).or_insert(Some(*e));
+            }
+        }
         self.entries.clear();
         self.candidates.clear();
     }
@@ -170,5 +241,35 @@ mod tests {
         assert!(r.check("r").is_ok());
         assert_eq!(r.remove(&9), None);
         assert_eq!(r.remove(&7), Some(false));
+    }
+
+    /// Every change a journal saw is undone, whatever the mix: order,
+    /// stamps (a later push lands where it would have) and candidates.
+    #[test]
+    fn undo_puts_the_list_back_exactly() {
+        let mut r = Recency::default();
+        for k in 0..5u32 {
+            r.push_mru(k, k != 2);
+        }
+        let mut twin = r.clone();
+        r.begin_undo();
+        assert_eq!(r.pop_lru_candidate(), Some(0));
+        r.push_mru(1, false);
+        r.set_candidate(&3, false);
+        r.set_candidate(&2, true);
+        r.remove(&4);
+        r.push_mru(9, true);
+        r.push_mru(0, true);
+        let undo = r.end_undo();
+        r.undo(undo);
+        assert!(r.check("r").is_ok());
+        assert_eq!(r.keys_lru_first(), twin.keys_lru_first());
+        for k in [7u32, 8] {
+            r.push_mru(k, true);
+            twin.push_mru(k, true);
+        }
+        let drain = |l: &mut Recency<u32>| std::iter::from_fn(|| l.pop_lru_candidate()).collect::<Vec<_>>();
+        assert_eq!(drain(&mut r), drain(&mut twin));
+        assert_eq!(r.keys_lru_first(), twin.keys_lru_first());
     }
 }
