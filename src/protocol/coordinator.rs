@@ -124,7 +124,7 @@ named!(CapturePolicy, "capture policy" {
 });
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (of N1-N31, docs/PROOFS.md). The known-bad variants,
+/// negative models run (of N1-N32, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// model builds, loom's and shuttle's (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
