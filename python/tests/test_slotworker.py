@@ -228,6 +228,10 @@ def test_device_pointers_move_the_same_blocks_as_block_ids():
         (lambda i, p: p + 1 if i == 0 else p, "not a block of KV tensor"),
         (lambda i, p: p - 3 * PAGE if i == 0 else p, "not a block of KV tensor"),  # below the tensor
         (lambda i, p: p + 64 * PAGE * 1000 if i == 0 else p, "not a block of KV tensor"),
+        # Exactly one block past the tensor's end (block 1 + 15 of 16):
+        # refused here, as an OptionsError naming it, not by the Rust check
+        # (issue 45, item 8).
+        (lambda i, p: p + 15 * PAGE if i == 0 else p, "not a block of KV tensor 2 \\(16 blocks"),
         (lambda i, p: p + PAGE if i == 3 else p, "data ref 1 of group 1 points at other blocks"),
     ],
 )
