@@ -177,8 +177,10 @@ where
     config.silence_warnings = true;
     // Stop at the first panic: the schedule printed then is the whole of
     // what a replay needs (scheduling on while the panicking thread unwinds
-    // would take steps the printed schedule lacks).
-    config.ungraceful_shutdown_config.immediately_return_on_panic = true;
+    // would take steps the printed schedule lacks). Not in a model that
+    // catches a panic of its own ([`catches_its_own_panics`]): its unwinding
+    // passes scheduling points (a guard's release), which would stop it.
+    config.ungraceful_shutdown_config.immediately_return_on_panic = !CATCHES_PANICS.load(Ordering::SeqCst);
     let t = Instant::now();
     let replay = env("KVO_SHUTTLE_REPLAY");
     let pct: Option<usize> = env("KVO_SHUTTLE_PCT").map(|d| d.trim().parse().expect("KVO_SHUTTLE_PCT: a bug depth"));
@@ -222,6 +224,21 @@ fn fresh_seed() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
     h.finish()
+}
+
+/// Set by [`catches_its_own_panics`].
+static CATCHES_PANICS: AtomicBool = AtomicBool::new(false);
+
+/// Says that the model about to run catches a panic of its own (raised with
+/// `std::panic::resume_unwind`, which runs no panic hook, so a negative's
+/// hook does not take it for the failure) whose unwinding passes
+/// scheduling points: under shuttle a schedule then goes on while a
+/// thread unwinds, instead of stopping at the first panic (a failure's
+/// printed schedule may then lack the steps after it: replay it with the
+/// model's seed, `KVO_SHUTTLE_SEED`). Nothing under loom, which lets an
+/// execution go on through a caught panic.
+pub fn catches_its_own_panics() {
+    CATCHES_PANICS.store(true, Ordering::SeqCst);
 }
 
 /// Set by the first panic of a negative model; later panics (while
@@ -419,4 +436,26 @@ pub fn host(f: &Fixture, len: usize) -> &'static mut [u8] {
     // SAFETY: leaked memory of at least `len` bytes owned by the model;
     // callers access it only while no job touching it is in flight.
     unsafe { std::slice::from_raw_parts_mut(f.base as *mut u8, len) }
+}
+
+/// A flag one model thread sets and others wait for (a blocking wait: one
+/// that never ends is loom's deadlock, not a spin).
+#[derive(Default)]
+pub struct Flag {
+    set: kvoffload::internal::sync::Mutex<bool>,
+    cv: kvoffload::internal::sync::Condvar,
+}
+
+impl Flag {
+    pub fn set(&self) {
+        *kvoffload::internal::sync::lock(&self.set) = true;
+        self.cv.notify_all();
+    }
+
+    pub fn wait(&self) {
+        let mut g = kvoffload::internal::sync::lock(&self.set);
+        while !*g {
+            g = kvoffload::internal::sync::wait(&self.cv, g);
+        }
+    }
 }

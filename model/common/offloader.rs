@@ -86,3 +86,37 @@ pub fn poll_n(off: &Offloader, n: usize) -> Vec<Completion> {
 pub fn sim(rt: &Arc<dyn GpuRuntime>) -> &SimRuntime {
     rt.as_sim().unwrap()
 }
+
+/// A slot-addressed offloader of one KV tensor of 4 GPU blocks and `slots`
+/// host slots on a fresh simulated GPU, with `variant`, pinned (its pinner
+/// joined) before it returns: the models of the capture hook's close and
+/// of the interruptible waits, whose threads start after pinning.
+pub fn pinned(slots: usize, variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<Offloader>) {
+    use kvoffload::internal::protocol::PinState;
+    let rt = kvoffload::internal::runtime::shared(SimRuntime::new());
+    let opts = lean(OffloaderOptions::with_host_blocks(slots), None);
+    let off = Arc::new(offloader_on(rt.clone(), opts, variant));
+    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    (rt, off)
+}
+
+/// Host slot `slot`'s page, read from the region (mapped until the
+/// offloader is dropped, also after shutdown).
+pub fn slot_bytes(off: &Offloader, slot: usize) -> [u8; PAGE] {
+    let addr = off.geometry().layout.host_addr(0, 0, slot, 0);
+    let mut out = [0u8; PAGE];
+    // SAFETY: a page of this rank's slot of the mapped region; the job
+    // that wrote it was reported or drained.
+    out.copy_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, PAGE) });
+    out
+}
+
+/// Every job reported from now until `wait_all` returned, then one more
+/// poll: the jobs still to be reported, each once (a job submitted twice
+/// would be reported twice, or refused and reported failed).
+pub fn drain_reports(off: &Offloader) -> Vec<Completion> {
+    off.wait_all().expect("wait_all from a thread without a window");
+    let mut done = Vec::new();
+    off.poll_each(&mut |c| done.push(c));
+    done
+}

@@ -333,8 +333,11 @@ impl Offloader {
                 // close would, but never waiting: an interrupted begin's
                 // check has had its say, so the rest (an engine window
                 // refused one) is left for whoever flushes next.
-                // (Never waiting, it returns no error.)
-                let _ = self.flush_if_last(h, engine.as_deref(), AtEngineWindow::Stop);
+                // (Never waiting, it returns no error.) N33 (model builds
+                // only): it does not.
+                if !crate::protocol::variant_is!(self.coord, HookRefusedBeginKeepsQueue) {
+                    let _ = self.flush_if_last(h, engine.as_deref(), AtEngineWindow::Stop);
+                }
                 Err(e.into())
             }
         }
@@ -368,6 +371,10 @@ impl Offloader {
         drop(w.window);
         tracing::debug!(call, held_s, deferred = h.queue.len(), "capture hook window closed");
         self.hook.cv.notify_all();
+        // N35 (model builds only): an abort leaves the queue as it is.
+        if call == "capture_abort" && crate::protocol::variant_is!(self.coord, HookAbortSkipsFlush) {
+            return Ok(());
+        }
         // The window is closed whatever the flush's outcome: interrupted,
         // the jobs it did not submit stay queued, in order (module docs).
         self.flush_if_last(h, engine.as_deref(), AtEngineWindow::Wait(interrupted)).map_err(|e| {
@@ -560,7 +567,10 @@ impl Offloader {
             if !pending {
                 return Ok(());
             }
-            if h.windows.iter().any(|w| w.owner == me) {
+            // N36 (model builds only): the holder is not refused.
+            if h.windows.iter().any(|w| w.owner == me)
+                && !crate::protocol::variant_is!(self.coord, WaitForOwnDeferredJob)
+            {
                 return Err(ProtocolError::WouldDeadlock {
                     what: "waiting for a job deferred behind this thread's capture hook window",
                 }

@@ -47,17 +47,13 @@
 //!   before it opened (`windows_waiting` back, waiters woken), a pin waiter
 //!   uncounted. P1 and P2 are about windows that open, so they are
 //!   untouched; for P6 a withdrawn request is a release that wakes the
-//!   library calls it held back. The blocking forms are unchanged (the
-//!   loom models run those).
-
-use std::time::Instant;
+//!   library calls it held back. The blocking forms are unchanged. In the
+//!   model builds a slice ends at a wake-up of the condition variable
+//!   (`sync::Slice`: loom and shuttle model no time), so the models run
+//!   the interruptible forms too (model/p6_interruptible.rs).
 
 use crate::runtime::{CoordinatorId, DevicePtr, DriverError, Gate, GateBinding, GateSeal, GpuRuntime};
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
-
-// The longest an interruptible wait goes without calling its
-// `interrupted` check (the module docs' rule for interruptible waits).
-use crate::sync::INTERRUPT_EVERY;
 
 /// `bad!(state, Name)`: true when the coordinator's state `state` runs the
 /// known-bad variant `Variant::Name` of a negative model. Model builds only
@@ -124,7 +120,7 @@ named!(CapturePolicy, "capture policy" {
 });
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (of N1-N32, docs/PROOFS.md). The known-bad variants,
+/// negative models run (of N1-N37, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// model builds, loom's and shuttle's (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
@@ -261,6 +257,32 @@ pub enum Variant {
     /// capture phase.
     #[cfg(any(loom, shuttle))]
     PinIgnoresHold,
+    /// N33: a capture hook begin refused or interrupted before its window
+    /// opened does not submit the jobs deferred behind its request: they
+    /// stay queued with no hook window open (until someone else flushes).
+    #[cfg(any(loom, shuttle))]
+    HookRefusedBeginKeepsQueue,
+    /// N34: an interruptible wait does not start a new slice after its
+    /// check said to go on: from then on it calls the check on every turn
+    /// of its loop without waiting (a spin that, from Python, takes the GIL
+    /// each time).
+    #[cfg(any(loom, shuttle))]
+    CheckWithoutNewSlice,
+    /// N35: the capture hook's `capture_abort` closes its window but does
+    /// not submit the deferred jobs when it was the last one open
+    /// (`capture_end` still does).
+    #[cfg(any(loom, shuttle))]
+    HookAbortSkipsFlush,
+    /// N36: a wait for a deferred job does not refuse the thread that holds
+    /// the hook window the job waits behind: that thread waits for its own
+    /// close.
+    #[cfg(any(loom, shuttle))]
+    WaitForOwnDeferredJob,
+    /// N37: a callable run under the gate (`Coordinator::unsafe_call`,
+    /// `Offloader::gated`) that panics leaves its call counted in flight:
+    /// no window opens again.
+    #[cfg(any(loom, shuttle))]
+    PanicUnderGateLeaks,
 }
 
 /// Registration state of one chunk of the region.
@@ -744,9 +766,12 @@ impl Coordinator {
 
     /// Waits while `blocked` holds, like a loop of [`Coordinator::wait`],
     /// but on the condition variable in slices of at most
-    /// [`INTERRUPT_EVERY`], calling `interrupted` once a slice has passed
-    /// since the last call (never before the first slice: a wait that ends
-    /// sooner never calls it). `interrupted` runs with the lock released:
+    /// [`INTERRUPT_EVERY`](crate::sync::INTERRUPT_EVERY) ([`sync::Slice`]),
+    /// calling `interrupted` once a slice has passed since the last call
+    /// (never before the first slice: a wait that ends sooner never calls
+    /// it), once per slice: in model builds, where a slice ends at a
+    /// wake-up, at most once per wake-up of the condition variable
+    /// (model/p6_interruptible.rs; N34 spins). `interrupted` runs with the lock released:
     /// it may take other locks (the Python front takes the GIL, and a
     /// Python thread holding the GIL may be waiting for this lock), so
     /// calling it under the lock could deadlock. Returns the guard and true
@@ -758,20 +783,23 @@ impl Coordinator {
         blocked: impl Fn(&State) -> bool,
         interrupted: &dyn Fn() -> bool,
     ) -> (MutexGuard<'a, State>, bool) {
-        let mut checked = Instant::now();
+        let mut slice = sync::Slice::start();
         while blocked(&g) {
-            let since = checked.elapsed();
-            if since >= INTERRUPT_EVERY {
+            if slice.over() {
                 drop(g);
                 let stop = interrupted();
                 g = self.lock();
                 if stop {
                     return (g, true);
                 }
-                checked = Instant::now();
+                // N34 (model builds only): no new slice, so the check is
+                // called on every turn of the loop, without waiting.
+                if !bad!(g, CheckWithoutNewSlice) {
+                    slice = sync::Slice::start();
+                }
                 continue;
             }
-            g = sync::wait_timeout(&self.shared.cv, g, INTERRUPT_EVERY - since).0;
+            g = slice.wait(&self.shared.cv, g);
         }
         (g, false)
     }
@@ -991,12 +1019,15 @@ impl Coordinator {
         record: impl FnOnce(&mut State, &T),
     ) -> T {
         g.unsafe_in_flight += 1;
+        // N37 (model builds only): the guard below is never armed, so an
+        // unwinding call stays counted.
+        let leak = bad!(g, PanicUnderGateLeaks);
         drop(g);
         // Should `f` unwind (a panic in an engine's callable run under the
         // gate), the call still ends: the count drops and a waiting window
         // gets its turn (P6), instead of every later window waiting for
         // ever on a call that is gone.
-        let mut in_flight = InFlight { shared: &self.shared, armed: true };
+        let mut in_flight = InFlight { shared: &self.shared, armed: !leak };
         // The one place a gate is made: `unsafe_in_flight` counts this call,
         // so no window opens until it returns (P1).
         let gate = Gate::minted(&SEAL, self.shared.id);

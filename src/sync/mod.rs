@@ -144,6 +144,86 @@ pub fn host_fact<T: Clone + Send + 'static>(key: &str, read: impl FnOnce() -> T)
 /// of the half second the Python front promises for Ctrl-C.
 pub const INTERRUPT_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
 
+/// One slice of an interruptible wait on a condition variable: the wait
+/// calls its check once a slice is [over](Slice::over), then starts a new
+/// one ([`Slice::start`]), and between two checks waits on the condition
+/// variable for the rest of the slice ([`Slice::wait`]).
+///
+/// Normal builds: a slice is [`INTERRUPT_EVERY`] of the clock, so a wait
+/// blocked with no state change calls its check once per slice of time.
+/// Model builds (loom, shuttle): time does not pass and a timed wait never
+/// times out (it waits for a notification), so a slice is over once its
+/// wait was woken: the check may be called after every wake-up at which
+/// the wait is still blocked (each one could come a slice of time later),
+/// and never without one. A model counts the wake-ups (`wakeups`, model
+/// builds only) and the calls of its check, which a wait that spins on its
+/// check (no new slice started after a check: N34) makes more of than
+/// wake-ups (model/p6_interruptible.rs).
+pub struct Slice {
+    #[cfg(not(any(loom, shuttle)))]
+    start: std::time::Instant,
+    #[cfg(any(loom, shuttle))]
+    woken: bool,
+}
+
+impl Slice {
+    /// A slice starting now.
+    pub fn start() -> Slice {
+        Slice {
+            #[cfg(not(any(loom, shuttle)))]
+            start: std::time::Instant::now(),
+            #[cfg(any(loom, shuttle))]
+            woken: false,
+        }
+    }
+
+    /// Whether the slice is over: [`INTERRUPT_EVERY`] has passed since it
+    /// started (model builds: its wait was woken since).
+    pub fn over(&self) -> bool {
+        #[cfg(not(any(loom, shuttle)))]
+        {
+            self.start.elapsed() >= INTERRUPT_EVERY
+        }
+        #[cfg(any(loom, shuttle))]
+        {
+            self.woken
+        }
+    }
+
+    /// Waits on `cv` until notified or, at the latest, until the slice is
+    /// over (model builds: until notified, which ends the slice and counts
+    /// a wake-up of this thread, `wakeups`). The caller re-checks its
+    /// condition after it returns, as after [`wait`].
+    pub fn wait<'a, T>(&mut self, cv: &Condvar, g: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+        #[cfg(not(any(loom, shuttle)))]
+        {
+            wait_timeout(cv, g, INTERRUPT_EVERY.saturating_sub(self.start.elapsed())).0
+        }
+        #[cfg(any(loom, shuttle))]
+        {
+            let g = wait(cv, g);
+            self.woken = true;
+            WAKEUPS.with(|w| w.set(w.get() + 1));
+            g
+        }
+    }
+}
+
+#[cfg(any(loom, shuttle))]
+self::thread_local! {
+    /// Wake-ups of this thread's [`Slice::wait`]s (model builds).
+    static WAKEUPS: std::cell::Cell<usize> = std::cell::Cell::new(0);
+}
+
+/// Model builds only: how many times a [`Slice::wait`] of the calling
+/// thread has returned (this execution's thread: loom's and shuttle's
+/// thread-locals are per model thread). A model reads it before and during
+/// an interruptible wait to bound the calls of its check by the wake-ups.
+#[cfg(any(loom, shuttle))]
+pub fn wakeups() -> usize {
+    WAKEUPS.with(std::cell::Cell::get)
+}
+
 /// Runs `f` on a thread of its own named `name` and waits for its result,
 /// checking `cancelled()` at least every [`INTERRUPT_EVERY`]: `None` once
 /// `cancelled()` says so, the thread then left to end on its own (its
