@@ -22,6 +22,16 @@
 //!   slot is being read, so it must not be given to key 2 (the store is
 //!   refused or skips it) and the load brings back key 1's bytes. Paths:
 //!   `store` (with eviction), `load`, `wait_all`, `poll`, `lookup`.
+//! - **a refused store changes nothing** (issue 45, item 6; the keyed
+//!   layer's contract of issue 43): one host block holding key 1, stored
+//!   and reported; pinning cancelled (final, so windows open). Another
+//!   thread opens and closes an engine capture window while main stores
+//!   key 2, which needs key 1's slot: the store is refused (the window was
+//!   open) or accepted. Unless the call reported key 1 in `evicted`, key 1
+//!   must still load, with its bytes. Paths: `store` (evicting, refused or
+//!   not), `capture_window` on another thread, `load`, `poll`. 5 threads
+//!   (main, the window's, two device workers, the pinner, which ends at
+//!   once: cancelled before it began).
 //!
 //! Negatives: N18 (`Variant::ReadableAtSubmit`: keys readable when the
 //! store is submitted) -> "a load read key 1 before its store completed"
@@ -30,7 +40,9 @@
 //! stream's work first, so the store's copy still lands first);
 //! N19 (`Variant::SlotFreedAtLoadSubmit`: a load's slots released when it
 //! is submitted) -> "key 1 evicted while its load runs" (the store of key 2
-//! takes its slot).
+//! takes its slot); N38 (`Variant::RefusedStoreKeepsEvictions`: a store
+//! refused at submission keeps the evictions it made, as before issue 43)
+//! -> "key 1 is gone although no call reported it evicted".
 //!
 //! Why it holds: the offloader's block manager marks a stored key
 //! write-pending until `poll` applies its completion (refused to loads
@@ -51,7 +63,7 @@ use kvoffload::internal::offloader::{KeyedOffloader, OffloaderError, OffloaderOp
 use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::runtime::shared;
 use kvoffload::internal::runtime::sim::{SimConfig, SimRuntime};
-use kvoffload::internal::sync::thread;
+use kvoffload::internal::sync::{thread, Arc};
 
 /// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and
 /// `host_blocks` host blocks, on a simulated GPU with two device workers.
@@ -114,6 +126,42 @@ fn a_slot_being_read_is_not_reused(variant: Variant) {
     off.core().shutdown().unwrap();
 }
 
+fn a_refused_store_changes_nothing(variant: Variant) {
+    let off = Arc::new(offloader(1, variant));
+    // Pinning final (cancelled before it began), so engine windows open.
+    off.core().cancel_pinning();
+    off.core().wait_pinned().unwrap();
+    write_block(off.core(), 0, 0x11);
+    write_block(off.core(), 2, 0x22);
+    let (k1, k2) = ([BlockKey::new(1, 0)], [BlockKey::new(2, 0)]);
+    off.store(&k1, &[0]).unwrap();
+    settle(&off);
+    let o2 = off.clone();
+    let window = thread::spawn(move || drop(o2.core().capture_window().unwrap()));
+    let reported = match off.store(&k2, &[2]) {
+        Ok(s) => s.evicted.contains(&k1[0]),
+        Err(_) => false,
+    };
+    window.join().unwrap();
+    settle(&off);
+    if !reported {
+        let load = off.load(&k1, &[1]).expect("key 1 is gone although no call reported it evicted");
+        off.core().wait(load).unwrap();
+        assert_eq!(read_block(off.core(), 1), [0x11; PAGE], "key 1 came back with other bytes");
+        settle(&off);
+    }
+    off.core().shutdown().unwrap();
+}
+
+/// Waits for every job in flight and applies them (`poll`).
+fn settle(off: &KeyedOffloader) {
+    off.core().wait_all().unwrap();
+    while off.core().in_flight() > 0 {
+        off.poll();
+        thread::yield_now();
+    }
+}
+
 /// Bound 2: at bound 3 each scenario ran over 5 minutes (the engine's poll
 /// loop and two device workers); at 2 each takes about 11 s.
 const B: Bounds = Bounds { property: "P5", threads: 3, preemptions: 2, ci: None };
@@ -127,6 +175,24 @@ fn p5_offloader_key_readable_only_after_its_store_completed() {
 #[test]
 fn p5_offloader_slot_being_read_is_not_reused() {
     check("p5_offloader_slot_not_reused", B, || a_slot_being_read_is_not_reused(Variant::Production));
+}
+
+#[test]
+fn p5_offloader_refused_store_changes_nothing() {
+    check("p5_offloader_refused_store", Bounds { threads: 5, ..B }.ci_at(1), || {
+        a_refused_store_changes_nothing(Variant::Production)
+    });
+}
+
+#[test]
+#[ignore = "negative model: run by ci/prove, must fail"]
+fn negative_n38_refused_store_keeps_evictions() {
+    negative(
+        "n38_refused_store_keeps_evictions",
+        Bounds { property: "N38", threads: 5, ..NEG },
+        "key 1 is gone although no call reported it evicted",
+        || a_refused_store_changes_nothing(Variant::RefusedStoreKeepsEvictions),
+    );
 }
 
 #[test]

@@ -197,6 +197,13 @@ impl KeyedOffloader {
                 // which gets no `evicted` list from a raising call, still
                 // agrees with the offloader. Nothing touched the manager
                 // since the prepare: it is under this same lock.
+                // N38 (model builds only): the refusal as it was before
+                // issue 43: the placed keys dropped, the evictions kept.
+                #[cfg(any(loom, shuttle))]
+                if crate::protocol::variant_is!(self.core.coord, RefusedStoreKeepsEvictions) {
+                    let _ = j.book::<KeyedBook>().manager.complete_store(&stored, false);
+                    return Err(e);
+                }
                 if let Err(m) = j.book::<KeyedBook>().manager.undo_store(undo) {
                     tracing::error!(error = %m, "undoing a refused store failed");
                 }

@@ -120,7 +120,7 @@ named!(CapturePolicy, "capture policy" {
 });
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (of N1-N37, docs/PROOFS.md). The known-bad variants,
+/// negative models run (of N1-N38, docs/PROOFS.md). The known-bad variants,
 /// the state that holds one and every branch that reads it exist only in
 /// model builds, loom's and shuttle's (`bad!`, `variant_is!`): the engine's build has `Production`
 /// alone and none of the negative models' knobs.
@@ -283,6 +283,12 @@ pub enum Variant {
     /// no window opens again.
     #[cfg(any(loom, shuttle))]
     PanicUnderGateLeaks,
+    /// N38: `KeyedOffloader::store` refused at submission (a capture
+    /// window open) drops its placed keys but keeps the evictions the
+    /// block manager made for them, as before issue 43: a key the engine
+    /// was never told of as evicted is gone (P5).
+    #[cfg(any(loom, shuttle))]
+    RefusedStoreKeepsEvictions,
 }
 
 /// Registration state of one chunk of the region.
