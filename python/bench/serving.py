@@ -30,10 +30,9 @@ rotates with each repetition. Measured in the child:
   ``vllm:kv_offload_{load,store}_{bytes,time}``, read in the front-end
   process; the engine core ships them with its outputs), and the prompt
   tokens by source (computed, GPU prefix cache, external = loaded by the
-  connector). The seconds are what each spec reports to vLLM per job
-  (vLLM's handler: device time between CUDA events; kvoffload: submission
-  until completion seen), so their GB/s are not the same measure; the pass
-  seconds are.
+  connector). The seconds are what each spec reports to vLLM per job: the
+  job's device time between CUDA events, for vLLM's handler and (since
+  ``Completion.device_seconds``, issue 42) for kvoffload.
 
 Results: one line per engine as it ends, ``serving.json`` (every figure,
 rewritten after each engine) and ``serving.jsonl`` (one line per engine,
@@ -970,9 +969,9 @@ Pass 1 computes the prompts (and stores them); pass 2 runs them again after `res
 hits, or recomputed with spec none); pass 3 again (GPU prefix cache); mixed: after another reset, new
 prompts interleaved with the first half of the old. host %: share of pass 2's prompt tokens loaded by the
 connector (vLLM's `prompt_tokens_by_source`). GB/s: bytes over the seconds each spec reports per job to
-vLLM's stats (vLLM's CPU spec: device time between CUDA events; kvoffload: submission until completion
-seen), so not the same measure across specs; the pass seconds are. Transfers still in flight when a pass
-ends are counted in the next pass."""
+vLLM's stats: each job's device time between CUDA events for both specs (kvoffload's since its
+`Completion.device_seconds`, issue 42; before, submission until completion seen, 10-50x lower rates).
+Transfers still in flight when a pass ends are counted in the next pass."""
 
 
 def markdown(doc):
