@@ -432,9 +432,8 @@ def test_with_failed_results_a_queued_submission_that_fails_is_reported_failed()
 
 
 def test_a_pin_hold_until_served_ends_at_the_first_job_or_release():
-    import time
-
     import kvoffload._testing as kt
+    from test_sim import eventually
 
     for end in ("job", "release", "shutdown"):
         rt = kv.Runtime("sim")
@@ -448,10 +447,7 @@ def test_a_pin_hold_until_served_ends_at_the_first_job_or_release():
             )
             reg.wait_entered()
             w.hold_pinning_until_served("the test's warm-up")
-        deadline = time.monotonic() + 30
-        while kt.activity(w.offloader)["registrations_held"] != 1:
-            assert time.monotonic() < deadline, f"{end}: chunk 1 not held back"
-            time.sleep(0.001)
+        eventually(f"{end}: chunk 1 held back", lambda: kt.activity(w.offloader)["registrations_held"] == 1)
         assert w.offloader.pin_progress.chunks_done == 1 and w.pin_held_seconds is None
         if end == "job":
             fill(ts, [0], random.Random(3))
