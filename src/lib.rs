@@ -89,7 +89,7 @@ pub use offloader::{
 pub use pin::{HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
 pub use protocol::agreement::{AgreementError, Transport};
 pub use protocol::{
-    CapturePolicy, CaptureWindow, GraphToken, PageableReason, PinHold, PinState, ProtocolError, ShutdownError,
+    CapturePolicy, CaptureWindow, GraphToken, PageableReason, PinHold, PinState, ProtocolError, Request, ShutdownError,
 };
 pub use region::{
     page_size, AbandonReason, FileProblem, FileSplit, JoinPhase, Layout, RawRange, Region, RegionError, ShmOptions,

@@ -7,6 +7,7 @@
 pub mod agreement;
 mod coordinator;
 mod error;
+mod request;
 mod shutdown;
 
 pub(crate) use coordinator::variant_is;
@@ -15,4 +16,5 @@ pub use coordinator::{
     PinHold, Variant,
 };
 pub use error::{PageableReason, PinState, ProtocolError};
+pub use request::Request;
 pub use shutdown::{finish_shutdown, shutdown, ShutdownError};
