@@ -3,8 +3,10 @@ public API, exactly. The test hooks are in ``kvoffload._testing`` (typed in
 ``_testing.py``), which is not part of the API."""
 
 from os import PathLike
-from types import TracebackType
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Type, Union
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Final, Iterable, List, Optional, Sequence, Tuple, Union
+
+from typing_extensions import Required, TypedDict, Unpack
 
 __version__: str
 
@@ -13,6 +15,16 @@ SETTLED_PINNED: int
 #: An agreement word: this rank runs on pageable memory (the larger word:
 #: an all-reduce with MAX of the ranks' words says "pageable" if any is).
 SETTLED_PAGEABLE: int
+
+# How these stubs spell things: a value fixed for the object's life is an
+# attribute ``name: Final[T]`` (a getter at run time: assigning raises
+# AttributeError); one that changes while the object lives (``in_flight``,
+# ``is_open``) a ``@property``; a class usable in ``with`` derives from
+# ``AbstractContextManager`` (``__enter__`` returns the object itself,
+# ``__exit__`` never suppresses the exception); the keyword arguments a
+# constructor and its ``replace`` (or two constructors) share are one
+# ``TypedDict`` (``_PinArgs``), taken as ``**Unpack[...]``, with the
+# defaults in its comments.
 
 # Type aliases of these stubs only (private: the module has no such names
 # at run time).
@@ -85,12 +97,10 @@ class Runtime:
     several offloaders."""
 
     def __init__(self, backend: str = "auto", device: int = 0) -> None: ...
-    @property
-    def backend(self) -> str: ...
+    backend: Final[str]
     #: The CUDA device (0 on the simulated GPU); an engine's tensors must be
     #: on it.
-    @property
-    def device(self) -> int: ...
+    device: Final[int]
     def describe(self) -> str: ...
 
 class PinState:
@@ -104,8 +114,7 @@ class PinState:
     #: ``"peer_pageable"``, ``"cancelled"``, ``"out_of_memory"``.
     reason: Optional[str]
     message: Optional[str]
-    @property
-    def is_final(self) -> bool: ...
+    is_final: Final[bool]
 
 class PinProgress:
     state: PinState
@@ -152,10 +161,9 @@ class Completion:
     device_seconds: Optional[float]
     backend: str  # "per-fragment", "batched", "gather" or "staged"
     error: Optional[DriverError]
-    @property
-    def ok(self) -> bool: ...
+    ok: Final[bool]
 
-class CaptureWindow:
+class CaptureWindow(AbstractContextManager["CaptureWindow"]):
     """``with off.capture_window(): ...``: no library thread makes a
     capture-unsafe driver call while it is open; with the default policy it
     opens once pinning is final (entering waits, the GIL released; Ctrl-C
@@ -165,19 +173,12 @@ class CaptureWindow:
     the object is dropped; when it held the last reference to an offloader
     already dropped, that offloader then shuts down."""
 
-    def __enter__(self) -> "CaptureWindow": ...
-    def __exit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> bool: ...
     @property
     def is_open(self) -> bool: ...
     @property
     def chunks_waited(self) -> int: ...
 
-class PinHold:
+class PinHold(AbstractContextManager["PinHold"]):
     """What ``off.hold_pinning()`` returns: no chunk registration starts
     while it is held (the one in flight completes; pre-faulting goes on),
     so an engine's capture phase never waits for one. ``release()``
@@ -186,13 +187,14 @@ class PinHold:
     def release(self) -> None: ...
     @property
     def is_held(self) -> bool: ...
-    def __enter__(self) -> "PinHold": ...
-    def __exit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> bool: ...
+
+class _KvSpecArgs(TypedDict, total=False):
+    """``KvSpec``'s keyword arguments (after ``tensors``)."""
+
+    gpu_blocks: Optional[int]  # default None
+    page_bytes: Optional[int]  # default None
+    block_factor: int  # default 1
+    compute_stream: Any  # default None
 
 class KvSpec:
     """The engine's KV tensors (Rust's ``KvSpec``), one KV cache description
@@ -222,35 +224,14 @@ class KvSpec:
     value (tensor objects by identity); ``replace(**changes)``; its
     ``repr`` reads back with ``eval`` when the tensors are addresses."""
 
-    def __init__(
-        self,
-        tensors: Sequence[_TensorLike],
-        *,
-        gpu_blocks: Optional[int] = None,
-        page_bytes: Optional[int] = None,
-        block_factor: int = 1,
-        compute_stream: Any = None,
-    ) -> None: ...
-    def replace(
-        self,
-        tensors: Sequence[_TensorLike] = ...,
-        *,
-        gpu_blocks: Optional[int] = ...,
-        page_bytes: Optional[int] = ...,
-        block_factor: int = ...,
-        compute_stream: Any = ...,
-    ) -> "KvSpec": ...
-    @property
-    def tensors(self) -> List[_TensorLike]: ...
-    @property
-    def gpu_blocks(self) -> Optional[int]: ...
-    @property
-    def page_bytes(self) -> Optional[int]: ...
-    @property
-    def block_factor(self) -> int: ...
+    def __init__(self, tensors: Sequence[_TensorLike], **args: Unpack[_KvSpecArgs]) -> None: ...
+    def replace(self, tensors: Sequence[_TensorLike] = ..., **changes: Unpack[_KvSpecArgs]) -> "KvSpec": ...
+    tensors: Final[List[_TensorLike]]
+    gpu_blocks: Final[Optional[int]]
+    page_bytes: Final[Optional[int]]
+    block_factor: Final[int]
     #: The stream's raw handle (None: the default).
-    @property
-    def compute_stream(self) -> Optional[int]: ...
+    compute_stream: Final[Optional[int]]
 
 class KvAlloc:
     """KV tensors the offloader allocates itself and frees at shutdown
@@ -265,14 +246,22 @@ class KvAlloc:
     def replace(
         self, *, tensors: int = ..., page_bytes: int = ..., gpu_blocks: int = ..., block_factor: int = ...
     ) -> "KvAlloc": ...
-    @property
-    def tensors(self) -> int: ...
-    @property
-    def page_bytes(self) -> int: ...
-    @property
-    def gpu_blocks(self) -> int: ...
-    @property
-    def block_factor(self) -> int: ...
+    tensors: Final[int]
+    page_bytes: Final[int]
+    gpu_blocks: Final[int]
+    block_factor: Final[int]
+
+class _PinArgs(TypedDict, total=False):
+    """``PinOptions``' keyword arguments (the defaults: see its docstring)."""
+
+    threads: Optional[int]  # default None
+    max_chunk_bytes: Optional[int]  # default None
+    prefault: str  # default "populate"
+    huge_pages: str  # default "auto"
+    lookahead_bytes: Optional[int]  # default None
+    huge_fallback_mbps: Optional[int]  # default None
+    prefault_nice: Optional[int]  # default None
+    policy: str  # default "after_pinning"
 
 class PinOptions:
     """Pinning (Rust's ``PinOptions``). Keyword arguments only; a field left
@@ -296,46 +285,24 @@ class PinOptions:
     while pinning runs, ``"after_pinning"`` (once pinning is final) or
     ``"interleave"`` (between chunks)."""
 
-    def __init__(
-        self,
-        *,
-        threads: Optional[int] = None,
-        max_chunk_bytes: Optional[int] = None,
-        prefault: str = "populate",
-        huge_pages: str = "auto",
-        lookahead_bytes: Optional[int] = None,
-        huge_fallback_mbps: Optional[int] = None,
-        prefault_nice: Optional[int] = None,
-        policy: str = "after_pinning",
-    ) -> None: ...
-    def replace(
-        self,
-        *,
-        threads: Optional[int] = ...,
-        max_chunk_bytes: Optional[int] = ...,
-        prefault: str = ...,
-        huge_pages: str = ...,
-        lookahead_bytes: Optional[int] = ...,
-        huge_fallback_mbps: Optional[int] = ...,
-        prefault_nice: Optional[int] = ...,
-        policy: str = ...,
-    ) -> "PinOptions": ...
-    @property
-    def threads(self) -> int: ...
-    @property
-    def max_chunk_bytes(self) -> int: ...
-    @property
-    def prefault(self) -> str: ...
-    @property
-    def huge_pages(self) -> str: ...
-    @property
-    def lookahead_bytes(self) -> Optional[int]: ...
-    @property
-    def huge_fallback_mbps(self) -> int: ...
-    @property
-    def prefault_nice(self) -> int: ...
-    @property
-    def policy(self) -> str: ...
+    def __init__(self, **args: Unpack[_PinArgs]) -> None: ...
+    def replace(self, **changes: Unpack[_PinArgs]) -> "PinOptions": ...
+    threads: Final[int]
+    max_chunk_bytes: Final[int]
+    prefault: Final[str]
+    huge_pages: Final[str]
+    lookahead_bytes: Final[Optional[int]]
+    huge_fallback_mbps: Final[int]
+    prefault_nice: Final[int]
+    policy: Final[str]
+
+class _TransferArgs(TypedDict, total=False):
+    """``TransferOptions``' keyword arguments."""
+
+    backend: str  # default "auto"
+    staging_bytes: Optional[int]  # default None
+    duplex_linger: Optional[float]  # default None
+    expedited_lane: bool  # default False
 
 class TransferOptions:
     """Copies (Rust's ``TransferOptions``; ``duplex_linger`` is its
@@ -354,30 +321,20 @@ class TransferOptions:
     ``load_slot_job``), never behind the regular loads (vLLM's expedited
     loads); ``Completion.lane`` says which lane ran a job."""
 
-    def __init__(
-        self,
-        *,
-        backend: str = "auto",
-        staging_bytes: Optional[int] = None,
-        duplex_linger: Optional[float] = None,
-        expedited_lane: bool = False,
-    ) -> None: ...
-    def replace(
-        self,
-        *,
-        backend: str = ...,
-        staging_bytes: Optional[int] = ...,
-        duplex_linger: Optional[float] = ...,
-        expedited_lane: bool = ...,
-    ) -> "TransferOptions": ...
-    @property
-    def backend(self) -> str: ...
-    @property
-    def staging_bytes(self) -> int: ...
-    @property
-    def duplex_linger(self) -> float: ...
-    @property
-    def expedited_lane(self) -> bool: ...
+    def __init__(self, **args: Unpack[_TransferArgs]) -> None: ...
+    def replace(self, **changes: Unpack[_TransferArgs]) -> "TransferOptions": ...
+    backend: Final[str]
+    staging_bytes: Final[int]
+    duplex_linger: Final[float]
+    expedited_lane: Final[bool]
+
+class _ShmArgs(TypedDict, total=False):
+    """``ShmOptions``' keyword arguments."""
+
+    dir: Optional[Union[str, PathLike]]  # default None
+    timeout: float  # default 60.0
+    check_memory: bool  # default True
+    allow_group: Optional[Union[int, str]]  # default None
 
 class ShmOptions:
     """A shared region's options (Rust's ``ShmOptions``), built and checked
@@ -392,30 +349,12 @@ class ShmOptions:
     may share the region (files get that group and mode 0660; joiners
     accept files of that group)."""
 
-    def __init__(
-        self,
-        *,
-        dir: Optional[Union[str, PathLike]] = None,
-        timeout: float = 60.0,
-        check_memory: bool = True,
-        allow_group: Optional[Union[int, str]] = None,
-    ) -> None: ...
-    def replace(
-        self,
-        *,
-        dir: Optional[Union[str, PathLike]] = ...,
-        timeout: float = ...,
-        check_memory: bool = ...,
-        allow_group: Optional[Union[int, str]] = ...,
-    ) -> "ShmOptions": ...
-    @property
-    def dir(self) -> str: ...
-    @property
-    def timeout(self) -> float: ...
-    @property
-    def check_memory(self) -> bool: ...
-    @property
-    def allow_group(self) -> Optional[int]: ...
+    def __init__(self, **args: Unpack[_ShmArgs]) -> None: ...
+    def replace(self, **changes: Unpack[_ShmArgs]) -> "ShmOptions": ...
+    dir: Final[str]
+    timeout: Final[float]
+    check_memory: Final[bool]
+    allow_group: Final[Optional[int]]
 
 class RegionSpec:
     """Where the host blocks live (Rust's ``RegionSpec``): private memory of
@@ -437,16 +376,25 @@ class RegionSpec:
         name: str, *, rank: int = 0, ranks: int = 1, options: Optional[ShmOptions] = None
     ) -> "RegionSpec": ...
     #: ``"anonymous"`` or ``"shared"``.
-    @property
-    def kind(self) -> str: ...
-    @property
-    def name(self) -> Optional[str]: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def ranks(self) -> int: ...
-    @property
-    def options(self) -> Optional[ShmOptions]: ...
+    kind: Final[str]
+    name: Final[Optional[str]]
+    rank: Final[int]
+    ranks: Final[int]
+    options: Final[Optional[ShmOptions]]
+
+class _OffloaderArgs(TypedDict, total=False):
+    """The keyword arguments both constructors take (see
+    :class:`_OffloaderBase`); each class's own, ``kv_groups`` or
+    ``eviction``, is in its ``__init__``."""
+
+    kv: Required[Union[KvSpec, KvAlloc]]
+    runtime: Optional[Runtime]  # default None
+    region: Optional[RegionSpec]  # default None
+    pin: Optional[PinOptions]  # default None
+    transfer: Optional[TransferOptions]  # default None
+    agreement: Optional[_AgreementTransport]  # default None
+    agreement_timeout: Optional[float]  # default 120.0
+    start: bool  # default False
 
 class _OffloaderBase:
     """What :class:`Offloader` and :class:`KeyedOffloader` share (not
@@ -508,20 +456,13 @@ class _OffloaderBase:
 
     #: The runtime (GPU) it runs on; ``runtime.backend`` is ``"cuda"`` or
     #: ``"sim"`` (the copy path a job took is ``Completion.backend``).
-    @property
-    def runtime(self) -> Runtime: ...
-    @property
-    def tensor_addresses(self) -> List[int]: ...
-    @property
-    def page_bytes(self) -> List[int]: ...
-    @property
-    def gpu_blocks(self) -> int: ...
-    @property
-    def block_factor(self) -> int: ...
-    @property
-    def region_bytes(self) -> int: ...
-    @property
-    def host_blocks(self) -> int: ...
+    runtime: Final[Runtime]
+    tensor_addresses: Final[List[int]]
+    page_bytes: Final[List[int]]
+    gpu_blocks: Final[int]
+    block_factor: Final[int]
+    region_bytes: Final[int]
+    host_blocks: Final[int]
     def start(self) -> None: ...
     #: Pinning now: ``state`` (a :class:`PinState`) and how far it got.
     @property
@@ -577,23 +518,12 @@ class _OffloaderBase:
     @property
     def is_shut_down(self) -> bool: ...
 
-class Offloader(_OffloaderBase):
+class Offloader(_OffloaderBase, AbstractContextManager["Offloader"]):
     """The slot-addressed core (the Rust library's ``Offloader``): the
     engine picks host slots and job ids. See :class:`_OffloaderBase`."""
 
     def __init__(
-        self,
-        host_blocks: int,
-        *,
-        kv: Union[KvSpec, KvAlloc],
-        runtime: Optional[Runtime] = None,
-        region: Optional[RegionSpec] = None,
-        pin: Optional[PinOptions] = None,
-        transfer: Optional[TransferOptions] = None,
-        agreement: Optional[_AgreementTransport] = None,
-        agreement_timeout: Optional[float] = 120.0,
-        kv_groups: Optional[Sequence[int]] = None,
-        start: bool = False,
+        self, host_blocks: int, *, kv_groups: Optional[Sequence[int]] = None, **args: Unpack[_OffloaderArgs]
     ) -> None: ...
     #: Slot jobs: ``job`` is the engine's id, never
     #: used before (``TransferError``, kind ``"transfer"``, reason
@@ -642,33 +572,13 @@ class Offloader(_OffloaderBase):
     #: Waits for each of ``jobs`` in flight; others skipped, failures left
     #: to ``poll`` (vLLM's ``wait``). Ctrl-C stops it (the jobs go on).
     def wait_jobs(self, jobs: Iterable[int]) -> None: ...
-    def __enter__(self) -> "Offloader": ...
-    def __exit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> bool: ...
 
-class KeyedOffloader(_OffloaderBase):
+class KeyedOffloader(_OffloaderBase, AbstractContextManager["KeyedOffloader"]):
     """Keyed offload (the Rust library's ``KeyedOffloader``): the block
     manager places the engine's keys in host blocks. See
     :class:`_OffloaderBase`."""
 
-    def __init__(
-        self,
-        host_blocks: int,
-        *,
-        kv: Union[KvSpec, KvAlloc],
-        runtime: Optional[Runtime] = None,
-        region: Optional[RegionSpec] = None,
-        pin: Optional[PinOptions] = None,
-        transfer: Optional[TransferOptions] = None,
-        eviction: str = "lru",
-        agreement: Optional[_AgreementTransport] = None,
-        agreement_timeout: Optional[float] = 120.0,
-        start: bool = False,
-    ) -> None: ...
+    def __init__(self, host_blocks: int, *, eviction: str = "lru", **args: Unpack[_OffloaderArgs]) -> None: ...
     #: Per key: ``"hit"`` (readable), ``"miss"`` or ``"hit_pending"``
     #: (stored, its store not complete yet).
     def lookup(self, keys: Iterable[_Key]) -> List[str]: ...
@@ -687,13 +597,6 @@ class KeyedOffloader(_OffloaderBase):
         call that raises changes nothing."""
     @property
     def stored_blocks(self) -> int: ...
-    def __enter__(self) -> "KeyedOffloader": ...
-    def __exit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> bool: ...
 
 def enable_logging(filter: str = "info") -> bool:
     """Sends the library's tracing events to stderr, filtered like RUST_LOG

@@ -126,6 +126,10 @@ def test_the_stubs_say_exactly_the_public_surface():
         return stub_members(node).union(*inherited)
 
     for node in classes.values():
+        if node.name.startswith("_") and not hasattr(kv, node.name):
+            # A type of the stubs only: the keyword arguments' TypedDicts.
+            assert any(isinstance(b, ast.Name) and b.id == "TypedDict" for b in node.bases), node.name
+            continue
         cls = getattr(kv, node.name)
         if issubclass(cls, BaseException):
             continue  # attributes set on instances; BaseException's own
@@ -143,13 +147,23 @@ def test_the_constructors_take_option_objects_and_their_own_arguments():
     stub = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
 
     def stub_args(name):
+        """The names ``__init__`` takes: its parameters, then the keys of
+        the ``TypedDict`` its ``**args: Unpack[...]`` names."""
         init = next(f for f in stub[name].body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
-        return [a.arg for a in init.args.args[1:] + init.args.kwonlyargs]
+        args = [a.arg for a in init.args.args[1:] + init.args.kwonlyargs]
+        if init.args.kwarg is not None:
+            unpack = init.args.kwarg.annotation
+            assert isinstance(unpack, ast.Subscript) and unpack.value.id == "Unpack", ast.dump(unpack)
+            args += [f.target.id for f in stub[unpack.slice.id].body if isinstance(f, ast.AnnAssign)]
+        return args
 
     shared = ["host_blocks", "kv", "runtime", "region", "pin", "transfer", "agreement", "agreement_timeout", "start"]
     for cls, own in ((kv.Offloader, "kv_groups"), (kv.KeyedOffloader, "eviction")):
-        params = [p.name for p in inspect.signature(cls).parameters.values() if p.kind is not p.VAR_KEYWORD]
-        assert params == stub_args(cls.__name__), cls.__name__
+        sig = inspect.signature(cls).parameters.values()
+        params = [p.name for p in sig if p.kind is not p.VAR_KEYWORD]
+        # host_blocks by position, the rest by keyword (in any order).
+        assert params[0] == "host_blocks" and all(p.kind is p.KEYWORD_ONLY for p in list(sig)[1:] if p.kind is not p.VAR_KEYWORD)
+        assert sorted(params) == sorted(stub_args(cls.__name__)), cls.__name__
         assert sorted(params) == sorted(shared + [own]) and len(params) <= 12, params
     # The KV classes' fields are Rust's (KvSpec: the tensors' Python
     # shape, with page_bytes given once for all of them).
