@@ -87,6 +87,7 @@ import vllm_engine as ve  # noqa: E402  (prompts_of, parse_size, say)
 parse_size, say = ve.parse_size, ve.say
 GIB = sv.GIB
 SPECS = sv.SPECS
+label_of, _get = sv.label_of, sv._get
 PASSES = ("1 computed", "2 after reset", "3 GPU cache")
 PREFIX = "serve-http"
 
@@ -595,12 +596,6 @@ def plan_servers(specs, region, reps, warmup=True):
     return sv.plan_engines(specs, [region], reps, warmup=warmup)
 
 
-def label_of(job):
-    if job.get("warmup"):
-        return "warm-up (none)"
-    return f"{job['spec']}:{job['region']} rep {job['rep'] + 1}"
-
-
 def child_config(job, args):
     return {
         "spec": job["spec"], "region": job["region"], "rep": job["rep"], "warmup": job["warmup"],
@@ -613,14 +608,6 @@ def child_config(job, args):
         "request_timeout_s": args.request_timeout_s, "reset_tries": args.reset_tries,
         "fake": job.get("fake"),
     }
-
-
-def _get(r, *path):
-    for k in path:
-        if not isinstance(r, dict):
-            return None
-        r = r.get(k)
-    return r
 
 
 def server_line(r):
@@ -675,21 +662,7 @@ COLUMNS = [
 
 
 def table(results, specs_order=None):
-    rows = {}
-    for r in results:
-        if r.get("warmup"):
-            continue
-        rows.setdefault((r.get("spec"), r.get("region")), []).append(r)
-    order = {s: i for i, s in enumerate(specs_order or [])}
-    keys = sorted(rows, key=lambda k: (order.get(k[0], len(order)), str(k[0]), str(k[1])))
-    head = ["spec", "region", "ok"] + [c[0] for c in COLUMNS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for k in keys:
-        rs = rows[k]
-        cells = [str(k[0]), str(k[1]), f"{sum(1 for r in rs if r.get('ok'))}/{len(rs)}"]
-        cells += [sv.fmt_cell([f(r) for r in rs]) for _, f in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return sv.table(results, specs_order, COLUMNS, str)
 
 
 def verdict(results):
@@ -777,108 +750,21 @@ def run_all(args, hook=None):
             raise SystemExit(f"serve_http: unknown spec {s!r} (one of {', '.join(SPECS)})")
     parse_size(args.region)
     plan = plan_servers(specs, args.region, args.reps, warmup=not args.no_warmup)
-    if args.fake:
-        modes = args.fake.split(",")
-        for i, job in enumerate(plan):
-            job["fake"] = modes[i % len(modes)]
-    os.makedirs(os.path.join(args.out_dir, "logs"), exist_ok=True)
-    paths = {e: os.path.join(args.out_dir, f"{PREFIX}.{e}") for e in ("json", "jsonl", "md")}
-    fake = bool(args.fake)
-    doc = {
-        "schema": "kvoffload-serve-http-1",
-        "started": datetime.datetime.now().isoformat(timespec="seconds"),
-        "argv": sys.argv,
-        "config": {k: v for k, v in vars(args).items() if k not in ("self_test", "fake_server")},
-        "device": None if fake else sv.device_name(),
-        "vllm": vllm_version(fake),
-        "mem_available_gib": ve.mem_available_gib(),
-        "warnings": sv.host_checks(argparse.Namespace(offload_extra=args.offload_extra, kvo_extra=args.kvo_extra),
-                                   specs, [args.region]),
-        "plan": [label_of(j) for j in plan],
-        "engines": [],
-        "skipped": [],
-        "finished": False,
-    }
-    for w in doc["warnings"]:
-        say(f"serve_http: warning: {w}")
-    baseline = sv.gpu_used_mib(fake)
-    doc["baseline_gpu_used_mib"] = baseline
-    say(f"serve_http: {len(plan)} servers ({doc['device'] or 'device ?'}; vLLM {doc['vllm']}; GPU memory in use "
-        f"before: {baseline} MiB); results in {args.out_dir}")
 
-    def save():
-        sv.write_atomic(paths["json"], json.dumps(doc, indent=1, default=str))
-        sv.write_atomic(paths["md"], markdown(doc))
+    def after(r):
+        if r.get("missing_modules"):
+            say("serve_http: " + carry_message(r["missing_modules"]))
 
-    state = {"current": None, "stopping": False}
-
-    def on_signal(signum, frame):
-        # Raises only while a server runs (run_server then stops its group);
-        # anywhere else the loop sees the flag.
-        if state["stopping"]:
-            return
-        state["stopping"] = True
-        print(f"serve_http: signal {signum}: stopping, keeping what finished", file=sys.stderr, flush=True)
-        if state["current"] is not None:
-            raise sv.Stop()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    t_start = time.monotonic()
-    durations = []
-    try:
-        save()
-        for i, job in enumerate(plan):
-            label = label_of(job)
-            elapsed = time.monotonic() - t_start
-            if state["stopping"]:
-                doc["skipped"].append({"label": label, "why": "the benchmark was stopped by a signal"})
-                continue
-            timeout = args.timeout
-            if args.budget_s:
-                est = max(durations) if durations else None
-                if est is not None and elapsed + est > args.budget_s:
-                    doc["skipped"].append({"label": label, "why": f"budget: {elapsed:.1f} s spent + ~{est:.1f} s "
-                                           f"(longest server so far) > {args.budget_s:g} s"})
-                    continue
-                timeout = max(1.0, min(timeout, args.budget_s - elapsed + args.budget_grace_s))
-            log_path = os.path.join(args.out_dir, "logs",
-                                    f"{i:02d}-{job['spec']}-{'warmup' if job['warmup'] else 'rep%d' % (job['rep'] + 1)}.log")
-            say(f"== {i + 1}/{len(plan)} {label} (log {log_path})")
-            t = time.monotonic()
-            shm_before = ve.shm_files()
-            r, interrupted = run_server(job, args, log_path, timeout, state)
-            r["shm_left"] = {k: v for k, v in ve.shm_files().items() if k not in shm_before}
-            if r["shm_left"]:
-                r.setdefault("notes", []).append(f"files left in /dev/shm: {r['shm_left']}")
-            if not interrupted:
-                r["gpu_after"] = sv.wait_gpu_free(baseline, args.gpu_free_slack_mib, args.gpu_free_timeout_s, fake,
-                                                  stop=lambda: state["stopping"])
-            durations.append(time.monotonic() - t)
-            r["server_wall_s"] = round(durations[-1], 2)
-            doc["engines"].append(r)
-            with open(paths["jsonl"], "a") as f:
-                f.write(json.dumps(r, default=str) + "\n")
-            save()
-            say(server_line(r))
-            if r.get("missing_modules"):
-                say("serve_http: " + carry_message(r["missing_modules"]))
-            if hook:
-                hook(r, paths["json"])
-    except sv.Stop:  # a signal that slipped past run_server's own handling
-        pass
-    finally:
-        if state["current"] is not None:
-            sv.end_group(state["current"], args.kill_grace_s)
-        for s, h in old.items():
-            signal.signal(s, h)
-        doc["finished"] = not state["stopping"]
-        doc["interrupted"] = state["stopping"]
-        doc["seconds"] = round(time.monotonic() - t_start, 1)
-        save()
-    say("\n" + markdown(doc))
-    for s in doc["skipped"]:
-        say(f"serve_http: skipped {s['label']}: {s['why']}")
-    return doc
+    bench = sv.Bench(name="serve_http", noun="server", files=PREFIX, schema="kvoffload-serve-http-1",
+                     extra={"vllm": vllm_version(bool(args.fake))}, config_skip=("self_test", "fake_server"),
+                     warnings=sv.host_checks(argparse.Namespace(offload_extra=args.offload_extra,
+                                                                kvo_extra=args.kvo_extra), specs, [args.region]),
+                     run=run_server, line=server_line, markdown=markdown, after=after,
+                     log_name=lambda i, job: f"{i:02d}-{job['spec']}-{sv.rep_name(job)}.log",
+                     # A signal raises only while a server runs (run_server
+                     # then stops its group).
+                     raises=lambda state: state["current"] is not None)
+    return sv.run_plan(args, plan, bench, hook)
 
 
 # ------------------------------------------------------------ fake OpenAI server (self-test)
@@ -1427,12 +1313,7 @@ def main(argv=None):
     if args.self_test:
         return self_test()
     if not args.fake:
-        miss = [m for m in ("vllm", "torch") if importlib.util.find_spec(m) is None]
-        if "kvoffload" in args.specs.split(",") and importlib.util.find_spec("kvoffload") is None:
-            miss.append("kvoffload")
-        if miss:
-            say(f"serve_http: {', '.join(miss)} not importable (put the vLLM bundle's site and kvoffload's wheel "
-                "on PYTHONPATH: ci/gpu-serve-http does)")
+        if not sv.importable(args.specs, "serve_http", "ci/gpu-serve-http"):
             return 2
         miss = missing_modules()
         if miss:

@@ -934,22 +934,26 @@ def _div(a, b):
     return a / b if isinstance(a, (int, float)) and b else None
 
 
-def table(results, specs_order=None):
+def table(results, specs_order=None, columns=None, region_key=None):
     """Markdown: one row per spec and region (warm-up left out), each cell
-    median [min-max] over the repetitions."""
+    median [min-max] over the repetitions; ``columns`` (default
+    :data:`COLUMNS`) and the regions' order (``region_key``, default by
+    size) are serve_http.py's own there."""
+    columns = COLUMNS if columns is None else columns
+    region_key = region_key or _region_key
     rows = {}
     for r in results:
         if r.get("warmup"):
             continue
         rows.setdefault((r.get("spec"), r.get("region")), []).append(r)
     order = {s: i for i, s in enumerate(specs_order or [])}
-    keys = sorted(rows, key=lambda k: (order.get(k[0], len(order)), str(k[0]), _region_key(k[1])))
-    head = ["spec", "region", "ok"] + [c[0] for c in COLUMNS]
+    keys = sorted(rows, key=lambda k: (order.get(k[0], len(order)), str(k[0]), region_key(k[1])))
+    head = ["spec", "region", "ok"] + [c[0] for c in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in keys:
         rs = rows[k]
         cells = [str(k[0]), str(k[1]), f"{sum(1 for r in rs if r.get('ok'))}/{len(rs)}"]
-        cells += [fmt_cell([f(r) for r in rs]) for _, f in COLUMNS]
+        cells += [fmt_cell([f(r) for r in rs]) for _, f in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -1036,51 +1040,84 @@ def run_all(args, hook=None):
     for r in regions:
         parse_size(r)
     plan = plan_engines(specs, regions, args.reps, warmup=not args.no_warmup, first_rep=args.first_rep)
+    bench = Bench(name="serving", noun="engine", files="serving", schema="kvoffload-serving-1",
+                  config_skip=("one", "self_test", "table_from"), warnings=host_checks(args, specs, regions),
+                  run=run_engine, line=engine_line, markdown=markdown,
+                  log_name=lambda i, job: f"{i:02d}-{job['spec']}-{job['region']}-{rep_name(job)}.log",
+                  # A signal raises only out of the wait for an engine
+                  # (run_engine then stops its group).
+                  raises=lambda state: state["in_wait"])
+    return run_plan(args, plan, bench, hook)
+
+
+def rep_name(job):
+    return "warmup" if job["warmup"] else "rep%d" % (job["rep"] + 1)
+
+
+class Bench:
+    """What ``run_plan`` runs, for serving.py (engines) and serve_http.py
+    (servers): ``name`` the messages' prefix, ``noun`` what one job starts,
+    ``files`` the results' file name (``<files>.json``, ``.jsonl``, ``.md``),
+    ``schema`` and ``extra`` (keys after ``device``) of the JSON document,
+    ``config_skip`` the arguments it leaves out, ``warnings`` the host
+    checks' findings; ``run(job, args, log_path, timeout_s, state)`` ->
+    ``(result, interrupted)``, ``line(result)``, ``markdown(doc)``,
+    ``log_name(i, job)``; ``raises(state)``: whether a signal raises
+    ``Stop`` now (elsewhere the loop sees the flag); ``after(result)``: said
+    after its line, or None."""
+
+    def __init__(self, **fields):
+        self.extra, self.after = {}, lambda r: None
+        self.__dict__.update(fields)
+
+
+def run_plan(args, plan, b, hook=None):
+    """Runs ``plan``'s jobs one after the other (``b``: a :class:`Bench`),
+    with ``--fake``, ``--budget-s``, the signals that stop it keeping what
+    finished, the GPU-free wait between jobs, and the results rewritten
+    after each; returns the JSON document."""
     if args.fake:
         modes = args.fake.split(",")
         for i, job in enumerate(plan):
             job["fake"] = modes[i % len(modes)]
-    os.makedirs(args.out_dir, exist_ok=True)
     logs = os.path.join(args.out_dir, "logs")
     os.makedirs(logs, exist_ok=True)
-    json_path = os.path.join(args.out_dir, "serving.json")
-    jsonl_path = os.path.join(args.out_dir, "serving.jsonl")
-    md_path = os.path.join(args.out_dir, "serving.md")
+    paths = {e: os.path.join(args.out_dir, f"{b.files}.{e}") for e in ("json", "jsonl", "md")}
     fake = bool(args.fake)
     doc = {
-        "schema": "kvoffload-serving-1",
+        "schema": b.schema,
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "argv": sys.argv,
-        "config": {k: v for k, v in vars(args).items() if k not in ("one", "self_test", "table_from")},
+        "config": {k: v for k, v in vars(args).items() if k not in b.config_skip},
         "device": None if fake else device_name(),
+        **b.extra,
         "mem_available_gib": ve.mem_available_gib(),
-        "warnings": host_checks(args, specs, regions),
+        "warnings": b.warnings,
         "plan": [label_of(j) for j in plan],
         "engines": [],
         "skipped": [],
         "finished": False,
     }
     for w in doc["warnings"]:
-        say(f"serving: warning: {w}")
+        say(f"{b.name}: warning: {w}")
     baseline = gpu_used_mib(fake)
     doc["baseline_gpu_used_mib"] = baseline
-    say(f"serving: {len(plan)} engines ({doc['device'] or 'device ?'}; GPU memory in use before: {baseline} MiB); "
+    vllm = f"; vLLM {doc['vllm']}" if "vllm" in doc else ""
+    say(f"{b.name}: {len(plan)} {b.noun}s ({doc['device'] or 'device ?'}{vllm}; GPU memory in use before: {baseline} MiB); "
         f"results in {args.out_dir}")
 
     def save():
-        write_atomic(json_path, json.dumps(doc, indent=1, default=str))
-        write_atomic(md_path, markdown(doc))
+        write_atomic(paths["json"], json.dumps(doc, indent=1, default=str))
+        write_atomic(paths["md"], b.markdown(doc))
 
     state = {"current": None, "stopping": False, "in_wait": False}
 
     def on_signal(signum, frame):
-        # Raises only out of the wait for an engine (run_engine then stops
-        # its group); anywhere else the loop sees the flag.
         if state["stopping"]:
             return
         state["stopping"] = True
-        print(f"serving: signal {signum}: stopping, keeping what finished", file=sys.stderr, flush=True)
-        if state["in_wait"]:
+        print(f"{b.name}: signal {signum}: stopping, keeping what finished", file=sys.stderr, flush=True)
+        if b.raises(state):
             raise Stop()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
@@ -1099,14 +1136,14 @@ def run_all(args, hook=None):
                 est = max(durations) if durations else None
                 if est is not None and elapsed + est > args.budget_s:
                     doc["skipped"].append({"label": label, "why": f"budget: {elapsed:.1f} s spent + ~{est:.1f} s "
-                                           f"(longest engine so far) > {args.budget_s:g} s"})
+                                           f"(longest {b.noun} so far) > {args.budget_s:g} s"})
                     continue
                 timeout = max(1.0, min(timeout, args.budget_s - elapsed + args.budget_grace_s))
-            log_path = os.path.join(logs, f"{i:02d}-{job['spec']}-{job['region']}-{'warmup' if job['warmup'] else 'rep%d' % (job['rep'] + 1)}.log")
+            log_path = os.path.join(logs, b.log_name(i, job))
             say(f"== {i + 1}/{len(plan)} {label} (log {log_path})")
             t = time.monotonic()
             shm_before = ve.shm_files()
-            r, interrupted = run_engine(job, args, log_path, timeout, state)
+            r, interrupted = b.run(job, args, log_path, timeout, state)
             r["shm_left"] = {k: v for k, v in ve.shm_files().items() if k not in shm_before}
             if r["shm_left"]:
                 r.setdefault("notes", []).append(f"files left in /dev/shm: {r['shm_left']}")
@@ -1114,15 +1151,16 @@ def run_all(args, hook=None):
                 r["gpu_after"] = wait_gpu_free(baseline, args.gpu_free_slack_mib, args.gpu_free_timeout_s, fake,
                                                stop=lambda: state["stopping"])
             durations.append(time.monotonic() - t)
-            r["engine_wall_s"] = round(durations[-1], 2)
+            r[f"{b.noun}_wall_s"] = round(durations[-1], 2)
             doc["engines"].append(r)
-            with open(jsonl_path, "a") as f:
+            with open(paths["jsonl"], "a") as f:
                 f.write(json.dumps(r, default=str) + "\n")
             save()
-            say(engine_line(r))
+            say(b.line(r))
+            b.after(r)
             if hook:
-                hook(r, json_path)
-    except Stop:  # only if a signal slipped past run_engine's own handling
+                hook(r, paths["json"])
+    except Stop:  # only if a signal slipped past the job's own handling
         pass
     finally:
         if state["current"] is not None:
@@ -1133,9 +1171,9 @@ def run_all(args, hook=None):
         doc["interrupted"] = state["stopping"]
         doc["seconds"] = round(time.monotonic() - t_start, 1)
         save()
-    say("\n" + markdown(doc))
+    say("\n" + b.markdown(doc))
     for s in doc["skipped"]:
-        say(f"serving: skipped {s['label']}: {s['why']}")
+        say(f"{b.name}: skipped {s['label']}: {s['why']}")
     return doc
 
 
@@ -1545,6 +1583,20 @@ def parse_args(argv=None):
     return args
 
 
+def importable(specs, name, script):
+    """Whether vLLM, PyTorch and (with spec kvoffload) kvoffload import;
+    says which do not, and ``script``, the CI script that carries them."""
+    import importlib.util
+
+    missing = [m for m in ("vllm", "torch") if importlib.util.find_spec(m) is None]
+    if "kvoffload" in specs.split(",") and importlib.util.find_spec("kvoffload") is None:
+        missing.append("kvoffload")
+    if missing:
+        say(f"{name}: {', '.join(missing)} not importable (put the vLLM bundle's site and kvoffload's wheel "
+            f"on PYTHONPATH: {script} does)")
+    return not missing
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.one:
@@ -1581,14 +1633,7 @@ def main(argv=None):
         say(text)
         return 0
     if not args.fake:
-        import importlib.util
-
-        missing = [m for m in ("vllm", "torch") if importlib.util.find_spec(m) is None]
-        if "kvoffload" in args.specs.split(",") and importlib.util.find_spec("kvoffload") is None:
-            missing.append("kvoffload")
-        if missing:
-            say(f"serving: {', '.join(missing)} not importable (put the vLLM bundle's site and kvoffload's wheel "
-                "on PYTHONPATH: ci/gpu-serving does)")
+        if not importable(args.specs, "serving", "ci/gpu-serving"):
             return 2
         if not os.path.exists(os.path.join(args.model, "config.json")):
             say(f"serving: no config.json in {args.model}")
