@@ -174,45 +174,72 @@ impl PyOffloaderBase {
     }
 }
 
-/// The constructor arguments both classes take.
-pub(crate) struct Args<'a, 'py> {
-    pub(crate) host_blocks: usize,
-    pub(crate) kv: Option<&'a Bound<'py, PyAny>>,
-    pub(crate) runtime: Option<Py<PyRuntime>>,
-    pub(crate) region: Option<&'a Bound<'py, PyAny>>,
-    pub(crate) pin: Option<&'a Bound<'py, PyAny>>,
-    pub(crate) transfer: Option<&'a Bound<'py, PyAny>>,
-    /// The ranks' agreement callable (agreement.rs: run on a daemon thread
-    /// of its own, never bounded by kvoffload).
-    pub(crate) agreement: Option<Py<PyAny>>,
-    /// Seconds a rank waits for its peers through a shared region's header;
-    /// it bounds neither the `agreement` callable nor the wait for it.
-    pub(crate) agreement_timeout: Option<f64>,
-    pub(crate) start: bool,
-    pub(crate) unknown: Option<&'a Bound<'py, PyDict>>,
+/// The constructors' keyword arguments: pyo3 hands each constructor
+/// `host_blocks` and the rest as one dict, read here, once for both
+/// classes. A keyword is taken out as it is read; what is left is unknown
+/// ([`options::unknown_arguments`]).
+pub(crate) struct Keywords<'py>(Bound<'py, PyDict>);
+
+impl<'py> Keywords<'py> {
+    /// The keywords as given (a copy: taking does not touch the caller's).
+    pub(crate) fn new(py: Python<'py>, kw: Option<&Bound<'py, PyDict>>) -> PyResult<Self> {
+        Ok(Self(kw.map_or_else(|| Ok(PyDict::new(py)), |k| k.copy())?))
+    }
+
+    /// Keyword `name` as a `T` (None when not given), checked as pyo3
+    /// checks a declared argument: a `TypeError` noted "while processing
+    /// '`name`'", any other error (an `OverflowError`) as it is.
+    pub(crate) fn take<T>(&self, name: &str) -> PyResult<Option<T>>
+    where
+        T: pyo3::conversion::FromPyObjectOwned<'py>,
+    {
+        let Some(v) = self.0.get_item(name)? else { return Ok(None) };
+        self.0.del_item(name)?;
+        v.extract::<T>().map(Some).map_err(|e| {
+            let e: PyErr = e.into();
+            let _ = e.value(v.py()).call_method1("add_note", (format!("while processing '{name}'"),));
+            e
+        })
+    }
+
+    /// Keyword `name`, any object; None when not given or None.
+    fn any(&self, name: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+        Ok(self.take::<Bound<'py, PyAny>>(name)?.filter(|v| !v.is_none()))
+    }
 }
 
-/// Which class is built, with the arguments only it takes.
-pub(crate) enum Class<'a> {
+/// Which class is built, with the argument only it takes.
+pub(crate) enum Class {
     /// `kvoffload.Offloader`, the slot-addressed core.
     Slots { kv_groups: Option<Vec<usize>> },
     /// `kvoffload.KeyedOffloader`.
-    Keyed { eviction: &'a str },
+    Keyed { eviction: String },
 }
 
 impl PyOffloaderBase {
     /// The constructors' one body: `class` says which library offloader it
     /// builds ([`KeyedOffloader`] or the slot-addressed core [`Offloader`]).
-    pub(crate) fn build(py: Python<'_>, class: Class<'_>, args: Args<'_, '_>) -> PyResult<Self> {
-        let Args { host_blocks, kv, runtime, region, pin, transfer, agreement, agreement_timeout, start, unknown } =
-            args;
+    ///
+    /// The keywords both classes take: `kv`, `runtime`, `region`, `pin`,
+    /// `transfer`, `agreement` (the ranks' agreement callable, run on a
+    /// daemon thread of its own, never bounded by kvoffload),
+    /// `agreement_timeout` (seconds a rank waits for its peers through a
+    /// shared region's header; it bounds neither the callable nor the wait
+    /// for it; default 120) and `start`; `kw` holds them and whatever else
+    /// was given, the class's own argument already taken.
+    pub(crate) fn build(py: Python<'_>, class: Class, host_blocks: usize, kw: Keywords<'_>) -> PyResult<Self> {
+        let (kv, runtime) = (kw.any("kv")?, kw.take::<Option<Py<PyRuntime>>>("runtime")?.flatten());
+        let (region, pin, transfer) = (kw.any("region")?, kw.any("pin")?, kw.any("transfer")?);
+        let agreement = kw.any("agreement")?.map(Bound::unbind);
+        let agreement_timeout = kw.take::<Option<f64>>("agreement_timeout")?.unwrap_or(Some(120.0));
+        let start = kw.take::<bool>("start")?.unwrap_or(false);
         let keyed = matches!(class, Class::Keyed { .. });
         guarded(py, move || {
-            options::unknown_arguments(py, keyed, unknown)?;
-            let kv = tensors::kv(py, if keyed { "KeyedOffloader" } else { "Offloader" }, kv)?;
-            let region: PyRegionSpec = options::given(py, "region", "RegionSpec", region)?;
-            let pin: PyPinOptions = options::given(py, "pin", "PinOptions", pin)?;
-            let transfer: PyTransferOptions = options::given(py, "transfer", "TransferOptions", transfer)?;
+            options::unknown_arguments(py, keyed, Some(&kw.0))?;
+            let kv = tensors::kv(py, if keyed { "KeyedOffloader" } else { "Offloader" }, kv.as_ref())?;
+            let region: PyRegionSpec = options::given(py, "region", "RegionSpec", region.as_ref())?;
+            let pin: PyPinOptions = options::given(py, "pin", "PinOptions", pin.as_ref())?;
+            let transfer: PyTransferOptions = options::given(py, "transfer", "TransferOptions", transfer.as_ref())?;
             let runtime = match runtime {
                 Some(r) => r,
                 None => Py::new(py, PyRuntime::open(py, "auto", 0)?)?,
@@ -221,7 +248,7 @@ impl PyOffloaderBase {
             let mut opts = OffloaderOptions::with_host_blocks(host_blocks);
             match class {
                 Class::Slots { kv_groups } => opts.kv_groups = kv_groups,
-                Class::Keyed { eviction } => opts.eviction = named(py, "eviction", eviction)?,
+                Class::Keyed { eviction } => opts.eviction = named(py, "eviction", &eviction)?,
             }
             // Joining or creating a shared region waits for the other ranks:
             // Ctrl-C stops it (see `Signals`).
@@ -869,30 +896,21 @@ pub(crate) struct PyOffloader {}
 impl PyOffloader {
     /// `Offloader(host_blocks, *, kv, ...)`: the slot-addressed core over
     /// `kv` (`KvSpec` or `KvAlloc`), with `kv_groups` (its own argument)
-    /// and the arguments both classes take ([`Args`]).
+    /// and the keywords both classes take ([`PyOffloaderBase::build`]).
     #[new]
-    #[pyo3(signature = (
-        host_blocks, *, kv = None, runtime = None, region = None, pin = None, transfer = None, agreement = None,
-        agreement_timeout = Some(120.0), kv_groups = None, start = false, **unknown,
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(
+        signature = (host_blocks, **kw),
+        text_signature = "(host_blocks, *, kv=None, runtime=None, region=None, pin=None, transfer=None, \
+                          agreement=None, agreement_timeout=120.0, kv_groups=None, start=False, **unknown)"
+    )]
     pub(crate) fn new<'py>(
         py: Python<'py>,
         host_blocks: usize,
-        kv: Option<&Bound<'py, PyAny>>,
-        runtime: Option<Py<PyRuntime>>,
-        region: Option<&Bound<'py, PyAny>>,
-        pin: Option<&Bound<'py, PyAny>>,
-        transfer: Option<&Bound<'py, PyAny>>,
-        agreement: Option<Py<PyAny>>,
-        agreement_timeout: Option<f64>,
-        kv_groups: Option<Vec<usize>>,
-        start: bool,
-        unknown: Option<&Bound<'py, PyDict>>,
+        kw: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let args =
-            Args { host_blocks, kv, runtime, region, pin, transfer, agreement, agreement_timeout, start, unknown };
-        let base = PyOffloaderBase::build(py, Class::Slots { kv_groups }, args)?;
+        let kw = Keywords::new(py, kw)?;
+        let kv_groups = kw.take::<Option<Vec<usize>>>("kv_groups")?.flatten();
+        let base = PyOffloaderBase::build(py, Class::Slots { kv_groups }, host_blocks, kw)?;
         Ok(PyClassInitializer::from(base).add_subclass(Self {}))
     }
 
@@ -1009,31 +1027,22 @@ impl PyKeyedOffloader {
 #[pymethods]
 impl PyKeyedOffloader {
     /// `KeyedOffloader(host_blocks, *, kv, ...)`: the keyed offloader over
-    /// `kv`, with `eviction` (its own argument) and the arguments both
-    /// classes take ([`Args`]).
+    /// `kv`, with `eviction` (its own argument) and the keywords both
+    /// classes take ([`PyOffloaderBase::build`]).
     #[new]
-    #[pyo3(signature = (
-        host_blocks, *, kv = None, runtime = None, region = None, pin = None, transfer = None, eviction = "lru",
-        agreement = None, agreement_timeout = Some(120.0), start = false, **unknown,
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(
+        signature = (host_blocks, **kw),
+        text_signature = "(host_blocks, *, kv=None, runtime=None, region=None, pin=None, transfer=None, \
+                          eviction='lru', agreement=None, agreement_timeout=120.0, start=False, **unknown)"
+    )]
     pub(crate) fn new<'py>(
         py: Python<'py>,
         host_blocks: usize,
-        kv: Option<&Bound<'py, PyAny>>,
-        runtime: Option<Py<PyRuntime>>,
-        region: Option<&Bound<'py, PyAny>>,
-        pin: Option<&Bound<'py, PyAny>>,
-        transfer: Option<&Bound<'py, PyAny>>,
-        eviction: &str,
-        agreement: Option<Py<PyAny>>,
-        agreement_timeout: Option<f64>,
-        start: bool,
-        unknown: Option<&Bound<'py, PyDict>>,
+        kw: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let args =
-            Args { host_blocks, kv, runtime, region, pin, transfer, agreement, agreement_timeout, start, unknown };
-        let base = PyOffloaderBase::build(py, Class::Keyed { eviction }, args)?;
+        let kw = Keywords::new(py, kw)?;
+        let eviction = kw.take::<String>("eviction")?.unwrap_or_else(|| "lru".to_string());
+        let base = PyOffloaderBase::build(py, Class::Keyed { eviction }, host_blocks, kw)?;
         Ok(PyClassInitializer::from(base).add_subclass(Self {}))
     }
 
