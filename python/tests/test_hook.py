@@ -53,6 +53,15 @@ def setup():
         off.shutdown()
 
 
+def capturing(off, cls):
+    """The hook installed for ``off`` on ``cls``, and a graph of ``cls``
+    whose capture has begun (its hook window open)."""
+    h = _hook.install(off, cls)
+    g = cls()
+    g.capture_begin()
+    return h, g
+
+
 def test_install_patches_and_remove_restores(setup):
     rt, stream, cls, ts, off = setup
     begin, end = cls.__dict__.get("capture_begin"), cls.__dict__.get("capture_end")
@@ -200,9 +209,7 @@ def test_a_graph_dropped_during_capture_closes_its_window(setup):
     import gc
 
     rt, stream, cls, ts, off = setup
-    h = _hook.install(off, cls)
-    g = cls()
-    g.capture_begin()
+    h, g = capturing(off, cls)
     assert off.capture_depth == 1
     del g
     gc.collect()
@@ -213,9 +220,7 @@ def test_a_graph_dropped_during_capture_closes_its_window(setup):
 
 def test_shutdown_is_refused_while_a_hook_window_is_open(setup):
     rt, stream, cls, ts, off = setup
-    h = _hook.install(off, cls)
-    g = cls()
-    g.capture_begin()
+    h, g = capturing(off, cls)
     with pytest.raises(kv.ProtocolError):
         off.shutdown()
     g.capture_end()

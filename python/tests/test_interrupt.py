@@ -467,13 +467,19 @@ def test_ctrl_c_in_gated(rt):
 # ---- shared regions ----
 
 
+def ctrl_c_in_a_region_of_two(rt, tmp_path, name, rank, what):
+    """Ctrl-C while rank ``rank`` of two creates or joins region ``name``
+    in ``tmp_path`` (timeout SAFETY: a wait that ignored Ctrl-C fails then)
+    leaves no file there (a joiner creates none, a creator removes its own)
+    and nothing allocated (the tensors allocated before are freed)."""
+    shared = kv.RegionSpec.shared(name, rank=rank, ranks=2, options=kv.ShmOptions(dir=tmp_path, timeout=SAFETY))
+    expect_ctrl_c(what, lambda: make(rt, region=shared))
+    assert os.listdir(tmp_path) == []
+    assert_nothing_leaked(rt)
+
+
 def test_ctrl_c_while_joining_a_region_nobody_creates(rt, tmp_path):
-    # join_timeout = SAFETY: a join that ignored Ctrl-C fails then.
-    shm = kv.ShmOptions(dir=tmp_path, timeout=SAFETY)
-    shared = kv.RegionSpec.shared(f"j{os.getpid()}", rank=1, ranks=2, options=shm)
-    expect_ctrl_c("join (nobody creates the region)", lambda: make(rt, region=shared))
-    assert os.listdir(tmp_path) == []  # a joiner creates no file
-    assert_nothing_leaked(rt)  # the tensors allocated before the join are freed
+    ctrl_c_in_a_region_of_two(rt, tmp_path, f"j{os.getpid()}", 1, "join (nobody creates the region)")
 
 
 @pytest.mark.parametrize("size", [0, 4096], ids=["never_sized", "never_initialised"])
@@ -486,18 +492,11 @@ def test_ctrl_c_while_joining_a_region_its_creator_left_unfinished(rt, tmp_path,
     fd = os.open(tmp_path / f"kvoffload-{name}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     os.ftruncate(fd, size)
     os.close(fd)
-    shared = kv.RegionSpec.shared(name, rank=1, ranks=2, options=kv.ShmOptions(dir=tmp_path, timeout=SAFETY))
-    expect_ctrl_c(f"join (a creator's file, {size} bytes)", lambda: make(rt, region=shared))
-    assert os.listdir(tmp_path) == []
-    assert_nothing_leaked(rt)
+    ctrl_c_in_a_region_of_two(rt, tmp_path, name, 1, f"join (a creator's file, {size} bytes)")
 
 
 def test_ctrl_c_while_the_creator_waits_for_the_ranks(rt, tmp_path):
-    shm = kv.ShmOptions(dir=tmp_path, timeout=SAFETY)
-    shared = kv.RegionSpec.shared(f"c{os.getpid()}", rank=0, ranks=2, options=shm)
-    expect_ctrl_c("create (no rank joins)", lambda: make(rt, region=shared))
-    assert os.listdir(tmp_path) == []  # the creator removed its files
-    assert_nothing_leaked(rt)
+    ctrl_c_in_a_region_of_two(rt, tmp_path, f"c{os.getpid()}", 0, "create (no rank joins)")
 
 
 def test_allow_group_and_check_memory(rt, tmp_path):

@@ -12,6 +12,7 @@ import numpy as np  # vLLM's DevicePointers are numpy arrays (ci/python installs
 import pytest
 
 import kvoffload as kv
+import kvoffload._testing as kt
 from kvoffload import _slotworker
 
 from test_slots import PAGE, fill, kv_tensors, zero
@@ -115,16 +116,20 @@ class Gated:
         return self._off.load_slot_job(job, *a)
 
 
-def test_before_pinning_settles_submissions_never_block_the_engines_thread():
-    import kvoffload._testing as kt
+def one_group_worker(rt, ts, pin=None, **kw):
+    """A worker over ``ts`` as one group on ``rt``: 8 slots, a block per
+    chunk, one pre-fault thread (or ``pin``), no capture hook."""
+    pin = pin or kv.PinOptions(threads=1)
+    return _slotworker.SlotWorker(
+        caches(ts, [[0]]), num_slots=8, blocks_per_chunk=1, runtime=rt, options=dict(pin=pin), capture_hook=False, **kw
+    )
 
+
+def test_before_pinning_settles_submissions_never_block_the_engines_thread():
     rt = kv.Runtime("sim")
     ts = kv_tensors(1)
     with kt.sim_hold(rt, "register") as hold:
-        w = _slotworker.SlotWorker(
-            caches(ts, [[0]]), num_slots=8, blocks_per_chunk=1, runtime=rt, options=dict(pin=kv.PinOptions(threads=1)),
-            capture_hook=False,
-        )
+        w = one_group_worker(rt, ts)
         hold.wait_entered()
         assert w.offloader.pin_progress.state == "pinning"
         real = w.offloader
@@ -407,15 +412,10 @@ def test_a_job_that_fails_on_the_gpu_is_raised_or_reported_failed(failed_results
 
 
 def test_with_failed_results_a_queued_submission_that_fails_is_reported_failed():
-    import kvoffload._testing as kt
-
     rt = kv.Runtime("sim")
     ts = kv_tensors(1)
     with kt.sim_hold(rt, "register") as hold:
-        w = _slotworker.SlotWorker(
-            caches(ts, [[0]]), num_slots=8, blocks_per_chunk=1, runtime=rt, options=dict(pin=kv.PinOptions(threads=1)),
-            capture_hook=False, failed_results=True,
-        )
+        w = one_group_worker(rt, ts, failed_results=True)
         hold.wait_entered()
         w.submit_store(1, gpu([0], [1], [0]), chunks([8]))  # queued (pinning): refused in the thread
         w.submit_store(2, gpu([1], [1], [0]), chunks([1]))
@@ -432,7 +432,6 @@ def test_with_failed_results_a_queued_submission_that_fails_is_reported_failed()
 
 
 def test_a_pin_hold_until_served_ends_at_the_first_job_or_release():
-    import kvoffload._testing as kt
     from test_sim import eventually
 
     for end in ("job", "release", "shutdown"):
@@ -441,10 +440,7 @@ def test_a_pin_hold_until_served_ends_at_the_first_job_or_release():
         # Chunk 0's registration held in the sim, so the hold below comes
         # before the next one (two chunks: 8 slots, 4 per chunk).
         with kt.sim_hold(rt, "register") as reg:
-            w = _slotworker.SlotWorker(
-                caches(ts, [[0]]), num_slots=8, blocks_per_chunk=1, runtime=rt, capture_hook=False,
-                options=dict(pin=kv.PinOptions(threads=1, max_chunk_bytes=4 * 4096)),
-            )
+            w = one_group_worker(rt, ts, pin=kv.PinOptions(threads=1, max_chunk_bytes=4 * 4096))
             reg.wait_entered()
             w.hold_pinning_until_served("the test's warm-up")
         eventually(f"{end}: chunk 1 held back", lambda: kt.activity(w.offloader)["registrations_held"] == 1)
