@@ -1,9 +1,8 @@
 //! prepare_load and complete_load: reader counts that pin blocks.
 
-use super::batch::check_unique;
 use super::block_manager::BlockManager;
 use super::error::ManagerError;
-use super::key::{BlockKey, Placement};
+use super::key::{BlockKey, Placement, SlotId};
 use super::state::BlockState;
 
 impl BlockManager {
@@ -19,16 +18,9 @@ impl BlockManager {
         }
         let mut placements = Vec::with_capacity(keys.len());
         for &key in keys {
-            let Some(block) = self.blocks.get_mut(&key) else {
-                continue;
-            };
-            if let BlockState::Ready { readers } = &mut block.state {
-                *readers = readers.saturating_add(1);
-                if *readers == 1 {
-                    self.policy.set_candidate(key, false);
-                }
+            if let Some(slot) = self.count_reader(key, true) {
+                placements.push(Placement { key, slot });
             }
-            placements.push(Placement { key, slot: block.slot });
         }
         self.events.counters.loads_prepared += keys.len() as u64;
         Ok(placements)
@@ -44,44 +36,38 @@ impl BlockManager {
             return self.refuse(e);
         }
         for &key in keys {
-            let Some(block) = self.blocks.get_mut(&key) else {
-                continue;
-            };
-            if let BlockState::Ready { readers } = &mut block.state {
-                *readers = readers.saturating_sub(1);
-                if *readers == 0 {
-                    self.policy.set_candidate(key, true);
-                }
-            }
+            self.count_reader(key, false);
         }
         self.events.counters.loads_completed += keys.len() as u64;
         Ok(())
     }
 
     fn check_loadable(&self, keys: &[BlockKey]) -> Result<(), ManagerError> {
-        check_unique(keys)?;
-        for &key in keys {
-            match self.blocks.get(&key).map(|b| b.state) {
-                None => return Err(ManagerError::NotFound { key }),
-                Some(BlockState::WritePending) => return Err(ManagerError::NotReadable { key }),
-                Some(BlockState::Ready { readers: u32::MAX }) => {
-                    return Err(ManagerError::TooManyReaders { key, limit: u32::MAX })
-                }
-                Some(BlockState::Ready { .. }) => {}
-            }
-        }
-        Ok(())
+        self.check_each(keys, |key, state| match state {
+            BlockState::WritePending => Err(ManagerError::NotReadable { key }),
+            BlockState::Ready { readers: u32::MAX } => Err(ManagerError::TooManyReaders { key, limit: u32::MAX }),
+            BlockState::Ready { .. } => Ok(()),
+        })
     }
 
     fn check_reading(&self, keys: &[BlockKey]) -> Result<(), ManagerError> {
-        check_unique(keys)?;
-        for &key in keys {
-            match self.blocks.get(&key).map(|b| b.state) {
-                None => return Err(ManagerError::NotFound { key }),
-                Some(BlockState::Ready { readers }) if readers > 0 => {}
-                Some(state) => return Err(ManagerError::NoLoadInFlight { key, state }),
+        self.check_each(keys, |key, state| match state {
+            BlockState::Ready { readers } if readers > 0 => Ok(()),
+            state => Err(ManagerError::NoLoadInFlight { key, state }),
+        })
+    }
+
+    /// One reader more (`more`) or fewer of `key`'s block when it is ready:
+    /// not evictable while it has a reader, evictable again once its last
+    /// one ends. Its slot; `None` when there is no such block.
+    fn count_reader(&mut self, key: BlockKey, more: bool) -> Option<SlotId> {
+        let block = self.blocks.get_mut(&key)?;
+        if let BlockState::Ready { readers } = &mut block.state {
+            *readers = if more { readers.saturating_add(1) } else { readers.saturating_sub(1) };
+            if *readers == u32::from(more) {
+                self.policy.set_candidate(key, !more);
             }
         }
-        Ok(())
+        Some(block.slot)
     }
 }

@@ -325,14 +325,9 @@ impl BlockManager {
     }
 
     fn check_pending(&self, keys: &[BlockKey]) -> Result<(), ManagerError> {
-        check_unique(keys)?;
-        for &key in keys {
-            match self.blocks.get(&key).map(|b| b.state) {
-                None => return Err(ManagerError::NotFound { key }),
-                Some(BlockState::WritePending) => {}
-                Some(state) => return Err(ManagerError::NotPending { key, state }),
-            }
-        }
-        Ok(())
+        self.check_each(keys, |key, state| match state {
+            BlockState::WritePending => Ok(()),
+            state => Err(ManagerError::NotPending { key, state }),
+        })
     }
 }

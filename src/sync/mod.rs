@@ -41,42 +41,23 @@ mod imp {
     pub const MODEL: bool = false;
 }
 
-#[cfg(loom)]
+#[cfg(any(loom, shuttle))]
 mod imp {
-    pub use loom::sync::atomic;
-    pub use loom::sync::{Arc, Condvar, Mutex, MutexGuard, WaitTimeoutResult};
-    /// Threads: `loom::thread`, so loom schedules every thread the library
-    /// spawns (the pinner, the pre-fault workers, the simulated device).
-    pub mod thread {
-        pub use loom::thread::{current, spawn, yield_now, Builder, JoinHandle, ThreadId};
-        /// Not a scheduling primitive: the machine's core count, as in std
-        /// (read once per process: see [`super::super::host_fact`]).
-        pub fn available_parallelism() -> std::io::Result<std::num::NonZeroUsize> {
-            super::super::host_fact("available_parallelism", || {
-                std::thread::available_parallelism().map_err(|e| (e.kind(), e.to_string()))
-            })
-            .map_err(|(kind, msg)| std::io::Error::new(kind, msg))
-        }
-    }
-    /// Thread-local storage: loom's, one value per loom thread and
-    /// execution (std's would be shared by every loom thread).
-    pub use loom::thread_local;
-    /// True when the loom model checker drives this build.
-    pub const LOOM: bool = true;
-    /// True when a model checker (loom or shuttle) drives this build.
-    pub const MODEL: bool = true;
-}
+    // The model checker of this build: loom, or shuttle (the randomized
+    // scheduler); both offer std's names.
+    #[cfg(loom)]
+    use loom as checker;
+    #[cfg(shuttle)]
+    use shuttle as checker;
 
-#[cfg(shuttle)]
-mod imp {
-    pub use shuttle::sync::atomic;
+    pub use checker::sync::atomic;
     // Shuttle's `Arc` is std's (shuttle 0.9 does not model reference counts).
-    pub use shuttle::sync::{Arc, Condvar, Mutex, MutexGuard, WaitTimeoutResult};
-    /// Threads: `shuttle::thread`, so shuttle schedules every thread the
-    /// library spawns (the pinner, the pre-fault workers, the simulated
-    /// device).
+    pub use checker::sync::{Arc, Condvar, Mutex, MutexGuard, WaitTimeoutResult};
+    /// Threads: the model checker's (`loom::thread`, `shuttle::thread`), so
+    /// it schedules every thread the library spawns (the pinner, the
+    /// pre-fault workers, the simulated device).
     pub mod thread {
-        pub use shuttle::thread::{current, spawn, yield_now, Builder, JoinHandle, ThreadId};
+        pub use super::checker::thread::{current, spawn, yield_now, Builder, JoinHandle, ThreadId};
         /// Not a scheduling primitive: the machine's core count, as in std
         /// (read once per process: see [`super::super::host_fact`]).
         pub fn available_parallelism() -> std::io::Result<std::num::NonZeroUsize> {
@@ -86,12 +67,13 @@ mod imp {
             .map_err(|(kind, msg)| std::io::Error::new(kind, msg))
         }
     }
-    /// Thread-local storage: shuttle's, one value per shuttle thread and
-    /// execution (std's would be shared by every shuttle thread, which all
-    /// run on one OS thread).
-    pub use shuttle::thread_local;
-    /// False: shuttle, not loom, drives this build.
-    pub const LOOM: bool = false;
+    /// Thread-local storage: the model checker's, one value per model
+    /// thread and execution (std's would be shared by every model thread;
+    /// under shuttle they all run on one OS thread).
+    pub use checker::thread_local;
+    /// True when the loom model checker drives this build (false: shuttle
+    /// does).
+    pub const LOOM: bool = cfg!(loom);
     /// True when a model checker (loom or shuttle) drives this build.
     pub const MODEL: bool = true;
 }

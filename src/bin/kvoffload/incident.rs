@@ -119,22 +119,8 @@ fn sample(coord: &Coordinator, t0: Instant, stop: &AtomicBool) -> Timeline {
         let a = coord.activity();
         let t = t0.elapsed().as_secs_f64();
         tl.samples += 1;
-        match (a.calls_in_flight > 0, reg_from) {
-            (true, None) => reg_from = Some(t),
-            (false, Some(f)) => {
-                tl.registrations.push((f, t));
-                reg_from = None;
-            }
-            _ => {}
-        }
-        match (a.windows_open > 0, win_from) {
-            (true, None) => win_from = Some(t),
-            (false, Some(f)) => {
-                tl.windows.push((f, t));
-                win_from = None;
-            }
-            _ => {}
-        }
+        span(a.calls_in_flight > 0, t, &mut reg_from, &mut tl.registrations);
+        span(a.windows_open > 0, t, &mut win_from, &mut tl.windows);
         if done {
             break;
         }
@@ -149,6 +135,19 @@ fn sample(coord: &Coordinator, t0: Instant, stop: &AtomicBool) -> Timeline {
         tl.windows.push((f, t));
     }
     tl
+}
+
+/// One sample at `t` of a condition that is `on`: a span starts (`from`)
+/// where it turns on, and ends (pushed onto `spans`) where it turns off.
+fn span(on: bool, t: f64, from: &mut Option<f64>, spans: &mut Vec<(f64, f64)>) {
+    match (on, *from) {
+        (true, None) => *from = Some(t),
+        (false, Some(f)) => {
+            spans.push((f, t));
+            *from = None;
+        }
+        _ => {}
+    }
 }
 
 impl IncidentReport {

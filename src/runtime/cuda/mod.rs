@@ -268,6 +268,16 @@ impl CudaRuntime {
         Stream(id)
     }
 
+    /// `cuEventCreate` with `flags`, the event kept in the handle table.
+    fn event_create_flags(&self, flags: sys::CUevent_flags) -> DriverResult<Event> {
+        self.bind()?;
+        let mut e: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, flags as u32) })?;
+        let id = sync::lock(&self.handles).insert(|h| &mut h.events, e as usize);
+        Ok(Event(id))
+    }
+
     fn stream_raw(&self, s: Stream, call: &'static str) -> DriverResult<sys::CUstream> {
         self.bind()?;
         let h = sync::lock(&self.handles);
@@ -651,23 +661,11 @@ impl GpuRuntime for CudaRuntime {
     }
 
     fn event_create(&self) -> DriverResult<Event> {
-        self.bind()?;
-        let mut e: sys::CUevent = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: valid out-pointer.
-        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, flags) })?;
-        let id = sync::lock(&self.handles).insert(|h| &mut h.events, e as usize);
-        Ok(Event(id))
+        self.event_create_flags(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
     }
 
     fn event_create_timed(&self) -> DriverResult<Event> {
-        self.bind()?;
-        let mut e: sys::CUevent = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_DEFAULT as u32;
-        // SAFETY: valid out-pointer.
-        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, flags) })?;
-        let id = sync::lock(&self.handles).insert(|h| &mut h.events, e as usize);
-        Ok(Event(id))
+        self.event_create_flags(sys::CUevent_flags::CU_EVENT_DEFAULT)
     }
 
     fn event_elapsed(&self, gate: &Gate, start: Event, end: Event) -> DriverResult<f32> {

@@ -38,6 +38,42 @@ pub(crate) const GATHER_THREADS: u32 = 1024;
 /// (27.7 - 44; 28.0 - 39.4).
 pub(crate) const GATHER_BLOCKS_PER_SM: u32 = 1;
 
+/// Where a thread of a grid-stride loop starts: `%r2` its block index (the
+/// first item it takes), `%r3` the grid size (its stride over items), `%r4`
+/// and `%rd2` its thread index (its first unit inside an item), `%r5` and
+/// `%rd3` the block size (its stride inside an item).
+macro_rules! ptx_grid_stride {
+    () => {
+        "    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %nctaid.x;
+    mov.u32 %r4, %tid.x;
+    mov.u32 %r5, %ntid.x;
+    cvt.u64.u32 %rd2, %r4;
+    cvt.u64.u32 %rd3, %r5;
+"
+    };
+}
+
+/// The head of a grid-stride loop over a table's entries of `$bytes` bytes
+/// (the table at `%rd1`, `%r1` entries): label `$label`, done (to
+/// `$L_done`) once the entry index `%r2` reaches the count, else `%rd5` the
+/// address of entry `%r2`.
+macro_rules! ptx_table_entry {
+    ($label:literal, $bytes:literal) => {
+        concat!(
+            $label,
+            ":
+    setp.ge.u32 %p1, %r2, %r1;
+    @%p1 bra $L_done;
+    mul.wide.u32 %rd4, %r2, ",
+            $bytes,
+            ";
+    add.s64 %rd5, %rd1, %rd4;
+"
+        )
+    };
+}
+
 /// `kvo_gather(u64 table, u32 count)`: copies `count` fragments described by
 /// the table at `table` (device memory; entry `i` is three u64 words at
 /// `table + 24 i`: source address, destination address, byte count).
@@ -54,7 +90,8 @@ pub(crate) const GATHER_BLOCKS_PER_SM: u32 = 1;
 /// Registers: %r1 count, %r2 fragment index, %r3 grid size; %rd1 table,
 /// %rd2 thread index, %rd3 block size, %rd6/%rd7/%rd8 source, destination,
 /// bytes of the current fragment, %rd11 the running vector/byte index.
-pub(crate) const GATHER: &str = "\
+pub(crate) const GATHER: &str = concat!(
+    "\
 .version 7.8
 .target sm_80
 .address_size 64
@@ -73,18 +110,10 @@ pub(crate) const GATHER: &str = "\
     ld.param.u64 %rd20, [kvo_gather_param_0];
     cvta.to.global.u64 %rd1, %rd20;
     ld.param.u32 %r1, [kvo_gather_param_1];
-    mov.u32 %r2, %ctaid.x;
-    mov.u32 %r3, %nctaid.x;
-    mov.u32 %r4, %tid.x;
-    mov.u32 %r5, %ntid.x;
-    cvt.u64.u32 %rd2, %r4;
-    cvt.u64.u32 %rd3, %r5;
-$L_frag:
-    setp.ge.u32 %p1, %r2, %r1;
-    @%p1 bra $L_done;
-    mul.wide.u32 %rd4, %r2, 24;
-    add.s64 %rd5, %rd1, %rd4;
-    ld.global.nc.u64 %rd21, [%rd5];
+",
+    ptx_grid_stride!(),
+    ptx_table_entry!("$L_frag", 24),
+    "    ld.global.nc.u64 %rd21, [%rd5];
     ld.global.nc.u64 %rd22, [%rd5+8];
     ld.global.nc.u64 %rd8, [%rd5+16];
     cvta.to.global.u64 %rd6, %rd21;
@@ -123,7 +152,8 @@ $L_next:
 $L_done:
     ret;
 }
-\0";
+\0"
+);
 
 /// Threads per block of [`PATTERN_FILL`] and [`PATTERN_CHECK`].
 pub(crate) const PATTERN_THREADS: u32 = 256;
@@ -156,21 +186,14 @@ macro_rules! ptx_entry_head {
     () => {
         concat!(
             "    cvta.to.global.u64 %rd1, %rd20;
-    mov.u32 %r2, %ctaid.x;
-    mov.u32 %r3, %nctaid.x;
-    mov.u32 %r4, %tid.x;
-    mov.u32 %r5, %ntid.x;
-    cvt.u64.u32 %rd2, %r4;
-    cvt.u64.u32 %rd3, %r5;
-    mov.b64 %rd40, 0x9E3779B97F4A7C15;
+",
+            ptx_grid_stride!(),
+            "    mov.b64 %rd40, 0x9E3779B97F4A7C15;
     mov.b64 %rd41, 0xBF58476D1CE4E5B9;
     mov.b64 %rd42, 0x94D049BB133111EB;
-$L_entry:
-    setp.ge.u32 %p1, %r2, %r1;
-    @%p1 bra $L_done;
-    mul.wide.u32 %rd4, %r2, 32;
-    add.s64 %rd5, %rd1, %rd4;
-    ld.global.nc.u64 %rd21, [%rd5];
+",
+            ptx_table_entry!("$L_entry", 32),
+            "    ld.global.nc.u64 %rd21, [%rd5];
     ld.global.nc.u64 %rd30, [%rd5+8];
     ld.global.nc.u64 %rd7, [%rd5+16];
     ld.global.nc.u64 %rd8, [%rd5+24];
@@ -202,6 +225,49 @@ $L_word:
     };
 }
 
+/// The opening of a pattern kernel `$name` up to its word loop: the module
+/// header, the entry with the table and count parameters (`$more_params`
+/// declares any after them), the registers both kernels declare, the reads
+/// of the table and the count into `%rd20` and `%r1`, then `$more_loads`
+/// (reads of the further parameters) and `ptx_entry_head!`.
+macro_rules! ptx_pattern_kernel {
+    ($name:literal, $more_params:literal, $more_loads:literal) => {
+        concat!(
+            ".version 7.8
+.target sm_80
+.address_size 64
+
+.visible .entry ",
+            $name,
+            "(
+    .param .u64 ",
+            $name,
+            "_param_0,
+    .param .u32 ",
+            $name,
+            "_param_1",
+            $more_params,
+            "
+)
+{
+    .reg .pred %p<8>;
+    .reg .b16 %rs<4>;
+    .reg .b32 %r<16>;
+    .reg .b64 %rd<48>;
+
+    ld.param.u64 %rd20, [",
+            $name,
+            "_param_0];
+    ld.param.u32 %r1, [",
+            $name,
+            "_param_1];
+",
+            $more_loads,
+            ptx_entry_head!()
+        )
+    };
+}
+
 /// `kvo_pattern_fill(u64 table, u32 count)`: entry `i` of the table at
 /// `table` (device memory; four u64 words at `table + 32 i`: destination,
 /// key, first word, byte count) gets words `first, first + 1, ...` of the
@@ -225,25 +291,7 @@ $L_word:
 /// %rd40-%rd42 the splitmix64 constants; %p2 destination aligned, %p5 word
 /// stored whole.
 pub(crate) const PATTERN_FILL: &str = concat!(
-    "\
-.version 7.8
-.target sm_80
-.address_size 64
-
-.visible .entry kvo_pattern_fill(
-    .param .u64 kvo_pattern_fill_param_0,
-    .param .u32 kvo_pattern_fill_param_1
-)
-{
-    .reg .pred %p<8>;
-    .reg .b16 %rs<4>;
-    .reg .b32 %r<16>;
-    .reg .b64 %rd<48>;
-
-    ld.param.u64 %rd20, [kvo_pattern_fill_param_0];
-    ld.param.u32 %r1, [kvo_pattern_fill_param_1];
-",
-    ptx_entry_head!(),
+    ptx_pattern_kernel!("kvo_pattern_fill", "", ""),
     "    @!%p5 bra $L_byte;
     st.global.u64 [%rd14], %rd30;
     bra.uni $L_step;
@@ -282,29 +330,15 @@ $L_done:
 /// word, %rs1/%rs2 loaded and expected byte, %rs3 their differences ORed over
 /// the piece, %rd22 `out`, %rd19 the entry's counter.
 pub(crate) const PATTERN_CHECK: &str = concat!(
-    "\
-.version 7.8
-.target sm_80
-.address_size 64
-
-.visible .entry kvo_pattern_check(
-    .param .u64 kvo_pattern_check_param_0,
-    .param .u32 kvo_pattern_check_param_1,
-    .param .u64 kvo_pattern_check_param_2
-)
-{
-    .reg .pred %p<8>;
-    .reg .b16 %rs<4>;
-    .reg .b32 %r<16>;
-    .reg .b64 %rd<48>;
-
-    ld.param.u64 %rd20, [kvo_pattern_check_param_0];
-    ld.param.u32 %r1, [kvo_pattern_check_param_1];
-    ld.param.u64 %rd23, [kvo_pattern_check_param_2];
+    ptx_pattern_kernel!(
+        "kvo_pattern_check",
+        ",
+    .param .u64 kvo_pattern_check_param_2",
+        "    ld.param.u64 %rd23, [kvo_pattern_check_param_2];
     cvta.to.global.u64 %rd22, %rd23;
     mov.u32 %r10, 0;
-",
-    ptx_entry_head!(),
+"
+    ),
     "    @!%p5 bra $L_bytes;
     ld.global.u64 %rd18, [%rd14];
     setp.ne.u64 %p6, %rd18, %rd30;

@@ -309,11 +309,7 @@ impl SimRuntime {
             }
             return Ok(());
         }
-        g.count_pageable(&op);
-        let s = g.stream_mut(stream.0).ok_or(Code::INVALID_HANDLE)?;
-        s.enqueued += 1;
-        let seq = s.enqueued;
-        s.queue.push_back((seq, op));
+        g.queue_op(stream.0, op)?;
         self.inner.cv.notify_all();
         Ok(())
     }
@@ -347,6 +343,33 @@ impl SimRuntime {
             }
         }
         self.enqueue(g, stream, op)
+    }
+
+    /// `cuEventCreate`: a new event in state `st`.
+    fn new_event(&self, st: EventState) -> DriverResult<Event> {
+        let r = (|| {
+            let mut g = self.enter(Call::EventCreate, &[])?;
+            let id = g.fresh_id();
+            g.events.insert(id, st);
+            Ok(Event(id))
+        })();
+        traced("cuEventCreate", r)
+    }
+
+    /// Destroys a handle (`call`, traced as `name`): `remove` takes it out
+    /// of its table, `None` when the table has no such handle
+    /// (INVALID_HANDLE).
+    fn destroy(
+        &self,
+        call: Call,
+        name: &'static str,
+        remove: impl FnOnce(&mut State) -> Option<()>,
+    ) -> DriverResult<()> {
+        let r = (|| {
+            let mut g = self.enter(call, &[])?;
+            remove(&mut g).ok_or(Code::INVALID_HANDLE)
+        })();
+        traced(name, r)
     }
 
     /// Waits until `stream` has finished everything enqueued so far,
@@ -397,6 +420,17 @@ impl State {
         if matches!(op, Op::HtoD { .. } | Op::DtoH { .. }) && host_ref(self, op).is_none() {
             self.pageable_copies += 1;
         }
+    }
+
+    /// Appends `op` to the queue of `stream` (INVALID_HANDLE when there is
+    /// no such stream), counted by [`State::count_pageable`] first.
+    fn queue_op(&mut self, stream: u64, op: Op) -> Result<(), Code> {
+        self.count_pageable(&op);
+        let s = self.stream_mut(stream).ok_or(Code::INVALID_HANDLE)?;
+        s.enqueued += 1;
+        let seq = s.enqueued;
+        s.queue.push_back((seq, op));
+        Ok(())
     }
 }
 
@@ -700,11 +734,7 @@ impl GpuRuntime for SimRuntime {
                     Direction::HostToDevice => Op::HtoD { dst: f.device, src: f.host, bytes: f.bytes },
                     Direction::DeviceToHost => Op::DtoH { dst: f.host, src: f.device, bytes: f.bytes },
                 };
-                g.count_pageable(&op);
-                let s = g.stream_mut(stream.0).ok_or(Code::INVALID_HANDLE)?;
-                s.enqueued += 1;
-                let seq = s.enqueued;
-                s.queue.push_back((seq, op));
+                g.queue_op(stream.0, op)?;
             }
             self.inner.cv.notify_all();
             Ok(())
@@ -730,23 +760,11 @@ impl GpuRuntime for SimRuntime {
     }
 
     fn event_create(&self) -> DriverResult<Event> {
-        let r = (|| {
-            let mut g = self.enter(Call::EventCreate, &[])?;
-            let id = g.fresh_id();
-            g.events.insert(id, EventState::default());
-            Ok(Event(id))
-        })();
-        traced("cuEventCreate", r)
+        self.new_event(EventState::default())
     }
 
     fn event_create_timed(&self) -> DriverResult<Event> {
-        let r = (|| {
-            let mut g = self.enter(Call::EventCreate, &[])?;
-            let id = g.fresh_id();
-            g.events.insert(id, EventState { timed: true, ..EventState::default() });
-            Ok(Event(id))
-        })();
-        traced("cuEventCreate", r)
+        self.new_event(EventState { timed: true, ..EventState::default() })
     }
 
     fn event_elapsed(&self, gate: &Gate, start: Event, end: Event) -> DriverResult<f32> {
@@ -774,11 +792,7 @@ impl GpuRuntime for SimRuntime {
     }
 
     fn event_destroy(&self, event: Event) -> DriverResult<()> {
-        let r = (|| {
-            let mut g = self.enter(Call::EventDestroy, &[])?;
-            g.events.remove(&event.0).map(|_| ()).ok_or(Code::INVALID_HANDLE)
-        })();
-        traced("cuEventDestroy", r)
+        self.destroy(Call::EventDestroy, "cuEventDestroy", |g| g.events.remove(&event.0).map(drop))
     }
 
     fn event_record(&self, event: Event, stream: Stream) -> DriverResult<()> {
@@ -921,11 +935,7 @@ impl GpuRuntime for SimRuntime {
     }
 
     fn graph_destroy(&self, graph: Graph) -> DriverResult<()> {
-        let r = (|| {
-            let mut g = self.enter(Call::GraphDestroy, &[])?;
-            g.graphs.remove(&graph.0).map(|_| ()).ok_or(Code::INVALID_HANDLE)
-        })();
-        traced("cuGraphExecDestroy", r)
+        self.destroy(Call::GraphDestroy, "cuGraphExecDestroy", |g| g.graphs.remove(&graph.0).map(drop))
     }
 }
 

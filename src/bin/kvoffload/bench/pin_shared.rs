@@ -397,18 +397,13 @@ pub const TARGET_GBPS: f64 = 20.0;
 impl SharedReport {
     /// The median pin GB/s of a (size, ranks, variant).
     pub fn median_gbps(&self, size: usize, ranks: usize, variant: &str, e2e: bool) -> Option<f64> {
-        let mut v: Vec<f64> = self
-            .rows
-            .iter()
-            .filter(|m| m.size == size && m.ranks == ranks && m.variant.name == variant)
-            .filter_map(|m| m.gbps(if e2e { m.e2e_s() } else { m.pin_s() }))
-            .collect();
-        if v.is_empty() {
-            return None;
-        }
-        v.sort_by(|a, b| a.total_cmp(b));
-        let n = v.len();
-        Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
+        super::pin::median(
+            self.rows
+                .iter()
+                .filter(|m| m.size == size && m.ranks == ranks && m.variant.name == variant)
+                .filter_map(|m| m.gbps(if e2e { m.e2e_s() } else { m.pin_s() }))
+                .collect(),
+        )
     }
 }
 

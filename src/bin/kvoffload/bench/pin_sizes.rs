@@ -31,6 +31,7 @@
 use std::fmt;
 use std::path::Path;
 
+use crate::run::metrics::ratio;
 use kvoffload::internal::runtime::GpuRuntime;
 
 use super::{fmt_bytes, median, one_call, pipeline, plan, BenchConfig, Group, Progress, Row, RunConfig};
@@ -194,11 +195,7 @@ impl Spread {
 
     /// (max - min) / median, in percent.
     pub fn spread_pct(&self) -> f64 {
-        if self.median > 0.0 {
-            (self.max - self.min) / self.median * 100.0
-        } else {
-            0.0
-        }
+        ratio(self.max - self.min, self.median) * 100.0
     }
 }
 

@@ -22,6 +22,7 @@ use std::fmt;
 use std::mem::ManuallyDrop;
 use std::time::Instant;
 
+use crate::random::SplitMix64;
 use kvoffload::internal::pin::{pin_all, NoPrefault};
 use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState};
 use kvoffload::internal::runtime::{DevicePtr, Direction, GpuRuntime, Stream};
@@ -324,14 +325,10 @@ fn units(gpu: &[usize], host: &[usize], layers: usize, n: usize) -> (Vec<usize>,
     (d, h)
 }
 
-fn permutation(n: usize, seed: &mut u64) -> Vec<usize> {
+fn permutation(n: usize, rng: &mut SplitMix64) -> Vec<usize> {
     let mut v: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {
-        *seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = *seed;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
+        let z = rng.next_u64();
         v.swap(i, (z % (i as u64 + 1)) as usize);
     }
     v
@@ -447,7 +444,7 @@ pub fn run_bench(
     }
     choices.extend(cfg.choices.iter().copied().filter(|c| *c != BackendChoice::Force(Backend::PerFragment)));
     let mut rows = Vec::new();
-    let mut seed = cfg.seed;
+    let mut rng = SplitMix64::new(cfg.seed);
     let mut next_id = JobId(1);
     for &layers in &cfg.layers {
         for &size in &cfg.sizes {
@@ -455,8 +452,8 @@ pub fn run_bench(
             if n == 0 {
                 continue;
             }
-            let gpu_ids = permutation(n, &mut seed);
-            let host_ids = permutation(n, &mut seed);
+            let gpu_ids = permutation(n, &mut rng);
+            let host_ids = permutation(n, &mut rng);
             let job = JobBlocks::single(gpu_ids.clone(), host_ids.clone());
             let (dev_units, host_units) = units(&gpu_ids, &host_ids, layers, n);
             let spec = GroupSpec {
@@ -904,8 +901,7 @@ mod tests {
 
     #[test]
     fn permutations_are_permutations() {
-        let mut s = 1;
-        let mut p = permutation(1000, &mut s);
+        let mut p = permutation(1000, &mut SplitMix64::new(1));
         p.sort_unstable();
         assert_eq!(p, (0..1000).collect::<Vec<_>>());
     }

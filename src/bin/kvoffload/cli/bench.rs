@@ -77,10 +77,7 @@ pub fn run(b: Bench) -> Result<i32, String> {
             let p = Projection::new(points, a.to, a.tolerance)?;
             println!("{p}");
             if let Some(dir) = &a.svg {
-                super::svg_dir(dir)?;
-                let path = dir.join("pin-project.svg");
-                p.write_svg(&path)?;
-                println!("picture: {}", path.display());
+                super::picture(dir, "pin-project.svg", |path| p.write_svg(path))?;
             }
             Ok(if p.holds() { 0 } else { 1 })
         }

@@ -206,9 +206,7 @@ fn run_sizes(a: PinArgs) -> Result<i32, String> {
     println!("{report}");
     if let Some(dir) = &a.svg {
         let tag: Vec<String> = a.sizes.iter().map(|&s| fmt_bytes(s).replace(' ', "")).collect();
-        let path = dir.join(format!("pin-sizes-{}.svg", tag.join("-")));
-        report.write_svg(&path)?;
-        println!("picture: {}", path.display());
+        super::picture(dir, &format!("pin-sizes-{}.svg", tag.join("-")), |path| report.write_svg(path))?;
         for p in report.write_timelines(dir)? {
             println!("timeline: {}", p.display());
         }
@@ -330,10 +328,7 @@ fn run_shared(a: &PinArgs) -> Result<i32, String> {
     let failed = report.rows.iter().any(|m| !m.ok());
     println!("{report}");
     if let Some(dir) = &a.svg {
-        super::svg_dir(dir)?;
-        let path = dir.join("pin-shared.svg");
-        report.write_svg(&path)?;
-        println!("picture: {}", path.display());
+        super::picture(dir, "pin-shared.svg", |path| report.write_svg(path))?;
     }
     Ok(if failed { 1 } else { 0 })
 }

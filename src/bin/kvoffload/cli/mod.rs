@@ -18,6 +18,20 @@ fn svg_dir(dir: &std::path::Path) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("--svg {}: {e}", dir.display()))
 }
 
+/// `--svg DIR`: `draw` writes one picture at `DIR/name` (the directory made
+/// first, as [`svg_dir`]), then its path is printed.
+fn picture(
+    dir: &std::path::Path,
+    name: &str,
+    draw: impl FnOnce(&std::path::Path) -> Result<(), String>,
+) -> Result<(), String> {
+    svg_dir(dir)?;
+    let path = dir.join(name);
+    draw(&path)?;
+    println!("picture: {}", path.display());
+    Ok(())
+}
+
 /// Offload LLM KV-cache blocks between GPU memory and a pinned host region.
 #[derive(Parser, Debug)]
 #[command(name = "kvoffload", version, about)]

@@ -185,40 +185,50 @@ pub const MAX_RANK_TIMEOUT_S: u64 = 86_400;
 
 /// `--startup-ms`: 0 to [`MAX_STARTUP_MS`].
 fn startup_ms(s: &str) -> Result<u64, String> {
-    let v: u64 = s.parse().map_err(|e| format!("{e}"))?;
-    if v > MAX_STARTUP_MS {
-        return Err(format!(
+    bounded(s, None, MAX_STARTUP_MS, || {
+        format!(
             "at most {MAX_STARTUP_MS} ms (an hour): the start-up work stands for an engine's own start \
              overlapping pinning, and a longer one would run until Ctrl-C"
-        ));
-    }
-    Ok(v)
+        )
+    })
 }
 
 /// `--rank-timeout-s`: 1 to [`MAX_RANK_TIMEOUT_S`].
 fn rank_timeout_s(s: &str) -> Result<u64, String> {
-    let v: u64 = s.parse().map_err(|e| format!("{e}"))?;
-    if v == 0 {
-        return Err("at least 1 s: with 0 a rank times out before another one can join the region".into());
-    }
-    if v > MAX_RANK_TIMEOUT_S {
-        return Err(format!(
-            "at most {MAX_RANK_TIMEOUT_S} s (a day): the ranks wait this long for each other, and a longer \
+    bounded(
+        s,
+        Some("at least 1 s: with 0 a rank times out before another one can join the region"),
+        MAX_RANK_TIMEOUT_S,
+        || {
+            format!(
+                "at most {MAX_RANK_TIMEOUT_S} s (a day): the ranks wait this long for each other, and a longer \
              wait is a hang"
-        ));
-    }
-    Ok(v)
+            )
+        },
+    )
 }
 
 /// `--pin-threads`: 1 to the library's cap ([`MAX_THREADS`], a typo
 /// guard: the library refuses more, so the run would fail later).
 fn pin_threads(s: &str) -> Result<usize, String> {
-    let v: usize = s.parse().map_err(|e| format!("{e}"))?;
-    if v == 0 {
-        return Err("at least 1: the pre-fault needs a thread".into());
+    bounded(s, Some("at least 1: the pre-fault needs a thread"), MAX_THREADS, || {
+        format!("at most {MAX_THREADS} (the library's cap on pre-fault threads, a typo guard)")
+    })
+}
+
+/// A number of an option: refused when it does not parse, when it is 0
+/// and `zero` says why 0 is refused, and past `max` (`above` says why).
+fn bounded<T>(s: &str, zero: Option<&str>, max: T, above: impl FnOnce() -> String) -> Result<T, String>
+where
+    T: std::str::FromStr + PartialOrd + Default,
+    T::Err: std::fmt::Display,
+{
+    let v: T = s.parse().map_err(|e| format!("{e}"))?;
+    if let Some(why) = zero.filter(|_| v == T::default()) {
+        return Err(why.into());
     }
-    if v > MAX_THREADS {
-        return Err(format!("at most {MAX_THREADS} (the library's cap on pre-fault threads, a typo guard)"));
+    if v > max {
+        return Err(above());
     }
     Ok(v)
 }

@@ -53,20 +53,22 @@ impl Throughput {
 
     /// Mean jobs in flight while at least one was; 0 when nothing was timed.
     pub fn mean_in_flight(&self) -> f64 {
-        if self.seconds > 0.0 {
-            self.job_seconds / self.seconds
-        } else {
-            0.0
-        }
+        ratio(self.job_seconds, self.seconds)
     }
 
     /// GB/s (1e9 bytes per second); 0 when nothing was timed.
     pub fn gbps(&self) -> f64 {
-        if self.seconds > 0.0 {
-            self.bytes as f64 / self.seconds / 1e9
-        } else {
-            0.0
-        }
+        ratio(self.bytes as f64, self.seconds) / 1e9
+    }
+}
+
+/// `part / whole`, or 0 when `whole` is not positive (nothing counted or
+/// timed): the one way the reports divide.
+pub fn ratio(part: f64, whole: f64) -> f64 {
+    if whole > 0.0 {
+        part / whole
+    } else {
+        0.0
     }
 }
 

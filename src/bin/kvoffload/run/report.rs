@@ -4,7 +4,7 @@
 use kvoffload::Named;
 use std::fmt::Write as _;
 
-use super::metrics::{Intervals, Latencies, Throughput};
+use super::metrics::{ratio, Intervals, Latencies, Throughput};
 use kvoffload::Backend;
 
 /// Prefix of a rank's phase markers: `KVO-PHASE rank=R phase=P`.
@@ -191,20 +191,12 @@ impl RankReport {
 
     /// Hit rate of lookups (0 when there were none).
     pub fn hit_rate(&self) -> f64 {
-        if self.lookups == 0 {
-            0.0
-        } else {
-            self.hits as f64 / self.lookups as f64
-        }
+        ratio(self.hits as f64, self.lookups as f64)
     }
 
     /// Pinning rate: the region's bytes over the pin time.
     pub fn pin_gbps(&self) -> f64 {
-        if self.pin_seconds > 0.0 {
-            self.region_bytes as f64 / self.pin_seconds / 1e9
-        } else {
-            0.0
-        }
+        ratio(self.region_bytes as f64, self.pin_seconds) / 1e9
     }
 
     /// True when nothing is corrupted or lost and the rank verified blocks.

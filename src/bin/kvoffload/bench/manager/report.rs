@@ -5,6 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use super::{BenchConfig, Workload};
+use crate::run::metrics::ratio;
 use kvoffload::internal::manager::{ManagerCounters, PolicyKind};
 
 /// One (workload, policy) run.
@@ -45,21 +46,12 @@ impl BenchRow {
 
     /// Fraction of accesses that hit, in `0.0..=1.0`.
     pub fn hit_rate(&self) -> f64 {
-        if self.accesses == 0 {
-            0.0
-        } else {
-            self.hits as f64 / self.accesses as f64
-        }
+        ratio(self.hits as f64, self.accesses as f64)
     }
 
     /// Manager calls per second.
     pub fn ops_per_sec(&self) -> f64 {
-        let secs = self.elapsed.as_secs_f64();
-        if secs > 0.0 {
-            self.ops as f64 / secs
-        } else {
-            0.0
-        }
+        ratio(self.ops as f64, self.elapsed.as_secs_f64())
     }
 }
 
