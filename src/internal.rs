@@ -27,6 +27,10 @@ pub mod protocol;
 pub mod region;
 #[path = "runtime/mod.rs"]
 pub mod runtime;
+// The seam between the shipped rules and the negative models' variants
+// (crate-private: the models reach the variants as `protocol::Variant`).
+#[path = "rules/mod.rs"]
+pub(crate) mod rules;
 #[path = "sync/mod.rs"]
 pub mod sync;
 #[path = "transfer/mod.rs"]

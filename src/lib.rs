@@ -75,7 +75,7 @@
 pub mod internal;
 
 // The layers by their short names inside the crate (`crate::protocol::...`).
-use internal::{manager, offloader, pin, protocol, region, runtime, sync, transfer};
+use internal::{manager, offloader, pin, protocol, region, rules, runtime, sync, transfer};
 
 pub use internal::{names, units};
 

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use crate::protocol::agreement::{agree, agree_via, AgreementError, OffloadMode, RankSlots, Transport};
 use crate::protocol::{Coordinator, PageableReason, PinState};
+use crate::rules::Rules;
 use crate::runtime::GpuRuntime;
 use crate::sync::{thread, Arc};
 
@@ -218,8 +219,8 @@ fn pin_agreed(
     agreement: &Agreement,
 ) -> Result<PinState, AgreementError> {
     // The wait ends when pinning is cancelled (a shutdown closes the
-    // coordinator, which cancels pinning), N23 aside.
-    let cancelled = || coord.pin_cancelled() && !crate::protocol::variant_is!(coord, AgreementIgnoresCancel);
+    // coordinator, which cancels pinning).
+    let cancelled = || coord.rules().agreement_heeds_cancel(coord.pin_cancelled());
     pin_then_agree(rt, coord, steps, |pinned| {
         agree(agreement.slots.as_ref(), agreement.rank, pinned, agreement.timeout, &cancelled)
     })
@@ -307,11 +308,7 @@ fn pin_then_agree(
         Err(PinState::Pageable(reason)) => Err(reason),
         Err(_) => Ok(()),
     };
-    if local.is_ok() && crate::protocol::variant_is!(coord, PublishBeforeAgreement) {
-        // N8: offload turns on for this rank before the ranks agreed.
-        coord.pin_finish(PinState::Pinned);
-    }
-    let mode = agree(local.is_ok());
+    let mode = coord.rules().agree_before_publishing(local.is_ok(), || coord.pin_finish(PinState::Pinned), agree);
     let state = match (&local, &mode) {
         (Ok(()), Ok(OffloadMode::Pinned)) => PinState::Pinned,
         (Err(reason), _) => PinState::Pageable(reason.clone()),
@@ -421,19 +418,11 @@ fn rollback(
     reason: PageableReason,
 ) -> PageableReason {
     steps.settle();
-    let order: Vec<usize> = if crate::protocol::variant_is!(coord, ForgetfulRollback) {
-        // N7: only the chunk registered last is undone.
-        failed.checked_sub(1).into_iter().collect()
-    } else {
-        (0..failed).rev().collect()
-    };
-    for j in order {
-        match coord.unregister_chunk(rt, j) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::error!(chunk = j, error = %e, "rollback: unregister failed"),
-            Err(e) => tracing::error!(chunk = j, error = %e, "rollback: unregister refused"),
-        }
-    }
+    coord.rules().roll_back_all(failed, |j| match coord.unregister_chunk(rt, j) {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::error!(chunk = j, error = %e, "rollback: unregister failed"),
+        Err(e) => tracing::error!(chunk = j, error = %e, "rollback: unregister refused"),
+    });
     reason
 }
 

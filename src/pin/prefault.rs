@@ -55,6 +55,7 @@
 use std::collections::VecDeque;
 
 use crate::region::page_size;
+use crate::rules::Rules;
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 
 use super::engine::Prefault;
@@ -157,10 +158,10 @@ struct Pool {
     /// A worker panicked outside a slice (the panic's message): the pool
     /// stopped for good ([`PrefaultError::PoolBroken`], `Shared::broke`).
     broken: Option<String>,
-    /// A negative model's knob (N28, N29; model builds only:
-    /// [`Prefaulter::set_variant`]).
-    #[cfg(any(loom, shuttle))]
-    variant: crate::protocol::Variant,
+    /// The rules the pool runs (`crate::rules`: zero-sized, the shipped
+    /// ones, outside model builds; in them, a negative model's, N28 or N29,
+    /// set by [`Prefaulter::set_variant`]).
+    rules: crate::rules::Active,
     /// The unit tests' seam: `finish` panics (a worker panicking in the
     /// pool's bookkeeping, under its lock).
     #[cfg(test)]
@@ -184,18 +185,10 @@ impl Pool {
             started: 0,
             fallback: None,
             broken: None,
-            #[cfg(any(loom, shuttle))]
-            variant: crate::protocol::Variant::Production,
+            rules: crate::rules::Active::default(),
             #[cfg(test)]
             panic_in_finish: false,
         }
-    }
-
-    /// True when this pool runs the known-bad variant `v` (model builds
-    /// only: `variant_is!(pool, Name)` is `false` elsewhere).
-    #[cfg(any(loom, shuttle))]
-    fn is(&self, v: crate::protocol::Variant) -> bool {
-        self.variant == v
     }
 
     /// What an `ensure` of `chunk` fails with once a worker panicked
@@ -548,8 +541,8 @@ impl Prefaulter {
     /// N29 only).
     #[cfg(any(loom, shuttle))]
     #[doc(hidden)]
-    pub fn set_variant(&self, v: crate::protocol::Variant) {
-        self.shared.lock().variant = v;
+    pub fn set_variant(&self, v: crate::rules::Active) {
+        self.shared.lock().rules = v;
     }
 
     /// Workers raise their niceness to `nice` as they start (0, or a value
@@ -730,9 +723,9 @@ impl Prefaulter {
         if g.submit_plan(&sh.cfg) {
             sh.work.notify_all();
         }
-        // N29 (model builds only): the chunk hinted before is not looked for.
-        let hinted =
-            if crate::protocol::variant_is!(g, PrefaultHintForgotten) { None } else { g.find(chunk, addr, len) };
+        // The chunk's job when it was hinted before.
+        let rules = g.rules;
+        let hinted = rules.ensure_takes_hint(|| g.find(chunk, addr, len));
         let id = match hinted {
             Some(id) => id,
             None => {
@@ -741,14 +734,13 @@ impl Prefaulter {
                 id
             }
         };
-        // Every slice of the chunk finished (N28, model builds only: every
-        // slice taken by a worker, some maybe still being faulted).
+        // Until every slice of the chunk was faulted (not only taken by a
+        // worker: some may still be being faulted then).
         let unfinished = |p: &Pool| {
-            if crate::protocol::variant_is!(p, PrefaultEnsureBeforeFaulted) {
-                p.queue.iter().any(|s| s.job == id)
-            } else {
-                p.job_index(id).is_some_and(|k| p.jobs[k].pending > 0)
-            }
+            rules.ensure_waits_for_faulting(
+                || p.job_index(id).is_some_and(|k| p.jobs[k].pending > 0),
+                || p.queue.iter().any(|s| s.job == id),
+            )
         };
         if let Some(j) = g.job_mut(id) {
             j.waiters += 1;

@@ -13,8 +13,11 @@ mod shutdown;
 pub(crate) use coordinator::variant_is;
 pub use coordinator::{
     Activity, AliasGuard, CapturePolicy, CaptureWindow, ChunkReg, Coordinator, GraphToken, JobTicket, KeepAlive,
-    PinHold, Variant,
+    PinHold,
 };
 pub use error::{PageableReason, PinState, ProtocolError};
 pub use request::Request;
+// The negative models' variants (model builds only; `crate::rules`).
+#[cfg(any(loom, shuttle))]
+pub use crate::rules::negatives::Variant;
 pub use shutdown::{finish_shutdown, shutdown, ShutdownError};

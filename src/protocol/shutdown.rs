@@ -3,6 +3,7 @@
 //! pinning at a chunk boundary (it rolls back); unregister every chunk, last
 //! first. The caller then unmaps and unlinks the region (dropping it).
 
+use crate::rules::Rules;
 use crate::runtime::{DriverError, GpuRuntime};
 
 use super::{Coordinator, ProtocolError};
@@ -35,16 +36,11 @@ pub fn finish_shutdown(
     coord: &Coordinator,
     join_pinner: impl FnOnce(),
 ) -> Result<(), ShutdownError> {
-    if crate::protocol::variant_is!(coord, UnregisterBeforeDrain) {
-        // N24: the chunks go first.
-        let r = coord.unregister_all(rt).map_err(ShutdownError::Unregister);
-        coord.drain();
-        join_pinner();
-        return r;
-    }
-    coord.drain();
-    join_pinner();
-    let r = coord.unregister_all(rt).map_err(ShutdownError::Unregister);
+    let r = coord.rules().drain_then_unregister(
+        || coord.drain(),
+        join_pinner,
+        || coord.unregister_all(rt).map_err(ShutdownError::Unregister),
+    );
     tracing::info!(ok = r.is_ok(), "shutdown complete");
     r
 }

@@ -159,11 +159,10 @@ pub struct GateBinding {
     /// The bound coordinator's id, 0 while unbound.
     #[allow(clippy::disallowed_types)]
     owner: std::sync::Arc<AtomicU64>,
-    /// N27 (model builds only: `Variant::BindingAdmitsAnyGate`, set through
-    /// the bound coordinator's `set_variant`): admit every gate.
-    #[cfg(any(loom, shuttle))]
-    #[allow(clippy::disallowed_types)]
-    admit_any: std::sync::Arc<AtomicBool>,
+    /// The rules [`GateBinding::admits`] runs (`crate::rules`: the shipped
+    /// ones outside model builds; in them, the bound coordinator's, set
+    /// through its `set_variant`).
+    rules: crate::rules::Knob,
 }
 
 impl std::fmt::Debug for GateBinding {
@@ -197,21 +196,20 @@ impl GateBinding {
         self.owner.load(Ordering::SeqCst) != 0
     }
 
-    /// N27's knob (model builds only): with `on`, [`GateBinding::admits`]
-    /// says yes to a gate of any coordinator.
+    /// Runs the rules `r` from now on (model builds only: the bound
+    /// coordinator's `set_variant`).
     #[cfg(any(loom, shuttle))]
-    pub(crate) fn set_admit_any(&self, on: bool) {
-        self.admit_any.store(on, Ordering::SeqCst);
+    pub(crate) fn set_rules(&self, r: crate::rules::Active) {
+        self.rules.set(r);
     }
 
     /// True when `gate` is a gate of the bound coordinator.
     pub fn admits(&self, gate: &Gate) -> bool {
-        #[cfg(any(loom, shuttle))]
-        if self.admit_any.load(Ordering::SeqCst) {
-            return true;
-        }
-        let owner = self.owner.load(Ordering::SeqCst);
-        owner != 0 && owner == gate.coordinator.0
+        use crate::rules::Rules;
+        self.rules.rules().admits_gate(|| {
+            let owner = self.owner.load(Ordering::SeqCst);
+            owner != 0 && owner == gate.coordinator.0
+        })
     }
 
     /// `Ok` when `gate` is admitted, otherwise the error a capture-unsafe

@@ -25,6 +25,7 @@
 use std::time::Instant;
 
 use crate::protocol::{Coordinator, JobTicket, ProtocolError};
+use crate::rules::Rules;
 use crate::runtime::{CaptureStatus, Direction, Event, GpuRuntime, Stream};
 use crate::sync::{self, Arc, Mutex};
 
@@ -51,10 +52,6 @@ pub struct TransferEngine {
     /// Indexed by [`Lane::index`]: store, load, and the expedited loads'
     /// when [`TransferOptions::expedited_lane`] is set.
     pub(super) handlers: Vec<Handler>,
-    /// The coordinator runs [`Variant::RacySubmit`] (negative N9; the
-    /// field exists only in the model builds).
-    #[cfg(any(loom, shuttle))]
-    racy_submit: bool,
 }
 
 impl TransferEngine {
@@ -100,8 +97,6 @@ impl TransferEngine {
             }
         }
         debug_assert!(made.iter().enumerate().all(|(i, h)| h.lane.index() == i));
-        #[cfg(any(loom, shuttle))]
-        let racy_submit = crate::protocol::variant_is!(coord, RacySubmit);
         Ok(TransferEngine {
             rt,
             coord,
@@ -111,8 +106,6 @@ impl TransferEngine {
             chunks,
             ids: Mutex::new(IdSet::default()),
             handlers: made,
-            #[cfg(any(loom, shuttle))]
-            racy_submit,
         })
     }
 
@@ -213,18 +206,15 @@ impl TransferEngine {
     }
 
     fn submit_expanded(&self, id: JobId, lane: Lane, exp: &Expansion) -> Result<(), TransferError> {
-        #[cfg(any(loom, shuttle))]
-        if self.racy_submit {
-            // N9 (model builds only): the submit as it was before it moved inside the gate, outside
-            // the gate.
-            let ticket = self.coord.admit_job().map_err(|_| TransferError::ShutDown { id })?;
-            return self.accept(id, lane, exp, ticket);
-        }
-        match self.coord.admit_job_outside_windows(|_inside, ticket| self.accept(id, lane, exp, ticket)) {
-            Ok(r) => r,
-            Err(ProtocolError::ShutDown) => Err(TransferError::ShutDown { id }),
-            Err(_) => Err(TransferError::CaptureWindowOpen { id }),
-        }
+        self.coord.rules().accept_inside_gate(
+            |ticket| self.accept(id, lane, exp, ticket),
+            || self.coord.admit_job().map_err(|_| Err(TransferError::ShutDown { id })),
+            |accept| match self.coord.admit_job_outside_windows(|_inside, ticket| accept(ticket)) {
+                Ok(r) => r,
+                Err(ProtocolError::ShutDown) => Err(TransferError::ShutDown { id }),
+                Err(_) => Err(TransferError::CaptureWindowOpen { id }),
+            },
+        )
     }
 
     /// The body of [`TransferEngine::submit`] once the job is admitted:

@@ -43,6 +43,7 @@
 use std::ops::Range;
 
 use crate::protocol::Coordinator;
+use crate::rules::Rules;
 use crate::runtime::{
     DevicePtr, Direction, DriverResult, Event, Fragment, GpuRuntime, Kernel, Stream, GATHER_ENTRY_BYTES,
 };
@@ -173,9 +174,6 @@ pub(crate) struct Staging {
     /// table upload is a host-to-device copy that would wait behind a load's
     /// copies on the copy engine).
     ring: Option<(usize, usize, DevicePtr)>,
-    /// The coordinator runs [`Variant::UnjoinedStaging`] (negative N14:
-    /// the joins are skipped; always false outside loom builds).
-    unjoined: bool,
 }
 
 impl Staging {
@@ -231,7 +229,6 @@ impl Staging {
                 joins: [events[0], events[1]],
                 next: AtomicUsize::new(0),
                 ring: None,
-                unjoined: crate::protocol::variant_is!(coord, UnjoinedStaging),
             })),
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, bytes = total, "no device staging buffers; the staged backend is off");
@@ -360,7 +357,7 @@ impl Staging {
             }
         }
         self.next.store((first + plan.chunks.len()) % 2, Ordering::Relaxed);
-        for &b in used.iter().filter(|_| !self.unjoined) {
+        coord.rules().join_staging_streams(&used, |&b| {
             let joined = rt
                 .event_record(self.joins[b], self.streams[b])
                 .and_then(|()| rt.stream_wait_event(main, self.joins[b]));
@@ -375,9 +372,11 @@ impl Staging {
                     Ok(Err(x)) => tracing::error!(error = %x, "synchronizing a staging stream failed"),
                     Err(x) => tracing::error!(error = %x, "staging stream not waited for (inside a capture window)"),
                 }
-                r = r.and(Err(e));
+                if r.is_ok() {
+                    r = Err(e);
+                }
             }
-        }
+        });
         r
     }
 

@@ -1,0 +1,245 @@
+//! The negative models' variants: the known-bad ways of running the
+//! library (N1-N38, docs/PROOFS.md), and the [`Rules`] each overrides.
+//!
+//! Model builds only (`--cfg loom`, `--cfg shuttle`): outside them this
+//! module, [`Variant`] and every override are not compiled, and the parties
+//! run [`Shipped`](super::Shipped). A variant overrides the one method of
+//! the rule it breaks and otherwise runs the provided (shipped) body; a
+//! model selects it with `Coordinator::set_variant` (or
+//! `Prefaulter::set_variant`) before its threads start.
+
+use super::{Rules, Shipped};
+
+/// The production protocol, or one of the known-bad variants that the
+/// negative models run (of N1-N38, docs/PROOFS.md). Model builds only, as
+/// this whole module: a variant overrides the [`Rules`] method of the rule
+/// it breaks (below); the rest, not yet moved behind the seam, are read
+/// where they act (`Coordinator::is`, the coordinator's `bad!`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub enum Variant {
+    /// The protocol as shipped: every rule enforced (it overrides no
+    /// [`Rules`] method). The one the positive models P1-P8 check.
+    #[default]
+    Production,
+    /// N1: upstream's design: no capture window (windows open at once,
+    /// library calls are not held back).
+    NoCaptureWindow,
+    /// N2: shutdown unregisters without draining transfers.
+    NoDrainBeforeUnregister,
+    /// N3: the completion poller queries events even while a window is open.
+    UngatedPoller,
+    /// N4: the gather kernel gets an alias without checking registration.
+    UncheckedGather,
+    /// N5: shutdown ignores graphs that still reference the region.
+    IgnoreLiveGraphs,
+    /// N6: waiting for pinning inside a window is allowed (and hangs).
+    WaitInsideWindow,
+    /// N7: rollback unregisters only the chunk that failed last.
+    ForgetfulRollback,
+    /// N13: a rank publishes its own pin outcome (offload on) before the
+    /// ranks exchanged theirs (P7).
+    PublishBeforeAgreement,
+    /// N9: `TransferEngine::submit` as it was before it moved inside the gate: it checks
+    /// the compute stream's capture status, then records the ordering
+    /// event on it and waits for it on the handler's stream, all outside
+    /// the gate (check-then-act: a capture may begin in between).
+    RacySubmit,
+    /// N10: shutdown does not wait for pinning to settle before it
+    /// unregisters (a registration in flight completes afterwards).
+    ShutdownSkipsPinWait,
+    /// N14: the staged backend does not join its two staging streams back
+    /// into the handler's stream, so a job's completion event does not
+    /// cover its chunks (P5).
+    UnjoinedStaging,
+    /// N16: a closing window does not hand the turn to a waiting library
+    /// call, so windows opening back to back starve pinning (P6, liveness).
+    WindowKeepsTurn,
+    /// N17: a guard's release (a window, a job ticket, a graph token, an
+    /// alias, the end of a gated call) changes the state but wakes nobody
+    /// (P6, liveness: a lost wake-up).
+    SilentRelease,
+    /// N18: `KeyedOffloader::store` makes its keys readable when the store is
+    /// submitted, not when it completed (P5).
+    ReadableAtSubmit,
+    /// N19: `KeyedOffloader::load` releases its keys' slots when the load is
+    /// submitted, so eviction may hand a slot to a store while the load
+    /// still reads it (P5).
+    SlotFreedAtLoadSubmit,
+    /// N20: `Offloader::shutdown` skips its own drain (polling its jobs to
+    /// completion) and drops the transfer engine with jobs unreported: their
+    /// completions never reach the block manager (P4, P5).
+    OffloaderSkipsDrain,
+    /// N21: the capture hook's `capture_end` submits the jobs it deferred
+    /// before it closes its window, not after (on the closing thread, still
+    /// inside the window the capture runs in).
+    HookFlushesInsideWindow,
+    /// N22: the capture hook's `capture_abort` (a capture whose begin
+    /// failed) forgets to close the window its `capture_begin` opened.
+    HookAbortKeepsWindow,
+    /// N23: a rank's wait in the P7 agreement ignores the cancel of its
+    /// pinning (a shutdown during the agreement), as before issue 28: it
+    /// waits for a peer that never settles.
+    AgreementIgnoresCancel,
+    /// N25: a refused shutdown has already asked pinning to stop (the
+    /// cancel set before the refusal's checks): pinning rolls back to
+    /// pageable although nothing was shut down.
+    RefusalCancelsPinning,
+    /// N24: shutdown unregisters the chunks first and drains after: a job
+    /// admitted before the shutdown copies the region once it is no longer
+    /// registered (its memory stays mapped until the drain).
+    UnregisterBeforeDrain,
+    /// N15: `Offloader::shutdown` in its earlier order: it closes
+    /// the offloader, drains and drops the transfer engine and frees its
+    /// tensors, and only then asks the coordinator, which may refuse (a
+    /// window open, a graph alive): the refusal comes after the teardown.
+    TeardownBeforeRefusal,
+    /// N26: `Offloader::submit` skips its busy-slot check: a slot job is
+    /// accepted while a job in flight on one of its slots conflicts with it
+    /// (a store beside any job on the slot, a load beside a store).
+    SlotBusyUnchecked,
+    /// N27: the runtime handle bound to this coordinator admits a gate of
+    /// any coordinator (`GateBinding::admits` says yes to every gate).
+    BindingAdmitsAnyGate,
+    /// N28: a pre-faulter's `ensure` of a chunk returns once every slice of
+    /// the chunk was taken by a worker, not once each was faulted: the
+    /// registration of the chunk may run while a worker still faults it
+    /// (`Prefaulter::set_variant`).
+    PrefaultEnsureBeforeFaulted,
+    /// N29: a pre-faulter's `ensure` does not look for its chunk among the
+    /// chunks hinted before and queues it again: a hinted chunk's slices are
+    /// faulted twice (`Prefaulter::set_variant`).
+    PrefaultHintForgotten,
+    /// N30: the capture hook's flush, refused by an engine's window, waits
+    /// until no window at all is open (`Coordinator::wait_no_window`), not
+    /// only until a window is requested after it began waiting: a hook
+    /// window that begins meanwhile on another thread holds up the close
+    /// that flushes until that window closes too.
+    HookFlushWaitsForEveryWindow,
+    /// N31: a chunk's registration ignores the pin holds
+    /// (`Coordinator::hold_pinning`): pinning goes on during an engine's
+    /// capture phase.
+    PinIgnoresHold,
+    /// N33: a capture hook begin refused or interrupted before its window
+    /// opened does not submit the jobs deferred behind its request: they
+    /// stay queued with no hook window open (until someone else flushes).
+    HookRefusedBeginKeepsQueue,
+    /// N34: an interruptible wait does not start a new slice after its
+    /// check said to go on: from then on it calls the check on every turn
+    /// of its loop without waiting (a spin that, from Python, takes the GIL
+    /// each time).
+    CheckWithoutNewSlice,
+    /// N35: the capture hook's `capture_abort` closes its window but does
+    /// not submit the deferred jobs when it was the last one open
+    /// (`capture_end` still does).
+    HookAbortSkipsFlush,
+    /// N36: a wait for a deferred job does not refuse the thread that holds
+    /// the hook window the job waits behind: that thread waits for its own
+    /// close.
+    WaitForOwnDeferredJob,
+    /// N37: a callable run under the gate (`Coordinator::unsafe_call`,
+    /// `Offloader::gated`) that panics leaves its call counted in flight:
+    /// no window opens again.
+    PanicUnderGateLeaks,
+    /// N38: `KeyedOffloader::store` refused at submission (a capture
+    /// window open) drops its placed keys but keeps the evictions the
+    /// block manager made for them, as before issue 43: a key the engine
+    /// was never told of as evicted is gone (P5).
+    RefusedStoreKeepsEvictions,
+}
+
+impl Rules for Variant {
+    fn admits_gate(&self, bound: impl FnOnce() -> bool) -> bool {
+        match self {
+            // N27: every gate, the bound coordinator's or not (`bound` not
+            // asked).
+            Variant::BindingAdmitsAnyGate => true,
+            _ => bound(),
+        }
+    }
+
+    fn drain_then_unregister<R>(
+        &self,
+        drain: impl FnOnce(),
+        settle_pinning: impl FnOnce(),
+        unregister: impl FnOnce() -> R,
+    ) -> R {
+        match self {
+            // N24: the chunks go first.
+            Variant::UnregisterBeforeDrain => {
+                let r = unregister();
+                drain();
+                settle_pinning();
+                r
+            }
+            _ => Shipped.drain_then_unregister(drain, settle_pinning, unregister),
+        }
+    }
+
+    fn roll_back_all(&self, registered: usize, mut unregister: impl FnMut(usize)) {
+        match self {
+            // N7: only the chunk registered last is undone.
+            Variant::ForgetfulRollback => registered.checked_sub(1).into_iter().for_each(&mut unregister),
+            _ => Shipped.roll_back_all(registered, unregister),
+        }
+    }
+
+    fn agree_before_publishing<M>(
+        &self,
+        pinned: bool,
+        publish_pinned: impl FnOnce(),
+        agree: impl FnOnce(bool) -> M,
+    ) -> M {
+        // N13: offload turns on for this rank before the ranks agreed.
+        if *self == Variant::PublishBeforeAgreement && pinned {
+            publish_pinned();
+        }
+        agree(pinned)
+    }
+
+    fn agreement_heeds_cancel(&self, cancelled: bool) -> bool {
+        // N23: the wait goes on whatever the cancel says.
+        cancelled && *self != Variant::AgreementIgnoresCancel
+    }
+
+    fn ensure_takes_hint<J>(&self, find: impl FnOnce() -> Option<J>) -> Option<J> {
+        match self {
+            // N29: the chunk hinted before is not looked for.
+            Variant::PrefaultHintForgotten => None,
+            _ => find(),
+        }
+    }
+
+    fn ensure_waits_for_faulting(&self, unfaulted: impl FnOnce() -> bool, untaken: impl FnOnce() -> bool) -> bool {
+        match self {
+            // N28: done once every slice was taken by a worker, some maybe
+            // still being faulted.
+            Variant::PrefaultEnsureBeforeFaulted => untaken(),
+            _ => unfaulted(),
+        }
+    }
+
+    fn accept_inside_gate<T, R, A: Fn(T) -> R>(
+        &self,
+        accept: A,
+        admit: impl FnOnce() -> Result<T, R>,
+        admit_in_gate: impl FnOnce(&A) -> R,
+    ) -> R {
+        match self {
+            // N9: the submit as it was before it moved inside the gate: the
+            // check and the record outside it.
+            Variant::RacySubmit => match admit() {
+                Ok(ticket) => accept(ticket),
+                Err(refused) => refused,
+            },
+            _ => Shipped.accept_inside_gate(accept, admit, admit_in_gate),
+        }
+    }
+
+    fn join_staging_streams(&self, used: &[usize], join: impl FnMut(&usize)) {
+        match self {
+            // N14: no stream is joined back.
+            Variant::UnjoinedStaging => {}
+            _ => Shipped.join_staging_streams(used, join),
+        }
+    }
+}
