@@ -36,8 +36,8 @@
 //!   main, the hook thread, a library thread, the sim's device thread; the
 //!   pinner joined first). Main makes a gated call (`Offloader::gated`) in
 //!   which it wakes the coordinator's waiters once (a graph token). The
-//!   hook thread calls `begin` of `Offloader::interruptible(check)`'s
-//!   capture hook, whose check says stop at once: the window opens (and the
+//!   hook thread calls the capture hook's `begin` with
+//!   `Request::new().interruptible(&check)`, whose check says stop at once: the window opens (and the
 //!   thread calls `end`) or, waiting behind main's call, is interrupted.
 //!   The library thread submits a slot store at any point: deferred while
 //!   the begin's window is marked. Property: once the three are done, no
