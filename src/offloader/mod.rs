@@ -40,7 +40,7 @@
 //!   jobs, stops pinning, unregisters, frees what the offloader allocated
 //!   (P4).
 //!
-//! Every wait and window takes a [`Request`](crate::Request): `Request::new()`
+//! Every wait and window takes a [`Request`]: `Request::new()`
 //! blocks until what it waits for happens, `.interruptible(&check)` calls
 //! `check` at least every 50 ms and withdraws when it says so (the Python
 //! front's Ctrl-C), so each operation exists once (waits.rs has the
@@ -90,7 +90,7 @@
 //!   jobs;
 //! - `waits.rs`: the waits for jobs ([`Offloader::wait`],
 //!   [`Offloader::wait_jobs`], [`Offloader::wait_all`]), blocking or
-//!   interruptible as their [`Request`](crate::Request) says, and
+//!   interruptible as their [`Request`] says, and
 //!   [`Offloader::poll_each`], which applies completions to a keyed
 //!   offloader's block manager;
 //! - `request.rs`: how a request reaches the coordinator's waits;
