@@ -1,8 +1,10 @@
 //! How the offloader's [`Request`]s reach its coordinator: the one place
 //! that maps a request (interleave, an interrupt check, the model builds'
-//! at-request note) onto the coordinator's waits. Every wait and window of
-//! the offloader goes through these four functions, so a change of the
-//! coordinator's calls is a change here only.
+//! at-request note) onto the coordinator's waits. Every wait and window
+//! that takes a request goes through these four functions (the capture
+//! hook's flush also hands the request's check to
+//! `Coordinator::wait_no_window_or_request`), so a change of the
+//! coordinator's calls is a change here, and in that one call.
 
 use crate::protocol::{CaptureWindow, Coordinator, PinState, ProtocolError, Request};
 use crate::runtime::Gate;
