@@ -81,6 +81,7 @@ use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{shared, CaptureMode, GpuRuntime};
 use kvoffload::internal::sync::{thread, Arc};
 use kvoffload::internal::transfer::{JobId, Lane};
+use kvoffload::Request;
 
 /// Host slots (one registration chunk each) and, beside a hooked capture,
 /// library threads storing a job each: loom's size, and shuttle's past it.
@@ -108,7 +109,7 @@ fn slot_bytes(off: &Offloader, slot: usize) -> [u8; PAGE] {
 fn beside_a_hooked_capture(variant: Variant) {
     let (rt, off) = offloader(variant);
     write_block(&off, 0, 0x5a);
-    let d = off.gated("the engine's scratch", |c| c.mem_alloc(64)).unwrap().unwrap();
+    let d = off.gated("the engine's scratch", Request::new(), |c| c.mem_alloc(64)).unwrap().unwrap();
     let compute = off.geometry().compute_stream();
     off.start().unwrap();
     // Library thread `i` stores GPU block 0 into slot `1 + i`.
@@ -118,17 +119,17 @@ fn beside_a_hooked_capture(variant: Variant) {
             thread::spawn(move || {
                 o2.submit(job, Lane::Store, &SlotJob::single(&[0], &[1 + i], 0))
                     .expect("a store beside a capture is never refused");
-                o2.wait_jobs(&[job]).expect("a wait from a thread without a window");
+                o2.wait_jobs(&[job], Request::new(), &mut drop).expect("a wait from a thread without a window");
             })
         })
         .collect();
-    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     rt.begin_capture(compute, CaptureMode::Global).unwrap();
     // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
     // memset is only captured.
     let enq = unsafe { rt.memset_d8_async(d, 0, 64, compute) };
     let end = rt.end_capture(compute);
-    off.capture_hook().end().unwrap();
+    off.capture_hook().end(Request::new()).unwrap();
     library.into_iter().for_each(|t| t.join().unwrap());
     assert!(enq.is_ok() && end.is_ok(), "capture invalidated: enqueue {enq:?}, end {end:?}");
     assert!(sim(&rt).refusals().is_empty(), "the simulated GPU refused a call: {:?}", sim(&rt).refusals());
@@ -141,8 +142,8 @@ fn beside_a_hooked_capture(variant: Variant) {
         assert_eq!(slot_bytes(&off, 1 + i), [0x5a; PAGE], "the store's bytes are not in its slot");
     }
     rt.graph_destroy(end.unwrap()).unwrap();
-    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
-    off.shutdown().unwrap();
+    assert_eq!(off.wait_pinned(Request::new()).unwrap().state, PinState::Pinned);
+    off.shutdown(Request::new(), &mut drop).unwrap();
     assert_eq!(sim(&rt).registered_ranges(), 0, "region left registered after shutdown");
 }
 
@@ -152,24 +153,24 @@ fn an_aborted_capture(variant: Variant) {
     off.start().unwrap();
     let o2 = off.clone();
     let capture = thread::spawn(move || {
-        o2.capture_hook().begin().unwrap();
+        o2.capture_hook().begin(Request::new()).unwrap();
         // The framework's capture begin failed here (before any driver
         // call): the hook aborts.
-        o2.capture_hook().abort().unwrap();
+        o2.capture_hook().abort(Request::new()).unwrap();
     });
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[2], &[0], 0))
         .expect("a store beside a capture is never refused");
-    off.wait(JobId(1)).expect("a wait from a thread without a window");
-    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    off.wait(JobId(1), Request::new(), &mut drop).expect("a wait from a thread without a window");
+    assert_eq!(off.wait_pinned(Request::new()).unwrap().state, PinState::Pinned);
     capture.join().unwrap();
     // The engine's own gated call after the capture thread ended: it waits
     // while any window is open (a blocking wait, so a window left open is
     // a deadlock loom reports, not a spin).
-    off.gated("the engine's call after an aborted capture", |c| c.ctx_synchronize()).unwrap().unwrap();
+    off.gated("the engine's call after an aborted capture", Request::new(), |c| c.ctx_synchronize()).unwrap().unwrap();
     let done = poll_n(&off, 1);
     assert!(done[0].error.is_none(), "the store failed: {done:?}");
     assert_eq!(slot_bytes(&off, 0), [0x3c; PAGE]);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// Two hook windows on two threads (pinning final first), each around a
@@ -180,18 +181,18 @@ fn two_hooked_captures() {
     let (rt, off) = offloader(Variant::Production);
     write_block(&off, 1, 0x77);
     // Pinning runs and ends (its thread joined) before the model's threads.
-    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
-    let d = off.gated("the engine's scratch", |c| c.mem_alloc(128)).unwrap().unwrap();
+    assert_eq!(off.wait_pinned(Request::new()).unwrap().state, PinState::Pinned);
+    let d = off.gated("the engine's scratch", Request::new(), |c| c.mem_alloc(128)).unwrap().unwrap();
     let s_b = rt.stream_create().unwrap();
     let (o_b, rt_b) = (off.clone(), rt.clone());
     let b = thread::spawn(move || {
-        o_b.capture_hook().begin().unwrap();
+        o_b.capture_hook().begin(Request::new()).unwrap();
         rt_b.begin_capture(s_b, CaptureMode::ThreadLocal).unwrap();
         // SAFETY: `d` holds 128 bytes of the sim, never freed; the memset
         // is only captured.
         let enq = unsafe { rt_b.memset_d8_async(d.offset(64), 1, 64, s_b) };
         let end = rt_b.end_capture(s_b);
-        o_b.capture_hook().end().unwrap();
+        o_b.capture_hook().end(Request::new()).unwrap();
         assert!(enq.is_ok() && end.is_ok(), "the second capture was invalidated: enqueue {enq:?}, end {end:?}");
         rt_b.graph_destroy(end.unwrap()).unwrap();
     });
@@ -199,15 +200,15 @@ fn two_hooked_captures() {
     let library = thread::spawn(move || {
         o_l.submit(JobId(1), Lane::Store, &SlotJob::single(&[1], &[0], 0))
             .expect("a store beside two captures is never refused");
-        o_l.wait_jobs(&[JobId(1)]).expect("a wait from a thread without a window");
+        o_l.wait_jobs(&[JobId(1)], Request::new(), &mut drop).expect("a wait from a thread without a window");
     });
     let compute = off.geometry().compute_stream();
-    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     rt.begin_capture(compute, CaptureMode::ThreadLocal).unwrap();
     // SAFETY: as above, the first 64 bytes of `d`.
     let enq = unsafe { rt.memset_d8_async(d, 0, 64, compute) };
     let end = rt.end_capture(compute);
-    off.capture_hook().end().unwrap();
+    off.capture_hook().end(Request::new()).unwrap();
     b.join().unwrap();
     library.join().unwrap();
     assert!(enq.is_ok() && end.is_ok(), "the first capture was invalidated: enqueue {enq:?}, end {end:?}");
@@ -221,7 +222,7 @@ fn two_hooked_captures() {
     assert!(done[0].error.is_none(), "the job beside two captures failed: {done:?}");
     assert_eq!(slot_bytes(&off, 0), [0x77; PAGE], "the store's bytes are not in its slot");
     rt.graph_destroy(end.unwrap()).unwrap();
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 const B: Bounds = Bounds { property: "P1", threads: 4, preemptions: 2, ci: None };

@@ -66,6 +66,7 @@ use kvoffload::internal::protocol::{PinState, ProtocolError, Variant};
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{shared, CaptureMode, GpuRuntime};
 use kvoffload::internal::sync::{thread, Arc};
+use kvoffload::Request;
 
 /// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and 2 host
 /// blocks (two registration chunks), on a simulated GPU.
@@ -83,27 +84,27 @@ fn refused_with_a_live_graph(variant: Variant) {
     let k = [BlockKey::new(1, 0)];
     off.store(&k, &[0]).unwrap();
     let o2 = off.clone();
-    let refused = thread::spawn(move || o2.core().shutdown()).join().unwrap();
+    let refused = thread::spawn(move || o2.core().shutdown(Request::new(), &mut drop)).join().unwrap();
     assert!(
         matches!(refused, Err(OffloaderError::Protocol(ProtocolError::GraphsAlive { live: 1 }))),
         "shutdown with a live graph: {refused:?}"
     );
     assert!(!off.core().is_shut_down(), "a refused shutdown marked the offloader down");
     // Pinning included: it still ends Pinned (no registration fails here).
-    let pinned = off.core().wait_pinned().expect("wait_pinned after a refused shutdown").state;
+    let pinned = off.core().wait_pinned(Request::new()).expect("wait_pinned after a refused shutdown").state;
     assert_eq!(pinned, PinState::Pinned, "a refused shutdown changed pinning");
     // Nothing changed: the store completes and is applied, its key loads.
-    off.core().wait_all().unwrap();
+    off.core().wait_all(Request::new(), &mut drop).unwrap();
     let stored = poll_n(off.core(), 1);
     assert!(stored[0].error.is_none(), "the store failed: {stored:?}");
     let job = off.load(&k, &[1]).expect("a load after a refused shutdown");
-    off.core().wait(job).unwrap();
+    off.core().wait(job, Request::new(), &mut drop).unwrap();
     let loaded = poll_n(off.core(), 1);
     assert!(loaded[0].error.is_none(), "the load failed: {loaded:?}");
     assert_eq!(read_block(off.core(), 1), [0x5a; PAGE], "a load after a refused shutdown brought back other bytes");
-    drop(off.core().capture_window().expect("a window after a refused shutdown"));
+    drop(off.core().capture_window(Request::new()).expect("a window after a refused shutdown"));
     drop(token);
-    off.core().shutdown().expect("a shutdown once the graph is gone");
+    off.core().shutdown(Request::new(), &mut drop).expect("a shutdown once the graph is gone");
     assert_eq!(sim(&rt).registered_ranges(), 0, "region left registered after shutdown");
     assert!(off.core().pin_progress().state.is_final());
 }
@@ -117,7 +118,7 @@ fn with_jobs_and_pinning(variant: Variant) {
     off.core().start().unwrap();
     off.store(&[BlockKey::new(1, 0)], &[0]).unwrap();
     let o2 = off.clone();
-    let done = thread::spawn(move || o2.core().shutdown()).join().unwrap();
+    let done = thread::spawn(move || o2.core().shutdown(Request::new(), &mut drop)).join().unwrap();
     assert!(done.is_ok(), "shutdown with a job in flight failed: {done:?}");
     assert_eq!(off.core().in_flight(), 0, "shutdown returned with a job not applied");
     assert_eq!(off.stored_blocks(), 1, "the store in flight was lost");
@@ -129,10 +130,10 @@ fn racing_a_capture(variant: Variant) {
     let (rt, off) = offloader(variant);
     off.core().start().unwrap();
     let s = rt.stream_create().unwrap();
-    let d = off.core().gated("the engine's scratch", |c| c.mem_alloc(64)).unwrap().unwrap();
+    let d = off.core().gated("the engine's scratch", Request::new(), |c| c.mem_alloc(64)).unwrap().unwrap();
     let o2 = off.clone();
-    let sh = thread::spawn(move || o2.core().shutdown());
-    match off.core().capture_window() {
+    let sh = thread::spawn(move || o2.core().shutdown(Request::new(), &mut drop));
+    match off.core().capture_window(Request::new()) {
         Ok(w) => {
             rt.begin_capture(s, CaptureMode::Global).unwrap();
             // SAFETY: `d` is a 64-byte allocation of the sim, never freed;
@@ -149,7 +150,7 @@ fn racing_a_capture(variant: Variant) {
     match sh.join().unwrap() {
         Ok(()) => {}
         Err(OffloaderError::Protocol(ProtocolError::WindowOpen { .. })) => {
-            off.core().shutdown().expect("a shutdown retried after the window closed");
+            off.core().shutdown(Request::new(), &mut drop).expect("a shutdown retried after the window closed");
         }
         Err(e) => panic!("shutdown failed: {e}"),
     }

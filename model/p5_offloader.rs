@@ -64,6 +64,7 @@ use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::runtime::shared;
 use kvoffload::internal::runtime::sim::{SimConfig, SimRuntime};
 use kvoffload::internal::sync::{thread, Arc};
+use kvoffload::Request;
 
 /// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and
 /// `host_blocks` host blocks, on a simulated GPU with two device workers.
@@ -92,11 +93,11 @@ fn readable_only_after_its_store(variant: Variant) {
     // order of the two streams alone would not show a load that read too
     // early: the sim's workers take the older stream's work first).
     assert!(store_reported, "a load read key 1 before its store completed (the load was accepted first)");
-    off.core().wait(job).unwrap();
+    off.core().wait(job, Request::new(), &mut drop).unwrap();
     assert_eq!(read_block(off.core(), 1), [0x11; PAGE], "a load read key 1 before its store completed");
-    off.core().wait_all().unwrap();
+    off.core().wait_all(Request::new(), &mut drop).unwrap();
     off.poll();
-    off.core().shutdown().unwrap();
+    off.core().shutdown(Request::new(), &mut drop).unwrap();
 }
 
 fn a_slot_being_read_is_not_reused(variant: Variant) {
@@ -105,7 +106,7 @@ fn a_slot_being_read_is_not_reused(variant: Variant) {
     write_block(off.core(), 2, 0x22);
     let (k1, k2) = ([BlockKey::new(1, 0)], [BlockKey::new(2, 0)]);
     off.store(&k1, &[0]).unwrap();
-    off.core().wait_all().unwrap();
+    off.core().wait_all(Request::new(), &mut drop).unwrap();
     while off.core().in_flight() > 0 {
         off.poll();
         thread::yield_now();
@@ -116,28 +117,28 @@ fn a_slot_being_read_is_not_reused(variant: Variant) {
         Err(OffloaderError::Manager(_)) => {}
         Err(e) => panic!("store failed: {e}"),
     }
-    off.core().wait(load).unwrap();
+    off.core().wait(load, Request::new(), &mut drop).unwrap();
     assert_eq!(read_block(off.core(), 1), [0x11; PAGE], "the load brought back another key's bytes");
-    off.core().wait_all().unwrap();
+    off.core().wait_all(Request::new(), &mut drop).unwrap();
     while off.core().in_flight() > 0 {
         off.poll();
         thread::yield_now();
     }
-    off.core().shutdown().unwrap();
+    off.core().shutdown(Request::new(), &mut drop).unwrap();
 }
 
 fn a_refused_store_changes_nothing(variant: Variant) {
     let off = Arc::new(offloader(1, variant));
     // Pinning final (cancelled before it began), so engine windows open.
     off.core().cancel_pinning();
-    off.core().wait_pinned().unwrap();
+    off.core().wait_pinned(Request::new()).unwrap();
     write_block(off.core(), 0, 0x11);
     write_block(off.core(), 2, 0x22);
     let (k1, k2) = ([BlockKey::new(1, 0)], [BlockKey::new(2, 0)]);
     off.store(&k1, &[0]).unwrap();
     settle(&off);
     let o2 = off.clone();
-    let window = thread::spawn(move || drop(o2.core().capture_window().unwrap()));
+    let window = thread::spawn(move || drop(o2.core().capture_window(Request::new()).unwrap()));
     let reported = match off.store(&k2, &[2]) {
         Ok(s) => s.evicted.contains(&k1[0]),
         Err(_) => false,
@@ -146,16 +147,16 @@ fn a_refused_store_changes_nothing(variant: Variant) {
     settle(&off);
     if !reported {
         let load = off.load(&k1, &[1]).expect("key 1 is gone although no call reported it evicted");
-        off.core().wait(load).unwrap();
+        off.core().wait(load, Request::new(), &mut drop).unwrap();
         assert_eq!(read_block(off.core(), 1), [0x11; PAGE], "key 1 came back with other bytes");
         settle(&off);
     }
-    off.core().shutdown().unwrap();
+    off.core().shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// Waits for every job in flight and applies them (`poll`).
 fn settle(off: &KeyedOffloader) {
-    off.core().wait_all().unwrap();
+    off.core().wait_all(Request::new(), &mut drop).unwrap();
     while off.core().in_flight() > 0 {
         off.poll();
         thread::yield_now();

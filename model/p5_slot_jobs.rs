@@ -60,6 +60,7 @@ use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::runtime::sim::{SimConfig, SimRuntime};
 use kvoffload::internal::runtime::{shared, Direction};
 use kvoffload::internal::transfer::{JobId, Lane};
+use kvoffload::Request;
 
 /// GPU blocks of the tensor and host slots: loom's size, then shuttle's.
 const GPU_BLOCKS: usize = sized(4, 8);
@@ -119,7 +120,7 @@ fn scenario(variant: Variant) {
     let rt = shared(SimRuntime::with_config(SimConfig { workers: 2, ..SimConfig::default() }));
     let kv = KvAlloc { tensors: 1, page_bytes: PAGE, gpu_blocks: GPU_BLOCKS, block_factor: 1 };
     let off = Offloader::with_allocated_tensors(rt, kv, lean(OffloaderOptions::with_host_blocks(SLOTS), None)).unwrap();
-    off.set_variant(variant);
+    kvoffload::internal::offloader::set_variant(&off, variant);
     for b in 0..GPU_BLOCKS {
         let buf = [fill(b); PAGE];
         let dst = off.geometry().tensors()[0].offset(b * PAGE);
@@ -156,7 +157,7 @@ fn scenario(variant: Variant) {
                         id.0,
                         other.0
                     );
-                    match off.wait(other) {
+                    match off.wait(other, Request::new(), &mut drop) {
                         Ok(()) | Err(OffloaderError::UnknownJob { .. }) => {}
                         Err(e) => panic!("wait for job {}: {e}", other.0),
                     }
@@ -174,7 +175,7 @@ fn scenario(variant: Variant) {
             Direction::HostToDevice => loaded.push((job.gpu, holds[job.slot].expect("the script loads a stored slot"))),
         }
     }
-    off.wait_all().unwrap();
+    off.wait_all(Request::new(), &mut drop).unwrap();
     while !unreported.is_empty() {
         note(polled(&off), &mut unreported);
         kvoffload::internal::sync::thread::yield_now();
@@ -196,7 +197,7 @@ fn scenario(variant: Variant) {
         breaches.is_empty(),
         "a slot job was accepted while a conflicting job on its slot was unreported: {breaches:?}"
     );
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// Bound 2, as `p5_offloader.rs` (two device workers and the engine's poll

@@ -46,6 +46,7 @@ use common::{check, negative, Bounds};
 use kvoffload::internal::offloader::activity;
 use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::thread;
+use kvoffload::Request;
 
 /// Panicking gated calls main makes, and windows the engine thread opens:
 /// loom's size, and shuttle's past it.
@@ -59,24 +60,26 @@ fn a_panic_under_the_gate(variant: Variant) {
     let o_e = off.clone();
     let engine = thread::spawn(move || {
         for _ in 0..ROUNDS {
-            drop(o_e.capture_window().expect("a window after (or while) a call panicked under the gate"));
+            drop(o_e.capture_window(Request::new()).expect("a window after (or while) a call panicked under the gate"));
         }
     });
     for _ in 0..ROUNDS {
         let caught = catch_unwind(AssertUnwindSafe(|| {
-            let _ = off.gated("a callable that panics", |_| -> () { resume_unwind(Box::new(PANIC)) });
+            let _ = off.gated("a callable that panics", Request::new(), |_| -> () { resume_unwind(Box::new(PANIC)) });
         }));
         let payload = caught.expect_err("the gated call's panic unwinds to its caller");
         assert_eq!(payload.downcast_ref::<&str>(), Some(&PANIC), "another panic unwound");
         let a = activity(&off);
         assert_eq!((a.calls_in_flight, a.calls_waiting), (0, 0), "the panicked call is still counted in flight");
     }
-    drop(off.capture_window().expect("a window after a call panicked under the gate"));
+    drop(off.capture_window(Request::new()).expect("a window after a call panicked under the gate"));
     engine.join().unwrap();
-    off.gated("a call after the panic", |c| c.ctx_synchronize()).expect("a gated call after a panicked one").unwrap();
+    off.gated("a call after the panic", Request::new(), |c| c.ctx_synchronize())
+        .expect("a gated call after a panicked one")
+        .unwrap();
     let a = activity(&off);
     assert_eq!((a.calls_in_flight, a.windows_open), (0, 0), "a call or a window left counted");
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 const B: Bounds = Bounds { property: "P6", threads: 4, preemptions: 3, ci: None };

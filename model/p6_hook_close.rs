@@ -57,6 +57,7 @@ use kvoffload::internal::offloader::{activity, OffloaderError, SlotJob};
 use kvoffload::internal::protocol::{ProtocolError, Variant};
 use kvoffload::internal::sync::{thread, Arc};
 use kvoffload::internal::transfer::{JobId, Lane};
+use kvoffload::Request;
 
 #[derive(Copy, Clone, Debug)]
 enum Close {
@@ -78,10 +79,10 @@ fn the_last_close(close: Close, variant: Variant) {
                 .expect("a store beside a hook window is never refused");
         }
     });
-    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     match close {
-        Close::End => off.capture_hook().end(),
-        Close::Abort => off.capture_hook().abort(),
+        Close::End => off.capture_hook().end(Request::new()),
+        Close::Abort => off.capture_hook().abort(Request::new()),
     }
     .unwrap();
     library.join().unwrap();
@@ -96,7 +97,7 @@ fn the_last_close(close: Close, variant: Variant) {
     for i in 0..STORES {
         assert_eq!(slot_bytes(&off, i), [0x3c; PAGE], "a store's bytes are not in its slot");
     }
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// `r` is the refusal of a wait inside one's own hook window.
@@ -117,23 +118,26 @@ fn the_holders_wait(variant: Variant) {
         o_l.submit(JobId(1), Lane::Store, &SlotJob::single(&[2], &[1], 0))
             .expect("a store inside a hook window is deferred, never refused");
         sub.set();
-        o_l.wait_jobs(&[JobId(1)]).expect("a wait from a thread without a window");
+        o_l.wait_jobs(&[JobId(1)], Request::new(), &mut drop).expect("a wait from a thread without a window");
     });
-    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     opened.set();
     submitted.wait();
-    refused(off.wait(JobId(1)), "wait");
-    refused(off.wait_jobs(&[JobId(1)]), "wait_jobs");
-    refused(off.wait_all(), "wait_all");
+    refused(off.wait(JobId(1), Request::new(), &mut drop), "wait");
+    refused(off.wait_jobs(&[JobId(1)], Request::new(), &mut drop), "wait_jobs");
+    refused(off.wait_all(Request::new(), &mut drop), "wait_all");
     let mut sink = |c| panic!("the holder's refused wait reported {c:?}");
-    refused(off.interruptible(&|| false).wait_jobs(&[JobId(1)], &mut sink), "the interruptible wait_jobs");
-    off.capture_hook().end().unwrap();
+    refused(
+        off.wait_jobs(&[JobId(1)], Request::new().interruptible(&|| false), &mut sink),
+        "the interruptible wait_jobs",
+    );
+    off.capture_hook().end(Request::new()).unwrap();
     library.join().unwrap();
     let done = poll_n(&off, 1);
     assert!(done[0].error.is_none(), "the store failed: {done:?}");
     assert!(drain_reports(&off).is_empty(), "a job reported twice");
     assert_eq!(slot_bytes(&off, 1), [0x66; PAGE], "the store's bytes are not in its slot");
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// Four threads spawned in all: the pinner ends before the other two

@@ -75,6 +75,7 @@ use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{shared, GpuRuntime};
 use kvoffload::internal::sync::{self, thread, Arc, Condvar, Mutex};
 use kvoffload::internal::transfer::{JobId, Lane};
+use kvoffload::Request;
 
 /// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and 2 host
 /// slots, on a simulated GPU, pinned (its pinner joined) before it returns.
@@ -82,7 +83,7 @@ fn pinned_offloader(variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<Offloader>) {
     let rt = shared(SimRuntime::new());
     let opts = lean(OffloaderOptions::with_host_blocks(2), None);
     let off = Arc::new(offloader_on(rt.clone(), opts, variant));
-    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    assert_eq!(off.wait_pinned(Request::new()).unwrap().state, PinState::Pinned);
     (rt, off)
 }
 
@@ -131,25 +132,25 @@ fn a_close_beside_another_hook_window(variant: Variant, engine_waits_for_second:
     let second_open = Arc::new(Flag::default());
     let (o_b, closed, opened) = (off.clone(), main_closed.clone(), second_open.clone());
     let second = thread::spawn(move || {
-        o_b.capture_hook().begin().unwrap();
+        o_b.capture_hook().begin(Request::new()).unwrap();
         opened.set();
         // Held until main's close returned: a close that waits for this
         // window never returns.
         closed.wait();
-        o_b.capture_hook().end().unwrap();
+        o_b.capture_hook().end(Request::new()).unwrap();
     });
     let o_e = off.clone();
     let engine = thread::spawn(move || {
-        let w = o_e.capture_window().expect("an engine window before shutdown");
+        let w = o_e.capture_window(Request::new()).expect("an engine window before shutdown");
         if engine_waits_for_second {
             second_open.wait();
         }
         drop(w);
     });
-    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0))
         .expect("a store inside a hook window is deferred, never refused");
-    off.capture_hook().end().expect("a close that waits for an engine window ends with it");
+    off.capture_hook().end(Request::new()).expect("a close that waits for an engine window ends with it");
     main_closed.set();
     second.join().unwrap();
     engine.join().unwrap();
@@ -161,7 +162,7 @@ fn a_close_beside_another_hook_window(variant: Variant, engine_waits_for_second:
     let done = poll_n(&off, 1);
     assert!(done.len() == 1 && done[0].error.is_none(), "the deferred store: {done:?}");
     assert_eq!(slot_bytes(&off, 0), [0x5a; PAGE], "the store's bytes are not in its slot");
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
     assert_eq!(sim(&rt).registered_ranges(), 0, "region left registered after shutdown");
 }
 
@@ -185,31 +186,31 @@ fn shutdown_beside_the_hooks_flushers(variant: Variant) {
     let o_e = off.clone();
     let engine = thread::spawn(move || {
         // Refused once main's shutdown is done.
-        if let Ok(w) = o_e.capture_window() {
+        if let Ok(w) = o_e.capture_window(Request::new()) {
             // The framework's capture hooked inside the engine's own
             // window: refused, and its flush leaves what the window
             // refuses queued.
-            match o_e.capture_hook().begin() {
+            match o_e.capture_hook().begin(Request::new()) {
                 Err(OffloaderError::Protocol(ProtocolError::NestedWindow)) => {}
                 r => panic!("a hook begin inside an engine window: {r:?}"),
             }
             drop(w);
         }
-        settled(o_e.shutdown(), "the engine thread")
+        settled(o_e.shutdown(Request::new(), &mut drop), "the engine thread")
     });
     let mut submitted = false;
-    if off.capture_hook().begin().is_ok() {
+    if off.capture_hook().begin(Request::new()).is_ok() {
         off.submit(JobId(1), Lane::Store, &SlotJob::single(&[1], &[0], 0))
             .expect("a store inside a hook window is deferred, never refused");
         submitted = true;
-        off.capture_hook().end().expect("a close that waits for an engine window ends with it");
+        off.capture_hook().end(Request::new()).expect("a close that waits for an engine window ends with it");
     }
-    let mine = settled(off.shutdown(), "main");
+    let mine = settled(off.shutdown(Request::new(), &mut drop), "main");
     let theirs = engine.join().unwrap();
     assert!(!(mine && theirs), "two shutdowns succeeded");
     if !mine && !theirs {
         // Both refused: nothing changed, so a shutdown now succeeds.
-        off.shutdown().expect("a shutdown after refused ones");
+        off.shutdown(Request::new(), &mut drop).expect("a shutdown after refused ones");
     }
     if submitted {
         assert_eq!(slot_bytes(&off, 0), [0x3c; PAGE], "the deferred store was not drained by shutdown");

@@ -36,8 +36,8 @@
 //!   main, the hook thread, a library thread, the sim's device thread; the
 //!   pinner joined first). Main makes a gated call (`Offloader::gated`) in
 //!   which it wakes the coordinator's waiters once (a graph token). The
-//!   hook thread calls `begin` of `Offloader::interruptible(check)`'s
-//!   capture hook, whose check says stop at once: the window opens (and the
+//!   hook thread calls the capture hook's `begin` with
+//!   `Request::new().interruptible(&check)`, whose check says stop at once: the window opens (and the
 //!   thread calls `end`) or, waiting behind main's call, is interrupted.
 //!   The library thread submits a slot store at any point: deferred while
 //!   the begin's window is marked. Property: once the three are done, no
@@ -77,6 +77,7 @@ use kvoffload::internal::protocol::{Activity, CapturePolicy, Coordinator, Protoc
 use kvoffload::internal::sync::atomic::{AtomicBool, Ordering};
 use kvoffload::internal::sync::{self, thread, Arc};
 use kvoffload::internal::transfer::{JobId, Lane};
+use kvoffload::Request;
 
 /// Wake-ups main makes before it tells the waiter to stop, and after;
 /// library threads storing a job each beside an interrupted hook begin:
@@ -189,8 +190,8 @@ fn an_interrupted_begin(variant: Variant) {
         let counted = CountedCheck::new();
         // Ctrl-C was pressed: stop at the first chance.
         let check = || counted.ask(true);
-        match o_h.interruptible(&check).capture_hook().begin() {
-            Ok(()) => o_h.capture_hook().end().expect("the close of an opened window"),
+        match o_h.capture_hook().begin(Request::new().interruptible(&check)) {
+            Ok(()) => o_h.capture_hook().end(Request::new()).expect("the close of an opened window"),
             Err(OffloaderError::Protocol(ProtocolError::Interrupted { .. })) => {
                 assert_eq!(o_h.capture_hook().depth(), 0, "an interrupted begin left depth");
             }
@@ -207,7 +208,10 @@ fn an_interrupted_begin(variant: Variant) {
             })
         })
         .collect();
-    off.gated("the engine's call", |_| drop(off.register_graph().expect("a graph token before shutdown"))).unwrap();
+    off.gated("the engine's call", Request::new(), |_| {
+        drop(off.register_graph().expect("a graph token before shutdown"))
+    })
+    .unwrap();
     hook.join().unwrap();
     library.into_iter().for_each(|t| t.join().unwrap());
     let a = activity(&off);
@@ -223,7 +227,7 @@ fn an_interrupted_begin(variant: Variant) {
     for i in 0..LIBRARY_THREADS {
         assert_eq!(slot_bytes(&off, i), [0x5a; PAGE], "a store's bytes are not in its slot");
     }
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 const B: Bounds = Bounds { property: "P6", threads: 3, preemptions: 3, ci: None };

@@ -28,7 +28,7 @@
 //! | [`KeyedOffloader::lookup`], [`KeyedOffloader::store`] ([`StoreSubmitted`]), [`KeyedOffloader::load`], [`KeyedOffloader::stored_blocks`], [`KeyedOffloader::poll`] | by block keys ([`BlockKey`], [`Lookup`], [`Skipped`]) and the engine's GPU block ids |
 //! | [`Offloader::submit`] ([`SlotJob::single`], [`SlotJob::groups`] for `OffloaderOptions::kv_groups`; [`Lane`]: store, load, or the expedited load lane of `TransferOptions::expedited_lane`), [`Offloader::wait_jobs`] | host slots and job ids ([`JobId`]) chosen by the engine, no block manager |
 //! | [`Offloader::poll_each`] ([`Completion`]), [`Offloader::wait`], [`Offloader::wait_all`], [`Offloader::in_flight`] | completions, applied to a keyed offloader's block manager |
-//! | [`Offloader::interruptible`] ([`Interruptible`]) | every wait above (and the window, the hook's begin, `gated`, shutdown) interruptible by a check: the Python front's Ctrl-C |
+//! | [`Request`] (`Request::new()`, [`Request::interruptible`], [`Request::interleaved`]) | what every wait above takes (the window, the hook's begin and end, `gated`, `wait_pinned`, the job waits, shutdown): blocking, or interruptible by a check (the Python front's Ctrl-C) |
 //! | [`Offloader::shutdown`], [`Offloader::is_shut_down`] | shutdown (refused with nothing changed while a window is open or a graph lives) |
 //! | [`Offloader::geometry`] ([`Geometry`]: the GPU's runtime, the tensors, the host blocks, the [`KvLayout`] with the host and device address of every block, the [`Region`], the lanes' streams) | where things are |
 //! | [`Kernel`] (the pattern kernels of [`GpuRuntime::launch`]: [`pattern`], [`PATTERN_ENTRY_WORDS`], [`GATHER_ENTRY_WORDS`]), [`SimFault`] ([`SimRuntime::inject`]), [`Layout`] ([`Region::layout`], [`page_size`]), [`GroupSpec`] and [`HostPlacement`] ([`KvLayout::new`]), the options' defaults and limits ([`DEFAULT_MAX_CHUNK_BYTES`], [`DEFAULT_SHM_DIR`], [`DEFAULT_FILE_BYTES`], [`MAX_FILES`], [`MAX_RANKS`]) | the rest of those items' signatures: what the `run` job's ranks (engine-like processes on this API alone) verify every block with, fault injection on the simulated GPU, and region sizing |
@@ -83,8 +83,8 @@ pub use internal::{names, units};
 pub use manager::{BlockKey, BlockState, Lookup, ManagerError, PolicyKind, SkipReason, Skipped};
 pub use names::{Named, UnknownName};
 pub use offloader::{
-    CaptureHook, Completion, GatedCalls, Geometry, Interruptible, KeyedOffloader, KvAlloc, KvSpec, Offloader,
-    OffloaderError, OffloaderOptions, PinObserver, PinOutcome, PinProgress, RegionSpec, SlotJob, StoreSubmitted,
+    CaptureHook, Completion, GatedCalls, Geometry, KeyedOffloader, KvAlloc, KvSpec, Offloader, OffloaderError,
+    OffloaderOptions, PinObserver, PinOutcome, PinProgress, RegionSpec, SlotJob, StoreSubmitted,
 };
 pub use pin::{HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
 pub use protocol::agreement::{AgreementError, Transport};

@@ -21,6 +21,7 @@ use kvoffload::internal::runtime::{shared, CaptureMode, Direction, DriverError, 
 use kvoffload::internal::sync::atomic::{AtomicUsize, Ordering};
 use kvoffload::internal::sync::thread;
 use kvoffload::internal::sync::{self, Arc, Condvar, Mutex};
+use kvoffload::Request;
 
 const PAGE: usize = 4096;
 
@@ -77,9 +78,9 @@ fn check_blocks(off: &KeyedOffloader, key: u64, gpu: &[usize]) -> usize {
 fn capture_in_window(off: &KeyedOffloader) -> bool {
     let rt = &off.core().geometry().runtime;
     let s = rt.stream_create().unwrap();
-    let scratch = off.core().gated("scratch", |calls| calls.mem_alloc(4096)).unwrap().unwrap();
+    let scratch = off.core().gated("scratch", Request::new(), |calls| calls.mem_alloc(4096)).unwrap().unwrap();
     let ok = {
-        let _w = off.core().capture_window().unwrap();
+        let _w = off.core().capture_window(Request::new()).unwrap();
         rt.begin_capture(s, CaptureMode::Global).unwrap();
         // SAFETY: `scratch` lives until freed below, after the graph is gone.
         let enq = unsafe { rt.memset_d8_async(scratch, 1, 4096, s) };
@@ -94,7 +95,7 @@ fn capture_in_window(off: &KeyedOffloader) -> bool {
     };
     // SAFETY: the graph that used `scratch` is destroyed and its capture
     // never ran; nothing uses it afterwards.
-    off.core().gated("scratch", |calls| unsafe { calls.mem_free(scratch) }).unwrap().unwrap();
+    off.core().gated("scratch", Request::new(), |calls| unsafe { calls.mem_free(scratch) }).unwrap().unwrap();
     rt.stream_destroy(s).unwrap();
     ok
 }
@@ -126,19 +127,19 @@ fn round_trip(off: KeyedOffloader) {
     assert_eq!(off.lookup(&keys), [Lookup::HitPending; 4]);
     assert_eq!(off.lookup(&[BlockKey::new(9, 0)]), [Lookup::Miss]);
     assert!(capture_in_window(&off), "a capture inside a window was invalidated");
-    off.core().wait_all().unwrap();
+    off.core().wait_all(Request::new(), &mut drop).unwrap();
     let done = off.poll();
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].direction, Direction::DeviceToHost);
     assert!(done[0].error.is_none(), "{:?}", done[0].error);
     assert_eq!(off.lookup(&keys), [Lookup::Hit; 4]);
     assert_eq!(off.stored_blocks(), 4);
-    assert_eq!(off.core().pin_progress().state, off.core().wait_pinned().unwrap().state);
+    assert_eq!(off.core().pin_progress().state, off.core().wait_pinned(Request::new()).unwrap().state);
     // Load into other GPU blocks, with a capture in between.
     let dst: Vec<usize> = (16..24).collect();
     let job = off.load(&keys, &dst).unwrap();
     assert!(capture_in_window(&off), "a capture inside a window was invalidated");
-    off.core().wait(job).unwrap();
+    off.core().wait(job, Request::new(), &mut drop).unwrap();
     let done = off.poll();
     assert_eq!(done.len(), 1);
     assert!(done[0].error.is_none());
@@ -146,7 +147,7 @@ fn round_trip(off: KeyedOffloader) {
         assert_eq!(check_blocks(&off, k, &dst[2 * k as usize..2 * k as usize + 2]), 0, "key {k} corrupted");
     }
     assert_eq!(off.core().in_flight(), 0);
-    off.core().shutdown().unwrap();
+    off.core().shutdown(Request::new(), &mut drop).unwrap();
     assert!(off.core().is_shut_down());
 }
 
@@ -156,12 +157,12 @@ fn pinning_reaches_pinned_and_reports_progress() {
     assert_eq!(off.core().pin_progress().state, PinState::Pending);
     let p = off.core().pin_progress();
     assert!(p.chunks_total >= 2, "{p:?}");
-    let out = off.core().wait_pinned().unwrap();
+    let out = off.core().wait_pinned(Request::new()).unwrap();
     assert_eq!(out.state, PinState::Pinned);
     assert_eq!(out.agreement, None);
     let p = off.core().pin_progress();
     assert_eq!(p.chunks_done, p.chunks_total);
-    off.core().shutdown().unwrap();
+    off.core().shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// Records what the pinner reports, and holds it at one chunk until told.
@@ -212,11 +213,11 @@ fn a_pin_observer_sees_every_chunk_and_the_end_and_can_hold_pinning() {
     assert_eq!(rec.settled.load(Ordering::SeqCst), 0);
     *sync::lock(&rec.release) = true;
     rec.cv.notify_all();
-    assert_eq!(off.core().wait_pinned().unwrap().state, PinState::Pinned);
+    assert_eq!(off.core().wait_pinned(Request::new()).unwrap().state, PinState::Pinned);
     let seen = sync::lock(&rec.chunks).clone();
     assert_eq!(seen, (0..total).map(|i| (i, total)).collect::<Vec<_>>());
     assert_eq!(rec.settled.load(Ordering::SeqCst), 1);
-    off.core().shutdown().unwrap();
+    off.core().shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -231,15 +232,24 @@ fn bad_inputs_are_typed_errors() {
     // Two keys on the same key twice in one batch.
     assert!(matches!(off.store(&[k[0], k[0]], &[1, 2, 3, 4]), Err(OffloaderError::Manager(_))));
     // Shutdown is refused (nothing changed) while a window is open.
-    off.core().wait_pinned().unwrap();
-    let w = off.core().capture_window().unwrap();
-    assert!(matches!(off.core().shutdown(), Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))));
+    off.core().wait_pinned(Request::new()).unwrap();
+    let w = off.core().capture_window(Request::new()).unwrap();
+    assert!(matches!(
+        off.core().shutdown(Request::new(), &mut drop),
+        Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))
+    ));
     drop(w);
     assert!(off.store(&k, &[1, 2]).is_ok());
-    off.core().shutdown().unwrap();
-    assert!(matches!(off.core().shutdown(), Err(OffloaderError::Protocol(ProtocolError::AlreadyShutDown))));
+    off.core().shutdown(Request::new(), &mut drop).unwrap();
+    assert!(matches!(
+        off.core().shutdown(Request::new(), &mut drop),
+        Err(OffloaderError::Protocol(ProtocolError::AlreadyShutDown))
+    ));
     assert!(matches!(off.store(&k, &[3, 4]), Err(OffloaderError::ShutDown)));
-    assert!(matches!(off.core().capture_window(), Err(OffloaderError::Protocol(ProtocolError::ShutDown))));
+    assert!(matches!(
+        off.core().capture_window(Request::new()),
+        Err(OffloaderError::Protocol(ProtocolError::ShutDown))
+    ));
     assert!(off.poll().is_empty());
 }
 
@@ -270,7 +280,7 @@ fn drop_without_shutdown_shuts_down() {
     {
         let off =
             KeyedOffloader::with_allocated_tensors(rt.clone(), kv(), OffloaderOptions::with_host_blocks(8)).unwrap();
-        off.core().wait_pinned().unwrap();
+        off.core().wait_pinned(Request::new()).unwrap();
         off.store(&[BlockKey::new(5, 0)], &[0, 1]).unwrap();
     }
     let sim = rt.as_sim().unwrap();
@@ -314,19 +324,19 @@ fn two_ranks_share_a_region_and_agree() {
                 options: ShmOptions::new().timeout(Duration::from_secs(30)),
             };
             let off = KeyedOffloader::with_allocated_tensors(rt, kv(), opts).unwrap();
-            let out = off.core().wait_pinned().unwrap();
+            let out = off.core().wait_pinned(Request::new()).unwrap();
             let k = BlockKey::new(rank as u64, 0);
             write_blocks(&off, 100 + rank as u64, &[0, 1]);
             off.store(&[k], &[0, 1]).unwrap();
-            off.core().wait_all().unwrap();
+            off.core().wait_all(Request::new(), &mut drop).unwrap();
             off.poll();
             stored.wait();
             let j = off.load(&[k], &[4, 5]).unwrap();
-            off.core().wait(j).unwrap();
+            off.core().wait(j, Request::new(), &mut drop).unwrap();
             off.poll();
             let bad = check_blocks(&off, 100 + rank as u64, &[4, 5]);
             let linked = off.core().geometry().region.is_linked();
-            off.core().shutdown().unwrap();
+            off.core().shutdown(Request::new(), &mut drop).unwrap();
             (out, bad, linked)
         })
     };
@@ -382,17 +392,17 @@ fn shutdown_during_the_agreement_ends_it_and_the_peer_settles_pageable_at_once()
     r0.core().start().unwrap();
     rx.recv_timeout(Duration::from_secs(60)).expect("rank 0 never finished its own pinning");
     let t = std::time::Instant::now();
-    r0.core().shutdown().unwrap();
+    r0.core().shutdown(Request::new(), &mut drop).unwrap();
     let took = t.elapsed();
     println!("shutdown during the agreement returned in {} ms", took.as_millis());
-    let out0 = r0.core().wait_pinned().unwrap();
+    let out0 = r0.core().wait_pinned(Request::new()).unwrap();
     assert_eq!(out0.agreement, Some(Err(AgreementError::Cancelled { waiting: vec![1] })), "{out0:?}");
     assert!(matches!(out0.state, PinState::Pageable(_)), "{out0:?}");
     // The peer comes later: it settles pageable at once, told why.
-    let out1 = r1.core().wait_pinned().unwrap();
+    let out1 = r1.core().wait_pinned(Request::new()).unwrap();
     assert_eq!(out1.agreement, Some(Err(AgreementError::Abandoned { by: 0, ranks: vec![1] })), "{out1:?}");
     assert!(matches!(out1.state, PinState::Pageable(_)), "{out1:?}");
-    r1.core().shutdown().unwrap();
+    r1.core().shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// Issue 28, item 1: `cancel_pinning` (an engine's call to stop waiting for
@@ -427,13 +437,13 @@ fn cancel_pinning_ends_the_wait_in_the_agreement() {
     r0.core().start().unwrap();
     rx.recv_timeout(Duration::from_secs(60)).expect("rank 0 never finished its own pinning");
     r0.core().cancel_pinning();
-    let out0 = r0.core().wait_pinned().unwrap();
+    let out0 = r0.core().wait_pinned(Request::new()).unwrap();
     assert_eq!(out0.agreement, Some(Err(AgreementError::Cancelled { waiting: vec![1] })), "{out0:?}");
     assert_eq!(out0.state, PinState::Pageable(kvoffload::internal::protocol::PageableReason::Cancelled));
     // No chunk stays registered on the cancelled rank.
     assert_eq!(r0.core().pin_progress().chunks_done, 0);
-    r0.core().shutdown().unwrap();
-    r1.core().shutdown().unwrap();
+    r0.core().shutdown(Request::new(), &mut drop).unwrap();
+    r1.core().shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -455,7 +465,7 @@ fn the_offloader_its_options_and_geometry_print_what_they_hold() {
     for field in ["Geometry", "runtime: \"sim\"", "host_blocks: 4", "layout", "region", "lane_streams"] {
         assert!(geometry.contains(field), "{field} missing from {geometry}");
     }
-    off.core().shutdown().unwrap();
+    off.core().shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// One of the synchronizing calls of `GatedCalls`, on stream `s` whose work
@@ -470,13 +480,15 @@ fn the_gated_calls_reach_the_runtime() {
     let core = off.core();
     let rt = core.geometry().runtime.clone();
     // Page-locked host memory: an address the runtime freed again.
-    let host = core.gated("host", |c| c.mem_alloc_host(PAGE)).unwrap().unwrap();
+    let host = core.gated("host", Request::new(), |c| c.mem_alloc_host(PAGE)).unwrap().unwrap();
     // SAFETY: nothing used the allocation.
-    core.gated("host", |c| unsafe { c.mem_free_host(host) }).unwrap().expect("the address mem_alloc_host gave");
-    let scratch = core.gated("scratch", |c| c.mem_alloc(PAGE)).unwrap().unwrap();
+    core.gated("host", Request::new(), |c| unsafe { c.mem_free_host(host) })
+        .unwrap()
+        .expect("the address mem_alloc_host gave");
+    let scratch = core.gated("scratch", Request::new(), |c| c.mem_alloc(PAGE)).unwrap().unwrap();
     let s = rt.stream_create().unwrap();
     let ev = rt.event_create().unwrap();
-    let done = |what| core.gated(what, |c| c.event_query(ev)).unwrap().unwrap();
+    let done = |what| core.gated(what, Request::new(), |c| c.event_query(ev)).unwrap().unwrap();
     let calls: [(&str, SyncCall); 3] = [
         ("stream_synchronize", |c, s, _| c.stream_synchronize(s)),
         ("ctx_synchronize", |c, _, _| c.ctx_synchronize()),
@@ -495,13 +507,13 @@ fn the_gated_calls_reach_the_runtime() {
             std::thread::sleep(Duration::from_millis(100));
             hold.release();
         });
-        core.gated(what, |c| sync(c, s, ev)).unwrap().unwrap();
+        core.gated(what, Request::new(), |c| sync(c, s, ev)).unwrap().unwrap();
         assert!(done("query"), "{what} returned before the stream's work completed");
         release.join().unwrap();
     }
     rt.event_destroy(ev).unwrap();
     rt.stream_destroy(s).unwrap();
     // SAFETY: the stream that used `scratch` was synchronized.
-    core.gated("scratch", |c| unsafe { c.mem_free(scratch) }).unwrap().unwrap();
-    off.core().shutdown().unwrap();
+    core.gated("scratch", Request::new(), |c| unsafe { c.mem_free(scratch) }).unwrap().unwrap();
+    off.core().shutdown(Request::new(), &mut drop).unwrap();
 }

@@ -29,6 +29,7 @@ use kvoffload::internal::runtime::sim::{HoldPoint, SimConfig, SimRuntime};
 use kvoffload::internal::runtime::{shared, CaptureMode, Direction};
 use kvoffload::internal::sync::{thread, Arc};
 use kvoffload::internal::transfer::{JobId, Lane, TransferError};
+use kvoffload::Request;
 
 const PAGE: usize = 4096;
 const TENSORS: usize = 2;
@@ -129,21 +130,21 @@ fn until(what: &str, cond: impl Fn() -> bool) {
 /// or the failure.
 fn hooked_capture(off: &Offloader, stream: kvoffload::internal::runtime::Stream, body: impl FnOnce()) -> bool {
     let rt = off.geometry().runtime.clone();
-    let scratch = off.gated("scratch", |c| c.mem_alloc(PAGE)).unwrap().unwrap();
-    off.capture_hook().begin().unwrap();
+    let scratch = off.gated("scratch", Request::new(), |c| c.mem_alloc(PAGE)).unwrap().unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     rt.begin_capture(stream, CaptureMode::Global).unwrap();
     // SAFETY: `scratch` lives until freed below, after the graph is gone;
     // the memset is only captured.
     let enq = unsafe { rt.memset_d8_async(scratch, 7, PAGE, stream) };
     body();
     let end = rt.end_capture(stream);
-    off.capture_hook().end().unwrap();
+    off.capture_hook().end(Request::new()).unwrap();
     let ok = enq.is_ok() && end.is_ok();
     if let Ok(g) = end {
         rt.graph_destroy(g).unwrap();
     }
     // SAFETY: the graph that used `scratch` is destroyed and never ran.
-    off.gated("scratch", |c| unsafe { c.mem_free(scratch) }).unwrap().unwrap();
+    off.gated("scratch", Request::new(), |c| unsafe { c.mem_free(scratch) }).unwrap().unwrap();
     ok
 }
 
@@ -151,16 +152,15 @@ fn hooked_capture(off: &Offloader, stream: kvoffload::internal::runtime::Stream,
 fn nested_begins_open_one_window_and_the_outer_end_closes_it() {
     let off = slot_offloader();
     off.start().unwrap();
-    assert_eq!(format!("{:?}", off.capture_hook()), "CaptureHook { interruptible: false }");
-    assert_eq!(format!("{:?}", off.interruptible(&|| false).capture_hook()), "CaptureHook { interruptible: true }");
-    assert!(matches!(off.capture_hook().end(), Err(OffloaderError::HookNotOpen { call: "capture_end" })));
-    off.capture_hook().begin().unwrap();
-    off.capture_hook().begin().unwrap();
-    off.capture_hook().begin().unwrap();
+    assert_eq!(format!("{:?}", off.capture_hook()), "CaptureHook { .. }");
+    assert!(matches!(off.capture_hook().end(Request::new()), Err(OffloaderError::HookNotOpen { call: "capture_end" })));
+    off.capture_hook().begin(Request::new()).unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     assert_eq!(off.capture_hook().depth(), 3);
     assert_eq!(activity(&off).windows_open, 1, "nested begins opened more than one window");
-    off.capture_hook().end().unwrap();
-    off.capture_hook().end().unwrap();
+    off.capture_hook().end(Request::new()).unwrap();
+    off.capture_hook().end(Request::new()).unwrap();
     assert_eq!(activity(&off).windows_open, 1, "an inner end closed the window");
     // Depth is per thread: another thread has none, and its own begin
     // opens a second window.
@@ -168,10 +168,10 @@ fn nested_begins_open_one_window_and_the_outer_end_closes_it() {
         let off = &off;
         std::thread::scope(|s| {
             s.spawn(|| {
-                let none = off.capture_hook().end();
-                off.capture_hook().begin().unwrap();
+                let none = off.capture_hook().end(Request::new());
+                off.capture_hook().begin(Request::new()).unwrap();
                 let open = activity(off).windows_open;
-                off.capture_hook().end().unwrap();
+                off.capture_hook().end(Request::new()).unwrap();
                 (none, open)
             })
             .join()
@@ -180,11 +180,14 @@ fn nested_begins_open_one_window_and_the_outer_end_closes_it() {
     };
     assert!(matches!(other.0, Err(OffloaderError::HookNotOpen { .. })), "{:?}", other.0);
     assert_eq!(other.1, 2);
-    off.capture_hook().end().unwrap();
+    off.capture_hook().end(Request::new()).unwrap();
     assert_eq!((off.capture_hook().depth(), activity(&off).windows_open), (0, 0));
-    assert!(matches!(off.capture_hook().abort(), Err(OffloaderError::HookNotOpen { call: "capture_abort" })));
-    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
-    off.shutdown().unwrap();
+    assert!(matches!(
+        off.capture_hook().abort(Request::new()),
+        Err(OffloaderError::HookNotOpen { call: "capture_abort" })
+    ));
+    assert_eq!(off.wait_pinned(Request::new()).unwrap().state, PinState::Pinned);
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -205,7 +208,7 @@ fn a_job_inside_a_global_capture_completes_after_it_and_the_capture_is_intact() 
     assert!(ok, "the capture was invalidated");
     assert!(sim(&off).refusals().is_empty(), "the simulated GPU refused: {:?}", sim(&off).refusals());
     assert_eq!(off.capture_hook().deferred_jobs(), 0);
-    off.wait_all().unwrap();
+    off.wait_all(Request::new(), &mut drop).unwrap();
     let done = poll_n(&off, 2);
     assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(10), JobId(11)], "not first in first out");
     for c in &done {
@@ -216,11 +219,11 @@ fn a_job_inside_a_global_capture_completes_after_it_and_the_capture_is_intact() 
     assert_eq!(bad_slot(&off, 1, 3) + bad_slot(&off, 2, 4), 0, "stored bytes wrong");
     // Loaded back into other blocks, byte for byte; not deferred.
     off.submit(JobId(12), Lane::Load, &SlotJob::single(&[8, 9], &[3, 4], 0)).unwrap();
-    off.wait(JobId(12)).unwrap();
+    off.wait(JobId(12), Request::new(), &mut drop).unwrap();
     let loaded = poll_n(&off, 1);
     assert_eq!(loaded[0].deferred_seconds, 0.0);
     assert_eq!(bad_block(&off, 1, 8) + bad_block(&off, 2, 9), 0, "loaded bytes wrong");
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -239,15 +242,15 @@ fn keyed_jobs_are_deferred_too_and_keys_become_readable_once_reported() {
         assert_eq!(off.capture_hook().deferred_jobs(), 1);
     }));
     let job = job.expect("a store job");
-    off.wait(job).unwrap();
+    off.wait(job, Request::new(), &mut drop).unwrap();
     let done = poll_n(off, 1);
     assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0 && done[0].keys == k, "{done:?}");
     let l = keyed.load(&k, &[6]).unwrap();
-    off.wait(l).unwrap();
+    off.wait(l, Request::new(), &mut drop).unwrap();
     poll_n(off, 1);
     assert_eq!(bad_block(off, 5, 6), 0);
     off.geometry().runtime.stream_destroy(s).unwrap();
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// A keyed store refused at its late submission is reported failed with
@@ -265,33 +268,36 @@ fn a_keyed_store_refused_late_is_reported_with_its_keys() {
     let off = keyed.core();
     let (rt, compute) = (off.geometry().runtime.clone(), off.geometry().compute_stream());
     let k = [BlockKey::new(7, 0)];
-    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     keyed.store(&k, &[2]).unwrap();
     // The hook's window closes while the compute stream still captures.
     rt.begin_capture(compute, CaptureMode::ThreadLocal).unwrap();
-    off.capture_hook().end().unwrap();
+    off.capture_hook().end(Request::new()).unwrap();
     rt.graph_destroy(rt.end_capture(compute).unwrap()).unwrap();
     let done = poll_n(off, 1);
     assert_eq!(done[0].keys, k, "{done:?}");
     assert_eq!(done[0].error.as_ref().map(|e| e.code), Some(Code::STREAM_CAPTURE_UNSUPPORTED), "{done:?}");
     assert_eq!(keyed.lookup(&k), [Lookup::Miss]);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
 fn outside_the_hook_a_job_in_an_engine_window_is_still_refused() {
     // The contrast to the hook: a lexical window does not defer.
     let off = slot_offloader();
-    off.wait_pinned().unwrap();
-    let w = off.capture_window().unwrap();
+    off.wait_pinned(Request::new()).unwrap();
+    let w = off.capture_window(Request::new()).unwrap();
     let r = off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0));
     assert!(matches!(r, Err(OffloaderError::Transfer(TransferError::CaptureWindowOpen { .. }))), "{r:?}");
     assert_eq!(off.capture_hook().deferred_jobs(), 0);
     // Neither window nests in the other on one thread.
-    assert!(matches!(off.capture_hook().begin(), Err(OffloaderError::Protocol(ProtocolError::NestedWindow))));
+    assert!(matches!(
+        off.capture_hook().begin(Request::new()),
+        Err(OffloaderError::Protocol(ProtocolError::NestedWindow))
+    ));
     assert_eq!(off.capture_hook().depth(), 0);
     drop(w);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -299,35 +305,39 @@ fn a_wait_for_a_deferred_job_is_refused_on_the_holding_thread_and_waits_elsewher
     let off = Arc::new(slot_offloader());
     off.start().unwrap();
     write_block(&off, 3, 0);
-    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[2], 0)).unwrap();
     let would_deadlock =
         |r: Result<(), OffloaderError>| matches!(r, Err(OffloaderError::Protocol(ProtocolError::WouldDeadlock { .. })));
-    assert!(would_deadlock(off.wait(JobId(1))), "wait on the holding thread");
-    assert!(would_deadlock(off.wait_jobs(&[JobId(7), JobId(1)])), "wait_jobs on the holding thread");
-    assert!(would_deadlock(off.wait_all()), "wait_all on the holding thread");
-    let interrupted = off.interruptible(&|| false).wait(JobId(1), &mut |c| panic!("reported inside: {c:?}"));
+    assert!(would_deadlock(off.wait(JobId(1), Request::new(), &mut drop)), "wait on the holding thread");
+    assert!(
+        would_deadlock(off.wait_jobs(&[JobId(7), JobId(1)], Request::new(), &mut drop)),
+        "wait_jobs on the holding thread"
+    );
+    assert!(would_deadlock(off.wait_all(Request::new(), &mut drop)), "wait_all on the holding thread");
+    let interrupted =
+        off.wait(JobId(1), Request::new().interruptible(&|| false), &mut |c| panic!("reported inside: {c:?}"));
     assert!(would_deadlock(interrupted), "wait_interruptible on the holding thread");
     // Ids not deferred are skipped as before.
-    off.wait_jobs(&[JobId(7)]).unwrap();
+    off.wait_jobs(&[JobId(7)], Request::new(), &mut drop).unwrap();
     let (tx, rx) = mpsc::channel();
     let o2 = off.clone();
     let waiter = std::thread::spawn(move || {
         tx.send(()).unwrap();
-        let r = o2.wait_jobs(&[JobId(1)]);
+        let r = o2.wait_jobs(&[JobId(1)], Request::new(), &mut drop);
         // Returned only once the job was submitted and completed: the
         // slot holds its bytes.
         (r, o2.capture_hook().deferred_jobs(), bad_slot(&o2, 3, 2))
     });
     rx.recv().unwrap();
     assert_eq!(off.capture_hook().deferred_jobs(), 1, "the job ran before the window closed");
-    off.capture_hook().end().unwrap();
+    off.capture_hook().end(Request::new()).unwrap();
     let (r, deferred, bad) = waiter.join().unwrap();
     assert!(r.is_ok(), "{r:?}");
     assert_eq!((deferred, bad), (0, 0), "the other thread's wait returned before the job completed");
     let done = poll_n(&off, 1);
     assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -335,21 +345,21 @@ fn abort_closes_the_window_and_submits_what_it_deferred() {
     let off = slot_offloader();
     off.start().unwrap();
     write_block(&off, 4, 1);
-    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     // The framework's own capture begin failed here: the hook aborts.
     off.submit(JobId(3), Lane::Store, &SlotJob::single(&[1], &[5], 0)).unwrap();
-    off.capture_hook().abort().unwrap();
+    off.capture_hook().abort(Request::new()).unwrap();
     assert_eq!(
         (off.capture_hook().depth(), activity(&off).windows_open, off.capture_hook().deferred_jobs()),
         (0, 0, 0)
     );
-    off.wait(JobId(3)).unwrap();
+    off.wait(JobId(3), Request::new(), &mut drop).unwrap();
     let done = poll_n(&off, 1);
     assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
     assert_eq!(bad_slot(&off, 4, 5), 0);
     // Pinning resumes once the window is gone.
-    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
-    off.shutdown().unwrap();
+    assert_eq!(off.wait_pinned(Request::new()).unwrap().state, PinState::Pinned);
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -357,18 +367,18 @@ fn shutdown_is_refused_while_a_hook_window_is_open_and_drains_deferred_jobs_afte
     let off = slot_offloader();
     off.start().unwrap();
     write_block(&off, 6, 3);
-    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     off.submit(JobId(4), Lane::Store, &SlotJob::single(&[3], &[6], 0)).unwrap();
-    let r = off.shutdown();
+    let r = off.shutdown(Request::new(), &mut drop);
     assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))), "{r:?}");
     assert!(!off.is_shut_down());
     assert_eq!(off.capture_hook().deferred_jobs(), 1, "a refused shutdown touched the deferred job");
-    off.capture_hook().end().unwrap();
-    off.shutdown().unwrap();
+    off.capture_hook().end(Request::new()).unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
     assert_eq!(off.in_flight(), 0, "shutdown left the deferred job unreported");
     assert_eq!(bad_slot(&off, 6, 6), 0, "the deferred store did not run before shutdown returned");
     assert_eq!(sim(&off).registered_ranges(), 0);
-    assert!(matches!(off.capture_hook().begin(), Err(OffloaderError::Protocol(ProtocolError::ShutDown))));
+    assert!(matches!(off.capture_hook().begin(Request::new()), Err(OffloaderError::Protocol(ProtocolError::ShutDown))));
     assert_eq!(off.capture_hook().depth(), 0);
 }
 
@@ -377,9 +387,9 @@ fn deferred_jobs_are_checked_when_submitted() {
     let off = slot_offloader();
     off.start().unwrap();
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
-    off.wait_all().unwrap();
+    off.wait_all(Request::new(), &mut drop).unwrap();
     poll_n(&off, 1);
-    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     // An id used before (reported), one deferred, out of range, a busy slot.
     let reused = off.submit(JobId(1), Lane::Store, &SlotJob::single(&[1], &[1], 0));
     assert!(matches!(reused, Err(OffloaderError::Transfer(TransferError::JobIdReused { id: JobId(1) }))), "{reused:?}");
@@ -393,14 +403,14 @@ fn deferred_jobs_are_checked_when_submitted() {
     // Refused ids stay unused.
     off.submit(JobId(3), Lane::Store, &SlotJob::single(&[1], &[2], 0)).unwrap();
     assert_eq!(off.capture_hook().deferred_jobs(), 2);
-    off.capture_hook().end().unwrap();
-    off.wait_all().unwrap();
+    off.capture_hook().end(Request::new()).unwrap();
+    off.wait_all(Request::new(), &mut drop).unwrap();
     let done = poll_n(&off, 2);
     assert_eq!(
         done.iter().map(|c| (c.job, c.direction)).collect::<Vec<_>>(),
         [(JobId(2), Direction::DeviceToHost), (JobId(3), Direction::DeviceToHost)]
     );
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -416,10 +426,10 @@ fn the_hook_window_waits_for_the_registration_in_progress_not_for_pinning() {
     let (close_tx, close_rx) = mpsc::channel::<()>();
     let o2 = off.clone();
     let capture = std::thread::spawn(move || {
-        let r = o2.capture_hook().begin();
+        let r = o2.capture_hook().begin(Request::new());
         opened_tx.send((r.is_ok(), o2.pin_progress().state)).unwrap();
         close_rx.recv().unwrap();
-        o2.capture_hook().end()
+        o2.capture_hook().end(Request::new())
     });
     until("the hook's window waits to open", || activity(&off).windows_waiting == 1);
     assert_eq!(activity(&off).windows_open, 0, "the window opened during a registration");
@@ -431,7 +441,7 @@ fn the_hook_window_waits_for_the_registration_in_progress_not_for_pinning() {
     // coordinator alone would close, failing the window and its job).
     let (sd_tx, sd_rx) = mpsc::channel();
     let o3 = off.clone();
-    std::thread::spawn(move || sd_tx.send(o3.shutdown()).unwrap());
+    std::thread::spawn(move || sd_tx.send(o3.shutdown(Request::new(), &mut drop)).unwrap());
     let r = sd_rx.recv_timeout(Duration::from_secs(20)).expect("shutdown neither refused nor returned");
     assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))), "{r:?}");
     hold.release();
@@ -443,11 +453,11 @@ fn the_hook_window_waits_for_the_registration_in_progress_not_for_pinning() {
     assert_eq!(off.capture_hook().deferred_jobs(), 1);
     close_tx.send(()).unwrap();
     capture.join().unwrap().unwrap();
-    off.wait(JobId(1)).unwrap();
+    off.wait(JobId(1), Request::new(), &mut drop).unwrap();
     assert!(poll_n(&off, 1)[0].deferred_seconds > 0.0);
     assert_eq!(bad_slot(&off, 8, 7), 0);
-    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
-    off.shutdown().unwrap();
+    assert_eq!(off.wait_pinned(Request::new()).unwrap().state, PinState::Pinned);
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// A slot offloader with the expedited lane, on a sim with two device
@@ -468,14 +478,14 @@ fn an_expedited_load_does_not_wait_behind_a_regular_load() {
     write_block(&off, 2, 1);
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
     off.submit(JobId(2), Lane::Store, &SlotJob::single(&[1], &[1], 0)).unwrap();
-    off.wait_all().unwrap();
+    off.wait_all(Request::new(), &mut drop).unwrap();
     assert_eq!(poll_n(&off, 2).iter().map(|c| c.lane).collect::<Vec<_>>(), [Lane::Store, Lane::Store]);
     let (load, expedited) =
         (off.geometry().lane_stream(Lane::Load).unwrap(), off.geometry().lane_stream(Lane::LoadExpedited).unwrap());
     assert_ne!(load, expedited, "the expedited lane has no stream of its own");
     // Work on the regular load stream, held on one device worker: a
     // regular load queues behind it on that stream.
-    let scratch = off.gated("scratch", |c| c.mem_alloc(PAGE)).unwrap().unwrap();
+    let scratch = off.gated("scratch", Request::new(), |c| c.mem_alloc(PAGE)).unwrap().unwrap();
     let hold = control.hold(HoldPoint::DeviceOp);
     // SAFETY: `scratch` is a live allocation of this runtime, freed below
     // after the device work on it completed.
@@ -491,13 +501,13 @@ fn an_expedited_load_does_not_wait_behind_a_regular_load() {
     assert_eq!(bad_block(&off, 2, 5), 0, "the expedited load's bytes");
     assert_eq!(off.in_flight(), 1, "the regular load finished while its stream was held");
     hold.release();
-    off.wait(JobId(3)).unwrap();
+    off.wait(JobId(3), Request::new(), &mut drop).unwrap();
     let done = poll_n(&off, 1);
     assert_eq!((done[0].job, done[0].lane), (JobId(3), Lane::Load));
     assert_eq!(bad_block(&off, 1, 4), 0, "the regular load's bytes");
     // SAFETY: the memset on `scratch` completed (the load behind it did).
-    off.gated("scratch", |c| unsafe { c.mem_free(scratch) }).unwrap().unwrap();
-    off.shutdown().unwrap();
+    off.gated("scratch", Request::new(), |c| unsafe { c.mem_free(scratch) }).unwrap().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -505,21 +515,21 @@ fn expedited_loads_are_deferred_behind_a_hook_window_and_refused_without_the_lan
     let (off, _control) = expedited_offloader();
     write_block(&off, 7, 2);
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[2], &[3], 0)).unwrap();
-    off.wait_all().unwrap();
+    off.wait_all(Request::new(), &mut drop).unwrap();
     poll_n(&off, 1);
-    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     off.submit(JobId(2), Lane::LoadExpedited, &SlotJob::single(&[6], &[3], 0)).unwrap();
     // A store on a slot an expedited load reads is busy, as for any load.
     let busy = off.submit(JobId(3), Lane::Store, &SlotJob::single(&[2], &[3], 0));
     assert!(matches!(busy, Err(OffloaderError::SlotBusy { slot: 3, job: JobId(2), .. })), "{busy:?}");
     assert_eq!(off.capture_hook().deferred_jobs(), 1);
-    off.capture_hook().end().unwrap();
-    off.wait(JobId(2)).unwrap();
+    off.capture_hook().end(Request::new()).unwrap();
+    off.wait(JobId(2), Request::new(), &mut drop).unwrap();
     let done = poll_n(&off, 1);
     assert_eq!((done[0].job, done[0].lane), (JobId(2), Lane::LoadExpedited));
     assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
     assert_eq!(bad_block(&off, 7, 6), 0);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 
     // Without the lane (the default): refused, directly and deferred, and
     // the id stays unused.
@@ -529,14 +539,14 @@ fn expedited_loads_are_deferred_behind_a_hook_window_and_refused_without_the_lan
         matches!(r, Err(OffloaderError::Transfer(TransferError::NoExpeditedLane { id: JobId(5) })))
     };
     assert!(no_lane(off.submit(JobId(5), Lane::LoadExpedited, &SlotJob::single(&[0], &[0], 0))));
-    off.capture_hook().begin().unwrap();
+    off.capture_hook().begin(Request::new()).unwrap();
     assert!(no_lane(off.submit(JobId(5), Lane::LoadExpedited, &SlotJob::single(&[0], &[0], 0))));
     assert_eq!(off.capture_hook().deferred_jobs(), 0);
-    off.capture_hook().end().unwrap();
+    off.capture_hook().end(Request::new()).unwrap();
     off.submit(JobId(5), Lane::Load, &SlotJob::single(&[0], &[0], 0)).unwrap();
-    off.wait_all().unwrap();
+    off.wait_all(Request::new(), &mut drop).unwrap();
     assert_eq!(poll_n(&off, 1)[0].lane, Lane::Load);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// A hook window held by a thread of its own: its `begin` has returned
@@ -550,7 +560,7 @@ fn hook_window_on_a_thread<T: Send + 'static>(
     let (close_tx, close_rx) = mpsc::channel::<()>();
     let o2 = off.clone();
     let thread = std::thread::spawn(move || {
-        o2.capture_hook().begin().unwrap();
+        o2.capture_hook().begin(Request::new()).unwrap();
         begun_tx.send(()).unwrap();
         close_rx.recv().unwrap();
         close(&o2)
@@ -562,13 +572,13 @@ fn hook_window_on_a_thread<T: Send + 'static>(
 #[test]
 fn a_flush_waits_for_an_engine_window_on_another_thread_and_then_submits() {
     let off = Arc::new(slot_offloader());
-    off.wait_pinned().unwrap();
+    off.wait_pinned(Request::new()).unwrap();
     write_block(&off, 9, 2);
     // Its end closes its window, then submits the queue: refused while the
     // engine's own window (main's) is open, so it waits for that.
-    let (end_tx, capture) = hook_window_on_a_thread(&off, |o| o.capture_hook().end());
+    let (end_tx, capture) = hook_window_on_a_thread(&off, |o| o.capture_hook().end(Request::new()));
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[2], &[4], 0)).unwrap();
-    let w = off.capture_window().unwrap();
+    let w = off.capture_window(Request::new()).unwrap();
     end_tx.send(()).unwrap();
     until("the hook's window closed", || activity(&off).windows_open == 1);
     // The flush found main's window open: the job is back at the head of
@@ -577,11 +587,11 @@ fn a_flush_waits_for_an_engine_window_on_another_thread_and_then_submits() {
     drop(w);
     capture.join().unwrap().unwrap();
     assert_eq!(off.capture_hook().deferred_jobs(), 0);
-    off.wait(JobId(1)).unwrap();
+    off.wait(JobId(1), Request::new(), &mut drop).unwrap();
     let done = poll_n(&off, 1);
     assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
     assert_eq!(bad_slot(&off, 9, 4), 0);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// A close whose flush waits for an engine window (main's) returns once
@@ -593,23 +603,23 @@ fn a_flush_waits_for_an_engine_window_on_another_thread_and_then_submits() {
 #[test]
 fn a_close_waiting_for_an_engine_window_leaves_the_rest_to_a_hook_window_that_begins() {
     let off = Arc::new(slot_offloader());
-    off.wait_pinned().unwrap();
+    off.wait_pinned(Request::new()).unwrap();
     write_block(&off, 9, 2);
     let (end_tx, end_rx) = mpsc::channel::<()>();
     let (closed_tx, closed_rx) = mpsc::channel();
     let o_a = off.clone();
     let a = std::thread::spawn(move || {
-        o_a.capture_hook().begin().unwrap();
+        o_a.capture_hook().begin(Request::new()).unwrap();
         o_a.submit(JobId(1), Lane::Store, &SlotJob::single(&[2], &[4], 0)).unwrap();
         end_rx.recv().unwrap();
-        closed_tx.send(o_a.capture_hook().end()).unwrap();
+        closed_tx.send(o_a.capture_hook().end(Request::new())).unwrap();
     });
     until("the first hook window deferred its job", || off.capture_hook().deferred_jobs() == 1);
-    let w = off.capture_window().unwrap();
+    let w = off.capture_window(Request::new()).unwrap();
     end_tx.send(()).unwrap();
     // Its window closed; its flush is refused by main's and waits.
     until("the first hook window closed", || activity(&off).windows_open == 1);
-    let (release_tx, b) = hook_window_on_a_thread(&off, |o| o.capture_hook().end());
+    let (release_tx, b) = hook_window_on_a_thread(&off, |o| o.capture_hook().end(Request::new()));
     drop(w);
     // The second hook window stays open until the first close returned
     // (10 s at most: the failure case, not a wait for time to pass).
@@ -619,11 +629,11 @@ fn a_close_waiting_for_an_engine_window_leaves_the_rest_to_a_hook_window_that_be
     assert!(b.join().unwrap().is_ok());
     a.join().unwrap();
     assert!(matches!(closed, Ok(Ok(()))), "the close waited for another thread's hook window: {closed:?}");
-    off.wait(JobId(1)).unwrap();
+    off.wait(JobId(1), Request::new(), &mut drop).unwrap();
     let done = poll_n(&off, 1);
     assert!(done[0].error.is_none(), "{done:?}");
     assert_eq!(bad_slot(&off, 9, 4), 0);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 // ---- issue 28: capture_end / capture_abort interruptible ----
@@ -658,7 +668,7 @@ enum Next {
 /// and the test fails at that `until`).
 fn an_interrupted_close(abort: bool, next: Next) {
     let off = Arc::new(slot_offloader());
-    off.wait_pinned().unwrap();
+    off.wait_pinned(Request::new()).unwrap();
     for (b, tag) in [(0, 21), (1, 22), (2, 23)] {
         write_block(&off, tag, b);
     }
@@ -670,20 +680,20 @@ fn an_interrupted_close(abort: bool, next: Next) {
             c2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             s2.load(std::sync::atomic::Ordering::SeqCst)
         };
-        let hook = o.interruptible(&check).capture_hook();
-        let r = if abort { hook.abort() } else { hook.end() };
+        let req = Request::new().interruptible(&check);
+        let r = if abort { o.capture_hook().abort(req) } else { o.capture_hook().end(req) };
         (r, Instant::now(), o.capture_hook().depth())
     });
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[4], 0)).unwrap();
     off.submit(JobId(2), Lane::Store, &SlotJob::single(&[1], &[5], 0)).unwrap();
-    let w = off.capture_window().unwrap();
+    let w = off.capture_window(Request::new()).unwrap();
     close_tx.send(()).unwrap();
     until("the close's flush waits for main's window, calling its cancel check", || {
         calls.load(std::sync::atomic::Ordering::SeqCst) > 0
     });
     // Shutdown meanwhile is refused at once: it would wait for the flush,
     // which waits for main's own window.
-    let r = off.shutdown();
+    let r = off.shutdown(Request::new(), &mut drop);
     assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))), "{r:?}");
     let cancelled = Instant::now();
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -708,21 +718,21 @@ fn an_interrupted_close(abort: bool, next: Next) {
     assert_eq!(off.capture_hook().deferred_jobs(), 3, "a job went past the queue or inside main's window");
     // So is shutdown, at once (it would wait for main's own window), with
     // nothing changed.
-    let r = off.shutdown();
+    let r = off.shutdown(Request::new(), &mut drop);
     assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))), "{r:?}");
     assert_eq!((off.capture_hook().deferred_jobs(), off.in_flight()), (3, 3), "the refused shutdown changed the queue");
     drop(w);
     let done = match next {
         Next::Poll => poll_n(&off, 3),
         Next::WaitJobs => {
-            off.wait_jobs(&[JobId(3)]).unwrap();
+            off.wait_jobs(&[JobId(3)], Request::new(), &mut drop).unwrap();
             assert_eq!(off.capture_hook().deferred_jobs(), 0);
             poll_n(&off, 3)
         }
         Next::Close => {
-            off.capture_hook().begin().unwrap();
+            off.capture_hook().begin(Request::new()).unwrap();
             assert_eq!(off.capture_hook().deferred_jobs(), 3, "submitted while a hook window is open");
-            off.capture_hook().end().unwrap();
+            off.capture_hook().end(Request::new()).unwrap();
             assert_eq!(off.capture_hook().deferred_jobs(), 0, "the next close left them");
             poll_n(&off, 3)
         }
@@ -736,7 +746,7 @@ fn an_interrupted_close(abort: bool, next: Next) {
             done
         }
         Next::Shutdown => {
-            off.shutdown().unwrap();
+            off.shutdown(Request::new(), &mut drop).unwrap();
             assert_eq!(off.in_flight(), 0, "shutdown left a deferred job unreported");
             assert_eq!(bad_slot(&off, 21, 4) + bad_slot(&off, 22, 5) + bad_slot(&off, 23, 6), 0);
             assert_eq!(sim(&off).registered_ranges(), 0);
@@ -749,11 +759,11 @@ fn an_interrupted_close(abort: bool, next: Next) {
     }
     // Each once: nothing more is reported (a second submission of an id
     // would be refused by the engine and reported failed).
-    off.wait_all().unwrap();
+    off.wait_all(Request::new(), &mut drop).unwrap();
     assert_eq!(off.poll_each(&mut |_| {}), 0, "a job was reported twice");
     assert_eq!((off.in_flight(), off.capture_hook().deferred_jobs()), (0, 0));
     assert_eq!(bad_slot(&off, 21, 4) + bad_slot(&off, 22, 5) + bad_slot(&off, 23, 6), 0);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -788,16 +798,16 @@ fn what_an_interrupted_capture_end_left_is_submitted_by_shutdown() {
 #[test]
 fn a_wait_for_a_deferred_job_inside_an_engine_window_is_refused_not_a_deadlock() {
     let off = Arc::new(slot_offloader());
-    off.wait_pinned().unwrap();
+    off.wait_pinned(Request::new()).unwrap();
     write_block(&off, 31, 0);
     let (begun_tx, begun_rx) = mpsc::channel();
     let (close_tx, close_rx) = mpsc::channel::<()>();
     let o2 = off.clone();
     let capture = std::thread::spawn(move || {
-        o2.capture_hook().begin().unwrap();
+        o2.capture_hook().begin(Request::new()).unwrap();
         begun_tx.send(()).unwrap();
         close_rx.recv().unwrap();
-        o2.capture_hook().end()
+        o2.capture_hook().end(Request::new())
     });
     begun_rx.recv().unwrap();
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[3], 0)).unwrap();
@@ -805,10 +815,16 @@ fn a_wait_for_a_deferred_job_inside_an_engine_window_is_refused_not_a_deadlock()
     let (opened_tx, opened_rx) = mpsc::channel::<()>();
     let (go_tx, go_rx) = mpsc::channel::<()>();
     let engine = std::thread::spawn(move || {
-        let w = o3.capture_window().unwrap();
+        let w = o3.capture_window(Request::new()).unwrap();
         opened_tx.send(()).unwrap();
         go_rx.recv().unwrap();
-        waited_tx.send((o3.wait(JobId(1)), o3.wait_jobs(&[JobId(1)]), o3.wait_all())).unwrap();
+        waited_tx
+            .send((
+                o3.wait(JobId(1), Request::new(), &mut drop),
+                o3.wait_jobs(&[JobId(1)], Request::new(), &mut drop),
+                o3.wait_all(Request::new(), &mut drop),
+            ))
+            .unwrap();
         drop(w);
     });
     opened_rx.recv().unwrap();
@@ -829,11 +845,11 @@ fn a_wait_for_a_deferred_job_inside_an_engine_window_is_refused_not_a_deadlock()
     engine.join().unwrap();
     capture.join().unwrap().unwrap();
     assert_eq!(off.capture_hook().deferred_jobs(), 0);
-    off.wait(JobId(1)).unwrap();
+    off.wait(JobId(1), Request::new(), &mut drop).unwrap();
     let done = poll_n(&off, 1);
     assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
     assert_eq!(bad_slot(&off, 31, 3), 0);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// A deferred job that its late submission refuses is reported failed, with
@@ -850,7 +866,7 @@ fn a_deferred_job_refused_late_is_reported_failed_with_the_reason() {
     let compute = off.geometry().compute_stream();
     let failed_with = |code: Code, close: &dyn Fn()| {
         let id = JobId(code.0 as u64 + 100);
-        off.capture_hook().begin().unwrap();
+        off.capture_hook().begin(Request::new()).unwrap();
         off.submit(id, Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
         assert_eq!(off.capture_hook().deferred_jobs(), 1);
         close();
@@ -862,7 +878,7 @@ fn a_deferred_job_refused_late_is_reported_failed_with_the_reason() {
     // The hook's window closed while the compute stream still captures.
     failed_with(Code::STREAM_CAPTURE_UNSUPPORTED, &|| {
         rt.begin_capture(compute, CaptureMode::ThreadLocal).unwrap();
-        off.capture_hook().end().unwrap();
+        off.capture_hook().end(Request::new()).unwrap();
         let graph = rt.end_capture(compute).unwrap();
         rt.graph_destroy(graph).unwrap();
     });
@@ -870,10 +886,10 @@ fn a_deferred_job_refused_late_is_reported_failed_with_the_reason() {
     // submission's first driver call on it fails.
     failed_with(Code::INVALID_HANDLE, &|| {
         rt.stream_destroy(compute).unwrap();
-        off.capture_hook().end().unwrap();
+        off.capture_hook().end(Request::new()).unwrap();
     });
     // Shutdown destroys the stream it made, which the test took from it.
-    match off.shutdown() {
+    match off.shutdown(Request::new(), &mut drop) {
         Err(OffloaderError::Driver { what: "destroying the compute stream", error }) => {
             assert_eq!(error.code, Code::INVALID_HANDLE)
         }

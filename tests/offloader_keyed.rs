@@ -33,6 +33,7 @@ use kvoffload::internal::offloader::{KeyedOffloader, KvAlloc, OffloaderError, Of
 use kvoffload::internal::runtime::shared;
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::transfer::TransferError;
+use kvoffload::Request;
 use proptest::prelude::*;
 use proptest::sample::subsequence;
 use proptest::test_runner::Config;
@@ -50,7 +51,7 @@ fn offloader(host_blocks: usize, policy: PolicyKind) -> KeyedOffloader {
     let off = KeyedOffloader::with_allocated_tensors(shared(SimRuntime::new()), kv, opts)
         .expect("offloader on the simulated GPU");
     // Capture windows open once pinning is final.
-    off.core().wait_pinned().expect("pinning");
+    off.core().wait_pinned(Request::new()).expect("pinning");
     off
 }
 
@@ -60,7 +61,7 @@ fn keys(hashes: &[u64]) -> Vec<BlockKey> {
 
 /// Waits for every job and applies them all.
 fn settle(off: &KeyedOffloader) {
-    off.core().wait_all().expect("wait_all");
+    off.core().wait_all(Request::new(), &mut drop).expect("wait_all");
     for c in off.poll() {
         assert!(c.error.is_none(), "job {:?} failed: {:?}", c.job, c.error);
     }
@@ -97,7 +98,7 @@ fn a_store_refused_inside_a_capture_window_changes_nothing() {
         store_settled(&off, &[0, 1, 2], &[0, 1, 2]);
         assert_eq!(hits(&off, &[0, 1, 2]), 3);
         {
-            let _w = off.core().capture_window().expect("window");
+            let _w = off.core().capture_window(Request::new()).expect("window");
             let e = off.store(&keys(&[3]), &[3]).expect_err("a store inside a capture window");
             assert!(is_window_refusal(&e), "{policy:?}: {e:?}");
         }
@@ -139,7 +140,7 @@ fn eight_refused_stores_into_a_full_pool_leave_it_full() {
         for i in 0..8u64 {
             let new = keys(&[100 + 2 * i, 101 + 2 * i]);
             let e = if i % 2 == 0 {
-                let _w = off.core().capture_window().expect("window");
+                let _w = off.core().capture_window(Request::new()).expect("window");
                 off.store(&new, &[4, 5]).expect_err("inside a window")
             } else {
                 off.store(&new, &[4, OUT_OF_RANGE]).expect_err("out of range")
@@ -158,7 +159,7 @@ fn a_load_refused_inside_a_capture_window_changes_nothing() {
     let off = offloader(2, PolicyKind::Lru);
     store_settled(&off, &[0, 1], &[0, 1]);
     {
-        let _w = off.core().capture_window().expect("window");
+        let _w = off.core().capture_window(Request::new()).expect("window");
         let e = off.load(&keys(&[0, 1]), &[2, 3]).expect_err("a load inside a capture window");
         assert!(is_window_refusal(&e), "{e:?}");
     }
@@ -183,7 +184,7 @@ fn a_key_skipped_as_already_stored_is_not_evicted_by_the_same_store() {
         assert_eq!(r.evicted, keys(&[3]), "{policy:?}: skipped {skipped:?}");
         assert_eq!(r.stored, keys(&[2]), "{policy:?}");
         let job = off.load(&keys(&[0, 1, 2, 4]), &[4, 5, 6, 7]).expect("every key but 3 loads");
-        off.core().wait(job).unwrap();
+        off.core().wait(job, Request::new(), &mut drop).unwrap();
         settle(&off);
     }
 }
@@ -505,7 +506,7 @@ impl Sut {
         let ks = keys(hashes);
         let gpu = gpu_blocks(hashes.len(), bad);
         let got = if window {
-            let _w = self.off.core().capture_window().expect("window");
+            let _w = self.off.core().capture_window(Request::new()).expect("window");
             self.off.store(&ks, &gpu)
         } else {
             self.off.store(&ks, &gpu)
@@ -537,7 +538,7 @@ impl Sut {
         let ks = keys(hashes);
         let gpu = gpu_blocks(hashes.len(), bad);
         let got = if window {
-            let _w = self.off.core().capture_window().expect("window");
+            let _w = self.off.core().capture_window(Request::new()).expect("window");
             self.off.load(&ks, &gpu)
         } else {
             self.off.load(&ks, &gpu)
@@ -550,7 +551,7 @@ impl Sut {
     }
 
     fn settle(&mut self) {
-        self.off.core().wait_all().expect("wait_all");
+        self.off.core().wait_all(Request::new(), &mut drop).expect("wait_all");
         for c in self.off.poll() {
             assert!(c.error.is_none(), "job {:?} failed: {:?}", c.job, c.error);
         }

@@ -18,6 +18,7 @@ use kvoffload::internal::protocol::{Activity, CapturePolicy, ProtocolError};
 use kvoffload::internal::runtime::shared;
 use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
 use kvoffload::internal::transfer::{JobId, Lane};
+use kvoffload::Request;
 use std::sync::Arc;
 use std::thread;
 
@@ -62,21 +63,26 @@ fn would_deadlock<T>(r: Result<T, OffloaderError>) -> bool {
 fn a_window_or_a_nested_gated_inside_gated_is_refused() {
     let off = offloader(OffloaderOptions::with_host_blocks(8));
     off.start().unwrap();
-    off.wait_pinned().unwrap();
+    off.wait_pinned(Request::new()).unwrap();
     let never = AtomicBool::new(false);
     // Each of these waited for the gated call it ran inside, for ever.
-    assert!(would_deadlock(off.gated("test", |_| off.capture_window()).unwrap()));
-    assert!(would_deadlock(off.gated("test", |_| off.interruptible(&check(&never)).capture_window()).unwrap()));
-    assert!(would_deadlock(off.gated("test", |_| off.capture_hook().begin()).unwrap()));
-    assert!(would_deadlock(off.gated("test", |_| off.gated("nested", |_| ())).unwrap()));
+    assert!(would_deadlock(off.gated("test", Request::new(), |_| off.capture_window(Request::new())).unwrap()));
+    assert!(would_deadlock(
+        off.gated("test", Request::new(), |_| off.capture_window(Request::new().interruptible(&check(&never))))
+            .unwrap()
+    ));
+    assert!(would_deadlock(off.gated("test", Request::new(), |_| off.capture_hook().begin(Request::new())).unwrap()));
+    assert!(would_deadlock(
+        off.gated("test", Request::new(), |_| off.gated("nested", Request::new(), |_| ())).unwrap()
+    ));
     assert_eq!(off.capture_hook().depth(), 0);
     assert_eq!(activity(&off), Activity::default());
     // Outside gated, all of them work again.
-    drop(off.capture_window().unwrap());
-    off.capture_hook().begin().unwrap();
-    off.capture_hook().end().unwrap();
-    assert_eq!(off.gated("test", |_| 7).unwrap(), 7);
-    off.shutdown().unwrap();
+    drop(off.capture_window(Request::new()).unwrap());
+    off.capture_hook().begin(Request::new()).unwrap();
+    off.capture_hook().end(Request::new()).unwrap();
+    assert_eq!(off.gated("test", Request::new(), |_| 7).unwrap(), 7);
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -89,22 +95,22 @@ fn an_interrupted_capture_begin_opens_nothing() {
     hold.wait_entered(); // a registration in flight: a hook window waits
     let stop = AtomicBool::new(false);
     thread::scope(|s| {
-        let begin = s.spawn(|| off.interruptible(&check(&stop)).capture_hook().begin());
+        let begin = s.spawn(|| off.capture_hook().begin(Request::new().interruptible(&check(&stop))));
         until("the hook window waits", || activity(&off).windows_waiting == 1);
         stop.store(true, Ordering::SeqCst);
         assert!(interrupted(begin.join().unwrap()));
     });
     assert_eq!(activity(&off), Activity { calls_in_flight: 1, ..Activity::default() });
     hold.release();
-    off.wait_pinned().unwrap();
-    off.shutdown().unwrap(); // no window was left open
+    off.wait_pinned(Request::new()).unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap(); // no window was left open
 }
 
 #[test]
 fn an_interrupted_gated_runs_nothing() {
     let off = offloader(OffloaderOptions::with_host_blocks(8));
     off.start().unwrap();
-    off.wait_pinned().unwrap();
+    off.wait_pinned(Request::new()).unwrap();
     let (opened_tx, opened) = mpsc::channel();
     let (close, close_rx) = mpsc::channel::<()>();
     let stop = AtomicBool::new(false);
@@ -112,13 +118,15 @@ fn an_interrupted_gated_runs_nothing() {
     thread::scope(|s| {
         let holder = &off;
         s.spawn(move || {
-            let w = holder.capture_window().unwrap();
+            let w = holder.capture_window(Request::new()).unwrap();
             opened_tx.send(()).unwrap();
             close_rx.recv().unwrap();
             drop(w);
         });
         opened.recv().unwrap();
-        let gated = s.spawn(|| off.interruptible(&check(&stop)).gated("test", |_| ran.store(true, Ordering::SeqCst)));
+        let gated = s.spawn(|| {
+            off.gated("test", Request::new().interruptible(&check(&stop)), |_| ran.store(true, Ordering::SeqCst))
+        });
         until("gated waits", || activity(&off).calls_waiting == 1);
         stop.store(true, Ordering::SeqCst);
         assert!(interrupted(gated.join().unwrap()));
@@ -126,28 +134,30 @@ fn an_interrupted_gated_runs_nothing() {
         close.send(()).unwrap();
     });
     assert!(!ran.load(Ordering::SeqCst));
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
 fn interrupted_wait_jobs_and_shutdown_leave_the_job_running() {
     let off = Arc::new(offloader(OffloaderOptions::with_host_blocks(8)));
     off.start().unwrap();
-    off.wait_pinned().unwrap();
+    off.wait_pinned(Request::new()).unwrap();
     let hold = sim(&off).hold(HoldPoint::DeviceOp);
     off.submit(JobId(7), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
     hold.wait_entered();
     let stop = AtomicBool::new(true); // stop at the first check
     let mut sink = Vec::new();
-    assert!(interrupted(off.interruptible(&check(&stop)).wait_jobs(&[JobId(7)], &mut |c| sink.push(c))));
-    assert!(interrupted(off.interruptible(&check(&stop)).shutdown(&mut |c| sink.push(c))));
+    assert!(interrupted(
+        off.wait_jobs(&[JobId(7)], Request::new().interruptible(&check(&stop)), &mut |c| sink.push(c))
+    ));
+    assert!(interrupted(off.shutdown(Request::new().interruptible(&check(&stop)), &mut |c| sink.push(c))));
     assert!(!off.is_shut_down());
     assert_eq!(off.in_flight(), 1);
     hold.release();
     let never = AtomicBool::new(false);
-    off.interruptible(&check(&never)).wait_jobs(&[JobId(7), JobId(99)], &mut |c| sink.push(c)).unwrap();
+    off.wait_jobs(&[JobId(7), JobId(99)], Request::new().interruptible(&check(&never)), &mut |c| sink.push(c)).unwrap();
     assert_eq!(sink.iter().map(|c| (c.job, c.error.is_none())).collect::<Vec<_>>(), [(JobId(7), true)]);
-    off.interruptible(&check(&never)).shutdown(&mut |c| sink.push(c)).unwrap();
+    off.shutdown(Request::new().interruptible(&check(&never)), &mut |c| sink.push(c)).unwrap();
     assert!(off.is_shut_down());
 }
 
@@ -162,10 +172,10 @@ fn the_core_of_a_keyed_offloader_refuses_slot_jobs_and_keyed_refuses_kv_groups()
     assert!(matches!(r, Err(OffloaderError::KeyedCore { call: "submit" })), "{r:?}");
     assert_eq!(keyed.core().in_flight(), 0);
     // Its waits are the core's: ids not in flight are skipped.
-    keyed.core().wait_jobs(&[JobId(1)]).unwrap();
+    keyed.core().wait_jobs(&[JobId(1)], Request::new(), &mut drop).unwrap();
     let never = AtomicBool::new(false);
-    keyed.core().interruptible(&check(&never)).wait_jobs(&[JobId(1)], &mut |_| {}).unwrap();
-    keyed.core().shutdown().unwrap();
+    keyed.core().wait_jobs(&[JobId(1)], Request::new().interruptible(&check(&never)), &mut |_| {}).unwrap();
+    keyed.core().shutdown(Request::new(), &mut drop).unwrap();
     let opts = OffloaderOptions { kv_groups: Some(vec![1]), ..OffloaderOptions::with_host_blocks(8) };
     match KeyedOffloader::with_allocated_tensors(shared(SimRuntime::new()), kv(1), opts) {
         Err(OffloaderError::Options(m)) => assert!(m.contains("kv_groups"), "{m}"),
@@ -270,7 +280,7 @@ fn a_shared_regions_memory_check_is_its_share_and_off_when_asked() {
     if 2 * halves + MIB < disk {
         let opts = shared("halves", 2, halves, true);
         let off = Offloader::with_allocated_tensors(shared_rt(), alloc, opts).expect("two shares within the budget");
-        off.shutdown().unwrap();
+        off.shutdown(Request::new(), &mut drop).unwrap();
     } else {
         println!("skipped the shares within the budget: {disk} bytes free in {}", dir.display());
     }
@@ -283,7 +293,7 @@ fn a_shared_regions_memory_check_is_its_share_and_off_when_asked() {
         let opts = shared("unchecked", 1, over, false);
         let off =
             Offloader::with_allocated_tensors(shared_rt(), alloc, opts).expect("check_memory(false) skips the check");
-        off.shutdown().unwrap();
+        off.shutdown(Request::new(), &mut drop).unwrap();
     } else {
         println!("skipped check_memory(false): {disk} bytes free in {}", dir.display());
     }
@@ -301,52 +311,66 @@ fn every_wait_and_shutdown_inside_gated_is_refused() {
     // back until this gated call ends: it would wait for itself.
     let off = Arc::new(offloader(OffloaderOptions::with_host_blocks(8)));
     off.start().unwrap();
-    off.wait_pinned().unwrap();
+    off.wait_pinned(Request::new()).unwrap();
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
     let never = AtomicBool::new(false);
-    assert!(would_deadlock(off.gated("test", |_| off.wait(JobId(1))).unwrap()));
-    assert!(would_deadlock(off.gated("test", |_| off.wait_all()).unwrap()));
-    assert!(would_deadlock(off.gated("test", |_| off.wait_jobs(&[JobId(1)])).unwrap()));
     assert!(would_deadlock(
-        off.gated("test", |_| off.interruptible(&check(&never)).wait_jobs(&[JobId(1)], &mut |_| {})).unwrap()
+        off.gated("test", Request::new(), |_| off.wait(JobId(1), Request::new(), &mut drop)).unwrap()
     ));
-    assert!(would_deadlock(off.gated("test", |_| off.wait_pinned()).unwrap()));
-    assert!(would_deadlock(off.gated("test", |_| off.shutdown()).unwrap()));
-    assert!(would_deadlock(off.gated("test", |_| off.interruptible(&check(&never)).shutdown(&mut |_| {})).unwrap()));
+    assert!(would_deadlock(off.gated("test", Request::new(), |_| off.wait_all(Request::new(), &mut drop)).unwrap()));
+    assert!(would_deadlock(
+        off.gated("test", Request::new(), |_| off.wait_jobs(&[JobId(1)], Request::new(), &mut drop)).unwrap()
+    ));
+    assert!(would_deadlock(
+        off.gated("test", Request::new(), |_| off.wait_jobs(
+            &[JobId(1)],
+            Request::new().interruptible(&check(&never)),
+            &mut |_| {}
+        ))
+        .unwrap()
+    ));
+    assert!(would_deadlock(off.gated("test", Request::new(), |_| off.wait_pinned(Request::new())).unwrap()));
+    assert!(would_deadlock(off.gated("test", Request::new(), |_| off.shutdown(Request::new(), &mut drop)).unwrap()));
+    assert!(would_deadlock(
+        off.gated("test", Request::new(), |_| off.shutdown(Request::new().interruptible(&check(&never)), &mut |_| {}))
+            .unwrap()
+    ));
     assert!(!off.is_shut_down());
     assert_eq!(
         activity(&off),
         Activity { jobs_in_flight: 1, ..Activity::default() },
         "nothing left in flight but the job"
     );
-    off.wait_jobs(&[JobId(1)]).unwrap();
-    off.shutdown().unwrap();
+    off.wait_jobs(&[JobId(1)], Request::new(), &mut drop).unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
 fn a_panic_in_a_gated_call_ends_the_call() {
     let off = offloader(OffloaderOptions::with_host_blocks(8));
     off.start().unwrap();
-    off.wait_pinned().unwrap();
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| off.gated("test", |_| panic!("the callable"))));
+    off.wait_pinned(Request::new()).unwrap();
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        off.gated("test", Request::new(), |_| panic!("the callable"))
+    }));
     assert!(r.is_err());
     assert_eq!(activity(&off), Activity::default(), "no call left in flight");
-    drop(off.capture_window().expect("a window opens after the panic"));
-    off.shutdown().unwrap();
+    drop(off.capture_window(Request::new()).expect("a window opens after the panic"));
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
 fn is_shut_down_answers_while_a_shutdown_drains() {
     let off = Arc::new(offloader(OffloaderOptions::with_host_blocks(8)));
     off.start().unwrap();
-    off.wait_pinned().unwrap();
+    off.wait_pinned(Request::new()).unwrap();
     thread::scope(|s| {
         // Dropped on the way out of this closure, a failure included, so
         // the held shutdown ends and the scope can join it.
         let hold = sim(&off).hold(HoldPoint::DeviceOp);
         off.submit(JobId(7), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
         hold.wait_entered();
-        let shutting = s.spawn(|| off.shutdown());
+        let shutting = s.spawn(|| off.shutdown(Request::new(), &mut drop));
         // The shutdown holds its own lock through the drain, held here:
         // asking must not wait for it (the Python front asks with the GIL).
         let asked = s.spawn(|| {
@@ -365,7 +389,7 @@ fn is_shut_down_answers_while_a_shutdown_drains() {
 fn an_interruptible_shutdown_is_refused_at_once_while_another_threads_window_is_open() {
     let off = Arc::new(offloader(OffloaderOptions::with_host_blocks(8)));
     off.start().unwrap();
-    off.wait_pinned().unwrap();
+    off.wait_pinned(Request::new()).unwrap();
     let never = AtomicBool::new(false);
     thread::scope(|s| {
         // Both dropped on the way out of this closure, a failure included:
@@ -377,7 +401,7 @@ fn an_interruptible_shutdown_is_refused_at_once_while_another_threads_window_is_
         hold.wait_entered();
         let holder = &off;
         s.spawn(move || {
-            let w = holder.capture_window().unwrap();
+            let w = holder.capture_window(Request::new()).unwrap();
             opened_tx.send(()).unwrap();
             let _ = close_rx.recv();
             drop(w);
@@ -385,7 +409,7 @@ fn an_interruptible_shutdown_is_refused_at_once_while_another_threads_window_is_
         opened.recv().unwrap();
         // The blocking form refuses this at once; the interruptible one
         // drained first, waiting for the window to close.
-        let asked = s.spawn(|| off.interruptible(&check(&never)).shutdown(&mut |_| {}));
+        let asked = s.spawn(|| off.shutdown(Request::new().interruptible(&check(&never)), &mut |_| {}));
         until("the interruptible shutdown answered", || asked.is_finished());
         let r = asked.join().unwrap();
         assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))), "{r:?}");
@@ -393,5 +417,5 @@ fn an_interruptible_shutdown_is_refused_at_once_while_another_threads_window_is_
         close.send(()).unwrap();
         hold.release();
     });
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }

@@ -14,6 +14,7 @@ use kvoffload::internal::runtime::pattern;
 use kvoffload::internal::runtime::sim::{Hold, HoldPoint, SimConfig, SimRuntime};
 use kvoffload::internal::runtime::{shared, Direction};
 use kvoffload::internal::transfer::{JobId, Lane, TransferError};
+use kvoffload::Request;
 
 const PAGE: usize = 4096;
 const TENSORS: usize = 3;
@@ -138,7 +139,7 @@ fn bad_host_pages(off: &Offloader, tag: u64, slots: &[usize]) -> usize {
 
 /// Waits for every job and returns what poll reports.
 fn drain(off: &Offloader) -> Vec<kvoffload::internal::offloader::Completion> {
-    off.wait_all().unwrap();
+    off.wait_all(Request::new(), &mut drop).unwrap();
     let done = poll(off);
     assert_eq!(off.in_flight(), 0);
     done
@@ -195,7 +196,7 @@ fn round_trip_through_chosen_slots_byte_for_byte() {
             assert!(got == page(1, t, (j + FACTOR) % (2 * FACTOR)), "tensor {t}, GPU block {b}");
         }
     }
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// Page `sub` of tensor `t` in host slot `slot`, read from the region.
@@ -244,7 +245,7 @@ fn partial_first_and_last_slots_from_first_sub() {
             assert!(got == want, "tensor {t}, GPU block {b}");
         }
     }
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -279,7 +280,7 @@ fn slot_jobs_are_ordered_after_the_compute_stream() {
         unsafe { rt.copy_dtoh(got.as_mut_ptr() as usize, base.offset(b * PAGE), PAGE) }.unwrap();
         assert!(got.iter().all(|&x| x == 0xAB), "GPU block {b} did not get the compute stream's bytes");
     }
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -296,13 +297,13 @@ fn slots_are_reused_after_their_store_was_reported() {
         write_blocks(&off, round, &src);
         let store = next();
         off.submit(store, Lane::Store, &SlotJob::single(&src, &[7], 0)).unwrap();
-        off.wait(store).unwrap();
+        off.wait(store, Request::new(), &mut drop).unwrap();
         let done = poll(&off);
         assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [store]);
         let dst = gpu_range(8 + 2 * round as usize, 2);
         let load = next();
         off.submit(load, Lane::Load, &SlotJob::single(&dst, &[7], 0)).unwrap();
-        off.wait(load).unwrap();
+        off.wait(load, Request::new(), &mut drop).unwrap();
         assert_eq!(poll(&off).len(), 1);
         assert_eq!(bad_pages(&off, round, &dst), 0, "round {round}: slot 7 holds the last store");
         assert_eq!(bad_host_pages(&off, round, &[7]), 0);
@@ -313,7 +314,7 @@ fn slots_are_reused_after_their_store_was_reported() {
     assert_eq!(drain(&off).len(), 2);
     assert_eq!(bad_pages(&off, 4, &[30, 31]), 0);
     assert_eq!(bad_pages(&off, 4, &[28, 29]), 0);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -392,9 +393,12 @@ fn bad_slot_jobs_are_typed_errors_and_submit_nothing() {
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[0], 0)).unwrap();
     assert_eq!(drain(&off).len(), 1);
     // Waits on ids that are not in flight: never submitted, and reported.
-    assert!(matches!(off.wait(JobId(77)), Err(OffloaderError::UnknownJob { id: JobId(77) })));
-    assert!(matches!(off.wait(JobId(1)), Err(OffloaderError::UnknownJob { id: JobId(1) })));
-    off.shutdown().unwrap();
+    assert!(matches!(
+        off.wait(JobId(77), Request::new(), &mut drop),
+        Err(OffloaderError::UnknownJob { id: JobId(77) })
+    ));
+    assert!(matches!(off.wait(JobId(1), Request::new(), &mut drop), Err(OffloaderError::UnknownJob { id: JobId(1) })));
+    off.shutdown(Request::new(), &mut drop).unwrap();
     match store(2, &[0, 1], &[0]) {
         OffloaderError::ShutDown => {}
         e => panic!("{e:?}"),
@@ -429,7 +433,7 @@ fn job_ids_are_never_reused() {
     off.submit(JobId(0), Lane::Load, &SlotJob::single(&[6, 7], &[0], 0)).unwrap();
     let done = drain(&off);
     assert_eq!(done.iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(3), JobId(u64::MAX), JobId(0)]);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -453,10 +457,10 @@ fn keyed_and_slot_jobs_never_mix() {
     assert_eq!(keyed.core().in_flight(), 0);
     // The keyed API still works there.
     let stored = keyed.store(&k, &[0, 1]).unwrap();
-    keyed.core().wait_all().unwrap();
+    keyed.core().wait_all(Request::new(), &mut drop).unwrap();
     assert_eq!(keyed.poll().iter().map(|c| c.job).collect::<Vec<_>>(), [stored.job.unwrap()]);
     assert_eq!(keyed.stored_blocks(), 1);
-    keyed.core().shutdown().unwrap();
+    keyed.core().shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -473,7 +477,7 @@ fn shutdown_drains_slot_jobs_in_flight() {
     write_blocks(&off, 30, &[16, 17]);
     off.submit(JobId(8), Lane::Store, &SlotJob::single(&[16, 17], &[0], 0)).unwrap();
     // A load from a slot the engine filled before (its store reported).
-    off.wait(JobId(8)).unwrap();
+    off.wait(JobId(8), Request::new(), &mut drop).unwrap();
     assert_eq!(poll(&off).len(), 9);
     off.submit(JobId(9), Lane::Load, &SlotJob::single(&[20, 21], &[0], 0)).unwrap();
     for i in 0..4usize {
@@ -482,7 +486,7 @@ fn shutdown_drains_slot_jobs_in_flight() {
         off.submit(JobId(10 + i as u64), Lane::Store, &SlotJob::single(&gpu, &[1 + i], 0)).unwrap();
     }
     assert_eq!(off.in_flight(), 5);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
     assert_eq!(off.in_flight(), 0, "every slot job drained and reported");
     assert!(poll(&off).is_empty());
     // Every store's bytes are in its slot, the drained ones too (the GPU
@@ -562,7 +566,7 @@ fn kv_groups_share_slot_ids_and_touch_only_their_tensors() {
         assert!(gpu_page(&off, 2, b) == page(5, 2, 3 + i), "tensor 2, GPU block {b}");
     }
     assert!(gpu_page(&off, 2, 20) == page(5, 2, 4), "tensor 2, GPU block 20");
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -595,7 +599,7 @@ fn kv_group_jobs_of_the_wrong_shape_are_typed_errors() {
     assert_eq!(off.in_flight(), 0);
     off.submit(JobId(1), Lane::Store, &SlotJob::groups(&[0], &[1, 0], &[0], &[0, 0])).unwrap();
     assert_eq!(drain(&off).len(), 1);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 
     // Groups need slot jobs (a keyed offloader refuses them) and a
     // partition of the tensors.
@@ -627,7 +631,7 @@ fn slots_of_jobs_not_yet_reported_are_busy() {
         other => panic!("{other:?}"),
     }
     // Completed on the GPU is not enough: reported is.
-    off.wait(JobId(1)).unwrap();
+    off.wait(JobId(1), Request::new(), &mut drop).unwrap();
     assert!(matches!(
         off.submit(JobId(2), Lane::Store, &SlotJob::single(&[2, 3], &[3], 0)),
         Err(OffloaderError::SlotBusy { slot: 3, .. })
@@ -650,7 +654,7 @@ fn slots_of_jobs_not_yet_reported_are_busy() {
     assert_eq!(drain(&off).len(), 3);
     off.submit(JobId(5), Lane::Store, &SlotJob::single(&[8, 9], &[3], 0)).unwrap();
     assert_eq!(drain(&off).len(), 1);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 
     // With groups, a slot id is one slot per group.
     let off = grouped_offloader();
@@ -663,7 +667,7 @@ fn slots_of_jobs_not_yet_reported_are_busy() {
         other => panic!("{other:?}"),
     }
     assert_eq!(drain(&off).len(), 2);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -672,7 +676,7 @@ fn wait_jobs_waits_for_those_in_flight_and_skips_the_rest() {
     let device = sim.another_handle();
     let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[0], 0)).unwrap();
-    off.wait_all().unwrap();
+    off.wait_all(Request::new(), &mut drop).unwrap();
     assert_eq!(poll(&off).len(), 1);
     write_blocks(&off, 3, &[2, 3]);
     // The store's copies are held on the device until 100 ms from now.
@@ -682,13 +686,13 @@ fn wait_jobs_waits_for_those_in_flight_and_skips_the_rest() {
     hold.wait_entered();
     let release = release_in_100_ms(hold);
     // 1 reported, 2 and 3 in flight, 9 never submitted.
-    off.wait_jobs(&[JobId(9), JobId(1), JobId(2), JobId(3)]).unwrap();
+    off.wait_jobs(&[JobId(9), JobId(1), JobId(2), JobId(3)], Request::new(), &mut drop).unwrap();
     assert_eq!(bad_host_pages(&off, 3, &[1]), 0, "job 2 completed when wait_jobs returned");
     release.join().unwrap();
     assert_eq!(poll(&off).iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(2), JobId(3)]);
-    off.wait_jobs(&[]).unwrap();
-    off.shutdown().unwrap();
-    assert!(matches!(off.wait_jobs(&[JobId(2)]), Err(OffloaderError::ShutDown)));
+    off.wait_jobs(&[], Request::new(), &mut drop).unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
+    assert!(matches!(off.wait_jobs(&[JobId(2)], Request::new(), &mut drop), Err(OffloaderError::ShutDown)));
 }
 
 #[test]
@@ -702,11 +706,11 @@ fn wait_all_waits_for_every_job_in_flight() {
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[2, 3], &[1], 0)).unwrap();
     hold.wait_entered();
     let release = release_in_100_ms(hold);
-    off.wait_all().unwrap();
+    off.wait_all(Request::new(), &mut drop).unwrap();
     assert_eq!(bad_host_pages(&off, 4, &[1]), 0, "job 1 completed when wait_all returned");
     release.join().unwrap();
     assert_eq!(poll(&off).iter().map(|c| c.job).collect::<Vec<_>>(), [JobId(1)]);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
@@ -730,13 +734,13 @@ fn an_interruptible_wait_reports_its_own_jobs_failure_not_anothers() {
         let device = sim.another_handle();
         let off =
             Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
-        assert_eq!(format!("{:?}", off.interruptible(&never)), "Interruptible");
         // Job 1's first copy enqueue fails.
         device.inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
         off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
         off.submit(JobId(2), Lane::Store, &SlotJob::single(&[1], &[1], 0)).unwrap();
         let mut seen = Vec::new();
-        let r = off.interruptible(&never).wait(JobId(waited), &mut |c| seen.push((c.job, c.error.is_some())));
+        let r = off
+            .wait(JobId(waited), Request::new().interruptible(&never), &mut |c| seen.push((c.job, c.error.is_some())));
         assert!(seen.contains(&(JobId(waited), waited == failing)), "{seen:?}");
         match (r, waited == failing) {
             (Err(OffloaderError::Transfer(TransferError::JobFailed { id, error })), true) => {
@@ -746,7 +750,7 @@ fn an_interruptible_wait_reports_its_own_jobs_failure_not_anothers() {
             (r, _) => panic!("waiting for job {waited} beside failing job {failing}: {r:?} ({seen:?})"),
         }
         drain(&off);
-        off.shutdown().unwrap();
+        off.shutdown(Request::new(), &mut drop).unwrap();
     }
 }
 
@@ -760,7 +764,7 @@ fn shutdown_drains_stores_and_loads_in_flight() {
     drain(&off);
     off.submit(JobId(2), Lane::Store, &SlotJob::single(&[0, 1], &[3], 0)).unwrap();
     off.submit(JobId(3), Lane::Load, &SlotJob::single(&[4, 5], &[2], 0)).unwrap();
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
     assert_eq!(off.in_flight(), 0, "shutdown left jobs in flight");
     assert_eq!(bad_host_pages(&off, 5, &[3]), 0, "the store did not run before shutdown returned");
 }
@@ -779,14 +783,14 @@ fn an_interruptible_shutdown_beside_a_live_graph_is_refused_before_waiting() {
     let never = || false;
     // A shutdown that waited for the store first ends too, and fails below.
     let (returned, release) = release_once_returned(hold, || {});
-    let r = off.interruptible(&never).shutdown(&mut |_| {});
+    let r = off.shutdown(Request::new().interruptible(&never), &mut |_| {});
     let _ = returned.send(());
     assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::GraphsAlive { live: 1 }))), "{r:?}");
     assert_eq!(off.in_flight(), 1, "the refused shutdown waited for the held store");
     drop(token);
     release.join().unwrap();
     drain(&off);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// An interruptible wait calls its check once every 50 ms
@@ -816,7 +820,7 @@ fn an_interruptible_wait_is_interrupted_however_long_it_waited() {
         stop.load(Ordering::SeqCst)
     };
     let began = std::time::Instant::now();
-    let r = off.interruptible(&check).wait(JobId(1), &mut |_| {});
+    let r = off.wait(JobId(1), Request::new().interruptible(&check), &mut |_| {});
     let waited = began.elapsed();
     let _ = returned.send(());
     assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::Interrupted { .. }))), "{r:?}");
@@ -827,5 +831,5 @@ fn an_interruptible_wait_is_interrupted_however_long_it_waited() {
     assert!(calls <= periods, "{calls} checks in {waited:?}");
     later.join().unwrap();
     drain(&off);
-    off.shutdown().unwrap();
+    off.shutdown(Request::new(), &mut drop).unwrap();
 }

@@ -10,6 +10,7 @@ use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState, Protoc
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{shared, CaptureMode, Code, GpuRuntime};
 use kvoffload::internal::sync::Arc;
+use kvoffload::Request;
 
 const PAGE: usize = 4096;
 
@@ -38,16 +39,16 @@ fn sim(rt: &Arc<dyn GpuRuntime>) -> &SimRuntime {
 fn a_refused_shutdown_changes_nothing() {
     let rt = shared(SimRuntime::new());
     let off = offloader(&rt);
-    assert_eq!(off.core().wait_pinned().unwrap().state, PinState::Pinned);
+    assert_eq!(off.core().wait_pinned(Request::new()).unwrap().state, PinState::Pinned);
     let registered = sim(&rt).registered_ranges();
     assert!(registered > 0);
     let k = [BlockKey::new(1, 0)];
     off.store(&k, &[3]).unwrap();
-    off.core().wait_all().unwrap();
+    off.core().wait_all(Request::new(), &mut drop).unwrap();
     off.poll();
 
     let token = off.core().register_graph().unwrap();
-    match off.core().shutdown() {
+    match off.core().shutdown(Request::new(), &mut drop) {
         Err(OffloaderError::Protocol(ProtocolError::GraphsAlive { live: 1 })) => {}
         other => panic!("expected GraphsAlive, got {other:?}"),
     }
@@ -55,22 +56,25 @@ fn a_refused_shutdown_changes_nothing() {
     assert_eq!(sim(&rt).registered_ranges(), registered, "nothing unregistered");
     // Work goes on as before the refusal.
     let job = off.load(&k, &[5]).expect("a load after a refused shutdown");
-    off.core().wait(job).unwrap();
+    off.core().wait(job, Request::new(), &mut drop).unwrap();
     let k2 = [BlockKey::new(2, 0)];
     let stored = off.store(&k2, &[4]).expect("a store after a refused shutdown");
     assert_eq!(stored.stored, k2.to_vec());
-    off.core().wait_all().unwrap();
+    off.core().wait_all(Request::new(), &mut drop).unwrap();
     let done = off.poll();
     assert_eq!(done.len(), 2);
     assert!(done.iter().all(|c| c.error.is_none()), "{done:?}");
-    let _w = off.core().capture_window().expect("windows still open after a refused shutdown");
+    let _w = off.core().capture_window(Request::new()).expect("windows still open after a refused shutdown");
     drop(_w);
 
     drop(token);
-    off.core().shutdown().expect("shutdown once the graph is gone");
+    off.core().shutdown(Request::new(), &mut drop).expect("shutdown once the graph is gone");
     assert!(off.core().is_shut_down());
     assert_eq!(sim(&rt).registered_ranges(), 0, "the region is unregistered");
-    assert!(matches!(off.core().shutdown(), Err(OffloaderError::Protocol(ProtocolError::AlreadyShutDown))));
+    assert!(matches!(
+        off.core().shutdown(Request::new(), &mut drop),
+        Err(OffloaderError::Protocol(ProtocolError::AlreadyShutDown))
+    ));
 }
 
 /// The same with a window open: refused, nothing changed, and the window's
@@ -79,16 +83,19 @@ fn a_refused_shutdown_changes_nothing() {
 fn a_shutdown_refused_during_a_window_leaves_the_capture_valid() {
     let rt = shared(SimRuntime::new());
     let off = offloader(&rt);
-    off.core().wait_pinned().unwrap();
+    off.core().wait_pinned(Request::new()).unwrap();
     let s = rt.stream_create().unwrap();
-    let w = off.core().capture_window().unwrap();
+    let w = off.core().capture_window(Request::new()).unwrap();
     rt.begin_capture(s, CaptureMode::Global).unwrap();
-    assert!(matches!(off.core().shutdown(), Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))));
+    assert!(matches!(
+        off.core().shutdown(Request::new(), &mut drop),
+        Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))
+    ));
     let g = rt.end_capture(s).expect("capture valid");
     rt.graph_destroy(g).unwrap();
     drop(w);
     assert!(off.store(&[BlockKey::new(9, 0)], &[1]).unwrap().job.is_some());
-    off.core().shutdown().unwrap();
+    off.core().shutdown(Request::new(), &mut drop).unwrap();
     assert_eq!(sim(&rt).registered_ranges(), 0);
 }
 
@@ -99,7 +106,7 @@ fn a_shutdown_refused_during_a_window_leaves_the_capture_valid() {
 fn a_drop_with_a_live_graph_leaks_the_region_registered() {
     let rt = shared(SimRuntime::new());
     let off = offloader(&rt);
-    off.core().wait_pinned().unwrap();
+    off.core().wait_pinned(Request::new()).unwrap();
     let chunks = off.core().pin_progress().chunks_total;
     let token = off.core().register_graph().unwrap();
     drop(off);
@@ -130,8 +137,8 @@ fn one_runtime_handle_one_offloader() {
     ));
     let second = shared(sim(&rt).another_handle());
     let off2 = offloader(&second);
-    off2.core().shutdown().unwrap();
-    off.core().shutdown().unwrap();
+    off2.core().shutdown(Request::new(), &mut drop).unwrap();
+    off.core().shutdown(Request::new(), &mut drop).unwrap();
 }
 
 /// The engine's gated calls run on the offloader's runtime inside its gate;
@@ -141,12 +148,12 @@ fn one_runtime_handle_one_offloader() {
 fn gated_calls_are_the_offloaders_and_foreign_gates_are_refused() {
     let rt = shared(SimRuntime::new());
     let off = offloader(&rt);
-    let p = off.core().gated("engine scratch", |calls| calls.mem_alloc(64)).unwrap().unwrap();
+    let p = off.core().gated("engine scratch", Request::new(), |calls| calls.mem_alloc(64)).unwrap().unwrap();
     // SAFETY: no work used `p`; nothing uses it afterwards.
-    off.core().gated("engine scratch", |calls| unsafe { calls.mem_free(p) }).unwrap().unwrap();
+    off.core().gated("engine scratch", Request::new(), |calls| unsafe { calls.mem_free(p) }).unwrap().unwrap();
     let elsewhere = shared(SimRuntime::new());
     let foreign = Coordinator::without_region(elsewhere.as_ref(), CapturePolicy::AfterPinning).unwrap();
     let r = foreign.unsafe_call("attack", |g| rt.mem_alloc(g, 64)).unwrap();
     assert_eq!(r.map_err(|e| e.code), Err(Code::GATE_REFUSED));
-    off.core().shutdown().unwrap();
+    off.core().shutdown(Request::new(), &mut drop).unwrap();
 }

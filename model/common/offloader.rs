@@ -13,6 +13,7 @@ use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::GpuRuntime;
 use kvoffload::internal::sync::{thread, Arc};
 use kvoffload::internal::transfer::{Backend, BackendChoice, TransferOptions};
+use kvoffload::Request;
 
 /// Bytes of one GPU block (and of one host block: one tensor).
 pub const PAGE: usize = 64;
@@ -42,7 +43,7 @@ const KV: KvAlloc = KvAlloc { tensors: 1, page_bytes: PAGE, gpu_blocks: 4, block
 /// with `variant` (a negative model's knob, or `Variant::Correct`).
 pub fn offloader_on(rt: Arc<dyn GpuRuntime>, opts: OffloaderOptions, variant: Variant) -> Offloader {
     let off = Offloader::with_allocated_tensors(rt, KV, opts).expect("offloader on the simulated GPU");
-    off.set_variant(variant);
+    kvoffload::internal::offloader::set_variant(&off, variant);
     off
 }
 
@@ -50,7 +51,7 @@ pub fn offloader_on(rt: Arc<dyn GpuRuntime>, opts: OffloaderOptions, variant: Va
 /// `variant`.
 pub fn keyed_on(rt: Arc<dyn GpuRuntime>, opts: OffloaderOptions, variant: Variant) -> KeyedOffloader {
     let off = KeyedOffloader::with_allocated_tensors(rt, KV, opts).expect("offloader on the simulated GPU");
-    off.core().set_variant(variant);
+    kvoffload::internal::offloader::set_variant(off.core(), variant);
     off
 }
 
@@ -96,7 +97,7 @@ pub fn pinned(slots: usize, variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<Offlo
     let rt = kvoffload::internal::runtime::shared(SimRuntime::new());
     let opts = lean(OffloaderOptions::with_host_blocks(slots), None);
     let off = Arc::new(offloader_on(rt.clone(), opts, variant));
-    assert_eq!(off.wait_pinned().unwrap().state, PinState::Pinned);
+    assert_eq!(off.wait_pinned(Request::new()).unwrap().state, PinState::Pinned);
     (rt, off)
 }
 
@@ -115,7 +116,7 @@ pub fn slot_bytes(off: &Offloader, slot: usize) -> [u8; PAGE] {
 /// poll: the jobs still to be reported, each once (a job submitted twice
 /// would be reported twice, or refused and reported failed).
 pub fn drain_reports(off: &Offloader) -> Vec<Completion> {
-    off.wait_all().expect("wait_all from a thread without a window");
+    off.wait_all(Request::new(), &mut drop).expect("wait_all from a thread without a window");
     let mut done = Vec::new();
     off.poll_each(&mut |c| done.push(c));
     done

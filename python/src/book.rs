@@ -16,7 +16,7 @@ pub(crate) const COLLECTED_KEPT: usize = 1 << 16;
 pub(crate) struct Book {
     /// Completions taken from the engine and not yet returned by `poll`,
     /// in the engine's order: `poll` and the waits (which poll while they
-    /// wait, see `Interruptible::wait`) put them here, each under
+    /// wait, see `Offloader::wait`) put them here, each under
     /// the library's lock, and `poll` returns them all.
     pub(crate) reported: Vec<Completion>,
     /// Outcomes of the jobs `poll` returned, newest last (at most

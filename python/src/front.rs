@@ -5,6 +5,7 @@
 //! for its own (`keyed`, `slots`), as the library decides by type.
 
 use super::*;
+use kvoffload::Request;
 
 /// What the common base (`kvoffload._OffloaderBase`) holds. Derefs to the
 /// core, which every call but the keyed and the slot jobs goes to.
@@ -59,7 +60,7 @@ pub(crate) fn shut_down_dropped(off: &Arc<Front>, gate: Option<&Arc<Gate>>) {
     Python::attach(|py| {
         py.detach(move || {
             if !off.is_shut_down() {
-                if let Err(e) = off.shutdown() {
+                if let Err(e) = off.shutdown(Request::new(), &mut drop) {
                     eprintln!("kvoffload: offloader dropped, shutdown failed: {e}");
                 }
             }

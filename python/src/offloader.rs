@@ -34,6 +34,7 @@
 
 use super::*;
 use kvoffload::internal::protocol::ProtocolError;
+use kvoffload::Request;
 
 /// What `kvoffload.Offloader` and `kvoffload.KeyedOffloader` share (the
 /// hidden base `kvoffload._OffloaderBase`): the library offloader, the
@@ -150,7 +151,7 @@ impl PyOffloaderBase {
     fn shutdown_inner(&self, py: Python<'_>) -> PyResult<()> {
         let off = &self.off;
         let signals = Signals::default();
-        let r = py.detach(|| off.interruptible(&|| signals.check()).shutdown(&mut self.keep()));
+        let r = py.detach(|| off.shutdown(Request::new().interruptible(&|| signals.check()), &mut self.keep()));
         if self.off.is_shut_down() {
             // No thread of kvoffload enters Python for the agreement any
             // more (the callable's own thread may still run it).
@@ -518,7 +519,7 @@ impl PyOffloaderBase {
             let off = &self.off;
             let signals = Signals::default();
             let out: PinOutcome =
-                signals.result(py, py.detach(|| off.interruptible(&|| signals.check()).wait_pinned()))?;
+                signals.result(py, py.detach(|| off.wait_pinned(Request::new().interruptible(&|| signals.check()))))?;
             let (agreed, agreement_error) = match &out.agreement {
                 None => (None, None),
                 Some(Ok(())) => (Some(true), None),
@@ -570,7 +571,10 @@ impl PyOffloaderBase {
             let off = &self.off;
             let signals = Signals::default();
             let depth = off.capture_hook().depth();
-            signals.result(py, py.detach(|| off.interruptible(&|| signals.check()).capture_hook().begin()))?;
+            signals.result(
+                py,
+                py.detach(|| off.capture_hook().begin(Request::new().interruptible(&|| signals.check()))),
+            )?;
             if let Err(e) = py.check_signals() {
                 // Opened (or counted) just as Ctrl-C came: undo this begin.
                 // The window closes at once; a job deferred meanwhile that
@@ -578,11 +582,11 @@ impl PyOffloaderBase {
                 // says stop: at most one 50 ms slice) but left deferred,
                 // for the next poll, wait or submission.
                 let _ = py.detach(|| {
-                    let hook = off.interruptible(&|| true).capture_hook();
+                    let (hook, stop) = (off.capture_hook(), Request::new().interruptible(&|| true));
                     if depth == 0 {
-                        hook.abort()
+                        hook.abort(stop)
                     } else {
-                        hook.end()
+                        hook.end(stop)
                     }
                 });
                 return Err(e);
@@ -605,7 +609,7 @@ impl PyOffloaderBase {
         guarded(py, || {
             let off = &self.off;
             let signals = Signals::default();
-            signals.result(py, py.detach(|| off.interruptible(&|| signals.check()).capture_hook().end()))
+            signals.result(py, py.detach(|| off.capture_hook().end(Request::new().interruptible(&|| signals.check()))))
         })
     }
 
@@ -615,7 +619,8 @@ impl PyOffloaderBase {
         guarded(py, || {
             let off = &self.off;
             let signals = Signals::default();
-            signals.result(py, py.detach(|| off.interruptible(&|| signals.check()).capture_hook().abort()))
+            signals
+                .result(py, py.detach(|| off.capture_hook().abort(Request::new().interruptible(&|| signals.check()))))
         })
     }
 
@@ -644,8 +649,9 @@ impl PyOffloaderBase {
             let off = &self.off;
             let signals = Signals::default();
             let r = py.detach(|| {
-                off.interruptible(&|| signals.check())
-                    .gated("the engine's own call", |_| Python::attach(|py| f.call0(py)))
+                off.gated("the engine's own call", Request::new().interruptible(&|| signals.check()), |_| {
+                    Python::attach(|py| f.call0(py))
+                })
             });
             signals.result(py, r)?
         })
@@ -681,7 +687,7 @@ impl PyOffloaderBase {
             let id = JobId(job);
             let off = &self.off;
             let signals = Signals::default();
-            let r = py.detach(|| off.interruptible(&|| signals.check()).wait(id, &mut self.keep()));
+            let r = py.detach(|| off.wait(id, Request::new().interruptible(&|| signals.check()), &mut self.keep()));
             if let Some(e) = signals.raised.lock().unwrap_or_else(|p| p.into_inner()).take() {
                 return Err(e);
             }
@@ -695,7 +701,7 @@ impl PyOffloaderBase {
         guarded(py, || {
             let off = &self.off;
             let signals = Signals::default();
-            let r = py.detach(|| off.interruptible(&|| signals.check()).wait_all(&mut self.keep()));
+            let r = py.detach(|| off.wait_all(Request::new().interruptible(&|| signals.check()), &mut self.keep()));
             signals.result(py, r)
         })
     }
@@ -804,7 +810,8 @@ impl PyCaptureWindow {
             let me = slf.get();
             let off = &me.off;
             let signals = Signals::default();
-            let w = signals.result(py, py.detach(|| off.interruptible(&|| signals.check()).capture_window()))?;
+            let w = signals
+                .result(py, py.detach(|| off.capture_window(Request::new().interruptible(&|| signals.check()))))?;
             if let Err(e) = py.check_signals() {
                 // Opened just as Ctrl-C came: close it again.
                 drop(w);
@@ -1004,7 +1011,8 @@ impl PyOffloader {
             let base = slf.as_super().get();
             let off = base.off.slots();
             let signals = Signals::default();
-            let r = py.detach(|| off.interruptible(&|| signals.check()).wait_jobs(&ids, &mut base.keep()));
+            let r =
+                py.detach(|| off.wait_jobs(&ids, Request::new().interruptible(&|| signals.check()), &mut base.keep()));
             signals.result(py, r)
         })
     }

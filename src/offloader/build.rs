@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 
 use super::{
-    hook, Geometry, Inner, JobBook, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, Pinner, RegionSpec,
+    hook, Geometry, Inner, KeyedBook, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions, Owned, PinStart,
+    Pinner, RegionSpec,
 };
 use crate::pin::{Agreement, Prepared, RankAgreement, RegionSlots};
 use crate::protocol::agreement::RankSlots;
@@ -15,10 +16,6 @@ use crate::runtime::{DevicePtr, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::atomic::AtomicBool;
 use crate::sync::{self, Arc, Mutex};
 use crate::transfer::{GroupSpec, HostPlacement, KvLayout, Lane, TensorSpec, TransferEngine};
-
-/// Makes a layer's job book from the options (a keyed offloader's block
-/// manager), where the offloader is built.
-pub(crate) type MakeBook = fn(&OffloaderOptions) -> Result<Box<dyn JobBook>, OffloaderError>;
 
 /// The KV cache groups of the layout: one of every tensor, or
 /// `opts.kv_groups` (slot jobs only: a keyed offloader refuses them before
@@ -99,7 +96,7 @@ impl Offloader {
         opts: OffloaderOptions,
     ) -> Result<Offloader, OffloaderError> {
         // SAFETY: forwarded to the caller.
-        unsafe { Self::build(rt, kv, opts, Vec::new(), None, None) }
+        unsafe { Self::build(rt, kv, opts, Vec::new(), None, false) }
     }
 
     /// Builds an offloader that allocates its KV tensors itself (`alloc`)
@@ -111,15 +108,16 @@ impl Offloader {
         alloc: KvAlloc,
         opts: OffloaderOptions,
     ) -> Result<Offloader, OffloaderError> {
-        Self::allocate_and_build(rt, alloc, opts, None)
+        Self::allocate_and_build(rt, alloc, opts, false)
     }
 
-    /// [`Offloader::with_allocated_tensors`], with a layer's job book.
+    /// [`Offloader::with_allocated_tensors`], with the keyed layer's book
+    /// when `keyed`.
     pub(crate) fn allocate_and_build(
         rt: Arc<dyn GpuRuntime>,
         alloc: KvAlloc,
         opts: OffloaderOptions,
-        make_book: Option<MakeBook>,
+        keyed: bool,
     ) -> Result<Offloader, OffloaderError> {
         let zero: Vec<&str> = [
             ("tensors", alloc.tensors),
@@ -222,7 +220,7 @@ impl Offloader {
         };
         // SAFETY: the tensors and the stream were made above for this
         // offloader, which frees them at shutdown, after its jobs.
-        let r = unsafe { Self::build(rt.clone(), kv, opts, tensors.clone(), Some(compute), make_book) };
+        let r = unsafe { Self::build(rt.clone(), kv, opts, tensors.clone(), Some(compute), keyed) };
         if r.is_err() {
             if let Err(e) = rt.stream_destroy(compute) {
                 tracing::warn!(error = %e, "destroying the compute stream failed");
@@ -232,8 +230,8 @@ impl Offloader {
         r
     }
 
-    /// The offloader, with the job book `make_book` makes (a keyed
-    /// layer's; `None`: slot jobs).
+    /// The offloader, with the keyed layer's job book when `keyed` (its
+    /// block manager; otherwise slot jobs).
     ///
     /// # Safety
     /// As for [`Offloader::new`].
@@ -243,7 +241,7 @@ impl Offloader {
         opts: OffloaderOptions,
         owned_tensors: Vec<DevicePtr>,
         owned_compute: Option<Stream>,
-        make_book: Option<MakeBook>,
+        keyed: bool,
     ) -> Result<Offloader, OffloaderError> {
         if kv.tensors.is_empty() || kv.gpu_blocks == 0 || kv.block_factor == 0 {
             return Err(OffloaderError::Options(format!(
@@ -310,7 +308,7 @@ impl Offloader {
         let placement = HostPlacement::BlockStrided { stride: layout.chunk_stride() };
         let kv_layout = KvLayout::new(&groups, kv.block_factor, host_base, placement)?;
         // A keyed layer's block manager; slot jobs need none.
-        let book = make_book.map(|make| make(&opts)).transpose()?;
+        let book = keyed.then(|| KeyedBook::new(&opts)).transpose()?;
         // SAFETY: the host area is this rank's slots of `region`, which the
         // offloader (and the coordinator) hold until the engine is gone;
         // only the engine's DMA touches them (the offloader hands out no
@@ -332,19 +330,19 @@ impl Offloader {
         );
         let host_blocks = kv_layout.num_host_blocks(0);
         Ok(Offloader {
-            rt: rt.clone(),
             coord,
             geometry: Geometry { runtime: rt, kv, host_blocks, layout: kv_layout, region, lane_streams },
-            prefault: prepared.prefault(),
-            pin_observer: opts.pin_observer.clone(),
-            agreement,
-            bytes_total,
-            inner: Mutex::new(Inner { engine: Some(Arc::new(engine)), jobs: HashMap::new(), closed: false, book }),
+            pin_start: PinStart {
+                prefault: prepared.prefault(),
+                observer: opts.pin_observer.clone(),
+                agreement,
+                bytes_total,
+            },
             pinner: Mutex::new(Pinner::NotStarted),
-            owned_tensors,
-            owned_compute,
-            shut_down: Mutex::new(false),
-            shut: AtomicBool::new(false),
+            inner: Mutex::new(Inner { engine: Some(Arc::new(engine)), jobs: HashMap::new(), closed: false, book }),
+            owned: Owned { tensors: owned_tensors, compute: owned_compute },
+            shutting: Mutex::new(()),
+            shut_down: AtomicBool::new(false),
             hook: hook::Hook::new(),
             gated_threads: Mutex::new(Vec::new()),
         })

@@ -6,8 +6,8 @@
 //!
 //! - Depth is per thread. [`CaptureHook::begin`] at depth 0 opens a
 //!   capture window under the Interleave rules, whatever the offloader's
-//!   [`CapturePolicy`](crate::protocol::CapturePolicy)
-//!   ([`Coordinator::open_window_interleaved`](crate::protocol::Coordinator::open_window_interleaved)):
+//!   [`CapturePolicy`](crate::protocol::CapturePolicy) and whatever its
+//!   [`Request`] says ([`Request::interleaved`]):
 //!   it waits at most for the capture-unsafe library call in flight (one
 //!   chunk's registration, or one job submission), never for pinning.
 //!   Deeper begins only count. [`CaptureHook::end`] at depth 1 closes
@@ -31,9 +31,10 @@
 //!   so a close never waits for another thread's hook window (P6: a
 //!   thread may hold its hook window until another's close returns).
 //! - That wait is the close's only wait for another thread, and an
-//!   interruptible close ([`Interruptible::capture_hook`](super::Interruptible::capture_hook))
-//!   stops it: the window is closed all the same (the capture is over),
-//!   and the refused job and those after it stay queued, in order. So may
+//!   interruptible close (an end or abort with
+//!   [`Request::interruptible`]) stops it: the window is closed all the
+//!   same (the capture is over), and the refused job and those after it
+//!   stay queued, in order. So may
 //!   a flush find the queue with no hook window open: whoever flushes next
 //!   submits it, first in first out, each job once (it leaves the queue in
 //!   the critical section that submits it): the next close, a blocking
@@ -67,7 +68,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Instant;
 
 use super::{Completion, Offloader, OffloaderError};
-use crate::protocol::{CaptureWindow, JobTicket, ProtocolError};
+use crate::protocol::{CaptureWindow, JobTicket, ProtocolError, Request};
 use crate::runtime::{Code, DriverError};
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 use crate::transfer::{Backend, JobBlocks, JobId, Lane, TransferEngine, TransferError};
@@ -168,9 +169,9 @@ enum AtEngineWindow<'a> {
     /// shutdown).
     Stop,
     /// Waits for the engine's windows to close, without the hook's lock,
-    /// then retries; interruptibly when a check is given (a hook close, a
-    /// blocking wait for a deferred job).
-    Wait(Option<&'a dyn Fn() -> bool>),
+    /// then retries; interruptibly when the request has a check (a hook
+    /// close, a blocking wait for a deferred job).
+    Wait(Request<'a>),
 }
 
 /// The error a deferred job refused at its submission is reported with
@@ -189,25 +190,23 @@ fn refusal_error(e: &TransferError) -> DriverError {
 
 /// The capture hook of an [`Offloader`] ([`Offloader::capture_hook`]):
 /// capture windows the offloader holds itself, per thread and nested, for a
-/// hook that wraps a framework's capture calls (module docs). With
-/// [`Interruptible::capture_hook`](super::Interruptible::capture_hook), its
+/// hook that wraps a framework's capture calls (module docs). Its
 /// [`CaptureHook::begin`], [`CaptureHook::end`] and [`CaptureHook::abort`]
-/// are interruptible.
+/// take a [`Request`], interruptible when it has a check.
 #[derive(Copy, Clone)]
 pub struct CaptureHook<'a> {
     off: &'a Offloader,
-    interrupted: Option<&'a dyn Fn() -> bool>,
 }
 
 impl std::fmt::Debug for CaptureHook<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CaptureHook").field("interruptible", &self.interrupted.is_some()).finish()
+        f.debug_struct("CaptureHook").finish_non_exhaustive()
     }
 }
 
 impl<'a> CaptureHook<'a> {
-    pub(super) fn new(off: &'a Offloader, interrupted: Option<&'a dyn Fn() -> bool>) -> Self {
-        CaptureHook { off, interrupted }
+    pub(super) fn new(off: &'a Offloader) -> Self {
+        CaptureHook { off }
     }
 
     /// Opens this thread's hook window (depth 0 -> 1), or counts a nested
@@ -217,24 +216,25 @@ impl<'a> CaptureHook<'a> {
     /// begin failed), on the same thread: depth is per thread.
     ///
     /// The window opens under the Interleave rules whatever
-    /// `PinOptions::capture_policy`: it waits at most for the library call
+    /// `PinOptions::capture_policy` (and whether or not `req` is
+    /// [`Request::interleaved`]): it waits at most for the library call
     /// in flight (one chunk's registration, or one job submission), never
     /// for pinning to finish; pinning pauses at its next chunk boundary
     /// until the window closes. While it is open no library thread of this
     /// offloader makes a capture-unsafe driver call (P1), and jobs
     /// submitted on any thread are deferred (module docs).
     ///
-    /// Interruptible (a hook from [`Offloader::interruptible`]): while the
-    /// window waits to open it calls the check at least every 50 ms and,
-    /// when that returns true, withdraws the request and returns
+    /// Interruptible ([`Request::interruptible`]): while the window waits
+    /// to open it calls the check at least every 50 ms and, when that
+    /// returns true, withdraws the request and returns
     /// [`ProtocolError::Interrupted`] with nothing open (depth unchanged),
     /// as a refused begin leaves it.
     ///
     /// Errors (depth unchanged, nothing open): [`ProtocolError::ShutDown`]
     /// after shutdown began, [`ProtocolError::NestedWindow`] when this
     /// thread holds a window of [`Offloader::capture_window`].
-    pub fn begin(&self) -> Result<(), OffloaderError> {
-        self.off.hook_begin(self.interrupted)
+    pub fn begin(&self, req: Request<'_>) -> Result<(), OffloaderError> {
+        self.off.hook_begin(req)
     }
 
     /// Closes this thread's hook window (depth 1 -> 0), or uncounts a
@@ -245,8 +245,8 @@ impl<'a> CaptureHook<'a> {
     /// because an engine's own window ([`Offloader::capture_window`],
     /// another thread's) is open waits for that window to close.
     ///
-    /// Interruptible (a hook from [`Offloader::interruptible`]): that wait
-    /// calls the check at least every 50 ms and, when it returns true,
+    /// Interruptible ([`Request::interruptible`]): that wait calls the
+    /// check at least every 50 ms and, when it returns true,
     /// returns [`ProtocolError::Interrupted`] with the window closed all
     /// the same (depth decremented: the capture is over either way) and
     /// the jobs not yet submitted still deferred, in order, for whoever
@@ -257,8 +257,8 @@ impl<'a> CaptureHook<'a> {
     /// failed (the capture is over either way). Error:
     /// [`OffloaderError::HookNotOpen`] when this thread's depth is 0
     /// (nothing changed).
-    pub fn end(&self) -> Result<(), OffloaderError> {
-        self.off.hook_close("capture_end", self.interrupted)
+    pub fn end(&self, req: Request<'_>) -> Result<(), OffloaderError> {
+        self.off.hook_close("capture_end", req)
     }
 
     /// What [`CaptureHook::end`] does, for a capture whose framework begin
@@ -266,12 +266,12 @@ impl<'a> CaptureHook<'a> {
     /// `begin(); try: framework_begin() except: abort(); raise`),
     /// interruptible as `end`. Error: [`OffloaderError::HookNotOpen`] when
     /// this thread's depth is 0.
-    pub fn abort(&self) -> Result<(), OffloaderError> {
+    pub fn abort(&self, req: Request<'_>) -> Result<(), OffloaderError> {
         // N22 (loom builds only): the window stays open for good.
         if crate::protocol::variant_is!(self.off.coord, HookAbortKeepsWindow) {
             return Ok(());
         }
-        self.off.hook_close("capture_abort", self.interrupted)
+        self.off.hook_close("capture_abort", req)
     }
 
     /// This thread's hook depth: begins not yet matched by an end or an
@@ -288,7 +288,7 @@ impl<'a> CaptureHook<'a> {
 }
 
 impl Offloader {
-    fn hook_begin(&self, interrupted: Option<&dyn Fn() -> bool>) -> Result<(), OffloaderError> {
+    fn hook_begin(&self, req: Request<'_>) -> Result<(), OffloaderError> {
         // Inside `gated` the window would wait for this thread's own call.
         self.refuse_inside_gated("opening a capture hook window inside gated()")?;
         let me = sync::this_thread();
@@ -303,10 +303,7 @@ impl Offloader {
         }
         let span = tracing::debug_span!("capture_hook_begin").entered();
         // Outside the hook's lock: jobs submitted meanwhile are deferred.
-        let opened = match interrupted {
-            None => self.coord.open_window_interleaved(),
-            Some(f) => self.coord.open_window_interleaved_interruptible(f),
-        };
+        let opened = super::request::open_window(&self.coord, req, true);
         let engine = sync::lock(&self.inner).engine.clone();
         let mut h = sync::lock(&self.hook.state);
         let Some(i) = h.windows.iter().position(|w| w.owner == me) else {
@@ -343,7 +340,7 @@ impl Offloader {
         }
     }
 
-    fn hook_close(&self, call: &'static str, interrupted: Option<&dyn Fn() -> bool>) -> Result<(), OffloaderError> {
+    fn hook_close(&self, call: &'static str, req: Request<'_>) -> Result<(), OffloaderError> {
         let me = sync::this_thread();
         let engine = sync::lock(&self.inner).engine.clone();
         let mut h = sync::lock(&self.hook.state);
@@ -377,7 +374,7 @@ impl Offloader {
         }
         // The window is closed whatever the flush's outcome: interrupted,
         // the jobs it did not submit stay queued, in order (module docs).
-        self.flush_if_last(h, engine.as_deref(), AtEngineWindow::Wait(interrupted)).map_err(|e| {
+        self.flush_if_last(h, engine.as_deref(), AtEngineWindow::Wait(req)).map_err(|e| {
             tracing::debug!(call, error = %e, "capture hook: window closed, deferred jobs left queued");
             e.into()
         })
@@ -439,7 +436,7 @@ impl Offloader {
                     // An engine's own window (no hook window is open): back
                     // to the head of the queue, not submitted, not failed.
                     h.queue.push_front(d);
-                    let AtEngineWindow::Wait(interrupted) = at_window else { break };
+                    let AtEngineWindow::Wait(req) = at_window else { break };
                     // Wait for it without the hook's lock, then look again.
                     // The wait also ends at a window requested after this
                     // point, read under the hook's lock: a hook window's
@@ -450,13 +447,9 @@ impl Offloader {
                     let since = self.coord.window_requests();
                     drop(h);
                     let waited = if crate::protocol::variant_is!(self.coord, HookFlushWaitsForEveryWindow) {
-                        match interrupted {
-                            None => self.coord.wait_no_window(),
-                            Some(f) => self.coord.wait_no_window_interruptible(f),
-                        }
-                        .map(|()| true)
+                        super::request::wait_no_window(&self.coord, req).map(|()| true)
                     } else {
-                        self.coord.wait_no_window_or_request(since, interrupted)
+                        self.coord.wait_no_window_or_request(since, req.interrupt())
                     };
                     h = sync::lock(&self.hook.state);
                     if let Err(e) = waited {
@@ -577,7 +570,7 @@ impl Offloader {
                 .into());
             }
             if h.windows.is_empty() {
-                let (g, r) = self.flush(h, engine, None, AtEngineWindow::Wait(None));
+                let (g, r) = self.flush(h, engine, None, AtEngineWindow::Wait(Request::new()));
                 h = g;
                 r?;
                 // Empty, or a hook window began: look again.

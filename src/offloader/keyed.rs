@@ -2,17 +2,18 @@
 //! [`KeyedOffloader::store`], [`KeyedOffloader::load`]) placed by a block
 //! manager, over a core [`Offloader`].
 //!
-//! The manager is the core's job book ([`JobBook`]): it lives under the
-//! core's job lock, so a keyed submission (the manager's prepare, the
-//! core's submission, the manager's undo when the core refuses) is one
-//! critical section, as is a poll's removal of a job and its application
-//! to the manager: a stored key becomes readable, and a loaded key's slot
+//! The manager is the core's job book (`KeyedBook`, which the core holds
+//! as what it is, no trait object): it lives under the core's job lock,
+//! so a keyed submission (the manager's prepare, the core's submission,
+//! the manager's undo when the core refuses) is one critical section, as
+//! is a poll's removal of a job and its application to the manager: a
+//! stored key becomes readable, and a loaded key's slot
 //! evictable, only once [`KeyedOffloader::poll`] (or a wait that polls, or
 //! shutdown's drain) applies the job (P5).
 
 use std::collections::HashMap;
 
-use super::{Completion, JobBook, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions};
+use super::{Completion, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions};
 use crate::manager::{BlockKey, BlockManager, Lookup, ManagerConfig, Placement, Skipped};
 use crate::runtime::{Direction, GpuRuntime};
 use crate::sync::Arc;
@@ -33,15 +34,27 @@ pub struct StoreSubmitted {
 }
 
 /// The block manager and the keys of each keyed job in flight, under the
-/// core's job lock.
-struct KeyedBook {
+/// core's job lock (the core's `Inner::book`).
+pub(crate) struct KeyedBook {
     manager: BlockManager,
     keys: HashMap<JobId, Vec<BlockKey>>,
     next_id: JobId,
 }
 
-impl JobBook for KeyedBook {
-    fn finished(&mut self, id: JobId, direction: Direction, succeeded: bool) -> Vec<BlockKey> {
+impl KeyedBook {
+    /// The book of a keyed offloader (made where the core would make
+    /// nothing, once the options passed the core's checks): a manager of
+    /// the options' host blocks and eviction policy.
+    pub(super) fn new(opts: &OffloaderOptions) -> Result<KeyedBook, OffloaderError> {
+        let manager = BlockManager::new(ManagerConfig::new(opts.host_blocks, opts.eviction))?;
+        Ok(KeyedBook { manager, keys: HashMap::new(), next_id: JobId(1) })
+    }
+
+    /// Job `id` ended (`succeeded`: every byte arrived): applies it to the
+    /// manager (a stored key readable, a loaded key's slot released) and
+    /// returns its keys. Called by the core's poll, under its job lock, in
+    /// the critical section that removes the job from its jobs.
+    pub(super) fn finished(&mut self, id: JobId, direction: Direction, succeeded: bool) -> Vec<BlockKey> {
         let keys = self.keys.remove(&id).unwrap_or_default();
         let applied = match direction {
             Direction::DeviceToHost => self.manager.complete_store(&keys, succeeded),
@@ -52,17 +65,6 @@ impl JobBook for KeyedBook {
         }
         keys
     }
-
-    fn as_any(&mut self) -> &mut dyn std::any::Any {
-        self
-    }
-}
-
-/// The book of a keyed offloader (built where the core would build
-/// nothing): a manager of the options' host blocks and eviction policy.
-fn make_book(opts: &OffloaderOptions) -> Result<Box<dyn JobBook>, OffloaderError> {
-    let manager = BlockManager::new(ManagerConfig::new(opts.host_blocks, opts.eviction))?;
-    Ok(Box::new(KeyedBook { manager, keys: HashMap::new(), next_id: JobId(1) }))
 }
 
 /// Keyed jobs refuse several KV cache groups (one group of every tensor).
@@ -101,7 +103,7 @@ impl KeyedOffloader {
     ) -> Result<KeyedOffloader, OffloaderError> {
         check_options(&opts)?;
         // SAFETY: forwarded to the caller.
-        let core = unsafe { Offloader::build(rt, kv, opts, Vec::new(), None, Some(make_book)) }?;
+        let core = unsafe { Offloader::build(rt, kv, opts, Vec::new(), None, true) }?;
         Ok(KeyedOffloader { core })
     }
 
@@ -113,7 +115,7 @@ impl KeyedOffloader {
         opts: OffloaderOptions,
     ) -> Result<KeyedOffloader, OffloaderError> {
         check_options(&opts)?;
-        let core = Offloader::allocate_and_build(rt, alloc, opts, Some(make_book))?;
+        let core = Offloader::allocate_and_build(rt, alloc, opts, true)?;
         Ok(KeyedOffloader { core })
     }
 
@@ -127,12 +129,12 @@ impl KeyedOffloader {
     /// What the offloader holds of each key (counts as a lookup for the
     /// eviction policy).
     pub fn lookup(&self, keys: &[BlockKey]) -> Vec<Lookup> {
-        self.core.jobs(|j| j.book::<KeyedBook>().manager.lookup(keys))
+        self.core.jobs(|j| j.book().manager.lookup(keys))
     }
 
     /// Keys stored and readable now.
     pub fn stored_blocks(&self) -> usize {
-        self.core.jobs(|j| j.book::<KeyedBook>().manager.len())
+        self.core.jobs(|j| j.book().manager.len())
     }
 
     /// Jobs that finished since the last call, each with its keys,
@@ -181,7 +183,7 @@ impl KeyedOffloader {
             if j.closed() {
                 return Err(OffloaderError::ShutDown);
             }
-            let book = j.book::<KeyedBook>();
+            let book = j.book();
             let (out, undo) = book.manager.prepare_store_undoable(keys)?;
             let evicted: Vec<BlockKey> = out.evicted.iter().map(|p| p.key).collect();
             if out.to_store.is_empty() {
@@ -201,15 +203,15 @@ impl KeyedOffloader {
                 // issue 43: the placed keys dropped, the evictions kept.
                 #[cfg(any(loom, shuttle))]
                 if crate::protocol::variant_is!(self.core.coord, RefusedStoreKeepsEvictions) {
-                    let _ = j.book::<KeyedBook>().manager.complete_store(&stored, false);
+                    let _ = j.book().manager.complete_store(&stored, false);
                     return Err(e);
                 }
-                if let Err(m) = j.book::<KeyedBook>().manager.undo_store(undo) {
+                if let Err(m) = j.book().manager.undo_store(undo) {
                     tracing::error!(error = %m, "undoing a refused store failed");
                 }
                 return Err(e);
             }
-            let book = j.book::<KeyedBook>();
+            let book = j.book();
             book.keys.insert(id, stored.clone());
             // N18 (loom builds only): the keys readable at submission.
             #[cfg(any(loom, shuttle))]
@@ -233,18 +235,18 @@ impl KeyedOffloader {
             if j.closed() {
                 return Err(OffloaderError::ShutDown);
             }
-            let book = j.book::<KeyedBook>();
+            let book = j.book();
             let placements = book.manager.prepare_load(keys)?;
             let (gpu, slots, _) = self.job_blocks(keys, gpu_blocks, &placements);
             let id = book.next_id;
             book.next_id = JobId(id.0 + 1);
             if let Err(e) = j.submit(id, Lane::Load, &JobBlocks::single(gpu, slots)) {
-                if let Err(m) = j.book::<KeyedBook>().manager.complete_load(keys) {
+                if let Err(m) = j.book().manager.complete_load(keys) {
                     tracing::error!(error = %m, "undoing a refused load failed");
                 }
                 return Err(e);
             }
-            let book = j.book::<KeyedBook>();
+            let book = j.book();
             book.keys.insert(id, keys.to_vec());
             // N19 (loom builds only): the slots released at submission.
             #[cfg(any(loom, shuttle))]

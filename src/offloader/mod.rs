@@ -40,14 +40,17 @@
 //!   jobs, stops pinning, unregisters, frees what the offloader allocated
 //!   (P4).
 //!
-//! Every wait has one interruptible form, through
-//! [`Offloader::interruptible`] ([`Interruptible`]: the same waits, with a
-//! check called at least every 50 ms). The engine's own capture-unsafe
-//! driver calls (allocations, synchronizes) go through
-//! [`Offloader::gated`], never around it.
+//! Every wait and window takes a [`Request`]: `Request::new()`
+//! blocks until what it waits for happens, `.interruptible(&check)` calls
+//! `check` at least every 50 ms and withdraws when it says so (the Python
+//! front's Ctrl-C), so each operation exists once (waits.rs has the
+//! rules). The waits for jobs also take a `sink` for the completions they
+//! take from the engine (an interruptible wait polls; a blocking one takes
+//! none). The engine's own capture-unsafe driver calls (allocations,
+//! synchronizes) go through [`Offloader::gated`], never around it.
 //!
 //! ```
-//! use kvoffload::{shared, BlockKey, KeyedOffloader, KvAlloc, OffloaderOptions, SimRuntime};
+//! use kvoffload::{shared, BlockKey, KeyedOffloader, KvAlloc, OffloaderOptions, Request, SimRuntime};
 //!
 //! # fn main() -> Result<(), kvoffload::OffloaderError> {
 //! let rt = shared(SimRuntime::new()); // or CudaRuntime::open(0)?
@@ -55,37 +58,42 @@
 //! let off = KeyedOffloader::with_allocated_tensors(rt, kv, OffloaderOptions::with_host_blocks(128))?;
 //! off.core().start()?; // pinning runs in the background from here
 //! {
-//!     let _window = off.core().capture_window()?; // capture the engine's graphs here
+//!     let _window = off.core().capture_window(Request::new())?; // capture the engine's graphs here
 //! }
 //! let keys = [BlockKey::new(7, 0), BlockKey::new(8, 0)];
 //! let stored = off.store(&keys, &[3, 4])?;
-//! off.core().wait_all()?;
+//! off.core().wait_all(Request::new(), &mut drop)?; // blocking: takes no completion
 //! let done = off.poll();
 //! assert!(done.iter().all(|c| c.error.is_none()));
 //! assert_eq!(stored.stored.len(), 2);
 //! let job = off.load(&keys, &[10, 11])?;
-//! off.core().wait(job)?;
+//! off.core().wait(job, Request::new(), &mut drop)?;
 //! off.poll();
-//! off.core().shutdown()?;
+//! off.core().shutdown(Request::new(), &mut drop)?;
 //! # Ok(()) }
 //! ```
 //!
 //! The files of the module, one concern each:
 //!
-//! - `mod.rs`: the core type, [`Geometry`], pinning, capture windows,
-//!   the waits, [`GatedCalls`];
+//! - `mod.rs`: the core type and its lock order, [`Geometry`], pinning,
+//!   capture windows, [`GatedCalls`];
 //! - `build.rs`: construction ([`Offloader::new`],
 //!   [`Offloader::with_allocated_tensors`]): the region, the coordinator
 //!   and the transfer engine;
 //! - `keyed.rs`: [`KeyedOffloader`]: keyed jobs placed by the block
-//!   manager, which the core applies each completion to (its job book);
-//! - `slots.rs`: [`SlotJob`], [`Offloader::submit`],
-//!   [`Offloader::wait_jobs`] and the busy-slot rule;
+//!   manager, which the core applies each completion to (its job book,
+//!   held by the core as what it is, a `KeyedBook`);
+//! - `slots.rs`: [`SlotJob`], [`Offloader::submit`] and the busy-slot
+//!   rule;
 //! - `shutdown.rs`: [`Offloader::shutdown`] and the drop;
 //! - `hook.rs`: [`CaptureHook`]: the capture hook's windows and deferred
 //!   jobs;
-//! - `waits.rs`: [`Interruptible`] and [`Offloader::poll_each`], which
-//!   applies completions to a keyed offloader's block manager;
+//! - `waits.rs`: the waits for jobs ([`Offloader::wait`],
+//!   [`Offloader::wait_jobs`], [`Offloader::wait_all`]), blocking or
+//!   interruptible as their [`Request`] says, and
+//!   [`Offloader::poll_each`], which applies completions to a keyed
+//!   offloader's block manager;
+//! - `request.rs`: how a request reaches the coordinator's waits;
 //! - `options.rs`, `error.rs`: the options, the errors.
 
 mod build;
@@ -93,6 +101,7 @@ mod error;
 mod hook;
 mod keyed;
 mod options;
+mod request;
 mod shutdown;
 mod slots;
 mod waits;
@@ -105,16 +114,16 @@ pub use hook::CaptureHook;
 pub use keyed::{KeyedOffloader, StoreSubmitted};
 pub use options::{KvAlloc, KvSpec, OffloaderOptions, RegionSpec};
 pub use slots::SlotJob;
-pub use waits::Interruptible;
 
 use crate::manager::BlockKey;
 use crate::pin::{spawn_pinner, Prefault, RankAgreement};
-use crate::protocol::{CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
+use crate::protocol::{CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError, Request};
 use crate::region::Region;
 use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::atomic::AtomicBool;
 use crate::sync::{self, thread, Arc, Mutex};
 use crate::transfer::{Backend, JobBlocks, JobId, KvLayout, Lane, TransferEngine};
+use keyed::KeyedBook;
 
 /// A finished job, as [`Offloader::poll_each`] reports it (already applied to
 /// the block manager of a [`KeyedOffloader`]).
@@ -241,49 +250,66 @@ struct JobSlots {
     slots: Vec<(usize, usize)>,
 }
 
-/// What a layer above the core keeps per job (the keyed layer's block
-/// manager), under the core's job lock: each job it submitted through
-/// [`Jobs::submit`] is handed back once it ended, under the same lock
-/// that `poll` removes it from the core's jobs with.
-pub(crate) trait JobBook: Send {
-    /// Job `id` ended (`succeeded`: every byte arrived): apply it, and
-    /// return its keys.
-    fn finished(&mut self, id: JobId, direction: Direction, succeeded: bool) -> Vec<BlockKey>;
-    /// The book itself, for its layer.
-    fn as_any(&mut self) -> &mut dyn std::any::Any;
-}
-
 struct Inner {
     engine: Option<Arc<TransferEngine>>,
     jobs: HashMap<JobId, JobSlots>,
     /// New jobs are refused: set by the shutdown, under this lock, before
     /// it drains (so a job is either refused or drained).
     closed: bool,
-    /// The keyed layer's book (`None`: the engine's own slot jobs).
-    book: Option<Box<dyn JobBook>>,
+    /// The keyed layer's book, its block manager (`None`: the engine's own
+    /// slot jobs): each job the keyed layer submitted through
+    /// [`Jobs::submit`] is applied to it once it ended, under this lock,
+    /// in the critical section that removes it from `jobs`.
+    book: Option<KeyedBook>,
+}
+
+/// What [`Offloader::start`] hands the pinning thread, fixed at
+/// construction.
+struct PinStart {
+    prefault: Arc<dyn Prefault>,
+    /// Told of the pinning thread's progress (`OffloaderOptions::pin_observer`).
+    observer: Option<Arc<dyn PinObserver>>,
+    agreement: Option<RankAgreement>,
+    /// Bytes to pin.
+    bytes_total: usize,
+}
+
+/// What the offloader made itself (`with_allocated_tensors`), freed at
+/// shutdown.
+struct Owned {
+    tensors: Vec<DevicePtr>,
+    compute: Option<Stream>,
 }
 
 /// The slot-addressed core an engine holds; see the module docs.
+///
+/// Its locks, always taken in this order (a lock is never taken while a
+/// later one is held):
+///
+/// 1. `shutting`, held by a shutdown for its whole run;
+/// 2. `inner` (the jobs and the keyed layer's book) or `pinner` (the
+///    pinning thread's handle): never both at once;
+/// 3. the capture hook's (`hook.rs`), under `inner`, under `shutting`, or
+///    alone;
+/// 4. the layers' own (the transfer engine's, the coordinator's), inside
+///    their calls.
+///
+/// `gated_threads` is a leaf: taken alone, nothing taken under it.
 pub struct Offloader {
-    rt: Arc<dyn GpuRuntime>,
     coord: Arc<Coordinator>,
+    /// Where the blocks are; its runtime is the offloader's.
     geometry: Geometry,
-    prefault: Arc<dyn Prefault>,
-    /// Told of the pinning thread's progress (`OffloaderOptions::pin_observer`).
-    pin_observer: Option<Arc<dyn PinObserver>>,
-    agreement: Option<RankAgreement>,
-    bytes_total: usize,
-    inner: Mutex<Inner>,
+    pin_start: PinStart,
     pinner: Mutex<Pinner>,
-    /// Tensors and the compute stream the offloader made, freed at shutdown.
-    owned_tensors: Vec<DevicePtr>,
-    owned_compute: Option<Stream>,
-    /// Shut down: true once a shutdown passed its refusal point. The lock
-    /// is held by a shutdown for its whole run, so a second one waits for
-    /// the first and is refused.
-    shut_down: Mutex<bool>,
-    /// `shut_down`'s value, read without its lock (`is_shut_down`).
-    shut: AtomicBool,
+    inner: Mutex<Inner>,
+    owned: Owned,
+    /// Serializes shutdowns: held by a shutdown for its whole run, so a
+    /// second one waits for the first and is then refused.
+    shutting: Mutex<()>,
+    /// True once a shutdown passed its refusal point (written under
+    /// `shutting`, read without it: `is_shut_down` never waits for a
+    /// shutdown in progress).
+    shut_down: AtomicBool,
     /// The capture hook's windows and deferred jobs (hook.rs).
     hook: hook::Hook,
     /// Threads inside [`Offloader::gated`]'s closure now: a capture window
@@ -305,10 +331,11 @@ impl Jobs<'_> {
         self.inner.closed
     }
 
-    /// The layer's book (the type it was built with).
-    pub(crate) fn book<B: 'static>(&mut self) -> &mut B {
-        let Some(b) = self.inner.book.as_mut().and_then(|b| b.as_any().downcast_mut::<B>()) else {
-            unreachable!("an offloader's job book is the one its layer built it with");
+    /// The keyed layer's book. Only a [`KeyedOffloader`] calls this, and
+    /// its core is always built with a book, which is never taken out.
+    pub(crate) fn book(&mut self) -> &mut KeyedBook {
+        let Some(b) = self.inner.book.as_mut() else {
+            unreachable!("a KeyedOffloader's core is built with its book");
         };
         b
     }
@@ -342,7 +369,7 @@ impl Drop for InGated<'_> {
 impl std::fmt::Debug for Offloader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Offloader")
-            .field("backend", &self.rt.backend())
+            .field("backend", &self.rt().backend())
             .field("region_bytes", &self.geometry.region.len())
             .field("rank", &self.geometry.region.rank())
             .field("pin", &self.coord.pin_state())
@@ -357,6 +384,11 @@ impl Offloader {
     /// blocks and region, the transfer layout and lanes.
     pub fn geometry(&self) -> &Geometry {
         &self.geometry
+    }
+
+    /// The runtime of the GPU the offloader moves blocks on.
+    fn rt(&self) -> &Arc<dyn GpuRuntime> {
+        &self.geometry.runtime
     }
 
     /// The core's jobs under its lock (the keyed layer's submissions and
@@ -378,15 +410,16 @@ impl Offloader {
         if self.coord.shutting_down() {
             return Err(OffloaderError::ShutDown);
         }
+        let ps = &self.pin_start;
         let handle = spawn_pinner(
-            self.rt.clone(),
+            self.rt().clone(),
             self.coord.clone(),
-            self.prefault.clone(),
-            self.pin_observer.clone(),
-            self.agreement.clone(),
+            ps.prefault.clone(),
+            ps.observer.clone(),
+            ps.agreement.clone(),
         );
         *p = Pinner::Running(handle);
-        tracing::info!(bytes = self.bytes_total, "background pinning started");
+        tracing::info!(bytes = ps.bytes_total, "background pinning started");
         Ok(())
     }
 
@@ -424,26 +457,35 @@ impl Offloader {
         // (while pinning runs, its state's `done`; once Pinned, every
         // chunk; during a rollback or after shutdown, what is left).
         let (state, chunks_done) = self.coord.pin_snapshot();
-        PinProgress { state, chunks_done, chunks_total: self.coord.chunk_count(), bytes_total: self.bytes_total }
+        PinProgress {
+            state,
+            chunks_done,
+            chunks_total: self.coord.chunk_count(),
+            bytes_total: self.pin_start.bytes_total,
+        }
     }
 
     /// Waits until pinning is final (and, with a shared region, agreed),
     /// starting it if needed, and returns how it ended. Refused inside the
     /// caller's own capture window with the Interleave policy (it would
-    /// never return). Interruptible: [`Interruptible::wait_pinned`].
-    pub fn wait_pinned(&self) -> Result<PinOutcome, OffloaderError> {
-        self.wait_pinned_with(None)
-    }
-
-    /// [`Offloader::wait_pinned`], interruptible when `interrupted` is
-    /// given (waits.rs).
-    fn wait_pinned_with(&self, interrupted: Option<&dyn Fn() -> bool>) -> Result<PinOutcome, OffloaderError> {
+    /// never return), and inside [`Offloader::gated`].
+    ///
+    /// Interruptible ([`Request::interruptible`]): the wait for a final pin
+    /// state (which, with ranks that agree, comes only after the
+    /// agreement) calls the check at least every 50 ms; interrupted, this
+    /// thread stops waiting and the pinner goes on in the background as it
+    /// did before the call (it was started by [`Offloader::start`], not by
+    /// the wait, and the next `wait_pinned`, [`Offloader::shutdown`] or the
+    /// drop joins it, as when nobody waited). The pinner is joined only
+    /// once it published that state (its last step), so joining it does
+    /// not wait for pinning or the agreement (one exception, as for a
+    /// blocking request: pinning cancelled before it began is final at
+    /// once, and the pinner still takes part in the agreement before it
+    /// ends).
+    pub fn wait_pinned(&self, req: Request<'_>) -> Result<PinOutcome, OffloaderError> {
         self.refuse_inside_gated("waiting for pinning inside gated()")?;
         self.start()?;
-        match interrupted {
-            None => self.coord.wait_pin_final()?,
-            Some(f) => self.coord.wait_pin_final_interruptible(f)?,
-        };
+        request::wait_pin_final(&self.coord, req)?;
         self.join_pinner()
     }
 
@@ -469,27 +511,23 @@ impl Offloader {
 
     /// Opens a capture window: capture the engine's graphs while holding the
     /// guard. No library thread makes a capture-unsafe call while it is
-    /// open; with the default policy it opens only once pinning is final.
-    /// Interruptible: [`Interruptible::capture_window`]. For a hook around a
-    /// framework's capture calls, where no guard can live:
-    /// [`Offloader::capture_hook`].
-    pub fn capture_window(&self) -> Result<CaptureWindow, OffloaderError> {
-        self.capture_window_with(None)
-    }
-
-    fn capture_window_with(&self, interrupted: Option<&dyn Fn() -> bool>) -> Result<CaptureWindow, OffloaderError> {
+    /// open; with the default policy it opens only once pinning is final
+    /// (a request made [`Request::interleaved`] opens under the Interleave
+    /// rules whatever the policy: it waits at most for the library call in
+    /// flight). Interruptible ([`Request::interruptible`]): an interrupted
+    /// request never opened and leaves the coordinator as before the call.
+    /// For a hook around a framework's capture calls, where no guard can
+    /// live: [`Offloader::capture_hook`].
+    pub fn capture_window(&self, req: Request<'_>) -> Result<CaptureWindow, OffloaderError> {
         self.refuse_inside_gated("opening a capture window inside gated()")?;
-        Ok(match interrupted {
-            None => self.coord.open_window()?,
-            Some(f) => self.coord.open_window_interruptible(f)?,
-        })
+        Ok(request::open_window(&self.coord, req, false)?)
     }
 
     /// The capture hook ([`CaptureHook`]): windows held without a guard,
     /// per thread and nested, for a hook that wraps a framework's
     /// `capture_begin`/`capture_end`.
     pub fn capture_hook(&self) -> CaptureHook<'_> {
-        CaptureHook::new(self, None)
+        CaptureHook::new(self)
     }
 
     /// [`ProtocolError::WouldDeadlock`] when this thread is inside
@@ -508,7 +546,7 @@ impl Offloader {
         let me = thread::current().id();
         sync::lock(&self.gated_threads).push(me);
         let _mark = InGated { threads: &self.gated_threads, me };
-        f(&GatedCalls { gate, rt: self.rt.as_ref() })
+        f(&GatedCalls { gate, rt: self.rt().as_ref() })
     }
 
     /// Records that a graph which references the region exists: shutdown
@@ -524,32 +562,24 @@ impl Offloader {
     /// no others, and runs inside the offloader's gate, so windows wait
     /// until it returns (keep it short: a window opening meanwhile waits for
     /// all of it). Refused inside the caller's own window.
-    /// Interruptible: [`Interruptible::gated`].
+    ///
+    /// Interruptible ([`Request::interruptible`]): while it waits for
+    /// capture windows to close it calls the check at least every 50 ms
+    /// and, when that returns true, returns [`ProtocolError::Interrupted`]
+    /// without running `f` (nothing left counted). `f` itself is not
+    /// interrupted.
     ///
     /// Inside `f`, opening a capture window ([`Offloader::capture_window`],
     /// [`CaptureHook::begin`]) or a nested `gated` is refused with
     /// [`ProtocolError::WouldDeadlock`]: it would wait for this call.
-    pub fn gated<T>(&self, what: &'static str, f: impl FnOnce(&GatedCalls<'_>) -> T) -> Result<T, OffloaderError> {
-        self.gated_with(what, None, f)
-    }
-
-    fn gated_with<T>(
+    pub fn gated<T>(
         &self,
         what: &'static str,
-        interrupted: Option<&dyn Fn() -> bool>,
+        req: Request<'_>,
         f: impl FnOnce(&GatedCalls<'_>) -> T,
     ) -> Result<T, OffloaderError> {
         self.refuse_inside_gated("gated() inside gated()")?;
-        Ok(match interrupted {
-            None => self.coord.unsafe_call(what, |gate| self.run_gated(gate, f))?,
-            Some(i) => self.coord.unsafe_call_interruptible(what, i, |gate| self.run_gated(gate, f))?,
-        })
-    }
-
-    /// The waits of this offloader, interruptible by `interrupted` (the
-    /// one way to make any of them interruptible; see [`Interruptible`]).
-    pub fn interruptible<'a>(&'a self, interrupted: &'a dyn Fn() -> bool) -> Interruptible<'a> {
-        Interruptible::new(self, interrupted)
+        Ok(request::unsafe_call(&self.coord, what, req, |gate| self.run_gated(gate, f))?)
     }
 
     // ---- completions ----
@@ -557,29 +587,6 @@ impl Offloader {
     /// Jobs submitted and not yet reported by [`Offloader::poll_each`].
     pub fn in_flight(&self) -> usize {
         sync::lock(&self.inner).jobs.len()
-    }
-
-    /// Blocks until job `id` completed on the GPU (it is still reported by
-    /// [`Offloader::poll_each`]). Refused inside the caller's own window.
-    /// Interruptible: [`Interruptible::wait`].
-    pub fn wait(&self, id: JobId) -> Result<(), OffloaderError> {
-        self.refuse_inside_gated("waiting for a job inside gated()")?;
-        let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
-        self.wait_deferred(&engine, Some(&[id]))?;
-        engine.wait(id).map_err(|e| match e {
-            crate::transfer::TransferError::UnknownJob { id } => OffloaderError::UnknownJob { id },
-            e => e.into(),
-        })
-    }
-
-    /// Blocks until every job submitted so far completed on the GPU (failed
-    /// jobs are reported by [`Offloader::poll_each`], not here).
-    /// Interruptible: [`Interruptible::wait_all`].
-    pub fn wait_all(&self) -> Result<(), OffloaderError> {
-        self.refuse_inside_gated("waiting for jobs inside gated()")?;
-        let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
-        self.wait_deferred(&engine, None)?;
-        Ok(engine.wait_all()?)
     }
 }
 
@@ -590,6 +597,14 @@ impl Offloader {
 /// `kvoffload::internal` only, not a call of the engine's API.
 pub fn activity(off: &Offloader) -> crate::protocol::Activity {
     off.coord.activity()
+}
+
+/// Selects a known-bad variant of the protocol for `off`'s coordinator
+/// (negative models only), reached through `kvoffload::internal` as
+/// [`activity`] is, not a call of the engine's API.
+#[cfg(any(loom, shuttle))]
+pub fn set_variant(off: &Offloader, v: crate::protocol::Variant) {
+    off.coord.set_variant(v);
 }
 
 /// The capture-unsafe driver calls an engine may make through

@@ -1,8 +1,8 @@
 //! [`Offloader::shutdown`] in the protocol's order, and the drop that runs
 //! it.
 
-use super::{Offloader, OffloaderError, Pinner};
-use crate::protocol::{finish_shutdown, ProtocolError};
+use super::{Completion, Offloader, OffloaderError, Pinner};
+use crate::protocol::{finish_shutdown, ProtocolError, Request};
 use crate::runtime::Direction;
 use crate::sync;
 use crate::sync::atomic::Ordering;
@@ -16,10 +16,58 @@ impl Offloader {
     /// refused with [`ProtocolError::AlreadyShutDown`]. The region is
     /// unmapped (and a shared file's name is long gone) when the offloader
     /// is dropped.
-    pub fn shutdown(&self) -> Result<(), OffloaderError> {
+    ///
+    /// With a blocking request, `sink` is not called: the drain's
+    /// completions are applied to the manager and not reported.
+    ///
+    /// With an interruptible request ([`Request::interruptible`]) it first
+    /// waits, interruptibly, for the jobs in flight (as
+    /// [`Offloader::wait_all`], handing what it takes to `sink`);
+    /// interrupted there, it returns [`ProtocolError::Interrupted`] with
+    /// nothing changed (the offloader still runs, its jobs go on). Then it
+    /// shuts down as with a blocking request, whose drain then waits at
+    /// most for jobs submitted meanwhile by other threads. Not interrupted
+    /// after that point: the rest (stopping the pinner at a chunk boundary,
+    /// unregistering, freeing) is bounded by a chunk's registration and the
+    /// driver calls.
+    pub fn shutdown(&self, req: Request<'_>, sink: &mut dyn FnMut(Completion)) -> Result<(), OffloaderError> {
+        if req.interrupt().is_some() {
+            self.drain_first(req, sink)?;
+        }
+        self.shut_down_now()
+    }
+
+    /// The interruptible shutdown's first step: the jobs in flight waited
+    /// for, interruptibly, their completions handed to `sink`.
+    fn drain_first(&self, req: Request<'_>, sink: &mut dyn FnMut(Completion)) -> Result<(), OffloaderError> {
         self.refuse_inside_gated("shutting down inside gated()")?;
-        let mut shut_down = sync::lock(&self.shut_down);
-        if *shut_down {
+        if self.is_shut_down() {
+            return Err(ProtocolError::AlreadyShutDown.into());
+        }
+        // Refused at once, as the blocking form refuses, when a window is
+        // open or a registered graph lives: the drain below would wait for
+        // that window first. (One that opens after this check is refused
+        // by the shutdown after the drain, as before.)
+        let a = self.coord.activity();
+        if a.windows_open > 0 {
+            return Err(ProtocolError::WindowOpen { open: a.windows_open }.into());
+        }
+        if a.graphs_live > 0 {
+            return Err(ProtocolError::GraphsAlive { live: a.graphs_live }.into());
+        }
+        // Any other outcome (a window of this thread's, shut down
+        // meanwhile) is for the shutdown itself to refuse or report.
+        match self.wait_all(req, sink) {
+            Err(e @ OffloaderError::Protocol(ProtocolError::Interrupted { .. })) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// The shutdown itself (a blocking request's; also the drop's).
+    fn shut_down_now(&self) -> Result<(), OffloaderError> {
+        self.refuse_inside_gated("shutting down inside gated()")?;
+        let _shutting = sync::lock(&self.shutting);
+        if self.shut_down.load(Ordering::SeqCst) {
             return Err(ProtocolError::AlreadyShutDown.into());
         }
         // Refused here, in one critical section of the coordinator, with
@@ -35,8 +83,7 @@ impl Offloader {
             let hook = self.hook_quiesce()?;
             self.coord.close()?;
             drop(hook);
-            *shut_down = true;
-            self.shut.store(true, Ordering::SeqCst);
+            self.shut_down.store(true, Ordering::SeqCst);
         }
         // Drain: every job in flight completes and is applied.
         let engine = {
@@ -54,7 +101,7 @@ impl Offloader {
                 if self.poll_each(&mut drop) == 0 {
                     // Only while a window that opened before `close` is
                     // still open, which `close` refused: cannot happen.
-                    self.coord.wait_no_window()?;
+                    super::request::wait_no_window(&self.coord, Request::new())?;
                 }
             }
         }
@@ -64,8 +111,7 @@ impl Offloader {
         let engine = sync::lock(&self.inner).engine.take();
         drop(engine);
         if old_order {
-            *shut_down = true;
-            self.shut.store(true, Ordering::SeqCst);
+            self.shut_down.store(true, Ordering::SeqCst);
             if let Err(e) = self.coord.close() {
                 let _ = self.free_owned();
                 return Err(e.into());
@@ -73,7 +119,7 @@ impl Offloader {
         }
         let pinner = &self.pinner;
         let mut joined = Ok(());
-        let r = finish_shutdown(self.rt.as_ref(), &self.coord, || {
+        let r = finish_shutdown(self.rt().as_ref(), &self.coord, || {
             let mut p = sync::lock(pinner);
             if let Pinner::Running(h) = std::mem::replace(&mut *p, Pinner::NotStarted) {
                 match h.join() {
@@ -94,17 +140,17 @@ impl Offloader {
     /// Frees the tensors and the compute stream the offloader allocated.
     fn free_owned(&self) -> Result<(), OffloaderError> {
         let mut first = None;
-        if let Some(s) = self.owned_compute {
-            if let Err(e) = self.rt.stream_destroy(s) {
+        if let Some(s) = self.owned.compute {
+            if let Err(e) = self.rt().stream_destroy(s) {
                 first.get_or_insert(OffloaderError::driver("destroying the compute stream")(e));
             }
         }
-        for &p in &self.owned_tensors {
+        for &p in &self.owned.tensors {
             // SAFETY: every job is drained (no copy of the offloader touches
             // the tensor) and no registered graph lives (`close` refused
             // otherwise); the contract of `with_allocated_tensors` is that
             // the engine's own work on them ended before shutdown.
-            match self.coord.unsafe_call("freeing a KV tensor", |g| unsafe { self.rt.mem_free(g, p) }) {
+            match self.coord.unsafe_call("freeing a KV tensor", |g| unsafe { self.rt().mem_free(g, p) }) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     first.get_or_insert(OffloaderError::driver("freeing a KV tensor")(e));
@@ -117,21 +163,13 @@ impl Offloader {
         first.map_or(Ok(()), Err)
     }
 
-    /// Selects a known-bad variant of the protocol for this offloader
-    /// (negative models only).
-    #[cfg(any(loom, shuttle))]
-    #[doc(hidden)]
-    pub fn set_variant(&self, v: crate::protocol::Variant) {
-        self.coord.set_variant(v);
-    }
-
     /// True once [`Offloader::shutdown`] began and was not refused (it then
     /// refuses every later call with `AlreadyShutDown`).
-    /// Never blocks: a shutdown in progress holds `shut_down` for its whole
+    /// Never blocks: a shutdown in progress holds its lock for its whole
     /// run (the drain, the pinner's join), and a caller asking this, the
     /// Python front with the GIL held, must not wait for it.
     pub fn is_shut_down(&self) -> bool {
-        self.shut.load(Ordering::SeqCst)
+        self.shut_down.load(Ordering::SeqCst)
     }
 }
 
@@ -148,7 +186,7 @@ impl Drop for Offloader {
         if self.is_shut_down() {
             return;
         }
-        if let Err(e) = self.shutdown() {
+        if let Err(e) = self.shut_down_now() {
             tracing::error!(error = %e, "offloader dropped: shutdown failed; registered memory stays mapped (leaked)");
         }
     }

@@ -1,14 +1,15 @@
 //! Slot jobs: [`SlotJob`] and [`Offloader::submit`], by the engine's own job
-//! ids, GPU block ids and host slot ids, with no block manager, and
-//! [`Offloader::wait_jobs`]; and the busy-slot rule: a store never shares a
-//! slot with a job in flight, a load never with a store in flight.
+//! ids, GPU block ids and host slot ids, with no block manager (waited for
+//! with [`Offloader::wait_jobs`], waits.rs); and the busy-slot rule: a
+//! store never shares a slot with a job in flight, a load never with a
+//! store in flight.
 
 use std::collections::HashSet;
 
 use super::{JobSlots, Offloader, OffloaderError};
 use crate::runtime::Direction;
 use crate::sync;
-use crate::transfer::{GroupBlocks, JobBlocks, JobId, Lane, TransferError};
+use crate::transfer::{GroupBlocks, JobBlocks, JobId, Lane};
 
 /// One slot job: GPU block ids and the engine's host slot ids (`0..host_blocks`
 /// of [`Geometry`](super::Geometry)), of one KV cache group
@@ -134,6 +135,7 @@ impl Offloader {
     /// [`TransferError::EmptyJob`], and the refusals every job has (a
     /// capture window open, a capturing compute stream, shutdown).
     ///
+    /// [`TransferError::NoExpeditedLane`]: crate::transfer::TransferError::NoExpeditedLane
     /// [`TransferError::JobIdReused`]: crate::transfer::TransferError::JobIdReused
     /// [`TransferError::FirstSubTooLarge`]: crate::transfer::TransferError::FirstSubTooLarge
     /// [`TransferError::HostCountMismatch`]: crate::transfer::TransferError::HostCountMismatch
@@ -230,28 +232,5 @@ impl Offloader {
             s_at += h;
         }
         Ok(out)
-    }
-
-    /// Blocks until each of `ids` that is in flight completed on the GPU
-    /// (vLLM's `OffloadingWorker.wait`): ids never submitted or already
-    /// reported are skipped, and failed jobs are reported by
-    /// [`Offloader::poll_each`], not here (as [`Offloader::wait_all`]). Refused
-    /// inside the caller's own window. Interruptible:
-    /// [`Interruptible::wait_jobs`](super::Interruptible::wait_jobs).
-    pub fn wait_jobs(&self, ids: &[JobId]) -> Result<(), OffloaderError> {
-        self.refuse_inside_gated("waiting for jobs inside gated()")?;
-        let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
-        self.wait_deferred(&engine, Some(ids))?;
-        for &id in ids {
-            if !sync::lock(&self.inner).jobs.contains_key(&id) {
-                continue;
-            }
-            match engine.wait(id) {
-                // Reported by another thread's poll since the check, or failed.
-                Ok(()) | Err(TransferError::UnknownJob { .. }) | Err(TransferError::JobFailed { .. }) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Ok(())
     }
 }

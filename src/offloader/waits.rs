@@ -1,9 +1,11 @@
-//! [`Interruptible`]: the waits of an [`Offloader`], interruptible (for
-//! Ctrl-C during a wait of the Python front), and [`Offloader::poll_each`].
+//! The waits for jobs of an [`Offloader`] ([`Offloader::wait`],
+//! [`Offloader::wait_jobs`], [`Offloader::wait_all`]) and
+//! [`Offloader::poll_each`]; the rules of a [`Request`] for every wait of
+//! the offloader.
 //!
-//! [`Offloader::interruptible`] takes a check, `interrupted`, and returns a
-//! view with the offloader's waits. Each waits for what its blocking form
-//! waits for and calls `interrupted` at least every 50 ms while it waits,
+//! Each wait takes a [`Request`]. [`Request::new`] blocks until what it
+//! waits for happens. [`Request::interruptible`] gives a check,
+//! `interrupted`, that the wait calls at least every 50 ms while it waits,
 //! never while it holds a lock of the offloader or of its coordinator
 //! (`interrupted` may take other locks: the Python front takes the GIL,
 //! and Python threads holding the GIL take those locks). When
@@ -11,42 +13,54 @@
 //! [`ProtocolError::Interrupted`] (as [`OffloaderError::Protocol`]) and
 //! leaves no trace:
 //!
-//! - [`Interruptible::capture_window`]: the window request is withdrawn
-//!   before it opened
-//!   ([`Coordinator::open_window_interruptible`](crate::protocol::Coordinator::open_window_interruptible));
-//! - [`Interruptible::wait_pinned`]: this thread stops waiting; the pinner
+//! - [`Offloader::capture_window`]: the window request is withdrawn
+//!   before it opened;
+//! - [`Offloader::wait_pinned`]: this thread stops waiting; the pinner
 //!   goes on in the background as it did before the call (pinning, or the
 //!   ranks' agreement, which it waits for before it publishes a final
 //!   state). It was started by [`Offloader::start`], not by the wait, and
 //!   the next `wait_pinned`, [`Offloader::shutdown`] or the drop joins it,
 //!   as when nobody waited;
-//! - [`Interruptible::wait`] and [`Interruptible::wait_all`]: the jobs go
-//!   on on the GPU and stay in flight; the completions the wait took from
-//!   the engine went to its `sink` (see there), the one way they are
-//!   reported;
-//! - [`Interruptible::wait_jobs`]: as `wait_all`;
-//! - [`Interruptible::shutdown`]: only its wait for the jobs in flight is
+//! - [`Offloader::wait`], [`Offloader::wait_jobs`] and
+//!   [`Offloader::wait_all`]: the jobs go on on the GPU and stay in
+//!   flight; the completions the wait took from the engine went to its
+//!   `sink` (see there), the one way they are reported;
+//! - [`Offloader::shutdown`]: only its wait for the jobs in flight is
 //!   interruptible; interrupted, nothing is shut down;
-//! - [`Interruptible::capture_hook`]'s [`CaptureHook::begin`] and
-//!   [`Interruptible::gated`]: the window request or the gated call is
+//! - [`CaptureHook::begin`](super::CaptureHook::begin) and
+//!   [`Offloader::gated`]: the window request or the gated call is
 //!   withdrawn before it opened or ran;
-//! - [`Interruptible::capture_hook`]'s [`CaptureHook::end`] and
-//!   [`CaptureHook::abort`] (whose one wait is the deferred jobs' flush
-//!   waiting for an engine window of another thread): the hook window is
-//!   closed all the same (depth decremented) and the jobs not yet
-//!   submitted stay deferred, in order, submitted once by whoever flushes
-//!   next (hook.rs).
+//! - [`CaptureHook::end`](super::CaptureHook::end) and
+//!   [`CaptureHook::abort`](super::CaptureHook::abort) (whose one wait is
+//!   the deferred jobs' flush waiting for an engine window of another
+//!   thread): the hook window is closed all the same (depth decremented)
+//!   and the jobs not yet submitted stay deferred, in order, submitted
+//!   once by whoever flushes next (hook.rs).
 //!
-//! The blocking forms are unchanged, except that a capture window, a hook
-//! window or a nested `gated` asked for inside `gated` is refused
+//! The waits for jobs take a `sink` for the completions they take from
+//! the transfer engine. With a blocking request a wait sits in the engine
+//! (`cuEventSynchronize`) and takes none: `sink` is not called, and
+//! [`Offloader::poll_each`] reports the jobs. With an interruptible
+//! request it polls (the engine has no query of one job's completion that
+//! leaves the job to be reported), and every completion those polls take,
+//! of the jobs waited for and of any other, goes to `sink`, whatever the
+//! outcome (interrupted too), exactly as [`Offloader::poll_each`] hands
+//! them out: already applied to the block manager, never reported again
+//! by a poll, so the caller reports them (the Python front keeps them for
+//! its next `poll`). A request that is interruptible but whose check never
+//! says so (`Request::new().interruptible(&|| false)`) is the polling
+//! form without interruption.
+//!
+//! Inside [`Offloader::gated`] a capture window, a hook window, a nested
+//! `gated`, a wait or a shutdown is refused
 //! ([`ProtocolError::WouldDeadlock`]) instead of waiting for itself.
 //! docs/blocking-calls.md has the table of every blocking call.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use super::{CaptureHook, Completion, GatedCalls, Offloader, OffloaderError, PinOutcome};
-use crate::protocol::{CaptureWindow, ProtocolError};
+use super::{Completion, Offloader, OffloaderError};
+use crate::protocol::{ProtocolError, Request};
 use crate::sync;
 use crate::transfer::{JobId, TransferError};
 
@@ -76,94 +90,43 @@ fn pause(attempt: u32) {
     std::thread::sleep(pause);
 }
 
-/// The waits of an [`Offloader`], interruptible by a check
-/// ([`Offloader::interruptible`]; module docs): the one interruptible form
-/// of each.
-#[derive(Copy, Clone)]
-pub struct Interruptible<'a> {
-    off: &'a Offloader,
-    interrupted: &'a dyn Fn() -> bool,
-}
-
-impl std::fmt::Debug for Interruptible<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Interruptible")
-    }
-}
-
-impl<'a> Interruptible<'a> {
-    pub(super) fn new(off: &'a Offloader, interrupted: &'a dyn Fn() -> bool) -> Self {
-        Interruptible { off, interrupted }
-    }
-
-    /// [`Offloader::capture_window`], interruptible (see the module docs):
-    /// an interrupted request never opened and leaves the coordinator as
-    /// before the call.
-    pub fn capture_window(&self) -> Result<CaptureWindow, OffloaderError> {
-        self.off.capture_window_with(Some(self.interrupted))
-    }
-
-    /// [`Offloader::capture_hook`], whose [`CaptureHook::begin`],
-    /// [`CaptureHook::end`] and [`CaptureHook::abort`] are interruptible:
-    /// an interrupted begin opened nothing (depth unchanged), as a refused
-    /// begin leaves it; an interrupted end or abort closed the window
-    /// (depth decremented) and left the jobs it did not submit deferred,
-    /// in order.
-    pub fn capture_hook(&self) -> CaptureHook<'a> {
-        CaptureHook::new(self.off, Some(self.interrupted))
-    }
-
-    /// [`Offloader::gated`], interruptible: while it waits for capture
-    /// windows to close it calls the check at least every 50 ms and, when
-    /// that returns true, returns [`ProtocolError::Interrupted`] without
-    /// running `f` (nothing left counted). `f` itself is not interrupted.
-    pub fn gated<T>(&self, what: &'static str, f: impl FnOnce(&GatedCalls<'_>) -> T) -> Result<T, OffloaderError> {
-        self.off.gated_with(what, Some(self.interrupted), f)
-    }
-
-    /// [`Offloader::wait_pinned`], interruptible (see the module docs): the
-    /// wait for a final pin state (which, with ranks that agree, comes only
-    /// after the agreement) calls `interrupted` at least every 50 ms; the
-    /// pinner is joined only once it published that state (its last step),
-    /// so joining it does not wait for pinning or the agreement (one
-    /// exception, as for the blocking form: pinning cancelled before it
-    /// began is final at once, and the pinner still takes part in the
-    /// agreement before it ends). On an interruption the pinner goes on and
-    /// nothing is joined.
-    pub fn wait_pinned(&self) -> Result<PinOutcome, OffloaderError> {
-        self.off.wait_pinned_with(Some(self.interrupted))
-    }
-
-    /// [`Offloader::wait`], interruptible: returns once job `id` completed
-    /// on the GPU ([`TransferError::JobFailed`] if it failed), calling
-    /// `interrupted` at least every 50 ms while it waits.
+impl Offloader {
+    /// Blocks until job `id` completed on the GPU. Refused inside the
+    /// caller's own window and inside [`Offloader::gated`].
     ///
-    /// The transfer engine has no query of one job's completion that leaves
-    /// the job to be reported, so this one polls: [`Offloader::poll_each`]
-    /// (the engine's event queries, through the coordinator's gate, never
-    /// while a window is open), first yielding between polls, then pausing
-    /// (a completion on the GPU signals no condition variable; the pauses
-    /// grow from 20 us to 0.2 ms), and while a capture window is open or
-    /// about to open it waits on the coordinator for it to close
-    /// ([`Coordinator::wait_no_window_interruptible`](crate::protocol::Coordinator::wait_no_window_interruptible)).
-    /// So it returns up to about 0.2 ms after the job completed (the
-    /// blocking form: at once), and it stops when interrupted during a long
-    /// GPU job too (the blocking form sits in `cuEventSynchronize`).
+    /// With a blocking request it waits in the engine
+    /// (`cuEventSynchronize`) and returns at once when the job completed;
+    /// the job is still reported by [`Offloader::poll_each`]; `sink` is not
+    /// called.
     ///
-    /// Every completion those polls take from the engine, of this job and
-    /// of any other, goes to `sink`, whatever the outcome (interrupted too),
-    /// exactly as [`Offloader::poll_each`] hands them out: already applied
-    /// to the block manager, never reported again by a poll, so the caller
-    /// reports them (the Python front keeps them for its next `poll`).
+    /// With an interruptible request ([`Request::interruptible`]) it polls
+    /// ([`Offloader::poll_each`]: the engine's event queries, through the
+    /// coordinator's gate, never while a window is open), first yielding
+    /// between polls, then pausing (the pauses grow from 20 us to 0.2 ms),
+    /// and while a capture window is open or about to open it waits on the
+    /// coordinator for it to close. So it returns up to about 0.2 ms after
+    /// the job completed, and it stops when interrupted during a long GPU
+    /// job too. Every completion those polls take goes to `sink` (module
+    /// docs); a failed job `id` returns [`TransferError::JobFailed`] (its
+    /// completion went to `sink` too). A job that another thread's poll
+    /// reported while this one waited counts as completed (its outcome
+    /// went to that caller).
     ///
-    /// Errors as the blocking form: [`OffloaderError::UnknownJob`] when `id`
-    /// is not in flight, [`ProtocolError::WouldDeadlock`] inside the
-    /// caller's own window, [`OffloaderError::ShutDown`] after shutdown. A
-    /// job that another thread's poll reported while this one waited counts
-    /// as completed (its outcome went to that caller).
-    pub fn wait(&self, id: JobId, sink: &mut dyn FnMut(Completion)) -> Result<(), OffloaderError> {
+    /// Errors: [`OffloaderError::UnknownJob`] when `id` is not in flight,
+    /// [`ProtocolError::WouldDeadlock`] inside the caller's own window,
+    /// [`OffloaderError::ShutDown`] after shutdown.
+    pub fn wait(&self, id: JobId, req: Request<'_>, sink: &mut dyn FnMut(Completion)) -> Result<(), OffloaderError> {
+        let Some(interrupted) = req.interrupt() else {
+            self.refuse_inside_gated("waiting for a job inside gated()")?;
+            let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
+            self.wait_deferred(&engine, Some(&[id]))?;
+            return engine.wait(id).map_err(|e| match e {
+                TransferError::UnknownJob { id } => OffloaderError::UnknownJob { id },
+                e => e.into(),
+            });
+        };
         {
-            let inner = sync::lock(&self.off.inner);
+            let inner = sync::lock(&self.inner);
             if inner.engine.is_none() {
                 return Err(OffloaderError::ShutDown);
             }
@@ -178,43 +141,45 @@ impl<'a> Interruptible<'a> {
             }
             sink(c)
         };
-        self.off.poll_until_reported(&HashSet::from([id]), self.interrupted, &mut watch)?;
+        self.poll_until_reported(&HashSet::from([id]), interrupted, &mut watch)?;
         match failed {
             Some(error) => Err(TransferError::JobFailed { id, error }.into()),
             None => Ok(()),
         }
     }
 
-    /// [`Offloader::wait_all`], interruptible: returns once every job
-    /// submitted before the call completed on the GPU (failed jobs are not
-    /// errors here, as in the blocking form). Polls like
-    /// [`Interruptible::wait`], and hands what it takes from the
-    /// engine to `sink` the same way.
-    pub fn wait_all(&self, sink: &mut dyn FnMut(Completion)) -> Result<(), OffloaderError> {
-        let ids: HashSet<JobId> = {
-            let inner = sync::lock(&self.off.inner);
-            if inner.engine.is_none() {
-                return Err(OffloaderError::ShutDown);
+    /// Blocks until each of `ids` that is in flight completed on the GPU
+    /// (vLLM's `OffloadingWorker.wait`): ids never submitted or already
+    /// reported are skipped, and failed jobs are reported by
+    /// [`Offloader::poll_each`] (or to `sink`), not here. A job deferred
+    /// behind a capture hook window is waited for until it is submitted
+    /// and done (refused with [`ProtocolError::WouldDeadlock`] when this
+    /// thread holds that window). Refused inside the caller's own window.
+    /// Blocking or polling, and `sink`, as [`Offloader::wait`].
+    pub fn wait_jobs(
+        &self,
+        ids: &[JobId],
+        req: Request<'_>,
+        sink: &mut dyn FnMut(Completion),
+    ) -> Result<(), OffloaderError> {
+        let Some(interrupted) = req.interrupt() else {
+            self.refuse_inside_gated("waiting for jobs inside gated()")?;
+            let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
+            self.wait_deferred(&engine, Some(ids))?;
+            for &id in ids {
+                if !sync::lock(&self.inner).jobs.contains_key(&id) {
+                    continue;
+                }
+                match engine.wait(id) {
+                    // Reported by another thread's poll since the check, or failed.
+                    Ok(()) | Err(TransferError::UnknownJob { .. }) | Err(TransferError::JobFailed { .. }) => {}
+                    Err(e) => return Err(e.into()),
+                }
             }
-            inner.jobs.keys().copied().collect()
-        };
-        if ids.is_empty() {
             return Ok(());
-        }
-        self.off.poll_until_reported(&ids, self.interrupted, sink)
-    }
-
-    /// [`Offloader::wait_jobs`], interruptible: returns once each of `ids`
-    /// that is in flight at the call completed on the GPU (ids never
-    /// submitted or already reported are skipped; failed jobs are not errors
-    /// here, `poll` reports them). Polls like
-    /// [`Interruptible::wait`] and hands what it takes from the
-    /// engine to `sink` the same way; a job deferred behind a capture hook
-    /// window is waited for until it is submitted and done (refused with
-    /// [`ProtocolError::WouldDeadlock`] when this thread holds that window).
-    pub fn wait_jobs(&self, ids: &[JobId], sink: &mut dyn FnMut(Completion)) -> Result<(), OffloaderError> {
+        };
         let ids: HashSet<JobId> = {
-            let inner = sync::lock(&self.off.inner);
+            let inner = sync::lock(&self.inner);
             if inner.engine.is_none() {
                 return Err(OffloaderError::ShutDown);
             }
@@ -223,45 +188,33 @@ impl<'a> Interruptible<'a> {
         if ids.is_empty() {
             return Ok(());
         }
-        self.off.poll_until_reported(&ids, self.interrupted, sink)
+        self.poll_until_reported(&ids, interrupted, sink)
     }
 
-    /// [`Offloader::shutdown`], interruptible: first waits, interruptibly,
-    /// for the jobs in flight (as [`Interruptible::wait_all`],
-    /// handing what it takes to `sink`); interrupted there, it returns
-    /// [`ProtocolError::Interrupted`] with nothing changed (the offloader
-    /// still runs, its jobs go on). Then it shuts down as the blocking form,
-    /// whose drain then waits at most for jobs submitted meanwhile by other
-    /// threads. Not interrupted after that point: the rest (stopping the
-    /// pinner at a chunk boundary, unregistering, freeing) is bounded by a
-    /// chunk's registration and the driver calls.
-    pub fn shutdown(&self, sink: &mut dyn FnMut(Completion)) -> Result<(), OffloaderError> {
-        let off = self.off;
-        off.refuse_inside_gated("shutting down inside gated()")?;
-        if off.is_shut_down() {
-            return Err(ProtocolError::AlreadyShutDown.into());
+    /// Blocks until every job submitted before the call completed on the
+    /// GPU (failed jobs are reported by [`Offloader::poll_each`], or to
+    /// `sink`, not here). Refused inside the caller's own window. Blocking
+    /// or polling, and `sink`, as [`Offloader::wait`].
+    pub fn wait_all(&self, req: Request<'_>, sink: &mut dyn FnMut(Completion)) -> Result<(), OffloaderError> {
+        let Some(interrupted) = req.interrupt() else {
+            self.refuse_inside_gated("waiting for jobs inside gated()")?;
+            let engine = sync::lock(&self.inner).engine.clone().ok_or(OffloaderError::ShutDown)?;
+            self.wait_deferred(&engine, None)?;
+            return Ok(engine.wait_all()?);
+        };
+        let ids: HashSet<JobId> = {
+            let inner = sync::lock(&self.inner);
+            if inner.engine.is_none() {
+                return Err(OffloaderError::ShutDown);
+            }
+            inner.jobs.keys().copied().collect()
+        };
+        if ids.is_empty() {
+            return Ok(());
         }
-        // Refused at once, as the blocking form refuses, when a window is
-        // open or a registered graph lives: the drain below would wait for
-        // that window first. (One that opens after this check is refused
-        // by the shutdown after the drain, as before.)
-        let a = off.coord.activity();
-        if a.windows_open > 0 {
-            return Err(ProtocolError::WindowOpen { open: a.windows_open }.into());
-        }
-        if a.graphs_live > 0 {
-            return Err(ProtocolError::GraphsAlive { live: a.graphs_live }.into());
-        }
-        // Any other outcome (a window of this thread's, shut down
-        // meanwhile) is for the shutdown itself to refuse or report.
-        if let Err(e @ OffloaderError::Protocol(ProtocolError::Interrupted { .. })) = self.wait_all(sink) {
-            return Err(e);
-        }
-        off.shutdown()
+        self.poll_until_reported(&ids, interrupted, sink)
     }
-}
 
-impl Offloader {
     /// Hands each job that finished since the last call to `sink` (vLLM's
     /// `get_finished`; `KeyedOffloader::poll` collects them in a list), in
     /// submission order per direction, each reported once, each applied to
@@ -347,7 +300,7 @@ impl Offloader {
             // A window open or about to open holds the event queries back:
             // wait for it to close (refused inside the caller's own window,
             // which would never close while it waits).
-            self.coord.wait_no_window_interruptible(interrupted)?;
+            super::request::wait_no_window(&self.coord, Request::new().interruptible(interrupted))?;
             if checked.elapsed() >= INTERRUPT_EVERY {
                 if interrupted() {
                     return Err(ProtocolError::Interrupted { what: "a transfer" }.into());

@@ -1,6 +1,7 @@
 //! Why a rank stops, and its capture-unsafe driver calls through the
 //! offloader's gate, with the error naming the call.
 
+use kvoffload::Request;
 use kvoffload::{DriverError, DriverResult, GatedCalls, Offloader, OffloaderError};
 
 use super::config::ConfigError;
@@ -30,5 +31,5 @@ pub fn gated<T>(
     what: &'static str,
     f: impl FnOnce(&GatedCalls<'_>) -> DriverResult<T>,
 ) -> Result<T, RankError> {
-    off.gated(what, f)?.map_err(drv(what))
+    off.gated(what, Request::new(), f)?.map_err(drv(what))
 }

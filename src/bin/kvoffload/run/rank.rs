@@ -30,6 +30,7 @@
 
 use std::time::{Duration, Instant};
 
+use kvoffload::Request;
 use kvoffload::{
     pattern, AgreementError, CaptureMode, Code, DevicePtr, DriverError, GpuRuntime, Graph, GraphToken, KeyedOffloader,
     KvAlloc, Offloader, OffloaderOptions, PinObserver, PinOptions, PinState, RegionSpec, ShmOptions, SimFault, Stream,
@@ -197,7 +198,7 @@ pub fn run_rank(
     // pinning stopped, the region unregistered), even when a step failed.
     phase(rank, "shutdown");
     let released = captures.map_or(Ok(()), |c| c.release(off.core()));
-    let down = off.core().shutdown();
+    let down = off.core().shutdown(Request::new(), &mut drop);
     result?;
     released?;
     down?;
@@ -245,7 +246,7 @@ fn capture(
                 break;
             }
             let t = Instant::now();
-            let window = off.capture_window()?;
+            let window = off.capture_window(Request::new())?;
             let waited = t.elapsed().as_secs_f64();
             rep.windows += 1;
             rep.window_wait_total += waited;
@@ -305,7 +306,7 @@ fn agree(
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    let outcome = off.wait_pinned()?;
+    let outcome = off.wait_pinned(Request::new())?;
     rep.agreed_seconds = started.elapsed().as_secs_f64();
     rep.huge_bytes = off.geometry().region.huge_mapped_bytes().unwrap_or(0);
     rep.pin_seconds = lock(&probe.local_done).map_or(rep.agreed_seconds, |d| d.as_secs_f64());

@@ -270,6 +270,7 @@ fn first_bad_byte(rt: &dyn GpuRuntime, e: &[u64]) -> Result<u64, DriverError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvoffload::Request;
     use kvoffload::{shared, KvAlloc, OffloaderOptions, SimRuntime};
 
     /// An offloader on the simulated GPU with two layers of 8 GPU blocks of
@@ -333,6 +334,6 @@ mod tests {
         let table = shape.table(&keys[1..], &gpu[2..]);
         assert_eq!(first_bad_byte(rt, &table[3 * PATTERN_ENTRY_WORDS..]).unwrap(), 3 * 256 + 100);
         checker.release(&off);
-        off.shutdown().unwrap();
+        off.shutdown(Request::new(), &mut drop).unwrap();
     }
 }

@@ -14,6 +14,7 @@
 //! transfer engine); the workload only chooses keys and GPU blocks.
 
 use kvoffload::Named;
+use kvoffload::Request;
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::Instant;
 
@@ -202,7 +203,7 @@ pub(super) fn workload(ctx: &RankWorkload<'_>, rep: &mut RankReport) -> Result<(
     // After a failure jobs may still run: the fill tables are freed only
     // once nothing on the device reads them.
     if !w.jobs.is_empty() {
-        if let Err(e) = off.core().wait_all() {
+        if let Err(e) = off.core().wait_all(Request::new(), &mut drop) {
             tracing::warn!(rank, error = %e, "waiting for the jobs in flight failed");
         }
     }
@@ -344,7 +345,7 @@ impl Work<'_> {
             } else {
                 idle_polls = 0;
                 if let Some(&id) = self.jobs.keys().next() {
-                    match self.off.core().wait(id) {
+                    match self.off.core().wait(id, Request::new(), &mut drop) {
                         Ok(())
                         | Err(OffloaderError::UnknownJob { .. })
                         | Err(OffloaderError::Transfer(TransferError::JobFailed { .. })) => {}
