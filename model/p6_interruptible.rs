@@ -77,6 +77,7 @@ use kvoffload::internal::protocol::{Activity, CapturePolicy, Coordinator, Protoc
 use kvoffload::internal::sync::atomic::{AtomicBool, Ordering};
 use kvoffload::internal::sync::{self, thread, Arc};
 use kvoffload::internal::transfer::{JobId, Lane};
+use kvoffload::Request;
 
 /// Wake-ups main makes before it tells the waiter to stop, and after;
 /// library threads storing a job each beside an interrupted hook begin:
@@ -140,8 +141,8 @@ fn a_wait_held_up(held: Held, variant: Variant) {
             counted.ask(s.load(Ordering::SeqCst))
         };
         let r = match held {
-            Held::CallBehindWindow => c.unsafe_call_interruptible("the waiter's call", &check, |_| ()),
-            Held::WindowBehindCall => c.open_window_interruptible(&check).map(drop),
+            Held::CallBehindWindow => c.unsafe_call("the waiter's call", Request::new().interruptible(&check), |_| ()),
+            Held::WindowBehindCall => c.open_window(Request::new().interruptible(&check)).map(drop),
         };
         match r {
             Ok(()) => {}
@@ -166,7 +167,7 @@ fn a_wait_held_up(held: Held, variant: Variant) {
     };
     match held {
         Held::CallBehindWindow => {
-            let w = f.coord.open_window().unwrap();
+            let w = f.coord.open_window(Request::new()).unwrap();
             let t = thread::spawn(waiter);
             hold_up();
             drop(w);
@@ -174,7 +175,7 @@ fn a_wait_held_up(held: Held, variant: Variant) {
         }
         Held::WindowBehindCall => {
             let t = thread::spawn(waiter);
-            f.coord.unsafe_call("main's call", |_| hold_up()).unwrap();
+            f.coord.unsafe_call("main's call", Request::new(), |_| hold_up()).unwrap();
             t.join().unwrap();
         }
     }

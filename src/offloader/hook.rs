@@ -67,7 +67,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Instant;
 
 use super::{Completion, Offloader, OffloaderError};
-use crate::protocol::{CaptureWindow, JobTicket, ProtocolError};
+use crate::protocol::{CaptureWindow, JobTicket, ProtocolError, Request};
 use crate::runtime::{Code, DriverError};
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 use crate::transfer::{Backend, JobBlocks, JobId, Lane, TransferEngine, TransferError};
@@ -304,8 +304,8 @@ impl Offloader {
         let span = tracing::debug_span!("capture_hook_begin").entered();
         // Outside the hook's lock: jobs submitted meanwhile are deferred.
         let opened = match interrupted {
-            None => self.coord.open_window_interleaved(),
-            Some(f) => self.coord.open_window_interleaved_interruptible(f),
+            None => self.coord.open_window(Request::new().interleaved()),
+            Some(f) => self.coord.open_window(Request::new().interleaved().interruptible(f)),
         };
         let engine = sync::lock(&self.inner).engine.clone();
         let mut h = sync::lock(&self.hook.state);
@@ -449,14 +449,14 @@ impl Offloader {
                     // waits for another thread's hook window).
                     let since = self.coord.window_requests();
                     drop(h);
+                    let req = match interrupted {
+                        None => Request::new(),
+                        Some(f) => Request::new().interruptible(f),
+                    };
                     let waited = if crate::protocol::variant_is!(self.coord, HookFlushWaitsForEveryWindow) {
-                        match interrupted {
-                            None => self.coord.wait_no_window(),
-                            Some(f) => self.coord.wait_no_window_interruptible(f),
-                        }
-                        .map(|()| true)
+                        self.coord.wait_no_window(req, None)
                     } else {
-                        self.coord.wait_no_window_or_request(since, interrupted)
+                        self.coord.wait_no_window(req, Some(since))
                     };
                     h = sync::lock(&self.hook.state);
                     if let Err(e) = waited {
@@ -656,7 +656,7 @@ impl Offloader {
     /// window is open, naming the windows counted (read once: a refusal
     /// names what it saw, never `open: 0`).
     fn refuse_while_windows_open(&self) -> Result<(), OffloaderError> {
-        match self.coord.windows_open() {
+        match self.coord.activity().windows_open {
             0 => Ok(()),
             open => Err(ProtocolError::WindowOpen { open }.into()),
         }

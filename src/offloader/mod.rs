@@ -109,7 +109,7 @@ pub use waits::Interruptible;
 
 use crate::manager::BlockKey;
 use crate::pin::{spawn_pinner, Prefault, RankAgreement};
-use crate::protocol::{CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError};
+use crate::protocol::{CaptureWindow, Coordinator, GraphToken, PinState, ProtocolError, Request};
 use crate::region::Region;
 use crate::runtime::{DevicePtr, Direction, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::atomic::AtomicBool;
@@ -345,7 +345,7 @@ impl std::fmt::Debug for Offloader {
             .field("backend", &self.rt.backend())
             .field("region_bytes", &self.geometry.region.len())
             .field("rank", &self.geometry.region.rank())
-            .field("pin", &self.coord.pin_state())
+            .field("pin", &self.coord.pinning().state())
             .finish()
     }
 }
@@ -375,7 +375,7 @@ impl Offloader {
         if !matches!(*p, Pinner::NotStarted) {
             return Ok(());
         }
-        if self.coord.shutting_down() {
+        if self.coord.shutdown_steps().started() {
             return Err(OffloaderError::ShutDown);
         }
         let handle = spawn_pinner(
@@ -401,7 +401,7 @@ impl Offloader {
     /// [`Offloader::wait_pinned`] then returns promptly.
     /// [`Offloader::shutdown`] does the same first.
     pub fn cancel_pinning(&self) {
-        self.coord.cancel_pinning();
+        self.coord.pinning().cancel();
     }
 
     /// Holds pinning back while the guard lives: no chunk registration
@@ -415,7 +415,7 @@ impl Offloader {
     /// [`Offloader::wait_pinned`] on the thread that holds one is refused
     /// ([`ProtocolError::WouldDeadlock`](crate::protocol::ProtocolError)).
     pub fn hold_pinning(&self) -> crate::protocol::PinHold {
-        self.coord.hold_pinning()
+        self.coord.pinning().hold()
     }
 
     /// Pinning now: its state ([`PinProgress::state`]) and how far it got.
@@ -423,8 +423,13 @@ impl Offloader {
         // One count for every state, read with it: the chunks registered
         // (while pinning runs, its state's `done`; once Pinned, every
         // chunk; during a rollback or after shutdown, what is left).
-        let (state, chunks_done) = self.coord.pin_snapshot();
-        PinProgress { state, chunks_done, chunks_total: self.coord.chunk_count(), bytes_total: self.bytes_total }
+        let (state, chunks_done) = self.coord.pinning().snapshot();
+        PinProgress {
+            state,
+            chunks_done,
+            chunks_total: self.coord.pinning().chunk_count(),
+            bytes_total: self.bytes_total,
+        }
     }
 
     /// Waits until pinning is final (and, with a shared region, agreed),
@@ -441,8 +446,8 @@ impl Offloader {
         self.refuse_inside_gated("waiting for pinning inside gated()")?;
         self.start()?;
         match interrupted {
-            None => self.coord.wait_pin_final()?,
-            Some(f) => self.coord.wait_pin_final_interruptible(f)?,
+            None => self.coord.pinning().wait_final(Request::new())?,
+            Some(f) => self.coord.pinning().wait_final(Request::new().interruptible(f))?,
         };
         self.join_pinner()
     }
@@ -454,12 +459,12 @@ impl Offloader {
             Pinner::Running(h) => match h.join() {
                 Ok(o) => o,
                 Err(_) => {
-                    *p = Pinner::Done(PinOutcome { state: self.coord.pin_state(), agreement: None });
+                    *p = Pinner::Done(PinOutcome { state: self.coord.pinning().state(), agreement: None });
                     return Err(OffloaderError::PinnerPanicked);
                 }
             },
             Pinner::Done(o) => o,
-            Pinner::NotStarted => PinOutcome { state: self.coord.pin_state(), agreement: None },
+            Pinner::NotStarted => PinOutcome { state: self.coord.pinning().state(), agreement: None },
         };
         *p = Pinner::Done(out.clone());
         Ok(out)
@@ -480,8 +485,8 @@ impl Offloader {
     fn capture_window_with(&self, interrupted: Option<&dyn Fn() -> bool>) -> Result<CaptureWindow, OffloaderError> {
         self.refuse_inside_gated("opening a capture window inside gated()")?;
         Ok(match interrupted {
-            None => self.coord.open_window()?,
-            Some(f) => self.coord.open_window_interruptible(f)?,
+            None => self.coord.open_window(Request::new())?,
+            Some(f) => self.coord.open_window(Request::new().interruptible(f))?,
         })
     }
 
@@ -541,8 +546,8 @@ impl Offloader {
     ) -> Result<T, OffloaderError> {
         self.refuse_inside_gated("gated() inside gated()")?;
         Ok(match interrupted {
-            None => self.coord.unsafe_call(what, |gate| self.run_gated(gate, f))?,
-            Some(i) => self.coord.unsafe_call_interruptible(what, i, |gate| self.run_gated(gate, f))?,
+            None => self.coord.unsafe_call(what, Request::new(), |gate| self.run_gated(gate, f))?,
+            Some(i) => self.coord.unsafe_call(what, Request::new().interruptible(i), |gate| self.run_gated(gate, f))?,
         })
     }
 

@@ -2,7 +2,7 @@
 //! it.
 
 use super::{Offloader, OffloaderError, Pinner};
-use crate::protocol::{finish_shutdown, ProtocolError};
+use crate::protocol::{finish_shutdown, ProtocolError, Request};
 use crate::runtime::Direction;
 use crate::sync;
 use crate::sync::atomic::Ordering;
@@ -33,7 +33,7 @@ impl Offloader {
             // flush of deferred jobs in progress ends first, and no hook
             // window begins until the coordinator is closed (hook.rs).
             let hook = self.hook_quiesce()?;
-            self.coord.close()?;
+            self.coord.shutdown_steps().close()?;
             drop(hook);
             *shut_down = true;
             self.shut.store(true, Ordering::SeqCst);
@@ -54,7 +54,7 @@ impl Offloader {
                 if self.poll_each(&mut drop) == 0 {
                     // Only while a window that opened before `close` is
                     // still open, which `close` refused: cannot happen.
-                    self.coord.wait_no_window()?;
+                    self.coord.wait_no_window(Request::new(), None)?;
                 }
             }
         }
@@ -66,7 +66,7 @@ impl Offloader {
         if old_order {
             *shut_down = true;
             self.shut.store(true, Ordering::SeqCst);
-            if let Err(e) = self.coord.close() {
+            if let Err(e) = self.coord.shutdown_steps().close() {
                 let _ = self.free_owned();
                 return Err(e.into());
             }
@@ -104,7 +104,7 @@ impl Offloader {
             // the tensor) and no registered graph lives (`close` refused
             // otherwise); the contract of `with_allocated_tensors` is that
             // the engine's own work on them ended before shutdown.
-            match self.coord.unsafe_call("freeing a KV tensor", |g| unsafe { self.rt.mem_free(g, p) }) {
+            match self.coord.unsafe_call("freeing a KV tensor", Request::new(), |g| unsafe { self.rt.mem_free(g, p) }) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     first.get_or_insert(OffloaderError::driver("freeing a KV tensor")(e));

@@ -46,7 +46,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use super::{CaptureHook, Completion, GatedCalls, Offloader, OffloaderError, PinOutcome};
-use crate::protocol::{CaptureWindow, ProtocolError};
+use crate::protocol::{CaptureWindow, ProtocolError, Request};
 use crate::sync;
 use crate::transfer::{JobId, TransferError};
 
@@ -347,7 +347,7 @@ impl Offloader {
             // A window open or about to open holds the event queries back:
             // wait for it to close (refused inside the caller's own window,
             // which would never close while it waits).
-            self.coord.wait_no_window_interruptible(interrupted)?;
+            self.coord.wait_no_window(Request::new().interruptible(interrupted), None)?;
             if checked.elapsed() >= INTERRUPT_EVERY {
                 if interrupted() {
                     return Err(ProtocolError::Interrupted { what: "a transfer" }.into());

@@ -219,7 +219,7 @@ fn pin_agreed(
 ) -> Result<PinState, AgreementError> {
     // The wait ends when pinning is cancelled (a shutdown closes the
     // coordinator, which cancels pinning), N23 aside.
-    let cancelled = || coord.pin_cancelled() && !crate::protocol::variant_is!(coord, AgreementIgnoresCancel);
+    let cancelled = || coord.pinning().cancelled() && !crate::protocol::variant_is!(coord, AgreementIgnoresCancel);
     pin_then_agree(rt, coord, steps, |pinned| {
         agree(agreement.slots.as_ref(), agreement.rank, pinned, agreement.timeout, &cancelled)
     })
@@ -247,7 +247,7 @@ fn pin_agreed_by(
     match agreement {
         RankAgreement::Slots(a) => pin_agreed(rt, coord, steps, a),
         RankAgreement::Transport(t) => {
-            let cancelled = || coord.pin_cancelled();
+            let cancelled = || coord.pinning().cancelled();
             pin_then_agree(rt, coord, steps, |pinned| agree_via(t, pinned, &cancelled))
         }
     }
@@ -269,7 +269,7 @@ pub fn pin_with(
         None => PinOutcome { state: pin_alone(rt, coord, steps), agreement: None },
         Some(a) => match pin_agreed_by(rt, coord, steps, a) {
             Ok(state) => PinOutcome { state, agreement: Some(Ok(())) },
-            Err(e) => PinOutcome { state: coord.pin_state(), agreement: Some(Err(e)) },
+            Err(e) => PinOutcome { state: coord.pinning().state(), agreement: Some(Err(e)) },
         },
     }
 }
@@ -309,14 +309,14 @@ fn pin_then_agree(
     };
     if local.is_ok() && crate::protocol::variant_is!(coord, PublishBeforeAgreement) {
         // N8: offload turns on for this rank before the ranks agreed.
-        coord.pin_finish(PinState::Pinned);
+        coord.pinning().finish(PinState::Pinned);
     }
     let mode = agree(local.is_ok());
     let state = match (&local, &mode) {
         (Ok(()), Ok(OffloadMode::Pinned)) => PinState::Pinned,
         (Err(reason), _) => PinState::Pageable(reason.clone()),
         (Ok(()), _) => {
-            if let Err(e) = coord.unregister_all(rt) {
+            if let Err(e) = coord.pinning().unregister_all(rt) {
                 tracing::error!(error = %e, "falling back to pageable: unregister failed");
             }
             // This rank's own cancel (its shutdown, or `cancel_pinning`)
@@ -332,10 +332,10 @@ fn pin_then_agree(
 /// Moves Pending to Pinning; otherwise the state pinning already has
 /// (cancelled before it started, or pinned before).
 fn begin(coord: &Coordinator) -> Result<(), PinState> {
-    if coord.pin_begin() {
+    if coord.pinning().begin() {
         return Ok(());
     }
-    let s = coord.pin_state();
+    let s = coord.pinning().state();
     if s.is_final() {
         Err(s)
     } else {
@@ -344,7 +344,7 @@ fn begin(coord: &Coordinator) -> Result<(), PinState> {
 }
 
 fn publish(coord: &Coordinator, state: PinState) -> PinState {
-    coord.pin_finish(state.clone());
+    coord.pinning().finish(state.clone());
     state
 }
 
@@ -352,7 +352,7 @@ fn publish(coord: &Coordinator, state: PinState) -> PinState {
 /// every chunk is registered, otherwise the reason after a full rollback.
 fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, steps: Steps<'_>) -> Result<(), PageableReason> {
     let prefault = steps.prefault;
-    let n = coord.chunk_count();
+    let n = coord.pinning().chunk_count();
     let span = tracing::info_span!("pin", chunks = n);
     let _e = span.enter();
     let started = std::time::Instant::now();
@@ -362,10 +362,10 @@ fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, steps: Steps<'_>) -> Res
     let mut next = 0usize;
     let mut queued = 0usize;
     for i in 0..n {
-        if coord.pin_cancelled() {
+        if coord.pinning().cancelled() {
             return Err(rollback(rt, coord, steps, i, PageableReason::Cancelled));
         }
-        let (addr, len) = coord.chunk_range(i);
+        let (addr, len) = coord.pinning().chunk_range(i);
         steps.before_chunk(i, n);
         if let Err(e) = prefault.ensure(i, addr, len) {
             return Err(rollback(rt, coord, steps, i, PageableReason::HostMemory(e)));
@@ -380,12 +380,12 @@ fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, steps: Steps<'_>) -> Res
         // registration runs long (the pipeline then approaches the slower
         // stage instead of the slower of each pair of chunks).
         while next < n && (next == i + 1 || queued < ahead) {
-            let (a, l) = coord.chunk_range(next);
+            let (a, l) = coord.pinning().chunk_range(next);
             prefault.hint(next, a, l);
             queued += l;
             next += 1;
         }
-        match coord.register_chunk(rt, i) {
+        match coord.pinning().register_chunk(rt, i) {
             Ok(Ok(())) => {
                 // Progress: the chunk and the time since pinning began (the
                 // rate is the reader's: the chunks are listed in order).
@@ -396,7 +396,7 @@ fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, steps: Steps<'_>) -> Res
                 tracing::warn!(chunk = i, error = %e, "registration failed; rolling back to pageable memory");
                 let mut reason = PageableReason::from_driver(e);
                 if reason == PageableReason::OutOfMemory {
-                    let total: u64 = (0..n).map(|j| coord.chunk_range(j).1 as u64).sum();
+                    let total: u64 = (0..n).map(|j| coord.pinning().chunk_range(j).1 as u64).sum();
                     reason = super::memlock::refine(reason, total);
                 }
                 return Err(rollback(rt, coord, steps, i, reason));
@@ -428,7 +428,7 @@ fn rollback(
         (0..failed).rev().collect()
     };
     for j in order {
-        match coord.unregister_chunk(rt, j) {
+        match coord.pinning().unregister_chunk(rt, j) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::error!(chunk = j, error = %e, "rollback: unregister failed"),
             Err(e) => tracing::error!(chunk = j, error = %e, "rollback: unregister refused"),
@@ -466,12 +466,12 @@ impl PinHandle {
 
     /// The current state.
     pub fn state(&self) -> PinState {
-        self.coord.pin_state()
+        self.coord.pinning().state()
     }
 
     /// Asks the pinner to stop at the next chunk boundary and roll back.
     pub fn cancel(&self) {
-        self.coord.cancel_pinning();
+        self.coord.pinning().cancel();
     }
 
     /// Waits for the pinning thread and returns its final state.
@@ -483,10 +483,10 @@ impl PinHandle {
         match self.thread.take() {
             Some(t) => t.join().map(|o| o.state).unwrap_or_else(|_| {
                 let s = PinState::Pageable(PageableReason::HostMemory("pinning thread panicked".into()));
-                self.coord.pin_finish(s.clone());
+                self.coord.pinning().finish(s.clone());
                 s
             }),
-            None => self.coord.pin_state(),
+            None => self.coord.pinning().state(),
         }
     }
 }
@@ -498,7 +498,7 @@ impl Drop for PinHandle {
     /// the registration loop read the request.)
     fn drop(&mut self) {
         if self.thread.is_some() {
-            self.coord.cancel_pinning();
+            self.coord.pinning().cancel();
             self.join_inner();
         }
     }

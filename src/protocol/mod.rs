@@ -13,7 +13,7 @@ mod shutdown;
 pub(crate) use coordinator::variant_is;
 pub use coordinator::{
     Activity, AliasGuard, CapturePolicy, CaptureWindow, ChunkReg, Coordinator, GraphToken, JobTicket, KeepAlive,
-    PinHold, Variant,
+    PinHold, Pinning, ShutdownSteps, Variant,
 };
 pub use error::{PageableReason, PinState, ProtocolError};
 pub use request::Request;

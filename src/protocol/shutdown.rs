@@ -22,7 +22,7 @@ pub enum ShutdownError {
 /// settled (to join its thread). On success nothing of the region is
 /// registered any more and it may be unmapped and unlinked.
 pub fn shutdown(rt: &dyn GpuRuntime, coord: &Coordinator, join_pinner: impl FnOnce()) -> Result<(), ShutdownError> {
-    coord.close()?;
+    coord.shutdown_steps().close()?;
     finish_shutdown(rt, coord, join_pinner)
 }
 
@@ -37,14 +37,14 @@ pub fn finish_shutdown(
 ) -> Result<(), ShutdownError> {
     if crate::protocol::variant_is!(coord, UnregisterBeforeDrain) {
         // N24: the chunks go first.
-        let r = coord.unregister_all(rt).map_err(ShutdownError::Unregister);
-        coord.drain();
+        let r = coord.pinning().unregister_all(rt).map_err(ShutdownError::Unregister);
+        coord.shutdown_steps().drain();
         join_pinner();
         return r;
     }
-    coord.drain();
+    coord.shutdown_steps().drain();
     join_pinner();
-    let r = coord.unregister_all(rt).map_err(ShutdownError::Unregister);
+    let r = coord.pinning().unregister_all(rt).map_err(ShutdownError::Unregister);
     tracing::info!(ok = r.is_ok(), "shutdown complete");
     r
 }
