@@ -1,5 +1,5 @@
 //! P2 pin hold: while an engine holds pinning back
-//! (`Coordinator::hold_pinning`, its capture phase), no chunk registration
+//! (`Pinning::hold`, its capture phase), no chunk registration
 //! starts: at most the one in flight when the hold was taken completes;
 //! capture windows meanwhile open without waiting for a registration; once
 //! the hold drops, pinning goes on and ends Pinned, every chunk registered
@@ -16,7 +16,7 @@
 //! window, drops the hold or cancels), the pinner (`PinHandle`, 3 chunks,
 //! `NoPrefault`), the sim's device thread. Preemption bound 3.
 //!
-//! Why it holds: `Coordinator::register_chunk` waits under the
+//! Why it holds: `Pinning::register_chunk` waits under the
 //! coordinator's lock while a hold lives and pinning is not cancelled,
 //! before it is admitted as a capture-unsafe call; the check and the
 //! admission are one critical section, so a hold taken before it sees the

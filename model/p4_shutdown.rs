@@ -32,7 +32,7 @@
 //!   719).
 //!
 //! Preemption bound 4 (the negatives run at 3, a subset of the
-//! interleavings of 4: each is caught there already). Why it holds: `begin_shutdown` decides, under the
+//! interleavings of 4: each is caught there already). Why it holds: `ShutdownSteps::begin` decides, under the
 //! coordinator's lock, to refuse (window open, graphs alive) or to flip to
 //! ShuttingDown, after which `admit_job`, `open_window` and
 //! `register_graph` refuse; it then waits until every job ticket is dropped

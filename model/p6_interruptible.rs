@@ -14,8 +14,8 @@
 //! - **The check is asked once per wake-up** (3 threads: main, the waiter,
 //!   the sim's device thread; pinning not involved). The waiter makes an
 //!   interruptible wait of the coordinator that main holds up: a library
-//!   call (`unsafe_call_interruptible`) behind main's capture window, or a
-//!   window request (`open_window_interruptible`) behind main's
+//!   call (`unsafe_call` with an interruptible `Request`) behind main's capture window, or a
+//!   window request (`open_window`, interruptible) behind main's
 //!   capture-unsafe call in flight. Main wakes the waiter once, tells it to
 //!   stop (its check's answer turns true), wakes it again, and lets it go.
 //!   Property: the check is called at most once per wake-up of the waiter

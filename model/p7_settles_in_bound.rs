@@ -1,6 +1,6 @@
 //! P7b every rank settles within its bound, also when a rank shuts down
 //! during the agreement: a rank whose pinning is cancelled (what
-//! `Offloader::shutdown` does first, through `Coordinator::close`) stops
+//! `Offloader::shutdown` does first, through `ShutdownSteps::close`) stops
 //! waiting for the other ranks at once, and the ranks still waiting, none
 //! of which has a timeout, settle at once too, in the same mode.
 //!

@@ -462,7 +462,7 @@ fn registrations_take_turns_only_with_windows_that_could_open() {
 /// as their blocking forms do: `try_unsafe_call` and
 /// `admit_job_outside_windows` run at once with no window and say
 /// `WindowBusy` while one is open (the caller's or another thread's);
-/// `wait_no_window` and `wait_pin_final_interruptible` are refused inside
+/// `wait_no_window` and an interruptible `Pinning::wait_final` are refused inside
 /// the caller's own window (they would wait for themselves), the latter
 /// only while pinning is not final; a job admitted is counted until its
 /// ticket goes; after close no job is admitted.
@@ -516,7 +516,7 @@ fn the_non_waiting_and_interruptible_forms_refuse_and_admit_as_the_blocking_ones
     assert_eq!(coord.admit_job_outside_windows(|_, t| t).err(), Some(ProtocolError::ShutDown));
 }
 
-/// `begin_shutdown` closes (new jobs refused, pinning asked to stop) and
+/// `ShutdownSteps::begin` closes (new jobs refused, pinning asked to stop) and
 /// returns only once pinning is final: after it returns, nothing registers
 /// any more, so the caller may unregister. The pinner here finishes as
 /// soon as it sees the cancellation; repeated, since a shutdown that did
@@ -542,7 +542,7 @@ fn begin_shutdown_closes_and_returns_only_once_pinning_is_final() {
             until("shutdown asks pinning to stop", || coord.pinning().cancelled());
             coord.pinning().finish(PinState::Pageable(PageableReason::Cancelled));
             let seen = shutdown.join().unwrap();
-            assert!(seen.is_final(), "round {round}: begin_shutdown returned with pinning at {seen:?}");
+            assert!(seen.is_final(), "round {round}: ShutdownSteps::begin returned with pinning at {seen:?}");
         });
     }
 }

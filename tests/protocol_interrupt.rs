@@ -293,7 +293,7 @@ fn a_request_that_can_open_is_not_asked_and_shutdown_still_ends_a_wait() {
     assert!(!flag.stop.load(Ordering::SeqCst));
 }
 
-/// `Coordinator::unsafe_call_interruptible` (the offloader's `gated` with
+/// `Coordinator::unsafe_call` with an interruptible request (the offloader's `gated` with
 /// an interrupt check): runs at once when no window is open, without
 /// asking; refused inside the caller's own window; while it waits it is
 /// counted as waiting, and once its check says stop it returns

@@ -7,7 +7,8 @@
 //! - Depth is per thread. [`CaptureHook::begin`] at depth 0 opens a
 //!   capture window under the Interleave rules, whatever the offloader's
 //!   [`CapturePolicy`](crate::protocol::CapturePolicy)
-//!   ([`Coordinator::open_window_interleaved`](crate::protocol::Coordinator::open_window_interleaved)):
+//!   ([`Coordinator::open_window`](crate::protocol::Coordinator::open_window) with
+//!   [`Request::interleaved`](crate::protocol::Request::interleaved)):
 //!   it waits at most for the capture-unsafe library call in flight (one
 //!   chunk's registration, or one job submission), never for pinning.
 //!   Deeper begins only count. [`CaptureHook::end`] at depth 1 closes
@@ -27,7 +28,7 @@
 //!   (lexical) window is open waits for it and is retried; a hook window
 //!   that begins during that wait ends it, the rest left queued for that
 //!   window's close
-//!   ([`Coordinator::wait_no_window_or_request`](crate::protocol::Coordinator::wait_no_window_or_request)),
+//!   ([`Coordinator::wait_no_window`](crate::protocol::Coordinator::wait_no_window) with a `since`),
 //!   so a close never waits for another thread's hook window (P6: a
 //!   thread may hold its hook window until another's close returns).
 //! - That wait is the close's only wait for another thread, and an

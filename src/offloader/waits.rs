@@ -13,7 +13,8 @@
 //!
 //! - [`Interruptible::capture_window`]: the window request is withdrawn
 //!   before it opened
-//!   ([`Coordinator::open_window_interruptible`](crate::protocol::Coordinator::open_window_interruptible));
+//!   ([`Coordinator::open_window`](crate::protocol::Coordinator::open_window) with
+//!   [`Request::interruptible`](crate::protocol::Request::interruptible));
 //! - [`Interruptible::wait_pinned`]: this thread stops waiting; the pinner
 //!   goes on in the background as it did before the call (pinning, or the
 //!   ranks' agreement, which it waits for before it publishes a final
@@ -145,7 +146,7 @@ impl<'a> Interruptible<'a> {
     /// (a completion on the GPU signals no condition variable; the pauses
     /// grow from 20 us to 0.2 ms), and while a capture window is open or
     /// about to open it waits on the coordinator for it to close
-    /// ([`Coordinator::wait_no_window_interruptible`](crate::protocol::Coordinator::wait_no_window_interruptible)).
+    /// ([`Coordinator::wait_no_window`](crate::protocol::Coordinator::wait_no_window), interruptible).
     /// So it returns up to about 0.2 ms after the job completed (the
     /// blocking form: at once), and it stops when interrupted during a long
     /// GPU job too (the blocking form sits in `cuEventSynchronize`).

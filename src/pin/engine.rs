@@ -141,7 +141,7 @@ impl From<Agreement> for RankAgreement {
 /// state (also published through the coordinator).
 ///
 /// - Between chunks it stops if pinning was cancelled (shutdown or
-///   [`Coordinator::cancel_pinning`]).
+///   [`Pinning::cancel`](crate::protocol::Pinning::cancel)).
 /// - Each registration is a capture-unsafe call made through the
 ///   coordinator, so it never overlaps a capture window.
 /// - On any failure at chunk k, chunks k-1 .. 0 are unregistered, last
@@ -196,7 +196,7 @@ fn pin_alone(rt: &dyn GpuRuntime, coord: &Coordinator, steps: Steps<'_>) -> PinS
 /// `agreement` has settled; if any rank ended pageable, this one unregisters
 /// its chunks and ends `Pageable(PeerPageable)` too. An agreement that
 /// cannot be reached (a rank died, timeout, pinning cancelled by a shutdown
-/// or [`Coordinator::cancel_pinning`] while this rank waited, a peer that
+/// or [`Pinning::cancel`](crate::protocol::Pinning::cancel) while this rank waited, a peer that
 /// gave up) leaves this rank pageable, at once, and is returned as the
 /// error (its reason `PeerPageable`, but `Cancelled` when this rank's own
 /// cancel ended the wait); the ranks this one waited for then end pageable
@@ -439,7 +439,8 @@ fn rollback(
 
 /// Pinning running on its own thread while the caller goes on. Its state
 /// is observable and waitable through the coordinator
-/// ([`Coordinator::pin_state`], [`Coordinator::wait_pin_final`]).
+/// ([`Coordinator::pinning`]: [`Pinning::state`](crate::protocol::Pinning::state),
+/// [`Pinning::wait_final`](crate::protocol::Pinning::wait_final)).
 pub struct PinHandle {
     coord: Arc<Coordinator>,
     thread: Option<thread::JoinHandle<PinOutcome>>,

@@ -26,7 +26,7 @@ pub fn shutdown(rt: &dyn GpuRuntime, coord: &Coordinator, join_pinner: impl FnOn
     finish_shutdown(rt, coord, join_pinner)
 }
 
-/// The rest of the shutdown order once [`Coordinator::close`] succeeded (and
+/// The rest of the shutdown order once [`ShutdownSteps::close`](super::ShutdownSteps::close) succeeded (and
 /// the caller retired its jobs, so that their tickets are gone): waits for
 /// the jobs and for pinning to settle, calls `join_pinner`, unregisters
 /// every chunk.

@@ -71,7 +71,7 @@
 //!   (`sync::Slice`: loom and shuttle model no time), so the models run
 //!   the interruptible requests too (model/p6_interruptible.rs).
 
-use crate::runtime::{CoordinatorId, DevicePtr, GateBinding, GateSeal, GpuRuntime};
+use crate::runtime::{CoordinatorId, GateBinding, GateSeal, GpuRuntime};
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 
 // The negatives' switches first: `bad!` is in scope in every file below.
@@ -83,7 +83,8 @@ mod shutdown;
 mod window;
 
 pub use call::{AliasGuard, JobTicket};
-pub use pinning::{PinHold, Pinning};
+use pinning::Chunk;
+pub use pinning::{ChunkReg, PinHold, Pinning};
 pub use shutdown::ShutdownSteps;
 pub(crate) use variant::variant_is;
 pub use variant::Variant;
@@ -118,38 +119,6 @@ named!(CapturePolicy, "capture policy" {
     AfterPinning => "after_pinning",
     Interleave => "interleave",
 });
-
-/// Registration state of one chunk of the region.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum ChunkReg {
-    /// Not registered with the driver (before pinning registers it, or
-    /// after a rollback or shutdown unregistered it): its memory is pageable
-    /// and the gather kernel gets no alias for it (P3).
-    Unregistered,
-    /// Registered with the driver; the gather kernel may get its alias
-    /// through [`Coordinator::acquire_alias`].
-    Registered {
-        /// The device's alias of the chunk's first byte
-        /// (`cuMemHostGetDevicePointer`, see
-        /// [`GpuRuntime::host_device_ptr`]); byte `k` of the chunk is at
-        /// `alias + k` on the device.
-        alias: DevicePtr,
-    },
-    /// Being unregistered: no new users; unregistering waits for the
-    /// current ones to drop their [`AliasGuard`]s (P3). A chunk whose
-    /// unregister call failed stays here (still registered in the driver,
-    /// refused to new users) until a retry succeeds.
-    Unregistering,
-}
-
-#[derive(Debug)]
-struct Chunk {
-    addr: usize,
-    len: usize,
-    reg: ChunkReg,
-    /// Gather launches between their registration check and their enqueue.
-    users: usize,
-}
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum Phase {

@@ -18,9 +18,41 @@
 //!   hold lives, is a typed error, not a deadlock (P6); an interrupted
 //!   wait is uncounted again (P6).
 
-use super::{ChunkReg, Coordinator, PinState, ProtocolError, Request, Shared, State};
+use super::{Coordinator, PinState, ProtocolError, Request, Shared, State};
 use crate::runtime::{DevicePtr, DriverError, Gate, GpuRuntime};
 use crate::sync::{self, thread, Arc};
+
+/// Registration state of one chunk of the region.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ChunkReg {
+    /// Not registered with the driver (before pinning registers it, or
+    /// after a rollback or shutdown unregistered it): its memory is pageable
+    /// and the gather kernel gets no alias for it (P3).
+    Unregistered,
+    /// Registered with the driver; the gather kernel may get its alias
+    /// through [`Coordinator::acquire_alias`].
+    Registered {
+        /// The device's alias of the chunk's first byte
+        /// (`cuMemHostGetDevicePointer`, see
+        /// [`GpuRuntime::host_device_ptr`]); byte `k` of the chunk is at
+        /// `alias + k` on the device.
+        alias: DevicePtr,
+    },
+    /// Being unregistered: no new users; unregistering waits for the
+    /// current ones to drop their [`AliasGuard`](super::AliasGuard)s (P3). A chunk whose
+    /// unregister call failed stays here (still registered in the driver,
+    /// refused to new users) until a retry succeeds.
+    Unregistering,
+}
+
+#[derive(Debug)]
+pub(super) struct Chunk {
+    pub(super) addr: usize,
+    pub(super) len: usize,
+    pub(super) reg: ChunkReg,
+    /// Gather launches between their registration check and their enqueue.
+    pub(super) users: usize,
+}
 
 /// A pin hold ([`Pinning::hold`]): no chunk registration starts
 /// while it lives. Dropping it (on any thread) lets pinning go on.
