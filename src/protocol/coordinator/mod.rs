@@ -94,7 +94,7 @@ use super::error::{PinState, ProtocolError};
 use super::Request;
 use crate::names::named;
 
-/// The process's one gate seal: only this module can make a [`Gate`]
+/// The process's one gate seal: only this module can make a [`Gate`](crate::runtime::Gate)
 /// (`runtime::gate` explains the seal). Taken the first time a coordinator
 /// is made; if anything else took it first, that is a bug this panic names
 /// at once, in every test that makes a coordinator.
