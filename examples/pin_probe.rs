@@ -25,6 +25,7 @@ use std::time::Instant;
 use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
 use kvoffload::internal::runtime::cuda::CudaRuntime;
 use kvoffload::internal::runtime::GpuRuntime;
+use kvoffload::Request;
 
 const GIB: usize = 1 << 30;
 const MADV_POPULATE_WRITE: libc::c_int = 23;
@@ -188,7 +189,7 @@ fn fallocate(m: &Mapping) -> Result<f64, String> {
 fn register(rt: &CudaRuntime, m: &Mapping, chunk: usize) -> Result<(f64, f64), String> {
     let coord = Coordinator::without_region(rt, CapturePolicy::AfterPinning).map_err(|e| e.to_string())?;
     let gated = |f: &dyn Fn(&kvoffload::internal::runtime::Gate) -> kvoffload::internal::runtime::DriverResult<()>| {
-        coord.unsafe_call("pin probe", f).map_err(|e| e.to_string())?.map_err(|e| e.to_string())
+        coord.unsafe_call("pin probe", Request::new(), f).map_err(|e| e.to_string())?.map_err(|e| e.to_string())
     };
     let n = m.len.div_ceil(chunk);
     let t = Instant::now();

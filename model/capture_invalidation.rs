@@ -26,6 +26,7 @@ use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{CaptureMode, Code, GpuRuntime};
 use kvoffload::internal::sync::{thread, Arc};
+use kvoffload::Request;
 
 static HOST: [u8; 64] = [0; 64];
 
@@ -37,7 +38,7 @@ fn scenario(relaxed: bool) {
     // the rule this model checks.
     let coord = Coordinator::without_region(&*sim, CapturePolicy::AfterPinning).unwrap();
     let s = sim.stream_create().unwrap();
-    let d = coord.unsafe_call("alloc", |g| sim.mem_alloc(g, 64)).unwrap().unwrap();
+    let d = coord.unsafe_call("alloc", Request::new(), |g| sim.mem_alloc(g, 64)).unwrap().unwrap();
     let addr = HOST.as_ptr() as usize;
     let (b_sim, b_coord) = (sim.clone(), coord.clone());
     let b = thread::spawn(move || {
@@ -45,7 +46,7 @@ fn scenario(relaxed: bool) {
             b_sim.exchange_capture_mode(CaptureMode::Relaxed).unwrap();
         }
         b_coord
-            .unsafe_call("B's register", |g| {
+            .unsafe_call("B's register", Request::new(), |g| {
                 // SAFETY: HOST is a static, mapped for the whole program; the
                 // sim never writes registered memory on registration.
                 unsafe { b_sim.host_register(g, addr, HOST.len()) }
@@ -69,7 +70,7 @@ fn scenario(relaxed: bool) {
     if refused {
         assert!(enq.is_ok() || matches!(&enq, Err(e) if e.code == Code::STREAM_CAPTURE_INVALIDATED));
     } else {
-        coord.unsafe_call("unregister", |g| sim.host_unregister(g, addr)).unwrap().unwrap();
+        coord.unsafe_call("unregister", Request::new(), |g| sim.host_unregister(g, addr)).unwrap().unwrap();
     }
 }
 

@@ -251,7 +251,7 @@ fn scenario(size: Size, variant: Variant) {
     assert_eq!(stats.slices, faulted.len() as u64, "the pool counted other slices than were faulted: {stats:?}");
     assert_eq!(stats.huge_fallback.is_some(), size.huge, "the huge-page fallback tripped or not: {stats:?}");
     assert_eq!(pool.workers_running(), 0, "a pre-fault worker outlived pinning");
-    coord.unregister_all(rt.as_ref()).unwrap();
+    coord.pinning().unregister_all(rt.as_ref()).unwrap();
 }
 
 #[test]

@@ -41,6 +41,7 @@ use kvoffload::internal::pin::{NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::internal::runtime::CaptureMode;
 use kvoffload::internal::sync::thread;
+use kvoffload::Request;
 
 fn scenario(variant: Variant) {
     scenario_with(variant, false)
@@ -51,7 +52,7 @@ fn scenario_with(variant: Variant, forged: bool) {
     let f = fixture(CapturePolicy::Interleave, variant, 2, 64);
     let rt = f.rt.clone();
     let s = rt.stream_create().unwrap();
-    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+    let d = f.coord.unsafe_call("alloc", Request::new(), |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
     let poll_stream = rt.stream_create().unwrap();
     let e = rt.event_create().unwrap();
     rt.event_record(e, poll_stream).unwrap();
@@ -65,7 +66,7 @@ fn scenario_with(variant: Variant, forged: bool) {
         pcoord.try_unsafe_call(|g| prt.event_query(g, e)).map(|r| r.is_ok())
     });
 
-    let w = f.coord.open_window().unwrap();
+    let w = f.coord.open_window(Request::new()).unwrap();
     rt.begin_capture(s, CaptureMode::Global).unwrap();
     // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
     // memset is only captured.
@@ -80,7 +81,7 @@ fn scenario_with(variant: Variant, forged: bool) {
     if let Ok(ok) = polled {
         assert!(ok, "gated event query failed");
     }
-    f.coord.unregister_all(rt.as_ref()).unwrap();
+    f.coord.pinning().unregister_all(rt.as_ref()).unwrap();
 }
 
 const B: Bounds = Bounds { property: "P1", threads: 4, preemptions: 3, ci: None };

@@ -58,6 +58,7 @@ use kvoffload::internal::protocol::{CapturePolicy, Coordinator, Variant};
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{shared, CaptureMode, Code};
 use kvoffload::internal::sync::thread;
+use kvoffload::Request;
 
 fn scenario(variant: Variant) {
     let first = SimRuntime::new();
@@ -67,18 +68,20 @@ fn scenario(variant: Variant) {
     let other = Coordinator::without_region(second.as_ref(), CapturePolicy::Interleave).unwrap();
     mine.set_variant(variant);
     let s = first.stream_create().unwrap();
-    let d = mine.unsafe_call("the engine's scratch", |g| first.mem_alloc(g, 64)).unwrap().unwrap();
+    let d = mine.unsafe_call("the engine's scratch", Request::new(), |g| first.mem_alloc(g, 64)).unwrap().unwrap();
 
     let (rt1, rt2, other2) = (first.clone(), second.clone(), other.clone());
     let foreign = thread::spawn(move || {
-        let cross = other2.unsafe_call("a call on another coordinator's handle", |g| rt1.mem_alloc(g, 64)).unwrap();
+        let cross = other2
+            .unsafe_call("a call on another coordinator's handle", Request::new(), |g| rt1.mem_alloc(g, 64))
+            .unwrap();
         let was = rt2.exchange_capture_mode(CaptureMode::Relaxed).unwrap();
-        let own = other2.unsafe_call("a call on its own handle", |g| rt2.mem_alloc(g, 64)).unwrap();
+        let own = other2.unsafe_call("a call on its own handle", Request::new(), |g| rt2.mem_alloc(g, 64)).unwrap();
         rt2.exchange_capture_mode(was).unwrap();
         (cross, own)
     });
 
-    let w = mine.open_window().unwrap();
+    let w = mine.open_window(Request::new()).unwrap();
     first.begin_capture(s, CaptureMode::Global).unwrap();
     // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
     // memset is only captured.
@@ -97,7 +100,9 @@ fn scenario(variant: Variant) {
         "a call under another coordinator's gate reached the first handle: {cross:?}"
     );
     assert!(own.is_ok(), "the second coordinator's gate was refused on its own handle: {own:?}");
-    let again = mine.unsafe_call("the engine's own call after its capture", |g| first.mem_alloc(g, 64)).unwrap();
+    let again = mine
+        .unsafe_call("the engine's own call after its capture", Request::new(), |g| first.mem_alloc(g, 64))
+        .unwrap();
     assert!(again.is_ok(), "the first coordinator's gate was refused on its own handle: {again:?}");
     first.graph_destroy(end.unwrap()).unwrap();
 }

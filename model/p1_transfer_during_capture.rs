@@ -42,6 +42,7 @@ use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::internal::runtime::CaptureMode;
 use kvoffload::internal::sync::thread;
 use kvoffload::internal::transfer::{BackendChoice, JobBlocks, JobId, JobResult, TransferError};
+use kvoffload::Request;
 
 fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::AfterPinning, variant, 1, 64);
@@ -59,7 +60,7 @@ fn scenario(variant: Variant) {
         let job = JobBlocks::single(vec![0], vec![0]);
         match eng.store(JobId(1), &job) {
             Err(TransferError::CaptureWindowOpen { .. }) => {
-                lcoord.wait_no_window().unwrap();
+                lcoord.wait_no_window(Request::new(), None).unwrap();
                 eng.store(JobId(1), &job)?;
             }
             r => r?,
@@ -72,7 +73,7 @@ fn scenario(variant: Variant) {
             eng.wait(JobId(1))?;
             seen.extend(eng.poll_finished());
             if seen.is_empty() {
-                lcoord.wait_no_window().unwrap();
+                lcoord.wait_no_window(Request::new(), None).unwrap();
             }
         }
         // The engine's drop frees its descriptor tables through the gate
@@ -81,7 +82,7 @@ fn scenario(variant: Variant) {
         Ok(seen)
     });
 
-    let w = f.coord.open_window().unwrap();
+    let w = f.coord.open_window(Request::new()).unwrap();
     rt.begin_capture(compute, CaptureMode::Global).unwrap();
     // SAFETY: block 3 of the device tensor, never touched by the job (block
     // 0); the memset is only captured.

@@ -1,4 +1,5 @@
-//! P2 for the capture hook's window: `Coordinator::open_window_interleaved`
+//! P2 for the capture hook's window: `Coordinator::open_window` with
+//! `Request::interleaved`
 //! (what `CaptureHook::begin` opens at depth 0) on a coordinator
 //! whose policy is AfterPinning (the default): the window opens while
 //! pinning runs, having waited for at most one registration, no
@@ -9,14 +10,14 @@
 //!
 //! Registrations are counted by the simulated GPU, as in
 //! model/p2_pin_before_capture.rs: the count when the window asks to open
-//! (under the coordinator's lock, `open_window_interleaved_noting`, loom
+//! (under the coordinator's lock, by the hook of `Request::noting`, loom
 //! builds only) and when it opened differ by at most one.
 //!
 //! Threads (3): the engine (main) opening the hook's window and capturing
 //! in GLOBAL mode, the pinner (`PinHandle`, 3 chunks), the sim's device
 //! thread. Preemption bound 3.
 //!
-//! Why it holds: a request of `open_window_interleaved` is counted in
+//! Why it holds: an interleaved request is counted in
 //! `interleave_waiting`; it may open once no library call is in flight and
 //! the turn is the windows' (whatever the policy), and while it waits
 //! library calls start only on their turn, which each call's end gives to
@@ -32,17 +33,20 @@ use common::{check, fixture, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::Request;
+use std::cell::Cell;
 
 fn scenario() {
     let f = fixture(CapturePolicy::AfterPinning, Variant::Production, 3, 64);
     let rt = f.rt.clone();
     let s = rt.stream_create().unwrap();
-    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+    let d = f.coord.unsafe_call("alloc", Request::new(), |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
     let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
 
-    let mut at_request = None;
-    let w = f.coord.open_window_interleaved_noting(|| at_request = Some(f.sim().registrations_completed())).unwrap();
-    let at_request = at_request.expect("the window asked to open");
+    let at_request = Cell::new(None);
+    let note = || at_request.set(Some(f.sim().registrations_completed()));
+    let w = f.coord.open_window(Request::new().interleaved().noting(&note)).unwrap();
+    let at_request = at_request.get().expect("the window asked to open");
     let at_open = f.sim().registrations_completed();
     assert!(
         at_open - at_request <= 1,
@@ -58,13 +62,13 @@ fn scenario() {
     assert_eq!(f.sim().registrations_completed(), at_open, "a registration completed inside the window");
     drop(w);
     // The coordinator's own policy still holds for its other windows.
-    let after = f.coord.open_window().unwrap();
-    assert!(f.coord.pin_state().is_final(), "an AfterPinning window opened while pinning");
+    let after = f.coord.open_window(Request::new()).unwrap();
+    assert!(f.coord.pinning().state().is_final(), "an AfterPinning window opened while pinning");
     assert_eq!(f.sim().registrations_completed(), 3);
     drop(after);
 
     assert_eq!(pin.join(), PinState::Pinned);
-    f.coord.unregister_all(rt.as_ref()).unwrap();
+    f.coord.pinning().unregister_all(rt.as_ref()).unwrap();
 }
 
 #[test]

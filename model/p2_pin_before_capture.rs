@@ -10,8 +10,8 @@
 //! Registrations are counted by the simulated GPU (successful
 //! `cuMemHostRegister` calls, `SimRuntime::registrations_completed`), not
 //! by the coordinator: the count when the window asks to open (read under
-//! the coordinator's lock at that moment, `Coordinator::open_window_noting`,
-//! loom builds only) and when it has opened differ by at most one; the
+//! the coordinator's lock at that moment, by the hook of
+//! `Request::noting`, loom builds only) and when it has opened differ by at most one; the
 //! count does not change while the window is open; the driver registered
 //! exactly 3 times for the 3 chunks. With AfterPinning the driver has
 //! completed all 3 when the window opens. A second window, opened as soon
@@ -37,19 +37,22 @@ use common::{check, fixture, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::Request;
+use std::cell::Cell;
 
 fn scenario(policy: CapturePolicy) {
     let f = fixture(policy, Variant::Production, 3, 64);
     let rt = f.rt.clone();
     let s = rt.stream_create().unwrap();
-    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+    let d = f.coord.unsafe_call("alloc", Request::new(), |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
     let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
 
-    let mut at_request = None;
-    let w = f.coord.open_window_noting(|| at_request = Some(f.sim().registrations_completed())).unwrap();
-    let at_request = at_request.expect("the window asked to open");
+    let at_request = Cell::new(None);
+    let note = || at_request.set(Some(f.sim().registrations_completed()));
+    let w = f.coord.open_window(Request::new().noting(&note)).unwrap();
+    let at_request = at_request.get().expect("the window asked to open");
     let at_open = f.sim().registrations_completed();
-    let state = f.coord.pin_state();
+    let state = f.coord.pinning().state();
     match policy {
         CapturePolicy::AfterPinning => {
             assert!(state.is_final(), "window opened while pinning: {state:?}");
@@ -73,11 +76,11 @@ fn scenario(policy: CapturePolicy) {
     // A second window right after the first: it opens too, whether or not a
     // library call came between (closing a window gives library calls the
     // turn; with none waiting, the next window must not wait for one).
-    drop(f.coord.open_window().unwrap());
+    drop(f.coord.open_window(Request::new()).unwrap());
 
     assert_eq!(pin.join(), PinState::Pinned);
     assert_eq!(f.sim().registrations_completed(), 3, "the driver registered other than once per chunk");
-    f.coord.unregister_all(rt.as_ref()).unwrap();
+    f.coord.pinning().unregister_all(rt.as_ref()).unwrap();
 }
 
 #[test]

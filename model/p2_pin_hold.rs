@@ -1,5 +1,5 @@
 //! P2 pin hold: while an engine holds pinning back
-//! (`Coordinator::hold_pinning`, its capture phase), no chunk registration
+//! (`Pinning::hold`, its capture phase), no chunk registration
 //! starts: at most the one in flight when the hold was taken completes;
 //! capture windows meanwhile open without waiting for a registration; once
 //! the hold drops, pinning goes on and ends Pinned, every chunk registered
@@ -16,7 +16,7 @@
 //! window, drops the hold or cancels), the pinner (`PinHandle`, 3 chunks,
 //! `NoPrefault`), the sim's device thread. Preemption bound 3.
 //!
-//! Why it holds: `Coordinator::register_chunk` waits under the
+//! Why it holds: `Pinning::register_chunk` waits under the
 //! coordinator's lock while a hold lives and pinning is not cancelled,
 //! before it is admitted as a capture-unsafe call; the check and the
 //! admission are one critical section, so a hold taken before it sees the
@@ -37,6 +37,7 @@ mod common;
 use common::{check, fixture, negative, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, PageableReason, PinState, Variant};
+use kvoffload::Request;
 
 const B: Bounds = Bounds { property: "P2", threads: 3, preemptions: 3, ci: None };
 
@@ -46,14 +47,14 @@ fn scenario(variant: Variant, cancel: bool) {
     let f = fixture(CapturePolicy::Interleave, variant, 3, 64);
     let rt = f.rt.clone();
     let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
-    let hold = f.coord.hold_pinning();
+    let hold = f.coord.pinning().hold();
     let at_hold = f.sim().registrations_completed();
     // A capture under the hold: its window opens and closes.
-    drop(f.coord.open_window().unwrap());
+    drop(f.coord.open_window(Request::new()).unwrap());
     let after = f.sim().registrations_completed();
     assert!(after - at_hold <= 1, "{} registrations completed under a pin hold", after - at_hold);
     if cancel {
-        f.coord.cancel_pinning();
+        f.coord.pinning().cancel();
         let state = pin.join();
         assert!(
             state == PinState::Pinned || state == PinState::Pageable(PageableReason::Cancelled),
@@ -65,7 +66,7 @@ fn scenario(variant: Variant, cancel: bool) {
         assert_eq!(pin.join(), PinState::Pinned);
         assert_eq!(f.sim().registrations_completed(), 3, "the driver registered other than once per chunk");
     }
-    f.coord.unregister_all(rt.as_ref()).unwrap();
+    f.coord.pinning().unregister_all(rt.as_ref()).unwrap();
 }
 
 #[test]

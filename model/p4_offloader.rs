@@ -47,7 +47,7 @@
 //! code's check made the coordinator refuse after the teardown, and the
 //! retry gets `AlreadyShutDown`, the region staying registered).
 //!
-//! Why it holds: `Offloader::shutdown` first calls `Coordinator::close`,
+//! Why it holds: `Offloader::shutdown` first calls `ShutdownSteps::close`,
 //! which in one critical section refuses (window open, graph alive) or
 //! starts shutdown, after which windows, graphs and jobs are refused; only
 //! then does it drain, drop the engine, wait for pinning and unregister.

@@ -32,7 +32,7 @@
 //!   719).
 //!
 //! Preemption bound 4 (the negatives run at 3, a subset of the
-//! interleavings of 4: each is caught there already). Why it holds: `begin_shutdown` decides, under the
+//! interleavings of 4: each is caught there already). Why it holds: `ShutdownSteps::begin` decides, under the
 //! coordinator's lock, to refuse (window open, graphs alive) or to flip to
 //! ShuttingDown, after which `admit_job`, `open_window` and
 //! `register_graph` refuse; it then waits until every job ticket is dropped
@@ -52,6 +52,7 @@ use kvoffload::internal::runtime::CaptureMode;
 use kvoffload::internal::sync::atomic::{AtomicBool, Ordering};
 use kvoffload::internal::sync::{thread, Arc};
 use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId, TransferError};
+use kvoffload::Request;
 
 const B: Bounds = Bounds { property: "P4", threads: 3, preemptions: 4, ci: None };
 
@@ -73,9 +74,9 @@ fn during_pinning(variant: Variant) {
     pin.join();
     assert_eq!(f.sim().registered_ranges(), 0, "chunk left registered after shutdown (pinner joined since)");
     down.expect("shutdown failed");
-    assert!(f.coord.pin_state().is_final());
+    assert!(f.coord.pinning().state().is_final());
     for i in 0..3 {
-        assert_eq!(f.coord.chunk_reg(i), Some(ChunkReg::Unregistered), "chunk {i} left registered");
+        assert_eq!(f.coord.pinning().chunk_reg(i), Some(ChunkReg::Unregistered), "chunk {i} left registered");
     }
 }
 
@@ -121,10 +122,10 @@ fn racing_a_capture(windowed: bool) {
     let rt = f.rt.clone();
     assert_eq!(pin_all(rt.as_ref(), &f.coord, &NoPrefault), PinState::Pinned);
     let s = rt.stream_create().unwrap();
-    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+    let d = f.coord.unsafe_call("alloc", Request::new(), |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
     let (sc, srt) = (f.coord.clone(), rt.clone());
     let sh = thread::spawn(move || shutdown(srt.as_ref(), &sc, || {}));
-    let w = if windowed { f.coord.open_window().map(Some) } else { Ok(None) };
+    let w = if windowed { f.coord.open_window(Request::new()).map(Some) } else { Ok(None) };
     match w {
         Ok(w) => {
             rt.begin_capture(s, CaptureMode::Global).unwrap();
@@ -147,7 +148,7 @@ fn racing_a_capture(windowed: bool) {
         Err(e) => panic!("shutdown failed: {e}"),
     }
     assert_eq!(f.sim().registered_ranges(), 0);
-    assert!(matches!(f.coord.open_window(), Err(ProtocolError::ShutDown)));
+    assert!(matches!(f.coord.open_window(Request::new()), Err(ProtocolError::ShutDown)));
 }
 
 fn with_graph(variant: Variant) {
@@ -155,8 +156,8 @@ fn with_graph(variant: Variant) {
     let rt = f.rt.clone();
     assert_eq!(pin_all(rt.as_ref(), &f.coord, &NoPrefault), PinState::Pinned);
     let s = rt.stream_create().unwrap();
-    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
-    let w = f.coord.open_window().unwrap();
+    let d = f.coord.unsafe_call("alloc", Request::new(), |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+    let w = f.coord.open_window(Request::new()).unwrap();
     rt.begin_capture(s, CaptureMode::Global).unwrap();
     // SAFETY: leaked region memory, alive for the whole model.
     unsafe { rt.copy_htod_async(d, f.base, 64, s) }.unwrap();
@@ -169,7 +170,7 @@ fn with_graph(variant: Variant) {
     // The engine waits for its replay through the gate, as production does.
     let replay = rt
         .graph_launch(graph, s)
-        .and_then(|_| f.coord.unsafe_call("replay sync", |g| rt.stream_synchronize(g, s)).unwrap());
+        .and_then(|_| f.coord.unsafe_call("replay sync", Request::new(), |g| rt.stream_synchronize(g, s)).unwrap());
     assert!(replay.is_ok(), "context poisoned: replay of a live graph gave {replay:?}");
     rt.graph_destroy(graph).unwrap();
     drop(token);

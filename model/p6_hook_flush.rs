@@ -45,7 +45,7 @@
 //!
 //! Why it holds: a flush waits for an engine window only after a
 //! submission was refused, with the hook's lock released, and that wait
-//! (`Coordinator::wait_no_window_or_request`) ends when no window blocks
+//! (`Coordinator::wait_no_window` with a `since`) ends when no window blocks
 //! library calls or when a window was requested after the flush read the
 //! request count, under the hook's lock. A hook window's begin marks
 //! itself under the hook's lock before it asks the coordinator, so its

@@ -14,8 +14,8 @@
 //! - **The check is asked once per wake-up** (3 threads: main, the waiter,
 //!   the sim's device thread; pinning not involved). The waiter makes an
 //!   interruptible wait of the coordinator that main holds up: a library
-//!   call (`unsafe_call_interruptible`) behind main's capture window, or a
-//!   window request (`open_window_interruptible`) behind main's
+//!   call (`unsafe_call` with an interruptible `Request`) behind main's capture window, or a
+//!   window request (`open_window`, interruptible) behind main's
 //!   capture-unsafe call in flight. Main wakes the waiter once, tells it to
 //!   stop (its check's answer turns true), wakes it again, and lets it go.
 //!   Property: the check is called at most once per wake-up of the waiter
@@ -141,8 +141,8 @@ fn a_wait_held_up(held: Held, variant: Variant) {
             counted.ask(s.load(Ordering::SeqCst))
         };
         let r = match held {
-            Held::CallBehindWindow => c.unsafe_call_interruptible("the waiter's call", &check, |_| ()),
-            Held::WindowBehindCall => c.open_window_interruptible(&check).map(drop),
+            Held::CallBehindWindow => c.unsafe_call("the waiter's call", Request::new().interruptible(&check), |_| ()),
+            Held::WindowBehindCall => c.open_window(Request::new().interruptible(&check)).map(drop),
         };
         match r {
             Ok(()) => {}
@@ -167,7 +167,7 @@ fn a_wait_held_up(held: Held, variant: Variant) {
     };
     match held {
         Held::CallBehindWindow => {
-            let w = f.coord.open_window().unwrap();
+            let w = f.coord.open_window(Request::new()).unwrap();
             let t = thread::spawn(waiter);
             hold_up();
             drop(w);
@@ -175,7 +175,7 @@ fn a_wait_held_up(held: Held, variant: Variant) {
         }
         Held::WindowBehindCall => {
             let t = thread::spawn(waiter);
-            f.coord.unsafe_call("main's call", |_| hold_up()).unwrap();
+            f.coord.unsafe_call("main's call", Request::new(), |_| hold_up()).unwrap();
             t.join().unwrap();
         }
     }

@@ -37,6 +37,7 @@ use common::{check, fixture, negative, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::internal::sync::thread;
+use kvoffload::Request;
 
 /// Chunks the pinner registers and windows the engine opens back to back:
 /// loom's size, and shuttle's past it.
@@ -48,8 +49,8 @@ fn back_to_back_windows(variant: Variant) {
     let pin = PinHandle::spawn(f.rt.clone(), f.coord.clone(), NoPrefault::shared());
     let mut waited_at: Option<usize> = None;
     for _ in 0..WINDOWS {
-        let w = f.coord.open_window().unwrap();
-        let (waiting, registered) = (f.coord.activity().calls_waiting > 0, f.coord.registered_chunks());
+        let w = f.coord.open_window(Request::new()).unwrap();
+        let (waiting, registered) = (f.coord.activity().calls_waiting > 0, f.coord.pinning().registered_chunks());
         if waiting {
             if let Some(before) = waited_at {
                 assert!(registered > before, "the pinner waited through two windows in a row ({registered} chunks)");
@@ -61,7 +62,7 @@ fn back_to_back_windows(variant: Variant) {
         drop(w);
     }
     assert_eq!(pin.join(), PinState::Pinned);
-    f.coord.unregister_all(f.rt.as_ref()).unwrap();
+    f.coord.pinning().unregister_all(f.rt.as_ref()).unwrap();
 }
 
 #[derive(Copy, Clone)]
@@ -78,29 +79,33 @@ fn own_wake_up(guard: Guard, variant: Variant) {
     let (c, rt) = (f.coord.clone(), f.rt.clone());
     match guard {
         Guard::Window => {
-            let w = f.coord.open_window().unwrap();
-            let waiter = thread::spawn(move || c.unsafe_call("a library call", |g| rt.ctx_synchronize(g)).unwrap());
+            let w = f.coord.open_window(Request::new()).unwrap();
+            let waiter = thread::spawn(move || {
+                c.unsafe_call("a library call", Request::new(), |g| rt.ctx_synchronize(g)).unwrap()
+            });
             drop(w);
             waiter.join().unwrap().unwrap();
         }
         Guard::Ticket => {
             let t = f.coord.admit_job().unwrap();
-            let waiter = thread::spawn(move || c.begin_shutdown());
+            let waiter = thread::spawn(move || c.shutdown_steps().begin());
             drop(t);
             waiter.join().unwrap().unwrap();
         }
         Guard::Alias => {
             let a = f.coord.acquire_alias(f.base, 8).unwrap();
-            let waiter = thread::spawn(move || c.unregister_chunk(rt.as_ref(), 0));
+            let waiter = thread::spawn(move || c.pinning().unregister_chunk(rt.as_ref(), 0));
             drop(a);
             waiter.join().unwrap().unwrap().unwrap();
         }
         Guard::GateEnd => {
-            let waiter = f.coord.unsafe_call("a library call", |_| thread::spawn(move || c.open_window().map(drop)));
+            let waiter = f.coord.unsafe_call("a library call", Request::new(), |_| {
+                thread::spawn(move || c.open_window(Request::new()).map(drop))
+            });
             waiter.unwrap().join().unwrap().unwrap();
         }
     }
-    let _ = f.coord.unregister_all(f.rt.as_ref());
+    let _ = f.coord.pinning().unregister_all(f.rt.as_ref());
 }
 
 const B: Bounds = Bounds { property: "P6", threads: 3, preemptions: 3, ci: None };

@@ -35,12 +35,13 @@ use kvoffload::internal::protocol::{shutdown, CapturePolicy, ProtocolError, Vari
 use kvoffload::internal::runtime::CaptureMode;
 use kvoffload::internal::sync::thread;
 use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId, TransferError};
+use kvoffload::Request;
 
 fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::Interleave, variant, 2, 64);
     let rt = f.rt.clone();
     let s = rt.stream_create().unwrap();
-    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+    let d = f.coord.unsafe_call("alloc", Request::new(), |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
     let (eng, _dev) = engine(&f, 2, 16, 4, BackendChoice::Force(Backend::PerFragment));
     let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
     let jc = f.coord.clone();
@@ -55,7 +56,7 @@ fn scenario(variant: Variant) {
                     eng.wait(JobId(1)).unwrap();
                     seen.extend(eng.poll_finished());
                     if seen.is_empty() {
-                        jc.wait_no_window().unwrap();
+                        jc.wait_no_window(Request::new(), None).unwrap();
                     }
                 }
             }
@@ -64,12 +65,15 @@ fn scenario(variant: Variant) {
         }
     });
 
-    let w = f.coord.open_window().unwrap();
-    match f.coord.wait_pin_final() {
+    let w = f.coord.open_window(Request::new()).unwrap();
+    match f.coord.pinning().wait_final(Request::new()) {
         Ok(_) | Err(ProtocolError::WouldDeadlock { .. }) => {}
         Err(e) => panic!("unexpected {e}"),
     }
-    assert!(matches!(f.coord.unsafe_call("inside window", |_| ()), Err(ProtocolError::WouldDeadlock { .. })));
+    assert!(matches!(
+        f.coord.unsafe_call("inside window", Request::new(), |_| ()),
+        Err(ProtocolError::WouldDeadlock { .. })
+    ));
     rt.begin_capture(s, CaptureMode::Global).unwrap();
     // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
     // memset is only captured.

@@ -84,7 +84,7 @@ fn scenario(rank1_fails_at: Option<u64>) {
     for (coord, h) in ranks {
         let s = h.join().unwrap();
         if s != PinState::Pinned {
-            assert_eq!(coord.registered_chunks(), 0, "pageable rank left chunks registered");
+            assert_eq!(coord.pinning().registered_chunks(), 0, "pageable rank left chunks registered");
         }
         states.push(s);
     }
@@ -203,21 +203,21 @@ fn transport_scenario(fault: Fault, variant: Variant) {
     // already Pinned means every rank contributed (or the exchange broke
     // with no rank pinned).
     for (r, (coord, _)) in ranks.iter().enumerate() {
-        if coord.pin_state() == PinState::Pinned {
+        if coord.pinning().state() == PinState::Pinned {
             assert!(ex.contributed(), "rank {r} turned offload on before every rank settled");
         }
     }
     let mut states = Vec::new();
     for (coord, h) in ranks {
         let r = h.join().unwrap();
-        let s = coord.pin_state();
+        let s = coord.pinning().state();
         match (&r, fault) {
             (Err(AgreementError::Transport { .. }), Fault::Transport) => {}
             (Ok(st), f) if f != Fault::Transport => assert_eq!(*st, s),
             (r, _) => panic!("unexpected agreement result {r:?} with the fault injected"),
         }
         if s != PinState::Pinned {
-            assert_eq!(coord.registered_chunks(), 0, "pageable rank left chunks registered");
+            assert_eq!(coord.pinning().registered_chunks(), 0, "pageable rank left chunks registered");
         }
         states.push(s);
     }

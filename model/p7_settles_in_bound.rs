@@ -1,6 +1,6 @@
 //! P7b every rank settles within its bound, also when a rank shuts down
 //! during the agreement: a rank whose pinning is cancelled (what
-//! `Offloader::shutdown` does first, through `Coordinator::close`) stops
+//! `Offloader::shutdown` does first, through `ShutdownSteps::close`) stops
 //! waiting for the other ranks at once, and the ranks still waiting, none
 //! of which has a timeout, settle at once too, in the same mode.
 //!
@@ -68,13 +68,13 @@ fn scenario(variant: Variant) {
         .collect();
     // Rank 0 shuts down, at any moment: before, during or after its own
     // pinning, before or after rank 1 settled.
-    ranks[0].0.close().unwrap();
+    ranks[0].0.shutdown_steps().close().unwrap();
     let mut results = Vec::new();
     for (rank, (coord, h)) in ranks.into_iter().enumerate() {
         let r = h.join().unwrap();
-        let state = coord.pin_state();
+        let state = coord.pinning().state();
         assert!(matches!(state, PinState::Pageable(_)), "rank {rank} ended {state:?} although rank 2 never settled");
-        assert_eq!(coord.registered_chunks(), 0, "rank {rank} left its chunk registered");
+        assert_eq!(coord.pinning().registered_chunks(), 0, "rank {rank} left its chunk registered");
         results.push(r);
     }
     match &results[0] {

@@ -38,6 +38,7 @@ use kvoffload::internal::pin::{NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, ChunkReg, PageableReason, PinState, Variant};
 use kvoffload::internal::runtime::sim::SimFault;
 use kvoffload::internal::runtime::{CaptureMode, Code};
+use kvoffload::Request;
 
 /// Chunks of the region: loom's size, and shuttle's past it.
 const CHUNKS: usize = common::sized(3, 10);
@@ -47,10 +48,10 @@ fn scenario(variant: Variant, fail_at: u64) {
     let rt = f.rt.clone();
     let s = rt.stream_create().unwrap();
     let bytes = CHUNKS * f.chunk;
-    let d = f.coord.unsafe_call("alloc", |g| rt.mem_alloc(g, bytes)).unwrap().unwrap();
+    let d = f.coord.unsafe_call("alloc", Request::new(), |g| rt.mem_alloc(g, bytes)).unwrap().unwrap();
     f.sim().inject(SimFault::Register { nth: fail_at, code: Code::OUT_OF_MEMORY });
     let pin = PinHandle::spawn(f.rt.clone(), f.coord.clone(), NoPrefault::shared());
-    let w = f.coord.open_window().unwrap();
+    let w = f.coord.open_window(Request::new()).unwrap();
     rt.begin_capture(s, CaptureMode::Global).unwrap();
     // SAFETY: `d` is an allocation of `bytes` of the sim, never freed; the
     // memset is only captured.
@@ -62,7 +63,7 @@ fn scenario(variant: Variant, fail_at: u64) {
     rt.graph_destroy(end.unwrap()).unwrap();
     assert_eq!(state, PinState::Pageable(PageableReason::OutOfMemory));
     for i in 0..CHUNKS {
-        assert_eq!(f.coord.chunk_reg(i), Some(ChunkReg::Unregistered), "chunk {i} left registered");
+        assert_eq!(f.coord.pinning().chunk_reg(i), Some(ChunkReg::Unregistered), "chunk {i} left registered");
     }
     assert_eq!(f.sim().registered_ranges(), 0, "chunk left registered in the driver");
     // Pageable in the driver's eyes: no device alias for any chunk.
@@ -82,7 +83,7 @@ fn scenario(variant: Variant, fail_at: u64) {
         rt.copy_htod_async(d, f.base, bytes, s).unwrap();
         rt.copy_dtoh_async(back.as_mut_ptr() as usize, d, bytes, s).unwrap();
     }
-    f.coord.unsafe_call("sync", |g| rt.stream_synchronize(g, s)).unwrap().unwrap();
+    f.coord.unsafe_call("sync", Request::new(), |g| rt.stream_synchronize(g, s)).unwrap().unwrap();
     assert_eq!(&back[..], &mem[..], "pageable round trip lost bytes");
 }
 

@@ -57,5 +57,5 @@ fn gpu_chunked_pinning_and_rollback_free_shutdown() {
     assert_ne!(alias.device, DevicePtr::NULL);
     drop(alias);
     kvoffload::internal::protocol::shutdown(&rt, &coord, || {}).unwrap();
-    assert_eq!(coord.registered_chunks(), 0);
+    assert_eq!(coord.pinning().registered_chunks(), 0);
 }

@@ -153,7 +153,7 @@ fn gated_calls_are_the_offloaders_and_foreign_gates_are_refused() {
     off.core().gated("engine scratch", Request::new(), |calls| unsafe { calls.mem_free(p) }).unwrap().unwrap();
     let elsewhere = shared(SimRuntime::new());
     let foreign = Coordinator::without_region(elsewhere.as_ref(), CapturePolicy::AfterPinning).unwrap();
-    let r = foreign.unsafe_call("attack", |g| rt.mem_alloc(g, 64)).unwrap();
+    let r = foreign.unsafe_call("attack", Request::new(), |g| rt.mem_alloc(g, 64)).unwrap();
     assert_eq!(r.map_err(|e| e.code), Err(Code::GATE_REFUSED));
     off.core().shutdown(Request::new(), &mut drop).unwrap();
 }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use kvoffload::internal::pin::Prepared;
 use kvoffload::internal::protocol::{PageableReason, PinState};
 use kvoffload::internal::runtime::sim::{Hold, HoldPoint, SimRuntime};
+use kvoffload::Request;
 use pin_common::{assert_usable, region, sim};
 
 const CHUNKS: usize = 4;
@@ -34,28 +35,28 @@ fn state_goes_pending_pinning_pinned_and_is_waitable() {
     let (s, rt) = sim();
     let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
     let coord = p.coordinator().clone();
-    assert_eq!(coord.pin_state(), PinState::Pending);
+    assert_eq!(coord.pinning().state(), PinState::Pending);
 
     let first = s.hold(HoldPoint::Register);
     let h = p.spawn(rt.clone());
     // Another thread waits for the final state meanwhile.
     let c2 = coord.clone();
-    let waiter = std::thread::spawn(move || c2.wait_pin_final().unwrap());
+    let waiter = std::thread::spawn(move || c2.pinning().wait_final(Request::new()).unwrap());
 
     let hold = stop_inside(&s, first, 0);
     assert_eq!(h.state(), PinState::Pinning { done: 0, total: CHUNKS });
     let next = s.hold(HoldPoint::Register);
     hold.release();
     let hold = stop_inside(&s, next, 0);
-    assert_eq!(coord.pin_state(), PinState::Pinning { done: 1, total: CHUNKS });
+    assert_eq!(coord.pinning().state(), PinState::Pinning { done: 1, total: CHUNKS });
     // The caller goes on: its memory is usable while pinning runs.
-    assert_eq!(coord.registered_chunks(), 1);
+    assert_eq!(coord.pinning().registered_chunks(), 1);
     hold.release();
 
     assert_eq!(waiter.join().unwrap(), PinState::Pinned);
     assert_eq!(h.join(), PinState::Pinned);
     assert_eq!(s.registered_ranges(), CHUNKS);
-    coord.unregister_all(rt.as_ref()).unwrap();
+    coord.pinning().unregister_all(rt.as_ref()).unwrap();
     assert_eq!(s.registered_ranges(), 0);
     drop(p);
     drop(coord);
@@ -79,7 +80,7 @@ fn cancel_midway_rolls_back_to_pageable() {
         if k == CHUNKS - 1 {
             // Cancelled inside the last chunk: nothing is left to stop before.
             assert_eq!(st, PinState::Pinned, "cancel after the last boundary");
-            p.coordinator().unregister_all(rt.as_ref()).unwrap();
+            p.coordinator().pinning().unregister_all(rt.as_ref()).unwrap();
         } else {
             assert_eq!(st, PinState::Pageable(PageableReason::Cancelled), "cancel inside chunk {k}");
         }
@@ -95,7 +96,7 @@ fn cancel_before_start_never_registers() {
     let (r, opts) = region(2, CHUNK);
     let (s, rt) = sim();
     let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
-    p.coordinator().cancel_pinning();
+    p.coordinator().pinning().cancel();
     let h = p.spawn(rt.clone());
     assert_eq!(h.join(), PinState::Pageable(PageableReason::Cancelled));
     assert_eq!(s.registered_ranges(), 0);
@@ -107,10 +108,10 @@ fn dropping_the_handle_after_pinning_keeps_the_state() {
     let (s, rt) = sim();
     let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
     let h = p.spawn(rt.clone());
-    assert_eq!(p.coordinator().wait_pin_final().unwrap(), PinState::Pinned);
+    assert_eq!(p.coordinator().pinning().wait_final(Request::new()).unwrap(), PinState::Pinned);
     drop(h);
-    assert_eq!(p.coordinator().pin_state(), PinState::Pinned);
-    p.coordinator().unregister_all(rt.as_ref()).unwrap();
+    assert_eq!(p.coordinator().pinning().state(), PinState::Pinned);
+    p.coordinator().pinning().unregister_all(rt.as_ref()).unwrap();
     assert_eq!(s.registered_ranges(), 0);
 }
 
@@ -128,14 +129,18 @@ fn dropping_the_handle_midway_cancels_and_waits_for_the_rollback() {
     let releaser = {
         let coord = coord.clone();
         std::thread::spawn(move || {
-            while !coord.pin_cancelled() {
+            while !coord.pinning().cancelled() {
                 std::thread::yield_now();
             }
             hold.release();
         })
     };
     drop(h);
-    assert_eq!(coord.pin_state(), PinState::Pageable(PageableReason::Cancelled), "drop returned before the rollback");
+    assert_eq!(
+        coord.pinning().state(),
+        PinState::Pageable(PageableReason::Cancelled),
+        "drop returned before the rollback"
+    );
     assert_eq!(s.registered_ranges(), 0);
     releaser.join().unwrap();
     drop(p);
@@ -187,14 +192,14 @@ fn a_pin_hold_keeps_registrations_from_starting_until_it_drops() {
     let first = s.hold(HoldPoint::Register);
     let h = p.spawn(rt.clone());
     first.wait_entered();
-    let hold_a = coord.hold_pinning();
-    let hold_b = coord.hold_pinning();
+    let hold_a = coord.pinning().hold();
+    let hold_b = coord.pinning().hold();
     assert_eq!(coord.activity().pin_holds, 2);
     let next = s.hold(HoldPoint::Register);
     first.release();
     // Chunk 0 completes; chunk 1 waits for the holds, uncounted as a call.
     eventually("chunk 1 held back", || coord.activity().registrations_held == 1);
-    assert_eq!(coord.pin_state(), PinState::Pinning { done: 1, total: CHUNKS });
+    assert_eq!(coord.pinning().state(), PinState::Pinning { done: 1, total: CHUNKS });
     assert_eq!(coord.activity().calls_waiting, 0);
     drop(hold_a);
     assert_eq!(coord.activity().registrations_held, 1, "one hold dropped of two: still held");
@@ -205,7 +210,7 @@ fn a_pin_hold_keeps_registrations_from_starting_until_it_drops() {
     next.release();
     assert_eq!(h.join(), PinState::Pinned);
     assert_eq!(s.registered_ranges(), CHUNKS);
-    coord.unregister_all(rt.as_ref()).unwrap();
+    coord.pinning().unregister_all(rt.as_ref()).unwrap();
     drop(p);
     drop(coord);
     assert_usable(&mut r, 3);
@@ -221,19 +226,22 @@ fn a_pin_hold_gives_way_to_a_cancel_and_refuses_its_holders_wait() {
     let (_s, rt) = sim();
     let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
     let coord = p.coordinator().clone();
-    let hold = coord.hold_pinning();
+    let hold = coord.pinning().hold();
     let h = p.spawn(rt.clone());
     eventually("chunk 0 held back", || coord.activity().registrations_held == 1);
     assert!(
-        matches!(coord.wait_pin_final(), Err(kvoffload::internal::protocol::ProtocolError::WouldDeadlock { .. })),
+        matches!(
+            coord.pinning().wait_final(Request::new()),
+            Err(kvoffload::internal::protocol::ProtocolError::WouldDeadlock { .. })
+        ),
         "the holder's wait for pinning must be refused"
     );
     let c2 = coord.clone();
-    let waiter = std::thread::spawn(move || c2.wait_pin_final().unwrap());
+    let waiter = std::thread::spawn(move || c2.pinning().wait_final(Request::new()).unwrap());
     h.cancel();
     assert_eq!(h.join(), PinState::Pageable(PageableReason::Cancelled));
     assert_eq!(waiter.join().unwrap(), PinState::Pageable(PageableReason::Cancelled));
-    assert_eq!(coord.registered_chunks(), 0);
+    assert_eq!(coord.pinning().registered_chunks(), 0);
     drop(hold);
     drop(p);
     drop(coord);

@@ -10,6 +10,7 @@ use kvoffload::internal::protocol::{PageableReason, PinState};
 use kvoffload::internal::region::page_size;
 use kvoffload::internal::runtime::sim::SimFault;
 use kvoffload::internal::runtime::Code;
+use kvoffload::Request;
 use pin_common::{assert_usable, coordinator_over, region, sim};
 
 const CHUNKS: usize = 5;
@@ -36,7 +37,7 @@ fn fail_at(k: usize, code: Code, background: bool) {
     s.inject(SimFault::Register { nth: k as u64 + 1, code });
     let state = if background {
         let h = p.spawn(rt.clone());
-        let w = p.coordinator().wait_pin_final().unwrap();
+        let w = p.coordinator().pinning().wait_final(Request::new()).unwrap();
         assert_eq!(h.join(), w);
         w
     } else {
@@ -44,9 +45,9 @@ fn fail_at(k: usize, code: Code, background: bool) {
     };
     let what = format!("failure {code:?} at chunk {k} of {CHUNKS} (background {background})");
     assert_eq!(state, PinState::Pageable(expected(code, r.len())), "{what}");
-    assert_eq!(p.coordinator().pin_state(), state, "{what}");
+    assert_eq!(p.coordinator().pinning().state(), state, "{what}");
     assert_eq!(s.registered_ranges(), 0, "{what}: the driver still holds a registration");
-    assert_eq!(p.coordinator().registered_chunks(), 0, "{what}");
+    assert_eq!(p.coordinator().pinning().registered_chunks(), 0, "{what}");
     assert_eq!(p.prefaulter().unwrap().workers_running(), 0, "{what}: pre-fault workers outlived pinning");
     assert!(s.poisoned().is_none());
     drop(p);
@@ -92,12 +93,12 @@ fn success_registers_every_chunk_and_unregisters_cleanly() {
     assert_eq!(p.pin(rt.as_ref()), PinState::Pinned);
     assert_eq!(s.registered_ranges(), CHUNKS);
     for i in 0..CHUNKS {
-        let (a, l) = p.coordinator().chunk_range(i);
+        let (a, l) = p.coordinator().pinning().chunk_range(i);
         assert!(s.is_registered(a, l));
     }
     assert_eq!(p.prefaulter().unwrap().workers_running(), 0, "settled after pinning");
     assert_eq!(p.prefaulter().unwrap().stats().bytes, r.len() as u64);
-    p.coordinator().unregister_all(rt.as_ref()).unwrap();
+    p.coordinator().pinning().unregister_all(rt.as_ref()).unwrap();
     assert_eq!(s.registered_ranges(), 0);
     drop(p);
     assert_usable(&mut r, 1);
@@ -135,7 +136,7 @@ fn without_prefault_pinning_still_works() {
     assert!(p.prefaulter().is_none());
     assert_eq!(p.pin(rt.as_ref()), PinState::Pinned);
     assert_eq!(s.registered_ranges(), 2);
-    p.coordinator().unregister_all(rt.as_ref()).unwrap();
+    p.coordinator().pinning().unregister_all(rt.as_ref()).unwrap();
     assert_eq!(s.registered_ranges(), 0);
 }
 
@@ -171,7 +172,7 @@ fn each_chunk_is_made_resident_before_registration_and_the_next_hinted() {
     assert_eq!(pin_all(rt.as_ref(), &coord, &rec), PinState::Pinned);
     let calls = rec.0.lock().unwrap().clone();
     assert_eq!(calls, ["ensure 0", "hint 1", "ensure 1", "hint 2", "ensure 2", "settle"]);
-    coord.unregister_all(rt.as_ref()).unwrap();
+    coord.pinning().unregister_all(rt.as_ref()).unwrap();
     assert_eq!(s.registered_ranges(), 0);
 }
 
@@ -191,7 +192,7 @@ fn with_lookahead_the_loop_hints_ahead_each_chunk_once_and_in_order() {
         calls,
         ["ensure 0", "hint 1", "hint 2", "ensure 1", "hint 3", "ensure 2", "hint 4", "ensure 3", "ensure 4", "settle"]
     );
-    coord.unregister_all(rt.as_ref()).unwrap();
+    coord.pinning().unregister_all(rt.as_ref()).unwrap();
     drop(coord);
     // A lookahead past the region hints every chunk at once, after the first
     // (a fresh coordinator: pinning is final once per coordinator).
@@ -203,6 +204,6 @@ fn with_lookahead_the_loop_hints_ahead_each_chunk_once_and_in_order() {
         calls,
         ["ensure 0", "hint 1", "hint 2", "hint 3", "hint 4", "ensure 1", "ensure 2", "ensure 3", "ensure 4", "settle"]
     );
-    coord.unregister_all(rt.as_ref()).unwrap();
+    coord.pinning().unregister_all(rt.as_ref()).unwrap();
     assert_eq!(s.registered_ranges(), 0);
 }

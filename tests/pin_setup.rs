@@ -95,17 +95,17 @@ fn chunks_are_whole_rows_within_the_bound_and_cover_the_region() {
     let r = Arc::new(Region::anonymous(l, &AnonOptions::new()).unwrap());
     let max = 25 * p; // 4 rows per chunk (24 pages)
     let (coord, _pf) = prepare(&SimRuntime::new(), &r, &PinOptions::default().max_chunk_bytes(max)).unwrap();
-    let n = coord.chunk_count();
+    let n = coord.pinning().chunk_count();
     assert_eq!(n, 50usize.div_ceil(4));
     let mut next = r.as_ptr() as usize;
     for i in 0..n {
-        let (a, len) = coord.chunk_range(i);
+        let (a, len) = coord.pinning().chunk_range(i);
         assert_eq!(a, next);
         assert!(len <= max && len % l.row_bytes() == 0, "chunk {i}: {len} bytes");
         next = a + len;
     }
     assert_eq!(next, r.as_ptr() as usize + r.len());
-    assert_eq!(coord.pin_state(), PinState::Pending);
+    assert_eq!(coord.pinning().state(), PinState::Pending);
 }
 
 #[test]
@@ -211,7 +211,7 @@ fn shared_region_pinned_by_two_ranks_sees_both_ranks_writes() {
             assert!(buf.iter().all(|b| *b == (other * 16 + c) as u8 + 1), "rank {rank} reads rank {other}'s chunk {c}");
         }
         barrier.wait();
-        prep.coordinator().unregister_all(rt.as_ref()).unwrap();
+        prep.coordinator().pinning().unregister_all(rt.as_ref()).unwrap();
         assert_eq!(sim.registered_ranges(), 0);
         drop(prep);
         drop(r);
@@ -244,7 +244,7 @@ fn shared_rank_major_region_pins_only_its_own_share() {
         for c in (other.start..other.end).step_by(2 * p) {
             assert!(!sim.is_registered(base + c, 1), "rank {rank}: the other rank's chunk at {c}");
         }
-        prep.coordinator().unregister_all(rt.as_ref()).unwrap();
+        prep.coordinator().pinning().unregister_all(rt.as_ref()).unwrap();
         drop(prep);
         drop(r);
     });
@@ -302,7 +302,7 @@ fn prepared_hands_on_its_options_and_its_prefaulters_hints() {
     let pf = p.prefault();
     assert_eq!(pf.lookahead_bytes(), 3 << 20);
     assert_eq!(p.prefaulter().unwrap().workers_running(), 0, "no worker before the first chunk is hinted");
-    let (addr, len) = p.coordinator().chunk_range(1);
+    let (addr, len) = p.coordinator().pinning().chunk_range(1);
     pf.hint(1, addr, len);
     assert_eq!(p.prefaulter().unwrap().workers_running(), 2, "the hint started the pool");
     pf.settle();

@@ -11,6 +11,7 @@ use kvoffload::internal::protocol::{
 };
 use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
 use kvoffload::internal::runtime::GpuRuntime;
+use kvoffload::Request;
 
 /// A coordinator over `chunks` chunks of 4096 bytes of heap memory, which
 /// it holds, and the chunks' ranges.
@@ -28,7 +29,7 @@ fn shutdown_refuses_while_a_window_is_open_then_succeeds() {
     let rt = SimRuntime::new();
     let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 2);
     assert_eq!(pin_all(&rt, &coord, &NoPrefault), PinState::Pinned);
-    let w = coord.open_window().unwrap();
+    let w = coord.open_window(Request::new()).unwrap();
     assert_eq!(shutdown(&rt, &coord, || {}), Err(ShutdownError::Refused(ProtocolError::WindowOpen { open: 1 })));
     drop(w);
     shutdown(&rt, &coord, || {}).unwrap();
@@ -54,24 +55,24 @@ fn work_after_shutdown_is_refused() {
     let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 1);
     shutdown(&rt, &coord, || {}).unwrap();
     assert!(matches!(coord.admit_job(), Err(ProtocolError::ShutDown)));
-    assert!(matches!(coord.open_window(), Err(ProtocolError::ShutDown)));
+    assert!(matches!(coord.open_window(Request::new()), Err(ProtocolError::ShutDown)));
     assert!(matches!(coord.register_graph(), Err(ProtocolError::ShutDown)));
-    assert!(coord.pin_state().is_final(), "shutdown before pinning settles the state");
+    assert!(coord.pinning().state().is_final(), "shutdown before pinning settles the state");
 }
 
 #[test]
 fn waiting_inside_ones_own_window_is_refused() {
     let rt = Arc::new(SimRuntime::new());
     let (coord, _) = coordinator(&rt, CapturePolicy::Interleave, 2);
-    let w = coord.open_window().unwrap();
-    assert!(matches!(coord.wait_pin_final(), Err(ProtocolError::WouldDeadlock { .. })));
-    assert!(matches!(coord.unsafe_call("x", |_| ()), Err(ProtocolError::WouldDeadlock { .. })));
+    let w = coord.open_window(Request::new()).unwrap();
+    assert!(matches!(coord.pinning().wait_final(Request::new()), Err(ProtocolError::WouldDeadlock { .. })));
+    assert!(matches!(coord.unsafe_call("x", Request::new(), |_| ()), Err(ProtocolError::WouldDeadlock { .. })));
     assert!(matches!(coord.try_unsafe_call(|_| ()), Err(ProtocolError::WindowBusy)));
-    assert!(matches!(coord.open_window(), Err(ProtocolError::NestedWindow)));
+    assert!(matches!(coord.open_window(Request::new()), Err(ProtocolError::NestedWindow)));
     drop(w);
     assert_eq!(pin_all(rt.as_ref(), &coord, &NoPrefault), PinState::Pinned);
-    assert_eq!(coord.wait_pin_final().unwrap(), PinState::Pinned);
-    coord.unregister_all(rt.as_ref()).unwrap();
+    assert_eq!(coord.pinning().wait_final(Request::new()).unwrap(), PinState::Pinned);
+    coord.pinning().unregister_all(rt.as_ref()).unwrap();
 }
 
 #[test]
@@ -84,7 +85,7 @@ fn alias_only_for_registered_chunks() {
     assert_eq!(a.device, rt_alias(&rt, ranges[1].0).offset(128));
     assert!(coord.acquire_alias(ranges[0].0 + 4000, 200).is_none(), "a range across two chunks");
     drop(a);
-    coord.unregister_all(&rt).unwrap();
+    coord.pinning().unregister_all(&rt).unwrap();
     assert!(coord.acquire_alias(ranges[1].0, 64).is_none(), "alias after unregistration");
 }
 
@@ -116,7 +117,7 @@ fn a_coordinator_dropped_with_a_chunk_registered_keeps_its_memory() {
         .unwrap();
         assert_eq!(pin_all(&rt, &coord, &NoPrefault), PinState::Pinned);
         if unregister_first {
-            coord.unregister_all(&rt).unwrap();
+            coord.pinning().unregister_all(&rt).unwrap();
         }
         drop(coord);
         // Registered memory is leaked (stays mapped); unregistered memory is released.
@@ -133,38 +134,38 @@ fn the_coordinators_accessors_report_its_state() {
     let rt = SimRuntime::new();
     let (coord, ranges) = coordinator(&rt, CapturePolicy::Interleave, 2);
     assert_eq!(coord.policy(), CapturePolicy::Interleave);
-    assert_eq!((coord.windows_open(), coord.registered_chunks()), (0, 0));
-    assert_eq!(coord.chunk_reg(0), Some(ChunkReg::Unregistered));
-    assert_eq!(coord.chunk_reg(2), None, "no chunk 2");
-    assert!(!coord.shutting_down());
+    assert_eq!((coord.activity().windows_open, coord.pinning().registered_chunks()), (0, 0));
+    assert_eq!(coord.pinning().chunk_reg(0), Some(ChunkReg::Unregistered));
+    assert_eq!(coord.pinning().chunk_reg(2), None, "no chunk 2");
+    assert!(!coord.shutdown_steps().started());
     // Windows are counted while open, and again after one closed.
-    let w = coord.open_window().unwrap();
-    assert_eq!(coord.windows_open(), 1);
+    let w = coord.open_window(Request::new()).unwrap();
+    assert_eq!(coord.activity().windows_open, 1);
     drop(w);
-    assert_eq!(coord.windows_open(), 0);
-    let w = coord.open_window().unwrap();
-    assert_eq!(coord.windows_open(), 1);
+    assert_eq!(coord.activity().windows_open, 0);
+    let w = coord.open_window(Request::new()).unwrap();
+    assert_eq!(coord.activity().windows_open, 1);
     drop(w);
-    assert_eq!(coord.windows_open(), 0);
+    assert_eq!(coord.activity().windows_open, 0);
     // One chunk registered; a thread waiting for pinning meanwhile (outside
     // any window: it waits, it is not refused).
-    assert!(coord.pin_begin());
-    assert!(!coord.pin_begin(), "pinning began already");
+    assert!(coord.pinning().begin());
+    assert!(!coord.pinning().begin(), "pinning began already");
     let waiter = {
         let coord = coord.clone();
-        std::thread::spawn(move || coord.wait_pin_final())
+        std::thread::spawn(move || coord.pinning().wait_final(Request::new()))
     };
     while coord.activity().pin_waiters == 0 && !waiter.is_finished() {
         std::thread::yield_now();
     }
     assert!(!waiter.is_finished(), "the wait for pinning returned before pinning was final");
-    coord.register_chunk(&rt, 1).unwrap().unwrap();
-    assert_eq!(coord.pin_state(), PinState::Pinning { done: 1, total: 2 });
-    assert_eq!(coord.registered_chunks(), 1);
+    coord.pinning().register_chunk(&rt, 1).unwrap().unwrap();
+    assert_eq!(coord.pinning().state(), PinState::Pinning { done: 1, total: 2 });
+    assert_eq!(coord.pinning().registered_chunks(), 1);
     assert_eq!((coord.activity().calls_in_flight, coord.activity().calls_waiting), (0, 0), "a call left counted");
     // Windows still open and close after library calls (none left waiting).
     for _ in 0..2 {
-        let w = coord.open_window().unwrap();
+        let w = coord.open_window(Request::new()).unwrap();
         assert_eq!(coord.activity().windows_open, 1);
         drop(w);
     }
@@ -177,24 +178,24 @@ fn the_coordinators_accessors_report_its_state() {
     assert_eq!(coord.activity().jobs_in_flight, 2);
     drop((j1, j2));
     assert_eq!(coord.activity().jobs_in_flight, 0);
-    assert!(matches!(coord.chunk_reg(1), Some(ChunkReg::Registered { .. })));
-    assert!(!coord.pin_cancelled());
-    coord.cancel_pinning();
-    assert!(coord.pin_cancelled());
-    coord.unregister_all(&rt).unwrap();
-    assert_eq!((coord.registered_chunks(), coord.chunk_reg(1)), (0, Some(ChunkReg::Unregistered)));
-    coord.pin_finish(PinState::Pageable(PageableReason::Cancelled));
+    assert!(matches!(coord.pinning().chunk_reg(1), Some(ChunkReg::Registered { .. })));
+    assert!(!coord.pinning().cancelled());
+    coord.pinning().cancel();
+    assert!(coord.pinning().cancelled());
+    coord.pinning().unregister_all(&rt).unwrap();
+    assert_eq!((coord.pinning().registered_chunks(), coord.pinning().chunk_reg(1)), (0, Some(ChunkReg::Unregistered)));
+    coord.pinning().finish(PinState::Pageable(PageableReason::Cancelled));
     assert_eq!(waiter.join().unwrap(), Ok(PinState::Pageable(PageableReason::Cancelled)));
     assert_eq!(coord.activity().pin_waiters, 0);
     shutdown(&rt, &coord, || {}).unwrap();
-    assert!(coord.shutting_down());
+    assert!(coord.shutdown_steps().started());
     // A cancel before pinning begins stops it from beginning (a fresh
     // coordinator for the runtime, once the first is gone).
     drop(coord);
     let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 1);
     assert_eq!(coord.policy(), CapturePolicy::AfterPinning);
-    coord.cancel_pinning();
-    assert!(!coord.pin_begin(), "pinning began after a cancel");
+    coord.pinning().cancel();
+    assert!(!coord.pinning().begin(), "pinning began after a cancel");
 }
 
 #[test]
@@ -203,19 +204,19 @@ fn a_window_counts_the_registrations_it_waited_for() {
     let (coord, _) = coordinator(&rt, CapturePolicy::Interleave, 2);
     // Nothing in flight: the window waits for nothing (after one
     // registration, counted before it asked).
-    assert_eq!(coord.open_window().unwrap().chunks_waited(), 0);
-    coord.register_chunk(rt.as_ref(), 1).unwrap().unwrap();
-    assert_eq!(coord.open_window().unwrap().chunks_waited(), 0);
+    assert_eq!(coord.open_window(Request::new()).unwrap().chunks_waited(), 0);
+    coord.pinning().register_chunk(rt.as_ref(), 1).unwrap().unwrap();
+    assert_eq!(coord.open_window(Request::new()).unwrap().chunks_waited(), 0);
     // A registration held inside the driver: a window asking now waits for it.
     let hold = rt.hold(HoldPoint::Register);
     let pinner = {
         let (rt, coord) = (rt.clone(), coord.clone());
-        std::thread::spawn(move || coord.register_chunk(rt.as_ref(), 0).unwrap().unwrap())
+        std::thread::spawn(move || coord.pinning().register_chunk(rt.as_ref(), 0).unwrap().unwrap())
     };
     hold.wait_entered();
     let engine = {
         let coord = coord.clone();
-        std::thread::spawn(move || coord.open_window().unwrap().chunks_waited())
+        std::thread::spawn(move || coord.open_window(Request::new()).unwrap().chunks_waited())
     };
     while coord.activity().windows_waiting == 0 {
         std::thread::yield_now();
@@ -223,7 +224,7 @@ fn a_window_counts_the_registrations_it_waited_for() {
     hold.release();
     pinner.join().unwrap();
     assert_eq!(engine.join().unwrap(), 1, "the window waited for the registration in flight");
-    coord.unregister_all(rt.as_ref()).unwrap();
+    coord.pinning().unregister_all(rt.as_ref()).unwrap();
 }
 
 #[test]
@@ -234,14 +235,14 @@ fn unregistering_waits_for_the_chunks_alias_users() {
     let a = coord.acquire_alias(ranges[0].0, 64).unwrap();
     let unregister = {
         let (rt, coord) = (rt.clone(), coord.clone());
-        std::thread::spawn(move || coord.unregister_chunk(rt.as_ref(), 0))
+        std::thread::spawn(move || coord.pinning().unregister_chunk(rt.as_ref(), 0))
     };
     while coord.activity().unregisters_waiting == 0 && !unregister.is_finished() {
         std::thread::yield_now();
     }
     assert!(!unregister.is_finished(), "the chunk was unregistered while its alias was held");
     assert_eq!(rt.registered_ranges(), 1);
-    assert_eq!(coord.chunk_reg(0), Some(ChunkReg::Unregistering));
+    assert_eq!(coord.pinning().chunk_reg(0), Some(ChunkReg::Unregistering));
     assert!(coord.acquire_alias(ranges[0].0, 64).is_none(), "a new alias user while unregistering");
     drop(a);
     unregister.join().unwrap().unwrap().unwrap();
@@ -271,7 +272,7 @@ fn a_second_coordinator_for_a_guarded_runtime_is_refused() {
     ));
     drop(graph);
     let second = Coordinator::without_region(&rt, CapturePolicy::AfterPinning).expect("the runtime is free again");
-    second.unsafe_call("alloc", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+    second.unsafe_call("alloc", Request::new(), |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
 }
 
 /// A gate of one coordinator is refused by a runtime another coordinator
@@ -289,10 +290,12 @@ fn a_gate_of_another_coordinator_is_refused_and_the_capture_survives() {
     let foreign = Coordinator::without_region(&other, CapturePolicy::AfterPinning).unwrap();
 
     let s = rt.stream_create().unwrap();
-    let w = coord.open_window().unwrap();
+    let w = coord.open_window(Request::new()).unwrap();
     rt.begin_capture(s, CaptureMode::Global).unwrap();
     let refused = std::thread::scope(|sc| {
-        sc.spawn(|| foreign.unsafe_call("the attacker's alloc", |g| rt.mem_alloc(g, 64)).unwrap()).join().unwrap()
+        sc.spawn(|| foreign.unsafe_call("the attacker's alloc", Request::new(), |g| rt.mem_alloc(g, 64)).unwrap())
+            .join()
+            .unwrap()
     });
     assert_eq!(refused.map_err(|e| e.code), Err(Code::GATE_REFUSED));
     let graph = rt.end_capture(s).expect("the capture was not invalidated");
@@ -300,7 +303,7 @@ fn a_gate_of_another_coordinator_is_refused_and_the_capture_survives() {
     drop(w);
     assert!(rt.refusals().is_empty(), "nothing reached the simulated driver: {:?}", rt.refusals());
     assert_eq!(
-        foreign.unsafe_call("alloc", |g| unguarded.mem_alloc(g, 64)).unwrap().map_err(|e| e.code),
+        foreign.unsafe_call("alloc", Request::new(), |g| unguarded.mem_alloc(g, 64)).unwrap().map_err(|e| e.code),
         Err(Code::GATE_REFUSED)
     );
     shutdown(&rt, &coord, || {}).unwrap();
@@ -344,7 +347,7 @@ fn until(what: &str, mut cond: impl FnMut() -> bool) {
 fn window_held_on<'scope>(s: &'scope std::thread::Scope<'scope, '_>, coord: &'scope Coordinator) -> Sender<()> {
     let (close, closed) = std::sync::mpsc::channel::<()>();
     s.spawn(move || {
-        let w = coord.open_window().unwrap();
+        let w = coord.open_window(Request::new()).unwrap();
         let _ = closed.recv();
         drop(w);
     });
@@ -359,11 +362,15 @@ fn a_call_that_unwinds_under_the_gate_still_ends() {
     let rt = SimRuntime::new();
     let (coord, _) = coordinator(&rt, CapturePolicy::Interleave, 1);
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        coord.unsafe_call::<()>("a call that panics", |_| panic!("the engine's callable panicked (expected)"))
+        coord.unsafe_call::<()>("a call that panics", Request::new(), |_| {
+            panic!("the engine's callable panicked (expected)")
+        })
     }));
     assert!(r.is_err(), "the panic did not reach the caller");
     assert_eq!(coord.activity().calls_in_flight, 0, "the call that unwound is still counted in flight");
-    let w = coord.open_window_interruptible(&|| panic!("the window waited for a call that unwound")).unwrap();
+    let w = coord
+        .open_window(Request::new().interruptible(&|| panic!("the window waited for a call that unwound")))
+        .unwrap();
     drop(w);
     assert_eq!(coord.activity(), Default::default(), "nothing open, in flight or waiting");
 }
@@ -379,17 +386,19 @@ fn a_closing_window_gives_the_turn_to_a_waiting_call() {
     let order = Mutex::new(Vec::new());
     // The turn starts with windows (as it is after every library call):
     // two windows open, one here and one on a thread until told to close.
-    let first = coord.open_window().unwrap();
+    let first = coord.open_window(Request::new()).unwrap();
     std::thread::scope(|s| {
         let coord = &coord;
         let close_second = window_held_on(s, coord);
         until("the second window opens", || coord.activity().windows_open == 2);
-        s.spawn(|| coord.unsafe_call("a library call", |_| order.lock().unwrap().push("call")).unwrap());
+        s.spawn(|| {
+            coord.unsafe_call("a library call", Request::new(), |_| order.lock().unwrap().push("call")).unwrap()
+        });
         until("the library call waits for the windows", || coord.activity().calls_waiting == 1);
         // The first window closes: the turn is the call's.
         drop(first);
         s.spawn(|| {
-            let w = coord.open_window().unwrap();
+            let w = coord.open_window(Request::new()).unwrap();
             order.lock().unwrap().push("window");
             drop(w);
         });
@@ -411,17 +420,17 @@ fn a_closing_window_gives_the_turn_to_a_waiting_call() {
 fn registrations_take_turns_only_with_windows_that_could_open() {
     let rt = Arc::new(SimRuntime::new());
     let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 4);
-    assert!(coord.pin_begin());
-    coord.register_chunk(rt.as_ref(), 0).unwrap().unwrap();
+    assert!(coord.pinning().begin());
+    coord.pinning().register_chunk(rt.as_ref(), 0).unwrap().unwrap();
     std::thread::scope(|s| {
         // Chunk 1's registration held in the driver; an interleaved request
         // comes, then chunk 2's registration.
         let hold = rt.hold(HoldPoint::Register);
-        let p1 = s.spawn(|| coord.register_chunk(rt.as_ref(), 1).unwrap().unwrap());
+        let p1 = s.spawn(|| coord.pinning().register_chunk(rt.as_ref(), 1).unwrap().unwrap());
         hold.wait_entered();
-        let hook = s.spawn(|| coord.open_window_interleaved().unwrap().chunks_waited());
+        let hook = s.spawn(|| coord.open_window(Request::new().interleaved()).unwrap().chunks_waited());
         until("the interleaved request waits", || coord.activity().windows_waiting == 1);
-        let p2 = s.spawn(|| coord.register_chunk(rt.as_ref(), 2).unwrap().unwrap());
+        let p2 = s.spawn(|| coord.pinning().register_chunk(rt.as_ref(), 2).unwrap().unwrap());
         until("chunk 2's registration waits, runs or ends", || {
             let a = coord.activity();
             a.calls_waiting == 1 || a.calls_in_flight == 2 || p2.is_finished()
@@ -437,23 +446,23 @@ fn registrations_take_turns_only_with_windows_that_could_open() {
         p2.join().unwrap();
         // A plain window waits for pinning's end; chunk 3's registration
         // goes ahead of it.
-        let engine = s.spawn(|| coord.open_window().unwrap().chunks_waited());
+        let engine = s.spawn(|| coord.open_window(Request::new()).unwrap().chunks_waited());
         until("the window waits for pinning", || coord.activity().windows_waiting == 1);
-        let p3 = s.spawn(|| coord.register_chunk(rt.as_ref(), 3).unwrap().unwrap());
+        let p3 = s.spawn(|| coord.pinning().register_chunk(rt.as_ref(), 3).unwrap().unwrap());
         until("chunk 3's registration ends while a window waits for pinning", || p3.is_finished());
         p3.join().unwrap();
-        coord.pin_finish(PinState::Pinned);
+        coord.pinning().finish(PinState::Pinned);
         assert_eq!(engine.join().unwrap(), 1, "the window counted the registration it waited for");
     });
     assert_eq!(rt.registered_ranges(), 4);
-    coord.unregister_all(rt.as_ref()).unwrap();
+    coord.pinning().unregister_all(rt.as_ref()).unwrap();
 }
 
 /// The forms that never wait or that are interruptible refuse and admit
 /// as their blocking forms do: `try_unsafe_call` and
 /// `admit_job_outside_windows` run at once with no window and say
 /// `WindowBusy` while one is open (the caller's or another thread's);
-/// `wait_no_window` and `wait_pin_final_interruptible` are refused inside
+/// `wait_no_window` and an interruptible `Pinning::wait_final` are refused inside
 /// the caller's own window (they would wait for themselves), the latter
 /// only while pinning is not final; a job admitted is counted until its
 /// ticket goes; after close no job is admitted.
@@ -467,13 +476,16 @@ fn the_non_waiting_and_interruptible_forms_refuse_and_admit_as_the_blocking_ones
     let ticket = coord.admit_job_outside_windows(|_, t| t).unwrap();
     assert_eq!(coord.activity().jobs_in_flight, 1, "an admitted job is counted while its ticket lives");
     drop(ticket);
-    assert_eq!(coord.wait_no_window(), Ok(()));
+    assert_eq!(coord.wait_no_window(Request::new(), None), Ok(true));
     assert_eq!(coord.activity(), Default::default());
     // Inside this thread's own window, pinning not final.
-    let own = coord.open_window().unwrap();
-    assert_eq!(coord.wait_no_window(), Err(ProtocolError::WouldDeadlock { what: "waiting for a transfer" }));
+    let own = coord.open_window(Request::new()).unwrap();
     assert_eq!(
-        coord.wait_pin_final_interruptible(&stop),
+        coord.wait_no_window(Request::new(), None),
+        Err(ProtocolError::WouldDeadlock { what: "waiting for a transfer" })
+    );
+    assert_eq!(
+        coord.pinning().wait_final(Request::new().interruptible(&stop)),
         Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" })
     );
     assert_eq!(
@@ -481,8 +493,11 @@ fn the_non_waiting_and_interruptible_forms_refuse_and_admit_as_the_blocking_ones
         Some(ProtocolError::WindowBusy)
     );
     // Pinning final: waiting for it inside a window is an answer, not a wait.
-    coord.pin_finish(PinState::Pageable(PageableReason::Disabled));
-    assert_eq!(coord.wait_pin_final_interruptible(&stop), Ok(PinState::Pageable(PageableReason::Disabled)));
+    coord.pinning().finish(PinState::Pageable(PageableReason::Disabled));
+    assert_eq!(
+        coord.pinning().wait_final(Request::new().interruptible(&stop)),
+        Ok(PinState::Pageable(PageableReason::Disabled))
+    );
     drop(own);
     // Another thread's window: both refuse, neither runs its callable.
     std::thread::scope(|s| {
@@ -497,11 +512,11 @@ fn the_non_waiting_and_interruptible_forms_refuse_and_admit_as_the_blocking_ones
         close.send(()).unwrap();
     });
     assert_eq!(coord.activity(), Default::default());
-    coord.close().unwrap();
+    coord.shutdown_steps().close().unwrap();
     assert_eq!(coord.admit_job_outside_windows(|_, t| t).err(), Some(ProtocolError::ShutDown));
 }
 
-/// `begin_shutdown` closes (new jobs refused, pinning asked to stop) and
+/// `ShutdownSteps::begin` closes (new jobs refused, pinning asked to stop) and
 /// returns only once pinning is final: after it returns, nothing registers
 /// any more, so the caller may unregister. The pinner here finishes as
 /// soon as it sees the cancellation; repeated, since a shutdown that did
@@ -511,23 +526,23 @@ fn begin_shutdown_closes_and_returns_only_once_pinning_is_final() {
     let rt = SimRuntime::new();
     // Pinning never begun: closing settles it (cancelled) at once.
     let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 1);
-    coord.begin_shutdown().unwrap();
+    coord.shutdown_steps().begin().unwrap();
     assert!(matches!(coord.admit_job(), Err(ProtocolError::ShutDown)));
-    assert_eq!(coord.pin_state(), PinState::Pageable(PageableReason::Cancelled));
-    assert_eq!(coord.begin_shutdown(), Err(ProtocolError::AlreadyShutDown));
+    assert_eq!(coord.pinning().state(), PinState::Pageable(PageableReason::Cancelled));
+    assert_eq!(coord.shutdown_steps().begin(), Err(ProtocolError::AlreadyShutDown));
     for round in 0..20 {
         let rt = SimRuntime::new(); // one coordinator per runtime
         let (coord, _) = coordinator(&rt, CapturePolicy::AfterPinning, 1);
-        assert!(coord.pin_begin());
+        assert!(coord.pinning().begin());
         std::thread::scope(|s| {
             let shutdown = s.spawn(|| {
-                coord.begin_shutdown().unwrap();
-                coord.pin_state()
+                coord.shutdown_steps().begin().unwrap();
+                coord.pinning().state()
             });
-            until("shutdown asks pinning to stop", || coord.pin_cancelled());
-            coord.pin_finish(PinState::Pageable(PageableReason::Cancelled));
+            until("shutdown asks pinning to stop", || coord.pinning().cancelled());
+            coord.pinning().finish(PinState::Pageable(PageableReason::Cancelled));
             let seen = shutdown.join().unwrap();
-            assert!(seen.is_final(), "round {round}: begin_shutdown returned with pinning at {seen:?}");
+            assert!(seen.is_final(), "round {round}: ShutdownSteps::begin returned with pinning at {seen:?}");
         });
     }
 }
@@ -577,10 +592,10 @@ fn a_ranks_own_cancel_during_the_agreement_is_its_own_reason() {
             let rank = s.spawn(|| pin_all_agreed_by(&rt, &coord, &NoPrefault, &agreement));
             // Its region pinned, this rank waits for the others.
             until("the rank waits in the agreement", waiting);
-            coord.cancel_pinning();
+            coord.pinning().cancel();
             assert_eq!(rank.join().unwrap(), Err(error));
         });
-        assert_eq!(coord.pin_state(), PinState::Pageable(PageableReason::Cancelled));
+        assert_eq!(coord.pinning().state(), PinState::Pageable(PageableReason::Cancelled));
         assert_eq!(rt.registered_ranges(), 0);
     }
     *transport.release.lock().unwrap() = true;

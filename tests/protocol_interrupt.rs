@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvoffload::internal::protocol::{Activity, CapturePolicy, Coordinator, PageableReason, PinState, ProtocolError};
 use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
+use kvoffload::Request;
 
 /// A coordinator over `chunks` chunks of 4096 bytes of heap memory, which
 /// it holds.
@@ -69,7 +70,9 @@ fn an_interrupted_window_request_leaves_no_trace_and_a_later_window_opens() {
     let flag = Flag::default();
     let engine = {
         let (coord, flag) = (coord.clone(), flag.clone());
-        thread::spawn(move || coord.open_window_interruptible(&|| flag.check()).map(|w| w.chunks_waited()))
+        thread::spawn(move || {
+            coord.open_window(Request::new().interruptible(&|| flag.check())).map(|w| w.chunks_waited())
+        })
     };
     until(|| coord.activity().windows_waiting == 1);
     assert_eq!(flag.calls(), 0, "asked before the first slice passed");
@@ -81,17 +84,17 @@ fn an_interrupted_window_request_leaves_no_trace_and_a_later_window_opens() {
     assert!(latency < Duration::from_secs(2), "the interrupted request returned after {latency:?}");
     // No trace: nothing open, nothing waiting, nothing counted.
     assert_eq!(coord.activity(), before);
-    assert_eq!(coord.windows_open(), 0);
+    assert_eq!(coord.activity().windows_open, 0);
     // A later window opens once the policy allows it, and waited for no chunk.
-    coord.pin_finish(PinState::Pageable(PageableReason::Disabled));
-    let w = coord.open_window().unwrap();
-    assert_eq!((w.chunks_waited(), coord.windows_open()), (0, 1));
+    coord.pinning().finish(PinState::Pageable(PageableReason::Disabled));
+    let w = coord.open_window(Request::new()).unwrap();
+    assert_eq!((w.chunks_waited(), coord.activity().windows_open), (0, 1));
     drop(w);
     // And an interruptible request that is never interrupted opens as the
     // blocking form does, without ever asking (no wait).
     let quiet = Flag::default();
-    let w = coord.open_window_interruptible(&|| quiet.check()).unwrap();
-    assert_eq!((coord.windows_open(), quiet.calls()), (1, 0));
+    let w = coord.open_window(Request::new().interruptible(&|| quiet.check())).unwrap();
+    assert_eq!((coord.activity().windows_open, quiet.calls()), (1, 0));
     drop(w);
     assert_eq!(coord.activity(), before);
 }
@@ -105,20 +108,20 @@ fn a_withdrawn_request_wakes_the_library_call_it_held_back() {
     let hold = rt.hold(HoldPoint::Register);
     let pinner = {
         let (rt, coord) = (rt.clone(), coord.clone());
-        thread::spawn(move || coord.register_chunk(rt.as_ref(), 0).unwrap().unwrap())
+        thread::spawn(move || coord.pinning().register_chunk(rt.as_ref(), 0).unwrap().unwrap())
     };
     hold.wait_entered();
     let flag = Flag::default();
     let engine = {
         let (coord, flag) = (coord.clone(), flag.clone());
-        thread::spawn(move || coord.open_window_interruptible(&|| flag.check()).map(|_| ()))
+        thread::spawn(move || coord.open_window(Request::new().interruptible(&|| flag.check())).map(|_| ()))
     };
     until(|| coord.activity().windows_waiting == 1);
     // A second library call now defers to the waiting window (their turn
     // is the window's): it waits while the request waits.
     let call = {
         let coord = coord.clone();
-        thread::spawn(move || coord.unsafe_call("a call behind the window", |_| ()))
+        thread::spawn(move || coord.unsafe_call("a call behind the window", Request::new(), |_| ()))
     };
     until(|| coord.activity().calls_waiting == 1);
     let with_request = coord.activity();
@@ -132,9 +135,9 @@ fn a_withdrawn_request_wakes_the_library_call_it_held_back() {
     hold.release();
     pinner.join().unwrap();
     assert_eq!(coord.activity(), Activity::default());
-    let w = coord.open_window().unwrap();
+    let w = coord.open_window(Request::new()).unwrap();
     drop(w);
-    coord.unregister_all(rt.as_ref()).unwrap();
+    coord.pinning().unregister_all(rt.as_ref()).unwrap();
 }
 
 #[test]
@@ -152,7 +155,7 @@ fn the_check_runs_with_the_lock_released() {
             s.push(c.activity().windows_waiting);
             s.len() >= 3
         };
-        coord.open_window_interruptible(&check).map(|_| ())
+        coord.open_window(Request::new().interruptible(&check)).map(|_| ())
     };
     assert_eq!(r, Err(ProtocolError::Interrupted { what: "a capture window" }));
     assert_eq!(*seen.lock().unwrap(), vec![1, 1, 1]);
@@ -163,53 +166,53 @@ fn the_check_runs_with_the_lock_released() {
 fn an_interrupted_wait_for_pinning_is_uncounted_and_pinning_goes_on() {
     let rt = SimRuntime::new();
     let coord = coordinator(&rt, CapturePolicy::AfterPinning, 1);
-    assert!(coord.pin_begin());
+    assert!(coord.pinning().begin());
     let flag = Flag::default();
     let waiter = {
         let (coord, flag) = (coord.clone(), flag.clone());
-        thread::spawn(move || coord.wait_pin_final_interruptible(&|| flag.check()))
+        thread::spawn(move || coord.pinning().wait_final(Request::new().interruptible(&|| flag.check())))
     };
     until(|| coord.activity().pin_waiters == 1);
     raise_once_asked(&flag);
     assert_eq!(waiter.join().unwrap(), Err(ProtocolError::Interrupted { what: "pinning" }));
     assert_eq!(coord.activity(), Activity::default());
-    assert_eq!(coord.pin_state(), PinState::Pinning { done: 0, total: 1 });
+    assert_eq!(coord.pinning().state(), PinState::Pinning { done: 0, total: 1 });
     // Pinning goes on; a later wait sees it final.
-    coord.register_chunk(&rt, 0).unwrap().unwrap();
-    coord.pin_finish(PinState::Pinned);
+    coord.pinning().register_chunk(&rt, 0).unwrap().unwrap();
+    coord.pinning().finish(PinState::Pinned);
     let quiet = Flag::default();
-    assert_eq!(coord.wait_pin_final_interruptible(&|| quiet.check()), Ok(PinState::Pinned));
+    assert_eq!(coord.pinning().wait_final(Request::new().interruptible(&|| quiet.check())), Ok(PinState::Pinned));
     assert_eq!(quiet.calls(), 0);
-    coord.unregister_all(&rt).unwrap();
+    coord.pinning().unregister_all(&rt).unwrap();
 }
 
 #[test]
 fn an_interrupted_wait_for_windows_to_close() {
     let rt = SimRuntime::new();
     let coord = coordinator(&rt, CapturePolicy::Interleave, 1);
-    let w = coord.open_window().unwrap();
+    let w = coord.open_window(Request::new()).unwrap();
     // Inside one's own window: refused, as the blocking form is.
     let never = Flag::default();
     assert_eq!(
-        coord.wait_no_window_interruptible(&|| never.check()),
+        coord.wait_no_window(Request::new().interruptible(&|| never.check()), None),
         Err(ProtocolError::WouldDeadlock { what: "waiting for a transfer" })
     );
     let flag = Flag::default();
     let poller = {
         let (coord, flag) = (coord.clone(), flag.clone());
-        thread::spawn(move || coord.wait_no_window_interruptible(&|| flag.check()))
+        thread::spawn(move || coord.wait_no_window(Request::new().interruptible(&|| flag.check()), None))
     };
     raise_once_asked(&flag);
     assert_eq!(poller.join().unwrap(), Err(ProtocolError::Interrupted { what: "capture windows to close" }));
     assert_eq!(coord.activity(), Activity { windows_open: 1, ..Activity::default() });
     drop(w);
-    assert_eq!(coord.wait_no_window_interruptible(&|| never.check()), Ok(()));
+    assert_eq!(coord.wait_no_window(Request::new().interruptible(&|| never.check()), None), Ok(true));
     assert_eq!(never.calls(), 0);
 }
 
-/// `wait_no_window_or_request` (the capture hook's flush): it waits for
+/// `wait_no_window` with a `since` (the capture hook's flush): it waits for
 /// the windows open at its reading of `window_requests` like
-/// `wait_no_window`, and also ends, `Ok(false)`, at a window requested
+/// `wait_no_window` without one, and also ends, `Ok(false)`, at a window requested
 /// after that reading; `Ok(true)` once no window holds library calls back;
 /// refused inside one's own window; interruptible.
 #[test]
@@ -217,17 +220,17 @@ fn a_wait_for_windows_ends_at_a_later_request() {
     let rt = SimRuntime::new();
     let coord = coordinator(&rt, CapturePolicy::Interleave, 1);
     let before = coord.window_requests();
-    let w = coord.open_window().unwrap();
+    let w = coord.open_window(Request::new()).unwrap();
     assert_eq!(coord.window_requests(), before + 1, "a request is counted");
     assert_eq!(
-        coord.wait_no_window_or_request(coord.window_requests(), None),
+        coord.wait_no_window(Request::new(), Some(coord.window_requests())),
         Err(ProtocolError::WouldDeadlock { what: "waiting for a transfer" })
     );
     // A wait from the count now, on another thread: main's window holds it.
     let since = coord.window_requests();
     let waiter = {
         let coord = coord.clone();
-        thread::spawn(move || coord.wait_no_window_or_request(since, None))
+        thread::spawn(move || coord.wait_no_window(Request::new(), Some(since)))
     };
     // A second window, requested (and opened) on a third thread after the
     // reading, ends the wait at once, both windows still open.
@@ -236,7 +239,7 @@ fn a_wait_for_windows_ends_at_a_later_request() {
     let second = {
         let coord = coord.clone();
         thread::spawn(move || {
-            let w2 = coord.open_window().unwrap();
+            let w2 = coord.open_window(Request::new()).unwrap();
             opened_tx.send(()).unwrap();
             release_rx.recv().unwrap();
             drop(w2);
@@ -252,7 +255,7 @@ fn a_wait_for_windows_ends_at_a_later_request() {
     let quiet = Flag::default();
     let waiter = {
         let (coord, quiet) = (coord.clone(), quiet.clone());
-        thread::spawn(move || coord.wait_no_window_or_request(since, Some(&|| quiet.check())))
+        thread::spawn(move || coord.wait_no_window(Request::new().interruptible(&|| quiet.check()), Some(since)))
     };
     until(|| quiet.calls() > 0);
     drop(w);
@@ -260,12 +263,12 @@ fn a_wait_for_windows_ends_at_a_later_request() {
     second.join().unwrap();
     assert_eq!(waiter.join().unwrap(), Ok(true));
     // Interrupted: stopped, nothing changed.
-    let w = coord.open_window().unwrap();
+    let w = coord.open_window(Request::new()).unwrap();
     let flag = Flag::default();
     let waiter = {
         let (coord, flag) = (coord.clone(), flag.clone());
         let since = coord.window_requests();
-        thread::spawn(move || coord.wait_no_window_or_request(since, Some(&|| flag.check())))
+        thread::spawn(move || coord.wait_no_window(Request::new().interruptible(&|| flag.check()), Some(since)))
     };
     raise_once_asked(&flag);
     assert_eq!(waiter.join().unwrap(), Err(ProtocolError::Interrupted { what: "capture windows to close" }));
@@ -280,17 +283,17 @@ fn a_request_that_can_open_is_not_asked_and_shutdown_still_ends_a_wait() {
     let flag = Flag::default();
     let engine = {
         let (coord, flag) = (coord.clone(), flag.clone());
-        thread::spawn(move || coord.open_window_interruptible(&|| flag.check()).map(|_| ()))
+        thread::spawn(move || coord.open_window(Request::new().interruptible(&|| flag.check())).map(|_| ()))
     };
     until(|| coord.activity().windows_waiting == 1);
     // Shutdown ends the wait with ShutDown, as for the blocking form.
-    coord.close().unwrap();
+    coord.shutdown_steps().close().unwrap();
     assert_eq!(engine.join().unwrap(), Err(ProtocolError::ShutDown));
     assert_eq!(coord.activity().windows_waiting, 0);
     assert!(!flag.stop.load(Ordering::SeqCst));
 }
 
-/// `Coordinator::unsafe_call_interruptible` (the offloader's `gated` with
+/// `Coordinator::unsafe_call` with an interruptible request (the offloader's `gated` with
 /// an interrupt check): runs at once when no window is open, without
 /// asking; refused inside the caller's own window; while it waits it is
 /// counted as waiting, and once its check says stop it returns
@@ -304,12 +307,14 @@ fn an_interrupted_library_call_never_runs_and_lets_the_windows_it_held_back_open
     // No window: it runs at once, and a check that would stop it is never asked.
     let stop_if_asked = Flag::default();
     stop_if_asked.raise();
-    assert_eq!(coord.unsafe_call_interruptible(what, &|| stop_if_asked.check(), |_| 7), Ok(7));
+    assert_eq!(coord.unsafe_call(what, Request::new().interruptible(&|| stop_if_asked.check()), |_| 7), Ok(7));
     assert_eq!((stop_if_asked.calls(), coord.activity()), (0, Activity::default()));
     // Inside this thread's own window: refused (it would wait for itself).
-    let own = coord.open_window().unwrap();
+    let own = coord.open_window(Request::new()).unwrap();
     assert_eq!(
-        coord.unsafe_call_interruptible(what, &|| stop_if_asked.check(), |_| panic!("ran inside its own window")),
+        coord.unsafe_call(what, Request::new().interruptible(&|| stop_if_asked.check()), |_| panic!(
+            "ran inside its own window"
+        )),
         Err(ProtocolError::WouldDeadlock { what })
     );
     drop(own);
@@ -319,7 +324,7 @@ fn an_interrupted_library_call_never_runs_and_lets_the_windows_it_held_back_open
     let window_until = |rx: std::sync::mpsc::Receiver<()>| {
         let coord = coord.clone();
         thread::spawn(move || {
-            let w = coord.open_window().unwrap();
+            let w = coord.open_window(Request::new()).unwrap();
             rx.recv().unwrap();
             drop(w);
         })
@@ -331,7 +336,9 @@ fn an_interrupted_library_call_never_runs_and_lets_the_windows_it_held_back_open
     let call = {
         let (coord, flag) = (coord.clone(), flag.clone());
         thread::spawn(move || {
-            coord.unsafe_call_interruptible(what, &|| flag.check(), |_| panic!("the interrupted call ran"))
+            coord.unsafe_call(what, Request::new().interruptible(&|| flag.check()), |_| {
+                panic!("the interrupted call ran")
+            })
         })
     };
     until(|| coord.activity().calls_waiting == 1);
@@ -341,7 +348,7 @@ fn an_interrupted_library_call_never_runs_and_lets_the_windows_it_held_back_open
     first.join().unwrap();
     let third = {
         let coord = coord.clone();
-        thread::spawn(move || drop(coord.open_window().unwrap()))
+        thread::spawn(move || drop(coord.open_window(Request::new()).unwrap()))
     };
     until(|| coord.activity().windows_waiting == 1);
     assert_eq!(

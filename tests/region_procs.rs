@@ -98,8 +98,8 @@ fn pin_agreed(
         kvoffload::internal::sync::Arc::new(RegionSlots::new(region.clone()).unwrap());
     let agreement = Agreement { slots, rank: region.rank(), timeout: Some(PATIENCE) };
     let r = pin_with(&rt, &coord, prefault.as_ref(), Some(&pause), Some(&agreement.into())).agreed();
-    if coord.registered_chunks() > 0 {
-        coord.unregister_all(&rt).unwrap();
+    if coord.pinning().registered_chunks() > 0 {
+        coord.pinning().unregister_all(&rt).unwrap();
     }
     r
 }

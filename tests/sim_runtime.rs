@@ -4,6 +4,7 @@
 use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
 use kvoffload::internal::runtime::sim::{Blocked, HoldPoint, SimFault, SimRuntime};
 use kvoffload::internal::runtime::{CaptureMode, CaptureStatus, Code, Direction, Fragment, Gate, GpuRuntime};
+use kvoffload::Request;
 
 fn host(bytes: usize, fill: u8) -> Vec<u8> {
     vec![fill; bytes]
@@ -16,7 +17,7 @@ fn host(bytes: usize, fill: u8) -> Vec<u8> {
 fn gated<T>(rt: &dyn GpuRuntime, f: impl FnOnce(&Gate) -> T) -> T {
     Coordinator::without_region(rt, CapturePolicy::AfterPinning)
         .expect("no other coordinator guards this runtime")
-        .unsafe_call("test", f)
+        .unsafe_call("test", Request::new(), f)
         .expect("no window, no refusal")
 }
 

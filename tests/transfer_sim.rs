@@ -16,6 +16,7 @@ use kvoffload::internal::runtime::{CaptureMode, Code, Direction, GpuRuntime};
 use kvoffload::internal::transfer::{
     Backend, BackendChoice, HostPlacement, JobBlocks, JobId, TransferError, TransferOptions,
 };
+use kvoffload::Request;
 
 fn sim() -> (Arc<SimRuntime>, Arc<dyn GpuRuntime>) {
     let s = Arc::new(SimRuntime::new());
@@ -758,10 +759,10 @@ fn shutdown_waits_for_jobs_then_refuses_new_ones() {
     hold.wait_entered();
     let coord = rig.coord.clone();
     let c2 = coord.clone();
-    let t = std::thread::spawn(move || c2.begin_shutdown());
+    let t = std::thread::spawn(move || c2.shutdown_steps().begin());
     // Shutdown has begun (new work refused) while the job is held on the
     // device: it cannot have returned, since it waits for the job's ticket.
-    while !coord.shutting_down() {
+    while !coord.shutdown_steps().started() {
         std::thread::yield_now();
     }
     assert!(!t.is_finished(), "shutdown must wait for the job in flight");
@@ -773,7 +774,7 @@ fn shutdown_waits_for_jobs_then_refuses_new_ones() {
         rig.engine().store(JobId(2), &JobBlocks::single(vec![0], vec![0])),
         Err(TransferError::ShutDown { id: JobId(2) })
     );
-    rig.coord.unregister_all(&*rig.rt).unwrap();
+    rig.coord.pinning().unregister_all(&*rig.rt).unwrap();
 }
 
 #[test]
@@ -817,8 +818,8 @@ fn poll_during_an_open_capture_window_queries_no_event() {
     let rt2 = rt.clone();
     let compute = rig.compute;
     let engine_thread = std::thread::spawn(move || {
-        let scratch = coord.unsafe_call("test", |gt| rt2.mem_alloc(gt, 256)).unwrap().unwrap();
-        let window = coord.open_window().unwrap();
+        let scratch = coord.unsafe_call("test", Request::new(), |gt| rt2.mem_alloc(gt, 256)).unwrap().unwrap();
+        let window = coord.open_window(Request::new()).unwrap();
         // The engine captures its compute stream, the one jobs are ordered
         // after.
         rt2.begin_capture(compute, CaptureMode::Global).unwrap();
@@ -835,7 +836,7 @@ fn poll_during_an_open_capture_window_queries_no_event() {
         }
         // SAFETY: the only work on `scratch` was captured, never run, and
         // its graph is destroyed.
-        coord.unsafe_call("test", |gt| unsafe { rt2.mem_free(gt, scratch) }).unwrap().unwrap();
+        coord.unsafe_call("test", Request::new(), |gt| unsafe { rt2.mem_free(gt, scratch) }).unwrap().unwrap();
         ok
     });
     opened_rx.recv().unwrap();
@@ -898,7 +899,7 @@ fn wait_inside_own_window_is_a_typed_error() {
     let (_s, rt) = sim();
     let rig = Rig::new(rt, simple(1, 64, 8), opts(BackendChoice::Auto), Pin::Registered);
     rig.engine().store(JobId(1), &JobBlocks::single(vec![0], vec![0])).unwrap();
-    let w = rig.coord.open_window().unwrap();
+    let w = rig.coord.open_window(Request::new()).unwrap();
     let would_deadlock = Err(TransferError::Protocol(ProtocolError::WouldDeadlock { what: "waiting for a transfer" }));
     assert_eq!(rig.engine().wait(JobId(1)), would_deadlock);
     assert_eq!(rig.engine().wait_all(), would_deadlock);

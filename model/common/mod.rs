@@ -16,6 +16,7 @@ use kvoffload::internal::protocol::{CapturePolicy, Coordinator, Variant};
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{shared, GpuRuntime};
 use kvoffload::internal::sync::Arc;
+use kvoffload::Request;
 
 /// What a model explores, stated next to the model and printed in the table.
 pub struct Bounds {
@@ -415,7 +416,9 @@ pub fn engine_with_options(
 ) {
     use kvoffload::internal::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec, TransferEngine};
     // On the main thread, before the model's threads start.
-    let dev = f.coord.unsafe_call("allocating the model's KV tensor", |g| f.rt.mem_alloc(g, gpu_blocks * page));
+    let dev = f
+        .coord
+        .unsafe_call("allocating the model's KV tensor", Request::new(), |g| f.rt.mem_alloc(g, gpu_blocks * page));
     let dev = dev.unwrap().unwrap();
     let compute = f.rt.stream_create().unwrap();
     let group = GroupSpec {

@@ -10,7 +10,7 @@ use super::{
 };
 use crate::pin::{Agreement, Prepared, RankAgreement, RegionSlots};
 use crate::protocol::agreement::RankSlots;
-use crate::protocol::Coordinator;
+use crate::protocol::{Coordinator, Request};
 use crate::region::{page_size, AnonOptions, Layout, Region};
 use crate::runtime::{DevicePtr, DriverError, Gate, GpuRuntime, Stream};
 use crate::sync::atomic::AtomicBool;
@@ -175,7 +175,7 @@ impl Offloader {
         // exists, say another offloader on this handle, this is refused).
         let gated = |what: &'static str, f: &mut dyn FnMut(&Gate) -> Result<(), DriverError>| {
             Coordinator::without_region(rt.as_ref(), Default::default())
-                .and_then(|c| c.unsafe_call(what, |g| f(g)))
+                .and_then(|c| c.unsafe_call(what, Request::new(), |g| f(g)))
                 .map_err(OffloaderError::from)
         };
         let free_all = |tensors: &[DevicePtr]| {

@@ -27,7 +27,7 @@
 //!   (lexical) window is open waits for it and is retried; a hook window
 //!   that begins during that wait ends it, the rest left queued for that
 //!   window's close
-//!   ([`Coordinator::wait_no_window_or_request`](crate::protocol::Coordinator::wait_no_window_or_request)),
+//!   ([`Coordinator::wait_no_window`](crate::protocol::Coordinator::wait_no_window) with a `since`),
 //!   so a close never waits for another thread's hook window (P6: a
 //!   thread may hold its hook window until another's close returns).
 //! - That wait is the close's only wait for another thread, and an
@@ -303,7 +303,7 @@ impl Offloader {
         }
         let span = tracing::debug_span!("capture_hook_begin").entered();
         // Outside the hook's lock: jobs submitted meanwhile are deferred.
-        let opened = super::request::open_window(&self.coord, req, true);
+        let opened = self.coord.open_window(req.interleaved());
         let engine = sync::lock(&self.inner).engine.clone();
         let mut h = sync::lock(&self.hook.state);
         let Some(i) = h.windows.iter().position(|w| w.owner == me) else {
@@ -447,9 +447,9 @@ impl Offloader {
                     let since = self.coord.window_requests();
                     drop(h);
                     let waited = if crate::protocol::variant_is!(self.coord, HookFlushWaitsForEveryWindow) {
-                        super::request::wait_no_window(&self.coord, req).map(|()| true)
+                        self.coord.wait_no_window(req, None)
                     } else {
-                        self.coord.wait_no_window_or_request(since, req.interrupt())
+                        self.coord.wait_no_window(req, Some(since))
                     };
                     h = sync::lock(&self.hook.state);
                     if let Err(e) = waited {
@@ -649,7 +649,7 @@ impl Offloader {
     /// window is open, naming the windows counted (read once: a refusal
     /// names what it saw, never `open: 0`).
     fn refuse_while_windows_open(&self) -> Result<(), OffloaderError> {
-        match self.coord.windows_open() {
+        match self.coord.activity().windows_open {
             0 => Ok(()),
             open => Err(ProtocolError::WindowOpen { open }.into()),
         }

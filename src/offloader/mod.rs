@@ -101,7 +101,6 @@ mod error;
 mod hook;
 mod keyed;
 mod options;
-mod request;
 mod shutdown;
 mod slots;
 mod waits;
@@ -372,7 +371,7 @@ impl std::fmt::Debug for Offloader {
             .field("backend", &self.rt().backend())
             .field("region_bytes", &self.geometry.region.len())
             .field("rank", &self.geometry.region.rank())
-            .field("pin", &self.coord.pin_state())
+            .field("pin", &self.coord.pinning().state())
             .finish()
     }
 }
@@ -407,7 +406,7 @@ impl Offloader {
         if !matches!(*p, Pinner::NotStarted) {
             return Ok(());
         }
-        if self.coord.shutting_down() {
+        if self.coord.shutdown_steps().started() {
             return Err(OffloaderError::ShutDown);
         }
         let ps = &self.pin_start;
@@ -434,7 +433,7 @@ impl Offloader {
     /// [`Offloader::wait_pinned`] then returns promptly.
     /// [`Offloader::shutdown`] does the same first.
     pub fn cancel_pinning(&self) {
-        self.coord.cancel_pinning();
+        self.coord.pinning().cancel();
     }
 
     /// Holds pinning back while the guard lives: no chunk registration
@@ -448,7 +447,7 @@ impl Offloader {
     /// [`Offloader::wait_pinned`] on the thread that holds one is refused
     /// ([`ProtocolError::WouldDeadlock`](crate::protocol::ProtocolError)).
     pub fn hold_pinning(&self) -> crate::protocol::PinHold {
-        self.coord.hold_pinning()
+        self.coord.pinning().hold()
     }
 
     /// Pinning now: its state ([`PinProgress::state`]) and how far it got.
@@ -456,11 +455,11 @@ impl Offloader {
         // One count for every state, read with it: the chunks registered
         // (while pinning runs, its state's `done`; once Pinned, every
         // chunk; during a rollback or after shutdown, what is left).
-        let (state, chunks_done) = self.coord.pin_snapshot();
+        let (state, chunks_done) = self.coord.pinning().snapshot();
         PinProgress {
             state,
             chunks_done,
-            chunks_total: self.coord.chunk_count(),
+            chunks_total: self.coord.pinning().chunk_count(),
             bytes_total: self.pin_start.bytes_total,
         }
     }
@@ -485,7 +484,7 @@ impl Offloader {
     pub fn wait_pinned(&self, req: Request<'_>) -> Result<PinOutcome, OffloaderError> {
         self.refuse_inside_gated("waiting for pinning inside gated()")?;
         self.start()?;
-        request::wait_pin_final(&self.coord, req)?;
+        self.coord.pinning().wait_final(req)?;
         self.join_pinner()
     }
 
@@ -496,12 +495,12 @@ impl Offloader {
             Pinner::Running(h) => match h.join() {
                 Ok(o) => o,
                 Err(_) => {
-                    *p = Pinner::Done(PinOutcome { state: self.coord.pin_state(), agreement: None });
+                    *p = Pinner::Done(PinOutcome { state: self.coord.pinning().state(), agreement: None });
                     return Err(OffloaderError::PinnerPanicked);
                 }
             },
             Pinner::Done(o) => o,
-            Pinner::NotStarted => PinOutcome { state: self.coord.pin_state(), agreement: None },
+            Pinner::NotStarted => PinOutcome { state: self.coord.pinning().state(), agreement: None },
         };
         *p = Pinner::Done(out.clone());
         Ok(out)
@@ -520,7 +519,7 @@ impl Offloader {
     /// live: [`Offloader::capture_hook`].
     pub fn capture_window(&self, req: Request<'_>) -> Result<CaptureWindow, OffloaderError> {
         self.refuse_inside_gated("opening a capture window inside gated()")?;
-        Ok(request::open_window(&self.coord, req, false)?)
+        Ok(self.coord.open_window(req)?)
     }
 
     /// The capture hook ([`CaptureHook`]): windows held without a guard,
@@ -579,7 +578,7 @@ impl Offloader {
         f: impl FnOnce(&GatedCalls<'_>) -> T,
     ) -> Result<T, OffloaderError> {
         self.refuse_inside_gated("gated() inside gated()")?;
-        Ok(request::unsafe_call(&self.coord, what, req, |gate| self.run_gated(gate, f))?)
+        Ok(self.coord.unsafe_call(what, req, |gate| self.run_gated(gate, f))?)
     }
 
     // ---- completions ----

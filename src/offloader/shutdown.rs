@@ -81,7 +81,7 @@ impl Offloader {
             // flush of deferred jobs in progress ends first, and no hook
             // window begins until the coordinator is closed (hook.rs).
             let hook = self.hook_quiesce()?;
-            self.coord.close()?;
+            self.coord.shutdown_steps().close()?;
             drop(hook);
             self.shut_down.store(true, Ordering::SeqCst);
         }
@@ -101,7 +101,7 @@ impl Offloader {
                 if self.poll_each(&mut drop) == 0 {
                     // Only while a window that opened before `close` is
                     // still open, which `close` refused: cannot happen.
-                    super::request::wait_no_window(&self.coord, Request::new())?;
+                    self.coord.wait_no_window(Request::new(), None)?;
                 }
             }
         }
@@ -112,7 +112,7 @@ impl Offloader {
         drop(engine);
         if old_order {
             self.shut_down.store(true, Ordering::SeqCst);
-            if let Err(e) = self.coord.close() {
+            if let Err(e) = self.coord.shutdown_steps().close() {
                 let _ = self.free_owned();
                 return Err(e.into());
             }
@@ -150,7 +150,8 @@ impl Offloader {
             // the tensor) and no registered graph lives (`close` refused
             // otherwise); the contract of `with_allocated_tensors` is that
             // the engine's own work on them ended before shutdown.
-            match self.coord.unsafe_call("freeing a KV tensor", |g| unsafe { self.rt().mem_free(g, p) }) {
+            match self.coord.unsafe_call("freeing a KV tensor", Request::new(), |g| unsafe { self.rt().mem_free(g, p) })
+            {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     first.get_or_insert(OffloaderError::driver("freeing a KV tensor")(e));

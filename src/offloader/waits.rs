@@ -300,7 +300,7 @@ impl Offloader {
             // A window open or about to open holds the event queries back:
             // wait for it to close (refused inside the caller's own window,
             // which would never close while it waits).
-            super::request::wait_no_window(&self.coord, Request::new().interruptible(interrupted))?;
+            self.coord.wait_no_window(Request::new().interruptible(interrupted), None)?;
             if checked.elapsed() >= INTERRUPT_EVERY {
                 if interrupted() {
                     return Err(ProtocolError::Interrupted { what: "a transfer" }.into());

@@ -142,7 +142,7 @@ impl From<Agreement> for RankAgreement {
 /// state (also published through the coordinator).
 ///
 /// - Between chunks it stops if pinning was cancelled (shutdown or
-///   [`Coordinator::cancel_pinning`]).
+///   [`Pinning::cancel`](crate::protocol::Pinning::cancel)).
 /// - Each registration is a capture-unsafe call made through the
 ///   coordinator, so it never overlaps a capture window.
 /// - On any failure at chunk k, chunks k-1 .. 0 are unregistered, last
@@ -197,7 +197,7 @@ fn pin_alone(rt: &dyn GpuRuntime, coord: &Coordinator, steps: Steps<'_>) -> PinS
 /// `agreement` has settled; if any rank ended pageable, this one unregisters
 /// its chunks and ends `Pageable(PeerPageable)` too. An agreement that
 /// cannot be reached (a rank died, timeout, pinning cancelled by a shutdown
-/// or [`Coordinator::cancel_pinning`] while this rank waited, a peer that
+/// or [`Pinning::cancel`](crate::protocol::Pinning::cancel) while this rank waited, a peer that
 /// gave up) leaves this rank pageable, at once, and is returned as the
 /// error (its reason `PeerPageable`, but `Cancelled` when this rank's own
 /// cancel ended the wait); the ranks this one waited for then end pageable
@@ -220,7 +220,7 @@ fn pin_agreed(
 ) -> Result<PinState, AgreementError> {
     // The wait ends when pinning is cancelled (a shutdown closes the
     // coordinator, which cancels pinning).
-    let cancelled = || coord.rules().agreement_heeds_cancel(coord.pin_cancelled());
+    let cancelled = || coord.rules().agreement_heeds_cancel(coord.pinning().cancelled());
     pin_then_agree(rt, coord, steps, |pinned| {
         agree(agreement.slots.as_ref(), agreement.rank, pinned, agreement.timeout, &cancelled)
     })
@@ -248,7 +248,7 @@ fn pin_agreed_by(
     match agreement {
         RankAgreement::Slots(a) => pin_agreed(rt, coord, steps, a),
         RankAgreement::Transport(t) => {
-            let cancelled = || coord.pin_cancelled();
+            let cancelled = || coord.pinning().cancelled();
             pin_then_agree(rt, coord, steps, |pinned| agree_via(t, pinned, &cancelled))
         }
     }
@@ -270,7 +270,7 @@ pub fn pin_with(
         None => PinOutcome { state: pin_alone(rt, coord, steps), agreement: None },
         Some(a) => match pin_agreed_by(rt, coord, steps, a) {
             Ok(state) => PinOutcome { state, agreement: Some(Ok(())) },
-            Err(e) => PinOutcome { state: coord.pin_state(), agreement: Some(Err(e)) },
+            Err(e) => PinOutcome { state: coord.pinning().state(), agreement: Some(Err(e)) },
         },
     }
 }
@@ -308,12 +308,12 @@ fn pin_then_agree(
         Err(PinState::Pageable(reason)) => Err(reason),
         Err(_) => Ok(()),
     };
-    let mode = coord.rules().agree_before_publishing(local.is_ok(), || coord.pin_finish(PinState::Pinned), agree);
+    let mode = coord.rules().agree_before_publishing(local.is_ok(), || coord.pinning().finish(PinState::Pinned), agree);
     let state = match (&local, &mode) {
         (Ok(()), Ok(OffloadMode::Pinned)) => PinState::Pinned,
         (Err(reason), _) => PinState::Pageable(reason.clone()),
         (Ok(()), _) => {
-            if let Err(e) = coord.unregister_all(rt) {
+            if let Err(e) = coord.pinning().unregister_all(rt) {
                 tracing::error!(error = %e, "falling back to pageable: unregister failed");
             }
             // This rank's own cancel (its shutdown, or `cancel_pinning`)
@@ -329,10 +329,10 @@ fn pin_then_agree(
 /// Moves Pending to Pinning; otherwise the state pinning already has
 /// (cancelled before it started, or pinned before).
 fn begin(coord: &Coordinator) -> Result<(), PinState> {
-    if coord.pin_begin() {
+    if coord.pinning().begin() {
         return Ok(());
     }
-    let s = coord.pin_state();
+    let s = coord.pinning().state();
     if s.is_final() {
         Err(s)
     } else {
@@ -341,7 +341,7 @@ fn begin(coord: &Coordinator) -> Result<(), PinState> {
 }
 
 fn publish(coord: &Coordinator, state: PinState) -> PinState {
-    coord.pin_finish(state.clone());
+    coord.pinning().finish(state.clone());
     state
 }
 
@@ -349,7 +349,7 @@ fn publish(coord: &Coordinator, state: PinState) -> PinState {
 /// every chunk is registered, otherwise the reason after a full rollback.
 fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, steps: Steps<'_>) -> Result<(), PageableReason> {
     let prefault = steps.prefault;
-    let n = coord.chunk_count();
+    let n = coord.pinning().chunk_count();
     let span = tracing::info_span!("pin", chunks = n);
     let _e = span.enter();
     let started = std::time::Instant::now();
@@ -359,10 +359,10 @@ fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, steps: Steps<'_>) -> Res
     let mut next = 0usize;
     let mut queued = 0usize;
     for i in 0..n {
-        if coord.pin_cancelled() {
+        if coord.pinning().cancelled() {
             return Err(rollback(rt, coord, steps, i, PageableReason::Cancelled));
         }
-        let (addr, len) = coord.chunk_range(i);
+        let (addr, len) = coord.pinning().chunk_range(i);
         steps.before_chunk(i, n);
         if let Err(e) = prefault.ensure(i, addr, len) {
             return Err(rollback(rt, coord, steps, i, PageableReason::HostMemory(e)));
@@ -377,12 +377,12 @@ fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, steps: Steps<'_>) -> Res
         // registration runs long (the pipeline then approaches the slower
         // stage instead of the slower of each pair of chunks).
         while next < n && (next == i + 1 || queued < ahead) {
-            let (a, l) = coord.chunk_range(next);
+            let (a, l) = coord.pinning().chunk_range(next);
             prefault.hint(next, a, l);
             queued += l;
             next += 1;
         }
-        match coord.register_chunk(rt, i) {
+        match coord.pinning().register_chunk(rt, i) {
             Ok(Ok(())) => {
                 // Progress: the chunk and the time since pinning began (the
                 // rate is the reader's: the chunks are listed in order).
@@ -393,7 +393,7 @@ fn pin_chunks(rt: &dyn GpuRuntime, coord: &Coordinator, steps: Steps<'_>) -> Res
                 tracing::warn!(chunk = i, error = %e, "registration failed; rolling back to pageable memory");
                 let mut reason = PageableReason::from_driver(e);
                 if reason == PageableReason::OutOfMemory {
-                    let total: u64 = (0..n).map(|j| coord.chunk_range(j).1 as u64).sum();
+                    let total: u64 = (0..n).map(|j| coord.pinning().chunk_range(j).1 as u64).sum();
                     reason = super::memlock::refine(reason, total);
                 }
                 return Err(rollback(rt, coord, steps, i, reason));
@@ -418,7 +418,7 @@ fn rollback(
     reason: PageableReason,
 ) -> PageableReason {
     steps.settle();
-    coord.rules().roll_back_all(failed, |j| match coord.unregister_chunk(rt, j) {
+    coord.rules().roll_back_all(failed, |j| match coord.pinning().unregister_chunk(rt, j) {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::error!(chunk = j, error = %e, "rollback: unregister failed"),
         Err(e) => tracing::error!(chunk = j, error = %e, "rollback: unregister refused"),
@@ -428,7 +428,8 @@ fn rollback(
 
 /// Pinning running on its own thread while the caller goes on. Its state
 /// is observable and waitable through the coordinator
-/// ([`Coordinator::pin_state`], [`Coordinator::wait_pin_final`]).
+/// ([`Coordinator::pinning`]: [`Pinning::state`](crate::protocol::Pinning::state),
+/// [`Pinning::wait_final`](crate::protocol::Pinning::wait_final)).
 pub struct PinHandle {
     coord: Arc<Coordinator>,
     thread: Option<thread::JoinHandle<PinOutcome>>,
@@ -455,12 +456,12 @@ impl PinHandle {
 
     /// The current state.
     pub fn state(&self) -> PinState {
-        self.coord.pin_state()
+        self.coord.pinning().state()
     }
 
     /// Asks the pinner to stop at the next chunk boundary and roll back.
     pub fn cancel(&self) {
-        self.coord.cancel_pinning();
+        self.coord.pinning().cancel();
     }
 
     /// Waits for the pinning thread and returns its final state.
@@ -472,10 +473,10 @@ impl PinHandle {
         match self.thread.take() {
             Some(t) => t.join().map(|o| o.state).unwrap_or_else(|_| {
                 let s = PinState::Pageable(PageableReason::HostMemory("pinning thread panicked".into()));
-                self.coord.pin_finish(s.clone());
+                self.coord.pinning().finish(s.clone());
                 s
             }),
-            None => self.coord.pin_state(),
+            None => self.coord.pinning().state(),
         }
     }
 }
@@ -487,7 +488,7 @@ impl Drop for PinHandle {
     /// the registration loop read the request.)
     fn drop(&mut self) {
         if self.thread.is_some() {
-            self.coord.cancel_pinning();
+            self.coord.pinning().cancel();
             self.join_inner();
         }
     }

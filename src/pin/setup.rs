@@ -221,7 +221,7 @@ impl Prepared {
 
     /// Number of registration chunks.
     pub fn chunks(&self) -> usize {
-        self.coord.chunk_count()
+        self.coord.pinning().chunk_count()
     }
 
     /// Bytes to pin: the region's data area, or this rank's share of it

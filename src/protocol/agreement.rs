@@ -19,7 +19,7 @@
 //!    [`SETTLED_PAGEABLE`]) before it reads the others' (SeqCst) (P7: no
 //!    rank decides without every rank's outcome).
 //! 3. A rank that stops waiting (its pinning was cancelled: a shutdown or
-//!    [`Coordinator::cancel_pinning`](super::Coordinator::cancel_pinning);
+//!    [`Pinning::cancel`](super::Pinning::cancel);
 //!    its timeout passed; a rank it waits for is dead) gives the words it
 //!    waited for up: it writes [`abandoned_by`] itself into every word
 //!    still unsettled (rule 1's compare-and-swap, so a rank that settled
@@ -226,7 +226,7 @@ pub enum AgreementError {
 /// settled, and returns the common mode. The wait ends early (see the
 /// module's rules 3-5), this rank giving the ranks it waited for up, when
 /// `cancelled()` returns true (checked every round; the pinner passes
-/// [`Coordinator::pin_cancelled`](super::Coordinator::pin_cancelled), which a
+/// [`Pinning::cancelled`](super::Pinning::cancelled), which a
 /// shutdown sets), when `timeout` passed, or when a rank it waits for is
 /// dead; every other rank then ends pageable too, at once.
 pub fn agree(

@@ -126,11 +126,11 @@ pub enum ProtocolError {
     /// A capture-unsafe call was skipped because a window is open.
     #[error("skipped: a capture window is open")]
     WindowBusy,
-    /// An interruptible wait ([`Coordinator::open_window_interruptible`](super::Coordinator::open_window_interruptible),
-    /// [`Coordinator::open_window_interleaved_interruptible`](super::Coordinator::open_window_interleaved_interruptible),
-    /// [`Coordinator::unsafe_call_interruptible`](super::Coordinator::unsafe_call_interruptible),
-    /// [`Coordinator::wait_pin_final_interruptible`](super::Coordinator::wait_pin_final_interruptible),
-    /// [`Coordinator::wait_no_window_interruptible`](super::Coordinator::wait_no_window_interruptible))
+    /// A wait asked for with an interruptible [`Request`](super::Request)
+    /// ([`Coordinator::open_window`](super::Coordinator::open_window),
+    /// [`Coordinator::unsafe_call`](super::Coordinator::unsafe_call),
+    /// [`Pinning::wait_final`](super::Pinning::wait_final),
+    /// [`Coordinator::wait_no_window`](super::Coordinator::wait_no_window))
     /// stopped because its `interrupted` check said so (e.g. Ctrl-C in the
     /// Python front). It left no trace: a window request was withdrawn
     /// before it opened, a waiting library call withdrawn before it ran, a

@@ -13,7 +13,7 @@ mod shutdown;
 pub(crate) use coordinator::variant_is;
 pub use coordinator::{
     Activity, AliasGuard, CapturePolicy, CaptureWindow, ChunkReg, Coordinator, GraphToken, JobTicket, KeepAlive,
-    PinHold,
+    PinHold, Pinning, ShutdownSteps,
 };
 pub use error::{PageableReason, PinState, ProtocolError};
 pub use request::Request;

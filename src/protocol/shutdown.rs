@@ -23,11 +23,11 @@ pub enum ShutdownError {
 /// settled (to join its thread). On success nothing of the region is
 /// registered any more and it may be unmapped and unlinked.
 pub fn shutdown(rt: &dyn GpuRuntime, coord: &Coordinator, join_pinner: impl FnOnce()) -> Result<(), ShutdownError> {
-    coord.close()?;
+    coord.shutdown_steps().close()?;
     finish_shutdown(rt, coord, join_pinner)
 }
 
-/// The rest of the shutdown order once [`Coordinator::close`] succeeded (and
+/// The rest of the shutdown order once [`ShutdownSteps::close`](super::ShutdownSteps::close) succeeded (and
 /// the caller retired its jobs, so that their tickets are gone): waits for
 /// the jobs and for pinning to settle, calls `join_pinner`, unregisters
 /// every chunk.
@@ -37,9 +37,9 @@ pub fn finish_shutdown(
     join_pinner: impl FnOnce(),
 ) -> Result<(), ShutdownError> {
     let r = coord.rules().drain_then_unregister(
-        || coord.drain(),
+        || coord.shutdown_steps().drain(),
         join_pinner,
-        || coord.unregister_all(rt).map_err(ShutdownError::Unregister),
+        || coord.pinning().unregister_all(rt).map_err(ShutdownError::Unregister),
     );
     tracing::info!(ok = r.is_ok(), "shutdown complete");
     r

@@ -26,9 +26,9 @@ impl Chunks {
     /// A snapshot of `coord`'s chunks (their ranges never change).
     pub fn of(coord: &Coordinator) -> Self {
         Self::new(
-            (0..coord.chunk_count())
+            (0..coord.pinning().chunk_count())
                 .map(|i| {
-                    let (addr, len) = coord.chunk_range(i);
+                    let (addr, len) = coord.pinning().chunk_range(i);
                     ChunkSpan { addr, len, index: i }
                 })
                 .collect(),

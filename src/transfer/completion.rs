@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use crate::protocol::Coordinator;
+use crate::protocol::{Coordinator, Request};
 use crate::runtime::{Direction, Event, GpuRuntime, Stream, GATHER_ENTRY_BYTES, GATHER_ENTRY_WORDS};
 use crate::sync::{self, Mutex};
 
@@ -61,7 +61,9 @@ impl TransferEngine {
             // The kernel counts fragments in u32 and strides by the grid size.
             let entries = entries.clamp(1, 1 << 31);
             let bytes = entries * GATHER_ENTRY_BYTES;
-            match coord.unsafe_call("allocating the gather descriptor table", |gate| rt.mem_alloc(gate, bytes)) {
+            match coord
+                .unsafe_call("allocating the gather descriptor table", Request::new(), |gate| rt.mem_alloc(gate, bytes))
+            {
                 Ok(Ok(ptr)) => h.table = Some(GatherTable { ptr, entries }),
                 Ok(Err(e)) => {
                     release_handler(rt, coord, h);
@@ -76,8 +78,9 @@ impl TransferEngine {
         if gather || h.staged.is_some() {
             let words = ring_entries.saturating_mul(GATHER_ENTRY_WORDS);
             if words > 0 {
-                match coord.unsafe_call("allocating the pinned staging ring", |gate| rt.mem_alloc_host(gate, words * 8))
-                {
+                match coord.unsafe_call("allocating the pinned staging ring", Request::new(), |gate| {
+                    rt.mem_alloc_host(gate, words * 8)
+                }) {
                     Ok(Ok(addr)) => {
                         h.ring = Some((addr, words));
                         if let Some(st) = h.staged.as_mut() {
@@ -203,12 +206,12 @@ impl TransferEngine {
         // then this waits for that later job too, never less.
         let r = match done {
             Completion::Immediate => Ok(()),
-            Completion::Event(ev) => {
-                self.coord.unsafe_call("waiting for a transfer", |gate| self.rt.event_synchronize(gate, ev))?
-            }
-            Completion::Stream => {
-                self.coord.unsafe_call("waiting for a transfer", |gate| self.rt.stream_synchronize(gate, stream))?
-            }
+            Completion::Event(ev) => self
+                .coord
+                .unsafe_call("waiting for a transfer", Request::new(), |gate| self.rt.event_synchronize(gate, ev))?,
+            Completion::Stream => self.coord.unsafe_call("waiting for a transfer", Request::new(), |gate| {
+                self.rt.stream_synchronize(gate, stream)
+            })?,
         };
         match error.or(r.err()) {
             Some(error) => Err(TransferError::JobFailed { id, error }),

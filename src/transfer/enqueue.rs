@@ -136,9 +136,9 @@ impl TransferEngine {
     /// snapshot: it only steers the choice between copy backends, which are
     /// safe on any memory; the gather kernel checks again under guard).
     fn all_registered(&self, touched: &[usize]) -> bool {
-        touched
-            .iter()
-            .all(|&pos| matches!(self.coord.chunk_reg(self.chunks.get(pos).index), Some(ChunkReg::Registered { .. })))
+        touched.iter().all(|&pos| {
+            matches!(self.coord.pinning().chunk_reg(self.chunks.get(pos).index), Some(ChunkReg::Registered { .. }))
+        })
     }
 
     /// The gather path: an alias guard for every chunk the job touches

@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use crate::protocol::{Coordinator, JobTicket};
+use crate::protocol::{Coordinator, JobTicket, Request};
 use crate::runtime::{Direction, DriverError, Event, GpuRuntime, Stream};
 use crate::sync::Mutex;
 
@@ -86,7 +86,9 @@ pub(super) fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handl
     let mut jobs = q.jobs;
     let mut ring_in_use = false;
     if !jobs.is_empty() {
-        match coord.unsafe_call("dropping the transfer engine", |gate| rt.stream_synchronize(gate, h.stream)) {
+        match coord
+            .unsafe_call("dropping the transfer engine", Request::new(), |gate| rt.stream_synchronize(gate, h.stream))
+        {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "synchronizing a transfer stream at drop failed"),
             Err(e) => {
@@ -126,7 +128,9 @@ pub(super) fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handl
             // synchronized above, so no copy reads the ring any more (and
             // the staged streams were settled by `st.release`); the jobs
             // holding tables in it are dropped; nothing else points into it.
-            match coord.unsafe_call("freeing the pinned staging ring", |gate| unsafe { rt.mem_free_host(gate, addr) }) {
+            match coord.unsafe_call("freeing the pinned staging ring", Request::new(), |gate| unsafe {
+                rt.mem_free_host(gate, addr)
+            }) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::warn!(error = %e, "freeing the pinned staging ring failed"),
                 Err(e) => tracing::warn!(error = %e, "pinned staging ring leaked (dropped inside a capture window)"),
@@ -137,7 +141,9 @@ pub(super) fn release_handler(rt: &dyn GpuRuntime, coord: &Coordinator, h: Handl
         // SAFETY: as for the ring: no gather kernel of this handler is still
         // queued or running (no job in flight, or the stream synchronized);
         // with jobs left running (`ring_in_use`) the table is leaked instead.
-        match coord.unsafe_call("freeing the gather descriptor table", |gate| unsafe { rt.mem_free(gate, t.ptr) }) {
+        match coord.unsafe_call("freeing the gather descriptor table", Request::new(), |gate| unsafe {
+            rt.mem_free(gate, t.ptr)
+        }) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "freeing the gather descriptor table failed"),
             Err(e) => tracing::warn!(error = %e, "gather descriptor table leaked (dropped inside a capture window)"),

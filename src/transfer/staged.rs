@@ -42,7 +42,7 @@
 
 use std::ops::Range;
 
-use crate::protocol::Coordinator;
+use crate::protocol::{Coordinator, Request};
 use crate::rules::Rules;
 use crate::runtime::{
     DevicePtr, Direction, DriverResult, Event, Fragment, GpuRuntime, Kernel, Stream, GATHER_ENTRY_BYTES,
@@ -220,7 +220,7 @@ impl Staging {
                 }
             }
         }
-        match coord.unsafe_call("allocating the staging buffers", |gate| rt.mem_alloc(gate, total)) {
+        match coord.unsafe_call("allocating the staging buffers", Request::new(), |gate| rt.mem_alloc(gate, total)) {
             Ok(Ok(base)) => Ok(Some(Staging {
                 base,
                 half,
@@ -367,7 +367,9 @@ impl Staging {
                 // is reported.
                 tracing::error!(error = %e, "joining a staging stream failed; waiting for it");
                 let s = self.streams[b];
-                match coord.unsafe_call("waiting for a staging stream", |gate| rt.stream_synchronize(gate, s)) {
+                match coord
+                    .unsafe_call("waiting for a staging stream", Request::new(), |gate| rt.stream_synchronize(gate, s))
+                {
                     Ok(Ok(())) => {}
                     Ok(Err(x)) => tracing::error!(error = %x, "synchronizing a staging stream failed"),
                     Err(x) => tracing::error!(error = %x, "staging stream not waited for (inside a capture window)"),
@@ -388,7 +390,9 @@ impl Staging {
         let mut idle = true;
         if busy {
             for s in self.streams {
-                match coord.unsafe_call("dropping a staging stream", |gate| rt.stream_synchronize(gate, s)) {
+                match coord
+                    .unsafe_call("dropping a staging stream", Request::new(), |gate| rt.stream_synchronize(gate, s))
+                {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => tracing::warn!(error = %e, "synchronizing a staging stream at drop failed"),
                     Err(e) => {
@@ -408,7 +412,9 @@ impl Staging {
             // event covers its staging streams, which are joined back), or
             // both staging streams were synchronized above; nothing keeps
             // `base` after this.
-            match coord.unsafe_call("freeing the staging buffers", |gate| unsafe { rt.mem_free(gate, self.base) }) {
+            match coord.unsafe_call("freeing the staging buffers", Request::new(), |gate| unsafe {
+                rt.mem_free(gate, self.base)
+            }) {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::warn!(error = %e, "freeing the staging buffers failed"),
                 Err(e) => tracing::warn!(error = %e, "staging buffers leaked (dropped inside a capture window)"),

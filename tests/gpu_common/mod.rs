@@ -19,6 +19,7 @@
 use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
 use kvoffload::internal::runtime::cuda::CudaRuntime;
 use kvoffload::internal::runtime::{Gate, GpuRuntime};
+use kvoffload::Request;
 
 /// `f` through the gate of a coordinator with no region: the tests drive
 /// the runtime directly and open no window through it, so it never holds a
@@ -27,7 +28,7 @@ use kvoffload::internal::runtime::{Gate, GpuRuntime};
 pub fn gated<T>(rt: &dyn GpuRuntime, f: impl FnOnce(&Gate) -> T) -> T {
     Coordinator::without_region(rt, CapturePolicy::AfterPinning)
         .expect("no other coordinator guards this runtime")
-        .unsafe_call("test", f)
+        .unsafe_call("test", Request::new(), f)
         .expect("no window, no refusal")
 }
 

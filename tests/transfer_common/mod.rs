@@ -14,6 +14,7 @@ use kvoffload::internal::transfer::{
     GroupBlocks, GroupSpec, HostPlacement, JobBlocks, JobId, JobResult, KvLayout, TensorSpec, TransferEngine,
     TransferOptions,
 };
+use kvoffload::Request;
 
 /// `f` through the gate of a coordinator with no region made for the call:
 /// the tests' own capture-unsafe calls on a runtime no rig guards (a rig's
@@ -23,7 +24,7 @@ use kvoffload::internal::transfer::{
 pub fn gated<T>(rt: &dyn GpuRuntime, f: impl FnOnce(&Gate) -> T) -> T {
     Coordinator::without_region(rt, CapturePolicy::AfterPinning)
         .expect("no other coordinator guards this runtime")
-        .unsafe_call("test", f)
+        .unsafe_call("test", Request::new(), f)
         .expect("no window, no refusal")
 }
 
@@ -258,7 +259,7 @@ impl Rig {
         let host = ManuallyDrop::new(host);
         match pin {
             Pin::Registered => assert_eq!(pin_all(&*rt, &coord, &NoPrefault), PinState::Pinned),
-            Pin::Unregistered => coord.pin_finish(PinState::Pageable(PageableReason::Disabled)),
+            Pin::Unregistered => coord.pinning().finish(PinState::Pageable(PageableReason::Disabled)),
         }
         let compute = rt.stream_create().unwrap();
         let mut tensors = Vec::new();
@@ -267,7 +268,7 @@ impl Rig {
             let mut ts = Vec::new();
             let mut tspecs = Vec::new();
             for &p in pages {
-                let d = coord.unsafe_call("test", |gt| rt.mem_alloc(gt, p * ng)).unwrap().unwrap();
+                let d = coord.unsafe_call("test", Request::new(), |gt| rt.mem_alloc(gt, p * ng)).unwrap().unwrap();
                 ts.push(d);
                 tspecs.push(TensorSpec { device_base: d, page_bytes: p });
             }
@@ -290,7 +291,7 @@ impl Rig {
     /// runtime); the tests' own capture-unsafe calls, including calls made
     /// deliberately during a capture the rig opened no window for.
     pub fn gated<T>(&self, f: impl FnOnce(&Gate) -> T) -> T {
-        self.coord.unsafe_call("test", f).expect("no window of the rig's coordinator is open")
+        self.coord.unsafe_call("test", Request::new(), f).expect("no window of the rig's coordinator is open")
     }
 
     pub fn fresh_id(&mut self) -> JobId {
@@ -396,8 +397,8 @@ impl Drop for Rig {
     fn drop(&mut self) {
         drop(self.engine.take());
         if !std::thread::panicking() {
-            let _ = self.coord.begin_shutdown();
-            self.coord.unregister_all(&*self.rt).unwrap();
+            let _ = self.coord.shutdown_steps().begin();
+            self.coord.pinning().unregister_all(&*self.rt).unwrap();
             for ts in &self.tensors {
                 for &d in ts {
                     // SAFETY: the engine is gone and the tests' jobs are

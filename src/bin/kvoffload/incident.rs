@@ -22,6 +22,7 @@ use kvoffload::internal::protocol::{CapturePolicy, Coordinator, KeepAlive};
 use kvoffload::internal::runtime::{CaptureMode, Code, DevicePtr, DriverResult, Gate, GpuRuntime, Graph, Stream};
 use kvoffload::internal::sync::atomic::{AtomicBool, Ordering};
 use kvoffload::internal::sync::{thread, Arc};
+use kvoffload::Request;
 
 /// Which design pins the region.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -252,7 +253,7 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
             for (addr, len) in list {
                 // No capture window: the gate of a coordinator that knows
                 // nothing of the engine's captures (see above).
-                let r = coord2.unsafe_call("registering a chunk (upstream)", |g| {
+                let r = coord2.unsafe_call("registering a chunk (upstream)", Request::new(), |g| {
                     // SAFETY: the chunk is a piece of `map2`'s mapping, which
                     // stays mapped while this thread runs (`map2`) and, after
                     // it, until every registration is undone (`keep_mapped`).
@@ -279,8 +280,11 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
         || (report.captures < cfg.max_captures && !pin_done(&coord, windowed, &done))
     {
         let tw = Instant::now();
-        let window =
-            if windowed { Some(coord.open_window().map_err(|err| format!("capture window: {err}"))?) } else { None };
+        let window = if windowed {
+            Some(coord.open_window(Request::new()).map_err(|err| format!("capture window: {err}"))?)
+        } else {
+            None
+        };
         wait += tw.elapsed();
         report.captures += 1;
         let c0 = t0.elapsed().as_secs_f64();
@@ -335,8 +339,9 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
             // before `d` is read back or freed.
             unsafe { rt.memset_d8_async(d, 0, probe, s) }.map_err(e("memset"))?;
             let launched = rt.graph_launch(g, s);
-            let synced =
-                coord.unsafe_call("sync", |gt| rt.stream_synchronize(gt, s)).map_err(|err| format!("{err}"))?;
+            let synced = coord
+                .unsafe_call("sync", Request::new(), |gt| rt.stream_synchronize(gt, s))
+                .map_err(|err| format!("{err}"))?;
             let verdict = match launched.and(synced) {
                 Err(err) => format!("replay failed: {err}"),
                 Ok(()) => {
@@ -379,7 +384,10 @@ pub fn run(rt: Arc<dyn GpuRuntime>, design: Design, cfg: &IncidentConfig) -> Res
 /// `f` through `coord`'s gate; the coordinator's refusal and the driver's
 /// error both as the run's error, naming `what`.
 fn gated<T>(coord: &Coordinator, what: &'static str, f: impl FnOnce(&Gate) -> DriverResult<T>) -> Result<T, String> {
-    coord.unsafe_call(what, f).map_err(|err| format!("{what}: {err}"))?.map_err(|err| format!("{what}: {err}"))
+    coord
+        .unsafe_call(what, Request::new(), f)
+        .map_err(|err| format!("{what}: {err}"))?
+        .map_err(|err| format!("{what}: {err}"))
 }
 
 /// Keeps upstream's region mapped (leaks it) when a run ends before its
@@ -403,7 +411,7 @@ impl Drop for KeepMapped {
 
 fn pin_done(coord: &Coordinator, windowed: bool, done: &AtomicBool) -> bool {
     if windowed {
-        coord.pin_state().is_final()
+        coord.pinning().state().is_final()
     } else {
         done.load(Ordering::SeqCst)
     }

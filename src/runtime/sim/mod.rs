@@ -986,7 +986,7 @@ fn event_done(st: &State, event: Event) -> Result<bool, Code> {
 mod tests {
     use super::rules::{self, Call};
     use super::*;
-    use crate::protocol::{CapturePolicy, Coordinator};
+    use crate::protocol::{CapturePolicy, Coordinator, Request};
 
     /// Default deny: `cuGraphLaunch` has no measured row, so made by thread
     /// B while thread A holds a GLOBAL capture it is refused with 900, A's
@@ -999,7 +999,7 @@ mod tests {
         let rt = crate::runtime::shared(SimRuntime::new());
         let coord = Coordinator::without_region(rt.as_ref(), CapturePolicy::AfterPinning).unwrap();
         let (a, b) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
-        let d = coord.unsafe_call("test", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+        let d = coord.unsafe_call("test", Request::new(), |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
         // B's graph, captured while no other capture is open.
         rt.begin_capture(b, CaptureMode::Global).unwrap();
         // SAFETY: `d` is a 64-byte allocation of `rt`, never freed.
@@ -1055,7 +1055,7 @@ mod tests {
         let rt = crate::runtime::shared(SimRuntime::new());
         let coord = Coordinator::without_region(rt.as_ref(), CapturePolicy::AfterPinning).unwrap();
         let (o, x) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
-        let d = coord.unsafe_call("test", |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+        let d = coord.unsafe_call("test", Request::new(), |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
         let e = rt.event_create().unwrap();
         rt.begin_capture(o, CaptureMode::Global).unwrap();
         rt.event_record(e, o).unwrap();

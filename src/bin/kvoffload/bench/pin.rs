@@ -37,6 +37,7 @@ use kvoffload::internal::pin::Prepared;
 use kvoffload::internal::pin::{available_cores, HugePages, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
 use kvoffload::internal::pin::{pin_all, Prefault};
 use kvoffload::internal::pin::{thp_setting, HUGE_PAGE_BYTES};
+use kvoffload::Request;
 
 /// What to measure.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -406,7 +407,7 @@ struct TimedPrefault<'a> {
 
 impl Prefault for TimedPrefault<'_> {
     fn ensure(&self, i: usize, addr: usize, len: usize) -> Result<(), String> {
-        let done: u64 = (0..i).map(|k| self.coord.chunk_range(k).1 as u64).sum();
+        let done: u64 = (0..i).map(|k| self.coord.pinning().chunk_range(k).1 as u64).sum();
         (self.progress)(Progress::Advance { bytes: done });
         let t = Instant::now();
         let r = self.inner.ensure(i, addr, len);
@@ -457,7 +458,7 @@ fn one_call(rt: &dyn GpuRuntime, size: usize, progress: &(dyn Fn(Progress) + Syn
     };
     progress(Progress::Start { label, bytes: size as u64 });
     let t = Instant::now();
-    let r = coord.unsafe_call("the upstream register call", |g| {
+    let r = coord.unsafe_call("the upstream register call", Request::new(), |g| {
         // SAFETY: the region stays mapped until after the unregister below
         // (and, should that fail, the whole region is leaked instead).
         unsafe { rt.host_register(g, addr, size) }
@@ -468,7 +469,7 @@ fn one_call(rt: &dyn GpuRuntime, size: usize, progress: &(dyn Fn(Progress) + Syn
         Ok(Ok(())) => {
             progress(Progress::Advance { bytes: size as u64 });
             let t = Instant::now();
-            let un = coord.unsafe_call("unregistering", |g| rt.host_unregister(g, addr));
+            let un = coord.unsafe_call("unregistering", Request::new(), |g| rt.host_unregister(g, addr));
             match un.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
                 Ok(()) => row.unregister_s = Some(t.elapsed().as_secs_f64()),
                 Err(e) => {
@@ -574,9 +575,9 @@ pub fn pipeline(
     if state != PinState::Pinned {
         row.outcome = Err(format!("ended {state:?}"));
     }
-    if prepared.coordinator().registered_chunks() > 0 {
+    if prepared.coordinator().pinning().registered_chunks() > 0 {
         let t = Instant::now();
-        match prepared.coordinator().unregister_all(rt) {
+        match prepared.coordinator().pinning().unregister_all(rt) {
             Ok(()) => row.unregister_s = Some(t.elapsed().as_secs_f64()),
             Err(e) => row.outcome = Err(format!("unregister: {e}")),
         }

@@ -290,9 +290,9 @@ fn run_rank_inner(cfg: &RankConfig, rt: &dyn GpuRuntime, t: &mut RankTimes) -> R
         Ok(s) => format!("ended {s:?}"),
         Err(e) => format!("agreement failed: {e}"),
     };
-    if coord.registered_chunks() > 0 {
+    if coord.pinning().registered_chunks() > 0 {
         let u = Instant::now();
-        coord.unregister_all(rt).map_err(|e| format!("unregister: {e}"))?;
+        coord.pinning().unregister_all(rt).map_err(|e| format!("unregister: {e}"))?;
         t.unregister = u.elapsed().as_secs_f64();
     }
     Ok(())

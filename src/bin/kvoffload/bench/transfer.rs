@@ -32,6 +32,7 @@ use kvoffload::internal::transfer::{
     Backend, BackendChoice, GroupSpec, HostPlacement, JobBlocks, JobId, KvLayout, TensorSpec, TransferEngine,
     TransferOptions,
 };
+use kvoffload::Request;
 
 /// What to run.
 #[derive(Clone, Debug, PartialEq)]
@@ -363,7 +364,8 @@ impl Buffers {
         // unregistered again (see its `Drop`).
         let coord = unsafe { Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &chunks, None) }
             .map_err(|e| format!("the bench's coordinator: {e}"))?;
-        let alloc = coord.unsafe_call("bench: allocating device memory", |g| rt.mem_alloc(g, cfg.total));
+        let alloc =
+            coord.unsafe_call("bench: allocating device memory", Request::new(), |g| rt.mem_alloc(g, cfg.total));
         let device = alloc
             .map_err(|e| e.to_string())?
             .map_err(|e| format!("allocating {} of device memory: {e}", human(cfg.total)))?;
@@ -371,7 +373,9 @@ impl Buffers {
             Ok(s) => s,
             Err(e) => {
                 // SAFETY: no job is in flight (the engine is gone or was never made); the memory is not used again.
-                match coord.unsafe_call("bench: freeing device memory", |g| unsafe { rt.mem_free(g, device) }) {
+                match coord
+                    .unsafe_call("bench: freeing device memory", Request::new(), |g| unsafe { rt.mem_free(g, device) })
+                {
                     Ok(Ok(())) => {}
                     Ok(Err(f)) => {
                         tracing::warn!(error = %f, "bench: freeing device memory after a failed set-up failed")
@@ -401,10 +405,10 @@ impl Buffers {
 
 impl Drop for Buffers {
     fn drop(&mut self) {
-        if let Err(e) = self.coord.begin_shutdown() {
+        if let Err(e) = self.coord.shutdown_steps().begin() {
             tracing::warn!(error = %e, "bench: shutdown refused");
         }
-        let unregistered = match self.coord.unregister_all(&*self.rt) {
+        let unregistered = match self.coord.pinning().unregister_all(&*self.rt) {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!(error = %e, "bench: unregistering the host buffer failed; it stays mapped");
@@ -415,7 +419,9 @@ impl Drop for Buffers {
             tracing::warn!(error = %e, "bench: destroying the compute stream failed");
         }
         // SAFETY: no job is in flight (the engine is gone or was never made); the memory is not used again.
-        match self.coord.unsafe_call("bench: freeing device memory", |g| unsafe { self.rt.mem_free(g, self.device) }) {
+        match self.coord.unsafe_call("bench: freeing device memory", Request::new(), |g| unsafe {
+            self.rt.mem_free(g, self.device)
+        }) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "bench: freeing device memory failed"),
             Err(e) => tracing::warn!(error = %e, "bench: freeing device memory failed"),
@@ -437,7 +443,7 @@ pub fn run_bench(
 ) -> Result<BenchReport, String> {
     cfg.validate()?;
     let mut b = Buffers::new(rt.clone(), cfg)?;
-    let pin = b.coord.pin_state();
+    let pin = b.coord.pinning().state();
     let mut choices = Vec::new();
     if cfg.baseline {
         choices.push(BackendChoice::Force(Backend::PerFragment));
@@ -718,7 +724,7 @@ fn prepare(b: &mut Buffers, dir: Direction, size: usize, n: usize) -> Result<(),
             // synchronized just below, before anything reads it.
             unsafe { rt.memset_d8_async(b.device, 0, total, b.compute) }.map_err(|e| e.to_string())?;
             b.coord
-                .unsafe_call("bench: clearing device memory", |g| rt.stream_synchronize(g, b.compute))
+                .unsafe_call("bench: clearing device memory", Request::new(), |g| rt.stream_synchronize(g, b.compute))
                 .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())
         }
@@ -733,7 +739,7 @@ fn prepare(b: &mut Buffers, dir: Direction, size: usize, n: usize) -> Result<(),
             unsafe { rt.copy_htod_async(b.device, b.scratch.as_ptr() as usize, total, b.compute) }
                 .map_err(|e| e.to_string())?;
             b.coord
-                .unsafe_call("bench: filling device memory", |g| rt.stream_synchronize(g, b.compute))
+                .unsafe_call("bench: filling device memory", Request::new(), |g| rt.stream_synchronize(g, b.compute))
                 .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())?;
             b.words().fill(0);

@@ -26,6 +26,7 @@ use kvoffload::internal::runtime::sim::{Blocked, Hold, HoldPoint, SimRuntime};
 use kvoffload::internal::runtime::{DriverError, DriverResult, Gate, GpuRuntime};
 use kvoffload::internal::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use kvoffload::internal::sync::{thread, Arc};
+use kvoffload::Request;
 
 /// The runtime a scenario runs on, with what the harness needs to steer it.
 #[derive(Clone)]
@@ -55,7 +56,7 @@ pub fn scenario_coordinator(rt: &dyn GpuRuntime) -> Result<Arc<Coordinator>, Str
 /// `f` through `coord`'s gate; the coordinator's refusal (none is expected:
 /// see [`scenario_coordinator`]) as the scenario's error.
 pub fn gate<T>(coord: &Coordinator, what: &'static str, f: impl FnOnce(&Gate) -> T) -> Result<T, String> {
-    coord.unsafe_call(what, f).map_err(|e| format!("{what}: {e}"))
+    coord.unsafe_call(what, Request::new(), f).map_err(|e| format!("{what}: {e}"))
 }
 
 /// [`gate`] of a driver call whose failure is the scenario's error too.
