@@ -38,7 +38,7 @@ import time
 from typing import List
 
 from kvo_ci import self_cmd
-from kvo_ci.cli import Command
+from kvo_ci.command import Command
 
 LONG = re.compile(r"test (.+?) has been running for over \d+ seconds")
 # libtest's lines for a finished test: "test NAME ... ok" (pretty format;

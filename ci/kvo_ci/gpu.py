@@ -54,7 +54,7 @@ import time
 from typing import List, Optional
 
 from kvo_ci import ROOT, setting
-from kvo_ci.cli import Command
+from kvo_ci.command import Command
 
 PARTS = "tests memcheck conform incident bench run python vllm"
 BENCHES = "pin pin-shared transfer"

@@ -78,7 +78,7 @@ import sys
 import time
 
 from kvo_ci import ROOT
-from kvo_ci.cli import Command
+from kvo_ci.command import Command
 
 OUT = os.path.join(ROOT, "target", "mutants")
 

@@ -60,7 +60,7 @@ import sys
 import time
 
 from kvo_ci import ROOT
-from kvo_ci.cli import Command
+from kvo_ci.command import Command
 
 TARGET = os.path.join(ROOT, "target", "loom")
 SHUTTLE_TARGET = os.path.join(ROOT, "target", "shuttle")

@@ -77,7 +77,7 @@ import time
 from typing import IO, List, Optional
 
 from kvo_ci import ROOT, setting
-from kvo_ci.cli import Command
+from kvo_ci.command import Command
 
 BASE_VERSION = "0.33.0"
 OVERLAYS = ("0.34.0", "0.26.0")

@@ -28,7 +28,7 @@ import subprocess
 import sys
 
 from kvo_ci import ROOT
-from kvo_ci.cli import Command
+from kvo_ci.command import Command
 
 TARGET = os.path.join(ROOT, "target", "reach")
 DOC = os.path.join(ROOT, "docs", "PROOFS.md")

@@ -71,7 +71,7 @@ import time
 from typing import List
 
 from kvo_ci import ROOT, deadline, self_cmd
-from kvo_ci.cli import Command
+from kvo_ci.command import Command
 
 # ci/python's deadline (its wheel build and tests; the installs run before
 # it) and the conformance suite's: a hang fails the step there.

@@ -22,7 +22,7 @@ from typing import Dict, List, Tuple
 
 import kvo_ci
 from kvo_ci import CHILD_SETTINGS, PKG, ROOT, SETTINGS
-from kvo_ci.cli import Command, commands, parser
+from kvo_ci.command import Command
 
 SCRIPT_MAX_LINES = 60
 
@@ -91,7 +91,7 @@ def parse(ap: argparse.ArgumentParser, argv: List[str]) -> argparse.Namespace:
         raise Refused(f"exit {e.code}")
 
 
-def check_parsers(cmds: Dict[str, Command]) -> List[str]:
+def check_parsers(cmds: Dict[str, Command], parser) -> List[str]:
     bad = []
     ap = parser(cmds)
     raw = {n for n, c in cmds.items() if c.configure is None}
@@ -214,9 +214,9 @@ def check_scripts(cmds: Dict[str, Command]) -> List[str]:
     return bad
 
 
-def selftest(_ns: argparse.Namespace) -> int:
-    cmds = commands()
-    checks = [("parsers", check_parsers(cmds)), ("settings", check_settings()), ("scripts", check_scripts(cmds))]
+def selftest(ns: argparse.Namespace) -> int:
+    cmds, parser = ns.registry  # set by cli.main
+    checks = [("parsers", check_parsers(cmds, parser)), ("settings", check_settings()), ("scripts", check_scripts(cmds))]
     failed = 0
     for name, bad in checks:
         for b in bad:
