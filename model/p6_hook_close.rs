@@ -52,7 +52,7 @@
 mod common;
 
 use common::offloader::{drain_reports, pinned, poll_n, slot_bytes, write_block, PAGE};
-use common::{check, negative, Bounds, Flag};
+use common::{models, Bounds, Flag};
 use kvoffload::internal::offloader::{activity, OffloaderError, SlotJob};
 use kvoffload::internal::protocol::{ProtocolError, Variant};
 use kvoffload::internal::sync::{thread, Arc};
@@ -140,36 +140,19 @@ fn the_holders_wait(variant: Variant) {
 /// start, so at most three run at once.
 const B: Bounds = Bounds { property: "P5", threads: 4, preemptions: 3, ci: None };
 
-#[test]
-fn p5_hook_capture_end_submits_the_deferred_queue_once() {
-    check("p5_hook_close_by_end", B.ci_at(2), || the_last_close(Close::End, Variant::Production));
-}
-
-#[test]
-fn p5_hook_capture_abort_submits_the_deferred_queue_once() {
-    check("p5_hook_close_by_abort", B.ci_at(2), || the_last_close(Close::Abort, Variant::Production));
-}
-
-#[test]
-fn p6_hook_a_holders_wait_for_its_deferred_job_is_refused() {
-    check("p6_hook_holders_wait", Bounds { property: "P6", ..B }.ci_at(2), || the_holders_wait(Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n35_hook_abort_skips_the_flush() {
-    negative(
-        "n35_hook_abort_skips_flush",
-        Bounds { property: "N35", ..B },
-        "the deferred queue is not empty after the last close",
-        || the_last_close(Close::Abort, Variant::HookAbortSkipsFlush),
-    );
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n36_a_holders_wait_for_its_deferred_job_is_not_refused() {
-    negative("n36_wait_for_own_deferred_job", Bounds { property: "N36", ..B }, "deadlock", || {
-        the_holders_wait(Variant::WaitForOwnDeferredJob)
-    });
+models! {
+    p5_hook_capture_end_submits_the_deferred_queue_once:
+        check("p5_hook_close_by_end", B.ci_at(2), || the_last_close(Close::End, Variant::Production));
+    p5_hook_capture_abort_submits_the_deferred_queue_once:
+        check("p5_hook_close_by_abort", B.ci_at(2), || the_last_close(Close::Abort, Variant::Production));
+    p6_hook_a_holders_wait_for_its_deferred_job_is_refused:
+        check("p6_hook_holders_wait", Bounds { property: "P6", ..B }.ci_at(2),
+            || the_holders_wait(Variant::Production));
+    negative_n35_hook_abort_skips_the_flush:
+        negative("n35_hook_abort_skips_flush", Bounds { property: "N35", ..B },
+            "the deferred queue is not empty after the last close",
+            || the_last_close(Close::Abort, Variant::HookAbortSkipsFlush));
+    negative_n36_a_holders_wait_for_its_deferred_job_is_not_refused:
+        negative("n36_wait_for_own_deferred_job", Bounds { property: "N36", ..B },
+            "deadlock", || the_holders_wait(Variant::WaitForOwnDeferredJob));
 }
