@@ -51,7 +51,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::offloader::{drain_reports, pinned, poll_n, slot_bytes, write_block, PAGE};
+use common::offloader::{drain_reports, pinned, poll_n, slot_bytes, stores_landed_then_shutdown, write_block, PAGE};
 use common::{models, Bounds, Flag};
 use kvoffload::internal::offloader::{activity, OffloaderError, SlotJob};
 use kvoffload::internal::protocol::{ProtocolError, Variant};
@@ -90,13 +90,7 @@ fn the_last_close(close: Close, variant: Variant) {
         (0, 0),
         "the deferred queue is not empty after the last close ({close:?}), or a window is open"
     );
-    let done = poll_n(&off, STORES);
-    assert!(done.iter().all(|d| d.error.is_none()), "a store failed: {done:?}");
-    assert!(drain_reports(&off).is_empty(), "a job reported twice");
-    for i in 0..STORES {
-        assert_eq!(slot_bytes(&off, i), [0x3c; PAGE], "a store's bytes are not in its slot");
-    }
-    off.shutdown().unwrap();
+    stores_landed_then_shutdown(&off, STORES, 0x3c);
 }
 
 /// `r` is the refusal of a wait inside one's own hook window.

@@ -70,7 +70,7 @@ mod common;
 
 use std::cell::Cell;
 
-use common::offloader::{drain_reports, pinned, poll_n, slot_bytes, write_block, PAGE};
+use common::offloader::{pinned, stores_landed_then_shutdown, write_block};
 use common::{fixture, models, Bounds};
 use kvoffload::internal::offloader::{activity, OffloaderError, SlotJob};
 use kvoffload::internal::protocol::{Activity, CapturePolicy, Coordinator, ProtocolError, Variant};
@@ -217,13 +217,7 @@ fn an_interrupted_begin(variant: Variant) {
         "a job deferred behind an interrupted begin was left queued (no hook window open: {a:?})"
     );
     assert_eq!((a.windows_open, a.windows_waiting), (0, 0), "a window left open or waiting");
-    let done = poll_n(&off, LIBRARY_THREADS);
-    assert!(done.iter().all(|d| d.error.is_none()), "a store failed: {done:?}");
-    assert!(drain_reports(&off).is_empty(), "a job reported twice");
-    for i in 0..LIBRARY_THREADS {
-        assert_eq!(slot_bytes(&off, i), [0x5a; PAGE], "a store's bytes are not in its slot");
-    }
-    off.shutdown().unwrap();
+    stores_landed_then_shutdown(&off, LIBRARY_THREADS, 0x5a);
 }
 
 const B: Bounds = Bounds { property: "P6", threads: 3, preemptions: 3, ci: None };
