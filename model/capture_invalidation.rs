@@ -21,7 +21,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, Bounds};
+use common::{models, Bounds};
 use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{CaptureMode, Code, GpuRuntime};
@@ -74,16 +74,11 @@ fn scenario(relaxed: bool) {
     }
 }
 
-#[test]
-fn register_during_global_capture_invalidates_it() {
-    check("capture_invalidation/default", Bounds { property: "S1", threads: 3, preemptions: 3, ci: None }, || {
-        scenario(false)
-    });
-}
-
-#[test]
-fn relaxed_register_never_disturbs_capture() {
-    check("capture_invalidation/relaxed", Bounds { property: "S1", threads: 3, preemptions: 3, ci: None }, || {
-        scenario(true)
-    });
+models! {
+    register_during_global_capture_invalidates_it:
+        check("capture_invalidation/default", Bounds { property: "S1", threads: 3, preemptions: 3, ci: None },
+            || scenario(false));
+    relaxed_register_never_disturbs_capture:
+        check("capture_invalidation/relaxed", Bounds { property: "S1", threads: 3, preemptions: 3, ci: None },
+            || scenario(true));
 }

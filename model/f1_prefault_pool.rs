@@ -82,7 +82,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, negative, sized, Bounds};
+use common::{models, sized, Bounds};
 use kvoffload::internal::pin::{
     spawn_pinner, Prefault, PrefaultConfig, PrefaultMode, Prefaulter, ReserveFn, HUGE_PAGE_BYTES,
 };
@@ -254,47 +254,25 @@ fn scenario(size: Size, variant: Variant) {
     coord.pinning().unregister_all(rt.as_ref()).unwrap();
 }
 
-#[test]
-fn f1_prefault_two_workers_fault_the_chunk_ensure_waits_for() {
-    check("f1_prefault_one_chunk", Bounds { property: "F1", threads: 5, preemptions: 1, ci: None }, || {
-        scenario(ONE_CHUNK, Variant::Production)
-    });
-}
-
-/// Bound 1: about 45 s (278,809 interleavings: two workers woken by every
-/// chunk queued), so ci/test runs its one schedule without preemptions;
-/// at bound 2 it did not end within 5 minutes.
-#[test]
-fn f1_prefault_lookahead_chunks_are_faulted_once_before_their_registration() {
-    let b = Bounds { property: "F1", threads: 5, preemptions: 1, ci: None }.ci_at(0);
-    check("f1_prefault_lookahead", b, || scenario(LOOKAHEAD, Variant::Production));
-}
-
-/// Bound 2: about 22 s; ci/test runs it at 1.
-#[test]
-fn f1_prefault_huge_fallback_trips_without_a_fault_after_registration() {
-    let b = Bounds { property: "F1", threads: 4, preemptions: 2, ci: None }.ci_at(1);
-    check("f1_prefault_huge_fallback", b, || scenario(FALLBACK, Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n28_ensure_returns_before_its_slices_are_faulted() {
-    negative(
-        "n28_ensure_before_faulted",
-        Bounds { property: "N28", threads: 5, preemptions: 1, ci: None },
-        "a slice was faulted after its chunk was handed to registration",
-        || scenario(ONE_CHUNK, Variant::PrefaultEnsureBeforeFaulted),
-    );
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n29_hinted_chunk_queued_again() {
-    negative(
-        "n29_hint_forgotten",
-        Bounds { property: "N29", threads: 5, preemptions: 1, ci: None },
-        "a slice was faulted twice",
-        || scenario(LOOKAHEAD, Variant::PrefaultHintForgotten),
-    );
+models! {
+    f1_prefault_two_workers_fault_the_chunk_ensure_waits_for:
+        check("f1_prefault_one_chunk", Bounds { property: "F1", threads: 5, preemptions: 1, ci: None },
+            || scenario(ONE_CHUNK, Variant::Production));
+    /// Bound 1: about 45 s (278,809 interleavings: two workers woken by every
+    /// chunk queued), so ci/test runs its one schedule without preemptions;
+    /// at bound 2 it did not end within 5 minutes.
+    f1_prefault_lookahead_chunks_are_faulted_once_before_their_registration:
+        check("f1_prefault_lookahead", Bounds { property: "F1", threads: 5, preemptions: 1, ci: None }.ci_at(0),
+            || scenario(LOOKAHEAD, Variant::Production));
+    /// Bound 2: about 22 s; ci/test runs it at 1.
+    f1_prefault_huge_fallback_trips_without_a_fault_after_registration:
+        check("f1_prefault_huge_fallback", Bounds { property: "F1", threads: 4, preemptions: 2, ci: None }.ci_at(1),
+            || scenario(FALLBACK, Variant::Production));
+    negative_n28_ensure_returns_before_its_slices_are_faulted:
+        negative("n28_ensure_before_faulted", Bounds { property: "N28", threads: 5, preemptions: 1, ci: None },
+            "a slice was faulted after its chunk was handed to registration",
+            || scenario(ONE_CHUNK, Variant::PrefaultEnsureBeforeFaulted));
+    negative_n29_hinted_chunk_queued_again:
+        negative("n29_hint_forgotten", Bounds { property: "N29", threads: 5, preemptions: 1, ci: None },
+            "a slice was faulted twice", || scenario(LOOKAHEAD, Variant::PrefaultHintForgotten));
 }

@@ -36,7 +36,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, fixture, negative, Bounds};
+use common::{capture_memset, fixture, models, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::internal::runtime::CaptureMode;
@@ -67,11 +67,9 @@ fn scenario_with(variant: Variant, forged: bool) {
     });
 
     let w = f.coord.open_window(Request::new()).unwrap();
-    rt.begin_capture(s, CaptureMode::Global).unwrap();
     // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
     // memset is only captured.
-    let enq = unsafe { rt.memset_d8_async(d, 0, 64, s) };
-    let end = rt.end_capture(s);
+    let (enq, end) = unsafe { capture_memset(rt.as_ref(), s, CaptureMode::Global, d, 0, 64) };
     drop(w);
 
     let polled = poller.join().unwrap();
@@ -91,34 +89,16 @@ const B: Bounds = Bounds { property: "P1", threads: 4, preemptions: 3, ci: None 
 /// 436k interleavings and 39 s before its failure; at 2 it takes about 1 s).
 const NEG: Bounds = Bounds { preemptions: 2, ..B };
 
-#[test]
-fn p1_library_calls_never_invalidate_capture() {
-    check("p1_capture_isolation", B.ci_at(2), || scenario(Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n1_upstream_background_pin_without_window() {
-    negative("n1_no_capture_window", Bounds { property: "N1", ..NEG }, "capture invalidated", || {
-        scenario(Variant::NoCaptureWindow)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n3_poller_queries_during_capture() {
-    negative("n3_ungated_poller", Bounds { property: "N3", ..NEG }, "capture invalidated", || {
-        scenario(Variant::UngatedPoller)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n8_capture_unsafe_call_with_a_forged_gate() {
-    negative(
-        "n8_forged_gate",
-        Bounds { property: "N8", ..NEG },
-        "capture-unsafe call outside the gate: cuEventQuery",
-        || scenario_with(Variant::Production, true),
-    );
+models! {
+    p1_library_calls_never_invalidate_capture:
+        check("p1_capture_isolation", B.ci_at(2), || scenario(Variant::Production));
+    negative_n1_upstream_background_pin_without_window:
+        negative("n1_no_capture_window", Bounds { property: "N1", ..NEG },
+            "capture invalidated", || scenario(Variant::NoCaptureWindow));
+    negative_n3_poller_queries_during_capture:
+        negative("n3_ungated_poller", Bounds { property: "N3", ..NEG },
+            "capture invalidated", || scenario(Variant::UngatedPoller));
+    negative_n8_capture_unsafe_call_with_a_forged_gate:
+        negative("n8_forged_gate", Bounds { property: "N8", ..NEG },
+            "capture-unsafe call outside the gate: cuEventQuery", || scenario_with(Variant::Production, true));
 }

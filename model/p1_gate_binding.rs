@@ -53,7 +53,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, negative, Bounds};
+use common::{capture_memset, models, Bounds};
 use kvoffload::internal::protocol::{CapturePolicy, Coordinator, Variant};
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::runtime::{shared, CaptureMode, Code};
@@ -82,11 +82,9 @@ fn scenario(variant: Variant) {
     });
 
     let w = mine.open_window(Request::new()).unwrap();
-    first.begin_capture(s, CaptureMode::Global).unwrap();
     // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
     // memset is only captured.
-    let enq = unsafe { first.memset_d8_async(d, 0, 64, s) };
-    let end = first.end_capture(s);
+    let (enq, end) = unsafe { capture_memset(first.as_ref(), s, CaptureMode::Global, d, 0, 64) };
     drop(w);
     let (cross, own) = foreign.join().unwrap();
 
@@ -109,18 +107,11 @@ fn scenario(variant: Variant) {
 
 const B: Bounds = Bounds { property: "P1", threads: 3, preemptions: 3, ci: None };
 
-#[test]
-fn p1_gate_binding_another_coordinators_call_never_reaches_a_capture() {
-    check("p1_gate_binding", B, || scenario(Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n27_binding_admits_any_gate() {
-    negative(
-        "n27_binding_admits_any_gate",
-        Bounds { property: "N27", ..B },
-        "a capture on the first handle was invalidated || a call under another coordinator's gate reached the first handle",
-        || scenario(Variant::BindingAdmitsAnyGate),
-    );
+models! {
+    p1_gate_binding_another_coordinators_call_never_reaches_a_capture:
+        check("p1_gate_binding", B, || scenario(Variant::Production));
+    negative_n27_binding_admits_any_gate:
+        negative("n27_binding_admits_any_gate", Bounds { property: "N27", ..B },
+            "a capture on the first handle was invalidated || a call under another coordinator's gate reached the first handle",
+            || scenario(Variant::BindingAdmitsAnyGate));
 }

@@ -73,8 +73,8 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::offloader::{lean, offloader_on, poll_n, sim, write_block, PAGE};
-use common::{check, negative, Bounds};
+use common::offloader::{lean, offloader_on, poll_n, sim, slot_bytes, write_block, PAGE};
+use common::{capture_memset, models, Bounds};
 use kvoffload::internal::offloader::{activity, Offloader, OffloaderOptions, SlotJob};
 use kvoffload::internal::protocol::{PinState, Variant};
 use kvoffload::internal::runtime::sim::SimRuntime;
@@ -96,16 +96,6 @@ fn offloader(variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<Offloader>) {
     (rt.clone(), Arc::new(offloader_on(rt, opts, variant)))
 }
 
-/// Host slot `slot`'s page, read from the region.
-fn slot_bytes(off: &Offloader, slot: usize) -> [u8; PAGE] {
-    let addr = off.geometry().layout.host_addr(0, 0, slot, 0);
-    let mut out = [0u8; PAGE];
-    // SAFETY: a page of this rank's slot of the mapped region; the job
-    // that wrote it was reported.
-    out.copy_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, PAGE) });
-    out
-}
-
 fn beside_a_hooked_capture(variant: Variant) {
     let (rt, off) = offloader(variant);
     write_block(&off, 0, 0x5a);
@@ -124,11 +114,9 @@ fn beside_a_hooked_capture(variant: Variant) {
         })
         .collect();
     off.capture_hook().begin(Request::new()).unwrap();
-    rt.begin_capture(compute, CaptureMode::Global).unwrap();
     // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the
     // memset is only captured.
-    let enq = unsafe { rt.memset_d8_async(d, 0, 64, compute) };
-    let end = rt.end_capture(compute);
+    let (enq, end) = unsafe { capture_memset(rt.as_ref(), compute, CaptureMode::Global, d, 0, 64) };
     off.capture_hook().end(Request::new()).unwrap();
     library.into_iter().for_each(|t| t.join().unwrap());
     assert!(enq.is_ok() && end.is_ok(), "capture invalidated: enqueue {enq:?}, end {end:?}");
@@ -187,11 +175,9 @@ fn two_hooked_captures() {
     let (o_b, rt_b) = (off.clone(), rt.clone());
     let b = thread::spawn(move || {
         o_b.capture_hook().begin(Request::new()).unwrap();
-        rt_b.begin_capture(s_b, CaptureMode::ThreadLocal).unwrap();
         // SAFETY: `d` holds 128 bytes of the sim, never freed; the memset
         // is only captured.
-        let enq = unsafe { rt_b.memset_d8_async(d.offset(64), 1, 64, s_b) };
-        let end = rt_b.end_capture(s_b);
+        let (enq, end) = unsafe { capture_memset(rt_b.as_ref(), s_b, CaptureMode::ThreadLocal, d.offset(64), 1, 64) };
         o_b.capture_hook().end(Request::new()).unwrap();
         assert!(enq.is_ok() && end.is_ok(), "the second capture was invalidated: enqueue {enq:?}, end {end:?}");
         rt_b.graph_destroy(end.unwrap()).unwrap();
@@ -204,10 +190,8 @@ fn two_hooked_captures() {
     });
     let compute = off.geometry().compute_stream();
     off.capture_hook().begin(Request::new()).unwrap();
-    rt.begin_capture(compute, CaptureMode::ThreadLocal).unwrap();
     // SAFETY: as above, the first 64 bytes of `d`.
-    let enq = unsafe { rt.memset_d8_async(d, 0, 64, compute) };
-    let end = rt.end_capture(compute);
+    let (enq, end) = unsafe { capture_memset(rt.as_ref(), compute, CaptureMode::ThreadLocal, d, 0, 64) };
     off.capture_hook().end(Request::new()).unwrap();
     b.join().unwrap();
     library.join().unwrap();
@@ -227,40 +211,20 @@ fn two_hooked_captures() {
 
 const B: Bounds = Bounds { property: "P1", threads: 4, preemptions: 2, ci: None };
 
-#[test]
-fn p1_hook_two_hooked_captures_and_a_job_the_last_close_submits() {
+models! {
     // Five threads spawned in all: the pinner ends before the other three
     // start, so at most four run at once.
-    check("p1_hook_two_captures", Bounds { threads: 5, ..B }.ci_at(1), two_hooked_captures);
-}
-
-#[test]
-fn p1_hook_a_job_beside_a_hooked_capture_never_disturbs_it() {
-    check("p1_hook_job_beside_capture", B.ci_at(1), || beside_a_hooked_capture(Variant::Production));
-}
-
-#[test]
-fn p6_hook_an_aborted_capture_closes_its_window() {
-    check("p6_hook_aborted_capture", Bounds { property: "P6", ..B }.ci_at(1), || {
-        an_aborted_capture(Variant::Production)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n21_hook_submits_deferred_jobs_inside_its_window() {
-    negative(
-        "n21_hook_flushes_inside_window",
-        Bounds { property: "N21", ..B },
-        "a job of the hooked capture failed",
-        || beside_a_hooked_capture(Variant::HookFlushesInsideWindow),
-    );
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n22_hook_abort_forgets_to_close() {
-    negative("n22_hook_abort_keeps_window", Bounds { property: "N22", ..B }, "deadlock", || {
-        an_aborted_capture(Variant::HookAbortKeepsWindow)
-    });
+    p1_hook_two_hooked_captures_and_a_job_the_last_close_submits:
+        check("p1_hook_two_captures", Bounds { threads: 5, ..B }.ci_at(1), two_hooked_captures);
+    p1_hook_a_job_beside_a_hooked_capture_never_disturbs_it:
+        check("p1_hook_job_beside_capture", B.ci_at(1), || beside_a_hooked_capture(Variant::Production));
+    p6_hook_an_aborted_capture_closes_its_window:
+        check("p6_hook_aborted_capture", Bounds { property: "P6", ..B }.ci_at(1),
+            || an_aborted_capture(Variant::Production));
+    negative_n21_hook_submits_deferred_jobs_inside_its_window:
+        negative("n21_hook_flushes_inside_window", Bounds { property: "N21", ..B },
+            "a job of the hooked capture failed", || beside_a_hooked_capture(Variant::HookFlushesInsideWindow));
+    negative_n22_hook_abort_forgets_to_close:
+        negative("n22_hook_abort_keeps_window", Bounds { property: "N22", ..B },
+            "deadlock", || an_aborted_capture(Variant::HookAbortKeepsWindow));
 }

@@ -36,7 +36,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, engine_with_compute, fixture, host, negative, Bounds};
+use common::{capture_memset, engine_with_compute, fixture, host, models, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault};
 use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::internal::runtime::CaptureMode;
@@ -83,11 +83,9 @@ fn scenario(variant: Variant) {
     });
 
     let w = f.coord.open_window(Request::new()).unwrap();
-    rt.begin_capture(compute, CaptureMode::Global).unwrap();
     // SAFETY: block 3 of the device tensor, never touched by the job (block
     // 0); the memset is only captured.
-    let enq = unsafe { rt.memset_d8_async(dev.offset(48), 0xAB, 16, compute) };
-    let end = rt.end_capture(compute);
+    let (enq, end) = unsafe { capture_memset(rt.as_ref(), compute, CaptureMode::Global, dev.offset(48), 0xAB, 16) };
     drop(w);
     let seen = library.join().unwrap();
 
@@ -102,13 +100,10 @@ fn scenario(variant: Variant) {
 
 const B: Bounds = Bounds { property: "P1", threads: 3, preemptions: 3, ci: None };
 
-#[test]
-fn p1_transfer_paths_never_disturb_a_capture_of_the_compute_stream() {
-    check("p1_transfer_during_capture", B, || scenario(Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n9_submit_checks_then_records_outside_the_gate() {
-    negative("n9_racy_submit", Bounds { property: "N9", ..B }, "capture invalidated", || scenario(Variant::RacySubmit));
+models! {
+    p1_transfer_paths_never_disturb_a_capture_of_the_compute_stream:
+        check("p1_transfer_during_capture", B, || scenario(Variant::Production));
+    negative_n9_submit_checks_then_records_outside_the_gate:
+        negative("n9_racy_submit", Bounds { property: "N9", ..B },
+            "capture invalidated", || scenario(Variant::RacySubmit));
 }

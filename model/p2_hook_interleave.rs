@@ -29,7 +29,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, fixture, Bounds};
+use common::{fixture, models, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::internal::runtime::CaptureMode;
@@ -71,7 +71,7 @@ fn scenario() {
     f.coord.pinning().unregister_all(rt.as_ref()).unwrap();
 }
 
-#[test]
-fn p2_hook_window_waits_at_most_one_chunk_under_after_pinning() {
-    check("p2_hook_interleave", Bounds { property: "P2", threads: 3, preemptions: 3, ci: None }.ci_at(2), scenario);
+models! {
+    p2_hook_window_waits_at_most_one_chunk_under_after_pinning:
+        check("p2_hook_interleave", Bounds { property: "P2", threads: 3, preemptions: 3, ci: None }.ci_at(2), scenario);
 }

@@ -33,7 +33,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, fixture, Bounds};
+use common::{fixture, models, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::internal::runtime::CaptureMode;
@@ -83,16 +83,11 @@ fn scenario(policy: CapturePolicy) {
     f.coord.pinning().unregister_all(rt.as_ref()).unwrap();
 }
 
-#[test]
-fn p2_after_pinning_windows_wait_for_final_state() {
-    check("p2_after_pinning", Bounds { property: "P2", threads: 3, preemptions: 3, ci: None }.ci_at(2), || {
-        scenario(CapturePolicy::AfterPinning)
-    });
-}
-
-#[test]
-fn p2_interleave_window_waits_at_most_one_chunk() {
-    check("p2_interleave", Bounds { property: "P2", threads: 3, preemptions: 3, ci: None }, || {
-        scenario(CapturePolicy::Interleave)
-    });
+models! {
+    p2_after_pinning_windows_wait_for_final_state:
+        check("p2_after_pinning", Bounds { property: "P2", threads: 3, preemptions: 3, ci: None }.ci_at(2),
+            || scenario(CapturePolicy::AfterPinning));
+    p2_interleave_window_waits_at_most_one_chunk:
+        check("p2_interleave", Bounds { property: "P2", threads: 3, preemptions: 3, ci: None },
+            || scenario(CapturePolicy::Interleave));
 }

@@ -34,7 +34,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, fixture, negative, Bounds};
+use common::{fixture, models, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, PageableReason, PinState, Variant};
 use kvoffload::Request;
@@ -69,23 +69,12 @@ fn scenario(variant: Variant, cancel: bool) {
     f.coord.pinning().unregister_all(rt.as_ref()).unwrap();
 }
 
-#[test]
-fn p2_pin_hold_keeps_registrations_out_of_the_capture_phase() {
-    check("p2_pin_hold", B, || scenario(Variant::Production, false));
-}
-
-#[test]
-fn p2_pin_hold_gives_way_to_a_cancel() {
-    check("p2_pin_hold_cancel", B, || scenario(Variant::Production, true));
-}
-
-#[test]
-#[ignore]
-fn negative_n31_pin_ignores_hold() {
-    negative(
-        "n31_pin_ignores_hold",
-        Bounds { property: "N31", ..B },
-        "registrations completed under a pin hold",
-        || scenario(Variant::PinIgnoresHold, false),
-    );
+models! {
+    p2_pin_hold_keeps_registrations_out_of_the_capture_phase:
+        check("p2_pin_hold", B, || scenario(Variant::Production, false));
+    p2_pin_hold_gives_way_to_a_cancel:
+        check("p2_pin_hold_cancel", B, || scenario(Variant::Production, true));
+    negative_n31_pin_ignores_hold:
+        negative("n31_pin_ignores_hold", Bounds { property: "N31", ..B },
+            "registrations completed under a pin hold", || scenario(Variant::PinIgnoresHold, false));
 }

@@ -30,7 +30,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, engine, fixture, host, negative, Bounds};
+use common::{engine, fixture, host, models, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, Variant};
 use kvoffload::internal::runtime::sim::SimFault;
@@ -79,15 +79,10 @@ fn scenario(variant: Variant) {
 
 const B: Bounds = Bounds { property: "P3", threads: 3, preemptions: 3, ci: None };
 
-#[test]
-fn p3_gather_reads_only_registered_memory() {
-    check("p3_gather_registered", B.ci_at(2), || scenario(Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n4_gather_before_registration_completed() {
-    negative("n4_unchecked_gather", Bounds { property: "N4", ..B }, "context poisoned", || {
-        scenario(Variant::UncheckedGather)
-    });
+models! {
+    p3_gather_reads_only_registered_memory:
+        check("p3_gather_registered", B.ci_at(2), || scenario(Variant::Production));
+    negative_n4_gather_before_registration_completed:
+        negative("n4_unchecked_gather", Bounds { property: "N4", ..B },
+            "context poisoned", || scenario(Variant::UncheckedGather));
 }

@@ -59,7 +59,7 @@
 mod common;
 
 use common::offloader::{keyed_on, lean, poll_n, read_block, sim, write_block, PAGE};
-use common::{check, negative, Bounds};
+use common::{capture_memset, models, Bounds};
 use kvoffload::internal::manager::BlockKey;
 use kvoffload::internal::offloader::{KeyedOffloader, OffloaderError, OffloaderOptions};
 use kvoffload::internal::protocol::{PinState, ProtocolError, Variant};
@@ -135,11 +135,8 @@ fn racing_a_capture(variant: Variant) {
     let sh = thread::spawn(move || o2.core().shutdown(Request::new(), &mut drop));
     match off.core().capture_window(Request::new()) {
         Ok(w) => {
-            rt.begin_capture(s, CaptureMode::Global).unwrap();
-            // SAFETY: `d` is a 64-byte allocation of the sim, never freed;
-            // the memset is only captured.
-            let enq = unsafe { rt.memset_d8_async(d, 0, 64, s) };
-            let end = rt.end_capture(s);
+            // SAFETY: `d` is a 64-byte allocation of the sim, never freed.
+            let (enq, end) = unsafe { capture_memset(rt.as_ref(), s, CaptureMode::Global, d, 0, 64) };
             drop(w);
             assert!(enq.is_ok() && end.is_ok(), "capture invalidated during shutdown: enqueue {enq:?}, end {end:?}");
             rt.graph_destroy(end.unwrap()).unwrap();
@@ -160,61 +157,24 @@ fn racing_a_capture(variant: Variant) {
 
 const B: Bounds = Bounds { property: "P4", threads: 4, preemptions: 2, ci: None };
 
-#[test]
-fn p4_offloader_refuses_shutdown_with_a_live_graph_and_changes_nothing() {
-    check("p4_offloader_live_graph", B, || refused_with_a_live_graph(Variant::Production));
-}
-
-#[test]
-fn p4_offloader_shutdown_races_a_window_and_a_capture() {
-    check("p4_offloader_racing_a_capture", B, || racing_a_capture(Variant::Production));
-}
-
-#[test]
-fn p4_offloader_shutdown_drains_jobs_while_pinning_runs() {
-    check("p4_offloader_jobs_and_pinning", B, || with_jobs_and_pinning(Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n20_offloader_skips_its_drain() {
-    negative(
-        "n20_offloader_skips_drain",
-        Bounds { property: "N20", ..B },
-        "shutdown returned with a job not applied",
-        || with_jobs_and_pinning(Variant::OffloaderSkipsDrain),
-    );
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n25_a_refused_shutdown_cancels_pinning() {
-    negative(
-        "n25_refusal_cancels_pinning",
-        Bounds { property: "N25", ..B },
-        "a refused shutdown changed pinning",
-        || refused_with_a_live_graph(Variant::RefusalCancelsPinning),
-    );
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n15_offloader_tears_down_before_refusing() {
-    negative(
-        "n15_teardown_before_refusal",
-        Bounds { property: "N15", ..B },
-        "a refused shutdown marked the offloader down",
-        || refused_with_a_live_graph(Variant::TeardownBeforeRefusal),
-    );
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n15_offloader_tears_down_before_refusing_a_window() {
-    negative(
-        "n15_teardown_before_refusal_window",
-        Bounds { property: "N15", ..B },
-        "a shutdown retried after the window closed",
-        || racing_a_capture(Variant::TeardownBeforeRefusal),
-    );
+models! {
+    p4_offloader_refuses_shutdown_with_a_live_graph_and_changes_nothing:
+        check("p4_offloader_live_graph", B, || refused_with_a_live_graph(Variant::Production));
+    negative_n25_a_refused_shutdown_cancels_pinning:
+        negative("n25_refusal_cancels_pinning", Bounds { property: "N25", ..B },
+            "a refused shutdown changed pinning", || refused_with_a_live_graph(Variant::RefusalCancelsPinning));
+    negative_n15_offloader_tears_down_before_refusing:
+        negative("n15_teardown_before_refusal", Bounds { property: "N15", ..B },
+            "a refused shutdown marked the offloader down",
+            || refused_with_a_live_graph(Variant::TeardownBeforeRefusal));
+    p4_offloader_shutdown_races_a_window_and_a_capture:
+        check("p4_offloader_racing_a_capture", B, || racing_a_capture(Variant::Production));
+    negative_n15_offloader_tears_down_before_refusing_a_window:
+        negative("n15_teardown_before_refusal_window", Bounds { property: "N15", ..B },
+            "a shutdown retried after the window closed", || racing_a_capture(Variant::TeardownBeforeRefusal));
+    p4_offloader_shutdown_drains_jobs_while_pinning_runs:
+        check("p4_offloader_jobs_and_pinning", B, || with_jobs_and_pinning(Variant::Production));
+    negative_n20_offloader_skips_its_drain:
+        negative("n20_offloader_skips_drain", Bounds { property: "N20", ..B },
+            "shutdown returned with a job not applied", || with_jobs_and_pinning(Variant::OffloaderSkipsDrain));
 }

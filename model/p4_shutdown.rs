@@ -43,7 +43,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, engine, fixture, negative, Bounds};
+use common::{capture_memset, engine, fixture, models, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{
     shutdown, CapturePolicy, ChunkReg, PinState, ProtocolError, ShutdownError, Variant,
@@ -128,11 +128,8 @@ fn racing_a_capture(windowed: bool) {
     let w = if windowed { f.coord.open_window(Request::new()).map(Some) } else { Ok(None) };
     match w {
         Ok(w) => {
-            rt.begin_capture(s, CaptureMode::Global).unwrap();
-            // SAFETY: `d` is a 64-byte allocation of the sim, never freed;
-            // the memset is only captured.
-            let enq = unsafe { rt.memset_d8_async(d, 0, 64, s) };
-            let end = rt.end_capture(s);
+            // SAFETY: `d` is a 64-byte allocation of the sim, never freed.
+            let (enq, end) = unsafe { capture_memset(rt.as_ref(), s, CaptureMode::Global, d, 0, 64) };
             drop(w);
             assert!(enq.is_ok() && end.is_ok(), "capture invalidated during shutdown: enqueue {enq:?}, end {end:?}");
             rt.graph_destroy(end.unwrap()).unwrap();
@@ -185,66 +182,32 @@ fn with_graph(variant: Variant) {
     assert_eq!(f.sim().registered_ranges(), 0);
 }
 
-#[test]
-fn p4_shutdown_during_pinning_rolls_back() {
-    check("p4_during_pinning", B, || during_pinning(Variant::Production));
-}
-
-#[test]
-fn p4_shutdown_races_a_window_and_a_capture() {
-    check("p4_racing_a_capture", B, || racing_a_capture(true));
-}
-
-#[test]
-fn p4_shutdown_drains_jobs_before_unmap() {
-    check("p4_with_job", B, || with_job(Variant::Production));
-}
-
-#[test]
-fn p4_shutdown_waits_for_graphs() {
-    check("p4_with_graph", B, || with_graph(Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n2_unregister_before_draining_transfers() {
-    negative("n2_no_drain", Bounds { property: "N2", ..NEG }, "after the region was unmapped", || {
-        with_job(Variant::NoDrainBeforeUnregister)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n24_unregister_before_the_drain() {
-    negative("n24_unregister_first", Bounds { property: "N24", ..NEG }, "after shutdown unregistered it", || {
-        with_job(Variant::UnregisterBeforeDrain)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n5_unregister_while_graph_references_region() {
-    negative("n5_ignore_graphs", Bounds { property: "N5", ..NEG }, "context poisoned", || {
-        with_graph(Variant::IgnoreLiveGraphs)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n10_shutdown_does_not_wait_for_pinning() {
+models! {
+    p4_shutdown_during_pinning_rolls_back:
+        check("p4_during_pinning", B, || during_pinning(Variant::Production));
     // Two ways the bug shows: a registration completing after shutdown
     // returned (loom finds this one first), or shutdown's unregister racing
     // a registration still in flight and failing (shuttle finds both).
-    let reason = "left registered after shutdown || shutdown failed: Unregister";
-    negative("n10_no_pin_wait", Bounds { property: "N10", ..NEG }, reason, || {
-        during_pinning(Variant::ShutdownSkipsPinWait)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n12_engine_captures_without_a_window() {
-    negative("n12_capture_without_window", Bounds { property: "N12", ..NEG }, "capture invalidated", || {
-        racing_a_capture(false)
-    });
+    negative_n10_shutdown_does_not_wait_for_pinning:
+        negative("n10_no_pin_wait", Bounds { property: "N10", ..NEG },
+            "left registered after shutdown || shutdown failed: Unregister",
+            || during_pinning(Variant::ShutdownSkipsPinWait));
+    p4_shutdown_races_a_window_and_a_capture:
+        check("p4_racing_a_capture", B, || racing_a_capture(true));
+    negative_n12_engine_captures_without_a_window:
+        negative("n12_capture_without_window", Bounds { property: "N12", ..NEG },
+            "capture invalidated", || racing_a_capture(false));
+    p4_shutdown_drains_jobs_before_unmap:
+        check("p4_with_job", B, || with_job(Variant::Production));
+    negative_n2_unregister_before_draining_transfers:
+        negative("n2_no_drain", Bounds { property: "N2", ..NEG },
+            "after the region was unmapped", || with_job(Variant::NoDrainBeforeUnregister));
+    negative_n24_unregister_before_the_drain:
+        negative("n24_unregister_first", Bounds { property: "N24", ..NEG },
+            "after shutdown unregistered it", || with_job(Variant::UnregisterBeforeDrain));
+    p4_shutdown_waits_for_graphs:
+        check("p4_with_graph", B, || with_graph(Variant::Production));
+    negative_n5_unregister_while_graph_references_region:
+        negative("n5_ignore_graphs", Bounds { property: "N5", ..NEG },
+            "context poisoned", || with_graph(Variant::IgnoreLiveGraphs));
 }

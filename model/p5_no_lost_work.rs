@@ -21,7 +21,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, engine, fixture, host, Bounds};
+use common::{engine, fixture, host, models, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault};
 use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::internal::runtime::sim::SimFault;
@@ -86,12 +86,9 @@ fn scenario(failing: bool) {
 
 const B: Bounds = Bounds { property: "P5", threads: 3, preemptions: 3, ci: None };
 
-#[test]
-fn p5_every_job_reported_once_in_order() {
-    check("p5_no_lost_work", B.ci_at(2), || scenario(false));
-}
-
-#[test]
-fn p5_failed_job_reported_failed_in_order() {
-    check("p5_failed_job", B.ci_at(2), || scenario(true));
+models! {
+    p5_every_job_reported_once_in_order:
+        check("p5_no_lost_work", B.ci_at(2), || scenario(false));
+    p5_failed_job_reported_failed_in_order:
+        check("p5_failed_job", B.ci_at(2), || scenario(true));
 }

@@ -57,7 +57,7 @@
 mod common;
 
 use common::offloader::{keyed_on, lean, read_block, write_block, PAGE};
-use common::{check, negative, Bounds};
+use common::{models, Bounds};
 use kvoffload::internal::manager::BlockKey;
 use kvoffload::internal::offloader::{KeyedOffloader, OffloaderError, OffloaderOptions};
 use kvoffload::internal::protocol::Variant;
@@ -168,52 +168,23 @@ fn settle(off: &KeyedOffloader) {
 const B: Bounds = Bounds { property: "P5", threads: 3, preemptions: 2, ci: None };
 const NEG: Bounds = B;
 
-#[test]
-fn p5_offloader_key_readable_only_after_its_store_completed() {
-    check("p5_offloader_readable_after_store", B, || readable_only_after_its_store(Variant::Production));
-}
-
-#[test]
-fn p5_offloader_slot_being_read_is_not_reused() {
-    check("p5_offloader_slot_not_reused", B, || a_slot_being_read_is_not_reused(Variant::Production));
-}
-
-#[test]
-fn p5_offloader_refused_store_changes_nothing() {
-    check("p5_offloader_refused_store", Bounds { threads: 5, ..B }.ci_at(1), || {
-        a_refused_store_changes_nothing(Variant::Production)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n38_refused_store_keeps_evictions() {
-    negative(
-        "n38_refused_store_keeps_evictions",
-        Bounds { property: "N38", threads: 5, ..NEG },
-        "key 1 is gone although no call reported it evicted",
-        || a_refused_store_changes_nothing(Variant::RefusedStoreKeepsEvictions),
-    );
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n18_keys_readable_at_submit() {
-    negative(
-        "n18_readable_at_submit",
-        Bounds { property: "N18", ..NEG },
-        "a load read key 1 before its store completed",
-        || readable_only_after_its_store(Variant::ReadableAtSubmit),
-    );
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n19_slot_freed_at_load_submit() {
-    negative(
-        "n19_slot_freed_at_load_submit",
-        Bounds { property: "N19", ..NEG },
-        "key 1 evicted while its load runs",
-        || a_slot_being_read_is_not_reused(Variant::SlotFreedAtLoadSubmit),
-    );
+models! {
+    p5_offloader_key_readable_only_after_its_store_completed:
+        check("p5_offloader_readable_after_store", B, || readable_only_after_its_store(Variant::Production));
+    p5_offloader_slot_being_read_is_not_reused:
+        check("p5_offloader_slot_not_reused", B, || a_slot_being_read_is_not_reused(Variant::Production));
+    p5_offloader_refused_store_changes_nothing:
+        check("p5_offloader_refused_store", Bounds { threads: 5, ..B }.ci_at(1),
+            || a_refused_store_changes_nothing(Variant::Production));
+    negative_n38_refused_store_keeps_evictions:
+        negative("n38_refused_store_keeps_evictions", Bounds { property: "N38", threads: 5, ..NEG },
+            "key 1 is gone although no call reported it evicted",
+            || a_refused_store_changes_nothing(Variant::RefusedStoreKeepsEvictions));
+    negative_n18_keys_readable_at_submit:
+        negative("n18_readable_at_submit", Bounds { property: "N18", ..NEG },
+            "a load read key 1 before its store completed",
+            || readable_only_after_its_store(Variant::ReadableAtSubmit));
+    negative_n19_slot_freed_at_load_submit:
+        negative("n19_slot_freed_at_load_submit", Bounds { property: "N19", ..NEG },
+            "key 1 evicted while its load runs", || a_slot_being_read_is_not_reused(Variant::SlotFreedAtLoadSubmit));
 }

@@ -53,8 +53,8 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::offloader::{lean, PAGE};
-use common::{check, negative, sized, Bounds};
+use common::offloader::{lean, read_block, slot_bytes, PAGE};
+use common::{models, sized, Bounds};
 use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob};
 use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::runtime::sim::{SimConfig, SimRuntime};
@@ -97,23 +97,6 @@ fn fill(b: usize) -> u8 {
 /// Two jobs on one slot conflict unless both are loads.
 fn conflict(a: &Job, b: &Job) -> bool {
     a.slot == b.slot && (a.lane.direction() == Direction::DeviceToHost || b.lane.direction() == Direction::DeviceToHost)
-}
-
-fn block(off: &Offloader, b: usize) -> [u8; PAGE] {
-    let mut buf = [0u8; PAGE];
-    let src = off.geometry().tensors()[0].offset(b * PAGE);
-    // SAFETY: `buf` is writable; every job was waited for and reported.
-    unsafe { off.geometry().runtime.copy_dtoh(buf.as_mut_ptr() as usize, src, PAGE) }.unwrap();
-    buf
-}
-
-fn slot(off: &Offloader, s: usize) -> [u8; PAGE] {
-    let addr = off.geometry().layout.host_addr(0, 0, s, 0);
-    let mut out = [0u8; PAGE];
-    // SAFETY: a page of slot `s` of the offloader's region; every job was
-    // waited for and reported.
-    out.copy_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, PAGE) });
-    out
 }
 
 fn scenario(variant: Variant) {
@@ -183,14 +166,14 @@ fn scenario(variant: Variant) {
     assert_eq!(reported, SCRIPT.len(), "not every job was reported once");
     for &(gpu, want) in &loaded {
         assert_eq!(
-            block(&off, gpu),
+            read_block(&off, gpu),
             [want; PAGE],
             "a load brought back other bytes than the last store reported before it (GPU block {gpu})"
         );
     }
     for (s, want) in holds.iter().enumerate() {
         if let Some(want) = want {
-            assert_eq!(slot(&off, s), [*want; PAGE], "slot {s} does not hold its last store's bytes");
+            assert_eq!(slot_bytes(&off, s), [*want; PAGE], "slot {s} does not hold its last store's bytes");
         }
     }
     assert!(
@@ -206,20 +189,13 @@ fn scenario(variant: Variant) {
 /// made bound 2 take 237 s (1,140,552 interleavings): shuttle runs it.
 const B: Bounds = Bounds { property: "P5", threads: 3, preemptions: 2, ci: None };
 
-#[test]
-fn p5_slot_jobs_busy_slots_are_refused_until_reported() {
-    check("p5_slot_jobs", B.ci_at(1), || scenario(Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n26_slot_busy_unchecked() {
-    negative(
-        "n26_slot_busy_unchecked",
-        Bounds { property: "N26", ..B },
-        "a load brought back other bytes than the last store || accepted while a conflicting job on its slot was unreported",
-        || scenario(Variant::SlotBusyUnchecked),
-    );
+models! {
+    p5_slot_jobs_busy_slots_are_refused_until_reported:
+        check("p5_slot_jobs", B.ci_at(1), || scenario(Variant::Production));
+    negative_n26_slot_busy_unchecked:
+        negative("n26_slot_busy_unchecked", Bounds { property: "N26", ..B },
+            "a load brought back other bytes than the last store || accepted while a conflicting job on its slot was unreported",
+            || scenario(Variant::SlotBusyUnchecked));
 }
 
 /// What one poll of the core reports, in order.

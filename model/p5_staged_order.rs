@@ -37,7 +37,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, engine_with_options, fixture_on, host, negative, Bounds};
+use common::{engine_with_options, fixture_on, host, models, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault};
 use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::internal::runtime::sim::{SimConfig, SimFault, SimRuntime};
@@ -163,30 +163,16 @@ const B: Bounds = Bounds { property: "P5", threads: 3, preemptions: 3, ci: None 
 /// and finish in either order (one thread more, so one preemption less).
 const B2: Bounds = Bounds { property: "P5", threads: 4, preemptions: 2, ci: None };
 
-#[test]
-fn p5_staged_stores_reported_in_order_after_both_streams() {
-    check("p5_staged_stores", B.ci_at(2), || scenario(Variant::Production, Direction::DeviceToHost, false, 1));
-}
-
-#[test]
-fn p5_staged_load_failing_half_way_reported_failed_after_its_chunk() {
-    check("p5_staged_failed_load", B.ci_at(2), || scenario(Variant::Production, Direction::HostToDevice, true, 1));
-}
-
-#[test]
-fn p5_staged_stores_on_two_device_workers() {
-    check("p5_staged_stores_2w", B2, || scenario(Variant::Production, Direction::DeviceToHost, false, 2));
-}
-
-#[test]
-fn p5_staged_failed_load_on_two_device_workers() {
-    check("p5_staged_failed_load_2w", B2, || scenario(Variant::Production, Direction::HostToDevice, true, 2));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n14_staging_streams_not_joined() {
-    negative("n14_unjoined_staging", Bounds { property: "N14", ..B }, "reported before its", || {
-        scenario(Variant::UnjoinedStaging, Direction::DeviceToHost, false, 1)
-    });
+models! {
+    p5_staged_stores_reported_in_order_after_both_streams:
+        check("p5_staged_stores", B.ci_at(2), || scenario(Variant::Production, Direction::DeviceToHost, false, 1));
+    p5_staged_load_failing_half_way_reported_failed_after_its_chunk:
+        check("p5_staged_failed_load", B.ci_at(2), || scenario(Variant::Production, Direction::HostToDevice, true, 1));
+    p5_staged_stores_on_two_device_workers:
+        check("p5_staged_stores_2w", B2, || scenario(Variant::Production, Direction::DeviceToHost, false, 2));
+    p5_staged_failed_load_on_two_device_workers:
+        check("p5_staged_failed_load_2w", B2, || scenario(Variant::Production, Direction::HostToDevice, true, 2));
+    negative_n14_staging_streams_not_joined:
+        negative("n14_unjoined_staging", Bounds { property: "N14", ..B },
+            "reported before its", || scenario(Variant::UnjoinedStaging, Direction::DeviceToHost, false, 1));
 }

@@ -51,8 +51,8 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::offloader::{drain_reports, pinned, poll_n, slot_bytes, write_block, PAGE};
-use common::{check, negative, Bounds, Flag};
+use common::offloader::{drain_reports, pinned, poll_n, slot_bytes, stores_landed_then_shutdown, write_block, PAGE};
+use common::{models, Bounds, Flag};
 use kvoffload::internal::offloader::{activity, OffloaderError, SlotJob};
 use kvoffload::internal::protocol::{ProtocolError, Variant};
 use kvoffload::internal::sync::{thread, Arc};
@@ -91,13 +91,7 @@ fn the_last_close(close: Close, variant: Variant) {
         (0, 0),
         "the deferred queue is not empty after the last close ({close:?}), or a window is open"
     );
-    let done = poll_n(&off, STORES);
-    assert!(done.iter().all(|d| d.error.is_none()), "a store failed: {done:?}");
-    assert!(drain_reports(&off).is_empty(), "a job reported twice");
-    for i in 0..STORES {
-        assert_eq!(slot_bytes(&off, i), [0x3c; PAGE], "a store's bytes are not in its slot");
-    }
-    off.shutdown(Request::new(), &mut drop).unwrap();
+    stores_landed_then_shutdown(&off, STORES, 0x3c);
 }
 
 /// `r` is the refusal of a wait inside one's own hook window.
@@ -144,36 +138,19 @@ fn the_holders_wait(variant: Variant) {
 /// start, so at most three run at once.
 const B: Bounds = Bounds { property: "P5", threads: 4, preemptions: 3, ci: None };
 
-#[test]
-fn p5_hook_capture_end_submits_the_deferred_queue_once() {
-    check("p5_hook_close_by_end", B.ci_at(2), || the_last_close(Close::End, Variant::Production));
-}
-
-#[test]
-fn p5_hook_capture_abort_submits_the_deferred_queue_once() {
-    check("p5_hook_close_by_abort", B.ci_at(2), || the_last_close(Close::Abort, Variant::Production));
-}
-
-#[test]
-fn p6_hook_a_holders_wait_for_its_deferred_job_is_refused() {
-    check("p6_hook_holders_wait", Bounds { property: "P6", ..B }.ci_at(2), || the_holders_wait(Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n35_hook_abort_skips_the_flush() {
-    negative(
-        "n35_hook_abort_skips_flush",
-        Bounds { property: "N35", ..B },
-        "the deferred queue is not empty after the last close",
-        || the_last_close(Close::Abort, Variant::HookAbortSkipsFlush),
-    );
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n36_a_holders_wait_for_its_deferred_job_is_not_refused() {
-    negative("n36_wait_for_own_deferred_job", Bounds { property: "N36", ..B }, "deadlock", || {
-        the_holders_wait(Variant::WaitForOwnDeferredJob)
-    });
+models! {
+    p5_hook_capture_end_submits_the_deferred_queue_once:
+        check("p5_hook_close_by_end", B.ci_at(2), || the_last_close(Close::End, Variant::Production));
+    p5_hook_capture_abort_submits_the_deferred_queue_once:
+        check("p5_hook_close_by_abort", B.ci_at(2), || the_last_close(Close::Abort, Variant::Production));
+    p6_hook_a_holders_wait_for_its_deferred_job_is_refused:
+        check("p6_hook_holders_wait", Bounds { property: "P6", ..B }.ci_at(2),
+            || the_holders_wait(Variant::Production));
+    negative_n35_hook_abort_skips_the_flush:
+        negative("n35_hook_abort_skips_flush", Bounds { property: "N35", ..B },
+            "the deferred queue is not empty after the last close",
+            || the_last_close(Close::Abort, Variant::HookAbortSkipsFlush));
+    negative_n36_a_holders_wait_for_its_deferred_job_is_not_refused:
+        negative("n36_wait_for_own_deferred_job", Bounds { property: "N36", ..B },
+            "deadlock", || the_holders_wait(Variant::WaitForOwnDeferredJob));
 }

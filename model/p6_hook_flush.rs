@@ -68,7 +68,7 @@
 mod common;
 
 use common::offloader::{lean, offloader_on, poll_n, sim, write_block, PAGE};
-use common::{check, negative, Bounds};
+use common::{models, Bounds};
 use kvoffload::internal::offloader::{activity, Offloader, OffloaderError, OffloaderOptions, SlotJob};
 use kvoffload::internal::protocol::{PinState, ProtocolError, Variant};
 use kvoffload::internal::runtime::sim::SimRuntime;
@@ -222,24 +222,14 @@ fn shutdown_beside_the_hooks_flushers(variant: Variant) {
 /// start, so at most four run at once).
 const B: Bounds = Bounds { property: "P6", threads: 5, preemptions: 2, ci: None };
 
-#[test]
-fn p6_hook_a_close_never_waits_for_another_threads_hook_window() {
-    check("p6_hook_close_beside_hook_window", B.ci_at(1), || {
-        a_close_beside_another_hook_window(Variant::Production, false)
-    });
-}
-
-#[test]
-fn p4_hook_shutdown_beside_the_flushers_refuses_naming_a_window_or_drains() {
-    check("p4_hook_shutdown_beside_flushers", Bounds { property: "P4", threads: 4, ..B }.ci_at(1), || {
-        shutdown_beside_the_hooks_flushers(Variant::Production)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n30_hook_flush_waits_for_every_window() {
-    negative("n30_hook_flush_waits_for_every_window", Bounds { property: "N30", ..B }, "deadlock", || {
-        a_close_beside_another_hook_window(Variant::HookFlushWaitsForEveryWindow, true)
-    });
+models! {
+    p6_hook_a_close_never_waits_for_another_threads_hook_window:
+        check("p6_hook_close_beside_hook_window", B.ci_at(1),
+            || a_close_beside_another_hook_window(Variant::Production, false));
+    p4_hook_shutdown_beside_the_flushers_refuses_naming_a_window_or_drains:
+        check("p4_hook_shutdown_beside_flushers", Bounds { property: "P4", threads: 4, ..B }.ci_at(1),
+            || shutdown_beside_the_hooks_flushers(Variant::Production));
+    negative_n30_hook_flush_waits_for_every_window:
+        negative("n30_hook_flush_waits_for_every_window", Bounds { property: "N30", ..B },
+            "deadlock", || a_close_beside_another_hook_window(Variant::HookFlushWaitsForEveryWindow, true));
 }

@@ -70,8 +70,8 @@ mod common;
 
 use std::cell::Cell;
 
-use common::offloader::{drain_reports, pinned, poll_n, slot_bytes, write_block, PAGE};
-use common::{check, fixture, negative, Bounds};
+use common::offloader::{pinned, stores_landed_then_shutdown, write_block};
+use common::{fixture, models, Bounds};
 use kvoffload::internal::offloader::{activity, OffloaderError, SlotJob};
 use kvoffload::internal::protocol::{Activity, CapturePolicy, Coordinator, ProtocolError, Variant};
 use kvoffload::internal::sync::atomic::{AtomicBool, Ordering};
@@ -221,52 +221,26 @@ fn an_interrupted_begin(variant: Variant) {
         "a job deferred behind an interrupted begin was left queued (no hook window open: {a:?})"
     );
     assert_eq!((a.windows_open, a.windows_waiting), (0, 0), "a window left open or waiting");
-    let done = poll_n(&off, LIBRARY_THREADS);
-    assert!(done.iter().all(|d| d.error.is_none()), "a store failed: {done:?}");
-    assert!(drain_reports(&off).is_empty(), "a job reported twice");
-    for i in 0..LIBRARY_THREADS {
-        assert_eq!(slot_bytes(&off, i), [0x5a; PAGE], "a store's bytes are not in its slot");
-    }
-    off.shutdown(Request::new(), &mut drop).unwrap();
+    stores_landed_then_shutdown(&off, LIBRARY_THREADS, 0x5a);
 }
 
 const B: Bounds = Bounds { property: "P6", threads: 3, preemptions: 3, ci: None };
 /// Four threads at once (the pinner joined before they start: five in all).
 const HOOK: Bounds = Bounds { property: "P6", threads: 5, preemptions: 2, ci: None };
 
-#[test]
-fn p6_interruptible_call_asks_its_check_once_per_wake_up_and_leaves_no_trace() {
-    check("p6_interruptible_call", B, || a_wait_held_up(Held::CallBehindWindow, Variant::Production));
-}
-
-#[test]
-fn p6_interruptible_window_asks_its_check_once_per_wake_up_and_leaves_no_trace() {
-    check("p6_interruptible_window", B, || a_wait_held_up(Held::WindowBehindCall, Variant::Production));
-}
-
-#[test]
-fn p6_interrupted_hook_begin_hands_on_the_jobs_deferred_behind_it() {
-    check("p6_interrupted_hook_begin", HOOK, || an_interrupted_begin(Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n34_interruptible_wait_spins_on_its_check() {
-    negative(
-        "n34_check_without_new_slice",
-        Bounds { property: "N34", ..B },
-        "the check was called more often than the wait was woken",
-        || a_wait_held_up(Held::CallBehindWindow, Variant::CheckWithoutNewSlice),
-    );
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n33_interrupted_hook_begin_keeps_its_deferred_jobs() {
-    negative(
-        "n33_hook_refused_begin_keeps_queue",
-        Bounds { property: "N33", ..HOOK },
-        "a job deferred behind an interrupted begin was left queued",
-        || an_interrupted_begin(Variant::HookRefusedBeginKeepsQueue),
-    );
+models! {
+    p6_interruptible_call_asks_its_check_once_per_wake_up_and_leaves_no_trace:
+        check("p6_interruptible_call", B, || a_wait_held_up(Held::CallBehindWindow, Variant::Production));
+    p6_interruptible_window_asks_its_check_once_per_wake_up_and_leaves_no_trace:
+        check("p6_interruptible_window", B, || a_wait_held_up(Held::WindowBehindCall, Variant::Production));
+    p6_interrupted_hook_begin_hands_on_the_jobs_deferred_behind_it:
+        check("p6_interrupted_hook_begin", HOOK, || an_interrupted_begin(Variant::Production));
+    negative_n34_interruptible_wait_spins_on_its_check:
+        negative("n34_check_without_new_slice", Bounds { property: "N34", ..B },
+            "the check was called more often than the wait was woken",
+            || a_wait_held_up(Held::CallBehindWindow, Variant::CheckWithoutNewSlice));
+    negative_n33_interrupted_hook_begin_keeps_its_deferred_jobs:
+        negative("n33_hook_refused_begin_keeps_queue", Bounds { property: "N33", ..HOOK },
+            "a job deferred behind an interrupted begin was left queued",
+            || an_interrupted_begin(Variant::HookRefusedBeginKeepsQueue));
 }

@@ -33,7 +33,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, fixture, negative, Bounds};
+use common::{fixture, models, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
 use kvoffload::internal::sync::thread;
@@ -111,70 +111,30 @@ fn own_wake_up(guard: Guard, variant: Variant) {
 const B: Bounds = Bounds { property: "P6", threads: 3, preemptions: 3, ci: None };
 const NEG: Bounds = Bounds { preemptions: 2, ..B };
 
-#[test]
-fn p6_back_to_back_windows_do_not_starve_pinning() {
-    check("p6_back_to_back_windows", B, || back_to_back_windows(Variant::Production));
-}
-
-#[test]
-fn p6_a_closing_window_wakes_the_waiting_call() {
-    check("p6_wake_window", B, || own_wake_up(Guard::Window, Variant::Production));
-}
-
-#[test]
-fn p6_a_dropped_ticket_wakes_the_drain() {
-    check("p6_wake_ticket", B, || own_wake_up(Guard::Ticket, Variant::Production));
-}
-
-#[test]
-fn p6_a_dropped_alias_wakes_the_unregistration() {
-    check("p6_wake_alias", B, || own_wake_up(Guard::Alias, Variant::Production));
-}
-
-#[test]
-fn p6_a_gated_calls_end_wakes_the_waiting_window() {
-    check("p6_wake_gate_end", B, || own_wake_up(Guard::GateEnd, Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n16_a_closing_window_keeps_the_turn() {
-    negative(
-        "n16_window_keeps_turn",
-        Bounds { property: "N16", ..NEG },
-        "the pinner waited through two windows in a row",
-        || back_to_back_windows(Variant::WindowKeepsTurn),
-    );
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n17_a_window_release_forgets_to_notify() {
-    negative("n17_silent_window", Bounds { property: "N17", ..NEG }, "deadlock", || {
-        own_wake_up(Guard::Window, Variant::SilentRelease)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n17_a_ticket_release_forgets_to_notify() {
-    negative("n17_silent_ticket", Bounds { property: "N17", ..NEG }, "deadlock", || {
-        own_wake_up(Guard::Ticket, Variant::SilentRelease)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n17_an_alias_release_forgets_to_notify() {
-    negative("n17_silent_alias", Bounds { property: "N17", ..NEG }, "deadlock", || {
-        own_wake_up(Guard::Alias, Variant::SilentRelease)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n17_a_gated_calls_end_forgets_to_notify() {
-    negative("n17_silent_gate_end", Bounds { property: "N17", ..NEG }, "deadlock", || {
-        own_wake_up(Guard::GateEnd, Variant::SilentRelease)
-    });
+models! {
+    p6_back_to_back_windows_do_not_starve_pinning:
+        check("p6_back_to_back_windows", B, || back_to_back_windows(Variant::Production));
+    p6_a_closing_window_wakes_the_waiting_call:
+        check("p6_wake_window", B, || own_wake_up(Guard::Window, Variant::Production));
+    p6_a_dropped_ticket_wakes_the_drain:
+        check("p6_wake_ticket", B, || own_wake_up(Guard::Ticket, Variant::Production));
+    p6_a_dropped_alias_wakes_the_unregistration:
+        check("p6_wake_alias", B, || own_wake_up(Guard::Alias, Variant::Production));
+    p6_a_gated_calls_end_wakes_the_waiting_window:
+        check("p6_wake_gate_end", B, || own_wake_up(Guard::GateEnd, Variant::Production));
+    negative_n16_a_closing_window_keeps_the_turn:
+        negative("n16_window_keeps_turn", Bounds { property: "N16", ..NEG },
+            "the pinner waited through two windows in a row", || back_to_back_windows(Variant::WindowKeepsTurn));
+    negative_n17_a_window_release_forgets_to_notify:
+        negative("n17_silent_window", Bounds { property: "N17", ..NEG },
+            "deadlock", || own_wake_up(Guard::Window, Variant::SilentRelease));
+    negative_n17_a_ticket_release_forgets_to_notify:
+        negative("n17_silent_ticket", Bounds { property: "N17", ..NEG },
+            "deadlock", || own_wake_up(Guard::Ticket, Variant::SilentRelease));
+    negative_n17_an_alias_release_forgets_to_notify:
+        negative("n17_silent_alias", Bounds { property: "N17", ..NEG },
+            "deadlock", || own_wake_up(Guard::Alias, Variant::SilentRelease));
+    negative_n17_a_gated_calls_end_forgets_to_notify:
+        negative("n17_silent_gate_end", Bounds { property: "N17", ..NEG },
+            "deadlock", || own_wake_up(Guard::GateEnd, Variant::SilentRelease));
 }

@@ -29,7 +29,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, engine, fixture, negative, Bounds};
+use common::{engine, fixture, models, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{shutdown, CapturePolicy, ProtocolError, Variant};
 use kvoffload::internal::runtime::CaptureMode;
@@ -91,15 +91,10 @@ fn scenario(variant: Variant) {
 
 const B: Bounds = Bounds { property: "P6", threads: 4, preemptions: 2, ci: None };
 
-#[test]
-fn p6_pin_capture_jobs_shutdown_terminate() {
-    check("p6_no_deadlock", B, || scenario(Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n6_wait_for_pinning_inside_window() {
-    negative("n6_wait_inside_window", Bounds { property: "N6", ..B }, "deadlock; threads", || {
-        scenario(Variant::WaitInsideWindow)
-    });
+models! {
+    p6_pin_capture_jobs_shutdown_terminate:
+        check("p6_no_deadlock", B, || scenario(Variant::Production));
+    negative_n6_wait_for_pinning_inside_window:
+        negative("n6_wait_inside_window", Bounds { property: "N6", ..B },
+            "deadlock; threads", || scenario(Variant::WaitInsideWindow));
 }

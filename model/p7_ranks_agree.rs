@@ -41,10 +41,10 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, negative, Bounds};
+use common::{models, rank_coordinator, Bounds};
 use kvoffload::internal::pin::{pin_all_agreed, pin_all_agreed_by, Agreement, NoPrefault, RankAgreement};
 use kvoffload::internal::protocol::agreement::{AgreementError, LocalSlots, RankSlots, Transport, UNSETTLED};
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState, Variant};
+use kvoffload::internal::protocol::{PinState, Variant};
 use kvoffload::internal::runtime::sim::{SimFault, SimRuntime};
 use kvoffload::internal::runtime::{shared, Code};
 use kvoffload::internal::sync::{self, arc_dyn, thread, Arc, Condvar, Mutex, StdArc};
@@ -59,17 +59,7 @@ fn scenario(rank1_fails_at: Option<u64>) {
     }
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
-            let mem: &'static mut [u8] = Box::leak(vec![0u8; 128].into_boxed_slice());
-            let base = mem.as_mut_ptr() as usize;
-            // SAFETY: both chunks are pieces of `mem`, leaked read-write
-            // memory that lives (mapped) forever.
-            // Each rank is an engine process with its own runtime handle on
-            // the one device (and so its own coordinator).
-            let rt = if rank == 0 { rt.clone() } else { shared(rt.as_sim().unwrap().another_handle()) };
-            let coord = unsafe {
-                Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &[(base, 64), (base + 64, 64)], None)
-            }
-            .unwrap();
+            let (rt, coord) = rank_coordinator(&rt, rank, 2);
             let (rt, slots, c) = (rt.clone(), slots.clone(), coord.clone());
             let h = thread::spawn(move || {
                 let a = Agreement { slots: slots.clone(), rank, timeout: None };
@@ -95,19 +85,13 @@ fn scenario(rank1_fails_at: Option<u64>) {
 
 const B: Bounds = Bounds { property: "P7", threads: 4, preemptions: 2, ci: None };
 
-#[test]
-fn p7_all_pinned_when_no_rank_fails() {
-    check("p7_no_failure", B, || scenario(None));
-}
-
-#[test]
-fn p7_one_failure_makes_all_pageable() {
-    check("p7_failure_first_call", B, || scenario(Some(1)));
-}
-
-#[test]
-fn p7_late_failure_makes_all_pageable() {
-    check("p7_failure_last_call", B, || scenario(Some(4)));
+models! {
+    p7_all_pinned_when_no_rank_fails:
+        check("p7_no_failure", B, || scenario(None));
+    p7_one_failure_makes_all_pageable:
+        check("p7_failure_first_call", B, || scenario(Some(1)));
+    p7_late_failure_makes_all_pageable:
+        check("p7_failure_last_call", B, || scenario(Some(4)));
 }
 
 // ---- across nodes: the engine's transport ----
@@ -179,17 +163,7 @@ fn transport_scenario(fault: Fault, variant: Variant) {
         Arc::new(Exchange { state: Mutex::new(ExState { words: vec![None; 2], broken: false }), cv: Condvar::new() });
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
-            let mem: &'static mut [u8] = Box::leak(vec![0u8; 128].into_boxed_slice());
-            let base = mem.as_mut_ptr() as usize;
-            // SAFETY: both chunks are pieces of `mem`, leaked read-write
-            // memory that lives (mapped) forever.
-            // Each rank is an engine process with its own runtime handle on
-            // the one device (and so its own coordinator).
-            let rt = if rank == 0 { rt.clone() } else { shared(rt.as_sim().unwrap().another_handle()) };
-            let coord = unsafe {
-                Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &[(base, 64), (base + 64, 64)], None)
-            }
-            .unwrap();
+            let (rt, coord) = rank_coordinator(&rt, rank, 2);
             coord.set_variant(variant);
             let end = RankEnd { ex: ex.clone(), rank, breaks: fault == Fault::Transport && rank == 1 };
             let t: Arc<dyn Transport> = arc_dyn(end, |a: StdArc<RankEnd>| -> StdArc<dyn Transport> { a });
@@ -226,33 +200,16 @@ fn transport_scenario(fault: Fault, variant: Variant) {
     assert_eq!(pinned[0], fault == Fault::None, "mode wrong: {states:?}");
 }
 
-#[test]
-fn p7_transport_all_pinned_when_no_rank_fails() {
-    check("p7_transport_no_failure", B, || transport_scenario(Fault::None, Variant::Production));
-}
-
-#[test]
-fn p7_transport_one_failure_makes_all_pageable() {
-    check("p7_transport_failure_first_call", B, || transport_scenario(Fault::Register(1), Variant::Production));
-}
-
-#[test]
-fn p7_transport_late_failure_makes_all_pageable() {
-    check("p7_transport_failure_last_call", B, || transport_scenario(Fault::Register(4), Variant::Production));
-}
-
-#[test]
-fn p7_transport_error_makes_all_pageable() {
-    check("p7_transport_error", B, || transport_scenario(Fault::Transport, Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n13_p7_rank_publishes_before_exchange() {
-    negative(
-        "n13_publish_before_exchange",
-        Bounds { property: "N13", ..B },
-        "turned offload on before every rank",
-        || transport_scenario(Fault::None, Variant::PublishBeforeAgreement),
-    );
+models! {
+    p7_transport_all_pinned_when_no_rank_fails:
+        check("p7_transport_no_failure", B, || transport_scenario(Fault::None, Variant::Production));
+    p7_transport_one_failure_makes_all_pageable:
+        check("p7_transport_failure_first_call", B, || transport_scenario(Fault::Register(1), Variant::Production));
+    p7_transport_late_failure_makes_all_pageable:
+        check("p7_transport_failure_last_call", B, || transport_scenario(Fault::Register(4), Variant::Production));
+    p7_transport_error_makes_all_pageable:
+        check("p7_transport_error", B, || transport_scenario(Fault::Transport, Variant::Production));
+    negative_n13_p7_rank_publishes_before_exchange:
+        negative("n13_publish_before_exchange", Bounds { property: "N13", ..B },
+            "turned offload on before every rank", || transport_scenario(Fault::None, Variant::PublishBeforeAgreement));
 }

@@ -35,10 +35,10 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, negative, Bounds};
+use common::{models, rank_coordinator, Bounds};
 use kvoffload::internal::pin::{pin_all_agreed, Agreement, NoPrefault};
 use kvoffload::internal::protocol::agreement::{agree, AgreementError, LocalSlots, RankSlots};
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState, Variant};
+use kvoffload::internal::protocol::{PinState, Variant};
 use kvoffload::internal::runtime::shared;
 use kvoffload::internal::runtime::sim::SimRuntime;
 use kvoffload::internal::sync::{arc_dyn, thread, StdArc};
@@ -48,15 +48,7 @@ fn scenario(variant: Variant) {
     let slots = arc_dyn(LocalSlots::new(3), |a: StdArc<LocalSlots>| -> StdArc<dyn RankSlots> { a });
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
-            let mem: &'static mut [u8] = Box::leak(vec![0u8; 64].into_boxed_slice());
-            let base = mem.as_mut_ptr() as usize;
-            // Each rank is an engine process with its own runtime handle on
-            // the one device (and so its own coordinator).
-            let rt = if rank == 0 { rt.clone() } else { shared(rt.as_sim().unwrap().another_handle()) };
-            // SAFETY: the chunk is `mem`, leaked read-write memory that
-            // lives (mapped) forever.
-            let coord =
-                unsafe { Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &[(base, 64)], None) }.unwrap();
+            let (rt, coord) = rank_coordinator(&rt, rank, 1);
             coord.set_variant(variant);
             let (rt, slots, c) = (rt.clone(), slots.clone(), coord.clone());
             let h = thread::spawn(move || {
@@ -97,18 +89,10 @@ fn scenario(variant: Variant) {
 
 const B: Bounds = Bounds { property: "P7", threads: 4, preemptions: 2, ci: None };
 
-#[test]
-fn p7_a_rank_shutting_down_during_the_agreement_ends_every_wait() {
-    check("p7_settles_in_bound", B, || scenario(Variant::Production));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n23_p7_agreement_ignores_the_cancel() {
-    negative(
-        "n23_agreement_ignores_cancel",
-        Bounds { property: "N23", ..B },
-        "Model exceeded maximum number of branches",
-        || scenario(Variant::AgreementIgnoresCancel),
-    );
+models! {
+    p7_a_rank_shutting_down_during_the_agreement_ends_every_wait:
+        check("p7_settles_in_bound", B, || scenario(Variant::Production));
+    negative_n23_p7_agreement_ignores_the_cancel:
+        negative("n23_agreement_ignores_cancel", Bounds { property: "N23", ..B },
+            "Model exceeded maximum number of branches", || scenario(Variant::AgreementIgnoresCancel));
 }

@@ -67,7 +67,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{check, negative, Bounds};
+use common::{models, Bounds};
 use kvoffload::internal::protocol::agreement::{
     abandoned_by, abandoner, agree, AgreementError, LocalSlots, OffloadMode, RankSlots, SETTLED_PAGEABLE,
     SETTLED_PINNED, UNSETTLED,
@@ -318,32 +318,16 @@ const B: Bounds = Bounds { property: "P7", threads: 4, preemptions: 3, ci: None 
 /// Rank 0 cancelled at any moment, ranks 1 and 2 waiting; all pinned.
 const ONE_GIVES_UP: [Rank; 3] = [rank(true, Ends::Cancelled), rank(true, Ends::Waits), rank(true, Ends::Waits)];
 
-#[test]
-fn p7_three_ranks_one_gives_up_while_the_others_settle() {
-    check("p7_three_ranks_one_gives_up", B, || scenario(ONE_GIVES_UP, false));
-}
-
-#[test]
-fn p7_three_ranks_one_gives_up_one_pageable() {
-    check("p7_three_ranks_one_pageable", B, || {
-        scenario([rank(true, Ends::Cancelled), rank(true, Ends::Waits), rank(false, Ends::Waits)], false)
-    });
-}
-
-#[test]
-fn p7_three_ranks_two_give_up_while_one_settles() {
-    check("p7_three_ranks_two_give_up", B, || {
-        scenario([rank(true, Ends::Cancelled), rank(true, Ends::TimesOut), rank(true, Ends::Waits)], false)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n32_p7_give_up_overwrites_a_settled_word() {
-    negative(
-        "n32_give_up_overwrites_settled_word",
-        Bounds { property: "N32", preemptions: 2, ..B },
-        "changed after it was final",
-        || scenario(ONE_GIVES_UP, true),
-    );
+models! {
+    p7_three_ranks_one_gives_up_while_the_others_settle:
+        check("p7_three_ranks_one_gives_up", B, || scenario(ONE_GIVES_UP, false));
+    p7_three_ranks_one_gives_up_one_pageable:
+        check("p7_three_ranks_one_pageable", B,
+            || scenario([rank(true, Ends::Cancelled), rank(true, Ends::Waits), rank(false, Ends::Waits)], false));
+    p7_three_ranks_two_give_up_while_one_settles:
+        check("p7_three_ranks_two_give_up", B,
+            || scenario([rank(true, Ends::Cancelled), rank(true, Ends::TimesOut), rank(true, Ends::Waits)], false));
+    negative_n32_p7_give_up_overwrites_a_settled_word:
+        negative("n32_give_up_overwrites_settled_word", Bounds { property: "N32", preemptions: 2, ..B },
+            "changed after it was final", || scenario(ONE_GIVES_UP, true));
 }

@@ -33,7 +33,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{check, fixture, negative, Bounds};
+use common::{capture_memset, fixture, models, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{CapturePolicy, ChunkReg, PageableReason, PinState, Variant};
 use kvoffload::internal::runtime::sim::SimFault;
@@ -52,11 +52,9 @@ fn scenario(variant: Variant, fail_at: u64) {
     f.sim().inject(SimFault::Register { nth: fail_at, code: Code::OUT_OF_MEMORY });
     let pin = PinHandle::spawn(f.rt.clone(), f.coord.clone(), NoPrefault::shared());
     let w = f.coord.open_window(Request::new()).unwrap();
-    rt.begin_capture(s, CaptureMode::Global).unwrap();
     // SAFETY: `d` is an allocation of `bytes` of the sim, never freed; the
     // memset is only captured.
-    let enq = unsafe { rt.memset_d8_async(d, 0, bytes, s) };
-    let end = rt.end_capture(s);
+    let (enq, end) = unsafe { capture_memset(rt.as_ref(), s, CaptureMode::Global, d, 0, bytes) };
     drop(w);
     let state = pin.join();
     assert!(enq.is_ok() && end.is_ok(), "capture invalidated during pinning: enqueue {enq:?}, end {end:?}");
@@ -89,33 +87,17 @@ fn scenario(variant: Variant, fail_at: u64) {
 
 const B: Bounds = Bounds { property: "P8", threads: 3, preemptions: 3, ci: None };
 
-#[test]
-fn p8_failure_at_first_chunk_rolls_back() {
-    check("p8_fail_first", B, || scenario(Variant::Production, 1));
-}
-
-#[test]
-fn p8_failure_at_middle_chunk_rolls_back() {
-    check("p8_fail_middle", B, || scenario(Variant::Production, CHUNKS as u64 / 2 + 1));
-}
-
-#[test]
-fn p8_failure_at_last_chunk_rolls_back() {
-    check("p8_fail_last", B, || scenario(Variant::Production, CHUNKS as u64));
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n7_rollback_forgets_earlier_chunks() {
-    negative("n7_forgetful_rollback", Bounds { property: "N7", ..B }, "left registered", || {
-        scenario(Variant::ForgetfulRollback, CHUNKS as u64)
-    });
-}
-
-#[test]
-#[ignore = "negative model: run by ci/prove, must fail"]
-fn negative_n11_pinning_without_capture_windows() {
-    negative("n11_no_capture_window", Bounds { property: "N11", ..B }, "capture invalidated", || {
-        scenario(Variant::NoCaptureWindow, CHUNKS as u64)
-    });
+models! {
+    p8_failure_at_first_chunk_rolls_back:
+        check("p8_fail_first", B, || scenario(Variant::Production, 1));
+    p8_failure_at_middle_chunk_rolls_back:
+        check("p8_fail_middle", B, || scenario(Variant::Production, CHUNKS as u64 / 2 + 1));
+    p8_failure_at_last_chunk_rolls_back:
+        check("p8_fail_last", B, || scenario(Variant::Production, CHUNKS as u64));
+    negative_n7_rollback_forgets_earlier_chunks:
+        negative("n7_forgetful_rollback", Bounds { property: "N7", ..B },
+            "left registered", || scenario(Variant::ForgetfulRollback, CHUNKS as u64));
+    negative_n11_pinning_without_capture_windows:
+        negative("n11_no_capture_window", Bounds { property: "N11", ..B },
+            "capture invalidated", || scenario(Variant::NoCaptureWindow, CHUNKS as u64));
 }

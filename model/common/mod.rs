@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use kvoffload::internal::protocol::{CapturePolicy, Coordinator, Variant};
 use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{shared, GpuRuntime};
+use kvoffload::internal::runtime::{shared, CaptureMode, DevicePtr, DriverResult, GpuRuntime, Graph, Stream};
 use kvoffload::internal::sync::Arc;
 use kvoffload::Request;
 
@@ -325,6 +325,47 @@ where
     check(name, b, f);
 }
 
+/// Declares a model file's tests, one entry a test, in the form of the call
+/// it makes:
+///
+/// ```ignore
+/// models! {
+///     p4_shutdown_drains_jobs_before_unmap:
+///         check("p4_with_job", B, || with_job(Variant::Production));
+///     negative_n2_unregister_before_draining_transfers:
+///         negative("n2_no_drain", N2, "after the region was unmapped", || with_job(Variant::NoDrainBeforeUnregister));
+/// }
+/// ```
+///
+/// `name: check(..);` is a positive model, `#[test] fn name() { check(..) }`;
+/// `name: negative(..);` a negative one, also `#[ignore]`d: ci/prove runs
+/// it in a child process of its own and it must fail for its reason (its
+/// name starts with `negative_`, as ci/prove tells the two apart by it).
+/// Doc comments and attributes before an entry go to its test.
+#[allow(unused_macros)] // not by ci/prove's self-test, whose negative is another kind
+macro_rules! models {
+    () => {};
+    ($(#[$meta:meta])* $test:ident: check($($arg:tt)*); $($rest:tt)*) => {
+        $(#[$meta])*
+        #[test]
+        fn $test() {
+            $crate::common::check($($arg)*)
+        }
+        $crate::common::models!($($rest)*);
+    };
+    ($(#[$meta:meta])* $test:ident: negative($($arg:tt)*); $($rest:tt)*) => {
+        $(#[$meta])*
+        #[test]
+        #[ignore = "negative model: run by ci/prove, must fail"]
+        fn $test() {
+            $crate::common::negative($($arg)*)
+        }
+        $crate::common::models!($($rest)*);
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use models;
+
 /// A simulated GPU and a coordinator over `chunks` chunks of `chunk` bytes
 /// of leaked (so `'static`) host memory.
 pub struct Fixture {
@@ -359,6 +400,10 @@ pub fn fixture_on(sim: SimRuntime, policy: CapturePolicy, variant: Variant, chun
     Fixture { rt, coord, base, chunk }
 }
 
+/// What [`engine_with_compute`] builds: the engine, its KV tensor on the
+/// device, and the compute stream its jobs are ordered after.
+pub type EngineParts = (kvoffload::internal::transfer::TransferEngine, DevicePtr, Stream);
+
 /// A transfer engine over the fixture: one KV group with one tensor of
 /// `gpu_blocks` GPU blocks of `page` bytes, host blocks filling the
 /// fixture's region (one page each), on a compute stream of its own.
@@ -368,7 +413,7 @@ pub fn engine(
     page: usize,
     gpu_blocks: usize,
     backend: kvoffload::internal::transfer::BackendChoice,
-) -> (kvoffload::internal::transfer::TransferEngine, kvoffload::internal::runtime::DevicePtr) {
+) -> (kvoffload::internal::transfer::TransferEngine, DevicePtr) {
     let (e, dev, _) = engine_with_compute(f, chunks, page, gpu_blocks, backend);
     (e, dev)
 }
@@ -381,11 +426,7 @@ pub fn engine_with_compute(
     page: usize,
     gpu_blocks: usize,
     backend: kvoffload::internal::transfer::BackendChoice,
-) -> (
-    kvoffload::internal::transfer::TransferEngine,
-    kvoffload::internal::runtime::DevicePtr,
-    kvoffload::internal::runtime::Stream,
-) {
+) -> EngineParts {
     // Gather tables staged on the heap, not in the page-locked ring: the
     // ring's allocation and free (two more driver calls, the free waiting
     // for the device) made P5's model take 435 s instead of about 32 s. Both
@@ -409,11 +450,7 @@ pub fn engine_with_options(
     page: usize,
     gpu_blocks: usize,
     opts: kvoffload::internal::transfer::TransferOptions,
-) -> (
-    kvoffload::internal::transfer::TransferEngine,
-    kvoffload::internal::runtime::DevicePtr,
-    kvoffload::internal::runtime::Stream,
-) {
+) -> EngineParts {
     use kvoffload::internal::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec, TransferEngine};
     // On the main thread, before the model's threads start.
     let dev = f
@@ -432,6 +469,49 @@ pub fn engine_with_options(
     // device tensor is a live allocation of the fixture's runtime.
     let e = unsafe { TransferEngine::new(f.rt.clone(), f.coord.clone(), layout, compute, opts) }.unwrap();
     (e, dev, compute)
+}
+
+/// Rank `rank`'s engine process of a multi-rank model: its runtime handle
+/// on the simulated GPU of `rt` (rank 0 `rt` itself, another rank a handle
+/// of its own on the one device, and so a coordinator of its own) and its
+/// coordinator (policy AfterPinning) over `chunks` chunks of 64 bytes of
+/// leaked host memory.
+pub fn rank_coordinator(
+    rt: &Arc<dyn GpuRuntime>,
+    rank: usize,
+    chunks: usize,
+) -> (Arc<dyn GpuRuntime>, Arc<Coordinator>) {
+    let mem: &'static mut [u8] = Box::leak(vec![0u8; chunks * 64].into_boxed_slice());
+    let base = mem.as_mut_ptr() as usize;
+    let ranges: Vec<(usize, usize)> = (0..chunks).map(|i| (base + i * 64, 64)).collect();
+    let rt = if rank == 0 { rt.clone() } else { shared(rt.as_sim().unwrap().another_handle()) };
+    // SAFETY: the chunks are pieces of `mem`, leaked read-write memory that
+    // lives (mapped) forever.
+    let coord = unsafe { Coordinator::new(rt.as_ref(), CapturePolicy::AfterPinning, &ranges, None) }.unwrap();
+    (rt, coord)
+}
+
+/// A capture of a memset on `s` in `mode`: begins it (which must succeed),
+/// enqueues `bytes` bytes of `value` at `d`, ends it; returns what the
+/// enqueue and the end returned (an invalidated capture ends with an error).
+/// The caller holds whatever window the capture needs around this call.
+///
+/// # Safety
+///
+/// `d` is an allocation of `rt`'s device of at least `bytes` bytes that
+/// nothing frees while the graph lives (the memset is only captured).
+pub unsafe fn capture_memset(
+    rt: &dyn GpuRuntime,
+    s: Stream,
+    mode: CaptureMode,
+    d: DevicePtr,
+    value: u8,
+    bytes: usize,
+) -> (DriverResult<()>, DriverResult<Graph>) {
+    rt.begin_capture(s, mode).unwrap();
+    // SAFETY: the caller's promise on `d`.
+    let enq = unsafe { rt.memset_d8_async(d, value, bytes, s) };
+    (enq, rt.end_capture(s))
 }
 
 /// The fixture's host memory as bytes.

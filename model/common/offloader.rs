@@ -121,3 +121,16 @@ pub fn drain_reports(off: &Offloader) -> Vec<Completion> {
     off.poll_each(&mut |c| done.push(c));
     done
 }
+
+/// The end of a model whose `n` slot stores of `fill`'s GPU block went to
+/// slots `0..n`: each reported (polled) once and succeeded, its bytes in
+/// its slot; then the offloader shuts down.
+pub fn stores_landed_then_shutdown(off: &Offloader, n: usize, fill: u8) {
+    let done = poll_n(off, n);
+    assert!(done.iter().all(|d| d.error.is_none()), "a store failed: {done:?}");
+    assert!(drain_reports(off).is_empty(), "a job reported twice");
+    for i in 0..n {
+        assert_eq!(slot_bytes(off, i), [fill; PAGE], "a store's bytes are not in its slot");
+    }
+    off.shutdown(Request::new(), &mut drop).unwrap();
+}
