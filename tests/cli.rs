@@ -32,7 +32,7 @@ fn unknown_command_is_one_line() {
 
 #[test]
 fn missing_driver_is_one_line() {
-    if kvoffload::internal::runtime::cuda::CudaRuntime::driver_present() {
+    if kvoffload::CudaRuntime::driver_present() {
         use std::io::Write;
         let _ = writeln!(std::io::stderr(), "SKIPPED missing_driver_is_one_line: a CUDA driver is present");
         return;

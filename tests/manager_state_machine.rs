@@ -17,10 +17,8 @@
 use std::collections::HashMap;
 use std::marker::PhantomData;
 
-use kvoffload::internal::manager::{
-    BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, ManagerEvent, PolicyKind,
-    PrepareStoreOutput, SkipReason, Skipped, SlotId,
-};
+use kvoffload::internal::manager::{BlockManager, ManagerConfig, ManagerEvent, PrepareStoreOutput, SlotId};
+use kvoffload::{BlockKey, BlockState, Lookup, ManagerError, PolicyKind, SkipReason, Skipped};
 use proptest::prelude::*;
 use proptest::sample::subsequence;
 use proptest::test_runner::Config;

@@ -9,19 +9,14 @@ mod gpu_common;
 
 use std::time::Duration;
 
-use kvoffload::internal::manager::{BlockKey, Lookup};
-use kvoffload::internal::offloader::{
-    GatedCalls, KeyedOffloader, KvAlloc, OffloaderError, OffloaderOptions, PinObserver, RegionSpec,
-};
-use kvoffload::internal::protocol::{PinState, ProtocolError};
-use kvoffload::internal::region::ShmOptions;
-use kvoffload::internal::runtime::pattern;
-use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
-use kvoffload::internal::runtime::{shared, CaptureMode, Direction, DriverError, Event, GpuRuntime, Stream};
+use kvoffload::internal::runtime::sim::HoldPoint;
 use kvoffload::internal::sync::atomic::{AtomicUsize, Ordering};
-use kvoffload::internal::sync::thread;
-use kvoffload::internal::sync::{self, Arc, Condvar, Mutex};
-use kvoffload::Request;
+use kvoffload::internal::sync::{self, thread, Arc, Condvar, Mutex};
+use kvoffload::{
+    pattern, shared, BlockKey, CaptureMode, Direction, DriverError, Event, GatedCalls, GpuRuntime, KeyedOffloader,
+    KvAlloc, Lookup, OffloaderError, OffloaderOptions, PinObserver, PinState, ProtocolError, RegionSpec, Request,
+    ShmOptions, SimRuntime, Stream,
+};
 
 const PAGE: usize = 4096;
 
@@ -365,7 +360,7 @@ impl PinObserver for SettledSignal {
 /// that left (before: it found rank 0 settled and turned offload on alone).
 #[test]
 fn shutdown_during_the_agreement_ends_it_and_the_peer_settles_pageable_at_once() {
-    use kvoffload::internal::protocol::agreement::AgreementError;
+    use kvoffload::AgreementError;
     let name = format!("offloader-leave-{}", std::process::id());
     let (tx, rx) = std::sync::mpsc::channel();
     let make = |rank: usize, observer: Option<Arc<dyn PinObserver>>| {
@@ -412,7 +407,7 @@ fn shutdown_during_the_agreement_ends_it_and_the_peer_settles_pageable_at_once()
 /// peer that never settles; `wait_pinned` then returns at once.
 #[test]
 fn cancel_pinning_ends_the_wait_in_the_agreement() {
-    use kvoffload::internal::protocol::agreement::AgreementError;
+    use kvoffload::AgreementError;
     let name = format!("offloader-cancel-{}", std::process::id());
     let (tx, rx) = std::sync::mpsc::channel();
     let observer: Arc<dyn PinObserver> =
@@ -439,7 +434,7 @@ fn cancel_pinning_ends_the_wait_in_the_agreement() {
     r0.core().cancel_pinning();
     let out0 = r0.core().wait_pinned(Request::new()).unwrap();
     assert_eq!(out0.agreement, Some(Err(AgreementError::Cancelled { waiting: vec![1] })), "{out0:?}");
-    assert_eq!(out0.state, PinState::Pageable(kvoffload::internal::protocol::PageableReason::Cancelled));
+    assert_eq!(out0.state, PinState::Pageable(kvoffload::PageableReason::Cancelled));
     // No chunk stays registered on the cancelled rank.
     assert_eq!(r0.core().pin_progress().chunks_done, 0);
     r0.core().shutdown(Request::new(), &mut drop).unwrap();

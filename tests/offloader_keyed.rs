@@ -26,14 +26,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::marker::PhantomData;
 
-use kvoffload::internal::manager::{
-    BlockKey, BlockManager, Lookup, ManagerConfig, ManagerError, PolicyKind, SkipReason,
+use kvoffload::internal::manager::{BlockManager, ManagerConfig};
+use kvoffload::{
+    shared, BlockKey, KeyedOffloader, KvAlloc, Lookup, ManagerError, OffloaderError, OffloaderOptions, PolicyKind,
+    Request, SimRuntime, SkipReason, StoreSubmitted, TransferError,
 };
-use kvoffload::internal::offloader::{KeyedOffloader, KvAlloc, OffloaderError, OffloaderOptions, StoreSubmitted};
-use kvoffload::internal::runtime::shared;
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::transfer::TransferError;
-use kvoffload::Request;
 use proptest::prelude::*;
 use proptest::sample::subsequence;
 use proptest::test_runner::Config;

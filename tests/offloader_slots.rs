@@ -5,16 +5,11 @@
 //! typed refusal; job ids never reused; keyed and slot jobs never mixed;
 //! shutdown drains slot jobs in flight.
 
-use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{
-    Completion, KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob,
+use kvoffload::internal::runtime::sim::{Hold, HoldPoint};
+use kvoffload::{
+    pattern, shared, BlockKey, Completion, Direction, JobId, KeyedOffloader, KvAlloc, Lane, Offloader, OffloaderError,
+    OffloaderOptions, ProtocolError, Request, SimConfig, SimRuntime, SlotJob, TransferError,
 };
-use kvoffload::internal::protocol::ProtocolError;
-use kvoffload::internal::runtime::pattern;
-use kvoffload::internal::runtime::sim::{Hold, HoldPoint, SimConfig, SimRuntime};
-use kvoffload::internal::runtime::{shared, Direction};
-use kvoffload::internal::transfer::{JobId, Lane, TransferError};
-use kvoffload::Request;
 
 const PAGE: usize = 4096;
 const TENSORS: usize = 3;
@@ -138,7 +133,7 @@ fn bad_host_pages(off: &Offloader, tag: u64, slots: &[usize]) -> usize {
 }
 
 /// Waits for every job and returns what poll reports.
-fn drain(off: &Offloader) -> Vec<kvoffload::internal::offloader::Completion> {
+fn drain(off: &Offloader) -> Vec<kvoffload::Completion> {
     off.wait_all(Request::new(), &mut drop).unwrap();
     let done = poll(off);
     assert_eq!(off.in_flight(), 0);
@@ -726,8 +721,7 @@ fn a_slot_job_hands_back_its_blocks_and_slots() {
 /// result.
 #[test]
 fn an_interruptible_wait_reports_its_own_jobs_failure_not_anothers() {
-    use kvoffload::internal::runtime::sim::SimFault;
-    use kvoffload::internal::runtime::Code;
+    use kvoffload::{Code, SimFault};
     let never = || false;
     for (failing, waited) in [(1, 2), (1, 1)] {
         let sim = SimRuntime::new();

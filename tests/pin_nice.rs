@@ -6,8 +6,9 @@
 //! subscriber panics on a worker's warning (a worker that panics before it
 //! has placed itself).
 
-use kvoffload::internal::pin::{Prefault, PrefaultConfig, PrefaultMode, Prefaulter};
-use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
+use kvoffload::internal::pin::{Prefault, PrefaultConfig, Prefaulter};
+use kvoffload::internal::region::AnonOptions;
+use kvoffload::{page_size, Layout, PrefaultMode, Region};
 
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 

@@ -5,8 +5,9 @@
 
 mod pin_common;
 
-use kvoffload::internal::pin::{Prefault, PrefaultConfig, PrefaultError, PrefaultMode, Prefaulter};
-use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
+use kvoffload::internal::pin::{Prefault, PrefaultConfig, PrefaultError, Prefaulter};
+use kvoffload::internal::region::AnonOptions;
+use kvoffload::{page_size, Layout, PrefaultMode, Region};
 use pin_common::{not_resident, not_written};
 
 /// A fresh anonymous region of `bytes`, with huge-page advice if asked.

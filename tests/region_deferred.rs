@@ -16,11 +16,12 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvoffload::internal::pin::{PinError, PinOptions, PrefaultMode, Prepared};
-use kvoffload::internal::protocol::{PageableReason, PinState};
-use kvoffload::internal::region::{fs_available, page_size, FileSplit, Layout, Region, RegionError, ShmOptions};
-use kvoffload::internal::runtime::sim::{SimFault, SimRuntime};
-use kvoffload::internal::runtime::Code;
+use kvoffload::internal::pin::Prepared;
+use kvoffload::internal::region::fs_available;
+use kvoffload::{
+    page_size, Code, FileSplit, Layout, PageableReason, PinError, PinOptions, PinState, PrefaultMode, Region,
+    RegionError, ShmOptions, SimFault, SimRuntime,
+};
 use region_common::ShmGuard;
 
 const MIB: usize = 1 << 20;

@@ -17,7 +17,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use kvoffload::internal::region::hugetlb::{Pool, SYSFS_HUGEPAGES};
-use kvoffload::internal::region::{page_size, pages, FileSplit, Layout, Region, RegionError, ShmOptions};
+use kvoffload::internal::region::pages;
+use kvoffload::{page_size, FileSplit, Layout, Region, RegionError, ShmOptions};
 use region_common::ShmGuard;
 
 const CHILD_ENV: &str = "KVOFFLOAD_HUGETLB_CHILD";

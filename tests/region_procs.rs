@@ -10,12 +10,12 @@ use std::os::unix::process::ExitStatusExt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use kvoffload::internal::pin::RegionSlots;
-use kvoffload::internal::pin::{pin_with, Agreement, PinObserver, PinOptions, Prepared};
-use kvoffload::internal::protocol::agreement::{AgreementError, RankSlots};
-use kvoffload::internal::protocol::PinState;
-use kvoffload::internal::region::{page_size, FileSplit, JoinPhase, Layout, Region, RegionError, ShmOptions, ShmStep};
-use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::pin::{pin_with, Agreement, Prepared, RegionSlots};
+use kvoffload::internal::protocol::agreement::RankSlots;
+use kvoffload::{
+    page_size, AgreementError, FileSplit, JoinPhase, Layout, PinObserver, PinOptions, PinState, Region, RegionError,
+    ShmOptions, ShmStep, SimRuntime,
+};
 use region_common::{block_on_stdin, child_role, poll_until, ChildGuard, ShmGuard};
 
 /// Long enough for anything that should happen on a loaded machine.

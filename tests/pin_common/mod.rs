@@ -4,11 +4,9 @@
 
 use std::sync::Arc;
 
-use kvoffload::internal::pin::PinOptions;
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
-use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::GpuRuntime;
+use kvoffload::internal::protocol::Coordinator;
+use kvoffload::internal::region::AnonOptions;
+use kvoffload::{page_size, CapturePolicy, GpuRuntime, Layout, PinOptions, Region, SimRuntime};
 
 /// An anonymous region of `chunks` registration chunks of `chunk_bytes`
 /// each (one rank, rows of one page), and options that cut it there.

@@ -7,7 +7,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::region::{shm_path, DEFAULT_SHM_DIR};
+use kvoffload::internal::region::shm_path;
+use kvoffload::DEFAULT_SHM_DIR;
 
 /// Env var that makes a re-executed test binary play a child role.
 pub const ROLE_ENV: &str = "KVOFFLOAD_REGION_TEST_ROLE";
