@@ -38,9 +38,9 @@ mod common;
 
 use common::{check, fixture, negative, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::thread;
+use kvoffload::{CaptureMode, CapturePolicy, PinState};
 
 fn scenario(variant: Variant) {
     scenario_with(variant, false)

@@ -54,10 +54,9 @@
 mod common;
 
 use common::{check, negative, Bounds};
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator, Variant};
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{shared, CaptureMode, Code};
+use kvoffload::internal::protocol::{Coordinator, Variant};
 use kvoffload::internal::sync::thread;
+use kvoffload::{shared, CaptureMode, CapturePolicy, Code, SimRuntime};
 
 fn scenario(variant: Variant) {
     let first = SimRuntime::new();

@@ -75,13 +75,12 @@ mod common;
 
 use common::offloader::{lean, offloader_on, poll_n, sim, write_block, PAGE};
 use common::{check, negative, Bounds};
-use kvoffload::internal::offloader::{activity, Offloader, OffloaderOptions, SlotJob};
-use kvoffload::internal::protocol::{PinState, Variant};
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{shared, CaptureMode, GpuRuntime};
+use kvoffload::internal::offloader::activity;
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::{JobId, Lane};
-use kvoffload::Request;
+use kvoffload::{
+    shared, CaptureMode, GpuRuntime, JobId, Lane, Offloader, OffloaderOptions, PinState, Request, SimRuntime, SlotJob,
+};
 
 /// Host slots (one registration chunk each) and, beside a hooked capture,
 /// library threads storing a job each: loom's size, and shuttle's past it.

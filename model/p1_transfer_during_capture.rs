@@ -38,10 +38,10 @@ mod common;
 
 use common::{check, engine_with_compute, fixture, host, negative, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault};
-use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::thread;
-use kvoffload::internal::transfer::{BackendChoice, JobBlocks, JobId, JobResult, TransferError};
+use kvoffload::internal::transfer::{JobBlocks, JobResult};
+use kvoffload::{BackendChoice, CaptureMode, CapturePolicy, JobId, PinState, TransferError};
 
 fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::AfterPinning, variant, 1, 64);

@@ -30,8 +30,8 @@ mod common;
 
 use common::{check, fixture, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::protocol::Variant;
+use kvoffload::{CaptureMode, CapturePolicy, PinState};
 
 fn scenario() {
     let f = fixture(CapturePolicy::AfterPinning, Variant::Production, 3, 64);

@@ -35,8 +35,8 @@ mod common;
 
 use common::{check, fixture, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::protocol::Variant;
+use kvoffload::{CaptureMode, CapturePolicy, PinState};
 
 fn scenario(policy: CapturePolicy) {
     let f = fixture(policy, Variant::Production, 3, 64);

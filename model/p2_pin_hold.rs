@@ -36,7 +36,8 @@ mod common;
 
 use common::{check, fixture, negative, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{CapturePolicy, PageableReason, PinState, Variant};
+use kvoffload::internal::protocol::Variant;
+use kvoffload::{CapturePolicy, PageableReason, PinState};
 
 const B: Bounds = Bounds { property: "P2", threads: 3, preemptions: 3, ci: None };
 

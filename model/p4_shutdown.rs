@@ -45,13 +45,13 @@ mod common;
 
 use common::{check, engine, fixture, negative, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{
-    shutdown, CapturePolicy, ChunkReg, PinState, ProtocolError, ShutdownError, Variant,
-};
-use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::protocol::{shutdown, ChunkReg, Variant};
 use kvoffload::internal::sync::atomic::{AtomicBool, Ordering};
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId, TransferError};
+use kvoffload::internal::transfer::JobBlocks;
+use kvoffload::{
+    Backend, BackendChoice, CaptureMode, CapturePolicy, JobId, PinState, ProtocolError, ShutdownError, TransferError,
+};
 
 const B: Bounds = Bounds { property: "P4", threads: 3, preemptions: 4, ci: None };
 

@@ -55,12 +55,11 @@ use std::collections::HashMap;
 
 use common::offloader::{lean, PAGE};
 use common::{check, negative, sized, Bounds};
-use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob};
 use kvoffload::internal::protocol::Variant;
-use kvoffload::internal::runtime::sim::{SimConfig, SimRuntime};
-use kvoffload::internal::runtime::{shared, Direction};
-use kvoffload::internal::transfer::{JobId, Lane};
-use kvoffload::Request;
+use kvoffload::{
+    shared, Direction, JobId, KvAlloc, Lane, Offloader, OffloaderError, OffloaderOptions, Request, SimConfig,
+    SimRuntime, SlotJob,
+};
 
 /// GPU blocks of the tensor and host slots: loom's size, then shuttle's.
 const GPU_BLOCKS: usize = sized(4, 8);

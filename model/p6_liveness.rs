@@ -35,8 +35,9 @@ mod common;
 
 use common::{check, fixture, negative, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::thread;
+use kvoffload::{CapturePolicy, PinState};
 
 /// Chunks the pinner registers and windows the engine opens back to back:
 /// loom's size, and shuttle's past it.

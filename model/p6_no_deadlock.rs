@@ -31,10 +31,10 @@ mod common;
 
 use common::{check, engine, fixture, negative, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{shutdown, CapturePolicy, ProtocolError, Variant};
-use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::protocol::{shutdown, Variant};
 use kvoffload::internal::sync::thread;
-use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId, TransferError};
+use kvoffload::internal::transfer::JobBlocks;
+use kvoffload::{Backend, BackendChoice, CaptureMode, CapturePolicy, JobId, ProtocolError, TransferError};
 
 fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::Interleave, variant, 2, 64);

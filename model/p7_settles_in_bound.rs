@@ -37,11 +37,10 @@ mod common;
 
 use common::{check, negative, Bounds};
 use kvoffload::internal::pin::{pin_all_agreed, Agreement, NoPrefault};
-use kvoffload::internal::protocol::agreement::{agree, AgreementError, LocalSlots, RankSlots};
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState, Variant};
-use kvoffload::internal::runtime::shared;
-use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::protocol::agreement::{agree, LocalSlots, RankSlots};
+use kvoffload::internal::protocol::{Coordinator, Variant};
 use kvoffload::internal::sync::{arc_dyn, thread, StdArc};
+use kvoffload::{shared, AgreementError, CapturePolicy, PinState, SimRuntime};
 
 fn scenario(variant: Variant) {
     let rt = shared(SimRuntime::new());

@@ -12,10 +12,9 @@ pub mod offloader;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator, Variant};
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{shared, GpuRuntime};
+use kvoffload::internal::protocol::{Coordinator, Variant};
 use kvoffload::internal::sync::Arc;
+use kvoffload::{shared, CapturePolicy, GpuRuntime, SimRuntime};
 
 /// What a model explores, stated next to the model and printed in the table.
 pub struct Bounds {
@@ -413,7 +412,8 @@ pub fn engine_with_options(
     kvoffload::internal::runtime::DevicePtr,
     kvoffload::internal::runtime::Stream,
 ) {
-    use kvoffload::internal::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec, TransferEngine};
+    use kvoffload::internal::transfer::TransferEngine;
+    use kvoffload::{GroupSpec, HostPlacement, KvLayout, TensorSpec};
     // On the main thread, before the model's threads start.
     let dev = f.coord.unsafe_call("allocating the model's KV tensor", |g| f.rt.mem_alloc(g, gpu_blocks * page));
     let dev = dev.unwrap().unwrap();
