@@ -30,6 +30,15 @@ fn slot_offloader() -> Offloader {
     off
 }
 
+/// A handle of the simulated GPU to hold or fault its work with, and an
+/// offloader of `SLOTS` host slots (default options) on that GPU.
+fn device_and_offloader() -> (SimRuntime, Offloader) {
+    let sim = SimRuntime::new();
+    let device = sim.another_handle();
+    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    (device, off)
+}
+
 /// Releases `hold` 100 ms from now, on a thread of its own: a wait that
 /// returns before then returned before the held work ran.
 fn release_in_100_ms(hold: Hold) -> std::thread::JoinHandle<()> {
@@ -667,9 +676,7 @@ fn slots_of_jobs_not_yet_reported_are_busy() {
 
 #[test]
 fn wait_jobs_waits_for_those_in_flight_and_skips_the_rest() {
-    let sim = SimRuntime::new();
-    let device = sim.another_handle();
-    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    let (device, off) = device_and_offloader();
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[0], 0)).unwrap();
     off.wait_all(Request::new(), &mut drop).unwrap();
     assert_eq!(poll(&off).len(), 1);
@@ -692,9 +699,7 @@ fn wait_jobs_waits_for_those_in_flight_and_skips_the_rest() {
 
 #[test]
 fn wait_all_waits_for_every_job_in_flight() {
-    let sim = SimRuntime::new();
-    let device = sim.another_handle();
-    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    let (device, off) = device_and_offloader();
     write_blocks(&off, 4, &[2, 3]);
     // The store's copies are held on the device until 100 ms from now.
     let hold = device.hold(HoldPoint::DeviceOp);
@@ -724,10 +729,7 @@ fn an_interruptible_wait_reports_its_own_jobs_failure_not_anothers() {
     use kvoffload::{Code, SimFault};
     let never = || false;
     for (failing, waited) in [(1, 2), (1, 1)] {
-        let sim = SimRuntime::new();
-        let device = sim.another_handle();
-        let off =
-            Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+        let (device, off) = device_and_offloader();
         // Job 1's first copy enqueue fails.
         device.inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
         off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
@@ -767,9 +769,7 @@ fn shutdown_drains_stores_and_loads_in_flight() {
 /// it waits for the jobs in flight (here a store the device holds).
 #[test]
 fn an_interruptible_shutdown_beside_a_live_graph_is_refused_before_waiting() {
-    let sim = SimRuntime::new();
-    let device = sim.another_handle();
-    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    let (device, off) = device_and_offloader();
     let hold = device.hold(HoldPoint::DeviceOp);
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
     hold.wait_entered();
@@ -794,9 +794,7 @@ fn an_interruptible_shutdown_beside_a_live_graph_is_refused_before_waiting() {
 #[test]
 fn an_interruptible_wait_is_interrupted_however_long_it_waited() {
     use std::sync::atomic::{AtomicBool, Ordering};
-    let sim = SimRuntime::new();
-    let device = sim.another_handle();
-    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    let (device, off) = device_and_offloader();
     let hold = device.hold(HoldPoint::DeviceOp);
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
     hold.wait_entered();

@@ -91,3 +91,14 @@ pub fn shm_files(tag: &str) -> Vec<String> {
         })
         .unwrap_or_default()
 }
+
+/// `f` on a thread of its own; its result, or `None` when it has not
+/// returned within `secs` (the thread is then left behind: a hang is
+/// reported as a failure within the bound, not by the harness's limit).
+pub fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(secs)).ok()
+}
