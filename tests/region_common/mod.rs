@@ -256,3 +256,24 @@ impl std::fmt::Debug for Contents {
         write!(f, "{} bytes, fnv1a {fnv:016x}, first non-zero (offset, byte): {nonzero:?}", self.0.len())
     }
 }
+
+/// Re-runs the test `test` of this binary in a private mount namespace of
+/// its own (`unshare -m`), with `child_env` set so that it runs its cases
+/// (`what`) there: whether it succeeded and its stdout and stderr. `None`
+/// (the skip printed) where no such namespace can be made here.
+pub fn in_a_private_mount_namespace(test: &str, child_env: &str, what: &str) -> Option<(bool, String)> {
+    let ok = Command::new("unshare").args(["-m", "true"]).status().is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("SKIPPED: cannot make a private mount namespace here (unshare -m); {what} did not run");
+        return None;
+    }
+    let out = Command::new("unshare")
+        .args(["-m", "--propagation", "private"])
+        .arg(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture"])
+        .env(child_env, "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    Some((out.status.success(), text))
+}
