@@ -311,13 +311,7 @@ fn two_ranks_share_a_region_and_agree() {
         let stored = stored.clone();
         thread::spawn(move || {
             let rt = shared(SimRuntime::new());
-            let mut opts = OffloaderOptions::with_host_blocks(8);
-            opts.region = RegionSpec::Shared {
-                name,
-                rank,
-                ranks: 2,
-                options: ShmOptions::new().timeout(Duration::from_secs(30)),
-            };
+            let opts = rank_of_two(name, rank);
             let off = KeyedOffloader::with_allocated_tensors(rt, kv(), opts).unwrap();
             let out = off.core().wait_pinned(Request::new()).unwrap();
             let k = BlockKey::new(rank as u64, 0);
@@ -344,6 +338,14 @@ fn two_ranks_share_a_region_and_agree() {
     }
 }
 
+/// Options of 8 host blocks for `rank` of 2 sharing the region `name`.
+fn rank_of_two(name: String, rank: usize) -> OffloaderOptions {
+    let mut opts = OffloaderOptions::with_host_blocks(8);
+    opts.region =
+        RegionSpec::Shared { name, rank, ranks: 2, options: ShmOptions::new().timeout(Duration::from_secs(30)) };
+    opts
+}
+
 /// Tells a channel when this rank's own pinning settled (before the
 /// agreement).
 struct SettledSignal(std::sync::Mutex<std::sync::mpsc::Sender<()>>);
@@ -362,13 +364,7 @@ fn rank0_waiting_for_rank1(name: &str) -> (KeyedOffloader, KeyedOffloader) {
     let make = |rank: usize, observer: Option<Arc<dyn PinObserver>>| {
         let name = name.to_string();
         thread::spawn(move || {
-            let mut opts = OffloaderOptions::with_host_blocks(8);
-            opts.region = RegionSpec::Shared {
-                name,
-                rank,
-                ranks: 2,
-                options: ShmOptions::new().timeout(Duration::from_secs(30)),
-            };
+            let mut opts = rank_of_two(name, rank);
             opts.agreement_timeout = Some(Duration::from_secs(600));
             opts.pin_observer = observer;
             KeyedOffloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap()
