@@ -22,11 +22,9 @@
 mod common;
 
 use common::{models, Bounds};
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{CaptureMode, Code, GpuRuntime};
+use kvoffload::internal::protocol::Coordinator;
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::Request;
+use kvoffload::{CaptureMode, CapturePolicy, Code, GpuRuntime, Request, SimRuntime};
 
 static HOST: [u8; 64] = [0; 64];
 

@@ -83,14 +83,10 @@
 mod common;
 
 use common::{models, sized, Bounds};
-use kvoffload::internal::pin::{
-    spawn_pinner, Prefault, PrefaultConfig, PrefaultMode, Prefaulter, ReserveFn, HUGE_PAGE_BYTES,
-};
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState, Variant};
-use kvoffload::internal::region::page_size;
-use kvoffload::internal::runtime::shared;
-use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::pin::{spawn_pinner, Prefault, PrefaultConfig, Prefaulter, ReserveFn, HUGE_PAGE_BYTES};
+use kvoffload::internal::protocol::{Coordinator, Variant};
 use kvoffload::internal::sync::{self, arc_dyn, Arc, Mutex, StdArc};
+use kvoffload::{page_size, shared, CapturePolicy, PinState, PrefaultMode, SimRuntime};
 
 /// One scenario's pool and region.
 #[derive(Copy, Clone, Debug)]

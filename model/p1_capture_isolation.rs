@@ -38,10 +38,10 @@ mod common;
 
 use common::{capture_memset, fixture, models, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::thread;
 use kvoffload::Request;
+use kvoffload::{CaptureMode, CapturePolicy, PinState};
 
 fn scenario(variant: Variant) {
     scenario_with(variant, false)

@@ -54,11 +54,9 @@
 mod common;
 
 use common::{capture_memset, models, Bounds};
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator, Variant};
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{shared, CaptureMode, Code};
+use kvoffload::internal::protocol::{Coordinator, Variant};
 use kvoffload::internal::sync::thread;
-use kvoffload::Request;
+use kvoffload::{shared, CaptureMode, CapturePolicy, Code, Request, SimRuntime};
 
 fn scenario(variant: Variant) {
     let first = SimRuntime::new();

@@ -75,13 +75,12 @@ mod common;
 
 use common::offloader::{lean, offloader_on, poll_n, sim, slot_bytes, write_block, PAGE};
 use common::{capture_memset, models, Bounds};
-use kvoffload::internal::offloader::{activity, Offloader, OffloaderOptions, SlotJob};
-use kvoffload::internal::protocol::{PinState, Variant};
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{shared, CaptureMode, GpuRuntime};
+use kvoffload::internal::offloader::activity;
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::{JobId, Lane};
-use kvoffload::Request;
+use kvoffload::{
+    shared, CaptureMode, GpuRuntime, JobId, Lane, Offloader, OffloaderOptions, PinState, Request, SimRuntime, SlotJob,
+};
 
 /// Host slots (one registration chunk each) and, beside a hooked capture,
 /// library threads storing a job each: loom's size, and shuttle's past it.
@@ -92,7 +91,7 @@ const LIBRARY_THREADS: usize = common::sized(1, 3);
 /// host slots (as many registration chunks), on a simulated GPU.
 fn offloader(variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<Offloader>) {
     let rt = shared(SimRuntime::new());
-    let opts = lean(OffloaderOptions::with_host_blocks(SLOTS), Some(kvoffload::internal::region::page_size()));
+    let opts = lean(OffloaderOptions::with_host_blocks(SLOTS), Some(kvoffload::page_size()));
     (rt.clone(), Arc::new(offloader_on(rt, opts, variant)))
 }
 

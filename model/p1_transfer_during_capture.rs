@@ -38,11 +38,11 @@ mod common;
 
 use common::{capture_memset, engine_with_compute, fixture, host, models, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault};
-use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::thread;
-use kvoffload::internal::transfer::{BackendChoice, JobBlocks, JobId, JobResult, TransferError};
-use kvoffload::Request;
+use kvoffload::internal::transfer::{JobBlocks, JobResult};
+use kvoffload::{BackendChoice, JobId, Request, TransferError};
+use kvoffload::{CaptureMode, CapturePolicy, PinState};
 
 fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::AfterPinning, variant, 1, 64);

@@ -31,9 +31,8 @@ mod common;
 
 use common::{fixture, models, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::internal::runtime::CaptureMode;
-use kvoffload::Request;
+use kvoffload::internal::protocol::Variant;
+use kvoffload::{CaptureMode, CapturePolicy, PinState, Request};
 use std::cell::Cell;
 
 fn scenario() {

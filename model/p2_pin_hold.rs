@@ -36,8 +36,8 @@ mod common;
 
 use common::{fixture, models, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{CapturePolicy, PageableReason, PinState, Variant};
-use kvoffload::Request;
+use kvoffload::internal::protocol::Variant;
+use kvoffload::{CapturePolicy, PageableReason, PinState, Request};
 
 const B: Bounds = Bounds { property: "P2", threads: 3, preemptions: 3, ci: None };
 

@@ -32,10 +32,9 @@ mod common;
 
 use common::{engine, fixture, host, models, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{CapturePolicy, Variant};
-use kvoffload::internal::runtime::sim::SimFault;
-use kvoffload::internal::runtime::{Code, Direction};
-use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId};
+use kvoffload::internal::protocol::Variant;
+use kvoffload::internal::transfer::JobBlocks;
+use kvoffload::{Backend, BackendChoice, CapturePolicy, Code, Direction, JobId, SimFault};
 
 /// Chunks of the region (the last one's registration fails) and gather
 /// jobs (job `j` loads two blocks of chunk `j % CHUNKS`): loom's size, and

@@ -60,19 +60,18 @@ mod common;
 
 use common::offloader::{keyed_on, lean, poll_n, read_block, sim, write_block, PAGE};
 use common::{capture_memset, models, Bounds};
-use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{KeyedOffloader, OffloaderError, OffloaderOptions};
-use kvoffload::internal::protocol::{PinState, ProtocolError, Variant};
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{shared, CaptureMode, GpuRuntime};
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::Request;
+use kvoffload::{
+    shared, BlockKey, CaptureMode, GpuRuntime, KeyedOffloader, OffloaderError, OffloaderOptions, PinState,
+    ProtocolError, Request, SimRuntime,
+};
 
 /// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and 2 host
 /// blocks (two registration chunks), on a simulated GPU.
 fn offloader(variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<KeyedOffloader>) {
     let rt = shared(SimRuntime::new());
-    let opts = lean(OffloaderOptions::with_host_blocks(2), Some(kvoffload::internal::region::page_size()));
+    let opts = lean(OffloaderOptions::with_host_blocks(2), Some(kvoffload::page_size()));
     (rt.clone(), Arc::new(keyed_on(rt, opts, variant)))
 }
 

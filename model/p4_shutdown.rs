@@ -45,14 +45,12 @@ mod common;
 
 use common::{capture_memset, engine, fixture, models, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{
-    shutdown, CapturePolicy, ChunkReg, PinState, ProtocolError, ShutdownError, Variant,
-};
-use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::protocol::{shutdown, ChunkReg, Variant};
 use kvoffload::internal::sync::atomic::{AtomicBool, Ordering};
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId, TransferError};
-use kvoffload::Request;
+use kvoffload::internal::transfer::JobBlocks;
+use kvoffload::{Backend, BackendChoice, JobId, Request, TransferError};
+use kvoffload::{CaptureMode, CapturePolicy, PinState, ProtocolError, ShutdownError};
 
 const B: Bounds = Bounds { property: "P4", threads: 3, preemptions: 4, ci: None };
 

@@ -23,11 +23,10 @@ mod common;
 
 use common::{engine, fixture, host, models, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault};
-use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::internal::runtime::sim::SimFault;
-use kvoffload::internal::runtime::{Code, Direction};
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::{BackendChoice, JobBlocks, JobId};
+use kvoffload::internal::transfer::JobBlocks;
+use kvoffload::{BackendChoice, CapturePolicy, Code, Direction, JobId, PinState, SimFault};
 
 /// Stores and loads (the first load fails in the `failing` variant) over
 /// `CHUNKS` pinned chunks: loom's size, and shuttle's past it.

@@ -58,13 +58,9 @@ mod common;
 
 use common::offloader::{keyed_on, lean, read_block, write_block, PAGE};
 use common::{models, Bounds};
-use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{KeyedOffloader, OffloaderError, OffloaderOptions};
 use kvoffload::internal::protocol::Variant;
-use kvoffload::internal::runtime::shared;
-use kvoffload::internal::runtime::sim::{SimConfig, SimRuntime};
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::Request;
+use kvoffload::{shared, BlockKey, KeyedOffloader, OffloaderError, OffloaderOptions, Request, SimConfig, SimRuntime};
 
 /// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and
 /// `host_blocks` host blocks, on a simulated GPU with two device workers.

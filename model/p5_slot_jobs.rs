@@ -55,12 +55,11 @@ use std::collections::HashMap;
 
 use common::offloader::{lean, read_block, slot_bytes, PAGE};
 use common::{models, sized, Bounds};
-use kvoffload::internal::offloader::{KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob};
 use kvoffload::internal::protocol::Variant;
-use kvoffload::internal::runtime::sim::{SimConfig, SimRuntime};
-use kvoffload::internal::runtime::{shared, Direction};
-use kvoffload::internal::transfer::{JobId, Lane};
-use kvoffload::Request;
+use kvoffload::{
+    shared, Direction, JobId, KvAlloc, Lane, Offloader, OffloaderError, OffloaderOptions, Request, SimConfig,
+    SimRuntime, SlotJob,
+};
 
 /// GPU blocks of the tensor and host slots: loom's size, then shuttle's.
 const GPU_BLOCKS: usize = sized(4, 8);
@@ -114,7 +113,7 @@ fn scenario(variant: Variant) {
     // Jobs accepted and not yet seen reported by the engine's polls.
     let mut unreported: HashMap<u64, Job> = HashMap::new();
     let mut reported = 0;
-    let mut note = |done: Vec<kvoffload::internal::offloader::Completion>, unreported: &mut HashMap<u64, Job>| {
+    let mut note = |done: Vec<kvoffload::Completion>, unreported: &mut HashMap<u64, Job>| {
         for c in done {
             assert!(c.error.is_none(), "a slot job failed: {c:?}");
             assert!(unreported.remove(&c.job.0).is_some(), "job {} reported twice or never accepted", c.job.0);
@@ -199,7 +198,7 @@ models! {
 }
 
 /// What one poll of the core reports, in order.
-fn polled(off: &Offloader) -> Vec<kvoffload::internal::offloader::Completion> {
+fn polled(off: &Offloader) -> Vec<kvoffload::Completion> {
     let mut done = Vec::new();
     off.poll_each(&mut |c| done.push(c));
     done

@@ -39,11 +39,13 @@ mod common;
 
 use common::{engine_with_options, fixture_on, host, models, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault};
-use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
-use kvoffload::internal::runtime::sim::{SimConfig, SimFault, SimRuntime};
-use kvoffload::internal::runtime::{Code, DevicePtr, Direction, GpuRuntime};
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId, JobResult, TransferOptions};
+use kvoffload::internal::transfer::{JobBlocks, JobResult};
+use kvoffload::{
+    Backend, BackendChoice, CapturePolicy, Code, DevicePtr, Direction, GpuRuntime, JobId, PinState, SimConfig,
+    SimFault, SimRuntime, TransferOptions,
+};
 
 const PAGE: usize = 16;
 

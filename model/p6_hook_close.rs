@@ -53,11 +53,10 @@ mod common;
 
 use common::offloader::{drain_reports, pinned, poll_n, slot_bytes, stores_landed_then_shutdown, write_block, PAGE};
 use common::{models, Bounds, Flag};
-use kvoffload::internal::offloader::{activity, OffloaderError, SlotJob};
-use kvoffload::internal::protocol::{ProtocolError, Variant};
+use kvoffload::internal::offloader::activity;
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::{JobId, Lane};
-use kvoffload::Request;
+use kvoffload::{JobId, Lane, OffloaderError, ProtocolError, Request, SlotJob};
 
 #[derive(Copy, Clone, Debug)]
 enum Close {

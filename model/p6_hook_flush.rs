@@ -69,13 +69,13 @@ mod common;
 
 use common::offloader::{lean, offloader_on, poll_n, sim, write_block, PAGE};
 use common::{models, Bounds};
-use kvoffload::internal::offloader::{activity, Offloader, OffloaderError, OffloaderOptions, SlotJob};
-use kvoffload::internal::protocol::{PinState, ProtocolError, Variant};
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{shared, GpuRuntime};
+use kvoffload::internal::offloader::activity;
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::{self, thread, Arc, Condvar, Mutex};
-use kvoffload::internal::transfer::{JobId, Lane};
-use kvoffload::Request;
+use kvoffload::{
+    shared, GpuRuntime, JobId, Lane, Offloader, OffloaderError, OffloaderOptions, PinState, ProtocolError, Request,
+    SimRuntime, SlotJob,
+};
 
 /// An offloader of one KV tensor of 4 GPU blocks of 64 bytes and 2 host
 /// slots, on a simulated GPU, pinned (its pinner joined) before it returns.

@@ -72,12 +72,11 @@ use std::cell::Cell;
 
 use common::offloader::{pinned, stores_landed_then_shutdown, write_block};
 use common::{fixture, models, Bounds};
-use kvoffload::internal::offloader::{activity, OffloaderError, SlotJob};
-use kvoffload::internal::protocol::{Activity, CapturePolicy, Coordinator, ProtocolError, Variant};
+use kvoffload::internal::offloader::activity;
+use kvoffload::internal::protocol::{Activity, Coordinator, Variant};
 use kvoffload::internal::sync::atomic::{AtomicBool, Ordering};
 use kvoffload::internal::sync::{self, thread, Arc};
-use kvoffload::internal::transfer::{JobId, Lane};
-use kvoffload::Request;
+use kvoffload::{CapturePolicy, JobId, Lane, OffloaderError, ProtocolError, Request, SlotJob};
 
 /// Wake-ups main makes before it tells the waiter to stop, and after;
 /// library threads storing a job each beside an interrupted hook begin:

@@ -35,9 +35,10 @@ mod common;
 
 use common::{fixture, models, Bounds};
 use kvoffload::internal::pin::{pin_all, NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{CapturePolicy, PinState, Variant};
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::thread;
 use kvoffload::Request;
+use kvoffload::{CapturePolicy, PinState};
 
 /// Chunks the pinner registers and windows the engine opens back to back:
 /// loom's size, and shuttle's past it.

@@ -31,11 +31,11 @@ mod common;
 
 use common::{engine, fixture, models, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{shutdown, CapturePolicy, ProtocolError, Variant};
-use kvoffload::internal::runtime::CaptureMode;
+use kvoffload::internal::protocol::{shutdown, Variant};
 use kvoffload::internal::sync::thread;
-use kvoffload::internal::transfer::{Backend, BackendChoice, JobBlocks, JobId, TransferError};
-use kvoffload::Request;
+use kvoffload::internal::transfer::JobBlocks;
+use kvoffload::{Backend, BackendChoice, JobId, Request, TransferError};
+use kvoffload::{CaptureMode, CapturePolicy, ProtocolError};
 
 fn scenario(variant: Variant) {
     let f = fixture(CapturePolicy::Interleave, variant, 2, 64);

@@ -43,11 +43,10 @@ mod common;
 
 use common::{models, rank_coordinator, Bounds};
 use kvoffload::internal::pin::{pin_all_agreed, pin_all_agreed_by, Agreement, NoPrefault, RankAgreement};
-use kvoffload::internal::protocol::agreement::{AgreementError, LocalSlots, RankSlots, Transport, UNSETTLED};
-use kvoffload::internal::protocol::{PinState, Variant};
-use kvoffload::internal::runtime::sim::{SimFault, SimRuntime};
-use kvoffload::internal::runtime::{shared, Code};
+use kvoffload::internal::protocol::agreement::{LocalSlots, RankSlots, UNSETTLED};
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::{self, arc_dyn, thread, Arc, Condvar, Mutex, StdArc};
+use kvoffload::{shared, AgreementError, Code, PinState, SimFault, SimRuntime, Transport};
 
 fn scenario(rank1_fails_at: Option<u64>) {
     let rt = shared(SimRuntime::new());

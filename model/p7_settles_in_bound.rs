@@ -37,11 +37,10 @@ mod common;
 
 use common::{models, rank_coordinator, Bounds};
 use kvoffload::internal::pin::{pin_all_agreed, Agreement, NoPrefault};
-use kvoffload::internal::protocol::agreement::{agree, AgreementError, LocalSlots, RankSlots};
-use kvoffload::internal::protocol::{PinState, Variant};
-use kvoffload::internal::runtime::shared;
-use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::protocol::agreement::{agree, LocalSlots, RankSlots};
+use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::{arc_dyn, thread, StdArc};
+use kvoffload::{shared, AgreementError, PinState, SimRuntime};
 
 fn scenario(variant: Variant) {
     let rt = shared(SimRuntime::new());

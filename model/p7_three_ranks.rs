@@ -69,11 +69,11 @@ use std::time::Duration;
 
 use common::{models, Bounds};
 use kvoffload::internal::protocol::agreement::{
-    abandoned_by, abandoner, agree, AgreementError, LocalSlots, OffloadMode, RankSlots, SETTLED_PAGEABLE,
-    SETTLED_PINNED, UNSETTLED,
+    abandoned_by, abandoner, agree, LocalSlots, OffloadMode, RankSlots, SETTLED_PAGEABLE, SETTLED_PINNED, UNSETTLED,
 };
 use kvoffload::internal::sync::atomic::{AtomicBool, Ordering};
 use kvoffload::internal::sync::{self, thread, Arc, Condvar, Mutex};
+use kvoffload::AgreementError;
 
 /// Every write of a word, and the cancel, counted: what a waiting rank's
 /// cancel check waits for (see `scenario`).

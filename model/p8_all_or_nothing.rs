@@ -35,10 +35,8 @@ mod common;
 
 use common::{capture_memset, fixture, models, Bounds};
 use kvoffload::internal::pin::{NoPrefault, PinHandle};
-use kvoffload::internal::protocol::{CapturePolicy, ChunkReg, PageableReason, PinState, Variant};
-use kvoffload::internal::runtime::sim::SimFault;
-use kvoffload::internal::runtime::{CaptureMode, Code};
-use kvoffload::Request;
+use kvoffload::internal::protocol::{ChunkReg, Variant};
+use kvoffload::{CaptureMode, CapturePolicy, Code, PageableReason, PinState, Request, SimFault};
 
 /// Chunks of the region: loom's size, and shuttle's past it.
 const CHUNKS: usize = common::sized(3, 10);

@@ -32,7 +32,7 @@ fn unknown_command_is_one_line() {
 
 #[test]
 fn missing_driver_is_one_line() {
-    if kvoffload::internal::runtime::cuda::CudaRuntime::driver_present() {
+    if kvoffload::CudaRuntime::driver_present() {
         use std::io::Write;
         let _ = writeln!(std::io::stderr(), "SKIPPED missing_driver_is_one_line: a CUDA driver is present");
         return;
@@ -58,26 +58,26 @@ fn bench_manager_rejects_bad_capacity() {
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
 
+/// `bench pin --shared` on the simulated GPU, 64 MiB over 1 and 2 ranks,
+/// for `variants` (and `extra` arguments): it succeeds and each variant
+/// reports a successful pass at both rank counts. Its output.
+fn bench_pin_shared(variants: &[&str], extra: &[&str]) -> String {
+    let joined = variants.join(",");
+    let mut args = vec!["bench", "pin", "--shared", "--backend", "sim", "--ranks", "1,2", "--size", "64MiB"];
+    args.extend(["--variants", &joined, "--no-warmup"]);
+    args.extend(extra);
+    let (code, out, err) = kvoffload(&args);
+    assert_eq!(code, 0, "{out}\n{err}");
+    for v in variants {
+        let v = format!("{v} ");
+        assert_eq!(out.lines().filter(|l| l.starts_with(&v) && l.contains("ok (")).count(), 2, "{v}: {out}");
+    }
+    out
+}
+
 #[test]
 fn bench_pin_shared_runs_on_the_simulated_gpu_and_leaves_no_file() {
-    let (code, out, err) = kvoffload(&[
-        "bench",
-        "pin",
-        "--shared",
-        "--backend",
-        "sim",
-        "--ranks",
-        "1,2",
-        "--size",
-        "64MiB",
-        "--variants",
-        "old,new,new-noreserve,rows",
-        "--no-warmup",
-    ]);
-    assert_eq!(code, 0, "{out}\n{err}");
-    for v in ["old ", "new ", "new-noreserve ", "rows "] {
-        assert_eq!(out.lines().filter(|l| l.starts_with(v) && l.contains("ok (")).count(), 2, "{v}: {out}");
-    }
+    let out = bench_pin_shared(&["old", "new", "new-noreserve", "rows"], &[]);
     assert!(out.contains("64 MiB x 2 rank(s): old"), "{out}");
     assert!(out.contains("simulated GPU"), "{out}");
     assert!(!out.contains("FAILED"), "{out}");
@@ -137,26 +137,7 @@ fn bench_pin_sizes_reports_every_size_with_its_first_touch_and_draws_them() {
 fn bench_pin_shared_runs_the_overlapped_reservation_beside_the_old_paths() {
     let dir = scratch("shared");
     let d = dir.to_str().unwrap();
-    let (code, out, err) = kvoffload(&[
-        "bench",
-        "pin",
-        "--shared",
-        "--backend",
-        "sim",
-        "--ranks",
-        "1,2",
-        "--size",
-        "64MiB",
-        "--variants",
-        "old,new,overlap",
-        "--no-warmup",
-        "--svg",
-        d,
-    ]);
-    assert_eq!(code, 0, "{out}\n{err}");
-    for v in ["old ", "new ", "overlap "] {
-        assert_eq!(out.lines().filter(|l| l.starts_with(v) && l.contains("ok (")).count(), 2, "{v}: {out}");
-    }
+    let out = bench_pin_shared(&["old", "new", "overlap"], &["--svg", d]);
     assert!(out.contains("fallocate per slice by the pre-fault workers"), "{out}");
     for ranks in [1, 2] {
         assert!(

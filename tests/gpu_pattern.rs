@@ -16,9 +16,8 @@
 //! On a GPU machine: `gpu-bin/tests/gpu_pattern --test-threads=1` (built by
 //! ci/build-gpu-bin).
 
-use kvoffload::internal::runtime::pattern;
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{Code, DevicePtr, GpuRuntime, Kernel, Stream, PATTERN_ENTRY_BYTES};
+use kvoffload::internal::runtime::PATTERN_ENTRY_BYTES;
+use kvoffload::{pattern, Code, DevicePtr, GpuRuntime, Kernel, SimRuntime, Stream};
 
 #[path = "gpu_common/mod.rs"]
 mod gpu_common;

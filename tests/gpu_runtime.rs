@@ -2,8 +2,8 @@
 //! copies, capture and replay, and chunked pinning through the coordinator.
 
 use kvoffload::internal::pin::{pin_all, NoPrefault};
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState};
-use kvoffload::internal::runtime::{CaptureMode, DevicePtr, GpuRuntime};
+use kvoffload::internal::protocol::Coordinator;
+use kvoffload::{CaptureMode, CapturePolicy, DevicePtr, GpuRuntime, PinState};
 
 #[path = "gpu_common/mod.rs"]
 mod gpu_common;

@@ -1,10 +1,8 @@
 //! Example-based tests of the block manager: the life of a block, every
 //! misuse error, the store threshold, events, and the two policies.
 
-use kvoffload::internal::manager::{
-    BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, ManagerEvent, PolicyKind, RemoveReason,
-    SkipReason, Skipped, SlotId,
-};
+use kvoffload::internal::manager::{BlockManager, ManagerConfig, ManagerEvent, RemoveReason, SlotId};
+use kvoffload::{BlockKey, BlockState, Lookup, ManagerError, PolicyKind, SkipReason, Skipped};
 
 fn k(h: u64) -> BlockKey {
     BlockKey::new(h, 0)

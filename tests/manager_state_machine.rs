@@ -17,10 +17,11 @@
 use std::collections::HashMap;
 use std::marker::PhantomData;
 
-use kvoffload::internal::manager::{
-    BlockKey, BlockManager, BlockState, Lookup, ManagerConfig, ManagerError, ManagerEvent, PolicyKind,
-    PrepareStoreOutput, SkipReason, Skipped, SlotId,
-};
+mod policy_common;
+use policy_common::{Arc, Lru, Policy};
+
+use kvoffload::internal::manager::{BlockManager, ManagerConfig, ManagerEvent, PrepareStoreOutput, SlotId};
+use kvoffload::{BlockKey, BlockState, Lookup, ManagerError, PolicyKind, SkipReason, Skipped};
 use proptest::prelude::*;
 use proptest::sample::subsequence;
 use proptest::test_runner::Config;
@@ -376,13 +377,24 @@ impl Model {
         Ok(())
     }
 
-    fn prepare_load(&mut self, keys: &[BlockKey]) -> Result<Vec<BlockKey>, ManagerError> {
+    /// A load's step: refuses a repeated key, a key with no block and a key
+    /// whose block `refuse` objects to (all or nothing), then changes each
+    /// block's readers by `step`.
+    fn load_step(
+        &mut self,
+        keys: &[BlockKey],
+        refuse: impl Fn(BlockKey, &MBlock) -> Option<ManagerError>,
+        step: fn(&mut u32),
+    ) -> Result<(), ManagerError> {
         let check = first_duplicate(keys).and_then(|()| {
             for &key in keys {
                 match self.block(key) {
                     None => return Err(ManagerError::NotFound { key }),
-                    Some(b) if b.pending => return Err(ManagerError::NotReadable { key }),
-                    Some(_) => {}
+                    Some(b) => {
+                        if let Some(e) = refuse(key, b) {
+                            return Err(e);
+                        }
+                    }
                 }
             }
             Ok(())
@@ -392,34 +404,23 @@ impl Model {
         }
         for &key in keys {
             if let Some(b) = self.block_mut(key) {
-                b.readers += 1;
+                step(&mut b.readers);
             }
         }
+        Ok(())
+    }
+
+    fn prepare_load(&mut self, keys: &[BlockKey]) -> Result<Vec<BlockKey>, ManagerError> {
+        self.load_step(keys, |key, b| b.pending.then_some(ManagerError::NotReadable { key }), |r| *r += 1)?;
         Ok(keys.to_vec())
     }
 
     fn complete_load(&mut self, keys: &[BlockKey]) -> Result<(), ManagerError> {
-        let check = first_duplicate(keys).and_then(|()| {
-            for &key in keys {
-                match self.block(key) {
-                    None => return Err(ManagerError::NotFound { key }),
-                    Some(b) if b.pending || b.readers == 0 => {
-                        return Err(ManagerError::NoLoadInFlight { key, state: b.state() })
-                    }
-                    Some(_) => {}
-                }
-            }
-            Ok(())
-        });
-        if let Err(e) = check {
-            return self.fail(e);
-        }
-        for &key in keys {
-            if let Some(b) = self.block_mut(key) {
-                b.readers -= 1;
-            }
-        }
-        Ok(())
+        self.load_step(
+            keys,
+            |key, b| (b.pending || b.readers == 0).then(|| ManagerError::NoLoadInFlight { key, state: b.state() }),
+            |r| *r -= 1,
+        )
     }
 
     fn reset(&mut self) -> Result<(), ManagerError> {
@@ -471,21 +472,6 @@ fn any_keys() -> BoxedStrategy<Vec<BlockKey>> {
 fn some_of(keys: Vec<BlockKey>) -> impl Strategy<Value = Vec<BlockKey>> {
     let n = keys.len();
     subsequence(keys, 1..=n).prop_shuffle()
-}
-
-/// Chooses the policy a test runs.
-trait Policy: 'static + std::fmt::Debug {
-    const KIND: PolicyKind;
-}
-#[derive(Debug)]
-struct Lru;
-impl Policy for Lru {
-    const KIND: PolicyKind = PolicyKind::Lru;
-}
-#[derive(Debug)]
-struct Arc;
-impl Policy for Arc {
-    const KIND: PolicyKind = PolicyKind::Arc;
 }
 
 struct ManagerMachine<P>(PhantomData<P>);

@@ -9,19 +9,14 @@ mod gpu_common;
 
 use std::time::Duration;
 
-use kvoffload::internal::manager::{BlockKey, Lookup};
-use kvoffload::internal::offloader::{
-    GatedCalls, KeyedOffloader, KvAlloc, OffloaderError, OffloaderOptions, PinObserver, RegionSpec,
-};
-use kvoffload::internal::protocol::{PinState, ProtocolError};
-use kvoffload::internal::region::ShmOptions;
-use kvoffload::internal::runtime::pattern;
-use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
-use kvoffload::internal::runtime::{shared, CaptureMode, Direction, DriverError, Event, GpuRuntime, Stream};
+use kvoffload::internal::runtime::sim::HoldPoint;
 use kvoffload::internal::sync::atomic::{AtomicUsize, Ordering};
-use kvoffload::internal::sync::thread;
-use kvoffload::internal::sync::{self, Arc, Condvar, Mutex};
-use kvoffload::Request;
+use kvoffload::internal::sync::{self, thread, Arc, Condvar, Mutex};
+use kvoffload::{
+    pattern, shared, BlockKey, CaptureMode, Direction, DriverError, Event, GatedCalls, GpuRuntime, KeyedOffloader,
+    KvAlloc, Lookup, OffloaderError, OffloaderOptions, PinObserver, PinState, ProtocolError, RegionSpec, Request,
+    ShmOptions, SimRuntime, Stream,
+};
 
 const PAGE: usize = 4096;
 
@@ -316,13 +311,7 @@ fn two_ranks_share_a_region_and_agree() {
         let stored = stored.clone();
         thread::spawn(move || {
             let rt = shared(SimRuntime::new());
-            let mut opts = OffloaderOptions::with_host_blocks(8);
-            opts.region = RegionSpec::Shared {
-                name,
-                rank,
-                ranks: 2,
-                options: ShmOptions::new().timeout(Duration::from_secs(30)),
-            };
+            let opts = rank_of_two(name, rank);
             let off = KeyedOffloader::with_allocated_tensors(rt, kv(), opts).unwrap();
             let out = off.core().wait_pinned(Request::new()).unwrap();
             let k = BlockKey::new(rank as u64, 0);
@@ -349,6 +338,14 @@ fn two_ranks_share_a_region_and_agree() {
     }
 }
 
+/// Options of 8 host blocks for `rank` of 2 sharing the region `name`.
+fn rank_of_two(name: String, rank: usize) -> OffloaderOptions {
+    let mut opts = OffloaderOptions::with_host_blocks(8);
+    opts.region =
+        RegionSpec::Shared { name, rank, ranks: 2, options: ShmOptions::new().timeout(Duration::from_secs(30)) };
+    opts
+}
+
 /// Tells a channel when this rank's own pinning settled (before the
 /// agreement).
 struct SettledSignal(std::sync::Mutex<std::sync::mpsc::Sender<()>>);
@@ -358,27 +355,16 @@ impl PinObserver for SettledSignal {
     }
 }
 
-/// Issue 28, item 1: `shutdown` during the agreement, with a peer that
-/// never settles, ends the agreement for this rank at once (before: it
-/// waited the agreement timeout, then reported `Timeout`), and tells the
-/// peer: when it comes to settle it ends pageable at once, naming the rank
-/// that left (before: it found rank 0 settled and turned offload on alone).
-#[test]
-fn shutdown_during_the_agreement_ends_it_and_the_peer_settles_pageable_at_once() {
-    use kvoffload::internal::protocol::agreement::AgreementError;
-    let name = format!("offloader-leave-{}", std::process::id());
+/// Two ranks of the shared region `name` (an agreement far longer than any
+/// test: only a shutdown or a cancel can end a wait in it), rank 0 started
+/// and done with its own pinning, so waiting in the agreement for rank 1,
+/// which has not started pinning.
+fn rank0_waiting_for_rank1(name: &str) -> (KeyedOffloader, KeyedOffloader) {
     let (tx, rx) = std::sync::mpsc::channel();
     let make = |rank: usize, observer: Option<Arc<dyn PinObserver>>| {
-        let name = name.clone();
+        let name = name.to_string();
         thread::spawn(move || {
-            let mut opts = OffloaderOptions::with_host_blocks(8);
-            opts.region = RegionSpec::Shared {
-                name,
-                rank,
-                ranks: 2,
-                options: ShmOptions::new().timeout(Duration::from_secs(30)),
-            };
-            // Far longer than the test: only the shutdown can end rank 0's wait.
+            let mut opts = rank_of_two(name, rank);
             opts.agreement_timeout = Some(Duration::from_secs(600));
             opts.pin_observer = observer;
             KeyedOffloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap()
@@ -388,9 +374,20 @@ fn shutdown_during_the_agreement_ends_it_and_the_peer_settles_pageable_at_once()
         sync::arc_dyn(SettledSignal(std::sync::Mutex::new(tx)), |a| -> sync::StdArc<dyn PinObserver> { a });
     let (a, b) = (make(0, Some(observer)), make(1, None));
     let (r0, r1) = (a.join().unwrap(), b.join().unwrap());
-    // Rank 0 pins and waits for rank 1, which has not started pinning.
     r0.core().start().unwrap();
     rx.recv_timeout(Duration::from_secs(60)).expect("rank 0 never finished its own pinning");
+    (r0, r1)
+}
+
+/// Issue 28, item 1: `shutdown` during the agreement, with a peer that
+/// never settles, ends the agreement for this rank at once (before: it
+/// waited the agreement timeout, then reported `Timeout`), and tells the
+/// peer: when it comes to settle it ends pageable at once, naming the rank
+/// that left (before: it found rank 0 settled and turned offload on alone).
+#[test]
+fn shutdown_during_the_agreement_ends_it_and_the_peer_settles_pageable_at_once() {
+    use kvoffload::AgreementError;
+    let (r0, r1) = rank0_waiting_for_rank1(&format!("offloader-leave-{}", std::process::id()));
     let t = std::time::Instant::now();
     r0.core().shutdown(Request::new(), &mut drop).unwrap();
     let took = t.elapsed();
@@ -412,34 +409,12 @@ fn shutdown_during_the_agreement_ends_it_and_the_peer_settles_pageable_at_once()
 /// peer that never settles; `wait_pinned` then returns at once.
 #[test]
 fn cancel_pinning_ends_the_wait_in_the_agreement() {
-    use kvoffload::internal::protocol::agreement::AgreementError;
-    let name = format!("offloader-cancel-{}", std::process::id());
-    let (tx, rx) = std::sync::mpsc::channel();
-    let observer: Arc<dyn PinObserver> =
-        sync::arc_dyn(SettledSignal(std::sync::Mutex::new(tx)), |a| -> sync::StdArc<dyn PinObserver> { a });
-    let make = |rank: usize, observer: Option<Arc<dyn PinObserver>>| {
-        let name = name.clone();
-        thread::spawn(move || {
-            let mut opts = OffloaderOptions::with_host_blocks(8);
-            opts.region = RegionSpec::Shared {
-                name,
-                rank,
-                ranks: 2,
-                options: ShmOptions::new().timeout(Duration::from_secs(30)),
-            };
-            opts.agreement_timeout = Some(Duration::from_secs(600));
-            opts.pin_observer = observer;
-            KeyedOffloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).unwrap()
-        })
-    };
-    let (a, b) = (make(0, Some(observer)), make(1, None));
-    let (r0, r1) = (a.join().unwrap(), b.join().unwrap());
-    r0.core().start().unwrap();
-    rx.recv_timeout(Duration::from_secs(60)).expect("rank 0 never finished its own pinning");
+    use kvoffload::AgreementError;
+    let (r0, r1) = rank0_waiting_for_rank1(&format!("offloader-cancel-{}", std::process::id()));
     r0.core().cancel_pinning();
     let out0 = r0.core().wait_pinned(Request::new()).unwrap();
     assert_eq!(out0.agreement, Some(Err(AgreementError::Cancelled { waiting: vec![1] })), "{out0:?}");
-    assert_eq!(out0.state, PinState::Pageable(kvoffload::internal::protocol::PageableReason::Cancelled));
+    assert_eq!(out0.state, PinState::Pageable(kvoffload::PageableReason::Cancelled));
     // No chunk stays registered on the cancelled rank.
     assert_eq!(r0.core().pin_progress().chunks_done, 0);
     r0.core().shutdown(Request::new(), &mut drop).unwrap();

@@ -19,17 +19,13 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{
-    activity, Completion, KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob,
-};
-use kvoffload::internal::protocol::{PinState, ProtocolError};
-use kvoffload::internal::runtime::pattern;
-use kvoffload::internal::runtime::sim::{HoldPoint, SimConfig, SimRuntime};
-use kvoffload::internal::runtime::{shared, CaptureMode, Direction};
+use kvoffload::internal::offloader::activity;
+use kvoffload::internal::runtime::sim::HoldPoint;
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::{JobId, Lane, TransferError};
-use kvoffload::Request;
+use kvoffload::{
+    pattern, shared, BlockKey, CaptureMode, Completion, Direction, JobId, KeyedOffloader, KvAlloc, Lane, Offloader,
+    OffloaderError, OffloaderOptions, PinState, ProtocolError, Request, SimConfig, SimRuntime, SlotJob, TransferError,
+};
 
 const PAGE: usize = 4096;
 const TENSORS: usize = 2;
@@ -128,7 +124,7 @@ fn until(what: &str, cond: impl Fn() -> bool) {
 /// A GLOBAL capture of a memset on `stream` around `body`, inside the
 /// hook's begin and end; returns the graph (its capture not invalidated)
 /// or the failure.
-fn hooked_capture(off: &Offloader, stream: kvoffload::internal::runtime::Stream, body: impl FnOnce()) -> bool {
+fn hooked_capture(off: &Offloader, stream: kvoffload::Stream, body: impl FnOnce()) -> bool {
     let rt = off.geometry().runtime.clone();
     let scratch = off.gated("scratch", Request::new(), |c| c.mem_alloc(PAGE)).unwrap().unwrap();
     off.capture_hook().begin(Request::new()).unwrap();
@@ -257,8 +253,7 @@ fn keyed_jobs_are_deferred_too_and_keys_become_readable_once_reported() {
 /// its keys, which stay unreadable.
 #[test]
 fn a_keyed_store_refused_late_is_reported_with_its_keys() {
-    use kvoffload::internal::manager::Lookup;
-    use kvoffload::internal::runtime::Code;
+    use kvoffload::{Code, Lookup};
     let keyed = KeyedOffloader::with_allocated_tensors(
         shared(SimRuntime::new()),
         kv(),
@@ -860,7 +855,7 @@ fn a_wait_for_a_deferred_job_inside_an_engine_window_is_refused_not_a_deadlock()
 /// refusal.
 #[test]
 fn a_deferred_job_refused_late_is_reported_failed_with_the_reason() {
-    use kvoffload::internal::runtime::Code;
+    use kvoffload::Code;
     let off = slot_offloader();
     let rt = off.geometry().runtime.clone();
     let compute = off.geometry().compute_stream();

@@ -26,14 +26,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::marker::PhantomData;
 
-use kvoffload::internal::manager::{
-    BlockKey, BlockManager, Lookup, ManagerConfig, ManagerError, PolicyKind, SkipReason,
+mod policy_common;
+use policy_common::{Arc, Lru, Policy};
+
+use kvoffload::internal::manager::{BlockManager, ManagerConfig};
+use kvoffload::{
+    shared, BlockKey, KeyedOffloader, KvAlloc, Lookup, ManagerError, OffloaderError, OffloaderOptions, PolicyKind,
+    Request, SimRuntime, SkipReason, StoreSubmitted, TransferError,
 };
-use kvoffload::internal::offloader::{KeyedOffloader, KvAlloc, OffloaderError, OffloaderOptions, StoreSubmitted};
-use kvoffload::internal::runtime::shared;
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::transfer::TransferError;
-use kvoffload::Request;
 use proptest::prelude::*;
 use proptest::sample::subsequence;
 use proptest::test_runner::Config;
@@ -408,20 +408,6 @@ impl Model {
     }
 }
 
-trait Policy: 'static + std::fmt::Debug {
-    const KIND: PolicyKind;
-}
-#[derive(Debug)]
-struct Lru;
-impl Policy for Lru {
-    const KIND: PolicyKind = PolicyKind::Lru;
-}
-#[derive(Debug)]
-struct Arc;
-impl Policy for Arc {
-    const KIND: PolicyKind = PolicyKind::Arc;
-}
-
 struct KeyedMachine<P>(PhantomData<P>);
 
 /// Up to 4 hashes, distinct in most batches.
@@ -505,12 +491,7 @@ impl Sut {
     fn store(&mut self, hashes: &[u64], bad: Option<usize>, window: bool, want: &Want) {
         let ks = keys(hashes);
         let gpu = gpu_blocks(hashes.len(), bad);
-        let got = if window {
-            let _w = self.off.core().capture_window(Request::new()).expect("window");
-            self.off.store(&ks, &gpu)
-        } else {
-            self.off.store(&ks, &gpu)
-        };
+        let got = self.maybe_in_window(window, |off| off.store(&ks, &gpu));
         match (got, want) {
             (Err(e), Want::StoreRefused(r)) => assert_eq!(refusal(&e), Some(*r), "store {hashes:?} refused: {e:?}"),
             (Ok(got), Want::Stored { stored, skipped, evicted: victims, may_evict }) => {
@@ -537,17 +518,18 @@ impl Sut {
     fn load(&mut self, hashes: &[u64], bad: Option<usize>, window: bool, want: &Want) {
         let ks = keys(hashes);
         let gpu = gpu_blocks(hashes.len(), bad);
-        let got = if window {
-            let _w = self.off.core().capture_window(Request::new()).expect("window");
-            self.off.load(&ks, &gpu)
-        } else {
-            self.off.load(&ks, &gpu)
-        };
+        let got = self.maybe_in_window(window, |off| off.load(&ks, &gpu));
         match (got, want) {
             (Err(e), Want::LoadRefused(r)) => assert_eq!(refusal(&e), Some(*r), "load {hashes:?} refused: {e:?}"),
             (Ok(_), Want::Loaded) => {}
             (got, want) => panic!("load {hashes:?} (bad {bad:?}, window {window}): got {got:?}, want {want:?}"),
         }
+    }
+
+    /// Runs `call` inside a capture window if `window`, else outside any.
+    fn maybe_in_window<T>(&self, window: bool, call: impl FnOnce(&KeyedOffloader) -> T) -> T {
+        let _w = window.then(|| self.off.core().capture_window(Request::new()).expect("window"));
+        call(&self.off)
     }
 
     fn settle(&mut self) {

@@ -11,14 +11,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::offloader::{
-    activity, KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob,
+use kvoffload::internal::offloader::activity;
+use kvoffload::internal::protocol::Activity;
+use kvoffload::internal::runtime::sim::HoldPoint;
+use kvoffload::{
+    shared, CapturePolicy, JobId, KeyedOffloader, KvAlloc, Lane, Offloader, OffloaderError, OffloaderOptions,
+    ProtocolError, Request, SimRuntime, SlotJob,
 };
-use kvoffload::internal::protocol::{Activity, CapturePolicy, ProtocolError};
-use kvoffload::internal::runtime::shared;
-use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
-use kvoffload::internal::transfer::{JobId, Lane};
-use kvoffload::Request;
 use std::sync::Arc;
 use std::thread;
 
@@ -210,8 +209,7 @@ fn a_kv_allocation_too_large_is_refused_before_anything_is_allocated() {
 
 #[test]
 fn a_shared_regions_share_and_the_tensor_count_are_checked_before_any_tensor() {
-    use kvoffload::internal::offloader::RegionSpec;
-    use kvoffload::internal::region::ShmOptions;
+    use kvoffload::{RegionSpec, ShmOptions};
 
     let dir = std::env::temp_dir().join(format!("kvoffload-misuse-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -244,8 +242,8 @@ fn a_shared_regions_share_and_the_tensor_count_are_checked_before_any_tensor() {
 
 #[test]
 fn a_shared_regions_memory_check_is_its_share_and_off_when_asked() {
-    use kvoffload::internal::offloader::RegionSpec;
-    use kvoffload::internal::region::{available_memory, ShmOptions};
+    use kvoffload::internal::region::available_memory;
+    use kvoffload::{RegionSpec, ShmOptions};
 
     let Some(budget) = available_memory() else {
         println!("skipped: this machine does not say how much memory a process can get");
@@ -300,7 +298,7 @@ fn a_shared_regions_memory_check_is_its_share_and_off_when_asked() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-fn shared_rt() -> Arc<dyn kvoffload::internal::runtime::GpuRuntime> {
+fn shared_rt() -> Arc<dyn kvoffload::GpuRuntime> {
     shared(SimRuntime::new())
 }
 

@@ -5,16 +5,11 @@
 //! typed refusal; job ids never reused; keyed and slot jobs never mixed;
 //! shutdown drains slot jobs in flight.
 
-use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{
-    Completion, KeyedOffloader, KvAlloc, Offloader, OffloaderError, OffloaderOptions, SlotJob,
+use kvoffload::internal::runtime::sim::{Hold, HoldPoint};
+use kvoffload::{
+    pattern, shared, BlockKey, Completion, Direction, JobId, KeyedOffloader, KvAlloc, Lane, Offloader, OffloaderError,
+    OffloaderOptions, ProtocolError, Request, SimConfig, SimRuntime, SlotJob, TransferError,
 };
-use kvoffload::internal::protocol::ProtocolError;
-use kvoffload::internal::runtime::pattern;
-use kvoffload::internal::runtime::sim::{Hold, HoldPoint, SimConfig, SimRuntime};
-use kvoffload::internal::runtime::{shared, Direction};
-use kvoffload::internal::transfer::{JobId, Lane, TransferError};
-use kvoffload::Request;
 
 const PAGE: usize = 4096;
 const TENSORS: usize = 3;
@@ -33,6 +28,15 @@ fn slot_offloader() -> Offloader {
     let off = Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts).expect("slot offloader");
     assert_eq!(off.geometry().host_blocks, SLOTS);
     off
+}
+
+/// A handle of the simulated GPU to hold or fault its work with, and an
+/// offloader of `SLOTS` host slots (default options) on that GPU.
+fn device_and_offloader() -> (SimRuntime, Offloader) {
+    let sim = SimRuntime::new();
+    let device = sim.another_handle();
+    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    (device, off)
 }
 
 /// Releases `hold` 100 ms from now, on a thread of its own: a wait that
@@ -138,7 +142,7 @@ fn bad_host_pages(off: &Offloader, tag: u64, slots: &[usize]) -> usize {
 }
 
 /// Waits for every job and returns what poll reports.
-fn drain(off: &Offloader) -> Vec<kvoffload::internal::offloader::Completion> {
+fn drain(off: &Offloader) -> Vec<kvoffload::Completion> {
     off.wait_all(Request::new(), &mut drop).unwrap();
     let done = poll(off);
     assert_eq!(off.in_flight(), 0);
@@ -672,9 +676,7 @@ fn slots_of_jobs_not_yet_reported_are_busy() {
 
 #[test]
 fn wait_jobs_waits_for_those_in_flight_and_skips_the_rest() {
-    let sim = SimRuntime::new();
-    let device = sim.another_handle();
-    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    let (device, off) = device_and_offloader();
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0, 1], &[0], 0)).unwrap();
     off.wait_all(Request::new(), &mut drop).unwrap();
     assert_eq!(poll(&off).len(), 1);
@@ -697,9 +699,7 @@ fn wait_jobs_waits_for_those_in_flight_and_skips_the_rest() {
 
 #[test]
 fn wait_all_waits_for_every_job_in_flight() {
-    let sim = SimRuntime::new();
-    let device = sim.another_handle();
-    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    let (device, off) = device_and_offloader();
     write_blocks(&off, 4, &[2, 3]);
     // The store's copies are held on the device until 100 ms from now.
     let hold = device.hold(HoldPoint::DeviceOp);
@@ -726,14 +726,10 @@ fn a_slot_job_hands_back_its_blocks_and_slots() {
 /// result.
 #[test]
 fn an_interruptible_wait_reports_its_own_jobs_failure_not_anothers() {
-    use kvoffload::internal::runtime::sim::SimFault;
-    use kvoffload::internal::runtime::Code;
+    use kvoffload::{Code, SimFault};
     let never = || false;
     for (failing, waited) in [(1, 2), (1, 1)] {
-        let sim = SimRuntime::new();
-        let device = sim.another_handle();
-        let off =
-            Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+        let (device, off) = device_and_offloader();
         // Job 1's first copy enqueue fails.
         device.inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
         off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
@@ -773,9 +769,7 @@ fn shutdown_drains_stores_and_loads_in_flight() {
 /// it waits for the jobs in flight (here a store the device holds).
 #[test]
 fn an_interruptible_shutdown_beside_a_live_graph_is_refused_before_waiting() {
-    let sim = SimRuntime::new();
-    let device = sim.another_handle();
-    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    let (device, off) = device_and_offloader();
     let hold = device.hold(HoldPoint::DeviceOp);
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
     hold.wait_entered();
@@ -800,9 +794,7 @@ fn an_interruptible_shutdown_beside_a_live_graph_is_refused_before_waiting() {
 #[test]
 fn an_interruptible_wait_is_interrupted_however_long_it_waited() {
     use std::sync::atomic::{AtomicBool, Ordering};
-    let sim = SimRuntime::new();
-    let device = sim.another_handle();
-    let off = Offloader::with_allocated_tensors(shared(sim), kv(), OffloaderOptions::with_host_blocks(SLOTS)).unwrap();
+    let (device, off) = device_and_offloader();
     let hold = device.hold(HoldPoint::DeviceOp);
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
     hold.wait_entered();

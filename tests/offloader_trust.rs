@@ -4,13 +4,12 @@
 //! offloader guards is refused, and the engine's gated calls are the
 //! offloader's.
 
-use kvoffload::internal::manager::BlockKey;
-use kvoffload::internal::offloader::{KeyedOffloader, KvAlloc, OffloaderError, OffloaderOptions};
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PinState, ProtocolError};
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{shared, CaptureMode, Code, GpuRuntime};
+use kvoffload::internal::protocol::Coordinator;
 use kvoffload::internal::sync::Arc;
-use kvoffload::Request;
+use kvoffload::{
+    shared, BlockKey, CaptureMode, CapturePolicy, Code, GpuRuntime, KeyedOffloader, KvAlloc, OffloaderError,
+    OffloaderOptions, PinState, ProtocolError, Request, SimRuntime,
+};
 
 const PAGE: usize = 4096;
 

@@ -7,9 +7,8 @@ mod pin_common;
 use std::sync::Arc;
 
 use kvoffload::internal::pin::Prepared;
-use kvoffload::internal::protocol::{PageableReason, PinState};
-use kvoffload::internal::runtime::sim::{Hold, HoldPoint, SimRuntime};
-use kvoffload::Request;
+use kvoffload::internal::runtime::sim::{Hold, HoldPoint};
+use kvoffload::{PageableReason, PinState, Request, SimRuntime};
 use pin_common::{assert_usable, region, sim};
 
 const CHUNKS: usize = 4;
@@ -153,8 +152,7 @@ fn dropping_the_handle_midway_cancels_and_waits_for_the_rollback() {
 /// engine's, so nothing else of it is shown).
 #[test]
 fn an_outcome_gives_its_state_or_why_the_ranks_did_not_agree() {
-    use kvoffload::internal::pin::{PinObserver, PinOutcome};
-    use kvoffload::internal::protocol::agreement::AgreementError;
+    use kvoffload::{AgreementError, PinObserver, PinOutcome};
     let pinned = |agreement| PinOutcome { state: PinState::Pinned, agreement };
     assert_eq!(pinned(None).agreed(), Ok(PinState::Pinned), "no agreement asked for");
     assert_eq!(pinned(Some(Ok(()))).agreed(), Ok(PinState::Pinned), "the ranks agreed");
@@ -230,10 +228,7 @@ fn a_pin_hold_gives_way_to_a_cancel_and_refuses_its_holders_wait() {
     let h = p.spawn(rt.clone());
     eventually("chunk 0 held back", || coord.activity().registrations_held == 1);
     assert!(
-        matches!(
-            coord.pinning().wait_final(Request::new()),
-            Err(kvoffload::internal::protocol::ProtocolError::WouldDeadlock { .. })
-        ),
+        matches!(coord.pinning().wait_final(Request::new()), Err(kvoffload::ProtocolError::WouldDeadlock { .. })),
         "the holder's wait for pinning must be refused"
     );
     let c2 = coord.clone();

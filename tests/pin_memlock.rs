@@ -5,9 +5,7 @@
 mod pin_common;
 
 use kvoffload::internal::pin::{memlock, Prepared};
-use kvoffload::internal::protocol::{PageableReason, PinState};
-use kvoffload::internal::runtime::sim::SimFault;
-use kvoffload::internal::runtime::Code;
+use kvoffload::{Code, PageableReason, PinState, SimFault};
 use pin_common::{assert_usable, region, sim};
 
 #[test]

@@ -6,8 +6,12 @@
 //! subscriber panics on a worker's warning (a worker that panics before it
 //! has placed itself).
 
-use kvoffload::internal::pin::{Prefault, PrefaultConfig, PrefaultMode, Prefaulter};
-use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
+mod pin_common;
+
+use kvoffload::internal::pin::{Prefault, PrefaultConfig, Prefaulter};
+use kvoffload::internal::region::AnonOptions;
+use kvoffload::{page_size, Layout, PrefaultMode, Region};
+use pin_common::within;
 
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -154,17 +158,6 @@ impl tracing::Subscriber for PanickyWorkers {
     }
     fn enter(&self, _: &tracing::span::Id) {}
     fn exit(&self, _: &tracing::span::Id) {}
-}
-
-/// `f` on a thread of its own; its result, or `None` when it has not
-/// returned within `secs` (the thread is then left behind: a hang is
-/// reported as a failure within the bound, not by the harness's limit).
-fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(std::time::Duration::from_secs(secs)).ok()
 }
 
 /// A worker that panics before it has placed itself (its warning that the

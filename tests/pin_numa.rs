@@ -17,13 +17,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvoffload::internal::pin::numa::{
     self, apply_pages, decide, parse_list, parse_mem_free, place, policy_at, prefer_node, reset_policy, sysfs_bus_id,
-    NumaFallback, NumaNode, NumaPolicy, Placement, Topology, MPOL_DEFAULT, MPOL_PREFERRED,
+    NumaFallback, NumaNode, Placement, Topology, MPOL_DEFAULT, MPOL_PREFERRED,
 };
-use kvoffload::internal::pin::{PinOptions, Prefault, PrefaultConfig, PrefaultMode, Prefaulter, Prepared};
-use kvoffload::internal::protocol::PinState;
-use kvoffload::internal::region::page_size;
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::GpuRuntime;
+use kvoffload::internal::pin::{Prefault, PrefaultConfig, Prefaulter, Prepared};
+use kvoffload::{page_size, GpuRuntime, NumaPolicy, PinOptions, PinState, PrefaultMode, SimRuntime};
 
 const GIB: u64 = 1 << 30;
 

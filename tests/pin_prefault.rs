@@ -5,9 +5,10 @@
 
 mod pin_common;
 
-use kvoffload::internal::pin::{Prefault, PrefaultConfig, PrefaultError, PrefaultMode, Prefaulter};
-use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
-use pin_common::{not_resident, not_written};
+use kvoffload::internal::pin::{Prefault, PrefaultConfig, PrefaultError, Prefaulter};
+use kvoffload::internal::region::AnonOptions;
+use kvoffload::{page_size, Layout, PrefaultMode, Region};
+use pin_common::{not_resident, not_written, within};
 
 /// A fresh anonymous region of `bytes`, with huge-page advice if asked.
 fn fresh(bytes: usize, huge: bool) -> Region {
@@ -317,17 +318,6 @@ fn concurrent_ensures_each_get_their_own_outcome() {
     pf.settle();
     drop(pf);
     drop(r);
-}
-
-/// `f` on a thread of its own; its result, or `None` when it has not
-/// returned within `secs` (the thread is then left behind: a hang is
-/// reported as a failure within the bound, not by the harness's limit).
-fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(std::time::Duration::from_secs(secs)).ok()
 }
 
 /// A worker that panics outside the slice it faults (here in the

@@ -5,12 +5,8 @@
 
 mod pin_common;
 
-use kvoffload::internal::pin::{memlock, pin_all, PrefaultConfig, PrefaultMode, Prefaulter, Prepared};
-use kvoffload::internal::protocol::{PageableReason, PinState};
-use kvoffload::internal::region::page_size;
-use kvoffload::internal::runtime::sim::SimFault;
-use kvoffload::internal::runtime::Code;
-use kvoffload::Request;
+use kvoffload::internal::pin::{memlock, pin_all, PrefaultConfig, Prefaulter, Prepared};
+use kvoffload::{page_size, Code, PageableReason, PinState, PrefaultMode, Request, SimFault};
 use pin_common::{assert_usable, coordinator_over, region, sim};
 
 const CHUNKS: usize = 5;

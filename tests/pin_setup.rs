@@ -8,15 +8,12 @@ mod region_common;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use kvoffload::internal::pin::{
-    prepare, HugePages, PinError, PinOptions, Prepared, DEFAULT_MAX_CHUNK_BYTES, MAX_CHUNK_LIMIT,
+use kvoffload::internal::pin::{prepare, Prepared, MAX_CHUNK_LIMIT};
+use kvoffload::internal::region::{fs_available, AnonOptions};
+use kvoffload::{
+    page_size, GpuRuntime, HugePages, Layout, PinError, PinOptions, PinState, Region, RegionError, ShmOptions,
+    SimRuntime, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_SHM_DIR,
 };
-use kvoffload::internal::protocol::PinState;
-use kvoffload::internal::region::{
-    fs_available, page_size, AnonOptions, Layout, Region, RegionError, ShmOptions, DEFAULT_SHM_DIR,
-};
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::GpuRuntime;
 use pin_common::region;
 use region_common::ShmGuard;
 
@@ -220,7 +217,7 @@ fn shared_region_pinned_by_two_ranks_sees_both_ranks_writes() {
 
 #[test]
 fn shared_rank_major_region_pins_only_its_own_share() {
-    use kvoffload::internal::region::FileSplit;
+    use kvoffload::FileSplit;
     let g = ShmGuard::new("pin-share");
     let p = page_size();
     // Shares of 8 chunks of 2 pages, data files of 4 chunks: 2 files a rank.
@@ -265,7 +262,7 @@ fn default_threads_are_three_in_four_cores() {
 #[test]
 fn setters_set_their_field_and_limits_are_inclusive() {
     use kvoffload::internal::pin::MAX_THREADS;
-    use kvoffload::internal::protocol::CapturePolicy;
+    use kvoffload::CapturePolicy;
     let d = PinOptions::default();
     let o = d
         .clone()

@@ -5,13 +5,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvoffload::internal::pin::{pin_all, pin_all_agreed_by, Agreement, NoPrefault, RankAgreement};
-use kvoffload::internal::protocol::agreement::{AgreementError, LocalSlots, RankSlots, Transport, UNSETTLED};
-use kvoffload::internal::protocol::{
-    shutdown, CapturePolicy, ChunkReg, Coordinator, PageableReason, PinState, ProtocolError, ShutdownError,
+use kvoffload::internal::protocol::agreement::{LocalSlots, RankSlots, UNSETTLED};
+use kvoffload::internal::protocol::{shutdown, ChunkReg, Coordinator};
+use kvoffload::internal::runtime::sim::HoldPoint;
+use kvoffload::{
+    AgreementError, CapturePolicy, GpuRuntime, PageableReason, PinState, ProtocolError, Request, ShutdownError,
+    SimRuntime, Transport,
 };
-use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
-use kvoffload::internal::runtime::GpuRuntime;
-use kvoffload::Request;
 
 /// A coordinator over `chunks` chunks of 4096 bytes of heap memory, which
 /// it holds, and the chunks' ranges.
@@ -89,8 +89,8 @@ fn alias_only_for_registered_chunks() {
     assert!(coord.acquire_alias(ranges[1].0, 64).is_none(), "alias after unregistration");
 }
 
-fn rt_alias(rt: &SimRuntime, addr: usize) -> kvoffload::internal::runtime::DevicePtr {
-    use kvoffload::internal::runtime::GpuRuntime;
+fn rt_alias(rt: &SimRuntime, addr: usize) -> kvoffload::DevicePtr {
+    use kvoffload::GpuRuntime;
     rt.host_device_ptr(addr).unwrap()
 }
 
@@ -281,7 +281,7 @@ fn a_second_coordinator_for_a_guarded_runtime_is_refused() {
 /// coordinator guards.
 #[test]
 fn a_gate_of_another_coordinator_is_refused_and_the_capture_survives() {
-    use kvoffload::internal::runtime::{CaptureMode, Code};
+    use kvoffload::{CaptureMode, Code};
     let rt = SimRuntime::new();
     let other = SimRuntime::new();
     let unguarded = SimRuntime::new();
@@ -314,7 +314,7 @@ fn a_gate_of_another_coordinator_is_refused_and_the_capture_survives() {
 /// message, and any other kept whole (call and code).
 #[test]
 fn a_failed_registrations_code_gives_its_pageable_reason() {
-    use kvoffload::internal::runtime::{Code, DriverError};
+    use kvoffload::{Code, DriverError};
     let reason = |code| PageableReason::from_driver(DriverError::new("cuMemHostRegister", code));
     for (code, want, shown) in [
         (Code::NOT_SUPPORTED, PageableReason::NotSupported, "(801)"),

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::protocol::{Activity, CapturePolicy, Coordinator, PageableReason, PinState, ProtocolError};
-use kvoffload::internal::runtime::sim::{HoldPoint, SimRuntime};
-use kvoffload::Request;
+use kvoffload::internal::protocol::{Activity, Coordinator};
+use kvoffload::internal::runtime::sim::HoldPoint;
+use kvoffload::{CapturePolicy, PageableReason, PinState, ProtocolError, Request, SimRuntime};
 
 /// A coordinator over `chunks` chunks of 4096 bytes of heap memory, which
 /// it holds.

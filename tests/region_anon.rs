@@ -1,6 +1,7 @@
 //! The anonymous region: mapping, slices, huge-page advice, memory check.
 
-use kvoffload::internal::region::{mem_available, page_size, AnonOptions, Layout, Region, RegionError, RegionKind};
+use kvoffload::internal::region::{mem_available, AnonOptions, RegionKind};
+use kvoffload::{page_size, Layout, Region, RegionError};
 
 #[test]
 fn anonymous_region_is_zeroed_aligned_and_writable() {
@@ -76,6 +77,6 @@ fn region_bigger_than_memory_is_typed() {
 fn region_types_are_send_and_sync() {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<Region>();
-    send_sync::<kvoffload::internal::region::RawRange>();
+    send_sync::<kvoffload::RawRange>();
     send_sync::<RegionError>();
 }

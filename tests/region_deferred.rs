@@ -16,12 +16,13 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvoffload::internal::pin::{PinError, PinOptions, PrefaultMode, Prepared};
-use kvoffload::internal::protocol::{PageableReason, PinState};
-use kvoffload::internal::region::{fs_available, page_size, FileSplit, Layout, Region, RegionError, ShmOptions};
-use kvoffload::internal::runtime::sim::{SimFault, SimRuntime};
-use kvoffload::internal::runtime::Code;
-use region_common::ShmGuard;
+use kvoffload::internal::pin::Prepared;
+use kvoffload::internal::region::fs_available;
+use kvoffload::{
+    page_size, Code, FileSplit, Layout, PageableReason, PinError, PinOptions, PinState, PrefaultMode, Region,
+    RegionError, ShmOptions, SimFault, SimRuntime,
+};
+use region_common::{in_a_private_mount_namespace, ShmGuard};
 
 const MIB: usize = 1 << 20;
 const CHILD_ENV: &str = "KVOFFLOAD_DEFERRED_CHILD";
@@ -181,18 +182,9 @@ fn region_deferred_reservation_in_a_private_tmpfs() {
         full_file_system_is_typed();
         return;
     }
-    let ok = Command::new("unshare").args(["-m", "true"]).status().is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("SKIPPED: cannot make a private mount namespace here (unshare -m); the deferred-reservation cases did not run");
+    let test = "region_deferred_reservation_in_a_private_tmpfs";
+    let Some((success, text)) = in_a_private_mount_namespace(test, CHILD_ENV, "the deferred-reservation cases") else {
         return;
-    }
-    let out = Command::new("unshare")
-        .args(["-m", "--propagation", "private"])
-        .arg(std::env::current_exe().unwrap())
-        .args(["region_deferred_reservation_in_a_private_tmpfs", "--exact", "--nocapture"])
-        .env(CHILD_ENV, "1")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && text.contains("room: ok") && text.contains("full: ok"), "child failed:\n{text}");
+    };
+    assert!(success && text.contains("room: ok") && text.contains("full: ok"), "child failed:\n{text}");
 }

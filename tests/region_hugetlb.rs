@@ -17,8 +17,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use kvoffload::internal::region::hugetlb::{Pool, SYSFS_HUGEPAGES};
-use kvoffload::internal::region::{page_size, pages, FileSplit, Layout, Region, RegionError, ShmOptions};
-use region_common::ShmGuard;
+use kvoffload::internal::region::pages;
+use kvoffload::{page_size, FileSplit, Layout, Region, RegionError, ShmOptions};
+use region_common::{in_a_private_mount_namespace, ShmGuard};
 
 const CHILD_ENV: &str = "KVOFFLOAD_HUGETLB_CHILD";
 
@@ -141,19 +142,10 @@ fn region_on_hugetlbfs_names_the_pool_and_keeps_huge_page_alignment() {
         mount_limit();
         return;
     }
-    let ok = Command::new("unshare").args(["-m", "true"]).status().is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("SKIPPED: cannot make a private mount namespace here (unshare -m); the hugetlbfs cases did not run");
+    let test = "region_on_hugetlbfs_names_the_pool_and_keeps_huge_page_alignment";
+    let Some((success, text)) = in_a_private_mount_namespace(test, CHILD_ENV, "the hugetlbfs cases") else {
         return;
-    }
-    let out = Command::new("unshare")
-        .args(["-m", "--propagation", "private"])
-        .arg(std::env::current_exe().unwrap())
-        .args(["region_on_hugetlbfs_names_the_pool_and_keeps_huge_page_alignment", "--exact", "--nocapture"])
-        .env(CHILD_ENV, "1")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "child failed:\n{text}");
+    };
+    assert!(success, "child failed:\n{text}");
     println!("{text}");
 }

@@ -4,9 +4,8 @@
 
 use std::collections::BTreeMap;
 
-use kvoffload::internal::region::{
-    page_size, AnonOptions, Layout, Location, Order, Region, RegionError, RowSpan, MAX_RANKS,
-};
+use kvoffload::internal::region::{AnonOptions, Location, Order, RowSpan};
+use kvoffload::{page_size, Layout, Region, RegionError, MAX_RANKS};
 use proptest::prelude::*;
 
 /// The reference: walk rows, then slots, handing out `chunk` bytes each.

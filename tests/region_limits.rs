@@ -11,9 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::region::{
-    fs_available, mem_available, page_size, AnonOptions, Layout, LimitSource, Order, Region, RegionError, ShmOptions,
-};
+use kvoffload::internal::region::{fs_available, mem_available, AnonOptions, LimitSource, Order};
+use kvoffload::{page_size, Layout, Region, RegionError, ShmOptions};
 use region_common::ShmGuard;
 
 /// A layout of about `bytes` (one rank or `ranks` ranks, rank-major, 2 MiB chunks).
@@ -235,7 +234,7 @@ fn region_order_does_not_change_what_a_joiner_checks() {
     let avail = mem_available().unwrap();
     let l = layout_of(3 * avail, 2).with_order(Order::RowInterleaved);
     let g = ShmGuard::new("thrice-rows");
-    let o = ShmOptions::new().files(kvoffload::internal::region::FileSplit::Single).timeout(Duration::from_secs(60));
+    let o = ShmOptions::new().files(kvoffload::FileSplit::Single).timeout(Duration::from_secs(60));
     let share = l.bytes_per_rank() as u64;
     if share <= kvoffload::internal::region::available_memory().unwrap().bytes {
         println!("skipped: half of 3 x MemAvailable fits now");

@@ -10,12 +10,12 @@ use std::os::unix::process::ExitStatusExt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use kvoffload::internal::pin::RegionSlots;
-use kvoffload::internal::pin::{pin_with, Agreement, PinObserver, PinOptions, Prepared};
-use kvoffload::internal::protocol::agreement::{AgreementError, RankSlots};
-use kvoffload::internal::protocol::PinState;
-use kvoffload::internal::region::{page_size, FileSplit, JoinPhase, Layout, Region, RegionError, ShmOptions, ShmStep};
-use kvoffload::internal::runtime::sim::SimRuntime;
+use kvoffload::internal::pin::{pin_with, Agreement, Prepared, RegionSlots};
+use kvoffload::internal::protocol::agreement::RankSlots;
+use kvoffload::{
+    page_size, AgreementError, FileSplit, JoinPhase, Layout, PinObserver, PinOptions, PinState, Region, RegionError,
+    ShmOptions, ShmStep, SimRuntime,
+};
 use region_common::{block_on_stdin, child_role, poll_until, ChildGuard, ShmGuard};
 
 /// Long enough for anything that should happen on a loaded machine.
@@ -393,11 +393,21 @@ fn region_multi_creator_killed_at_each_step_leaves_no_file() {
 fn region_multi_joiner_killed_at_each_step_leaves_no_file() {
     child_dispatch!();
     let test = "region_multi_joiner_killed_at_each_step_leaves_no_file";
-    for step in ["FilesMapped", "Reserving", "Reserved", "Mapped"] {
-        let g = ShmGuard::new(&step.to_lowercase());
-        let mut creator = Region::create(&g.name, mlayout(), 0, &mopts(PATIENCE).wait_for_all(false)).unwrap();
+    let steps = ["FilesMapped", "Reserving", "Reserved", "Mapped"];
+    joiner_killed_at_each_step(test, "mjoin", "", &steps, &mopts(PATIENCE).wait_for_all(false));
+}
+
+/// A joiner (child role `role`, its region named `prefix` and the step)
+/// killed at each of `steps`, the creator's region made with `o`: the
+/// creator's wait for every rank sees the joiner's bit if it died after
+/// setting it (Mapped), else times out missing rank 1; no file is left
+/// either way, before and after the creator drops.
+fn joiner_killed_at_each_step(test: &str, role: &str, prefix: &str, steps: &[&str], o: &ShmOptions) {
+    for &step in steps {
+        let g = ShmGuard::new(&format!("{prefix}{}", step.to_lowercase()));
+        let mut creator = Region::create(&g.name, mlayout(), 0, o).unwrap();
         assert_eq!(creator.mapped_ranks(), vec![0]);
-        let mut child = ChildGuard::spawn_piped(test, &format!("mjoin:{step}"), &g.name);
+        let mut child = ChildGuard::spawn_piped(test, &format!("{role}:{step}"), &g.name);
         assert_eq!(child.read_line("at "), format!("at {step}"));
         assert_killed(child.kill9());
         match (step, creator.wait_all_mapped(Duration::from_millis(300))) {
@@ -421,25 +431,8 @@ fn region_multi_deferred_joiner_killed_at_each_step_leaves_no_file() {
     let test = "region_multi_deferred_joiner_killed_at_each_step_leaves_no_file";
     // With the reservation deferred the joiner passes no Reserving step:
     // files mapped, then its bit (Mapped) right after its pid word.
-    for step in ["FilesMapped", "Mapped"] {
-        let g = ShmGuard::new(&format!("d{}", step.to_lowercase()));
-        let o = mopts(PATIENCE).defer_reserve(true).wait_for_all(false);
-        let mut creator = Region::create(&g.name, mlayout(), 0, &o).unwrap();
-        assert_eq!(creator.mapped_ranks(), vec![0]);
-        let mut child = ChildGuard::spawn_piped(test, &format!("mjoind:{step}"), &g.name);
-        assert_eq!(child.read_line("at "), format!("at {step}"));
-        assert_killed(child.kill9());
-        match (step, creator.wait_all_mapped(Duration::from_millis(300))) {
-            ("Mapped", Ok(())) => assert_eq!(creator.mapped_ranks(), vec![0, 1]),
-            ("FilesMapped", Err(RegionError::JoinTimeout { phase: JoinPhase::RanksToMap, missing, .. })) => {
-                assert_eq!(missing, vec![1])
-            }
-            (_, other) => panic!("{step}: unexpected {other:?}"),
-        }
-        g.assert_gone();
-        drop(creator);
-        g.assert_gone();
-    }
+    let o = mopts(PATIENCE).defer_reserve(true).wait_for_all(false);
+    joiner_killed_at_each_step(test, "mjoind", "d", &["FilesMapped", "Mapped"], &o);
 }
 
 #[test]
@@ -455,15 +448,26 @@ fn region_multi_deferred_rank_killed_while_pinning_leaves_no_file() {
         let o = mopts(PATIENCE).defer_reserve(true);
         let region = kvoffload::internal::sync::Arc::new(Region::create(&g.name, mlayout(), 0, &o).unwrap());
         g.assert_gone();
-        assert!(child.read_line("at ").starts_with("at chunk"));
-        assert_killed(child.kill9());
-        match pin_agreed(&region, None) {
-            Err(AgreementError::RankDied { rank: 1 }) => {}
-            other => panic!("{point}: expected RankDied, got {other:?}"),
-        }
+        survivor_of_a_kill_while_pinning(&mut child, &region, point);
         g.assert_gone();
         drop(region);
         g.assert_gone();
+    }
+}
+
+/// Rank 1 (`child`) killed once it reached a chunk of its pinning (at
+/// `point`): rank 0's agreement over `region` sees the dead rank; it ends
+/// pageable.
+fn survivor_of_a_kill_while_pinning(
+    child: &mut ChildGuard,
+    region: &kvoffload::internal::sync::Arc<Region>,
+    point: &str,
+) {
+    assert!(child.read_line("at ").starts_with("at chunk"));
+    assert_killed(child.kill9());
+    match pin_agreed(region, None) {
+        Err(AgreementError::RankDied { rank: 1 }) => {}
+        other => panic!("{point}: expected RankDied, got {other:?}"),
     }
 }
 
@@ -489,13 +493,7 @@ fn region_multi_rank_killed_while_pinning_or_transferring_leaves_no_file() {
             assert_eq!(state.unwrap(), PinState::Pinned);
             assert_killed(child.kill9());
         } else {
-            assert!(child.read_line("at ").starts_with("at chunk"));
-            assert_killed(child.kill9());
-            // The survivor's agreement sees the dead rank; it ends pageable.
-            match pin_agreed(&region, None) {
-                Err(AgreementError::RankDied { rank: 1 }) => {}
-                other => panic!("{point}: expected RankDied, got {other:?}"),
-            }
+            survivor_of_a_kill_while_pinning(&mut child, &region, point);
         }
         g.assert_gone();
         drop(region);

@@ -15,7 +15,7 @@ mod region_common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kvoffload::internal::region::{page_size, FileProblem, FileSplit, Layout, Region, RegionError, ShmOptions};
+use kvoffload::{page_size, FileProblem, FileSplit, Layout, Region, RegionError, ShmOptions};
 use region_common::{write_private, ShmGuard, Snapshot};
 
 fn opts(ms: u64) -> ShmOptions {

@@ -7,9 +7,9 @@ mod region_common;
 
 use std::time::Duration;
 
-use kvoffload::internal::region::{
-    fs_available, page_size, shm_path, AbandonNote, AbandonReason, FileSplit, JoinPhase, Layout, Region, RegionError,
-    RegionKind, ShmOptions, DEFAULT_SHM_DIR, SHM_PREFIX,
+use kvoffload::internal::region::{fs_available, shm_path, AbandonNote, RegionKind, SHM_PREFIX};
+use kvoffload::{
+    page_size, AbandonReason, FileSplit, JoinPhase, Layout, Region, RegionError, ShmOptions, DEFAULT_SHM_DIR,
 };
 use region_common::{write_private, ShmGuard};
 

@@ -61,6 +61,23 @@ fn assert_clean(out: &str) {
     assert!(out.contains("result: ok, every loaded block verified"), "{out}");
 }
 
+/// Asserts that `out` contains each of `what`.
+fn says(out: &str, what: &[&str]) {
+    for w in what {
+        assert!(out.contains(w), "{w:?} missing from: {out}");
+    }
+}
+
+/// Runs with `args`, which must be refused before any rank starts: exit
+/// status 2 and one line naming the program. That line.
+fn refused_in_one_line(args: &[&str]) -> String {
+    let (rc, out, _) = run(args);
+    assert_eq!(rc, 2, "{args:?}: {out}");
+    assert_eq!(out.lines().count(), 1, "{args:?}: {out}");
+    assert!(out.starts_with("kvoffload: "), "{args:?}: {out}");
+    out
+}
+
 #[test]
 fn default_run_verifies_every_block() {
     let (rc, out, pid) = run(&[]);
@@ -82,9 +99,14 @@ fn default_run_verifies_every_block() {
 fn rank_killed_during_pinning_the_survivor_runs_pageable_and_finishes() {
     let (rc, out, pid) = run(&["--kill-rank", "1", "--kill-at", "pinning", "--jobs", "600"]);
     assert_eq!(rc, 0, "{out}");
-    assert!(out.contains("rank 1: killed (SIGKILL at pinning), as asked"), "{out}");
-    assert!(out.contains("agreement failed: rank 1 died before it settled its pin state"), "{out}");
-    assert!(out.contains("state Pageable(PeerPageable)"), "{out}");
+    says(
+        &out,
+        &[
+            "rank 1: killed (SIGKILL at pinning), as asked",
+            "agreement failed: rank 1 died before it settled its pin state",
+            "state Pageable(PeerPageable)",
+        ],
+    );
     assert_clean(&out);
     assert_no_file(pid, &out);
 }
@@ -93,8 +115,7 @@ fn rank_killed_during_pinning_the_survivor_runs_pageable_and_finishes() {
 fn rank_killed_during_transfers_the_survivor_finishes() {
     let (rc, out, pid) = run(&["--kill-rank", "0", "--kill-at", "transfers", "--jobs", "600"]);
     assert_eq!(rc, 0, "{out}");
-    assert!(out.contains("rank 0: killed (SIGKILL at transfers), as asked"), "{out}");
-    assert!(out.contains("rank 1: pinning"), "{out}");
+    says(&out, &["rank 0: killed (SIGKILL at transfers), as asked", "rank 1: pinning"]);
     assert_clean(&out);
     assert_no_file(pid, &out);
 }
@@ -176,10 +197,7 @@ fn bad_options_are_one_line_and_exit_2() {
         &["--ranks", "100000"],
         &["--region-dir", "/nonexistent-kvoffload-dir"],
     ] {
-        let (rc, out, _) = run(args);
-        assert_eq!(rc, 2, "{args:?}: {out}");
-        assert_eq!(out.lines().count(), 1, "{args:?}: {out}");
-        assert!(out.starts_with("kvoffload: "), "{args:?}: {out}");
+        refused_in_one_line(args);
     }
     // Issue 28: a directory that holds no files (it failed in the ranks,
     // exit status 1), and a region past the 1 TiB of data files (it named
@@ -191,10 +209,8 @@ fn bad_options_are_one_line_and_exit_2() {
         &["--region", "18446744073709551615"],
         &["--region", "9223372036854775807"],
     ] {
-        let (rc, out, _) = run(args);
-        assert_eq!(rc, 2, "{args:?}: {out}");
-        assert_eq!(out.lines().count(), 1, "{args:?}: {out}");
-        assert!(out.starts_with("kvoffload: ") && out.contains(args[0].trim_start_matches("--")), "{args:?}: {out}");
+        let out = refused_in_one_line(args);
+        assert!(out.contains(args[0].trim_start_matches("--")), "{args:?}: {out}");
         assert!(!out.contains("data_bytes") && !out.contains("isize"), "{args:?}: {out}");
     }
     let (_, out, _) = run(&["--region", "18446744073709551615"]);

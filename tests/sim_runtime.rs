@@ -1,10 +1,12 @@
 //! The simulated GPU on its own: asynchronous in-order streams, events,
 //! capture and replay, fault injection, holds, poisoning.
 
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
-use kvoffload::internal::runtime::sim::{Blocked, HoldPoint, SimFault, SimRuntime};
-use kvoffload::internal::runtime::{CaptureMode, CaptureStatus, Code, Direction, Fragment, Gate, GpuRuntime};
-use kvoffload::Request;
+use kvoffload::internal::protocol::Coordinator;
+use kvoffload::internal::runtime::sim::{Blocked, HoldPoint};
+use kvoffload::internal::runtime::{Fragment, Gate};
+use kvoffload::{
+    CaptureMode, CapturePolicy, CaptureStatus, Code, Direction, GpuRuntime, Request, SimFault, SimRuntime,
+};
 
 fn host(bytes: usize, fill: u8) -> Vec<u8> {
     vec![fill; bytes]
@@ -157,7 +159,7 @@ fn unregister_waits_for_device_idle() {
     unsafe { gated(&*rt, |gt| rt.host_register(gt, buf.as_ptr() as usize, 64)).unwrap() };
     let hold = rt.hold(HoldPoint::DeviceOp);
     // SAFETY: the spin kernel reads and writes no memory.
-    unsafe { rt.launch(kvoffload::internal::runtime::Kernel::Spin { nanos: 1 }, s).unwrap() };
+    unsafe { rt.launch(kvoffload::Kernel::Spin { nanos: 1 }, s).unwrap() };
     hold.wait_entered();
     let (rt2, addr) = (rt.clone(), buf.as_ptr() as usize);
     let t = std::thread::spawn(move || gated(&*rt2, |gt| rt2.host_unregister(gt, addr)));
@@ -277,7 +279,7 @@ fn stream_destroy_returns_at_once_and_the_device_finishes_the_work() {
 /// operation stops the whole device: the test then fails after 60 s.
 #[test]
 fn two_device_workers_run_two_streams_at_once() {
-    use kvoffload::internal::runtime::sim::SimConfig;
+    use kvoffload::SimConfig;
     let rt = std::sync::Arc::new(SimRuntime::with_config(SimConfig { workers: 2, ..SimConfig::default() }));
     let (a, b) = (rt.stream_create().unwrap(), rt.stream_create().unwrap());
     let d = gated(&*rt, |gt| rt.mem_alloc(gt, 128)).unwrap();
@@ -342,7 +344,7 @@ fn host_available() -> Option<usize> {
 /// A simulated GPU whose configured device memory is no limit: only what
 /// the host can back (or `host_limit`) bounds its allocations.
 fn unbounded_sim(host_limit: Option<usize>) -> SimRuntime {
-    use kvoffload::internal::runtime::sim::SimConfig;
+    use kvoffload::SimConfig;
     SimRuntime::with_config(SimConfig { device_bytes: usize::MAX, host_limit, ..SimConfig::default() })
 }
 
@@ -463,7 +465,7 @@ impl Drop for HostTensor {
 /// check for a released range.
 #[test]
 fn a_copy_round_trip_through_adopted_memory_changes_the_host_bytes() {
-    use kvoffload::internal::runtime::sim::SimConfig;
+    use kvoffload::SimConfig;
     let rt = std::sync::Arc::new(SimRuntime::with_config(SimConfig { device_bytes: 4096, ..SimConfig::default() }));
     let s = rt.stream_create().unwrap();
     let t = HostTensor::new(1 << 20, 0);
@@ -502,7 +504,7 @@ fn a_copy_round_trip_through_adopted_memory_changes_the_host_bytes() {
 /// nothing.
 #[test]
 fn a_memset_a_kernel_and_a_graph_replay_write_adopted_memory() {
-    use kvoffload::internal::runtime::Kernel;
+    use kvoffload::Kernel;
     let rt = std::sync::Arc::new(SimRuntime::new());
     let s = rt.stream_create().unwrap();
     let t = HostTensor::new(4096, 0);
@@ -578,7 +580,7 @@ fn releasing_adopted_memory_waits_for_queued_work() {
 /// synchronous copy, ILLEGAL_ADDRESS (sticky) from a kernel.
 #[test]
 fn an_access_past_an_adopted_range_faults_as_past_an_allocation() {
-    use kvoffload::internal::runtime::Kernel;
+    use kvoffload::Kernel;
     let rt = std::sync::Arc::new(SimRuntime::new());
     let s = rt.stream_create().unwrap();
     let t = HostTensor::new(4096, 0);
@@ -614,9 +616,7 @@ fn an_access_past_an_adopted_range_faults_as_past_an_allocation() {
 fn bad_adoptions_are_typed_errors() {
     let rt = std::sync::Arc::new(SimRuntime::new());
     let t = HostTensor::new(8192, 0);
-    let code = |r: kvoffload::internal::runtime::DriverResult<kvoffload::internal::runtime::DevicePtr>| {
-        r.map(|_| ()).map_err(|e| e.code)
-    };
+    let code = |r: kvoffload::DriverResult<kvoffload::DevicePtr>| r.map(|_| ()).map_err(|e| e.code);
     // SAFETY: refused, or adopted memory of `t`, which outlives the sim.
     unsafe {
         assert_eq!(code(rt.adopt_host_memory(0, 64)), Err(Code::INVALID_VALUE));

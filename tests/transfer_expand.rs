@@ -6,8 +6,9 @@
 mod common;
 
 use common::{Rng, Shape};
-use kvoffload::internal::runtime::{DevicePtr, Fragment};
-use kvoffload::internal::transfer::{merge_adjacent, GroupSpec, JobBlocks, JobId, KvLayout, TensorSpec, TransferError};
+use kvoffload::internal::runtime::Fragment;
+use kvoffload::internal::transfer::{merge_adjacent, JobBlocks};
+use kvoffload::{DevicePtr, GroupSpec, JobId, KvLayout, TensorSpec, TransferError};
 use proptest::prelude::*;
 
 /// The layout of `shape` with host base `host_base` and tensors placed in
@@ -144,11 +145,7 @@ proptest! {
 fn large_runs_merge_across_blocks() {
     // One tensor, tensor-major: blocks 0..8 into host blocks 0..2 of 4 are
     // one contiguous run on both sides.
-    let shape = Shape {
-        groups: vec![(vec![4096], 8, 2)],
-        factor: 4,
-        placement: kvoffload::internal::transfer::HostPlacement::TensorMajor,
-    };
+    let shape = Shape { groups: vec![(vec![4096], 8, 2)], factor: 4, placement: kvoffload::HostPlacement::TensorMajor };
     let (l, bases) = layout(&shape, 1 << 30, 1 << 44, false);
     let e = l.expand(JobId(1), &JobBlocks::single((0..8).collect(), vec![0, 1])).unwrap();
     assert_eq!(e.fragments, vec![Fragment { host: 1 << 30, device: DevicePtr(bases[0][0]), bytes: 8 * 4096 }]);
@@ -156,7 +153,7 @@ fn large_runs_merge_across_blocks() {
 
 #[test]
 fn strided_blocks_sit_one_per_stride_and_refuse_a_short_stride() {
-    use kvoffload::internal::transfer::{HostPlacement, LayoutError};
+    use kvoffload::{HostPlacement, LayoutError};
     // Two tensors of 4 KiB pages, factor 1: a host block is 8 KiB; with a
     // 16 KiB stride (two ranks' slots in a row) block b is at b * 16 KiB.
     let shape = Shape {
@@ -171,7 +168,7 @@ fn strided_blocks_sit_one_per_stride_and_refuse_a_short_stride() {
     // Consecutive GPU blocks of one tensor go to blocks one stride apart: no merge.
     assert_eq!(e.fragments.len(), 4);
     assert_eq!(e.fragments[0], Fragment { host: (1 << 30) + 2 * 16384, device: DevicePtr(bases[0][0]), bytes: 4096 });
-    let short = kvoffload::internal::transfer::KvLayout::new(
+    let short = kvoffload::KvLayout::new(
         &[GroupSpec {
             tensors: vec![TensorSpec { device_base: DevicePtr(0), page_bytes: 4096 }; 2],
             num_gpu_blocks: 1,
@@ -188,7 +185,8 @@ fn strided_blocks_sit_one_per_stride_and_refuse_a_short_stride() {
 /// not is a count mismatch, not an empty group (which is allowed).
 #[test]
 fn one_sided_groups_are_count_mismatches() {
-    use kvoffload::internal::transfer::{GroupBlocks, HostPlacement};
+    use kvoffload::internal::transfer::GroupBlocks;
+    use kvoffload::HostPlacement;
     let shape =
         Shape { groups: vec![(vec![64], 8, 4), (vec![32], 8, 4)], factor: 2, placement: HostPlacement::TensorMajor };
     let (l, _) = layout(&shape, 1 << 30, 1 << 44, false);
@@ -213,7 +211,7 @@ fn one_sided_groups_are_count_mismatches() {
 /// (a bitmap over the blocks, or a sort for a few ids among many blocks).
 #[test]
 fn repeats_are_found_in_sparse_and_dense_jobs() {
-    use kvoffload::internal::transfer::HostPlacement;
+    use kvoffload::HostPlacement;
     for blocks in [16usize, 1 << 16] {
         let shape =
             Shape { groups: vec![(vec![64], blocks, blocks)], factor: 1, placement: HostPlacement::TensorMajor };

@@ -19,8 +19,8 @@ mod gpu_common;
 use std::sync::Arc;
 
 use common::{gated, opts, random_case, simple, Pin, Rig, Rng, Shape, DIRS};
-use kvoffload::internal::runtime::{Direction, GpuRuntime, Kernel};
-use kvoffload::internal::transfer::{Backend, BackendChoice, HostPlacement, JobBlocks, JobId, TransferOptions};
+use kvoffload::internal::transfer::JobBlocks;
+use kvoffload::{Backend, BackendChoice, Direction, GpuRuntime, HostPlacement, JobId, Kernel, TransferOptions};
 
 /// Device 0 for `test`, or None after saying it was skipped; fails the
 /// test instead where a GPU is expected (`KVO_EXPECT_GPU`, see

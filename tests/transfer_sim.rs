@@ -10,13 +10,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{gated, opts, random_case, simple, Pin, Rig, Rng, Shape, DIRS};
-use kvoffload::internal::protocol::ProtocolError;
-use kvoffload::internal::runtime::sim::{Blocked, HoldPoint, SimFault, SimRuntime};
-use kvoffload::internal::runtime::{CaptureMode, Code, Direction, GpuRuntime};
-use kvoffload::internal::transfer::{
-    Backend, BackendChoice, HostPlacement, JobBlocks, JobId, TransferError, TransferOptions,
+use kvoffload::internal::runtime::sim::{Blocked, HoldPoint};
+use kvoffload::internal::transfer::JobBlocks;
+use kvoffload::{
+    Backend, BackendChoice, CaptureMode, Code, Direction, GpuRuntime, HostPlacement, JobId, ProtocolError, Request,
+    SimFault, SimRuntime, TransferError, TransferOptions,
 };
-use kvoffload::Request;
 
 fn sim() -> (Arc<SimRuntime>, Arc<dyn GpuRuntime>) {
     let s = Arc::new(SimRuntime::new());
@@ -534,12 +533,12 @@ fn gather_never_runs_on_memory_outside_the_coordinator() {
     let addr = other.as_mut_ptr() as usize;
     // SAFETY: `other` stays mapped until it is unregistered below.
     unsafe { rig.gated(|gt| rt.host_register(gt, addr, other.len())) }.unwrap();
-    let spec = kvoffload::internal::transfer::GroupSpec {
-        tensors: vec![kvoffload::internal::transfer::TensorSpec { device_base: rig.tensors[0][0], page_bytes: 4096 }],
+    let spec = kvoffload::GroupSpec {
+        tensors: vec![kvoffload::TensorSpec { device_base: rig.tensors[0][0], page_bytes: 4096 }],
         num_gpu_blocks: 8,
         num_host_blocks: 8,
     };
-    let layout = kvoffload::internal::transfer::KvLayout::new(&[spec], 1, addr, HostPlacement::TensorMajor).unwrap();
+    let layout = kvoffload::KvLayout::new(&[spec], 1, addr, HostPlacement::TensorMajor).unwrap();
     // SAFETY: `other` and the tensor outlive the engine (dropped below first).
     let eng = unsafe {
         kvoffload::internal::transfer::TransferEngine::new(
@@ -580,8 +579,7 @@ fn the_sim_faults_a_gather_kernel_on_unregistered_host_memory() {
     let st = rt.stream_create().unwrap();
     // SAFETY: the simulated GPU faults on the stale alias (what this test
     // checks) instead of reading through it; the table is in place.
-    unsafe { rt.launch(kvoffload::internal::runtime::Kernel::Gather { table: dev.offset(4096), count: 1 }, st) }
-        .unwrap();
+    unsafe { rt.launch(kvoffload::Kernel::Gather { table: dev.offset(4096), count: 1 }, st) }.unwrap();
     assert_eq!(gated(&*rt, |gt| rt.stream_synchronize(gt, st)).unwrap_err().code, Code::ILLEGAL_ADDRESS);
     assert_eq!(s.poisoned(), Some(Code::ILLEGAL_ADDRESS));
 }

@@ -12,11 +12,11 @@ pub mod offloader;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator, Variant};
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{shared, CaptureMode, DevicePtr, DriverResult, GpuRuntime, Graph, Stream};
+use kvoffload::internal::protocol::{Coordinator, Variant};
 use kvoffload::internal::sync::Arc;
-use kvoffload::Request;
+use kvoffload::{
+    shared, CaptureMode, CapturePolicy, DevicePtr, DriverResult, GpuRuntime, Graph, Request, SimRuntime, Stream,
+};
 
 /// What a model explores, stated next to the model and printed in the table.
 pub struct Bounds {
@@ -412,7 +412,7 @@ pub fn engine(
     chunks: usize,
     page: usize,
     gpu_blocks: usize,
-    backend: kvoffload::internal::transfer::BackendChoice,
+    backend: kvoffload::BackendChoice,
 ) -> (kvoffload::internal::transfer::TransferEngine, DevicePtr) {
     let (e, dev, _) = engine_with_compute(f, chunks, page, gpu_blocks, backend);
     (e, dev)
@@ -425,7 +425,7 @@ pub fn engine_with_compute(
     chunks: usize,
     page: usize,
     gpu_blocks: usize,
-    backend: kvoffload::internal::transfer::BackendChoice,
+    backend: kvoffload::BackendChoice,
 ) -> EngineParts {
     // Gather tables staged on the heap, not in the page-locked ring: the
     // ring's allocation and free (two more driver calls, the free waiting
@@ -434,12 +434,7 @@ pub fn engine_with_compute(
     // the ring itself is tested on the simulated GPU (tests/transfer_sim.rs).
     // Likewise no device staging buffers: the staged backend's two streams
     // are model-checked by model/p5_staged_order.rs, which asks for them.
-    let opts = kvoffload::internal::transfer::TransferOptions {
-        backend,
-        staging_ring_entries: 0,
-        staging_bytes: 0,
-        ..Default::default()
-    };
+    let opts = kvoffload::TransferOptions { backend, staging_ring_entries: 0, staging_bytes: 0, ..Default::default() };
     engine_with_options(f, chunks, page, gpu_blocks, opts)
 }
 
@@ -449,9 +444,10 @@ pub fn engine_with_options(
     chunks: usize,
     page: usize,
     gpu_blocks: usize,
-    opts: kvoffload::internal::transfer::TransferOptions,
+    opts: kvoffload::TransferOptions,
 ) -> EngineParts {
-    use kvoffload::internal::transfer::{GroupSpec, HostPlacement, KvLayout, TensorSpec, TransferEngine};
+    use kvoffload::internal::transfer::TransferEngine;
+    use kvoffload::{GroupSpec, HostPlacement, KvLayout, TensorSpec};
     // On the main thread, before the model's threads start.
     let dev = f
         .coord

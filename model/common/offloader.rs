@@ -6,14 +6,12 @@
 //! checked by P1, P3 and P5 on their own), and the block reads and writes
 //! those models check with.
 
-use kvoffload::internal::offloader::{Completion, KeyedOffloader, KvAlloc, Offloader, OffloaderOptions};
-use kvoffload::internal::pin::{HugePages, PinOptions, PrefaultMode};
 use kvoffload::internal::protocol::Variant;
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::GpuRuntime;
 use kvoffload::internal::sync::{thread, Arc};
-use kvoffload::internal::transfer::{Backend, BackendChoice, TransferOptions};
-use kvoffload::Request;
+use kvoffload::{
+    Backend, BackendChoice, Completion, GpuRuntime, HugePages, KeyedOffloader, KvAlloc, Offloader, OffloaderOptions,
+    PinOptions, PrefaultMode, Request, SimRuntime, TransferOptions,
+};
 
 /// Bytes of one GPU block (and of one host block: one tensor).
 pub const PAGE: usize = 64;
@@ -93,8 +91,8 @@ pub fn sim(rt: &Arc<dyn GpuRuntime>) -> &SimRuntime {
 /// joined) before it returns: the models of the capture hook's close and
 /// of the interruptible waits, whose threads start after pinning.
 pub fn pinned(slots: usize, variant: Variant) -> (Arc<dyn GpuRuntime>, Arc<Offloader>) {
-    use kvoffload::internal::protocol::PinState;
-    let rt = kvoffload::internal::runtime::shared(SimRuntime::new());
+    use kvoffload::PinState;
+    let rt = kvoffload::shared(SimRuntime::new());
     let opts = lean(OffloaderOptions::with_host_blocks(slots), None);
     let off = Arc::new(offloader_on(rt.clone(), opts, variant));
     assert_eq!(off.wait_pinned(Request::new()).unwrap().state, PinState::Pinned);

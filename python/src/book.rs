@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use kvoffload::internal::runtime::DriverError;
+use kvoffload::DriverError;
 
 use super::*;
 

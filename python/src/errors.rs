@@ -33,13 +33,11 @@
 //! (`Signals` in lib.rs keeps it), or `KeyboardInterrupt` when none was
 //! kept.
 
-use kvoffload::internal::offloader::OffloaderError;
-use kvoffload::internal::pin::PinError;
-use kvoffload::internal::protocol::agreement::AgreementError as RustAgreementError;
-use kvoffload::internal::protocol::{ProtocolError as RustProtocolError, ShutdownError};
-use kvoffload::internal::region::RegionError as RustRegionError;
-use kvoffload::internal::runtime::{DriverError as RustDriverError, OpenError};
-use kvoffload::internal::transfer::TransferError as RustTransferError;
+use kvoffload::{
+    AgreementError as RustAgreementError, DriverError as RustDriverError, OffloaderError, OpenError, PinError,
+    ProtocolError as RustProtocolError, RegionError as RustRegionError, ShutdownError,
+    TransferError as RustTransferError,
+};
 use pyo3::exceptions::{PyException, PyKeyboardInterrupt, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -257,9 +255,7 @@ pub fn offloader(py: Python<'_>, e: OffloaderError) -> PyErr {
 /// case and `reason` the inner one (`kvoffload._testing.error_table`,
 /// python/tests/test_api.py).
 pub fn samples() -> Vec<(String, OffloaderError)> {
-    use kvoffload::internal::manager::{BlockKey, ManagerError};
-    use kvoffload::internal::runtime::{Code, Direction};
-    use kvoffload::internal::transfer::{JobId, LayoutError};
+    use kvoffload::{BlockKey, Code, Direction, JobId, LayoutError, ManagerError};
     let d = || RustDriverError::new("cuMemcpyAsync", Code::INVALID_VALUE);
     let id = JobId(7);
     let transfer = [

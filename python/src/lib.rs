@@ -56,17 +56,11 @@ mod testing;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvoffload::internal::manager::{BlockKey, SkipReason};
-use kvoffload::internal::offloader::{
-    Completion, KeyedOffloader, KvSpec, Offloader, OffloaderError, OffloaderOptions, PinOutcome, SlotJob,
+use kvoffload::{
+    BlockKey, CaptureWindow, Completion, CudaRuntime, DevicePtr, GpuRuntime, JobId, KeyedOffloader, KvSpec, Lane,
+    Named, Offloader, OffloaderError, OffloaderOptions, PinHold, PinOutcome, PinState, SimRuntime, SkipReason, SlotJob,
+    Stream, TensorSpec, TransferError, Transport,
 };
-use kvoffload::internal::protocol::agreement::Transport;
-use kvoffload::internal::protocol::{CaptureWindow, PinHold, PinState};
-use kvoffload::internal::runtime::cuda::CudaRuntime;
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::{DevicePtr, GpuRuntime, Stream};
-use kvoffload::internal::transfer::{JobId, Lane, TensorSpec, TransferError};
-use kvoffload::Named;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use std::sync::Arc;

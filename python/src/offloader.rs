@@ -33,8 +33,7 @@
 //! `PanicException`.
 
 use super::*;
-use kvoffload::internal::protocol::ProtocolError;
-use kvoffload::Request;
+use kvoffload::{ProtocolError, Request};
 
 /// What `kvoffload.Offloader` and `kvoffload.KeyedOffloader` share (the
 /// hidden base `kvoffload._OffloaderBase`): the library offloader, the
@@ -488,7 +487,7 @@ impl PyOffloaderBase {
         guarded(py, || {
             let off = &self.off;
             if off.is_shut_down() {
-                return Err(errors::offloader(py, kvoffload::internal::offloader::OffloaderError::ShutDown));
+                return Err(errors::offloader(py, kvoffload::OffloaderError::ShutDown));
             }
             py.detach(|| off.start()).map_err(|e| errors::offloader(py, e))
         })

@@ -29,12 +29,11 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvoffload::internal::offloader::{OffloaderError, RegionSpec};
-use kvoffload::internal::pin::options::{HugePages, PrefaultMode};
-use kvoffload::internal::pin::PinOptions;
-use kvoffload::internal::protocol::CapturePolicy;
-use kvoffload::internal::region::{shm_path, ShmOptions, DEFAULT_SHM_DIR, MAX_RANKS};
-use kvoffload::internal::transfer::{BackendChoice, TransferOptions};
+use kvoffload::internal::region::shm_path;
+use kvoffload::{
+    BackendChoice, CapturePolicy, HugePages, OffloaderError, PinOptions, PrefaultMode, RegionSpec, ShmOptions,
+    TransferOptions, DEFAULT_SHM_DIR, MAX_RANKS,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString, PyTuple};
 

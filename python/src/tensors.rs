@@ -22,7 +22,7 @@
 //! (immutable, by value, `replace`, `OptionsError` naming the field), with
 //! its argument checker; `KvSpec`'s differences are written there.
 
-use kvoffload::internal::offloader::KvAlloc;
+use kvoffload::KvAlloc;
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 use pyo3::types::{PyBool, PyDict, PyInt, PyTuple};

@@ -12,8 +12,8 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use kvoffload::internal::runtime::sim::{Hold, HoldPoint, SimFault, SimRuntime};
-use kvoffload::internal::runtime::{CaptureMode, Code, DevicePtr, GpuRuntime, Graph, Kernel, Stream};
+use kvoffload::internal::runtime::sim::{Hold, HoldPoint};
+use kvoffload::{CaptureMode, Code, DevicePtr, GpuRuntime, Graph, Kernel, SimFault, SimRuntime, Stream};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 

@@ -16,10 +16,9 @@
 //! python/tests/test_gpu.py follows the same rule (pytest.fail instead of
 //! skip when the variable is set).
 
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
-use kvoffload::internal::runtime::cuda::CudaRuntime;
-use kvoffload::internal::runtime::{Gate, GpuRuntime};
-use kvoffload::Request;
+use kvoffload::internal::protocol::Coordinator;
+use kvoffload::internal::runtime::Gate;
+use kvoffload::{CapturePolicy, CudaRuntime, GpuRuntime, Request};
 
 /// `f` through the gate of a coordinator with no region: the tests drive
 /// the runtime directly and open no window through it, so it never holds a

@@ -4,11 +4,9 @@
 
 use std::sync::Arc;
 
-use kvoffload::internal::pin::PinOptions;
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator};
-use kvoffload::internal::region::{page_size, AnonOptions, Layout, Region};
-use kvoffload::internal::runtime::sim::SimRuntime;
-use kvoffload::internal::runtime::GpuRuntime;
+use kvoffload::internal::protocol::Coordinator;
+use kvoffload::internal::region::AnonOptions;
+use kvoffload::{page_size, CapturePolicy, GpuRuntime, Layout, PinOptions, Region, SimRuntime};
 
 /// An anonymous region of `chunks` registration chunks of `chunk_bytes`
 /// each (one rank, rows of one page), and options that cut it there.
@@ -92,4 +90,15 @@ pub fn shm_files(tag: &str) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// `f` on a thread of its own; its result, or `None` when it has not
+/// returned within `secs` (the thread is then left behind: a hang is
+/// reported as a failure within the bound, not by the harness's limit).
+pub fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(secs)).ok()
 }

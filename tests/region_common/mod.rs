@@ -7,7 +7,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::region::{shm_path, DEFAULT_SHM_DIR};
+use kvoffload::internal::region::shm_path;
+use kvoffload::DEFAULT_SHM_DIR;
 
 /// Env var that makes a re-executed test binary play a child role.
 pub const ROLE_ENV: &str = "KVOFFLOAD_REGION_TEST_ROLE";
@@ -254,4 +255,25 @@ impl std::fmt::Debug for Contents {
         let nonzero: Vec<(usize, u8)> = self.0.iter().copied().enumerate().filter(|(_, b)| *b != 0).take(8).collect();
         write!(f, "{} bytes, fnv1a {fnv:016x}, first non-zero (offset, byte): {nonzero:?}", self.0.len())
     }
+}
+
+/// Re-runs the test `test` of this binary in a private mount namespace of
+/// its own (`unshare -m`), with `child_env` set so that it runs its cases
+/// (`what`) there: whether it succeeded and its stdout and stderr. `None`
+/// (the skip printed) where no such namespace can be made here.
+pub fn in_a_private_mount_namespace(test: &str, child_env: &str, what: &str) -> Option<(bool, String)> {
+    let ok = Command::new("unshare").args(["-m", "true"]).status().is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("SKIPPED: cannot make a private mount namespace here (unshare -m); {what} did not run");
+        return None;
+    }
+    let out = Command::new("unshare")
+        .args(["-m", "--propagation", "private"])
+        .arg(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture"])
+        .env(child_env, "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    Some((out.status.success(), text))
 }

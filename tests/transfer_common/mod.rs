@@ -8,13 +8,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvoffload::internal::pin::{pin_all, NoPrefault};
-use kvoffload::internal::protocol::{CapturePolicy, Coordinator, PageableReason, PinState};
-use kvoffload::internal::runtime::{DevicePtr, Direction, Gate, GpuRuntime, Stream};
-use kvoffload::internal::transfer::{
-    GroupBlocks, GroupSpec, HostPlacement, JobBlocks, JobId, JobResult, KvLayout, TensorSpec, TransferEngine,
-    TransferOptions,
+use kvoffload::internal::protocol::Coordinator;
+use kvoffload::internal::runtime::Gate;
+use kvoffload::internal::transfer::{GroupBlocks, JobBlocks, JobResult, TransferEngine};
+use kvoffload::{
+    CapturePolicy, DevicePtr, Direction, GpuRuntime, GroupSpec, HostPlacement, JobId, KvLayout, PageableReason,
+    PinState, Request, Stream, TensorSpec, TransferOptions,
 };
-use kvoffload::Request;
 
 /// `f` through the gate of a coordinator with no region made for the call:
 /// the tests' own capture-unsafe calls on a runtime no rig guards (a rig's
@@ -32,7 +32,7 @@ pub fn gated<T>(rt: &dyn GpuRuntime, f: impl FnOnce(&Gate) -> T) -> T {
 pub const DIRS: [Direction; 2] = [Direction::DeviceToHost, Direction::HostToDevice];
 
 /// Engine options with `backend` and the defaults otherwise.
-pub fn opts(backend: kvoffload::internal::transfer::BackendChoice) -> TransferOptions {
+pub fn opts(backend: kvoffload::BackendChoice) -> TransferOptions {
     TransferOptions { backend, ..TransferOptions::default() }
 }
 
@@ -49,8 +49,8 @@ pub fn random_case(
     rt: Arc<dyn GpuRuntime>,
     rng: &mut Rng,
     case: usize,
-    choice: kvoffload::internal::transfer::BackendChoice,
-    expect: Option<kvoffload::internal::transfer::Backend>,
+    choice: kvoffload::BackendChoice,
+    expect: Option<kvoffload::Backend>,
     seed: u64,
 ) {
     let shape = Shape::random(rng);
