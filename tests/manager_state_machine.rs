@@ -24,7 +24,6 @@ use kvoffload::internal::manager::{BlockManager, ManagerConfig, ManagerEvent, Pr
 use kvoffload::{BlockKey, BlockState, Lookup, ManagerError, PolicyKind, SkipReason, Skipped};
 use proptest::prelude::*;
 use proptest::sample::subsequence;
-use proptest::test_runner::Config;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
 
 // ---------------------------------------------------------------- model --
@@ -688,13 +687,8 @@ impl<P: Policy> StateMachineTest for ManagerTest<P> {
     }
 }
 
-fn config() -> Config {
-    let cases = std::env::var("MANAGER_SM_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1500);
-    Config { cases, max_shrink_iters: 20_000, ..Config::default() }
-}
-
 prop_state_machine! {
-    #![proptest_config(config())]
+    #![proptest_config(policy_common::sm_config("MANAGER_SM_CASES", 1500, 20_000))]
 
     /// LRU: random operation sequences agree with the model, invariants hold.
     #[test]

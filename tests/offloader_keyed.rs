@@ -36,7 +36,6 @@ use kvoffload::{
 };
 use proptest::prelude::*;
 use proptest::sample::subsequence;
-use proptest::test_runner::Config;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
 
 const PAGE: usize = 4096;
@@ -581,13 +580,8 @@ impl<P: Policy> StateMachineTest for KeyedTest<P> {
     }
 }
 
-fn config() -> Config {
-    let cases = std::env::var("KEYED_SM_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
-    Config { cases, max_shrink_iters: 4_000, ..Config::default() }
-}
-
 prop_state_machine! {
-    #![proptest_config(config())]
+    #![proptest_config(policy_common::sm_config("KEYED_SM_CASES", 256, 4_000))]
 
     /// LRU: the keyed layer keeps its contract and the twin's victims.
     #[test]

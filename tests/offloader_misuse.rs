@@ -31,6 +31,14 @@ fn offloader(opts: OffloaderOptions) -> Offloader {
     Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(1), opts).expect("offloader")
 }
 
+/// An offloader of 8 host blocks, started and pinned.
+fn pinned() -> Offloader {
+    let off = offloader(OffloaderOptions::with_host_blocks(8));
+    off.start().unwrap();
+    off.wait_pinned(Request::new()).unwrap();
+    off
+}
+
 fn sim(off: &Offloader) -> &SimRuntime {
     off.geometry().runtime.as_sim().expect("the simulated GPU")
 }
@@ -60,9 +68,7 @@ fn would_deadlock<T>(r: Result<T, OffloaderError>) -> bool {
 
 #[test]
 fn a_window_or_a_nested_gated_inside_gated_is_refused() {
-    let off = offloader(OffloaderOptions::with_host_blocks(8));
-    off.start().unwrap();
-    off.wait_pinned(Request::new()).unwrap();
+    let off = pinned();
     let never = AtomicBool::new(false);
     // Each of these waited for the gated call it ran inside, for ever.
     assert!(would_deadlock(off.gated("test", Request::new(), |_| off.capture_window(Request::new())).unwrap()));
@@ -107,9 +113,7 @@ fn an_interrupted_capture_begin_opens_nothing() {
 
 #[test]
 fn an_interrupted_gated_runs_nothing() {
-    let off = offloader(OffloaderOptions::with_host_blocks(8));
-    off.start().unwrap();
-    off.wait_pinned(Request::new()).unwrap();
+    let off = pinned();
     let (opened_tx, opened) = mpsc::channel();
     let (close, close_rx) = mpsc::channel::<()>();
     let stop = AtomicBool::new(false);
@@ -138,9 +142,7 @@ fn an_interrupted_gated_runs_nothing() {
 
 #[test]
 fn interrupted_wait_jobs_and_shutdown_leave_the_job_running() {
-    let off = Arc::new(offloader(OffloaderOptions::with_host_blocks(8)));
-    off.start().unwrap();
-    off.wait_pinned(Request::new()).unwrap();
+    let off = Arc::new(pinned());
     let hold = sim(&off).hold(HoldPoint::DeviceOp);
     off.submit(JobId(7), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
     hold.wait_entered();
@@ -307,9 +309,7 @@ fn every_wait_and_shutdown_inside_gated_is_refused() {
     // Each waits for work (a poll through the gate, the pinner's next
     // chunk, the drain) that a window asked for by another thread holds
     // back until this gated call ends: it would wait for itself.
-    let off = Arc::new(offloader(OffloaderOptions::with_host_blocks(8)));
-    off.start().unwrap();
-    off.wait_pinned(Request::new()).unwrap();
+    let off = Arc::new(pinned());
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
     let never = AtomicBool::new(false);
     assert!(would_deadlock(
@@ -345,9 +345,7 @@ fn every_wait_and_shutdown_inside_gated_is_refused() {
 
 #[test]
 fn a_panic_in_a_gated_call_ends_the_call() {
-    let off = offloader(OffloaderOptions::with_host_blocks(8));
-    off.start().unwrap();
-    off.wait_pinned(Request::new()).unwrap();
+    let off = pinned();
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         off.gated("test", Request::new(), |_| panic!("the callable"))
     }));
@@ -359,9 +357,7 @@ fn a_panic_in_a_gated_call_ends_the_call() {
 
 #[test]
 fn is_shut_down_answers_while_a_shutdown_drains() {
-    let off = Arc::new(offloader(OffloaderOptions::with_host_blocks(8)));
-    off.start().unwrap();
-    off.wait_pinned(Request::new()).unwrap();
+    let off = Arc::new(pinned());
     thread::scope(|s| {
         // Dropped on the way out of this closure, a failure included, so
         // the held shutdown ends and the scope can join it.
@@ -385,9 +381,7 @@ fn is_shut_down_answers_while_a_shutdown_drains() {
 
 #[test]
 fn an_interruptible_shutdown_is_refused_at_once_while_another_threads_window_is_open() {
-    let off = Arc::new(offloader(OffloaderOptions::with_host_blocks(8)));
-    off.start().unwrap();
-    off.wait_pinned(Request::new()).unwrap();
+    let off = Arc::new(pinned());
     let never = AtomicBool::new(false);
     thread::scope(|s| {
         // Both dropped on the way out of this closure, a failure included:

@@ -39,6 +39,16 @@ fn device_and_offloader() -> (SimRuntime, Offloader) {
     (device, off)
 }
 
+/// An offloader whose store (job 1, block 0 to slot 0) the device holds
+/// inside its copy, and that hold.
+fn a_store_held() -> (Offloader, Hold) {
+    let (device, off) = device_and_offloader();
+    let hold = device.hold(HoldPoint::DeviceOp);
+    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
+    hold.wait_entered();
+    (off, hold)
+}
+
 /// Releases `hold` 100 ms from now, on a thread of its own: a wait that
 /// returns before then returned before the held work ran.
 fn release_in_100_ms(hold: Hold) -> std::thread::JoinHandle<()> {
@@ -769,10 +779,7 @@ fn shutdown_drains_stores_and_loads_in_flight() {
 /// it waits for the jobs in flight (here a store the device holds).
 #[test]
 fn an_interruptible_shutdown_beside_a_live_graph_is_refused_before_waiting() {
-    let (device, off) = device_and_offloader();
-    let hold = device.hold(HoldPoint::DeviceOp);
-    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
-    hold.wait_entered();
+    let (off, hold) = a_store_held();
     let token = off.register_graph().unwrap();
     let never = || false;
     // A shutdown that waited for the store first ends too, and fails below.
@@ -794,10 +801,7 @@ fn an_interruptible_shutdown_beside_a_live_graph_is_refused_before_waiting() {
 #[test]
 fn an_interruptible_wait_is_interrupted_however_long_it_waited() {
     use std::sync::atomic::{AtomicBool, Ordering};
-    let (device, off) = device_and_offloader();
-    let hold = device.hold(HoldPoint::DeviceOp);
-    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[0], 0)).unwrap();
-    hold.wait_entered();
+    let (off, hold) = a_store_held();
     let stop = std::sync::Arc::new(AtomicBool::new(false));
     let s2 = stop.clone();
     // The interrupt after 6 of the wait's 50 ms check periods; a wait that

@@ -6,10 +6,9 @@ mod pin_common;
 
 use std::sync::Arc;
 
-use kvoffload::internal::pin::Prepared;
 use kvoffload::internal::runtime::sim::{Hold, HoldPoint};
 use kvoffload::{PageableReason, PinState, Request, SimRuntime};
-use pin_common::{assert_usable, region, sim};
+use pin_common::{assert_usable, prepared};
 
 const CHUNKS: usize = 4;
 const CHUNK: usize = 1 << 20;
@@ -30,9 +29,7 @@ fn stop_inside(s: &Arc<SimRuntime>, first: Hold, k: usize) -> Hold {
 
 #[test]
 fn state_goes_pending_pinning_pinned_and_is_waitable() {
-    let (mut r, opts) = region(CHUNKS, CHUNK);
-    let (s, rt) = sim();
-    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
+    let (mut r, s, rt, p) = prepared(CHUNKS, CHUNK);
     let coord = p.coordinator().clone();
     assert_eq!(coord.pinning().state(), PinState::Pending);
 
@@ -57,17 +54,14 @@ fn state_goes_pending_pinning_pinned_and_is_waitable() {
     assert_eq!(s.registered_ranges(), CHUNKS);
     coord.pinning().unregister_all(rt.as_ref()).unwrap();
     assert_eq!(s.registered_ranges(), 0);
-    drop(p);
-    drop(coord);
+    drop((p, coord));
     assert_usable(&mut r, 2);
 }
 
 #[test]
 fn cancel_midway_rolls_back_to_pageable() {
     for k in [0, 2, CHUNKS - 1] {
-        let (mut r, opts) = region(CHUNKS, CHUNK);
-        let (s, rt) = sim();
-        let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
+        let (mut r, s, rt, p) = prepared(CHUNKS, CHUNK);
         let first = s.hold(HoldPoint::Register);
         let h = p.spawn(rt.clone());
         let hold = stop_inside(&s, first, k);
@@ -92,9 +86,7 @@ fn cancel_midway_rolls_back_to_pageable() {
 
 #[test]
 fn cancel_before_start_never_registers() {
-    let (r, opts) = region(2, CHUNK);
-    let (s, rt) = sim();
-    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
+    let (_r, s, rt, p) = prepared(2, CHUNK);
     p.coordinator().pinning().cancel();
     let h = p.spawn(rt.clone());
     assert_eq!(h.join(), PinState::Pageable(PageableReason::Cancelled));
@@ -103,9 +95,7 @@ fn cancel_before_start_never_registers() {
 
 #[test]
 fn dropping_the_handle_after_pinning_keeps_the_state() {
-    let (r, opts) = region(2, CHUNK);
-    let (s, rt) = sim();
-    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
+    let (_r, s, rt, p) = prepared(2, CHUNK);
     let h = p.spawn(rt.clone());
     assert_eq!(p.coordinator().pinning().wait_final(Request::new()).unwrap(), PinState::Pinned);
     drop(h);
@@ -116,9 +106,7 @@ fn dropping_the_handle_after_pinning_keeps_the_state() {
 
 #[test]
 fn dropping_the_handle_midway_cancels_and_waits_for_the_rollback() {
-    let (mut r, opts) = region(CHUNKS, CHUNK);
-    let (s, rt) = sim();
-    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
+    let (mut r, s, rt, p) = prepared(CHUNKS, CHUNK);
     let coord = p.coordinator().clone();
     let first = s.hold(HoldPoint::Register);
     let h = p.spawn(rt.clone());
@@ -142,8 +130,7 @@ fn dropping_the_handle_midway_cancels_and_waits_for_the_rollback() {
     );
     assert_eq!(s.registered_ranges(), 0);
     releaser.join().unwrap();
-    drop(p);
-    drop(coord);
+    drop((p, coord));
     assert_usable(&mut r, 4);
 }
 
@@ -182,9 +169,7 @@ fn eventually(what: &str, cond: impl Fn() -> bool) {
 /// the last one drops, whichever thread drops it.
 #[test]
 fn a_pin_hold_keeps_registrations_from_starting_until_it_drops() {
-    let (mut r, opts) = region(CHUNKS, CHUNK);
-    let (s, rt) = sim();
-    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
+    let (mut r, s, rt, p) = prepared(CHUNKS, CHUNK);
     let coord = p.coordinator().clone();
     // Chunk 0's registration in flight when the holds are taken.
     let first = s.hold(HoldPoint::Register);
@@ -209,8 +194,7 @@ fn a_pin_hold_keeps_registrations_from_starting_until_it_drops() {
     assert_eq!(h.join(), PinState::Pinned);
     assert_eq!(s.registered_ranges(), CHUNKS);
     coord.pinning().unregister_all(rt.as_ref()).unwrap();
-    drop(p);
-    drop(coord);
+    drop((p, coord));
     assert_usable(&mut r, 3);
 }
 
@@ -220,9 +204,7 @@ fn a_pin_hold_keeps_registrations_from_starting_until_it_drops() {
 /// would wait for itself); another thread's wait is not.
 #[test]
 fn a_pin_hold_gives_way_to_a_cancel_and_refuses_its_holders_wait() {
-    let (mut r, opts) = region(CHUNKS, CHUNK);
-    let (_s, rt) = sim();
-    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
+    let (mut r, _s, rt, p) = prepared(CHUNKS, CHUNK);
     let coord = p.coordinator().clone();
     let hold = coord.pinning().hold();
     let h = p.spawn(rt.clone());
@@ -238,7 +220,6 @@ fn a_pin_hold_gives_way_to_a_cancel_and_refuses_its_holders_wait() {
     assert_eq!(waiter.join().unwrap(), PinState::Pageable(PageableReason::Cancelled));
     assert_eq!(coord.pinning().registered_chunks(), 0);
     drop(hold);
-    drop(p);
-    drop(coord);
+    drop((p, coord));
     assert_usable(&mut r, 4);
 }

@@ -6,8 +6,9 @@
 mod pin_common;
 
 use kvoffload::internal::pin::{memlock, pin_all, PrefaultConfig, Prefaulter, Prepared};
-use kvoffload::{page_size, Code, PageableReason, PinState, PrefaultMode, Request, SimFault};
-use pin_common::{assert_usable, coordinator_over, region, sim};
+use kvoffload::internal::protocol::Coordinator;
+use kvoffload::{page_size, Code, GpuRuntime, PageableReason, PinState, PrefaultMode, Region, Request, SimFault};
+use pin_common::{assert_usable, coordinator_over, prepared, region, sim};
 
 const CHUNKS: usize = 5;
 const CHUNK: usize = 1 << 20;
@@ -26,9 +27,7 @@ fn expected(code: Code, bytes: usize) -> PageableReason {
 }
 
 fn fail_at(k: usize, code: Code, background: bool) {
-    let (mut r, opts) = region(CHUNKS, CHUNK);
-    let (s, rt) = sim();
-    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
+    let (mut r, s, rt, p) = prepared(CHUNKS, CHUNK);
     assert_eq!(p.chunks(), CHUNKS);
     s.inject(SimFault::Register { nth: k as u64 + 1, code });
     let state = if background {
@@ -68,9 +67,7 @@ fn failure_in_background_mode_rolls_back() {
 
 #[test]
 fn other_driver_codes_are_carried() {
-    let (mut r, opts) = region(3, CHUNK);
-    let (s, rt) = sim();
-    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
+    let (mut r, s, rt, p) = prepared(3, CHUNK);
     s.inject(SimFault::Register { nth: 2, code: Code(999) });
     match p.pin(rt.as_ref()) {
         PinState::Pageable(PageableReason::Driver(e)) => assert_eq!(e.code, Code(999)),
@@ -83,9 +80,7 @@ fn other_driver_codes_are_carried() {
 
 #[test]
 fn success_registers_every_chunk_and_unregisters_cleanly() {
-    let (mut r, opts) = region(CHUNKS, CHUNK);
-    let (s, rt) = sim();
-    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
+    let (mut r, s, rt, p) = prepared(CHUNKS, CHUNK);
     assert_eq!(p.pin(rt.as_ref()), PinState::Pinned);
     assert_eq!(s.registered_ranges(), CHUNKS);
     for i in 0..CHUNKS {
@@ -157,49 +152,51 @@ impl kvoffload::internal::pin::Prefault for Recorder {
     }
 }
 
+/// Pins `coord`'s chunks with a recorder asking for `lookahead` bytes, then
+/// unregisters them: the calls it recorded.
+fn pin_recorded(rt: &dyn GpuRuntime, coord: &Coordinator, lookahead: usize) -> Vec<String> {
+    let rec = Recorder(Default::default(), lookahead);
+    assert_eq!(pin_all(rt, coord, &rec), PinState::Pinned);
+    let calls = rec.0.lock().unwrap().clone();
+    coord.pinning().unregister_all(rt).unwrap();
+    calls
+}
+
+/// `n` chunks of `CHUNK` bytes from the start of `r`.
+fn chunks_of(r: &Region, n: usize) -> Vec<(usize, usize)> {
+    let base = r.as_ptr() as usize;
+    (0..n).map(|i| (base + i * CHUNK, CHUNK)).collect()
+}
+
 #[test]
 fn each_chunk_is_made_resident_before_registration_and_the_next_hinted() {
     let (r, _) = region(3, CHUNK);
-    let base = r.as_ptr() as usize;
-    let chunks: Vec<(usize, usize)> = (0..3).map(|i| (base + i * CHUNK, CHUNK)).collect();
     let (s, rt) = sim();
-    let coord = coordinator_over(rt.as_ref(), &r, &chunks);
-    let rec = Recorder::default();
-    assert_eq!(pin_all(rt.as_ref(), &coord, &rec), PinState::Pinned);
-    let calls = rec.0.lock().unwrap().clone();
+    let coord = coordinator_over(rt.as_ref(), &r, &chunks_of(&r, 3));
+    let calls = pin_recorded(rt.as_ref(), &coord, 0);
     assert_eq!(calls, ["ensure 0", "hint 1", "ensure 1", "hint 2", "ensure 2", "settle"]);
-    coord.pinning().unregister_all(rt.as_ref()).unwrap();
     assert_eq!(s.registered_ranges(), 0);
 }
 
 #[test]
 fn with_lookahead_the_loop_hints_ahead_each_chunk_once_and_in_order() {
     let (r, _) = region(5, CHUNK);
-    let base = r.as_ptr() as usize;
-    let chunks: Vec<(usize, usize)> = (0..5).map(|i| (base + i * CHUNK, CHUNK)).collect();
+    let chunks = chunks_of(&r, 5);
     let (s, rt) = sim();
     let coord = coordinator_over(rt.as_ref(), &r, &chunks);
     // Two chunks' bytes ahead: while chunk i registers, i+1 and i+2 are
     // queued; the last chunks are hinted once, none past the end.
-    let rec = Recorder(Default::default(), 2 * CHUNK);
-    assert_eq!(pin_all(rt.as_ref(), &coord, &rec), PinState::Pinned);
-    let calls = rec.0.lock().unwrap().clone();
     assert_eq!(
-        calls,
+        pin_recorded(rt.as_ref(), &coord, 2 * CHUNK),
         ["ensure 0", "hint 1", "hint 2", "ensure 1", "hint 3", "ensure 2", "hint 4", "ensure 3", "ensure 4", "settle"]
     );
-    coord.pinning().unregister_all(rt.as_ref()).unwrap();
     drop(coord);
     // A lookahead past the region hints every chunk at once, after the first
     // (a fresh coordinator: pinning is final once per coordinator).
     let coord = coordinator_over(rt.as_ref(), &r, &chunks);
-    let rec = Recorder(Default::default(), usize::MAX);
-    assert_eq!(pin_all(rt.as_ref(), &coord, &rec), PinState::Pinned);
-    let calls = rec.0.lock().unwrap().clone();
     assert_eq!(
-        calls,
+        pin_recorded(rt.as_ref(), &coord, usize::MAX),
         ["ensure 0", "hint 1", "hint 2", "hint 3", "hint 4", "ensure 1", "ensure 2", "ensure 3", "ensure 4", "settle"]
     );
-    coord.pinning().unregister_all(rt.as_ref()).unwrap();
     assert_eq!(s.registered_ranges(), 0);
 }

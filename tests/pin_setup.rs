@@ -9,10 +9,10 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use kvoffload::internal::pin::{prepare, Prepared, MAX_CHUNK_LIMIT};
-use kvoffload::internal::region::{fs_available, AnonOptions};
+use kvoffload::internal::region::AnonOptions;
 use kvoffload::{
     page_size, GpuRuntime, HugePages, Layout, PinError, PinOptions, PinState, Region, RegionError, ShmOptions,
-    SimRuntime, DEFAULT_MAX_CHUNK_BYTES, DEFAULT_SHM_DIR,
+    SimRuntime, DEFAULT_MAX_CHUNK_BYTES,
 };
 use pin_common::region;
 use region_common::ShmGuard;
@@ -133,9 +133,7 @@ fn shm_setup(name: &str, layout: Layout) -> Result<(Arc<Region>, Prepared), PinE
 #[test]
 fn region_larger_than_dev_shm_is_a_typed_error_and_leaves_no_file() {
     let g = ShmGuard::new("pin-toobig");
-    let free = fs_available(std::path::Path::new(DEFAULT_SHM_DIR)).unwrap();
-    let rows = (free / page_size() as u64 + 16) as usize;
-    let l = Layout::new(1, page_size(), rows).unwrap();
+    let l = region_common::larger_than_dev_shm();
     match shm_setup(&g.name, l) {
         Err(PinError::Region(RegionError::ShmTooSmall { needed, available, .. })) => {
             assert!(needed > available, "{needed} > {available}")

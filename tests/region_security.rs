@@ -262,19 +262,34 @@ fn region_joiner_refuses_a_data_file_of_another_user() {
     g.assert_gone();
 }
 
+/// Rank `rank` joining a header file of ours for `l` and `split` whose mode
+/// was set to `mode` after it was written: refused for `want`, the file
+/// left listed and unchanged; the refusal's message.
+fn join_refused_leaving_the_file(
+    tag: &str,
+    l: Layout,
+    rank: usize,
+    split: FileSplit,
+    mode: u32,
+    want: FileProblem,
+) -> String {
+    let g = ShmGuard::new(tag);
+    write_private(&g.path, &vec![0u8; header_file_len(&l, split)]);
+    set_mode(&g.path, mode);
+    let before = Snapshot::of(&g.path);
+    assert_eq!(before.mode & 0o7777, mode, "the test could not set the bits");
+    let res = Region::join(&g.name, l, rank, &opts(300).files(split));
+    assert!(g.listed(), "{split:?} {mode:o}: the file was removed; join gave {res:?}");
+    assert_eq!(Snapshot::of(&g.path), before, "{split:?} {mode:o}: the file was changed; join gave {res:?}");
+    expect_untrusted(res, &g.path, want)
+}
+
 #[test]
 fn region_joiner_refuses_files_that_others_may_read_or_write() {
     for split in SPLITS {
         for mode in [0o666, 0o640, 0o604] {
-            let g = ShmGuard::new("mode");
-            let l = small(2, 1);
-            write_private(&g.path, &vec![0u8; header_file_len(&l, split)]);
-            set_mode(&g.path, mode);
-            let before = Snapshot::of(&g.path);
-            let res = Region::join(&g.name, l, 1, &opts(300).files(split));
-            assert!(g.listed(), "{split:?} {mode:o}: the file was removed; join gave {res:?}");
-            assert_eq!(Snapshot::of(&g.path), before, "{split:?} {mode:o}: the file was changed; join gave {res:?}");
-            let msg = expect_untrusted(res, &g.path, FileProblem::Mode { mode, allowed_group: None });
+            let problem = FileProblem::Mode { mode, allowed_group: None };
+            let msg = join_refused_leaving_the_file("mode", small(2, 1), 1, split, mode, problem);
             assert!(msg.contains(&format!("mode {mode:#o} has group/other")), "{msg}");
         }
     }
@@ -303,16 +318,8 @@ fn region_joiner_refuses_files_that_others_may_read_or_write() {
 fn region_joiner_refuses_a_file_with_setuid_setgid_or_sticky_bits_and_leaves_it() {
     for split in SPLITS {
         for mode in [0o2600, 0o4600, 0o1600] {
-            let g = ShmGuard::new("special");
-            let l = small(1, 1);
-            write_private(&g.path, &vec![0u8; header_file_len(&l, split)]);
-            set_mode(&g.path, mode);
-            let before = Snapshot::of(&g.path);
-            assert_eq!(before.mode & 0o7777, mode, "the test could not set the bits");
-            let res = Region::join(&g.name, l, 0, &opts(300).files(split));
-            assert!(g.listed(), "{split:?} {mode:o}: the file was removed; join gave {res:?}");
-            assert_eq!(Snapshot::of(&g.path), before, "{split:?} {mode:o}: the file was changed; join gave {res:?}");
-            let msg = expect_untrusted(res, &g.path, FileProblem::SpecialBits { mode });
+            let problem = FileProblem::SpecialBits { mode };
+            let msg = join_refused_leaving_the_file("special", small(1, 1), 0, split, mode, problem);
             assert!(msg.contains("set-user-id"), "{msg}");
         }
     }

@@ -7,7 +7,7 @@ mod region_common;
 
 use std::time::Duration;
 
-use kvoffload::internal::region::{fs_available, shm_path, AbandonNote, RegionKind, SHM_PREFIX};
+use kvoffload::internal::region::{shm_path, AbandonNote, RegionKind, SHM_PREFIX};
 use kvoffload::{
     page_size, AbandonReason, FileSplit, JoinPhase, Layout, Region, RegionError, ShmOptions, DEFAULT_SHM_DIR,
 };
@@ -100,9 +100,7 @@ fn region_ranks_as_threads_see_each_others_writes_and_file_goes() {
 #[test]
 fn region_bigger_than_shm_is_typed_and_leaves_no_file() {
     let g = ShmGuard::new("toobig");
-    let free = fs_available(std::path::Path::new(DEFAULT_SHM_DIR)).unwrap();
-    let rows = (free / page_size() as u64 + 16) as usize;
-    let l = Layout::new(1, page_size(), rows).unwrap();
+    let l = region_common::larger_than_dev_shm();
     match Region::create(&g.name, l, 0, &opts(100)) {
         Err(e @ RegionError::ShmTooSmall { .. }) => {
             let RegionError::ShmTooSmall { needed, available, ref dir } = e else { unreachable!() };

@@ -32,13 +32,21 @@ fn run(args: &[&str]) -> (i32, String, u32) {
     (status.code().unwrap_or(-1), out, pid)
 }
 
+/// The files in /dev/shm of the region that the run of parent `pid` made.
+fn region_files(pid: u32) -> Vec<String> {
+    let prefix = format!("kvoffload-run-{pid}-");
+    std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with(&prefix))
+        .collect()
+}
+
 /// No /dev/shm file of the run whose parent had `pid`.
 fn assert_no_file(pid: u32, out: &str) {
-    let prefix = format!("kvoffload-run-{pid}-");
-    let left: Vec<String> = std::fs::read_dir("/dev/shm")
-        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().to_string()).collect())
-        .unwrap_or_default();
-    assert!(!left.iter().any(|n| n.starts_with(&prefix)), "region file left: {left:?}\n{out}");
+    let left = region_files(pid);
+    assert!(left.is_empty(), "region file left: {left:?}\n{out}");
     assert!(out.contains("region file left: no"), "{out}");
 }
 
@@ -409,13 +417,7 @@ fn sigkill_to_the_parent_ends_every_rank_and_leaves_no_region_file() {
     // PR_SET_PDEATHSIG: each rank gets SIGTERM, drains, shuts down, exits.
     let secs = wait_ranks_gone(&pids, Duration::from_secs(60), &|| bg.output());
     println!("SIGKILL to the parent: every rank gone {secs:.2} s later");
-    let prefix = format!("kvoffload-run-{parent}-");
-    let left: Vec<String> = std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().to_string())
-        .filter(|n| n.starts_with(&prefix))
-        .collect();
+    let left = region_files(parent);
     assert!(left.is_empty(), "region file left: {left:?}\n{}", bg.output());
 }
 
@@ -438,13 +440,7 @@ fn a_rank_killed_during_the_join_ends_the_run_at_once() {
         assert!(out.contains(&format!("rank {other}: stopped (another rank failed)")), "{out}");
         assert!(out.contains("result: FAILED"), "{out}");
         let pid = bg.child.id();
-        let prefix = format!("kvoffload-run-{pid}-");
-        let left: Vec<String> = std::fs::read_dir("/dev/shm")
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().to_string())
-            .filter(|n| n.starts_with(&prefix))
-            .collect();
+        let left = region_files(pid);
         assert!(left.is_empty(), "left: {left:?}\n{out}");
     }
 }

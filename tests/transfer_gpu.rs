@@ -37,6 +37,15 @@ fn random_layouts(rt: &Arc<dyn GpuRuntime>, choice: BackendChoice, expect: Optio
     gated(&**rt, |gt| rt.ctx_synchronize(gt)).expect("context healthy");
 }
 
+/// A job of 20 of the rig's 24 blocks drawn by `rng` in each direction,
+/// every byte checked, and each run by `backend`.
+fn each_direction_by(rig: &mut Rig, mut rng: Rng, backend: Backend) {
+    for dir in DIRS {
+        let res = rig.run_checked(dir, &JobBlocks::single(rng.distinct(24, 20), rng.distinct(24, 20)), 7);
+        assert_eq!(res.backend, backend);
+    }
+}
+
 #[test]
 fn gpu_every_byte_every_backend() {
     let Some(rt) = gpu("gpu_every_byte_every_backend") else { return };
@@ -63,11 +72,7 @@ fn gpu_staged_in_many_chunks_at_kv_sizes() {
     for (page, staging) in [(32 << 10, 16 << 20), (32 << 10, 256 << 10), ((32 << 10) + 8, 256 << 10)] {
         let o = TransferOptions { staging_bytes: staging, ..opts(BackendChoice::Force(Backend::Staged)) };
         let mut rig = Rig::new(rt.clone(), block_major(8, page, 24), o, Pin::Registered);
-        let mut rng = Rng(page as u64 ^ staging as u64);
-        for dir in DIRS {
-            let res = rig.run_checked(dir, &JobBlocks::single(rng.distinct(24, 20), rng.distinct(24, 20)), 7);
-            assert_eq!(res.backend, Backend::Staged);
-        }
+        each_direction_by(&mut rig, Rng(page as u64 ^ staging as u64), Backend::Staged);
     }
     gated(&*rt, |gt| rt.ctx_synchronize(gt)).expect("context healthy");
 }
@@ -113,11 +118,7 @@ fn gpu_gather_vector_and_byte_paths_at_kv_sizes() {
     for (page, entries) in [(32 << 10, 1 << 16), ((32 << 10) + 8, 1 << 16), (4096, 3)] {
         let o = TransferOptions { gather_table_entries: entries, ..opts(BackendChoice::Force(Backend::Gather)) };
         let mut rig = Rig::new(rt.clone(), simple(2, page, 24), o, Pin::Registered);
-        let mut rng = Rng(page as u64);
-        for dir in DIRS {
-            let res = rig.run_checked(dir, &JobBlocks::single(rng.distinct(24, 20), rng.distinct(24, 20)), 7);
-            assert_eq!(res.backend, Backend::Gather);
-        }
+        each_direction_by(&mut rig, Rng(page as u64), Backend::Gather);
     }
     gated(&*rt, |gt| rt.ctx_synchronize(gt)).expect("context healthy");
 }

@@ -23,6 +23,13 @@ fn sim() -> (Arc<SimRuntime>, Arc<dyn GpuRuntime>) {
     (s, rt)
 }
 
+/// A simulated GPU and a rig on it of one tensor of `blocks` pages of
+/// `page` bytes, registered, its backend chosen by `choice`.
+fn one_tensor_rig(page: usize, blocks: usize, choice: BackendChoice) -> (Arc<SimRuntime>, Arc<dyn GpuRuntime>, Rig) {
+    let (s, rt) = sim();
+    (s, rt.clone(), Rig::new(rt, simple(1, page, blocks), opts(choice), Pin::Registered))
+}
+
 fn random_layouts(choice: BackendChoice, expect: Option<Backend>, seed: u64) {
     let mut rng = Rng(seed);
     for case in 0..24 {
@@ -525,9 +532,7 @@ fn many_tables_in_flight_fill_and_wrap_the_pinned_ring() {
 fn gather_never_runs_on_memory_outside_the_coordinator() {
     // Host memory registered with the driver directly, but not a chunk of
     // the coordinator: no alias can be had, so no gather.
-    let (s, rt) = sim();
-    let mut rig =
-        Rig::new(rt.clone(), simple(1, 4096, 8), opts(BackendChoice::Force(Backend::Gather)), Pin::Registered);
+    let (s, rt, mut rig) = one_tensor_rig(4096, 8, BackendChoice::Force(Backend::Gather));
     // A second host buffer, registered behind the coordinator's back.
     let mut other = memmap2::MmapMut::map_anon(8 * 4096).unwrap();
     let addr = other.as_mut_ptr() as usize;
@@ -586,8 +591,7 @@ fn the_sim_faults_a_gather_kernel_on_unregistered_host_memory() {
 
 #[test]
 fn store_is_ordered_after_compute() {
-    let (s, rt) = sim();
-    let mut rig = Rig::new(rt.clone(), simple(1, 256, 4), opts(BackendChoice::Auto), Pin::Registered);
+    let (s, rt, mut rig) = one_tensor_rig(256, 4, BackendChoice::Auto);
     rig.fill(1);
     let tensor = rig.tensors[0][0];
     // A gate stream created after the engine's streams: the device visits
@@ -627,8 +631,7 @@ fn store_is_ordered_after_compute() {
 
 #[test]
 fn results_in_submission_order_per_direction() {
-    let (s, rt) = sim();
-    let mut rig = Rig::new(rt.clone(), simple(1, 128, 64), opts(BackendChoice::Auto), Pin::Registered);
+    let (s, _, mut rig) = one_tensor_rig(128, 64, BackendChoice::Auto);
     rig.fill(2);
     let hold = s.hold(HoldPoint::DeviceOp);
     let mut want = [Vec::new(), Vec::new()];
@@ -662,9 +665,7 @@ fn results_in_submission_order_per_direction() {
 
 #[test]
 fn failed_enqueue_is_reported_failed_and_later_jobs_complete() {
-    let (s, rt) = sim();
-    let mut rig =
-        Rig::new(rt.clone(), simple(1, 128, 16), opts(BackendChoice::Force(Backend::PerFragment)), Pin::Registered);
+    let (s, _, mut rig) = one_tensor_rig(128, 16, BackendChoice::Force(Backend::PerFragment));
     rig.fill(3);
     let hold = s.hold(HoldPoint::DeviceOp);
     // Job 1 runs (held on the device); job 2 fails at its second copy.
@@ -735,8 +736,7 @@ fn typed_errors_for_bad_jobs() {
 
 #[test]
 fn submit_while_the_compute_stream_captures_is_refused() {
-    let (s, rt) = sim();
-    let rig = Rig::new(rt.clone(), simple(1, 64, 8), opts(BackendChoice::Auto), Pin::Registered);
+    let (s, rt, rig) = one_tensor_rig(64, 8, BackendChoice::Auto);
     rt.begin_capture(rig.compute, CaptureMode::Relaxed).unwrap();
     let job = JobBlocks::single(vec![0], vec![0]);
     assert_eq!(rig.engine().store(JobId(1), &job), Err(TransferError::ComputeCapturing { id: JobId(1) }));
@@ -777,9 +777,7 @@ fn shutdown_waits_for_jobs_then_refuses_new_ones() {
 
 #[test]
 fn batched_copy_is_never_issued_on_a_capturing_stream() {
-    let (s, rt) = sim();
-    let mut rig =
-        Rig::new(rt.clone(), simple(1, 4096, 8), opts(BackendChoice::Force(Backend::Batched)), Pin::Registered);
+    let (s, rt, mut rig) = one_tensor_rig(4096, 8, BackendChoice::Force(Backend::Batched));
     rig.fill(5);
     let host_copy = rig.host.to_vec();
     let stream = rig.engine().stream(Direction::HostToDevice);
@@ -802,8 +800,7 @@ fn batched_copy_is_never_issued_on_a_capturing_stream() {
 
 #[test]
 fn poll_during_an_open_capture_window_queries_no_event() {
-    let (s, rt) = sim();
-    let mut rig = Rig::new(rt.clone(), simple(1, 256, 16), opts(BackendChoice::Auto), Pin::Registered);
+    let (s, rt, mut rig) = one_tensor_rig(256, 16, BackendChoice::Auto);
     rig.fill(6);
     // Two jobs in flight before the window opens; both complete on the
     // device, so a poll that queried events would report them.

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use kvoffload::internal::pin::Prepared;
 use kvoffload::internal::protocol::Coordinator;
 use kvoffload::internal::region::AnonOptions;
 use kvoffload::{page_size, CapturePolicy, GpuRuntime, Layout, PinOptions, Region, SimRuntime};
@@ -16,6 +17,15 @@ pub fn region(chunks: usize, chunk_bytes: usize) -> (Arc<Region>, PinOptions) {
     let l = Layout::new(1, p, chunks * chunk_bytes / p).unwrap();
     let r = Region::anonymous(l, &AnonOptions::new()).unwrap();
     (Arc::new(r), PinOptions::default().max_chunk_bytes(chunk_bytes))
+}
+
+/// `region(chunks, chunk_bytes)` on a simulated GPU, prepared for pinning
+/// there: the region, the GPU (and as the engine takes it), the prepared pin.
+pub fn prepared(chunks: usize, chunk_bytes: usize) -> (Arc<Region>, Arc<SimRuntime>, Arc<dyn GpuRuntime>, Prepared) {
+    let (r, opts) = region(chunks, chunk_bytes);
+    let (s, rt) = sim();
+    let p = Prepared::new(rt.as_ref(), &r, &opts).unwrap();
+    (r, s, rt, p)
 }
 
 /// A coordinator (policy AfterPinning) over `chunks`, each checked to lie

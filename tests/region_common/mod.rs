@@ -7,13 +7,20 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use kvoffload::internal::region::shm_path;
-use kvoffload::DEFAULT_SHM_DIR;
+use kvoffload::internal::region::{fs_available, shm_path};
+use kvoffload::{page_size, Layout, DEFAULT_SHM_DIR};
 
 /// Env var that makes a re-executed test binary play a child role.
 pub const ROLE_ENV: &str = "KVOFFLOAD_REGION_TEST_ROLE";
 /// Env var carrying the region name to a child.
 pub const NAME_ENV: &str = "KVOFFLOAD_REGION_TEST_NAME";
+
+/// A layout of one rank 16 pages larger than what /dev/shm has free now.
+pub fn larger_than_dev_shm() -> Layout {
+    let free = fs_available(Path::new(DEFAULT_SHM_DIR)).unwrap();
+    let rows = (free / page_size() as u64 + 16) as usize;
+    Layout::new(1, page_size(), rows).unwrap()
+}
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
