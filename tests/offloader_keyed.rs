@@ -488,9 +488,7 @@ fn hashes_of(keys: &[BlockKey]) -> Vec<u64> {
 
 impl Sut {
     fn store(&mut self, hashes: &[u64], bad: Option<usize>, window: bool, want: &Want) {
-        let ks = keys(hashes);
-        let gpu = gpu_blocks(hashes.len(), bad);
-        let got = self.maybe_in_window(window, |off| off.store(&ks, &gpu));
+        let got = self.call(hashes, bad, window, |off, ks, gpu| off.store(ks, gpu));
         match (got, want) {
             (Err(e), Want::StoreRefused(r)) => assert_eq!(refusal(&e), Some(*r), "store {hashes:?} refused: {e:?}"),
             (Ok(got), Want::Stored { stored, skipped, evicted: victims, may_evict }) => {
@@ -515,9 +513,7 @@ impl Sut {
     }
 
     fn load(&mut self, hashes: &[u64], bad: Option<usize>, window: bool, want: &Want) {
-        let ks = keys(hashes);
-        let gpu = gpu_blocks(hashes.len(), bad);
-        let got = self.maybe_in_window(window, |off| off.load(&ks, &gpu));
+        let got = self.call(hashes, bad, window, |off, ks, gpu| off.load(ks, gpu));
         match (got, want) {
             (Err(e), Want::LoadRefused(r)) => assert_eq!(refusal(&e), Some(*r), "load {hashes:?} refused: {e:?}"),
             (Ok(_), Want::Loaded) => {}
@@ -525,10 +521,18 @@ impl Sut {
         }
     }
 
-    /// Runs `call` inside a capture window if `window`, else outside any.
-    fn maybe_in_window<T>(&self, window: bool, call: impl FnOnce(&KeyedOffloader) -> T) -> T {
+    /// `call` with the keys of `hashes` and as many GPU blocks (block `bad`
+    /// out of range), inside a capture window if `window`, else outside any.
+    fn call<T>(
+        &self,
+        hashes: &[u64],
+        bad: Option<usize>,
+        window: bool,
+        call: impl FnOnce(&KeyedOffloader, &[BlockKey], &[usize]) -> T,
+    ) -> T {
+        let (ks, gpu) = (keys(hashes), gpu_blocks(hashes.len(), bad));
         let _w = window.then(|| self.off.core().capture_window(Request::new()).expect("window"));
-        call(&self.off)
+        call(&self.off, &ks, &gpu)
     }
 
     fn settle(&mut self) {
