@@ -368,19 +368,21 @@ fn signal(pid: u32, sig: i32) {
     assert_eq!(r, 0, "kill({pid}, {sig}) failed");
 }
 
-/// Both ranks in their workload (a run of a million requests per rank: it
-/// is still running long after), then a moment for jobs to be in flight.
-fn mid_workload(bg: &Background) {
+/// A run of a million requests per rank (still running long after) with
+/// both ranks in their workload and then a moment for jobs to be in
+/// flight; its two rank pids.
+fn mid_workload() -> (Background, Vec<u32>) {
+    let bg = Background::start(&["--jobs", "1000000"]);
     bg.wait_for("workload of both ranks", |o| o.contains("rank 0 -> workload") && o.contains("rank 1 -> workload"));
     std::thread::sleep(Duration::from_millis(300));
+    let pids = bg.rank_pids();
+    assert_eq!(pids.len(), 2);
+    (bg, pids)
 }
 
 #[test]
 fn sigterm_to_the_parent_stops_every_rank_in_order_and_prints_the_summary() {
-    let mut bg = Background::start(&["--jobs", "1000000"]);
-    mid_workload(&bg);
-    let pids = bg.rank_pids();
-    assert_eq!(pids.len(), 2);
+    let (mut bg, pids) = mid_workload();
     let t = Instant::now();
     signal(bg.child.id(), libc::SIGTERM);
     let status = bg.wait(Duration::from_secs(60));
@@ -407,10 +409,7 @@ fn sigterm_to_the_parent_stops_every_rank_in_order_and_prints_the_summary() {
 
 #[test]
 fn sigkill_to_the_parent_ends_every_rank_and_leaves_no_region_file() {
-    let mut bg = Background::start(&["--jobs", "1000000"]);
-    mid_workload(&bg);
-    let pids = bg.rank_pids();
-    assert_eq!(pids.len(), 2);
+    let (mut bg, pids) = mid_workload();
     let parent = bg.child.id();
     bg.child.kill().unwrap();
     bg.child.wait().unwrap();

@@ -336,9 +336,14 @@ fn batched_copy_spanning_two_registrations_is_refused() {
     gated(&*rt, |gt| rt.host_unregister(gt, base + 4096)).unwrap();
 }
 
-/// What this process can get now (`kvoffload::internal::region::limits`), if known.
+/// What this process can get now (`kvoffload::internal::region::limits`),
+/// if known; where not, says that the test calling it is skipped.
 fn host_available() -> Option<usize> {
-    kvoffload::internal::region::available_memory().map(|b| usize::try_from(b.bytes).unwrap_or(usize::MAX))
+    let avail = kvoffload::internal::region::available_memory().map(|b| usize::try_from(b.bytes).unwrap_or(usize::MAX));
+    if avail.is_none() {
+        eprintln!("skipped: what this process can get is not known here");
+    }
+    avail
 }
 
 /// A simulated GPU whose configured device memory is no limit: only what
@@ -356,10 +361,7 @@ fn unbounded_sim(host_limit: Option<usize>) -> SimRuntime {
 /// host memory.
 #[test]
 fn an_allocation_the_host_cannot_back_is_out_of_memory_at_once() {
-    let Some(avail) = host_available() else {
-        eprintln!("skipped: what this process can get is not known here");
-        return;
-    };
+    let Some(avail) = host_available() else { return };
     let rt = unbounded_sim(None);
     let huge = avail.saturating_mul(4);
     assert_eq!(gated(&rt, |gt| rt.mem_alloc(gt, huge)).map_err(|e| e.code), Err(Code::OUT_OF_MEMORY));
@@ -378,10 +380,7 @@ fn an_allocation_the_host_cannot_back_is_out_of_memory_at_once() {
 /// uses no memory; before, every allocation succeeded.
 #[test]
 fn allocations_summing_past_what_the_host_can_back_are_out_of_memory() {
-    let Some(avail) = host_available() else {
-        eprintln!("skipped: what this process can get is not known here");
-        return;
-    };
+    let Some(avail) = host_available() else { return };
     let rt = unbounded_sim(None);
     let chunk = (avail / 8).max(1 << 20);
     let mut got = Vec::new();
