@@ -135,32 +135,25 @@ class KvoffloadSide:
                 raise RuntimeError(f"kvoffload job {c.job} failed: {c.error}")
             self.backends[c.backend] = self.backends.get(c.backend, 0) + 1
 
-    def store(self, jobs) -> None:
+    def _jobs(self, submits) -> None:
+        """Submits each (store_slots or load_slots, GPU blocks, slots) as a
+        job of its own, in order, then waits for them all."""
         ids = []
-        for blocks, slots, _ in jobs:
+        for submit, blocks, slots in submits:
             j = self._id()
-            self.off.store_slots(j, blocks, slots)
+            submit(j, blocks, slots)
             ids.append(j)
         self._drain(ids)
+
+    def store(self, jobs) -> None:
+        self._jobs((self.off.store_slots, blocks, slots) for blocks, slots, _ in jobs)
 
     def load(self, jobs) -> None:
-        ids = []
-        for blocks, slots, _ in jobs:
-            j = self._id()
-            self.off.load_slots(j, blocks, slots)
-            ids.append(j)
-        self._drain(ids)
+        self._jobs((self.off.load_slots, blocks, slots) for blocks, slots, _ in jobs)
 
     def both(self, stores, loads) -> None:
-        ids = []
-        for (sb, ss, _), (lb, ls, _) in zip(stores, loads):
-            j = self._id()
-            self.off.store_slots(j, sb, ss)
-            ids.append(j)
-            j = self._id()
-            self.off.load_slots(j, lb, ls)
-            ids.append(j)
-        self._drain(ids)
+        st, ld = self.off.store_slots, self.off.load_slots
+        self._jobs(x for (sb, ss, _), (lb, ls, _) in zip(stores, loads) for x in ((st, sb, ss), (ld, lb, ls)))
 
     def gpu_bytes(self) -> int:
         return max(0, self.free0 - self.torch.cuda.mem_get_info()[0])
