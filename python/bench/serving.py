@@ -291,21 +291,30 @@ def fake_gpu_used_mib():
     return 4096 * len(fake_pids())
 
 
+def smi_query(fields, fmt):
+    """``nvidia-smi --query-gpu=<fields> --format=<fmt>`` of the engines'
+    GPU, run (None when it cannot be: no nvidia-smi, 30 s without an answer)."""
+    try:
+        return subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", f"--format={fmt}", "-i", gpu_index()],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
 def gpu_used_mib(fake=False):
     """GPU memory in use (MiB) on the device the engines use: nvidia-smi,
     else torch in a throw-away process (this process never opens CUDA)."""
     if fake:
         return fake_gpu_used_mib()
+    p = smi_query("memory.used", "csv,noheader,nounits")
     try:
-        p = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", gpu_index()],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        if p.returncode == 0 and p.stdout.strip():
+        if p is not None and p.returncode == 0 and p.stdout.strip():
             return int(float(p.stdout.split()[0]))
-    except (OSError, subprocess.TimeoutExpired, ValueError):
+    except ValueError:
         pass
     try:
         code = "import torch; f, t = torch.cuda.mem_get_info(); print((t - f) >> 20)"
@@ -337,16 +346,8 @@ def wait_gpu_free(baseline, slack_mib, timeout_s, fake=False, stop=None):
 
 
 def device_name():
-    try:
-        p = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader", "-i", gpu_index()],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        return p.stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    p = smi_query("name,memory.total,driver_version", "csv,noheader")
+    return (p.stdout.strip() or None) if p is not None else None
 
 
 # ------------------------------------------------------------ log parsing
