@@ -1212,12 +1212,7 @@ def build_parser():
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--kvo-extra", action="append", default=None, metavar="KEY=VALUE",
-                    help="added to kvoffload's kv_connector_extra_config (e.g. kvo_pin_threads=8)")
-    ap.add_argument("--offload-extra", action="append", default=None, metavar="KEY=VALUE",
-                    help="added to both offloading specs' extra config")
-    ap.add_argument("--no-pin-probe", dest="pin_probe", action="store_false",
-                    help="run kvoffload's spec itself, without serving.py's probe of when pinning ended")
+    sv.add_extra_args(ap, "kvo_pin_threads=8", "", "serving.py's probe of")
     ap.add_argument("--server-arg", action="append", default=None, metavar="ARG",
                     help="passed to vllm serve as is (repeat; e.g. --server-arg=--attention-backend=TRITON_ATTN)")
     ap.add_argument("--entry", choices=("serve", "api_server"), default="serve",

@@ -1597,6 +1597,19 @@ def bench_parser(doc):
     return ap
 
 
+def add_extra_args(ap, kvo_eg, offload_eg, probe):
+    """The options ``parse_extras`` and ``connector_extra`` read: extra
+    config for kvoffload's spec and for both offloading specs, and whether
+    kvoffload runs as the probed spec (``kvo_eg``, ``offload_eg``, ``probe``:
+    the help's examples and its words for the probe)."""
+    ap.add_argument("--kvo-extra", action="append", default=None, metavar="KEY=VALUE",
+                    help=f"added to kvoffload's kv_connector_extra_config (e.g. {kvo_eg})")
+    ap.add_argument("--offload-extra", action="append", default=None, metavar="KEY=VALUE",
+                    help=f"added to both offloading specs' extra config{offload_eg}")
+    ap.add_argument("--no-pin-probe", dest="pin_probe", action="store_false",
+                    help=f"run kvoffload's spec itself, without {probe} when pinning ended")
+
+
 def add_plan_args(ap, noun, timeout_help):
     """The options ``run_plan`` reads of each ``noun`` (engine, server) it
     runs: its timeout, the budget and the grace of its group's SIGTERM."""
@@ -1622,12 +1635,7 @@ def build_parser():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--attention", default=None, help="attention_backend for LLM(...) (default: vLLM's)")
-    ap.add_argument("--kvo-extra", action="append", default=None, metavar="KEY=VALUE",
-                    help="added to kvoffload's kv_connector_extra_config (e.g. kvo_pin_threads=8, kvo_region=anonymous)")
-    ap.add_argument("--offload-extra", action="append", default=None, metavar="KEY=VALUE",
-                    help="added to both offloading specs' extra config (e.g. blocks_per_chunk=16)")
-    ap.add_argument("--no-pin-probe", dest="pin_probe", action="store_false",
-                    help="run kvoffload's spec itself, without the subclass that reports when pinning ended")
+    add_extra_args(ap, "kvo_pin_threads=8, kvo_region=anonymous", " (e.g. blocks_per_chunk=16)", "the subclass that reports")
     ap.add_argument("--warmup-prompts", type=int, default=4)
     ap.add_argument("--no-warmup", action="store_true")
     add_plan_args(ap, "engine", "seconds per engine")
