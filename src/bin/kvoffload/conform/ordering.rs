@@ -23,9 +23,13 @@ use kvoffload::internal::sync::Arc;
 use super::probe::{gate, gated, release_hold_when, scenario_coordinator, tick, HostBuf, LongRegister, Target};
 use super::{code, Observed, Scenario};
 
-/// A scenario's start: its runtime, a coordinator of its own, a stream and
-/// `bytes` of device memory (ended by [`free_and_destroy`]).
-fn start(t: &Target, bytes: usize) -> Result<(Arc<dyn GpuRuntime>, Arc<Coordinator>, Stream, DevicePtr), String> {
+/// What a scenario starts with: its runtime, a coordinator of its own, a
+/// stream and device memory.
+type Started = (Arc<dyn GpuRuntime>, Arc<Coordinator>, Stream, DevicePtr);
+
+/// A scenario's start, with `bytes` of device memory (ended by
+/// [`free_and_destroy`]).
+fn start(t: &Target, bytes: usize) -> Result<Started, String> {
     let rt = t.rt();
     let c = scenario_coordinator(rt.as_ref())?;
     let s = rt.stream_create().map_err(de("stream"))?;
