@@ -45,17 +45,8 @@ import sys
 import threading
 import time
 
-GIB = 1 << 30
-
-
-def parse_size(s):
-    units = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": GIB, "gib": GIB, "": 1}
-    t = s.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    if unit not in units or not num:
-        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 16GiB, 512MiB)")
-    return int(float(num) * units[unit])
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "bench"))
+from sizes import GIB, parse_size  # noqa: E402  (the checkout's python/bench/sizes.py)
 
 
 def need_torch():
@@ -137,6 +128,18 @@ class Captures:
                 y.add_(1.0)
             time.sleep(self.hold)
 
+    def summary(self, right):
+        """The captures' part of a design's result: counts, failures, `right`
+        replays (from `replays()`) and the stalls entering them."""
+        return dict(
+            captures=len(self.seconds),
+            captures_ok=len(self.graphs),
+            failures=self.failures,
+            replays_right=right,
+            stall_max=max(self.stalls, default=0.0),
+            stall_total=sum(self.stalls),
+        )
+
     def replays(self):
         """Replays every captured graph; how many computed x + nodes."""
         torch = self.torch
@@ -191,12 +194,7 @@ def run_upstream(args, torch, rank, group, in_capture=False):
         pin=("pinned" if pinned else f"pageable: cudaHostRegister returned {reg['rc']} ({reg['error']})"),
         pin_seconds=reg["seconds"],
         pin_gbps=(args.region / reg["seconds"] / 1e9) if pinned and reg["seconds"] > 0 else None,
-        captures=len(caps.seconds),
-        captures_ok=len(caps.graphs),
-        failures=caps.failures,
-        replays_right=right,
-        stall_max=max(caps.stalls, default=0.0),
-        stall_total=sum(caps.stalls),
+        **caps.summary(right),
         captures_done=captures_done,
         startup=max(captures_done, pin_done),
         agreement=None,
@@ -265,12 +263,7 @@ def run_kvoffload(args, torch, rank, group):
         pin=str(state) if state.reason is None else f"pageable: {state.message}",
         pin_seconds=pin_done - built,
         pin_gbps=(off.region_bytes / (pin_done - built) / 1e9) if state == "pinned" else None,
-        captures=len(caps.seconds),
-        captures_ok=len(caps.graphs),
-        failures=caps.failures,
-        replays_right=right,
-        stall_max=max(caps.stalls, default=0.0),
-        stall_total=sum(caps.stalls),
+        **caps.summary(right),
         chunks_waited_max=max(waited, default=0),
         captures_done=captures_done,
         startup=max(captures_done, pin_done),

@@ -135,32 +135,25 @@ class KvoffloadSide:
                 raise RuntimeError(f"kvoffload job {c.job} failed: {c.error}")
             self.backends[c.backend] = self.backends.get(c.backend, 0) + 1
 
-    def store(self, jobs) -> None:
+    def _jobs(self, submits) -> None:
+        """Submits each (store_slots or load_slots, GPU blocks, slots) as a
+        job of its own, in order, then waits for them all."""
         ids = []
-        for blocks, slots, _ in jobs:
+        for submit, blocks, slots in submits:
             j = self._id()
-            self.off.store_slots(j, blocks, slots)
+            submit(j, blocks, slots)
             ids.append(j)
         self._drain(ids)
+
+    def store(self, jobs) -> None:
+        self._jobs((self.off.store_slots, blocks, slots) for blocks, slots, _ in jobs)
 
     def load(self, jobs) -> None:
-        ids = []
-        for blocks, slots, _ in jobs:
-            j = self._id()
-            self.off.load_slots(j, blocks, slots)
-            ids.append(j)
-        self._drain(ids)
+        self._jobs((self.off.load_slots, blocks, slots) for blocks, slots, _ in jobs)
 
     def both(self, stores, loads) -> None:
-        ids = []
-        for (sb, ss, _), (lb, ls, _) in zip(stores, loads):
-            j = self._id()
-            self.off.store_slots(j, sb, ss)
-            ids.append(j)
-            j = self._id()
-            self.off.load_slots(j, lb, ls)
-            ids.append(j)
-        self._drain(ids)
+        st, ld = self.off.store_slots, self.off.load_slots
+        self._jobs(x for (sb, ss, _), (lb, ls, _) in zip(stores, loads) for x in ((st, sb, ss), (ld, lb, ls)))
 
     def gpu_bytes(self) -> int:
         return max(0, self.free0 - self.torch.cuda.mem_get_info()[0])
@@ -186,27 +179,34 @@ class TorchSide:
         torch.cuda.reset_peak_memory_stats()
         self.backends = {"index_select + copy_ / copy_ + index_copy_": 0}
 
-    def _store_on(self, stream, jobs):
-        torch = self.torch
-        with torch.cuda.stream(stream):
+    def _each_on(self, stream, jobs, copy):
+        """Enqueues ``copy(GPU tensor, its host rows of the job's slots, GPU
+        block ids)`` on ``stream`` for each job and tensor; each gives back
+        the temporary it copied through."""
+        with self.torch.cuda.stream(stream):
             for _, slots, idx in jobs:
                 s0 = slots[0]
                 for t, h in zip(self.kv, self.host):
-                    tmp = t.index_select(0, idx)
-                    h[s0 : s0 + len(slots)].copy_(tmp, non_blocking=True)
+                    tmp = copy(t, h[s0 : s0 + len(slots)], idx)
                     # The caching allocator must not hand tmp's memory to
                     # another stream before the copy read it.
                     tmp.record_stream(stream)
 
+    def _store_on(self, stream, jobs):
+        def store(t, rows, idx):
+            tmp = t.index_select(0, idx)
+            rows.copy_(tmp, non_blocking=True)
+            return tmp
+
+        self._each_on(stream, jobs, store)
+
     def _load_on(self, stream, jobs):
-        torch = self.torch
-        with torch.cuda.stream(stream):
-            for _, slots, idx in jobs:
-                s0 = slots[0]
-                for t, h in zip(self.kv, self.host):
-                    tmp = h[s0 : s0 + len(slots)].to("cuda", non_blocking=True)
-                    t.index_copy_(0, idx, tmp)
-                    tmp.record_stream(stream)
+        def load(t, rows, idx):
+            tmp = rows.to("cuda", non_blocking=True)
+            t.index_copy_(0, idx, tmp)
+            return tmp
+
+        self._each_on(stream, jobs, load)
 
     def store(self, jobs) -> None:
         self._store_on(self.s_store, jobs)

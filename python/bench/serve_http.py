@@ -66,7 +66,6 @@ import io
 import json
 import math
 import os
-import random
 import re
 import shutil
 import signal
@@ -74,7 +73,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -357,17 +355,9 @@ def pass_figures(results, wall, ref=None):
 
 
 def kv_transfer_config(spec, region, cfg):
-    name, module = SPECS[spec]
-    if name is None:
+    extra = sv.connector_extra(spec, region, cfg)
+    if extra is None:
         return None
-    extra = {"spec_name": name, "cpu_bytes_to_use": parse_size(region)}
-    if module:
-        extra["spec_module_path"] = module
-    extra.update(cfg.get("offload_extra") or {})
-    if spec == "kvoffload":
-        extra.update(cfg.get("kvo_extra") or {})
-        if cfg.get("pin_probe"):
-            extra["spec_name"], extra["spec_module_path"] = sv.PROBE_SPEC, sv.PROBE_MODULE
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
@@ -623,13 +613,7 @@ def server_line(r):
             f"TTFT median {s(PASSES[0], 'ttft', 'median')} {s(PASSES[1], 'ttft', 'median')} "
             f"{s(PASSES[2], 'ttft', 'median')} s  pass 2 p90/max {s(PASSES[1], 'ttft', 'p90')}/"
             f"{s(PASSES[1], 'ttft', 'max')} s  {'ok' if r.get('ok') else 'NOT OK'}  (server {r.get('process_s', 0):.0f} s)")
-    if r.get("error"):
-        line += f"\n    error: {str(r['error'])[-800:]}"
-    gf = r.get("gpu_after") or {}
-    if gf.get("free") is False:
-        line += (f"\n    GPU memory not free {gf['waited_s']:.0f} s after the server: {gf['used_mib']} MiB used, "
-                 f"{gf['baseline_mib']} MiB before the first server")
-    return line
+    return line + sv.line_notes(r, "server", 800)
 
 
 def _host_pct(r, name):
@@ -716,14 +700,7 @@ def markdown(doc):
     if v:
         out += [f"- {x}" for x in v] + [""]
     out.append(NOTES)
-    bad = [r for r in res if not r.get("ok")]
-    if bad:
-        out += ["", "Not ok:"] + [f"- {r.get('label')}: {str(r.get('error'))[:400]}" for r in bad]
-    notfree = [r for r in res if (r.get("gpu_after") or {}).get("free") is False]
-    if notfree:
-        out += ["", "GPU memory not free after:"] + [
-            f"- {r.get('label')}: {r['gpu_after']['used_mib']} MiB used after {r['gpu_after']['waited_s']} s "
-            f"(baseline {r['gpu_after']['baseline_mib']} MiB)" for r in notfree]
+    out += sv.problems_md(res, 400)
     notes = [f"- {r.get('label')}: {n}" for r in res for n in r.get("notes") or []]
     if notes:
         out += ["", "Notes:"] + notes
@@ -1135,17 +1112,10 @@ def self_test():
     dead = stream_completion("127.0.0.1", free_port(), "m", [1], 8, 2)
     check(not dead["ok"] and "ConnectionRefused" in dead["error"], f"no server: {dead['error']}")
 
-    marker = f"kvo-serve-http-selftest-{os.getpid()}-{random.randrange(1 << 30)}"
-    os.environ["KVO_SERVING_FAKE_MARKER"] = marker
-    tmp = tempfile.mkdtemp(prefix="kvo-serve-http-selftest.")
+    tmp = sv.fake_session("serve-http")
     try:
         seen = []
-
-        def hook(r, path):
-            with open(path) as f:
-                seen.append(len(json.load(f)["engines"]))
-            check(sv.fake_gpu_used_mib() == 0 or (r.get("gpu_after") or {}).get("free") is False,
-                  f"{r['label']}: no fake server process alive after it ended")
+        hook = sv.ended_hook(check, seen, "server")
 
         base = ["--prompts", "6", "--prompt-tokens", "40", "--concurrency", "3", "--warmup-prompts", "2",
                 "--kill-grace-s", "1", "--region", "1GiB", "--model", os.path.join(HERE, "llama3-8b-shape")]
@@ -1218,31 +1188,12 @@ def self_test():
         out = os.path.join(tmp, "e")
         cmd = [sys.executable, os.path.abspath(__file__), "--fake", "ok,stall", "--specs", "vllm", "--reps", "2",
                "--no-warmup", "--timeout", "60", "--request-timeout-s", "60", "--out-dir", out] + base
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        jp = os.path.join(out, "serve-http.jsonl")
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (os.path.exists(jp) and open(jp).read().count("\n") >= 1):
-            time.sleep(0.1)
-        time.sleep(1.5)  # the stalled server is up
-        proc.send_signal(signal.SIGTERM)
-        try:
-            text = proc.communicate(timeout=20)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise AssertionError("the benchmark did not stop within 20 s of SIGTERM")
-        doc = json.load(open(os.path.join(out, "serve-http.json")))
+        doc, text = sv.sigterm_after_first(cmd, os.path.join(out, "serve-http"), 1.5)  # 1.5 s: the stalled server is up
         check(doc["interrupted"] and len(doc["engines"]) == 2 and "interrupted" in doc["engines"][1]["error"]
               and doc["engines"][0]["ok"], f"SIGTERM: the running server recorded as interrupted\n{text[-800:]}")
         check(sv.fake_gpu_used_mib() == 0, "SIGTERM: the running server's group stopped")
     finally:
-        deadline = time.monotonic() + 10
-        while sv.fake_pids() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for pid in sv.fake_pids():  # a failed check may leave some: this test's own, by pid
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        sv.reap_fakes()
         shutil.rmtree(tmp, ignore_errors=True)
     say(f"serve_http self-test: ok ({len(checks)} checks)")
     return 0
@@ -1252,11 +1203,7 @@ def self_test():
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=os.path.join(HERE, "llama3-8b-shape"),
-                    help="a model directory with config.json (dummy weights; default: the Llama-3-8B shape)")
-    ap.add_argument("--specs", default="none,vllm,kvoffload", help="of none, vllm (CPUOffloadingSpec), kvoffload")
+    ap = sv.bench_parser(__doc__)
     ap.add_argument("--region", default="64GiB", help="host region (cpu_bytes_to_use) of the offloading specs")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=48)
@@ -1265,12 +1212,7 @@ def build_parser():
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--kvo-extra", action="append", default=None, metavar="KEY=VALUE",
-                    help="added to kvoffload's kv_connector_extra_config (e.g. kvo_pin_threads=8)")
-    ap.add_argument("--offload-extra", action="append", default=None, metavar="KEY=VALUE",
-                    help="added to both offloading specs' extra config")
-    ap.add_argument("--no-pin-probe", dest="pin_probe", action="store_false",
-                    help="run kvoffload's spec itself, without serving.py's probe of when pinning ended")
+    sv.add_extra_args(ap, "kvo_pin_threads=8", "", "serving.py's probe of")
     ap.add_argument("--server-arg", action="append", default=None, metavar="ARG",
                     help="passed to vllm serve as is (repeat; e.g. --server-arg=--attention-backend=TRITON_ATTN)")
     ap.add_argument("--entry", choices=("serve", "api_server"), default="serve",
@@ -1281,12 +1223,7 @@ def build_parser():
     ap.add_argument("--ready-timeout-s", type=float, default=300, help="for GET /health to answer 200")
     ap.add_argument("--request-timeout-s", type=float, default=300, help="each read of a request's response")
     ap.add_argument("--reset-tries", type=int, default=10)
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per server, start to end of pass 3")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="start no server that would likely end past this many seconds (estimate: the longest so far)")
-    ap.add_argument("--budget-grace-s", type=float, default=60,
-                    help="with --budget-s, a server still running this long past the budget is stopped")
-    ap.add_argument("--kill-grace-s", type=float, default=20, help="SIGTERM to SIGKILL of a server's group")
+    sv.add_plan_args(ap, "server", "seconds per server, start to end of pass 3")
     ap.add_argument("--gpu-free-timeout-s", type=float, default=60)
     ap.add_argument("--gpu-free-slack-mib", type=int, default=1024)
     ap.add_argument("--out-dir", default="serve-http-out")
@@ -1296,13 +1233,7 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        args.kvo_extra = sv.parse_extra(args.kvo_extra)
-        args.offload_extra = sv.parse_extra(args.offload_extra)
-    except argparse.ArgumentTypeError as e:
-        raise SystemExit(f"serve_http: {e}")
-    return args
+    return sv.parse_extras(build_parser().parse_args(argv), "serve_http")
 
 
 def main(argv=None):
@@ -1323,10 +1254,9 @@ def main(argv=None):
             say(f"serve_http: no config.json in {args.model}")
             return 2
     doc = run_all(args)
-    ran = doc["engines"]
-    if any(r.get("missing_modules") for r in ran):
+    if any(r.get("missing_modules") for r in doc["engines"]):
         return 2
-    return 0 if ran and all(r.get("ok") for r in ran) and not doc.get("interrupted") else 1
+    return sv.exit_status(doc)
 
 
 if __name__ == "__main__":

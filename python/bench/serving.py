@@ -272,9 +272,37 @@ def fake_pids():
     return out
 
 
+def reap_fakes():
+    """End of a self-test: waits up to 10 s for its fake engines or servers
+    to go, then SIGKILLs those left (a failed check may leave some: this
+    test's own, by pid)."""
+    deadline = time.monotonic() + 10
+    while fake_pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in fake_pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def fake_gpu_used_mib():
     """--fake: 4096 MiB per live fake engine process."""
     return 4096 * len(fake_pids())
+
+
+def smi_query(fields, fmt):
+    """``nvidia-smi --query-gpu=<fields> --format=<fmt>`` of the engines'
+    GPU, run (None when it cannot be: no nvidia-smi, 30 s without an answer)."""
+    try:
+        return subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", f"--format={fmt}", "-i", gpu_index()],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
 
 
 def gpu_used_mib(fake=False):
@@ -282,16 +310,11 @@ def gpu_used_mib(fake=False):
     else torch in a throw-away process (this process never opens CUDA)."""
     if fake:
         return fake_gpu_used_mib()
+    p = smi_query("memory.used", "csv,noheader,nounits")
     try:
-        p = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", gpu_index()],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        if p.returncode == 0 and p.stdout.strip():
+        if p is not None and p.returncode == 0 and p.stdout.strip():
             return int(float(p.stdout.split()[0]))
-    except (OSError, subprocess.TimeoutExpired, ValueError):
+    except ValueError:
         pass
     try:
         code = "import torch; f, t = torch.cuda.mem_get_info(); print((t - f) >> 20)"
@@ -323,16 +346,8 @@ def wait_gpu_free(baseline, slack_mib, timeout_s, fake=False, stop=None):
 
 
 def device_name():
-    try:
-        p = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader", "-i", gpu_index()],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        return p.stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    p = smi_query("name,memory.total,driver_version", "csv,noheader")
+    return (p.stdout.strip() or None) if p is not None else None
 
 
 # ------------------------------------------------------------ log parsing
@@ -559,6 +574,26 @@ def compare(outs, ref):
     return {"mismatches": len(bad), "first_mismatch": bad[0] if bad else None}
 
 
+def connector_extra(spec, region, cfg):
+    """The OffloadingConnector's ``kv_connector_extra_config`` for ``spec``
+    over a host region of ``region`` (None for spec ``none``): the spec's
+    class and module, ``offload_extra`` and, for kvoffload, ``kvo_extra``
+    and the probed spec where ``pin_probe`` asks (serving.py's engines and
+    serve_http.py's servers alike)."""
+    name, module = SPECS[spec]
+    if name is None:
+        return None
+    extra = {"spec_name": name, "cpu_bytes_to_use": parse_size(region)}
+    if module:
+        extra["spec_module_path"] = module
+    extra.update(cfg.get("offload_extra") or {})
+    if spec == "kvoffload":
+        extra.update(cfg.get("kvo_extra") or {})
+        if cfg.get("pin_probe"):
+            extra["spec_name"], extra["spec_module_path"] = PROBE_SPEC, PROBE_MODULE
+    return extra
+
+
 def child_real(cfg):
     os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the engine core in its own process, as vllm serve
@@ -577,17 +612,9 @@ def child_real(cfg):
     from vllm.config import KVTransferConfig
 
     res["vllm"] = vllm.__version__
-    name, module = SPECS[spec]
+    extra = connector_extra(spec, region, cfg)
     kvt = None
-    if name is not None:
-        extra = {"spec_name": name, "cpu_bytes_to_use": parse_size(region)}
-        if module:
-            extra["spec_module_path"] = module
-        extra.update(cfg.get("offload_extra") or {})
-        if spec == "kvoffload":
-            extra.update(cfg.get("kvo_extra") or {})
-            if cfg.get("pin_probe"):
-                extra["spec_name"], extra["spec_module_path"] = PROBE_SPEC, PROBE_MODULE
+    if extra is not None:
         res["kv_connector_extra_config"] = extra
         kvt = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
     kwargs = dict(
@@ -888,13 +915,21 @@ def engine_line(r):
             f"pinned {pin if pin is not None else float('nan'):6.1f} s  "
             f"passes {s(PASSES[0])} {s(PASSES[1])} {s(PASSES[2])} mixed {s(PASSES[3])} s  "
             f"{'ok' if r.get('ok') else 'NOT OK'}  (engine {r.get('process_s', 0):.0f} s)")
+    return line + line_notes(r, "engine", 600)
+
+
+def line_notes(r, noun, error_chars):
+    """The notes under the line of a result ``r`` of an engine or server
+    (``noun``): its error (the last ``error_chars`` characters) and GPU
+    memory left in use after it; "" when there are none."""
+    notes = ""
     if r.get("error"):
-        line += f"\n    error: {str(r['error'])[-600:]}"
+        notes += f"\n    error: {str(r['error'])[-error_chars:]}"
     gf = r.get("gpu_after") or {}
     if gf.get("free") is False:
-        line += (f"\n    GPU memory not free {gf['waited_s']:.0f} s after the engine: {gf['used_mib']} MiB used, "
-                 f"{gf['baseline_mib']} MiB before the first engine")
-    return line
+        notes += (f"\n    GPU memory not free {gf['waited_s']:.0f} s after the {noun}: {gf['used_mib']} MiB used, "
+                  f"{gf['baseline_mib']} MiB before the first {noun}")
+    return notes
 
 
 def _get(r, *path):
@@ -978,6 +1013,22 @@ vLLM's stats: each job's device time between CUDA events for both specs (kvofflo
 Transfers still in flight when a pass ends are counted in the next pass."""
 
 
+def problems_md(res, error_chars):
+    """The Markdown lines of the results ``res`` that were not ok (their
+    errors' first ``error_chars`` characters) and of those that left GPU
+    memory in use; none when there are none."""
+    out = []
+    bad = [r for r in res if not r.get("ok")]
+    if bad:
+        out += ["", "Not ok:"] + [f"- {r.get('label')}: {str(r.get('error'))[:error_chars]}" for r in bad]
+    notfree = [r for r in res if (r.get("gpu_after") or {}).get("free") is False]
+    if notfree:
+        out += ["", "GPU memory not free after:"] + [
+            f"- {r.get('label')}: {r['gpu_after']['used_mib']} MiB used after {r['gpu_after']['waited_s']} s "
+            f"(baseline {r['gpu_after']['baseline_mib']} MiB)" for r in notfree]
+    return out
+
+
 def markdown(doc):
     res = doc["engines"]
     first = next((r for r in res if r.get("vllm")), {})
@@ -995,14 +1046,7 @@ def markdown(doc):
         "",
         NOTES,
     ]
-    bad = [r for r in res if not r.get("ok")]
-    if bad:
-        out += ["", "Not ok:"] + [f"- {r.get('label')}: {str(r.get('error'))[:300]}" for r in bad]
-    notfree = [r for r in res if (r.get("gpu_after") or {}).get("free") is False]
-    if notfree:
-        out += ["", "GPU memory not free after:"] + [
-            f"- {r.get('label')}: {r['gpu_after']['used_mib']} MiB used after {r['gpu_after']['waited_s']} s "
-            f"(baseline {r['gpu_after']['baseline_mib']} MiB)" for r in notfree]
+    out += problems_md(res, 300)
     if doc.get("skipped"):
         out += ["", "Skipped (budget or stop):"] + [f"- {s['label']}: {s['why']}" for s in doc["skipped"]]
     stats = {r.get("metrics_source") for r in res if r.get("metrics_source")}
@@ -1305,6 +1349,49 @@ def _stub_tree(root):
 
 
 
+def fake_session(name):
+    """A self-test's fakes begin: a marker of their own in
+    ``KVO_SERVING_FAKE_MARKER`` (``fake_pids`` finds this test's processes
+    by it); gives the test's temporary directory."""
+    os.environ["KVO_SERVING_FAKE_MARKER"] = f"kvo-{name}-selftest-{os.getpid()}-{random.randrange(1 << 30)}"
+    return tempfile.mkdtemp(prefix=f"kvo-{name}-selftest.")
+
+
+def ended_hook(check, seen, noun):
+    """``run_plan``'s hook in a self-test: appends to ``seen`` how many
+    results the JSON held when each ``noun``'s (engine's, server's) was
+    written, and checks that no fake process outlived it."""
+
+    def hook(r, path):
+        with open(path) as f:
+            seen.append(len(json.load(f)["engines"]))
+        check(fake_gpu_used_mib() == 0 or (r.get("gpu_after") or {}).get("free") is False,
+              f"{r['label']}: no fake {noun} process alive after it ended")
+
+    return hook
+
+
+def sigterm_after_first(cmd, stem, settle_s):
+    """Self-test of a signal: runs the benchmark ``cmd``, waits (30 s at
+    most) for the first line of ``<stem>.jsonl`` and ``settle_s`` more for
+    the next engine or server to be running, sends SIGTERM and gives back
+    the ``<stem>.json`` it kept and its output (AssertionError if it does
+    not stop within 20 s)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    jp = stem + ".jsonl"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (os.path.exists(jp) and open(jp).read().count("\n") >= 1):
+        time.sleep(0.1)
+    time.sleep(settle_s)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        text = proc.communicate(timeout=20)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the benchmark did not stop within 20 s of SIGTERM")
+    return json.load(open(stem + ".json")), text
+
+
 def self_test():
     """The parts that need no GPU. Raises AssertionError on the first
     failure; prints 'serving self-test: ok' at the end."""
@@ -1372,19 +1459,12 @@ def self_test():
           and tf["store"]["bytes"] is None and tf["prompt_tokens"]["external_kv_transfer"] == 96, f"figures: {tf}")
     check(compare([[1], [2], [3]], [[1], [9], [3]]) == {"mismatches": 1, "first_mismatch": 1}, "token comparison")
 
-    marker = f"kvo-serving-selftest-{os.getpid()}-{random.randrange(1 << 30)}"
-    os.environ["KVO_SERVING_FAKE_MARKER"] = marker
-    tmp = tempfile.mkdtemp(prefix="kvo-serving-selftest.")
+    tmp = fake_session("serving")
     try:
         # Fake engines: a core left running (ok), one that ignores SIGTERM,
         # memory held from outside the group, a hang past the timeout, a crash.
         seen = []
-
-        def hook(r, path):
-            with open(path) as f:
-                seen.append(len(json.load(f)["engines"]))
-            check(fake_gpu_used_mib() == 0 or (r.get("gpu_after") or {}).get("free") is False,
-                  f"{r['label']}: no fake engine process alive after its engine ended")
+        hook = ended_hook(check, seen, "engine")
 
         out = os.path.join(tmp, "a")
         args = parse_args([
@@ -1445,19 +1525,7 @@ def self_test():
         out = os.path.join(tmp, "d")
         cmd = [sys.executable, os.path.abspath(__file__), "--fake", "ok,hang", "--specs", "vllm", "--regions", "1GiB",
                "--reps", "2", "--timeout", "60", "--kill-grace-s", "1", "--out-dir", out, "--model", HERE]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        jp = os.path.join(out, "serving.jsonl")
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (os.path.exists(jp) and open(jp).read().count("\n") >= 1):
-            time.sleep(0.1)
-        time.sleep(1.0)  # the hang engine has started
-        proc.send_signal(signal.SIGTERM)
-        try:
-            text = proc.communicate(timeout=20)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise AssertionError("the benchmark did not stop within 20 s of SIGTERM")
-        doc = json.load(open(os.path.join(out, "serving.json")))
+        doc, text = sigterm_after_first(cmd, os.path.join(out, "serving"), 1.0)  # 1 s: the hang engine has started
         check(doc["interrupted"] and len(doc["engines"]) == 2 and "interrupted" in doc["engines"][1]["error"]
               and doc["skipped"], f"SIGTERM: the running engine recorded as interrupted, the rest skipped\n{text[-800:]}")
         check(fake_gpu_used_mib() == 0, "SIGTERM: the running engine's group stopped")
@@ -1508,14 +1576,7 @@ def self_test():
             else:
                 os.environ["PYTHONPATH"] = saved
     finally:
-        deadline = time.monotonic() + 10
-        while fake_pids() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for pid in fake_pids():  # a failed check may leave some: this test's own, by pid
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        reap_fakes()
         shutil.rmtree(tmp, ignore_errors=True)
     say(f"serving self-test: ok ({len(checks)} checks)")
     return 0
@@ -1524,12 +1585,44 @@ def self_test():
 # ------------------------------------------------------------ main
 
 
-def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def bench_parser(doc):
+    """The parser of a serving benchmark (this one, serve_http.py) whose
+    module docstring is ``doc``, with the options they share first: the
+    model and the specs."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=os.path.join(HERE, "llama3-8b-shape"),
                     help="a model directory with config.json (dummy weights; default: the Llama-3-8B shape)")
     ap.add_argument("--specs", default="none,vllm,kvoffload", help="of none, vllm (CPUOffloadingSpec), kvoffload")
+    return ap
+
+
+def add_extra_args(ap, kvo_eg, offload_eg, probe):
+    """The options ``parse_extras`` and ``connector_extra`` read: extra
+    config for kvoffload's spec and for both offloading specs, and whether
+    kvoffload runs as the probed spec (``kvo_eg``, ``offload_eg``, ``probe``:
+    the help's examples and its words for the probe)."""
+    ap.add_argument("--kvo-extra", action="append", default=None, metavar="KEY=VALUE",
+                    help=f"added to kvoffload's kv_connector_extra_config (e.g. {kvo_eg})")
+    ap.add_argument("--offload-extra", action="append", default=None, metavar="KEY=VALUE",
+                    help=f"added to both offloading specs' extra config{offload_eg}")
+    ap.add_argument("--no-pin-probe", dest="pin_probe", action="store_false",
+                    help=f"run kvoffload's spec itself, without {probe} when pinning ended")
+
+
+def add_plan_args(ap, noun, timeout_help):
+    """The options ``run_plan`` reads of each ``noun`` (engine, server) it
+    runs: its timeout, the budget and the grace of its group's SIGTERM."""
+    ap.add_argument("--timeout", type=float, default=900, help=timeout_help)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help=f"start no {noun} that would likely end past this many seconds (estimate: the longest so far)")
+    ap.add_argument("--budget-grace-s", type=float, default=60,
+                    help=f"with --budget-s, a{'n' if noun[0] in 'aeiou' else ''} {noun} still running this long past the budget is stopped")
+    ap.add_argument("--kill-grace-s", type=float, default=20, help=f"SIGTERM to SIGKILL of a{'n' if noun[0] in 'aeiou' else ''} {noun}'s group")
+
+
+def build_parser():
+    ap = bench_parser(__doc__)
     ap.add_argument("--regions", default="64GiB,96GiB", help="host region sizes (cpu_bytes_to_use)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--first-rep", type=int, default=0,
@@ -1542,20 +1635,10 @@ def build_parser():
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--attention", default=None, help="attention_backend for LLM(...) (default: vLLM's)")
-    ap.add_argument("--kvo-extra", action="append", default=None, metavar="KEY=VALUE",
-                    help="added to kvoffload's kv_connector_extra_config (e.g. kvo_pin_threads=8, kvo_region=anonymous)")
-    ap.add_argument("--offload-extra", action="append", default=None, metavar="KEY=VALUE",
-                    help="added to both offloading specs' extra config (e.g. blocks_per_chunk=16)")
-    ap.add_argument("--no-pin-probe", dest="pin_probe", action="store_false",
-                    help="run kvoffload's spec itself, without the subclass that reports when pinning ended")
+    add_extra_args(ap, "kvo_pin_threads=8, kvo_region=anonymous", " (e.g. blocks_per_chunk=16)", "the subclass that reports")
     ap.add_argument("--warmup-prompts", type=int, default=4)
     ap.add_argument("--no-warmup", action="store_true")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per engine")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="start no engine that would likely end past this many seconds (estimate: the longest so far)")
-    ap.add_argument("--budget-grace-s", type=float, default=60,
-                    help="with --budget-s, an engine still running this long past the budget is stopped")
-    ap.add_argument("--kill-grace-s", type=float, default=20, help="SIGTERM to SIGKILL of an engine's group")
+    add_plan_args(ap, "engine", "seconds per engine")
     ap.add_argument("--shutdown-timeout-s", type=float, default=30, help="vLLM's own engine shutdown, in the child")
     ap.add_argument("--gpu-free-timeout-s", type=float, default=60)
     ap.add_argument("--gpu-free-slack-mib", type=int, default=1024,
@@ -1572,15 +1655,28 @@ def build_parser():
 
 def parse_args(argv=None):
     """The command line, with the KEY=VALUE lists turned into dicts."""
-    args = build_parser().parse_args(argv)
+    args = parse_extras(build_parser().parse_args(argv), "serving")
+    if args.mixed_new is None:
+        args.mixed_new = args.prompts // 2
+    return args
+
+
+def parse_extras(args, prog):
+    """``args`` with their ``--kvo-extra`` and ``--offload-extra``
+    KEY=VALUE lists turned into dicts (a bad one exits, in ``prog``'s name)."""
     try:
         args.kvo_extra = parse_extra(args.kvo_extra)
         args.offload_extra = parse_extra(args.offload_extra)
     except argparse.ArgumentTypeError as e:
-        raise SystemExit(f"serving: {e}")
-    if args.mixed_new is None:
-        args.mixed_new = args.prompts // 2
+        raise SystemExit(f"{prog}: {e}")
     return args
+
+
+def exit_status(doc):
+    """A run's exit status: 0 when it ran an engine (or server), every one
+    was ok and nothing interrupted it; 1 otherwise."""
+    ran = doc["engines"]
+    return 0 if ran and all(r.get("ok") for r in ran) and not doc.get("interrupted") else 1
 
 
 def importable(specs, name, script):
@@ -1638,9 +1734,7 @@ def main(argv=None):
         if not os.path.exists(os.path.join(args.model, "config.json")):
             say(f"serving: no config.json in {args.model}")
             return 2
-    doc = run_all(args)
-    ran = doc["engines"]
-    return 0 if ran and all(r.get("ok") for r in ran) and not doc.get("interrupted") else 1
+    return exit_status(run_all(args))
 
 
 if __name__ == "__main__":

@@ -40,23 +40,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
 import time
 from typing import Dict, List, Optional
 
-GIB = 1 << 30
-
-
-def parse_size(s: str) -> int:
-    units = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": GIB, "gib": GIB, "": 1}
-    t = s.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num) :]
-    if unit not in units or not num:
-        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 16GiB, 512MiB)")
-    return int(float(num) * units[unit])
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from sizes import GIB, parse_size  # noqa: E402
 
 
 def engine_startup(torch, a, off, self_test: bool) -> Dict[str, float]:

@@ -48,18 +48,11 @@ import sys
 import time
 from types import SimpleNamespace as NS
 
-GIB = 1 << 30
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from sizes import GIB, parse_size  # noqa: E402  (the checkout's python/bench/sizes.py)
+
 MADV_POPULATE_WRITE = 23
 
-
-def parse_size(s):
-    units = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": GIB, "gib": GIB, "": 1}
-    t = s.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    if unit not in units or not num:
-        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 16GiB, 512MiB)")
-    return int(float(num) * units[unit])
 
 
 def log(*a):

@@ -59,23 +59,40 @@ pub(crate) struct HoldSlot {
     pub released: bool,
 }
 
+/// The calls a [`SimFault`] fails, each kind counted.
+#[derive(Copy, Clone, PartialEq, Eq)]
+enum Counted {
+    Register,
+    Copy,
+}
+
+impl SimFault {
+    /// The kind of call it fails, which one (counted from its injection)
+    /// and the code it fails it with.
+    fn target(self) -> (Counted, u64, Code) {
+        match self {
+            SimFault::Register { nth, code } => (Counted::Register, nth, code),
+            SimFault::Copy { nth, code } => (Counted::Copy, nth, code),
+        }
+    }
+}
+
 impl Faults {
+    fn calls(&mut self, kind: Counted) -> &mut u64 {
+        match kind {
+            Counted::Register => &mut self.register_calls,
+            Counted::Copy => &mut self.copy_calls,
+        }
+    }
+
     pub fn inject(&mut self, f: SimFault) {
-        let base = match f {
-            SimFault::Register { .. } => self.register_calls,
-            SimFault::Copy { .. } => self.copy_calls,
-        };
+        let base = *self.calls(f.target().0);
         self.pending.push((f, base));
     }
 
     /// Counts one register call; the code to fail it with, if a fault is due.
     pub fn on_register(&mut self) -> Option<Code> {
-        self.register_calls += 1;
-        let n = self.register_calls;
-        self.take(|f, base| match f {
-            SimFault::Register { nth, code } if base + nth == n => Some(code),
-            _ => None,
-        })
+        self.count(Counted::Register)
     }
 
     /// Async copy enqueues so far (single or batched, failed ones too).
@@ -85,18 +102,20 @@ impl Faults {
 
     /// Counts one copy enqueue; the code to fail it with, if a fault is due.
     pub fn on_copy(&mut self) -> Option<Code> {
-        self.copy_calls += 1;
-        let n = self.copy_calls;
-        self.take(|f, base| match f {
-            SimFault::Copy { nth, code } if base + nth == n => Some(code),
-            _ => None,
-        })
+        self.count(Counted::Copy)
     }
 
-    fn take(&mut self, due: impl Fn(SimFault, u64) -> Option<Code>) -> Option<Code> {
-        let i = self.pending.iter().position(|&(f, b)| due(f, b).is_some())?;
-        let (f, b) = self.pending.swap_remove(i);
-        due(f, b)
+    /// Counts one call of `kind`; the code of the fault due at this count,
+    /// if one is (taken: a fault fails one call).
+    fn count(&mut self, kind: Counted) -> Option<Code> {
+        let calls = self.calls(kind);
+        *calls += 1;
+        let n = *calls;
+        let i = self.pending.iter().position(|&(f, base)| {
+            let (k, nth, _) = f.target();
+            k == kind && base + nth == n
+        })?;
+        Some(self.pending.swap_remove(i).0.target().2)
     }
 
     /// The first armed, not yet entered hold at `point`, marked entered.

@@ -247,6 +247,28 @@ impl SimRuntime {
         Ok(g)
     }
 
+    /// Starts an allocation `call` (`cuMemAlloc`, `cuMemAllocHost`) of
+    /// `bytes`: [`Self::enter`], then `bytes` of zeroed memory, refused as
+    /// the driver refuses: none asked, INVALID_VALUE; past what `fits` allows
+    /// or what this host can back (docs/driver-rules.md, "Allocation past
+    /// the memory there is"), OUT_OF_MEMORY, nothing changed.
+    fn enter_alloc(
+        &self,
+        call: Call,
+        bytes: usize,
+        fits: impl FnOnce(&State) -> bool,
+    ) -> Result<(MutexGuard<'_, State>, Vec<u8>), Code> {
+        let mut g = self.enter(call, &[])?;
+        if bytes == 0 {
+            return Err(Code::INVALID_VALUE);
+        }
+        if !fits(&g) || !g.host_can_back(bytes) {
+            return Err(Code::OUT_OF_MEMORY);
+        }
+        let mem = memory::zeroed(bytes).ok_or(Code::OUT_OF_MEMORY)?;
+        Ok((g, mem))
+    }
+
     /// A capture-unsafe call must come with a gate in flight on the calling
     /// thread (`Gate::in_flight_here`): the coordinator's gate, not a forged
     /// one. Failing this is a bug in the model or the library, not a driver
@@ -528,17 +550,9 @@ impl GpuRuntime for SimRuntime {
     fn mem_alloc(&self, gate: &Gate, bytes: usize) -> DriverResult<DevicePtr> {
         self.gated(gate, Call::MemAlloc)?;
         let r = (|| {
-            let mut g = self.enter(Call::MemAlloc, &[])?;
-            if bytes == 0 {
-                return Err(Code::INVALID_VALUE);
-            }
-            // Past the configured device memory, or past what this host can
-            // back (docs/driver-rules.md, "Allocation past the memory there
-            // is"): OUT_OF_MEMORY, as the driver answers, nothing changed.
-            if g.device_used.saturating_add(bytes) > g.device_limit || !g.host_can_back(bytes) {
-                return Err(Code::OUT_OF_MEMORY);
-            }
-            let mem = memory::zeroed(bytes).ok_or(Code::OUT_OF_MEMORY)?;
+            // Past the configured device memory too.
+            let fits = |g: &State| g.device_used.saturating_add(bytes) <= g.device_limit;
+            let (mut g, mem) = self.enter_alloc(Call::MemAlloc, bytes, fits)?;
             let p = g.fresh_device_addr(bytes);
             g.device_mem.insert(p, DeviceMem::Owned(mem));
             g.device_used += bytes;
@@ -561,15 +575,7 @@ impl GpuRuntime for SimRuntime {
     fn mem_alloc_host(&self, gate: &Gate, bytes: usize) -> DriverResult<usize> {
         self.gated(gate, Call::MemAllocHost)?;
         let r = (|| {
-            let mut g = self.enter(Call::MemAllocHost, &[])?;
-            if bytes == 0 {
-                return Err(Code::INVALID_VALUE);
-            }
-            // Past what this host can back: OUT_OF_MEMORY, as for mem_alloc.
-            if !g.host_can_back(bytes) {
-                return Err(Code::OUT_OF_MEMORY);
-            }
-            let mut buf = memory::zeroed(bytes).ok_or(Code::OUT_OF_MEMORY)?;
+            let (mut g, mut buf) = self.enter_alloc(Call::MemAllocHost, bytes, |_| true)?;
             let addr = buf.as_mut_ptr() as usize;
             g.host_allocs.insert(addr, buf);
             g.host_alloc_used += bytes;

@@ -13,14 +13,41 @@
 
 use std::time::Instant;
 
+use kvoffload::internal::protocol::Coordinator;
 use kvoffload::internal::runtime::sim::{Blocked, HoldPoint};
 use kvoffload::internal::runtime::{
-    CaptureMode, CaptureStatus, DevicePtr, Direction, DriverError, Fragment, GpuRuntime, Kernel,
+    CaptureMode, CaptureStatus, DevicePtr, Direction, DriverError, Fragment, GpuRuntime, Kernel, Stream,
 };
 use kvoffload::internal::sync::Arc;
 
 use super::probe::{gate, gated, release_hold_when, scenario_coordinator, tick, HostBuf, LongRegister, Target};
 use super::{code, Observed, Scenario};
+
+/// What a scenario starts with: its runtime, a coordinator of its own, a
+/// stream and device memory.
+type Started = (Arc<dyn GpuRuntime>, Arc<Coordinator>, Stream, DevicePtr);
+
+/// A scenario's start, with `bytes` of device memory (ended by
+/// [`free_and_destroy`]).
+fn start(t: &Target, bytes: usize) -> Result<Started, String> {
+    let rt = t.rt();
+    let c = scenario_coordinator(rt.as_ref())?;
+    let s = rt.stream_create().map_err(de("stream"))?;
+    let d = gated(&c, "alloc", |g| rt.mem_alloc(g, bytes))?;
+    Ok((rt, c, s, d))
+}
+
+/// A scenario's end: frees its device memory `d` and destroys its stream `s`.
+///
+/// # Safety
+///
+/// The scenario is over: its replays were synchronized or never ran, its
+/// graphs are destroyed, and `d` is not used again.
+unsafe fn free_and_destroy(c: &Coordinator, rt: &dyn GpuRuntime, d: DevicePtr, s: Stream) -> Result<(), String> {
+    // SAFETY: the caller's contract (above): nothing uses `d` any more.
+    gated(c, "free", |g| unsafe { rt.mem_free(g, d) })?;
+    rt.stream_destroy(s).map_err(de("stream_destroy"))
+}
 
 fn de(what: &'static str) -> impl Fn(DriverError) -> String {
     move |e| format!("{what}: {e}")
@@ -144,10 +171,7 @@ pub(super) fn scenarios() -> Vec<Scenario> {
 }
 
 fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
-    let rt = t.rt();
-    let c = &scenario_coordinator(rt.as_ref())?;
-    let s = rt.stream_create().map_err(de("stream"))?;
-    let d = gated(c, "alloc", |g| rt.mem_alloc(g, 4096))?;
+    let (rt, ref c, s, d) = start(t, 4096)?;
     let mut reg = LongRegister::start(t, c)?;
     reg.wait_running()?;
     reg.release_when(Blocked::BeginCapture);
@@ -181,8 +205,7 @@ fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
     }
     reg.unregister()?;
     // SAFETY: the scenario is over: its replays were synchronized or never ran, its graphs are destroyed, and the memory is not used again.
-    gated(c, "free", |g| unsafe { rt.mem_free(g, d) })?;
-    rt.stream_destroy(s).map_err(de("stream_destroy"))?;
+    unsafe { free_and_destroy(c, rt.as_ref(), d, s) }?;
     Ok(Observed::new(format!(
         "register={} begin={} begin-returned={} end={}",
         code(&reg_result),
@@ -198,10 +221,7 @@ fn begin_waits_for_register(t: &Target) -> Result<Observed, String> {
 }
 
 fn enqueue_beside_register(t: &Target, mode: CaptureMode) -> Result<Observed, String> {
-    let rt = t.rt();
-    let c = &scenario_coordinator(rt.as_ref())?;
-    let s = rt.stream_create().map_err(de("stream"))?;
-    let d = gated(c, "alloc", |g| rt.mem_alloc(g, 4096))?;
+    let (rt, ref c, s, d) = start(t, 4096)?;
     rt.begin_capture(s, mode).map_err(de("begin_capture"))?;
     let mut reg = LongRegister::start(t, c)?;
     let running = reg.wait_running();
@@ -220,8 +240,7 @@ fn enqueue_beside_register(t: &Target, mode: CaptureMode) -> Result<Observed, St
     }
     reg.unregister()?;
     // SAFETY: the scenario is over: its replays were synchronized or never ran, its graphs are destroyed, and the memory is not used again.
-    gated(c, "free", |g| unsafe { rt.mem_free(g, d) })?;
-    rt.stream_destroy(s).map_err(de("stream_destroy"))?;
+    unsafe { free_and_destroy(c, rt.as_ref(), d, s) }?;
     running?;
     Ok(Observed::new(format!(
         "register={} enqueue={} enqueue-returned={} end={}",
@@ -360,11 +379,8 @@ fn read_device(rt: &Arc<dyn GpuRuntime>, d: DevicePtr, bytes: usize, new: u8, ol
 }
 
 fn pageable_replay(t: &Target) -> Result<Observed, String> {
-    let rt = t.rt();
-    let c = &scenario_coordinator(rt.as_ref())?;
     let bytes = 1 << 20;
-    let s = rt.stream_create().map_err(de("stream"))?;
-    let d = gated(c, "alloc", |g| rt.mem_alloc(g, bytes))?;
+    let (rt, ref c, s, d) = start(t, bytes)?;
     let mut src = HostBuf::new(bytes, 1)?;
     rt.begin_capture(s, CaptureMode::Global).map_err(de("begin_capture"))?;
     // SAFETY: `src` outlives every replay of the graph (destroyed below).
@@ -382,19 +398,15 @@ fn pageable_replay(t: &Target) -> Result<Observed, String> {
         rt.graph_destroy(g).map_err(de("graph_destroy"))?;
     }
     // SAFETY: the scenario is over: its replays were synchronized or never ran, its graphs are destroyed, and the memory is not used again.
-    gated(c, "free", |g| unsafe { rt.mem_free(g, d) })?;
-    rt.stream_destroy(s).map_err(de("stream_destroy"))?;
+    unsafe { free_and_destroy(c, rt.as_ref(), d, s) }?;
     let capture = if cap.is_ok() && end.is_ok() { "ok".to_string() } else { format!("{}/{}", code(&cap), code(&end)) };
     Ok(Observed::new(format!("capture={capture} replay={} device-holds={holds}", code(&replay))))
 }
 
 fn batch_in_capture(t: &Target) -> Result<Observed, String> {
-    let rt = t.rt();
-    let c = &scenario_coordinator(rt.as_ref())?;
     let frag = 64 << 10;
     let bytes = 2 * frag;
-    let s = rt.stream_create().map_err(de("stream"))?;
-    let d = gated(c, "alloc", |g| rt.mem_alloc(g, bytes))?;
+    let (rt, ref c, s, d) = start(t, bytes)?;
     // SAFETY: `d` is a device allocation of `bytes`, synchronized just below.
     unsafe { rt.memset_d8_async(d, 0, bytes, s) }.map_err(de("memset"))?;
     gated(c, "sync", |g| rt.stream_synchronize(g, s))?;
@@ -421,8 +433,7 @@ fn batch_in_capture(t: &Target) -> Result<Observed, String> {
     }
     gated(c, "unregister", |g| rt.host_unregister(g, src.addr()))?;
     // SAFETY: the scenario is over: its replays were synchronized or never ran, its graphs are destroyed, and the memory is not used again.
-    gated(c, "free", |g| unsafe { rt.mem_free(g, d) })?;
-    rt.stream_destroy(s).map_err(de("stream_destroy"))?;
+    unsafe { free_and_destroy(c, rt.as_ref(), d, s) }?;
     Ok(Observed::new(format!(
         "batch={} end={} replay={} device-holds={holds}",
         code(&batch),
@@ -432,11 +443,8 @@ fn batch_in_capture(t: &Target) -> Result<Observed, String> {
 }
 
 fn replay_after_unregister(t: &Target) -> Result<Observed, String> {
-    let rt = t.rt();
-    let c = &scenario_coordinator(rt.as_ref())?;
     let bytes = 1 << 20;
-    let s = rt.stream_create().map_err(de("stream"))?;
-    let d = gated(c, "alloc", |g| rt.mem_alloc(g, bytes))?;
+    let (rt, ref c, s, d) = start(t, bytes)?;
     let src = HostBuf::new(bytes, 5)?;
     gated(c, "register", |g| {
         // SAFETY: `src` lives until the end of the function, past every use.
