@@ -69,6 +69,7 @@ use std::time::Instant;
 
 use super::{Completion, Offloader, OffloaderError};
 use crate::protocol::{CaptureWindow, JobTicket, ProtocolError, Request};
+use crate::rules::Rules;
 use crate::runtime::{Code, DriverError};
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 use crate::transfer::{Backend, JobBlocks, JobId, Lane, TransferEngine, TransferError};
@@ -267,11 +268,7 @@ impl<'a> CaptureHook<'a> {
     /// interruptible as `end`. Error: [`OffloaderError::HookNotOpen`] when
     /// this thread's depth is 0.
     pub fn abort(&self, req: Request<'_>) -> Result<(), OffloaderError> {
-        // N22 (loom builds only): the window stays open for good.
-        if crate::protocol::variant_is!(self.off.coord, HookAbortKeepsWindow) {
-            return Ok(());
-        }
-        self.off.hook_close("capture_abort", req)
+        self.off.coord.rules().abort_closes_window(|| self.off.hook_close("capture_abort", req))
     }
 
     /// This thread's hook depth: begins not yet matched by an end or an
@@ -330,11 +327,10 @@ impl Offloader {
                 // close would, but never waiting: an interrupted begin's
                 // check has had its say, so the rest (an engine window
                 // refused one) is left for whoever flushes next.
-                // (Never waiting, it returns no error.) N33 (model builds
-                // only): it does not.
-                if !crate::protocol::variant_is!(self.coord, HookRefusedBeginKeepsQueue) {
+                // (Never waiting, it returns no error.)
+                self.coord.rules().refused_begin_flushes(|| {
                     let _ = self.flush_if_last(h, engine.as_deref(), AtEngineWindow::Stop);
-                }
+                });
                 Err(e.into())
             }
         }
@@ -352,13 +348,13 @@ impl Offloader {
             tracing::trace!(depth = h.windows[i].depth, call, "capture hook: nested end");
             return Ok(());
         }
-        // N21 (loom builds only): the deferred jobs go before the window
-        // closes.
-        if crate::protocol::variant_is!(self.coord, HookFlushesInsideWindow) {
-            if let Some(e) = engine.as_deref() {
-                h = self.flush(h, e, Some(me), AtEngineWindow::Stop).0;
-            }
-        }
+        // The deferred jobs go once the window closed (below), not inside
+        // it: the flush handed over here is the one the rule does not run.
+        let rules = self.coord.rules();
+        h = rules.hook_flushes_after_close(h, |h| match engine.as_deref() {
+            Some(e) => self.flush(h, e, Some(me), AtEngineWindow::Stop).0,
+            None => h,
+        });
         let Some(i) = h.windows.iter().position(|w| w.owner == me) else {
             unreachable!("capture hook: this thread's window vanished");
         };
@@ -368,15 +364,13 @@ impl Offloader {
         drop(w.window);
         tracing::debug!(call, held_s, deferred = h.queue.len(), "capture hook window closed");
         self.hook.cv.notify_all();
-        // N35 (model builds only): an abort leaves the queue as it is.
-        if call == "capture_abort" && crate::protocol::variant_is!(self.coord, HookAbortSkipsFlush) {
-            return Ok(());
-        }
         // The window is closed whatever the flush's outcome: interrupted,
         // the jobs it did not submit stay queued, in order (module docs).
-        self.flush_if_last(h, engine.as_deref(), AtEngineWindow::Wait(req)).map_err(|e| {
-            tracing::debug!(call, error = %e, "capture hook: window closed, deferred jobs left queued");
-            e.into()
+        rules.hook_close_flushes(call == "capture_abort", || {
+            self.flush_if_last(h, engine.as_deref(), AtEngineWindow::Wait(req)).map_err(|e| {
+                tracing::debug!(call, error = %e, "capture hook: window closed, deferred jobs left queued");
+                e.into()
+            })
         })
     }
 
@@ -446,11 +440,10 @@ impl Offloader {
                     // waits for another thread's hook window).
                     let since = self.coord.window_requests();
                     drop(h);
-                    let waited = if crate::protocol::variant_is!(self.coord, HookFlushWaitsForEveryWindow) {
-                        self.coord.wait_no_window(req, None)
-                    } else {
-                        self.coord.wait_no_window(req, Some(since))
-                    };
+                    let waited = self
+                        .coord
+                        .rules()
+                        .flush_wait_ends_at_request(since, |since| self.coord.wait_no_window(req, since));
                     h = sync::lock(&self.hook.state);
                     if let Err(e) = waited {
                         // Interrupted, or inside this thread's own window
@@ -560,10 +553,7 @@ impl Offloader {
             if !pending {
                 return Ok(());
             }
-            // N36 (model builds only): the holder is not refused.
-            if h.windows.iter().any(|w| w.owner == me)
-                && !crate::protocol::variant_is!(self.coord, WaitForOwnDeferredJob)
-            {
+            if self.coord.rules().refuses_wait_for_own_deferred(|| h.windows.iter().any(|w| w.owner == me)) {
                 return Err(ProtocolError::WouldDeadlock {
                     what: "waiting for a job deferred behind this thread's capture hook window",
                 }

@@ -15,6 +15,7 @@ use std::collections::HashMap;
 
 use super::{Completion, KvAlloc, KvSpec, Offloader, OffloaderError, OffloaderOptions};
 use crate::manager::{BlockKey, BlockManager, Lookup, ManagerConfig, Placement, Skipped};
+use crate::rules::Rules;
 use crate::runtime::{Direction, GpuRuntime};
 use crate::sync::Arc;
 use crate::transfer::{JobBlocks, JobId, Lane};
@@ -199,25 +200,25 @@ impl KeyedOffloader {
                 // which gets no `evicted` list from a raising call, still
                 // agrees with the offloader. Nothing touched the manager
                 // since the prepare: it is under this same lock.
-                // N38 (model builds only): the refusal as it was before
-                // issue 43: the placed keys dropped, the evictions kept.
-                #[cfg(any(loom, shuttle))]
-                if crate::protocol::variant_is!(self.core.coord, RefusedStoreKeepsEvictions) {
-                    let _ = j.book().manager.complete_store(&stored, false);
-                    return Err(e);
-                }
-                if let Err(m) = j.book().manager.undo_store(undo) {
-                    tracing::error!(error = %m, "undoing a refused store failed");
-                }
+                self.core.coord.rules().refused_store_undoes_evictions(
+                    j,
+                    |j| {
+                        if let Err(m) = j.book().manager.undo_store(undo) {
+                            tracing::error!(error = %m, "undoing a refused store failed");
+                        }
+                    },
+                    |j| {
+                        let _ = j.book().manager.complete_store(&stored, false);
+                    },
+                );
                 return Err(e);
             }
             let book = j.book();
             book.keys.insert(id, stored.clone());
-            // N18 (loom builds only): the keys readable at submission.
-            #[cfg(any(loom, shuttle))]
-            if crate::protocol::variant_is!(self.core.coord, ReadableAtSubmit) {
+            // Readable once `poll` reports the job completed, not now.
+            self.core.coord.rules().readable_at_completion(|| {
                 let _ = book.manager.complete_store(&stored, true);
-            }
+            });
             Ok(StoreSubmitted { job: Some(id), stored, skipped: out.skipped, evicted })
         })
     }
@@ -248,11 +249,10 @@ impl KeyedOffloader {
             }
             let book = j.book();
             book.keys.insert(id, keys.to_vec());
-            // N19 (loom builds only): the slots released at submission.
-            #[cfg(any(loom, shuttle))]
-            if crate::protocol::variant_is!(self.core.coord, SlotFreedAtLoadSubmit) {
+            // The slots stay held until `poll` reports the job, not now.
+            self.core.coord.rules().slots_held_until_load_done(|| {
                 let _ = book.manager.complete_load(keys);
-            }
+            });
             Ok(id)
         })
     }

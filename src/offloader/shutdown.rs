@@ -3,6 +3,7 @@
 
 use super::{Completion, Offloader, OffloaderError, Pinner};
 use crate::protocol::{finish_shutdown, ProtocolError, Request};
+use crate::rules::Rules;
 use crate::runtime::Direction;
 use crate::sync;
 use crate::sync::atomic::Ordering;
@@ -70,53 +71,67 @@ impl Offloader {
         if self.shut_down.load(Ordering::SeqCst) {
             return Err(ProtocolError::AlreadyShutDown.into());
         }
-        // Refused here, in one critical section of the coordinator, with
-        // nothing changed: no window open, no registered graph alive. From
-        // here on the coordinator refuses new windows, graphs and jobs.
-        // (N15, loom builds only, keeps the old order: the refusal after the
-        // teardown.)
-        let old_order = crate::protocol::variant_is!(self.coord, TeardownBeforeRefusal);
-        if !old_order {
-            // Refused while a capture hook window is open or opening; a
-            // flush of deferred jobs in progress ends first, and no hook
-            // window begins until the coordinator is closed (hook.rs).
-            let hook = self.hook_quiesce()?;
-            self.coord.shutdown_steps().close()?;
-            drop(hook);
-            self.shut_down.store(true, Ordering::SeqCst);
-        }
-        // Drain: every job in flight completes and is applied.
-        let engine = {
-            let mut inner = sync::lock(&self.inner);
-            inner.closed = true;
-            inner.engine.clone()
-        };
+        let rules = self.coord.rules();
         let mut drained = Ok(());
-        let skip_drain = crate::protocol::variant_is!(self.coord, OffloaderSkipsDrain);
-        if let Some(engine) = engine.as_ref().filter(|_| !skip_drain) {
-            // No window can open any more (the coordinator is closed), so
-            // neither the waits nor the polls are refused.
-            drained = engine.wait_all().map_err(OffloaderError::from);
-            while engine.in_flight(Direction::DeviceToHost) + engine.in_flight(Direction::HostToDevice) > 0 {
-                if self.poll_each(&mut drop) == 0 {
-                    // Only while a window that opened before `close` is
-                    // still open, which `close` refused: cannot happen.
-                    self.coord.wait_no_window(Request::new(), None)?;
+        rules.refuses_before_teardown(
+            // Refused here, in one critical section of the coordinator,
+            // with nothing changed: no window open, no registered graph
+            // alive. From here on the coordinator refuses new windows,
+            // graphs and jobs.
+            || -> Result<(), OffloaderError> {
+                // Refused while a capture hook window is open or opening; a
+                // flush of deferred jobs in progress ends first, and no hook
+                // window begins until the coordinator is closed (hook.rs).
+                let hook = self.hook_quiesce()?;
+                self.coord.shutdown_steps().close()?;
+                drop(hook);
+                self.shut_down.store(true, Ordering::SeqCst);
+                Ok(())
+            },
+            || {
+                // Drain: every job in flight completes and is applied.
+                let engine = {
+                    let mut inner = sync::lock(&self.inner);
+                    inner.closed = true;
+                    inner.engine.clone()
+                };
+                if let Some(engine) = engine.as_ref() {
+                    rules.offloader_drains(|| -> Result<(), OffloaderError> {
+                        // No window can open any more (the coordinator is
+                        // closed), so neither the waits nor the polls are
+                        // refused.
+                        drained = engine.wait_all().map_err(OffloaderError::from);
+                        let in_flight =
+                            || engine.in_flight(Direction::DeviceToHost) + engine.in_flight(Direction::HostToDevice);
+                        while in_flight() > 0 {
+                            if self.poll_each(&mut drop) == 0 {
+                                // Only while a window that opened before
+                                // `close` is still open, which `close`
+                                // refused: cannot happen.
+                                self.coord.wait_no_window(Request::new(), None)?;
+                            }
+                        }
+                        Ok(())
+                    })?;
                 }
-            }
-        }
-        drop(engine);
-        // The engine goes before the region is unregistered (its streams,
-        // tables and staging ring are freed through the gate).
-        let engine = sync::lock(&self.inner).engine.take();
-        drop(engine);
-        if old_order {
-            self.shut_down.store(true, Ordering::SeqCst);
-            if let Err(e) = self.coord.shutdown_steps().close() {
-                let _ = self.free_owned();
-                return Err(e.into());
-            }
-        }
+                drop(engine);
+                // The engine goes before the region is unregistered (its
+                // streams, tables and staging ring are freed through the
+                // gate).
+                let engine = sync::lock(&self.inner).engine.take();
+                drop(engine);
+                Ok(())
+            },
+            // The coordinator asked after the teardown (the rule's order
+            // reversed), the tensors freed when it refuses.
+            || {
+                self.shut_down.store(true, Ordering::SeqCst);
+                self.coord.shutdown_steps().close().map_err(|e| {
+                    let _ = self.free_owned();
+                    e.into()
+                })
+            },
+        )?;
         let pinner = &self.pinner;
         let mut joined = Ok(());
         let r = finish_shutdown(self.rt().as_ref(), &self.coord, || {

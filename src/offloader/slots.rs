@@ -7,6 +7,7 @@
 use std::collections::HashSet;
 
 use super::{JobSlots, Offloader, OffloaderError};
+use crate::rules::Rules;
 use crate::runtime::Direction;
 use crate::sync;
 use crate::transfer::{GroupBlocks, JobBlocks, JobId, Lane};
@@ -160,19 +161,22 @@ impl Offloader {
             blocks.groups.iter().enumerate().flat_map(|(g, b)| b.host.iter().map(move |&s| (g, s))).collect();
         // A store never shares a slot with a job in flight; a load never
         // with a store in flight (loads of one slot may run together).
-        // Linear in the slots of the jobs in flight. (N26, model builds
-        // only, skips the check; asked only with jobs in flight, so a
-        // submission beside none takes no more locks in the models.)
-        if !inner.jobs.is_empty() && !crate::protocol::variant_is!(self.coord, SlotBusyUnchecked) {
-            let mine: HashSet<(usize, usize)> = slots.iter().copied().collect();
-            for (&other, j) in &inner.jobs {
-                if dir == Direction::HostToDevice && j.direction == Direction::HostToDevice {
-                    continue;
+        // Linear in the slots of the jobs in flight. (The rules are asked
+        // only with jobs in flight, so a submission beside none reads no
+        // model build's knob.)
+        if !inner.jobs.is_empty() {
+            self.coord.rules().checks_busy_slots(|| {
+                let mine: HashSet<(usize, usize)> = slots.iter().copied().collect();
+                for (&other, j) in &inner.jobs {
+                    if dir == Direction::HostToDevice && j.direction == Direction::HostToDevice {
+                        continue;
+                    }
+                    if let Some(&(group, slot)) = j.slots.iter().find(|gs| mine.contains(gs)) {
+                        return Err(OffloaderError::SlotBusy { group, slot, job: other, direction: j.direction });
+                    }
                 }
-                if let Some(&(group, slot)) = j.slots.iter().find(|gs| mine.contains(gs)) {
-                    return Err(OffloaderError::SlotBusy { group, slot, job: other, direction: j.direction });
-                }
-            }
+                Ok(())
+            })?;
         }
         // The engine checks the skips, the counts and the ids (range,
         // repeats, the job id never used before) and orders the job after

@@ -10,7 +10,6 @@ mod error;
 mod request;
 mod shutdown;
 
-pub(crate) use coordinator::variant_is;
 pub use coordinator::{
     Activity, AliasGuard, CapturePolicy, CaptureWindow, ChunkReg, Coordinator, GraphToken, JobTicket, KeepAlive,
     PinHold, Pinning, ShutdownSteps,

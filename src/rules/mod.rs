@@ -53,6 +53,108 @@ pub(crate) trait Rules {
         bound()
     }
 
+    // ---- protocol: the coordinator's windows and library calls (P1, P3, P6) ----
+
+    /// Capture windows and capture-unsafe library calls exclude each
+    /// other (P1): a window opens, a library call starts, a call inside
+    /// the caller's own window goes on (rather than be refused: it would
+    /// wait for itself), only when `clear` says the other side is clear.
+    /// N1 (upstream's design, no capture window) finds it always clear.
+    fn windows_exclude_calls(&self, clear: impl FnOnce() -> bool) -> bool {
+        clear()
+    }
+
+    /// A capture-unsafe call under the gate ends on unwinding too (P6):
+    /// `arm` arms the guard that ends it (drops its count, hands windows
+    /// the turn) should the call panic. N37 does not arm it.
+    fn unwinding_call_ends(&self, arm: impl FnOnce()) {
+        arm()
+    }
+
+    /// The completion poller's try at a capture-unsafe call never runs
+    /// past a window (P1): it is refused when `busy` (a window open,
+    /// about to open, or the caller's). N3 is never refused.
+    fn poller_respects_gate(&self, busy: impl FnOnce() -> bool) -> bool {
+        busy()
+    }
+
+    /// The gather kernel gets a chunk's device alias only while the chunk
+    /// is registered (P3): the alias is `alias` (`None`: the chunk is not
+    /// registered, none is handed out); `host_address` (the chunk's host
+    /// address posing as an alias) is not run. N4 hands it out for an
+    /// unregistered chunk.
+    fn alias_needs_registration<A>(&self, alias: Option<A>, _host_address: impl FnOnce() -> A) -> Option<A> {
+        alias
+    }
+
+    // ---- protocol: the coordinator's wake-ups and turns (P6) ----
+
+    /// A guard's release (a window, a job ticket, a graph token, an
+    /// alias, the end of a gated call) wakes every waiter: `wake` runs
+    /// after the state changed. N17 forgets it.
+    fn release_wakes(&self, wake: impl FnOnce()) {
+        wake()
+    }
+
+    /// A closing window hands the turn to a waiting library call, so
+    /// windows back to back cannot starve pinning: `hand` runs. N16 keeps
+    /// the turn.
+    fn closing_window_hands_turn(&self, hand: impl FnOnce()) {
+        hand()
+    }
+
+    /// An interruptible wait whose check said to go on starts a new slice
+    /// (the check is called at most once per slice): `start` runs. N34
+    /// starts none, so the check runs on every turn of the loop.
+    fn interrupt_check_starts_slice(&self, start: impl FnOnce()) {
+        start()
+    }
+
+    // ---- protocol: the coordinator's pinning (P2, P6) ----
+
+    /// A chunk's registration waits while pinning is held back (an
+    /// engine's capture phase): the answer is `held`. N31 ignores the
+    /// holds.
+    fn registration_heeds_hold(&self, held: impl FnOnce() -> bool) -> bool {
+        held()
+    }
+
+    /// A wait for pinning inside the caller's own window, pinning not
+    /// final, is refused with a typed error (it would never return under
+    /// Interleave): refused when `inside`. N6 waits (and hangs).
+    fn refuses_pin_wait_in_own_window(&self, inside: impl FnOnce() -> bool) -> bool {
+        inside()
+    }
+
+    // ---- protocol: the coordinator's shutdown steps (P4) ----
+
+    /// A refused shutdown changes nothing: pinning is asked to stop only
+    /// once shutdown is accepted, so `cancel_early` (the cancel, before
+    /// the refusal's checks) is not run. N25 runs it.
+    fn refusal_changes_nothing(&self, _cancel_early: impl FnOnce()) {}
+
+    /// Shutdown is refused while a registered graph lives (it may be
+    /// replayed and read the region): refused when `live`. N5 ignores
+    /// the graphs.
+    fn shutdown_refuses_live_graphs(&self, live: impl FnOnce() -> bool) -> bool {
+        live()
+    }
+
+    /// The drain waits for every admitted job's ticket before anything is
+    /// unregistered: `wait` (the wait, on the coordinator's guard `g`)
+    /// runs and its guard is returned. N2 does not wait.
+    fn drain_waits_for_jobs<G>(&self, g: G, wait: impl FnOnce(G) -> G) -> G {
+        wait(g)
+    }
+
+    /// The drain waits for pinning to settle before anything is
+    /// unregistered (a registration in flight completes first): `wait`
+    /// runs on `g` as for [`Rules::drain_waits_for_jobs`]. N10 does not
+    /// wait.
+    fn drain_waits_for_pinning<G>(&self, g: G, wait: impl FnOnce(G) -> G) -> G {
+        wait(g)
+    }
+
     // ---- protocol: the shutdown order (P4) ----
 
     /// Shutdown drains the admitted jobs and lets pinning settle before it
@@ -137,6 +239,104 @@ pub(crate) trait Rules {
     /// is recorded. N14 joins none.
     fn join_staging_streams(&self, used: &[usize], join: impl FnMut(&usize)) {
         used.iter().for_each(join);
+    }
+
+    // ---- offloader: the capture hook (P1, P6) ----
+
+    /// A capture hook's abort closes the window its begin opened: `close`
+    /// runs and its result is returned. N22 keeps the window open.
+    fn abort_closes_window<E>(&self, close: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
+        close()
+    }
+
+    /// A hook's close submits the deferred jobs only once its window is
+    /// closed (on the closing thread, outside every window), so
+    /// `flush_early` (the flush on the hook's guard `g`, inside the window)
+    /// is not run and `g` is returned as it is. N21 runs it.
+    fn hook_flushes_after_close<G>(&self, g: G, _flush_early: impl FnOnce(G) -> G) -> G {
+        g
+    }
+
+    /// A hook's close, an abort's (`abort`) as an end's, submits the
+    /// deferred jobs when it closed the last hook window: `flush` runs and
+    /// its result is returned. N35 skips it for an abort.
+    fn hook_close_flushes<E>(&self, _abort: bool, flush: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
+        flush()
+    }
+
+    /// A hook begin refused or interrupted before its window opened
+    /// submits the jobs deferred behind its request (as a close would,
+    /// never waiting): `flush` runs. N33 leaves them queued.
+    fn refused_begin_flushes(&self, flush: impl FnOnce()) {
+        flush()
+    }
+
+    /// The hook's flush, refused by an engine's window, waits for that
+    /// window only until a window is requested after it began waiting (a
+    /// hook window that begins meanwhile takes the rest over): `wait` gets
+    /// `Some(since)` (the coordinator's request count when it began) and
+    /// its result is returned. N30 passes `None`: it waits until no window
+    /// at all is open.
+    fn flush_wait_ends_at_request<S, R>(&self, since: S, wait: impl FnOnce(Option<S>) -> R) -> R {
+        wait(Some(since))
+    }
+
+    /// A wait for a deferred job is refused to the thread that holds the
+    /// hook window the job waits behind (it would wait for its own
+    /// close): refused when `own`. N36 waits.
+    fn refuses_wait_for_own_deferred(&self, own: impl FnOnce() -> bool) -> bool {
+        own()
+    }
+
+    // ---- offloader: jobs, keys and slots (P5) ----
+
+    /// A slot job is refused while a job in flight conflicts with it on
+    /// one of its slots: `check` runs and its result is returned. N26
+    /// skips it.
+    fn checks_busy_slots<E>(&self, check: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
+        check()
+    }
+
+    /// A store's keys become readable when the store completed, not when
+    /// it was submitted: `mark_readable_now` is not run. N18 runs it at
+    /// submission.
+    fn readable_at_completion(&self, _mark_readable_now: impl FnOnce()) {}
+
+    /// A load's keys keep their slots until the load is reported:
+    /// `free_now` (the release at submission) is not run. N19 runs it.
+    fn slots_held_until_load_done(&self, _free_now: impl FnOnce()) {}
+
+    /// A store refused at submission changes nothing: `undo` takes its
+    /// evictions back with its placed keys (on `book`); `drop_placed`
+    /// (the placed keys dropped, the evictions kept) is not run. N38 runs
+    /// `drop_placed` instead.
+    fn refused_store_undoes_evictions<B>(&self, book: B, undo: impl FnOnce(B), _drop_placed: impl FnOnce(B)) {
+        undo(book)
+    }
+
+    // ---- offloader: its shutdown order (P4) ----
+
+    /// The offloader's shutdown asks the coordinator (which may refuse)
+    /// before it tears anything down: `refuse` (the hook quiesced, the
+    /// coordinator closed) and, once it accepted, `teardown` (the drain,
+    /// the transfer engine dropped); `refuse_late` (the coordinator asked
+    /// after the teardown, the offloader's tensors freed on a refusal) is
+    /// not run. N15 runs `teardown`, then `refuse_late`.
+    fn refuses_before_teardown<E>(
+        &self,
+        refuse: impl FnOnce() -> Result<(), E>,
+        teardown: impl FnOnce() -> Result<(), E>,
+        _refuse_late: impl FnOnce() -> Result<(), E>,
+    ) -> Result<(), E> {
+        refuse()?;
+        teardown()
+    }
+
+    /// The offloader's shutdown polls its jobs to completion (each
+    /// reported to the block manager) before it drops the transfer
+    /// engine: `drain` runs and its result is returned. N20 skips it.
+    fn offloader_drains<E>(&self, drain: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
+        drain()
     }
 }
 

@@ -13,8 +13,7 @@ use super::{Rules, Shipped};
 /// The production protocol, or one of the known-bad variants that the
 /// negative models run (of N1-N38, docs/PROOFS.md). Model builds only, as
 /// this whole module: a variant overrides the [`Rules`] method of the rule
-/// it breaks (below); the rest, not yet moved behind the seam, are read
-/// where they act (`Coordinator::is`, the coordinator's `bad!`).
+/// it breaks (below).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub enum Variant {
     /// The protocol as shipped: every rule enforced (it overrides no
@@ -240,6 +239,194 @@ impl Rules for Variant {
             // N14: no stream is joined back.
             Variant::UnjoinedStaging => {}
             _ => Shipped.join_staging_streams(used, join),
+        }
+    }
+
+    fn windows_exclude_calls(&self, clear: impl FnOnce() -> bool) -> bool {
+        // N1: no capture window holds anything back (`clear` not asked).
+        *self == Variant::NoCaptureWindow || clear()
+    }
+
+    fn unwinding_call_ends(&self, arm: impl FnOnce()) {
+        match self {
+            // N37: the guard stays unarmed: an unwinding call stays counted.
+            Variant::PanicUnderGateLeaks => {}
+            _ => Shipped.unwinding_call_ends(arm),
+        }
+    }
+
+    fn poller_respects_gate(&self, busy: impl FnOnce() -> bool) -> bool {
+        // N3: the poller goes on whatever the windows (`busy` not asked).
+        *self != Variant::UngatedPoller && busy()
+    }
+
+    fn alias_needs_registration<A>(&self, alias: Option<A>, host_address: impl FnOnce() -> A) -> Option<A> {
+        match self {
+            // N4: an unregistered chunk's host address, as if registered.
+            Variant::UncheckedGather => alias.or_else(|| Some(host_address())),
+            _ => Shipped.alias_needs_registration(alias, host_address),
+        }
+    }
+
+    fn release_wakes(&self, wake: impl FnOnce()) {
+        match self {
+            // N17: the state changes, nobody is woken.
+            Variant::SilentRelease => {}
+            _ => Shipped.release_wakes(wake),
+        }
+    }
+
+    fn closing_window_hands_turn(&self, hand: impl FnOnce()) {
+        match self {
+            // N16: the window keeps the turn.
+            Variant::WindowKeepsTurn => {}
+            _ => Shipped.closing_window_hands_turn(hand),
+        }
+    }
+
+    fn interrupt_check_starts_slice(&self, start: impl FnOnce()) {
+        match self {
+            // N34: no new slice: the check runs on every turn, unwaited.
+            Variant::CheckWithoutNewSlice => {}
+            _ => Shipped.interrupt_check_starts_slice(start),
+        }
+    }
+
+    fn registration_heeds_hold(&self, held: impl FnOnce() -> bool) -> bool {
+        // N31: the holds are not asked.
+        *self != Variant::PinIgnoresHold && held()
+    }
+
+    fn refuses_pin_wait_in_own_window(&self, inside: impl FnOnce() -> bool) -> bool {
+        // N6: the wait goes ahead inside the window.
+        *self != Variant::WaitInsideWindow && inside()
+    }
+
+    fn refusal_changes_nothing(&self, cancel_early: impl FnOnce()) {
+        // N25: pinning asked to stop before the refusal's checks.
+        if *self == Variant::RefusalCancelsPinning {
+            cancel_early();
+        }
+    }
+
+    fn shutdown_refuses_live_graphs(&self, live: impl FnOnce() -> bool) -> bool {
+        // N5: the live graphs are not asked.
+        *self != Variant::IgnoreLiveGraphs && live()
+    }
+
+    fn drain_waits_for_jobs<G>(&self, g: G, wait: impl FnOnce(G) -> G) -> G {
+        match self {
+            // N2: the jobs in flight are not waited for.
+            Variant::NoDrainBeforeUnregister => g,
+            _ => Shipped.drain_waits_for_jobs(g, wait),
+        }
+    }
+
+    fn drain_waits_for_pinning<G>(&self, g: G, wait: impl FnOnce(G) -> G) -> G {
+        match self {
+            // N10: pinning is not waited for.
+            Variant::ShutdownSkipsPinWait => g,
+            _ => Shipped.drain_waits_for_pinning(g, wait),
+        }
+    }
+
+    fn abort_closes_window<E>(&self, close: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
+        match self {
+            // N22: the window stays open for good.
+            Variant::HookAbortKeepsWindow => Ok(()),
+            _ => Shipped.abort_closes_window(close),
+        }
+    }
+
+    fn hook_flushes_after_close<G>(&self, g: G, flush_early: impl FnOnce(G) -> G) -> G {
+        match self {
+            // N21: the deferred jobs go before the window closes.
+            Variant::HookFlushesInsideWindow => flush_early(g),
+            _ => Shipped.hook_flushes_after_close(g, flush_early),
+        }
+    }
+
+    fn hook_close_flushes<E>(&self, abort: bool, flush: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
+        match self {
+            // N35: an abort leaves the queue as it is.
+            Variant::HookAbortSkipsFlush if abort => Ok(()),
+            _ => Shipped.hook_close_flushes(abort, flush),
+        }
+    }
+
+    fn refused_begin_flushes(&self, flush: impl FnOnce()) {
+        match self {
+            // N33: the deferred jobs stay queued.
+            Variant::HookRefusedBeginKeepsQueue => {}
+            _ => Shipped.refused_begin_flushes(flush),
+        }
+    }
+
+    fn flush_wait_ends_at_request<S, R>(&self, since: S, wait: impl FnOnce(Option<S>) -> R) -> R {
+        match self {
+            // N30: the wait ends only once no window at all is open.
+            Variant::HookFlushWaitsForEveryWindow => wait(None),
+            _ => Shipped.flush_wait_ends_at_request(since, wait),
+        }
+    }
+
+    fn refuses_wait_for_own_deferred(&self, own: impl FnOnce() -> bool) -> bool {
+        // N36: the holder of the window waits for its own close.
+        *self != Variant::WaitForOwnDeferredJob && own()
+    }
+
+    fn checks_busy_slots<E>(&self, check: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
+        match self {
+            // N26: no busy-slot check.
+            Variant::SlotBusyUnchecked => Ok(()),
+            _ => Shipped.checks_busy_slots(check),
+        }
+    }
+
+    fn readable_at_completion(&self, mark_readable_now: impl FnOnce()) {
+        // N18: the keys readable at submission.
+        if *self == Variant::ReadableAtSubmit {
+            mark_readable_now();
+        }
+    }
+
+    fn slots_held_until_load_done(&self, free_now: impl FnOnce()) {
+        // N19: the slots released at submission.
+        if *self == Variant::SlotFreedAtLoadSubmit {
+            free_now();
+        }
+    }
+
+    fn refused_store_undoes_evictions<B>(&self, book: B, undo: impl FnOnce(B), drop_placed: impl FnOnce(B)) {
+        match self {
+            // N38: the refusal as before issue 43: the placed keys dropped,
+            // the evictions kept.
+            Variant::RefusedStoreKeepsEvictions => drop_placed(book),
+            _ => Shipped.refused_store_undoes_evictions(book, undo, drop_placed),
+        }
+    }
+
+    fn refuses_before_teardown<E>(
+        &self,
+        refuse: impl FnOnce() -> Result<(), E>,
+        teardown: impl FnOnce() -> Result<(), E>,
+        refuse_late: impl FnOnce() -> Result<(), E>,
+    ) -> Result<(), E> {
+        match self {
+            // N15: the earlier order: the teardown first, the refusal after.
+            Variant::TeardownBeforeRefusal => {
+                teardown()?;
+                refuse_late()
+            }
+            _ => Shipped.refuses_before_teardown(refuse, teardown, refuse_late),
+        }
+    }
+
+    fn offloader_drains<E>(&self, drain: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
+        match self {
+            // N20: the engine dropped with its jobs unreported.
+            Variant::OffloaderSkipsDrain => Ok(()),
+            _ => Shipped.offloader_drains(drain),
         }
     }
 }

@@ -23,6 +23,7 @@
 //!   registered; unregistering waits for the aliases handed out (P3).
 
 use super::{ChunkReg, Coordinator, Phase, ProtocolError, Request, Shared, State, Turn, SEAL};
+use crate::rules::Rules;
 use crate::runtime::{DevicePtr, Gate};
 use crate::sync::{self, Arc, MutexGuard};
 
@@ -103,7 +104,7 @@ impl Coordinator {
             return self.unsafe_call_then(what, f, |_, _| {});
         };
         let mut g = self.lock();
-        if g.owns_window(sync::this_thread()) && !bad!(g, NoCaptureWindow) {
+        if !g.outside_own_window(sync::this_thread()) {
             return Err(ProtocolError::WouldDeadlock { what });
         }
         g.unsafe_waiting += 1;
@@ -129,7 +130,7 @@ impl Coordinator {
         record: impl FnOnce(&mut State, &T),
     ) -> Result<T, ProtocolError> {
         let mut g = self.lock();
-        if g.owns_window(sync::this_thread()) && !bad!(g, NoCaptureWindow) {
+        if !g.outside_own_window(sync::this_thread()) {
             return Err(ProtocolError::WouldDeadlock { what });
         }
         g.unsafe_waiting += 1;
@@ -149,15 +150,14 @@ impl Coordinator {
         record: impl FnOnce(&mut State, &T),
     ) -> T {
         g.unsafe_in_flight += 1;
-        // N37 (model builds only): the guard below is never armed, so an
-        // unwinding call stays counted.
-        let leak = bad!(g, PanicUnderGateLeaks);
+        let rules = g.rules;
         drop(g);
         // Should `f` unwind (a panic in an engine's callable run under the
         // gate), the call still ends: the count drops and a waiting window
         // gets its turn (P6), instead of every later window waiting for
         // ever on a call that is gone.
-        let mut in_flight = InFlight { shared: &self.shared, armed: !leak };
+        let mut in_flight = InFlight { shared: &self.shared, armed: false };
+        rules.unwinding_call_ends(|| in_flight.armed = true);
         // The one place a gate is made: `unsafe_in_flight` counts this call,
         // so no window opens until it returns (P1).
         let gate = Gate::minted(&SEAL, self.shared.id);
@@ -176,8 +176,7 @@ impl Coordinator {
     /// a window is open or about to open (the poller tries again later).
     pub fn try_unsafe_call<T>(&self, f: impl FnOnce(&Gate) -> T) -> Result<T, ProtocolError> {
         let g = self.lock();
-        let bypass = bad!(g, UngatedPoller);
-        if !bypass && (g.owns_window(sync::this_thread()) || !g.unsafe_may_start()) {
+        if g.rules.poller_respects_gate(|| g.owns_window(sync::this_thread()) || !g.unsafe_may_start()) {
             return Err(ProtocolError::WindowBusy);
         }
         Ok(self.counted(g, f, |_, _| {}))
@@ -207,7 +206,7 @@ impl Coordinator {
         if g.phase != Phase::Running {
             return Err(ProtocolError::ShutDown);
         }
-        if !bad!(g, NoCaptureWindow) && (g.owns_window(sync::this_thread()) || !g.unsafe_may_start()) {
+        if !g.outside_own_window(sync::this_thread()) || !g.unsafe_may_start() {
             return Err(ProtocolError::WindowBusy);
         }
         g.jobs_in_flight += 1;
@@ -219,15 +218,15 @@ impl Coordinator {
     /// chunk; the chunk stays registered while the guard lives.
     pub fn acquire_alias(&self, addr: usize, len: usize) -> Option<AliasGuard> {
         let mut g = self.lock();
-        let unchecked = bad!(g, UncheckedGather);
+        let rules = g.rules;
         let i = g.chunks.iter().position(|c| addr >= c.addr && addr + len <= c.addr + c.len)?;
         let c = &mut g.chunks[i];
-        let base = match c.reg {
-            ChunkReg::Registered { alias } => alias,
-            // N4: hand out the host address as if it were registered.
-            _ if unchecked => DevicePtr(c.addr as u64 | (1 << 62)),
-            _ => return None,
+        let alias = match c.reg {
+            ChunkReg::Registered { alias } => Some(alias),
+            _ => None,
         };
+        let host = c.addr;
+        let base = rules.alias_needs_registration(alias, || DevicePtr(host as u64 | (1 << 62)))?;
         c.users += 1;
         let device = base.offset(addr - c.addr);
         Some(AliasGuard { coord: self.shared.clone(), chunk: i, device })

@@ -17,8 +17,15 @@
 //!   ([`Coordinator::pinning`], a [`Pinning`] view);
 //! - `shutdown.rs`: the shutdown order's steps
 //!   ([`Coordinator::shutdown_steps`], a [`ShutdownSteps`] view);
-//! - `variant.rs`: the negative models' switches (`bad!`, `variant_is!`,
-//!   [`Variant`]; model builds only).
+//! - `variant.rs`: the negative models' handles, model builds only
+//!   (`Coordinator::set_variant`, `Coordinator::forged_gate`).
+//!
+//! At each place a negative model breaks one of the rules below, the
+//! operations here call the method of `crate::rules::Rules` named for the
+//! rule (through `State::rules` under the lock, `Coordinator::rules`
+//! outside it), handing it the steps it orders or decides on; outside
+//! model builds those are the shipped rules, zero-sized and inlined, and no
+//! negative is compiled.
 //!
 //! Every wait and window takes a [`Request`]: whether a window opens under
 //! the Interleave rules, an interrupt check, and (model builds) a hook at
@@ -71,24 +78,21 @@
 //!   (`sync::Slice`: loom and shuttle model no time), so the models run
 //!   the interruptible requests too (model/p6_interruptible.rs).
 
+use crate::rules::{Active, Rules};
 use crate::runtime::{CoordinatorId, GateBinding, GateSeal, GpuRuntime};
 use crate::sync::{self, thread, Arc, Condvar, Mutex, MutexGuard};
 
-// The negatives' switches first: `bad!` is in scope in every file below.
-#[macro_use]
-mod variant;
 mod call;
 mod pinning;
 mod shutdown;
+#[cfg(any(loom, shuttle))]
+mod variant;
 mod window;
 
-#[cfg(any(loom, shuttle))]
-use crate::rules::negatives::Variant;
 pub use call::{AliasGuard, JobTicket};
 use pinning::Chunk;
 pub use pinning::{ChunkReg, PinHold, Pinning};
 pub use shutdown::ShutdownSteps;
-pub(crate) use variant::variant_is;
 pub use window::{CaptureWindow, GraphToken};
 
 use super::error::{PinState, ProtocolError};
@@ -131,9 +135,11 @@ enum Phase {
 
 struct State {
     policy: CapturePolicy,
-    /// The negative model's knob (model builds only, `bad!`).
-    #[cfg(any(loom, shuttle))]
-    variant: Variant,
+    /// The rules the coordinator runs under its lock (`crate::rules`):
+    /// [`Shipped`](crate::rules::Shipped), zero-sized, outside model
+    /// builds; in them, the variant a model selected
+    /// (`Coordinator::set_variant`), as in `Shared::knob`.
+    rules: Active,
     pin: PinState,
     cancel_pin: bool,
     /// The threads that took the pin holds alive ([`Pinning::hold`]),
@@ -196,30 +202,33 @@ impl State {
     }
 
     fn window_may_open(&self, interleave: bool) -> bool {
-        if bad!(self, NoCaptureWindow) {
-            return true;
-        }
-        self.unsafe_in_flight == 0
-            && self.request_could_open(interleave)
-            && (self.unsafe_waiting == 0 || self.turn == Turn::Window)
+        self.rules.windows_exclude_calls(|| {
+            self.unsafe_in_flight == 0
+                && self.request_could_open(interleave)
+                && (self.unsafe_waiting == 0 || self.turn == Turn::Window)
+        })
     }
 
     fn unsafe_may_start(&self) -> bool {
-        if bad!(self, NoCaptureWindow) {
-            return true;
-        }
-        self.windows_open == 0
-            && (self.windows_waiting == 0 || !self.some_request_could_open() || self.turn == Turn::Library)
+        self.rules.windows_exclude_calls(|| {
+            self.windows_open == 0
+                && (self.windows_waiting == 0 || !self.some_request_could_open() || self.turn == Turn::Library)
+        })
+    }
+
+    /// A library call of thread `me` may go on rather than be refused: it
+    /// is not inside its own window (where it would wait for itself).
+    fn outside_own_window(&self, me: thread::ThreadId) -> bool {
+        self.rules.windows_exclude_calls(|| !self.owns_window(me))
     }
 
     fn owns_window(&self, me: thread::ThreadId) -> bool {
         self.window_owners.contains(&me)
     }
 
-    /// A registration may not start: pinning is held and not cancelled
-    /// (N31 ignores the hold).
+    /// A registration may not start: pinning is held and not cancelled.
     fn pin_held(&self) -> bool {
-        !self.pin_holds.is_empty() && !self.cancel_pin && !bad!(self, PinIgnoresHold)
+        self.rules.registration_heeds_hold(|| !self.pin_holds.is_empty() && !self.cancel_pin)
     }
 }
 
@@ -309,15 +318,13 @@ impl Shared {
         r
     }
 
-    /// A guard's release: changes the state and wakes every waiter (N17,
-    /// loom builds only, forgets the wake-up; model/p6_liveness.rs shows
-    /// each guard's own wake-up is what releases its waiter).
+    /// A guard's release: changes the state and wakes every waiter
+    /// (`Rules::release_wakes`; model/p6_liveness.rs shows each guard's
+    /// own wake-up is what releases its waiter).
     fn release(&self, f: impl FnOnce(&mut State)) {
         let mut g = self.lock();
         f(&mut g);
-        if !bad!(g, SilentRelease) {
-            self.cv.notify_all();
-        }
+        g.rules.release_wakes(|| self.cv.notify_all());
     }
 }
 
@@ -370,8 +377,7 @@ impl Coordinator {
                 knob: crate::rules::Knob::default(),
                 state: Mutex::new(State {
                     policy,
-                    #[cfg(any(loom, shuttle))]
-                    variant: Variant::Production,
+                    rules: Active::default(),
                     pin: PinState::Pending,
                     cancel_pin: false,
                     pin_holds: Vec::new(),
@@ -439,11 +445,7 @@ impl Coordinator {
                 if stop {
                     return (g, true);
                 }
-                // N34 (model builds only): no new slice, so the check is
-                // called on every turn of the loop, without waiting.
-                if !bad!(g, CheckWithoutNewSlice) {
-                    slice = sync::Slice::start();
-                }
+                g.rules.interrupt_check_starts_slice(|| slice = sync::Slice::start());
                 continue;
             }
             g = slice.wait(&self.shared.cv, g);
@@ -472,5 +474,12 @@ impl Coordinator {
     /// When capture windows may open, as fixed at construction.
     pub fn policy(&self) -> CapturePolicy {
         self.lock().policy
+    }
+
+    /// The rules this coordinator and its parties run (`crate::rules`),
+    /// read without the coordinator's lock: the shipped ones outside model
+    /// builds, where this is zero-sized.
+    pub(crate) fn rules(&self) -> Active {
+        self.shared.knob.rules()
     }
 }

@@ -19,6 +19,7 @@
 //!   wait is uncounted again (P6).
 
 use super::{Coordinator, PinState, ProtocolError, Request, Shared, State};
+use crate::rules::Rules;
 use crate::runtime::{DevicePtr, DriverError, Gate, GpuRuntime};
 use crate::sync::{self, thread, Arc};
 
@@ -190,7 +191,7 @@ impl Pinning<'_> {
         };
         let what = "registering a chunk";
         let mut g = coord.lock();
-        if g.owns_window(sync::this_thread()) && !bad!(g, NoCaptureWindow) {
+        if !g.outside_own_window(sync::this_thread()) {
             return Err(ProtocolError::WouldDeadlock { what });
         }
         // As `unsafe_call_then`, but while pinning is held the call waits
@@ -313,7 +314,7 @@ impl Pinning<'_> {
     pub fn wait_final(&self, req: Request<'_>) -> Result<PinState, ProtocolError> {
         let coord = self.coord;
         let mut g = coord.lock();
-        if g.owns_window(sync::this_thread()) && !g.pin.is_final() && !bad!(g, WaitInsideWindow) {
+        if g.rules.refuses_pin_wait_in_own_window(|| g.owns_window(sync::this_thread()) && !g.pin.is_final()) {
             return Err(ProtocolError::WouldDeadlock { what: "waiting for pinning" });
         }
         if g.pin_holds.contains(&sync::this_thread()) && !g.pin.is_final() {

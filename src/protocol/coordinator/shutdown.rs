@@ -15,6 +15,7 @@
 
 use super::{Coordinator, Phase, PinState, ProtocolError};
 use crate::protocol::PageableReason;
+use crate::rules::Rules;
 
 /// The shutdown order's steps on a coordinator
 /// ([`Coordinator::shutdown_steps`]): a thin view (a borrow of the
@@ -67,13 +68,12 @@ impl ShutdownSteps<'_> {
             Phase::Running => {}
             _ => return Err(ProtocolError::AlreadyShutDown),
         }
-        if bad!(g, RefusalCancelsPinning) {
-            g.cancel_pin = true;
-        }
+        let rules = g.rules;
+        rules.refusal_changes_nothing(|| g.cancel_pin = true);
         if g.windows_open > 0 {
             return Err(ProtocolError::WindowOpen { open: g.windows_open });
         }
-        if g.graphs_live > 0 && !bad!(g, IgnoreLiveGraphs) {
+        if rules.shutdown_refuses_live_graphs(|| g.graphs_live > 0) {
             return Err(ProtocolError::GraphsAlive { live: g.graphs_live });
         }
         g.phase = Phase::ShuttingDown;
@@ -93,16 +93,19 @@ impl ShutdownSteps<'_> {
         let mut g = coord.lock();
         debug_assert!(g.phase != Phase::Running, "drain before close");
         tracing::info!(jobs = g.jobs_in_flight, pin = ?g.pin, "shutdown: draining");
-        if !bad!(g, NoDrainBeforeUnregister) {
+        let rules = g.rules;
+        g = rules.drain_waits_for_jobs(g, |mut g| {
             while g.jobs_in_flight > 0 {
                 g = coord.wait(g);
             }
-        }
-        if !bad!(g, ShutdownSkipsPinWait) {
+            g
+        });
+        drop(rules.drain_waits_for_pinning(g, |mut g| {
             while !g.pin.is_final() {
                 g = coord.wait(g);
             }
-        }
+            g
+        }));
     }
 
     /// True once shutdown began.

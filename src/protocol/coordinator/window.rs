@@ -20,6 +20,7 @@
 //!   to close inside its own, gets a typed error (P4, P6).
 
 use super::{Coordinator, Phase, ProtocolError, Request, Shared, State, Turn};
+use crate::rules::Rules;
 use crate::sync::{self, thread, Arc};
 
 /// An open capture window. The engine captures its graphs while holding
@@ -43,9 +44,8 @@ impl Drop for CaptureWindow {
     fn drop(&mut self) {
         self.coord.release(|g| {
             g.windows_open -= 1;
-            if !bad!(g, WindowKeepsTurn) {
-                g.turn = Turn::Library;
-            }
+            let rules = g.rules;
+            rules.closing_window_hands_turn(|| g.turn = Turn::Library);
             if let Some(i) = g.window_owners.iter().position(|t| *t == self.owner) {
                 g.window_owners.swap_remove(i);
             }
