@@ -15,7 +15,7 @@ mod region_common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kvoffload::{page_size, FileProblem, FileSplit, Layout, Region, RegionError, ShmOptions};
+use kvoffload::{page_size, FileProblem, FileSplit, Layout, Region, RegionError};
 use region_common::{opts, page_rows, small, write_private, ShmGuard, Snapshot, SPLITS};
 
 /// Length of the header file of `l` split as `split` (few data files).
