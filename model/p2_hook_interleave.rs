@@ -29,29 +29,14 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{fixture, models, Bounds};
-use kvoffload::internal::pin::{NoPrefault, PinHandle};
-use kvoffload::internal::protocol::Variant;
+use common::{models, pinning_under, waited_at_most_one, window_counting_registrations, Bounds};
 use kvoffload::{CaptureMode, CapturePolicy, PinState, Request};
-use std::cell::Cell;
 
 fn scenario() {
-    let f = fixture(CapturePolicy::AfterPinning, Variant::Production, 3, 64);
-    let rt = f.rt.clone();
-    let s = rt.stream_create().unwrap();
-    let d = f.coord.unsafe_call("alloc", Request::new(), |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
-    let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
+    let (f, rt, s, d, pin) = pinning_under(CapturePolicy::AfterPinning);
 
-    let at_request = Cell::new(None);
-    let note = || at_request.set(Some(f.sim().registrations_completed()));
-    let w = f.coord.open_window(Request::new().interleaved().noting(&note)).unwrap();
-    let at_request = at_request.get().expect("the window asked to open");
-    let at_open = f.sim().registrations_completed();
-    assert!(
-        at_open - at_request <= 1,
-        "the hook's window waited for {} registrations (counted by the simulated GPU)",
-        at_open - at_request
-    );
+    let (w, at_request, at_open) = window_counting_registrations(&f, Request::new().interleaved());
+    waited_at_most_one("the hook's window", at_request, at_open);
     assert_eq!(f.sim().registers_running(), 0, "registration running inside the window");
     rt.begin_capture(s, CaptureMode::Global).unwrap();
     // SAFETY: `d` is a 64-byte allocation of the sim, never freed; the

@@ -33,8 +33,8 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{fixture, models, Bounds};
-use kvoffload::internal::pin::{pin_all, NoPrefault, PinHandle};
+use common::{fixture, models, pinning_interleaved, Bounds};
+use kvoffload::internal::pin::{pin_all, NoPrefault};
 use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::thread;
 use kvoffload::Request;
@@ -46,8 +46,7 @@ const CHUNKS: usize = common::sized(3, 8);
 const WINDOWS: usize = common::sized(3, 8);
 
 fn back_to_back_windows(variant: Variant) {
-    let f = fixture(CapturePolicy::Interleave, variant, CHUNKS, 64);
-    let pin = PinHandle::spawn(f.rt.clone(), f.coord.clone(), NoPrefault::shared());
+    let (f, pin) = pinning_interleaved(variant, CHUNKS);
     let mut waited_at: Option<usize> = None;
     for _ in 0..WINDOWS {
         let w = f.coord.open_window(Request::new()).unwrap();

@@ -121,6 +121,43 @@ fn until(what: &str, cond: impl Fn() -> bool) {
     }
 }
 
+/// A pinned slot offloader, shared between threads, with GPU block `b`
+/// written with `tag`'s bytes.
+fn pinned_with_block(tag: u64, b: usize) -> Arc<Offloader> {
+    let off = Arc::new(slot_offloader());
+    off.wait_pinned(Request::new()).unwrap();
+    write_block(&off, tag, b);
+    off
+}
+
+/// A started slot offloader with GPU block `b` written with `tag`'s bytes
+/// and a hook window open on this thread, in which job `id` stores block
+/// `b` to slot `slot` (deferred).
+fn a_deferred_store(tag: u64, b: usize, id: JobId, slot: usize) -> Offloader {
+    let off = slot_offloader();
+    off.start().unwrap();
+    write_block(&off, tag, b);
+    off.capture_hook().begin(Request::new()).unwrap();
+    off.submit(id, Lane::Store, &SlotJob::single(&[b], &[slot], 0)).unwrap();
+    off
+}
+
+/// Waits for `id`, a job that was deferred, and returns its completion
+/// ([`polled_deferred`]).
+fn reported_deferred(off: &Offloader, id: JobId) -> Completion {
+    off.wait(id, Request::new(), &mut drop).unwrap();
+    polled_deferred(off, id)
+}
+
+/// Polls the completion of `id`, a job that was deferred: reported without
+/// an error and with its deferred time counted.
+fn polled_deferred(off: &Offloader, id: JobId) -> Completion {
+    let done = poll_n(off, 1);
+    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
+    assert_eq!(done[0].job, id, "{done:?}");
+    done.into_iter().next().unwrap()
+}
+
 /// A GLOBAL capture of a memset on `stream` around `body`, inside the
 /// hook's begin and end; returns the graph (its capture not invalidated)
 /// or the failure.
@@ -238,9 +275,8 @@ fn keyed_jobs_are_deferred_too_and_keys_become_readable_once_reported() {
         assert_eq!(off.capture_hook().deferred_jobs(), 1);
     }));
     let job = job.expect("a store job");
-    off.wait(job, Request::new(), &mut drop).unwrap();
-    let done = poll_n(off, 1);
-    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0 && done[0].keys == k, "{done:?}");
+    let done = reported_deferred(off, job);
+    assert_eq!(done.keys, k, "{done:?}");
     let l = keyed.load(&k, &[6]).unwrap();
     off.wait(l, Request::new(), &mut drop).unwrap();
     poll_n(off, 1);
@@ -297,11 +333,7 @@ fn outside_the_hook_a_job_in_an_engine_window_is_still_refused() {
 
 #[test]
 fn a_wait_for_a_deferred_job_is_refused_on_the_holding_thread_and_waits_elsewhere() {
-    let off = Arc::new(slot_offloader());
-    off.start().unwrap();
-    write_block(&off, 3, 0);
-    off.capture_hook().begin(Request::new()).unwrap();
-    off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[2], 0)).unwrap();
+    let off = Arc::new(a_deferred_store(3, 0, JobId(1), 2));
     let would_deadlock =
         |r: Result<(), OffloaderError>| matches!(r, Err(OffloaderError::Protocol(ProtocolError::WouldDeadlock { .. })));
     assert!(would_deadlock(off.wait(JobId(1), Request::new(), &mut drop)), "wait on the holding thread");
@@ -330,27 +362,20 @@ fn a_wait_for_a_deferred_job_is_refused_on_the_holding_thread_and_waits_elsewher
     let (r, deferred, bad) = waiter.join().unwrap();
     assert!(r.is_ok(), "{r:?}");
     assert_eq!((deferred, bad), (0, 0), "the other thread's wait returned before the job completed");
-    let done = poll_n(&off, 1);
-    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
+    polled_deferred(&off, JobId(1));
     off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
 #[test]
 fn abort_closes_the_window_and_submits_what_it_deferred() {
-    let off = slot_offloader();
-    off.start().unwrap();
-    write_block(&off, 4, 1);
-    off.capture_hook().begin(Request::new()).unwrap();
+    let off = a_deferred_store(4, 1, JobId(3), 5);
     // The framework's own capture begin failed here: the hook aborts.
-    off.submit(JobId(3), Lane::Store, &SlotJob::single(&[1], &[5], 0)).unwrap();
     off.capture_hook().abort(Request::new()).unwrap();
     assert_eq!(
         (off.capture_hook().depth(), activity(&off).windows_open, off.capture_hook().deferred_jobs()),
         (0, 0, 0)
     );
-    off.wait(JobId(3), Request::new(), &mut drop).unwrap();
-    let done = poll_n(&off, 1);
-    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
+    reported_deferred(&off, JobId(3));
     assert_eq!(bad_slot(&off, 4, 5), 0);
     // Pinning resumes once the window is gone.
     assert_eq!(off.wait_pinned(Request::new()).unwrap().state, PinState::Pinned);
@@ -359,11 +384,7 @@ fn abort_closes_the_window_and_submits_what_it_deferred() {
 
 #[test]
 fn shutdown_is_refused_while_a_hook_window_is_open_and_drains_deferred_jobs_after() {
-    let off = slot_offloader();
-    off.start().unwrap();
-    write_block(&off, 6, 3);
-    off.capture_hook().begin(Request::new()).unwrap();
-    off.submit(JobId(4), Lane::Store, &SlotJob::single(&[3], &[6], 0)).unwrap();
+    let off = a_deferred_store(6, 3, JobId(4), 6);
     let r = off.shutdown(Request::new(), &mut drop);
     assert!(matches!(r, Err(OffloaderError::Protocol(ProtocolError::WindowOpen { open: 1 }))), "{r:?}");
     assert!(!off.is_shut_down());
@@ -519,10 +540,8 @@ fn expedited_loads_are_deferred_behind_a_hook_window_and_refused_without_the_lan
     assert!(matches!(busy, Err(OffloaderError::SlotBusy { slot: 3, job: JobId(2), .. })), "{busy:?}");
     assert_eq!(off.capture_hook().deferred_jobs(), 1);
     off.capture_hook().end(Request::new()).unwrap();
-    off.wait(JobId(2), Request::new(), &mut drop).unwrap();
-    let done = poll_n(&off, 1);
-    assert_eq!((done[0].job, done[0].lane), (JobId(2), Lane::LoadExpedited));
-    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
+    let done = reported_deferred(&off, JobId(2));
+    assert_eq!((done.job, done.lane), (JobId(2), Lane::LoadExpedited));
     assert_eq!(bad_block(&off, 7, 6), 0);
     off.shutdown(Request::new(), &mut drop).unwrap();
 
@@ -564,11 +583,26 @@ fn hook_window_on_a_thread<T: Send + 'static>(
     (close_tx, thread)
 }
 
+/// The end of a hook window held by `capture` (from
+/// [`hook_window_on_a_thread`]) succeeded and left nothing deferred; its
+/// job 1 is reported deferred, slot `slot` holds `tag`'s bytes, and the
+/// offloader shuts down.
+fn closed_and_stored(
+    off: &Offloader,
+    capture: std::thread::JoinHandle<Result<(), OffloaderError>>,
+    tag: u64,
+    slot: usize,
+) {
+    capture.join().unwrap().unwrap();
+    assert_eq!(off.capture_hook().deferred_jobs(), 0);
+    reported_deferred(off, JobId(1));
+    assert_eq!(bad_slot(off, tag, slot), 0);
+    off.shutdown(Request::new(), &mut drop).unwrap();
+}
+
 #[test]
 fn a_flush_waits_for_an_engine_window_on_another_thread_and_then_submits() {
-    let off = Arc::new(slot_offloader());
-    off.wait_pinned(Request::new()).unwrap();
-    write_block(&off, 9, 2);
+    let off = pinned_with_block(9, 2);
     // Its end closes its window, then submits the queue: refused while the
     // engine's own window (main's) is open, so it waits for that.
     let (end_tx, capture) = hook_window_on_a_thread(&off, |o| o.capture_hook().end(Request::new()));
@@ -580,13 +614,7 @@ fn a_flush_waits_for_an_engine_window_on_another_thread_and_then_submits() {
     // the queue, not failed, not submitted.
     assert_eq!(off.capture_hook().deferred_jobs(), 1, "the flush submitted or dropped the job inside an engine window");
     drop(w);
-    capture.join().unwrap().unwrap();
-    assert_eq!(off.capture_hook().deferred_jobs(), 0);
-    off.wait(JobId(1), Request::new(), &mut drop).unwrap();
-    let done = poll_n(&off, 1);
-    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
-    assert_eq!(bad_slot(&off, 9, 4), 0);
-    off.shutdown(Request::new(), &mut drop).unwrap();
+    closed_and_stored(&off, capture, 9, 4);
 }
 
 /// A close whose flush waits for an engine window (main's) returns once
@@ -597,9 +625,7 @@ fn a_flush_waits_for_an_engine_window_on_another_thread_and_then_submits() {
 /// this close: a deadlock).
 #[test]
 fn a_close_waiting_for_an_engine_window_leaves_the_rest_to_a_hook_window_that_begins() {
-    let off = Arc::new(slot_offloader());
-    off.wait_pinned(Request::new()).unwrap();
-    write_block(&off, 9, 2);
+    let off = pinned_with_block(9, 2);
     let (end_tx, end_rx) = mpsc::channel::<()>();
     let (closed_tx, closed_rx) = mpsc::channel();
     let o_a = off.clone();
@@ -761,29 +787,23 @@ fn an_interrupted_close(abort: bool, next: Next) {
     off.shutdown(Request::new(), &mut drop).unwrap();
 }
 
-#[test]
-fn a_cancel_ends_capture_end_waiting_for_another_threads_window_and_the_next_poll_submits_what_it_left() {
-    an_interrupted_close(false, Next::Poll);
+/// One test per case of [`an_interrupted_close`]: its name, then whether
+/// the close aborts and who submits what it left.
+macro_rules! interrupted_closes {
+    ($($name:ident: $abort:expr, $next:expr;)*) => {$(
+        #[test]
+        fn $name() {
+            an_interrupted_close($abort, $next);
+        }
+    )*};
 }
 
-#[test]
-fn a_cancel_ends_capture_abort_waiting_for_another_threads_window_and_a_wait_submits_what_it_left() {
-    an_interrupted_close(true, Next::WaitJobs);
-}
-
-#[test]
-fn what_an_interrupted_capture_end_left_is_submitted_by_the_next_close() {
-    an_interrupted_close(false, Next::Close);
-}
-
-#[test]
-fn what_an_interrupted_capture_end_left_is_submitted_by_the_next_submission_before_its_own() {
-    an_interrupted_close(false, Next::Submit);
-}
-
-#[test]
-fn what_an_interrupted_capture_end_left_is_submitted_by_shutdown() {
-    an_interrupted_close(false, Next::Shutdown);
+interrupted_closes! {
+    a_cancel_ends_capture_end_waiting_for_another_threads_window_and_the_next_poll_submits_what_it_left: false, Next::Poll;
+    a_cancel_ends_capture_abort_waiting_for_another_threads_window_and_a_wait_submits_what_it_left: true, Next::WaitJobs;
+    what_an_interrupted_capture_end_left_is_submitted_by_the_next_close: false, Next::Close;
+    what_an_interrupted_capture_end_left_is_submitted_by_the_next_submission_before_its_own: false, Next::Submit;
+    what_an_interrupted_capture_end_left_is_submitted_by_shutdown: false, Next::Shutdown;
 }
 
 /// A blocking wait for a deferred job on a thread that holds an engine
@@ -792,19 +812,8 @@ fn what_an_interrupted_capture_end_left_is_submitted_by_shutdown() {
 /// waited for it, for ever.
 #[test]
 fn a_wait_for_a_deferred_job_inside_an_engine_window_is_refused_not_a_deadlock() {
-    let off = Arc::new(slot_offloader());
-    off.wait_pinned(Request::new()).unwrap();
-    write_block(&off, 31, 0);
-    let (begun_tx, begun_rx) = mpsc::channel();
-    let (close_tx, close_rx) = mpsc::channel::<()>();
-    let o2 = off.clone();
-    let capture = std::thread::spawn(move || {
-        o2.capture_hook().begin(Request::new()).unwrap();
-        begun_tx.send(()).unwrap();
-        close_rx.recv().unwrap();
-        o2.capture_hook().end(Request::new())
-    });
-    begun_rx.recv().unwrap();
+    let off = pinned_with_block(31, 0);
+    let (close_tx, capture) = hook_window_on_a_thread(&off, |o| o.capture_hook().end(Request::new()));
     off.submit(JobId(1), Lane::Store, &SlotJob::single(&[0], &[3], 0)).unwrap();
     let (o3, (waited_tx, waited_rx)) = (off.clone(), mpsc::channel());
     let (opened_tx, opened_rx) = mpsc::channel::<()>();
@@ -838,13 +847,7 @@ fn a_wait_for_a_deferred_job_inside_an_engine_window_is_refused_not_a_deadlock()
         "{wait:?} {wait_jobs:?} {wait_all:?}"
     );
     engine.join().unwrap();
-    capture.join().unwrap().unwrap();
-    assert_eq!(off.capture_hook().deferred_jobs(), 0);
-    off.wait(JobId(1), Request::new(), &mut drop).unwrap();
-    let done = poll_n(&off, 1);
-    assert!(done[0].error.is_none() && done[0].deferred_seconds > 0.0, "{done:?}");
-    assert_eq!(bad_slot(&off, 31, 3), 0);
-    off.shutdown(Request::new(), &mut drop).unwrap();
+    closed_and_stored(&off, capture, 31, 3);
 }
 
 /// A deferred job that its late submission refuses is reported failed, with

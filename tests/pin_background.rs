@@ -6,8 +6,9 @@ mod pin_common;
 
 use std::sync::Arc;
 
+use kvoffload::internal::pin::{PinHandle, Prepared};
 use kvoffload::internal::runtime::sim::{Hold, HoldPoint};
-use kvoffload::{PageableReason, PinState, Request, SimRuntime};
+use kvoffload::{GpuRuntime, PageableReason, PinState, Request, SimRuntime};
 use pin_common::{assert_usable, prepared};
 
 const CHUNKS: usize = 4;
@@ -27,14 +28,20 @@ fn stop_inside(s: &Arc<SimRuntime>, first: Hold, k: usize) -> Hold {
     hold
 }
 
+/// Spawns `p`'s pinner (on `rt`) with its first registration held when it
+/// enters: the hold, and the pinner's handle.
+fn spawn_held(s: &Arc<SimRuntime>, rt: &Arc<dyn GpuRuntime>, p: &Prepared) -> (Hold, PinHandle) {
+    let first = s.hold(HoldPoint::Register);
+    (first, p.spawn(rt.clone()))
+}
+
 #[test]
 fn state_goes_pending_pinning_pinned_and_is_waitable() {
     let (mut r, s, rt, p) = prepared(CHUNKS, CHUNK);
     let coord = p.coordinator().clone();
     assert_eq!(coord.pinning().state(), PinState::Pending);
 
-    let first = s.hold(HoldPoint::Register);
-    let h = p.spawn(rt.clone());
+    let (first, h) = spawn_held(&s, &rt, &p);
     // Another thread waits for the final state meanwhile.
     let c2 = coord.clone();
     let waiter = std::thread::spawn(move || c2.pinning().wait_final(Request::new()).unwrap());
@@ -62,8 +69,7 @@ fn state_goes_pending_pinning_pinned_and_is_waitable() {
 fn cancel_midway_rolls_back_to_pageable() {
     for k in [0, 2, CHUNKS - 1] {
         let (mut r, s, rt, p) = prepared(CHUNKS, CHUNK);
-        let first = s.hold(HoldPoint::Register);
-        let h = p.spawn(rt.clone());
+        let (first, h) = spawn_held(&s, &rt, &p);
         let hold = stop_inside(&s, first, k);
         assert_eq!(h.state(), PinState::Pinning { done: k, total: CHUNKS });
         h.cancel();
@@ -108,8 +114,7 @@ fn dropping_the_handle_after_pinning_keeps_the_state() {
 fn dropping_the_handle_midway_cancels_and_waits_for_the_rollback() {
     let (mut r, s, rt, p) = prepared(CHUNKS, CHUNK);
     let coord = p.coordinator().clone();
-    let first = s.hold(HoldPoint::Register);
-    let h = p.spawn(rt.clone());
+    let (first, h) = spawn_held(&s, &rt, &p);
     let hold = stop_inside(&s, first, 1);
     // The registration in flight is let go once the drop below cancelled
     // pinning (the drop then waits for the pinner, which waits for it).
@@ -172,8 +177,7 @@ fn a_pin_hold_keeps_registrations_from_starting_until_it_drops() {
     let (mut r, s, rt, p) = prepared(CHUNKS, CHUNK);
     let coord = p.coordinator().clone();
     // Chunk 0's registration in flight when the holds are taken.
-    let first = s.hold(HoldPoint::Register);
-    let h = p.spawn(rt.clone());
+    let (first, h) = spawn_held(&s, &rt, &p);
     first.wait_entered();
     let hold_a = coord.pinning().hold();
     let hold_b = coord.pinning().hold();

@@ -11,7 +11,7 @@ mod pin_common;
 use kvoffload::internal::pin::{Prefault, PrefaultConfig, Prefaulter};
 use kvoffload::internal::region::AnonOptions;
 use kvoffload::{page_size, Layout, PrefaultMode, Region};
-use pin_common::within;
+use pin_common::{returned, settles_after_a_panic, within_on};
 
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -182,30 +182,16 @@ fn a_worker_that_panics_before_placing_itself_fails_ensure_instead_of_hanging() 
             .on_cpus(vec![1 << 20]),
     );
     PANIC_ON_WORKER_WARNING.store(true, SeqCst);
-    let got = {
-        let pf = pf.clone();
-        within(10, move || pf.ensure_typed(0, addr, len))
-    };
+    let got = within_on(&pf, 10, move |pf| pf.ensure_typed(0, addr, len));
     PANIC_ON_WORKER_WARNING.store(false, SeqCst);
-    let Some(got) = got else {
-        std::mem::forget(r);
-        panic!("ensure still waits 10 s after its workers panicked before placing themselves");
-    };
+    let (got, r) = returned(got, r, "ensure still waits 10 s after its workers panicked before placing themselves");
     match got {
         Err(PrefaultError::PoolBroken { chunk: 0, msg }) => {
             assert!(msg.contains("the test's log subscriber panics"), "{msg}")
         }
         other => panic!("expected PoolBroken, got {other:?}"),
     }
-    let settled = {
-        let pf = pf.clone();
-        within(10, move || pf.settle())
-    };
-    if settled.is_none() {
-        std::mem::forget(r);
-        panic!("settle still waits 10 s after the workers panicked");
-    }
-    assert_eq!(pf.workers_running(), 0);
+    let r = settles_after_a_panic(&pf, r, "settle still waits 10 s after the workers panicked");
     drop(pf);
     drop(r);
 }

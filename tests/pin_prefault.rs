@@ -5,10 +5,10 @@
 
 mod pin_common;
 
-use kvoffload::internal::pin::{Prefault, PrefaultConfig, PrefaultError, Prefaulter};
+use kvoffload::internal::pin::{Prefault, PrefaultConfig, PrefaultError, Prefaulter, ReserveFn};
 use kvoffload::internal::region::AnonOptions;
 use kvoffload::{page_size, Layout, PrefaultMode, Region};
-use pin_common::{not_resident, not_written, within};
+use pin_common::{not_resident, not_written, returned, settles_after_a_panic, within_on};
 
 /// A fresh anonymous region of `bytes`, with huge-page advice if asked.
 fn fresh(bytes: usize, huge: bool) -> Region {
@@ -16,10 +16,37 @@ fn fresh(bytes: usize, huge: bool) -> Region {
     Region::anonymous(l, &AnonOptions::new().huge_pages(huge)).unwrap()
 }
 
+/// A fresh region of `bytes` (base pages) and its address.
+fn fresh_at(bytes: usize) -> (Region, usize) {
+    let r = fresh(bytes, false);
+    let base = r.as_ptr() as usize;
+    (r, base)
+}
+
+/// A fresh region of `n` base pages: the page size, the region, its
+/// address.
+fn pages(n: usize) -> (usize, Region, usize) {
+    let p = page_size();
+    let (r, base) = fresh_at(n * p);
+    (p, r, base)
+}
+
 fn prefaulter(threads: usize, mode: PrefaultMode, huge: bool) -> Prefaulter {
     // SAFETY: every test keeps the region it passes alive until the
     // pre-faulter was settled or dropped.
     unsafe { Prefaulter::new(PrefaultConfig { threads, mode, huge_pages: huge }) }
+}
+
+/// A pre-faulter of two workers touching base pages, with `plan` and the
+/// reservation hook `hook` (run before each slice).
+///
+/// # Safety
+/// As for [`Prefaulter::reserving`]: the memory of every chunk it is given
+/// stays mapped until it was settled or dropped.
+unsafe fn touching_two(plan: Vec<kvoffload::internal::pin::PlannedChunk>, hook: ReserveFn) -> Prefaulter {
+    let cfg = PrefaultConfig { threads: 2, mode: PrefaultMode::Touch, huge_pages: false };
+    // SAFETY: the caller's promise (above).
+    unsafe { Prefaulter::reserving(cfg, plan, Some(hook), None) }
 }
 
 /// A pre-faulter of base pages with `plan` (queued at its first `ensure`).
@@ -94,8 +121,7 @@ fn a_chunk_hinted_far_ahead_is_faulted_once() {
     // chunks), then `ensure(0)` queues chunk 0 behind them, so when it
     // returns the hinted chunks are done. Their `ensure` must find them
     // done, not fault them again: every byte counted exactly once.
-    let r = fresh(20 << 20, false);
-    let base = r.as_ptr() as usize;
+    let (r, base) = fresh_at(20 << 20);
     let chunk = 4 << 20;
     let pf = prefaulter(1, PrefaultMode::Populate, false);
     for i in 1..=4 {
@@ -175,8 +201,7 @@ fn populate_write_is_reported() {
 fn a_plan_is_queued_whole_and_each_chunk_faulted_once() {
     use kvoffload::internal::pin::PlannedChunk;
     // 8 chunks of 2 MiB over 4 lanes (data files), in registration order.
-    let r = fresh(16 << 20, false);
-    let base = r.as_ptr() as usize;
+    let (r, base) = fresh_at(16 << 20);
     let c = 2 << 20;
     let plan: Vec<PlannedChunk> =
         (0..8).map(|i| PlannedChunk { chunk: i, addr: base + i * c, len: c, lane: i % 4 }).collect();
@@ -207,8 +232,7 @@ fn a_plan_is_queued_whole_and_each_chunk_faulted_once() {
 fn the_plan_runs_ahead_of_the_first_ensure_and_skips_what_it_cannot_fault() {
     use kvoffload::internal::pin::PlannedChunk;
     let c = 2 << 20;
-    let r = fresh(6 * c, false);
-    let base = r.as_ptr() as usize;
+    let (r, base) = fresh_at(6 * c);
     let mut plan: Vec<PlannedChunk> =
         (1..=3).map(|i| PlannedChunk { chunk: i, addr: base + i * c, len: c, lane: i }).collect();
     // Chunk 4 starts inside a page, chunk 5 is empty.
@@ -240,8 +264,7 @@ fn idle_workers_take_slices_of_lanes_no_other_worker_runs() {
     use std::sync::{Arc, Condvar, Mutex};
     use std::time::{Duration, Instant};
     let c = 2 << 20;
-    let r = fresh(4 * c, false);
-    let base = r.as_ptr() as usize;
+    let (r, base) = fresh_at(4 * c);
     let plan: Vec<PlannedChunk> =
         (0..4).map(|i| PlannedChunk { chunk: i, addr: base + i * c, len: c, lane: i / 2 }).collect();
     let started = Arc::new((Mutex::new(Vec::<usize>::new()), Condvar::new()));
@@ -259,9 +282,8 @@ fn idle_workers_take_slices_of_lanes_no_other_worker_runs() {
             Ok(())
         })
     };
-    let cfg = PrefaultConfig { threads: 2, mode: PrefaultMode::Touch, huge_pages: false };
     // SAFETY: the region outlives the pre-faulter (settled and dropped first).
-    let pf = unsafe { Prefaulter::reserving(cfg, plan, Some(hook), None) };
+    let pf = unsafe { touching_two(plan, hook) };
     pf.ensure(0, base, c).unwrap();
     // Either worker may reach the hook first: the lanes, in order.
     let mut lanes: Vec<usize> = started.0.lock().unwrap()[..2].iter().map(|a| (a - base) / c / 2).collect();
@@ -286,9 +308,7 @@ fn concurrent_ensures_each_get_their_own_outcome() {
     use std::sync::mpsc;
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
-    let p = page_size();
-    let r = fresh(2 * p, false);
-    let base = r.as_ptr() as usize;
+    let (p, r, base) = pages(2);
     let (entered_tx, entered) = mpsc::channel::<()>();
     let (go_tx, go) = mpsc::channel::<()>();
     let (entered_tx, go) = (Mutex::new(entered_tx), Mutex::new(go));
@@ -301,9 +321,8 @@ fn concurrent_ensures_each_get_their_own_outcome() {
         let _ = go.lock().unwrap().recv_timeout(Duration::from_secs(30));
         Err("refused by the test".to_string())
     });
-    let cfg = PrefaultConfig { threads: 2, mode: PrefaultMode::Touch, huge_pages: false };
     // SAFETY: the region outlives the pre-faulter (dropped first).
-    let pf = Arc::new(unsafe { Prefaulter::reserving(cfg, Vec::new(), Some(hook), None) });
+    let pf = Arc::new(unsafe { touching_two(Vec::new(), hook) });
     let second = {
         let pf = pf.clone();
         std::thread::spawn(move || pf.ensure_typed(1, base + p, p))
@@ -328,42 +347,25 @@ fn concurrent_ensures_each_get_their_own_outcome() {
 #[test]
 fn a_worker_panic_outside_a_slice_fails_ensure_instead_of_hanging() {
     use std::sync::Arc;
-    let p = page_size();
-    let r = fresh(4 * p, false);
-    let base = r.as_ptr() as usize;
+    let (p, r, base) = pages(4);
     let hook: kvoffload::internal::pin::ReserveFn = Box::new(|_, _| panic!("reservation hook exploded (test)"));
-    let cfg = PrefaultConfig { threads: 2, mode: PrefaultMode::Touch, huge_pages: false };
     // SAFETY: the region outlives the pre-faulter: it is leaked below when
     // a call did not return (a worker might still reach it).
-    let pf = Arc::new(unsafe { Prefaulter::reserving(cfg, Vec::new(), Some(hook), None) });
-    let first = {
-        let pf = pf.clone();
-        within(10, move || pf.ensure_typed(2, base, 2 * p))
-    };
-    let Some(first) = first else {
-        std::mem::forget(r);
-        panic!("ensure still waits 10 s after a worker panicked");
-    };
+    let pf = Arc::new(unsafe { touching_two(Vec::new(), hook) });
+    let (first, r) = returned(
+        within_on(&pf, 10, move |pf| pf.ensure_typed(2, base, 2 * p)),
+        r,
+        "ensure still waits 10 s after a worker panicked",
+    );
     match first {
         Err(PrefaultError::PoolBroken { chunk: 2, msg }) => {
             assert!(msg.contains("reservation hook exploded (test)"), "{msg}")
         }
         other => panic!("expected PoolBroken for chunk 2, got {other:?}"),
     }
-    let later = {
-        let pf = pf.clone();
-        within(10, move || pf.ensure_typed(3, base + 2 * p, 2 * p))
-    };
+    let later = within_on(&pf, 10, move |pf| pf.ensure_typed(3, base + 2 * p, 2 * p));
     assert!(matches!(later, Some(Err(PrefaultError::PoolBroken { chunk: 3, .. }))), "a later ensure: {later:?}");
-    let settled = {
-        let pf = pf.clone();
-        within(10, move || pf.settle())
-    };
-    if settled.is_none() {
-        std::mem::forget(r);
-        panic!("settle still waits 10 s after a worker panicked");
-    }
-    assert_eq!(pf.workers_running(), 0);
+    let r = settles_after_a_panic(&pf, r, "settle still waits 10 s after a worker panicked");
     assert_eq!(not_resident(base, 4 * p), 4, "a page was touched though its reservation panicked");
     drop(pf);
     drop(r);
@@ -372,8 +374,7 @@ fn a_worker_panic_outside_a_slice_fails_ensure_instead_of_hanging() {
 #[test]
 fn settle_drops_the_rest_of_a_plan() {
     use kvoffload::internal::pin::PlannedChunk;
-    let r = fresh(64 << 20, false);
-    let base = r.as_ptr() as usize;
+    let (r, base) = fresh_at(64 << 20);
     let c = 4 << 20;
     let plan: Vec<PlannedChunk> =
         (0..16).map(|i| PlannedChunk { chunk: i, addr: base + i * c, len: c, lane: i }).collect();

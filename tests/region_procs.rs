@@ -253,37 +253,41 @@ fn region_joiner_killed_before_mapping_leaves_no_file() {
     g.assert_gone();
 }
 
-/// Rank 1 (a child) maps and is killed while waiting for rank 2.
-fn kill_rank1_after_it_mapped(g: &ShmGuard, test: &str) -> Region {
+/// Rank 1 (a child) maps and is killed while waiting for rank 2; the
+/// region's guard (tagged `tag`) and its creator.
+fn kill_rank1_after_it_mapped(tag: &str, test: &str) -> (ShmGuard, Region) {
+    let g = ShmGuard::new(tag);
     let creator = Region::create(&g.name, layout(3), 0, &opts(PATIENCE).wait_for_all(false)).unwrap();
     let mut child = ChildGuard::spawn(test, "join-then-wait", &g.name);
     assert!(poll_until(PATIENCE, || creator.mapped_ranks() == vec![0, 1]), "child never mapped");
     assert_killed(child.kill9());
-    creator
+    (g, creator)
+}
+
+/// `r`'s wait for every rank to map times out (300 ms) waiting for ranks
+/// to map: the ranks mapped and those missing.
+fn ranks_timed_out(r: &mut Region) -> (Vec<usize>, Vec<usize>) {
+    match r.wait_all_mapped(Duration::from_millis(300)) {
+        Err(RegionError::JoinTimeout { phase: JoinPhase::RanksToMap, mapped, missing, .. }) => (mapped, missing),
+        other => panic!("expected JoinTimeout, got {other:?}"),
+    }
 }
 
 #[test]
 fn region_joiner_killed_after_mapping_survivor_times_out_leaves_no_file() {
     child_dispatch!();
-    let g = ShmGuard::new("killafter");
-    let mut creator =
-        kill_rank1_after_it_mapped(&g, "region_joiner_killed_after_mapping_survivor_times_out_leaves_no_file");
+    let (g, mut creator) =
+        kill_rank1_after_it_mapped("killafter", "region_joiner_killed_after_mapping_survivor_times_out_leaves_no_file");
     assert!(g.listed());
-    match creator.wait_all_mapped(Duration::from_millis(300)) {
-        Err(RegionError::JoinTimeout { phase: JoinPhase::RanksToMap, mapped, missing, .. }) => {
-            assert_eq!((mapped, missing), (vec![0, 1], vec![2]));
-        }
-        other => panic!("expected JoinTimeout, got {other:?}"),
-    }
+    assert_eq!(ranks_timed_out(&mut creator), (vec![0, 1], vec![2]));
     g.assert_gone();
 }
 
 #[test]
 fn region_joiner_killed_after_mapping_last_rank_completes_and_unlinks() {
     child_dispatch!();
-    let g = ShmGuard::new("killafter2");
-    let mut creator =
-        kill_rank1_after_it_mapped(&g, "region_joiner_killed_after_mapping_last_rank_completes_and_unlinks");
+    let (g, mut creator) =
+        kill_rank1_after_it_mapped("killafter2", "region_joiner_killed_after_mapping_last_rank_completes_and_unlinks");
     // The dead rank's bit stays set; the last live rank completes the mask.
     let last = Region::join(&g.name, layout(3), 2, &opts(PATIENCE)).unwrap();
     g.assert_gone();
@@ -302,10 +306,7 @@ fn region_creator_killed_after_ready_survivor_times_out_leaves_no_file() {
     let mut joiner = Region::join(&g.name, layout(3), 1, &single(PATIENCE).wait_for_all(false)).unwrap();
     assert_eq!(joiner.mapped_ranks(), vec![0, 1]);
     assert_killed(child.kill9());
-    match joiner.wait_all_mapped(Duration::from_millis(300)) {
-        Err(RegionError::JoinTimeout { phase: JoinPhase::RanksToMap, missing, .. }) => assert_eq!(missing, vec![2]),
-        other => panic!("expected JoinTimeout, got {other:?}"),
-    }
+    assert_eq!(ranks_timed_out(&mut joiner).1, vec![2]);
     g.assert_gone();
 }
 

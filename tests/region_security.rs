@@ -15,19 +15,8 @@ mod region_common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kvoffload::{page_size, FileProblem, FileSplit, Layout, Region, RegionError, ShmOptions};
-use region_common::{write_private, ShmGuard, Snapshot};
-
-fn opts(ms: u64) -> ShmOptions {
-    ShmOptions::new().timeout(Duration::from_millis(ms))
-}
-
-const SPLITS: [FileSplit; 2] = [FileSplit::Single, FileSplit::Multi { max_file_bytes: 256 << 20 }];
-
-/// One-page chunks, `rows` rows.
-fn small(n: usize, rows: usize) -> Layout {
-    Layout::new(n, page_size(), rows).unwrap()
-}
+use kvoffload::{page_size, FileProblem, FileSplit, Layout, Region, RegionError};
+use region_common::{opts, page_rows, small, write_private, ShmGuard, Snapshot, SPLITS};
 
 /// Length of the header file of `l` split as `split` (few data files).
 fn header_file_len(l: &Layout, split: FileSplit) -> usize {
@@ -104,8 +93,7 @@ fn region_creator_never_writes_through_a_link_planted_under_its_names() {
     let target = out.0.join("victim");
     write_private(&target, b"precious");
     let before = Snapshot::of(&target);
-    let p = page_size();
-    let l = Layout::rank_major(1, p, 2).unwrap();
+    let (p, l) = page_rows(1, 2);
     let o = opts(1000).files(FileSplit::Multi { max_file_bytes: p });
     // Under the header name, then under a data file's name: O_EXCL refuses
     // a link like any existing name.
@@ -130,8 +118,7 @@ fn region_creator_never_writes_through_a_link_planted_under_its_names() {
 fn region_joiner_never_follows_a_link_planted_under_a_data_file_name() {
     let g = ShmGuard::new("link-data");
     let out = Outside::new("link-data");
-    let p = page_size();
-    let l = Layout::rank_major(2, p, 2).unwrap();
+    let (p, l) = page_rows(2, 2);
     let o = opts(3000).files(FileSplit::Multi { max_file_bytes: p }).wait_for_all(false);
     let creator = Region::create(&g.name, l, 0, &o).unwrap();
     // Data file 2 (rank 1's first) is replaced by a link to a file of the same size.
@@ -244,8 +231,7 @@ fn region_joiner_refuses_a_data_file_of_another_user() {
         return;
     }
     let g = ShmGuard::new("foreign-data");
-    let p = page_size();
-    let l = Layout::rank_major(2, p, 2).unwrap();
+    let (p, l) = page_rows(2, 2);
     let o = opts(3000).files(FileSplit::Multi { max_file_bytes: p }).wait_for_all(false);
     let creator = Region::create(&g.name, l, 0, &o).unwrap();
     std::os::unix::fs::chown(g.data_path(3), Some(65534), None).unwrap();
@@ -295,8 +281,7 @@ fn region_joiner_refuses_files_that_others_may_read_or_write() {
     }
     // A data file opened to everyone after the creator made it.
     let g = ShmGuard::new("mode-data");
-    let p = page_size();
-    let l = Layout::rank_major(2, p, 2).unwrap();
+    let (p, l) = page_rows(2, 2);
     let o = opts(3000).files(FileSplit::Multi { max_file_bytes: p }).wait_for_all(false);
     let creator = Region::create(&g.name, l, 0, &o).unwrap();
     set_mode(&g.data_path(0), 0o666);
@@ -338,8 +323,7 @@ fn a_group() -> u32 {
 #[test]
 fn region_an_allowed_group_shares_the_region_but_bits_for_others_never() {
     let grp = a_group();
-    let p = page_size();
-    let l = Layout::rank_major(2, p, 2).unwrap();
+    let (p, l) = page_rows(2, 2);
     let o = opts(3000).files(FileSplit::Multi { max_file_bytes: p }).wait_for_all(false);
     let og = o.clone().allow_group(grp);
 
@@ -421,8 +405,7 @@ fn region_joiner_cleaning_up_after_a_dead_creator_removes_only_files_it_would_tr
     // creator made only if this rank would have accepted it; its name and
     // emptiness alone prove nothing.
     let g = ShmGuard::new("cleanup-trust");
-    let p = page_size();
-    let l = Layout::rank_major(2, p, 2).unwrap();
+    let (p, l) = page_rows(2, 2);
     let split = FileSplit::Multi { max_file_bytes: p };
     write_private(&g.path, &vec![0u8; 4096.max(p)]);
     write_private(&g.data_path(0), b"");

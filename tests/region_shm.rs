@@ -11,18 +11,7 @@ use kvoffload::internal::region::{shm_path, AbandonNote, RegionKind, SHM_PREFIX}
 use kvoffload::{
     page_size, AbandonReason, FileSplit, JoinPhase, Layout, Region, RegionError, ShmOptions, DEFAULT_SHM_DIR,
 };
-use region_common::{write_private, ShmGuard};
-
-fn small(n: usize, rows: usize) -> Layout {
-    Layout::new(n, page_size(), rows).unwrap()
-}
-
-fn opts(ms: u64) -> ShmOptions {
-    ShmOptions::new().timeout(Duration::from_millis(ms))
-}
-
-/// Both ways of splitting a region into files: one file, and data files.
-const SPLITS: [FileSplit; 2] = [FileSplit::Single, FileSplit::Multi { max_file_bytes: 256 << 20 }];
+use region_common::{opts, page_rows, small, write_private, ShmGuard, SPLITS};
 
 /// Header bytes of a multi-file region with few files: one page.
 fn multi_header() -> usize {
@@ -130,15 +119,27 @@ fn region_stale_file_is_reported_and_force_replaces_it() {
     drop(r);
 }
 
+/// Rank 1's join of `g`'s region (layout `l`) times out waiting in
+/// `phase`; the ranks it found missing.
+fn rank_1_timed_out(g: &ShmGuard, l: Layout, o: &ShmOptions, phase: JoinPhase) -> Vec<usize> {
+    match Region::join(&g.name, l, 1, o) {
+        Err(RegionError::JoinTimeout { phase: got, missing, .. }) if got == phase => missing,
+        other => panic!("expected JoinTimeout in {phase:?}, got {other:?}"),
+    }
+}
+
+/// The ranks mapped when the region was abandoned, the error `r` must be.
+fn abandoned<T: std::fmt::Debug>(r: Result<T, RegionError>) -> Vec<usize> {
+    match r {
+        Err(RegionError::Abandoned { mapped, .. }) => mapped,
+        other => panic!("expected Abandoned, got {other:?}"),
+    }
+}
+
 #[test]
 fn region_join_times_out_when_the_file_never_appears() {
     let g = ShmGuard::new("noappear");
-    match Region::join(&g.name, small(2, 1), 1, &opts(100)) {
-        Err(RegionError::JoinTimeout { phase: JoinPhase::FileToAppear, missing, .. }) => {
-            assert_eq!(missing, vec![0, 1]);
-        }
-        other => panic!("expected JoinTimeout, got {other:?}"),
-    }
+    assert_eq!(rank_1_timed_out(&g, small(2, 1), &opts(100), JoinPhase::FileToAppear), vec![0, 1]);
     g.assert_gone();
 }
 
@@ -162,10 +163,7 @@ fn region_joiner_unlinks_a_file_the_creator_never_sized() {
     // What a creator killed between open(O_EXCL) and ftruncate leaves.
     let g = ShmGuard::new("unsized");
     write_private(&g.path, b"");
-    match Region::join(&g.name, small(2, 1), 1, &opts(150)) {
-        Err(RegionError::JoinTimeout { phase: JoinPhase::FileToBeSized, .. }) => {}
-        other => panic!("expected JoinTimeout, got {other:?}"),
-    }
+    rank_1_timed_out(&g, small(2, 1), &opts(150), JoinPhase::FileToBeSized);
     g.assert_gone();
 }
 
@@ -175,10 +173,7 @@ fn region_joiner_unlinks_a_file_the_creator_never_initialised() {
     let g = ShmGuard::new("uninit");
     let l = small(2, 1);
     write_private(&g.path, &vec![0u8; l.data_bytes() + 4096.max(page_size())]);
-    match Region::join(&g.name, l, 1, &opts(150).files(FileSplit::Single)) {
-        Err(RegionError::JoinTimeout { phase: JoinPhase::CreatorToInitialise, .. }) => {}
-        other => panic!("expected JoinTimeout, got {other:?}"),
-    }
+    rank_1_timed_out(&g, l, &opts(150).files(FileSplit::Single), JoinPhase::CreatorToInitialise);
     g.assert_gone();
 }
 
@@ -190,8 +185,7 @@ fn region_joiner_removes_the_data_files_of_a_creator_that_died_creating_them() {
     // someone else (not empty, not recorded) must stay.
     use std::os::unix::fs::MetadataExt;
     let g = ShmGuard::new("diedcreating");
-    let p = page_size();
-    let l = Layout::rank_major(2, p, 2).unwrap();
+    let (p, l) = page_rows(2, 2);
     let split = FileSplit::Multi { max_file_bytes: p }; // 4 files of one page
     write_private(&g.data_path(0), &vec![0u8; p]);
     write_private(&g.data_path(1), b"");
@@ -303,10 +297,7 @@ fn region_dropping_or_unlinking_before_all_mapped_abandons() {
     let mut b = [0u8];
     joiner.read_chunk(0, 0, 0, &mut b).unwrap();
     assert_eq!(b[0], 3);
-    match joiner.wait_all_mapped(Duration::from_secs(2)) {
-        Err(RegionError::Abandoned { mapped, .. }) => assert_eq!(mapped, vec![0, 1]),
-        other => panic!("expected Abandoned, got {other:?}"),
-    }
+    assert_eq!(abandoned(joiner.wait_all_mapped(Duration::from_secs(2))), vec![0, 1]);
     match Region::join(&g.name, small(3, 1), 2, &opts(100)) {
         Err(RegionError::JoinTimeout { phase: JoinPhase::FileToAppear, .. }) => {}
         other => panic!("expected JoinTimeout, got {other:?}"),
@@ -386,10 +377,7 @@ fn region_joiner_seeing_abandoned_unlinks_what_the_abandoner_left() {
     assert!(creator.unlink_now().unwrap());
     g.assert_gone();
     assert!(left.listed());
-    match Region::join(&left.name, small(2, 1), 1, &opts(1000)) {
-        Err(RegionError::Abandoned { mapped, .. }) => assert_eq!(mapped, vec![0]),
-        other => panic!("expected Abandoned, got {other:?}"),
-    }
+    assert_eq!(abandoned(Region::join(&left.name, small(2, 1), 1, &opts(1000))), vec![0]);
     left.assert_gone();
     drop(creator);
 }
@@ -464,8 +452,7 @@ fn region_multi_file_rank_major_maps_contiguously_and_every_file_goes() {
 #[test]
 fn region_multi_file_stale_data_file_is_reported_and_force_replaces_it() {
     let g = ShmGuard::new("stale-data");
-    let p = page_size();
-    let l = Layout::rank_major(1, p, 4).unwrap();
+    let (p, l) = page_rows(1, 4);
     let o = opts(1000).files(FileSplit::Multi { max_file_bytes: 2 * p });
     std::fs::write(g.data_path(1), b"left by a crashed run").unwrap();
     match Region::create(&g.name, l, 0, &o) {
@@ -482,8 +469,7 @@ fn region_multi_file_stale_data_file_is_reported_and_force_replaces_it() {
 #[test]
 fn region_joiner_refuses_a_data_file_that_is_not_the_creators_and_leaves_it() {
     let g = ShmGuard::new("swapped");
-    let p = page_size();
-    let l = Layout::rank_major(2, p, 2).unwrap();
+    let (p, l) = page_rows(2, 2);
     let o = opts(3000).files(FileSplit::Multi { max_file_bytes: p }).wait_for_all(false);
     let creator = Region::create(&g.name, l, 0, &o).unwrap();
     // Someone replaces data file 2 (rank 1's first) with a file of the same size.
@@ -504,8 +490,7 @@ fn region_joiner_refuses_a_data_file_that_is_not_the_creators_and_leaves_it() {
 
 #[test]
 fn region_joiner_refuses_a_data_file_of_the_wrong_size_or_a_missing_one() {
-    let p = page_size();
-    let l = Layout::rank_major(2, p, 2).unwrap();
+    let (p, l) = page_rows(2, 2);
     let o = opts(3000).files(FileSplit::Multi { max_file_bytes: p }).wait_for_all(false);
     // Resized after the creator recorded it: the inode matches, the size not.
     let g = ShmGuard::new("resized");
@@ -547,18 +532,14 @@ fn region_joiner_refuses_a_data_file_of_the_wrong_size_or_a_missing_one() {
         Err(RegionError::FileMissing { path }) => assert_eq!(path, g.data_path(1)),
         other => panic!("expected FileMissing, got {other:?}"),
     }
-    match creator.wait_all_mapped(Duration::from_secs(2)) {
-        Err(RegionError::Abandoned { mapped, .. }) => assert_eq!(mapped, vec![0]),
-        other => panic!("expected Abandoned, got {other:?}"),
-    }
+    assert_eq!(abandoned(creator.wait_all_mapped(Duration::from_secs(2))), vec![0]);
     g.assert_gone();
     drop(creator);
 }
 
 #[test]
 fn region_joiner_with_another_file_split_is_refused() {
-    let p = page_size();
-    let l = Layout::rank_major(2, p, 4).unwrap();
+    let (p, l) = page_rows(2, 4);
     let g = ShmGuard::new("split");
     let o = |bytes| opts(3000).files(FileSplit::Multi { max_file_bytes: bytes }).wait_for_all(false);
     let creator = Region::create(&g.name, l, 0, &o(2 * p)).unwrap(); // 4 files of 2 pages
@@ -615,6 +596,20 @@ fn join_word(state: u32, mask: u32) -> [u8; 8] {
     (((state as u64) << 32) | mask as u64).to_ne_bytes()
 }
 
+/// A region of two ranks (`small(2, 1)`) created as rank 0 under a guard
+/// tagged `tag`, split as `split` (the default with `None`), options
+/// without waiting for all ranks: the guard, the options, the creator.
+fn created_of_two(tag: &str, split: Option<FileSplit>) -> (ShmGuard, ShmOptions, Region) {
+    let g = ShmGuard::new(tag);
+    let mut o = opts(3000);
+    if let Some(split) = split {
+        o = o.files(split);
+    }
+    let o = o.wait_for_all(false);
+    let creator = Region::create(&g.name, small(2, 1), 0, &o).unwrap();
+    (g, o, creator)
+}
+
 /// Issue 28, item 8: a join refused on the join state claims nothing: the
 /// pid word of its rank (offset 128 + 4 rank) stays 0, so the real rank
 /// joins once the state is right again (before the fix the refused joiner
@@ -622,9 +617,7 @@ fn join_word(state: u32, mask: u32) -> [u8; 8] {
 #[test]
 fn region_join_refused_on_the_join_state_leaves_no_pid_word() {
     for split in SPLITS {
-        let g = ShmGuard::new("pidmark");
-        let o = opts(3000).files(split).wait_for_all(false);
-        let creator = Region::create(&g.name, small(2, 1), 0, &o).unwrap();
+        let (g, o, creator) = created_of_two("pidmark", Some(split));
         // A state no code writes, with the creator's bit.
         poke(&g.path, 64, &join_word(7, 1));
         match Region::join(&g.name, small(2, 1), 1, &o) {
@@ -645,9 +638,7 @@ fn region_join_refused_on_the_join_state_leaves_no_pid_word() {
 /// (creator_rank = 1000 was accepted); refused, the files left alone.
 #[test]
 fn region_join_refuses_a_creator_rank_out_of_range() {
-    let g = ShmGuard::new("crank");
-    let o = opts(3000).wait_for_all(false);
-    let creator = Region::create(&g.name, small(2, 1), 0, &o).unwrap();
+    let (g, o, creator) = created_of_two("crank", None);
     poke(&g.path, 44, &1000u32.to_ne_bytes());
     match Region::join(&g.name, small(2, 1), 1, &o) {
         Err(e @ RegionError::HeaderOutOfRange { field: "creator_rank", found: 1000, limit: 2, .. }) => {
@@ -667,9 +658,7 @@ fn region_join_refuses_a_creator_rank_out_of_range() {
 #[test]
 fn region_join_refuses_a_region_whose_creator_is_dead() {
     for split in SPLITS {
-        let g = ShmGuard::new("deadcreator");
-        let o = opts(3000).files(split).wait_for_all(false);
-        let creator = Region::create(&g.name, small(2, 1), 0, &o).unwrap();
+        let (g, o, creator) = created_of_two("deadcreator", Some(split));
         // A pid that was a process and is gone (reaped).
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let dead = child.id();
@@ -694,9 +683,7 @@ fn region_join_refuses_a_region_whose_creator_is_dead() {
 /// naming another namespace: the join goes on.
 #[test]
 fn region_join_does_not_judge_a_creator_of_another_pid_namespace_by_its_pid() {
-    let g = ShmGuard::new("otherns");
-    let o = opts(3000).wait_for_all(false);
-    let creator = Region::create(&g.name, small(2, 1), 0, &o).unwrap();
+    let (g, o, creator) = created_of_two("otherns", None);
     let mut child = std::process::Command::new("true").spawn().unwrap();
     let dead = child.id();
     child.wait().unwrap();

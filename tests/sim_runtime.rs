@@ -5,7 +5,8 @@ use kvoffload::internal::protocol::Coordinator;
 use kvoffload::internal::runtime::sim::{Blocked, HoldPoint};
 use kvoffload::internal::runtime::{Fragment, Gate};
 use kvoffload::{
-    CaptureMode, CapturePolicy, CaptureStatus, Code, Direction, GpuRuntime, Request, SimFault, SimRuntime,
+    CaptureMode, CapturePolicy, CaptureStatus, Code, DevicePtr, Direction, GpuRuntime, Request, SimFault, SimRuntime,
+    Stream,
 };
 
 fn host(bytes: usize, fill: u8) -> Vec<u8> {
@@ -36,11 +37,17 @@ fn returns_within_60s<T: Send + 'static>(hang: &str, f: impl FnOnce() -> T + Sen
     r.unwrap()
 }
 
-#[test]
-fn copies_run_in_order_and_events_complete_after_them() {
+/// A simulated GPU, a stream of it, and an allocation of `bytes` there.
+fn with_alloc(bytes: usize) -> (std::sync::Arc<SimRuntime>, Stream, DevicePtr) {
     let rt = std::sync::Arc::new(SimRuntime::new());
     let s = rt.stream_create().unwrap();
-    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 4096)).unwrap();
+    let d = gated(&*rt, |gt| rt.mem_alloc(gt, bytes)).unwrap();
+    (rt, s, d)
+}
+
+#[test]
+fn copies_run_in_order_and_events_complete_after_them() {
+    let (rt, s, d) = with_alloc(4096);
     let src1 = host(4096, 1);
     let src2 = host(4096, 2);
     let mut out = host(4096, 0);
@@ -84,9 +91,7 @@ fn stream_wait_event_orders_across_streams() {
 
 #[test]
 fn captured_graph_replays_and_registered_replay_after_unregister_poisons() {
-    let rt = std::sync::Arc::new(SimRuntime::new());
-    let s = rt.stream_create().unwrap();
-    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 64)).unwrap();
+    let (rt, s, d) = with_alloc(64);
     let src = host(64, 5);
     // SAFETY: `src` outlives the registration and every replay.
     unsafe { gated(&*rt, |gt| rt.host_register(gt, src.as_ptr() as usize, 64)).unwrap() };
@@ -130,9 +135,7 @@ fn register_fault_at_kth_call() {
 
 #[test]
 fn copy_fault_and_batched_copies() {
-    let rt = std::sync::Arc::new(SimRuntime::new());
-    let s = rt.stream_create().unwrap();
-    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 256)).unwrap();
+    let (rt, s, d) = with_alloc(256);
     let src = host(256, 3);
     rt.inject(SimFault::Copy { nth: 1, code: Code::INVALID_VALUE });
     let frags: Vec<Fragment> = (0..4)
@@ -248,9 +251,7 @@ fn a_wait_satisfied_late_in_the_devices_pass_is_retired() {
 /// the test then fails after 60 s.
 #[test]
 fn stream_destroy_returns_at_once_and_the_device_finishes_the_work() {
-    let rt = std::sync::Arc::new(SimRuntime::new());
-    let s = rt.stream_create().unwrap();
-    let d = gated(&*rt, |gt| rt.mem_alloc(gt, 64)).unwrap();
+    let (rt, s, d) = with_alloc(64);
     let mut out = host(64, 0);
     let e = rt.event_create().unwrap();
     let hold = rt.hold(HoldPoint::DeviceOp);
@@ -544,17 +545,31 @@ fn a_memset_a_kernel_and_a_graph_replay_write_adopted_memory() {
     assert!(t.bytes()[3072..].iter().all(|&b| b == 0x5C));
 }
 
+/// A simulated GPU, a stream of it, a zeroed host tensor of `len` bytes,
+/// and that tensor adopted as the GPU's memory.
+///
+/// # Safety
+/// As for [`SimRuntime::adopt_host_memory`]: the caller keeps the tensor
+/// (whose bytes do not move with it) alive and unread while the GPU may
+/// access it, until the adoption is released or the GPU dropped.
+unsafe fn adopted_tensor(len: usize) -> (std::sync::Arc<SimRuntime>, Stream, HostTensor, DevicePtr) {
+    let rt = std::sync::Arc::new(SimRuntime::new());
+    let s = rt.stream_create().unwrap();
+    let t = HostTensor::new(len, 0);
+    // SAFETY: the caller's promise (above); `t`'s bytes are its own heap
+    // allocation, which moving `t` to the caller does not move.
+    let d = unsafe { rt.adopt_host_memory(t.addr(), len) }.unwrap();
+    (rt, s, t, d)
+}
+
 /// `release_adopted` with work on the range queued waits, like `mem_free`,
 /// until the device is idle: the held memset still writes the host bytes
 /// before the release returns, and nothing touches them after. A pointer
 /// that is not an adoption is refused, and `mem_free` refuses an adoption.
 #[test]
 fn releasing_adopted_memory_waits_for_queued_work() {
-    let rt = std::sync::Arc::new(SimRuntime::new());
-    let s = rt.stream_create().unwrap();
-    let t = HostTensor::new(256, 0);
     // SAFETY: `t` outlives the adoption; read after the release returned.
-    let d = unsafe { rt.adopt_host_memory(t.addr(), 256) }.unwrap();
+    let (rt, s, t, d) = unsafe { adopted_tensor(256) };
     // SAFETY: refused: `d` is not an allocation of the sim.
     assert_eq!(gated(&*rt, |gt| unsafe { rt.mem_free(gt, d) }).unwrap_err().code, Code::INVALID_VALUE);
     let hold = rt.hold(HoldPoint::DeviceOp);
@@ -580,12 +595,9 @@ fn releasing_adopted_memory_waits_for_queued_work() {
 #[test]
 fn an_access_past_an_adopted_range_faults_as_past_an_allocation() {
     use kvoffload::Kernel;
-    let rt = std::sync::Arc::new(SimRuntime::new());
-    let s = rt.stream_create().unwrap();
-    let t = HostTensor::new(4096, 0);
     // SAFETY: `t` outlives the adoption and is never accessed by the sim
     // out of its range (the point of the test).
-    let d = unsafe { rt.adopt_host_memory(t.addr(), 4096) }.unwrap();
+    let (rt, s, t, d) = unsafe { adopted_tensor(4096) };
     let a = gated(&*rt, |gt| rt.mem_alloc(gt, 4096)).unwrap();
     let src = host(64, 1);
     for p in [d, a] {

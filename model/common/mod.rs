@@ -12,10 +12,12 @@ pub mod offloader;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
+use kvoffload::internal::pin::{NoPrefault, PinHandle};
 use kvoffload::internal::protocol::{Coordinator, Variant};
 use kvoffload::internal::sync::Arc;
 use kvoffload::{
-    shared, CaptureMode, CapturePolicy, DevicePtr, DriverResult, GpuRuntime, Graph, Request, SimRuntime, Stream,
+    shared, CaptureMode, CapturePolicy, CaptureWindow, DevicePtr, DriverResult, GpuRuntime, Graph, Request, SimRuntime,
+    Stream,
 };
 
 /// What a model explores, stated next to the model and printed in the table.
@@ -508,6 +510,51 @@ pub unsafe fn capture_memset(
     // SAFETY: the caller's promise on `d`.
     let enq = unsafe { rt.memset_d8_async(d, value, bytes, s) };
     (enq, rt.end_capture(s))
+}
+
+/// What P2's capture models start from: a [`fixture`] of `policy` (3
+/// chunks of 64 bytes), the engine's stream and a 64-byte allocation of the
+/// sim (made through the coordinator), and the pinner spawned.
+pub fn pinning_under(policy: CapturePolicy) -> (Fixture, Arc<dyn GpuRuntime>, Stream, DevicePtr, PinHandle) {
+    let f = fixture(policy, Variant::Production, 3, 64);
+    let rt = f.rt.clone();
+    let s = rt.stream_create().unwrap();
+    let d = f.coord.unsafe_call("alloc", Request::new(), |g| rt.mem_alloc(g, 64)).unwrap().unwrap();
+    let pin = PinHandle::spawn(rt.clone(), f.coord.clone(), NoPrefault::shared());
+    (f, rt, s, d, pin)
+}
+
+/// A [`fixture`] under the Interleave policy over `chunks` chunks of 64
+/// bytes, with the pinner spawned: the fixture and the pinner's handle.
+pub fn pinning_interleaved(variant: Variant, chunks: usize) -> (Fixture, PinHandle) {
+    let f = fixture(CapturePolicy::Interleave, variant, chunks, 64);
+    let pin = PinHandle::spawn(f.rt.clone(), f.coord.clone(), NoPrefault::shared());
+    (f, pin)
+}
+
+/// Opens the window `req` asks for, noting the registrations the simulated
+/// GPU completed when the window asked to open (under the coordinator's
+/// lock, by the hook of `Request::noting`) and when it opened: the window,
+/// then the two counts.
+pub fn window_counting_registrations(f: &Fixture, req: Request<'_>) -> (CaptureWindow, u64, u64) {
+    let at_request = std::cell::Cell::new(None);
+    let note = || at_request.set(Some(f.sim().registrations_completed()));
+    let w = f.coord.open_window(req.noting(&note)).unwrap();
+    let at_request = at_request.get().expect("the window asked to open");
+    let at_open = f.sim().registrations_completed();
+    (w, at_request, at_open)
+}
+
+/// The window (`window` names it) that asked to open when `at_request`
+/// registrations had completed and opened at `at_open` waited for at most
+/// one of them.
+#[track_caller]
+pub fn waited_at_most_one(window: &str, at_request: u64, at_open: u64) {
+    assert!(
+        at_open - at_request <= 1,
+        "{window} waited for {} registrations (counted by the simulated GPU)",
+        at_open - at_request
+    );
 }
 
 /// The fixture's host memory as bytes.

@@ -112,3 +112,37 @@ pub fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'stat
     });
     rx.recv_timeout(std::time::Duration::from_secs(secs)).ok()
 }
+
+/// `f` on the pre-faulter `pf` on a thread of its own, bounded as
+/// [`within`].
+pub fn within_on<T: Send + 'static>(
+    pf: &Arc<kvoffload::internal::pin::Prefaulter>,
+    secs: u64,
+    f: impl FnOnce(&kvoffload::internal::pin::Prefaulter) -> T + Send + 'static,
+) -> Option<T> {
+    let pf = pf.clone();
+    within(secs, move || f(&pf))
+}
+
+/// What a call bounded by [`within`] returned, with `region` handed back;
+/// when it did not return, the test fails with `what`, leaking `region`
+/// (a thread left behind might still reach it).
+pub fn returned<T, R>(got: Option<T>, region: R, what: &str) -> (T, R) {
+    match got {
+        Some(got) => (got, region),
+        None => {
+            std::mem::forget(region);
+            panic!("{what}")
+        }
+    }
+}
+
+/// A pre-faulter whose workers broke on a panic settles within 10 s, its
+/// workers all gone; `region` is handed back (leaked, the test failing with
+/// `what`, when settling did not return).
+pub fn settles_after_a_panic<R>(pf: &Arc<kvoffload::internal::pin::Prefaulter>, region: R, what: &str) -> R {
+    use kvoffload::internal::pin::Prefault as _;
+    let ((), region) = returned(within_on(pf, 10, |pf| pf.settle()), region, what);
+    assert_eq!(pf.workers_running(), 0);
+    region
+}

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvoffload::internal::region::{fs_available, shm_path};
-use kvoffload::{page_size, Layout, DEFAULT_SHM_DIR};
+use kvoffload::{page_size, FileSplit, Layout, ShmOptions, DEFAULT_SHM_DIR};
 
 /// Env var that makes a re-executed test binary play a child role.
 pub const ROLE_ENV: &str = "KVOFFLOAD_REGION_TEST_ROLE";
@@ -21,6 +21,26 @@ pub fn larger_than_dev_shm() -> Layout {
     let rows = (free / page_size() as u64 + 16) as usize;
     Layout::new(1, page_size(), rows).unwrap()
 }
+
+/// One-page rows, `n` ranks of `rows` rows.
+pub fn small(n: usize, rows: usize) -> Layout {
+    Layout::new(n, page_size(), rows).unwrap()
+}
+
+/// The page size, and a rank-major layout of `n` ranks of `rows` one-page
+/// rows.
+pub fn page_rows(n: usize, rows: usize) -> (usize, Layout) {
+    let p = page_size();
+    (p, Layout::rank_major(n, p, rows).unwrap())
+}
+
+/// Region options that time out after `ms` milliseconds.
+pub fn opts(ms: u64) -> ShmOptions {
+    ShmOptions::new().timeout(Duration::from_millis(ms))
+}
+
+/// Both ways of splitting a region into files: one file, and data files.
+pub const SPLITS: [FileSplit; 2] = [FileSplit::Single, FileSplit::Multi { max_file_bytes: 256 << 20 }];
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
