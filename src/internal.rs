@@ -21,6 +21,8 @@ pub mod names;
 pub mod offloader;
 #[path = "pin/mod.rs"]
 pub mod pin;
+#[path = "pool/mod.rs"]
+pub mod pool;
 #[path = "protocol/mod.rs"]
 pub mod protocol;
 #[path = "region/mod.rs"]
