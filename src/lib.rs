@@ -58,6 +58,8 @@
 //!   calls, chunk registration, shutdown order, rank agreement.
 //! - `pin`: chunked registration with rollback, in the background.
 //! - `manager`: block states, reference counts and eviction.
+//! - `pool`: the node pool shared by a node's engines
+//!   (docs/node-pool-design.md), so far its slot state word and transitions.
 //! - `transfer`: store and load jobs between GPU blocks and host blocks,
 //!   with per-fragment, batched, gather-kernel and staged copy backends.
 //! - `offloader`: the slot-addressed core an engine holds, and the keyed
