@@ -137,3 +137,34 @@ fn reclaim_drops_only_the_dead_engines_marks() {
     let c = SlotCell::new(SlotWord::decode(3 << 32));
     assert_eq!(err(c.reclaim(0)), SlotError::Corrupt { word: 3 << 32 });
 }
+
+/// Threads racing on one word: of many claimers exactly one wins; holds by
+/// distinct engines all land (a lost CAS retries with the word it found).
+#[test]
+fn racing_claims_one_wins_and_racing_holds_all_land() {
+    use crate::sync::{thread, Arc};
+    for _ in 0..50 {
+        let c = Arc::new(SlotCell::default());
+        let claims: Vec<_> = (0..8u8)
+            .map(|e| {
+                let c = Arc::clone(&c);
+                thread::spawn(move || c.claim(e).is_ok())
+            })
+            .collect();
+        let won = claims.into_iter().map(|h| h.join().expect("a claimer panicked")).filter(|w| *w).count();
+        assert_eq!(won, 1, "two writers claimed one slot");
+        assert_eq!(c.load().epoch(), 1);
+
+        let c = Arc::new(SlotCell::new(SlotWord::readable(1, 0)));
+        let holds: Vec<_> = (0..MAX_ENGINES)
+            .map(|e| {
+                let c = Arc::clone(&c);
+                thread::spawn(move || c.hold(e, 1).map(|_| ()))
+            })
+            .collect();
+        for h in holds {
+            h.join().expect("a holder panicked").expect("a hold was refused");
+        }
+        assert_eq!(c.load(), SlotWord::readable(1, u32::MAX));
+    }
+}
