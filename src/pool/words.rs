@@ -1,0 +1,317 @@
+//! Where the pool's words live (design 4): the protocol of
+//! [`super::table`] and [`super::engines`] is written once over
+//! [`PoolWords`], the loads and compare-and-swaps of the slot, key, CLOCK,
+//! hand and engine-table words, plus a liveness oracle. Two implementations:
+//!
+//! - the mapping of a pool file (`super::file`): `core` atomics on shared
+//!   memory, liveness from `/proc` and `kill(pid, 0)`;
+//! - [`LocalPoolWords`]: atomics of the `sync` facade, so loom and shuttle
+//!   explore the protocol (a process is a thread, its death a flag).
+//!
+//! Orderings are the trait's contract (design 3.8), so every implementation
+//! gives the same ones: slot state, owner and members words are loaded with
+//! Acquire and changed by CAS with AcqRel (Acquire on failure); key words,
+//! member records and the engine id are Relaxed, ordered by the state,
+//! members or owner word that a transition publishes them with; CLOCK bits
+//! and hands are Relaxed hints.
+
+use crate::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+
+use super::slot::{MAX_ENGINES, MAX_RANKS};
+
+/// A pool's shape: slots, ways per set, ranks per engine, engine entries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// Slots (rows of the data, records of the index): a multiple of `ways`.
+    pub slots: u32,
+    /// Slots per set (`W`, design 2.3).
+    pub ways: u32,
+    /// Ranks of every engine on this pool (tensor-parallel size x ...):
+    /// each rank holds its share of every row.
+    pub ranks: u8,
+    /// Engine entries (at most [`MAX_ENGINES`]).
+    pub engines: u8,
+}
+
+impl Geometry {
+    /// Sets: `slots / ways`.
+    pub fn sets(&self) -> u32 {
+        self.slots / self.ways
+    }
+
+    /// Why this shape cannot be a pool's, if it cannot.
+    pub fn check(&self) -> Result<(), &'static str> {
+        if self.ways == 0 || self.slots == 0 || self.slots % self.ways != 0 {
+            return Err("slots must be a positive multiple of ways");
+        }
+        if self.ranks == 0 || self.ranks > MAX_RANKS {
+            return Err("ranks must be 1..=32");
+        }
+        if self.engines == 0 || self.engines > MAX_ENGINES {
+            return Err("engines must be 1..=32");
+        }
+        Ok(())
+    }
+}
+
+/// A key: vLLM's block hash (up to 32 bytes) and its KV-cache group, as
+/// five words (design 2.2). Equal keys under one fingerprint name equal
+/// bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Key {
+    /// The hash bytes, little-endian in four words, zero past `len`.
+    pub hash: [u64; 4],
+    /// The KV-cache group index.
+    pub group: u32,
+    /// How many hash bytes are meaningful (1..=32); 0 only in an unwritten
+    /// key.
+    pub len: u8,
+}
+
+impl Key {
+    /// The key of `hash` (1 to 32 bytes) in `group`; `None` for an empty or
+    /// longer hash.
+    pub fn new(hash: &[u8], group: u32) -> Option<Key> {
+        if hash.is_empty() || hash.len() > 32 {
+            return None;
+        }
+        let mut bytes = [0u8; 32];
+        bytes[..hash.len()].copy_from_slice(hash);
+        let mut words = [0u64; 4];
+        for (i, w) in words.iter_mut().enumerate() {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&bytes[i * 8..i * 8 + 8]);
+            *w = u64::from_le_bytes(b);
+        }
+        Some(Key { hash: words, group, len: hash.len() as u8 })
+    }
+
+    /// The hash bytes.
+    pub fn hash_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(32);
+        for w in self.hash {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+        out.truncate(self.len as usize);
+        out
+    }
+
+    /// The fifth word: `len` in bits 32-39, `group` in bits 0-31.
+    pub fn meta(&self) -> u64 {
+        (u64::from(self.len) << 32) | u64::from(self.group)
+    }
+
+    /// The key of four hash words and a meta word (as [`Key::meta`] makes).
+    pub fn from_words(hash: [u64; 4], meta: u64) -> Key {
+        Key { hash, group: meta as u32, len: (meta >> 32) as u8 }
+    }
+
+    /// The set of this key in a pool of `sets` sets: the first 8 hash
+    /// bytes, little-endian, mod `sets` (design 2.3).
+    pub fn set(&self, sets: u32) -> u32 {
+        (self.hash[0] % u64::from(sets.max(1))) as u32
+    }
+}
+
+/// One member of an engine entry (the scheduler or a rank's worker): the
+/// process whose death the liveness oracle judges (design 2.4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Member {
+    /// Its pid (0: none recorded).
+    pub pid: u32,
+    /// Its start time (field 22 of `/proc/<pid>/stat`), so a reused pid is
+    /// told apart.
+    pub start: u64,
+    /// The inode of its pid namespace.
+    pub pidns: u64,
+}
+
+/// What the liveness oracle says of a member.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Liveness {
+    /// The process runs (or cannot be judged dead).
+    Alive,
+    /// The process is gone: exited, a zombie, its pid reused, another boot.
+    Gone,
+    /// The process is of another pid namespace: it cannot be judged.
+    Foreign,
+}
+
+/// The pool's words (see the module docs for the orderings each method
+/// must give). Indices are in range: `slot < slots`, `set < sets`,
+/// `engine < engines`, `member <= 32` (0 the scheduler, `1 + r` rank `r`).
+pub trait PoolWords: Send + Sync {
+    /// The pool's shape.
+    fn geometry(&self) -> Geometry;
+
+    /// Slot `slot`'s state word (Acquire).
+    fn slot_load(&self, slot: usize) -> u64;
+    /// Sets slot `slot`'s state word to `new` if it is `current` (AcqRel,
+    /// Acquire on failure); the word found, `Ok(current)` on success.
+    fn slot_cas(&self, slot: usize, current: u64, new: u64) -> Result<u64, u64>;
+    /// Slot `slot`'s key words (Relaxed).
+    fn key_load(&self, slot: usize) -> Key;
+    /// Stores slot `slot`'s key words (Relaxed): only its writer, between
+    /// its claim and its publish.
+    fn key_store(&self, slot: usize, key: &Key);
+    /// Slot `slot`'s CLOCK bit (Relaxed: a hint).
+    fn clock_load(&self, slot: usize) -> bool;
+    /// Sets or clears slot `slot`'s CLOCK bit (Relaxed).
+    fn clock_store(&self, slot: usize, referenced: bool);
+    /// Set `set`'s CLOCK hand, moved on by one (`fetch_add`, Relaxed).
+    fn hand_next(&self, set: usize) -> u32;
+
+    /// Engine entry `engine`'s owner word (Acquire).
+    fn owner_load(&self, engine: u8) -> u64;
+    /// CAS of the owner word (AcqRel, Acquire on failure).
+    fn owner_cas(&self, engine: u8, current: u64, new: u64) -> Result<u64, u64>;
+    /// Engine entry `engine`'s members word (Acquire).
+    fn members_load(&self, engine: u8) -> u64;
+    /// CAS of the members word (AcqRel, Acquire on failure).
+    fn members_cas(&self, engine: u8, current: u64, new: u64) -> Result<u64, u64>;
+    /// Member `member`'s record (Relaxed; read after the members word).
+    fn member_load(&self, engine: u8, member: u8) -> Member;
+    /// Stores member `member`'s record (Relaxed; before its bit's CAS).
+    fn member_store(&self, engine: u8, member: u8, record: &Member);
+    /// The digest of the engine id the entry's owner wrote (Relaxed).
+    fn engine_id_load(&self, engine: u8) -> [u64; 4];
+    /// Stores the entry's engine-id digest (Relaxed; before the owner's
+    /// member bit).
+    fn engine_id_store(&self, engine: u8, id: &[u64; 4]);
+
+    /// Whether `record`'s process lives (the oracle of design 3.6).
+    fn liveness(&self, record: &Member) -> Liveness;
+}
+
+/// Members an entry can have: the scheduler and one worker per rank.
+pub const MEMBERS: usize = 1 + MAX_RANKS as usize;
+
+/// The pool's words as atomics of the `sync` facade, for the models and
+/// unit tests: a process is a thread, whose pid is an index into the
+/// liveness flags ([`LocalPoolWords::kill`] marks one dead).
+pub struct LocalPoolWords {
+    geometry: Geometry,
+    slots: Vec<AtomicU64>,
+    keys: Vec<[AtomicU64; 5]>,
+    clock: Vec<AtomicBool>,
+    hands: Vec<AtomicU32>,
+    owners: Vec<AtomicU64>,
+    members: Vec<AtomicU64>,
+    records: Vec<[AtomicU64; 3]>,
+    ids: Vec<[AtomicU64; 4]>,
+    alive: Vec<AtomicBool>,
+}
+
+impl LocalPoolWords {
+    /// A fresh pool of `geometry` (every word zero: every slot `FREE` at
+    /// epoch 0, every entry `FREE`), with `processes` pids (1..=processes),
+    /// all alive. Pid 0 means "none".
+    pub fn new(geometry: Geometry, processes: usize) -> Self {
+        assert!(geometry.check().is_ok(), "bad geometry {geometry:?}");
+        let slots = geometry.slots as usize;
+        let engines = geometry.engines as usize;
+        let z = || AtomicU64::new(0);
+        LocalPoolWords {
+            geometry,
+            slots: (0..slots).map(|_| z()).collect(),
+            keys: (0..slots).map(|_| [z(), z(), z(), z(), z()]).collect(),
+            clock: (0..slots).map(|_| AtomicBool::new(false)).collect(),
+            hands: (0..geometry.sets()).map(|_| AtomicU32::new(0)).collect(),
+            owners: (0..engines).map(|_| z()).collect(),
+            members: (0..engines).map(|_| z()).collect(),
+            records: (0..engines * MEMBERS).map(|_| [z(), z(), z()]).collect(),
+            ids: (0..engines).map(|_| [z(), z(), z(), z()]).collect(),
+            alive: (0..=processes).map(|_| AtomicBool::new(true)).collect(),
+        }
+    }
+
+    /// The record of a process of this pool: pid `pid`, start time 1, this
+    /// pid namespace (1).
+    pub fn process(pid: u32) -> Member {
+        Member { pid, start: 1, pidns: 1 }
+    }
+
+    /// Marks process `pid` dead (it returned at a step of its choosing):
+    /// from now on the oracle says `Gone`.
+    pub fn kill(&self, pid: u32) {
+        self.alive[pid as usize].store(false, Ordering::Release);
+    }
+}
+
+impl PoolWords for LocalPoolWords {
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+    fn slot_load(&self, slot: usize) -> u64 {
+        self.slots[slot].load(Ordering::Acquire)
+    }
+    fn slot_cas(&self, slot: usize, current: u64, new: u64) -> Result<u64, u64> {
+        self.slots[slot].compare_exchange(current, new, Ordering::AcqRel, Ordering::Acquire)
+    }
+    fn key_load(&self, slot: usize) -> Key {
+        let k = &self.keys[slot];
+        let w = |i: usize| k[i].load(Ordering::Relaxed);
+        Key::from_words([w(0), w(1), w(2), w(3)], w(4))
+    }
+    fn key_store(&self, slot: usize, key: &Key) {
+        let k = &self.keys[slot];
+        for (i, w) in key.hash.iter().enumerate() {
+            k[i].store(*w, Ordering::Relaxed);
+        }
+        k[4].store(key.meta(), Ordering::Relaxed);
+    }
+    fn clock_load(&self, slot: usize) -> bool {
+        self.clock[slot].load(Ordering::Relaxed)
+    }
+    fn clock_store(&self, slot: usize, referenced: bool) {
+        self.clock[slot].store(referenced, Ordering::Relaxed)
+    }
+    fn hand_next(&self, set: usize) -> u32 {
+        self.hands[set].fetch_add(1, Ordering::Relaxed)
+    }
+    fn owner_load(&self, engine: u8) -> u64 {
+        self.owners[engine as usize].load(Ordering::Acquire)
+    }
+    fn owner_cas(&self, engine: u8, current: u64, new: u64) -> Result<u64, u64> {
+        self.owners[engine as usize].compare_exchange(current, new, Ordering::AcqRel, Ordering::Acquire)
+    }
+    fn members_load(&self, engine: u8) -> u64 {
+        self.members[engine as usize].load(Ordering::Acquire)
+    }
+    fn members_cas(&self, engine: u8, current: u64, new: u64) -> Result<u64, u64> {
+        self.members[engine as usize].compare_exchange(current, new, Ordering::AcqRel, Ordering::Acquire)
+    }
+    fn member_load(&self, engine: u8, member: u8) -> Member {
+        let r = &self.records[engine as usize * MEMBERS + member as usize];
+        Member {
+            pid: r[0].load(Ordering::Relaxed) as u32,
+            start: r[1].load(Ordering::Relaxed),
+            pidns: r[2].load(Ordering::Relaxed),
+        }
+    }
+    fn member_store(&self, engine: u8, member: u8, record: &Member) {
+        let r = &self.records[engine as usize * MEMBERS + member as usize];
+        r[0].store(u64::from(record.pid), Ordering::Relaxed);
+        r[1].store(record.start, Ordering::Relaxed);
+        r[2].store(record.pidns, Ordering::Relaxed);
+    }
+    fn engine_id_load(&self, engine: u8) -> [u64; 4] {
+        let r = &self.ids[engine as usize];
+        [0, 1, 2, 3].map(|i| r[i].load(Ordering::Relaxed))
+    }
+    fn engine_id_store(&self, engine: u8, id: &[u64; 4]) {
+        let r = &self.ids[engine as usize];
+        for (i, w) in id.iter().enumerate() {
+            r[i].store(*w, Ordering::Relaxed);
+        }
+    }
+    fn liveness(&self, record: &Member) -> Liveness {
+        if record.pidns != 1 {
+            return Liveness::Foreign;
+        }
+        match self.alive.get(record.pid as usize) {
+            Some(a) if a.load(Ordering::Acquire) => Liveness::Alive,
+            _ => Liveness::Gone,
+        }
+    }
+}
