@@ -45,7 +45,7 @@ a driver's refusal a ``DriverError`` with its ``code``::
 
 from typing import Any, Dict, List, Tuple
 
-from . import Offloader, Runtime
+from . import Offloader, Pool, Runtime
 from ._native import _testing as _hooks
 
 # Every public name this module defines, and only those
@@ -258,3 +258,21 @@ def sim_refusals(runtime: Runtime) -> List[Dict[str, str]]:
     ``call`` (the driver entry point, e.g. ``"cuMemHostRegister"``) and
     ``reason`` (the rule that refused it)."""
     return _hooks.sim_refusals(runtime)
+
+
+def local_pool(slots: int, ways: int = 16, ranks: int = 1, engines: int = 32, processes: int = 64) -> Pool:
+    """An in-process :class:`kvoffload.Pool` (no file): its words are
+    atomics shared by the pools :func:`local_pool_attach` makes, each a
+    "process" of its own whose death :func:`local_pool_kill` decides."""
+    return _hooks.local_pool(slots, ways, ranks, engines, processes)
+
+
+def local_pool_attach(pool: Pool) -> Pool:
+    """Another "process" on ``pool``'s in-process words."""
+    return _hooks.local_pool_attach(pool)
+
+
+def local_pool_kill(pool: Pool) -> None:
+    """``pool``'s "process" is dead from now on (the liveness oracle says
+    gone; a sweep reclaims its engine's marks)."""
+    _hooks.local_pool_kill(pool)

@@ -150,3 +150,81 @@ def detect() -> Release:
         failed_results=hasattr(OffloadingConnectorWorker, "take_failed_recving"),
         supported=supported,
     )
+
+
+#: The ``prefix_caching_hash_algo`` values whose input is a pickle (their
+#: hashes differ between Python versions: the pool's fingerprint records
+#: Python's major.minor for them, design 1.3).
+PICKLING_HASHES = frozenset({"sha256", "xxhash"})
+
+
+class RandomNoneHash(ValueError):
+    """The engines' ``NONE_HASH`` would be random per process: no two
+    engines would share a block hash, so a pool is refused (design 1.2)."""
+
+
+@dataclass(frozen=True)
+class NoneHash:
+    """``NONE_HASH`` as the installed vLLM will compute it for one hash
+    algorithm (design 1.2): the seed rule read from the release itself."""
+
+    #: ``prefix_caching_hash_algo``.
+    algorithm: str
+    #: The bytes ``init_none_hash`` will set, or None where they are random.
+    value: Optional[bytes]
+    #: Where the seed comes from: ``"PYTHONHASHSEED"``, ``"vLLM's fixed
+    #: seed"`` or ``"random"``.
+    source: str
+    #: Whether this release derives a fixed seed for some algorithms when
+    #: PYTHONHASHSEED is unset (0.33+: ``resolve_none_hash_seed``).
+    fixed_seed_release: bool
+
+    @property
+    def python(self) -> Optional[Tuple[int, int]]:
+        """Python's (major, minor) where the algorithm pickles, else None."""
+        import sys
+
+        return tuple(sys.version_info[:2]) if self.algorithm in PICKLING_HASHES else None  # type: ignore[return-value]
+
+    def require(self, pool: str, version: str) -> bytes:
+        """The value, or :class:`RandomNoneHash` saying what to set."""
+        if self.value is not None:
+            return self.value
+        if self.fixed_seed_release:
+            fix = (
+                "set PYTHONHASHSEED to one value for every engine on the pool, or use "
+                "prefix_caching_hash_algo 'sha256' or 'sha256_cbor' (seeded from vLLM's fixed seed)"
+            )
+        else:
+            fix = f"set PYTHONHASHSEED to one value for every engine on the pool (vLLM {version} has no fixed seed)"
+        raise RandomNoneHash(
+            f"kvoffload.vllm: kv_connector_extra_config['kvo_pool'] = {pool!r}: vLLM {version} draws NONE_HASH at "
+            f"random in each process with prefix_caching_hash_algo {self.algorithm!r} and PYTHONHASHSEED unset, so "
+            f"no two engines would compute the same block hashes and the pool would never hit: {fix}"
+        )
+
+
+def none_hash(algorithm: str) -> NoneHash:
+    """What the installed vLLM's ``init_none_hash(get_hash_fn_by_name(
+    algorithm))`` will set, decided from the release itself (design 1.2):
+    where ``kv_cache_utils`` has ``resolve_none_hash_seed`` (0.33+), that
+    function is asked twice for the seed (a random seed differs between
+    two calls: ``os.urandom``); where it has not (0.26), the seed is
+    PYTHONHASHSEED and, unset, ``NONE_HASH`` is random bytes. Reads the
+    environment now: call it in the process whose engine computes the
+    hashes (the engine core, where the scheduler runs)."""
+    import vllm.v1.core.kv_cache_utils as kcu
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    fn = get_hash_fn_by_name(algorithm)
+    resolve = getattr(kcu, "resolve_none_hash_seed", None)
+    if resolve is not None:
+        seed, again = resolve(fn), resolve(fn)
+        if seed != again:
+            return NoneHash(algorithm, None, "random", True)
+        source = "PYTHONHASHSEED" if os.environ.get("PYTHONHASHSEED") is not None else "vLLM's fixed seed"
+        return NoneHash(algorithm, bytes(fn(seed)), source, True)
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is None:
+        return NoneHash(algorithm, None, "random", False)
+    return NoneHash(algorithm, bytes(fn(seed)), "PYTHONHASHSEED", False)

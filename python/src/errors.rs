@@ -12,7 +12,12 @@
 //! ├── ManagerError               the block manager refused (key not stored, no slot)
 //! ├── TransferError              the transfer engine refused a job (a job id
 //! │                              used before, a host slot busy, a window open)
-//! └── AgreementError             the ranks did not agree (P7)
+//! ├── AgreementError             the ranks did not agree (P7)
+//! └── PoolError                  the node pool refused (its file, the engine
+//!     │                          table: full, not joined, a timeout)
+//!     ├── PoolStateError         a slot not in the state a call needs, a corrupt word
+//!     └── PoolMismatchError      the pool holds KV of another meaning (a
+//!                                fingerprint field; also a ValueError)
 //! ```
 //!
 //! Every instance carries the typed reason as attributes: `kind` (the Rust
@@ -67,6 +72,40 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(kvoffload, TransferError, KvoffloadError, "The transfer engine refused a job.");
 pyo3::create_exception!(kvoffload, AgreementError, KvoffloadError, "The ranks did not agree on the pin state (P7).");
+pyo3::create_exception!(
+    kvoffload,
+    PoolError,
+    KvoffloadError,
+    "The node pool refused: its file, the engine table (full, not joined, a timeout), its words."
+);
+pyo3::create_exception!(
+    kvoffload,
+    PoolStateError,
+    PoolError,
+    "A pool slot is not in the state the call needs (not held, not written by this engine, its epoch moved), \
+     or a pool word is corrupt."
+);
+
+/// `kvoffload.PoolMismatchError`: a subclass of both `PoolError` and
+/// `ValueError` (the pool holds KV of another meaning than the engine's
+/// config: a bad value), made once with Python's `type` as
+/// [`options_error_type`].
+fn pool_mismatch_type(py: Python<'_>) -> PyResult<Bound<'_, PyType>> {
+    static TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    let ty = TYPE.get_or_try_init(py, || -> PyResult<Py<PyType>> {
+        let bases = PyTuple::new(py, [py.get_type::<PoolError>(), py.get_type::<PyValueError>()])?;
+        let ns = PyDict::new(py);
+        ns.set_item("__module__", "kvoffload")?;
+        ns.set_item(
+            "__doc__",
+            "The pool holds KV of another meaning than this engine's (a fingerprint field differs: `field`, \
+             `pool_value`, `engine_value`).",
+        )?;
+        let made = py.get_type::<PyType>().call1(("PoolMismatchError", bases, ns))?;
+        Ok(made.cast_into::<PyType>()?.unbind())
+    })?;
+    Ok(ty.bind(py).clone())
+}
 
 /// `kvoffload.OptionsError`: a subclass of both `KvoffloadError` and
 /// `ValueError` (a bad argument is a bad value, as Python code expects),
@@ -382,6 +421,28 @@ pub fn options(py: Python<'_>, message: impl Into<String>) -> PyErr {
     make_options(py, message.into(), "options", None)
 }
 
+/// A `PoolError` of kind `kind` (no inner reason).
+pub fn pool_other(py: Python<'_>, message: String, kind: &str) -> PyErr {
+    make::<PoolError>(py, message, kind, None, None)
+}
+
+/// A slot transition refused or a corrupt word: `PoolStateError`, kind the
+/// `SlotError` variant (`"not_held"`, `"epoch_moved"`, ...).
+pub fn pool_slot(py: Python<'_>, message: String, e: &kvoffload::internal::pool::slot::SlotError) -> PyErr {
+    make::<PoolStateError>(py, message, &variant(&format!("{e:?}")), None, None)
+}
+
+/// Joining or leaving the engine table failed.
+pub fn pool_join(py: Python<'_>, pool: &str, e: kvoffload::internal::pool::sweep::JoinError) -> PyErr {
+    use kvoffload::internal::pool::sweep::JoinError;
+    let msg = format!("pool {pool:?}: {e}");
+    match &e {
+        JoinError::Slot(s) => pool_slot(py, msg, s),
+        JoinError::MemberOutOfRange { .. } => make_options(py, msg, "member_out_of_range", None),
+        _ => make::<PoolError>(py, msg, &variant(&format!("{e:?}")), None, None),
+    }
+}
+
 /// An agreement error as an (unraised) exception instance.
 pub fn agreement(py: Python<'_>, e: &RustAgreementError) -> PyErr {
     make::<AgreementError>(py, e.to_string(), &variant(&format!("{e:?}")), None, None)
@@ -399,6 +460,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ManagerError", py.get_type::<ManagerError>())?;
     m.add("TransferError", py.get_type::<TransferError>())?;
     m.add("AgreementError", py.get_type::<AgreementError>())?;
+    m.add("PoolError", py.get_type::<PoolError>())?;
+    m.add("PoolStateError", py.get_type::<PoolStateError>())?;
+    m.add("PoolMismatchError", pool_mismatch_type(py)?)?;
     Ok(())
 }
 

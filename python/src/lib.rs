@@ -47,6 +47,7 @@ mod errors;
 mod front;
 mod offloader;
 mod options;
+mod pool;
 mod results;
 mod runtime;
 mod signals;
@@ -126,6 +127,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPinOutcome>()?;
     m.add_class::<PyStoreSubmitted>()?;
     m.add_class::<PyCompletion>()?;
+    m.add_class::<pool::PyPool>()?;
     m.add_function(wrap_pyfunction!(enable_logging, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_present, m)?)?;
     m.add("SETTLED_PINNED", kvoffload::internal::protocol::agreement::SETTLED_PINNED)?;

@@ -17,7 +17,9 @@ use kvoffload::{CaptureMode, Code, DevicePtr, GpuRuntime, Graph, Kernel, SimFaul
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::{choice, errors, named, PyOffloaderBase, PyRuntime};
+use std::sync::Arc;
+
+use crate::{choice, errors, named, pool, PyOffloaderBase, PyRuntime};
 
 fn sim<'a>(py: Python<'_>, runtime: &'a PyRuntime) -> PyResult<&'a SimRuntime> {
     runtime.rt.as_sim().ok_or_else(|| errors::options(py, "this test hook needs the simulated GPU (backend='sim')"))
@@ -329,6 +331,38 @@ fn error_table(py: Python<'_>) -> Vec<(String, Py<PyAny>)> {
     errors::samples().into_iter().map(|(path, e)| (path, errors::offloader(py, e).into_value(py).into_any())).collect()
 }
 
+/// An in-process pool of `slots` slots (`ways` per set, `ranks` ranks,
+/// `engines` entries): its words are the sync facade's atomics, shared by
+/// the `Pool` objects `local_pool_attach` makes; each `Pool` is a
+/// "process" (a pid index) whose death `local_pool_kill` decides.
+#[pyfunction]
+#[pyo3(signature = (slots, ways = 16, ranks = 1, engines = 32, processes = 64))]
+fn local_pool(py: Python<'_>, slots: u32, ways: u32, ranks: u8, engines: u8, processes: u32) -> PyResult<pool::PyPool> {
+    use kvoffload::internal::pool::words::Geometry;
+    let g = Geometry { slots, ways, ranks, engines };
+    g.check().map_err(|why| errors::options(py, format!("local_pool: {g:?}: {why}")))?;
+    let local = Arc::new(pool::LocalPool::new(g, processes));
+    let me = local.process().ok_or_else(|| errors::options(py, "local_pool: processes must be at least 1"))?;
+    Ok(pool::PyPool::new(pool::AnyWords::Local(local), me, "local".into(), None))
+}
+
+/// Another "process" on `pool`'s in-process words.
+#[pyfunction]
+fn local_pool_attach(py: Python<'_>, pool: &pool::PyPool) -> PyResult<pool::PyPool> {
+    let pool::AnyWords::Local(local) = pool.words();
+    let me = local
+        .process()
+        .ok_or_else(|| errors::options(py, "local_pool_attach: every process of this local pool is taken"))?;
+    Ok(pool::PyPool::new(pool::AnyWords::Local(local.clone()), me, "local".into(), None))
+}
+
+/// Marks `pool`'s "process" dead: the liveness oracle says it is gone.
+#[pyfunction]
+fn local_pool_kill(pool: &pool::PyPool) {
+    let pool::AnyWords::Local(local) = pool.words();
+    local.words.kill(pool.me().pid);
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let t = PyModule::new(m.py(), "_testing")?;
     t.add_class::<PySimHold>()?;
@@ -353,5 +387,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     t.add_function(wrap_pyfunction!(write_block, &t)?)?;
     t.add_function(wrap_pyfunction!(read_block, &t)?)?;
     t.add_function(wrap_pyfunction!(error_table, &t)?)?;
+    t.add_function(wrap_pyfunction!(local_pool, &t)?)?;
+    t.add_function(wrap_pyfunction!(local_pool_attach, &t)?)?;
+    t.add_function(wrap_pyfunction!(local_pool_kill, &t)?)?;
     m.add_submodule(&t)
 }

@@ -87,7 +87,20 @@ EXTRA_KEYS: Dict[str, str] = {
     "kvo_capture_hook": "true (default): every CUDA graph capture in the worker's process runs in a capture window",
     "kvo_hold_pinning_for_warmup": "true (default): where vLLM builds the worker before its warm-up and graph "
     "capture (0.26 - 0.33), no registration starts until they end (or the first job)",
+    "kvo_pool": "the node pool's name (docs/node-pool-design.md): every engine naming it shares one host KV "
+    "pool in kvo_region_dir; non-empty, at most 200 bytes, no '/' or NUL",
+    "kvo_pool_bytes": "bytes of a pool this engine creates, a positive int (default cpu_bytes_to_use); an existing "
+    "pool keeps its size",
+    "kvo_pool_keep": "true (default): the pool stays until 'kvoffload pool rm'; false: the last engine to leave "
+    "removes it",
+    "kvo_pool_tag": "a string every engine on the pool must give alike (default ''): what the fingerprint cannot "
+    "see, such as a checkpoint revision",
 }
+
+#: The keys that apply only with ``kvo_pool``.
+POOL_KEYS = ("kvo_pool_bytes", "kvo_pool_keep", "kvo_pool_tag")
+#: A pool name's longest (the files are ``kvoffload-pool-<name>*``).
+POOL_NAME_BYTES = 200
 
 _CHOICES = {
     "kvo_backend": ("auto", "cuda", "sim"),
@@ -185,11 +198,62 @@ class _Settings:
         self.staging_bytes = _int(extra, "kvo_staging_bytes", None, 0)
         self.capture_hook = _bool(extra, "kvo_capture_hook", True)
         self.hold_pinning_for_warmup = _bool(extra, "kvo_hold_pinning_for_warmup", True)
+        self._pool_settings(extra)
         if self.copy_backend != "auto":
             log.warning(
                 "kvoffload.vllm: kvo_copy_backend=%r is for benchmarks: before pinning settles (or if it ends "
                 "pageable) only 'auto' is guaranteed to pick a backend that is right on pageable memory",
                 self.copy_backend,
+            )
+
+
+    def _pool_settings(self, extra: Dict[str, Any]) -> None:
+        """``kvo_pool`` and its keys (design 1.1), with what the pool
+        cannot take refused by key."""
+        self.pool: Optional[str] = extra.get("kvo_pool")
+        if self.pool is None:
+            given = [k for k in POOL_KEYS if extra.get(k) is not None]
+            if given:
+                raise _bad(given[0], extra[given[0]], "applies with kvo_pool only (set kvo_pool to name the pool)")
+            self.pool_bytes = None
+            self.pool_keep = True
+            self.pool_tag = ""
+            return
+        name = self.pool
+        if not isinstance(name, str) or not name:
+            raise _bad("kvo_pool", name, "expected a pool name (a non-empty string)")
+        if "/" in name or "\0" in name or len(name.encode()) > POOL_NAME_BYTES:
+            raise _bad(
+                "kvo_pool", name, f"a pool name has at most {POOL_NAME_BYTES} bytes and no '/' or NUL (it names files)"
+            )
+        self.pool_bytes = _int(extra, "kvo_pool_bytes", self.cpu_bytes_to_use, 1)
+        self.pool_keep = _bool(extra, "kvo_pool_keep", True)
+        tag = extra.get("kvo_pool_tag", "")
+        if tag is None:
+            tag = ""
+        if not isinstance(tag, str):
+            raise _bad("kvo_pool_tag", tag, "expected a string")
+        self.pool_tag = tag
+        # What the pool cannot take (design 1.1): its memory is shared, its
+        # eviction is CLOCK in shared memory.
+        if self.region != "shared":
+            raise _bad("kvo_region", self.region, "kvo_pool needs kvo_region 'shared' (the pool is a shared file)")
+        if extra.get("eviction_policy", "lru") != "lru":
+            raise _bad(
+                "eviction_policy",
+                extra["eviction_policy"],
+                "kvo_pool evicts by CLOCK in shared memory; an in-process policy cannot see the other engines "
+                "(leave it unset or 'lru')",
+            )
+        if self.cache_policy_module_path is not None:
+            raise _bad(
+                "cache_policy_module_path",
+                self.cache_policy_module_path,
+                "kvo_pool evicts by CLOCK in shared memory; a custom policy cannot see the other engines",
+            )
+        if self.store_threshold:
+            raise _bad(
+                "store_threshold", self.store_threshold, "kvo_pool stores on first sight (a threshold counts per engine)"
             )
 
 

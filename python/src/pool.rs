@@ -1,0 +1,567 @@
+//! `kvoffload.Pool`: the node pool's protocol (docs/node-pool-design.md,
+//! `kvoffload::internal::pool`) for the processes of an engine: its
+//! scheduler (`PoolManager`, python/kvoffload/vllm/pool.py) and its
+//! workers (`KvoffloadWorker` with `kvo_pool`).
+//!
+//! A `Pool` is one process's handle on a pool's words: it joins the engine
+//! table once (as the owner, rank 0's worker; as another rank's worker; or
+//! as the scheduler), then every call acts as that engine (its index is
+//! the bit of its holds and the writer field of its claims). Keys are
+//! vLLM's `OffloadKey`s: the block hash (1 - 32 bytes) then the group index
+//! as 4 big-endian bytes.
+//!
+//! Every call is a few compare-and-swaps on the mapping, made with the GIL
+//! held (microseconds; releasing the GIL would cost more). The one wait,
+//! a member joining an entry its owner has not made yet, polls with a
+//! deadline, releases the GIL between polls and checks Python's signals
+//! (Ctrl-C raises the handler's exception). Every entry point runs inside
+//! [`guarded`]: no Rust panic crosses into Python.
+
+use std::time::Instant;
+
+use kvoffload::internal::pool::slot::SlotError;
+use kvoffload::internal::pool::sweep::Lease;
+use kvoffload::internal::pool::table::{Lookup, Placement, PoolTable};
+use kvoffload::internal::pool::words::{Geometry, Key, Liveness, LocalPoolWords, Member, PoolWords};
+use pyo3::types::{PyBytes, PyList};
+
+use super::*;
+
+/// Where a pool's words live: a pool file's mapping, or (tests) the sync
+/// facade's atomics shared by the `Pool` objects of one process.
+pub(crate) enum AnyWords {
+    /// In-process words (`kvoffload._testing.local_pool`): each `Pool`
+    /// object is a "process" with its own pid index.
+    Local(Arc<LocalPool>),
+}
+
+/// In-process words and the pids handed out so far (tests).
+pub(crate) struct LocalPool {
+    pub(crate) words: LocalPoolWords,
+    next_pid: std::sync::atomic::AtomicU32,
+    processes: u32,
+}
+
+impl LocalPool {
+    /// Pools of `geometry` with room for `processes` `Pool` objects.
+    pub(crate) fn new(geometry: Geometry, processes: u32) -> LocalPool {
+        LocalPool {
+            words: LocalPoolWords::new(geometry, processes as usize),
+            next_pid: std::sync::atomic::AtomicU32::new(1),
+            processes,
+        }
+    }
+
+    /// The record of a new "process" (pids 1, 2, ...), None past `processes`.
+    pub(crate) fn process(&self) -> Option<Member> {
+        let pid = self.next_pid.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        (pid <= self.processes).then(|| LocalPoolWords::process(pid))
+    }
+}
+
+macro_rules! each {
+    ($self:ident, $w:ident => $e:expr) => {
+        match $self {
+            AnyWords::Local(l) => {
+                let $w = &l.words;
+                $e
+            }
+        }
+    };
+}
+
+impl PoolWords for AnyWords {
+    fn geometry(&self) -> Geometry {
+        each!(self, w => w.geometry())
+    }
+    fn slot_load(&self, slot: usize) -> u64 {
+        each!(self, w => w.slot_load(slot))
+    }
+    fn slot_cas(&self, slot: usize, current: u64, new: u64) -> Result<u64, u64> {
+        each!(self, w => w.slot_cas(slot, current, new))
+    }
+    fn key_load(&self, slot: usize) -> Key {
+        each!(self, w => w.key_load(slot))
+    }
+    fn key_store(&self, slot: usize, key: &Key) {
+        each!(self, w => w.key_store(slot, key))
+    }
+    fn clock_load(&self, slot: usize) -> bool {
+        each!(self, w => w.clock_load(slot))
+    }
+    fn clock_store(&self, slot: usize, referenced: bool) {
+        each!(self, w => w.clock_store(slot, referenced))
+    }
+    fn hand_next(&self, set: usize) -> u32 {
+        each!(self, w => w.hand_next(set))
+    }
+    fn owner_load(&self, engine: u8) -> u64 {
+        each!(self, w => w.owner_load(engine))
+    }
+    fn owner_cas(&self, engine: u8, current: u64, new: u64) -> Result<u64, u64> {
+        each!(self, w => w.owner_cas(engine, current, new))
+    }
+    fn members_load(&self, engine: u8) -> u64 {
+        each!(self, w => w.members_load(engine))
+    }
+    fn members_cas(&self, engine: u8, current: u64, new: u64) -> Result<u64, u64> {
+        each!(self, w => w.members_cas(engine, current, new))
+    }
+    fn member_load(&self, engine: u8, member: u8) -> Member {
+        each!(self, w => w.member_load(engine, member))
+    }
+    fn member_store(&self, engine: u8, member: u8, record: &Member) {
+        each!(self, w => w.member_store(engine, member, record))
+    }
+    fn engine_id_load(&self, engine: u8) -> [u64; 4] {
+        each!(self, w => w.engine_id_load(engine))
+    }
+    fn engine_id_store(&self, engine: u8, id: &[u64; 4]) {
+        each!(self, w => w.engine_id_store(engine, id))
+    }
+    fn liveness(&self, record: &Member) -> Liveness {
+        each!(self, w => w.liveness(record))
+    }
+}
+
+/// This process's place in the engine table, once joined.
+#[derive(Clone, Copy)]
+struct Joined {
+    lease: Lease,
+    /// 0 the scheduler, `1 + r` rank `r`'s worker.
+    member: u8,
+}
+
+/// A process's handle on a node pool (see the module docs).
+#[pyclass(name = "Pool", module = "kvoffload", frozen)]
+pub(crate) struct PyPool {
+    table: PoolTable<AnyWords>,
+    /// This process's record (pid, start time, pid namespace).
+    me: Member,
+    name: String,
+    path: Option<String>,
+    joined: Mutex<Option<Joined>>,
+}
+
+impl PyPool {
+    pub(crate) fn new(words: AnyWords, me: Member, name: String, path: Option<String>) -> PyPool {
+        PyPool { table: PoolTable::new(words), me, name, path, joined: Mutex::new(None) }
+    }
+
+    pub(crate) fn words(&self) -> &AnyWords {
+        self.table.words()
+    }
+
+    pub(crate) fn me(&self) -> Member {
+        self.me
+    }
+
+    fn joined(&self) -> Option<Joined> {
+        *self.joined.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The engine index this process acts as, or a `PoolError` saying it
+    /// has not joined.
+    fn acting(&self, py: Python<'_>, call: &str) -> PyResult<u8> {
+        self.joined().map(|j| j.lease.engine).ok_or_else(|| {
+            errors::pool_other(
+                py,
+                format!("Pool.{call}: this process has not joined the pool {:?} (call join first)", self.name),
+                "not_joined",
+            )
+        })
+    }
+
+    fn slots_epochs(py: Python<'_>, slots: &Bound<'_, PyAny>, epochs: &Bound<'_, PyAny>) -> PyResult<Vec<(u32, u32)>> {
+        let s = parse_ids(py, "a slot", slots)?;
+        let e = parse_ids(py, "an epoch", epochs)?;
+        if s.len() != e.len() {
+            return Err(errors::options(py, format!("{} slots and {} epochs: one epoch per slot", s.len(), e.len())));
+        }
+        s.into_iter()
+            .zip(e)
+            .map(|(s, e)| {
+                let s = u32::try_from(s).map_err(|_| errors::options(py, format!("slot {s} is past 2**32")))?;
+                let e = u32::try_from(e).map_err(|_| errors::options(py, format!("epoch {e} is past 2**32")))?;
+                Ok((s, e))
+            })
+            .collect()
+    }
+
+    fn slot_err(&self, py: Python<'_>, call: &str, slot: u32, epoch: u32, e: SlotError) -> PyErr {
+        errors::pool_slot(py, format!("Pool.{call}: slot {slot} (epoch {epoch}) of pool {:?}: {e}", self.name), &e)
+    }
+}
+
+/// vLLM's `OffloadKey` (hash bytes, then the group as 4 big-endian bytes)
+/// as a pool key.
+fn parse_key(py: Python<'_>, k: &Bound<'_, PyAny>) -> PyResult<Key> {
+    let b = k.cast::<PyBytes>().map_err(|_| {
+        errors::options(py, format!("a pool key is bytes (vLLM's OffloadKey: hash, then 4 group bytes), not {k}"))
+    })?;
+    let b = b.as_bytes();
+    if b.len() < 5 || b.len() > 36 {
+        return Err(errors::options(
+            py,
+            format!("a pool key is 1 to 32 hash bytes and 4 group bytes; this one has {} bytes", b.len()),
+        ));
+    }
+    let (hash, group) = b.split_at(b.len() - 4);
+    let group = u32::from_be_bytes([group[0], group[1], group[2], group[3]]);
+    Key::new(hash, group).ok_or_else(|| errors::options(py, "a pool key's hash must have 1 to 32 bytes"))
+}
+
+fn key_bytes(k: &Key) -> Vec<u8> {
+    let mut b = k.hash_bytes();
+    b.extend_from_slice(&k.group.to_be_bytes());
+    b
+}
+
+fn parse_keys_of(py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
+    keys.try_iter()?.map(|k| parse_key(py, &k?)).collect()
+}
+
+/// The SHA-256 of vLLM's `engine_id` as four words (design 2.4).
+fn engine_digest(py: Python<'_>, engine_id: &str) -> PyResult<[u64; 4]> {
+    let d = py.import("hashlib")?.call_method1("sha256", (PyBytes::new(py, engine_id.as_bytes()),))?;
+    let d: Vec<u8> = d.call_method0("digest")?.extract()?;
+    let mut w = [0u64; 4];
+    for (i, c) in d.chunks(8).take(4).enumerate() {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(c);
+        w[i] = u64::from_le_bytes(b);
+    }
+    Ok(w)
+}
+
+#[pymethods]
+impl PyPool {
+    /// The pool's name.
+    #[getter]
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    /// The pool's index file (None for an in-process pool).
+    #[getter]
+    fn path(&self) -> Option<String> {
+        self.path.clone()
+    }
+
+    /// Slots (rows of the data, records of the index).
+    #[getter]
+    fn slots(&self) -> u32 {
+        self.table.geometry().slots
+    }
+
+    /// Slots per set.
+    #[getter]
+    fn ways(&self) -> u32 {
+        self.table.geometry().ways
+    }
+
+    /// Ranks of every engine on the pool.
+    #[getter]
+    fn ranks(&self) -> u8 {
+        self.table.geometry().ranks
+    }
+
+    /// Engine entries.
+    #[getter]
+    fn engines(&self) -> u8 {
+        self.table.geometry().engines
+    }
+
+    /// The engine index this process acts as (None before `join`).
+    #[getter]
+    fn engine(&self) -> Option<u8> {
+        self.joined().map(|j| j.lease.engine)
+    }
+
+    /// This process's member index (0 the scheduler, `1 + r` rank `r`'s
+    /// worker), None before `join`.
+    #[getter]
+    fn member(&self) -> Option<u8> {
+        self.joined().map(|j| j.member)
+    }
+
+    /// This process's pid as the pool records it.
+    #[getter]
+    fn pid(&self) -> u32 {
+        self.me.pid
+    }
+
+    /// Joins the engine `engine_id` (vLLM's, the same in every process of
+    /// the engine): `rank=0` is rank 0's worker, which sweeps dead entries
+    /// and claims a free entry (the owner); another rank's worker, or the
+    /// scheduler (`rank=None`), registers with the live entry whose owner
+    /// wrote `engine_id`, waiting for it at most `timeout` seconds
+    /// (interruptible). Returns the engine index. Once per `Pool`.
+    #[pyo3(signature = (engine_id, rank = None, timeout = 30.0))]
+    fn join(&self, py: Python<'_>, engine_id: &str, rank: Option<u32>, timeout: f64) -> PyResult<u8> {
+        guarded(py, || {
+            if let Some(j) = self.joined() {
+                return Err(errors::pool_other(
+                    py,
+                    format!("Pool.join: this process already joined pool {:?} as engine {}", self.name, j.lease.engine),
+                    "already_joined",
+                ));
+            }
+            let ranks = u32::from(self.table.geometry().ranks);
+            let member = match rank {
+                None => 0u8,
+                Some(r) if r < ranks => (1 + r) as u8,
+                Some(r) => {
+                    return Err(errors::options(py, format!("Pool.join: rank {r} of a pool of {ranks} ranks")));
+                }
+            };
+            let id = engine_digest(py, engine_id)?;
+            let deadline = seconds(py, "timeout", Some(timeout))?.map(|d| Instant::now() + d);
+            let lease = if member == 1 {
+                self.table.join_owner(member, &self.me, &id).map_err(|e| errors::pool_join(py, &self.name, e))?
+            } else {
+                let mut pause = Duration::from_millis(1);
+                loop {
+                    match self.table.join_member(member, &self.me, &id) {
+                        Ok(Some(lease)) => break lease,
+                        Ok(None) => {}
+                        Err(e) => return Err(errors::pool_join(py, &self.name, e)),
+                    }
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(errors::pool_other(
+                            py,
+                            format!(
+                                "Pool.join: pool {:?}: no live engine entry for engine_id {engine_id:?} after \
+                                 {timeout} s (its rank 0 worker joins first)",
+                                self.name
+                            ),
+                            "timeout",
+                        ));
+                    }
+                    // Poll again after a pause (the GIL released), and let a
+                    // signal handler raise meanwhile.
+                    py.detach(|| std::thread::sleep(pause));
+                    py.check_signals()?;
+                    pause = (pause * 2).min(Duration::from_millis(20));
+                }
+            };
+            *self.joined.lock().unwrap_or_else(|p| p.into_inner()) = Some(Joined { lease, member });
+            Ok(lease.engine)
+        })
+    }
+
+    /// Leaves the engine table: this process's member bit is cleared; the
+    /// last member to leave reclaims the entry's marks (its holds and
+    /// unfinished writes) and frees it. Idempotent.
+    fn leave(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(py, || {
+            let j = self.joined.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let Some(j) = j else { return Ok(()) };
+            self.table.leave(j.lease, j.member, &self.me).map_err(|e| errors::pool_join(py, &self.name, e))
+        })
+    }
+
+    /// Sweeps every dead engine entry (design 3.6): their holds are
+    /// cleared, their unfinished writes freed (never published), the
+    /// entries freed. Returns the entries freed.
+    fn sweep(&self, py: Python<'_>) -> PyResult<Vec<u8>> {
+        guarded(py, || {
+            self.table
+                .sweep_dead(&self.me, &mut |_| true)
+                .map_err(|e| errors::pool_slot(py, format!("Pool.sweep: pool {:?}: {e}", self.name), &e))
+        })
+    }
+
+    /// Looks each key up and holds it where readable (design 3.1): per key
+    /// `("hit", slot, epoch, fresh)` (held by this engine now; `fresh` when
+    /// this call set the engine's bit, false when the engine held it
+    /// already), `("pending", -1, -1, False)` (being written by this
+    /// engine) or `("miss", -1, -1, False)`.
+    fn lookup<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+        guarded(py, || {
+            let engine = self.acting(py, "lookup")?;
+            let keys = parse_keys_of(py, keys)?;
+            let out = PyList::empty(py);
+            for k in &keys {
+                let r = self
+                    .table
+                    .lookup(engine, k)
+                    .map_err(|e| errors::pool_slot(py, format!("Pool.lookup: pool {:?}: {e}", self.name), &e))?;
+                match r {
+                    Lookup::Hit { slot, epoch, fresh } => {
+                        out.append(("hit", i64::from(slot), i64::from(epoch), fresh))?
+                    }
+                    Lookup::Pending => out.append(("pending", -1i64, -1i64, false))?,
+                    Lookup::Miss => out.append(("miss", -1i64, -1i64, false))?,
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    /// Claims a slot for each key (design 3.3, 3.5): per key
+    /// `("claimed", slot, epoch, evicted)` (this engine writes the slot at
+    /// that epoch; `evicted` the key whose readable slot the claim took, or
+    /// None), `("present", -1, -1, None)` (readable or being written
+    /// already) or `("skipped", -1, -1, None)` (its set has no claimable
+    /// slot: every slot held or being written).
+    fn claim<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+        guarded(py, || {
+            let engine = self.acting(py, "claim")?;
+            let keys = parse_keys_of(py, keys)?;
+            let out = PyList::empty(py);
+            let none = py.None();
+            for k in &keys {
+                let r = self
+                    .table
+                    .claim(engine, k)
+                    .map_err(|e| errors::pool_slot(py, format!("Pool.claim: pool {:?}: {e}", self.name), &e))?;
+                match r {
+                    Placement::Claimed { slot, epoch, evicted } => {
+                        let ev: Py<PyAny> = match evicted {
+                            Some(k) => PyBytes::new(py, &key_bytes(&k)).into_any().unbind(),
+                            None => none.clone_ref(py),
+                        };
+                        out.append(("claimed", i64::from(slot), i64::from(epoch), ev))?
+                    }
+                    Placement::Present => out.append(("present", -1i64, -1i64, none.clone_ref(py)))?,
+                    Placement::Skipped => out.append(("skipped", -1i64, -1i64, none.clone_ref(py)))?,
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    /// Ends this engine's hold of each slot at its epoch (its bit cleared:
+    /// the engine's last private hold of it ended).
+    fn release(&self, py: Python<'_>, slots: &Bound<'_, PyAny>, epochs: &Bound<'_, PyAny>) -> PyResult<()> {
+        guarded(py, || {
+            let engine = self.acting(py, "release")?;
+            for (s, e) in Self::slots_epochs(py, slots, epochs)? {
+                self.table.release(engine, s, e).map_err(|x| self.slot_err(py, "release", s, e, x))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Before a load is submitted (design 3.2): raises `PoolStateError`
+    /// unless every slot is readable at its epoch and held by this engine.
+    fn check_held(&self, py: Python<'_>, slots: &Bound<'_, PyAny>, epochs: &Bound<'_, PyAny>) -> PyResult<()> {
+        guarded(py, || {
+            let engine = self.acting(py, "check_held")?;
+            for (s, e) in Self::slots_epochs(py, slots, epochs)? {
+                self.table.check_held(engine, s, e).map_err(|x| self.slot_err(py, "check_held", s, e, x))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Before a store is submitted (design 3.3): raises `PoolStateError`
+    /// unless every slot is being written by this engine at its epoch.
+    fn check_writing(&self, py: Python<'_>, slots: &Bound<'_, PyAny>, epochs: &Bound<'_, PyAny>) -> PyResult<()> {
+        guarded(py, || {
+            let engine = self.acting(py, "check_writing")?;
+            for (s, e) in Self::slots_epochs(py, slots, epochs)? {
+                self.table.check_writing(engine, s, e).map_err(|x| self.slot_err(py, "check_writing", s, e, x))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Rank `rank`'s bytes of each slot are complete (design 3.3 step 2):
+    /// its bit is set; the last rank's publishes the slot. Returns, per
+    /// slot, whether this call published it.
+    fn complete_rank(
+        &self,
+        py: Python<'_>,
+        slots: &Bound<'_, PyAny>,
+        epochs: &Bound<'_, PyAny>,
+        rank: u8,
+    ) -> PyResult<Vec<bool>> {
+        guarded(py, || {
+            let engine = self.acting(py, "complete_rank")?;
+            let mut out = Vec::new();
+            for (s, e) in Self::slots_epochs(py, slots, epochs)? {
+                out.push(
+                    self.table
+                        .complete_rank(engine, s, e, rank)
+                        .map_err(|x| self.slot_err(py, "complete_rank", s, e, x))?,
+                );
+            }
+            Ok(out)
+        })
+    }
+
+    /// Abandons this engine's write of each slot at its epoch (back to
+    /// free, its partial bytes never visible); a slot already readable at
+    /// that epoch stays so. Returns, per slot, whether it was abandoned.
+    fn abandon(&self, py: Python<'_>, slots: &Bound<'_, PyAny>, epochs: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        guarded(py, || {
+            let engine = self.acting(py, "abandon")?;
+            let mut out = Vec::new();
+            for (s, e) in Self::slots_epochs(py, slots, epochs)? {
+                out.push(self.table.abandon(engine, s, e).map_err(|x| self.slot_err(py, "abandon", s, e, x))?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Marks each slot recently used (its CLOCK bit: a second chance).
+    fn touch(&self, py: Python<'_>, slots: &Bound<'_, PyAny>) -> PyResult<()> {
+        guarded(py, || {
+            for s in parse_ids(py, "a slot", slots)? {
+                if let Ok(s) = u32::try_from(s) {
+                    self.table.touch(s);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Slots by state: `{"free", "writing", "readable", "held", "corrupt"}`
+    /// (`held`: readable slots some engine holds, counted in `readable`).
+    fn census<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        guarded(py, || {
+            let c = self.table.census();
+            let d = PyDict::new(py);
+            d.set_item("free", c.free)?;
+            d.set_item("writing", c.writing)?;
+            d.set_item("readable", c.readable)?;
+            d.set_item("held", c.held)?;
+            d.set_item("corrupt", c.corrupt)?;
+            Ok(d)
+        })
+    }
+
+    /// The invariants of a quiescent pool (design 3.9): raises
+    /// `PoolStateError` naming the first slot that breaks one.
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(py, || {
+            self.table.check().map_err(|(slot, e)| {
+                errors::pool_slot(py, format!("Pool.check: pool {:?}: slot {slot}: {e}", self.name), &e)
+            })
+        })
+    }
+
+    /// The raw state word of `slot` (tests, `pool ls`).
+    fn slot_word(&self, py: Python<'_>, slot: u32) -> PyResult<u64> {
+        guarded(py, || {
+            if slot >= self.table.geometry().slots {
+                return Err(errors::options(py, format!("slot {slot} of a pool of {} slots", self.slots())));
+            }
+            Ok(self.table.words().slot_load(slot as usize))
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        let g = self.table.geometry();
+        let who = match self.joined() {
+            Some(j) => format!("engine {} member {}", j.lease.engine, j.member),
+            None => "not joined".into(),
+        };
+        format!(
+            "kvoffload.Pool({:?}: {} slots of {} ways, {} ranks, {} engines; {who})",
+            self.name, g.slots, g.ways, g.ranks, g.engines
+        )
+    }
+}
