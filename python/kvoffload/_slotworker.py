@@ -275,6 +275,8 @@ class SlotWorker:
         result: Callable[..., Any] = None,
         hook_class: Optional[type] = None,
         failed_results: bool = False,
+        pool: Any = None,
+        pool_rank: int = 0,
     ):
         tensors, sizes = layout(kv_caches)
         # vLLM's tensor_idx of each, in the same (group) order: messages
@@ -289,6 +291,13 @@ class SlotWorker:
             for t in tensors
         ]
         self.failed_results = failed_results
+        # A node pool (kvoffload.Pool, joined as this rank's worker): host
+        # slots are its slots, each job's host side names their epochs.
+        self.pool = pool
+        self.pool_rank = pool_rank
+        # Store jobs on the pool: job id -> (slots, epochs), whose rank bit
+        # get_finished sets when the job completes.
+        self._pool_stores: Dict[int, Tuple[List[int], List[int]]] = {}
         # Jobs that failed before reaching the GPU, reported by get_finished.
         self._failed: List[Tuple[int, BaseException]] = []
         self._failed_lock = threading.Lock()
@@ -448,9 +457,30 @@ class SlotWorker:
                 self._failed.append((job_id, e))
         return True
 
+    def _pool_slots(self, host: Any) -> Tuple[List[int], List[int]]:
+        """The pool slots and epochs a job's host side names."""
+        epochs = getattr(host, "epochs", None)
+        if epochs is None:
+            raise _options_error(
+                f"kvoffload.vllm: a job on the node pool needs its slots' epochs (a PoolLoadStoreSpec), "
+                f"not a {type(host).__name__}"
+            )
+        slots = _ints("PoolLoadStoreSpec", "block_ids", host.block_ids, self.pool.slots)
+        epochs = _ints("PoolLoadStoreSpec", "epochs", epochs, 1 << 32)
+        if len(epochs) != len(slots):
+            raise _options_error(f"kvoffload.vllm: {len(slots)} pool slots and {len(epochs)} epochs")
+        return slots, epochs
+
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         def make():
-            return self.offloader.store_slot_job, self._job(src_spec, dst_spec)
+            job = self._job(src_spec, dst_spec)
+            if self.pool is not None:
+                # Design 3.3: the slots are this engine's to write, at the
+                # epochs the scheduler claimed them at.
+                slots, epochs = self._pool_slots(dst_spec)
+                self.pool.check_writing(slots, epochs)
+                self._pool_stores[job_id] = (slots, epochs)
+            return self.offloader.store_slot_job, job
 
         return self._submit(job_id, make)
 
@@ -459,7 +489,12 @@ class SlotWorker:
         # expedited lane's own stream, never behind a regular load.
         def make():
             load = self.offloader.load_slot_job
-            return (functools.partial(load, expedited=True) if expedited else load), self._job(dst_spec, src_spec)
+            job = self._job(dst_spec, src_spec)
+            if self.pool is not None:
+                # Design 3.2: readable at the epochs looked up, held by
+                # this engine (no other engine can evict them meanwhile).
+                self.pool.check_held(*self._pool_slots(src_spec))
+            return (functools.partial(load, expedited=True) if expedited else load), job
 
         return self._submit(job_id, make)
 
@@ -469,10 +504,12 @@ class SlotWorker:
             with self._failed_lock:
                 failed, self._failed = self._failed, []
             for job_id, e in failed + self._submitter.take_errors():
+                self._pool_stores.pop(job_id, None)
                 out.append(self._failed_result(job_id, "submission", e))
         else:
             self._submitter.check()
         for c in self.offloader.poll():
+            written = self._pool_stores.pop(c.job, None)
             if c.error is not None:
                 if not self.failed_results:
                     # This vLLM has no failure path (a False success is a
@@ -489,6 +526,11 @@ class SlotWorker:
             # the compute stream and the polling interval (10-50x less GB/s
             # than the copies ran at, on the H100).
             secs = c.device_seconds if c.device_seconds is not None else c.seconds
+            if written is not None:
+                # This rank's bytes of each slot are complete (its copy's
+                # completion observed): its bit, before vLLM hears of the
+                # job; the last rank's bit publishes the slot (design 3.3).
+                self.pool.complete_rank(written[0], written[1], self.pool_rank)
             out.append(self._result(job_id=c.job, success=True, transfer_size=c.bytes, transfer_time=secs))
         return out
 
@@ -529,8 +571,13 @@ class SlotWorker:
             self._hook.remove()
             self._hook = None
         self._submitter.close()
-        self.offloader.shutdown()
-        self._shut = True
+        try:
+            self.offloader.shutdown()
+        finally:
+            if self.pool is not None:
+                # The last member of the engine to leave reclaims its marks.
+                self.pool.leave()
+            self._shut = True
 
 
 class _Result:

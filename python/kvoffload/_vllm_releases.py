@@ -228,3 +228,46 @@ def none_hash(algorithm: str) -> NoneHash:
     if seed is None:
         return NoneHash(algorithm, None, "random", False)
     return NoneHash(algorithm, bytes(fn(seed)), "PYTHONHASHSEED", False)
+
+
+def cpu_medium() -> Any:
+    """The CPU tier's medium in an ``OffloadingEvent``: ``Medium.CPU``
+    (0.33+, an enum of ``kv_offload/base.py``) or the string of
+    ``distributed/kv_events.py``'s ``MEDIUM_CPU`` (0.26)."""
+    import vllm.v1.kv_offload.base as base
+
+    medium = getattr(base, "Medium", None)
+    if medium is not None:
+        return medium.CPU
+    from vllm.distributed.kv_events import MEDIUM_CPU
+
+    return MEDIUM_CPU
+
+
+def host_hit_source() -> Any:
+    """``CacheHitSource.HOST`` (0.33+: where a hit's KV came from, asked
+    by ``get_load_source``), or None where the release has no such class
+    (it then never asks)."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        return None
+    return CacheHitSource.HOST
+
+
+def pool_stats(census: Dict[str, int], slots: int, skipped: int) -> Any:
+    """The CPU tier's gauges (``CPUOffloadingMetrics``, declared by the
+    spec's ``build_metric_definitions``) of a pool's census: the fraction
+    of slots held by reads or being written (the node's, every engine's),
+    and of each alone. ``skipped`` is not reported: vLLM declares its
+    counter only with a store threshold, which a pool refuses."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as M
+
+    stats = OffloadingConnectorStats()
+    write = census["writing"] / slots if slots else 0.0
+    read = census["held"] / slots if slots else 0.0
+    stats.set_gauge(M.CPU_CACHE_USAGE_PERC, write + read)
+    stats.set_gauge(M.CPU_CACHE_WRITE_USAGE_PERC, write)
+    stats.set_gauge(M.CPU_CACHE_READ_USAGE_PERC, read)
+    return stats

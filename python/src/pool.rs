@@ -543,6 +543,21 @@ impl PyPool {
         })
     }
 
+    /// The key `slot` holds (vLLM's `OffloadKey` form), None for a free
+    /// slot (tests, `pool ls`; not stable unless the caller holds it).
+    fn slot_key<'py>(&self, py: Python<'py>, slot: u32) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        guarded(py, || {
+            if slot >= self.table.geometry().slots {
+                return Err(errors::options(py, format!("slot {slot} of a pool of {} slots", self.slots())));
+            }
+            let w = self.table.words().slot_load(slot as usize);
+            if (w >> 32) & 3 == 0 {
+                return Ok(None);
+            }
+            Ok(Some(PyBytes::new(py, &key_bytes(&self.table.words().key_load(slot as usize)))))
+        })
+    }
+
     /// The raw state word of `slot` (tests, `pool ls`).
     fn slot_word(&self, py: Python<'_>, slot: u32) -> PyResult<u64> {
         guarded(py, || {

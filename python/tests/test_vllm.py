@@ -145,7 +145,7 @@ def extra_config(**kw):
     return {k: v for k, v in e.items() if v is not None}
 
 
-def vllm_config(model_dir, extra, num_blocks=64):
+def vllm_config(model_dir, extra, num_blocks=64, hash_algo=None):
     # vLLM 0.34's CPU platform refuses a config on x86 without triton-cpu
     # ("vLLM on x86 CPUs requires Triton", platforms/cpu.py:242): it would
     # run the model with Triton kernels. No model runs here (only the
@@ -158,7 +158,11 @@ def vllm_config(model_dir, extra, num_blocks=64):
     try:
         cfg = VllmConfig(
             model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=4096),
-            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+            cache_config=CacheConfig(
+                block_size=BS,
+                enable_prefix_caching=True,
+                **({} if hash_algo is None else dict(prefix_caching_hash_algo=hash_algo)),
+            ),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
             ),
@@ -261,8 +265,8 @@ class Engine:
     """vLLM's Scheduler and both connector roles in one process, driven the
     way vLLM's engine core and model runner drive them."""
 
-    def __init__(self, model_dir, extra, num_blocks=64, kvc=None):
-        self.cfg = vllm_config(model_dir, extra, num_blocks)
+    def __init__(self, model_dir, extra, num_blocks=64, kvc=None, hash_algo=None):
+        self.cfg = vllm_config(model_dir, extra, num_blocks, hash_algo)
         self.kvc = kvc or kv_cache_config(num_blocks)
         self.group_of = {l: g for g, grp in enumerate(self.kvc.kv_cache_groups) for l in grp.layer_names}
         self.worker_conn = KVConnectorFactory.create_connector(self.cfg, KVConnectorRole.WORKER, self.kvc)

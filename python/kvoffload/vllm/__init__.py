@@ -26,10 +26,11 @@ release outside 0.26 - 0.34 raises ``ImportError`` naming the version.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import mmap
 import sys
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -114,6 +115,18 @@ _CHOICES = {
 # Tests only: a callable returning the Runtime a worker runs on (so a test
 # can arm the simulated GPU's hold points before pinning starts). Not API.
 _runtime_factory: Optional[Callable[[str], "kvoffload.Runtime"]] = None
+
+# Tests only: a callable ``(spec, rank)`` returning the (unjoined)
+# kvoffload.Pool a process of the engine uses (rank None: the scheduler),
+# and one ``(spec)`` returning the RegionSpec of the pool's rows. Not API.
+_pool_opener: Optional[Callable[["KvoffloadSpec", Optional[int]], "kvoffload.Pool"]] = None
+_pool_region: Optional[Callable[["KvoffloadSpec"], "kvoffload.RegionSpec"]] = None
+
+#: Slots per set of a pool this engine creates (design 2.3).
+POOL_WAYS = 16
+#: Seconds a scheduler or a rank's worker waits for its engine's entry
+#: (rank 0's worker makes it, before them in every supported release).
+POOL_JOIN_TIMEOUT_S = 60.0
 
 
 def _bad(key: str, value: Any, accepted: str) -> ValueError:
@@ -298,8 +311,17 @@ class KvoffloadSpec(OffloadingSpec):
         self.cpu_info = info.from_config(config, self.num_chunks, self.kv_bytes_per_chunk) if info else None
         self._manager: Optional[OffloadingManager] = None
         self._worker: Optional[KvoffloadWorker] = None
+        self.pool_geometry: Optional[Tuple[int, int]] = None
+        self.pool_hash_algo: Optional[str] = None
+        if self.settings.pool is not None:
+            self.pool_geometry = _pool_geometry(self)
+            # The hash algorithm is not in OffloadingConfig: read it from
+            # the VllmConfig the connector is being built with.
+            self.pool_hash_algo = _hash_algo_on_stack()
 
     def get_manager(self) -> OffloadingManager:
+        if self._manager is None and self.settings.pool is not None:
+            self._manager = _pool_manager(self)
         if self._manager is None:
             s = self.settings
             self._manager = RELEASE.manager(
@@ -318,6 +340,145 @@ class KvoffloadSpec(OffloadingSpec):
         if self._worker is None:
             self._worker = KvoffloadWorker(self, kv_caches)
         return self._worker
+
+
+def _pool_geometry(spec: "KvoffloadSpec") -> Tuple[int, int]:
+    """(slots, ways) of a pool this engine would create: ``kvo_pool_bytes``
+    in rows of ``kv_bytes_per_chunk`` (all ranks), whole sets of
+    :data:`POOL_WAYS` (one set of every row of a smaller pool)."""
+    s = spec.settings
+    if spec.kv_bytes_per_chunk == 0:
+        return (0, 0)
+    rows = s.pool_bytes // spec.kv_bytes_per_chunk
+    ways = min(POOL_WAYS, rows)
+    if ways == 0:
+        raise _bad(
+            "kvo_pool_bytes", s.pool_bytes, f"holds no row of {spec.kv_bytes_per_chunk} bytes (all ranks' share)"
+        )
+    return (rows - rows % ways, ways)
+
+
+def _hash_algo_on_stack() -> Optional[str]:
+    """``prefix_caching_hash_algo`` of the VllmConfig being built into a
+    connector: found on the call stack (``OffloadingConnector.__init__``
+    has it as ``vllm_config`` in every supported release), as
+    :func:`_engine_worker_before_warmup` finds the engine's worker. None
+    when no frame has one (a spec built outside a connector)."""
+    f = sys._getframe(1)
+    while f is not None:
+        cfg = f.f_locals.get("vllm_config")
+        algo = getattr(getattr(cfg, "cache_config", None), "prefix_caching_hash_algo", None)
+        if isinstance(algo, str):
+            return algo
+        f = f.f_back
+    return None
+
+
+def pool_config(config: OffloadingConfig, tag: str) -> Dict[str, Any]:
+    """The fingerprint's config part (design 1.3) of this engine: what
+    every process of it knows from ``OffloadingConfig``. Fields a release
+    lacks (0.26 has no ``kv_cache_layout`` or ``replicated_layout``) take
+    the value they mean there."""
+    p = config.parallel
+    return dict(
+        model=config.model.name,
+        kv_dtype=str(config.model.dtype),
+        tag=tag,
+        groups=[
+            (g.tokens_per_block, hashlib.sha256("\n".join(g.layer_names).encode()).digest()) for g in config.groups
+        ],
+        tokens_per_hash=config.cache.tokens_per_hash,
+        blocks_per_chunk=config.cache.blocks_per_chunk,
+        bytes_per_block=config.worker_kv_bytes_per_block,
+        world_size=p.world_size,
+        tp_size=p.tp_size,
+        pp_size=p.pp_size,
+        pcp_size=p.pcp_size,
+        dcp_size=p.dcp_size,
+        kv_cache_layout=str(getattr(config, "kv_cache_layout", None) or ""),
+        replicated_layout=bool(getattr(config, "replicated_layout", False)),
+    )
+
+
+def _open_pool(spec: "KvoffloadSpec", rank: Optional[int]) -> "kvoffload.Pool":
+    """The pool a process of this engine uses, not joined yet: rank
+    ``rank``'s worker creates it if absent (with this engine's shape and
+    config part); the scheduler (``rank`` None) opens it (its workers made
+    or opened it before) and checks the config part."""
+    if _pool_opener is not None:
+        return _pool_opener(spec, rank)
+    s = spec.settings
+    cfg = pool_config(spec.config, s.pool_tag)
+    if rank is None:
+        return kvoffload.Pool.open(s.pool, dir=s.region_dir, config=cfg, timeout=POOL_JOIN_TIMEOUT_S)
+    slots, ways = spec.pool_geometry
+    return kvoffload.Pool.open(
+        s.pool,
+        dir=s.region_dir,
+        config=cfg,
+        create=dict(
+            slots=slots,
+            ways=ways,
+            ranks=spec.config.parallel.world_size,
+            row_bytes=spec.kv_bytes_per_chunk // max(spec.config.parallel.world_size, 1),
+        ),
+        timeout=POOL_JOIN_TIMEOUT_S,
+    )
+
+
+def _pool_region_spec(spec: "KvoffloadSpec") -> "kvoffload.RegionSpec":
+    """The region of the pool's rows: ``pool-<name>`` in the pool's
+    directory, created by the first engine's ranks and kept (never
+    unlinked) for the engines after it."""
+    if _pool_region is not None:
+        return _pool_region(spec)
+    s = spec.settings
+    raise kvoffload.OptionsError(
+        f"kvoffload.vllm: kv_connector_extra_config['kvo_pool'] = {s.pool!r}: the pool's rows need a shared "
+        "region that outlives its engines (region 'pool-<name>', never unlinked), which this build of kvoffload "
+        "does not have yet"
+    )
+
+
+def _pool_manager(spec: "KvoffloadSpec") -> OffloadingManager:
+    """The scheduler's :class:`PoolManager` (design 5): the hash seed rule
+    checked first (design 1.2), then the pool opened, its hashing part
+    filled or compared, and the engine's entry joined."""
+    from .pool import PoolManager
+
+    s = spec.settings
+    algo = spec.pool_hash_algo
+    if algo is None:
+        raise _bad(
+            "kvo_pool",
+            s.pool,
+            "the engine's prefix_caching_hash_algo was not found (no VllmConfig on the stack of the spec's "
+            "construction): the pool cannot check that its engines share block hashes",
+        )
+    nh = _releases.none_hash(algo)
+    value = nh.require(s.pool, RELEASE.version)
+    pool = _open_pool(spec, None)
+    if pool.path is not None:  # a pool file (not a test's in-process pool)
+        pool.ensure_hashing(algo, value, nh.python, timeout=POOL_JOIN_TIMEOUT_S)
+    pool.join(spec.config.engine_id, timeout=POOL_JOIN_TIMEOUT_S)
+    info = RELEASE.offloading_info
+    cpu_info = info.from_config(spec.config, pool.slots, spec.kv_bytes_per_chunk) if info else None
+    log.info(
+        "kvoffload.vllm: pool %r: %d slots of %d ways, engine %d; NONE_HASH from %s (%s)",
+        s.pool,
+        pool.slots,
+        pool.ways,
+        pool.engine,
+        nh.source,
+        algo,
+    )
+    return PoolManager(
+        pool,
+        enable_events=spec.kv_events_config.enable_kv_cache_events,
+        none_hash=value,
+        info=cpu_info,
+        pool_name=s.pool,
+    )
 
 
 def _engine_worker_before_warmup() -> Any:
@@ -395,7 +556,24 @@ class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
             ),
             transfer=kvoffload.TransferOptions(backend=s.copy_backend, staging_bytes=s.staging_bytes),
         )
-        if s.region == "shared":
+        num_slots = spec.num_chunks
+        pool = None
+        if s.pool is not None:
+            # The pool's rows are the region; its index the slots (design 5).
+            pool = _open_pool(spec, cfg.parallel.rank)
+            try:
+                if pool.path is not None:
+                    tensors, _ = _slotworker.layout(kv_caches)
+                    pool.ensure_layout(
+                        cfg.parallel.rank, [t.page_size_bytes for t in tensors], timeout=POOL_JOIN_TIMEOUT_S
+                    )
+                pool.join(cfg.engine_id, rank=cfg.parallel.rank, timeout=POOL_JOIN_TIMEOUT_S)
+            except BaseException:
+                pool.leave()
+                raise
+            num_slots = pool.slots
+            options["region"] = _pool_region_spec(spec)
+        elif s.region == "shared":
             options["region"] = kvoffload.RegionSpec.shared(
                 f"vllm-{cfg.engine_id}",
                 rank=cfg.parallel.rank,
@@ -405,13 +583,15 @@ class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
         _slotworker.SlotWorker.__init__(
             self,
             kv_caches,
-            num_slots=spec.num_chunks,
+            num_slots=num_slots,
             blocks_per_chunk=spec.blocks_per_chunk,
             runtime=runtime,
             options=options,
             capture_hook=s.capture_hook,
             result=TransferResult,
             failed_results=RELEASE.failed_results,
+            pool=pool,
+            pool_rank=cfg.parallel.rank,
         )
         engine_worker = _engine_worker_before_warmup() if s.hold_pinning_for_warmup else None
         if engine_worker is not None:

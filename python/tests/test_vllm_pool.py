@@ -1,0 +1,298 @@
+"""kvoffload's node pool (``kvo_pool``, docs/node-pool-design.md) inside the
+real vLLM (0.26, 0.33, 0.34 from ci/vllm-env's cached environments: ci/python
+runs this file once per release, as test_vllm.py), on the simulated GPU.
+
+vLLM's own ``Scheduler`` and ``OffloadingConnector`` (both roles) drive
+:class:`kvoffload.vllm.pool.PoolManager` and the pool-aware worker; the
+harness is test_vllm.py's (``Engine``: the model runner's part, every
+loaded byte compared). Here:
+
+- the ``kvo_pool`` settings and their refusals (design 1.1), and the
+  ``NONE_HASH`` rule of the release (design 1.2), against what vLLM's own
+  ``init_none_hash`` sets;
+- one engine on an in-process pool (``kvoffload._testing.local_pool``):
+  round trips byte for byte through vLLM's scheduler, the holds and writes
+  the manager keeps (none left once idle), the worker's checks of the slot
+  words at submit and its rank bits at completion, the pool's invariants.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (ci/python runs this file in ci/vllm-env's venv)")
+
+import test_vllm as tv  # noqa: E402  (the harness; sets vLLM's platform up)
+from test_vllm import BS, Engine, check_loaded, extra_config, kv_cache_config, model_dir, prompt_of  # noqa: E402,F401
+
+import vllm  # noqa: E402
+import vllm.v1.core.kv_cache_utils as kcu  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name, sha256_cbor  # noqa: E402
+from vllm.v1.core.kv_cache_utils import init_none_hash  # noqa: E402
+
+import kvoffload as kv  # noqa: E402
+import kvoffload._testing as kt  # noqa: E402
+import kvoffload.vllm as kvv  # noqa: E402
+from kvoffload import _vllm_releases as rel  # noqa: E402
+from kvoffload.vllm import pool as kvp  # noqa: E402
+
+MM = rel.parse(vllm.__version__)
+HAS_RESOLVE = hasattr(kcu, "resolve_none_hash_seed")
+
+
+def computable(algo):
+    """Whether this environment can compute ``algo`` (vLLM's xxhash needs
+    the optional ``xxhash`` module)."""
+    try:
+        get_hash_fn_by_name(algo)(b"probe")
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
+@pytest.fixture(autouse=True)
+def none_hash_restored():
+    """Each test may set PYTHONHASHSEED and init vLLM's NONE_HASH; the
+    module's sha256_cbor NONE_HASH (test_vllm's) comes back after."""
+    saved = getattr(kcu, "NONE_HASH", None)
+    yield
+    if saved is not None:
+        kcu.NONE_HASH = saved
+
+
+# ---------------------------------------------------------------- settings (design 1.1)
+
+
+def settings(**kw):
+    return kvv._Settings(extra_config(**kw))
+
+
+def test_pool_keys_parse_with_their_defaults():
+    s = settings(kvo_pool="node")
+    assert (s.pool, s.pool_bytes, s.pool_keep, s.pool_tag) == ("node", s.cpu_bytes_to_use, True, "")
+    s = settings(kvo_pool="node", kvo_pool_bytes="4096", kvo_pool_keep="false", kvo_pool_tag="rev-7")
+    assert (s.pool_bytes, s.pool_keep, s.pool_tag) == (4096, False, "rev-7")
+    assert settings().pool is None
+
+
+@pytest.mark.parametrize(
+    "kw, key",
+    [
+        (dict(kvo_pool=""), "kvo_pool"),
+        (dict(kvo_pool="a/b"), "kvo_pool"),
+        (dict(kvo_pool="a\0b"), "kvo_pool"),
+        (dict(kvo_pool="n" * 201), "kvo_pool"),
+        (dict(kvo_pool=7), "kvo_pool"),
+        (dict(kvo_pool="node", kvo_region="anonymous"), "kvo_region"),
+        (dict(kvo_pool="node", eviction_policy="arc"), "eviction_policy"),
+        (dict(kvo_pool="node", cache_policy_module_path="my.policy"), "cache_policy_module_path"),
+        (dict(kvo_pool="node", store_threshold=2), "store_threshold"),
+        (dict(kvo_pool="node", kvo_pool_bytes=0), "kvo_pool_bytes"),
+        (dict(kvo_pool="node", kvo_pool_keep="maybe"), "kvo_pool_keep"),
+        (dict(kvo_pool="node", kvo_pool_tag=3), "kvo_pool_tag"),
+        (dict(kvo_pool_bytes=4096), "kvo_pool_bytes"),
+        (dict(kvo_pool_tag="x"), "kvo_pool_tag"),
+        (dict(kvo_pool_keep=False), "kvo_pool_keep"),
+    ],
+)
+def test_what_a_pool_cannot_take_is_refused_naming_the_key(kw, key):
+    with pytest.raises(ValueError, match=rf"kvoffload.vllm: kv_connector_extra_config\['{key}'\]"):
+        settings(**kw)
+
+
+def test_the_longest_pool_name_and_an_explicit_lru_are_taken():
+    settings(kvo_pool="n" * 200, eviction_policy="lru", store_threshold=0)
+
+
+# ---------------------------------------------------------------- NONE_HASH (design 1.2)
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+def test_the_predicted_none_hash_is_the_one_vllm_sets(monkeypatch, algo):
+    """With PYTHONHASHSEED set, every release derives NONE_HASH from it:
+    the prediction is exactly what ``init_none_hash`` sets."""
+    if not computable(algo):
+        pytest.skip(f"{algo} needs the xxhash module, not installed in this environment")
+    monkeypatch.setenv("PYTHONHASHSEED", "1234")
+    nh = rel.none_hash(algo)
+    assert nh.source == "PYTHONHASHSEED" and nh.value is not None
+    init_none_hash(get_hash_fn_by_name(algo))
+    assert bytes(kcu.NONE_HASH) == nh.value
+    assert nh.require("node", vllm.__version__) == nh.value
+    assert nh.python == (tuple(__import__("sys").version_info[:2]) if algo in ("sha256", "xxhash") else None)
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+def test_the_seed_rule_of_the_release_without_pythonhashseed(monkeypatch, algo):
+    """0.33+ (``resolve_none_hash_seed``): sha256* from vLLM's fixed seed,
+    xxhash* random; 0.26: random for every algorithm. The detection is by
+    attribute; this checks it agrees with the release notes of design 1.2."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert HAS_RESOLVE == (MM >= (0, 33))
+    nh = rel.none_hash(algo)
+    fixed = HAS_RESOLVE and algo.startswith("sha256")
+    if fixed:
+        assert nh.source == "vLLM's fixed seed"
+        init_none_hash(get_hash_fn_by_name(algo))
+        assert bytes(kcu.NONE_HASH) == nh.value
+    else:
+        assert nh.value is None and nh.source == "random"
+        with pytest.raises(rel.RandomNoneHash, match="set PYTHONHASHSEED") as e:
+            nh.require("node", vllm.__version__)
+        assert isinstance(e.value, ValueError)
+        advice = "use prefix_caching_hash_algo 'sha256' or 'sha256_cbor'"
+        assert (advice in str(e.value)) == HAS_RESOLVE, "sha256 is the advice only where it is seeded"
+        if not computable(algo):
+            return
+        # What vLLM itself does: two processes' NONE_HASH differ.
+        init_none_hash(get_hash_fn_by_name(algo))
+        first = bytes(kcu.NONE_HASH)
+        init_none_hash(get_hash_fn_by_name(algo))
+        assert bytes(kcu.NONE_HASH) != first
+
+
+# ---------------------------------------------------------------- one engine on an in-process pool
+
+
+@pytest.fixture
+def local_pool(monkeypatch):
+    """kvoffload.vllm's pool opener and region replaced for one process:
+    an in-process pool (the scheduler's and the workers' Pool objects on
+    one set of words) and the engine's own shared region for the rows. A
+    second engine in this process would need the pool's kept region."""
+    made = {}
+
+    def opener(spec, rank):
+        slots, ways = spec.pool_geometry
+        if "pool" not in made:
+            made["pool"] = p = kt.local_pool(slots, ways=ways, ranks=spec.config.parallel.world_size)
+            made["pools"] = [p]
+            return p
+        p = kt.local_pool_attach(made["pool"])
+        made["pools"].append(p)
+        return p
+
+    def region(spec):
+        cfg = spec.config
+        return kv.RegionSpec.shared(f"vllm-{cfg.engine_id}", rank=cfg.parallel.rank, ranks=cfg.parallel.world_size)
+
+    monkeypatch.setattr(kvv, "_pool_opener", opener)
+    monkeypatch.setattr(kvv, "_pool_region", region)
+    return made
+
+
+def pool_engine(model_dir, algo="sha256_cbor", **kw):
+    eng = Engine(model_dir, extra_config(kvo_pool="test", **kw), hash_algo=algo)
+    # EngineCore's order: the scheduler is built, then init_none_hash.
+    init_none_hash(get_hash_fn_by_name(algo))
+    return eng
+
+
+@pytest.fixture
+def seeded(monkeypatch):
+    # 0.26 seeds NONE_HASH from PYTHONHASHSEED only.
+    monkeypatch.setenv("PYTHONHASHSEED", "46")
+
+
+def test_get_manager_returns_the_pool_manager_and_the_worker_joins_the_same_engine(model_dir, local_pool, seeded):
+    eng = pool_engine(model_dir)
+    try:
+        mgr = eng.sched.connector.connector_scheduler.manager
+        assert isinstance(mgr, kvp.PoolManager)
+        worker_pool, sched_pool = local_pool["pools"]
+        assert eng.kvw.pool is worker_pool
+        assert worker_pool.engine == sched_pool.engine == mgr.pool.engine
+        assert (worker_pool.member, sched_pool.member) == (1, 0)
+        assert eng.kvw.offloader.host_blocks == worker_pool.slots
+    finally:
+        eng.shutdown()
+
+
+def run_and_reload(eng, prompt):
+    a = eng.add(prompt)
+    eng.run(a)
+    eng.forget_gpu_cache()
+    b = eng.add(prompt)
+    eng.run(b)
+    return check_loaded(eng, b, prompt)
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_round_trips_through_the_pool_byte_for_byte(model_dir, local_pool, seeded, blocks_per_chunk):
+    eng = pool_engine(model_dir, blocks_per_chunk=blocks_per_chunk)
+    try:
+        mgr = eng.sched.connector.connector_scheduler.manager
+        prompt = prompt_of(6 * BS + 3, seed=blocks_per_chunk)
+        loaded = run_and_reload(eng, prompt)
+        assert loaded, "the second request loaded its prefix from the pool"
+        st = mgr.stats()
+        assert st["stores"] > 0 and st["hits"] > 0 and st["loads"] > 0
+        assert st["late_holds"] == 0, "prepare_load named only keys held since this step's lookups (design 3.1)"
+        # Idle: no hold, no write left; published slots readable.
+        assert st["held_slots"] == 0 and st["writes"] == 0
+        c = st["census"]
+        assert c["writing"] == 0 and c["held"] == 0 and c["readable"] == st["stores"]
+        mgr.pool.check()
+    finally:
+        eng.shutdown()
+
+
+def test_the_worker_refuses_a_load_of_a_slot_the_engine_does_not_hold(model_dir, local_pool, seeded):
+    """The check at submit (design 3.2): a load spec naming a readable
+    slot at a stale epoch, or one not held, is a PoolStateError (a failed
+    job where the release takes one, raised before)."""
+    eng = pool_engine(model_dir)
+    try:
+        prompt = prompt_of(3 * BS, seed=9)
+        a = eng.add(prompt)
+        eng.run(a)
+        mgr = eng.sched.connector.connector_scheduler.manager
+        w = eng.kvw
+        slot = next(s for s in range(mgr.pool.slots) if (mgr.pool.slot_word(s) >> 32) & 3 == 2)
+        epoch = mgr.pool.slot_word(slot) >> 39
+        gpu = NSpec(block_ids=[1], group_sizes=[1], block_indices=[0])
+        for bad in (kvp.PoolLoadStoreSpec([slot], [epoch]), kvp.PoolLoadStoreSpec([slot], [epoch + 1])):
+            if w.failed_results:
+                w.submit_load(900, bad, gpu)
+                (r,) = [r for r in w.get_finished() if r.job_id == 900]
+                assert not r.success
+            else:
+                with pytest.raises(kv.PoolStateError):
+                    w.submit_load(900, bad, gpu)
+        # Held by this engine at its epoch: accepted.
+        assert mgr.pool.lookup([mgr.pool.slot_key(slot)])[0][:3] == ("hit", slot, epoch)
+        w.pool.check_held([slot], [epoch])
+        mgr.pool.release([slot], [epoch])
+    finally:
+        eng.shutdown()
+
+
+class NSpec:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def test_a_random_none_hash_is_refused_when_the_scheduler_is_built(model_dir, local_pool, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    algo = "sha256_cbor" if not HAS_RESOLVE else "xxhash_cbor"
+    cfg = tv.vllm_config(model_dir, extra_config(kvo_pool="test"), hash_algo=algo)
+    with pytest.raises(rel.RandomNoneHash, match="PYTHONHASHSEED"):
+        KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+def test_a_none_hash_other_than_predicted_is_refused_at_the_first_lookup(model_dir, local_pool, seeded):
+    eng = pool_engine(model_dir)
+    try:
+        init_none_hash(sha256_cbor)  # seeded the same: equal
+        kcu.NONE_HASH = kcu.BlockHash(bytes(32))  # an engine that seeded otherwise
+        a = eng.add(prompt_of(4 * BS, seed=3))
+        with pytest.raises(rel.RandomNoneHash, match="not the one predicted"):
+            eng.step()
+        del a
+    finally:
+        eng.shutdown()
