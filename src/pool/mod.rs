@@ -5,8 +5,20 @@
 //!   (design 3), each one CAS on one word;
 //! - [`words`]: where the pool's words live ([`words::PoolWords`]: a pool
 //!   file's mapping, or the `sync` facade's atomics for the models);
-//! - [`engines`]: the engine table's words (design 2.4).
+//! - [`engines`]: the engine table's words (design 2.4);
+//! - [`error`]: the pool's typed errors ([`error::PoolError`]), a refused
+//!   fingerprint field among them;
+//! - [`fingerprint`]: what the pool's bytes mean (design 1.3), its three
+//!   parts as typed records and their write-once state words;
+//! - [`file`]: the pool's index file on tmpfs (design 2.1): creating,
+//!   opening, trusting and removing it, its words as
+//!   [`file::words::ShmPoolWords`] with the liveness oracle of design 3.6,
+//!   and what `kvoffload pool ls | rm` show and do.
 
-pub mod slot;
 pub mod engines;
+pub mod error;
+#[cfg(not(any(loom, shuttle)))]
+pub mod file;
+pub mod fingerprint;
+pub mod slot;
 pub mod words;
