@@ -17,7 +17,6 @@
 
 pub mod engines;
 pub mod error;
-#[cfg(not(any(loom, shuttle)))]
 pub mod file;
 pub mod fingerprint;
 pub mod slot;

@@ -21,8 +21,8 @@ pub const VERSION: u64 = 1;
 /// The smallest page the sections are aligned to.
 pub const MIN_PAGE: usize = 4096;
 
-/// Word indices of the pool page.
-pub(crate) struct W;
+/// Word indices of the pool page (byte offset: 8 times the index).
+pub struct W;
 
 #[allow(missing_docs)]
 impl W {

@@ -250,3 +250,122 @@ impl PoolFile {
         }
     }
 }
+
+#[cfg(all(test, not(any(loom, shuttle))))]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::internal::pool::file::liveness::member_of;
+    use crate::internal::pool::file::{PoolOptions, PoolSpec};
+    use crate::internal::pool::fingerprint::{FixedStr, GroupRecord};
+    use crate::internal::pool::words::Geometry;
+
+    /// A private directory on /dev/shm, removed on drop.
+    struct Dir(std::path::PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn pool(tag: &str) -> (Dir, PoolFile) {
+        let d = std::path::PathBuf::from(format!("/dev/shm/kvo-parts-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir(&d).unwrap();
+        let config = crate::internal::pool::fingerprint::ConfigRecord {
+            model: FixedStr::new("model", "m").unwrap(),
+            kv_dtype: FixedStr::new("dtype", "bfloat16").unwrap(),
+            tag: FixedStr::new("kvo_pool_tag", "").unwrap(),
+            groups: vec![GroupRecord { tokens_per_block: 16, layer_names_sha256: [1; 32] }],
+            tokens_per_hash: 16,
+            blocks_per_chunk: 1,
+            bytes_per_block: 4096,
+            world_size: 1,
+            tp_size: 1,
+            pp_size: 1,
+            pcp_size: 1,
+            dcp_size: 1,
+            kv_cache_layout: FixedStr::new("kv_cache_layout", "NHD").unwrap(),
+            replicated_layout: false,
+        };
+        let spec =
+            PoolSpec { geometry: Geometry { slots: 16, ways: 16, ranks: 1, engines: 2 }, row_bytes: 4096, config };
+        let p = PoolFile::create("parts", &spec, &PoolOptions::in_dir(&d)).unwrap();
+        (Dir(d), p)
+    }
+
+    /// A pid that was a process and is gone (reaped), with its record.
+    fn dead_member() -> Member {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let m = member_of(child.id()).unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        m
+    }
+
+    /// Puts the hashing part in FILLING by `filler`, with its tag (or without).
+    fn forge_filling(p: &PoolFile, filler: &Member, tagged: bool) -> u64 {
+        let w = p.words();
+        let filling = PartWord { state: PartState::Filling, generation: 0, pid: filler.pid }.encode();
+        w.part_word_at(Part::Hashing, STATE).store(filling, Ordering::Release);
+        if tagged {
+            w.write_record(Part::Hashing, &vec![0; Part::Hashing.record_words()], filler, filling);
+        }
+        filling
+    }
+
+    fn hashing() -> HashingRecord {
+        HashingRecord::new("sha256", &[9; 32], Some((3, 12))).unwrap()
+    }
+
+    #[test]
+    fn a_part_whose_filler_is_gone_is_reset_and_filled_again() {
+        let (_d, p) = pool("gone");
+        forge_filling(&p, &dead_member(), true);
+        let t = Instant::now();
+        assert!(p.ensure_hashing(&hashing(), Wait::new(Duration::from_secs(30))).unwrap(), "filled by this call");
+        assert!(t.elapsed() < Duration::from_secs(10), "judged gone, not waited out: {:?}", t.elapsed());
+        let w = p.words().part_word(Part::Hashing);
+        assert_eq!((w.state, w.generation), (PartState::Set, 1), "reset once (generation 1), then set");
+        assert_eq!(p.hashing().unwrap(), Some(hashing()));
+    }
+
+    #[test]
+    fn a_part_whose_filler_lives_is_waited_for_and_never_reset() {
+        let (_d, p) = pool("alive");
+        let me = member_of_self().unwrap();
+        let filling = forge_filling(&p, &me, true);
+        let e = p.ensure_hashing(&hashing(), Wait::new(Duration::from_millis(200))).unwrap_err();
+        assert!(matches!(e, PoolError::Timeout { .. }), "{e}");
+        assert_eq!(p.words().part_word_at(Part::Hashing, STATE).load(Ordering::Acquire), filling, "left as it was");
+        // The same filler with another start time (its pid reused): gone.
+        forge_filling(&p, &Member { start: me.start + 1, ..me }, true);
+        assert!(p.ensure_hashing(&hashing(), Wait::new(Duration::from_secs(30))).unwrap());
+    }
+
+    #[test]
+    fn an_untagged_filler_is_judged_only_when_the_wait_runs_out_and_only_by_its_pid() {
+        let (_d, p) = pool("untagged");
+        // Alive (ourselves): never reset.
+        let filling = forge_filling(&p, &member_of_self().unwrap(), false);
+        let e = p.ensure_hashing(&hashing(), Wait::new(Duration::from_millis(200))).unwrap_err();
+        assert!(matches!(e, PoolError::Timeout { .. }), "{e}");
+        assert_eq!(p.words().part_word_at(Part::Hashing, STATE).load(Ordering::Acquire), filling);
+        // Gone: reset after the first wait, filled within the second.
+        forge_filling(&p, &dead_member(), false);
+        assert!(p.ensure_hashing(&hashing(), Wait::new(Duration::from_millis(200))).unwrap());
+    }
+
+    #[test]
+    fn parts_are_written_once_and_compared_after() {
+        let (_d, p) = pool("once");
+        assert_eq!(p.hashing().unwrap(), None);
+        assert!(p.ensure_hashing(&hashing(), Wait::new(Duration::from_secs(1))).unwrap());
+        assert!(!p.ensure_hashing(&hashing(), Wait::new(Duration::from_secs(1))).unwrap(), "already set");
+        let other = HashingRecord::new("sha256_cbor", &[9; 32], None).unwrap();
+        let e = p.ensure_hashing(&other, Wait::new(Duration::from_secs(1))).unwrap_err();
+        assert!(matches!(&e, PoolError::Mismatch { field, .. } if field == "hash algorithm"), "{e}");
+        assert_eq!(p.hashing().unwrap(), Some(hashing()), "a refused engine wrote nothing");
+    }
+}
