@@ -10,7 +10,7 @@
 //!   fingerprint field among them;
 //! - [`fingerprint`]: what the pool's bytes mean (design 1.3), its three
 //!   parts as typed records and their write-once state words;
-//! - [`file`]: the pool's index file on tmpfs (design 2.1): creating,
+//! - [`mod@file`]: the pool's index file on tmpfs (design 2.1): creating,
 //!   opening, trusting and removing it, its words as
 //!   [`file::words::ShmPoolWords`] with the liveness oracle of design 3.6,
 //!   and what `kvoffload pool ls | rm` show and do.
