@@ -20,6 +20,7 @@ ARGS...`; this package holds their logic, one subcommand each (`ci/kvo_ci
     gpu-pin-probe   ci/gpu-pin-probe: pinning candidates explored (gpu.py)
     gpu-serving     ci/gpu-serving: the serving benchmark (gpu.py)
     gpu-serve-http  ci/gpu-serve-http: `vllm serve` over HTTP (gpu.py)
+    gpu-pool        ci/gpu-pool: two engines and a restart on one node pool (gpu.py)
     selftest        the argument parsers and this table checked against the code (selftest.py)
 
 The GPU subcommands run on a machine with python3 (3.12) and no Rust; the
@@ -33,12 +34,12 @@ SETTINGS). Everything else that a run chooses is a flag of its subcommand.
 
 | setting | read by | default | what |
 |---|---|---|---|
-| OUT | gpu, gpu-serving, gpu-serve-http | gpu-out | the folder of the GPU runs' logs and tables |
+| OUT | gpu, gpu-serving, gpu-serve-http, gpu-pool | gpu-out | the folder of the GPU runs' logs and tables |
 | PYTHON | python, vllm-env | python3 | the interpreter that makes the virtual environments |
-| KVO_BIN | gpu, gpu-serving, gpu-serve-http | gpu-bin | the folder ci/build-gpu-bin filled (binaries, the wheel) |
+| KVO_BIN | gpu, gpu-serving, gpu-serve-http, gpu-pool | gpu-bin | the folder ci/build-gpu-bin filled (binaries, the wheel) |
 | KVO_EXPECT_GPU | gpu | 1 | a GPU is expected: a GPU test that skips fails (exported to the tests, which read it too) |
-| KVO_VLLM_SITE | gpu, gpu-serving, gpu-serve-http | - | an unpacked site folder where vLLM imports from |
-| KVO_VLLM_BUNDLE | gpu, gpu-serving, gpu-serve-http | shared/vllm-0.26-h200 (serving) | the shared vLLM bundle (its folder or site.tar.xz), unpacked to /tmp/site once |
+| KVO_VLLM_SITE | gpu, gpu-serving, gpu-serve-http, gpu-pool | - | an unpacked site folder where vLLM imports from |
+| KVO_VLLM_BUNDLE | gpu, gpu-serving, gpu-serve-http, gpu-pool | shared/vllm-0.26-h200 (serving) | the shared vLLM bundle (its folder or site.tar.xz), unpacked to /tmp/site once |
 | KVO_VLLM_VENV | vllm-env, python | ~/.cache/kvoffload/vllm-0.33.0-venv | where vLLM 0.33's cached venv lives (overlays beside it) |
 | KVO_VLLM_VERSIONS | python | 0.33.0 0.34.0 0.26.0 | the vLLM releases test_vllm.py runs against |
 | KVO_SKIP_VLLM | python | 0 | 1: the vLLM tests are skipped, saying so |
@@ -63,14 +64,14 @@ PKG = os.path.dirname(os.path.abspath(__file__))
 
 # name: (default shown in the table, subcommands that read it, what)
 SETTINGS: Dict[str, Tuple[str, str, str]] = {
-    "OUT": ("gpu-out", "gpu, gpu-serving, gpu-serve-http", "the folder of the GPU runs' logs and tables"),
+    "OUT": ("gpu-out", "gpu, gpu-serving, gpu-serve-http, gpu-pool", "the folder of the GPU runs' logs and tables"),
     "PYTHON": ("python3", "python, vllm-env", "the interpreter that makes the virtual environments"),
-    "KVO_BIN": ("gpu-bin", "gpu, gpu-serving, gpu-serve-http",
+    "KVO_BIN": ("gpu-bin", "gpu, gpu-serving, gpu-serve-http, gpu-pool",
                 "the folder ci/build-gpu-bin filled (binaries, the wheel)"),
     "KVO_EXPECT_GPU": ("1", "gpu", "a GPU is expected: a GPU test that skips fails "
                        "(exported to the tests, which read it too)"),
-    "KVO_VLLM_SITE": ("-", "gpu, gpu-serving, gpu-serve-http", "an unpacked site folder where vLLM imports from"),
-    "KVO_VLLM_BUNDLE": ("shared/vllm-0.26-h200 (serving)", "gpu, gpu-serving, gpu-serve-http",
+    "KVO_VLLM_SITE": ("-", "gpu, gpu-serving, gpu-serve-http, gpu-pool", "an unpacked site folder where vLLM imports from"),
+    "KVO_VLLM_BUNDLE": ("shared/vllm-0.26-h200 (serving)", "gpu, gpu-serving, gpu-serve-http, gpu-pool",
                         "the shared vLLM bundle (its folder or site.tar.xz), unpacked to /tmp/site once"),
     "KVO_VLLM_VENV": ("~/.cache/kvoffload/vllm-0.33.0-venv", "vllm-env, python",
                       "where vLLM 0.33's cached venv lives (overlays beside it)"),

@@ -674,6 +674,19 @@ def gpu_serve_http(argv: List[str]) -> int:
     return serve("ci/gpu-serve-http", "python/bench/serve_http.py", "serve-http", "serve-http.log", argv, True)
 
 
+def gpu_pool(argv: List[str]) -> int:
+    """ci/gpu-pool [pool_run.py args...] (after ci/build-gpu-bin): the node
+    pool on the GPU (issue 46): two vLLM 0.26 engines of the 8B shape on one
+    kvoffload pool at once, then one restarted on the pool they left
+    (python/bench/pool_run.py; its arguments are passed through, e.g.
+    --region 64GiB --budget-s 540). vLLM: as ci/gpu-serving; `kvoffload pool
+    ls|rm` from KVO_BIN. Output in OUT (default gpu-out/): pool/ (pool.md,
+    pool.json, each engine's log) and pool.log (this console). Exit status:
+    pool_run.py's (2: vLLM, the wheel or the bundle missing)."""
+    cli = os.path.abspath(os.path.join(ROOT, setting("KVO_BIN", "gpu-bin"), "kvoffload"))
+    return serve("ci/gpu-pool", "python/bench/pool_run.py", "pool", "pool.log", ["--kvoffload-bin", cli, *argv], False)
+
+
 def configure_skips(p: argparse.ArgumentParser) -> None:
     p.description = skips.__doc__
     p.add_argument("logs", nargs="*", metavar="LOG")
@@ -688,6 +701,8 @@ COMMANDS = [
             configure_pin_probe),
     Command("gpu-serving", gpu_serving.__doc__.split(":")[0] + ": the serving benchmark (args to serving.py)",
             gpu_serving),
+    Command("gpu-pool", gpu_pool.__doc__.split(":")[0] + ": two engines and a restart on one node pool (args "
+            "to pool_run.py)", gpu_pool),
     Command("gpu-serve-http", gpu_serve_http.__doc__.split(":")[0] + ": `vllm serve` over HTTP (args to "
             "serve_http.py)", gpu_serve_http),
 ]

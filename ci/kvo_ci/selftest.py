@@ -73,7 +73,7 @@ BAD: List[List[str]] = [
     ["vllm-env", "--version"],
 ]
 # Raw-argument commands: their arguments go to what they run (or to their own parse).
-RAW = {"deadline", "test-limits", "soak", "gpu-serving", "gpu-serve-http"}
+RAW = {"deadline", "test-limits", "soak", "gpu-serving", "gpu-serve-http", "gpu-pool"}
 
 
 class Refused(Exception):

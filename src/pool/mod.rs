@@ -6,6 +6,10 @@
 //! - [`words`]: where the pool's words live ([`words::PoolWords`]: a pool
 //!   file's mapping, or the `sync` facade's atomics for the models);
 //! - [`engines`]: the engine table's words (design 2.4);
+//! - [`table`]: the index protocol (lookup and hold, claim and CLOCK
+//!   eviction, each rank's completion, abandon);
+//! - [`sweep`]: engines joining and leaving, and the sweep of a dead
+//!   engine's marks;
 //! - [`error`]: the pool's typed errors ([`error::PoolError`]), a refused
 //!   fingerprint field among them;
 //! - [`fingerprint`]: what the pool's bytes mean (design 1.3), its three
@@ -20,4 +24,6 @@ pub mod error;
 pub mod file;
 pub mod fingerprint;
 pub mod slot;
+pub mod sweep;
+pub mod table;
 pub mod words;

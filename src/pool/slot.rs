@@ -351,6 +351,19 @@ impl SlotWord {
         Ok(Self::free(self.epoch()))
     }
 
+    /// Claim by eviction, fused (design 3.5): `READABLE(no holders, epoch)
+    /// -> WRITING(engine, epoch + 1, no ranks)`, one CAS, so there is no
+    /// half-evicted state; refused while any engine holds it.
+    pub fn take(self, engine: u8, epoch: u32) -> Result<SlotWord, SlotError> {
+        engine_bit(engine)?;
+        self.expect(SlotState::Readable)?;
+        self.expect_epoch(epoch)?;
+        if self.payload() != 0 {
+            return Err(SlotError::Held { holders: self.payload() });
+        }
+        Ok(Self::writing(engine, Self::next_epoch(self.epoch()), 0))
+    }
+
     /// Reclaim a dead engine's marks (design 3.6 step 2): `WRITING(dead, e,
     /// *) -> FREE(e)`; `READABLE` with `dead`'s bit -> the same word without
     /// it. Any other word is left as it is (a sweep run twice is safe).

@@ -315,3 +315,59 @@ impl PoolWords for LocalPoolWords {
         }
     }
 }
+
+/// A borrowed pool's words are its words: a `PoolTable<&ShmPoolWords>`
+/// runs the protocol over a mapping that its pool file owns.
+impl<T: PoolWords + ?Sized> PoolWords for &T {
+    fn geometry(&self) -> Geometry {
+        (**self).geometry()
+    }
+    fn slot_load(&self, slot: usize) -> u64 {
+        (**self).slot_load(slot)
+    }
+    fn slot_cas(&self, slot: usize, current: u64, new: u64) -> Result<u64, u64> {
+        (**self).slot_cas(slot, current, new)
+    }
+    fn key_load(&self, slot: usize) -> Key {
+        (**self).key_load(slot)
+    }
+    fn key_store(&self, slot: usize, key: &Key) {
+        (**self).key_store(slot, key)
+    }
+    fn clock_load(&self, slot: usize) -> bool {
+        (**self).clock_load(slot)
+    }
+    fn clock_store(&self, slot: usize, referenced: bool) {
+        (**self).clock_store(slot, referenced)
+    }
+    fn hand_next(&self, set: usize) -> u32 {
+        (**self).hand_next(set)
+    }
+    fn owner_load(&self, engine: u8) -> u64 {
+        (**self).owner_load(engine)
+    }
+    fn owner_cas(&self, engine: u8, current: u64, new: u64) -> Result<u64, u64> {
+        (**self).owner_cas(engine, current, new)
+    }
+    fn members_load(&self, engine: u8) -> u64 {
+        (**self).members_load(engine)
+    }
+    fn members_cas(&self, engine: u8, current: u64, new: u64) -> Result<u64, u64> {
+        (**self).members_cas(engine, current, new)
+    }
+    fn member_load(&self, engine: u8, member: u8) -> Member {
+        (**self).member_load(engine, member)
+    }
+    fn member_store(&self, engine: u8, member: u8, record: &Member) {
+        (**self).member_store(engine, member, record)
+    }
+    fn engine_id_load(&self, engine: u8) -> [u64; 4] {
+        (**self).engine_id_load(engine)
+    }
+    fn engine_id_store(&self, engine: u8, id: &[u64; 4]) {
+        (**self).engine_id_store(engine, id)
+    }
+    fn liveness(&self, record: &Member) -> Liveness {
+        (**self).liveness(record)
+    }
+}

@@ -338,6 +338,61 @@ pub(crate) trait Rules {
     fn offloader_drains<E>(&self, drain: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
         drain()
     }
+
+    // ---- the node pool's index (PL1-PL5, src/pool/) ----
+
+    /// A slot is published `READABLE` only by the CAS that completes its
+    /// last rank (PL1): the answer is `every_rank` (whether this rank's
+    /// bit completes the mask). N39 publishes on any rank's bit.
+    fn publishes_when_complete(&self, every_rank: bool) -> bool {
+        every_rank
+    }
+
+    /// A hold compares the slot's key again once its bit is set (PL2):
+    /// `recheck` says whether it still matches. N41 does not compare again.
+    fn hold_rechecks_key(&self, recheck: impl FnOnce() -> bool) -> bool {
+        recheck()
+    }
+
+    /// Eviction takes only a slot no engine holds (PL2): the answer is
+    /// `unheld`. N40 takes a held one too.
+    fn evicts_only_unheld(&self, unheld: bool) -> bool {
+        unheld
+    }
+
+    /// A claim is a compare-and-swap from the word its decision read (PL3):
+    /// `cas` runs; `store` (the word set whatever it is now) does not. N42
+    /// runs `store`.
+    fn claims_by_cas<R>(&self, cas: impl FnOnce() -> R, _store: impl FnOnce() -> R) -> R {
+        cas()
+    }
+
+    /// A claim that lost its CAS decides again on the word found, so a set
+    /// with a claimable slot never skips the key (PL5): true. N46 gives up.
+    fn retries_lost_claim(&self) -> bool {
+        true
+    }
+
+    /// A key is claimed and evicted only within its set (PL5): the answer is
+    /// `own` (the set's slots). N45 answers `any` (every slot).
+    fn evicts_within_set(&self, own: std::ops::Range<u32>, _any: std::ops::Range<u32>) -> std::ops::Range<u32> {
+        own
+    }
+
+    /// A sweep frees a dead engine's unfinished write (PL4): the answer is
+    /// `free` (the slot `FREE`, its partial bytes unnamed). N43 answers
+    /// `publish` (the slot `READABLE`).
+    fn sweep_frees_dead_writes<W>(&self, free: W, _publish: W) -> W {
+        free
+    }
+
+    /// A sweep clears a dead engine's marks by CAS on the word it read, so
+    /// a live engine's bit set meanwhile stays (PL4): `cas` runs; `store`
+    /// (the word computed from a stale read, set whatever it is now) does
+    /// not. N44 runs `store`.
+    fn sweeps_by_cas<R>(&self, cas: impl FnOnce() -> R, _store: impl FnOnce() -> R) -> R {
+        cas()
+    }
 }
 
 /// The shipped rules: every method's provided body (see the module docs).

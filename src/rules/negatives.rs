@@ -1,5 +1,5 @@
 //! The negative models' variants: the known-bad ways of running the
-//! library (N1-N38, docs/PROOFS.md), and the [`Rules`] each overrides.
+//! library (N1-N46, docs/PROOFS.md), and the [`Rules`] each overrides.
 //!
 //! Model builds only (`--cfg loom`, `--cfg shuttle`): outside them this
 //! module, [`Variant`] and every override are not compiled, and the parties
@@ -11,7 +11,7 @@
 use super::{Rules, Shipped};
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (of N1-N38, docs/PROOFS.md). Model builds only, as
+/// negative models run (of N1-N46, docs/PROOFS.md). Model builds only, as
 /// this whole module: a variant overrides the [`Rules`] method of the rule
 /// it breaks (below).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
@@ -144,6 +144,27 @@ pub enum Variant {
     /// block manager made for them, as before issue 43: a key the engine
     /// was never told of as evicted is gone (P5).
     RefusedStoreKeepsEvictions,
+    /// N39: the node pool publishes a slot `READABLE` on the first rank's
+    /// bit, not the last (PL1).
+    PublishOnAnyRank,
+    /// N40: the node pool's eviction takes a slot another engine holds (PL2).
+    EvictIgnoresReaders,
+    /// N41: the node pool's hold does not compare the key again under the
+    /// hold (PL2; reachable with a narrow epoch).
+    NoRecheck,
+    /// N42: the node pool claims a slot by storing the new word, not by CAS
+    /// from the word read (PL3).
+    ClaimByStore,
+    /// N43: the node pool's sweep publishes a dead engine's unfinished write
+    /// instead of freeing it (PL4).
+    ReclaimPublishes,
+    /// N44: the node pool's sweep clears a dead engine's marks by storing a
+    /// word computed from a stale read (PL4).
+    SweepStores,
+    /// N45: the node pool claims and evicts outside the key's set (PL5).
+    EvictAnySet,
+    /// N46: the node pool skips a key after one lost claim CAS (PL5).
+    GiveUpOnRace,
 }
 
 impl Rules for Variant {
@@ -427,6 +448,60 @@ impl Rules for Variant {
             // N20: the engine dropped with its jobs unreported.
             Variant::OffloaderSkipsDrain => Ok(()),
             _ => Shipped.offloader_drains(drain),
+        }
+    }
+    fn publishes_when_complete(&self, every_rank: bool) -> bool {
+        // N39: any rank's bit publishes.
+        matches!(self, Variant::PublishOnAnyRank) || every_rank
+    }
+
+    fn hold_rechecks_key(&self, recheck: impl FnOnce() -> bool) -> bool {
+        match self {
+            // N41: the hold trusts the match it saw before its bit.
+            Variant::NoRecheck => true,
+            _ => Shipped.hold_rechecks_key(recheck),
+        }
+    }
+
+    fn evicts_only_unheld(&self, unheld: bool) -> bool {
+        // N40: a held slot is taken too.
+        matches!(self, Variant::EvictIgnoresReaders) || unheld
+    }
+
+    fn claims_by_cas<R>(&self, cas: impl FnOnce() -> R, store: impl FnOnce() -> R) -> R {
+        match self {
+            // N42: the word set whatever it became since the decision.
+            Variant::ClaimByStore => store(),
+            _ => Shipped.claims_by_cas(cas, store),
+        }
+    }
+
+    fn retries_lost_claim(&self) -> bool {
+        // N46: one lost CAS and the key is skipped.
+        !matches!(self, Variant::GiveUpOnRace)
+    }
+
+    fn evicts_within_set(&self, own: std::ops::Range<u32>, any: std::ops::Range<u32>) -> std::ops::Range<u32> {
+        match self {
+            // N45: every slot of the pool.
+            Variant::EvictAnySet => any,
+            _ => Shipped.evicts_within_set(own, any),
+        }
+    }
+
+    fn sweep_frees_dead_writes<W>(&self, free: W, publish: W) -> W {
+        match self {
+            // N43: the dead writer's slot published.
+            Variant::ReclaimPublishes => publish,
+            _ => Shipped.sweep_frees_dead_writes(free, publish),
+        }
+    }
+
+    fn sweeps_by_cas<R>(&self, cas: impl FnOnce() -> R, store: impl FnOnce() -> R) -> R {
+        match self {
+            // N44: the stale word stored.
+            Variant::SweepStores => store(),
+            _ => Shipped.sweeps_by_cas(cas, store),
         }
     }
 }

@@ -8,11 +8,31 @@ use super::{BenchConfig, Workload};
 use crate::run::metrics::ratio;
 use kvoffload::internal::manager::{ManagerCounters, PolicyKind};
 
+/// What a row ran: the in-process block manager under one of its policies,
+/// or the node pool's index (`ways`-way sets, CLOCK within each set).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// The block manager (LRU or ARC over every slot).
+    Manager(PolicyKind),
+    /// The node pool's sets of `ways` slots (docs/node-pool-design.md 2.3, 3.5).
+    Pool { ways: u32 },
+}
+
+impl Policy {
+    /// Short name for the table.
+    pub fn name(self) -> String {
+        match self {
+            Policy::Manager(p) => p.name().to_string(),
+            Policy::Pool { ways } => format!("pool-{ways}w"),
+        }
+    }
+}
+
 /// One (workload, policy) run.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BenchRow {
     pub workload: Workload,
-    pub policy: PolicyKind,
+    pub policy: Policy,
     /// Host slots.
     pub capacity: usize,
     /// Accesses played.
@@ -25,12 +45,14 @@ pub struct BenchRow {
     pub failures: u64,
     /// Time spent in the access loop.
     pub elapsed: Duration,
-    /// The manager's counters at the end.
+    /// The manager's counters at the end (zero for the pool).
     pub counters: ManagerCounters,
+    /// Keys the pool skipped (their set had no claimable slot).
+    pub skipped: u64,
 }
 
 impl BenchRow {
-    pub(crate) fn new(workload: Workload, policy: PolicyKind, capacity: usize) -> Self {
+    pub(crate) fn new(workload: Workload, policy: Policy, capacity: usize) -> Self {
         Self {
             workload,
             policy,
@@ -41,6 +63,7 @@ impl BenchRow {
             failures: 0,
             elapsed: Duration::ZERO,
             counters: ManagerCounters::default(),
+            skipped: 0,
         }
     }
 
@@ -67,7 +90,7 @@ pub struct BenchReport {
 impl BenchReport {
     /// The row for `workload` under `policy` (the tests look rows up).
     #[cfg(test)]
-    pub fn row(&self, workload: Workload, policy: PolicyKind) -> Option<&BenchRow> {
+    pub fn row(&self, workload: Workload, policy: Policy) -> Option<&BenchRow> {
         self.rows.iter().find(|r| r.workload == workload && r.policy == policy)
     }
 }
@@ -83,13 +106,13 @@ impl fmt::Display for BenchReport {
         writeln!(f, "scan-heavy: {} zipf accesses, then {} keys read once, repeated", c.hot_run, c.scan_length)?;
         writeln!(
             f,
-            "{:<11} {:<6} {:>9} {:>9} {:>9} {:>12}",
+            "{:<11} {:<8} {:>9} {:>9} {:>9} {:>12}",
             "workload", "policy", "capacity", "accesses", "hit rate", "ops/s"
         )?;
         for r in &self.rows {
             writeln!(
                 f,
-                "{:<11} {:<6} {:>9} {:>9} {:>8.2}% {:>12.0}",
+                "{:<11} {:<8} {:>9} {:>9} {:>8.2}% {:>12.0}",
                 r.workload.name(),
                 r.policy.name(),
                 r.capacity,
@@ -98,7 +121,11 @@ impl fmt::Display for BenchReport {
                 r.ops_per_sec()
             )?;
         }
-        write!(f, "ops/s: manager calls per second (4 per access, one key per call)")?;
+        write!(
+            f,
+            "ops/s: manager calls per second (4 per access, one key per call); pool-Nw: the node pool's index, \
+             N-way sets with CLOCK in each, one engine (its capacity rounded down to whole sets)"
+        )?;
         let failures: u64 = self.rows.iter().map(|r| r.failures).sum();
         if failures > 0 {
             write!(f, "\nwarning: {failures} manager calls were refused")?;

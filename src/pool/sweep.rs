@@ -1,0 +1,394 @@
+//! Engines joining and leaving the pool, and the sweep of a dead engine's
+//! marks (design 2.4, 3 "Join", 3.6).
+//!
+//! An engine is an entry of the table; its index is its bit in reader
+//! masks and the writer field of a `WRITING` word. Its first worker (rank
+//! 0's, the *owner*) claims a `FREE` entry; the other ranks and the
+//! scheduler register in its members word. The rules, each with the
+//! property it serves (PL4: a process killed at any step leaves the pool
+//! usable):
+//!
+//! 1. A member's record (pid, start time, pid namespace) is stored before
+//!    its bit's CAS, and read after the members word: the oracle judges
+//!    what the member wrote.
+//! 2. An entry is dead when every member in its mask, and its owner, is
+//!    gone; a member of another pid namespace cannot be judged and keeps
+//!    the entry alive.
+//! 3. A sweep takes the entry first (owner CAS `LIVE -> RECLAIMING(me)`),
+//!    then seals the members word (its generation moves on, so a late
+//!    registration fails) and judges again; one member alive undoes the
+//!    take. A `RECLAIMING` entry whose sweeper is gone is taken over.
+//! 4. Each slot is reclaimed by CAS on the word read: a dead writer's slot
+//!    goes to `FREE`, never `READABLE` (nothing half-written is served); a
+//!    dead holder's bit is cleared, other engines' bits kept.
+//! 5. The entry returns to `FREE` only after every slot's pass, so an engine
+//!    given its index later finds no stale mark; every step is a CAS
+//!    conditional on the word read, so a sweep cut by its own death, or run
+//!    twice, is safe.
+
+use thiserror::Error;
+
+use super::engines::{MembersWord, OwnerState, OwnerWord, MEMBER_MASK};
+use super::slot::{SlotError, SlotState, SlotWord};
+use super::table::PoolTable;
+use super::words::{Liveness, Member, PoolWords};
+use crate::rules::Rules;
+
+/// An engine's place in the table: its index and the owner generation it
+/// joined at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// The entry's index: the engine's bit and writer field.
+    pub engine: u8,
+    /// The owner word's generation of this engine's tenure.
+    pub generation: u32,
+}
+
+/// Why an engine could not join.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum JoinError {
+    /// Every entry is taken by a live engine.
+    #[error("the pool's {entries} engine entries are all taken by live engines (owner pids {owners:?})")]
+    EnginesFull {
+        /// Entries in the table.
+        entries: u8,
+        /// The owner pid of each taken entry.
+        owners: Vec<u32>,
+    },
+    /// A word of the table that this version never writes.
+    #[error("engine entry {engine} has a corrupt owner word {word:#018x}")]
+    Corrupt {
+        /// The entry.
+        engine: u8,
+        /// The raw owner word.
+        word: u64,
+    },
+    /// A slot word this version never writes, met by the sweep.
+    #[error(transparent)]
+    Slot(#[from] SlotError),
+    /// A member index past the scheduler and 32 ranks.
+    #[error("member {member} is out of range (0 the scheduler, 1 + r rank r's worker, r < 32)")]
+    MemberOutOfRange {
+        /// The index given.
+        member: u8,
+    },
+}
+
+/// Where a sweep is; the sweep asks its observer at each step whether to go
+/// on (a model or a crash test stops it there, as a process killed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SweepStep {
+    /// The entry is taken (`RECLAIMING`, this sweeper's pid).
+    Taken,
+    /// The members word is sealed and every member judged gone.
+    Sealed,
+    /// Slot `n`'s word is reclaimed.
+    Slot(u32),
+    /// The members word is cleared; the entry is about to be `FREE`.
+    Cleared,
+}
+
+/// How a sweep of one entry ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Swept {
+    /// The entry's marks are gone and the entry is `FREE`.
+    Freed,
+    /// The entry is not dead (a member lives or cannot be judged), or is
+    /// not `LIVE`/`RECLAIMING` by a dead sweeper: nothing done (or the take
+    /// undone).
+    NotDead,
+    /// Another process changed the entry first (it sweeps it, or it moved).
+    Raced,
+    /// The observer stopped the sweep at a step (a model's death).
+    Stopped,
+}
+
+fn bit(member: u8) -> Result<u64, JoinError> {
+    if u64::from(member) >= 33 {
+        return Err(JoinError::MemberOutOfRange { member });
+    }
+    Ok(1 << member)
+}
+
+impl<W: PoolWords> PoolTable<W> {
+    /// The owner (rank 0's worker, member `member`) joins: dead entries are
+    /// swept, then a `FREE` entry is claimed, its engine id written and the
+    /// owner's member bit set.
+    pub fn join_owner(&self, member: u8, me: &Member, engine_id: &[u64; 4]) -> Result<Lease, JoinError> {
+        let mine = bit(member)?;
+        self.sweep_dead(me, &mut |_| true)?;
+        let words = self.words();
+        let mut owners = Vec::new();
+        for engine in 0..self.geometry().engines {
+            let raw = words.owner_load(engine);
+            let o = OwnerWord::decode(raw);
+            match o.state {
+                OwnerState::Free => {}
+                OwnerState::Invalid => return Err(JoinError::Corrupt { engine, word: raw }),
+                OwnerState::Live | OwnerState::Reclaiming => {
+                    owners.push(o.pid);
+                    continue;
+                }
+            }
+            let generation = OwnerWord::next_generation(o.generation);
+            let live = OwnerWord { state: OwnerState::Live, generation, pid: me.pid };
+            if words.owner_cas(engine, raw, live.encode()).is_err() {
+                owners.push(OwnerWord::decode(words.owner_load(engine)).pid);
+                continue;
+            }
+            // Rule 1: the id and the record before the bit.
+            words.engine_id_store(engine, engine_id);
+            words.member_store(engine, member, me);
+            let mut cur = words.members_load(engine);
+            loop {
+                let m = MembersWord::decode(cur);
+                let new = MembersWord { mask: mine, generation: MembersWord::next_generation(m.generation) };
+                match words.members_cas(engine, cur, new.encode()) {
+                    Ok(_) => return Ok(Lease { engine, generation }),
+                    Err(found) => cur = found,
+                }
+            }
+        }
+        Err(JoinError::EnginesFull { entries: self.geometry().engines, owners })
+    }
+
+    /// Another member (a rank's worker, the scheduler) registers with the
+    /// live entry whose owner wrote `engine_id`. `Ok(None)` while no such
+    /// entry is live yet: the caller polls, bounded and interruptible.
+    pub fn join_member(&self, member: u8, me: &Member, engine_id: &[u64; 4]) -> Result<Option<Lease>, JoinError> {
+        let mine = bit(member)?;
+        let words = self.words();
+        for engine in 0..self.geometry().engines {
+            let o = OwnerWord::decode(words.owner_load(engine));
+            if o.state != OwnerState::Live {
+                continue;
+            }
+            // The owner's bit published its id (rule 1).
+            let mut cur = words.members_load(engine);
+            if cur & MEMBER_MASK == 0 || words.engine_id_load(engine) != *engine_id {
+                continue;
+            }
+            words.member_store(engine, member, me);
+            loop {
+                let m = MembersWord::decode(cur);
+                let new = MembersWord { mask: m.mask | mine, generation: m.generation };
+                match words.members_cas(engine, cur, new.encode()) {
+                    Ok(_) => {
+                        // A seal may have come between the owner read and
+                        // this CAS only if the generation moved, which the
+                        // CAS expected not to: the entry is still ours.
+                        return Ok(Some(Lease { engine, generation: o.generation }));
+                    }
+                    Err(found) => {
+                        if MembersWord::decode(found).generation != m.generation {
+                            // Sealed by a sweep: judged with the others.
+                            return Ok(None);
+                        }
+                        cur = found;
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Member `member` of `lease` leaves: its bit is cleared; the last to
+    /// leave reclaims the entry's marks and frees it (rules 3-5). Its holds
+    /// should be released and its writes abandoned or published first; any
+    /// left are reclaimed here.
+    pub fn leave(&self, lease: Lease, member: u8, me: &Member) -> Result<(), JoinError> {
+        let mine = bit(member)?;
+        let words = self.words();
+        let engine = lease.engine;
+        let mut cur = words.members_load(engine);
+        let last = loop {
+            let m = MembersWord::decode(cur);
+            if m.mask & mine == 0 {
+                return Ok(());
+            }
+            let new = MembersWord { mask: m.mask & !mine, generation: m.generation };
+            match words.members_cas(engine, cur, new.encode()) {
+                Ok(_) => break (new.mask == 0).then_some(new),
+                Err(found) => cur = found,
+            }
+        };
+        let Some(empty) = last else { return Ok(()) };
+        let raw = words.owner_load(engine);
+        let o = OwnerWord::decode(raw);
+        if o.state != OwnerState::Live || o.generation != lease.generation {
+            return Ok(());
+        }
+        let taken = OwnerWord { state: OwnerState::Reclaiming, generation: o.generation, pid: me.pid };
+        if words.owner_cas(engine, raw, taken.encode()).is_err() {
+            return Ok(());
+        }
+        let sealed = MembersWord { mask: 0, generation: MembersWord::next_generation(empty.generation) };
+        if words.members_cas(engine, empty.encode(), sealed.encode()).is_err() {
+            // A member registered meanwhile: the entry stays its engine's.
+            let _ = words.owner_cas(engine, taken.encode(), raw);
+            return Ok(());
+        }
+        self.reclaim_slots(engine, &mut |_| true)?;
+        self.free_entry(engine, taken);
+        Ok(())
+    }
+
+    /// Sweeps every dead entry (rule 2); returns the entries freed.
+    pub fn sweep_dead(&self, me: &Member, step: &mut dyn FnMut(SweepStep) -> bool) -> Result<Vec<u8>, SlotError> {
+        let mut freed = Vec::new();
+        for engine in 0..self.geometry().engines {
+            if self.sweep_engine(engine, me, step)? == Swept::Freed {
+                freed.push(engine);
+            }
+        }
+        Ok(freed)
+    }
+
+    /// The liveness of an entry's members (and its owner): `Gone` only when
+    /// every one is gone (rule 2).
+    fn judge(&self, engine: u8, mask: u64, owner_pid: u32, me: &Member) -> Liveness {
+        let words = self.words();
+        let mut owner_judged = false;
+        for member in 0..33u8 {
+            if mask & (1 << member) == 0 {
+                continue;
+            }
+            let record = words.member_load(engine, member);
+            owner_judged |= record.pid == owner_pid;
+            match words.liveness(&record) {
+                Liveness::Gone => {}
+                other => return other,
+            }
+        }
+        if !owner_judged && owner_pid != 0 {
+            // Only the pid is known (its record is not in the mask): judged
+            // without a start time, in this namespace.
+            let record = Member { pid: owner_pid, start: 0, pidns: me.pidns };
+            return words.liveness(&record);
+        }
+        Liveness::Gone
+    }
+
+    /// Sweeps entry `engine` if it is dead (rules 2-5), asking `step` at
+    /// each step whether to go on.
+    pub fn sweep_engine(
+        &self,
+        engine: u8,
+        me: &Member,
+        step: &mut dyn FnMut(SweepStep) -> bool,
+    ) -> Result<Swept, SlotError> {
+        let words = self.words();
+        let raw = words.owner_load(engine);
+        let o = OwnerWord::decode(raw);
+        let m = MembersWord::decode(words.members_load(engine));
+        let dead = match o.state {
+            OwnerState::Free | OwnerState::Invalid => false,
+            OwnerState::Live => self.judge(engine, m.mask, o.pid, me) == Liveness::Gone,
+            OwnerState::Reclaiming => {
+                o.pid != me.pid && words.liveness(&Member { pid: o.pid, start: 0, pidns: me.pidns }) == Liveness::Gone
+            }
+        };
+        if !dead {
+            return Ok(Swept::NotDead);
+        }
+        let taken = OwnerWord { state: OwnerState::Reclaiming, generation: o.generation, pid: me.pid };
+        if words.owner_cas(engine, raw, taken.encode()).is_err() {
+            return Ok(Swept::Raced);
+        }
+        if !step(SweepStep::Taken) {
+            return Ok(Swept::Stopped);
+        }
+        // Seal: a registration expecting the old generation fails.
+        let mut cur = words.members_load(engine);
+        let sealed = loop {
+            let m = MembersWord::decode(cur);
+            let new = MembersWord { mask: m.mask, generation: MembersWord::next_generation(m.generation) };
+            match words.members_cas(engine, cur, new.encode()) {
+                Ok(_) => break new,
+                Err(found) => cur = found,
+            }
+        };
+        let owner_pid = words.member_load(engine, 1).pid;
+        if self.judge(engine, sealed.mask, 0, me) != Liveness::Gone {
+            // Undo the take: the entry is its engine's (its owner is rank
+            // 0's worker, member 1).
+            let live = OwnerWord { state: OwnerState::Live, generation: o.generation, pid: owner_pid };
+            let _ = words.owner_cas(engine, taken.encode(), live.encode());
+            return Ok(Swept::NotDead);
+        }
+        if !step(SweepStep::Sealed) {
+            return Ok(Swept::Stopped);
+        }
+        if !self.reclaim_slots(engine, step)? {
+            return Ok(Swept::Stopped);
+        }
+        let mut cur = words.members_load(engine);
+        loop {
+            let m = MembersWord::decode(cur);
+            let cleared = MembersWord { mask: 0, generation: m.generation };
+            match words.members_cas(engine, cur, cleared.encode()) {
+                Ok(_) => break,
+                Err(found) => cur = found,
+            }
+        }
+        if !step(SweepStep::Cleared) {
+            return Ok(Swept::Stopped);
+        }
+        Ok(if self.free_entry(engine, taken) { Swept::Freed } else { Swept::Raced })
+    }
+
+    fn free_entry(&self, engine: u8, taken: OwnerWord) -> bool {
+        let free =
+            OwnerWord { state: OwnerState::Free, generation: OwnerWord::next_generation(taken.generation), pid: 0 };
+        self.words().owner_cas(engine, taken.encode(), free.encode()).is_ok()
+    }
+
+    /// Rule 4 over every slot; false when `step` stopped it.
+    fn reclaim_slots(&self, dead: u8, step: &mut dyn FnMut(SweepStep) -> bool) -> Result<bool, SlotError> {
+        let words = self.words();
+        let rules = self.rules();
+        for slot in 0..self.geometry().slots {
+            let read = words.slot_load(slot as usize);
+            let w = SlotWord::decode(read);
+            let target = |w: SlotWord| -> Result<SlotWord, SlotError> {
+                let freed = w.reclaim(dead)?;
+                Ok(if w.state() == SlotState::Writing && w.engine() == dead {
+                    rules.sweep_frees_dead_writes(freed, SlotWord::readable(w.epoch(), 0))
+                } else {
+                    freed
+                })
+            };
+            let new = target(w)?;
+            if new != w {
+                rules.sweeps_by_cas(
+                    || -> Result<(), SlotError> {
+                        let mut cur = read;
+                        loop {
+                            let new = target(SlotWord::decode(cur))?;
+                            if new.encode() == cur {
+                                return Ok(());
+                            }
+                            match words.slot_cas(slot as usize, cur, new.encode()) {
+                                Ok(_) => return Ok(()),
+                                Err(found) => cur = found,
+                            }
+                        }
+                    },
+                    || {
+                        // The word computed from the first read, set
+                        // whatever it is now.
+                        let mut cur = words.slot_load(slot as usize);
+                        while let Err(found) = words.slot_cas(slot as usize, cur, new.encode()) {
+                            cur = found;
+                        }
+                        Ok(())
+                    },
+                )?;
+            }
+            if !step(SweepStep::Slot(slot)) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
