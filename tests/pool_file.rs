@@ -21,6 +21,7 @@ use kvoffload::internal::pool::file::layout::{PoolState, W};
 use kvoffload::internal::pool::file::liveness::{member_of, Oracle};
 use kvoffload::internal::pool::file::{PoolFile, PoolOptions, PoolSpec, PoolStep, Wait, TMPFS_MAGIC};
 use kvoffload::internal::pool::fingerprint::{ConfigRecord, GroupRecord, HashingRecord, LayoutRecord};
+use kvoffload::internal::pool::table::{Lookup, Placement, PoolTable};
 use kvoffload::internal::pool::words::{Key, Liveness, Member, PoolWords};
 use kvoffload::FileProblem;
 use pool_common::{config, s, spec, ShmDir};
@@ -57,6 +58,20 @@ fn run_child(role: &str, arg: &str) {
         "create-stop-created" => {
             let o = opts.observe(|s| stop_at(s, PoolStep::Created));
             let _ = PoolFile::create(name, &spec(), &o);
+        }
+        // Joins as an engine, holds the parent's key, says so, and blocks
+        // (killed there: its hold is left for a sweep).
+        "hold" => {
+            let p = PoolFile::open(name, &opts, wait()).unwrap();
+            let t = PoolTable::new(p.words());
+            let me = member_of(std::process::id()).unwrap();
+            let lease = t.join_owner(0, &me, &[5; 4]).unwrap();
+            let hit = t.lookup(lease.engine, &Key::new(b"block", 0).unwrap()).unwrap();
+            assert!(matches!(hit, Lookup::Hit { fresh: true, .. }), "{hit:?}");
+            use std::io::Write;
+            println!("held by engine {}", lease.engine);
+            let _ = std::io::stdout().flush();
+            block_on_stdin();
         }
         other => panic!("unknown role {other}"),
     }
@@ -429,4 +444,30 @@ fn the_oracle_tells_exited_zombie_reused_and_foreign_processes_from_live_ones() 
     assert_eq!(w.liveness(&rec), Liveness::Gone, "exited");
     // This process: alive.
     assert_eq!(w.liveness(&member_of(std::process::id()).unwrap()), Liveness::Alive);
+}
+
+#[test]
+fn the_protocol_runs_over_the_file_between_processes_and_sweeps_a_dead_engine() {
+    let d = ShmDir::new("protocol");
+    let p = PoolFile::create("node", &spec(), &d.opts()).unwrap();
+    let t = PoolTable::new(p.words());
+    let me = member_of(std::process::id()).unwrap();
+    let lease = t.join_owner(0, &me, &[1, 2, 3, 4]).unwrap();
+    let key = Key::new(b"block", 0).unwrap();
+    let Placement::Claimed { slot, epoch, .. } = t.claim(lease.engine, &key).unwrap() else { panic!("not claimed") };
+    assert!(!t.complete_rank(lease.engine, slot, epoch, 0).unwrap());
+    assert!(t.complete_rank(lease.engine, slot, epoch, 1).unwrap(), "the last rank publishes");
+    let mut c = child("hold", &d, "node", true);
+    let line = c.read_line("held by engine");
+    assert_ne!(line, format!("held by engine {}", lease.engine));
+    assert_eq!((p.slot_counts().held, p.engines().live.len()), (1, 2), "{line}");
+    // Alive: nothing to sweep.
+    assert!(t.sweep_dead(&me, &mut |_| true).unwrap().is_empty());
+    c.kill9();
+    // Gone (the oracle on its recorded pid and start time): its hold is swept.
+    assert_eq!(t.sweep_dead(&me, &mut |_| true).unwrap().len(), 1);
+    let counts = p.slot_counts();
+    assert_eq!((counts.readable, counts.held), (1, 0));
+    assert_eq!((p.engines().live.len(), p.engines().dead), (1, 0));
+    assert!(t.check().is_ok());
 }
