@@ -9,9 +9,20 @@
 //! - [`table`]: the index protocol (lookup and hold, claim and CLOCK
 //!   eviction, each rank's completion, abandon);
 //! - [`sweep`]: engines joining and leaving, and the sweep of a dead
-//!   engine's marks.
+//!   engine's marks;
+//! - [`error`]: the pool's typed errors ([`error::PoolError`]), a refused
+//!   fingerprint field among them;
+//! - [`fingerprint`]: what the pool's bytes mean (design 1.3), its three
+//!   parts as typed records and their write-once state words;
+//! - [`mod@file`]: the pool's index file on tmpfs (design 2.1): creating,
+//!   opening, trusting and removing it, its words as
+//!   [`file::words::ShmPoolWords`] with the liveness oracle of design 3.6,
+//!   and what `kvoffload pool ls | rm` show and do.
 
 pub mod engines;
+pub mod error;
+pub mod file;
+pub mod fingerprint;
 pub mod slot;
 pub mod sweep;
 pub mod table;

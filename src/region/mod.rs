@@ -67,7 +67,11 @@ pub use limits::{available_memory, mem_available, LimitSource, MemoryBudget};
 pub use options::{AnonOptions, FileSplit, ShmObserver, ShmOptions, ShmStep, DEFAULT_FILE_BYTES, MAX_FILES};
 pub use shm::shm_path;
 pub(crate) use sys::mincore;
+// The pool's index file (`crate::pool::file`) is made, opened, trusted and
+// removed with the region's own helpers.
+pub(crate) use sys::Backoff;
 pub use sys::{fs_available, page_size};
+pub(crate) use trust::{check_create_mode, FileMeta, OpenFailure, RegionDir, Trust};
 
 /// Where shared regions live unless [`ShmOptions::dir`] says otherwise.
 pub const DEFAULT_SHM_DIR: &str = "/dev/shm";

@@ -1,5 +1,5 @@
 //! The `kvoffload` command line: the main job (`run`), the conformance suite (`conform`), the
-//! seed incident (`incident`) and the benchmarks (`bench`). See
+//! seed incident (`incident`), the benchmarks (`bench`) and the node pools (`pool ls | rm`). See
 //! `kvoffload --help`. The run job's ranks hold one `Offloader` each, as an
 //! engine does; the tools below it (conformance, benchmarks) drive the
 //! library's layers through `kvoffload::internal`.

@@ -8,6 +8,7 @@ mod bench_pin;
 mod bench_transfer;
 mod conform;
 mod incident;
+mod pool;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -59,6 +60,9 @@ enum Command {
     /// Reproduce the seed incident: background pinning racing GLOBAL graph
     /// capture, with upstream's design and with the capture window.
     Incident(incident::Args),
+    /// The node pools of a directory: list them, remove one.
+    #[command(subcommand)]
+    Pool(pool::Pool),
 }
 
 /// Exit status: 0 success, 1 a check failed (mismatch), 2 usage or
@@ -74,6 +78,7 @@ pub fn main() -> i32 {
         Command::Conform(a) => conform::run(a),
         Command::Bench(b) => bench::run(b),
         Command::Incident(a) => incident::run(a),
+        Command::Pool(p) => pool::run(p),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,195 @@
+//! `kvoffload pool ls | rm` (design 1.4) on pools made by the library in a
+//! private /dev/shm directory: what `ls` shows of slots, engines and the
+//! fingerprint, and `rm` refusing a pool in use (exit 1, naming the entry
+//! and its pid), an untrusted file of it, or a name of another pool's file,
+//! then removing the index and region files and nothing else.
+
+mod pool_common;
+mod region_common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use kvoffload::internal::pool::engines::{MembersWord, OwnerState, OwnerWord};
+use kvoffload::internal::pool::file::liveness::member_of;
+use kvoffload::internal::pool::file::{PoolFile, PublishNote, Wait};
+use kvoffload::internal::pool::fingerprint::HashingRecord;
+use kvoffload::internal::pool::slot::SlotWord;
+use kvoffload::internal::pool::words::PoolWords;
+use pool_common::{spec, ShmDir};
+use region_common::write_private;
+
+fn kvoffload(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvoffload")).args(args).output().expect("run kvoffload");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Registers process `pid` as engine `e`'s scheduler (owner LIVE by it).
+fn register(p: &PoolFile, e: u8, pid: u32) {
+    let w = p.words();
+    let rec = member_of(pid).unwrap();
+    w.member_store(e, 0, &rec);
+    let owner = OwnerWord { state: OwnerState::Live, generation: 1, pid }.encode();
+    assert_eq!(w.owner_cas(e, 0, owner), Ok(0));
+    assert_eq!(w.members_cas(e, 0, MembersWord { mask: 1, generation: 0 }.encode()), Ok(0));
+}
+
+/// A pool "node" with one slot held, one being written, one engine alive
+/// (a `sleep` child, returned) and one whose member exited.
+fn busy_pool(d: &ShmDir) -> (PoolFile, std::process::Child) {
+    let p = PoolFile::create("node", &spec(), &d.opts()).unwrap();
+    let w = p.words();
+    assert!(w.slot_cas(0, 0, SlotWord::readable(1, 0b10).encode()).is_ok());
+    assert!(w.slot_cas(1, 0, SlotWord::writing(1, 1, 0b1).encode()).is_ok());
+    w.publish_store(0, PublishNote { engine: 1, unix_ms: 1_700_000_000_000 });
+    let h = HashingRecord::new("sha256", &[1; 32], None).unwrap();
+    p.ensure_hashing(&h, Wait::new(Duration::from_secs(5))).unwrap();
+    let live = Command::new("sleep").arg("60").spawn().unwrap();
+    register(&p, 1, live.id());
+    let mut dead = Command::new("sleep").arg("60").spawn().unwrap();
+    register(&p, 2, dead.id());
+    dead.kill().unwrap();
+    dead.wait().unwrap();
+    (p, live)
+}
+
+#[test]
+fn ls_shows_each_pools_shape_fingerprint_slots_and_engines() {
+    let d = ShmDir::new("ls");
+    let dir = d.path().to_str().unwrap();
+    let (code, out, _) = kvoffload(&["pool", "ls", "--dir", dir]);
+    assert_eq!(code, 0);
+    assert!(out.contains("no kvoffload pools"), "{out}");
+    let (_p, mut live) = busy_pool(&d);
+    let (code, out, err) = kvoffload(&["pool", "ls", "--dir", dir]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.lines().count(), 1, "{out}");
+    for want in [
+        "node  ready (0 registered)",
+        "64 slots (4 sets x 16 ways)",
+        "2 ranks x 256 KiB a row",
+        "model meta-llama/Llama-3.1-8B-Instruct  dtype bfloat16  block 16,32  world 2  hash sha256",
+        "slots free 62 writing 1 readable 1 held 1",
+        "engines live 1 dead 1",
+        "last publish 2023-11-14T22:13:20Z",
+        &format!("(engine 1 (pids {}))", live.id()),
+    ] {
+        assert!(out.contains(want), "{want:?} not in {out}");
+    }
+    let (code, out, _) = kvoffload(&["pool", "ls", "--dir", dir, "--json"]);
+    assert_eq!(code, 0);
+    for want in [
+        "\"name\":\"node\"",
+        "\"tokens_per_block\":[16,32]",
+        "\"hash\":\"sha256\"",
+        "\"free\":62,\"writing\":1,\"readable\":1,\"held\":1,\"corrupt\":0",
+        &format!("\"engines_live\":[{{\"index\":1,\"pids\":[{}]}}],\"engines_dead\":1", live.id()),
+    ] {
+        assert!(out.contains(want), "{want:?} not in {out}");
+    }
+    live.kill().unwrap();
+    live.wait().unwrap();
+    let (_, out, _) = kvoffload(&["pool", "ls", "--dir", dir]);
+    assert!(out.contains("engines live 0 dead 2"), "{out}");
+}
+
+#[test]
+fn ls_reports_a_file_it_must_not_read_and_goes_on() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = ShmDir::new("ls-bad");
+    PoolFile::create("good", &spec(), &d.opts()).unwrap();
+    let bad = d.index("bad");
+    write_private(&bad, &[0u8; 4096]);
+    std::fs::set_permissions(&bad, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let (code, out, _) = kvoffload(&["pool", "ls", "--dir", d.path().to_str().unwrap()]);
+    assert_eq!(code, 0);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    assert!(lines[0].starts_with("bad  unreadable: refusing") && lines[0].contains("mode 0o666"), "{out}");
+    assert!(lines[1].starts_with("good  ready"), "{out}");
+    assert_eq!(std::fs::metadata(&bad).unwrap().permissions().mode() & 0o777, 0o666, "left alone");
+}
+
+/// The region files of pool "node" (data files 0 and 1 and the header),
+/// and a file of pool "nodex" beside them.
+fn region_files(d: &ShmDir) {
+    for n in ["kvoffload-pool-node", "kvoffload-pool-node.0", "kvoffload-pool-node.1", "kvoffload-pool-nodex.0"] {
+        write_private(&d.path().join(n), b"rows");
+    }
+}
+
+#[test]
+fn rm_refuses_a_pool_in_use_then_removes_its_index_and_region_files_only() {
+    let d = ShmDir::new("rm");
+    let dir = d.path().to_str().unwrap();
+    let (p, mut live) = busy_pool(&d);
+    drop(p);
+    region_files(&d);
+    let before = d.names();
+    let (code, out, err) = kvoffload(&["pool", "rm", "node", "--dir", dir]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains(&format!("in use by engine 1 (pids {})", live.id())) && err.contains("--force"), "{err}");
+    assert_eq!(d.names(), before, "nothing removed");
+    live.kill().unwrap();
+    live.wait().unwrap();
+    let (code, out, err) = kvoffload(&["pool", "rm", "node", "--dir", dir]);
+    assert_eq!(code, 0, "{err}");
+    let removed: Vec<&str> = out.lines().collect();
+    assert_eq!(removed.len(), 4, "{out}");
+    assert!(
+        removed[0].ends_with("kvoffload-pool-node.0") && removed[3].ends_with("kvoffload-pool-node.index"),
+        "{out}"
+    );
+    assert_eq!(d.names(), ["kvoffload-pool-nodex.0"], "another pool's file stays");
+    let (code, _, err) = kvoffload(&["pool", "rm", "node", "--dir", dir]);
+    assert_eq!(code, 2);
+    assert!(err.contains("no kvoffload pool \"node\""), "{err}");
+}
+
+#[test]
+fn rm_force_removes_a_pool_in_use() {
+    let d = ShmDir::new("rm-force");
+    let (_p, mut live) = busy_pool(&d);
+    let (code, out, err) = kvoffload(&["pool", "rm", "node", "--dir", d.path().to_str().unwrap(), "--force"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("removed while in use by engine 1") && out.contains("removed "), "{out}{err}");
+    assert!(d.names().is_empty(), "{:?}", d.names());
+    live.kill().unwrap();
+    live.wait().unwrap();
+}
+
+#[test]
+fn rm_refuses_an_untrusted_file_of_the_pool_before_removing_anything() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = ShmDir::new("rm-untrusted");
+    PoolFile::create("node", &spec(), &d.opts()).unwrap();
+    region_files(&d);
+    let data = d.path().join("kvoffload-pool-node.1");
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let before = d.names();
+    let (code, _, err) = kvoffload(&["pool", "rm", "node", "--dir", d.path().to_str().unwrap(), "--force"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("kvoffload-pool-node.1") && err.contains("mode 0o644"), "{err}");
+    assert_eq!(d.names(), before, "nothing removed");
+    // A link under a data file's name is refused the same way, never followed.
+    std::fs::remove_file(&data).unwrap();
+    std::os::unix::fs::symlink("/etc/hostname", &data).unwrap();
+    let (code, _, err) = kvoffload(&["pool", "rm", "node", "--dir", d.path().to_str().unwrap(), "--force"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("symbolic link"), "{err}");
+    assert_eq!(d.names(), before);
+}
+
+#[test]
+fn rm_refuses_names_of_another_pools_files() {
+    for name in ["node.0", "node.index", "a/b", ""] {
+        let (code, _, err) = kvoffload(&["pool", "rm", name]);
+        assert_eq!(code, 2, "{name:?}");
+        assert!(err.contains("bad pool name"), "{name:?}: {err}");
+    }
+}
