@@ -443,6 +443,40 @@ pub fn pool_join(py: Python<'_>, pool: &str, e: kvoffload::internal::pool::sweep
     }
 }
 
+/// A `PoolMismatchError` with the differing field and both values as
+/// attributes.
+pub fn pool_mismatch(py: Python<'_>, message: String, field: &str, pool_value: &str, engine_value: &str) -> PyErr {
+    let err = match pool_mismatch_type(py) {
+        Ok(ty) => make_of(py, ty, message, "mismatch", None, None),
+        Err(e) => return e,
+    };
+    let v = err.value(py);
+    let _ = v.setattr("field", field);
+    let _ = v.setattr("pool_value", pool_value);
+    let _ = v.setattr("engine_value", engine_value);
+    err
+}
+
+/// A pool file's error: `PoolMismatchError` for a fingerprint field that
+/// differs, `PoolStateError` for a slot word, `OptionsError` for a name or
+/// record the file cannot carry, `PoolError` otherwise (kind: the variant).
+/// An interruption is `KeyboardInterrupt` (the caller raises the signal
+/// handler's exception first, when one was kept).
+pub fn pool_file(py: Python<'_>, e: kvoffload::internal::pool::error::PoolError) -> PyErr {
+    use kvoffload::internal::pool::error::PoolError as E;
+    let msg = e.to_string();
+    let kind = variant(&format!("{e:?}"));
+    match &e {
+        E::Mismatch { field, pool_value, engine_value, .. } => pool_mismatch(py, msg, field, pool_value, engine_value),
+        E::Slot(s) => pool_slot(py, msg, s),
+        E::Interrupted { .. } => PyKeyboardInterrupt::new_err(msg),
+        E::BadName { .. } | E::TooLong { .. } | E::TooMany { .. } | E::BadGeometry { .. } => {
+            make_options(py, msg, &kind, None)
+        }
+        _ => make::<PoolError>(py, msg, &kind, inner_variant(&format!("{e:?}")), None),
+    }
+}
+
 /// An agreement error as an (unraised) exception instance.
 pub fn agreement(py: Python<'_>, e: &RustAgreementError) -> PyErr {
     make::<AgreementError>(py, e.to_string(), &variant(&format!("{e:?}")), None, None)

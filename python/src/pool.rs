@@ -19,7 +19,10 @@
 
 use std::time::Instant;
 
-use kvoffload::internal::pool::slot::SlotError;
+use kvoffload::internal::pool::file::liveness::member_of_self;
+use kvoffload::internal::pool::file::{PoolFile, PoolOptions, PoolSpec, Wait};
+use kvoffload::internal::pool::fingerprint::{ConfigRecord, FixedStr, GroupRecord, HashingRecord, LayoutRecord};
+use kvoffload::internal::pool::slot::{SlotError, MAX_ENGINES};
 use kvoffload::internal::pool::sweep::Lease;
 use kvoffload::internal::pool::table::{Lookup, Placement, PoolTable};
 use kvoffload::internal::pool::words::{Geometry, Key, Liveness, LocalPoolWords, Member, PoolWords};
@@ -30,6 +33,8 @@ use super::*;
 /// Where a pool's words live: a pool file's mapping, or (tests) the sync
 /// facade's atomics shared by the `Pool` objects of one process.
 pub(crate) enum AnyWords {
+    /// A pool file's mapping (`Pool.open`).
+    Shm(Arc<PoolFile>),
     /// In-process words (`kvoffload._testing.local_pool`): each `Pool`
     /// object is a "process" with its own pid index.
     Local(Arc<LocalPool>),
@@ -62,6 +67,10 @@ impl LocalPool {
 macro_rules! each {
     ($self:ident, $w:ident => $e:expr) => {
         match $self {
+            AnyWords::Shm(f) => {
+                let $w = f.words();
+                $e
+            }
             AnyWords::Local(l) => {
                 let $w = &l.words;
                 $e
@@ -156,6 +165,13 @@ impl PyPool {
         self.me
     }
 
+    fn file(&self, py: Python<'_>, call: &str) -> PyResult<&Arc<PoolFile>> {
+        match self.words() {
+            AnyWords::Shm(f) => Ok(f),
+            AnyWords::Local(_) => Err(errors::options(py, format!("Pool.{call}: an in-process pool has no file"))),
+        }
+    }
+
     fn joined(&self) -> Option<Joined> {
         *self.joined.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -191,6 +207,66 @@ impl PyPool {
     fn slot_err(&self, py: Python<'_>, call: &str, slot: u32, epoch: u32, e: SlotError) -> PyErr {
         errors::pool_slot(py, format!("Pool.{call}: slot {slot} (epoch {epoch}) of pool {:?}: {e}", self.name), &e)
     }
+}
+
+/// `config` (a dict with the fields of the fingerprint's config part,
+/// design 1.3; `kvoffload.vllm.pool_config` makes it) as the record.
+fn parse_config(py: Python<'_>, config: &Bound<'_, PyDict>) -> PyResult<ConfigRecord> {
+    let field = |name: &str| -> PyResult<Bound<'_, PyAny>> {
+        config
+            .get_item(name)?
+            .ok_or_else(|| errors::options(py, format!("Pool.open: config has no {name:?} (a fingerprint field)")))
+    };
+    let bad = |name: &str, want: &str| errors::options(py, format!("Pool.open: config[{name:?}] must be {want}"));
+    let text = |name: &str| -> PyResult<String> { field(name)?.extract().map_err(|_| bad(name, "a str")) };
+    let uint = |name: &str| -> PyResult<u32> { field(name)?.extract().map_err(|_| bad(name, "an int in [0, 2**32)")) };
+    let pe = |e| errors::pool_file(py, e);
+    let mut groups = Vec::new();
+    for g in field("groups")?.try_iter()? {
+        let (tokens_per_block, digest): (u32, Vec<u8>) =
+            g?.extract().map_err(|_| bad("groups", "a list of (tokens_per_block, 32-byte SHA-256) pairs"))?;
+        let layer_names_sha256: [u8; 32] =
+            digest.try_into().map_err(|_| bad("groups", "a list of (tokens_per_block, 32-byte SHA-256) pairs"))?;
+        groups.push(GroupRecord { tokens_per_block, layer_names_sha256 });
+    }
+    let record = ConfigRecord {
+        model: FixedStr::new("model", &text("model")?).map_err(pe)?,
+        kv_dtype: FixedStr::new("dtype", &text("kv_dtype")?).map_err(pe)?,
+        tag: FixedStr::new("kvo_pool_tag", &text("tag")?).map_err(pe)?,
+        groups,
+        tokens_per_hash: uint("tokens_per_hash")?,
+        blocks_per_chunk: uint("blocks_per_chunk")?,
+        bytes_per_block: field("bytes_per_block")?.extract().map_err(|_| bad("bytes_per_block", "an int >= 0"))?,
+        world_size: uint("world_size")?,
+        tp_size: uint("tp_size")?,
+        pp_size: uint("pp_size")?,
+        pcp_size: uint("pcp_size")?,
+        dcp_size: uint("dcp_size")?,
+        kv_cache_layout: FixedStr::new("kv_cache_layout", &text("kv_cache_layout")?).map_err(pe)?,
+        replicated_layout: field("replicated_layout")?.extract().map_err(|_| bad("replicated_layout", "a bool"))?,
+    };
+    record.check().map_err(pe)?;
+    Ok(record)
+}
+
+/// A bounded wait of the pool file, interrupted by Python's signals: runs
+/// `f` with the GIL released and the wait's check, then raises the signal
+/// handler's exception if one was raised, else `f`'s error.
+fn waiting<T: Send>(
+    py: Python<'_>,
+    timeout: f64,
+    f: impl FnOnce(Wait<'_>) -> Result<T, kvoffload::internal::pool::error::PoolError> + Send,
+) -> PyResult<T> {
+    let bound = seconds(py, "timeout", Some(timeout))?.unwrap_or_default();
+    let signals = Signals::default();
+    let r = py.detach(|| {
+        let check = || signals.check();
+        f(Wait::new(bound).interruptible(&check))
+    });
+    if let Some(e) = signals.raised.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        return Err(e);
+    }
+    r.map_err(|e| errors::pool_file(py, e))
 }
 
 /// vLLM's `OffloadKey` (hash bytes, then the group as 4 big-endian bytes)
@@ -236,6 +312,122 @@ fn engine_digest(py: Python<'_>, engine_id: &str) -> PyResult<[u64; 4]> {
 
 #[pymethods]
 impl PyPool {
+    /// Opens pool `name` in `dir` (a tmpfs or hugetlbfs mount; default
+    /// /dev/shm), waiting at most `timeout` seconds (interruptible) for a
+    /// creator under way, and checks `config` (the fingerprint's config
+    /// part: a `PoolMismatchError` names the first field that differs).
+    /// With `create` (a dict: `slots`, `ways`, `ranks`, `row_bytes`), a
+    /// pool that does not exist is created with that shape (an existing
+    /// one keeps its own; its ranks must match); without it, a missing
+    /// pool is a `PoolError` of kind `"missing"`.
+    #[staticmethod]
+    #[pyo3(signature = (name, *, config, dir = None, create = None, timeout = 30.0))]
+    fn open(
+        py: Python<'_>,
+        name: &str,
+        config: &Bound<'_, PyDict>,
+        dir: Option<String>,
+        create: Option<&Bound<'_, PyDict>>,
+        timeout: f64,
+    ) -> PyResult<PyPool> {
+        guarded(py, || {
+            let config = parse_config(py, config)?;
+            let opts = PoolOptions::in_dir(dir.unwrap_or_else(|| kvoffload::DEFAULT_SHM_DIR.to_string()));
+            let file = match create {
+                Some(c) => {
+                    let get = |k: &str| -> PyResult<u64> {
+                        c.get_item(k)?
+                            .ok_or_else(|| errors::options(py, format!("Pool.open: create has no {k:?}")))?
+                            .extract()
+                            .map_err(|_| errors::options(py, format!("Pool.open: create[{k:?}] must be an int >= 0")))
+                    };
+                    let small = |k: &str, v: u64| -> PyResult<u32> {
+                        u32::try_from(v).map_err(|_| errors::options(py, format!("Pool.open: create[{k:?}] = {v}")))
+                    };
+                    let geometry = Geometry {
+                        slots: small("slots", get("slots")?)?,
+                        ways: small("ways", get("ways")?)?,
+                        ranks: u8::try_from(get("ranks")?)
+                            .map_err(|_| errors::options(py, "Pool.open: create['ranks'] must be 1 to 32"))?,
+                        engines: MAX_ENGINES,
+                    };
+                    let spec = PoolSpec { geometry, row_bytes: get("row_bytes")?, config };
+                    waiting(py, timeout, |w| PoolFile::open_or_create(name, &spec, &opts, w))?.0
+                }
+                None => {
+                    let file = waiting(py, timeout, |w| PoolFile::open(name, &opts, w))?;
+                    file.check_config(&config).map_err(|e| errors::pool_file(py, e))?;
+                    file
+                }
+            };
+            let me = member_of_self().map_err(|e| {
+                errors::pool_other(py, format!("Pool.open: this process's record (/proc/self): {e}"), "io")
+            })?;
+            let path = file.path().display().to_string();
+            Ok(PyPool::new(AnyWords::Shm(Arc::new(file)), me, name.to_string(), Some(path)))
+        })
+    }
+
+    /// Removes pool `name` from `dir` (`kvoffload pool rm`): its data
+    /// files, header file and index, each only if it still names the file
+    /// checked (trusted, inode-checked). Refused (`PoolError` of kind
+    /// `"in_use"`, naming the live engines' pids) while an engine lives,
+    /// unless `force` (running engines keep their mappings). Returns the
+    /// paths removed.
+    #[staticmethod]
+    #[pyo3(signature = (name, *, dir = None, force = false))]
+    fn remove(py: Python<'_>, name: &str, dir: Option<String>, force: bool) -> PyResult<Vec<String>> {
+        guarded(py, || {
+            let dir = std::path::PathBuf::from(dir.unwrap_or_else(|| kvoffload::DEFAULT_SHM_DIR.to_string()));
+            let removed = py
+                .detach(|| kvoffload::internal::pool::file::remove(&dir, name, force))
+                .map_err(|e| errors::pool_file(py, e))?;
+            Ok(removed.files.iter().map(|p| p.display().to_string()).collect())
+        })
+    }
+
+    /// A worker's check of its rank's layout (design 1.3): fills rank
+    /// `rank`'s layout part with `page_sizes` (its canonical tensors'
+    /// `page_size_bytes`, in order) if unset, else compares
+    /// (`PoolMismatchError`). Whether this call filled it.
+    #[pyo3(signature = (rank, page_sizes, timeout = 30.0))]
+    fn ensure_layout(&self, py: Python<'_>, rank: u8, page_sizes: Vec<u64>, timeout: f64) -> PyResult<bool> {
+        guarded(py, || {
+            let file = self.file(py, "ensure_layout")?;
+            let record = LayoutRecord { page_sizes };
+            waiting(py, timeout, |w| file.ensure_layout(rank, &record, w))
+        })
+    }
+
+    /// A scheduler's check of the block hashes (design 1.2, 1.3): fills
+    /// the hashing part (`algorithm`, `none_hash`, Python's `(major,
+    /// minor)` where the algorithm pickles, else None) if unset, else
+    /// compares (`PoolMismatchError`). Whether this call filled it.
+    #[pyo3(signature = (algorithm, none_hash, python = None, timeout = 30.0))]
+    fn ensure_hashing(
+        &self,
+        py: Python<'_>,
+        algorithm: &str,
+        none_hash: Vec<u8>,
+        python: Option<(u8, u8)>,
+        timeout: f64,
+    ) -> PyResult<bool> {
+        guarded(py, || {
+            let file = self.file(py, "ensure_hashing")?;
+            let record = HashingRecord::new(algorithm, &none_hash, python).map_err(|e| errors::pool_file(py, e))?;
+            waiting(py, timeout, |w| file.ensure_hashing(&record, w))
+        })
+    }
+
+    /// Bytes of a row on one rank (None for an in-process pool).
+    #[getter]
+    fn row_bytes(&self) -> Option<u64> {
+        match self.words() {
+            AnyWords::Shm(f) => Some(f.row_bytes()),
+            AnyWords::Local(_) => None,
+        }
+    }
+
     /// The pool's name.
     #[getter]
     fn name(&self) -> String {
@@ -364,11 +556,14 @@ impl PyPool {
     /// Sweeps every dead engine entry (design 3.6): their holds are
     /// cleared, their unfinished writes freed (never published), the
     /// entries freed. Returns the entries freed.
-    fn sweep(&self, py: Python<'_>) -> PyResult<Vec<u8>> {
+    fn sweep(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
         guarded(py, || {
-            self.table
+            let freed = self
+                .table
                 .sweep_dead(&self.me, &mut |_| true)
-                .map_err(|e| errors::pool_slot(py, format!("Pool.sweep: pool {:?}: {e}", self.name), &e))
+                .map_err(|e| errors::pool_slot(py, format!("Pool.sweep: pool {:?}: {e}", self.name), &e))?;
+            // As ints (a Vec<u8> would be bytes in Python).
+            Ok(freed.into_iter().map(u32::from).collect())
         })
     }
 

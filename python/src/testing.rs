@@ -349,7 +349,9 @@ fn local_pool(py: Python<'_>, slots: u32, ways: u32, ranks: u8, engines: u8, pro
 /// Another "process" on `pool`'s in-process words.
 #[pyfunction]
 fn local_pool_attach(py: Python<'_>, pool: &pool::PyPool) -> PyResult<pool::PyPool> {
-    let pool::AnyWords::Local(local) = pool.words();
+    let pool::AnyWords::Local(local) = pool.words() else {
+        return Err(errors::options(py, "local_pool_attach: not an in-process pool"));
+    };
     let me = local
         .process()
         .ok_or_else(|| errors::options(py, "local_pool_attach: every process of this local pool is taken"))?;
@@ -358,9 +360,12 @@ fn local_pool_attach(py: Python<'_>, pool: &pool::PyPool) -> PyResult<pool::PyPo
 
 /// Marks `pool`'s "process" dead: the liveness oracle says it is gone.
 #[pyfunction]
-fn local_pool_kill(pool: &pool::PyPool) {
-    let pool::AnyWords::Local(local) = pool.words();
+fn local_pool_kill(py: Python<'_>, pool: &pool::PyPool) -> PyResult<()> {
+    let pool::AnyWords::Local(local) = pool.words() else {
+        return Err(errors::options(py, "local_pool_kill: not an in-process pool"));
+    };
     local.words.kill(pool.me().pid);
+    Ok(())
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
