@@ -11,7 +11,8 @@ ci/python: the Python package on a machine with only the Rust toolchain and pyth
      without CUDA and PyTorch; test_vllm.py skips itself without vLLM);
      test_threads.py's stress test runs KVO_STRESS_SECONDS (default 3 s;
      issue 28's acceptance run is KVO_STRESS_SECONDS=20),
-  4. python/tests/test_vllm.py against the real vLLM releases of
+  4. python/tests/test_vllm.py and test_vllm_pool.py (the node pool)
+     against the real vLLM releases of
      KVO_VLLM_VERSIONS (default "0.33.0 0.34.0 0.26.0"), each in
      ci/vllm-env's cached environment (0.33.0 a venv: created the first
      time, 3-6 minutes and 9.4 GB, reused after; 0.34.0 and 0.26.0
@@ -454,7 +455,8 @@ def python(ns: argparse.Namespace) -> int:
     # Run from outside the source tree so the installed wheel is what is tested.
     run(["python-venv/bin/python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "../python/tests"], cwd="target")
 
-    print(f"== 4/4 vLLM {' '.join(versions)} (python/tests/test_vllm.py in ci/vllm-env's environments)", flush=True)
+    print(f"== 4/4 vLLM {' '.join(versions)} (python/tests/test_vllm.py, test_vllm_pool.py in ci/vllm-env's "
+          "environments)", flush=True)
     if skip_vllm:
         print("ci/python: KVO_SKIP_VLLM=1: the vLLM tests (python/tests/test_vllm.py) are SKIPPED")
         return 0
@@ -472,7 +474,8 @@ def python(ns: argparse.Namespace) -> int:
             pip_quiet(vllm_py, "--no-deps", "--force-reinstall", *wheels)
             installed = True
         print(f"-- vLLM {v}", flush=True)
-        run([vllm_py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "../python/tests/test_vllm.py"], cwd="target",
+        run([vllm_py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "../python/tests/test_vllm.py",
+             "../python/tests/test_vllm_pool.py"], cwd="target",
             env=dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", KVO_EXPECT_VLLM=v))
     return 0
 

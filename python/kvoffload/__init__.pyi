@@ -90,6 +90,128 @@ class AgreementError(KvoffloadError):
     """The ranks did not agree on the pin state (P7); ``kind`` is e.g.
     ``"transport"``, ``"bad_exchange"``, ``"timeout"``, ``"rank_died"``."""
 
+class PoolError(KvoffloadError):
+    """The node pool refused: its file (``kind`` ``"missing"``,
+    ``"not_tmpfs"``, ``"untrusted"``, ``"other_boot"``, ``"timeout"``, ...),
+    the engine table (``"engines_full"``, ``"not_joined"``,
+    ``"already_joined"``, ``"timeout"``), ``"in_use"`` for a removal."""
+
+class PoolStateError(PoolError):
+    """A pool slot is not in the state a call needs (``kind``:
+    ``"not_held"``, ``"epoch_moved"``, ``"wrong_state"``,
+    ``"other_writer"``, ...), or a word is corrupt."""
+
+class PoolMismatchError(PoolError, ValueError):
+    """The pool holds KV of another meaning than this engine's: the first
+    fingerprint field that differs. Also a ``ValueError``."""
+
+    field: str
+    pool_value: str
+    engine_value: str
+
+#: A pool key: vLLM's ``OffloadKey`` (1 - 32 hash bytes, then the group
+#: index as 4 big-endian bytes).
+_PoolKey = bytes
+#: A lookup's outcome: ``("hit", slot, epoch, fresh)``, ``("pending", -1,
+#: -1, False)`` or ``("miss", -1, -1, False)``.
+_PoolLookup = Tuple[str, int, int, bool]
+#: A claim's outcome: ``("claimed", slot, epoch, evicted_key or None)``,
+#: ``("present", -1, -1, None)`` or ``("skipped", -1, -1, None)``.
+_PoolPlacement = Tuple[str, int, int, Optional[bytes]]
+
+class _PoolShape(TypedDict):
+    slots: int
+    ways: int
+    ranks: int
+    #: Bytes of a row on one rank.
+    row_bytes: int
+
+class _PoolConfig(TypedDict):
+    """The fingerprint's config part (``kvoffload.vllm.pool_config`` makes
+    it from vLLM's ``OffloadingConfig``)."""
+
+    model: str
+    kv_dtype: str
+    tag: str
+    #: Per KV-cache group: (tokens per block, SHA-256 of its layer names).
+    groups: Sequence[Tuple[int, bytes]]
+    tokens_per_hash: int
+    blocks_per_chunk: int
+    bytes_per_block: int
+    world_size: int
+    tp_size: int
+    pp_size: int
+    pcp_size: int
+    dcp_size: int
+    kv_cache_layout: str
+    replicated_layout: bool
+
+class Pool:
+    """A process's handle on a node pool (docs/node-pool-design.md): the
+    index of a host KV pool shared by the engines of a node, in a file
+    ``kvoffload-pool-<name>.index`` of a tmpfs directory. A process joins
+    once (rank 0's worker claims the engine's entry; the other ranks and the
+    scheduler register with it), then every call acts as that engine.
+    Every wait is bounded (``timeout``) and interrupted by Python's signals
+    (the handler's exception is raised)."""
+
+    @staticmethod
+    def open(
+        name: str,
+        *,
+        config: _PoolConfig,
+        dir: Optional[str] = None,
+        create: Optional[_PoolShape] = None,
+        timeout: float = 30.0,
+    ) -> "Pool":
+        """Opens pool ``name`` (default directory /dev/shm), or, with
+        ``create``, creates it if absent; refuses a pool whose config part
+        differs (``PoolMismatchError``)."""
+    @staticmethod
+    def remove(name: str, *, dir: Optional[str] = None, force: bool = False) -> List[str]:
+        """``kvoffload pool rm``: the paths removed; ``PoolError`` (kind
+        ``"in_use"``) while an engine lives, unless ``force``."""
+    def ensure_layout(self, rank: int, page_sizes: Sequence[int], timeout: float = 30.0) -> bool: ...
+    def ensure_hashing(
+        self, algorithm: str, none_hash: bytes, python: Optional[Tuple[int, int]] = None, timeout: float = 30.0
+    ) -> bool: ...
+    name: Final[str]
+    #: The index file (None for an in-process pool of kvoffload._testing).
+    path: Final[Optional[str]]
+    slots: Final[int]
+    ways: Final[int]
+    ranks: Final[int]
+    engines: Final[int]
+    #: Bytes of a row on one rank (None for an in-process pool).
+    row_bytes: Final[Optional[int]]
+    pid: Final[int]
+    #: The engine index this process acts as (None before ``join``).
+    @property
+    def engine(self) -> Optional[int]: ...
+    #: 0 the scheduler, ``1 + r`` rank ``r``'s worker (None before ``join``).
+    @property
+    def member(self) -> Optional[int]: ...
+    def join(self, engine_id: str, rank: Optional[int] = None, timeout: float = 30.0) -> int:
+        """Joins engine ``engine_id`` as rank ``rank``'s worker (0: the
+        owner, which claims the entry) or as its scheduler (None); returns
+        the engine index."""
+    def leave(self) -> None: ...
+    def sweep(self) -> List[int]:
+        """Sweeps every dead engine's marks; the entries freed."""
+    def lookup(self, keys: Iterable[_PoolKey]) -> List[_PoolLookup]: ...
+    def claim(self, keys: Iterable[_PoolKey]) -> List[_PoolPlacement]: ...
+    def release(self, slots: Sequence[int], epochs: Sequence[int]) -> None: ...
+    def check_held(self, slots: Sequence[int], epochs: Sequence[int]) -> None: ...
+    def check_writing(self, slots: Sequence[int], epochs: Sequence[int]) -> None: ...
+    def complete_rank(self, slots: Sequence[int], epochs: Sequence[int], rank: int) -> List[bool]: ...
+    def abandon(self, slots: Sequence[int], epochs: Sequence[int]) -> List[bool]: ...
+    def touch(self, slots: Sequence[int]) -> None: ...
+    def census(self) -> dict:
+        """``{"free", "writing", "readable", "held", "corrupt"}`` slot counts."""
+    def check(self) -> None: ...
+    def slot_key(self, slot: int) -> Optional[bytes]: ...
+    def slot_word(self, slot: int) -> int: ...
+
 class Runtime:
     """The GPU an offloader runs on: ``"cuda"`` (the device's primary
     context, shared with PyTorch), ``"sim"`` (the simulated GPU), or

@@ -73,6 +73,9 @@ __all__ = [
     "sim_wait_idle",
     "sim_refusals",
     "error_table",
+    "local_pool",
+    "local_pool_attach",
+    "local_pool_kill",
 ]
 
 #: A hold point of the simulated GPU, armed by :func:`sim_hold`: the next
