@@ -17,6 +17,7 @@ loaded byte compared). Here:
 """
 
 import os
+import time
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -296,3 +297,189 @@ def test_a_none_hash_other_than_predicted_is_refused_at_the_first_lookup(model_d
         del a
     finally:
         eng.shutdown()
+
+
+# ---------------------------------------------------------------- engines on a pool file
+
+
+def own_region(spec):
+    """The rows of one engine in its own shared region: right for what
+    that engine stores and loads itself. The pool's kept region
+    (``pool-<name>``, shared by every engine) is not in this build, so the
+    tests below never load a block another engine wrote."""
+    cfg = spec.config
+    return kv.RegionSpec.shared(f"vllm-{cfg.engine_id}", rank=cfg.parallel.rank, ranks=cfg.parallel.world_size)
+
+
+@pytest.fixture
+def pool_name(monkeypatch):
+    monkeypatch.setattr(kvv, "_pool_region", own_region)
+    name = f"test-vllm-{os.getpid()}-{os.urandom(4).hex()}"
+    yield name
+    try:
+        kv.Pool.remove(name, force=True)
+    except kv.PoolError:
+        pass
+
+
+def test_one_engine_on_a_pool_file_round_trips_and_fills_the_fingerprint(model_dir, pool_name, seeded):
+    eng = Engine(model_dir, extra_config(kvo_pool=pool_name), hash_algo="sha256_cbor")
+    init_none_hash(sha256_cbor)
+    try:
+        mgr = eng.sched.connector.connector_scheduler.manager
+        assert mgr.pool.path == f"/dev/shm/kvoffload-pool-{pool_name}.index"
+        assert eng.kvw.pool.path == mgr.pool.path and eng.kvw.pool.engine == mgr.pool.engine
+        prompt = prompt_of(5 * BS, seed=11)
+        assert run_and_reload(eng, prompt)
+        assert mgr.stats()["late_holds"] == 0
+        # The parts the scheduler and the worker filled: another engine of
+        # another hash seed, or another layout, is refused by field.
+        with pytest.raises(kv.PoolMismatchError) as e:
+            mgr.pool.ensure_hashing("sha256_cbor", bytes(32))
+        assert e.value.field == "NONE_HASH"
+        with pytest.raises(kv.PoolMismatchError) as e:
+            eng.kvw.pool.ensure_layout(0, [tv.PAGE])
+        assert e.value.field == "rank 0 tensor count"
+    finally:
+        eng.shutdown()
+
+
+def test_an_engine_of_another_tag_is_refused_by_the_pool_file(model_dir, pool_name, seeded):
+    eng = Engine(model_dir, extra_config(kvo_pool=pool_name), hash_algo="sha256_cbor")
+    eng.shutdown()
+    other = extra_config(kvo_pool=pool_name, kvo_pool_tag="fine-tune-2")
+    cfg = tv.vllm_config(model_dir, other, hash_algo="sha256_cbor")
+    kvc = kv_cache_config()
+    conn = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    with pytest.raises(kv.PoolMismatchError) as e:
+        conn.register_kv_caches(tv.allocate(kvc))  # -> get_worker opens the pool
+    assert (e.value.field, e.value.pool_value, e.value.engine_value) == ("kvo_pool_tag", "", "fine-tune-2")
+
+
+CHILD_ENGINE = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import test_vllm_pool as tp
+tp.kvv._pool_region = tp.own_region
+eng = tp.Engine({model_dir!r}, tp.extra_config(kvo_pool={name!r}), hash_algo="sha256_cbor")
+tp.init_none_hash(tp.sha256_cbor)
+mgr = eng.sched.connector.connector_scheduler.manager
+prompt = tp.prompt_of({tokens}, seed={seed})
+a = eng.add(prompt)
+eng.run(a)
+print("KVO-TEST stored", mgr.pool.engine, mgr.stats()["stores"], flush=True)
+sys.stdin.readline()
+# Mid-load: the same prompt again, its prefix on the host; the scheduler
+# looks it up and prepares its load (holds taken), the workers never run.
+eng.forget_gpu_cache()
+eng.add(prompt)
+eng.sched.schedule()
+print("KVO-TEST loading", mgr.stats()["held_slots"], flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_second_engine_process_hits_what_the_first_computed_and_sweeps_it_killed_mid_load(
+    model_dir, pool_name, seeded
+):
+    """Two engines in two processes on one pool file, each vLLM's real
+    scheduler and connector: the second's lookups hit every block the
+    first stored (the same block hashes: NONE_HASH from PYTHONHASHSEED on
+    0.26, vLLM's fixed seed on 0.33+), on the slots the first published;
+    the first, killed while it holds blocks for a load, is swept by the
+    second: its holds gone, its published blocks kept, and the second's
+    own round trips stay right byte for byte."""
+    import select
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    tokens = 6 * BS
+    script = CHILD_ENGINE.format(
+        tests=os.path.dirname(os.path.abspath(__file__)), model_dir=model_dir, name=pool_name, tokens=tokens, seed=21
+    )
+    # Its log to a file: a pipe nobody reads while it runs could fill up.
+    log_file = tempfile.TemporaryFile(mode="w+")
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True
+    )
+
+    def log_tail():
+        log_file.seek(0)
+        return log_file.read()[-4000:]
+
+    def expect(word, timeout=120.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([child.stdout], [], [], deadline - time.monotonic())
+            if not ready:
+                continue
+            line = child.stdout.readline()
+            if not line:
+                child.wait(timeout=10)
+                raise AssertionError(f"the child engine exited ({child.returncode}): {log_tail()}")
+            if not line.startswith("KVO-TEST "):
+                continue  # vLLM's own log lines (0.26 logs to stdout)
+            got, *rest = line.split()[1:]
+            assert got == word, line
+            return [int(x) for x in rest]
+        child.kill()
+        raise AssertionError(f"no {word!r} from the child engine in {timeout} s: {log_tail()}")
+
+    try:
+        first, stored = expect("stored")
+        assert stored > 0
+        prompt = prompt_of(tokens, seed=21)
+        # The second engine schedules the first one's prompt: the prefix
+        # the first computed (every full block but the last, which vLLM
+        # recomputes) is an external hit, held for its load. It leaves
+        # without loading: these rows are in the first engine's own region.
+        eng = Engine(model_dir, extra_config(kvo_pool=pool_name), hash_algo="sha256_cbor")
+        init_none_hash(sha256_cbor)
+        try:
+            mgr = eng.sched.connector.connector_scheduler.manager
+            assert mgr.pool.engine != first
+            eng.add(prompt)
+            eng.sched.schedule()
+            assert mgr.counters["hits"] >= tokens // BS - 1, mgr.stats()
+            assert mgr.counters["loads"] > 0 and mgr.counters["late_holds"] == 0
+            assert mgr.stats()["held_slots"] > 0
+        finally:
+            eng.shutdown()
+        assert kv.Pool.open(pool_name, config=mgr_config(eng)).census()["held"] == 0, "its holds ended as it left"
+
+        # The first engine, mid-load, holds its blocks; a third engine
+        # beside it sweeps nothing while it lives, and it all once it is
+        # killed.
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        (held,) = expect("loading")
+        assert held > 0
+        eng = Engine(model_dir, extra_config(kvo_pool=pool_name), hash_algo="sha256_cbor")
+        init_none_hash(sha256_cbor)
+        try:
+            mgr = eng.sched.connector.connector_scheduler.manager
+            assert mgr.pool.census()["held"] == held
+            assert mgr.sweep() == [], "nothing swept while it lives"
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+            assert mgr.sweep() == [first]
+            c = mgr.pool.census()
+            assert c["held"] == 0 and c["writing"] == 0
+            assert c["readable"] >= stored, "the dead engine's published blocks stay"
+            # This engine's own blocks: stored, reloaded, byte for byte.
+            assert run_and_reload(eng, prompt_of(4 * BS, seed=22))
+            mgr.pool.check()
+        finally:
+            eng.shutdown()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+        for f in (child.stdin, child.stdout, log_file):
+            f.close()
+
+
+def mgr_config(eng):
+    return kvv.pool_config(eng.worker_conn.connector_worker.spec.config, "")
