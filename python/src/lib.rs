@@ -38,7 +38,9 @@
 //! classes: `PinOptions`, `TransferOptions`, `RegionSpec`, `ShmOptions`),
 //! `args.rs` (arguments from Python), `tensors.rs` (the KV cache's classes,
 //! `KvSpec` and `KvAlloc`, and the engine's tensors, CPU ones adopted on
-//! the sim), `signals.rs`, `agreement.rs`, `errors.rs`, `testing.rs`.
+//! the sim), `signals.rs`, `agreement.rs`, `errors.rs`, `testing.rs`;
+//! `pool.rs` (`kvoffload.Pool`, the node pool's protocol for an engine's
+//! processes), `pool_words.rs`, `pool_args.rs`.
 
 mod agreement;
 mod args;
@@ -48,6 +50,8 @@ mod front;
 mod offloader;
 mod options;
 mod pool;
+mod pool_args;
+mod pool_words;
 mod results;
 mod runtime;
 mod signals;

@@ -16,122 +16,25 @@
 //! deadline, releases the GIL between polls and checks Python's signals
 //! (Ctrl-C raises the handler's exception). Every entry point runs inside
 //! [`guarded`]: no Rust panic crosses into Python.
+//!
+//! Files: this one (the class), `pool_words.rs` (where the words live:
+//! a pool file, or in-process words for tests), `pool_args.rs` (arguments
+//! from Python, and the pool file's waits).
 
 use std::time::Instant;
 
 use kvoffload::internal::pool::file::liveness::member_of_self;
-use kvoffload::internal::pool::file::{PoolFile, PoolOptions, PoolSpec, Wait};
-use kvoffload::internal::pool::fingerprint::{ConfigRecord, FixedStr, GroupRecord, HashingRecord, LayoutRecord};
+use kvoffload::internal::pool::file::{PoolFile, PoolOptions, PoolSpec};
+use kvoffload::internal::pool::fingerprint::{HashingRecord, LayoutRecord};
 use kvoffload::internal::pool::slot::{SlotError, MAX_ENGINES};
 use kvoffload::internal::pool::sweep::Lease;
 use kvoffload::internal::pool::table::{Lookup, Placement, PoolTable};
-use kvoffload::internal::pool::words::{Geometry, Key, Liveness, LocalPoolWords, Member, PoolWords};
+use kvoffload::internal::pool::words::{Geometry, Member, PoolWords};
 use pyo3::types::{PyBytes, PyList};
 
+use super::pool_args::*;
+pub(crate) use super::pool_words::{AnyWords, LocalPool};
 use super::*;
-
-/// Where a pool's words live: a pool file's mapping, or (tests) the sync
-/// facade's atomics shared by the `Pool` objects of one process.
-pub(crate) enum AnyWords {
-    /// A pool file's mapping (`Pool.open`).
-    Shm(Arc<PoolFile>),
-    /// In-process words (`kvoffload._testing.local_pool`): each `Pool`
-    /// object is a "process" with its own pid index.
-    Local(Arc<LocalPool>),
-}
-
-/// In-process words and the pids handed out so far (tests).
-pub(crate) struct LocalPool {
-    pub(crate) words: LocalPoolWords,
-    next_pid: std::sync::atomic::AtomicU32,
-    processes: u32,
-}
-
-impl LocalPool {
-    /// Pools of `geometry` with room for `processes` `Pool` objects.
-    pub(crate) fn new(geometry: Geometry, processes: u32) -> LocalPool {
-        LocalPool {
-            words: LocalPoolWords::new(geometry, processes as usize),
-            next_pid: std::sync::atomic::AtomicU32::new(1),
-            processes,
-        }
-    }
-
-    /// The record of a new "process" (pids 1, 2, ...), None past `processes`.
-    pub(crate) fn process(&self) -> Option<Member> {
-        let pid = self.next_pid.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        (pid <= self.processes).then(|| LocalPoolWords::process(pid))
-    }
-}
-
-macro_rules! each {
-    ($self:ident, $w:ident => $e:expr) => {
-        match $self {
-            AnyWords::Shm(f) => {
-                let $w = f.words();
-                $e
-            }
-            AnyWords::Local(l) => {
-                let $w = &l.words;
-                $e
-            }
-        }
-    };
-}
-
-impl PoolWords for AnyWords {
-    fn geometry(&self) -> Geometry {
-        each!(self, w => w.geometry())
-    }
-    fn slot_load(&self, slot: usize) -> u64 {
-        each!(self, w => w.slot_load(slot))
-    }
-    fn slot_cas(&self, slot: usize, current: u64, new: u64) -> Result<u64, u64> {
-        each!(self, w => w.slot_cas(slot, current, new))
-    }
-    fn key_load(&self, slot: usize) -> Key {
-        each!(self, w => w.key_load(slot))
-    }
-    fn key_store(&self, slot: usize, key: &Key) {
-        each!(self, w => w.key_store(slot, key))
-    }
-    fn clock_load(&self, slot: usize) -> bool {
-        each!(self, w => w.clock_load(slot))
-    }
-    fn clock_store(&self, slot: usize, referenced: bool) {
-        each!(self, w => w.clock_store(slot, referenced))
-    }
-    fn hand_next(&self, set: usize) -> u32 {
-        each!(self, w => w.hand_next(set))
-    }
-    fn owner_load(&self, engine: u8) -> u64 {
-        each!(self, w => w.owner_load(engine))
-    }
-    fn owner_cas(&self, engine: u8, current: u64, new: u64) -> Result<u64, u64> {
-        each!(self, w => w.owner_cas(engine, current, new))
-    }
-    fn members_load(&self, engine: u8) -> u64 {
-        each!(self, w => w.members_load(engine))
-    }
-    fn members_cas(&self, engine: u8, current: u64, new: u64) -> Result<u64, u64> {
-        each!(self, w => w.members_cas(engine, current, new))
-    }
-    fn member_load(&self, engine: u8, member: u8) -> Member {
-        each!(self, w => w.member_load(engine, member))
-    }
-    fn member_store(&self, engine: u8, member: u8, record: &Member) {
-        each!(self, w => w.member_store(engine, member, record))
-    }
-    fn engine_id_load(&self, engine: u8) -> [u64; 4] {
-        each!(self, w => w.engine_id_load(engine))
-    }
-    fn engine_id_store(&self, engine: u8, id: &[u64; 4]) {
-        each!(self, w => w.engine_id_store(engine, id))
-    }
-    fn liveness(&self, record: &Member) -> Liveness {
-        each!(self, w => w.liveness(record))
-    }
-}
 
 /// This process's place in the engine table, once joined.
 #[derive(Clone, Copy)]
@@ -207,107 +110,6 @@ impl PyPool {
     fn slot_err(&self, py: Python<'_>, call: &str, slot: u32, epoch: u32, e: SlotError) -> PyErr {
         errors::pool_slot(py, format!("Pool.{call}: slot {slot} (epoch {epoch}) of pool {:?}: {e}", self.name), &e)
     }
-}
-
-/// `config` (a dict with the fields of the fingerprint's config part,
-/// design 1.3; `kvoffload.vllm.pool_config` makes it) as the record.
-fn parse_config(py: Python<'_>, config: &Bound<'_, PyDict>) -> PyResult<ConfigRecord> {
-    let field = |name: &str| -> PyResult<Bound<'_, PyAny>> {
-        config
-            .get_item(name)?
-            .ok_or_else(|| errors::options(py, format!("Pool.open: config has no {name:?} (a fingerprint field)")))
-    };
-    let bad = |name: &str, want: &str| errors::options(py, format!("Pool.open: config[{name:?}] must be {want}"));
-    let text = |name: &str| -> PyResult<String> { field(name)?.extract().map_err(|_| bad(name, "a str")) };
-    let uint = |name: &str| -> PyResult<u32> { field(name)?.extract().map_err(|_| bad(name, "an int in [0, 2**32)")) };
-    let pe = |e| errors::pool_file(py, e);
-    let mut groups = Vec::new();
-    for g in field("groups")?.try_iter()? {
-        let (tokens_per_block, digest): (u32, Vec<u8>) =
-            g?.extract().map_err(|_| bad("groups", "a list of (tokens_per_block, 32-byte SHA-256) pairs"))?;
-        let layer_names_sha256: [u8; 32] =
-            digest.try_into().map_err(|_| bad("groups", "a list of (tokens_per_block, 32-byte SHA-256) pairs"))?;
-        groups.push(GroupRecord { tokens_per_block, layer_names_sha256 });
-    }
-    let record = ConfigRecord {
-        model: FixedStr::new("model", &text("model")?).map_err(pe)?,
-        kv_dtype: FixedStr::new("dtype", &text("kv_dtype")?).map_err(pe)?,
-        tag: FixedStr::new("kvo_pool_tag", &text("tag")?).map_err(pe)?,
-        groups,
-        tokens_per_hash: uint("tokens_per_hash")?,
-        blocks_per_chunk: uint("blocks_per_chunk")?,
-        bytes_per_block: field("bytes_per_block")?.extract().map_err(|_| bad("bytes_per_block", "an int >= 0"))?,
-        world_size: uint("world_size")?,
-        tp_size: uint("tp_size")?,
-        pp_size: uint("pp_size")?,
-        pcp_size: uint("pcp_size")?,
-        dcp_size: uint("dcp_size")?,
-        kv_cache_layout: FixedStr::new("kv_cache_layout", &text("kv_cache_layout")?).map_err(pe)?,
-        replicated_layout: field("replicated_layout")?.extract().map_err(|_| bad("replicated_layout", "a bool"))?,
-    };
-    record.check().map_err(pe)?;
-    Ok(record)
-}
-
-/// A bounded wait of the pool file, interrupted by Python's signals: runs
-/// `f` with the GIL released and the wait's check, then raises the signal
-/// handler's exception if one was raised, else `f`'s error.
-fn waiting<T: Send>(
-    py: Python<'_>,
-    timeout: f64,
-    f: impl FnOnce(Wait<'_>) -> Result<T, kvoffload::internal::pool::error::PoolError> + Send,
-) -> PyResult<T> {
-    let bound = seconds(py, "timeout", Some(timeout))?.unwrap_or_default();
-    let signals = Signals::default();
-    let r = py.detach(|| {
-        let check = || signals.check();
-        f(Wait::new(bound).interruptible(&check))
-    });
-    if let Some(e) = signals.raised.lock().unwrap_or_else(|p| p.into_inner()).take() {
-        return Err(e);
-    }
-    r.map_err(|e| errors::pool_file(py, e))
-}
-
-/// vLLM's `OffloadKey` (hash bytes, then the group as 4 big-endian bytes)
-/// as a pool key.
-fn parse_key(py: Python<'_>, k: &Bound<'_, PyAny>) -> PyResult<Key> {
-    let b = k.cast::<PyBytes>().map_err(|_| {
-        errors::options(py, format!("a pool key is bytes (vLLM's OffloadKey: hash, then 4 group bytes), not {k}"))
-    })?;
-    let b = b.as_bytes();
-    if b.len() < 5 || b.len() > 36 {
-        return Err(errors::options(
-            py,
-            format!("a pool key is 1 to 32 hash bytes and 4 group bytes; this one has {} bytes", b.len()),
-        ));
-    }
-    let (hash, group) = b.split_at(b.len() - 4);
-    let group = u32::from_be_bytes([group[0], group[1], group[2], group[3]]);
-    Key::new(hash, group).ok_or_else(|| errors::options(py, "a pool key's hash must have 1 to 32 bytes"))
-}
-
-fn key_bytes(k: &Key) -> Vec<u8> {
-    let mut b = k.hash_bytes();
-    b.extend_from_slice(&k.group.to_be_bytes());
-    b
-}
-
-fn parse_keys_of(py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
-    keys.try_iter()?.map(|k| parse_key(py, &k?)).collect()
-}
-
-/// The SHA-256 of vLLM's `engine_id` as four words (design 2.4).
-fn engine_digest(py: Python<'_>, engine_id: &str) -> PyResult<[u64; 4]> {
-    let d = py.import("hashlib")?.call_method1("sha256", (PyBytes::new(py, engine_id.as_bytes()),))?;
-    let d: Vec<u8> = d.call_method0("digest")?.extract()?;
-    let mut w = [0u64; 4];
-    for (i, c) in d.chunks(8).take(4).enumerate() {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(c);
-        w[i] = u64::from_le_bytes(b);
-    }
-    Ok(w)
 }
 
 #[pymethods]

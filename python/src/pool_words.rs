@@ -1,0 +1,111 @@
+//! Where a `kvoffload.Pool`'s words live ([`AnyWords`]): a pool file's
+//! mapping, or the in-process words of `kvoffload._testing.local_pool`
+//! ([`LocalPool`]); the protocol (`PoolTable`) runs over either.
+
+use kvoffload::internal::pool::file::PoolFile;
+use kvoffload::internal::pool::words::{Geometry, Key, Liveness, LocalPoolWords, Member, PoolWords};
+
+use super::*;
+
+/// Where a pool's words live: a pool file's mapping, or (tests) the sync
+/// facade's atomics shared by the `Pool` objects of one process.
+pub(crate) enum AnyWords {
+    /// A pool file's mapping (`Pool.open`).
+    Shm(Arc<PoolFile>),
+    /// In-process words (`kvoffload._testing.local_pool`): each `Pool`
+    /// object is a "process" with its own pid index.
+    Local(Arc<LocalPool>),
+}
+
+/// In-process words and the pids handed out so far (tests).
+pub(crate) struct LocalPool {
+    pub(crate) words: LocalPoolWords,
+    next_pid: std::sync::atomic::AtomicU32,
+    processes: u32,
+}
+
+impl LocalPool {
+    /// Pools of `geometry` with room for `processes` `Pool` objects.
+    pub(crate) fn new(geometry: Geometry, processes: u32) -> LocalPool {
+        LocalPool {
+            words: LocalPoolWords::new(geometry, processes as usize),
+            next_pid: std::sync::atomic::AtomicU32::new(1),
+            processes,
+        }
+    }
+
+    /// The record of a new "process" (pids 1, 2, ...), None past `processes`.
+    pub(crate) fn process(&self) -> Option<Member> {
+        let pid = self.next_pid.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        (pid <= self.processes).then(|| LocalPoolWords::process(pid))
+    }
+}
+
+macro_rules! each {
+    ($self:ident, $w:ident => $e:expr) => {
+        match $self {
+            AnyWords::Shm(f) => {
+                let $w = f.words();
+                $e
+            }
+            AnyWords::Local(l) => {
+                let $w = &l.words;
+                $e
+            }
+        }
+    };
+}
+
+impl PoolWords for AnyWords {
+    fn geometry(&self) -> Geometry {
+        each!(self, w => w.geometry())
+    }
+    fn slot_load(&self, slot: usize) -> u64 {
+        each!(self, w => w.slot_load(slot))
+    }
+    fn slot_cas(&self, slot: usize, current: u64, new: u64) -> Result<u64, u64> {
+        each!(self, w => w.slot_cas(slot, current, new))
+    }
+    fn key_load(&self, slot: usize) -> Key {
+        each!(self, w => w.key_load(slot))
+    }
+    fn key_store(&self, slot: usize, key: &Key) {
+        each!(self, w => w.key_store(slot, key))
+    }
+    fn clock_load(&self, slot: usize) -> bool {
+        each!(self, w => w.clock_load(slot))
+    }
+    fn clock_store(&self, slot: usize, referenced: bool) {
+        each!(self, w => w.clock_store(slot, referenced))
+    }
+    fn hand_next(&self, set: usize) -> u32 {
+        each!(self, w => w.hand_next(set))
+    }
+    fn owner_load(&self, engine: u8) -> u64 {
+        each!(self, w => w.owner_load(engine))
+    }
+    fn owner_cas(&self, engine: u8, current: u64, new: u64) -> Result<u64, u64> {
+        each!(self, w => w.owner_cas(engine, current, new))
+    }
+    fn members_load(&self, engine: u8) -> u64 {
+        each!(self, w => w.members_load(engine))
+    }
+    fn members_cas(&self, engine: u8, current: u64, new: u64) -> Result<u64, u64> {
+        each!(self, w => w.members_cas(engine, current, new))
+    }
+    fn member_load(&self, engine: u8, member: u8) -> Member {
+        each!(self, w => w.member_load(engine, member))
+    }
+    fn member_store(&self, engine: u8, member: u8, record: &Member) {
+        each!(self, w => w.member_store(engine, member, record))
+    }
+    fn engine_id_load(&self, engine: u8) -> [u64; 4] {
+        each!(self, w => w.engine_id_load(engine))
+    }
+    fn engine_id_store(&self, engine: u8, id: &[u64; 4]) {
+        each!(self, w => w.engine_id_store(engine, id))
+    }
+    fn liveness(&self, record: &Member) -> Liveness {
+        each!(self, w => w.liveness(record))
+    }
+}
