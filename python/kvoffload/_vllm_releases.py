@@ -18,7 +18,12 @@ what                            0.26-0.29   0.30-0.32   0.33    0.34
 ``submit_load(expedited=)``     no          no          yes     yes
 GPU side of a job               block ids   block ids   same    DevicePointers
 ``TransferResult(success=0)``   crashes     crashes     same    accepted
+``NONE_HASH`` seed (unseeded)   random      not read    fixed*  fixed*
 ==============================  ==========  ==========  ======  ==============
+
+(*) ``sha256`` and ``sha256_cbor`` from vLLM's fixed seed, ``xxhash*``
+random: :func:`none_hash` asks the release's ``resolve_none_hash_seed``
+where it has one (0.26 has none: its seed is PYTHONHASHSEED or random).
 """
 
 from __future__ import annotations
