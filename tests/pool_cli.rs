@@ -75,7 +75,7 @@ fn ls_shows_each_pools_shape_fingerprint_slots_and_engines() {
         "model meta-llama/Llama-3.1-8B-Instruct  dtype bfloat16  block 16,32  world 2  hash sha256",
         "slots free 62 writing 1 readable 1 held 1",
         "engines live 1 dead 1",
-        "last publish 2023-11-14T22:13:20Z",
+        "last store 2023-11-14T22:13:20Z",
         &format!("(engine 1 (pids {}))", live.id()),
     ] {
         assert!(out.contains(want), "{want:?} not in {out}");

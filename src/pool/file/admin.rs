@@ -78,8 +78,8 @@ pub struct PoolSummary {
     pub engines: EngineCounts,
     /// Unix time of creation, nanoseconds.
     pub created_unix_nanos: u64,
-    /// Unix time of the last publish, milliseconds.
-    pub last_publish_unix_ms: Option<u64>,
+    /// Unix time of the last store, milliseconds.
+    pub last_store_unix_ms: Option<u64>,
     /// Made in this boot.
     pub same_boot: bool,
 }
@@ -160,7 +160,7 @@ impl PoolFile {
             slots: self.slot_counts(),
             engines: self.engines(),
             created_unix_nanos: self.created_unix_nanos(),
-            last_publish_unix_ms: last,
+            last_store_unix_ms: last,
             same_boot: self.same_boot(),
         })
     }
