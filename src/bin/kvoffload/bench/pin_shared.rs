@@ -456,7 +456,7 @@ impl fmt::Display for SharedReport {
         writeln!(f)?;
         writeln!(
             f,
-            "{:<16} {:>5} {:>5} {:>7} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5} {:>7}  result",
+            "{:<22} {:>5} {:>5} {:>7} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5} {:>7}  result",
             "variant",
             "size",
             "ranks",
@@ -494,7 +494,7 @@ impl fmt::Display for SharedReport {
             };
             writeln!(
                 f,
-                "{:<16} {:>5} {:>5} {:>7} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5.0} {:>7.3}  {}",
+                "{:<22} {:>5} {:>5} {:>7} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5.0} {:>7.3}  {}",
                 m.label(),
                 fmt_bytes(m.size).replace(' ', ""),
                 m.ranks,
@@ -515,7 +515,7 @@ impl fmt::Display for SharedReport {
         for m in &self.rows {
             if !seen.contains(&m.variant.name) {
                 seen.push(m.variant.name);
-                writeln!(f, "{:<16} {}", m.variant.name, m.variant.describe())?;
+                writeln!(f, "{:<22} {}", m.variant.name, m.variant.describe())?;
             }
         }
         writeln!(
