@@ -301,13 +301,15 @@ fn persistent_region_half_made_by_a_killed_creator_is_made_again() {
     child_dispatch!();
     let test = "persistent_region_half_made_by_a_killed_creator_is_made_again";
     let o = mopts(PATIENCE);
+    // Before `Ready` (made again), then after it (kept): the creator
+    // reserves its share once it has published, as any opener does.
     for (step, files) in [
         ("HeaderCreated", 1),
         ("DataFileCreated0", 2),
         ("DataFileCreated3", FILES),
+        ("Ready", FILES),
         ("Reserving", FILES),
         ("Reserved", FILES),
-        ("Ready", FILES),
     ] {
         let g = ShmGuard::new(&step.to_lowercase());
         let mut child = ChildGuard::spawn_piped(test, &format!("create:{step}"), &g.name);
@@ -320,7 +322,7 @@ fn persistent_region_half_made_by_a_killed_creator_is_made_again() {
         let t = Instant::now();
         let mut r = Region::open_persistent(&g.name, mlayout(), 1, &o).unwrap();
         assert!(t.elapsed() < PATIENCE / 3, "{step}: took {:?}", t.elapsed());
-        if step == "Ready" {
+        if matches!(step, "Ready" | "Reserving" | "Reserved") {
             // Killed after publishing: the region is whole and kept.
             assert_eq!(origin(&r), PersistentOrigin::Opened, "{step}");
             assert_eq!(inode(&g.path), before, "{step}: a whole region was made again");
@@ -332,6 +334,13 @@ fn persistent_region_half_made_by_a_killed_creator_is_made_again() {
         write_share(&mut r, 0x30);
         check_share(&r, 1, 0x30);
         drop(r);
+        if step == "Reserving" {
+            // Killed before reserving its share: the next rank 0 does.
+            assert_eq!(allocated(&g.data_path(0)), 0, "{step}");
+            let r0 = Region::open_persistent(&g.name, mlayout(), 0, &o).unwrap();
+            assert_eq!(origin(&r0), PersistentOrigin::Opened);
+            assert_eq!(allocated(&g.data_path(0)), 2 * page_size() as u64, "{step}: rank 0's share not reserved");
+        }
         remove(&g, &o);
     }
 }
@@ -357,6 +366,12 @@ fn persistent_region_being_made_by_a_live_creator_is_waited_for_never_removed() 
     match Region::remove_persistent(&g.name, &mopts(Duration::from_millis(300))) {
         Err(RegionError::PersistentBusy { path, .. }) => assert_eq!(path, g.path),
         other => panic!("expected PersistentBusy, got {other:?}"),
+    }
+    // A create/join rank of the same name refuses it at once (its timeout
+    // would abandon the region and remove the creator's files).
+    match Region::join(&g.name, mlayout(), 1, &mopts(Duration::from_millis(300))) {
+        Err(RegionError::BadHeader { field: "magic", .. }) => {}
+        other => panic!("join: expected BadHeader(magic), got {other:?}"),
     }
     assert_eq!((g.files().len(), inode(&g.path)), (2, before), "a live creator's files were touched");
     // An opener waiting while the creator goes on gets the creator's region.

@@ -38,11 +38,16 @@
 //! 4. size and map the header, write every field (magic included) at
 //!    once: a half-made region says it is one before any data file exists;
 //! 5. each data file as `create` makes it (inode recorded before sizing);
-//! 6. reserve this rank's own data files (unless deferred);
-//! 7. publish `Ready` (release CAS `Init -> Ready`), then drop the lock.
+//! 6. publish `Ready` (release CAS `Init -> Ready`), then drop the lock;
+//! 7. reserve this rank's own data files (unless deferred), as any opener
+//!    does: the other ranks of its engine, waiting for `Ready`, reserve
+//!    theirs at the same time (as with `create`, which also publishes
+//!    before reserving). A reservation that fails ([`RegionError::ShmFull`])
+//!    fails this call and leaves the region whole; the next opener of
+//!    this rank reserves again.
 //!
-//! Any failure before 7 takes the files apart as `create` does (abandon,
-//! then unlink what this process made, by inode); from 7 on the files are
+//! Any failure before 6 takes the files apart as `create` does (abandon,
+//! then unlink what this process made, by inode); from 6 on the files are
 //! never unlinked by this process: not on drop, not by
 //! [`Region::unlink_now`].
 //!
@@ -83,10 +88,11 @@
 //! # Kill safety
 //!
 //! A creator killed at any step before `Ready` ([`ShmStep::HeaderCreated`],
-//! [`ShmStep::DataFileCreated`], [`ShmStep::Reserving`],
-//! [`ShmStep::Reserved`]) leaves a half-made region whose lock is free; the
-//! next opener removes it and creates the region again. Killed after
-//! `Ready`: the region is whole, and openers use it. An opener killed
+//! [`ShmStep::DataFileCreated`]) leaves a half-made region whose lock is
+//! free; the next opener removes it and creates the region again. Killed
+//! after `Ready` ([`ShmStep::Ready`], [`ShmStep::Reserving`],
+//! [`ShmStep::Reserved`]): the region is whole, and openers use it (the
+//! next opener of that rank reserves what it had not). An opener killed
 //! anywhere leaves nothing to undo: it claims no word and makes no file. A
 //! cleaner killed midway leaves the header `Abandoned` (or gone, with no
 //! data file left): the next opener finishes the removal. A remaining
@@ -158,7 +164,7 @@ impl Region {
     ///
     /// If there is none, this process creates every file (the checks and
     /// errors of [`Region::create`]: capacity, `O_EXCL | O_NOFOLLOW`,
-    /// mode), reserves its own share and publishes it; if there is one, it
+    /// mode), publishes it and reserves its own share; if there is one, it
     /// opens and checks every file as [`Region::join`] does
     /// ([`RegionError::UntrustedFile`]), refuses a header that does not
     /// match `layout` and `opts` naming the field
@@ -376,12 +382,6 @@ impl Cx<'_> {
         if let Some(plan) = &self.shape.plan {
             region.create_data_files(plan, self.opts)?;
         }
-        if self.opts.huge_pages && self.shape.hpage.is_none() {
-            region.huge_pages_advised = region.try_advise_huge_pages();
-        }
-        if !region.shared().deferred {
-            region.reserve_own()?;
-        }
         let published = region
             .hdr()
             .update(|w| (w.state == JoinState::Init).then_some(JoinWord { state: JoinState::Ready, mask: 0 }));
@@ -405,6 +405,14 @@ impl Cx<'_> {
             rank = self.rank,
             "created persistent region"
         );
+        // Published: from here on an error leaves the files (a whole
+        // region), as for an opener.
+        if !region.shared().deferred {
+            region.reserve_own()?;
+        }
+        if self.opts.huge_pages && self.shape.hpage.is_none() {
+            region.huge_pages_advised = region.try_advise_huge_pages();
+        }
         Ok(Attempt::Done(region))
     }
 

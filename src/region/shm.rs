@@ -116,7 +116,7 @@ use tracing::{debug, info, warn};
 
 use super::error::{JoinPhase, RegionError};
 use super::files::{self, FilePlan};
-use super::header::{full_mask, Fields, Hdr, JoinState, JoinWord, MAGIC, VERSION};
+use super::header::{full_mask, Fields, Hdr, JoinState, JoinWord, MAGIC, PERSISTENT_MAGIC, VERSION};
 use super::hugetlb;
 use super::layout::Layout;
 use super::limits;
@@ -403,6 +403,21 @@ impl Region {
         let word = loop {
             let w = region.hdr().load();
             match w.state {
+                JoinState::Init if region.hdr().read_fields().magic == PERSISTENT_MAGIC => {
+                    // A persistent region being made (its creator writes
+                    // every field before any data file; read before
+                    // `Ready`, a write in progress reads as some other
+                    // value, never as the whole magic): not a launch's
+                    // region; refused at once and left alone (a timeout
+                    // here would abandon and remove a live creator's files).
+                    region.forget_link();
+                    return Err(RegionError::BadHeader {
+                        path: region.shared_path().to_path_buf(),
+                        field: "magic",
+                        expected: MAGIC,
+                        found: PERSISTENT_MAGIC,
+                    });
+                }
                 JoinState::Init => {
                     if interrupt.due() {
                         // Given up as on a timeout (below), whether or not
