@@ -16,7 +16,7 @@
 //! left each of those steps with two meanings; one call with one meaning
 //! (create-or-open) is simpler to read and to check. The files, their
 //! trust checks, the header layout, the data files, their reservation and
-//! mapping are the same code as `create`/`join` ([`super::shm_files`]).
+//! mapping are the same code as `create`/`join` (`shm_files.rs`).
 //!
 //! # Protocol
 //!
