@@ -89,8 +89,7 @@ impl World {
         let g = Geometry { slots: SETS * WAYS, ways: WAYS, ranks: RANKS, engines: ENGINES as u8 + 1 };
         let table = PoolTable::new(LocalPoolWords::new(g, 400));
         let sweeper = LocalPoolWords::process(1);
-        let mut w =
-            World { table, model: vec![Model::Free; (SETS * WAYS) as usize], engines: vec![], next_pid: 2, sweeper };
+        let mut w = World { table, model: vec![Model::Free; (SETS * WAYS) as usize], engines: vec![], next_pid: 2, sweeper };
         for e in 0..ENGINES {
             let eng = w.join(e);
             w.engines.push(eng);
@@ -224,9 +223,7 @@ impl World {
             return;
         }
         let (slot, epoch) = self.engines[e].holds.remove(i % n);
-        let Model::Readable { holders, .. } = &mut self.model[slot as usize] else {
-            panic!("a hold on a slot not readable")
-        };
+        let Model::Readable { holders, .. } = &mut self.model[slot as usize] else { panic!("a hold on a slot not readable") };
         let count = holders.get_mut(&me).expect("the model holds it");
         *count -= 1;
         if *count == 0 {
