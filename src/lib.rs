@@ -59,7 +59,10 @@
 //! - `pin`: chunked registration with rollback, in the background.
 //! - `manager`: block states, reference counts and eviction.
 //! - `pool`: the node pool shared by a node's engines
-//!   (docs/node-pool-design.md), so far its slot state word and transitions.
+//!   (docs/node-pool-design.md): its words (slot, key, engine table), the
+//!   index protocol over them (lookup and hold, claim and CLOCK eviction,
+//!   each rank's completion, the sweep of a dead engine), the pool's index
+//!   file with its fingerprint, and `kvoffload pool ls|rm`.
 //! - `transfer`: store and load jobs between GPU blocks and host blocks,
 //!   with per-fragment, batched, gather-kernel and staged copy backends.
 //! - `offloader`: the slot-addressed core an engine holds, and the keyed

@@ -99,6 +99,36 @@ fn bench_pin_shared_rejects_bad_shapes_in_one_line() {
     assert!(err.contains("one size"), "{err}");
 }
 
+/// `bench pin --shared --existing`: each variant at each rank count once
+/// fresh and once existing, each pass ok (the existing ranks found the
+/// fresh ranks' stamps, and the region was removed afterwards: a file left
+/// fails the row), a time-to-ready line each, the picture drawn.
+#[test]
+fn bench_pin_shared_existing_reports_a_fresh_and_an_existing_region() {
+    let dir = scratch("existing");
+    let d = dir.to_str().unwrap();
+    let args = ["bench", "pin", "--shared", "--existing", "--backend", "sim", "--ranks", "1,2", "--size", "64MiB"];
+    let (code, out, err) = kvoffload(&[&args[..], &["--variants", "new,overlap", "--no-warmup", "--svg", d]].concat());
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(!out.contains("FAILED"), "{out}");
+    for label in ["new/fresh ", "new/existing ", "overlap/fresh ", "overlap/existing "] {
+        assert_eq!(out.lines().filter(|l| l.starts_with(label) && l.contains("ok (")).count(), 2, "{label}: {out}");
+    }
+    for ranks in [1, 2] {
+        for v in ["new", "overlap"] {
+            let line = format!("time to ready, 64 MiB x {ranks} rank(s), {v}, median: fresh region open");
+            assert!(out.contains(&line), "{line}: {out}");
+        }
+    }
+    let svg = std::fs::read_to_string(dir.join("pin-shared.svg")).unwrap_or_else(|e| panic!("{e}\n{out}"));
+    assert!(svg.contains("new/existing, 2 rank(s), end to end"), "legend missing");
+    std::fs::remove_dir_all(&dir).unwrap();
+    // Only with --shared.
+    let (code, _, err) = kvoffload(&["bench", "pin", "--existing", "--backend", "sim"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--shared"), "{err}");
+}
+
 fn scratch(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("kvo-pin-bench-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);

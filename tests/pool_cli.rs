@@ -75,7 +75,7 @@ fn ls_shows_each_pools_shape_fingerprint_slots_and_engines() {
         "model meta-llama/Llama-3.1-8B-Instruct  dtype bfloat16  block 16,32  world 2  hash sha256",
         "slots free 62 writing 1 readable 1 held 1",
         "engines live 1 dead 1",
-        "last publish 2023-11-14T22:13:20Z",
+        "last store 2023-11-14T22:13:20Z",
         &format!("(engine 1 (pids {}))", live.id()),
     ] {
         assert!(out.contains(want), "{want:?} not in {out}");
@@ -114,12 +114,16 @@ fn ls_reports_a_file_it_must_not_read_and_goes_on() {
     assert_eq!(std::fs::metadata(&bad).unwrap().permissions().mode() & 0o777, 0o666, "left alone");
 }
 
-/// The region files of pool "node" (data files 0 and 1 and the header),
-/// and a file of pool "nodex" beside them.
+/// The rows' region of pool "node" (a persistent region: data files 0 and
+/// 1 and the header, made by `Region::open_persistent` and dropped: its
+/// files stay), and a file of pool "nodex" beside them.
 fn region_files(d: &ShmDir) {
-    for n in ["kvoffload-pool-node", "kvoffload-pool-node.0", "kvoffload-pool-node.1", "kvoffload-pool-nodex.0"] {
-        write_private(&d.path().join(n), b"rows");
-    }
+    use kvoffload::internal::region::{FileSplit, Layout, Region, ShmOptions};
+    let page = rustix::param::page_size();
+    let layout = Layout::rank_major(1, page, 4).unwrap();
+    let opts = ShmOptions::new().dir(d.path()).files(FileSplit::Multi { max_file_bytes: 2 * page });
+    drop(Region::open_persistent("pool-node", layout, 0, &opts).unwrap());
+    write_private(&d.path().join("kvoffload-pool-nodex.0"), b"rows");
 }
 
 #[test]

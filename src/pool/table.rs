@@ -283,6 +283,7 @@ impl<W: PoolWords> PoolTable<W> {
 
     fn claimed(&self, slot: u32, new: SlotWord, key: &Key, evicted: Option<Key>) -> Placement {
         self.words.key_store(slot as usize, key);
+        self.words.note_writer(slot as usize, new.engine());
         self.words.clock_store(slot as usize, false);
         Placement::Claimed { slot, epoch: new.epoch(), evicted }
     }

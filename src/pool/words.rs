@@ -160,6 +160,10 @@ pub trait PoolWords: Send + Sync {
     fn clock_store(&self, slot: usize, referenced: bool);
     /// Set `set`'s CLOCK hand, moved on by one (`fetch_add`, Relaxed).
     fn hand_next(&self, set: usize) -> u32;
+    /// Notes that `engine` claimed slot `slot` to write it, with the time
+    /// where the words keep one (Relaxed: for `pool ls` and stats, never
+    /// decided on).
+    fn note_writer(&self, slot: usize, engine: u8);
 
     /// Engine entry `engine`'s owner word (Acquire).
     fn owner_load(&self, engine: u8) -> u64;
@@ -194,6 +198,7 @@ pub struct LocalPoolWords {
     slots: Vec<AtomicU64>,
     keys: Vec<[AtomicU64; 5]>,
     clock: Vec<AtomicBool>,
+    writers: Vec<AtomicU32>,
     hands: Vec<AtomicU32>,
     owners: Vec<AtomicU64>,
     members: Vec<AtomicU64>,
@@ -216,6 +221,7 @@ impl LocalPoolWords {
             slots: (0..slots).map(|_| z()).collect(),
             keys: (0..slots).map(|_| [z(), z(), z(), z(), z()]).collect(),
             clock: (0..slots).map(|_| AtomicBool::new(false)).collect(),
+            writers: (0..slots).map(|_| AtomicU32::new(0)).collect(),
             hands: (0..geometry.sets()).map(|_| AtomicU32::new(0)).collect(),
             owners: (0..engines).map(|_| z()).collect(),
             members: (0..engines).map(|_| z()).collect(),
@@ -229,6 +235,14 @@ impl LocalPoolWords {
     /// pid namespace (1).
     pub fn process(pid: u32) -> Member {
         Member { pid, start: 1, pidns: 1 }
+    }
+
+    /// The engine that last claimed slot `slot` (its note), if any.
+    pub fn writer(&self, slot: usize) -> Option<u8> {
+        match self.writers[slot].load(Ordering::Relaxed) {
+            0 => None,
+            e => Some((e - 1) as u8),
+        }
     }
 
     /// Marks process `pid` dead (it returned at a step of its choosing):
@@ -268,6 +282,9 @@ impl PoolWords for LocalPoolWords {
     }
     fn hand_next(&self, set: usize) -> u32 {
         self.hands[set].fetch_add(1, Ordering::Relaxed)
+    }
+    fn note_writer(&self, slot: usize, engine: u8) {
+        self.writers[slot].store(u32::from(engine) + 1, Ordering::Relaxed)
     }
     fn owner_load(&self, engine: u8) -> u64 {
         self.owners[engine as usize].load(Ordering::Acquire)
@@ -342,6 +359,9 @@ impl<T: PoolWords + ?Sized> PoolWords for &T {
     }
     fn hand_next(&self, set: usize) -> u32 {
         (**self).hand_next(set)
+    }
+    fn note_writer(&self, slot: usize, engine: u8) {
+        (**self).note_writer(slot, engine)
     }
     fn owner_load(&self, engine: u8) -> u64 {
         (**self).owner_load(engine)

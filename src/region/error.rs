@@ -304,6 +304,25 @@ pub enum RegionError {
         path: PathBuf,
     },
 
+    /// [`Region::remove_persistent`](super::Region::remove_persistent): no
+    /// file of that name is in the directory.
+    #[error("no region {path}: nothing to remove")]
+    NoSuchRegion {
+        /// The header file's path.
+        path: PathBuf,
+    },
+
+    /// A persistent region's lock stayed held for the whole timeout: a
+    /// live process is creating it, or taking it apart. Nothing was
+    /// changed.
+    #[error("{path} is being created or removed by another live process (its lock stayed held for {timeout:?}); nothing was changed, try again")]
+    PersistentBusy {
+        /// The header file's path.
+        path: PathBuf,
+        /// How long this process waited for the lock.
+        timeout: Duration,
+    },
+
     /// A rank's timeout expired while it waited; the region was abandoned
     /// and its file unlinked (if there was one).
     #[error("timed out after {timeout:?} waiting for {phase} of {path} (ranks mapped: {mapped:?}, missing: {missing:?}); no file left behind")]

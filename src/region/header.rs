@@ -33,6 +33,12 @@
 //! | 256    | `rank_slots`   | 32 x atomic u32 | reserved for the P7 agreement |
 //! | 384    | file table     | num_files x atomic u64 | creator: data file k's inode, stored right after it created the file and before it sizes it |
 //!
+//! In a persistent region (magic [`PERSISTENT_MAGIC`],
+//! [`super::persistent`]) `join` is `Init` while its creator makes the
+//! files, `Ready` once they are all made (for good), `Abandoned` while a
+//! half-made or removed one is being taken apart; its mask, `rank_pids`
+//! and `rank_slots` are unused (ranks of many engines come and go).
+//!
 //! `join` packs the whole join protocol into one word so that every
 //! transition is a single compare-and-swap: the low 32 bits are the mask of
 //! ranks that have mapped the file, the high 32 bits the join state:
@@ -61,6 +67,15 @@ pub const MAX_RANKS: usize = 32;
 
 /// `b"KVOFLREG"` read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KVOFLREG");
+
+/// `b"KVOFLPRS"` read as a little-endian u64: the magic of a persistent
+/// region ([`Region::open_persistent`](super::Region::open_persistent)).
+/// Its creator writes it (and every other field) right after sizing the
+/// header file, before any data file exists, so that a half-made region
+/// says it is one; a create/join region's creator writes [`MAGIC`] only
+/// when it publishes `Ready`. Neither kind opens the other: the magic
+/// differs ([`RegionError::BadHeader`](super::RegionError::BadHeader)).
+pub const PERSISTENT_MAGIC: u64 = u64::from_le_bytes(*b"KVOFLPRS");
 
 /// Version of the header layout; bumped on any incompatible change
 /// (2: order, data files and the file table).

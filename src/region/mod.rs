@@ -16,7 +16,10 @@
 //!   sized and initialised; each rank reserves its own data files; the files
 //!   are unlinked as soon as every rank has mapped them, and no rank killed
 //!   at any point leaves one behind once the survivors return (see [`shm`]
-//!   for the protocol and the argument).
+//!   for the protocol and the argument);
+//! - **persistent** ([`Region::open_persistent`], [`Region::remove_persistent`]):
+//!   the same files, created by the first process to come and opened by
+//!   every later one, never unlinked by the library (see [`persistent`]).
 //!
 //! Both kinds share the per-rank [`Layout`]: rows of `num_ranks` slots of
 //! `chunk_bytes` (rank `r`'s chunk `i` at row `i`, slot `r`), or rank-major
@@ -48,6 +51,8 @@ pub mod limits;
 mod mapping;
 pub mod options;
 pub mod pages;
+pub mod persistent;
+mod persistent_remove;
 pub mod shm;
 mod shm_files;
 mod sys;
@@ -65,6 +70,7 @@ pub use header::MAX_RANKS;
 pub use layout::{Layout, Location, Order, RankView, RowChunks, RowSpan};
 pub use limits::{available_memory, mem_available, LimitSource, MemoryBudget};
 pub use options::{AnonOptions, FileSplit, ShmObserver, ShmOptions, ShmStep, DEFAULT_FILE_BYTES, MAX_FILES};
+pub use persistent::PersistentOrigin;
 pub use shm::shm_path;
 pub(crate) use sys::mincore;
 // The pool's index file (`crate::pool::file`) is made, opened, trusted and
@@ -428,19 +434,24 @@ impl Region {
     /// creation. **Reserved for the P7 cross-rank agreement** (each rank
     /// publishes its pin state in its word); no other layer may use them.
     /// These are `core::sync::atomic` words on shared memory (cross-process,
-    /// outside loom). None for anonymous regions.
+    /// outside loom). None for anonymous regions, and for persistent ones
+    /// ([`Region::open_persistent`]): engines of many launches map those,
+    /// each with its own rank 0, and words written by an earlier engine
+    /// would read as this one's agreement.
     #[allow(clippy::disallowed_types)] // cross-process words, see above
     pub fn rank_slots(&self) -> Option<&[core::sync::atomic::AtomicU32]> {
-        match self.kind {
-            Kind::Shared(_) => Some(&self.hdr().rank_slots()[..self.layout.num_ranks()]),
-            Kind::Anonymous => None,
+        match &self.kind {
+            Kind::Shared(s) if s.persistent.is_none() => Some(&self.hdr().rank_slots()[..self.layout.num_ranks()]),
+            _ => None,
         }
     }
 
     /// Process ids the ranks recorded when they mapped the region (0 = not
-    /// yet). None for anonymous regions.
+    /// yet). None for anonymous regions, and for persistent ones (no rank
+    /// claims a pid word there).
     pub fn rank_pids(&self) -> Option<Vec<u32>> {
-        match self.kind {
+        match &self.kind {
+            Kind::Shared(s) if s.persistent.is_some() => None,
             Kind::Shared(_) => Some(
                 self.hdr().rank_pids()[..self.layout.num_ranks()]
                     .iter()

@@ -44,7 +44,10 @@ impl Default for FileSplit {
     }
 }
 
-/// A step of creating or joining a shared region, reported to
+/// A step of creating or joining a shared region (or creating or opening a
+/// persistent one: `HeaderCreated`, `DataFileCreated` and `Ready` when it
+/// creates, `FilesMapped` when it opens, `Reserving` and `Reserved` when it
+/// reserves its share; no `Mapped`), reported to
 /// [`ShmOptions::observe`] as this rank passes it (for progress, tracing,
 /// and the tests that kill a rank at each step).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,7 +132,11 @@ impl AnonOptions {
 
 /// Options of [`Region::create`](super::Region::create) and
 /// [`Region::join`](super::Region::join). Creator and joiners must agree on
-/// `dir`, `huge_pages` (it sets the header size) and `session`.
+/// `dir`, `huge_pages` (it sets the header size) and `session`. Also of
+/// [`Region::open_persistent`](super::Region::open_persistent) (where
+/// `force` and `wait_for_all` mean nothing) and
+/// [`Region::remove_persistent`](super::Region::remove_persistent) (`dir`,
+/// `allow_group`, `timeout`, `interrupt`).
 #[derive(Clone)]
 pub struct ShmOptions {
     pub(crate) dir: PathBuf,

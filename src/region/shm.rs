@@ -116,7 +116,7 @@ use tracing::{debug, info, warn};
 
 use super::error::{JoinPhase, RegionError};
 use super::files::{self, FilePlan};
-use super::header::{full_mask, Fields, Hdr, JoinState, JoinWord, MAGIC, VERSION};
+use super::header::{full_mask, Fields, Hdr, JoinState, JoinWord, MAGIC, PERSISTENT_MAGIC, VERSION};
 use super::hugetlb;
 use super::layout::Layout;
 use super::limits;
@@ -150,12 +150,43 @@ pub fn shm_path(dir: &Path, name: &str) -> Result<PathBuf> {
     Ok(dir.join(format!("{SHM_PREFIX}{name}")))
 }
 
-fn interrupted_error(path: &Path, phase: JoinPhase) -> RegionError {
+/// The creator's capacity checks, before any file exists: the huge page
+/// pool on hugetlbfs, else the file system's free space
+/// ([`RegionError::ShmTooSmall`]) and, with [`ShmOptions::check_memory`],
+/// the memory this process can get, for the whole region of `total` bytes.
+pub(super) fn check_capacity(dir: &RegionDir, opts: &ShmOptions, hpage: Option<usize>, total: usize) -> Result<()> {
+    if let Some(page) = hpage {
+        // Huge pages come from the kernel's pool, not from MemAvailable
+        // (which already excludes the pool) or a tmpfs size.
+        let (blocks, avail) = dir.blocks().map_err(|e| RegionError::io("statvfs", &opts.dir, e))?;
+        let root = Path::new(hugetlb::SYSFS_HUGEPAGES);
+        hugetlb::check_capacity(&opts.dir, root, page, total as u64, hugetlb::mount_pages(blocks, avail))?;
+    } else {
+        let free = dir.available().map_err(|e| RegionError::io("statvfs", &opts.dir, e))?;
+        if total as u64 > free {
+            return Err(RegionError::ShmTooSmall { dir: opts.dir.clone(), needed: total as u64, available: free });
+        }
+    }
+    if opts.check_memory && hpage.is_none() {
+        // The whole region: the node's memory must hold every rank's
+        // share (tmpfs pages are memory).
+        limits::check(total as u64)?;
+    }
+    Ok(())
+}
+
+pub(super) fn interrupted_error(path: &Path, phase: JoinPhase) -> RegionError {
     info!(path = %path.display(), %phase, "wait interrupted; giving the region up");
     RegionError::Interrupted { path: path.to_path_buf(), phase }
 }
 
-fn timeout_error(path: &Path, phase: JoinPhase, timeout: Duration, w: Option<JoinWord>, n: usize) -> RegionError {
+pub(super) fn timeout_error(
+    path: &Path,
+    phase: JoinPhase,
+    timeout: Duration,
+    w: Option<JoinWord>,
+    n: usize,
+) -> RegionError {
     let (mapped, missing) = match w {
         Some(w) => (w.mapped(), w.missing(n)),
         None => (Vec::new(), (0..n).collect()),
@@ -192,23 +223,7 @@ impl Region {
         let total = shape.total;
 
         // Capacity, before anything is written.
-        if let Some(page) = hpage {
-            // Huge pages come from the kernel's pool, not from MemAvailable
-            // (which already excludes the pool) or a tmpfs size.
-            let (blocks, avail) = dir.blocks().map_err(|e| RegionError::io("statvfs", &opts.dir, e))?;
-            let root = Path::new(hugetlb::SYSFS_HUGEPAGES);
-            hugetlb::check_capacity(&opts.dir, root, page, total as u64, hugetlb::mount_pages(blocks, avail))?;
-        } else {
-            let free = dir.available().map_err(|e| RegionError::io("statvfs", &opts.dir, e))?;
-            if total as u64 > free {
-                return Err(RegionError::ShmTooSmall { dir: opts.dir.clone(), needed: total as u64, available: free });
-            }
-        }
-        if opts.check_memory && hpage.is_none() {
-            // The whole region: the node's memory must hold every rank's
-            // share (tmpfs pages are memory).
-            limits::check(total as u64)?;
-        }
+        check_capacity(&dir, opts, hpage, total)?;
 
         let file_name = header_name(&path);
         let file = open_exclusive(&dir, &file_name, opts)?;
@@ -388,6 +403,21 @@ impl Region {
         let word = loop {
             let w = region.hdr().load();
             match w.state {
+                JoinState::Init if region.hdr().read_fields().magic == PERSISTENT_MAGIC => {
+                    // A persistent region being made (its creator writes
+                    // every field before any data file; read before
+                    // `Ready`, a write in progress reads as some other
+                    // value, never as the whole magic): not a launch's
+                    // region; refused at once and left alone (a timeout
+                    // here would abandon and remove a live creator's files).
+                    region.forget_link();
+                    return Err(RegionError::BadHeader {
+                        path: region.shared_path().to_path_buf(),
+                        field: "magic",
+                        expected: MAGIC,
+                        found: PERSISTENT_MAGIC,
+                    });
+                }
                 JoinState::Init => {
                     if interrupt.due() {
                         // Given up as on a timeout (below), whether or not
@@ -567,8 +597,10 @@ impl Region {
     /// (a no-op for anonymous regions and once done). On timeout the region
     /// is abandoned, the files unlinked and [`RegionError::JoinTimeout`]
     /// returned; if another rank abandoned it, [`RegionError::Abandoned`].
+    /// A no-op for a persistent region ([`Region::open_persistent`]: no
+    /// rank waits for another, and its files stay).
     pub fn wait_all_mapped(&mut self, timeout: Duration) -> Result<()> {
-        if !matches!(self.kind, Kind::Shared(_)) {
+        if !matches!(self.kind, Kind::Shared(_)) || self.persistent_origin().is_some() {
             return Ok(());
         }
         self.wait_all(Backoff::new(timeout), timeout)
@@ -577,9 +609,11 @@ impl Region {
     /// Abandons the region if some rank has not mapped it yet (so none can
     /// join any more) and unlinks every file that still names this region.
     /// Returns whether this call removed a file. Ranks that have mapped the
-    /// region keep using the memory. A no-op for anonymous regions.
+    /// region keep using the memory. A no-op for anonymous regions and for
+    /// a published persistent region (its files outlive every process;
+    /// [`Region::remove_persistent`] removes them).
     pub fn unlink_now(&mut self) -> Result<bool> {
-        if !matches!(self.kind, Kind::Shared(_)) {
+        if !matches!(self.kind, Kind::Shared(_)) || self.shared().keeps_files() {
             return Ok(false);
         }
         let abandoned = self
@@ -595,7 +629,8 @@ impl Region {
         self.shared_mut().unlink_if_ours("unlink_now")
     }
 
-    /// Ranks that have mapped the region (all of them for an anonymous one).
+    /// Ranks that have mapped the region (all of them for an anonymous one;
+    /// none recorded for a persistent one, whose ranks set no bit).
     pub fn mapped_ranks(&self) -> Vec<usize> {
         match self.kind {
             Kind::Shared(_) => self.hdr().load().mapped(),
@@ -792,9 +827,10 @@ impl Region {
         unsafe { Hdr::from_base(base, self.data_offset) }
     }
 
-    /// Drop path for shared regions: abandon if incomplete, then unlink.
+    /// Drop path for shared regions: abandon if incomplete, then unlink
+    /// (never a published persistent region's files).
     pub(crate) fn drop_shared(&mut self) {
-        if !self.shared().linked() {
+        if !self.shared().linked() || self.shared().keeps_files() {
             return;
         }
         if let Err(e) = self.unlink_now() {
@@ -843,7 +879,7 @@ pub(crate) fn process_gone(pid: u32) -> bool {
 
 /// Bytes rank `rank` brings into memory itself: its own data files (it
 /// reserves them), or its share of a one-file region.
-fn rank_bytes(layout: &Layout, plan: Option<&FilePlan>, rank: usize) -> u64 {
+pub(super) fn rank_bytes(layout: &Layout, plan: Option<&FilePlan>, rank: usize) -> u64 {
     match plan {
         Some(p) => p.files.iter().filter(|f| f.owner == rank).map(|f| f.bytes.len() as u64).sum(),
         None => layout.bytes_per_rank() as u64,

@@ -157,6 +157,16 @@ pub(super) struct Linked {
 }
 
 impl Linked {
+    /// The name in the region's directory.
+    pub(super) fn name(&self) -> &OsStr {
+        &self.name
+    }
+
+    /// Device and inode numbers of the file it named when opened.
+    pub(super) fn inode(&self) -> (u64, u64) {
+        (self.dev, self.ino)
+    }
+
     /// The inode `file` (opened as `name` in `dir`) is, from `fstat`.
     pub(super) fn of(dir: &RegionDir, name: OsString, file: &File) -> Result<Linked> {
         let path = dir.path_of(&name);
@@ -218,12 +228,12 @@ pub(crate) struct Shared {
     /// The header file's path (the region's name).
     pub(crate) path: PathBuf,
     /// The region's directory: every file is reached through it by name.
-    dir: RegionDir,
+    pub(super) dir: RegionDir,
     /// Which files this rank accepts ([`trust`]).
-    trust: Trust,
+    pub(super) trust: Trust,
     /// The header file, kept open for the life of the region (fstat, mmap).
     pub(super) file: File,
-    header: Linked,
+    pub(super) header: Linked,
     /// Data files in data-area order (empty with one file).
     pub(super) data: Vec<DataFile>,
     /// Whether the plan has data files.
@@ -237,6 +247,10 @@ pub(crate) struct Shared {
     pub(super) session: u64,
     pub(super) wait_for_all: bool,
     pub(super) opts: ShmOptions,
+    /// A persistent region ([`super::persistent`]): how this process got
+    /// it, and whether it is published (`Ready`: never unlinked by this
+    /// process from then on). None for a create/join region.
+    pub(super) persistent: Option<super::persistent::Persist>,
 }
 
 impl Shared {
@@ -256,7 +270,14 @@ impl Shared {
             session: opts.session,
             wait_for_all: opts.wait_for_all,
             opts: opts.clone(),
+            persistent: None,
         }
+    }
+
+    /// Whether this process must never unlink the region's files: a
+    /// persistent region once published ([`super::persistent`]).
+    pub(crate) fn keeps_files(&self) -> bool {
+        self.persistent.is_some_and(|p| p.published)
     }
 
     /// Whether this rank still believes some file of the region is linked.
@@ -268,8 +289,13 @@ impl Shared {
     /// this rank knows: data files first, the header file last (so a file
     /// left by a rank dying midway always has its header beside it).
     /// Returns whether this call removed any. Tries every file even after
-    /// an error, and returns the first error.
+    /// an error, and returns the first error. Never for a published
+    /// persistent region (a no-op: its files outlive this process).
     pub(crate) fn unlink_if_ours(&mut self, why: &str) -> Result<bool> {
+        if self.keeps_files() {
+            debug!(path = %self.path.display(), why, "persistent region: its files stay");
+            return Ok(false);
+        }
         let mut removed = false;
         let mut first_err = None;
         let dir = &self.dir;
@@ -413,6 +439,15 @@ impl Region {
         match res {
             Ok(()) => Ok(()),
             Err(None) => Err(self.abandoned_error()),
+            // A persistent region is never abandoned by an opener: it is
+            // published for good, and only `remove_persistent` takes it
+            // apart; the refused file is reported and left as it is.
+            Err(Some(e @ (RegionError::BadHeader { .. } | RegionError::UntrustedFile { .. })))
+                if self.shared().persistent.is_some() =>
+            {
+                self.forget_link();
+                Err(e)
+            }
             Err(Some(e @ (RegionError::BadHeader { .. } | RegionError::UntrustedFile { .. }))) => {
                 // The header is this launch's (checked), one of its data
                 // files is not usable: no rank can complete the region.
@@ -525,6 +560,31 @@ impl Region {
         );
         opts.step(ShmStep::Reserved);
         Ok(())
+    }
+
+    /// Bytes of this rank's own share (its data files, or its share of a
+    /// one-file region) that the file system has not allocated yet
+    /// (`st_size - st_blocks * 512`, each file's): what reserving or
+    /// faulting it still brings into memory.
+    pub(super) fn unallocated_own_bytes(&self) -> Result<u64> {
+        let s = self.shared();
+        let left = |m: FileMeta| m.size.saturating_sub(m.allocated);
+        if !s.multi {
+            let m = FileMeta::of_file(&s.file).map_err(|e| RegionError::io("fstat", &s.path, e))?;
+            return Ok(left(m).min(self.layout.bytes_per_rank() as u64));
+        }
+        let mut sum = 0u64;
+        for d in s.data.iter().filter(|d| d.owner == self.rank) {
+            let m = match &d.file {
+                Some(f) => FileMeta::of_file(f).map_err(|e| RegionError::io("fstat", &d.link.path, e))?,
+                None => match s.dir.lstat(&d.link.name).map_err(|e| RegionError::io("stat", &d.link.path, e))? {
+                    Some(m) => m,
+                    None => return Err(RegionError::FileMissing { path: d.link.path.clone() }),
+                },
+            };
+            sum = sum.saturating_add(left(m));
+        }
+        Ok(sum)
     }
 
     /// The error of a failed `fallocate` of `path` with `needed` bytes left

@@ -50,13 +50,23 @@ pub(crate) struct FileMeta {
     pub uid: u32,
     pub gid: u32,
     pub size: u64,
+    /// Bytes the file system has allocated to it (`st_blocks * 512`).
+    pub allocated: u64,
 }
 
 impl FileMeta {
     /// `fstat` of an open file (the descriptor, never its path).
     pub(crate) fn of_file(f: &File) -> io::Result<FileMeta> {
         let m = f.metadata()?;
-        Ok(FileMeta { dev: m.dev(), ino: m.ino(), mode: m.mode(), uid: m.uid(), gid: m.gid(), size: m.size() })
+        Ok(FileMeta {
+            dev: m.dev(),
+            ino: m.ino(),
+            mode: m.mode(),
+            uid: m.uid(),
+            gid: m.gid(),
+            size: m.size(),
+            allocated: m.blocks().saturating_mul(512),
+        })
     }
 
     // The stat fields' C types differ between targets (c_uint, c_ulong,
@@ -70,6 +80,7 @@ impl FileMeta {
             uid: st.st_uid as u32,
             gid: st.st_gid as u32,
             size: st.st_size.max(0) as u64,
+            allocated: (st.st_blocks.max(0) as u64).saturating_mul(512),
         }
     }
 }
@@ -166,6 +177,12 @@ impl RegionDir {
     pub(crate) fn open(path: &Path) -> io::Result<RegionDir> {
         let fd = rustix::fs::openat(CWD, path, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
         Ok(RegionDir { fd, path: path.to_path_buf() })
+    }
+
+    /// A second descriptor of the same directory (`dup`), for a region
+    /// made after a first attempt gave its own away.
+    pub(crate) fn try_clone(&self) -> io::Result<RegionDir> {
+        Ok(RegionDir { fd: self.fd.try_clone()?, path: self.path.clone() })
     }
 
     /// The path of `name` in it, for messages and [`crate::region::Region::file_paths`].
@@ -291,6 +308,29 @@ impl AsFd for RegionDir {
     }
 }
 
+/// `flock(LOCK_EX | LOCK_NB)` on an open region file: true when this
+/// descriptor now holds the file's exclusive lock, false when another open
+/// file description holds a lock on it. The kernel drops a lock when the
+/// last descriptor of its open file description closes, so a process that
+/// dies holds none: what the creator of a persistent region uses to show
+/// it is alive ([`super::persistent`]). Only a process that can open the
+/// file (this user's, by the trust rules) can lock it.
+pub(crate) fn try_lock_exclusive(f: &File) -> io::Result<bool> {
+    loop {
+        match rustix::fs::flock(f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(true),
+            Err(Errno::WOULDBLOCK) => return Ok(false),
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Drops this descriptor's `flock` lock (a no-op without one).
+pub(crate) fn unlock(f: &File) -> io::Result<()> {
+    rustix::fs::flock(f, rustix::fs::FlockOperation::Unlock).map_err(Into::into)
+}
+
 /// Checks what [`ShmOptions::mode`](super::ShmOptions::mode) and
 /// [`ShmOptions::allow_group`](super::ShmOptions::allow_group) ask of the
 /// creator: bits that joiners would accept, the owner's read and write
@@ -322,7 +362,7 @@ mod tests {
     use super::*;
 
     fn meta(mode: u32, uid: u32, gid: u32) -> FileMeta {
-        FileMeta { dev: 1, ino: 2, mode, uid, gid, size: 0 }
+        FileMeta { dev: 1, ino: 2, mode, uid, gid, size: 0, allocated: 0 }
     }
 
     #[test]

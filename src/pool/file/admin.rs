@@ -23,7 +23,7 @@ use crate::internal::pool::fingerprint::{ConfigRecord, HashingRecord};
 use crate::internal::pool::slot::{SlotState, SlotWord};
 use crate::internal::pool::words::{Liveness, PoolWords};
 use crate::region::shm::process_gone;
-use crate::region::{FileMeta, RegionDir, Trust, SHM_PREFIX};
+use crate::region::{FileMeta, RegionDir, Trust};
 
 type Result<T> = std::result::Result<T, PoolError>;
 
@@ -78,8 +78,8 @@ pub struct PoolSummary {
     pub engines: EngineCounts,
     /// Unix time of creation, nanoseconds.
     pub created_unix_nanos: u64,
-    /// Unix time of the last publish, milliseconds.
-    pub last_publish_unix_ms: Option<u64>,
+    /// Unix time of the last store, milliseconds.
+    pub last_store_unix_ms: Option<u64>,
     /// Made in this boot.
     pub same_boot: bool,
 }
@@ -160,7 +160,7 @@ impl PoolFile {
             slots: self.slot_counts(),
             engines: self.engines(),
             created_unix_nanos: self.created_unix_nanos(),
-            last_publish_unix_ms: last,
+            last_store_unix_ms: last,
             same_boot: self.same_boot(),
         })
     }
@@ -200,26 +200,6 @@ pub struct Removed {
     pub forced_over: Vec<LiveEntry>,
 }
 
-/// Region files of pool `name` listed in `dir`: data files (sorted by
-/// index), then the header file.
-fn region_files(dir: &Path, name: &str) -> Result<Vec<OsString>> {
-    let header = format!("{SHM_PREFIX}{}", region_name(name));
-    let dotted = format!("{header}.");
-    let mut data: Vec<(u64, OsString)> = std::fs::read_dir(dir)
-        .map_err(|e| PoolError::io("read directory", dir, e))?
-        .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let n = e.file_name().into_string().ok()?;
-            let k = n.strip_prefix(&dotted)?.parse::<u64>().ok()?;
-            Some((k, OsString::from(n)))
-        })
-        .collect();
-    data.sort();
-    let mut out: Vec<OsString> = data.into_iter().map(|(_, n)| n).collect();
-    out.push(header.into());
-    Ok(out)
-}
-
 /// Removes pool `name` from `dir`: see the module docs. Refuses while an
 /// engine is `LIVE` with a member alive ([`PoolError::InUse`]) unless
 /// `force`; refuses any untrusted file of it before removing anything.
@@ -252,17 +232,19 @@ pub fn remove(dir: &Path, name: &str, force: bool) -> Result<Removed> {
         }
         Err(e) => return Err(e),
     };
-    // Every region file checked before any is removed.
-    let mut region = Vec::new();
-    for n in region_files(dir, name)? {
-        if let Some(m) = lstat_trusted(&rdir, &trust, &n)? {
-            region.push((n, m));
-        }
-    }
+    // The rows' region: removed by the region's own rule (every file
+    // checked before any is removed, inode-checked unlinks, under the lock
+    // its creator holds while it makes it), before the index.
+    let ropts = crate::region::ShmOptions::new().dir(dir).timeout(std::time::Duration::from_secs(10));
+    let region = match crate::region::Region::remove_persistent(&region_name(name), &ropts) {
+        Ok(paths) => paths,
+        Err(crate::region::RegionError::NoSuchRegion { .. }) => Vec::new(),
+        Err(e) => return Err(e.into()),
+    };
     if index_meta.is_none() && region.is_empty() {
         return Err(PoolError::Missing { pool: name.into(), dir: dir.into(), path: rdir.path_of(&index) });
     }
-    let mut removed = Removed { forced_over, ..Removed::default() };
+    let mut removed = Removed { forced_over, files: region };
     let mut unlink = |n: &OsString, dev: u64, ino: u64| -> Result<()> {
         let path = rdir.path_of(n);
         if rdir.unlink_if_inode(n, dev, ino).map_err(|e| PoolError::io("unlink", &path, e))? {
@@ -270,9 +252,6 @@ pub fn remove(dir: &Path, name: &str, force: bool) -> Result<Removed> {
         }
         Ok(())
     };
-    for (n, m) in &region {
-        unlink(n, m.dev, m.ino)?;
-    }
     if let Some((dev, ino)) = index_meta {
         unlink(&index, dev, ino)?;
     }

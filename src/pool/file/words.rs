@@ -81,21 +81,22 @@ pub struct ShmPoolWords {
     pub(crate) oracle: Oracle,
 }
 
-/// The publisher and time of a slot's last publish (its record's last word).
+/// The writer and time of a slot's last claim (its record's last word;
+/// stored by [`PoolWords::note_writer`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PublishNote {
-    /// The publishing engine's index.
+    /// The writing engine's index.
     pub engine: u8,
-    /// Unix time of the publish, in milliseconds (56 bits).
+    /// Unix time of the claim, in milliseconds (56 bits).
     pub unix_ms: u64,
 }
 
 impl PublishNote {
-    /// The word: `engine + 1` in bits 0-7 (0: never published), the time in 8-63.
+    /// The word: `engine + 1` in bits 0-7 (0: never claimed), the time in 8-63.
     pub fn encode(self) -> u64 {
         (self.unix_ms << 8) | ((u64::from(self.engine) + 1) & 0xff)
     }
-    /// The note of a word; `None` for a slot never published.
+    /// The note of a word; `None` for a slot never claimed.
     pub fn decode(raw: u64) -> Option<PublishNote> {
         let e = (raw & 0xff) as u8;
         (e != 0).then(|| PublishNote { engine: e - 1, unix_ms: raw >> 8 })
@@ -118,13 +119,13 @@ impl ShmPoolWords {
         self.oracle
     }
 
-    /// Slot `slot`'s publish note (Relaxed: for `pool ls`).
+    /// Slot `slot`'s writer note (Relaxed: for `pool ls`).
     pub fn publish_load(&self, slot: usize) -> Option<PublishNote> {
         PublishNote::decode(self.slot_word(slot, 7).load(Ordering::Relaxed))
     }
 
-    /// Stores slot `slot`'s publish note (Relaxed; the publisher, before its
-    /// publishing CAS).
+    /// Stores slot `slot`'s writer note (Relaxed; the claimer, before any
+    /// rank publishes).
     pub fn publish_store(&self, slot: usize, note: PublishNote) {
         self.slot_word(slot, 7).store(note.encode(), Ordering::Relaxed)
     }
@@ -159,6 +160,11 @@ impl PoolWords for ShmPoolWords {
     fn hand_next(&self, set: usize) -> u32 {
         assert!(set < self.geometry.sets() as usize, "set {set} out of range");
         self.map.u32_at(self.sec.hands + 4 * set).fetch_add(1, Ordering::Relaxed)
+    }
+    fn note_writer(&self, slot: usize, engine: u8) {
+        let unix_ms =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        self.publish_store(slot, PublishNote { engine, unix_ms });
     }
     fn owner_load(&self, engine: u8) -> u64 {
         self.entry_word(engine, 0).load(Ordering::Acquire)

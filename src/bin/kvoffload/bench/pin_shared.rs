@@ -45,6 +45,8 @@ use kvoffload::internal::runtime::GpuRuntime;
 use kvoffload::internal::sync::{self, Arc, Mutex};
 use kvoffload::units::fmt_bytes;
 
+use super::pin_existing::PoolPhase;
+
 use kvoffload::internal::pin::Prepared;
 use kvoffload::internal::pin::{available_cores, PinOptions};
 use kvoffload::internal::pin::{pin_with, Agreement, PinObserver};
@@ -230,8 +232,8 @@ impl RankTimes {
 }
 
 /// Notes when this rank's pinning settles (its registrations are done).
-struct Settled {
-    at: Mutex<Option<f64>>,
+pub(crate) struct Settled {
+    pub(crate) at: Mutex<Option<f64>>,
 }
 
 impl PinObserver for Settled {
@@ -309,6 +311,9 @@ pub struct Measurement {
     pub threads: usize,
     /// The variant.
     pub variant: Variant,
+    /// With `--existing`: which use of the persistent region this is
+    /// ([`super::pin_existing`]); None for a create/join region.
+    pub phase: Option<PoolPhase>,
     /// Every rank's times (fewer than `ranks` if some gave no line).
     pub times: Vec<RankTimes>,
     /// Files of the region left in its directory afterwards.
@@ -318,6 +323,15 @@ pub struct Measurement {
 }
 
 impl Measurement {
+    /// The variant's name, with the phase of a persistent region
+    /// (`new/fresh`, `new/existing`).
+    pub fn label(&self) -> String {
+        match self.phase {
+            Some(p) => format!("{}/{}", self.variant.name, p.name()),
+            None => self.variant.name.to_string(),
+        }
+    }
+
     fn span(&self, from: impl Fn(&RankTimes) -> f64) -> Option<f64> {
         if self.times.len() != self.ranks || !self.ok() {
             return None;
@@ -395,12 +409,12 @@ pub struct SharedReport {
 pub const TARGET_GBPS: f64 = 20.0;
 
 impl SharedReport {
-    /// The median pin GB/s of a (size, ranks, variant).
+    /// The median pin GB/s of a (size, ranks, variant label).
     pub fn median_gbps(&self, size: usize, ranks: usize, variant: &str, e2e: bool) -> Option<f64> {
         super::pin::median(
             self.rows
                 .iter()
-                .filter(|m| m.size == size && m.ranks == ranks && m.variant.name == variant)
+                .filter(|m| m.size == size && m.ranks == ranks && m.label() == variant)
                 .filter_map(|m| m.gbps(if e2e { m.e2e_s() } else { m.pin_s() }))
                 .collect(),
         )
@@ -409,7 +423,15 @@ impl SharedReport {
 
 impl fmt::Display for SharedReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "kvoffload bench pin --shared: a fresh shared region per run, one process per rank")?;
+        if self.rows.iter().any(|m| m.phase.is_some()) {
+            writeln!(
+                f,
+                "kvoffload bench pin --shared --existing: per run a persistent region, made and pinned by one set \
+                 of rank processes (fresh), then opened and pinned by new ones after those exited (existing)"
+            )?;
+        } else {
+            writeln!(f, "kvoffload bench pin --shared: a fresh shared region per run, one process per rank")?;
+        }
         writeln!(f, "backend: {} ({})", self.backend, self.device)?;
         writeln!(
             f,
@@ -434,7 +456,7 @@ impl fmt::Display for SharedReport {
         writeln!(f)?;
         writeln!(
             f,
-            "{:<14} {:>5} {:>5} {:>7} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5} {:>7}  result",
+            "{:<22} {:>5} {:>5} {:>7} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5} {:>7}  result",
             "variant",
             "size",
             "ranks",
@@ -472,8 +494,8 @@ impl fmt::Display for SharedReport {
             };
             writeln!(
                 f,
-                "{:<14} {:>5} {:>5} {:>7} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5.0} {:>7.3}  {}",
-                m.variant.name,
+                "{:<22} {:>5} {:>5} {:>7} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5.0} {:>7.3}  {}",
+                m.label(),
                 fmt_bytes(m.size).replace(' ', ""),
                 m.ranks,
                 m.threads,
@@ -493,7 +515,7 @@ impl fmt::Display for SharedReport {
         for m in &self.rows {
             if !seen.contains(&m.variant.name) {
                 seen.push(m.variant.name);
-                writeln!(f, "{:<14} {}", m.variant.name, m.variant.describe())?;
+                writeln!(f, "{:<22} {}", m.variant.name, m.variant.describe())?;
             }
         }
         writeln!(
@@ -502,6 +524,17 @@ impl fmt::Display for SharedReport {
              pin s: first rank starting to pin to the last Pinned and agreed (the issue's measure); e2e: create + pin; \
              GB/s: region bytes (1e9) over that time; 2MiB%: region bytes the ranks mapped with 2 MiB pages"
         )?;
+        if self.rows.iter().any(|m| m.phase.is_some()) {
+            writeln!(
+                f,
+                "/fresh: a persistent region made by these ranks (create s: create-or-open, reserving included); \
+                 /existing: the same region opened by new processes (its pages in tmpfs already; pin s: pre-fault \
+                 + register, no agreement between ranks)"
+            )?;
+            for line in super::pin_existing::summary(self) {
+                writeln!(f, "{line}")?;
+            }
+        }
         let mut combos: Vec<(usize, usize)> = Vec::new();
         for m in &self.rows {
             if !combos.contains(&(m.size, m.ranks)) {
@@ -566,11 +599,11 @@ impl SharedReport {
     /// per variant and rank count, with the target as a line.
     pub fn write_svg(&self, path: &Path) -> Result<(), String> {
         use crate::plot::{lines, Limit, LineChart, Series};
-        let mut keys: Vec<(&'static str, usize)> = Vec::new();
+        let mut keys: Vec<(String, usize)> = Vec::new();
         let mut sizes: Vec<usize> = Vec::new();
         for m in &self.rows {
-            if !keys.contains(&(m.variant.name, m.ranks)) {
-                keys.push((m.variant.name, m.ranks));
+            if !keys.contains(&(m.label(), m.ranks)) {
+                keys.push((m.label(), m.ranks));
             }
             if !sizes.contains(&m.size) {
                 sizes.push(m.size);
@@ -579,12 +612,12 @@ impl SharedReport {
         sizes.sort_unstable();
         let series: Vec<Series> = keys
             .iter()
-            .map(|&(v, ranks)| Series {
+            .map(|(v, ranks)| Series {
                 name: format!("{v}, {ranks} rank(s), end to end"),
                 points: sizes
                     .iter()
                     .filter_map(|&size| {
-                        self.median_gbps(size, ranks, v, true).map(|g| (size as f64 / (1u64 << 30) as f64, g))
+                        self.median_gbps(size, *ranks, v, true).map(|g| (size as f64 / (1u64 << 30) as f64, g))
                     })
                     .collect(),
             })
@@ -679,6 +712,7 @@ mod tests {
             ranks: 2,
             threads: 1,
             variant: v,
+            phase: None,
             times: vec![r(0, 10.0, 10.5, 11.0), r(1, 10.1, 10.4, 11.2)],
             left: vec![],
             errors: vec![],

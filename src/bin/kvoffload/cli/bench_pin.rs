@@ -7,8 +7,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::bench::pin::{self, BenchConfig, Progress};
+use crate::bench::pin_existing::{self, PoolPhase};
 use crate::bench::pin_shared::{self as shared_bench, Measurement, RankConfig, RankTimes, SharedReport, Variant};
-use kvoffload::internal::region::{pages, DEFAULT_SHM_DIR};
+use kvoffload::internal::region::{pages, Region, ShmOptions, DEFAULT_SHM_DIR};
 use kvoffload::internal::runtime::cuda::CudaRuntime;
 use kvoffload::units::{fmt_bytes, parse_size};
 
@@ -78,6 +79,13 @@ pub struct PinArgs {
     /// against the multi-file path (--variants), region bytes over the time to every rank pinned and agreed.
     #[arg(long)]
     shared: bool,
+    /// --shared: time to ready on an existing pool: per run one persistent region (what the node pool
+    /// keeps across engine restarts) made and pinned by rank processes that then exit ("fresh"), then
+    /// opened and pinned again by new rank processes while its pages are still in tmpfs ("existing"),
+    /// both reported (open, pre-fault + register, and the ratio); the region is removed afterwards.
+    /// Every --variants is measured both ways.
+    #[arg(long, requires = "shared")]
+    existing: bool,
     /// --shared: numbers of ranks, comma separated (rank r uses GPU r mod the GPUs there are).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     ranks: Vec<usize>,
@@ -107,6 +115,9 @@ pub struct PinArgs {
     /// Internal: the GPU of --as-rank.
     #[arg(long, hide = true)]
     device: Option<usize>,
+    /// Internal: the phase (fresh, existing) of an --existing rank.
+    #[arg(long, hide = true)]
+    pool_phase: Option<String>,
 }
 
 /// Runs the bench and prints its report on stdout (progress on stderr).
@@ -295,20 +306,26 @@ fn run_shared(a: &PinArgs) -> Result<i32, String> {
                     n += 1;
                     let name = format!("pinbench-{}-{nonce}-{n}", std::process::id());
                     eprintln!(
-                        "run {n}: {} x {ranks} rank(s), {} (repeat {}/{})",
+                        "run {n}: {} x {ranks} rank(s), {}{} (repeat {}/{})",
                         fmt_bytes(size),
                         v.describe(),
+                        if a.existing { ", persistent: fresh then existing" } else { "" },
                         rep + 1,
                         a.repeat
                     );
-                    let m = measure(a, &exe, &name, size, ranks, *v, backend, devices)?;
-                    eprintln!(
-                        "  pin {} GB/s, end to end {} GB/s{}",
-                        m.gbps(m.pin_s()).map_or("-".into(), |g| format!("{g:.2}")),
-                        m.gbps(m.e2e_s()).map_or("-".into(), |g| format!("{g:.2}")),
-                        if m.ok() { "" } else { " (FAILED)" }
-                    );
-                    rows.push(m);
+                    let phases: &[Option<PoolPhase>] =
+                        if a.existing { &[Some(PoolPhase::Fresh), Some(PoolPhase::Existing)] } else { &[None] };
+                    for &phase in phases {
+                        let m = measure(a, &exe, &name, size, ranks, *v, backend, devices, phase)?;
+                        eprintln!(
+                            "  {}pin {} GB/s, end to end {} GB/s{}",
+                            phase.map_or(String::new(), |p| format!("{}: ", p.name())),
+                            m.gbps(m.pin_s()).map_or("-".into(), |g| format!("{g:.2}")),
+                            m.gbps(m.e2e_s()).map_or("-".into(), |g| format!("{g:.2}")),
+                            if m.ok() { "" } else { " (FAILED)" }
+                        );
+                        rows.push(m);
+                    }
                 }
             }
         }
@@ -359,6 +376,7 @@ fn measure(
     v: Variant,
     backend: &str,
     devices: usize,
+    phase: Option<PoolPhase>,
 ) -> Result<Measurement, String> {
     let mut children = Vec::with_capacity(ranks);
     for r in 0..ranks {
@@ -375,6 +393,9 @@ fn measure(
             .stderr(Stdio::inherit());
         if let Some(t) = a.threads {
             cmd.args(["--threads", &t.to_string()]);
+        }
+        if let Some(p) = phase {
+            cmd.args(["--existing", "--pool-phase", p.name()]);
         }
         match cmd.spawn() {
             Ok(c) => children.push(c),
@@ -409,9 +430,24 @@ fn measure(
             None => errors.push(format!("rank {r} printed no result")),
         }
     }
-    let left = shared_bench::files_left(&a.dir, name);
+    let left = match phase {
+        None => shared_bench::files_left(&a.dir, name),
+        // The files stay for the existing run.
+        Some(PoolPhase::Fresh) => {
+            if shared_bench::files_left(&a.dir, name).is_empty() {
+                errors.push("the persistent region's files are gone after the fresh run".into());
+            }
+            Vec::new()
+        }
+        Some(PoolPhase::Existing) => {
+            if let Err(e) = Region::remove_persistent(name, &ShmOptions::new().dir(&a.dir)) {
+                errors.push(format!("removing the persistent region: {e}"));
+            }
+            shared_bench::files_left(&a.dir, name)
+        }
+    };
     let threads = a.threads.unwrap_or_else(|| shared_bench::default_threads(ranks));
-    Ok(Measurement { size, ranks, threads, variant: v, times, left, errors })
+    Ok(Measurement { size, ranks, threads, variant: v, phase, times, left, errors })
 }
 
 /// A rank process of `--shared`.
@@ -428,7 +464,13 @@ fn run_as_rank(a: &PinArgs) -> Result<i32, String> {
         }
         (b, _) => open(b)?,
     };
-    let t = shared_bench::run_rank(&rank_config(a, name, rank, ranks, size, v), rt.as_ref());
+    let cfg = rank_config(a, name, rank, ranks, size, v);
+    let t = if a.existing {
+        let phase = PoolPhase::parse(a.pool_phase.as_deref().ok_or("--existing with --as-rank needs --pool-phase")?)?;
+        pin_existing::run_pool_rank(&cfg, phase, rt.as_ref())
+    } else {
+        shared_bench::run_rank(&cfg, rt.as_ref())
+    };
     println!("{}", t.to_line());
     Ok(if t.outcome == "pinned" { 0 } else { 1 })
 }

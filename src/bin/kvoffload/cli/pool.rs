@@ -18,7 +18,7 @@ pub enum Pool {
     /// One line per pool of the directory: name, index bytes, slots, sets
     /// and ways, ranks, the fingerprint's summary (model, dtype, tokens per
     /// block, world size, hash), slots free / writing / readable / held,
-    /// engines live / dead, created, last publish. Writes nothing.
+    /// engines live / dead, created, last store. Writes nothing.
     Ls(LsArgs),
     /// Remove a pool: its index file and its region files. Refused (exit
     /// status 1) while an engine entry is live with a live member, naming
@@ -122,7 +122,7 @@ fn text(s: &PoolSummary) -> String {
     let sl = s.slots;
     let mut line = format!(
         "{}  {}  index {}  {} slots ({} sets x {} ways)  {} ranks x {} a row  model {}  dtype {}  block {}  world {}  hash {}  \
-         slots free {} writing {} readable {} held {}  engines live {} dead {}  created {}  last publish {}",
+         slots free {} writing {} readable {} held {}  engines live {} dead {}  created {}  last store {}",
         s.name,
         state(s),
         fmt_bytes(s.index_bytes as usize),
@@ -143,7 +143,7 @@ fn text(s: &PoolSummary) -> String {
         s.engines.live.len(),
         s.engines.dead,
         utc(s.created_unix_nanos / 1_000_000_000),
-        s.last_publish_unix_ms.map_or_else(|| "-".into(), |ms| utc(ms / 1000)),
+        s.last_store_unix_ms.map_or_else(|| "-".into(), |ms| utc(ms / 1000)),
     );
     if sl.corrupt > 0 {
         line += &format!("  CORRUPT slots {}", sl.corrupt);
@@ -190,7 +190,7 @@ fn json(s: &PoolSummary) -> String {
         "{{\"name\":{},\"path\":{},\"state\":{},\"index_bytes\":{},\"slots\":{},\"sets\":{},\"ways\":{},\"ranks\":{},\
          \"row_bytes\":{},\"model\":{},\"dtype\":{},\"tokens_per_block\":[{}],\"world_size\":{},\"hash\":{},\
          \"free\":{},\"writing\":{},\"readable\":{},\"held\":{},\"corrupt\":{},\"engines_live\":[{}],\"engines_dead\":{},\
-         \"created_unix\":{},\"last_publish_unix_ms\":{},\"same_boot\":{}}}",
+         \"created_unix\":{},\"last_store_unix_ms\":{},\"same_boot\":{}}}",
         q(&s.name),
         q(&s.path.display().to_string()),
         q(&state(s)),
@@ -213,7 +213,7 @@ fn json(s: &PoolSummary) -> String {
         live.join(","),
         s.engines.dead,
         s.created_unix_nanos / 1_000_000_000,
-        s.last_publish_unix_ms.map_or_else(|| "null".into(), |v| v.to_string()),
+        s.last_store_unix_ms.map_or_else(|| "null".into(), |v| v.to_string()),
         s.same_boot,
     )
 }
