@@ -58,7 +58,9 @@ fn region_layout(block_bytes: Option<usize>, opts: &OffloaderOptions) -> Result<
     })?;
     Ok(match &opts.region {
         RegionSpec::Anonymous => Layout::new(1, slot_bytes, opts.host_blocks)?,
-        RegionSpec::Shared { .. } => Layout::rank_major(opts.region.ranks(), slot_bytes, opts.host_blocks)?,
+        RegionSpec::Shared { .. } | RegionSpec::Persistent { .. } => {
+            Layout::rank_major(opts.region.ranks(), slot_bytes, opts.host_blocks)?
+        }
     })
 }
 
@@ -167,6 +169,9 @@ impl Offloader {
                 crate::region::limits::check(needed as u64)?
             }
             RegionSpec::Shared { .. } => {}
+            // Checked by open_persistent when it creates the region; an
+            // existing one's pages are in the file system already.
+            RegionSpec::Persistent { .. } => {}
         }
         // Allocations before the offloader's coordinator exists: each goes
         // through a coordinator of its own for `rt`, made for that call and
@@ -260,7 +265,7 @@ impl Offloader {
         // full file system that nobody reserved would then fault with
         // SIGBUS in a copy. Until jobs reserve what they touch, the
         // offloader takes only regions reserved at create/join.
-        if let RegionSpec::Shared { options, .. } = &opts.region {
+        if let RegionSpec::Shared { options, .. } | RegionSpec::Persistent { options, .. } = &opts.region {
             if options.reserve && options.defer_reserve {
                 return Err(OffloaderError::Options(
                     "ShmOptions::defer_reserve is not accepted by an Offloader: its jobs may touch host blocks \
@@ -269,6 +274,16 @@ impl Offloader {
                      touching a page"
                         .into(),
                 ));
+            }
+        }
+        // P7: a persistent region's header has no rank words for one
+        // launch, so its ranks agree through the engine's transport only.
+        if let RegionSpec::Persistent { ranks, .. } = &opts.region {
+            if *ranks > 1 && opts.agreement.is_none() {
+                return Err(OffloaderError::Options(format!(
+                    "a persistent region of {ranks} ranks needs an agreement transport \
+                     (OffloaderOptions::agreement): its ranks agree on the pin state (P7) through it only"
+                )));
             }
         }
         let block_bytes = kv.host_block_bytes();
@@ -288,6 +303,9 @@ impl Offloader {
                 } else {
                     Region::join(name, layout, *rank, options)?
                 }
+            }
+            RegionSpec::Persistent { name, rank, options, .. } => {
+                Region::open_persistent(name, layout, *rank, options)?
             }
         };
         let region = Arc::new(region);

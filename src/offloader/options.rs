@@ -35,6 +35,26 @@ pub enum RegionSpec {
         /// Directory, join deadline and the like.
         options: ShmOptions,
     },
+    /// The rows of a node pool (docs/node-pool-design.md 2.1): a region
+    /// shared by the engines of a node across launches, created by the first
+    /// process to come, opened by every later one and never unlinked by the
+    /// library ([`crate::Region::open_persistent`]; `kvoffload pool rm`
+    /// removes it). Rank-major as a shared region: each rank maps, reserves
+    /// and pins its own share. Its header has no rank words for one launch,
+    /// so the ranks of an engine agree on the pin state (P7) only through
+    /// [`OffloaderOptions::agreement`]: more than one rank without it is
+    /// refused.
+    Persistent {
+        /// Region name, the same in every engine (the file is
+        /// `<dir>/kvoffload-<name>`).
+        name: String,
+        /// This process's rank, `0..ranks`.
+        rank: usize,
+        /// Ranks of every engine on the region.
+        ranks: usize,
+        /// Directory, opening deadline and the like.
+        options: ShmOptions,
+    },
 }
 
 impl RegionSpec {
@@ -42,7 +62,7 @@ impl RegionSpec {
     pub fn ranks(&self) -> usize {
         match self {
             RegionSpec::Anonymous => 1,
-            RegionSpec::Shared { ranks, .. } => *ranks,
+            RegionSpec::Shared { ranks, .. } | RegionSpec::Persistent { ranks, .. } => *ranks,
         }
     }
 
@@ -50,7 +70,7 @@ impl RegionSpec {
     pub fn rank(&self) -> usize {
         match self {
             RegionSpec::Anonymous => 0,
-            RegionSpec::Shared { rank, .. } => *rank,
+            RegionSpec::Shared { rank, .. } | RegionSpec::Persistent { rank, .. } => *rank,
         }
     }
 }
