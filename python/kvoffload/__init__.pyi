@@ -488,7 +488,13 @@ class RegionSpec:
     by the others, unlinked once every rank mapped them). Checked when
     built, as ``PinOptions`` is (``OptionsError``): ``name`` one file name
     (not empty, at most 200 bytes, no ``/`` or NUL), ``ranks`` 1 to 32,
-    ``rank`` below ``ranks``; compares by value."""
+    ``rank`` below ``ranks``; compares by value.
+
+    ``RegionSpec.persistent(...)`` (the same arguments) is a node pool's
+    rows: shared by the engines of a node across launches, created by the
+    first process to come, opened by every later one, never unlinked by an
+    offloader (``kvoffload pool rm`` removes it); more than one rank needs
+    the offloader's ``agreement`` transport."""
 
     def __init__(self) -> None: ...
     @staticmethod
@@ -497,7 +503,11 @@ class RegionSpec:
     def shared(
         name: str, *, rank: int = 0, ranks: int = 1, options: Optional[ShmOptions] = None
     ) -> "RegionSpec": ...
-    #: ``"anonymous"`` or ``"shared"``.
+    @staticmethod
+    def persistent(
+        name: str, *, rank: int = 0, ranks: int = 1, options: Optional[ShmOptions] = None
+    ) -> "RegionSpec": ...
+    #: ``"anonymous"``, ``"shared"`` or ``"persistent"``.
     kind: Final[str]
     name: Final[Optional[str]]
     rank: Final[int]

@@ -520,8 +520,9 @@ impl PyShmOptions {
 }
 
 /// Where the host blocks live: `kvoffload.RegionSpec`, Rust's `RegionSpec`:
-/// `RegionSpec.anonymous()` (also `RegionSpec()`, the default) or
-/// `RegionSpec.shared(name, rank=0, ranks=1, options=ShmOptions())`.
+/// `RegionSpec.anonymous()` (also `RegionSpec()`, the default),
+/// `RegionSpec.shared(name, rank=0, ranks=1, options=ShmOptions())` or
+/// `RegionSpec.persistent(...)` (the same arguments: a node pool's rows).
 #[pyclass(name = "RegionSpec", module = "kvoffload", frozen, eq)]
 #[derive(Clone, PartialEq, Default)]
 pub(crate) struct PyRegionSpec {
@@ -529,21 +530,98 @@ pub(crate) struct PyRegionSpec {
     pub(crate) shared: Option<Shared>,
 }
 
-/// `RegionSpec::Shared`'s fields.
+/// `RegionSpec::Shared`'s and `RegionSpec::Persistent`'s fields.
 #[derive(Clone, PartialEq)]
 pub(crate) struct Shared {
     pub(crate) name: String,
     pub(crate) rank: usize,
     pub(crate) ranks: usize,
     pub(crate) options: PyShmOptions,
+    /// `RegionSpec::Persistent`: kept across launches, never unlinked.
+    pub(crate) persistent: bool,
 }
 
 impl PyRegionSpec {
+    fn parse(
+        py: Python<'_>,
+        class: &'static str,
+        persistent: bool,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let mut s = Shared { name: String::new(), rank: 0, ranks: 1, options: PyShmOptions::default(), persistent };
+        let mut named = false;
+        for (f, v) in arguments(py, class, SHARED_FIELDS, 1, args, kwargs)? {
+            match f {
+                "name" => {
+                    s.name = v
+                        .cast::<PyString>()
+                        .map(|n| n.to_string())
+                        .map_err(|_| errors::options(py, format!("{class}: name must be a str, not {}", shown(&v))))?;
+                    named = true;
+                }
+                "rank" => s.rank = int(py, class, f, "an int >= 0", &v)?,
+                "ranks" => s.ranks = int(py, class, f, &format!("an int in [1, {MAX_RANKS}]"), &v)?,
+                "options" => {
+                    s.options = if v.is_none() {
+                        PyShmOptions::default()
+                    } else {
+                        v.cast::<PyShmOptions>()
+                            .map_err(|_| {
+                                errors::options(
+                                    py,
+                                    format!("{class}: options must be a kvoffload.ShmOptions, not {}", shown(&v)),
+                                )
+                            })?
+                            .get()
+                            .clone()
+                    }
+                }
+                _ => unreachable!("SHARED_FIELDS"),
+            }
+        }
+        if !named {
+            return Err(errors::options(py, format!("{class} needs a name")));
+        }
+        // What the region checks when it is made, checked here (issue 43):
+        // the name is one file name, the rank one of the ranks.
+        if let Err(e) = shm_path(std::path::Path::new(DEFAULT_SHM_DIR), &s.name) {
+            return Err(errors::options(py, format!("{class}.name must be a file name: {e}")));
+        }
+        if s.ranks == 0 || s.ranks > MAX_RANKS {
+            return Err(errors::options(
+                py,
+                format!(
+                    "{class}.ranks must be an int in [1, {MAX_RANKS}] (the most ranks a region's header holds), not {}",
+                    s.ranks
+                ),
+            ));
+        }
+        if s.rank >= s.ranks {
+            return Err(errors::options(
+                py,
+                format!(
+                    "{class}.rank must be below ranks ({}): the ranks are 0..{}, not {}",
+                    s.ranks,
+                    s.ranks - 1,
+                    s.rank
+                ),
+            ));
+        }
+        Ok(PyRegionSpec { shared: Some(s) })
+    }
+
     /// The Rust region spec (shared regions' waits stopped by Ctrl-C
     /// through `signals`).
     pub(crate) fn build(&self, signals: &Signals) -> RegionSpec {
         match &self.shared {
             None => RegionSpec::Anonymous,
+            Some(s) if s.persistent => RegionSpec::Persistent {
+                name: s.name.clone(),
+                rank: s.rank,
+                ranks: s.ranks,
+                options: s.options.build(signals),
+            },
             Some(s) => RegionSpec::Shared {
                 name: s.name.clone(),
                 rank: s.rank,
@@ -574,71 +652,27 @@ impl PyRegionSpec {
     #[staticmethod]
     #[pyo3(signature = (*args, **kwargs))]
     fn shared(py: Python<'_>, args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
-        const C: &str = "RegionSpec.shared";
-        let mut s = Shared { name: String::new(), rank: 0, ranks: 1, options: PyShmOptions::default() };
-        let mut named = false;
-        for (f, v) in arguments(py, C, SHARED_FIELDS, 1, args, kwargs)? {
-            match f {
-                "name" => {
-                    s.name = v
-                        .cast::<PyString>()
-                        .map(|n| n.to_string())
-                        .map_err(|_| errors::options(py, format!("{C}: name must be a str, not {}", shown(&v))))?;
-                    named = true;
-                }
-                "rank" => s.rank = int(py, C, f, "an int >= 0", &v)?,
-                "ranks" => s.ranks = int(py, C, f, &format!("an int in [1, {MAX_RANKS}]"), &v)?,
-                "options" => {
-                    s.options = if v.is_none() {
-                        PyShmOptions::default()
-                    } else {
-                        v.cast::<PyShmOptions>()
-                            .map_err(|_| {
-                                errors::options(
-                                    py,
-                                    format!("{C}: options must be a kvoffload.ShmOptions, not {}", shown(&v)),
-                                )
-                            })?
-                            .get()
-                            .clone()
-                    }
-                }
-                _ => unreachable!("SHARED_FIELDS"),
-            }
-        }
-        if !named {
-            return Err(errors::options(py, format!("{C} needs a name")));
-        }
-        // What the region checks when it is made, checked here (issue 43):
-        // the name is one file name, the rank one of the ranks.
-        if let Err(e) = shm_path(std::path::Path::new(DEFAULT_SHM_DIR), &s.name) {
-            return Err(errors::options(py, format!("{C}.name must be a file name: {e}")));
-        }
-        if s.ranks == 0 || s.ranks > MAX_RANKS {
-            return Err(errors::options(
-                py,
-                format!(
-                    "{C}.ranks must be an int in [1, {MAX_RANKS}] (the most ranks a region's header holds), not {}",
-                    s.ranks
-                ),
-            ));
-        }
-        if s.rank >= s.ranks {
-            return Err(errors::options(
-                py,
-                format!("{C}.rank must be below ranks ({}): the ranks are 0..{}, not {}", s.ranks, s.ranks - 1, s.rank),
-            ));
-        }
-        Ok(PyRegionSpec { shared: Some(s) })
+        Self::parse(py, "RegionSpec.shared", false, args, kwargs)
     }
 
-    /// `"anonymous"` or `"shared"`.
+    /// The rows of a node pool: a region of `name` in `options.dir` shared
+    /// by the engines of a node across launches, created by the first
+    /// process to come (whatever its rank), opened by every later one,
+    /// never unlinked by an offloader (`kvoffload pool rm` removes it).
+    /// More than one rank needs the offloader's `agreement` transport.
+    #[staticmethod]
+    #[pyo3(signature = (*args, **kwargs))]
+    fn persistent(py: Python<'_>, args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        Self::parse(py, "RegionSpec.persistent", true, args, kwargs)
+    }
+
+    /// `"anonymous"`, `"shared"` or `"persistent"`.
     #[getter]
     fn kind(&self) -> &'static str {
-        if self.shared.is_some() {
-            "shared"
-        } else {
-            "anonymous"
+        match &self.shared {
+            None => "anonymous",
+            Some(s) if s.persistent => "persistent",
+            Some(_) => "shared",
         }
     }
 
@@ -670,7 +704,8 @@ impl PyRegionSpec {
         match &self.shared {
             None => "kvoffload.RegionSpec.anonymous()".to_string(),
             Some(s) => format!(
-                "kvoffload.RegionSpec.shared({}, rank={}, ranks={}, options={})",
+                "kvoffload.RegionSpec.{}({}, rank={}, ranks={}, options={})",
+                if s.persistent { "persistent" } else { "shared" },
                 quoted(&s.name),
                 s.rank,
                 s.ranks,

@@ -105,6 +105,9 @@ impl PoolWords for AnyWords {
     fn engine_id_store(&self, engine: u8, id: &[u64; 4]) {
         each!(self, w => w.engine_id_store(engine, id))
     }
+    fn note_writer(&self, slot: usize, engine: u8) {
+        each!(self, w => w.note_writer(slot, engine))
+    }
     fn liveness(&self, record: &Member) -> Liveness {
         each!(self, w => w.liveness(record))
     }

@@ -406,3 +406,43 @@ def test_local_pools_sweep_a_killed_member_engine():
     assert sweeper.sweep() == [b.engine]
     c = sweeper.census()
     assert (c["writing"], c["held"], c["readable"]) == (0, 0, 1)
+
+
+# ---------------------------------------------------------------- the rows' region
+
+
+def test_a_persistent_region_outlives_its_offloader(name):
+    """``RegionSpec.persistent``: the pool's rows. What one offloader stored
+    in a slot, a later one on the same region loads byte for byte; the
+    region is removed with the pool (``Pool.remove``)."""
+    region = kv.RegionSpec.persistent(f"pool-{name}", options=kv.ShmOptions(dir=SHM))
+    assert region.kind == "persistent" and region.name == f"pool-{name}"
+    assert repr(region).startswith(f"kvoffload.RegionSpec.persistent('pool-{name}'")
+    assert region != kv.RegionSpec.shared(f"pool-{name}", options=kv.ShmOptions(dir=SHM))
+    alloc = dict(tensors=2, page_bytes=4096, gpu_blocks=8)
+    page = bytes(range(256)) * 16
+
+    first = kv.Offloader(4, kv=kv.KvAlloc(**alloc), runtime=kv.Runtime("sim"), region=region)
+    for t in range(2):
+        kt.write_block(first, t, 3, page[t:] + page[:t])
+    first.store_slots(1, [3], [2])
+    first.wait_jobs([1])
+    assert [c.error for c in first.poll()] == [None]
+    first.shutdown()
+
+    second = kv.Offloader(4, kv=kv.KvAlloc(**alloc), runtime=kv.Runtime("sim"), region=region)
+    second.load_slots(1, [5], [2])
+    second.wait_jobs([1])
+    assert [c.error for c in second.poll()] == [None]
+    for t in range(2):
+        assert kt.read_block(second, t, 5) == page[t:] + page[:t]
+    second.shutdown()
+    open_pool(name)  # so that Pool.remove finds the pool and removes its rows too
+    removed = kv.Pool.remove(name, dir=SHM)
+    assert f"{SHM}/kvoffload-pool-{name}" in removed
+
+
+def test_a_persistent_region_of_two_ranks_needs_an_agreement_transport(name):
+    region = kv.RegionSpec.persistent(f"pool-{name}", rank=0, ranks=2, options=kv.ShmOptions(dir=SHM))
+    with pytest.raises(kv.OptionsError, match="agreement transport"):
+        kv.Offloader(4, kv=kv.KvAlloc(tensors=1, page_bytes=4096, gpu_blocks=4), runtime=kv.Runtime("sim"), region=region)

@@ -314,6 +314,16 @@ class KvoffloadSpec(OffloadingSpec):
         self.pool_geometry: Optional[Tuple[int, int]] = None
         self.pool_hash_algo: Optional[str] = None
         if self.settings.pool is not None:
+            if world > 1:
+                # The ranks of an engine agree on pinning (P7) through the
+                # shared region's header, which the pool's persistent
+                # region (of many launches) has not; a transport is not
+                # wired here yet.
+                raise _bad(
+                    "kvo_pool",
+                    self.settings.pool,
+                    f"takes engines of one rank in this build; this one has world_size {world}",
+                )
             self.pool_geometry = _pool_geometry(self)
             # The hash algorithm is not in OffloadingConfig: read it from
             # the VllmConfig the connector is being built with.
@@ -433,10 +443,12 @@ def _pool_region_spec(spec: "KvoffloadSpec") -> "kvoffload.RegionSpec":
     if _pool_region is not None:
         return _pool_region(spec)
     s = spec.settings
-    raise kvoffload.OptionsError(
-        f"kvoffload.vllm: kv_connector_extra_config['kvo_pool'] = {s.pool!r}: the pool's rows need a shared "
-        "region that outlives its engines (region 'pool-<name>', never unlinked), which this build of kvoffload "
-        "does not have yet"
+    cfg = spec.config
+    return kvoffload.RegionSpec.persistent(
+        f"pool-{s.pool}",
+        rank=cfg.parallel.rank,
+        ranks=cfg.parallel.world_size,
+        options=kvoffload.ShmOptions(dir=s.region_dir),
     )
 
 
