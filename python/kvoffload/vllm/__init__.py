@@ -92,8 +92,8 @@ EXTRA_KEYS: Dict[str, str] = {
     "pool in kvo_region_dir; non-empty, at most 200 bytes, no '/' or NUL",
     "kvo_pool_bytes": "bytes of a pool this engine creates, a positive int (default cpu_bytes_to_use); an existing "
     "pool keeps its size",
-    "kvo_pool_keep": "true (default): the pool stays until 'kvoffload pool rm'; false: the last engine to leave "
-    "removes it",
+    "kvo_pool_keep": "true (default): the pool stays until 'kvoffload pool rm' (false, the last engine to leave "
+    "removing it, is not supported yet)",
     "kvo_pool_tag": "a string every engine on the pool must give alike (default ''): what the fingerprint cannot "
     "see, such as a checkpoint revision",
 }
@@ -241,6 +241,16 @@ class _Settings:
             )
         self.pool_bytes = _int(extra, "kvo_pool_bytes", self.cpu_bytes_to_use, 1)
         self.pool_keep = _bool(extra, "kvo_pool_keep", True)
+        if not self.pool_keep:
+            # Design 1.1: the last engine removes the pool by the CAS
+            # READY(0) -> CLOSING of the pool word's engine count, which
+            # the pool does not keep yet; removing on "no live entry" would
+            # race a joiner (left on an unlinked pool).
+            raise _bad(
+                "kvo_pool_keep",
+                extra["kvo_pool_keep"],
+                "false is not supported yet (the pool is kept; remove it with 'kvoffload pool rm')",
+            )
         tag = extra.get("kvo_pool_tag", "")
         if tag is None:
             tag = ""
@@ -592,6 +602,29 @@ class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
                 ranks=cfg.parallel.world_size,
                 options=kvoffload.ShmOptions(dir=s.region_dir),
             )
+        try:
+            self._init_slots(spec, kv_caches, num_slots, runtime, options, pool)
+        except BaseException:
+            if pool is not None:
+                pool.leave()
+            raise
+        engine_worker = _engine_worker_before_warmup() if s.hold_pinning_for_warmup else None
+        if engine_worker is not None:
+            _hold_pinning_over_warmup(self, engine_worker)
+        log.info(
+            "kvoffload.vllm: %d host slots of %d blocks, region %d bytes (%s), set up in %.3f s; pinning in the "
+            "background (%s)",
+            num_slots,
+            spec.blocks_per_chunk,
+            self.offloader.region_bytes,
+            f"pool {s.pool!r}" if pool is not None else s.region,
+            self.setup_seconds,
+            self.offloader.pin_progress.state,
+        )
+
+    def _init_slots(self, spec: KvoffloadSpec, kv_caches: Any, num_slots: int, runtime: Any, options: Any, pool: Any):
+        s = spec.settings
+        cfg = spec.config
         _slotworker.SlotWorker.__init__(
             self,
             kv_caches,
@@ -604,17 +637,4 @@ class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
             failed_results=RELEASE.failed_results,
             pool=pool,
             pool_rank=cfg.parallel.rank,
-        )
-        engine_worker = _engine_worker_before_warmup() if s.hold_pinning_for_warmup else None
-        if engine_worker is not None:
-            _hold_pinning_over_warmup(self, engine_worker)
-        log.info(
-            "kvoffload.vllm: %d host slots of %d blocks, region %d bytes (%s), set up in %.3f s; pinning in the "
-            "background (%s)",
-            spec.num_chunks,
-            spec.blocks_per_chunk,
-            self.offloader.region_bytes,
-            s.region,
-            self.setup_seconds,
-            self.offloader.pin_progress.state,
         )

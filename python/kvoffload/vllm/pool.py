@@ -261,6 +261,8 @@ class PoolManager(OffloadingManager):
             del self._loading[req_context.req_id]
 
     def prepare_store(self, keys: Any, req_context: Any) -> PrepareStoreOutput:
+        if not self._none_hash_checked:
+            self._check_none_hash()
         keys = [bytes(k) for k in keys]
         writing = self._writing.setdefault(req_context.req_id, {})
         to_store: List[bytes] = []
