@@ -2,7 +2,9 @@
 //! private /dev/shm directory: what `ls` shows of slots, engines and the
 //! fingerprint, and `rm` refusing a pool in use (exit 1, naming the entry
 //! and its pid), an untrusted file of it, or a name of another pool's file,
-//! then removing the index and region files and nothing else.
+//! then removing the index and region files and nothing else; `ls
+//! --reclaim` freeing the entry of an engine (a child process) killed with
+//! its marks, which plain `ls` reports dead and leaves.
 
 mod pool_common;
 mod region_common;
@@ -10,14 +12,17 @@ mod region_common;
 use std::process::Command;
 use std::time::Duration;
 
-use kvoffload::internal::pool::engines::{MembersWord, OwnerState, OwnerWord};
-use kvoffload::internal::pool::file::liveness::member_of;
-use kvoffload::internal::pool::file::{PoolFile, PublishNote, Wait};
+use kvoffload::internal::pool::engines::{worker, MembersWord, OwnerState, OwnerWord, SCHEDULER};
+use kvoffload::internal::pool::file::liveness::{member_of, member_of_self};
+use kvoffload::internal::pool::file::{PoolFile, PoolOptions, PublishNote, Wait};
 use kvoffload::internal::pool::fingerprint::HashingRecord;
 use kvoffload::internal::pool::slot::SlotWord;
-use kvoffload::internal::pool::words::PoolWords;
-use pool_common::{spec, ShmDir};
-use region_common::write_private;
+use kvoffload::internal::pool::table::{Lookup, Placement, PoolTable};
+use kvoffload::internal::pool::words::{Key, PoolWords};
+use pool_common::{spec, ChildLines, ShmDir};
+use region_common::{block_on_stdin, child_role, write_private, ChildGuard};
+
+const PATIENCE: Duration = Duration::from_secs(20);
 
 fn kvoffload(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_kvoffload")).args(args).output().expect("run kvoffload");
@@ -196,4 +201,76 @@ fn rm_refuses_names_of_another_pools_files() {
         assert_eq!(code, 2, "{name:?}");
         assert!(err.contains("bad pool name"), "{name:?}: {err}");
     }
+}
+
+/// The entry of the child engine (does nothing when run as a test): it
+/// joins pool "node" of the directory it is given (owner and scheduler),
+/// holds the parent's key, claims one of its own, says so and blocks.
+#[test]
+fn pool_cli_child() {
+    let Some((role, dir)) = child_role() else { return };
+    assert_eq!(role, "engine");
+    let p = PoolFile::open("node", &PoolOptions::in_dir(dir), Wait::new(PATIENCE)).unwrap();
+    let t = PoolTable::new(p.words());
+    let me = member_of_self().unwrap();
+    let lease = t.join_owner(worker(0), &me, &[7; 4]).unwrap();
+    assert_eq!(t.join_member(SCHEDULER, &me, &[7; 4]).unwrap(), Some(lease));
+    assert!(matches!(t.lookup(lease.engine, &Key::new(b"parent", 0).unwrap()).unwrap(), Lookup::Hit { .. }));
+    assert!(matches!(t.claim(lease.engine, &Key::new(b"child", 0).unwrap()).unwrap(), Placement::Claimed { .. }));
+    use std::io::Write;
+    println!("engine {}", lease.engine);
+    let _ = std::io::stdout().flush();
+    block_on_stdin();
+}
+
+#[test]
+fn ls_reports_a_killed_engine_dead_and_ls_reclaim_frees_it() {
+    let d = ShmDir::new("reclaim");
+    let dir = d.path().to_str().unwrap();
+    let p = PoolFile::create("node", &spec(), &d.opts()).unwrap();
+    // The parent is a live engine with a published key.
+    let t = PoolTable::new(p.words());
+    let me = member_of_self().unwrap();
+    let lease = t.join_owner(worker(0), &me, &[1; 4]).unwrap();
+    let Placement::Claimed { slot, epoch, .. } = t.claim(lease.engine, &Key::new(b"parent", 0).unwrap()).unwrap()
+    else {
+        panic!("not claimed")
+    };
+    assert!(!t.complete_rank(lease.engine, slot, epoch, 0).unwrap());
+    assert!(t.complete_rank(lease.engine, slot, epoch, 1).unwrap());
+    let mut child = ChildGuard::spawn_piped("pool_cli_child", "engine", dir);
+    let lines = ChildLines::new(child.child.as_mut().unwrap().stdout.take().unwrap());
+    let e: u8 = lines.expect("engine ", PATIENCE)["engine ".len()..].parse().unwrap();
+    assert_ne!(e, lease.engine);
+    let (code, out, err) = kvoffload(&["pool", "ls", "--dir", dir]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("engines live 2 dead 0"), "{out}");
+    child.kill9();
+    // Killed: plain ls reports it dead, and writes nothing.
+    let before = std::fs::read(d.index("node")).unwrap();
+    let (code, out, err) = kvoffload(&["pool", "ls", "--dir", dir]);
+    assert_eq!(code, 0, "{err}");
+    for want in ["slots free 62 writing 1 readable 1 held 1", "engines live 1 dead 1"] {
+        assert!(out.contains(want), "{want:?} not in {out}");
+    }
+    assert!(!out.contains("reclaimed"), "{out}");
+    assert!(std::fs::read(d.index("node")).unwrap() == before, "ls wrote the index");
+    // --reclaim sweeps it: its hold dropped, its write freed, its entry FREE.
+    let (code, out, err) = kvoffload(&["pool", "ls", "--dir", dir, "--reclaim"]);
+    assert_eq!(code, 0, "{err}");
+    for want in [
+        &format!("reclaimed engines {e}") as &str,
+        "slots free 63 writing 0 readable 1 held 0",
+        "engines live 1 dead 0",
+    ] {
+        assert!(out.contains(want), "{want:?} not in {out}");
+    }
+    assert_eq!(OwnerWord::decode(p.words().owner_load(e)).state, OwnerState::Free);
+    assert!(t.check().is_ok());
+    // Nothing more to reclaim; the live engine is left.
+    let (code, out, err) = kvoffload(&["pool", "ls", "--dir", dir, "--reclaim", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\"engines_dead\":0,") && out.contains(",\"reclaimed\":[]}"), "{out}");
+    assert_eq!(p.engines().live.len(), 1);
+    assert_eq!(OwnerWord::decode(p.words().owner_load(lease.engine)).state, OwnerState::Live);
 }

@@ -3,7 +3,8 @@
 //! a refusal names; the region's trust rules on its name (a link, another
 //! user's file, group or other bits, a FIFO); a directory that is not
 //! memory; a half-made file of a creator that died, recovered; and the
-//! liveness oracle on real processes (exited, zombie, running, pid reused).
+//! liveness oracle on real processes (exited, zombie, running, pid reused,
+//! a pid alone).
 //!
 //! Children re-execute this binary (`pool_child`, the role in
 //! `KVOFFLOAD_REGION_TEST_ROLE`, `dir|name` in `KVOFFLOAD_REGION_TEST_NAME`);
@@ -426,6 +427,10 @@ fn the_oracle_tells_exited_zombie_reused_and_foreign_processes_from_live_ones() 
     assert_eq!(w.liveness(&rec), Liveness::Alive);
     // The same pid with another start time: reused, gone.
     assert_eq!(w.liveness(&Member { start: rec.start + 1, ..rec }), Liveness::Gone);
+    // The pid alone (an owner word's claimer or sweeper, start time 0):
+    // judged by the pid, alive while it runs.
+    let pid_only = Member { start: 0, ..rec };
+    assert_eq!(w.liveness(&pid_only), Liveness::Alive);
     // Another pid namespace: not judged.
     assert_eq!(w.liveness(&Member { pidns: rec.pidns ^ 1, ..rec }), Liveness::Foreign);
     // Another boot: gone.
@@ -439,9 +444,11 @@ fn the_oracle_tells_exited_zombie_reused_and_foreign_processes_from_live_ones() 
     let p_raw = rustix::process::Pid::from_raw(pid as i32).unwrap();
     assert!(rustix::process::test_kill_process(p_raw).is_ok(), "kill(pid, 0) alone says it lives");
     assert_eq!(w.liveness(&rec), Liveness::Gone, "zombie");
+    assert_eq!(w.liveness(&pid_only), Liveness::Gone, "zombie, by its pid");
     // Reaped: gone.
     live.wait().unwrap();
     assert_eq!(w.liveness(&rec), Liveness::Gone, "exited");
+    assert_eq!(w.liveness(&pid_only), Liveness::Gone, "exited, by its pid");
     // This process: alive.
     assert_eq!(w.liveness(&member_of(std::process::id()).unwrap()), Liveness::Alive);
 }

@@ -197,6 +197,22 @@ impl<W: PoolWords> PoolTable<W> {
     /// should be released and its writes abandoned or published first; any
     /// left are reclaimed here.
     pub fn leave(&self, lease: Lease, member: u8, me: &Member) -> Result<(), JoinError> {
+        self.leave_observed(lease, member, me, &mut |_| true).map(|_| ())
+    }
+
+    /// [`PoolTable::leave`], asking `step` at each step of the last
+    /// leaver's reclaim ([`SweepStep`]: the entry taken, sealed, each slot,
+    /// the members cleared) whether to go on, as [`PoolTable::sweep_engine`]
+    /// does (a crash test stops it there). False when `step` stopped it;
+    /// the entry is then `RECLAIMING` by this process, which a sweep takes
+    /// over once it is gone.
+    pub fn leave_observed(
+        &self,
+        lease: Lease,
+        member: u8,
+        me: &Member,
+        step: &mut dyn FnMut(SweepStep) -> bool,
+    ) -> Result<bool, JoinError> {
         let mine = bit(member)?;
         let words = self.words();
         let engine = lease.engine;
@@ -204,7 +220,7 @@ impl<W: PoolWords> PoolTable<W> {
         let last = loop {
             let m = MembersWord::decode(cur);
             if m.mask & mine == 0 {
-                return Ok(());
+                return Ok(true);
             }
             let new = MembersWord { mask: m.mask & !mine, generation: m.generation };
             match words.members_cas(engine, cur, new.encode()) {
@@ -212,25 +228,30 @@ impl<W: PoolWords> PoolTable<W> {
                 Err(found) => cur = found,
             }
         };
-        let Some(empty) = last else { return Ok(()) };
+        let Some(empty) = last else { return Ok(true) };
         let raw = words.owner_load(engine);
         let o = OwnerWord::decode(raw);
         if o.state != OwnerState::Live || o.generation != lease.generation {
-            return Ok(());
+            return Ok(true);
         }
         let taken = OwnerWord { state: OwnerState::Reclaiming, generation: o.generation, pid: me.pid };
         if words.owner_cas(engine, raw, taken.encode()).is_err() {
-            return Ok(());
+            return Ok(true);
+        }
+        if !step(SweepStep::Taken) {
+            return Ok(false);
         }
         let sealed = MembersWord { mask: 0, generation: MembersWord::next_generation(empty.generation) };
         if words.members_cas(engine, empty.encode(), sealed.encode()).is_err() {
             // A member registered meanwhile: the entry stays its engine's.
             let _ = words.owner_cas(engine, taken.encode(), raw);
-            return Ok(());
+            return Ok(true);
         }
-        self.reclaim_slots(engine, &mut |_| true)?;
+        if !step(SweepStep::Sealed) || !self.reclaim_slots(engine, step)? || !step(SweepStep::Cleared) {
+            return Ok(false);
+        }
         self.free_entry(engine, taken);
-        Ok(())
+        Ok(true)
     }
 
     /// Sweeps every dead entry (rule 2); returns the entries freed.

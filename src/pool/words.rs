@@ -120,7 +120,8 @@ pub struct Member {
     /// Its pid (0: none recorded).
     pub pid: u32,
     /// Its start time (field 22 of `/proc/<pid>/stat`), so a reused pid is
-    /// told apart.
+    /// told apart; 0 when only the pid is known (an owner word's claimer or
+    /// sweeper), judged by the pid alone.
     pub start: u64,
     /// The inode of its pid namespace.
     pub pidns: u64,

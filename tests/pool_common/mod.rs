@@ -90,3 +90,45 @@ pub fn spec() -> PoolSpec {
         config: config(),
     }
 }
+
+/// A child's stdout read line by line on a thread of its own, so that the
+/// parent waits for a line with a deadline (a child that hangs or dies is
+/// reported, never waited for without bound).
+pub struct ChildLines {
+    rx: std::sync::mpsc::Receiver<String>,
+}
+
+impl ChildLines {
+    /// Reads `out` until it ends.
+    pub fn new(out: std::process::ChildStdout) -> ChildLines {
+        use std::io::BufRead;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        ChildLines { rx }
+    }
+
+    /// The next line starting with `prefix` (earlier lines are skipped),
+    /// waiting at most `timeout`; panics if the child's stdout ends first
+    /// (it died: its stderr is above) or the time runs out.
+    pub fn expect(&self, prefix: &str, timeout: std::time::Duration) -> String {
+        use std::sync::mpsc::RecvTimeoutError;
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            match self.rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) {
+                Ok(line) if line.starts_with(prefix) => return line,
+                Ok(_) => {}
+                Err(RecvTimeoutError::Timeout) => panic!("no line starting with {prefix:?} within {timeout:?}"),
+                Err(RecvTimeoutError::Disconnected) => {
+                    panic!("the child's stdout ended before a line starting with {prefix:?}")
+                }
+            }
+        }
+    }
+}

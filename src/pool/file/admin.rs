@@ -3,6 +3,9 @@
 //!
 //! Listing writes nothing: it opens each index file as an opener does
 //! (never through a link, only a trusted file), maps it and reads its words.
+//! Unless asked to reclaim: then each pool's dead engine entries are swept
+//! first (design 3.6), by this process as the sweeper, and the entries
+//! freed are reported.
 //! Removing checks first, removes after: the index file and every region
 //! file of the pool (`kvoffload-pool-<name>` and its data files
 //! `kvoffload-pool-<name>.<k>`) must be files this user may use (the
@@ -16,11 +19,13 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use super::layout::PoolState;
+use super::liveness::member_of_self;
 use super::{check_name, index_name, open_dir, region_name, PoolFile, PoolOptions, INDEX_SUFFIX, POOL_PREFIX};
 use crate::internal::pool::engines::{MembersWord, OwnerState, OwnerWord};
 use crate::internal::pool::error::{LiveEntry, PoolError};
 use crate::internal::pool::fingerprint::{ConfigRecord, HashingRecord};
 use crate::internal::pool::slot::{SlotState, SlotWord};
+use crate::internal::pool::table::PoolTable;
 use crate::internal::pool::words::{Liveness, PoolWords};
 use crate::region::shm::process_gone;
 use crate::region::{FileMeta, RegionDir, Trust};
@@ -82,9 +87,21 @@ pub struct PoolSummary {
     pub last_store_unix_ms: Option<u64>,
     /// Made in this boot.
     pub same_boot: bool,
+    /// The entries a reclaim freed before this summary was taken (`None`:
+    /// no reclaim was asked).
+    pub reclaimed: Option<Vec<u8>>,
 }
 
 impl PoolFile {
+    /// Sweeps every dead engine entry (design 3.6: its slot marks dropped,
+    /// a dead writer's slots freed, the entry `FREE`) as a sweeper of this
+    /// process's own record; the entries freed. A live entry, or one
+    /// another live process is sweeping, is left as it is.
+    pub fn reclaim(&self) -> Result<Vec<u8>> {
+        let me = member_of_self().map_err(|e| PoolError::io("read", "/proc/self/stat", e))?;
+        Ok(PoolTable::new(self.words()).sweep_dead(&me, &mut |_| true)?)
+    }
+
     /// The entries that are `LIVE` with a member alive or unjudgeable, and
     /// how many are dead.
     pub fn engines(&self) -> EngineCounts {
@@ -162,14 +179,22 @@ impl PoolFile {
             created_unix_nanos: self.created_unix_nanos(),
             last_store_unix_ms: last,
             same_boot: self.same_boot(),
+            reclaimed: None,
         })
     }
 }
 
 /// The pools of `dir` (names of their index files, sorted), each with its
 /// summary or why it could not be read. Waits for none: a pool being made
-/// is reported as not ready.
+/// is reported as not ready. Writes nothing.
 pub fn list(dir: &Path) -> Result<Vec<(String, Result<PoolSummary>)>> {
+    list_with(dir, false)
+}
+
+/// [`list`], and with `reclaim` each readable pool's dead entries swept
+/// first ([`PoolFile::reclaim`]), the entries freed in its summary's
+/// `reclaimed`.
+pub fn list_with(dir: &Path, reclaim: bool) -> Result<Vec<(String, Result<PoolSummary>)>> {
     let (_, _) = open_dir(dir)?;
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .map_err(|e| PoolError::io("read directory", dir, e))?
@@ -185,7 +210,10 @@ pub fn list(dir: &Path) -> Result<Vec<(String, Result<PoolSummary>)>> {
     Ok(names
         .into_iter()
         .map(|n| {
-            let s = PoolFile::inspect(&n, &opts).and_then(|p| p.summary());
+            let s = PoolFile::inspect(&n, &opts).and_then(|p| {
+                let reclaimed = if reclaim { Some(p.reclaim()?) } else { None };
+                Ok(PoolSummary { reclaimed, ..p.summary()? })
+            });
             (n, s)
         })
         .collect())

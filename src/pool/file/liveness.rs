@@ -9,6 +9,12 @@
 //! missing, shows another start time (field 22: the pid was reused) or
 //! state `Z` or `X` (a zombie cannot touch memory; the region's
 //! `process_gone` counts it alive).
+//!
+//! A record of start time 0 names a pid alone: the claimer or sweeper an
+//! owner word names (design 2.4), whose start time the word has no room
+//! for. It is judged without one: a running process of that pid is alive
+//! whatever its start time (a reused pid keeps such an entry until that
+//! process ends, never frees it under a live one).
 
 use std::io;
 
@@ -119,7 +125,9 @@ impl Oracle {
         }
         match proc_stat(record.pid) {
             Ok(None) => Liveness::Gone,
-            Ok(Some(s)) if s.start != record.start || matches!(s.state, 'Z' | 'X') => Liveness::Gone,
+            Ok(Some(s)) if matches!(s.state, 'Z' | 'X') => Liveness::Gone,
+            // Start time 0: the pid alone is known (see the module docs).
+            Ok(Some(s)) if record.start != 0 && s.start != record.start => Liveness::Gone,
             Ok(Some(_)) => Liveness::Alive,
             // Cannot read it: not known to be gone.
             Err(e) => {

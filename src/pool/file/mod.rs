@@ -56,7 +56,7 @@ use crate::region::hugetlb::HUGETLBFS_MAGIC;
 use crate::region::shm::MAX_NAME_LEN;
 use crate::region::{Backoff, RegionDir};
 
-pub use self::admin::{list, remove, EngineCounts, PoolSummary, Removed, SlotCounts};
+pub use self::admin::{list, list_with, remove, EngineCounts, PoolSummary, Removed, SlotCounts};
 pub use self::layout::PoolState as State;
 pub use self::words::PublishNote;
 

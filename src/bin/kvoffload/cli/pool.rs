@@ -2,6 +2,8 @@
 //!
 //! `ls` writes nothing: each pool's index file is opened as an engine
 //! opens it (never through a link, only a file of this user) and read.
+//! `ls --reclaim` first sweeps each pool's dead engine entries (design
+//! 3.6), this process the sweeper, and reports the entries it freed.
 //! `rm` removes a pool's index file and its region files, refusing while
 //! an engine entry is `LIVE` with a member alive (exit status 1) unless
 //! `--force`.
@@ -18,7 +20,8 @@ pub enum Pool {
     /// One line per pool of the directory: name, index bytes, slots, sets
     /// and ways, ranks, the fingerprint's summary (model, dtype, tokens per
     /// block, world size, hash), slots free / writing / readable / held,
-    /// engines live / dead, created, last store. Writes nothing.
+    /// engines live / dead, created, last store. Writes nothing unless
+    /// --reclaim.
     Ls(LsArgs),
     /// Remove a pool: its index file and its region files. Refused (exit
     /// status 1) while an engine entry is live with a live member, naming
@@ -35,6 +38,11 @@ pub struct LsArgs {
     /// One JSON object per line instead of text.
     #[arg(long)]
     json: bool,
+    /// Sweep each pool's dead engine entries first (every member gone:
+    /// their holds dropped, their unfinished writes freed, the entry freed),
+    /// this process the sweeper, and report the entries freed.
+    #[arg(long)]
+    reclaim: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -59,7 +67,7 @@ pub fn run(p: Pool) -> Result<i32, String> {
 }
 
 fn ls(a: LsArgs) -> Result<i32, String> {
-    let pools = file::list(&a.dir).map_err(|e| e.to_string())?;
+    let pools = file::list_with(&a.dir, a.reclaim).map_err(|e| e.to_string())?;
     if pools.is_empty() && !a.json {
         println!("no kvoffload pools in {}", a.dir.display());
     }
@@ -154,7 +162,18 @@ fn text(s: &PoolSummary) -> String {
     if !s.same_boot {
         line += "  (made in another boot)";
     }
+    if let Some(r) = &s.reclaimed {
+        line += &match r.as_slice() {
+            [] => "  reclaimed none".to_string(),
+            r => format!("  reclaimed engines {}", entries(r)),
+        };
+    }
     line
+}
+
+/// Entry indices, comma-separated.
+fn entries(r: &[u8]) -> String {
+    r.iter().map(u8::to_string).collect::<Vec<_>>().join(",")
 }
 
 /// A JSON string.
@@ -190,7 +209,7 @@ fn json(s: &PoolSummary) -> String {
         "{{\"name\":{},\"path\":{},\"state\":{},\"index_bytes\":{},\"slots\":{},\"sets\":{},\"ways\":{},\"ranks\":{},\
          \"row_bytes\":{},\"model\":{},\"dtype\":{},\"tokens_per_block\":[{}],\"world_size\":{},\"hash\":{},\
          \"free\":{},\"writing\":{},\"readable\":{},\"held\":{},\"corrupt\":{},\"engines_live\":[{}],\"engines_dead\":{},\
-         \"created_unix\":{},\"last_store_unix_ms\":{},\"same_boot\":{}}}",
+         \"created_unix\":{},\"last_store_unix_ms\":{},\"same_boot\":{}{}}}",
         q(&s.name),
         q(&s.path.display().to_string()),
         q(&state(s)),
@@ -215,6 +234,7 @@ fn json(s: &PoolSummary) -> String {
         s.created_unix_nanos / 1_000_000_000,
         s.last_store_unix_ms.map_or_else(|| "null".into(), |v| v.to_string()),
         s.same_boot,
+        s.reclaimed.as_ref().map_or_else(String::new, |r| format!(",\"reclaimed\":[{}]", entries(r))),
     )
 }
 
