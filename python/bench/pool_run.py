@@ -143,7 +143,10 @@ def child(cfg):
 
 def start(cfg, log_path):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # Engines on one pool must hash blocks alike: vLLM 0.26 draws NONE_HASH
+    # at random unless PYTHONHASHSEED is set (kvoffload refuses the pool
+    # then), so every engine of the run gets the same seed.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONHASHSEED=os.environ.get("PYTHONHASHSEED", "0"))
     env["PYTHONPATH"] = HERE + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
