@@ -2,8 +2,8 @@
 and the same models under shuttle's random scheduler (--cfg shuttle), at
 sizes past loom's bound (docs/PROOFS.md, "Past loom's bound: shuttle").
 
-Positive models (P1-P8, F1 and the simulated GPU's rules) must pass in every
-interleaving explored; negative models (N1-N38 in 42 tests, test names
+Positive models (P1-P8, F1, the node pool's PL1-PL5 and the simulated GPU's rules) must pass in every
+interleaving explored; negative models (N1-N48 in 52 tests, test names
 starting with "negative_", marked #[ignore]) must be caught: each runs in
 its own child process (a loom deadlock aborts the process) and must fail
 with the reason it declares. Prints one row a model and writes the table as markdown to
@@ -24,7 +24,7 @@ carries the declared reason). A negative that fails for another reason is
     ci/prove p2_             # only models whose test name or file contains "p2_"
     ci/prove --self-test     # the checker's own test: a negative failing for
                              # another reason than declared must be refused,
-                             # and N1 must be caught
+                             # N1 and N47 (loom's causality check) caught
 
 Shuttle (built into target/shuttle; a model's output lines are SHUTTLE-*,
 judged as loom's; its table is the second one of docs/proof-table.md):
@@ -217,10 +217,13 @@ def run_one(exe, name, negative, env=None):
 
 
 def self_test(exes):
-    """The checker on two negatives: one that fails for another reason than
-    it declares (must be refused) and N1 (must be caught)."""
+    """The checker on three negatives: one that fails for another reason than
+    it declares (must be refused), N1 (must be caught) and N47, whose
+    failure is loom's own causality check, raised inside loom (must be
+    recorded and caught)."""
     cases = [("model_selftest_wrong_reason", "selftest_wrong_reason_must_not_be_caught", False),
-             ("model_p1_capture_isolation", "negative_n1_upstream_background_pin_without_window", True)]
+             ("model_p1_capture_isolation", "negative_n1_upstream_background_pin_without_window", True),
+             ("model_pl1_visible_complete", "negative_n47_pl1_publish_relaxed", True)]
     bad = 0
     for target, name, must_catch in cases:
         out, rc, secs = run_one(exes[target][0], name, True)
@@ -244,8 +247,8 @@ def self_test(exes):
         sys.stdout.write(f"--- output of {name} ---\n{out[-4000:]}\n")
     if bad:
         sys.exit(f"ci/prove --self-test: {bad} of {len(cases) + 1} cases judged wrongly")
-    print(f"ci/prove --self-test: the checker refused the wrong reason, caught N1 and ran a model at its "
-          f"ci/test bound ({len(cases) + 1} of {len(cases) + 1})")
+    print(f"ci/prove --self-test: the checker refused the wrong reason, caught N1 and N47 (loom's causality "
+          f"check) and ran a model at its ci/test bound ({len(cases) + 1} of {len(cases) + 1})")
 
 
 def models(exes, only):

@@ -8,6 +8,7 @@
 #![allow(dead_code)]
 
 pub mod offloader;
+pub mod pool;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
