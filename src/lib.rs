@@ -92,7 +92,7 @@ pub use offloader::{
     OffloaderOptions, PinObserver, PinOutcome, PinProgress, RegionSpec, SlotJob, StoreSubmitted,
 };
 pub use pin::{HugePages, NumaPolicy, PinError, PinOptions, PrefaultMode, DEFAULT_MAX_CHUNK_BYTES};
-pub use protocol::agreement::{AgreementError, Transport};
+pub use protocol::agreement::{AgreementError, RankSlots, Transport};
 pub use protocol::{
     CapturePolicy, CaptureWindow, GraphToken, PageableReason, PinHold, PinState, ProtocolError, Request, ShutdownError,
 };

@@ -3,14 +3,19 @@
 //! rows), on the simulated GPU: what one offloader stores is what a later
 //! one, on the same region after the first shut down, loads byte for byte
 //! (the region outlives its offloaders and is never unlinked by them); a
-//! region of two ranks without an agreement transport is refused before
-//! anything is made (P7 needs one).
+//! region of two ranks with neither agreement words nor an agreement
+//! transport is refused before anything is made (P7 needs one), and so are
+//! both at once and words of other ranks than the region's
+//! (tests/pool_agreement.rs: two ranks agreeing through a pool's words).
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
+use kvoffload::internal::protocol::agreement::LocalSlots;
 use kvoffload::{
-    pattern, shared, JobId, KvAlloc, Lane, Offloader, OffloaderError, OffloaderOptions, Region, RegionSpec, Request,
-    ShmOptions, SimRuntime, SlotJob,
+    pattern, shared, JobId, KvAlloc, Lane, Offloader, OffloaderError, OffloaderOptions, RankSlots, Region, RegionSpec,
+    Request, ShmOptions, SimRuntime, SlotJob, Transport,
 };
 
 const PAGE: usize = 4096;
@@ -23,6 +28,14 @@ fn kv() -> KvAlloc {
 }
 
 fn on_region(name: &str, ranks: usize) -> Result<Offloader, OffloaderError> {
+    on_region_with(name, ranks, |_| {})
+}
+
+fn on_region_with(
+    name: &str,
+    ranks: usize,
+    tune: impl FnOnce(&mut OffloaderOptions),
+) -> Result<Offloader, OffloaderError> {
     let mut opts = OffloaderOptions::with_host_blocks(SLOTS);
     opts.region = RegionSpec::Persistent {
         name: name.into(),
@@ -30,6 +43,7 @@ fn on_region(name: &str, ranks: usize) -> Result<Offloader, OffloaderError> {
         ranks,
         options: ShmOptions::new().timeout(Duration::from_secs(30)),
     };
+    tune(&mut opts);
     Offloader::with_allocated_tensors(shared(SimRuntime::new()), kv(), opts)
 }
 
@@ -104,14 +118,51 @@ fn a_later_offloader_loads_what_an_earlier_one_stored_in_a_persistent_region() {
     assert!(!Region::remove_persistent(&name, &ShmOptions::new()).unwrap().is_empty(), "never unlinked by them");
 }
 
-#[test]
-fn a_persistent_region_of_two_ranks_needs_an_agreement_transport() {
-    let name = format!("offloader-persistent-ranks-{}", std::process::id());
-    let _cleanup = Removed(name.clone());
-    match on_region(&name, 2) {
-        Err(OffloaderError::Options(m)) => assert!(m.contains("agreement transport"), "{m}"),
+/// Refused with an options error containing `says`, before the region
+/// was made.
+fn refused(name: &str, r: Result<Offloader, OffloaderError>, says: &str) {
+    match r {
+        Err(OffloaderError::Options(m)) => assert!(m.contains(says), "{m}"),
         r => panic!("{:?}", r.map(|_| ())),
     }
-    // Refused before the region was made.
-    assert!(Region::remove_persistent(&name, &ShmOptions::new()).map(|v| v.is_empty()).unwrap_or(true));
+    assert!(Region::remove_persistent(name, &ShmOptions::new()).map(|v| v.is_empty()).unwrap_or(true));
+}
+
+#[test]
+fn a_persistent_region_of_two_ranks_needs_agreement_words_or_a_transport() {
+    let name = format!("offloader-persistent-ranks-{}", std::process::id());
+    let _cleanup = Removed(name.clone());
+    refused(&name, on_region(&name, 2), "needs agreement words (OffloaderOptions::agreement_slots");
+}
+
+struct Never;
+impl Transport for Never {
+    fn exchange(&self, _mine: u32) -> Result<Vec<u32>, String> {
+        Err("never called: the offloader is refused first".into())
+    }
+}
+
+fn words(ranks: usize) -> Arc<dyn RankSlots> {
+    Arc::new(LocalSlots::new(ranks))
+}
+
+#[test]
+fn agreement_words_and_a_transport_at_once_are_refused() {
+    let name = format!("offloader-persistent-both-{}", std::process::id());
+    let _cleanup = Removed(name.clone());
+    let both = on_region_with(&name, 2, |o| {
+        o.agreement_slots = Some(words(2));
+        o.agreement = Some(Arc::new(Never));
+    });
+    refused(&name, both, "agreement and OffloaderOptions::agreement_slots are both set");
+}
+
+#[test]
+fn agreement_words_of_other_ranks_than_the_regions_are_refused() {
+    let name = format!("offloader-persistent-other-ranks-{}", std::process::id());
+    let _cleanup = Removed(name.clone());
+    for (ranks, given) in [(2, 3), (2, 1), (1, 2)] {
+        let r = on_region_with(&name, ranks, |o| o.agreement_slots = Some(words(given)));
+        refused(&name, r, &format!("holds the words of {given} ranks; the region has {ranks}"));
+    }
 }

@@ -153,7 +153,9 @@ class Pool:
     once (rank 0's worker claims the engine's entry; the other ranks and the
     scheduler register with it), then every call acts as that engine.
     Every wait is bounded (``timeout``) and interrupted by Python's signals
-    (the handler's exception is raised)."""
+    (the handler's exception is raised). A rank's worker passes its ``Pool``
+    as its offloader's ``agreement``: the engine's ranks agree on the pin
+    state through the entry's words, which the owner resets at its claim."""
 
     @staticmethod
     def open(
@@ -494,7 +496,9 @@ class RegionSpec:
     rows: shared by the engines of a node across launches, created by the
     first process to come, opened by every later one, never unlinked by an
     offloader (``kvoffload pool rm`` removes it); more than one rank needs
-    the offloader's ``agreement`` transport."""
+    the offloader's ``agreement``: the :class:`Pool` of the engine, joined
+    as this rank's worker (the ranks agree through their engine entry's
+    words), or a transport."""
 
     def __init__(self) -> None: ...
     @staticmethod
@@ -524,7 +528,7 @@ class _OffloaderArgs(TypedDict, total=False):
     region: Optional[RegionSpec]  # default None
     pin: Optional[PinOptions]  # default None
     transfer: Optional[TransferOptions]  # default None
-    agreement: Optional[_AgreementTransport]  # default None
+    agreement: Optional[Union[_AgreementTransport, "Pool"]]  # default None
     agreement_timeout: Optional[float]  # default 120.0
     start: bool  # default False
 
@@ -562,11 +566,16 @@ class _OffloaderBase:
     flat ones before issue 30, ``pin_threads=``, ``tensors=``, ``stream=``
     and the like, are refused naming the option that replaced them).
     ``agreement``: the ranks' agreement transport
-    (``torch_agreement``), ``agreement_timeout``: seconds a rank waits for
-    its peers through a shared region's header (None: no limit); it does
-    not bound the ``agreement`` callable, nor this rank's wait for it: the
-    transport's own timeout (the process group's) does, and a shutdown ends
-    the wait at once; ``start``: start pinning at once.
+    (``torch_agreement``), or a :class:`Pool` this process joined as the
+    region's rank's worker (``Pool.join(engine_id, rank=...)``): the ranks
+    of a persistent region (a node pool's rows) agree through their engine
+    entry's words (refused, ``OptionsError``, before the pool is joined or
+    when it is joined as another member); ``agreement_timeout``: seconds a
+    rank waits for its peers through a shared region's header or a pool's
+    words (None: no limit); it does not bound the ``agreement`` callable,
+    nor this rank's wait for it: the transport's own timeout (the process
+    group's) does, and a shutdown ends the wait at once; ``start``: start
+    pinning at once.
 
     The ``agreement`` callable runs once, on a daemon thread of its own
     (``kvo-agree-callable``). A shutdown does not wait for it: the callable

@@ -222,10 +222,12 @@ impl PyOffloaderBase {
     ///
     /// The keywords both classes take: `kv`, `runtime`, `region`, `pin`,
     /// `transfer`, `agreement` (the ranks' agreement callable, run on a
-    /// daemon thread of its own, never bounded by kvoffload),
+    /// daemon thread of its own, never bounded by kvoffload; or a
+    /// `kvoffload.Pool` joined as this rank's worker: the ranks agree
+    /// through their engine entry's words, `OffloaderOptions::agreement_slots`),
     /// `agreement_timeout` (seconds a rank waits for its peers through a
-    /// shared region's header; it bounds neither the callable nor the wait
-    /// for it; default 120) and `start`; `kw` holds them and whatever else
+    /// shared region's header or a pool's words; it bounds neither the
+    /// callable nor the wait for it; default 120) and `start`; `kw` holds them and whatever else
     /// was given, the class's own argument already taken.
     pub(crate) fn build(py: Python<'_>, class: Class, host_blocks: usize, kw: Keywords<'_>) -> PyResult<Self> {
         let (kv, runtime) = (kw.any("kv")?, kw.take::<Option<Py<PyRuntime>>>("runtime")?.flatten());
@@ -259,12 +261,21 @@ impl PyOffloaderBase {
             opts.agreement_timeout = seconds(py, "agreement_timeout", agreement_timeout)?;
             let mut gate = None;
             if let Some(f) = agreement {
-                if !f.bind(py).is_callable() {
-                    return Err(errors::options(py, "agreement must be a callable: f(mine: int) -> list[int] | int"));
+                if let Ok(pool) = f.bind(py).cast::<super::pool::PyPool>() {
+                    // The words of the engine's entry in a node pool (a
+                    // persistent region's ranks have none of their own).
+                    opts.agreement_slots = Some(pool.get().agreement_slots(py, opts.region.rank())?);
+                } else if !f.bind(py).is_callable() {
+                    return Err(errors::options(
+                        py,
+                        "agreement must be a callable, f(mine: int) -> list[int] | int, or a kvoffload.Pool joined \
+                         as this rank's worker",
+                    ));
+                } else {
+                    let t = Arc::new(PyTransport::new(py, f)?);
+                    gate = Some(t.gate.clone());
+                    opts.agreement = Some(t);
                 }
-                let t = Arc::new(PyTransport::new(py, f)?);
-                gate = Some(t.gate.clone());
-                opts.agreement = Some(t);
             }
 
             let rt_ref = runtime.get();

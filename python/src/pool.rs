@@ -30,6 +30,7 @@ use kvoffload::internal::pool::slot::{SlotError, MAX_ENGINES};
 use kvoffload::internal::pool::sweep::Lease;
 use kvoffload::internal::pool::table::{Lookup, Placement, PoolTable};
 use kvoffload::internal::pool::words::{Geometry, Member, PoolWords};
+use kvoffload::RankSlots;
 use pyo3::types::{PyBytes, PyList};
 
 use super::pool_args::*;
@@ -105,6 +106,14 @@ impl PyPool {
                 Ok((s, e))
             })
             .collect()
+    }
+
+    /// The agreement words (P7) of this process's engine for the offloader
+    /// of rank `rank` (`Offloader(..., agreement=pool)`; see
+    /// [`super::pool_words::agreement_slots`]).
+    pub(crate) fn agreement_slots(&self, py: Python<'_>, rank: usize) -> PyResult<Arc<dyn RankSlots>> {
+        let joined = self.joined().map(|j| (j.lease.engine, j.member));
+        super::pool_words::agreement_slots(py, self.words(), &self.name, joined, rank)
     }
 
     fn slot_err(&self, py: Python<'_>, call: &str, slot: u32, epoch: u32, e: SlotError) -> PyErr {

@@ -1,14 +1,19 @@
 //! Where a `kvoffload.Pool`'s words live ([`AnyWords`]): a pool file's
 //! mapping, or the in-process words of `kvoffload._testing.local_pool`
-//! ([`LocalPool`]); the protocol (`PoolTable`) runs over either.
+//! ([`LocalPool`]); the protocol (`PoolTable`) runs over either, and so
+//! does the ranks' pin agreement through an engine's entry
+//! ([`agreement_slots`]).
 
+use kvoffload::internal::pool::agreement::EngineSlots;
 use kvoffload::internal::pool::file::PoolFile;
 use kvoffload::internal::pool::words::{Geometry, Key, Liveness, LocalPoolWords, Member, PoolWords};
+use kvoffload::RankSlots;
 
 use super::*;
 
 /// Where a pool's words live: a pool file's mapping, or (tests) the sync
 /// facade's atomics shared by the `Pool` objects of one process.
+#[derive(Clone)]
 pub(crate) enum AnyWords {
     /// A pool file's mapping (`Pool.open`).
     Shm(Arc<PoolFile>),
@@ -108,7 +113,54 @@ impl PoolWords for AnyWords {
     fn note_writer(&self, slot: usize, engine: u8) {
         each!(self, w => w.note_writer(slot, engine))
     }
+    fn agreement_load(&self, engine: u8, rank: u8) -> u32 {
+        each!(self, w => w.agreement_load(engine, rank))
+    }
+    fn agreement_cas(&self, engine: u8, rank: u8, current: u32, new: u32) -> Result<u32, u32> {
+        each!(self, w => w.agreement_cas(engine, rank, current, new))
+    }
+    fn agreement_store(&self, engine: u8, rank: u8, value: u32) {
+        each!(self, w => w.agreement_store(engine, rank, value))
+    }
     fn liveness(&self, record: &Member) -> Liveness {
         each!(self, w => w.liveness(record))
     }
+}
+
+/// The agreement words (P7) of the engine a process joined (`joined`: its
+/// engine index and member, None before `join`) on pool `name`'s `words`,
+/// its entry's (`EngineSlots`), for the offloader of rank `rank` of the
+/// pool's rows (`Offloader(..., agreement=pool)`): the process must have
+/// joined as that rank's worker, so the words are its tenure's (the owner
+/// reset them before any other rank could join).
+pub(crate) fn agreement_slots(
+    py: Python<'_>,
+    words: &AnyWords,
+    name: &str,
+    joined: Option<(u8, u8)>,
+    rank: usize,
+) -> PyResult<Arc<dyn RankSlots>> {
+    let shown = |m: u8| if m == 0 { "the scheduler".to_string() } else { format!("rank {}'s worker", m - 1) };
+    let (engine, member) = joined.ok_or_else(|| {
+        errors::options(
+            py,
+            format!(
+                "agreement=pool {name:?}: this process has not joined it; join it as rank {rank}'s worker first \
+                 (Pool.join(engine_id, rank={rank})): the ranks agree through their engine's entry"
+            ),
+        )
+    })?;
+    if usize::from(member) != rank + 1 {
+        return Err(errors::options(
+            py,
+            format!(
+                "agreement=pool {name:?}: this process joined it as {}, not as rank {rank}'s worker (the region's rank)",
+                shown(member)
+            ),
+        ));
+    }
+    let words: Arc<dyn PoolWords> = Arc::new(words.clone());
+    let slots = EngineSlots::new(words, engine)
+        .ok_or_else(|| errors::options(py, format!("agreement=pool {name:?}: no entry {engine}")))?;
+    Ok(Arc::new(slots))
 }

@@ -442,7 +442,101 @@ def test_a_persistent_region_outlives_its_offloader(name):
     assert f"{SHM}/kvoffload-pool-{name}" in removed
 
 
-def test_a_persistent_region_of_two_ranks_needs_an_agreement_transport(name):
+def test_a_persistent_region_of_two_ranks_needs_agreement_words_or_a_transport(name):
     region = kv.RegionSpec.persistent(f"pool-{name}", rank=0, ranks=2, options=kv.ShmOptions(dir=SHM))
-    with pytest.raises(kv.OptionsError, match="agreement transport"):
+    with pytest.raises(kv.OptionsError, match=r"needs agreement words .* or an agreement transport"):
         kv.Offloader(4, kv=kv.KvAlloc(tensors=1, page_bytes=4096, gpu_blocks=4), runtime=kv.Runtime("sim"), region=region)
+
+
+TWO_RANKS = dict(SHAPE, ranks=2)
+TWO_RANKS_CONFIG = dict(CONFIG, world_size=2, tp_size=2)
+
+
+def rank_offloader(name, rank, pool, **kw):
+    """Rank ``rank`` of two on the pool's rows, its ranks agreeing through
+    ``pool`` (joined as this rank's worker)."""
+    region = kv.RegionSpec.persistent(f"pool-{name}", rank=rank, ranks=2, options=kv.ShmOptions(dir=SHM, timeout=30))
+    return kv.Offloader(
+        TWO_RANKS["slots"],
+        kv=kv.KvAlloc(tensors=2, page_bytes=4096, gpu_blocks=8),
+        runtime=kv.Runtime("sim"),
+        region=region,
+        pin=kv.PinOptions(threads=1),
+        agreement=pool,
+        **kw,
+    )
+
+
+def test_two_ranks_agree_through_their_engine_entry(name):
+    """``agreement=pool``: the two ranks of an engine (here two offloaders
+    of one process, each its own simulated GPU and its own ``Pool``) agree
+    on the pin state through their entry's words: both pinned; a later
+    tenure of the entry agrees again, on words its owner reset."""
+    for tenure in range(2):
+        pools = [open_pool(name, TWO_RANKS_CONFIG, TWO_RANKS) for _ in range(2)]
+        engine = pools[0].join(f"engine-{tenure}", rank=0)
+        assert pools[1].join(f"engine-{tenure}", rank=1) == engine
+        offs = [rank_offloader(name, r, pools[r], start=True) for r in range(2)]
+        try:
+            outcomes = [o.wait_pinned() for o in offs]
+            assert [(o.state.name, o.agreed) for o in outcomes] == [("pinned", True)] * 2, outcomes
+        finally:
+            for o in offs:
+                o.shutdown()
+            for p in pools:
+                p.leave()
+        assert engine == 0, "the one entry, each tenure"
+
+
+def test_one_rank_pageable_makes_both_pageable_through_the_pool(name):
+    pools = [open_pool(name, TWO_RANKS_CONFIG, TWO_RANKS) for _ in range(2)]
+    pools[0].join("e", rank=0)
+    pools[1].join("e", rank=1)
+    rt = kv.Runtime("sim")
+    kt.sim_fail_registration(rt, nth=1, code=801)
+    offs = [rank_offloader(name, 0, pools[0], start=True)]
+    region = kv.RegionSpec.persistent(f"pool-{name}", rank=1, ranks=2, options=kv.ShmOptions(dir=SHM, timeout=30))
+    offs.append(
+        kv.Offloader(
+            TWO_RANKS["slots"],
+            kv=kv.KvAlloc(tensors=2, page_bytes=4096, gpu_blocks=8),
+            runtime=rt,
+            region=region,
+            agreement=pools[1],
+            start=True,
+        )
+    )
+    try:
+        r0, r1 = [o.wait_pinned() for o in offs]
+        assert (r0.state.name, r0.state.reason, r0.agreed) == ("pageable", "peer_pageable", True)
+        assert (r1.state.name, r1.state.reason, r1.agreed) == ("pageable", "not_supported", True)
+    finally:
+        for o in offs:
+            o.shutdown()
+        for p in pools:
+            p.leave()
+
+
+def test_agreement_through_a_pool_needs_it_joined_as_this_rank(name):
+    """``agreement=pool`` is refused (``OptionsError``) before the pool is
+    joined, when joined as another rank's worker or as the scheduler, and
+    when the pool's ranks are not the region's."""
+    owner = open_pool(name, TWO_RANKS_CONFIG, TWO_RANKS)
+    with pytest.raises(kv.OptionsError, match="has not joined it; join it as rank 0's worker first"):
+        rank_offloader(name, 0, owner)
+    owner.join("e", rank=0)
+    with pytest.raises(kv.OptionsError, match="joined it as rank 0's worker, not as rank 1's worker"):
+        rank_offloader(name, 1, owner)
+    sched = open_pool(name, TWO_RANKS_CONFIG, TWO_RANKS)
+    sched.join("e")
+    with pytest.raises(kv.OptionsError, match="joined it as the scheduler, not as rank 0's worker"):
+        rank_offloader(name, 0, sched)
+    with pytest.raises(kv.OptionsError, match="a callable, .* or a kvoffload.Pool joined as this rank's worker"):
+        rank_offloader(name, 0, "pool")
+    # A pool of one rank for a region of two (the Rust check).
+    one = kt.local_pool(16, ways=16, ranks=1)
+    one.join("solo", rank=0)
+    with pytest.raises(kv.OptionsError, match="holds the words of 1 ranks; the region has 2"):
+        rank_offloader(name, 0, one)
+    sched.leave()
+    owner.leave()

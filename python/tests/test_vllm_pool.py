@@ -17,7 +17,13 @@ loaded byte compared). Here:
 - engines on a pool file and its rows' persistent region: one engine's
   round trip and fingerprint parts, another tag refused by field; two
   engines in two processes, the second loading byte for byte what the
-  first computed, the first killed mid-load and swept by the second.
+  first computed, the first killed mid-load and swept by the second;
+- an engine of two ranks on a pool file (:class:`TPEngine`: a worker
+  connector per rank in one process, their outputs aggregated by vLLM's
+  own ``KVOutputAggregator``, as its executors do): its ranks agree on the
+  pin state through their engine entry's words (both pinned; one rank
+  failing to pin, both pageable), and every rank's share of every loaded
+  block comes back byte for byte.
 """
 
 import os
@@ -36,6 +42,7 @@ from test_vllm import BS, Engine, check_loaded, extra_config, kv_cache_config, m
 import vllm  # noqa: E402
 import vllm.v1.core.kv_cache_utils as kcu  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name, sha256_cbor  # noqa: E402
 from vllm.v1.core.kv_cache_utils import init_none_hash  # noqa: E402
@@ -109,18 +116,6 @@ def test_pool_keys_parse_with_their_defaults():
 def test_what_a_pool_cannot_take_is_refused_naming_the_key(kw, key):
     with pytest.raises(ValueError, match=rf"kvoffload.vllm: kv_connector_extra_config\['{key}'\]"):
         settings(**kw)
-
-
-def test_a_pool_of_an_engine_of_several_ranks_is_refused_naming_kvo_pool(model_dir):
-    """Its ranks would need an agreement transport for the persistent rows
-    (P7), not wired in this build."""
-    import dataclasses
-
-    cfg = tv.vllm_config(model_dir, extra_config(kvo_pool="node"))
-    spec = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kv_cache_config()).connector_worker.spec
-    par = dataclasses.replace(spec.config.parallel, world_size=2, tp_size=2)
-    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['kvo_pool'\].*world_size 2"):
-        kvv.KvoffloadSpec(dataclasses.replace(spec.config, parallel=par))
 
 
 def test_the_longest_pool_name_and_an_explicit_lru_are_taken():
@@ -495,3 +490,196 @@ def test_a_second_engine_process_loads_what_the_first_computed_and_sweeps_it_kil
             child.wait(timeout=30)
         for f in (child.stdin, child.stdout, log_file):
             f.close()
+
+
+# ---------------------------------------------------------------- an engine of two ranks on a pool file
+
+
+def rank_bytes(tokens, layer, rank):
+    """What rank ``rank``'s share of the model computes for the block ending
+    at ``tokens`` (each rank its own bytes, as tensor-parallel shards are)."""
+    return tv.block_bytes(tokens, (layer, rank))
+
+
+class TPEngine(Engine):
+    """An engine of ``ranks`` tensor-parallel ranks in one process: vLLM's
+    ``Scheduler`` and one worker connector per rank (its own KV tensors and
+    ``KvoffloadWorker``, built from the config that rank's process has:
+    ``parallel_config.rank``), rank 0's first (it makes the pool's entry, the
+    other ranks join it). Each step binds the scheduler's metadata to every
+    worker, as the executor broadcasts it, and hands the scheduler what
+    vLLM's ``KVOutputAggregator`` makes of the workers' outputs (a transfer
+    is finished once every rank reported it)."""
+
+    def __init__(self, model_dir, extra, ranks=2, num_blocks=64, hash_algo=None):
+        self.cfg = tv.vllm_config(model_dir, extra, num_blocks, hash_algo)
+        par = self.cfg.parallel_config
+        par.tensor_parallel_size = par.world_size = ranks
+        self.kvc = kv_cache_config(num_blocks)
+        self.group_of = {l: g for g, grp in enumerate(self.kvc.kv_cache_groups) for l in grp.layer_names}
+        self.conns, self.kvs = [], []
+        try:
+            for r in range(ranks):
+                par.rank = r
+                conn = KVConnectorFactory.create_connector(self.cfg, KVConnectorRole.WORKER, self.kvc)
+                self.conns.append(conn)
+                self.kvs.append(tv.allocate(self.kvc))
+                conn.register_kv_caches(self.kvs[-1])  # -> KvoffloadSpec.get_worker
+        except BaseException:
+            for c in self.conns:
+                c.shutdown()
+            raise
+        finally:
+            par.rank = 0
+        self.workers = [c.connector_worker.worker for c in self.conns]
+        self.aggregator = KVOutputAggregator.from_connector(self.conns[0], ranks)
+        self.sched = tv.Scheduler(self.cfg, self.kvc, tv.StructuredOutputManager(self.cfg), block_size=BS)
+        self.written, self.block_ids, self.failed_recving, self.n = {}, {}, set(), 0
+
+    def forward(self, so):
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.sched.requests[req_id]
+            end = req.num_computed_tokens
+            start = end - n
+            groups = self.sched.kv_cache_manager.get_block_ids(req_id)
+            self.block_ids[req_id] = [list(b) for b in groups]
+            tokens = req.all_token_ids
+            for i in range(start // BS, (end - 1) // BS + 1):
+                for layer, g in self.group_of.items():
+                    self.written.setdefault((req_id, g), set()).add(i)
+                    for r, kvt in enumerate(self.kvs):
+                        data = bytearray(rank_bytes(tokens[: (i + 1) * BS], layer, r))
+                        kvt[layer][groups[g][i]].view(tv.torch.uint8).reshape(-1).copy_(
+                            tv.torch.frombuffer(data, dtype=tv.torch.uint8)
+                        )
+
+    def step(self):
+        so = self.sched.schedule()
+        meta = so.kv_connector_metadata
+        for w in self.conns:
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+        sync = getattr(so, "has_sync_kv_loads", False)
+        if sync:
+            for w in self.conns:
+                w.start_load_kv(None)
+        self.forward(so)
+        ids = list(so.num_scheduled_tokens)
+        outputs = []
+        for w in self.conns:
+            if not sync:
+                w.start_load_kv(None)
+            w.wait_for_save()
+            if hasattr(w, "get_transfer_results"):
+                tr = w.get_transfer_results(so.finished_req_ids)
+                sending, recving = tr.finished_sending, tr.finished_recving
+                failed = getattr(tr, "failed_recving", set())
+            else:
+                sending, recving = w.get_finished(so.finished_req_ids)
+                failed = set()
+            self.failed_recving |= set(failed)
+            out = tv.connector_output(
+                finished_sending=sending,
+                finished_recving=recving,
+                failed_recving=failed,
+                kv_connector_worker_meta=w.build_connector_worker_meta(),
+            )
+            w.clear_connector_metadata()
+            outputs.append(
+                tv.model_runner_output(
+                    req_ids=ids,
+                    req_id_to_index={r: i for i, r in enumerate(ids)},
+                    sampled_token_ids=[[7] for _ in ids],
+                    kv_connector_output=out,
+                )
+            )
+        self.sched.update_from_output(so, self.aggregator.aggregate(outputs))
+        return so
+
+    def settle(self):
+        for w in self.workers:
+            w._submitter.wait_idle()
+            w.offloader.wait_all()
+
+    def idle(self):
+        return all(
+            not c.connector_worker._unsubmitted_store_jobs and not w._submitter.pending and w.offloader.in_flight == 0
+            for c, w in zip(self.conns, self.workers)
+        )
+
+    def forget_gpu_cache(self):
+        assert self.sched.reset_prefix_cache()
+        for kvt in self.kvs:
+            for t in kvt.values():
+                t.zero_()
+
+    def shutdown(self):
+        for c in self.conns:
+            c.shutdown()
+        self.sched.shutdown()
+
+
+def check_loaded_on_every_rank(eng, req, prompt, group=0):
+    """``check_loaded`` for every rank: each rank's blocks of ``req`` its
+    forward did not write hold that rank's bytes. The blocks checked."""
+    blocks = eng.block_ids[req.request_id][group]
+    written = eng.written[(req.request_id, group)]
+    loaded = sorted(i for i in range(len(prompt) // BS) if i not in written and blocks[i] != 0)
+    for r, kvt in enumerate(eng.kvs):
+        for i in loaded:
+            for layer, g in eng.group_of.items():
+                if g == group:
+                    got = kvt[layer][blocks[i]].view(tv.torch.uint8).reshape(-1).numpy().tobytes()
+                    assert got == rank_bytes(prompt[: (i + 1) * BS], layer, r), f"rank {r}, block {i} of {layer}"
+    return loaded
+
+
+@pytest.mark.parametrize("rank1_pins", [True, False])
+def test_an_engine_of_two_ranks_on_a_pool_file_agrees_and_round_trips_byte_for_byte(
+    model_dir, pool_name, seeded, monkeypatch, rank1_pins
+):
+    """Both ranks pinned (or, rank 1's registration failing, both pageable:
+    one mode for the engine, P7), agreed through the engine entry's words
+    (the rows' persistent region has no rank words); every rank's share of
+    the prefix stored and loaded back byte for byte, its slots published
+    by the last rank's bit and nothing left held or being written."""
+    runtimes = []
+
+    def runtime(backend):
+        rt = kv.Runtime(backend)
+        if len(runtimes) == 1 and not rank1_pins:
+            kt.sim_fail_registration(rt, nth=1, code=801)
+        runtimes.append(rt)
+        return rt
+
+    monkeypatch.setattr(kvv, "_runtime_factory", runtime)
+    eng = TPEngine(model_dir, extra_config(kvo_pool=pool_name), hash_algo="sha256_cbor")
+    init_none_hash(sha256_cbor)
+    try:
+        mgr = eng.sched.connector.connector_scheduler.manager
+        pools = [w.pool for w in eng.workers]
+        assert [p.member for p in pools] == [1, 2] and {p.engine for p in pools} == {mgr.pool.engine}
+        assert pools[0].ranks == 2 and [w.pool_rank for w in eng.workers] == [0, 1]
+        outcomes = [w.offloader.wait_pinned() for w in eng.workers]
+        want = [("pinned", None), ("pinned", None)] if rank1_pins else [
+            ("pageable", "peer_pageable"),
+            ("pageable", "not_supported"),
+        ]
+        assert [(o.state.name, o.state.reason) for o in outcomes] == want, outcomes
+        assert [o.agreed for o in outcomes] == [True, True]
+        prompt = prompt_of(6 * BS + 5, seed=31)
+        a = eng.add(prompt)
+        eng.run(a)
+        eng.forget_gpu_cache()
+        b = eng.add(prompt)
+        eng.run(b)
+        loaded = check_loaded_on_every_rank(eng, b, prompt)
+        assert loaded, "the second request loaded its prefix from the pool"
+        st = mgr.stats()
+        assert st["stores"] > 0 and st["hits"] > 0 and st["loads"] > 0 and st["stores_abandoned"] == 0
+        assert st["held_slots"] == 0 and st["writes"] == 0
+        c = st["census"]
+        assert c["writing"] == 0 and c["held"] == 0 and c["readable"] == st["stores"]
+        mgr.pool.check()
+    finally:
+        eng.shutdown()

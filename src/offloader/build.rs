@@ -64,6 +64,40 @@ fn region_layout(block_bytes: Option<usize>, opts: &OffloaderOptions) -> Result<
     })
 }
 
+/// How the ranks will agree on the pin state (P7), checked before anything
+/// is made: one way at most (a transport or words), words for every rank
+/// of the region, and a way for a persistent region of several ranks
+/// (its header has no rank words for one launch).
+fn check_agreement(opts: &OffloaderOptions) -> Result<(), OffloaderError> {
+    let ranks = opts.region.ranks();
+    if opts.agreement.is_some() && opts.agreement_slots.is_some() {
+        return Err(OffloaderError::Options(
+            "OffloaderOptions::agreement and OffloaderOptions::agreement_slots are both set: the ranks agree on \
+             the pin state (P7) one way, give one"
+                .into(),
+        ));
+    }
+    if let Some(slots) = &opts.agreement_slots {
+        if slots.ranks() != ranks {
+            return Err(OffloaderError::Options(format!(
+                "OffloaderOptions::agreement_slots holds the words of {} ranks; the region has {ranks}: every rank \
+                 of the region agrees (P7) through them",
+                slots.ranks()
+            )));
+        }
+    }
+    if let RegionSpec::Persistent { .. } = &opts.region {
+        if ranks > 1 && opts.agreement.is_none() && opts.agreement_slots.is_none() {
+            return Err(OffloaderError::Options(format!(
+                "a persistent region of {ranks} ranks needs agreement words (OffloaderOptions::agreement_slots: \
+                 its engine's entry in the pool's index) or an agreement transport (OffloaderOptions::agreement): \
+                 it has no rank words of one launch for the ranks to agree on the pin state (P7)"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The most KV tensors [`Offloader::with_allocated_tensors`] makes (one per
 /// layer and K/V: a few thousand in the largest models).
 pub(crate) const MAX_KV_TENSORS: usize = 1 << 20;
@@ -276,16 +310,7 @@ impl Offloader {
                 ));
             }
         }
-        // P7: a persistent region's header has no rank words for one
-        // launch, so its ranks agree through the engine's transport only.
-        if let RegionSpec::Persistent { ranks, .. } = &opts.region {
-            if *ranks > 1 && opts.agreement.is_none() {
-                return Err(OffloaderError::Options(format!(
-                    "a persistent region of {ranks} ranks needs an agreement transport \
-                     (OffloaderOptions::agreement): its ranks agree on the pin state (P7) through it only"
-                )));
-            }
-        }
+        check_agreement(&opts)?;
         let block_bytes = kv.host_block_bytes();
         let ranks = opts.region.ranks();
         let rank = opts.region.rank();
@@ -311,13 +336,20 @@ impl Offloader {
         let region = Arc::new(region);
         let prepared = Prepared::new(rt.as_ref(), &region, &opts.pin)?;
         let bytes_total = prepared.bytes();
-        let agreement = match (&opts.region, RegionSlots::new(region.clone())) {
-            _ if opts.agreement.is_some() => opts.agreement.clone().map(RankAgreement::Transport),
-            (RegionSpec::Shared { ranks, .. }, Some(slots)) if *ranks > 1 => {
-                let slots: Arc<dyn RankSlots> = sync::arc_dyn(slots, |a| a);
-                Some(Agreement { slots, rank, timeout: opts.agreement_timeout }.into())
+        // P7: the engine's transport, else the words given (a persistent
+        // region's: its engine entry's), else a shared region's header.
+        let agreement = if let Some(t) = &opts.agreement {
+            Some(RankAgreement::Transport(t.clone()))
+        } else if let Some(slots) = &opts.agreement_slots {
+            Some(Agreement { slots: slots.clone(), rank, timeout: opts.agreement_timeout }.into())
+        } else {
+            match (&opts.region, RegionSlots::new(region.clone())) {
+                (RegionSpec::Shared { ranks, .. }, Some(slots)) if *ranks > 1 => {
+                    let slots: Arc<dyn RankSlots> = sync::arc_dyn(slots, |a| a);
+                    Some(Agreement { slots, rank, timeout: opts.agreement_timeout }.into())
+                }
+                _ => None,
             }
-            _ => None,
         };
         let coord = prepared.coordinator().clone();
         // This rank's host blocks: block `i` is the rank's chunk `i`.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::manager::PolicyKind;
 use crate::pin::PinOptions;
-use crate::protocol::agreement::Transport;
+use crate::protocol::agreement::{RankSlots, Transport};
 use crate::region::ShmOptions;
 use crate::runtime::Stream;
 use crate::sync::Arc;
@@ -41,8 +41,10 @@ pub enum RegionSpec {
     /// library ([`crate::Region::open_persistent`]; `kvoffload pool rm`
     /// removes it). Rank-major as a shared region: each rank maps, reserves
     /// and pins its own share. Its header has no rank words for one launch,
-    /// so the ranks of an engine agree on the pin state (P7) only through
-    /// [`OffloaderOptions::agreement`]: more than one rank without it is
+    /// so the ranks of an engine agree on the pin state (P7) through words
+    /// given with it, [`OffloaderOptions::agreement_slots`] (the engine's
+    /// entry in the pool's index), or through
+    /// [`OffloaderOptions::agreement`]: more than one rank with neither is
     /// refused.
     Persistent {
         /// Region name, the same in every engine (the file is
@@ -136,8 +138,9 @@ pub struct OffloaderOptions {
     /// needs a slot.
     pub eviction: PolicyKind,
     /// How long a rank waits for its peers to settle their pin state
-    /// through a shared region's header; `None` waits for as long as it
-    /// takes. It does not bound an [`agreement`](Self::agreement)
+    /// through a shared region's header or
+    /// [`agreement_slots`](Self::agreement_slots); `None` waits for as long
+    /// as it takes. It does not bound an [`agreement`](Self::agreement)
     /// transport: neither its exchange nor this rank's wait for it (the
     /// transport's own timeout does; a shutdown ends the wait at once and
     /// leaves the exchange running on its own thread).
@@ -151,6 +154,17 @@ pub struct OffloaderOptions {
     /// bounds the wait ([`agreement_timeout`](Self::agreement_timeout) does
     /// not). See [`Transport`] for its contract.
     pub agreement: Option<Arc<dyn Transport>>,
+    /// The ranks' agreement words (P7), where the region has none for this
+    /// launch: a persistent region's ranks (a node pool's rows) agree
+    /// through their engine's entry in the pool's index
+    /// (`kvoffload::internal::pool::agreement::EngineSlots`, made once the
+    /// process joined the entry). When set, the ranks agree through these
+    /// words instead of a shared region's header, bounded by
+    /// [`agreement_timeout`](Self::agreement_timeout); their
+    /// [`RankSlots::ranks`] must be the region's ranks, and
+    /// [`agreement`](Self::agreement) must be unset (one way to agree).
+    /// `None` by default.
+    pub agreement_slots: Option<Arc<dyn RankSlots>>,
     /// KV cache groups, for slot jobs only (a [`super::KeyedOffloader`]
     /// refuses them): how many of the
     /// KV tensors (in order) each group has, summing to their number
@@ -172,6 +186,7 @@ impl std::fmt::Debug for OffloaderOptions {
             .field("eviction", &self.eviction)
             .field("agreement_timeout", &self.agreement_timeout)
             .field("agreement", &self.agreement.as_ref().map(|_| "transport"))
+            .field("agreement_slots", &self.agreement_slots.as_ref().map(|s| format!("{} ranks", s.ranks())))
             .field("kv_groups", &self.kv_groups)
             .field("pin_observer", &self.pin_observer.as_ref().map(|_| "observer"))
             .finish()
@@ -189,6 +204,7 @@ impl Default for OffloaderOptions {
             agreement_timeout: Some(Duration::from_secs(120)),
             pin_observer: None,
             agreement: None,
+            agreement_slots: None,
             kv_groups: None,
         }
     }

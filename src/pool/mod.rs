@@ -10,6 +10,8 @@
 //!   eviction, each rank's completion, abandon);
 //! - [`sweep`]: engines joining and leaving, and the sweep of a dead
 //!   engine's marks;
+//! - [`agreement`]: the P7 pin agreement of an engine's ranks through its
+//!   entry's words ([`agreement::EngineSlots`]);
 //! - [`error`]: the pool's typed errors ([`error::PoolError`]), a refused
 //!   fingerprint field among them;
 //! - [`fingerprint`]: what the pool's bytes mean (design 1.3), its three
@@ -19,6 +21,7 @@
 //!   [`file::words::ShmPoolWords`] with the liveness oracle of design 3.6,
 //!   and what `kvoffload pool ls | rm` show and do.
 
+pub mod agreement;
 pub mod engines;
 pub mod error;
 pub mod file;

@@ -25,6 +25,13 @@
 //!    given its index later finds no stale mark; every step is a CAS
 //!    conditional on the word read, so a sweep cut by its own death, or run
 //!    twice, is safe.
+//! 6. The owner resets the entry's agreement words (P7, one per rank:
+//!    [`super::agreement`]) to `UNSETTLED` after its claim and before its
+//!    member bit, so its engine's ranks agree on words of this tenure,
+//!    never on the outcome a previous engine of the entry left there (each
+//!    word is written once per tenure: a settled or abandoned word of the
+//!    last tenure would end a rank pageable, or worse, count as its peer's
+//!    settled outcome).
 
 use thiserror::Error;
 
@@ -32,6 +39,7 @@ use super::engines::{MembersWord, OwnerState, OwnerWord, MEMBER_MASK};
 use super::slot::{SlotError, SlotState, SlotWord};
 use super::table::PoolTable;
 use super::words::{Liveness, Member, PoolWords};
+use crate::protocol::agreement::UNSETTLED;
 use crate::rules::Rules;
 
 /// An engine's place in the table: its index and the owner generation it
@@ -135,6 +143,18 @@ impl<W: PoolWords> PoolTable<W> {
             if words.owner_cas(engine, raw, live.encode()).is_err() {
                 owners.push(OwnerWord::decode(words.owner_load(engine)).pid);
                 continue;
+            }
+            // Rule 6: fresh agreement words for this tenure. The reset
+            // comes before the owner's member bit, and every other member
+            // registers only once it sees that bit (join_member: an
+            // Acquire load of the members word, which the bit's CAS below
+            // releases), so it sees the reset words before it settles its
+            // own (SeqCst, after its registration). No rank of a previous
+            // tenure writes them any more: that engine was swept (every
+            // member gone) or every member left, and a worker leaves only
+            // once its offloader's shutdown joined the pinner that agrees.
+            for rank in 0..self.geometry().ranks {
+                words.agreement_store(engine, rank, UNSETTLED);
             }
             // Rule 1: the id and the record before the bit.
             words.engine_id_store(engine, engine_id);

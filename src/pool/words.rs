@@ -13,7 +13,10 @@
 //! Acquire and changed by CAS with AcqRel (Acquire on failure); key words,
 //! member records and the engine id are Relaxed, ordered by the state,
 //! members or owner word that a transition publishes them with; CLOCK bits
-//! and hands are Relaxed hints.
+//! and hands are Relaxed hints. The agreement words of an entry (P7, one
+//! per rank: [`super::agreement`]) are SeqCst, as
+//! [`RankSlots`](crate::protocol::agreement::RankSlots) requires: a rank
+//! stores its own word and then loads its peers'.
 
 use crate::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
@@ -183,6 +186,15 @@ pub trait PoolWords: Send + Sync {
     /// Stores the entry's engine-id digest (Relaxed; before the owner's
     /// member bit).
     fn engine_id_store(&self, engine: u8, id: &[u64; 4]);
+    /// Rank `rank`'s agreement word of entry `engine` (SeqCst; `rank <
+    /// ranks`).
+    fn agreement_load(&self, engine: u8, rank: u8) -> u32;
+    /// CAS of rank `rank`'s agreement word (SeqCst, SeqCst on failure); the
+    /// word found, `Ok(current)` on success.
+    fn agreement_cas(&self, engine: u8, rank: u8, current: u32, new: u32) -> Result<u32, u32>;
+    /// Stores rank `rank`'s agreement word (SeqCst): the owner's reset of
+    /// every word at its claim, before its member bit.
+    fn agreement_store(&self, engine: u8, rank: u8, value: u32);
 
     /// Whether `record`'s process lives (the oracle of design 3.6).
     fn liveness(&self, record: &Member) -> Liveness;
@@ -205,6 +217,9 @@ pub struct LocalPoolWords {
     members: Vec<AtomicU64>,
     records: Vec<[AtomicU64; 3]>,
     ids: Vec<[AtomicU64; 4]>,
+    /// `ranks` agreement words per entry (only the ranks the geometry has:
+    /// the models stay small).
+    agreements: Vec<AtomicU32>,
     alive: Vec<AtomicBool>,
 }
 
@@ -228,6 +243,7 @@ impl LocalPoolWords {
             members: (0..engines).map(|_| z()).collect(),
             records: (0..engines * MEMBERS).map(|_| [z(), z(), z()]).collect(),
             ids: (0..engines).map(|_| [z(), z(), z(), z()]).collect(),
+            agreements: (0..engines * geometry.ranks as usize).map(|_| AtomicU32::new(0)).collect(),
             alive: (0..=processes).map(|_| AtomicBool::new(true)).collect(),
         }
     }
@@ -250,6 +266,11 @@ impl LocalPoolWords {
     /// from now on the oracle says `Gone`.
     pub fn kill(&self, pid: u32) {
         self.alive[pid as usize].store(false, Ordering::Release);
+    }
+
+    fn agreement(&self, engine: u8, rank: u8) -> &AtomicU32 {
+        assert!(rank < self.geometry.ranks, "rank {rank} out of range");
+        &self.agreements[engine as usize * self.geometry.ranks as usize + rank as usize]
     }
 }
 
@@ -323,6 +344,15 @@ impl PoolWords for LocalPoolWords {
             r[i].store(*w, Ordering::Relaxed);
         }
     }
+    fn agreement_load(&self, engine: u8, rank: u8) -> u32 {
+        self.agreement(engine, rank).load(Ordering::SeqCst)
+    }
+    fn agreement_cas(&self, engine: u8, rank: u8, current: u32, new: u32) -> Result<u32, u32> {
+        self.agreement(engine, rank).compare_exchange(current, new, Ordering::SeqCst, Ordering::SeqCst)
+    }
+    fn agreement_store(&self, engine: u8, rank: u8, value: u32) {
+        self.agreement(engine, rank).store(value, Ordering::SeqCst)
+    }
     fn liveness(&self, record: &Member) -> Liveness {
         if record.pidns != 1 {
             return Liveness::Foreign;
@@ -387,6 +417,15 @@ impl<T: PoolWords + ?Sized> PoolWords for &T {
     }
     fn engine_id_store(&self, engine: u8, id: &[u64; 4]) {
         (**self).engine_id_store(engine, id)
+    }
+    fn agreement_load(&self, engine: u8, rank: u8) -> u32 {
+        (**self).agreement_load(engine, rank)
+    }
+    fn agreement_cas(&self, engine: u8, rank: u8, current: u32, new: u32) -> Result<u32, u32> {
+        (**self).agreement_cas(engine, rank, current, new)
+    }
+    fn agreement_store(&self, engine: u8, rank: u8, value: u32) {
+        (**self).agreement_store(engine, rank, value)
     }
     fn liveness(&self, record: &Member) -> Liveness {
         (**self).liveness(record)

@@ -324,16 +324,6 @@ class KvoffloadSpec(OffloadingSpec):
         self.pool_geometry: Optional[Tuple[int, int]] = None
         self.pool_hash_algo: Optional[str] = None
         if self.settings.pool is not None:
-            if world > 1:
-                # The ranks of an engine agree on pinning (P7) through the
-                # shared region's header, which the pool's persistent
-                # region (of many launches) has not; a transport is not
-                # wired here yet.
-                raise _bad(
-                    "kvo_pool",
-                    self.settings.pool,
-                    f"takes engines of one rank in this build; this one has world_size {world}",
-                )
             self.pool_geometry = _pool_geometry(self)
             # The hash algorithm is not in OffloadingConfig: read it from
             # the VllmConfig the connector is being built with.
@@ -595,6 +585,13 @@ class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
                 raise
             num_slots = pool.slots
             options["region"] = _pool_region_spec(spec)
+            if cfg.parallel.world_size > 1:
+                # P7: the ranks agree on pinning through their engine
+                # entry's words (the pool's rows, a persistent region, have
+                # no rank words of one launch); this worker joined as its
+                # rank, so the words are this tenure's (reset by rank 0's
+                # claim before any other rank could join).
+                options["agreement"] = pool
         elif s.region == "shared":
             options["region"] = kvoffload.RegionSpec.shared(
                 f"vllm-{cfg.engine_id}",

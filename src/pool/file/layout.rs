@@ -6,7 +6,7 @@
 //! |---|---|
 //! | pool page | the words of [`W`]: magic `KVOFPOOL`, version, page size, the pool word ([`PoolWord`]), creator, creation time, boot id, geometry, row bytes per rank, file length and the sections' offsets |
 //! | fingerprint | config, hashing and one layout part per rank (32), each [`PART_HEADER_WORDS`] words (state, tag, filler's pid, start, pid namespace) and its record, each at a 64-byte boundary |
-//! | engine table | 32 entries of 1 KiB: owner word, members word, 33 member records of 3 words (pid, start, pid namespace), the engine-id digest (4 words) |
+//! | engine table | 32 entries of 1 KiB: owner word, members word, 33 member records of 3 words (pid, start, pid namespace), the engine-id digest (4 words), 32 `u32` agreement words (one per rank, P7) |
 //! | set hands | one `u32` per set |
 //! | slot records | 64 bytes per slot: state word, 5 key words, CLOCK word, publisher and time |
 
@@ -116,8 +116,17 @@ pub(crate) const fn member_offset(m: usize) -> usize {
 }
 /// Offset of the engine-id digest in an engine entry.
 pub(crate) const ENGINE_ID_OFFSET: usize = member_offset(MEMBERS);
+/// Offset of the agreement words in an engine entry: one `u32` per rank,
+/// the words of the P7 pin agreement of the entry's engine (bytes that
+/// version 1 files made before them hold zero, [`UNSETTLED`]: the layout
+/// is the same version; the owner resets them at every claim anyway).
+///
+/// [`UNSETTLED`]: crate::protocol::agreement::UNSETTLED
+pub(crate) const AGREEMENT_OFFSET: usize = ENGINE_ID_OFFSET + 32;
 
-const _: () = assert!(ENGINE_ID_OFFSET + 32 <= ENGINE_BYTES);
+const _: () = assert!(ENGINE_ID_OFFSET + 32 <= AGREEMENT_OFFSET);
+const _: () = assert!(AGREEMENT_OFFSET % 4 == 0);
+const _: () = assert!(AGREEMENT_OFFSET + 4 * MAX_RANKS as usize <= ENGINE_BYTES);
 const _: () = assert!(8 * (W::CREATOR_PID + 1) <= MIN_PAGE);
 
 /// The sections of an index file of one geometry on one page size.

@@ -55,6 +55,7 @@ use super::words::Geometry;
 use crate::region::hugetlb::HUGETLBFS_MAGIC;
 use crate::region::shm::MAX_NAME_LEN;
 use crate::region::{Backoff, RegionDir};
+use crate::sync::Arc;
 
 pub use self::admin::{list, list_with, remove, EngineCounts, PoolSummary, Removed, SlotCounts};
 pub use self::layout::PoolState as State;
@@ -214,7 +215,10 @@ pub struct PoolSpec {
 
 /// A pool's index file, mapped.
 pub struct PoolFile {
-    words: ShmPoolWords,
+    /// Shared with the views that outlive a borrow of the file (an
+    /// engine's agreement words handed to its offloader: [`PoolFile::shared_words`]);
+    /// the mapping lives while any holds it.
+    words: Arc<ShmPoolWords>,
     name: String,
     path: PathBuf,
     dir: RegionDir,
@@ -322,6 +326,14 @@ impl PoolFile {
     /// The pool's words (the protocol's [`super::words::PoolWords`]).
     pub fn words(&self) -> &ShmPoolWords {
         &self.words
+    }
+
+    /// The pool's words, shared: for a view that must own them (an
+    /// engine's agreement words, [`super::agreement::EngineSlots`], which
+    /// its offloader holds). The mapping stays while a holder lives, after
+    /// this file is dropped too.
+    pub fn shared_words(&self) -> Arc<ShmPoolWords> {
+        self.words.clone()
     }
 
     /// The pool's name.

@@ -22,6 +22,7 @@ use crate::internal::pool::error::PoolError;
 use crate::internal::pool::words::{Geometry, Liveness, Member};
 use crate::region::shm::own_pid_namespace;
 use crate::region::{check_create_mode, Backoff, FileMeta, OpenFailure, RegionDir, Trust};
+use crate::sync::Arc;
 
 type Result<T> = std::result::Result<T, PoolError>;
 
@@ -105,7 +106,7 @@ impl PoolFile {
             };
         let map = PoolMap::new(raw);
         let oracle = Oracle { same_boot: true, own_pidns: own_pid_namespace() };
-        let words = ShmPoolWords { map, sec, geometry: g, oracle };
+        let words = Arc::new(ShmPoolWords { map, sec, geometry: g, oracle });
         let pool = PoolFile {
             words,
             name: name.into(),
@@ -308,7 +309,7 @@ impl PoolFile {
         let oracle = Oracle { same_boot, own_pidns: own_pid_namespace() };
         let file_name = OsString::from(index_name(name));
         Ok(PoolFile {
-            words: ShmPoolWords { map, sec, geometry: g, oracle },
+            words: Arc::new(ShmPoolWords { map, sec, geometry: g, oracle }),
             name: name.into(),
             path: path.into(),
             dir,

@@ -6,7 +6,8 @@
 //! mmap'd file), with the orderings `words.rs` documents: slot state,
 //! owner and members words Acquire loads and AcqRel compare-and-swaps
 //! (Acquire on failure); key words, member records and the engine id
-//! Relaxed; CLOCK words and hands Relaxed.
+//! Relaxed; CLOCK words and hands Relaxed; an entry's agreement words
+//! SeqCst (P7's rule 2).
 
 // Cross-process words on shared memory: `core::sync::atomic`, never the
 // sync facade (loom cannot model another process).
@@ -16,7 +17,7 @@ use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use memmap2::MmapRaw;
 
-use super::layout::{member_offset, Sections, ENGINE_BYTES, ENGINE_ID_OFFSET, SLOT_BYTES, W};
+use super::layout::{member_offset, Sections, AGREEMENT_OFFSET, ENGINE_BYTES, ENGINE_ID_OFFSET, SLOT_BYTES, W};
 use super::liveness::Oracle;
 use crate::internal::pool::words::{Geometry, Key, Liveness, Member, PoolWords};
 
@@ -55,7 +56,7 @@ impl PoolMap {
         unsafe { AtomicU64::from_ptr(self.raw.as_mut_ptr().add(off).cast::<u64>()) }
     }
 
-    /// The `u32` at byte `off` (a set hand).
+    /// The `u32` at byte `off` (a set hand, an agreement word).
     pub(crate) fn u32_at(&self, off: usize) -> &AtomicU32 {
         assert!(
             off % 4 == 0 && off.checked_add(4).is_some_and(|end| end <= self.raw.len()),
@@ -112,6 +113,13 @@ impl ShmPoolWords {
     fn entry_word(&self, engine: u8, off: usize) -> &AtomicU64 {
         assert!(engine < self.geometry.engines, "engine {engine} out of range");
         self.map.u64_at(self.sec.engines + engine as usize * ENGINE_BYTES + off)
+    }
+
+    /// Rank `rank`'s agreement word of entry `engine`.
+    fn agreement_word(&self, engine: u8, rank: u8) -> &AtomicU32 {
+        assert!(engine < self.geometry.engines, "engine {engine} out of range");
+        assert!(rank < self.geometry.ranks, "rank {rank} out of range");
+        self.map.u32_at(self.sec.engines + engine as usize * ENGINE_BYTES + AGREEMENT_OFFSET + 4 * rank as usize)
     }
 
     /// The oracle this mapping judges members with.
@@ -198,6 +206,15 @@ impl PoolWords for ShmPoolWords {
         for (i, w) in id.iter().enumerate() {
             self.entry_word(engine, ENGINE_ID_OFFSET + 8 * i).store(*w, Ordering::Relaxed);
         }
+    }
+    fn agreement_load(&self, engine: u8, rank: u8) -> u32 {
+        self.agreement_word(engine, rank).load(Ordering::SeqCst)
+    }
+    fn agreement_cas(&self, engine: u8, rank: u8, current: u32, new: u32) -> Result<u32, u32> {
+        self.agreement_word(engine, rank).compare_exchange(current, new, Ordering::SeqCst, Ordering::SeqCst)
+    }
+    fn agreement_store(&self, engine: u8, rank: u8, value: u32) {
+        self.agreement_word(engine, rank).store(value, Ordering::SeqCst)
     }
     fn liveness(&self, record: &Member) -> Liveness {
         self.oracle.judge(record)
