@@ -364,6 +364,11 @@ impl PoolWords for View {
     fn hand_next(&self, set: usize) -> u32 {
         self.pool.words.hand_next(set)
     }
+    // The writer note is never decided on (`PoolWords::note_writer`), and
+    // the model's record already notes every claim at its CAS
+    // (`note_cas`): as an atomic store it would only add interleavings
+    // that no property reads, so the models keep no note.
+    fn note_writer(&self, _slot: usize, _engine: u8) {}
     fn owner_load(&self, engine: u8) -> u64 {
         self.pool.words.owner_load(engine)
     }
@@ -391,6 +396,15 @@ impl PoolWords for View {
     }
     fn engine_id_store(&self, engine: u8, id: &[u64; 4]) {
         self.pool.words.engine_id_store(engine, id)
+    }
+    fn agreement_load(&self, engine: u8, rank: u8) -> u32 {
+        self.pool.words.agreement_load(engine, rank)
+    }
+    fn agreement_cas(&self, engine: u8, rank: u8, current: u32, new: u32) -> Result<u32, u32> {
+        self.pool.words.agreement_cas(engine, rank, current, new)
+    }
+    fn agreement_store(&self, engine: u8, rank: u8, value: u32) {
+        self.pool.words.agreement_store(engine, rank, value)
     }
     fn liveness(&self, record: &Member) -> Liveness {
         if self.lying && self.pool.engine_of(record.pid) != self.own_engine() {
