@@ -137,17 +137,25 @@ pub const MAX_NAME_LEN: usize = 200;
 /// `name` must be non-empty, at most [`MAX_NAME_LEN`] bytes, and contain no
 /// `/` or NUL.
 pub fn shm_path(dir: &Path, name: &str) -> Result<PathBuf> {
-    let bad = |reason| Err(RegionError::BadName { name: name.to_string(), reason });
-    if name.is_empty() {
-        return bad("empty");
-    }
-    if name.len() > MAX_NAME_LEN {
-        return bad("longer than 200 bytes");
-    }
-    if name.contains('/') || name.contains('\0') {
-        return bad("contains '/' or NUL");
+    if let Some(reason) = name_problem(name) {
+        return Err(RegionError::BadName { name: name.to_string(), reason });
     }
     Ok(dir.join(format!("{SHM_PREFIX}{name}")))
+}
+
+/// What is wrong with `name` as a region's (or a pool's) file name, if
+/// anything: empty, longer than [`MAX_NAME_LEN`] bytes, or holding `/` or
+/// NUL. [`shm_path`] and the pool's names share this rule.
+pub(crate) fn name_problem(name: &str) -> Option<&'static str> {
+    if name.is_empty() {
+        Some("empty")
+    } else if name.len() > MAX_NAME_LEN {
+        Some("longer than 200 bytes")
+    } else if name.contains('/') || name.contains('\0') {
+        Some("contains '/' or NUL")
+    } else {
+        None
+    }
 }
 
 /// The creator's capacity checks, before any file exists: the huge page

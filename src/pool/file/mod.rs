@@ -53,7 +53,7 @@ use super::error::PoolError;
 use super::fingerprint::ConfigRecord;
 use super::words::Geometry;
 use crate::region::hugetlb::HUGETLBFS_MAGIC;
-use crate::region::shm::MAX_NAME_LEN;
+use crate::region::shm::name_problem;
 use crate::region::{Backoff, RegionDir};
 use crate::sync::Arc;
 
@@ -75,14 +75,8 @@ pub const INDEX_SUFFIX: &str = ".index";
 /// or `.<digits>`, a data file of pool `<name minus the tail>`).
 pub fn check_name(name: &str) -> Result<()> {
     let bad = |reason| Err(PoolError::BadName { name: name.to_string(), reason });
-    if name.is_empty() {
-        return bad("empty");
-    }
-    if name.len() > MAX_NAME_LEN {
-        return bad("longer than 200 bytes");
-    }
-    if name.contains('/') || name.contains('\0') {
-        return bad("contains '/' or NUL");
+    if let Some(reason) = name_problem(name) {
+        return bad(reason);
     }
     if name.ends_with(INDEX_SUFFIX) {
         return bad("ends in '.index', which names another pool's index file");

@@ -26,7 +26,7 @@ use std::time::Instant;
 use crate::run::metrics::monotonic_secs;
 use kvoffload::internal::pin::{pin_with, PinOptions, Prepared};
 use kvoffload::internal::protocol::PinState;
-use kvoffload::internal::region::{pages, PersistentOrigin, Region, ShmOptions};
+use kvoffload::internal::region::{pages, PersistentOrigin, Region};
 use kvoffload::internal::runtime::GpuRuntime;
 use kvoffload::internal::sync::{self, Arc, Mutex};
 use kvoffload::units::fmt_bytes;
@@ -79,13 +79,7 @@ pub fn run_pool_rank(cfg: &RankConfig, phase: PoolPhase, rt: &dyn GpuRuntime) ->
 
 fn inner(cfg: &RankConfig, phase: PoolPhase, rt: &dyn GpuRuntime, t: &mut RankTimes) -> Result<(), String> {
     let layout = cfg.layout()?;
-    let opts = ShmOptions::new()
-        .dir(&cfg.dir)
-        .timeout(cfg.timeout)
-        .files(cfg.variant.files)
-        .reserve(cfg.variant.reserve)
-        .defer_reserve(cfg.variant.defer)
-        .threads(cfg.threads);
+    let opts = cfg.shm_options();
     t.create = monotonic_secs();
     let region = Region::open_persistent(&cfg.name, layout, cfg.rank, &opts).map_err(|e| e.to_string())?;
     t.created = monotonic_secs();

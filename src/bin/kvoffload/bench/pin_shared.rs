@@ -138,6 +138,18 @@ pub struct RankConfig {
 }
 
 impl RankConfig {
+    /// The region options of this rank's variant (create/join and the
+    /// persistent region alike).
+    pub fn shm_options(&self) -> ShmOptions {
+        ShmOptions::new()
+            .dir(&self.dir)
+            .timeout(self.timeout)
+            .files(self.variant.files)
+            .reserve(self.variant.reserve)
+            .defer_reserve(self.variant.defer)
+            .threads(self.threads)
+    }
+
     /// The region's layout: `size / (ranks * slot)` slots per rank.
     pub fn layout(&self) -> Result<Layout, String> {
         let row = self.ranks.checked_mul(self.slot).ok_or("ranks x slot overflows")?;
@@ -255,13 +267,7 @@ pub fn run_rank(cfg: &RankConfig, rt: &dyn GpuRuntime) -> RankTimes {
 
 fn run_rank_inner(cfg: &RankConfig, rt: &dyn GpuRuntime, t: &mut RankTimes) -> Result<(), String> {
     let layout = cfg.layout()?;
-    let opts = ShmOptions::new()
-        .dir(&cfg.dir)
-        .timeout(cfg.timeout)
-        .files(cfg.variant.files)
-        .reserve(cfg.variant.reserve)
-        .defer_reserve(cfg.variant.defer)
-        .threads(cfg.threads);
+    let opts = cfg.shm_options();
     t.create = monotonic_secs();
     let region = if cfg.rank == 0 {
         Region::create(&cfg.name, layout, 0, &opts)
