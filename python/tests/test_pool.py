@@ -18,7 +18,6 @@ line protocol with a deadline on every read (no sleeps).
 """
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import pytest
 
 import kvoffload as kv
 import kvoffload._testing as kt
+from child_lines import ChildLines
 
 SHM = "/dev/shm"
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM), reason="no /dev/shm")
@@ -119,25 +119,22 @@ class Child:
             stderr=subprocess.PIPE,
             text=True,
         )
+        self.lines = ChildLines(self.p.stdout)
         self.engine = int(self.expect("joined", 30)[0])
 
     def expect(self, word, timeout=10.0):
         deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.p.kill()
-                raise AssertionError(f"no {word!r} from the child in {timeout} s: {self.p.stderr.read()}")
-            ready, _, _ = select.select([self.p.stdout], [], [], left)
-            if not ready:
-                continue
-            line = self.p.stdout.readline()
-            if not line:
-                self.p.wait(timeout=10)
-                raise AssertionError(f"the child exited ({self.p.returncode}): {self.p.stderr.read()}")
-            got, *rest = line.split()
-            assert got == word, line
-            return rest
+        try:
+            line = self.lines.next(deadline)
+        except TimeoutError:
+            self.p.kill()
+            raise AssertionError(f"no {word!r} from the child in {timeout} s: {self.p.stderr.read()}") from None
+        if line is None:
+            self.p.wait(timeout=10)
+            raise AssertionError(f"the child exited ({self.p.returncode}): {self.p.stderr.read()}")
+        got, *rest = line.split()
+        assert got == word, line
+        return rest
 
     def ask(self, cmd, keys, word):
         self.p.stdin.write(f"{cmd} {' '.join(k.hex() for k in keys)}\n")
@@ -171,6 +168,47 @@ def children():
 
 
 # ---------------------------------------------------------------- two processes
+
+
+def test_child_lines_serves_lines_that_arrived_in_one_write_and_the_end():
+    """The reader the process tests drive their children with: two lines
+    written at once are both served (``select()`` on the pipe after the
+    first ``readline`` waits for the second until its deadline: CI saw it),
+    then the end of the stream, then nothing blocks past a deadline."""
+    import select
+
+    script = "import sys; sys.stdout.write('noise\\nKVO answer\\n'); sys.stdout.flush(); sys.stdin.readline()"
+
+    def child():
+        return subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    p = child()
+    try:
+        lines = ChildLines(p.stdout)
+        deadline = time.monotonic() + 30
+        assert lines.next(deadline) == "noise\n"
+        assert lines.next(deadline) == "KVO answer\n"
+        with pytest.raises(TimeoutError):
+            lines.next(time.monotonic() + 0.2)
+        p.stdin.close()  # the child reads its end of input and exits
+        assert lines.next(deadline) is None
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+        p.stdout.close()
+
+    # What the reader replaced, on the same child: the second line sits in
+    # the text stream's buffer, and the pipe has nothing more to say.
+    p = child()
+    try:
+        assert p.stdout.readline() == "noise\n"  # one write: both lines came in one read
+        assert select.select([p.stdout], [], [], 0.5)[0] == [], "select() would wait here"
+        assert p.stdout.readline() == "KVO answer\n"  # ... for a line already read
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+        p.stdin.close()
+        p.stdout.close()
 
 
 def test_a_block_one_process_publishes_is_a_hit_in_another(name, children):

@@ -37,6 +37,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here (ci/python runs this file in ci/vllm-env's venv)")
 
 import test_vllm as tv  # noqa: E402  (the harness; sets vLLM's platform up)
+from child_lines import ChildLines  # noqa: E402
 from test_vllm import BS, Engine, check_loaded, extra_config, kv_cache_config, model_dir, prompt_of  # noqa: E402,F401
 
 import vllm  # noqa: E402
@@ -406,7 +407,6 @@ def test_a_second_engine_process_loads_what_the_first_computed_and_sweeps_it_kil
     blocks for a load, is swept by the second: its holds gone, its
     published blocks kept and still loaded right, and the second's own
     round trips right."""
-    import select
     import signal
     import subprocess
     import sys
@@ -426,14 +426,17 @@ def test_a_second_engine_process_loads_what_the_first_computed_and_sweeps_it_kil
         log_file.seek(0)
         return log_file.read()[-4000:]
 
+    lines = ChildLines(child.stdout)
+
     def expect(word, timeout=120.0):
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([child.stdout], [], [], deadline - time.monotonic())
-            if not ready:
-                continue
-            line = child.stdout.readline()
-            if not line:
+        while True:
+            try:
+                line = lines.next(deadline)
+            except TimeoutError:
+                child.kill()
+                raise AssertionError(f"no {word!r} from the child engine in {timeout} s: {log_tail()}") from None
+            if line is None:
                 child.wait(timeout=10)
                 raise AssertionError(f"the child engine exited ({child.returncode}): {log_tail()}")
             if not line.startswith("KVO-TEST "):
@@ -441,8 +444,6 @@ def test_a_second_engine_process_loads_what_the_first_computed_and_sweeps_it_kil
             got, *rest = line.split()[1:]
             assert got == word, line
             return [int(x) for x in rest]
-        child.kill()
-        raise AssertionError(f"no {word!r} from the child engine in {timeout} s: {log_tail()}")
 
     try:
         first, stored = expect("stored")
