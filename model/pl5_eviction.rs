@@ -1,54 +1,61 @@
 //! PL5 eviction by several processes (docs/node-pool-design.md 3.5, 4): it
-//! never evicts what another engine holds, it keeps each key in its own set
-//! and each set within its ways; and a set with room for every key stored
-//! into it skips none.
+//! never evicts what another engine holds, it keeps each key in its two
+//! sets and each set within its ways; and keys whose sets have room for
+//! every key stored into them are all stored, none skipped or evicted.
 //!
 //! Scenario 1 (`held`): a pool of two sets of three ways, one rank per
-//! engine, engines A and B. Setup: A stores Ka and Kx, B stores Kb, all in
-//! set 0 (set 0 full, set 1 empty); A holds Ka, B holds Kb. Then A stores
-//! two more keys of set 0 and B two more (`PoolTable::claim`: no free slot
-//! in set 0, so CLOCK from the set's hand, racing each other for the one
-//! unheld slot; skips allowed), each then reading its held key again and
-//! releasing it. Threads: main, A, B: 3.
+//! engine, engines A and B. Setup: A stores Ka and Kx, B stores Kb, all
+//! keys whose two sets are both set 0 (set 0 full, set 1 empty); A holds
+//! Ka, B holds Kb. Then A stores two more keys of set 0 and B two more
+//! (`PoolTable::claim`: no free slot in set 0, so CLOCK from the set's
+//! hand, racing each other for the one unheld slot; skips allowed), each
+//! then reading its held key again and releasing it. Threads: main, A, B:
+//! 3.
 //!
-//! Scenario 2 (`room`): a pool of one set of five ways; A and B each store
-//! two keys: the set has room for all four, so none may be skipped.
-//! Threads: main, A, B: 3.
+//! Scenario 2 (`room`): a pool of two sets of two ways; A and B each store
+//! two keys, every key's first set set 0 and second set 1: the two sets
+//! have room for all four (two of them in their second set), so none may
+//! be skipped or evicted. Threads: main, A, B: 3.
 //!
 //! Bound 2, 1 in ci/test (`held`: 462 s at 3); 3, 2 in ci/test (`room`).
 //! Shuttle's size: three engines, four keys each into a set of four ways
-//! beside one of four (scenario 1: each engine holding one key); six ways
-//! for three engines of two keys (scenario 2).
+//! beside one of four (scenario 1: each engine holding one key); two sets
+//! of three ways for three engines of two keys (scenario 2).
 //!
-//! Checked: every claim lands in its key's set ("key outside its set");
-//! no claim of a held word and no row written under a living hold
+//! Checked: every claim lands in one of its key's sets ("key outside its
+//! sets"); no claim of a held word and no row written under a living hold
 //! ("overwritten while held"), the held keys read back with their tags;
 //! after the threads each set holds at most its ways of keys, all its own
 //! (`PoolTable::check`, I5); in scenario 2 no key is skipped ("skipped with
-//! a claimable slot"); no hold left.
+//! a claimable slot") and every key loads after the threads ("evicted with
+//! room in its sets"); no hold left.
 //!
 //! Why it holds (src/pool/table.rs rule 5): the claim's slots are its key's
-//! set's and no other; the claim CAS expects a word with no holders; a lost
-//! CAS is decided again on the word found, so a set with a `FREE` slot
-//! when the claim starts ends with the key claimed (a `FREE` slot becomes
-//! another claimer's only by its CAS, and there are as many free slots as
-//! keys to store).
+//! two sets' and no other; the claim CAS expects a word with no holders; a
+//! lost CAS is decided again on the word found, and a claim tries every
+//! `FREE` slot of both sets before CLOCK, so a key with a `FREE` slot in
+//! either set when the claim starts ends claimed without evicting (a `FREE`
+//! slot becomes another claimer's only by its CAS, and there are as many
+//! free slots as keys to store).
 //!
 //! Negatives:
 //! - N45 (`Variant::EvictAnySet`: a claim's slots are every set's) ->
-//!   "key outside its set" (scenario 1: set 1's free slots taken).
+//!   "key outside its sets" (scenario 1: set 1's free slots taken).
 //! - N46 (`Variant::GiveUpOnRace`: one lost CAS and the key is skipped) ->
 //!   "skipped with a claimable slot" (scenario 2).
+//! - N49 (`Variant::OneSetPerKey`: a key stored in its first set only, as
+//!   before two-choice hashing) -> "evicted with room in its sets"
+//!   (scenario 2: set 0 full, CLOCK evicts there while set 1 is empty).
 
 #![cfg(any(loom, shuttle))]
 
 #[path = "common/mod.rs"]
 mod common;
 
-use common::pool::{join_all, key, Engine, Options, Pool, Stored};
+use common::pool::{join_all, key_in, Engine, Options, Pool, Stored};
 use common::{models, sized, Bounds};
 use kvoffload::internal::pool::slot::{SlotState, SlotWord};
-use kvoffload::internal::pool::words::{Geometry, PoolWords};
+use kvoffload::internal::pool::words::{Geometry, Key, PoolWords};
 use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::{thread, Arc};
 
@@ -57,13 +64,14 @@ use kvoffload::internal::sync::{thread, Arc};
 const ENGINES: usize = sized(2, 3);
 const KEYS: usize = sized(2, 4);
 const WAYS: u32 = sized(3, 4) as u32;
-/// Scenario 2: keys each engine stores, and the set's ways (room for all).
+/// Scenario 2: keys each engine stores, and each of the two sets' ways
+/// (room for all, half of them in their second set).
 const ROOM_KEYS: usize = 2;
-const ROOM_WAYS: u32 = (ENGINES * ROOM_KEYS) as u32 + sized(1, 0) as u32;
+const ROOM_WAYS: u32 = (ENGINES * ROOM_KEYS / 2) as u32;
 
-/// Key `i` of set `set` in a pool of two sets.
-fn key_of(set: u8, i: usize) -> kvoffload::internal::pool::words::Key {
-    key(set + 2 * i as u8)
+/// Key `i` of those whose two sets are both `set`, in a pool of two sets.
+fn key_of(set: u32, i: usize) -> Key {
+    key_in(2, [set, set], i)
 }
 
 /// The keys each set holds after the threads: at most its ways, every one
@@ -75,7 +83,7 @@ fn sets_within_ways(pool: &Arc<Pool>) {
     for slot in 0..g.slots {
         if SlotWord::decode(view.slot_load(slot as usize)).state() != SlotState::Free {
             let k = view.key_load(slot as usize);
-            assert_eq!(k.set(g.sets()), slot / g.ways, "key outside its set: {k:?} in slot {slot}");
+            assert!(k.in_set(g.sets(), slot / g.ways), "key outside its sets: {k:?} in slot {slot}");
             per_set[(slot / g.ways) as usize] += 1;
         }
     }
@@ -119,8 +127,13 @@ fn held(variant: Variant) {
     Pool::check_quiescent(&pool, &[]);
 }
 
+/// Scenario 2's key `i` of engine `e`: first set 0, second set 1.
+fn room_key(e: usize, i: usize) -> Key {
+    key_in(2, [0, 1], e * ROOM_KEYS + i)
+}
+
 fn room(variant: Variant) {
-    let g = Geometry { slots: ROOM_WAYS, ways: ROOM_WAYS, ranks: 1, engines: ENGINES as u8 };
+    let g = Geometry { slots: 2 * ROOM_WAYS, ways: ROOM_WAYS, ranks: 1, engines: ENGINES as u8 };
     let pool = Pool::new(g, Options::default());
     join_all(&pool);
     let threads: Vec<_> = (0..ENGINES)
@@ -128,7 +141,7 @@ fn room(variant: Variant) {
             let eng = Engine::new(&pool, e as u8, variant);
             thread::spawn(move || {
                 for i in 0..ROOM_KEYS {
-                    let k = key((e * ROOM_KEYS + i) as u8);
+                    let k = room_key(e, i);
                     let s = eng.store(&k);
                     assert!(s != Stored::Skipped, "skipped with a claimable slot: engine {e}'s {k:?} ({s:?})");
                 }
@@ -139,6 +152,13 @@ fn room(variant: Variant) {
         t.join().unwrap();
     }
     sets_within_ways(&pool);
+    let eng = Engine::new(&pool, 0, variant);
+    for e in 0..ENGINES {
+        for i in 0..ROOM_KEYS {
+            let k = room_key(e, i);
+            assert!(eng.load(&k), "evicted with room in its sets: engine {e}'s {k:?}");
+        }
+    }
     Pool::check_quiescent(&pool, &[]);
 }
 
@@ -160,4 +180,7 @@ models! {
     negative_n46_pl5_give_up_on_race:
         negative("n46_give_up_on_race", Bounds { property: "N46", ..N }, "skipped with a claimable slot",
             || room(Variant::GiveUpOnRace));
+    negative_n49_pl5_one_set_per_key:
+        negative("n49_one_set_per_key", Bounds { property: "N49", ..N }, "evicted with room in its sets",
+            || room(Variant::OneSetPerKey));
 }

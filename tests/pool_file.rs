@@ -416,6 +416,20 @@ fn a_pool_of_another_boot_is_refused() {
     assert_eq!(p.words().liveness(&me), Liveness::Gone);
 }
 
+/// A pool of the one-set layout (version 1) is refused by field, never
+/// read with two-choice placement (whose second sets it would miss).
+#[test]
+fn a_pool_of_another_layout_version_is_refused_naming_the_field() {
+    use std::os::unix::fs::FileExt;
+    let d = ShmDir::new("version");
+    drop(PoolFile::create("node", &spec(), &d.opts()).unwrap());
+    let f = std::fs::OpenOptions::new().write(true).open(d.index("node")).unwrap();
+    f.write_at(&1u64.to_le_bytes(), 8 * W::VERSION as u64).unwrap();
+    let e = PoolFile::open_or_create("node", &spec(), &d.opts(), wait()).unwrap_err();
+    assert!(matches!(e, PoolError::BadHeader { field: "version", expected: 2, found: 1, .. }), "{e}");
+    assert!(e.to_string().contains("kvoffload pool rm --force"), "{e}");
+}
+
 #[test]
 fn the_oracle_tells_exited_zombie_reused_and_foreign_processes_from_live_ones() {
     let d = ShmDir::new("oracle");

@@ -127,9 +127,20 @@ impl World {
         self.compare();
     }
 
-    fn set_slots(k: u8) -> std::ops::Range<usize> {
-        let set = key(k).set(SETS) as usize;
-        set * WAYS as usize..(set + 1) * WAYS as usize
+    /// The key's two sets, first then second (one where both are one).
+    fn sets(k: u8) -> Vec<usize> {
+        let [a, b] = key(k).sets(SETS).map(|s| s as usize);
+        if a == b {
+            vec![a]
+        } else {
+            vec![a, b]
+        }
+    }
+
+    /// The slots of the key's sets, in the order the table scans them.
+    fn set_slots(k: u8) -> impl Iterator<Item = usize> + Clone {
+        let ways = WAYS as usize;
+        Self::sets(k).into_iter().flat_map(move |set| set * ways..(set + 1) * ways)
     }
 
     fn lookup(&mut self, e: usize, k: u8) {
@@ -172,9 +183,23 @@ impl World {
             }
             Placement::Claimed { slot, epoch, evicted } => {
                 let s = slot as usize;
-                assert!(!present && slots.contains(&s), "claimed slot {s} outside the set or a present key");
+                assert!(
+                    !present && slots.clone().any(|x| x == s),
+                    "claimed slot {s} outside the sets or a present key"
+                );
                 match (&before[s], evicted) {
-                    (Model::Free, None) => {}
+                    (Model::Free, None) => {
+                        // In the emptier of the two sets (the first on a tie).
+                        let ways = WAYS as usize;
+                        let free_in =
+                            |set: usize| (set * ways..(set + 1) * ways).filter(|&x| before[x] == Model::Free).count();
+                        let sets = Self::sets(k);
+                        let want = match sets[..] {
+                            [a, b] if free_in(b) > free_in(a) => b,
+                            _ => sets[0],
+                        };
+                        assert_eq!(s / ways, want, "a free slot claimed in the fuller set: {before:?}");
+                    }
                     (Model::Readable { key: old, holders }, Some(ev)) => {
                         assert!(!free, "evicted with a free slot in the set");
                         assert!(holders.is_empty(), "evicted a held slot");
@@ -294,18 +319,41 @@ proptest! {
 #[test]
 fn a_full_set_of_held_slots_skips_and_a_released_one_is_evicted() {
     let mut w = World::new();
-    // Keys 0, 2, 4 fill set 0 (3 ways), each published and held by engine 0.
-    for k in [0, 2, 4] {
+    // Keys both of whose sets are set 0: three fill it (3 ways), each
+    // published and held by engine 0; set 1 stays empty.
+    let ks: Vec<u8> = (0..=u8::MAX).filter(|&k| key(k).sets(SETS) == [0, 0]).take(4).collect();
+    for &k in &ks[..3] {
         w.apply(&Op::Claim(1, k));
         w.apply(&Op::Complete(1, 0, 0));
         w.apply(&Op::Complete(1, 0, 1));
         w.apply(&Op::Lookup(0, k));
     }
-    assert_eq!(w.table.claim(w.idx(2), &key(6)).unwrap(), Placement::Skipped);
+    assert_eq!(w.table.claim(w.idx(2), &key(ks[3])).unwrap(), Placement::Skipped);
     // Released, with the CLOCK bits the lookups set: the second pass takes it.
     w.apply(&Op::Release(0, 0));
-    let got = w.table.claim(w.idx(2), &key(6)).unwrap();
-    assert!(matches!(got, Placement::Claimed { evicted: Some(k), .. } if k == key(0)), "{got:?}");
+    let got = w.table.claim(w.idx(2), &key(ks[3])).unwrap();
+    assert!(matches!(got, Placement::Claimed { evicted: Some(k), .. } if k == key(ks[0])), "{got:?}");
+}
+
+/// Two-choice hashing (design 2.3): keys whose first set is full go to
+/// their second set while it has room, without evicting; a key is found
+/// in either set. The pool before it (its first set only: N49's rule)
+/// evicted the first set's keys here.
+#[test]
+fn a_key_whose_first_set_is_full_goes_to_its_second_without_evicting() {
+    let mut w = World::new();
+    let ks: Vec<u8> = (0..=u8::MAX).filter(|&k| key(k).sets(SETS) == [0, 1]).take(2 * WAYS as usize).collect();
+    for &k in &ks {
+        w.apply(&Op::Claim(1, k));
+        w.apply(&Op::Complete(1, 0, 0));
+        w.apply(&Op::Complete(1, 0, 1));
+    }
+    let c = w.table.census();
+    assert_eq!((c.readable, c.free), (2 * WAYS, 0), "every key stored, none evicted");
+    for &k in &ks {
+        assert!(matches!(w.table.lookup(w.idx(0), &key(k)).unwrap(), Lookup::Hit { .. }), "key {k} lost");
+    }
+    w.table.check().unwrap();
 }
 
 /// The negative of the model comparison: a claim that evicts a held slot

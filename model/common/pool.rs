@@ -80,6 +80,13 @@ pub fn key(b: u8) -> Key {
     Key::new(&[b], 0).expect("a one-byte key")
 }
 
+/// The `i`-th one-byte key (by value, [`key`]) whose two sets
+/// ([`Key::sets`]) are `sets` in a pool of `n` sets: a model decides where
+/// its keys may go.
+pub fn key_in(n: u32, sets: [u32; 2], i: usize) -> Key {
+    (0..=u8::MAX).map(key).filter(|k| k.sets(n) == sets).nth(i).expect("enough one-byte keys of those sets")
+}
+
 /// What rank `rank`'s row of `key`'s slot holds once written at `epoch`.
 pub fn tag(key: &Key, epoch: u32, rank: u8) -> u64 {
     (key.hash[0] << 40) | (u64::from(epoch) << 8) | (u64::from(rank) + 1)

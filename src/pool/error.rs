@@ -89,7 +89,11 @@ pub enum PoolError {
     },
     /// A header field that is not what this version writes (magic,
     /// version, page size).
-    #[error("{}: {field} is {found:#x}, expected {expected:#x}: not a pool index of this version", path.display())]
+    #[error(
+        "{}: {field} is {found:#x}, expected {expected:#x}: not a pool index of this kvoffload version; \
+         remove it (kvoffload pool rm --force NAME) and start again",
+        path.display()
+    )]
     BadHeader {
         /// The file.
         path: PathBuf,

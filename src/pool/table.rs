@@ -5,7 +5,9 @@
 //! pool file's mapping and, under loom and shuttle, on the sync facade.
 //!
 //! The slot array *is* the hash table: a key lives only in the `ways` slots
-//! of its set ([`Key::set`]). Every step is one CAS on one slot's state
+//! of its two sets ([`Key::sets`]; two-choice hashing, design 2.3: with one
+//! set per key, sets overflowed at 73% full on the GPU run, 2026-12-07).
+//! Every step is one CAS on one slot's state
 //! word, retried with the word it found (a lost CAS means another process
 //! made progress). The rules, each with the property it serves
 //! (docs/node-pool-design.md 3.9, docs/PROOFS.md PL1-PL5):
@@ -20,10 +22,11 @@
 //!    width (design 3.7; PL2).
 //! 4. A claim is a CAS from `FREE` or unheld `READABLE` to `WRITING(me,
 //!    epoch + 1)`: of two claimers one fails (PL3, I3).
-//! 5. A key is claimed only in its set, a lost CAS is decided again on the
-//!    word found, and a full set skips the key after `2 * ways` CLOCK steps
-//!    without a claim: nothing outside the set is evicted, nothing held is
-//!    evicted, and a set with a `FREE` slot never skips (PL5, I5).
+//! 5. A key is claimed only in its two sets (in the one with more `FREE`
+//!    slots first), a lost CAS is decided again on the word found, and two
+//!    full sets skip the key after `2 * ways` CLOCK steps in each without a
+//!    claim: nothing outside them is evicted, nothing held is evicted, and
+//!    a key with a `FREE` slot in either set never skips (PL5, I5).
 
 use super::slot::{SlotError, SlotState, SlotWord};
 use super::words::{Geometry, Key, PoolWords};
@@ -112,11 +115,15 @@ impl<W: PoolWords> PoolTable<W> {
         self.words.slot_cas(slot as usize, old.encode(), new.encode()).map(|_| ()).map_err(SlotWord::decode)
     }
 
-    /// The slots of `key`'s set, or of every set where a negative says so.
-    fn set_of(&self, key: &Key) -> std::ops::Range<u32> {
-        let ways = self.geometry.ways;
-        let own = key.set(self.geometry.sets()) * ways;
-        self.knob.rules().evicts_within_set(own..own + ways, 0..self.geometry.slots)
+    /// The slots of `key`'s two sets, or of every set where a negative
+    /// says so.
+    fn sets_of(&self, key: &Key) -> Candidates {
+        let g = self.geometry;
+        let [a, b] = key.sets(g.sets()).map(|s| s * g.ways..(s + 1) * g.ways);
+        let two = a != b && self.knob.rules().claims_in_two_sets();
+        let own = Candidates { ranges: [a, b], n: if two { 2 } else { 1 } };
+        let every = Candidates { ranges: [0..g.slots, 0..0], n: 1 };
+        self.knob.rules().evicts_within_set(own, every)
     }
 
     fn check_slot(&self, slot: u32) -> Result<(), SlotError> {
@@ -131,7 +138,7 @@ impl<W: PoolWords> PoolTable<W> {
     /// hold, the slot's CLOCK bit set.
     pub fn lookup(&self, engine: u8, key: &Key) -> Result<Lookup, SlotError> {
         let mut pending = false;
-        for slot in self.set_of(key) {
+        for slot in self.sets_of(key).slots() {
             let mut w = self.word(slot);
             loop {
                 match w.state() {
@@ -206,29 +213,38 @@ impl<W: PoolWords> PoolTable<W> {
         self.word(slot).abandon(engine, epoch).map(|_| ())
     }
 
-    /// Claims a slot for `key` in its set (design 3.3 step 1, 3.5): skipped
-    /// if the key is readable or written already; else a `FREE` slot; else
-    /// CLOCK from the set's hand, taking an unheld readable slot whose
-    /// second chance is spent by the claim's own CAS. The key words are
-    /// stored after the claim, before any rank publishes.
+    /// Claims a slot for `key` in its two sets (design 3.3 step 1, 3.5):
+    /// skipped if the key is readable or written already; else a `FREE`
+    /// slot, in the set with more of them first; else CLOCK from each set's
+    /// hand in turn, taking an unheld readable slot whose second chance is
+    /// spent by the claim's own CAS. The key words are stored after the
+    /// claim, before any rank publishes.
     pub fn claim(&self, engine: u8, key: &Key) -> Result<Placement, SlotError> {
-        let range = self.set_of(key);
-        // A key present (readable, or being written by anyone) is skipped.
-        for slot in range.clone() {
-            let w = self.word(slot);
-            match w.state() {
-                SlotState::Invalid => return Err(SlotError::Corrupt { word: w.encode() }),
-                SlotState::Free => {}
-                SlotState::Writing | SlotState::Readable => {
-                    if self.words.key_load(slot as usize) == *key {
-                        return Ok(Placement::Present);
+        let mut cands = self.sets_of(key);
+        // A key present (readable, or being written by anyone) is skipped;
+        // the same pass counts each set's FREE slots (a hint).
+        let mut free = [0u32; 2];
+        for (i, range) in cands.ranges[..cands.n].iter().enumerate() {
+            for slot in range.clone() {
+                let w = self.word(slot);
+                match w.state() {
+                    SlotState::Invalid => return Err(SlotError::Corrupt { word: w.encode() }),
+                    SlotState::Free => free[i] += 1,
+                    SlotState::Writing | SlotState::Readable => {
+                        if self.words.key_load(slot as usize) == *key {
+                            return Ok(Placement::Present);
+                        }
                     }
                 }
             }
         }
-        // A FREE slot of the set; a lost CAS is decided again on the word
-        // found (rule 5).
-        for slot in range.clone() {
+        // A FREE slot, the emptier set first (two-choice hashing keeps the
+        // sets level); a lost CAS is decided again on the word found
+        // (rule 5).
+        if free[1] > free[0] {
+            cands.ranges.swap(0, 1);
+        }
+        for slot in cands.slots() {
             let mut w = self.word(slot);
             while w.state() == SlotState::Free {
                 let new = w.claim(engine)?;
@@ -245,10 +261,12 @@ impl<W: PoolWords> PoolTable<W> {
                 }
             }
         }
-        // CLOCK: at most 2 * ways steps from the set's hand.
-        let ways = range.end - range.start;
-        let set = (range.start / self.geometry.ways) as usize;
-        for _ in 0..2 * ways {
+        // CLOCK: at most 2 * ways steps from each set's hand, the sets in
+        // turn.
+        let ways = cands.ranges[0].len() as u32;
+        for step in 0..2 * ways * cands.n as u32 {
+            let range = &cands.ranges[step as usize % cands.n];
+            let set = (range.start / self.geometry.ways) as usize;
             let slot = range.start + self.words.hand_next(set) % ways;
             let mut w = self.word(slot);
             loop {
@@ -364,8 +382,8 @@ impl<W: PoolWords> PoolTable<W> {
 
     /// The invariants one can read off the words of a quiescent pool
     /// (design 3.9): every word's own ([`SlotWord::check`]), and I5: a
-    /// slot that is not `FREE` holds a key of its own set. Returns the
-    /// first broken one with its slot.
+    /// slot that is not `FREE` holds a key one of whose two sets it is in.
+    /// Returns the first broken one with its slot.
     pub fn check(&self) -> Result<(), (u32, SlotError)> {
         let g = self.geometry;
         for slot in 0..g.slots {
@@ -373,12 +391,27 @@ impl<W: PoolWords> PoolTable<W> {
             w.check(g.engines, g.ranks).map_err(|e| (slot, e))?;
             if w.state() != SlotState::Free {
                 let key = self.words.key_load(slot as usize);
-                if key.set(g.sets()) != slot / g.ways {
+                if !key.in_set(g.sets(), slot / g.ways) {
                     return Err((slot, SlotError::Invariant { word: w.encode(), what: "a key outside its set" }));
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// The slots a key may be in: its two sets' (one range where both are the
+/// same set), or every slot (N45's).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Candidates {
+    ranges: [std::ops::Range<u32>; 2],
+    n: usize,
+}
+
+impl Candidates {
+    /// The slots, the first range's first.
+    fn slots(&self) -> impl Iterator<Item = u32> + '_ {
+        self.ranges[..self.n].iter().flat_map(|r| r.clone())
     }
 }
 

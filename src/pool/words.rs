@@ -109,11 +109,28 @@ impl Key {
         Key { hash, group: meta as u32, len: (meta >> 32) as u8 }
     }
 
-    /// The set of this key in a pool of `sets` sets: the first 8 hash
-    /// bytes, little-endian, mod `sets` (design 2.3).
-    pub fn set(&self, sets: u32) -> u32 {
-        (self.hash[0] % u64::from(sets.max(1))) as u32
+    /// The two sets this key may live in, in a pool of `sets` sets
+    /// (design 2.3): the first is the first 8 hash bytes, little-endian,
+    /// mod `sets`; the second the four hash words folded and mixed
+    /// (SplitMix64's finalizer, so a short hash spreads too), mod `sets`.
+    /// The two are the same set for about one key in `sets`.
+    pub fn sets(&self, sets: u32) -> [u32; 2] {
+        let n = u64::from(sets.max(1));
+        let folded = self.hash[0] ^ self.hash[1] ^ self.hash[2] ^ self.hash[3];
+        [(self.hash[0] % n) as u32, (mix64(folded) % n) as u32]
     }
+
+    /// Whether `set` is one of this key's two sets ([`Key::sets`]).
+    pub fn in_set(&self, sets: u32, set: u32) -> bool {
+        self.sets(sets).contains(&set)
+    }
+}
+
+/// SplitMix64's finalizer: every input bit moves about half the output's.
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// One member of an engine entry (the scheduler or a rank's worker): the

@@ -373,9 +373,17 @@ pub(crate) trait Rules {
         true
     }
 
-    /// A key is claimed and evicted only within its set (PL5): the answer is
-    /// `own` (the set's slots). N45 answers `any` (every slot).
-    fn evicts_within_set(&self, own: std::ops::Range<u32>, _any: std::ops::Range<u32>) -> std::ops::Range<u32> {
+    /// A key is stored in either of its two sets, the emptier first, and
+    /// looked up in both (PL5: a key with a `FREE` slot in either set is
+    /// stored without evicting): true. N49 answers false: its first set
+    /// only, as the pool did before two-choice hashing.
+    fn claims_in_two_sets(&self) -> bool {
+        true
+    }
+
+    /// A key is claimed and evicted only within its two sets (PL5): the
+    /// answer is `own` (the sets' slots). N45 answers `any` (every slot).
+    fn evicts_within_set<S>(&self, own: S, _any: S) -> S {
         own
     }
 

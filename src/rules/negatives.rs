@@ -1,5 +1,5 @@
 //! The negative models' variants: the known-bad ways of running the
-//! library (N1-N46, docs/PROOFS.md), and the [`Rules`] each overrides.
+//! library (N1-N46 and N49, docs/PROOFS.md), and the [`Rules`] each overrides.
 //!
 //! Model builds only (`--cfg loom`, `--cfg shuttle`): outside them this
 //! module, [`Variant`] and every override are not compiled, and the parties
@@ -11,7 +11,7 @@
 use super::{Rules, Shipped};
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (of N1-N46, docs/PROOFS.md). Model builds only, as
+/// negative models run (of N1-N46 and N49, docs/PROOFS.md). Model builds only, as
 /// this whole module: a variant overrides the [`Rules`] method of the rule
 /// it breaks (below).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
@@ -165,6 +165,10 @@ pub enum Variant {
     EvictAnySet,
     /// N46: the node pool skips a key after one lost claim CAS (PL5).
     GiveUpOnRace,
+    /// N49: the node pool stores a key in its first set only, evicting
+    /// there while its second set has room (PL5). (N47 and N48 are
+    /// model-local: `model/pl1_visible_complete.rs`, `model/pl4_crash_anywhere.rs`.)
+    OneSetPerKey,
 }
 
 impl Rules for Variant {
@@ -481,7 +485,12 @@ impl Rules for Variant {
         !matches!(self, Variant::GiveUpOnRace)
     }
 
-    fn evicts_within_set(&self, own: std::ops::Range<u32>, any: std::ops::Range<u32>) -> std::ops::Range<u32> {
+    fn claims_in_two_sets(&self) -> bool {
+        // N49: the first set only.
+        !matches!(self, Variant::OneSetPerKey)
+    }
+
+    fn evicts_within_set<S>(&self, own: S, any: S) -> S {
         match self {
             // N45: every slot of the pool.
             Variant::EvictAnySet => any,

@@ -36,12 +36,15 @@ pub const POOL: &str = "node";
 pub const ROWS_FILE: &str = "rows";
 
 /// Key `n` of set `set` for the engine tagged `tag` (`b'A'` the child's,
-/// `b'B'` the parent's, `b'N'` the survivor's new ones): the set is the
-/// first hash byte (the other bytes of the first word are multiples of 256).
+/// `b'B'` the parent's, `b'N'` the survivor's new ones), both of whose two
+/// sets are `set`, so the tests decide where every key goes: the first set
+/// is the first hash byte (the other bytes of the first word are multiples
+/// of 256), the fifth byte is the first that makes the second one `set`.
 pub fn key(tag: u8, set: u32, n: u8) -> Key {
-    let k = Key::new(&[set as u8, n, tag, 0x5A], 0).unwrap();
-    assert_eq!(k.set(SETS), set);
-    k
+    (0..=u8::MAX)
+        .map(|j| Key::new(&[set as u8, n, tag, 0x5A, j], 0).unwrap())
+        .find(|k| k.sets(SETS) == [set, set])
+        .expect("one fifth byte in 256 makes both sets the same")
 }
 
 /// Word `i` of rank `rank`'s row of `key` written at `epoch`.
@@ -265,8 +268,9 @@ impl World {
 
     /// The slot holding `key` (readable or being written), if any.
     pub fn slot_of(&self, key: &Key) -> Option<u32> {
-        let set = key.set(SETS) * GEOMETRY.ways;
-        (set..set + GEOMETRY.ways)
+        key.sets(SETS)
+            .into_iter()
+            .flat_map(|set| set * GEOMETRY.ways..(set + 1) * GEOMETRY.ways)
             .find(|&s| self.word(s).state() != SlotState::Free && self.words().key_load(s as usize) == *key)
     }
 

@@ -136,16 +136,17 @@ impl Engine {
         }
     }
 
-    /// Claims a slot for `key`; a claim outside the key's set is a failure.
+    /// Claims a slot for `key`; a claim outside the key's two sets is a
+    /// failure.
     pub fn claim(&self, key: &Key) -> Placement {
         let p = self.sched.claim(self.index, key).expect("claim");
         match p {
             Placement::Claimed { slot, epoch, evicted } => {
                 let g = self.pool.geometry;
                 assert!(
-                    slot / g.ways == key.set(g.sets()),
-                    "key outside its set: {key:?} of set {} claimed slot {slot} (set {})",
-                    key.set(g.sets()),
+                    key.in_set(g.sets(), slot / g.ways),
+                    "key outside its sets: {key:?} of sets {:?} claimed slot {slot} (set {})",
+                    key.sets(g.sets()),
                     slot / g.ways
                 );
                 Placement::Claimed { slot, epoch: self.pool.epoch(epoch), evicted }

@@ -17,7 +17,9 @@ use crate::internal::pool::words::{Geometry, MEMBERS};
 /// `b"KVOFPOOL"` read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KVOFPOOL");
 /// Version of the index layout; bumped on any incompatible change.
-pub const VERSION: u64 = 1;
+/// 2: a key lives in either of two sets (`Key::sets`); an engine of
+/// version 1 would miss, and `check` as corrupt, the keys in second sets.
+pub const VERSION: u64 = 2;
 /// The smallest page the sections are aligned to.
 pub const MIN_PAGE: usize = 4096;
 
@@ -118,8 +120,8 @@ pub(crate) const fn member_offset(m: usize) -> usize {
 pub(crate) const ENGINE_ID_OFFSET: usize = member_offset(MEMBERS);
 /// Offset of the agreement words in an engine entry: one `u32` per rank,
 /// the words of the P7 pin agreement of the entry's engine (bytes that
-/// version 1 files made before them hold zero, [`UNSETTLED`]: the layout
-/// is the same version; the owner resets them at every claim anyway).
+/// version 1 files made before them held zero, [`UNSETTLED`]; the owner
+/// resets them at every claim anyway).
 ///
 /// [`UNSETTLED`]: crate::protocol::agreement::UNSETTLED
 pub(crate) const AGREEMENT_OFFSET: usize = ENGINE_ID_OFFSET + 32;

@@ -53,6 +53,9 @@ pub struct ManagerArgs {
     /// Seed of the traces.
     #[arg(long, default_value_t = BenchConfig::default().seed)]
     seed: u64,
+    /// Keys of the fill trace, in percent of the capacity (1-100).
+    #[arg(long, default_value_t = BenchConfig::default().fill_percent)]
+    fill: usize,
 }
 
 pub fn run(b: Bench) -> Result<i32, String> {
@@ -64,6 +67,7 @@ pub fn run(b: Bench) -> Result<i32, String> {
                 accesses: a.accesses,
                 zipf_exponent: a.zipf,
                 seed: a.seed,
+                fill_percent: a.fill,
                 ..BenchConfig::default()
             };
             cfg.validate().map_err(|e| e.to_string())?;

@@ -47,6 +47,8 @@ pub struct BenchConfig {
     pub hot_run: usize,
     /// Scan-heavy workload: keys in each scan.
     pub scan_length: usize,
+    /// Fill workload: its keys, in percent of `capacity` (1..=100).
+    pub fill_percent: usize,
 }
 
 impl Default for BenchConfig {
@@ -59,6 +61,7 @@ impl Default for BenchConfig {
             seed: 0x6b76_6f66_666c_6f61,
             hot_run: 2048,
             scan_length: 1024,
+            fill_percent: 90,
         }
     }
 }
@@ -66,6 +69,9 @@ impl Default for BenchConfig {
 /// Why a [`BenchConfig`] was refused.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum BenchError {
+    /// The fill is not a percentage of the capacity in 1..=100.
+    #[error("fill must be in 1..=100 (percent of the capacity), got {0}")]
+    Fill(usize),
     /// A count is zero or above [`BENCH_LIMIT`].
     #[error("{field} must be in 1..={limit}, got {value}")]
     OutOfRange { field: &'static str, value: usize, limit: usize },
@@ -89,6 +95,9 @@ impl BenchConfig {
                 return Err(BenchError::OutOfRange { field, value, limit: BENCH_LIMIT });
             }
         }
+        if !(1..=100).contains(&self.fill_percent) {
+            return Err(BenchError::Fill(self.fill_percent));
+        }
         if !(0.0..=MAX_ZIPF_EXPONENT).contains(&self.zipf_exponent) {
             let (value, limit) = (self.zipf_exponent, MAX_ZIPF_EXPONENT);
             return Err(BenchError::Exponent { value, limit });
@@ -108,7 +117,13 @@ impl BenchConfig {
             seed: self.seed,
             hot_run: c(self.hot_run),
             scan_length: c(self.scan_length),
+            fill_percent: self.fill_percent.clamp(1, 100),
         }
+    }
+
+    /// The fill workload's keys: `fill_percent` of the capacity, at least 1.
+    pub fn fill_keys(&self) -> usize {
+        (self.capacity * self.fill_percent / 100).max(1)
     }
 }
 
@@ -125,6 +140,7 @@ pub fn run_bench(cfg: &BenchConfig) -> BenchReport {
         seed: cfg.seed,
         hot_run: cfg.hot_run,
         scan_length: cfg.scan_length,
+        fill: cfg.fill_keys(),
     };
     let mut rows = Vec::new();
     for workload in Workload::ALL {
@@ -243,7 +259,7 @@ mod tests {
     #[test]
     fn manager_bench_report_has_every_row_and_no_refused_call() {
         let report = run_bench(&small());
-        assert_eq!(report.rows.len(), 8);
+        assert_eq!(report.rows.len(), 12);
         for w in Workload::ALL {
             for &p in PolicyKind::all() {
                 let row = report.row(w, Policy::Manager(p)).expect("row");
@@ -285,7 +301,9 @@ mod tests {
         let report = run_bench(&bad);
         assert_eq!(report.config.capacity, 1);
         assert!(report.config.validate().is_ok());
-        assert_eq!(report.rows.len(), 8);
+        assert_eq!(report.rows.len(), 12);
+        assert!(matches!(BenchConfig { fill_percent: 0, ..small() }.validate(), Err(BenchError::Fill(0))));
+        assert_eq!(run_bench(&BenchConfig { fill_percent: 101, ..small() }).config.fill_percent, 100);
         let neg = BenchConfig { zipf_exponent: -1.0, ..small() };
         assert!(matches!(neg.validate(), Err(BenchError::Exponent { .. })));
         assert!(BenchConfig::default().validate().is_ok());
@@ -307,12 +325,27 @@ mod tests {
                 seed: cfg.seed,
                 hot_run: cfg.hot_run,
                 scan_length: cfg.scan_length,
+                fill: cfg.fill_keys(),
             },
         );
         let lru = run_one(Workload::Zipf, PolicyKind::Lru, 64, &keys).hit_rate();
         let clock = run_pool(Workload::Zipf, 64, 64, &keys);
         assert_eq!((clock.failures, clock.skipped), (0, 0));
         assert!((clock.hit_rate() - lru).abs() < 0.05, "CLOCK {} against LRU {lru}", clock.hit_rate());
+    }
+
+    /// Keys filling 85% of the slots, read again and again: an LRU keeps
+    /// them all, and so does the pool's index with two sets per key (its
+    /// 16-way sets, one per key, overflowed at 73% full on the GPU: N49's
+    /// rule, measured in the closing note of issue 46 with it switched on).
+    #[test]
+    fn manager_bench_pool_keeps_a_fill_of_85_percent_as_lru_does() {
+        let cfg = BenchConfig { capacity: 4096, fill_percent: 85, accesses: 4 * 3481, ..BenchConfig::default() };
+        let report = run_bench(&cfg);
+        let lru = report.row(Workload::Fill, Policy::Manager(PolicyKind::Lru)).unwrap();
+        assert_eq!(lru.hits, 3 * 3481, "LRU misses only the first pass: {report}");
+        let pool = report.row(Workload::Fill, Policy::Pool { ways: 16 }).unwrap();
+        assert_eq!((pool.hits, pool.skipped), (lru.hits, 0), "the pool lost keys while it had room: {report}");
     }
 
     /// Prints the default comparison (run with `--ignored --nocapture`).

@@ -106,6 +106,12 @@ impl fmt::Display for BenchReport {
         writeln!(f, "scan-heavy: {} zipf accesses, then {} keys read once, repeated", c.hot_run, c.scan_length)?;
         writeln!(
             f,
+            "fill: {} keys ({}% of the slots) read in order, repeated: every pass after the first hits in an LRU",
+            c.fill_keys(),
+            c.fill_percent
+        )?;
+        writeln!(
+            f,
             "{:<11} {:<8} {:>9} {:>9} {:>9} {:>12}",
             "workload", "policy", "capacity", "accesses", "hit rate", "ops/s"
         )?;
