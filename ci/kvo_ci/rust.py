@@ -60,6 +60,7 @@ ci/lint: the habits of a careful Rust project, each one a gate of ci/test:
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -148,9 +149,9 @@ def test(_ns: argparse.Namespace) -> int:
     return 0
 
 
-def sh(cmd: List[str], env: dict = None) -> None:
+def sh(cmd: List[str], env: dict = None, cwd: str = None) -> None:
     """Runs `cmd`; its failure ends this program with its exit status (set -e)."""
-    rc = subprocess.run(cmd, env=env).returncode
+    rc = subprocess.run(cmd, env=env, cwd=cwd).returncode
     if rc != 0:
         raise SystemExit(rc)
 
@@ -281,11 +282,21 @@ def is_gpu_test(name: str) -> bool:
 
 def build_gpu_bin(ns: argparse.Namespace) -> int:
     """Builds everything ci/gpu needs into OUT_DIR (default gpu-bin/, ignored
-    by git): the release CLI and the GPU test binaries, and the wheel when
-    ci/python built one. Run it on a machine with the Rust toolchain; carry
-    the folder to the GPU machine, which has none."""
+    by git): the release CLI, the GPU test binaries and the wheel, all from
+    the tree as it is now (the wheel by maturin from ci/python's venv:
+    `KVO_SKIP_VLLM=1 ci/python --setup` makes it; --no-wheel leaves the
+    wheel out). Run it on a machine with the Rust toolchain; carry the
+    folder to the GPU machine, which has none."""
     cargo_env()
     out = ns.out_dir
+    venv = "target/python-venv"
+    maturin, vpy = os.path.abspath(f"{venv}/bin/maturin"), os.path.abspath(f"{venv}/bin/python")
+    if not ns.no_wheel and not os.access(maturin, os.X_OK):
+        # A wheel ci/python built earlier may predate the tree: once the GPU
+        # run of 2026-12-07 measured such a wheel's engines, not HEAD's.
+        print(f"ci/build-gpu-bin: no maturin in {venv}: run `KVO_SKIP_VLLM=1 ci/python --setup` first "
+              "(or --no-wheel to leave the Python package out)", file=sys.stderr)
+        return 1
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(os.path.join(out, "tests"))
     sh(["cargo", "build", "--release", "--quiet"])
@@ -301,13 +312,15 @@ def build_gpu_bin(ns: argparse.Namespace) -> int:
         exe, name = m.get("executable"), m.get("target", {}).get("name", "")
         if m.get("reason") == "compiler-artifact" and exe and m["target"]["kind"] == ["test"] and is_gpu_test(name):
             shutil.copy(exe, os.path.join(out, "tests", name))
-    wheels = sorted(f for f in os.listdir("target/wheels") if re.match(r"kvoffload-.*\.whl$", f)) \
-        if os.path.isdir("target/wheels") else []
-    for w in wheels:
-        shutil.copy(os.path.join("target/wheels", w), out)
-    if not wheels:
-        print("ci/build-gpu-bin: no wheel in target/wheels (run ci/python first); ci/gpu will skip the Python part",
-              flush=True)
+    if ns.no_wheel:
+        print("ci/build-gpu-bin: --no-wheel: ci/gpu will skip the Python part", flush=True)
+    else:
+        # The wheel of this tree, straight into OUT_DIR (never target/wheels'
+        # copy, which ci/python made from whatever the tree was then).
+        for f in glob.glob("python/kvoffload/_native*.so"):
+            os.remove(f)
+        sh([maturin, "build", "--release", "--strip", "--quiet", "--out", os.path.abspath(out),
+            "--interpreter", vpy], cwd="python")
     # Debug info is not needed on the GPU machine; it would not fit the carry limit.
     tests = sorted(os.path.join(out, "tests", t) for t in os.listdir(os.path.join(out, "tests")))
     sh(["strip", os.path.join(out, "kvoffload"), *tests])
@@ -319,6 +332,7 @@ def build_gpu_bin(ns: argparse.Namespace) -> int:
 def configure_build_gpu_bin(p: argparse.ArgumentParser) -> None:
     p.description = build_gpu_bin.__doc__
     p.add_argument("out_dir", nargs="?", default="gpu-bin", metavar="OUT_DIR", help="default gpu-bin")
+    p.add_argument("--no-wheel", action="store_true", help="leave the wheel out (ci/gpu skips the Python part)")
 
 
 def configure_none(p: argparse.ArgumentParser) -> None:
