@@ -79,7 +79,7 @@ fn ls_shows_each_pools_shape_fingerprint_slots_and_engines() {
         "2 ranks x 256 KiB a row",
         "model meta-llama/Llama-3.1-8B-Instruct  dtype bfloat16  block 16,32  world 2  hash sha256",
         "slots free 62 writing 1 readable 1 held 1",
-        "engines live 1 dead 1",
+        "engines live 1 sweeping 0 dead 1",
         "last store 2023-11-14T22:13:20Z",
         &format!("(engine 1 (pids {}))", live.id()),
     ] {
@@ -92,14 +92,17 @@ fn ls_shows_each_pools_shape_fingerprint_slots_and_engines() {
         "\"tokens_per_block\":[16,32]",
         "\"hash\":\"sha256\"",
         "\"free\":62,\"writing\":1,\"readable\":1,\"held\":1,\"corrupt\":0",
-        &format!("\"engines_live\":[{{\"index\":1,\"pids\":[{}]}}],\"engines_dead\":1", live.id()),
+        &format!(
+            "\"engines_live\":[{{\"index\":1,\"pids\":[{}]}}],\"engines_sweeping\":0,\"engines_dead\":1",
+            live.id()
+        ),
     ] {
         assert!(out.contains(want), "{want:?} not in {out}");
     }
     live.kill().unwrap();
     live.wait().unwrap();
     let (_, out, _) = kvoffload(&["pool", "ls", "--dir", dir]);
-    assert!(out.contains("engines live 0 dead 2"), "{out}");
+    assert!(out.contains("engines live 0 sweeping 0 dead 2"), "{out}");
 }
 
 #[test]
@@ -244,13 +247,13 @@ fn ls_reports_a_killed_engine_dead_and_ls_reclaim_frees_it() {
     assert_ne!(e, lease.engine);
     let (code, out, err) = kvoffload(&["pool", "ls", "--dir", dir]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("engines live 2 dead 0"), "{out}");
+    assert!(out.contains("engines live 2 sweeping 0 dead 0"), "{out}");
     child.kill9();
     // Killed: plain ls reports it dead, and writes nothing.
     let before = std::fs::read(d.index("node")).unwrap();
     let (code, out, err) = kvoffload(&["pool", "ls", "--dir", dir]);
     assert_eq!(code, 0, "{err}");
-    for want in ["slots free 62 writing 1 readable 1 held 1", "engines live 1 dead 1"] {
+    for want in ["slots free 62 writing 1 readable 1 held 1", "engines live 1 sweeping 0 dead 1"] {
         assert!(out.contains(want), "{want:?} not in {out}");
     }
     assert!(!out.contains("reclaimed"), "{out}");
@@ -261,7 +264,7 @@ fn ls_reports_a_killed_engine_dead_and_ls_reclaim_frees_it() {
     for want in [
         &format!("reclaimed engines {e}") as &str,
         "slots free 63 writing 0 readable 1 held 0",
-        "engines live 1 dead 0",
+        "engines live 1 sweeping 0 dead 0",
     ] {
         assert!(out.contains(want), "{want:?} not in {out}");
     }

@@ -10,8 +10,11 @@
 //! each `SweepStep` of its sweep of another dead engine, and for an engine
 //! killed in its own leave. Then the oracle's cases on entries: a member's
 //! pid alive with another start time (reused: swept), a zombie (swept), a
-//! member of another pid namespace (kept). Every check is shown failing on
-//! a state broken on purpose.
+//! member of another pid namespace (kept); and the owner word's process (a
+//! claimer, a sweeper) whose pid means nothing here, as one of another pid
+//! namespace: judged by its entry lock, kept while it runs. Every check is
+//! shown failing on a state broken on purpose (the last ones by the pid
+//! alone, the rule before the locks).
 //!
 //! A child re-executes this binary (`procs_child`; role and `dir|step` in
 //! the environment), prints `kvo-step <step> engine <e>` when it reaches
@@ -22,6 +25,8 @@
 
 #![cfg(not(any(loom, shuttle)))]
 
+#[path = "pool_procs/pid_only.rs"]
+mod pid_only;
 mod pool_common;
 mod region_common;
 #[path = "pool_procs/world.rs"]
@@ -32,12 +37,14 @@ use std::path::Path;
 use std::time::Duration;
 
 use kvoffload::internal::pool::engines::{worker, MembersWord, OwnerState, OwnerWord, SCHEDULER};
+use kvoffload::internal::pool::error::LiveEntry;
 use kvoffload::internal::pool::file::liveness::{member_of_self, proc_stat};
 use kvoffload::internal::pool::file::{PoolFile, PoolOptions, Wait};
 use kvoffload::internal::pool::slot::SlotWord;
 use kvoffload::internal::pool::sweep::SweepStep;
 use kvoffload::internal::pool::table::PoolTable;
-use kvoffload::internal::pool::words::{Key, Member, PoolWords};
+use kvoffload::internal::pool::words::{EntryRole, Key, Member, PoolWords};
+use pid_only::PidOnly;
 use pool_common::ChildLines;
 use region_common::{block_on_stdin, child_role, poll_until, ChildGuard};
 use world::{join, key, Engine, Rows, World, GEOMETRY, POOL, ROW_WORDS};
@@ -87,12 +94,13 @@ fn step_name(s: SweepStep) -> String {
 fn engine_child(pool: &PoolFile, rows: &Rows, me: &Member, step: &str) {
     let words = pool.words();
     if step == "owner-claimed" {
-        // join_owner's first step alone: the owner CAS of a FREE entry,
-        // its member bit not set yet.
+        // join_owner's first step alone: the owner's hold (its entry
+        // lock), then the owner CAS of a FREE entry, its member bit not set
+        // yet.
         for e in 0..GEOMETRY.engines {
             let raw = words.owner_load(e);
             let o = OwnerWord::decode(raw);
-            if o.state == OwnerState::Free {
+            if o.state == OwnerState::Free && words.hold_entry(e, EntryRole::Owner) {
                 let live = OwnerWord {
                     state: OwnerState::Live,
                     generation: OwnerWord::next_generation(o.generation),
@@ -476,6 +484,103 @@ fn a_member_of_another_pid_namespace_keeps_a_dead_engines_entry() {
     assert_eq!(w.sweep(), [e]);
     assert_none(w.swept(e, &before, &busy_half()), "after the sweep");
     w.survive();
+}
+
+// ---------------------------------------------------------------- the owner word's process
+
+/// A pid that names no process here (a child, reaped): what the owner word
+/// shows of a process of another pid namespace (a container sharing the
+/// tmpfs), whose pid means nothing in ours.
+fn absent_pid() -> u32 {
+    let mut c = std::process::Command::new("true").spawn().unwrap();
+    let pid = c.id();
+    c.wait().unwrap();
+    assert_eq!(proc_stat(pid).unwrap(), None, "pid {pid} reused already");
+    pid
+}
+
+/// Entry `e`'s owner word, its pid made `pid` (the rest kept).
+fn rename_owner(w: &World, e: u8, pid: u32) -> OwnerWord {
+    let raw = w.words().owner_load(e);
+    let o = OwnerWord { pid, ..OwnerWord::decode(raw) };
+    w.words().owner_cas(e, raw, o.encode()).unwrap();
+    o
+}
+
+/// A sweeper S (a child) stopped after D's first mark, its owner word
+/// showing a pid of another namespace; the sweep of `words` by the parent.
+fn foreign_sweeper(tag: &str, sweep: impl Fn(&World) -> Vec<u8>) {
+    let w = World::new(tag);
+    let d = Proc::spawn(&w, "engine", "busy");
+    let e = d.at("busy");
+    d.kill();
+    let before = w.marks(e);
+    let step = format!("Slot{}", before[0].0);
+    let s = Proc::spawn(&w, "sweeper", &step);
+    s.at(&step);
+    let o = rename_owner(&w, e, absent_pid());
+    let now = w.marks(e);
+    assert_eq!(sweep(&w), [] as [u8; 0], "taken from a live sweeper of another pid namespace");
+    assert_eq!((w.owner(e), w.marks(e)), (o, now));
+    // `pool ls` shows it at work, and `pool rm` counts it in use.
+    let counts = w.pool.engines();
+    assert_eq!(counts.sweeping, [LiveEntry { index: e, pids: vec![o.pid] }]);
+    assert_eq!(counts.dead, 0);
+    s.kill();
+    assert_eq!((w.pool.engines().sweeping, w.pool.engines().dead), (vec![], 1), "a dead sweeper's entry is dead");
+    assert_eq!(w.sweep(), [e], "the dead sweeper's sweep is finished");
+    assert_none(w.swept(e, &before, &busy_half()), "after the sweep");
+    w.survive();
+}
+
+/// Rule 7 of `pool::sweep`: a sweeper is judged by its entry lock, held
+/// from before its take until the entry is free: whatever pid its owner
+/// word shows, it is not taken over while it runs.
+#[test]
+fn a_sweeper_whose_pid_means_nothing_here_is_not_taken_over_while_it_runs() {
+    foreign_sweeper("foreign-sweeper", World::sweep);
+}
+
+/// The negative: judged by the pid alone (the pool before its entry
+/// locks), the live sweeper's entry is taken over.
+#[test]
+#[should_panic(expected = "taken from a live sweeper of another pid namespace")]
+fn the_pid_alone_takes_over_a_live_sweeper_of_another_namespace() {
+    foreign_sweeper("neg-foreign-sweeper", |w| {
+        PoolTable::new(PidOnly(w.words())).sweep_dead(&w.me, &mut |_| true).unwrap()
+    });
+}
+
+/// Engine A (a child) stopped between its owner claim and its member bit,
+/// its owner word showing a pid of another namespace; the parent sweeps.
+fn foreign_claimer(tag: &str, sweep: impl Fn(&World) -> Vec<u8>) {
+    let w = World::new(tag);
+    let a = Proc::spawn(&w, "engine", "owner-claimed");
+    let e = a.at("owner-claimed");
+    let o = rename_owner(&w, e, absent_pid());
+    assert_eq!(w.members(e).mask, 0);
+    assert_eq!(sweep(&w), [] as [u8; 0], "a live claimer of another pid namespace swept");
+    assert_eq!(w.owner(e), o);
+    a.kill();
+    assert_eq!(w.sweep(), [e], "the dead claimer's entry is swept");
+    w.survive();
+}
+
+/// Rule 7 for the owner: a claimer is judged by its entry lock until its
+/// member record is in the mask.
+#[test]
+fn a_claimer_whose_pid_means_nothing_here_keeps_its_entry_while_it_runs() {
+    foreign_claimer("foreign-claimer", World::sweep);
+}
+
+/// The negative: judged by the pid alone, the live claimer's entry is swept
+/// (and would be given to another engine beside it).
+#[test]
+#[should_panic(expected = "a live claimer of another pid namespace swept")]
+fn the_pid_alone_sweeps_a_live_claimer_of_another_namespace() {
+    foreign_claimer("neg-foreign-claimer", |w| {
+        PoolTable::new(PidOnly(w.words())).sweep_dead(&w.me, &mut |_| true).unwrap()
+    });
 }
 
 // ---------------------------------------------------------------- the checks fail

@@ -58,7 +58,9 @@ use std::sync::{Mutex, MutexGuard};
 use kvoffload::internal::pool::engines::{worker, OwnerState, OwnerWord, SCHEDULER};
 use kvoffload::internal::pool::slot::{SlotState, SlotWord};
 use kvoffload::internal::pool::table::PoolTable;
-use kvoffload::internal::pool::words::{Geometry, Key, Liveness, LocalPoolWords, Member, PoolWords};
+use kvoffload::internal::pool::words::{
+    by_pid_alone, EntryRole, Geometry, Key, Liveness, LocalPoolWords, Member, PoolWords,
+};
 use kvoffload::internal::protocol::Variant;
 use kvoffload::internal::sync::atomic::{AtomicU64, Ordering};
 use kvoffload::internal::sync::Arc;
@@ -418,6 +420,18 @@ impl PoolWords for View {
             return Liveness::Gone;
         }
         self.pool.words.liveness(record)
+    }
+    // The models' oracle is exact for every process (one namespace, no
+    // reused pid): the owner word's pid alone says whether its process
+    // lives (and the lying oracle lies about it too). What a pool file's
+    // entry locks give across pid namespaces, the models assume
+    // (tests/pool_procs.rs checks the locks with real processes).
+    fn hold_entry(&self, _engine: u8, _role: EntryRole) -> bool {
+        true
+    }
+    fn release_entry(&self, _engine: u8, _role: EntryRole) {}
+    fn named_liveness(&self, _engine: u8, _role: EntryRole, pid: u32, me: &Member) -> Liveness {
+        by_pid_alone(self, pid, me)
     }
 }
 

@@ -6,7 +6,7 @@
 
 use kvoffload::internal::pool::agreement::EngineSlots;
 use kvoffload::internal::pool::file::PoolFile;
-use kvoffload::internal::pool::words::{Geometry, Key, Liveness, LocalPoolWords, Member, PoolWords};
+use kvoffload::internal::pool::words::{EntryRole, Geometry, Key, Liveness, LocalPoolWords, Member, PoolWords};
 use kvoffload::RankSlots;
 
 use super::*;
@@ -124,6 +124,15 @@ impl PoolWords for AnyWords {
     }
     fn liveness(&self, record: &Member) -> Liveness {
         each!(self, w => w.liveness(record))
+    }
+    fn hold_entry(&self, engine: u8, role: EntryRole) -> bool {
+        each!(self, w => w.hold_entry(engine, role))
+    }
+    fn release_entry(&self, engine: u8, role: EntryRole) {
+        each!(self, w => w.release_entry(engine, role))
+    }
+    fn named_liveness(&self, engine: u8, role: EntryRole, pid: u32, me: &Member) -> Liveness {
+        each!(self, w => w.named_liveness(engine, role, pid, me))
     }
 }
 

@@ -32,13 +32,20 @@
 //!    word is written once per tenure: a settled or abandoned word of the
 //!    last tenure would end a rank pageable, or worse, count as its peer's
 //!    settled outcome).
+//! 7. A process takes the entry's hold for its role
+//!    ([`PoolWords::hold_entry`]) before the CAS that puts its pid in the
+//!    owner word, and keeps it while the word names it (the owner for its
+//!    tenure, a sweeper until the entry is `FREE` or the take undone): the
+//!    owner word's process is judged by its hold
+//!    ([`PoolWords::named_liveness`]), which on a pool file is a kernel
+//!    lock, never by a pid another pid namespace or a reuse could confuse.
 
 use thiserror::Error;
 
 use super::engines::{MembersWord, OwnerState, OwnerWord, MEMBER_MASK};
 use super::slot::{SlotError, SlotState, SlotWord};
 use super::table::PoolTable;
-use super::words::{Liveness, Member, PoolWords};
+use super::words::{EntryRole, Liveness, Member, PoolWords};
 use crate::protocol::agreement::UNSETTLED;
 use crate::rules::Rules;
 
@@ -111,6 +118,10 @@ pub enum Swept {
     Stopped,
 }
 
+/// Passes of `join_owner` over the entries while a `FREE` one's hold was
+/// taken by another process.
+const JOIN_PASSES: u32 = 3;
+
 fn bit(member: u8) -> Result<u64, JoinError> {
     if u64::from(member) >= 33 {
         return Err(JoinError::MemberOutOfRange { member });
@@ -127,45 +138,62 @@ impl<W: PoolWords> PoolTable<W> {
         self.sweep_dead(me, &mut |_| true)?;
         let words = self.words();
         let mut owners = Vec::new();
-        for engine in 0..self.geometry().engines {
-            let raw = words.owner_load(engine);
-            let o = OwnerWord::decode(raw);
-            match o.state {
-                OwnerState::Free => {}
-                OwnerState::Invalid => return Err(JoinError::Corrupt { engine, word: raw }),
-                OwnerState::Live | OwnerState::Reclaiming => {
-                    owners.push(o.pid);
+        // A FREE entry whose hold another process had (a claimer racing
+        // this one, or a judge's probe of a word it read before the entry
+        // was freed) is tried again on the next pass, a few passes at most.
+        let mut passes = 0;
+        let mut contended = true;
+        while contended && passes < JOIN_PASSES {
+            passes += 1;
+            contended = false;
+            owners.clear();
+            for engine in 0..self.geometry().engines {
+                let raw = words.owner_load(engine);
+                let o = OwnerWord::decode(raw);
+                match o.state {
+                    OwnerState::Free => {}
+                    OwnerState::Invalid => return Err(JoinError::Corrupt { engine, word: raw }),
+                    OwnerState::Live | OwnerState::Reclaiming => {
+                        owners.push(o.pid);
+                        continue;
+                    }
+                }
+                // Rule 7: the owner's hold before the CAS that names it.
+                if !words.hold_entry(engine, EntryRole::Owner) {
+                    contended = true;
+                    owners.push(OwnerWord::decode(words.owner_load(engine)).pid);
                     continue;
                 }
-            }
-            let generation = OwnerWord::next_generation(o.generation);
-            let live = OwnerWord { state: OwnerState::Live, generation, pid: me.pid };
-            if words.owner_cas(engine, raw, live.encode()).is_err() {
-                owners.push(OwnerWord::decode(words.owner_load(engine)).pid);
-                continue;
-            }
-            // Rule 6: fresh agreement words for this tenure. The reset
-            // comes before the owner's member bit, and every other member
-            // registers only once it sees that bit (join_member: an
-            // Acquire load of the members word, which the bit's CAS below
-            // releases), so it sees the reset words before it settles its
-            // own (SeqCst, after its registration). No rank of a previous
-            // tenure writes them any more: that engine was swept (every
-            // member gone) or every member left, and a worker leaves only
-            // once its offloader's shutdown joined the pinner that agrees.
-            for rank in 0..self.geometry().ranks {
-                words.agreement_store(engine, rank, UNSETTLED);
-            }
-            // Rule 1: the id and the record before the bit.
-            words.engine_id_store(engine, engine_id);
-            words.member_store(engine, member, me);
-            let mut cur = words.members_load(engine);
-            loop {
-                let m = MembersWord::decode(cur);
-                let new = MembersWord { mask: mine, generation: MembersWord::next_generation(m.generation) };
-                match words.members_cas(engine, cur, new.encode()) {
-                    Ok(_) => return Ok(Lease { engine, generation }),
-                    Err(found) => cur = found,
+                let generation = OwnerWord::next_generation(o.generation);
+                let live = OwnerWord { state: OwnerState::Live, generation, pid: me.pid };
+                if words.owner_cas(engine, raw, live.encode()).is_err() {
+                    words.release_entry(engine, EntryRole::Owner);
+                    owners.push(OwnerWord::decode(words.owner_load(engine)).pid);
+                    continue;
+                }
+                // Rule 6: fresh agreement words for this tenure. The reset
+                // comes before the owner's member bit, and every other member
+                // registers only once it sees that bit (join_member: an
+                // Acquire load of the members word, which the bit's CAS below
+                // releases), so it sees the reset words before it settles its
+                // own (SeqCst, after its registration). No rank of a previous
+                // tenure writes them any more: that engine was swept (every
+                // member gone) or every member left, and a worker leaves only
+                // once its offloader's shutdown joined the pinner that agrees.
+                for rank in 0..self.geometry().ranks {
+                    words.agreement_store(engine, rank, UNSETTLED);
+                }
+                // Rule 1: the id and the record before the bit.
+                words.engine_id_store(engine, engine_id);
+                words.member_store(engine, member, me);
+                let mut cur = words.members_load(engine);
+                loop {
+                    let m = MembersWord::decode(cur);
+                    let new = MembersWord { mask: mine, generation: MembersWord::next_generation(m.generation) };
+                    match words.members_cas(engine, cur, new.encode()) {
+                        Ok(_) => return Ok(Lease { engine, generation }),
+                        Err(found) => cur = found,
+                    }
                 }
             }
         }
@@ -233,6 +261,24 @@ impl<W: PoolWords> PoolTable<W> {
         me: &Member,
         step: &mut dyn FnMut(SweepStep) -> bool,
     ) -> Result<bool, JoinError> {
+        let left = self.leave_steps(lease, member, me, step);
+        if !matches!(left, Ok(false)) {
+            // Its member bit is cleared (or was): the owner's hold ends with
+            // its tenure (rule 7; a no-op for the other members). A leave
+            // stopped by `step` keeps it, as a killed process's stays until
+            // it exits.
+            self.words().release_entry(lease.engine, EntryRole::Owner);
+        }
+        left
+    }
+
+    fn leave_steps(
+        &self,
+        lease: Lease,
+        member: u8,
+        me: &Member,
+        step: &mut dyn FnMut(SweepStep) -> bool,
+    ) -> Result<bool, JoinError> {
         let mine = bit(member)?;
         let words = self.words();
         let engine = lease.engine;
@@ -254,8 +300,14 @@ impl<W: PoolWords> PoolTable<W> {
         if o.state != OwnerState::Live || o.generation != lease.generation {
             return Ok(true);
         }
+        // Rule 7: the sweeper's hold before the CAS that names it; held
+        // by another process, that one reclaims the entry.
+        if !words.hold_entry(engine, EntryRole::Sweeper) {
+            return Ok(true);
+        }
         let taken = OwnerWord { state: OwnerState::Reclaiming, generation: o.generation, pid: me.pid };
         if words.owner_cas(engine, raw, taken.encode()).is_err() {
+            words.release_entry(engine, EntryRole::Sweeper);
             return Ok(true);
         }
         if !step(SweepStep::Taken) {
@@ -265,12 +317,14 @@ impl<W: PoolWords> PoolTable<W> {
         if words.members_cas(engine, empty.encode(), sealed.encode()).is_err() {
             // A member registered meanwhile: the entry stays its engine's.
             let _ = words.owner_cas(engine, taken.encode(), raw);
+            words.release_entry(engine, EntryRole::Sweeper);
             return Ok(true);
         }
         if !step(SweepStep::Sealed) || !self.reclaim_slots(engine, step)? || !step(SweepStep::Cleared) {
             return Ok(false);
         }
         self.free_entry(engine, taken);
+        words.release_entry(engine, EntryRole::Sweeper);
         Ok(true)
     }
 
@@ -303,9 +357,8 @@ impl<W: PoolWords> PoolTable<W> {
         }
         if !owner_judged && owner_pid != 0 {
             // Only the pid is known (its record is not in the mask): judged
-            // without a start time, in this namespace.
-            let record = Member { pid: owner_pid, start: 0, pidns: me.pidns };
-            return words.liveness(&record);
+            // by its hold (rule 7).
+            return words.named_liveness(engine, EntryRole::Owner, owner_pid, me);
         }
         Liveness::Gone
     }
@@ -326,14 +379,20 @@ impl<W: PoolWords> PoolTable<W> {
             OwnerState::Free | OwnerState::Invalid => false,
             OwnerState::Live => self.judge(engine, m.mask, o.pid, me) == Liveness::Gone,
             OwnerState::Reclaiming => {
-                o.pid != me.pid && words.liveness(&Member { pid: o.pid, start: 0, pidns: me.pidns }) == Liveness::Gone
+                o.pid != me.pid && words.named_liveness(engine, EntryRole::Sweeper, o.pid, me) == Liveness::Gone
             }
         };
         if !dead {
             return Ok(Swept::NotDead);
         }
+        // Rule 7: the sweeper's hold before the CAS that names it (a
+        // process that took it since the judgment sweeps the entry itself).
+        if !words.hold_entry(engine, EntryRole::Sweeper) {
+            return Ok(Swept::Raced);
+        }
         let taken = OwnerWord { state: OwnerState::Reclaiming, generation: o.generation, pid: me.pid };
         if words.owner_cas(engine, raw, taken.encode()).is_err() {
+            words.release_entry(engine, EntryRole::Sweeper);
             return Ok(Swept::Raced);
         }
         if !step(SweepStep::Taken) {
@@ -355,6 +414,7 @@ impl<W: PoolWords> PoolTable<W> {
             // 0's worker, member 1).
             let live = OwnerWord { state: OwnerState::Live, generation: o.generation, pid: owner_pid };
             let _ = words.owner_cas(engine, taken.encode(), live.encode());
+            words.release_entry(engine, EntryRole::Sweeper);
             return Ok(Swept::NotDead);
         }
         if !step(SweepStep::Sealed) {
@@ -375,7 +435,9 @@ impl<W: PoolWords> PoolTable<W> {
         if !step(SweepStep::Cleared) {
             return Ok(Swept::Stopped);
         }
-        Ok(if self.free_entry(engine, taken) { Swept::Freed } else { Swept::Raced })
+        let freed = self.free_entry(engine, taken);
+        words.release_entry(engine, EntryRole::Sweeper);
+        Ok(if freed { Swept::Freed } else { Swept::Raced })
     }
 
     fn free_entry(&self, engine: u8, taken: OwnerWord) -> bool {

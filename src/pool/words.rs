@@ -158,6 +158,16 @@ pub enum Liveness {
     Foreign,
 }
 
+/// Which process an owner word names (design 3.6): its claimer in `LIVE`,
+/// its sweeper in `RECLAIMING`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EntryRole {
+    /// The claimer (the engine's owner, rank 0's worker).
+    Owner = 0,
+    /// A sweeper, or the last member leaving, reclaiming the entry.
+    Sweeper = 1,
+}
+
 /// The pool's words (see the module docs for the orderings each method
 /// must give). Indices are in range: `slot < slots`, `set < sets`,
 /// `engine < engines`, `member <= 32` (0 the scheduler, `1 + r` rank `r`).
@@ -215,6 +225,34 @@ pub trait PoolWords: Send + Sync {
 
     /// Whether `record`'s process lives (the oracle of design 3.6).
     fn liveness(&self, record: &Member) -> Liveness;
+
+    /// Takes this handle's hold on entry `engine` as `role`, before the CAS
+    /// that puts its pid in the owner word: the owner's kept for its tenure
+    /// (until its leave ends), a sweeper's until the entry is `FREE` or the
+    /// take undone. False when another process holds it: the caller leaves
+    /// the entry alone. A pool file's are kernel locks
+    /// (`pool::file::locks`); words whose processes all share one pid
+    /// namespace (the models', [`LocalPoolWords`]) need none: always true.
+    /// No default: every words type says how it judges the owner word.
+    fn hold_entry(&self, engine: u8, role: EntryRole) -> bool;
+
+    /// Gives back this handle's hold on entry `engine` as `role`, if it has
+    /// one.
+    fn release_entry(&self, engine: u8, role: EntryRole);
+
+    /// Whether the process entry `engine`'s owner word names as `role`
+    /// (pid `pid`) lives: on a pool file, whether its entry lock is still
+    /// held, which no pid namespace or reused pid confuses; where every
+    /// process shares one namespace, its pid ([`by_pid_alone`]).
+    fn named_liveness(&self, engine: u8, role: EntryRole, pid: u32, me: &Member) -> Liveness;
+}
+
+/// The owner word's process judged by its pid alone, in `me`'s namespace
+/// (start time unknown): exact only where every process shares that
+/// namespace (the models, [`LocalPoolWords`]); a pool file judges by its
+/// entry locks instead.
+pub fn by_pid_alone<W: PoolWords + ?Sized>(words: &W, pid: u32, me: &Member) -> Liveness {
+    words.liveness(&Member { pid, start: 0, pidns: me.pidns })
 }
 
 /// Members an entry can have: the scheduler and one worker per rank.
@@ -379,6 +417,14 @@ impl PoolWords for LocalPoolWords {
             _ => Liveness::Gone,
         }
     }
+    // Every process of these words shares one namespace: the pid is exact.
+    fn hold_entry(&self, _engine: u8, _role: EntryRole) -> bool {
+        true
+    }
+    fn release_entry(&self, _engine: u8, _role: EntryRole) {}
+    fn named_liveness(&self, _engine: u8, _role: EntryRole, pid: u32, me: &Member) -> Liveness {
+        by_pid_alone(self, pid, me)
+    }
 }
 
 /// A borrowed pool's words are its words: a `PoolTable<&ShmPoolWords>`
@@ -446,5 +492,14 @@ impl<T: PoolWords + ?Sized> PoolWords for &T {
     }
     fn liveness(&self, record: &Member) -> Liveness {
         (**self).liveness(record)
+    }
+    fn hold_entry(&self, engine: u8, role: EntryRole) -> bool {
+        (**self).hold_entry(engine, role)
+    }
+    fn release_entry(&self, engine: u8, role: EntryRole) {
+        (**self).release_entry(engine, role)
+    }
+    fn named_liveness(&self, engine: u8, role: EntryRole, pid: u32, me: &Member) -> Liveness {
+        (**self).named_liveness(engine, role, pid, me)
     }
 }

@@ -26,8 +26,7 @@ use crate::internal::pool::error::{LiveEntry, PoolError};
 use crate::internal::pool::fingerprint::{ConfigRecord, HashingRecord};
 use crate::internal::pool::slot::{SlotState, SlotWord};
 use crate::internal::pool::table::PoolTable;
-use crate::internal::pool::words::{Liveness, PoolWords};
-use crate::region::shm::process_gone;
+use crate::internal::pool::words::{EntryRole, Liveness, Member, PoolWords};
 use crate::region::{FileMeta, RegionDir, Trust};
 
 type Result<T> = std::result::Result<T, PoolError>;
@@ -52,7 +51,11 @@ pub struct SlotCounts {
 pub struct EngineCounts {
     /// `LIVE` entries with a member alive or of another pid namespace.
     pub live: Vec<LiveEntry>,
-    /// `LIVE` entries every member of which is gone, and `RECLAIMING` ones.
+    /// `RECLAIMING` entries whose sweeper (or last leaving member) is at
+    /// work: its pid, judged by its entry lock.
+    pub sweeping: Vec<LiveEntry>,
+    /// `LIVE` entries every member of which is gone, `RECLAIMING` ones
+    /// whose sweeper is gone, and corrupt ones.
     pub dead: u32,
 }
 
@@ -109,9 +112,20 @@ impl PoolFile {
         let mut out = EngineCounts::default();
         for e in 0..w.geometry().engines {
             let owner = OwnerWord::decode(w.owner_load(e));
+            // The owner word's process is judged by its entry lock
+            // (`pool::file::locks`), which needs no record of ours.
+            let me = Member::default();
             match owner.state {
                 OwnerState::Free => continue,
-                OwnerState::Reclaiming | OwnerState::Invalid => {
+                OwnerState::Reclaiming => {
+                    if w.named_liveness(e, EntryRole::Sweeper, owner.pid, &me) == Liveness::Gone {
+                        out.dead += 1;
+                    } else {
+                        out.sweeping.push(LiveEntry { index: e, pids: vec![owner.pid] });
+                    }
+                    continue;
+                }
+                OwnerState::Invalid => {
                     out.dead += 1;
                     continue;
                 }
@@ -127,8 +141,8 @@ impl PoolFile {
                     }
                 }
             }
-            // Claimed, no member registered yet: the claimer's pid alone.
-            if mask == 0 && self.same_boot() && !process_gone(owner.pid) {
+            // Claimed, no member registered yet: the claimer, by its lock.
+            if mask == 0 && w.named_liveness(e, EntryRole::Owner, owner.pid, &me) != Liveness::Gone {
                 pids.push(owner.pid);
             }
             if pids.is_empty() {
@@ -241,7 +255,8 @@ pub fn remove(dir: &Path, name: &str, force: bool) -> Result<Removed> {
     // The index: opened as an opener does; its engines judged.
     let index_meta = match PoolFile::inspect(name, &opts) {
         Ok(pool) => {
-            let live = pool.engines().live;
+            let counts = pool.engines();
+            let live: Vec<LiveEntry> = counts.live.into_iter().chain(counts.sweeping).collect();
             if !live.is_empty() {
                 if !force {
                     return Err(PoolError::InUse { pool: name.into(), path: pool.path().into(), entries: live });

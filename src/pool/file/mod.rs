@@ -36,6 +36,7 @@
 pub mod admin;
 pub mod layout;
 pub mod liveness;
+mod locks;
 mod open;
 mod parts;
 pub mod words;

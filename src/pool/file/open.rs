@@ -16,6 +16,7 @@ use tracing::{debug, info, warn};
 
 use super::layout::{Part, PoolState, PoolWord, Sections, MAGIC, VERSION, W};
 use super::liveness::{self, boot_id, boot_id_text, member_of_self, Oracle};
+use super::locks::EntryLocks;
 use super::words::{stored_boot, PoolMap, ShmPoolWords};
 use super::{index_name, page, unix_nanos, PoolFile, PoolOptions, PoolSpec, PoolStep, Wait};
 use crate::internal::pool::error::PoolError;
@@ -94,19 +95,21 @@ impl PoolFile {
                 warn!(path = %path.display(), error = %e, "could not remove a pool file after a failed create");
             }
         };
-        let raw =
-            match file.set_len(sec.len as u64).map_err(|e| PoolError::io("ftruncate", &path, e)).and_then(|()| {
-                MmapOptions::new().len(sec.len).map_raw(&file).map_err(|e| PoolError::io("mmap", &path, e))
-            }) {
-                Ok(raw) => raw,
-                Err(e) => {
-                    remove(&dir);
-                    return Err(e);
-                }
-            };
+        let made = file
+            .set_len(sec.len as u64)
+            .map_err(|e| PoolError::io("ftruncate", &path, e))
+            .and_then(|()| MmapOptions::new().len(sec.len).map_raw(&file).map_err(|e| PoolError::io("mmap", &path, e)))
+            .and_then(|raw| Ok((raw, file.try_clone().map_err(|e| PoolError::io("dup", &path, e))?)));
+        let (raw, dup) = match made {
+            Ok(made) => made,
+            Err(e) => {
+                remove(&dir);
+                return Err(e);
+            }
+        };
         let map = PoolMap::new(raw);
         let oracle = Oracle { same_boot: true, own_pidns: own_pid_namespace() };
-        let words = Arc::new(ShmPoolWords { map, sec, geometry: g, oracle });
+        let words = Arc::new(ShmPoolWords { map, sec, geometry: g, oracle, locks: EntryLocks::new(dup) });
         let pool = PoolFile {
             words,
             name: name.into(),
@@ -309,7 +312,13 @@ impl PoolFile {
         let oracle = Oracle { same_boot, own_pidns: own_pid_namespace() };
         let file_name = OsString::from(index_name(name));
         Ok(PoolFile {
-            words: Arc::new(ShmPoolWords { map, sec, geometry: g, oracle }),
+            words: Arc::new(ShmPoolWords {
+                map,
+                sec,
+                geometry: g,
+                oracle,
+                locks: EntryLocks::new(file.try_clone().map_err(|e| PoolError::io("dup", path, e))?),
+            }),
             name: name.into(),
             path: path.into(),
             dir,

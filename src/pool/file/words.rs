@@ -19,7 +19,8 @@ use memmap2::MmapRaw;
 
 use super::layout::{member_offset, Sections, AGREEMENT_OFFSET, ENGINE_BYTES, ENGINE_ID_OFFSET, SLOT_BYTES, W};
 use super::liveness::Oracle;
-use crate::internal::pool::words::{Geometry, Key, Liveness, Member, PoolWords};
+use super::locks::EntryLocks;
+use crate::internal::pool::words::{EntryRole, Geometry, Key, Liveness, Member, PoolWords};
 
 /// The shared mapping of an index file, word by word.
 pub(crate) struct PoolMap {
@@ -80,6 +81,8 @@ pub struct ShmPoolWords {
     pub(crate) sec: Sections,
     pub(crate) geometry: Geometry,
     pub(crate) oracle: Oracle,
+    /// This handle's entry locks (its own descriptor of the index file).
+    pub(crate) locks: EntryLocks,
 }
 
 /// The writer and time of a slot's last claim (its record's last word;
@@ -218,6 +221,18 @@ impl PoolWords for ShmPoolWords {
     }
     fn liveness(&self, record: &Member) -> Liveness {
         self.oracle.judge(record)
+    }
+    fn hold_entry(&self, engine: u8, role: EntryRole) -> bool {
+        self.locks.hold(engine, role)
+    }
+    fn release_entry(&self, engine: u8, role: EntryRole) {
+        self.locks.release(engine, role)
+    }
+    fn named_liveness(&self, engine: u8, role: EntryRole, _pid: u32, _me: &Member) -> Liveness {
+        if !self.oracle.same_boot {
+            return Liveness::Gone;
+        }
+        self.locks.probe(engine, role)
     }
 }
 

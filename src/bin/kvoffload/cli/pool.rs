@@ -130,7 +130,7 @@ fn text(s: &PoolSummary) -> String {
     let sl = s.slots;
     let mut line = format!(
         "{}  {}  index {}  {} slots ({} sets x {} ways)  {} ranks x {} a row  model {}  dtype {}  block {}  world {}  hash {}  \
-         slots free {} writing {} readable {} held {}  engines live {} dead {}  created {}  last store {}",
+         slots free {} writing {} readable {} held {}  engines live {} sweeping {} dead {}  created {}  last store {}",
         s.name,
         state(s),
         fmt_bytes(s.index_bytes as usize),
@@ -149,6 +149,7 @@ fn text(s: &PoolSummary) -> String {
         sl.readable,
         sl.held,
         s.engines.live.len(),
+        s.engines.sweeping.len(),
         s.engines.dead,
         utc(s.created_unix_nanos / 1_000_000_000),
         s.last_store_unix_ms.map_or_else(|| "-".into(), |ms| utc(ms / 1000)),
@@ -208,7 +209,7 @@ fn json(s: &PoolSummary) -> String {
     format!(
         "{{\"name\":{},\"path\":{},\"state\":{},\"index_bytes\":{},\"slots\":{},\"sets\":{},\"ways\":{},\"ranks\":{},\
          \"row_bytes\":{},\"model\":{},\"dtype\":{},\"tokens_per_block\":[{}],\"world_size\":{},\"hash\":{},\
-         \"free\":{},\"writing\":{},\"readable\":{},\"held\":{},\"corrupt\":{},\"engines_live\":[{}],\"engines_dead\":{},\
+         \"free\":{},\"writing\":{},\"readable\":{},\"held\":{},\"corrupt\":{},\"engines_live\":[{}],\"engines_sweeping\":{},\"engines_dead\":{},\
          \"created_unix\":{},\"last_store_unix_ms\":{},\"same_boot\":{}{}}}",
         q(&s.name),
         q(&s.path.display().to_string()),
@@ -230,6 +231,7 @@ fn json(s: &PoolSummary) -> String {
         sl.held,
         sl.corrupt,
         live.join(","),
+        s.engines.sweeping.len(),
         s.engines.dead,
         s.created_unix_nanos / 1_000_000_000,
         s.last_store_unix_ms.map_or_else(|| "null".into(), |v| v.to_string()),

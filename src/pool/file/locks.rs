@@ -1,0 +1,146 @@
+//! Entry locks: which process the owner word names, told by the kernel
+//! (design 3.6, "The owner word's process").
+//!
+//! The owner word carries a pid only: the claimer's in `LIVE`, the
+//! sweeper's in `RECLAIMING`. Judged by that pid alone, a process of
+//! another pid namespace (a container sharing the tmpfs) is confused with
+//! whatever process of ours has its number: one that does not exist here
+//! is judged gone while it runs, and a sweeper so judged is taken over and
+//! then, resumed, clears the holds of the entry's next engine. So every
+//! process that puts its pid in an owner word first takes the entry's lock
+//! for that role, an open-file-description (OFD) lock on one byte of the
+//! index file past its end:
+//!
+//! | byte | held by | from | until |
+//! |---|---|---|---|
+//! | `BASE + 2e` | entry `e`'s owner (the claimer, rank 0's worker) | before its claim CAS | its leave ends (or it exits) |
+//! | `BASE + 2e + 1` | entry `e`'s sweeper (or last leaver) | before its take CAS | the entry is `FREE`, or the take undone (or it exits) |
+//!
+//! A judge probes the byte (takes and drops it at once): taken means the
+//! process the word names holds it no more, so it is gone (its word is
+//! then stale, which the judge's CAS on the word read checks); refused
+//! means it lives. The kernel drops a process's OFD locks when its last
+//! descriptor of the file closes, at exit or kill -9, in whatever pid
+//! namespace, and a reused pid holds nothing. A child that inherits the
+//! descriptor by `fork` keeps the lock while it lives: judged alive, the
+//! safe side.
+//!
+//! Locks of one handle (one open file description) do not conflict with
+//! each other; [`EntryLocks`] remembers which it holds, and a probe of a
+//! lock it holds answers "alive" (it is this process).
+
+// Cross-process words on shared memory: `core::sync::atomic`, never the
+// sync facade (loom cannot model another process).
+#![allow(clippy::disallowed_types)]
+
+use core::sync::atomic::{AtomicU64, Ordering};
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+
+use crate::internal::pool::words::{EntryRole, Liveness};
+
+/// The first lock byte, far past any index file's end (locks past the end
+/// of a file are allowed and touch no data).
+const BASE: i64 = 1 << 40;
+
+/// One handle's entry locks: its own descriptor of the index file (its own
+/// open file description), and the locks it holds, two bits per entry.
+pub(crate) struct EntryLocks {
+    file: File,
+    held: AtomicU64,
+}
+
+fn bit(engine: u8, role: EntryRole) -> u64 {
+    1 << (2 * u32::from(engine) + role as u32)
+}
+
+impl EntryLocks {
+    /// The locks of `file` (opened by this handle, never shared with another
+    /// handle's). Two bits for each of at most 32 entries (`Geometry::check`).
+    pub(crate) fn new(file: File) -> EntryLocks {
+        EntryLocks { file, held: AtomicU64::new(0) }
+    }
+
+    /// Takes entry `engine`'s `role` lock without waiting: true when taken
+    /// (or held by this handle already), false when another process holds
+    /// it or the lock cannot be taken (the caller leaves the entry alone).
+    pub(crate) fn hold(&self, engine: u8, role: EntryRole) -> bool {
+        if self.held.load(Ordering::Acquire) & bit(engine, role) != 0 {
+            return true;
+        }
+        match self.set(engine, role, libc::F_WRLCK) {
+            Ok(()) => {
+                self.held.fetch_or(bit(engine, role), Ordering::AcqRel);
+                true
+            }
+            Err(e) => {
+                if !is_contended(&e) {
+                    tracing::warn!(engine, ?role, error = %e, "cannot take a pool entry lock; leaving the entry alone");
+                }
+                false
+            }
+        }
+    }
+
+    /// Drops entry `engine`'s `role` lock if this handle holds it.
+    pub(crate) fn release(&self, engine: u8, role: EntryRole) {
+        if self.held.fetch_and(!bit(engine, role), Ordering::AcqRel) & bit(engine, role) == 0 {
+            return;
+        }
+        if let Err(e) = self.set(engine, role, libc::F_UNLCK) {
+            // Unlocking a held range cannot fail on Linux; if it did, the
+            // lock stays until the handle closes: judged alive, the safe side.
+            tracing::warn!(engine, ?role, error = %e, "cannot drop a pool entry lock");
+        }
+    }
+
+    /// Whether the process holding entry `engine`'s `role` lock lives:
+    /// `Gone` when nobody holds it (the probe takes and drops it), `Alive`
+    /// when another process holds it, this handle holds it, or the probe
+    /// fails otherwise.
+    pub(crate) fn probe(&self, engine: u8, role: EntryRole) -> Liveness {
+        if self.held.load(Ordering::Acquire) & bit(engine, role) != 0 {
+            return Liveness::Alive;
+        }
+        match self.set(engine, role, libc::F_WRLCK) {
+            Ok(()) => {
+                if let Err(e) = self.set(engine, role, libc::F_UNLCK) {
+                    tracing::warn!(engine, ?role, error = %e, "cannot drop a probed pool entry lock");
+                }
+                Liveness::Gone
+            }
+            Err(e) => {
+                if !is_contended(&e) {
+                    tracing::warn!(engine, ?role, error = %e, "cannot probe a pool entry lock; counting its holder alive");
+                }
+                Liveness::Alive
+            }
+        }
+    }
+
+    fn set(&self, engine: u8, role: EntryRole, kind: libc::c_int) -> io::Result<()> {
+        // SAFETY: `flock` is a plain C struct of integers, for which all
+        // zero bytes are a valid value (on every Linux ABI it may have
+        // padding or extra fields, which stay zero).
+        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+        fl.l_type = kind as _;
+        fl.l_whence = libc::SEEK_SET as _;
+        fl.l_start = BASE + 2 * i64::from(engine) + role as i64;
+        fl.l_len = 1;
+        // SAFETY: the descriptor is this handle's open index file, alive for
+        // the call (`self.file`); `fl` is an initialised `flock` the kernel
+        // reads for F_OFD_SETLK and that outlives the call. F_OFD_SETLK never
+        // blocks and touches no memory but `fl`.
+        let r = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_OFD_SETLK, &mut fl as *mut libc::flock) };
+        if r == -1 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+/// Another open file description holds the lock (what F_OFD_SETLK says).
+fn is_contended(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES))
+}
