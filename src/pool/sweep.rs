@@ -320,7 +320,7 @@ impl<W: PoolWords> PoolTable<W> {
             words.release_entry(engine, EntryRole::Sweeper);
             return Ok(true);
         }
-        if !step(SweepStep::Sealed) || !self.reclaim_slots(engine, step)? || !step(SweepStep::Cleared) {
+        if !step(SweepStep::Sealed) || !self.reclaim_held(engine, step)? || !step(SweepStep::Cleared) {
             return Ok(false);
         }
         self.free_entry(engine, taken);
@@ -420,7 +420,7 @@ impl<W: PoolWords> PoolTable<W> {
         if !step(SweepStep::Sealed) {
             return Ok(Swept::Stopped);
         }
-        if !self.reclaim_slots(engine, step)? {
+        if !self.reclaim_held(engine, step)? {
             return Ok(Swept::Stopped);
         }
         let mut cur = words.members_load(engine);
@@ -444,6 +444,18 @@ impl<W: PoolWords> PoolTable<W> {
         let free =
             OwnerWord { state: OwnerState::Free, generation: OwnerWord::next_generation(taken.generation), pid: 0 };
         self.words().owner_cas(engine, taken.encode(), free.encode()).is_ok()
+    }
+
+    /// [`Self::reclaim_slots`] by the holder of entry `dead`'s sweeper
+    /// hold, which a corrupt slot word's error gives back: the entry stays
+    /// `RECLAIMING`, for another process to try rather than stuck while
+    /// this one lives (rule 7).
+    fn reclaim_held(&self, dead: u8, step: &mut dyn FnMut(SweepStep) -> bool) -> Result<bool, SlotError> {
+        let r = self.reclaim_slots(dead, step);
+        if r.is_err() {
+            self.words().release_entry(dead, EntryRole::Sweeper);
+        }
+        r
     }
 
     /// Rule 4 over every slot; false when `step` stopped it.

@@ -26,8 +26,10 @@
 //! safe side.
 //!
 //! Locks of one handle (one open file description) do not conflict with
-//! each other; [`EntryLocks`] remembers which it holds, and a probe of a
-//! lock it holds answers "alive" (it is this process).
+//! each other in the kernel; [`EntryLocks`] keeps a bit per lock it holds,
+//! taken before the kernel's, so two threads of one handle never both hold
+//! one, and a probe of a lock it holds answers "alive" (it is this
+//! process).
 
 // Cross-process words on shared memory: `core::sync::atomic`, never the
 // sync facade (loom cannot model another process).
@@ -62,19 +64,20 @@ impl EntryLocks {
         EntryLocks { file, held: AtomicU64::new(0) }
     }
 
-    /// Takes entry `engine`'s `role` lock without waiting: true when taken
-    /// (or held by this handle already), false when another process holds
-    /// it or the lock cannot be taken (the caller leaves the entry alone).
+    /// Takes entry `engine`'s `role` lock without waiting: true when taken,
+    /// false when another process, or another thread of this handle,
+    /// holds it, or the lock cannot be taken (the caller leaves the entry
+    /// alone). The kernel's lock is one per open file description, so the
+    /// handle's own bit is taken first: of two threads of one handle, one
+    /// holds it.
     pub(crate) fn hold(&self, engine: u8, role: EntryRole) -> bool {
-        if self.held.load(Ordering::Acquire) & bit(engine, role) != 0 {
-            return true;
+        if self.held.fetch_or(bit(engine, role), Ordering::AcqRel) & bit(engine, role) != 0 {
+            return false;
         }
         match self.set(engine, role, libc::F_WRLCK) {
-            Ok(()) => {
-                self.held.fetch_or(bit(engine, role), Ordering::AcqRel);
-                true
-            }
+            Ok(()) => true,
             Err(e) => {
+                self.held.fetch_and(!bit(engine, role), Ordering::AcqRel);
                 if !is_contended(&e) {
                     tracing::warn!(engine, ?role, error = %e, "cannot take a pool entry lock; leaving the entry alone");
                 }
@@ -83,9 +86,11 @@ impl EntryLocks {
         }
     }
 
-    /// Drops entry `engine`'s `role` lock if this handle holds it.
+    /// Drops entry `engine`'s `role` lock if this handle holds it (the
+    /// kernel's lock first, then the handle's bit, so no thread of this
+    /// handle takes the bit while the lock is still there).
     pub(crate) fn release(&self, engine: u8, role: EntryRole) {
-        if self.held.fetch_and(!bit(engine, role), Ordering::AcqRel) & bit(engine, role) == 0 {
+        if self.held.load(Ordering::Acquire) & bit(engine, role) == 0 {
             return;
         }
         if let Err(e) = self.set(engine, role, libc::F_UNLCK) {
@@ -93,6 +98,7 @@ impl EntryLocks {
             // lock stays until the handle closes: judged alive, the safe side.
             tracing::warn!(engine, ?role, error = %e, "cannot drop a pool entry lock");
         }
+        self.held.fetch_and(!bit(engine, role), Ordering::AcqRel);
     }
 
     /// Whether the process holding entry `engine`'s `role` lock lives:
@@ -143,4 +149,46 @@ impl EntryLocks {
 /// Another open file description holds the lock (what F_OFD_SETLK says).
 fn is_contended(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES))
+}
+
+#[cfg(all(test, not(any(loom, shuttle))))]
+mod tests {
+    use super::*;
+
+    fn open(path: &std::path::Path) -> EntryLocks {
+        EntryLocks::new(std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap())
+    }
+
+    /// Two handles (two open file descriptions, as two processes have): a
+    /// lock one holds is refused to the other and probed alive; given back,
+    /// or its descriptor closed (what exit and kill -9 do), it is probed
+    /// gone. One handle's threads never both hold one lock.
+    #[test]
+    fn a_lock_is_one_handles_until_given_back_or_closed() {
+        let dir = tempfile_dir();
+        let path = dir.join("index");
+        std::fs::write(&path, b"x").unwrap();
+        let (a, b) = (open(&path), open(&path));
+        assert_eq!(b.probe(3, EntryRole::Sweeper), Liveness::Gone, "nobody holds it");
+        assert!(a.hold(3, EntryRole::Sweeper));
+        assert!(!a.hold(3, EntryRole::Sweeper), "a second holder in the same handle");
+        assert!(!b.hold(3, EntryRole::Sweeper), "a second holder in another handle");
+        assert_eq!(b.probe(3, EntryRole::Sweeper), Liveness::Alive);
+        assert_eq!(a.probe(3, EntryRole::Sweeper), Liveness::Alive, "its own holder is alive");
+        assert_eq!(b.probe(3, EntryRole::Owner), Liveness::Gone, "the other role's lock is another byte");
+        assert_eq!(b.probe(4, EntryRole::Sweeper), Liveness::Gone, "another entry's lock is another byte");
+        a.release(3, EntryRole::Sweeper);
+        assert_eq!(b.probe(3, EntryRole::Sweeper), Liveness::Gone, "given back");
+        assert!(b.hold(3, EntryRole::Sweeper));
+        drop(b);
+        assert_eq!(a.probe(3, EntryRole::Sweeper), Liveness::Gone, "its descriptor closed");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn tempfile_dir() -> std::path::PathBuf {
+        let d =
+            std::env::temp_dir().join(format!("kvo-locks-{}-{:?}", std::process::id(), std::thread::current().id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
 }
