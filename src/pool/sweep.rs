@@ -34,8 +34,9 @@
 //!    settled outcome).
 //! 7. A process takes the entry's hold for its role
 //!    ([`PoolWords::hold_entry`]) before the CAS that puts its pid in the
-//!    owner word, and keeps it while the word names it (the owner for its
-//!    tenure, a sweeper until the entry is `FREE` or the take undone): the
+//!    owner word, and keeps it while the word names it (the owner until its
+//!    leave clears its member bit, a sweeper until the entry is `FREE` or
+//!    the take undone): the
 //!    owner word's process is judged by its hold
 //!    ([`PoolWords::named_liveness`]), which on a pool file is a kernel
 //!    lock, never by a pid another pid namespace or a reuse could confuse.
@@ -138,9 +139,9 @@ impl<W: PoolWords> PoolTable<W> {
         self.sweep_dead(me, &mut |_| true)?;
         let words = self.words();
         let mut owners = Vec::new();
-        // A FREE entry whose hold another process had (a claimer racing
-        // this one, or a judge's probe of a word it read before the entry
-        // was freed) is tried again on the next pass, a few passes at most.
+        // A FREE entry whose hold another process has (a claimer racing
+        // this one, whose CAS may yet fail) is tried again on the next
+        // pass, a few passes at most.
         let mut passes = 0;
         let mut contended = true;
         while contended && passes < JOIN_PASSES {
@@ -261,24 +262,6 @@ impl<W: PoolWords> PoolTable<W> {
         me: &Member,
         step: &mut dyn FnMut(SweepStep) -> bool,
     ) -> Result<bool, JoinError> {
-        let left = self.leave_steps(lease, member, me, step);
-        if !matches!(left, Ok(false)) {
-            // Its member bit is cleared (or was): the owner's hold ends with
-            // its tenure (rule 7; a no-op for the other members). A leave
-            // stopped by `step` keeps it, as a killed process's stays until
-            // it exits.
-            self.words().release_entry(lease.engine, EntryRole::Owner);
-        }
-        left
-    }
-
-    fn leave_steps(
-        &self,
-        lease: Lease,
-        member: u8,
-        me: &Member,
-        step: &mut dyn FnMut(SweepStep) -> bool,
-    ) -> Result<bool, JoinError> {
         let mine = bit(member)?;
         let words = self.words();
         let engine = lease.engine;
@@ -286,6 +269,7 @@ impl<W: PoolWords> PoolTable<W> {
         let last = loop {
             let m = MembersWord::decode(cur);
             if m.mask & mine == 0 {
+                words.release_entry(engine, EntryRole::Owner);
                 return Ok(true);
             }
             let new = MembersWord { mask: m.mask & !mine, generation: m.generation };
@@ -294,6 +278,13 @@ impl<W: PoolWords> PoolTable<W> {
                 Err(found) => cur = found,
             }
         };
+        // Its member bit is cleared: the owner's hold ends with its tenure
+        // (rule 7; a no-op for the other members), before the entry can be
+        // freed, so a claimer never finds a FREE entry still held. Judged
+        // from here by the other members' records, or, with none left, by
+        // the hold given back: gone, which a sweep may act on (every member
+        // has left).
+        words.release_entry(engine, EntryRole::Owner);
         let Some(empty) = last else { return Ok(true) };
         let raw = words.owner_load(engine);
         let o = OwnerWord::decode(raw);

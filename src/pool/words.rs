@@ -227,8 +227,8 @@ pub trait PoolWords: Send + Sync {
     fn liveness(&self, record: &Member) -> Liveness;
 
     /// Takes this handle's hold on entry `engine` as `role`, before the CAS
-    /// that puts its pid in the owner word: the owner's kept for its tenure
-    /// (until its leave ends), a sweeper's until the entry is `FREE` or the
+    /// that puts its pid in the owner word: the owner's kept until its
+    /// leave clears its member bit, a sweeper's until the entry is `FREE` or the
     /// take undone. False when another process holds it: the caller leaves
     /// the entry alone. A pool file's are kernel locks
     /// (`pool::file::locks`); words whose processes all share one pid

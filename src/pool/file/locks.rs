@@ -13,13 +13,13 @@
 //!
 //! | byte | held by | from | until |
 //! |---|---|---|---|
-//! | `BASE + 2e` | entry `e`'s owner (the claimer, rank 0's worker) | before its claim CAS | its leave ends (or it exits) |
+//! | `BASE + 2e` | entry `e`'s owner (the claimer, rank 0's worker) | before its claim CAS | its leave clears its member bit (or it exits) |
 //! | `BASE + 2e + 1` | entry `e`'s sweeper (or last leaver) | before its take CAS | the entry is `FREE`, or the take undone (or it exits) |
 //!
-//! A judge probes the byte (takes and drops it at once): taken means the
+//! A judge probes the byte (F_OFD_GETLK: asks, never takes): free means the
 //! process the word names holds it no more, so it is gone (its word is
-//! then stale, which the judge's CAS on the word read checks); refused
-//! means it lives. The kernel drops a process's OFD locks when its last
+//! then stale, which the judge's CAS on the word read checks); held means
+//! it lives. The kernel drops a process's OFD locks when its last
 //! descriptor of the file closes, at exit or kill -9, in whatever pid
 //! namespace, and a reused pid holds nothing. A child that inherits the
 //! descriptor by `fork` keeps the lock while it lives: judged alive, the
@@ -102,30 +102,32 @@ impl EntryLocks {
     }
 
     /// Whether the process holding entry `engine`'s `role` lock lives:
-    /// `Gone` when nobody holds it (the probe takes and drops it), `Alive`
-    /// when another process holds it, this handle holds it, or the probe
-    /// fails otherwise.
+    /// `Gone` when nobody holds it, `Alive` when another process holds it,
+    /// this handle holds it, or the probe fails. The probe asks the kernel
+    /// (F_OFD_GETLK) without taking the lock, so it never stands in a
+    /// claimer's way.
     pub(crate) fn probe(&self, engine: u8, role: EntryRole) -> Liveness {
         if self.held.load(Ordering::Acquire) & bit(engine, role) != 0 {
             return Liveness::Alive;
         }
-        match self.set(engine, role, libc::F_WRLCK) {
-            Ok(()) => {
-                if let Err(e) = self.set(engine, role, libc::F_UNLCK) {
-                    tracing::warn!(engine, ?role, error = %e, "cannot drop a probed pool entry lock");
-                }
-                Liveness::Gone
-            }
+        match self.fcntl(engine, role, libc::F_OFD_GETLK, libc::F_WRLCK) {
+            Ok(found) if found == libc::F_UNLCK => Liveness::Gone,
+            Ok(_) => Liveness::Alive,
             Err(e) => {
-                if !is_contended(&e) {
-                    tracing::warn!(engine, ?role, error = %e, "cannot probe a pool entry lock; counting its holder alive");
-                }
+                tracing::warn!(engine, ?role, error = %e, "cannot probe a pool entry lock; counting its holder alive");
                 Liveness::Alive
             }
         }
     }
 
     fn set(&self, engine: u8, role: EntryRole, kind: libc::c_int) -> io::Result<()> {
+        self.fcntl(engine, role, libc::F_OFD_SETLK, kind).map(|_| ())
+    }
+
+    /// `fcntl(cmd)` on the lock byte of entry `engine`'s `role`, asking for
+    /// a lock of `kind`; the `l_type` the kernel leaves (F_OFD_GETLK: the
+    /// conflicting lock's kind, or F_UNLCK when none).
+    fn fcntl(&self, engine: u8, role: EntryRole, cmd: libc::c_int, kind: libc::c_int) -> io::Result<libc::c_int> {
         // SAFETY: `flock` is a plain C struct of integers, for which all
         // zero bytes are a valid value (on every Linux ABI it may have
         // padding or extra fields, which stay zero).
@@ -135,14 +137,15 @@ impl EntryLocks {
         fl.l_start = BASE + 2 * i64::from(engine) + role as i64;
         fl.l_len = 1;
         // SAFETY: the descriptor is this handle's open index file, alive for
-        // the call (`self.file`); `fl` is an initialised `flock` the kernel
-        // reads for F_OFD_SETLK and that outlives the call. F_OFD_SETLK never
-        // blocks and touches no memory but `fl`.
-        let r = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_OFD_SETLK, &mut fl as *mut libc::flock) };
+        // the call (`self.file`); `fl` is an initialised `flock` that
+        // outlives the call, which the kernel reads (F_OFD_SETLK,
+        // F_OFD_GETLK) and writes (F_OFD_GETLK). Neither command blocks or
+        // touches memory but `fl`.
+        let r = unsafe { libc::fcntl(self.file.as_raw_fd(), cmd, &mut fl as *mut libc::flock) };
         if r == -1 {
             return Err(io::Error::last_os_error());
         }
-        Ok(())
+        Ok(libc::c_int::from(fl.l_type))
     }
 }
 
