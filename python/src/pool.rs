@@ -409,8 +409,8 @@ impl PyPool {
     /// `("claimed", slot, epoch, evicted)` (this engine writes the slot at
     /// that epoch; `evicted` the key whose readable slot the claim took, or
     /// None), `("present", -1, -1, None)` (readable or being written
-    /// already) or `("skipped", -1, -1, None)` (its set has no claimable
-    /// slot: every slot held or being written).
+    /// already) or `("skipped", -1, -1, None)` (neither of its two sets
+    /// has a claimable slot: every slot held or being written).
     fn claim<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
         guarded(py, || {
             let engine = self.acting(py, "claim")?;

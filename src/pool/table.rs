@@ -66,8 +66,8 @@ pub enum Placement {
     },
     /// The key is readable or being written already: nothing to store.
     Present,
-    /// Its set has no claimable slot (every slot held or being written):
-    /// left out, nothing changed.
+    /// Neither of its two sets has a claimable slot (every slot held or
+    /// being written): left out, nothing changed.
     Skipped,
 }
 
