@@ -877,13 +877,24 @@ class FakeVllm:
                 with fake.lock:
                     fake.inflight += 1
                     fake.max_inflight = max(fake.max_inflight, fake.inflight)
-                try:
-                    self.stream(body, delay, toks, cached)
-                finally:
-                    with fake.lock:
-                        fake.inflight -= 1
+                ended = []
 
-            def stream(self, body, delay, toks, cached):
+                def end():
+                    # Once, before [DONE]: the client sends its next request
+                    # as soon as it reads [DONE], which may come before this
+                    # handler's thread runs again (counted after it, a
+                    # client of 3 threads showed 4 requests in flight).
+                    with fake.lock:
+                        if not ended:
+                            ended.append(True)
+                            fake.inflight -= 1
+
+                try:
+                    self.stream(body, delay, toks, cached, end)
+                finally:
+                    end()
+
+            def stream(self, body, delay, toks, cached, end):
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream; charset=utf-8")
                 self.send_header("Transfer-Encoding", "chunked")
@@ -918,6 +929,7 @@ class FakeVllm:
                          "total_tokens": len(body["prompt"]) + len(toks), "prompt_tokens_details": {"cached_tokens": cached}}
                 chunk(("data: " + json.dumps({"id": rid, "object": "text_completion", "created": 1, "model": fake.name,
                                               "choices": [], "usage": usage}) + "\n\n").encode())
+                end()
                 chunk(b"data: [DONE]\n\n")
                 chunk(b"")
 
