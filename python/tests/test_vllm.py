@@ -320,8 +320,13 @@ class Engine:
             for i in range(start // BS, (end - 1) // BS + 1):
                 for layer, g in self.group_of.items():
                     self.written.setdefault((req_id, g), set()).add(i)
-                    data = block_bytes(tokens[: (i + 1) * BS], layer)
-                    self.block(groups[g][i], layer).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                    self.write_block(groups[g][i], layer, tokens[: (i + 1) * BS])
+
+    def write_block(self, b, layer, tokens):
+        """What the model computes into GPU block ``b`` of ``layer`` for the
+        block ending at ``tokens``."""
+        data = block_bytes(tokens, layer)
+        self.block(b, layer).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def step(self):
         so = self.sched.schedule()
@@ -335,6 +340,13 @@ class Engine:
         self.forward(so)
         if not sync:
             w.start_load_kv(None)
+        self.sched.update_from_output(so, self.worker_output(w, so))
+        return so
+
+    def worker_output(self, w, so):
+        """Worker connector ``w``'s end of step ``so``, after the model ran
+        and its loads started, as vLLM's model runner reports it: its
+        transfers finished (failed loads also kept in ``failed_recving``)."""
         w.wait_for_save()
         if hasattr(w, "get_transfer_results"):  # the model runner's call where it exists
             tr = w.get_transfer_results(so.finished_req_ids)
@@ -352,14 +364,12 @@ class Engine:
         )
         w.clear_connector_metadata()
         ids = list(so.num_scheduled_tokens)
-        mro = model_runner_output(
+        return model_runner_output(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[7] for _ in ids],
             kv_connector_output=out,
         )
-        self.sched.update_from_output(so, mro)
-        return so
 
     def add(self, prompt, max_tokens=2):
         self.n += 1

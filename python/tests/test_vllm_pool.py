@@ -236,6 +236,15 @@ def run_and_reload(eng, prompt):
     return check_loaded(eng, b, prompt)
 
 
+def assert_idle(mgr, st):
+    """An idle engine's manager (``st``: its stats): no hold, no write
+    left, every store published and readable, the pool's invariants."""
+    assert st["held_slots"] == 0 and st["writes"] == 0
+    c = st["census"]
+    assert c["writing"] == 0 and c["held"] == 0 and c["readable"] == st["stores"]
+    mgr.pool.check()
+
+
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
 def test_round_trips_through_the_pool_byte_for_byte(model_dir, local_pool, seeded, blocks_per_chunk):
     eng = pool_engine(model_dir, blocks_per_chunk=blocks_per_chunk)
@@ -247,11 +256,7 @@ def test_round_trips_through_the_pool_byte_for_byte(model_dir, local_pool, seede
         st = mgr.stats()
         assert st["stores"] > 0 and st["hits"] > 0 and st["loads"] > 0
         assert st["late_holds"] == 0, "prepare_load named only keys held since this step's lookups (design 3.1)"
-        # Idle: no hold, no write left; published slots readable.
-        assert st["held_slots"] == 0 and st["writes"] == 0
-        c = st["census"]
-        assert c["writing"] == 0 and c["held"] == 0 and c["readable"] == st["stores"]
-        mgr.pool.check()
+        assert_idle(mgr, st)
     finally:
         eng.shutdown()
 
@@ -537,22 +542,11 @@ class TPEngine(Engine):
         self.sched = tv.Scheduler(self.cfg, self.kvc, tv.StructuredOutputManager(self.cfg), block_size=BS)
         self.written, self.block_ids, self.failed_recving, self.n = {}, {}, set(), 0
 
-    def forward(self, so):
-        for req_id, n in so.num_scheduled_tokens.items():
-            req = self.sched.requests[req_id]
-            end = req.num_computed_tokens
-            start = end - n
-            groups = self.sched.kv_cache_manager.get_block_ids(req_id)
-            self.block_ids[req_id] = [list(b) for b in groups]
-            tokens = req.all_token_ids
-            for i in range(start // BS, (end - 1) // BS + 1):
-                for layer, g in self.group_of.items():
-                    self.written.setdefault((req_id, g), set()).add(i)
-                    for r, kvt in enumerate(self.kvs):
-                        data = bytearray(rank_bytes(tokens[: (i + 1) * BS], layer, r))
-                        kvt[layer][groups[g][i]].view(tv.torch.uint8).reshape(-1).copy_(
-                            tv.torch.frombuffer(data, dtype=tv.torch.uint8)
-                        )
+    def write_block(self, b, layer, tokens):
+        # Every rank's share of the block, each into its own KV tensors.
+        for r, kvt in enumerate(self.kvs):
+            data = bytearray(rank_bytes(tokens, layer, r))
+            kvt[layer][b].view(tv.torch.uint8).reshape(-1).copy_(tv.torch.frombuffer(data, dtype=tv.torch.uint8))
 
     def step(self):
         so = self.sched.schedule()
@@ -565,35 +559,11 @@ class TPEngine(Engine):
             for w in self.conns:
                 w.start_load_kv(None)
         self.forward(so)
-        ids = list(so.num_scheduled_tokens)
         outputs = []
         for w in self.conns:
             if not sync:
                 w.start_load_kv(None)
-            w.wait_for_save()
-            if hasattr(w, "get_transfer_results"):
-                tr = w.get_transfer_results(so.finished_req_ids)
-                sending, recving = tr.finished_sending, tr.finished_recving
-                failed = getattr(tr, "failed_recving", set())
-            else:
-                sending, recving = w.get_finished(so.finished_req_ids)
-                failed = set()
-            self.failed_recving |= set(failed)
-            out = tv.connector_output(
-                finished_sending=sending,
-                finished_recving=recving,
-                failed_recving=failed,
-                kv_connector_worker_meta=w.build_connector_worker_meta(),
-            )
-            w.clear_connector_metadata()
-            outputs.append(
-                tv.model_runner_output(
-                    req_ids=ids,
-                    req_id_to_index={r: i for i, r in enumerate(ids)},
-                    sampled_token_ids=[[7] for _ in ids],
-                    kv_connector_output=out,
-                )
-            )
+            outputs.append(self.worker_output(w, so))
         self.sched.update_from_output(so, self.aggregator.aggregate(outputs))
         return so
 
@@ -678,9 +648,6 @@ def test_an_engine_of_two_ranks_on_a_pool_file_agrees_and_round_trips_byte_for_b
         assert loaded, "the second request loaded its prefix from the pool"
         st = mgr.stats()
         assert st["stores"] > 0 and st["hits"] > 0 and st["loads"] > 0 and st["stores_abandoned"] == 0
-        assert st["held_slots"] == 0 and st["writes"] == 0
-        c = st["census"]
-        assert c["writing"] == 0 and c["held"] == 0 and c["readable"] == st["stores"]
-        mgr.pool.check()
+        assert_idle(mgr, st)
     finally:
         eng.shutdown()
