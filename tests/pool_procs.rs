@@ -507,6 +507,12 @@ fn rename_owner(w: &World, e: u8, pid: u32) -> OwnerWord {
     o
 }
 
+/// The parent's sweep with the owner word judged by its pid alone (the
+/// rule before the entry locks: the negatives' sweep).
+fn sweep_by_pid_alone(w: &World) -> Vec<u8> {
+    PoolTable::new(PidOnly(w.words())).sweep_dead(&w.me, &mut |_| true).unwrap()
+}
+
 /// A sweeper S (a child) stopped after D's first mark, its owner word
 /// showing a pid of another namespace; the sweep of `words` by the parent.
 fn foreign_sweeper(tag: &str, sweep: impl Fn(&World) -> Vec<u8>) {
@@ -527,7 +533,8 @@ fn foreign_sweeper(tag: &str, sweep: impl Fn(&World) -> Vec<u8>) {
     assert_eq!(counts.sweeping, [LiveEntry { index: e, pids: vec![o.pid] }]);
     assert_eq!(counts.dead, 0);
     s.kill();
-    assert_eq!((w.pool.engines().sweeping, w.pool.engines().dead), (vec![], 1), "a dead sweeper's entry is dead");
+    let counts = w.pool.engines();
+    assert_eq!((counts.sweeping, counts.dead), (vec![], 1), "a dead sweeper's entry is dead");
     assert_eq!(w.sweep(), [e], "the dead sweeper's sweep is finished");
     assert_none(w.swept(e, &before, &busy_half()), "after the sweep");
     w.survive();
@@ -546,9 +553,7 @@ fn a_sweeper_whose_pid_means_nothing_here_is_not_taken_over_while_it_runs() {
 #[test]
 #[should_panic(expected = "taken from a live sweeper of another pid namespace")]
 fn the_pid_alone_takes_over_a_live_sweeper_of_another_namespace() {
-    foreign_sweeper("neg-foreign-sweeper", |w| {
-        PoolTable::new(PidOnly(w.words())).sweep_dead(&w.me, &mut |_| true).unwrap()
-    });
+    foreign_sweeper("neg-foreign-sweeper", sweep_by_pid_alone);
 }
 
 /// Engine A (a child) stopped between its owner claim and its member bit,
@@ -578,9 +583,7 @@ fn a_claimer_whose_pid_means_nothing_here_keeps_its_entry_while_it_runs() {
 #[test]
 #[should_panic(expected = "a live claimer of another pid namespace swept")]
 fn the_pid_alone_sweeps_a_live_claimer_of_another_namespace() {
-    foreign_claimer("neg-foreign-claimer", |w| {
-        PoolTable::new(PidOnly(w.words())).sweep_dead(&w.me, &mut |_| true).unwrap()
-    });
+    foreign_claimer("neg-foreign-claimer", sweep_by_pid_alone);
 }
 
 // ---------------------------------------------------------------- the checks fail

@@ -403,7 +403,7 @@ impl<W: PoolWords> PoolTable<W> {
 /// The slots a key may be in: its two sets' (one range where both are the
 /// same set), or every slot (N45's).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Candidates {
+pub(crate) struct Candidates {
     ranges: [std::ops::Range<u32>; 2],
     n: usize,
 }

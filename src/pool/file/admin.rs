@@ -110,11 +110,11 @@ impl PoolFile {
     pub fn engines(&self) -> EngineCounts {
         let w = self.words();
         let mut out = EngineCounts::default();
+        // The owner word's process is judged by its entry lock
+        // (`pool::file::locks`), which needs no record of ours.
+        let me = Member::default();
         for e in 0..w.geometry().engines {
             let owner = OwnerWord::decode(w.owner_load(e));
-            // The owner word's process is judged by its entry lock
-            // (`pool::file::locks`), which needs no record of ours.
-            let me = Member::default();
             match owner.state {
                 OwnerState::Free => continue,
                 OwnerState::Reclaiming => {
