@@ -12,6 +12,7 @@ mod region_common;
 use std::process::Command;
 use std::time::Duration;
 
+use kvoffload::internal::pool::closing::PoolWord;
 use kvoffload::internal::pool::engines::{worker, MembersWord, OwnerState, OwnerWord, SCHEDULER};
 use kvoffload::internal::pool::file::liveness::{member_of, member_of_self};
 use kvoffload::internal::pool::file::{PoolFile, PoolOptions, PublishNote, Wait};
@@ -74,7 +75,7 @@ fn ls_shows_each_pools_shape_fingerprint_slots_and_engines() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(out.lines().count(), 1, "{out}");
     for want in [
-        "node  ready (0 registered)",
+        "node  ready (2 registered)",
         "64 slots (4 sets x 16 ways)",
         "2 ranks x 256 KiB a row",
         "model meta-llama/Llama-3.1-8B-Instruct  dtype bfloat16  block 16,32  world 2  hash sha256",
@@ -173,6 +174,85 @@ fn rm_force_removes_a_pool_in_use() {
     assert!(d.names().is_empty(), "{:?}", d.names());
     live.kill().unwrap();
     live.wait().unwrap();
+}
+
+/// Pool "node" with its region files, its word set to `word` by a closer
+/// that is gone (pid 999,999, whose closer lock nobody holds).
+fn closing_pool(d: &ShmDir, removing: bool) {
+    let p = PoolFile::create("node", &spec(), &d.opts()).unwrap();
+    region_files(d);
+    let found = p.pool_word_cas(PoolWord::READY, PoolWord::closing(999_999, removing));
+    assert_eq!(found, Ok(PoolWord::READY));
+}
+
+/// A remover killed midway (the pool word final, `REMOVING`, its closer lock
+/// free, the files still there): `pool rm` finishes the removal, and so
+/// does an engine opening the pool, which then makes a fresh one.
+#[test]
+fn a_removal_whose_remover_is_gone_is_finished_by_rm_or_the_next_opener() {
+    let d = ShmDir::new("rm-gone-remover");
+    closing_pool(&d, true);
+    let (_, out, _) = kvoffload(&["pool", "ls", "--dir", d.path().to_str().unwrap()]);
+    assert!(out.contains("node  being removed (by pid 999999)"), "{out}");
+    let (code, out, err) = kvoffload(&["pool", "rm", "node", "--dir", d.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(out.lines().count(), 4, "the region's 3 files and the index: {out}");
+    assert_eq!(d.names(), ["kvoffload-pool-nodex.0"]);
+    let d = ShmDir::new("open-gone-remover");
+    closing_pool(&d, true);
+    let old = std::fs::metadata(d.path().join("kvoffload-pool-node.index")).unwrap();
+    let (p, created) = PoolFile::open_or_create("node", &spec(), &d.opts(), Wait::new(PATIENCE)).unwrap();
+    assert!(created, "a fresh pool");
+    assert_eq!(p.pool_word(), PoolWord::READY);
+    use std::os::unix::fs::MetadataExt;
+    let new = std::fs::metadata(d.path().join("kvoffload-pool-node.index")).unwrap();
+    assert_ne!(new.ino(), old.ino(), "another index file");
+    assert_eq!(d.names(), ["kvoffload-pool-node.index", "kvoffload-pool-nodex.0"], "the old region removed");
+}
+
+/// A closer killed while it decided (`CLOSING`, tentative) removed nothing:
+/// a joiner undoes its word and joins the pool as it is.
+#[test]
+fn a_tentative_close_whose_closer_is_gone_is_undone_by_a_joiner() {
+    let d = ShmDir::new("join-gone-closer");
+    closing_pool(&d, false);
+    let (p, created) = PoolFile::open_or_create("node", &spec(), &d.opts(), Wait::new(PATIENCE)).unwrap();
+    assert!(!created, "the same pool");
+    let t = PoolTable::new(p.words());
+    let me = member_of_self().unwrap();
+    let lease = t.join_owner(worker(0), &me, &[7; 4]).unwrap();
+    assert_eq!(p.pool_word(), PoolWord::READY, "undone");
+    t.leave(lease, worker(0), &me).unwrap();
+}
+
+/// The close of an engine that leaves a pool not kept
+/// (`PoolFile::close_and_remove` without force): refused while another
+/// engine is registered (the word back to `READY`), done once it left.
+#[test]
+fn the_last_engine_to_leave_removes_the_pool_and_not_before() {
+    use kvoffload::internal::pool::file::admin::Closed;
+    let d = ShmDir::new("close-last");
+    let p = PoolFile::create("node", &spec(), &d.opts()).unwrap();
+    region_files(&d);
+    let t = PoolTable::new(p.words());
+    let me = member_of_self().unwrap();
+    let a = t.join_owner(worker(0), &me, &[1; 4]).unwrap();
+    let b = t.join_owner(worker(0), &me, &[2; 4]).unwrap();
+    t.leave(a, worker(0), &me).unwrap();
+    match p.close_and_remove(false, Wait::new(PATIENCE)).unwrap() {
+        Closed::InUse(entries) => assert_eq!(entries.len(), 1, "{entries:?}"),
+        other => panic!("closed with engine {} registered: {other:?}", b.engine),
+    }
+    assert_eq!(p.pool_word(), PoolWord::READY, "the pool stays");
+    assert_eq!(d.names().len(), 5, "{:?}", d.names());
+    t.leave(b, worker(0), &me).unwrap();
+    match p.close_and_remove(false, Wait::new(PATIENCE)).unwrap() {
+        Closed::Removed(r) => assert_eq!(r.files.len(), 4, "{r:?}"),
+        other => panic!("not removed with no engine left: {other:?}"),
+    }
+    assert_eq!(d.names(), ["kvoffload-pool-nodex.0"]);
+    let e = t.join_owner(worker(0), &me, &[3; 4]).unwrap_err();
+    assert!(e.to_string().contains("being removed"), "a late joiner of the removed pool is refused: {e}");
 }
 
 #[test]

@@ -12,7 +12,10 @@
 //! pid alive with another start time (reused: swept), a zombie (swept), a
 //! member of another pid namespace (kept); and the owner word's process (a
 //! claimer, a sweeper) whose pid means nothing here, as one of another pid
-//! namespace: judged by its entry lock, kept while it runs. Every check is
+//! namespace: judged by its entry lock, kept while it runs. And a closer
+//! (`pool::closing`) killed while it decides (the next joiner undoes its
+//! word) or while it removes (the next opener finishes the removal and
+//! makes a fresh pool). Every check is
 //! shown failing on a state broken on purpose (the last ones by the pid
 //! alone, the rule before the locks).
 //!
@@ -36,12 +39,13 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::time::Duration;
 
+use kvoffload::internal::pool::closing::{Close, Closer, PoolWord};
 use kvoffload::internal::pool::engines::{worker, MembersWord, OwnerState, OwnerWord, SCHEDULER};
 use kvoffload::internal::pool::error::LiveEntry;
 use kvoffload::internal::pool::file::liveness::{member_of_self, proc_stat};
-use kvoffload::internal::pool::file::{PoolFile, PoolOptions, Wait};
+use kvoffload::internal::pool::file::{PoolFile, PoolOptions, PoolSpec, Wait};
 use kvoffload::internal::pool::slot::SlotWord;
-use kvoffload::internal::pool::sweep::SweepStep;
+use kvoffload::internal::pool::sweep::{JoinError, SweepStep};
 use kvoffload::internal::pool::table::PoolTable;
 use kvoffload::internal::pool::words::{EntryRole, Key, Member, PoolWords};
 use pid_only::PidOnly;
@@ -68,6 +72,7 @@ fn procs_child() {
         match role.as_str() {
             "engine" => engine_child(&pool, &rows, &me, step),
             "sweeper" => sweeper_child(&pool, &me, step),
+            "closer" => closer_child(&pool, step),
             other => panic!("unknown role {other}"),
         }
     }
@@ -196,6 +201,21 @@ fn sweeper_child(pool: &PoolFile, me: &Member, step: &str) {
         })
         .unwrap();
     panic!("the sweep went on past {step} (freed {freed:?})");
+}
+
+/// A closer (`pool rm`; `--force` for `Decided`, as engine B is
+/// registered): closes the pool and stops at `step` (`Tentative`:
+/// `CLOSING(me)`, deciding; `Decided`: `REMOVING(me)`, no file removed yet).
+fn closer_child(pool: &PoolFile, step: &str) {
+    let force = step == "Decided";
+    let closed = pool
+        .close_and_remove_observed(force, Wait::new(PATIENCE), &mut |s| {
+            if format!("{s:?}") == step {
+                reached(step, u8::MAX);
+            }
+        })
+        .unwrap();
+    panic!("the close went on past {step}: {closed:?}");
 }
 
 // ---------------------------------------------------------------- parent
@@ -649,4 +669,55 @@ fn the_invariants_catch_a_stale_mark_a_lost_hold_and_a_misplaced_key() {
     words.key_store(s as usize, &key(b'B', 2, 1));
     let broken = w.invariants();
     assert!(broken.iter().any(|b| b.contains("a key outside its set")), "{broken:#?}");
+}
+
+// ---------------------------------------------------------------- closing
+
+/// A closer (`pool rm`, or the last engine leaving a pool not kept) killed
+/// while it decides (`CLOSING`, tentative): while it lives, an engine's
+/// join is refused (it left its entry) and another close is told it is
+/// busy; killed, its closer lock is free, and the next joiner undoes its
+/// word and joins the pool as it was (nothing was removed).
+#[test]
+fn a_closer_killed_while_it_decides_is_undone_by_the_next_joiner() {
+    let w = World::new("closer-tentative");
+    let c = Proc::spawn(&w, "closer", "Tentative");
+    c.at("Tentative");
+    let t = PoolTable::new(w.words());
+    let deciding = Closer { pid: c.pid, removing: false };
+    assert_eq!(t.closer(), Some(deciding));
+    let refused = t.join_owner(worker(0), &w.me, &[0xC; 4]);
+    assert!(matches!(refused, Err(JoinError::Closing { .. })), "joined while a closer decides: {refused:?}");
+    assert_eq!(t.close(&w.me, false, &mut |_| true), Ok(Close::Busy(deciding)));
+    c.kill();
+    let lease = t.join_owner(worker(0), &w.me, &[0xC; 4]).unwrap();
+    assert_eq!(w.pool.pool_word(), PoolWord::READY, "undone");
+    t.leave(lease, worker(0), &w.me).unwrap();
+    w.survive();
+}
+
+/// A remover killed midway (`REMOVING`, with engine B gone over by
+/// `--force`, no file removed yet): while it lives, another close is told
+/// the pool is being removed; killed, the next engine to open the pool
+/// finishes the removal (the old index file and its rows' region) and makes
+/// a fresh pool, which B's old mapping does not see.
+#[test]
+fn a_remover_killed_midway_is_finished_by_the_next_opener_which_makes_a_fresh_pool() {
+    use std::os::unix::fs::MetadataExt;
+    let w = World::new("closer-removing");
+    let c = Proc::spawn(&w, "closer", "Decided");
+    c.at("Decided");
+    let t = PoolTable::new(w.words());
+    let removing = Closer { pid: c.pid, removing: true };
+    assert_eq!(t.closer(), Some(removing));
+    assert_eq!(t.close(&w.me, false, &mut |_| true), Ok(Close::Busy(removing)));
+    let old = std::fs::metadata(w.pool.path()).unwrap().ino();
+    c.kill();
+    let spec = PoolSpec { geometry: GEOMETRY, ..pool_common::spec() };
+    let (fresh, created) = PoolFile::open_or_create(POOL, &spec, &w.dir.opts(), Wait::new(PATIENCE)).unwrap();
+    assert!(created, "a fresh pool");
+    assert_ne!(std::fs::metadata(fresh.path()).unwrap().ino(), old, "another index file");
+    assert_eq!(fresh.pool_word(), PoolWord::READY);
+    assert_eq!(fresh.slot_counts().readable, 0, "none of the old pool's keys");
+    assert!(w.pool.pool_word().closer().is_some_and(|c| c.removing), "the old file stays removed, for B's mapping");
 }

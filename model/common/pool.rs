@@ -433,6 +433,24 @@ impl PoolWords for View {
     fn named_liveness(&self, _engine: u8, _role: EntryRole, pid: u32, me: &Member) -> Liveness {
         by_pid_alone(self, pid, me)
     }
+    fn pool_word_rmw(&self) -> u64 {
+        self.pool.words.pool_word_rmw()
+    }
+    fn pool_word_load(&self) -> u64 {
+        self.pool.words.pool_word_load()
+    }
+    fn pool_word_cas(&self, current: u64, new: u64) -> Result<u64, u64> {
+        self.pool.words.pool_word_cas(current, new)
+    }
+    fn hold_closer(&self) -> bool {
+        self.pool.words.hold_closer()
+    }
+    fn release_closer(&self) {
+        self.pool.words.release_closer()
+    }
+    fn closer_liveness(&self, pid: u32, me: &Member) -> Liveness {
+        self.pool.words.closer_liveness(pid, me)
+    }
 }
 
 impl Pool {

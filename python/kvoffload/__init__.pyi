@@ -196,8 +196,13 @@ class Pool:
     def join(self, engine_id: str, rank: Optional[int] = None, timeout: float = 30.0) -> int:
         """Joins engine ``engine_id`` as rank ``rank``'s worker (0: the
         owner, which claims the entry) or as its scheduler (None); returns
-        the engine index."""
+        the engine index. The owner's join meeting a pool being removed
+        raises ``PoolError`` of kind ``"closing"``: open the pool again."""
     def leave(self) -> None: ...
+    def close_if_unused(self, timeout: float = 10.0) -> Optional[List[str]]:
+        """After ``leave``: removes the pool if no engine is registered on it
+        (``kvo_pool_keep: false``); the paths removed, or None when it stays
+        (an engine uses it, or another process removes it)."""
     def sweep(self) -> List[int]:
         """Sweeps every dead engine's marks; the entries freed."""
     def lookup(self, keys: Iterable[_PoolKey]) -> List[_PoolLookup]: ...

@@ -295,6 +295,9 @@ class SlotWorker:
         # slots are its slots, each job's host side names their epochs.
         self.pool = pool
         self.pool_rank = pool_rank
+        # kvo_pool_keep false: the last engine to leave removes the pool
+        # (the vLLM worker sets it from its settings).
+        self.pool_keep = True
         # Store jobs on the pool: job id -> (slots, epochs), whose rank bit
         # get_finished sets when the job completes.
         self._pool_stores: Dict[int, Tuple[List[int], List[int]]] = {}
@@ -577,7 +580,26 @@ class SlotWorker:
             if self.pool is not None:
                 # The last member of the engine to leave reclaims its marks.
                 self.pool.leave()
+                if not self.pool_keep:
+                    close_pool_if_unused(self.pool)
             self._shut = True
+
+
+def close_pool_if_unused(pool: "kvoffload.Pool") -> None:
+    """After ``pool.leave()`` of an engine started with ``kvo_pool_keep:
+    false``: removes the pool if no engine is registered on it any more
+    (the last to leave removes it; ``Pool.close_if_unused``). A failure is
+    logged, not raised: the engine is shutting down, and the pool is left
+    as it is (``kvoffload pool rm`` removes it)."""
+    try:
+        removed = pool.close_if_unused()
+    except Exception as e:  # noqa: BLE001 - shutdown goes on; the pool stays
+        log.warning("kvoffload.vllm: pool %r not removed at shutdown: %s", pool.name, e)
+        return
+    if removed is None:
+        log.info("kvoffload.vllm: pool %r stays: another engine uses it or removes it", pool.name)
+    else:
+        log.info("kvoffload.vllm: removed pool %r (kvo_pool_keep false, the last engine left): %s", pool.name, removed)
 
 
 class _Result:

@@ -23,11 +23,13 @@
 
 use std::time::Instant;
 
+use kvoffload::internal::pool::closing::PoolWord;
+use kvoffload::internal::pool::file::admin::Closed;
 use kvoffload::internal::pool::file::liveness::member_of_self;
-use kvoffload::internal::pool::file::{PoolFile, PoolOptions, PoolSpec};
+use kvoffload::internal::pool::file::{PoolFile, PoolOptions, PoolSpec, Wait};
 use kvoffload::internal::pool::fingerprint::{HashingRecord, LayoutRecord};
 use kvoffload::internal::pool::slot::{SlotError, MAX_ENGINES};
-use kvoffload::internal::pool::sweep::Lease;
+use kvoffload::internal::pool::sweep::{JoinError, Lease};
 use kvoffload::internal::pool::table::{Lookup, Placement, PoolTable};
 use kvoffload::internal::pool::words::{Geometry, Member, PoolWords};
 use kvoffload::RankSlots;
@@ -321,7 +323,22 @@ impl PyPool {
             let id = engine_digest(py, engine_id)?;
             let deadline = seconds(py, "timeout", Some(timeout))?.map(|d| Instant::now() + d);
             let lease = if member == 1 {
-                self.table.join_owner(member, &self.me, &id).map_err(|e| errors::pool_join(py, &self.name, e))?
+                // A tentative close met (`pool::closing` rule 1): the join
+                // was left; tried again once the closer decided. A removal
+                // is raised (kind "closing"): open the pool again.
+                let mut pause = Duration::from_millis(1);
+                loop {
+                    match self.table.join_owner(member, &self.me, &id) {
+                        Ok(lease) => break lease,
+                        Err(JoinError::Closing { word })
+                            if !PoolWord::decode(word).closer().is_some_and(|c| c.removing)
+                                && deadline.is_none_or(|d| Instant::now() < d) => {}
+                        Err(e) => return Err(errors::pool_join(py, &self.name, e)),
+                    }
+                    py.detach(|| std::thread::sleep(pause));
+                    py.check_signals()?;
+                    pause = (pause * 2).min(Duration::from_millis(20));
+                }
             } else {
                 let mut pause = Duration::from_millis(1);
                 loop {
@@ -361,6 +378,34 @@ impl PyPool {
             let j = self.joined.lock().unwrap_or_else(|p| p.into_inner()).take();
             let Some(j) = j else { return Ok(()) };
             self.table.leave(j.lease, j.member, &self.me).map_err(|e| errors::pool_join(py, &self.name, e))
+        })
+    }
+
+    /// Removes the pool if no engine is registered on it any more
+    /// (`kvo_pool_keep: false`: the last engine to leave removes it), by the
+    /// closing protocol (`pool::closing`): a joiner at the same time either
+    /// keeps it or opens a fresh one. Call after `leave`. Returns the paths
+    /// removed, or None when the pool stays (an engine is registered) or
+    /// another process removes it; waits at most `timeout` seconds for
+    /// another closer deciding.
+    #[pyo3(signature = (timeout = 10.0))]
+    fn close_if_unused(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Vec<String>>> {
+        guarded(py, || {
+            if self.joined().is_some() {
+                return Err(errors::pool_other(
+                    py,
+                    format!("Pool.close_if_unused: pool {:?}: this process is still joined (leave first)", self.name),
+                    "still_joined",
+                ));
+            }
+            let file = self.file(py, "close_if_unused")?.clone();
+            let timeout = seconds(py, "timeout", Some(timeout))?.unwrap_or(Duration::from_secs(10));
+            let closed =
+                py.detach(|| file.close_and_remove(false, Wait::new(timeout))).map_err(|e| errors::pool_file(py, e))?;
+            Ok(match closed {
+                Closed::Removed(r) => Some(r.files.iter().map(|p| p.display().to_string()).collect()),
+                Closed::InUse(_) | Closed::ByAnother(_) => None,
+            })
         })
     }
 

@@ -134,6 +134,24 @@ impl PoolWords for AnyWords {
     fn named_liveness(&self, engine: u8, role: EntryRole, pid: u32, me: &Member) -> Liveness {
         each!(self, w => w.named_liveness(engine, role, pid, me))
     }
+    fn pool_word_rmw(&self) -> u64 {
+        each!(self, w => w.pool_word_rmw())
+    }
+    fn pool_word_load(&self) -> u64 {
+        each!(self, w => w.pool_word_load())
+    }
+    fn pool_word_cas(&self, current: u64, new: u64) -> Result<u64, u64> {
+        each!(self, w => w.pool_word_cas(current, new))
+    }
+    fn hold_closer(&self) -> bool {
+        each!(self, w => w.hold_closer())
+    }
+    fn release_closer(&self) {
+        each!(self, w => w.release_closer())
+    }
+    fn closer_liveness(&self, pid: u32, me: &Member) -> Liveness {
+        each!(self, w => w.closer_liveness(pid, me))
+    }
 }
 
 /// The agreement words (P7) of the engine a process joined (`joined`: its

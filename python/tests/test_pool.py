@@ -446,6 +446,38 @@ def test_local_pools_sweep_a_killed_member_engine():
     assert (c["writing"], c["held"], c["readable"]) == (0, 0, 1)
 
 
+# ---------------------------------------------------------------- closing (kvo_pool_keep false)
+
+
+def test_the_last_engine_to_leave_a_pool_not_kept_removes_it(name):
+    """``Pool.close_if_unused`` after ``leave`` (``kvo_pool_keep: false``):
+    None while another engine is registered, the pool's files once none is;
+    refused while this process is still joined; a late joiner of the removed
+    pool is refused with kind ``"closing"``, and opening the name again
+    makes a fresh pool."""
+    a, b = open_pool(name), open_pool(name)
+    a.join("engine-a", rank=0)
+    b.join("engine-b", rank=0)
+    publish(a, [key(1)])
+    with pytest.raises(kv.PoolError) as e:
+        a.close_if_unused()
+    assert e.value.kind == "still_joined"
+    a.leave()
+    assert a.close_if_unused() is None, "engine b is registered"
+    assert os.path.exists(f"{SHM}/kvoffload-pool-{name}.index")
+    b.leave()
+    removed = b.close_if_unused()
+    assert removed == [f"{SHM}/kvoffload-pool-{name}.index"], removed
+    assert not os.path.exists(f"{SHM}/kvoffload-pool-{name}.index")
+    with pytest.raises(kv.PoolError) as e:
+        a.join("engine-a", rank=0)
+    assert e.value.kind == "closing" and "being removed" in str(e.value)
+    fresh = open_pool(name)
+    fresh.join("engine-c", rank=0)
+    assert fresh.lookup([key(1)]) == [("miss", -1, -1, False)], "a fresh pool"
+    fresh.leave()
+
+
 # ---------------------------------------------------------------- the rows' region
 
 

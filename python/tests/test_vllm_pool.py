@@ -90,6 +90,7 @@ def test_pool_keys_parse_with_their_defaults():
     assert (s.pool, s.pool_bytes, s.pool_keep, s.pool_tag) == ("node", s.cpu_bytes_to_use, True, "")
     s = settings(kvo_pool="node", kvo_pool_bytes="4096", kvo_pool_keep="true", kvo_pool_tag="rev-7")
     assert (s.pool_bytes, s.pool_keep, s.pool_tag) == (4096, True, "rev-7")
+    assert settings(kvo_pool="node", kvo_pool_keep=False).pool_keep is False
     assert settings().pool is None
 
 
@@ -107,7 +108,6 @@ def test_pool_keys_parse_with_their_defaults():
         (dict(kvo_pool="node", store_threshold=2), "store_threshold"),
         (dict(kvo_pool="node", kvo_pool_bytes=0), "kvo_pool_bytes"),
         (dict(kvo_pool="node", kvo_pool_keep="maybe"), "kvo_pool_keep"),
-        (dict(kvo_pool="node", kvo_pool_keep=False), "kvo_pool_keep"),  # not supported yet
         (dict(kvo_pool="node", kvo_pool_tag=3), "kvo_pool_tag"),
         (dict(kvo_pool_bytes=4096), "kvo_pool_bytes"),
         (dict(kvo_pool_tag="x"), "kvo_pool_tag"),
@@ -364,6 +364,34 @@ def test_one_engine_on_a_pool_file_round_trips_and_fills_the_fingerprint(model_d
         assert e.value.field == "rank 0 tensor count"
     finally:
         eng.shutdown()
+
+
+def test_an_engine_of_a_pool_not_kept_removes_it_when_it_leaves_and_the_next_makes_a_fresh_one(
+    model_dir, pool_name, seeded
+):
+    """``kvo_pool_keep: false``: the engine's shutdown (scheduler and
+    worker leave; the last removes it) removes the pool's index and rows;
+    the next engine on the name makes a fresh pool (a miss, then its own
+    store round-trips)."""
+    index = f"/dev/shm/kvoffload-pool-{pool_name}.index"
+    rows = f"/dev/shm/kvoffload-pool-{pool_name}"
+    eng = Engine(model_dir, extra_config(kvo_pool=pool_name, kvo_pool_keep=False), hash_algo="sha256_cbor")
+    init_none_hash(sha256_cbor)
+    try:
+        prompt = prompt_of(5 * BS, seed=12)
+        assert run_and_reload(eng, prompt)
+        assert os.path.exists(index) and os.path.exists(rows)
+    finally:
+        eng.shutdown()
+    assert not os.path.exists(index) and not os.path.exists(rows), os.listdir("/dev/shm")
+    eng = Engine(model_dir, extra_config(kvo_pool=pool_name), hash_algo="sha256_cbor")
+    try:
+        mgr = eng.sched.connector.connector_scheduler.manager
+        assert mgr.pool.census()["readable"] == 0, "a fresh pool"
+        assert run_and_reload(eng, prompt)
+    finally:
+        eng.shutdown()
+    assert os.path.exists(index), "kept (the default)"
 
 
 def test_an_engine_of_another_tag_is_refused_by_the_pool_file(model_dir, pool_name, seeded):

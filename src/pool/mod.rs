@@ -10,6 +10,8 @@
 //!   eviction, each rank's completion, abandon);
 //! - [`sweep`]: engines joining and leaving, and the sweep of a dead
 //!   engine's marks;
+//! - [`closing`]: removing a pool only while no engine is registered
+//!   (`pool rm`, the last engine leaving a pool not kept), the pool word;
 //! - [`agreement`]: the P7 pin agreement of an engine's ranks through its
 //!   entry's words ([`agreement::EngineSlots`]);
 //! - [`error`]: the pool's typed errors ([`error::PoolError`]), a refused
@@ -22,6 +24,7 @@
 //!   and what `kvoffload pool ls | rm` show and do.
 
 pub mod agreement;
+pub mod closing;
 pub mod engines;
 pub mod error;
 pub mod file;

@@ -82,12 +82,30 @@ pub enum JoinError {
     /// A slot word this version never writes, met by the sweep.
     #[error(transparent)]
     Slot(#[from] SlotError),
+    /// The pool is being closed or removed (`pool::closing` rule 1): the
+    /// join was left; open the pool again.
+    #[error("{}", closing_text(*word))]
+    Closing {
+        /// The pool word the join found.
+        word: u64,
+    },
     /// A member index past the scheduler and 32 ranks.
     #[error("member {member} is out of range (0 the scheduler, 1 + r rank r's worker, r < 32)")]
     MemberOutOfRange {
         /// The index given.
         member: u8,
     },
+}
+
+fn closing_text(word: u64) -> String {
+    use super::closing::PoolWord;
+    match PoolWord::decode(word).closer() {
+        Some(c) if c.removing => {
+            format!("the pool is being removed by pid {}: open it again (a fresh pool is made once it is gone)", c.pid)
+        }
+        Some(c) => format!("the pool is being closed by pid {} (it may stay): open it again", c.pid),
+        None => format!("the pool word {word:#018x} is not READY: open the pool again"),
+    }
 }
 
 /// Where a sweep is; the sweep asks its observer at each step whether to go
@@ -192,7 +210,8 @@ impl<W: PoolWords> PoolTable<W> {
                     let m = MembersWord::decode(cur);
                     let new = MembersWord { mask: mine, generation: MembersWord::next_generation(m.generation) };
                     match words.members_cas(engine, cur, new.encode()) {
-                        Ok(_) => return Ok(Lease { engine, generation }),
+                        // `pool::closing` rule 1: a closer at work is seen.
+                        Ok(_) => return self.check_open(Lease { engine, generation }, member, me),
                         Err(found) => cur = found,
                     }
                 }

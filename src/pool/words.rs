@@ -245,6 +245,35 @@ pub trait PoolWords: Send + Sync {
     /// held, which no pid namespace or reused pid confuses; where every
     /// process shares one namespace, its pid ([`by_pid_alone`]).
     fn named_liveness(&self, engine: u8, role: EntryRole, pid: u32, me: &Member) -> Liveness;
+
+    /// The pool word ([`super::closing::PoolWord`]), read by a
+    /// read-modify-write that leaves it as it is (`fetch_add(0)`, AcqRel):
+    /// the latest value in the word's order, so a joiner's claim before it
+    /// and a closer's CAS on it are ordered one way or the other
+    /// ([`super::closing`] rule 1).
+    fn pool_word_rmw(&self) -> u64;
+
+    /// The pool word by a plain load (Acquire): for what only reports it
+    /// (`pool ls`), never for the join's check, which a load would not
+    /// order against a closer's CAS (N53).
+    fn pool_word_load(&self) -> u64;
+
+    /// CAS of the pool word (AcqRel, Acquire on failure).
+    fn pool_word_cas(&self, current: u64, new: u64) -> Result<u64, u64>;
+
+    /// Takes the pool's closer hold without waiting ([`super::closing`]
+    /// rule 3): on a pool file a kernel lock, as [`PoolWords::hold_entry`];
+    /// false when another process or thread holds it. Where every process
+    /// shares one pid namespace, none is needed: always true.
+    fn hold_closer(&self) -> bool;
+
+    /// Gives back this handle's closer hold, if it has it.
+    fn release_closer(&self);
+
+    /// Whether the closer the pool word names (pid `pid`) lives: on a pool
+    /// file, whether the closer hold is held; else its pid
+    /// ([`by_pid_alone`]).
+    fn closer_liveness(&self, pid: u32, me: &Member) -> Liveness;
 }
 
 /// The owner word's process judged by its pid alone, in `me`'s namespace
@@ -276,6 +305,8 @@ pub struct LocalPoolWords {
     /// the models stay small).
     agreements: Vec<AtomicU32>,
     alive: Vec<AtomicBool>,
+    /// The pool word, `READY` from the start.
+    pool: AtomicU64,
 }
 
 impl LocalPoolWords {
@@ -300,6 +331,7 @@ impl LocalPoolWords {
             ids: (0..engines).map(|_| [z(), z(), z(), z()]).collect(),
             agreements: (0..engines * geometry.ranks as usize).map(|_| AtomicU32::new(0)).collect(),
             alive: (0..=processes).map(|_| AtomicBool::new(true)).collect(),
+            pool: AtomicU64::new(super::closing::PoolWord::READY.encode()),
         }
     }
 
@@ -425,6 +457,22 @@ impl PoolWords for LocalPoolWords {
     fn named_liveness(&self, _engine: u8, _role: EntryRole, pid: u32, me: &Member) -> Liveness {
         by_pid_alone(self, pid, me)
     }
+    fn pool_word_rmw(&self) -> u64 {
+        self.pool.fetch_add(0, Ordering::AcqRel)
+    }
+    fn pool_word_load(&self) -> u64 {
+        self.pool.load(Ordering::Acquire)
+    }
+    fn pool_word_cas(&self, current: u64, new: u64) -> Result<u64, u64> {
+        self.pool.compare_exchange(current, new, Ordering::AcqRel, Ordering::Acquire)
+    }
+    fn hold_closer(&self) -> bool {
+        true
+    }
+    fn release_closer(&self) {}
+    fn closer_liveness(&self, pid: u32, me: &Member) -> Liveness {
+        by_pid_alone(self, pid, me)
+    }
 }
 
 /// A borrowed pool's words are its words: a `PoolTable<&ShmPoolWords>`
@@ -501,5 +549,23 @@ impl<T: PoolWords + ?Sized> PoolWords for &T {
     }
     fn named_liveness(&self, engine: u8, role: EntryRole, pid: u32, me: &Member) -> Liveness {
         (**self).named_liveness(engine, role, pid, me)
+    }
+    fn pool_word_rmw(&self) -> u64 {
+        (**self).pool_word_rmw()
+    }
+    fn pool_word_load(&self) -> u64 {
+        (**self).pool_word_load()
+    }
+    fn pool_word_cas(&self, current: u64, new: u64) -> Result<u64, u64> {
+        (**self).pool_word_cas(current, new)
+    }
+    fn hold_closer(&self) -> bool {
+        (**self).hold_closer()
+    }
+    fn release_closer(&self) {
+        (**self).release_closer()
+    }
+    fn closer_liveness(&self, pid: u32, me: &Member) -> Liveness {
+        (**self).closer_liveness(pid, me)
     }
 }

@@ -381,6 +381,37 @@ pub(crate) trait Rules {
         true
     }
 
+    /// A joiner reads the pool word after its claim, by a read-modify-write,
+    /// and leaves if a closer is at work (PL6, `pool::closing` rule 1):
+    /// true. N51 answers false: the join takes no notice of a close.
+    fn joins_check_closing(&self) -> bool {
+        true
+    }
+
+    /// The join's check reads the pool word by a read-modify-write (PL6,
+    /// `pool::closing` rule 1): true. N53 answers false: a plain load,
+    /// which nothing orders against a closer's CAS (the store-buffer
+    /// pattern: the joiner misses the close while the closer misses the
+    /// claim).
+    fn join_reads_word_by_rmw(&self) -> bool {
+        true
+    }
+
+    /// A closer marks the pool word `CLOSING` before it reads the owner
+    /// words, and decides only then (PL6, `pool::closing` rule 2): true.
+    /// N50 answers false: it reads the owner words, then sets the word
+    /// final.
+    fn closes_tentatively(&self) -> bool {
+        true
+    }
+
+    /// A closer that finds another at work waits for it and tries again
+    /// (PL6, `pool::closing` rule 4): true. N52 answers false: it gives up,
+    /// as if the other would remove the pool.
+    fn waits_for_closer(&self) -> bool {
+        true
+    }
+
     /// A key is claimed and evicted only within its two sets (PL5): the
     /// answer is `own` (the sets' slots). N45 answers `any` (every slot).
     fn evicts_within_set<S>(&self, own: S, _any: S) -> S {

@@ -1,5 +1,5 @@
 //! The negative models' variants: the known-bad ways of running the
-//! library (N1-N46 and N49, docs/PROOFS.md), and the [`Rules`] each overrides.
+//! library (N1-N46 and N49-N53, docs/PROOFS.md), and the [`Rules`] each overrides.
 //!
 //! Model builds only (`--cfg loom`, `--cfg shuttle`): outside them this
 //! module, [`Variant`] and every override are not compiled, and the parties
@@ -11,7 +11,7 @@
 use super::{Rules, Shipped};
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (of N1-N46 and N49, docs/PROOFS.md). Model builds only, as
+/// negative models run (of N1-N46 and N49-N53, docs/PROOFS.md). Model builds only, as
 /// this whole module: a variant overrides the [`Rules`] method of the rule
 /// it breaks (below).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
@@ -169,6 +169,17 @@ pub enum Variant {
     /// there while its second set has room (PL5). (N47 and N48 are
     /// model-local: `model/pl1_visible_complete.rs`, `model/pl4_crash_anywhere.rs`.)
     OneSetPerKey,
+    /// N50: the node pool's closer reads the owner words and then sets the
+    /// pool word final, with no tentative `CLOSING` before (PL6).
+    CloseWithoutTentative,
+    /// N51: the node pool's join takes no notice of a closer (PL6).
+    JoinIgnoresClosing,
+    /// N52: the node pool's closer gives up when another closer is at work
+    /// (PL6).
+    CloserGivesUp,
+    /// N53: the node pool's join checks the pool word by a plain load, not
+    /// a read-modify-write (PL6).
+    JoinLoadsWord,
 }
 
 impl Rules for Variant {
@@ -488,6 +499,26 @@ impl Rules for Variant {
     fn claims_in_two_sets(&self) -> bool {
         // N49: the first set only.
         !matches!(self, Variant::OneSetPerKey)
+    }
+
+    fn joins_check_closing(&self) -> bool {
+        // N51: a join goes on whatever the pool word says.
+        !matches!(self, Variant::JoinIgnoresClosing)
+    }
+
+    fn join_reads_word_by_rmw(&self) -> bool {
+        // N53: a load, not ordered against the closer's CAS.
+        !matches!(self, Variant::JoinLoadsWord)
+    }
+
+    fn closes_tentatively(&self) -> bool {
+        // N50: scan, then decide.
+        !matches!(self, Variant::CloseWithoutTentative)
+    }
+
+    fn waits_for_closer(&self) -> bool {
+        // N52: another closer at work ends this close.
+        !matches!(self, Variant::CloserGivesUp)
     }
 
     fn evicts_within_set<S>(&self, own: S, any: S) -> S {

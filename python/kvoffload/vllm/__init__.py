@@ -92,8 +92,8 @@ EXTRA_KEYS: Dict[str, str] = {
     "pool in kvo_region_dir; non-empty, at most 200 bytes, no '/' or NUL",
     "kvo_pool_bytes": "bytes of a pool this engine creates, a positive int (default cpu_bytes_to_use); an existing "
     "pool keeps its size",
-    "kvo_pool_keep": "true (default): the pool stays until 'kvoffload pool rm' (false, the last engine to leave "
-    "removing it, is not supported yet)",
+    "kvo_pool_keep": "true (default): the pool stays until 'kvoffload pool rm'; false: an engine that leaves it "
+    "removes it if no other engine is registered on it (the last to leave)",
     "kvo_pool_tag": "a string every engine on the pool must give alike (default ''): what the fingerprint cannot "
     "see, such as a checkpoint revision",
 }
@@ -127,6 +127,9 @@ POOL_WAYS = 16
 #: Seconds a scheduler or a rank's worker waits for its engine's entry
 #: (rank 0's worker makes it, before them in every supported release).
 POOL_JOIN_TIMEOUT_S = 60.0
+# Opens of a pool found being removed before the join gives up (each waits
+# for the removal, bounded by POOL_JOIN_TIMEOUT_S).
+POOL_OPEN_ATTEMPTS = 3
 
 
 def _bad(key: str, value: Any, accepted: str) -> ValueError:
@@ -240,17 +243,8 @@ class _Settings:
                 "kvo_pool", name, f"a pool name has at most {POOL_NAME_BYTES} bytes and no '/' or NUL (it names files)"
             )
         self.pool_bytes = _int(extra, "kvo_pool_bytes", self.cpu_bytes_to_use, 1)
+        # False: the last engine to leave removes the pool (src/pool/closing.rs).
         self.pool_keep = _bool(extra, "kvo_pool_keep", True)
-        if not self.pool_keep:
-            # Design 1.1: the last engine removes the pool by the CAS
-            # READY(0) -> CLOSING of the pool word's engine count, which
-            # the pool does not keep yet; removing on "no live entry" would
-            # race a joiner (left on an unlinked pool).
-            raise _bad(
-                "kvo_pool_keep",
-                extra["kvo_pool_keep"],
-                "false is not supported yet (the pool is kept; remove it with 'kvoffload pool rm')",
-            )
         tag = extra.get("kvo_pool_tag", "")
         if tag is None:
             tag = ""
@@ -436,6 +430,32 @@ def _open_pool(spec: "KvoffloadSpec", rank: Optional[int]) -> "kvoffload.Pool":
     )
 
 
+def _open_joined_pool(spec: "KvoffloadSpec", kv_caches: Any) -> "kvoffload.Pool":
+    """This rank's worker's pool, opened (created if absent), its layout
+    checked and its engine joined. A pool found being removed (a last
+    engine of ``kvo_pool_keep: false`` leaving, or ``kvoffload pool rm``;
+    the join's error kind ``"closing"``) is opened again: once its files
+    are gone, a fresh one is made (src/pool/closing.rs)."""
+    cfg = spec.config
+    for attempt in range(POOL_OPEN_ATTEMPTS):
+        pool = _open_pool(spec, cfg.parallel.rank)
+        try:
+            if pool.path is not None:
+                tensors, _ = _slotworker.layout(kv_caches)
+                pool.ensure_layout(cfg.parallel.rank, [t.page_size_bytes for t in tensors], timeout=POOL_JOIN_TIMEOUT_S)
+            pool.join(cfg.engine_id, rank=cfg.parallel.rank, timeout=POOL_JOIN_TIMEOUT_S)
+            return pool
+        except kvoffload.PoolError as e:
+            pool.leave()
+            if getattr(e, "kind", None) != "closing" or attempt + 1 == POOL_OPEN_ATTEMPTS:
+                raise
+            log.info("kvoffload.vllm: pool %r is being removed; opening it again (%s)", spec.settings.pool, e)
+        except BaseException:
+            pool.leave()
+            raise
+    raise AssertionError("unreachable: the last attempt raises")
+
+
 def _pool_region_spec(spec: "KvoffloadSpec") -> "kvoffload.RegionSpec":
     """The region of the pool's rows: ``pool-<name>`` in the pool's
     directory, created by the first engine's ranks and kept (never
@@ -490,6 +510,7 @@ def _pool_manager(spec: "KvoffloadSpec") -> OffloadingManager:
         none_hash=value,
         info=cpu_info,
         pool_name=s.pool,
+        keep=s.pool_keep,
     )
 
 
@@ -572,17 +593,7 @@ class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
         pool = None
         if s.pool is not None:
             # The pool's rows are the region; its index the slots (design 5).
-            pool = _open_pool(spec, cfg.parallel.rank)
-            try:
-                if pool.path is not None:
-                    tensors, _ = _slotworker.layout(kv_caches)
-                    pool.ensure_layout(
-                        cfg.parallel.rank, [t.page_size_bytes for t in tensors], timeout=POOL_JOIN_TIMEOUT_S
-                    )
-                pool.join(cfg.engine_id, rank=cfg.parallel.rank, timeout=POOL_JOIN_TIMEOUT_S)
-            except BaseException:
-                pool.leave()
-                raise
+            pool = _open_joined_pool(spec, kv_caches)
             num_slots = pool.slots
             options["region"] = _pool_region_spec(spec)
             if cfg.parallel.world_size > 1:
@@ -601,6 +612,7 @@ class KvoffloadWorker(_slotworker.SlotWorker, OffloadingWorker):
             )
         try:
             self._init_slots(spec, kv_caches, num_slots, runtime, options, pool)
+            self.pool_keep = s.pool_keep
         except BaseException:
             if pool is not None:
                 pool.leave()

@@ -44,6 +44,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 import kvoffload
 from kvoffload import _vllm_releases as _releases
+from kvoffload._slotworker import close_pool_if_unused as close_if_unused
 
 log = logging.getLogger("kvoffload.vllm")
 
@@ -107,11 +108,14 @@ class PoolManager(OffloadingManager):
         none_hash: Optional[bytes] = None,
         info: Any = None,
         pool_name: Optional[str] = None,
+        keep: bool = True,
     ):
         if pool.engine is None:
             raise ValueError("kvoffload.vllm: PoolManager needs a Pool that joined its engine")
         self.pool = pool
         self.pool_name = pool_name or pool.name
+        # kvo_pool_keep false: the last engine to leave removes the pool.
+        self.keep = keep
         self.medium = _releases.cpu_medium()
         self.events: Optional[List[OffloadingEvent]] = [] if enable_events else None
         self.none_hash = none_hash
@@ -432,3 +436,5 @@ class PoolManager(OffloadingManager):
             self._parked_holds, self._parked_writes = [], []
         finally:
             self.pool.leave()
+            if not self.keep:
+                close_if_unused(self.pool)

@@ -6,21 +6,25 @@
 //! Unless asked to reclaim: then each pool's dead engine entries are swept
 //! first (design 3.6), by this process as the sweeper, and the entries
 //! freed are reported.
-//! Removing checks first, removes after: the index file and every region
-//! file of the pool (`kvoffload-pool-<name>` and its data files
-//! `kvoffload-pool-<name>.<k>`) must be files this user may use (the
-//! region's `Trust`, on `fstatat` without following), and without `force`
-//! no engine entry may be `LIVE` with a member alive (or of another pid
-//! namespace, which cannot be judged). Then data files, the region's header
-//! file and the index file go, in that order, each only if its name still
-//! names the inode that was checked.
+//! Removing ([`remove`], and [`PoolFile::close_and_remove`], which the last
+//! engine leaving a pool not kept runs) closes the pool first
+//! (`pool::closing`: dead engines swept, then, without `force`, removed
+//! only while no engine is registered, atomically with respect to a joiner),
+//! then checks before it removes: every region file of the pool
+//! (`kvoffload-pool-<name>` and its data files `kvoffload-pool-<name>.<k>`)
+//! must be a file this user may use (the region's `Trust`, on `fstatat`
+//! without following). Then data files, the region's header file and the
+//! index file go, in that order, each only if its name still names the
+//! inode that was checked. A pool whose file cannot be read as one (being
+//! made, corrupt, another version) has no word to close by: `force` only.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use super::layout::PoolState;
 use super::liveness::member_of_self;
-use super::{check_name, index_name, open_dir, region_name, PoolFile, PoolOptions, INDEX_SUFFIX, POOL_PREFIX};
+use super::{check_name, index_name, open_dir, region_name, PoolFile, PoolOptions, Wait, INDEX_SUFFIX, POOL_PREFIX};
+use crate::internal::pool::closing::Close;
 use crate::internal::pool::engines::{MembersWord, OwnerState, OwnerWord};
 use crate::internal::pool::error::{LiveEntry, PoolError};
 use crate::internal::pool::fingerprint::{ConfigRecord, HashingRecord};
@@ -70,8 +74,11 @@ pub struct PoolSummary {
     pub index_bytes: u64,
     /// Its state.
     pub state: PoolState,
-    /// `READY`: registered engines.
+    /// Engine entries taken (not `FREE`): engines registered, being swept,
+    /// or dead and not swept yet.
     pub registered: u32,
+    /// `CLOSING`: the closer the pool word names.
+    pub closer: Option<crate::internal::pool::closing::Closer>,
     /// Slots, ways and ranks.
     pub geometry: crate::internal::pool::words::Geometry,
     /// Bytes of a row per rank.
@@ -183,7 +190,10 @@ impl PoolFile {
             path: self.path().into(),
             index_bytes: self.file_bytes() as u64,
             state: word.state,
-            registered: if word.state == PoolState::Ready { word.value } else { 0 },
+            registered: (0..w.geometry().engines)
+                .filter(|&e| OwnerWord::decode(w.owner_load(e)).state != OwnerState::Free)
+                .count() as u32,
+            closer: word.closer(),
             geometry: self.geometry(),
             row_bytes: self.row_bytes(),
             config: self.config()?,
@@ -242,28 +252,140 @@ pub struct Removed {
     pub forced_over: Vec<LiveEntry>,
 }
 
+/// How [`PoolFile::close_and_remove`] ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Closed {
+    /// The pool's files are removed (or were already gone: `files` empty).
+    Removed(Removed),
+    /// Engines are registered: the pool stays. The entries, with the pids
+    /// judged alive (none for an entry whose members could not be judged).
+    InUse(Vec<LiveEntry>),
+    /// Another process removes it (the pid the pool word names).
+    ByAnother(u32),
+}
+
+impl PoolFile {
+    /// Closes the pool and removes its files (`pool::closing`): dead
+    /// engines are swept first; then, unless `force`, the pool is removed
+    /// only if no engine is registered, atomically with respect to engines
+    /// joining (a joiner that meets the close leaves and opens the pool
+    /// again, a fresh one once this is gone). Waits, bounded by `wait`,
+    /// while another closer decides. What `pool rm` and the last engine
+    /// leaving a pool not kept (`kvo_pool_keep: false`) run.
+    pub fn close_and_remove(&self, force: bool, wait: Wait<'_>) -> Result<Closed> {
+        self.close_and_remove_observed(force, wait, &mut |_| ())
+    }
+
+    /// [`PoolFile::close_and_remove`], telling `step` each step of the
+    /// close it reaches (a crash test stops the process there).
+    pub fn close_and_remove_observed(
+        &self,
+        force: bool,
+        wait: Wait<'_>,
+        step: &mut dyn FnMut(crate::internal::pool::closing::CloseStep),
+    ) -> Result<Closed> {
+        let me = member_of_self().map_err(|e| PoolError::io("read", "/proc/self/stat", e))?;
+        let table = PoolTable::new(self.words());
+        table.sweep_dead(&me, &mut |_| true)?;
+        let mut backoff = crate::region::Backoff::new(wait.timeout);
+        let mut waited = None;
+        let close = table.close_waiting(
+            &me,
+            force,
+            &mut |c| {
+                waited = Some(c.pid);
+                !wait.is_interrupted() && backoff.wait()
+            },
+            &mut |s| {
+                step(s);
+                true
+            },
+        );
+        let close = close.map_err(|e| PoolError::Corrupt { path: self.path().into(), what: e.to_string() })?;
+        match close {
+            Close::Remove { over } => {
+                let over = self.entries_named(&over);
+                let removed = self.remove_files();
+                self.words().release_closer();
+                let mut removed = removed?;
+                removed.forced_over = over;
+                tracing::info!(pool = self.name(), files = removed.files.len(), force, "removed pool");
+                Ok(Closed::Removed(removed))
+            }
+            Close::InUse(entries) => Ok(Closed::InUse(self.entries_named(&entries))),
+            Close::Busy(c) if c.removing => Ok(Closed::ByAnother(c.pid)),
+            Close::Busy(_) | Close::Stopped => {
+                let waiting_for = format!("pid {} to close the pool", waited.unwrap_or(0));
+                if wait.is_interrupted() {
+                    return Err(PoolError::Interrupted { path: self.path().into(), waiting_for });
+                }
+                Err(PoolError::Timeout { path: self.path().into(), waiting_for, timeout: wait.timeout })
+            }
+        }
+    }
+
+    /// Entries `entries` with the pids [`PoolFile::engines`] judges alive.
+    fn entries_named(&self, entries: &[u8]) -> Vec<LiveEntry> {
+        let counts = self.engines();
+        let judged: Vec<LiveEntry> = counts.live.into_iter().chain(counts.sweeping).collect();
+        entries
+            .iter()
+            .map(|&e| judged.iter().find(|l| l.index == e).cloned().unwrap_or(LiveEntry { index: e, pids: Vec::new() }))
+            .collect()
+    }
+
+    /// Under the closer's hold, with the word `REMOVING(me)`: the rows'
+    /// region (by the region's own rule: every file checked before any is
+    /// removed, inode-checked unlinks, under the lock its creator holds
+    /// while it makes it), then the index file, if its name still names
+    /// this file (else a closer before this one removed it all, and a new
+    /// pool of the name may be there: nothing is touched).
+    fn remove_files(&self) -> Result<Removed> {
+        let mut removed = Removed::default();
+        match self.dir.lstat(&self.file_name).map_err(|e| PoolError::io("stat", self.path(), e))? {
+            Some(m) if m.dev == self.dev && m.ino == self.ino => {}
+            _ => return Ok(removed),
+        }
+        let dir = self.path().parent().unwrap_or(Path::new("/"));
+        let ropts = crate::region::ShmOptions::new().dir(dir).timeout(std::time::Duration::from_secs(10));
+        match crate::region::Region::remove_persistent(&region_name(self.name()), &ropts) {
+            Ok(paths) => removed.files = paths,
+            Err(crate::region::RegionError::NoSuchRegion { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+        if self.unlink_if_ours()? {
+            removed.files.push(self.path().into());
+        }
+        Ok(removed)
+    }
+}
+
 /// Removes pool `name` from `dir`: see the module docs. Refuses while an
-/// engine is `LIVE` with a member alive ([`PoolError::InUse`]) unless
-/// `force`; refuses any untrusted file of it before removing anything.
+/// engine is registered ([`PoolError::InUse`]) unless `force`; refuses any
+/// untrusted file of it before removing anything. A pool that another
+/// process is removing is waited for (10 s at most).
 pub fn remove(dir: &Path, name: &str, force: bool) -> Result<Removed> {
     check_name(name)?;
     let opts = PoolOptions::in_dir(dir);
     let rdir = RegionDir::open(dir).map_err(|e| PoolError::io("open (directory)", dir, e))?;
     let trust = Trust::current(opts.allow_group);
     let index = OsString::from(index_name(name));
-    let mut forced_over = Vec::new();
-    // The index: opened as an opener does; its engines judged.
+    let wait = Wait::new(std::time::Duration::from_secs(10));
+    // The index: opened as an opener does, closed by the protocol.
     let index_meta = match PoolFile::inspect(name, &opts) {
         Ok(pool) => {
-            let counts = pool.engines();
-            let live: Vec<LiveEntry> = counts.live.into_iter().chain(counts.sweeping).collect();
-            if !live.is_empty() {
-                if !force {
-                    return Err(PoolError::InUse { pool: name.into(), path: pool.path().into(), entries: live });
+            return match pool.close_and_remove(force, wait)? {
+                Closed::Removed(r) if r.files.is_empty() => {
+                    Err(PoolError::Missing { pool: name.into(), dir: dir.into(), path: pool.path().into() })
                 }
-                forced_over = live;
-            }
-            Some((pool.dev, pool.ino))
+                Closed::Removed(r) => Ok(r),
+                Closed::InUse(entries) => {
+                    Err(PoolError::InUse { pool: name.into(), path: pool.path().into(), entries })
+                }
+                Closed::ByAnother(pid) => {
+                    Err(PoolError::NotReady { path: pool.path().into(), what: format!("being removed by pid {pid}") })
+                }
+            };
         }
         Err(PoolError::Missing { .. }) => None,
         // A file being made, corrupt or of another version: only with force.
@@ -275,9 +397,8 @@ pub fn remove(dir: &Path, name: &str, force: bool) -> Result<Removed> {
         }
         Err(e) => return Err(e),
     };
-    // The rows' region: removed by the region's own rule (every file
-    // checked before any is removed, inode-checked unlinks, under the lock
-    // its creator holds while it makes it), before the index.
+    // No pool word to close by: the rows' region by its own rule, then the
+    // index file by the inode checked.
     let ropts = crate::region::ShmOptions::new().dir(dir).timeout(std::time::Duration::from_secs(10));
     let region = match crate::region::Region::remove_persistent(&region_name(name), &ropts) {
         Ok(paths) => paths,
@@ -287,16 +408,12 @@ pub fn remove(dir: &Path, name: &str, force: bool) -> Result<Removed> {
     if index_meta.is_none() && region.is_empty() {
         return Err(PoolError::Missing { pool: name.into(), dir: dir.into(), path: rdir.path_of(&index) });
     }
-    let mut removed = Removed { forced_over, files: region };
-    let mut unlink = |n: &OsString, dev: u64, ino: u64| -> Result<()> {
-        let path = rdir.path_of(n);
-        if rdir.unlink_if_inode(n, dev, ino).map_err(|e| PoolError::io("unlink", &path, e))? {
+    let mut removed = Removed { forced_over: Vec::new(), files: region };
+    if let Some((dev, ino)) = index_meta {
+        let path = rdir.path_of(&index);
+        if rdir.unlink_if_inode(&index, dev, ino).map_err(|e| PoolError::io("unlink", &path, e))? {
             removed.files.push(path);
         }
-        Ok(())
-    };
-    if let Some((dev, ino)) = index_meta {
-        unlink(&index, dev, ino)?;
     }
     tracing::info!(pool = name, files = removed.files.len(), force, "removed pool");
     Ok(removed)

@@ -163,53 +163,9 @@ impl Sections {
     }
 }
 
-/// The pool's state (bits 62-63 of the pool word).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PoolState {
-    /// Being made by the creator (the word's low half: its pid; 0 before
-    /// it wrote it). Zero: a file fresh from `ftruncate`.
-    Init,
-    /// Made: engines may join (the low half: registered engines).
-    Ready,
-    /// The last engine left a pool not kept: it is being removed; a joiner
-    /// creates a fresh one.
-    Closing,
-    /// Code 3: never written by this version.
-    Invalid,
-}
-
-/// The pool word, by value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PoolWord {
-    /// The state.
-    pub state: PoolState,
-    /// `Init`: the creator's pid; `Ready`: registered engines; else 0.
-    pub value: u32,
-}
-
-impl PoolWord {
-    /// Decodes a raw pool word.
-    pub fn decode(raw: u64) -> PoolWord {
-        let state = match raw >> 62 {
-            0 => PoolState::Init,
-            1 => PoolState::Ready,
-            2 => PoolState::Closing,
-            _ => PoolState::Invalid,
-        };
-        PoolWord { state, value: raw as u32 }
-    }
-
-    /// Encodes it.
-    pub fn encode(self) -> u64 {
-        let s: u64 = match self.state {
-            PoolState::Init => 0,
-            PoolState::Ready => 1,
-            PoolState::Closing => 2,
-            PoolState::Invalid => 3,
-        };
-        (s << 62) | u64::from(self.value)
-    }
-}
+// The pool word's encoding is the closing protocol's (`pool::closing`),
+// which the models run too.
+pub use crate::internal::pool::closing::{PoolState, PoolWord};
 
 #[cfg(all(test, not(any(loom, shuttle))))]
 mod tests {

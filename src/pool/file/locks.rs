@@ -15,6 +15,7 @@
 //! |---|---|---|---|
 //! | `BASE + 2e` | entry `e`'s owner (the claimer, rank 0's worker) | before its claim CAS | its leave clears its member bit (or it exits) |
 //! | `BASE + 2e + 1` | entry `e`'s sweeper (or last leaver) | before its take CAS | the entry is `FREE`, or the take undone (or it exits) |
+//! | `BASE - 1` | the pool's closer (`pool rm`, a last engine leaving a pool not kept: `pool::closing`) | before its CAS of the pool word | the word is `READY` again or the files are gone (or it exits) |
 //!
 //! A judge probes the byte (F_OFD_GETLK: asks, never takes): free means the
 //! process the word names holds it no more, so it is gone (its word is
@@ -35,7 +36,7 @@
 // sync facade (loom cannot model another process).
 #![allow(clippy::disallowed_types)]
 
-use core::sync::atomic::{AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -51,6 +52,15 @@ const BASE: i64 = 1 << 40;
 pub(crate) struct EntryLocks {
     file: File,
     held: AtomicU64,
+    /// The closer's lock (byte `BASE - 1`) is held by this handle.
+    closer: AtomicBool,
+}
+
+/// The closer's lock byte.
+const CLOSER: i64 = BASE - 1;
+
+fn byte(engine: u8, role: EntryRole) -> i64 {
+    BASE + 2 * i64::from(engine) + role as i64
 }
 
 fn bit(engine: u8, role: EntryRole) -> u64 {
@@ -61,7 +71,7 @@ impl EntryLocks {
     /// The locks of `file` (opened by this handle, never shared with another
     /// handle's). Two bits for each of at most 32 entries (`Geometry::check`).
     pub(crate) fn new(file: File) -> EntryLocks {
-        EntryLocks { file, held: AtomicU64::new(0) }
+        EntryLocks { file, held: AtomicU64::new(0), closer: AtomicBool::new(false) }
     }
 
     /// Takes entry `engine`'s `role` lock without waiting: true when taken,
@@ -74,8 +84,8 @@ impl EntryLocks {
         if self.held.fetch_or(bit(engine, role), Ordering::AcqRel) & bit(engine, role) != 0 {
             return false;
         }
-        match self.set(engine, role, libc::F_WRLCK) {
-            Ok(()) => true,
+        match self.fcntl(byte(engine, role), libc::F_OFD_SETLK, libc::F_WRLCK) {
+            Ok(_) => true,
             Err(e) => {
                 self.held.fetch_and(!bit(engine, role), Ordering::AcqRel);
                 if !is_contended(&e) {
@@ -93,7 +103,7 @@ impl EntryLocks {
         if self.held.load(Ordering::Acquire) & bit(engine, role) == 0 {
             return;
         }
-        if let Err(e) = self.set(engine, role, libc::F_UNLCK) {
+        if let Err(e) = self.fcntl(byte(engine, role), libc::F_OFD_SETLK, libc::F_UNLCK) {
             // Unlocking a held range cannot fail on Linux; if it did, the
             // lock stays until the handle closes: judged alive, the safe side.
             tracing::warn!(engine, ?role, error = %e, "cannot drop a pool entry lock");
@@ -110,7 +120,7 @@ impl EntryLocks {
         if self.held.load(Ordering::Acquire) & bit(engine, role) != 0 {
             return Liveness::Alive;
         }
-        match self.fcntl(engine, role, libc::F_OFD_GETLK, libc::F_WRLCK) {
+        match self.fcntl(byte(engine, role), libc::F_OFD_GETLK, libc::F_WRLCK) {
             Ok(found) if found == libc::F_UNLCK => Liveness::Gone,
             Ok(_) => Liveness::Alive,
             Err(e) => {
@@ -120,21 +130,61 @@ impl EntryLocks {
         }
     }
 
-    fn set(&self, engine: u8, role: EntryRole, kind: libc::c_int) -> io::Result<()> {
-        self.fcntl(engine, role, libc::F_OFD_SETLK, kind).map(|_| ())
+    /// Takes the closer's lock without waiting, as [`EntryLocks::hold`].
+    pub(crate) fn hold_closer(&self) -> bool {
+        if self.closer.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        match self.fcntl(CLOSER, libc::F_OFD_SETLK, libc::F_WRLCK) {
+            Ok(_) => true,
+            Err(e) => {
+                self.closer.store(false, Ordering::Release);
+                if !is_contended(&e) {
+                    tracing::warn!(error = %e, "cannot take the pool's closer lock; not closing");
+                }
+                false
+            }
+        }
     }
 
-    /// `fcntl(cmd)` on the lock byte of entry `engine`'s `role`, asking for
-    /// a lock of `kind`; the `l_type` the kernel leaves (F_OFD_GETLK: the
-    /// conflicting lock's kind, or F_UNLCK when none).
-    fn fcntl(&self, engine: u8, role: EntryRole, cmd: libc::c_int, kind: libc::c_int) -> io::Result<libc::c_int> {
+    /// Drops the closer's lock if this handle holds it, as
+    /// [`EntryLocks::release`].
+    pub(crate) fn release_closer(&self) {
+        if !self.closer.load(Ordering::Acquire) {
+            return;
+        }
+        if let Err(e) = self.fcntl(CLOSER, libc::F_OFD_SETLK, libc::F_UNLCK) {
+            tracing::warn!(error = %e, "cannot drop the pool's closer lock");
+        }
+        self.closer.store(false, Ordering::Release);
+    }
+
+    /// Whether the closer lives, as [`EntryLocks::probe`].
+    pub(crate) fn probe_closer(&self) -> Liveness {
+        if self.closer.load(Ordering::Acquire) {
+            return Liveness::Alive;
+        }
+        match self.fcntl(CLOSER, libc::F_OFD_GETLK, libc::F_WRLCK) {
+            Ok(found) if found == libc::F_UNLCK => Liveness::Gone,
+            Ok(_) => Liveness::Alive,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot probe the pool's closer lock; counting its holder alive");
+                Liveness::Alive
+            }
+        }
+    }
+
+    /// `fcntl(cmd)` on lock byte `start`, asking for a lock of `kind`; the
+    /// `l_type` the kernel leaves (F_OFD_GETLK: the conflicting lock's kind,
+    /// or F_UNLCK when none).
+    fn fcntl(&self, start: i64, cmd: libc::c_int, kind: libc::c_int) -> io::Result<libc::c_int> {
         // SAFETY: `flock` is a plain C struct of integers, for which all
         // zero bytes are a valid value (on every Linux ABI it may have
         // padding or extra fields, which stay zero).
         let mut fl: libc::flock = unsafe { std::mem::zeroed() };
         fl.l_type = kind as _;
         fl.l_whence = libc::SEEK_SET as _;
-        fl.l_start = BASE + 2 * i64::from(engine) + role as i64;
+        fl.l_start = start;
         fl.l_len = 1;
         // SAFETY: the descriptor is this handle's open index file, alive for
         // the call (`self.file`); `fl` is an initialised `flock` that
@@ -185,6 +235,14 @@ mod tests {
         assert!(b.hold(3, EntryRole::Sweeper));
         drop(b);
         assert_eq!(a.probe(3, EntryRole::Sweeper), Liveness::Gone, "its descriptor closed");
+        let c = open(&path);
+        assert_eq!(c.probe_closer(), Liveness::Gone);
+        assert!(a.hold_closer());
+        assert!(!a.hold_closer() && !c.hold_closer(), "one closer");
+        assert_eq!(c.probe_closer(), Liveness::Alive);
+        assert_eq!(c.probe(0, EntryRole::Owner), Liveness::Gone, "the closer's byte is no entry's");
+        drop(a);
+        assert_eq!(c.probe_closer(), Liveness::Gone, "its descriptor closed");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

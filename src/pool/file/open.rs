@@ -231,7 +231,37 @@ impl PoolFile {
             let w = PoolWord::decode(map.page(W::STATE).load(Ordering::Acquire));
             match w.state {
                 PoolState::Ready => break w,
-                PoolState::Closing => return unlink(dir, "closing"),
+                // `pool::closing`: a tentative close may yet keep the pool
+                // (a join meets it and waits); a removal is waited for, and
+                // a fresh pool made once its index file is gone. `pool ls |
+                // rm` take it as it is (rm takes a dead remover's place).
+                PoolState::Closing => {
+                    let c = w.closer().expect("a CLOSING word names its closer");
+                    if !recover || !c.removing {
+                        break w;
+                    }
+                    let probe = EntryLocks::new(file.try_clone().map_err(|e| PoolError::io("dup", &path, e))?);
+                    if probe.probe_closer() == Liveness::Gone {
+                        // Its remover is gone: this opener finishes the removal.
+                        break w;
+                    }
+                    if wait.is_interrupted() {
+                        return Err(PoolError::Interrupted {
+                            path,
+                            waiting_for: format!("pid {} to remove the pool", c.pid),
+                        });
+                    }
+                    if !backoff.wait() {
+                        return Err(PoolError::Timeout {
+                            path,
+                            waiting_for: format!("pid {} to remove the pool", c.pid),
+                            timeout: wait.timeout,
+                        });
+                    }
+                    // Look again (the caller comes back here while the file
+                    // is there: its create finds the name taken).
+                    return Ok(Opened::Absent(dir));
+                }
                 PoolState::Invalid => {
                     return Err(PoolError::Corrupt { path, what: format!("pool word {:#x}", w.encode()) });
                 }
@@ -263,6 +293,13 @@ impl PoolFile {
         };
         debug!(path = %path.display(), ?word, "pool file is ready");
         let pool = Self::checked(map, dir, unit, name, file, meta, &path)?;
+        if recover && word.closer().is_some_and(|c| c.removing) {
+            // A remover gone midway: its removal finished here.
+            warn!(path = %path.display(), ?word, "finishing the removal of a pool whose remover is gone");
+            pool.close_and_remove(true, wait)?;
+            let (dir, _) = super::open_dir(&opts.dir)?;
+            return Ok(Opened::Absent(dir));
+        }
         Ok(Opened::Ready(Box::new(pool)))
     }
 

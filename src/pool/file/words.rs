@@ -234,6 +234,27 @@ impl PoolWords for ShmPoolWords {
         }
         self.locks.probe(engine, role)
     }
+    fn pool_word_rmw(&self) -> u64 {
+        self.map.page(W::STATE).fetch_add(0, Ordering::AcqRel)
+    }
+    fn pool_word_load(&self) -> u64 {
+        self.map.page(W::STATE).load(Ordering::Acquire)
+    }
+    fn pool_word_cas(&self, current: u64, new: u64) -> Result<u64, u64> {
+        self.map.page(W::STATE).compare_exchange(current, new, Ordering::AcqRel, Ordering::Acquire)
+    }
+    fn hold_closer(&self) -> bool {
+        self.locks.hold_closer()
+    }
+    fn release_closer(&self) {
+        self.locks.release_closer()
+    }
+    fn closer_liveness(&self, _pid: u32, _me: &Member) -> Liveness {
+        if !self.oracle.same_boot {
+            return Liveness::Gone;
+        }
+        self.locks.probe_closer()
+    }
 }
 
 /// The boot id stored in the pool page.

@@ -106,7 +106,11 @@ fn state(s: &PoolSummary) -> String {
     match s.state {
         PoolState::Ready => format!("ready ({} registered)", s.registered),
         PoolState::Init => "being made".into(),
-        PoolState::Closing => "closing".into(),
+        PoolState::Closing => match s.closer {
+            Some(c) if c.removing => format!("being removed (by pid {})", c.pid),
+            Some(c) => format!("closing (pid {} decides)", c.pid),
+            None => "closing".into(),
+        },
         PoolState::Invalid => "corrupt".into(),
     }
 }
