@@ -9,8 +9,9 @@
 //! stores and loads keys in every set. The same for a sweeper killed at
 //! each `SweepStep` of its sweep of another dead engine, and for an engine
 //! killed in its own leave. Then the oracle's cases on entries: a member's
-//! pid alive with another start time (reused: swept), a zombie (swept), a
-//! member of another pid namespace (kept); and the owner word's process (a
+//! pid alive with another start time (reused: swept), a zombie (swept), an
+//! engine of another pid namespace (judged by its member locks: kept while
+//! it runs, swept once killed); and the owner word's process (a
 //! claimer, a sweeper) whose pid means nothing here, as one of another pid
 //! namespace: judged by its entry lock, kept while it runs. And a closer
 //! (`pool::closing`) killed while it decides (the next joiner undoes its
@@ -487,23 +488,40 @@ fn a_zombie_engine_is_swept() {
     assert!(status.success(), "{status:?}");
 }
 
-#[test]
-fn a_member_of_another_pid_namespace_keeps_a_dead_engines_entry() {
-    let w = World::new("foreign");
+/// Engine A (a child) at work, every member record of it naming another
+/// pid namespace (a container sharing the tmpfs, whose records ours cannot
+/// read); the parent sweeps with `sweep` while A runs and once it is killed.
+fn foreign_members(tag: &str, sweep: impl Fn(&World) -> Vec<u8>) {
+    let w = World::new(tag);
     let a = Proc::spawn(&w, "engine", "busy");
     let e = a.at("busy");
     let before = w.marks(e);
+    forge(&w, e, |r| Member { pidns: r.pidns ^ 1, ..r });
+    assert_eq!(sweep(&w), [] as [u8; 0], "a live engine of another pid namespace swept");
+    assert_eq!((w.owner(e).state, w.marks(e)), (OwnerState::Live, before.clone()));
+    assert_eq!(w.pool.engines().live.len(), 2, "pool ls counts it live (and B)");
     a.kill();
-    // Its scheduler's record names another pid namespace: not judged.
-    let sched = w.words().member_load(e, SCHEDULER);
-    w.words().member_store(e, SCHEDULER, &Member { pidns: sched.pidns ^ 1, ..sched });
-    assert_eq!(w.sweep(), [] as [u8; 0], "a foreign member keeps the entry");
-    assert_eq!(w.owner(e).state, OwnerState::Live);
-    assert_eq!(w.marks(e), before, "and its marks");
-    w.words().member_store(e, SCHEDULER, &sched);
-    assert_eq!(w.sweep(), [e]);
+    assert_eq!(sweep(&w), [e], "a dead engine of another pid namespace kept for good");
     assert_none(w.swept(e, &before, &busy_half()), "after the sweep");
     w.survive();
+}
+
+/// Rule 8 of `pool::sweep`: a member its record cannot judge is judged by
+/// its entry's member locks: kept while it runs, swept once killed (before
+/// the locks, a dead engine of another container kept its entry and holds
+/// until a process of its own namespace swept it: for good, once that
+/// container was gone).
+#[test]
+fn an_engine_of_another_pid_namespace_is_kept_while_it_runs_and_swept_once_killed() {
+    foreign_members("foreign", World::sweep);
+}
+
+/// The negative: without the member locks (a foreign member never judged),
+/// the killed engine's entry is kept.
+#[test]
+#[should_panic(expected = "a dead engine of another pid namespace kept for good")]
+fn without_member_locks_a_dead_engine_of_another_namespace_is_kept_for_good() {
+    foreign_members("neg-foreign", sweep_by_pid_alone);
 }
 
 // ---------------------------------------------------------------- the owner word's process

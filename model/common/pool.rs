@@ -433,6 +433,15 @@ impl PoolWords for View {
     fn named_liveness(&self, _engine: u8, _role: EntryRole, pid: u32, me: &Member) -> Liveness {
         by_pid_alone(self, pid, me)
     }
+    fn hold_member(&self, engine: u8) -> bool {
+        self.pool.words.hold_member(engine)
+    }
+    fn release_member(&self, engine: u8) {
+        self.pool.words.release_member(engine)
+    }
+    fn foreign_member_liveness(&self, engine: u8) -> Liveness {
+        self.pool.words.foreign_member_liveness(engine)
+    }
     fn pool_word_rmw(&self) -> u64 {
         self.pool.words.pool_word_rmw()
     }

@@ -134,6 +134,15 @@ impl PoolWords for AnyWords {
     fn named_liveness(&self, engine: u8, role: EntryRole, pid: u32, me: &Member) -> Liveness {
         each!(self, w => w.named_liveness(engine, role, pid, me))
     }
+    fn hold_member(&self, engine: u8) -> bool {
+        each!(self, w => w.hold_member(engine))
+    }
+    fn release_member(&self, engine: u8) {
+        each!(self, w => w.release_member(engine))
+    }
+    fn foreign_member_liveness(&self, engine: u8) -> Liveness {
+        each!(self, w => w.foreign_member_liveness(engine))
+    }
     fn pool_word_rmw(&self) -> u64 {
         each!(self, w => w.pool_word_rmw())
     }

@@ -40,6 +40,14 @@
 //!    owner word's process is judged by its hold
 //!    ([`PoolWords::named_liveness`]), which on a pool file is a kernel
 //!    lock, never by a pid another pid namespace or a reuse could confuse.
+//! 8. Every member takes its entry's member hold
+//!    ([`PoolWords::hold_member`]) before the CAS that sets its bit, and
+//!    gives it back after its leave clears the bit. A member whose record
+//!    cannot be judged (another pid namespace: [`Liveness::Foreign`]) is
+//!    judged by the entry's member holds
+//!    ([`PoolWords::foreign_member_liveness`]): none held, every member of
+//!    the entry is gone, whatever its namespace, so an engine of another
+//!    container that died is swept from ours, not kept for good.
 
 use thiserror::Error;
 
@@ -88,6 +96,13 @@ pub enum JoinError {
     Closing {
         /// The pool word the join found.
         word: u64,
+    },
+    /// The member hold (rule 8) could not be taken: the call that takes it
+    /// failed (logged).
+    #[error("cannot take the member hold of engine entry {engine} (a kernel lock of the index file; see the log)")]
+    MemberHold {
+        /// The entry.
+        engine: u8,
     },
     /// A member index past the scheduler and 32 ranks.
     #[error("member {member} is out of range (0 the scheduler, 1 + r rank r's worker, r < 32)")]
@@ -183,9 +198,16 @@ impl<W: PoolWords> PoolTable<W> {
                     owners.push(OwnerWord::decode(words.owner_load(engine)).pid);
                     continue;
                 }
+                // Rule 8: the member hold before the bit (taken before the
+                // claim, so a failure leaves nothing to undo).
+                if !words.hold_member(engine) {
+                    words.release_entry(engine, EntryRole::Owner);
+                    return Err(JoinError::MemberHold { engine });
+                }
                 let generation = OwnerWord::next_generation(o.generation);
                 let live = OwnerWord { state: OwnerState::Live, generation, pid: me.pid };
                 if words.owner_cas(engine, raw, live.encode()).is_err() {
+                    words.release_member(engine);
                     words.release_entry(engine, EntryRole::Owner);
                     owners.push(OwnerWord::decode(words.owner_load(engine)).pid);
                     continue;
@@ -236,6 +258,10 @@ impl<W: PoolWords> PoolTable<W> {
             if cur & MEMBER_MASK == 0 || words.engine_id_load(engine) != *engine_id {
                 continue;
             }
+            // Rule 8: the member hold before the bit.
+            if !words.hold_member(engine) {
+                return Err(JoinError::MemberHold { engine });
+            }
             words.member_store(engine, member, me);
             loop {
                 let m = MembersWord::decode(cur);
@@ -250,6 +276,7 @@ impl<W: PoolWords> PoolTable<W> {
                     Err(found) => {
                         if MembersWord::decode(found).generation != m.generation {
                             // Sealed by a sweep: judged with the others.
+                            words.release_member(engine);
                             return Ok(None);
                         }
                         cur = found;
@@ -288,6 +315,7 @@ impl<W: PoolWords> PoolTable<W> {
         let last = loop {
             let m = MembersWord::decode(cur);
             if m.mask & mine == 0 {
+                words.release_member(engine);
                 words.release_entry(engine, EntryRole::Owner);
                 return Ok(true);
             }
@@ -304,6 +332,8 @@ impl<W: PoolWords> PoolTable<W> {
         // the hold given back: gone, which a sweep may act on (every member
         // has left).
         words.release_entry(engine, EntryRole::Owner);
+        // Rule 8: its member hold with its bit.
+        words.release_member(engine);
         let Some(empty) = last else { return Ok(true) };
         let raw = words.owner_load(engine);
         let o = OwnerWord::decode(raw);
@@ -362,6 +392,11 @@ impl<W: PoolWords> PoolTable<W> {
             owner_judged |= record.pid == owner_pid;
             match words.liveness(&record) {
                 Liveness::Gone => {}
+                // Rule 8: by the entry's member holds.
+                Liveness::Foreign => match words.foreign_member_liveness(engine) {
+                    Liveness::Gone => {}
+                    other => return other,
+                },
                 other => return other,
             }
         }

@@ -246,6 +246,26 @@ pub trait PoolWords: Send + Sync {
     /// process shares one namespace, its pid ([`by_pid_alone`]).
     fn named_liveness(&self, engine: u8, role: EntryRole, pid: u32, me: &Member) -> Liveness;
 
+    /// Takes this process's member hold on entry `engine` (rule 8 of
+    /// [`super::sweep`]), before the CAS that sets its member bit: on a
+    /// pool file a shared kernel lock on the entry's member byte, counted
+    /// per handle (members of one engine in one process share it); false
+    /// when it cannot be taken (the join fails). Where every process shares
+    /// one pid namespace, none is needed: always true.
+    fn hold_member(&self, engine: u8) -> bool;
+
+    /// Gives back one member hold on entry `engine` that this handle took,
+    /// after the member's bit is cleared.
+    fn release_member(&self, engine: u8);
+
+    /// Whether a member of entry `engine` that its record cannot judge
+    /// (another pid namespace: [`Liveness::Foreign`]) may live: on a pool
+    /// file, whether any process holds a member hold of the entry (`Gone`
+    /// when none does: every member is gone, whatever its namespace); where
+    /// every process shares one namespace it is never asked, and answers
+    /// `Foreign` (kept, the safe side).
+    fn foreign_member_liveness(&self, engine: u8) -> Liveness;
+
     /// The pool word ([`super::closing::PoolWord`]), read by a
     /// read-modify-write that leaves it as it is (`fetch_add(0)`, AcqRel):
     /// the latest value in the word's order, so a joiner's claim before it
@@ -457,6 +477,13 @@ impl PoolWords for LocalPoolWords {
     fn named_liveness(&self, _engine: u8, _role: EntryRole, pid: u32, me: &Member) -> Liveness {
         by_pid_alone(self, pid, me)
     }
+    fn hold_member(&self, _engine: u8) -> bool {
+        true
+    }
+    fn release_member(&self, _engine: u8) {}
+    fn foreign_member_liveness(&self, _engine: u8) -> Liveness {
+        Liveness::Foreign
+    }
     fn pool_word_rmw(&self) -> u64 {
         self.pool.fetch_add(0, Ordering::AcqRel)
     }
@@ -549,6 +576,15 @@ impl<T: PoolWords + ?Sized> PoolWords for &T {
     }
     fn named_liveness(&self, engine: u8, role: EntryRole, pid: u32, me: &Member) -> Liveness {
         (**self).named_liveness(engine, role, pid, me)
+    }
+    fn hold_member(&self, engine: u8) -> bool {
+        (**self).hold_member(engine)
+    }
+    fn release_member(&self, engine: u8) {
+        (**self).release_member(engine)
+    }
+    fn foreign_member_liveness(&self, engine: u8) -> Liveness {
+        (**self).foreign_member_liveness(engine)
     }
     fn pool_word_rmw(&self) -> u64 {
         (**self).pool_word_rmw()

@@ -1,9 +1,11 @@
 //! The owner word's process judged by its pid alone, as the pool did
 //! before its entry locks (`pool::file::locks`): the negative of the tests
 //! that a process of another pid namespace, named in an owner word, is
-//! judged alive while it runs. Every word is the pool file's; only
-//! `hold_entry`, `release_entry` and `named_liveness` are not: no lock,
-//! the pid alone.
+//! judged alive while it runs; and of the test that a dead member of
+//! another pid namespace is swept (the rule before the member locks: never
+//! judged, kept for good). Every word is the pool file's; only
+//! `hold_entry`, `release_entry`, `named_liveness` and
+//! `foreign_member_liveness` are not: no lock, the pid alone.
 
 use kvoffload::internal::pool::file::words::ShmPoolWords;
 use kvoffload::internal::pool::words::{by_pid_alone, EntryRole, Geometry, Key, Liveness, Member, PoolWords};
@@ -82,6 +84,17 @@ impl PoolWords for PidOnly<'_> {
     fn release_entry(&self, _engine: u8, _role: EntryRole) {}
     fn named_liveness(&self, _engine: u8, _role: EntryRole, pid: u32, me: &Member) -> Liveness {
         by_pid_alone(self, pid, me)
+    }
+    fn hold_member(&self, engine: u8) -> bool {
+        self.0.hold_member(engine)
+    }
+    fn release_member(&self, engine: u8) {
+        self.0.release_member(engine)
+    }
+    // The rule before the member locks: a member of another pid namespace
+    // is never judged, so a dead one keeps its engine's entry for good.
+    fn foreign_member_liveness(&self, _engine: u8) -> Liveness {
+        Liveness::Foreign
     }
     fn pool_word_rmw(&self) -> u64 {
         self.0.pool_word_rmw()

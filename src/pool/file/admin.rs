@@ -143,7 +143,12 @@ impl PoolFile {
             for m in 0..crate::internal::pool::words::MEMBERS as u8 {
                 if mask & (1 << m) != 0 {
                     let rec = w.member_load(e, m);
-                    if w.liveness(&rec) != Liveness::Gone {
+                    let judged = match w.liveness(&rec) {
+                        // `pool::sweep` rule 8: by the entry's member holds.
+                        Liveness::Foreign => w.foreign_member_liveness(e),
+                        other => other,
+                    };
+                    if judged != Liveness::Gone {
                         pids.push(rec.pid);
                     }
                 }

@@ -15,6 +15,7 @@
 //! |---|---|---|---|
 //! | `BASE + 2e` | entry `e`'s owner (the claimer, rank 0's worker) | before its claim CAS | its leave clears its member bit (or it exits) |
 //! | `BASE + 2e + 1` | entry `e`'s sweeper (or last leaver) | before its take CAS | the entry is `FREE`, or the take undone (or it exits) |
+//! | `BASE + 64 + e` | every member of entry `e` (its scheduler, its ranks' workers), shared (read) locks | before the CAS that sets its member bit | its bit is cleared (or it exits) |
 //! | `BASE - 1` | the pool's closer (`pool rm`, a last engine leaving a pool not kept: `pool::closing`) | before its CAS of the pool word | the word is `READY` again or the files are gone (or it exits) |
 //!
 //! A judge probes the byte (F_OFD_GETLK: asks, never takes): free means the
@@ -40,6 +41,7 @@ use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
+use std::sync::Mutex;
 
 use crate::internal::pool::words::{EntryRole, Liveness};
 
@@ -54,10 +56,19 @@ pub(crate) struct EntryLocks {
     held: AtomicU64,
     /// The closer's lock (byte `BASE - 1`) is held by this handle.
     closer: AtomicBool,
+    /// Members of each entry holding this handle's member lock (the lock is
+    /// taken at 0 -> 1 and dropped at 1 -> 0, under this mutex, so no
+    /// member of the handle counts it held before the kernel has it).
+    members: Mutex<[u32; 32]>,
 }
 
 /// The closer's lock byte.
 const CLOSER: i64 = BASE - 1;
+
+/// Entry `e`'s member byte (past the 32 entries' two bytes each).
+fn member_byte(engine: u8) -> i64 {
+    BASE + 64 + i64::from(engine)
+}
 
 fn byte(engine: u8, role: EntryRole) -> i64 {
     BASE + 2 * i64::from(engine) + role as i64
@@ -71,7 +82,7 @@ impl EntryLocks {
     /// The locks of `file` (opened by this handle, never shared with another
     /// handle's). Two bits for each of at most 32 entries (`Geometry::check`).
     pub(crate) fn new(file: File) -> EntryLocks {
-        EntryLocks { file, held: AtomicU64::new(0), closer: AtomicBool::new(false) }
+        EntryLocks { file, held: AtomicU64::new(0), closer: AtomicBool::new(false), members: Mutex::new([0; 32]) }
     }
 
     /// Takes entry `engine`'s `role` lock without waiting: true when taken,
@@ -125,6 +136,57 @@ impl EntryLocks {
             Ok(_) => Liveness::Alive,
             Err(e) => {
                 tracing::warn!(engine, ?role, error = %e, "cannot probe a pool entry lock; counting its holder alive");
+                Liveness::Alive
+            }
+        }
+    }
+
+    /// Takes a member hold on entry `engine`: the handle's shared lock on
+    /// its member byte, taken by the first member of the handle (shared
+    /// locks never conflict with each other: only a failure of the call
+    /// refuses it).
+    pub(crate) fn hold_member(&self, engine: u8) -> bool {
+        let mut held = self.members.lock().unwrap_or_else(|p| p.into_inner());
+        let n = &mut held[usize::from(engine) % 32];
+        if *n == 0 {
+            if let Err(e) = self.fcntl(member_byte(engine), libc::F_OFD_SETLK, libc::F_RDLCK) {
+                tracing::warn!(engine, error = %e, "cannot take a pool member lock; not joining");
+                return false;
+            }
+        }
+        *n += 1;
+        true
+    }
+
+    /// Gives back a member hold on entry `engine`; the lock goes with the
+    /// handle's last.
+    pub(crate) fn release_member(&self, engine: u8) {
+        let mut held = self.members.lock().unwrap_or_else(|p| p.into_inner());
+        let n = &mut held[usize::from(engine) % 32];
+        if *n == 0 {
+            return;
+        }
+        *n -= 1;
+        if *n == 0 {
+            if let Err(e) = self.fcntl(member_byte(engine), libc::F_OFD_SETLK, libc::F_UNLCK) {
+                // As `release`: the lock stays until the handle closes.
+                tracing::warn!(engine, error = %e, "cannot drop a pool member lock");
+            }
+        }
+    }
+
+    /// Whether some member of entry `engine` lives: `Alive` when this
+    /// handle or another holds a member lock of it (or the probe fails),
+    /// `Gone` when none does.
+    pub(crate) fn probe_members(&self, engine: u8) -> Liveness {
+        if self.members.lock().unwrap_or_else(|p| p.into_inner())[usize::from(engine) % 32] > 0 {
+            return Liveness::Alive;
+        }
+        match self.fcntl(member_byte(engine), libc::F_OFD_GETLK, libc::F_WRLCK) {
+            Ok(found) if found == libc::F_UNLCK => Liveness::Gone,
+            Ok(_) => Liveness::Alive,
+            Err(e) => {
+                tracing::warn!(engine, error = %e, "cannot probe a pool member lock; counting its members alive");
                 Liveness::Alive
             }
         }
@@ -243,6 +305,21 @@ mod tests {
         assert_eq!(c.probe(0, EntryRole::Owner), Liveness::Gone, "the closer's byte is no entry's");
         drop(a);
         assert_eq!(c.probe_closer(), Liveness::Gone, "its descriptor closed");
+        // Member locks are shared: two handles' members at once, counted in
+        // a handle, gone with the last of them.
+        let d = open(&path);
+        assert_eq!(d.probe_members(5), Liveness::Gone);
+        assert!(c.hold_member(5) && c.hold_member(5) && d.hold_member(5));
+        c.release_member(5);
+        assert_eq!(d.probe_members(2), Liveness::Gone, "another entry's byte");
+        d.release_member(5);
+        assert_eq!(d.probe_members(5), Liveness::Alive, "c's second member holds it");
+        c.release_member(5);
+        assert_eq!(d.probe_members(5), Liveness::Gone, "the last member left");
+        assert!(c.hold_member(5));
+        drop(c);
+        assert_eq!(d.probe_members(5), Liveness::Gone, "its descriptor closed");
+        assert_eq!(d.probe(5, EntryRole::Owner), Liveness::Gone, "the member byte is no entry's");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

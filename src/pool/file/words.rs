@@ -234,6 +234,18 @@ impl PoolWords for ShmPoolWords {
         }
         self.locks.probe(engine, role)
     }
+    fn hold_member(&self, engine: u8) -> bool {
+        self.locks.hold_member(engine)
+    }
+    fn release_member(&self, engine: u8) {
+        self.locks.release_member(engine)
+    }
+    fn foreign_member_liveness(&self, engine: u8) -> Liveness {
+        if !self.oracle.same_boot {
+            return Liveness::Gone;
+        }
+        self.locks.probe_members(engine)
+    }
     fn pool_word_rmw(&self) -> u64 {
         self.map.page(W::STATE).fetch_add(0, Ordering::AcqRel)
     }
