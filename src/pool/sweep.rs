@@ -12,8 +12,8 @@
 //!    its bit's CAS, and read after the members word: the oracle judges
 //!    what the member wrote.
 //! 2. An entry is dead when every member in its mask, and its owner, is
-//!    gone; a member of another pid namespace cannot be judged and keeps
-//!    the entry alive.
+//!    gone; a member of another pid namespace, which its record cannot
+//!    judge, is judged by the entry's member holds (rule 8).
 //! 3. A sweep takes the entry first (owner CAS `LIVE -> RECLAIMING(me)`),
 //!    then seals the members word (its generation moves on, so a late
 //!    registration fails) and judges again; one member alive undoes the
