@@ -188,15 +188,6 @@ mod tests {
     }
 
     #[test]
-    fn pool_words_round_trip() {
-        for state in [PoolState::Init, PoolState::Ready, PoolState::Closing, PoolState::Invalid] {
-            let w = PoolWord { state, value: u32::MAX };
-            assert_eq!(PoolWord::decode(w.encode()), w);
-        }
-        assert_eq!(PoolWord::decode(0), PoolWord { state: PoolState::Init, value: 0 });
-    }
-
-    #[test]
     fn parts_do_not_overlap() {
         assert!(part_offset(Part::Hashing) >= 8 * (PART_HEADER_WORDS + CONFIG_WORDS));
         assert!(part_offset(Part::Layout(0)) >= part_offset(Part::Hashing) + 8 * (PART_HEADER_WORDS + HASHING_WORDS));
