@@ -157,6 +157,11 @@ SETS = {
     "offloader-slots": (files("offloader", ["slots", "keyed"]), OFFLOADER_TESTS, None,
                         ["model_p5_slot_jobs", "model_p5_offloader"]),
     "offloader-waits": (files("offloader", ["waits", "shutdown"]), OFFLOADER_TESTS, None, OFFLOADER_MODELS),
+    # The node pool's closing protocol and the kernel locks that judge its
+    # processes: the unit tests of both, the CLI's and the crash tests'
+    # closers, dead removers and foreign members; PL6 for the protocol.
+    "pool-closing": (["src/pool/closing.rs", "src/pool/file/locks.rs"], ["--lib"] + tests("pool_cli", "pool_procs"),
+                     None, ["model_pl6_closing"]),
 }
 
 # Sets whose plain tests run optimised (`mutants-checked`: incremental, with
