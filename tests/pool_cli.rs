@@ -275,6 +275,15 @@ fn rm_refuses_an_untrusted_file_of_the_pool_before_removing_anything() {
     assert_eq!(code, 2);
     assert!(err.contains("symbolic link"), "{err}");
     assert_eq!(d.names(), before);
+    // Refused before anything went, the pool is as it was (`pool::closing`
+    // rule 5): ready, and an engine joins it, never stuck "being removed".
+    let (code, out, _) = kvoffload(&["pool", "ls", "--dir", d.path().to_str().unwrap()]);
+    assert!(code == 0 && out.contains("ready"), "{out}");
+    let p = PoolFile::open("node", &PoolOptions::in_dir(d.path()), Wait::new(PATIENCE)).unwrap();
+    let t = PoolTable::new(p.words());
+    let me = member_of_self().unwrap();
+    let lease = t.join_owner(worker(0), &me, &[5; 4]).unwrap();
+    t.leave(lease, worker(0), &me).unwrap();
 }
 
 #[test]

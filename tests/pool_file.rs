@@ -18,7 +18,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kvoffload::internal::pool::error::PoolError;
-use kvoffload::internal::pool::file::layout::{PoolState, W};
+use kvoffload::internal::pool::file::layout::{PoolState, VERSION, W};
 use kvoffload::internal::pool::file::liveness::{member_of, Oracle};
 use kvoffload::internal::pool::file::{PoolFile, PoolOptions, PoolSpec, PoolStep, Wait, TMPFS_MAGIC};
 use kvoffload::internal::pool::fingerprint::{ConfigRecord, GroupRecord, HashingRecord, LayoutRecord};
@@ -416,18 +416,22 @@ fn a_pool_of_another_boot_is_refused() {
     assert_eq!(p.words().liveness(&me), Liveness::Gone);
 }
 
-/// A pool of the one-set layout (version 1) is refused by field, never
-/// read with two-choice placement (whose second sets it would miss).
+/// A pool of an earlier layout (version 1: one set per key; 2: before the
+/// closing protocol and the member holds) is refused by field, never used
+/// by rules its engines do not follow.
 #[test]
 fn a_pool_of_another_layout_version_is_refused_naming_the_field() {
     use std::os::unix::fs::FileExt;
+    assert_eq!(VERSION, 3);
     let d = ShmDir::new("version");
     drop(PoolFile::create("node", &spec(), &d.opts()).unwrap());
     let f = std::fs::OpenOptions::new().write(true).open(d.index("node")).unwrap();
-    f.write_at(&1u64.to_le_bytes(), 8 * W::VERSION as u64).unwrap();
-    let e = PoolFile::open_or_create("node", &spec(), &d.opts(), wait()).unwrap_err();
-    assert!(matches!(e, PoolError::BadHeader { field: "version", expected: 2, found: 1, .. }), "{e}");
-    assert!(e.to_string().contains("kvoffload pool rm --force"), "{e}");
+    for old in [1u64, 2] {
+        f.write_at(&old.to_le_bytes(), 8 * W::VERSION as u64).unwrap();
+        let e = PoolFile::open_or_create("node", &spec(), &d.opts(), wait()).unwrap_err();
+        assert!(matches!(e, PoolError::BadHeader { field: "version", expected: 3, found, .. } if found == old), "{e}");
+        assert!(e.to_string().contains("kvoffload pool rm --force"), "{e}");
+    }
 }
 
 #[test]

@@ -3,7 +3,7 @@ and the same models under shuttle's random scheduler (--cfg shuttle), at
 sizes past loom's bound (docs/PROOFS.md, "Past loom's bound: shuttle").
 
 Positive models (P1-P8, F1, the node pool's PL1-PL6 and the simulated GPU's rules) must pass in every
-interleaving explored; negative models (N1-N53 in 57 tests, test names
+interleaving explored; negative models (N1-N54 in 58 tests, test names
 starting with "negative_", marked #[ignore]) must be caught: each runs in
 its own child process (a loom deadlock aborts the process) and must fail
 with the reason it declares. Prints one row a model and writes the table as markdown to

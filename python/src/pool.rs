@@ -26,7 +26,7 @@ use std::time::Instant;
 use kvoffload::internal::pool::closing::PoolWord;
 use kvoffload::internal::pool::file::admin::Closed;
 use kvoffload::internal::pool::file::liveness::member_of_self;
-use kvoffload::internal::pool::file::{PoolFile, PoolOptions, PoolSpec, Wait};
+use kvoffload::internal::pool::file::{PoolFile, PoolOptions, PoolSpec};
 use kvoffload::internal::pool::fingerprint::{HashingRecord, LayoutRecord};
 use kvoffload::internal::pool::slot::{SlotError, MAX_ENGINES};
 use kvoffload::internal::pool::sweep::{JoinError, Lease};
@@ -301,7 +301,9 @@ impl PyPool {
     /// and claims a free entry (the owner); another rank's worker, or the
     /// scheduler (`rank=None`), registers with the live entry whose owner
     /// wrote `engine_id`, waiting for it at most `timeout` seconds
-    /// (interruptible). Returns the engine index. Once per `Pool`.
+    /// (interruptible). Returns the engine index. Once per `Pool`. A pool
+    /// being removed is raised with kind "closing" (for every member):
+    /// open the name again.
     #[pyo3(signature = (engine_id, rank = None, timeout = 30.0))]
     fn join(&self, py: Python<'_>, engine_id: &str, rank: Option<u32>, timeout: f64) -> PyResult<u8> {
         guarded(py, || {
@@ -342,9 +344,14 @@ impl PyPool {
             } else {
                 let mut pause = Duration::from_millis(1);
                 loop {
+                    // A tentative close met: the join was left, polled
+                    // again; a removal is raised (kind "closing"), as the
+                    // owner's is.
                     match self.table.join_member(member, &self.me, &id) {
                         Ok(Some(lease)) => break lease,
                         Ok(None) => {}
+                        Err(JoinError::Closing { word })
+                            if !PoolWord::decode(word).closer().is_some_and(|c| c.removing) => {}
                         Err(e) => return Err(errors::pool_join(py, &self.name, e)),
                     }
                     if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -399,10 +406,11 @@ impl PyPool {
                 ));
             }
             let file = self.file(py, "close_if_unused")?.clone();
-            let timeout = seconds(py, "timeout", Some(timeout))?.unwrap_or(Duration::from_secs(10));
-            let closed =
-                py.detach(|| file.close_and_remove(false, Wait::new(timeout))).map_err(|e| errors::pool_file(py, e))?;
+            // Interruptible: a worker's shutdown answers Ctrl-C here.
+            let closed = waiting(py, timeout, |wait| file.close_and_remove(false, wait))?;
             Ok(match closed {
+                // Files already gone: another closer removed them.
+                Closed::Removed(r) if r.files.is_empty() => None,
                 Closed::Removed(r) => Some(r.files.iter().map(|p| p.display().to_string()).collect()),
                 Closed::InUse(_) | Closed::ByAnother(_) => None,
             })

@@ -453,8 +453,8 @@ def test_the_last_engine_to_leave_a_pool_not_kept_removes_it(name):
     """``Pool.close_if_unused`` after ``leave`` (``kvo_pool_keep: false``):
     None while another engine is registered, the pool's files once none is;
     refused while this process is still joined; a late joiner of the removed
-    pool is refused with kind ``"closing"``, and opening the name again
-    makes a fresh pool."""
+    pool (its owner, or a member polling for its entry) is refused with kind
+    ``"closing"``, and opening the name again makes a fresh pool."""
     a, b = open_pool(name), open_pool(name)
     a.join("engine-a", rank=0)
     b.join("engine-b", rank=0)
@@ -471,6 +471,11 @@ def test_the_last_engine_to_leave_a_pool_not_kept_removes_it(name):
     assert not os.path.exists(f"{SHM}/kvoffload-pool-{name}.index")
     with pytest.raises(kv.PoolError) as e:
         a.join("engine-a", rank=0)
+    assert e.value.kind == "closing" and "being removed" in str(e.value)
+    # A scheduler (or a rank past 0) polling the removed pool for its
+    # engine's entry is told so at once, not left to its timeout.
+    with pytest.raises(kv.PoolError) as e:
+        a.join("engine-a", timeout=30)
     assert e.value.kind == "closing" and "being removed" in str(e.value)
     fresh = open_pool(name)
     fresh.join("engine-c", rank=0)

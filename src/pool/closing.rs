@@ -13,10 +13,12 @@
 //! pool that was removed; the last of engines that all leave a pool not kept
 //! removes it):
 //!
-//! 1. A joiner reads the pool word after its claim, by a read-modify-write
+//! 1. A joiner (the owner after its claim, any other member after its
+//!    bit) reads the pool word by a read-modify-write
 //!    ([`PoolWords::pool_word_rmw`]), and goes on only if it is `READY`;
-//!    else it leaves its entry and opens the pool again (an open waits for
-//!    a closer that lives, [`PoolTable::closer`]). A closer changes the
+//!    else it leaves its entry and joins again once the close is undone,
+//!    or, the pool being removed, opens the name again (an open waits
+//!    while a removal's closer lives, [`PoolTable::closer`]). A closer changes the
 //!    word by CAS before it reads the owner words. Of a claim and a close,
 //!    whichever of the two pool-word operations comes second in the word's
 //!    order sees the other: the joiner's read finds `CLOSING`, or the
@@ -28,8 +30,8 @@
 //!    owner word; one not `FREE` (and no `force`) puts the word back to
 //!    `READY` and the pool stays. Only with none does the closer CAS to
 //!    `REMOVING(me)`, final: from there the files go (the rows' region,
-//!    then the index file, each by inode) and nothing reverts it. A closer
-//!    that scanned first and then changed the word would remove a pool an
+//!    then the index file, each by inode), undone only if refused before
+//!    any went (rule 5). A closer that scanned first and then changed the word would remove a pool an
 //!    engine joined between the two.
 //! 3. A closer holds the pool's closer hold ([`PoolWords::hold_closer`],
 //!    on a file a kernel lock) before the CAS that names it and until the
@@ -45,6 +47,12 @@
 //!    (bounded by its caller): of two last engines leaving at once, the one
 //!    whose tentative close saw the other's entry puts the word back, and
 //!    the other, trying again, finds no entry and removes the pool.
+//! 5. A removal refused before it removed anything (a file of the pool
+//!    that fails the trust checks, a region lock held past its wait) puts
+//!    the word back from `REMOVING(me)` to `READY` before the closer's
+//!    hold goes: nothing was removed, so the pool stays usable, as for a
+//!    close that found an engine. One that removed a file is final: a
+//!    later closer takes it over (rule 3).
 
 use thiserror::Error;
 
@@ -312,6 +320,7 @@ impl<W: PoolWords> PoolTable<W> {
 #[cfg(all(test, not(any(loom, shuttle))))]
 mod tests {
     use super::*;
+    use crate::internal::pool::engines::MembersWord;
     use crate::internal::pool::words::{Geometry, LocalPoolWords};
 
     fn table() -> PoolTable<LocalPoolWords> {
@@ -351,6 +360,38 @@ mod tests {
         let other = 1 - lease.engine;
         let state = OwnerWord::decode(t.words().owner_load(other)).state;
         assert_eq!(state, OwnerState::Free, "the refused joiner left its entry");
+    }
+
+    /// A member (the scheduler, a rank past 0) meets a close as the owner
+    /// does: a tentative one makes it leave its bit (it polls again), a
+    /// removal refuses it at once, even with no entry to join. (Without
+    /// the member's check, N54, `model/pl6_closing.rs`'s `member` finds it
+    /// registered on a removed pool.)
+    #[test]
+    fn a_member_meeting_a_close_leaves_and_one_of_a_removed_pool_is_refused() {
+        let scheduler = LocalPoolWords::process(3);
+        let owner = LocalPoolWords::process(2);
+        let members = |t: &PoolTable<LocalPoolWords>, e: u8| MembersWord::decode(t.words().members_load(e)).mask;
+        let t = table();
+        let lease = t.join_owner(1, &owner, &[9; 4]).unwrap();
+        // A closer (alive) between its tentative word and its scan.
+        let closer = LocalPoolWords::process(1);
+        assert_eq!(t.close(&closer, false, &mut |s| s != CloseStep::Tentative), Ok(Close::Stopped));
+        let tentative = t.words().pool_word_rmw();
+        let r = t.join_member(0, &scheduler, &[9; 4]);
+        assert!(matches!(r, Err(JoinError::Closing { word }) if word == tentative), "{r:?}");
+        assert_eq!(members(&t, lease.engine), 1 << 1, "the scheduler's bit left");
+        // Undone: it joins.
+        t.words().pool_word_cas(tentative, PoolWord::READY.encode()).unwrap();
+        t.words().release_closer();
+        assert_eq!(t.join_member(0, &scheduler, &[9; 4]), Ok(Some(lease)));
+        assert_eq!(members(&t, lease.engine), 0b11);
+        t.leave(lease, 0, &scheduler).unwrap();
+        t.leave(lease, 1, &owner).unwrap();
+        assert_eq!(t.close(&closer, false, &mut |_| true), Ok(Close::Remove { over: vec![] }));
+        // Removed: refused before any entry is looked for.
+        let e = t.join_member(0, &scheduler, &[9; 4]).unwrap_err();
+        assert!(matches!(e, JoinError::Closing { .. }) && e.to_string().contains("being removed"), "{e}");
     }
 
     /// A closer killed while tentative is undone; killed while removing, is

@@ -51,6 +51,7 @@
 
 use thiserror::Error;
 
+use super::closing::PoolWord;
 use super::engines::{MembersWord, OwnerState, OwnerWord, MEMBER_MASK};
 use super::slot::{SlotError, SlotState, SlotWord};
 use super::table::PoolTable;
@@ -245,9 +246,21 @@ impl<W: PoolWords> PoolTable<W> {
     /// Another member (a rank's worker, the scheduler) registers with the
     /// live entry whose owner wrote `engine_id`. `Ok(None)` while no such
     /// entry is live yet: the caller polls, bounded and interruptible.
+    ///
+    /// A member's join meets a close as the owner's does (`pool::closing`
+    /// rule 1): it reads the pool word after its bit's CAS and leaves if
+    /// the pool is not `READY` ([`JoinError::Closing`]); and a pool being
+    /// removed is refused before it looks for its entry, so a member that
+    /// polls a pool removed under it learns it at once and opens the name
+    /// again, where its owner joins the fresh pool.
     pub fn join_member(&self, member: u8, me: &Member, engine_id: &[u64; 4]) -> Result<Option<Lease>, JoinError> {
         let mine = bit(member)?;
         let words = self.words();
+        let checks = self.rules().members_check_closing();
+        let word = words.pool_word_load();
+        if checks && PoolWord::decode(word).closer().is_some_and(|c| c.removing) {
+            return Err(JoinError::Closing { word });
+        }
         for engine in 0..self.geometry().engines {
             let o = OwnerWord::decode(words.owner_load(engine));
             if o.state != OwnerState::Live {
@@ -271,7 +284,9 @@ impl<W: PoolWords> PoolTable<W> {
                         // A seal may have come between the owner read and
                         // this CAS only if the generation moved, which the
                         // CAS expected not to: the entry is still ours.
-                        return Ok(Some(Lease { engine, generation: o.generation }));
+                        // `pool::closing` rule 1: a closer at work is seen.
+                        let lease = Lease { engine, generation: o.generation };
+                        return if checks { self.check_open(lease, member, me).map(Some) } else { Ok(Some(lease)) };
                     }
                     Err(found) => {
                         if MembersWord::decode(found).generation != m.generation {

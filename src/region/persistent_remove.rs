@@ -89,6 +89,16 @@ impl Region {
     }
 }
 
+impl RegionError {
+    /// Whether this error of [`Region::remove_persistent`] came before it
+    /// removed or marked anything: every error but an `unlink`'s does
+    /// (the files are all checked, and the header marked `Abandoned`, only
+    /// then unlinked), so the region is as it was and still usable.
+    pub fn removed_nothing(&self) -> bool {
+        !matches!(self, RegionError::Io { op: "unlink", .. })
+    }
+}
+
 /// Takes the region file's lock without waiting (false: another holds it).
 pub(super) fn lock(file: &File, path: &Path) -> Result<bool> {
     trust::try_lock_exclusive(file).map_err(|e| RegionError::io("flock", path, e))

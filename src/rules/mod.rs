@@ -388,6 +388,16 @@ pub(crate) trait Rules {
         true
     }
 
+    /// A member's join (the scheduler, a rank past 0) checks the pool word
+    /// after its bit as the owner's does after its claim, and a member
+    /// polling a pool being removed is refused (PL6, `pool::closing`
+    /// rule 1): true. N54 answers false: a member registers with the
+    /// owner's entry whatever the word says, so it stays on a pool removed
+    /// between the owner's claim and its own check.
+    fn members_check_closing(&self) -> bool {
+        true
+    }
+
     /// The join's check reads the pool word by a read-modify-write (PL6,
     /// `pool::closing` rule 1): true. N53 answers false: a plain load,
     /// which nothing orders against a closer's CAS (the store-buffer

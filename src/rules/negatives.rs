@@ -1,5 +1,5 @@
 //! The negative models' variants: the known-bad ways of running the
-//! library (N1-N46 and N49-N53, docs/PROOFS.md), and the [`Rules`] each overrides.
+//! library (N1-N46 and N49-N54, docs/PROOFS.md), and the [`Rules`] each overrides.
 //!
 //! Model builds only (`--cfg loom`, `--cfg shuttle`): outside them this
 //! module, [`Variant`] and every override are not compiled, and the parties
@@ -11,7 +11,7 @@
 use super::{Rules, Shipped};
 
 /// The production protocol, or one of the known-bad variants that the
-/// negative models run (of N1-N46 and N49-N53, docs/PROOFS.md). Model builds only, as
+/// negative models run (of N1-N46 and N49-N54, docs/PROOFS.md). Model builds only, as
 /// this whole module: a variant overrides the [`Rules`] method of the rule
 /// it breaks (below).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
@@ -180,6 +180,9 @@ pub enum Variant {
     /// N53: the node pool's join checks the pool word by a plain load, not
     /// a read-modify-write (PL6).
     JoinLoadsWord,
+    /// N54: the node pool's members (the scheduler, ranks past 0) join
+    /// without looking at the pool word; the owner still does (PL6).
+    MembersIgnoreClosing,
 }
 
 impl Rules for Variant {
@@ -504,6 +507,11 @@ impl Rules for Variant {
     fn joins_check_closing(&self) -> bool {
         // N51: a join goes on whatever the pool word says.
         !matches!(self, Variant::JoinIgnoresClosing)
+    }
+
+    fn members_check_closing(&self) -> bool {
+        // N54: a member goes on whatever the pool word says.
+        !matches!(self, Variant::MembersIgnoreClosing)
     }
 
     fn join_reads_word_by_rmw(&self) -> bool {

@@ -432,18 +432,32 @@ def _open_pool(spec: "KvoffloadSpec", rank: Optional[int]) -> "kvoffload.Pool":
 
 def _open_joined_pool(spec: "KvoffloadSpec", kv_caches: Any) -> "kvoffload.Pool":
     """This rank's worker's pool, opened (created if absent), its layout
-    checked and its engine joined. A pool found being removed (a last
-    engine of ``kvo_pool_keep: false`` leaving, or ``kvoffload pool rm``;
-    the join's error kind ``"closing"``) is opened again: once its files
-    are gone, a fresh one is made (src/pool/closing.rs)."""
+    checked and its engine joined (:func:`_joined_reopening`)."""
     cfg = spec.config
+
+    def prepare(pool: "kvoffload.Pool") -> None:
+        if pool.path is not None:
+            tensors, _ = _slotworker.layout(kv_caches)
+            pool.ensure_layout(cfg.parallel.rank, [t.page_size_bytes for t in tensors], timeout=POOL_JOIN_TIMEOUT_S)
+
+    return _joined_reopening(spec, cfg.parallel.rank, prepare)
+
+
+def _joined_reopening(
+    spec: "KvoffloadSpec", rank: Optional[int], prepare: Callable[["kvoffload.Pool"], None]
+) -> "kvoffload.Pool":
+    """The pool of rank ``rank``'s worker (None: the scheduler), opened,
+    ``prepare``d (its layout or hashing checked) and joined. A pool found
+    being removed (a last engine of ``kvo_pool_keep: false`` leaving, or
+    ``kvoffload pool rm``; the join's error kind ``"closing"``, which every
+    member of the engine meets) is opened again, up to
+    ``POOL_OPEN_ATTEMPTS`` times: once its files are gone, rank 0 makes a
+    fresh one and the others join it there (src/pool/closing.rs)."""
     for attempt in range(POOL_OPEN_ATTEMPTS):
-        pool = _open_pool(spec, cfg.parallel.rank)
+        pool = _open_pool(spec, rank)
         try:
-            if pool.path is not None:
-                tensors, _ = _slotworker.layout(kv_caches)
-                pool.ensure_layout(cfg.parallel.rank, [t.page_size_bytes for t in tensors], timeout=POOL_JOIN_TIMEOUT_S)
-            pool.join(cfg.engine_id, rank=cfg.parallel.rank, timeout=POOL_JOIN_TIMEOUT_S)
+            prepare(pool)
+            pool.join(spec.config.engine_id, rank=rank, timeout=POOL_JOIN_TIMEOUT_S)
             return pool
         except kvoffload.PoolError as e:
             pool.leave()
@@ -489,10 +503,12 @@ def _pool_manager(spec: "KvoffloadSpec") -> OffloadingManager:
         )
     nh = _releases.none_hash(algo)
     value = nh.require(s.pool, RELEASE.version)
-    pool = _open_pool(spec, None)
-    if pool.path is not None:  # a pool file (not a test's in-process pool)
-        pool.ensure_hashing(algo, value, nh.python, timeout=POOL_JOIN_TIMEOUT_S)
-    pool.join(spec.config.engine_id, timeout=POOL_JOIN_TIMEOUT_S)
+
+    def prepare(pool: "kvoffload.Pool") -> None:
+        if pool.path is not None:  # a pool file (not a test's in-process pool)
+            pool.ensure_hashing(algo, value, nh.python, timeout=POOL_JOIN_TIMEOUT_S)
+
+    pool = _joined_reopening(spec, None, prepare)
     info = RELEASE.offloading_info
     cpu_info = info.from_config(spec.config, pool.slots, spec.kv_bytes_per_chunk) if info else None
     log.info(

@@ -21,7 +21,7 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use super::layout::PoolState;
+use super::layout::{PoolState, PoolWord};
 use super::liveness::member_of_self;
 use super::{check_name, index_name, open_dir, region_name, PoolFile, PoolOptions, Wait, INDEX_SUFFIX, POOL_PREFIX};
 use crate::internal::pool::closing::Close;
@@ -311,8 +311,15 @@ impl PoolFile {
             Close::Remove { over } => {
                 let over = self.entries_named(&over);
                 let removed = self.remove_files();
+                if let Err((e, true)) = &removed {
+                    // `pool::closing` rule 5: refused before it removed
+                    // anything, the removal is given up: the pool is usable.
+                    let mine = PoolWord::closing(me.pid, true).encode();
+                    let back = self.words().pool_word_cas(mine, PoolWord::READY.encode()).is_ok();
+                    tracing::warn!(pool = self.name(), back, "removal refused before any file went: {e}");
+                }
                 self.words().release_closer();
-                let mut removed = removed?;
+                let mut removed = removed.map_err(|(e, _)| e)?;
                 removed.forced_over = over;
                 tracing::info!(pool = self.name(), files = removed.files.len(), force, "removed pool");
                 Ok(Closed::Removed(removed))
@@ -344,10 +351,12 @@ impl PoolFile {
     /// removed, inode-checked unlinks, under the lock its creator holds
     /// while it makes it), then the index file, if its name still names
     /// this file (else a closer before this one removed it all, and a new
-    /// pool of the name may be there: nothing is touched).
-    fn remove_files(&self) -> Result<Removed> {
+    /// pool of the name may be there: nothing is touched). An error comes
+    /// with whether nothing was removed (nor the region marked): then the
+    /// pool is as it was.
+    fn remove_files(&self) -> std::result::Result<Removed, (PoolError, bool)> {
         let mut removed = Removed::default();
-        match self.dir.lstat(&self.file_name).map_err(|e| PoolError::io("stat", self.path(), e))? {
+        match self.dir.lstat(&self.file_name).map_err(|e| (PoolError::io("stat", self.path(), e), true))? {
             Some(m) if m.dev == self.dev && m.ino == self.ino => {}
             _ => return Ok(removed),
         }
@@ -356,9 +365,13 @@ impl PoolFile {
         match crate::region::Region::remove_persistent(&region_name(self.name()), &ropts) {
             Ok(paths) => removed.files = paths,
             Err(crate::region::RegionError::NoSuchRegion { .. }) => {}
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                let nothing = e.removed_nothing();
+                return Err((e.into(), nothing));
+            }
         }
-        if self.unlink_if_ours()? {
+        let nothing = removed.files.is_empty();
+        if self.unlink_if_ours().map_err(|e| (e, nothing))? {
             removed.files.push(self.path().into());
         }
         Ok(removed)

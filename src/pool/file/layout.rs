@@ -19,7 +19,12 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"KVOFPOOL");
 /// Version of the index layout; bumped on any incompatible change.
 /// 2: a key lives in either of two sets (`Key::sets`); an engine of
 /// version 1 would miss, and `check` as corrupt, the keys in second sets.
-pub const VERSION: u64 = 2;
+/// 3: the closing protocol (`pool::closing`: a tentative `CLOSING`, which
+/// an engine of version 2 took for a removal and unlinked the index under
+/// the engines using it) and the member holds (`pool::sweep` rule 8: a
+/// sweeper of version 3 would judge a version-2 engine of another pid
+/// namespace, which takes none, gone while it runs).
+pub const VERSION: u64 = 3;
 /// The smallest page the sections are aligned to.
 pub const MIN_PAGE: usize = 4096;
 
