@@ -310,8 +310,9 @@ impl PoolFile {
         match close {
             Close::Remove { over } => {
                 let over = self.entries_named(&over);
-                let removed = self.remove_files();
-                if let Err((e, true)) = &removed {
+                let mut untouched = true;
+                let removed = self.remove_files(&mut untouched);
+                if let (Err(e), true) = (&removed, untouched) {
                     // `pool::closing` rule 5: refused before it removed
                     // anything, the removal is given up: the pool is usable.
                     let mine = PoolWord::closing(me.pid, true).encode();
@@ -319,7 +320,7 @@ impl PoolFile {
                     tracing::warn!(pool = self.name(), back, "removal refused before any file went: {e}");
                 }
                 self.words().release_closer();
-                let mut removed = removed.map_err(|(e, _)| e)?;
+                let mut removed = removed?;
                 removed.forced_over = over;
                 tracing::info!(pool = self.name(), files = removed.files.len(), force, "removed pool");
                 Ok(Closed::Removed(removed))
@@ -351,12 +352,12 @@ impl PoolFile {
     /// removed, inode-checked unlinks, under the lock its creator holds
     /// while it makes it), then the index file, if its name still names
     /// this file (else a closer before this one removed it all, and a new
-    /// pool of the name may be there: nothing is touched). An error comes
-    /// with whether nothing was removed (nor the region marked): then the
-    /// pool is as it was.
-    fn remove_files(&self) -> std::result::Result<Removed, (PoolError, bool)> {
+    /// pool of the name may be there: nothing is touched). `untouched` is
+    /// left true while nothing was removed (nor the region marked): after
+    /// an error, the pool is then as it was.
+    fn remove_files(&self, untouched: &mut bool) -> Result<Removed> {
         let mut removed = Removed::default();
-        match self.dir.lstat(&self.file_name).map_err(|e| (PoolError::io("stat", self.path(), e), true))? {
+        match self.dir.lstat(&self.file_name).map_err(|e| PoolError::io("stat", self.path(), e))? {
             Some(m) if m.dev == self.dev && m.ino == self.ino => {}
             _ => return Ok(removed),
         }
@@ -366,12 +367,12 @@ impl PoolFile {
             Ok(paths) => removed.files = paths,
             Err(crate::region::RegionError::NoSuchRegion { .. }) => {}
             Err(e) => {
-                let nothing = e.removed_nothing();
-                return Err((e.into(), nothing));
+                *untouched = e.removed_nothing();
+                return Err(e.into());
             }
         }
-        let nothing = removed.files.is_empty();
-        if self.unlink_if_ours().map_err(|e| (e, nothing))? {
+        *untouched = removed.files.is_empty();
+        if self.unlink_if_ours()? {
             removed.files.push(self.path().into());
         }
         Ok(removed)
