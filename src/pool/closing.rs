@@ -18,21 +18,23 @@
 //!    ([`PoolWords::pool_word_rmw`]), and goes on only if it is `READY`;
 //!    else it leaves its entry and joins again once the close is undone,
 //!    or, the pool being removed, opens the name again (an open waits
-//!    while a removal's closer lives, [`PoolTable::closer`]). A closer changes the
-//!    word by CAS before it reads the owner words. Of a claim and a close,
-//!    whichever of the two pool-word operations comes second in the word's
-//!    order sees the other: the joiner's read finds `CLOSING`, or the
-//!    closer's CAS reads what the joiner's read-modify-write released, so
-//!    its owner-word loads (Acquire) come after the claim. A plain load by
-//!    the joiner would not do: nothing would order it against the closer's
-//!    CAS (the store-buffer pattern).
+//!    while a removal's closer lives, [`PoolTable::closer`]). A closer
+//!    changes the word by CAS before it reads the owner words. Of a claim
+//!    (or a member's bit) and a close, whichever of the two pool-word
+//!    operations comes second in the word's order sees the other: the
+//!    joiner's read finds `CLOSING`, or the closer's CAS reads what the
+//!    joiner's read-modify-write released, so its owner-word loads
+//!    (Acquire) come after the claim (a member's bit comes after the
+//!    owner's claim it read, so the closer finds that entry taken). A
+//!    plain load by the joiner would not do: nothing would order it
+//!    against the closer's CAS (the store-buffer pattern).
 //! 2. The decision is tentative first: `READY -> CLOSING(me)`, then every
 //!    owner word; one not `FREE` (and no `force`) puts the word back to
 //!    `READY` and the pool stays. Only with none does the closer CAS to
 //!    `REMOVING(me)`, final: from there the files go (the rows' region,
 //!    then the index file, each by inode), undone only if refused before
-//!    any went (rule 5). A closer that scanned first and then changed the word would remove a pool an
-//!    engine joined between the two.
+//!    any went (rule 5). A closer that scanned first and then changed the
+//!    word would remove a pool an engine joined between the two.
 //! 3. A closer holds the pool's closer hold ([`PoolWords::hold_closer`],
 //!    on a file a kernel lock) before the CAS that names it and until the
 //!    word is back to `READY` or the files are gone, so a closer killed
