@@ -411,5 +411,56 @@ mod tests {
         t.words().kill(1);
         assert_eq!(t.close(&me, false, &mut |_| true), Ok(Close::Remove { over: vec![] }), "taken over");
         assert_eq!(t.closer(), Some(Closer { pid: 2, removing: true }));
+        // Undone, the close decides afresh: an engine that joined is seen.
+        let t = table();
+        let engine = t.join_owner(1, &LocalPoolWords::process(3), &[9; 4]).unwrap().engine;
+        assert_eq!(t.close(&dead, false, &mut |s| s != CloseStep::Tentative), Ok(Close::Stopped));
+        t.words().kill(1);
+        assert_eq!(t.close(&me, false, &mut |_| true), Ok(Close::InUse(vec![engine])), "undone, then in use");
+        assert_eq!(PoolWord::decode(t.words().pool_word_rmw()), PoolWord::READY);
+    }
+
+    /// `close_waiting` waits while a closer that lives is tentative (and
+    /// decides once it is gone), gives up when `wait` says so, and never
+    /// waits for a removal: the pool is going.
+    #[test]
+    fn a_close_waits_for_a_tentative_closer_but_not_for_a_removal() {
+        let (other, me) = (LocalPoolWords::process(1), LocalPoolWords::process(2));
+        let t = table();
+        assert_eq!(t.close(&other, false, &mut |s| s != CloseStep::Tentative), Ok(Close::Stopped));
+        let mut waits = 0;
+        let closed = t.close_waiting(
+            &me,
+            false,
+            &mut |c| {
+                assert_eq!(c, Closer { pid: 1, removing: false });
+                waits += 1;
+                // The other closer ends after the second wait.
+                if waits == 2 {
+                    t.words().kill(1);
+                }
+                true
+            },
+            &mut |_| true,
+        );
+        assert_eq!((closed, waits), (Ok(Close::Remove { over: vec![] }), 2));
+        t.words().release_closer();
+        let t = table();
+        assert_eq!(t.close(&other, false, &mut |s| s != CloseStep::Tentative), Ok(Close::Stopped));
+        let gave_up = t.close_waiting(&me, false, &mut |_| false, &mut |_| true);
+        assert_eq!(gave_up, Ok(Close::Busy(Closer { pid: 1, removing: false })));
+        let t = table();
+        assert_eq!(t.close(&other, false, &mut |s| s != CloseStep::Decided), Ok(Close::Stopped));
+        let mut asked = false;
+        let going = t.close_waiting(
+            &me,
+            false,
+            &mut |_| {
+                asked = true;
+                false
+            },
+            &mut |_| true,
+        );
+        assert_eq!((going, asked), (Ok(Close::Busy(Closer { pid: 1, removing: true })), false));
     }
 }

@@ -320,7 +320,36 @@ mod tests {
         drop(c);
         assert_eq!(d.probe_members(5), Liveness::Gone, "its descriptor closed");
         assert_eq!(d.probe(5, EntryRole::Owner), Liveness::Gone, "the member byte is no entry's");
+        // One member of a handle is enough for another handle to see it;
+        // a handle's own member is alive to itself (the kernel would not
+        // say: its own lock never conflicts with its own probe).
+        let e = open(&path);
+        assert!(e.hold_member(6));
+        assert_eq!(d.probe_members(6), Liveness::Alive, "one member of another handle");
+        assert_eq!(e.probe_members(6), Liveness::Alive, "its own member");
+        e.release_member(6);
+        assert_eq!(d.probe_members(6), Liveness::Gone);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The lock bytes are the module table's, exactly: they are part of the
+    /// file's protocol (an engine of another build judges this one by
+    /// them), and no two roles share one.
+    #[test]
+    fn the_lock_bytes_are_the_documented_ones_and_distinct() {
+        let base = 1i64 << 40;
+        assert_eq!(CLOSER, base - 1);
+        let mut all = vec![CLOSER];
+        for e in 0..32u8 {
+            let i = i64::from(e);
+            assert_eq!(byte(e, EntryRole::Owner), base + 2 * i);
+            assert_eq!(byte(e, EntryRole::Sweeper), base + 2 * i + 1);
+            assert_eq!(member_byte(e), base + 64 + i);
+            all.extend([byte(e, EntryRole::Owner), byte(e, EntryRole::Sweeper), member_byte(e)]);
+        }
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), 1 + 32 * 3);
     }
 
     fn tempfile_dir() -> std::path::PathBuf {
