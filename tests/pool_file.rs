@@ -496,3 +496,34 @@ fn the_protocol_runs_over_the_file_between_processes_and_sweeps_a_dead_engine() 
     assert_eq!((p.engines().live.len(), p.engines().dead), (1, 0));
     assert!(t.check().is_ok());
 }
+
+/// A member that leaves twice (the Rust API lets a `Lease`, which is
+/// `Copy`, be used again) gives back its member hold once: the second
+/// leave finds its bit clear and touches nothing, so the hold another
+/// member of the same handle still needs (its owner) stays, and an engine
+/// of this process stays alive to a judge of another pid namespace.
+#[test]
+fn a_second_leave_of_a_member_keeps_the_holds_of_the_others() {
+    let d = ShmDir::new("leave-twice");
+    let p = PoolFile::create("node", &spec(), &d.opts()).unwrap();
+    let judge = PoolFile::open("node", &d.opts(), wait()).unwrap();
+    let t = PoolTable::new(p.words());
+    let me = kvoffload::internal::pool::file::liveness::member_of_self().unwrap();
+    let lease = t.join_owner(1, &me, &[3; 4]).unwrap();
+    assert_eq!(t.join_member(0, &me, &[3; 4]).unwrap(), Some(lease));
+    t.leave(lease, 0, &me).unwrap();
+    t.leave(lease, 0, &me).unwrap();
+    assert_eq!(judge.words().foreign_member_liveness(lease.engine), Liveness::Alive, "the owner is still a member");
+    t.leave(lease, 1, &me).unwrap();
+    assert_eq!(judge.words().foreign_member_liveness(lease.engine), Liveness::Gone);
+    // A lease of an ended tenure, used after this handle claimed the entry
+    // again, leaves the new tenure's bit and holds alone.
+    let again = t.join_owner(1, &me, &[4; 4]).unwrap();
+    assert_eq!(again.engine, lease.engine);
+    t.leave(lease, 1, &me).unwrap();
+    let members = kvoffload::internal::pool::engines::MembersWord::decode(p.words().members_load(again.engine));
+    assert_eq!(members.mask, 1 << 1, "the new tenure's owner is still a member");
+    assert_eq!(judge.words().foreign_member_liveness(again.engine), Liveness::Alive);
+    t.leave(again, 1, &me).unwrap();
+    assert_eq!(judge.words().foreign_member_liveness(again.engine), Liveness::Gone);
+}

@@ -326,12 +326,23 @@ impl<W: PoolWords> PoolTable<W> {
         let mine = bit(member)?;
         let words = self.words();
         let engine = lease.engine;
+        // A lease of an ended tenure (the entry freed, whose generation
+        // then moved on, perhaps claimed again) leaves nothing: a bit of
+        // its member there is the new tenure's. (The Rust API lets a
+        // `Lease`, which is `Copy`, be used again; Python's `Pool` cannot.
+        // A second leave racing the entry's free and a new claim between
+        // this check and the CAS below is not caught.)
+        if OwnerWord::decode(words.owner_load(engine)).generation != lease.generation {
+            return Ok(true);
+        }
         let mut cur = words.members_load(engine);
         let last = loop {
             let m = MembersWord::decode(cur);
             if m.mask & mine == 0 {
-                words.release_member(engine);
-                words.release_entry(engine, EntryRole::Owner);
+                // Left already (a second leave; a live member's bit is
+                // cleared by nobody else: a sweep undoes its take when one
+                // lives): its holds were given back then, and the handle's
+                // holds for its other members stay.
                 return Ok(true);
             }
             let new = MembersWord { mask: m.mask & !mine, generation: m.generation };
