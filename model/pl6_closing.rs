@@ -80,7 +80,7 @@ struct Record {
 /// Whether a refused join met a removal (then it opens a fresh pool: not
 /// this one's engine) rather than a tentative close (it tries again).
 fn removing(word: u64) -> bool {
-    kvoffload::internal::pool::closing::PoolWord::decode(word).closer().is_some_and(|c| c.removing)
+    kvoffload::internal::pool::closing::PoolWord::decode(word).is_removing()
 }
 
 fn table(words: &LocalPoolWords, variant: Variant) -> PoolTable<&LocalPoolWords> {

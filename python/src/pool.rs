@@ -333,8 +333,8 @@ impl PyPool {
                     match self.table.join_owner(member, &self.me, &id) {
                         Ok(lease) => break lease,
                         Err(JoinError::Closing { word })
-                            if !PoolWord::decode(word).closer().is_some_and(|c| c.removing)
-                                && deadline.is_none_or(|d| Instant::now() < d) => {}
+                            if !PoolWord::decode(word).is_removing() && deadline.is_none_or(|d| Instant::now() < d) => {
+                        }
                         Err(e) => return Err(errors::pool_join(py, &self.name, e)),
                     }
                     py.detach(|| std::thread::sleep(pause));
@@ -350,8 +350,7 @@ impl PyPool {
                     match self.table.join_member(member, &self.me, &id) {
                         Ok(Some(lease)) => break lease,
                         Ok(None) => {}
-                        Err(JoinError::Closing { word })
-                            if !PoolWord::decode(word).closer().is_some_and(|c| c.removing) => {}
+                        Err(JoinError::Closing { word }) if !PoolWord::decode(word).is_removing() => {}
                         Err(e) => return Err(errors::pool_join(py, &self.name, e)),
                     }
                     if deadline.is_some_and(|d| Instant::now() >= d) {

@@ -129,6 +129,12 @@ impl PoolWord {
         (self.state == PoolState::Closing)
             .then_some(Closer { pid: self.value & !REMOVING, removing: self.value & REMOVING != 0 })
     }
+
+    /// A closer has decided: the pool's files are being removed (a join
+    /// that meets it opens the name again; a tentative close is waited for).
+    pub fn is_removing(self) -> bool {
+        self.closer().is_some_and(|c| c.removing)
+    }
 }
 
 /// A closer at work, as the pool word names it.

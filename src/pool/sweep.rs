@@ -258,7 +258,7 @@ impl<W: PoolWords> PoolTable<W> {
         let words = self.words();
         let checks = self.rules().members_check_closing();
         let word = words.pool_word_load();
-        if checks && PoolWord::decode(word).closer().is_some_and(|c| c.removing) {
+        if checks && PoolWord::decode(word).is_removing() {
             return Err(JoinError::Closing { word });
         }
         for engine in 0..self.geometry().engines {

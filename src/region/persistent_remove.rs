@@ -94,7 +94,7 @@ impl RegionError {
     /// removed or marked anything: every error but an `unlink`'s does
     /// (the files are all checked, and the header marked `Abandoned`, only
     /// then unlinked), so the region is as it was and still usable.
-    pub fn removed_nothing(&self) -> bool {
+    pub(crate) fn removed_nothing(&self) -> bool {
         !matches!(self, RegionError::Io { op: "unlink", .. })
     }
 }

@@ -293,7 +293,7 @@ impl PoolFile {
         };
         debug!(path = %path.display(), ?word, "pool file is ready");
         let pool = Self::checked(map, dir, unit, name, file, meta, &path)?;
-        if recover && word.closer().is_some_and(|c| c.removing) {
+        if recover && word.is_removing() {
             // A remover gone midway: its removal finished here.
             warn!(path = %path.display(), ?word, "finishing the removal of a pool whose remover is gone");
             pool.close_and_remove(true, wait)?;
